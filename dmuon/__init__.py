@@ -1,0 +1,20 @@
+"""dmuon: Muon on FSDP2 with exclusive ownership of every Muon-target matrix.
+
+``import dmuon`` makes ``fully_shard`` (however it was imported) skip parameters dedicated by
+:func:`dedicate_params`. Public names (DESIGN.md §2):
+
+* :mod:`dmuon.plan` — pure planning: ``dmuon.plan.compile(model, mesh, ...)`` → ``ShardingPlan``.
+* :mod:`dmuon.exec` — execution: ``dmuon.exec.apply(plan, model, mesh=None)``.
+* :func:`dedicate_params` — compile + apply; returns the plan.
+* :class:`Muon` — Muon on dedicated matrices (owner only) + AdamW on everything else.
+"""
+
+from . import plan
+from . import exec  # noqa: A004 - the public sub-package name is fixed by the API
+from .exec import fsdp2 as _fsdp2
+from .exec.api import dedicate_params
+from .exec.optim import Muon
+
+_fsdp2.install()
+
+__all__ = ["plan", "exec", "dedicate_params", "Muon"]

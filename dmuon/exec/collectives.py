@@ -1,0 +1,194 @@
+"""Every collective dmuon issues passes through this module, and is charged to the byte ledger.
+
+Accounting (DESIGN.md §1), identical to :mod:`dmuon.plan.cost`: for one collective over a group
+of ``k`` ranks and a payload of ``S`` bytes, every non-root rank is charged ``S`` (it receives
+``S`` in a broadcast, sends ``S`` in a reduce), so the collective totals ``(k-1)·S`` over the
+group. An all-reduce is charged ``2·S`` per rank; an all-gather / reduce-scatter of a full tensor
+of ``S`` bytes ``S·(k-1)/k`` per rank; a scatter of a full tensor of ``S`` bytes charges each
+non-root rank its own chunk.
+
+Each process keeps its own :data:`LEDGER` of the bytes charged to *this* rank, per phase. The
+sum over ranks (e.g. ``all_reduce`` of :meth:`Ledger.total_nbytes`) is what
+``plan.cost.total_nbytes`` predicts for one training step; the per-rank values are
+``plan.cost.per_rank_nbytes[rank]``.
+
+The wrappers return the ``Work`` handle of an async collective (``async_op=True``) or ``None``.
+A collective whose wait exceeds ``timeout_s`` raises :class:`CollectiveTimeout` naming the phase
+and hook boundary instead of hanging silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import Counter
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "PHASES",
+    "LEDGER",
+    "Ledger",
+    "CollectiveTimeout",
+    "broadcast",
+    "reduce_sum",
+    "all_reduce_sum",
+    "scatter",
+    "wait_all",
+]
+
+#: Ledger phases, in the order of a training step (``"other"``: state dicts, fingerprints, tests).
+PHASES = (
+    "forward_broadcast",
+    "backward_broadcast",
+    "reduce",
+    "replicate_reduce",
+    "replicate_broadcast",
+    "other",
+)
+
+
+class CollectiveTimeout(RuntimeError):
+    """A dmuon collective did not complete in time; the message names the boundary and phase."""
+
+
+@dataclasses.dataclass
+class Ledger:
+    """Bytes charged to this rank, per phase, since the last :meth:`reset`.
+
+    ``nbytes[phase]``: integer bytes charged to this rank; ``calls[phase]``: number of
+    collectives this rank took part in (charged or not). Thread-safe.
+    """
+
+    nbytes: Counter = dataclasses.field(default_factory=Counter)
+    calls: Counter = dataclasses.field(default_factory=Counter)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    def charge(self, phase: str, nbytes: int) -> None:
+        if phase not in PHASES:
+            raise ValueError(f"unknown ledger phase {phase!r}; expected one of {PHASES}")
+        with self._lock:
+            self.nbytes[phase] += int(nbytes)
+            self.calls[phase] += 1
+
+    def reset(self) -> None:
+        with self._lock:
+            self.nbytes.clear()
+            self.calls.clear()
+
+    def snapshot(self) -> dict[str, int]:
+        """``{phase: bytes charged to this rank}`` for every phase (zeros included)."""
+        with self._lock:
+            return {phase: int(self.nbytes[phase]) for phase in PHASES}
+
+    def total_nbytes(self, *, include_other: bool = False) -> int:
+        """Bytes charged to this rank over the training phases (``"other"`` excluded by default)."""
+        snap = self.snapshot()
+        return sum(v for k, v in snap.items() if include_other or k != "other")
+
+
+#: The per-process ledger every wrapper below charges.
+LEDGER = Ledger()
+
+#: Seconds a wait may take before :class:`CollectiveTimeout`; ``None`` = wait forever.
+DEFAULT_TIMEOUT_S: float | None = None
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def broadcast(
+    tensor: torch.Tensor,
+    *,
+    src: int,
+    group: dist.ProcessGroup,
+    phase: str,
+    async_op: bool = False,
+):
+    """Broadcast ``tensor`` (in place) from global rank ``src`` over ``group``.
+
+    Charges ``tensor.nbytes`` to every rank but ``src``.
+    """
+    if dist.get_rank() != src:
+        LEDGER.charge(phase, _nbytes(tensor))
+    else:
+        LEDGER.charge(phase, 0)
+    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+
+def reduce_sum(
+    tensor: torch.Tensor,
+    *,
+    dst: int,
+    group: dist.ProcessGroup,
+    phase: str,
+    async_op: bool = False,
+):
+    """SUM-reduce ``tensor`` to global rank ``dst`` over ``group`` (gloo has no AVG: divide at dst).
+
+    Charges ``tensor.nbytes`` to every rank but ``dst``. Only ``dst``'s result is defined.
+    """
+    if dist.get_rank() != dst:
+        LEDGER.charge(phase, _nbytes(tensor))
+    else:
+        LEDGER.charge(phase, 0)
+    return dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_reduce_sum(tensor: torch.Tensor, *, group: dist.ProcessGroup | None, phase: str):
+    """SUM all-reduce in place; charges ``2·tensor.nbytes`` to every rank."""
+    LEDGER.charge(phase, 2 * _nbytes(tensor))
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+
+
+def scatter(
+    output: torch.Tensor,
+    chunks: Sequence[torch.Tensor] | None,
+    *,
+    src: int,
+    group: dist.ProcessGroup,
+    phase: str,
+):
+    """Scatter equal-size ``chunks`` (given on ``src`` only) into ``output`` on every rank.
+
+    Charges ``output.nbytes`` to every rank but ``src``.
+    """
+    if dist.get_rank() != src:
+        LEDGER.charge(phase, _nbytes(output))
+        chunks = None
+    else:
+        LEDGER.charge(phase, 0)
+        chunks = list(chunks)
+    return dist.scatter(output, chunks, src=src, group=group)
+
+
+def wait_all(works, *, what: str, timeout_s: float | None = None) -> None:
+    """Wait for every ``Work`` in ``works`` (``None`` entries are skipped).
+
+    Raises:
+        CollectiveTimeout: a wait exceeded ``timeout_s`` (default :data:`DEFAULT_TIMEOUT_S`);
+            the message includes ``what`` (boundary FQN and phase).
+    """
+    import datetime
+
+    timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+    for work in works:
+        if work is None:
+            continue
+        if timeout_s is None:
+            work.wait()
+            continue
+        try:
+            ok = work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as exc:  # gloo raises on timeout
+            raise CollectiveTimeout(
+                f"dmuon: collective for {what} did not complete within {timeout_s} s "
+                "(a rank skipped or reordered a collective, or a peer died)"
+            ) from exc
+        if ok is False:
+            raise CollectiveTimeout(
+                f"dmuon: collective for {what} did not complete within {timeout_s} s"
+            )

@@ -1,0 +1,111 @@
+"""FSDP2 integration: after ``import dmuon``, ``fully_shard`` leaves dedicated parameters alone.
+
+FSDP2 already supports parameters it must not manage: ``fully_shard(..., ignored_params=S)``.
+dmuon adds every dedicated parameter reachable from the modules being sharded to ``S``, at the
+narrowest point that serves every way of calling ``fully_shard`` (however it was imported):
+``torch.distributed.fsdp._fully_shard._fsdp_init._get_managed_modules`` and
+``_get_managed_states``, the two functions through which ``fully_shard`` reads
+``ignored_params``. Both are wrapped, not replaced; the wrappers only widen ``ignored_params``.
+
+:func:`install` checks the signatures of both functions and raises ``RuntimeError`` on a torch
+whose internals differ, rather than letting FSDP2 shard owner-held parameters silently.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch.nn as nn
+
+__all__ = ["install", "is_installed", "dedicated_params_in", "check_not_fully_sharded"]
+
+_PATCHED_ATTR = "__dmuon_wrapped__"
+_TARGETS = ("_get_managed_modules", "_get_managed_states")
+
+
+def dedicated_params_in(modules) -> set[nn.Parameter]:
+    """Every parameter tagged by :func:`dmuon.exec.apply` under ``modules`` (recursively)."""
+    out: set[nn.Parameter] = set()
+    for module in modules:
+        for p in module.parameters():
+            if getattr(p, "_dmuon", None) is not None:
+                out.add(p)
+    return out
+
+
+def _wrap(fn):
+    @functools.wraps(fn)
+    def wrapper(modules, ignored_params=None, *args, **kwargs):
+        roots = modules if isinstance(modules, (list, tuple)) else (modules,)
+        dedicated = dedicated_params_in(roots)
+        if dedicated:
+            ignored_params = set(ignored_params or ()) | dedicated
+        return fn(modules, ignored_params, *args, **kwargs)
+
+    setattr(wrapper, _PATCHED_ATTR, fn)
+    return wrapper
+
+
+def _fsdp_init_module():
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_init
+    except ImportError as exc:  # pragma: no cover - depends on the torch build
+        raise RuntimeError(
+            "dmuon: this torch has no torch.distributed.fsdp._fully_shard._fsdp_init; dmuon's "
+            "fully_shard integration supports torch >= 2.7 (tested on 2.13)"
+        ) from exc
+    return _fsdp_init
+
+
+def install() -> None:
+    """Wrap FSDP2's managed-state discovery so dedicated parameters are ignored (idempotent).
+
+    Raises:
+        RuntimeError: the installed torch's FSDP2 internals differ from what dmuon was tested
+            against (missing function, or its first two parameters are not
+            ``(modules, ignored_params)``).
+    """
+    mod = _fsdp_init_module()
+    for name in _TARGETS:
+        fn = getattr(mod, name, None)
+        if fn is None:
+            raise RuntimeError(
+                f"dmuon: FSDP2 internals changed: {mod.__name__}.{name} is missing; dmuon cannot "
+                "make fully_shard skip dedicated parameters on this torch version"
+            )
+        if hasattr(fn, _PATCHED_ATTR):
+            continue
+        params = list(inspect.signature(fn).parameters)
+        if len(params) < 2 or params[1] != "ignored_params":
+            raise RuntimeError(
+                f"dmuon: FSDP2 internals changed: {mod.__name__}.{name}{inspect.signature(fn)} no "
+                "longer takes (modules, ignored_params, ...); dmuon cannot make fully_shard skip "
+                "dedicated parameters on this torch version"
+            )
+        setattr(mod, name, _wrap(fn))
+
+
+def is_installed() -> bool:
+    mod = _fsdp_init_module()
+    return all(hasattr(getattr(mod, n, None), _PATCHED_ATTR) for n in _TARGETS)
+
+
+def check_not_fully_sharded(model: nn.Module) -> None:
+    """Raise ``ValueError`` if ``fully_shard`` was already applied anywhere in ``model``.
+
+    dmuon must decide ownership of full matrices before FSDP2 shards them: the order is
+    ``dedicate_params`` → ``fully_shard(layer)`` for each layer → ``fully_shard(model)``.
+    """
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    wrapped = [name or "<root>" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    sharded = [name for name, p in model.named_parameters() if isinstance(p, DTensor)]
+    if wrapped or sharded:
+        what = f"modules {wrapped[:5]}" if wrapped else f"DTensor parameters {sharded[:5]}"
+        raise ValueError(
+            f"dmuon: the model is already sharded ({what}{' ...' if len(wrapped or sharded) > 5 else ''}). "
+            "Call dmuon.dedicate_params(model, mesh) BEFORE fully_shard: dedicate_params -> "
+            "fully_shard(layer) for each layer -> fully_shard(model) -> dmuon.Muon(model)."
+        )

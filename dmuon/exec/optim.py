@@ -1,0 +1,661 @@
+"""``dmuon.Muon``: Muon on dedicated matrices (owner rank only), AdamW on everything else.
+
+A *dedicated* parameter is one that :func:`dmuon.exec.apply` tagged with ``p._dmuon`` (a
+``DedicatedInfo`` with fields ``fqn, owner_rank, is_owner, matrix_shape, num_matrices,
+shape``). On its owner rank the parameter is the full master tensor and, after backward,
+its ``.grad`` holds the data-parallel average; on every other rank it is a zero-size
+placeholder that never gets a gradient. So the Muon update below runs once per matrix in the
+whole job, on the owner, with no communication. Every other parameter (typically an FSDP2
+``DTensor`` shard) gets AdamW through torch's own functional implementation.
+
+Numerical reference: a single process running ``torch.optim.Muon`` on the dedicated
+parameters and ``torch.optim.AdamW`` on the rest. On one process with 2-D dedicated
+parameters and the default bf16 iteration this class is bit-identical to that pair.
+
+Sources: Muon, Jordan et al. 2024 (https://kellerjordan.github.io/posts/muon/);
+``"match_rms_adamw"`` learning-rate scaling, Liu et al., "Muon is Scalable for LLM
+Training" (Moonlight, arXiv 2502.16982); AdamW, Loshchilov & Hutter (arXiv 1711.05101).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Optional, Union
+
+import torch
+from torch import Tensor, nn
+from torch.optim.adamw import adamw as _torch_adamw
+
+from dmuon.exec import newton_schulz as _ns
+
+__all__ = ["Muon", "adjust_lr"]
+
+_ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+# dtypes for which the optimizer batches Newton-Schulz over same-shape matrices. The bf16 /
+# fp16 paths stay per-matrix so that they reproduce torch.optim.Muon bit for bit.
+_BATCHED_NS_DTYPES = (torch.float32, torch.float64)
+# Upper bound on the elements of one batched NS call (several temporaries of this size
+# live at once); a single larger unit still runs, alone.
+_NS_BATCH_MAX_NUMEL = 1 << 26
+
+_UNSET = object()
+_RUNTIME: Any = _UNSET
+
+
+def adjust_lr(lr: float, adjust_lr_fn: Optional[str], matrix_shape: Sequence[int]) -> float:
+    """Learning rate of the orthogonalised update of one ``(m, n)`` matrix.
+
+    Same rule and float op order as ``torch.optim._muon._adjust_lr``:
+
+    - ``None`` / ``"original"`` (Jordan et al. 2024): ``lr * sqrt(max(1, m / n))``;
+    - ``"match_rms_adamw"`` (Moonlight, arXiv 2502.16982): ``lr * 0.2 * sqrt(max(m, n))``,
+      which gives the update the RMS of a typical AdamW update so AdamW's lr and weight
+      decay transfer.
+
+    ``matrix_shape`` is the matrix view ``(m, n)`` (for a conv weight ``(out, in·kh·kw)``,
+    for an expert stack one expert's ``(m, n)``), never the raw parameter shape.
+
+    Raises:
+        ValueError: an unknown ``adjust_lr_fn``.
+    """
+    A, B = matrix_shape[0], matrix_shape[1]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        ratio = math.sqrt(max(1, A / B))
+    elif adjust_lr_fn == "match_rms_adamw":
+        ratio = 0.2 * math.sqrt(max(A, B))
+    else:
+        raise ValueError(
+            f"unknown adjust_lr_fn {adjust_lr_fn!r}; expected one of {_ADJUST_LR_FNS}"
+        )
+    return lr * ratio
+
+
+def _scalar_dtype() -> torch.dtype:
+    # torch.optim.optimizer._get_scalar_dtype(): dtype of AdamW's "step" counter.
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _as_dtype(value: Any, what: str) -> torch.dtype:
+    if isinstance(value, str):
+        resolved = getattr(torch, value.removeprefix("torch."), None)
+        if not isinstance(resolved, torch.dtype):
+            raise ValueError(f"{what}: {value!r} does not name a torch dtype")
+        value = resolved
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ValueError(f"{what} must be a real floating-point torch.dtype, got {value!r}")
+    return value
+
+
+def _runtime_module():
+    """``dmuon.exec.runtime`` if it exists, else None (cached; real import errors propagate)."""
+    global _RUNTIME
+    if _RUNTIME is _UNSET:
+        try:
+            _RUNTIME = importlib.import_module("dmuon.exec.runtime")
+        except ModuleNotFoundError as e:
+            if e.name not in ("dmuon.exec.runtime", "dmuon.exec", "dmuon"):
+                raise
+            _RUNTIME = None
+    return _RUNTIME
+
+
+def _info(p: Tensor):
+    return getattr(p, "_dmuon", None)
+
+
+def _check_dedicated(p: Tensor) -> None:
+    info = _info(p)
+    where = f"dedicated parameter {getattr(info, 'fqn', '?')!r}"
+    shape = tuple(int(s) for s in info.shape)
+    if len(shape) < 2:
+        raise ValueError(
+            f"{where} has shape {shape}: Muon needs a matrix (>= 2-D); leave 1-D parameters "
+            "(biases, norms) to AdamW"
+        )
+    m, n = (int(s) for s in info.matrix_shape)
+    k = int(info.num_matrices)
+    if m <= 0 or n <= 0 or k <= 0 or k * m * n != math.prod(shape):
+        raise ValueError(
+            f"{where}: num_matrices={k} x matrix_shape={(m, n)} does not tile shape {shape}"
+        )
+    if info.is_owner:
+        if tuple(p.shape) != shape:
+            raise ValueError(
+                f"{where}: this rank owns it but holds a tensor of shape {tuple(p.shape)}, "
+                f"expected the full {shape}"
+            )
+        if torch.is_complex(p):
+            raise ValueError(f"{where}: Muon does not support complex parameters")
+
+
+class Muon(torch.optim.Optimizer):
+    r"""Muon for dedicated matrices, AdamW for all other parameters, in one optimizer.
+
+    Args:
+        model_or_params: an ``nn.Module`` (all of ``module.parameters()``) or an iterable of
+            parameters (all of them: dedicated ones, placeholders and the rest). Param-group
+            dicts are not accepted here; use :meth:`add_param_group` after construction.
+        lr: Muon learning rate (before :func:`adjust_lr` scaling). Default 1e-3.
+        weight_decay: Muon decoupled weight decay, ``p *= 1 - lr * weight_decay``. Default 0.1.
+        momentum: Muon momentum ``mu``. Default 0.95.
+        nesterov: Nesterov momentum (the NS input is ``g.lerp(buf, mu)``). Default True.
+        ns_coefficients: ``(a, b, c)``, a per-step table of ``ns_steps`` triples, or a key of
+            :data:`dmuon.exec.newton_schulz.NS_PRESETS`. Default: the "muon" preset.
+        eps: Frobenius-norm clamp of the NS normalisation. Default 1e-7.
+        ns_steps: Newton-Schulz iterations, ``0 <= ns_steps < 100``. Default 5.
+        adjust_lr_fn: ``None`` | ``"original"`` | ``"match_rms_adamw"`` (see :func:`adjust_lr`).
+        ns_dtype: dtype of the NS iteration. Default ``torch.bfloat16`` (as torch.optim.Muon);
+            ``torch.float32`` for the tight numerical contract.
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW hyper-parameters
+            (torch.optim.AdamW semantics; defaults 1e-3, (0.9, 0.999), 1e-8, 1e-2).
+
+    Param groups (fixed layout, whatever the model holds):
+        ``param_groups[0]``: the Muon group, every dedicated parameter (owners' masters and
+        non-owners' zero-size placeholders, in the given order), keys ``"params", "lr",
+        "momentum", "nesterov", "weight_decay", "ns_coefficients", "ns_steps", "eps",
+        "adjust_lr_fn", "ns_dtype", "use_muon"=True``.
+        ``param_groups[1]``: the AdamW group, every other parameter, keys ``"params", "lr",
+        "betas", "eps", "weight_decay", "use_muon"=False``.
+        Both groups always exist (either may be empty), so a ``LambdaLR`` with two lambdas
+        ``[muon_fn, adamw_fn]`` works on every rank and every model. Groups added later with
+        :meth:`add_param_group` are appended; their missing keys come from the constructor
+        arguments of their kind (``"use_muon"`` defaults to whether the params are dedicated).
+
+    State (``optimizer.state[p]``):
+        dedicated, this rank the owner: ``"momentum_buffer"``, full parameter shape and dtype,
+        created as zeros at construction (so state keys are known before the first step);
+        non-owner placeholders: no state.
+        AdamW params: ``"step"`` (0-d float32 CPU tensor, as torch keeps it), ``"exp_avg"``,
+        ``"exp_avg_sq"`` (like the param, DTensor shards for FSDP2 params), created lazily at
+        a param's first step with a gradient, exactly like torch. :meth:`init_state` creates
+        them eagerly (identical numbers), e.g. before building a checkpoint state dict:
+        ``torch.distributed.checkpoint``'s ``_init_optim_state`` skips optimizers whose state
+        is non-empty, which this one's always is once it owns a matrix.
+
+    Muon step, for each dedicated parameter this rank owns whose ``.grad`` is not None
+    (others are skipped exactly as torch.optim.Muon skips a gradient-less parameter: no
+    momentum, no decay). With the matrix view ``(k, m, n)`` = ``(num_matrices,) +
+    matrix_shape`` of the tag (``(m, n)`` when ``k == 1``)::
+
+        buf.lerp_(g, 1 - momentum)                      # elementwise, full shape
+        u = g.lerp(buf, momentum) if nesterov else buf
+        o = newton_schulz(u.view(k, m, n), ...)         # each (m, n) matrix on its own
+        p.mul_(1 - lr * weight_decay)
+        p.add_(o.view_as(p), alpha=-adjust_lr(lr, adjust_lr_fn, (m, n)))
+
+    — ``torch.optim._muon._single_tensor_muon``'s ops in its order. Conv weights
+    ``(out, in, kh, kw)`` use their tag's ``(out, in·kh·kw)`` view; expert stacks
+    ``(E, m, n)`` orthogonalise each expert's matrix separately.
+
+    NS batching (how the NS calls are grouped; the math per matrix is the same):
+        ``ns_dtype`` bf16 / fp16 (default): no batching. One 2-D :func:`newton_schulz` call per
+        matrix, an expert stack loops over its ``E`` matrices, so a 2-D parameter is
+        bit-identical to torch.optim.Muon and an expert stack to torch.optim.Muon run on
+        each slice.
+        ``ns_dtype`` fp32 / fp64: the owned matrices of one group that have a gradient are
+        bucketed by ``(min(m, n), max(m, n), dtype, device)`` in parameter order (a tall
+        matrix enters its bucket transposed, which is exactly what the NS does to it anyway,
+        so e.g. an MLP's ``(4d, d)`` and ``(d, 4d)`` weights share one call); each bucket is
+        concatenated into one ``(B, d, D)`` batch (at most ``2**26`` elements per call; a
+        larger single unit runs alone) and orthogonalised by one batched call
+        (``bmm``/``baddbmm``, per-matrix norms). A bucket of a single 2-D matrix uses the 2-D
+        path. This differs from the per-matrix loop only by ``bmm`` vs ``mm`` reduction order,
+        inside the fp32 numerical contract. Costs one transient copy of the bucket's updates.
+
+    Step hooks: ``step()`` first evaluates ``closure`` (if any), then calls
+    ``dmuon.exec.runtime.wait_pending(params)`` if the runtime module defines it (to finish
+    in-flight gradient reduces), runs the Muon and AdamW groups, and finally calls
+    ``dmuon.exec.runtime.after_step(params)`` if defined (HSDP replicate broadcast).
+    ``params`` is the list of all dedicated parameters of this optimizer (placeholders
+    included), in param-group order. Both hooks are looked up lazily, so this class works
+    before and without the runtime.
+
+    AdamW: torch's functional ``torch.optim.adamw.adamw`` with ``amsgrad=False,
+    maximize=False, foreach=None, fused=None, capturable=False, differentiable=False``, i.e.
+    torch.optim.AdamW's defaults including its foreach choice (per-tensor loop on CPU,
+    foreach kernels on CUDA), so the result is bit-identical to ``torch.optim.AdamW``.
+
+    ``ns_dtype`` is stored in its group as a ``torch.dtype`` (``torch.save`` and
+    ``torch.load(weights_only=True)`` handle it); :meth:`load_state_dict` also accepts it as
+    a string such as ``"torch.bfloat16"``, and tuples that a serialiser turned into lists.
+
+    Raises:
+        TypeError: ``model_or_params`` is a tensor, contains param-group dicts or
+            non-tensors.
+        ValueError: a bad hyper-parameter (negative lr / weight decay / momentum / eps, beta
+            outside [0, 1), unknown ``adjust_lr_fn``, ``ns_steps`` outside [0, 100),
+            malformed ``ns_coefficients``, non-float ``ns_dtype``), a dedicated parameter
+            that is not a matrix (1-D), whose tag does not tile its shape or whose owner
+            tensor is not full-size, duplicate parameters, or an empty parameter list.
+        RuntimeError (in step): sparse gradients.
+    """
+
+    def __init__(
+        self,
+        model_or_params: Union[nn.Module, Iterable[Tensor]],
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: _ns.Coefficients = (3.4445, -4.775, 2.0315),
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: Optional[str] = None,
+        ns_dtype: torch.dtype = torch.bfloat16,
+        adamw_lr: float = 1e-3,
+        adamw_betas: tuple[float, float] = (0.9, 0.999),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 1e-2,
+    ) -> None:
+        params = self._collect(model_or_params)
+        self._muon_defaults = self._checked_muon_hparams(
+            {
+                "lr": lr,
+                "momentum": momentum,
+                "nesterov": nesterov,
+                "weight_decay": weight_decay,
+                "ns_coefficients": ns_coefficients,
+                "ns_steps": ns_steps,
+                "eps": eps,
+                "adjust_lr_fn": adjust_lr_fn,
+                "ns_dtype": ns_dtype,
+            }
+        )
+        self._adamw_defaults = self._checked_adamw_hparams(
+            {
+                "lr": adamw_lr,
+                "betas": adamw_betas,
+                "eps": adamw_eps,
+                "weight_decay": adamw_weight_decay,
+            }
+        )
+        dedicated = [p for p in params if _info(p) is not None]
+        others = [p for p in params if _info(p) is None]
+        groups = [
+            {"params": dedicated, "use_muon": True},
+            {"params": others, "use_muon": False},
+        ]
+        # Per-group dicts carry every hyper-parameter; `defaults` stays empty so that
+        # Optimizer.add_param_group does not leak Muon keys into AdamW groups or back.
+        super().__init__(groups, {})
+
+    # ------------------------------------------------------------------ construction
+
+    @staticmethod
+    def _collect(model_or_params) -> list[Tensor]:
+        if isinstance(model_or_params, nn.Module):
+            params = list(model_or_params.parameters())
+        elif isinstance(model_or_params, Tensor):
+            raise TypeError(
+                "dmuon.Muon takes an nn.Module or an iterable of parameters, got a single "
+                "Tensor; wrap it in a list"
+            )
+        else:
+            params = list(model_or_params)
+        for i, p in enumerate(params):
+            if isinstance(p, dict):
+                raise TypeError(
+                    "dmuon.Muon builds its own param groups from an nn.Module or an iterable "
+                    "of parameters; param-group dicts are not accepted (use add_param_group "
+                    "after construction)"
+                )
+            if not isinstance(p, Tensor):
+                raise TypeError(f"parameter {i} is a {type(p).__name__}, not a Tensor")
+        if not params:
+            raise ValueError("dmuon.Muon got an empty parameter list")
+        seen: set[int] = set()
+        for p in params:
+            if id(p) in seen:
+                raise ValueError(
+                    "dmuon.Muon got the same parameter twice; pass each tensor once "
+                    "(nn.Module.parameters() already removes tied duplicates)"
+                )
+            seen.add(id(p))
+        return params
+
+    @staticmethod
+    def _checked_muon_hparams(h: dict) -> dict:
+        h = dict(h)
+        lr = h["lr"]
+        if isinstance(lr, Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if not 0.0 <= lr:
+            raise ValueError(f"Muon learning rate must be >= 0, got {lr}")
+        if not 0.0 <= h["momentum"]:
+            raise ValueError(f"momentum must be >= 0, got {h['momentum']}")
+        if not 0.0 <= h["weight_decay"]:
+            raise ValueError(f"weight_decay must be >= 0, got {h['weight_decay']}")
+        if not 0.0 <= h["eps"]:
+            raise ValueError(f"eps must be >= 0, got {h['eps']}")
+        if h["adjust_lr_fn"] not in _ADJUST_LR_FNS:
+            raise ValueError(
+                f"unknown adjust_lr_fn {h['adjust_lr_fn']!r}; expected one of {_ADJUST_LR_FNS}"
+            )
+        h["nesterov"] = bool(h["nesterov"])
+        # Resolve preset names, validate the table against ns_steps, normalise lists to
+        # tuples; a constant schedule is stored as its single triple (torch's layout).
+        coeffs, steps = h["ns_coefficients"], h["ns_steps"]
+        schedule = _ns.coefficient_schedule(coeffs, steps)
+        if isinstance(coeffs, str):
+            coeffs = _ns.NS_PRESETS[coeffs]
+        if _ns._is_triple(coeffs):
+            h["ns_coefficients"] = tuple(float(v) for v in coeffs)
+        else:
+            h["ns_coefficients"] = schedule
+        h["ns_dtype"] = _as_dtype(h["ns_dtype"], "ns_dtype")
+        return h
+
+    @staticmethod
+    def _checked_adamw_hparams(h: dict) -> dict:
+        h = dict(h)
+        lr = h["lr"]
+        if isinstance(lr, Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor adamw_lr must be 1-element")
+        if not 0.0 <= lr:
+            raise ValueError(f"AdamW learning rate must be >= 0, got {lr}")
+        if not 0.0 <= h["eps"]:
+            raise ValueError(f"AdamW eps must be >= 0, got {h['eps']}")
+        if not 0.0 <= h["weight_decay"]:
+            raise ValueError(f"AdamW weight_decay must be >= 0, got {h['weight_decay']}")
+        betas = tuple(h["betas"])
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"AdamW betas must be two numbers in [0, 1), got {h['betas']!r}")
+        h["betas"] = betas
+        return h
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Append a Muon or AdamW group; missing keys come from the constructor arguments.
+
+        ``"use_muon"`` defaults to True when every param is dedicated, False when none is.
+
+        Raises:
+            ValueError: mixed dedicated / non-dedicated params without ``"use_muon"``, a
+                dedicated param in an AdamW group or vice versa, or a bad hyper-parameter.
+        """
+        group = dict(param_group)
+        params = group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        group["params"] = params
+        tagged = [_info(p) is not None for p in params]
+        use_muon = group.get("use_muon")
+        if use_muon is None:
+            if any(tagged) and not all(tagged):
+                raise ValueError(
+                    "param group mixes dedicated and non-dedicated parameters; split it or "
+                    "set 'use_muon'"
+                )
+            use_muon = bool(params) and all(tagged)
+        use_muon = bool(use_muon)
+        if use_muon and not all(tagged):
+            raise ValueError("a Muon group ('use_muon': True) may hold only dedicated parameters")
+        if not use_muon and any(tagged):
+            raise ValueError(
+                "dedicated parameters (tagged p._dmuon) must be in a Muon group, not AdamW: "
+                "their AdamW state would exist only on the owner"
+            )
+        defaults = self._muon_defaults if use_muon else self._adamw_defaults
+        for key, value in defaults.items():
+            group.setdefault(key, value)
+        hparams = {k: group[k] for k in defaults}
+        checked = (self._checked_muon_hparams if use_muon else self._checked_adamw_hparams)(hparams)
+        group.update(checked)
+        group["use_muon"] = use_muon
+        if use_muon:
+            for p in params:
+                _check_dedicated(p)
+        super().add_param_group(group)
+        if use_muon:
+            self._init_muon_state(group)
+
+    def _init_muon_state(self, group: dict) -> None:
+        for p in group["params"]:
+            info = _info(p)
+            if info.is_owner and "momentum_buffer" not in self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(
+                    p, memory_format=torch.preserve_format
+                )
+            elif not info.is_owner:
+                self.state.pop(p, None)
+
+    @torch.no_grad()
+    def init_state(self) -> None:
+        """Create every state entry now: Muon momentum (already eager) and AdamW
+        ``step``/``exp_avg``/``exp_avg_sq`` (zeros, as torch's lazy init makes them).
+
+        Numerically a no-op: the first step with a gradient would create identical tensors.
+        """
+        for group in self.param_groups:
+            if group["use_muon"]:
+                self._init_muon_state(group)
+                continue
+            for p in group["params"]:
+                state = self.state[p]
+                if len(state) == 0:
+                    self._init_adamw_state(p, state)
+
+    @staticmethod
+    def _init_adamw_state(p: Tensor, state: dict) -> None:
+        # torch.optim.Adam._init_group, capturable=False and fused=False branch.
+        state["step"] = torch.tensor(0.0, dtype=_scalar_dtype(), device="cpu")
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    # ------------------------------------------------------------------ (de)serialisation
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_muon_defaults"] = self._muon_defaults
+        state["_adamw_defaults"] = self._adamw_defaults
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Standard ``Optimizer.load_state_dict``, plus: ``ns_dtype`` may be a string,
+        tuple-valued hyper-parameters may arrive as lists, and owned dedicated matrices
+        missing from the loaded state get a zero momentum buffer (the eager-state invariant).
+
+        Raises:
+            ValueError: group count/size mismatch (torch's checks) or a bad hyper-parameter.
+        """
+        state_dict = dict(state_dict)
+        groups = []
+        for saved in state_dict["param_groups"]:
+            saved = dict(saved)
+            if saved.get("use_muon"):
+                keys = self._muon_defaults.keys()
+                checker = self._checked_muon_hparams
+            else:
+                keys = self._adamw_defaults.keys()
+                checker = self._checked_adamw_hparams
+            if all(k in saved for k in keys):
+                hp = {k: saved[k] for k in keys}
+                if isinstance(hp.get("ns_coefficients"), list):
+                    coeffs = hp["ns_coefficients"]
+                    hp["ns_coefficients"] = (
+                        tuple(tuple(t) for t in coeffs)
+                        if coeffs and isinstance(coeffs[0], (list, tuple))
+                        else tuple(coeffs)
+                    )
+                saved.update(checker(hp))
+            groups.append(saved)
+        state_dict["param_groups"] = groups
+        super().load_state_dict(state_dict)
+        # Optimizer.__setstate__ adds defaults["differentiable"]; keep defaults empty so that
+        # later add_param_group calls do not grow an extra key.
+        self.defaults.pop("differentiable", None)
+        for group in self.param_groups:
+            if group["use_muon"]:
+                self._init_muon_state(group)
+
+    # ------------------------------------------------------------------ step
+
+    def _dedicated_params(self) -> list[Tensor]:
+        return [p for g in self.param_groups if g["use_muon"] for p in g["params"]]
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None):
+        """One optimisation step over all groups; returns ``closure()``'s loss (or None).
+
+        Order: ``closure`` (with grad enabled) → ``runtime.wait_pending(dedicated)`` →
+        Muon groups and AdamW groups in ``param_groups`` order →
+        ``runtime.after_step(dedicated)``. See the class docstring.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        runtime = _runtime_module()
+        dedicated = self._dedicated_params()
+        wait_pending = getattr(runtime, "wait_pending", None)
+        if wait_pending is not None:
+            wait_pending(dedicated)
+        for group in self.param_groups:
+            if group["use_muon"]:
+                self._muon_group_step(group)
+            else:
+                self._adamw_group_step(group)
+        after_step = getattr(runtime, "after_step", None)
+        if after_step is not None:
+            after_step(dedicated)
+        return loss
+
+    def _muon_group_step(self, group: dict) -> None:
+        lr = group["lr"]
+        if isinstance(lr, Tensor):
+            lr = lr.item()
+        weight_decay = group["weight_decay"]
+        momentum = group["momentum"]
+        nesterov = group["nesterov"]
+        adjust_lr_fn = group["adjust_lr_fn"]
+        ns_dtype = _as_dtype(group["ns_dtype"], "ns_dtype")
+        ns_kw = dict(
+            coefficients=_ns.coefficient_schedule(group["ns_coefficients"], group["ns_steps"]),
+            steps=group["ns_steps"],
+            eps=group["eps"],
+            dtype=ns_dtype,
+        )
+        batched = ns_dtype in _BATCHED_NS_DTYPES
+        pending: dict[tuple, list[tuple[Tensor, Tensor, int, int, int]]] = {}
+
+        for p in group["params"]:
+            info = _info(p)
+            grad = p.grad
+            if not info.is_owner or grad is None:
+                continue
+            if grad.is_sparse:
+                raise RuntimeError("Muon does not support sparse gradients")
+            state = self.state[p]
+            buf = state.get("momentum_buffer")
+            if buf is None:  # e.g. state cleared by hand; same lazy rule as torch
+                buf = state["momentum_buffer"] = torch.zeros_like(
+                    grad, memory_format=torch.preserve_format
+                )
+            buf.lerp_(grad, 1 - momentum)
+            update = grad.lerp(buf, momentum) if nesterov else buf
+            m, n = (int(s) for s in info.matrix_shape)
+            k = int(info.num_matrices)
+            if batched:
+                # Tall and wide matrices of the same (min, max) side share a bucket: NS of a
+                # tall G is the transpose of NS of the wide Gᵀ (newton_schulz itself transposes).
+                key = (min(m, n), max(m, n), update.dtype, update.device)
+                pending.setdefault(key, []).append((p, update, k, m, n))
+                continue
+            if k == 1:
+                mat = update if tuple(update.shape) == (m, n) else update.reshape(m, n)
+                ortho = _ns.newton_schulz(mat, **ns_kw)
+            else:
+                stack = update.reshape(k, m, n)
+                ortho = torch.empty((k, m, n), dtype=ns_dtype, device=update.device)
+                for i in range(k):
+                    ortho[i] = _ns.newton_schulz(stack[i], **ns_kw)
+            self._apply(p, ortho, lr, weight_decay, adjust_lr(lr, adjust_lr_fn, (m, n)))
+
+        for (d, D, _, _), entries in pending.items():
+            for chunk in _chunks(entries, d * D):
+                if len(chunk) == 1 and chunk[0][2] == 1:
+                    _, update, _, m, n = chunk[0]
+                    mat = update if tuple(update.shape) == (m, n) else update.reshape(m, n)
+                    outs = [_ns.newton_schulz(mat, **ns_kw)]
+                else:
+                    # (k, d, D) wide views; tall (k, D, d) matrices enter transposed.
+                    views = [
+                        u.reshape(k, m, n).mT if m > n else u.reshape(k, m, n)
+                        for _, u, k, m, n in chunk
+                    ]
+                    stack = views[0] if len(views) == 1 else torch.cat(views)
+                    ortho = _ns.newton_schulz(stack, **ns_kw)
+                    outs = [
+                        o.mT if m > n else o
+                        for o, (_, _, _, m, n) in zip(ortho.split([e[2] for e in chunk]), chunk)
+                    ]
+                for (p, _, _, m, n), o in zip(chunk, outs):
+                    self._apply(p, o, lr, weight_decay, adjust_lr(lr, adjust_lr_fn, (m, n)))
+
+    @staticmethod
+    def _apply(p: Tensor, ortho: Tensor, lr: float, weight_decay: float, scaled_lr: float) -> None:
+        # torch.optim._muon._single_tensor_muon: decoupled decay, then the scaled update.
+        p.mul_(1 - lr * weight_decay)
+        p.add_(ortho if ortho.shape == p.shape else ortho.reshape(p.shape), alpha=-scaled_lr)
+
+    def _adamw_group_step(self, group: dict) -> None:
+        params: list[Tensor] = []
+        grads: list[Tensor] = []
+        exp_avgs: list[Tensor] = []
+        exp_avg_sqs: list[Tensor] = []
+        steps: list[Tensor] = []
+        has_complex = False
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError("AdamW does not support sparse gradients")
+            has_complex |= torch.is_complex(p)
+            state = self.state[p]
+            if len(state) == 0:
+                self._init_adamw_state(p, state)
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        _torch_adamw(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            foreach=None,
+            capturable=False,
+            differentiable=False,
+            fused=None,
+            grad_scale=None,
+            found_inf=None,
+            has_complex=has_complex,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
+
+
+def _chunks(entries: list, matrix_numel: int) -> Iterable[list]:
+    """Split bucket entries ``(p, update, k, m, n)`` into runs of <= _NS_BATCH_MAX_NUMEL elements."""
+    chunk: list = []
+    numel = 0
+    for entry in entries:
+        size = entry[2] * matrix_numel
+        if chunk and numel + size > _NS_BATCH_MAX_NUMEL:
+            yield chunk
+            chunk, numel = [], 0
+        chunk.append(entry)
+        numel += size
+    if chunk:
+        yield chunk

@@ -1,0 +1,670 @@
+"""Exclusive-ownership runtime: packed buffers and hooks at each hook boundary.
+
+For one hook boundary the plan gives, per parameter dtype, a packed buffer made of one
+*segment* per shard coordinate ``s`` (the parameters owned by ``(s, ·)``), each segment made of
+one *sub-segment* per owner ``(s, r)``. This module binds those layouts to tensors and hooks:
+
+=====================  =====================================================================
+phase                  what happens on this rank (mesh coordinate ``(r, s)``)
+=====================  =====================================================================
+pre-forward            one async broadcast per segment ``s'`` from ``(s', r)`` in the shard
+                       group of replicate row ``r``; wait; install compute parameters
+post-forward           restore the logical parameters; Z3 (or no-grad forward): free the
+                       storage of every segment this rank does not hold
+pre-backward           Z3: broadcast again (into the same, regrown storage); install
+post-backward          pack gradients (zeros + presence flag 0 where a compute parameter has no
+                       gradient), SUM-reduce each segment to its holder in the shard group;
+                       HSDP: then SUM-reduce each sub-segment over the replicate group to its
+                       owner; the owner divides by ``R·N``; free non-held storage
+end of backward        (autograd final callback) reduce boundaries not yet reduced, wait for
+                       every reduce, write the averaged gradients into the owners' ``.grad``
+optimizer step         HSDP: after the owner's update, broadcast each sub-segment from its
+                       owner to its replicate peers (waited for before the next use when
+                       ``replicate_async=True``)
+=====================  =====================================================================
+
+Tensors per dedicated parameter:
+
+* the **logical** parameter (what ``model.parameters()`` and the optimizer see between steps): on
+  a rank that holds the segment, the full-size master whose storage *is* the segment when the
+  wire dtype equals the parameter dtype (zero-copy broadcast); elsewhere a zero-size placeholder.
+* the **compute** parameter, installed into the module during forward and backward: a leaf view
+  of the segment storage in the broadcast dtype. Autograd accumulates this rank's local gradient
+  into it; it never reaches the optimizer. It has its own version counter (built with ``set_``),
+  so writing the segment in place (broadcast) does not invalidate tensors saved for backward —
+  the same reason FSDP2 frees and regrows storage with ``untyped_storage().resize_``.
+
+Every rank issues the same collectives in the same order whatever its data: a compute parameter
+without gradient contributes zeros and a 0 flag, and an owner leaves ``.grad`` as ``None`` only
+when every rank's flag was 0, i.e. exactly when single-process ``torch.optim.Muon`` would skip
+the matrix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any, Callable
+
+import optree
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import collectives as C
+
+__all__ = ["DedicatedInfo", "MeshGroups", "DmuonRuntime", "wait_pending", "after_step", "get_runtime"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Process groups of the data-parallel mesh
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshGroups:
+    """dmuon's own process groups for a ``(R, N)`` mesh (rank layout ``mesh_ranks[r][s]``).
+
+    dmuon never shares a process group with FSDP2: its collectives form their own sequence, so
+    the relative order of dmuon's and FSDP2's hooks cannot mismatch between ranks.
+    """
+
+    mesh_ranks: tuple[tuple[int, ...], ...]  # [replicate][shard] -> global rank
+    replicate: int  # this rank's replicate coordinate
+    shard: int  # this rank's shard coordinate
+    shard_group: Any  # ProcessGroup over mesh_ranks[replicate][:]
+    replicate_group: Any  # ProcessGroup over mesh_ranks[:][shard], None when R == 1
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (len(self.mesh_ranks), len(self.mesh_ranks[0]))
+
+    def rank_of(self, replicate: int, shard: int) -> int:
+        return self.mesh_ranks[replicate][shard]
+
+    @staticmethod
+    def build(mesh) -> "MeshGroups":
+        """Create the groups (a collective call on every rank of the world, in a fixed order).
+
+        ``mesh``: ``None`` (1-D over the world) or a 1-D / 2-D ``DeviceMesh``. A 2-D mesh is read
+        as ``(replicate, shard)``, unless its ``mesh_dim_names`` name both dims, in which case
+        the names ``"replicate"`` and ``"shard"`` decide.
+        """
+        world = dist.get_world_size()
+        if mesh is None:
+            ranks = ((tuple(range(world))),)
+        else:
+            t = mesh.mesh.detach().cpu()
+            if t.ndim == 1:
+                ranks = (tuple(int(x) for x in t.tolist()),)
+            elif t.ndim == 2:
+                names = getattr(mesh, "mesh_dim_names", None)
+                if names and set(names) == {"replicate", "shard"} and names[0] == "shard":
+                    t = t.T
+                ranks = tuple(tuple(int(x) for x in row) for row in t.tolist())
+            else:
+                raise ValueError(f"dmuon: mesh must be 1-D or 2-D, got {t.ndim}-D {tuple(t.shape)}")
+        me = dist.get_rank()
+        coords = [(r, s) for r, row in enumerate(ranks) for s, x in enumerate(row) if x == me]
+        if len(coords) != 1:
+            raise ValueError(f"dmuon: rank {me} appears {len(coords)} times in mesh {ranks}")
+        my_r, my_s = coords[0]
+        shard_group = replicate_group = None
+        for r, row in enumerate(ranks):  # every rank creates every group, same order
+            g = dist.new_group(ranks=list(row))
+            if r == my_r:
+                shard_group = g
+        R, N = len(ranks), len(ranks[0])
+        if R > 1:
+            for s in range(N):
+                g = dist.new_group(ranks=[ranks[r][s] for r in range(R)])
+                if s == my_s:
+                    replicate_group = g
+        return MeshGroups(
+            mesh_ranks=ranks,
+            replicate=my_r,
+            shard=my_s,
+            shard_group=shard_group,
+            replicate_group=replicate_group,
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-parameter and per-segment state
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DedicatedInfo:
+    """Attached as ``p._dmuon`` to every logical dedicated parameter.
+
+    ``owner_rank``: global rank that runs Newton-Schulz for it; ``is_owner``: this rank is it;
+    ``holds_full``: this rank stores the full value (the owner, and in HSDP its replicate peers);
+    ``matrix_shape`` ``(m, n)`` and ``num_matrices``: the Muon view; ``shape``: logical shape.
+    """
+
+    fqn: str
+    owner_rank: int
+    is_owner: bool
+    holds_full: bool
+    shape: tuple[int, ...]
+    matrix_shape: tuple[int, int]
+    num_matrices: int
+    runtime: Any = dataclasses.field(repr=False, compare=False)  # weakref to DmuonRuntime
+
+
+_DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16)}
+
+
+def _dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dmuon: unsupported parameter dtype {name}") from None
+
+
+@dataclasses.dataclass(eq=False)
+class _Slot:
+    """One dedicated parameter inside a segment."""
+
+    fqn: str
+    sub: int  # index of its sub-segment in the segment
+    index_in_sub: int
+    offset_in_seg: int  # elements from the segment start
+    numel: int
+    shape: tuple[int, ...]
+    homes: list[tuple[nn.Module, str]]  # every (module, attribute) alias
+    logical: nn.Parameter
+    compute: nn.Parameter
+
+
+@dataclasses.dataclass(eq=False)
+class _SubSeg:
+    owner_rank: int
+    owner_replicate: int
+    offset_in_seg: int
+    numel: int
+    flags_offset_in_seg: int
+    slots: list[_Slot]
+
+
+@dataclasses.dataclass(eq=False)
+class _Segment:
+    shard: int
+    numel: int
+    held: bool  # this rank stores it permanently (its shard coordinate)
+    src_rank: int  # holder in this rank's replicate row: broadcast source / reduce destination
+    wire: torch.Tensor  # 1-D, broadcast dtype; storage freed when not resident (non-held only)
+    master: torch.Tensor | None  # held only: 1-D, param dtype; ``wire`` itself unless mixed precision
+    subs: list[_SubSeg]
+    slots: list[_Slot]
+    reduce_dtype: torch.dtype
+    param_dtype: torch.dtype
+    resident: bool = True
+
+
+# ----------------------------------------------------------------------------------------------
+# One hook boundary
+# ----------------------------------------------------------------------------------------------
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on the boundary's forward inputs; its backward marks the boundary's backward done.
+
+    Autograd runs a node once all its inputs' gradients are ready, and runs ``AccumulateGrad``
+    nodes as soon as they are ready, so by the time gradients w.r.t. the boundary's inputs are
+    produced, every parameter gradient inside it has been accumulated.
+    """
+
+    @staticmethod
+    def forward(ctx, boundary_ref, *tensors):
+        ctx.boundary_ref = boundary_ref
+        return tensors if len(tensors) != 1 else tensors[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        boundary = ctx.boundary_ref()
+        if boundary is not None:
+            boundary._on_post_backward()
+        return (None, *grads)
+
+
+class _BoundaryRuntime:
+    def __init__(self, runtime: "DmuonRuntime", fqn: str, module: nn.Module, segments: list[_Segment]):
+        self.runtime_ref = weakref.ref(runtime)
+        self.fqn = fqn
+        self.module = module
+        self.segments = segments
+        self.slots = [slot for seg in segments for slot in seg.slots]
+        self.pending_backward = 0  # grad-enabled forwards whose backward has not finished
+        self.installed = False
+        self.unsharded = False
+        self.handles: list = []
+
+    # -- storage ---------------------------------------------------------------------------
+
+    def _unshard(self, phase: str) -> None:
+        """Make every segment resident on this rank: one async broadcast per segment.
+
+        ``self.unsharded`` follows the same transitions on every rank (it depends on hook order
+        only, never on data), so all ranks agree on whether the broadcasts run.
+        """
+        if self.unsharded:
+            return
+        rt = self.runtime_ref()
+        works = []
+        for seg in self.segments:
+            if seg.held:
+                self._copy_masters_to_wire(seg)
+            else:
+                seg.wire.untyped_storage().resize_(seg.numel * seg.wire.element_size())
+                seg.resident = True
+            if rt.num_shards > 1:
+                works.append(
+                    C.broadcast(
+                        seg.wire, src=seg.src_rank, group=rt.groups.shard_group, phase=phase, async_op=True
+                    )
+                )
+        C.wait_all(works, what=f"boundary {self.fqn!r} {phase}")
+        self.unsharded = True
+
+    def _reshard(self) -> None:
+        """Free the storage of every segment this rank does not hold (the tensors stay valid)."""
+        for seg in self.segments:
+            if not seg.held and seg.resident:
+                seg.wire.untyped_storage().resize_(0)
+                seg.resident = False
+        self.unsharded = False
+
+    @staticmethod
+    def _copy_masters_to_wire(seg: _Segment) -> None:
+        """Mixed precision: cast the full-precision masters into the broadcast-dtype segment."""
+        if seg.master is not seg.wire:
+            with torch.no_grad():
+                seg.wire.copy_(seg.master)
+
+    # -- module attributes -----------------------------------------------------------------
+
+    def _install(self) -> None:
+        if self.installed:
+            return
+        for slot in self.slots:
+            for module, attr in slot.homes:
+                module._parameters[attr] = slot.compute
+        self.installed = True
+
+    def _restore(self) -> None:
+        if not self.installed:
+            return
+        for slot in self.slots:
+            for module, attr in slot.homes:
+                module._parameters[attr] = slot.logical
+        self.installed = False
+
+    # -- hooks -----------------------------------------------------------------------------
+
+    def pre_forward(self, module, args, kwargs):
+        rt = self.runtime_ref()
+        rt.wait_replicate_broadcasts(self)
+        self._unshard("forward_broadcast")
+        self._install()
+        if torch.is_grad_enabled():
+            self.pending_backward += 1
+            args, kwargs = self._register_post_backward(args, kwargs)
+        return args, kwargs
+
+    def post_forward(self, module, args, kwargs, output):
+        self._restore()
+        grad = torch.is_grad_enabled()
+        # Z3 frees after every forward; a no-grad forward frees unless a backward still needs
+        # the buffers (Z2 keeps them from the forward broadcast until the boundary's backward).
+        if self.runtime_ref().reshard_after_forward or (not grad and self.pending_backward == 0):
+            self._reshard()
+        if grad:
+            tensors = [t for t in optree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(tensors, self._on_pre_backward, mode="any")
+        return output
+
+    def _register_post_backward(self, args, kwargs):
+        leaves, spec = optree.tree_flatten((args, kwargs))
+        idx = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return args, kwargs
+        outs = _PostBackward.apply(weakref.ref(self), *[leaves[i] for i in idx])
+        if len(idx) == 1:
+            outs = (outs,)
+        for i, o in zip(idx, outs):
+            leaves[i] = o
+        return optree.tree_unflatten(spec, leaves)
+
+    def _on_pre_backward(self, *unused) -> None:
+        rt = self.runtime_ref()
+        rt.queue_final_callback()
+        if self.pending_backward <= 0:
+            return
+        self._unshard("backward_broadcast")  # no-op in Z2: still resident since the forward
+        self._install()
+
+    def _on_post_backward(self) -> None:
+        self.pending_backward -= 1
+        if self.pending_backward > 0:
+            return
+        self.pending_backward = 0
+        self._restore()
+        self._launch_reduce()
+        self._reshard()
+
+    def finish_backward(self) -> None:
+        """Called from the final callback: reduce if the post-backward trigger never fired."""
+        if self.pending_backward > 0:
+            self.pending_backward = 0
+            self._restore()
+            self._launch_reduce()
+            self._reshard()
+
+    # -- gradient reduce -------------------------------------------------------------------
+
+    def _launch_reduce(self) -> None:
+        rt = self.runtime_ref()
+        groups = rt.groups
+        for seg in self.segments:
+            buf = torch.zeros(seg.numel, dtype=seg.reduce_dtype, device=seg.wire.device)
+            for sub in seg.subs:
+                for k, slot in enumerate(sub.slots):
+                    g = slot.compute.grad
+                    if g is not None:
+                        buf[slot.offset_in_seg : slot.offset_in_seg + slot.numel].copy_(g.reshape(-1))
+                        buf[sub.flags_offset_in_seg + k] = 1
+                        slot.compute.grad = None
+            work = C.reduce_sum(buf, dst=seg.src_rank, group=groups.shard_group, phase="reduce", async_op=True)
+            rt.pending_reduces.append((self, seg, buf, work))
+
+
+# ----------------------------------------------------------------------------------------------
+# The runtime of one model
+# ----------------------------------------------------------------------------------------------
+
+
+class DmuonRuntime:
+    """Binds a :class:`~dmuon.plan.ShardingPlan` to a model and a mesh (see module docstring)."""
+
+    def __init__(self, plan, model: nn.Module, groups: MeshGroups, device: torch.device):
+        self.plan = plan
+        self.groups = groups
+        self.device = device
+        self.reshard_after_forward = bool(plan.reshard_after_forward)
+        self.replicate_async = bool(plan.replicate_async)
+        self.num_shards = groups.shape[1]
+        self.world_numel = groups.shape[0] * groups.shape[1]
+        self.boundaries: list[_BoundaryRuntime] = []
+        self.pending_reduces: list = []
+        self.pending_replicate: dict[int, list] = {}
+        self._final_callback_queued = False
+        self.model_ref = weakref.ref(model)
+        self._build(model)
+
+    # -- construction ----------------------------------------------------------------------
+
+    def _build(self, model: nn.Module) -> None:
+        plan = self.plan
+        g = self.groups
+        R, N = g.shape
+        modules = dict(model.named_modules(remove_duplicate=False))
+        specs = {p.fqn: p for p in plan.params}
+        owners = dict(zip((p.fqn for p in plan.params), plan.owners))
+        original = {}
+        for spec in plan.params:
+            mod = modules[spec.module_fqn]
+            original[spec.fqn] = mod._parameters[spec.attr]
+        for b in plan.boundaries:
+            segments: list[_Segment] = []
+            for layout in b.buffers:
+                param_dtype = _dtype(layout.dtype)
+                wire_dtype = _dtype(plan.param_dtype) if plan.param_dtype else param_dtype
+                reduce_dtype = _dtype(plan.reduce_dtype) if plan.reduce_dtype else wire_dtype
+                for seg_l in layout.segments:
+                    held = seg_l.shard == g.shard
+                    wire = torch.zeros(seg_l.numel, dtype=wire_dtype, device=self.device)
+                    master = None
+                    if held:
+                        master = wire if wire_dtype == param_dtype else torch.zeros(
+                            seg_l.numel, dtype=param_dtype, device=self.device
+                        )
+                    seg = _Segment(
+                        shard=seg_l.shard,
+                        numel=seg_l.numel,
+                        held=held,
+                        src_rank=g.rank_of(g.replicate, seg_l.shard),
+                        wire=wire,
+                        master=master,
+                        subs=[],
+                        slots=[],
+                        reduce_dtype=reduce_dtype,
+                        param_dtype=param_dtype,
+                    )
+                    for sub_l in seg_l.subsegments:
+                        sub = _SubSeg(
+                            owner_rank=g.rank_of(sub_l.owner.replicate, sub_l.owner.shard),
+                            owner_replicate=sub_l.owner.replicate,
+                            offset_in_seg=sub_l.offset - seg_l.offset,
+                            numel=sub_l.numel,
+                            flags_offset_in_seg=sub_l.flags_offset - seg_l.offset,
+                            slots=[],
+                        )
+                        for k, e in enumerate(sub_l.entries):
+                            spec = specs[e.fqn]
+                            off = e.offset - seg_l.offset
+                            orig = original[e.fqn]
+                            if tuple(orig.shape) != tuple(spec.shape) or str(orig.dtype) != spec.dtype:
+                                raise ValueError(
+                                    f"dmuon: parameter {e.fqn!r} is {tuple(orig.shape)} {orig.dtype} in the model "
+                                    f"but {spec.shape} {spec.dtype} in the plan; recompile the plan after "
+                                    "changing the model"
+                                )
+                            strides = _contiguous_strides(spec.shape)
+                            if held:
+                                master[off : off + e.numel].copy_(orig.detach().reshape(-1))
+                                logical = torch.empty(0, dtype=param_dtype, device=self.device).set_(
+                                    master.untyped_storage(), off, spec.shape, strides
+                                )
+                            else:
+                                logical = torch.empty(0, dtype=param_dtype, device=self.device)
+                            logical = nn.Parameter(logical, requires_grad=orig.requires_grad)
+                            compute = nn.Parameter(
+                                torch.empty(0, dtype=wire_dtype, device=self.device).set_(
+                                    wire.untyped_storage(), off, spec.shape, _contiguous_strides(spec.shape)
+                                ),
+                                requires_grad=orig.requires_grad,
+                            )
+                            owner = owners[e.fqn]
+                            owner_rank = g.rank_of(owner.replicate, owner.shard)
+                            logical._dmuon = DedicatedInfo(
+                                fqn=e.fqn,
+                                owner_rank=owner_rank,
+                                is_owner=owner_rank == dist.get_rank(),
+                                holds_full=held,
+                                shape=tuple(spec.shape),
+                                matrix_shape=tuple(spec.matrix_shape),
+                                num_matrices=int(spec.num_matrices),
+                                runtime=weakref.ref(self),
+                            )
+                            compute._dmuon_compute = e.fqn
+                            homes = []
+                            for alias in spec.aliases:
+                                mod_fqn, _, attr = alias.rpartition(".")
+                                homes.append((modules[mod_fqn], attr))
+                            slot = _Slot(
+                                fqn=e.fqn,
+                                sub=len(seg.subs),
+                                index_in_sub=k,
+                                offset_in_seg=off,
+                                numel=e.numel,
+                                shape=tuple(spec.shape),
+                                homes=homes,
+                                logical=logical,
+                                compute=compute,
+                            )
+                            sub.slots.append(slot)
+                            seg.slots.append(slot)
+                        seg.subs.append(sub)
+                    if not held:
+                        wire.untyped_storage().resize_(0)
+                        seg.resident = False
+                    segments.append(seg)
+            module = modules[b.fqn]
+            br = _BoundaryRuntime(self, b.fqn, module, segments)
+            for slot in br.slots:
+                for mod, attr in slot.homes:
+                    mod._parameters[attr] = slot.logical
+            br.handles.append(module.register_forward_pre_hook(br.pre_forward, with_kwargs=True))
+            br.handles.append(module.register_forward_hook(br.post_forward, with_kwargs=True))
+            self.boundaries.append(br)
+        self.slots_by_fqn = {s.fqn: s for b in self.boundaries for s in b.slots}
+        self.shard_of_fqn = {s.fqn: seg.shard for b in self.boundaries for seg in b.segments for s in seg.slots}
+
+    # -- backward bookkeeping --------------------------------------------------------------
+
+    def queue_final_callback(self) -> None:
+        if self._final_callback_queued:
+            return
+        self._final_callback_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
+
+    def _final_callback(self) -> None:
+        self._final_callback_queued = False
+        for b in reversed(self.boundaries):
+            b.finish_backward()
+        self.finish_reduces()
+
+    def finish_reduces(self) -> None:
+        """Wait for the in-flight gradient reduces and accumulate the averages into owners' ``.grad``.
+
+        HSDP: after the shard-group reduce, every holder ``(s, r')`` of a segment SUM-reduces each
+        sub-segment over its replicate group to the sub-segment's owner ``(s, r)``; the owner
+        divides by ``R·N`` (net AVG over the whole mesh).
+        """
+        pending, self.pending_reduces = self.pending_reduces, []
+        if not pending:
+            return
+        C.wait_all((w for *_, w in pending), what="gradient reduce")
+        me = dist.get_rank()
+        g = self.groups
+        if g.shape[0] > 1:
+            works = []
+            for boundary, seg, buf, _ in pending:
+                if not seg.held:
+                    continue
+                for sub in seg.subs:
+                    part = buf[sub.offset_in_seg : sub.offset_in_seg + sub.numel]
+                    works.append(
+                        C.reduce_sum(
+                            part, dst=sub.owner_rank, group=g.replicate_group, phase="replicate_reduce", async_op=True
+                        )
+                    )
+            C.wait_all(works, what="replicate gradient reduce")
+        for boundary, seg, buf, _ in pending:
+            if not seg.held:
+                continue
+            for sub in seg.subs:
+                if sub.owner_rank != me:
+                    continue
+                flags = buf[sub.flags_offset_in_seg : sub.flags_offset_in_seg + len(sub.slots)].tolist()
+                for slot, flag in zip(sub.slots, flags):
+                    if flag == 0:
+                        continue  # no rank had a gradient: skip, as torch.optim.Muon does
+                    grad = buf[slot.offset_in_seg : slot.offset_in_seg + slot.numel].view(slot.shape)
+                    grad = grad.div_(self.world_numel)
+                    p = slot.logical
+                    if grad.dtype != p.dtype:
+                        grad = grad.to(p.dtype)
+                    if p.grad is None:
+                        p.grad = grad
+                    else:
+                        p.grad.add_(grad)
+
+    def wait_replicate_broadcasts(self, boundary=None) -> None:
+        """HSDP: wait for the post-step replicate broadcasts of ``boundary`` (all when ``None``)."""
+        if not self.pending_replicate:
+            return
+        keys = list(self.pending_replicate) if boundary is None else [id(boundary)]
+        for key in keys:
+            works = self.pending_replicate.pop(key, None)
+            if works:
+                C.wait_all(works, what="replicate broadcast")
+
+    def after_step(self) -> None:
+        """HSDP: each owner broadcasts its updated sub-segments to its replicate peers.
+
+        ``replicate_async=True``: launched here, waited for just before the boundary's next
+        forward broadcast or any state-dict read; ``False``: waited for here.
+        """
+        g = self.groups
+        if g.shape[0] == 1:
+            return
+        self.wait_replicate_broadcasts()
+        for b in self.boundaries:
+            works = []
+            for seg in b.segments:
+                if not seg.held:
+                    continue
+                for sub in seg.subs:
+                    part = seg.master[sub.offset_in_seg : sub.offset_in_seg + sub.numel]
+                    works.append(
+                        C.broadcast(
+                            part, src=sub.owner_rank, group=g.replicate_group, phase="replicate_broadcast", async_op=True
+                        )
+                    )
+            if self.replicate_async:
+                self.pending_replicate[id(b)] = works
+            else:
+                C.wait_all(works, what=f"boundary {b.fqn!r} replicate broadcast")
+
+    def after_load(self) -> None:
+        """After ``load_state_dict`` wrote new masters on every holder (nothing to communicate)."""
+
+    def remove_hooks(self) -> None:
+        for b in self.boundaries:
+            for h in b.handles:
+                h.remove()
+            b.handles.clear()
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides = []
+    acc = 1
+    for d in reversed(tuple(shape)):
+        strides.append(acc)
+        acc *= d
+    return tuple(reversed(strides))
+
+
+# ----------------------------------------------------------------------------------------------
+# Optimizer hooks (called by dmuon.Muon.step)
+# ----------------------------------------------------------------------------------------------
+
+
+def get_runtime(p: torch.Tensor) -> DmuonRuntime | None:
+    info = getattr(p, "_dmuon", None)
+    return None if info is None else info.runtime()
+
+
+def _runtimes(params) -> list[DmuonRuntime]:
+    seen: dict[int, DmuonRuntime] = {}
+    for p in params:
+        rt = get_runtime(p)
+        if rt is not None:
+            seen.setdefault(id(rt), rt)
+    return list(seen.values())
+
+
+def wait_pending(params) -> None:
+    """Finish in-flight gradient reduces of every runtime that owns one of ``params``."""
+    for rt in _runtimes(params):
+        rt.finish_reduces()
+
+
+def after_step(params) -> None:
+    """Post-step work of every runtime owning one of ``params`` (HSDP replicate broadcast)."""
+    for rt in _runtimes(params):
+        rt.after_step()

@@ -1,0 +1,141 @@
+"""Oracle side of the runtime tests: models, data and the single-process reference.
+
+The reference is what DESIGN.md's numerical contract names: one process, the global batch,
+``torch.optim.Muon`` on the dedicated matrices and ``torch.optim.AdamW`` on the rest, with the
+same hyper-parameters. ``fp32_newton_schulz`` patches torch's Muon to iterate in float32 (the
+"reference patched to iterate in fp32" of the contract) without touching its other arithmetic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+HP = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, adamw_lr=3e-3, adamw_weight_decay=0.01)
+
+
+class Block(nn.Module):
+    """Uneven shapes on purpose: 36x8, 8x36, 5x8, 8x5 (tall, wide, not divisible by N)."""
+
+    def __init__(self, d: int = 8, hidden: int = 36, narrow: int = 5):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, hidden)
+        self.fc2 = nn.Linear(hidden, d)
+        self.gate = nn.Linear(d, narrow, bias=False)
+        self.out = nn.Linear(narrow, d, bias=False)
+
+    def forward(self, x):
+        h = self.norm(x)
+        x = x + self.fc2(F.gelu(self.fc1(h)))
+        return x + self.out(torch.tanh(self.gate(h)))
+
+
+class TinyLM(nn.Module):
+    """Token model with blocks at ``layers.N`` (the default hook-boundary heuristic finds them)."""
+
+    def __init__(self, vocab: int = 11, d: int = 8, n_layers: int = 3):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(Block(d) for _ in range(n_layers))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+class TwoMatrixNet(nn.Module):
+    """One boundary with two matrices: with N = 3 or 4 some ranks own nothing."""
+
+    def __init__(self, vocab: int = 7, d: int = 6):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(d, 10), nn.Tanh(), nn.Linear(10, d))])
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)
+
+
+def make_model(kind: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    if kind == "tiny":
+        return TinyLM()
+    if kind == "two":
+        return TwoMatrixNet()
+    raise ValueError(kind)
+
+
+def global_batches(steps: int, batch: int = 12, seq: int = 5, vocab: int = 7, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (batch, seq + 1), generator=g) for _ in range(steps)]
+
+
+def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    logits = model(batch[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+
+def _ns_fp32(grad, ns_coefficients, ns_steps, eps):
+    """torch.optim._muon._zeropower_via_newtonschulz with the iteration in float32."""
+    a, b, c = ns_coefficients
+    x = grad.float()
+    if grad.size(0) > grad.size(1):
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        upd = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, upd, x, beta=a)
+    if grad.size(0) > grad.size(1):
+        x = x.T
+    return x
+
+
+@contextlib.contextmanager
+def fp32_newton_schulz():
+    import torch.optim._muon as m
+
+    orig = m._zeropower_via_newtonschulz
+    m._zeropower_via_newtonschulz = _ns_fp32
+    try:
+        yield
+    finally:
+        m._zeropower_via_newtonschulz = orig
+
+
+def reference_run(model: nn.Module, dedicated: set[str], batches, *, ns_fp32: bool, hp=HP):
+    """Single process, global batch: Muon on ``dedicated`` FQNs, AdamW on the rest.
+
+    Returns (losses, state_dict of the final model).
+    """
+    model = copy.deepcopy(model)
+    muon_params = [p for n, p in model.named_parameters() if n in dedicated]
+    adamw_params = [p for n, p in model.named_parameters() if n not in dedicated]
+    muon = torch.optim.Muon(
+        muon_params, lr=hp["lr"], weight_decay=hp["weight_decay"], momentum=hp["momentum"], nesterov=hp["nesterov"]
+    )
+    adamw = torch.optim.AdamW(adamw_params, lr=hp["adamw_lr"], weight_decay=hp["adamw_weight_decay"])
+    losses = []
+    ctx = fp32_newton_schulz() if ns_fp32 else contextlib.nullcontext()
+    with ctx:
+        for batch in batches:
+            loss = lm_loss(model, batch)
+            loss.backward()
+            muon.step()
+            adamw.step()
+            muon.zero_grad()
+            adamw.zero_grad()
+            losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
