@@ -1,0 +1,46 @@
+"""dmuon.plan: pure planning for DMuon (one owner rank per Muon matrix on FSDP2).
+
+Nothing here imports ``torch.distributed`` or ``dmuon.exec``; plans speak in ranks as ints and
+work on meta-device models. Entry points::
+
+    plan = dmuon.plan.compile(model, mesh, ...)     # -> ShardingPlan (frozen, validated)
+    dmuon.plan.diff(plan_a, plan_b)                 # -> PlanDiff keyed by FQN
+    dmuon.plan.presets.PRESETS["llama3-8b"]()       # meta-device model shapes
+
+Modules: ``snapshot`` (read-only model snapshot), ``boundaries`` (hook-boundary rules),
+``selection`` (dedicated params and matrix views), ``partition`` (constrained LPT),
+``layout`` (packed buffers), ``cost`` (bytes/FLOPs/memory, DMuon and FSDP2 baseline),
+``plan`` (records, JSON, compile), ``diff``, ``render``, ``presets``, ``cli``.
+See docs/planning.md.
+"""
+
+from . import presets
+from .cost import BaselineByteCost, ByteCost, RankStats
+from .diff import CostDelta, ParamChange, PlanDiff, SettingChange, diff
+from .layout import Boundary, BufferLayout, LayoutEntry, Segment, SubSegment
+from .plan import ShardingPlan, compile, normalize_mesh
+from .records import Owner, ParamSpec
+from .selection import matrix_predicate
+
+__all__ = [
+    "compile",
+    "diff",
+    "presets",
+    "ShardingPlan",
+    "Owner",
+    "ParamSpec",
+    "ByteCost",
+    "BaselineByteCost",
+    "RankStats",
+    "PlanDiff",
+    "ParamChange",
+    "CostDelta",
+    "SettingChange",
+    "LayoutEntry",
+    "SubSegment",
+    "Segment",
+    "BufferLayout",
+    "Boundary",
+    "matrix_predicate",
+    "normalize_mesh",
+]

@@ -1,0 +1,108 @@
+"""Command-line entry points for ``python -m dmuon plan`` and ``python -m dmuon diff``.
+
+``dmuon/__main__.py`` dispatches the ``plan`` and ``diff`` subcommands here with the remaining
+arguments. Both functions return a process exit status instead of calling ``sys.exit``.
+
+Examples::
+
+    python -m dmuon plan --model llama3-8b --mesh 8
+    python -m dmuon plan --model llama3-70b --mesh 2x8 --z2 --cost-model ns_flops --json p.json
+    python -m dmuon diff a.json b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from types import SimpleNamespace
+
+from .diff import diff
+from .plan import ShardingPlan, compile
+from .presets import PRESETS
+from .selection import matrix_predicate
+
+__all__ = ["main_plan", "main_diff", "parse_mesh"]
+
+
+def parse_mesh(text: str) -> int | tuple[int, int]:
+    """``"8"`` -> ``8``; ``"2x8"`` -> ``(2, 8)`` (R replicate x N shard).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    parts = text.lower().split("x")
+    try:
+        dims = [int(p) for p in parts]
+    except ValueError:
+        dims = []
+    if len(dims) not in (1, 2) or any(d < 1 for d in dims):
+        raise argparse.ArgumentTypeError(f"mesh must be N or RxN with positive ints, got {text!r}")
+    return dims[0] if len(dims) == 1 else (dims[0], dims[1])
+
+
+def main_plan(argv: Sequence[str] | None = None) -> int:
+    """Compile a preset model's plan, print ``plan.summary()``, optionally write JSON. Returns 0."""
+    parser = argparse.ArgumentParser(
+        prog="python -m dmuon plan",
+        description="Plan DMuon owners/boundaries/layouts for a preset model (meta device, no GPU).",
+    )
+    parser.add_argument("--model", required=True, choices=sorted(PRESETS), help="preset model shape")
+    parser.add_argument("--mesh", required=True, type=parse_mesh, help="N (1-D) or RxN (HSDP), e.g. 8 or 2x8")
+    parser.add_argument("--z2", action="store_true", help="reshard_after_forward=False (DMuon-Z2)")
+    parser.add_argument("--cost-model", default="numel", choices=("numel", "ns_flops"), help="LPT weight")
+    parser.add_argument("--param-dtype", default=None, help="mixed-precision broadcast dtype, e.g. bfloat16")
+    parser.add_argument("--reduce-dtype", default=None, help="mixed-precision reduce dtype, e.g. float32")
+    parser.add_argument(
+        "--all-matrices",
+        action="store_true",
+        help="also dedicate conv weights and 3-D expert stacks (default: 2-D only)",
+    )
+    parser.add_argument("--json", metavar="FILE", default=None, help="write the plan as JSON to FILE")
+    args = parser.parse_args(argv)
+
+    model = PRESETS[args.model]()
+    mp = None
+    if args.param_dtype or args.reduce_dtype:
+        mp = SimpleNamespace(param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype)
+    plan = compile(
+        model,
+        args.mesh,
+        predicate=matrix_predicate(model) if args.all_matrices else None,
+        reshard_after_forward=not args.z2,
+        cost_model=args.cost_model,
+        mp_policy=mp,
+    )
+    print(plan.summary())
+    if args.json:
+        with open(args.json, "w", encoding="ascii") as f:
+            f.write(plan.to_json(indent=1))
+            f.write("\n")
+        print(f"\nwrote {args.json} (fingerprint {plan.fingerprint()[:12]})")
+    return 0
+
+
+def main_diff(argv: Sequence[str] | None = None) -> int:
+    """Print ``dmuon.plan.diff(a, b)`` of two plan JSON files. Returns 0 (with ``--exit-code``:
+    1 if the plans differ)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m dmuon diff",
+        description="Compare two plan JSON files (written by `python -m dmuon plan --json`) by FQN.",
+    )
+    parser.add_argument("a", help="plan JSON (before)")
+    parser.add_argument("b", help="plan JSON (after)")
+    parser.add_argument("--exit-code", action="store_true", help="exit 1 when the plans differ")
+    parser.add_argument("--max-lines", type=int, default=40, help="per-parameter lines to print")
+    args = parser.parse_args(argv)
+    plans = []
+    for path in (args.a, args.b):
+        with open(path, encoding="ascii") as f:
+            plans.append(ShardingPlan.from_json(f.read()))
+    d = diff(plans[0], plans[1])
+    print(d.render(max_lines=args.max_lines))
+    return 1 if (args.exit_code and d) else 0
+
+
+if __name__ == "__main__":  # pragma: no cover - convenience: python -m dmuon.plan.cli plan ...
+    cmd, *rest = sys.argv[1:] or ["plan"]
+    sys.exit(main_diff(rest) if cmd == "diff" else main_plan(rest))

@@ -1,0 +1,572 @@
+"""The sharding plan: :class:`ShardingPlan` and :func:`compile`.
+
+``compile(model, mesh, ...)`` is pure: it reads a snapshot of the model (names, shapes, dtypes,
+module types; meta-device models work), selects the dedicated parameters, resolves their hook
+boundaries, assigns ONE owner rank per parameter with constrained LPT over the ``R*N`` mesh
+slots, and lays out the packed per-boundary buffers. It never touches ``torch.distributed``,
+never mutates or allocates the model, and gives byte-identical plans (same
+:meth:`ShardingPlan.fingerprint`) for the same model and arguments on every rank.
+
+optree registration (namespace ``"dmuon"``): a ShardingPlan is an internal node whose children
+are, in this order, ``params``, ``owners``, ``boundaries`` (tuples, so the leaves are the
+:class:`~dmuon.plan.records.ParamSpec`, :class:`~dmuon.plan.records.Owner` and
+:class:`~dmuon.plan.layout.Boundary` records, in plan order); every other field is treespec
+metadata. So ``optree.tree_map(f, plan_a, plan_b, namespace="dmuon")`` works for plans that
+share the dedicated-parameter count, boundary count AND settings (mesh shape, Z2/Z3, dtypes,
+cost model, alignment, model digest); compare plans of different shape with
+:func:`dmuon.plan.diff`. Unflattening does not re-run validation (like equinox modules), so a
+mapped plan may hold arbitrary leaves; methods other than field access need real records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+from torch import nn
+
+from . import cost as _cost
+from .layout import (
+    Boundary,
+    BufferLayout,
+    LayoutEntry,
+    Segment,
+    SubSegment,
+    build_boundaries,
+    check_buffer_layout,
+)
+from .partition import lpt_partition
+from .records import Owner, ParamSpec, _check_int, check_dtype_str, dtype_str
+from .selection import select_params
+from .snapshot import take_snapshot
+
+__all__ = [
+    "ShardingPlan",
+    "compile",
+    "normalize_mesh",
+    "Owner",
+    "ParamSpec",
+    "LayoutEntry",
+    "SubSegment",
+    "Segment",
+    "BufferLayout",
+    "Boundary",
+    "ByteCost",
+    "JSON_FORMAT",
+]
+
+ByteCost = _cost.ByteCost
+
+#: version tag written into every :meth:`ShardingPlan.to_json`
+JSON_FORMAT = "dmuon.plan/1"
+
+_SETTINGS = (
+    "mesh_shape",
+    "reshard_after_forward",
+    "replicate_async",
+    "cost_model",
+    "align_numel",
+    "param_dtype",
+    "reduce_dtype",
+    "model_digest",
+)
+
+
+def normalize_mesh(mesh: Any) -> tuple[int, int]:
+    """``(R, N)`` of ``mesh``: ``int N`` | ``(N,)`` | ``(R, N)`` | an object with ``.shape``
+    (e.g. a ``DeviceMesh``; only ``tuple(mesh.shape)`` is read). 1-D gives ``(1, N)``.
+
+    Raises:
+        ValueError: not 1-D or 2-D, or a dimension is not a positive int.
+    """
+    if hasattr(mesh, "shape") and not isinstance(mesh, (tuple, list)):
+        dims = tuple(mesh.shape)
+    elif isinstance(mesh, (tuple, list)):
+        dims = tuple(mesh)
+    else:
+        dims = (mesh,)
+    if len(dims) not in (1, 2):
+        raise ValueError(f"mesh must be 1-D (N) or 2-D (R, N), got shape {dims}")
+    out = []
+    for d in dims:
+        if isinstance(d, bool) or not isinstance(d, int) and not hasattr(d, "__index__"):
+            raise ValueError(f"mesh dimensions must be positive ints, got {dims}")
+        d = int(d)
+        if d < 1:
+            raise ValueError(f"mesh dimensions must be positive ints, got {dims}")
+        out.append(d)
+    return (1, out[0]) if len(out) == 1 else (out[0], out[1])
+
+
+def _closest(name: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.5)
+    return f"; closest: {', '.join(close)}" if close else ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True, eq=True)
+class ShardingPlan:
+    """Who owns each dedicated parameter, which module's hooks serve it, and the packed layouts.
+
+    Attributes:
+        mesh_shape: ``(R, N)`` (a 1-D mesh of N is ``(1, N)``); mesh rank ``= replicate*N + shard``.
+        reshard_after_forward: True = DMuon-Z3 (re-broadcast for backward), False = Z2.
+        replicate_async: HSDP post-step replicate broadcast waited for lazily.
+        cost_model: ``"numel"`` or ``"ns_flops"``, the LPT weight.
+        align_numel: alignment of layout entries and flags, in elements.
+        param_dtype / reduce_dtype: mixed-precision wire dtype strings or None.
+        params: dedicated parameters, ``named_parameters()`` order.
+        owners: owner of each parameter (aligned with ``params``).
+        boundaries: hook boundaries with their buffers, first-appearance order in ``named_modules()``.
+        model_digest: sha256 hex of the snapshot of ALL parameters (names, shapes, dtypes, ties).
+
+    Raises (construction):
+        ValueError / TypeError: any invariant below is violated: owner coordinates inside the
+        mesh and ``rank == replicate*N + shard``; unique FQNs/aliases; each parameter in exactly
+        one boundary buffer with its owner, numel, shape and dtype; layouts aligned and packed
+        per :mod:`dmuon.plan.layout`.
+    """
+
+    mesh_shape: tuple[int, int]
+    reshard_after_forward: bool
+    replicate_async: bool
+    cost_model: str
+    align_numel: int
+    param_dtype: str | None
+    reduce_dtype: str | None
+    params: tuple[ParamSpec, ...]
+    owners: tuple[Owner, ...]
+    boundaries: tuple[Boundary, ...]
+    model_digest: str
+    # derived lookup tables, built in __post_init__ (or lazily after an optree unflatten)
+    _index: dict | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
+    # ------------------------------------------------------------------ validation
+    def __post_init__(self) -> None:
+        ms = self.mesh_shape
+        if type(ms) is not tuple or len(ms) != 2:
+            raise ValueError(f"ShardingPlan.mesh_shape must be a 2-tuple (R, N), got {ms!r}")
+        _check_int("ShardingPlan", "mesh_shape[0]", ms[0], 1)
+        _check_int("ShardingPlan", "mesh_shape[1]", ms[1], 1)
+        for name in ("reshard_after_forward", "replicate_async"):
+            if type(getattr(self, name)) is not bool:
+                raise TypeError(f"ShardingPlan.{name} must be a bool")
+        if self.cost_model not in _cost.COST_MODELS:
+            raise ValueError(f"ShardingPlan.cost_model must be one of {_cost.COST_MODELS}, got {self.cost_model!r}")
+        _check_int("ShardingPlan", "align_numel", self.align_numel, 1)
+        check_dtype_str("ShardingPlan", "param_dtype", self.param_dtype, optional=True)
+        check_dtype_str("ShardingPlan", "reduce_dtype", self.reduce_dtype, optional=True)
+        if not isinstance(self.model_digest, str):
+            raise TypeError("ShardingPlan.model_digest must be a str")
+        for name, cls in (("params", ParamSpec), ("owners", Owner), ("boundaries", Boundary)):
+            value = getattr(self, name)
+            if type(value) is not tuple or any(not isinstance(v, cls) for v in value):
+                raise TypeError(f"ShardingPlan.{name} must be a tuple of {cls.__name__}")
+        if len(self.owners) != len(self.params):
+            raise ValueError("ShardingPlan.owners must align with params")
+        R, N = ms
+        for spec, owner in zip(self.params, self.owners):
+            if owner.shard >= N or owner.replicate >= R or owner.rank != owner.replicate * N + owner.shard:
+                raise ValueError(f"ShardingPlan: owner {owner} of {spec.fqn} is not on mesh (R={R}, N={N})")
+        index = self._build_index()
+        seen: set[str] = set()
+        for boundary in self.boundaries:
+            if boundary.fqn in seen:
+                raise ValueError(f"ShardingPlan: boundary {boundary.fqn!r} listed twice")
+            seen.add(boundary.fqn)
+            for buf in boundary.buffers:
+                check_buffer_layout(buf, self.align_numel)
+                for entry in buf.entries():
+                    i = index["canonical"].get(entry.fqn)
+                    if i is None:
+                        raise ValueError(f"ShardingPlan: layout entry {entry.fqn!r} is not a dedicated param")
+                    spec = self.params[i]
+                    if (entry.owner, entry.numel, entry.shape, buf.dtype) != (
+                        self.owners[i],
+                        spec.numel,
+                        spec.shape,
+                        spec.dtype,
+                    ):
+                        raise ValueError(f"ShardingPlan: layout entry {entry.fqn!r} disagrees with its ParamSpec/Owner")
+        if len(index["boundary_of"]) != len(self.params) or None in index["boundary_of"]:
+            raise ValueError("ShardingPlan: every dedicated param must appear in exactly one boundary buffer")
+        object.__setattr__(self, "_index", index)
+
+    def _build_index(self) -> dict:
+        canonical: dict[str, int] = {}
+        alias: dict[str, int] = {}
+        for i, spec in enumerate(self.params):
+            if spec.fqn in canonical:
+                raise ValueError(f"ShardingPlan: duplicate dedicated param {spec.fqn!r}")
+            canonical[spec.fqn] = i
+            for a in spec.aliases:
+                if a in alias:
+                    raise ValueError(f"ShardingPlan: alias {a!r} names two dedicated params")
+                alias[a] = i
+        boundary_of: list[int | None] = [None] * len(self.params)
+        for b_index, boundary in enumerate(self.boundaries):
+            for buf in boundary.buffers:
+                for entry in buf.entries():
+                    i = canonical.get(entry.fqn)
+                    if i is not None:
+                        if boundary_of[i] is not None:
+                            raise ValueError(f"ShardingPlan: {entry.fqn!r} appears in two buffers")
+                        boundary_of[i] = b_index
+        return {"canonical": canonical, "alias": alias, "boundary_of": boundary_of, "cache": {}}
+
+    def _idx(self) -> dict:
+        if self._index is None:  # after optree unflatten
+            object.__setattr__(self, "_index", self._build_index())
+        return self._index  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ lookups
+    @property
+    def world_size(self) -> int:
+        """``R * N`` mesh ranks."""
+        return self.mesh_shape[0] * self.mesh_shape[1]
+
+    @property
+    def dedicated(self) -> tuple[str, ...]:
+        """Canonical FQNs of dedicated parameters, ``named_parameters()`` order."""
+        return tuple(p.fqn for p in self.params)
+
+    def _lookup(self, fqn: str) -> int:
+        idx = self._idx()["alias"].get(fqn)
+        if idx is None:
+            raise KeyError(f"{fqn!r} is not a dedicated parameter of this plan{_closest(fqn, list(self._idx()['alias']))}")
+        return idx
+
+    def owner(self, fqn: str) -> Owner:
+        """Owner of dedicated parameter ``fqn`` (any alias). Raises KeyError with close matches."""
+        return self.owners[self._lookup(fqn)]
+
+    def param(self, fqn: str) -> ParamSpec:
+        """:class:`ParamSpec` of ``fqn`` (any alias). Raises KeyError with close matches."""
+        return self.params[self._lookup(fqn)]
+
+    def boundary(self, fqn: str) -> str:
+        """FQN of the hook boundary module serving ``fqn`` (any alias). Raises KeyError."""
+        return self.boundaries[self._idx()["boundary_of"][self._lookup(fqn)]].fqn
+
+    def boundary_record(self, fqn: str) -> Boundary:
+        """The :class:`Boundary` (with buffers) serving parameter ``fqn`` (any alias)."""
+        return self.boundaries[self._idx()["boundary_of"][self._lookup(fqn)]]
+
+    def is_dedicated(self, fqn: str) -> bool:
+        """True iff ``fqn`` (any alias) is a dedicated parameter."""
+        return fqn in self._idx()["alias"]
+
+    def bcast_dtype(self, param_dtype_str: str) -> str:
+        """Broadcast wire dtype for a parameter stored as ``param_dtype_str``."""
+        return _cost.bcast_dtype(param_dtype_str, self.param_dtype)
+
+    def reduce_dtype_for(self, param_dtype_str: str) -> str:
+        """Gradient-reduce wire dtype for a parameter stored as ``param_dtype_str``."""
+        return _cost.reduce_dtype(param_dtype_str, self.param_dtype, self.reduce_dtype)
+
+    # ------------------------------------------------------------------ derived figures
+    def _cached(self, key: str, fn: Callable[[], Any]) -> Any:
+        cache = self._idx()["cache"]
+        if key not in cache:
+            cache[key] = fn()
+        return cache[key]
+
+    @property
+    def owned_numel(self) -> tuple[int, ...]:
+        """Elements owned per mesh rank (global owners only), length ``R*N``."""
+
+        def build() -> tuple[int, ...]:
+            out = [0] * self.world_size
+            for spec, owner in zip(self.params, self.owners):
+                out[owner.rank] += spec.numel
+            return tuple(out)
+
+        return self._cached("owned_numel", build)
+
+    @property
+    def owned_weight(self) -> tuple[int, ...]:
+        """LPT weight (``cost_model`` unit) owned per mesh rank."""
+
+        def build() -> tuple[int, ...]:
+            out = [0] * self.world_size
+            for spec, owner in zip(self.params, self.owners):
+                out[owner.rank] += _cost.param_weight(spec, self.cost_model)
+            return tuple(out)
+
+        return self._cached("owned_weight", build)
+
+    @property
+    def balance_bound(self) -> float:
+        """Proven LPT bound on ``max(owned_weight)``: ``total/(R*N) + max item weight``."""
+        weights = [_cost.param_weight(p, self.cost_model) for p in self.params]
+        return sum(weights) / self.world_size + max(weights, default=0)
+
+    @property
+    def cost(self) -> ByteCost:
+        """:class:`ByteCost`: DMuon bytes per step summed over all ranks (+ per rank)."""
+        return self._cached(
+            "cost",
+            lambda: _cost.byte_cost(
+                self.boundaries,
+                mesh_shape=self.mesh_shape,
+                reshard_after_forward=self.reshard_after_forward,
+                param_dtype=self.param_dtype,
+                reduce_dtype_=self.reduce_dtype,
+            ),
+        )
+
+    @property
+    def baseline_cost(self) -> _cost.BaselineByteCost:
+        """Bytes per step of FSDP2 + naive all-gather Muon on the same parameters."""
+        return self._cached(
+            "baseline_cost",
+            lambda: _cost.baseline_byte_cost(
+                self.params,
+                mesh_shape=self.mesh_shape,
+                reshard_after_forward=self.reshard_after_forward,
+                param_dtype=self.param_dtype,
+                reduce_dtype_=self.reduce_dtype,
+            ),
+        )
+
+    def rank_stats(self) -> tuple[_cost.RankStats, ...]:
+        """Per-rank :class:`~dmuon.plan.cost.RankStats` of this plan, indexed by mesh rank."""
+        return self._cached(
+            "rank_stats",
+            lambda: _cost.rank_stats(
+                self.params,
+                self.owners,
+                self.boundaries,
+                self.cost,
+                mesh_shape=self.mesh_shape,
+                reshard_after_forward=self.reshard_after_forward,
+                param_dtype=self.param_dtype,
+            ),
+        )
+
+    def baseline_rank_stats(self) -> tuple[_cost.RankStats, ...]:
+        """Per-rank :class:`~dmuon.plan.cost.RankStats` of FSDP2 + naive Muon, same parameters."""
+        return self._cached(
+            "baseline_rank_stats",
+            lambda: _cost.baseline_rank_stats(
+                self.params,
+                self.boundary,
+                self.baseline_cost,
+                mesh_shape=self.mesh_shape,
+                reshard_after_forward=self.reshard_after_forward,
+                param_dtype=self.param_dtype,
+            ),
+        )
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (field order fixed; see :meth:`to_json`)."""
+        return {
+            "format": JSON_FORMAT,
+            "mesh_shape": list(self.mesh_shape),
+            "reshard_after_forward": self.reshard_after_forward,
+            "replicate_async": self.replicate_async,
+            "cost_model": self.cost_model,
+            "align_numel": self.align_numel,
+            "param_dtype": self.param_dtype,
+            "reduce_dtype": self.reduce_dtype,
+            "model_digest": self.model_digest,
+            "params": [p.to_dict() for p in self.params],
+            "owners": [o.to_dict() for o in self.owners],
+            "boundaries": [b.to_dict() for b in self.boundaries],
+        }
+
+    def to_json(self, *, indent: int | None = None) -> str:
+        """Deterministic JSON text (ASCII, fixed key order); ``from_json(to_json()) == self``."""
+        seps = (",", ":") if indent is None else (",", ": ")
+        return json.dumps(self.to_dict(), indent=indent, separators=seps, ensure_ascii=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ShardingPlan:
+        if d.get("format") != JSON_FORMAT:
+            raise ValueError(f"not a {JSON_FORMAT} plan (format={d.get('format')!r})")
+        return cls(
+            mesh_shape=tuple(d["mesh_shape"]),
+            reshard_after_forward=d["reshard_after_forward"],
+            replicate_async=d["replicate_async"],
+            cost_model=d["cost_model"],
+            align_numel=d["align_numel"],
+            param_dtype=d["param_dtype"],
+            reduce_dtype=d["reduce_dtype"],
+            params=tuple(ParamSpec.from_dict(p) for p in d["params"]),
+            owners=tuple(Owner.from_dict(o) for o in d["owners"]),
+            boundaries=tuple(Boundary.from_dict(b) for b in d["boundaries"]),
+            model_digest=d["model_digest"],
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> ShardingPlan:
+        """Inverse of :meth:`to_json` (validates). Raises ValueError on a malformed plan."""
+        return cls.from_dict(json.loads(text))
+
+    def fingerprint(self) -> str:
+        """sha256 hex of :meth:`to_json` (compared across ranks at apply time)."""
+        return self._cached("fingerprint", lambda: hashlib.sha256(self.to_json().encode("ascii")).hexdigest())
+
+    # ------------------------------------------------------------------ rendering
+    def __repr__(self) -> str:
+        # the field-by-field dataclass repr of a 70B plan is megabytes; to_json() has it all
+        mode = "Z3" if self.reshard_after_forward else "Z2"
+        return (
+            f"ShardingPlan(mesh_shape={self.mesh_shape}, {mode}, params={len(self.params)}, "
+            f"boundaries={len(self.boundaries)}, cost_model={self.cost_model!r}, "
+            f"param_dtype={self.param_dtype!r}, reduce_dtype={self.reduce_dtype!r}, "
+            f"model_digest={self.model_digest[:12]!r})"
+        )
+
+    def summary(self, *, max_rows: int = 16) -> str:
+        """Plain-text report: settings, per-rank load vs. the LPT bound, bytes vs. the baseline."""
+        from .render import render_summary
+
+        return render_summary(self, max_rows=max_rows)
+
+    def _repr_html_(self) -> str:
+        from .render import render_html
+
+        return render_html(self)
+
+
+def _flatten(plan: ShardingPlan):
+    meta = tuple(getattr(plan, name) for name in _SETTINGS)
+    return (plan.params, plan.owners, plan.boundaries), meta, ("params", "owners", "boundaries")
+
+
+def _unflatten(meta: tuple, children) -> ShardingPlan:
+    plan = object.__new__(ShardingPlan)
+    for name, value in zip(_SETTINGS, meta):
+        object.__setattr__(plan, name, value)
+    params, owners, boundaries = children
+    object.__setattr__(plan, "params", params)
+    object.__setattr__(plan, "owners", owners)
+    object.__setattr__(plan, "boundaries", boundaries)
+    object.__setattr__(plan, "_index", None)
+    return plan
+
+
+optree.register_pytree_node(
+    ShardingPlan,
+    _flatten,
+    _unflatten,
+    path_entry_type=optree.GetAttrEntry,
+    namespace="dmuon",
+)
+
+
+# ---------------------------------------------------------------------- compile
+
+
+def _mp_dtypes(mp_policy: Any) -> tuple[str | None, str | None]:
+    if mp_policy is None:
+        return None, None
+    return dtype_str(getattr(mp_policy, "param_dtype", None)), dtype_str(getattr(mp_policy, "reduce_dtype", None))
+
+
+def compile(  # noqa: A001 - public name fixed by DESIGN.md
+    model: nn.Module,
+    mesh: Any,
+    *,
+    predicate: Callable[[str, torch.Tensor], bool] | None = None,
+    reshard_after_forward: bool = True,
+    hook_boundary_predicate: Callable[[nn.Module], bool] | None = None,
+    hook_boundary_strict: bool = True,
+    replicate_async: bool = True,
+    mp_policy: Any = None,
+    cost_model: str = "numel",
+    align_numel: int = 16,
+) -> ShardingPlan:
+    """Plan DMuon for ``model`` on ``mesh`` (pure; no process group; meta models work).
+
+    Args:
+        model: any ``nn.Module`` on any device; only names/shapes/dtypes/module types are read.
+        mesh: ``N`` | ``(N,)`` | ``(R, N)`` | an object with ``.shape`` (DeviceMesh).
+        predicate: ``(fqn, param) -> bool`` selecting dedicated params by canonical FQN; None =
+            every 2-D param inside a hook boundary that is not an embedding weight.
+        reshard_after_forward: True = DMuon-Z3, False = DMuon-Z2.
+        hook_boundary_predicate: ``(module) -> bool``; innermost matching ancestor is the
+            boundary. None = FQN heuristic (:mod:`dmuon.plan.boundaries`).
+        hook_boundary_strict: raise if a dedicated param has no boundary (else own-module fallback).
+        replicate_async: recorded for the runtime (HSDP post-step broadcast overlap).
+        mp_policy: object with ``.param_dtype`` / ``.reduce_dtype`` (torch dtypes, dtype strings
+            or None), e.g. FSDP2's ``MixedPrecisionPolicy``: wire dtypes of broadcast/reduce.
+        cost_model: ``"numel"`` (elements) or ``"ns_flops"`` (Newton-Schulz FLOPs) LPT weight.
+        align_numel: alignment of every layout entry and flags region, in elements (>= 1).
+
+    Returns:
+        A validated, frozen :class:`ShardingPlan`.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: bad mesh / cost_model / align_numel; a selected param without a matrix
+            view; a tied param across boundaries; a boundary-less param when strict.
+    """
+    mesh_shape = normalize_mesh(mesh)
+    if cost_model not in _cost.COST_MODELS:
+        raise ValueError(f"cost_model must be one of {_cost.COST_MODELS}, got {cost_model!r}")
+    if isinstance(align_numel, bool) or not isinstance(align_numel, int) or align_numel < 1:
+        raise ValueError(f"align_numel must be a positive int (elements), got {align_numel!r}")
+    param_dtype, reduce_dtype = _mp_dtypes(mp_policy)
+    snapshot = take_snapshot(model)
+    selected = select_params(
+        snapshot,
+        predicate=predicate,
+        hook_boundary_predicate=hook_boundary_predicate,
+        hook_boundary_strict=hook_boundary_strict,
+    )
+    specs = tuple(
+        ParamSpec(
+            fqn=s.record.fqn,
+            shape=s.record.shape,
+            dtype=s.record.dtype,
+            numel=s.record.numel,
+            matrix_shape=s.matrix_shape,
+            num_matrices=s.num_matrices,
+            aliases=s.record.aliases,
+            module_fqn=s.record.module_fqn,
+            attr=s.record.attr,
+        )
+        for s in selected
+    )
+    R, N = mesh_shape
+    result = lpt_partition(
+        [_cost.param_weight(spec, cost_model) for spec in specs],
+        [spec.fqn for spec in specs],
+        [s.boundary for s in selected],
+        num_shards=N,
+        num_replicas=R,
+    )
+    owners = tuple(Owner.at(slot, N) for slot in result.slots)
+    fallback = {s.boundary: s.fallback for s in selected}
+    used = set(fallback)
+    boundary_order = [fqn for fqn in snapshot.module_fqns if fqn in used]
+    boundaries = build_boundaries(
+        [
+            (spec.fqn, spec.shape, spec.numel, spec.dtype, owner, s.boundary)
+            for spec, owner, s in zip(specs, owners, selected)
+        ],
+        boundary_order,
+        fallback,
+        align_numel=align_numel,
+    )
+    return ShardingPlan(
+        mesh_shape=mesh_shape,
+        reshard_after_forward=bool(reshard_after_forward),
+        replicate_async=bool(replicate_async),
+        cost_model=cost_model,
+        align_numel=align_numel,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        params=specs,
+        owners=owners,
+        boundaries=boundaries,
+        model_digest=snapshot.digest,
+    )

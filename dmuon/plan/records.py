@@ -1,0 +1,200 @@
+"""Per-parameter plan records: :class:`Owner`, :class:`ParamSpec`, and dtype helpers.
+
+Every record here is a frozen dataclass (``slots=True, kw_only=True``) holding only ints,
+strings and tuples, validated once in ``__post_init__``; derive new ones with
+:func:`dataclasses.replace` (which re-validates). They are optree *leaves* of a
+:class:`~dmuon.plan.plan.ShardingPlan` (see ``plan.py`` for the tree registration).
+
+Dtypes are carried as strings, exactly as ``str(torch.dtype)`` prints them
+(``"torch.float32"``, ``"torch.bfloat16"``), so plans serialise to JSON without torch objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+__all__ = [
+    "Owner",
+    "ParamSpec",
+    "dtype_str",
+    "itemsize_nbytes",
+    "check_dtype_str",
+]
+
+
+def _check_int(owner: str, name: str, value: Any, minimum: int) -> None:
+    if type(value) is not int:  # bool and numpy ints rejected on purpose: JSON must round-trip
+        raise TypeError(f"{owner}.{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{owner}.{name} must be >= {minimum}, got {value}")
+
+
+def _check_shape(owner: str, name: str, value: Any) -> None:
+    if type(value) is not tuple:
+        raise TypeError(f"{owner}.{name} must be a tuple of ints, got {type(value).__name__}")
+    for d in value:
+        _check_int(owner, name + "[i]", d, 0)
+
+
+def check_dtype_str(owner: str, name: str, value: Any, *, optional: bool = False) -> None:
+    """Raise unless ``value`` is ``"torch.<name>"`` naming a ``torch.dtype`` (or None if optional)."""
+    if value is None and optional:
+        return
+    if not isinstance(value, str) or not value.startswith("torch."):
+        raise ValueError(f"{owner}.{name} must be a dtype string like 'torch.float32', got {value!r}")
+    if not isinstance(getattr(torch, value[len("torch."):], None), torch.dtype):
+        raise ValueError(f"{owner}.{name}: {value!r} is not a torch dtype")
+
+
+def dtype_str(dtype: Any) -> str | None:
+    """Normalise a ``torch.dtype``, a dtype string (``"torch.bfloat16"`` or ``"bfloat16"``) or
+    None to the canonical string form (``str(torch.dtype)``) or None.
+
+    Raises:
+        ValueError: the value does not name a torch dtype.
+    """
+    if dtype is None:
+        return None
+    if isinstance(dtype, torch.dtype):
+        return str(dtype)
+    if isinstance(dtype, str):
+        name = dtype[len("torch."):] if dtype.startswith("torch.") else dtype
+        resolved = getattr(torch, name, None)
+        if isinstance(resolved, torch.dtype):
+            return str(resolved)
+    raise ValueError(f"not a torch dtype: {dtype!r}")
+
+
+def itemsize_nbytes(dtype: str) -> int:
+    """Bytes per element of the dtype named by ``dtype`` (e.g. ``"torch.bfloat16"`` -> 2)."""
+    resolved = getattr(torch, dtype[len("torch."):] if dtype.startswith("torch.") else dtype, None)
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"not a torch dtype: {dtype!r}")
+    return resolved.itemsize
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Owner:
+    """The single mesh rank that owns a dedicated parameter.
+
+    Attributes:
+        shard: coordinate along the shard mesh dimension, ``0 <= shard < N``.
+        replicate: coordinate along the replicate dimension, ``0 <= replicate < R`` (0 on a 1-D mesh).
+        rank: flat mesh rank ``replicate * N + shard`` (the layout of
+            ``init_device_mesh(device, (R, N), mesh_dim_names=("replicate", "shard"))``).
+
+    The invariant ``rank == replicate * N + shard`` needs N, which an Owner does not carry; the
+    plan checks it (:class:`~dmuon.plan.plan.ShardingPlan` validation) and :meth:`at` builds it.
+    """
+
+    shard: int
+    replicate: int
+    rank: int
+
+    def __post_init__(self) -> None:
+        _check_int("Owner", "shard", self.shard, 0)
+        _check_int("Owner", "replicate", self.replicate, 0)
+        _check_int("Owner", "rank", self.rank, 0)
+        if self.rank < self.shard or self.rank < self.replicate:
+            raise ValueError(f"Owner.rank {self.rank} cannot be below shard/replicate coordinates: {self}")
+
+    @classmethod
+    def at(cls, slot: int, num_shards: int) -> Owner:
+        """Owner of flat slot ``slot`` on a mesh with ``num_shards`` (N) shard ranks."""
+        return cls(shard=slot % num_shards, replicate=slot // num_shards, rank=slot)
+
+    def to_dict(self) -> dict[str, int]:
+        return {"shard": self.shard, "replicate": self.replicate, "rank": self.rank}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Owner:
+        return cls(shard=d["shard"], replicate=d["replicate"], rank=d["rank"])
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ParamSpec:
+    """A dedicated parameter as the plan sees it.
+
+    Attributes:
+        fqn: canonical FQN (first name of the tensor in ``model.named_parameters()`` order).
+        shape: logical shape of the full parameter (elements per dim).
+        dtype: storage dtype string, e.g. ``"torch.float32"``.
+        numel: ``prod(shape)`` elements.
+        matrix_shape: ``(m, n)`` of each matrix Muon orthogonalises: ``shape`` for 2-D, ``(out,
+            in * prod(kernel))`` for an ``nn.Conv{1,2,3}d`` weight, ``shape[1:]`` for a 3-D
+            expert stack ``(E, m, n)``.
+        num_matrices: 1, or ``E`` for an expert stack. ``num_matrices * m * n == numel``.
+        aliases: every name of this tensor, ``fqn`` first, in
+            ``named_parameters(remove_duplicate=False)`` order.
+        module_fqn: FQN of the canonical owning module (``""`` = the root module).
+        attr: attribute name of the parameter on that module; ``fqn == module_fqn + "." + attr``
+            (or ``attr`` alone when ``module_fqn == ""``).
+    """
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: str
+    numel: int
+    matrix_shape: tuple[int, int]
+    num_matrices: int
+    aliases: tuple[str, ...]
+    module_fqn: str
+    attr: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.fqn, str) or not self.fqn:
+            raise ValueError(f"ParamSpec.fqn must be a non-empty str, got {self.fqn!r}")
+        _check_shape("ParamSpec", "shape", self.shape)
+        check_dtype_str("ParamSpec", "dtype", self.dtype)
+        _check_int("ParamSpec", "numel", self.numel, 0)
+        if self.numel != math.prod(self.shape):
+            raise ValueError(f"ParamSpec {self.fqn}: numel {self.numel} != prod(shape {self.shape})")
+        _check_shape("ParamSpec", "matrix_shape", self.matrix_shape)
+        if len(self.matrix_shape) != 2:
+            raise ValueError(f"ParamSpec {self.fqn}: matrix_shape must be (m, n), got {self.matrix_shape}")
+        _check_int("ParamSpec", "num_matrices", self.num_matrices, 1)
+        if self.num_matrices * self.matrix_shape[0] * self.matrix_shape[1] != self.numel:
+            raise ValueError(
+                f"ParamSpec {self.fqn}: num_matrices * m * n = {self.num_matrices} * "
+                f"{self.matrix_shape[0]} * {self.matrix_shape[1]} != numel {self.numel}"
+            )
+        if type(self.aliases) is not tuple or not self.aliases or self.aliases[0] != self.fqn:
+            raise ValueError(f"ParamSpec {self.fqn}: aliases must be a tuple starting with fqn, got {self.aliases!r}")
+        if len(set(self.aliases)) != len(self.aliases):
+            raise ValueError(f"ParamSpec {self.fqn}: duplicate aliases {self.aliases!r}")
+        if not isinstance(self.module_fqn, str) or not isinstance(self.attr, str) or not self.attr:
+            raise ValueError(f"ParamSpec {self.fqn}: module_fqn/attr must be strings")
+        expected = f"{self.module_fqn}.{self.attr}" if self.module_fqn else self.attr
+        if expected != self.fqn:
+            raise ValueError(f"ParamSpec {self.fqn}: module_fqn {self.module_fqn!r} + attr {self.attr!r} != fqn")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "fqn": self.fqn,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "numel": self.numel,
+            "matrix_shape": list(self.matrix_shape),
+            "num_matrices": self.num_matrices,
+            "aliases": list(self.aliases),
+            "module_fqn": self.module_fqn,
+            "attr": self.attr,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ParamSpec:
+        return cls(
+            fqn=d["fqn"],
+            shape=tuple(d["shape"]),
+            dtype=d["dtype"],
+            numel=d["numel"],
+            matrix_shape=tuple(d["matrix_shape"]),
+            num_matrices=d["num_matrices"],
+            aliases=tuple(d["aliases"]),
+            module_fqn=d["module_fqn"],
+            attr=d["attr"],
+        )

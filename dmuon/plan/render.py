@@ -1,0 +1,161 @@
+"""Text and HTML reports of a :class:`~dmuon.plan.plan.ShardingPlan` (``summary()``, ``_repr_html_``).
+
+Figures are per optimizer step; "all ranks" = summed over the mesh. Means are derived here
+for display only. The baseline column is FSDP2 (HSDP when R > 1) + naive all-gather Muon on
+the same parameters (:mod:`dmuon.plan.cost`).
+"""
+
+from __future__ import annotations
+
+import html
+from typing import TYPE_CHECKING
+
+from .cost import RankStats
+
+if TYPE_CHECKING:
+    from .plan import ShardingPlan
+
+__all__ = ["render_summary", "render_html", "mode_name", "fmt_nbytes", "fmt_flops"]
+
+
+def mode_name(plan: ShardingPlan) -> str:
+    z = "Z3" if plan.reshard_after_forward else "Z2"
+    return f"DMuon-{z}" + (" HSDP" if plan.mesh_shape[0] > 1 else "")
+
+
+def _fmt(v: float) -> str:
+    if isinstance(v, int):
+        return f"{v:,}"
+    return f"{v:,.1f}"
+
+
+def fmt_nbytes(v: float) -> str:
+    """Human-readable bytes (binary prefixes): ``1536 -> '1.50 KiB'``."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(v) >= scale:
+            return f"{v / scale:,.2f} {unit}"
+    return f"{v:,.0f} B"
+
+
+def fmt_flops(v: float) -> str:
+    """Human-readable FLOPs (decimal prefixes): ``2.5e12 -> '2.50 TFLOP'``."""
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if abs(v) >= scale:
+            return f"{v / scale:,.2f} {unit}"
+    return f"{v:,.0f} FLOP"
+
+
+def _fmt_field(field: str, v: float) -> str:
+    if field.endswith("_nbytes"):
+        return fmt_nbytes(v)
+    if field.endswith("_flops"):
+        return fmt_flops(v)
+    return _fmt(v)
+
+
+def _stat_rows(plan: ShardingPlan) -> list[tuple[str, int, float, int, int]]:
+    ours = plan.rank_stats()
+    base = plan.baseline_rank_stats()
+    rows = []
+    for field in RankStats.FIELDS:
+        vals = [getattr(r, field) for r in ours]
+        rows.append((field, min(vals), sum(vals) / len(vals), max(vals), max(getattr(r, field) for r in base)))
+    return rows
+
+
+_COST_ROWS = (
+    ("forward broadcast / all-gather", "forward_broadcast_nbytes", "forward_all_gather_nbytes"),
+    ("backward broadcast / all-gather", "backward_broadcast_nbytes", "backward_all_gather_nbytes"),
+    ("grad reduce / reduce-scatter", "reduce_nbytes", "reduce_scatter_nbytes"),
+    ("replicate reduce / all-reduce", "replicate_reduce_nbytes", "replicate_all_reduce_nbytes"),
+    ("replicate broadcast", "replicate_broadcast_nbytes", None),
+    ("naive Muon grad all-gather", None, "muon_all_gather_nbytes"),
+    ("total", "total_nbytes", "total_nbytes"),
+    ("busiest rank", "max_rank_nbytes", "max_rank_nbytes"),
+)
+
+
+def _cost_rows(plan: ShardingPlan) -> list[tuple[str, int | None, int | None]]:
+    ours, base = plan.cost, plan.baseline_cost
+    return [
+        (label, getattr(ours, a) if a else None, getattr(base, b) if b else None) for label, a, b in _COST_ROWS
+    ]
+
+
+def _header(plan: ShardingPlan) -> list[str]:
+    R, N = plan.mesh_shape
+    n_mat = sum(p.num_matrices for p in plan.params)
+    numel = sum(p.numel for p in plan.params)
+    dtypes = sorted({p.dtype for p in plan.params})
+    fallback = [b.fqn for b in plan.boundaries if b.fallback]
+    weights = plan.owned_weight
+    mean = sum(weights) / len(weights)
+    return [
+        f"{mode_name(plan)} sharding plan: mesh (R={R}, N={N}) = {R * N} ranks, cost_model={plan.cost_model}, "
+        f"align={plan.align_numel} elements",
+        f"wire dtypes: param={plan.param_dtype or 'storage'} reduce={plan.reduce_dtype or plan.param_dtype or 'storage'}"
+        f"; replicate_async={plan.replicate_async}",
+        f"model digest {plan.model_digest[:12]}  plan fingerprint {plan.fingerprint()[:12]}",
+        f"dedicated: {len(plan.params):,} params ({n_mat:,} matrices), {numel:,} elements, dtypes {', '.join(dtypes) or '-'}",
+        f"boundaries: {len(plan.boundaries):,} ({len(fallback)} fallback"
+        + (f": {', '.join(fallback[:5])}{' ...' if len(fallback) > 5 else ''}" if fallback else "")
+        + ")",
+        f"LPT load ({plan.cost_model}): max {max(weights, default=0):,} <= bound {plan.balance_bound:,.0f} "
+        f"(total/ranks + largest); max/mean {max(weights, default=0) / mean if mean else 0:.3f}",
+    ]
+
+
+def render_summary(plan: ShardingPlan, *, max_rows: int = 16) -> str:
+    """Plain-text summary table (see module docstring); at most ``max_rows`` rank rows."""
+    lines = _header(plan)
+    lines.append("")
+    lines.append(f"{'per rank, per step':<24}{'min':>16}{'mean':>18}{'max':>16}{'FSDP2+naive':>16}")
+    for field, lo, mean, hi, base in _stat_rows(plan):
+        f = lambda v: _fmt_field(field, v)  # noqa: E731
+        lines.append(f"{field:<24}{f(lo):>16}{f(mean):>18}{f(hi):>16}{f(base):>16}")
+    lines.append("")
+    lines.append(f"{'bytes per step, all ranks':<34}{'dmuon':>20}{'FSDP2+naive':>20}")
+    for label, ours, base in _cost_rows(plan):
+        a = fmt_nbytes(ours) if ours is not None else "-"
+        b = fmt_nbytes(base) if base is not None else "-"
+        lines.append(f"{label:<34}{a:>20}{b:>20}")
+    base_total = plan.baseline_cost.total_nbytes
+    if base_total:
+        lines.append(f"{'saving vs FSDP2+naive':<34}{100.0 * (1 - plan.cost.total_nbytes / base_total):>19.1f}%")
+    lines.append("")
+    stats = sorted(plan.rank_stats(), key=lambda r: (-r.owned_numel, r.rank))
+    counts = [0] * plan.world_size
+    for o in plan.owners:
+        counts[o.rank] += 1
+    N = plan.mesh_shape[1]
+    shown = stats[:max_rows]
+    lines.append(f"ranks by owned elements ({len(shown)} of {len(stats)}):")
+    lines.append(f"{'rank':>6}{'shard':>7}{'repl':>6}{'params':>8}{'owned elements':>18}{'comm/step':>14}{'NS/step':>16}")
+    for r in shown:
+        lines.append(
+            f"{r.rank:>6}{r.rank % N:>7}{r.rank // N:>6}{counts[r.rank]:>8}{r.owned_numel:>18,}"
+            f"{fmt_nbytes(r.comm_nbytes):>14}{fmt_flops(r.ns_flops):>16}"
+        )
+    return "\n".join(lines)
+
+
+def render_html(plan: ShardingPlan) -> str:
+    """HTML version of :func:`render_summary` for notebooks."""
+    esc = html.escape
+    parts = ["<div class='dmuon-plan'>"]
+    parts += [f"<div>{esc(line)}</div>" for line in _header(plan)]
+    parts.append("<table><tr><th>per rank</th><th>min</th><th>mean</th><th>max</th><th>FSDP2+naive</th></tr>")
+    for field, lo, mean, hi, base in _stat_rows(plan):
+        parts.append(
+            f"<tr><td>{esc(field)}</td><td>{_fmt_field(field, lo)}</td><td>{_fmt_field(field, mean)}</td>"
+            f"<td>{_fmt_field(field, hi)}</td><td>{_fmt_field(field, base)}</td></tr>"
+        )
+    parts.append("</table>")
+    parts.append("<table><tr><th>bytes per step, all ranks</th><th>dmuon</th><th>FSDP2+naive</th></tr>")
+    for label, ours, base in _cost_rows(plan):
+        parts.append(
+            f"<tr><td>{esc(label)}</td><td>{_fmt(ours) if ours is not None else '-'}</td>"
+            f"<td>{_fmt(base) if base is not None else '-'}</td></tr>"
+        )
+    parts.append("</table></div>")
+    return "".join(parts)

@@ -1,0 +1,186 @@
+"""Which parameters are dedicated (get one Muon owner), their matrix views and boundaries.
+
+Default selection (``predicate=None``): every 2-D parameter that resolves to a hook boundary
+(:mod:`dmuon.plan.boundaries`) and is not the ``weight`` of an ``nn.Embedding`` /
+``nn.EmbeddingBag`` under ANY of its aliases (so a tied ``lm_head``/``embed_tokens`` pair is
+never dedicated). Conv weights and 3-D expert stacks are selected only by a user predicate (or
+:func:`matrix_predicate`).
+
+Matrix view of a selected parameter of shape ``shape`` (the ``(m, n)`` matrices Muon
+orthogonalises, Jordan et al. 2024):
+
+* 2-D ``(m, n)``: ``matrix_shape=(m, n)``, ``num_matrices=1``;
+* ``nn.Conv1d/2d/3d`` weight ``(out, in/groups, *k)`` (canonical alias's module):
+  ``matrix_shape=(out, in/groups * prod(k))``, ``num_matrices=1``;
+* other 3-D ``(E, m, n)`` (expert stack): ``matrix_shape=(m, n)``, ``num_matrices=E``;
+* anything else (0-D, 1-D, ``nn.ConvTranspose*d`` weights whose first dim is the input
+  channel, non-conv 4-D+): undefined -> ``ValueError`` if selected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .boundaries import BoundaryResolver, Resolution
+from .snapshot import ModelSnapshot, ModuleKind, ParamRecord, take_snapshot
+
+__all__ = ["Selected", "matrix_view", "select_params", "matrix_predicate"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Selected:
+    """A dedicated parameter with its view and boundary (internal to compile)."""
+
+    record: ParamRecord
+    matrix_shape: tuple[int, int]
+    num_matrices: int
+    boundary: str
+    fallback: bool
+
+
+def matrix_view(record: ParamRecord) -> tuple[tuple[int, int], int] | None:
+    """``((m, n), num_matrices)`` of ``record`` per the module docstring, or None if undefined."""
+    shape = record.shape
+    kind = record.module_kinds[0]
+    if len(shape) == 2:
+        return (shape[0], shape[1]), 1
+    if kind == ModuleKind.CONV and len(shape) >= 3:
+        return (shape[0], math.prod(shape[1:])), 1
+    if kind == ModuleKind.CONV_TRANSPOSE:
+        return None
+    if len(shape) == 3:
+        return (shape[1], shape[2]), shape[0]
+    return None
+
+
+def _view_error(record: ParamRecord) -> str:
+    kind = record.module_kinds[0]
+    if record.ndim < 2:
+        why = f"is {record.ndim}-D (shape {record.shape}); Muon needs matrices"
+    elif kind == ModuleKind.CONV_TRANSPOSE:
+        why = f"is a ConvTranspose weight (shape {record.shape}, first dim = input channels); no matrix view is defined"
+    else:
+        why = f"is {record.ndim}-D (shape {record.shape}) and not an nn.Conv1d/2d/3d weight; no matrix view is defined"
+    return f"  {record.fqn}: {why}"
+
+
+def _default_candidate(record: ParamRecord) -> bool:
+    return record.ndim == 2 and not record.is_embedding_weight
+
+
+def select_params(
+    snapshot: ModelSnapshot,
+    *,
+    predicate: Callable[[str, torch.Tensor], bool] | None,
+    hook_boundary_predicate: Callable[[nn.Module], bool] | None,
+    hook_boundary_strict: bool,
+) -> tuple[Selected, ...]:
+    """Dedicated parameters of ``snapshot`` in ``named_parameters()`` order.
+
+    Args:
+        predicate: ``(canonical_fqn, parameter) -> bool``; None = the default rule.
+        hook_boundary_predicate: see :class:`~dmuon.plan.boundaries.BoundaryResolver`.
+        hook_boundary_strict: raise for a dedicated parameter without a boundary; if False,
+            fall back to the parameter's own module (``fallback=True``).
+
+    Raises:
+        ValueError: (checked in this order, each listing every offending parameter)
+            a selected parameter has no matrix view (0-D/1-D/ConvTranspose/4-D+ non-conv);
+            a selected tied parameter resolves to different boundaries under its aliases;
+            ``hook_boundary_strict`` and a selected parameter has no boundary.
+    """
+    resolver = BoundaryResolver(snapshot.modules, hook_boundary_predicate)
+    chosen: list[tuple[ParamRecord, Resolution]] = []
+    for record in snapshot.params:
+        if predicate is None:
+            if not _default_candidate(record):
+                continue
+            res = resolver.resolve(record)
+            if res.boundary is None and not res.conflict:
+                continue  # default rule: only parameters inside a hook boundary
+            chosen.append((record, res))
+        elif predicate(record.fqn, record.tensor):
+            chosen.append((record, resolver.resolve(record)))
+
+    view_errors = [_view_error(r) for r, _ in chosen if matrix_view(r) is None]
+    if view_errors:
+        raise ValueError(
+            "dmuon.plan.compile: the predicate selected parameters without a matrix view:\n"
+            + "\n".join(view_errors)
+            + "\nFix: exclude them in predicate (e.g. `lambda fqn, p: p.ndim == 2 and ...`); they stay "
+            "with FSDP2 and AdamW. Defined views: 2-D (m, n); nn.Conv1d/2d/3d weight (out, in, *k) -> "
+            "(out, in*prod(k)); 3-D expert stack (E, m, n) -> E matrices (m, n)."
+        )
+
+    conflicts = [res.conflict_message(r) for r, res in chosen if res.conflict]
+    if conflicts:
+        raise ValueError("dmuon.plan.compile: " + "\n".join(conflicts))
+
+    missing = [r for r, res in chosen if res.boundary is None]
+    if missing and hook_boundary_strict:
+        lines = "\n".join(f"  {r.fqn} (module {r.module_fqn or '<root>'})" for r in missing)
+        raise ValueError(
+            f"dmuon.plan.compile: {len(missing)} dedicated parameter(s) have no hook-boundary ancestor:\n"
+            f"{lines}\n"
+            "Fix one of: pass hook_boundary_predicate=lambda module: <is a block> (the innermost "
+            "matching ancestor is used); exclude them via predicate; or pass "
+            "hook_boundary_strict=False to use each parameter's own module as its boundary."
+        )
+    # Non-strict fallback: the parameter's own module must serve every alias.
+    tied_fallback = [r for r in missing if len(set(r.module_fqns)) > 1]
+    if tied_fallback:
+        raise ValueError(
+            "dmuon.plan.compile: tied parameter(s) without a hook boundary are used by different "
+            "modules, so no single own-module fallback serves them: "
+            + ", ".join(f"{r.fqn} (aliases {', '.join(r.aliases)})" for r in tied_fallback)
+            + ". Exclude them via predicate or pass a hook_boundary_predicate covering all uses."
+        )
+
+    out: list[Selected] = []
+    for record, res in chosen:
+        (m, n), e = matrix_view(record)  # type: ignore[misc]
+        fallback = res.boundary is None
+        out.append(
+            Selected(
+                record=record,
+                matrix_shape=(m, n),
+                num_matrices=e,
+                boundary=record.module_fqn if fallback else res.boundary,  # type: ignore[arg-type]
+                fallback=fallback,
+            )
+        )
+    return tuple(out)
+
+
+def matrix_predicate(
+    model: nn.Module,
+    *,
+    hook_boundary_predicate: Callable[[nn.Module], bool] | None = None,
+) -> Callable[[str, torch.Tensor], bool]:
+    """A ``predicate`` for :func:`dmuon.plan.compile` that selects every parameter with a
+    defined matrix view (2-D, conv weight, 3-D expert stack) that is inside a hook boundary and
+    not an embedding weight: the default rule extended to conv and expert-stack views.
+
+    Evaluated against a snapshot of ``model`` taken now (pure; the model is not mutated).
+    """
+    snapshot = take_snapshot(model)
+    resolver = BoundaryResolver(snapshot.modules, hook_boundary_predicate)
+    keep: set[str] = set()
+    for r in snapshot.params:
+        if r.is_embedding_weight or r.ndim < 2 or matrix_view(r) is None:
+            continue
+        res = resolver.resolve(r)
+        if res.boundary is not None or res.conflict:  # conflicts are reported by compile
+            keep.add(r.fqn)
+
+    frozen = frozenset(keep)
+
+    def predicate(fqn: str, param: torch.Tensor) -> bool:
+        return fqn in frozen
+
+    return predicate

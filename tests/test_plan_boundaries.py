@@ -1,0 +1,269 @@
+"""Hook-boundary resolution and parameter selection (boundaries.py, selection.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import dmuon.plan as P
+from dmuon.plan.boundaries import ancestors, heuristic_boundary
+
+
+def tree(params: dict[str, tuple[int, ...]], special: dict[str, nn.Module] | None = None) -> nn.Module:
+    """A meta model holding exactly ``params`` (FQN -> shape) under generic nn.Modules; modules at
+    the FQNs in ``special`` are given instances (e.g. nn.Conv2d) instead of generic ones."""
+    special = special or {}
+    with torch.device("meta"):
+        root = nn.Module()
+        for path, mod in special.items():
+            _ensure(root, path, mod)
+        for fqn, shape in params.items():
+            mod_path, _, attr = fqn.rpartition(".")
+            owner = _ensure(root, mod_path, None)
+            if attr not in dict(owner.named_parameters(recurse=False)):
+                owner.register_parameter(attr, nn.Parameter(torch.empty(shape)))
+    return root
+
+
+def _ensure(root: nn.Module, path: str, leaf: nn.Module | None) -> nn.Module:
+    mod = root
+    if not path:
+        return mod
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        child = mod._modules.get(part)
+        if child is None:
+            child = leaf if (leaf is not None and i == len(parts) - 1) else nn.Module()
+            mod.add_module(part, child)
+        mod = child
+    return mod
+
+
+# --------------------------------------------------------------------------- heuristic
+
+
+@pytest.mark.parametrize(
+    "param, boundary",
+    [
+        ("model.layers.3.self_attn.q_proj.weight", "model.layers.3"),  # Llama / Qwen
+        ("model.layers.3.mlp.experts.7.w1", "model.layers.3"),  # MoE experts below a layer
+        ("layers.0.mlp.0.weight", "layers.0"),  # nn.Sequential mlp inside a layer
+        ("transformer.h.11.attn.c_attn.weight", "transformer.h.11"),  # GPT-2
+        ("encoder.layer.5.attention.self.query.weight", "encoder.layer.5"),  # BERT
+        ("blocks.4.mlp.fc1.weight", "blocks.4"),  # ViT / timm
+        ("encoder.block.0.layer.1.DenseReluDense.wi.weight", "encoder.block.0"),  # T5
+        ("decoder.block.2.layer.0.SelfAttention.q.weight", "decoder.block.2"),  # T5 decoder
+        ("stages.1.blocks.2.mlp.fc1.weight", "stages.1.blocks.2"),  # Swin / ConvNeXt
+        ("features.3.conv.weight", "features.3"),  # fallback: outermost <name>.<int>
+        ("trunk.0.sub.4.weight", "trunk.0"),  # fallback picks the OUTERMOST
+        ("0.weight", "0"),  # nn.Sequential root: bare <int>
+    ],
+)
+def test_heuristic_architectures(param, boundary):
+    module_fqn = param.rpartition(".")[0]
+    assert heuristic_boundary(module_fqn) == boundary
+    # and through compile, on a model with exactly that path
+    plan = P.compile(tree({param: (4, 4)}), 2)
+    assert plan.boundary(param) == boundary
+    assert plan.boundaries[0].fqn == boundary and not plan.boundaries[0].fallback
+
+
+@pytest.mark.parametrize("module_fqn", ["", "encoder", "lm_head", "model.norm", "layers", "layers.x"])
+def test_heuristic_none(module_fqn):
+    assert heuristic_boundary(module_fqn) is None
+
+
+def test_ancestors():
+    assert ancestors("a.b.c") == ("", "a", "a.b", "a.b.c")
+    assert ancestors("") == ("",)
+
+
+def test_default_selection_llama_like():
+    plan = P.compile(P.presets.tiny_llama(), 4)
+    assert len(plan.dedicated) == 4 * 7
+    assert all(f.startswith("model.layers.") and f.endswith("_proj.weight") for f in plan.dedicated)
+    # excluded: embedding, lm_head (no boundary), RMSNorm weights (1-D)
+    for f in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.input_layernorm.weight"):
+        assert not plan.is_dedicated(f)
+    assert [b.fqn for b in plan.boundaries] == [f"model.layers.{i}" for i in range(4)]
+
+
+# --------------------------------------------------------------------------- predicate boundaries
+
+
+def test_hook_boundary_predicate_picks_innermost():
+    model = tree(
+        {"stack.a.inner.w": (4, 4), "stack.a.v": (4, 4), "stack.b.w": (4, 4)},
+    )
+    marked = {model.stack, model.stack.a, model.stack.a.inner}
+    plan = P.compile(
+        model,
+        2,
+        predicate=lambda fqn, p: p.ndim == 2,
+        hook_boundary_predicate=lambda m: m in marked,
+    )
+    assert plan.boundary("stack.a.inner.w") == "stack.a.inner"  # own module matches: innermost
+    assert plan.boundary("stack.a.v") == "stack.a"
+    assert plan.boundary("stack.b.w") == "stack"  # stack.b not marked -> next ancestor
+    assert [b.fqn for b in plan.boundaries] == ["stack", "stack.a", "stack.a.inner"]
+
+
+def test_hook_boundary_predicate_root():
+    model = tree({"w": (4, 4)})
+    plan = P.compile(model, 2, predicate=lambda f, p: True, hook_boundary_predicate=lambda m: m is model)
+    assert plan.boundary("w") == ""
+
+
+def test_hook_boundary_predicate_by_type():
+    plan = P.compile(
+        P.presets.tiny_llama(),
+        2,
+        hook_boundary_predicate=lambda m: type(m).__name__ in ("LlamaAttention", "LlamaMLP"),
+    )
+    assert plan.boundary("model.layers.1.self_attn.k_proj.weight") == "model.layers.1.self_attn"
+    assert plan.boundary("model.layers.1.mlp.down_proj.weight") == "model.layers.1.mlp"
+    assert len(plan.boundaries) == 8
+
+
+# --------------------------------------------------------------------------- strict / fallback
+
+
+def test_strict_error_lists_every_param_and_fixes():
+    model = P.presets.tiny_llama()
+    with pytest.raises(ValueError) as info:
+        P.compile(model, 2, predicate=lambda fqn, p: p.ndim == 2 and "embed" not in fqn)
+    msg = str(info.value)
+    assert "lm_head.weight" in msg
+    assert "1 dedicated parameter(s) have no hook-boundary ancestor" in msg
+    for fix in ("hook_boundary_predicate", "predicate", "hook_boundary_strict=False"):
+        assert fix in msg
+
+    model = tree({"a.w": (2, 2), "b.w": (2, 2), "layers.0.w": (2, 2)})
+    with pytest.raises(ValueError) as info:
+        P.compile(model, 2, predicate=lambda fqn, p: True)
+    assert "a.w" in str(info.value) and "b.w" in str(info.value) and "2 dedicated" in str(info.value)
+
+
+def test_non_strict_fallback_to_own_module():
+    model = P.presets.tiny_llama()
+    plan = P.compile(
+        model,
+        2,
+        predicate=lambda fqn, p: p.ndim == 2 and "embed" not in fqn,
+        hook_boundary_strict=False,
+    )
+    assert plan.boundary("lm_head.weight") == "lm_head"
+    b = plan.boundary_record("lm_head.weight")
+    assert b.fallback is True
+    assert not plan.boundary_record("model.layers.0.mlp.up_proj.weight").fallback
+    assert "1 fallback: lm_head" in plan.summary()
+    assert [x.fqn for x in plan.boundaries][-1] == "lm_head"  # named_modules order
+
+
+# --------------------------------------------------------------------------- selection and views
+
+
+def test_one_d_selected_raises_naming_fqn():
+    model = P.presets.tiny_llama()
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.input_layernorm\.weight: is 1-D") as info:
+        P.compile(model, 2, predicate=lambda fqn, p: fqn.startswith("model.layers.0."))
+    assert "exclude them in predicate" in str(info.value)
+
+
+def test_zero_d_selected_raises():
+    model = tree({"layers.0.scale": ()})
+    with pytest.raises(ValueError, match=r"layers\.0\.scale: is 0-D"):
+        P.compile(model, 2, predicate=lambda f, p: True)
+
+
+def test_conv_view():
+    with torch.device("meta"):
+        conv = nn.Conv2d(3, 8, kernel_size=(3, 5), bias=False)  # weight (8, 3, 3, 5)
+        conv1 = nn.Conv1d(4, 6, kernel_size=2, bias=False)  # weight (6, 4, 2): 3-D but conv
+    model = tree({}, special={"blocks.0.conv": conv, "blocks.0.conv1": conv1})
+    plan = P.compile(model, 2, predicate=lambda f, p: True)
+    spec = plan.param("blocks.0.conv.weight")
+    assert (spec.shape, spec.matrix_shape, spec.num_matrices) == ((8, 3, 3, 5), (8, 45), 1)
+    spec1 = plan.param("blocks.0.conv1.weight")
+    assert (spec1.matrix_shape, spec1.num_matrices) == ((6, 8), 1)
+    # default predicate: only 2-D -> conv weights not selected; an empty plan is valid
+    empty = P.compile(model, 2)
+    assert empty.params == () and empty.boundaries == ()
+    assert empty.cost.total_nbytes == 0 and empty.owned_numel == (0, 0)
+    assert "dedicated: 0 params" in empty.summary()
+
+
+def test_default_predicate_skips_conv_and_experts():
+    model = P.presets.tiny_moe()
+    plan = P.compile(model, 2)
+    assert not any(".experts." in f for f in plan.dedicated)
+    assert plan.is_dedicated("layers.0.mlp.gate.weight")  # router (E, hidden) is 2-D
+
+
+def test_expert_stack_view():
+    model = P.presets.tiny_moe()  # experts.w1/w3 (4, 48, 32), w2 (4, 32, 48)
+    plan = P.compile(model, 4, predicate=P.matrix_predicate(model))
+    spec = plan.param("layers.1.mlp.experts.w2")
+    assert (spec.shape, spec.matrix_shape, spec.num_matrices, spec.numel) == ((4, 32, 48), (32, 48), 4, 6144)
+    assert plan.boundary("layers.1.mlp.experts.w2") == "layers.1"
+    # ns_flops weights count each expert matrix: 4 * 5 * (4*32*32*48 + 2*32**3)
+    from dmuon.plan.cost import ns_flops
+
+    assert ns_flops(32, 48, num_matrices=4) == 4 * 5 * (4 * 32 * 32 * 48 + 2 * 32**3)
+    assert ns_flops(48, 32) == ns_flops(32, 48)
+    assert "embed.weight" not in plan.dedicated and "lm_head.weight" not in plan.dedicated
+
+
+def test_four_d_non_conv_and_conv_transpose_raise():
+    model = tree({"layers.0.w": (2, 3, 4, 5)})
+    with pytest.raises(ValueError, match=r"layers\.0\.w: is 4-D .* not an nn\.Conv1d/2d/3d weight"):
+        P.compile(model, 2, predicate=lambda f, p: True)
+    with torch.device("meta"):
+        deconv = nn.ConvTranspose1d(4, 6, kernel_size=3, bias=False)  # weight (4, 6, 3)
+    model = tree({}, special={"layers.0.up": deconv})
+    with pytest.raises(ValueError, match=r"layers\.0\.up\.weight: is a ConvTranspose weight"):
+        P.compile(model, 2, predicate=lambda f, p: True)
+
+
+# --------------------------------------------------------------------------- ties
+
+
+def test_tied_embedding_is_excluded_under_every_alias():
+    model = P.presets.tiny_llama(tie_embeddings=True)
+    # lm_head.weight IS model.embed_tokens.weight: not dedicated, even if a predicate ignores it
+    plan = P.compile(model, 2)
+    assert not plan.is_dedicated("lm_head.weight")
+
+
+def test_tied_within_one_boundary_accepts_any_alias():
+    model = tree({"layers.0.a.w": (4, 4), "layers.0.b.v": (3, 4)})
+    model.layers.get_submodule("0").b.w = model.layers.get_submodule("0").a.w  # alias inside the same boundary
+    plan = P.compile(model, 2)
+    assert plan.dedicated == ("layers.0.a.w", "layers.0.b.v")
+    spec = plan.param("layers.0.b.w")
+    assert spec.fqn == "layers.0.a.w"
+    assert spec.aliases == ("layers.0.a.w", "layers.0.b.w")
+    assert plan.owner("layers.0.b.w") == plan.owner("layers.0.a.w")
+    assert plan.boundary("layers.0.b.w") == "layers.0"
+
+
+def test_tied_across_boundaries_raises_naming_it():
+    model = tree({"layers.0.w": (4, 4), "layers.1.v": (4, 4)})
+    model.layers.get_submodule("1").w = model.layers.get_submodule("0").w
+    with pytest.raises(ValueError, match=r"tied parameter 'layers\.0\.w'.*layers\.1\.w -> layers\.1") as info:
+        P.compile(model, 2)
+    assert "predicate=lambda fqn, p: fqn != 'layers.0.w'" in str(info.value)
+    # excluding it via predicate works
+    plan = P.compile(model, 2, predicate=lambda fqn, p: fqn != "layers.0.w")
+    assert plan.dedicated == ("layers.1.v",)
+
+
+def test_unknown_fqn_keyerror_names_closest():
+    plan = P.compile(P.presets.tiny_llama(), 2)
+    with pytest.raises(KeyError, match=r"closest: model\.layers\.1\.mlp\.up_proj\.weight"):
+        plan.owner("model.layers.1.mlp.up_proj.wieght")
+    with pytest.raises(KeyError):
+        plan.boundary("nope")
+    with pytest.raises(KeyError):
+        plan.param("model.embed_tokens.weight")

@@ -1,0 +1,61 @@
+"""CLI functions behind `python -m dmuon plan` / `python -m dmuon diff` (dmuon/plan/cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from dmuon.plan import ShardingPlan
+from dmuon.plan.cli import main_diff, main_plan, parse_mesh
+
+
+def test_parse_mesh():
+    assert parse_mesh("8") == 8
+    assert parse_mesh("2x8") == (2, 8)
+    for bad in ("0", "2x", "x8", "2x3x4", "eight"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_mesh(bad)
+
+
+def test_plan_prints_summary_and_writes_json(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    assert main_plan(["--model", "tiny-llama", "--mesh", "2x2", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "DMuon-Z3 HSDP sharding plan: mesh (R=2, N=2)" in out
+    assert f"wrote {path}" in out
+    plan = ShardingPlan.from_json(path.read_text())
+    assert plan.mesh_shape == (2, 2) and len(plan.dedicated) == 28
+
+
+def test_plan_options(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    rc = main_plan(
+        ["--model", "tiny-moe", "--mesh", "4", "--z2", "--cost-model", "ns_flops", "--all-matrices",
+         "--param-dtype", "bfloat16", "--reduce-dtype", "float32", "--json", str(path)]
+    )
+    assert rc == 0
+    plan = ShardingPlan.from_json(path.read_text())
+    assert not plan.reshard_after_forward and plan.cost_model == "ns_flops"
+    assert (plan.param_dtype, plan.reduce_dtype) == ("torch.bfloat16", "torch.float32")
+    assert plan.is_dedicated("layers.0.mlp.experts.w1")
+    assert "DMuon-Z2" in capsys.readouterr().out
+
+
+def test_plan_rejects_unknown_model(capsys):
+    with pytest.raises(SystemExit):
+        main_plan(["--model", "gpt-17", "--mesh", "8"])
+    assert "python -m dmuon plan" in capsys.readouterr().err
+
+
+def test_diff(tmp_path, capsys):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    main_plan(["--model", "tiny-llama", "--mesh", "4", "--json", str(a)])
+    main_plan(["--model", "tiny-llama", "--mesh", "8", "--json", str(b)])
+    capsys.readouterr()
+    assert main_diff([str(a), str(a)]) == 0
+    assert "PlanDiff: no differences" in capsys.readouterr().out
+    assert main_diff([str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "owner(s) moved" in out and "setting mesh_shape: (1, 4) -> (1, 8)" in out
+    assert main_diff([str(a), str(b), "--exit-code"]) == 1
