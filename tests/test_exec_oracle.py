@@ -96,11 +96,17 @@ def _worker(cases, mesh_shape=None, replicate_async=True):
             t = loss.detach().clone()
             dist.all_reduce(t)
             losses.append(t.item() / world)
-        with torch.no_grad():
-            lm_loss(model, global_batches(1, seed=9)[0].chunk(world)[rank])
-        storage["after_no_grad_forward"] = _non_held_storage_nbytes(model)
+        # read through the state-dict API right after step(): waits for pending replicate broadcasts
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         full = {k: v.detach().clone() for k, v in full.items()}
+        # the next forward never uses a stale replica: same input -> same output on every rank
+        probe = global_batches(1, seed=9)[0][:2, :-1]
+        with torch.no_grad():
+            logits = model(probe)
+        storage["after_no_grad_forward"] = _non_held_storage_nbytes(model)
+        gathered = [torch.empty_like(logits) for _ in range(world)]
+        dist.all_gather(gathered, logits)
+        same_output_everywhere = all(torch.equal(gathered[0], g) for g in gathered)
         out.append(
             dict(
                 plan_json=plan.to_json(),
@@ -108,6 +114,7 @@ def _worker(cases, mesh_shape=None, replicate_async=True):
                 ledgers=ledgers,
                 ns_calls=ns_calls,
                 storage=storage,
+                same_output_everywhere=same_output_everywhere,
                 full=full if rank == 0 else None,
             )
         )
@@ -176,6 +183,7 @@ def _check_against_oracle(results, cases, label):
             ), where
         # non-owners hold no full-size storage for dedicated matrices
         for r in per_rank:
+            assert r["same_output_everywhere"], where
             assert r["storage"]["after_no_grad_forward"] == 0, where
             assert r["storage"]["after_step"] == 0, where
             if z3:
