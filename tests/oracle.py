@@ -68,12 +68,49 @@ class TwoMatrixNet(nn.Module):
         return self.head(x)
 
 
+class GatedBlock(nn.Module):
+    """Data-parallel corner cases in one boundary.
+
+    ``extra`` is used only by the data-parallel rank ``gate_rank`` (no gradient on the others:
+    they must still take part in the reduce, with zeros), ``never`` is used by no rank (every
+    rank's flag is 0: Muon skips it, no decay), ``shared`` is applied twice in one forward
+    (one reduce of the summed gradient).
+    """
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.fc = nn.Linear(d, d, bias=False)
+        self.shared = nn.Linear(d, d, bias=False)
+        self.extra = nn.Linear(d, d, bias=False)
+        self.never = nn.Linear(d, d, bias=False)
+        self.rank = 0
+        self.gate_rank = 0
+
+    def forward(self, x):
+        h = torch.tanh(self.shared(torch.tanh(self.shared(self.fc(x)))))
+        if self.rank == self.gate_rank:
+            h = h + self.extra(x)
+        return x + h
+
+
+class GatedLM(TinyLM):
+    def __init__(self, vocab: int = 11, d: int = 8, n_layers: int = 2):
+        super().__init__(vocab, d, n_layers)
+        self.layers = nn.ModuleList(GatedBlock(d) for _ in range(n_layers))
+
+    def set_rank(self, rank: int) -> None:
+        for layer in self.layers:
+            layer.rank = rank
+
+
 def make_model(kind: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     if kind == "tiny":
         return TinyLM()
     if kind == "two":
         return TwoMatrixNet()
+    if kind == "gated":
+        return GatedLM()
     raise ValueError(kind)
 
 
@@ -115,10 +152,15 @@ def fp32_newton_schulz():
         m._zeropower_via_newtonschulz = orig
 
 
-def reference_run(model: nn.Module, dedicated: set[str], batches, *, ns_fp32: bool, hp=HP):
+def reference_run(model: nn.Module, dedicated: set[str], batches, *, ns_fp32: bool, hp=HP, world: int = 1):
     """Single process, global batch: Muon on ``dedicated`` FQNs, AdamW on the rest.
 
-    Returns (losses, state_dict of the final model).
+    A model with ``set_rank`` (data-dependent per-rank behaviour) gets the loss of the
+    data-parallel job it stands for: the mean over ``world`` slices of the global batch, slice
+    ``r`` computed with ``set_rank(r)``.
+
+    Returns (losses, state_dict of the final model, Newton-Schulz calls per step), where the
+    last counts the dedicated matrices that had a gradient (torch.optim.Muon skips the others).
     """
     model = copy.deepcopy(model)
     muon_params = [p for n, p in model.named_parameters() if n in dedicated]
@@ -127,15 +169,23 @@ def reference_run(model: nn.Module, dedicated: set[str], batches, *, ns_fp32: bo
         muon_params, lr=hp["lr"], weight_decay=hp["weight_decay"], momentum=hp["momentum"], nesterov=hp["nesterov"]
     )
     adamw = torch.optim.AdamW(adamw_params, lr=hp["adamw_lr"], weight_decay=hp["adamw_weight_decay"])
-    losses = []
+    losses, ns_calls = [], []
     ctx = fp32_newton_schulz() if ns_fp32 else contextlib.nullcontext()
     with ctx:
         for batch in batches:
-            loss = lm_loss(model, batch)
+            if hasattr(model, "set_rank"):
+                parts = []
+                for r, chunk in enumerate(batch.chunk(world)):
+                    model.set_rank(r)
+                    parts.append(lm_loss(model, chunk))
+                loss = torch.stack(parts).mean()
+            else:
+                loss = lm_loss(model, batch)
             loss.backward()
+            ns_calls.append(sum(p.grad is not None for p in muon_params))
             muon.step()
             adamw.step()
             muon.zero_grad()
             adamw.zero_grad()
             losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, ns_calls

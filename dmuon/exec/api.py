@@ -44,8 +44,7 @@ def _validate(plan, model: nn.Module, mesh) -> None:
             "torch.distributed.init_process_group(...) first (use world size 1 for a single process)"
         )
     fsdp2.check_not_fully_sharded(model)
-    if getattr(model, _RUNTIME_ATTR, None) is not None:
-        raise ValueError("dmuon: this model already has dedicated parameters; apply a plan only once")
+    _check_not_applied(model)
     shape = _mesh_shape(mesh)
     if tuple(plan.mesh_shape) != shape:
         raise ValueError(
@@ -70,6 +69,14 @@ def _validate(plan, model: nn.Module, mesh) -> None:
                 f"dmuon: parameter {spec.fqn!r} is on the meta device; materialise the model "
                 "(to_empty + init) before dmuon.exec.apply"
             )
+
+
+def _check_not_applied(model: nn.Module) -> None:
+    if getattr(model, _RUNTIME_ATTR, None) is not None:
+        raise ValueError(
+            "dmuon: this model already has dedicated parameters (dedicate_params/apply was called "
+            "before); call it once per model"
+        )
 
 
 def _check_same_plan_everywhere(plan) -> None:
@@ -138,7 +145,13 @@ def dedicate_params(
     """
     from dmuon import plan as _plan
 
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "dmuon.dedicate_params needs an initialised default process group: call "
+            "torch.distributed.init_process_group(...) first (use world size 1 for a single process)"
+        )
     fsdp2.check_not_fully_sharded(model)
+    _check_not_applied(model)
     compile_mesh = mesh if mesh is not None else dist.get_world_size()
     plan = _plan.compile(
         model,

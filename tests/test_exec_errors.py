@@ -1,0 +1,90 @@
+"""Bad input to ``dmuon.exec.apply`` / ``dedicate_params`` fails loudly, before any collective.
+
+One 2-rank process group runs every case; each case returns the exception type and message
+seen on each rank, so the test checks that every rank raised the same clear error (a rank that
+raised while another went on into a collective would hang the job, and the timeout would fail
+the test).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from oracle import make_model
+
+
+def _catch(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def _error_cases():
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon
+
+    rank = dist.get_rank()
+    out = {}
+
+    model = make_model("tiny")
+    fully_shard(model.layers[0])
+    out["fully_shard_first"] = _catch(lambda: dmuon.dedicate_params(model))
+
+    model = make_model("tiny")
+    plan4 = dmuon.plan.compile(model, 4)
+    out["mesh_mismatch"] = _catch(lambda: dmuon.exec.apply(plan4, model))
+
+    model = make_model("tiny")
+    plan = dmuon.plan.compile(model, 2)
+    model.layers[1].fc1 = nn.Linear(8, 40)
+    out["model_changed"] = _catch(lambda: dmuon.exec.apply(plan, model))
+
+    model = make_model("tiny")
+    plan = dmuon.plan.compile(model, 2, reshard_after_forward=(rank == 0))
+    out["plans_differ"] = _catch(lambda: dmuon.exec.apply(plan, model))
+
+    model = make_model("tiny")
+    out["predicate_1d"] = _catch(lambda: dmuon.dedicate_params(model, predicate=lambda fqn, p: fqn.startswith("layers.0")))
+
+    model = make_model("tiny")
+    dmuon.dedicate_params(model)
+    out["applied_twice"] = _catch(lambda: dmuon.dedicate_params(model))
+    dist.barrier()
+    return out
+
+
+def test_bad_input_errors_on_every_rank():
+    results = run_distributed(_error_cases, 2, timeout_s=120)
+    assert results[0].keys() == results[1].keys()
+    for case in results[0]:
+        assert results[0][case] == results[1][case], case  # same error everywhere
+    r = results[0]
+    assert r["fully_shard_first"][0] == "ValueError"
+    assert "BEFORE fully_shard" in r["fully_shard_first"][1]
+    assert r["mesh_mismatch"][0] == "ValueError" and "(1, 4)" in r["mesh_mismatch"][1]
+    assert r["model_changed"][0] == "ValueError" and "recompile" in r["model_changed"][1]
+    assert r["plans_differ"][0] == "RuntimeError" and "different plans" in r["plans_differ"][1]
+    assert r["predicate_1d"][0] == "ValueError" and "layers.0.norm.weight" in r["predicate_1d"][1]
+    assert r["applied_twice"][0] == "ValueError"
+
+
+def test_apply_without_process_group():
+    import torch.distributed as dist
+
+    import dmuon
+
+    assert not dist.is_initialized()
+    model = make_model("tiny")
+    plan = dmuon.plan.compile(model, 1)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        dmuon.exec.apply(plan, model)
+    # nothing was modified: parameters are still the model's own full tensors
+    assert all(not hasattr(p, "_dmuon") for p in model.parameters())
+    assert model.layers[0].fc1.weight.shape == torch.Size([36, 8])

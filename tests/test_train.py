@@ -1,0 +1,219 @@
+"""The main job (dmuon.train): data, model, and short real training runs on 2 CPU ranks.
+
+Distributed runs use tests/dist_utils.run_distributed and call ``dmuon.train.run`` inside the
+already-initialised group, several cases per process group; one test goes through the real
+command line (``python -m dmuon train``, which spawns its own processes).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO_ROOT, SHARED_DATA
+from dist_utils import run_distributed
+
+from dmuon.train.data import (
+    DEFAULT_CORPUS_NBYTES,
+    Corpus,
+    decode,
+    encode,
+    stdlib_corpus,
+    unigram_cross_entropy,
+)
+from dmuon.train.launch import parse_args
+from dmuon.train.loop import lr_factor
+from dmuon.train.model import GPT, GPTConfig, lm_loss
+
+SHAKESPEARE = SHARED_DATA / "tinyshakespeare.txt"
+needs_shakespeare = pytest.mark.skipif(
+    not SHAKESPEARE.exists(), reason=f"{SHAKESPEARE} not found (../shared/data beside the checkout)"
+)
+
+# A model small enough for 30 steps on 2 cores in a few seconds.
+SMALL = dict(d_model=64, n_layers=2, n_heads=4, d_mlp=256, seq_len=64, batch=16,
+             eval_batch=16, eval_batches=4, quiet=True)
+# 30 steps on tinyshakespeare: val loss must end below the unigram baseline.
+LEARN = dict(SMALL, steps=30, eval_every=30, data=str(SHAKESPEARE), log_every=10)
+# 6 steps without LR decay, fp32 Newton-Schulz: compared across world sizes 1 and 2.
+SHORT = dict(SMALL, steps=6, eval_every=6, cooldown_frac=0.0, ns_dtype="fp32", log_every=1)
+
+
+def _train_cases(cases):
+    """Every rank: ``dmuon.train.run`` on each config, in this process group."""
+    from dmuon.train import run
+
+    return [run(c) for c in cases]
+
+
+# -- data ---------------------------------------------------------------------------------
+
+
+def test_byte_tokenizer_round_trip():
+    text = "héllo, wörld — ∑\n"
+    ids = encode(text)
+    assert ids.dtype == np.uint8 and ids.shape == (len(text.encode("utf-8")),)
+    assert decode(ids) == text
+    assert decode(torch.from_numpy(ids)) == text
+
+
+def test_stdlib_corpus_is_deterministic_and_capped():
+    a = stdlib_corpus(max_nbytes=200_000)
+    assert len(a) == 200_000 and a == stdlib_corpus(max_nbytes=200_000)
+    assert b"def " in a and b"import " in a
+    assert len(stdlib_corpus()) <= DEFAULT_CORPUS_NBYTES
+
+
+def test_global_batch_is_independent_of_world_size():
+    tokens = encode(bytes(range(256)) * 40)
+    c = Corpus.from_tokens(tokens, seq_len=16, seed=3)
+    for step in (0, 7):
+        x1, y1 = c.train_batch(step, 8)
+        assert x1.shape == (8, 16) and x1.dtype == torch.int64
+        for world in (2, 4, 8):
+            parts = [c.train_batch(step, 8, r, world) for r in range(world)]
+            assert torch.equal(torch.cat([p[0] for p in parts]), x1)
+            assert torch.equal(torch.cat([p[1] for p in parts]), y1)
+    # targets are inputs shifted by one token (the data is 0..255 repeated)
+    assert torch.equal((x1 + 1) % 256, y1)
+    assert not torch.equal(c.train_batch(0, 8)[0], c.train_batch(1, 8)[0])
+    v1 = c.val_batches(3, 8)
+    v4 = [c.val_batches(3, 8, r, 4) for r in range(4)]
+    for i in range(3):
+        assert torch.equal(torch.cat([v[i][0] for v in v4]), v1[i][0])
+    with pytest.raises(ValueError, match="multiple of the world size"):
+        c.train_batch(0, 6, 0, 4)
+
+
+def test_split_and_unigram_baseline():
+    tokens = encode(b"ab" * 500)
+    c = Corpus.from_tokens(tokens, seq_len=8, val_fraction=0.1)
+    assert c.train.size == 900 and c.val.size == 100
+    # p(a) = p(b) = 451/902 (add-one smoothing over 256 bytes): close to ln 2
+    expected = -math.log(451 / (900 + 256))
+    assert c.unigram_val_loss == pytest.approx(expected)
+    assert unigram_cross_entropy(c.train, c.val) == pytest.approx(expected)
+    with pytest.raises(ValueError, match="too small"):
+        Corpus.from_tokens(encode(b"abc" * 5), seq_len=8)
+
+
+# -- model --------------------------------------------------------------------------------
+
+
+def test_model_names_init_and_causality():
+    cfg = GPTConfig(d_model=32, n_layers=2, n_heads=4, d_mlp=64, seq_len=16)
+    m = GPT(cfg, seed=1)
+    names = dict(m.named_parameters())
+    for i in range(2):
+        for sub in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj",
+                    "mlp.up_proj", "mlp.down_proj"):
+            assert names[f"layers.{i}.{sub}.weight"].ndim == 2
+    assert names["layers.0.mlp.up_proj.weight"].shape == (64, 32)
+    assert not any(n.endswith(".bias") for n in names)
+    assert set(names) >= {"embed.weight", "pos_embed.weight", "norm.weight", "lm_head.weight"}
+    # deterministic from the seed, independent of the global RNG
+    torch.manual_seed(123)
+    same = GPT(cfg, seed=1)
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), same.parameters()))
+    other = GPT(cfg, seed=2)
+    assert not torch.equal(m.layers[0].attn.q_proj.weight, other.layers[0].attn.q_proj.weight)
+    # causal: changing the last token leaves earlier logits unchanged
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    x2 = x.clone()
+    x2[:, -1] = (x2[:, -1] + 1) % 256
+    with torch.no_grad():
+        a, b = m(x), m(x2)
+    assert a.shape == (2, 16, 256)
+    assert torch.allclose(a[:, :-1], b[:, :-1], atol=1e-6)
+    assert not torch.allclose(a[:, -1], b[:, -1])
+    assert lm_loss(a, x).item() == pytest.approx(math.log(256), rel=0.05)  # near-uniform at init
+    meta = GPT(cfg, device="meta")
+    assert all(p.is_meta for p in meta.parameters())
+
+
+def test_lr_schedule_and_flags():
+    assert [lr_factor(s, 10, 0, 0.2) for s in range(10)] == [1] * 8 + [1.0, 0.5]
+    assert lr_factor(0, 10, 4, 0.0) == 0.25 and lr_factor(5, 10, 4, 0.0) == 1.0
+    args = parse_args([])
+    assert (args.nproc, args.device, args.optimizer, args.mode) == (2, "cpu", "dmuon", "z3")
+    args = parse_args(["--mode", "z2", "--optimizer", "adamw", "--ns-dtype", "bf16"])
+    assert (args.mode, args.optimizer, args.ns_dtype) == ("z2", "adamw", "bf16")
+
+
+# -- real runs on 2 ranks --------------------------------------------------------------------
+
+
+def _check_learns(m: dict, *, below_unigram: bool) -> None:
+    assert m["world_size"] == 2 and m["steps"] == 30 and len(m["history"]["train"]) == 30
+    assert all(math.isfinite(loss) for _, loss in m["history"]["train"])
+    assert m["initial_val_loss"] == pytest.approx(math.log(256), rel=0.05)
+    assert m["final_val_loss"] < m["first_train_loss"] - 1.0, m
+    if below_unigram:
+        assert m["final_val_loss"] < m["unigram_val_loss"] - 0.2, m
+
+
+@needs_shakespeare
+def test_dmuon_run_learns_and_ledger_matches_plan():
+    """dmuon.Muon (Z3 then Z2), 30 steps on tinyshakespeare: val loss ends below the unigram
+    baseline and far below the first loss; the measured ledger bytes per step equal the plan's
+    total, and Z2 moves 2/3 of Z3's bytes (DESIGN.md section 1)."""
+    z3, z2 = run_distributed(
+        _train_cases, 2, [dict(LEARN, mode="z3"), dict(LEARN, mode="z2", steps=3)],
+        timeout_s=240,
+    )[0]
+    _check_learns(z3, below_unigram=True)
+    assert z3["plan_total_nbytes"] > 0
+    assert z3["ledger_nbytes_per_step"] == z3["plan_total_nbytes"]
+    assert sum(z3["plan_per_rank_nbytes"]) == z3["plan_total_nbytes"]
+    assert z2["ledger_nbytes_per_step"] == z2["plan_total_nbytes"]
+    assert 3 * z2["plan_total_nbytes"] == 2 * z3["plan_total_nbytes"]
+
+
+@needs_shakespeare
+def test_adamw_baseline_runs():
+    (m,) = run_distributed(_train_cases, 2, [dict(LEARN, optimizer="adamw")], timeout_s=240)[0]
+    _check_learns(m, below_unigram=False)
+    assert m["optimizer"] == "adamw" and m["ledger_nbytes_per_step"] is None
+    assert m["plan_total_nbytes"] is None
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "dmuon"])
+def test_world_size_invariance(optimizer):
+    """The global batch does not depend on N: 1 and 2 ranks give the same losses (up to
+    reduction order; fp32 Newton-Schulz), on the embedded stdlib corpus."""
+    case = dict(SHORT, optimizer=optimizer)
+    (one,) = run_distributed(_train_cases, 1, [case], timeout_s=240)[0]
+    (two,) = run_distributed(_train_cases, 2, [case], timeout_s=240)[0]
+    assert one["world_size"] == 1 and two["world_size"] == 2
+    assert one["initial_val_loss"] == pytest.approx(two["initial_val_loss"], rel=1e-6)
+    l1 = [loss for _, loss in one["history"]["train"]]
+    l2 = [loss for _, loss in two["history"]["train"]]
+    assert len(l1) == len(l2) == 6
+    np.testing.assert_allclose(l2, l1, rtol=1e-6)
+    assert two["final_val_loss"] == pytest.approx(one["final_val_loss"], rel=1e-6)
+
+
+def test_cli_end_to_end(tmp_path):
+    """``python -m dmuon train`` spawns its 2 ranks itself and writes --json."""
+    out = tmp_path / "metrics.json"
+    cmd = [
+        sys.executable, "-m", "dmuon", "train", "--optimizer", "adamw", "--steps", "3",
+        "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--d-mlp", "64",
+        "--seq-len", "32", "--batch", "4", "--eval-batch", "4", "--eval-batches", "1",
+        "--eval-every", "3", "--log-every", "1", "--json", str(out),
+    ]
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "unigram baseline" in proc.stdout and "summary:" in proc.stdout
+    assert "python stdlib sources" in proc.stdout
+    m = json.loads(out.read_text())
+    assert m["world_size"] == 2 and m["steps"] == 3 and m["optimizer"] == "adamw"
+    assert math.isfinite(m["final_val_loss"]) and m["tokens_per_s"] > 0
