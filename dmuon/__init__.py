@@ -7,14 +7,18 @@
 * :mod:`dmuon.exec` — execution: ``dmuon.exec.apply(plan, model, mesh=None)``.
 * :func:`dedicate_params` — compile + apply; returns the plan.
 * :class:`Muon` — Muon on dedicated matrices (owner only) + AdamW on everything else.
+* :func:`no_sync` — gradient accumulation without communication.
+* :func:`clip_grad_norm_` — global gradient-norm clipping with owner-held gradients counted once.
 """
 
 from . import plan
 from . import exec  # noqa: A004 - the public sub-package name is fixed by the API
 from .exec import fsdp2 as _fsdp2
 from .exec.api import dedicate_params
+from .exec.clip import clip_grad_norm_
 from .exec.optim import Muon
+from .exec.runtime import no_sync
 
 _fsdp2.install()
 
-__all__ = ["plan", "exec", "dedicate_params", "Muon"]
+__all__ = ["plan", "exec", "dedicate_params", "Muon", "no_sync", "clip_grad_norm_"]

@@ -103,6 +103,25 @@ class GatedLM(TinyLM):
             layer.rank = rank
 
 
+class CheckpointedBlock(Block):
+    """``torch.utils.checkpoint`` (non-reentrant) around the MLP inside the boundary."""
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.norm(x)
+        x = x + checkpoint(lambda t: self.fc2(F.gelu(self.fc1(t))), h, use_reentrant=False)
+        return x + self.out(torch.tanh(self.gate(h)))
+
+
+class TiedLM(TinyLM):
+    """``head.weight is embed.weight``; vocabulary 11 is divisible by neither 2 nor 3."""
+
+    def __init__(self):
+        super().__init__(vocab=11, d=8, n_layers=2)
+        self.head.weight = self.embed.weight
+
+
 def make_model(kind: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     if kind == "tiny":
@@ -111,6 +130,18 @@ def make_model(kind: str, seed: int = 0) -> nn.Module:
         return TwoMatrixNet()
     if kind == "gated":
         return GatedLM()
+    if kind == "ckpt":
+        model = TinyLM(n_layers=2)
+        model.layers = nn.ModuleList(CheckpointedBlock() for _ in range(2))
+        return model
+    if kind == "ckpt_wrapper":
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        model = TinyLM(n_layers=2)
+        model.layers = nn.ModuleList(checkpoint_wrapper(Block()) for _ in range(2))
+        return model
+    if kind == "tied":
+        return TiedLM()
     raise ValueError(kind)
 
 

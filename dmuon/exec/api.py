@@ -93,7 +93,7 @@ def _check_same_plan_everywhere(plan) -> None:
         )
 
 
-def apply(plan, model: nn.Module, mesh=None) -> DmuonRuntime:
+def apply(plan, model: nn.Module, mesh=None, *, collective_timeout_s: float | None = None) -> DmuonRuntime:
     """Install owners, placeholders and hooks for ``plan`` on ``model`` (every rank calls it).
 
     Args:
@@ -101,6 +101,9 @@ def apply(plan, model: nn.Module, mesh=None) -> DmuonRuntime:
         model: the full, materialised model, identical on every rank (as before ``fully_shard``).
         mesh: a ``DeviceMesh`` of the plan's shape (2-D: ``("replicate", "shard")``); ``None``
             = a 1-D mesh over the world.
+        collective_timeout_s: a dmuon collective not complete within this many seconds raises
+            :class:`~dmuon.exec.collectives.CollectiveTimeout` naming the boundary and phase
+            (``None``: wait forever, as torch does up to the process group's own timeout).
 
     Returns:
         the :class:`~dmuon.exec.runtime.DmuonRuntime` (also at ``model._dmuon_runtime``).
@@ -119,6 +122,7 @@ def apply(plan, model: nn.Module, mesh=None) -> DmuonRuntime:
     _check_same_plan_everywhere(plan)
     groups = MeshGroups.build(mesh)
     runtime = DmuonRuntime(plan, model, groups, _device_of(model, plan))
+    runtime.timeout_s = collective_timeout_s
     object.__setattr__(model, _RUNTIME_ATTR, runtime)
     from . import checkpoint
 
@@ -136,6 +140,7 @@ def dedicate_params(
     hook_boundary_strict: bool = True,
     replicate_async: bool = True,
     mp_policy=None,
+    collective_timeout_s: float | None = None,
     **compile_kwargs,
 ):
     """``dmuon.plan.compile`` + :func:`apply`; returns the plan (DESIGN.md §2).
@@ -164,7 +169,7 @@ def dedicate_params(
         mp_policy=mp_policy,
         **compile_kwargs,
     )
-    apply(plan, model, mesh)
+    apply(plan, model, mesh, collective_timeout_s=collective_timeout_s)
     return plan
 
 

@@ -42,7 +42,9 @@ the matrix.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import warnings
 import weakref
 from typing import Any, Callable
 
@@ -53,7 +55,7 @@ import torch.nn as nn
 
 from . import collectives as C
 
-__all__ = ["DedicatedInfo", "MeshGroups", "DmuonRuntime", "wait_pending", "after_step", "get_runtime"]
+__all__ = ["DedicatedInfo", "MeshGroups", "DmuonRuntime", "wait_pending", "after_step", "get_runtime", "no_sync"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -239,6 +241,7 @@ class _BoundaryRuntime:
         self.pending_backward = 0  # grad-enabled forwards whose backward has not finished
         self.installed = False
         self.unsharded = False
+        self._checked_fsdp_policy = False
         self.handles: list = []
 
     # -- storage ---------------------------------------------------------------------------
@@ -265,7 +268,7 @@ class _BoundaryRuntime:
                         seg.wire, src=seg.src_rank, group=rt.groups.shard_group, phase=phase, async_op=True
                     )
                 )
-        C.wait_all(works, what=f"boundary {self.fqn!r} {phase}")
+        C.wait_all(works, what=f"boundary {self.fqn!r} {phase}", timeout_s=rt.timeout_s)
         self.unsharded = True
 
     def _reshard(self) -> None:
@@ -305,6 +308,8 @@ class _BoundaryRuntime:
 
     def pre_forward(self, module, args, kwargs):
         rt = self.runtime_ref()
+        if not self._checked_fsdp_policy:
+            self._check_fsdp_policy(module)
         rt.wait_replicate_broadcasts(self)
         self._unshard("forward_broadcast")
         self._install()
@@ -325,6 +330,32 @@ class _BoundaryRuntime:
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, self._on_pre_backward, mode="any")
         return output
+
+    def _check_fsdp_policy(self, module) -> None:
+        """Report a ``fully_shard`` mixed-precision policy that differs from the plan's."""
+        self._checked_fsdp_policy = True
+        state = _fsdp_state(module)
+        policy = getattr(state, "_mp_policy", None)
+        if policy is None:
+            return
+        plan = self.runtime_ref().plan
+        theirs = (_dtype_name(policy.param_dtype), _dtype_name(policy.reduce_dtype))
+        ours = (plan.param_dtype, plan.reduce_dtype)
+        if theirs != ours:
+            warnings.warn(
+                f"dmuon: fully_shard({self.fqn or '<root>'}) uses mp_policy param_dtype/reduce_dtype "
+                f"{theirs} but dmuon's plan uses {ours} for the dedicated matrices of this boundary; "
+                "pass the same MixedPrecisionPolicy to dmuon.dedicate_params(..., mp_policy=...)",
+                stacklevel=2,
+            )
+
+    def _gradient_sync(self) -> bool:
+        """``dmuon.no_sync`` / FSDP2's ``set_requires_gradient_sync(False)`` defer the reduce."""
+        if not self.runtime_ref().requires_gradient_sync:
+            return False
+        state = _fsdp_state(self.module)
+        groups = getattr(state, "_fsdp_param_groups", None) or ()
+        return all(getattr(g, "reduce_grads", True) for g in groups)
 
     def _register_post_backward(self, args, kwargs):
         leaves, spec = optree.tree_flatten((args, kwargs))
@@ -350,18 +381,21 @@ class _BoundaryRuntime:
         self.pending_backward -= 1
         if self.pending_backward > 0:
             return
-        self.pending_backward = 0
-        self._restore()
-        self._launch_reduce()
-        self._reshard()
+        self._finish()
 
     def finish_backward(self) -> None:
-        """Called from the final callback: reduce if the post-backward trigger never fired."""
+        """Called from the final callback: finish if the post-backward trigger never fired."""
         if self.pending_backward > 0:
-            self.pending_backward = 0
-            self._restore()
+            self._finish()
+
+    def _finish(self) -> None:
+        self.pending_backward = 0
+        self._restore()
+        if self._gradient_sync():
             self._launch_reduce()
-            self._reshard()
+        # else: no_sync micro-batch: every rank keeps its full local gradient in the compute
+        # parameters' .grad (autograd accumulates the next micro-batch into it)
+        self._reshard()
 
     # -- gradient reduce -------------------------------------------------------------------
 
@@ -401,6 +435,8 @@ class DmuonRuntime:
         self.pending_reduces: list = []
         self.pending_replicate: dict[int, list] = {}
         self._final_callback_queued = False
+        self.requires_gradient_sync = True
+        self.timeout_s: float | None = None
         self.model_ref = weakref.ref(model)
         self._build(model)
 
@@ -469,7 +505,11 @@ class DmuonRuntime:
                                     master.untyped_storage(), off, spec.shape, strides
                                 )
                             else:
-                                logical = torch.empty(0, dtype=param_dtype, device=self.device)
+                                # zero rows, the other dims kept: nn.init / reset_parameters see the
+                                # true fan-in and run (as no-ops) on non-holders after to_empty
+                                logical = torch.empty(
+                                    (0, *spec.shape[1:]), dtype=param_dtype, device=self.device
+                                )
                             logical = nn.Parameter(logical, requires_grad=orig.requires_grad)
                             compute = nn.Parameter(
                                 torch.empty(0, dtype=wire_dtype, device=self.device).set_(
@@ -522,6 +562,10 @@ class DmuonRuntime:
             self.boundaries.append(br)
         self.slots_by_fqn = {s.fqn: s for b in self.boundaries for s in b.slots}
         self.shard_of_fqn = {s.fqn: seg.shard for b in self.boundaries for seg in b.segments for s in seg.slots}
+        # checkpoint / materialisation bookkeeping (dmuon.exec.checkpoint, dmuon.exec.materialize)
+        self.infos = {s.fqn: s.logical._dmuon for s in self.slots_by_fqn.values()}
+        self.state_dict_mesh = None  # DeviceMesh of the state-dict DTensors, built on first use
+        self.replicas_stale = False  # HSDP: holders may disagree (set by to_empty & co.)
 
     # -- backward bookkeeping --------------------------------------------------------------
 
@@ -547,7 +591,7 @@ class DmuonRuntime:
         pending, self.pending_reduces = self.pending_reduces, []
         if not pending:
             return
-        C.wait_all((w for *_, w in pending), what="gradient reduce")
+        C.wait_all((w for *_, w in pending), what="gradient reduce (post-backward)", timeout_s=self.timeout_s)
         me = dist.get_rank()
         g = self.groups
         if g.shape[0] > 1:
@@ -562,7 +606,7 @@ class DmuonRuntime:
                             part, dst=sub.owner_rank, group=g.replicate_group, phase="replicate_reduce", async_op=True
                         )
                     )
-            C.wait_all(works, what="replicate gradient reduce")
+            C.wait_all(works, what="replicate gradient reduce (post-backward)", timeout_s=self.timeout_s)
         for boundary, seg, buf, _ in pending:
             if not seg.held:
                 continue
@@ -591,7 +635,7 @@ class DmuonRuntime:
         for key in keys:
             works = self.pending_replicate.pop(key, None)
             if works:
-                C.wait_all(works, what="replicate broadcast")
+                C.wait_all(works, what="replicate broadcast (after step)", timeout_s=self.timeout_s)
 
     def after_step(self) -> None:
         """HSDP: each owner broadcasts its updated sub-segments to its replicate peers.
@@ -618,7 +662,7 @@ class DmuonRuntime:
             if self.replicate_async:
                 self.pending_replicate[id(b)] = works
             else:
-                C.wait_all(works, what=f"boundary {b.fqn!r} replicate broadcast")
+                C.wait_all(works, what=f"boundary {b.fqn!r} replicate broadcast", timeout_s=self.timeout_s)
 
     def after_load(self) -> None:
         """After ``load_state_dict`` wrote new masters on every holder (nothing to communicate)."""
@@ -628,6 +672,159 @@ class DmuonRuntime:
             for h in b.handles:
                 h.remove()
             b.handles.clear()
+
+    # -- storage binding and state access (dmuon.exec.materialize, dmuon.exec.checkpoint) --
+
+    @torch.no_grad()
+    def rebind_storage(self, boundaries=None) -> bool:
+        """Bind segment storage to where the logical parameters are now (after ``Module._apply``).
+
+        ``model.to_empty(device=d)``, ``model.to(d)`` and every other ``Module._apply`` give each
+        logical parameter new storage (``param.data = fn(param)``), which cuts the link between a
+        holder's logical parameters and its segment ``master``. For every segment of
+        ``boundaries`` (default: all) whose storage no longer matches:
+
+        * held: a new 1-D ``master`` on the parameters' device, each logical parameter's current
+          value copied into its slice (nothing copied from ``meta``), the logical parameter
+          re-pointed at that slice; ``wire`` is the master again (or a new wire-dtype buffer
+          under mixed precision); compute parameters re-pointed at ``wire``;
+        * not held: a new ``wire`` on that device whose storage is released again at once
+          (building the compute views allocates the segment for a moment, as a forward
+          broadcast does), so non-holders keep no dedicated storage.
+
+        Local (no collective). Tags lost by ``torch.utils.swap_tensors``
+        (``torch.__future__.set_swap_module_params_on_conversion(True)``) are restored.
+        Returns True when anything was re-bound.
+
+        Raises:
+            RuntimeError: a boundary is between its forward and its backward, or the logical
+                parameters of one segment ended up on different devices.
+            ValueError: a parameter's dtype changed (the plan fixes dtypes; cast before planning).
+        """
+        changed = False
+        for b in self.boundaries if boundaries is None else boundaries:
+            if b.installed or b.pending_backward > 0:
+                raise RuntimeError(
+                    f"dmuon: boundary {b.fqn!r} is between its forward and its backward; move or "
+                    "re-create the model's storage (to_empty / to) only between training steps"
+                )
+            for seg in b.segments:
+                changed |= self._rebind_segment(seg)
+        if changed:
+            devices = {seg.wire.device for b in self.boundaries for seg in b.segments}
+            if len(devices) == 1:
+                device = devices.pop()
+                if device != self.device:
+                    self.device = device
+                    self.state_dict_mesh = None
+        return changed
+
+    def _rebind_segment(self, seg: _Segment) -> bool:
+        for slot in seg.slots:
+            if getattr(slot.logical, "_dmuon", None) is None:
+                slot.logical._dmuon = self.infos[slot.fqn]
+        devices = {slot.logical.device for slot in seg.slots}
+        if len(devices) != 1:
+            raise RuntimeError(
+                f"dmuon: the dedicated parameters {[s.fqn for s in seg.slots]} of one packed segment "
+                f"are on different devices {sorted(map(str, devices))}; move whole hook boundaries"
+            )
+        device = devices.pop()
+        for slot in seg.slots:
+            if slot.logical.dtype != seg.param_dtype:
+                raise ValueError(
+                    f"dmuon: dedicated parameter {slot.fqn!r} became {slot.logical.dtype}, the plan says "
+                    f"{seg.param_dtype}; change dtypes before planning (or use mp_policy)"
+                )
+        wire_dtype = seg.wire.dtype
+        if seg.held:
+            storage = seg.master.untyped_storage()._cdata
+            if seg.master.device == device and all(
+                slot.logical.untyped_storage()._cdata == storage for slot in seg.slots
+            ):
+                return False
+            master = torch.zeros(seg.numel, dtype=seg.param_dtype, device=device)
+            for slot in seg.slots:
+                view = master[slot.offset_in_seg : slot.offset_in_seg + slot.numel].view(slot.shape)
+                if slot.logical.device.type != "meta":
+                    view.copy_(slot.logical.detach().reshape(slot.shape))
+                slot.logical.data = view
+            wire = master if wire_dtype == seg.param_dtype else torch.zeros(seg.numel, dtype=wire_dtype, device=device)
+            seg.master, seg.wire, seg.resident = master, wire, True
+            for slot in seg.slots:
+                slot.compute.data = wire[slot.offset_in_seg : slot.offset_in_seg + slot.numel].view(slot.shape)
+            return True
+        if seg.wire.device == device:
+            return False
+        wire = torch.empty(seg.numel, dtype=wire_dtype, device=device)
+        for slot in seg.slots:
+            slot.compute.data = torch.empty(0, dtype=wire_dtype, device=device).set_(
+                wire.untyped_storage(), slot.offset_in_seg, slot.shape, _contiguous_strides(slot.shape)
+            )
+        wire.untyped_storage().resize_(0)
+        seg.wire, seg.resident = wire, False
+        return True
+
+    def check_materialized(self, what: str) -> None:
+        """Raise a clear error while the dedicated storage is still on the ``meta`` device."""
+        if any(seg.wire.device.type == "meta" for b in self.boundaries for seg in b.segments):
+            raise RuntimeError(
+                f"dmuon: {what}: the dedicated parameters are still on the meta device; call "
+                "model.to_empty(device=...) and initialise the model first (e.g. dmuon.init_params(model), "
+                "or load a checkpoint; see docs/checkpointing.md)"
+            )
+
+    def check_idle(self, what: str) -> None:
+        """Raise unless every boundary is between steps (no forward awaiting its backward)."""
+        busy = [b.fqn for b in self.boundaries if b.installed or b.pending_backward > 0]
+        if busy:
+            raise RuntimeError(
+                f"dmuon: {what} while boundaries {busy[:3]} are between their forward and backward; "
+                "load checkpoints between training steps"
+            )
+
+    def sync_replicas(self) -> None:
+        """HSDP: broadcast every owner's value to its replicate peers when they may disagree.
+
+        Runs only when :attr:`replicas_stale` is set, i.e. after a ``Module._apply`` on the model
+        (``to_empty`` followed by a per-rank initialisation leaves replicas with their own
+        values); a collective over each replicate group, charged to the ledger as ``"other"``.
+        The flag is set on every rank by the same call, so all ranks agree on running it.
+        """
+        if not self.replicas_stale:
+            return
+        self.replicas_stale = False
+        if self.groups.shape[0] == 1:
+            return
+        self.check_materialized("synchronising HSDP replicas")
+        self.wait_replicate_broadcasts()
+        works = []
+        for b in self.boundaries:
+            for seg in b.segments:
+                if not seg.held:
+                    continue
+                for sub in seg.subs:
+                    part = seg.master[sub.offset_in_seg : sub.offset_in_seg + sub.numel]
+                    works.append(
+                        C.broadcast(part, src=sub.owner_rank, group=self.groups.replicate_group, phase="other", async_op=True)
+                    )
+        C.wait_all(works, what="HSDP replica sync after materialisation", timeout_s=getattr(self, "timeout_s", None))
+
+    def prepare_state_access(self, what: str) -> None:
+        """Before reading or writing masters through the state-dict API (collective in HSDP)."""
+        self.check_materialized(what)
+        self.sync_replicas()
+        self.wait_replicate_broadcasts()
+
+
+def _fsdp_state(module):
+    """FSDP2 state of ``module`` if ``fully_shard`` was applied to it, else ``None``."""
+    get = getattr(module, "_get_fsdp_state", None)
+    return get() if get is not None else None
+
+
+def _dtype_name(dtype) -> str | None:
+    return None if dtype is None else str(dtype)
 
 
 def _contiguous_strides(shape) -> tuple[int, ...]:
@@ -668,3 +865,30 @@ def after_step(params) -> None:
     """Post-step work of every runtime owning one of ``params`` (HSDP replicate broadcast)."""
     for rt in _runtimes(params):
         rt.after_step()
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module):
+    """Defer gradient reduces (dmuon's and FSDP2's) for the backward passes inside the context.
+
+    Gradient accumulation without communication: every rank keeps its full local gradient of
+    every dedicated matrix (+ the dedicated bytes of memory on non-owners) and FSDP2 keeps its
+    unsharded gradients; the first backward outside the context reduces the accumulated sum
+    once. Without the context each micro-batch reduces and owners accumulate the averages
+    (traffic x micro-batches, no extra memory). Either way the optimizer step runs one
+    Newton-Schulz per matrix. FSDP2's ``set_requires_gradient_sync(False)`` is honoured too.
+    """
+    rt = getattr(model, "_dmuon_runtime", None)
+    if rt is None:
+        raise ValueError("dmuon.no_sync: the model has no dedicated parameters (call dmuon.dedicate_params first)")
+    fsdp = getattr(model, "set_requires_gradient_sync", None)
+    prev = rt.requires_gradient_sync
+    rt.requires_gradient_sync = False
+    if fsdp is not None:
+        fsdp(False)
+    try:
+        yield
+    finally:
+        rt.requires_gradient_sync = prev
+        if fsdp is not None:
+            fsdp(True)

@@ -3,7 +3,8 @@
 Default selection (``predicate=None``): every 2-D parameter that resolves to a hook boundary
 (:mod:`dmuon.plan.boundaries`) and is not the ``weight`` of an ``nn.Embedding`` /
 ``nn.EmbeddingBag`` under ANY of its aliases (so a tied ``lm_head``/``embed_tokens`` pair is
-never dedicated). Conv weights and 3-D expert stacks are selected only by a user predicate (or
+never dedicated), and requires a gradient (a frozen matrix stays with FSDP2, which never reduces
+or updates it; a predicate that selects one raises ``ValueError``). Conv weights and 3-D expert stacks are selected only by a user predicate (or
 :func:`matrix_predicate`).
 
 Matrix view of a selected parameter of shape ``shape`` (the ``(m, n)`` matrices Muon
@@ -70,7 +71,7 @@ def _view_error(record: ParamRecord) -> str:
 
 
 def _default_candidate(record: ParamRecord) -> bool:
-    return record.ndim == 2 and not record.is_embedding_weight
+    return record.ndim == 2 and not record.is_embedding_weight and bool(record.tensor.requires_grad)
 
 
 def select_params(
@@ -106,6 +107,15 @@ def select_params(
             chosen.append((record, res))
         elif predicate(record.fqn, record.tensor):
             chosen.append((record, resolver.resolve(record)))
+
+    frozen = [r.fqn for r, _ in chosen if not r.tensor.requires_grad]
+    if frozen:
+        raise ValueError(
+            "dmuon.plan.compile: the predicate selected frozen parameters (requires_grad=False): "
+            + ", ".join(frozen)
+            + "\nFix: exclude them in predicate (e.g. `lambda fqn, p: p.requires_grad and ...`); Muon "
+            "has nothing to update in a frozen matrix, and FSDP2 shards it without reducing gradients."
+        )
 
     view_errors = [_view_error(r) for r, _ in chosen if matrix_view(r) is None]
     if view_errors:

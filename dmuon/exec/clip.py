@@ -1,0 +1,78 @@
+"""``dmuon.clip_grad_norm_``: the global gradient norm with owner-held gradients counted once."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+__all__ = ["clip_grad_norm_"]
+
+
+def clip_grad_norm_(model_or_params, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip gradients in place by the global ``norm_type`` norm; return that norm (every rank).
+
+    The result equals ``torch.nn.utils.clip_grad_norm_`` in one process over the full model
+    (up to reduction order). Gradients fall into three kinds, each counted once:
+
+    * dedicated matrices: the full averaged gradient lives on its owner only (``p._dmuon``
+      with ``is_owner``), so owners' local sums are summed over the world (one all-reduce of a
+      scalar; HSDP replicas hold no gradient);
+    * FSDP2 ``DTensor`` gradients: ``torch.nn.utils.get_total_norm`` over the DTensors, then
+      ``full_tensor()`` (DTensor reduces over shards and de-duplicates replicas);
+    * plain tensors (replicated, identical on every rank): counted locally.
+
+    Every rank must call it (it runs collectives), after ``backward()`` and before ``step()``.
+
+    Args:
+        model_or_params: an ``nn.Module`` or an iterable of parameters (placeholders included).
+        max_norm: maximum norm; gradients are scaled by ``min(1, max_norm / (norm + 1e-6))``,
+            the coefficient ``torch.nn.utils.clip_grad_norm_`` uses.
+        norm_type: ``p`` of the p-norm (``float("inf")`` for the max norm).
+
+    Returns:
+        the total norm as a 0-d float32 tensor, identical on every rank.
+    """
+    from torch.distributed.tensor import DTensor
+
+    params = model_or_params.parameters() if isinstance(model_or_params, nn.Module) else model_or_params
+    owned, dtensors, plain = [], [], []
+    for p in params:
+        if p.grad is None:
+            continue
+        info = getattr(p, "_dmuon", None)
+        if info is not None:
+            if info.is_owner:
+                owned.append(p.grad)
+        elif isinstance(p.grad, DTensor):
+            dtensors.append(p.grad)
+        else:
+            plain.append(p.grad)
+    norm_type = float(norm_type)
+    inf = math.isinf(norm_type)
+    device = next((g.device for g in owned + plain), torch.device("cpu"))
+
+    def local(grads) -> torch.Tensor:
+        if not grads:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        n = torch.nn.utils.get_total_norm(grads, norm_type).float()
+        return n if inf else n.pow(norm_type)
+
+    owned_part = local(owned)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(owned_part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+    parts = [owned_part, local(plain).to(owned_part.device)]
+    if dtensors:
+        n = torch.nn.utils.get_total_norm(dtensors, norm_type)
+        n = (n.full_tensor() if isinstance(n, DTensor) else n).float().to(owned_part.device)
+        parts.append(n if inf else n.pow(norm_type))
+    stacked = torch.stack(parts)
+    total = stacked.max() if inf else stacked.sum().pow(1.0 / norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in owned + plain:
+        g.mul_(coef.to(g.device, g.dtype))
+    for g in dtensors:
+        g.mul_(coef.item())
+    return total
