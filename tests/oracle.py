@@ -142,6 +142,16 @@ def make_model(kind: str, seed: int = 0) -> nn.Module:
         return model
     if kind == "tied":
         return TiedLM()
+    if kind == "frozen":
+        model = TinyLM(n_layers=2)
+        model.layers[0].fc1.weight.requires_grad_(False)  # stays with FSDP2: never reduced or updated
+        model.layers[1].gate.weight.requires_grad_(False)
+        return model
+    if kind == "compiled":
+        model = TinyLM(n_layers=2)
+        for layer in model.layers:  # in place: FQNs unchanged, hooks stay on layers.N
+            layer.compile(backend="aot_eager")
+        return model
     raise ValueError(kind)
 
 

@@ -13,6 +13,8 @@ One process group per mesh runs every case (N = 2, N = 3, HSDP (2, 1)):
 * tied embedding / lm_head with a vocabulary divisible by neither N;
 * mixed precision (bf16 params, fp32 reduce): owners keep fp32 masters, finite values, ledger ==
   plan in the wire dtypes, and the run matches a bf16-compute oracle within a stated bound;
+* frozen (``requires_grad=False``) matrices: not dedicated, never reduced or updated;
+* blocks compiled with ``torch.compile`` (``module.compile()``, in place) behind the hooks;
 * a collective timeout names the boundary and the phase.
 
 Tolerances: fp32 Newton-Schulz everywhere (DESIGN.md contract: 1e-6 relative on losses, 1e-4
@@ -46,6 +48,8 @@ CASES = [
     dict(name="clip", kind="tiny", z3=True, clip=0.05),
     dict(name="tied", kind="tied", z3=True),
     dict(name="mixed_precision", kind="tiny", z3=True, mp=True),
+    dict(name="frozen", kind="frozen", z3=True),
+    dict(name="torch_compile", kind="compiled", z3=True),
 ]
 HSDP_CASES = [c for c in CASES if c["name"] in ("gas_no_sync", "clip", "ckpt_z3")]
 
@@ -235,6 +239,12 @@ def _check(results, cases, label):
                 assert tuple(per) == tuple(cost.per_rank_nbytes), where
             assert sum(r["ns_calls"][step] for r in per_rank) == len(plan.dedicated), where
         assert all(r["masters_fp32"] for r in per_rank), where
+        if case["kind"] == "frozen":
+            frozen = {"layers.0.fc1.weight", "layers.1.gate.weight"}
+            assert not frozen & set(plan.dedicated), where
+            init = make_model("frozen").state_dict()
+            for k in frozen:
+                assert torch.equal(full[k], init[k]), (where, k)
 
 
 @pytest.mark.parametrize("world", [2, 3])
