@@ -241,38 +241,52 @@ class _BoundaryRuntime:
         self.pending_backward = 0  # grad-enabled forwards whose backward has not finished
         self.installed = False
         self.unsharded = False
+        self._inflight: list = []  # posted, not yet waited-for broadcasts (prefetch)
+        self._inflight_phase = ""
         self._checked_fsdp_policy = False
+        self.index = 0  # position in the runtime's boundary order (set by the runtime)
         self.handles: list = []
 
     # -- storage ---------------------------------------------------------------------------
 
-    def _unshard(self, phase: str) -> None:
+    def _unshard(self, phase: str, *, wait: bool = True) -> None:
         """Make every segment resident on this rank: one async broadcast per segment.
 
-        ``self.unsharded`` follows the same transitions on every rank (it depends on hook order
-        only, never on data), so all ranks agree on whether the broadcasts run.
+        ``wait=False`` only posts the broadcasts (prefetch); the boundary's own hook waits for
+        them before the parameters are used. ``self.unsharded`` follows the same transitions on
+        every rank (it depends on hook order only, never on data), so all ranks agree on which
+        broadcasts run, in which order.
         """
-        if self.unsharded:
-            return
         rt = self.runtime_ref()
-        works = []
-        for seg in self.segments:
-            if seg.held:
-                self._copy_masters_to_wire(seg)
-            else:
-                seg.wire.untyped_storage().resize_(seg.numel * seg.wire.element_size())
-                seg.resident = True
-            if rt.num_shards > 1:
-                works.append(
-                    C.broadcast(
-                        seg.wire, src=seg.src_rank, group=rt.groups.shard_group, phase=phase, async_op=True
+        if not self.unsharded:
+            rt.wait_replicate_broadcasts(self)  # HSDP: the holder's value must be current
+            works = []
+            for seg in self.segments:
+                if seg.held:
+                    self._copy_masters_to_wire(seg)
+                else:
+                    seg.wire.untyped_storage().resize_(seg.numel * seg.wire.element_size())
+                    seg.resident = True
+                if rt.num_shards > 1:
+                    works.append(
+                        C.broadcast(
+                            seg.wire, src=seg.src_rank, group=rt.groups.shard_group, phase=phase, async_op=True
+                        )
                     )
-                )
-        C.wait_all(works, what=f"boundary {self.fqn!r} {phase}", timeout_s=rt.timeout_s)
-        self.unsharded = True
+            self._inflight = works
+            self._inflight_phase = phase
+            self.unsharded = True
+        if wait and self._inflight:
+            works, self._inflight = self._inflight, []
+            C.wait_all(works, what=f"boundary {self.fqn!r} {self._inflight_phase}", timeout_s=rt.timeout_s)
 
     def _reshard(self) -> None:
-        """Free the storage of every segment this rank does not hold (the tensors stay valid)."""
+        """Free the storage of every segment this rank does not hold (the tensors stay valid).
+
+        Storage is never freed under a collective still in flight: a prefetch is waited for first.
+        """
+        if self._inflight:
+            self._unshard(self._inflight_phase)
         for seg in self.segments:
             if not seg.held and seg.resident:
                 seg.wire.untyped_storage().resize_(0)
@@ -310,7 +324,10 @@ class _BoundaryRuntime:
         rt = self.runtime_ref()
         if not self._checked_fsdp_policy:
             self._check_fsdp_policy(module)
-        rt.wait_replicate_broadcasts(self)
+        self._unshard("forward_broadcast", wait=False)
+        nxt = rt.boundary_after(self)
+        if nxt is not None:  # prefetch: the next boundary's broadcasts overlap this compute
+            nxt._unshard("forward_broadcast", wait=False)
         self._unshard("forward_broadcast")
         self._install()
         if torch.is_grad_enabled():
@@ -374,7 +391,11 @@ class _BoundaryRuntime:
         rt.queue_final_callback()
         if self.pending_backward <= 0:
             return
-        self._unshard("backward_broadcast")  # no-op in Z2: still resident since the forward
+        self._unshard("backward_broadcast", wait=False)  # no-op in Z2: resident since the forward
+        prev = rt.boundary_before(self)
+        if prev is not None and prev.pending_backward > 0:  # prefetch for the next backward
+            prev._unshard("backward_broadcast", wait=False)
+        self._unshard("backward_broadcast")
         self._install()
 
     def _on_post_backward(self) -> None:
@@ -554,6 +575,7 @@ class DmuonRuntime:
                     segments.append(seg)
             module = modules[b.fqn]
             br = _BoundaryRuntime(self, b.fqn, module, segments)
+            br.index = len(self.boundaries)
             for slot in br.slots:
                 for mod, attr in slot.homes:
                     mod._parameters[attr] = slot.logical
@@ -566,6 +588,15 @@ class DmuonRuntime:
         self.infos = {s.fqn: s.logical._dmuon for s in self.slots_by_fqn.values()}
         self.state_dict_mesh = None  # DeviceMesh of the state-dict DTensors, built on first use
         self.replicas_stale = False  # HSDP: holders may disagree (set by to_empty & co.)
+
+    def boundary_after(self, b: "_BoundaryRuntime") -> "_BoundaryRuntime | None":
+        """Forward prefetch target: the next boundary in plan (module registration) order."""
+        i = b.index + 1
+        return self.boundaries[i] if i < len(self.boundaries) else None
+
+    def boundary_before(self, b: "_BoundaryRuntime") -> "_BoundaryRuntime | None":
+        """Backward prefetch target: the previous boundary in plan order."""
+        return self.boundaries[b.index - 1] if b.index > 0 else None
 
     # -- backward bookkeeping --------------------------------------------------------------
 
@@ -721,6 +752,7 @@ class DmuonRuntime:
 
     def _rebind_segment(self, seg: _Segment) -> bool:
         for slot in seg.slots:
+            self._adopt_module_param(slot)
             if getattr(slot.logical, "_dmuon", None) is None:
                 slot.logical._dmuon = self.infos[slot.fqn]
         devices = {slot.logical.device for slot in seg.slots}
@@ -752,18 +784,50 @@ class DmuonRuntime:
             wire = master if wire_dtype == seg.param_dtype else torch.zeros(seg.numel, dtype=wire_dtype, device=device)
             seg.master, seg.wire, seg.resident = master, wire, True
             for slot in seg.slots:
-                slot.compute.data = wire[slot.offset_in_seg : slot.offset_in_seg + slot.numel].view(slot.shape)
+                self._set_compute(slot, wire[slot.offset_in_seg : slot.offset_in_seg + slot.numel].view(slot.shape))
             return True
         if seg.wire.device == device:
             return False
         wire = torch.empty(seg.numel, dtype=wire_dtype, device=device)
         for slot in seg.slots:
-            slot.compute.data = torch.empty(0, dtype=wire_dtype, device=device).set_(
-                wire.untyped_storage(), slot.offset_in_seg, slot.shape, _contiguous_strides(slot.shape)
+            self._set_compute(
+                slot,
+                torch.empty(0, dtype=wire_dtype, device=device).set_(
+                    wire.untyped_storage(), slot.offset_in_seg, slot.shape, _contiguous_strides(slot.shape)
+                ),
             )
         wire.untyped_storage().resize_(0)
         seg.wire, seg.resident = wire, False
         return True
+
+    @staticmethod
+    def _set_compute(slot: _Slot, view: torch.Tensor) -> None:
+        """A new compute parameter viewing ``view``'s storage (never installed between steps)."""
+        compute = nn.Parameter(view, requires_grad=slot.compute.requires_grad)
+        compute._dmuon_compute = slot.fqn
+        slot.compute = compute
+
+    def _adopt_module_param(self, slot: _Slot) -> None:
+        """``Module._apply`` from ``meta`` (to_empty) registers NEW Parameter objects (meta and
+        real tensors cannot share a TensorImpl type): move the new content into the logical
+        Parameter with ``torch.utils.swap_tensors`` so its identity (held by optimizers, the
+        runtime, user code) survives, and register it again under every alias (which also
+        re-ties aliases that ``_apply`` split)."""
+        new = None
+        for module, attr in slot.homes:
+            cur = module._parameters.get(attr)
+            if cur is not None and cur is not slot.logical:
+                new = cur
+                break
+        if new is None:
+            return
+        try:
+            torch.utils.swap_tensors(slot.logical, new)
+        except RuntimeError:  # e.g. a weak reference to one of them: adopt the new object
+            slot.logical = new
+        slot.logical._dmuon = self.infos[slot.fqn]
+        for module, attr in slot.homes:
+            module._parameters[attr] = slot.logical
 
     def check_materialized(self, what: str) -> None:
         """Raise a clear error while the dedicated storage is still on the ``meta`` device."""
