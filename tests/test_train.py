@@ -28,7 +28,7 @@ from dmuon.train.data import (
     stdlib_corpus,
     unigram_cross_entropy,
 )
-from dmuon.train.launch import parse_args
+from dmuon.train.launch import _complete, parse_args
 from dmuon.train.loop import lr_factor
 from dmuon.train.model import GPT, GPTConfig, lm_loss
 
@@ -145,6 +145,12 @@ def test_lr_schedule_and_flags():
     assert (args.nproc, args.device, args.optimizer, args.mode) == (2, "cpu", "dmuon", "z3")
     args = parse_args(["--mode", "z2", "--optimizer", "adamw", "--ns-dtype", "bf16"])
     assert (args.mode, args.optimizer, args.ns_dtype) == ("z2", "adamw", "bf16")
+    # run()'s mapping form: defaults overlaid, names and choices checked
+    assert _complete({"steps": 3, "mode": "z2"}).steps == 3
+    with pytest.raises(TypeError, match="stepz"):
+        _complete({"stepz": 3})
+    with pytest.raises(SystemExit, match="--optimizer must be one of"):
+        _complete({"optimizer": "sgd"})
 
 
 # -- real runs on 2 ranks --------------------------------------------------------------------

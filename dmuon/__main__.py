@@ -1,0 +1,47 @@
+"""``python -m dmuon {train,plan,diff} ...``
+
+* ``train``: the main job (:mod:`dmuon.train`); ``python -m dmuon train --help``.
+* ``plan``, ``diff``: :func:`dmuon.plan.cli.main_plan` / :func:`dmuon.plan.cli.main_diff`.
+
+Subcommand modules are imported only when chosen, so ``train`` does not pay for the others.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+_USAGE = """usage: python -m dmuon {train,plan,diff} [options]
+
+  train   train a small byte-level GPT with dmuon.Muon on FSDP2 (default: 2 CPU processes)
+  plan    compile and print a sharding plan
+  diff    compare two sharding plans
+
+'python -m dmuon COMMAND --help' for the options of COMMAND."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Dispatch to a subcommand; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_USAGE)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "train":
+        from dmuon.train.launch import main as main_train
+
+        return int(main_train(rest) or 0)
+    if cmd == "plan":
+        from dmuon.plan.cli import main_plan
+
+        return int(main_plan(rest) or 0)
+    if cmd == "diff":
+        from dmuon.plan.cli import main_diff
+
+        return int(main_diff(rest) or 0)
+    print(f"unknown command {cmd!r}\n\n{_USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

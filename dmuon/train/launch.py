@@ -1,0 +1,214 @@
+"""Command line and process launcher of ``python -m dmuon train``.
+
+Three ways in, one training function (:func:`dmuon.train.loop.train`):
+
+* plain ``python -m dmuon train --nproc N``: spawns N local processes (torch.multiprocessing,
+  start method "spawn"), rendezvous on a free port of 127.0.0.1 via MASTER_ADDR/MASTER_PORT;
+* ``torchrun ... -m dmuon train``: RANK / WORLD_SIZE / LOCAL_RANK / MASTER_* come from the
+  environment and this process is one rank (``--nproc`` is ignored);
+* :func:`run` called from a process whose default group is already initialised (tests): trains
+  in that group, in this process.
+
+Backend: gloo for ``--device cpu`` (default), nccl for ``--device cuda``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["build_parser", "parse_args", "run", "main", "free_port"]
+
+_PG_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``train`` argument parser (all defaults: the main job on 2 CPU processes)."""
+    p = argparse.ArgumentParser(
+        prog="python -m dmuon train",
+        description="Train a small byte-level GPT with dmuon.Muon (or the AdamW baseline) on "
+        "FSDP2. Default: 2 local CPU processes (gloo) on the Python standard library's source.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("processes")
+    g.add_argument("--nproc", type=int, default=2,
+                   help="local processes to spawn (ignored under torchrun)")
+    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu uses gloo, cuda uses nccl (one GPU per process)")
+    g.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads per CPU rank (0 = leave torch's default)")
+
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--optimizer", choices=("dmuon", "adamw"), default="dmuon",
+                   help="dmuon: dmuon.Muon (Muon on dedicated matrices, AdamW on the rest); "
+                   "adamw: torch.optim.AdamW on everything, no dedication")
+    g.add_argument("--mode", choices=("z2", "z3"), default="z3",
+                   help="z3: reshard_after_forward=True, z2: False (dmuon and FSDP2 alike)")
+    g.add_argument("--steps", type=int, default=500, help="optimizer steps")
+    g.add_argument("--batch", type=int, default=32,
+                   help="GLOBAL batch in sequences (a multiple of the world size)")
+    g.add_argument("--lr", type=float, default=0.02, help="Muon learning rate")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="Muon weight decay")
+    g.add_argument("--adamw-lr", type=float, default=3e-3,
+                   help="AdamW learning rate (non-dedicated params; every param for adamw)")
+    g.add_argument("--adamw-weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    g.add_argument("--ns-dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="dtype of the Newton-Schulz iteration; auto: bf16 on cuda (as "
+                   "torch.optim.Muon), fp32 on cpu (CPU bf16 matmuls are several times slower)")
+    g.add_argument("--warmup", type=int, default=0, help="linear LR warm-up steps")
+    g.add_argument("--cooldown-frac", type=float, default=0.2,
+                   help="fraction of the steps over which the LR decays linearly to 0 at the end")
+    g.add_argument("--seed", type=int, default=0, help="model init and batch sampling seed")
+
+    g = p.add_argument_group("model")
+    g.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
+    g.add_argument("--d-model", type=int, default=128)
+    g.add_argument("--n-layers", type=int, default=4)
+    g.add_argument("--n-heads", type=int, default=4)
+    g.add_argument("--d-mlp", type=int, default=512)
+
+    g = p.add_argument_group("data and output")
+    g.add_argument("--data", default=None,
+                   help="training text file (bytes are tokens); default: the embedded corpus "
+                   "(this Python's standard-library sources, 4 MiB)")
+    g.add_argument("--val-fraction", type=float, default=0.1,
+                   help="the last fraction of the corpus is the validation split")
+    g.add_argument("--eval-every", type=int, default=100,
+                   help="validate every N steps, at step 0 and at the end (0 = never)")
+    g.add_argument("--eval-batches", type=int, default=8, help="validation batches")
+    g.add_argument("--eval-batch", type=int, default=32,
+                   help="GLOBAL validation batch in sequences")
+    g.add_argument("--log-every", type=int, default=25, help="log the train loss every N steps")
+    g.add_argument("--json", default=None, help="write the final metrics to this JSON file")
+    g.add_argument("--quiet", action="store_true", help="no log lines")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse ``train`` flags (``argv`` None = no flags, i.e. all defaults) and validate them."""
+    args = build_parser().parse_args([] if argv is None else list(argv))
+    _validate(args)
+    return args
+
+
+def _validate(args: argparse.Namespace) -> None:
+    """Checks argparse cannot make for values set through :func:`run`'s mapping form."""
+    for action in build_parser()._actions:
+        if action.choices is not None and getattr(args, action.dest) not in action.choices:
+            raise SystemExit(
+                f"--{action.dest.replace('_', '-')} must be one of {sorted(action.choices)}, "
+                f"got {getattr(args, action.dest)!r}"
+            )
+    for name in ("nproc", "steps", "batch", "seq_len", "eval_batches", "eval_batch", "log_every"):
+        if getattr(args, name) <= 0:
+            raise SystemExit(f"--{name.replace('_', '-')} must be positive")
+    if args.eval_every < 0 or args.warmup < 0 or not 0.0 <= args.cooldown_frac <= 1.0:
+        raise SystemExit("--eval-every and --warmup must be >= 0, --cooldown-frac in [0, 1]")
+
+
+def _complete(args: argparse.Namespace | Mapping[str, Any]) -> argparse.Namespace:
+    """Defaults overlaid with ``args`` (a Namespace or a mapping of flag dests, e.g.
+    ``{"steps": 30, "optimizer": "adamw"}``); unknown names raise TypeError."""
+    full = parse_args([])
+    given = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
+    unknown = sorted(set(given) - set(vars(full)))
+    if unknown:
+        raise TypeError(f"unknown train options: {unknown}")
+    for k, v in given.items():
+        setattr(full, k, v)
+    _validate(full)
+    return full
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _backend(args: argparse.Namespace) -> str:
+    return "nccl" if args.device == "cuda" else "gloo"
+
+
+def _spawn_entry(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+    """Body of one spawned rank: rendezvous, train, rank 0 writes the metrics to ``out``."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+    )
+    from dmuon.train.loop import train
+
+    dist.init_process_group(_backend(args), rank=rank, world_size=world, timeout=_PG_TIMEOUT)
+    try:
+        metrics = train(args)
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(metrics, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def run(args: argparse.Namespace | Mapping[str, Any]) -> dict[str, Any]:
+    """Train and return the metrics dict of :func:`dmuon.train.loop.train` (rank 0's).
+
+    * default group already initialised: train in it, in this process (every rank calls run);
+    * under torchrun (RANK and WORLD_SIZE set): initialise from the environment, train,
+      tear down;
+    * otherwise: spawn ``args.nproc`` local processes and wait for them; an exception in any
+      rank terminates the others and is re-raised here with that rank's traceback.
+    """
+    from dmuon.train.loop import train
+
+    args = _complete(args)
+    if dist.is_initialized():
+        return train(args)
+    if _under_torchrun():
+        dist.init_process_group(_backend(args), timeout=_PG_TIMEOUT)
+        try:
+            return train(args)
+        finally:
+            dist.destroy_process_group()
+    if args.batch % args.nproc or args.eval_batch % args.nproc:
+        raise SystemExit(
+            f"--batch {args.batch} and --eval-batch {args.eval_batch} must be multiples of "
+            f"--nproc {args.nproc}"
+        )
+    if args.device == "cuda" and args.nproc > torch.cuda.device_count():
+        raise SystemExit(f"--nproc {args.nproc} > {torch.cuda.device_count()} visible GPUs")
+    with tempfile.TemporaryDirectory(prefix="dmuon-train-") as tmp:
+        out = os.path.join(tmp, "metrics.json")
+        torch.multiprocessing.spawn(
+            _spawn_entry,
+            args=(args.nproc, free_port(), args, out),
+            nprocs=args.nproc,
+            join=True,
+            start_method="spawn",
+        )
+        with open(out) as f:
+            return json.load(f)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m dmuon train [flags]``; returns the exit status."""
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if _under_torchrun() and int(os.environ["WORLD_SIZE"]) != args.nproc:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"torchrun world size {os.environ['WORLD_SIZE']} overrides --nproc "
+                  f"{args.nproc}", flush=True)
+    run(args)
+    return 0

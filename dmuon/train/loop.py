@@ -1,0 +1,359 @@
+"""The training loop of ``python -m dmuon train``, run by every rank of an initialised group.
+
+Set-up, exactly as a user writes it (DESIGN.md section 2)::
+
+    plan = dmuon.dedicate_params(model, mesh, reshard_after_forward=z3)   # --optimizer dmuon only
+    for layer in model.layers: fully_shard(layer, mesh=mesh, reshard_after_forward=z3)
+    fully_shard(model, mesh=mesh, reshard_after_forward=z3)
+    opt = dmuon.Muon(model, lr=..., weight_decay=..., adamw_lr=..., adamw_weight_decay=...)
+
+``--optimizer adamw`` is the baseline: no dedication, the same ``fully_shard`` calls, and
+``torch.optim.AdamW`` (lr ``--adamw-lr``, weight decay ``--adamw-weight-decay``) on every
+parameter.
+
+One step on every rank: loss on the rank's slice of the global batch, ``loss.backward()``,
+``opt.step()``, LR-schedule step, ``opt.zero_grad()``. The loss is a per-rank mean and both
+FSDP2 and dmuon average gradients over ranks, so the update is the one of the mean loss over
+the global batch, whatever the world size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dmuon.train.data import VOCAB_SIZE, Corpus, load_corpus
+from dmuon.train.model import GPT, GPTConfig, lm_loss
+
+__all__ = ["LEDGER_PHASES", "train", "lr_factor", "model_config"]
+
+LEDGER_PHASES = (
+    "forward_broadcast",
+    "backward_broadcast",
+    "reduce",
+    "replicate_reduce",
+    "replicate_broadcast",
+    "other",
+)
+"""Ledger phases, in the order of the per-step byte vector. The first five are the phases of
+``plan.cost``; "other" collects any other phase the ledger reports (not part of the plan)."""
+
+_PLAN_PHASES = LEDGER_PHASES[:5]
+
+
+def model_config(args: argparse.Namespace) -> GPTConfig:
+    """The :class:`GPTConfig` the flags describe (vocab 256: byte tokenizer)."""
+    return GPTConfig(
+        vocab_size=VOCAB_SIZE,
+        d_model=args.d_model,
+        n_layers=args.n_layers,
+        n_heads=args.n_heads,
+        d_mlp=args.d_mlp,
+        seq_len=args.seq_len,
+    )
+
+
+def lr_factor(step: int, total_steps: int, warmup_steps: int, cooldown_frac: float) -> float:
+    """Multiplier of every group's base LR for optimizer step ``step`` (0-based).
+
+    Linear warm-up from 1/warmup_steps to 1 over the first ``warmup_steps`` steps, constant,
+    then a linear cool-down to 0 over the last ``ceil(cooldown_frac · total_steps)`` steps
+    (warmup-stable-decay). The first factor is never 0, so step 0 always moves.
+    """
+    f = 1.0
+    if warmup_steps > 0:
+        f = min(f, (step + 1) / warmup_steps)
+    cooldown = math.ceil(cooldown_frac * total_steps)
+    if cooldown > 0 and step >= total_steps - cooldown:
+        f = min(f, (total_steps - step) / cooldown)
+    return f
+
+
+def _device(args: argparse.Namespace, rank: int) -> torch.device:
+    if args.device == "cpu":
+        return torch.device("cpu")
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda but torch.cuda.is_available() is False")
+        local = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    raise ValueError(f"unknown --device {args.device!r} (expected cpu or cuda)")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _ledger_vector(snapshot: dict[str, int]) -> list[int]:
+    """Ledger snapshot (phase -> bytes charged to this rank) -> counts in LEDGER_PHASES order;
+    unknown phases are added to "other"."""
+    vec = [0] * len(LEDGER_PHASES)
+    for phase, nbytes in snapshot.items():
+        i = LEDGER_PHASES.index(phase) if phase in LEDGER_PHASES else len(LEDGER_PHASES) - 1
+        vec[i] += int(nbytes)
+    return vec
+
+
+def _mean(total: int, steps: int) -> int | float:
+    """total / steps, as an int when exact (byte counts per step are integers when every step
+    moves the same bytes)."""
+    return total // steps if total % steps == 0 else total / steps
+
+
+def _fmt_bytes(n: int | None) -> str:
+    return "n/a" if n is None else f"{n:,} B"
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    """Run one training job on the current default process group; every rank calls this.
+
+    Requires ``torch.distributed`` to be initialised (gloo for ``--device cpu``, nccl for
+    ``cuda``); the 1-D device mesh spans the whole world. Rank 0 prints the log and, with
+    ``--json FILE``, writes the metrics there.
+
+    Returns (identical on every rank; losses in nats/token, byte counts per optimizer step
+    summed over all ranks):
+        ``first_train_loss``, ``final_train_loss``, ``initial_val_loss``, ``final_val_loss``,
+        ``unigram_val_loss``, ``tokens_per_s`` (global tokens per second of training wall time,
+        evaluation excluded, rank 0's clock), ``ledger_nbytes_per_step`` (mean measured bytes,
+        plan phases only; None for adamw), ``ledger_phase_nbytes_per_step`` (phase -> mean
+        bytes), ``plan_total_nbytes`` and ``plan_per_rank_nbytes`` (None for adamw),
+        ``history`` ({"train": [[step, loss], ...], "val": [[step, loss], ...]}), the run's
+        configuration, and sizes.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("dmuon.train.loop.train needs an initialised process group")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = _device(args, rank)
+    if device.type == "cpu" and args.threads > 0:
+        torch.set_num_threads(args.threads)
+    is_log = rank == 0 and not args.quiet
+
+    def log(msg: str) -> None:
+        if is_log:
+            print(msg, flush=True)
+
+    if args.batch % world or args.eval_batch % world:
+        raise ValueError(
+            f"--batch {args.batch} and --eval-batch {args.eval_batch} must be multiples of the "
+            f"world size {world}"
+        )
+    z3 = args.mode == "z3"
+    ns_name = args.ns_dtype
+    if ns_name == "auto":
+        ns_name = "bf16" if device.type == "cuda" else "fp32"
+    ns_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[ns_name]
+
+    # -- data ------------------------------------------------------------------------------
+    tokens, desc = load_corpus(args.data)
+    corpus = Corpus.from_tokens(
+        tokens, seq_len=args.seq_len, seed=args.seed, val_fraction=args.val_fraction,
+        description=desc,
+    )
+    unigram = corpus.unigram_val_loss
+    val_batches = [
+        (x.to(device), y.to(device))
+        for x, y in corpus.val_batches(args.eval_batches, args.eval_batch, rank, world)
+    ]
+
+    # -- model, sharding, optimizer ----------------------------------------------------------
+    cfg = model_config(args)
+    model = GPT(cfg, seed=args.seed, device=device)
+    n_params = sum(p.numel() for p in model.parameters())
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (world,))
+    plan = None
+    if args.optimizer == "dmuon":
+        import dmuon
+
+        plan = dmuon.dedicate_params(model, mesh, reshard_after_forward=z3)
+    # Looked up after ``import dmuon`` so that whatever dmuon installs on import is in place.
+    import torch.distributed.fsdp as fsdp
+
+    for layer in model.layers:
+        fsdp.fully_shard(layer, mesh=mesh, reshard_after_forward=z3)
+    fsdp.fully_shard(model, mesh=mesh, reshard_after_forward=z3)
+
+    if args.optimizer == "dmuon":
+        import dmuon
+
+        opt = dmuon.Muon(
+            model,
+            lr=args.lr,
+            weight_decay=args.weight_decay,
+            adamw_lr=args.adamw_lr,
+            adamw_weight_decay=args.adamw_weight_decay,
+            ns_dtype=ns_dtype,
+        )
+        from dmuon.exec.collectives import LEDGER
+    elif args.optimizer == "adamw":
+        opt = torch.optim.AdamW(
+            model.parameters(), lr=args.adamw_lr, weight_decay=args.adamw_weight_decay
+        )
+        LEDGER = None
+    else:
+        raise ValueError(f"unknown --optimizer {args.optimizer!r} (expected dmuon or adamw)")
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, args.steps, args.warmup, args.cooldown_frac)
+    )
+
+    tokens_per_step = args.batch * args.seq_len
+    log(
+        f"dmuon train | world {world} ({device.type}, {dist.get_backend()}) | "
+        f"optimizer {args.optimizer} | mode {args.mode} | ns {ns_name} | seed {args.seed}"
+    )
+    log(
+        f"model: {cfg.n_layers} layers, d_model {cfg.d_model}, heads {cfg.n_heads}, "
+        f"d_mlp {cfg.d_mlp}, seq_len {cfg.seq_len}, {n_params:,} parameters"
+    )
+    log(
+        f"data: {corpus.description}: {corpus.train.size:,} train / {corpus.val.size:,} val "
+        f"tokens | global batch {args.batch} x {args.seq_len} = {tokens_per_step:,} tokens/step"
+    )
+    if plan is not None:
+        dedicated_numel = sum(plan.param(f).numel for f in plan.dedicated)
+        log(
+            f"plan: {len(plan.dedicated)} dedicated matrices ({dedicated_numel:,} elements), "
+            f"owned elements per rank {list(plan.owned_numel)}, "
+            f"{plan.cost.total_nbytes:,} B/step over all ranks "
+            f"(per rank {list(plan.cost.per_rank_nbytes)})"
+        )
+    log(f"unigram baseline (train -> val): {unigram:.4f} nats/token")
+
+    def evaluate() -> float:
+        """Mean loss over the fixed validation batches and all ranks, nats/token."""
+        acc = torch.zeros(2, dtype=torch.float64, device=device)
+        with torch.no_grad():
+            for x, y in val_batches:
+                acc[0] += lm_loss(model(x), y).double()
+                acc[1] += 1
+        dist.all_reduce(acc)
+        return float(acc[0] / acc[1])
+
+    history_train: list[list[float]] = []
+    history_val: list[list[float]] = []
+    if args.eval_every > 0:
+        v0 = evaluate()
+        history_val.append([0, v0])
+        log(f"step {0:>6}/{args.steps} | val {v0:.4f}")
+
+    n_phases = len(LEDGER_PHASES)
+    ledger_total = torch.zeros(n_phases, dtype=torch.int64)  # this rank, summed over steps
+    ledger_step = torch.zeros(n_phases, dtype=torch.int64)  # this rank, last step
+    pending: list[torch.Tensor] = []
+    train_time = 0.0
+    interval_time, interval_steps = 0.0, 0
+    comm_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    for step in range(1, args.steps + 1):
+        x, y = corpus.train_batch(step - 1, args.batch, rank, world)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        if LEDGER is not None:
+            LEDGER.reset()
+        _sync(device)
+        t0 = time.perf_counter()
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        pending.append(loss.detach())
+        _sync(device)
+        dt = time.perf_counter() - t0
+        train_time += dt
+        interval_time += dt
+        interval_steps += 1
+        if LEDGER is not None:
+            ledger_step = torch.tensor(_ledger_vector(LEDGER.snapshot()), dtype=torch.int64)
+            ledger_total += ledger_step
+
+        last = step == args.steps
+        if step == 1 or step % args.log_every == 0 or last:
+            losses = torch.stack(pending).to(comm_device, torch.float64)
+            dist.all_reduce(losses)
+            losses /= world
+            first = step - len(pending) + 1
+            history_train.extend([first + i, float(v)] for i, v in enumerate(losses.tolist()))
+            pending.clear()
+            msg = (
+                f"step {step:>6}/{args.steps} | train {history_train[-1][1]:.4f} | "
+                f"{tokens_per_step * interval_steps / max(interval_time, 1e-9):,.0f} tok/s"
+            )
+            interval_time, interval_steps = 0.0, 0
+            if LEDGER is not None:
+                step_bytes = ledger_step.to(comm_device)
+                dist.all_reduce(step_bytes)
+                measured = int(step_bytes[: len(_PLAN_PHASES)].sum())
+                msg += f" | bytes/step {measured:,} (plan {plan.cost.total_nbytes:,})"
+                if int(step_bytes[-1]):
+                    msg += f" + other {int(step_bytes[-1]):,}"
+            log(msg)
+        if args.eval_every > 0 and (step % args.eval_every == 0 or last):
+            v = evaluate()
+            history_val.append([step, v])
+            log(f"step {step:>6}/{args.steps} | val {v:.4f} | unigram {unigram:.4f}")
+
+    # -- summary -----------------------------------------------------------------------------
+    phase_mean: dict[str, int | float] | None = None
+    measured_mean: int | float | None = None
+    if LEDGER is not None:
+        tot = ledger_total.to(comm_device)
+        dist.all_reduce(tot)
+        phase_mean = {p: _mean(int(b), args.steps) for p, b in zip(LEDGER_PHASES, tot.tolist())}
+        measured_mean = _mean(int(tot[: len(_PLAN_PHASES)].sum()), args.steps)
+    tokens_per_s = tokens_per_step * args.steps / max(train_time, 1e-9)
+    # Rank 0's clock defines the throughput; broadcast so every rank returns the same dict.
+    tps = torch.tensor([tokens_per_s], dtype=torch.float64, device=comm_device)
+    dist.broadcast(tps, src=0)
+    tokens_per_s = float(tps)
+
+    final_val = history_val[-1][1] if history_val else None
+    metrics: dict[str, Any] = {
+        "world_size": world,
+        "device": device.type,
+        "backend": dist.get_backend(),
+        "optimizer": args.optimizer,
+        "mode": args.mode,
+        "ns_dtype": ns_name,
+        "steps": args.steps,
+        "global_batch": args.batch,
+        "seq_len": args.seq_len,
+        "tokens_per_step": tokens_per_step,
+        "n_params": n_params,
+        "data": corpus.description,
+        "first_train_loss": history_train[0][1],
+        "final_train_loss": history_train[-1][1],
+        "initial_val_loss": history_val[0][1] if history_val else None,
+        "final_val_loss": final_val,
+        "unigram_val_loss": unigram,
+        "tokens_per_s": tokens_per_s,
+        "train_time_s": train_time,
+        "ledger_nbytes_per_step": measured_mean,
+        "ledger_phase_nbytes_per_step": phase_mean,
+        "plan_total_nbytes": plan.cost.total_nbytes if plan is not None else None,
+        "plan_per_rank_nbytes": list(plan.cost.per_rank_nbytes) if plan is not None else None,
+        "history": {"train": history_train, "val": history_val},
+        "config": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+    }
+    val_str = "n/a" if final_val is None else f"{final_val:.4f}"
+    measured_str = "n/a" if measured_mean is None else f"{measured_mean:,.0f} B"
+    log(
+        f"summary: train {metrics['final_train_loss']:.4f} | val {val_str} | "
+        f"unigram {unigram:.4f} nats/token | {tokens_per_s:,.0f} tok/s | "
+        f"bytes/step measured {measured_str} vs plan {_fmt_bytes(metrics['plan_total_nbytes'])}"
+    )
+    if rank == 0 and args.json:
+        with open(args.json, "w") as f:
+            json.dump(metrics, f, indent=2)
+            f.write("\n")
+    return metrics
