@@ -193,10 +193,16 @@ def test_adamw_baseline_runs():
 @pytest.mark.parametrize("optimizer", ["adamw", "dmuon"])
 def test_world_size_invariance(optimizer):
     """The global batch does not depend on N: 1 and 2 ranks give the same losses (up to
-    reduction order; fp32 Newton-Schulz), on the embedded stdlib corpus."""
+    reduction order; fp32 Newton-Schulz), on the embedded stdlib corpus; for dmuon also on an
+    HSDP mesh ``--mesh 2x1`` (2 replicate groups of 1 shard), whose ledger matches its plan."""
     case = dict(SHORT, optimizer=optimizer)
     (one,) = run_distributed(_train_cases, 1, [case], timeout_s=240)[0]
-    (two,) = run_distributed(_train_cases, 2, [case], timeout_s=240)[0]
+    cases = [case] + ([dict(case, mesh="2x1")] if optimizer == "dmuon" else [])
+    two, *hsdp = run_distributed(_train_cases, 2, cases, timeout_s=240)[0]
+    for h in hsdp:
+        assert h["ledger_nbytes_per_step"] == h["plan_total_nbytes"] > 0
+        np.testing.assert_allclose([loss for _, loss in h["history"]["train"]],
+                                   [loss for _, loss in one["history"]["train"]], rtol=1e-6)
     assert one["world_size"] == 1 and two["world_size"] == 2
     assert one["initial_val_loss"] == pytest.approx(two["initial_val_loss"], rel=1e-6)
     l1 = [loss for _, loss in one["history"]["train"]]

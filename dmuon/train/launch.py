@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local processes to spawn (ignored under torchrun)")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu uses gloo, cuda uses nccl (one GPU per process)")
+    g.add_argument("--mesh", default=None, metavar="N|RxN",
+                   help="data-parallel mesh: N (1-D, FSDP2) or RxN (HSDP: R replicate groups of N "
+                   "shards, dmuon owners over all R*N ranks); default: 1-D over the world")
     g.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads per CPU rank (0 = leave torch's default)")
 

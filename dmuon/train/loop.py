@@ -48,6 +48,19 @@ LEDGER_PHASES = (
 _PLAN_PHASES = LEDGER_PHASES[:5]
 
 
+def parse_mesh(text: str | None, world: int) -> tuple[int, ...]:
+    """``None`` -> ``(world,)``; ``"N"`` -> ``(N,)``; ``"RxN"`` -> ``(R, N)``; product must be ``world``."""
+    if text is None:
+        return (world,)
+    try:
+        shape = tuple(int(x) for x in str(text).lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--mesh must be N or RxN, got {text!r}") from None
+    if len(shape) not in (1, 2) or any(d <= 0 for d in shape) or math.prod(shape) != world:
+        raise SystemExit(f"--mesh {text} does not describe {world} ranks (N or RxN with R*N = {world})")
+    return shape
+
+
 def model_config(args: argparse.Namespace) -> GPTConfig:
     """The :class:`GPTConfig` the flags describe (vocab 256: byte tokenizer)."""
     return GPTConfig(
@@ -171,7 +184,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     n_params = sum(p.numel() for p in model.parameters())
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device.type, (world,))
+    mesh_shape = parse_mesh(args.mesh, world)
+    if len(mesh_shape) == 2:  # HSDP: FSDP2 shards over "shard", replicates over "replicate"
+        mesh = init_device_mesh(device.type, mesh_shape, mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device.type, mesh_shape)
     plan = None
     if args.optimizer == "dmuon":
         import dmuon
