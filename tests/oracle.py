@@ -114,6 +114,19 @@ class CheckpointedBlock(Block):
         return x + self.out(torch.tanh(self.gate(h)))
 
 
+class ParentCheckpointLM(TinyLM):
+    """Each whole block (a hook boundary) checkpointed from its parent: the recomputation runs
+    the boundary's forward hooks inside backward."""
+
+    def forward(self, tokens):
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = checkpoint(layer, x, use_reentrant=False)
+        return self.head(self.norm(x))
+
+
 class TiedLM(TinyLM):
     """``head.weight is embed.weight``; vocabulary 11 is divisible by neither 2 nor 3."""
 
@@ -142,6 +155,8 @@ def make_model(kind: str, seed: int = 0) -> nn.Module:
         return model
     if kind == "tied":
         return TiedLM()
+    if kind == "ckpt_parent":
+        return ParentCheckpointLM()
     if kind == "frozen":
         model = TinyLM(n_layers=2)
         model.layers[0].fc1.weight.requires_grad_(False)  # stays with FSDP2: never reduced or updated

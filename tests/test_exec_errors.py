@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from oracle import make_model
+from oracle import lm_loss, make_model
 
 
 def _catch(fn):
@@ -56,6 +56,11 @@ def _error_cases():
     model = make_model("tiny")
     dmuon.dedicate_params(model)
     out["applied_twice"] = _catch(lambda: dmuon.dedicate_params(model))
+
+    opt = dmuon.Muon(model)
+    with dmuon.no_sync(model):  # every micro-batch inside no_sync: nothing was ever reduced
+        lm_loss(model, torch.randint(0, 11, (2, 5))).backward()
+    out["step_without_sync"] = _catch(opt.step)
     dist.barrier()
     return out
 
@@ -73,6 +78,7 @@ def test_bad_input_errors_on_every_rank():
     assert r["plans_differ"][0] == "RuntimeError" and "different plans" in r["plans_differ"][1]
     assert r["predicate_1d"][0] == "ValueError" and "layers.0.norm.weight" in r["predicate_1d"][1]
     assert r["applied_twice"][0] == "ValueError"
+    assert r["step_without_sync"][0] == "RuntimeError" and "no_sync" in r["step_without_sync"][1]
 
 
 def test_apply_without_process_group():

@@ -5,15 +5,16 @@ One process group per mesh runs every case (N = 2, N = 3, HSDP (2, 1)):
 * gradient accumulation, reduce every micro-batch vs ``dmuon.no_sync``: gas=4 equals the
   oracle on the same global batch (so gas=4 equals gas=1); reduce traffic x4 vs x1; one NS per
   matrix per optimizer step;
-* activation checkpointing (``torch.utils.checkpoint`` inside a boundary and
-  ``checkpoint_wrapper`` around it), Z2 and Z3: oracle match and ledger == plan (no extra or
-  missing collective);
+* activation checkpointing (``torch.utils.checkpoint`` inside a boundary, ``checkpoint_wrapper``
+  around it, and each whole boundary checkpointed from its parent, with and without torch's
+  early stop), Z2 and Z3: oracle match and ledger == plan (no extra or missing collective);
 * ``dmuon.clip_grad_norm_``: the same norm on every rank as ``torch.nn.utils.clip_grad_norm_``
   in one process, and the clipped run matches the oracle;
 * tied embedding / lm_head with a vocabulary divisible by neither N;
 * mixed precision (bf16 params, fp32 reduce): owners keep fp32 masters, finite values, ledger ==
   plan in the wire dtypes, and the run matches a bf16-compute oracle within a stated bound;
-* frozen (``requires_grad=False``) matrices: not dedicated, never reduced or updated;
+* frozen (``requires_grad=False``) matrices: not dedicated, never reduced or updated; a dedicated
+  matrix frozen after planning is never updated (still reduced, as zeros: recompile to stop that);
 * blocks compiled with ``torch.compile`` (``module.compile()``, in place) behind the hooks;
 * a collective timeout names the boundary and the phase.
 
@@ -45,10 +46,13 @@ CASES = [
     dict(name="ckpt_z3", kind="ckpt", z3=True),
     dict(name="ckpt_z2", kind="ckpt", z3=False),
     dict(name="ckpt_wrapper_z3", kind="ckpt_wrapper", z3=True),
+    dict(name="ckpt_parent_z3", kind="ckpt_parent", z3=True),
+    dict(name="ckpt_parent_z2_no_early_stop", kind="ckpt_parent", z3=False, no_early_stop=True),
     dict(name="clip", kind="tiny", z3=True, clip=0.05),
     dict(name="tied", kind="tied", z3=True),
     dict(name="mixed_precision", kind="tiny", z3=True, mp=True),
     dict(name="frozen", kind="frozen", z3=True),
+    dict(name="frozen_after_dedication", kind="tiny", z3=True, freeze_after=("layers.1.fc2.weight",)),
     dict(name="torch_compile", kind="compiled", z3=True),
 ]
 HSDP_CASES = [c for c in CASES if c["name"] in ("gas_no_sync", "clip", "ckpt_z3")]
@@ -77,6 +81,8 @@ def _worker(cases, mesh_shape=None):
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if case.get("mp") else None
         plan = dmuon.dedicate_params(model, mesh, reshard_after_forward=case["z3"], mp_policy=mp)
         kw = {} if mp is None else {"mp_policy": mp}
+        for fqn in case.get("freeze_after", ()):
+            model.get_parameter(fqn).requires_grad_(False)  # after planning: reduced as zeros, never updated
         for layer in model.layers:
             fully_shard(layer, mesh=mesh, **kw)
         fully_shard(model, mesh=mesh, **kw)
@@ -97,6 +103,7 @@ def _worker(cases, mesh_shape=None):
             LEDGER.reset()
             ns0 = newton_schulz.NS_CALLS
             total = 0.0
+            early_stop = not case.get("no_early_stop")
             for i, micro in enumerate(local.chunk(gas)):
                 last = i == gas - 1
                 if case.get("no_sync") and not last:
@@ -106,8 +113,9 @@ def _worker(cases, mesh_shape=None):
                 else:
                     if case.get("fsdp_sync_flag"):
                         model.set_requires_gradient_sync(last)
-                    loss = lm_loss(model, micro) / gas
-                    loss.backward()
+                    with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
+                        loss = lm_loss(model, micro) / gas
+                        loss.backward()
                 total += loss.item()
             if "clip" in case:
                 norms.append(dmuon.clip_grad_norm_(model, case["clip"]).item())
@@ -193,6 +201,8 @@ def _check(results, cases, label):
         plan = ShardingPlan.from_json(per_rank[0]["plan_json"])
         batches = global_batches(STEPS, batch=GLOBAL_BATCH)
         model = make_model(case["kind"])
+        for fqn in case.get("freeze_after", ()):
+            model.get_parameter(fqn).requires_grad_(False)
         dedicated = set(plan.dedicated)
         if case.get("mp"):
             ref_losses, ref_state = _reference_mp(model, dedicated, batches)
@@ -237,7 +247,8 @@ def _check(results, cases, label):
             if gas == 1:
                 per = [sum(v for p, v in x.items() if p != "other") for x in led]
                 assert tuple(per) == tuple(cost.per_rank_nbytes), where
-            assert sum(r["ns_calls"][step] for r in per_rank) == len(plan.dedicated), where
+            frozen_after = len(case.get("freeze_after", ()))
+            assert sum(r["ns_calls"][step] for r in per_rank) == len(plan.dedicated) - frozen_after, where
         assert all(r["masters_fp32"] for r in per_rank), where
         if case["kind"] == "frozen":
             frozen = {"layers.0.fc1.weight", "layers.1.gate.weight"}

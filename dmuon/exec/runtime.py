@@ -306,6 +306,8 @@ class _BoundaryRuntime:
         if self.installed:
             return
         for slot in self.slots:
+            if slot.compute.requires_grad != slot.logical.requires_grad:  # frozen / unfrozen since
+                slot.compute.requires_grad_(slot.logical.requires_grad)
             for module, attr in slot.homes:
                 module._parameters[attr] = slot.compute
         self.installed = True
@@ -322,6 +324,13 @@ class _BoundaryRuntime:
 
     def pre_forward(self, module, args, kwargs):
         rt = self.runtime_ref()
+        if _in_backward():
+            # activation-checkpoint recomputation (the boundary itself, or an ancestor, was
+            # checkpointed): the backward's parameters are already in place (pre-backward ran
+            # when the gradient reached the recomputed region's output); count nothing, free nothing
+            self._unshard("backward_broadcast")
+            self._install()
+            return args, kwargs
         if not self._checked_fsdp_policy:
             self._check_fsdp_policy(module)
         self._unshard("forward_broadcast", wait=False)
@@ -336,6 +345,8 @@ class _BoundaryRuntime:
         return args, kwargs
 
     def post_forward(self, module, args, kwargs, output):
+        if _in_backward():  # recomputation: the parameters stay installed until post-backward
+            return output
         self._restore()
         grad = torch.is_grad_enabled()
         # Z3 frees after every forward; a no-grad forward frees unless a backward still needs
@@ -367,12 +378,14 @@ class _BoundaryRuntime:
             )
 
     def _gradient_sync(self) -> bool:
-        """``dmuon.no_sync`` / FSDP2's ``set_requires_gradient_sync(False)`` defer the reduce."""
-        if not self.runtime_ref().requires_gradient_sync:
+        """``dmuon.no_sync`` / FSDP2's ``set_requires_gradient_sync(False)`` defer the reduce.
+
+        FSDP2's flag is read from the boundary's own ``fully_shard`` unit and from the root's.
+        """
+        rt = self.runtime_ref()
+        if not rt.requires_gradient_sync:
             return False
-        state = _fsdp_state(self.module)
-        groups = getattr(state, "_fsdp_param_groups", None) or ()
-        return all(getattr(g, "reduce_grads", True) for g in groups)
+        return _fsdp_requires_gradient_sync(self.module) and _fsdp_requires_gradient_sync(rt.model_ref())
 
     def _register_post_backward(self, args, kwargs):
         leaves, spec = optree.tree_flatten((args, kwargs))
@@ -622,7 +635,8 @@ class DmuonRuntime:
         pending, self.pending_reduces = self.pending_reduces, []
         if not pending:
             return
-        C.wait_all((w for *_, w in pending), what="gradient reduce (post-backward)", timeout_s=self.timeout_s)
+        for boundary, _, _, work in pending:
+            C.wait_all([work], what=f"boundary {boundary.fqn!r} reduce", timeout_s=self.timeout_s)
         me = dist.get_rank()
         g = self.groups
         if g.shape[0] > 1:
@@ -632,12 +646,12 @@ class DmuonRuntime:
                     continue
                 for sub in seg.subs:
                     part = buf[sub.offset_in_seg : sub.offset_in_seg + sub.numel]
-                    works.append(
-                        C.reduce_sum(
-                            part, dst=sub.owner_rank, group=g.replicate_group, phase="replicate_reduce", async_op=True
-                        )
+                    work = C.reduce_sum(
+                        part, dst=sub.owner_rank, group=g.replicate_group, phase="replicate_reduce", async_op=True
                     )
-            C.wait_all(works, what="replicate gradient reduce (post-backward)", timeout_s=self.timeout_s)
+                    works.append((boundary, work))
+            for boundary, work in works:
+                C.wait_all([work], what=f"boundary {boundary.fqn!r} replicate_reduce", timeout_s=self.timeout_s)
         for boundary, seg, buf, _ in pending:
             if not seg.held:
                 continue
@@ -662,11 +676,12 @@ class DmuonRuntime:
         """HSDP: wait for the post-step replicate broadcasts of ``boundary`` (all when ``None``)."""
         if not self.pending_replicate:
             return
-        keys = list(self.pending_replicate) if boundary is None else [id(boundary)]
+        keys = list(self.pending_replicate) if boundary is None else [boundary.index]
         for key in keys:
             works = self.pending_replicate.pop(key, None)
             if works:
-                C.wait_all(works, what="replicate broadcast (after step)", timeout_s=self.timeout_s)
+                what = f"boundary {self.boundaries[key].fqn!r} replicate_broadcast (after step)"
+                C.wait_all(works, what=what, timeout_s=self.timeout_s)
 
     def after_step(self) -> None:
         """HSDP: each owner broadcasts its updated sub-segments to its replicate peers.
@@ -691,7 +706,7 @@ class DmuonRuntime:
                         )
                     )
             if self.replicate_async:
-                self.pending_replicate[id(b)] = works
+                self.pending_replicate[b.index] = works
             else:
                 C.wait_all(works, what=f"boundary {b.fqn!r} replicate broadcast", timeout_s=self.timeout_s)
 
@@ -733,12 +748,9 @@ class DmuonRuntime:
             ValueError: a parameter's dtype changed (the plan fixes dtypes; cast before planning).
         """
         changed = False
-        for b in self.boundaries if boundaries is None else boundaries:
-            if b.installed or b.pending_backward > 0:
-                raise RuntimeError(
-                    f"dmuon: boundary {b.fqn!r} is between its forward and its backward; move or "
-                    "re-create the model's storage (to_empty / to) only between training steps"
-                )
+        boundaries = self.boundaries if boundaries is None else boundaries
+        self._settle(boundaries, "moving or re-creating the model's storage (to_empty / to)")
+        for b in boundaries:
             for seg in b.segments:
                 changed |= self._rebind_segment(seg)
         if changed:
@@ -839,13 +851,25 @@ class DmuonRuntime:
             )
 
     def check_idle(self, what: str) -> None:
-        """Raise unless every boundary is between steps (no forward awaiting its backward)."""
-        busy = [b.fqn for b in self.boundaries if b.installed or b.pending_backward > 0]
+        """Before masters are overwritten (state-dict load): every boundary between steps.
+
+        Raises if a forward still awaits its backward; a boundary left resident by a prefetch
+        (a forward that stopped early) waits for its broadcasts and frees its copies, so the
+        next forward broadcasts the new values again.
+        """
+        self._settle(self.boundaries, what)
+
+    @staticmethod
+    def _settle(boundaries, what: str) -> None:
+        busy = [b.fqn for b in boundaries if b.installed or b.pending_backward > 0]
         if busy:
             raise RuntimeError(
                 f"dmuon: {what} while boundaries {busy[:3]} are between their forward and backward; "
-                "load checkpoints between training steps"
+                "do it between training steps"
             )
+        for b in boundaries:
+            if b.unsharded:
+                b._reshard()
 
     def sync_replicas(self) -> None:
         """HSDP: broadcast every owner's value to its replicate peers when they may disagree.
@@ -887,6 +911,17 @@ def _fsdp_state(module):
     return get() if get is not None else None
 
 
+def _fsdp_requires_gradient_sync(module) -> bool:
+    """False when FSDP2's ``set_requires_gradient_sync(False)`` is in force on ``module``'s unit."""
+    groups = getattr(_fsdp_state(module), "_fsdp_param_groups", None) or ()
+    return all(getattr(g, "reduce_grads", True) for g in groups)
+
+
+def _in_backward() -> bool:
+    """True while autograd executes a backward pass on this thread (e.g. checkpoint recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _dtype_name(dtype) -> str | None:
     return None if dtype is None else str(dtype)
 
@@ -920,9 +955,22 @@ def _runtimes(params) -> list[DmuonRuntime]:
 
 
 def wait_pending(params) -> None:
-    """Finish in-flight gradient reduces of every runtime that owns one of ``params``."""
+    """Before ``step()``: finish in-flight gradient reduces of every runtime owning ``params``.
+
+    Raises:
+        RuntimeError: local gradients of dedicated matrices were never reduced (every backward
+            since the last step ran inside ``dmuon.no_sync``): the step would silently skip them.
+    """
     for rt in _runtimes(params):
         rt.finish_reduces()
+        stale = [s.fqn for b in rt.boundaries for s in b.slots if s.compute.grad is not None]
+        if stale:
+            raise RuntimeError(
+                f"dmuon: step() with unreduced gradients of {len(stale)} dedicated matrices "
+                f"(e.g. {stale[0]!r}): every backward since the last step ran inside dmuon.no_sync "
+                "(or with FSDP2's requires_gradient_sync False). Run the last micro-batch's backward "
+                "outside the context so the accumulated gradients are reduced once."
+            )
 
 
 def after_step(params) -> None:
@@ -947,6 +995,7 @@ def no_sync(model: nn.Module):
         raise ValueError("dmuon.no_sync: the model has no dedicated parameters (call dmuon.dedicate_params first)")
     fsdp = getattr(model, "set_requires_gradient_sync", None)
     prev = rt.requires_gradient_sync
+    prev_fsdp = _fsdp_requires_gradient_sync(model)
     rt.requires_gradient_sync = False
     if fsdp is not None:
         fsdp(False)
@@ -955,4 +1004,4 @@ def no_sync(model: nn.Module):
     finally:
         rt.requires_gradient_sync = prev
         if fsdp is not None:
-            fsdp(True)
+            fsdp(prev_fsdp)
