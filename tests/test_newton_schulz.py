@@ -248,3 +248,248 @@ def test_ns_flops_matches_flop_counter(shape):
         newton_schulz(x, dtype=torch.float32, steps=3)
     batch = shape[0] if len(shape) == 3 else 1
     assert counter.get_total_flops() == ns_flops(shape[-2], shape[-1], 3, num_matrices=batch)
+
+
+# ---------------------------------------------------------------------------------------------
+# issue #8: Polar Express preset, Gram Newton-Schulz, backends
+#
+# Tolerances:
+# - Gram vs standard NS in float64: <= 1e-12 of the result's largest magnitude (measured
+#   <= ~2e-14 on these shapes; Gram NS is the same polynomial, only the op order differs).
+# - Gram vs standard in float32: <= 1e-4 absolute (outputs O(1); measured ~1e-5).
+# - polar_express preset vs an independent float64 transcription of the reference
+#   PolarExpress (normalisation by 1.01·‖X‖_F, safety-scaled table): <= 1e-12.
+# ---------------------------------------------------------------------------------------------
+
+from dmuon.exec.newton_schulz import (  # noqa: E402
+    NS_BACKENDS,
+    POLAR_EXPRESS_PUBLISHED,
+    POLAR_EXPRESS_SAFETY,
+    get_ns_backend,
+    gram_newton_schulz,
+    gram_ns_flops,
+    gram_ns_from_gram,
+    gram_segments,
+    schedule_gain_bounds,
+)
+
+
+def _polar_express_reference64(x: torch.Tensor, steps: int) -> torch.Tensor:
+    """The reference algorithm, transcribed independently (float64, no +1e-7 in the norm):
+    X / (1.01·‖X‖_F), then the published table with (a/1.01, b/1.01³, c/1.01⁵) for all but the
+    last triple, the last one repeated beyond the table."""
+    s = POLAR_EXPRESS_SAFETY
+    table = [(a / s, b / s**3, c / s**5) for a, b, c in POLAR_EXPRESS_PUBLISHED[:-1]]
+    table.append(POLAR_EXPRESS_PUBLISHED[-1])
+    table = table[:steps] + [table[-1]] * max(0, steps - len(table))
+    X = x.double()
+    tall = X.shape[-2] > X.shape[-1]
+    if tall:
+        X = X.mT
+    X = X / (torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True) * s)
+    for a, b, c in table:
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.mT if tall else X
+
+
+def test_polar_express_published_table_is_verbatim():
+    # arXiv 2505.16932 / github.com/NoahAmsel/PolarExpress polar_express/basic.py (_COEFFS)
+    assert POLAR_EXPRESS_PUBLISHED == (
+        (8.28721201814563, -23.595886519098837, 17.300387312530933),
+        (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+        (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+        (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+        (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+        (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+        (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+        (1.875, -1.25, 0.375),
+    )
+    assert POLAR_EXPRESS_SAFETY == 1.01
+    preset = NS_PRESETS["polar_express"]
+    assert len(preset) == 8 and preset[-1] == (1.875, -1.25, 0.375)
+    a, b, c = POLAR_EXPRESS_PUBLISHED[1]
+    assert preset[1] == (a / 1.01, b / 1.01**3, c / 1.01**5)
+    a, b, c = POLAR_EXPRESS_PUBLISHED[0]  # the 1.01 normalisation folded into step 1
+    assert preset[0] == (a / 1.01 / 1.01, b / 1.01**3 / 1.01**3, c / 1.01**5 / 1.01**5)
+
+
+def test_per_step_preset_truncates_and_repeats_its_last_triple():
+    preset = NS_PRESETS["polar_express"]
+    assert coefficient_schedule("polar_express", 5) == preset[:5]
+    assert coefficient_schedule("polar_express", 8) == preset
+    assert coefficient_schedule("polar_express", 10) == preset + (preset[-1],) * 2
+    assert coefficient_schedule("polar_express", 0) == ()
+    with pytest.raises(ValueError, match="8 triples but steps=5"):  # explicit tables stay exact
+        coefficient_schedule(list(preset), 5)
+
+
+@pytest.mark.parametrize("steps", [1, 5, 8, 10])
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24), (3, 16, 20)])
+def test_polar_express_preset_equals_reference_algorithm(steps, shape):
+    x = _randn(*shape, seed=steps, dtype=torch.float64)
+    got = newton_schulz(x, coefficients="polar_express", steps=steps, dtype=torch.float64)
+    ref = _polar_express_reference64(x, steps)
+    assert (got - ref).abs().max().item() < 1e-12 * max(1.0, ref.abs().max().item())
+
+
+def test_schedule_gain_bounds():
+    lo, hi = schedule_gain_bounds(coefficient_schedule("muon", 5))
+    assert 0.69 < lo < 0.70 and 1.20 < hi < 1.21  # P(1) = 0.696; peak ~1.202
+    lo, hi = schedule_gain_bounds(coefficient_schedule("polar_express", 5))
+    assert 0.87 < lo < 0.88 and 1.12 < hi < 1.13
+    lo, hi = schedule_gain_bounds(coefficient_schedule("polar_express", 8))
+    assert abs(lo - 1) < 1e-6 and abs(hi - 1) < 1e-6  # 8 steps: [1e-3, 1] -> 1 to ~1e-12
+    assert schedule_gain_bounds(()) == (1.0, 1.0)
+
+
+def test_gram_segments():
+    sched = coefficient_schedule(MUON, 5)
+    assert [len(s) for s in gram_segments(sched)] == [2, 2, 1]  # default: every 2
+    assert [len(s) for s in gram_segments(sched, 3)] == [3, 2]
+    assert [len(s) for s in gram_segments(sched, 1)] == [1] * 5
+    assert [len(s) for s in gram_segments(sched, None)] == [5]
+    assert [len(s) for s in gram_segments(sched, [2])] == [2, 3]  # Dao-AILab's reset after step 2
+    assert [len(s) for s in gram_segments(sched, [0, 2, 2, 9])] == [2, 3]
+    assert gram_segments((), 2) == ()
+    for bad in (0, -1, "2", 2.0, True, [1.5]):
+        with pytest.raises(ValueError, match="restart_every"):
+            gram_segments(sched, bad)
+
+
+GRAM_SHAPES = [(16, 16), (36, 16), (5, 8), (1, 33), (33, 1), (12, 200), (3, 12, 40), (2, 2, 9, 7)]
+
+
+@pytest.mark.parametrize("shape", GRAM_SHAPES)
+@pytest.mark.parametrize("coefficients", ["muon", "polar_express"])
+def test_gram_equals_standard_in_float64(shape, coefficients):
+    x = _randn(*shape, seed=sum(shape))
+    ref = newton_schulz(x, coefficients=coefficients, dtype=torch.float64)
+    scale = ref.abs().max().item()
+    for restart_every in (1, 2, 3, None, [2]):
+        got = gram_newton_schulz(x, coefficients=coefficients, dtype=torch.float64, restart_every=restart_every)
+        assert got.shape == x.shape and got.dtype == torch.float64
+        assert (got - ref).abs().max().item() <= 1e-12 * scale, restart_every
+
+
+@pytest.mark.parametrize("steps", [0, 1, 2, 7])
+def test_gram_equals_standard_in_float64_any_steps(steps):
+    x = _randn(20, 48, seed=steps)
+    ref = newton_schulz(x, steps=steps, dtype=torch.float64)
+    got = gram_newton_schulz(x, steps=steps, dtype=torch.float64)
+    assert (got - ref).abs().max().item() <= 1e-12 * max(1.0, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (36, 16), (64, 256), (3, 16, 48)])
+def test_gram_close_to_standard_in_float32(shape):
+    x = _randn(*shape, seed=21)
+    ref = newton_schulz(x, dtype=torch.float32)
+    got = gram_newton_schulz(x, dtype=torch.float32)
+    assert got.dtype == torch.float32
+    assert (got - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("shape", [(16, 16), (36, 16), (3, 5, 8)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("coefficients", ["muon", "polar_express"])
+def test_zero_input_maps_to_zeros_every_backend(shape, dtype, coefficients):
+    for name in NS_BACKENDS:
+        y = get_ns_backend(name)(torch.zeros(shape), coefficients=coefficients, dtype=dtype)
+        assert y.shape == shape and y.dtype == dtype
+        assert torch.isfinite(y).all() and not y.any(), name
+
+
+def test_gram_input_not_mutated_and_tall_result_is_transposed_view():
+    x = _randn(36, 16, seed=22).bfloat16()
+    before = x.clone()
+    y = gram_newton_schulz(x)
+    assert torch.equal(x, before)
+    assert y.shape == (36, 16) and y.dtype == torch.bfloat16
+
+
+def test_gram_ns_from_gram_is_the_tensor_parallel_split():
+    """Simulate a 4-way TP shard of a (12, 200) matrix along its long side: all-reduce the
+    Gram, normalise by its trace, run gram_ns_from_gram per segment, apply Q to each shard."""
+    x = _randn(12, 200, seed=23, dtype=torch.float64)
+    shards = list(x.split(50, dim=1))
+    sched = coefficient_schedule("polar_express", 5)
+    g = sum(s @ s.T for s in shards)  # the all-reduce
+    fro = torch.trace(g).sqrt()  # ‖X‖_F from the Gram alone
+    shards = [s / fro for s in shards]
+    for segment in gram_segments(sched):
+        g = sum(s @ s.T for s in shards)  # one all-reduce per segment (restart)
+        q = gram_ns_from_gram(g, coefficients=segment, steps=len(segment))
+        shards = [q @ s for s in shards]
+    tp = torch.cat(shards, dim=1)
+    full = gram_newton_schulz(x, coefficients="polar_express", dtype=torch.float64)
+    std = newton_schulz(x, coefficients="polar_express", dtype=torch.float64)
+    torch.testing.assert_close(tp, full, rtol=0, atol=1e-12)
+    torch.testing.assert_close(tp, std, rtol=0, atol=1e-12)
+
+
+def test_gram_ns_from_gram_shapes_and_errors():
+    g = torch.eye(4, dtype=torch.float64) * 0.25
+    assert torch.equal(gram_ns_from_gram(g, coefficients=MUON, steps=0), torch.eye(4, dtype=torch.float64))
+    q = gram_ns_from_gram(g, coefficients=MUON, steps=1)  # Z = a + b/4 + c/16 on the diagonal
+    torch.testing.assert_close(q, torch.eye(4, dtype=torch.float64) * (3.4445 - 4.775 / 4 + 2.0315 / 16))
+    batched = gram_ns_from_gram(g.expand(2, 3, 4, 4), coefficients="polar_express", steps=3)
+    assert batched.shape == (2, 3, 4, 4)
+    before = g.clone()
+    gram_ns_from_gram(g, coefficients=MUON, steps=5)
+    assert torch.equal(g, before)
+    with pytest.raises(ValueError, match="square"):
+        gram_ns_from_gram(torch.ones(3, 4), coefficients=MUON, steps=5)
+    with pytest.raises(ValueError, match="steps"):
+        gram_ns_from_gram(g, coefficients=MUON, steps=100)
+
+
+def test_gram_bad_arguments_raise():
+    with pytest.raises(ValueError, match="matrix"):
+        gram_newton_schulz(torch.ones(5))
+    with pytest.raises(ValueError, match="real"):
+        gram_newton_schulz(torch.ones(3, 3, dtype=torch.complex64), dtype=torch.float32)
+    with pytest.raises(ValueError, match="restart_every"):
+        gram_newton_schulz(torch.ones(3, 4), restart_every=0)
+    with pytest.raises(ValueError, match="unknown Newton-Schulz preset"):
+        gram_newton_schulz(torch.ones(3, 4), coefficients="polar")
+    with pytest.raises(ValueError, match="unknown Newton-Schulz backend"):
+        get_ns_backend("cholesky")
+    assert get_ns_backend("standard") is newton_schulz and get_ns_backend("gram") is gram_newton_schulz
+
+
+def test_gram_counts_ns_calls():
+    reset_ns_calls()
+    gram_newton_schulz(_randn(8, 4))
+    gram_newton_schulz(_randn(3, 8, 4), dtype=torch.float32)
+    assert ns_mod.NS_CALLS == 4 and ns_mod.GRAM_FALLBACKS == 0
+    assert reset_ns_calls() == 4
+
+
+def test_gram_ns_flops_hand_checked():
+    d, D = 4, 10
+    # segments (2, 2, 1): 3 x 4·d²·D + (10 + 10 + 2)·d³
+    assert gram_ns_flops(d, D, 5) == 3 * 4 * 16 * 10 + 22 * 64
+    assert gram_ns_flops(D, d, 5) == gram_ns_flops(d, D, 5)
+    # one restart after step 2 (segments 2, 3): 8·d²·D + 28·d³
+    assert gram_ns_flops(d, D, 5, restart_every=[2]) == 8 * 16 * 10 + 28 * 64
+    assert gram_ns_flops(d, D, 5, restart_every=None) == 4 * 16 * 10 + 34 * 64
+    assert gram_ns_flops(d, D, 5, num_matrices=3) == 3 * gram_ns_flops(d, D, 5)
+    assert gram_ns_flops(d, D, 0) == 0
+    # restart_every=1 costs what the standard iteration costs
+    assert gram_ns_flops(d, D, 5, restart_every=1) == ns_flops(d, D, 5)
+    # pays off for D >> d: 1024 x 16384, one restart: 0.47x the standard FLOPs
+    assert gram_ns_flops(1024, 16384, 5, restart_every=[2]) / ns_flops(1024, 16384, 5) < 0.5
+    assert gram_ns_flops(1024, 1024, 5) > ns_flops(1024, 1024, 5)  # square: not
+    with pytest.raises(ValueError):
+        gram_ns_flops(-1, 3, 5)
+
+
+@pytest.mark.parametrize("shape", [(36, 16), (5, 8), (16, 16), (4, 12, 20)])
+@pytest.mark.parametrize("restart_every", [2, None, [2], 1])
+def test_gram_ns_flops_matches_flop_counter(shape, restart_every):
+    x = _randn(*shape)
+    with FlopCounterMode(display=False) as counter:
+        gram_newton_schulz(x, dtype=torch.float32, steps=5, restart_every=restart_every, fallback=False)
+    batch = shape[0] if len(shape) == 3 else 1
+    expected = gram_ns_flops(shape[-2], shape[-1], 5, restart_every=restart_every, num_matrices=batch)
+    assert counter.get_total_flops() == expected

@@ -1,9 +1,10 @@
 """Newton-Schulz orthogonalisation: stateless backends and coefficient presets.
 
-Everything here is a pure function of its arguments (the only side effect is the
-process-local counter :data:`NS_CALLS`). Momentum, learning rates and parameter updates
-live in :mod:`dmuon.exec.optim`; this module only maps a matrix ``G`` (or a batch of
-matrices) to an approximation of the orthogonal polar factor ``U Vᵀ`` of ``G = U S Vᵀ``.
+Everything here is a pure function of its arguments (the only side effects are the
+process-local counters :data:`NS_CALLS` and :data:`GRAM_FALLBACKS`). Momentum, learning
+rates and parameter updates live in :mod:`dmuon.exec.optim`; this module only maps a matrix
+``G`` (or a batch of matrices) to an approximation of the orthogonal polar factor ``U Vᵀ``
+of ``G = U S Vᵀ``. docs/newton_schulz.md compares the backends and presets.
 
 The iteration (Jordan et al. 2024, "Muon: An optimizer for hidden layers in neural
 networks", https://kellerjordan.github.io/posts/muon/) is the odd quintic
@@ -17,30 +18,57 @@ run on the wide orientation (rows <= columns) so that the Gram matrix ``A`` is t
 (min(m, n))² one. With the "muon" coefficients the singular values land roughly in
 [0.7, 1.2] after 5 steps rather than at exactly 1, which does not hurt training.
 
+Backends (:data:`NS_BACKENDS`; every one is a pure function with the same keywords):
+
+- ``"standard"``: :func:`newton_schulz`, the iteration above; the default everywhere, and
+  the only backend of the numerical contract (DESIGN.md §2).
+- ``"gram"``: :func:`gram_newton_schulz` (Zhang, Amsel, Chen, Dao, "Gram Newton-Schulz",
+  2026): the same polynomial evaluated on the ``(d, d)`` Gram matrix, ``d = min(m, n)``,
+  with restarts; equal to ``"standard"`` in exact arithmetic, cheaper when
+  ``max(m, n) >> min(m, n)``, and the form tensor parallelism needs
+  (:func:`gram_ns_from_gram`).
+
+Coefficient presets (:data:`NS_PRESETS`) are orthogonal to the backend: ``"muon"`` (Jordan
+et al.) and ``"polar_express"`` (Amsel et al., arXiv 2505.16932) run on either.
+
 Sources: Keller Jordan's reference implementation
 (https://github.com/KellerJordan/Muon/blob/master/muon.py) and its PyTorch port
 ``torch.optim._muon._zeropower_via_newtonschulz``, which :func:`newton_schulz` reproduces
-bit for bit on 2-D bf16 input.
+bit for bit on 2-D bf16 input. Polar Express: see :data:`POLAR_EXPRESS_PUBLISHED`. Gram
+Newton-Schulz: see :func:`gram_newton_schulz`.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
-from collections.abc import Sequence
-from typing import Union
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
 
 __all__ = [
+    "GRAM_FALLBACKS",
+    "GRAM_RESTART_EVERY",
+    "NS_BACKENDS",
     "NS_PRESETS",
     "NS_CALLS",
+    "POLAR_EXPRESS_PUBLISHED",
+    "POLAR_EXPRESS_SAFETY",
     "Coefficients",
     "coefficient_schedule",
+    "get_ns_backend",
+    "gram_newton_schulz",
+    "gram_ns_flops",
+    "gram_ns_from_gram",
+    "gram_segments",
     "newton_schulz",
     "ns_flops",
     "reset_ns_calls",
+    "schedule_gain_bounds",
 ]
 
 Triple = tuple[float, float, float]
@@ -48,29 +76,117 @@ Triple = tuple[float, float, float]
 #: (one per step), or the name of an entry of :data:`NS_PRESETS`.
 Coefficients = Union[str, Sequence[float], Sequence[Sequence[float]]]
 
-#: Coefficient presets, by name. A value is either one ``(a, b, c)`` triple used at every
-#: step, or a tuple of triples, one per step (its length then fixes the number of steps).
+#: The Polar Express coefficient table, verbatim: Amsel, Persson, Musco, Gower, "The Polar
+#: Express: Optimal Matrix Sign Methods and Their Application to the Muon Algorithm"
+#: (arXiv 2505.16932), the degree-5 ``coeffs_list`` of the paper's Python listing, as
+#: published in the authors' reference implementation
+#: https://github.com/NoahAmsel/PolarExpress (``polar_express/basic.py`` at commit 7f0fb57,
+#: ``_COEFFS``; the same numbers appear in that repository's ``gram_NS_diagnostic.py`` and,
+#: the first five, in Dao-AILab/gram-newton-schulz ``coefficients.py``). One
+#: ``(a_t, b_t, c_t)`` per step t = 1..8 of ``X <- a X + b (XXᵀ)X + c (XXᵀ)²X``: the paper's
+#: optimal (minimax) odd quintics for singular values in ``[l, 1]`` with ``l = 1e-3``; the
+#: last is the limit polynomial ``(15/8, -10/8, 3/8)``, which the reference repeats for steps
+#: beyond 8.
+#: These are data, never to be edited; the preset :data:`NS_PRESETS` ``["polar_express"]`` is
+#: derived from them with :data:`POLAR_EXPRESS_SAFETY` (see there).
+POLAR_EXPRESS_PUBLISHED: tuple[Triple, ...] = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+)
+
+#: Safety factor of the Polar Express reference, used twice there:
+#: (1) every published triple but the last is replaced by ``(a/s, b/s³, c/s⁵)`` (the
+#: polynomial of ``x/s``), and (2) the input is normalised by ``s·‖G‖_F + 1e-7`` instead of
+#: ``‖G‖_F``. Both guard against singular values pushed slightly above 1 by rounding.
+POLAR_EXPRESS_SAFETY = 1.01
+
+
+def _polar_express_preset(table: tuple[Triple, ...], s: float) -> tuple[Triple, ...]:
+    """The per-step schedule that, applied to ``X / ‖X‖_F`` (this module's normalisation),
+    computes exactly the polynomial of the reference ``X / (s·‖X‖_F)`` followed by the
+    safety-scaled table.
+
+    Reference: ``p'_1(x/s)`` with ``p'_1 = (a/s, b/s³, c/s⁵)``, i.e. coefficients
+    ``(a/s², b/s⁶, c/s¹⁰)`` on ``x``; steps 2..7: ``(a/s, b/s³, c/s⁵)``; step 8 unscaled.
+    (Folding the normalisation into step 1 keeps every backend, the optimizer's stored
+    schedule and the Gram/TP form free of a preset-specific normaliser; the only difference
+    to the reference is its ``+ 1e-7`` versus this module's ``clamp(min=eps)``.)
+    """
+    scaled = [(a / s, b / s**3, c / s**5) for a, b, c in table[:-1]] + [table[-1]]
+    a, b, c = scaled[0]
+    scaled[0] = (a / s, b / s**3, c / s**5)
+    return tuple(scaled)
+
+
+#: Coefficient presets, by name, in one table. A value is either one ``(a, b, c)`` triple
+#: used at every step, or a tuple of triples, one per step. A per-step preset adapts to any
+#: number of steps exactly as its reference does: the first ``steps`` triples, and the last
+#: triple repeated beyond the table's length. (A per-step table passed directly, not by
+#: name, must have exactly ``steps`` triples.)
 #:
 #: - ``"muon"``: ``(3.4445, -4.775, 2.0315)``, Jordan et al. 2024; the default of
 #:   ``torch.optim.Muon``. Chosen to maximise the slope at zero; converges to
 #:   singular values in about [0.7, 1.2], not to 1.
+#: - ``"polar_express"``: 8 triples derived from :data:`POLAR_EXPRESS_PUBLISHED` with
+#:   :data:`POLAR_EXPRESS_SAFETY` = 1.01 (see :func:`_polar_express_preset`): the reference
+#:   ``PolarExpress(G, steps)`` up to rounding, with this module's normalisation
+#:   ``X / max(‖X‖_F, eps)``. Designed for 5-8 steps (dmuon's default is 5, as Muon's). In
+#:   exact arithmetic, 5 steps map every normalised singular value ``s`` in [3e-3, 1] into
+#:   [0.87, 1.12] ("muon": [0.68, 1.20]); 8 steps map [1e-3, 1] to 1 within ~1e-12.
 NS_PRESETS: dict[str, Union[Triple, tuple[Triple, ...]]] = {
     "muon": (3.4445, -4.775, 2.0315),
+    "polar_express": _polar_express_preset(POLAR_EXPRESS_PUBLISHED, POLAR_EXPRESS_SAFETY),
 }
 
-#: Number of matrices orthogonalised by :func:`newton_schulz` in this process since import
-#: or the last :func:`reset_ns_calls` (a batch of B matrices counts B). Read it as
+#: Orthogonalisation backends, by name -> the name of the function in this module (looked up
+#: at call time by :func:`get_ns_backend`). ``"standard"`` is the default everywhere.
+NS_BACKENDS: dict[str, str] = {
+    "standard": "newton_schulz",
+    "gram": "gram_newton_schulz",
+}
+
+#: Number of matrices orthogonalised by :func:`newton_schulz` or :func:`gram_newton_schulz`
+#: in this process since import or the last :func:`reset_ns_calls` (a batch of B matrices
+#: counts B; a Gram fallback to the standard iteration does not count twice). Read it as
 #: ``dmuon.exec.newton_schulz.NS_CALLS`` (a ``from ... import`` copies the int).
 NS_CALLS: int = 0
+
+#: Number of matrices for which :func:`gram_newton_schulz` rejected its own result and
+#: returned the standard iteration's instead (see there), since import or the last
+#: :func:`reset_ns_calls`.
+GRAM_FALLBACKS: int = 0
 
 _MAX_STEPS = 100  # torch.optim.Muon refuses ns_steps >= 100 "for computational efficiency"
 
 
 def reset_ns_calls() -> int:
-    """Set :data:`NS_CALLS` to 0 and return the value it had."""
-    global NS_CALLS
-    previous, NS_CALLS = NS_CALLS, 0
+    """Set :data:`NS_CALLS` and :data:`GRAM_FALLBACKS` to 0; return the value ``NS_CALLS`` had."""
+    global NS_CALLS, GRAM_FALLBACKS
+    previous, NS_CALLS, GRAM_FALLBACKS = NS_CALLS, 0, 0
     return previous
+
+
+def get_ns_backend(name: str) -> Callable[..., Tensor]:
+    """The orthogonalisation function of backend ``name`` (a key of :data:`NS_BACKENDS`).
+
+    Resolved at call time from this module, so monkeypatching ``newton_schulz`` /
+    ``gram_newton_schulz`` is seen by callers such as :class:`dmuon.Muon`.
+
+    Raises:
+        ValueError: an unknown backend name.
+    """
+    try:
+        return globals()[NS_BACKENDS[name]]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"unknown Newton-Schulz backend {name!r}; expected one of {tuple(NS_BACKENDS)}"
+        ) from None
 
 
 def _is_triple(value: object) -> bool:
@@ -87,7 +203,9 @@ def coefficient_schedule(coefficients: Coefficients, steps: int) -> tuple[Triple
 
     Args:
         coefficients: a triple ``(a, b, c)`` used at every step; a sequence of exactly
-            ``steps`` triples, one per step; or a key of :data:`NS_PRESETS`.
+            ``steps`` triples, one per step; or a key of :data:`NS_PRESETS` (a per-step
+            preset gives its first ``steps`` triples, its last one repeated if ``steps`` is
+            longer than the preset).
         steps: number of Newton-Schulz steps, ``0 <= steps < 100``.
 
     Returns:
@@ -111,6 +229,9 @@ def coefficient_schedule(coefficients: Coefficients, steps: int) -> tuple[Triple
             raise ValueError(
                 f"unknown Newton-Schulz preset {coefficients!r}; known: {sorted(NS_PRESETS)}"
             ) from None
+        if not _is_triple(coefficients):  # per-step preset: truncate, or repeat its last
+            table = tuple(coefficients)
+            coefficients = table[:steps] + (table[-1],) * max(0, steps - len(table))
     if _is_triple(coefficients):
         a, b, c = (float(v) for v in coefficients)  # type: ignore[union-attr]
         return ((a, b, c),) * steps
@@ -188,15 +309,28 @@ def newton_schulz(
     1 for 2-D input).
     """
     global NS_CALLS
-    if x.ndim < 2:
-        raise ValueError(f"newton_schulz needs a matrix or a batch of matrices, got shape {tuple(x.shape)}")
-    if x.is_complex() or dtype.is_complex:
-        raise ValueError("newton_schulz supports real tensors only")
+    _check_input(x, dtype, "newton_schulz")
     schedule = coefficient_schedule(coefficients, steps)
+    NS_CALLS += _num_matrices(x)
+    return _newton_schulz(x, schedule, eps, dtype)
+
+
+def _check_input(x: Tensor, dtype: torch.dtype, who: str) -> None:
+    if x.ndim < 2:
+        raise ValueError(f"{who} needs a matrix or a batch of matrices, got shape {tuple(x.shape)}")
+    if x.is_complex() or dtype.is_complex:
+        raise ValueError(f"{who} supports real tensors only")
+
+
+def _num_matrices(x: Tensor) -> int:
+    return math.prod(x.shape[:-2])
+
+
+def _newton_schulz(x: Tensor, schedule: tuple[Triple, ...], eps: float, dtype: torch.dtype) -> Tensor:
+    """:func:`newton_schulz` on a resolved schedule, without validation or counting."""
     m, n = x.shape[-2], x.shape[-1]
 
     if x.ndim == 2:
-        NS_CALLS += 1
         X = x.to(dtype, copy=True)
         if m > n:
             X = X.T
@@ -211,7 +345,6 @@ def newton_schulz(
 
     lead = x.shape[:-2]
     batch = math.prod(lead)
-    NS_CALLS += batch
     X = x.reshape(batch, m, n).to(dtype, copy=True)
     if m > n:
         X = X.mT
@@ -245,3 +378,349 @@ def ns_flops(m: int, n: int, steps: int, *, num_matrices: int = 1) -> int:
     if m > n:
         m, n = n, m
     return num_matrices * steps * (4 * m * m * n + 2 * m**3)
+
+
+# ------------------------------------------------------------------------------ Gram NS
+
+
+#: Default restart period of :func:`gram_newton_schulz`: re-form the Gram matrix from the
+#: current ``X`` before steps 2, 4, ... (0-based), i.e. segments of 2 steps.
+GRAM_RESTART_EVERY = 2
+
+Restarts = Union[int, Sequence[int], None]
+
+
+def gram_segments(
+    schedule: Sequence[Triple], restart_every: Restarts = GRAM_RESTART_EVERY
+) -> tuple[tuple[Triple, ...], ...]:
+    """Split a per-step schedule into the segments between Gram restarts.
+
+    Args:
+        schedule: one triple per step (see :func:`coefficient_schedule`).
+        restart_every: ``r >= 1``: restart before every 0-based step ``k`` with ``k % r == 0``,
+            ``k > 0`` (segments of ``r`` steps, the last one shorter); ``None``: never (one
+            segment); a sequence of ints: restart before exactly those 0-based steps (the
+            ``gram_newton_schulz_reset_iterations`` of Dao-AILab/gram-newton-schulz: ``[2]``
+            restarts once, after the 2nd step). Entries ``<= 0`` or ``>= len(schedule)`` are
+            ignored (nothing to restart).
+
+    Returns:
+        A tuple of non-empty tuples of triples whose concatenation is ``schedule``
+        (empty for an empty schedule).
+
+    Raises:
+        ValueError: ``restart_every`` is not ``None``, an int ``>= 1`` or a sequence of ints.
+    """
+    steps = len(schedule)
+    if restart_every is None:
+        cuts: list[int] = []
+    elif isinstance(restart_every, numbers.Integral) and not isinstance(restart_every, bool):
+        if restart_every < 1:
+            raise ValueError(f"restart_every must be >= 1 (or None for no restarts), got {restart_every}")
+        cuts = list(range(int(restart_every), steps, int(restart_every)))
+    elif isinstance(restart_every, Sequence) and not isinstance(restart_every, str) and all(
+        isinstance(k, numbers.Integral) and not isinstance(k, bool) for k in restart_every
+    ):
+        cuts = sorted({int(k) for k in restart_every if 0 < k < steps})
+    else:
+        raise ValueError(
+            "restart_every must be None, an int >= 1 or a sequence of 0-based step indices, "
+            f"got {restart_every!r}"
+        )
+    bounds = [0, *cuts, steps]
+    return tuple(tuple(schedule[i:j]) for i, j in zip(bounds, bounds[1:]) if j > i)
+
+
+def gram_ns_from_gram(g: Tensor, *, coefficients: Coefficients, steps: int) -> Tensor:
+    """The ``(d, d)`` factor ``Q`` with ``NS(X) = Q·X``, from the Gram matrix ``g = X·Xᵀ`` alone.
+
+    Pure, no restarts: one segment of Gram Newton-Schulz. For ``X`` of shape ``(d, D)``
+    (already normalised, ``‖X‖_2 <= 1``) each quintic step ``X <- (a I + b A + c A²) X``,
+    ``A = X Xᵀ``, keeps ``X_k = Q_k X_0`` with ``Q_k`` a polynomial in ``G = X_0 X_0ᵀ``, so::
+
+        R = G, Q = I
+        for (a, b, c) in schedule:
+            W = b R + c R²                # Z = a I + W: the step's left factor, (d, d), symmetric
+            Q = a Q + Q W                 # = Q Z; Q_{k+1} = Z_k Q_k (polynomials in G commute)
+            R = Z (R Z) = a RZ + W RZ     # = X_{k+1} X_{k+1}ᵀ, RZ = a R + R W; symmetrised;
+                                          #   skipped after the last step
+
+    This is what a tensor-parallel caller needs: with ``X = [X_1 … X_T]`` split along its
+    long side, all-reduce ``g = Σ_i X_i X_iᵀ`` (normalise by ``tr(g) = ‖X‖_F²``: divide
+    ``g`` by it and each ``X_i`` by its square root), call this on every rank, and apply
+    ``Q·X_i`` to the local shard; for restarts repeat per segment (:func:`gram_segments`),
+    one all-reduce each.
+
+    Args:
+        g: ``(d, d)`` or batched ``(..., d, d)`` symmetric PSD matrix, the Gram of a
+            normalised ``X`` (eigenvalues in ``[0, 1]``). Its dtype is the iteration dtype.
+        coefficients, steps: as :func:`newton_schulz` (validated the same way).
+
+    Returns:
+        ``Q``, same shape and dtype as ``g`` (the identity for ``steps == 0``). ``g`` is not
+        modified.
+
+    Cost: ``(8·steps - 6)·d³`` matmul FLOPs for ``steps >= 1`` (``R²`` each step, ``Q Z``
+    from the second step, ``Z R Z`` before the last).
+
+    Raises:
+        ValueError: ``g`` is not a (batch of) square matrix, is complex, or a bad
+            coefficient spec / ``steps``.
+    """
+    if g.ndim < 2 or g.shape[-1] != g.shape[-2]:
+        raise ValueError(f"gram_ns_from_gram needs square (d, d) matrices, got shape {tuple(g.shape)}")
+    if g.is_complex():
+        raise ValueError("gram_ns_from_gram supports real tensors only")
+    schedule = coefficient_schedule(coefficients, steps)
+    lead, d = g.shape[:-2], g.shape[-1]
+    R = g.reshape(-1, d, d)
+    Q = _gram_q(R, schedule)
+    return Q.reshape(*lead, d, d)
+
+
+def _gram_q(R: Tensor, schedule: Sequence[Triple]) -> Tensor:
+    """:func:`gram_ns_from_gram` on a (B, d, d) batch and a resolved schedule."""
+    # Z = a·I + W with W = b·R + c·R², and every product with Z is evaluated as a·M + M·W in
+    # one fused baddbmm: the large a·I part is never rounded on its own (in bf16 that alone
+    # costs ~2x accuracy), as in Dao-AILab/gram-newton-schulz.
+    Q: Optional[Tensor] = None
+    last = len(schedule) - 1
+    for k, (a, b, c) in enumerate(schedule):
+        W = torch.baddbmm(R, R, R, beta=b, alpha=c)  # b·R + c·R²
+        if Q is None:
+            Q = W.clone()
+            Q.diagonal(dim1=-2, dim2=-1).add_(a)  # Q = Z
+        else:
+            Q = torch.baddbmm(Q, Q, W, beta=a)  # Q·Z
+        if k < last:
+            RZ = torch.baddbmm(R, R, W, beta=a)  # R·Z
+            R = torch.baddbmm(RZ, W, RZ, beta=a)  # Z·R·Z
+            R = (R + R.mT).mul_(0.5)
+    if Q is None:
+        Q = torch.eye(R.shape[-1], dtype=R.dtype, device=R.device).expand_as(R).clone()
+    return Q
+
+
+@functools.lru_cache(maxsize=64)
+def schedule_gain_bounds(schedule: tuple[Triple, ...]) -> tuple[float, float]:
+    """``(min_slope, max_gain)`` of the scalar map ``P = p_K ∘ … ∘ p_1`` that a schedule applies
+    to each singular value ``s`` of the normalised input (``p(s) = a s + b s³ + c s⁵``):
+
+    - ``max_gain = max |P(s)|`` over ``s`` in ``[0, 1]``: in exact arithmetic no singular
+      value of an NS result exceeds it (the normalised input has ``‖X‖_2 <= ‖X‖_F = 1``);
+    - ``min_slope = min P(s)/s`` over ``s`` in ``(0, 1]``: in exact arithmetic
+      ``⟨NS(X), X⟩ = Σ P(s_i)·s_i >= min_slope · Σ s_i² = min_slope`` for ``‖X‖_F = 1``.
+
+    Evaluated in float64 on a grid (4097 uniform points plus 1000 log-spaced in
+    ``[1e-8, 1]``), so grid extrema, tight to ~1e-4 for the presets here. 5 steps:
+    "muon" ``(0.696, 1.202)``, "polar_express" ``(0.877, 1.124)``. ``(1, 1)`` for no steps.
+    """
+    s0 = torch.cat(
+        [
+            torch.linspace(0.0, 1.0, 4097, dtype=torch.float64)[1:],
+            torch.logspace(-8, 0, 1000, dtype=torch.float64),
+        ]
+    )
+    s = s0
+    for a, b, c in schedule:
+        s2 = s * s
+        s = s * (a + s2 * (b + c * s2))
+    return float((s / s0).min()), max(float(s.abs().max()), 0.0)
+
+
+def gram_newton_schulz(
+    x: Tensor,
+    *,
+    coefficients: Coefficients = (3.4445, -4.775, 2.0315),
+    steps: int = 5,
+    eps: float = 1e-7,
+    dtype: torch.dtype = torch.bfloat16,
+    restart_every: Restarts = GRAM_RESTART_EVERY,
+    fallback: bool = True,
+) -> Tensor:
+    """Newton-Schulz through the ``(d, d)`` Gram matrix (Gram Newton-Schulz, with restarts).
+
+    Zhang, Amsel, Chen, Dao, "Gram Newton-Schulz" (2026,
+    https://dao-ailab.github.io/blog/2026/gram-newton-schulz/, code:
+    https://github.com/Dao-AILab/gram-newton-schulz). Same polynomial as
+    :func:`newton_schulz` with the same ``coefficients``/``steps``/``eps``, evaluated as:
+
+    1. ``X = x.to(dtype)``, wide orientation ``(d, D)``, ``d <= D`` (tall input transposed),
+       ``X /= max(‖X‖_F, eps)`` per matrix — exactly :func:`newton_schulz`'s prologue;
+    2. for each segment of the schedule between restarts (:func:`gram_segments`):
+       ``G = X Xᵀ`` (symmetrised), ``Q = gram_ns_from_gram(G, segment)``, ``X = Q X``;
+    3. transpose back.
+
+    Only ``(d, d)`` products run inside a segment; ``(d, D)`` products only at its ends. A
+    restart re-forms ``G`` from the current ``X``, which is PSD by construction, so the
+    rounding drift that ``R = Z R Z`` accumulates (in bf16 it can produce negative
+    eigenvalues, which the polynomial then amplifies) is discarded; ``restart_every=2``
+    (default) restarts before steps 2 and 4 of 5. Dao-AILab recommends one restart after
+    step 2 for 5 steps, ``restart_every=[2]``.
+
+    Exactness: in exact arithmetic the result equals :func:`newton_schulz` (every ``Q`` is a
+    polynomial in ``G``, so ``Q X_0`` is the standard iterate; ``restart_every=1`` is the
+    standard iteration with ``a`` folded into one factor). In floating point it differs.
+    Measured relative distance to the standard iteration run in float64, on the directions
+    with normalised singular value ``s >= 1e-2`` (the "err64" of benchmarks/ns_accuracy.py
+    and docs/newton_schulz.md; standard backend in brackets):
+
+    - float64: ~1e-14 (tests hold 1e-12 of the largest entry);
+    - float32: 4e-7 to 3e-6 with "muon" [3e-7 to 1.4e-6]; 3e-6 to 5e-5 with
+      "polar_express" [2e-6 to 7e-6];
+    - bfloat16: 1e-2 to 4e-2 with "muon" [3e-3 to 1.5e-2]; 2e-2 to 1e-1 with
+      "polar_express" [9e-3 to 9e-2], and 0.3 on a rank-1 matrix [0.09].
+
+    Why: rounding errors of ``Q`` are relative to ``‖Q‖``, which on the input's
+    small-singular-value directions is the product of the segment's ``a`` coefficients
+    (3.4² = 12 for "muon", 8.1·4.1 = 33 for the first "polar_express" segment), while the
+    standard iteration's errors are relative to ``‖X‖ <= 1.2``; and ``G`` holds squared
+    singular values, so directions with ``s`` below ~``sqrt(eps_dtype)`` (bf16: 0.06) are
+    represented in ``G`` mostly by rounding noise. Restarts bound the first effect; fp16 (as the
+    Gram NS reference uses; 10 mantissa bits against bf16's 7) is about 10x more accurate
+    than bf16 here, fp32 removes both effects for practical purposes.
+
+    Safe fallback (``fallback=True``, default). With ``(min_slope, max_gain)`` =
+    :func:`schedule_gain_bounds` (exact-arithmetic facts of the schedule), a matrix's Gram
+    result ``Y`` is rejected when
+
+    - it is not finite, or
+    - its largest singular value exceeds ``1.1·max_gain`` (a deterministic 8-step power
+      iteration gives a lower estimate, so this is never a false alarm), or
+    - ``⟨Y, X⟩ < 0.9·min_slope`` for the normalised input ``X`` (``‖X‖_F = 1``; exact:
+      ``⟨Y, X⟩ = Σ P(s_i)·s_i >= min_slope``): the result lost the input's directions;
+
+    and is then recomputed with :func:`newton_schulz` (same arguments), counted in
+    :data:`GRAM_FALLBACKS` and reported by a ``RuntimeWarning``. The first two catch the
+    instability of the Gram form (rounding makes small eigenvalues of ``R`` negative or
+    inflates them, and the polynomial amplifies them: without restarts, bf16 results on the
+    zoo of benchmarks/ns_accuracy.py with condition number >= 1e2 or rank 4 reach largest
+    singular values from 12 to 7e8); the third catches a result turned away from its input,
+    which ``Q``'s rounding error (relative to ``‖Q‖``, i.e. up to ``Π a``) can cause on
+    low-rank input when restarts are sparse. None of them catches the milder loss of
+    accuracy above: with the default restarts no zoo matrix falls back. Cost: ~``36·d·D``
+    FLOPs per matrix and one host synchronisation per call.
+
+    Shapes, dtype, zero input: as :func:`newton_schulz` (``(m, n)`` or ``(..., m, n)``;
+    result in ``dtype`` with ``x``'s shape, a tall 2-D input's result is a transposed view;
+    ``x`` is never modified). An all-zero matrix maps to zeros (``G = 0``, ``X = 0``).
+
+    Args:
+        x: real floating-point tensor, ``x.ndim >= 2``.
+        coefficients, steps, eps, dtype: as :func:`newton_schulz`.
+        restart_every: see :func:`gram_segments` (int ``>= 1``, sequence of 0-based steps,
+            or ``None``).
+        fallback: enable the safe fallback above.
+
+    Returns:
+        Tensor of ``x.shape`` in ``dtype``.
+
+    Raises:
+        ValueError: as :func:`newton_schulz`, or a bad ``restart_every``.
+
+    Side effects: :data:`NS_CALLS` grows by the number of matrices; :data:`GRAM_FALLBACKS`
+    by the number of matrices that fell back.
+    """
+    global NS_CALLS, GRAM_FALLBACKS
+    _check_input(x, dtype, "gram_newton_schulz")
+    schedule = coefficient_schedule(coefficients, steps)
+    segments = gram_segments(schedule, restart_every)
+    NS_CALLS += _num_matrices(x)
+
+    lead, m, n = x.shape[:-2], x.shape[-2], x.shape[-1]
+    tall = m > n
+    X = x.reshape(-1, m, n).to(dtype, copy=True)
+    if tall:
+        X = X.mT
+    norms = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
+    X.div_(norms.clamp_(min=eps))
+    X0 = X
+    for segment in segments:
+        G = torch.bmm(X, X.mT)
+        G = (G + G.mT).mul_(0.5)
+        X = torch.bmm(_gram_q(G, segment), X)
+
+    if fallback and segments:
+        min_slope, max_gain = schedule_gain_bounds(schedule)
+        top = _GRAM_FALLBACK_MARGIN * max_gain
+        floor = min_slope / _GRAM_FALLBACK_MARGIN
+        inner = (X * X0).sum(dim=(-2, -1), dtype=torch.promote_types(X.dtype, torch.float32))
+        x0_sq = (X0 * X0).sum(dim=(-2, -1), dtype=inner.dtype)  # 1, or 0 for a zero matrix
+        # NaN / inf compare False, so they count as bad.
+        ok = (_spectral_norm_estimate(X) <= top) & (inner >= floor * x0_sq)
+        bad = ~ok
+        if bool(bad.any()):
+            idx = bad.nonzero().flatten()
+            GRAM_FALLBACKS += int(idx.numel())
+            warnings.warn(
+                f"gram_newton_schulz: {idx.numel()} of {X.shape[0]} matrices of shape {(m, n)} "
+                f"in {dtype} gave a non-finite result, a singular value above {top:.3g} or an "
+                f"alignment <Y, X> below {floor:.3g}; recomputed with the standard "
+                "Newton-Schulz iteration (see GRAM_FALLBACKS)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            redo = _newton_schulz(x.reshape(-1, m, n)[idx], schedule, eps, dtype)
+            X = X.clone()
+            X[idx] = redo.mT if tall else redo
+    if tall:
+        X = X.mT
+    return X.reshape(*lead, m, n)
+
+
+#: A Gram result is rejected when its largest singular value exceeds this multiple of the
+#: schedule's ``max_gain``, or its alignment falls below ``min_slope`` divided by it
+#: (:func:`schedule_gain_bounds`; rounding alone stays within ~2% of either in bf16).
+_GRAM_FALLBACK_MARGIN = 1.1
+#: Power-iteration steps of :func:`_spectral_norm_estimate`.
+_POWER_STEPS = 8
+
+
+def _spectral_norm_estimate(X: Tensor) -> Tensor:
+    """A lower estimate of ``‖X_b‖_2`` per matrix of a ``(B, d, D)`` batch (float32 or wider).
+
+    ``_POWER_STEPS`` power iterations on ``X Xᵀ`` from a fixed pseudo-random start (so the
+    result is deterministic), each two batched mat-vecs in ``X``'s dtype (``4·d·D`` FLOPs
+    per matrix, no copy of ``X``); the returned ``‖Xᵀ v‖`` with ``‖v‖ = 1`` never exceeds the
+    true norm (up to the rounding of ``X``'s dtype), so a value clearly above a limit proves
+    the limit is exceeded. Non-finite input gives a non-finite estimate.
+    """
+    acc = torch.promote_types(X.dtype, torch.float32)
+    g = torch.Generator(device="cpu").manual_seed(0x5EED)
+    v = torch.randn(X.shape[-2], 1, generator=g, dtype=torch.float32).to(device=X.device, dtype=X.dtype)
+    v = v.expand(X.shape[0], -1, -1)
+    for _ in range(_POWER_STEPS):
+        v = torch.bmm(X, torch.bmm(X.mT, v))
+        norm = torch.linalg.vector_norm(v, dim=(-2, -1), keepdim=True, dtype=acc)
+        v = (v / norm.clamp(min=1e-30)).to(X.dtype)
+    return torch.linalg.vector_norm(torch.bmm(X.mT, v), dim=(-2, -1), dtype=acc)
+
+
+def gram_ns_flops(
+    m: int, n: int, steps: int, *, restart_every: Restarts = GRAM_RESTART_EVERY, num_matrices: int = 1
+) -> int:
+    """Matmul FLOPs of :func:`gram_newton_schulz` on ``num_matrices`` ``(m, n)`` matrices.
+
+    With ``d = min(m, n)``, ``D = max(m, n)`` and the schedule split into segments of
+    lengths ``L_1 … L_S`` (:func:`gram_segments`; ``S = 1 +`` number of restarts)::
+
+        num_matrices * Σ_j [ 4·d²·D  +  (8·L_j - 6)·d³ ]
+
+    per segment: ``G = X Xᵀ`` and ``Q·X`` (``2·d²·D`` each), and inside
+    (:func:`gram_ns_from_gram`) ``R²`` every step, ``Q·Z`` from the segment's second step and
+    ``Z·R·Z`` (two products) before its last step (``2·d³`` each). Compare :func:`ns_flops`:
+    ``steps·(4·d²·D + 2·d³)``. For 5 steps with one restart (segments 2, 3): ``8·d²·D +
+    28·d³`` versus ``20·d²·D + 10·d³``: Gram NS is cheaper once ``D > 1.5·d``, and tends to
+    2.5x fewer FLOPs for ``D >> d``; on a square matrix it costs 1.2x more. The fallback,
+    norms and elementwise work are not counted.
+
+    Raises:
+        ValueError: a negative argument or a bad ``restart_every``.
+    """
+    if min(m, n, steps, num_matrices) < 0:
+        raise ValueError(
+            f"gram_ns_flops arguments must be >= 0, got m={m} n={n} steps={steps} num_matrices={num_matrices}"
+        )
+    d, D = min(m, n), max(m, n)
+    segments = gram_segments([(0.0, 0.0, 0.0)] * steps, restart_every)
+    return num_matrices * sum(4 * d * d * D + (8 * len(seg) - 6) * d**3 for seg in segments)

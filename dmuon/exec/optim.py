@@ -142,7 +142,10 @@ class Muon(torch.optim.Optimizer):
         momentum: Muon momentum ``mu``. Default 0.95.
         nesterov: Nesterov momentum (the NS input is ``g.lerp(buf, mu)``). Default True.
         ns_coefficients: ``(a, b, c)``, a per-step table of ``ns_steps`` triples, or a key of
-            :data:`dmuon.exec.newton_schulz.NS_PRESETS`. Default: the "muon" preset.
+            :data:`dmuon.exec.newton_schulz.NS_PRESETS`: ``"muon"`` (the default triple) or
+            ``"polar_express"`` (Amsel et al., arXiv 2505.16932: 8 per-step triples, the
+            first ``ns_steps`` used, the last repeated beyond 8). A preset name is resolved
+            at construction; the group stores the triple or the per-step table.
         eps: Frobenius-norm clamp of the NS normalisation. Default 1e-7.
         ns_steps: Newton-Schulz iterations, ``0 <= ns_steps < 100``. Default 5.
         adjust_lr_fn: ``None`` | ``"original"`` | ``"match_rms_adamw"`` (see :func:`adjust_lr`).
@@ -150,12 +153,21 @@ class Muon(torch.optim.Optimizer):
             ``torch.float32`` for the tight numerical contract.
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW hyper-parameters
             (torch.optim.AdamW semantics; defaults 1e-3, (0.9, 0.999), 1e-8, 1e-2).
+        ns_backend: keyword-only. ``"standard"`` (default): :func:`~dmuon.exec.newton_schulz.
+            newton_schulz`, bit-identical to torch.optim.Muon as described below.
+            ``"gram"``: :func:`~dmuon.exec.newton_schulz.gram_newton_schulz` (Gram
+            Newton-Schulz with its default restarts and safe fallback): the same polynomial in
+            exact arithmetic, fewer FLOPs for matrices with ``max(m, n) >> min(m, n)``;
+            numerically it differs (tests/test_optim_single.py, after 5 steps, relative to each
+            tensor's largest magnitude: parameters within 1e-12 of the standard backend with
+            ``ns_dtype`` fp64, 1e-4 with fp32, 0.15 with bf16; measured 8e-15, 5e-6, 5e-2).
+            An option, never a silent default (DESIGN.md §2).
 
     Param groups (fixed layout, whatever the model holds):
         ``param_groups[0]``: the Muon group, every dedicated parameter (owners' masters and
         non-owners' zero-size placeholders, in the given order), keys ``"params", "lr",
         "momentum", "nesterov", "weight_decay", "ns_coefficients", "ns_steps", "eps",
-        "adjust_lr_fn", "ns_dtype", "use_muon"=True``.
+        "adjust_lr_fn", "ns_dtype", "ns_backend", "use_muon"=True``.
         ``param_groups[1]``: the AdamW group, every other parameter, keys ``"params", "lr",
         "betas", "eps", "weight_decay", "use_muon"=False``.
         Both groups always exist (either may be empty), so a ``LambdaLR`` with two lambdas
@@ -182,6 +194,7 @@ class Muon(torch.optim.Optimizer):
         buf.lerp_(g, 1 - momentum)                      # elementwise, full shape
         u = g.lerp(buf, momentum) if nesterov else buf
         o = newton_schulz(u.view(k, m, n), ...)         # each (m, n) matrix on its own
+                                                        # (gram_newton_schulz if ns_backend="gram")
         p.mul_(1 - lr * weight_decay)
         p.add_(o.view_as(p), alpha=-adjust_lr(lr, adjust_lr_fn, (m, n)))
 
@@ -226,7 +239,8 @@ class Muon(torch.optim.Optimizer):
             non-tensors.
         ValueError: a bad hyper-parameter (negative lr / weight decay / momentum / eps, beta
             outside [0, 1), unknown ``adjust_lr_fn``, ``ns_steps`` outside [0, 100),
-            malformed ``ns_coefficients``, non-float ``ns_dtype``), a dedicated parameter
+            malformed ``ns_coefficients``, non-float ``ns_dtype``, unknown ``ns_backend``),
+            a dedicated parameter
             that is not a matrix (1-D), whose tag does not tile its shape or whose owner
             tensor is not full-size, duplicate parameters, or an empty parameter list.
         RuntimeError (in step): sparse gradients.
@@ -248,6 +262,8 @@ class Muon(torch.optim.Optimizer):
         adamw_betas: tuple[float, float] = (0.9, 0.999),
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 1e-2,
+        *,
+        ns_backend: str = "standard",
     ) -> None:
         params = self._collect(model_or_params)
         self._muon_defaults = self._checked_muon_hparams(
@@ -261,6 +277,7 @@ class Muon(torch.optim.Optimizer):
                 "eps": eps,
                 "adjust_lr_fn": adjust_lr_fn,
                 "ns_dtype": ns_dtype,
+                "ns_backend": ns_backend,
             }
         )
         self._adamw_defaults = self._checked_adamw_hparams(
@@ -280,6 +297,8 @@ class Muon(torch.optim.Optimizer):
         # Per-group dicts carry every hyper-parameter; `defaults` stays empty so that
         # Optimizer.add_param_group does not leak Muon keys into AdamW groups or back.
         super().__init__(groups, {})
+        if _runtime_module() is not None:  # DTensor momentum for torch.distributed.checkpoint
+            importlib.import_module("dmuon.exec.checkpoint").register_optimizer_hooks(self)
 
     # ------------------------------------------------------------------ construction
 
@@ -345,6 +364,7 @@ class Muon(torch.optim.Optimizer):
         else:
             h["ns_coefficients"] = schedule
         h["ns_dtype"] = _as_dtype(h["ns_dtype"], "ns_dtype")
+        _ns.get_ns_backend(h["ns_backend"])  # ValueError naming the known backends
         return h
 
     @staticmethod
@@ -465,6 +485,7 @@ class Muon(torch.optim.Optimizer):
             if saved.get("use_muon"):
                 keys = self._muon_defaults.keys()
                 checker = self._checked_muon_hparams
+                saved.setdefault("ns_backend", "standard")  # checkpoints from before ns_backend
             else:
                 keys = self._adamw_defaults.keys()
                 checker = self._checked_adamw_hparams
@@ -529,6 +550,7 @@ class Muon(torch.optim.Optimizer):
         nesterov = group["nesterov"]
         adjust_lr_fn = group["adjust_lr_fn"]
         ns_dtype = _as_dtype(group["ns_dtype"], "ns_dtype")
+        orthogonalize = _ns.get_ns_backend(group.get("ns_backend", "standard"))
         ns_kw = dict(
             coefficients=_ns.coefficient_schedule(group["ns_coefficients"], group["ns_steps"]),
             steps=group["ns_steps"],
@@ -563,12 +585,12 @@ class Muon(torch.optim.Optimizer):
                 continue
             if k == 1:
                 mat = update if tuple(update.shape) == (m, n) else update.reshape(m, n)
-                ortho = _ns.newton_schulz(mat, **ns_kw)
+                ortho = orthogonalize(mat, **ns_kw)
             else:
                 stack = update.reshape(k, m, n)
                 ortho = torch.empty((k, m, n), dtype=ns_dtype, device=update.device)
                 for i in range(k):
-                    ortho[i] = _ns.newton_schulz(stack[i], **ns_kw)
+                    ortho[i] = orthogonalize(stack[i], **ns_kw)
             self._apply(p, ortho, lr, weight_decay, adjust_lr(lr, adjust_lr_fn, (m, n)))
 
         for (d, D, _, _), entries in pending.items():
@@ -576,7 +598,7 @@ class Muon(torch.optim.Optimizer):
                 if len(chunk) == 1 and chunk[0][2] == 1:
                     _, update, _, m, n = chunk[0]
                     mat = update if tuple(update.shape) == (m, n) else update.reshape(m, n)
-                    outs = [_ns.newton_schulz(mat, **ns_kw)]
+                    outs = [orthogonalize(mat, **ns_kw)]
                 else:
                     # (k, d, D) wide views; tall (k, D, d) matrices enter transposed.
                     views = [
@@ -584,7 +606,7 @@ class Muon(torch.optim.Optimizer):
                         for _, u, k, m, n in chunk
                     ]
                     stack = views[0] if len(views) == 1 else torch.cat(views)
-                    ortho = _ns.newton_schulz(stack, **ns_kw)
+                    ortho = orthogonalize(stack, **ns_kw)
                     outs = [
                         o.mT if m > n else o
                         for o, (_, _, _, m, n) in zip(ortho.split([e[2] for e in chunk]), chunk)
