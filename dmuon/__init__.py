@@ -9,6 +9,8 @@
 * :class:`Muon` — Muon on dedicated matrices (owner only) + AdamW on everything else.
 * :func:`no_sync` — gradient accumulation without communication.
 * :func:`clip_grad_norm_` — global gradient-norm clipping with owner-held gradients counted once.
+* :func:`full_state_dict` — gathered full tensors (rank 0 by default) for export; docs/checkpointing.md.
+* :func:`init_params` — initialise a ``to_empty``-ed meta model as one process would; docs/checkpointing.md.
 """
 
 from . import plan
@@ -17,8 +19,11 @@ from .exec import fsdp2 as _fsdp2
 from .exec.api import dedicate_params
 from .exec.clip import clip_grad_norm_
 from .exec.optim import Muon
+from .exec.checkpoint import full_state_dict
+from .exec.materialize import init_params
 from .exec.runtime import no_sync
 
 _fsdp2.install()
 
 __all__ = ["plan", "exec", "dedicate_params", "Muon", "no_sync", "clip_grad_norm_"]
+__all__ += ["full_state_dict", "init_params"]

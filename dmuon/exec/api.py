@@ -62,13 +62,12 @@ def _validate(plan, model: nn.Module, mesh) -> None:
             "shapes, dtypes or ties changed after planning); recompile the plan with "
             "dmuon.plan.compile(model, mesh) after the last change to the model"
         )
-    for spec in plan.params:
-        p = model.get_parameter(spec.fqn)
-        if p.device.type == "meta":
-            raise NotImplementedError(
-                f"dmuon: parameter {spec.fqn!r} is on the meta device; materialise the model "
-                "(to_empty + init) before dmuon.exec.apply"
-            )
+    devices = {str(model.get_parameter(spec.fqn).device) for spec in plan.params}
+    if len(devices) > 1:
+        raise ValueError(
+            f"dmuon: the dedicated parameters are on several devices {sorted(devices)}; apply dmuon to "
+            "a model on one device, or on the meta device (then model.to_empty(device=...))"
+        )
 
 
 def _check_not_applied(model: nn.Module) -> None:
@@ -98,7 +97,10 @@ def apply(plan, model: nn.Module, mesh=None, *, collective_timeout_s: float | No
 
     Args:
         plan: a :class:`dmuon.plan.ShardingPlan` compiled for this model and mesh shape.
-        model: the full, materialised model, identical on every rank (as before ``fully_shard``).
+        model: the full model, identical on every rank (as before ``fully_shard``), either
+            materialised or on the ``meta`` device: then nothing is allocated until
+            ``model.to_empty(device=...)``, which gives each holder its own segments only
+            (see :mod:`dmuon.exec.materialize` and docs/checkpointing.md).
         mesh: a ``DeviceMesh`` of the plan's shape (2-D: ``("replicate", "shard")``); ``None``
             = a 1-D mesh over the world.
         collective_timeout_s: a dmuon collective not complete within this many seconds raises
@@ -112,7 +114,7 @@ def apply(plan, model: nn.Module, mesh=None, *, collective_timeout_s: float | No
         RuntimeError: no process group; ranks hold different plans.
         ValueError: the model is already wrapped by ``fully_shard``; the plan was compiled for
             another mesh shape or another model (changed after planning); applied twice.
-        NotImplementedError: dedicated parameters on the meta device.
+        ValueError: dedicated parameters on more than one device.
 
     Collectives: one ``all_gather_object`` (plan fingerprints), then ``new_group`` calls; all
     local validation happens before them.
@@ -124,9 +126,10 @@ def apply(plan, model: nn.Module, mesh=None, *, collective_timeout_s: float | No
     runtime = DmuonRuntime(plan, model, groups, _device_of(model, plan))
     runtime.timeout_s = collective_timeout_s
     object.__setattr__(model, _RUNTIME_ATTR, runtime)
-    from . import checkpoint
+    from . import checkpoint, materialize
 
     checkpoint.register_state_dict_hooks(runtime)
+    materialize.install(runtime, model)
     return runtime
 
 

@@ -1,0 +1,192 @@
+"""Meta-device models: ``to_empty`` support and initialisation as if the model were whole.
+
+FSDP2's recipe for a model too large for one rank is: build it on ``meta``, shard it, then
+``model.to_empty(device=...)`` and initialise. dmuon follows it::
+
+    with torch.device("meta"):
+        model = Model()
+    dmuon.dedicate_params(model, mesh)           # plans and binds on meta: nothing allocated
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cuda")                # holders allocate their own segments, others none
+    torch.manual_seed(seed)
+    dmuon.init_params(model)                     # = the single-process init with that seed
+    optimizer = dmuon.Muon(model, ...)
+
+How ``to_empty`` works here: :func:`install` wraps ``_apply`` of the root module and of every
+hook-boundary module (an instance attribute; it calls the class's own ``_apply`` first, so
+FSDP2's override still runs). After ``Module._apply`` re-created the logical parameters, the
+wrapper calls :meth:`DmuonRuntime.rebind_storage`: each holder gets a fresh segment ``master``
+on the new device and its logical parameters become views of it again; non-holders keep
+zero-size placeholders and no segment storage. The same wrapper makes ``model.to(device)``
+work after ``dedicate_params``.
+
+Initial values (what is guaranteed):
+
+* :func:`init_params` runs ``init_fn(module)`` (default: ``module.reset_parameters()``) for
+  every module in ``model.modules()`` order, on *every* rank, with the module's own parameters
+  temporarily replaced by full-size tensors where this rank holds less (a non-holder's
+  placeholder, an FSDP2 ``DTensor`` shard). All ranks draw the same random numbers in the same
+  order as one process running that loop on the unsharded model, and each keeps its part. For
+  models made of torch modules constructed in registration order (``nn.Linear``,
+  ``nn.Embedding``, norms, ...) that loop *is* the constructor's initialisation, so with the
+  same seed the values equal a single-process ``Model()`` bit for bit, on any mesh. Cost: the
+  parameters of one module at full size at a time, per rank; every rank generates every
+  random number.
+* Calling the model's own init directly after ``to_empty`` (``model.init_weights()``, a loop of
+  ``reset_parameters()``) also works: holders initialise their matrices, non-holders'
+  placeholders have zero rows (``nn.init`` sees the true fan-in and does nothing), FSDP2 shards
+  are initialised locally. The values are deterministic but differ from a single-process init
+  (each rank draws only for what it holds; FSDP2 on a CPU mesh behaves the same way). In HSDP
+  dmuon copies every owner's value to its replicas before the first use (forward or state-dict
+  access), so replicas never disagree.
+* Exact values without replaying the init: load a full checkpoint, e.g. rank 0 builds the model
+  on CPU with the seed and every rank calls ``set_model_state_dict(model, sd_or_empty,
+  options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))``, or
+  ``dcp.load`` a checkpoint saved from one process (docs/checkpointing.md).
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+
+import torch
+import torch.nn as nn
+
+__all__ = ["install", "init_params"]
+
+
+def install(runtime, model: nn.Module) -> None:
+    """Wrap ``_apply`` of ``model`` and of every boundary module; add the first-use guard.
+
+    The guard is a forward pre-hook on each boundary module, run before the runtime's own
+    pre-forward: it raises a clear error while the model is still on ``meta`` and, in HSDP,
+    runs :meth:`~dmuon.exec.runtime.DmuonRuntime.sync_replicas` when a ``_apply`` happened.
+    """
+    ref = weakref.ref(runtime)
+    _wrap_apply(model, ref, list(runtime.boundaries))
+    for b in runtime.boundaries:
+        _wrap_apply(b.module, ref, [b])
+
+    def guard(module, args):
+        rt = ref()
+        if rt is None:
+            return None
+        if rt.device.type == "meta":
+            rt.check_materialized("forward")
+        if rt.replicas_stale:
+            rt.sync_replicas()
+        return None
+
+    for b in runtime.boundaries:
+        b.handles.append(b.module.register_forward_pre_hook(guard, prepend=True))
+
+
+def _dedupe(items: list) -> list:
+    seen: set[int] = set()
+    out = []
+    for x in items:
+        if id(x) not in seen:
+            seen.add(id(x))
+            out.append(x)
+    return out
+
+
+def _wrap_apply(module: nn.Module, runtime_ref, boundaries: list) -> None:
+    if getattr(module, "_dmuon_apply_wrapped", False):
+        module._dmuon_apply_boundaries = _dedupe(module._dmuon_apply_boundaries + boundaries)
+        return
+
+    def _apply(self, fn, *args, **kwargs):
+        out = type(self)._apply(self, fn, *args, **kwargs)  # the class's (FSDP2's) _apply
+        rt = runtime_ref()
+        if rt is not None:
+            rt.rebind_storage(self._dmuon_apply_boundaries)
+            rt.replicas_stale = rt.groups.shape[0] > 1
+        return out
+
+    object.__setattr__(module, "_dmuon_apply_boundaries", list(boundaries))
+    object.__setattr__(module, "_dmuon_apply_wrapped", True)
+    object.__setattr__(module, "_apply", types.MethodType(_apply, module))
+
+
+@torch.no_grad()
+def init_params(model: nn.Module, init_fn=None) -> None:
+    """Initialise ``model`` as one process would initialise the unsharded model.
+
+    Runs ``init_fn(module)`` — default: ``module.reset_parameters()`` for modules that define
+    it — for every module of ``model.modules()`` in order, on every rank (every rank must call
+    this, with the same RNG state: e.g. ``torch.manual_seed(seed)`` first). While it runs, the
+    module's own parameters (``recurse=False``) are full size: a holder's dedicated parameter
+    is its full master already; a non-holder's placeholder and an FSDP2 ``DTensor`` are
+    replaced by a temporary full tensor, whose rows this rank does not keep are dropped after
+    (a ``DTensor`` keeps its local shard). So every rank consumes the RNG exactly as one
+    process running the same loop on the whole model, and ends up with its part of those
+    values. See the module docstring for when that equals the model's constructor.
+
+    Args:
+        model: after ``model.to_empty(device=...)`` (or any materialised model; also works
+            without dmuon, e.g. a plain FSDP2 model).
+        init_fn: ``(module) -> None`` that initialises only that module's own parameters (as
+            ``reset_parameters`` does); ``None`` = call ``reset_parameters`` where defined.
+
+    Raises:
+        RuntimeError: the model is still on the meta device.
+
+    Memory: one module's own parameters at full size at a time, per rank.
+    """
+    from torch.distributed.tensor import DTensor
+
+    from .api import get_model_runtime
+
+    rt = get_model_runtime(model)
+    if rt is not None:
+        rt.check_materialized("dmuon.init_params")
+    for module in model.modules():
+        if init_fn is None:
+            fn = getattr(module, "reset_parameters", None)
+            if not callable(fn):
+                continue
+            call = fn
+        else:
+            call = lambda m=module: init_fn(m)  # noqa: E731
+        swapped = []  # (name, original, temporary)
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            info = getattr(p, "_dmuon", None)
+            if info is not None:
+                if info.holds_full:
+                    continue  # the full master itself
+                tmp = torch.empty(info.shape, dtype=p.dtype, device=p.device)
+            elif isinstance(p, DTensor):
+                if p.device.type == "meta":
+                    raise RuntimeError("dmuon.init_params: the model is still on the meta device; call to_empty first")
+                tmp = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+            else:
+                if p.device.type == "meta":
+                    raise RuntimeError("dmuon.init_params: the model is still on the meta device; call to_empty first")
+                continue
+            swapped.append((name, p, nn.Parameter(tmp, requires_grad=p.requires_grad)))
+        for name, _, tmp in swapped:
+            module._parameters[name] = tmp
+        try:
+            call()
+        finally:
+            for name, original, tmp in swapped:
+                module._parameters[name] = original
+        for _, original, tmp in swapped:
+            if isinstance(original, DTensor):
+                _copy_local_part(original, tmp.detach())
+
+
+def _copy_local_part(dt, full: torch.Tensor) -> None:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(full.shape, dt.device_mesh, dt.placements)
+    index = tuple(slice(o, o + s) for s, o in zip(shape, offset))
+    local = dt.to_local()
+    if local.numel():
+        local.copy_(full[index])
