@@ -170,6 +170,22 @@ def make_model(kind: str, seed: int = 0) -> nn.Module:
     raise ValueError(kind)
 
 
+def dmuon_optimizer(model: nn.Module, ns_dtype: torch.dtype = torch.float32, hp=HP):
+    """``dmuon.Muon`` with the hyper-parameters :func:`reference_run` gives torch's optimizers."""
+    import dmuon
+
+    return dmuon.Muon(
+        model,
+        lr=hp["lr"],
+        weight_decay=hp["weight_decay"],
+        momentum=hp["momentum"],
+        nesterov=hp["nesterov"],
+        adamw_lr=hp["adamw_lr"],
+        adamw_weight_decay=hp["adamw_weight_decay"],
+        ns_dtype=ns_dtype,
+    )
+
+
 def global_batches(steps: int, batch: int = 12, seq: int = 5, vocab: int = 7, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (batch, seq + 1), generator=g) for _ in range(steps)]

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from dist_utils import run_distributed
-from oracle import HP, Block, TinyLM, global_batches, lm_loss, reference_run
+from oracle import Block, TinyLM, dmuon_optimizer, global_batches, lm_loss, reference_run
 
 LOSS_RTOL = 1e-6
 PARAM_TOL = 1e-4
@@ -81,16 +81,7 @@ def _build(mesh, z3=True):
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = dmuon.Muon(
-        model,
-        lr=HP["lr"],
-        weight_decay=HP["weight_decay"],
-        momentum=HP["momentum"],
-        nesterov=HP["nesterov"],
-        adamw_lr=HP["adamw_lr"],
-        adamw_weight_decay=HP["adamw_weight_decay"],
-        ns_dtype=torch.float32,
-    )
+    opt = dmuon_optimizer(model, torch.float32)
     opt.init_state()  # torch's DCP helpers would otherwise dummy-step an empty state
     return model, opt, plan
 

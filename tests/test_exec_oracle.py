@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from oracle import HP, global_batches, lm_loss, make_model, reference_run
+from oracle import dmuon_optimizer, global_batches, lm_loss, make_model, reference_run
 
 STEPS = 3
 # bf16 Newton-Schulz amplifies reduction-order noise (DESIGN.md numerical contract). Measured on
@@ -76,16 +76,7 @@ def _worker(cases, mesh_shape=None, replicate_async=True):
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        opt = dmuon.Muon(
-            model,
-            lr=HP["lr"],
-            weight_decay=HP["weight_decay"],
-            momentum=HP["momentum"],
-            nesterov=HP["nesterov"],
-            adamw_lr=HP["adamw_lr"],
-            adamw_weight_decay=HP["adamw_weight_decay"],
-            ns_dtype=torch.float32 if ns_fp32 else torch.bfloat16,
-        )
+        opt = dmuon_optimizer(model, torch.float32 if ns_fp32 else torch.bfloat16)
         losses, ledgers, ns_calls, storage = [], [], [], {}
         for step, batch in enumerate(global_batches(STEPS)):
             local = batch.chunk(world)[rank]

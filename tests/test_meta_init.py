@@ -24,7 +24,7 @@ import math
 import torch
 
 from dist_utils import run_distributed
-from oracle import HP, TinyLM, global_batches, lm_loss, make_model, reference_run
+from oracle import TinyLM, dmuon_optimizer, global_batches, lm_loss, make_model, reference_run
 
 CASES = {"1d": None, "hsdp": (2, 2)}
 STEPS = 2
@@ -104,16 +104,7 @@ def _worker():
         torch.manual_seed(0)
         dmuon.init_params(model)
         res["init"] = dmuon.full_state_dict(model)
-        opt = dmuon.Muon(
-            model,
-            lr=HP["lr"],
-            weight_decay=HP["weight_decay"],
-            momentum=HP["momentum"],
-            nesterov=HP["nesterov"],
-            adamw_lr=HP["adamw_lr"],
-            adamw_weight_decay=HP["adamw_weight_decay"],
-            ns_dtype=torch.float32,
-        )
+        opt = dmuon_optimizer(model, torch.float32)
         losses = []
         for batch in global_batches(STEPS):
             loss = lm_loss(model, batch.chunk(world)[rank])

@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from oracle import HP, global_batches, lm_loss, make_model, reference_run
+from oracle import HP, dmuon_optimizer, global_batches, lm_loss, make_model, reference_run
 
 STEPS = 3
 GAS = 4
@@ -86,16 +86,7 @@ def _worker(cases, mesh_shape=None):
         for layer in model.layers:
             fully_shard(layer, mesh=mesh, **kw)
         fully_shard(model, mesh=mesh, **kw)
-        opt = dmuon.Muon(
-            model,
-            lr=HP["lr"],
-            weight_decay=HP["weight_decay"],
-            momentum=HP["momentum"],
-            nesterov=HP["nesterov"],
-            adamw_lr=HP["adamw_lr"],
-            adamw_weight_decay=HP["adamw_weight_decay"],
-            ns_dtype=torch.float32,
-        )
+        opt = dmuon_optimizer(model, torch.float32)
         gas = case.get("gas", 1)
         losses, ledgers, ns_calls, norms = [], [], [], []
         for batch in global_batches(STEPS, batch=GLOBAL_BATCH):

@@ -6,7 +6,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import collectives as C
 from . import fsdp2
 from .runtime import DmuonRuntime, MeshGroups
 

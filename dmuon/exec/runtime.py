@@ -46,7 +46,7 @@ import contextlib
 import dataclasses
 import warnings
 import weakref
-from typing import Any, Callable
+from typing import Any
 
 import optree
 import torch
