@@ -1,0 +1,75 @@
+"""Smoke test of benchmarks/step_time.py (issue #7): it runs, its JSON has the expected shape, and
+dmuon's measured ledger bytes equal the plan's. No wall-clock assertions: this 2-core machine
+is shared, timings are reported, never checked.
+
+``--quick`` = small model, N=2 (one launch of 2 gloo processes), 1 warm-up + 4 timed steps per
+variant, one profiled step per variant for memory; about 20 s here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+from conftest import REPO_ROOT
+
+SCRIPT = REPO_ROOT / "benchmarks" / "step_time.py"
+
+ROW_KEYS = {
+    "size", "nproc", "variant", "timed_steps", "step_ms", "fwd_bwd_ms", "opt_ms", "ratio_to_adamw",
+    "losses", "ledger_nbytes_per_step", "ledger_per_rank_nbytes", "ledger_constant",
+    "plan_total_nbytes", "plan_per_rank_nbytes", "ledger_matches_plan", "model_nbytes_per_step",
+    "ns_flops_total", "ns_flops_per_rank", "ns_flops_busiest", "ns_busiest_over_mean",
+    "ns_ms_busiest", "plan_ns_flops_per_rank", "peak_alloc_mib", "peak_rss_mib", "cost_model",
+}
+
+
+def test_step_time_quick(tmp_path):
+    out_json = tmp_path / "bench.json"
+    out_png = tmp_path / "bench.png"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--json", str(out_json), "--png", str(out_png)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "dmuon_z3" in proc.stdout and "ledger B/step" in proc.stdout
+
+    data = json.loads(out_json.read_text())
+    assert {"machine", "config", "results", "hook_overhead", "goals", "plans", "wall_s"} <= set(data)
+    assert {"nproc", "cpu_model", "torch"} <= set(data["machine"])
+    rows = {r["variant"]: r for r in data["results"]}
+    assert set(rows) == {"adamw", "naive", "dmuon_z2", "dmuon_z3"}
+    for name, r in rows.items():
+        assert ROW_KEYS <= set(r), (name, ROW_KEYS - set(r))
+        assert (r["size"], r["nproc"]) == ("small", 2)
+        assert r["timed_steps"] >= 4 and r["step_ms"] > 0 and r["fwd_bwd_ms"] > 0
+        assert len(r["peak_alloc_mib"]) == 2 and min(r["peak_alloc_mib"]) > 0
+        assert len(r["peak_rss_mib"]) == 2 and min(r["peak_rss_mib"]) > 0
+    assert rows["adamw"]["ratio_to_adamw"] == 1.0
+
+    # dmuon: measured ledger bytes == plan, every timed step, total and per rank
+    for name in ("dmuon_z2", "dmuon_z3"):
+        r = rows[name]
+        assert r["ledger_matches_plan"] is True, name
+        assert r["ledger_constant"] is True, name
+        assert r["ledger_nbytes_per_step"] == r["plan_total_nbytes"] > 0
+        assert r["ledger_per_rank_nbytes"] == r["plan_per_rank_nbytes"]
+        assert sum(r["plan_per_rank_nbytes"]) == r["plan_total_nbytes"]
+        # NS work as planned: each matrix once, on its owner
+        assert r["ns_flops_per_rank"] == r["plan_ns_flops_per_rank"]
+    # Z3 broadcasts again before backward: 3(N-1)P vs 2(N-1)P
+    assert 2 * rows["dmuon_z3"]["plan_total_nbytes"] == 3 * rows["dmuon_z2"]["plan_total_nbytes"]
+    # naive: every rank runs Newton-Schulz on every matrix
+    total = rows["dmuon_z3"]["ns_flops_total"]
+    assert rows["naive"]["ns_flops_per_rank"] == [total, total]
+    assert rows["adamw"]["ns_flops_total"] == 0
+    # the baseline is the same optimizer: same losses as dmuon (fp32 NS on CPU), step by step
+    ref = rows["dmuon_z3"]["losses"]
+    for name in ("naive", "dmuon_z2"):
+        assert len(rows[name]["losses"]) == len(ref)
+        for a, b in zip(rows[name]["losses"], ref):
+            assert math.isclose(a, b, rel_tol=1e-4), (name, rows[name]["losses"], ref)
+
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
