@@ -16,6 +16,7 @@ One process group per mesh runs every case (N = 2, N = 3, HSDP (2, 1)):
 * frozen (``requires_grad=False``) matrices: not dedicated, never reduced or updated; a dedicated
   matrix frozen after planning is never updated (still reduced, as zeros: recompile to stop that);
 * blocks compiled with ``torch.compile`` (``module.compile()``, in place) behind the hooks;
+* the mesh given as an int, and an HSDP ``DeviceMesh`` with the user's own dim names;
 * a collective timeout names the boundary and the phase.
 
 Tolerances: fp32 Newton-Schulz everywhere (DESIGN.md contract: 1e-6 relative on losses, 1e-4
@@ -54,8 +55,11 @@ CASES = [
     dict(name="frozen", kind="frozen", z3=True),
     dict(name="frozen_after_dedication", kind="tiny", z3=True, freeze_after=("layers.1.fc2.weight",)),
     dict(name="torch_compile", kind="compiled", z3=True),
+    dict(name="int_mesh", kind="tiny", z3=True, int_mesh=True),
 ]
-HSDP_CASES = [c for c in CASES if c["name"] in ("gas_no_sync", "clip", "ckpt_z3")]
+HSDP_CASES = [c for c in CASES if c["name"] in ("gas_no_sync", "clip", "ckpt_z3")] + [
+    dict(name="user_dim_names", kind="tiny", z3=False, dim_names=("dp_rep", "dp_shard")),
+]
 
 
 def _normalize(key: str) -> str:
@@ -79,7 +83,15 @@ def _worker(cases, mesh_shape=None):
     for case in cases:
         model = make_model(case["kind"])
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if case.get("mp") else None
-        plan = dmuon.dedicate_params(model, mesh, reshard_after_forward=case["z3"], mp_policy=mp)
+        dedicate_mesh, dims = mesh, {}
+        if case.get("int_mesh"):  # dmuon takes the shape; FSDP2 its default 1-D mesh
+            dedicate_mesh = world
+        if case.get("dim_names"):  # the user's own dim names, told which is which
+            dedicate_mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=case["dim_names"])
+            dims = dict(replicate_dim=case["dim_names"][0], shard_dim=case["dim_names"][1])
+        plan = dmuon.dedicate_params(
+            model, dedicate_mesh, reshard_after_forward=case["z3"], mp_policy=mp, **dims
+        )
         kw = {} if mp is None else {"mp_policy": mp}
         for fqn in case.get("freeze_after", ()):
             model.get_parameter(fqn).requires_grad_(False)  # after planning: reduced as zeros, never updated

@@ -7,25 +7,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import fsdp2
-from .runtime import DmuonRuntime, MeshGroups
+from .runtime import DmuonRuntime, MeshGroups, mesh_rank_table
 
 __all__ = ["apply", "dedicate_params", "get_model_runtime"]
 
 _RUNTIME_ATTR = "_dmuon_runtime"
 
 
-def _mesh_shape(mesh) -> tuple[int, int]:
-    if mesh is None:
-        return (1, dist.get_world_size())
-    shape = tuple(int(x) for x in mesh.mesh.shape)
-    if len(shape) == 1:
-        return (1, shape[0])
-    if len(shape) == 2:
-        names = getattr(mesh, "mesh_dim_names", None)
-        if names and set(names) == {"replicate", "shard"} and names[0] == "shard":
-            return (shape[1], shape[0])
-        return shape
-    raise ValueError(f"dmuon: mesh must be 1-D or 2-D, got shape {shape}")
+def _table_shape(table) -> tuple[int, int]:
+    return (len(table), len(table[0]))
 
 
 def _device_of(model: nn.Module, plan) -> torch.device:
@@ -35,7 +25,7 @@ def _device_of(model: nn.Module, plan) -> torch.device:
     return torch.device("cpu")
 
 
-def _validate(plan, model: nn.Module, mesh) -> None:
+def _validate(plan, model: nn.Module, table) -> None:
     """Local checks, before any collective: every rank raises the same error on the same input."""
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
@@ -44,14 +34,12 @@ def _validate(plan, model: nn.Module, mesh) -> None:
         )
     fsdp2.check_not_fully_sharded(model)
     _check_not_applied(model)
-    shape = _mesh_shape(mesh)
+    shape = _table_shape(table)
     if tuple(plan.mesh_shape) != shape:
         raise ValueError(
             f"dmuon: the plan was compiled for mesh {tuple(plan.mesh_shape)} (R, N) but the mesh is "
             f"{shape}; compile with the same mesh (dmuon.plan.compile(model, mesh))"
         )
-    if mesh is None and shape[0] * shape[1] != dist.get_world_size():  # pragma: no cover
-        raise ValueError("dmuon: mesh size differs from the world size")
     from dmuon.plan import snapshot as _snapshot
 
     digest = _snapshot.take_snapshot(model).digest
@@ -91,7 +79,15 @@ def _check_same_plan_everywhere(plan) -> None:
         )
 
 
-def apply(plan, model: nn.Module, mesh=None, *, collective_timeout_s: float | None = None) -> DmuonRuntime:
+def apply(
+    plan,
+    model: nn.Module,
+    mesh=None,
+    *,
+    collective_timeout_s: float | None = None,
+    shard_dim: str | None = None,
+    replicate_dim: str | None = None,
+) -> DmuonRuntime:
     """Install owners, placeholders and hooks for ``plan`` on ``model`` (every rank calls it).
 
     Args:
@@ -100,8 +96,10 @@ def apply(plan, model: nn.Module, mesh=None, *, collective_timeout_s: float | No
             materialised or on the ``meta`` device: then nothing is allocated until
             ``model.to_empty(device=...)``, which gives each holder its own segments only
             (see :mod:`dmuon.exec.materialize` and docs/checkpointing.md).
-        mesh: a ``DeviceMesh`` of the plan's shape (2-D: ``("replicate", "shard")``); ``None``
-            = a 1-D mesh over the world.
+        mesh: a ``DeviceMesh`` of the plan's shape (2-D: ``(replicate, shard)``), an int ``N``,
+            ``(N,)`` or ``(R, N)`` spanning the world, or ``None`` = a 1-D mesh over the world.
+        shard_dim, replicate_dim: the names of a 2-D ``DeviceMesh``'s dims when they are not
+            ``"shard"`` / ``"replicate"`` (see :func:`~dmuon.exec.runtime.mesh_rank_table`).
         collective_timeout_s: a dmuon collective not complete within this many seconds raises
             :class:`~dmuon.exec.collectives.CollectiveTimeout` naming the boundary and phase
             (``None``: wait forever, as torch does up to the process group's own timeout).
@@ -119,9 +117,12 @@ def apply(plan, model: nn.Module, mesh=None, *, collective_timeout_s: float | No
     local validation happens before them.
     """
     fsdp2.install()
-    _validate(plan, model, mesh)
+    if not (dist.is_available() and dist.is_initialized()):
+        _validate(plan, model, None)  # raises the "no process group" error
+    table = mesh_rank_table(mesh, shard_dim=shard_dim, replicate_dim=replicate_dim)
+    _validate(plan, model, table)
     _check_same_plan_everywhere(plan)
-    groups = MeshGroups.build(mesh)
+    groups = MeshGroups.build(table)
     runtime = DmuonRuntime(plan, model, groups, _device_of(model, plan))
     runtime.timeout_s = collective_timeout_s
     object.__setattr__(model, _RUNTIME_ATTR, runtime)
@@ -143,12 +144,16 @@ def dedicate_params(
     replicate_async: bool = True,
     mp_policy=None,
     collective_timeout_s: float | None = None,
+    shard_dim: str | None = None,
+    replicate_dim: str | None = None,
     **compile_kwargs,
 ):
     """``dmuon.plan.compile`` + :func:`apply`; returns the plan (DESIGN.md §2).
 
-    ``mesh``: a ``DeviceMesh`` or ``None`` (1-D over the world). Extra keyword arguments go to
-    ``dmuon.plan.compile`` (e.g. ``cost_model``).
+    ``mesh``: a ``DeviceMesh`` (1-D, or 2-D ``(replicate, shard)``; ``shard_dim`` /
+    ``replicate_dim`` name its dims when they are called otherwise), an int ``N`` / ``(N,)`` /
+    ``(R, N)`` spanning the world, or ``None`` (1-D over the world). Extra keyword arguments go
+    to ``dmuon.plan.compile`` (e.g. ``cost_model``).
     """
     from dmuon import plan as _plan
 
@@ -159,10 +164,10 @@ def dedicate_params(
         )
     fsdp2.check_not_fully_sharded(model)
     _check_not_applied(model)
-    compile_mesh = mesh if mesh is not None else dist.get_world_size()
+    table = mesh_rank_table(mesh, shard_dim=shard_dim, replicate_dim=replicate_dim)
     plan = _plan.compile(
         model,
-        compile_mesh,
+        (len(table), len(table[0])),
         predicate=predicate,
         reshard_after_forward=reshard_after_forward,
         hook_boundary_predicate=hook_boundary_predicate,
@@ -171,7 +176,9 @@ def dedicate_params(
         mp_policy=mp_policy,
         **compile_kwargs,
     )
-    apply(plan, model, mesh, collective_timeout_s=collective_timeout_s)
+    apply(
+        plan, model, mesh, collective_timeout_s=collective_timeout_s, shard_dim=shard_dim, replicate_dim=replicate_dim
+    )
     return plan
 
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import warnings
 import weakref
 from typing import Any
@@ -61,6 +62,54 @@ __all__ = ["DedicatedInfo", "MeshGroups", "DmuonRuntime", "wait_pending", "after
 # ----------------------------------------------------------------------------------------------
 # Process groups of the data-parallel mesh
 # ----------------------------------------------------------------------------------------------
+
+
+def mesh_rank_table(
+    mesh, *, shard_dim: str | None = None, replicate_dim: str | None = None
+) -> tuple[tuple[int, ...], ...]:
+    """Global ranks of the data-parallel mesh as ``table[replicate][shard]`` (R rows of N).
+
+    ``mesh``: ``None`` (1-D over the world); an int ``N`` or ``(N,)`` (1-D over ranks ``0..N-1``);
+    ``(R, N)`` (ranks ``r·N + s``, the layout of ``init_device_mesh(..., (R, N))``); or a 1-D / 2-D
+    ``DeviceMesh``. A 2-D ``DeviceMesh`` is read as ``(replicate, shard)``; ``shard_dim`` /
+    ``replicate_dim`` name its dims when they are called otherwise (e.g. ``"dp_shard"``), and
+    dims named exactly ``"shard"`` / ``"replicate"`` are recognised in either order.
+
+    Raises:
+        ValueError: a shape that is not 1-D or 2-D, unknown dim names, or a mesh whose size
+            differs from the world size when given as an int or tuple.
+    """
+    world = dist.get_world_size()
+    if mesh is None:
+        return (tuple(range(world)),)
+    if isinstance(mesh, int) or (isinstance(mesh, (tuple, list)) and all(isinstance(d, int) for d in mesh)):
+        shape = (int(mesh),) if isinstance(mesh, int) else tuple(int(d) for d in mesh)
+        if len(shape) not in (1, 2) or any(d <= 0 for d in shape):
+            raise ValueError(f"dmuon: mesh must be N, (N,) or (R, N) with positive sizes, got {mesh!r}")
+        if math.prod(shape) != world:
+            raise ValueError(
+                f"dmuon: mesh {mesh!r} has {math.prod(shape)} ranks but the world has {world}; pass a "
+                "DeviceMesh to use a subset of the ranks"
+            )
+        R, N = (1, shape[0]) if len(shape) == 1 else shape
+        return tuple(tuple(r * N + s for s in range(N)) for r in range(R))
+    t = mesh.mesh.detach().cpu()
+    if t.ndim == 1:
+        return (tuple(int(x) for x in t.tolist()),)
+    if t.ndim != 2:
+        raise ValueError(f"dmuon: mesh must be 1-D or 2-D, got {t.ndim}-D {tuple(t.shape)}")
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if shard_dim is None and replicate_dim is None and set(names) == {"replicate", "shard"}:
+        shard_dim, replicate_dim = "shard", "replicate"
+    if shard_dim is not None or replicate_dim is not None:
+        if shard_dim not in names or replicate_dim not in names or shard_dim == replicate_dim:
+            raise ValueError(
+                f"dmuon: shard_dim={shard_dim!r} and replicate_dim={replicate_dim!r} must name the two "
+                f"different dims of the mesh, whose dims are {names}"
+            )
+        if names.index(shard_dim) == 0:
+            t = t.T
+    return tuple(tuple(int(x) for x in row) for row in t.tolist())
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -85,27 +134,9 @@ class MeshGroups:
         return self.mesh_ranks[replicate][shard]
 
     @staticmethod
-    def build(mesh) -> "MeshGroups":
-        """Create the groups (a collective call on every rank of the world, in a fixed order).
-
-        ``mesh``: ``None`` (1-D over the world) or a 1-D / 2-D ``DeviceMesh``. A 2-D mesh is read
-        as ``(replicate, shard)``, unless its ``mesh_dim_names`` name both dims, in which case
-        the names ``"replicate"`` and ``"shard"`` decide.
-        """
-        world = dist.get_world_size()
-        if mesh is None:
-            ranks = ((tuple(range(world))),)
-        else:
-            t = mesh.mesh.detach().cpu()
-            if t.ndim == 1:
-                ranks = (tuple(int(x) for x in t.tolist()),)
-            elif t.ndim == 2:
-                names = getattr(mesh, "mesh_dim_names", None)
-                if names and set(names) == {"replicate", "shard"} and names[0] == "shard":
-                    t = t.T
-                ranks = tuple(tuple(int(x) for x in row) for row in t.tolist())
-            else:
-                raise ValueError(f"dmuon: mesh must be 1-D or 2-D, got {t.ndim}-D {tuple(t.shape)}")
+    def build(ranks: tuple[tuple[int, ...], ...]) -> "MeshGroups":
+        """Create the groups for the rank table ``ranks[replicate][shard]`` (see
+        :func:`mesh_rank_table`); a collective call on every rank of the world, in a fixed order."""
         me = dist.get_rank()
         coords = [(r, s) for r, row in enumerate(ranks) for s, x in enumerate(row) if x == me]
         if len(coords) != 1:

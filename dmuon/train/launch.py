@@ -186,6 +186,9 @@ def run(args: argparse.Namespace | Mapping[str, Any]) -> dict[str, Any]:
             return train(args)
         finally:
             dist.destroy_process_group()
+    from dmuon.train.loop import parse_mesh
+
+    parse_mesh(args.mesh, args.nproc)  # a bad --mesh fails here, before any process starts
     if args.batch % args.nproc or args.eval_batch % args.nproc:
         raise SystemExit(
             f"--batch {args.batch} and --eval-batch {args.eval_batch} must be multiples of "
