@@ -186,6 +186,24 @@ def dmuon_optimizer(model: nn.Module, ns_dtype: torch.dtype = torch.float32, hp=
     )
 
 
+def train_steps(model: nn.Module, opt, batches) -> list[float]:
+    """Data-parallel steps: rank r trains on its slice of each global batch; returns the
+    global-batch loss of each step (mean over ranks), identical on every rank."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for batch in batches:
+        loss = lm_loss(model, batch.chunk(world)[rank])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+    return losses
+
+
 def global_batches(steps: int, batch: int = 12, seq: int = 5, vocab: int = 7, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (batch, seq + 1), generator=g) for _ in range(steps)]

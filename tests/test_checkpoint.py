@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from dist_utils import run_distributed
-from oracle import Block, TinyLM, dmuon_optimizer, global_batches, lm_loss, reference_run
+from oracle import Block, TinyLM, dmuon_optimizer, global_batches, reference_run, train_steps
 
 LOSS_RTOL = 1e-6
 PARAM_TOL = 1e-4
@@ -84,22 +84,6 @@ def _build(mesh, z3=True):
     opt = dmuon_optimizer(model, torch.float32)
     opt.init_state()  # torch's DCP helpers would otherwise dummy-step an empty state
     return model, opt, plan
-
-
-def _train(model, opt, batches):
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    losses = []
-    for batch in batches:
-        loss = lm_loss(model, batch.chunk(world)[rank])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
-    return losses
 
 
 def _sharded(model, opt):
@@ -203,7 +187,7 @@ def _worker4(root):
     for name, (shape, z3) in CASES4.items():
         mesh = _mesh(shape)
         model, opt, plan = _build(mesh, z3)
-        losses = _train(model, opt, batches[:SAVE_AT])
+        losses = train_steps(model, opt, batches[:SAVE_AT])
         with torch.no_grad():  # eval forward right before saving
             model(probe)
         report = _layout_report(model, opt, plan)
@@ -214,13 +198,13 @@ def _worker4(root):
         with torch.no_grad():
             eval_at_save = model(probe)
         # uninterrupted vs resumed at the same N
-        cont_losses = _train(model, opt, batches[SAVE_AT : SAVE_AT + 1])
+        cont_losses = train_steps(model, opt, batches[SAVE_AT : SAVE_AT + 1])
         cont_full, cont_osd = dmuon.full_state_dict(model), _full_optim(model, opt)
         model2, opt2, _ = _build(mesh, z3)
         _load(model2, opt2, f"{root}/{name}_s{SAVE_AT}")
         with torch.no_grad():  # every rank's first forward sees the loaded values
             same_eval = torch.equal(eval_at_save, model2(probe))
-        res_losses = _train(model2, opt2, batches[SAVE_AT : SAVE_AT + 1])
+        res_losses = train_steps(model2, opt2, batches[SAVE_AT : SAVE_AT + 1])
         res_full, res_osd = dmuon.full_state_dict(model2), _full_optim(model2, opt2)
         guard = _placeholder_guard(model2, opt2)
         out[name] = dict(
@@ -249,7 +233,7 @@ def _worker1(root):
     for name in CASES4:
         model, opt, _ = _build(None)
         _load(model, opt, f"{root}/{name}_s{SAVE_AT}")
-        losses = _train(model, opt, batches[SAVE_AT:RESAVE_AT])
+        losses = train_steps(model, opt, batches[SAVE_AT:RESAVE_AT])
         _save(model, opt, f"{root}/{name}_n1_s{RESAVE_AT}")
         out[name] = dict(losses=losses, full=dmuon.full_state_dict(model))
     return out
@@ -274,7 +258,7 @@ def _worker2(root):
     for label, path, shape, done in runs:
         model, opt, _ = _build(_mesh(shape))
         _load(model, opt, path)
-        losses = _train(model, opt, batches[done : done + 1])
+        losses = train_steps(model, opt, batches[done : done + 1])
         out[label] = dict(done=done, losses=losses, full=dmuon.full_state_dict(model))
         kept = kept or (model, opt, done + 1)
         dist.barrier()
@@ -317,8 +301,8 @@ def _full_round_trip(model, opt, done, batches):
     put = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(fresh, msd, options=put)
     set_optimizer_state_dict(fresh, fresh_opt, osd, options=put)
-    a = _train(model, opt, batches[done : done + 1])
-    b = _train(fresh, fresh_opt, batches[done : done + 1])
+    a = train_steps(model, opt, batches[done : done + 1])
+    b = train_steps(fresh, fresh_opt, batches[done : done + 1])
     fa, fb = dmuon.full_state_dict(model), dmuon.full_state_dict(fresh)
     return dict(
         only_rank0=only_rank0,

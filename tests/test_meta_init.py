@@ -24,7 +24,7 @@ import math
 import torch
 
 from dist_utils import run_distributed
-from oracle import TinyLM, dmuon_optimizer, global_batches, lm_loss, make_model, reference_run
+from oracle import TinyLM, dmuon_optimizer, global_batches, make_model, reference_run, train_steps
 
 CASES = {"1d": None, "hsdp": (2, 2)}
 STEPS = 2
@@ -77,7 +77,7 @@ def _worker():
     import dmuon
 
     torch.set_num_threads(1)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     out = {}
     for name, shape in CASES.items():
         mesh = None if shape is None else init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
@@ -105,16 +105,7 @@ def _worker():
         dmuon.init_params(model)
         res["init"] = dmuon.full_state_dict(model)
         opt = dmuon_optimizer(model, torch.float32)
-        losses = []
-        for batch in global_batches(STEPS):
-            loss = lm_loss(model, batch.chunk(world)[rank])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            t = loss.detach().clone()
-            dist.all_reduce(t)
-            losses.append(t.item() / world)
-        res["losses"] = losses
+        res["losses"] = train_steps(model, opt, global_batches(STEPS))
         res["trained"] = dmuon.full_state_dict(model)
         res["plan_dedicated"] = plan.dedicated
         # -- recipe: full state dict broadcast from rank 0 ------------------------------------
