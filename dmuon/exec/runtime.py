@@ -201,8 +201,6 @@ class _Slot:
     """One dedicated parameter inside a segment."""
 
     fqn: str
-    sub: int  # index of its sub-segment in the segment
-    index_in_sub: int
     offset_in_seg: int  # elements from the segment start
     numel: int
     shape: tuple[int, ...]
@@ -214,7 +212,6 @@ class _Slot:
 @dataclasses.dataclass(eq=False)
 class _SubSeg:
     owner_rank: int
-    owner_replicate: int
     offset_in_seg: int
     numel: int
     flags_offset_in_seg: int
@@ -547,13 +544,12 @@ class DmuonRuntime:
                     for sub_l in seg_l.subsegments:
                         sub = _SubSeg(
                             owner_rank=g.rank_of(sub_l.owner.replicate, sub_l.owner.shard),
-                            owner_replicate=sub_l.owner.replicate,
                             offset_in_seg=sub_l.offset - seg_l.offset,
                             numel=sub_l.numel,
                             flags_offset_in_seg=sub_l.flags_offset - seg_l.offset,
                             slots=[],
                         )
-                        for k, e in enumerate(sub_l.entries):
+                        for e in sub_l.entries:
                             spec = specs[e.fqn]
                             off = e.offset - seg_l.offset
                             orig = original[e.fqn]
@@ -594,15 +590,12 @@ class DmuonRuntime:
                                 num_matrices=int(spec.num_matrices),
                                 runtime=weakref.ref(self),
                             )
-                            compute._dmuon_compute = e.fqn
                             homes = []
                             for alias in spec.aliases:
                                 mod_fqn, _, attr = alias.rpartition(".")
                                 homes.append((modules[mod_fqn], attr))
                             slot = _Slot(
                                 fqn=e.fqn,
-                                sub=len(seg.subs),
-                                index_in_sub=k,
                                 offset_in_seg=off,
                                 numel=e.numel,
                                 shape=tuple(spec.shape),
@@ -847,7 +840,6 @@ class DmuonRuntime:
     def _set_compute(slot: _Slot, view: torch.Tensor) -> None:
         """A new compute parameter viewing ``view``'s storage (never installed between steps)."""
         compute = nn.Parameter(view, requires_grad=slot.compute.requires_grad)
-        compute._dmuon_compute = slot.fqn
         slot.compute = compute
 
     def _adopt_module_param(self, slot: _Slot) -> None:
