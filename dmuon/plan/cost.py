@@ -70,6 +70,13 @@ __all__ = [
     "reduce_scatter_nbytes",
     "all_reduce_nbytes",
     "fsdp2_shard_numel",
+    "all_reduce_rank_nbytes",
+    "gram_segment_lengths",
+    "tp_gram_side",
+    "tp_rank_nbytes",
+    "tp_ns_flops",
+    "choose_tp_ns",
+    "TP_NS_MODES",
     "bcast_dtype",
     "reduce_dtype",
     "byte_cost",
@@ -82,6 +89,10 @@ __all__ = [
 NS_STEPS = 5
 #: valid ``cost_model`` values of :func:`dmuon.plan.compile`
 COST_MODELS = ("numel", "ns_flops")
+#: valid ``tp_ns`` values of :func:`dmuon.plan.compile`
+TP_NS_MODES = ("auto", "gram", "gather")
+#: dtype of the Gram matrices all-reduced over a TP group (accumulated in fp32 whatever the NS dtype)
+TP_GRAM_DTYPE = "torch.float32"
 
 
 # --------------------------------------------------------------------------- formulas
@@ -138,6 +149,93 @@ def all_reduce_nbytes(payload_nbytes: int, group_size: int) -> int:
     return 2 * (group_size - 1) * payload_nbytes
 
 
+def all_reduce_rank_nbytes(numel: int, itemsize: int, group_size: int) -> int:
+    """Bytes charged to EACH rank of a ring all-reduce (reduce-scatter + all-gather) of
+    ``numel`` elements of ``itemsize`` bytes over ``k`` ranks: ``2*(k-1)*ceil(numel/k)*itemsize``
+    (``~2*S`` for large ``k``; 0 for ``k == 1``). The total is ``k`` times this."""
+    if group_size <= 1:
+        return 0
+    return 2 * (group_size - 1) * (-(-numel // group_size)) * itemsize
+
+
+def gram_segment_lengths(steps: int, restart_every: int | None) -> tuple[int, ...]:
+    """Lengths of the Gram Newton-Schulz segments between restarts; one Gram (one TP
+    all-reduce) per segment. ``restart_every=r``: restart before 0-based steps ``r, 2r, ...``;
+    None: never. Same rule as ``dmuon.exec.newton_schulz.gram_segments`` for these arguments.
+    ``()`` for ``steps == 0``."""
+    if steps <= 0:
+        return ()
+    if restart_every is None:
+        return (steps,)
+    bounds = [0, *range(restart_every, steps, restart_every), steps]
+    return tuple(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+def tp_gram_side(shape: Sequence[int], tp_shard_dim: int) -> int:
+    """``d`` of the exact Gram of a TP-sharded ``(m, n)`` matrix: the side TP does not shard.
+
+    Row shards (``Shard(0)``, ``X = [X_1; …; X_T]``): ``XᵀX = Σ X_iᵀX_i``, ``d = n``; column
+    shards (``Shard(1)``, ``X = [X_1 … X_T]``): ``XXᵀ = Σ X_iX_iᵀ``, ``d = m``. The other
+    Gram would need the cross-shard products ``X_iX_jᵀ``.
+    """
+    return int(shape[1]) if tp_shard_dim == 0 else int(shape[0])
+
+
+def tp_rank_nbytes(spec: ParamSpec, method: str, segments: int) -> int:
+    """Bytes charged to each rank of the owner's TP group per step for ``spec``:
+
+    * ``"gram"``: ``segments`` ring all-reduces of the fp32 ``(d, d)`` Gram
+      (:func:`all_reduce_rank_nbytes`, :func:`tp_gram_side`);
+    * ``"gather"``: an all-gather of the update in the storage dtype: ``(T-1) * S/T`` with
+      ``S`` = the full matrix's bytes.
+    """
+    T = spec.tp_size
+    if method == "gram":
+        d = tp_gram_side(spec.shape, spec.tp_shard_dim)  # type: ignore[arg-type]
+        return segments * all_reduce_rank_nbytes(d * d, itemsize_nbytes(TP_GRAM_DTYPE), T)
+    if method == "gather":
+        return (T - 1) * spec.local_numel * itemsize_nbytes(spec.dtype)
+    raise ValueError(f"tp method must be 'gram' or 'gather', got {method!r}")
+
+
+def tp_ns_flops(spec: ParamSpec, segment_lengths: Sequence[int]) -> int:
+    """Newton-Schulz FLOPs of ONE rank of the owner's TP group for ``spec`` (matmuls only).
+
+    ``"gram"``: per segment of ``L`` steps, the local Gram and ``Q·X_i`` (``2·d²·D/T`` each)
+    plus ``(8L - 6)·d³`` on ``(d, d)`` matrices (replicated on every TP rank);
+    ``"gather"``: :func:`ns_flops` of the full matrix (every TP rank runs it). Non-TP: 0.
+    """
+    if spec.tp_size == 1:
+        return 0
+    if spec.tp_ns == "gather":
+        return ns_flops(*spec.matrix_shape, steps=sum(segment_lengths))
+    d = tp_gram_side(spec.shape, spec.tp_shard_dim)  # type: ignore[arg-type]
+    D_local = spec.local_numel // d
+    return sum(4 * d * d * D_local + (8 * L - 6) * d**3 for L in segment_lengths)
+
+
+def choose_tp_ns(spec: ParamSpec, mode: str, segments: int) -> str:
+    """``"gram"`` or ``"gather"`` for a TP-sharded matrix (``spec.tp_ns`` is not read).
+
+    ``mode="auto"``: the method charging fewer bytes per step (:func:`tp_rank_nbytes`), ties to
+    ``"gather"`` (no extra rounding). Gram wins when ``2·segments·d²·4 < (T-1)/T · m·n·itemsize``
+    roughly, i.e. for matrices much longer than their Gram side ``d``: with the default three
+    Gram segments (5 steps, a restart every 2) and fp32 storage about ``D > 12·d`` at ``T = 2``
+    and ``D > 7·d`` for large ``T``; sharding along the short side (e.g. a colwise ``(1024,
+    4096)`` k_proj) makes ``d`` the long side, so it gathers. ``"gram"`` / ``"gather"``: forced.
+
+    Raises:
+        ValueError: unknown ``mode``.
+    """
+    if mode not in TP_NS_MODES:
+        raise ValueError(f"tp_ns must be one of {TP_NS_MODES}, got {mode!r}")
+    if mode != "auto":
+        return mode
+    gram = tp_rank_nbytes(spec, "gram", segments)
+    gather = tp_rank_nbytes(spec, "gather", segments)
+    return "gram" if gram < gather else "gather"
+
+
 def fsdp2_shard_numel(shape: Sequence[int], num_shards: int) -> int:
     """Elements of one FSDP2 shard of a tensor of ``shape``, padding included:
     ``ceil(shape[0] / N) * prod(shape[1:])`` (FSDP2 chunks dim 0 and pads every chunk)."""
@@ -164,8 +262,12 @@ def reduce_dtype(storage_dtype: str, param_dtype: str | None, reduce_dtype_: str
 class ByteCost:
     """DMuon bytes per step, summed over all mesh ranks (module docstring table).
 
-    ``total_nbytes`` is the sum of the five phase fields; ``per_rank_nbytes[rank]`` (length
-    ``R*N``) sums to ``total_nbytes``.
+    ``total_nbytes`` is the sum of the phase fields; ``per_rank_nbytes[rank]`` sums to
+    ``total_nbytes``. Without TP it has ``R*N`` entries (mesh rank ``replicate*N + shard``);
+    with a TP degree ``T > 1`` it has ``R*N*T``, indexed ``(replicate*N + shard)*T + tp`` (the
+    layout of ``init_device_mesh(device, (R, N, T))`` / ``(N, T)``), every data-parallel phase
+    counted once per TP coordinate (each moves its own shards), and ``tp_nbytes`` is the
+    owner TP groups' Gram all-reduces and all-gathers (:func:`tp_rank_nbytes`).
     """
 
     forward_broadcast_nbytes: int
@@ -175,6 +277,7 @@ class ByteCost:
     replicate_broadcast_nbytes: int
     total_nbytes: int
     per_rank_nbytes: tuple[int, ...]
+    tp_nbytes: int = 0
 
     PHASES = (
         "forward_broadcast_nbytes",
@@ -182,6 +285,7 @@ class ByteCost:
         "reduce_nbytes",
         "replicate_reduce_nbytes",
         "replicate_broadcast_nbytes",
+        "tp_nbytes",
     )
 
     def __post_init__(self) -> None:
@@ -202,7 +306,7 @@ class ByteCost:
         return max(self.per_rank_nbytes, default=0)
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {n: getattr(self, n) for n in self.PHASES + ("total_nbytes",)}
+        d: dict[str, Any] = {n: getattr(self, n) for n in self.PHASES + ("total_nbytes",) if n != "tp_nbytes" or self.tp_nbytes}
         d["per_rank_nbytes"] = list(self.per_rank_nbytes)
         return d
 
@@ -285,8 +389,16 @@ def byte_cost(
     reshard_after_forward: bool,
     param_dtype: str | None,
     reduce_dtype_: str | None,
+    tp_size: int = 1,
+    tp_rank_nbytes_by_mesh_rank: Sequence[int] | None = None,
 ) -> ByteCost:
-    """:class:`ByteCost` of a layout (module docstring table). O(segments + R*N)."""
+    """:class:`ByteCost` of a layout (module docstring table). O(segments + R*N*T).
+
+    With ``tp_size = T > 1`` the layouts hold each TP rank's shards (all TP coordinates have
+    the same layout), the data-parallel phases are counted once per TP coordinate, and
+    ``tp_rank_nbytes_by_mesh_rank[replicate*N + shard]`` is added to each of that mesh rank's
+    ``T`` TP ranks (the TP traffic of the matrices it owns).
+    """
     R, N = mesh_shape
     seg_b_by_shard = [0] * N  # bytes of segments of shard s, broadcast dtype
     seg_r_by_shard = [0] * N  # same, reduce dtype
@@ -322,18 +434,25 @@ def byte_cost(
             rep_r = sub_r_by_shard[s] - sub_r_by_slot.get((s, r), 0)
             rep_p = sub_p_by_shard[s] - sub_p_by_slot.get((s, r), 0)
             per_rank[r * N + s] = fwd_b * (2 if bwd else 1) + red + (rep_r + rep_p if R > 1 else 0)
-    fwd_total = R * broadcast_nbytes(total_b, N)
-    red_total = R * reduce_nbytes(total_r, N)
-    rep_red_total = reduce_nbytes(sum(sub_r_by_slot.values()), R)
-    rep_bc_total = broadcast_nbytes(sum(sub_p_by_slot.values()), R)
+    T = tp_size
+    fwd_total = T * R * broadcast_nbytes(total_b, N)
+    red_total = T * R * reduce_nbytes(total_r, N)
+    rep_red_total = T * reduce_nbytes(sum(sub_r_by_slot.values()), R)
+    rep_bc_total = T * broadcast_nbytes(sum(sub_p_by_slot.values()), R)
+    tp_total = 0
+    if T > 1:
+        tp_by = list(tp_rank_nbytes_by_mesh_rank or [0] * (R * N))
+        per_rank = [per_rank[g // T] + tp_by[g // T] for g in range(R * N * T)]
+        tp_total = T * sum(tp_by)
     return ByteCost(
         forward_broadcast_nbytes=fwd_total,
         backward_broadcast_nbytes=fwd_total if bwd else 0,
         reduce_nbytes=red_total,
         replicate_reduce_nbytes=rep_red_total,
         replicate_broadcast_nbytes=rep_bc_total,
-        total_nbytes=fwd_total * (2 if bwd else 1) + red_total + rep_red_total + rep_bc_total,
+        total_nbytes=fwd_total * (2 if bwd else 1) + red_total + rep_red_total + rep_bc_total + tp_total,
         per_rank_nbytes=tuple(per_rank),
+        tp_nbytes=tp_total,
     )
 
 
@@ -346,19 +465,30 @@ def rank_stats(
     mesh_shape: tuple[int, int],
     reshard_after_forward: bool,
     param_dtype: str | None,
+    tp_size: int = 1,
+    tp_segment_lengths: Sequence[int] = (),
 ) -> tuple[RankStats, ...]:
-    """Per-rank :class:`RankStats` of a DMuon plan (definitions on the record)."""
+    """Per-rank :class:`RankStats` of a DMuon plan (definitions on the record).
+
+    With TP (``tp_size = T > 1``) there is one record per global rank
+    ``(replicate*N + shard)*T + tp``: element and byte figures are that rank's shards (the
+    ``T`` ranks of a mesh coordinate are identical), ``ns_flops`` from :func:`tp_ns_flops`.
+    """
     R, N = mesh_shape
     world = R * N
+    T = tp_size
     owned_numel = [0] * world
     owned_nbytes = [0] * world
     flops = [0] * world
     replica_nbytes_by_shard = [0] * N  # params with owner shard s, any replicate: held by every (s, r')
     for spec, owner in zip(params, owners):
-        nbytes = spec.numel * itemsize_nbytes(spec.dtype)
-        owned_numel[owner.rank] += spec.numel
+        nbytes = spec.local_numel * itemsize_nbytes(spec.dtype)
+        owned_numel[owner.rank] += spec.local_numel
         owned_nbytes[owner.rank] += nbytes
-        flops[owner.rank] += ns_flops(*spec.matrix_shape, num_matrices=spec.num_matrices)
+        if spec.tp_size > 1:
+            flops[owner.rank] += tp_ns_flops(spec, tp_segment_lengths)
+        else:
+            flops[owner.rank] += ns_flops(*spec.matrix_shape, num_matrices=spec.num_matrices)
         replica_nbytes_by_shard[owner.shard] += nbytes
 
     transient = [0] * world
@@ -375,17 +505,18 @@ def rank_stats(
             transient[rank] = max(transient[rank], here) if reshard_after_forward else transient[rank] + here
 
     out = []
-    for rank in range(world):
+    for g in range(world * T):
+        rank = g // T
         s = rank % N
         params_held = replica_nbytes_by_shard[s] if R > 1 else owned_nbytes[rank]
         out.append(
             RankStats(
-                rank=rank,
+                rank=g,
                 owned_numel=owned_numel[rank],
                 owned_nbytes=owned_nbytes[rank],
                 resident_nbytes=params_held + owned_nbytes[rank],
                 peak_transient_nbytes=transient[rank],
-                comm_nbytes=cost.per_rank_nbytes[rank],
+                comm_nbytes=cost.per_rank_nbytes[g],
                 ns_flops=flops[rank],
             )
         )
@@ -402,15 +533,19 @@ def baseline_byte_cost(
     reshard_after_forward: bool,
     param_dtype: str | None,
     reduce_dtype_: str | None,
+    tp_size: int = 1,
 ) -> BaselineByteCost:
     """:class:`BaselineByteCost`: FSDP2 (HSDP if ``R > 1``) + naive all-gather Muon, same params.
 
-    Every rank is charged the same (the per-rank column of the module docstring table).
+    Every rank is charged the same (the per-rank column of the module docstring table). With
+    TP (``tp_size = T > 1``), FSDP2 shards each TP rank's local shard over the data-parallel
+    mesh, ``R*N*T`` ranks; the TP traffic a naive Muon would add (gathering the TP shards) is
+    not modelled.
     """
     R, N = mesh_shape
     ag = rs = ar = mu = 0  # per rank
     for spec in params:
-        c = fsdp2_shard_numel(spec.shape, N)
+        c = fsdp2_shard_numel(spec.local_shape, N)
         isz_p = itemsize_nbytes(spec.dtype)
         isz_b = itemsize_nbytes(bcast_dtype(spec.dtype, param_dtype))
         isz_r = itemsize_nbytes(reduce_dtype(spec.dtype, param_dtype, reduce_dtype_))
@@ -418,7 +553,7 @@ def baseline_byte_cost(
         rs += (N - 1) * c * isz_r
         ar += 2 * (R - 1) * (-(-c // R)) * isz_r
         mu += (N - 1) * c * isz_p
-    world = R * N
+    world = R * N * tp_size
     bwd = ag if reshard_after_forward else 0
     per = ag + bwd + rs + ar + mu
     return BaselineByteCost(
@@ -440,15 +575,16 @@ def baseline_rank_stats(
     mesh_shape: tuple[int, int],
     reshard_after_forward: bool,
     param_dtype: str | None,
+    tp_size: int = 1,
 ) -> tuple[RankStats, ...]:
-    """Per-rank :class:`RankStats` of the baseline (identical on every rank)."""
+    """Per-rank :class:`RankStats` of the baseline (identical on every rank; ``R*N*T`` ranks)."""
     R, N = mesh_shape
     shard_numel = 0
     shard_nbytes = 0
     layer_other_nbytes: dict[str, int] = {}
     max_grad_gather_nbytes = 0
     for spec in params:
-        c = fsdp2_shard_numel(spec.shape, N)
+        c = fsdp2_shard_numel(spec.local_shape, N)
         isz_p = itemsize_nbytes(spec.dtype)
         shard_numel += c
         shard_nbytes += c * isz_p
@@ -472,5 +608,5 @@ def baseline_rank_stats(
             comm_nbytes=cost.per_rank_nbytes[rank],
             ns_flops=total_flops,
         )
-        for rank in range(R * N)
+        for rank in range(R * N * tp_size)
     )

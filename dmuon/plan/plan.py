@@ -24,7 +24,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import optree
@@ -75,6 +75,9 @@ _SETTINGS = (
     "param_dtype",
     "reduce_dtype",
     "model_digest",
+    "tp_size",
+    "tp_ns_steps",
+    "tp_gram_restart_every",
 )
 
 
@@ -124,6 +127,15 @@ class ShardingPlan:
         owners: owner of each parameter (aligned with ``params``).
         boundaries: hook boundaries with their buffers, first-appearance order in ``named_modules()``.
         model_digest: sha256 hex of the snapshot of ALL parameters (names, shapes, dtypes, ties).
+        tp_size: tensor-parallel degree ``T`` of the dedicated matrices (1 = no TP). With
+            ``T > 1`` the mesh ``(R, N)`` is the data-parallel mesh of each TP coordinate, the
+            layouts hold one TP rank's shards (identical on every TP coordinate), owners are
+            data-parallel coordinates (the owner's ``T`` TP ranks form its owner group) and the
+            world is ``R*N*T`` ranks (:class:`~dmuon.plan.cost.ByteCost` indexing).
+        tp_ns_steps / tp_gram_restart_every: the Newton-Schulz steps and Gram restart period
+            the TP byte cost assumes (one Gram all-reduce per segment,
+            :func:`~dmuon.plan.cost.gram_segment_lengths`); ``dmuon.Muon`` checks that its
+            ``ns_steps`` agrees.
 
     Raises (construction):
         ValueError / TypeError: any invariant below is violated: owner coordinates inside the
@@ -143,6 +155,9 @@ class ShardingPlan:
     owners: tuple[Owner, ...]
     boundaries: tuple[Boundary, ...]
     model_digest: str
+    tp_size: int = 1
+    tp_ns_steps: int = 5
+    tp_gram_restart_every: int | None = 2
     # derived lookup tables, built in __post_init__ (or lazily after an optree unflatten)
     _index: dict | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
@@ -169,6 +184,15 @@ class ShardingPlan:
                 raise TypeError(f"ShardingPlan.{name} must be a tuple of {cls.__name__}")
         if len(self.owners) != len(self.params):
             raise ValueError("ShardingPlan.owners must align with params")
+        _check_int("ShardingPlan", "tp_size", self.tp_size, 1)
+        _check_int("ShardingPlan", "tp_ns_steps", self.tp_ns_steps, 0)
+        if self.tp_gram_restart_every is not None:
+            _check_int("ShardingPlan", "tp_gram_restart_every", self.tp_gram_restart_every, 1)
+        for spec in self.params:
+            if spec.tp_size not in (1, self.tp_size):
+                raise ValueError(
+                    f"ShardingPlan: {spec.fqn} has tp_size {spec.tp_size} but the plan's is {self.tp_size}"
+                )
         R, N = ms
         for spec, owner in zip(self.params, self.owners):
             if owner.shard >= N or owner.replicate >= R or owner.rank != owner.replicate * N + owner.shard:
@@ -188,8 +212,8 @@ class ShardingPlan:
                     spec = self.params[i]
                     if (entry.owner, entry.numel, entry.shape, buf.dtype) != (
                         self.owners[i],
-                        spec.numel,
-                        spec.shape,
+                        spec.local_numel,
+                        spec.local_shape,
                         spec.dtype,
                     ):
                         raise ValueError(f"ShardingPlan: layout entry {entry.fqn!r} disagrees with its ParamSpec/Owner")
@@ -227,8 +251,26 @@ class ShardingPlan:
     # ------------------------------------------------------------------ lookups
     @property
     def world_size(self) -> int:
-        """``R * N`` mesh ranks."""
+        """``R * N`` data-parallel mesh ranks (the LPT slots; times ``tp_size`` for the world)."""
         return self.mesh_shape[0] * self.mesh_shape[1]
+
+    @property
+    def tp_segment_lengths(self) -> tuple[int, ...]:
+        """Steps per Gram NS segment assumed for TP ``"gram"`` matrices (one all-reduce each)."""
+        return _cost.gram_segment_lengths(self.tp_ns_steps, self.tp_gram_restart_every)
+
+    def tp_rank_nbytes(self) -> tuple[int, ...]:
+        """TP bytes charged to each TP rank of mesh rank ``replicate*N + shard`` per step."""
+
+        def build() -> tuple[int, ...]:
+            out = [0] * self.world_size
+            segments = len(self.tp_segment_lengths)
+            for spec, owner in zip(self.params, self.owners):
+                if spec.tp_size > 1:
+                    out[owner.rank] += _cost.tp_rank_nbytes(spec, spec.tp_ns, segments)  # type: ignore[arg-type]
+            return tuple(out)
+
+        return self._cached("tp_rank_nbytes", build)
 
     @property
     def dedicated(self) -> tuple[str, ...]:
@@ -317,6 +359,8 @@ class ShardingPlan:
                 reshard_after_forward=self.reshard_after_forward,
                 param_dtype=self.param_dtype,
                 reduce_dtype_=self.reduce_dtype,
+                tp_size=self.tp_size,
+                tp_rank_nbytes_by_mesh_rank=self.tp_rank_nbytes(),
             ),
         )
 
@@ -331,6 +375,7 @@ class ShardingPlan:
                 reshard_after_forward=self.reshard_after_forward,
                 param_dtype=self.param_dtype,
                 reduce_dtype_=self.reduce_dtype,
+                tp_size=self.tp_size,
             ),
         )
 
@@ -346,6 +391,8 @@ class ShardingPlan:
                 mesh_shape=self.mesh_shape,
                 reshard_after_forward=self.reshard_after_forward,
                 param_dtype=self.param_dtype,
+                tp_size=self.tp_size,
+                tp_segment_lengths=self.tp_segment_lengths,
             ),
         )
 
@@ -360,6 +407,7 @@ class ShardingPlan:
                 mesh_shape=self.mesh_shape,
                 reshard_after_forward=self.reshard_after_forward,
                 param_dtype=self.param_dtype,
+                tp_size=self.tp_size,
             ),
         )
 
@@ -379,6 +427,15 @@ class ShardingPlan:
             "params": [p.to_dict() for p in self.params],
             "owners": [o.to_dict() for o in self.owners],
             "boundaries": [b.to_dict() for b in self.boundaries],
+            **(
+                {  # absent without TP: plans without TP keep their JSON and fingerprint
+                    "tp_size": self.tp_size,
+                    "tp_ns_steps": self.tp_ns_steps,
+                    "tp_gram_restart_every": self.tp_gram_restart_every,
+                }
+                if self.tp_size > 1
+                else {}
+            ),
         }
 
     def to_json(self, *, indent: int | None = None) -> str:
@@ -402,6 +459,9 @@ class ShardingPlan:
             owners=tuple(Owner.from_dict(o) for o in d["owners"]),
             boundaries=tuple(Boundary.from_dict(b) for b in d["boundaries"]),
             model_digest=d["model_digest"],
+            tp_size=d.get("tp_size", 1),
+            tp_ns_steps=d.get("tp_ns_steps", 5),
+            tp_gram_restart_every=d.get("tp_gram_restart_every", 2),
         )
 
     @classmethod
@@ -483,6 +543,11 @@ def compile(  # noqa: A001 - public name fixed by DESIGN.md
     mp_policy: Any = None,
     cost_model: str = "numel",
     align_numel: int = 16,
+    tp_ns: str = "auto",
+    tp_size: int | None = None,
+    tp_shard_dims: Mapping[str, int] | None = None,
+    tp_ns_steps: int = 5,
+    tp_gram_restart_every: int | None = 2,
 ) -> ShardingPlan:
     """Plan DMuon for ``model`` on ``mesh`` (pure; no process group; meta models work).
 
@@ -500,6 +565,15 @@ def compile(  # noqa: A001 - public name fixed by DESIGN.md
             or None), e.g. FSDP2's ``MixedPrecisionPolicy``: wire dtypes of broadcast/reduce.
         cost_model: ``"numel"`` (elements) or ``"ns_flops"`` (Newton-Schulz FLOPs) LPT weight.
         align_numel: alignment of every layout entry and flags region, in elements (>= 1).
+        tp_ns: tensor parallelism: ``"auto"`` (per matrix, the cheaper in bytes of Gram NS and
+            gathering, :func:`~dmuon.plan.cost.choose_tp_ns`), ``"gram"`` or ``"gather"``.
+        tp_size, tp_shard_dims: plan tensor parallelism for a model that is not parallelised
+            (e.g. on the meta device): ``T`` and ``{fqn: dim}`` of the dedicated matrices TP
+            shards (``0`` colwise, ``1`` rowwise). Without them, TP is read from the model's
+            ``DTensor`` parameters (``parallelize_module`` on a 1-D TP mesh).
+        tp_ns_steps, tp_gram_restart_every: Newton-Schulz steps and Gram restart period the TP
+            cost assumes (``dmuon.Muon``'s ``ns_steps`` must agree; restarts as
+            ``gram_newton_schulz(restart_every=...)``).
 
     Returns:
         A validated, frozen :class:`ShardingPlan`.
@@ -507,7 +581,10 @@ def compile(  # noqa: A001 - public name fixed by DESIGN.md
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
         ValueError: bad mesh / cost_model / align_numel; a selected param without a matrix
-            view; a tied param across boundaries; a boundary-less param when strict.
+            view; a tied param across boundaries; a boundary-less param when strict; a
+            selected ``DTensor`` that dmuon cannot own (not ``Shard(0)``/``Shard(1)`` on a 1-D
+            mesh, uneven, not 2-D), TP degrees that differ, ``tp_shard_dims`` naming a
+            parameter that is not dedicated or combined with a parallelised model.
     """
     mesh_shape = normalize_mesh(mesh)
     if cost_model not in _cost.COST_MODELS:
@@ -536,6 +613,7 @@ def compile(  # noqa: A001 - public name fixed by DESIGN.md
         )
         for s in selected
     )
+    T, specs = _tp_specs(snapshot, selected, specs, tp_ns, tp_size, tp_shard_dims, tp_ns_steps, tp_gram_restart_every)
     R, N = mesh_shape
     result = lpt_partition(
         [_cost.param_weight(spec, cost_model) for spec in specs],
@@ -550,7 +628,7 @@ def compile(  # noqa: A001 - public name fixed by DESIGN.md
     boundary_order = [fqn for fqn in snapshot.module_fqns if fqn in used]
     boundaries = build_boundaries(
         [
-            (spec.fqn, spec.shape, spec.numel, spec.dtype, owner, s.boundary)
+            (spec.fqn, spec.local_shape, spec.local_numel, spec.dtype, owner, s.boundary)
             for spec, owner, s in zip(specs, owners, selected)
         ],
         boundary_order,
@@ -569,4 +647,87 @@ def compile(  # noqa: A001 - public name fixed by DESIGN.md
         owners=owners,
         boundaries=boundaries,
         model_digest=snapshot.digest,
+        tp_size=T,
+        tp_ns_steps=tp_ns_steps,
+        tp_gram_restart_every=tp_gram_restart_every,
     )
+
+
+def _tp_specs(snapshot, selected, specs, tp_ns, tp_size, tp_shard_dims, ns_steps, restart_every):
+    """``(T, specs)`` with the TP fields filled in (see :func:`compile`'s TP arguments)."""
+    if tp_ns not in _cost.TP_NS_MODES:
+        raise ValueError(f"tp_ns must be one of {_cost.TP_NS_MODES}, got {tp_ns!r}")
+    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or ns_steps < 0:
+        raise ValueError(f"tp_ns_steps must be an int >= 0, got {ns_steps!r}")
+    if restart_every is not None and (
+        isinstance(restart_every, bool) or not isinstance(restart_every, int) or restart_every < 1
+    ):
+        raise ValueError(f"tp_gram_restart_every must be None or an int >= 1, got {restart_every!r}")
+    dims: dict[str, int] = {}
+    sizes: dict[str, int] = {}
+    problems: list[str] = []
+    if tp_shard_dims is not None or tp_size is not None:
+        if tp_size is None or isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"tp_size must be an int >= 1 when tp_shard_dims is given, got {tp_size!r}")
+        parallel = [r.fqn for r in snapshot.params if r.tp_size > 1]
+        if parallel:
+            raise ValueError(
+                f"dmuon.plan.compile: tp_size/tp_shard_dims describe TP for a model that is not "
+                f"parallelised, but {parallel[:3]} are already DTensors; drop the arguments "
+                "(TP is read from the model)"
+            )
+        names = {s.record.fqn: s.record.fqn for s in selected}
+        names.update({a: s.record.fqn for s in selected for a in s.record.aliases})
+        for fqn, dim in dict(tp_shard_dims or {}).items():
+            if fqn not in names:
+                raise ValueError(
+                    f"dmuon.plan.compile: tp_shard_dims names {fqn!r}, which is not a dedicated parameter"
+                )
+            if dim not in (0, 1):
+                raise ValueError(f"dmuon.plan.compile: tp_shard_dims[{fqn!r}] must be 0 or 1, got {dim!r}")
+            dims[names[fqn]] = dim
+            sizes[names[fqn]] = tp_size
+    else:
+        for sel in selected:
+            r = sel.record
+            if r.tp_size == 1:
+                continue
+            if r.tp_unsupported:
+                problems.append(f"  {r.fqn}: {r.tp_unsupported}")
+            elif r.tp_shard_dim is None:
+                problems.append(
+                    f"  {r.fqn}: replicated over the TP mesh (Replicate()); dmuon owns TP-sharded matrices"
+                )
+            else:
+                dims[r.fqn] = r.tp_shard_dim
+                sizes[r.fqn] = r.tp_size
+    for spec in specs:
+        if spec.fqn in dims:
+            d = dims[spec.fqn]
+            if spec.num_matrices != 1 or len(spec.shape) != 2:
+                problems.append(f"  {spec.fqn}: TP-sharded but {len(spec.shape)}-D {spec.shape}; only 2-D matrices")
+            elif spec.shape[d] % sizes[spec.fqn]:
+                problems.append(
+                    f"  {spec.fqn}: dim {d} of {spec.shape} is not divisible by the TP degree {sizes[spec.fqn]}"
+                )
+    if problems:
+        raise ValueError(
+            "dmuon.plan.compile: selected tensor-parallel parameters dmuon cannot own:\n"
+            + "\n".join(problems)
+            + "\nFix: exclude them in predicate (they stay with FSDP2 and AdamW), or shard them with "
+            "ColwiseParallel/RowwiseParallel (Shard(0)/Shard(1) on a 1-D TP mesh, evenly)."
+        )
+    degrees = sorted(set(sizes.values()) - {1})
+    if len(degrees) > 1:
+        raise ValueError(f"dmuon.plan.compile: dedicated matrices use different TP degrees {degrees}; use one TP mesh")
+    T = degrees[0] if degrees else 1
+    if T == 1:
+        return 1, specs
+    segments = len(_cost.gram_segment_lengths(ns_steps, restart_every))
+    out = []
+    for spec in specs:
+        if spec.fqn in dims:
+            spec = dataclasses.replace(spec, tp_size=T, tp_shard_dim=dims[spec.fqn], tp_ns="gather")
+            spec = dataclasses.replace(spec, tp_ns=_cost.choose_tp_ns(spec, tp_ns, segments))
+        out.append(spec)
+    return T, tuple(out)

@@ -133,6 +133,14 @@ class ParamSpec:
         module_fqn: FQN of the canonical owning module (``""`` = the root module).
         attr: attribute name of the parameter on that module; ``fqn == module_fqn + "." + attr``
             (or ``attr`` alone when ``module_fqn == ""``).
+        tp_size: ``T``, ranks of the tensor-parallel mesh that shards this matrix (1 = no TP).
+        tp_shard_dim: the dim of ``shape`` TP shards (``Shard(0)``: colwise ``nn.Linear``
+            weight, ``Shard(1)``: rowwise), ``shape[dim] % T == 0``; None without TP.
+        tp_ns: how the owner's TP group orthogonalises it: ``"gram"`` (each TP rank keeps its
+            shard; one all-reduce of the fp32 Gram ``(d, d)`` per Gram NS segment, ``d`` = the
+            side TP does not shard) or ``"gather"`` (all-gather the update, every TP rank runs
+            NS on the full matrix and keeps its shard); None without TP.
+            See :func:`dmuon.plan.cost.choose_tp_ns`.
     """
 
     fqn: str
@@ -144,6 +152,22 @@ class ParamSpec:
     aliases: tuple[str, ...]
     module_fqn: str
     attr: str
+    tp_size: int = 1
+    tp_shard_dim: int | None = None
+    tp_ns: str | None = None
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """Shape of one TP rank's shard (``shape`` without TP): elements per dim."""
+        if self.tp_size == 1:
+            return self.shape
+        d = self.tp_shard_dim
+        return self.shape[:d] + (self.shape[d] // self.tp_size,) + self.shape[d + 1 :]
+
+    @property
+    def local_numel(self) -> int:
+        """Elements of one TP rank's shard (``numel`` without TP)."""
+        return self.numel // self.tp_size
 
     def __post_init__(self) -> None:
         if not isinstance(self.fqn, str) or not self.fqn:
@@ -171,8 +195,27 @@ class ParamSpec:
         expected = f"{self.module_fqn}.{self.attr}" if self.module_fqn else self.attr
         if expected != self.fqn:
             raise ValueError(f"ParamSpec {self.fqn}: module_fqn {self.module_fqn!r} + attr {self.attr!r} != fqn")
+        _check_int("ParamSpec", "tp_size", self.tp_size, 1)
+        if self.tp_size == 1:
+            if self.tp_shard_dim is not None or self.tp_ns is not None:
+                raise ValueError(f"ParamSpec {self.fqn}: tp_shard_dim/tp_ns need tp_size > 1")
+        else:
+            if len(self.shape) != 2 or self.num_matrices != 1:
+                raise ValueError(f"ParamSpec {self.fqn}: tensor parallelism is supported for 2-D matrices only")
+            if self.tp_shard_dim not in (0, 1):
+                raise ValueError(f"ParamSpec {self.fqn}: tp_shard_dim must be 0 or 1, got {self.tp_shard_dim!r}")
+            if self.shape[self.tp_shard_dim] % self.tp_size:
+                raise ValueError(
+                    f"ParamSpec {self.fqn}: dim {self.tp_shard_dim} of {self.shape} is not divisible by "
+                    f"tp_size {self.tp_size}"
+                )
+            if self.tp_ns not in ("gram", "gather"):
+                raise ValueError(f"ParamSpec {self.fqn}: tp_ns must be 'gram' or 'gather', got {self.tp_ns!r}")
 
     def to_dict(self) -> dict[str, Any]:
+        tp = {}
+        if self.tp_size > 1:  # absent without TP: plans without TP keep their JSON and fingerprint
+            tp = {"tp_size": self.tp_size, "tp_shard_dim": self.tp_shard_dim, "tp_ns": self.tp_ns}
         return {
             "fqn": self.fqn,
             "shape": list(self.shape),
@@ -183,6 +226,7 @@ class ParamSpec:
             "aliases": list(self.aliases),
             "module_fqn": self.module_fqn,
             "attr": self.attr,
+            **tp,
         }
 
     @classmethod
@@ -197,4 +241,7 @@ class ParamSpec:
             aliases=tuple(d["aliases"]),
             module_fqn=d["module_fqn"],
             attr=d["attr"],
+            tp_size=d.get("tp_size", 1),
+            tp_shard_dim=d.get("tp_shard_dim"),
+            tp_ns=d.get("tp_ns"),
         )

@@ -70,6 +70,7 @@ _COST_ROWS = (
     ("replicate reduce / all-reduce", "replicate_reduce_nbytes", "replicate_all_reduce_nbytes"),
     ("replicate broadcast", "replicate_broadcast_nbytes", None),
     ("naive Muon grad all-gather", None, "muon_all_gather_nbytes"),
+    ("TP Gram all-reduce / gather", "tp_nbytes", None),
     ("total", "total_nbytes", "total_nbytes"),
     ("busiest rank", "max_rank_nbytes", "max_rank_nbytes"),
 )
@@ -78,7 +79,9 @@ _COST_ROWS = (
 def _cost_rows(plan: ShardingPlan) -> list[tuple[str, int | None, int | None]]:
     ours, base = plan.cost, plan.baseline_cost
     return [
-        (label, getattr(ours, a) if a else None, getattr(base, b) if b else None) for label, a, b in _COST_ROWS
+        (label, getattr(ours, a) if a else None, getattr(base, b) if b else None)
+        for label, a, b in _COST_ROWS
+        if a != "tp_nbytes" or plan.tp_size > 1
     ]
 
 
@@ -90,9 +93,19 @@ def _header(plan: ShardingPlan) -> list[str]:
     fallback = [b.fqn for b in plan.boundaries if b.fallback]
     weights = plan.owned_weight
     mean = sum(weights) / len(weights)
+    T = plan.tp_size
+    tp_line = []
+    if T > 1:
+        tp = [p for p in plan.params if p.tp_size > 1]
+        gram = sum(p.tp_ns == "gram" for p in tp)
+        tp_line = [
+            f"tensor parallel: T={T}, world {R * N * T} ranks; {len(tp)} TP-sharded matrices: {gram} Gram NS "
+            f"({len(plan.tp_segment_lengths)} all-reduces each), {len(tp) - gram} gathered; figures per TP rank"
+        ]
     return [
         f"{mode_name(plan)} sharding plan: mesh (R={R}, N={N}) = {R * N} ranks, cost_model={plan.cost_model}, "
         f"align={plan.align_numel} elements",
+        *tp_line,
         f"wire dtypes: param={plan.param_dtype or 'storage'} reduce={plan.reduce_dtype or plan.param_dtype or 'storage'}"
         f"; replicate_async={plan.replicate_async}",
         f"model digest {plan.model_digest[:12]}  plan fingerprint {plan.fingerprint()[:12]}",
@@ -127,13 +140,14 @@ def render_summary(plan: ShardingPlan, *, max_rows: int = 16) -> str:
     counts = [0] * plan.world_size
     for o in plan.owners:
         counts[o.rank] += 1
-    N = plan.mesh_shape[1]
+    N, T = plan.mesh_shape[1], plan.tp_size
     shown = stats[:max_rows]
     lines.append(f"ranks by owned elements ({len(shown)} of {len(stats)}):")
     lines.append(f"{'rank':>6}{'shard':>7}{'repl':>6}{'params':>8}{'owned elements':>18}{'comm/step':>14}{'NS/step':>16}")
     for r in shown:
+        m = r.rank // T  # data-parallel mesh rank
         lines.append(
-            f"{r.rank:>6}{r.rank % N:>7}{r.rank // N:>6}{counts[r.rank]:>8}{r.owned_numel:>18,}"
+            f"{r.rank:>6}{m % N:>7}{m // N:>6}{counts[m]:>8}{r.owned_numel:>18,}"
             f"{fmt_nbytes(r.comm_nbytes):>14}{fmt_flops(r.ns_flops):>16}"
         )
     return "\n".join(lines)

@@ -65,6 +65,12 @@ class ParamRecord:
         dtype: ``str(tensor.dtype)``.
         numel: ``prod(shape)`` elements.
         index: position in ``named_parameters()`` order.
+        tp_size: ranks of the 1-D device mesh of a ``DTensor`` parameter (tensor parallelism,
+            ``parallelize_module``); 1 for a plain tensor.
+        tp_shard_dim: the tensor dim its placement ``Shard(dim)`` splits; None for a plain
+            tensor or a ``Replicate()`` placement.
+        tp_unsupported: why dmuon cannot dedicate this ``DTensor`` (a mesh of more than one
+            dim, a ``Partial`` or ``_StridedShard`` placement); ``""`` when it can.
         tensor: the live parameter (passed to the user predicate; never read beyond metadata).
     """
 
@@ -78,6 +84,9 @@ class ParamRecord:
     numel: int
     index: int
     tensor: torch.Tensor = dataclasses.field(compare=False, repr=False)
+    tp_size: int = 1
+    tp_shard_dim: int | None = None
+    tp_unsupported: str = ""
 
     @property
     def ndim(self) -> int:
@@ -131,6 +140,29 @@ def _digest(params: tuple[ParamRecord, ...]) -> str:
     return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
+def _tp_placement(tensor: torch.Tensor) -> tuple[int, int | None, str]:
+    """``(tp_size, tp_shard_dim, tp_unsupported)`` of a parameter (see :class:`ParamRecord`).
+
+    Duck-typed on ``DTensor``'s public ``device_mesh`` / ``placements`` (this package never
+    imports ``torch.distributed``); only shapes and placement types are read.
+    """
+    placements = getattr(tensor, "placements", None)
+    mesh = getattr(tensor, "device_mesh", None)
+    if placements is None or mesh is None:
+        return 1, None, ""
+    shape = tuple(int(d) for d in mesh.shape)
+    size = math.prod(shape)
+    if len(shape) != 1:
+        return size, None, f"a DTensor on a {len(shape)}-D device mesh {shape} (dmuon supports a 1-D TP mesh)"
+    (placement,) = placements
+    kind = type(placement).__name__
+    if kind == "Replicate":
+        return size, None, ""
+    if kind == "Shard":
+        return size, int(placement.dim) % tensor.ndim, ""
+    return size, None, f"a DTensor with placement {placement!r} (dmuon supports Shard(0), Shard(1))"
+
+
 def take_snapshot(model: nn.Module) -> ModelSnapshot:
     """Snapshot ``model`` (any device, including ``meta``) without mutating or allocating.
 
@@ -166,6 +198,7 @@ def take_snapshot(model: nn.Module) -> ModelSnapshot:
             attrs.append(attr)
             kinds.append(module_kind(modules[mod_fqn]))
         shape = tuple(int(d) for d in tensor.shape)
+        tp_size, tp_shard_dim, tp_unsupported = _tp_placement(tensor)
         records.append(
             ParamRecord(
                 fqn=aliases[0],
@@ -178,6 +211,9 @@ def take_snapshot(model: nn.Module) -> ModelSnapshot:
                 numel=math.prod(shape),
                 index=index,
                 tensor=tensor,
+                tp_size=tp_size,
+                tp_shard_dim=tp_shard_dim,
+                tp_unsupported=tp_unsupported,
             )
         )
     params = tuple(records)
