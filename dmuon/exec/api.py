@@ -57,6 +57,59 @@ def _validate(plan, model: nn.Module, table) -> None:
         )
 
 
+def _check_tp(plan, model: nn.Module, table):
+    """Tensor parallelism: the TP ``DeviceMesh`` shared by the TP-sharded dedicated matrices
+    (None without TP), after local checks: one 1-D mesh of ``plan.tp_size`` ranks, and a
+    data-parallel mesh that with it spans the world."""
+    if plan.tp_size == 1:
+        return None
+    meshes = {}
+    for spec in plan.params:
+        if spec.tp_size > 1:
+            p = model.get_parameter(spec.fqn)
+            m = getattr(p, "device_mesh", None)
+            if m is None:
+                raise ValueError(
+                    f"dmuon: the plan says {spec.fqn!r} is TP-sharded but the model's parameter is a plain "
+                    "tensor; call parallelize_module before dedicate_params / apply"
+                )
+            meshes.setdefault(tuple(m.mesh.flatten().tolist()), m)
+    if len(meshes) != 1:
+        raise ValueError(
+            f"dmuon: the TP-sharded dedicated matrices live on {len(meshes)} different TP meshes "
+            f"{sorted(meshes)}; use one TP mesh"
+        )
+    tp_mesh = next(iter(meshes.values()))
+    dp = sum(len(row) for row in table)
+    world = dist.get_world_size()
+    if dp * plan.tp_size != world:
+        raise ValueError(
+            f"dmuon: with tensor parallelism the data-parallel mesh times the TP degree must span the "
+            f"world: {dp} x {plan.tp_size} != {world}. Pass the data-parallel DeviceMesh, e.g. "
+            "mesh['dp'] of init_device_mesh('cpu', (dp, tp), mesh_dim_names=('dp', 'tp'))"
+        )
+    return tp_mesh
+
+
+def _tp_tables(tp_mesh, table):
+    """Every TP coordinate's data-parallel rank table (one ``all_gather_object``)."""
+    mine = (int(tp_mesh.get_local_rank()), table)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    tables: dict[int, tuple] = {}
+    for t, tab in everyone:
+        tab = tuple(tuple(int(x) for x in row) for row in tab)
+        if tables.setdefault(t, tab) != tab:
+            raise ValueError(f"dmuon: ranks of TP coordinate {t} passed different data-parallel meshes")
+    T = tp_mesh.size()
+    if sorted(tables) != list(range(T)):
+        raise ValueError(f"dmuon: TP coordinates {sorted(tables)} do not cover 0..{T - 1}")
+    flat = [x for t in range(T) for row in tables[t] for x in row]
+    if len(set(flat)) != len(flat):
+        raise ValueError("dmuon: the data-parallel meshes of different TP coordinates overlap")
+    return tuple(tables[t] for t in range(T))
+
+
 def _check_not_applied(model: nn.Module) -> None:
     if getattr(model, _RUNTIME_ATTR, None) is not None:
         raise ValueError(
@@ -121,8 +174,10 @@ def apply(
         _validate(plan, model, None)  # raises the "no process group" error
     table = mesh_rank_table(mesh, shard_dim=shard_dim, replicate_dim=replicate_dim)
     _validate(plan, model, table)
+    tp_mesh = _check_tp(plan, model, table)
     _check_same_plan_everywhere(plan)
-    groups = MeshGroups.build(table)
+    tp_tables = _tp_tables(tp_mesh, table) if tp_mesh is not None else None
+    groups = MeshGroups.build(table, tp_tables=tp_tables)
     runtime = DmuonRuntime(plan, model, groups, _device_of(model, plan))
     runtime.timeout_s = collective_timeout_s
     object.__setattr__(model, _RUNTIME_ATTR, runtime)

@@ -19,7 +19,9 @@ def clip_grad_norm_(model_or_params, max_norm: float, norm_type: float = 2.0) ->
 
     * dedicated matrices: the full averaged gradient lives on its owner only (``p._dmuon``
       with ``is_owner``), so owners' local sums are summed over the world (one all-reduce of a
-      scalar; HSDP replicas hold no gradient);
+      scalar; HSDP replicas hold no gradient); with tensor parallelism each rank of a TP owner
+      group counts its own shard, and an owned matrix without TP counts ``1/T`` per TP
+      coordinate;
     * FSDP2 ``DTensor`` gradients: ``torch.nn.utils.get_total_norm`` over the DTensors, then
       ``full_tensor()`` (DTensor reduces over shards and de-duplicates replicas);
     * plain tensors (replicated, identical on every rank): counted locally.
@@ -39,13 +41,21 @@ def clip_grad_norm_(model_or_params, max_norm: float, norm_type: float = 2.0) ->
 
     params = model_or_params.parameters() if isinstance(model_or_params, nn.Module) else model_or_params
     owned, dtensors, plain = [], [], []
+    replicated = []  # with TP: owned matrices without TP, held by an owner in every TP coordinate
+    tp_size = 1
     for p in params:
         if p.grad is None:
             continue
         info = getattr(p, "_dmuon", None)
         if info is not None:
             if info.is_owner:
-                owned.append(p.grad)
+                tp_size = info.runtime().tp_size
+                if info.tp is not None:  # the owner group's shards partition it: local norms add up
+                    owned.append(info.tp.local(p.grad))
+                elif tp_size > 1:
+                    replicated.append(p.grad)
+                else:
+                    owned.append(p.grad)
         elif isinstance(p.grad, DTensor):
             dtensors.append(p.grad)
         else:
@@ -61,6 +71,9 @@ def clip_grad_norm_(model_or_params, max_norm: float, norm_type: float = 2.0) ->
         return n if inf else n.pow(norm_type)
 
     owned_part = local(owned)
+    if replicated:  # counted once per TP coordinate by the all-reduce below
+        rep = local(replicated)
+        owned_part = torch.maximum(owned_part, rep) if inf else owned_part + rep / tp_size
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(owned_part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
     parts = [owned_part, local(plain).to(owned_part.device)]
@@ -71,7 +84,7 @@ def clip_grad_norm_(model_or_params, max_norm: float, norm_type: float = 2.0) ->
     stacked = torch.stack(parts)
     total = stacked.max() if inf else stacked.sum().pow(1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in owned + plain:
+    for g in owned + replicated + plain:
         g.mul_(coef.to(g.device, g.dtype))
     for g in dtensors:
         g.mul_(coef.item())

@@ -3,8 +3,9 @@
 Accounting (DESIGN.md §1), identical to :mod:`dmuon.plan.cost`: for one collective over a group
 of ``k`` ranks and a payload of ``S`` bytes, every non-root rank is charged ``S`` (it receives
 ``S`` in a broadcast, sends ``S`` in a reduce), so the collective totals ``(k-1)·S`` over the
-group. An all-reduce is charged ``2·S`` per rank; an all-gather / reduce-scatter of a full tensor
-of ``S`` bytes ``S·(k-1)/k`` per rank; a scatter of a full tensor of ``S`` bytes charges each
+group. An all-reduce of ``numel`` elements is charged ``2·(k-1)·ceil(numel/k)·itemsize`` per rank
+(ring reduce-scatter + all-gather, ``~2·S``; :func:`dmuon.plan.cost.all_reduce_rank_nbytes`); an
+all-gather / reduce-scatter of a full tensor of ``S`` bytes ``S·(k-1)/k`` per rank; a scatter of a full tensor of ``S`` bytes charges each
 non-root rank its own chunk.
 
 Each process keeps its own :data:`LEDGER` of the bytes charged to *this* rank, per phase. The
@@ -35,6 +36,7 @@ __all__ = [
     "broadcast",
     "reduce_sum",
     "all_reduce_sum",
+    "all_gather_into",
     "scatter",
     "wait_all",
 ]
@@ -46,6 +48,7 @@ PHASES = (
     "reduce",
     "replicate_reduce",
     "replicate_broadcast",
+    "tp",
     "other",
 )
 
@@ -138,10 +141,24 @@ def reduce_sum(
     return dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
-def all_reduce_sum(tensor: torch.Tensor, *, group: dist.ProcessGroup | None, phase: str):
-    """SUM all-reduce in place; charges ``2·tensor.nbytes`` to every rank."""
-    LEDGER.charge(phase, 2 * _nbytes(tensor))
-    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+def all_reduce_sum(tensor: torch.Tensor, *, group: dist.ProcessGroup | None, phase: str, async_op: bool = False):
+    """SUM all-reduce in place over ``group``; charges every rank
+    ``2·(k-1)·ceil(numel/k)·itemsize`` (ring reduce-scatter + all-gather)."""
+    k = dist.get_world_size(group)
+    LEDGER.charge(phase, 2 * (k - 1) * (-(-tensor.numel() // k)) * tensor.element_size() if k > 1 else 0)
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_gather_into(
+    output: torch.Tensor, tensor: torch.Tensor, *, group: dist.ProcessGroup, phase: str, async_op: bool = False
+):
+    """All-gather ``tensor`` from the ``k`` ranks of ``group`` into ``output`` (``k·numel``
+    elements, group-rank order). Charges ``(k-1)·tensor.nbytes`` to every rank (it receives the
+    other ranks' parts: ``S·(k-1)/k`` of the full ``S``)."""
+    k = dist.get_world_size(group)
+    LEDGER.charge(phase, (k - 1) * _nbytes(tensor))
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch >= 2.13 renamed it
+    return gather(output, tensor, group=group, async_op=async_op)
 
 
 def scatter(

@@ -96,16 +96,16 @@ def check_not_fully_sharded(model: nn.Module) -> None:
 
     dmuon must decide ownership of full matrices before FSDP2 shards them: the order is
     ``dedicate_params`` → ``fully_shard(layer)`` for each layer → ``fully_shard(model)``.
+    ``DTensor`` parameters alone are fine: tensor parallelism (``parallelize_module``) comes
+    first (the plan rejects placements it cannot own).
     """
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
 
     wrapped = [name or "<root>" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
-    sharded = [name for name, p in model.named_parameters() if isinstance(p, DTensor)]
-    if wrapped or sharded:
-        what = f"modules {wrapped[:5]}" if wrapped else f"DTensor parameters {sharded[:5]}"
+    if wrapped:
+        what = f"modules {wrapped[:5]}"
         raise ValueError(
-            f"dmuon: the model is already sharded ({what}{' ...' if len(wrapped or sharded) > 5 else ''}). "
+            f"dmuon: the model is already sharded ({what}{' ...' if len(wrapped) > 5 else ''}). "
             "Call dmuon.dedicate_params(model, mesh) BEFORE fully_shard: dedicate_params -> "
             "fully_shard(layer) for each layer -> fully_shard(model) -> dmuon.Muon(model)."
         )

@@ -69,6 +69,7 @@ __all__ = [
     "ns_flops",
     "reset_ns_calls",
     "schedule_gain_bounds",
+    "sharded_gram_newton_schulz",
 ]
 
 Triple = tuple[float, float, float]
@@ -666,6 +667,72 @@ def gram_newton_schulz(
     if tall:
         X = X.mT
     return X.reshape(*lead, m, n)
+
+
+def sharded_gram_newton_schulz(
+    x: Tensor,
+    *,
+    all_reduce_sum: Callable[[Tensor], Tensor],
+    coefficients: Coefficients = (3.4445, -4.775, 2.0315),
+    steps: int = 5,
+    eps: float = 1e-7,
+    dtype: torch.dtype = torch.bfloat16,
+    restart_every: Restarts = GRAM_RESTART_EVERY,
+) -> Tensor:
+    """Gram Newton-Schulz of matrices split by columns over ranks (tensor parallelism).
+
+    Each rank passes its column block ``x`` = ``X_i`` of ``X = [X_1 … X_T]``, shape ``(d, D_i)``
+    or ``(B, d, D_i)`` (``B`` matrices batched; a row-sharded matrix enters transposed, so ``d``
+    is always the side that is not split), and gets ``NS(X)``'s block ``i`` back. Only ``(d,
+    d)`` matrices cross ranks (Zhang, Amsel, Chen, Dao, "Gram Newton-Schulz"; DESIGN.md §1):
+
+    1. ``G = Σ_i X_i X_iᵀ`` in float32 (``all_reduce_sum``, one call per segment);
+       the first one also gives ``‖X‖_F² = tr(G)``: ``X_i /= max(‖X‖_F, eps)``, ``G /= ‖X‖_F²``
+       (:func:`newton_schulz`'s prologue, without a separate norm all-reduce);
+    2. per segment of the schedule between restarts (:func:`gram_segments`):
+       ``Q = gram_ns_from_gram(sym(G).to(dtype), segment)``, ``X_i = Q X_i``; a restart
+       re-forms ``G`` from the current blocks (another all-reduce).
+
+    Every rank computes the same ``Q`` from the same all-reduced ``G``, so the blocks stay
+    consistent. In exact arithmetic the result is :func:`newton_schulz` of the full ``X`` (and
+    :func:`gram_newton_schulz` with the same ``restart_every``); in floating point it differs by
+    the Gram-form rounding documented on :func:`gram_newton_schulz` plus the order of the Gram
+    sum. No safe fallback: detecting a bad result needs the full matrix (use fp32 ``dtype`` or
+    the default restarts, with which no matrix of the accuracy zoo falls back).
+
+    Args:
+        x: real floating-point ``(d, D_i)`` or ``(B, d, D_i)``; not modified.
+        all_reduce_sum: sums a float32 ``(B, d, d)`` tensor over the ranks (in place or not)
+            and returns the sum; identity for one rank.
+        coefficients, steps, eps, dtype, restart_every: as :func:`gram_newton_schulz`.
+
+    Returns:
+        ``x.shape`` in ``dtype``: this rank's block of the orthogonalised matrix.
+
+    Raises:
+        ValueError: as :func:`newton_schulz`; ``steps == 0`` (the iteration is what needs the Gram).
+
+    Side effects: :data:`NS_CALLS` grows by ``B`` on every rank.
+    """
+    global NS_CALLS
+    _check_input(x, dtype, "sharded_gram_newton_schulz")
+    if steps == 0:
+        raise ValueError("sharded_gram_newton_schulz needs steps >= 1")
+    schedule = coefficient_schedule(coefficients, steps)
+    segments = gram_segments(schedule, restart_every)
+    lead, d, D = x.shape[:-2], x.shape[-2], x.shape[-1]
+    X = x.reshape(-1, d, D).to(dtype, copy=True)
+    NS_CALLS += X.shape[0]
+    for i, segment in enumerate(segments):
+        Xf = X.float()
+        G = all_reduce_sum(torch.bmm(Xf, Xf.mT))
+        if i == 0:
+            norm = G.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_(min=0).sqrt_().clamp_(min=eps)
+            X.div_(norm.to(dtype)[:, None, None])
+            G = G / (norm * norm)[:, None, None]
+        G = ((G + G.mT) * 0.5).to(dtype)
+        X = torch.bmm(_gram_q(G, segment), X)
+    return X.reshape(*lead, d, D)
 
 
 #: A Gram result is rejected when its largest singular value exceeds this multiple of the

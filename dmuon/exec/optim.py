@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional, Union
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim.adamw import adamw as _torch_adamw
 
@@ -425,6 +426,15 @@ class Muon(torch.optim.Optimizer):
         if use_muon:
             for p in params:
                 _check_dedicated(p)
+                tp = _info(p).tp
+                if tp is not None and tp.method == "gram":
+                    plan = _info(p).runtime().plan
+                    if group["ns_steps"] != plan.tp_ns_steps:
+                        raise ValueError(
+                            f"dmuon.Muon: ns_steps={group['ns_steps']} but the plan of the TP-sharded "
+                            f"matrix {_info(p).fqn!r} assumes tp_ns_steps={plan.tp_ns_steps} (its Gram "
+                            f"all-reduce count); compile the plan with tp_ns_steps={group['ns_steps']}"
+                        )
         super().add_param_group(group)
         if use_muon:
             self._init_muon_state(group)
@@ -559,6 +569,7 @@ class Muon(torch.optim.Optimizer):
         )
         batched = ns_dtype in _BATCHED_NS_DTYPES
         pending: dict[tuple, list[tuple[Tensor, Tensor, int, int, int]]] = {}
+        tp_entries: list[tuple[Tensor, Tensor, Any]] = []
 
         for p in group["params"]:
             info = _info(p)
@@ -568,6 +579,16 @@ class Muon(torch.optim.Optimizer):
             if grad.is_sparse:
                 raise RuntimeError("Muon does not support sparse gradients")
             state = self.state[p]
+            if info.tp is not None:  # TP-sharded: momentum on the local shard, NS below
+                tp = info.tp
+                g_local = tp.local(grad)
+                buf = state.get("momentum_buffer")
+                if buf is None:
+                    buf = state["momentum_buffer"] = tp.wrap(torch.zeros_like(g_local))
+                b_local = tp.local(buf)
+                b_local.lerp_(g_local, 1 - momentum)
+                tp_entries.append((p, g_local.lerp(b_local, momentum) if nesterov else b_local, tp))
+                continue
             buf = state.get("momentum_buffer")
             if buf is None:  # e.g. state cleared by hand; same lazy rule as torch
                 buf = state["momentum_buffer"] = torch.zeros_like(
@@ -613,6 +634,85 @@ class Muon(torch.optim.Optimizer):
                     ]
                 for (p, _, _, m, n), o in zip(chunk, outs):
                     self._apply(p, o, lr, weight_decay, adjust_lr(lr, adjust_lr_fn, (m, n)))
+
+        if tp_entries:
+            self._tp_orthogonalize_and_apply(tp_entries, group, orthogonalize, ns_kw, lr, weight_decay, adjust_lr_fn)
+
+    def _tp_orthogonalize_and_apply(self, entries, group, orthogonalize, ns_kw, lr, weight_decay, adjust_lr_fn):
+        """Newton-Schulz of TP-sharded matrices on their owner's TP group, then the update.
+
+        ``entries``: ``(p, local update, TPInfo)`` in ``group["params"]`` order, identical on
+        the ``T`` ranks of an owner group (they own the same matrices and agree on which have a
+        gradient), so every TP collective below runs in the same order on all of them.
+
+        * ``"gram"`` matrices, batched by local shape: :func:`~dmuon.exec.newton_schulz.
+          sharded_gram_newton_schulz` with one fp32 Gram all-reduce per segment (the plan's
+          ``tp_gram_restart_every``); row-sharded matrices enter transposed.
+        * ``"gather"`` matrices: one all-gather of all their local updates (storage dtype),
+          then the group's NS backend on each full matrix on every TP rank, each keeping its
+          block.
+        """
+        from . import collectives as C
+
+        rt = _info(entries[0][0]).runtime()
+        plan = rt.plan
+        steps = group["ns_steps"]
+        gram: dict[tuple, list] = {}
+        gather: dict[tuple, list] = {}
+        for p, update, tp in entries:
+            if tp.method == "gram":
+                if steps != plan.tp_ns_steps:
+                    raise ValueError(
+                        f"dmuon.Muon: ns_steps={steps} but the plan of the TP-sharded matrix "
+                        f"{_info(p).fqn!r} assumes tp_ns_steps={plan.tp_ns_steps} (its Gram all-reduce "
+                        f"count); compile the plan with tp_ns_steps={steps}"
+                    )
+                x = update.mT if tp.shard_dim == 0 else update  # (d, D_local), d = unsplit side
+                gram.setdefault((tuple(x.shape), x.dtype, id(tp.group)), []).append((p, x, tp))
+            else:
+                gather.setdefault((update.dtype, id(tp.group)), []).append((p, update, tp))
+
+        for items in gram.values():
+            tp = items[0][2]
+
+            def all_reduce(g, tp=tp):
+                C.all_reduce_sum(g, group=tp.group, phase="tp")
+                return g
+
+            x = torch.stack([e[1] for e in items]) if len(items) > 1 else items[0][1].unsqueeze(0)
+            ortho = _ns.sharded_gram_newton_schulz(
+                x,
+                all_reduce_sum=all_reduce,
+                coefficients=ns_kw["coefficients"],
+                steps=steps,
+                eps=ns_kw["eps"],
+                dtype=ns_kw["dtype"],
+                restart_every=plan.tp_gram_restart_every,
+            )
+            for (p, _, tp), o in zip(items, ortho.unbind(0)):
+                o = o.mT if tp.shard_dim == 0 else o
+                self._apply(p.to_local(), o, lr, weight_decay, adjust_lr(lr, adjust_lr_fn, tp.shape))
+
+        for items in gather.values():
+            tp = items[0][2]
+            flat = torch.cat([u.reshape(-1) for _, u, _ in items])
+            out = torch.empty(tp.size * flat.numel(), dtype=flat.dtype, device=flat.device)
+            C.wait_all(
+                [C.all_gather_into(out, flat, group=tp.group, phase="tp", async_op=True)],
+                what="TP all-gather of Muon updates",
+                timeout_s=rt.timeout_s,
+            )
+            out = out.view(tp.size, -1)
+            by_coord = [out[dist.get_group_rank(tp.group, tp.ranks[t])] for t in range(tp.size)]
+            offset = 0
+            for p, u, tp in items:
+                n = u.numel()
+                full = torch.cat([b[offset : offset + n].view(u.shape) for b in by_coord], dim=tp.shard_dim)
+                offset += n
+                ortho = orthogonalize(full, **ns_kw)
+                rows = u.shape[tp.shard_dim]
+                mine = ortho.narrow(tp.shard_dim, tp.rank * rows, rows)
+                self._apply(p.to_local(), mine, lr, weight_decay, adjust_lr(lr, adjust_lr_fn, tp.shape))
 
     @staticmethod
     def _apply(p: Tensor, ortho: Tensor, lr: float, weight_decay: float, scaled_lr: float) -> None:

@@ -118,6 +118,11 @@ class MeshGroups:
 
     dmuon never shares a process group with FSDP2: its collectives form their own sequence, so
     the relative order of dmuon's and FSDP2's hooks cannot mismatch between ranks.
+
+    Tensor parallelism (``tp_size = T > 1``): every TP coordinate ``t`` has its own
+    data-parallel mesh; ``mesh_ranks`` is this rank's (``t = tp_rank``), and ``tp_group`` joins
+    the ``T`` ranks with this rank's data-parallel coordinate (an owner group), ``tp_ranks``
+    their global ranks in TP order.
     """
 
     mesh_ranks: tuple[tuple[int, ...], ...]  # [replicate][shard] -> global rank
@@ -125,6 +130,10 @@ class MeshGroups:
     shard: int  # this rank's shard coordinate
     shard_group: Any  # ProcessGroup over mesh_ranks[replicate][:]
     replicate_group: Any  # ProcessGroup over mesh_ranks[:][shard], None when R == 1
+    tp_size: int = 1
+    tp_rank: int = 0
+    tp_group: Any = None  # ProcessGroup over tp_ranks, None when T == 1
+    tp_ranks: tuple[int, ...] = ()
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -134,31 +143,53 @@ class MeshGroups:
         return self.mesh_ranks[replicate][shard]
 
     @staticmethod
-    def build(ranks: tuple[tuple[int, ...], ...]) -> "MeshGroups":
+    def build(
+        ranks: tuple[tuple[int, ...], ...], *, tp_tables: tuple[tuple[tuple[int, ...], ...], ...] | None = None
+    ) -> "MeshGroups":
         """Create the groups for the rank table ``ranks[replicate][shard]`` (see
-        :func:`mesh_rank_table`); a collective call on every rank of the world, in a fixed order."""
+        :func:`mesh_rank_table`); a collective call on every rank of the world, in a fixed order.
+
+        ``tp_tables[t]``: the data-parallel table of TP coordinate ``t`` (all ``T`` of them, the
+        same on every rank; ``ranks`` is one of them): groups are created for every table, then
+        one TP group per data-parallel coordinate.
+        """
         me = dist.get_rank()
-        coords = [(r, s) for r, row in enumerate(ranks) for s, x in enumerate(row) if x == me]
-        if len(coords) != 1:
-            raise ValueError(f"dmuon: rank {me} appears {len(coords)} times in mesh {ranks}")
-        my_r, my_s = coords[0]
-        shard_group = replicate_group = None
-        for r, row in enumerate(ranks):  # every rank creates every group, same order
-            g = dist.new_group(ranks=list(row))
-            if r == my_r:
-                shard_group = g
+        tables = tuple(tp_tables) if tp_tables is not None else (ranks,)
+        found = [(t, r, s) for t, tab in enumerate(tables) for r, row in enumerate(tab) for s, x in enumerate(row) if x == me]
+        if len(found) != 1:
+            raise ValueError(f"dmuon: rank {me} appears {len(found)} times in mesh {tables}")
+        my_t, my_r, my_s = found[0]
         R, N = len(ranks), len(ranks[0])
-        if R > 1:
-            for s in range(N):
-                g = dist.new_group(ranks=[ranks[r][s] for r in range(R)])
-                if s == my_s:
-                    replicate_group = g
+        shard_group = replicate_group = tp_group = None
+        for t, tab in enumerate(tables):  # every rank creates every group, same order
+            for r, row in enumerate(tab):
+                g = dist.new_group(ranks=list(row))
+                if (t, r) == (my_t, my_r):
+                    shard_group = g
+            if R > 1:
+                for s in range(N):
+                    g = dist.new_group(ranks=[tab[r][s] for r in range(R)])
+                    if (t, s) == (my_t, my_s):
+                        replicate_group = g
+        T = len(tables)
+        tp_ranks: tuple[int, ...] = ()
+        if T > 1:
+            for r in range(R):
+                for s in range(N):
+                    members = [tab[r][s] for tab in tables]
+                    g = dist.new_group(ranks=members)
+                    if (r, s) == (my_r, my_s):
+                        tp_group, tp_ranks = g, tuple(members)
         return MeshGroups(
-            mesh_ranks=ranks,
+            mesh_ranks=tables[my_t],
             replicate=my_r,
             shard=my_s,
             shard_group=shard_group,
             replicate_group=replicate_group,
+            tp_size=T,
+            tp_rank=my_t,
+            tp_group=tp_group,
+            tp_ranks=tp_ranks,
         )
 
 
@@ -184,6 +215,48 @@ class DedicatedInfo:
     matrix_shape: tuple[int, int]
     num_matrices: int
     runtime: Any = dataclasses.field(repr=False, compare=False)  # weakref to DmuonRuntime
+    tp: "TPInfo | None" = None  # a TP-sharded matrix: its placement and owner TP group
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class TPInfo:
+    """A dedicated matrix sharded by tensor parallelism (``parallelize_module``).
+
+    Every tensor dmuon keeps for it (logical, compute, gradient, momentum) is a ``DTensor`` on
+    the parameter's own TP ``mesh`` with its ``placements``; the packed buffers hold the local
+    shards (``local_shape``). ``group`` is dmuon's TP group of the owner (the ``size`` ranks that
+    share this rank's data-parallel coordinate; ``rank`` = this rank's TP coordinate, ``ranks``
+    their global ranks in TP order); ``method``: ``"gram"`` or ``"gather"`` (the plan's
+    ``tp_ns``).
+    """
+
+    mesh: Any
+    placements: tuple
+    shard_dim: int
+    size: int
+    rank: int
+    group: Any
+    ranks: tuple[int, ...]
+    method: str
+    shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+
+    def wrap(self, local: torch.Tensor) -> torch.Tensor:
+        """``local`` (this rank's shard, or a zero-row placeholder) as a DTensor, sharing storage."""
+        from torch.distributed.tensor import DTensor
+
+        if tuple(local.shape) == self.local_shape:
+            return DTensor.from_local(
+                local, self.mesh, self.placements, run_check=False, shape=self.shape,
+                stride=_contiguous_strides(self.shape),
+            )
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False)
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        """The local shard of a DTensor with this matrix's placement (redistributed if needed)."""
+        if tuple(t.placements) != tuple(self.placements):
+            t = t.redistribute(self.mesh, self.placements)
+        return t.to_local()
 
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16)}
@@ -207,6 +280,7 @@ class _Slot:
     homes: list[tuple[nn.Module, str]]  # every (module, attribute) alias
     logical: nn.Parameter
     compute: nn.Parameter
+    tp: TPInfo | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -470,6 +544,8 @@ class _BoundaryRuntime:
                 for k, slot in enumerate(sub.slots):
                     g = slot.compute.grad
                     if g is not None:
+                        if slot.tp is not None:
+                            g = slot.tp.local(g)
                         buf[slot.offset_in_seg : slot.offset_in_seg + slot.numel].copy_(g.reshape(-1))
                         buf[sub.flags_offset_in_seg + k] = 1
                         slot.compute.grad = None
@@ -493,6 +569,7 @@ class DmuonRuntime:
         self.replicate_async = bool(plan.replicate_async)
         self.num_shards = groups.shape[1]
         self.world_numel = groups.shape[0] * groups.shape[1]
+        self.tp_size = groups.tp_size
         self.boundaries: list[_BoundaryRuntime] = []
         self.pending_reduces: list = []
         self.pending_replicate: dict[int, list] = {}
@@ -559,25 +636,26 @@ class DmuonRuntime:
                                     f"but {spec.shape} {spec.dtype} in the plan; recompile the plan after "
                                     "changing the model"
                                 )
-                            strides = _contiguous_strides(spec.shape)
+                            tp = self._tp_info(spec, orig)
+                            lshape = tuple(spec.local_shape)
+                            strides = _contiguous_strides(lshape)
                             if held:
-                                master[off : off + e.numel].copy_(orig.detach().reshape(-1))
+                                value = orig.to_local() if tp is not None else orig
+                                master[off : off + e.numel].copy_(value.detach().reshape(-1))
                                 logical = torch.empty(0, dtype=param_dtype, device=self.device).set_(
-                                    master.untyped_storage(), off, spec.shape, strides
+                                    master.untyped_storage(), off, lshape, strides
                                 )
                             else:
                                 # zero rows, the other dims kept: nn.init / reset_parameters see the
                                 # true fan-in and run (as no-ops) on non-holders after to_empty
-                                logical = torch.empty(
-                                    (0, *spec.shape[1:]), dtype=param_dtype, device=self.device
-                                )
-                            logical = nn.Parameter(logical, requires_grad=orig.requires_grad)
-                            compute = nn.Parameter(
-                                torch.empty(0, dtype=wire_dtype, device=self.device).set_(
-                                    wire.untyped_storage(), off, spec.shape, _contiguous_strides(spec.shape)
-                                ),
-                                requires_grad=orig.requires_grad,
+                                logical = torch.empty((0, *lshape[1:]), dtype=param_dtype, device=self.device)
+                            compute = torch.empty(0, dtype=wire_dtype, device=self.device).set_(
+                                wire.untyped_storage(), off, lshape, strides
                             )
+                            if tp is not None:
+                                logical, compute = tp.wrap(logical), tp.wrap(compute)
+                            logical = nn.Parameter(logical, requires_grad=orig.requires_grad)
+                            compute = nn.Parameter(compute, requires_grad=orig.requires_grad)
                             owner = owners[e.fqn]
                             owner_rank = g.rank_of(owner.replicate, owner.shard)
                             logical._dmuon = DedicatedInfo(
@@ -589,6 +667,7 @@ class DmuonRuntime:
                                 matrix_shape=tuple(spec.matrix_shape),
                                 num_matrices=int(spec.num_matrices),
                                 runtime=weakref.ref(self),
+                                tp=tp,
                             )
                             homes = []
                             for alias in spec.aliases:
@@ -598,10 +677,11 @@ class DmuonRuntime:
                                 fqn=e.fqn,
                                 offset_in_seg=off,
                                 numel=e.numel,
-                                shape=tuple(spec.shape),
+                                shape=lshape,
                                 homes=homes,
                                 logical=logical,
                                 compute=compute,
+                                tp=tp,
                             )
                             sub.slots.append(slot)
                             seg.slots.append(slot)
@@ -625,6 +705,47 @@ class DmuonRuntime:
         self.infos = {s.fqn: s.logical._dmuon for s in self.slots_by_fqn.values()}
         self.state_dict_mesh = None  # DeviceMesh of the state-dict DTensors, built on first use
         self.replicas_stale = False  # HSDP: holders may disagree (set by to_empty & co.)
+
+    def _tp_info(self, spec, orig: torch.Tensor) -> TPInfo | None:
+        """The :class:`TPInfo` of a TP-sharded dedicated matrix (None without TP), after checking
+        that the model's parameter has the placement the plan was compiled for."""
+        if spec.tp_size == 1:
+            return None
+        g = self.groups
+        placements = tuple(getattr(orig, "placements", ()))
+        mesh = getattr(orig, "device_mesh", None)
+        ok = (
+            mesh is not None
+            and mesh.ndim == 1
+            and mesh.size() == spec.tp_size == g.tp_size
+            and len(placements) == 1
+            and type(placements[0]).__name__ == "Shard"
+            and placements[0].dim % 2 == spec.tp_shard_dim
+        )
+        if not ok:
+            raise ValueError(
+                f"dmuon: the plan says {spec.fqn!r} is sharded Shard({spec.tp_shard_dim}) over a TP mesh of "
+                f"{spec.tp_size}, but the model's parameter is "
+                + (f"a DTensor with {placements} on mesh {tuple(mesh.shape)}" if mesh is not None else "a plain tensor")
+                + "; apply parallelize_module before dedicate_params and compile the plan from that model"
+            )
+        if mesh.get_local_rank() != g.tp_rank:
+            raise ValueError(
+                f"dmuon: {spec.fqn!r} is on TP coordinate {mesh.get_local_rank()} of its mesh but dmuon's TP "
+                f"coordinate is {g.tp_rank}; all dedicated TP matrices must share one TP mesh"
+            )
+        return TPInfo(
+            mesh=mesh,
+            placements=placements,
+            shard_dim=int(spec.tp_shard_dim),
+            size=int(spec.tp_size),
+            rank=g.tp_rank,
+            group=g.tp_group,
+            ranks=g.tp_ranks,
+            method=str(spec.tp_ns),
+            shape=tuple(spec.shape),
+            local_shape=tuple(spec.local_shape),
+        )
 
     def boundary_after(self, b: "_BoundaryRuntime") -> "_BoundaryRuntime | None":
         """Forward prefetch target: the next boundary in plan (module registration) order."""
@@ -691,6 +812,8 @@ class DmuonRuntime:
                     p = slot.logical
                     if grad.dtype != p.dtype:
                         grad = grad.to(p.dtype)
+                    if slot.tp is not None:
+                        grad = slot.tp.wrap(grad)
                     if p.grad is None:
                         p.grad = grad
                     else:
@@ -771,6 +894,7 @@ class DmuonRuntime:
                 parameters of one segment ended up on different devices.
             ValueError: a parameter's dtype changed (the plan fixes dtypes; cast before planning).
         """
+        self._check_no_tp("moving or re-creating the model's storage (to_empty / to / meta-device init)")
         changed = False
         boundaries = self.boundaries if boundaries is None else boundaries
         self._settle(boundaries, "moving or re-creating the model's storage (to_empty / to)")
@@ -921,8 +1045,18 @@ class DmuonRuntime:
                     )
         C.wait_all(works, what="HSDP replica sync after materialisation", timeout_s=getattr(self, "timeout_s", None))
 
+    def _check_no_tp(self, what: str) -> None:
+        if self.tp_size > 1:
+            raise NotImplementedError(
+                f"dmuon: {what} is not supported yet for tensor-parallel dedicated matrices (plan tp_size="
+                f"{self.tp_size}); training, gradient accumulation and no_sync are. Build the model on its "
+                "device before parallelize_module, and keep TP models out of state-dict checkpoints for now "
+                "(or exclude the TP matrices from dmuon with predicate=)"
+            )
+
     def prepare_state_access(self, what: str) -> None:
         """Before reading or writing masters through the state-dict API (collective in HSDP)."""
+        self._check_no_tp(what)
         self.check_materialized(what)
         self.sync_replicas()
         self.wait_replicate_broadcasts()

@@ -88,13 +88,13 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, T, d_model) -> (B, T, d_model)."""
-        b, t, d = x.shape
-        # (B, T, d) -> (B, H, T, Dh)
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        b, t, _ = x.shape
+        # (B, T, H*Dh) -> (B, H, T, Dh); H = n_heads / TP degree under colwise tensor parallelism
+        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, d))
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):
@@ -195,3 +195,35 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     logits: (B, T, V) float; targets: (B, T) int64 -> scalar.
     """
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+#: ``parallelize_module`` plan of one :class:`Block` (Megatron-style): q/k/v and up colwise
+#: (``Shard(0)`` weights, heads split over the TP ranks), o and down rowwise (``Shard(1)``).
+TP_BLOCK_PLAN = {
+    "attn.q_proj": "colwise",
+    "attn.k_proj": "colwise",
+    "attn.v_proj": "colwise",
+    "attn.o_proj": "rowwise",
+    "mlp.up_proj": "colwise",
+    "mlp.down_proj": "rowwise",
+}
+
+
+def apply_tensor_parallel(model: GPT, tp_mesh) -> None:
+    """Tensor-parallelise every block of ``model`` over the 1-D ``tp_mesh`` in place
+    (:data:`TP_BLOCK_PLAN`; embeddings, norms and ``lm_head`` stay replicated).
+
+    Call it before ``dmuon.dedicate_params`` and ``fully_shard`` (DESIGN.md set-up order).
+
+    Raises:
+        ValueError: ``n_heads`` or ``d_mlp`` not divisible by the TP degree.
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    T = tp_mesh.size()
+    cfg = model.cfg
+    if cfg.n_heads % T or cfg.d_mlp % T:
+        raise ValueError(f"tensor parallel degree {T} must divide n_heads={cfg.n_heads} and d_mlp={cfg.d_mlp}")
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    for layer in model.layers:
+        parallelize_module(layer, tp_mesh, {k: styles[v]() for k, v in TP_BLOCK_PLAN.items()})
