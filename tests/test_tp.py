@@ -106,7 +106,35 @@ def _reference(cfg, methods, batches):
     return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _worker(dp: int, tp: int, cases):
+def _check_errors(mesh, cfg):
+    """Bad TP set-ups fail on every rank with a clear error before any dmuon collective."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    import dmuon
+    from dmuon.train.model import GPT, apply_tensor_parallel
+
+    model = GPT(cfg, seed=0)
+    apply_tensor_parallel(model, mesh["tp"])
+    q = model.layers[0].attn.q_proj
+    q.weight = torch.nn.Parameter(distribute_tensor(q.weight.full_tensor().detach(), mesh["tp"], [Replicate()]))
+    with pytest.raises(ValueError, match=r"layers\.0\.attn\.q_proj\.weight: replicated over the TP mesh"):
+        dmuon.dedicate_params(model, mesh["dp"])
+
+    model = GPT(cfg, seed=0)
+    apply_tensor_parallel(model, mesh["tp"])
+    with pytest.raises(ValueError, match=r"data-parallel mesh times the TP degree must span the world"):
+        dmuon.dedicate_params(model, None)  # None = 1-D over the whole world: wrong with TP
+
+    model = GPT(cfg, seed=0)
+    apply_tensor_parallel(model, mesh["tp"])
+    dmuon.dedicate_params(model, mesh["dp"], tp_ns="gram")
+    with pytest.raises(ValueError, match=r"ns_steps=4 but the plan of the TP-sharded matrix .* tp_ns_steps=5"):
+        dmuon.Muon(model, ns_steps=4)
+    dist.barrier()
+
+
+def _worker(dp: int, tp: int, cases, errors: bool = False):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -122,6 +150,8 @@ def _worker(dp: int, tp: int, cases):
     dp_rank = mesh["dp"].get_local_rank()
     cfg = _cfg()
     report = []
+    if errors:
+        _check_errors(mesh, cfg)
     for tp_ns, z3 in cases:
         batches = global_batches(STEPS, batch=4 * dp, seq=cfg.seq_len, vocab=cfg.vocab_size, seed=3)
         methods = _expected_methods(tp_ns)
@@ -186,6 +216,8 @@ def test_tp_dp2_tp2():
 
 @pytest.mark.timeout(200)
 def test_tp_dp1_tp2():
-    """(dp=1, tp=2), 2 processes: no data-parallel traffic, only TP Gram all-reduces / gathers."""
-    results = run_distributed(_worker, 2, 1, 2, [("gram", True), ("gather", True)], timeout_s=180)
+    """(dp=1, tp=2), 2 processes: no data-parallel traffic, only TP Gram all-reduces / gathers;
+    and the set-up errors (a replicated DTensor selected, no data-parallel mesh, ns_steps that
+    disagree with the plan's TP cost)."""
+    results = run_distributed(_worker, 2, 1, 2, [("gram", True), ("gather", True)], True, timeout_s=180)
     print(results[0])

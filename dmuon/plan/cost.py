@@ -218,11 +218,12 @@ def choose_tp_ns(spec: ParamSpec, mode: str, segments: int) -> str:
     """``"gram"`` or ``"gather"`` for a TP-sharded matrix (``spec.tp_ns`` is not read).
 
     ``mode="auto"``: the method charging fewer bytes per step (:func:`tp_rank_nbytes`), ties to
-    ``"gather"`` (no extra rounding). Gram wins when ``2·segments·d²·4 < (T-1)/T · m·n·itemsize``
-    roughly, i.e. for matrices much longer than their Gram side ``d``: with the default three
-    Gram segments (5 steps, a restart every 2) and fp32 storage about ``D > 12·d`` at ``T = 2``
-    and ``D > 7·d`` for large ``T``; sharding along the short side (e.g. a colwise ``(1024,
-    4096)`` k_proj) makes ``d`` the long side, so it gathers. ``"gram"`` / ``"gather"``: forced.
+    ``"gather"`` (no extra rounding). Per rank, Gram costs ``segments·2·(T-1)·ceil(d²/T)·4`` and
+    gathering ``(T-1)·(d·D/T)·itemsize`` (``D`` = the split side), so with fp32 storage Gram
+    wins when ``D > 2·segments·d``, whatever ``T``: ``D > 6·d`` with the default three segments
+    (5 steps, a restart every 2), ``D > 2·d`` with no restarts. Sharding along the short side
+    (e.g. a colwise ``(1024, 4096)`` k_proj) makes ``d`` the long side, so it gathers; so do
+    square matrices. ``"gram"`` / ``"gather"``: forced.
 
     Raises:
         ValueError: unknown ``mode``.

@@ -48,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mesh", default=None, metavar="N|RxN",
                    help="data-parallel mesh: N (1-D, FSDP2) or RxN (HSDP: R replicate groups of N "
                    "shards, dmuon owners over all R*N ranks); default: 1-D over the world")
+    g.add_argument("--tp", type=int, default=1, metavar="T",
+                   help="tensor-parallel degree: q/k/v/up colwise, o/down rowwise over T ranks "
+                   "(world = T x data-parallel mesh); dmuon owners per TP group, Gram NS or gather")
+    g.add_argument("--tp-ns", choices=("auto", "gram", "gather"), default="auto",
+                   help="with --tp: how owner TP groups run Newton-Schulz (auto: fewer bytes per matrix)")
     g.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads per CPU rank (0 = leave torch's default)")
 
@@ -112,7 +117,7 @@ def _validate(args: argparse.Namespace) -> None:
                 f"--{action.dest.replace('_', '-')} must be one of {sorted(action.choices)}, "
                 f"got {getattr(args, action.dest)!r}"
             )
-    for name in ("nproc", "steps", "batch", "seq_len", "eval_batches", "eval_batch", "log_every"):
+    for name in ("nproc", "tp", "steps", "batch", "seq_len", "eval_batches", "eval_batch", "log_every"):
         if getattr(args, name) <= 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be positive")
     if args.eval_every < 0 or args.warmup < 0 or not 0.0 <= args.cooldown_frac <= 1.0:
@@ -188,12 +193,17 @@ def run(args: argparse.Namespace | Mapping[str, Any]) -> dict[str, Any]:
             dist.destroy_process_group()
     from dmuon.train.loop import parse_mesh
 
-    parse_mesh(args.mesh, args.nproc)  # a bad --mesh fails here, before any process starts
-    if args.batch % args.nproc or args.eval_batch % args.nproc:
+    if args.nproc % args.tp:
+        raise SystemExit(f"--nproc {args.nproc} must be a multiple of --tp {args.tp}")
+    dp = args.nproc // args.tp
+    parse_mesh(args.mesh, dp)  # a bad --mesh fails here, before any process starts
+    if args.batch % dp or args.eval_batch % dp:
         raise SystemExit(
-            f"--batch {args.batch} and --eval-batch {args.eval_batch} must be multiples of "
-            f"--nproc {args.nproc}"
+            f"--batch {args.batch} and --eval-batch {args.eval_batch} must be multiples of the "
+            f"data-parallel size {dp} (--nproc / --tp)"
         )
+    if args.n_heads % args.tp or args.d_mlp % args.tp:
+        raise SystemExit(f"--tp {args.tp} must divide --n-heads {args.n_heads} and --d-mlp {args.d_mlp}")
     if args.device == "cuda" and args.nproc > torch.cuda.device_count():
         raise SystemExit(f"--nproc {args.nproc} > {torch.cuda.device_count()} visible GPUs")
     with tempfile.TemporaryDirectory(prefix="dmuon-train-") as tmp:

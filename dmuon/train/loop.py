@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.train.data import VOCAB_SIZE, Corpus, load_corpus
-from dmuon.train.model import GPT, GPTConfig, lm_loss
+from dmuon.train.model import GPT, GPTConfig, apply_tensor_parallel, lm_loss
 
 __all__ = ["LEDGER_PHASES", "train", "lr_factor", "model_config"]
 
@@ -40,12 +40,14 @@ LEDGER_PHASES = (
     "reduce",
     "replicate_reduce",
     "replicate_broadcast",
+    "tp",
     "other",
 )
-"""Ledger phases, in the order of the per-step byte vector. The first five are the phases of
-``plan.cost``; "other" collects any other phase the ledger reports (not part of the plan)."""
+"""Ledger phases, in the order of the per-step byte vector. The first six are the phases of
+``plan.cost`` ("tp": tensor-parallel Gram all-reduces and gathers); "other" collects any other
+phase the ledger reports (not part of the plan)."""
 
-_PLAN_PHASES = LEDGER_PHASES[:5]
+_PLAN_PHASES = LEDGER_PHASES[:6]
 
 
 def parse_mesh(text: str | None, world: int) -> tuple[int, ...]:
@@ -147,6 +149,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         raise RuntimeError("dmuon.train.loop.train needs an initialised process group")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = _device(args, rank)
+    tp = int(getattr(args, "tp", 1))
+    if world % tp:
+        raise ValueError(f"--tp {tp} does not divide the world size {world}")
+    dp_world = world // tp  # data-parallel ranks; TP ranks of one data-parallel rank see the same data
     if device.type == "cpu" and args.threads > 0:
         torch.set_num_threads(args.threads)
     is_log = rank == 0 and not args.quiet
@@ -155,10 +161,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         if is_log:
             print(msg, flush=True)
 
-    if args.batch % world or args.eval_batch % world:
+    mesh_shape = parse_mesh(args.mesh, dp_world)
+    if args.batch % dp_world or args.eval_batch % dp_world:
         raise ValueError(
             f"--batch {args.batch} and --eval-batch {args.eval_batch} must be multiples of the "
-            f"world size {world}"
+            f"data-parallel size {dp_world}"
         )
     z3 = args.mode == "z3"
     ns_name = args.ns_dtype
@@ -173,27 +180,35 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         description=desc,
     )
     unigram = corpus.unigram_val_loss
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # HSDP: FSDP2 shards over "shard", replicates over "replicate". With --tp the world mesh is
+    # (dp..., tp), row-major, so global rank = dp_rank * tp + tp_rank.
+    dp_names = ("replicate", "shard") if len(mesh_shape) == 2 else ("dp",)
+    if tp > 1:
+        world_mesh = init_device_mesh(device.type, (*mesh_shape, tp), mesh_dim_names=(*dp_names, "tp"))
+        mesh = world_mesh[dp_names]  # the data-parallel mesh, for dmuon and FSDP2
+    else:
+        mesh = init_device_mesh(device.type, mesh_shape, mesh_dim_names=dp_names)
+    dp_rank = rank // tp
     val_batches = [
         (x.to(device), y.to(device))
-        for x, y in corpus.val_batches(args.eval_batches, args.eval_batch, rank, world)
+        for x, y in corpus.val_batches(args.eval_batches, args.eval_batch, dp_rank, dp_world)
     ]
 
     # -- model, sharding, optimizer ----------------------------------------------------------
     cfg = model_config(args)
     model = GPT(cfg, seed=args.seed, device=device)
     n_params = sum(p.numel() for p in model.parameters())
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh_shape = parse_mesh(args.mesh, world)
-    if len(mesh_shape) == 2:  # HSDP: FSDP2 shards over "shard", replicates over "replicate"
-        mesh = init_device_mesh(device.type, mesh_shape, mesh_dim_names=("replicate", "shard"))
-    else:
-        mesh = init_device_mesh(device.type, mesh_shape)
+    if tp > 1:  # DESIGN.md order: TP first, then dmuon on the data-parallel mesh, then FSDP2
+        apply_tensor_parallel(model, world_mesh["tp"])
     plan = None
     if args.optimizer == "dmuon":
         import dmuon
 
-        plan = dmuon.dedicate_params(model, mesh, reshard_after_forward=z3)
+        plan = dmuon.dedicate_params(
+            model, mesh, reshard_after_forward=z3, tp_ns=getattr(args, "tp_ns", "auto")
+        )
     # Looked up after ``import dmuon`` so that whatever dmuon installs on import is in place.
     import torch.distributed.fsdp as fsdp
 
@@ -227,6 +242,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     tokens_per_step = args.batch * args.seq_len
     log(
         f"dmuon train | world {world} ({device.type}, {dist.get_backend()}) | "
+        f"mesh {'x'.join(map(str, mesh_shape))}{f' x tp {tp}' if tp > 1 else ''} | "
         f"optimizer {args.optimizer} | mode {args.mode} | ns {ns_name} | seed {args.seed}"
     )
     log(
@@ -273,7 +289,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     comm_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
 
     for step in range(1, args.steps + 1):
-        x, y = corpus.train_batch(step - 1, args.batch, rank, world)
+        x, y = corpus.train_batch(step - 1, args.batch, dp_rank, dp_world)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         if LEDGER is not None:
             LEDGER.reset()
@@ -337,6 +353,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     final_val = history_val[-1][1] if history_val else None
     metrics: dict[str, Any] = {
         "world_size": world,
+        "tp": tp,
         "device": device.type,
         "backend": dist.get_backend(),
         "optimizer": args.optimizer,

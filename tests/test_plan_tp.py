@@ -1,0 +1,162 @@
+"""Plans with tensor parallelism (issue #8): hand-computed layouts, bytes and choices; errors.
+
+Pure: TP is described with ``tp_size`` / ``tp_shard_dims`` on an unparallelised model (what
+``parallelize_module`` would produce is covered by tests/test_tp.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import dmuon
+from dmuon.plan import cost as C
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 4, hidden: int = 32):
+        super().__init__()
+        self.up = nn.Linear(d, hidden, bias=False)  # (32, 4): colwise -> Shard(0)
+        self.down = nn.Linear(hidden, d, bias=False)  # (4, 32): rowwise -> Shard(1)
+        self.sq = nn.Linear(d, d, bias=False)  # (4, 4)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([Block()])
+
+
+DIMS = {"layers.0.up.weight": 0, "layers.0.down.weight": 1}
+
+
+def _plan(**kw):
+    kw.setdefault("predicate", lambda fqn, p: fqn in DIMS)
+    return dmuon.plan.compile(Net(), 2, tp_size=2, tp_shard_dims=DIMS, **kw)
+
+
+def test_golden_tp_plan():
+    """N = 2, T = 2, fp32, align 16, Z3, 5 NS steps with a restart every 2 (3 Gram segments).
+
+    Local shards: up (16, 4), down (4, 16): 64 elements each; one per owner, so each segment is
+    64 elements + 1 flag, rounded to 80; buffer 160 elements = 640 B per TP coordinate.
+    Data-parallel phases per TP coordinate: (N-1)·640 each → ×T = 1280 B each (Z3: three of them).
+    TP: Gram side d = 4 for both (the unsplit side): 3 · 2·(2-1)·ceil(16/2)·4 = 192 B per rank
+    vs gathering (T-1)·64·4 = 256 B → "gram"; 4 ranks × 192 = 768 B.
+    Per global rank: 320 (fwd) + 320 (bwd) + 320 (reduce) + 192 (TP) = 1152.
+    """
+    plan = _plan()
+    assert plan.tp_size == 2 and plan.mesh_shape == (1, 2)
+    up, down = plan.param("layers.0.up.weight"), plan.param("layers.0.down.weight")
+    assert (up.local_shape, down.local_shape) == ((16, 4), (4, 16))
+    assert (up.tp_shard_dim, down.tp_shard_dim, up.tp_ns, down.tp_ns) == (0, 1, "gram", "gram")
+    (boundary,) = plan.boundaries
+    (buf,) = boundary.buffers
+    assert buf.numel == 160 and [s.numel for s in buf.segments] == [80, 80]
+    assert [e.shape for s in buf.segments for e in s.subsegments[0].entries] in ([(16, 4), (4, 16)], [(4, 16), (16, 4)])
+    c = plan.cost
+    assert (c.forward_broadcast_nbytes, c.backward_broadcast_nbytes, c.reduce_nbytes) == (1280, 1280, 1280)
+    assert (c.replicate_reduce_nbytes, c.replicate_broadcast_nbytes) == (0, 0)
+    assert c.tp_nbytes == 768 and c.total_nbytes == 4608
+    assert c.per_rank_nbytes == (1152, 1152, 1152, 1152)
+    stats = plan.rank_stats()
+    assert [s.rank for s in stats] == [0, 1, 2, 3]
+    # Gram NS FLOPs per TP rank, segments of 2, 2, 1 steps: Σ 4·d²·D_local + (8L-6)·d³, d=4, D_local=16
+    per_matrix = sum(4 * 16 * 16 + (8 * L - 6) * 64 for L in (2, 2, 1))
+    assert per_matrix == 4480
+    assert all(s.ns_flops == per_matrix and s.owned_numel == 64 for s in stats)
+    assert plan.baseline_cost.per_rank_nbytes.__len__() == 4
+    assert dmuon.plan.ShardingPlan.from_json(plan.to_json()) == plan
+    assert "tensor parallel: T=2" in plan.summary()
+
+
+def test_forced_methods_and_restarts():
+    gather = _plan(tp_ns="gather")
+    assert {p.tp_ns for p in gather.params} == {"gather"}
+    assert gather.cost.tp_nbytes == 4 * 256  # (T-1) · 64 elements · 4 B per rank
+    one_segment = _plan(tp_gram_restart_every=None)  # 1 Gram all-reduce: 64 B per rank
+    assert one_segment.cost.tp_nbytes == 4 * 64
+    assert one_segment.tp_segment_lengths == (5,)
+    assert _plan(tp_ns_steps=4).tp_segment_lengths == (2, 2)
+
+
+def test_auto_gathers_square_and_short_side_shards():
+    """A square matrix, or one sharded along its short side (Gram side = long side), gathers."""
+    plan = dmuon.plan.compile(
+        Net(), 2, tp_size=2, tp_shard_dims={"layers.0.sq.weight": 0, "layers.0.up.weight": 1}
+    )
+    methods = {p.fqn: p.tp_ns for p in plan.params}
+    # up (32, 4) sharded on dim 1 (its short side): Gram side d = 32: 3·2·512·4 = 12288 > 256
+    assert methods == {"layers.0.up.weight": "gather", "layers.0.down.weight": None, "layers.0.sq.weight": "gather"}
+    assert plan.param("layers.0.down.weight").local_shape == (4, 32)  # no TP: replicated, full
+
+
+def test_choose_tp_ns_threshold():
+    """Gram wins once 3·2·(T-1)·ceil(d²/T)·4 < (T-1)·(m·n/T)·4, i.e. D > 6·d (any T)."""
+    def spec(m, n, dim):
+        return dmuon.plan.ParamSpec(
+            fqn="w", shape=(m, n), dtype="torch.float32", numel=m * n, matrix_shape=(m, n), num_matrices=1,
+            aliases=("w",), module_fqn="", attr="w", tp_size=2, tp_shard_dim=dim, tp_ns="gram",
+        )
+
+    assert C.choose_tp_ns(spec(8, 48, 1), "auto", 3) == "gather"  # D = 6·d: 768 B each, tie -> gather
+    assert C.choose_tp_ns(spec(8, 56, 1), "auto", 3) == "gram"  # 768 < 896
+    assert C.choose_tp_ns(spec(56, 8, 0), "auto", 3) == "gram"
+    assert C.choose_tp_ns(spec(56, 8, 1), "auto", 3) == "gather"  # split along the short side
+    assert C.choose_tp_ns(spec(8, 56, 1), "auto", 1) == "gram" and C.choose_tp_ns(spec(8, 56, 1), "auto", 5) == "gather"
+    with pytest.raises(ValueError, match="tp_ns must be one of"):
+        C.choose_tp_ns(spec(8, 8, 0), "fast", 3)
+
+
+def test_tp_errors_name_the_parameter_and_fix():
+    with pytest.raises(ValueError, match="layers.0.up.weight.*not divisible by the TP degree 3"):
+        dmuon.plan.compile(Net(), 2, tp_size=3, tp_shard_dims={"layers.0.up.weight": 1})
+    with pytest.raises(ValueError, match="'layers.0.nope' , which is not a dedicated|which is not a dedicated"):
+        dmuon.plan.compile(Net(), 2, tp_size=2, tp_shard_dims={"layers.0.nope": 0})
+    with pytest.raises(ValueError, match="must be 0 or 1"):
+        dmuon.plan.compile(Net(), 2, tp_size=2, tp_shard_dims={"layers.0.up.weight": 2})
+    with pytest.raises(ValueError, match="tp_size must be an int"):
+        dmuon.plan.compile(Net(), 2, tp_shard_dims={"layers.0.up.weight": 0})
+    with pytest.raises(ValueError, match="tp_ns must be one of"):
+        dmuon.plan.compile(Net(), 2, tp_ns="fastest")
+    with pytest.raises(ValueError, match="tp_gram_restart_every"):
+        dmuon.plan.compile(Net(), 2, tp_gram_restart_every=0)
+
+
+def test_plans_without_tp_keep_their_json():
+    plan = dmuon.plan.compile(Net(), 2)
+    text = plan.to_json()
+    assert "tp_" not in text and plan.tp_size == 1 and plan.cost.tp_nbytes == 0
+    assert "tp_nbytes" not in plan.cost.to_dict()
+
+
+def test_snapshot_reads_dtensor_placements_by_duck_typing():
+    """The plan never imports torch.distributed: DTensor placements are read as attributes."""
+    from dmuon.plan.snapshot import _tp_placement
+
+    class Shard:
+        def __init__(self, dim):
+            self.dim = dim
+
+    class Replicate:
+        pass
+
+    class Partial:
+        def __repr__(self):
+            return "Partial(sum)"
+
+    class Mesh:
+        shape = (2,)
+
+    class Fake:
+        def __init__(self, placement, ndim=2):
+            self.placements = (placement,)
+            self.device_mesh = Mesh()
+            self.ndim = ndim
+
+    assert _tp_placement(torch.zeros(2)) == (1, None, "")
+    assert _tp_placement(Fake(Shard(-1))) == (2, 1, "")
+    assert _tp_placement(Fake(Replicate())) == (2, None, "")
+    size, dim, why = _tp_placement(Fake(Partial()))
+    assert (size, dim) == (2, None) and "Partial(sum)" in why
