@@ -193,12 +193,20 @@ def test_adamw_baseline_runs():
 @pytest.mark.parametrize("optimizer", ["adamw", "dmuon"])
 def test_world_size_invariance(optimizer):
     """The global batch does not depend on N: 1 and 2 ranks give the same losses (up to
-    reduction order; fp32 Newton-Schulz), on the embedded stdlib corpus; for dmuon also on an
-    HSDP mesh ``--mesh 2x1`` (2 replicate groups of 1 shard), whose ledger matches its plan."""
+    reduction order; fp32 Newton-Schulz), on the embedded stdlib corpus; so does ``--tp 2``
+    (one data-parallel rank, tensor parallel over 2; with this model's shapes every matrix is
+    gathered, so the standard iteration runs: 1e-5, TP's row-parallel sums reorder); for dmuon
+    also an HSDP mesh ``--mesh 2x1`` (2 replicate groups of 1 shard); ledgers match plans."""
     case = dict(SHORT, optimizer=optimizer)
     (one,) = run_distributed(_train_cases, 1, [case], timeout_s=240)[0]
-    cases = [case] + ([dict(case, mesh="2x1")] if optimizer == "dmuon" else [])
-    two, *hsdp = run_distributed(_train_cases, 2, cases, timeout_s=240)[0]
+    cases = [case, dict(case, tp=2)] + ([dict(case, mesh="2x1")] if optimizer == "dmuon" else [])
+    two, tp, *hsdp = run_distributed(_train_cases, 2, cases, timeout_s=240)[0]
+    assert tp["tp"] == 2
+    np.testing.assert_allclose([loss for _, loss in tp["history"]["train"]],
+                               [loss for _, loss in one["history"]["train"]], rtol=1e-5)
+    if optimizer == "dmuon":
+        assert tp["ledger_nbytes_per_step"] == tp["plan_total_nbytes"] > 0
+        assert tp["ledger_phase_nbytes_per_step"]["tp"] > 0
     for h in hsdp:
         assert h["ledger_nbytes_per_step"] == h["plan_total_nbytes"] > 0
         np.testing.assert_allclose([loss for _, loss in h["history"]["train"]],
