@@ -49,9 +49,10 @@ def clip_grad_norm_(model_or_params, max_norm: float, norm_type: float = 2.0) ->
         info = getattr(p, "_dmuon", None)
         if info is not None:
             if info.is_owner:
-                tp_size = info.runtime().tp_size
-                if info.tp is not None:  # the owner group's shards partition it: local norms add up
-                    owned.append(info.tp.local(p.grad))
+                tp = getattr(info, "tp", None)
+                tp_size = getattr(info.runtime(), "tp_size", 1)
+                if tp is not None:  # the owner group's shards partition it: local norms add up
+                    owned.append(tp.local(p.grad))
                 elif tp_size > 1:
                     replicated.append(p.grad)
                 else:

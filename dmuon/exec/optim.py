@@ -426,7 +426,7 @@ class Muon(torch.optim.Optimizer):
         if use_muon:
             for p in params:
                 _check_dedicated(p)
-                tp = _info(p).tp
+                tp = getattr(_info(p), "tp", None)  # None: no TP (or a test double)
                 if tp is not None and tp.method == "gram":
                     plan = _info(p).runtime().plan
                     if group["ns_steps"] != plan.tp_ns_steps:
@@ -579,8 +579,8 @@ class Muon(torch.optim.Optimizer):
             if grad.is_sparse:
                 raise RuntimeError("Muon does not support sparse gradients")
             state = self.state[p]
-            if info.tp is not None:  # TP-sharded: momentum on the local shard, NS below
-                tp = info.tp
+            tp = getattr(info, "tp", None)
+            if tp is not None:  # TP-sharded: momentum on the local shard, NS below
                 g_local = tp.local(grad)
                 buf = state.get("momentum_buffer")
                 if buf is None:
