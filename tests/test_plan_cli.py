@@ -59,3 +59,21 @@ def test_diff(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "owner(s) moved" in out and "setting mesh_shape: (1, 4) -> (1, 8)" in out
     assert main_diff([str(a), str(b), "--exit-code"]) == 1
+
+
+def test_plan_tp_megatron_preset(tmp_path, capsys):
+    """--tp T: Megatron-style shard dims on the preset; JSON keeps them; every TP matrix is
+    Shard(0) for q/k/v/gate/up and Shard(1) for o/down; --tp-ns forces the method."""
+    out_json = tmp_path / "tp.json"
+    assert main_plan(["--model", "tiny-llama", "--mesh", "2", "--tp", "2", "--tp-ns", "gram", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "tensor parallel: T=2" in out and "TP Gram all-reduce / gather" in out
+    plan = ShardingPlan.from_json(out_json.read_text())
+    assert plan.tp_size == 2 and plan.cost.tp_nbytes > 0
+    assert len(plan.cost.per_rank_nbytes) == 4
+    for spec in plan.params:
+        leaf = spec.fqn.split(".")[-2]
+        assert spec.tp_shard_dim == (1 if leaf in ("o_proj", "down_proj") else 0), spec
+        assert spec.tp_ns == "gram"
+    with pytest.raises(SystemExit):
+        main_plan(["--model", "tiny-llama", "--mesh", "2", "--tp", "0"])

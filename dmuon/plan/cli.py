@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 from .diff import diff
 from .plan import ShardingPlan, compile
-from .presets import PRESETS
+from .presets import PRESETS, megatron_tp_shard_dims
 from .selection import matrix_predicate
 
 __all__ = ["main_plan", "main_diff", "parse_mesh"]
@@ -58,10 +58,23 @@ def main_plan(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="also dedicate conv weights and 3-D expert stacks (default: 2-D only)",
     )
+    parser.add_argument(
+        "--tp", type=int, default=1, metavar="T",
+        help="tensor-parallel degree: Megatron-style colwise q/k/v/gate/up, rowwise o/down (world = mesh x T)",
+    )
+    parser.add_argument("--tp-ns", default="auto", choices=("auto", "gram", "gather"), help="TP Newton-Schulz method")
     parser.add_argument("--json", metavar="FILE", default=None, help="write the plan as JSON to FILE")
     args = parser.parse_args(argv)
+    if args.tp < 1:
+        parser.error("--tp must be >= 1")
 
     model = PRESETS[args.model]()
+    tp_kw = {}
+    if args.tp > 1:
+        pred = matrix_predicate(model) if args.all_matrices else None
+        dedicated = set(compile(model, args.mesh, predicate=pred).dedicated)
+        dims = {k: v for k, v in megatron_tp_shard_dims(model).items() if k in dedicated}
+        tp_kw = dict(tp_size=args.tp, tp_shard_dims=dims, tp_ns=args.tp_ns)
     mp = None
     if args.param_dtype or args.reduce_dtype:
         mp = SimpleNamespace(param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype)
@@ -72,6 +85,7 @@ def main_plan(argv: Sequence[str] | None = None) -> int:
         reshard_after_forward=not args.z2,
         cost_model=args.cost_model,
         mp_policy=mp,
+        **tp_kw,
     )
     print(plan.summary())
     if args.json:

@@ -31,6 +31,9 @@ __all__ = [
     "moe",
     "mixtral_8x7b",
     "tiny_moe",
+    "megatron_tp_shard_dims",
+    "TP_COLWISE",
+    "TP_ROWWISE",
 ]
 
 
@@ -401,6 +404,28 @@ def tiny_moe(device: torch.device | str = "meta", dtype: torch.dtype = torch.flo
 
 
 #: CLI name -> zero-argument builder (meta device, float32)
+#: Linear layers a Megatron-style TP plan splits by output features (``ColwiseParallel``:
+#: weight ``Shard(0)``) and by input features (``RowwiseParallel``: ``Shard(1)``).
+TP_COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv", "fc1")
+TP_ROWWISE = ("o_proj", "down_proj", "proj", "fc2")
+
+
+def megatron_tp_shard_dims(model: nn.Module) -> dict[str, int]:
+    """``{fqn: dim}`` of every 2-D ``nn.Linear`` weight a Megatron-style TP plan shards: 0 for
+    :data:`TP_COLWISE` module names, 1 for :data:`TP_ROWWISE`; for ``dmuon.plan.compile(...,
+    tp_size=T, tp_shard_dims=...)`` on a model that is not parallelised (e.g. a preset on the
+    meta device). Embeddings, heads, norms and 3-D expert stacks are left out."""
+    out: dict[str, int] = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear):
+            leaf = name.rpartition(".")[2]
+            if leaf in TP_COLWISE:
+                out[f"{name}.weight"] = 0
+            elif leaf in TP_ROWWISE:
+                out[f"{name}.weight"] = 1
+    return out
+
+
 PRESETS: dict[str, Callable[[], nn.Module]] = {
     "llama3-8b": llama3_8b,
     "llama3-70b": llama3_70b,
