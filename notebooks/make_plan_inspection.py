@@ -113,6 +113,24 @@ CELLS = [
         "print('replicate phases (bytes/step):', hsdp.cost.replicate_reduce_nbytes, hsdp.cost.replicate_broadcast_nbytes)"
     ),
     new_markdown_cell(
+        "## Tensor parallelism\n\n"
+        "`tp_size` / `tp_shard_dims` plan TP on the unparallelised meta model (Megatron-style dims from "
+        "`presets.megatron_tp_shard_dims`). Each matrix is orthogonalised by its owner's TP group, "
+        "either by Gram NS (fp32 `(d, d)` all-reduces) or by gathering it; `tp_ns='auto'` picks the "
+        "fewer bytes. The diff compares the two choices by FQN. See `docs/tensor_parallel.md`."
+    ),
+    new_code_cell(
+        "dims = P.presets.megatron_tp_shard_dims(model)\n"
+        "tp_auto = P.compile(model, 8, tp_size=8, tp_shard_dims=dims)\n"
+        "tp_gram = P.compile(model, 8, tp_size=8, tp_shard_dims=dims, tp_ns='gram')\n"
+        "for name, p in (('auto', tp_auto), ('gram', tp_gram)):\n"
+        "    flops = [r.ns_flops for r in p.rank_stats()]\n"
+        "    print(f\"{name:>5}: TP bytes/step {p.cost.tp_nbytes / 2**30:7.1f} GiB, busiest rank \"\n"
+        "          f\"{p.cost.max_rank_nbytes / 2**30:5.2f} GiB, NS per rank <= {max(flops) / 1e12:5.1f} TFLOP\")\n"
+        "print(P.diff(tp_auto, tp_gram).render(max_lines=4))\n"
+        "assert {s.tp_ns for s in tp_auto.params} == {'gather'} and tp_gram.cost.tp_nbytes > tp_auto.cost.tp_nbytes"
+    ),
+    new_markdown_cell(
         "## Round trip and fingerprint\n\nPlans serialise losslessly; ranks compare fingerprints at apply time."
     ),
     new_code_cell(

@@ -171,7 +171,7 @@ class PlanDiff:
                     parts.append(f"boundary {c.boundary_before} -> {c.boundary_after}")
                 if c.spec_changed:
                     a, b = c.spec_before, c.spec_after
-                    parts.append(f"spec {a.shape} {a.dtype} -> {b.shape} {b.dtype}")  # type: ignore[union-attr]
+                    parts.append(f"spec {_spec_str(a)} -> {_spec_str(b)}")
                 out.append(f"  ~ {c.fqn}  " + "; ".join(parts))
         if self.layouts_changed:
             names = ", ".join(self.layouts_changed[:8]) + (" ..." if len(self.layouts_changed) > 8 else "")
@@ -248,3 +248,11 @@ def diff(a: ShardingPlan, b: ShardingPlan) -> PlanDiff:
     a_bounds = {bd.fqn: bd for bd in a.boundaries}
     layouts_changed = tuple(bd.fqn for bd in b.boundaries if bd.fqn in a_bounds and a_bounds[bd.fqn] != bd)
     return PlanDiff(changes=tuple(changes), costs=costs, settings=settings, layouts_changed=layouts_changed)
+
+
+def _spec_str(spec: ParamSpec) -> str:
+    """Shape and dtype, plus the TP split and Newton-Schulz method when tensor-parallel."""
+    text = f"{spec.shape} {spec.dtype}"
+    if spec.tp_size > 1:
+        text += f" TP {spec.tp_size} Shard({spec.tp_shard_dim}) {spec.tp_ns}"
+    return text
