@@ -12,7 +12,8 @@ the standard fp32 iteration for ``"gather"`` and for matrices without TP:
 * ledger bytes of one step equal to ``plan.cost`` exactly, per global rank, TP all-reduces and
   all-gathers included;
 * one Newton-Schulz per TP-sharded matrix per owner-group rank per step;
-* ``dmuon.clip_grad_norm_``'s global norm equals the single-process gradient norm.
+* ``dmuon.clip_grad_norm_``'s global norm equals the single-process gradient norm;
+* gradient accumulation with ``dmuon.no_sync`` (2 micro-batches) gives the same step.
 """
 
 from __future__ import annotations
@@ -152,7 +153,8 @@ def _worker(dp: int, tp: int, cases, errors: bool = False):
     report = []
     if errors:
         _check_errors(mesh, cfg)
-    for tp_ns, z3 in cases:
+    for tp_ns, z3, *micro in cases:
+        gas = micro[0] if micro else 1
         batches = global_batches(STEPS, batch=4 * dp, seq=cfg.seq_len, vocab=cfg.vocab_size, seed=3)
         methods = _expected_methods(tp_ns)
         ref_losses, ref_norms, ref_state = _reference(cfg, methods, batches)
@@ -173,8 +175,18 @@ def _worker(dp: int, tp: int, cases, errors: bool = False):
         for batch in batches:
             LEDGER.reset()
             newton_schulz.reset_ns_calls()
-            loss = lm_loss(model, batch.chunk(dp)[dp_rank])
-            loss.backward()
+            local = batch.chunk(dp)[dp_rank]
+            if gas == 1:
+                loss = lm_loss(model, local)
+                loss.backward()
+            else:  # accumulate: no dmuon / FSDP2 reduce until the last micro-batch's backward
+                loss = 0.0
+                for i, part in enumerate(local.chunk(gas)):
+                    ctx = dmuon.no_sync(model) if i < gas - 1 else contextlib.nullcontext()
+                    with ctx:
+                        part_loss = lm_loss(model, part) / gas
+                        part_loss.backward()
+                    loss = loss + part_loss.detach()
             norms.append(dmuon.clip_grad_norm_(model, max_norm=1e9).item())  # 1e9: measures, never clips
             opt.step()
             opt.zero_grad()
@@ -184,8 +196,12 @@ def _worker(dp: int, tp: int, cases, errors: bool = False):
             dist.all_reduce(t)
             losses.append(t.item() / dist.get_world_size())
 
-        # every step: this rank's bytes are the plan's, and one NS per owned matrix
-        assert all(b == plan.cost.per_rank_nbytes[rank] for b in ledgers), (ledgers, plan.cost)
+        # every step: this rank's bytes are the plan's (with no_sync: the broadcasts of every
+        # micro-batch, one reduce; both data-parallel ranks own equal bytes here, so each receives
+        # total/(dp·tp) of a broadcast phase), and one NS per owned matrix
+        c = plan.cost
+        extra = (gas - 1) * (c.forward_broadcast_nbytes + c.backward_broadcast_nbytes) // (dp * tp) if dp > 1 else 0
+        assert all(b == c.per_rank_nbytes[rank] + extra for b in ledgers), (ledgers, c)
         owned = sum(plan.owner(p.fqn).rank == dp_rank for p in plan.params)
         assert ns_calls == [owned] * STEPS, (ns_calls, owned)
         loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
@@ -209,8 +225,9 @@ def _worker(dp: int, tp: int, cases, errors: bool = False):
 
 @pytest.mark.timeout(300)
 def test_tp_dp2_tp2():
-    """(dp=2, tp=2), 4 processes: Z3 with the plan's own choice (gram + gather), Z2 all-Gram."""
-    results = run_distributed(_worker, 4, 2, 2, [("auto", True), ("gram", False)], timeout_s=280)
+    """(dp=2, tp=2), 4 processes: Z3 with the plan's own choice (gram + gather), Z2 all-Gram
+    with 2 micro-batches per step under ``dmuon.no_sync``."""
+    results = run_distributed(_worker, 4, 2, 2, [("auto", True), ("gram", False, 2)], timeout_s=280)
     print(results[0])
 
 
