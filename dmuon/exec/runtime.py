@@ -231,6 +231,22 @@ class _Segment:
     reduce_dtype: torch.dtype
     param_dtype: torch.dtype
     resident: bool = True
+    # gradient reduce, built on first use (``_BoundaryRuntime._reduce_buffer``) and reused every step
+    reduce_buf: torch.Tensor | None = None  # 1-D, reduce dtype, on the segment's device
+    reduce_inflight: bool = False  # a reduce on ``reduce_buf`` is launched and not yet finished
+    owned: list = dataclasses.field(default_factory=list)  # [_Owned] sub-segments this rank owns
+
+
+@dataclasses.dataclass(eq=False)
+class _Owned:
+    """A sub-segment this rank owns: views of its segment's reduce buffer, and the persistent
+    storage its parameters' ``.grad`` live in (param dtype, never the reduce buffer itself: that
+    is zeroed and rewritten by the next backward while ``.grad`` may still accumulate)."""
+
+    sub: _SubSeg
+    values: torch.Tensor  # reduce_buf[sub.offset_in_seg : + sub.numel]
+    flags: torch.Tensor  # reduce_buf[sub.flags_offset_in_seg : + len(sub.slots)]
+    grads: torch.Tensor | None = None  # 1-D, param dtype, built when a gradient first arrives
 
 
 # ----------------------------------------------------------------------------------------------
@@ -270,6 +286,7 @@ class _BoundaryRuntime:
         self.installed = False
         self.unsharded = False
         self._inflight: list = []  # posted, not yet waited-for broadcasts (prefetch)
+        self._stream_pending = False  # CUDA: work queued on the broadcast stream, not yet waited for
         self._inflight_phase = ""
         self._checked_fsdp_policy = False
         self.index = 0  # position in the runtime's boundary order (set by the runtime)
@@ -289,31 +306,42 @@ class _BoundaryRuntime:
         if not self.unsharded:
             rt.wait_replicate_broadcasts(self)  # HSDP: the holder's value must be current
             works = []
+            stream = rt.comm_stream("broadcast")  # None off CUDA
             for seg in self.segments:
-                if seg.held:
-                    self._copy_masters_to_wire(seg)
-                else:
+                if not seg.held:  # regrown on the compute stream: the allocator keeps it stream-ordered
                     seg.wire.untyped_storage().resize_(seg.numel * seg.wire.element_size())
                     seg.resident = True
-                if rt.num_shards > 1:
-                    works.append(
-                        C.broadcast(
-                            seg.wire, src=seg.src_rank, group=rt.groups.shard_group, phase=phase, async_op=True
+            if stream is not None:  # masters written by the optimizer, storage last read by compute
+                stream.wait_stream(torch.cuda.current_stream(stream.device))
+                self._stream_pending = True
+            with _on_stream(stream):
+                for seg in self.segments:
+                    if seg.held:
+                        self._copy_masters_to_wire(seg)
+                    if rt.num_shards > 1:
+                        works.append(
+                            C.broadcast(
+                                seg.wire, src=seg.src_rank, group=rt.groups.shard_group, phase=phase, async_op=True
+                            )
                         )
-                    )
             self._inflight = works
             self._inflight_phase = phase
             self.unsharded = True
-        if wait and self._inflight:
+        if wait and (self._inflight or self._stream_pending):
             works, self._inflight = self._inflight, []
-            C.wait_all(works, what=f"boundary {self.fqn!r} {self._inflight_phase}", timeout_s=rt.timeout_s)
+            stream = rt.comm_stream("broadcast") if self._stream_pending else None
+            with _on_stream(stream):  # NCCL: the broadcast stream waits for the collectives
+                C.wait_all(works, what=f"boundary {self.fqn!r} {self._inflight_phase}", timeout_s=rt.timeout_s)
+            if stream is not None:  # the compute stream waits before the parameters are used
+                torch.cuda.current_stream(stream.device).wait_event(stream.record_event())
+                self._stream_pending = False
 
     def _reshard(self) -> None:
         """Free the storage of every segment this rank does not hold (the tensors stay valid).
 
         Storage is never freed under a collective still in flight: a prefetch is waited for first.
         """
-        if self._inflight:
+        if self._inflight or self._stream_pending:
             self._unshard(self._inflight_phase)
         for seg in self.segments:
             if not seg.held and seg.resident:
@@ -462,19 +490,57 @@ class _BoundaryRuntime:
     # -- gradient reduce -------------------------------------------------------------------
 
     def _launch_reduce(self) -> None:
+        """Pack the local gradients into each segment's persistent reduce buffer and reduce it.
+
+        The buffer is zeroed and rewritten, so a reduce still in flight on it (the same boundary
+        finishing twice before the end of the backward) is finished first. CUDA: the packing and
+        the reduce are ordered after the compute stream on the reduce stream; the local gradients
+        stay referenced until :meth:`DmuonRuntime.finish_reduces` waits for that stream.
+        """
         rt = self.runtime_ref()
         groups = rt.groups
-        for seg in self.segments:
-            buf = torch.zeros(seg.numel, dtype=seg.reduce_dtype, device=seg.wire.device)
-            for sub in seg.subs:
-                for k, slot in enumerate(sub.slots):
-                    g = slot.compute.grad
-                    if g is not None:
-                        buf[slot.offset_in_seg : slot.offset_in_seg + slot.numel].copy_(g.reshape(-1))
-                        buf[sub.flags_offset_in_seg + k] = 1
-                        slot.compute.grad = None
-            work = C.reduce_sum(buf, dst=seg.src_rank, group=groups.shard_group, phase="reduce", async_op=True)
-            rt.pending_reduces.append((self, seg, buf, work))
+        if any(seg.reduce_inflight for seg in self.segments):
+            rt.finish_reduces()
+        stream = rt.comm_stream("reduce")  # None off CUDA
+        if stream is not None:  # the gradients were produced on the compute stream
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+        with _on_stream(stream):
+            for seg in self.segments:
+                buf = self._reduce_buffer(seg)
+                buf.fill_(0)
+                keep = []
+                for sub in seg.subs:
+                    for k, slot in enumerate(sub.slots):
+                        g = slot.compute.grad
+                        if g is not None:
+                            buf[slot.offset_in_seg : slot.offset_in_seg + slot.numel].copy_(g.reshape(-1))
+                            buf[sub.flags_offset_in_seg + k] = 1
+                            if stream is not None:
+                                keep.append(g)
+                            slot.compute.grad = None
+                work = C.reduce_sum(buf, dst=seg.src_rank, group=groups.shard_group, phase="reduce", async_op=True)
+                seg.reduce_inflight = True
+                rt.pending_reduces.append((self, seg, buf, work, keep))
+
+    @staticmethod
+    def _reduce_buffer(seg: _Segment) -> torch.Tensor:
+        """The segment's reduce buffer: built once (on the segment's device, in the reduce dtype)
+        with views of the sub-segments this rank owns, rebuilt only after the segment moved."""
+        buf = seg.reduce_buf
+        if buf is None or buf.device != seg.wire.device:
+            buf = torch.empty(seg.numel, dtype=seg.reduce_dtype, device=seg.wire.device)
+            me = dist.get_rank()
+            seg.reduce_buf = buf
+            seg.owned = [
+                _Owned(
+                    sub=sub,
+                    values=buf[sub.offset_in_seg : sub.offset_in_seg + sub.numel],
+                    flags=buf[sub.flags_offset_in_seg : sub.flags_offset_in_seg + len(sub.slots)],
+                )
+                for sub in seg.subs
+                if seg.held and sub.owner_rank == me
+            ]
+        return buf
 
 
 # ----------------------------------------------------------------------------------------------
@@ -494,7 +560,10 @@ class DmuonRuntime:
         self.num_shards = groups.shape[1]
         self.world_numel = groups.shape[0] * groups.shape[1]
         self.boundaries: list[_BoundaryRuntime] = []
-        self.pending_reduces: list = []
+        self.pending_reduces: list = []  # (boundary, segment, buffer, work, local grads kept alive)
+        self._flag_host_reads = 0  # host reads of presence flags (one per finish_reduces with owned grads)
+        self.use_streams = True  # CUDA: dmuon's own broadcast / reduce streams (False: the compute stream)
+        self._streams = None  # (device, {"broadcast": Stream, "reduce": Stream}), built on first use
         self.pending_replicate: dict[int, list] = {}
         self._final_callback_queued = False
         self.requires_gradient_sync = True
@@ -626,6 +695,18 @@ class DmuonRuntime:
         self.state_dict_mesh = None  # DeviceMesh of the state-dict DTensors, built on first use
         self.replicas_stale = False  # HSDP: holders may disagree (set by to_empty & co.)
 
+    def comm_stream(self, kind: str):
+        """CUDA: dmuon's ``"broadcast"`` or ``"reduce"`` stream (high priority, as FSDP2's), ordered
+        with the compute stream by events; ``None`` off CUDA or with ``use_streams=False``."""
+        if self.device.type != "cuda" or not self.use_streams:
+            return None
+        if self._streams is None or self._streams[0] != self.device:
+            self._streams = (
+                self.device,
+                {k: torch.cuda.Stream(device=self.device, priority=-1) for k in ("broadcast", "reduce")},
+            )
+        return self._streams[1][kind]
+
     def boundary_after(self, b: "_BoundaryRuntime") -> "_BoundaryRuntime | None":
         """Forward prefetch target: the next boundary in plan (module registration) order."""
         i = b.index + 1
@@ -659,42 +740,56 @@ class DmuonRuntime:
         pending, self.pending_reduces = self.pending_reduces, []
         if not pending:
             return
-        for boundary, _, _, work in pending:
-            C.wait_all([work], what=f"boundary {boundary.fqn!r} reduce", timeout_s=self.timeout_s)
-        me = dist.get_rank()
-        g = self.groups
-        if g.shape[0] > 1:
-            works = []
-            for boundary, seg, buf, _ in pending:
-                if not seg.held:
-                    continue
-                for sub in seg.subs:
-                    part = buf[sub.offset_in_seg : sub.offset_in_seg + sub.numel]
-                    work = C.reduce_sum(
-                        part, dst=sub.owner_rank, group=g.replicate_group, phase="replicate_reduce", async_op=True
-                    )
-                    works.append((boundary, work))
-            for boundary, work in works:
-                C.wait_all([work], what=f"boundary {boundary.fqn!r} replicate_reduce", timeout_s=self.timeout_s)
-        for boundary, seg, buf, _ in pending:
-            if not seg.held:
+        stream = self.comm_stream("reduce")  # None off CUDA
+        with _on_stream(stream):  # NCCL: the reduce stream waits for the collectives
+            for boundary, _, _, work, _ in pending:
+                C.wait_all([work], what=f"boundary {boundary.fqn!r} reduce", timeout_s=self.timeout_s)
+            g = self.groups
+            if g.shape[0] > 1:
+                works = []
+                for boundary, seg, buf, _, _ in pending:
+                    if not seg.held:
+                        continue
+                    for sub in seg.subs:
+                        part = buf[sub.offset_in_seg : sub.offset_in_seg + sub.numel]
+                        work = C.reduce_sum(
+                            part, dst=sub.owner_rank, group=g.replicate_group, phase="replicate_reduce", async_op=True
+                        )
+                        works.append((boundary, work))
+                for boundary, work in works:
+                    C.wait_all([work], what=f"boundary {boundary.fqn!r} replicate_reduce", timeout_s=self.timeout_s)
+        if stream is not None:  # the compute stream reads the buffers below; the local grads are released after
+            torch.cuda.current_stream(stream.device).wait_event(stream.record_event())
+        for _, seg, _, _, _ in pending:
+            seg.reduce_inflight = False
+        owned = [o for _, seg, _, _, _ in pending for o in seg.owned]
+        if not owned:
+            return
+        # one host read of every presence flag this rank owns (a device sync on CUDA)
+        flags = (owned[0].flags if len(owned) == 1 else torch.cat([o.flags for o in owned])).tolist()
+        self._flag_host_reads += 1
+        i = 0
+        for o in owned:
+            sub = o.sub
+            sub_flags, i = flags[i : i + len(sub.slots)], i + len(sub.slots)
+            if not any(sub_flags):
                 continue
-            for sub in seg.subs:
-                if sub.owner_rank != me:
-                    continue
-                flags = buf[sub.flags_offset_in_seg : sub.flags_offset_in_seg + len(sub.slots)].tolist()
-                for slot, flag in zip(sub.slots, flags):
-                    if flag == 0:
-                        continue  # no rank had a gradient: skip, as torch.optim.Muon does
-                    grad = buf[slot.offset_in_seg : slot.offset_in_seg + slot.numel].view(slot.shape)
-                    grad = grad.div_(self.world_numel)
-                    p = slot.logical
+            o.values.div_(self.world_numel)
+            for slot, flag in zip(sub.slots, sub_flags):
+                if flag == 0:
+                    continue  # no rank had a gradient: skip, as torch.optim.Muon does
+                start = slot.offset_in_seg - sub.offset_in_seg
+                grad = o.values[start : start + slot.numel].view(slot.shape)
+                p = slot.logical
+                if p.grad is None:
+                    # persistent storage, never the reduce buffer (rewritten by the next backward)
+                    if o.grads is None or o.grads.device != p.device or o.grads.dtype != p.dtype:
+                        o.grads = torch.empty(sub.numel, dtype=p.dtype, device=p.device)
+                    p.grad = o.grads[start : start + slot.numel].view(slot.shape).copy_(grad)
+                else:
                     if grad.dtype != p.dtype:
                         grad = grad.to(p.dtype)
-                    if p.grad is None:
-                        p.grad = grad
-                    else:
-                        p.grad.add_(grad)
+                    p.grad.add_(grad)
 
     def wait_replicate_broadcasts(self, boundary=None) -> None:
         """HSDP: wait for the post-step replicate broadcasts of ``boundary`` (all when ``None``)."""
@@ -938,6 +1033,11 @@ def _fsdp_requires_gradient_sync(module) -> bool:
     """False when FSDP2's ``set_requires_gradient_sync(False)`` is in force on ``module``'s unit."""
     groups = getattr(_fsdp_state(module), "_fsdp_param_groups", None) or ()
     return all(getattr(g, "reduce_grads", True) for g in groups)
+
+
+def _on_stream(stream):
+    """``torch.cuda.stream(stream)``, or nothing for ``None`` (CPU: a single stream)."""
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
 
 
 def _in_backward() -> bool:
