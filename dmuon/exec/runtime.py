@@ -12,12 +12,15 @@ pre-forward            one async broadcast per segment ``s'`` from ``(s', r)`` i
 post-forward           restore the logical parameters; Z3 (or no-grad forward): free the
                        storage of every segment this rank does not hold
 pre-backward           Z3: broadcast again (into the same, regrown storage); install
-post-backward          pack gradients (zeros + presence flag 0 where a compute parameter has no
-                       gradient), SUM-reduce each segment to its holder in the shard group;
+post-backward          pack gradients into the segment's reduce buffer (built once, zeroed and
+                       reused every step; zeros + presence flag 0 where a compute parameter has
+                       no gradient), SUM-reduce each segment to its holder in the shard group;
                        HSDP: then SUM-reduce each sub-segment over the replicate group to its
                        owner; the owner divides by ``R·N``; free non-held storage
 end of backward        (autograd final callback) reduce boundaries not yet reduced, wait for
-                       every reduce, write the averaged gradients into the owners' ``.grad``
+                       every reduce, read all owned presence flags at once (one host sync), copy
+                       or add the averaged gradients into the owners' ``.grad`` (storage of its
+                       own, allocated once: never a view of the reduce buffer)
 optimizer step         HSDP: after the owner's update, broadcast each sub-segment from its
                        owner to its replicate peers (waited for before the next use when
                        ``replicate_async=True``)
@@ -33,6 +36,13 @@ Tensors per dedicated parameter:
   into it; it never reaches the optimizer. It has its own version counter (built with ``set_``),
   so writing the segment in place (broadcast) does not invalidate tensors saved for backward —
   the same reason FSDP2 frees and regrows storage with ``untyped_storage().resize_``.
+
+CUDA (``DmuonRuntime.use_streams``, default on): broadcasts (and the mixed-precision cast before
+them) run on a broadcast stream, gradient packing and reduces on a reduce stream, as FSDP2 orders
+its all-gathers and reduce-scatters: each waits for the compute stream when issued, the compute
+stream waits for an event on it before the parameters or the reduced gradients are used, storage
+is regrown on the compute stream and freed only after that wait, and local gradients read by the
+reduce stream stay referenced until it. Off CUDA none of this runs.
 
 Every rank issues the same collectives in the same order whatever its data: a compute parameter
 without gradient contributes zeros and a 0 flag, and an owner leaves ``.grad`` as ``None`` only
