@@ -73,3 +73,61 @@ def test_step_time_quick(tmp_path):
             assert math.isclose(a, b, rel_tol=1e-4), (name, rows[name]["losses"], ref)
 
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+GPU_CHECK = REPO_ROOT / "benchmarks" / "gpu_check.py"
+
+
+def test_gpu_check_arguments():
+    """Argument parsing of benchmarks/gpu_check.py (importable without a GPU)."""
+    import importlib.util
+
+    import pytest
+    import torch
+
+    spec = importlib.util.spec_from_file_location("gpu_check", GPU_CHECK)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    args = mod.parse_args(["--device", "cpu", "--shapes", "64x256,32x32", "--quick"])
+    assert args.shapes == [(64, 256), (32, 32)] and args.steps == 2 and args.parts == ["ns", "train"]
+    assert mod.parse_args(["--device", "cpu"]).steps == 4
+    for bad in (["--dtypes", "int8"], ["--shapes", "64by64"], ["--steps", "0"], ["--parts", "nothing"]):
+        with pytest.raises(SystemExit) as exc:
+            mod.parse_args(["--device", "cpu", *bad])
+        assert exc.value.code == 2, bad
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            mod.parse_args([])  # --device cuda is the default and needs a GPU
+
+
+def test_gpu_check_cpu_fallback(tmp_path):
+    """The CPU fallback of both parts: NS rows, and dmuon's 1-rank run against torch.optim.Muon +
+    AdamW, once through gloo and once through the identity collectives the GPU run may need."""
+    for collectives in ("gloo", "identity"):
+        out_json = tmp_path / f"gpu_check_{collectives}.json"
+        proc = subprocess.run(
+            [sys.executable, str(GPU_CHECK), "--device", "cpu", "--quick", "--collectives", collectives,
+             "--json", str(out_json)] + (["--parts", "train"] if collectives == "identity" else []),
+            cwd=REPO_ROOT, capture_output=True, text=True, timeout=240,
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        data = json.loads(out_json.read_text())
+        assert data["collectives"] == collectives
+        train = data["train"]
+        assert train["ok"] and set(train["runs"]) == {"dmuon_streams", "torch_ref"}
+        assert all(c["ok"] for c in train["checks"])
+        assert len(train["runs"]["dmuon_streams"]["losses"]) == 2
+        if collectives == "gloo":
+            kinds = {r["kind"] for r in data["ns"]}
+            assert kinds == {"newton_schulz", "batched", "gram_newton_schulz"}
+            assert all(r["tflops"] > 0 and r["peak_tflops"] > 0 for r in data["ns"])
+
+
+def test_gpu_check_fails_on_mismatch():
+    """A loss outside the tolerance (here: any, with a negative one) exits 1 and says FAIL."""
+    proc = subprocess.run(
+        [sys.executable, str(GPU_CHECK), "--device", "cpu", "--quick", "--parts", "train", "--loss-rtol", "-1"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[FAIL] losses torch_ref vs dmuon_streams" in proc.stdout

@@ -12,12 +12,16 @@ pre-forward            one async broadcast per segment ``s'`` from ``(s', r)`` i
 post-forward           restore the logical parameters; Z3 (or no-grad forward): free the
                        storage of every segment this rank does not hold
 pre-backward           Z3: broadcast again (into the same, regrown storage); install
-post-backward          pack gradients (zeros + presence flag 0 where a compute parameter has no
-                       gradient), SUM-reduce each segment to its holder in the shard group;
+post-backward          pack gradients into the segment's reduce buffer (one tensor per segment,
+                       built once; its storage regrown and zeroed here, released once the
+                       averages are out; zeros + presence flag 0 where a compute parameter has
+                       no gradient), SUM-reduce each segment to its holder in the shard group;
                        HSDP: then SUM-reduce each sub-segment over the replicate group to its
                        owner; the owner divides by ``R·N``; free non-held storage
 end of backward        (autograd final callback) reduce boundaries not yet reduced, wait for
-                       every reduce, write the averaged gradients into the owners' ``.grad``
+                       every reduce, read all owned presence flags at once (one host sync), copy
+                       or add the averaged gradients into the owners' ``.grad`` (never a view of
+                       the reduce buffer), release the reduce buffers' storage
 optimizer step         HSDP: after the owner's update, broadcast each sub-segment from its
                        owner to its replicate peers (waited for before the next use when
                        ``replicate_async=True``)
@@ -33,6 +37,13 @@ Tensors per dedicated parameter:
   into it; it never reaches the optimizer. It has its own version counter (built with ``set_``),
   so writing the segment in place (broadcast) does not invalidate tensors saved for backward —
   the same reason FSDP2 frees and regrows storage with ``untyped_storage().resize_``.
+
+CUDA (``DmuonRuntime.use_streams``, default on): broadcasts (and the mixed-precision cast before
+them) run on a broadcast stream, gradient packing and reduces on a reduce stream, as FSDP2 orders
+its all-gathers and reduce-scatters: each waits for the compute stream when issued, the compute
+stream waits for an event on it before the parameters or the reduced gradients are used, storage
+is regrown on the compute stream and freed only after that wait, and local gradients read by the
+reduce stream stay referenced until it. Off CUDA none of this runs.
 
 Every rank issues the same collectives in the same order whatever its data: a compute parameter
 without gradient contributes zeros and a 0 flag, and an owner leaves ``.grad`` as ``None`` only
@@ -305,6 +316,20 @@ class _Segment:
     reduce_dtype: torch.dtype
     param_dtype: torch.dtype
     resident: bool = True
+    # gradient reduce, built on first use (``_BoundaryRuntime._reduce_buffer``) and reused every step
+    reduce_buf: torch.Tensor | None = None  # 1-D, reduce dtype, on the segment's device
+    reduce_inflight: bool = False  # a reduce on ``reduce_buf`` is launched and not yet finished
+    owned: list = dataclasses.field(default_factory=list)  # [_Owned] sub-segments this rank owns
+
+
+@dataclasses.dataclass(eq=False)
+class _Owned:
+    """A sub-segment this rank owns: views of its segment's reduce buffer (built once, valid
+    across the buffer's storage being released and regrown)."""
+
+    sub: _SubSeg
+    values: torch.Tensor  # reduce_buf[sub.offset_in_seg : + sub.numel]
+    flags: torch.Tensor  # reduce_buf[sub.flags_offset_in_seg : + len(sub.slots)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -344,6 +369,7 @@ class _BoundaryRuntime:
         self.installed = False
         self.unsharded = False
         self._inflight: list = []  # posted, not yet waited-for broadcasts (prefetch)
+        self._stream_pending = False  # CUDA: work queued on the broadcast stream, not yet waited for
         self._inflight_phase = ""
         self._checked_fsdp_policy = False
         self.index = 0  # position in the runtime's boundary order (set by the runtime)
@@ -363,31 +389,42 @@ class _BoundaryRuntime:
         if not self.unsharded:
             rt.wait_replicate_broadcasts(self)  # HSDP: the holder's value must be current
             works = []
+            stream = rt.comm_stream("broadcast")  # None off CUDA
             for seg in self.segments:
-                if seg.held:
-                    self._copy_masters_to_wire(seg)
-                else:
+                if not seg.held:  # regrown on the compute stream: the allocator keeps it stream-ordered
                     seg.wire.untyped_storage().resize_(seg.numel * seg.wire.element_size())
                     seg.resident = True
-                if rt.num_shards > 1:
-                    works.append(
-                        C.broadcast(
-                            seg.wire, src=seg.src_rank, group=rt.groups.shard_group, phase=phase, async_op=True
+            if stream is not None:  # masters written by the optimizer, storage last read by compute
+                stream.wait_stream(torch.cuda.current_stream(stream.device))
+                self._stream_pending = True
+            with _on_stream(stream):
+                for seg in self.segments:
+                    if seg.held:
+                        self._copy_masters_to_wire(seg)
+                    if rt.num_shards > 1:
+                        works.append(
+                            C.broadcast(
+                                seg.wire, src=seg.src_rank, group=rt.groups.shard_group, phase=phase, async_op=True
+                            )
                         )
-                    )
             self._inflight = works
             self._inflight_phase = phase
             self.unsharded = True
-        if wait and self._inflight:
+        if wait and (self._inflight or self._stream_pending):
             works, self._inflight = self._inflight, []
-            C.wait_all(works, what=f"boundary {self.fqn!r} {self._inflight_phase}", timeout_s=rt.timeout_s)
+            stream = rt.comm_stream("broadcast") if self._stream_pending else None
+            with _on_stream(stream):  # NCCL: the broadcast stream waits for the collectives
+                C.wait_all(works, what=f"boundary {self.fqn!r} {self._inflight_phase}", timeout_s=rt.timeout_s)
+            if stream is not None:  # the compute stream waits before the parameters are used
+                torch.cuda.current_stream(stream.device).wait_event(stream.record_event())
+                self._stream_pending = False
 
     def _reshard(self) -> None:
         """Free the storage of every segment this rank does not hold (the tensors stay valid).
 
         Storage is never freed under a collective still in flight: a prefetch is waited for first.
         """
-        if self._inflight:
+        if self._inflight or self._stream_pending:
             self._unshard(self._inflight_phase)
         for seg in self.segments:
             if not seg.held and seg.resident:
@@ -536,21 +573,66 @@ class _BoundaryRuntime:
     # -- gradient reduce -------------------------------------------------------------------
 
     def _launch_reduce(self) -> None:
+        """Pack the local gradients into each segment's reduce buffer and reduce it.
+
+        The buffer tensor is reused (storage regrown, zeroed, rewritten), so a reduce still in flight on it (the same boundary
+        finishing twice before the end of the backward) is finished first. CUDA: the packing and
+        the reduce are ordered after the compute stream on the reduce stream; the local gradients
+        stay referenced until :meth:`DmuonRuntime.finish_reduces` waits for that stream.
+        """
         rt = self.runtime_ref()
         groups = rt.groups
-        for seg in self.segments:
-            buf = torch.zeros(seg.numel, dtype=seg.reduce_dtype, device=seg.wire.device)
-            for sub in seg.subs:
-                for k, slot in enumerate(sub.slots):
-                    g = slot.compute.grad
-                    if g is not None:
-                        if slot.tp is not None:
-                            g = slot.tp.local(g)
-                        buf[slot.offset_in_seg : slot.offset_in_seg + slot.numel].copy_(g.reshape(-1))
-                        buf[sub.flags_offset_in_seg + k] = 1
-                        slot.compute.grad = None
-            work = C.reduce_sum(buf, dst=seg.src_rank, group=groups.shard_group, phase="reduce", async_op=True)
-            rt.pending_reduces.append((self, seg, buf, work))
+        if any(seg.reduce_inflight for seg in self.segments):
+            rt.finish_reduces()
+        stream = rt.comm_stream("reduce")  # None off CUDA
+        # (re)grow the buffers on the compute stream, as FSDP2 allocates its reduce-scatter input
+        bufs = [self._reduce_buffer(seg) for seg in self.segments]
+        if stream is not None:  # the gradients were produced on the compute stream
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+        with _on_stream(stream):
+            for seg, buf in zip(self.segments, bufs):
+                buf.fill_(0)
+                keep = []
+                for sub in seg.subs:
+                    for k, slot in enumerate(sub.slots):
+                        g = slot.compute.grad
+                        if g is not None:
+                            if slot.tp is not None:
+                                g = slot.tp.local(g)
+                            buf[slot.offset_in_seg : slot.offset_in_seg + slot.numel].copy_(g.reshape(-1))
+                            buf[sub.flags_offset_in_seg + k] = 1
+                            if stream is not None:
+                                keep.append(g)
+                            slot.compute.grad = None
+                work = C.reduce_sum(buf, dst=seg.src_rank, group=groups.shard_group, phase="reduce", async_op=True)
+                seg.reduce_inflight = True
+                rt.pending_reduces.append((self, seg, buf, work, keep))
+
+    @staticmethod
+    def _reduce_buffer(seg: _Segment) -> torch.Tensor:
+        """The segment's reduce buffer, with its storage grown: the tensor (and the views of the
+        sub-segments this rank owns) is built once, on the segment's device in the reduce dtype,
+        and rebuilt only after the segment moved; its storage is released again by
+        :meth:`DmuonRuntime.finish_reduces` once the averages are out, as the broadcast buffers'
+        storage is after the boundary's use, so no rank keeps gradient-sized memory between
+        backwards."""
+        buf = seg.reduce_buf
+        if buf is None or buf.device != seg.wire.device:
+            buf = torch.empty(seg.numel, dtype=seg.reduce_dtype, device=seg.wire.device)
+            me = dist.get_rank()
+            seg.reduce_buf = buf
+            seg.owned = [
+                _Owned(
+                    sub=sub,
+                    values=buf[sub.offset_in_seg : sub.offset_in_seg + sub.numel],
+                    flags=buf[sub.flags_offset_in_seg : sub.flags_offset_in_seg + len(sub.slots)],
+                )
+                for sub in seg.subs
+                if seg.held and sub.owner_rank == me
+            ]
+        else:
+            buf.untyped_storage().resize_(seg.numel * buf.element_size())
+        return buf
 
 
 # ----------------------------------------------------------------------------------------------
@@ -571,7 +653,10 @@ class DmuonRuntime:
         self.world_numel = groups.shape[0] * groups.shape[1]
         self.tp_size = groups.tp_size
         self.boundaries: list[_BoundaryRuntime] = []
-        self.pending_reduces: list = []
+        self.pending_reduces: list = []  # (boundary, segment, buffer, work, local grads kept alive)
+        self._flag_host_reads = 0  # host reads of presence flags (one per finish_reduces with owned grads)
+        self.use_streams = True  # CUDA: dmuon's own broadcast / reduce streams (False: the compute stream)
+        self._streams = None  # (device, {"broadcast": Stream, "reduce": Stream}), built on first use
         self.pending_replicate: dict[int, list] = {}
         self._final_callback_queued = False
         self.requires_gradient_sync = True
@@ -747,6 +832,18 @@ class DmuonRuntime:
             local_shape=tuple(spec.local_shape),
         )
 
+    def comm_stream(self, kind: str):
+        """CUDA: dmuon's ``"broadcast"`` or ``"reduce"`` stream (high priority, as FSDP2's), ordered
+        with the compute stream by events; ``None`` off CUDA or with ``use_streams=False``."""
+        if self.device.type != "cuda" or not self.use_streams:
+            return None
+        if self._streams is None or self._streams[0] != self.device:
+            self._streams = (
+                self.device,
+                {k: torch.cuda.Stream(device=self.device, priority=-1) for k in ("broadcast", "reduce")},
+            )
+        return self._streams[1][kind]
+
     def boundary_after(self, b: "_BoundaryRuntime") -> "_BoundaryRuntime | None":
         """Forward prefetch target: the next boundary in plan (module registration) order."""
         i = b.index + 1
@@ -780,44 +877,60 @@ class DmuonRuntime:
         pending, self.pending_reduces = self.pending_reduces, []
         if not pending:
             return
-        for boundary, _, _, work in pending:
-            C.wait_all([work], what=f"boundary {boundary.fqn!r} reduce", timeout_s=self.timeout_s)
-        me = dist.get_rank()
-        g = self.groups
-        if g.shape[0] > 1:
-            works = []
-            for boundary, seg, buf, _ in pending:
-                if not seg.held:
-                    continue
-                for sub in seg.subs:
-                    part = buf[sub.offset_in_seg : sub.offset_in_seg + sub.numel]
-                    work = C.reduce_sum(
-                        part, dst=sub.owner_rank, group=g.replicate_group, phase="replicate_reduce", async_op=True
-                    )
-                    works.append((boundary, work))
-            for boundary, work in works:
-                C.wait_all([work], what=f"boundary {boundary.fqn!r} replicate_reduce", timeout_s=self.timeout_s)
-        for boundary, seg, buf, _ in pending:
-            if not seg.held:
+        stream = self.comm_stream("reduce")  # None off CUDA
+        with _on_stream(stream):  # NCCL: the reduce stream waits for the collectives
+            for boundary, _, _, work, _ in pending:
+                C.wait_all([work], what=f"boundary {boundary.fqn!r} reduce", timeout_s=self.timeout_s)
+            g = self.groups
+            if g.shape[0] > 1:
+                works = []
+                for boundary, seg, buf, _, _ in pending:
+                    if not seg.held:
+                        continue
+                    for sub in seg.subs:
+                        part = buf[sub.offset_in_seg : sub.offset_in_seg + sub.numel]
+                        work = C.reduce_sum(
+                            part, dst=sub.owner_rank, group=g.replicate_group, phase="replicate_reduce", async_op=True
+                        )
+                        works.append((boundary, work))
+                for boundary, work in works:
+                    C.wait_all([work], what=f"boundary {boundary.fqn!r} replicate_reduce", timeout_s=self.timeout_s)
+        if stream is not None:  # the compute stream reads the buffers below; the local grads are released after
+            torch.cuda.current_stream(stream.device).wait_event(stream.record_event())
+        for _, seg, _, _, _ in pending:
+            seg.reduce_inflight = False
+        owned = [o for _, seg, _, _, _ in pending for o in seg.owned]
+        if owned:
+            self._write_owner_grads(owned)
+        for _, seg, buf, _, _ in pending:  # averages copied out: release until the next backward
+            buf.untyped_storage().resize_(0)
+
+    def _write_owner_grads(self, owned: list) -> None:
+        """Average the owned sub-segments of finished reduces into their parameters' ``.grad``."""
+        # one host read of every presence flag this rank owns (a device sync on CUDA)
+        flags = (owned[0].flags if len(owned) == 1 else torch.cat([o.flags for o in owned])).tolist()
+        self._flag_host_reads += 1
+        i = 0
+        for o in owned:
+            sub = o.sub
+            sub_flags, i = flags[i : i + len(sub.slots)], i + len(sub.slots)
+            if not any(sub_flags):
                 continue
-            for sub in seg.subs:
-                if sub.owner_rank != me:
-                    continue
-                flags = buf[sub.flags_offset_in_seg : sub.flags_offset_in_seg + len(sub.slots)].tolist()
-                for slot, flag in zip(sub.slots, flags):
-                    if flag == 0:
-                        continue  # no rank had a gradient: skip, as torch.optim.Muon does
-                    grad = buf[slot.offset_in_seg : slot.offset_in_seg + slot.numel].view(slot.shape)
-                    grad = grad.div_(self.world_numel)
-                    p = slot.logical
-                    if grad.dtype != p.dtype:
-                        grad = grad.to(p.dtype)
-                    if slot.tp is not None:
-                        grad = slot.tp.wrap(grad)
-                    if p.grad is None:
-                        p.grad = grad
-                    else:
-                        p.grad.add_(grad)
+            o.values.div_(self.world_numel)
+            for slot, flag in zip(sub.slots, sub_flags):
+                if flag == 0:
+                    continue  # no rank had a gradient: skip, as torch.optim.Muon does
+                start = slot.offset_in_seg - sub.offset_in_seg
+                grad = o.values[start : start + slot.numel].view(slot.shape)
+                p = slot.logical
+                # a copy, never a view of the reduce buffer (released below, rewritten next backward)
+                grad = grad.to(p.dtype, copy=True) if p.grad is None else grad.to(p.dtype)
+                if slot.tp is not None:
+                    grad = slot.tp.wrap(grad)
+                if p.grad is None:
+                    p.grad = grad
+                else:
+                    p.grad.add_(grad)
 
     def wait_replicate_broadcasts(self, boundary=None) -> None:
         """HSDP: wait for the post-step replicate broadcasts of ``boundary`` (all when ``None``)."""
@@ -1072,6 +1185,11 @@ def _fsdp_requires_gradient_sync(module) -> bool:
     """False when FSDP2's ``set_requires_gradient_sync(False)`` is in force on ``module``'s unit."""
     groups = getattr(_fsdp_state(module), "_fsdp_param_groups", None) or ()
     return all(getattr(g, "reduce_grads", True) for g in groups)
+
+
+def _on_stream(stream):
+    """``torch.cuda.stream(stream)``, or nothing for ``None`` (CPU: a single stream)."""
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
 
 
 def _in_backward() -> bool:
