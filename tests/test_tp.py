@@ -8,7 +8,8 @@ the standard fp32 iteration for ``"gather"`` and for matrices without TP:
 
 * the plan's per-matrix choice (hand-derived below) and its ``tp_nbytes``;
 * losses within 1e-5 relative and full parameters within 1e-4 of each tensor's largest
-  magnitude (measured: see TOLERANCES);
+  magnitude with fp32 NS (measured: up to 7e-8 and 4.0e-6); with bf16 NS (one case) 2e-3 and
+  5e-2, the contract's bf16 bounds;
 * ledger bytes of one step equal to ``plan.cost`` exactly, per global rank, TP all-reduces and
   all-gathers included;
 * one Newton-Schulz per TP-sharded matrix per owner-group rank per step;
@@ -30,6 +31,10 @@ STEPS = 3
 # Measured worst deviations over these cases (fp32 NS): see the module docstring; bounds with margin.
 LOSS_RTOL = 1e-5
 PARAM_TOL = 1e-4
+# bf16 iteration (dmuon.Muon's default ns_dtype; Gram still all-reduced in fp32) against the same
+# reference in bf16: reduction-order noise amplified as in DESIGN.md's contract.
+BF16_LOSS_RTOL = 2e-3
+BF16_PARAM_TOL = 5e-2
 
 
 def _cfg():
@@ -53,7 +58,7 @@ def _expected_methods(tp_ns: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def _reference_ns(methods_by_shape):
+def _reference_ns(methods_by_shape, dtype):
     """torch.optim.Muon's NS patched: fp32, and Gram NS for the shapes the plan runs as Gram."""
     import torch.optim._muon as m
 
@@ -64,9 +69,9 @@ def _reference_ns(methods_by_shape):
     def patched(grad, ns_coefficients, ns_steps, eps):
         if methods_by_shape.get(tuple(grad.shape)) == "gram":
             return ns.gram_newton_schulz(
-                grad, coefficients=ns_coefficients, steps=ns_steps, eps=eps, dtype=torch.float32, fallback=False
+                grad, coefficients=ns_coefficients, steps=ns_steps, eps=eps, dtype=dtype, fallback=False
             )
-        return ns.newton_schulz(grad, coefficients=ns_coefficients, steps=ns_steps, eps=eps, dtype=torch.float32)
+        return ns.newton_schulz(grad, coefficients=ns_coefficients, steps=ns_steps, eps=eps, dtype=dtype)
 
     m._zeropower_via_newtonschulz = patched
     try:
@@ -75,7 +80,7 @@ def _reference_ns(methods_by_shape):
         m._zeropower_via_newtonschulz = orig
 
 
-def _reference(cfg, methods, batches):
+def _reference(cfg, methods, batches, ns_dtype=torch.float32):
     from dmuon.train.model import GPT
 
     model = GPT(cfg, seed=0)
@@ -94,7 +99,7 @@ def _reference(cfg, methods, batches):
         weight_decay=HP["adamw_weight_decay"],
     )
     losses, norms = [], []
-    with _reference_ns(shapes):
+    with _reference_ns(shapes, ns_dtype):
         for batch in batches:
             loss = lm_loss(model, batch)
             loss.backward()
@@ -153,11 +158,13 @@ def _worker(dp: int, tp: int, cases, errors: bool = False):
     report = []
     if errors:
         _check_errors(mesh, cfg)
-    for tp_ns, z3, *micro in cases:
-        gas = micro[0] if micro else 1
+    for tp_ns, z3, *extra in cases:
+        gas = extra[0] if extra else 1
+        ns_dtype = extra[1] if len(extra) > 1 else torch.float32
+        loss_tol, param_tol = (LOSS_RTOL, PARAM_TOL) if ns_dtype == torch.float32 else (BF16_LOSS_RTOL, BF16_PARAM_TOL)
         batches = global_batches(STEPS, batch=4 * dp, seq=cfg.seq_len, vocab=cfg.vocab_size, seed=3)
         methods = _expected_methods(tp_ns)
-        ref_losses, ref_norms, ref_state = _reference(cfg, methods, batches)
+        ref_losses, ref_norms, ref_state = _reference(cfg, methods, batches, ns_dtype)
 
         model = GPT(cfg, seed=0)
         apply_tensor_parallel(model, mesh["tp"])
@@ -169,7 +176,7 @@ def _worker(dp: int, tp: int, cases, errors: bool = False):
         fully_shard(model, mesh=mesh["dp"], reshard_after_forward=z3)
         opt = dmuon.Muon(
             model, lr=HP["lr"], weight_decay=HP["weight_decay"], momentum=HP["momentum"], nesterov=HP["nesterov"],
-            adamw_lr=HP["adamw_lr"], adamw_weight_decay=HP["adamw_weight_decay"], ns_dtype=torch.float32,
+            adamw_lr=HP["adamw_lr"], adamw_weight_decay=HP["adamw_weight_decay"], ns_dtype=ns_dtype,
         )
         losses, ledgers, ns_calls, norms = [], [], [], []
         for batch in batches:
@@ -205,9 +212,9 @@ def _worker(dp: int, tp: int, cases, errors: bool = False):
         owned = sum(plan.owner(p.fqn).rank == dp_rank for p in plan.params)
         assert ns_calls == [owned] * STEPS, (ns_calls, owned)
         loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-        assert loss_err < LOSS_RTOL, (losses, ref_losses)
+        assert loss_err < loss_tol, (losses, ref_losses)
         norm_err = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
-        assert norm_err < LOSS_RTOL, (norms, ref_norms)
+        assert norm_err < loss_tol, (norms, ref_norms)
 
         param_err = 0.0
         for name, p in model.named_parameters():
@@ -218,8 +225,8 @@ def _worker(dp: int, tp: int, cases, errors: bool = False):
             ref = ref_state[name]
             err = ((full - ref).abs().max() / ref.abs().max()).item()
             param_err = max(param_err, err)
-        assert param_err < PARAM_TOL, param_err
-        report.append((tp_ns, z3, loss_err, param_err, plan.cost.tp_nbytes))
+        assert param_err < param_tol, param_err
+        report.append((tp_ns, z3, str(ns_dtype), loss_err, param_err, plan.cost.tp_nbytes))
     return report
 
 
@@ -234,7 +241,8 @@ def test_tp_dp2_tp2():
 @pytest.mark.timeout(200)
 def test_tp_dp1_tp2():
     """(dp=1, tp=2), 2 processes: no data-parallel traffic, only TP Gram all-reduces / gathers;
-    and the set-up errors (a replicated DTensor selected, no data-parallel mesh, ns_steps that
+    all-Gram with the default bf16 iteration; and the set-up errors (a replicated DTensor selected, no data-parallel mesh, ns_steps that
     disagree with the plan's TP cost)."""
-    results = run_distributed(_worker, 2, 1, 2, [("gram", True), ("gather", True)], True, timeout_s=180)
+    cases = [("gram", True), ("gather", True), ("gram", True, 1, torch.bfloat16)]
+    results = run_distributed(_worker, 2, 1, 2, cases, True, timeout_s=180)
     print(results[0])
