@@ -47,7 +47,7 @@ def _cfg():
     return GPTConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=4, d_mlp=256, seq_len=8)
 
 
-def _expected_methods(tp_ns: str) -> dict[str, str]:
+def _expected_methods(tp_ns: str, parallel: str = "all") -> dict[str, str | None]:
     """Hand-derived choice at T = 2, 3 Gram segments (5 steps, restart every 2), fp32:
     gram bytes per TP rank = 3 · 2·(2-1)·ceil(d²/2)·4 = 12·d²; gather = (T-1)·(m·n/2)·4 = 2·m·n.
     q/k/v (16x16, Shard(0)): d = 16 → 3072 vs 512 → gather; o (16x16, Shard(1)): gather.
@@ -56,7 +56,8 @@ def _expected_methods(tp_ns: str) -> dict[str, str]:
     for i in range(2):
         for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp.up_proj", "mlp.down_proj"):
             auto = "gram" if name.startswith("mlp") else "gather"
-            out[f"layers.{i}.{name}.weight"] = auto if tp_ns == "auto" else tp_ns
+            tp = parallel == "all" or (parallel == "mlp" and name.startswith("mlp"))
+            out[f"layers.{i}.{name}.weight"] = (auto if tp_ns == "auto" else tp_ns) if tp else None
     return out
 
 
@@ -164,15 +165,24 @@ def _worker(dp: int, tp: int, cases, errors: bool = False):
     for tp_ns, z3, *extra in cases:
         gas = extra[0] if extra else 1
         ns_dtype = extra[1] if len(extra) > 1 else torch.float32
+        parallel = extra[2] if len(extra) > 2 else "all"  # which blocks' linears TP splits
         loss_tol, param_tol = (LOSS_RTOL, PARAM_TOL) if ns_dtype == torch.float32 else (BF16_LOSS_RTOL, BF16_PARAM_TOL)
         batches = global_batches(STEPS, batch=4 * dp, seq=cfg.seq_len, vocab=cfg.vocab_size, seed=3)
-        methods = _expected_methods(tp_ns)
+        methods = _expected_methods(tp_ns, parallel)
         ref_losses, ref_norms, ref_state = _reference(cfg, methods, batches, ns_dtype)
 
         model = GPT(cfg, seed=0)
-        apply_tensor_parallel(model, mesh["tp"])
+        if parallel == "all":
+            apply_tensor_parallel(model, mesh["tp"])
+        elif parallel == "mlp":  # attention stays plain: every TP coordinate's owner runs it whole
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            for layer in model.layers:
+                parallelize_module(layer, mesh["tp"], {"mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()})
+        # parallel == "none": no TP at all; mesh["dp"] is a sub-mesh of the world, and each TP
+        # coordinate is an independent data-parallel job on the same data
         plan = dmuon.dedicate_params(model, mesh["dp"], reshard_after_forward=z3, tp_ns=tp_ns)
-        assert plan.tp_size == tp and plan.mesh_shape == (1, dp)
+        assert plan.tp_size == (1 if parallel == "none" else tp) and plan.mesh_shape == (1, dp)
         assert {p.fqn: p.tp_ns for p in plan.params} == methods
         for layer in model.layers:
             fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=z3)
@@ -211,7 +221,8 @@ def _worker(dp: int, tp: int, cases, errors: bool = False):
         # total/(dp·tp) of a broadcast phase), and one NS per owned matrix
         c = plan.cost
         extra = (gas - 1) * (c.forward_broadcast_nbytes + c.backward_broadcast_nbytes) // (dp * tp) if dp > 1 else 0
-        assert all(b == c.per_rank_nbytes[rank] + extra for b in ledgers), (ledgers, c)
+        plan_rank = rank if plan.tp_size > 1 else dp_rank
+        assert all(b == c.per_rank_nbytes[plan_rank] + extra for b in ledgers), (ledgers, c)
         owned = sum(plan.owner(p.fqn).rank == dp_rank for p in plan.params)
         assert ns_calls == [owned] * STEPS, (ns_calls, owned)
         loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
@@ -236,8 +247,11 @@ def _worker(dp: int, tp: int, cases, errors: bool = False):
 @pytest.mark.timeout(300)
 def test_tp_dp2_tp2():
     """(dp=2, tp=2), 4 processes: Z3 with the plan's own choice (gram + gather), Z2 all-Gram
-    with 2 micro-batches per step under ``dmuon.no_sync``."""
-    results = run_distributed(_worker, 4, 2, 2, [("auto", True), ("gram", False, 2)], timeout_s=280)
+    with 2 micro-batches per step under ``dmuon.no_sync``; TP on the MLPs only (attention
+    matrices dedicated whole, one owner per TP coordinate); and no TP at all with dmuon on
+    ``mesh["dp"]``, a sub-mesh of the world (two independent data-parallel jobs)."""
+    cases = [("auto", True), ("gram", False, 2), ("auto", True, 1, torch.float32, "mlp"), ("auto", False, 1, torch.float32, "none")]
+    results = run_distributed(_worker, 4, 2, 2, cases, timeout_s=280)
     print(results[0])
 
 

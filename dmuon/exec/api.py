@@ -91,6 +91,18 @@ def _check_tp(plan, model: nn.Module, table):
     return tp_mesh
 
 
+def _peer_tables(table):
+    """The distinct data-parallel rank tables of all ranks (one ``all_gather_object``), in the
+    order of their smallest rank; they must not overlap."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, table)
+    tables = sorted({tuple(tuple(int(x) for x in row) for row in t) for t in everyone}, key=lambda t: min(min(r) for r in t))
+    flat = [x for t in tables for row in t for x in row]
+    if len(set(flat)) != len(flat):
+        raise ValueError(f"dmuon: the ranks passed overlapping data-parallel meshes {tables}")
+    return tuple(tables)
+
+
 def _tp_tables(tp_mesh, table):
     """Every TP coordinate's data-parallel rank table (one ``all_gather_object``)."""
     mine = (int(tp_mesh.get_local_rank()), table)
@@ -176,8 +188,14 @@ def apply(
     _validate(plan, model, table)
     tp_mesh = _check_tp(plan, model, table)
     _check_same_plan_everywhere(plan)
-    tp_tables = _tp_tables(tp_mesh, table) if tp_mesh is not None else None
-    groups = MeshGroups.build(table, tp_tables=tp_tables)
+    if tp_mesh is not None:
+        groups = MeshGroups.build(table, tp_tables=_tp_tables(tp_mesh, table))
+    elif sum(len(row) for row in table) < dist.get_world_size():
+        # a data-parallel sub-mesh (e.g. mesh["dp"] of a larger world): every rank must create
+        # every rank's groups, so learn the other sub-meshes' tables first
+        groups = MeshGroups.build(table, peer_tables=_peer_tables(table))
+    else:
+        groups = MeshGroups.build(table)
     runtime = DmuonRuntime(plan, model, groups, _device_of(model, plan))
     runtime.timeout_s = collective_timeout_s
     object.__setattr__(model, _RUNTIME_ATTR, runtime)

@@ -43,10 +43,13 @@ def clip_grad_norm_(model_or_params, max_norm: float, norm_type: float = 2.0) ->
     owned, dtensors, plain = [], [], []
     replicated = []  # with TP: owned matrices without TP, held by an owner in every TP coordinate
     tp_size = 1
+    job_group = None  # dmuon's group over this job's ranks (None: the world)
     for p in params:
+        info = getattr(p, "_dmuon", None)
+        if info is not None and job_group is None:
+            job_group = getattr(getattr(info.runtime(), "groups", None), "job_group", None)
         if p.grad is None:
             continue
-        info = getattr(p, "_dmuon", None)
         if info is not None:
             if info.is_owner:
                 tp = getattr(info, "tp", None)
@@ -76,7 +79,7 @@ def clip_grad_norm_(model_or_params, max_norm: float, norm_type: float = 2.0) ->
         rep = local(replicated)
         owned_part = torch.maximum(owned_part, rep) if inf else owned_part + rep / tp_size
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(owned_part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+        dist.all_reduce(owned_part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=job_group)
     parts = [owned_part, local(plain).to(owned_part.device)]
     if dtensors:
         n = torch.nn.utils.get_total_norm(dtensors, norm_type)

@@ -145,6 +145,7 @@ class MeshGroups:
     tp_rank: int = 0
     tp_group: Any = None  # ProcessGroup over tp_ranks, None when T == 1
     tp_ranks: tuple[int, ...] = ()
+    job_group: Any = None  # ProcessGroup over every rank of this job (dp x tp), None = the world
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -155,17 +156,22 @@ class MeshGroups:
 
     @staticmethod
     def build(
-        ranks: tuple[tuple[int, ...], ...], *, tp_tables: tuple[tuple[tuple[int, ...], ...], ...] | None = None
+        ranks: tuple[tuple[int, ...], ...],
+        *,
+        tp_tables: tuple[tuple[tuple[int, ...], ...], ...] | None = None,
+        peer_tables: tuple[tuple[tuple[int, ...], ...], ...] | None = None,
     ) -> "MeshGroups":
         """Create the groups for the rank table ``ranks[replicate][shard]`` (see
         :func:`mesh_rank_table`); a collective call on every rank of the world, in a fixed order.
 
         ``tp_tables[t]``: the data-parallel table of TP coordinate ``t`` (all ``T`` of them, the
         same on every rank; ``ranks`` is one of them): groups are created for every table, then
-        one TP group per data-parallel coordinate.
+        one TP group per data-parallel coordinate. ``peer_tables``: without TP, the tables of
+        every independent data-parallel sub-mesh of the world (``ranks`` among them): groups are
+        created for all of them, no TP groups.
         """
         me = dist.get_rank()
-        tables = tuple(tp_tables) if tp_tables is not None else (ranks,)
+        tables = tuple(tp_tables or peer_tables or (ranks,))
         found = [(t, r, s) for t, tab in enumerate(tables) for r, row in enumerate(tab) for s, x in enumerate(row) if x == me]
         if len(found) != 1:
             raise ValueError(f"dmuon: rank {me} appears {len(found)} times in mesh {tables}")
@@ -182,7 +188,7 @@ class MeshGroups:
                     g = dist.new_group(ranks=[tab[r][s] for r in range(R)])
                     if (t, s) == (my_t, my_s):
                         replicate_group = g
-        T = len(tables)
+        T = len(tables) if tp_tables is not None else 1
         tp_ranks: tuple[int, ...] = ()
         if T > 1:
             for r in range(R):
@@ -191,6 +197,14 @@ class MeshGroups:
                     g = dist.new_group(ranks=members)
                     if (r, s) == (my_r, my_s):
                         tp_group, tp_ranks = g, tuple(members)
+        # the ranks of one job (global reductions such as clip_grad_norm_): all tables with TP,
+        # each table on its own for independent sub-meshes; None when that is the whole world
+        job_group = None
+        if peer_tables is not None and tp_tables is None:
+            for t, tab in enumerate(tables):
+                g = dist.new_group(ranks=sorted(x for row in tab for x in row))
+                if t == my_t:
+                    job_group = g
         return MeshGroups(
             mesh_ranks=tables[my_t],
             replicate=my_r,
@@ -198,9 +212,10 @@ class MeshGroups:
             shard_group=shard_group,
             replicate_group=replicate_group,
             tp_size=T,
-            tp_rank=my_t,
+            tp_rank=my_t if T > 1 else 0,
             tp_group=tp_group,
             tp_ranks=tp_ranks,
+            job_group=job_group,
         )
 
 
