@@ -175,10 +175,14 @@ def _worker(dp: int, tp: int, cases, errors: bool = False):
         if parallel == "all":
             apply_tensor_parallel(model, mesh["tp"])
         elif parallel == "mlp":  # attention stays plain: every TP coordinate's owner runs it whole
+            from torch.distributed.tensor import Replicate
             from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
             for layer in model.layers:
                 parallelize_module(layer, mesh["tp"], {"mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()})
+            # and a TP-sharded parameter dmuon does not own (FSDP2 + AdamW over (dp, tp)): its
+            # gradient norm lives on another mesh than FSDP2's 1-D ones (clip_grad_norm_)
+            parallelize_module(model, mesh["tp"], {"lm_head": ColwiseParallel(output_layouts=Replicate())})
         # parallel == "none": no TP at all; mesh["dp"] is a sub-mesh of the world, and each TP
         # coordinate is an independent data-parallel job on the same data
         plan = dmuon.dedicate_params(model, mesh["dp"], reshard_after_forward=z3, tp_ns=tp_ns)
@@ -249,7 +253,8 @@ def test_tp_dp2_tp2():
     """(dp=2, tp=2), 4 processes: Z3 with the plan's own choice (gram + gather), Z2 all-Gram
     with 2 micro-batches per step under ``dmuon.no_sync``; TP on the MLPs only (attention
     matrices dedicated whole, one owner per TP coordinate); and no TP at all with dmuon on
-    ``mesh["dp"]``, a sub-mesh of the world (two independent data-parallel jobs)."""
+    ``mesh["dp"]``, a sub-mesh of the world (two independent data-parallel jobs). The MLP-only
+    case also shards ``lm_head`` (not dedicated: FSDP2 + AdamW on a (dp, tp) DTensor)."""
     cases = [("auto", True), ("gram", False, 2), ("auto", True, 1, torch.float32, "mlp"), ("auto", False, 1, torch.float32, "none")]
     results = run_distributed(_worker, 4, 2, 2, cases, timeout_s=280)
     print(results[0])

@@ -85,8 +85,10 @@ def _check_tp(plan, model: nn.Module, table):
     if dp * plan.tp_size != world:
         raise ValueError(
             f"dmuon: with tensor parallelism the data-parallel mesh times the TP degree must span the "
-            f"world: {dp} x {plan.tp_size} != {world}. Pass the data-parallel DeviceMesh, e.g. "
-            "mesh['dp'] of init_device_mesh('cpu', (dp, tp), mesh_dim_names=('dp', 'tp'))"
+            f"world: the mesh passed has {dp} ranks, times TP degree {plan.tp_size} is {dp * plan.tp_size}, "
+            f"but the world has {world}. Pass only the data-parallel DeviceMesh, e.g. mesh['dp'] of "
+            "init_device_mesh('cpu', (dp, tp), mesh_dim_names=('dp', 'tp')); a mesh that includes the "
+            "TP dim would be read as HSDP (replicate, shard), and None means the whole world"
         )
     return tp_mesh
 

@@ -22,8 +22,10 @@ def clip_grad_norm_(model_or_params, max_norm: float, norm_type: float = 2.0) ->
       scalar; HSDP replicas hold no gradient); with tensor parallelism each rank of a TP owner
       group counts its own shard, and an owned matrix without TP counts ``1/T`` per TP
       coordinate;
-    * FSDP2 ``DTensor`` gradients: ``torch.nn.utils.get_total_norm`` over the DTensors, then
-      ``full_tensor()`` (DTensor reduces over shards and de-duplicates replicas);
+    * FSDP2 ``DTensor`` gradients: ``torch.nn.utils.get_total_norm`` over the DTensors of each
+      device mesh (FSDP2's data-parallel mesh; ``(dp, tp)`` for TP-sharded parameters dmuon does
+      not own, e.g. a colwise bias), then ``full_tensor()`` (DTensor reduces over shards and
+      de-duplicates replicas);
     * plain tensors (replicated, identical on every rank): counted locally.
 
     Every rank must call it (it runs collectives), after ``backward()`` and before ``step()``.
@@ -81,8 +83,11 @@ def clip_grad_norm_(model_or_params, max_norm: float, norm_type: float = 2.0) ->
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(owned_part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=job_group)
     parts = [owned_part, local(plain).to(owned_part.device)]
-    if dtensors:
-        n = torch.nn.utils.get_total_norm(dtensors, norm_type)
+    by_mesh: dict = {}  # FSDP2 gradients live on the data-parallel mesh, TP-sharded ones (a
+    for g in dtensors:  # colwise bias) on (dp, tp): norms of different meshes cannot be stacked
+        by_mesh.setdefault(g.device_mesh, []).append(g)
+    for grads in by_mesh.values():  # same order on every rank: parameter order
+        n = torch.nn.utils.get_total_norm(grads, norm_type)
         n = (n.full_tensor() if isinstance(n, DTensor) else n).float().to(owned_part.device)
         parts.append(n if inf else n.pow(norm_type))
     stacked = torch.stack(parts)

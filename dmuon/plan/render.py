@@ -100,7 +100,8 @@ def _header(plan: ShardingPlan) -> list[str]:
         gram = sum(p.tp_ns == "gram" for p in tp)
         tp_line = [
             f"tensor parallel: T={T}, world {R * N * T} ranks; {len(tp)} TP-sharded matrices: {gram} Gram NS "
-            f"({len(plan.tp_segment_lengths)} all-reduces each), {len(tp) - gram} gathered; figures per TP rank"
+            f"({len(plan.tp_segment_lengths)} all-reduces each), {len(tp) - gram} gathered; per-rank figures "
+            "are per TP rank (one shard), the LPT load counts whole matrices"
         ]
     return [
         f"{mode_name(plan)} sharding plan: mesh (R={R}, N={N}) = {R * N} ranks, cost_model={plan.cost_model}, "
@@ -134,7 +135,10 @@ def render_summary(plan: ShardingPlan, *, max_rows: int = 16) -> str:
         lines.append(f"{label:<34}{a:>20}{b:>20}")
     base_total = plan.baseline_cost.total_nbytes
     if base_total:
-        lines.append(f"{'saving vs FSDP2+naive':<34}{100.0 * (1 - plan.cost.total_nbytes / base_total):>19.1f}%")
+        note = " (baseline without TP traffic)" if plan.tp_size > 1 else ""
+        lines.append(
+            f"{'saving vs FSDP2+naive':<34}{100.0 * (1 - plan.cost.total_nbytes / base_total):>19.1f}%{note}"
+        )
     lines.append("")
     stats = sorted(plan.rank_stats(), key=lambda r: (-r.owned_numel, r.rank))
     counts = [0] * plan.world_size
