@@ -93,35 +93,28 @@ def _check_tp(plan, model: nn.Module, table):
     return tp_mesh
 
 
-def _peer_tables(table):
-    """The distinct data-parallel rank tables of all ranks (one ``all_gather_object``), in the
-    order of their smallest rank; they must not overlap."""
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, table)
-    tables = sorted({tuple(tuple(int(x) for x in row) for row in t) for t in everyone}, key=lambda t: min(min(r) for r in t))
-    flat = [x for t in tables for row in t for x in row]
-    if len(set(flat)) != len(flat):
-        raise ValueError(f"dmuon: the ranks passed overlapping data-parallel meshes {tables}")
-    return tuple(tables)
-
-
-def _tp_tables(tp_mesh, table):
-    """Every TP coordinate's data-parallel rank table (one ``all_gather_object``)."""
-    mine = (int(tp_mesh.get_local_rank()), table)
+def _world_tables(table, tp_mesh=None):
+    """Every rank's data-parallel rank table, from one ``all_gather_object``: with ``tp_mesh``,
+    one per TP coordinate in TP order (ranks of a coordinate must agree, every coordinate must
+    appear); without, the distinct sub-meshes in order of their smallest rank. They must not
+    overlap."""
+    mine = (int(tp_mesh.get_local_rank()) if tp_mesh is not None else None, table)
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     tables: dict[int, tuple] = {}
     for t, tab in everyone:
         tab = tuple(tuple(int(x) for x in row) for row in tab)
-        if tables.setdefault(t, tab) != tab:
-            raise ValueError(f"dmuon: ranks of TP coordinate {t} passed different data-parallel meshes")
-    T = tp_mesh.size()
-    if sorted(tables) != list(range(T)):
-        raise ValueError(f"dmuon: TP coordinates {sorted(tables)} do not cover 0..{T - 1}")
-    flat = [x for t in range(T) for row in tables[t] for x in row]
+        key = t if tp_mesh is not None else min(min(row) for row in tab)
+        if tables.setdefault(key, tab) != tab:
+            what = f"ranks of TP coordinate {t} passed different" if tp_mesh is not None else "the ranks passed overlapping"
+            raise ValueError(f"dmuon: {what} data-parallel meshes")
+    if tp_mesh is not None and sorted(tables) != list(range(tp_mesh.size())):
+        raise ValueError(f"dmuon: TP coordinates {sorted(tables)} do not cover 0..{tp_mesh.size() - 1}")
+    ordered = tuple(tables[k] for k in sorted(tables))
+    flat = [x for tab in ordered for row in tab for x in row]
     if len(set(flat)) != len(flat):
-        raise ValueError("dmuon: the data-parallel meshes of different TP coordinates overlap")
-    return tuple(tables[t] for t in range(T))
+        raise ValueError(f"dmuon: the data-parallel meshes of different ranks overlap: {ordered}")
+    return ordered
 
 
 def _check_not_applied(model: nn.Module) -> None:
@@ -191,11 +184,11 @@ def apply(
     tp_mesh = _check_tp(plan, model, table)
     _check_same_plan_everywhere(plan)
     if tp_mesh is not None:
-        groups = MeshGroups.build(table, tp_tables=_tp_tables(tp_mesh, table))
+        groups = MeshGroups.build(table, tp_tables=_world_tables(table, tp_mesh))
     elif sum(len(row) for row in table) < dist.get_world_size():
         # a data-parallel sub-mesh (e.g. mesh["dp"] of a larger world): every rank must create
         # every rank's groups, so learn the other sub-meshes' tables first
-        groups = MeshGroups.build(table, peer_tables=_peer_tables(table))
+        groups = MeshGroups.build(table, peer_tables=_world_tables(table))
     else:
         groups = MeshGroups.build(table)
     runtime = DmuonRuntime(plan, model, groups, _device_of(model, plan))

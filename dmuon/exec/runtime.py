@@ -964,26 +964,30 @@ class DmuonRuntime:
         ``replicate_async=True``: launched here, waited for just before the boundary's next
         forward broadcast or any state-dict read; ``False``: waited for here.
         """
-        g = self.groups
-        if g.shape[0] == 1:
+        if self.groups.shape[0] == 1:
             return
         self.wait_replicate_broadcasts()
         for b in self.boundaries:
-            works = []
+            works = self._broadcast_to_replicas([b], "replicate_broadcast")
+            if self.replicate_async:
+                self.pending_replicate[b.index] = works
+            else:
+                C.wait_all(works, what=f"boundary {b.fqn!r} replicate broadcast", timeout_s=self.timeout_s)
+
+    def _broadcast_to_replicas(self, boundaries, phase: str) -> list:
+        """HSDP: post one async broadcast per sub-segment of ``boundaries`` held here, from its
+        owner to its replicate peers (the owner's current master); returns the works."""
+        works = []
+        for b in boundaries:
             for seg in b.segments:
                 if not seg.held:
                     continue
                 for sub in seg.subs:
                     part = seg.master[sub.offset_in_seg : sub.offset_in_seg + sub.numel]
                     works.append(
-                        C.broadcast(
-                            part, src=sub.owner_rank, group=g.replicate_group, phase="replicate_broadcast", async_op=True
-                        )
+                        C.broadcast(part, src=sub.owner_rank, group=self.groups.replicate_group, phase=phase, async_op=True)
                     )
-            if self.replicate_async:
-                self.pending_replicate[b.index] = works
-            else:
-                C.wait_all(works, what=f"boundary {b.fqn!r} replicate broadcast", timeout_s=self.timeout_s)
+        return works
 
     def after_load(self) -> None:
         """After ``load_state_dict`` wrote new masters on every holder (nothing to communicate)."""
@@ -1161,16 +1165,7 @@ class DmuonRuntime:
             return
         self.check_materialized("synchronising HSDP replicas")
         self.wait_replicate_broadcasts()
-        works = []
-        for b in self.boundaries:
-            for seg in b.segments:
-                if not seg.held:
-                    continue
-                for sub in seg.subs:
-                    part = seg.master[sub.offset_in_seg : sub.offset_in_seg + sub.numel]
-                    works.append(
-                        C.broadcast(part, src=sub.owner_rank, group=self.groups.replicate_group, phase="other", async_op=True)
-                    )
+        works = self._broadcast_to_replicas(self.boundaries, "other")
         C.wait_all(works, what="HSDP replica sync after materialisation", timeout_s=getattr(self, "timeout_s", None))
 
     def _check_no_tp(self, what: str) -> None:

@@ -29,25 +29,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dmuon.exec import collectives as _collectives
+from dmuon.plan.cost import ByteCost
 from dmuon.train.data import VOCAB_SIZE, Corpus, load_corpus
 from dmuon.train.model import GPT, GPTConfig, apply_tensor_parallel, lm_loss
 
 __all__ = ["LEDGER_PHASES", "train", "lr_factor", "model_config"]
 
-LEDGER_PHASES = (
-    "forward_broadcast",
-    "backward_broadcast",
-    "reduce",
-    "replicate_reduce",
-    "replicate_broadcast",
-    "tp",
-    "other",
-)
-"""Ledger phases, in the order of the per-step byte vector. The first six are the phases of
-``plan.cost`` ("tp": tensor-parallel Gram all-reduces and gathers); "other" collects any other
-phase the ledger reports (not part of the plan)."""
+LEDGER_PHASES = _collectives.PHASES
+"""Ledger phases, in the order of the per-step byte vector (``dmuon.exec.collectives.PHASES``):
+the phases of ``plan.cost`` first, in ``ByteCost.PHASES`` order ("tp": tensor-parallel Gram
+all-reduces and gathers), then "other", which collects any other phase the ledger reports (not
+part of the plan)."""
 
-_PLAN_PHASES = LEDGER_PHASES[:6]
+_PLAN_PHASES = tuple(name.removesuffix("_nbytes") for name in ByteCost.PHASES)
+assert LEDGER_PHASES[: len(_PLAN_PHASES)] == _PLAN_PHASES, "ledger phases must start with the plan's"
 
 
 def parse_mesh(text: str | None, world: int) -> tuple[int, ...]:
