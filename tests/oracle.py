@@ -231,23 +231,43 @@ def _ns_fp32(grad, ns_coefficients, ns_steps, eps):
 
 
 @contextlib.contextmanager
-def fp32_newton_schulz():
+def patched_newton_schulz(fn):
+    """torch.optim.Muon's ``_zeropower_via_newtonschulz(grad, ns_coefficients, ns_steps, eps)``
+    replaced by ``fn`` inside the block (nothing else of torch's Muon changes)."""
     import torch.optim._muon as m
 
     orig = m._zeropower_via_newtonschulz
-    m._zeropower_via_newtonschulz = _ns_fp32
+    m._zeropower_via_newtonschulz = fn
     try:
         yield
     finally:
         m._zeropower_via_newtonschulz = orig
 
 
-def reference_run(model: nn.Module, dedicated: set[str], batches, *, ns_fp32: bool, hp=HP, world: int = 1):
+def fp32_newton_schulz():
+    return patched_newton_schulz(_ns_fp32)
+
+
+def reference_run(
+    model: nn.Module,
+    dedicated: set[str],
+    batches,
+    *,
+    ns_fp32: bool,
+    hp=HP,
+    world: int = 1,
+    newton_schulz=None,
+    grad_norms: list | None = None,
+):
     """Single process, global batch: Muon on ``dedicated`` FQNs, AdamW on the rest.
 
     A model with ``set_rank`` (data-dependent per-rank behaviour) gets the loss of the
     data-parallel job it stands for: the mean over ``world`` slices of the global batch, slice
     ``r`` computed with ``set_rank(r)``.
+
+    ``newton_schulz``: a replacement for torch's iteration (:func:`patched_newton_schulz`;
+    overrides ``ns_fp32``). ``grad_norms``: a list that receives the 2-norm of all gradients of
+    each step, before the optimizers run.
 
     Returns (losses, state_dict of the final model, Newton-Schulz calls per step), where the
     last counts the dedicated matrices that had a gradient (torch.optim.Muon skips the others).
@@ -260,7 +280,10 @@ def reference_run(model: nn.Module, dedicated: set[str], batches, *, ns_fp32: bo
     )
     adamw = torch.optim.AdamW(adamw_params, lr=hp["adamw_lr"], weight_decay=hp["adamw_weight_decay"])
     losses, ns_calls = [], []
-    ctx = fp32_newton_schulz() if ns_fp32 else contextlib.nullcontext()
+    if newton_schulz is not None:
+        ctx = patched_newton_schulz(newton_schulz)
+    else:
+        ctx = fp32_newton_schulz() if ns_fp32 else contextlib.nullcontext()
     with ctx:
         for batch in batches:
             if hasattr(model, "set_rank"):
@@ -272,6 +295,9 @@ def reference_run(model: nn.Module, dedicated: set[str], batches, *, ns_fp32: bo
             else:
                 loss = lm_loss(model, batch)
             loss.backward()
+            if grad_norms is not None:
+                grads = [p.grad for p in model.parameters() if p.grad is not None]
+                grad_norms.append(torch.nn.utils.get_total_norm(grads).item())
             ns_calls.append(sum(p.grad is not None for p in muon_params))
             muon.step()
             adamw.step()

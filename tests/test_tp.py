@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from oracle import HP, global_batches, lm_loss
+from oracle import HP, global_batches, lm_loss, reference_run
 
 STEPS = 3
 # Measured worst deviations over these cases (fp32 NS): see the module docstring; bounds with margin.
@@ -61,59 +61,35 @@ def _expected_methods(tp_ns: str, parallel: str = "all") -> dict[str, str | None
     return out
 
 
-@contextlib.contextmanager
 def _reference_ns(methods_by_shape, dtype):
-    """torch.optim.Muon's NS patched: fp32, and Gram NS for the shapes the plan runs as Gram."""
-    import torch.optim._muon as m
-
+    """torch.optim.Muon's NS: in ``dtype``, Gram NS for the shapes the plan runs as Gram."""
     from dmuon.exec import newton_schulz as ns
 
-    orig = m._zeropower_via_newtonschulz
-
-    def patched(grad, ns_coefficients, ns_steps, eps):
+    def iterate(grad, ns_coefficients, ns_steps, eps):
         if methods_by_shape.get(tuple(grad.shape)) == "gram":
             return ns.gram_newton_schulz(
                 grad, coefficients=ns_coefficients, steps=ns_steps, eps=eps, dtype=dtype, fallback=False
             )
         return ns.newton_schulz(grad, coefficients=ns_coefficients, steps=ns_steps, eps=eps, dtype=dtype)
 
-    m._zeropower_via_newtonschulz = patched
-    try:
-        yield
-    finally:
-        m._zeropower_via_newtonschulz = orig
+    return iterate
 
 
 def _reference(cfg, methods, batches, ns_dtype=torch.float32):
+    """(losses, gradient norms, final state) of one process on the global batch."""
     from dmuon.train.model import GPT
 
     model = GPT(cfg, seed=0)
-    dedicated = set(methods)
     shapes = {}
     for n, p in model.named_parameters():
-        if n in dedicated:
+        if n in methods:
             prev = shapes.setdefault(tuple(p.shape), methods[n])
             assert prev == methods[n], "test set-up: one method per shape"
-    muon = torch.optim.Muon(
-        [p for n, p in model.named_parameters() if n in dedicated],
-        lr=HP["lr"], weight_decay=HP["weight_decay"], momentum=HP["momentum"], nesterov=HP["nesterov"],
+    norms: list[float] = []
+    losses, state, _ = reference_run(
+        model, set(methods), batches, ns_fp32=True, newton_schulz=_reference_ns(shapes, ns_dtype), grad_norms=norms
     )
-    adamw = torch.optim.AdamW(
-        [p for n, p in model.named_parameters() if n not in dedicated], lr=HP["adamw_lr"],
-        weight_decay=HP["adamw_weight_decay"],
-    )
-    losses, norms = [], []
-    with _reference_ns(shapes, ns_dtype):
-        for batch in batches:
-            loss = lm_loss(model, batch)
-            loss.backward()
-            norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
-            muon.step()
-            adamw.step()
-            muon.zero_grad()
-            adamw.zero_grad()
-            losses.append(loss.item())
-    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, norms, state
 
 
 def _check_errors(mesh, cfg):
