@@ -4,12 +4,14 @@ Nothing here imports ``torch.distributed`` or ``dmuon.exec``; plans speak in ran
 work on meta-device models. Entry points::
 
     plan = dmuon.plan.compile(model, mesh, ...)     # -> ShardingPlan (frozen, validated)
+    dmuon.plan.schedule(plan, step=None)            # -> StepSchedule: every rank's ops, in order
     dmuon.plan.diff(plan_a, plan_b)                 # -> PlanDiff keyed by FQN
     dmuon.plan.presets.PRESETS["llama3-8b"]()       # meta-device model shapes
 
 Modules: ``snapshot`` (read-only model snapshot), ``boundaries`` (hook-boundary rules),
 ``selection`` (dedicated params and matrix views), ``partition`` (constrained LPT),
-``layout`` (packed buffers), ``cost`` (bytes/FLOPs/memory, DMuon and FSDP2 baseline),
+``layout`` (packed buffers), ``step_schedule`` (every rank's ops in one step; deadlock replay),
+``cost`` (bytes/FLOPs/memory summed from the schedule; the FSDP2 baseline),
 ``plan`` (records, JSON, compile), ``diff``, ``render``, ``presets``, ``cli``.
 See docs/planning.md.
 """
@@ -20,10 +22,18 @@ from .diff import CostDelta, ParamChange, PlanDiff, SettingChange, diff
 from .layout import Boundary, BufferLayout, LayoutEntry, Segment, SubSegment
 from .plan import ShardingPlan, compile, normalize_mesh
 from .records import Owner, ParamSpec
+from .step_schedule import MicroBatch, Op, ScheduleError, Step, StepSchedule, replay, schedule
 from .selection import matrix_predicate
 
 __all__ = [
     "compile",
+    "schedule",
+    "replay",
+    "Step",
+    "MicroBatch",
+    "StepSchedule",
+    "Op",
+    "ScheduleError",
     "diff",
     "presets",
     "ShardingPlan",

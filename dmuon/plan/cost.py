@@ -79,7 +79,9 @@ __all__ = [
     "TP_NS_MODES",
     "bcast_dtype",
     "reduce_dtype",
-    "byte_cost",
+    "collective_rank_nbytes",
+    "schedule_byte_cost",
+    "PHASE_FIELDS",
     "baseline_byte_cost",
     "rank_stats",
     "baseline_rank_stats",
@@ -156,6 +158,27 @@ def all_reduce_rank_nbytes(numel: int, itemsize: int, group_size: int) -> int:
     if group_size <= 1:
         return 0
     return 2 * (group_size - 1) * (-(-numel // group_size)) * itemsize
+
+
+def collective_rank_nbytes(kind: str, numel: int, itemsize: int, group_size: int, is_root: bool) -> int:
+    """Bytes charged to ONE rank of a collective over ``group_size`` ranks (the ledger's rule):
+
+    * ``"broadcast"`` / ``"reduce"`` / ``"scatter"`` of ``numel`` elements per rank: ``S =
+      numel * itemsize`` to every rank but the root (it receives / sends ``S``), 0 to the root;
+    * ``"all_reduce"`` of ``numel`` elements: :func:`all_reduce_rank_nbytes` to every rank;
+    * ``"all_gather"`` of ``numel`` elements per rank: ``(k-1) * S`` to every rank (it receives
+      the other ranks' parts).
+
+    Raises:
+        ValueError: unknown ``kind``.
+    """
+    if kind in ("broadcast", "reduce", "scatter"):
+        return 0 if is_root else numel * itemsize
+    if kind == "all_reduce":
+        return all_reduce_rank_nbytes(numel, itemsize, group_size)
+    if kind == "all_gather":
+        return (group_size - 1) * numel * itemsize
+    raise ValueError(f"unknown collective kind {kind!r}")
 
 
 def gram_segment_lengths(steps: int, restart_every: int | None) -> tuple[int, ...]:
@@ -383,130 +406,109 @@ class RankStats:
 # --------------------------------------------------------------------------- DMuon
 
 
-def byte_cost(
-    boundaries: Sequence[Boundary],
-    *,
-    mesh_shape: tuple[int, int],
-    reshard_after_forward: bool,
-    param_dtype: str | None,
-    reduce_dtype_: str | None,
-    tp_size: int = 1,
-    tp_rank_nbytes_by_mesh_rank: Sequence[int] | None = None,
-) -> ByteCost:
-    """:class:`ByteCost` of a layout (module docstring table). O(segments + R*N*T).
+#: ``ByteCost`` field of each ledger phase a schedule charges
+PHASE_FIELDS = {
+    "forward_broadcast": "forward_broadcast_nbytes",
+    "backward_broadcast": "backward_broadcast_nbytes",
+    "reduce": "reduce_nbytes",
+    "replicate_reduce": "replicate_reduce_nbytes",
+    "replicate_broadcast": "replicate_broadcast_nbytes",
+    "tp": "tp_nbytes",
+}
 
-    With ``tp_size = T > 1`` the layouts hold each TP rank's shards (all TP coordinates have
-    the same layout), the data-parallel phases are counted once per TP coordinate, and
-    ``tp_rank_nbytes_by_mesh_rank[replicate*N + shard]`` is added to each of that mesh rank's
-    ``T`` TP ranks (the TP traffic of the matrices it owns).
+
+def schedule_byte_cost(sched: Any) -> ByteCost:
+    """:class:`ByteCost` of a :class:`~dmuon.plan.step_schedule.StepSchedule`: every collective's
+    charge (:func:`collective_rank_nbytes`) summed per phase and per schedule rank. O(ops +
+    distinct groups' sizes). ``plan.cost`` is this of the nominal step.
     """
-    R, N = mesh_shape
-    seg_b_by_shard = [0] * N  # bytes of segments of shard s, broadcast dtype
-    seg_r_by_shard = [0] * N  # same, reduce dtype
-    sub_r_by_slot: dict[tuple[int, int], int] = {}
-    sub_p_by_slot: dict[tuple[int, int], int] = {}
-    for boundary in boundaries:
-        for buf in boundary.buffers:
-            isz_b = itemsize_nbytes(bcast_dtype(buf.dtype, param_dtype))
-            isz_r = itemsize_nbytes(reduce_dtype(buf.dtype, param_dtype, reduce_dtype_))
-            isz_p = itemsize_nbytes(buf.dtype)
-            for seg in buf.segments:
-                seg_b_by_shard[seg.shard] += seg.numel * isz_b
-                seg_r_by_shard[seg.shard] += seg.numel * isz_r
-                for sub in seg.subsegments:
-                    key = (seg.shard, sub.owner.replicate)
-                    sub_r_by_slot[key] = sub_r_by_slot.get(key, 0) + sub.numel * isz_r
-                    sub_p_by_slot[key] = sub_p_by_slot.get(key, 0) + sub.numel * isz_p
-    total_b = sum(seg_b_by_shard)
-    total_r = sum(seg_r_by_shard)
-    sub_r_by_shard = [0] * N
-    sub_p_by_shard = [0] * N
-    for (s, _), v in sub_r_by_slot.items():
-        sub_r_by_shard[s] += v
-    for (s, _), v in sub_p_by_slot.items():
-        sub_p_by_shard[s] += v
-
-    bwd = reshard_after_forward
-    per_rank = [0] * (R * N)
-    for r in range(R):
-        for s in range(N):
-            fwd_b = total_b - seg_b_by_shard[s]  # receives every other shard's segments
-            red = total_r - seg_r_by_shard[s]  # sends its part of every other shard's segments
-            rep_r = sub_r_by_shard[s] - sub_r_by_slot.get((s, r), 0)
-            rep_p = sub_p_by_shard[s] - sub_p_by_slot.get((s, r), 0)
-            per_rank[r * N + s] = fwd_b * (2 if bwd else 1) + red + (rep_r + rep_p if R > 1 else 0)
-    T = tp_size
-    fwd_total = T * R * broadcast_nbytes(total_b, N)
-    red_total = T * R * reduce_nbytes(total_r, N)
-    rep_red_total = T * reduce_nbytes(sum(sub_r_by_slot.values()), R)
-    rep_bc_total = T * broadcast_nbytes(sum(sub_p_by_slot.values()), R)
-    tp_total = 0
-    if T > 1:
-        tp_by = list(tp_rank_nbytes_by_mesh_rank or [0] * (R * N))
-        per_rank = [per_rank[g // T] + tp_by[g // T] for g in range(R * N * T)]
-        tp_total = T * sum(tp_by)
-    return ByteCost(
-        forward_broadcast_nbytes=fwd_total,
-        backward_broadcast_nbytes=fwd_total if bwd else 0,
-        reduce_nbytes=red_total,
-        replicate_reduce_nbytes=rep_red_total,
-        replicate_broadcast_nbytes=rep_bc_total,
-        total_nbytes=fwd_total * (2 if bwd else 1) + red_total + rep_red_total + rep_bc_total + tp_total,
-        per_rank_nbytes=tuple(per_rank),
-        tp_nbytes=tp_total,
-    )
+    n = sched.num_ranks
+    per_group: dict[tuple[int, ...], int] = {}
+    root_credit = [0] * n
+    totals = dict.fromkeys(ByteCost.PHASES, 0)
+    isz: dict[str, int] = {}
+    for op in sched.ops:
+        if not op.collective:
+            continue
+        size = isz.get(op.dtype)
+        if size is None:
+            size = isz[op.dtype] = itemsize_nbytes(op.dtype)
+        k = len(op.group)
+        if op.kind in ("broadcast", "reduce"):
+            each = op.numel * size
+            root_credit[op.root] += each
+            total = (k - 1) * each
+        else:
+            each = collective_rank_nbytes(op.kind, op.numel, size, k, False)
+            total = k * each
+        per_group[op.group] = per_group.get(op.group, 0) + each
+        totals[PHASE_FIELDS[op.phase]] += total
+    per_rank = [-c for c in root_credit]
+    for group, each in per_group.items():
+        for x in group:
+            per_rank[x] += each
+    return ByteCost(**totals, total_nbytes=sum(totals.values()), per_rank_nbytes=tuple(per_rank))
 
 
 def rank_stats(
     params: Sequence[ParamSpec],
     owners: Sequence[Owner],
-    boundaries: Sequence[Boundary],
+    sched: Any,
     cost: ByteCost,
     *,
     mesh_shape: tuple[int, int],
     reshard_after_forward: bool,
-    param_dtype: str | None,
     tp_size: int = 1,
-    tp_segment_lengths: Sequence[int] = (),
 ) -> tuple[RankStats, ...]:
-    """Per-rank :class:`RankStats` of a DMuon plan (definitions on the record).
+    """Per-rank :class:`RankStats` of a DMuon plan (definitions on the record), from its nominal
+    schedule ``sched``: ``comm_nbytes`` = ``cost.per_rank_nbytes``; ``ns_flops`` = the
+    ``newton_schulz`` ops each rank runs; ``peak_transient_nbytes`` = the bytes a rank receives
+    in one boundary's forward broadcasts (Z3: the largest boundary; Z2: all of them).
 
-    With TP (``tp_size = T > 1``) there is one record per global rank
+    With TP (``tp_size = T > 1``) there is one record per schedule rank
     ``(replicate*N + shard)*T + tp``: element and byte figures are that rank's shards (the
-    ``T`` ranks of a mesh coordinate are identical), ``ns_flops`` from :func:`tp_ns_flops`.
+    ``T`` ranks of a mesh coordinate are identical).
     """
     R, N = mesh_shape
     world = R * N
     T = tp_size
+    n = world * T
     owned_numel = [0] * world
     owned_nbytes = [0] * world
-    flops = [0] * world
     replica_nbytes_by_shard = [0] * N  # params with owner shard s, any replicate: held by every (s, r')
     for spec, owner in zip(params, owners):
         nbytes = spec.local_numel * itemsize_nbytes(spec.dtype)
         owned_numel[owner.rank] += spec.local_numel
         owned_nbytes[owner.rank] += nbytes
-        if spec.tp_size > 1:
-            flops[owner.rank] += tp_ns_flops(spec, tp_segment_lengths)
-        else:
-            flops[owner.rank] += ns_flops(*spec.matrix_shape, num_matrices=spec.num_matrices)
         replica_nbytes_by_shard[owner.shard] += nbytes
 
-    transient = [0] * world
-    for boundary in boundaries:
-        b_total = 0
-        local_by_shard = [0] * N  # the shard's own segment: owned masters or HSDP replicas
-        for buf in boundary.buffers:
-            isz = itemsize_nbytes(bcast_dtype(buf.dtype, param_dtype))
-            b_total += buf.numel * isz
-            for seg in buf.segments:
-                local_by_shard[seg.shard] += seg.numel * isz
-        for rank in range(world):
-            here = b_total - local_by_shard[rank % N]
-            transient[rank] = max(transient[rank], here) if reshard_after_forward else transient[rank] + here
+    flops = [0] * n
+    received: dict[tuple[str, tuple[int, ...]], int] = {}  # (boundary, group) -> bytes per member
+    root_credit: dict[tuple[str, int], int] = {}
+    for op in sched.ops:
+        if op.kind == "newton_schulz":
+            for x in op.group:
+                flops[x] += op.flops
+        elif op.phase == "forward_broadcast" and op.micro_batch == 0:
+            nbytes = op.nbytes
+            key = (op.boundary, op.group)
+            received[key] = received.get(key, 0) + nbytes
+            rkey = (op.boundary, op.root)
+            root_credit[rkey] = root_credit.get(rkey, 0) + nbytes
+    per_boundary: dict[str, list[int]] = {}
+    for (boundary, group), nbytes in received.items():
+        row = per_boundary.setdefault(boundary, [0] * n)
+        for x in group:
+            row[x] += nbytes
+    for (boundary, root), nbytes in root_credit.items():
+        per_boundary[boundary][root] -= nbytes
+    transient = [0] * n
+    for row in per_boundary.values():
+        for x in range(n):
+            transient[x] = max(transient[x], row[x]) if reshard_after_forward else transient[x] + row[x]
 
     out = []
-    for g in range(world * T):
+    for g in range(n):
         rank = g // T
         s = rank % N
         params_held = replica_nbytes_by_shard[s] if R > 1 else owned_nbytes[rank]
@@ -516,9 +518,9 @@ def rank_stats(
                 owned_numel=owned_numel[rank],
                 owned_nbytes=owned_nbytes[rank],
                 resident_nbytes=params_held + owned_nbytes[rank],
-                peak_transient_nbytes=transient[rank],
+                peak_transient_nbytes=transient[g],
                 comm_nbytes=cost.per_rank_nbytes[g],
-                ns_flops=flops[rank],
+                ns_flops=flops[g],
             )
         )
     return tuple(out)

@@ -158,7 +158,7 @@ class ShardingPlan:
     tp_size: int = 1
     tp_ns_steps: int = 5
     tp_gram_restart_every: int | None = 2
-    # derived lookup tables, built in __post_init__ (or lazily after an optree unflatten)
+    # FQN lookup tables, built once at construction (__post_init__, or _unflatten); never written after
     _index: dict | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     # ------------------------------------------------------------------ validation
@@ -241,11 +241,9 @@ class ShardingPlan:
                         if boundary_of[i] is not None:
                             raise ValueError(f"ShardingPlan: {entry.fqn!r} appears in two buffers")
                         boundary_of[i] = b_index
-        return {"canonical": canonical, "alias": alias, "boundary_of": boundary_of, "cache": {}}
+        return {"canonical": canonical, "alias": alias, "boundary_of": boundary_of}
 
     def _idx(self) -> dict:
-        if self._index is None:  # after optree unflatten
-            object.__setattr__(self, "_index", self._build_index())
         return self._index  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ lookups
@@ -258,19 +256,6 @@ class ShardingPlan:
     def tp_segment_lengths(self) -> tuple[int, ...]:
         """Steps per Gram NS segment assumed for TP ``"gram"`` matrices (one all-reduce each)."""
         return _cost.gram_segment_lengths(self.tp_ns_steps, self.tp_gram_restart_every)
-
-    def tp_rank_nbytes(self) -> tuple[int, ...]:
-        """TP bytes charged to each TP rank of mesh rank ``replicate*N + shard`` per step."""
-
-        def build() -> tuple[int, ...]:
-            out = [0] * self.world_size
-            segments = len(self.tp_segment_lengths)
-            for spec, owner in zip(self.params, self.owners):
-                if spec.tp_size > 1:
-                    out[owner.rank] += _cost.tp_rank_nbytes(spec, spec.tp_ns, segments)  # type: ignore[arg-type]
-            return tuple(out)
-
-        return self._cached("tp_rank_nbytes", build)
 
     @property
     def dedicated(self) -> tuple[str, ...]:
@@ -312,35 +297,23 @@ class ShardingPlan:
         return _cost.reduce_dtype(param_dtype_str, self.param_dtype, self.reduce_dtype)
 
     # ------------------------------------------------------------------ derived figures
-    def _cached(self, key: str, fn: Callable[[], Any]) -> Any:
-        cache = self._idx()["cache"]
-        if key not in cache:
-            cache[key] = fn()
-        return cache[key]
-
+    # Pure functions of the plan, computed on every access (nothing is cached on a frozen
+    # record): bind the result once where it is read repeatedly.
     @property
     def owned_numel(self) -> tuple[int, ...]:
         """Elements owned per mesh rank (global owners only), length ``R*N``."""
-
-        def build() -> tuple[int, ...]:
-            out = [0] * self.world_size
-            for spec, owner in zip(self.params, self.owners):
-                out[owner.rank] += spec.numel
-            return tuple(out)
-
-        return self._cached("owned_numel", build)
+        out = [0] * self.world_size
+        for spec, owner in zip(self.params, self.owners):
+            out[owner.rank] += spec.numel
+        return tuple(out)
 
     @property
     def owned_weight(self) -> tuple[int, ...]:
         """LPT weight (``cost_model`` unit) owned per mesh rank."""
-
-        def build() -> tuple[int, ...]:
-            out = [0] * self.world_size
-            for spec, owner in zip(self.params, self.owners):
-                out[owner.rank] += _cost.param_weight(spec, self.cost_model)
-            return tuple(out)
-
-        return self._cached("owned_weight", build)
+        out = [0] * self.world_size
+        for spec, owner in zip(self.params, self.owners):
+            out[owner.rank] += _cost.param_weight(spec, self.cost_model)
+        return tuple(out)
 
     @property
     def balance_bound(self) -> float:
@@ -348,67 +321,55 @@ class ShardingPlan:
         weights = [_cost.param_weight(p, self.cost_model) for p in self.params]
         return sum(weights) / self.world_size + max(weights, default=0)
 
+    def schedule(self, step: Any = None) -> Any:
+        """:func:`dmuon.plan.step_schedule.schedule` of this plan: every rank's ops for ``step``
+        (a :class:`~dmuon.plan.step_schedule.Step`; None = the nominal step)."""
+        from .step_schedule import schedule
+
+        return schedule(self, step)
+
     @property
     def cost(self) -> ByteCost:
-        """:class:`ByteCost`: DMuon bytes per step summed over all ranks (+ per rank)."""
-        return self._cached(
-            "cost",
-            lambda: _cost.byte_cost(
-                self.boundaries,
-                mesh_shape=self.mesh_shape,
-                reshard_after_forward=self.reshard_after_forward,
-                param_dtype=self.param_dtype,
-                reduce_dtype_=self.reduce_dtype,
-                tp_size=self.tp_size,
-                tp_rank_nbytes_by_mesh_rank=self.tp_rank_nbytes(),
-            ),
-        )
+        """:class:`ByteCost`: DMuon bytes per step summed over all ranks (+ per rank), summed
+        from the nominal step's schedule (:func:`~dmuon.plan.cost.schedule_byte_cost`)."""
+        return _cost.schedule_byte_cost(self.schedule())
 
     @property
     def baseline_cost(self) -> _cost.BaselineByteCost:
         """Bytes per step of FSDP2 + naive all-gather Muon on the same parameters."""
-        return self._cached(
-            "baseline_cost",
-            lambda: _cost.baseline_byte_cost(
-                self.params,
-                mesh_shape=self.mesh_shape,
-                reshard_after_forward=self.reshard_after_forward,
-                param_dtype=self.param_dtype,
-                reduce_dtype_=self.reduce_dtype,
-                tp_size=self.tp_size,
-            ),
+        return _cost.baseline_byte_cost(
+            self.params,
+            mesh_shape=self.mesh_shape,
+            reshard_after_forward=self.reshard_after_forward,
+            param_dtype=self.param_dtype,
+            reduce_dtype_=self.reduce_dtype,
+            tp_size=self.tp_size,
         )
 
     def rank_stats(self) -> tuple[_cost.RankStats, ...]:
-        """Per-rank :class:`~dmuon.plan.cost.RankStats` of this plan, indexed by mesh rank."""
-        return self._cached(
-            "rank_stats",
-            lambda: _cost.rank_stats(
-                self.params,
-                self.owners,
-                self.boundaries,
-                self.cost,
-                mesh_shape=self.mesh_shape,
-                reshard_after_forward=self.reshard_after_forward,
-                param_dtype=self.param_dtype,
-                tp_size=self.tp_size,
-                tp_segment_lengths=self.tp_segment_lengths,
-            ),
+        """Per-rank :class:`~dmuon.plan.cost.RankStats` of this plan (schedule ranks: the mesh
+        rank, or ``(replicate*N + shard)*T + tp`` with TP), from the nominal schedule."""
+        sched = self.schedule()
+        return _cost.rank_stats(
+            self.params,
+            self.owners,
+            sched,
+            _cost.schedule_byte_cost(sched),
+            mesh_shape=self.mesh_shape,
+            reshard_after_forward=self.reshard_after_forward,
+            tp_size=self.tp_size,
         )
 
     def baseline_rank_stats(self) -> tuple[_cost.RankStats, ...]:
         """Per-rank :class:`~dmuon.plan.cost.RankStats` of FSDP2 + naive Muon, same parameters."""
-        return self._cached(
-            "baseline_rank_stats",
-            lambda: _cost.baseline_rank_stats(
-                self.params,
-                self.boundary,
-                self.baseline_cost,
-                mesh_shape=self.mesh_shape,
-                reshard_after_forward=self.reshard_after_forward,
-                param_dtype=self.param_dtype,
-                tp_size=self.tp_size,
-            ),
+        return _cost.baseline_rank_stats(
+            self.params,
+            self.boundary,
+            self.baseline_cost,
+            mesh_shape=self.mesh_shape,
+            reshard_after_forward=self.reshard_after_forward,
+            param_dtype=self.param_dtype,
+            tp_size=self.tp_size,
         )
 
     # ------------------------------------------------------------------ serialisation
@@ -471,7 +432,7 @@ class ShardingPlan:
 
     def fingerprint(self) -> str:
         """sha256 hex of :meth:`to_json` (compared across ranks at apply time)."""
-        return self._cached("fingerprint", lambda: hashlib.sha256(self.to_json().encode("ascii")).hexdigest())
+        return hashlib.sha256(self.to_json().encode("ascii")).hexdigest()
 
     # ------------------------------------------------------------------ rendering
     def __repr__(self) -> str:
@@ -509,7 +470,11 @@ def _unflatten(meta: tuple, children) -> ShardingPlan:
     object.__setattr__(plan, "params", params)
     object.__setattr__(plan, "owners", owners)
     object.__setattr__(plan, "boundaries", boundaries)
-    object.__setattr__(plan, "_index", None)
+    try:  # lookups of a plan of records; a plan mapped to other leaves has none
+        index = plan._build_index()
+    except (AttributeError, TypeError, ValueError):
+        index = None
+    object.__setattr__(plan, "_index", index)
     return plan
 
 
@@ -576,7 +541,8 @@ def compile(  # noqa: A001 - public name fixed by DESIGN.md
             ``gram_newton_schulz(restart_every=...)``).
 
     Returns:
-        A validated, frozen :class:`ShardingPlan`.
+        A validated, frozen :class:`ShardingPlan` whose nominal step schedule passed the
+        deadlock replay (:meth:`~dmuon.plan.step_schedule.StepSchedule.check`).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
@@ -635,7 +601,7 @@ def compile(  # noqa: A001 - public name fixed by DESIGN.md
         fallback,
         align_numel=align_numel,
     )
-    return ShardingPlan(
+    plan = ShardingPlan(
         mesh_shape=mesh_shape,
         reshard_after_forward=bool(reshard_after_forward),
         replicate_async=bool(replicate_async),
@@ -651,6 +617,8 @@ def compile(  # noqa: A001 - public name fixed by DESIGN.md
         tp_ns_steps=tp_ns_steps,
         tp_gram_restart_every=tp_gram_restart_every,
     )
+    plan.schedule().check()  # the nominal step replays without deadlock on every rank
+    return plan
 
 
 def _tp_specs(snapshot, selected, specs, tp_ns, tp_size, tp_shard_dims, ns_steps, restart_every):
