@@ -1,17 +1,19 @@
 """Every collective dmuon issues passes through this module, and is charged to the byte ledger.
 
-Accounting (DESIGN.md §1), identical to :mod:`dmuon.plan.cost`: for one collective over a group
-of ``k`` ranks and a payload of ``S`` bytes, every non-root rank is charged ``S`` (it receives
-``S`` in a broadcast, sends ``S`` in a reduce), so the collective totals ``(k-1)·S`` over the
-group. An all-reduce of ``numel`` elements is charged ``2·(k-1)·ceil(numel/k)·itemsize`` per rank
-(ring reduce-scatter + all-gather, ``~2·S``; :func:`dmuon.plan.cost.all_reduce_rank_nbytes`); an
-all-gather / reduce-scatter of a full tensor of ``S`` bytes ``S·(k-1)/k`` per rank; a scatter of a full tensor of ``S`` bytes charges each
-non-root rank its own chunk.
+Accounting (the rule :func:`dmuon.plan.cost.collective_rank_nbytes` states once, and
+``plan.cost`` sums over the step's schedule): for one collective over a group of ``k`` ranks and
+a payload of ``S`` bytes, every non-root rank is charged ``S`` (it receives ``S`` in a
+broadcast, sends ``S`` in a reduce), so the collective totals ``(k-1)·S`` over the group. An
+all-reduce of ``numel`` elements is charged ``2·(k-1)·ceil(numel/k)·itemsize`` per rank (ring
+reduce-scatter + all-gather, ``~2·S``); an all-gather of ``S`` bytes per rank ``(k-1)·S`` per
+rank; a scatter charges each non-root rank its own chunk.
 
 Each process keeps its own :data:`LEDGER` of the bytes charged to *this* rank, per phase. The
 sum over ranks (e.g. ``all_reduce`` of :meth:`Ledger.total_nbytes`) is what
 ``plan.cost.total_nbytes`` predicts for one training step; the per-rank values are
-``plan.cost.per_rank_nbytes[rank]``.
+``plan.cost.per_rank_nbytes[rank]``. With :meth:`Ledger.recording` it also keeps every
+collective it charged, in issue order (:class:`IssuedOp`), to compare with
+``dmuon.plan.schedule(plan, step).rank_ops(rank)`` op by op.
 
 The wrappers return the ``Work`` handle of an async collective (``async_op=True``) or ``None``.
 A collective whose wait exceeds ``timeout_s`` raises :class:`CollectiveTimeout` naming the phase
@@ -20,7 +22,9 @@ and hook boundary instead of hanging silently.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import datetime
 import threading
 from collections import Counter
 from typing import Sequence
@@ -28,10 +32,13 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from dmuon.plan.cost import collective_rank_nbytes
+
 __all__ = [
     "PHASES",
     "LEDGER",
     "Ledger",
+    "IssuedOp",
     "CollectiveTimeout",
     "broadcast",
     "reduce_sum",
@@ -57,29 +64,64 @@ class CollectiveTimeout(RuntimeError):
     """A dmuon collective did not complete in time; the message names the boundary and phase."""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class IssuedOp:
+    """One collective as this rank issued it (recorded while :attr:`Ledger.record` is on).
+
+    ``group``: global ranks of the process group, in group-rank order; ``root``: global rank of
+    the broadcast source / reduce destination (None otherwise); ``numel``: elements of this
+    rank's tensor; ``nbytes``: bytes charged to this rank.
+    """
+
+    kind: str
+    phase: str
+    group: tuple[int, ...]
+    root: int | None
+    dtype: str
+    numel: int
+    nbytes: int
+
+
 @dataclasses.dataclass
 class Ledger:
     """Bytes charged to this rank, per phase, since the last :meth:`reset`.
 
     ``nbytes[phase]``: integer bytes charged to this rank; ``calls[phase]``: number of
-    collectives this rank took part in (charged or not). Thread-safe.
+    collectives this rank took part in (charged or not); ``ops``: every collective charged
+    while ``record`` is True (:meth:`recording`), in issue order. Thread-safe.
     """
 
     nbytes: Counter = dataclasses.field(default_factory=Counter)
     calls: Counter = dataclasses.field(default_factory=Counter)
+    record: bool = False
+    ops: list = dataclasses.field(default_factory=list)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
-    def charge(self, phase: str, nbytes: int) -> None:
+    def charge(self, phase: str, nbytes: int, op: IssuedOp | None = None) -> None:
         if phase not in PHASES:
             raise ValueError(f"unknown ledger phase {phase!r}; expected one of {PHASES}")
         with self._lock:
             self.nbytes[phase] += int(nbytes)
             self.calls[phase] += 1
+            if self.record and op is not None:
+                self.ops.append(op)
 
     def reset(self) -> None:
         with self._lock:
             self.nbytes.clear()
             self.calls.clear()
+            self.ops.clear()
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Record every charged collective into :attr:`ops` inside the context (cleared on entry)."""
+        with self._lock:
+            self.ops.clear()
+            prev, self.record = self.record, True
+        try:
+            yield self.ops
+        finally:
+            self.record = prev
 
     def snapshot(self) -> dict[str, int]:
         """``{phase: bytes charged to this rank}`` for every phase (zeros included)."""
@@ -99,8 +141,17 @@ LEDGER = Ledger()
 DEFAULT_TIMEOUT_S: float | None = None
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
+def _charge(kind: str, phase: str, tensor: torch.Tensor, group, root: int | None) -> None:
+    """Charge this rank for ``kind`` on ``tensor`` over ``group`` (rule of
+    :func:`dmuon.plan.cost.collective_rank_nbytes`), recording it when the ledger records."""
+    k = dist.get_world_size(group)
+    me = dist.get_rank()
+    nbytes = collective_rank_nbytes(kind, tensor.numel(), tensor.element_size(), k, me == root)
+    op = None
+    if LEDGER.record:
+        ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(k))
+        op = IssuedOp(kind, phase, ranks, root, str(tensor.dtype), tensor.numel(), nbytes)
+    LEDGER.charge(phase, nbytes, op)
 
 
 def broadcast(
@@ -115,10 +166,7 @@ def broadcast(
 
     Charges ``tensor.nbytes`` to every rank but ``src``.
     """
-    if dist.get_rank() != src:
-        LEDGER.charge(phase, _nbytes(tensor))
-    else:
-        LEDGER.charge(phase, 0)
+    _charge("broadcast", phase, tensor, group, src)
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
 
@@ -134,18 +182,14 @@ def reduce_sum(
 
     Charges ``tensor.nbytes`` to every rank but ``dst``. Only ``dst``'s result is defined.
     """
-    if dist.get_rank() != dst:
-        LEDGER.charge(phase, _nbytes(tensor))
-    else:
-        LEDGER.charge(phase, 0)
+    _charge("reduce", phase, tensor, group, dst)
     return dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def all_reduce_sum(tensor: torch.Tensor, *, group: dist.ProcessGroup | None, phase: str, async_op: bool = False):
     """SUM all-reduce in place over ``group``; charges every rank
     ``2·(k-1)·ceil(numel/k)·itemsize`` (ring reduce-scatter + all-gather)."""
-    k = dist.get_world_size(group)
-    LEDGER.charge(phase, 2 * (k - 1) * (-(-tensor.numel() // k)) * tensor.element_size() if k > 1 else 0)
+    _charge("all_reduce", phase, tensor, group, None)
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
@@ -155,8 +199,7 @@ def all_gather_into(
     """All-gather ``tensor`` from the ``k`` ranks of ``group`` into ``output`` (``k·numel``
     elements, group-rank order). Charges ``(k-1)·tensor.nbytes`` to every rank (it receives the
     other ranks' parts: ``S·(k-1)/k`` of the full ``S``)."""
-    k = dist.get_world_size(group)
-    LEDGER.charge(phase, (k - 1) * _nbytes(tensor))
+    _charge("all_gather", phase, tensor, group, None)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch >= 2.13 renamed it
     return gather(output, tensor, group=group, async_op=async_op)
 
@@ -173,12 +216,8 @@ def scatter(
 
     Charges ``output.nbytes`` to every rank but ``src``.
     """
-    if dist.get_rank() != src:
-        LEDGER.charge(phase, _nbytes(output))
-        chunks = None
-    else:
-        LEDGER.charge(phase, 0)
-        chunks = list(chunks)
+    _charge("scatter", phase, output, group, src)
+    chunks = list(chunks) if dist.get_rank() == src else None
     return dist.scatter(output, chunks, src=src, group=group)
 
 
@@ -189,8 +228,6 @@ def wait_all(works, *, what: str, timeout_s: float | None = None) -> None:
         CollectiveTimeout: a wait exceeded ``timeout_s`` (default :data:`DEFAULT_TIMEOUT_S`);
             the message includes ``what`` (boundary FQN and phase).
     """
-    import datetime
-
     timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
     for work in works:
         if work is None:
