@@ -77,3 +77,21 @@ def test_plan_tp_megatron_preset(tmp_path, capsys):
         assert spec.tp_ns == "gram"
     with pytest.raises(SystemExit):
         main_plan(["--model", "tiny-llama", "--mesh", "2", "--tp", "0"])
+
+
+def test_plan_schedule_prints_one_ranks_step(capsys):
+    """``--schedule RANK``: RANK's whole nominal step, one op per line, and the bytes charged to
+    it, which equal ``plan.cost.per_rank_nbytes[RANK]``."""
+    import dmuon.plan as P
+
+    assert main_plan(["--model", "tiny-llama", "--mesh", "2x2", "--schedule", "3"]) == 0
+    out = capsys.readouterr().out
+    plan = P.compile(P.presets.PRESETS["tiny-llama"](), (2, 2))
+    ops = plan.schedule().rank_ops(3)
+    assert f"rank 3, {len(ops):,} ops, {plan.cost.per_rank_nbytes[3]:,} B charged per step" in out
+    body = [line for line in out.splitlines()[2:] if line.strip()]
+    assert len(body) == len(ops)
+    assert body[0].split()[:3] == [str(ops[0].id), "broadcast", "forward_broadcast"]
+    assert any("replicate_broadcast" in line for line in body)
+    with pytest.raises(SystemExit):
+        main_plan(["--model", "tiny-llama", "--mesh", "2x2", "--schedule", "4"])

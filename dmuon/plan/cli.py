@@ -7,6 +7,7 @@ Examples::
 
     python -m dmuon plan --model llama3-8b --mesh 8
     python -m dmuon plan --model llama3-70b --mesh 2x8 --z2 --cost-model ns_flops --json p.json
+    python -m dmuon plan --model llama3-8b --mesh 2x4 --schedule 5   # rank 5's whole step
     python -m dmuon diff a.json b.json
 """
 
@@ -64,6 +65,10 @@ def main_plan(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--tp-ns", default="auto", choices=("auto", "gram", "gather"), help="TP Newton-Schulz method")
     parser.add_argument("--json", metavar="FILE", default=None, help="write the plan as JSON to FILE")
+    parser.add_argument(
+        "--schedule", type=int, default=None, metavar="RANK",
+        help="print RANK's ops of the nominal step (schedule rank: mesh rank, x T + tp with TP) instead of the summary",
+    )
     args = parser.parse_args(argv)
     if args.tp < 1:
         parser.error("--tp must be >= 1")
@@ -87,7 +92,19 @@ def main_plan(argv: Sequence[str] | None = None) -> int:
         mp_policy=mp,
         **tp_kw,
     )
-    print(plan.summary())
+    if args.schedule is not None:
+        sched = plan.schedule()
+        if not 0 <= args.schedule < sched.num_ranks:
+            parser.error(f"--schedule: rank {args.schedule} is not in 0..{sched.num_ranks - 1}")
+        ops = sched.rank_ops(args.schedule)
+        print(
+            f"{args.model} on mesh {plan.mesh_shape} (T={plan.tp_size}), "
+            f"{'Z3' if plan.reshard_after_forward else 'Z2'}: rank {args.schedule}, {len(ops):,} ops, "
+            f"{sched.rank_nbytes(args.schedule):,} B charged per step"
+        )
+        print(sched.summary(args.schedule))
+    else:
+        print(plan.summary())
     if args.json:
         with open(args.json, "w", encoding="ascii") as f:
             f.write(plan.to_json(indent=1))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import html
 from typing import TYPE_CHECKING
 
-from .cost import RankStats
+from .cost import RankStats, rank_stats, schedule_byte_cost
 
 if TYPE_CHECKING:
     from .plan import ShardingPlan
@@ -53,9 +53,23 @@ def _fmt_field(field: str, v: float) -> str:
     return _fmt(v)
 
 
-def _stat_rows(plan: ShardingPlan) -> list[tuple[str, int, float, int, int]]:
-    ours = plan.rank_stats()
-    base = plan.baseline_rank_stats()
+class _Figures:
+    """The derived figures a report reads, computed once (each is a pure function of the plan)."""
+
+    def __init__(self, plan: ShardingPlan):
+        self.schedule = plan.schedule()
+        self.cost = schedule_byte_cost(self.schedule)
+        self.stats = rank_stats(
+            plan.params, plan.owners, self.schedule, self.cost, mesh_shape=plan.mesh_shape,
+            reshard_after_forward=plan.reshard_after_forward, tp_size=plan.tp_size,
+        )
+        self.baseline_cost = plan.baseline_cost
+        self.baseline_stats = plan.baseline_rank_stats()
+
+
+def _stat_rows(fig: _Figures) -> list[tuple[str, int, float, int, int]]:
+    ours = fig.stats
+    base = fig.baseline_stats
     rows = []
     for field in RankStats.FIELDS:
         vals = [getattr(r, field) for r in ours]
@@ -76,8 +90,8 @@ _COST_ROWS = (
 )
 
 
-def _cost_rows(plan: ShardingPlan) -> list[tuple[str, int | None, int | None]]:
-    ours, base = plan.cost, plan.baseline_cost
+def _cost_rows(plan: ShardingPlan, fig: _Figures) -> list[tuple[str, int | None, int | None]]:
+    ours, base = fig.cost, fig.baseline_cost
     return [
         (label, getattr(ours, a) if a else None, getattr(base, b) if b else None)
         for label, a, b in _COST_ROWS
@@ -120,27 +134,29 @@ def _header(plan: ShardingPlan) -> list[str]:
 
 
 def render_summary(plan: ShardingPlan, *, max_rows: int = 16) -> str:
-    """Plain-text summary table (see module docstring); at most ``max_rows`` rank rows."""
+    """Plain-text summary table (see module docstring); at most ``max_rows`` rank rows, then
+    the first boundary's ops for rank 0 and for the busiest rank."""
+    fig = _Figures(plan)
     lines = _header(plan)
     lines.append("")
     lines.append(f"{'per rank, per step':<24}{'min':>16}{'mean':>18}{'max':>16}{'FSDP2+naive':>16}")
-    for field, lo, mean, hi, base in _stat_rows(plan):
+    for field, lo, mean, hi, base in _stat_rows(fig):
         f = lambda v: _fmt_field(field, v)  # noqa: E731
         lines.append(f"{field:<24}{f(lo):>16}{f(mean):>18}{f(hi):>16}{f(base):>16}")
     lines.append("")
     lines.append(f"{'bytes per step, all ranks':<34}{'dmuon':>20}{'FSDP2+naive':>20}")
-    for label, ours, base in _cost_rows(plan):
+    for label, ours, base in _cost_rows(plan, fig):
         a = fmt_nbytes(ours) if ours is not None else "-"
         b = fmt_nbytes(base) if base is not None else "-"
         lines.append(f"{label:<34}{a:>20}{b:>20}")
-    base_total = plan.baseline_cost.total_nbytes
+    base_total = fig.baseline_cost.total_nbytes
     if base_total:
         note = " (baseline without TP traffic)" if plan.tp_size > 1 else ""
         lines.append(
-            f"{'saving vs FSDP2+naive':<34}{100.0 * (1 - plan.cost.total_nbytes / base_total):>19.1f}%{note}"
+            f"{'saving vs FSDP2+naive':<34}{100.0 * (1 - fig.cost.total_nbytes / base_total):>19.1f}%{note}"
         )
     lines.append("")
-    stats = sorted(plan.rank_stats(), key=lambda r: (-r.owned_numel, r.rank))
+    stats = sorted(fig.stats, key=lambda r: (-r.owned_numel, r.rank))
     counts = [0] * plan.world_size
     for o in plan.owners:
         counts[o.rank] += 1
@@ -154,26 +170,53 @@ def render_summary(plan: ShardingPlan, *, max_rows: int = 16) -> str:
             f"{r.rank:>6}{m % N:>7}{m // N:>6}{counts[m]:>8}{r.owned_numel:>18,}"
             f"{fmt_nbytes(r.comm_nbytes):>14}{fmt_flops(r.ns_flops):>16}"
         )
+    lines += _schedule_lines(plan, fig)
     return "\n".join(lines)
+
+
+def _schedule_lines(plan: ShardingPlan, fig: _Figures) -> list[str]:
+    if not plan.boundaries:
+        return []
+    first = plan.boundaries[0].fqn
+    per_rank = fig.cost.per_rank_nbytes
+    busiest = max(range(len(per_rank)), key=lambda r: (per_rank[r], -r))
+    lines = []
+    for rank, why in ((0, "rank 0"), (busiest, f"busiest rank {busiest} ({fmt_nbytes(per_rank[busiest])}/step)")):
+        if rank == 0 and why != "rank 0":
+            continue
+        ops = fig.schedule.rank_ops(rank)
+        lines.append("")
+        lines.append(
+            f"step schedule, {why}: {len(ops):,} ops; boundary {first or '<root>'!r} "
+            f"(python -m dmuon plan ... --schedule {rank} prints the whole step):"
+        )
+        lines.append(fig.schedule.summary(rank, boundary=first))
+        if busiest == 0:
+            break
+    return lines
 
 
 def render_html(plan: ShardingPlan) -> str:
     """HTML version of :func:`render_summary` for notebooks."""
     esc = html.escape
+    fig = _Figures(plan)
     parts = ["<div class='dmuon-plan'>"]
     parts += [f"<div>{esc(line)}</div>" for line in _header(plan)]
     parts.append("<table><tr><th>per rank</th><th>min</th><th>mean</th><th>max</th><th>FSDP2+naive</th></tr>")
-    for field, lo, mean, hi, base in _stat_rows(plan):
+    for field, lo, mean, hi, base in _stat_rows(fig):
         parts.append(
             f"<tr><td>{esc(field)}</td><td>{_fmt_field(field, lo)}</td><td>{_fmt_field(field, mean)}</td>"
             f"<td>{_fmt_field(field, hi)}</td><td>{_fmt_field(field, base)}</td></tr>"
         )
     parts.append("</table>")
     parts.append("<table><tr><th>bytes per step, all ranks</th><th>dmuon</th><th>FSDP2+naive</th></tr>")
-    for label, ours, base in _cost_rows(plan):
+    for label, ours, base in _cost_rows(plan, fig):
         parts.append(
             f"<tr><td>{esc(label)}</td><td>{_fmt(ours) if ours is not None else '-'}</td>"
             f"<td>{_fmt(base) if base is not None else '-'}</td></tr>"
         )
-    parts.append("</table></div>")
+    parts.append("</table>")
+    parts += [f"<pre>{esc(line)}</pre>" if line.startswith("  ") else f"<div>{esc(line)}</div>"
+              for line in _schedule_lines(plan, fig) if line]
+    parts.append("</div>")
     return "".join(parts)

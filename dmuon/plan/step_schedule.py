@@ -404,21 +404,34 @@ class StepSchedule:
         _replay_pieces(self._groups, coll, self._pieces(), None)
 
     def summary(self, rank: int, *, boundary: str | None = None, max_ops: int | None = None) -> str:
-        """``rank``'s ops as text, one per line, with the bytes charged to it."""
+        """``rank``'s ops as a table, one per line, with the bytes charged to it (all its ops,
+        or those of hook boundary ``boundary``; at most ``max_ops`` lines)."""
         ops = self.rank_ops(rank) if boundary is None else self.boundary_ops(rank, boundary)
-        lines = []
-        for op in ops[: max_ops if max_ops is not None else len(ops)]:
-            charged = op.charged_nbytes(rank)
-            grp = f"group {_fmt_group(op.group)}" if op.collective or op.kind == "newton_schulz" else ""
-            lines.append(f"  {op.describe():<78} {grp:<22} {charged:>12,} B")
-        if max_ops is not None and len(ops) > max_ops:
-            lines.append(f"  ... {len(ops) - max_ops} more ops")
+        shown = ops if max_ops is None else ops[:max_ops]
+        width = max([len(op.boundary or "") for op in shown] + [8])
+        lines = [f"{'op':>7}  {'kind':<15}{'phase':<20}{'boundary':<{width + 2}}{'seg':<6}{'root':>5}"
+                 f"{'elements':>14} {'dtype':<10}{'group':<20}{'charged':>16}"]
+        for op in shown:
+            seg = "" if op.segment is None else str(op.segment) + ("" if op.subsegment is None else f"/{op.subsegment}")
+            grp = _fmt_group(op.group) if (op.collective or op.kind == "newton_schulz") else "all"
+            size = f"{op.numel:,}" if op.collective else (f"{op.flops:,} FLOP" if op.flops else "")
+            dtype = (op.dtype or "").replace("torch.", "")
+            root = "" if op.root is None else str(op.root)
+            lines.append(
+                f"{op.id:>7}  {op.kind:<15}{op.phase:<20}{op.boundary or '':<{width + 2}}{seg:<6}{root:>5}"
+                f"{size:>14} {dtype:<10}{grp:<20}{op.charged_nbytes(rank):>14,} B"
+            )
+        if len(shown) < len(ops):
+            lines.append(f"{'':>7}  ... {len(ops) - len(shown)} more ops")
         return "\n".join(lines)
 
 
 def _fmt_group(group: tuple[int, ...]) -> str:
-    if len(group) > 4 and group == tuple(range(group[0], group[0] + (len(group) - 1) * (group[1] - group[0]) + 1, group[1] - group[0] or 1)):
-        return f"({group[0]}..{group[-1]} step {group[1] - group[0]})" if group[1] - group[0] != 1 else f"({group[0]}..{group[-1]})"
+    """``(0, 1, 2, 3)``, or ``(0..1023)`` / ``(3..1023 step 8)`` for a long arithmetic run."""
+    if len(group) > 4:
+        step = group[1] - group[0]
+        if step > 0 and group == tuple(range(group[0], group[-1] + 1, step)):
+            return f"({group[0]}..{group[-1]})" if step == 1 else f"({group[0]}..{group[-1]} step {step})"
     return str(group)
 
 
