@@ -59,8 +59,8 @@ def _worker(cases, mesh_shape=None, replicate_async=True):
     from torch.distributed.fsdp import fully_shard
 
     import dmuon
-    from dmuon.exec import newton_schulz
     from dmuon.exec.collectives import LEDGER
+    from ns_spy import counting_ns
 
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -81,16 +81,16 @@ def _worker(cases, mesh_shape=None, replicate_async=True):
         for step, batch in enumerate(global_batches(STEPS)):
             local = batch.chunk(world)[rank]
             LEDGER.reset()
-            ns0 = newton_schulz.NS_CALLS
-            loss = lm_loss(model, local)
-            if step == 0:
-                storage["after_forward"] = _non_held_storage_nbytes(model)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            storage.setdefault("after_step", _non_held_storage_nbytes(model))
-            ledgers.append(LEDGER.snapshot())
-            ns_calls.append(newton_schulz.NS_CALLS - ns0)
+            with counting_ns() as step_ns:  # matrices orthogonalised in this step
+                loss = lm_loss(model, local)
+                if step == 0:
+                    storage["after_forward"] = _non_held_storage_nbytes(model)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                storage.setdefault("after_step", _non_held_storage_nbytes(model))
+                ledgers.append(LEDGER.snapshot())
+            ns_calls.append(step_ns.matrices)
             t = loss.detach().clone()
             dist.all_reduce(t)
             losses.append(t.item() / world)

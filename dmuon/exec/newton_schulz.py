@@ -1,8 +1,10 @@
 """Newton-Schulz orthogonalisation: stateless backends and coefficient presets.
 
-Everything here is a pure function of its arguments (the only side effects are the
-process-local counters :data:`NS_CALLS` and :data:`GRAM_FALLBACKS`). Momentum, learning
-rates and parameter updates live in :mod:`dmuon.exec.optim`; this module only maps a matrix
+Everything here is a pure function of its arguments: the module holds no state (no call
+counters; to count calls, wrap the module attribute a caller resolves, e.g. through
+:func:`get_ns_backend`, and observe Gram fallbacks with ``gram_newton_schulz(on_fallback=...)``).
+Momentum, learning rates and parameter updates live in :mod:`dmuon.exec.optim`; this module only
+maps a matrix
 ``G`` (or a batch of matrices) to an approximation of the orthogonal polar factor ``U Vᵀ``
 of ``G = U S Vᵀ``. docs/newton_schulz.md compares the backends and presets.
 
@@ -51,11 +53,9 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "GRAM_FALLBACKS",
     "GRAM_RESTART_EVERY",
     "NS_BACKENDS",
     "NS_PRESETS",
-    "NS_CALLS",
     "POLAR_EXPRESS_PUBLISHED",
     "POLAR_EXPRESS_SAFETY",
     "Coefficients",
@@ -67,7 +67,6 @@ __all__ = [
     "gram_segments",
     "newton_schulz",
     "ns_flops",
-    "reset_ns_calls",
     "schedule_gain_bounds",
     "sharded_gram_newton_schulz",
 ]
@@ -152,25 +151,7 @@ NS_BACKENDS: dict[str, str] = {
     "gram": "gram_newton_schulz",
 }
 
-#: Number of matrices orthogonalised by :func:`newton_schulz` or :func:`gram_newton_schulz`
-#: in this process since import or the last :func:`reset_ns_calls` (a batch of B matrices
-#: counts B; a Gram fallback to the standard iteration does not count twice). Read it as
-#: ``dmuon.exec.newton_schulz.NS_CALLS`` (a ``from ... import`` copies the int).
-NS_CALLS: int = 0
-
-#: Number of matrices for which :func:`gram_newton_schulz` rejected its own result and
-#: returned the standard iteration's instead (see there), since import or the last
-#: :func:`reset_ns_calls`.
-GRAM_FALLBACKS: int = 0
-
 _MAX_STEPS = 100  # torch.optim.Muon refuses ns_steps >= 100 "for computational efficiency"
-
-
-def reset_ns_calls() -> int:
-    """Set :data:`NS_CALLS` and :data:`GRAM_FALLBACKS` to 0; return the value ``NS_CALLS`` had."""
-    global NS_CALLS, GRAM_FALLBACKS
-    previous, NS_CALLS, GRAM_FALLBACKS = NS_CALLS, 0, 0
-    return previous
 
 
 def get_ns_backend(name: str) -> Callable[..., Tensor]:
@@ -305,14 +286,9 @@ def newton_schulz(
     Raises:
         ValueError: ``x.ndim < 2``, complex ``x``, or a bad coefficient spec / ``steps``
             (see :func:`coefficient_schedule`).
-
-    Side effect: :data:`NS_CALLS` grows by the number of matrices (``prod(x.shape[:-2])``,
-    1 for 2-D input).
     """
-    global NS_CALLS
     _check_input(x, dtype, "newton_schulz")
     schedule = coefficient_schedule(coefficients, steps)
-    NS_CALLS += _num_matrices(x)
     return _newton_schulz(x, schedule, eps, dtype)
 
 
@@ -323,12 +299,9 @@ def _check_input(x: Tensor, dtype: torch.dtype, who: str) -> None:
         raise ValueError(f"{who} supports real tensors only")
 
 
-def _num_matrices(x: Tensor) -> int:
-    return math.prod(x.shape[:-2])
-
-
 def _newton_schulz(x: Tensor, schedule: tuple[Triple, ...], eps: float, dtype: torch.dtype) -> Tensor:
-    """:func:`newton_schulz` on a resolved schedule, without validation or counting."""
+    """:func:`newton_schulz` on a resolved schedule, without validation (also the redo of
+    :func:`gram_newton_schulz`'s fallback)."""
     m, n = x.shape[-2], x.shape[-1]
 
     if x.ndim == 2:
@@ -538,6 +511,7 @@ def gram_newton_schulz(
     dtype: torch.dtype = torch.bfloat16,
     restart_every: Restarts = GRAM_RESTART_EVERY,
     fallback: bool = True,
+    on_fallback: Optional[Callable[[Tensor], None]] = None,
 ) -> Tensor:
     """Newton-Schulz through the ``(d, d)`` Gram matrix (Gram Newton-Schulz, with restarts).
 
@@ -591,8 +565,8 @@ def gram_newton_schulz(
     - ``⟨Y, X⟩ < 0.9·min_slope`` for the normalised input ``X`` (``‖X‖_F = 1``; exact:
       ``⟨Y, X⟩ = Σ P(s_i)·s_i >= min_slope``): the result lost the input's directions;
 
-    and is then recomputed with :func:`newton_schulz` (same arguments), counted in
-    :data:`GRAM_FALLBACKS` and reported by a ``RuntimeWarning``. The first two catch the
+    and is then recomputed with :func:`newton_schulz` (same arguments), reported by a
+    ``RuntimeWarning`` and, if given, to ``on_fallback``. The first two catch the
     instability of the Gram form (rounding makes small eigenvalues of ``R`` negative or
     inflates them, and the polynomial amplifies them: without restarts, bf16 results on the
     zoo of benchmarks/ns_accuracy.py with condition number >= 1e2 or rank 4 reach largest
@@ -612,21 +586,21 @@ def gram_newton_schulz(
         restart_every: see :func:`gram_segments` (int ``>= 1``, sequence of 0-based steps,
             or ``None``).
         fallback: enable the safe fallback above.
+        on_fallback: called once, only when some matrices fall back, with the 1-D int64
+            indices (into ``x.reshape(-1, m, n)``, on ``x``'s device) of the matrices
+            recomputed, before the warning. The module keeps no count; this callback is the
+            observable for callers that need one (benchmarks/ns_accuracy.py counts with it).
+            Default ``None``: not called.
 
     Returns:
         Tensor of ``x.shape`` in ``dtype``.
 
     Raises:
         ValueError: as :func:`newton_schulz`, or a bad ``restart_every``.
-
-    Side effects: :data:`NS_CALLS` grows by the number of matrices; :data:`GRAM_FALLBACKS`
-    by the number of matrices that fell back.
     """
-    global NS_CALLS, GRAM_FALLBACKS
     _check_input(x, dtype, "gram_newton_schulz")
     schedule = coefficient_schedule(coefficients, steps)
     segments = gram_segments(schedule, restart_every)
-    NS_CALLS += _num_matrices(x)
 
     lead, m, n = x.shape[:-2], x.shape[-2], x.shape[-1]
     tall = m > n
@@ -652,12 +626,13 @@ def gram_newton_schulz(
         bad = ~ok
         if bool(bad.any()):
             idx = bad.nonzero().flatten()
-            GRAM_FALLBACKS += int(idx.numel())
+            if on_fallback is not None:
+                on_fallback(idx)
             warnings.warn(
                 f"gram_newton_schulz: {idx.numel()} of {X.shape[0]} matrices of shape {(m, n)} "
                 f"in {dtype} gave a non-finite result, a singular value above {top:.3g} or an "
                 f"alignment <Y, X> below {floor:.3g}; recomputed with the standard "
-                "Newton-Schulz iteration (see GRAM_FALLBACKS)",
+                "Newton-Schulz iteration",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -711,10 +686,7 @@ def sharded_gram_newton_schulz(
 
     Raises:
         ValueError: as :func:`newton_schulz`; ``steps == 0`` (the iteration is what needs the Gram).
-
-    Side effects: :data:`NS_CALLS` grows by ``B`` on every rank.
     """
-    global NS_CALLS
     _check_input(x, dtype, "sharded_gram_newton_schulz")
     if steps == 0:
         raise ValueError("sharded_gram_newton_schulz needs steps >= 1")
@@ -722,7 +694,6 @@ def sharded_gram_newton_schulz(
     segments = gram_segments(schedule, restart_every)
     lead, d, D = x.shape[:-2], x.shape[-2], x.shape[-1]
     X = x.reshape(-1, d, D).to(dtype, copy=True)
-    NS_CALLS += X.shape[0]
     for i, segment in enumerate(segments):
         Xf = X.float()
         G = all_reduce_sum(torch.bmm(Xf, Xf.mT))
