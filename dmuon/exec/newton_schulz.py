@@ -52,6 +52,9 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
+# The FLOP formulas and the Gram segment rule are written once, in the (torch-free) cost model.
+from dmuon.plan.cost import gram_ns_segment_flops, gram_segment_lengths, ns_flops
+
 __all__ = [
     "GRAM_RESTART_EVERY",
     "NS_BACKENDS",
@@ -333,27 +336,6 @@ def _newton_schulz(x: Tensor, schedule: tuple[Triple, ...], eps: float, dtype: t
     return X.reshape(*lead, m, n)
 
 
-def ns_flops(m: int, n: int, steps: int, *, num_matrices: int = 1) -> int:
-    """Matmul FLOPs of :func:`newton_schulz` on ``num_matrices`` matrices of shape ``(m, n)``.
-
-    Formula (multiply-add = 2 FLOPs; elementwise work and the norm are ignored), with
-    ``d = min(m, n)`` and ``D = max(m, n)``:
-
-        ``num_matrices * steps * (4·d²·D + 2·d³)``
-
-    per step: ``A = X Xᵀ`` costs ``2·d²·D``, ``A·A`` costs ``2·d³``, ``B·X`` costs
-    ``2·d²·D``. This is the NS term of the plan cost model.
-
-    Raises:
-        ValueError: a negative argument.
-    """
-    if min(m, n, steps, num_matrices) < 0:
-        raise ValueError(f"ns_flops arguments must be >= 0, got m={m} n={n} steps={steps} num_matrices={num_matrices}")
-    if m > n:
-        m, n = n, m
-    return num_matrices * steps * (4 * m * m * n + 2 * m**3)
-
-
 # ------------------------------------------------------------------------------ Gram NS
 
 
@@ -384,25 +366,15 @@ def gram_segments(
 
     Raises:
         ValueError: ``restart_every`` is not ``None``, an int ``>= 1`` or a sequence of ints.
+
+    The rule itself is :func:`dmuon.plan.cost.gram_segment_lengths` (shared with the plan's
+    count of TP Gram all-reduces); this function applies it to ``schedule``.
     """
-    steps = len(schedule)
-    if restart_every is None:
-        cuts: list[int] = []
-    elif isinstance(restart_every, numbers.Integral) and not isinstance(restart_every, bool):
-        if restart_every < 1:
-            raise ValueError(f"restart_every must be >= 1 (or None for no restarts), got {restart_every}")
-        cuts = list(range(int(restart_every), steps, int(restart_every)))
-    elif isinstance(restart_every, Sequence) and not isinstance(restart_every, str) and all(
-        isinstance(k, numbers.Integral) and not isinstance(k, bool) for k in restart_every
-    ):
-        cuts = sorted({int(k) for k in restart_every if 0 < k < steps})
-    else:
-        raise ValueError(
-            "restart_every must be None, an int >= 1 or a sequence of 0-based step indices, "
-            f"got {restart_every!r}"
-        )
-    bounds = [0, *cuts, steps]
-    return tuple(tuple(schedule[i:j]) for i, j in zip(bounds, bounds[1:]) if j > i)
+    segments, start = [], 0
+    for length in gram_segment_lengths(len(schedule), restart_every):
+        segments.append(tuple(schedule[start : start + length]))
+        start += length
+    return tuple(segments)
 
 
 def gram_ns_from_gram(g: Tensor, *, coefficients: Coefficients, steps: int) -> Tensor:
@@ -740,7 +712,8 @@ def gram_ns_flops(
     """Matmul FLOPs of :func:`gram_newton_schulz` on ``num_matrices`` ``(m, n)`` matrices.
 
     With ``d = min(m, n)``, ``D = max(m, n)`` and the schedule split into segments of
-    lengths ``L_1 … L_S`` (:func:`gram_segments`; ``S = 1 +`` number of restarts)::
+    lengths ``L_1 … L_S`` (:func:`gram_segments`; ``S = 1 +`` number of restarts), the
+    formula of :func:`dmuon.plan.cost.gram_ns_segment_flops`::
 
         num_matrices * Σ_j [ 4·d²·D  +  (8·L_j - 6)·d³ ]
 
@@ -760,5 +733,4 @@ def gram_ns_flops(
             f"gram_ns_flops arguments must be >= 0, got m={m} n={n} steps={steps} num_matrices={num_matrices}"
         )
     d, D = min(m, n), max(m, n)
-    segments = gram_segments([(0.0, 0.0, 0.0)] * steps, restart_every)
-    return num_matrices * sum(4 * d * d * D + (8 * len(seg) - 6) * d**3 for seg in segments)
+    return num_matrices * gram_ns_segment_flops(d, D, gram_segment_lengths(steps, restart_every))
