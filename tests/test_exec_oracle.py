@@ -25,7 +25,7 @@ from dist_utils import run_distributed
 from oracle import dmuon_optimizer, global_batches, lm_loss, make_model, reference_run
 
 STEPS = 3
-# bf16 Newton-Schulz amplifies reduction-order noise (DESIGN.md numerical contract). Measured on
+# bf16 Newton-Schulz amplifies reduction-order noise (README, "The oracle guarantee"). Measured on
 # this suite (3 steps, N = 2..4): worst loss deviation 1.9e-6 relative, parameters 9.5e-3 of
 # max|p| (fp32 NS: 2.3e-7 and 3.0e-6). Bounds, with margin:
 BF16_LOSS_RTOL = 2e-3

@@ -7,7 +7,7 @@ so these tests pin the optimizer's math alone:
   the oracle after every step;
 - expert stacks (E, m, n): bf16 bit-identical to torch.optim.Muon run on each slice; fp32
   (batched NS) within 1e-5 of each tensor's largest magnitude of the oracle patched to iterate
-  in fp32 (DESIGN.md contract: 1e-4; only bmm-vs-mm reduction order differs).
+  in fp32 (the README's oracle guarantee: 1e-4; only bmm-vs-mm reduction order differs).
 """
 
 from __future__ import annotations
@@ -761,7 +761,7 @@ def test_adamw_on_dtensors_bit_identical():
 #   magnitude (Gram NS is the same polynomial; measured <= 8e-15);
 # - ns_dtype=float32: within 1e-4 of each tensor's largest magnitude (measured <= 5e-6);
 # - ns_dtype=bfloat16 (default): within 0.15 of it (measured <= 5.4e-2: bf16 NS results of the
-#   two backends differ by a few 1e-2, DESIGN.md's "up to a few 1e-2" for bf16 reduction noise).
+#   two backends differ by a few 1e-2, the bf16 rounding error of docs/newton_schulz.md's table).
 # ---------------------------------------------------------------------------------------------
 
 

@@ -32,7 +32,7 @@ STEPS = 3
 LOSS_RTOL = 1e-5
 PARAM_TOL = 1e-4
 # bf16 iteration (dmuon.Muon's default ns_dtype; Gram still formed and all-reduced in fp32)
-# against the reference's bf16 Gram NS (Gram formed in bf16): DESIGN.md's bf16 contract bounds
+# against the reference's bf16 Gram NS (Gram formed in bf16): the README's bf16 oracle bounds
 # (2e-3 / 5e-2) are for the standard iteration; Gram NS in bf16 has ~3x its rounding error
 # (docs/newton_schulz.md) and the two sides round the Gram differently. Measured 5.4e-2 on
 # parameters; bound 0.15.

@@ -19,7 +19,7 @@ One process group per mesh runs every case (N = 2, N = 3, HSDP (2, 1)):
 * the mesh given as an int, and an HSDP ``DeviceMesh`` with the user's own dim names;
 * a collective timeout names the boundary and the phase.
 
-Tolerances: fp32 Newton-Schulz everywhere (DESIGN.md contract: 1e-6 relative on losses, 1e-4
+Tolerances: fp32 Newton-Schulz everywhere (README oracle guarantee: 1e-6 relative on losses, 1e-4
 of max|p| on parameters), except mixed precision (bf16 rounding of per-rank vs global
 gradients: 2e-2 relative on losses, 5e-2 of max|p| + 2·adamw_lr·steps on parameters, since
 AdamW turns a near-zero gradient into a sign-like step that bf16 rounding can flip).

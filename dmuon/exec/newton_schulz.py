@@ -23,7 +23,8 @@ run on the wide orientation (rows <= columns) so that the Gram matrix ``A`` is t
 Backends (:data:`NS_BACKENDS`; every one is a pure function with the same keywords):
 
 - ``"standard"``: :func:`newton_schulz`, the iteration above; the default everywhere, and
-  the only backend of the numerical contract (DESIGN.md §2).
+  the only backend of the numerical contract (the README's "The oracle guarantee": same
+  losses and parameters as one process running ``torch.optim.Muon``, up to reduction order).
 - ``"gram"``: :func:`gram_newton_schulz` (Zhang, Amsel, Chen, Dao, "Gram Newton-Schulz",
   2026): the same polynomial evaluated on the ``(d, d)`` Gram matrix, ``d = min(m, n)``,
   with restarts; equal to ``"standard"`` in exact arithmetic, cheaper when
@@ -631,7 +632,8 @@ def sharded_gram_newton_schulz(
     Each rank passes its column block ``x`` = ``X_i`` of ``X = [X_1 … X_T]``, shape ``(d, D_i)``
     or ``(B, d, D_i)`` (``B`` matrices batched; a row-sharded matrix enters transposed, so ``d``
     is always the side that is not split), and gets ``NS(X)``'s block ``i`` back. Only ``(d,
-    d)`` matrices cross ranks (Zhang, Amsel, Chen, Dao, "Gram Newton-Schulz"; DESIGN.md §1):
+    d)`` matrices cross ranks (Zhang, Amsel, Chen, Dao, "Gram Newton-Schulz"; the bytes: the
+    plan's ``tp_nbytes``, docs/tensor_parallel.md):
 
     1. ``G = Σ_i X_i X_iᵀ`` in float32 (``all_reduce_sum``, one call per segment);
        the first one also gives ``‖X‖_F² = tr(G)``: ``X_i /= max(‖X‖_F, eps)``, ``G /= ‖X‖_F²``
