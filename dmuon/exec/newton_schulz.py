@@ -3,10 +3,9 @@
 Everything here is a pure function of its arguments: the module holds no state (no call
 counters; to count calls, wrap the module attribute a caller resolves, e.g. through
 :func:`get_ns_backend`, and observe Gram fallbacks with ``gram_newton_schulz(on_fallback=...)``).
-Momentum, learning rates and parameter updates live in :mod:`dmuon.exec.optim`; this module only
-maps a matrix
-``G`` (or a batch of matrices) to an approximation of the orthogonal polar factor ``U Vᵀ``
-of ``G = U S Vᵀ``. docs/newton_schulz.md compares the backends and presets.
+Momentum, learning rates and parameter updates live in :mod:`dmuon.exec.optim`; this module
+only maps a matrix ``G`` (or a batch of matrices) to an approximation of the orthogonal polar
+factor ``U Vᵀ`` of ``G = U S Vᵀ``. docs/newton_schulz.md compares the backends and presets.
 
 The iteration (Jordan et al. 2024, "Muon: An optimizer for hidden layers in neural
 networks", https://kellerjordan.github.io/posts/muon/) is the odd quintic
