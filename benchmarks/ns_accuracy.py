@@ -24,7 +24,7 @@ exact polar factor from a float64 SVD ``G = U diag(σ) Vᵀ`` (thin). Definition
   float64 with the same coefficients: the rounding error of the backend in this dtype
   (for Gram NS: its departure from the exact-arithmetic polynomial);
 - ``finite``: every entry of ``Y`` finite; ``fb``: matrices for which Gram NS fell back to
-  the standard iteration (:data:`dmuon.exec.newton_schulz.GRAM_FALLBACKS`).
+  the standard iteration (counted with ``gram_newton_schulz(on_fallback=...)``).
 
 Backends (columns): ``standard`` = ``newton_schulz`` with "muon" coefficients (dmuon's and
 torch's default); ``polar_express`` = ``newton_schulz`` with the "polar_express" preset;
@@ -172,11 +172,12 @@ def run_backend(
     """``(Y, fallbacks)``: the backend's result on ``x`` and how many matrices fell back."""
     fn_name, preset = BACKENDS[backend]
     fn = getattr(ns, fn_name)
-    before = ns.GRAM_FALLBACKS
+    fell_back: list[int] = []
+    kw = {"on_fallback": lambda idx: fell_back.append(idx.numel())} if fn_name == "gram_newton_schulz" else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # fallbacks are reported in the table
-        y = fn(x, coefficients=preset, steps=steps, dtype=dtype)
-    return y, ns.GRAM_FALLBACKS - before
+        y = fn(x, coefficients=preset, steps=steps, dtype=dtype, **kw)
+    return y, sum(fell_back)
 
 
 def measure(

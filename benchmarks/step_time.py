@@ -109,7 +109,8 @@ GOAL_NS_BALANCE = 1.05
 N_BATCHES = 4  # distinct batches cycled through
 SEED = 0
 
-# dmuon.Muon defaults (DESIGN.md section 2): both Muon variants use exactly these.
+# dmuon.Muon's defaults (those of torch.optim.Muon / torch.optim.AdamW; dmuon.Muon's signature):
+# both Muon variants use exactly these.
 MUON_HP = dict(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
                ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7, ns_steps=5, adjust_lr_fn=None)
 ADAMW_HP = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)

@@ -1,7 +1,7 @@
 """dmuon: Muon on FSDP2 with exclusive ownership of every Muon-target matrix.
 
 ``import dmuon`` makes ``fully_shard`` (however it was imported) skip parameters dedicated by
-:func:`dedicate_params`. Public names (DESIGN.md §2):
+:func:`dedicate_params`. Public names (the README's "API" section):
 
 * :mod:`dmuon.plan` — pure planning: ``dmuon.plan.compile(model, mesh, ...)`` → ``ShardingPlan``.
 * :mod:`dmuon.exec` — execution: ``dmuon.exec.apply(plan, model, mesh=None)``.

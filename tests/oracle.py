@@ -1,9 +1,10 @@
 """Oracle side of the runtime tests: models, data and the single-process reference.
 
-The reference is what DESIGN.md's numerical contract names: one process, the global batch,
-``torch.optim.Muon`` on the dedicated matrices and ``torch.optim.AdamW`` on the rest, with the
-same hyper-parameters. ``fp32_newton_schulz`` patches torch's Muon to iterate in float32 (the
-"reference patched to iterate in fp32" of the contract) without touching its other arithmetic.
+The reference is what the numerical contract (README, "The oracle guarantee") names: one
+process, the global batch, ``torch.optim.Muon`` on the dedicated matrices and
+``torch.optim.AdamW`` on the rest, with the same hyper-parameters. ``fp32_newton_schulz``
+patches torch's Muon to iterate in float32 (the "reference patched to iterate in fp32" of the
+contract) without touching its other arithmetic.
 """
 
 from __future__ import annotations

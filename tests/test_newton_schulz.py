@@ -26,8 +26,8 @@ from dmuon.exec.newton_schulz import (
     coefficient_schedule,
     newton_schulz,
     ns_flops,
-    reset_ns_calls,
 )
+from ns_spy import spy_ns
 
 MUON = (3.4445, -4.775, 2.0315)
 SHAPES = [(16, 16), (36, 16), (5, 8), (1, 33), (33, 1), (64, 48), (7, 7)]
@@ -217,16 +217,18 @@ def test_non_matrix_and_complex_raise():
         newton_schulz(torch.ones(3, 3), steps=5.0)
 
 
-def test_ns_calls_counts_matrices():
-    reset_ns_calls()
-    newton_schulz(_randn(8, 4))
-    assert ns_mod.NS_CALLS == 1
-    newton_schulz(_randn(3, 8, 4))
-    assert ns_mod.NS_CALLS == 4
-    newton_schulz(_randn(2, 3, 8, 4), dtype=torch.float32)
-    assert ns_mod.NS_CALLS == 10
-    assert reset_ns_calls() == 10
-    assert ns_mod.NS_CALLS == 0
+def test_ns_calls_counts_matrices(monkeypatch):
+    # the module keeps no counters; the tests' spy (tests/ns_spy.py) counts matrices per call
+    assert not {"NS_CALLS", "GRAM_FALLBACKS", "reset_ns_calls"} & set(vars(ns_mod))
+    calls = spy_ns(monkeypatch)
+    ns_mod.newton_schulz(_randn(8, 4))
+    assert calls.matrices == 1
+    ns_mod.newton_schulz(_randn(3, 8, 4))
+    assert calls.matrices == 4
+    ns_mod.newton_schulz(_randn(2, 3, 8, 4), dtype=torch.float32)
+    assert calls.matrices == 10
+    assert calls.reset() == 10
+    assert calls.matrices == 0
 
 
 def test_ns_flops_hand_checked():
@@ -357,6 +359,21 @@ def test_gram_segments():
             gram_segments(sched, bad)
 
 
+def test_flop_formulas_and_segment_rule_are_the_cost_models():
+    """One definition each (dmuon.plan.cost): the optimizer and the plan cannot disagree."""
+    from dmuon.plan import cost
+
+    assert ns_mod.ns_flops is cost.ns_flops
+    sched = coefficient_schedule(MUON, 5)
+    for restart_every in (None, 1, 2, 3, 7, [2], [0, 2, 2, 9], ()):
+        lengths = cost.gram_segment_lengths(5, restart_every)
+        assert tuple(len(s) for s in gram_segments(sched, restart_every)) == lengths
+        assert gram_ns_flops(4, 10, 5, restart_every=restart_every) == cost.gram_ns_segment_flops(4, 10, lengths)
+    for bad in (0, -1, "2", 2.0, True, [1.5]):
+        with pytest.raises(ValueError, match="restart_every"):
+            cost.gram_segment_lengths(5, bad)
+
+
 GRAM_SHAPES = [(16, 16), (36, 16), (5, 8), (1, 33), (33, 1), (12, 200), (3, 12, 40), (2, 2, 9, 7)]
 
 
@@ -457,12 +474,13 @@ def test_gram_bad_arguments_raise():
     assert get_ns_backend("standard") is newton_schulz and get_ns_backend("gram") is gram_newton_schulz
 
 
-def test_gram_counts_ns_calls():
-    reset_ns_calls()
-    gram_newton_schulz(_randn(8, 4))
-    gram_newton_schulz(_randn(3, 8, 4), dtype=torch.float32)
-    assert ns_mod.NS_CALLS == 4 and ns_mod.GRAM_FALLBACKS == 0
-    assert reset_ns_calls() == 4
+def test_gram_counts_ns_calls(monkeypatch):
+    calls = spy_ns(monkeypatch)
+    fell_back = []
+    ns_mod.gram_newton_schulz(_randn(8, 4), on_fallback=fell_back.append)
+    ns_mod.gram_newton_schulz(_randn(3, 8, 4), dtype=torch.float32, on_fallback=fell_back.append)
+    assert calls.matrices == 4 and fell_back == []
+    assert calls.reset() == 4
 
 
 def test_gram_ns_flops_hand_checked():

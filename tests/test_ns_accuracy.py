@@ -51,6 +51,7 @@ import torch
 
 import dmuon.exec.newton_schulz as ns
 from conftest import REPO_ROOT
+from ns_spy import spy_ns
 
 _spec = importlib.util.spec_from_file_location("ns_accuracy", REPO_ROOT / "benchmarks" / "ns_accuracy.py")
 acc = importlib.util.module_from_spec(_spec)
@@ -265,7 +266,7 @@ def test_gram_is_not_worse_than_documented_in_fp32(rows):
 
 
 @pytest.mark.parametrize("coefficients", ["muon", "polar_express"])
-def test_gram_without_restarts_blows_up_in_bf16_and_the_fallback_catches_it(coefficients):
+def test_gram_without_restarts_blows_up_in_bf16_and_the_fallback_catches_it(coefficients, monkeypatch):
     """The documented fallback condition: without restarts, bf16 Gram NS on an
     ill-conditioned matrix produces singular values far above the schedule's bound; with
     ``fallback=True`` that matrix is recomputed by the standard iteration (bit-identical to
@@ -279,10 +280,11 @@ def test_gram_without_restarts_blows_up_in_bf16_and_the_fallback_catches_it(coef
     assert torch.linalg.matrix_norm(raw.double(), ord=2) > 5 * max_gain  # the instability
 
     batch = torch.stack([good, bad])
-    ns.reset_ns_calls()
+    calls, fell_back = spy_ns(monkeypatch), []
     with pytest.warns(RuntimeWarning, match="recomputed with the standard"):
-        out = ns.gram_newton_schulz(batch, **kw)
-    assert ns.GRAM_FALLBACKS == 1 and ns.NS_CALLS == 2  # the redo is not counted twice
+        out = ns.gram_newton_schulz(batch, on_fallback=fell_back.append, **kw)
+    assert [i.tolist() for i in fell_back] == [[1]]  # one matrix fell back: the bad one
+    assert calls.matrices == 2 and calls.calls == ["gram_newton_schulz"]  # the redo is not counted twice
     expected = ns.newton_schulz(bad, coefficients=coefficients, dtype=torch.bfloat16)
     torch.testing.assert_close(out[1].float(), expected.float(), rtol=0, atol=4e-2)  # bmm vs mm
     assert torch.equal(out[0], ns.gram_newton_schulz(batch, fallback=False, **kw)[0])
@@ -296,10 +298,10 @@ def test_fallback_catches_non_finite_input():
         warnings.simplefilter("ignore", RuntimeWarning)
         for fn in (ns.newton_schulz, ns.gram_newton_schulz):
             fn(x)  # must not raise; non-finite in, non-finite out is the caller's problem
-    ns.reset_ns_calls()
+    fell_back = []
     with pytest.warns(RuntimeWarning):
-        ns.gram_newton_schulz(x, dtype=torch.float32)
-    assert ns.GRAM_FALLBACKS == 1
+        ns.gram_newton_schulz(x, dtype=torch.float32, on_fallback=fell_back.append)
+    assert sum(i.numel() for i in fell_back) == 1
 
 
 def test_fallback_catches_a_lost_signal(monkeypatch):
@@ -319,8 +321,8 @@ def test_fallback_catches_a_lost_signal(monkeypatch):
         return H @ real(R, schedule)
 
     monkeypatch.setattr(ns, "_gram_q", turned)
-    ns.reset_ns_calls()
+    fell_back = []
     with pytest.warns(RuntimeWarning, match="alignment"):
-        out = ns.gram_newton_schulz(x, dtype=torch.float64, restart_every=None)
-    assert ns.GRAM_FALLBACKS == 1
+        out = ns.gram_newton_schulz(x, dtype=torch.float64, restart_every=None, on_fallback=fell_back.append)
+    assert sum(i.numel() for i in fell_back) == 1
     assert torch.equal(out, ns.newton_schulz(x, dtype=torch.float64))

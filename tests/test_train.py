@@ -169,7 +169,7 @@ def _check_learns(m: dict, *, below_unigram: bool) -> None:
 def test_dmuon_run_learns_and_ledger_matches_plan():
     """dmuon.Muon (Z3 then Z2), 30 steps on tinyshakespeare: val loss ends below the unigram
     baseline and far below the first loss; the measured ledger bytes per step equal the plan's
-    total, and Z2 moves 2/3 of Z3's bytes (DESIGN.md section 1)."""
+    total, and Z2 moves 2/3 of Z3's bytes (docs/planning.md, "Costs")."""
     z3, z2 = run_distributed(
         _train_cases, 2, [dict(LEARN, mode="z3"), dict(LEARN, mode="z2", steps=3)],
         timeout_s=240,

@@ -1,10 +1,11 @@
 """Newton-Schulz orthogonalisation: stateless backends and coefficient presets.
 
-Everything here is a pure function of its arguments (the only side effects are the
-process-local counters :data:`NS_CALLS` and :data:`GRAM_FALLBACKS`). Momentum, learning
-rates and parameter updates live in :mod:`dmuon.exec.optim`; this module only maps a matrix
-``G`` (or a batch of matrices) to an approximation of the orthogonal polar factor ``U Vᵀ``
-of ``G = U S Vᵀ``. docs/newton_schulz.md compares the backends and presets.
+Everything here is a pure function of its arguments: the module holds no state (no call
+counters; to count calls, wrap the module attribute a caller resolves, e.g. through
+:func:`get_ns_backend`, and observe Gram fallbacks with ``gram_newton_schulz(on_fallback=...)``).
+Momentum, learning rates and parameter updates live in :mod:`dmuon.exec.optim`; this module
+only maps a matrix ``G`` (or a batch of matrices) to an approximation of the orthogonal polar
+factor ``U Vᵀ`` of ``G = U S Vᵀ``. docs/newton_schulz.md compares the backends and presets.
 
 The iteration (Jordan et al. 2024, "Muon: An optimizer for hidden layers in neural
 networks", https://kellerjordan.github.io/posts/muon/) is the odd quintic
@@ -21,7 +22,8 @@ run on the wide orientation (rows <= columns) so that the Gram matrix ``A`` is t
 Backends (:data:`NS_BACKENDS`; every one is a pure function with the same keywords):
 
 - ``"standard"``: :func:`newton_schulz`, the iteration above; the default everywhere, and
-  the only backend of the numerical contract (DESIGN.md §2).
+  the only backend of the numerical contract (the README's "The oracle guarantee": same
+  losses and parameters as one process running ``torch.optim.Muon``, up to reduction order).
 - ``"gram"``: :func:`gram_newton_schulz` (Zhang, Amsel, Chen, Dao, "Gram Newton-Schulz",
   2026): the same polynomial evaluated on the ``(d, d)`` Gram matrix, ``d = min(m, n)``,
   with restarts; equal to ``"standard"`` in exact arithmetic, cheaper when
@@ -50,12 +52,13 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
+# The FLOP formulas and the Gram segment rule are written once, in the (torch-free) cost model.
+from dmuon.plan.cost import gram_ns_segment_flops, gram_segment_lengths, ns_flops
+
 __all__ = [
-    "GRAM_FALLBACKS",
     "GRAM_RESTART_EVERY",
     "NS_BACKENDS",
     "NS_PRESETS",
-    "NS_CALLS",
     "POLAR_EXPRESS_PUBLISHED",
     "POLAR_EXPRESS_SAFETY",
     "Coefficients",
@@ -67,7 +70,6 @@ __all__ = [
     "gram_segments",
     "newton_schulz",
     "ns_flops",
-    "reset_ns_calls",
     "schedule_gain_bounds",
     "sharded_gram_newton_schulz",
 ]
@@ -152,25 +154,7 @@ NS_BACKENDS: dict[str, str] = {
     "gram": "gram_newton_schulz",
 }
 
-#: Number of matrices orthogonalised by :func:`newton_schulz` or :func:`gram_newton_schulz`
-#: in this process since import or the last :func:`reset_ns_calls` (a batch of B matrices
-#: counts B; a Gram fallback to the standard iteration does not count twice). Read it as
-#: ``dmuon.exec.newton_schulz.NS_CALLS`` (a ``from ... import`` copies the int).
-NS_CALLS: int = 0
-
-#: Number of matrices for which :func:`gram_newton_schulz` rejected its own result and
-#: returned the standard iteration's instead (see there), since import or the last
-#: :func:`reset_ns_calls`.
-GRAM_FALLBACKS: int = 0
-
 _MAX_STEPS = 100  # torch.optim.Muon refuses ns_steps >= 100 "for computational efficiency"
-
-
-def reset_ns_calls() -> int:
-    """Set :data:`NS_CALLS` and :data:`GRAM_FALLBACKS` to 0; return the value ``NS_CALLS`` had."""
-    global NS_CALLS, GRAM_FALLBACKS
-    previous, NS_CALLS, GRAM_FALLBACKS = NS_CALLS, 0, 0
-    return previous
 
 
 def get_ns_backend(name: str) -> Callable[..., Tensor]:
@@ -305,14 +289,9 @@ def newton_schulz(
     Raises:
         ValueError: ``x.ndim < 2``, complex ``x``, or a bad coefficient spec / ``steps``
             (see :func:`coefficient_schedule`).
-
-    Side effect: :data:`NS_CALLS` grows by the number of matrices (``prod(x.shape[:-2])``,
-    1 for 2-D input).
     """
-    global NS_CALLS
     _check_input(x, dtype, "newton_schulz")
     schedule = coefficient_schedule(coefficients, steps)
-    NS_CALLS += _num_matrices(x)
     return _newton_schulz(x, schedule, eps, dtype)
 
 
@@ -323,12 +302,9 @@ def _check_input(x: Tensor, dtype: torch.dtype, who: str) -> None:
         raise ValueError(f"{who} supports real tensors only")
 
 
-def _num_matrices(x: Tensor) -> int:
-    return math.prod(x.shape[:-2])
-
-
 def _newton_schulz(x: Tensor, schedule: tuple[Triple, ...], eps: float, dtype: torch.dtype) -> Tensor:
-    """:func:`newton_schulz` on a resolved schedule, without validation or counting."""
+    """:func:`newton_schulz` on a resolved schedule, without validation (also the redo of
+    :func:`gram_newton_schulz`'s fallback)."""
     m, n = x.shape[-2], x.shape[-1]
 
     if x.ndim == 2:
@@ -358,27 +334,6 @@ def _newton_schulz(x: Tensor, schedule: tuple[Triple, ...], eps: float, dtype: t
     if m > n:
         X = X.mT
     return X.reshape(*lead, m, n)
-
-
-def ns_flops(m: int, n: int, steps: int, *, num_matrices: int = 1) -> int:
-    """Matmul FLOPs of :func:`newton_schulz` on ``num_matrices`` matrices of shape ``(m, n)``.
-
-    Formula (multiply-add = 2 FLOPs; elementwise work and the norm are ignored), with
-    ``d = min(m, n)`` and ``D = max(m, n)``:
-
-        ``num_matrices * steps * (4·d²·D + 2·d³)``
-
-    per step: ``A = X Xᵀ`` costs ``2·d²·D``, ``A·A`` costs ``2·d³``, ``B·X`` costs
-    ``2·d²·D``. This is the NS term of the plan cost model.
-
-    Raises:
-        ValueError: a negative argument.
-    """
-    if min(m, n, steps, num_matrices) < 0:
-        raise ValueError(f"ns_flops arguments must be >= 0, got m={m} n={n} steps={steps} num_matrices={num_matrices}")
-    if m > n:
-        m, n = n, m
-    return num_matrices * steps * (4 * m * m * n + 2 * m**3)
 
 
 # ------------------------------------------------------------------------------ Gram NS
@@ -411,25 +366,15 @@ def gram_segments(
 
     Raises:
         ValueError: ``restart_every`` is not ``None``, an int ``>= 1`` or a sequence of ints.
+
+    The rule itself is :func:`dmuon.plan.cost.gram_segment_lengths` (shared with the plan's
+    count of TP Gram all-reduces); this function applies it to ``schedule``.
     """
-    steps = len(schedule)
-    if restart_every is None:
-        cuts: list[int] = []
-    elif isinstance(restart_every, numbers.Integral) and not isinstance(restart_every, bool):
-        if restart_every < 1:
-            raise ValueError(f"restart_every must be >= 1 (or None for no restarts), got {restart_every}")
-        cuts = list(range(int(restart_every), steps, int(restart_every)))
-    elif isinstance(restart_every, Sequence) and not isinstance(restart_every, str) and all(
-        isinstance(k, numbers.Integral) and not isinstance(k, bool) for k in restart_every
-    ):
-        cuts = sorted({int(k) for k in restart_every if 0 < k < steps})
-    else:
-        raise ValueError(
-            "restart_every must be None, an int >= 1 or a sequence of 0-based step indices, "
-            f"got {restart_every!r}"
-        )
-    bounds = [0, *cuts, steps]
-    return tuple(tuple(schedule[i:j]) for i, j in zip(bounds, bounds[1:]) if j > i)
+    segments, start = [], 0
+    for length in gram_segment_lengths(len(schedule), restart_every):
+        segments.append(tuple(schedule[start : start + length]))
+        start += length
+    return tuple(segments)
 
 
 def gram_ns_from_gram(g: Tensor, *, coefficients: Coefficients, steps: int) -> Tensor:
@@ -538,6 +483,7 @@ def gram_newton_schulz(
     dtype: torch.dtype = torch.bfloat16,
     restart_every: Restarts = GRAM_RESTART_EVERY,
     fallback: bool = True,
+    on_fallback: Optional[Callable[[Tensor], None]] = None,
 ) -> Tensor:
     """Newton-Schulz through the ``(d, d)`` Gram matrix (Gram Newton-Schulz, with restarts).
 
@@ -591,8 +537,8 @@ def gram_newton_schulz(
     - ``⟨Y, X⟩ < 0.9·min_slope`` for the normalised input ``X`` (``‖X‖_F = 1``; exact:
       ``⟨Y, X⟩ = Σ P(s_i)·s_i >= min_slope``): the result lost the input's directions;
 
-    and is then recomputed with :func:`newton_schulz` (same arguments), counted in
-    :data:`GRAM_FALLBACKS` and reported by a ``RuntimeWarning``. The first two catch the
+    and is then recomputed with :func:`newton_schulz` (same arguments), reported by a
+    ``RuntimeWarning`` and, if given, to ``on_fallback``. The first two catch the
     instability of the Gram form (rounding makes small eigenvalues of ``R`` negative or
     inflates them, and the polynomial amplifies them: without restarts, bf16 results on the
     zoo of benchmarks/ns_accuracy.py with condition number >= 1e2 or rank 4 reach largest
@@ -612,21 +558,21 @@ def gram_newton_schulz(
         restart_every: see :func:`gram_segments` (int ``>= 1``, sequence of 0-based steps,
             or ``None``).
         fallback: enable the safe fallback above.
+        on_fallback: called once, only when some matrices fall back, with the 1-D int64
+            indices (into ``x.reshape(-1, m, n)``, on ``x``'s device) of the matrices
+            recomputed, before the warning. The module keeps no count; this callback is the
+            observable for callers that need one (benchmarks/ns_accuracy.py counts with it).
+            Default ``None``: not called.
 
     Returns:
         Tensor of ``x.shape`` in ``dtype``.
 
     Raises:
         ValueError: as :func:`newton_schulz`, or a bad ``restart_every``.
-
-    Side effects: :data:`NS_CALLS` grows by the number of matrices; :data:`GRAM_FALLBACKS`
-    by the number of matrices that fell back.
     """
-    global NS_CALLS, GRAM_FALLBACKS
     _check_input(x, dtype, "gram_newton_schulz")
     schedule = coefficient_schedule(coefficients, steps)
     segments = gram_segments(schedule, restart_every)
-    NS_CALLS += _num_matrices(x)
 
     lead, m, n = x.shape[:-2], x.shape[-2], x.shape[-1]
     tall = m > n
@@ -652,12 +598,13 @@ def gram_newton_schulz(
         bad = ~ok
         if bool(bad.any()):
             idx = bad.nonzero().flatten()
-            GRAM_FALLBACKS += int(idx.numel())
+            if on_fallback is not None:
+                on_fallback(idx)
             warnings.warn(
                 f"gram_newton_schulz: {idx.numel()} of {X.shape[0]} matrices of shape {(m, n)} "
                 f"in {dtype} gave a non-finite result, a singular value above {top:.3g} or an "
                 f"alignment <Y, X> below {floor:.3g}; recomputed with the standard "
-                "Newton-Schulz iteration (see GRAM_FALLBACKS)",
+                "Newton-Schulz iteration",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -684,7 +631,8 @@ def sharded_gram_newton_schulz(
     Each rank passes its column block ``x`` = ``X_i`` of ``X = [X_1 … X_T]``, shape ``(d, D_i)``
     or ``(B, d, D_i)`` (``B`` matrices batched; a row-sharded matrix enters transposed, so ``d``
     is always the side that is not split), and gets ``NS(X)``'s block ``i`` back. Only ``(d,
-    d)`` matrices cross ranks (Zhang, Amsel, Chen, Dao, "Gram Newton-Schulz"; DESIGN.md §1):
+    d)`` matrices cross ranks (Zhang, Amsel, Chen, Dao, "Gram Newton-Schulz"; the bytes: the
+    plan's ``tp_nbytes``, docs/tensor_parallel.md):
 
     1. ``G = Σ_i X_i X_iᵀ`` in float32 (``all_reduce_sum``, one call per segment);
        the first one also gives ``‖X‖_F² = tr(G)``: ``X_i /= max(‖X‖_F, eps)``, ``G /= ‖X‖_F²``
@@ -711,10 +659,7 @@ def sharded_gram_newton_schulz(
 
     Raises:
         ValueError: as :func:`newton_schulz`; ``steps == 0`` (the iteration is what needs the Gram).
-
-    Side effects: :data:`NS_CALLS` grows by ``B`` on every rank.
     """
-    global NS_CALLS
     _check_input(x, dtype, "sharded_gram_newton_schulz")
     if steps == 0:
         raise ValueError("sharded_gram_newton_schulz needs steps >= 1")
@@ -722,7 +667,6 @@ def sharded_gram_newton_schulz(
     segments = gram_segments(schedule, restart_every)
     lead, d, D = x.shape[:-2], x.shape[-2], x.shape[-1]
     X = x.reshape(-1, d, D).to(dtype, copy=True)
-    NS_CALLS += X.shape[0]
     for i, segment in enumerate(segments):
         Xf = X.float()
         G = all_reduce_sum(torch.bmm(Xf, Xf.mT))
@@ -769,7 +713,8 @@ def gram_ns_flops(
     """Matmul FLOPs of :func:`gram_newton_schulz` on ``num_matrices`` ``(m, n)`` matrices.
 
     With ``d = min(m, n)``, ``D = max(m, n)`` and the schedule split into segments of
-    lengths ``L_1 … L_S`` (:func:`gram_segments`; ``S = 1 +`` number of restarts)::
+    lengths ``L_1 … L_S`` (:func:`gram_segments`; ``S = 1 +`` number of restarts), the
+    formula of :func:`dmuon.plan.cost.gram_ns_segment_flops`::
 
         num_matrices * Σ_j [ 4·d²·D  +  (8·L_j - 6)·d³ ]
 
@@ -789,5 +734,4 @@ def gram_ns_flops(
             f"gram_ns_flops arguments must be >= 0, got m={m} n={n} steps={steps} num_matrices={num_matrices}"
         )
     d, D = min(m, n), max(m, n)
-    segments = gram_segments([(0.0, 0.0, 0.0)] * steps, restart_every)
-    return num_matrices * sum(4 * d * d * D + (8 * len(seg) - 6) * d**3 for seg in segments)
+    return num_matrices * gram_ns_segment_flops(d, D, gram_segment_lengths(steps, restart_every))

@@ -5,7 +5,7 @@ dedicated parameter (and whose post-backward reduces its gradient). It must be a
 every use of the parameter: the parameter's own module or a module whose FQN is a proper prefix,
 at a dot boundary, of the parameter's module path (the root ``""`` is an ancestor of everything).
 
-Two resolution rules (DESIGN.md section 2):
+Two resolution rules (docs/planning.md, "Pipeline", step 3, with examples):
 
 * **Heuristic** (``hook_boundary_predicate=None``): the OUTERMOST ancestor whose FQN ends in
   ``<container>.<int>`` with ``<container>`` in :data:`CONTAINER_NAMES`; if there is none, the

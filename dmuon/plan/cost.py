@@ -3,7 +3,7 @@ r"""Cost model: bytes on the wire, Newton-Schulz FLOPs and memory, for DMuon and
 Units are in the names: ``_numel`` = elements, ``_nbytes`` = bytes, ``_flops`` = floating-point
 operations (a multiply-add counts 2). All figures are per optimizer step.
 
-Byte accounting (DESIGN.md section 1): for one collective over a group of ``k`` ranks and a
+Byte accounting (:func:`collective_rank_nbytes`, the ledger's rule): for one collective over a group of ``k`` ranks and a
 payload of ``S`` bytes, every non-root rank is charged ``S`` (it receives ``S`` in a broadcast,
 sends ``S`` in a reduce), so the collective totals ``(k-1)*S``. An all-gather or
 reduce-scatter of a full tensor of ``S`` bytes is charged ``S*(k-1)/k`` per rank (``(k-1)*S``
@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -72,6 +73,7 @@ __all__ = [
     "fsdp2_shard_numel",
     "all_reduce_rank_nbytes",
     "gram_segment_lengths",
+    "gram_ns_segment_flops",
     "tp_gram_side",
     "tp_rank_nbytes",
     "tp_ns_flops",
@@ -100,12 +102,20 @@ TP_GRAM_DTYPE = "torch.float32"
 # --------------------------------------------------------------------------- formulas
 
 
-def ns_flops(m: int, n: int, *, steps: int = NS_STEPS, num_matrices: int = 1) -> int:
-    """Newton-Schulz FLOPs to orthogonalise ``num_matrices`` matrices of shape ``(m, n)``.
+def ns_flops(m: int, n: int, steps: int = NS_STEPS, *, num_matrices: int = 1) -> int:
+    """Newton-Schulz FLOPs to orthogonalise ``num_matrices`` matrices of shape ``(m, n)``: the
+    matmul FLOPs of ``dmuon.exec.newton_schulz.newton_schulz`` (which re-exports this function).
 
     ``num_matrices * steps * (4 * a*a*b + 2 * a**3)`` with ``a = min(m, n)``, ``b = max(m, n)``
-    (Muon runs the iteration on the wide orientation). Unit: FLOPs (multiply-add = 2).
+    (Muon runs the iteration on the wide orientation): per step ``A = X Xᵀ`` and ``B·X``
+    (``2·a²·b`` each) and ``A·A`` (``2·a³``); elementwise work and the norm are ignored. Unit:
+    FLOPs (multiply-add = 2).
+
+    Raises:
+        ValueError: a negative argument.
     """
+    if min(m, n, steps, num_matrices) < 0:
+        raise ValueError(f"ns_flops arguments must be >= 0, got m={m} n={n} steps={steps} num_matrices={num_matrices}")
     a, b = (m, n) if m <= n else (n, m)
     return num_matrices * steps * (4 * a * a * b + 2 * a**3)
 
@@ -181,17 +191,52 @@ def collective_rank_nbytes(kind: str, numel: int, itemsize: int, group_size: int
     raise ValueError(f"unknown collective kind {kind!r}")
 
 
-def gram_segment_lengths(steps: int, restart_every: int | None) -> tuple[int, ...]:
+def gram_segment_lengths(steps: int, restart_every: int | Sequence[int] | None) -> tuple[int, ...]:
     """Lengths of the Gram Newton-Schulz segments between restarts; one Gram (one TP
-    all-reduce) per segment. ``restart_every=r``: restart before 0-based steps ``r, 2r, ...``;
-    None: never. Same rule as ``dmuon.exec.newton_schulz.gram_segments`` for these arguments.
-    ``()`` for ``steps == 0``."""
+    all-reduce) per segment. The one segment rule: ``dmuon.exec.newton_schulz.gram_segments``
+    splits a schedule by these lengths.
+
+    ``restart_every``: ``r >= 1``: restart before every 0-based step ``k`` with ``k % r == 0``,
+    ``k > 0`` (segments of ``r`` steps, the last one shorter); ``None``: never (one segment); a
+    sequence of ints: restart before exactly those 0-based steps (entries ``<= 0`` or
+    ``>= steps`` are ignored). ``()`` for ``steps <= 0``.
+
+    Raises:
+        ValueError: ``restart_every`` is not ``None``, an int ``>= 1`` or a sequence of ints.
+    """
+    if restart_every is None:
+        cuts: list[int] = []
+    elif isinstance(restart_every, numbers.Integral) and not isinstance(restart_every, bool):
+        if restart_every < 1:
+            raise ValueError(f"restart_every must be >= 1 (or None for no restarts), got {restart_every}")
+        cuts = list(range(int(restart_every), steps, int(restart_every)))
+    elif isinstance(restart_every, Sequence) and not isinstance(restart_every, str) and all(
+        isinstance(k, numbers.Integral) and not isinstance(k, bool) for k in restart_every
+    ):
+        cuts = sorted({int(k) for k in restart_every if 0 < k < steps})
+    else:
+        raise ValueError(
+            "restart_every must be None, an int >= 1 or a sequence of 0-based step indices, "
+            f"got {restart_every!r}"
+        )
     if steps <= 0:
         return ()
-    if restart_every is None:
-        return (steps,)
-    bounds = [0, *range(restart_every, steps, restart_every), steps]
+    bounds = [0, *cuts, steps]
     return tuple(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+def gram_ns_segment_flops(d: int, D: int, segment_lengths: Sequence[int]) -> int:
+    """Matmul FLOPs of Gram Newton-Schulz on ONE ``(d, D)`` matrix (``d`` = the Gram side) whose
+    schedule is split into segments of ``segment_lengths`` steps (:func:`gram_segment_lengths`)::
+
+        Σ_L [ 4·d²·D  +  (8·L - 6)·d³ ]
+
+    per segment: ``G = X Xᵀ`` and ``Q·X`` (``2·d²·D`` each), and on ``(d, d)`` matrices ``R²``
+    every step, ``Q·Z`` from the segment's second step and ``Z·R·Z`` (two products) before its
+    last step (``2·d³`` each). ``D`` is the full other side (``gram_newton_schulz``) or a TP
+    rank's block of it (:func:`tp_ns_flops`). Unit: FLOPs (multiply-add = 2).
+    """
+    return sum(4 * d * d * D + (8 * L - 6) * d**3 for L in segment_lengths)
 
 
 def tp_gram_side(shape: Sequence[int], tp_shard_dim: int) -> int:
@@ -224,8 +269,9 @@ def tp_rank_nbytes(spec: ParamSpec, method: str, segments: int) -> int:
 def tp_ns_flops(spec: ParamSpec, segment_lengths: Sequence[int]) -> int:
     """Newton-Schulz FLOPs of ONE rank of the owner's TP group for ``spec`` (matmuls only).
 
-    ``"gram"``: per segment of ``L`` steps, the local Gram and ``Q·X_i`` (``2·d²·D/T`` each)
-    plus ``(8L - 6)·d³`` on ``(d, d)`` matrices (replicated on every TP rank);
+    ``"gram"``: :func:`gram_ns_segment_flops` with ``D`` = the local block's side ``D/T``: per
+    segment of ``L`` steps, the local Gram and ``Q·X_i`` (``2·d²·D/T`` each) plus
+    ``(8L - 6)·d³`` on ``(d, d)`` matrices (replicated on every TP rank);
     ``"gather"``: :func:`ns_flops` of the full matrix (every TP rank runs it). Non-TP: 0.
     """
     if spec.tp_size == 1:
@@ -233,8 +279,7 @@ def tp_ns_flops(spec: ParamSpec, segment_lengths: Sequence[int]) -> int:
     if spec.tp_ns == "gather":
         return ns_flops(*spec.matrix_shape, steps=sum(segment_lengths))
     d = tp_gram_side(spec.shape, spec.tp_shard_dim)  # type: ignore[arg-type]
-    D_local = spec.local_numel // d
-    return sum(4 * d * d * D_local + (8 * L - 6) * d**3 for L in segment_lengths)
+    return gram_ns_segment_flops(d, spec.local_numel // d, segment_lengths)
 
 
 def choose_tp_ns(spec: ParamSpec, mode: str, segments: int) -> str:

@@ -1,6 +1,6 @@
 """The training loop of ``python -m dmuon train``, run by every rank of an initialised group.
 
-Set-up, exactly as a user writes it (DESIGN.md section 2)::
+Set-up, exactly as a user writes it (the README's "Integration: three lines")::
 
     plan = dmuon.dedicate_params(model, mesh, reshard_after_forward=z3)   # --optimizer dmuon only
     for layer in model.layers: fully_shard(layer, mesh=mesh, reshard_after_forward=z3)
@@ -196,7 +196,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     cfg = model_config(args)
     model = GPT(cfg, seed=args.seed, device=device)
     n_params = sum(p.numel() for p in model.parameters())
-    if tp > 1:  # DESIGN.md order: TP first, then dmuon on the data-parallel mesh, then FSDP2
+    if tp > 1:  # TP first, then dmuon on the data-parallel mesh, then FSDP2 (docs/tensor_parallel.md)
         apply_tensor_parallel(model, world_mesh["tp"])
     plan = None
     if args.optimizer == "dmuon":

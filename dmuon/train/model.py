@@ -213,7 +213,8 @@ def apply_tensor_parallel(model: GPT, tp_mesh) -> None:
     """Tensor-parallelise every block of ``model`` over the 1-D ``tp_mesh`` in place
     (:data:`TP_BLOCK_PLAN`; embeddings, norms and ``lm_head`` stay replicated).
 
-    Call it before ``dmuon.dedicate_params`` and ``fully_shard`` (DESIGN.md set-up order).
+    Call it before ``dmuon.dedicate_params`` and ``fully_shard`` (the order of calls of
+    docs/tensor_parallel.md: TP first, then dmuon and FSDP2 on the data-parallel mesh).
 
     Raises:
         ValueError: ``n_heads`` or ``d_mlp`` not divisible by the TP degree.
