@@ -131,6 +131,26 @@ CELLS = [
         "assert {s.tp_ns for s in tp_auto.params} == {'gather'} and tp_gram.cost.tp_nbytes > tp_auto.cost.tp_nbytes"
     ),
     new_markdown_cell(
+        "## The step schedule\n\n"
+        "`plan.schedule()` is the nominal step as data: every rank's ops in issue order (broadcasts, "
+        "reduces, HSDP replicate phases, TP collectives, Newton-Schulz, and the boundary's own compute as "
+        "external ops). `plan.cost` is summed from it, the runtime issues exactly these collectives, and "
+        "`check()` replays every rank's list for deadlock. Below: the first boundary's ops on rank 0 and "
+        "on the busiest rank of an HSDP plan (see `docs/planning.md`, *The step schedule*)."
+    ),
+    new_code_cell(
+        "hsdp = P.compile(model, (2, 4))\n"
+        "sched = hsdp.schedule()\n"
+        "sched.check()\n"
+        "per_rank = hsdp.cost.per_rank_nbytes\n"
+        "busiest = max(range(len(per_rank)), key=per_rank.__getitem__)\n"
+        "first = hsdp.boundaries[0].fqn\n"
+        "for rank in (0, busiest):\n"
+        "    print(f'rank {rank}: {len(sched.rank_ops(rank))} ops, {per_rank[rank] / 2**30:.2f} GiB charged per step')\n"
+        "    print(sched.summary(rank, boundary=first))\n"
+        "assert all(sched.rank_nbytes(r) == per_rank[r] for r in range(sched.num_ranks))"
+    ),
+    new_markdown_cell(
         "## Round trip and fingerprint\n\nPlans serialise losslessly; ranks compare fingerprints at apply time."
     ),
     new_code_cell(

@@ -496,7 +496,7 @@ def _mp_dtypes(mp_policy: Any) -> tuple[str | None, str | None]:
     return dtype_str(getattr(mp_policy, "param_dtype", None)), dtype_str(getattr(mp_policy, "reduce_dtype", None))
 
 
-def compile(  # noqa: A001 - public name fixed by DESIGN.md
+def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile is the public name
     model: nn.Module,
     mesh: Any,
     *,
