@@ -19,7 +19,6 @@ Training" (Moonlight, arXiv 2502.16982); AdamW, Loshchilov & Hutter (arXiv 1711.
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional, Union
@@ -29,7 +28,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim.adamw import adamw as _torch_adamw
 
-from dmuon.exec import newton_schulz as _ns
+from . import checkpoint as _checkpoint
+from . import newton_schulz as _ns
+from .runtime import after_step, wait_pending
 
 __all__ = ["Muon", "adjust_lr"]
 
@@ -40,9 +41,6 @@ _BATCHED_NS_DTYPES = (torch.float32, torch.float64)
 # Upper bound on the elements of one batched NS call (several temporaries of this size
 # live at once); a single larger unit still runs, alone.
 _NS_BATCH_MAX_NUMEL = 1 << 26
-
-_UNSET = object()
-_RUNTIME: Any = _UNSET
 
 
 def adjust_lr(lr: float, adjust_lr_fn: Optional[str], matrix_shape: Sequence[int]) -> float:
@@ -87,19 +85,6 @@ def _as_dtype(value: Any, what: str) -> torch.dtype:
     if not isinstance(value, torch.dtype) or not value.is_floating_point:
         raise ValueError(f"{what} must be a real floating-point torch.dtype, got {value!r}")
     return value
-
-
-def _runtime_module():
-    """``dmuon.exec.runtime`` if it exists, else None (cached; real import errors propagate)."""
-    global _RUNTIME
-    if _RUNTIME is _UNSET:
-        try:
-            _RUNTIME = importlib.import_module("dmuon.exec.runtime")
-        except ModuleNotFoundError as e:
-            if e.name not in ("dmuon.exec.runtime", "dmuon.exec", "dmuon"):
-                raise
-            _RUNTIME = None
-    return _RUNTIME
 
 
 def _info(p: Tensor):
@@ -219,12 +204,11 @@ class Muon(torch.optim.Optimizer):
         inside the fp32 numerical contract. Costs one transient copy of the bucket's updates.
 
     Step hooks: ``step()`` first evaluates ``closure`` (if any), then calls
-    ``dmuon.exec.runtime.wait_pending(params)`` if the runtime module defines it (to finish
-    in-flight gradient reduces), runs the Muon and AdamW groups, and finally calls
-    ``dmuon.exec.runtime.after_step(params)`` if defined (HSDP replicate broadcast).
-    ``params`` is the list of all dedicated parameters of this optimizer (placeholders
-    included), in param-group order. Both hooks are looked up lazily, so this class works
-    before and without the runtime.
+    ``dmuon.exec.runtime.wait_pending(params)`` (to finish in-flight gradient reduces), runs
+    the Muon and AdamW groups, and finally calls ``dmuon.exec.runtime.after_step(params)``
+    (HSDP replicate broadcast). ``params`` is the list of all dedicated parameters of this
+    optimizer (placeholders included), in param-group order. Both are no-ops for parameters
+    whose tag has no live runtime, so this class works without ``dmuon.exec.apply``.
 
     AdamW: torch's functional ``torch.optim.adamw.adamw`` with ``amsgrad=False,
     maximize=False, foreach=None, fused=None, capturable=False, differentiable=False``, i.e.
@@ -298,8 +282,8 @@ class Muon(torch.optim.Optimizer):
         # Per-group dicts carry every hyper-parameter; `defaults` stays empty so that
         # Optimizer.add_param_group does not leak Muon keys into AdamW groups or back.
         super().__init__(groups, {})
-        if _runtime_module() is not None:  # DTensor momentum for torch.distributed.checkpoint
-            importlib.import_module("dmuon.exec.checkpoint").register_optimizer_hooks(self)
+        # DTensor momentum for torch.distributed.checkpoint (no-ops without a live runtime)
+        _checkpoint.register_optimizer_hooks(self)
 
     # ------------------------------------------------------------------ construction
 
@@ -536,19 +520,14 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        runtime = _runtime_module()
         dedicated = self._dedicated_params()
-        wait_pending = getattr(runtime, "wait_pending", None)
-        if wait_pending is not None:
-            wait_pending(dedicated)
+        wait_pending(dedicated)
         for group in self.param_groups:
             if group["use_muon"]:
                 self._muon_group_step(group)
             else:
                 self._adamw_group_step(group)
-        after_step = getattr(runtime, "after_step", None)
-        if after_step is not None:
-            after_step(dedicated)
+        after_step(dedicated)
         return loss
 
     def _muon_group_step(self, group: dict) -> None:
