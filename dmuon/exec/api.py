@@ -190,8 +190,7 @@ def apply(
         groups = MeshGroups.build(table, peer_tables=_world_tables(table))
     else:
         groups = MeshGroups.build(table)
-    runtime = DmuonRuntime(plan, model, groups, _device_of(model, plan))
-    runtime.timeout_s = collective_timeout_s
+    runtime = DmuonRuntime(plan, model, groups, _device_of(model, plan), timeout_s=collective_timeout_s)
     object.__setattr__(model, RUNTIME_ATTR, runtime)
     checkpoint.register_state_dict_hooks(runtime)
     materialize.install(runtime, model)
@@ -213,7 +212,7 @@ def dedicate_params(
     replicate_dim: str | None = None,
     **compile_kwargs,
 ):
-    """``dmuon.plan.compile`` + :func:`apply`; returns the plan (DESIGN.md §2).
+    """``dmuon.plan.compile`` + :func:`apply`; returns the plan.
 
     ``mesh``: a ``DeviceMesh`` (1-D, or 2-D ``(replicate, shard)``; ``shard_dim`` /
     ``replicate_dim`` name its dims when they are called otherwise), an int ``N`` / ``(N,)`` /

@@ -107,7 +107,7 @@ def _wrap_apply(module: nn.Module, runtime_ref, boundaries: list) -> None:
         rt = runtime_ref()
         if rt is not None:
             rebind_storage(rt, self._dmuon_apply_boundaries)
-            rt.replicas_stale = rt.groups.shape[0] > 1
+            rt.mark_replicas_stale()
         return out
 
     object.__setattr__(module, "_dmuon_apply_boundaries", list(boundaries))
@@ -156,10 +156,7 @@ def rebind_storage(rt, boundaries=None) -> bool:
     if changed:
         devices = {seg.wire.device for b in rt.boundaries for seg in b.segments}
         if len(devices) == 1:
-            device = devices.pop()
-            if device != rt.device:
-                rt.device = device
-                rt.state_dict_mesh = None
+            rt.set_device(devices.pop())
     return changed
 
 

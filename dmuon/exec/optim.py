@@ -147,7 +147,7 @@ class Muon(torch.optim.Optimizer):
             numerically it differs (tests/test_optim_single.py, after 5 steps, relative to each
             tensor's largest magnitude: parameters within 1e-12 of the standard backend with
             ``ns_dtype`` fp64, 1e-4 with fp32, 0.15 with bf16; measured 8e-15, 5e-6, 5e-2).
-            An option, never a silent default (DESIGN.md §2).
+            An option, never a silent default.
 
     Param groups (fixed layout, whatever the model holds):
         ``param_groups[0]``: the Muon group, every dedicated parameter (owners' masters and

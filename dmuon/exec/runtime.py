@@ -49,7 +49,16 @@ RUNTIME_ATTR = "_dmuon_runtime"  # the model attribute that holds its DmuonRunti
 class DmuonRuntime:
     """Binds a :class:`~dmuon.plan.ShardingPlan` to a model and a mesh (see module docstring)."""
 
-    def __init__(self, plan, model: nn.Module, groups: MeshGroups, device: torch.device):
+    def __init__(
+        self,
+        plan,
+        model: nn.Module,
+        groups: MeshGroups,
+        device: torch.device,
+        *,
+        timeout_s: float | None = None,
+        use_streams: bool = True,
+    ):
         self.plan = plan
         self.groups = groups
         self.device = device
@@ -61,12 +70,12 @@ class DmuonRuntime:
         self.boundaries: list[_BoundaryRuntime] = []
         self.pending_reduces: list = []  # (boundary, segment, buffer, work, local grads kept alive)
         self._flag_host_reads = 0  # host reads of presence flags (one per finish_reduces with owned grads)
-        self.use_streams = True  # CUDA: dmuon's own broadcast / reduce streams (False: the compute stream)
+        self.use_streams = bool(use_streams)  # CUDA: dmuon's own broadcast / reduce streams (False: the compute stream)
         self._streams = None  # (device, {"broadcast": Stream, "reduce": Stream}), built on first use
         self.pending_replicate: dict[int, list] = {}
         self._final_callback_queued = False
         self.requires_gradient_sync = True
-        self.timeout_s: float | None = None
+        self.timeout_s = timeout_s  # seconds a dmuon collective may take (None: wait forever)
         self.model_ref = weakref.ref(model)
         self._build(model)
 
@@ -106,8 +115,44 @@ class DmuonRuntime:
         self.shard_of_fqn = {s.fqn: seg.shard for b in self.boundaries for seg in b.segments for s in seg.slots}
         # checkpoint / materialisation bookkeeping (dmuon.exec.checkpoint, dmuon.exec.materialize)
         self.infos = {s.fqn: s.logical._dmuon for s in self.slots_by_fqn.values()}
-        self.state_dict_mesh = None  # DeviceMesh of the state-dict DTensors, built on first use
+        self._state_dict_mesh = None  # DeviceMesh of the state-dict DTensors, built on first use
         self.replicas_stale = False  # HSDP: holders may disagree (set by to_empty & co.)
+
+    # -- settings and state changed from outside (dmuon.exec.materialize, benchmarks) ----------
+
+    def set_use_streams(self, enabled: bool) -> None:
+        """CUDA: use dmuon's own broadcast / reduce streams (default) or the compute stream."""
+        self.use_streams = bool(enabled)
+
+    def mark_replicas_stale(self) -> None:
+        """HSDP: holders may disagree now (after a ``Module._apply``): :meth:`sync_replicas`
+        broadcasts every owner's value before the next use. Without replicas, nothing to do."""
+        self.replicas_stale = self.groups.shape[0] > 1
+
+    def set_device(self, device: torch.device) -> None:
+        """The dedicated storage moved to ``device`` (after :func:`dmuon.exec.materialize.rebind_storage`)."""
+        if device != self.device:
+            self.device = device
+            self._state_dict_mesh = None
+
+    def state_dict_mesh(self):
+        """The ``DeviceMesh`` of dmuon's state-dict DTensors (over dmuon's groups), cached."""
+        mesh = self._state_dict_mesh
+        if mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            g = self.groups
+            R, _ = g.shape
+            ranks = torch.tensor(g.mesh_ranks, dtype=torch.int64)
+            device_type = self.device.type
+            if R == 1:
+                mesh = DeviceMesh.from_group(g.shard_group, device_type, mesh=ranks[0])
+            else:
+                mesh = DeviceMesh.from_group(
+                    [g.replicate_group, g.shard_group], device_type, mesh=ranks, mesh_dim_names=("replicate", "shard")
+                )
+            self._state_dict_mesh = mesh
+        return mesh
 
     def comm_stream(self, kind: str):
         """CUDA: dmuon's ``"broadcast"`` or ``"reduce"`` stream (high priority, as FSDP2's), ordered
@@ -307,7 +352,7 @@ class DmuonRuntime:
         self.check_materialized("synchronising HSDP replicas")
         self.wait_replicate_broadcasts()
         works = self._broadcast_to_replicas(self.boundaries, "other")
-        C.wait_all(works, what="HSDP replica sync after materialisation", timeout_s=getattr(self, "timeout_s", None))
+        C.wait_all(works, what="HSDP replica sync after materialisation", timeout_s=self.timeout_s)
 
     def _check_no_tp(self, what: str) -> None:
         if self.tp_size > 1:
