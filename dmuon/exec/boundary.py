@@ -30,6 +30,7 @@ the matrix.
 from __future__ import annotations
 
 import contextlib
+import enum
 import weakref
 from typing import TYPE_CHECKING
 
@@ -45,7 +46,27 @@ from .buffers import _Owned, _Segment
 if TYPE_CHECKING:
     from .runtime import DmuonRuntime
 
-__all__ = []
+__all__ = ["ShardedState", "TrainingState"]
+
+
+class ShardedState(enum.Enum):
+    """Where a boundary's non-held segments are (FSDP2's ``ShardedState``, plus the prefetch step).
+
+    Every rank makes the same transitions (they depend on hook order only, never on data), so all
+    ranks agree on which broadcasts run, in which order. Held segments are always resident.
+    """
+
+    RESHARDED = enum.auto()  # non-held segments have no storage
+    UNSHARDING = enum.auto()  # storage regrown, broadcasts posted (a prefetch), not yet waited for
+    UNSHARDED = enum.auto()  # every segment resident and current on this rank
+
+
+class TrainingState(enum.Enum):
+    """Which parameters the boundary's modules hold (FSDP2's ``TrainingState``)."""
+
+    IDLE = enum.auto()  # the logical parameters (between steps, and between forward and backward)
+    FORWARD = enum.auto()  # the compute parameters, from pre-forward to post-forward
+    BACKWARD = enum.auto()  # the compute parameters, from pre-backward to post-backward (recompute included)
 
 
 class _PostBackward(torch.autograd.Function):
@@ -70,6 +91,17 @@ class _PostBackward(torch.autograd.Function):
 
 
 class _BoundaryRuntime:
+    """The hooks of one hook boundary and its two states.
+
+    ``sharded_state`` (:class:`ShardedState`): ``RESHARDED`` between uses; pre-forward posts the
+    broadcasts (``UNSHARDING``, also when the previous boundary prefetches them) and waits
+    (``UNSHARDED``); post-forward reshards under Z3 (``reshard_after_forward=True``) and stays
+    ``UNSHARDED`` under Z2 until this boundary's backward, whose pre-backward then finds the
+    buffers resident; post-backward reshards. ``training_state`` (:class:`TrainingState`):
+    whether compute parameters are installed. ``pending_backward``: grad-enabled forwards whose
+    backward has not finished (a boundary called twice per forward is reduced after its last).
+    """
+
     def __init__(self, runtime: "DmuonRuntime", fqn: str, module: nn.Module, segments: list[_Segment]):
         self.runtime_ref = weakref.ref(runtime)
         self.fqn = fqn
@@ -77,11 +109,13 @@ class _BoundaryRuntime:
         self.segments = segments
         self.slots = [slot for seg in segments for slot in seg.slots]
         self.pending_backward = 0  # grad-enabled forwards whose backward has not finished
-        self.installed = False
-        self.unsharded = False
-        self._inflight: list = []  # posted, not yet waited-for broadcasts (prefetch)
-        self._stream_pending = False  # CUDA: work queued on the broadcast stream, not yet waited for
+        self.sharded_state = ShardedState.RESHARDED
+        self.training_state = TrainingState.IDLE
+        # while UNSHARDING: the posted broadcasts, their phase, and (CUDA) the broadcast stream
+        # whose queued work the compute stream has not waited for yet
+        self._inflight: list = []
         self._inflight_phase = ""
+        self._inflight_stream = None
         self._checked_fsdp_policy = False
         self.index = 0  # position in the runtime's boundary order (set by the runtime)
         self.handles: list = []
@@ -91,13 +125,12 @@ class _BoundaryRuntime:
     def _unshard(self, phase: str, *, wait: bool = True) -> None:
         """Make every segment resident on this rank: one async broadcast per segment.
 
+        ``RESHARDED`` -> ``UNSHARDING`` (broadcasts posted) -> ``UNSHARDED`` (waited for).
         ``wait=False`` only posts the broadcasts (prefetch); the boundary's own hook waits for
-        them before the parameters are used. ``self.unsharded`` follows the same transitions on
-        every rank (it depends on hook order only, never on data), so all ranks agree on which
-        broadcasts run, in which order.
+        them before the parameters are used.
         """
         rt = self.runtime_ref()
-        if not self.unsharded:
+        if self.sharded_state is ShardedState.RESHARDED:
             rt.wait_replicate_broadcasts(self)  # HSDP: the holder's value must be current
             works = []
             stream = rt.comm_stream("broadcast")  # None off CUDA
@@ -107,7 +140,6 @@ class _BoundaryRuntime:
                     seg.resident = True
             if stream is not None:  # masters written by the optimizer, storage last read by compute
                 stream.wait_stream(torch.cuda.current_stream(stream.device))
-                self._stream_pending = True
             with _on_stream(stream):
                 for seg in self.segments:
                     if seg.held:
@@ -118,30 +150,30 @@ class _BoundaryRuntime:
                                 seg.wire, src=seg.src_rank, group=rt.groups.shard_group, phase=phase, async_op=True
                             )
                         )
-            self._inflight = works
-            self._inflight_phase = phase
-            self.unsharded = True
-        if wait and (self._inflight or self._stream_pending):
-            works, self._inflight = self._inflight, []
-            stream = rt.comm_stream("broadcast") if self._stream_pending else None
+            self._inflight, self._inflight_phase, self._inflight_stream = works, phase, stream
+            # nothing to wait for (one shard, off CUDA): unsharded at once
+            self.sharded_state = ShardedState.UNSHARDING if works or stream is not None else ShardedState.UNSHARDED
+        if wait and self.sharded_state is ShardedState.UNSHARDING:
+            works, stream = self._inflight, self._inflight_stream
+            self._inflight, self._inflight_stream = [], None
             with _on_stream(stream):  # NCCL: the broadcast stream waits for the collectives
                 C.wait_all(works, what=f"boundary {self.fqn!r} {self._inflight_phase}", timeout_s=rt.timeout_s)
             if stream is not None:  # the compute stream waits before the parameters are used
                 torch.cuda.current_stream(stream.device).wait_event(stream.record_event())
-                self._stream_pending = False
+            self.sharded_state = ShardedState.UNSHARDED
 
     def _reshard(self) -> None:
         """Free the storage of every segment this rank does not hold (the tensors stay valid).
 
         Storage is never freed under a collective still in flight: a prefetch is waited for first.
         """
-        if self._inflight or self._stream_pending:
+        if self.sharded_state is ShardedState.UNSHARDING:
             self._unshard(self._inflight_phase)
         for seg in self.segments:
             if not seg.held and seg.resident:
                 seg.wire.untyped_storage().resize_(0)
                 seg.resident = False
-        self.unsharded = False
+        self.sharded_state = ShardedState.RESHARDED
 
     @staticmethod
     def _copy_masters_to_wire(seg: _Segment) -> None:
@@ -152,23 +184,26 @@ class _BoundaryRuntime:
 
     # -- module attributes -----------------------------------------------------------------
 
-    def _install(self) -> None:
-        if self.installed:
+    def _install(self, state: TrainingState) -> None:
+        """Put the compute parameters into the modules (no-op when they are there already)."""
+        if self.training_state is not TrainingState.IDLE:
+            self.training_state = state
             return
         for slot in self.slots:
             if slot.compute.requires_grad != slot.logical.requires_grad:  # frozen / unfrozen since
                 slot.compute.requires_grad_(slot.logical.requires_grad)
             for module, attr in slot.homes:
                 module._parameters[attr] = slot.compute
-        self.installed = True
+        self.training_state = state
 
     def _restore(self) -> None:
-        if not self.installed:
+        """Put the logical parameters back (no-op when they are there already)."""
+        if self.training_state is TrainingState.IDLE:
             return
         for slot in self.slots:
             for module, attr in slot.homes:
                 module._parameters[attr] = slot.logical
-        self.installed = False
+        self.training_state = TrainingState.IDLE
 
     # -- hooks -----------------------------------------------------------------------------
 
@@ -179,7 +214,7 @@ class _BoundaryRuntime:
             # checkpointed): the backward's parameters are already in place (pre-backward ran
             # when the gradient reached the recomputed region's output); count nothing, free nothing
             self._unshard("backward_broadcast")
-            self._install()
+            self._install(TrainingState.BACKWARD)
             return args, kwargs
         if not self._checked_fsdp_policy:
             self._check_fsdp_policy(module)
@@ -188,7 +223,7 @@ class _BoundaryRuntime:
         if nxt is not None:  # prefetch: the next boundary's broadcasts overlap this compute
             nxt._unshard("forward_broadcast", wait=False)
         self._unshard("forward_broadcast")
-        self._install()
+        self._install(TrainingState.FORWARD)
         if torch.is_grad_enabled():
             self.pending_backward += 1
             args, kwargs = self._register_post_backward(args, kwargs)
@@ -199,9 +234,11 @@ class _BoundaryRuntime:
             return output
         self._restore()
         grad = torch.is_grad_enabled()
-        # Z3 frees after every forward; a no-grad forward frees unless a backward still needs
-        # the buffers (Z2 keeps them from the forward broadcast until the boundary's backward).
-        if self.runtime_ref().reshard_after_forward or (not grad and self.pending_backward == 0):
+        # Z3 frees after every forward. Z2 stays UNSHARDED from the forward broadcast until this
+        # boundary's backward when one is coming (this forward's, or an earlier one's); a no-grad
+        # forward with no backward pending frees.
+        keep_for_backward = not self.runtime_ref().reshard_after_forward and (grad or self.pending_backward > 0)
+        if not keep_for_backward:
             self._reshard()
         if grad:
             tensors = [t for t in optree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -246,7 +283,7 @@ class _BoundaryRuntime:
         if prev is not None and prev.pending_backward > 0:  # prefetch for the next backward
             prev._unshard("backward_broadcast", wait=False)
         self._unshard("backward_broadcast")
-        self._install()
+        self._install(TrainingState.BACKWARD)
 
     def _on_post_backward(self) -> None:
         self.pending_backward -= 1

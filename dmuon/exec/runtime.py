@@ -37,7 +37,7 @@ import torch.nn as nn
 
 from . import collectives as C
 from . import fsdp2
-from .boundary import _BoundaryRuntime, _on_stream
+from .boundary import ShardedState, TrainingState, _BoundaryRuntime, _on_stream
 from .buffers import build_segments
 from .groups import MeshGroups
 
@@ -326,14 +326,14 @@ class DmuonRuntime:
 
     @staticmethod
     def _settle(boundaries, what: str) -> None:
-        busy = [b.fqn for b in boundaries if b.installed or b.pending_backward > 0]
+        busy = [b.fqn for b in boundaries if b.training_state is not TrainingState.IDLE or b.pending_backward > 0]
         if busy:
             raise RuntimeError(
                 f"dmuon: {what} while boundaries {busy[:3]} are between their forward and backward; "
                 "do it between training steps"
             )
         for b in boundaries:
-            if b.unsharded:
+            if b.sharded_state is not ShardedState.RESHARDED:
                 b._reshard()
 
     def sync_replicas(self) -> None:
