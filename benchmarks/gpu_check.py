@@ -23,7 +23,7 @@ Parts (both by default; ``--parts ns`` / ``--parts train`` for one):
     ``benchmarks/step_time.py`` unless ``--quick``) for ``--steps`` steps on the same batches:
 
     * ``dmuon_streams``: ``dmuon.dedicate_params`` + ``dmuon.Muon`` on the device, dmuon's CUDA
-      streams on (``runtime.use_streams = True``, the default);
+      streams on (``runtime.set_use_streams(True)``, the default);
     * ``dmuon_no_streams`` (CUDA only): the same with every dmuon kernel and collective on the
       compute stream;
     * ``torch_ref``: ``torch.optim.Muon`` on the same matrices + ``torch.optim.AdamW`` on the
@@ -272,7 +272,7 @@ def run_dmuon(spec: dict, batches, device: str, *, use_streams: bool) -> dict:
     model = _gpt(spec, device)
     plan = dmuon.dedicate_params(model)
     rt = model._dmuon_runtime
-    rt.use_streams = use_streams
+    rt.set_use_streams(use_streams)
     opt = dmuon.Muon(model, **MUON_HP, ns_dtype=torch.bfloat16, adamw_lr=ADAMW_HP["lr"],
                      adamw_betas=ADAMW_HP["betas"], adamw_eps=ADAMW_HP["eps"],
                      adamw_weight_decay=ADAMW_HP["weight_decay"])

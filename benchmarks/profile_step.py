@@ -76,8 +76,8 @@ def install_ranges() -> None:
     from dmuon.exec import collectives as C
     from dmuon.exec import newton_schulz as NS
     from dmuon.exec import runtime as R
+    from dmuon.exec.boundary import _BoundaryRuntime as B
 
-    B = R._BoundaryRuntime
     targets = [
         (B, "pre_forward", "dmuon.hook.pre_forward"),
         (B, "post_forward", "dmuon.hook.post_forward"),

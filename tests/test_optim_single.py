@@ -19,7 +19,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import types
 from pathlib import Path
 from typing import Any, Callable
 
@@ -73,7 +72,8 @@ def tag(p: torch.Tensor, fqn: str, *, is_owner=True, shape=None, matrix_shape=No
 @pytest.fixture(autouse=True)
 def _no_runtime_hooks(monkeypatch):
     """Keep the real runtime's hooks out of these single-process optimizer tests."""
-    monkeypatch.setattr(optim_mod, "_RUNTIME", None)
+    monkeypatch.setattr(optim_mod, "wait_pending", lambda params: None)
+    monkeypatch.setattr(optim_mod, "after_step", lambda params: None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -592,7 +592,8 @@ def test_runtime_hooks_wrap_the_step(monkeypatch):
     def after_step(params):
         events.append(("after", [id(p) for p in params], w.detach().clone()))
 
-    monkeypatch.setattr(optim_mod, "_RUNTIME", types.SimpleNamespace(wait_pending=wait_pending, after_step=after_step))
+    monkeypatch.setattr(optim_mod, "wait_pending", wait_pending)
+    monkeypatch.setattr(optim_mod, "after_step", after_step)
     before = w.detach().clone()
     loss = opt.step(closure=lambda: loss_backward(ours, 0))
     assert loss is not None
@@ -602,10 +603,13 @@ def test_runtime_hooks_wrap_the_step(monkeypatch):
     assert torch.equal(events[0][2], before) and not torch.equal(events[1][2], before)
 
 
-def test_runtime_without_hooks_is_fine(monkeypatch):
+def test_runtime_hooks_without_live_runtime_are_noops(monkeypatch):
+    import dmuon.exec.runtime as runtime_mod
+
     ours, _ = make_pair()
     opt = Muon(ours)
-    monkeypatch.setattr(optim_mod, "_RUNTIME", types.SimpleNamespace())
+    monkeypatch.setattr(optim_mod, "wait_pending", runtime_mod.wait_pending)
+    monkeypatch.setattr(optim_mod, "after_step", runtime_mod.after_step)
     loss_backward(ours, 0)
     opt.step()
 
@@ -701,7 +705,7 @@ _DTENSOR_SCRIPT = textwrap.dedent(
     from torch.distributed.tensor import distribute_tensor, Shard, Replicate
     from torch import nn
     import dmuon.exec.optim as optim_mod
-    optim_mod._RUNTIME = None
+    optim_mod.wait_pending = optim_mod.after_step = lambda params: None
     tmp = tempfile.TemporaryDirectory()
     dist.init_process_group("gloo", init_method=f"file://{tmp.name}/init", rank=0, world_size=1)
     mesh = init_device_mesh("cpu", (1,))

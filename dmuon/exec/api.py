@@ -6,12 +6,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import fsdp2
-from .runtime import DmuonRuntime, MeshGroups, mesh_rank_table
+from . import checkpoint, fsdp2, materialize
+from .groups import MeshGroups, mesh_rank_table
+from .runtime import RUNTIME_ATTR, DmuonRuntime, get_model_runtime
 
-__all__ = ["apply", "dedicate_params", "get_model_runtime"]
-
-_RUNTIME_ATTR = "_dmuon_runtime"
+__all__ = ["apply", "dedicate_params"]
 
 
 def _table_shape(table) -> tuple[int, int]:
@@ -118,7 +117,7 @@ def _world_tables(table, tp_mesh=None):
 
 
 def _check_not_applied(model: nn.Module) -> None:
-    if getattr(model, _RUNTIME_ATTR, None) is not None:
+    if get_model_runtime(model) is not None:
         raise ValueError(
             "dmuon: this model already has dedicated parameters (dedicate_params/apply was called "
             "before); call it once per model"
@@ -159,7 +158,7 @@ def apply(
         mesh: a ``DeviceMesh`` of the plan's shape (2-D: ``(replicate, shard)``), an int ``N``,
             ``(N,)`` or ``(R, N)`` spanning the world, or ``None`` = a 1-D mesh over the world.
         shard_dim, replicate_dim: the names of a 2-D ``DeviceMesh``'s dims when they are not
-            ``"shard"`` / ``"replicate"`` (see :func:`~dmuon.exec.runtime.mesh_rank_table`).
+            ``"shard"`` / ``"replicate"`` (see :func:`~dmuon.exec.groups.mesh_rank_table`).
         collective_timeout_s: a dmuon collective not complete within this many seconds raises
             :class:`~dmuon.exec.collectives.CollectiveTimeout` naming the boundary and phase
             (``None``: wait forever, as torch does up to the process group's own timeout).
@@ -191,11 +190,8 @@ def apply(
         groups = MeshGroups.build(table, peer_tables=_world_tables(table))
     else:
         groups = MeshGroups.build(table)
-    runtime = DmuonRuntime(plan, model, groups, _device_of(model, plan))
-    runtime.timeout_s = collective_timeout_s
-    object.__setattr__(model, _RUNTIME_ATTR, runtime)
-    from . import checkpoint, materialize
-
+    runtime = DmuonRuntime(plan, model, groups, _device_of(model, plan), timeout_s=collective_timeout_s)
+    object.__setattr__(model, RUNTIME_ATTR, runtime)
     checkpoint.register_state_dict_hooks(runtime)
     materialize.install(runtime, model)
     return runtime
@@ -216,7 +212,7 @@ def dedicate_params(
     replicate_dim: str | None = None,
     **compile_kwargs,
 ):
-    """``dmuon.plan.compile`` + :func:`apply`; returns the plan (DESIGN.md §2).
+    """``dmuon.plan.compile`` + :func:`apply`; returns the plan.
 
     ``mesh``: a ``DeviceMesh`` (1-D, or 2-D ``(replicate, shard)``; ``shard_dim`` /
     ``replicate_dim`` name its dims when they are called otherwise), an int ``N`` / ``(N,)`` /
@@ -248,7 +244,3 @@ def dedicate_params(
         plan, model, mesh, collective_timeout_s=collective_timeout_s, shard_dim=shard_dim, replicate_dim=replicate_dim
     )
     return plan
-
-
-def get_model_runtime(model: nn.Module) -> DmuonRuntime | None:
-    return getattr(model, _RUNTIME_ATTR, None)

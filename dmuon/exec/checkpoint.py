@@ -58,26 +58,6 @@ _LOCAL = threading.local()  # .full: None | (rank0_only, cpu_offload) while full
 # ----------------------------------------------------------------------------------------------
 
 
-def state_dict_mesh(runtime):
-    """The ``DeviceMesh`` of dmuon's state-dict DTensors (over dmuon's groups), cached."""
-    mesh = runtime.state_dict_mesh
-    if mesh is None:
-        from torch.distributed.device_mesh import DeviceMesh
-
-        g = runtime.groups
-        R, _ = g.shape
-        ranks = torch.tensor(g.mesh_ranks, dtype=torch.int64)
-        device_type = runtime.device.type
-        if R == 1:
-            mesh = DeviceMesh.from_group(g.shard_group, device_type, mesh=ranks[0])
-        else:
-            mesh = DeviceMesh.from_group(
-                [g.replicate_group, g.shard_group], device_type, mesh=ranks, mesh_dim_names=("replicate", "shard")
-            )
-        runtime.state_dict_mesh = mesh
-    return mesh
-
-
 def _placements(runtime):
     from torch.distributed.tensor import Replicate, Shard
 
@@ -123,7 +103,7 @@ def _as_dtensor(runtime, shape, padded_chunk):
     local = padded_chunk[: _my_rows(shape[0], g.shape[1], g.shard)]
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(
-        local, state_dict_mesh(runtime), _placements(runtime), run_check=False, shape=torch.Size(shape), stride=stride
+        local, runtime.state_dict_mesh(), _placements(runtime), run_check=False, shape=torch.Size(shape), stride=stride
     )
 
 
@@ -168,7 +148,7 @@ def _coords(runtime, rank: int) -> tuple[int, int]:
 
 
 def _is_own_layout(runtime, value) -> bool:
-    mesh = state_dict_mesh(runtime)
+    mesh = runtime.state_dict_mesh()
     vmesh = value.device_mesh
     same_mesh = vmesh is mesh or (
         vmesh.mesh.shape == mesh.mesh.shape and torch.equal(vmesh.mesh.cpu(), mesh.mesh.cpu())

@@ -15,10 +15,19 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 
 import torch.nn as nn
 
-__all__ = ["install", "is_installed", "dedicated_params_in", "check_not_fully_sharded"]
+__all__ = [
+    "install",
+    "is_installed",
+    "dedicated_params_in",
+    "check_not_fully_sharded",
+    "fsdp_state",
+    "requires_gradient_sync",
+    "check_mp_policy",
+]
 
 _PATCHED_ATTR = "__dmuon_wrapped__"
 _TARGETS = ("_get_managed_modules", "_get_managed_states")
@@ -109,3 +118,40 @@ def check_not_fully_sharded(model: nn.Module) -> None:
             "Call dmuon.dedicate_params(model, mesh) BEFORE fully_shard: dedicate_params -> "
             "fully_shard(layer) for each layer -> fully_shard(model) -> dmuon.Muon(model)."
         )
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading FSDP2's per-module state (the runtime's hooks ask it)
+# ----------------------------------------------------------------------------------------------
+
+
+def fsdp_state(module):
+    """FSDP2 state of ``module`` if ``fully_shard`` was applied to it, else ``None``."""
+    get = getattr(module, "_get_fsdp_state", None)
+    return get() if get is not None else None
+
+
+def requires_gradient_sync(module) -> bool:
+    """False when FSDP2's ``set_requires_gradient_sync(False)`` is in force on ``module``'s unit."""
+    groups = getattr(fsdp_state(module), "_fsdp_param_groups", None) or ()
+    return all(getattr(g, "reduce_grads", True) for g in groups)
+
+
+def check_mp_policy(module, plan, fqn: str) -> None:
+    """Warn when ``fully_shard(module)`` uses a mixed-precision policy other than the plan's."""
+    policy = getattr(fsdp_state(module), "_mp_policy", None)
+    if policy is None:
+        return
+    theirs = (_dtype_name(policy.param_dtype), _dtype_name(policy.reduce_dtype))
+    ours = (plan.param_dtype, plan.reduce_dtype)
+    if theirs != ours:
+        warnings.warn(
+            f"dmuon: fully_shard({fqn or '<root>'}) uses mp_policy param_dtype/reduce_dtype "
+            f"{theirs} but dmuon's plan uses {ours} for the dedicated matrices of this boundary; "
+            "pass the same MixedPrecisionPolicy to dmuon.dedicate_params(..., mp_policy=...)",
+            stacklevel=3,
+        )
+
+
+def _dtype_name(dtype) -> str | None:
+    return None if dtype is None else str(dtype)

@@ -17,7 +17,7 @@ FSDP2's recipe for a model too large for one rank is: build it on ``meta``, shar
 How ``to_empty`` works here: :func:`install` wraps ``_apply`` of the root module and of every
 hook-boundary module (an instance attribute; it calls the class's own ``_apply`` first, so
 FSDP2's override still runs). After ``Module._apply`` re-created the logical parameters, the
-wrapper calls :meth:`DmuonRuntime.rebind_storage`: each holder gets a fresh segment ``master``
+wrapper calls :func:`rebind_storage`: each holder gets a fresh segment ``master``
 on the new device and its logical parameters become views of it again; non-holders keep
 zero-size placeholders and no segment storage. The same wrapper makes ``model.to(device)``
 work after ``dedicate_params``.
@@ -55,7 +55,10 @@ import weakref
 import torch
 import torch.nn as nn
 
-__all__ = ["install", "init_params"]
+from .buffers import _contiguous_strides, _Segment, _Slot
+from .runtime import get_model_runtime
+
+__all__ = ["install", "init_params", "rebind_storage"]
 
 
 def install(runtime, model: nn.Module) -> None:
@@ -103,13 +106,143 @@ def _wrap_apply(module: nn.Module, runtime_ref, boundaries: list) -> None:
         out = type(self)._apply(self, fn, *args, **kwargs)  # the class's (FSDP2's) _apply
         rt = runtime_ref()
         if rt is not None:
-            rt.rebind_storage(self._dmuon_apply_boundaries)
-            rt.replicas_stale = rt.groups.shape[0] > 1
+            rebind_storage(rt, self._dmuon_apply_boundaries)
+            rt.mark_replicas_stale()
         return out
 
     object.__setattr__(module, "_dmuon_apply_boundaries", list(boundaries))
     object.__setattr__(module, "_dmuon_apply_wrapped", True)
     object.__setattr__(module, "_apply", types.MethodType(_apply, module))
+
+
+# ----------------------------------------------------------------------------------------------
+# Storage rebinding after Module._apply
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def rebind_storage(rt, boundaries=None) -> bool:
+    """Bind segment storage to where the logical parameters are now (after ``Module._apply``).
+
+    ``model.to_empty(device=d)``, ``model.to(d)`` and every other ``Module._apply`` give each
+    logical parameter new storage (``param.data = fn(param)``), which cuts the link between a
+    holder's logical parameters and its segment ``master``. For every segment of
+    ``boundaries`` (default: all) whose storage no longer matches:
+
+    * held: a new 1-D ``master`` on the parameters' device, each logical parameter's current
+      value copied into its slice (nothing copied from ``meta``), the logical parameter
+      re-pointed at that slice; ``wire`` is the master again (or a new wire-dtype buffer
+      under mixed precision); compute parameters re-pointed at ``wire``;
+    * not held: a new ``wire`` on that device whose storage is released again at once
+      (building the compute views allocates the segment for a moment, as a forward
+      broadcast does), so non-holders keep no dedicated storage.
+
+    Local (no collective). Tags lost by ``torch.utils.swap_tensors``
+    (``torch.__future__.set_swap_module_params_on_conversion(True)``) are restored.
+    Returns True when anything was re-bound.
+
+    Raises:
+        RuntimeError: a boundary is between its forward and its backward, or the logical
+            parameters of one segment ended up on different devices.
+        ValueError: a parameter's dtype changed (the plan fixes dtypes; cast before planning).
+    """
+    rt._check_no_tp("moving or re-creating the model's storage (to_empty / to / meta-device init)")
+    changed = False
+    boundaries = rt.boundaries if boundaries is None else boundaries
+    rt._settle(boundaries, "moving or re-creating the model's storage (to_empty / to)")
+    for b in boundaries:
+        for seg in b.segments:
+            changed |= _rebind_segment(rt, seg)
+    if changed:
+        devices = {seg.wire.device for b in rt.boundaries for seg in b.segments}
+        if len(devices) == 1:
+            rt.set_device(devices.pop())
+    return changed
+
+
+def _rebind_segment(rt, seg: _Segment) -> bool:
+    for slot in seg.slots:
+        _adopt_module_param(rt, slot)
+        if getattr(slot.logical, "_dmuon", None) is None:
+            slot.logical._dmuon = rt.infos[slot.fqn]
+    devices = {slot.logical.device for slot in seg.slots}
+    if len(devices) != 1:
+        raise RuntimeError(
+            f"dmuon: the dedicated parameters {[s.fqn for s in seg.slots]} of one packed segment "
+            f"are on different devices {sorted(map(str, devices))}; move whole hook boundaries"
+        )
+    device = devices.pop()
+    for slot in seg.slots:
+        if slot.logical.dtype != seg.param_dtype:
+            raise ValueError(
+                f"dmuon: dedicated parameter {slot.fqn!r} became {slot.logical.dtype}, the plan says "
+                f"{seg.param_dtype}; change dtypes before planning (or use mp_policy)"
+            )
+    wire_dtype = seg.wire.dtype
+    if seg.held:
+        storage = seg.master.untyped_storage()._cdata
+        if seg.master.device == device and all(
+            slot.logical.untyped_storage()._cdata == storage for slot in seg.slots
+        ):
+            return False
+        master = torch.zeros(seg.numel, dtype=seg.param_dtype, device=device)
+        for slot in seg.slots:
+            view = master[slot.offset_in_seg : slot.offset_in_seg + slot.numel].view(slot.shape)
+            if slot.logical.device.type != "meta":
+                view.copy_(slot.logical.detach().reshape(slot.shape))
+            slot.logical.data = view
+        wire = master if wire_dtype == seg.param_dtype else torch.zeros(seg.numel, dtype=wire_dtype, device=device)
+        seg.master, seg.wire, seg.resident = master, wire, True
+        for slot in seg.slots:
+            _set_compute(slot, wire[slot.offset_in_seg : slot.offset_in_seg + slot.numel].view(slot.shape))
+        return True
+    if seg.wire.device == device:
+        return False
+    wire = torch.empty(seg.numel, dtype=wire_dtype, device=device)
+    for slot in seg.slots:
+        _set_compute(
+            slot,
+            torch.empty(0, dtype=wire_dtype, device=device).set_(
+                wire.untyped_storage(), slot.offset_in_seg, slot.shape, _contiguous_strides(slot.shape)
+            ),
+        )
+    wire.untyped_storage().resize_(0)
+    seg.wire, seg.resident = wire, False
+    return True
+
+
+def _set_compute(slot: _Slot, view: torch.Tensor) -> None:
+    """A new compute parameter viewing ``view``'s storage (never installed between steps)."""
+    compute = nn.Parameter(view, requires_grad=slot.compute.requires_grad)
+    slot.compute = compute
+
+
+def _adopt_module_param(rt, slot: _Slot) -> None:
+    """``Module._apply`` from ``meta`` (to_empty) registers NEW Parameter objects (meta and
+    real tensors cannot share a TensorImpl type): move the new content into the logical
+    Parameter with ``torch.utils.swap_tensors`` so its identity (held by optimizers, the
+    runtime, user code) survives, and register it again under every alias (which also
+    re-ties aliases that ``_apply`` split)."""
+    new = None
+    for module, attr in slot.homes:
+        cur = module._parameters.get(attr)
+        if cur is not None and cur is not slot.logical:
+            new = cur
+            break
+    if new is None:
+        return
+    try:
+        torch.utils.swap_tensors(slot.logical, new)
+    except RuntimeError:  # e.g. a weak reference to one of them: adopt the new object
+        slot.logical = new
+    slot.logical._dmuon = rt.infos[slot.fqn]
+    for module, attr in slot.homes:
+        module._parameters[attr] = slot.logical
+
+
+# ----------------------------------------------------------------------------------------------
+# Initial values
+# ----------------------------------------------------------------------------------------------
 
 
 @torch.no_grad()
@@ -138,8 +271,6 @@ def init_params(model: nn.Module, init_fn=None) -> None:
     Memory: one module's own parameters at full size at a time, per rank.
     """
     from torch.distributed.tensor import DTensor
-
-    from .api import get_model_runtime
 
     rt = get_model_runtime(model)
     if rt is not None:

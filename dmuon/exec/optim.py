@@ -19,17 +19,18 @@ Training" (Moonlight, arXiv 2502.16982); AdamW, Loshchilov & Hutter (arXiv 1711.
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional, Union
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim.adamw import adamw as _torch_adamw
 
-from dmuon.exec import newton_schulz as _ns
+from . import checkpoint as _checkpoint
+from . import newton_schulz as _ns
+from . import tp_orthogonalize as _tp
+from .runtime import after_step, wait_pending
 
 __all__ = ["Muon", "adjust_lr"]
 
@@ -40,9 +41,6 @@ _BATCHED_NS_DTYPES = (torch.float32, torch.float64)
 # Upper bound on the elements of one batched NS call (several temporaries of this size
 # live at once); a single larger unit still runs, alone.
 _NS_BATCH_MAX_NUMEL = 1 << 26
-
-_UNSET = object()
-_RUNTIME: Any = _UNSET
 
 
 def adjust_lr(lr: float, adjust_lr_fn: Optional[str], matrix_shape: Sequence[int]) -> float:
@@ -87,19 +85,6 @@ def _as_dtype(value: Any, what: str) -> torch.dtype:
     if not isinstance(value, torch.dtype) or not value.is_floating_point:
         raise ValueError(f"{what} must be a real floating-point torch.dtype, got {value!r}")
     return value
-
-
-def _runtime_module():
-    """``dmuon.exec.runtime`` if it exists, else None (cached; real import errors propagate)."""
-    global _RUNTIME
-    if _RUNTIME is _UNSET:
-        try:
-            _RUNTIME = importlib.import_module("dmuon.exec.runtime")
-        except ModuleNotFoundError as e:
-            if e.name not in ("dmuon.exec.runtime", "dmuon.exec", "dmuon"):
-                raise
-            _RUNTIME = None
-    return _RUNTIME
 
 
 def _info(p: Tensor):
@@ -162,7 +147,7 @@ class Muon(torch.optim.Optimizer):
             numerically it differs (tests/test_optim_single.py, after 5 steps, relative to each
             tensor's largest magnitude: parameters within 1e-12 of the standard backend with
             ``ns_dtype`` fp64, 1e-4 with fp32, 0.15 with bf16; measured 8e-15, 5e-6, 5e-2).
-            An option, never a silent default (DESIGN.md §2).
+            An option, never a silent default.
 
     Param groups (fixed layout, whatever the model holds):
         ``param_groups[0]``: the Muon group, every dedicated parameter (owners' masters and
@@ -219,12 +204,11 @@ class Muon(torch.optim.Optimizer):
         inside the fp32 numerical contract. Costs one transient copy of the bucket's updates.
 
     Step hooks: ``step()`` first evaluates ``closure`` (if any), then calls
-    ``dmuon.exec.runtime.wait_pending(params)`` if the runtime module defines it (to finish
-    in-flight gradient reduces), runs the Muon and AdamW groups, and finally calls
-    ``dmuon.exec.runtime.after_step(params)`` if defined (HSDP replicate broadcast).
-    ``params`` is the list of all dedicated parameters of this optimizer (placeholders
-    included), in param-group order. Both hooks are looked up lazily, so this class works
-    before and without the runtime.
+    ``dmuon.exec.runtime.wait_pending(params)`` (to finish in-flight gradient reduces), runs
+    the Muon and AdamW groups, and finally calls ``dmuon.exec.runtime.after_step(params)``
+    (HSDP replicate broadcast). ``params`` is the list of all dedicated parameters of this
+    optimizer (placeholders included), in param-group order. Both are no-ops for parameters
+    whose tag has no live runtime, so this class works without ``dmuon.exec.apply``.
 
     AdamW: torch's functional ``torch.optim.adamw.adamw`` with ``amsgrad=False,
     maximize=False, foreach=None, fused=None, capturable=False, differentiable=False``, i.e.
@@ -298,8 +282,8 @@ class Muon(torch.optim.Optimizer):
         # Per-group dicts carry every hyper-parameter; `defaults` stays empty so that
         # Optimizer.add_param_group does not leak Muon keys into AdamW groups or back.
         super().__init__(groups, {})
-        if _runtime_module() is not None:  # DTensor momentum for torch.distributed.checkpoint
-            importlib.import_module("dmuon.exec.checkpoint").register_optimizer_hooks(self)
+        # DTensor momentum for torch.distributed.checkpoint (no-ops without a live runtime)
+        _checkpoint.register_optimizer_hooks(self)
 
     # ------------------------------------------------------------------ construction
 
@@ -536,41 +520,31 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        runtime = _runtime_module()
         dedicated = self._dedicated_params()
-        wait_pending = getattr(runtime, "wait_pending", None)
-        if wait_pending is not None:
-            wait_pending(dedicated)
+        wait_pending(dedicated)
         for group in self.param_groups:
             if group["use_muon"]:
                 self._muon_group_step(group)
             else:
                 self._adamw_group_step(group)
-        after_step = getattr(runtime, "after_step", None)
-        if after_step is not None:
-            after_step(dedicated)
+        after_step(dedicated)
         return loss
 
     def _muon_group_step(self, group: dict) -> None:
+        """Muon on the matrices of ``group`` this rank owns that have a gradient (see the class
+        docstring): momentum, then Newton-Schulz per matrix or per bucket, then the update."""
         lr = group["lr"]
         if isinstance(lr, Tensor):
             lr = lr.item()
-        weight_decay = group["weight_decay"]
-        momentum = group["momentum"]
-        nesterov = group["nesterov"]
-        adjust_lr_fn = group["adjust_lr_fn"]
-        ns_dtype = _as_dtype(group["ns_dtype"], "ns_dtype")
-        orthogonalize = _ns.get_ns_backend(group.get("ns_backend", "standard"))
-        ns_kw = dict(
-            coefficients=_ns.coefficient_schedule(group["ns_coefficients"], group["ns_steps"]),
-            steps=group["ns_steps"],
-            eps=group["eps"],
-            dtype=ns_dtype,
-        )
-        batched = ns_dtype in _BATCHED_NS_DTYPES
-        pending: dict[tuple, list[tuple[Tensor, Tensor, int, int, int]]] = {}
-        tp_entries: list[tuple[Tensor, Tensor, Any]] = []
+        weight_decay, adjust_lr_fn = group["weight_decay"], group["adjust_lr_fn"]
+        orthogonalize, ns_kw = _ns_settings(group)
 
+        def apply(p: Tensor, ortho: Tensor, matrix_shape) -> None:
+            _apply_update(p, ortho, lr, weight_decay, adjust_lr(lr, adjust_lr_fn, matrix_shape))
+
+        batched = ns_kw["dtype"] in _BATCHED_NS_DTYPES
+        buckets: dict[tuple, list[tuple[Tensor, Tensor, int, int, int]]] = {}
+        tp_entries: list[tuple[Tensor, Tensor, Any]] = []
         for p in group["params"]:
             info = _info(p)
             grad = p.grad
@@ -580,145 +554,26 @@ class Muon(torch.optim.Optimizer):
                 raise RuntimeError("Muon does not support sparse gradients")
             state = self.state[p]
             tp = getattr(info, "tp", None)
-            if tp is not None:  # TP-sharded: momentum on the local shard, NS below
-                g_local = tp.local(grad)
-                buf = state.get("momentum_buffer")
-                if buf is None:
-                    buf = state["momentum_buffer"] = tp.wrap(torch.zeros_like(g_local))
-                b_local = tp.local(buf)
-                b_local.lerp_(g_local, 1 - momentum)
-                tp_entries.append((p, g_local.lerp(b_local, momentum) if nesterov else b_local, tp))
+            if tp is not None:  # TP-sharded: momentum on the local shard, NS on the TP group below
+                tp_entries.append((p, _tp_momentum_update(grad, state, tp, group["momentum"], group["nesterov"]), tp))
                 continue
-            buf = state.get("momentum_buffer")
-            if buf is None:  # e.g. state cleared by hand; same lazy rule as torch
-                buf = state["momentum_buffer"] = torch.zeros_like(
-                    grad, memory_format=torch.preserve_format
-                )
-            buf.lerp_(grad, 1 - momentum)
-            update = grad.lerp(buf, momentum) if nesterov else buf
+            update = _momentum_update(grad, state, group["momentum"], group["nesterov"])
             m, n = (int(s) for s in info.matrix_shape)
             k = int(info.num_matrices)
             if batched:
-                # Tall and wide matrices of the same (min, max) side share a bucket: NS of a
-                # tall G is the transpose of NS of the wide Gᵀ (newton_schulz itself transposes).
-                key = (min(m, n), max(m, n), update.dtype, update.device)
-                pending.setdefault(key, []).append((p, update, k, m, n))
+                buckets.setdefault(_bucket_key(update, m, n), []).append((p, update, k, m, n))
                 continue
-            if k == 1:
-                mat = update if tuple(update.shape) == (m, n) else update.reshape(m, n)
-                ortho = orthogonalize(mat, **ns_kw)
-            else:
-                stack = update.reshape(k, m, n)
-                ortho = torch.empty((k, m, n), dtype=ns_dtype, device=update.device)
-                for i in range(k):
-                    ortho[i] = orthogonalize(stack[i], **ns_kw)
-            self._apply(p, ortho, lr, weight_decay, adjust_lr(lr, adjust_lr_fn, (m, n)))
+            apply(p, _orthogonalize_matrices(update, k, m, n, orthogonalize, ns_kw), (m, n))
 
-        for (d, D, _, _), entries in pending.items():
+        for (d, D, _, _), entries in buckets.items():
             for chunk in _chunks(entries, d * D):
-                if len(chunk) == 1 and chunk[0][2] == 1:
-                    _, update, _, m, n = chunk[0]
-                    mat = update if tuple(update.shape) == (m, n) else update.reshape(m, n)
-                    outs = [orthogonalize(mat, **ns_kw)]
-                else:
-                    # (k, d, D) wide views; tall (k, D, d) matrices enter transposed.
-                    views = [
-                        u.reshape(k, m, n).mT if m > n else u.reshape(k, m, n)
-                        for _, u, k, m, n in chunk
-                    ]
-                    stack = views[0] if len(views) == 1 else torch.cat(views)
-                    ortho = orthogonalize(stack, **ns_kw)
-                    outs = [
-                        o.mT if m > n else o
-                        for o, (_, _, _, m, n) in zip(ortho.split([e[2] for e in chunk]), chunk)
-                    ]
-                for (p, _, _, m, n), o in zip(chunk, outs):
-                    self._apply(p, o, lr, weight_decay, adjust_lr(lr, adjust_lr_fn, (m, n)))
+                for (p, _, _, m, n), o in zip(chunk, _orthogonalize_bucket(chunk, orthogonalize, ns_kw)):
+                    apply(p, o, (m, n))
 
         if tp_entries:
-            self._tp_orthogonalize_and_apply(tp_entries, group, orthogonalize, ns_kw, lr, weight_decay, adjust_lr_fn)
-
-    def _tp_orthogonalize_and_apply(self, entries, group, orthogonalize, ns_kw, lr, weight_decay, adjust_lr_fn):
-        """Newton-Schulz of TP-sharded matrices on their owner's TP group, then the update.
-
-        ``entries``: ``(p, local update, TPInfo)`` in ``group["params"]`` order, identical on
-        the ``T`` ranks of an owner group (they own the same matrices and agree on which have a
-        gradient), so every TP collective below runs in the same order on all of them.
-
-        * ``"gram"`` matrices, batched by local shape: :func:`~dmuon.exec.newton_schulz.
-          sharded_gram_newton_schulz` with one fp32 Gram all-reduce per segment (the plan's
-          ``tp_gram_restart_every``); row-sharded matrices enter transposed.
-        * ``"gather"`` matrices: one all-gather of all their local updates (storage dtype),
-          then the group's NS backend on each full matrix on every TP rank, each keeping its
-          block.
-        """
-        from . import collectives as C
-
-        rt = _info(entries[0][0]).runtime()
-        plan = rt.plan
-        steps = group["ns_steps"]
-        gram: dict[tuple, list] = {}
-        gather: dict[tuple, list] = {}
-        for p, update, tp in entries:
-            if tp.method == "gram":
-                if steps != plan.tp_ns_steps:
-                    raise ValueError(
-                        f"dmuon.Muon: ns_steps={steps} but the plan of the TP-sharded matrix "
-                        f"{_info(p).fqn!r} assumes tp_ns_steps={plan.tp_ns_steps} (its Gram all-reduce "
-                        f"count); compile the plan with tp_ns_steps={steps}"
-                    )
-                x = update.mT if tp.shard_dim == 0 else update  # (d, D_local), d = unsplit side
-                gram.setdefault((tuple(x.shape), x.dtype, id(tp.group)), []).append((p, x, tp))
-            else:
-                gather.setdefault((update.dtype, id(tp.group)), []).append((p, update, tp))
-
-        for items in gram.values():
-            tp = items[0][2]
-
-            def all_reduce(g, tp=tp):
-                C.all_reduce_sum(g, group=tp.group, phase="tp")
-                return g
-
-            x = torch.stack([e[1] for e in items]) if len(items) > 1 else items[0][1].unsqueeze(0)
-            ortho = _ns.sharded_gram_newton_schulz(
-                x,
-                all_reduce_sum=all_reduce,
-                coefficients=ns_kw["coefficients"],
-                steps=steps,
-                eps=ns_kw["eps"],
-                dtype=ns_kw["dtype"],
-                restart_every=plan.tp_gram_restart_every,
+            _tp.orthogonalize_and_apply(
+                tp_entries, steps=group["ns_steps"], orthogonalize=orthogonalize, ns_kw=ns_kw, apply=apply
             )
-            for (p, _, tp), o in zip(items, ortho.unbind(0)):
-                o = o.mT if tp.shard_dim == 0 else o
-                self._apply(p.to_local(), o, lr, weight_decay, adjust_lr(lr, adjust_lr_fn, tp.shape))
-
-        for items in gather.values():
-            tp = items[0][2]
-            flat = torch.cat([u.reshape(-1) for _, u, _ in items])
-            out = torch.empty(tp.size * flat.numel(), dtype=flat.dtype, device=flat.device)
-            C.wait_all(
-                [C.all_gather_into(out, flat, group=tp.group, phase="tp", async_op=True)],
-                what="TP all-gather of Muon updates",
-                timeout_s=rt.timeout_s,
-            )
-            out = out.view(tp.size, -1)
-            by_coord = [out[dist.get_group_rank(tp.group, tp.ranks[t])] for t in range(tp.size)]
-            offset = 0
-            for p, u, tp in items:
-                n = u.numel()
-                full = torch.cat([b[offset : offset + n].view(u.shape) for b in by_coord], dim=tp.shard_dim)
-                offset += n
-                ortho = orthogonalize(full, **ns_kw)
-                rows = u.shape[tp.shard_dim]
-                mine = ortho.narrow(tp.shard_dim, tp.rank * rows, rows)
-                self._apply(p.to_local(), mine, lr, weight_decay, adjust_lr(lr, adjust_lr_fn, tp.shape))
-
-    @staticmethod
-    def _apply(p: Tensor, ortho: Tensor, lr: float, weight_decay: float, scaled_lr: float) -> None:
-        # torch.optim._muon._single_tensor_muon: decoupled decay, then the scaled update.
-        p.mul_(1 - lr * weight_decay)
-        p.add_(ortho if ortho.shape == p.shape else ortho.reshape(p.shape), alpha=-scaled_lr)
 
     def _adamw_group_step(self, group: dict) -> None:
         params: list[Tensor] = []
@@ -766,6 +621,85 @@ class Muon(torch.optim.Optimizer):
             eps=group["eps"],
             maximize=False,
         )
+
+
+# ----------------------------------------------------------------------------------------------
+# One Muon step, piece by piece (each torch.optim._muon._single_tensor_muon's ops, in its order)
+# ----------------------------------------------------------------------------------------------
+
+
+def _ns_settings(group: dict) -> tuple[Callable, dict]:
+    """The group's Newton-Schulz backend and its keyword arguments (``coefficients, steps, eps,
+    dtype``)."""
+    orthogonalize = _ns.get_ns_backend(group.get("ns_backend", "standard"))
+    ns_kw = dict(
+        coefficients=_ns.coefficient_schedule(group["ns_coefficients"], group["ns_steps"]),
+        steps=group["ns_steps"],
+        eps=group["eps"],
+        dtype=_as_dtype(group["ns_dtype"], "ns_dtype"),
+    )
+    return orthogonalize, ns_kw
+
+
+def _momentum_update(grad: Tensor, state: dict, momentum: float, nesterov: bool) -> Tensor:
+    """``buf.lerp_(g, 1 - momentum)``; the NS input is ``g.lerp(buf, momentum)`` (Nesterov) or
+    ``buf``. The buffer is created as zeros when missing (e.g. state cleared by hand), as torch does."""
+    buf = state.get("momentum_buffer")
+    if buf is None:
+        buf = state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+    buf.lerp_(grad, 1 - momentum)
+    return grad.lerp(buf, momentum) if nesterov else buf
+
+
+def _tp_momentum_update(grad: Tensor, state: dict, tp, momentum: float, nesterov: bool) -> Tensor:
+    """:func:`_momentum_update` of a TP-sharded matrix on its local shard (the buffer is a
+    DTensor with the matrix's placement); returns the local NS input."""
+    g_local = tp.local(grad)
+    buf = state.get("momentum_buffer")
+    if buf is None:
+        buf = state["momentum_buffer"] = tp.wrap(torch.zeros_like(g_local))
+    b_local = tp.local(buf)
+    b_local.lerp_(g_local, 1 - momentum)
+    return g_local.lerp(b_local, momentum) if nesterov else b_local
+
+
+def _orthogonalize_matrices(update: Tensor, k: int, m: int, n: int, orthogonalize, ns_kw: dict) -> Tensor:
+    """Unbatched NS: one 2-D call per ``(m, n)`` matrix (an expert stack loops over its ``k``)."""
+    if k == 1:
+        mat = update if tuple(update.shape) == (m, n) else update.reshape(m, n)
+        return orthogonalize(mat, **ns_kw)
+    stack = update.reshape(k, m, n)
+    ortho = torch.empty((k, m, n), dtype=ns_kw["dtype"], device=update.device)
+    for i in range(k):
+        ortho[i] = orthogonalize(stack[i], **ns_kw)
+    return ortho
+
+
+def _bucket_key(update: Tensor, m: int, n: int) -> tuple:
+    """Batched NS bucket: tall and wide matrices of the same (min, max) side share one (NS of a
+    tall G is the transpose of NS of the wide Gᵀ; newton_schulz itself transposes)."""
+    return (min(m, n), max(m, n), update.dtype, update.device)
+
+
+def _orthogonalize_bucket(chunk: list, orthogonalize, ns_kw: dict) -> list[Tensor]:
+    """Batched NS of one chunk of bucket entries ``(p, update, k, m, n)``: one call on their
+    ``(B, d, D)`` concatenation (a lone 2-D matrix uses the 2-D path); one result per entry,
+    in its own orientation."""
+    if len(chunk) == 1 and chunk[0][2] == 1:
+        _, update, _, m, n = chunk[0]
+        mat = update if tuple(update.shape) == (m, n) else update.reshape(m, n)
+        return [orthogonalize(mat, **ns_kw)]
+    # (k, d, D) wide views; tall (k, D, d) matrices enter transposed.
+    views = [u.reshape(k, m, n).mT if m > n else u.reshape(k, m, n) for _, u, k, m, n in chunk]
+    stack = views[0] if len(views) == 1 else torch.cat(views)
+    ortho = orthogonalize(stack, **ns_kw)
+    return [o.mT if m > n else o for o, (_, _, _, m, n) in zip(ortho.split([e[2] for e in chunk]), chunk)]
+
+
+def _apply_update(p: Tensor, ortho: Tensor, lr: float, weight_decay: float, scaled_lr: float) -> None:
+    """Decoupled weight decay, then the scaled orthogonalised update (``_single_tensor_muon``)."""
+    p.mul_(1 - lr * weight_decay)
+    p.add_(ortho if ortho.shape == p.shape else ortho.reshape(p.shape), alpha=-scaled_lr)
 
 
 def _chunks(entries: list, matrix_numel: int) -> Iterable[list]:

@@ -1,0 +1,319 @@
+"""Packed buffers of one hook boundary: segments, sub-segments and slots, and how they are built.
+
+For one hook boundary the plan gives, per parameter dtype, a packed buffer made of one
+*segment* per shard coordinate ``s`` (the parameters owned by ``(s, ·)``), each segment made of
+one *sub-segment* per owner ``(s, r)``. :func:`build_segments` binds those layouts to tensors.
+
+Tensors per dedicated parameter:
+
+* the **logical** parameter (what ``model.parameters()`` and the optimizer see between steps): on
+  a rank that holds the segment, the full-size master whose storage *is* the segment when the
+  wire dtype equals the parameter dtype (zero-copy broadcast); elsewhere a zero-size placeholder.
+* the **compute** parameter, installed into the module during forward and backward: a leaf view
+  of the segment storage in the broadcast dtype. Autograd accumulates this rank's local gradient
+  into it; it never reaches the optimizer. It has its own version counter (built with ``set_``),
+  so writing the segment in place (broadcast) does not invalidate tensors saved for backward —
+  the same reason FSDP2 frees and regrows storage with ``untyped_storage().resize_``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+__all__ = ["DedicatedInfo", "TPInfo", "build_segments"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DedicatedInfo:
+    """Attached as ``p._dmuon`` to every logical dedicated parameter.
+
+    ``owner_rank``: global rank that runs Newton-Schulz for it; ``is_owner``: this rank is it;
+    ``holds_full``: this rank stores the full value (the owner, and in HSDP its replicate peers);
+    ``matrix_shape`` ``(m, n)`` and ``num_matrices``: the Muon view; ``shape``: logical shape.
+    """
+
+    fqn: str
+    owner_rank: int
+    is_owner: bool
+    holds_full: bool
+    shape: tuple[int, ...]
+    matrix_shape: tuple[int, int]
+    num_matrices: int
+    runtime: Any = dataclasses.field(repr=False, compare=False)  # weakref to DmuonRuntime
+    tp: "TPInfo | None" = None  # a TP-sharded matrix: its placement and owner TP group
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class TPInfo:
+    """A dedicated matrix sharded by tensor parallelism (``parallelize_module``).
+
+    Every tensor dmuon keeps for it (logical, compute, gradient, momentum) is a ``DTensor`` on
+    the parameter's own TP ``mesh`` with its ``placements``; the packed buffers hold the local
+    shards (``local_shape``). ``group`` is dmuon's TP group of the owner (the ``size`` ranks that
+    share this rank's data-parallel coordinate; ``rank`` = this rank's TP coordinate, ``ranks``
+    their global ranks in TP order); ``method``: ``"gram"`` or ``"gather"`` (the plan's
+    ``tp_ns``).
+    """
+
+    mesh: Any
+    placements: tuple
+    shard_dim: int
+    size: int
+    rank: int
+    group: Any
+    ranks: tuple[int, ...]
+    method: str
+    shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+
+    def wrap(self, local: torch.Tensor) -> torch.Tensor:
+        """``local`` (this rank's shard, or a zero-row placeholder) as a DTensor, sharing storage."""
+        from torch.distributed.tensor import DTensor
+
+        if tuple(local.shape) == self.local_shape:
+            return DTensor.from_local(
+                local, self.mesh, self.placements, run_check=False, shape=self.shape,
+                stride=_contiguous_strides(self.shape),
+            )
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False)
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        """The local shard of a DTensor with this matrix's placement (redistributed if needed)."""
+        if tuple(t.placements) != tuple(self.placements):
+            t = t.redistribute(self.mesh, self.placements)
+        return t.to_local()
+
+
+_DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16)}
+
+
+def _dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dmuon: unsupported parameter dtype {name}") from None
+
+
+@dataclasses.dataclass(eq=False)
+class _Slot:
+    """One dedicated parameter inside a segment."""
+
+    fqn: str
+    offset_in_seg: int  # elements from the segment start
+    numel: int
+    shape: tuple[int, ...]
+    homes: list[tuple[nn.Module, str]]  # every (module, attribute) alias
+    logical: nn.Parameter
+    compute: nn.Parameter
+    tp: TPInfo | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class _SubSeg:
+    owner_rank: int
+    offset_in_seg: int
+    numel: int
+    flags_offset_in_seg: int
+    slots: list[_Slot]
+
+
+@dataclasses.dataclass(eq=False)
+class _Segment:
+    shard: int
+    numel: int
+    held: bool  # this rank stores it permanently (its shard coordinate)
+    src_rank: int  # holder in this rank's replicate row: broadcast source / reduce destination
+    wire: torch.Tensor  # 1-D, broadcast dtype; storage freed when not resident (non-held only)
+    master: torch.Tensor | None  # held only: 1-D, param dtype; ``wire`` itself unless mixed precision
+    subs: list[_SubSeg]
+    slots: list[_Slot]
+    reduce_dtype: torch.dtype
+    param_dtype: torch.dtype
+    resident: bool = True
+    # gradient reduce, built on first use (``_BoundaryRuntime._reduce_buffer``) and reused every step
+    reduce_buf: torch.Tensor | None = None  # 1-D, reduce dtype, on the segment's device
+    reduce_inflight: bool = False  # a reduce on ``reduce_buf`` is launched and not yet finished
+    owned: list = dataclasses.field(default_factory=list)  # [_Owned] sub-segments this rank owns
+
+
+@dataclasses.dataclass(eq=False)
+class _Owned:
+    """A sub-segment this rank owns: views of its segment's reduce buffer (built once, valid
+    across the buffer's storage being released and regrown)."""
+
+    sub: _SubSeg
+    values: torch.Tensor  # reduce_buf[sub.offset_in_seg : + sub.numel]
+    flags: torch.Tensor  # reduce_buf[sub.flags_offset_in_seg : + len(sub.slots)]
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides = []
+    acc = 1
+    for d in reversed(tuple(shape)):
+        strides.append(acc)
+        acc *= d
+    return tuple(reversed(strides))
+
+
+def build_segments(
+    boundary, *, plan, groups, device, modules, specs, owners, original, runtime_ref
+) -> list[_Segment]:
+    """The segments of one plan boundary on this rank, from its buffer layouts.
+
+    Per parameter dtype and shard coordinate one :class:`_Segment`: held (this rank's shard
+    coordinate) it is permanent and its ``master`` is the storage of the logical parameters;
+    otherwise its ``wire`` storage is released at once. Every logical parameter is tagged with
+    its :class:`DedicatedInfo` (``runtime_ref``: a weak reference to the runtime). ``modules``
+    maps module FQNs to modules, ``specs`` / ``owners`` / ``original``: the plan's
+    ``ParamSpec``, ``Owner`` and the model's original parameter per FQN.
+
+    Raises:
+        ValueError: a parameter's shape or dtype differs from the plan's, or a TP matrix's
+            placement differs from the one the plan was compiled for.
+    """
+    g = groups
+    segments: list[_Segment] = []
+    for layout in boundary.buffers:
+        param_dtype = _dtype(layout.dtype)
+        wire_dtype = _dtype(plan.param_dtype) if plan.param_dtype else param_dtype
+        reduce_dtype = _dtype(plan.reduce_dtype) if plan.reduce_dtype else wire_dtype
+        for seg_l in layout.segments:
+            held = seg_l.shard == g.shard
+            wire = torch.zeros(seg_l.numel, dtype=wire_dtype, device=device)
+            master = None
+            if held:
+                master = wire if wire_dtype == param_dtype else torch.zeros(
+                    seg_l.numel, dtype=param_dtype, device=device
+                )
+            seg = _Segment(
+                shard=seg_l.shard,
+                numel=seg_l.numel,
+                held=held,
+                src_rank=g.rank_of(g.replicate, seg_l.shard),
+                wire=wire,
+                master=master,
+                subs=[],
+                slots=[],
+                reduce_dtype=reduce_dtype,
+                param_dtype=param_dtype,
+            )
+            for sub_l in seg_l.subsegments:
+                sub = _SubSeg(
+                    owner_rank=g.rank_of(sub_l.owner.replicate, sub_l.owner.shard),
+                    offset_in_seg=sub_l.offset - seg_l.offset,
+                    numel=sub_l.numel,
+                    flags_offset_in_seg=sub_l.flags_offset - seg_l.offset,
+                    slots=[],
+                )
+                for e in sub_l.entries:
+                    spec = specs[e.fqn]
+                    off = e.offset - seg_l.offset
+                    orig = original[e.fqn]
+                    if tuple(orig.shape) != tuple(spec.shape) or str(orig.dtype) != spec.dtype:
+                        raise ValueError(
+                            f"dmuon: parameter {e.fqn!r} is {tuple(orig.shape)} {orig.dtype} in the model "
+                            f"but {spec.shape} {spec.dtype} in the plan; recompile the plan after "
+                            "changing the model"
+                        )
+                    tp = tp_info(spec, orig, g)
+                    lshape = tuple(spec.local_shape)
+                    strides = _contiguous_strides(lshape)
+                    if held:
+                        value = orig.to_local() if tp is not None else orig
+                        master[off : off + e.numel].copy_(value.detach().reshape(-1))
+                        logical = torch.empty(0, dtype=param_dtype, device=device).set_(
+                            master.untyped_storage(), off, lshape, strides
+                        )
+                    else:
+                        # zero rows, the other dims kept: nn.init / reset_parameters see the
+                        # true fan-in and run (as no-ops) on non-holders after to_empty
+                        logical = torch.empty((0, *lshape[1:]), dtype=param_dtype, device=device)
+                    compute = torch.empty(0, dtype=wire_dtype, device=device).set_(
+                        wire.untyped_storage(), off, lshape, strides
+                    )
+                    if tp is not None:
+                        logical, compute = tp.wrap(logical), tp.wrap(compute)
+                    logical = nn.Parameter(logical, requires_grad=orig.requires_grad)
+                    compute = nn.Parameter(compute, requires_grad=orig.requires_grad)
+                    owner = owners[e.fqn]
+                    owner_rank = g.rank_of(owner.replicate, owner.shard)
+                    logical._dmuon = DedicatedInfo(
+                        fqn=e.fqn,
+                        owner_rank=owner_rank,
+                        is_owner=owner_rank == dist.get_rank(),
+                        holds_full=held,
+                        shape=tuple(spec.shape),
+                        matrix_shape=tuple(spec.matrix_shape),
+                        num_matrices=int(spec.num_matrices),
+                        runtime=runtime_ref,
+                        tp=tp,
+                    )
+                    homes = []
+                    for alias in spec.aliases:
+                        mod_fqn, _, attr = alias.rpartition(".")
+                        homes.append((modules[mod_fqn], attr))
+                    slot = _Slot(
+                        fqn=e.fqn,
+                        offset_in_seg=off,
+                        numel=e.numel,
+                        shape=lshape,
+                        homes=homes,
+                        logical=logical,
+                        compute=compute,
+                        tp=tp,
+                    )
+                    sub.slots.append(slot)
+                    seg.slots.append(slot)
+                seg.subs.append(sub)
+            if not held:
+                wire.untyped_storage().resize_(0)
+                seg.resident = False
+            segments.append(seg)
+    return segments
+
+
+def tp_info(spec, orig: torch.Tensor, groups) -> TPInfo | None:
+    """The :class:`TPInfo` of a TP-sharded dedicated matrix (None without TP), after checking
+    that the model's parameter has the placement the plan was compiled for."""
+    if spec.tp_size == 1:
+        return None
+    g = groups
+    placements = tuple(getattr(orig, "placements", ()))
+    mesh = getattr(orig, "device_mesh", None)
+    ok = (
+        mesh is not None
+        and mesh.ndim == 1
+        and mesh.size() == spec.tp_size == g.tp_size
+        and len(placements) == 1
+        and type(placements[0]).__name__ == "Shard"
+        and placements[0].dim % 2 == spec.tp_shard_dim
+    )
+    if not ok:
+        raise ValueError(
+            f"dmuon: the plan says {spec.fqn!r} is sharded Shard({spec.tp_shard_dim}) over a TP mesh of "
+            f"{spec.tp_size}, but the model's parameter is "
+            + (f"a DTensor with {placements} on mesh {tuple(mesh.shape)}" if mesh is not None else "a plain tensor")
+            + "; apply parallelize_module before dedicate_params and compile the plan from that model"
+        )
+    if mesh.get_local_rank() != g.tp_rank:
+        raise ValueError(
+            f"dmuon: {spec.fqn!r} is on TP coordinate {mesh.get_local_rank()} of its mesh but dmuon's TP "
+            f"coordinate is {g.tp_rank}; all dedicated TP matrices must share one TP mesh"
+        )
+    return TPInfo(
+        mesh=mesh,
+        placements=placements,
+        shard_dim=int(spec.tp_shard_dim),
+        size=int(spec.tp_size),
+        rank=g.tp_rank,
+        group=g.tp_group,
+        ranks=g.tp_ranks,
+        method=str(spec.tp_ns),
+        shape=tuple(spec.shape),
+        local_shape=tuple(spec.local_shape),
+    )

@@ -1,0 +1,159 @@
+"""dmuon's process groups of the data-parallel mesh (and, with tensor parallelism, its TP groups).
+
+:func:`mesh_rank_table` reads a mesh argument as a rank table ``table[replicate][shard]``;
+:meth:`MeshGroups.build` creates dmuon's own groups for it (a collective over the world).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["mesh_rank_table", "MeshGroups"]
+
+
+def mesh_rank_table(
+    mesh, *, shard_dim: str | None = None, replicate_dim: str | None = None
+) -> tuple[tuple[int, ...], ...]:
+    """Global ranks of the data-parallel mesh as ``table[replicate][shard]`` (R rows of N).
+
+    ``mesh``: ``None`` (1-D over the world); an int ``N`` or ``(N,)`` (1-D over ranks ``0..N-1``);
+    ``(R, N)`` (ranks ``r·N + s``, the layout of ``init_device_mesh(..., (R, N))``); or a 1-D / 2-D
+    ``DeviceMesh``. A 2-D ``DeviceMesh`` is read as ``(replicate, shard)``; ``shard_dim`` /
+    ``replicate_dim`` name its dims when they are called otherwise (e.g. ``"dp_shard"``), and
+    dims named exactly ``"shard"`` / ``"replicate"`` are recognised in either order.
+
+    Raises:
+        ValueError: a shape that is not 1-D or 2-D, unknown dim names, or a mesh whose size
+            differs from the world size when given as an int or tuple.
+    """
+    world = dist.get_world_size()
+    if mesh is None:
+        return (tuple(range(world)),)
+    if isinstance(mesh, int) or (isinstance(mesh, (tuple, list)) and all(isinstance(d, int) for d in mesh)):
+        shape = (int(mesh),) if isinstance(mesh, int) else tuple(int(d) for d in mesh)
+        if len(shape) not in (1, 2) or any(d <= 0 for d in shape):
+            raise ValueError(f"dmuon: mesh must be N, (N,) or (R, N) with positive sizes, got {mesh!r}")
+        if math.prod(shape) != world:
+            raise ValueError(
+                f"dmuon: mesh {mesh!r} has {math.prod(shape)} ranks but the world has {world}; pass a "
+                "DeviceMesh to use a subset of the ranks"
+            )
+        R, N = (1, shape[0]) if len(shape) == 1 else shape
+        return tuple(tuple(r * N + s for s in range(N)) for r in range(R))
+    t = mesh.mesh.detach().cpu()
+    if t.ndim == 1:
+        return (tuple(int(x) for x in t.tolist()),)
+    if t.ndim != 2:
+        raise ValueError(f"dmuon: mesh must be 1-D or 2-D, got {t.ndim}-D {tuple(t.shape)}")
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if shard_dim is None and replicate_dim is None and set(names) == {"replicate", "shard"}:
+        shard_dim, replicate_dim = "shard", "replicate"
+    if shard_dim is not None or replicate_dim is not None:
+        if shard_dim not in names or replicate_dim not in names or shard_dim == replicate_dim:
+            raise ValueError(
+                f"dmuon: shard_dim={shard_dim!r} and replicate_dim={replicate_dim!r} must name the two "
+                f"different dims of the mesh, whose dims are {names}"
+            )
+        if names.index(shard_dim) == 0:
+            t = t.T
+    return tuple(tuple(int(x) for x in row) for row in t.tolist())
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshGroups:
+    """dmuon's own process groups for a ``(R, N)`` mesh (rank layout ``mesh_ranks[r][s]``).
+
+    dmuon never shares a process group with FSDP2: its collectives form their own sequence, so
+    the relative order of dmuon's and FSDP2's hooks cannot mismatch between ranks.
+
+    Tensor parallelism (``tp_size = T > 1``): every TP coordinate ``t`` has its own
+    data-parallel mesh; ``mesh_ranks`` is this rank's (``t = tp_rank``), and ``tp_group`` joins
+    the ``T`` ranks with this rank's data-parallel coordinate (an owner group), ``tp_ranks``
+    their global ranks in TP order.
+    """
+
+    mesh_ranks: tuple[tuple[int, ...], ...]  # [replicate][shard] -> global rank
+    replicate: int  # this rank's replicate coordinate
+    shard: int  # this rank's shard coordinate
+    shard_group: Any  # ProcessGroup over mesh_ranks[replicate][:]
+    replicate_group: Any  # ProcessGroup over mesh_ranks[:][shard], None when R == 1
+    tp_size: int = 1
+    tp_rank: int = 0
+    tp_group: Any = None  # ProcessGroup over tp_ranks, None when T == 1
+    tp_ranks: tuple[int, ...] = ()
+    job_group: Any = None  # ProcessGroup over every rank of this job (dp x tp), None = the world
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (len(self.mesh_ranks), len(self.mesh_ranks[0]))
+
+    def rank_of(self, replicate: int, shard: int) -> int:
+        return self.mesh_ranks[replicate][shard]
+
+    @staticmethod
+    def build(
+        ranks: tuple[tuple[int, ...], ...],
+        *,
+        tp_tables: tuple[tuple[tuple[int, ...], ...], ...] | None = None,
+        peer_tables: tuple[tuple[tuple[int, ...], ...], ...] | None = None,
+    ) -> "MeshGroups":
+        """Create the groups for the rank table ``ranks[replicate][shard]`` (see
+        :func:`mesh_rank_table`); a collective call on every rank of the world, in a fixed order.
+
+        ``tp_tables[t]``: the data-parallel table of TP coordinate ``t`` (all ``T`` of them, the
+        same on every rank; ``ranks`` is one of them): groups are created for every table, then
+        one TP group per data-parallel coordinate. ``peer_tables``: without TP, the tables of
+        every independent data-parallel sub-mesh of the world (``ranks`` among them): groups are
+        created for all of them, no TP groups.
+        """
+        me = dist.get_rank()
+        tables = tuple(tp_tables or peer_tables or (ranks,))
+        found = [(t, r, s) for t, tab in enumerate(tables) for r, row in enumerate(tab) for s, x in enumerate(row) if x == me]
+        if len(found) != 1:
+            raise ValueError(f"dmuon: rank {me} appears {len(found)} times in mesh {tables}")
+        my_t, my_r, my_s = found[0]
+        R, N = len(ranks), len(ranks[0])
+        shard_group = replicate_group = tp_group = None
+        for t, tab in enumerate(tables):  # every rank creates every group, same order
+            for r, row in enumerate(tab):
+                g = dist.new_group(ranks=list(row))
+                if (t, r) == (my_t, my_r):
+                    shard_group = g
+            if R > 1:
+                for s in range(N):
+                    g = dist.new_group(ranks=[tab[r][s] for r in range(R)])
+                    if (t, s) == (my_t, my_s):
+                        replicate_group = g
+        T = len(tables) if tp_tables is not None else 1
+        tp_ranks: tuple[int, ...] = ()
+        if T > 1:
+            for r in range(R):
+                for s in range(N):
+                    members = [tab[r][s] for tab in tables]
+                    g = dist.new_group(ranks=members)
+                    if (r, s) == (my_r, my_s):
+                        tp_group, tp_ranks = g, tuple(members)
+        # the ranks of one job (global reductions such as clip_grad_norm_): all tables with TP,
+        # each table on its own for independent sub-meshes; None when that is the whole world
+        job_group = None
+        if peer_tables is not None and tp_tables is None:
+            for t, tab in enumerate(tables):
+                g = dist.new_group(ranks=sorted(x for row in tab for x in row))
+                if t == my_t:
+                    job_group = g
+        return MeshGroups(
+            mesh_ranks=tables[my_t],
+            replicate=my_r,
+            shard=my_s,
+            shard_group=shard_group,
+            replicate_group=replicate_group,
+            tp_size=T,
+            tp_rank=my_t if T > 1 else 0,
+            tp_group=tp_group,
+            tp_ranks=tp_ranks,
+            job_group=job_group,
+        )
