@@ -49,10 +49,10 @@ def _single_thread():
 
 @dataclasses.dataclass(frozen=True)
 class FakeInfo:
-    """Duck-typed stand-in for dmuon.exec.runtime.DedicatedInfo."""
+    """Duck-typed stand-in for dmuon.exec.buffers.DedicatedInfo."""
 
     fqn: str
-    owner_rank: int
+    owner_global_rank: int
     is_owner: bool
     shape: tuple[int, ...]
     matrix_shape: tuple[int, int]
@@ -719,7 +719,7 @@ _DTENSOR_SCRIPT = textwrap.dedent(
     ours, ref = make(), make()
     w = nn.Parameter(torch.randn(12, 4)); w_ref = nn.Parameter(w.detach().clone())
     class Info: pass
-    info = Info(); info.fqn="w"; info.owner_rank=0; info.is_owner=True; info.shape=(12, 4)
+    info = Info(); info.fqn="w"; info.owner_global_rank=0; info.is_owner=True; info.shape=(12, 4)
     info.matrix_shape=(12, 4); info.num_matrices=1; info.runtime=lambda: None
     w._dmuon = info
     opt = optim_mod.Muon(ours + [w], adamw_lr=0.01, adamw_weight_decay=0.1)

@@ -42,6 +42,7 @@ import torch.nn as nn
 from . import collectives as C
 from . import fsdp2
 from .buffers import _Owned, _Segment
+from .program import BoundaryOps
 
 if TYPE_CHECKING:
     from .runtime import DmuonRuntime
@@ -102,11 +103,14 @@ class _BoundaryRuntime:
     backward has not finished (a boundary called twice per forward is reduced after its last).
     """
 
-    def __init__(self, runtime: "DmuonRuntime", fqn: str, module: nn.Module, segments: list[_Segment]):
+    def __init__(
+        self, runtime: "DmuonRuntime", fqn: str, module: nn.Module, segments: list[_Segment], ops: BoundaryOps
+    ):
         self.runtime_ref = weakref.ref(runtime)
         self.fqn = fqn
         self.module = module
         self.segments = segments
+        self.ops = ops  # this rank's collectives per phase, from the plan's schedule
         self.slots = [slot for seg in segments for slot in seg.slots]
         self.pending_backward = 0  # grad-enabled forwards whose backward has not finished
         self.sharded_state = ShardedState.RESHARDED
@@ -123,14 +127,26 @@ class _BoundaryRuntime:
     # -- storage ---------------------------------------------------------------------------
 
     def _unshard(self, phase: str, *, wait: bool = True) -> None:
-        """Make every segment resident on this rank: one async broadcast per segment.
+        """Make every segment resident on this rank: the scheduled broadcasts of ``phase`` (one
+        per segment; none on a one-rank shard group).
 
         ``RESHARDED`` -> ``UNSHARDING`` (broadcasts posted) -> ``UNSHARDED`` (waited for).
         ``wait=False`` only posts the broadcasts (prefetch); the boundary's own hook waits for
         them before the parameters are used.
+
+        Raises:
+            RuntimeError: Z2 (the schedule has no backward broadcast) and the boundary is
+                resharded at its backward: its parameters could not be made current.
         """
         rt = self.runtime_ref()
         if self.sharded_state is ShardedState.RESHARDED:
+            bops = self.ops.broadcast(phase)
+            if not bops and rt.num_shards > 1:
+                raise RuntimeError(
+                    f"dmuon: boundary {self.fqn!r} needs its parameters for the backward but was freed after "
+                    "its forward under reshard_after_forward=False (Z2), whose step has no backward broadcast; "
+                    "was the forward run twice with its backward in between? Use reshard_after_forward=True"
+                )
             rt.wait_replicate_broadcasts(self)  # HSDP: the holder's value must be current
             works = []
             stream = rt.comm_stream("broadcast")  # None off CUDA
@@ -144,12 +160,10 @@ class _BoundaryRuntime:
                 for seg in self.segments:
                     if seg.held:
                         self._copy_masters_to_wire(seg)
-                    if rt.num_shards > 1:
-                        works.append(
-                            C.broadcast(
-                                seg.wire, src=seg.src_rank, group=rt.groups.shard_group, phase=phase, async_op=True
-                            )
-                        )
+                for b in bops:
+                    works.append(
+                        C.broadcast(b.segment.wire, src=b.root, group=b.group, phase=b.op.phase, async_op=True)
+                    )
             self._inflight, self._inflight_phase, self._inflight_stream = works, phase, stream
             # nothing to wait for (one shard, off CUDA): unsharded at once
             self.sharded_state = ShardedState.UNSHARDING if works or stream is not None else ShardedState.UNSHARDED
@@ -316,16 +330,16 @@ class _BoundaryRuntime:
         stay referenced until :meth:`DmuonRuntime.finish_reduces` waits for that stream.
         """
         rt = self.runtime_ref()
-        groups = rt.groups
         if any(seg.reduce_inflight for seg in self.segments):
             rt.finish_reduces()
         stream = rt.comm_stream("reduce")  # None off CUDA
         # (re)grow the buffers on the compute stream, as FSDP2 allocates its reduce-scatter input
-        bufs = [self._reduce_buffer(seg) for seg in self.segments]
+        bufs = [self._reduce_buffer(b.segment) for b in self.ops.reduce]
         if stream is not None:  # the gradients were produced on the compute stream
             stream.wait_stream(torch.cuda.current_stream(stream.device))
         with _on_stream(stream):
-            for seg, buf in zip(self.segments, bufs):
+            for b, buf in zip(self.ops.reduce, bufs):
+                seg = b.segment
                 buf.fill_(0)
                 keep = []
                 for sub in seg.subs:
@@ -339,7 +353,7 @@ class _BoundaryRuntime:
                             if stream is not None:
                                 keep.append(g)
                             slot.compute.grad = None
-                work = C.reduce_sum(buf, dst=seg.src_rank, group=groups.shard_group, phase="reduce", async_op=True)
+                work = C.reduce_sum(buf, dst=b.root, group=b.group, phase=b.op.phase, async_op=True)
                 seg.reduce_inflight = True
                 rt.pending_reduces.append((self, seg, buf, work, keep))
 
@@ -363,7 +377,7 @@ class _BoundaryRuntime:
                     flags=buf[sub.flags_offset_in_seg : sub.flags_offset_in_seg + len(sub.slots)],
                 )
                 for sub in seg.subs
-                if seg.held and sub.owner_rank == me
+                if seg.held and sub.owner_global_rank == me
             ]
         else:
             buf.untyped_storage().resize_(seg.numel * buf.element_size())

@@ -32,13 +32,14 @@ __all__ = ["DedicatedInfo", "TPInfo", "build_segments"]
 class DedicatedInfo:
     """Attached as ``p._dmuon`` to every logical dedicated parameter.
 
-    ``owner_rank``: global rank that runs Newton-Schulz for it; ``is_owner``: this rank is it;
+    ``owner_global_rank``: the global rank that runs Newton-Schulz for it (the plan's
+    ``Owner.rank`` is its mesh rank); ``is_owner``: this rank is it;
     ``holds_full``: this rank stores the full value (the owner, and in HSDP its replicate peers);
     ``matrix_shape`` ``(m, n)`` and ``num_matrices``: the Muon view; ``shape``: logical shape.
     """
 
     fqn: str
-    owner_rank: int
+    owner_global_rank: int
     is_owner: bool
     holds_full: bool
     shape: tuple[int, ...]
@@ -115,7 +116,8 @@ class _Slot:
 
 @dataclasses.dataclass(eq=False)
 class _SubSeg:
-    owner_rank: int
+    replicate: int  # the owner's replicate coordinate
+    owner_global_rank: int
     offset_in_seg: int
     numel: int
     flags_offset_in_seg: int
@@ -127,7 +129,6 @@ class _Segment:
     shard: int
     numel: int
     held: bool  # this rank stores it permanently (its shard coordinate)
-    src_rank: int  # holder in this rank's replicate row: broadcast source / reduce destination
     wire: torch.Tensor  # 1-D, broadcast dtype; storage freed when not resident (non-held only)
     master: torch.Tensor | None  # held only: 1-D, param dtype; ``wire`` itself unless mixed precision
     subs: list[_SubSeg]
@@ -180,8 +181,8 @@ def build_segments(
     segments: list[_Segment] = []
     for layout in boundary.buffers:
         param_dtype = _dtype(layout.dtype)
-        wire_dtype = _dtype(plan.param_dtype) if plan.param_dtype else param_dtype
-        reduce_dtype = _dtype(plan.reduce_dtype) if plan.reduce_dtype else wire_dtype
+        wire_dtype = _dtype(plan.bcast_dtype(layout.dtype))
+        reduce_dtype = _dtype(plan.reduce_dtype_for(layout.dtype))
         for seg_l in layout.segments:
             held = seg_l.shard == g.shard
             wire = torch.zeros(seg_l.numel, dtype=wire_dtype, device=device)
@@ -194,7 +195,6 @@ def build_segments(
                 shard=seg_l.shard,
                 numel=seg_l.numel,
                 held=held,
-                src_rank=g.rank_of(g.replicate, seg_l.shard),
                 wire=wire,
                 master=master,
                 subs=[],
@@ -204,7 +204,8 @@ def build_segments(
             )
             for sub_l in seg_l.subsegments:
                 sub = _SubSeg(
-                    owner_rank=g.rank_of(sub_l.owner.replicate, sub_l.owner.shard),
+                    replicate=sub_l.owner.replicate,
+                    owner_global_rank=g.rank_of(sub_l.owner.replicate, sub_l.owner.shard),
                     offset_in_seg=sub_l.offset - seg_l.offset,
                     numel=sub_l.numel,
                     flags_offset_in_seg=sub_l.flags_offset - seg_l.offset,
@@ -241,11 +242,11 @@ def build_segments(
                     logical = nn.Parameter(logical, requires_grad=orig.requires_grad)
                     compute = nn.Parameter(compute, requires_grad=orig.requires_grad)
                     owner = owners[e.fqn]
-                    owner_rank = g.rank_of(owner.replicate, owner.shard)
+                    owner_global_rank = g.rank_of(owner.replicate, owner.shard)
                     logical._dmuon = DedicatedInfo(
                         fqn=e.fqn,
-                        owner_rank=owner_rank,
-                        is_owner=owner_rank == dist.get_rank(),
+                        owner_global_rank=owner_global_rank,
+                        is_owner=owner_global_rank == dist.get_rank(),
                         holds_full=held,
                         shape=tuple(spec.shape),
                         matrix_shape=tuple(spec.matrix_shape),

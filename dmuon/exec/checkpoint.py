@@ -123,10 +123,10 @@ def _momentum_to_dtensor(runtime, slot, info, buf):
     over its replicate group, so every rank holds one chunk and never the whole matrix.
     """
     g = runtime.groups
-    owner_replicate = _coords(runtime, info.owner_rank)[0]
+    owner_replicate = _coords(runtime, info.owner_global_rank)[0]
     shape = tuple(info.shape)
     if g.replicate == owner_replicate:
-        chunk = _scatter_chunks(runtime, shape, slot.logical.dtype, buf, info.owner_rank)
+        chunk = _scatter_chunks(runtime, shape, slot.logical.dtype, buf, info.owner_global_rank)
     else:
         chunk = torch.empty((_chunk_rows(shape[0], g.shape[1]), *shape[1:]), dtype=slot.logical.dtype, device=runtime.device)
     if g.shape[0] > 1:
@@ -419,10 +419,10 @@ def _optim_load_state_dict_pre_hook(opt, state_dict):
                 state.pop(key, None)
             continue
         g = rt.groups
-        owner_replicate = _coords(rt, info.owner_rank)[0]
-        dst = info.owner_rank if g.replicate == owner_replicate else None
+        owner_replicate = _coords(rt, info.owner_global_rank)[0]
+        dst = info.owner_global_rank if g.replicate == owner_replicate else None
         if not _is_dtensor(value) or not _is_own_layout(rt, value):
-            dst = info.owner_rank  # full tensor / foreign DTensor: every rank takes part
+            dst = info.owner_global_rank  # full tensor / foreign DTensor: every rank takes part
         full = _full_on(rt, info.fqn, info.shape, value, dst)
         if info.is_owner:
             entry = dict(entry)

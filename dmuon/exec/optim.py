@@ -1,7 +1,7 @@
 """``dmuon.Muon``: Muon on dedicated matrices (owner rank only), AdamW on everything else.
 
 A *dedicated* parameter is one that :func:`dmuon.exec.apply` tagged with ``p._dmuon`` (a
-``DedicatedInfo`` with fields ``fqn, owner_rank, is_owner, matrix_shape, num_matrices,
+``DedicatedInfo`` with fields ``fqn, owner_global_rank, is_owner, matrix_shape, num_matrices,
 shape``). On its owner rank the parameter is the full master tensor and, after backward,
 its ``.grad`` holds the data-parallel average; on every other rank it is a zero-size
 placeholder that never gets a gradient. So the Muon update below runs once per matrix in the

@@ -17,7 +17,10 @@ optimizer step         HSDP: after the owner's update, broadcast each sub-segmen
 =====================  =====================================================================
 
 The per-boundary phases (pre-/post-forward, pre-/post-backward) are in
-:mod:`dmuon.exec.boundary`.
+:mod:`dmuon.exec.boundary`. Every collective of those phases and of the ones above comes from the
+plan's step schedule (:func:`dmuon.plan.step_schedule.boundary_programs`, bound to this rank's
+buffers by :mod:`dmuon.exec.program`): groups, roots, sizes, dtypes and order are the plan's;
+the hooks decide when each list runs.
 
 CUDA (``DmuonRuntime.use_streams``, default on): broadcasts (and the mixed-precision cast before
 them) run on a broadcast stream, gradient packing and reduces on a reduce stream, as FSDP2 orders
@@ -35,11 +38,14 @@ import weakref
 import torch
 import torch.nn as nn
 
+from dmuon.plan.step_schedule import boundary_programs
+
 from . import collectives as C
 from . import fsdp2
 from .boundary import ShardedState, TrainingState, _BoundaryRuntime, _on_stream
 from .buffers import build_segments
 from .groups import MeshGroups
+from .program import bind
 
 __all__ = ["DmuonRuntime", "wait_pending", "after_step", "get_runtime", "get_model_runtime", "no_sync"]
 
@@ -90,7 +96,8 @@ class DmuonRuntime:
         for spec in plan.params:
             mod = modules[spec.module_fqn]
             original[spec.fqn] = mod._parameters[spec.attr]
-        for b in plan.boundaries:
+        programs = boundary_programs(plan)  # the schedule's per-boundary collectives
+        for b, program in zip(plan.boundaries, programs):
             segments = build_segments(
                 b,
                 plan=plan,
@@ -103,7 +110,7 @@ class DmuonRuntime:
                 runtime_ref=weakref.ref(self),
             )
             module = modules[b.fqn]
-            br = _BoundaryRuntime(self, b.fqn, module, segments)
+            br = _BoundaryRuntime(self, b.fqn, module, segments, bind(program, segments, self.groups))
             br.index = len(self.boundaries)
             for slot in br.slots:
                 for mod, attr in slot.homes:
@@ -188,6 +195,11 @@ class DmuonRuntime:
         for b in reversed(self.boundaries):
             b.finish_backward()
         self.finish_reduces()
+        # a boundary prefetched but not called in this forward (e.g. a skipped layer) waits for
+        # its broadcasts and frees its copies: every step starts with every boundary resharded
+        for b in self.boundaries:
+            if b.sharded_state is not ShardedState.RESHARDED:
+                b._reshard()
 
     def finish_reduces(self) -> None:
         """Wait for the in-flight gradient reduces and accumulate the averages into owners' ``.grad``.
@@ -203,20 +215,14 @@ class DmuonRuntime:
         with _on_stream(stream):  # NCCL: the reduce stream waits for the collectives
             for boundary, _, _, work, _ in pending:
                 C.wait_all([work], what=f"boundary {boundary.fqn!r} reduce", timeout_s=self.timeout_s)
-            g = self.groups
-            if g.shape[0] > 1:
-                works = []
-                for boundary, seg, buf, _, _ in pending:
-                    if not seg.held:
-                        continue
-                    for sub in seg.subs:
-                        part = buf[sub.offset_in_seg : sub.offset_in_seg + sub.numel]
-                        work = C.reduce_sum(
-                            part, dst=sub.owner_rank, group=g.replicate_group, phase="replicate_reduce", async_op=True
-                        )
-                        works.append((boundary, work))
-                for boundary, work in works:
-                    C.wait_all([work], what=f"boundary {boundary.fqn!r} replicate_reduce", timeout_s=self.timeout_s)
+            works = []
+            for boundary, seg, buf, _, _ in pending:  # HSDP: the held segments' sub-segments
+                for b in boundary.ops.replicate_reduce_of(seg):
+                    part = buf[b.sub.offset_in_seg : b.sub.offset_in_seg + b.sub.numel]
+                    work = C.reduce_sum(part, dst=b.root, group=b.group, phase=b.op.phase, async_op=True)
+                    works.append((boundary, work))
+            for boundary, work in works:
+                C.wait_all([work], what=f"boundary {boundary.fqn!r} replicate_reduce", timeout_s=self.timeout_s)
         if stream is not None:  # the compute stream reads the buffers below; the local grads are released after
             torch.cuda.current_stream(stream.device).wait_event(stream.record_event())
         for _, seg, _, _, _ in pending:
@@ -285,15 +291,10 @@ class DmuonRuntime:
         """HSDP: post one async broadcast per sub-segment of ``boundaries`` held here, from its
         owner to its replicate peers (the owner's current master); returns the works."""
         works = []
-        for b in boundaries:
-            for seg in b.segments:
-                if not seg.held:
-                    continue
-                for sub in seg.subs:
-                    part = seg.master[sub.offset_in_seg : sub.offset_in_seg + sub.numel]
-                    works.append(
-                        C.broadcast(part, src=sub.owner_rank, group=self.groups.replicate_group, phase=phase, async_op=True)
-                    )
+        for boundary in boundaries:
+            for b in boundary.ops.replicate_broadcast:
+                part = b.segment.master[b.sub.offset_in_seg : b.sub.offset_in_seg + b.sub.numel]
+                works.append(C.broadcast(part, src=b.root, group=b.group, phase=phase, async_op=True))
         return works
 
     def after_load(self) -> None:

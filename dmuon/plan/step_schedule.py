@@ -537,6 +537,7 @@ class _Builder:
             if self.pending[b] > 0:
                 self.finish(b, mb, micro.sync, ())
         self.finish_reduces(mb)
+        self.resident = [False] * len(self.programs)  # prefetched but never called: freed too
 
     def optimizer_step(self, mb: int) -> None:
         plan = self.plan
