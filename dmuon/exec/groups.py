@@ -7,10 +7,11 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import torch.distributed as dist
+
+from dmuon.plan import normalize_mesh
 
 __all__ = ["mesh_rank_table", "MeshGroups"]
 
@@ -34,15 +35,15 @@ def mesh_rank_table(
     if mesh is None:
         return (tuple(range(world)),)
     if isinstance(mesh, int) or (isinstance(mesh, (tuple, list)) and all(isinstance(d, int) for d in mesh)):
-        shape = (int(mesh),) if isinstance(mesh, int) else tuple(int(d) for d in mesh)
-        if len(shape) not in (1, 2) or any(d <= 0 for d in shape):
-            raise ValueError(f"dmuon: mesh must be N, (N,) or (R, N) with positive sizes, got {mesh!r}")
-        if math.prod(shape) != world:
+        try:
+            R, N = normalize_mesh(mesh)  # the one parser of mesh shapes (dmuon.plan)
+        except ValueError as exc:
+            raise ValueError(f"dmuon: {exc}") from None
+        if R * N != world:
             raise ValueError(
-                f"dmuon: mesh {mesh!r} has {math.prod(shape)} ranks but the world has {world}; pass a "
+                f"dmuon: mesh {mesh!r} has {R * N} ranks but the world has {world}; pass a "
                 "DeviceMesh to use a subset of the ranks"
             )
-        R, N = (1, shape[0]) if len(shape) == 1 else shape
         return tuple(tuple(r * N + s for s in range(N)) for r in range(R))
     t = mesh.mesh.detach().cpu()
     if t.ndim == 1:
