@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dmuon.plan.cost import ByteCost, RankStats, bcast_dtype, broadcast_nbytes, ns_flops, reduce_dtype, reduce_nbytes, tp_ns_flops, tp_rank_nbytes
+from dmuon.plan.cost import ByteCost, bcast_dtype, broadcast_nbytes, ns_flops, reduce_dtype, reduce_nbytes, tp_ns_flops, tp_rank_nbytes
 from dmuon.plan.layout import Boundary
 from dmuon.plan.records import Owner, ParamSpec, itemsize_nbytes
 
@@ -27,7 +27,7 @@ def formula_cost(plan) -> ByteCost:
     )
 
 
-def formula_rank_stats(plan) -> tuple[RankStats, ...]:
+def formula_rank_stats(plan) -> tuple[tuple[int, int, int], ...]:
     return rank_stats(
         plan.params, plan.owners, plan.boundaries, formula_cost(plan), mesh_shape=plan.mesh_shape,
         reshard_after_forward=plan.reshard_after_forward, param_dtype=plan.param_dtype,
@@ -120,29 +120,18 @@ def rank_stats(
     param_dtype: str | None,
     tp_size: int = 1,
     tp_segment_lengths: Sequence[int] = (),
-) -> tuple[RankStats, ...]:
-    """Per-rank :class:`RankStats` of a DMuon plan (definitions on the record).
-
-    With TP (``tp_size = T > 1``) there is one record per global rank
-    ``(replicate*N + shard)*T + tp``: element and byte figures are that rank's shards (the
-    ``T`` ranks of a mesh coordinate are identical), ``ns_flops`` from :func:`tp_ns_flops`.
-    """
+) -> tuple[tuple[int, int, int], ...]:
+    """Per rank ``(peak_transient_nbytes, comm_nbytes, ns_flops)`` by formula: the
+    :class:`RankStats` fields that ``plan.rank_stats()`` reads off the schedule."""
     R, N = mesh_shape
     world = R * N
     T = tp_size
-    owned_numel = [0] * world
-    owned_nbytes = [0] * world
     flops = [0] * world
-    replica_nbytes_by_shard = [0] * N  # params with owner shard s, any replicate: held by every (s, r')
     for spec, owner in zip(params, owners):
-        nbytes = spec.local_numel * itemsize_nbytes(spec.dtype)
-        owned_numel[owner.rank] += spec.local_numel
-        owned_nbytes[owner.rank] += nbytes
         if spec.tp_size > 1:
             flops[owner.rank] += tp_ns_flops(spec, tp_segment_lengths)
         else:
             flops[owner.rank] += ns_flops(*spec.matrix_shape, num_matrices=spec.num_matrices)
-        replica_nbytes_by_shard[owner.shard] += nbytes
 
     transient = [0] * world
     for boundary in boundaries:
@@ -156,21 +145,9 @@ def rank_stats(
         for rank in range(world):
             here = b_total - local_by_shard[rank % N]
             transient[rank] = max(transient[rank], here) if reshard_after_forward else transient[rank] + here
+    return tuple((transient[g // T], cost.per_rank_nbytes[g], flops[g // T]) for g in range(world * T))
 
-    out = []
-    for g in range(world * T):
-        rank = g // T
-        s = rank % N
-        params_held = replica_nbytes_by_shard[s] if R > 1 else owned_nbytes[rank]
-        out.append(
-            RankStats(
-                rank=g,
-                owned_numel=owned_numel[rank],
-                owned_nbytes=owned_nbytes[rank],
-                resident_nbytes=params_held + owned_nbytes[rank],
-                peak_transient_nbytes=transient[rank],
-                comm_nbytes=cost.per_rank_nbytes[g],
-                ns_flops=flops[rank],
-            )
-        )
-    return tuple(out)
+
+def schedule_fields(stats) -> tuple[tuple[int, int, int], ...]:
+    """``(peak_transient_nbytes, comm_nbytes, ns_flops)`` of each :class:`RankStats`."""
+    return tuple((r.peak_transient_nbytes, r.comm_nbytes, r.ns_flops) for r in stats)
