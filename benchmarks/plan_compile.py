@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         for z3 in (True, False):
             plan = P.compile(model, mesh, reshard_after_forward=z3)
             t_sched, sched = _best(plan.schedule, args.repeats)
-            busiest = max(range(sched.num_ranks), key=lambda r: plan.cost.per_rank_nbytes[r])
+            per_rank = plan.cost.per_rank_nbytes  # derived on each access: bind once
+            busiest = max(range(sched.num_ranks), key=per_rank.__getitem__)
             t_rank, _ = _best(lambda: sched.rank_ops(busiest), args.repeats)
             t_check, _ = _best(sched.check, args.repeats)
             mesh_s = "x".join(map(str, mesh)) if isinstance(mesh, tuple) else str(mesh)

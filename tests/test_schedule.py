@@ -35,39 +35,48 @@ def _ops(sched, rank, *, collectives_only=False):
 # seg 1 (b + 1 flag) 32 el; layers.1: seg 0 (b) 32 el, seg 1 (a, c) 48 el. Owners: L0.a, L0.c,
 # L1.b on rank 0; L0.b, L1.a, L1.c on rank 1.
 L0, L1 = "layers.0", "layers.1"
+# FSDP2 units (external ops): the root holds embed (7, 3) and head (7, 3) + bias (7,): padded
+# dim-0 shards 4·3 + 4·3 + 4 = 28 elements per rank; each layers.N holds its norm's weight and bias
+# (3,): 2 + 2 = 4.
 FWD_A = [
+    ("fsdp2_all_gather", "fsdp2", "", None, None, 28),  # root unit, start of the forward
     ("broadcast", "forward_broadcast", L0, 0, 0, 48),
     ("broadcast", "forward_broadcast", L0, 1, 1, 32),
     ("broadcast", "forward_broadcast", L1, 0, 0, 32),  # prefetched by L0's pre-forward
     ("broadcast", "forward_broadcast", L1, 1, 1, 48),
+    ("fsdp2_all_gather", "fsdp2", L0, None, None, 4),
     ("forward", "compute", L0, None, None, 0),
+    ("fsdp2_all_gather", "fsdp2", L1, None, None, 4),
     ("forward", "compute", L1, None, None, 0),
-]
-NS_A = [  # plan order: layers.0.{a,b,c}, layers.1.{a,b,c}
-    ("newton_schulz", "optimizer", None, None, None, 0),
 ]
 
 
 def test_golden_a_z3_rank0():
     sched = P.compile(build_a(), 2).schedule()
     ops = _ops(sched, 0)
-    assert ops[:6] == FWD_A
-    assert ops[6:] == [
+    assert ops[:9] == FWD_A
+    assert ops[9:] == [
         ("broadcast", "backward_broadcast", L1, 0, 0, 32),  # L1 pre-backward: re-fetch (Z3)
         ("broadcast", "backward_broadcast", L1, 1, 1, 48),
         ("broadcast", "backward_broadcast", L0, 0, 0, 48),  # prefetch of L0 for its backward
         ("broadcast", "backward_broadcast", L0, 1, 1, 32),
+        ("fsdp2_all_gather", "fsdp2", L1, None, None, 4),  # FSDP2 Z3 re-gathers too
         ("backward", "compute", L1, None, None, 0),
         ("reduce", "reduce", L1, 0, 0, 32),  # L1 post-backward
         ("reduce", "reduce", L1, 1, 1, 48),
+        ("fsdp2_reduce_scatter", "fsdp2", L1, None, None, 4),
+        ("fsdp2_all_gather", "fsdp2", L0, None, None, 4),
         ("backward", "compute", L0, None, None, 0),
         ("reduce", "reduce", L0, 0, 0, 48),
         ("reduce", "reduce", L0, 1, 1, 32),
+        ("fsdp2_reduce_scatter", "fsdp2", L0, None, None, 4),
+        ("fsdp2_reduce_scatter", "fsdp2", "", None, None, 28),  # root unit, end of the backward
         # rank 0 owns layers.0.a, layers.0.c, layers.1.b: one NS each, plan order
         ("newton_schulz", "optimizer", None, None, None, 0),
         ("newton_schulz", "optimizer", None, None, None, 0),
         ("newton_schulz", "optimizer", None, None, None, 0),
     ]
+    assert all(op.external and op.charged_nbytes(0) == 0 for op in sched.rank_ops(0) if op.phase in ("fsdp2", "compute"))
     ns = [op for op in sched.rank_ops(0) if op.kind == "newton_schulz"]
     assert [op.fqns for op in ns] == [("layers.0.a.weight",), ("layers.0.c.weight",), ("layers.1.b.weight",)]
     # NS FLOPs: 5 steps of 4a²b + 2a³ with a = min side: a (3,4): 5·(4·9·4+2·27) = 990;
@@ -143,6 +152,13 @@ def test_golden_b_hsdp_rank_lists():
         assert sorted((op.boundary, op.subsegment) for op in ops if op.phase == "replicate_reduce") == sorted(subs)
     c = plan.cost
     assert (c.forward_broadcast_nbytes, c.replicate_reduce_nbytes, c.per_rank_nbytes) == (1536, 768, (1664, 1664, 1408, 1408))
+    # FSDP2 (external; model B has no other parameters, model A's root holds embed and head):
+    # HSDP all-reduces each unit's reduce-scattered gradient shards over the replicate column,
+    # after the unit's reduce-scatter in the row
+    sched_a = P.compile(build_a(), (2, 2)).schedule()
+    assert not any(op.phase == "fsdp2" for op in sched.ops)
+    fsdp2 = [(op.kind, op.group) for op in sched_a.rank_ops(1) if op.phase == "fsdp2" and op.boundary == ""]
+    assert fsdp2 == [("fsdp2_all_gather", (0, 1)), ("fsdp2_reduce_scatter", (0, 1)), ("fsdp2_all_reduce", (1, 3))]
 
 
 # --------------------------------------------------------------------------- step variants
@@ -179,7 +195,11 @@ def test_boundary_called_twice_z3():
         + [("backward_broadcast", L1)] * 2 + [("backward_broadcast", L0)] * 2
         + [("reduce", L1)] * 2 + [("reduce", L0)] * 2
     )
-    assert [op.kind for op in sched.rank_ops(0) if op.external] == ["forward"] * 3 + ["backward"] * 3
+    assert [op.kind for op in sched.rank_ops(0) if op.phase == "compute"] == ["forward"] * 3 + ["backward"] * 3
+    # FSDP2 (Z3) re-gathers L1's norm for its second call, and reduce-scatters it once
+    assert [(op.kind, op.boundary) for op in sched.rank_ops(0) if op.phase == "fsdp2" and op.boundary == L1] == [
+        ("fsdp2_all_gather", L1), ("fsdp2_all_gather", L1), ("fsdp2_all_gather", L1), ("fsdp2_reduce_scatter", L1)
+    ]
 
 
 def test_boundary_never_called():
@@ -205,7 +225,7 @@ def test_recompute_adds_compute_not_collectives():
     sched = plan.schedule(Step(micro_batches=(MicroBatch(recompute=(L0, L1)),)))
     nominal = plan.schedule()
     assert [op.signature() for op in sched.ops if op.collective] == [op.signature() for op in nominal.ops if op.collective]
-    kinds = [(op.kind, op.boundary) for op in sched.rank_ops(0) if op.external]
+    kinds = [(op.kind, op.boundary) for op in sched.rank_ops(0) if op.phase == "compute"]
     assert kinds[2:] == [("recompute", L1), ("backward", L1), ("recompute", L0), ("backward", L0)]
 
 

@@ -42,7 +42,8 @@ from .layout import (
     check_buffer_layout,
 )
 from .partition import lpt_partition
-from .records import Owner, ParamSpec, _check_int, check_dtype_str, dtype_str
+from .boundaries import BoundaryResolver
+from .records import Fsdp2Unit, Owner, ParamSpec, _check_int, check_dtype_str, dtype_str
 from .selection import select_params
 from .snapshot import take_snapshot
 
@@ -136,6 +137,9 @@ class ShardingPlan:
             the TP byte cost assumes (one Gram all-reduce per segment,
             :func:`~dmuon.plan.cost.gram_segment_lengths`); ``dmuon.Muon`` checks that its
             ``ns_steps`` agrees.
+        fsdp2_units: the non-dedicated parameters per ``fully_shard`` unit
+            (:class:`~dmuon.plan.records.Fsdp2Unit`), hook-boundary units in module order,
+            then the root's: the schedule's external FSDP2 ops. Not part of the cost.
 
     Raises (construction):
         ValueError / TypeError: any invariant below is violated: owner coordinates inside the
@@ -158,6 +162,7 @@ class ShardingPlan:
     tp_size: int = 1
     tp_ns_steps: int = 5
     tp_gram_restart_every: int | None = 2
+    fsdp2_units: tuple[Fsdp2Unit, ...] = ()
     # FQN lookup tables, built once at construction (__post_init__, or _unflatten); never written after
     _index: dict | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
@@ -178,7 +183,7 @@ class ShardingPlan:
         check_dtype_str("ShardingPlan", "reduce_dtype", self.reduce_dtype, optional=True)
         if not isinstance(self.model_digest, str):
             raise TypeError("ShardingPlan.model_digest must be a str")
-        for name, cls in (("params", ParamSpec), ("owners", Owner), ("boundaries", Boundary)):
+        for name, cls in (("params", ParamSpec), ("owners", Owner), ("boundaries", Boundary), ("fsdp2_units", Fsdp2Unit)):
             value = getattr(self, name)
             if type(value) is not tuple or any(not isinstance(v, cls) for v in value):
                 raise TypeError(f"ShardingPlan.{name} must be a tuple of {cls.__name__}")
@@ -388,6 +393,7 @@ class ShardingPlan:
             "params": [p.to_dict() for p in self.params],
             "owners": [o.to_dict() for o in self.owners],
             "boundaries": [b.to_dict() for b in self.boundaries],
+            "fsdp2_units": [u.to_dict() for u in self.fsdp2_units],
             **(
                 {  # absent without TP: plans without TP keep their JSON and fingerprint
                     "tp_size": self.tp_size,
@@ -423,6 +429,7 @@ class ShardingPlan:
             tp_size=d.get("tp_size", 1),
             tp_ns_steps=d.get("tp_ns_steps", 5),
             tp_gram_restart_every=d.get("tp_gram_restart_every", 2),
+            fsdp2_units=tuple(Fsdp2Unit.from_dict(u) for u in d.get("fsdp2_units", ())),
         )
 
     @classmethod
@@ -458,7 +465,7 @@ class ShardingPlan:
 
 
 def _flatten(plan: ShardingPlan):
-    meta = tuple(getattr(plan, name) for name in _SETTINGS)
+    meta = tuple(getattr(plan, name) for name in _SETTINGS) + (plan.fsdp2_units,)
     return (plan.params, plan.owners, plan.boundaries), meta, ("params", "owners", "boundaries")
 
 
@@ -466,6 +473,7 @@ def _unflatten(meta: tuple, children) -> ShardingPlan:
     plan = object.__new__(ShardingPlan)
     for name, value in zip(_SETTINGS, meta):
         object.__setattr__(plan, name, value)
+    object.__setattr__(plan, "fsdp2_units", meta[len(_SETTINGS)])
     params, owners, boundaries = children
     object.__setattr__(plan, "params", params)
     object.__setattr__(plan, "owners", owners)
@@ -616,9 +624,42 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
         tp_size=T,
         tp_ns_steps=tp_ns_steps,
         tp_gram_restart_every=tp_gram_restart_every,
+        fsdp2_units=_fsdp2_units(snapshot, {s.record.fqn for s in selected}, hook_boundary_predicate),
     )
     plan.schedule().check()  # the nominal step replays without deadlock on every rank
     return plan
+
+
+def _fsdp2_units(snapshot, dedicated: set[str], hook_boundary_predicate) -> tuple[Fsdp2Unit, ...]:
+    """The non-dedicated parameters per ``fully_shard`` unit (:class:`Fsdp2Unit`): each one's
+    hook boundary (the same resolution as for dedicated parameters), else the root; units in
+    ``named_modules()`` order of their module, the root last."""
+    resolver = BoundaryResolver(snapshot.modules, hook_boundary_predicate)
+    order = snapshot.module_order()
+    by_unit: dict[str, list] = {}
+    for record in snapshot.params:
+        if record.fqn in dedicated:
+            continue
+        res = resolver.resolve(record)
+        unit = res.boundary if res.boundary is not None and not res.conflict else ""
+        shape = record.shape
+        if record.tp_size > 1 and record.tp_shard_dim is not None:
+            d = record.tp_shard_dim
+            shape = shape[:d] + (-(-shape[d] // record.tp_size),) + shape[d + 1 :]
+        by_unit.setdefault(unit, []).append((record.fqn, shape, record.dtype, bool(record.tensor.requires_grad)))
+    units = sorted((u for u in by_unit if u), key=lambda u: order.get(u, len(order)))
+    if "" in by_unit:
+        units.append("")
+    return tuple(
+        Fsdp2Unit(
+            fqn=u,
+            params=tuple(p[0] for p in by_unit[u]),
+            shapes=tuple(p[1] for p in by_unit[u]),
+            dtypes=tuple(p[2] for p in by_unit[u]),
+            requires_grad=tuple(p[3] for p in by_unit[u]),
+        )
+        for u in units
+    )
 
 
 def _tp_specs(snapshot, selected, specs, tp_ns, tp_size, tp_shard_dims, ns_steps, restart_every):

@@ -20,6 +20,7 @@ import torch
 __all__ = [
     "Owner",
     "ParamSpec",
+    "Fsdp2Unit",
     "dtype_str",
     "itemsize_nbytes",
     "check_dtype_str",
@@ -244,4 +245,60 @@ class ParamSpec:
             tp_size=d.get("tp_size", 1),
             tp_shard_dim=d.get("tp_shard_dim"),
             tp_ns=d.get("tp_ns"),
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Fsdp2Unit:
+    """The parameters dmuon does NOT dedicate that one ``fully_shard`` unit manages, as the
+    schedule's external FSDP2 ops see them (FSDP2 all-gathers and reduce-scatters them itself).
+
+    Units follow the documented set-up, ``fully_shard`` on every hook boundary, then on the
+    root: a parameter belongs to its hook boundary's unit, or to the root's (``fqn == ""``:
+    embeddings, final norm, ``lm_head``).
+
+    Attributes:
+        fqn: module FQN of the unit (``""`` = the root).
+        params: canonical FQNs, ``named_parameters()`` order.
+        shapes: each parameter's shape on one TP rank (its full shape without TP).
+        dtypes: each parameter's storage dtype string.
+        requires_grad: whether each parameter gets a gradient (FSDP2 reduces only those).
+    """
+
+    fqn: str
+    params: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    requires_grad: tuple[bool, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.fqn, str):
+            raise TypeError(f"Fsdp2Unit.fqn must be a str, got {self.fqn!r}")
+        n = len(self.params)
+        if not n or any(len(getattr(self, f)) != n for f in ("shapes", "dtypes", "requires_grad")):
+            raise ValueError(f"Fsdp2Unit {self.fqn!r}: params, shapes, dtypes and requires_grad must align (non-empty)")
+        for shape in self.shapes:
+            _check_shape("Fsdp2Unit", "shapes[i]", shape)
+        for d in self.dtypes:
+            check_dtype_str("Fsdp2Unit", "dtypes[i]", d)
+        if any(type(g) is not bool for g in self.requires_grad):
+            raise TypeError(f"Fsdp2Unit {self.fqn!r}: requires_grad must hold bools")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "fqn": self.fqn,
+            "params": list(self.params),
+            "shapes": [list(s) for s in self.shapes],
+            "dtypes": list(self.dtypes),
+            "requires_grad": list(self.requires_grad),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Fsdp2Unit:
+        return cls(
+            fqn=d["fqn"],
+            params=tuple(d["params"]),
+            shapes=tuple(tuple(s) for s in d["shapes"]),
+            dtypes=tuple(d["dtypes"]),
+            requires_grad=tuple(d["requires_grad"]),
         )

@@ -20,7 +20,18 @@ op kind                    what                                                 
 ``newton_schulz``          the owner's momentum + NS + update of one matrix (FLOPs)     dmuon
 ``forward`` / ``backward`` the boundary's own compute; ``recompute`` for activation     external
 / ``recompute``            checkpointing (between its pre-backward and backward)
+``fsdp2_all_gather`` /     FSDP2's own collectives of the parameters dmuon does not     external
+``fsdp2_reduce_scatter`` / dedicate (norms, biases, embeddings, ``lm_head``), per
+``fsdp2_all_reduce``       ``fully_shard`` unit (``plan.fsdp2_units``): the root's at
+                           the start of the forward and the end of the backward, a
+                           boundary's at its hooks; HSDP adds the replicate all-reduce
 =========================  ==========================================================  ========
+
+FSDP2's ops are modelled on the documented set-up (``fully_shard`` on every hook boundary, then
+on the root, with the plan's ``reshard_after_forward``): one all-gather per unit and dtype of the
+padded dim-0 shards (``numel`` = elements per rank, in the mixed-precision ``param_dtype``), again
+before a Z3 backward, and one reduce-scatter of the gradients (``reduce_dtype``); FSDP2's own
+prefetching and the root's reshard policy are not modelled.
 
 Ranks are *schedule ranks*: the mesh rank ``replicate*N + shard`` without tensor parallelism and
 ``(replicate*N + shard)*T + tp`` with a TP degree ``T > 1`` (the layout of
@@ -79,8 +90,9 @@ __all__ = [
 
 #: op kinds that are collectives (matched across the members of their group)
 COLLECTIVE_KINDS = ("broadcast", "reduce", "all_reduce", "all_gather")
-#: op kinds dmuon does not issue or charge (the step's own compute)
-EXTERNAL_KINDS = ("forward", "backward", "recompute")
+#: op kinds dmuon does not issue or charge: the step's own compute, and FSDP2's collectives of
+#: the parameters dmuon does not dedicate (FSDP2's own process groups; not replayed)
+EXTERNAL_KINDS = ("forward", "backward", "recompute", "fsdp2_all_gather", "fsdp2_reduce_scatter", "fsdp2_all_reduce")
 #: every op kind
 OP_KINDS = COLLECTIVE_KINDS + ("newton_schulz",) + EXTERNAL_KINDS
 
@@ -409,16 +421,17 @@ class StepSchedule:
         ops = self.rank_ops(rank) if boundary is None else self.boundary_ops(rank, boundary)
         shown = ops if max_ops is None else ops[:max_ops]
         width = max([len(op.boundary or "") for op in shown] + [8])
-        lines = [f"{'op':>7}  {'kind':<15}{'phase':<20}{'boundary':<{width + 2}}{'seg':<6}{'root':>5}"
+        lines = [f"{'op':>7}  {'kind':<22}{'phase':<20}{'boundary':<{width + 2}}{'seg':<6}{'root':>5}"
                  f"{'elements':>14} {'dtype':<10}{'group':<20}{'charged':>16}"]
         for op in shown:
             seg = "" if op.segment is None else str(op.segment) + ("" if op.subsegment is None else f"/{op.subsegment}")
-            grp = _fmt_group(op.group) if (op.collective or op.kind == "newton_schulz") else "all"
-            size = f"{op.numel:,}" if op.collective else (f"{op.flops:,} FLOP" if op.flops else "")
+            grp = "all" if op.kind in ("forward", "backward", "recompute") else _fmt_group(op.group)
+            size = f"{op.numel:,}" if op.dtype else (f"{op.flops:,} FLOP" if op.flops else "")
             dtype = (op.dtype or "").replace("torch.", "")
             root = "" if op.root is None else str(op.root)
+            where = "<root>" if op.boundary == "" else (op.boundary or "")
             lines.append(
-                f"{op.id:>7}  {op.kind:<15}{op.phase:<20}{op.boundary or '':<{width + 2}}{seg:<6}{root:>5}"
+                f"{op.id:>7}  {op.kind:<22}{op.phase:<20}{where:<{width + 2}}{seg:<6}{root:>5}"
                 f"{size:>14} {dtype:<10}{grp:<20}{op.charged_nbytes(rank):>14,} B"
             )
         if len(shown) < len(ops):
@@ -450,6 +463,39 @@ class _Builder:
         self.last_reduce: dict[int, tuple[int, ...]] = {}  # boundary index -> reduce op ids (last)
         self.last_rep_reduce: dict[int, tuple[int, ...]] = {}
         self.everyone = tuple(range(plan.world_size * plan.tp_size))
+        _, rows, cols, _ = _rank_fns(plan)
+        self.rows = tuple(rows.values())
+        self.cols = tuple(cols.values()) if plan.mesh_shape[0] > 1 else ()
+        N = plan.mesh_shape[1]
+        self.fsdp2_units: dict[str, list[tuple[str, int, int]]] = {}  # unit -> (dtype, shard numel, of grads)
+        for unit in plan.fsdp2_units:
+            per: dict[str, list[int]] = {}
+            for shape, dtype, grad in zip(unit.shapes, unit.dtypes, unit.requires_grad):
+                c = _cost.fsdp2_shard_numel(shape, N)
+                acc = per.setdefault(dtype, [0, 0])
+                acc[0] += c
+                acc[1] += c if grad else 0
+            self.fsdp2_units[unit.fqn] = [(d, a, g) for d, (a, g) in sorted(per.items())]
+        self.fsdp2_resident: set[str] = set()
+
+    def fsdp2(self, unit: str, kind: str, mb: int, deps: tuple[int, ...] = ()) -> tuple[int, ...]:
+        """FSDP2's collectives of ``unit``'s non-dedicated parameters, one per row and dtype."""
+        plan = self.plan
+        N = plan.mesh_shape[1]
+        ids = []
+        for dtype, numel, grad_numel in self.fsdp2_units.get(unit, ()):
+            if kind == "fsdp2_all_gather":
+                size, wire, groups = numel, plan.bcast_dtype(dtype), self.rows
+            elif kind == "fsdp2_reduce_scatter":
+                size, wire, groups = grad_numel, plan.reduce_dtype_for(dtype), self.rows
+            else:  # HSDP: the reduce-scattered shards all-reduced over the replicate group
+                size, wire, groups = grad_numel, plan.reduce_dtype_for(dtype), self.cols
+            if size == 0 or (kind != "fsdp2_all_reduce" and N == 1):
+                continue
+            for group in groups:
+                ids.append(self.emit(kind=kind, phase="fsdp2", group=group, dtype=wire, numel=size,
+                                     boundary=unit, micro_batch=mb, deps=deps, external=True))
+        return tuple(ids)
 
     def emit(self, template: Op | None = None, **fields: Any) -> int:
         i = len(self.ops)
@@ -477,16 +523,24 @@ class _Builder:
         self.last_bcast[b] = tuple(self.emit(t, micro_batch=mb) for t in templates)
         self.resident[b] = True
 
+    def fsdp2_unshard(self, unit: str, mb: int) -> tuple[int, ...]:
+        if unit in self.fsdp2_resident:
+            return ()
+        self.fsdp2_resident.add(unit)
+        return self.fsdp2(unit, "fsdp2_all_gather", mb)
+
     def forward(self, b: int, mb: int) -> None:
         self.unshard(b, "forward_broadcast", mb)
         if b + 1 < len(self.programs):  # prefetch the next boundary in plan order
             self.unshard(b + 1, "forward_broadcast", mb)
         self.pending[b] += 1
         fqn = self.programs[b].fqn
+        gathered = self.fsdp2_unshard(fqn, mb)
         self.emit(kind="forward", phase="compute", group=self.everyone, boundary=fqn, micro_batch=mb,
-                  deps=self.last_bcast[b], external=True)
+                  deps=self.last_bcast[b] + gathered, external=True)
         if self.plan.reshard_after_forward:
             self.resident[b] = False
+            self.fsdp2_resident.discard(fqn)
 
     def backward(self, b: int, mb: int, sync: bool, recompute: bool) -> None:
         fqn = self.programs[b].fqn
@@ -494,7 +548,7 @@ class _Builder:
             self.unshard(b, "backward_broadcast", mb)
             if b > 0 and self.pending[b - 1] > 0:  # prefetch the previous boundary
                 self.unshard(b - 1, "backward_broadcast", mb)
-        deps = self.last_bcast[b]
+        deps = self.last_bcast[b] + self.fsdp2_unshard(fqn, mb)
         if recompute:
             deps = (self.emit(kind="recompute", phase="compute", group=self.everyone, boundary=fqn, micro_batch=mb,
                               deps=deps, external=True),)
@@ -503,6 +557,10 @@ class _Builder:
         self.pending[b] -= 1  # post-backward
         if self.pending[b] == 0:
             self.finish(b, mb, sync, (compute,))
+            self.fsdp2_resident.discard(fqn)
+            if sync:
+                rs = self.fsdp2(fqn, "fsdp2_reduce_scatter", mb, (compute,))
+                self.fsdp2(fqn, "fsdp2_all_reduce", mb, rs)
 
     def finish(self, b: int, mb: int, sync: bool, deps: tuple[int, ...]) -> None:
         self.pending[b] = 0
@@ -529,6 +587,7 @@ class _Builder:
         calls = [p.index for p in self.programs] if micro.forward is None else [self.boundary_index(f) for f in micro.forward]
         recompute = {self.boundary_index(f) for f in micro.recompute}
         self.inflight: list[int] = []
+        self.fsdp2_unshard("", mb)  # the root unit (embeddings, final norm, lm_head)
         for b in calls:
             self.forward(b, mb)
         for b in reversed(calls):
@@ -538,6 +597,10 @@ class _Builder:
                 self.finish(b, mb, micro.sync, ())
         self.finish_reduces(mb)
         self.resident = [False] * len(self.programs)  # prefetched but never called: freed too
+        if micro.sync:
+            rs = self.fsdp2("", "fsdp2_reduce_scatter", mb)
+            self.fsdp2("", "fsdp2_all_reduce", mb, rs)
+        self.fsdp2_resident.clear()
 
     def optimizer_step(self, mb: int) -> None:
         plan = self.plan

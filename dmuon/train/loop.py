@@ -249,13 +249,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         f"data: {corpus.description}: {corpus.train.size:,} train / {corpus.val.size:,} val "
         f"tokens | global batch {args.batch} x {args.seq_len} = {tokens_per_step:,} tokens/step"
     )
+    plan_cost = plan.cost if plan is not None else None  # derived from the schedule: once
     if plan is not None:
         dedicated_numel = sum(plan.param(f).numel for f in plan.dedicated)
         log(
             f"plan: {len(plan.dedicated)} dedicated matrices ({dedicated_numel:,} elements), "
             f"owned elements per rank {list(plan.owned_numel)}, "
-            f"{plan.cost.total_nbytes:,} B/step over all ranks "
-            f"(per rank {list(plan.cost.per_rank_nbytes)})"
+            f"{plan_cost.total_nbytes:,} B/step over all ranks "
+            f"(per rank {list(plan_cost.per_rank_nbytes)})"
         )
     log(f"unigram baseline (train -> val): {unigram:.4f} nats/token")
 
@@ -323,7 +324,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 step_bytes = ledger_step.to(comm_device)
                 dist.all_reduce(step_bytes)
                 measured = int(step_bytes[: len(_PLAN_PHASES)].sum())
-                msg += f" | bytes/step {measured:,} (plan {plan.cost.total_nbytes:,})"
+                msg += f" | bytes/step {measured:,} (plan {plan_cost.total_nbytes:,})"
                 if int(step_bytes[-1]):
                     msg += f" + other {int(step_bytes[-1]):,}"
             log(msg)
@@ -370,8 +371,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "train_time_s": train_time,
         "ledger_nbytes_per_step": measured_mean,
         "ledger_phase_nbytes_per_step": phase_mean,
-        "plan_total_nbytes": plan.cost.total_nbytes if plan is not None else None,
-        "plan_per_rank_nbytes": list(plan.cost.per_rank_nbytes) if plan is not None else None,
+        "plan_total_nbytes": plan_cost.total_nbytes if plan is not None else None,
+        "plan_per_rank_nbytes": list(plan_cost.per_rank_nbytes) if plan is not None else None,
         "history": {"train": history_train, "val": history_val},
         "config": {k: v for k, v in vars(args).items() if not k.startswith("_")},
     }
