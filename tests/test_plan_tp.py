@@ -160,3 +160,10 @@ def test_snapshot_reads_dtensor_placements_by_duck_typing():
     assert _tp_placement(Fake(Replicate())) == (2, None, "")
     size, dim, why = _tp_placement(Fake(Partial()))
     assert (size, dim) == (2, None) and "Partial(sum)" in why
+
+
+def test_tp_size_without_shard_dims_is_an_error():
+    """``tp_size=T`` alone would plan no TP matrix at all: say so instead of dropping TP."""
+    with pytest.raises(ValueError, match="tp_size=2 without tp_shard_dims plans no TP-sharded matrix"):
+        dmuon.plan.compile(Net(), 2, tp_size=2)
+    assert dmuon.plan.compile(Net(), 2, tp_size=1).tp_size == 1

@@ -233,8 +233,21 @@ def test_step_names_unknown_boundary():
     plan = P.compile(build_a(), 2)
     with pytest.raises(ValueError, match="not a hook boundary.*layers.0"):
         plan.schedule(Step(micro_batches=(MicroBatch(forward=("layers.7",)),)))
-    with pytest.raises(KeyError, match="layers.0.a.weight"):
+    with pytest.raises(ValueError, match="Step.unused.*closest: layers.0.a.weight"):
         plan.schedule(Step(unused=("layers.0.a.weigth",)))
+    with pytest.raises(ValueError, match=r"recomputes \['layers.1'\], which its forward does not call"):
+        plan.schedule(Step(micro_batches=(MicroBatch(forward=(L0,), recompute=(L1,)),)))
+    with pytest.raises(ValueError, match="the last micro-batch must sync"):
+        Step(micro_batches=(MicroBatch(), MicroBatch(sync=False)))
+    with pytest.raises(TypeError, match="tuple of MicroBatch"):
+        Step(micro_batches=[MicroBatch()])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="at least one"):
+        Step(micro_batches=())
+    sched = plan.schedule()
+    with pytest.raises(ValueError, match="phase must be one of"):
+        sched.rank_nbytes(0, "forward")
+    with pytest.raises(ValueError, match="boundary 'layers.9'"):
+        sched.summary(0, boundary="layers.9")
 
 
 def test_tp_schedule_batches_gram_all_reduces():
@@ -357,8 +370,39 @@ def test_replay_catches_missing_collective():
 
 def test_replay_rejects_op_on_foreign_group():
     op = P.Op(id=0, kind="reduce", phase="reduce", group=(1, 2), root=1, dtype="torch.float32", numel=1)
-    with pytest.raises(ScheduleError, match="rank 0 issues .* not in"):
+    with pytest.raises(ScheduleError, match="rank 0 issues .* which rank 0 is not in"):
         replay([[op], [op], [op]])
+    ns = P.Op(id=1, kind="newton_schulz", phase="optimizer", group=(0,), flops=8)
+    with pytest.raises(ScheduleError, match="rank 1 issues .*newton_schulz.* which rank 1 is not in"):
+        replay([[ns], [ns]])
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(root=7), r"root 7 is not a member of its group \(0, 1\)"),  # agreed by both ranks
+        (dict(root=None), "root None is not a member"),
+        (dict(group=(0, 0)), "not a tuple of distinct ranks in 0..1"),
+        (dict(group=(-1, 0)), "not a tuple of distinct ranks in 0..1"),
+        (dict(group=(0, 5)), "not a tuple of distinct ranks in 0..1"),
+        (dict(numel=-5), "numel must be an int >= 0"),
+        (dict(kind="alltoall"), "unknown kind 'alltoall'"),
+        (dict(kind="all_reduce"), "all_reduce takes no root, got 0"),
+    ],
+)
+def test_replay_rejects_malformed_ops_every_rank_agrees_on(change, message):
+    """Agreement is not validity: both ranks issue the same malformed collective."""
+    progs = [list(p) for p in programs_of(P.compile(build_a(), 2).schedule())]
+    for rank in (0, 1):
+        i = next(i for i, op in enumerate(progs[rank]) if op.collective)
+        progs[rank][i] = dataclasses.replace(progs[rank][i], **change)
+    with pytest.raises(ScheduleError, match=message):
+        replay(progs)
+
+
+def test_replay_rejects_non_ops():
+    with pytest.raises(ScheduleError, match="holds None, not a dmuon.plan.Op"):
+        replay([[None]])
 
 
 def test_schedule_is_frozen_and_pure():

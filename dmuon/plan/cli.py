@@ -14,6 +14,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from types import SimpleNamespace
@@ -72,6 +73,8 @@ def main_plan(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.tp < 1:
         parser.error("--tp must be >= 1")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        parser.error(f"--json: the folder of {args.json!r} does not exist")
 
     model = PRESETS[args.model]()
     tp_kw = {}

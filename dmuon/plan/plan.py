@@ -678,6 +678,12 @@ def _tp_specs(snapshot, selected, specs, tp_ns, tp_size, tp_shard_dims, ns_steps
     if tp_shard_dims is not None or tp_size is not None:
         if tp_size is None or isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
             raise ValueError(f"tp_size must be an int >= 1 when tp_shard_dims is given, got {tp_size!r}")
+        if tp_size > 1 and not tp_shard_dims:
+            raise ValueError(
+                f"dmuon.plan.compile: tp_size={tp_size} without tp_shard_dims plans no TP-sharded matrix; pass "
+                "tp_shard_dims={fqn: 0 (colwise) | 1 (rowwise)} for the dedicated matrices TP shards "
+                "(e.g. dmuon.plan.presets.megatron_tp_shard_dims(model)), or parallelize the model first"
+            )
         parallel = [r.fqn for r in snapshot.params if r.tp_size > 1]
         if parallel:
             raise ValueError(

@@ -95,6 +95,10 @@ COLLECTIVE_KINDS = ("broadcast", "reduce", "all_reduce", "all_gather")
 EXTERNAL_KINDS = ("forward", "backward", "recompute", "fsdp2_all_gather", "fsdp2_reduce_scatter", "fsdp2_all_reduce")
 #: every op kind
 OP_KINDS = COLLECTIVE_KINDS + ("newton_schulz",) + EXTERNAL_KINDS
+#: the ledger phases a schedule charges bytes to (``ByteCost`` fields without ``_nbytes``)
+CHARGED_PHASES = ("forward_broadcast", "backward_broadcast", "reduce", "replicate_reduce", "replicate_broadcast", "tp")
+#: collectives that have a root (the others must have none)
+ROOTED_KINDS = ("broadcast", "reduce")
 
 
 class ScheduleError(ValueError):
@@ -214,8 +218,8 @@ class Step:
     """A training step: micro-batches, then one optimizer step.
 
     Attributes:
-        micro_batches: at least one; the last one normally syncs (an optimizer step after only
-            ``no_sync`` micro-batches is an error at run time, and the schedule says so).
+        micro_batches: at least one; the last one must sync (``dmuon.Muon.step`` raises after a
+            backward inside ``no_sync`` whose gradients were never reduced, and so does ``Step``).
         unused: dedicated parameters (any alias) no rank produces a gradient for: Muon skips
             them (no NS op, left out of TP batches). Collectives are unchanged: a missing
             gradient travels as zeros with a presence flag of 0.
@@ -225,11 +229,16 @@ class Step:
     unused: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if type(self.micro_batches) is not tuple or not self.micro_batches:
-            raise ValueError("Step.micro_batches must be a non-empty tuple of MicroBatch")
-        if any(not isinstance(m, MicroBatch) for m in self.micro_batches):
-            raise TypeError("Step.micro_batches must hold MicroBatch records")
-        if type(self.unused) is not tuple:
+        if type(self.micro_batches) is not tuple or any(not isinstance(m, MicroBatch) for m in self.micro_batches):
+            raise TypeError("Step.micro_batches must be a tuple of MicroBatch records")
+        if not self.micro_batches:
+            raise ValueError("Step.micro_batches must hold at least one MicroBatch")
+        if not self.micro_batches[-1].sync:
+            raise ValueError(
+                "Step: the last micro-batch must sync (MicroBatch(sync=True)): an optimizer step after a "
+                "backward inside dmuon.no_sync raises at run time, its gradients were never reduced"
+            )
+        if type(self.unused) is not tuple or not all(isinstance(f, str) for f in self.unused):
             raise TypeError("Step.unused must be a tuple of FQNs")
 
 
@@ -373,11 +382,24 @@ class StepSchedule:
         return tuple(self.ops[i] for i in ids)
 
     def rank_nbytes(self, rank: int, phase: str | None = None) -> int:
-        """Bytes charged to ``rank`` (in ``phase``, or all phases)."""
+        """Bytes charged to ``rank`` (in ledger phase ``phase``, or all phases).
+
+        Raises:
+            ValueError: ``phase`` is not a phase dmuon charges.
+        """
+        if phase is not None and phase not in CHARGED_PHASES:
+            raise ValueError(f"phase must be one of {CHARGED_PHASES} or None, got {phase!r}")
         return sum(op.charged_nbytes(rank) for op in self.rank_ops(rank) if phase is None or op.phase == phase)
 
     def boundary_ops(self, rank: int, boundary: str) -> tuple[Op, ...]:
-        """``rank``'s ops of hook boundary ``boundary`` (e.g. the first boundary's, for display)."""
+        """``rank``'s ops of hook boundary ``boundary`` (e.g. the first boundary's, for display).
+
+        Raises:
+            ValueError: no op of the schedule names ``boundary``.
+        """
+        if not any(op.boundary == boundary for op in self.ops):
+            known = sorted({op.boundary for op in self.ops if op.boundary})
+            raise ValueError(f"no op of this schedule belongs to boundary {boundary!r}; boundaries: {known[:6]}")
         return tuple(op for op in self.rank_ops(rank) if op.boundary == boundary)
 
     def _pieces(self) -> list[list[tuple[int, int]]]:
@@ -422,7 +444,7 @@ class StepSchedule:
         shown = ops if max_ops is None else ops[:max_ops]
         width = max([len(op.boundary or "") for op in shown] + [8])
         lines = [f"{'op':>7}  {'kind':<22}{'phase':<20}{'boundary':<{width + 2}}{'seg':<6}{'root':>5}"
-                 f"{'elements':>14} {'dtype':<10}{'group':<20}{'charged':>16}"]
+                 f"{'elements / FLOP':>22} {'dtype':<10}{'group':<20}{'charged':>16}"]
         for op in shown:
             seg = "" if op.segment is None else str(op.segment) + ("" if op.subsegment is None else f"/{op.subsegment}")
             grp = "all" if op.kind in ("forward", "backward", "recompute") else _fmt_group(op.group)
@@ -432,7 +454,7 @@ class StepSchedule:
             where = "<root>" if op.boundary == "" else (op.boundary or "")
             lines.append(
                 f"{op.id:>7}  {op.kind:<22}{op.phase:<20}{where:<{width + 2}}{seg:<6}{root:>5}"
-                f"{size:>14} {dtype:<10}{grp:<20}{op.charged_nbytes(rank):>14,} B"
+                f"{size:>22} {dtype:<10}{grp:<20}{op.charged_nbytes(rank):>14,} B"
             )
         if len(shown) < len(ops):
             lines.append(f"{'':>7}  ... {len(ops) - len(shown)} more ops")
@@ -586,6 +608,11 @@ class _Builder:
     def micro_batch(self, mb: int, micro: MicroBatch) -> None:
         calls = [p.index for p in self.programs] if micro.forward is None else [self.boundary_index(f) for f in micro.forward]
         recompute = {self.boundary_index(f) for f in micro.recompute}
+        if recompute - set(calls):
+            raise ValueError(
+                f"dmuon.plan.schedule: micro-batch {mb} recomputes "
+                f"{sorted(self.programs[b].fqn for b in recompute - set(calls))}, which its forward does not call"
+            )
         self.inflight: list[int] = []
         self.fsdp2_unshard("", mb)  # the root unit (embeddings, final norm, lm_head)
         for b in calls:
@@ -606,7 +633,12 @@ class _Builder:
         plan = self.plan
         R = plan.mesh_shape[0]
         _, _, _, tps = _rank_fns(plan)
-        unused = {plan.param(name).fqn for name in self.step.unused}
+        unused = set()
+        for name in self.step.unused:
+            try:
+                unused.add(plan.param(name).fqn)
+            except KeyError as exc:
+                raise ValueError(f"dmuon.plan.schedule: Step.unused: {exc.args[0]}") from None
         # a matrix whose boundary was never reduced (never called, or only in no_sync
         # micro-batches) has no gradient on any rank: Muon skips it
         reduced = {self.programs[b].fqn for b in self.last_reduce}
@@ -678,7 +710,9 @@ def schedule(plan: ShardingPlan, step: Step | None = None) -> StepSchedule:
     forward order, backward in reverse, one micro-batch that syncs) under ``plan``. Pure.
 
     Raises:
-        ValueError: ``step`` names a boundary or parameter the plan does not have.
+        TypeError: ``step`` is not a :class:`Step`.
+        ValueError: ``step`` names a boundary or parameter the plan does not have, or
+            recomputes a boundary its micro-batch does not call.
     """
     step = Step() if step is None else step
     if not isinstance(step, Step):
@@ -717,14 +751,13 @@ def replay(programs: Sequence[Sequence[Op]]) -> None:
     index: dict[tuple[int, ...], int] = {}
     per_rank: list[list[tuple[int, int]]] = []
     member_ops: dict[tuple[int, int], list[Op]] = {}
+    n = len(programs)
     for rank, prog in enumerate(programs):
         pieces: list[tuple[int, int]] = []
         for op in prog:
+            _check_op(op, rank, n)
             if not op.collective:
                 continue
-            if rank not in op.group:
-                raise ScheduleError(f"rank {rank} issues {op.describe()} on group {op.group}, which it is not in",
-                                    rank=rank, op=op)
             g = index.setdefault(op.group, len(index))
             member_ops.setdefault((g, rank), []).append(op)
             if pieces and pieces[-1][0] == g:
@@ -732,11 +765,34 @@ def replay(programs: Sequence[Sequence[Op]]) -> None:
             else:
                 pieces.append((g, 1))
         per_rank.append(pieces)
-    groups = tuple(index)
-    for g, group in enumerate(groups):
-        if any(x >= len(programs) for x in group):
-            raise ScheduleError(f"group {group} names ranks beyond the {len(programs)} programs")
-    _replay_pieces(groups, None, per_rank, member_ops)
+    _replay_pieces(tuple(index), None, per_rank, member_ops)
+
+
+def _check_op(op: Any, rank: int, num_ranks: int) -> None:
+    """One entry of ``rank``'s program, on its own: a known kind on a valid group that contains
+    ``rank``, a root in the group exactly for rooted collectives, a size >= 0."""
+    if not isinstance(op, Op):
+        raise ScheduleError(f"rank {rank}'s program holds {op!r}, not a dmuon.plan.Op", rank=rank)
+    problem = None
+    group = op.group
+    if op.kind not in OP_KINDS:
+        problem = f"unknown kind {op.kind!r} (one of {OP_KINDS})"
+    elif type(group) is not tuple or not group or len(set(group)) != len(group) or any(
+        type(x) is not int or not 0 <= x < num_ranks for x in group
+    ):
+        problem = f"group {group!r} is not a tuple of distinct ranks in 0..{num_ranks - 1}"
+    elif rank not in group:
+        problem = f"it is on group {_fmt_group(group)}, which rank {rank} is not in"
+    elif op.kind in ROOTED_KINDS and op.root not in group:
+        problem = f"its root {op.root!r} is not a member of its group {_fmt_group(group)}"
+    elif op.kind not in ROOTED_KINDS and op.root is not None:
+        problem = f"{op.kind} takes no root, got {op.root!r}"
+    elif type(op.numel) is not int or op.numel < 0:
+        problem = f"numel must be an int >= 0, got {op.numel!r}"
+    elif op.collective and op.dtype is None:
+        problem = "a collective needs a dtype"
+    if problem is not None:
+        raise ScheduleError(f"rank {rank} issues {op.describe()}: {problem}", rank=rank, op=op)
 
 
 def _replay_pieces(
