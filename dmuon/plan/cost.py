@@ -54,7 +54,6 @@ import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .layout import Boundary
 from .records import Owner, ParamSpec, _check_int, itemsize_nbytes
 
 __all__ = [

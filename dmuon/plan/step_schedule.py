@@ -353,13 +353,15 @@ class StepSchedule:
                 raise ValueError(f"StepSchedule: ops[{i}].id is {op.id}")
             g = index.get(op.group)
             if g is None:
-                if not op.group or any(type(x) is not int or not 0 <= x < n for x in op.group) or len(set(op.group)) != len(op.group):
-                    raise ValueError(f"StepSchedule: op {op.describe()} has group {op.group} outside ranks 0..{n - 1}")
+                problem = _group_problem(op.group, n)
+                if problem is not None:
+                    raise ScheduleError(f"StepSchedule: {op.describe()}: {problem}", op=op)
                 g = index[op.group] = len(group_ops)
                 group_ops.append([])
             group_ops[g].append(i)
-            if op.collective and op.root is not None and op.root not in op.group:
-                raise ScheduleError(f"StepSchedule: root {op.root} of {op.describe()} is not in its group {op.group}", op=op)
+            problem = _op_problem(op)
+            if problem is not None:
+                raise ScheduleError(f"StepSchedule: {op.describe()}: {problem}", op=op)
         rank_groups: list[list[int]] = [[] for _ in range(n)]
         for group, g in index.items():
             for x in group:
@@ -402,10 +404,10 @@ class StepSchedule:
             raise ValueError(f"no op of this schedule belongs to boundary {boundary!r}; boundaries: {known[:6]}")
         return tuple(op for op in self.rank_ops(rank) if op.boundary == boundary)
 
-    def _pieces(self) -> list[list[tuple[int, int]]]:
+    def _pieces(self, coll: Sequence[tuple[int, ...]]) -> list[list[tuple[int, int]]]:
         """Per rank: its collectives as ``(group index, count)`` runs of consecutive ops on one
-        group (the replay's input in the symmetric form)."""
-        coll = [tuple(i for i in ops if self.ops[i].collective) for ops in self._group_ops]
+        group (the replay's input in the symmetric form); ``coll[g]``: group ``g``'s collective
+        op ids in order."""
         out = []
         for rank in range(self.num_ranks):
             mine = [(g, coll[g]) for g in self._rank_groups[rank] if coll[g]]
@@ -434,8 +436,9 @@ class StepSchedule:
     def check(self) -> None:
         """Deadlock check by replay (:func:`replay`) of every rank's op list. Raises
         :class:`ScheduleError`."""
-        coll = [tuple(self.ops[i] for i in ops if self.ops[i].collective) for ops in self._group_ops]
-        _replay_pieces(self._groups, coll, self._pieces(), None)
+        coll = [tuple(i for i in ops if self.ops[i].collective) for ops in self._group_ops]
+        canonical = [tuple(self.ops[i] for i in ids) for ids in coll]
+        _replay_pieces(self._groups, canonical, self._pieces(coll), None)
 
     def summary(self, rank: int, *, boundary: str | None = None, max_ops: int | None = None) -> str:
         """``rank``'s ops as a table, one per line, with the bytes charged to it (all its ops,
@@ -485,7 +488,7 @@ class _Builder:
         self.last_reduce: dict[int, tuple[int, ...]] = {}  # boundary index -> reduce op ids (last)
         self.last_rep_reduce: dict[int, tuple[int, ...]] = {}
         self.everyone = tuple(range(plan.world_size * plan.tp_size))
-        _, rows, cols, _ = _rank_fns(plan)
+        _, rows, cols, self.tps = _rank_fns(plan)
         self.rows = tuple(rows.values())
         self.cols = tuple(cols.values()) if plan.mesh_shape[0] > 1 else ()
         N = plan.mesh_shape[1]
@@ -632,7 +635,7 @@ class _Builder:
     def optimizer_step(self, mb: int) -> None:
         plan = self.plan
         R = plan.mesh_shape[0]
-        _, _, _, tps = _rank_fns(plan)
+        tps = self.tps
         unused = set()
         for name in self.step.unused:
             try:
@@ -752,10 +755,11 @@ def replay(programs: Sequence[Sequence[Op]]) -> None:
     per_rank: list[list[tuple[int, int]]] = []
     member_ops: dict[tuple[int, int], list[Op]] = {}
     n = len(programs)
+    valid_groups: set = set()
     for rank, prog in enumerate(programs):
         pieces: list[tuple[int, int]] = []
         for op in prog:
-            _check_op(op, rank, n)
+            _check_op(op, rank, n, valid_groups)
             if not op.collective:
                 continue
             g = index.setdefault(op.group, len(index))
@@ -768,29 +772,45 @@ def replay(programs: Sequence[Sequence[Op]]) -> None:
     _replay_pieces(tuple(index), None, per_rank, member_ops)
 
 
-def _check_op(op: Any, rank: int, num_ranks: int) -> None:
-    """One entry of ``rank``'s program, on its own: a known kind on a valid group that contains
-    ``rank``, a root in the group exactly for rooted collectives, a size >= 0."""
+def _group_problem(group: Any, num_ranks: int) -> str | None:
+    """Why ``group`` is not a tuple of distinct ranks in ``0..num_ranks-1`` (None if it is)."""
+    if type(group) is not tuple or not group or len(set(group)) != len(group) or any(
+        type(x) is not int or not 0 <= x < num_ranks for x in group
+    ):
+        return f"group {group!r} is not a tuple of distinct ranks in 0..{num_ranks - 1}"
+    return None
+
+
+def _op_problem(op: Op) -> str | None:
+    """Why ``op`` (on a valid group) cannot run: an unknown kind, a root outside its group or on
+    a kind without one, a negative size, a collective without a dtype (None if it can)."""
+    if op.kind not in OP_KINDS:
+        return f"unknown kind {op.kind!r} (one of {OP_KINDS})"
+    if op.kind in ROOTED_KINDS and op.root not in op.group:
+        return f"its root {op.root!r} is not a member of its group {_fmt_group(op.group)}"
+    if op.kind not in ROOTED_KINDS and op.root is not None:
+        return f"{op.kind} takes no root, got {op.root!r}"
+    if type(op.numel) is not int or op.numel < 0:
+        return f"numel must be an int >= 0, got {op.numel!r}"
+    if op.collective and op.dtype is None:
+        return "a collective needs a dtype"
+    return None
+
+
+def _check_op(op: Any, rank: int, num_ranks: int, valid_groups: set) -> None:
+    """One entry of ``rank``'s program, on its own (:func:`_group_problem`, membership,
+    :func:`_op_problem`); ``valid_groups`` memoises groups already found valid."""
     if not isinstance(op, Op):
         raise ScheduleError(f"rank {rank}'s program holds {op!r}, not a dmuon.plan.Op", rank=rank)
     problem = None
-    group = op.group
-    if op.kind not in OP_KINDS:
-        problem = f"unknown kind {op.kind!r} (one of {OP_KINDS})"
-    elif type(group) is not tuple or not group or len(set(group)) != len(group) or any(
-        type(x) is not int or not 0 <= x < num_ranks for x in group
-    ):
-        problem = f"group {group!r} is not a tuple of distinct ranks in 0..{num_ranks - 1}"
-    elif rank not in group:
-        problem = f"it is on group {_fmt_group(group)}, which rank {rank} is not in"
-    elif op.kind in ROOTED_KINDS and op.root not in group:
-        problem = f"its root {op.root!r} is not a member of its group {_fmt_group(group)}"
-    elif op.kind not in ROOTED_KINDS and op.root is not None:
-        problem = f"{op.kind} takes no root, got {op.root!r}"
-    elif type(op.numel) is not int or op.numel < 0:
-        problem = f"numel must be an int >= 0, got {op.numel!r}"
-    elif op.collective and op.dtype is None:
-        problem = "a collective needs a dtype"
+    if op.group not in valid_groups:
+        problem = _group_problem(op.group, num_ranks)
+        if problem is None:
+            valid_groups.add(op.group)
+    if problem is None and rank not in op.group:
+        problem = f"it is on group {_fmt_group(op.group)}, which rank {rank} is not in"
+    if problem is None:
+        problem = _op_problem(op)
     if problem is not None:
         raise ScheduleError(f"rank {rank} issues {op.describe()}: {problem}", rank=rank, op=op)
 
