@@ -94,6 +94,12 @@ def _entry(
         sys.stderr.flush()
         os._exit(1)  # skip clean-up and atexit handlers that could block on a dead peer
     _write_atomic(path, payload)
+    # The result is on disk: skip interpreter teardown, where a C++ thread left by the backend
+    # can abort the process ("terminate called without an active exception") after the work
+    # succeeded, and the parent would see a failed rank.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _write_atomic(path: str, payload: bytes) -> None:
@@ -206,7 +212,12 @@ def _failure(name: str, world_size: int, procs: list, out_dir: str) -> Distribut
     )
     others = ""
     for r in order[1:]:
-        last = (reports[r][1].strip().splitlines() or [""])[-1] if reports[r] else "no report"
+        if reports[r] is None:
+            last = "no report"
+        elif reports[r][0]:
+            last = "it had reported its result, then died"
+        else:
+            last = (reports[r][1].strip().splitlines() or [""])[-1]
         others += f"\n  also failed: rank {r} (exit code {procs[r].exitcode}): {last}"
     return DistributedError(
         f"{name}: rank {first} of {world_size} failed (exit code {procs[first].exitcode}):\n"
