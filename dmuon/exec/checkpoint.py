@@ -58,10 +58,31 @@ _LOCAL = threading.local()  # .full: None | (rank0_only, cpu_offload) while full
 # ----------------------------------------------------------------------------------------------
 
 
-def _placements(runtime):
+def _placements(runtime, slot=None) -> tuple:
+    """Placements of a dedicated entry on :meth:`~dmuon.exec.runtime.DmuonRuntime.state_dict_mesh`.
+
+    ``Shard(0)`` over the shard dim (``Replicate()`` before it in HSDP); with TP, the matrix's
+    own TP placement on the ``tp`` dim (``Replicate()`` for a plain matrix next to TP ones,
+    which every TP coordinate holds whole).
+    """
     from torch.distributed.tensor import Replicate, Shard
 
-    return (Shard(0),) if runtime.groups.shape[0] == 1 else (Replicate(), Shard(0))
+    g = runtime.groups
+    dp = (Shard(0),) if g.shape[0] == 1 else (Replicate(), Shard(0))
+    if g.tp_size == 1:
+        return dp
+    tp = slot.tp.placements[0] if slot is not None and slot.tp is not None else Replicate()
+    return dp[:-1] + (tp, Shard(0))
+
+
+def _local(t):
+    """The local tensor of a DTensor (a TP matrix's shard), else ``t`` itself."""
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def _global_shape(runtime, slot) -> tuple[int, ...]:
+    """The full logical shape (``slot.shape`` is the *unit*: this TP coordinate's shard)."""
+    return tuple(runtime.infos[slot.fqn].shape)
 
 
 def _chunk_rows(rows: int, n: int) -> int:
@@ -96,14 +117,17 @@ def _scatter_chunks(runtime, shape, dtype, full, src: int) -> torch.Tensor:
     return out
 
 
-def _as_dtensor(runtime, shape, padded_chunk):
+def _as_dtensor(runtime, slot, padded_chunk):
+    """This rank's row chunk of the unit ``slot.shape`` as a DTensor of the full logical shape."""
     from torch.distributed.tensor import DTensor
 
     g = runtime.groups
-    local = padded_chunk[: _my_rows(shape[0], g.shape[1], g.shard)]
+    shape = _global_shape(runtime, slot)
+    local = padded_chunk[: _my_rows(slot.shape[0], g.shape[1], g.shard)]
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(
-        local, runtime.state_dict_mesh(), _placements(runtime), run_check=False, shape=torch.Size(shape), stride=stride
+        local, runtime.state_dict_mesh(), _placements(runtime, slot), run_check=False, shape=torch.Size(shape),
+        stride=stride,
     )
 
 
@@ -111,35 +135,40 @@ def scatter_full_to_dtensor(runtime, slot):
     """The dedicated parameter of ``slot`` as a full-shape DTensor (holder of each row scatters)."""
     g = runtime.groups
     src = g.rank_of(g.replicate, runtime.shard_of_fqn[slot.fqn])
-    full = slot.logical if dist.get_rank() == src else None
+    full = _local(slot.logical) if dist.get_rank() == src else None
     chunk = _scatter_chunks(runtime, tuple(slot.shape), slot.logical.dtype, full, src)
-    return _as_dtensor(runtime, tuple(slot.shape), chunk)
+    return _as_dtensor(runtime, slot, chunk)
 
 
 def _momentum_to_dtensor(runtime, slot, info, buf):
     """The owner's momentum ``buf`` as a full-shape DTensor on every rank.
 
     The owner ``(s, r)`` scatters in its row; in HSDP each ``(s', r)`` then broadcasts its chunk
-    over its replicate group, so every rank holds one chunk and never the whole matrix.
+    over its replicate group, so every rank holds one chunk and never the whole matrix. With TP
+    every TP coordinate does this for its own shard (its owner holds that shard's momentum).
     """
     g = runtime.groups
     owner_replicate = _coords(runtime, info.owner_global_rank)[0]
-    shape = tuple(info.shape)
+    shape = tuple(slot.shape)
     if g.replicate == owner_replicate:
-        chunk = _scatter_chunks(runtime, shape, slot.logical.dtype, buf, info.owner_global_rank)
+        full = _local(buf) if buf is not None else None
+        chunk = _scatter_chunks(runtime, shape, slot.logical.dtype, full, info.owner_global_rank)
     else:
         chunk = torch.empty((_chunk_rows(shape[0], g.shape[1]), *shape[1:]), dtype=slot.logical.dtype, device=runtime.device)
     if g.shape[0] > 1:
         C.broadcast(chunk, src=g.rank_of(owner_replicate, g.shard), group=g.replicate_group, phase="other")
-    return _as_dtensor(runtime, shape, chunk)
+    return _as_dtensor(runtime, slot, chunk)
 
 
 def _coords(runtime, rank: int) -> tuple[int, int]:
-    for r, row in enumerate(runtime.groups.mesh_ranks):
-        for s, x in enumerate(row):
-            if x == rank:
-                return r, s
-    raise ValueError(f"dmuon: rank {rank} is not in the mesh {runtime.groups.mesh_ranks}")
+    """``(replicate, shard)`` of global ``rank`` in its TP coordinate's table (any table with TP)."""
+    g = runtime.groups
+    for table in g.tp_tables or (g.mesh_ranks,):
+        for r, row in enumerate(table):
+            for s, x in enumerate(row):
+                if x == rank:
+                    return r, s
+    raise ValueError(f"dmuon: rank {rank} is not in the mesh {g.tp_tables or g.mesh_ranks}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -147,20 +176,21 @@ def _coords(runtime, rank: int) -> tuple[int, int]:
 # ----------------------------------------------------------------------------------------------
 
 
-def _is_own_layout(runtime, value) -> bool:
+def _is_own_layout(runtime, value, slot) -> bool:
     mesh = runtime.state_dict_mesh()
     vmesh = value.device_mesh
     same_mesh = vmesh is mesh or (
         vmesh.mesh.shape == mesh.mesh.shape and torch.equal(vmesh.mesh.cpu(), mesh.mesh.cpu())
         and vmesh.device_type == mesh.device_type
     )
-    return same_mesh and tuple(value.placements) == _placements(runtime)
+    return same_mesh and tuple(value.placements) == _placements(runtime, slot)
 
 
 def _gather_rows(runtime, value, dst: int | None, shape) -> torch.Tensor | None:
     """Gather the row chunks of DTensor ``value`` (this rank's shard group) to ``dst``.
 
-    ``dst=None``: this row takes no part. Only ``dst`` materialises the full matrix.
+    ``shape``: the unit (this TP coordinate's shard, or the matrix without TP). ``dst=None``:
+    this row takes no part. Only ``dst`` materialises the unit.
     """
     g = runtime.groups
     N = g.shape[1]
@@ -186,26 +216,36 @@ def _gather_rows(runtime, value, dst: int | None, shape) -> torch.Tensor | None:
     return torch.cat(gather_list)[:rows]
 
 
-def _full_on(runtime, fqn, shape, value, dst: int | None) -> torch.Tensor | None:
-    """The full value of one state-dict entry on ``dst`` (this row's receiving rank) or None.
+def _tp_part(slot, full: torch.Tensor) -> torch.Tensor:
+    """This rank's TP shard of the full matrix ``full`` (``full`` itself without TP)."""
+    if slot.tp is None:
+        return full
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(full.shape, slot.tp.mesh, slot.tp.placements)
+    return full[tuple(slice(o, o + n) for n, o in zip(shape, offset))]
+
+
+def _full_on(runtime, slot, value, dst: int | None) -> torch.Tensor | None:
+    """The unit value of one state-dict entry (``slot.shape``: this TP coordinate's shard, the
+    full matrix without TP) on ``dst`` (this row's receiving rank), None elsewhere.
 
     ``value``: a DTensor of dmuon's own layout (gathered chunk-wise, no rank but ``dst`` sees
-    the whole matrix), any other DTensor (``full_tensor()``, every rank of its mesh), or a
-    full tensor (used as is).
+    the whole unit), any other DTensor (``full_tensor()``, every rank of its mesh), or a
+    full tensor (``dst`` takes its TP shard).
     """
-    from torch.distributed.tensor import DTensor
-
-    if tuple(value.shape) != tuple(shape):
+    shape = _global_shape(runtime, slot)
+    if tuple(value.shape) != shape:
         raise ValueError(
-            f"dmuon: state dict entry for {fqn!r} has shape {tuple(value.shape)}, expected the full "
-            f"{tuple(shape)} (a full tensor or a DTensor of full shape)"
+            f"dmuon: state dict entry for {slot.fqn!r} has shape {tuple(value.shape)}, expected the full "
+            f"{shape} (a full tensor or a DTensor of full shape)"
         )
-    if isinstance(value, DTensor):
-        if _is_own_layout(runtime, value):
-            return _gather_rows(runtime, value, dst, shape)
+    if _is_dtensor(value):
+        if _is_own_layout(runtime, value, slot):
+            return _gather_rows(runtime, value, dst, tuple(slot.shape))
         full = value.full_tensor()
-        return full if dist.get_rank() == dst else None
-    return value if dist.get_rank() == dst else None
+        return _tp_part(slot, full) if dist.get_rank() == dst else None
+    return _tp_part(slot, value) if dist.get_rank() == dst else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -251,10 +291,10 @@ def register_state_dict_hooks(runtime) -> None:
             g = rt.groups
             for key, slot in keys:
                 holder = g.rank_of(g.replicate, rt.shard_of_fqn[slot.fqn])
-                full = _full_on(rt, slot.fqn, slot.shape, state_dict[key], holder)
+                full = _full_on(rt, slot, state_dict[key], holder)
                 if full is not None:
                     with torch.no_grad():
-                        slot.logical.copy_(full.reshape(slot.shape))
+                        _local(slot.logical).copy_(full.reshape(slot.shape))
                 # the logical parameter itself: the default copy_ is a no-op, assign=True keeps it
                 state_dict[key] = slot.logical
 
@@ -266,7 +306,9 @@ def _gather_full(runtime, slot, *, rank0_only: bool) -> torch.Tensor | None:
     """The full value of ``slot`` on every rank (``rank0_only``: on rank 0 only; else None).
 
     One broadcast from the holder over the shard group of each participating row (only rank
-    0's row when ``rank0_only``): each receiving rank materialises this one matrix.
+    0's row when ``rank0_only``): each receiving rank materialises this one matrix. A TP
+    matrix's shards are then all-gathered over dmuon's TP group (same rows in every TP
+    coordinate, so every TP group either takes part whole or not at all).
     """
     g = runtime.groups
     me = dist.get_rank()
@@ -276,11 +318,21 @@ def _gather_full(runtime, slot, *, rank0_only: bool) -> torch.Tensor | None:
             return None
     src = g.rank_of(g.replicate, runtime.shard_of_fqn[slot.fqn])
     if me == src:
-        buf = slot.logical.detach()
+        buf = _local(slot.logical).detach()
     else:
         buf = torch.empty(slot.shape, dtype=slot.logical.dtype, device=runtime.device)
     if g.shape[1] > 1:
         C.broadcast(buf, src=src, group=g.shard_group, phase="other")
+    if slot.tp is not None:
+        tp = slot.tp
+        out = torch.empty(tp.size * buf.numel(), dtype=buf.dtype, device=buf.device)
+        C.all_gather_into(out, buf.contiguous().reshape(-1), group=tp.group, phase="other")
+        out = out.view(tp.size, -1)
+        blocks = [out[dist.get_group_rank(tp.group, tp.ranks[t])].view(buf.shape) for t in range(tp.size)]
+        buf = torch.cat(blocks, dim=tp.placements[0].dim)
+        if rank0_only and me != 0:
+            return None
+        return buf
     if rank0_only and me != 0:
         return None
     return buf.clone() if me == src else buf
@@ -382,7 +434,7 @@ def _optim_state_dict_post_hook(opt, state_dict):
         if info.is_owner:
             buf = entry.get("momentum_buffer")
             if buf is None:  # state cleared by hand: the step would start from zeros too
-                buf = torch.zeros(info.shape, dtype=p.dtype, device=p.device)
+                buf = torch.zeros(slot.shape, dtype=p.dtype, device=p.device)
         entry["momentum_buffer"] = _momentum_to_dtensor(rt, slot, info, buf)
         state[idx] = entry
     order = sorted(state, key=lambda k: (0, k, "") if isinstance(k, int) else (1, 0, str(k)))
@@ -421,12 +473,14 @@ def _optim_load_state_dict_pre_hook(opt, state_dict):
         g = rt.groups
         owner_replicate = _coords(rt, info.owner_global_rank)[0]
         dst = info.owner_global_rank if g.replicate == owner_replicate else None
-        if not _is_dtensor(value) or not _is_own_layout(rt, value):
+        slot = rt.slots_by_fqn[info.fqn]
+        if not _is_dtensor(value) or not _is_own_layout(rt, value, slot):
             dst = info.owner_global_rank  # full tensor / foreign DTensor: every rank takes part
-        full = _full_on(rt, info.fqn, info.shape, value, dst)
+        full = _full_on(rt, slot, value, dst)
         if info.is_owner:
             entry = dict(entry)
-            entry["momentum_buffer"] = full.reshape(info.shape)
+            full = full.reshape(slot.shape)
+            entry["momentum_buffer"] = slot.tp.wrap(full) if slot.tp is not None else full
             state[key] = entry
         else:
             state.pop(key, None)

@@ -74,7 +74,8 @@ class MeshGroups:
     Tensor parallelism (``tp_size = T > 1``): every TP coordinate ``t`` has its own
     data-parallel mesh; ``mesh_ranks`` is this rank's (``t = tp_rank``), and ``tp_group`` joins
     the ``T`` ranks with this rank's data-parallel coordinate (an owner group), ``tp_ranks``
-    their global ranks in TP order.
+    their global ranks in TP order, ``tp_tables[t]`` the data-parallel table of every TP
+    coordinate (the state-dict ``DeviceMesh`` spans all of them).
     """
 
     mesh_ranks: tuple[tuple[int, ...], ...]  # [replicate][shard] -> global rank
@@ -86,6 +87,7 @@ class MeshGroups:
     tp_rank: int = 0
     tp_group: Any = None  # ProcessGroup over tp_ranks, None when T == 1
     tp_ranks: tuple[int, ...] = ()
+    tp_tables: tuple[tuple[tuple[int, ...], ...], ...] = ()  # [t][replicate][shard] -> global rank, T > 1 only
     job_group: Any = None  # ProcessGroup over every rank of this job (dp x tp), None = the world
 
     @property
@@ -156,5 +158,6 @@ class MeshGroups:
             tp_rank=my_t if T > 1 else 0,
             tp_group=tp_group,
             tp_ranks=tp_ranks,
+            tp_tables=tables if T > 1 else (),
             job_group=job_group,
         )

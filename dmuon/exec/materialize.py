@@ -146,7 +146,6 @@ def rebind_storage(rt, boundaries=None) -> bool:
             parameters of one segment ended up on different devices.
         ValueError: a parameter's dtype changed (the plan fixes dtypes; cast before planning).
     """
-    rt._check_no_tp("moving or re-creating the model's storage (to_empty / to / meta-device init)")
     changed = False
     boundaries = rt.boundaries if boundaries is None else boundaries
     rt._settle(boundaries, "moving or re-creating the model's storage (to_empty / to)")
@@ -182,15 +181,15 @@ def _rebind_segment(rt, seg: _Segment) -> bool:
     if seg.held:
         storage = seg.master.untyped_storage()._cdata
         if seg.master.device == device and all(
-            slot.logical.untyped_storage()._cdata == storage for slot in seg.slots
+            _local(slot.logical).untyped_storage()._cdata == storage for slot in seg.slots
         ):
             return False
         master = torch.zeros(seg.numel, dtype=seg.param_dtype, device=device)
         for slot in seg.slots:
             view = master[slot.offset_in_seg : slot.offset_in_seg + slot.numel].view(slot.shape)
             if slot.logical.device.type != "meta":
-                view.copy_(slot.logical.detach().reshape(slot.shape))
-            slot.logical.data = view
+                view.copy_(_local(slot.logical).detach().reshape(slot.shape))
+            _point_logical(rt, slot, view)
         wire = master if wire_dtype == seg.param_dtype else torch.zeros(seg.numel, dtype=wire_dtype, device=device)
         seg.master, seg.wire, seg.resident = master, wire, True
         for slot in seg.slots:
@@ -212,9 +211,37 @@ def _rebind_segment(rt, seg: _Segment) -> bool:
 
 
 def _set_compute(slot: _Slot, view: torch.Tensor) -> None:
-    """A new compute parameter viewing ``view``'s storage (never installed between steps)."""
+    """A new compute parameter viewing ``view``'s storage (never installed between steps); a
+    TP matrix's is a DTensor with its placement, as :func:`~dmuon.exec.buffers.build_segments`
+    makes it."""
+    if slot.tp is not None:
+        view = slot.tp.wrap(view)
     compute = nn.Parameter(view, requires_grad=slot.compute.requires_grad)
     slot.compute = compute
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A TP matrix's local shard (the DTensor's local tensor), else ``t``."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _point_logical(rt, slot: _Slot, view: torch.Tensor) -> None:
+    """Make the logical parameter (same Python object) a view of ``view``.
+
+    Without TP ``param.data = view``. A TP matrix's logical parameter is a DTensor, whose
+    ``.data`` setter does not reach its local tensor: ``torch.utils.swap_tensors`` with a new
+    DTensor parameter on ``view`` instead (its ``_dmuon`` tag restored after)."""
+    if slot.tp is None:
+        slot.logical.data = view
+        return
+    new = nn.Parameter(slot.tp.wrap(view), requires_grad=slot.logical.requires_grad)
+    try:
+        torch.utils.swap_tensors(slot.logical, new)
+    except RuntimeError:  # e.g. a weak reference to it: adopt the new object everywhere
+        slot.logical = new
+        for module, attr in slot.homes:
+            module._parameters[attr] = new
+    slot.logical._dmuon = rt.infos[slot.fqn]
 
 
 def _adopt_module_param(rt, slot: _Slot) -> None:
@@ -289,8 +316,9 @@ def init_params(model: nn.Module, init_fn=None) -> None:
                 continue
             info = getattr(p, "_dmuon", None)
             if info is not None:
-                if info.holds_full:
+                if info.holds_full and info.tp is None:
                     continue  # the full master itself
+                # a non-holder's placeholder, or a TP holder's shard: the full matrix for a moment
                 tmp = torch.empty(info.shape, dtype=p.dtype, device=p.device)
             elif isinstance(p, DTensor):
                 if p.device.type == "meta":
@@ -309,7 +337,10 @@ def init_params(model: nn.Module, init_fn=None) -> None:
             for name, original, tmp in swapped:
                 module._parameters[name] = original
         for _, original, tmp in swapped:
-            if isinstance(original, DTensor):
+            info = getattr(original, "_dmuon", None)
+            if info is not None and not info.holds_full:
+                continue  # a placeholder keeps nothing
+            if isinstance(original, DTensor):  # FSDP2 shard, or a TP holder's shard
                 _copy_local_part(original, tmp.detach())
 
 

@@ -143,18 +143,38 @@ class DmuonRuntime:
             self._state_dict_mesh = None
 
     def state_dict_mesh(self):
-        """The ``DeviceMesh`` of dmuon's state-dict DTensors (over dmuon's groups), cached."""
+        """The ``DeviceMesh`` of dmuon's state-dict DTensors (over dmuon's groups), cached.
+
+        Without TP: ``(shard,)`` or ``("replicate", "shard")`` over this data-parallel mesh.
+        With TP (``T > 1``) the whole job: ``("tp", "shard")`` or ``("replicate", "tp",
+        "shard")``, ``mesh[r][t][s]`` = the global rank at ``(r, s)`` of TP coordinate ``t``;
+        ``tp`` comes before ``shard`` so that a column-parallel (``Shard(0)``) matrix is split
+        into its TP blocks first, then each block into row chunks (DTensor applies placements
+        of one tensor dim left to right), which is how the holders store it.
+        """
         mesh = self._state_dict_mesh
         if mesh is None:
             from torch.distributed.device_mesh import DeviceMesh
 
             g = self.groups
             R, _ = g.shape
-            ranks = torch.tensor(g.mesh_ranks, dtype=torch.int64)
             device_type = self.device.type
-            if R == 1:
+            if g.tp_size > 1:
+                ranks = torch.tensor(g.tp_tables, dtype=torch.int64).permute(1, 0, 2)  # [r][t][s]
+                if R == 1:
+                    mesh = DeviceMesh.from_group(
+                        [g.tp_group, g.shard_group], device_type, mesh=ranks[0], mesh_dim_names=("tp", "shard")
+                    )
+                else:
+                    mesh = DeviceMesh.from_group(
+                        [g.replicate_group, g.tp_group, g.shard_group], device_type, mesh=ranks,
+                        mesh_dim_names=("replicate", "tp", "shard"),
+                    )
+            elif R == 1:
+                ranks = torch.tensor(g.mesh_ranks, dtype=torch.int64)
                 mesh = DeviceMesh.from_group(g.shard_group, device_type, mesh=ranks[0])
             else:
+                ranks = torch.tensor(g.mesh_ranks, dtype=torch.int64)
                 mesh = DeviceMesh.from_group(
                     [g.replicate_group, g.shard_group], device_type, mesh=ranks, mesh_dim_names=("replicate", "shard")
                 )
@@ -366,7 +386,6 @@ class DmuonRuntime:
 
     def prepare_state_access(self, what: str) -> None:
         """Before reading or writing masters through the state-dict API (collective in HSDP)."""
-        self._check_no_tp(what)
         self.check_materialized(what)
         self.sync_replicas()
         self.wait_replicate_broadcasts()
