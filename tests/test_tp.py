@@ -120,7 +120,10 @@ def _check_errors(mesh, cfg):
     dist.barrier()
 
 
-def _worker(dp: int, tp: int, cases, errors: bool = False):
+def _worker(dp, tp: int, cases, errors: bool = False):
+    """``dp``: an int (2-D mesh ``("dp", "tp")``, dmuon on ``mesh["dp"]``) or ``(R, N)``: the
+    unsliced 3-D mesh ``("dp_replicate", "dp_shard", "tp")`` passed to dmuon whole (HSDP x TP;
+    FSDP2 on ``mesh["dp_replicate", "dp_shard"]``)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -132,8 +135,17 @@ def _worker(dp: int, tp: int, cases, errors: bool = False):
 
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    dp_rank = mesh["dp"].get_local_rank()
+    if isinstance(dp, tuple):
+        R, N = dp
+        mesh = init_device_mesh("cpu", (R, N, tp), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        dp_mesh, dmuon_mesh = mesh["dp_replicate", "dp_shard"], mesh
+        dp_rank = mesh["dp_replicate"].get_local_rank() * N + mesh["dp_shard"].get_local_rank()
+        dp = R * N
+    else:
+        R, N = 1, dp
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        dp_mesh = dmuon_mesh = mesh["dp"]
+        dp_rank = mesh["dp"].get_local_rank()
     cfg = _cfg()
     report = []
     if errors:
@@ -161,12 +173,12 @@ def _worker(dp: int, tp: int, cases, errors: bool = False):
             parallelize_module(model, mesh["tp"], {"lm_head": ColwiseParallel(output_layouts=Replicate())})
         # parallel == "none": no TP at all; mesh["dp"] is a sub-mesh of the world, and each TP
         # coordinate is an independent data-parallel job on the same data
-        plan = dmuon.dedicate_params(model, mesh["dp"], reshard_after_forward=z3, tp_ns=tp_ns)
-        assert plan.tp_size == (1 if parallel == "none" else tp) and plan.mesh_shape == (1, dp)
+        plan = dmuon.dedicate_params(model, dmuon_mesh, reshard_after_forward=z3, tp_ns=tp_ns)
+        assert plan.tp_size == (1 if parallel == "none" else tp) and plan.mesh_shape == (R, N)
         assert {p.fqn: p.tp_ns for p in plan.params} == methods
         for layer in model.layers:
-            fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=z3)
-        fully_shard(model, mesh=mesh["dp"], reshard_after_forward=z3)
+            fully_shard(layer, mesh=dp_mesh, reshard_after_forward=z3)
+        fully_shard(model, mesh=dp_mesh, reshard_after_forward=z3)
         opt = dmuon.Muon(
             model, lr=HP["lr"], weight_decay=HP["weight_decay"], momentum=HP["momentum"], nesterov=HP["nesterov"],
             adamw_lr=HP["adamw_lr"], adamw_weight_decay=HP["adamw_weight_decay"], ns_dtype=ns_dtype,
@@ -243,4 +255,42 @@ def test_tp_dp1_tp2():
     disagree with the plan's TP cost)."""
     cases = [("gram", True), ("gather", True), ("gram", True, 1, torch.bfloat16)]
     results = run_distributed(_worker, 2, 1, 2, cases, True, timeout_s=180)
+    print(results[0])
+
+
+def _worker_3d(specs):
+    """Several unsliced 3-D meshes in one process group: ``[(dp=(R, N), tp, cases), ...]``;
+    first the mesh errors a user can cause (same error on every rank, before any collective)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dmuon
+    from dmuon.train.model import GPT, apply_tensor_parallel
+
+    (R, N), T, _ = specs[0]
+    bad = init_device_mesh("cpu", (R, N, T), mesh_dim_names=("a", "b", "c"))
+    model = GPT(_cfg(), seed=0)
+    apply_tensor_parallel(model, bad["c"])
+    with pytest.raises(ValueError, match=r"cannot find the replicate and shard and tp dim .*\('a', 'b', 'c'\).*'dp_shard'"):
+        dmuon.dedicate_params(model, bad)
+    with pytest.raises(ValueError, match=r"TP dim of the mesh passed to dmuon joins ranks"):
+        dmuon.dedicate_params(model, bad, replicate_dim="a", shard_dim="c", tp_dim="b")  # b, c swapped
+    dist.barrier()
+    return [_worker(dp, tp, cases) for dp, tp, cases in specs]
+
+
+@pytest.mark.timeout(300)
+def test_tp_unsliced_3d_mesh_4_ranks():
+    """torchtitan's ``(dp_replicate, dp_shard, tp)`` mesh passed to dmuon whole: (2, 1, 2) is
+    HSDP x TP (replicate reduce + broadcast and TP), (1, 2, 2) shard x TP; oracle, ledger = plan
+    (``tp`` phase included) per global rank, one NS per owned matrix."""
+    specs = [((2, 1), 2, [("auto", True)]), ((1, 2), 2, [("gram", False)])]
+    results = run_distributed(_worker_3d, 4, specs, timeout_s=280)
+    print(results[0])
+
+
+@pytest.mark.timeout(300)
+def test_tp_unsliced_3d_mesh_8_ranks():
+    """(2, 2, 2) on 8 ranks: replicate reduce, shard reduce and TP in the same step."""
+    results = run_distributed(_worker_3d, 8, [((2, 2), 2, [("auto", True)])], timeout_s=280)
     print(results[0])

@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import checkpoint, fsdp2, materialize
-from .groups import MeshGroups, mesh_rank_table
+from .groups import MeshGroups, mesh_rank_table, mesh_tp_ranks
 from .runtime import RUNTIME_ATTR, DmuonRuntime, get_model_runtime
 
 __all__ = ["apply", "dedicate_params"]
@@ -56,10 +56,12 @@ def _validate(plan, model: nn.Module, table) -> None:
         )
 
 
-def _check_tp(plan, model: nn.Module, table):
+def _check_tp(plan, model: nn.Module, table, mesh_tp: tuple[int, ...] | None = None):
     """Tensor parallelism: the TP ``DeviceMesh`` shared by the TP-sharded dedicated matrices
     (None without TP), after local checks: one 1-D mesh of ``plan.tp_size`` ranks, and a
-    data-parallel mesh that with it spans the world."""
+    data-parallel mesh that with it spans the world. ``mesh_tp``: this rank's line along the TP
+    dim of the mesh passed to dmuon (a 3-D or named ``("dp", "tp")`` mesh), which must be the
+    matrices' TP mesh."""
     if plan.tp_size == 1:
         return None
     meshes = {}
@@ -79,15 +81,21 @@ def _check_tp(plan, model: nn.Module, table):
             f"{sorted(meshes)}; use one TP mesh"
         )
     tp_mesh = next(iter(meshes.values()))
+    if mesh_tp is not None and tuple(int(x) for x in tp_mesh.mesh.flatten().tolist()) != mesh_tp:
+        raise ValueError(
+            f"dmuon: the TP dim of the mesh passed to dmuon joins ranks {list(mesh_tp)} but the dedicated "
+            f"matrices are TP-sharded over ranks {tp_mesh.mesh.flatten().tolist()}; parallelize_module with "
+            "mesh['tp'] of the same mesh (or pass tp_dim= naming the TP dim)"
+        )
     dp = sum(len(row) for row in table)
     world = dist.get_world_size()
     if dp * plan.tp_size != world:
         raise ValueError(
             f"dmuon: with tensor parallelism the data-parallel mesh times the TP degree must span the "
             f"world: the mesh passed has {dp} ranks, times TP degree {plan.tp_size} is {dp * plan.tp_size}, "
-            f"but the world has {world}. Pass only the data-parallel DeviceMesh, e.g. mesh['dp'] of "
-            "init_device_mesh('cpu', (dp, tp), mesh_dim_names=('dp', 'tp')); a mesh that includes the "
-            "TP dim would be read as HSDP (replicate, shard), and None means the whole world"
+            f"but the world has {world}. Pass the data-parallel DeviceMesh (mesh['dp'] of "
+            "init_device_mesh('cpu', (dp, tp), mesh_dim_names=('dp', 'tp'))) or the whole named mesh, "
+            "whose TP dim dmuon finds by name (tp_dim=); None means the whole world"
         )
     return tp_mesh
 
@@ -146,6 +154,7 @@ def apply(
     collective_timeout_s: float | None = None,
     shard_dim: str | None = None,
     replicate_dim: str | None = None,
+    tp_dim: str | None = None,
 ) -> DmuonRuntime:
     """Install owners, placeholders and hooks for ``plan`` on ``model`` (every rank calls it).
 
@@ -155,10 +164,12 @@ def apply(
             materialised or on the ``meta`` device: then nothing is allocated until
             ``model.to_empty(device=...)``, which gives each holder its own segments only
             (see :mod:`dmuon.exec.materialize` and docs/checkpointing.md).
-        mesh: a ``DeviceMesh`` of the plan's shape (2-D: ``(replicate, shard)``), an int ``N``,
-            ``(N,)`` or ``(R, N)`` spanning the world, or ``None`` = a 1-D mesh over the world.
-        shard_dim, replicate_dim: the names of a 2-D ``DeviceMesh``'s dims when they are not
-            ``"shard"`` / ``"replicate"`` (see :func:`~dmuon.exec.groups.mesh_rank_table`).
+        mesh: a ``DeviceMesh`` whose data-parallel dims have the plan's shape (1-D: shard; 2-D:
+            ``(replicate, shard)`` or a named ``("dp", "tp")``; 3-D: named, e.g. torchtitan's
+            unsliced ``("dp_replicate", "dp_shard", "tp")``), an int ``N``, ``(N,)`` or
+            ``(R, N)`` spanning the world, or ``None`` = a 1-D mesh over the world.
+        shard_dim, replicate_dim, tp_dim: the names of the mesh's dims when they are not among
+            :data:`dmuon.plan.MESH_DIM_NAMES` (see :func:`dmuon.plan.mesh_dim_roles`).
         collective_timeout_s: a dmuon collective not complete within this many seconds raises
             :class:`~dmuon.exec.collectives.CollectiveTimeout` naming the boundary and phase
             (``None``: wait forever, as torch does up to the process group's own timeout).
@@ -178,9 +189,10 @@ def apply(
     fsdp2.install()
     if not (dist.is_available() and dist.is_initialized()):
         _validate(plan, model, None)  # raises the "no process group" error
-    table = mesh_rank_table(mesh, shard_dim=shard_dim, replicate_dim=replicate_dim)
+    dims = dict(shard_dim=shard_dim, replicate_dim=replicate_dim, tp_dim=tp_dim)
+    table = mesh_rank_table(mesh, **dims)
     _validate(plan, model, table)
-    tp_mesh = _check_tp(plan, model, table)
+    tp_mesh = _check_tp(plan, model, table, mesh_tp_ranks(mesh, **dims))
     _check_same_plan_everywhere(plan)
     if tp_mesh is not None:
         groups = MeshGroups.build(table, tp_tables=_world_tables(table, tp_mesh))
@@ -210,13 +222,16 @@ def dedicate_params(
     collective_timeout_s: float | None = None,
     shard_dim: str | None = None,
     replicate_dim: str | None = None,
+    tp_dim: str | None = None,
     **compile_kwargs,
 ):
     """``dmuon.plan.compile`` + :func:`apply`; returns the plan.
 
-    ``mesh``: a ``DeviceMesh`` (1-D, or 2-D ``(replicate, shard)``; ``shard_dim`` /
-    ``replicate_dim`` name its dims when they are called otherwise), an int ``N`` / ``(N,)`` /
-    ``(R, N)`` spanning the world, or ``None`` (1-D over the world). Extra keyword arguments go
+    ``mesh``: a ``DeviceMesh`` (1-D; 2-D ``(replicate, shard)`` or named ``("dp", "tp")``; 3-D
+    named ``("dp_replicate", "dp_shard", "tp")`` as torchtitan builds it, unsliced; dims found by
+    :func:`dmuon.plan.mesh_dim_roles`, ``shard_dim`` / ``replicate_dim`` / ``tp_dim`` name them
+    when they are called otherwise), an int ``N`` / ``(N,)`` / ``(R, N)`` spanning the world,
+    or ``None`` (1-D over the world). Extra keyword arguments go
     to ``dmuon.plan.compile`` (e.g. ``cost_model``).
     """
     from dmuon import plan as _plan
@@ -228,7 +243,7 @@ def dedicate_params(
         )
     fsdp2.check_not_fully_sharded(model)
     _check_not_applied(model)
-    table = mesh_rank_table(mesh, shard_dim=shard_dim, replicate_dim=replicate_dim)
+    table = mesh_rank_table(mesh, shard_dim=shard_dim, replicate_dim=replicate_dim, tp_dim=tp_dim)
     plan = _plan.compile(
         model,
         (len(table), len(table[0])),
@@ -241,6 +256,7 @@ def dedicate_params(
         **compile_kwargs,
     )
     apply(
-        plan, model, mesh, collective_timeout_s=collective_timeout_s, shard_dim=shard_dim, replicate_dim=replicate_dim
+        plan, model, mesh, collective_timeout_s=collective_timeout_s, shard_dim=shard_dim, replicate_dim=replicate_dim,
+        tp_dim=tp_dim,
     )
     return plan

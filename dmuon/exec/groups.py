@@ -11,28 +11,33 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dmuon.plan import normalize_mesh
+from dmuon.plan import mesh_dim_roles, normalize_mesh
 
-__all__ = ["mesh_rank_table", "MeshGroups"]
+__all__ = ["mesh_rank_table", "mesh_tp_ranks", "MeshGroups"]
 
 
 def mesh_rank_table(
-    mesh, *, shard_dim: str | None = None, replicate_dim: str | None = None
+    mesh, *, shard_dim: str | None = None, replicate_dim: str | None = None, tp_dim: str | None = None
 ) -> tuple[tuple[int, ...], ...]:
-    """Global ranks of the data-parallel mesh as ``table[replicate][shard]`` (R rows of N).
+    """Global ranks of this rank's data-parallel mesh as ``table[replicate][shard]`` (R rows of N).
 
     ``mesh``: ``None`` (1-D over the world); an int ``N`` or ``(N,)`` (1-D over ranks ``0..N-1``);
-    ``(R, N)`` (ranks ``r·N + s``, the layout of ``init_device_mesh(..., (R, N))``); or a 1-D / 2-D
-    ``DeviceMesh``. A 2-D ``DeviceMesh`` is read as ``(replicate, shard)``; ``shard_dim`` /
-    ``replicate_dim`` name its dims when they are called otherwise (e.g. ``"dp_shard"``), and
-    dims named exactly ``"shard"`` / ``"replicate"`` are recognised in either order.
+    ``(R, N)`` (ranks ``r·N + s``, the layout of ``init_device_mesh(..., (R, N))``); or a
+    ``DeviceMesh`` of 1 to 3 dims whose roles :func:`dmuon.plan.mesh_dim_roles` finds (by name,
+    ``shard_dim`` / ``replicate_dim`` / ``tp_dim`` override; an unnamed 2-D mesh is
+    ``(replicate, shard)``). A mesh with a TP dim, e.g. torchtitan's unsliced
+    ``("dp_replicate", "dp_shard", "tp")``, gives the data-parallel table of this rank's TP
+    coordinate (the same as passing ``mesh["dp_replicate", "dp_shard"]``).
 
     Raises:
-        ValueError: a shape that is not 1-D or 2-D, unknown dim names, or a mesh whose size
-            differs from the world size when given as an int or tuple.
+        ValueError: a shape of more than 3 dims, dims whose roles cannot be found, a mesh that
+            does not contain this rank, or a mesh whose size differs from the world size when
+            given as an int or tuple.
     """
     world = dist.get_world_size()
     if mesh is None:
+        if shard_dim is not None or replicate_dim is not None or tp_dim is not None:
+            raise ValueError("dmuon: shard_dim / replicate_dim / tp_dim name dims of a DeviceMesh; mesh is None")
         return (tuple(range(world)),)
     if isinstance(mesh, int) or (isinstance(mesh, (tuple, list)) and all(isinstance(d, int) for d in mesh)):
         try:
@@ -46,22 +51,45 @@ def mesh_rank_table(
             )
         return tuple(tuple(r * N + s for s in range(N)) for r in range(R))
     t = mesh.mesh.detach().cpu()
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    try:
+        roles = mesh_dim_roles(tuple(t.shape), names, shard_dim=shard_dim, replicate_dim=replicate_dim, tp_dim=tp_dim)
+    except ValueError as exc:
+        raise ValueError(f"dmuon: {exc}") from None
+    if roles.tp is not None:  # this rank's TP coordinate
+        where = (t == dist.get_rank()).nonzero()
+        if len(where) != 1:
+            raise ValueError(f"dmuon: rank {dist.get_rank()} is not in the mesh {t.tolist()}")
+        t = t.select(roles.tp, int(where[0][roles.tp]))
+        shift = lambda d: d - (d > roles.tp)  # noqa: E731 - dim index after removing the TP dim
+        roles = dataclasses.replace(
+            roles, tp=None, shard=shift(roles.shard), replicate=None if roles.replicate is None else shift(roles.replicate)
+        )
     if t.ndim == 1:
         return (tuple(int(x) for x in t.tolist()),)
-    if t.ndim != 2:
-        raise ValueError(f"dmuon: mesh must be 1-D or 2-D, got {t.ndim}-D {tuple(t.shape)}")
-    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-    if shard_dim is None and replicate_dim is None and set(names) == {"replicate", "shard"}:
-        shard_dim, replicate_dim = "shard", "replicate"
-    if shard_dim is not None or replicate_dim is not None:
-        if shard_dim not in names or replicate_dim not in names or shard_dim == replicate_dim:
-            raise ValueError(
-                f"dmuon: shard_dim={shard_dim!r} and replicate_dim={replicate_dim!r} must name the two "
-                f"different dims of the mesh, whose dims are {names}"
-            )
-        if names.index(shard_dim) == 0:
-            t = t.T
+    if roles.shard == 0:
+        t = t.T
     return tuple(tuple(int(x) for x in row) for row in t.tolist())
+
+
+def mesh_tp_ranks(
+    mesh, *, tp_dim: str | None = None, shard_dim: str | None = None, replicate_dim: str | None = None
+) -> tuple[int, ...] | None:
+    """Global ranks of this rank's line along ``mesh``'s TP dim (:func:`dmuon.plan.mesh_dim_roles`),
+    in TP order; None when the mesh has no TP dim (or is not a ``DeviceMesh``)."""
+    if mesh is None or isinstance(mesh, (int, tuple, list)):
+        return None
+    t = mesh.mesh.detach().cpu()
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    roles = mesh_dim_roles(tuple(t.shape), names, shard_dim=shard_dim, replicate_dim=replicate_dim, tp_dim=tp_dim)
+    if roles.tp is None:
+        return None
+    where = (t == dist.get_rank()).nonzero()
+    if len(where) != 1:
+        return None
+    index = [int(i) for i in where[0]]
+    line = t.movedim(roles.tp, -1)[tuple(i for d, i in enumerate(index) if d != roles.tp)]
+    return tuple(int(x) for x in line.tolist())
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -20,7 +20,7 @@ from . import presets
 from .cost import BaselineByteCost, ByteCost, RankStats
 from .diff import CostDelta, ParamChange, PlanDiff, SettingChange, diff
 from .layout import Boundary, BufferLayout, LayoutEntry, Segment, SubSegment
-from .plan import ShardingPlan, compile, normalize_mesh
+from .plan import MESH_DIM_NAMES, MeshDimRoles, ShardingPlan, compile, mesh_dim_roles, normalize_mesh
 from .records import Owner, ParamSpec
 from .step_schedule import MicroBatch, Op, ScheduleError, Step, StepSchedule, replay, schedule
 from .selection import matrix_predicate
@@ -53,4 +53,7 @@ __all__ = [
     "Boundary",
     "matrix_predicate",
     "normalize_mesh",
+    "mesh_dim_roles",
+    "MeshDimRoles",
+    "MESH_DIM_NAMES",
 ]
