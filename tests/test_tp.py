@@ -56,7 +56,7 @@ def _expected_methods(tp_ns: str, parallel: str = "all") -> dict[str, str | None
     for i in range(2):
         for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp.up_proj", "mlp.down_proj"):
             auto = "gram" if name.startswith("mlp") else "gather"
-            tp = parallel == "all" or (parallel == "mlp" and name.startswith("mlp"))
+            tp = parallel in ("all", "sp") or (parallel == "mlp" and name.startswith("mlp"))
             out[f"layers.{i}.{name}.weight"] = (auto if tp_ns == "auto" else tp_ns) if tp else None
     return out
 
@@ -120,6 +120,44 @@ def _check_errors(mesh, cfg):
     dist.barrier()
 
 
+def _sequence_parallel(model, tp_mesh) -> None:
+    """Megatron sequence parallelism on the main job's GPT: the blocks' norms are
+    ``SequenceParallel`` (activations sharded along the sequence between the TP regions, norm
+    weights replicated DTensors), q/k/v/up colwise, o/down rowwise back to ``Shard(1)``, and a
+    loss-parallel head (``lm_head`` colwise to ``Shard(-1)`` logits, for ``loss_parallel()``).
+    Norms and ``lm_head`` stay with FSDP2 + AdamW; the six matrices per block are dmuon's."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    to_seq = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True)
+    parallelize_module(model.layers[0], tp_mesh, to_seq)  # embeddings stay replicated
+    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    for layer in model.layers:
+        parallelize_module(layer, tp_mesh, {
+            "attn_norm": SequenceParallel(), "attn": gather,
+            "attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(), "attn.v_proj": ColwiseParallel(),
+            "attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "mlp_norm": SequenceParallel(), "mlp": gather,
+            "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+        })
+    parallelize_module(model, tp_mesh, {
+        "norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    })
+
+
+def _loss_context(parallel: str):
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel() if parallel == "sp" else contextlib.nullcontext()
+
+
 def _worker(dp, tp: int, cases, errors: bool = False):
     """``dp``: an int (2-D mesh ``("dp", "tp")``, dmuon on ``mesh["dp"]``) or ``(R, N)``: the
     unsliced 3-D mesh ``("dp_replicate", "dp_shard", "tp")`` passed to dmuon whole (HSDP x TP;
@@ -162,6 +200,8 @@ def _worker(dp, tp: int, cases, errors: bool = False):
         model = GPT(cfg, seed=0)
         if parallel == "all":
             apply_tensor_parallel(model, mesh["tp"])
+        elif parallel == "sp":
+            _sequence_parallel(model, mesh["tp"])
         elif parallel == "mlp":  # attention stays plain: every TP coordinate's owner runs it whole
             from torch.distributed.tensor import Replicate
             from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -189,8 +229,10 @@ def _worker(dp, tp: int, cases, errors: bool = False):
             with counting_ns() as step_ns:  # matrices orthogonalised in this step
                 local = batch.chunk(dp)[dp_rank]
                 if gas == 1:
-                    loss = lm_loss(model, local)
-                    loss.backward()
+                    with _loss_context(parallel):
+                        loss = lm_loss(model, local)
+                        loss.backward()
+                    loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
                 else:  # accumulate: no dmuon / FSDP2 reduce until the last micro-batch's backward
                     loss = 0.0
                     for i, part in enumerate(local.chunk(gas)):
@@ -242,8 +284,13 @@ def test_tp_dp2_tp2():
     with 2 micro-batches per step under ``dmuon.no_sync``; TP on the MLPs only (attention
     matrices dedicated whole, one owner per TP coordinate); and no TP at all with dmuon on
     ``mesh["dp"]``, a sub-mesh of the world (two independent data-parallel jobs). The MLP-only
-    case also shards ``lm_head`` (not dedicated: FSDP2 + AdamW on a (dp, tp) DTensor)."""
-    cases = [("auto", True), ("gram", False, 2), ("auto", True, 1, torch.float32, "mlp"), ("auto", False, 1, torch.float32, "none")]
+    case also shards ``lm_head`` (not dedicated: FSDP2 + AdamW on a (dp, tp) DTensor). Sequence
+    parallelism: ``SequenceParallel`` norms and a loss-parallel head next to the dedicated TP
+    matrices (:func:`_sequence_parallel`)."""
+    cases = [
+        ("auto", True), ("gram", False, 2), ("auto", True, 1, torch.float32, "mlp"),
+        ("auto", False, 1, torch.float32, "none"), ("auto", True, 1, torch.float32, "sp"),
+    ]
     results = run_distributed(_worker, 4, 2, 2, cases, timeout_s=280)
     print(results[0])
 
