@@ -167,3 +167,23 @@ def test_tp_size_without_shard_dims_is_an_error():
     with pytest.raises(ValueError, match="tp_size=2 without tp_shard_dims plans no TP-sharded matrix"):
         dmuon.plan.compile(Net(), 2, tp_size=2)
     assert dmuon.plan.compile(Net(), 2, tp_size=1).tp_size == 1
+
+
+def test_baseline_charges_the_tp_gather_of_naive_muon():
+    """N = 2, T = 2, fp32, Z3: the golden plan's up (16, 4) and down (4, 16) local shards.
+
+    FSDP2 shard c = ceil(16/2)·4 = 32 (up), ceil(4/2)·16 = 32 (down): per rank and phase
+    (N-1)·c·4 = 128 B per matrix, 256 B for both, in each of forward all-gather, backward
+    all-gather, reduce-scatter and the naive grad all-gather: 1024 B. The TP all-gather of the
+    full matrix (128 elements) over T = 2 ranks: (T-1)·64·4 = 256 B per matrix, 512 B per rank.
+    Per rank 1536 B, 4 ranks: 6144 B, of which 2048 B TP."""
+    plan = _plan()
+    b = plan.baseline_cost
+    assert (b.forward_all_gather_nbytes, b.backward_all_gather_nbytes, b.reduce_scatter_nbytes) == (1024,) * 3
+    assert b.muon_all_gather_nbytes == 1024 and b.tp_all_gather_nbytes == 2048
+    assert b.per_rank_nbytes == (1536,) * 4 and b.total_nbytes == 6144
+    # without TP nothing is charged to it
+    assert dmuon.plan.compile(Net(), 2, predicate=lambda fqn, p: fqn in DIMS).baseline_cost.tp_all_gather_nbytes == 0
+    summary = plan.summary()
+    assert "TP Gram all-reduce / gather" in summary and "without TP traffic" not in summary
+    assert "saving vs FSDP2+naive                            25.0%" in summary  # 1 - 4608 / 6144

@@ -37,7 +37,11 @@ gradient reduce-scatter    ``R*(N-1)*S*isz_reduce``         ``(N-1)*c*isz_reduce
 replicate all-reduce       ``2*R*N*(R-1)*ceil(c/R)*isz_r``  ``2*(R-1)*ceil(c/R)*isz_reduce``
                            (~``2*(R-1)*S``, ring RS+AG)
 naive Muon grad all-gather ``R*(N-1)*S*isz_param``          ``(N-1)*c*isz_param``
+TP all-gather (``T > 1``)  ``R*N*(T-1)*S_full*isz_param``   ``(T-1)*S_full/T*isz_param``
 =========================  ===============================  ===================================
+
+With TP, ``d0``/``S`` above are of each TP rank's local shard (every column is per TP
+coordinate, ``R*N*T`` ranks) and ``S_full = T*S`` is the whole matrix a naive Muon gathers.
 
 So for Z3 on a 1-D mesh the baseline moves ``4*(N-1)*S`` versus DMuon's ``3*(N-1)*P``.
 
@@ -393,6 +397,7 @@ class BaselineByteCost:
     muon_all_gather_nbytes: int
     total_nbytes: int
     per_rank_nbytes: tuple[int, ...]
+    tp_all_gather_nbytes: int = 0  # TP: naive Muon gathers each TP-sharded matrix's T shards
 
     PHASES = (
         "forward_all_gather_nbytes",
@@ -400,6 +405,7 @@ class BaselineByteCost:
         "reduce_scatter_nbytes",
         "replicate_all_reduce_nbytes",
         "muon_all_gather_nbytes",
+        "tp_all_gather_nbytes",
     )
 
     def __post_init__(self) -> None:
@@ -586,11 +592,13 @@ def baseline_byte_cost(
 
     Every rank is charged the same (the per-rank column of the module docstring table). With
     TP (``tp_size = T > 1``), FSDP2 shards each TP rank's local shard over the data-parallel
-    mesh, ``R*N*T`` ranks; the TP traffic a naive Muon would add (gathering the TP shards) is
-    not modelled.
+    mesh, ``R*N*T`` ranks, and a naive Muon, once it holds its TP shard's full gradient, must
+    all-gather the ``T`` shards of every TP-sharded matrix to orthogonalise it:
+    ``(T-1) * local_numel * isz_param`` per rank (``S*(T-1)/T`` of the matrix's ``S`` bytes,
+    the all-gather charge), ``tp_all_gather_nbytes`` in total.
     """
     R, N = mesh_shape
-    ag = rs = ar = mu = 0  # per rank
+    ag = rs = ar = mu = tg = 0  # per rank
     for spec in params:
         c = fsdp2_shard_numel(spec.local_shape, N)
         isz_p = itemsize_nbytes(spec.dtype)
@@ -600,15 +608,17 @@ def baseline_byte_cost(
         rs += (N - 1) * c * isz_r
         ar += 2 * (R - 1) * (-(-c // R)) * isz_r
         mu += (N - 1) * c * isz_p
+        tg += (spec.tp_size - 1) * spec.local_numel * isz_p
     world = R * N * tp_size
     bwd = ag if reshard_after_forward else 0
-    per = ag + bwd + rs + ar + mu
+    per = ag + bwd + rs + ar + mu + tg
     return BaselineByteCost(
         forward_all_gather_nbytes=ag * world,
         backward_all_gather_nbytes=bwd * world,
         reduce_scatter_nbytes=rs * world,
         replicate_all_reduce_nbytes=ar * world,
         muon_all_gather_nbytes=mu * world,
+        tp_all_gather_nbytes=tg * world,
         total_nbytes=per * world,
         per_rank_nbytes=(per,) * world,
     )
@@ -639,7 +649,10 @@ def baseline_rank_stats(
         layer_other_nbytes[b] = layer_other_nbytes.get(b, 0) + (N - 1) * c * itemsize_nbytes(
             bcast_dtype(spec.dtype, param_dtype)
         )
-        max_grad_gather_nbytes = max(max_grad_gather_nbytes, (N - 1) * c * isz_p)
+        # the gathered gradient: the TP shard from the data-parallel ranks, then (TP) the matrix
+        max_grad_gather_nbytes = max(
+            max_grad_gather_nbytes, (N - 1) * c * isz_p + (spec.tp_size - 1) * spec.local_numel * isz_p
+        )
     if reshard_after_forward:
         unsharded = max(layer_other_nbytes.values(), default=0)
     else:
