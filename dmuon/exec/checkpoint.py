@@ -24,6 +24,14 @@ Optimizer (:func:`register_optimizer_hooks`, called by ``dmuon.Muon``)
     ``load_state_dict`` pre-hook: each momentum DTensor is gathered chunk-wise to the owner; on
     other ranks the entry is dropped (non-owners keep no state for placeholders).
 
+Tensor parallelism: a TP-sharded dedicated matrix is held per TP coordinate as its TP shard (the
+*unit*: ``slot.shape``); everything above runs on the unit in each TP coordinate's own
+data-parallel groups, and the DTensor is over the whole job, ``("tp", "shard")`` (HSDP:
+``("replicate", "tp", "shard")``, :meth:`~dmuon.exec.runtime.DmuonRuntime.state_dict_mesh`),
+with the matrix's TP placement on ``tp`` and ``Shard(0)`` of the unit on ``shard``; a full tensor
+given to load is cut to each holder's TP shard; :func:`full_state_dict` all-gathers the TP shards
+on dmuon's TP group.
+
 Plain ``model.state_dict()`` (decision): it returns the sharded form above, never a zero-size
 placeholder. It is a *collective*: every rank of the mesh must call it together (as for DCP's
 helpers). For a file readable without torch.distributed use :func:`full_state_dict` (gathered

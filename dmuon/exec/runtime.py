@@ -375,15 +375,6 @@ class DmuonRuntime:
         works = self._broadcast_to_replicas(self.boundaries, "other")
         C.wait_all(works, what="HSDP replica sync after materialisation", timeout_s=self.timeout_s)
 
-    def _check_no_tp(self, what: str) -> None:
-        if self.tp_size > 1:
-            raise NotImplementedError(
-                f"dmuon: {what} is not supported yet for tensor-parallel dedicated matrices (plan tp_size="
-                f"{self.tp_size}); training, gradient accumulation and no_sync are. Build the model on its "
-                "device before parallelize_module, and keep TP models out of state-dict checkpoints for now "
-                "(or exclude the TP matrices from dmuon with predicate=)"
-            )
-
     def prepare_state_access(self, what: str) -> None:
         """Before reading or writing masters through the state-dict API (collective in HSDP)."""
         self.check_materialized(what)
