@@ -98,7 +98,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GLOBAL validation batch in sequences")
     g.add_argument("--log-every", type=int, default=25, help="log the train loss every N steps")
     g.add_argument("--json", default=None, help="write the final metrics to this JSON file")
-    g.add_argument("--quiet", action="store_true", help="no log lines")
+    g.add_argument("--quiet", action="store_true", help="no log lines and no progress bar")
+
+    g = p.add_argument_group("checkpoints and comparison")
+    g.add_argument("--save", default=None, metavar="DIR",
+                   help="write sharded DCP checkpoints (model, optimizer, LR schedule, data "
+                   "position, RNG) to DIR/step_XXXXXXXX every --save-every steps and at the end")
+    g.add_argument("--save-every", type=int, default=100, metavar="K",
+                   help="with --save: checkpoint every K steps (and after the last step)")
+    g.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue the run saved in DIR (its newest step_* folder, or one "
+                   "checkpoint folder); any mesh and world size; the run-defining flags must match")
+    g.add_argument("--compare", choices=("adamw",), default=None,
+                   help="after the run, train the AdamW baseline on the same data and seed "
+                   "(--adamw-lr on every parameter) and report both")
+    g.add_argument("--png", default=None, metavar="FILE",
+                   help="plot validation loss vs step and vs training wall time (both runs with "
+                   "--compare) to FILE; needs matplotlib: pip install -e '.[train]'")
     return p
 
 
@@ -112,16 +128,29 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def _validate(args: argparse.Namespace) -> None:
     """Checks argparse cannot make for values set through :func:`run`'s mapping form."""
     for action in build_parser()._actions:
-        if action.choices is not None and getattr(args, action.dest) not in action.choices:
+        value = getattr(args, action.dest, None)
+        if action.choices is not None and value not in action.choices and not (
+            value is None and action.default is None  # an optional choice left unset
+        ):
             raise SystemExit(
                 f"--{action.dest.replace('_', '-')} must be one of {sorted(action.choices)}, "
-                f"got {getattr(args, action.dest)!r}"
+                f"got {value!r}"
             )
-    for name in ("nproc", "tp", "steps", "batch", "seq_len", "eval_batches", "eval_batch", "log_every"):
+    for name in ("nproc", "tp", "steps", "batch", "seq_len", "eval_batches", "eval_batch", "log_every",
+                 "save_every"):
         if getattr(args, name) <= 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be positive")
     if args.eval_every < 0 or args.warmup < 0 or not 0.0 <= args.cooldown_frac <= 1.0:
         raise SystemExit("--eval-every and --warmup must be >= 0, --cooldown-frac in [0, 1]")
+    if args.compare and args.optimizer != "dmuon":
+        raise SystemExit("--compare adamw compares a dmuon run with AdamW: leave --optimizer dmuon")
+    if args.png:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise SystemExit("--png needs matplotlib: pip install -e '.[train]'") from None
+        if args.eval_every == 0:
+            raise SystemExit("--png plots validation loss: --eval-every must be > 0")
 
 
 def _complete(args: argparse.Namespace | Mapping[str, Any]) -> argparse.Namespace:
@@ -155,7 +184,7 @@ def _spawn_entry(rank: int, world: int, port: int, args: argparse.Namespace, out
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
         WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
     )
-    from dmuon.train.loop import train
+    from dmuon.train.loop import run_job as train
 
     dist.init_process_group(_backend(args), rank=rank, world_size=world, timeout=_PG_TIMEOUT)
     try:
@@ -180,7 +209,7 @@ def run(args: argparse.Namespace | Mapping[str, Any]) -> dict[str, Any]:
     * otherwise: spawn ``args.nproc`` local processes and wait for them; an exception in any
       rank terminates the others and is re-raised here with that rank's traceback.
     """
-    from dmuon.train.loop import train
+    from dmuon.train.loop import run_job as train
 
     args = _complete(args)
     if dist.is_initialized():

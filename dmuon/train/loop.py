@@ -31,10 +31,12 @@ import torch.distributed as dist
 
 from dmuon.exec import collectives as _collectives
 from dmuon.plan.cost import ByteCost
+from dmuon.train.checkpoint import load_checkpoint, run_flags, save_checkpoint
 from dmuon.train.data import VOCAB_SIZE, Corpus, load_corpus
+from dmuon.train.progress import progress_bar, write_line
 from dmuon.train.model import GPT, GPTConfig, apply_tensor_parallel, lm_loss
 
-__all__ = ["LEDGER_PHASES", "train", "lr_factor", "model_config"]
+__all__ = ["LEDGER_PHASES", "train", "run_job", "lr_factor", "model_config"]
 
 LEDGER_PHASES = _collectives.PHASES
 """Ledger phases, in the order of the per-step byte vector (``dmuon.exec.collectives.PHASES``):
@@ -120,6 +122,14 @@ def _mean(total: int, steps: int) -> int | float:
     return total // steps if total % steps == 0 else total / steps
 
 
+def _rank0_float(x: float, comm_device: torch.device) -> float:
+    """Rank 0's value of ``x`` on every rank (one clock for the whole run: wall times saved in
+    checkpoints and plotted are rank 0's)."""
+    t = torch.tensor([x], dtype=torch.float64, device=comm_device)
+    dist.broadcast(t, src=0)
+    return float(t)
+
+
 def _fmt_bytes(n: int | None) -> str:
     return "n/a" if n is None else f"{n:,} B"
 
@@ -155,7 +165,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
     def log(msg: str) -> None:
         if is_log:
-            print(msg, flush=True)
+            write_line(msg)
 
     mesh_shape = parse_mesh(args.mesh, dp_world)
     if args.batch % dp_world or args.eval_batch % dp_world:
@@ -272,20 +282,38 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
     history_train: list[list[float]] = []
     history_val: list[list[float]] = []
-    if args.eval_every > 0:
+    history_val_time: list[float] = []  # training wall time (s) at each validation
+    train_time = 0.0
+    start_step = 0
+    flags = run_flags(args, ns_name)
+    save_dir = getattr(args, "save", None)
+    if getattr(args, "resume", None):
+        state = load_checkpoint(
+            args.resume, model=model, optimizer=opt, scheduler=sched, flags=flags, device=device
+        )
+        start_step, train_time = state.step, state.train_time_s
+        history_train = [list(e) for e in state.history["train"]]
+        history_val = [list(e) for e in state.history["val"]]
+        history_val_time = list(state.history["val_train_time_s"])
+        log(f"resumed from {state.path} at step {start_step}/{args.steps}")
+    elif args.eval_every > 0:
         v0 = evaluate()
         history_val.append([0, v0])
+        history_val_time.append(0.0)
         log(f"step {0:>6}/{args.steps} | val {v0:.4f}")
+
+    def history() -> dict:
+        return {"train": history_train, "val": history_val, "val_train_time_s": history_val_time}
 
     n_phases = len(LEDGER_PHASES)
     ledger_total = torch.zeros(n_phases, dtype=torch.int64)  # this rank, summed over steps
     ledger_step = torch.zeros(n_phases, dtype=torch.int64)  # this rank, last step
     pending: list[torch.Tensor] = []
-    train_time = 0.0
     interval_time, interval_steps = 0.0, 0
     comm_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    bar = progress_bar(total=args.steps, initial=start_step, enabled=is_log)
 
-    for step in range(1, args.steps + 1):
+    for step in range(start_step + 1, args.steps + 1):
         x, y = corpus.train_batch(step - 1, args.batch, dp_rank, dp_world)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         if LEDGER is not None:
@@ -331,16 +359,27 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         if args.eval_every > 0 and (step % args.eval_every == 0 or last):
             v = evaluate()
             history_val.append([step, v])
+            history_val_time.append(_rank0_float(train_time, comm_device))
             log(f"step {step:>6}/{args.steps} | val {v:.4f} | unigram {unigram:.4f}")
+        bar.update(1)
+        if save_dir and (step % args.save_every == 0 or last):
+            path = save_checkpoint(
+                save_dir, step=step, model=model, optimizer=opt, scheduler=sched,
+                history=history(), train_time_s=_rank0_float(train_time, comm_device),
+                flags=flags, device=device,
+            )
+            log(f"step {step:>6}/{args.steps} | saved {path}")
+    bar.close()
 
     # -- summary -----------------------------------------------------------------------------
     phase_mean: dict[str, int | float] | None = None
     measured_mean: int | float | None = None
-    if LEDGER is not None:
+    steps_run = args.steps - start_step  # this session's steps (the ledger's)
+    if LEDGER is not None and steps_run > 0:
         tot = ledger_total.to(comm_device)
         dist.all_reduce(tot)
-        phase_mean = {p: _mean(int(b), args.steps) for p, b in zip(LEDGER_PHASES, tot.tolist())}
-        measured_mean = _mean(int(tot[: len(_PLAN_PHASES)].sum()), args.steps)
+        phase_mean = {p: _mean(int(b), steps_run) for p, b in zip(LEDGER_PHASES, tot.tolist())}
+        measured_mean = _mean(int(tot[: len(_PLAN_PHASES)].sum()), steps_run)
     tokens_per_s = tokens_per_step * args.steps / max(train_time, 1e-9)
     # Rank 0's clock defines the throughput; broadcast so every rank returns the same dict.
     tps = torch.tensor([tokens_per_s], dtype=torch.float64, device=comm_device)
@@ -373,7 +412,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "ledger_phase_nbytes_per_step": phase_mean,
         "plan_total_nbytes": plan_cost.total_nbytes if plan is not None else None,
         "plan_per_rank_nbytes": list(plan_cost.per_rank_nbytes) if plan is not None else None,
-        "history": {"train": history_train, "val": history_val},
+        "history": history(),
+        "start_step": start_step,
         "config": {k: v for k, v in vars(args).items() if not k.startswith("_")},
     }
     val_str = "n/a" if final_val is None else f"{final_val:.4f}"
@@ -384,6 +424,39 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         f"bytes/step measured {measured_str} vs plan {_fmt_bytes(metrics['plan_total_nbytes'])}"
     )
     if rank == 0 and args.json:
+        with open(args.json, "w") as f:
+            json.dump(metrics, f, indent=2)
+            f.write("\n")
+    return metrics
+
+
+def run_job(args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`train`, then with ``--compare adamw`` the AdamW baseline in the same process group
+    (same data, seed, steps and schedule; ``torch.optim.AdamW`` at ``--adamw-lr`` on every
+    parameter; no ``--save`` / ``--resume``), then with ``--png FILE`` rank 0's plot
+    (:func:`dmuon.train.plot.plot_runs`). Returns the dmuon run's metrics, with the baseline's
+    under ``"compare"`` and the ratio of final validation losses printed on rank 0."""
+    metrics = train(args)
+    runs = [metrics]
+    if getattr(args, "compare", None) == "adamw":
+        base = argparse.Namespace(**vars(args))
+        base.optimizer, base.save, base.resume, base.json = "adamw", None, None, None
+        baseline = train(base)
+        metrics["compare"] = baseline
+        runs.append(baseline)
+        if dist.get_rank() == 0 and not args.quiet and metrics["final_val_loss"] is not None:
+            write_line(
+                f"compare: val {metrics['final_val_loss']:.4f} (dmuon) vs "
+                f"{baseline['final_val_loss']:.4f} (adamw) after {args.steps} steps; "
+                f"train time {metrics['train_time_s']:.1f} s vs {baseline['train_time_s']:.1f} s"
+            )
+    if getattr(args, "png", None) and dist.get_rank() == 0:
+        from dmuon.train.plot import plot_runs
+
+        plot_runs(runs, args.png)
+        if not args.quiet:
+            write_line(f"wrote {args.png}")
+    if dist.get_rank() == 0 and args.json and "compare" in metrics:
         with open(args.json, "w") as f:
             json.dump(metrics, f, indent=2)
             f.write("\n")

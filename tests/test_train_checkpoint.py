@@ -1,0 +1,125 @@
+"""The main job's ``--save`` / ``--resume`` (DCP) and ``--compare adamw`` / ``--png``.
+
+One 2-rank process group runs: an uninterrupted 1-D run that saves every 2 steps; resumes from
+its step-2 checkpoint on the same mesh (bit-identical losses, validation losses, LR schedule and
+RNG) and on an HSDP mesh 2x1 (fp32 bounds); the AdamW baseline saved and resumed the same way;
+and ``--compare adamw --png``. A 1-rank group resumes the 2-rank checkpoint (another world size).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+
+from dist_utils import run_distributed
+
+from dmuon.train.checkpoint import latest_checkpoint, step_dir
+
+TINY = dict(d_model=32, n_layers=2, n_heads=2, d_mlp=64, seq_len=16, batch=4, eval_batch=4,
+            eval_batches=1, steps=4, eval_every=2, log_every=1, ns_dtype="fp32",
+            cooldown_frac=0.5, quiet=True)
+"""4 steps with a decaying LR in the last 2 (the resumed half), fp32 Newton-Schulz."""
+
+
+def _corpus(tmp_path) -> str:
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(("".join(f"line {i}: the quick brown fox {i * 7 % 13}\n" for i in range(400))).encode())
+    return str(path)
+
+
+def _resume_cases(root: str, data: str):
+    """Every rank: the runs of the module docstring (2 ranks) or the world-size resume (1 rank)."""
+    import torch
+    import torch.distributed as dist
+
+    from dmuon.train import run
+
+    base = dict(TINY, data=data)
+    if dist.get_world_size() == 1:
+        return {"n1": run(dict(base, resume=step_dir(os.path.join(root, "dmuon"), 2)))}
+    out = {}
+    out["full"] = run(dict(base, save=os.path.join(root, "dmuon"), save_every=2))
+    rng_at_end = torch.get_rng_state().clone()  # nothing draws after the step-2 save
+    torch.manual_seed(1234)  # scrambled: the resume must restore the saved state
+    out["same"] = run(dict(base, resume=step_dir(os.path.join(root, "dmuon"), 2)))
+    out["rng_restored"] = torch.equal(torch.get_rng_state(), rng_at_end)
+    out["hsdp"] = run(dict(base, resume=step_dir(os.path.join(root, "dmuon"), 2), mesh="2x1"))
+    out["adamw_full"] = run(dict(base, optimizer="adamw", save=os.path.join(root, "adamw"), save_every=2))
+    out["adamw_same"] = run(dict(base, optimizer="adamw", resume=step_dir(os.path.join(root, "adamw"), 2)))
+    try:
+        run(dict(base, seed=1, resume=os.path.join(root, "dmuon")))
+    except SystemExit as e:
+        out["mismatch"] = str(e)
+    png = os.path.join(root, "curves.png")
+    out["compare"] = run(dict(base, compare="adamw", png=png))
+    out["png"] = open(png, "rb").read(8) if dist.get_rank() == 0 else None
+    return out
+
+
+def _losses(m, kind="train"):
+    return [v for _, v in m["history"][kind]]
+
+
+def test_save_resume_any_mesh_and_compare(tmp_path):
+    root, data = str(tmp_path / "ckpt"), _corpus(tmp_path)
+    two = run_distributed(_resume_cases, 2, root, data, timeout_s=300)
+    (one,) = run_distributed(_resume_cases, 1, root, data, timeout_s=120)
+    r = two[0]
+    full, same, hsdp, n1 = r["full"], r["same"], r["hsdp"], one["n1"]
+
+    # checkpoints after steps 2 and 4; the root resolves to the newest
+    assert latest_checkpoint(os.path.join(root, "dmuon")) == step_dir(os.path.join(root, "dmuon"), 4)
+    assert latest_checkpoint(os.path.join(root, "nothing")) is None
+
+    # same mesh: the resumed run IS the uninterrupted one, bit for bit (losses of every step,
+    # validation losses, and the history carried over from the checkpoint)
+    assert same["start_step"] == 2 and full["start_step"] == 0
+    assert _losses(same) == _losses(full) and len(_losses(full)) == 4
+    assert _losses(same, "val") == _losses(full, "val")
+    assert r["rng_restored"] and two[1]["rng_restored"]
+    assert r["adamw_same"]["history"]["train"] == r["adamw_full"]["history"]["train"]
+    assert same["ledger_nbytes_per_step"] == same["plan_total_nbytes"]  # 2 resumed steps only
+
+    # another mesh (HSDP 2x1) and another world size (1): the fp32 bounds of the oracle contract
+    for other in (hsdp, n1):
+        assert other["start_step"] == 2
+        assert _losses(other)[:2] == _losses(full)[:2]  # carried over from the checkpoint
+        np.testing.assert_allclose(_losses(other), _losses(full), rtol=1e-6)
+        np.testing.assert_allclose(_losses(other, "val"), _losses(full, "val"), rtol=1e-6)
+    assert _losses(full)[3] < _losses(full)[0]
+
+    # the run-defining flags must match: the same clear error on every rank
+    for rank in (0, 1):
+        assert "belongs to another run" in two[rank]["mismatch"] and "--seed 0 (given 1)" in two[rank]["mismatch"]
+
+    # --compare adamw: the baseline is exactly the standalone AdamW run (same data and seed)
+    cmp = r["compare"]
+    assert cmp["optimizer"] == "dmuon" and cmp["compare"]["optimizer"] == "adamw"
+    assert cmp["compare"]["history"]["train"] == r["adamw_full"]["history"]["train"]
+    assert _losses(cmp) == _losses(full)
+    times = cmp["history"]["val_train_time_s"]
+    assert len(times) == len(cmp["history"]["val"]) == 3 and times[0] == 0.0 < times[1] <= times[2]
+    assert r["png"] == b"\x89PNG\r\n\x1a\n" and two[1]["png"] is None
+    assert all(math.isfinite(v) for v in _losses(cmp["compare"], "val"))
+
+
+def test_png_without_matplotlib_fails_before_training(monkeypatch):
+    import builtins
+
+    from dmuon.train.launch import _complete
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with pytest.raises(SystemExit, match=r"pip install -e '\.\[train\]'"):
+        _complete({"png": "x.png"})
+    with pytest.raises(SystemExit, match="leave --optimizer dmuon"):
+        _complete({"compare": "adamw", "optimizer": "adamw"})
