@@ -278,7 +278,7 @@ def _worker(dp, tp: int, cases, errors: bool = False):
     return report
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(400)
 def test_tp_dp2_tp2():
     """(dp=2, tp=2), 4 processes: Z3 with the plan's own choice (gram + gather), Z2 all-Gram
     with 2 micro-batches per step under ``dmuon.no_sync``; TP on the MLPs only (attention
@@ -286,12 +286,17 @@ def test_tp_dp2_tp2():
     ``mesh["dp"]``, a sub-mesh of the world (two independent data-parallel jobs). The MLP-only
     case also shards ``lm_head`` (not dedicated: FSDP2 + AdamW on a (dp, tp) DTensor). Sequence
     parallelism: ``SequenceParallel`` norms and a loss-parallel head next to the dedicated TP
-    matrices (:func:`_sequence_parallel`)."""
+    matrices (:func:`_sequence_parallel`).
+
+    In the same process group, torchtitan's ``(dp_replicate, dp_shard, tp)`` mesh passed to dmuon
+    whole: (2, 1, 2) is HSDP x TP (replicate reduce + broadcast and TP), (1, 2, 2) shard x TP;
+    and the mesh errors of :func:`_worker_3d`."""
     cases = [
         ("auto", True), ("gram", False, 2), ("auto", True, 1, torch.float32, "mlp"),
         ("auto", False, 1, torch.float32, "none"), ("auto", True, 1, torch.float32, "sp"),
     ]
-    results = run_distributed(_worker, 4, 2, 2, cases, timeout_s=280)
+    specs = [(2, 2, cases), ((2, 1), 2, [("auto", True)]), ((1, 2), 2, [("gram", False)])]
+    results = run_distributed(_worker_3d, 4, specs, timeout_s=380)
     print(results[0])
 
 
@@ -314,8 +319,8 @@ def _worker_3d(specs):
     import dmuon
     from dmuon.train.model import GPT, apply_tensor_parallel
 
-    (R, N), T, _ = specs[0]
-    bad = init_device_mesh("cpu", (R, N, T), mesh_dim_names=("a", "b", "c"))
+    world = dist.get_world_size()
+    bad = init_device_mesh("cpu", (2, world // 4, 2), mesh_dim_names=("a", "b", "c"))
     model = GPT(_cfg(), seed=0)
     apply_tensor_parallel(model, bad["c"])
     with pytest.raises(ValueError, match=r"cannot find the replicate and shard and tp dim .*\('a', 'b', 'c'\).*'dp_shard'"):
@@ -324,16 +329,6 @@ def _worker_3d(specs):
         dmuon.dedicate_params(model, bad, replicate_dim="a", shard_dim="c", tp_dim="b")  # b, c swapped
     dist.barrier()
     return [_worker(dp, tp, cases) for dp, tp, cases in specs]
-
-
-@pytest.mark.timeout(300)
-def test_tp_unsliced_3d_mesh_4_ranks():
-    """torchtitan's ``(dp_replicate, dp_shard, tp)`` mesh passed to dmuon whole: (2, 1, 2) is
-    HSDP x TP (replicate reduce + broadcast and TP), (1, 2, 2) shard x TP; oracle, ledger = plan
-    (``tp`` phase included) per global rank, one NS per owned matrix."""
-    specs = [((2, 1), 2, [("auto", True)]), ((1, 2), 2, [("gram", False)])]
-    results = run_distributed(_worker_3d, 4, specs, timeout_s=280)
-    print(results[0])
 
 
 @pytest.mark.timeout(300)
