@@ -311,8 +311,10 @@ def test_tp_dp1_tp2():
 
 
 def _worker_3d(specs):
-    """Several unsliced 3-D meshes in one process group: ``[(dp=(R, N), tp, cases), ...]``;
-    first the mesh errors a user can cause (same error on every rank, before any collective)."""
+    """Several meshes in one process group: ``[(dp, tp, cases), ...]`` (see :func:`_worker`);
+    first the mesh errors a user can cause (same error on every rank, before any collective):
+    dims whose roles cannot be found, a TP dim that is not the matrices' TP mesh, matrices on
+    two different TP meshes."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -327,6 +329,16 @@ def _worker_3d(specs):
         dmuon.dedicate_params(model, bad)
     with pytest.raises(ValueError, match=r"TP dim of the mesh passed to dmuon joins ranks"):
         dmuon.dedicate_params(model, bad, replicate_dim="a", shard_dim="c", tp_dim="b")  # b, c swapped
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from dmuon.train.model import TP_BLOCK_PLAN
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    model = GPT(_cfg(), seed=0)
+    for layer, tp_mesh in zip(model.layers, (bad["c"], bad["a"])):  # two different TP meshes
+        parallelize_module(layer, tp_mesh, {k: styles[v]() for k, v in TP_BLOCK_PLAN.items()})
+    with pytest.raises(ValueError, match=r"TP-sharded dedicated matrices live on 2 different TP meshes"):
+        dmuon.dedicate_params(model, bad, replicate_dim="a", shard_dim="b", tp_dim="c")
     dist.barrier()
     return [_worker(dp, tp, cases) for dp, tp, cases in specs]
 
