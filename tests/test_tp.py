@@ -182,7 +182,10 @@ def _worker(dp, tp: int, cases, errors: bool = False, steps: int = STEPS):
     else:
         R, N = 1, dp
         mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-        dp_mesh = dmuon_mesh = mesh["dp"]
+        # both forms: (dp=1, tp=2) passes the whole ("dp", "tp") mesh (dims found by name),
+        # (dp=2, tp=2) the sliced mesh["dp"]
+        dp_mesh = mesh["dp"]
+        dmuon_mesh = mesh if dp == 1 else dp_mesh
         dp_rank = mesh["dp"].get_local_rank()
     cfg = _cfg()
     report = []
