@@ -168,7 +168,14 @@ def _layout_report(run):
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from dmuon.exec.collectives import LEDGER
+
     plan = run["plan"]
+    LEDGER.reset()
+    get_model_state_dict(run["model"])
+    model_sd_nbytes = LEDGER.snapshot().get("other", 0)
     sd = _sharded(run)
     bad = []
 
@@ -189,6 +196,7 @@ def _layout_report(run):
         model_keys=list(sd["model"]),
         optim_keys={k: sorted(v) for k, v in sd["optim"]["state"].items()},
         placements=placements,
+        model_sd_nbytes=model_sd_nbytes,
     )
 
 
@@ -396,6 +404,17 @@ def test_tp_sharded_state_dicts(chain, reference):
     pl = reports[0]["placements"]
     assert pl["layers.0.attn.q_proj.weight"] == "(Shard(dim=0), Shard(dim=0))", pl
     assert pl["layers.0.attn.o_proj.weight"] == "(Shard(dim=1), Shard(dim=0))", pl
+    # bytes: each TP coordinate's holder scatters its shard's row chunks over the shard group,
+    # every other rank receives one chunk of ceil(rows/N) rows (N = 2, T = 2, fp32)
+    from dmuon.plan import compile as compile_plan
+    from dmuon.train.model import GPT
+
+    plan = compile_plan(GPT(_cfg(), seed=0), 2, tp_size=2, tp_ns="gather", tp_shard_dims={
+        f"layers.{i}.{n}.weight": (1 if n in ("attn.o_proj", "mlp.down_proj") else 0)
+        for i in range(2) for n in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp.up_proj", "mlp.down_proj")
+    })
+    want = sum(2 * (2 - 1) * -(-p.local_shape[0] // 2) * p.local_shape[1] * 4 for p in plan.params)
+    assert sum(r["report"]["model_sd_nbytes"] for r in r4) == want, [r["report"]["model_sd_nbytes"] for r in r4]
     assert all(r["torch_full_equal"] for r in r4)
     assert all(r["full_s2"] == {} for r in r4[1:])
     assert all(r["full_all_ranks"] == sorted(r4[0]["full_s2"]) for r in r4)
