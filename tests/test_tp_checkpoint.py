@@ -13,8 +13,9 @@ Two process groups, run once per module:
   DTensor of full shape whose local part is what ``compute_local_shape_and_global_offset``
   says), ``dmuon.full_state_dict`` == ``get_model_state_dict(full_state_dict=True)``,
   ``dcp.save``; continue 1 step vs a fresh model resumed from the checkpoint (bit-identical).
-  The checkpoint then loads at dp=4 without TP (and is saved again), at HSDP (2, 2) without TP
-  and at HSDP x TP (2, 1, 2); the dp=4 checkpoint loads back at (dp=2, tp=2).
+  The checkpoint then loads at dp=4 without TP (and is saved again), at HSDP (2, 2) without TP,
+  at HSDP x TP (2, 1, 2) and at TP degree 4 (dp=1, tp=4); the dp=4 checkpoint loads back at
+  (dp=2, tp=2).
 * **2 ranks** — the (2, 2) checkpoint at (dp=1, tp=2) and at dp=2 without TP; the dp=4
   checkpoint back at (dp=1, tp=2); a rank-0 full state dict (``cpu_offload``, through
   ``torch.save`` bytes) broadcast into a fresh (dp=1, tp=2) model continues bit-identically.
@@ -262,6 +263,7 @@ def _worker4(root):
         ("tp(2,2) -> dp=4", "dp", (4,), "tp22_s2", "dp4_s3"),
         ("tp(2,2) -> hsdp(2,2)", "dp", (2, 2), "tp22_s2", None),
         ("tp(2,2) -> hsdp x tp (2,1,2)", "hsdp_tp", (2, 1, 2), "tp22_s2", None),
+        ("tp(2,2) -> tp(1,4)", "tp", (1, 4), "tp22_s2", None),
         ("dp=4 -> tp(2,2)", "tp", (2, 2), "dp4_s3", None),
     ]
     out["reshard"] = _reshard_runs(root, runs, batches)
@@ -439,7 +441,7 @@ def test_tp_reshard_across_tp_and_dp(chain, reference):
             param_err = _assert_close(got["full"], reference[k][1], label)
             labels.add(label)
             print(f"{label:<34} params {param_err:.1e} losses {loss_err:.1e}")  # docs/checkpointing.md
-    assert len(labels) == 7, labels
+    assert len(labels) == 8, labels
 
 
 def test_tp_full_state_dict_broadcast_from_rank0(chain):
