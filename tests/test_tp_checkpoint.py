@@ -54,11 +54,9 @@ def _batches():
 def _gpt_init_fn(model, seed: int = 0):
     """``GPT.reset_parameters(seed)`` as a per-module ``init_fn`` for ``dmuon.init_params``: the
     same generator, drawn in the same (``named_parameters()``) order."""
-    import math as _m
-
     gen = torch.Generator().manual_seed(seed)
     prefix = {id(m): (n + "." if n else "") for n, m in model.named_modules()}
-    std, resid = 0.02, 0.02 / _m.sqrt(2 * model.cfg.n_layers)
+    std, resid = 0.02, 0.02 / math.sqrt(2 * model.cfg.n_layers)
 
     def init(module):
         for name, p in module.named_parameters(recurse=False):
