@@ -3,9 +3,11 @@
 ``AttnLM(kind)``: token embedding, ``layers.N`` blocks (attention + MLP), head. Attention kinds:
 
 * ``"gqa"``: separate ``q_proj`` (H·d_h, D), ``k_proj`` / ``v_proj`` (H_kv·d_h, D) with q / k
-  biases (Qwen2-like), ``o_proj`` (D, H·d_h); H = 4, H_kv = 2, d_h = 4, D = 16;
+  biases (Qwen2-like; the k bias frozen: its gradient is zero in exact arithmetic, so AdamW
+  would only amplify rounding noise), ``o_proj`` (D, H·d_h); H = 4, H_kv = 2, d_h = 4, D = 16;
 * ``"mha"``: the same with H_kv = H = 4, no biases (Llama-like MHA);
-* ``"fused"``: GPT-2 style ``c_attn`` Conv1D weight (D, 3·D) with bias, ``x @ W + b``, then
+* ``"fused"``: GPT-2 style ``c_attn`` Conv1D weight (D, 3·D) with bias, ``x @ W + b`` (the k
+  third of the bias detached, so its gradient is exactly 0 instead of rounding noise), then
   ``c_proj`` (D, D) Conv1D; H = 4.
 
 Each attention layer computes its logits eagerly and reports their per-head max through
@@ -56,6 +58,8 @@ class Attention(nn.Module):
             self.k_proj = nn.Linear(D, self.h_kv * D_H, bias=bias)
             self.v_proj = nn.Linear(D, self.h_kv * D_H, bias=False)
             self.o_proj = nn.Linear(H * D_H, D, bias=False)
+            if bias:  # a k bias gets no gradient (softmax is shift-invariant per query): frozen, or AdamW
+                self.k_proj.bias.requires_grad_(False)  # would amplify rounding noise; QK-clip still rescales it
         with torch.no_grad():  # large logits, different per head: some heads above tau, some below
             for i, p in enumerate(self.qk_weights()):
                 p.mul_(gain)
@@ -66,8 +70,9 @@ class Attention(nn.Module):
 
     def forward(self, x):
         b, t, _ = x.shape
-        if self.kind == "fused":
-            q, k, v = self.c_attn(x).split(D, dim=-1)
+        if self.kind == "fused":  # the k bias detached: its gradient is exactly 0 (see the module docstring)
+            b_ = self.c_attn.bias
+            q, k, v = (x @ self.c_attn.weight + torch.cat([b_[:D], b_[D : 2 * D].detach(), b_[2 * D :]])).split(D, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(b, t, H, D_H).transpose(1, 2)

@@ -271,7 +271,6 @@ def build_segments(
                         logical=logical,
                         compute=compute,
                         tp=tp,
-                        view=spec.view,
                     )
                     sub.slots.append(slot)
                     seg.slots.append(slot)
