@@ -480,10 +480,25 @@ def _tp_worker():
                 expected=plan.cost.per_rank_nbytes[rank], tp_bytes=tp_bytes, gather_nbytes=gather_nbytes)
 
 
+def _tp_and_main_job_worker():
+    from dmuon.train import run
+
+    job = dict(d_model=32, n_layers=2, n_heads=4, d_mlp=64, seq_len=16, batch=4, eval_batch=4, eval_batches=1,
+               steps=3, eval_every=0, log_every=1, quiet=True, qk_clip=0.02, matrix_views="per-head", ns_dtype="fp32")
+    return _tp_worker(), run(job)
+
+
 @pytest.mark.timeout(200)
-def test_views_tp_local():
-    results = run_distributed(_tp_worker, 2, timeout_s=180)
-    for r in results:
+def test_views_tp_local_and_main_job():
+    """Per-head views under TP (dp=1, tp=2); then, in the same process group, the main job with
+    ``--qk-clip 0.02 --matrix-views per-head`` (1-D over both ranks): it logs clipped heads and
+    the largest logit at every log step, and its bytes per step equal the plan's."""
+    results = run_distributed(_tp_and_main_job_worker, 2, timeout_s=180)
+    job = results[0][1]
+    assert job["ledger_nbytes_per_step"] == job["plan_total_nbytes"] and job["ledger_phase_nbytes_per_step"]["qk_clip"] > 0
+    steps = job["history"]["qk_clip"]
+    assert [s[0] for s in steps] == [1, 2, 3] and all(s[1] > 0 and s[2] > 0.02 for s in steps), steps
+    for r, _ in results:
         viewed = {f: m for f, m in r["methods"].items() if ".attn." in f}
         assert set(viewed.values()) == {"local"} and len(viewed) == 8
         assert {m for f, m in r["methods"].items() if ".mlp." in f} == {"gather"}
@@ -491,4 +506,4 @@ def test_views_tp_local():
         # only the MLP's all-gathers: (T-1) * (32*16/2) * 4 B per matrix per rank, 4 matrices
         assert r["tp_bytes"] == [r["gather_nbytes"]] * STEPS == [4 * 256 * 4] * STEPS
         assert r["loss_err"] < 1e-5 and r["param_err"] < PARAM_TOL < 100 * PARAM_TOL < r["whole_err"], r
-    print([(r["loss_err"], r["param_err"]) for r in results])
+    print([(r["loss_err"], r["param_err"], r["whole_err"]) for r, _ in results], steps)

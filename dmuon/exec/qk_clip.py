@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from . import collectives as C
 
-__all__ = ["record", "max_logits_eager", "max_logits_sdpa", "stats", "QKClipRuntime"]
+__all__ = ["record", "wants_logits", "max_logits_eager", "max_logits_sdpa", "stats", "QKClipRuntime"]
 
 _TAG = "_dmuon_qk_clip"  # attribute on a reporting module: (weakref to QKClipRuntime, layer index)
 
@@ -54,6 +54,14 @@ def record(module: nn.Module, max_logits: torch.Tensor) -> bool:
     if rt is None:
         return False
     return rt.record(tag[1], max_logits)
+
+
+def wants_logits(module: nn.Module) -> bool:
+    """True when :func:`record` would keep a value for ``module`` now (a QK-clip layer of a live
+    dmuon plan, gradients enabled): lets an SDPA model skip :func:`max_logits_sdpa`'s extra pass
+    otherwise."""
+    tag = getattr(module, _TAG, None)
+    return tag is not None and torch.is_grad_enabled() and tag[0]() is not None
 
 
 def max_logits_eager(scores: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:

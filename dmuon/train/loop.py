@@ -124,6 +124,18 @@ def _fmt_bytes(n: int | None) -> str:
     return "n/a" if n is None else f"{n:,} B"
 
 
+def _variant_kwargs(args: argparse.Namespace, model: GPT) -> dict[str, Any]:
+    """``dedicate_params`` arguments of ``--matrix-views`` and ``--qk-clip`` (docs/muon_variants.md)."""
+    from .model import per_head_views, qk_clip_spec
+
+    kw: dict[str, Any] = {}
+    if getattr(args, "matrix_views", "none") == "per-head":
+        kw["matrix_views"] = per_head_views(model.cfg)
+    if getattr(args, "qk_clip", None) is not None:
+        kw["qk_clip"] = qk_clip_spec(model, args.qk_clip)
+    return kw
+
+
 def train(args: argparse.Namespace) -> dict[str, Any]:
     """Run one training job on the current default process group; every rank calls this.
 
@@ -203,7 +215,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         import dmuon
 
         plan = dmuon.dedicate_params(
-            model, mesh, reshard_after_forward=z3, tp_ns=getattr(args, "tp_ns", "auto")
+            model, mesh, reshard_after_forward=z3, tp_ns=getattr(args, "tp_ns", "auto"), **_variant_kwargs(args, model)
         )
     # Looked up after ``import dmuon`` so that whatever dmuon installs on import is in place.
     import torch.distributed.fsdp as fsdp
@@ -270,6 +282,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         dist.all_reduce(acc)
         return float(acc[0] / acc[1])
 
+    history_qk: list[list[float]] = []  # [step, clipped heads, max logit] at log steps (--qk-clip)
     history_train: list[list[float]] = []
     history_val: list[list[float]] = []
     if args.eval_every > 0:
@@ -327,6 +340,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 msg += f" | bytes/step {measured:,} (plan {plan_cost.total_nbytes:,})"
                 if int(step_bytes[-1]):
                     msg += f" + other {int(step_bytes[-1]):,}"
+            clip = dmuon.qk_clip.stats(model) if plan is not None and plan.qk_clip is not None else None
+            if clip is not None:  # the last step's figures (identical on every rank)
+                history_qk.append([step, clip["clipped_heads"], clip["max_logit"]])
+                msg += f" | qk-clip {clip['clipped_heads']} heads clipped, max logit {clip['max_logit']:.2f}"
             log(msg)
         if args.eval_every > 0 and (step % args.eval_every == 0 or last):
             v = evaluate()
@@ -373,7 +390,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "ledger_phase_nbytes_per_step": phase_mean,
         "plan_total_nbytes": plan_cost.total_nbytes if plan is not None else None,
         "plan_per_rank_nbytes": list(plan_cost.per_rank_nbytes) if plan is not None else None,
-        "history": {"train": history_train, "val": history_val},
+        "history": {"train": history_train, "val": history_val, **({"qk_clip": history_qk} if history_qk else {})},
         "config": {k: v for k, v in vars(args).items() if not k.startswith("_")},
     }
     val_str = "n/a" if final_val is None else f"{final_val:.4f}"
