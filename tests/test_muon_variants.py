@@ -294,6 +294,58 @@ def _tau_for(kind: str) -> float:
 GAIN = 2.0
 
 
+def _build(kind, case, mesh, qk_tau, adjust_lr_fn, z3):
+    from torch.distributed.fsdp import fully_shard
+
+    model = AttnLM(kind, gain=GAIN)
+    qk = _qk_for(kind, model, qk_tau) if qk_tau is not None else None
+    dmuon.dedicate_params(model, mesh, reshard_after_forward=z3, matrix_views=_views_for(case[1]), qk_clip=qk)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=z3)
+    fully_shard(model, mesh=mesh)
+    opt = dmuon.Muon(model, lr=HP["lr"], weight_decay=HP["weight_decay"], momentum=HP["momentum"],
+                     nesterov=HP["nesterov"], adamw_lr=HP["adamw_lr"], adamw_weight_decay=HP["adamw_weight_decay"],
+                     ns_dtype=torch.float32, adjust_lr_fn=adjust_lr_fn)
+    return model, opt
+
+
+def _resume_matches(model, opt, kind, case, mesh, qk, adjust_lr_fn, z3) -> dict:
+    """Full state dicts (rank 0, through torch.save bytes) into a fresh model: one more step on
+    both gives the same parameters and the same QK-clip figures (QK-clip keeps no state)."""
+    import io
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+    )
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    opt.init_state()
+    get = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd, osd = get_model_state_dict(model, options=get), get_optimizer_state_dict(model, opt, options=get)
+    if rank == 0:
+        buf = io.BytesIO()
+        torch.save({"model": msd, "optim": osd}, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=True)
+        msd, osd = loaded["model"], loaded["optim"]
+    fresh, fresh_opt = _build(kind, case, mesh, qk.tau, adjust_lr_fn, z3)
+    fresh_opt.init_state()
+    put = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(fresh, msd, options=put)
+    set_optimizer_state_dict(fresh, fresh_opt, osd, options=put)
+    batch = global_batches(1, batch=8, seq=6, seed=11)[0].chunk(world)[rank]
+    figures = []
+    for m, o in ((model, opt), (fresh, fresh_opt)):
+        lm_loss(m, batch).backward()
+        o.step()
+        o.zero_grad()
+        figures.append(dmuon.qk_clip.stats(m))
+    fa, fb = dmuon.full_state_dict(model), dmuon.full_state_dict(fresh)
+    same = rank != 0 or all(torch.equal(fa[k], fb[k]) for k in fa)
+    return dict(same_params=same, same_stats=figures[0] == figures[1], stats=figures[0])
+
+
 def _worker(cases, mesh_shape, check_error):
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -340,11 +392,14 @@ def _worker(cases, mesh_shape, check_error):
             dist.all_reduce(loss)
             losses.append(loss.item() / world)
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        resumed = None
+        if tau is not None and check_error:  # checkpoint -> fresh model -> one more step: identical
+            resumed = _resume_matches(model, opt, kind, case, mesh, qk, adjust_lr_fn, z3)
         out.append(dict(
             case=case, losses=losses, ledgers=ledgers, expected_nbytes=expected_nbytes, stats=stats,
             full={k: v.detach().clone() for k, v in full.items()} if rank == 0 else None,
             dedicated=plan.dedicated, views={p.fqn: p.view for p in plan.params if p.view is not None},
-            qk=plan.qk_clip, qk_nbytes=plan.cost.qk_clip_nbytes,
+            qk=plan.qk_clip, qk_nbytes=plan.cost.qk_clip_nbytes, resumed=resumed,
         ))
     if not check_error:
         return out, None
@@ -388,6 +443,8 @@ def _check(results, report, *, expect_error: bool):
             _, whole, _ = _reference(AttnLM(kind, gain=GAIN), res["dedicated"], {}, global_batches(STEPS, batch=8, seq=6, seed=5),
                                      qk=qk, micro=micro, adjust_lr_fn=adjust_lr_fn)
             assert max(((res["full"][k] - v).abs().max() / v.abs().max()).item() for k, v in whole.items()) > 100 * PARAM_TOL
+        if res["resumed"] is not None:
+            assert all(r[0][i]["resumed"]["same_params"] for r in results) and res["resumed"]["same_stats"], res["resumed"]
         if qk is not None:
             got = [s["clipped_heads"] for s in res["stats"]]
             assert got == ref_clipped, (res["case"], got, ref_clipped)
