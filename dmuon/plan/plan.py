@@ -231,6 +231,11 @@ class ShardingPlan:
                         raise ValueError(f"ShardingPlan: layout entry {entry.fqn!r} disagrees with its ParamSpec/Owner")
         if len(index["boundary_of"]) != len(self.params) or None in index["boundary_of"]:
             raise ValueError("ShardingPlan: every dedicated param must appear in exactly one boundary buffer")
+        if self.qk_clip is not None:  # the rows QK-clip rescales live on dedicated owners
+            for att in self.qk_clip.attention:
+                for rows in (att.q, att.k):
+                    if rows.fqn not in index["alias"]:
+                        raise ValueError(f"ShardingPlan: qk_clip names {rows.fqn!r}, which is not a dedicated parameter")
         object.__setattr__(self, "_index", index)
 
     def _build_index(self) -> dict:
