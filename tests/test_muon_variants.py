@@ -412,22 +412,27 @@ def _worker(cases, mesh_shape, check_error):
         step = Step(micro_batches=tuple(MicroBatch(sync=i == micro - 1) for i in range(micro)))
         expected_nbytes = schedule_byte_cost(plan.schedule(step)).per_rank_nbytes[rank]
         losses, ledgers, stats = [], [], []
-        for batch in batches:
+        for n, batch in enumerate(batches):
             LEDGER.reset()
             local = batch.chunk(world)[rank]
             loss = torch.zeros(())
-            for i, part in enumerate(local.chunk(micro)):
-                ctx = dmuon.no_sync(model) if i < micro - 1 else contextlib.nullcontext()
-                with ctx:
-                    part_loss = lm_loss(model, part) / micro
-                    part_loss.backward()
-                loss += part_loss.detach()
-            opt.step()
-            opt.zero_grad()
+            with LEDGER.recording() if n == STEPS - 1 else contextlib.nullcontext():
+                for i, part in enumerate(local.chunk(micro)):
+                    ctx = dmuon.no_sync(model) if i < micro - 1 else contextlib.nullcontext()
+                    with ctx:
+                        part_loss = lm_loss(model, part) / micro
+                        part_loss.backward()
+                    loss += part_loss.detach()
+                opt.step()
+                opt.zero_grad()
             ledgers.append(LEDGER.total_nbytes())
             stats.append(dmuon.qk_clip.stats(model))
             dist.all_reduce(loss)
             losses.append(loss.item() / world)
+        # the last step's collectives, op by op, are the schedule's (QK-clip's all-reduce included)
+        issued = [(o.kind, o.phase, tuple(sorted(o.group)), o.root, o.dtype, o.numel, o.nbytes) for o in LEDGER.ops]
+        planned = [(op.kind, op.phase, op.group, op.root, op.dtype, op.numel, op.charged_nbytes(rank))
+                   for op in plan.schedule(step).rank_ops(rank) if op.collective]
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         resumed = None
         if tau is not None and check_error:  # checkpoint -> fresh model -> one more step: identical
@@ -436,7 +441,8 @@ def _worker(cases, mesh_shape, check_error):
             case=case, losses=losses, ledgers=ledgers, expected_nbytes=expected_nbytes, stats=stats,
             full={k: v.detach().clone() for k, v in full.items()} if rank == 0 else None,
             dedicated=plan.dedicated, views={p.fqn: p.view for p in plan.params if p.view is not None},
-            qk=plan.qk_clip, qk_nbytes=plan.cost.qk_clip_nbytes, resumed=resumed,
+            qk=plan.qk_clip, qk_nbytes=plan.cost.qk_clip_nbytes, resumed=resumed, ops_match=issued == planned,
+            qk_ops=sum(o[1] == "qk_clip" for o in issued),
         ))
     if not check_error:
         return out, None
@@ -472,6 +478,7 @@ def _check(results, report, *, expect_error: bool):
         for rank, r in enumerate(results):
             mine = r[0][i]
             assert mine["ledgers"] == [mine["expected_nbytes"]] * STEPS, (res["case"], rank, mine["ledgers"])
+            assert mine["ops_match"] and mine["qk_ops"] == (qk is not None), (res["case"], rank)
         loss_err = max(abs(a - b) / abs(b) for a, b in zip(res["losses"], ref_losses))
         assert loss_err < LOSS_RTOL, (res["case"], res["losses"], ref_losses)
         param_err = max(((res["full"][k] - v).abs().max() / v.abs().max()).item() for k, v in ref_state.items())
