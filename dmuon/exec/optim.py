@@ -186,7 +186,11 @@ class Muon(torch.optim.Optimizer):
 
     — ``torch.optim._muon._single_tensor_muon``'s ops in its order. Conv weights
     ``(out, in, kh, kw)`` use their tag's ``(out, in·kh·kw)`` view; expert stacks
-    ``(E, m, n)`` orthogonalise each expert's matrix separately.
+    ``(E, m, n)`` orthogonalise each expert's matrix separately. A matrix with a plan
+    ``MatrixView`` (``info.view``: per-head / split-QKV blocks) runs the NS and the
+    ``adjust_lr`` scaling on each block as a matrix of its own (momentum and decay are
+    elementwise), i.e. torch.optim.Muon given every block as a parameter; with TP
+    (``tp_ns="local"``) each TP rank does so for the blocks in its shard.
 
     NS batching (how the NS calls are grouped; the math per matrix is the same):
         ``ns_dtype`` bf16 / fp16 (default): no batching. One 2-D :func:`newton_schulz` call per
