@@ -88,7 +88,7 @@ def max_logits_sdpa(
     scale: float | None = None,
     is_causal: bool = False,
     attn_mask: torch.Tensor | None = None,
-    block_q: int = 256,
+    block_q: int = 128,
 ) -> torch.Tensor:
     """``(H,)`` per-head max of ``q·kᵀ·scale`` for attention computed by SDPA / flash attention.
 
@@ -97,9 +97,10 @@ def max_logits_sdpa(
     ``is_causal`` / ``attn_mask`` as in ``scaled_dot_product_attention`` (bool: True = attend;
     float: added). Gradient-free.
 
-    Cost: an extra ``QKᵀ`` pass, ``2·B·H·T_q·T_k·d_h`` FLOPs (the causal mask does not skip
-    blocks), i.e. about half of SDPA's forward matmul FLOPs, and a transient
-    ``B·H·block_q·T_k`` fp32 score block (queries are processed ``block_q`` rows at a time).
+    Cost: an extra ``QKᵀ`` pass in fp32, ``2·B·H·T_q·T_k·d_h`` FLOPs (half of SDPA's forward
+    matmul FLOPs; with ``is_causal`` the keys after each ``block_q`` rows are skipped, about
+    half of that again for long sequences), and a transient ``B·H·block_q·T_k`` fp32 score
+    block (queries are processed ``block_q`` rows at a time).
     """
     with torch.no_grad():
         B, H, Tq, d = q.shape
@@ -113,13 +114,15 @@ def max_logits_sdpa(
         out = torch.full((H,), float("-inf"), dtype=torch.float32, device=q.device)
         for start in range(0, Tq, block_q):
             qb = q.detach()[:, :, start : start + block_q]
-            s = torch.matmul(qb.float(), kk.float().transpose(-1, -2)) * scale
+            stop = start + qb.shape[2]
+            k_end = min(Tk, stop) if is_causal else Tk  # causal: later keys are masked for these rows
+            s = torch.matmul(qb.float(), kk[:, :, :k_end].float().transpose(-1, -2)) * scale
             if is_causal:
-                rows = torch.arange(start, start + qb.shape[2], device=q.device).unsqueeze(1)
-                cols = torch.arange(Tk, device=q.device).unsqueeze(0)
+                rows = torch.arange(start, stop, device=q.device).unsqueeze(1)
+                cols = torch.arange(k_end, device=q.device).unsqueeze(0)
                 s = s.masked_fill(cols > rows, float("-inf"))  # SDPA's is_causal: top-left aligned tril
             if attn_mask is not None:
-                m = attn_mask[..., start : start + qb.shape[2], :]
+                m = attn_mask[..., start:stop, :k_end]
                 s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.float()
             out = torch.maximum(out, s.amax(dim=(0, 2, 3)))
         return out
