@@ -608,3 +608,36 @@ def test_views_tp_local_and_main_job():
         assert r["tp_bytes"] == [r["gather_nbytes"]] * STEPS == [4 * 256 * 4] * STEPS
         assert r["loss_err"] < 1e-5 and r["param_err"] < PARAM_TOL < 100 * PARAM_TOL < r["whole_err"], r
     print([(r["loss_err"], r["param_err"], r["whole_err"]) for r, _ in results], steps)
+
+
+def test_hf_llama_helpers_on_hf_names():
+    """The HF helpers on a module tree with Hugging Face Llama / Qwen names (transformers is not
+    a dependency): GQA head counts from the config, Qwen2 biases, Qwen3's q_norm refused."""
+    import types
+
+    from dmuon.plan.qk_clip import hf_llama_qk_clip
+
+    def lm(bias: bool, qk_norm: bool):
+        attn = torch.nn.Module()
+        attn.q_proj, attn.k_proj = torch.nn.Linear(16, 16, bias=bias), torch.nn.Linear(16, 8, bias=bias)
+        attn.v_proj, attn.o_proj = torch.nn.Linear(16, 8, bias=False), torch.nn.Linear(16, 16, bias=False)
+        if qk_norm:
+            attn.q_norm, attn.k_norm = torch.nn.RMSNorm(4), torch.nn.RMSNorm(4)
+        layer = torch.nn.Module()
+        layer.self_attn = attn
+        model = torch.nn.Module()
+        model.model = torch.nn.Module()
+        model.model.layers = torch.nn.ModuleList([layer])
+        model.config = types.SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, hidden_size=16)
+        return model
+
+    qwen2 = lm(bias=True, qk_norm=False)
+    (a,) = hf_llama_qk_clip(qwen2, 50.0).attention
+    assert (a.module, a.q.num_heads, a.k.num_heads, a.q.head_dim) == ("model.layers.0.self_attn", 4, 2, 4)
+    assert (a.q.bias, a.k.bias) == ("model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.k_proj.bias")
+    plan = dmuon.plan.compile(qwen2, 2, hook_boundary_strict=False, qk_clip=hf_llama_qk_clip(qwen2, 50.0),
+                              matrix_views=V.hf_qwen_views(qwen2.config))
+    assert plan.param("model.layers.0.self_attn.k_proj.weight").matrices == ((4, 16),) * 2
+    assert plan.param("model.layers.0.self_attn.o_proj.weight").matrices == ((16, 4),) * 4
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn': the module has 'q_norm'"):
+        hf_llama_qk_clip(lm(bias=False, qk_norm=True), 50.0)
