@@ -10,6 +10,7 @@
 * :func:`no_sync` — gradient accumulation without communication.
 * :func:`clip_grad_norm_` — global gradient-norm clipping with owner-held gradients counted once.
 * :func:`full_state_dict` — gathered full tensors (rank 0 by default) for export; docs/checkpointing.md.
+* :mod:`qk_clip` — QK-clip (MuonClip): ``dmuon.qk_clip.record(attn_module, max_logits)``; docs/muon_variants.md.
 * :func:`init_params` — initialise a ``to_empty``-ed meta model as one process would; docs/checkpointing.md.
 """
 
@@ -22,8 +23,9 @@ from .exec.optim import Muon
 from .exec.checkpoint import full_state_dict
 from .exec.materialize import init_params
 from .exec.runtime import no_sync
+from .exec import qk_clip
 
 _fsdp2.install()
 
 __all__ = ["plan", "exec", "dedicate_params", "Muon", "no_sync", "clip_grad_norm_"]
-__all__ += ["full_state_dict", "init_params"]
+__all__ += ["full_state_dict", "init_params", "qk_clip"]

@@ -35,7 +35,9 @@ class DedicatedInfo:
     ``owner_global_rank``: the global rank that runs Newton-Schulz for it (the plan's
     ``Owner.rank`` is its mesh rank); ``is_owner``: this rank is it;
     ``holds_full``: this rank stores the full value (the owner, and in HSDP its replicate peers);
-    ``matrix_shape`` ``(m, n)`` and ``num_matrices``: the Muon view; ``shape``: logical shape.
+    ``matrix_shape`` ``(m, n)`` and ``num_matrices``: the Muon view; ``shape``: logical shape;
+    ``view``: the plan's :class:`~dmuon.plan.records.MatrixView` (blocks orthogonalised
+    separately) or None.
     """
 
     fqn: str
@@ -47,6 +49,7 @@ class DedicatedInfo:
     num_matrices: int
     runtime: Any = dataclasses.field(repr=False, compare=False)  # weakref to DmuonRuntime
     tp: "TPInfo | None" = None  # a TP-sharded matrix: its placement and owner TP group
+    view: Any = None  # dmuon.plan.records.MatrixView or None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -253,6 +256,7 @@ def build_segments(
                         num_matrices=int(spec.num_matrices),
                         runtime=runtime_ref,
                         tp=tp,
+                        view=spec.view,
                     )
                     homes = []
                     for alias in spec.aliases:

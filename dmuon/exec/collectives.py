@@ -43,6 +43,7 @@ __all__ = [
     "broadcast",
     "reduce_sum",
     "all_reduce_sum",
+    "all_reduce_max",
     "all_gather_into",
     "scatter",
     "wait_all",
@@ -56,6 +57,7 @@ PHASES = (
     "replicate_reduce",
     "replicate_broadcast",
     "tp",
+    "qk_clip",
     "other",
 )
 
@@ -191,6 +193,13 @@ def all_reduce_sum(tensor: torch.Tensor, *, group: dist.ProcessGroup | None, pha
     ``2·(k-1)·ceil(numel/k)·itemsize`` (ring reduce-scatter + all-gather)."""
     _charge("all_reduce", phase, tensor, group, None)
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_reduce_max(tensor: torch.Tensor, *, group: dist.ProcessGroup | None, phase: str, async_op: bool = False):
+    """MAX all-reduce in place over ``group`` (QK-clip's per-head logits); charged like every
+    all-reduce, ``2·(k-1)·ceil(numel/k)·itemsize`` per rank."""
+    _charge("all_reduce", phase, tensor, group, None)
+    return dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=async_op)
 
 
 def all_gather_into(

@@ -186,7 +186,11 @@ class Muon(torch.optim.Optimizer):
 
     — ``torch.optim._muon._single_tensor_muon``'s ops in its order. Conv weights
     ``(out, in, kh, kw)`` use their tag's ``(out, in·kh·kw)`` view; expert stacks
-    ``(E, m, n)`` orthogonalise each expert's matrix separately.
+    ``(E, m, n)`` orthogonalise each expert's matrix separately. A matrix with a plan
+    ``MatrixView`` (``info.view``: per-head / split-QKV blocks) runs the NS and the
+    ``adjust_lr`` scaling on each block as a matrix of its own (momentum and decay are
+    elementwise), i.e. torch.optim.Muon given every block as a parameter; with TP
+    (``tp_ns="local"``) each TP rank does so for the blocks in its shard.
 
     NS batching (how the NS calls are grouped; the math per matrix is the same):
         ``ns_dtype`` bf16 / fp16 (default): no batching. One 2-D :func:`newton_schulz` call per
@@ -554,8 +558,27 @@ class Muon(torch.optim.Optimizer):
                 raise RuntimeError("Muon does not support sparse gradients")
             state = self.state[p]
             tp = getattr(info, "tp", None)
+            view = getattr(info, "view", None)
             if tp is not None:  # TP-sharded: momentum on the local shard, NS on the TP group below
-                tp_entries.append((p, _tp_momentum_update(grad, state, tp, group["momentum"], group["nesterov"]), tp))
+                update = _tp_momentum_update(grad, state, tp, group["momentum"], group["nesterov"])
+                if tp.method != "local":
+                    tp_entries.append((p, update, tp))
+                    continue
+                # view blocks inside this rank's shard: orthogonalised here like untouched matrices
+                per = tp.shape[tp.shard_dim] // tp.size
+                blocks = _view_blocks(p.to_local(), update, view, lo=tp.rank * per, length=per)
+            elif view is not None:
+                update = _momentum_update(grad, state, group["momentum"], group["nesterov"])
+                blocks = _view_blocks(p, update, view, lo=0, length=int(info.shape[view.dim]))
+            else:
+                blocks = None
+            if blocks is not None:  # each block as its own matrix: its NS, its adjust_lr
+                for p_block, u_block in blocks:
+                    m, n = p_block.shape
+                    if batched:
+                        buckets.setdefault(_bucket_key(u_block, m, n), []).append((p_block, u_block, 1, m, n))
+                    else:
+                        apply(p_block, _orthogonalize_matrices(u_block, 1, m, n, orthogonalize, ns_kw), (m, n))
                 continue
             update = _momentum_update(grad, state, group["momentum"], group["nesterov"])
             m, n = (int(s) for s in info.matrix_shape)
@@ -673,6 +696,19 @@ def _orthogonalize_matrices(update: Tensor, k: int, m: int, n: int, orthogonaliz
     for i in range(k):
         ortho[i] = orthogonalize(stack[i], **ns_kw)
     return ortho
+
+
+def _view_blocks(p: Tensor, update: Tensor, view, *, lo: int, length: int) -> list[tuple[Tensor, Tensor]]:
+    """``(parameter block, update block)`` pairs of a :class:`~dmuon.plan.records.MatrixView`
+    for the blocks inside ``[lo, lo + length)`` of its dim (``p`` / ``update`` hold that range:
+    the whole matrix, or one TP rank's shard). Parameter blocks are views (updated in place);
+    update blocks are contiguous copies, as ``torch.optim.Muon`` sees a block of its own."""
+    out = []
+    for off, size in zip(view.offsets(), view.sizes):
+        if lo <= off < lo + length:
+            start = off - lo
+            out.append((p.narrow(view.dim, start, size), update.narrow(view.dim, start, size).contiguous()))
+    return out
 
 
 def _bucket_key(update: Tensor, m: int, n: int) -> tuple:

@@ -124,6 +124,11 @@ class DmuonRuntime:
         self.infos = {s.fqn: s.logical._dmuon for s in self.slots_by_fqn.values()}
         self._state_dict_mesh = None  # DeviceMesh of the state-dict DTensors, built on first use
         self.replicas_stale = False  # HSDP: holders may disagree (set by to_empty & co.)
+        self.qk_clip = None  # QK-clip (MuonClip): reported max logits and the owners' rescaling
+        if plan.qk_clip is not None:
+            from .qk_clip import QKClipRuntime
+
+            self.qk_clip = QKClipRuntime(self, model)
 
     # -- settings and state changed from outside (dmuon.exec.materialize, benchmarks) ----------
 
@@ -296,7 +301,12 @@ class DmuonRuntime:
 
         ``replicate_async=True``: launched here, waited for just before the boundary's next
         forward broadcast or any state-dict read; ``False``: waited for here.
+
+        QK-clip (``plan.qk_clip``) runs first: its all-reduce (max) and the owners' rescaling of
+        W_q / W_k rows (:mod:`dmuon.exec.qk_clip`), so replicas receive the rescaled values.
         """
+        if self.qk_clip is not None:
+            self.qk_clip.step()
         if self.groups.shape[0] == 1:
             return
         self.wait_replicate_broadcasts()

@@ -12,16 +12,19 @@ Modules: ``snapshot`` (read-only model snapshot), ``boundaries`` (hook-boundary 
 ``selection`` (dedicated params and matrix views), ``partition`` (constrained LPT),
 ``layout`` (packed buffers), ``step_schedule`` (every rank's ops in one step; deadlock replay),
 ``cost`` (bytes/FLOPs/memory summed from the schedule; the FSDP2 baseline),
-``plan`` (records, JSON, compile), ``diff``, ``render``, ``presets``, ``cli``.
+``plan`` (records, JSON, compile), ``diff``, ``render``, ``presets``, ``cli``, ``views`` (matrix
+views: per-head / split-QKV orthogonalisation) and ``qk_clip`` (QK-clip settings), see
+docs/muon_variants.md.
 See docs/planning.md.
 """
 
-from . import presets
+from . import presets, qk_clip, views
 from .cost import BaselineByteCost, ByteCost, RankStats
 from .diff import CostDelta, ParamChange, PlanDiff, SettingChange, diff
 from .layout import Boundary, BufferLayout, LayoutEntry, Segment, SubSegment
 from .plan import MESH_DIM_NAMES, MeshDimRoles, ShardingPlan, compile, mesh_dim_roles, normalize_mesh
-from .records import Owner, ParamSpec
+from .qk_clip import QKClip
+from .records import MatrixView, Owner, ParamSpec
 from .step_schedule import MicroBatch, Op, ScheduleError, Step, StepSchedule, replay, schedule
 from .selection import matrix_predicate
 
@@ -39,6 +42,10 @@ __all__ = [
     "ShardingPlan",
     "Owner",
     "ParamSpec",
+    "MatrixView",
+    "QKClip",
+    "views",
+    "qk_clip",
     "ByteCost",
     "BaselineByteCost",
     "RankStats",

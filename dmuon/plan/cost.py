@@ -67,6 +67,7 @@ __all__ = [
     "BaselineByteCost",
     "RankStats",
     "ns_flops",
+    "spec_ns_flops",
     "param_weight",
     "broadcast_nbytes",
     "reduce_nbytes",
@@ -123,6 +124,17 @@ def ns_flops(m: int, n: int, steps: int = NS_STEPS, *, num_matrices: int = 1) ->
     return num_matrices * steps * (4 * a * a * b + 2 * a**3)
 
 
+def spec_ns_flops(spec: ParamSpec, steps: int = NS_STEPS) -> int:
+    """Newton-Schulz FLOPs of one dedicated parameter: :func:`ns_flops` summed over the matrices
+    Muon orthogonalises (``spec.matrices``: its view's blocks, or ``num_matrices`` copies of
+    ``matrix_shape``). A per-head view of ``(H·d_h, D)`` costs ``H`` times one ``(d_h, D)``
+    matrix, ``4·H·d_h²·D + 2·H·d_h³`` per step instead of ``4·(H·d_h)²·D + 2·(H·d_h)³``."""
+    if spec.view is None:
+        m, n = spec.matrix_shape
+        return ns_flops(m, n, steps, num_matrices=spec.num_matrices)
+    return sum(ns_flops(m, n, steps) for m, n in spec.matrices)
+
+
 def param_weight(spec: ParamSpec, cost_model: str) -> int:
     """LPT weight of a dedicated parameter: ``numel`` (elements) or :func:`ns_flops` (FLOPs).
 
@@ -132,8 +144,7 @@ def param_weight(spec: ParamSpec, cost_model: str) -> int:
     if cost_model == "numel":
         return spec.numel
     if cost_model == "ns_flops":
-        m, n = spec.matrix_shape
-        return ns_flops(m, n, num_matrices=spec.num_matrices)
+        return spec_ns_flops(spec)
     raise ValueError(f"cost_model must be one of {COST_MODELS}, got {cost_model!r}")
 
 
@@ -275,10 +286,14 @@ def tp_ns_flops(spec: ParamSpec, segment_lengths: Sequence[int]) -> int:
     ``"gram"``: :func:`gram_ns_segment_flops` with ``D`` = the local block's side ``D/T``: per
     segment of ``L`` steps, the local Gram and ``Q·X_i`` (``2·d²·D/T`` each) plus
     ``(8L - 6)·d³`` on ``(d, d)`` matrices (replicated on every TP rank);
-    ``"gather"``: :func:`ns_flops` of the full matrix (every TP rank runs it). Non-TP: 0.
+    ``"gather"``: :func:`ns_flops` of the full matrix (every TP rank runs it);
+    ``"local"``: the view blocks in one TP rank's shard, the largest over the TP ranks. Non-TP: 0.
     """
     if spec.tp_size == 1:
         return 0
+    if spec.tp_ns == "local":
+        steps = sum(segment_lengths)
+        return max(sum(ns_flops(m, n, steps) for m, n in spec.shard_matrices(t)) for t in range(spec.tp_size))
     if spec.tp_ns == "gather":
         return ns_flops(*spec.matrix_shape, steps=sum(segment_lengths))
     d = tp_gram_side(spec.shape, spec.tp_shard_dim)  # type: ignore[arg-type]
@@ -301,6 +316,8 @@ def choose_tp_ns(spec: ParamSpec, mode: str, segments: int) -> str:
     """
     if mode not in TP_NS_MODES:
         raise ValueError(f"tp_ns must be one of {TP_NS_MODES}, got {mode!r}")
+    if spec.view is not None and spec.view_tp_problem() is None:
+        return "local"  # blocks inside the TP shards: no TP collective at all
     if mode != "auto":
         return mode
     gram = tp_rank_nbytes(spec, "gram", segments)
@@ -340,6 +357,8 @@ class ByteCost:
     layout of ``init_device_mesh(device, (R, N, T))`` / ``(N, T)``), every data-parallel phase
     counted once per TP coordinate (each moves its own shards), and ``tp_nbytes`` is the
     owner TP groups' Gram all-reduces and all-gathers (:func:`tp_rank_nbytes`).
+    ``qk_clip_nbytes``: QK-clip's all-reduce (max) of the per-head max logits, ``ΣH`` fp32
+    values over the data-parallel mesh (:mod:`dmuon.plan.qk_clip`); 0 without QK-clip.
     """
 
     forward_broadcast_nbytes: int
@@ -350,6 +369,7 @@ class ByteCost:
     total_nbytes: int
     per_rank_nbytes: tuple[int, ...]
     tp_nbytes: int = 0
+    qk_clip_nbytes: int = 0
 
     PHASES = (
         "forward_broadcast_nbytes",
@@ -358,6 +378,7 @@ class ByteCost:
         "replicate_reduce_nbytes",
         "replicate_broadcast_nbytes",
         "tp_nbytes",
+        "qk_clip_nbytes",
     )
 
     def __post_init__(self) -> None:
@@ -378,7 +399,8 @@ class ByteCost:
         return max(self.per_rank_nbytes, default=0)
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {n: getattr(self, n) for n in self.PHASES + ("total_nbytes",) if n != "tp_nbytes" or self.tp_nbytes}
+        optional = ("tp_nbytes", "qk_clip_nbytes")  # absent when 0: older cost dicts unchanged
+        d: dict[str, Any] = {n: getattr(self, n) for n in self.PHASES + ("total_nbytes",) if n not in optional or getattr(self, n)}
         d["per_rank_nbytes"] = list(self.per_rank_nbytes)
         return d
 
@@ -464,6 +486,7 @@ PHASE_FIELDS = {
     "replicate_reduce": "replicate_reduce_nbytes",
     "replicate_broadcast": "replicate_broadcast_nbytes",
     "tp": "tp_nbytes",
+    "qk_clip": "qk_clip_nbytes",
 }
 
 
@@ -657,7 +680,7 @@ def baseline_rank_stats(
         unsharded = max(layer_other_nbytes.values(), default=0)
     else:
         unsharded = sum(layer_other_nbytes.values())
-    total_flops = sum(ns_flops(*p.matrix_shape, num_matrices=p.num_matrices) for p in params)
+    total_flops = sum(spec_ns_flops(p) for p in params)
     return tuple(
         RankStats(
             rank=rank,

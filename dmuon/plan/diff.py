@@ -147,7 +147,7 @@ class PlanDiff:
             f"+{len(self.added)} / -{len(self.removed)} dedicated param(s)"
         ]
         for s in self.settings:
-            out.append(f"  setting {s.name}: {s.before!r} -> {s.after!r}")
+            out.append(f"  setting {s.name}: {_setting_str(s.before)} -> {_setting_str(s.after)}")
         shown = 0
         for c in self.changes:
             if shown >= max_lines:
@@ -255,4 +255,12 @@ def _spec_str(spec: ParamSpec) -> str:
     text = f"{spec.shape} {spec.dtype}"
     if spec.tp_size > 1:
         text += f" TP {spec.tp_size} Shard({spec.tp_shard_dim}) {spec.tp_ns}"
+    if spec.view is not None:
+        text += f" view [{spec.view.describe(spec.shape)}]"
     return text
+
+
+def _setting_str(value: object) -> str:
+    """A setting for the report: records with ``describe()`` (QK-clip) in one line, the rest as repr."""
+    describe = getattr(value, "describe", None)
+    return describe() if callable(describe) else repr(value)

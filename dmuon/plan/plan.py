@@ -43,6 +43,7 @@ from .layout import (
 )
 from .partition import lpt_partition
 from .boundaries import BoundaryResolver
+from .qk_clip import QKClip, check_qk_clip
 from .records import Fsdp2Unit, Owner, ParamSpec, _check_int, check_dtype_str, dtype_str
 from .selection import select_params
 from .snapshot import take_snapshot
@@ -82,6 +83,7 @@ _SETTINGS = (
     "tp_size",
     "tp_ns_steps",
     "tp_gram_restart_every",
+    "qk_clip",
 )
 
 
@@ -228,6 +230,8 @@ class ShardingPlan:
         fsdp2_units: the non-dedicated parameters per ``fully_shard`` unit
             (:class:`~dmuon.plan.records.Fsdp2Unit`), hook-boundary units in module order,
             then the root's: the schedule's external FSDP2 ops. Not part of the cost.
+        qk_clip: QK-clip (MuonClip) settings (:class:`~dmuon.plan.qk_clip.QKClip`) or None; with
+            them the schedule holds the per-step all-reduce (max) of the per-head logits.
 
     Raises (construction):
         ValueError / TypeError: any invariant below is violated: owner coordinates inside the
@@ -251,6 +255,7 @@ class ShardingPlan:
     tp_ns_steps: int = 5
     tp_gram_restart_every: int | None = 2
     fsdp2_units: tuple[Fsdp2Unit, ...] = ()
+    qk_clip: QKClip | None = None
     # FQN lookup tables, built once at construction (__post_init__, or _unflatten); never written after
     _index: dict | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
@@ -277,6 +282,8 @@ class ShardingPlan:
                 raise TypeError(f"ShardingPlan.{name} must be a tuple of {cls.__name__}")
         if len(self.owners) != len(self.params):
             raise ValueError("ShardingPlan.owners must align with params")
+        if self.qk_clip is not None and not isinstance(self.qk_clip, QKClip):
+            raise TypeError("ShardingPlan.qk_clip must be a QKClip or None")
         _check_int("ShardingPlan", "tp_size", self.tp_size, 1)
         _check_int("ShardingPlan", "tp_ns_steps", self.tp_ns_steps, 0)
         if self.tp_gram_restart_every is not None:
@@ -312,6 +319,11 @@ class ShardingPlan:
                         raise ValueError(f"ShardingPlan: layout entry {entry.fqn!r} disagrees with its ParamSpec/Owner")
         if len(index["boundary_of"]) != len(self.params) or None in index["boundary_of"]:
             raise ValueError("ShardingPlan: every dedicated param must appear in exactly one boundary buffer")
+        if self.qk_clip is not None:  # the rows QK-clip rescales live on dedicated owners
+            for att in self.qk_clip.attention:
+                for rows in (att.q, att.k):
+                    if rows.fqn not in index["alias"]:
+                        raise ValueError(f"ShardingPlan: qk_clip names {rows.fqn!r}, which is not a dedicated parameter")
         object.__setattr__(self, "_index", index)
 
     def _build_index(self) -> dict:
@@ -491,6 +503,7 @@ class ShardingPlan:
                 if self.tp_size > 1
                 else {}
             ),
+            **({"qk_clip": self.qk_clip.to_dict()} if self.qk_clip is not None else {}),
         }
 
     def to_json(self, *, indent: int | None = None) -> str:
@@ -518,6 +531,7 @@ class ShardingPlan:
             tp_ns_steps=d.get("tp_ns_steps", 5),
             tp_gram_restart_every=d.get("tp_gram_restart_every", 2),
             fsdp2_units=tuple(Fsdp2Unit.from_dict(u) for u in d.get("fsdp2_units", ())),
+            qk_clip=QKClip.from_dict(d["qk_clip"]) if d.get("qk_clip") is not None else None,
         )
 
     @classmethod
@@ -609,6 +623,8 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
     tp_shard_dims: Mapping[str, int] | None = None,
     tp_ns_steps: int = 5,
     tp_gram_restart_every: int | None = 2,
+    matrix_views: Any = None,
+    qk_clip: Any = None,
 ) -> ShardingPlan:
     """Plan DMuon for ``model`` on ``mesh`` (pure; no process group; meta models work).
 
@@ -635,6 +651,14 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
         tp_ns_steps, tp_gram_restart_every: Newton-Schulz steps and Gram restart period the TP
             cost assumes (``dmuon.Muon``'s ``ns_steps`` must agree; restarts as
             ``gram_newton_schulz(restart_every=...)``).
+        matrix_views: which blocks of dedicated matrices Muon orthogonalises separately
+            (per-head q/k/v/o, split QKV): ``{fqn_pattern: MatrixView | rule}`` (fnmatch globs,
+            first match wins) or ``(fqn, shape) -> MatrixView | None``; None = whole matrices.
+            Helpers: :mod:`dmuon.plan.views` (``hf_llama_views``, ``gpt2_views``, ...). Under TP
+            a view must cut the TP-sharded dim with whole blocks per shard (``tp_ns="local"``).
+        qk_clip: QK-clip (MuonClip) settings, a :class:`dmuon.plan.qk_clip.QKClip` (threshold
+            ``tau`` and the attention layers whose W_q / W_k rows are rescaled after each step);
+            the plan's schedule and cost then include its one all-reduce (max) per step.
 
     Returns:
         A validated, frozen :class:`ShardingPlan` whose nominal step schedule passed the
@@ -675,7 +699,16 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
         )
         for s in selected
     )
+    if matrix_views is not None:
+        from .views import resolve_views
+
+        views = resolve_views(specs, matrix_views)
+        specs = tuple(dataclasses.replace(spec, view=views[spec.fqn]) if spec.fqn in views else spec for spec in specs)
     T, specs = _tp_specs(snapshot, selected, specs, tp_ns, tp_size, tp_shard_dims, tp_ns_steps, tp_gram_restart_every)
+    if qk_clip is not None:
+        if not isinstance(qk_clip, QKClip):
+            raise TypeError(f"qk_clip must be a dmuon.plan.qk_clip.QKClip, got {type(qk_clip).__name__}")
+        check_qk_clip(qk_clip, specs, snapshot.modules, {a: r for r in snapshot.params for a in r.aliases})
     R, N = mesh_shape
     result = lpt_partition(
         [_cost.param_weight(spec, cost_model) for spec in specs],
@@ -713,6 +746,7 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
         tp_ns_steps=tp_ns_steps,
         tp_gram_restart_every=tp_gram_restart_every,
         fsdp2_units=_fsdp2_units(snapshot, {s.record.fqn for s in selected}, hook_boundary_predicate),
+        qk_clip=qk_clip,
     )
     plan.schedule().check()  # the nominal step replays without deadlock on every rank
     return plan
@@ -828,9 +862,20 @@ def _tp_specs(snapshot, selected, specs, tp_ns, tp_size, tp_shard_dims, ns_steps
         return 1, specs
     segments = len(_cost.gram_segment_lengths(ns_steps, restart_every))
     out = []
+    view_problems = []
     for spec in specs:
         if spec.fqn in dims:
             spec = dataclasses.replace(spec, tp_size=T, tp_shard_dim=dims[spec.fqn], tp_ns="gather")
+            if spec.view is not None and spec.view_tp_problem() is not None:
+                view_problems.append(f"  {spec.fqn}: {spec.view_tp_problem()}")
+                continue
             spec = dataclasses.replace(spec, tp_ns=_cost.choose_tp_ns(spec, tp_ns, segments))
         out.append(spec)
+    if view_problems:
+        raise ValueError(
+            "dmuon.plan.compile: matrix views that tensor parallelism splits:\n" + "\n".join(view_problems)
+            + "\nA view works under TP when it cuts the dim TP shards and every TP shard holds whole blocks "
+            "(per-head q/k/v with colwise TP, per-head o_proj with rowwise TP, heads divisible by the TP degree); "
+            "drop the view for these matrices (matrix_views) or shard them so."
+        )
     return T, tuple(out)

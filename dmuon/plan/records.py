@@ -19,6 +19,7 @@ import torch
 
 __all__ = [
     "Owner",
+    "MatrixView",
     "ParamSpec",
     "Fsdp2Unit",
     "dtype_str",
@@ -117,6 +118,72 @@ class Owner:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class MatrixView:
+    """Blocks of a 2-D parameter that Muon orthogonalises as separate matrices.
+
+    The parameter ``(m, n)`` is cut along ``dim`` into consecutive blocks of ``sizes``
+    (``sum(sizes) == shape[dim]``): ``dim=0`` gives row blocks ``(sizes[i], n)`` (per-head
+    ``q/k/v_proj`` weights ``(H·d_h, D)``, Megatron's fused ``(D_q + 2·D_kv, D)`` QKV),
+    ``dim=1`` column blocks ``(m, sizes[i])`` (per-head ``o_proj`` ``(D, H·d_h)``, GPT-2's
+    ``Conv1D`` ``c_attn`` ``(D, 3·D)``). Every block gets its own Newton-Schulz and its own
+    ``adjust_lr`` scale from its own shape, exactly as ``torch.optim.Muon`` would treat it as a
+    parameter of its own; weight decay is elementwise, so it is unchanged.
+
+    Attributes:
+        dim: 0 (row blocks) or 1 (column blocks).
+        sizes: elements of ``dim`` in each block, in order (each >= 1).
+        label: what the blocks are, for reports (``"heads"``, ``"qkv"``, ``"q|k|v heads"``).
+    """
+
+    dim: int
+    sizes: tuple[int, ...]
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        if self.dim not in (0, 1) or type(self.dim) is not int:
+            raise ValueError(f"MatrixView.dim must be 0 (row blocks) or 1 (column blocks), got {self.dim!r}")
+        if type(self.sizes) is not tuple or not self.sizes:
+            raise TypeError(f"MatrixView.sizes must be a non-empty tuple of ints, got {self.sizes!r}")
+        for v in self.sizes:
+            _check_int("MatrixView", "sizes[i]", v, 1)
+        if not isinstance(self.label, str):
+            raise TypeError(f"MatrixView.label must be a str, got {self.label!r}")
+
+    def blocks(self, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+        """``(m_i, n_i)`` of each block of a parameter of 2-D ``shape``."""
+        m, n = shape
+        return tuple((s, n) if self.dim == 0 else (m, s) for s in self.sizes)
+
+    def offsets(self) -> tuple[int, ...]:
+        """Start of each block along :attr:`dim`."""
+        out, at = [], 0
+        for s in self.sizes:
+            out.append(at)
+            at += s
+        return tuple(out)
+
+    def describe(self, shape: tuple[int, ...]) -> str:
+        """``"32 heads of (128, 4096) along dim 0"`` / ``"qkv: (2048, 4096), (512, 4096) x2 along dim 0"``."""
+        blocks = self.blocks(shape)
+        runs: list[list] = []
+        for b in blocks:
+            if runs and runs[-1][0] == b:
+                runs[-1][1] += 1
+            else:
+                runs.append([b, 1])
+        body = ", ".join(f"{b}" + (f" x{k}" if k > 1 else "") for b, k in runs)
+        label = f"{self.label}: " if self.label else ""
+        return f"{label}{len(blocks)} blocks {body} along dim {self.dim}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dim": self.dim, "sizes": list(self.sizes), "label": self.label}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MatrixView:
+        return cls(dim=d["dim"], sizes=tuple(d["sizes"]), label=d.get("label", ""))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ParamSpec:
     """A dedicated parameter as the plan sees it.
 
@@ -141,7 +208,12 @@ class ParamSpec:
             shard; one all-reduce of the fp32 Gram ``(d, d)`` per Gram NS segment, ``d`` = the
             side TP does not shard) or ``"gather"`` (all-gather the update, every TP rank runs
             NS on the full matrix and keeps its shard); None without TP.
-            See :func:`dmuon.plan.cost.choose_tp_ns`.
+            See :func:`dmuon.plan.cost.choose_tp_ns`. ``"local"``: the matrix has a
+            :class:`MatrixView` whose blocks each lie inside one TP shard (heads split by TP):
+            every TP rank orthogonalises its own blocks, no TP collective.
+        view: a :class:`MatrixView` (blocks orthogonalised separately: per-head, split QKV) of
+            a 2-D parameter, or None (the whole ``matrix_shape`` matrix). With a view,
+            ``matrix_shape`` is the parameter's ``(m, n)`` and :attr:`matrices` lists the blocks.
     """
 
     fqn: str
@@ -156,6 +228,25 @@ class ParamSpec:
     tp_size: int = 1
     tp_shard_dim: int | None = None
     tp_ns: str | None = None
+    view: MatrixView | None = None
+
+    @property
+    def matrices(self) -> tuple[tuple[int, int], ...]:
+        """``(m, n)`` of every matrix Muon orthogonalises: the view's blocks, else
+        ``num_matrices`` copies of ``matrix_shape``. NS FLOPs, LPT weights and ``adjust_lr`` use these."""
+        if self.view is not None:
+            return self.view.blocks(self.shape)
+        return (tuple(self.matrix_shape),) * self.num_matrices  # type: ignore[return-value]
+
+    def shard_matrices(self, tp: int) -> tuple[tuple[int, int], ...]:
+        """The view blocks TP coordinate ``tp`` orthogonalises when ``tp_ns == "local"`` (those
+        inside its shard); :attr:`matrices` otherwise."""
+        if self.tp_ns != "local":
+            return self.matrices
+        per = self.shape[self.tp_shard_dim] // self.tp_size  # type: ignore[index]
+        return tuple(
+            b for b, off in zip(self.matrices, self.view.offsets()) if tp * per <= off < (tp + 1) * per  # type: ignore[union-attr]
+        )
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -210,13 +301,49 @@ class ParamSpec:
                     f"ParamSpec {self.fqn}: dim {self.tp_shard_dim} of {self.shape} is not divisible by "
                     f"tp_size {self.tp_size}"
                 )
-            if self.tp_ns not in ("gram", "gather"):
-                raise ValueError(f"ParamSpec {self.fqn}: tp_ns must be 'gram' or 'gather', got {self.tp_ns!r}")
+            if self.tp_ns not in ("gram", "gather", "local"):
+                raise ValueError(f"ParamSpec {self.fqn}: tp_ns must be 'gram', 'gather' or 'local', got {self.tp_ns!r}")
+            if self.tp_ns == "local":
+                problem = self.view_tp_problem()
+                if problem:
+                    raise ValueError(f"ParamSpec {self.fqn}: tp_ns='local' but {problem}")
+        if self.view is not None:
+            if not isinstance(self.view, MatrixView):
+                raise TypeError(f"ParamSpec {self.fqn}: view must be a MatrixView or None, got {self.view!r}")
+            if len(self.shape) != 2 or self.num_matrices != 1:
+                raise ValueError(
+                    f"ParamSpec {self.fqn}: a MatrixView needs a 2-D parameter, got shape {self.shape}"
+                )
+            if sum(self.view.sizes) != self.shape[self.view.dim]:
+                raise ValueError(
+                    f"ParamSpec {self.fqn}: view sizes sum to {sum(self.view.sizes)} but dim {self.view.dim} "
+                    f"of {self.shape} is {self.shape[self.view.dim]}"
+                )
+
+    def view_tp_problem(self) -> str | None:
+        """Why this TP-sharded matrix's view cannot be orthogonalised shard-locally (None if it can):
+        the blocks must cut the dim TP shards, and every shard boundary must be a block boundary."""
+        if self.view is None:
+            return "it has no matrix view"
+        if self.view.dim != self.tp_shard_dim:
+            return (
+                f"its view cuts dim {self.view.dim} while TP shards dim {self.tp_shard_dim} (every block would be "
+                "split across the TP ranks)"
+            )
+        per = self.shape[self.tp_shard_dim] // self.tp_size  # type: ignore[index]
+        cuts = set(self.view.offsets())
+        if any(t * per not in cuts for t in range(self.tp_size)):
+            return (
+                f"its blocks {self.view.sizes} along dim {self.view.dim} straddle the TP shard boundaries "
+                f"(multiples of {per})"
+            )
+        return None
 
     def to_dict(self) -> dict[str, Any]:
         tp = {}
         if self.tp_size > 1:  # absent without TP: plans without TP keep their JSON and fingerprint
             tp = {"tp_size": self.tp_size, "tp_shard_dim": self.tp_shard_dim, "tp_ns": self.tp_ns}
+        view = {} if self.view is None else {"view": self.view.to_dict()}  # absent: older plans keep their JSON
         return {
             "fqn": self.fqn,
             "shape": list(self.shape),
@@ -228,6 +355,7 @@ class ParamSpec:
             "module_fqn": self.module_fqn,
             "attr": self.attr,
             **tp,
+            **view,
         }
 
     @classmethod
@@ -245,6 +373,7 @@ class ParamSpec:
             tp_size=d.get("tp_size", 1),
             tp_shard_dim=d.get("tp_shard_dim"),
             tp_ns=d.get("tp_ns"),
+            view=MatrixView.from_dict(d["view"]) if d.get("view") is not None else None,
         )
 
 

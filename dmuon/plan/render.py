@@ -85,6 +85,7 @@ _COST_ROWS = (
     ("replicate broadcast", "replicate_broadcast_nbytes", None),
     ("naive Muon grad all-gather", None, "muon_all_gather_nbytes"),
     ("TP Gram all-reduce / gather", "tp_nbytes", "tp_all_gather_nbytes"),
+    ("QK-clip all-reduce (max)", "qk_clip_nbytes", None),
     ("total", "total_nbytes", "total_nbytes"),
     ("busiest rank", "max_rank_nbytes", "max_rank_nbytes"),
 )
@@ -95,13 +96,13 @@ def _cost_rows(plan: ShardingPlan, fig: _Figures) -> list[tuple[str, int | None,
     return [
         (label, getattr(ours, a) if a else None, getattr(base, b) if b else None)
         for label, a, b in _COST_ROWS
-        if a != "tp_nbytes" or plan.tp_size > 1
+        if (a != "tp_nbytes" or plan.tp_size > 1) and (a != "qk_clip_nbytes" or plan.qk_clip is not None)
     ]
 
 
 def _header(plan: ShardingPlan) -> list[str]:
     R, N = plan.mesh_shape
-    n_mat = sum(p.num_matrices for p in plan.params)
+    n_mat = sum(len(p.matrices) for p in plan.params)  # view blocks count one each
     numel = sum(p.numel for p in plan.params)
     dtypes = sorted({p.dtype for p in plan.params})
     fallback = [b.fqn for b in plan.boundaries if b.fallback]
@@ -121,6 +122,7 @@ def _header(plan: ShardingPlan) -> list[str]:
         f"{mode_name(plan)} sharding plan: mesh (R={R}, N={N}) = {R * N} ranks, cost_model={plan.cost_model}, "
         f"align={plan.align_numel} elements",
         *tp_line,
+        *_variant_lines(plan),
         f"wire dtypes: param={plan.param_dtype or 'storage'} reduce={plan.reduce_dtype or plan.param_dtype or 'storage'}"
         f"; replicate_async={plan.replicate_async}",
         f"model digest {plan.model_digest[:12]}  plan fingerprint {plan.fingerprint()[:12]}",
@@ -131,6 +133,28 @@ def _header(plan: ShardingPlan) -> list[str]:
         f"LPT load ({plan.cost_model}): max {max(weights, default=0):,} <= bound {plan.balance_bound:,.0f} "
         f"(total/ranks + largest); max/mean {max(weights, default=0) / mean if mean else 0:.3f}",
     ]
+
+
+def _variant_lines(plan: ShardingPlan, *, max_views: int = 3) -> list[str]:
+    """Matrix views (per-head / split-QKV orthogonalisation) and QK-clip, when the plan has them."""
+    lines = []
+    viewed = [p for p in plan.params if p.view is not None]
+    if viewed:
+        blocks = sum(len(p.view.sizes) for p in viewed)  # type: ignore[union-attr]
+        lines.append(f"matrix views: {len(viewed):,} params orthogonalised as {blocks:,} blocks (NS FLOPs and LPT count blocks)")
+        seen: dict[str, str] = {}
+        for p in viewed:  # one example per distinct view description
+            seen.setdefault(p.view.describe(p.shape), p.fqn)  # type: ignore[union-attr]
+        for text, fqn in list(seen.items())[:max_views]:
+            lines.append(f"  e.g. {fqn}: {text}")
+        if len(seen) > max_views:
+            lines.append(f"  ... {len(seen) - max_views} more distinct views")
+    if plan.qk_clip is not None:
+        lines.append(
+            f"QK-clip (MuonClip): {plan.qk_clip.describe()}; one all-reduce (max) of {plan.qk_clip.num_heads} fp32 "
+            "values per step over the data-parallel mesh"
+        )
+    return lines
 
 
 def render_summary(plan: ShardingPlan, *, max_rows: int = 16) -> str:

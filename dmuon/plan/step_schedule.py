@@ -96,7 +96,9 @@ EXTERNAL_KINDS = ("forward", "backward", "recompute", "fsdp2_all_gather", "fsdp2
 #: every op kind
 OP_KINDS = COLLECTIVE_KINDS + ("newton_schulz",) + EXTERNAL_KINDS
 #: the ledger phases a schedule charges bytes to (``ByteCost`` fields without ``_nbytes``)
-CHARGED_PHASES = ("forward_broadcast", "backward_broadcast", "reduce", "replicate_reduce", "replicate_broadcast", "tp")
+CHARGED_PHASES = ("forward_broadcast", "backward_broadcast", "reduce", "replicate_reduce", "replicate_broadcast", "tp", "qk_clip")
+#: dtype of QK-clip's all-reduced per-head max logits
+QK_CLIP_DTYPE = "torch.float32"
 #: collectives that have a root (the others must have none)
 ROOTED_KINDS = ("broadcast", "reduce")
 
@@ -660,9 +662,8 @@ class _Builder:
             if spec.tp_size > 1:
                 tp_entries.setdefault((owner.replicate, owner.shard), []).append(spec)
                 continue
-            m, n = spec.matrix_shape
             ns_ids[spec.fqn] = self.emit(
-                kind="newton_schulz", phase="optimizer", group=group, flops=_cost.ns_flops(m, n, num_matrices=spec.num_matrices),
+                kind="newton_schulz", phase="optimizer", group=group, flops=_cost.spec_ns_flops(spec),
                 fqns=(spec.fqn,), micro_batch=mb, deps=reduce_deps[spec.fqn],
             )
         # TP owner groups (dmuon.exec's TP orthogonalisation): Gram buckets by (d, D_local, dtype)
@@ -673,7 +674,11 @@ class _Builder:
             gram: dict[tuple, list] = {}
             gather: dict[str, list] = {}
             for spec in specs:
-                if spec.tp_ns == "gram":
+                if spec.tp_ns == "local":  # view blocks inside the TP shards: NS on each rank's own blocks
+                    ns_ids[spec.fqn] = self.emit(kind="newton_schulz", phase="optimizer", group=group,
+                                                 flops=_cost.tp_ns_flops(spec, lengths), fqns=(spec.fqn,),
+                                                 micro_batch=mb, deps=reduce_deps[spec.fqn])
+                elif spec.tp_ns == "gram":
                     d = _cost.tp_gram_side(spec.shape, spec.tp_shard_dim)  # type: ignore[arg-type]
                     gram.setdefault((d, spec.local_numel // d, spec.dtype), []).append(spec)
                 else:
@@ -699,12 +704,17 @@ class _Builder:
                     ns_ids[spec.fqn] = self.emit(kind="newton_schulz", phase="optimizer", group=group,
                                                  flops=_cost.tp_ns_flops(spec, lengths), fqns=(spec.fqn,),
                                                  micro_batch=mb, deps=(ag,))
+        qk_ids: tuple[int, ...] = ()
+        if plan.qk_clip is not None:  # QK-clip: one all-reduce (max) of every layer's per-head max logits
+            qk_ids = (self.emit(kind="all_reduce", phase="qk_clip", group=self.everyone,
+                                dtype=QK_CLIP_DTYPE, numel=plan.qk_clip.num_heads, micro_batch=mb,
+                                deps=tuple(ns_ids.values())),)
         if R > 1:  # HSDP: owners broadcast the new values to their replicate peers
             for prog, b in zip(self.programs, plan.boundaries):
                 subs = {(buf.dtype, seg.shard, sub.owner.replicate): sub for buf in b.buffers for seg in buf.segments for sub in seg.subsegments}
                 for t in prog.replicate_broadcast:
                     sub = subs[(t.buffer, t.segment, t.subsegment)]
-                    deps = tuple(ns_ids[e.fqn] for e in sub.entries if e.fqn in ns_ids)
+                    deps = tuple(ns_ids[e.fqn] for e in sub.entries if e.fqn in ns_ids) + qk_ids
                     self.emit(t, micro_batch=mb, deps=deps)
 
 

@@ -55,7 +55,7 @@ __all__ = [
 RUN_FLAGS = (
     "optimizer", "steps", "batch", "seq_len", "d_model", "n_layers", "n_heads", "d_mlp",
     "lr", "adamw_lr", "weight_decay", "adamw_weight_decay", "warmup", "cooldown_frac",
-    "seed", "data", "val_fraction", "ns_dtype",
+    "seed", "data", "val_fraction", "ns_dtype", "qk_clip", "matrix_views",
 )
 """Flags that define the run: a resumed run must be given the same values (anything else --
 mesh, world size, Z2/Z3, logging, evaluation -- may change). ``ns_dtype`` is compared after

@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ns-dtype", choices=("auto", "bf16", "fp32"), default="auto",
                    help="dtype of the Newton-Schulz iteration; auto: bf16 on cuda (as "
                    "torch.optim.Muon), fp32 on cpu (CPU bf16 matmuls are several times slower)")
+    g.add_argument("--qk-clip", type=float, default=None, metavar="TAU",
+                   help="QK-clip (MuonClip): after each step rescale W_q / W_k rows of heads whose max "
+                        "attention logit exceeded TAU (docs/muon_variants.md); logs clipped heads and the max logit")
+    g.add_argument("--matrix-views", choices=("none", "per-head"), default="none",
+                   help="per-head: orthogonalise q/k/v row blocks and o_proj column blocks per head")
     g.add_argument("--warmup", type=int, default=0, help="linear LR warm-up steps")
     g.add_argument("--cooldown-frac", type=float, default=0.2,
                    help="fraction of the steps over which the LR decays linearly to 0 at the end")
@@ -140,6 +145,8 @@ def _validate(args: argparse.Namespace) -> None:
                  "save_every"):
         if getattr(args, name) <= 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be positive")
+    if args.qk_clip is not None and not args.qk_clip > 0:
+        raise SystemExit(f"--qk-clip must be a positive threshold, got {args.qk_clip}")
     if args.eval_every < 0 or args.warmup < 0 or not 0.0 <= args.cooldown_frac <= 1.0:
         raise SystemExit("--eval-every and --warmup must be >= 0, --cooldown-frac in [0, 1]")
     if args.compare and args.optimizer != "dmuon":

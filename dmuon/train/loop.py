@@ -134,6 +134,18 @@ def _fmt_bytes(n: int | None) -> str:
     return "n/a" if n is None else f"{n:,} B"
 
 
+def _variant_kwargs(args: argparse.Namespace, model: GPT) -> dict[str, Any]:
+    """``dedicate_params`` arguments of ``--matrix-views`` and ``--qk-clip`` (docs/muon_variants.md)."""
+    from .model import per_head_views, qk_clip_spec
+
+    kw: dict[str, Any] = {}
+    if getattr(args, "matrix_views", "none") == "per-head":
+        kw["matrix_views"] = per_head_views(model.cfg)
+    if getattr(args, "qk_clip", None) is not None:
+        kw["qk_clip"] = qk_clip_spec(model, args.qk_clip)
+    return kw
+
+
 def train(args: argparse.Namespace) -> dict[str, Any]:
     """Run one training job on the current default process group; every rank calls this.
 
@@ -213,7 +225,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         import dmuon
 
         plan = dmuon.dedicate_params(
-            model, mesh, reshard_after_forward=z3, tp_ns=getattr(args, "tp_ns", "auto")
+            model, mesh, reshard_after_forward=z3, tp_ns=getattr(args, "tp_ns", "auto"), **_variant_kwargs(args, model)
         )
     # Looked up after ``import dmuon`` so that whatever dmuon installs on import is in place.
     import torch.distributed.fsdp as fsdp
@@ -280,6 +292,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         dist.all_reduce(acc)
         return float(acc[0] / acc[1])
 
+    history_qk: list[list[float]] = []  # [step, clipped heads, max logit] at log steps (--qk-clip)
     history_train: list[list[float]] = []
     history_val: list[list[float]] = []
     history_val_time: list[float] = []  # training wall time (s) at each validation
@@ -295,6 +308,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         history_train = [list(e) for e in state.history["train"]]
         history_val = [list(e) for e in state.history["val"]]
         history_val_time = list(state.history["val_train_time_s"])
+        history_qk = [list(e) for e in state.history.get("qk_clip", [])]
         log(f"resumed from {state.path} at step {start_step}/{args.steps}")
     elif args.eval_every > 0:
         v0 = evaluate()
@@ -303,7 +317,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         log(f"step {0:>6}/{args.steps} | val {v0:.4f}")
 
     def history() -> dict:
-        return {"train": history_train, "val": history_val, "val_train_time_s": history_val_time}
+        out = {"train": history_train, "val": history_val, "val_train_time_s": history_val_time}
+        if history_qk:
+            out["qk_clip"] = history_qk
+        return out
 
     n_phases = len(LEDGER_PHASES)
     ledger_total = torch.zeros(n_phases, dtype=torch.int64)  # this rank, summed over steps
@@ -355,6 +372,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 msg += f" | bytes/step {measured:,} (plan {plan_cost.total_nbytes:,})"
                 if int(step_bytes[-1]):
                     msg += f" + other {int(step_bytes[-1]):,}"
+            clip = dmuon.qk_clip.stats(model) if plan is not None and plan.qk_clip is not None else None
+            if clip is not None:  # the last step's figures (identical on every rank)
+                history_qk.append([step, clip["clipped_heads"], clip["max_logit"]])
+                msg += f" | qk-clip {clip['clipped_heads']} heads clipped, max logit {clip['max_logit']:.2f}"
             log(msg)
         if args.eval_every > 0 and (step % args.eval_every == 0 or last):
             v = evaluate()

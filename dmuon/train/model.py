@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPTConfig", "GPT", "Block", "Attention", "MLP", "lm_loss"]
+__all__ = ["GPTConfig", "GPT", "Block", "Attention", "MLP", "lm_loss", "per_head_views", "qk_clip_spec"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -93,6 +93,10 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        from dmuon.exec import qk_clip  # QK-clip layer of a live plan: report the per-head max logits
+
+        if qk_clip.wants_logits(self):  # SDPA never materialises them: one extra QKᵀ pass
+            qk_clip.record(self, qk_clip.max_logits_sdpa(q, k, is_causal=True))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
@@ -195,6 +199,22 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     logits: (B, T, V) float; targets: (B, T) int64 -> scalar.
     """
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def per_head_views(cfg: GPTConfig) -> dict:
+    """``matrix_views`` for :func:`dmuon.plan.compile`: q/k/v as ``n_heads`` row blocks, o_proj
+    as ``n_heads`` column blocks (``python -m dmuon train --matrix-views per-head``)."""
+    from dmuon.plan.views import heads
+
+    return {"*.attn.[qkv]_proj.weight": heads(cfg.n_heads), "*.attn.o_proj.weight": heads(cfg.n_heads, dim=1)}
+
+
+def qk_clip_spec(model: GPT, tau: float):
+    """:class:`dmuon.plan.qk_clip.QKClip` of every block's attention (``--qk-clip TAU``)."""
+    from dmuon.plan.qk_clip import attention_qk_clip
+
+    cfg = model.cfg
+    return attention_qk_clip(model, tau, suffix="attn", q="q_proj", k="k_proj", num_heads=cfg.n_heads, head_dim=cfg.head_dim)
 
 
 #: ``parallelize_module`` plan of one :class:`Block` (Megatron-style): q/k/v and up colwise
