@@ -53,7 +53,7 @@ import torch
 from torch import Tensor
 
 # The FLOP formulas and the Gram segment rule are written once, in the (torch-free) cost model.
-from dmuon.plan.cost import gram_ns_segment_flops, gram_segment_lengths, ns_flops
+from dmuon.plan.cost import GRAM_SYM_MIN_SIDE, gram_ns_segment_flops, gram_segment_lengths, ns_flops
 
 __all__ = [
     "GRAM_RESTART_EVERY",
@@ -429,19 +429,20 @@ def _gram_q(R: Tensor, schedule: Sequence[Triple]) -> Tensor:
     # Z = a·I + W with W = b·R + c·R², and every product with Z is evaluated as a·M + M·W in
     # one fused baddbmm: the large a·I part is never rounded on its own (in bf16 that alone
     # costs ~2x accuracy), as in Dao-AILab/gram-newton-schulz.
+    # W of the first step becomes Q in place once R no longer needs it (no copy).
     Q: Optional[Tensor] = None
     last = len(schedule) - 1
     for k, (a, b, c) in enumerate(schedule):
         W = torch.baddbmm(R, R, R, beta=b, alpha=c)  # b·R + c·R²
-        if Q is None:
-            Q = W.clone()
-            Q.diagonal(dim1=-2, dim2=-1).add_(a)  # Q = Z
-        else:
-            Q = torch.baddbmm(Q, Q, W, beta=a)  # Q·Z
         if k < last:
             RZ = torch.baddbmm(R, R, W, beta=a)  # R·Z
             R = torch.baddbmm(RZ, W, RZ, beta=a)  # Z·R·Z
             R = (R + R.mT).mul_(0.5)
+        if Q is None:
+            Q = W
+            Q.diagonal(dim1=-2, dim2=-1).add_(a)  # Q = Z
+        else:
+            Q = torch.baddbmm(Q, Q, W, beta=a)  # Q·Z
     if Q is None:
         Q = torch.eye(R.shape[-1], dtype=R.dtype, device=R.device).expand_as(R).clone()
     return Q
@@ -580,19 +581,20 @@ def gram_newton_schulz(
     if tall:
         X = X.mT
     norms = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
-    X.div_(norms.clamp_(min=eps))
+    scale = norms.clamp(min=eps)
+    X.div_(scale)
     X0 = X
     for segment in segments:
-        G = torch.bmm(X, X.mT)
-        G = (G + G.mT).mul_(0.5)
-        X = torch.bmm(_gram_q(G, segment), X)
+        X = torch.bmm(_gram_q(_symmetric_gram(X), segment), X)
 
     if fallback and segments:
         min_slope, max_gain = schedule_gain_bounds(schedule)
         top = _GRAM_FALLBACK_MARGIN * max_gain
         floor = min_slope / _GRAM_FALLBACK_MARGIN
-        inner = (X * X0).sum(dim=(-2, -1), dtype=torch.promote_types(X.dtype, torch.float32))
-        x0_sq = (X0 * X0).sum(dim=(-2, -1), dtype=inner.dtype)  # 1, or 0 for a zero matrix
+        acc = torch.promote_types(X.dtype, torch.float32)
+        inner = (X * X0).sum(dim=(-2, -1), dtype=acc)
+        # ‖X0‖_F²: 1, or 0 for a zero matrix; from the norms, without another pass over X0
+        x0_sq = (norms / scale).square().reshape(-1).to(acc)
         # NaN / inf compare False, so they count as bad.
         ok = (_spectral_norm_estimate(X) <= top) & (inner >= floor * x0_sq)
         bad = ~ok
@@ -614,6 +616,29 @@ def gram_newton_schulz(
     if tall:
         X = X.mT
     return X.reshape(*lead, m, n)
+
+
+def _symmetric_gram(X: Tensor) -> Tensor:
+    """``X Xᵀ`` of a ``(B, d, K)`` batch, exactly symmetric, in ``X``'s dtype.
+
+    ``d < GRAM_SYM_MIN_SIDE``: one ``bmm``, symmetrised as ``(G + Gᵀ)/2``. Otherwise only the
+    lower blocks are multiplied (:func:`dmuon.plan.cost.gram_product_flops`: 3/4 of the FLOPs):
+    with ``h = d // 2``, ``G[:, :h] = X·X[:h]ᵀ`` and ``G[h:, h:] = X[h:]·X[h:]ᵀ``, and the upper
+    right block is the transpose of the lower left one. Each entry is the same dot product a
+    full ``bmm`` would compute; the two diagonal blocks are symmetric up to that product's
+    rounding (exactly, with the CPU kernels measured here).
+    """
+    d = X.shape[-2]
+    if d < GRAM_SYM_MIN_SIDE:
+        G = torch.bmm(X, X.mT)
+        return (G + G.mT).mul_(0.5)
+    h = d // 2
+    G = X.new_empty((X.shape[0], d, d))
+    left = torch.bmm(X, X[:, :h].mT)  # (B, d, h): G[:, :, :h]
+    G[:, :, :h] = left
+    G[:, h:, h:] = torch.bmm(X[:, h:], X[:, h:].mT)
+    G[:, :h, h:] = left[:, h:].mT
+    return G
 
 
 def sharded_gram_newton_schulz(
@@ -668,8 +693,7 @@ def sharded_gram_newton_schulz(
     lead, d, D = x.shape[:-2], x.shape[-2], x.shape[-1]
     X = x.reshape(-1, d, D).to(dtype, copy=True)
     for i, segment in enumerate(segments):
-        Xf = X.float()
-        G = all_reduce_sum(torch.bmm(Xf, Xf.mT))
+        G = all_reduce_sum(_symmetric_gram(X.float()))
         if i == 0:
             norm = G.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_(min=0).sqrt_().clamp_(min=eps)
             X.div_(norm.to(dtype)[:, None, None])
@@ -691,20 +715,24 @@ def _spectral_norm_estimate(X: Tensor) -> Tensor:
     """A lower estimate of ``‖X_b‖_2`` per matrix of a ``(B, d, D)`` batch (float32 or wider).
 
     ``_POWER_STEPS`` power iterations on ``X Xᵀ`` from a fixed pseudo-random start (so the
-    result is deterministic), each two batched mat-vecs in ``X``'s dtype (``4·d·D`` FLOPs
-    per matrix, no copy of ``X``); the returned ``‖Xᵀ v‖`` with ``‖v‖ = 1`` never exceeds the
-    true norm (up to the rounding of ``X``'s dtype), so a value clearly above a limit proves
-    the limit is exceeded. Non-finite input gives a non-finite estimate.
+    result is deterministic), each two batched vector-matrix products in ``X``'s dtype
+    (``4·d·D`` FLOPs per matrix, no copy of ``X``); the returned ``‖vᵀ X‖`` with ``‖v‖ = 1``
+    never exceeds the true norm (up to the rounding of ``X``'s dtype), so a value clearly above
+    a limit proves the limit is exceeded. Non-finite input gives a non-finite estimate.
+
+    The iterate is a row vector (``(B, 1, d)``): ``vᵀ·X`` and ``(vᵀX)·Xᵀ`` stream ``X`` in its
+    own layout, where the column form ``X·v`` / ``Xᵀ·v`` runs 10-40x slower in CPU ``bmm``
+    (benchmarks/ns_backends.py; it made this check cost more than half of Gram NS itself).
     """
     acc = torch.promote_types(X.dtype, torch.float32)
     g = torch.Generator(device="cpu").manual_seed(0x5EED)
-    v = torch.randn(X.shape[-2], 1, generator=g, dtype=torch.float32).to(device=X.device, dtype=X.dtype)
-    v = v.expand(X.shape[0], -1, -1)
+    v = torch.randn(1, 1, X.shape[-2], generator=g, dtype=torch.float32)
+    v = v.to(device=X.device, dtype=X.dtype).expand(X.shape[0], -1, -1).contiguous()
     for _ in range(_POWER_STEPS):
-        v = torch.bmm(X, torch.bmm(X.mT, v))
+        v = torch.bmm(torch.bmm(v, X), X.mT)
         norm = torch.linalg.vector_norm(v, dim=(-2, -1), keepdim=True, dtype=acc)
         v = (v / norm.clamp(min=1e-30)).to(X.dtype)
-    return torch.linalg.vector_norm(torch.bmm(X.mT, v), dim=(-2, -1), dtype=acc)
+    return torch.linalg.vector_norm(torch.bmm(v, X), dim=(-2, -1), dtype=acc)
 
 
 def gram_ns_flops(

@@ -73,6 +73,8 @@ __all__ = [
     "all_reduce_rank_nbytes",
     "gram_segment_lengths",
     "gram_ns_segment_flops",
+    "gram_product_flops",
+    "GRAM_SYM_MIN_SIDE",
     "tp_gram_side",
     "tp_rank_nbytes",
     "tp_ns_flops",
@@ -224,18 +226,43 @@ def gram_segment_lengths(steps: int, restart_every: int | Sequence[int] | None) 
     return tuple(b - a for a, b in zip(bounds, bounds[1:]))
 
 
+#: Gram side ``d`` from which Newton-Schulz forms a Gram matrix ``X Xᵀ`` from its lower blocks
+#: only (:func:`gram_product_flops`); below it, one general matmul (smaller blocks lose more
+#: kernel efficiency than they save in FLOPs on a CPU core; measured in benchmarks/ns_backends.py).
+GRAM_SYM_MIN_SIDE = 128
+
+
+def gram_product_flops(d: int, D: int) -> int:
+    """FLOPs of forming the symmetric ``(d, d)`` Gram ``X Xᵀ`` of one ``(d, D)`` matrix as
+    ``dmuon.exec.newton_schulz`` does:
+
+    * ``d < GRAM_SYM_MIN_SIDE``: one matmul, ``2·d²·D``;
+    * otherwise its lower blocks only, mirrored into the upper one: with ``h = d // 2`` and
+      ``X = [X_top; X_bot]`` (``h`` and ``d - h`` rows), ``X·X_topᵀ`` (the first ``h`` columns,
+      ``2·d·h·D``) and ``X_bot·X_botᵀ`` (``2·(d-h)²·D``): ``2·D·(d·h + (d-h)²)``, i.e.
+      ``1.5·d²·D`` for even ``d`` — 3/4 of the general product (a one-level ``syrk``).
+
+    Unit: FLOPs (multiply-add = 2).
+    """
+    if d < GRAM_SYM_MIN_SIDE:
+        return 2 * d * d * D
+    h = d // 2
+    return 2 * D * (d * h + (d - h) ** 2)
+
+
 def gram_ns_segment_flops(d: int, D: int, segment_lengths: Sequence[int]) -> int:
     """Matmul FLOPs of Gram Newton-Schulz on ONE ``(d, D)`` matrix (``d`` = the Gram side) whose
     schedule is split into segments of ``segment_lengths`` steps (:func:`gram_segment_lengths`)::
 
-        Σ_L [ 4·d²·D  +  (8·L - 6)·d³ ]
+        Σ_L [ gram_product_flops(d, D)  +  2·d²·D  +  (8·L - 6)·d³ ]
 
-    per segment: ``G = X Xᵀ`` and ``Q·X`` (``2·d²·D`` each), and on ``(d, d)`` matrices ``R²``
+    per segment: ``G = X Xᵀ`` (:func:`gram_product_flops`: ``2·d²·D``, or ``1.5·d²·D`` from
+    ``d >= GRAM_SYM_MIN_SIDE``) and ``Q·X`` (``2·d²·D``), and on ``(d, d)`` matrices ``R²``
     every step, ``Q·Z`` from the segment's second step and ``Z·R·Z`` (two products) before its
     last step (``2·d³`` each). ``D`` is the full other side (``gram_newton_schulz``) or a TP
     rank's block of it (:func:`tp_ns_flops`). Unit: FLOPs (multiply-add = 2).
     """
-    return sum(4 * d * d * D + (8 * L - 6) * d**3 for L in segment_lengths)
+    return sum(gram_product_flops(d, D) + 2 * d * d * D + (8 * L - 6) * d**3 for L in segment_lengths)
 
 
 def tp_gram_side(shape: Sequence[int], tp_shard_dim: int) -> int:
