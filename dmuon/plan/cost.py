@@ -63,6 +63,11 @@ __all__ = [
     "BaselineByteCost",
     "RankStats",
     "ns_flops",
+    "NS_BACKEND_MODES",
+    "GRAM_RESTART_EVERY",
+    "choose_ns_backend",
+    "matrix_ns_flops",
+    "spec_ns_flops",
     "param_weight",
     "broadcast_nbytes",
     "reduce_nbytes",
@@ -94,6 +99,11 @@ __all__ = [
 NS_STEPS = 5
 #: valid ``cost_model`` values of :func:`dmuon.plan.compile`
 COST_MODELS = ("numel", "ns_flops")
+#: valid ``ns_backend`` values of :func:`dmuon.plan.compile` (and of ``dmuon.Muon``)
+NS_BACKEND_MODES = ("standard", "gram", "auto")
+#: Gram restart period of ``dmuon.exec.newton_schulz.gram_newton_schulz`` (and so of
+#: ``dmuon.Muon(ns_backend="gram" | "auto")``): restart before every 2nd step (0-based 2, 4, ...)
+GRAM_RESTART_EVERY = 2
 #: valid ``tp_ns`` values of :func:`dmuon.plan.compile`
 TP_NS_MODES = ("auto", "gram", "gather")
 #: dtype of the Gram matrices all-reduced over a TP group (accumulated in fp32 whatever the NS dtype)
@@ -121,8 +131,58 @@ def ns_flops(m: int, n: int, steps: int = NS_STEPS, *, num_matrices: int = 1) ->
     return num_matrices * steps * (4 * a * a * b + 2 * a**3)
 
 
+def matrix_ns_flops(m: int, n: int, backend: str, *, steps: int = NS_STEPS, num_matrices: int = 1,
+                    restart_every: int | Sequence[int] | None = GRAM_RESTART_EVERY) -> int:
+    """Matmul FLOPs of orthogonalising ``num_matrices`` ``(m, n)`` matrices with ``backend``:
+    ``"standard"``: :func:`ns_flops`; ``"gram"``: :func:`gram_ns_segment_flops` over the segments
+    of ``restart_every`` (:func:`gram_segment_lengths`). Unit: FLOPs.
+
+    Raises:
+        ValueError: ``backend`` is neither ``"standard"`` nor ``"gram"``.
+    """
+    if backend == "standard":
+        return ns_flops(m, n, steps, num_matrices=num_matrices)
+    if backend == "gram":
+        d, D = min(m, n), max(m, n)
+        return num_matrices * gram_ns_segment_flops(d, D, gram_segment_lengths(steps, restart_every))
+    raise ValueError(f"backend must be 'standard' or 'gram', got {backend!r}")
+
+
+def choose_ns_backend(matrix_shape: Sequence[int], mode: str, *, steps: int = NS_STEPS,
+                      restart_every: int | Sequence[int] | None = GRAM_RESTART_EVERY) -> str:
+    """The Newton-Schulz backend a matrix runs: ``"standard"`` or ``"gram"`` (the one rule, used by
+    :func:`dmuon.plan.compile` to fill ``ParamSpec.ns_backend`` and by
+    ``dmuon.exec.newton_schulz.auto_newton_schulz`` at run time).
+
+    ``mode="auto"``: ``"gram"`` exactly when it needs fewer matmul FLOPs (:func:`matrix_ns_flops`
+    with ``steps`` and ``restart_every``), ties to ``"standard"`` (torch's iteration). With 5 steps
+    and the default restarts (before steps 2 and 4) Gram NS costs ``10.5·d²·D + 22·d³`` for
+    ``(d, D)``, ``d = min(m, n) >= 128`` (the symmetric Gram product, :func:`gram_product_flops`),
+    against ``20·d²·D + 10·d³``: Gram where ``D > 1.26·d``; below ``d = 128`` (``12·d²·D + 22·d³``)
+    where ``D > 1.5·d``. ``"standard"`` / ``"gram"``: forced.
+
+    Raises:
+        ValueError: unknown ``mode``.
+    """
+    if mode not in NS_BACKEND_MODES:
+        raise ValueError(f"ns_backend must be one of {NS_BACKEND_MODES}, got {mode!r}")
+    if mode != "auto":
+        return mode
+    m, n = (int(v) for v in matrix_shape)
+    gram = matrix_ns_flops(m, n, "gram", steps=steps, restart_every=restart_every)
+    return "gram" if gram < ns_flops(m, n, steps) else "standard"
+
+
+def spec_ns_flops(spec: ParamSpec) -> int:
+    """Newton-Schulz FLOPs per step of a (non-TP) dedicated parameter with the backend its plan
+    records (``spec.ns_backend``), ``NS_STEPS`` steps and the default Gram restarts."""
+    m, n = spec.matrix_shape
+    return matrix_ns_flops(m, n, spec.ns_backend, num_matrices=spec.num_matrices)
+
+
 def param_weight(spec: ParamSpec, cost_model: str) -> int:
-    """LPT weight of a dedicated parameter: ``numel`` (elements) or :func:`ns_flops` (FLOPs).
+    """LPT weight of a dedicated parameter: ``numel`` (elements) or :func:`spec_ns_flops` (the
+    FLOPs of the backend it runs).
 
     Raises:
         ValueError: unknown ``cost_model``.
@@ -130,8 +190,7 @@ def param_weight(spec: ParamSpec, cost_model: str) -> int:
     if cost_model == "numel":
         return spec.numel
     if cost_model == "ns_flops":
-        m, n = spec.matrix_shape
-        return ns_flops(m, n, num_matrices=spec.num_matrices)
+        return spec_ns_flops(spec)
     raise ValueError(f"cost_model must be one of {COST_MODELS}, got {cost_model!r}")
 
 

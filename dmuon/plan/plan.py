@@ -521,6 +521,7 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
     tp_shard_dims: Mapping[str, int] | None = None,
     tp_ns_steps: int = 5,
     tp_gram_restart_every: int | None = 2,
+    ns_backend: str = "standard",
 ) -> ShardingPlan:
     """Plan DMuon for ``model`` on ``mesh`` (pure; no process group; meta models work).
 
@@ -547,6 +548,14 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
         tp_ns_steps, tp_gram_restart_every: Newton-Schulz steps and Gram restart period the TP
             cost assumes (``dmuon.Muon``'s ``ns_steps`` must agree; restarts as
             ``gram_newton_schulz(restart_every=...)``).
+        ns_backend: the Newton-Schulz backend each (non-TP) matrix's owner will run, recorded
+            in its ``ParamSpec.ns_backend``: ``"standard"`` (default: torch's iteration),
+            ``"gram"`` (Gram NS everywhere) or ``"auto"`` (per matrix, Gram NS where it needs
+            fewer FLOPs with 5 steps and the default restarts,
+            :func:`~dmuon.plan.cost.choose_ns_backend`: e.g. an MLP's ``(4d, d)`` / ``(d, 4d)``
+            weights, not square attention projections). ``cost_model="ns_flops"`` balances by
+            those FLOPs; ``dmuon.Muon`` must then be built with the same ``ns_backend`` (it
+            raises otherwise, naming the parameter).
 
     Returns:
         A validated, frozen :class:`ShardingPlan` whose nominal step schedule passed the
@@ -563,6 +572,7 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
     mesh_shape = normalize_mesh(mesh)
     if cost_model not in _cost.COST_MODELS:
         raise ValueError(f"cost_model must be one of {_cost.COST_MODELS}, got {cost_model!r}")
+    _cost.choose_ns_backend((1, 1), ns_backend)  # ValueError naming the known modes
     if isinstance(align_numel, bool) or not isinstance(align_numel, int) or align_numel < 1:
         raise ValueError(f"align_numel must be a positive int (elements), got {align_numel!r}")
     param_dtype, reduce_dtype = _mp_dtypes(mp_policy)
@@ -588,6 +598,12 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
         for s in selected
     )
     T, specs = _tp_specs(snapshot, selected, specs, tp_ns, tp_size, tp_shard_dims, tp_ns_steps, tp_gram_restart_every)
+    if ns_backend != "standard":
+        specs = tuple(
+            spec if spec.tp_size > 1
+            else dataclasses.replace(spec, ns_backend=_cost.choose_ns_backend(spec.matrix_shape, ns_backend))
+            for spec in specs
+        )
     R, N = mesh_shape
     result = lpt_partition(
         [_cost.param_weight(spec, cost_model) for spec in specs],

@@ -142,6 +142,11 @@ class ParamSpec:
             side TP does not shard) or ``"gather"`` (all-gather the update, every TP rank runs
             NS on the full matrix and keeps its shard); None without TP.
             See :func:`dmuon.plan.cost.choose_tp_ns`.
+        ns_backend: the Newton-Schulz backend its owner runs, ``"standard"`` (default) or
+            ``"gram"`` (``compile(ns_backend=...)``, :func:`dmuon.plan.cost.choose_ns_backend`);
+            ``cost_model="ns_flops"`` weighs it by that backend's FLOPs and ``dmuon.Muon``
+            checks that it runs it. Always ``"standard"`` for a TP-sharded matrix (``tp_ns``
+            decides there).
     """
 
     fqn: str
@@ -156,6 +161,7 @@ class ParamSpec:
     tp_size: int = 1
     tp_shard_dim: int | None = None
     tp_ns: str | None = None
+    ns_backend: str = "standard"
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -212,11 +218,17 @@ class ParamSpec:
                 )
             if self.tp_ns not in ("gram", "gather"):
                 raise ValueError(f"ParamSpec {self.fqn}: tp_ns must be 'gram' or 'gather', got {self.tp_ns!r}")
+        if self.ns_backend not in ("standard", "gram"):
+            raise ValueError(f"ParamSpec {self.fqn}: ns_backend must be 'standard' or 'gram', got {self.ns_backend!r}")
+        if self.tp_size > 1 and self.ns_backend != "standard":
+            raise ValueError(f"ParamSpec {self.fqn}: a TP-sharded matrix has ns_backend 'standard' (tp_ns decides)")
 
     def to_dict(self) -> dict[str, Any]:
         tp = {}
         if self.tp_size > 1:  # absent without TP: plans without TP keep their JSON and fingerprint
             tp = {"tp_size": self.tp_size, "tp_shard_dim": self.tp_shard_dim, "tp_ns": self.tp_ns}
+        if self.ns_backend != "standard":  # absent by default: older plans keep their JSON
+            tp["ns_backend"] = self.ns_backend
         return {
             "fqn": self.fqn,
             "shape": list(self.shape),
@@ -245,6 +257,7 @@ class ParamSpec:
             tp_size=d.get("tp_size", 1),
             tp_shard_dim=d.get("tp_shard_dim"),
             tp_ns=d.get("tp_ns"),
+            ns_backend=d.get("ns_backend", "standard"),
         )
 
 

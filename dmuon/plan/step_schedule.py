@@ -662,7 +662,7 @@ class _Builder:
                 continue
             m, n = spec.matrix_shape
             ns_ids[spec.fqn] = self.emit(
-                kind="newton_schulz", phase="optimizer", group=group, flops=_cost.ns_flops(m, n, num_matrices=spec.num_matrices),
+                kind="newton_schulz", phase="optimizer", group=group, flops=_cost.spec_ns_flops(spec),
                 fqns=(spec.fqn,), micro_batch=mb, deps=reduce_deps[spec.fqn],
             )
         # TP owner groups (dmuon.exec's TP orthogonalisation): Gram buckets by (d, D_local, dtype)
