@@ -531,7 +531,8 @@ def gram_newton_schulz(
     1. ``X = x.to(dtype)``, wide orientation ``(d, D)``, ``d <= D`` (tall input transposed),
        ``X /= max(‖X‖_F, eps)`` per matrix — exactly :func:`newton_schulz`'s prologue;
     2. for each segment of the schedule between restarts (:func:`gram_segments`):
-       ``G = X Xᵀ`` (symmetrised), ``Q = gram_ns_from_gram(G, segment)``, ``X = Q X``;
+       ``G = X Xᵀ`` (exactly symmetric; from ``d >= 128`` only its lower blocks are multiplied,
+       :func:`_symmetric_gram`), ``Q = gram_ns_from_gram(G, segment)``, ``X = Q X``;
     3. transpose back.
 
     Only ``(d, d)`` products run inside a segment; ``(d, D)`` products only at its ends. A
@@ -659,9 +660,9 @@ def _symmetric_gram(X: Tensor) -> Tensor:
     ``d < GRAM_SYM_MIN_SIDE``: one ``bmm``, symmetrised as ``(G + Gᵀ)/2``. Otherwise only the
     lower blocks are multiplied (:func:`dmuon.plan.cost.gram_product_flops`: 3/4 of the FLOPs):
     with ``h = d // 2``, ``G[:, :h] = X·X[:h]ᵀ`` and ``G[h:, h:] = X[h:]·X[h:]ᵀ``, and the upper
-    right block is the transpose of the lower left one. Each entry is the same dot product a
-    full ``bmm`` would compute; the two diagonal blocks are symmetric up to that product's
-    rounding (exactly, with the CPU kernels measured here).
+    right block is the transpose of the lower left one; the two diagonal blocks are symmetrised
+    as ``(B + Bᵀ)/2`` (``d²/2`` elements). Each entry is the dot product a full ``bmm`` computes,
+    up to the kernel's summation order.
     """
     d = X.shape[-2]
     if d < GRAM_SYM_MIN_SIDE:
@@ -670,9 +671,12 @@ def _symmetric_gram(X: Tensor) -> Tensor:
     h = d // 2
     G = X.new_empty((X.shape[0], d, d))
     left = torch.bmm(X, X[:, :h].mT)  # (B, d, h): G[:, :, :h]
-    G[:, :, :h] = left
-    G[:, h:, h:] = torch.bmm(X[:, h:], X[:, h:].mT)
+    top = left[:, :h]
+    G[:, :h, :h] = (top + top.mT).mul_(0.5)
+    G[:, h:, :h] = left[:, h:]
     G[:, :h, h:] = left[:, h:].mT
+    bottom = torch.bmm(X[:, h:], X[:, h:].mT)
+    G[:, h:, h:] = (bottom + bottom.mT).mul_(0.5)
     return G
 
 
@@ -781,14 +785,17 @@ def gram_ns_flops(
     lengths ``L_1 … L_S`` (:func:`gram_segments`; ``S = 1 +`` number of restarts), the
     formula of :func:`dmuon.plan.cost.gram_ns_segment_flops`::
 
-        num_matrices * Σ_j [ 4·d²·D  +  (8·L_j - 6)·d³ ]
+        num_matrices * Σ_j [ g(d, D)  +  2·d²·D  +  (8·L_j - 6)·d³ ]
 
-    per segment: ``G = X Xᵀ`` and ``Q·X`` (``2·d²·D`` each), and inside
-    (:func:`gram_ns_from_gram`) ``R²`` every step, ``Q·Z`` from the segment's second step and
-    ``Z·R·Z`` (two products) before its last step (``2·d³`` each). Compare :func:`ns_flops`:
-    ``steps·(4·d²·D + 2·d³)``. For 5 steps with one restart (segments 2, 3): ``8·d²·D +
-    28·d³`` versus ``20·d²·D + 10·d³``: Gram NS is cheaper once ``D > 1.5·d``, and tends to
-    2.5x fewer FLOPs for ``D >> d``; on a square matrix it costs 1.2x more. The fallback,
+    per segment: ``G = X Xᵀ`` (``g`` = :func:`dmuon.plan.cost.gram_product_flops`: ``2·d²·D``
+    below ``d = 128``, ``1.5·d²·D`` from there, the symmetric product of
+    :func:`_symmetric_gram`) and ``Q·X`` (``2·d²·D``), and inside (:func:`gram_ns_from_gram`)
+    ``R²`` every step, ``Q·Z`` from the segment's second step and ``Z·R·Z`` (two products)
+    before its last step (``2·d³`` each). Compare :func:`ns_flops`: ``steps·(4·d²·D + 2·d³)``.
+    For 5 steps with the default restarts (segments 2, 2, 1) and ``d >= 128``: ``10.5·d²·D +
+    22·d³`` versus ``20·d²·D + 10·d³``: Gram NS is cheaper once ``D > 1.26·d`` (``D > 1.5·d``
+    below ``d = 128``), and tends to 1.9x fewer FLOPs for ``D >> d`` (one restart after step 2:
+    2.9x); on a square matrix it costs 1.08x more. The fallback,
     norms and elementwise work are not counted.
 
     Raises:
