@@ -36,7 +36,13 @@ standard iteration's with "muon" (err64 1e-2 to 4e-2 against 3e-3 to 1.5e-2), an
 "polar_express", worst on ill-conditioned (6e-2) and rank-1 (0.3) input: the first steps'
 large slopes (8.1, 4.1) set ||Q||, which Q's bf16 rounding error is proportional to.
 
-Runtime: ~3 s (one pass over the zoo, 96 measurements, shared by all checks).
+Issue #17: ``auto`` (Gram NS where it needs fewer FLOPs, the standard iteration elsewhere) on the
+zoo and on the main job's matrices (block-0 gradients of both benchmark GPTs, ``MAIN_JOB``;
+``standard``, ``gram``, ``auto``; bounds ``MAIN_BOUNDS`` by the same rule); ``auto`` must equal,
+metric for metric, the backend it picks, and is held to that backend's bounds.
+
+Runtime: ~3 s for the zoo (one pass, shared by all checks) + ~6 s for the main job's matrices
+(two GPT backwards, bf16 NS of up to 1024 x 256 matrices).
 """
 
 from __future__ import annotations
