@@ -29,7 +29,13 @@ exact polar factor from a float64 SVD ``G = U diag(σ) Vᵀ`` (thin). Definition
 Backends (columns): ``standard`` = ``newton_schulz`` with "muon" coefficients (dmuon's and
 torch's default); ``polar_express`` = ``newton_schulz`` with the "polar_express" preset;
 ``gram`` = ``gram_newton_schulz`` (default restarts: before steps 2 and 4) with "muon";
-``gram_pe`` = ``gram_newton_schulz`` with "polar_express".
+``gram_pe`` = ``gram_newton_schulz`` with "polar_express"; ``auto`` = ``auto_newton_schulz``
+with "muon" (Gram NS where it needs fewer FLOPs for the shape, the standard iteration
+elsewhere: on the zoo, Gram NS on every matrix but the square ``gauss_1x1``).
+
+A second table runs ``standard``, ``gram`` and ``auto`` on the main job's matrices
+(:data:`MAIN_JOB`: block-0 gradients of ``benchmarks/step_time.py``'s GPTs, 128 x 128 to
+1024 x 256).
 
 Usage::
 
@@ -44,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -68,7 +75,11 @@ BACKENDS: dict[str, tuple[str, str]] = {
     "polar_express": ("newton_schulz", "polar_express"),
     "gram": ("gram_newton_schulz", "muon"),
     "gram_pe": ("gram_newton_schulz", "polar_express"),
+    "auto": ("auto_newton_schulz", "muon"),
 }
+#: backends measured on the main job's matrices (:data:`MAIN_JOB`): the default iteration, Gram
+#: NS and the per-shape choice between them (bf16 NS of 256 x 1024 matrices is slow on CPUs)
+MAIN_JOB_BACKENDS = ("standard", "gram", "auto")
 
 
 # ------------------------------------------------------------------------------ the zoo
@@ -119,9 +130,44 @@ ZOO: dict[str, tuple[str, Callable[[], torch.Tensor]]] = {
 }
 
 
+@functools.lru_cache(maxsize=2)
+def _gpt_grads(size: str) -> dict[str, torch.Tensor]:
+    """float64 gradients of block 0's matrices of the main job's GPT (``benchmarks/step_time.py``
+    sizes, seed 0) after one forward + backward on 4 sequences of the embedded default corpus
+    (``dmuon.train.data.stdlib_corpus``, its first bytes): what Muon's first step orthogonalises
+    (momentum = gradient up to a scale, which NS normalises away)."""
+    from dmuon.train.data import encode, stdlib_corpus
+    from dmuon.train.model import GPT, GPTConfig, lm_loss
+
+    cfg = dict(small=dict(d_model=128, n_layers=4, n_heads=4, d_mlp=512, seq_len=64),
+               large=dict(d_model=256, n_layers=8, n_heads=8, d_mlp=1024, seq_len=128))[size]
+    model = GPT(GPTConfig(vocab_size=256, **cfg), seed=0)
+    tokens = torch.from_numpy(encode(stdlib_corpus(1 << 16))[: 4 * (cfg["seq_len"] + 1)].copy()).long()
+    tokens = tokens.reshape(4, cfg["seq_len"] + 1)
+    lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+    block = dict(model.layers[0].named_parameters())
+    return {name: block[name].grad.double() for name in block if block[name].ndim == 2}
+
+
+def _gpt_grad(size: str, suffix: str) -> torch.Tensor:
+    return next(g for name, g in _gpt_grads(size).items() if name.endswith(suffix))
+
+
+#: The main job's matrices (issue #17): gradients of the GPT of both benchmark sizes, one of
+#: each shape (block 0), float32 like the zoo.
+MAIN_JOB: dict[str, tuple[str, Callable[[], torch.Tensor]]] = {
+    "gpt_small_q": ("small GPT q_proj gradient, 128x128", lambda: _gpt_grad("small", "q_proj.weight")),
+    "gpt_small_up": ("small GPT up_proj gradient, 512x128 (tall)", lambda: _gpt_grad("small", "up_proj.weight")),
+    "gpt_small_down": ("small GPT down_proj gradient, 128x512", lambda: _gpt_grad("small", "down_proj.weight")),
+    "gpt_large_q": ("large GPT q_proj gradient, 256x256", lambda: _gpt_grad("large", "q_proj.weight")),
+    "gpt_large_up": ("large GPT up_proj gradient, 1024x256 (tall)", lambda: _gpt_grad("large", "up_proj.weight")),
+    "gpt_large_down": ("large GPT down_proj gradient, 256x1024", lambda: _gpt_grad("large", "down_proj.weight")),
+}
+
+
 def zoo_matrix(name: str) -> torch.Tensor:
-    """The float32 zoo matrix ``name`` (deterministic)."""
-    return ZOO[name][1]().float()
+    """The float32 zoo (or :data:`MAIN_JOB`) matrix ``name`` (deterministic)."""
+    return (ZOO[name] if name in ZOO else MAIN_JOB[name])[1]().float()
 
 
 # ------------------------------------------------------------------------------ metrics
@@ -206,7 +252,8 @@ def measure(
 
 
 def run(matrices=None, dtypes=None, backends=None, steps: int = STEPS) -> list[Metrics]:
-    """Metrics for every (matrix, dtype, backend); defaults: the whole zoo, fp32 and bf16, all backends."""
+    """Metrics for every (matrix, dtype, backend); defaults: the whole zoo, fp32 and bf16, all backends.
+    (``matrices`` may name :data:`MAIN_JOB` entries too.)"""
     rows = []
     for name in matrices or list(ZOO):
         x = zoo_matrix(name)
@@ -282,6 +329,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", help="comma-separated subset of fp32,bf16,fp16 (default fp32,bf16)")
     parser.add_argument("--backends", help=f"comma-separated subset of {','.join(BACKENDS)}")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument("--no-main-job", action="store_true", help="skip the main job's matrices")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     split = lambda s: s.split(",") if s else None  # noqa: E731
@@ -295,6 +343,15 @@ def main(argv=None) -> int:
     print("\n#N: nonzero directions, #R: resolved directions (s >= 1e-2)\n")
     print(format_table(rows, args.markdown))
     print()
+    if not args.matrices and not args.no_main_job:
+        main_rows = run(list(MAIN_JOB), split(args.dtypes), list(MAIN_JOB_BACKENDS), args.steps)
+        rows += main_rows
+        print("# the main job's matrices (block-0 gradients of benchmarks/step_time.py's GPTs)\n")
+        for name, (desc, _) in MAIN_JOB.items():
+            print(f"- `{name}`: {desc}" if args.markdown else f"  {name}: {desc}")
+        print()
+        print(format_table(main_rows, args.markdown))
+        print()
     print(f"# matmul FLOPs per matrix, {args.steps} steps\n")
     print(format_flops(args.markdown, args.steps))
     print(f"\n({len(rows)} measurements in {wall:.1f} s)")

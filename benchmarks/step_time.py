@@ -55,7 +55,12 @@ Per variant (JSON field names in brackets):
   wall time (CUDA: synchronised around the call). ``ns_flops_total`` (all ranks, one step),
   ``ns_flops_per_rank``, ``ns_flops_busiest``, ``ns_busiest_over_mean`` = busiest / (total / N),
   ``ns_ms_busiest`` (median over steps of the slowest rank's NS time), and the plan's prediction
-  ``plan_ns_flops_per_rank`` (``plan.rank_stats()``).
+  ``plan_ns_flops_per_rank`` (``plan.rank_stats()``). ``gram_newton_schulz`` is wrapped the same
+  way (``gram_ns_flops``), for ``--variants dmuon_z3_auto`` (Z3 with ``ns_backend="auto"`` in
+  ``dedicate_params`` and ``dmuon.Muon``: Gram NS on the MLP matrices).
+* ``floor_ms`` (``floor``; dmuon variants): per step, the slowest rank's own forward + backward +
+  ``dmuon.Muon``'s AdamW group step (the non-dedicated parameters) + its Newton-Schulz time; the
+  median over steps. The step time with nothing else (momentum, updates, waits) is this floor.
 * Memory per rank: CPU: ``peak_rss_mib`` = ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` after the
   size's runs — a PROCESS peak, shared by all variants of the launch (they live in one process),
   so it cannot separate them; therefore also ``peak_alloc_mib``: bytes of tensor storages held at
@@ -103,6 +108,8 @@ SIZES: dict[str, dict[str, int]] = {
     "large": dict(n_layers=8, d_model=256, d_mlp=1024, n_heads=8, seq_len=128, batch=16),
 }
 VARIANTS = ("adamw", "naive", "dmuon_z2", "dmuon_z3")
+#: opt-in variants (``--variants``): dmuon Z3 with ``ns_backend="auto"`` in the plan and the optimizer
+EXTRA_VARIANTS = ("dmuon_z3_auto",)
 HOOK_VARIANTS = ("plain", "dmuon_hooks_z3", "adamw", "dmuon_z3")
 GOAL_STEP_RATIO = 1.15
 GOAL_NS_BALANCE = 1.05
@@ -214,30 +221,46 @@ class NaiveMuon:
 # Instrumentation: Newton-Schulz timer, sync, memory
 # ==============================================================================================
 
-_NS_LOG: list[tuple[int, float]] = []  # (FLOPs, seconds) of each newton_schulz call
+_NS_LOG: list[tuple[int, float]] = []  # (FLOPs, seconds) of each newton_schulz / gram_newton_schulz call
+_ADAMW_LOG: list[float] = []  # seconds of each dmuon.Muon AdamW group step
 
 
 def _install_ns_timer(device: torch.device) -> None:
-    """Wrap ``dmuon.exec.newton_schulz.newton_schulz`` (module attribute) with a FLOP/time log."""
+    """Wrap ``dmuon.exec.newton_schulz.newton_schulz`` and ``gram_newton_schulz`` (module
+    attributes; ``ns_backend="auto"`` calls them through the module) with a FLOP/time log, and
+    ``dmuon.Muon``'s AdamW group step with a time log (the ``floor`` column)."""
     from dmuon.exec import newton_schulz as ns_mod
+    from dmuon.exec.optim import Muon
 
     if getattr(ns_mod.newton_schulz, "_bench_timed", False):
         return
-    orig = ns_mod.newton_schulz
 
-    def timed(x, **kw):
-        m, n = int(x.shape[-2]), int(x.shape[-1])
-        k = math.prod(int(s) for s in x.shape[:-2])
+    def wrap(orig, flops_of):
+        def timed(x, **kw):
+            m, n = int(x.shape[-2]), int(x.shape[-1])
+            k = math.prod(int(s) for s in x.shape[:-2])
+            _sync(device)
+            t0 = time.perf_counter()
+            out = orig(x, **kw)
+            _sync(device)
+            _NS_LOG.append((flops_of(m, n, kw.get("steps", 5), num_matrices=k), time.perf_counter() - t0))
+            return out
+
+        timed._bench_timed = True  # type: ignore[attr-defined]
+        return timed
+
+    ns_mod.newton_schulz = wrap(ns_mod.newton_schulz, ns_mod.ns_flops)
+    ns_mod.gram_newton_schulz = wrap(ns_mod.gram_newton_schulz, ns_mod.gram_ns_flops)
+    adamw_step = Muon._adamw_group_step
+
+    def timed_adamw(self, group):
         _sync(device)
         t0 = time.perf_counter()
-        out = orig(x, **kw)
+        adamw_step(self, group)
         _sync(device)
-        _NS_LOG.append((ns_mod.ns_flops(m, n, kw.get("steps", 5), num_matrices=k),
-                        time.perf_counter() - t0))
-        return out
+        _ADAMW_LOG.append(time.perf_counter() - t0)
 
-    timed._bench_timed = True  # type: ignore[attr-defined]
-    ns_mod.newton_schulz = timed
+    Muon._adamw_group_step = timed_adamw
 
 
 def _sync(device: torch.device) -> None:
@@ -351,17 +374,18 @@ def build_variant(name: str, size: str, mesh, device: torch.device, cfg_args: di
     ref_plan = dmuon.plan.compile(model, world, cost_model=cfg_args["cost_model"])
     muon_fqns = list(ref_plan.dedicated)
     plan = None
-    if name in ("dmuon_z2", "dmuon_z3", "dmuon_hooks_z3"):
+    if name in ("dmuon_z2", "dmuon_z3", "dmuon_hooks_z3", "dmuon_z3_auto"):
         z3 = name != "dmuon_z2"
+        ns_backend = "auto" if name == "dmuon_z3_auto" else "standard"
         plan = dmuon.dedicate_params(model, mesh, reshard_after_forward=z3,
-                                     cost_model=cfg_args["cost_model"])
+                                     cost_model=cfg_args["cost_model"], ns_backend=ns_backend)
         if name != "dmuon_hooks_z3":
             for layer in model.layers:
                 fsdp.fully_shard(layer, mesh=mesh, reshard_after_forward=z3)
             fsdp.fully_shard(model, mesh=mesh, reshard_after_forward=z3)
         opt = dmuon.Muon(model, **MUON_HP, ns_dtype=ns_dtype, adamw_lr=ADAMW_HP["lr"],
                          adamw_betas=ADAMW_HP["betas"], adamw_eps=ADAMW_HP["eps"],
-                         adamw_weight_decay=ADAMW_HP["weight_decay"])
+                         adamw_weight_decay=ADAMW_HP["weight_decay"], ns_backend=ns_backend)
     elif name == "plain":
         opt = torch.optim.AdamW(model.parameters(), **ADAMW_HP)
     elif name in ("adamw", "naive"):
@@ -405,6 +429,7 @@ def run_step(v: Variant, batches, device: torch.device, *, timed: bool) -> None:
         torch.cuda.reset_peak_memory_stats(device)
     LEDGER.reset()
     _NS_LOG.clear()
+    _ADAMW_LOG.clear()
     _sync(device)
     t0 = time.perf_counter()
     loss = lm_loss(v.model(x), y)
@@ -427,6 +452,7 @@ def run_step(v: Variant, batches, device: torch.device, *, timed: bool) -> None:
         ledger_other=snap.get("other", 0),
         ns_flops=sum(f for f, _ in _NS_LOG),
         ns_s=sum(t for _, t in _NS_LOG),
+        adamw_s=sum(_ADAMW_LOG),
     )
     if device.type == "cuda":
         v.peak_alloc = max(v.peak_alloc, torch.cuda.max_memory_allocated(device))
@@ -516,6 +542,7 @@ def _summarise(v: Variant, per_rank: list[dict], rss: list[float], world: int) -
         ns_flops_busiest=max(ns_per_rank),
         ns_busiest_over_mean=(max(ns_per_rank) / (ns_total / world)) if ns_total else None,
         ns_ms_busiest=1e3 * statistics.median(ns_s),
+        floor_ms=None,
         ns_flops_constant=all(recs[r][i]["ns_flops"] == ns_per_rank[r] for r in range(world) for i in range(n)),
         peak_alloc_mib=[r["peak_alloc"] / 2**20 for r in per_rank],
         held_mib=[r["held"] / 2**20 for r in per_rank],
@@ -545,6 +572,11 @@ def _summarise(v: Variant, per_rank: list[dict], rss: list[float], world: int) -
             ) and all(t == cost.total_nbytes for t in ledger_tot),
             plan_ns_flops_per_rank=[s.ns_flops for s in v.plan.rank_stats()],
             cost_model=v.plan.cost_model,
+            # the floor of this variant: its own forward + backward, AdamW on the non-dedicated
+            # parameters and the rank's Newton-Schulz alone (no momentum, update or waits)
+            floor_ms=1e3 * statistics.median(
+                max(recs[r][i]["fb"] + recs[r][i]["adamw_s"] + recs[r][i]["ns_s"] for r in range(world))
+                for i in range(n)),
         )
     elif v.name in ("adamw", "naive"):
         b = v.ref_plan.baseline_cost
@@ -762,7 +794,7 @@ def _fmt(x, spec="", none="-"):
 def format_table(rows: list[dict]) -> str:
     hdr = (f"{'size':<6}{'N':>2} {'variant':<15}{'step ms':>9}{'fwd+bwd':>9}{'opt ms':>8}"
            f"{'xAdamW':>7}{'min ms':>8}{'xAdamW':>7}  {'ledger B/step':>14}{'plan B/step':>13}{'=plan':>6}"
-           f"{'NS GF max':>10}{'max/mean':>9}{'NS ms max':>10}{'alloc MiB':>10}{'RSS MiB':>9}")
+           f"{'NS GF max':>10}{'max/mean':>9}{'NS ms max':>10}{'floor':>8}{'alloc MiB':>10}{'RSS MiB':>9}")
     lines = [hdr, "-" * len(hdr)]
     for r in rows:
         plan_b = r["plan_total_nbytes"] if r["plan_total_nbytes"] is not None else r["model_nbytes_per_step"]
@@ -774,12 +806,15 @@ def format_table(rows: list[dict]) -> str:
             f"{r['step_ms_min']:>8.1f}{_fmt(r.get('ratio_to_adamw_min'), '.2f'):>7}  "
             f"{_fmt(r['ledger_nbytes_per_step'], ','):>14}{plan_s:>13}{_fmt(eq):>6}"
             f"{r['ns_flops_busiest'] / 1e9:>10.2f}{_fmt(r['ns_busiest_over_mean'], '.3f'):>9}"
-            f"{r['ns_ms_busiest']:>10.1f}{max(r['peak_alloc_mib']):>10.1f}{max(r['peak_rss_mib']):>9.0f}"
+            f"{r['ns_ms_busiest']:>10.1f}{_fmt(r.get('floor_ms'), '.1f'):>8}"
+            f"{max(r['peak_alloc_mib']):>10.1f}{max(r['peak_rss_mib']):>9.0f}"
         )
     lines.append("  (step/fwd+bwd/opt: medians over the timed steps, each the slowest rank's; min ms: the "
                  "fastest timed step; xAdamW: ratio to FSDP2+AdamW at the same N, by median and by min)")
     lines.append("  (* = plan.baseline_cost byte MODEL of FSDP2 [+ naive all-gather] for the Muon "
                  "matrices, not measured; ledger = dmuon's measured bytes, summed over ranks)")
+    lines.append("  (floor: dmuon's own fwd+bwd + AdamW on the non-dedicated params + its Newton-Schulz, "
+                 "per step the slowest rank's sum, median; what the step would take with nothing else)")
     return "\n".join(lines)
 
 
@@ -865,7 +900,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--nproc", type=int, nargs="+", default=[2, 4], help="world sizes, one launch each")
     p.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=["small", "large"])
-    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", choices=VARIANTS + EXTRA_VARIANTS, default=list(VARIANTS))
     p.add_argument("--steps", type=int, default=12, help="timed steps per variant (>= 10 recommended)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
     p.add_argument("--rounds", type=int, default=4, help="interleaved rounds over the variants")

@@ -22,7 +22,7 @@ ROW_KEYS = {
     "losses", "ledger_nbytes_per_step", "ledger_per_rank_nbytes", "ledger_constant",
     "plan_total_nbytes", "plan_per_rank_nbytes", "ledger_matches_plan", "model_nbytes_per_step",
     "ns_flops_total", "ns_flops_per_rank", "ns_flops_busiest", "ns_busiest_over_mean",
-    "ns_ms_busiest", "plan_ns_flops_per_rank", "peak_alloc_mib", "peak_rss_mib", "cost_model",
+    "ns_ms_busiest", "plan_ns_flops_per_rank", "peak_alloc_mib", "peak_rss_mib", "cost_model", "floor_ms",
 }
 
 
@@ -59,12 +59,16 @@ def test_step_time_quick(tmp_path):
         assert sum(r["plan_per_rank_nbytes"]) == r["plan_total_nbytes"]
         # NS work as planned: each matrix once, on its owner
         assert r["ns_flops_per_rank"] == r["plan_ns_flops_per_rank"]
+        # the floor (own fwd+bwd + AdamW on the rest + NS, per step and rank) lies between the
+        # step's fwd+bwd and the step (each rank's parts are inside its step; medians keep order)
+        assert r["fwd_bwd_ms"] <= r["floor_ms"] <= r["step_ms"], name
     # Z3 broadcasts again before backward: 3(N-1)P vs 2(N-1)P
     assert 2 * rows["dmuon_z3"]["plan_total_nbytes"] == 3 * rows["dmuon_z2"]["plan_total_nbytes"]
     # naive: every rank runs Newton-Schulz on every matrix
     total = rows["dmuon_z3"]["ns_flops_total"]
     assert rows["naive"]["ns_flops_per_rank"] == [total, total]
     assert rows["adamw"]["ns_flops_total"] == 0
+    assert rows["adamw"]["floor_ms"] is None and rows["naive"]["floor_ms"] is None
     # the baseline is the same optimizer: same losses as dmuon (fp32 NS on CPU), step by step
     ref = rows["dmuon_z3"]["losses"]
     for name in ("naive", "dmuon_z2"):

@@ -36,11 +36,18 @@ standard iteration's with "muon" (err64 1e-2 to 4e-2 against 3e-3 to 1.5e-2), an
 "polar_express", worst on ill-conditioned (6e-2) and rank-1 (0.3) input: the first steps'
 large slopes (8.1, 4.1) set ||Q||, which Q's bf16 rounding error is proportional to.
 
-Runtime: ~3 s (one pass over the zoo, 96 measurements, shared by all checks).
+Issue #17: ``auto`` (Gram NS where it needs fewer FLOPs, the standard iteration elsewhere) on the
+zoo and on the main job's matrices (block-0 gradients of both benchmark GPTs, ``MAIN_JOB``;
+``standard``, ``gram``, ``auto``; bounds ``MAIN_BOUNDS`` by the same rule); ``auto`` must equal,
+metric for metric, the backend it picks, and is held to that backend's bounds.
+
+Runtime: ~3 s for the zoo (one pass, shared by all checks) + ~6 s for the main job's matrices
+(two GPT backwards, bf16 NS of up to 1024 x 256 matrices).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import sys
@@ -50,6 +57,7 @@ import pytest
 import torch
 
 import dmuon.exec.newton_schulz as ns
+from dmuon.plan import cost
 from conftest import REPO_ROOT
 from ns_spy import spy_ns
 
@@ -173,7 +181,57 @@ BOUNDS = {
         },
     },
 }
+
+#: The main job's matrices (benchmarks/ns_accuracy.py MAIN_JOB: block-0 gradients of both
+#: benchmark GPTs), same rule as BOUNDS; "auto" is held to the bounds of the backend it picks.
+MAIN_BOUNDS = {
+    "standard": {
+        "fp32": {
+            "gpt_small_q": (0.22, 5e-06),  # measured 0.191, 1.0e-06
+            "gpt_small_up": (0.22, 3e-06),  # measured 0.182, 9.9e-07
+            "gpt_small_down": (0.22, 3e-06),  # measured 0.190, 8.4e-07
+            "gpt_large_q": (0.22, 3e-06),  # measured 0.182, 7.9e-07
+            "gpt_large_up": (0.22, 1.5e-05),  # measured 0.182, 3.7e-06
+            "gpt_large_down": (0.22, 1e-05),  # measured 0.185, 3.1e-06
+        },
+        "bf16": {
+            "gpt_small_q": (0.26, 0.05),  # measured 0.191, 1.2e-02
+            "gpt_small_up": (0.25, 0.05),  # measured 0.183, 1.2e-02
+            "gpt_small_down": (0.23, 0.03),  # measured 0.189, 8.9e-03
+            "gpt_large_q": (0.22, 0.03),  # measured 0.183, 9.9e-03
+            "gpt_large_up": (0.25, 0.05),  # measured 0.182, 1.0e-02
+            "gpt_large_down": (0.23, 0.03),  # measured 0.185, 7.1e-03
+        },
+    },
+    "gram": {
+        "fp32": {
+            "gpt_small_q": (0.22, 1e-05),  # measured 0.191, 3.0e-06
+            "gpt_small_up": (0.22, 1e-05),  # measured 0.182, 2.5e-06
+            "gpt_small_down": (0.22, 7e-06),  # measured 0.190, 2.0e-06
+            "gpt_large_q": (0.22, 7e-06),  # measured 0.182, 2.1e-06
+            "gpt_large_up": (0.22, 1.5e-05),  # measured 0.182, 3.9e-06
+            "gpt_large_down": (0.22, 1e-05),  # measured 0.185, 3.3e-06
+        },
+        "bf16": {
+            "gpt_small_q": (0.32, 0.1),  # measured 0.197, 2.5e-02
+            "gpt_small_up": (0.31, 0.1),  # measured 0.191, 2.4e-02
+            "gpt_small_down": (0.28, 0.07),  # measured 0.196, 2.1e-02
+            "gpt_large_q": (0.31, 0.1),  # measured 0.189, 2.4e-02
+            "gpt_large_up": (0.27, 0.07),  # measured 0.190, 2.1e-02
+            "gpt_large_down": (0.27, 0.07),  # measured 0.194, 2.2e-02
+        },
+    },
+}
 # fmt: on
+
+
+def _picked(matrix: str) -> str:
+    """The backend "auto" runs on a zoo / main-job matrix (dmuon.plan.cost.choose_ns_backend)."""
+    return cost.choose_ns_backend(tuple(acc.zoo_matrix(matrix).shape), "auto")
+
+
+for _table, _names in ((BOUNDS, [m for m in acc.ZOO if m != "zero"]), (MAIN_BOUNDS, list(acc.MAIN_JOB))):
+    _table["auto"] = {dt: {m: _table[_picked(m)][dt][m] for m in _names} for dt in acc.DEFAULT_DTYPES}
 
 #: Exact-arithmetic band of each preset after 5 steps on singular values s in [3e-3, 1]
 #: (schedule_gain_bounds / the docstring of benchmarks/ns_accuracy.py) and the spread bounds
@@ -197,6 +255,12 @@ def rows():
     return {(r.matrix, r.dtype, r.backend): r for r in acc.run()}
 
 
+@pytest.fixture(scope="module")
+def main_rows():
+    return {(r.matrix, r.dtype, r.backend): r
+            for r in acc.run(list(acc.MAIN_JOB), backends=list(acc.MAIN_JOB_BACKENDS))}
+
+
 def _cases():
     for backend in acc.BACKENDS:
         for dtype in acc.DEFAULT_DTYPES:
@@ -214,13 +278,39 @@ def test_bounds_cover_the_zoo():
 
 @pytest.mark.parametrize("matrix, dtype, backend", list(_cases()))
 def test_backend_accuracy(rows, matrix, dtype, backend):
-    r = rows[(matrix, dtype, backend)]
+    _check(rows[(matrix, dtype, backend)], BOUNDS)
+
+
+@pytest.mark.parametrize("dtype", acc.DEFAULT_DTYPES)
+@pytest.mark.parametrize("backend", acc.MAIN_JOB_BACKENDS)
+def test_backend_accuracy_on_the_main_jobs_matrices(main_rows, dtype, backend):
+    assert set(MAIN_BOUNDS[backend][dtype]) == set(acc.MAIN_JOB)
+    for matrix in acc.MAIN_JOB:
+        _check(main_rows[(matrix, dtype, backend)], MAIN_BOUNDS)
+
+
+def test_auto_is_exactly_the_backend_it_picks(rows, main_rows):
+    """auto's row equals the row of the backend it picks (Gram NS on the non-square matrices,
+    the standard iteration on the square ones), so its deviation and bounds are those."""
+    for table, names in ((rows, acc.ZOO), (main_rows, acc.MAIN_JOB)):
+        picked = {m: _picked(m) for m in names}
+        assert {"gram", "standard"} <= set(picked.values()) or table is main_rows
+        for m in names:
+            for dt in acc.DEFAULT_DTYPES:
+                a, b = table[(m, dt, "auto")], table[(m, dt, picked[m])]
+                assert dataclasses.replace(a, backend=b.backend) == b, (m, dt)
+    assert _picked("gauss_1x1") == _picked("gpt_large_q") == "standard"
+    assert _picked("gpt_large_up") == _picked("gpt_small_down") == _picked("rank4") == "gram"
+
+
+def _check(r, bounds) -> None:
+    matrix, dtype, backend = r.matrix, r.dtype, r.backend
     assert r.finite, "non-finite result"
     assert r.fallbacks == 0, "the Gram fallback fired on a zoo matrix"
     if matrix == "zero":
         assert r.max_abs == 0.0 and r.nonzero == 0 and r.polar is None
         return
-    polar_max, err_max = BOUNDS[backend][dtype][matrix]
+    polar_max, err_max = bounds[backend][dtype][matrix]
     assert r.polar <= polar_max, f"polar {r.polar:.4f} > {polar_max}"
     assert r.err64 <= err_max, f"err64 {r.err64:.2e} > {err_max}"
     lo, hi = SPREAD[acc.BACKENDS[backend][1]]

@@ -70,6 +70,19 @@ class TrainingState(enum.Enum):
     BACKWARD = enum.auto()  # the compute parameters, from pre-backward to post-backward (recompute included)
 
 
+def eager_hook(fn):
+    """``fn`` run eagerly, never traced, when called from a ``torch.compile``'d region — how
+    FSDP2 registers its hooks (``torch._dynamo.disable(recursive=True)``).
+
+    A block compiled with ``module.compile()`` / ``torch.compile(module)`` compiles
+    ``Module._call_impl``, i.e. its forward hooks too. dmuon's hooks post collectives, wait on
+    them, swap parameters and move Python state machines: nothing Dynamo should trace (it
+    graph-broke five times per boundary inside them and warned on every rank). Disabled, the
+    hook is one opaque call before and after the block's compiled graph, exactly as FSDP2's.
+    """
+    return torch._dynamo.disable(fn, recursive=True, reason="dmuon hook-boundary hooks (run eagerly, as FSDP2's)")
+
+
 class _PostBackward(torch.autograd.Function):
     """Identity on the boundary's forward inputs; its backward marks the boundary's backward done.
 

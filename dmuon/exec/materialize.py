@@ -55,6 +55,7 @@ import weakref
 import torch
 import torch.nn as nn
 
+from .boundary import eager_hook
 from .buffers import _contiguous_strides, _Segment, _Slot
 from .runtime import get_model_runtime
 
@@ -84,7 +85,7 @@ def install(runtime, model: nn.Module) -> None:
         return None
 
     for b in runtime.boundaries:
-        b.handles.append(b.module.register_forward_pre_hook(guard, prepend=True))
+        b.handles.append(b.module.register_forward_pre_hook(eager_hook(guard), prepend=True))
 
 
 def _dedupe(items: list) -> list:

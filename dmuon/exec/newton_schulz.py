@@ -29,6 +29,8 @@ Backends (:data:`NS_BACKENDS`; every one is a pure function with the same keywor
   with restarts; equal to ``"standard"`` in exact arithmetic, cheaper when
   ``max(m, n) >> min(m, n)``, and the form tensor parallelism needs
   (:func:`gram_ns_from_gram`).
+- ``"auto"``: :func:`auto_newton_schulz`: ``"gram"`` where it needs fewer FLOPs for the
+  matrix's shape, ``"standard"`` elsewhere (opt-in, like ``"gram"``).
 
 Coefficient presets (:data:`NS_PRESETS`) are orthogonal to the backend: ``"muon"`` (Jordan
 et al.) and ``"polar_express"`` (Amsel et al., arXiv 2505.16932) run on either.
@@ -53,7 +55,14 @@ import torch
 from torch import Tensor
 
 # The FLOP formulas and the Gram segment rule are written once, in the (torch-free) cost model.
-from dmuon.plan.cost import gram_ns_segment_flops, gram_segment_lengths, ns_flops
+from dmuon.plan.cost import (
+    GRAM_RESTART_EVERY,
+    GRAM_SYM_MIN_SIDE,
+    choose_ns_backend,
+    gram_ns_segment_flops,
+    gram_segment_lengths,
+    ns_flops,
+)
 
 __all__ = [
     "GRAM_RESTART_EVERY",
@@ -66,6 +75,7 @@ __all__ = [
     "get_ns_backend",
     "gram_newton_schulz",
     "gram_ns_flops",
+    "auto_newton_schulz",
     "gram_ns_from_gram",
     "gram_segments",
     "newton_schulz",
@@ -152,6 +162,7 @@ NS_PRESETS: dict[str, Union[Triple, tuple[Triple, ...]]] = {
 NS_BACKENDS: dict[str, str] = {
     "standard": "newton_schulz",
     "gram": "gram_newton_schulz",
+    "auto": "auto_newton_schulz",
 }
 
 _MAX_STEPS = 100  # torch.optim.Muon refuses ns_steps >= 100 "for computational efficiency"
@@ -295,6 +306,30 @@ def newton_schulz(
     return _newton_schulz(x, schedule, eps, dtype)
 
 
+def auto_newton_schulz(
+    x: Tensor,
+    *,
+    coefficients: Coefficients = (3.4445, -4.775, 2.0315),
+    steps: int = 5,
+    eps: float = 1e-7,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Tensor:
+    """:func:`gram_newton_schulz` (default restarts, safe fallback) where it needs fewer matmul
+    FLOPs than :func:`newton_schulz` for ``x``'s matrix shape and ``steps``, else
+    :func:`newton_schulz` — the rule :func:`dmuon.plan.cost.choose_ns_backend` (ties: standard).
+
+    Every matrix of a batch has the same shape, so one call runs one backend. Same arguments,
+    shapes and result as the backend it picks. With 5 steps: Gram NS for ``(d, D)`` with
+    ``D > 1.26·d`` (``d >= 128``; ``D > 1.5·d`` below), e.g. an MLP's ``(4d, d)`` weights; the
+    standard iteration on square matrices. Measured deviation and savings:
+    docs/newton_schulz.md ("auto").
+    """
+    _check_input(x, dtype, "auto_newton_schulz")
+    backend = choose_ns_backend(x.shape[-2:], "auto", steps=steps)
+    fn = gram_newton_schulz if backend == "gram" else newton_schulz  # module globals: spies see them
+    return fn(x, coefficients=coefficients, steps=steps, eps=eps, dtype=dtype)
+
+
 def _check_input(x: Tensor, dtype: torch.dtype, who: str) -> None:
     if x.ndim < 2:
         raise ValueError(f"{who} needs a matrix or a batch of matrices, got shape {tuple(x.shape)}")
@@ -339,9 +374,9 @@ def _newton_schulz(x: Tensor, schedule: tuple[Triple, ...], eps: float, dtype: t
 # ------------------------------------------------------------------------------ Gram NS
 
 
-#: Default restart period of :func:`gram_newton_schulz`: re-form the Gram matrix from the
-#: current ``X`` before steps 2, 4, ... (0-based), i.e. segments of 2 steps.
-GRAM_RESTART_EVERY = 2
+# GRAM_RESTART_EVERY (imported from dmuon.plan.cost, where the cost model reads it): default
+# restart period of gram_newton_schulz: re-form the Gram matrix from the current X before steps
+# 2, 4, ... (0-based), i.e. segments of 2 steps.
 
 Restarts = Union[int, Sequence[int], None]
 
@@ -429,19 +464,20 @@ def _gram_q(R: Tensor, schedule: Sequence[Triple]) -> Tensor:
     # Z = a·I + W with W = b·R + c·R², and every product with Z is evaluated as a·M + M·W in
     # one fused baddbmm: the large a·I part is never rounded on its own (in bf16 that alone
     # costs ~2x accuracy), as in Dao-AILab/gram-newton-schulz.
+    # W of the first step becomes Q in place once R no longer needs it (no copy).
     Q: Optional[Tensor] = None
     last = len(schedule) - 1
     for k, (a, b, c) in enumerate(schedule):
         W = torch.baddbmm(R, R, R, beta=b, alpha=c)  # b·R + c·R²
-        if Q is None:
-            Q = W.clone()
-            Q.diagonal(dim1=-2, dim2=-1).add_(a)  # Q = Z
-        else:
-            Q = torch.baddbmm(Q, Q, W, beta=a)  # Q·Z
         if k < last:
             RZ = torch.baddbmm(R, R, W, beta=a)  # R·Z
             R = torch.baddbmm(RZ, W, RZ, beta=a)  # Z·R·Z
             R = (R + R.mT).mul_(0.5)
+        if Q is None:
+            Q = W
+            Q.diagonal(dim1=-2, dim2=-1).add_(a)  # Q = Z
+        else:
+            Q = torch.baddbmm(Q, Q, W, beta=a)  # Q·Z
     if Q is None:
         Q = torch.eye(R.shape[-1], dtype=R.dtype, device=R.device).expand_as(R).clone()
     return Q
@@ -495,7 +531,8 @@ def gram_newton_schulz(
     1. ``X = x.to(dtype)``, wide orientation ``(d, D)``, ``d <= D`` (tall input transposed),
        ``X /= max(‖X‖_F, eps)`` per matrix — exactly :func:`newton_schulz`'s prologue;
     2. for each segment of the schedule between restarts (:func:`gram_segments`):
-       ``G = X Xᵀ`` (symmetrised), ``Q = gram_ns_from_gram(G, segment)``, ``X = Q X``;
+       ``G = X Xᵀ`` (exactly symmetric; from ``d >= 128`` only its lower blocks are multiplied,
+       :func:`_symmetric_gram`), ``Q = gram_ns_from_gram(G, segment)``, ``X = Q X``;
     3. transpose back.
 
     Only ``(d, d)`` products run inside a segment; ``(d, D)`` products only at its ends. A
@@ -580,19 +617,20 @@ def gram_newton_schulz(
     if tall:
         X = X.mT
     norms = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
-    X.div_(norms.clamp_(min=eps))
+    scale = norms.clamp(min=eps)
+    X.div_(scale)
     X0 = X
     for segment in segments:
-        G = torch.bmm(X, X.mT)
-        G = (G + G.mT).mul_(0.5)
-        X = torch.bmm(_gram_q(G, segment), X)
+        X = torch.bmm(_gram_q(_symmetric_gram(X), segment), X)
 
     if fallback and segments:
         min_slope, max_gain = schedule_gain_bounds(schedule)
         top = _GRAM_FALLBACK_MARGIN * max_gain
         floor = min_slope / _GRAM_FALLBACK_MARGIN
-        inner = (X * X0).sum(dim=(-2, -1), dtype=torch.promote_types(X.dtype, torch.float32))
-        x0_sq = (X0 * X0).sum(dim=(-2, -1), dtype=inner.dtype)  # 1, or 0 for a zero matrix
+        acc = torch.promote_types(X.dtype, torch.float32)
+        inner = (X * X0).sum(dim=(-2, -1), dtype=acc)
+        # ‖X0‖_F²: 1, or 0 for a zero matrix; from the norms, without another pass over X0
+        x0_sq = (norms / scale).square().reshape(-1).to(acc)
         # NaN / inf compare False, so they count as bad.
         ok = (_spectral_norm_estimate(X) <= top) & (inner >= floor * x0_sq)
         bad = ~ok
@@ -614,6 +652,32 @@ def gram_newton_schulz(
     if tall:
         X = X.mT
     return X.reshape(*lead, m, n)
+
+
+def _symmetric_gram(X: Tensor) -> Tensor:
+    """``X Xᵀ`` of a ``(B, d, K)`` batch, exactly symmetric, in ``X``'s dtype.
+
+    ``d < GRAM_SYM_MIN_SIDE``: one ``bmm``, symmetrised as ``(G + Gᵀ)/2``. Otherwise only the
+    lower blocks are multiplied (:func:`dmuon.plan.cost.gram_product_flops`: 3/4 of the FLOPs):
+    with ``h = d // 2``, ``G[:, :h] = X·X[:h]ᵀ`` and ``G[h:, h:] = X[h:]·X[h:]ᵀ``, and the upper
+    right block is the transpose of the lower left one; the two diagonal blocks are symmetrised
+    as ``(B + Bᵀ)/2`` (``d²/2`` elements). Each entry is the dot product a full ``bmm`` computes,
+    up to the kernel's summation order.
+    """
+    d = X.shape[-2]
+    if d < GRAM_SYM_MIN_SIDE:
+        G = torch.bmm(X, X.mT)
+        return (G + G.mT).mul_(0.5)
+    h = d // 2
+    G = X.new_empty((X.shape[0], d, d))
+    left = torch.bmm(X, X[:, :h].mT)  # (B, d, h): G[:, :, :h]
+    top = left[:, :h]
+    G[:, :h, :h] = (top + top.mT).mul_(0.5)
+    G[:, h:, :h] = left[:, h:]
+    G[:, :h, h:] = left[:, h:].mT
+    bottom = torch.bmm(X[:, h:], X[:, h:].mT)
+    G[:, h:, h:] = (bottom + bottom.mT).mul_(0.5)
+    return G
 
 
 def sharded_gram_newton_schulz(
@@ -668,8 +732,7 @@ def sharded_gram_newton_schulz(
     lead, d, D = x.shape[:-2], x.shape[-2], x.shape[-1]
     X = x.reshape(-1, d, D).to(dtype, copy=True)
     for i, segment in enumerate(segments):
-        Xf = X.float()
-        G = all_reduce_sum(torch.bmm(Xf, Xf.mT))
+        G = all_reduce_sum(_symmetric_gram(X.float()))
         if i == 0:
             norm = G.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_(min=0).sqrt_().clamp_(min=eps)
             X.div_(norm.to(dtype)[:, None, None])
@@ -691,20 +754,26 @@ def _spectral_norm_estimate(X: Tensor) -> Tensor:
     """A lower estimate of ``‖X_b‖_2`` per matrix of a ``(B, d, D)`` batch (float32 or wider).
 
     ``_POWER_STEPS`` power iterations on ``X Xᵀ`` from a fixed pseudo-random start (so the
-    result is deterministic), each two batched mat-vecs in ``X``'s dtype (``4·d·D`` FLOPs
-    per matrix, no copy of ``X``); the returned ``‖Xᵀ v‖`` with ``‖v‖ = 1`` never exceeds the
-    true norm (up to the rounding of ``X``'s dtype), so a value clearly above a limit proves
-    the limit is exceeded. Non-finite input gives a non-finite estimate.
+    result is deterministic), each two batched vector-matrix products in ``X``'s dtype
+    (``4·d·D`` FLOPs per matrix, no copy of ``X``); the returned ``‖vᵀ X‖`` with ``‖v‖ = 1``
+    never exceeds the true norm (up to the rounding of ``X``'s dtype), so a value clearly above
+    a limit proves the limit is exceeded. Non-finite input gives a non-finite estimate.
+
+    The iterate is a row vector (``(B, 1, d)``): ``vᵀ·X`` and ``(vᵀX)·Xᵀ`` stream ``X`` in its
+    own layout, where the column form ``X·v`` / ``Xᵀ·v`` runs 10-40x slower in CPU ``bmm``
+    (benchmarks/ns_backends.py; it made this check cost more than half of Gram NS itself).
     """
     acc = torch.promote_types(X.dtype, torch.float32)
     g = torch.Generator(device="cpu").manual_seed(0x5EED)
-    v = torch.randn(X.shape[-2], 1, generator=g, dtype=torch.float32).to(device=X.device, dtype=X.dtype)
-    v = v.expand(X.shape[0], -1, -1)
+    v = torch.randn(1, 1, X.shape[-2], generator=g, dtype=torch.float32)
+    v = v.to(device=X.device, dtype=X.dtype).expand(X.shape[0], -1, -1).contiguous()
     for _ in range(_POWER_STEPS):
-        v = torch.bmm(X, torch.bmm(X.mT, v))
-        norm = torch.linalg.vector_norm(v, dim=(-2, -1), keepdim=True, dtype=acc)
-        v = (v / norm.clamp(min=1e-30)).to(X.dtype)
-    return torch.linalg.vector_norm(torch.bmm(X.mT, v), dim=(-2, -1), dtype=acc)
+        v = torch.bmm(torch.bmm(v, X), X.mT)
+        # (the sum of squares of a (B, 1, d) vector; linalg.vector_norm over two dims costs
+        # ~0.2 ms per call on CPU here, more than the two products)
+        norm = v.to(acc).square().sum(dim=-1, keepdim=True).sqrt_()
+        v = (v / norm.clamp_(min=1e-30)).to(X.dtype)
+    return torch.bmm(v, X).to(acc).square().sum(dim=(-2, -1)).sqrt_()
 
 
 def gram_ns_flops(
@@ -716,14 +785,17 @@ def gram_ns_flops(
     lengths ``L_1 … L_S`` (:func:`gram_segments`; ``S = 1 +`` number of restarts), the
     formula of :func:`dmuon.plan.cost.gram_ns_segment_flops`::
 
-        num_matrices * Σ_j [ 4·d²·D  +  (8·L_j - 6)·d³ ]
+        num_matrices * Σ_j [ g(d, D)  +  2·d²·D  +  (8·L_j - 6)·d³ ]
 
-    per segment: ``G = X Xᵀ`` and ``Q·X`` (``2·d²·D`` each), and inside
-    (:func:`gram_ns_from_gram`) ``R²`` every step, ``Q·Z`` from the segment's second step and
-    ``Z·R·Z`` (two products) before its last step (``2·d³`` each). Compare :func:`ns_flops`:
-    ``steps·(4·d²·D + 2·d³)``. For 5 steps with one restart (segments 2, 3): ``8·d²·D +
-    28·d³`` versus ``20·d²·D + 10·d³``: Gram NS is cheaper once ``D > 1.5·d``, and tends to
-    2.5x fewer FLOPs for ``D >> d``; on a square matrix it costs 1.2x more. The fallback,
+    per segment: ``G = X Xᵀ`` (``g`` = :func:`dmuon.plan.cost.gram_product_flops`: ``2·d²·D``
+    below ``d = 128``, ``1.5·d²·D`` from there, the symmetric product of
+    :func:`_symmetric_gram`) and ``Q·X`` (``2·d²·D``), and inside (:func:`gram_ns_from_gram`)
+    ``R²`` every step, ``Q·Z`` from the segment's second step and ``Z·R·Z`` (two products)
+    before its last step (``2·d³`` each). Compare :func:`ns_flops`: ``steps·(4·d²·D + 2·d³)``.
+    For 5 steps with the default restarts (segments 2, 2, 1) and ``d >= 128``: ``10.5·d²·D +
+    22·d³`` versus ``20·d²·D + 10·d³``: Gram NS is cheaper once ``D > 1.26·d`` (``D > 1.5·d``
+    below ``d = 128``), and tends to 1.9x fewer FLOPs for ``D >> d`` (one restart after step 2:
+    2.9x); on a square matrix it costs 1.08x more. The fallback,
     norms and elementwise work are not counted.
 
     Raises:

@@ -27,6 +27,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim.adamw import adamw as _torch_adamw
 
+from dmuon.plan import cost as _cost
+
 from . import checkpoint as _checkpoint
 from . import newton_schulz as _ns
 from . import tp_orthogonalize as _tp
@@ -148,6 +150,15 @@ class Muon(torch.optim.Optimizer):
             tensor's largest magnitude: parameters within 1e-12 of the standard backend with
             ``ns_dtype`` fp64, 1e-4 with fp32, 0.15 with bf16; measured 8e-15, 5e-6, 5e-2).
             An option, never a silent default.
+            ``"auto"``: :func:`~dmuon.exec.newton_schulz.auto_newton_schulz`, per matrix
+            (per NS batch, which shares one shape) Gram NS where it needs fewer FLOPs for the
+            shape and ``ns_steps``, the standard iteration elsewhere
+            (:func:`dmuon.plan.cost.choose_ns_backend`); opt-in. Needs a plan compiled with
+            ``ns_backend="auto"`` (``dedicate_params(..., ns_backend="auto")``), which records
+            each matrix's backend in its ``ParamSpec`` so that ``cost_model="ns_flops"``
+            balances the FLOPs that run; a mismatch between the plan's record and what this
+            optimizer would run raises ``ValueError`` (a default plan still accepts ``"gram"``).
+            Measured deviation and savings: docs/newton_schulz.md.
 
     Param groups (fixed layout, whatever the model holds):
         ``param_groups[0]``: the Muon group, every dedicated parameter (owners' masters and
@@ -423,6 +434,8 @@ class Muon(torch.optim.Optimizer):
                             f"matrix {_info(p).fqn!r} assumes tp_ns_steps={plan.tp_ns_steps} (its Gram "
                             f"all-reduce count); compile the plan with tp_ns_steps={group['ns_steps']}"
                         )
+            for p in params:
+                _check_planned_ns_backend(p, group)
         super().add_param_group(group)
         if use_muon:
             self._init_muon_state(group)
@@ -649,6 +662,45 @@ class Muon(torch.optim.Optimizer):
 # ----------------------------------------------------------------------------------------------
 # One Muon step, piece by piece (each torch.optim._muon._single_tensor_muon's ops, in its order)
 # ----------------------------------------------------------------------------------------------
+
+
+def _check_planned_ns_backend(p: Tensor, group: dict) -> None:
+    """The backend ``group`` runs on ``p`` must be the one its plan recorded
+    (``ParamSpec.ns_backend``, ``dmuon.plan.compile(ns_backend=...)``), so that
+    ``cost_model="ns_flops"`` balanced the FLOPs that run. ``"auto"`` must meet a plan compiled
+    with ``ns_backend="auto"``; a plan that records Gram NS must meet a Muon that runs Gram NS
+    there. (A plan compiled with the default ``"standard"`` accepts ``ns_backend="gram"``: its
+    LPT weights are then the standard iteration's, as before ``ns_backend`` reached the plan.)
+    No plan (a tag without a live runtime) or a TP-sharded matrix (``tp_ns`` decides): nothing
+    to check.
+
+    Raises:
+        ValueError: naming the parameter, the two backends and the fix.
+    """
+    info = _info(p)
+    if getattr(info, "tp", None) is not None:
+        return
+    runtime = getattr(info, "runtime", None)
+    rt = runtime() if callable(runtime) else None
+    plan = getattr(rt, "plan", None)
+    if plan is None:
+        return
+    spec = plan.param(info.fqn)
+    planned = spec.ns_backend
+    mode = group["ns_backend"]
+    if mode == "auto" and spec.view is not None:
+        raise ValueError(
+            f"dmuon.Muon: ns_backend='auto' with a matrix view ({info.fqn!r}) is not supported yet (its blocks "
+            f"may differ in shape, so in the backend 'auto' picks); use ns_backend='standard' or 'gram'"
+        )
+    runs = _cost.choose_ns_backend(tuple(info.matrix_shape), mode, steps=group["ns_steps"])
+    if runs != planned and (mode == "auto" or planned != "standard"):
+        raise ValueError(
+            f"dmuon.Muon: ns_backend={mode!r} (ns_steps={group['ns_steps']}) runs {runs!r} Newton-Schulz "
+            f"on {info.fqn!r} {tuple(info.matrix_shape)}, but its plan records {planned!r}; compile the "
+            f"plan with ns_backend={mode!r} (dmuon.plan.compile / dmuon.dedicate_params; 'auto' assumes "
+            f"ns_steps={_cost.NS_STEPS}) or build dmuon.Muon with the plan's ns_backend"
+        )
 
 
 def _ns_settings(group: dict) -> tuple[Callable, dict]:

@@ -42,7 +42,7 @@ from dmuon.plan.step_schedule import boundary_programs
 
 from . import collectives as C
 from . import fsdp2
-from .boundary import ShardedState, TrainingState, _BoundaryRuntime, _on_stream
+from .boundary import ShardedState, TrainingState, _BoundaryRuntime, _on_stream, eager_hook
 from .buffers import build_segments
 from .groups import MeshGroups
 from .program import bind
@@ -115,8 +115,8 @@ class DmuonRuntime:
             for slot in br.slots:
                 for mod, attr in slot.homes:
                     mod._parameters[attr] = slot.logical
-            br.handles.append(module.register_forward_pre_hook(br.pre_forward, with_kwargs=True))
-            br.handles.append(module.register_forward_hook(br.post_forward, with_kwargs=True))
+            br.handles.append(module.register_forward_pre_hook(eager_hook(br.pre_forward), with_kwargs=True))
+            br.handles.append(module.register_forward_hook(eager_hook(br.post_forward), with_kwargs=True))
             self.boundaries.append(br)
         self.slots_by_fqn = {s.fqn: s for b in self.boundaries for s in b.slots}
         self.shard_of_fqn = {s.fqn: seg.shard for b in self.boundaries for seg in b.segments for s in seg.slots}

@@ -67,6 +67,10 @@ __all__ = [
     "BaselineByteCost",
     "RankStats",
     "ns_flops",
+    "NS_BACKEND_MODES",
+    "GRAM_RESTART_EVERY",
+    "choose_ns_backend",
+    "matrix_ns_flops",
     "spec_ns_flops",
     "param_weight",
     "broadcast_nbytes",
@@ -78,6 +82,8 @@ __all__ = [
     "all_reduce_rank_nbytes",
     "gram_segment_lengths",
     "gram_ns_segment_flops",
+    "gram_product_flops",
+    "GRAM_SYM_MIN_SIDE",
     "tp_gram_side",
     "tp_rank_nbytes",
     "tp_ns_flops",
@@ -97,6 +103,11 @@ __all__ = [
 NS_STEPS = 5
 #: valid ``cost_model`` values of :func:`dmuon.plan.compile`
 COST_MODELS = ("numel", "ns_flops")
+#: valid ``ns_backend`` values of :func:`dmuon.plan.compile` (and of ``dmuon.Muon``)
+NS_BACKEND_MODES = ("standard", "gram", "auto")
+#: Gram restart period of ``dmuon.exec.newton_schulz.gram_newton_schulz`` (and so of
+#: ``dmuon.Muon(ns_backend="gram" | "auto")``): restart before every 2nd step (0-based 2, 4, ...)
+GRAM_RESTART_EVERY = 2
 #: valid ``tp_ns`` values of :func:`dmuon.plan.compile`
 TP_NS_MODES = ("auto", "gram", "gather")
 #: dtype of the Gram matrices all-reduced over a TP group (accumulated in fp32 whatever the NS dtype)
@@ -124,19 +135,64 @@ def ns_flops(m: int, n: int, steps: int = NS_STEPS, *, num_matrices: int = 1) ->
     return num_matrices * steps * (4 * a * a * b + 2 * a**3)
 
 
+def matrix_ns_flops(m: int, n: int, backend: str, *, steps: int = NS_STEPS, num_matrices: int = 1,
+                    restart_every: int | Sequence[int] | None = GRAM_RESTART_EVERY) -> int:
+    """Matmul FLOPs of orthogonalising ``num_matrices`` ``(m, n)`` matrices with ``backend``:
+    ``"standard"``: :func:`ns_flops`; ``"gram"``: :func:`gram_ns_segment_flops` over the segments
+    of ``restart_every`` (:func:`gram_segment_lengths`). Unit: FLOPs.
+
+    Raises:
+        ValueError: ``backend`` is neither ``"standard"`` nor ``"gram"``.
+    """
+    if backend == "standard":
+        return ns_flops(m, n, steps, num_matrices=num_matrices)
+    if backend == "gram":
+        d, D = min(m, n), max(m, n)
+        return num_matrices * gram_ns_segment_flops(d, D, gram_segment_lengths(steps, restart_every))
+    raise ValueError(f"backend must be 'standard' or 'gram', got {backend!r}")
+
+
+def choose_ns_backend(matrix_shape: Sequence[int], mode: str, *, steps: int = NS_STEPS,
+                      restart_every: int | Sequence[int] | None = GRAM_RESTART_EVERY) -> str:
+    """The Newton-Schulz backend a matrix runs: ``"standard"`` or ``"gram"`` (the one rule, used by
+    :func:`dmuon.plan.compile` to fill ``ParamSpec.ns_backend`` and by
+    ``dmuon.exec.newton_schulz.auto_newton_schulz`` at run time).
+
+    ``mode="auto"``: ``"gram"`` exactly when it needs fewer matmul FLOPs (:func:`matrix_ns_flops`
+    with ``steps`` and ``restart_every``), ties to ``"standard"`` (torch's iteration). With 5 steps
+    and the default restarts (before steps 2 and 4) Gram NS costs ``10.5·d²·D + 22·d³`` for
+    ``(d, D)``, ``d = min(m, n) >= 128`` (the symmetric Gram product, :func:`gram_product_flops`),
+    against ``20·d²·D + 10·d³``: Gram where ``D > 1.26·d``; below ``d = 128`` (``12·d²·D + 22·d³``)
+    where ``D > 1.5·d``. ``"standard"`` / ``"gram"``: forced.
+
+    Raises:
+        ValueError: unknown ``mode``.
+    """
+    if mode not in NS_BACKEND_MODES:
+        raise ValueError(f"ns_backend must be one of {NS_BACKEND_MODES}, got {mode!r}")
+    if mode != "auto":
+        return mode
+    m, n = (int(v) for v in matrix_shape)
+    gram = matrix_ns_flops(m, n, "gram", steps=steps, restart_every=restart_every)
+    return "gram" if gram < ns_flops(m, n, steps) else "standard"
+
+
 def spec_ns_flops(spec: ParamSpec, steps: int = NS_STEPS) -> int:
-    """Newton-Schulz FLOPs of one dedicated parameter: :func:`ns_flops` summed over the matrices
-    Muon orthogonalises (``spec.matrices``: its view's blocks, or ``num_matrices`` copies of
-    ``matrix_shape``). A per-head view of ``(H·d_h, D)`` costs ``H`` times one ``(d_h, D)``
-    matrix, ``4·H·d_h²·D + 2·H·d_h³`` per step instead of ``4·(H·d_h)²·D + 2·(H·d_h)³``."""
+    """Newton-Schulz FLOPs per step of one (non-TP) dedicated parameter: :func:`matrix_ns_flops`
+    with the backend its plan records (``spec.ns_backend``) and the default Gram restarts, summed
+    over the matrices Muon orthogonalises (``spec.matrices``: its view's blocks, or
+    ``num_matrices`` copies of ``matrix_shape``). A per-head view of ``(H·d_h, D)`` costs ``H``
+    times one ``(d_h, D)`` matrix, ``4·H·d_h²·D + 2·H·d_h³`` per standard step instead of
+    ``4·(H·d_h)²·D + 2·(H·d_h)³``."""
     if spec.view is None:
         m, n = spec.matrix_shape
-        return ns_flops(m, n, steps, num_matrices=spec.num_matrices)
-    return sum(ns_flops(m, n, steps) for m, n in spec.matrices)
+        return matrix_ns_flops(m, n, spec.ns_backend, steps=steps, num_matrices=spec.num_matrices)
+    return sum(matrix_ns_flops(m, n, spec.ns_backend, steps=steps) for m, n in spec.matrices)
 
 
 def param_weight(spec: ParamSpec, cost_model: str) -> int:
-    """LPT weight of a dedicated parameter: ``numel`` (elements) or :func:`ns_flops` (FLOPs).
+    """LPT weight of a dedicated parameter: ``numel`` (elements) or :func:`spec_ns_flops` (the
+    FLOPs of the backend it runs).
 
     Raises:
         ValueError: unknown ``cost_model``.
@@ -239,18 +295,43 @@ def gram_segment_lengths(steps: int, restart_every: int | Sequence[int] | None) 
     return tuple(b - a for a, b in zip(bounds, bounds[1:]))
 
 
+#: Gram side ``d`` from which Newton-Schulz forms a Gram matrix ``X Xᵀ`` from its lower blocks
+#: only (:func:`gram_product_flops`); below it, one general matmul (smaller blocks lose more
+#: kernel efficiency than they save in FLOPs on a CPU core; measured in benchmarks/ns_backends.py).
+GRAM_SYM_MIN_SIDE = 128
+
+
+def gram_product_flops(d: int, D: int) -> int:
+    """FLOPs of forming the symmetric ``(d, d)`` Gram ``X Xᵀ`` of one ``(d, D)`` matrix as
+    ``dmuon.exec.newton_schulz`` does:
+
+    * ``d < GRAM_SYM_MIN_SIDE``: one matmul, ``2·d²·D``;
+    * otherwise its lower blocks only, mirrored into the upper one: with ``h = d // 2`` and
+      ``X = [X_top; X_bot]`` (``h`` and ``d - h`` rows), ``X·X_topᵀ`` (the first ``h`` columns,
+      ``2·d·h·D``) and ``X_bot·X_botᵀ`` (``2·(d-h)²·D``): ``2·D·(d·h + (d-h)²)``, i.e.
+      ``1.5·d²·D`` for even ``d`` — 3/4 of the general product (a one-level ``syrk``).
+
+    Unit: FLOPs (multiply-add = 2).
+    """
+    if d < GRAM_SYM_MIN_SIDE:
+        return 2 * d * d * D
+    h = d // 2
+    return 2 * D * (d * h + (d - h) ** 2)
+
+
 def gram_ns_segment_flops(d: int, D: int, segment_lengths: Sequence[int]) -> int:
     """Matmul FLOPs of Gram Newton-Schulz on ONE ``(d, D)`` matrix (``d`` = the Gram side) whose
     schedule is split into segments of ``segment_lengths`` steps (:func:`gram_segment_lengths`)::
 
-        Σ_L [ 4·d²·D  +  (8·L - 6)·d³ ]
+        Σ_L [ gram_product_flops(d, D)  +  2·d²·D  +  (8·L - 6)·d³ ]
 
-    per segment: ``G = X Xᵀ`` and ``Q·X`` (``2·d²·D`` each), and on ``(d, d)`` matrices ``R²``
+    per segment: ``G = X Xᵀ`` (:func:`gram_product_flops`: ``2·d²·D``, or ``1.5·d²·D`` from
+    ``d >= GRAM_SYM_MIN_SIDE``) and ``Q·X`` (``2·d²·D``), and on ``(d, d)`` matrices ``R²``
     every step, ``Q·Z`` from the segment's second step and ``Z·R·Z`` (two products) before its
     last step (``2·d³`` each). ``D`` is the full other side (``gram_newton_schulz``) or a TP
     rank's block of it (:func:`tp_ns_flops`). Unit: FLOPs (multiply-add = 2).
     """
-    return sum(4 * d * d * D + (8 * L - 6) * d**3 for L in segment_lengths)
+    return sum(gram_product_flops(d, D) + 2 * d * d * D + (8 * L - 6) * d**3 for L in segment_lengths)
 
 
 def tp_gram_side(shape: Sequence[int], tp_shard_dim: int) -> int:

@@ -625,6 +625,7 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
     tp_gram_restart_every: int | None = 2,
     matrix_views: Any = None,
     qk_clip: Any = None,
+    ns_backend: str = "standard",
 ) -> ShardingPlan:
     """Plan DMuon for ``model`` on ``mesh`` (pure; no process group; meta models work).
 
@@ -659,6 +660,14 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
         qk_clip: QK-clip (MuonClip) settings, a :class:`dmuon.plan.qk_clip.QKClip` (threshold
             ``tau`` and the attention layers whose W_q / W_k rows are rescaled after each step);
             the plan's schedule and cost then include its one all-reduce (max) per step.
+        ns_backend: the Newton-Schulz backend each (non-TP) matrix's owner will run, recorded
+            in its ``ParamSpec.ns_backend``: ``"standard"`` (default: torch's iteration),
+            ``"gram"`` (Gram NS everywhere) or ``"auto"`` (per matrix, Gram NS where it needs
+            fewer FLOPs with 5 steps and the default restarts,
+            :func:`~dmuon.plan.cost.choose_ns_backend`: e.g. an MLP's ``(4d, d)`` / ``(d, 4d)``
+            weights, not square attention projections). ``cost_model="ns_flops"`` balances by
+            those FLOPs; ``dmuon.Muon`` must then be built with the same ``ns_backend`` (it
+            raises otherwise, naming the parameter).
 
     Returns:
         A validated, frozen :class:`ShardingPlan` whose nominal step schedule passed the
@@ -675,6 +684,7 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
     mesh_shape = normalize_mesh(mesh)
     if cost_model not in _cost.COST_MODELS:
         raise ValueError(f"cost_model must be one of {_cost.COST_MODELS}, got {cost_model!r}")
+    _cost.choose_ns_backend((1, 1), ns_backend)  # ValueError naming the known modes
     if isinstance(align_numel, bool) or not isinstance(align_numel, int) or align_numel < 1:
         raise ValueError(f"align_numel must be a positive int (elements), got {align_numel!r}")
     param_dtype, reduce_dtype = _mp_dtypes(mp_policy)
@@ -709,6 +719,19 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
         if not isinstance(qk_clip, QKClip):
             raise TypeError(f"qk_clip must be a dmuon.plan.qk_clip.QKClip, got {type(qk_clip).__name__}")
         check_qk_clip(qk_clip, specs, snapshot.modules, {a: r for r in snapshot.params for a in r.aliases})
+    if ns_backend != "standard":
+        with_view = [spec.fqn for spec in specs if spec.view is not None]
+        if with_view:
+            raise ValueError(
+                f"compile: ns_backend={ns_backend!r} with matrix views is not supported yet ({with_view[0]} has "
+                f"a view; its blocks may differ in shape and so in the backend 'auto' would pick): use "
+                f"ns_backend='standard' with matrix_views, or drop matrix_views"
+            )
+        specs = tuple(
+            spec if spec.tp_size > 1
+            else dataclasses.replace(spec, ns_backend=_cost.choose_ns_backend(spec.matrix_shape, ns_backend))
+            for spec in specs
+        )
     R, N = mesh_shape
     result = lpt_partition(
         [_cost.param_weight(spec, cost_model) for spec in specs],

@@ -214,6 +214,11 @@ class ParamSpec:
         view: a :class:`MatrixView` (blocks orthogonalised separately: per-head, split QKV) of
             a 2-D parameter, or None (the whole ``matrix_shape`` matrix). With a view,
             ``matrix_shape`` is the parameter's ``(m, n)`` and :attr:`matrices` lists the blocks.
+        ns_backend: the Newton-Schulz backend its owner runs, ``"standard"`` (default) or
+            ``"gram"`` (``compile(ns_backend=...)``, :func:`dmuon.plan.cost.choose_ns_backend`);
+            ``cost_model="ns_flops"`` weighs it by that backend's FLOPs and ``dmuon.Muon``
+            checks that it runs it. Always ``"standard"`` for a TP-sharded matrix (``tp_ns``
+            decides there).
     """
 
     fqn: str
@@ -229,6 +234,7 @@ class ParamSpec:
     tp_shard_dim: int | None = None
     tp_ns: str | None = None
     view: MatrixView | None = None
+    ns_backend: str = "standard"
 
     @property
     def matrices(self) -> tuple[tuple[int, int], ...]:
@@ -319,6 +325,10 @@ class ParamSpec:
                     f"ParamSpec {self.fqn}: view sizes sum to {sum(self.view.sizes)} but dim {self.view.dim} "
                     f"of {self.shape} is {self.shape[self.view.dim]}"
                 )
+        if self.ns_backend not in ("standard", "gram"):
+            raise ValueError(f"ParamSpec {self.fqn}: ns_backend must be 'standard' or 'gram', got {self.ns_backend!r}")
+        if self.tp_size > 1 and self.ns_backend != "standard":
+            raise ValueError(f"ParamSpec {self.fqn}: a TP-sharded matrix has ns_backend 'standard' (tp_ns decides)")
 
     def view_tp_problem(self) -> str | None:
         """Why this TP-sharded matrix's view cannot be orthogonalised shard-locally (None if it can):
@@ -344,6 +354,8 @@ class ParamSpec:
         if self.tp_size > 1:  # absent without TP: plans without TP keep their JSON and fingerprint
             tp = {"tp_size": self.tp_size, "tp_shard_dim": self.tp_shard_dim, "tp_ns": self.tp_ns}
         view = {} if self.view is None else {"view": self.view.to_dict()}  # absent: older plans keep their JSON
+        if self.ns_backend != "standard":  # absent by default: older plans keep their JSON
+            tp["ns_backend"] = self.ns_backend
         return {
             "fqn": self.fqn,
             "shape": list(self.shape),
@@ -374,6 +386,7 @@ class ParamSpec:
             tp_shard_dim=d.get("tp_shard_dim"),
             tp_ns=d.get("tp_ns"),
             view=MatrixView.from_dict(d["view"]) if d.get("view") is not None else None,
+            ns_backend=d.get("ns_backend", "standard"),
         )
 
 
