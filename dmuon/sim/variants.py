@@ -1,0 +1,71 @@
+r"""Schedule variants the simulator can price before anyone implements them.
+
+:func:`early_ns_schedule` — "earlier NS": each owner runs a matrix's Newton-Schulz as soon as its
+averaged gradient is complete, during the rest of the backward, instead of after the whole
+backward; on HSDP the owner's replicate broadcast follows its NS at once, so updated matrices
+travel while the backward is still running. The transformation only reorders the table: every
+``newton_schulz`` op (and, on HSDP, every ``replicate_broadcast`` that waits on it) moves to just
+after the first ``backward`` op issued after the gradient collectives it depends on (one
+boundary later, which gives the reduce the next boundary's backward to complete); ops, groups,
+bytes and FLOPs are unchanged, so ``plan.cost`` is the same and the reordered table is checked
+for deadlock like any other. The NS runs on the rank's compute stream (interleaved with the
+backward), the runtime's only choice that keeps the oracle order of updates per matrix.
+
+What the runtime would need (not implemented): gradient clipping needs the global gradient norm
+before any NS, so early NS is only valid without clipping, or with the norm of each boundary's
+gradient accumulated as it completes and the clip applied after NS (which is not the same
+update); gradient accumulation runs early NS only in the syncing micro-batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..plan.step_schedule import StepSchedule
+
+__all__ = ["early_ns_schedule"]
+
+
+def early_ns_schedule(sched: StepSchedule) -> StepSchedule:
+    """The "earlier NS" variant of ``sched`` (module docstring). Pure; raises
+    :class:`dmuon.plan.ScheduleError` if the reordered table would deadlock."""
+    ops = sched.ops
+    moved = {op.id for op in ops if op.kind == "newton_schulz"}
+    ns_of = {}
+    for op in ops:
+        if op.kind == "broadcast" and op.phase == "replicate_broadcast" and op.deps and all(d in moved for d in op.deps):
+            moved.add(op.id)
+    # where each moved op goes: after the first backward that follows all its (unmoved) deps
+    placed_after: dict[int, list[int]] = {}
+    pos = {op.id: i for i, op in enumerate(ops)}
+    backwards = [op.id for op in ops if op.kind == "backward"]
+    last_position = len(ops) - 1
+
+    def anchor(op) -> int:
+        need = max((anchor_of[d] if d in moved else pos[d] for d in op.deps), default=-1)
+        for b in backwards:
+            if pos[b] > need:
+                return pos[b]
+        return max(need, last_position if not op.deps else need)
+
+    anchor_of: dict[int, int] = {}
+    for op in ops:
+        if op.id in moved:
+            a = anchor(op)
+            anchor_of[op.id] = a
+            placed_after.setdefault(a, []).append(op.id)
+    del ns_of
+    order: list[int] = []
+    tail: list[int] = []
+    for op in ops:
+        if op.id not in moved:
+            order.append(op.id)
+        for m in placed_after.get(pos[op.id], ()):
+            order.append(m)
+    order += tail
+    new_id = {old: i for i, old in enumerate(order)}
+    new_ops = tuple(dataclasses.replace(ops[old], id=i, deps=tuple(new_id[d] for d in ops[old].deps))
+                    for i, old in enumerate(order))
+    out = dataclasses.replace(sched, ops=new_ops)
+    out.check()
+    return out
