@@ -422,8 +422,6 @@ def replay_ops(sim_ops: list[_SimOp], num_ranks: int, hw: Hardware, *, timeline_
                 later = comm_end[G] < end
                 comm_end[G] = np.maximum(comm_end[G], end)
                 comm_end_op[G[later]] = i
-            if threads:
-                host_op[G] = i
             if share:
                 steal[G] += share * float(op.seconds)
             if tl:
@@ -484,9 +482,10 @@ def _critical_path(sim_ops: list[_SimOp], raw: dict) -> tuple[int, list[PathStep
     while i >= 0 and seen < 10_000_000:
         seen += 1
         op = sim_ops[i]
-        if op.collective:
+        if op.collective:  # shown on the member that arrived last (the one it waited for)
             s, e = float(raw["start_scalar"][i]), float(raw["end_scalar"][i])
             nxt, nr = raw["pred"][i]
+            r = int(nr) if nr >= 0 else r
         else:
             s, e = float(raw["start_vec"][i][r]), float(raw["end_vec"][i][r])
             nxt, nr = int(raw["pred"][i][r]), r

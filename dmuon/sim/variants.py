@@ -2,11 +2,13 @@ r"""Schedule variants the simulator can price before anyone implements them.
 
 :func:`early_ns_schedule` — "earlier NS": each owner runs a matrix's Newton-Schulz as soon as its
 averaged gradient is complete, during the rest of the backward, instead of after the whole
-backward; on HSDP the owner's replicate broadcast follows its NS at once, so updated matrices
-travel while the backward is still running. The transformation only reorders the table: every
-``newton_schulz`` op (and, on HSDP, every ``replicate_broadcast`` that waits on it) moves to just
-after the first ``backward`` op issued after the gradient collectives it depends on (one
-boundary later, which gives the reduce the next boundary's backward to complete); ops, groups,
+backward; on HSDP the replicate reduce of a boundary is issued as soon as its shard reduces
+are done (not at the end of the backward), and the owner's replicate broadcast follows its NS
+at once, so updated matrices travel while the backward is still running. The transformation
+only reorders the table: every ``newton_schulz`` and ``replicate_reduce`` op (and every
+``replicate_broadcast`` that waits only on NS) moves to just after the first ``backward`` op
+issued after the ops it depends on (one boundary later, which gives the collective the next
+boundary's backward to complete); ops, groups,
 bytes and FLOPs are unchanged, so ``plan.cost`` is the same and the reordered table is checked
 for deadlock like any other. The NS runs on the rank's compute stream (interleaved with the
 backward), the runtime's only choice that keeps the oracle order of updates per matrix.
@@ -30,8 +32,7 @@ def early_ns_schedule(sched: StepSchedule) -> StepSchedule:
     """The "earlier NS" variant of ``sched`` (module docstring). Pure; raises
     :class:`dmuon.plan.ScheduleError` if the reordered table would deadlock."""
     ops = sched.ops
-    moved = {op.id for op in ops if op.kind == "newton_schulz"}
-    ns_of = {}
+    moved = {op.id for op in ops if op.kind == "newton_schulz" or op.phase == "replicate_reduce"}
     for op in ops:
         if op.kind == "broadcast" and op.phase == "replicate_broadcast" and op.deps and all(d in moved for d in op.deps):
             moved.add(op.id)
@@ -54,7 +55,6 @@ def early_ns_schedule(sched: StepSchedule) -> StepSchedule:
             a = anchor(op)
             anchor_of[op.id] = a
             placed_after.setdefault(a, []).append(op.id)
-    del ns_of
     order: list[int] = []
     tail: list[int] = []
     for op in ops:
