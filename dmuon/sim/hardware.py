@@ -260,8 +260,7 @@ class Hardware:
 def group_link(hw: Hardware, group: Sequence[int]) -> Link:
     """The link a group's algorithm is bound by: ``inter`` if its ranks span nodes."""
     rpn = hw.ranks_per_node
-    first = group[0] // rpn
-    return hw.inter if any(x // rpn != first for x in group) else hw.intra
+    return hw.inter if min(group) // rpn != max(group) // rpn else hw.intra
 
 
 def formula_collective_s(kind: str, k: int, nbytes: float, link: Link, launch_s: float = 0.0) -> float:

@@ -267,6 +267,7 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
         if op.kind == "backward":
             last_bwd[op.micro_batch] = op.id
     grad_colls: list[int] = []
+    coll_cache: dict = {}
     for op in ops:
         mb = op.micro_batch
         if op.kind == "forward" and mb not in first_fwd:
@@ -280,7 +281,10 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
         if kind in OP_COLLECTIVE:
             nbytes = op.nbytes
             k = len(op.group)
-            secs = collective_s(hw, OP_COLLECTIVE[kind], op.group, nbytes)
+            key = (kind, op.group, nbytes)
+            secs = coll_cache.get(key)
+            if secs is None:
+                secs = coll_cache[key] = collective_s(hw, OP_COLLECTIVE[kind], op.group, nbytes)
             host = hw.issue_s
             if kind.startswith("fsdp2_"):
                 host += hw.fsdp2_call_s + elementwise_s(hw, 2 * k * nbytes, 1)  # copy-out / copy-in
@@ -351,6 +355,7 @@ def replay_ops(sim_ops: list[_SimOp], num_ranks: int, hw: Hardware, *, timeline_
     share = hw.comm_cpu_share if threads else 0.0
     garr: dict[tuple[int, ...], np.ndarray] = {}
     gmask: dict[tuple[int, ...], np.ndarray] = {}
+    gpos: dict[tuple[int, ...], np.ndarray] = {}
     tl_mask = np.zeros(n, dtype=bool)
     tl = [r for r in timeline_ranks if 0 <= r < n]
     tl_mask[tl] = True
@@ -371,20 +376,58 @@ def replay_ops(sim_ops: list[_SimOp], num_ranks: int, hw: Hardware, *, timeline_
             gmask[group] = mk
         return a
 
-    def dep_ready(deps, G):
-        """(ready per member, dep index per member or -1)."""
-        best = np.full(len(G), neg)
-        who = np.full(len(G), -1, dtype=np.int64)
+    def dep_ready(deps, group, G):
+        """(ready per member, dep index per member or -1). Collective deps on the same group (or
+        on every rank) give one scalar for all members; the rest are masked per member."""
+        sbest, swho = neg, -1
+        vec = []
         for d in deps:
             if d in end_vec:
-                v = end_vec[d][G]
+                vec.append(d)
+                continue
+            dg = sim_ops[d].group
+            if dg is group or dg == group or len(dg) == n:
+                if end_scalar[d] > sbest:
+                    sbest, swho = end_scalar[d], d
             else:
-                v = np.where(gmask[sim_ops[d].group][G], end_scalar[d], neg)
-            better = v > best
+                vec.append(d)
+        best = np.full(len(G), sbest)
+        who = np.full(len(G), swho, dtype=np.int64)
+        if not vec:
+            return best, who
+        posm = None
+        for d in vec:
+            dg = sim_ops[d].group
+            if len(dg) == n:  # a local op on every rank: read it densely
+                v = end_vec[d][G]
+                better = v > best
+                if better.any():
+                    best = np.where(better, v, best)
+                    who = np.where(better, d, who)
+                continue
+            if posm is None:
+                posm = posmap(group)
+            dm = members(dg)
+            p = posm[dm]
+            keep = p >= 0
+            idx = p[keep]
+            if not len(idx):
+                continue
+            vals = end_vec[d][dm[keep]] if d in end_vec else np.full(len(idx), end_scalar[d])
+            better = vals > best[idx]
             if better.any():
-                best = np.where(better, v, best)
-                who = np.where(better, d, who)
+                sel = idx[better]
+                best[sel] = vals[better]
+                who[sel] = d
         return best, who
+
+    def posmap(group):
+        pm = gpos.get(group)
+        if pm is None:
+            a = members(group)
+            pm = gpos[group] = np.full(n, -1, dtype=np.int64)
+            pm[a] = np.arange(len(a))
+        return pm
 
     for i, op in enumerate(sim_ops):
         G = members(op.group)
@@ -404,7 +447,7 @@ def replay_ops(sim_ops: list[_SimOp], num_ranks: int, hw: Hardware, *, timeline_
             j_chan = int(G[int(chan[c][G].argmax())])
             cand_p = [(int(host_op[j_issue]), j_issue), (int(chan_op[c][j_chan]), j_chan)]
             if op.deps:
-                dr, who = dep_ready(op.deps, G)
+                dr, who = dep_ready(op.deps, op.group, G)
                 k = int(dr.argmax())
                 cand_t.append(dr[k])
                 cand_p.append((int(who[k]), int(G[k])))
@@ -434,7 +477,7 @@ def replay_ops(sim_ops: list[_SimOp], num_ranks: int, hw: Hardware, *, timeline_
                 steal[G] = 0.0
             h = host[G]
             if op.deps:
-                dr, who = dep_ready(op.deps, G)
+                dr, who = dep_ready(op.deps, op.group, G)
                 start = np.maximum(h, dr)
                 from_dep = dr > h
             else:
@@ -498,7 +541,7 @@ def _critical_path(sim_ops: list[_SimOp], raw: dict) -> tuple[int, list[PathStep
 # ----------------------------------------------------------------------------------- memory
 
 
-def memory(plan: Any, workload: Workload, variant: str) -> tuple[MemoryBreakdown, ...]:
+def memory(plan: Any, workload: Workload, variant: str, sched: StepSchedule | None = None) -> tuple[MemoryBreakdown, ...]:
     """Peak memory per rank, by term (storage dtypes; the activation dtype for activations).
 
     ``z2`` / ``z3`` (dmuon): parameters = owned masters (+ HSDP replicas held,
@@ -528,7 +571,12 @@ def memory(plan: Any, workload: Workload, variant: str) -> tuple[MemoryBreakdown
             shard_rest += _cost.fsdp2_shard_numel(shape, N) * isz
         unit_full[u.fqn] = unit_full.get(u.fqn, 0) + full
     if variant in ("z2", "z3"):
-        stats = plan.rank_stats()
+        if sched is None:
+            stats = plan.rank_stats()
+        else:  # the same figures from a schedule already built (plan.rank_stats() builds its own)
+            stats = _cost.rank_stats(plan.params, plan.owners, sched, _cost.schedule_byte_cost(sched),
+                                     mesh_shape=plan.mesh_shape, reshard_after_forward=plan.reshard_after_forward,
+                                     tp_size=plan.tp_size)
         z3 = plan.reshard_after_forward
         fsdp_unsharded = max(unit_full.values(), default=0) if z3 else sum(unit_full.values())
         reduce_buf = max((sum(buf.numel * itemsize_nbytes(buf.dtype) for buf in b.buffers) for b in plan.boundaries),
@@ -566,21 +614,22 @@ def memory(plan: Any, workload: Workload, variant: str) -> tuple[MemoryBreakdown
 # ----------------------------------------------------------------------------------- API
 
 
-def _variant_ops(plan: Any, variant: str, step: Step | None, early_ns: bool) -> tuple[Sequence[Op], int]:
+def _variant_ops(plan: Any, variant: str, step: Step | None, early_ns: bool) -> tuple[Sequence[Op], int, Any, Any]:
     if variant in ("z2", "z3"):
         want = variant == "z3"
         if plan.reshard_after_forward != want:
             plan = dataclasses.replace(plan, reshard_after_forward=want)
         sched = plan.schedule(step)
         sched.check()
+        nominal = sched
         if early_ns:
             from .variants import early_ns_schedule
 
             sched = early_ns_schedule(sched)
-        return sched.ops, sched.num_ranks
+        return sched.ops, sched.num_ranks, plan, nominal
     ops = _alt.build(variant, plan, step)
     R, N = plan.mesh_shape
-    return ops, R * N
+    return ops, R * N, plan, None
 
 
 def _moved_nbytes(ops: Sequence[Op], num_ranks: int, variant: str) -> int:
@@ -628,15 +677,14 @@ def simulate(plan: Any, hardware: Hardware, workload: Workload, step: Step | Non
         variant = "z3" if plan.reshard_after_forward else "z2"
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}: one of {VARIANTS}")
-    ops, n = _variant_ops(plan, variant, step, early_ns)
+    ops, n, mode_plan, nominal = _variant_ops(plan, variant, step, early_ns)
     if timeline_ranks is None:
         timeline_ranks = tuple(range(n)) if n <= 16 else (0, n - 1)
     sim_ops = _lower(ops, plan, hardware, workload, variant=variant, num_ranks=n)
     raw = replay_ops(sim_ops, n, hardware, timeline_ranks=timeline_ranks)
     crit, path = _critical_path(sim_ops, raw)
     step_s = float(raw["rank_end"].max())
-    mem = memory(plan if variant not in ("z2", "z3") or plan.reshard_after_forward == (variant == "z3")
-                 else dataclasses.replace(plan, reshard_after_forward=variant == "z3"), workload, variant)
+    mem = memory(mode_plan, workload, variant, sched=nominal if step is None else None)
     ranks = []
     for x in range(n):
         busy, wait = float(raw["busy"][x]), float(raw["wait"][x])
