@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import pathlib
 from types import SimpleNamespace
 
 import numpy as np
@@ -327,8 +328,23 @@ def test_simulate_cli(tmp_path, capsys):
     assert d["variants"]["adamw"]["ratio_to_adamw"] == 1.0
     assert d["variants"]["naive"]["step_ms"] > d["variants"]["z3"]["step_ms"]
     assert d["recommended"] in ("z2", "z3")
-    assert main(["simulate", "--model", "llama3-8b", "--mesh", "2x4", "--hw", "a100", "--tp", "2", "--mode", "z2"]) == 0
+    assert main(["simulate", "--model", "tiny-llama", "--mesh", "2x2", "--hw", "a100", "--tp", "2", "--mode", "z2"]) == 0
     text = capsys.readouterr().out
     assert "z3 " not in text and "z2 " in text
     with pytest.raises(SystemExit):
         main(["simulate", "--model", "llama3-8b", "--mesh", "8", "--hw", "tpu"])
+
+
+# ------------------------------------------------------------------ purity
+
+
+SIM_FILES = sorted((pathlib.Path(__file__).resolve().parents[1] / "dmuon" / "sim").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", [p for p in SIM_FILES if p.name != "calibrate.py"], ids=lambda p: p.name)
+def test_sim_never_imports_distributed_or_exec(path):
+    """dmuon/sim is pure like dmuon/plan; only calibrate.py (gloo microbenchmarks, run by the
+    `calibrate` command in its own processes) touches torch.distributed."""
+    from tests.test_plan_static import offending_imports
+
+    assert offending_imports(path) == []
