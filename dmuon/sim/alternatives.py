@@ -191,19 +191,19 @@ def build(variant: str, plan: Any, step: Step | None = None) -> tuple[Op, ...]:
         else:
             sends.append(deps)
     for batch, sent in zip(batches, sends):
-        ns_ids = []
+        ns_ids: dict[int, list[int]] = {}  # row -> its owners' NS ops
         for j, spec in enumerate(batch):
             m, n = spec.matrix_shape
-            owners = tuple(row[j] for row in rows)
-            for o in owners:
-                ns_ids.append(e.emit(kind="newton_schulz", phase="optimizer", group=(o,), fqns=(spec.fqn,),
-                                     micro_batch=mb, flops=_cost.ns_flops(m, n, num_matrices=spec.num_matrices),
-                                     deps=sent))
+            for r, row in enumerate(rows):
+                sent_r = (sent[r],) if N > 1 else sent  # the row's own all-to-all
+                ns_ids.setdefault(r, []).append(
+                    e.emit(kind="newton_schulz", phase="optimizer", group=(row[j],), fqns=(spec.fqn,), micro_batch=mb,
+                           flops=_cost.ns_flops(m, n, num_matrices=spec.num_matrices), deps=sent_r))
         if N > 1:
             shard = max(_cost.fsdp2_shard_numel(spec.local_shape, N) for spec in batch)
-            for row in rows:
+            for r, row in enumerate(rows):
                 e.emit(kind="all_to_all", phase="optimizer", group=row, dtype=batch[0].dtype, numel=N * shard,
-                       fqns=tuple(s.fqn for s in batch), micro_batch=mb, deps=tuple(ns_ids), external=True)
+                       fqns=tuple(s.fqn for s in batch), micro_batch=mb, deps=tuple(ns_ids[r]), external=True)
     return tuple(e.ops)
 
 
