@@ -348,3 +348,20 @@ def test_sim_never_imports_distributed_or_exec(path):
     from tests.test_plan_static import offending_imports
 
     assert offending_imports(path) == []
+
+
+def test_step_time_prediction_column():
+    """benchmarks/step_time.py's `pred ms` column: simulate of the benchmark's own plan and GPT."""
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    import step_time
+
+    hw = _cpu(ranks_per_node=2, compute_dtype="torch.float32", ns_dtype="torch.float32")
+    preds = {v: step_time.predict("small", 2, v, hw, "ns_flops") for v in step_time.SIM_VARIANT}
+    assert all(p["step_ms"] > 0 for p in preds.values())
+    assert preds["adamw"]["ns_ms"] == 0 and preds["naive"]["ns_ms"] > preds["dmuon_z3"]["ns_ms"] > 0
+    assert step_time.predict("small", 1, "plain", hw, "ns_flops") is None
+    rows = [dict(size="small", nproc=2, variant=v, step_ms=100.0) for v in ("adamw", "dmuon_z3")]
+    step_time.add_predictions(rows, [hw, hw], "ns_flops")
+    assert rows[0]["predicted_ratio"] == 1.0 and rows[1]["predicted_ms_all"] == [rows[1]["predicted_ms"]] * 2
