@@ -243,8 +243,7 @@ def _adamw_s(hw: Hardware, wl: Workload, tensors: Sequence[tuple[int, int]], dte
 def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant: str, num_ranks: int) -> list[_SimOp]:
     """Schedule ops -> simulator ops, with the root's work, hooks and the optimizer added."""
     dtype = hw.compute_dtype
-    R, N = plan.mesh_shape
-    T = plan.tp_size if variant in ("z2", "z3") else 1
+    N = plan.mesh_shape[1]
     dmuon = variant in ("z2", "z3")
     over = hw.oversubscription
     work = dict(wl.boundaries)
@@ -323,10 +322,8 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
         for shape, dt, g in zip(u.shapes, u.dtypes, u.requires_grad):
             if g:
                 tensors.append((_cost.fsdp2_shard_numel(shape, N), itemsize_nbytes(dt)))
-    if variant == "adamw":
+    if variant == "adamw":  # naive / all_to_all: Muon's elementwise work on the shards is in the NS ops
         tensors += [(_cost.fsdp2_shard_numel(s.local_shape, N), itemsize_nbytes(s.dtype)) for s in plan.params]
-    elif not dmuon:  # naive / all_to_all: Muon's elementwise work on the shards is in the NS ops
-        pass
     out.append(_SimOp("optimizer", "adamw", everyone, tuple(grad_colls), False, _adamw_s(hw, wl, tensors, True) * over))
     return out
 
@@ -436,11 +433,9 @@ def replay_ops(sim_ops: list[_SimOp], num_ranks: int, hw: Hardware, *, timeline_
                 host[G] += op.host_s
                 busy[G] += op.host_s
                 issue = host[G]
-                issue_pred = host_op[G]
             else:
                 issued[G] = np.maximum(cstart[G], issued[G]) + op.host_s
                 issue = issued[G]
-                issue_pred = host_op[G]
             c = op.channel
             cand_t = [issue.max(), chan[c][G].max()]
             j_issue = int(G[int(issue.argmax())])
@@ -470,7 +465,6 @@ def replay_ops(sim_ops: list[_SimOp], num_ranks: int, hw: Hardware, *, timeline_
             if tl:
                 for x in G[tl_mask[G]]:
                     timelines[int(x)].append(Interval(start, end, c, op.kind, op.label))
-            del issue_pred
         else:
             dur = op.seconds + steal[G] if share else op.seconds
             if share:

@@ -36,33 +36,24 @@ def early_ns_schedule(sched: StepSchedule) -> StepSchedule:
     for op in ops:
         if op.kind == "broadcast" and op.phase == "replicate_broadcast" and op.deps and all(d in moved for d in op.deps):
             moved.add(op.id)
-    # where each moved op goes: after the first backward that follows all its (unmoved) deps
-    placed_after: dict[int, list[int]] = {}
+    # where each moved op goes: after the first backward issued after all its deps (a moved dep
+    # counts at its new place); with no such backward, it stays where it is
     pos = {op.id: i for i, op in enumerate(ops)}
-    backwards = [op.id for op in ops if op.kind == "backward"]
-    last_position = len(ops) - 1
-
-    def anchor(op) -> int:
-        need = max((anchor_of[d] if d in moved else pos[d] for d in op.deps), default=-1)
-        for b in backwards:
-            if pos[b] > need:
-                return pos[b]
-        return max(need, last_position if not op.deps else need)
-
+    backwards = [pos[op.id] for op in ops if op.kind == "backward"]
     anchor_of: dict[int, int] = {}
+    placed_after: dict[int, list[int]] = {}
     for op in ops:
-        if op.id in moved:
-            a = anchor(op)
-            anchor_of[op.id] = a
-            placed_after.setdefault(a, []).append(op.id)
-    order: list[int] = []
-    tail: list[int] = []
+        if op.id not in moved:
+            continue
+        need = max((anchor_of[d] if d in moved else pos[d] for d in op.deps), default=-1)
+        later = [b for b in backwards if b > need]
+        anchor_of[op.id] = a = later[0] if later else max(need, pos[op.id] - 1)
+        placed_after.setdefault(a, []).append(op.id)
+    order: list[int] = list(placed_after.get(-1, ()))
     for op in ops:
         if op.id not in moved:
             order.append(op.id)
-        for m in placed_after.get(pos[op.id], ()):
-            order.append(m)
-    order += tail
+        order.extend(placed_after.get(pos[op.id], ()))
     new_id = {old: i for i, old in enumerate(order)}
     new_ops = tuple(dataclasses.replace(ops[old], id=i, deps=tuple(new_id[d] for d in ops[old].deps))
                     for i, old in enumerate(order))
