@@ -608,7 +608,7 @@ def memory(plan: Any, workload: Workload, variant: str, sched: StepSchedule | No
 # ----------------------------------------------------------------------------------- API
 
 
-def _variant_ops(plan: Any, variant: str, step: Step | None, early_ns: bool) -> tuple[Sequence[Op], int, Any, Any]:
+def _variant_ops(plan: Any, variant: str, step: Step | None, early_ns: bool | str) -> tuple[Sequence[Op], int, Any, Any]:
     if variant in ("z2", "z3"):
         want = variant == "z3"
         if plan.reshard_after_forward != want:
@@ -619,7 +619,7 @@ def _variant_ops(plan: Any, variant: str, step: Step | None, early_ns: bool) -> 
         if early_ns:
             from .variants import early_ns_schedule
 
-            sched = early_ns_schedule(sched)
+            sched = early_ns_schedule(sched, early_replicate_broadcast=early_ns != "ns_only")
         return sched.ops, sched.num_ranks, plan, nominal
     ops = _alt.build(variant, plan, step)
     R, N = plan.mesh_shape
@@ -646,7 +646,7 @@ class _OpsView:
 
 
 def simulate(plan: Any, hardware: Hardware, workload: Workload, step: Step | None = None, *,
-             variant: str | None = None, early_ns: bool = False,
+             variant: str | None = None, early_ns: bool | str = False,
              timeline_ranks: Sequence[int] | None = None) -> Simulation:
     """Simulate one step of ``plan`` (dmuon, with the plan's Z2/Z3) or of an alternative.
 
@@ -658,8 +658,9 @@ def simulate(plan: Any, hardware: Hardware, workload: Workload, step: Step | Non
         step: a :class:`dmuon.plan.Step` (micro-batches, ...); None = the nominal step.
         variant: None = dmuon with the plan's mode; ``"z2"`` / ``"z3"`` = dmuon in that mode;
             ``"adamw"``, ``"naive"``, ``"all_to_all"`` (:mod:`dmuon.sim.alternatives`).
-        early_ns: dmuon only: the "earlier NS" schedule variant
-            (:func:`dmuon.sim.variants.early_ns_schedule`).
+        early_ns: dmuon only: True = the "earlier NS" schedule variant
+            (:func:`dmuon.sim.variants.early_ns_schedule`); ``"ns_only"`` = the same with the
+            HSDP replicate broadcasts left at the end of the step.
         timeline_ranks: ranks whose timeline to keep (default: all ranks up to 16, else rank 0
             and the last rank).
 
@@ -688,7 +689,7 @@ def simulate(plan: Any, hardware: Hardware, workload: Workload, step: Step | Non
                               memory=mem[x]))
     last = path[-1] if path else PathStep(rank=crit, kind="", label="", start_s=0.0, end_s=0.0)
     return Simulation(
-        variant=variant + ("+early_ns" if early_ns else ""),
+        variant=variant + ({True: "+early_ns", "ns_only": "+early_ns_only"}.get(early_ns, "") if early_ns else ""),
         hardware=hardware.name,
         step_s=step_s,
         ranks=tuple(ranks),

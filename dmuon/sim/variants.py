@@ -28,16 +28,19 @@ from ..plan.step_schedule import StepSchedule
 __all__ = ["early_ns_schedule"]
 
 
-def early_ns_schedule(sched: StepSchedule) -> StepSchedule:
-    """The "earlier NS" variant of ``sched`` (module docstring). Pure; raises
-    :class:`dmuon.plan.ScheduleError` if the reordered table would deadlock."""
+def early_ns_schedule(sched: StepSchedule, *, early_replicate_broadcast: bool = True) -> StepSchedule:
+    """The "earlier NS" variant of ``sched`` (module docstring). With
+    ``early_replicate_broadcast=False`` the HSDP replicate broadcasts stay at the end of the step
+    (NS and replicate reduces still move). Pure; raises :class:`dmuon.plan.ScheduleError` if the
+    reordered table would deadlock."""
     ops = sched.ops
     moved = {op.id for op in ops if op.kind == "newton_schulz" or op.phase == "replicate_reduce"}
     for op in ops:
-        if op.kind == "broadcast" and op.phase == "replicate_broadcast" and op.deps and all(d in moved for d in op.deps):
+        if (early_replicate_broadcast and op.kind == "broadcast" and op.phase == "replicate_broadcast" and op.deps
+                and all(d in moved for d in op.deps)):
             moved.add(op.id)
     # where each moved op goes: after the first backward issued after all its deps (a moved dep
-    # counts at its new place); with no such backward, it stays where it is
+    # counts at its new place); with no such backward, right after its last dep (no deps: in place)
     pos = {op.id: i for i, op in enumerate(ops)}
     backwards = [pos[op.id] for op in ops if op.kind == "backward"]
     anchor_of: dict[int, int] = {}
@@ -47,7 +50,7 @@ def early_ns_schedule(sched: StepSchedule) -> StepSchedule:
             continue
         need = max((anchor_of[d] if d in moved else pos[d] for d in op.deps), default=-1)
         later = [b for b in backwards if b > need]
-        anchor_of[op.id] = a = later[0] if later else max(need, pos[op.id] - 1)
+        anchor_of[op.id] = a = later[0] if later else (need if op.deps else pos[op.id] - 1)
         placed_after.setdefault(a, []).append(op.id)
     order: list[int] = list(placed_after.get(-1, ()))
     for op in ops:
