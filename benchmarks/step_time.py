@@ -106,6 +106,8 @@ if str(REPO) not in sys.path:
 SIZES: dict[str, dict[str, int]] = {
     "small": dict(n_layers=4, d_model=128, d_mlp=512, n_heads=4, seq_len=64, batch=16),
     "large": dict(n_layers=8, d_model=256, d_mlp=1024, n_heads=8, seq_len=128, batch=16),
+    # a size the step-time simulator was not built on (its blind check), divisible by N = 2, 3, 4
+    "mid": dict(n_layers=6, d_model=192, d_mlp=768, n_heads=6, seq_len=96, batch=12),
 }
 VARIANTS = ("adamw", "naive", "dmuon_z2", "dmuon_z3")
 #: opt-in variants (``--variants``): dmuon Z3 with ``ns_backend="auto"`` in the plan and the optimizer
@@ -770,6 +772,62 @@ def plan_balance(sizes, nprocs) -> dict[str, Any]:
     return out
 
 
+# ==============================================================================================
+# Predictions: dmuon.sim on a calibrated cpu-gloo record (never fed from this script's timings)
+# ==============================================================================================
+
+SIM_VARIANT = {"adamw": "adamw", "naive": "naive", "dmuon_z2": "z2", "dmuon_z3": "z3"}
+
+
+def predict(size: str, nproc: int, variant: str, hw, cost_model: str) -> dict[str, float] | None:
+    """``dmuon.sim.simulate`` of one benchmark cell: the size's GPT on the meta device, the plan
+    this script builds (``cost_model``, Z2/Z3), ``hw`` with ``ranks_per_node = nproc`` (every rank
+    on this machine: processor sharing when they outnumber its cores). None for the N = 1 variants."""
+    import dataclasses
+
+    import dmuon.plan as P
+    import dmuon.sim as S
+    from dmuon.train.model import GPT, GPTConfig
+
+    if variant not in SIM_VARIANT:
+        return None
+    s = SIZES[size]
+    cfg = GPTConfig(vocab_size=256, d_model=s["d_model"], n_layers=s["n_layers"], n_heads=s["n_heads"],
+                    d_mlp=s["d_mlp"], seq_len=s["seq_len"])
+    plan = P.compile(GPT(cfg, device="meta"), nproc, cost_model=cost_model,
+                     reshard_after_forward=variant != "dmuon_z2")
+    wl = S.from_plan(plan, tokens_per_rank=s["batch"] // nproc * s["seq_len"], seq_len=s["seq_len"],
+                     activation_dtype="torch.float32")
+    sim = S.simulate(plan, dataclasses.replace(hw, ranks_per_node=nproc), wl, variant=SIM_VARIANT[variant],
+                     timeline_ranks=())
+    return dict(step_ms=1e3 * sim.step_s, ns_ms=1e3 * sim.ns_s, exposed_comm_ms=1e3 * sim.exposed_comm_s)
+
+
+def add_predictions(rows: list[dict], hw_records: list, cost_model: str) -> None:
+    """``predicted_ms`` (median over the calibrations), ``predicted_ms_all``, ``predicted_ratio``."""
+    for r in rows:
+        preds = [predict(r["size"], r["nproc"], r["variant"], hw, cost_model) for hw in hw_records]
+        preds = [p for p in preds if p is not None]
+        r["predicted_ms"] = statistics.median(p["step_ms"] for p in preds) if preds else None
+        r["predicted_ms_all"] = [p["step_ms"] for p in preds]
+        r["predicted_error"] = r["predicted_ms"] / r["step_ms"] - 1 if preds else None
+    for r in rows:
+        base = next((b for b in rows if b["size"] == r["size"] and b["nproc"] == r["nproc"] and b["variant"] == "adamw"), None)
+        r["predicted_ratio"] = (r["predicted_ms"] / base["predicted_ms"]
+                                if base and r.get("predicted_ms") and base.get("predicted_ms") else None)
+
+
+def run_calibration(path: str) -> Any:
+    """``python -m dmuon calibrate --json path`` in a child process; returns the record."""
+    import subprocess
+
+    import dmuon.sim.hardware as H
+
+    subprocess.run([sys.executable, "-m", "dmuon", "calibrate", "--json", path], check=True, cwd=REPO,
+                   env=dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    return H.load(path)
+
+
 def rows_of(results: list[dict]) -> list[dict]:
     rows = []
     for r in results:
@@ -794,7 +852,8 @@ def _fmt(x, spec="", none="-"):
 def format_table(rows: list[dict]) -> str:
     hdr = (f"{'size':<6}{'N':>2} {'variant':<15}{'step ms':>9}{'fwd+bwd':>9}{'opt ms':>8}"
            f"{'xAdamW':>7}{'min ms':>8}{'xAdamW':>7}  {'ledger B/step':>14}{'plan B/step':>13}{'=plan':>6}"
-           f"{'NS GF max':>10}{'max/mean':>9}{'NS ms max':>10}{'floor':>8}{'alloc MiB':>10}{'RSS MiB':>9}")
+           f"{'NS GF max':>10}{'max/mean':>9}{'NS ms max':>10}{'floor':>8}{'alloc MiB':>10}{'RSS MiB':>9}"
+           f"{'pred ms':>9}{'err':>6}{'pred x':>7}")
     lines = [hdr, "-" * len(hdr)]
     for r in rows:
         plan_b = r["plan_total_nbytes"] if r["plan_total_nbytes"] is not None else r["model_nbytes_per_step"]
@@ -808,9 +867,13 @@ def format_table(rows: list[dict]) -> str:
             f"{r['ns_flops_busiest'] / 1e9:>10.2f}{_fmt(r['ns_busiest_over_mean'], '.3f'):>9}"
             f"{r['ns_ms_busiest']:>10.1f}{_fmt(r.get('floor_ms'), '.1f'):>8}"
             f"{max(r['peak_alloc_mib']):>10.1f}{max(r['peak_rss_mib']):>9.0f}"
+            f"{_fmt(r.get('predicted_ms'), '.1f'):>9}{_fmt(r.get('predicted_error'), '+.0%'):>6}"
+            f"{_fmt(r.get('predicted_ratio'), '.2f'):>7}"
         )
     lines.append("  (step/fwd+bwd/opt: medians over the timed steps, each the slowest rank's; min ms: the "
                  "fastest timed step; xAdamW: ratio to FSDP2+AdamW at the same N, by median and by min)")
+    lines.append("  (pred ms: dmuon.sim.simulate on the calibrated cpu-gloo record(s), median over calibrations; "
+                 "err: pred / measured median - 1; pred x: predicted ratio to FSDP2+AdamW)")
     lines.append("  (* = plan.baseline_cost byte MODEL of FSDP2 [+ naive all-gather] for the Muon "
                  "matrices, not measured; ledger = dmuon's measured bytes, summed over ranks)")
     lines.append("  (floor: dmuon's own fwd+bwd + AdamW on the non-dedicated params + its Newton-Schulz, "
@@ -917,6 +980,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="smoke run: small only, N=2, 4 timed steps, 1 warm-up, 2 rounds, no N=1 launch")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per launch")
+    p.add_argument("--hw", nargs="+", default=[], metavar="FILE",
+                   help="calibration JSON(s) of `python -m dmuon calibrate` for the predicted ms column")
+    p.add_argument("--calibrate", action="store_true",
+                   help="run `python -m dmuon calibrate` before every launch (same sitting, interleaved) "
+                        "and predict from those calibrations")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--png", help="write a bar chart here")
     return p
@@ -941,7 +1009,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     digest_start, git_start = dmuon_source_digest(), git_state()
     results: list[dict] = []
     hook_results: list[dict] = []
+    import dmuon.sim.hardware as H
+
+    hw_records = [H.load(f) for f in args.hw]
+    calibrations = []
+    cal_dir = tempfile.mkdtemp(prefix="dmuon-cal-")
     for n in args.nproc:
+        if args.calibrate:
+            print(f"calibrating before N={n} ...", file=sys.stderr, flush=True)
+            path = os.path.join(cal_dir, f"cal-{len(calibrations)}.json")
+            hw_records.append(run_calibration(path))
+            with open(path) as f:
+                calibrations.append(json.load(f))
         print(f"launching N={n} ({', '.join(args.variants)}) ...", file=sys.stderr, flush=True)
         results += launch(n, dict(job, variants=list(args.variants)), args.timeout)
     if args.hook_overhead:
@@ -949,6 +1028,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         hook_results = launch(1, dict(job, variants=list(HOOK_VARIANTS)), args.timeout)
     rows = rows_of(results)
     hook_rows = rows_of(hook_results)
+    if hw_records:
+        try:
+            add_predictions(rows, hw_records, args.cost_model)
+        except Exception:  # a broken prediction must not lose the measurements
+            traceback.print_exc()
     info = machine_info(args.device)
     info["loadavg_1_5_15_start"] = list(load_start)
     info["loadavg_1_5_15_end"] = list(os.getloadavg())
@@ -989,6 +1073,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         hook_overhead=hook_rows,
         goals=goals,
         plans=plan_balance(args.sizes, args.nproc),
+        calibrations=calibrations,
         wall_s=time.time() - t_start,
     )
     if args.json:

@@ -1,7 +1,8 @@
-"""``python -m dmuon {train,plan,diff} ...``
+"""``python -m dmuon {train,plan,diff,simulate,calibrate} ...``
 
 * ``train``: the main job (:mod:`dmuon.train`); ``python -m dmuon train --help``.
 * ``plan``, ``diff``: :func:`dmuon.plan.cli.main_plan` / :func:`dmuon.plan.cli.main_diff`.
+* ``simulate``, ``calibrate``: :func:`dmuon.sim.cli.main_simulate` / :func:`dmuon.sim.calibrate.main`.
 
 Subcommand modules are imported only when chosen, so ``train`` does not pay for the others.
 """
@@ -11,11 +12,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-_USAGE = """usage: python -m dmuon {train,plan,diff} [options]
+_USAGE = """usage: python -m dmuon {train,plan,diff,simulate,calibrate} [options]
 
   train   train a small byte-level GPT with dmuon.Muon on FSDP2 (default: 2 CPU processes)
   plan    compile and print a sharding plan
   diff    compare two sharding plans
+  simulate  simulated step time of dmuon Z2/Z3 and the alternatives on a hardware model
+  calibrate microbenchmark this machine into a cpu-gloo hardware record (< 3 min)
 
 'python -m dmuon COMMAND --help' for the options of COMMAND."""
 
@@ -39,6 +42,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from dmuon.plan.cli import main_diff
 
         return int(main_diff(rest) or 0)
+    if cmd == "simulate":
+        from dmuon.sim.cli import main_simulate
+
+        return int(main_simulate(rest) or 0)
+    if cmd == "calibrate":
+        from dmuon.sim.calibrate import main as main_calibrate
+
+        return int(main_calibrate(rest) or 0)
     print(f"unknown command {cmd!r}\n\n{_USAGE}", file=sys.stderr)
     return 2
 

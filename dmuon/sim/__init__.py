@@ -1,0 +1,42 @@
+"""dmuon.sim: what a dmuon step costs on a given machine, from the plan alone.
+
+Pure: no process group, no GPU, never imports ``torch.distributed``. Entry points::
+
+    hw = dmuon.sim.hardware.preset("h100")                  # or load("calibration.json")
+    wl = dmuon.sim.workload.from_plan(plan, tokens_per_rank=8192, seq_len=8192)
+    sim = dmuon.sim.simulate(plan, hw, wl)                  # -> Simulation (step, ranks, path, timelines)
+    sims = dmuon.sim.simulate_variants(plan, hw, wl)        # adamw, naive, z2, z3, all_to_all
+
+Modules: ``hardware`` (links, collective cost, compute throughput, presets), ``workload``
+(per-boundary compute derived from the plan), ``alternatives`` (FSDP2 + AdamW, naive Muon,
+dion-style all-to-all as op tables), ``variants`` (schedule variants such as earlier NS),
+``simulate`` (the clocked replay), ``calibrate`` (microbenchmarks for ``cpu-gloo``), ``cli``.
+See docs/performance.md ("Step-time simulator").
+"""
+
+from . import alternatives, hardware, workload
+from .hardware import CollectiveCurve, Hardware, Link
+from .simulate import VARIANTS, Interval, MemoryBreakdown, PathStep, RankTime, Simulation, simulate, simulate_variants
+from .variants import early_ns_schedule
+from .workload import Work, Workload, from_plan
+
+__all__ = [
+    "simulate",
+    "simulate_variants",
+    "Simulation",
+    "RankTime",
+    "MemoryBreakdown",
+    "PathStep",
+    "Interval",
+    "Hardware",
+    "Link",
+    "CollectiveCurve",
+    "Workload",
+    "Work",
+    "from_plan",
+    "early_ns_schedule",
+    "VARIANTS",
+    "hardware",
+    "workload",
+    "alternatives",
+]

@@ -1,0 +1,380 @@
+r"""``python -m dmuon calibrate``: microbenchmarks that make the ``cpu-gloo`` hardware record.
+
+Measured on this machine, nothing taken from a training run:
+
+* **gloo collectives** by kind (broadcast, reduce, all-reduce, all-gather, reduce-scatter,
+  all-to-all), group size 2-4 (one launch of ``k`` processes each, the whole world as the group)
+  and payload (bytes per rank, :data:`SIZES`): median seconds from issue to ``wait()`` over
+  repeats, after a barrier — gloo's own algorithms, including the contention of ``k`` processes
+  on this machine's cores. ``issue_s``: the calling thread's cost of one ``async_op=True`` call.
+* **matmul FLOP/s** by dtype (fp32; bf16 at small sizes) and square size, one thread
+  (``torch.set_num_threads(1)``, as every rank of the benchmarks runs): the peak is the best
+  size's rate, the efficiency curve every size's fraction of it.
+* **per-operator overhead** (a 1-element add) and **elementwise bandwidth** (a 4 M-element add).
+* **hook cost**: a module with a forward pre-hook, forward hook and backward hooks vs without.
+* **FSDP2 call / DTensor dispatch**: in a 1-rank gloo group, the time of one FSDP2 unit's
+  forward + backward with tiny parameters minus the plain module's (per unit and call), and a
+  ``DTensor`` in-place multiply vs a plain one.
+
+``--quick`` measures fewer sizes and repeats (a smoke run for tests, seconds). Total: well under
+3 minutes on 2 cores. Progress: a tqdm bar if tqdm is installed, else one line per stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .hardware import CollectiveCurve, Hardware, Link, dump
+
+__all__ = ["calibrate", "main"]
+
+#: payload bytes per rank of the collective curves
+SIZES = (256, 4096, 65536, 524288, 2097152, 8388608)
+QUICK_SIZES = (4096, 524288)
+KINDS = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+MATMUL_SIZES = (32, 64, 128, 256, 512, 768)
+
+
+class _Progress:
+    """tqdm if available, else a line per stage on stderr."""
+
+    def __init__(self, total: int) -> None:
+        try:
+            from tqdm import tqdm  # optional: not a dependency of dmuon
+
+            self.bar = tqdm(total=total, desc="calibrate", unit="stage")
+        except ImportError:
+            self.bar = None
+        self.total = total
+        self.done = 0
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.set_postfix_str(what)
+            self.bar.update(1)
+        else:
+            print(f"[calibrate {self.done}/{self.total}] {what}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _median_s(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# ----------------------------------------------------------------------------------- gloo
+
+
+def _time_collectives(dist, torch, group, k: int, sizes: Sequence[int], repeats: int) -> dict[str, Any]:
+    """Median seconds per kind and size on ``group`` (``k`` ranks; every rank of the world calls)."""
+    res: dict[str, Any] = {}
+    member = group is not None
+    for kind in KINDS:
+        pts = []
+        for nbytes in sizes:
+            numel = max(k, nbytes // 4 // k * k)
+            x = torch.ones(numel)
+            y = torch.empty(numel * k) if kind == "all_gather" else torch.empty(numel // k)
+            z = torch.empty(numel)
+
+            def call(x=x, y=y, z=z, kind=kind):
+                if kind == "broadcast":
+                    w = dist.broadcast(x, dist.get_global_rank(group, 0), group=group, async_op=True)
+                elif kind == "reduce":
+                    w = dist.reduce(x, dist.get_global_rank(group, 0), group=group, async_op=True)
+                elif kind == "all_reduce":
+                    w = dist.all_reduce(x, group=group, async_op=True)
+                elif kind == "all_gather":
+                    w = dist.all_gather_into_tensor(y, x, group=group, async_op=True)
+                elif kind == "reduce_scatter":
+                    w = dist.reduce_scatter_tensor(y, x, group=group, async_op=True)
+                else:
+                    w = dist.all_to_all_single(z, x, group=group, async_op=True)
+                w.wait()
+
+            times = []
+            if member:
+                call()
+            for _ in range(repeats):
+                dist.barrier()
+                if member:
+                    t0 = time.perf_counter()
+                    call()
+                    times.append(time.perf_counter() - t0)
+            mine = torch.tensor([statistics.median(times) if times else 0.0], dtype=torch.float64)
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+            # reduce-scatter's schedule payload is the output shard (the input is k x that)
+            pts.append((numel * 4 // k if kind == "reduce_scatter" else numel * 4, float(mine)))
+        res[kind] = sorted(pts)
+    x = torch.ones(8)
+    issue = []
+    for _ in range(max(repeats, 10)):
+        dist.barrier()
+        if member:
+            t0 = time.perf_counter()
+            w = dist.all_reduce(x, group=group, async_op=True)
+            issue.append(time.perf_counter() - t0)
+            w.wait()
+    mine = torch.tensor([statistics.median(issue) if issue else 0.0], dtype=torch.float64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    res["issue_s"] = float(mine)
+    return res
+
+
+def _fsdp_overheads(torch, group, repeats: int) -> dict[str, float]:
+    """FSDP2 call and DTensor dispatch cost on a 1-rank group (no communication)."""
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    mesh = DeviceMesh.from_group(group, "cpu")
+    inp = torch.ones(2, 8)
+    plain = nn.Sequential(*[nn.Linear(8, 8) for _ in range(8)])
+    sharded = nn.Sequential(*[nn.Linear(8, 8) for _ in range(8)])
+    for layer in sharded:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+
+    def run(model):
+        def f():
+            for _ in range(10):
+                model(inp).sum().backward()
+        return f
+
+    run(sharded)()
+    t_plain = _median_s(run(plain), repeats)
+    t_fsdp = _median_s(run(sharded), repeats)
+    # per unit and call: 9 units x (all-gather + Z3 backward all-gather + reduce-scatter) per step
+    fsdp2_call_s = max(0.0, (t_fsdp - t_plain) / 10 / (9 * 3))
+    p = sharded[0].weight
+    assert isinstance(p, DTensor)
+    q = p.to_local().clone()
+    n = 500
+    with torch.no_grad():
+        t_d = _median_s(lambda: [p.mul_(1.0) for _ in range(n)], repeats) / n
+        t_q = _median_s(lambda: [q.mul_(1.0) for _ in range(n)], repeats) / n
+    return dict(fsdp2_call_s=fsdp2_call_s, dtensor_op_s=max(0.0, t_d - t_q))
+
+
+def _worker(rank: int, world: int, port: int, out: str, group_sizes: Sequence[int], sizes: Sequence[int],
+            repeats: int) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        res: dict[str, Any] = {"collectives": {}}
+        for k in group_sizes:
+            g = dist.new_group(list(range(k))) if k < world else dist.group.WORLD
+            res["collectives"][str(k)] = _time_collectives(dist, torch, g if rank < k else None, k, sizes, repeats)
+            if rank == 0:
+                print(f"  gloo collectives on {k} ranks done", file=sys.stderr, flush=True)
+        solo = dist.new_group([0])
+        if rank == 0:
+            res["fsdp"] = _fsdp_overheads(torch, solo, repeats)
+        dist.barrier()
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(res, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _launch(fn, world: int, args: tuple, timeout: float = 300.0) -> None:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=fn, args=(r, world, port) + args) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.time() + timeout
+    for p in procs:
+        p.join(max(1.0, deadline - time.time()))
+    bad = [p for p in procs if p.exitcode != 0]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    if bad:
+        raise RuntimeError(f"calibration launch of {world} processes failed (exit codes {[p.exitcode for p in procs]})")
+
+
+# ----------------------------------------------------------------------------------- compute
+
+
+def _matmul(sizes: Sequence[int], repeats: int) -> dict[str, list[tuple[int, float]]]:
+    import torch
+
+    out: dict[str, list[tuple[int, float]]] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        pts = []
+        for d in sizes:
+            if dtype == torch.bfloat16 and d > 256:
+                break
+            a = torch.randn(d, d).to(dtype)
+            b = torch.randn(d, d).to(dtype)
+            reps = max(3, int(2e8 / (2 * d**3)))
+            a @ b
+            t = _median_s(lambda: [a @ b for _ in range(reps)], repeats) / reps
+            pts.append((d, 2 * d**3 / t))
+        out[str(dtype)] = pts
+    return out
+
+
+def _overheads(repeats: int) -> dict[str, float]:
+    import torch
+    from torch import nn
+
+    x = torch.ones(1)
+    n = 2000
+    op_s = _median_s(lambda: [x.add(1.0) for _ in range(n)], repeats) / n
+    big = torch.ones(4 * 2**20)
+    other = torch.ones_like(big)
+    out_t = torch.empty_like(big)
+    t = _median_s(lambda: torch.add(big, other, out=out_t), repeats)
+    elem_Bps = 3 * big.numel() * 4 / t
+    lin = nn.Linear(8, 8)
+    inp = torch.ones(2, 8, requires_grad=True)
+
+    def run():
+        for _ in range(200):
+            lin(inp).sum().backward()
+
+    plain = _median_s(run, repeats)
+    hooks = [lin.register_forward_pre_hook(lambda m, a: None), lin.register_forward_hook(lambda m, a, o: None),
+             lin.register_full_backward_pre_hook(lambda m, g: None), lin.register_full_backward_hook(lambda m, gi, go: None)]
+    hooked = _median_s(run, repeats)
+    for h in hooks:
+        h.remove()
+    hook_s = max(0.0, (hooked - plain) / 200 / 2)  # per hook call: forward and backward each run two
+    return dict(op_overhead_s=op_s, elementwise_Bps=elem_Bps, hook_s=hook_s)
+
+
+# ----------------------------------------------------------------------------------- main
+
+
+def calibrate(*, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, repeats: int | None = None) -> tuple[Hardware, dict]:
+    """Run the microbenchmarks (module docstring) and return ``(Hardware, raw measurements)``."""
+    import torch
+
+    torch.set_num_threads(1)
+    sizes = QUICK_SIZES if quick else SIZES
+    reps = repeats or (3 if quick else 7)
+    prog = _Progress(3)
+    raw: dict[str, Any] = dict(machine=dict(cpu_count=os.cpu_count(), torch=torch.__version__), collectives={})
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "gloo.json")
+        _launch(_worker, max(group_sizes), (path, tuple(group_sizes), sizes, reps))
+        with open(path) as f:
+            got = json.load(f)
+        raw["collectives"] = got["collectives"]
+        raw["fsdp"] = got["fsdp"]
+        prog.step(f"gloo collectives on {', '.join(map(str, group_sizes))} ranks; FSDP2 call / DTensor dispatch")
+    raw["matmul"] = _matmul(MATMUL_SIZES[:3] if quick else MATMUL_SIZES, reps)
+    prog.step("matmul FLOP/s")
+    raw["overheads"] = _overheads(reps)
+    prog.step("operator / elementwise / hook overheads")
+    prog.close()
+    raw["wall_s"] = time.time() - t0
+    curves = []
+    issue = []
+    for k, res in raw["collectives"].items():
+        issue.append(res["issue_s"])
+        for kind in KINDS:
+            pts = sorted(dict(res[kind]).items())
+            curves.append(CollectiveCurve(kind=kind, group_size=int(k), nbytes=tuple(int(b) for b, _ in pts),
+                                          seconds=tuple(float(s) for _, s in pts)))
+    peaks = []
+    eff: list[tuple[float, float]] = []
+    for dtype, pts in raw["matmul"].items():
+        if not pts:
+            continue
+        best = max(f for _, f in pts)
+        peaks.append((dtype, best))
+        if dtype == "torch.float32":
+            eff = [(float(d), f / best) for d, f in pts]
+    ov = raw["overheads"]
+    cores = os.cpu_count() or 1
+    hw = Hardware(
+        name=f"cpu-gloo ({cores} cores, calibrated {time.strftime('%Y-%m-%d %H:%M')})",
+        ranks_per_node=max(group_sizes),
+        # links are unused where curves exist; kept for kinds without one
+        intra=Link(latency_s=50e-6, bandwidth_Bps=1e9),
+        inter=Link(latency_s=50e-6, bandwidth_Bps=1e9),
+        curves=tuple(curves),
+        issue_s=statistics.median(issue),
+        matmul_peak_flops=tuple(sorted(peaks, key=lambda p: p[0] != "torch.float32")),
+        matmul_efficiency=tuple(eff) or ((1.0, 1.0),),
+        op_overhead_s=ov["op_overhead_s"],
+        elementwise_Bps=ov["elementwise_Bps"],
+        hook_s=ov["hook_s"],
+        fsdp2_call_s=raw["fsdp"]["fsdp2_call_s"],
+        dtensor_op_s=raw["fsdp"]["dtensor_op_s"],
+        cores_per_node=cores,
+        comm_engine="threads",
+        comm_cpu_share=0.0,
+        compute_dtype="torch.float32",
+        ns_dtype="torch.float32",
+        source="python -m dmuon calibrate",
+    )
+    return hw, raw
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m dmuon calibrate [--json F] [--quick]``: print the record; write it with ``--json``."""
+    parser = argparse.ArgumentParser(prog="python -m dmuon calibrate",
+                                     description="Microbenchmark this machine into a cpu-gloo hardware record "
+                                                 "for `python -m dmuon simulate --hw FILE` (under 3 minutes).")
+    parser.add_argument("--json", metavar="FILE", default=None, help="write the record (and raw measurements) here")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats (smoke run)")
+    parser.add_argument("--group-sizes", type=int, nargs="+", default=[2, 3, 4], help="gloo group sizes to measure")
+    args = parser.parse_args(argv)
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        parser.error(f"--json: the folder of {args.json!r} does not exist")
+    if any(k < 2 for k in args.group_sizes):
+        parser.error("--group-sizes must be >= 2")
+    hw, raw = calibrate(group_sizes=args.group_sizes, quick=args.quick)
+    print(f"{hw.name}: {raw['wall_s']:.0f} s")
+    for d, f in hw.matmul_peak_flops:
+        print(f"  matmul peak {d.replace('torch.', '')}: {f / 1e9:.1f} GFLOP/s (1 thread)")
+    print(f"  operator overhead {1e6 * hw.op_overhead_s:.2f} us, elementwise {hw.elementwise_Bps / 1e9:.2f} GB/s, "
+          f"hook {1e6 * hw.hook_s:.1f} us, FSDP2 call {1e6 * hw.fsdp2_call_s:.0f} us, DTensor op +{1e6 * hw.dtensor_op_s:.1f} us, "
+          f"collective issue {1e6 * hw.issue_s:.0f} us")
+    for c in hw.curves:
+        if c.kind in ("broadcast", "all_gather"):
+            pts = ", ".join(f"{b / 1024:.0f}K {1e3 * s:.2f}" for b, s in zip(c.nbytes, c.seconds))
+            print(f"  {c.kind:<10} k={c.group_size}: ms by size {pts}")
+    if args.json:
+        dump(hw, args.json, raw=raw)
+        print(f"wrote {args.json}")
+    return 0

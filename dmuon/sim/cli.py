@@ -1,0 +1,132 @@
+"""``python -m dmuon simulate``: step time of every variant on a hardware model, from the plan.
+
+Examples::
+
+    python -m dmuon simulate --model llama3-70b --mesh 8x128 --hw h100 --tokens-per-rank 8192
+    python -m dmuon simulate --model llama3-8b --mesh 8 --hw h200 --mode z2 --json s.json --png s.png
+    python -m dmuon simulate --model llama3-8b --mesh 8 --tp 8 --hw a100
+    python -m dmuon simulate --model tiny-llama --mesh 4 --hw cal.json     # from `python -m dmuon calibrate`
+
+Prints, per variant (adamw, naive, z2, z3, all_to_all), the simulated step time, its ratio to
+FSDP2 + AdamW, the exposed communication, the Newton-Schulz share and the peak memory, then the
+recommended dmuon mode: the faster of Z2 / Z3 whose peak memory fits the device (Z3 on a tie
+within 1 %, since it holds less). ``--mode`` restricts the dmuon rows to one mode.
+
+GPU presets train in bf16 with FSDP2's usual mixed precision (``--param-dtype bfloat16
+--reduce-dtype float32`` unless given); a calibration file keeps fp32. With ``--tp T`` dmuon
+runs on the data-parallel mesh with Megatron-style TP shards (world = mesh x T); the
+alternatives are simulated on the data-parallel mesh with the same per-TP-rank shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+from types import SimpleNamespace
+
+__all__ = ["main_simulate", "recommend"]
+
+
+def recommend(sims: dict, memory_nbytes: int) -> str:
+    """``"z2"`` or ``"z3"`` (module docstring rule)."""
+    z2, z3 = sims.get("z2"), sims.get("z3")
+    if z2 is None or z3 is None:
+        return "z3" if z3 is not None else "z2"
+    fits = {k: not memory_nbytes or max(s.peak_memory_nbytes) <= memory_nbytes for k, s in (("z2", z2), ("z3", z3))}
+    if fits["z2"] and not fits["z3"]:
+        return "z2"
+    if fits["z3"] and not fits["z2"]:
+        return "z3"
+    return "z2" if z2.step_s < 0.99 * z3.step_s else "z3"
+
+
+def main_simulate(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m dmuon simulate``. Returns 0."""
+    from ..plan.cli import parse_mesh
+    from ..plan.plan import compile
+    from ..plan.presets import PRESETS, megatron_tp_shard_dims
+    from . import hardware as H
+    from .simulate import VARIANTS, simulate
+    from .workload import from_plan
+
+    parser = argparse.ArgumentParser(prog="python -m dmuon simulate",
+                                     description="Simulated step time of dmuon Z2/Z3 and the alternatives (no GPU needed).")
+    parser.add_argument("--model", required=True, choices=sorted(PRESETS))
+    parser.add_argument("--mesh", required=True, type=parse_mesh, help="N or RxN (replicate x shard)")
+    parser.add_argument("--hw", required=True, help=f"hardware preset {sorted(H.PRESETS)} or a calibration .json")
+    parser.add_argument("--tokens-per-rank", type=int, default=8192, help="tokens per rank per step")
+    parser.add_argument("--seq-len", type=int, default=None, help="sequence length (default: min(tokens, 8192))")
+    parser.add_argument("--mode", choices=("z2", "z3"), default=None, help="only this dmuon mode")
+    parser.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel degree")
+    parser.add_argument("--param-dtype", default=None, help="FSDP2 / dmuon wire dtype (GPU default bfloat16)")
+    parser.add_argument("--reduce-dtype", default=None, help="gradient reduce dtype (GPU default float32)")
+    parser.add_argument("--cost-model", default="ns_flops", choices=("numel", "ns_flops"))
+    parser.add_argument("--json", metavar="FILE", default=None, help="write every variant's figures as JSON")
+    parser.add_argument("--png", metavar="FILE", default=None, help="draw rank 0's timeline of each variant (matplotlib)")
+    args = parser.parse_args(argv)
+    for f in (args.json, args.png):
+        if f and not os.path.isdir(os.path.dirname(os.path.abspath(f))):
+            parser.error(f"the folder of {f!r} does not exist")
+    if args.tp < 1 or args.tokens_per_rank < 1:
+        parser.error("--tp and --tokens-per-rank must be >= 1")
+    try:
+        hw = H.preset(args.hw)
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
+    gpu = hw.comm_engine == "separate"
+    param_dtype = args.param_dtype or ("bfloat16" if gpu else None)
+    reduce_dtype = args.reduce_dtype or ("float32" if gpu else None)
+    mp = SimpleNamespace(param_dtype=param_dtype, reduce_dtype=reduce_dtype) if (param_dtype or reduce_dtype) else None
+    model = PRESETS[args.model]()
+    tp_kw = {}
+    if args.tp > 1:
+        dedicated = set(compile(model, args.mesh).dedicated)
+        tp_kw = dict(tp_size=args.tp, tp_shard_dims={k: v for k, v in megatron_tp_shard_dims(model).items() if k in dedicated})
+    plans = {}
+    for z3 in (False, True):
+        plans[z3] = compile(model, args.mesh, reshard_after_forward=z3, cost_model=args.cost_model, mp_policy=mp, **tp_kw)
+    plan = plans[True]
+    R, N = plan.mesh_shape
+    if not gpu:  # a calibrated CPU: every rank on this machine
+        hw = dataclasses.replace(hw, ranks_per_node=R * N * plan.tp_size)
+    seq = args.seq_len or min(args.tokens_per_rank, 8192)
+    wl = from_plan(plan, tokens_per_rank=args.tokens_per_rank, seq_len=seq,
+                   activation_dtype="torch.bfloat16" if gpu else "torch.float32")
+    variants = [v for v in VARIANTS if args.mode is None or v not in ("z2", "z3") or v == args.mode]
+    sims = {}
+    for v in variants:
+        p = plans[v != "z2"] if v in ("z2", "z3") else plan
+        sims[v] = simulate(p, hw, wl, variant=v, timeline_ranks=(0,))
+    base = sims["adamw"].step_s
+    print(f"{args.model} on mesh {plan.mesh_shape} x TP {plan.tp_size} ({plan.world_size * plan.tp_size} ranks), "
+          f"{hw.name}; {args.tokens_per_rank:,} tokens/rank, seq {seq}, wire {param_dtype or 'fp32'}")
+    hdr = f"{'variant':<12}{'step ms':>10}{'x AdamW':>9}{'exposed ms':>12}{'NS ms':>9}{'NS %':>7}{'peak GiB':>10}{'GB moved':>10}"
+    print(hdr)
+    print("-" * len(hdr))
+    for v, s in sims.items():
+        print(f"{v:<12}{1e3 * s.step_s:>10.1f}{s.step_s / base:>9.3f}{1e3 * s.exposed_comm_s:>12.1f}{1e3 * s.ns_s:>9.1f}"
+              f"{100 * s.ns_share:>7.1f}{max(s.peak_memory_nbytes) / 2**30:>10.2f}{s.comm_nbytes / 1e9:>10.2f}")
+    rec = recommend(sims, hw.memory_nbytes)
+    print(f"\nrecommended: dmuon {rec.upper()} ({sims[rec].step_s / base:.3f} x FSDP2 + AdamW)")
+    if args.json:
+        out = dict(model=args.model, mesh=list(plan.mesh_shape), tp=plan.tp_size, hardware=hw.name,
+                   tokens_per_rank=args.tokens_per_rank, seq_len=seq, recommended=rec,
+                   variants={v: dict(step_ms=1e3 * s.step_s, ratio_to_adamw=s.step_s / base,
+                                     exposed_comm_ms=1e3 * s.exposed_comm_s, ns_ms=1e3 * s.ns_s,
+                                     peak_memory_nbytes=list(s.peak_memory_nbytes), comm_nbytes=s.comm_nbytes,
+                                     critical_rank=s.critical_rank, critical_op=s.critical_op,
+                                     critical_path_s=s.path_seconds())
+                             for v, s in sims.items()})
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=1)
+            f.write("\n")
+        print(f"wrote {args.json}")
+    if args.png:
+        from .plot import gantt
+
+        gantt({v: s for v, s in sims.items()}, 0, args.png)
+        print(f"wrote {args.png}")
+    return 0

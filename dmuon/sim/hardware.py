@@ -1,0 +1,399 @@
+r"""Hardware records for the step-time simulator: links, collective cost, compute throughput.
+
+A :class:`Hardware` is frozen data (ints, floats, tuples). It answers three questions, each by
+one small named function:
+
+* :func:`collective_s` — seconds one collective takes once every member has issued it. Two
+  sources: **measured curves** (:class:`CollectiveCurve`, written by ``python -m dmuon
+  calibrate``: gloo's own algorithms on this machine, by kind, group size and payload,
+  interpolated piecewise-linearly in bytes) or, where the record has none for that kind,
+  **formulas** over the slowest link the group spans (:class:`Link`; ``α`` = latency per step,
+  ``β`` = 1 / bandwidth per rank and direction, ``S`` = bytes per rank as the schedule's ops
+  carry them (``Op.nbytes``), ``k`` = group size)::
+
+      broadcast, reduce   min(ring: (k-1)·α + S·β,  tree: ⌈log2 k⌉·α + S·β)    (pipelined)
+      all_reduce          min(ring: 2(k-1)·α + 2(k-1)/k·S·β,  tree: 2⌈log2 k⌉·α + 2·S·β)
+      all_gather          (k-1)·α + (k-1)·S·β          S = the input of one rank
+      reduce_scatter      (k-1)·α + (k-1)·S·β          S = the output shard of one rank
+      all_to_all          (k-1)·α + (k-1)/k·S·β        S = what one rank sends in all
+
+  plus ``launch_s`` (a fixed start-up of each call on the device). A group spans the
+  ``inter`` link when its ranks sit on more than one node (``rank // ranks_per_node``,
+  schedule ranks), else ``intra``. These are the textbook ring / double-binary-tree costs that
+  NCCL chooses between (Thakur, Rabenseifner, Gropp 2005; NCCL's tuning model).
+* :func:`matmul_s` — ``flops / (peak(dtype) · efficiency(d))`` with ``d = (m·n·k)^(1/3)``, the
+  efficiency interpolated in ``log d`` over ``matmul_efficiency``.
+* :func:`elementwise_s` — ``nbytes / elementwise_Bps + ops · op_overhead_s``.
+
+Per-call cost on the calling thread (``issue_s``: a collective's Python + c10d issue path;
+``hook_s``: one dmuon hook call; ``fsdp2_call_s``: one FSDP2 unshard / reduce-scatter call
+including its DTensor bookkeeping; ``dtensor_op_s``: the extra dispatch of one optimizer op on
+a ``DTensor``) are charged to the rank's thread by the simulator.
+
+Processor sharing: ``cores_per_node`` cores serve ``ranks_per_node`` ranks; when ranks outnumber
+cores every compute op runs ``ranks_per_node / cores_per_node`` times slower (all ranks are busy in
+a symmetric step; an idle rank does not release its share — stated as an assumption).
+``comm_engine`` says where collectives progress: ``"separate"`` (GPU copy engines / NCCL
+kernels: overlap with compute for free) or ``"threads"`` (gloo's threads on the same cores: a
+collective also takes ``comm_cpu_share`` of its duration from the compute of its members).
+
+Presets (:data:`PRESETS`) carry public figures; docs/performance.md cites each. ``cpu-gloo`` is
+not a preset: it is what ``python -m dmuon calibrate`` measures (:func:`load`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = [
+    "Link",
+    "CollectiveCurve",
+    "Hardware",
+    "PRESETS",
+    "preset",
+    "load",
+    "dump",
+    "collective_s",
+    "formula_collective_s",
+    "matmul_s",
+    "matmul_efficiency",
+    "elementwise_s",
+    "group_link",
+]
+
+#: collective kinds the cost model knows (schedule kinds, FSDP2's, and all-to-all)
+KINDS = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+#: op kind of a schedule -> collective kind of the cost model
+OP_COLLECTIVE = {
+    "broadcast": "broadcast",
+    "reduce": "reduce",
+    "all_reduce": "all_reduce",
+    "all_gather": "all_gather",
+    "fsdp2_all_gather": "all_gather",
+    "fsdp2_reduce_scatter": "reduce_scatter",
+    "fsdp2_all_reduce": "all_reduce",
+    "all_to_all": "all_to_all",
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Link:
+    """One level of the network, as seen by one rank.
+
+    Attributes:
+        latency_s: ``α``, seconds per algorithm step (one hop).
+        bandwidth_Bps: bytes per second per rank and direction an algorithm achieves (bus
+            bandwidth, not the raw signalling rate).
+    """
+
+    latency_s: float
+    bandwidth_Bps: float
+
+    def __post_init__(self) -> None:
+        if not (self.latency_s >= 0 and self.bandwidth_Bps > 0):
+            raise ValueError(f"Link needs latency_s >= 0 and bandwidth_Bps > 0, got {self}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class CollectiveCurve:
+    """Measured seconds of one collective kind on ``group_size`` ranks, by payload.
+
+    Attributes:
+        kind: one of :data:`KINDS`.
+        group_size: ranks in the group.
+        nbytes: payload bytes per rank (the schedule's ``Op.nbytes``), increasing.
+        seconds: median seconds of one call, aligned with ``nbytes`` (issue to completion).
+    """
+
+    kind: str
+    group_size: int
+    nbytes: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"CollectiveCurve.kind must be one of {KINDS}, got {self.kind!r}")
+        if len(self.nbytes) != len(self.seconds) or not self.nbytes:
+            raise ValueError("CollectiveCurve: nbytes and seconds must align and be non-empty")
+        if any(b <= a for a, b in zip(self.nbytes, self.nbytes[1:])):
+            raise ValueError("CollectiveCurve.nbytes must increase")
+
+    def at(self, nbytes: float) -> float:
+        """Seconds at ``nbytes``: piecewise linear between points, the first point's time below
+        the first size, linear extrapolation of the last two points above the last."""
+        xs, ys = self.nbytes, self.seconds
+        if nbytes <= xs[0] or len(xs) == 1:
+            return ys[0] if nbytes <= xs[0] else ys[0] * nbytes / xs[0]
+        i = min(_bisect(xs, nbytes), len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return max(y0, y0 + (y1 - y0) * (nbytes - x0) / (x1 - x0))
+
+
+def _bisect(xs: Sequence[float], x: float) -> int:
+    lo, hi = 0, len(xs)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if xs[mid] < x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Hardware:
+    """A machine for :func:`dmuon.sim.simulate` (module docstring: every field's role).
+
+    Attributes:
+        name: label.
+        ranks_per_node: ranks (GPUs, or CPU processes) per node.
+        intra / inter: :class:`Link` inside a node and between nodes.
+        launch_s: fixed device-side start-up of one collective.
+        curves: measured :class:`CollectiveCurve` records (empty: formulas only).
+        issue_s: calling-thread seconds to issue one collective.
+        matmul_peak_flops: ``(dtype string, FLOP/s)`` pairs, e.g. ``("torch.bfloat16", 989e12)``.
+        matmul_efficiency: ``(d, fraction of peak)`` points, ``d`` increasing (``d`` = cube root
+            of ``m·n·k``).
+        op_overhead_s: seconds per operator beyond its bytes / FLOPs (dispatch, launch).
+        elementwise_Bps: bytes per second of memory-bound elementwise ops.
+        hook_s: one dmuon hook call (Python), on the calling thread.
+        fsdp2_call_s: one FSDP2 all-gather / reduce-scatter call's calling-thread cost.
+        dtensor_op_s: extra dispatch per optimizer op on a ``DTensor`` parameter.
+        cores_per_node: cores that run the ranks of a node (GPU presets: one per GPU).
+        comm_engine: ``"separate"`` or ``"threads"``.
+        comm_cpu_share: with ``"threads"``, the fraction of a collective's duration its members'
+            compute loses to gloo's threads.
+        compute_dtype: dtype the forward / backward matmuls run in.
+        ns_dtype: dtype of the Newton-Schulz iteration (torch.optim.Muon: bf16; CPU: fp32).
+        memory_nbytes: device memory per rank (0 = unknown), for the memory figure.
+        source: where the figures come from (a preset's citation key, or the calibration run).
+    """
+
+    name: str
+    ranks_per_node: int
+    intra: Link
+    inter: Link
+    launch_s: float = 0.0
+    curves: tuple[CollectiveCurve, ...] = ()
+    issue_s: float = 0.0
+    matmul_peak_flops: tuple[tuple[str, float], ...] = ()
+    matmul_efficiency: tuple[tuple[float, float], ...] = ((1.0, 1.0),)
+    op_overhead_s: float = 0.0
+    elementwise_Bps: float = 1e12
+    hook_s: float = 0.0
+    fsdp2_call_s: float = 0.0
+    dtensor_op_s: float = 0.0
+    cores_per_node: int = 1
+    comm_engine: str = "separate"
+    comm_cpu_share: float = 0.0
+    compute_dtype: str = "torch.bfloat16"
+    ns_dtype: str = "torch.bfloat16"
+    memory_nbytes: int = 0
+    source: str = ""
+    _curve_index: dict | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.ranks_per_node < 1 or self.cores_per_node < 1:
+            raise ValueError("Hardware: ranks_per_node and cores_per_node must be >= 1")
+        if self.comm_engine not in ("separate", "threads"):
+            raise ValueError(f"Hardware.comm_engine must be 'separate' or 'threads', got {self.comm_engine!r}")
+        if not self.matmul_peak_flops:
+            raise ValueError("Hardware.matmul_peak_flops needs at least one (dtype, FLOP/s) pair")
+        if any(b[0] <= a[0] for a, b in zip(self.matmul_efficiency, self.matmul_efficiency[1:])):
+            raise ValueError("Hardware.matmul_efficiency: d must increase")
+        index: dict[str, dict[int, CollectiveCurve]] = {}
+        for c in self.curves:
+            index.setdefault(c.kind, {})[c.group_size] = c
+        object.__setattr__(self, "_curve_index", index)
+
+    @property
+    def oversubscription(self) -> float:
+        """Processor-sharing slowdown of compute: ``max(1, ranks_per_node / cores_per_node)``."""
+        return max(1.0, self.ranks_per_node / self.cores_per_node)
+
+    def peak_flops(self, dtype: str) -> float:
+        """Matmul peak of ``dtype`` (the record's first entry if ``dtype`` is not listed)."""
+        for d, f in self.matmul_peak_flops:
+            if d == dtype:
+                return f
+        return self.matmul_peak_flops[0][1]
+
+    def with_bandwidth(self, factor: float) -> Hardware:
+        """The same record with every link's bandwidth scaled by ``factor`` (and no curves)."""
+        return dataclasses.replace(
+            self,
+            intra=dataclasses.replace(self.intra, bandwidth_Bps=self.intra.bandwidth_Bps * factor),
+            inter=dataclasses.replace(self.inter, bandwidth_Bps=self.inter.bandwidth_Bps * factor),
+            curves=(),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
+        d["intra"] = dataclasses.asdict(self.intra)
+        d["inter"] = dataclasses.asdict(self.inter)
+        d["curves"] = [dict(kind=c.kind, group_size=c.group_size, nbytes=list(c.nbytes), seconds=list(c.seconds))
+                       for c in self.curves]
+        d["matmul_peak_flops"] = [list(x) for x in self.matmul_peak_flops]
+        d["matmul_efficiency"] = [list(x) for x in self.matmul_efficiency]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Hardware:
+        d = dict(d)
+        d["intra"] = Link(**d["intra"])
+        d["inter"] = Link(**d["inter"])
+        d["curves"] = tuple(CollectiveCurve(kind=c["kind"], group_size=c["group_size"], nbytes=tuple(c["nbytes"]),
+                                            seconds=tuple(c["seconds"])) for c in d.get("curves", ()))
+        d["matmul_peak_flops"] = tuple((str(a), float(b)) for a, b in d["matmul_peak_flops"])
+        d["matmul_efficiency"] = tuple((float(a), float(b)) for a, b in d["matmul_efficiency"])
+        known = {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+# ----------------------------------------------------------------------------------- costs
+
+
+def group_link(hw: Hardware, group: Sequence[int]) -> Link:
+    """The link a group's algorithm is bound by: ``inter`` if its ranks span nodes."""
+    rpn = hw.ranks_per_node
+    return hw.inter if min(group) // rpn != max(group) // rpn else hw.intra
+
+
+def formula_collective_s(kind: str, k: int, nbytes: float, link: Link, launch_s: float = 0.0) -> float:
+    """Ring / tree cost of one collective (module docstring table). ``k`` = group size,
+    ``nbytes`` = bytes per rank. A one-rank group costs ``launch_s`` only."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown collective kind {kind!r} (one of {KINDS})")
+    if k <= 1:
+        return launch_s
+    a, beta = link.latency_s, 1.0 / link.bandwidth_Bps
+    steps_tree = math.ceil(math.log2(k))
+    if kind in ("broadcast", "reduce"):
+        t = min((k - 1) * a, steps_tree * a) + nbytes * beta
+    elif kind == "all_reduce":
+        t = min(2 * (k - 1) * a + 2 * (k - 1) / k * nbytes * beta, 2 * steps_tree * a + 2 * nbytes * beta)
+    elif kind in ("all_gather", "reduce_scatter"):
+        t = (k - 1) * a + (k - 1) * nbytes * beta
+    else:  # all_to_all
+        t = (k - 1) * a + (k - 1) / k * nbytes * beta
+    return launch_s + t
+
+
+def collective_s(hw: Hardware, kind: str, group: Sequence[int], nbytes: float) -> float:
+    """Seconds of one collective of ``kind`` (:data:`KINDS`) on ``group`` moving ``nbytes`` per
+    rank: a measured curve of that kind if the record has one (exact group size, else the
+    nearest measured size scaled by ``(k-1)/(k'-1)``), else :func:`formula_collective_s`."""
+    k = len(group)
+    curves = hw._curve_index.get(kind) if hw._curve_index else None  # type: ignore[union-attr]
+    if curves:
+        if k <= 1:
+            return 0.0
+        c = curves.get(k)
+        if c is not None:
+            return c.at(nbytes)
+        near = min(curves, key=lambda g: (abs(g - k), -g))
+        return curves[near].at(nbytes) * (k - 1) / max(near - 1, 1)
+    return formula_collective_s(kind, k, nbytes, group_link(hw, group), hw.launch_s)
+
+
+def matmul_efficiency(hw: Hardware, d: float) -> float:
+    """Fraction of peak a matmul of mean dimension ``d`` reaches (log-linear interpolation,
+    clamped at the ends of ``hw.matmul_efficiency``)."""
+    pts = hw.matmul_efficiency
+    if d <= pts[0][0]:
+        return pts[0][1]
+    if d >= pts[-1][0]:
+        return pts[-1][1]
+    i = _bisect([p[0] for p in pts], d)
+    (d0, e0), (d1, e1) = pts[i - 1], pts[i]
+    w = (math.log(d) - math.log(d0)) / (math.log(d1) - math.log(d0))
+    return e0 + w * (e1 - e0)
+
+
+def matmul_s(hw: Hardware, flops: float, d: float, dtype: str) -> float:
+    """Seconds of ``flops`` matmul FLOPs at mean dimension ``d`` in ``dtype`` (no per-op overhead)."""
+    if flops <= 0:
+        return 0.0
+    return flops / (hw.peak_flops(dtype) * matmul_efficiency(hw, d))
+
+
+def elementwise_s(hw: Hardware, nbytes: float, ops: float) -> float:
+    """Seconds of memory-bound work: ``nbytes / elementwise_Bps + ops * op_overhead_s``."""
+    return nbytes / hw.elementwise_Bps + ops * hw.op_overhead_s
+
+
+# ----------------------------------------------------------------------------------- presets
+
+_GB = 1e9
+_TF = 1e12
+# Large-GEMM efficiency on tensor cores, by mean dimension (cuBLAS on H100 reaches ~70-80 % of
+# the dense bf16 peak at 4-8k; small shapes are latency / tile bound). Used for every preset.
+_GPU_EFFICIENCY = ((128.0, 0.08), (512.0, 0.35), (1024.0, 0.55), (2048.0, 0.68), (4096.0, 0.75), (8192.0, 0.78))
+
+
+def _gpu(name: str, *, bf16: float, fp32: float, hbm: float, nvlink: float, ib: float, mem_gb: float, source: str) -> Hardware:
+    return Hardware(
+        name=name,
+        ranks_per_node=8,
+        # NCCL bus bandwidth reaches ~80 % of NVLink's per-direction rate and ~90 % of the NIC's
+        intra=Link(latency_s=3e-6, bandwidth_Bps=0.8 * nvlink),
+        inter=Link(latency_s=8e-6, bandwidth_Bps=0.9 * ib),
+        launch_s=10e-6,
+        issue_s=15e-6,
+        matmul_peak_flops=(("torch.bfloat16", bf16), ("torch.float16", bf16), ("torch.float32", fp32)),
+        matmul_efficiency=_GPU_EFFICIENCY,
+        op_overhead_s=4e-6,
+        elementwise_Bps=0.8 * hbm,
+        hook_s=30e-6,
+        fsdp2_call_s=60e-6,
+        dtensor_op_s=0.0,  # foreach / fused optimizers on GPU: dispatch hidden behind the device
+        cores_per_node=8,
+        comm_engine="separate",
+        compute_dtype="torch.bfloat16",
+        ns_dtype="torch.bfloat16",
+        memory_nbytes=int(mem_gb * 2**30),
+        source=source,
+    )
+
+
+#: name -> :class:`Hardware` (GPU presets; figures: NVIDIA datasheets, cited in docs/performance.md).
+#: ``nvlink`` / ``ib`` are per GPU and direction: NVLink 4 900 GB/s bidirectional -> 450; NVLink 3
+#: 600 -> 300; A800's NVLink 400 -> 200; one 400 Gb/s NDR NIC per GPU -> 50 GB/s; HDR 200 Gb/s -> 25.
+PRESETS: dict[str, Hardware] = {
+    "h100": _gpu("H100 SXM5 80GB, NVLink 4 + 8x400G NDR InfiniBand", bf16=989 * _TF, fp32=67 * _TF,
+                 hbm=3350 * _GB, nvlink=450 * _GB, ib=50 * _GB, mem_gb=80, source="nvidia-h100-datasheet"),
+    "h200": _gpu("H200 SXM 141GB, NVLink 4 + 8x400G NDR InfiniBand", bf16=989 * _TF, fp32=67 * _TF,
+                 hbm=4800 * _GB, nvlink=450 * _GB, ib=50 * _GB, mem_gb=141, source="nvidia-h200-datasheet"),
+    "a100": _gpu("A100 SXM4 80GB, NVLink 3 + 8x200G HDR InfiniBand", bf16=312 * _TF, fp32=19.5 * _TF,
+                 hbm=2039 * _GB, nvlink=300 * _GB, ib=25 * _GB, mem_gb=80, source="nvidia-a100-datasheet"),
+    "a800": _gpu("A800 SXM4 80GB, NVLink 400 GB/s + 8x200G HDR InfiniBand", bf16=312 * _TF, fp32=19.5 * _TF,
+                 hbm=2039 * _GB, nvlink=200 * _GB, ib=25 * _GB, mem_gb=80, source="nvidia-a800-datasheet"),
+}
+
+
+def preset(name: str) -> Hardware:
+    """A GPU preset by name (:data:`PRESETS`), or a calibration JSON file path (:func:`load`)."""
+    if name in PRESETS:
+        return PRESETS[name]
+    if name.endswith(".json"):
+        return load(name)
+    raise ValueError(f"unknown hardware {name!r}: one of {sorted(PRESETS)} or a calibration .json file")
+
+
+def load(path: str) -> Hardware:
+    """Read a :class:`Hardware` written by :func:`dump` / ``python -m dmuon calibrate --json``
+    (the file's ``"hardware"`` object, or the record itself)."""
+    with open(path, encoding="utf-8") as f:
+        d = json.load(f)
+    return Hardware.from_dict(d.get("hardware", d))
+
+
+def dump(hw: Hardware, path: str, **extra: Any) -> None:
+    """Write ``hw`` (and ``extra`` top-level keys, e.g. the raw measurements) as JSON."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(dict(hardware=hw.to_dict(), **extra), f, indent=1)
+        f.write("\n")

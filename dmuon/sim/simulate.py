@@ -1,0 +1,710 @@
+r"""Replay a step schedule on a hardware model: ``simulate(plan, hardware, workload) -> Simulation``.
+
+The replay is the deadlock check's (:mod:`dmuon.plan.step_schedule`) with clocks. In the
+symmetric form every op of the table is shared by all members of its group and each rank
+issues its ops in table order, so walking the table once in order visits every rank's ops in
+issue order and every collective's members at the same matched call — the ``i``-th call on a
+group is the ``i``-th op of that group in the table, exactly how ``replay`` matches them. A
+dmuon schedule is first checked with :meth:`StepSchedule.check` (the same matching, without
+clocks), so a schedule that would hang raises :class:`dmuon.plan.ScheduleError` here too.
+
+Each rank has one **thread** (its Python thread and, on GPUs, its compute stream: compute ops
+run there one after another) and one **channel** per kind of collective (dmuon's broadcasts,
+dmuon's reduces, FSDP2's all-gathers, FSDP2's reduce-scatters / all-reduces, TP, all-to-all),
+each running its collectives in order:
+
+* a **collective** costs its members ``issue_s`` (plus FSDP2's ``fsdp2_call_s`` and the copy in /
+  out of its packed or unsharded buffer) on the thread when issued; it starts when every member
+  has issued it, every member's channel is free and its dependencies are done on every member,
+  and ends for all members together after :func:`~dmuon.sim.hardware.collective_s`. With
+  ``comm_engine="separate"`` (GPUs) a rank issues a collective as soon as the compute op before
+  it has *started* (the CPU runs ahead of the device by one op; issue cost off the stream);
+  with ``"threads"`` (gloo) issuing occupies the thread, and a collective's duration times
+  ``comm_cpu_share`` is taken from its members' next compute.
+* a **compute op** (forward, backward, recompute, Newton-Schulz, optimizer) starts when the
+  thread is free and its dependencies are done *on that rank* (a rank waits only for the ops it
+  takes part in); time between is that rank's communication wait. Durations come from the
+  :class:`~dmuon.sim.workload.Workload` and the hardware (module :mod:`dmuon.sim.hardware`),
+  multiplied by the processor-sharing factor ``hardware.oversubscription``.
+
+Added to every schedule (they are not ops of it): the root's work (embeddings before the first
+forward of a micro-batch, final norm + ``lm_head`` + loss forward and backward before the first
+backward, embedding backward after the last), dmuon's hook calls (``hook_s`` x 2 on each
+boundary forward and backward), the Muon update's elementwise work inside each Newton-Schulz
+op, and at the end one ``optimizer`` op per rank: AdamW on its FSDP2 shards (all parameters for
+``adamw``; the non-dedicated ones otherwise) after its last gradient collective.
+
+No bandwidth contention between channels is modelled (a contention-free replay): concurrent
+collectives on one link each get its full bandwidth. Memory is not time-resolved: the peak is
+the sum of what is resident between steps, the gradients, the largest transient buffers and the
+activations of one micro-batch (:func:`memory`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..plan import cost as _cost
+from ..plan.records import itemsize_nbytes
+from ..plan.step_schedule import Op, Step, StepSchedule
+from . import alternatives as _alt
+from .hardware import OP_COLLECTIVE, Hardware, collective_s, elementwise_s, matmul_s
+from .workload import Work, Workload
+
+__all__ = ["VARIANTS", "Interval", "PathStep", "RankTime", "MemoryBreakdown", "Simulation", "simulate",
+           "simulate_variants", "memory", "replay_ops"]
+
+#: every variant :func:`simulate_variants` runs
+VARIANTS = ("adamw", "naive", "z2", "z3", "all_to_all")
+
+_CHANNEL = {
+    "broadcast": "bcast",
+    "reduce": "reduce",
+    "all_reduce": "tp",
+    "all_gather": "tp",
+    "fsdp2_all_gather": "fsdp2_ag",
+    "fsdp2_reduce_scatter": "fsdp2_rs",
+    "fsdp2_all_reduce": "fsdp2_rs",
+    "all_to_all": "a2a",
+}
+_CHANNELS = ("bcast", "reduce", "fsdp2_ag", "fsdp2_rs", "tp", "a2a")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Interval:
+    """One bar of a rank's timeline: ``lane`` is ``"compute"`` or a channel name."""
+
+    start_s: float
+    end_s: float
+    lane: str
+    kind: str
+    label: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PathStep:
+    """One op of the critical path, on ``rank``, and why it could not start earlier."""
+
+    rank: int
+    kind: str
+    label: str
+    start_s: float
+    end_s: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryBreakdown:
+    """Peak bytes on one rank, by term (:func:`memory`)."""
+
+    parameters_nbytes: int
+    gradients_nbytes: int
+    optimizer_state_nbytes: int
+    transient_nbytes: int
+    activations_nbytes: int
+
+    @property
+    def peak_nbytes(self) -> int:
+        return (self.parameters_nbytes + self.gradients_nbytes + self.optimizer_state_nbytes
+                + self.transient_nbytes + self.activations_nbytes)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RankTime:
+    """One rank's step: ``busy_s + comm_wait_s + idle_s == step_s`` of the simulation.
+
+    Attributes:
+        busy_s: thread busy (compute and issuing). comm_wait_s: a compute op waiting for a
+        collective. idle_s: done, waiting for the step to end (others, or own collectives still
+        running: ``tail_comm_s`` of it). ns_s: Newton-Schulz time. exposed_comm_s:
+        ``comm_wait_s + tail_comm_s``. memory: :class:`MemoryBreakdown`.
+    """
+
+    rank: int
+    busy_s: float
+    comm_wait_s: float
+    idle_s: float
+    tail_comm_s: float
+    ns_s: float
+    end_s: float
+    memory: MemoryBreakdown
+
+    @property
+    def exposed_comm_s(self) -> float:
+        return self.comm_wait_s + self.tail_comm_s
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Simulation:
+    """The simulated step.
+
+    Attributes:
+        variant: ``"z2"`` / ``"z3"`` (dmuon), ``"adamw"``, ``"naive"``, ``"all_to_all"``, or a
+            caller's label. hardware: the record's name.
+        step_s: the slowest rank's end.
+        ranks: per-rank :class:`RankTime` (schedule-rank order).
+        exposed_comm_s: communication the critical rank waited for (its ``exposed_comm_s``).
+        ns_s: Newton-Schulz seconds of the busiest rank; ns_share: ``ns_s / step_s``.
+        critical_rank: the rank that ends last; critical_op: the last op of the critical path.
+        critical_path: :class:`PathStep` records, first to last.
+        timelines: ``{rank: (Interval, ...)}`` for the ranks asked for.
+        comm_nbytes: bytes on the wire per step, summed over ranks (accounting of
+            docs/planning.md; FSDP2's included).
+        deferred_comm_s: HSDP with ``replicate_async``: how far the replicate broadcasts run
+            past ``step_s`` (they are waited for before the next step's broadcast of their
+            boundary, so they must hide behind the next forward; not in ``step_s``).
+    """
+
+    variant: str
+    hardware: str
+    step_s: float
+    ranks: tuple[RankTime, ...]
+    exposed_comm_s: float
+    ns_s: float
+    critical_rank: int
+    critical_op: str
+    critical_path: tuple[PathStep, ...]
+    timelines: dict[int, tuple[Interval, ...]] = dataclasses.field(compare=False)
+    comm_nbytes: int
+    deferred_comm_s: float = 0.0
+
+    @property
+    def ns_share(self) -> float:
+        return self.ns_s / self.step_s if self.step_s else 0.0
+
+    @property
+    def peak_memory_nbytes(self) -> tuple[int, ...]:
+        return tuple(r.memory.peak_nbytes for r in self.ranks)
+
+    def path_seconds(self) -> dict[str, float]:
+        """Seconds of the critical path by op kind."""
+        out: dict[str, float] = {}
+        for p in self.critical_path:
+            out[p.kind] = out.get(p.kind, 0.0) + p.end_s - p.start_s
+        return out
+
+    def summary(self) -> str:
+        busy = max(self.ranks, key=lambda r: r.end_s)
+        path = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in sorted(self.path_seconds().items(), key=lambda kv: -kv[1])[:5])
+        return (f"{self.variant}: step {1e3 * self.step_s:.2f} ms on {self.hardware}; critical rank {self.critical_rank} "
+                f"(busy {1e3 * busy.busy_s:.2f}, comm wait {1e3 * busy.comm_wait_s:.2f}, idle {1e3 * busy.idle_s:.2f} ms); "
+                f"exposed comm {1e3 * self.exposed_comm_s:.2f} ms; NS {1e3 * self.ns_s:.2f} ms ({100 * self.ns_share:.1f} %); "
+                f"peak memory {max(self.peak_memory_nbytes) / 2**30:.2f} GiB; critical path ms: {path}")
+
+
+# ----------------------------------------------------------------------------------- lowering
+
+
+@dataclasses.dataclass(slots=True)
+class _SimOp:
+    kind: str
+    label: str
+    group: tuple[int, ...]
+    deps: tuple[int, ...]
+    collective: bool
+    seconds: Any  # collective: float; local: float or np.ndarray aligned with group
+    host_s: float = 0.0
+    channel: str = ""
+    ns: bool = False
+    deferred: bool = False  # HSDP replicate broadcast with replicate_async: waited for in the next step
+
+
+def _work_s(hw: Hardware, w: Work, factor: float, dtype: str) -> float:
+    """Seconds of ``factor`` x the forward of ``w`` (matmuls at their efficiency, attention,
+    elementwise bytes and operators)."""
+    t = sum(matmul_s(hw, f, d, dtype) for f, d in w.matmuls)
+    t += matmul_s(hw, w.attention_flops, w.attention_d, dtype)
+    return factor * (t + elementwise_s(hw, w.elementwise_nbytes, w.ops))
+
+
+def _ns_s(hw: Hardware, wl: Workload, spec: Any, flops: int) -> float:
+    m, n = spec.matrix_shape
+    a, b = min(m, n), max(m, n)
+    isz = itemsize_nbytes(spec.dtype)
+    mm = matmul_s(hw, flops, (a * a * b) ** (1 / 3), hw.ns_dtype)
+    numel = spec.local_numel
+    elem = elementwise_s(hw, 6 * numel * isz + 2 * _cost.NS_STEPS * numel * itemsize_nbytes(hw.ns_dtype),
+                         wl.muon_ops_per_matrix + wl.ns_ops_per_step * _cost.NS_STEPS)
+    return mm + elem
+
+
+def _adamw_s(hw: Hardware, wl: Workload, tensors: Sequence[tuple[int, int]], dtensor: bool) -> float:
+    """AdamW over ``(numel, itemsize)`` tensors: 7 accesses per element (read p, g, m, v; write
+    p, m, v), ``adamw_ops_per_tensor`` operators each, plus DTensor dispatch per operator."""
+    nbytes = sum(7 * n * isz for n, isz in tensors)
+    ops = wl.adamw_ops_per_tensor * len(tensors)
+    return elementwise_s(hw, nbytes, ops) + (ops * hw.dtensor_op_s if dtensor else 0.0)
+
+
+def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant: str, num_ranks: int) -> list[_SimOp]:
+    """Schedule ops -> simulator ops, with the root's work, hooks and the optimizer added."""
+    dtype = hw.compute_dtype
+    N = plan.mesh_shape[1]
+    dmuon = variant in ("z2", "z3")
+    over = hw.oversubscription
+    work = dict(wl.boundaries)
+    fwd_s = {f: _work_s(hw, w, 1.0, dtype) * over for f, w in work.items()}
+    bwd_s = {f: _work_s(hw, w, w.backward_factor, dtype) * over for f, w in work.items()}
+    embed_f = _work_s(hw, wl.embed, 1.0, dtype) * over
+    embed_b = _work_s(hw, wl.embed, wl.embed.backward_factor, dtype) * over
+    head = _work_s(hw, wl.head, 1.0 + wl.head.backward_factor, dtype) * over
+    hook = 2 * hw.hook_s if dmuon else 0.0
+    boundary_nbytes = {b.fqn: sum(buf.numel * itemsize_nbytes(buf.dtype) for buf in b.buffers) for b in plan.boundaries}
+    specs = {s.fqn: s for s in plan.params}
+    everyone = tuple(range(num_ranks))
+    out: list[_SimOp] = []
+    remap: dict[int, int] = {}
+    root_ag: dict[int, list[int]] = {}
+    first_fwd: set[int] = set()
+    first_bwd: set[int] = set()
+    last_bwd: dict[int, int] = {}
+    for op in ops:
+        if op.kind == "backward":
+            last_bwd[op.micro_batch] = op.id
+    grad_colls: list[int] = []
+    coll_cache: dict = {}
+    for op in ops:
+        mb = op.micro_batch
+        if op.kind == "forward" and mb not in first_fwd:
+            first_fwd.add(mb)
+            out.append(_SimOp("forward", "embed", everyone, tuple(root_ag.get(mb, ())), False, embed_f))
+        if op.kind in ("backward", "recompute") and mb not in first_bwd:
+            first_bwd.add(mb)
+            out.append(_SimOp("backward", "head", everyone, tuple(root_ag.get(mb, ())), False, head))
+        deps = tuple(remap[d] for d in op.deps)
+        kind = op.kind
+        if kind in OP_COLLECTIVE:
+            nbytes = op.nbytes
+            k = len(op.group)
+            key = (kind, op.group, nbytes)
+            secs = coll_cache.get(key)
+            if secs is None:
+                secs = coll_cache[key] = collective_s(hw, OP_COLLECTIVE[kind], op.group, nbytes)
+            host = hw.issue_s
+            if kind.startswith("fsdp2_"):
+                host += hw.fsdp2_call_s + elementwise_s(hw, 2 * k * nbytes, 1)  # copy-out / copy-in
+            elif kind == "reduce" and op.phase == "reduce" and op.segment is not None:
+                pass  # packing is charged once per boundary below (with its first reduce)
+            elif kind == "all_to_all":
+                host += elementwise_s(hw, 2 * nbytes, 2)
+            label = f"{op.phase} {op.boundary or ''}".strip()
+            s = _SimOp(kind, label, op.group, deps, True, secs, host, _CHANNEL[kind],
+                       deferred=op.phase == "replicate_broadcast" and plan.replicate_async)
+            if kind == "fsdp2_all_gather" and op.boundary == "":
+                root_ag.setdefault(mb, []).append(len(out))
+            if kind in ("fsdp2_reduce_scatter", "fsdp2_all_reduce") or (kind == "all_to_all" and variant == "all_to_all"):
+                grad_colls.append(len(out))
+        elif kind in ("forward", "backward", "recompute"):
+            b = op.boundary
+            secs = (fwd_s[b] if kind != "backward" else bwd_s[b]) + hook
+            if kind == "backward" and dmuon:
+                secs += elementwise_s(hw, 2 * boundary_nbytes.get(b, 0), 2) * over  # gradient packing
+            s = _SimOp(kind, b or "", op.group, deps, False, secs)
+        elif kind == "newton_schulz":
+            spec = specs[op.fqns[0]]
+            secs = _ns_s(hw, wl, spec, op.flops) * over
+            if not dmuon:  # FSDP2 shards: DTensor dispatch of the update's operators
+                secs += wl.muon_ops_per_matrix * hw.dtensor_op_s * over
+            s = _SimOp(kind, op.fqns[0], op.group, deps, False, secs, ns=True)
+        else:
+            raise ValueError(f"dmuon.sim: cannot simulate op kind {kind!r} ({op.describe()})")
+        remap[op.id] = len(out)
+        out.append(s)
+        if op.kind == "backward" and last_bwd.get(mb) == op.id:
+            out.append(_SimOp("backward", "embed", everyone, (len(out) - 1,), False, embed_b))
+    # the optimizer: AdamW on this rank's FSDP2 shards (DTensors), after its gradient collectives
+    tensors: list[tuple[int, int]] = []
+    for u in plan.fsdp2_units:
+        for shape, dt, g in zip(u.shapes, u.dtypes, u.requires_grad):
+            if g:
+                tensors.append((_cost.fsdp2_shard_numel(shape, N), itemsize_nbytes(dt)))
+    if variant == "adamw":  # naive / all_to_all: Muon's elementwise work on the shards is in the NS ops
+        tensors += [(_cost.fsdp2_shard_numel(s.local_shape, N), itemsize_nbytes(s.dtype)) for s in plan.params]
+    out.append(_SimOp("optimizer", "adamw", everyone, tuple(grad_colls), False, _adamw_s(hw, wl, tensors, True) * over))
+    return out
+
+
+# ----------------------------------------------------------------------------------- engine
+
+
+def replay_ops(sim_ops: list[_SimOp], num_ranks: int, hw: Hardware, *, timeline_ranks: Sequence[int] = ()) -> dict:
+    """Clocked replay of lowered ops in table order (module docstring). Returns raw arrays."""
+    n = num_ranks
+    neg = -np.inf
+    host = np.zeros(n)  # thread free
+    cstart = np.zeros(n)  # start of the latest compute op (separate engines issue from there)
+    issued = np.zeros(n)  # latest issue time (separate engines)
+    chan = {c: np.zeros(n) for c in _CHANNELS}
+    chan_op = {c: np.full(n, -1, dtype=np.int64) for c in _CHANNELS}
+    host_op = np.full(n, -1, dtype=np.int64)
+    comm_end = np.zeros(n)  # end of the rank's last collective that the step waits for
+    comm_end_op = np.full(n, -1, dtype=np.int64)
+    deferred_end = np.zeros(n)
+    busy = np.zeros(n)
+    wait = np.zeros(n)
+    ns = np.zeros(n)
+    steal = np.zeros(n)
+    threads = hw.comm_engine == "threads"
+    share = hw.comm_cpu_share if threads else 0.0
+    garr: dict[tuple[int, ...], np.ndarray] = {}
+    gmask: dict[tuple[int, ...], np.ndarray] = {}
+    gpos: dict[tuple[int, ...], np.ndarray] = {}
+    tl_mask = np.zeros(n, dtype=bool)
+    tl = [r for r in timeline_ranks if 0 <= r < n]
+    tl_mask[tl] = True
+    timelines: dict[int, list[Interval]] = {r: [] for r in tl}
+    m = len(sim_ops)
+    end_scalar = np.full(m, neg)
+    start_scalar = np.full(m, neg)
+    end_vec: dict[int, np.ndarray] = {}
+    start_vec: dict[int, np.ndarray] = {}
+    pred: dict[int, Any] = {}  # collective: (op, rank); local: (pred op array n, pred rank array n)
+
+    def members(group):
+        a = garr.get(group)
+        if a is None:
+            a = garr[group] = np.asarray(group, dtype=np.int64)
+            mk = np.zeros(n, dtype=bool)
+            mk[a] = True
+            gmask[group] = mk
+        return a
+
+    def dep_ready(deps, group, G):
+        """(ready per member, dep index per member or -1). Collective deps on the same group (or
+        on every rank) give one scalar for all members; the rest are masked per member."""
+        sbest, swho = neg, -1
+        vec = []
+        for d in deps:
+            if d in end_vec:
+                vec.append(d)
+                continue
+            dg = sim_ops[d].group
+            if dg is group or dg == group or len(dg) == n:
+                if end_scalar[d] > sbest:
+                    sbest, swho = end_scalar[d], d
+            else:
+                vec.append(d)
+        best = np.full(len(G), sbest)
+        who = np.full(len(G), swho, dtype=np.int64)
+        if not vec:
+            return best, who
+        posm = None
+        for d in vec:
+            dg = sim_ops[d].group
+            if len(dg) == n:  # a local op on every rank: read it densely
+                v = end_vec[d][G]
+                better = v > best
+                if better.any():
+                    best = np.where(better, v, best)
+                    who = np.where(better, d, who)
+                continue
+            if posm is None:
+                posm = posmap(group)
+            dm = members(dg)
+            p = posm[dm]
+            keep = p >= 0
+            idx = p[keep]
+            if not len(idx):
+                continue
+            vals = end_vec[d][dm[keep]] if d in end_vec else np.full(len(idx), end_scalar[d])
+            better = vals > best[idx]
+            if better.any():
+                sel = idx[better]
+                best[sel] = vals[better]
+                who[sel] = d
+        return best, who
+
+    def posmap(group):
+        pm = gpos.get(group)
+        if pm is None:
+            a = members(group)
+            pm = gpos[group] = np.full(n, -1, dtype=np.int64)
+            pm[a] = np.arange(len(a))
+        return pm
+
+    for i, op in enumerate(sim_ops):
+        G = members(op.group)
+        if op.collective:
+            if threads:
+                host[G] += op.host_s
+                busy[G] += op.host_s
+                issue = host[G]
+            else:
+                issued[G] = np.maximum(cstart[G], issued[G]) + op.host_s
+                issue = issued[G]
+            c = op.channel
+            cand_t = [issue.max(), chan[c][G].max()]
+            j_issue = int(G[int(issue.argmax())])
+            j_chan = int(G[int(chan[c][G].argmax())])
+            cand_p = [(int(host_op[j_issue]), j_issue), (int(chan_op[c][j_chan]), j_chan)]
+            if op.deps:
+                dr, who = dep_ready(op.deps, op.group, G)
+                k = int(dr.argmax())
+                cand_t.append(dr[k])
+                cand_p.append((int(who[k]), int(G[k])))
+            k = int(np.argmax(cand_t))
+            start = max(0.0, float(cand_t[k]))
+            end = start + float(op.seconds)
+            pred[i] = cand_p[k] if cand_t[k] > 0 else (-1, -1)
+            start_scalar[i] = start
+            end_scalar[i] = end
+            chan[c][G] = end
+            chan_op[c][G] = i
+            if op.deferred:
+                deferred_end[G] = np.maximum(deferred_end[G], end)
+            else:
+                later = comm_end[G] < end
+                comm_end[G] = np.maximum(comm_end[G], end)
+                comm_end_op[G[later]] = i
+            if share:
+                steal[G] += share * float(op.seconds)
+            if tl:
+                for x in G[tl_mask[G]]:
+                    timelines[int(x)].append(Interval(start, end, c, op.kind, op.label))
+        else:
+            dur = op.seconds + steal[G] if share else op.seconds
+            if share:
+                steal[G] = 0.0
+            h = host[G]
+            if op.deps:
+                dr, who = dep_ready(op.deps, op.group, G)
+                start = np.maximum(h, dr)
+                from_dep = dr > h
+            else:
+                start = h.copy()
+                from_dep = np.zeros(len(G), dtype=bool)
+                who = np.full(len(G), -1, dtype=np.int64)
+            wait[G] += start - h
+            end = start + dur
+            busy[G] += dur
+            if op.ns:
+                ns[G] += dur
+            pv = np.where(from_dep, who, host_op[G])
+            full_end = np.full(n, neg)
+            full_end[G] = end
+            full_start = np.full(n, neg)
+            full_start[G] = start
+            end_vec[i] = full_end
+            start_vec[i] = full_start
+            pa = np.full(n, -1, dtype=np.int64)
+            pa[G] = pv
+            pred[i] = pa
+            host[G] = end
+            cstart[G] = start
+            host_op[G] = i
+            if tl:
+                for x in G[tl_mask[G]]:
+                    p = int(np.searchsorted(G, x)) if len(G) > 1 else 0
+                    s0 = float(start[p]) if np.ndim(start) else float(start)
+                    e0 = float(end[p]) if np.ndim(end) else float(end)
+                    timelines[int(x)].append(Interval(s0, e0, "compute", op.kind, op.label))
+    rank_end = np.maximum(host, comm_end)
+    return dict(host=host, chan_end=comm_end, comm_end_op=comm_end_op, deferred_end=deferred_end, rank_end=rank_end, busy=busy, wait=wait, ns=ns, pred=pred,
+                end_scalar=end_scalar, start_scalar=start_scalar, end_vec=end_vec, start_vec=start_vec,
+                timelines={r: tuple(v) for r, v in timelines.items()}, chan_op=chan_op, host_op=host_op, chan=chan)
+
+
+def _critical_path(sim_ops: list[_SimOp], raw: dict) -> tuple[int, list[PathStep]]:
+    rank_end = raw["rank_end"]
+    r = int(np.argmax(rank_end))
+    # the last op on that rank: its thread's, or a channel's if that ends later
+    cands = [(raw["host"][r], int(raw["host_op"][r])), (raw["chan_end"][r], int(raw["comm_end_op"][r]))]
+    _, i = max(cands)
+    steps: list[PathStep] = []
+    seen = 0
+    while i >= 0 and seen < 10_000_000:
+        seen += 1
+        op = sim_ops[i]
+        if op.collective:  # shown on the member that arrived last (the one it waited for)
+            s, e = float(raw["start_scalar"][i]), float(raw["end_scalar"][i])
+            nxt, nr = raw["pred"][i]
+            r = int(nr) if nr >= 0 else r
+        else:
+            s, e = float(raw["start_vec"][i][r]), float(raw["end_vec"][i][r])
+            nxt, nr = int(raw["pred"][i][r]), r
+        steps.append(PathStep(rank=r, kind=op.kind, label=op.label, start_s=s, end_s=e))
+        i, r = int(nxt), int(nr) if nr >= 0 else r
+    steps.reverse()
+    return int(np.argmax(rank_end)), steps
+
+
+# ----------------------------------------------------------------------------------- memory
+
+
+def memory(plan: Any, workload: Workload, variant: str, sched: StepSchedule | None = None) -> tuple[MemoryBreakdown, ...]:
+    """Peak memory per rank, by term (storage dtypes; the activation dtype for activations).
+
+    ``z2`` / ``z3`` (dmuon): parameters = owned masters (+ HSDP replicas held,
+    ``RankStats.resident_nbytes`` less momentum) + FSDP2 shards of the rest; gradients = full
+    gradients of owned matrices + FSDP2 gradient shards; optimizer state = Muon momentum of
+    owned matrices + AdamW's two moments of the shards; transient = the packed buffers
+    (``RankStats.peak_transient_nbytes``: Z3 the largest boundary, Z2 all of them) + one
+    boundary's gradient reduce buffer + the largest FSDP2 unit unsharded (Z2: all units).
+    ``adamw`` / ``naive`` / ``all_to_all``: FSDP2 shards of every parameter, their gradients,
+    AdamW moments (or Muon momentum for the matrices), the largest unit unsharded with its
+    unsharded gradient (Z2: every unit's parameters); ``naive`` adds every full Muon update
+    gathered at once (its step gathers all before the NS); ``all_to_all`` adds two matrices'
+    worth of each owned batch (received shards + result). Activations: one micro-batch's
+    (:attr:`Workload.activation_nbytes`).
+    """
+    R, N = plan.mesh_shape
+    T = plan.tp_size if variant in ("z2", "z3") else 1
+    n = R * N * T
+    act = workload.activation_nbytes
+    unit_full: dict[str, int] = {}
+    shard_rest = 0
+    for u in plan.fsdp2_units:
+        full = 0
+        for shape, dt in zip(u.shapes, u.dtypes):
+            isz = itemsize_nbytes(dt)
+            full += math.prod(shape) * isz
+            shard_rest += _cost.fsdp2_shard_numel(shape, N) * isz
+        unit_full[u.fqn] = unit_full.get(u.fqn, 0) + full
+    if variant in ("z2", "z3"):
+        if sched is None:
+            stats = plan.rank_stats()
+        else:  # the same figures from a schedule already built (plan.rank_stats() builds its own)
+            stats = _cost.rank_stats(plan.params, plan.owners, sched, _cost.schedule_byte_cost(sched),
+                                     mesh_shape=plan.mesh_shape, reshard_after_forward=plan.reshard_after_forward,
+                                     tp_size=plan.tp_size)
+        z3 = plan.reshard_after_forward
+        fsdp_unsharded = max(unit_full.values(), default=0) if z3 else sum(unit_full.values())
+        reduce_buf = max((sum(buf.numel * itemsize_nbytes(buf.dtype) for buf in b.buffers) for b in plan.boundaries),
+                         default=0)
+        out = []
+        for st in stats:
+            momentum = st.owned_nbytes
+            out.append(MemoryBreakdown(
+                parameters_nbytes=st.resident_nbytes - momentum + shard_rest,
+                gradients_nbytes=st.owned_nbytes + shard_rest,
+                optimizer_state_nbytes=momentum + 2 * shard_rest,
+                transient_nbytes=st.peak_transient_nbytes + reduce_buf + fsdp_unsharded,
+                activations_nbytes=act,
+            ))
+        return tuple(out)
+    muon_shard = sum(_cost.fsdp2_shard_numel(s.local_shape, N) * itemsize_nbytes(s.dtype) for s in plan.params)
+    muon_full = sum(s.local_numel * itemsize_nbytes(s.dtype) for s in plan.params)
+    for s in plan.params:
+        b = plan.boundary(s.fqn)
+        unit_full[b] = unit_full.get(b, 0) + s.local_numel * itemsize_nbytes(s.dtype)
+    z3 = True if variant == "adamw" else plan.reshard_after_forward
+    largest = max(unit_full.values(), default=0)
+    unsharded = largest if z3 else sum(unit_full.values())
+    transient = unsharded + largest  # + one unit's unsharded gradient before its reduce-scatter
+    if variant == "naive":
+        transient = max(transient, muon_full + largest)
+    elif variant == "all_to_all":
+        transient += 2 * (muon_full // max(N, 1))
+    state = 2 * shard_rest + (2 * muon_shard if variant == "adamw" else muon_shard)
+    rec = MemoryBreakdown(parameters_nbytes=shard_rest + muon_shard, gradients_nbytes=shard_rest + muon_shard,
+                          optimizer_state_nbytes=state, transient_nbytes=transient, activations_nbytes=act)
+    return (rec,) * n
+
+
+# ----------------------------------------------------------------------------------- API
+
+
+def _variant_ops(plan: Any, variant: str, step: Step | None, early_ns: bool | str) -> tuple[Sequence[Op], int, Any, Any]:
+    if variant in ("z2", "z3"):
+        want = variant == "z3"
+        if plan.reshard_after_forward != want:
+            plan = dataclasses.replace(plan, reshard_after_forward=want)
+        sched = plan.schedule(step)
+        sched.check()
+        nominal = sched
+        if early_ns:
+            from .variants import early_ns_schedule
+
+            sched = early_ns_schedule(sched, early_replicate_broadcast=early_ns != "ns_only")
+        return sched.ops, sched.num_ranks, plan, nominal
+    ops = _alt.build(variant, plan, step)
+    R, N = plan.mesh_shape
+    return ops, R * N, plan, None
+
+
+def _moved_nbytes(ops: Sequence[Op], num_ranks: int, variant: str) -> int:
+    """Bytes on the wire per step summed over ranks: dmuon's collectives by the ledger's rule
+    (:func:`dmuon.plan.cost.schedule_byte_cost`), FSDP2's and the alternatives' by
+    :func:`dmuon.sim.alternatives.moved_nbytes`."""
+    if variant in ("z2", "z3"):
+        view = _OpsView(tuple(op for op in ops if op.collective), num_ranks)
+        dmuon_part = _cost.schedule_byte_cost(view).total_nbytes
+        return dmuon_part + _alt.moved_nbytes([op for op in ops if op.kind.startswith("fsdp2_")])
+    return _alt.moved_nbytes(ops)
+
+
+class _OpsView:
+    """The two attributes :func:`dmuon.plan.cost.schedule_byte_cost` reads."""
+
+    def __init__(self, ops: Sequence[Op], n: int) -> None:
+        self.ops = ops
+        self.num_ranks = n
+
+
+def simulate(plan: Any, hardware: Hardware, workload: Workload, step: Step | None = None, *,
+             variant: str | None = None, early_ns: bool | str = False,
+             timeline_ranks: Sequence[int] | None = None) -> Simulation:
+    """Simulate one step of ``plan`` (dmuon, with the plan's Z2/Z3) or of an alternative.
+
+    Args:
+        plan: a :class:`dmuon.plan.ShardingPlan`; its schedule (``plan.schedule(step)``) is
+            checked for deadlock and replayed.
+        hardware: a :class:`~dmuon.sim.hardware.Hardware` (a preset, or a calibration).
+        workload: :func:`dmuon.sim.workload.from_plan` of the same plan (or a user's).
+        step: a :class:`dmuon.plan.Step` (micro-batches, ...); None = the nominal step.
+        variant: None = dmuon with the plan's mode; ``"z2"`` / ``"z3"`` = dmuon in that mode;
+            ``"adamw"``, ``"naive"``, ``"all_to_all"`` (:mod:`dmuon.sim.alternatives`).
+        early_ns: dmuon only: True = the "earlier NS" schedule variant
+            (:func:`dmuon.sim.variants.early_ns_schedule`); ``"ns_only"`` = the same with the
+            HSDP replicate broadcasts left at the end of the step.
+        timeline_ranks: ranks whose timeline to keep (default: all ranks up to 16, else rank 0
+            and the last rank).
+
+    Raises:
+        ValueError: unknown variant, or an op the simulator cannot time.
+        dmuon.plan.ScheduleError: the dmuon schedule would deadlock.
+    """
+    if variant is None:
+        variant = "z3" if plan.reshard_after_forward else "z2"
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}: one of {VARIANTS}")
+    ops, n, mode_plan, nominal = _variant_ops(plan, variant, step, early_ns)
+    if timeline_ranks is None:
+        timeline_ranks = tuple(range(n)) if n <= 16 else (0, n - 1)
+    sim_ops = _lower(ops, plan, hardware, workload, variant=variant, num_ranks=n)
+    raw = replay_ops(sim_ops, n, hardware, timeline_ranks=timeline_ranks)
+    crit, path = _critical_path(sim_ops, raw)
+    step_s = float(raw["rank_end"].max())
+    mem = memory(mode_plan, workload, variant, sched=nominal if step is None else None)
+    ranks = []
+    for x in range(n):
+        busy, wait = float(raw["busy"][x]), float(raw["wait"][x])
+        tail = max(0.0, float(raw["chan_end"][x]) - float(raw["host"][x]))
+        ranks.append(RankTime(rank=x, busy_s=busy, comm_wait_s=wait, idle_s=max(0.0, step_s - busy - wait),
+                              tail_comm_s=tail, ns_s=float(raw["ns"][x]), end_s=float(raw["rank_end"][x]),
+                              memory=mem[x]))
+    last = path[-1] if path else PathStep(rank=crit, kind="", label="", start_s=0.0, end_s=0.0)
+    return Simulation(
+        variant=variant + ({True: "+early_ns", "ns_only": "+early_ns_only"}.get(early_ns, "") if early_ns else ""),
+        hardware=hardware.name,
+        step_s=step_s,
+        ranks=tuple(ranks),
+        exposed_comm_s=ranks[crit].exposed_comm_s,
+        ns_s=float(raw["ns"].max()),
+        critical_rank=crit,
+        critical_op=f"{last.kind} {last.label}".strip(),
+        critical_path=tuple(path),
+        timelines=raw["timelines"],
+        comm_nbytes=_moved_nbytes(ops, n, variant),
+        deferred_comm_s=max(0.0, float(raw["deferred_end"].max()) - step_s),
+    )
+
+
+def simulate_variants(plan: Any, hardware: Hardware, workload: Workload, step: Step | None = None, *,
+                      variants: Sequence[str] = VARIANTS, timeline_ranks: Sequence[int] | None = None) -> dict[str, Simulation]:
+    """:func:`simulate` for every variant of :data:`VARIANTS` (same hardware and workload)."""
+    return {v: simulate(plan, hardware, workload, step, variant=v, timeline_ranks=timeline_ranks) for v in variants}

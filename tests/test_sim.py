@@ -1,0 +1,367 @@
+"""dmuon.sim: collective costs by hand, a hand-timed 2-rank replay, invariants, workload terms."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import dmuon.plan as P
+import dmuon.sim as S
+from dmuon.plan import cost as C
+from dmuon.sim import hardware as H
+from dmuon.sim.simulate import _critical_path, _SimOp, replay_ops
+
+LINK = H.Link(latency_s=1e-5, bandwidth_Bps=1e9)
+
+
+# ------------------------------------------------------------------ collective cost by hand
+
+
+@pytest.mark.parametrize(
+    "kind, expected",
+    [
+        # k = 4, S = 1 MB per rank, alpha = 10 us, 1 GB/s
+        ("broadcast", 2 * 1e-5 + 1e-3),  # ceil(log2 4) hops + S/B (pipelined tree)
+        ("reduce", 2 * 1e-5 + 1e-3),
+        ("all_reduce", 6 * 1e-5 + 1.5e-3),  # ring 2(k-1)a + 2(k-1)/k S/B beats tree 4a + 2 S/B
+        ("all_gather", 3 * 1e-5 + 3e-3),  # (k-1) a + (k-1) S/B
+        ("reduce_scatter", 3 * 1e-5 + 3e-3),
+        ("all_to_all", 3 * 1e-5 + 0.75e-3),  # (k-1) a + (k-1)/k S/B
+    ],
+)
+def test_formula_collective_by_hand(kind, expected):
+    assert H.formula_collective_s(kind, 4, 1e6, LINK) == pytest.approx(expected, rel=1e-12)
+    assert H.formula_collective_s(kind, 4, 1e6, LINK, launch_s=5e-6) == pytest.approx(expected + 5e-6, rel=1e-12)
+    assert H.formula_collective_s(kind, 1, 1e6, LINK, launch_s=5e-6) == 5e-6
+
+
+def test_small_all_reduce_takes_the_tree():
+    # k = 64, 1 KB: ring 2*63 hops, tree 2*6 hops
+    ring = 2 * 63 * 1e-5 + 2 * 63 / 64 * 1e3 / 1e9
+    tree = 2 * 6 * 1e-5 + 2 * 1e3 / 1e9
+    assert tree < ring
+    assert H.formula_collective_s("all_reduce", 64, 1e3, LINK) == pytest.approx(tree)
+
+
+def test_group_link_and_preset_collective():
+    hw = H.preset("h100")
+    assert H.group_link(hw, tuple(range(8))) is hw.intra
+    assert H.group_link(hw, (7, 8)) is hw.inter
+    s = 2**20
+    k = 16
+    by_hand = hw.launch_s + (k - 1) * hw.inter.latency_s + (k - 1) * s / hw.inter.bandwidth_Bps
+    assert H.collective_s(hw, "all_gather", tuple(range(0, 128, 8)), s) == pytest.approx(by_hand)
+
+
+def test_measured_curve_interpolation_and_group_scaling():
+    c = H.CollectiveCurve(kind="broadcast", group_size=2, nbytes=(1000, 2000), seconds=(1e-3, 3e-3))
+    assert c.at(500) == 1e-3
+    assert c.at(1500) == pytest.approx(2e-3)
+    assert c.at(3000) == pytest.approx(5e-3)  # extrapolated along the last segment
+    hw = dataclasses.replace(H.preset("h100"), curves=(c,))
+    assert H.collective_s(hw, "broadcast", (0, 1), 1500) == pytest.approx(2e-3)
+    assert H.collective_s(hw, "broadcast", (0, 1, 2, 3), 1500) == pytest.approx(2e-3 * 3)  # (k-1)/(k'-1)
+    # a kind without a curve falls back to the formula
+    assert H.collective_s(hw, "all_gather", (0, 1), 1e6) == pytest.approx(
+        H.formula_collective_s("all_gather", 2, 1e6, hw.intra, hw.launch_s))
+
+
+def test_hardware_json_round_trip(tmp_path):
+    c = H.CollectiveCurve(kind="reduce", group_size=3, nbytes=(10, 20), seconds=(1.0, 2.0))
+    hw = dataclasses.replace(H.preset("a800"), curves=(c,), comm_engine="threads", comm_cpu_share=0.25)
+    path = tmp_path / "hw.json"
+    H.dump(hw, str(path), raw={"x": 1})
+    assert json.loads(path.read_text())["raw"] == {"x": 1}
+    assert H.load(str(path)) == hw
+    with pytest.raises(ValueError, match="unknown hardware"):
+        H.preset("tpu")
+
+
+def test_matmul_efficiency_curve():
+    hw = H.preset("h100")
+    assert H.matmul_efficiency(hw, 1.0) == hw.matmul_efficiency[0][1]
+    assert H.matmul_efficiency(hw, 1e6) == hw.matmul_efficiency[-1][1]
+    mid = H.matmul_efficiency(hw, math.sqrt(512 * 1024))  # halfway in log d
+    assert mid == pytest.approx((0.35 + 0.55) / 2)
+    assert H.matmul_s(hw, 2e12, 8192, "torch.bfloat16") == pytest.approx(2e12 / (989e12 * 0.78))
+
+
+# ------------------------------------------------------------------ a 2-rank replay by hand
+
+
+def _cpu(**kw):
+    base = dict(name="hand", ranks_per_node=2, intra=LINK, inter=LINK, matmul_peak_flops=(("torch.float32", 1e9),),
+                comm_engine="threads", cores_per_node=2)
+    base.update(kw)
+    return H.Hardware(**base)
+
+
+def test_two_rank_critical_path_by_hand():
+    """forward: rank 0 1 s, rank 1 3 s; reduce to rank 0 (2 s) after it; NS on rank 0 (1.5 s);
+    rank 1 then a backward of 0.5 s. By hand: the reduce starts when rank 1 issues it (3 s), ends
+    at 5 s; NS runs 5-6.5 s; the step is 6.5 s; the critical path is rank 1's forward, the
+    reduce, rank 0's NS. Rank 0 waits 4 s for the reduce; rank 1 is busy 3.5 s, its reduce runs
+    1.5 s past its thread, it idles 3 s."""
+    ops = [
+        _SimOp("forward", "f", (0, 1), (), False, np.array([1.0, 3.0])),
+        _SimOp("reduce", "r", (0, 1), (0,), True, 2.0, 0.0, "reduce"),
+        _SimOp("newton_schulz", "ns", (0,), (1,), False, 1.5, ns=True),
+        _SimOp("backward", "b", (1,), (), False, 0.5),
+    ]
+    hw = _cpu()
+    raw = replay_ops(ops, 2, hw, timeline_ranks=(0, 1))
+    assert list(raw["rank_end"]) == [6.5, 5.0]
+    assert list(raw["busy"]) == [2.5, 3.5]
+    assert list(raw["wait"]) == [4.0, 0.0]
+    assert list(raw["ns"]) == [1.5, 0.0]
+    rank, path = _critical_path(ops, raw)
+    assert rank == 0
+    assert [(p.label, p.rank, p.start_s, p.end_s) for p in path] == [("f", 1, 0.0, 3.0), ("r", 1, 3.0, 5.0),
+                                                                      ("ns", 0, 5.0, 6.5)]
+    lanes = {(i.lane, i.label, i.start_s, i.end_s) for i in raw["timelines"][1]}
+    assert lanes == {("compute", "f", 0.0, 3.0), ("reduce", "r", 3.0, 5.0), ("compute", "b", 3.0, 3.5)}
+
+
+def test_separate_engines_issue_while_the_previous_op_runs():
+    """GPU: the collective after a compute op is issued when that op starts (the CPU runs ahead)."""
+    ops = [
+        _SimOp("forward", "f", (0, 1), (), False, 2.0),
+        _SimOp("broadcast", "b", (0, 1), (), True, 1.0, 0.0, "bcast"),
+        _SimOp("forward", "g", (0, 1), (1,), False, 1.0),
+    ]
+    threads = replay_ops(ops, 2, _cpu())
+    separate = replay_ops(ops, 2, _cpu(comm_engine="separate"))
+    assert list(threads["rank_end"]) == [4.0, 4.0]  # broadcast 2-3 s, g 3-4 s
+    assert list(separate["rank_end"]) == [3.0, 3.0]  # broadcast 0-1 s, hidden behind f
+    assert list(separate["wait"]) == [0.0, 0.0]
+
+
+def test_processor_sharing_slows_compute_when_ranks_outnumber_cores():
+    hw = _cpu(ranks_per_node=4, cores_per_node=2)
+    assert hw.oversubscription == 2.0
+    plan = P.compile(P.presets.tiny_llama(), 4)
+    wl = S.from_plan(plan, tokens_per_rank=256, seq_len=64, activation_dtype="torch.float32")
+    shared = S.simulate(plan, hw, wl, variant="adamw")
+    alone = S.simulate(plan, dataclasses.replace(hw, cores_per_node=4), wl, variant="adamw")
+    busy = lambda s: max(r.busy_s for r in s.ranks)  # noqa: E731
+    assert busy(shared) > 1.9 * busy(alone)
+
+
+# ------------------------------------------------------------------ whole plans
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    plan = P.compile(P.presets.tiny_llama(), 4)
+    wl = S.from_plan(plan, tokens_per_rank=512, seq_len=128)
+    return plan, wl
+
+
+def test_simulation_accounts_every_second(tiny):
+    plan, wl = tiny
+    for hw in (H.preset("h100"), _cpu(ranks_per_node=4)):
+        for v, sim in S.simulate_variants(plan, hw, wl).items():
+            assert sim.step_s == pytest.approx(max(r.end_s for r in sim.ranks))
+            for r in sim.ranks:
+                assert r.busy_s + r.comm_wait_s + r.idle_s == pytest.approx(sim.step_s, rel=1e-9), v
+            path = sim.critical_path
+            assert path[0].start_s == pytest.approx(0.0, abs=1e-9) or path[0].start_s <= path[0].end_s
+            assert path[-1].end_s == pytest.approx(sim.step_s)
+            for a, b in zip(path, path[1:]):
+                assert b.start_s >= a.end_s - 1e-12, (v, a, b)
+            assert set(sim.timelines) == set(range(4))
+            assert (sim.ns_s > 0) == (v != "adamw")
+
+
+def test_dmuon_bytes_equal_the_plan(tiny):
+    plan, wl = tiny
+    for z3 in (False, True):
+        p = P.compile(P.presets.tiny_llama(), 4, reshard_after_forward=z3)
+        sim = S.simulate(p, H.preset("h100"), wl)
+        fsdp = S.alternatives.moved_nbytes([op for op in p.schedule().ops if op.kind.startswith("fsdp2_")])
+        assert sim.comm_nbytes == p.cost.total_nbytes + fsdp
+    # FSDP2 + AdamW moves every parameter: 2 all-gathers + 1 reduce-scatter of (k-1)/k of each
+    ops = S.alternatives.build("adamw", plan)
+    total = 0
+    for u in plan.fsdp2_units:
+        total += sum(3 * C.fsdp2_shard_numel(s, 4) * 4 * 3 * 4 for s in u.shapes) if u.fqn else \
+            sum(2 * C.fsdp2_shard_numel(s, 4) * 4 * 3 * 4 for s in u.shapes)
+    total += sum(3 * C.fsdp2_shard_numel(s.local_shape, 4) * 4 * 3 * 4 for s in plan.params)
+    assert S.alternatives.moved_nbytes(ops) == total
+
+
+def test_alternatives_structure(tiny):
+    plan, _ = tiny
+    naive = S.alternatives.build("naive", plan)
+    ns = [op for op in naive if op.kind == "newton_schulz"]
+    assert len(ns) == len(plan.params) and all(op.group == (0, 1, 2, 3) for op in ns)
+    a2a = S.alternatives.build("all_to_all", plan)
+    ns = [op for op in a2a if op.kind == "newton_schulz"]
+    assert len(ns) == len(plan.params) and all(len(op.group) == 1 for op in ns)
+    # each rank runs about total / N of the NS FLOPs (batches of N matrices)
+    per = [sum(op.flops for op in ns if op.group == (r,)) for r in range(4)]
+    assert sum(per) == sum(C.ns_flops(*s.matrix_shape) for s in plan.params)
+    # batches of N = 4 same-shape matrices: q/o 8 -> 2, k/v 8 -> 2, gate/up 8 -> 2, down 4 -> 1; 2 all-to-alls each
+    assert len([op for op in a2a if op.kind == "all_to_all"]) == 2 * 7
+    with pytest.raises(ValueError, match="unknown alternative"):
+        S.alternatives.build("zero1", plan)
+
+
+def test_workload_terms_by_hand():
+    plan = P.compile(P.presets.tiny_llama(), 2)
+    t, s = 512, 128
+    wl = S.from_plan(plan, tokens_per_rank=t, seq_len=s, activation_dtype="torch.float32")
+    w = wl.work("model.layers.0")
+    # q, o (64, 64); k, v (32, 64); gate, up (160, 64); down (64, 160)
+    weights = 2 * 64 * 64 + 2 * 32 * 64 + 3 * 160 * 64
+    assert w.matmul_flops == 2 * t * weights
+    assert w.attention_flops == 2 * 2 * t * s * 64 // 2  # causal: half of Q K^T and P V
+    assert w.ops == 7 * 2 + 2 * 6 + 10
+    assert w.activation_nbytes == 34 * t * 64 * 4 // 2
+    assert wl.head.matmul_flops == 2 * t * 256 * 64  # lm_head
+    assert wl.embed.matmul_flops == 0
+    assert wl.forward_flops == 4 * w.flops + wl.head.flops
+    two = S.from_plan(plan, tokens_per_rank=t, seq_len=s, micro_batches=2)
+    assert two.work("model.layers.0").matmul_flops == w.matmul_flops // 2
+    moe = P.compile(P.presets.tiny_moe(), 2, predicate=P.matrix_predicate(P.presets.tiny_moe()))
+    mw = S.from_plan(moe, tokens_per_rank=t, seq_len=s).work("layers.0")
+    expert_flops = 2 * t * 2 * (3 * 48 * 32)  # top_k = 2 of 4 experts: k/E of the stacked weights
+    dense = 2 * t * (2 * 32 * 32 + 2 * 16 * 32 + 4 * 32)  # attention projections + router
+    assert mw.matmul_flops == pytest.approx(expert_flops + dense, rel=1e-9)
+
+
+def test_memory_terms(tiny):
+    plan, wl = tiny
+    z2 = S.simulate(P.compile(P.presets.tiny_llama(), 4, reshard_after_forward=False), H.preset("h100"), wl)
+    z3 = S.simulate(plan, H.preset("h100"), wl)
+    assert max(z3.peak_memory_nbytes) < max(z2.peak_memory_nbytes)
+    owned = sum(s.numel * 4 for s in plan.params)
+    assert sum(r.memory.optimizer_state_nbytes for r in z3.ranks) - 4 * 2 * sum(
+        C.fsdp2_shard_numel(s, 4) * 4 for u in plan.fsdp2_units for s in u.shapes) == owned
+    assert all(r.memory.activations_nbytes == wl.activation_nbytes for r in z3.ranks)
+
+
+def test_early_ns_is_a_reordering(tiny):
+    plan, _ = tiny
+    for mesh in (4, (2, 2)):
+        p = P.compile(P.presets.tiny_llama(), mesh)
+        sched = p.schedule()
+        early = S.early_ns_schedule(sched)
+        key = lambda o: (o.kind, o.phase, o.group, o.root, o.numel, o.flops, o.fqns, o.boundary, o.segment)  # noqa: E731
+        assert sorted(map(key, early.ops)) == sorted(map(key, sched.ops))
+        assert C.schedule_byte_cost(early) == C.schedule_byte_cost(sched)
+        kinds = [o.kind for o in early.ops]
+        assert kinds.index("newton_schulz") < len(kinds) - 1 - kinds[::-1].index("backward")
+        for op in early.ops:
+            assert all(d < op.id for d in op.deps)
+
+
+def test_hsdp_replicate_broadcast_is_deferred():
+    plan = P.compile(P.presets.tiny_llama(), (2, 2))
+    wl = S.from_plan(plan, tokens_per_rank=512, seq_len=128)
+    sim = S.simulate(plan, H.preset("a100"), wl)
+    sync = S.simulate(dataclasses.replace(plan, replicate_async=False), H.preset("a100"), wl)
+    assert sim.step_s <= sync.step_s
+    assert sim.deferred_comm_s >= 0.0
+
+
+# ------------------------------------------------------------------ invariants (hypothesis)
+
+
+_MESHES = st.sampled_from([2, 4, 8, (2, 4), (2, 8), 16])
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layers=st.integers(1, 3), hidden=st.sampled_from([64, 128, 256]), mesh=_MESHES,
+       factor=st.floats(1.0, 20.0), hw=st.sampled_from(["h100", "a100", "a800"]), z3=st.booleans(),
+       tokens=st.sampled_from([256, 4096]))
+def test_more_bandwidth_never_slows_a_gpu_step(layers, hidden, mesh, factor, hw, z3, tokens):
+    model = P.presets.llama(num_layers=layers, hidden=hidden, kv_dim=hidden // 2, intermediate=2 * hidden,
+                            vocab=512, head_dim=32)
+    plan = P.compile(model, mesh, reshard_after_forward=z3)
+    wl = S.from_plan(plan, tokens_per_rank=tokens, seq_len=min(tokens, 1024))
+    base = H.preset(hw)
+    fast = base.with_bandwidth(factor)
+    for v in S.VARIANTS:
+        slow_s = S.simulate(plan, base, wl, variant=v, timeline_ranks=()).step_s
+        fast_s = S.simulate(plan, fast, wl, variant=v, timeline_ranks=()).step_s
+        assert fast_s <= slow_s * (1 + 1e-12), (v, fast_s, slow_s)
+
+
+@settings(max_examples=15, deadline=None)
+@given(layers=st.integers(1, 3), hidden=st.sampled_from([64, 128, 192]), mesh=_MESHES,
+       mp=st.sampled_from([None, "bfloat16"]))
+def test_z2_never_moves_more_bytes_than_z3(layers, hidden, mesh, mp):
+    model = P.presets.llama(num_layers=layers, hidden=hidden, kv_dim=hidden // 2 if hidden != 192 else 64, intermediate=3 * hidden,
+                            vocab=256, head_dim=32)
+    pol = SimpleNamespace(param_dtype=mp, reduce_dtype=None) if mp else None
+    z2 = P.compile(model, mesh, reshard_after_forward=False, mp_policy=pol)
+    z3 = P.compile(model, mesh, reshard_after_forward=True, mp_policy=pol)
+    assert z2.cost.total_nbytes <= z3.cost.total_nbytes
+    assert all(a <= b for a, b in zip(z2.cost.per_rank_nbytes, z3.cost.per_rank_nbytes))
+    wl = S.from_plan(z3, tokens_per_rank=256, seq_len=256)
+    hw = H.preset("h100")
+    assert S.simulate(z2, hw, wl, timeline_ranks=()).comm_nbytes <= S.simulate(z3, hw, wl, timeline_ranks=()).comm_nbytes
+
+
+# ------------------------------------------------------------------ CLI
+
+
+def test_simulate_cli(tmp_path, capsys):
+    from dmuon.__main__ import main
+
+    out = tmp_path / "s.json"
+    assert main(["simulate", "--model", "llama3-8b", "--mesh", "8", "--hw", "h100", "--tokens-per-rank", "4096",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "recommended: dmuon" in text
+    d = json.loads(out.read_text())
+    assert set(d["variants"]) == set(S.VARIANTS)
+    assert d["variants"]["adamw"]["ratio_to_adamw"] == 1.0
+    assert d["variants"]["naive"]["step_ms"] > d["variants"]["z3"]["step_ms"]
+    assert d["recommended"] in ("z2", "z3")
+    assert main(["simulate", "--model", "tiny-llama", "--mesh", "2x2", "--hw", "a100", "--tp", "2", "--mode", "z2"]) == 0
+    text = capsys.readouterr().out
+    assert "z3 " not in text and "z2 " in text
+    with pytest.raises(SystemExit):
+        main(["simulate", "--model", "llama3-8b", "--mesh", "8", "--hw", "tpu"])
+
+
+# ------------------------------------------------------------------ purity
+
+
+SIM_FILES = sorted((pathlib.Path(__file__).resolve().parents[1] / "dmuon" / "sim").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", [p for p in SIM_FILES if p.name != "calibrate.py"], ids=lambda p: p.name)
+def test_sim_never_imports_distributed_or_exec(path):
+    """dmuon/sim is pure like dmuon/plan; only calibrate.py (gloo microbenchmarks, run by the
+    `calibrate` command in its own processes) touches torch.distributed."""
+    from tests.test_plan_static import offending_imports
+
+    assert offending_imports(path) == []
+
+
+def test_step_time_prediction_column():
+    """benchmarks/step_time.py's `pred ms` column: simulate of the benchmark's own plan and GPT."""
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    import step_time
+
+    hw = _cpu(ranks_per_node=2, compute_dtype="torch.float32", ns_dtype="torch.float32")
+    preds = {v: step_time.predict("small", 2, v, hw, "ns_flops") for v in step_time.SIM_VARIANT}
+    assert all(p["step_ms"] > 0 for p in preds.values())
+    assert preds["adamw"]["ns_ms"] == 0 and preds["naive"]["ns_ms"] > preds["dmuon_z3"]["ns_ms"] > 0
+    assert step_time.predict("small", 1, "plain", hw, "ns_flops") is None
+    rows = [dict(size="small", nproc=2, variant=v, step_ms=100.0) for v in ("adamw", "dmuon_z3")]
+    step_time.add_predictions(rows, [hw, hw], "ns_flops")
+    assert rows[0]["predicted_ratio"] == 1.0 and rows[1]["predicted_ms_all"] == [rows[1]["predicted_ms"]] * 2
