@@ -15,6 +15,7 @@
 
 from . import plan
 from . import exec  # noqa: A004 - the public sub-package name is fixed by the API
+from .exec import amp as _amp
 from .exec import fsdp2 as _fsdp2
 from .exec.api import dedicate_params
 from .exec.clip import clip_grad_norm_
@@ -24,6 +25,7 @@ from .exec.materialize import init_params
 from .exec.runtime import no_sync
 
 _fsdp2.install()
+_amp.install()
 
 __all__ = ["plan", "exec", "dedicate_params", "Muon", "no_sync", "clip_grad_norm_"]
 __all__ += ["full_state_dict", "init_params"]

@@ -448,6 +448,8 @@ def _optim_step_pre_hook(opt, args, kwargs):
     before its first step). That step would run on some ranks only (dmuon's HSDP broadcast would
     hang) and would advance AdamW's step counters; placeholders never get gradients otherwise.
     """
+    if not opt.state:  # nothing to initialise on this rank: dmuon.Muon.step makes it a local no-op
+        return None
     for group in opt.param_groups:
         if not group.get("use_muon"):
             continue
