@@ -286,6 +286,7 @@ class Muon(torch.optim.Optimizer):
         # Per-group dicts carry every hyper-parameter; `defaults` stays empty so that
         # Optimizer.add_param_group does not leak Muon keys into AdamW groups or back.
         super().__init__(groups, {})
+        self._set_up_checked = False  # _check_set_up_order runs at the first step
         # DTensor momentum for torch.distributed.checkpoint (no-ops without a live runtime)
         _checkpoint.register_optimizer_hooks(self)
 
@@ -669,6 +670,9 @@ class Muon(torch.optim.Optimizer):
                 p.grad = None
             return loss
         wait_pending(dedicated)
+        if not self._set_up_checked:
+            _check_set_up_order(self, dedicated)
+            self._set_up_checked = True
         for group in self.param_groups:
             if group["use_muon"]:
                 self._muon_group_step(group)
@@ -773,6 +777,81 @@ class Muon(torch.optim.Optimizer):
 # ----------------------------------------------------------------------------------------------
 # One Muon step, piece by piece (each torch.optim._muon._single_tensor_muon's ops, in its order)
 # ----------------------------------------------------------------------------------------------
+
+
+SET_UP_ORDER = (
+    "dmuon.dedicate_params(model, mesh) -> fully_shard(block) for each block -> fully_shard(model) -> "
+    "dmuon.Muon(model, ...)"
+)
+
+
+def _fsdp_managed_params(model: nn.Module) -> set[int] | None:
+    """ids of the sharded parameters the ``fully_shard`` units in ``model`` manage (None if this
+    torch's FSDP2 state does not expose them)."""
+    from . import fsdp2
+
+    managed: set[int] = set()
+    for module in model.modules():
+        state = fsdp2.fsdp_state(module)
+        if state is None:
+            continue
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [] if group is None else [group]
+        for group in groups:
+            for fp in getattr(group, "fsdp_params", None) or ():
+                sharded = getattr(fp, "sharded_param", None)
+                if sharded is None:
+                    return None
+                managed.add(id(sharded))
+    return managed
+
+
+def _check_set_up_order(opt: "Muon", dedicated: list[Tensor]) -> None:
+    """First ``step()``: the optimizer must hold the model's FSDP2-sharded parameters.
+
+    Two set-up mistakes would otherwise train without an error: ``dmuon.Muon`` built before
+    ``fully_shard`` (it holds the pre-shard tensors that ``fully_shard`` replaced, so every
+    non-dedicated parameter stays at its initial value), and a missing ``fully_shard`` (e.g. the
+    final ``fully_shard(model)``: parameters outside every unit get no gradient averaging and the
+    ranks drift apart). Local and structural, so every rank raises alike; skipped for a
+    data-parallel mesh of one rank and without a live dmuon runtime. (Skipping only the per-block
+    ``fully_shard`` calls is not an error: the root unit then manages every parameter, at the
+    cost of one large all-gather.)
+
+    Raises:
+        RuntimeError: naming the count, the first parameters and the set-up order.
+    """
+    from .runtime import _runtimes
+
+    runtimes = _runtimes(dedicated)
+    if not runtimes or runtimes[0].world_numel == 1:
+        return
+    model = runtimes[0].model_ref()
+    if model is None:
+        return
+    named = {id(p): n for n, p in model.named_parameters()}
+    others = [p for g in opt.param_groups if not g["use_muon"] for p in g["params"]]
+    stale = [p for p in others if id(p) not in named]
+    if stale:
+        raise RuntimeError(
+            f"dmuon.Muon: {len(stale)} of its parameters are no longer parameters of the model "
+            "(fully_shard replaced them with sharded DTensors after the optimizer was built), so they "
+            f"would never be updated: build dmuon.Muon after fully_shard. Set-up order: {SET_UP_ORDER}"
+        )
+    managed = _fsdp_managed_params(model)
+    if managed is None:
+        return
+    unmanaged = [named[id(p)] for p in others if p.requires_grad and id(p) not in managed]
+    if unmanaged:
+        shown = ", ".join(repr(n) for n in unmanaged[:4]) + (" ..." if len(unmanaged) > 4 else "")
+        raise RuntimeError(
+            f"dmuon.Muon: {len(unmanaged)} non-dedicated parameters ({shown}) are not managed by any "
+            "fully_shard unit, so their gradients are never averaged across ranks and the replicas "
+            "drift apart: call fully_shard on every block, then fully_shard(model) (it takes every "
+            f"parameter left over). Set-up order: {SET_UP_ORDER}"
+        )
 
 
 def _is_dcp_dummy_step(dedicated: list[Tensor]) -> bool:

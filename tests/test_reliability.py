@@ -1,0 +1,341 @@
+"""Reliability, round 2 (issue #14): traps real Muon / FSDP2 users fell into, each against the
+single-process oracle or as the same clear error on every rank.
+
+Two process groups for the whole module (process start-up dominates on 2 cores): W=4 runs the
+1-D N=4 and HSDP (2, 2) cases, W=2 the 1-D N=2 ones. Each case is a function ``_case_*`` that
+returns a picklable record; the tests below compare the records with the oracle
+(``tests/oracle.py``: ``torch.optim.Muon`` + ``torch.optim.AdamW``, fp32 Newton-Schulz; README
+bounds: losses within 1e-6 relative, parameters within 1e-4 of each tensor's largest magnitude).
+
+* loss scaling: ``torch.amp.GradScaler`` (explicit ``unscale_``), FSDP1's ``ShardedGradScaler``
+  and HSDP; an inf in one dedicated matrix's local gradient on one non-owner rank at step 2;
+* resume into a fresh optimizer through DCP's helpers on a mesh where ranks own nothing;
+  ``load_state_dict`` of a mismatching state dict;
+* set-up order mistakes (``dmuon.Muon`` before ``fully_shard``; no ``fully_shard(model)``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from oracle import HP, dmuon_optimizer, fp32_newton_schulz, global_batches, lm_loss, make_model
+
+LOSS_RTOL = 1e-6
+PARAM_TOL = 1e-4
+AMP_STEPS = 4
+AMP_SKIP = 1  # 0-based: the second step overflows
+AMP_INIT_SCALE = 2.0**10
+
+
+def _catch(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the record goes back to the test
+        return (type(exc).__name__, str(exc))
+    return None
+
+
+def _mesh(shape):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return None if shape is None else init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+
+
+def _build(kind="tiny", mesh=None, *, opt=True):
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon
+
+    model = make_model(kind)
+    plan = dmuon.dedicate_params(model, mesh)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, (dmuon_optimizer(model) if opt else None), plan
+
+
+# ----------------------------------------------------------------------------------------------
+# cases (run inside the ranks)
+# ----------------------------------------------------------------------------------------------
+
+
+def _case_amp(mesh_shape, scaler_kind):
+    """Scaled steps; at step AMP_SKIP one non-owner rank's local gradient of ``target`` is inf."""
+    import torch.distributed as dist
+
+    import dmuon
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, opt, plan = _build("tiny", _mesh(mesh_shape))
+    target = "layers.1.out.weight"
+    poison_rank = (plan.owner(target).rank + 1) % world
+    if scaler_kind == "sharded":
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        scaler = ShardedGradScaler("cpu", init_scale=AMP_INIT_SCALE, growth_interval=1)
+    else:
+        scaler = torch.amp.GradScaler("cpu", init_scale=AMP_INIT_SCALE, growth_interval=1)
+    out_mod = model.get_submodule("layers.1.out")
+    handles = []
+
+    def poison(module, args):  # inside the boundary's forward: module.weight is the compute tensor
+        handles.append(module.weight.register_hook(lambda g: torch.full_like(g, float("inf"))))
+
+    losses, scales, fulls, momenta, adamw_steps = [], [], [], [], []
+    owned = [p for p in model.parameters() if getattr(p, "_dmuon", None) is not None and p._dmuon.is_owner]
+    adamw = [p for g in opt.param_groups if not g["use_muon"] for p in g["params"]]
+    for step, batch in enumerate(global_batches(AMP_STEPS, batch=12)):
+        pre = out_mod.register_forward_pre_hook(poison) if (step == AMP_SKIP and rank == poison_rank) else None
+        loss = lm_loss(model, batch.chunk(world)[rank])
+        scaler.scale(loss).backward()
+        if pre is not None:
+            pre.remove()
+            for h in handles:
+                h.remove()
+        if scaler_kind == "plain_unscale":
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+        scales.append(scaler.get_scale())
+        fulls.append(dmuon.full_state_dict(model))
+        momenta.append([opt.state[p]["momentum_buffer"].clone() for p in owned])
+        adamw_steps.append(sorted({opt.state[p]["step"].item() for p in adamw}))
+    dist.barrier()
+    return dict(
+        dedicated=plan.dedicated,
+        losses=losses,
+        scales=scales,
+        full=fulls if rank == 0 else None,
+        momenta=momenta,
+        adamw_steps=adamw_steps,
+    )
+
+
+def _case_resume_fresh(root):
+    """4 ranks, 2 dedicated matrices: ranks 2 and 3 own nothing. Save after 2 steps, resume into
+    a fresh model + dmuon.Muon WITHOUT init_state() (DCP's helpers decide on a dummy step per
+    rank), step once; compare with the uninterrupted run."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    import dmuon
+    from oracle import train_steps
+
+    rank = dist.get_rank()
+    batches = global_batches(3)
+    model, opt, plan = _build("two")
+    train_steps(model, opt, batches[:2])
+    path = f"{root}/fresh"
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+    cont = train_steps(model, opt, batches[2:])
+    cont_full = dmuon.full_state_dict(model)
+
+    model2, opt2, _ = _build("two")
+    state_before = len(opt2.state)
+    sd = {"model": get_model_state_dict(model2), "optim": get_optimizer_state_dict(model2, opt2)}
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(model2, sd["model"])
+    set_optimizer_state_dict(model2, opt2, sd["optim"])
+    res = train_steps(model2, opt2, batches[2:])
+    res_full = dmuon.full_state_dict(model2)
+
+    # load_state_dict of mismatching state dicts: the same error on every rank, before any collective
+    good = opt2.state_dict()
+    errors = {}
+    extra = copy.copy(good)
+    extra["state"] = dict(good["state"])
+    extra["state"][max(good["state"]) + 1] = {"exp_avg": torch.zeros(1)}
+    errors["extra_key"] = _catch(lambda: opt2.load_state_dict(extra))
+    missing = copy.copy(good)
+    missing["state"] = {k: dict(v) for k, v in good["state"].items()}
+    idx = len(good["param_groups"][0]["params"])  # first AdamW entry
+    del missing["state"][idx]["exp_avg_sq"]
+    errors["missing_key"] = _catch(lambda: opt2.load_state_dict(missing))
+    other, other_opt, _ = _build("tiny")  # another model: other group sizes
+    errors["other_model"] = _catch(lambda: opt2.load_state_dict(other_opt.state_dict()))
+    dist.barrier()
+    return dict(
+        owned=[f for f in plan.dedicated if plan.owner(f).rank == rank],
+        state_at_construction=state_before,
+        cont=cont,
+        res=res,
+        same_params=rank != 0 or all(torch.equal(cont_full[k], res_full[k]) for k in cont_full),
+        errors=errors,
+    )
+
+
+def _case_order_mistakes():
+    """Set-up order mistakes: detected at the first step on every rank, or harmless."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batch = global_batches(1, batch=12)[0].chunk(world)[rank]
+    out = {}
+    for variant in ("muon_before_fully_shard", "no_root_fully_shard", "no_fully_shard", "no_block_fully_shard"):
+        model = make_model("tiny")
+        dmuon.dedicate_params(model)
+        opt = dmuon_optimizer(model) if variant == "muon_before_fully_shard" else None
+        if variant not in ("no_block_fully_shard", "no_fully_shard"):
+            for layer in model.layers:
+                fully_shard(layer)
+        if variant not in ("no_root_fully_shard", "no_fully_shard"):
+            fully_shard(model)
+        opt = opt or dmuon_optimizer(model)
+        lm_loss(model, batch).backward()
+        out[variant] = _catch(opt.step)
+        dist.barrier()
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# the process groups
+# ----------------------------------------------------------------------------------------------
+
+
+def _worker4(root):
+    torch.set_num_threads(1)
+    return dict(
+        amp_hsdp=_case_amp((2, 2), "plain"),
+        resume=_case_resume_fresh(root),
+    )
+
+
+def _worker2(root):
+    torch.set_num_threads(1)
+    return dict(
+        amp_unscale=_case_amp(None, "plain_unscale"),
+        amp_sharded=_case_amp(None, "sharded"),
+        order=_case_order_mistakes(),
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("dmuon-reliability"))
+    r4 = run_distributed(_worker4, 4, root, timeout_s=240)
+    r2 = run_distributed(_worker2, 2, root, timeout_s=180)
+    return r4, r2
+
+
+# ----------------------------------------------------------------------------------------------
+# oracles
+# ----------------------------------------------------------------------------------------------
+
+
+def _reference_skipping(kind, dedicated, batches, skip):
+    """torch.optim.Muon + AdamW, fp32 NS, one process; step ``skip`` is skipped by both."""
+    model = make_model(kind)
+    muon_p = [p for n, p in model.named_parameters() if n in dedicated]
+    adamw_p = [p for n, p in model.named_parameters() if n not in dedicated]
+    muon = torch.optim.Muon(muon_p, lr=HP["lr"], weight_decay=HP["weight_decay"], momentum=HP["momentum"])
+    adamw = torch.optim.AdamW(adamw_p, lr=HP["adamw_lr"], weight_decay=HP["adamw_weight_decay"])
+    losses, states = [], []
+    with fp32_newton_schulz():
+        for step, batch in enumerate(batches):
+            loss = lm_loss(model, batch)
+            loss.backward()
+            if step != skip:
+                muon.step()
+                adamw.step()
+            muon.zero_grad()
+            adamw.zero_grad()
+            losses.append(loss.item())
+            states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return losses, states
+
+
+def _assert_state_close(got, want, where):
+    assert set(got) == set(want), where
+    for k, w in want.items():
+        scale = w.abs().max().item() or 1.0
+        err = (got[k].float() - w).abs().max().item()
+        assert err <= PARAM_TOL * scale, (where, k, err, scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# tests
+# ----------------------------------------------------------------------------------------------
+
+AMP_CASES = [("amp_hsdp", 0), ("amp_unscale", 1), ("amp_sharded", 1)]  # (name, index of the run: r4, r2)
+
+
+@pytest.mark.parametrize("name,which", AMP_CASES, ids=[c[0] for c in AMP_CASES])
+def test_grad_scaler_skips_the_same_step_everywhere(runs, name, which):
+    per_rank = [r[name] for r in runs[which]]
+    r0 = per_rank[0]
+    # the scale moves identically on every rank: x2 (growth_interval=1), /2 at the inf, x2, x2
+    want_scales = [AMP_INIT_SCALE * f for f in (2.0, 1.0, 2.0, 4.0)]
+    for r in per_rank:
+        assert r["scales"] == want_scales, (name, r["scales"])
+        # AdamW step counters: the skipped step advanced none
+        assert r["adamw_steps"] == [[1.0], [1.0], [2.0], [3.0]], (name, r["adamw_steps"])
+        # momenta of the matrices this rank owns: untouched by the skipped step
+        for a, b in zip(r["momenta"][AMP_SKIP - 1], r["momenta"][AMP_SKIP]):
+            assert torch.equal(a, b), name
+    full = r0["full"]
+    for k in full[AMP_SKIP]:  # parameters untouched by the skipped step
+        assert torch.equal(full[AMP_SKIP - 1][k], full[AMP_SKIP][k]), (name, k)
+    ref_losses, ref_states = _reference_skipping(
+        "tiny", set(r0["dedicated"]), global_batches(AMP_STEPS, batch=12), AMP_SKIP
+    )
+    for step in range(AMP_STEPS):
+        assert math.isclose(r0["losses"][step], ref_losses[step], rel_tol=LOSS_RTOL), (name, step)
+        _assert_state_close(full[step], ref_states[step], f"{name} step {step}")
+
+
+def test_resume_into_fresh_optimizer_where_ranks_own_nothing(runs):
+    per_rank = [r["resume"] for r in runs[0]]
+    assert [bool(r["owned"]) for r in per_rank].count(False) >= 1  # the trap needs a rank owning nothing
+    for r in per_rank:
+        assert r["state_at_construction"] > 0  # state exists from construction: no DCP dummy step
+        assert r["res"] == r["cont"]  # bit-identical resume
+        assert r["same_params"]
+
+
+def test_load_state_dict_mismatch_errors_name_the_key_on_every_rank(runs):
+    per_rank = [r["resume"]["errors"] for r in runs[0]]
+    assert all(e == per_rank[0] for e in per_rank)  # the same error on every rank
+    e = per_rank[0]
+    assert e["extra_key"][0] == "ValueError" and "state key 7 indexes no parameter" in e["extra_key"][1], e
+    assert e["missing_key"][0] == "ValueError", e
+    assert "'embed.weight' (key 2) has keys ['exp_avg', 'step'], expected ['exp_avg', 'exp_avg_sq', 'step']" in e[
+        "missing_key"
+    ][1], e
+    assert e["other_model"][0] == "ValueError", e
+    assert "Muon param group 0 holds 2 parameters here but 12 in the state dict" in e["other_model"][1], e
+    assert "predicate" in e["other_model"][1], e
+
+
+def test_set_up_order_mistakes_are_detected_on_every_rank(runs):
+    per_rank = [r["order"] for r in runs[1]]
+    assert per_rank[0] == per_rank[1]
+    r = per_rank[0]
+    order = "dmuon.dedicate_params(model, mesh) -> fully_shard(block) for each block -> fully_shard(model) -> dmuon.Muon"
+    kind, msg = r["muon_before_fully_shard"]
+    assert kind == "RuntimeError" and "17 of its parameters are no longer parameters of the model" in msg, msg
+    assert "build dmuon.Muon after fully_shard" in msg and order in msg
+    kind, msg = r["no_root_fully_shard"]
+    assert kind == "RuntimeError" and "5 non-dedicated parameters ('embed.weight', 'norm.weight'" in msg, msg
+    assert order in msg
+    kind, msg = r["no_fully_shard"]
+    assert kind == "RuntimeError" and "17 non-dedicated parameters" in msg and order in msg, msg
+    # only the per-block calls skipped: the root unit manages everything, nothing drifts
+    assert r["no_block_fully_shard"] is None
