@@ -212,7 +212,14 @@ class Muon(torch.optim.Optimizer):
     the Muon and AdamW groups, and finally calls ``dmuon.exec.runtime.after_step(params)``
     (HSDP replicate broadcast). ``params`` is the list of all dedicated parameters of this
     optimizer (placeholders included), in param-group order. Both are no-ops for parameters
-    whose tag has no live runtime, so this class works without ``dmuon.exec.apply``.
+    whose tag has no live runtime, so this class works without ``dmuon.exec.apply``. The first
+    ``step()`` also checks the set-up order (:func:`_check_set_up_order`: built after
+    ``fully_shard``, every non-dedicated parameter in a ``fully_shard`` unit) and raises the same
+    ``RuntimeError`` on every rank otherwise.
+
+    Loss scaling: ``torch.amp.GradScaler`` (and ``ShardedGradScaler``) call
+    :meth:`_unscale_grads_for_scaler` for this optimizer (installed by ``import dmuon``,
+    :mod:`dmuon.exec.amp`), so every rank agrees on skipping a step with an inf/NaN gradient.
 
     AdamW: torch's functional ``torch.optim.adamw.adamw`` with ``amsgrad=False,
     maximize=False, foreach=None, fused=None, capturable=False, differentiable=False``, i.e.
@@ -232,7 +239,8 @@ class Muon(torch.optim.Optimizer):
             a dedicated parameter
             that is not a matrix (1-D), whose tag does not tile its shape or whose owner
             tensor is not full-size, duplicate parameters, or an empty parameter list.
-        RuntimeError (in step): sparse gradients.
+        RuntimeError (in step): sparse gradients; at the first step, a set-up order mistake
+            (built before ``fully_shard``, or parameters outside every ``fully_shard`` unit).
     """
 
     def __init__(
