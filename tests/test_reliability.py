@@ -35,7 +35,7 @@ AMP_INIT_SCALE = 2.0**10
 def _catch(fn):
     try:
         fn()
-    except Exception as exc:  # noqa: BLE001 - the record goes back to the test
+    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         return (type(exc).__name__, str(exc))
     return None
 
@@ -205,6 +205,101 @@ def _case_order_mistakes():
     return out
 
 
+TOGGLE_STEPS = 6
+FREEZE_AT, UNFREEZE_AT = 2, 4  # 0-based steps: frozen for steps 2 and 3
+FROZEN = ("layers.1.fc1.weight", "layers.1.fc2.weight", "layers.1.gate.weight", "layers.1.out.weight")
+
+
+def _toggle(model, step):
+    if step in (FREEZE_AT, UNFREEZE_AT):
+        for fqn in FROZEN:
+            model.get_parameter(fqn).requires_grad_(step == UNFREEZE_AT)
+
+
+def _case_requires_grad_toggle(set_to_none):
+    """A block's matrices frozen after step 2 and unfrozen after step 4."""
+    import torch.distributed as dist
+
+    import dmuon
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, opt, plan = _build("tiny")
+    losses = []
+    for step, batch in enumerate(global_batches(TOGGLE_STEPS, batch=12)):
+        _toggle(model, step)
+        loss = lm_loss(model, batch.chunk(world)[rank])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+    full = dmuon.full_state_dict(model)
+    dist.barrier()
+    return dict(dedicated=plan.dedicated, losses=losses, full=full if rank == 0 else None)
+
+
+def _case_torch_clip():
+    """torch.nn.utils.clip_grad_norm_ on a dmuon model: the global norm, every rank."""
+    import torch.distributed as dist
+
+    import dmuon
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, opt, plan = _build("tiny")
+    norms, losses = [], []
+    for batch in global_batches(2, batch=12):
+        loss = lm_loss(model, batch.chunk(world)[rank])
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).item())
+        opt.step()
+        opt.zero_grad()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+    err = _catch(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05, error_if_nonfinite=True))
+    full = dmuon.full_state_dict(model)
+    dist.barrier()
+    return dict(dedicated=plan.dedicated, norms=norms, losses=losses, full=full if rank == 0 else None, err=err)
+
+
+def _case_predicate_changed(root):
+    """A checkpoint saved under the default predicate, loaded under one that dedicates fewer."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon
+    from oracle import train_steps
+
+    model, opt, _ = _build("tiny")
+    train_steps(model, opt, global_batches(1))
+    path = f"{root}/predicate"
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+    model2 = make_model("tiny")
+    dmuon.dedicate_params(model2, predicate=lambda fqn, p: p.ndim == 2 and fqn.startswith("layers.") and "gate" not in fqn)
+    for layer in model2.layers:
+        fully_shard(layer)
+    fully_shard(model2)
+    opt2 = dmuon_optimizer(model2)
+
+    def load():
+        sd = {"model": get_model_state_dict(model2), "optim": get_optimizer_state_dict(model2, opt2)}
+        dcp.load(sd, checkpoint_id=path)
+        set_model_state_dict(model2, sd["model"])
+        set_optimizer_state_dict(model2, opt2, sd["optim"])
+
+    err = _catch(load)
+    dist.barrier()
+    return dict(err=err)
+
+
 # ----------------------------------------------------------------------------------------------
 # the process groups
 # ----------------------------------------------------------------------------------------------
@@ -224,6 +319,10 @@ def _worker2(root):
         amp_unscale=_case_amp(None, "plain_unscale"),
         amp_sharded=_case_amp(None, "sharded"),
         order=_case_order_mistakes(),
+        toggle_none=_case_requires_grad_toggle(True),
+        toggle_zero=_case_requires_grad_toggle(False),
+        torch_clip=_case_torch_clip(),
+        predicate_changed=_case_predicate_changed(root),
     )
 
 
@@ -339,3 +438,65 @@ def test_set_up_order_mistakes_are_detected_on_every_rank(runs):
     assert kind == "RuntimeError" and "17 non-dedicated parameters" in msg and order in msg, msg
     # only the per-block calls skipped: the root unit manages everything, nothing drifts
     assert r["no_block_fully_shard"] is None
+
+
+def _reference_toggle(dedicated, set_to_none):
+    model = make_model("tiny")
+    muon_p = [p for n, p in model.named_parameters() if n in dedicated]
+    adamw_p = [p for n, p in model.named_parameters() if n not in dedicated]
+    muon = torch.optim.Muon(muon_p, lr=HP["lr"], weight_decay=HP["weight_decay"], momentum=HP["momentum"])
+    adamw = torch.optim.AdamW(adamw_p, lr=HP["adamw_lr"], weight_decay=HP["adamw_weight_decay"])
+    losses = []
+    with fp32_newton_schulz():
+        for step, batch in enumerate(global_batches(TOGGLE_STEPS, batch=12)):
+            _toggle(model, step)
+            loss = lm_loss(model, batch)
+            loss.backward()
+            muon.step()
+            adamw.step()
+            muon.zero_grad(set_to_none=set_to_none)
+            adamw.zero_grad(set_to_none=set_to_none)
+            losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("name,set_to_none", [("toggle_none", True), ("toggle_zero", False)])
+def test_requires_grad_toggled_mid_run_matches_oracle(runs, name, set_to_none):
+    r0 = runs[1][0][name]
+    ref_losses, ref_state = _reference_toggle(set(r0["dedicated"]), set_to_none)
+    for step, (got, want) in enumerate(zip(r0["losses"], ref_losses)):
+        assert math.isclose(got, want, rel_tol=LOSS_RTOL), (name, step, got, want)
+    _assert_state_close(r0["full"], ref_state, name)
+
+
+def test_torch_clip_grad_norm_gives_the_global_norm(runs):
+    per_rank = [r["torch_clip"] for r in runs[1]]
+    r0 = per_rank[0]
+    assert per_rank[1]["norms"] == r0["norms"]
+    model = make_model("tiny")
+    dedicated = set(r0["dedicated"])
+    muon = torch.optim.Muon([p for n, p in model.named_parameters() if n in dedicated], lr=HP["lr"],
+                            weight_decay=HP["weight_decay"], momentum=HP["momentum"])
+    adamw = torch.optim.AdamW([p for n, p in model.named_parameters() if n not in dedicated], lr=HP["adamw_lr"],
+                              weight_decay=HP["adamw_weight_decay"])
+    with fp32_newton_schulz():
+        for step, batch in enumerate(global_batches(2, batch=12)):
+            lm_loss(model, batch).backward()
+            want = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).item()
+            assert math.isclose(r0["norms"][step], want, rel_tol=1e-5), (step, r0["norms"][step], want)
+            assert want > 0.05  # the clip bites
+            muon.step()
+            adamw.step()
+            muon.zero_grad()
+            adamw.zero_grad()
+    _assert_state_close(r0["full"], {k: v.detach() for k, v in model.state_dict().items()}, "torch clip")
+    for r in per_rank:
+        assert r["err"][0] == "RuntimeError" and "dmuon.clip_grad_norm_(model" in r["err"][1], r["err"]
+
+
+def test_checkpoint_after_predicate_change_says_the_dedicated_set_differs(runs):
+    per_rank = [r["predicate_changed"]["err"] for r in runs[1]]
+    for kind, msg in per_rank:
+        assert kind == "CheckpointException", (kind, msg)  # DCP gathers every rank's planning error
+        assert "dmuon: the checkpoint's dedicated set differs from this model's" in msg, msg
+        assert "dedicated (Muon) in the checkpoint but AdamW here: optim.state.layers.0.gate.weight" in msg, msg

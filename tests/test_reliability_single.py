@@ -212,3 +212,54 @@ def test_degenerate_views_stay_with_adamw():
     # a user predicate may still select one (its view is defined): Muon normalises the vector
     plan = dmuon.plan.compile(model, 2, predicate=lambda fqn, p: fqn == "layers.0.gate.weight")
     assert plan.param("layers.0.gate.weight").matrix_shape == (1, 8)
+
+
+def test_plan_summary_reports_vectors_left_to_adamw():
+    plan = dmuon.plan.compile(Degenerate(), 2)
+    text = plan.summary()
+    assert (
+        "left to AdamW inside hook boundaries, a side of 1 (not a matrix for Muon): 2: "
+        "layers.0.gate.weight (1, 8), layers.0.col.weight (8, 1)"
+    ) in text, text
+    from oracle import TinyLM
+
+    assert "left to AdamW inside hook boundaries" not in dmuon.plan.compile(TinyLM(), 2).summary()
+
+
+# ----------------------------------------------------------------------------------------------
+# init_params: parameters no reset_parameters covers
+# ----------------------------------------------------------------------------------------------
+
+
+def test_init_params_reports_uncovered_raw_parameters():
+    from oracle import TinyLM
+
+    class PosLM(TinyLM):
+        def __init__(self):
+            super().__init__()
+            self.pos = nn.Parameter(torch.randn(5, 8) * 0.02)  # no module's reset_parameters covers it
+
+    with torch.device("meta"):
+        model = PosLM()
+    model.to_empty(device="cpu")
+    with pytest.raises(ValueError, match=r"1 parameter\(s\) \('pos'\) belong to modules without reset_parameters"):
+        dmuon.init_params(model)
+
+    def init_fn(m):
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+        if isinstance(m, PosLM):
+            nn.init.normal_(m.pos, std=0.02)
+
+    torch.manual_seed(0)
+    dmuon.init_params(model, init_fn)
+    assert model.pos.abs().max() < 1.0 and torch.isfinite(model.pos).all()
+    # a model every parameter of which some reset_parameters covers: no error, as before
+    with torch.device("meta"):
+        plain = TinyLM()
+    plain.to_empty(device="cpu")
+    torch.manual_seed(0)
+    dmuon.init_params(plain)
+    torch.manual_seed(0)
+    ref = TinyLM()
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), ref.state_dict().values()))
