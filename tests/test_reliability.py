@@ -300,6 +300,96 @@ def _case_predicate_changed(root):
     return dict(err=err)
 
 
+GROUP_STEPS, GROUP_SAVE_AT = 4, 2
+GROUP_HP = [  # (lr, weight_decay) of dmuon.Muon's groups 0..3: Muon, AdamW, Muon (layers.1), AdamW (layers.1)
+    (0.02, 0.1), (3e-3, 0.01), (0.05, 0.0), (1e-3, 0.2),
+]
+LAMBDAS = [lambda s: 1.0 / (1 + s), lambda s: 0.9**s, lambda s: 1.0 + 0.5 * s, lambda s: 1.0 if s < 3 else 0.1]
+
+
+def _grouped(mesh):
+    """dmuon.Muon with four groups: the constructor's two (everything but layers.1), then
+    add_param_group for layers.1's dedicated and its other parameters; LambdaLR, one lambda each."""
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon
+
+    model = make_model("tiny")
+    dmuon.dedicate_params(model, mesh)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    params = dict(model.named_parameters())
+    late = [n for n in params if n.startswith("layers.1.")]
+    (lr0, wd0), (lr1, wd1), (lr2, wd2), (lr3, wd3) = GROUP_HP
+    opt = dmuon.Muon(
+        [p for n, p in params.items() if n not in late], lr=lr0, weight_decay=wd0, momentum=HP["momentum"],
+        adamw_lr=lr1, adamw_weight_decay=wd1, ns_dtype=torch.float32,
+    )
+    opt.add_param_group({"params": [params[n] for n in late if (getattr(params[n], '_dmuon', None) is not None)], "lr": lr2, "weight_decay": wd2})
+    opt.add_param_group({"params": [params[n] for n in late if not (getattr(params[n], '_dmuon', None) is not None)], "lr": lr3, "weight_decay": wd3})
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, LAMBDAS)
+    return model, opt, sched
+
+
+def _group_steps(model, opt, sched, batches):
+    from oracle import train_steps
+
+    losses = []
+    for b in batches:
+        losses += train_steps(model, opt, [b])
+        sched.step()
+    return losses
+
+
+def _group_sd(model, opt, sched):
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt), "sched": sched.state_dict()}
+
+
+def _group_load(model, opt, sched, path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    sd = _group_sd(model, opt, sched)
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opt, sd["optim"])
+    sched.load_state_dict(sd["sched"])
+
+
+def _group_record(model, opt, losses):
+    import torch.distributed as dist
+
+    import dmuon
+
+    full = dmuon.full_state_dict(model)
+    groups = [(g["use_muon"], g["lr"], g["weight_decay"], len(g["params"])) for g in opt.param_groups]
+    return dict(losses=losses, groups=groups, full=full if dist.get_rank() == 0 else None)
+
+
+def _case_groups_save(root):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    batches = global_batches(GROUP_STEPS)
+    model, opt, sched = _grouped(None)
+    first = _group_steps(model, opt, sched, batches[:GROUP_SAVE_AT])
+    dcp.save(_group_sd(model, opt, sched), checkpoint_id=f"{root}/groups")
+    dist.barrier()
+    return dict(first=first)
+
+
+def _case_groups_load(root, mesh_shape):
+    batches = global_batches(GROUP_STEPS)
+    model, opt, sched = _grouped(_mesh(mesh_shape))
+    _group_load(model, opt, sched, f"{root}/groups")
+    after_load = [(g["lr"], g["weight_decay"]) for g in opt.param_groups]
+    rest = _group_steps(model, opt, sched, batches[GROUP_SAVE_AT:])
+    return dict(after_load=after_load, **_group_record(model, opt, rest))
+
+
 # ----------------------------------------------------------------------------------------------
 # the process groups
 # ----------------------------------------------------------------------------------------------
@@ -310,6 +400,8 @@ def _worker4(root):
     return dict(
         amp_hsdp=_case_amp((2, 2), "plain"),
         resume=_case_resume_fresh(root),
+        groups_save=_case_groups_save(root),
+        groups_hsdp=_case_groups_load(root, (2, 2)),
     )
 
 
@@ -323,6 +415,7 @@ def _worker2(root):
         toggle_zero=_case_requires_grad_toggle(False),
         torch_clip=_case_torch_clip(),
         predicate_changed=_case_predicate_changed(root),
+        groups_n2=_case_groups_load(root, None),
     )
 
 
@@ -500,3 +593,56 @@ def test_checkpoint_after_predicate_change_says_the_dedicated_set_differs(runs):
         assert kind == "CheckpointException", (kind, msg)  # DCP gathers every rank's planning error
         assert "dmuon: the checkpoint's dedicated set differs from this model's" in msg, msg
         assert "dedicated (Muon) in the checkpoint but AdamW here: optim.state.layers.0.gate.weight" in msg, msg
+
+
+def _reference_groups():
+    """torch.optim.Muon (groups 0, 2) + AdamW (groups 1, 3), LambdaLR each, uninterrupted."""
+    model = make_model("tiny")
+    from dmuon.plan import compile as compile_plan
+
+    dedicated = set(compile_plan(model, 1).dedicated)
+    named = dict(model.named_parameters())
+    late = {n for n in named if n.startswith("layers.1.")}
+    pick = lambda muon, late_: [p for n, p in named.items() if (n in dedicated) == muon and (n in late) == late_]  # noqa: E731
+    (lr0, wd0), (lr1, wd1), (lr2, wd2), (lr3, wd3) = GROUP_HP
+    muon = torch.optim.Muon(
+        [{"params": pick(True, False), "lr": lr0, "weight_decay": wd0}, {"params": pick(True, True), "lr": lr2, "weight_decay": wd2}],
+        momentum=HP["momentum"],
+    )
+    adamw = torch.optim.AdamW(
+        [{"params": pick(False, False), "lr": lr1, "weight_decay": wd1}, {"params": pick(False, True), "lr": lr3, "weight_decay": wd3}]
+    )
+    s_muon = torch.optim.lr_scheduler.LambdaLR(muon, [LAMBDAS[0], LAMBDAS[2]])
+    s_adamw = torch.optim.lr_scheduler.LambdaLR(adamw, [LAMBDAS[1], LAMBDAS[3]])
+    losses, lrs = [], []
+    with fp32_newton_schulz():
+        for batch in global_batches(GROUP_STEPS):
+            loss = lm_loss(model, batch)
+            loss.backward()
+            muon.step()
+            adamw.step()
+            muon.zero_grad()
+            adamw.zero_grad()
+            s_muon.step()
+            s_adamw.step()
+            losses.append(loss.item())
+            lrs.append([muon.param_groups[0]["lr"], adamw.param_groups[0]["lr"], muon.param_groups[1]["lr"], adamw.param_groups[1]["lr"]])
+    return losses, lrs, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("name,which", [("groups_hsdp", 0), ("groups_n2", 1)])
+def test_param_groups_and_lambda_lr_through_dcp_at_other_meshes(runs, name, which):
+    ref_losses, ref_lrs, ref_state = _reference_groups()
+    first = runs[0][0]["groups_save"]["first"]
+    r0 = runs[which][0][name]
+    for step, (got, want) in enumerate(zip(first + r0["losses"], ref_losses)):
+        assert math.isclose(got, want, rel_tol=LOSS_RTOL), (name, step, got, want)
+    # every group's hyper-parameters in the right group after the load (schedule at step 2) ...
+    want_after_load = [(lr, wd) for lr, (_, wd) in zip(ref_lrs[GROUP_SAVE_AT - 1], GROUP_HP)]
+    for got, want in zip(r0["after_load"], want_after_load):
+        assert math.isclose(got[0], want[0], rel_tol=1e-12) and got[1] == want[1], (name, r0["after_load"], want_after_load)
+    # ... and the schedule continued to the end
+    assert [g[0] for g in r0["groups"]] == [True, False, True, False]
+    for (_, lr, wd, _), want_lr, (_, want_wd) in zip(r0["groups"], ref_lrs[-1], GROUP_HP):
+        assert math.isclose(lr, want_lr, rel_tol=1e-12) and wd == want_wd, (name, r0["groups"])
+    _assert_state_close(r0["full"], ref_state, name)
