@@ -390,6 +390,254 @@ def _case_groups_load(root, mesh_shape):
     return dict(after_load=after_load, **_group_record(model, opt, rest))
 
 
+def _interop_model(seed):
+    """TinyLM plus a (3, 8) matrix in a block: dim 0 below N = 4; gate (5, 8), head (11, 8): not
+    divisible by N."""
+    from oracle import TinyLM
+
+    torch.manual_seed(seed)
+    model = TinyLM(n_layers=2)
+    model.layers[0].narrow = torch.nn.Linear(8, 3, bias=False)
+    return model
+
+
+def _interop_build(seed, dedicate, mesh=None):
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon
+
+    model = _interop_model(seed)
+    if dedicate:
+        dmuon.dedicate_params(model, mesh)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _full_model_sd(model):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _max_diff(got, seed):
+    want = _interop_model(seed).state_dict()
+    if set(got) != set(want):
+        return ("keys differ", sorted(set(got) ^ set(want)))
+    return max((got[k].float() - want[k].float()).abs().max().item() for k in want)
+
+
+def _interop_broadcast(seed_target):
+    """A full state dict on rank 0 only, broadcast into a dmuon model."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model = _interop_build(seed_target, dedicate=True)
+    sd = _interop_model(7).state_dict() if dist.get_rank() == 0 else {}
+    set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    full = _full_model_sd(model)
+    return _max_diff(full, 7) if dist.get_rank() == 0 else None
+
+
+def _case_interop_4(root):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    plain = _interop_build(5, dedicate=False)
+    dcp.save({"model": get_model_state_dict(plain)}, checkpoint_id=f"{root}/plain4")
+    ours = _interop_build(6, dedicate=True)
+    dcp.save({"model": get_model_state_dict(ours)}, checkpoint_id=f"{root}/dmuon4")
+    out = dict(broadcast=_interop_broadcast(0))
+    dist.barrier()
+    return out
+
+
+def _case_interop_2(root):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    def load(model, path):
+        sd = {"model": get_model_state_dict(model)}
+        dcp.load(sd, checkpoint_id=path)
+        set_model_state_dict(model, sd["model"])
+        full = _full_model_sd(model)
+        return full if dist.get_rank() == 0 else None
+
+    ours = _interop_build(0, dedicate=True)
+    plain_into_dmuon = load(ours, f"{root}/plain4")
+    plain = _interop_build(0, dedicate=False)
+    dmuon_into_plain = load(plain, f"{root}/dmuon4")
+    out = dict(broadcast=_interop_broadcast(0))
+    if dist.get_rank() == 0:
+        out.update(plain_into_dmuon=_max_diff(plain_into_dmuon, 5), dmuon_into_plain=_max_diff(dmuon_into_plain, 6))
+    dist.barrier()
+    return out
+
+
+FAULT_PG_TIMEOUT_S = 5  # gloo process-group timeout in the fault runs
+FAULT_DMUON_TIMEOUT_S = 3  # dmuon's collective_timeout_s there
+FAULT_DEADLINE_S = 30  # a survivor must have ended by then (it would hang forever otherwise)
+
+
+def _fault_rank(rank, world, port, root, where):
+    """One rank of a fault run: a step, a DCP checkpoint, then rank 1 SIGKILLs itself at the start
+    of the next backward (``where="backward"``) or of the next optimizer step (``"step"``); the
+    survivor records how it ended."""
+    import datetime
+    import os
+    import pickle
+    import signal
+    import time
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon
+    from oracle import train_steps
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=FAULT_PG_TIMEOUT_S))
+    model = make_model("tiny")
+    dmuon.dedicate_params(model, collective_timeout_s=FAULT_DMUON_TIMEOUT_S)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = dmuon_optimizer(model)
+    batches = global_batches(3)
+    train_steps(model, opt, batches[:1])
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=f"{root}/fault_{where}")
+    dist.barrier()
+    kill = lambda *args: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
+    t0 = time.monotonic()
+    try:
+        for batch in batches[1:]:
+            loss = lm_loss(model, batch.chunk(world)[rank])
+            if rank == 1 and where == "backward":
+                loss.register_hook(kill)
+            if rank == 1 and where == "step":
+                opt.register_step_pre_hook(kill)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            t = loss.detach().clone()
+            dist.all_reduce(t)
+        result = ("no error", "")
+    except BaseException as exc:  # noqa: BLE001
+        result = (type(exc).__name__, str(exc))
+    with open(f"{root}/fault_{where}_{rank}.pkl", "wb") as f:
+        pickle.dump(dict(result=result, elapsed_s=time.monotonic() - t0), f)
+    os._exit(0)
+
+
+def _run_fault(root, where):
+    import pickle
+    import time
+
+    import torch.multiprocessing as mp
+
+    from dist_utils import free_port
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_fault_rank, args=(r, 2, port, root, where), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + 240  # start-up included (a loaded 2-core machine is slow)
+    try:
+        for p in procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        alive = [r for r, p in enumerate(procs) if p.is_alive()]
+        try:
+            with open(f"{root}/fault_{where}_0.pkl", "rb") as f:
+                survivor = pickle.load(f)
+        except FileNotFoundError:
+            survivor = dict(result=("no record", f"survivor exit code {procs[0].exitcode}"), elapsed_s=float("inf"))
+        return dict(alive=alive, victim_exitcode=procs[1].exitcode, survivor=survivor)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+
+
+def _case_resume_after_fault(root):
+    """The checkpoint written before the kill loads and resumes bit-exactly."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    import dmuon
+    from oracle import train_steps
+
+    batches = global_batches(3)
+    model, opt, _ = _build("tiny")
+    want = train_steps(model, opt, batches)
+    want_full = dmuon.full_state_dict(model)
+    out = {}
+    for where in ("backward", "step"):
+        model2, opt2, _ = _build("tiny")
+        sd = {"model": get_model_state_dict(model2), "optim": get_optimizer_state_dict(model2, opt2)}
+        dcp.load(sd, checkpoint_id=f"{root}/fault_{where}")
+        set_model_state_dict(model2, sd["model"])
+        set_optimizer_state_dict(model2, opt2, sd["optim"])
+        got = train_steps(model2, opt2, batches[1:])
+        full = dmuon.full_state_dict(model2)
+        out[where] = got == want[1:] and (dist.get_rank() != 0 or all(torch.equal(full[k], want_full[k]) for k in full))
+    dist.barrier()
+    return out
+
+
+def _case_missing_shard(root):
+    """A DCP directory with a shard file removed: every rank fails to load, the model unchanged."""
+    import os
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    import dmuon
+
+    model, opt, _ = _build("tiny")
+    path = f"{root}/missing_shard"
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.remove(os.path.join(path, sorted(f for f in os.listdir(path) if f.endswith(".distcp"))[-1]))
+    dist.barrier()
+    torch.manual_seed(1)
+    target, _, _ = _build("tiny", opt=False)
+    for p in target.parameters():  # make it differ from the checkpoint
+        with torch.no_grad():
+            p.add_(1.0)
+    before = dmuon.full_state_dict(target)
+
+    def load():
+        sd = {"model": get_model_state_dict(target)}
+        dcp.load(sd, checkpoint_id=path)
+        set_model_state_dict(target, sd["model"])
+
+    err = _catch(load)
+    after = dmuon.full_state_dict(target)
+    dist.barrier()
+    dedicated = set(target._dmuon_runtime.slots_by_fqn)
+    same = {k: torch.equal(before[k], after[k]) for k in before} if dist.get_rank() == 0 else {}
+    return dict(
+        err=err,
+        dedicated_unchanged=all(v for k, v in same.items() if k in dedicated),
+        fsdp2_changed=sorted(k for k, v in same.items() if k not in dedicated and not v),
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # the process groups
 # ----------------------------------------------------------------------------------------------
@@ -402,6 +650,7 @@ def _worker4(root):
         resume=_case_resume_fresh(root),
         groups_save=_case_groups_save(root),
         groups_hsdp=_case_groups_load(root, (2, 2)),
+        interop=_case_interop_4(root),
     )
 
 
@@ -416,15 +665,19 @@ def _worker2(root):
         torch_clip=_case_torch_clip(),
         predicate_changed=_case_predicate_changed(root),
         groups_n2=_case_groups_load(root, None),
+        interop=_case_interop_2(root),
+        resume_after_fault=_case_resume_after_fault(root),
+        missing_shard=_case_missing_shard(root),
     )
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("dmuon-reliability"))
-    r4 = run_distributed(_worker4, 4, root, timeout_s=240)
-    r2 = run_distributed(_worker2, 2, root, timeout_s=180)
-    return r4, r2
+    faults = {where: _run_fault(root, where) for where in ("backward", "step")}
+    r4 = run_distributed(_worker4, 4, root, timeout_s=300)
+    r2 = run_distributed(_worker2, 2, root, timeout_s=240)
+    return r4, r2, faults
 
 
 # ----------------------------------------------------------------------------------------------
@@ -646,3 +899,35 @@ def test_param_groups_and_lambda_lr_through_dcp_at_other_meshes(runs, name, whic
     for (_, lr, wd, _), want_lr, (_, want_wd) in zip(r0["groups"], ref_lrs[-1], GROUP_HP):
         assert math.isclose(lr, want_lr, rel_tol=1e-12) and wd == want_wd, (name, r0["groups"])
     _assert_state_close(r0["full"], ref_state, name)
+
+
+def test_plain_fsdp2_checkpoints_load_into_dmuon_and_back(runs):
+    r4, r2 = runs[0][0]["interop"], runs[1][0]["interop"]
+    assert r2["plain_into_dmuon"] == 0.0, r2  # plain FSDP2 at N=4 -> dmuon at N=2, exact
+    assert r2["dmuon_into_plain"] == 0.0, r2  # dmuon at N=4 -> plain FSDP2 at N=2, exact
+    assert r4["broadcast"] == 0.0 and r2["broadcast"] == 0.0, (r4, r2)  # rank-0 full state dict, N=4 and 2
+
+
+@pytest.mark.parametrize("where", ["backward", "step"])
+def test_sigkilled_rank_survivor_ends_quickly_and_checkpoint_resumes(runs, where):
+    fault = runs[2][where]
+    assert fault["alive"] == [] and fault["victim_exitcode"] == -9, fault
+    kind, msg = fault["survivor"]["result"]
+    assert fault["survivor"]["elapsed_s"] < FAULT_DEADLINE_S, fault
+    # dmuon's CollectiveTimeout naming boundary and phase, or gloo's peer-lost / timeout error
+    dmuon_timeout = kind == "CollectiveTimeout" and "boundary" in msg
+    gloo_lost = kind in ("RuntimeError", "DistBackendError") and any(
+        s in msg for s in ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out")
+    )
+    assert dmuon_timeout or gloo_lost, fault
+    assert runs[1][0]["resume_after_fault"][where] and runs[1][1]["resume_after_fault"][where]
+
+
+def test_missing_shard_file_fails_on_every_rank_and_leaves_the_model_unchanged(runs):
+    per_rank = [r["missing_shard"] for r in runs[1]]
+    for r in per_rank:  # every rank raises DCP's gathered error naming the missing file
+        assert r["err"] is not None and r["err"][0] == "CheckpointException", r["err"]
+        assert "No such file or directory" in r["err"][1] and ".distcp" in r["err"][1], r["err"]
+    # the dedicated matrices are loaded from staged copies (written only by set_model_state_dict):
+    # untouched; FSDP2's shards are DCP's in-place targets: the surviving files' shards were written
+    assert per_rank[0]["dedicated_unchanged"], per_rank[0]
