@@ -16,6 +16,9 @@
 
 from . import plan
 from . import exec  # noqa: A004 - the public sub-package name is fixed by the API
+from .exec import amp as _amp
+from .exec import clip as _clip
+from .exec import dcp_errors as _dcp_errors
 from .exec import fsdp2 as _fsdp2
 from .exec.api import dedicate_params
 from .exec.clip import clip_grad_norm_
@@ -26,6 +29,9 @@ from .exec.runtime import no_sync
 from .exec import qk_clip
 
 _fsdp2.install()
+_amp.install()
+_clip.install()
+_dcp_errors.install()
 
 __all__ = ["plan", "exec", "dedicate_params", "Muon", "no_sync", "clip_grad_norm_"]
 __all__ += ["full_state_dict", "init_params", "qk_clip"]

@@ -41,6 +41,13 @@ def _worker(mesh_shape):
     batches = global_batches(2)
     ref = [_reference_grads(ref_model, b) for b in batches]
     plan = dmuon.dedicate_params(model, mesh_shape, reshard_after_forward=True)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    fsdp_mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard")) if mesh_shape else None
+    for layer in model.layers:  # the set-up order dmuon.Muon checks at its first step
+        fully_shard(layer, mesh=fsdp_mesh)
+    fully_shard(model, mesh=fsdp_mesh)
     rt = model._dmuon_runtime
     opt = dmuon_optimizer(model)
     params = dict(model.named_parameters())

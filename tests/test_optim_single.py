@@ -161,6 +161,10 @@ def assert_state_equal(opt, ours, ref_opts, ref):
         if name in DEDICATED and not s2:  # never had a gradient: our eager buffer is still zero
             assert set(s1) == {"momentum_buffer"} and not s1["momentum_buffer"].any(), name
             continue
+        if not s2:  # an AdamW parameter that never had a gradient: our eager state is zeros, step 0
+            assert set(s1) == {"step", "exp_avg", "exp_avg_sq"} and s1["step"].item() == 0, name
+            assert not s1["exp_avg"].any() and not s1["exp_avg_sq"].any(), name
+            continue
         assert set(s1) == set(s2), (name, set(s1), set(s2))
         for key in s1:
             assert s1[key].dtype == s2[key].dtype and s1[key].device == s2[key].device, (name, key)
@@ -458,8 +462,10 @@ def test_param_groups_layout_and_flags():
     assert muon["lr"] == MUON_KW["lr"] and adamw["lr"] == ADAMW_KW["lr"]
     assert muon["ns_dtype"] is torch.float32 and muon["ns_coefficients"] == (3.4445, -4.775, 2.0315)
     assert adamw["betas"] == ADAMW_KW["betas"] and adamw["weight_decay"] == ADAMW_KW["weight_decay"]
-    # eager momentum for every owned matrix, nothing for AdamW before a step
-    assert [p for p in opt.state] == [named[n] for n in DEDICATED]
+    # eager state from construction: momentum for every owned matrix, then zero AdamW moments
+    assert [id(p) for p in opt.state] == [id(named[n]) for n in DEDICATED] + [
+        id(p) for n, p in named.items() if n not in DEDICATED
+    ]
     for n in DEDICATED:
         buf = opt.state[named[n]]["momentum_buffer"]
         assert buf.shape == named[n].shape and not buf.any()

@@ -510,6 +510,8 @@ def _optim_step_pre_hook(opt, args, kwargs):
     before its first step). That step would run on some ranks only (dmuon's HSDP broadcast would
     hang) and would advance AdamW's step counters; placeholders never get gradients otherwise.
     """
+    if not opt.state:  # nothing to initialise on this rank: dmuon.Muon.step makes it a local no-op
+        return None
     for group in opt.param_groups:
         if not group.get("use_muon"):
             continue
@@ -518,8 +520,9 @@ def _optim_step_pre_hook(opt, args, kwargs):
             if rt is not None and not info.is_owner and p.grad is not None:
                 raise RuntimeError(
                     "dmuon: optimizer.step() with a gradient on a non-owner placeholder "
-                    f"({info.fqn!r}): torch.distributed.checkpoint's get/set_optimizer_state_dict "
-                    "initialise an empty optimizer state with a dummy step on some ranks only. Call "
-                    "optimizer.init_state() on every rank before the first checkpoint save/load"
+                    f"({info.fqn!r}): only torch.distributed.checkpoint's dummy-step initialisation "
+                    "of an empty optimizer state makes one, on some ranks only. dmuon.Muon creates its "
+                    "state at construction; if optimizer.state was cleared, call "
+                    "optimizer.init_state() on every rank before the next checkpoint save/load"
                 )
     return None

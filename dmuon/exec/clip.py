@@ -98,3 +98,56 @@ def clip_grad_norm_(model_or_params, max_norm: float, norm_type: float = 2.0) ->
     for g in dtensors:
         g.mul_(coef.item())
     return total
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.nn.utils.clip_grad_norm_ on a dmuon model
+# ----------------------------------------------------------------------------------------------
+
+_PATCHED_ATTR = "__dmuon_wrapped__"
+
+
+def _has_dedicated(params: list) -> bool:
+    return any(getattr(p, "_dmuon", None) is not None for p in params)
+
+
+def _wrap_torch_clip(fn):
+    import functools
+
+    @functools.wraps(fn)
+    def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if not _has_dedicated(params):
+            return fn(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        if error_if_nonfinite:
+            raise RuntimeError(
+                "torch.nn.utils.clip_grad_norm_(..., error_if_nonfinite=True) on parameters dedicated by dmuon: "
+                "call dmuon.clip_grad_norm_(model, max_norm, norm_type) and check that the norm it returns "
+                "(the same on every rank) is finite"
+            )
+        # the parameters hold owner-only gradients (plain tensors) next to FSDP2's DTensor shards:
+        # torch's norm would fail on the mix or count a rank's owned matrices only
+        return clip_grad_norm_dmuon(params, max_norm, norm_type)
+
+    setattr(clip_grad_norm_, _PATCHED_ATTR, fn)
+    return clip_grad_norm_
+
+
+clip_grad_norm_dmuon = clip_grad_norm_
+
+
+def install() -> None:
+    """Make ``torch.nn.utils.clip_grad_norm_`` (the ``torch.nn.utils`` and
+    ``torch.nn.utils.clip_grad`` attributes) delegate to :func:`clip_grad_norm_` when its
+    parameters include dedicated ones (tagged ``p._dmuon``, placeholders included, so every rank
+    takes the same path): the global norm with owner-held gradients counted once, identical on
+    every rank. Other calls go to torch unchanged. A name bound by ``from torch.nn.utils import
+    clip_grad_norm_`` BEFORE ``import dmuon`` keeps torch's function. Idempotent."""
+    import torch.nn.utils as nn_utils
+    import torch.nn.utils.clip_grad as clip_mod
+
+    for mod in (clip_mod, nn_utils):
+        fn = getattr(mod, "clip_grad_norm_", None)
+        if fn is None or hasattr(fn, _PATCHED_ATTR):
+            continue
+        setattr(mod, "clip_grad_norm_", _wrap_torch_clip(fn))

@@ -295,6 +295,11 @@ def init_params(model: nn.Module, init_fn=None) -> None:
 
     Raises:
         RuntimeError: the model is still on the meta device.
+        ValueError: ``init_fn`` is None and some parameter belongs only to modules without
+            ``reset_parameters`` (e.g. a raw ``nn.Parameter`` on the root, such as positional
+            embeddings): nothing would initialise it, and after ``to_empty`` it holds
+            uninitialised memory. Checked first, locally (every rank raises alike); pass an
+            ``init_fn`` that covers it.
 
     Memory: one module's own parameters at full size at a time, per rank.
     """
@@ -303,6 +308,8 @@ def init_params(model: nn.Module, init_fn=None) -> None:
     rt = get_model_runtime(model)
     if rt is not None:
         rt.check_materialized("dmuon.init_params")
+    if init_fn is None:
+        _check_covered(model)
     for module in model.modules():
         if init_fn is None:
             fn = getattr(module, "reset_parameters", None)
@@ -343,6 +350,29 @@ def init_params(model: nn.Module, init_fn=None) -> None:
                 continue  # a placeholder keeps nothing
             if isinstance(original, DTensor):  # FSDP2 shard, or a TP holder's shard
                 _copy_local_part(original, tmp.detach())
+
+
+def _check_covered(model: nn.Module) -> None:
+    """Raise ``ValueError`` naming the parameters no module's ``reset_parameters`` initialises."""
+    covered: set[int] = set()
+    owners: dict[int, str] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        has_reset = callable(getattr(module, "reset_parameters", None))
+        for name, p in module._parameters.items():
+            if p is None:
+                continue
+            if has_reset:
+                covered.add(id(p))
+            owners.setdefault(id(p), f"{mod_name}.{name}" if mod_name else name)
+    missing = [fqn for pid, fqn in owners.items() if pid not in covered]
+    if missing:
+        shown = ", ".join(repr(f) for f in missing[:6]) + (" ..." if len(missing) > 6 else "")
+        raise ValueError(
+            f"dmuon.init_params: {len(missing)} parameter(s) ({shown}) belong to modules without "
+            "reset_parameters, so nothing would initialise them (after to_empty they hold uninitialised "
+            "memory). Pass init_fn=(module) -> None that initialises each module's own parameters, these "
+            "included (e.g. m.reset_parameters() where it exists, torch.nn.init.normal_ on the others)"
+        )
 
 
 def _copy_local_part(dt, full: torch.Tensor) -> None:

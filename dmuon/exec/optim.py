@@ -177,11 +177,15 @@ class Muon(torch.optim.Optimizer):
         created as zeros at construction (so state keys are known before the first step);
         non-owner placeholders: no state.
         AdamW params: ``"step"`` (0-d float32 CPU tensor, as torch keeps it), ``"exp_avg"``,
-        ``"exp_avg_sq"`` (like the param, DTensor shards for FSDP2 params), created lazily at
-        a param's first step with a gradient, exactly like torch. :meth:`init_state` creates
-        them eagerly (identical numbers), e.g. before building a checkpoint state dict:
-        ``torch.distributed.checkpoint``'s ``_init_optim_state`` skips optimizers whose state
-        is non-empty, which this one's always is once it owns a matrix.
+        ``"exp_avg_sq"`` (like the param, DTensor shards for FSDP2 params), created as zeros at
+        construction (and by :meth:`add_param_group`): the numbers torch's lazy first-step
+        initialisation would make, so the steps are identical; only the allocation moves to
+        construction. Reason: ``torch.distributed.checkpoint``'s ``get/set_optimizer_state_dict``
+        run a dummy ``step()`` on every rank whose ``optimizer.state`` is empty, and with lazy
+        state that would be exactly the ranks that own no matrix, so a job resumed into a fresh
+        optimizer would step on some ranks only. A rank whose state is empty even so (it owns
+        no matrix and holds no AdamW parameter) turns that dummy step into a local no-op.
+        :meth:`init_state` re-creates any entry missing (e.g. after ``state.clear()``).
 
     Muon step, for each dedicated parameter this rank owns whose ``.grad`` is not None
     (others are skipped exactly as torch.optim.Muon skips a gradient-less parameter: no
@@ -223,7 +227,14 @@ class Muon(torch.optim.Optimizer):
     the Muon and AdamW groups, and finally calls ``dmuon.exec.runtime.after_step(params)``
     (HSDP replicate broadcast). ``params`` is the list of all dedicated parameters of this
     optimizer (placeholders included), in param-group order. Both are no-ops for parameters
-    whose tag has no live runtime, so this class works without ``dmuon.exec.apply``.
+    whose tag has no live runtime, so this class works without ``dmuon.exec.apply``. The first
+    ``step()`` also checks the set-up order (:func:`_check_set_up_order`: built after
+    ``fully_shard``, every non-dedicated parameter in a ``fully_shard`` unit) and raises the same
+    ``RuntimeError`` on every rank otherwise.
+
+    Loss scaling: ``torch.amp.GradScaler`` (and ``ShardedGradScaler``) call
+    :meth:`_unscale_grads_for_scaler` for this optimizer (installed by ``import dmuon``,
+    :mod:`dmuon.exec.amp`), so every rank agrees on skipping a step with an inf/NaN gradient.
 
     AdamW: torch's functional ``torch.optim.adamw.adamw`` with ``amsgrad=False,
     maximize=False, foreach=None, fused=None, capturable=False, differentiable=False``, i.e.
@@ -243,7 +254,8 @@ class Muon(torch.optim.Optimizer):
             a dedicated parameter
             that is not a matrix (1-D), whose tag does not tile its shape or whose owner
             tensor is not full-size, duplicate parameters, or an empty parameter list.
-        RuntimeError (in step): sparse gradients.
+        RuntimeError (in step): sparse gradients; at the first step, a set-up order mistake
+            (built before ``fully_shard``, or parameters outside every ``fully_shard`` unit).
     """
 
     def __init__(
@@ -297,6 +309,7 @@ class Muon(torch.optim.Optimizer):
         # Per-group dicts carry every hyper-parameter; `defaults` stays empty so that
         # Optimizer.add_param_group does not leak Muon keys into AdamW groups or back.
         super().__init__(groups, {})
+        self._set_up_checked = False  # _check_set_up_order runs at the first step
         # DTensor momentum for torch.distributed.checkpoint (no-ops without a live runtime)
         _checkpoint.register_optimizer_hooks(self)
 
@@ -439,6 +452,12 @@ class Muon(torch.optim.Optimizer):
         super().add_param_group(group)
         if use_muon:
             self._init_muon_state(group)
+        else:
+            # eager, so that every rank's optimizer.state is non-empty from construction (see
+            # "State" in the class docstring): torch.distributed.checkpoint never dummy-steps it
+            for p in params:
+                if len(self.state[p]) == 0:
+                    self._init_adamw_state(p, self.state[p])
 
     def _init_muon_state(self, group: dict) -> None:
         for p in group["params"]:
@@ -486,9 +505,19 @@ class Muon(torch.optim.Optimizer):
         tuple-valued hyper-parameters may arrive as lists, and owned dedicated matrices
         missing from the loaded state get a zero momentum buffer (the eager-state invariant).
 
+        Before anything else (so before any collective of the checkpoint hooks, on every rank
+        alike) the state dict is checked against this optimizer: the same number of groups of
+        the same kinds and sizes, state keys that index a parameter, each entry with exactly
+        this optimizer's keys (Muon: ``momentum_buffer``; AdamW: ``step``, ``exp_avg``,
+        ``exp_avg_sq``) and tensors of the parameter's (full logical) shape. A parameter with
+        no entry at all starts from zeros, as torch treats a parameter that never stepped.
+
         Raises:
-            ValueError: group count/size mismatch (torch's checks) or a bad hyper-parameter.
+            ValueError: a state dict of another optimizer layout or another model (the message
+                names the first mismatching group, key or parameter FQN), or a bad
+                hyper-parameter.
         """
+        self._check_loadable(state_dict)
         state_dict = dict(state_dict)
         groups = []
         for saved in state_dict["param_groups"]:
@@ -520,6 +549,127 @@ class Muon(torch.optim.Optimizer):
             if group["use_muon"]:
                 self._init_muon_state(group)
 
+    _MUON_STATE_KEYS = frozenset({"momentum_buffer"})
+    _ADAMW_STATE_KEYS = frozenset({"step", "exp_avg", "exp_avg_sq"})
+
+    def _param_name(self, p: Tensor) -> str:
+        """FQN of ``p`` (dedicated: its tag; else looked up in its model, when dmuon knows it)."""
+        info = _info(p)
+        if info is not None:
+            return info.fqn
+        for q in self._dedicated_params():
+            rt = getattr(_info(q), "runtime", None)
+            model = rt().model_ref() if callable(rt) and rt() is not None else None
+            if model is not None:
+                for name, r in model.named_parameters():
+                    if r is p:
+                        return name
+        return f"<parameter of shape {tuple(p.shape)}>"
+
+    def _check_loadable(self, state_dict: dict) -> None:
+        """Raise ``ValueError`` naming the first mismatch between ``state_dict`` and this
+        optimizer (see :meth:`load_state_dict`); local, no collective."""
+        how = (
+            "load a checkpoint saved by this model's dmuon.Muon (same model, predicate and "
+            "param groups; the world size may differ)"
+        )
+        saved_groups = state_dict.get("param_groups", [])
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"dmuon.Muon.load_state_dict: the state dict has {len(saved_groups)} param groups, this "
+                f"optimizer {len(self.param_groups)}; {how}"
+            )
+        index: dict[Any, tuple[Tensor, bool]] = {}
+        for g, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            kind = "Muon" if group["use_muon"] else "AdamW"
+            if bool(saved.get("use_muon", group["use_muon"])) != group["use_muon"]:
+                raise ValueError(
+                    f"dmuon.Muon.load_state_dict: param group {g} is a {kind} group here but not in the "
+                    f"state dict; {how}"
+                )
+            if len(saved["params"]) != len(group["params"]):
+                extra = group["params"][len(saved["params"])] if len(group["params"]) > len(saved["params"]) else None
+                first = f" (first parameter without a saved counterpart: {self._param_name(extra)!r})" if extra is not None else ""
+                raise ValueError(
+                    f"dmuon.Muon.load_state_dict: {kind} param group {g} holds {len(group['params'])} parameters "
+                    f"here but {len(saved['params'])} in the state dict{first}. The dedicated set or the model "
+                    f"differs (another predicate or hook-boundary choice dedicates other matrices); {how}"
+                )
+            for key, p in zip(saved["params"], group["params"]):
+                index[key] = (p, group["use_muon"])
+        for key, entry in state_dict.get("state", {}).items():
+            if key not in index:
+                raise ValueError(
+                    f"dmuon.Muon.load_state_dict: state key {key!r} indexes no parameter of the state dict's "
+                    f"param groups; {how}"
+                )
+            p, use_muon = index[key]
+            want = self._MUON_STATE_KEYS if use_muon else self._ADAMW_STATE_KEYS
+            got = set(entry) if isinstance(entry, dict) else set()
+            name = self._param_name(p)
+            if got and got != want:
+                raise ValueError(
+                    f"dmuon.Muon.load_state_dict: the state of {name!r} (key {key!r}) has keys {sorted(got)}, "
+                    f"expected {sorted(want)} ({'Muon' if use_muon else 'AdamW'}); {how}"
+                )
+            shape = tuple(_info(p).shape) if use_muon else tuple(p.shape)
+            for k in sorted(got - {"step"}):
+                value = entry[k]
+                if isinstance(value, Tensor) and tuple(value.shape) != shape:
+                    raise ValueError(
+                        f"dmuon.Muon.load_state_dict: state {k!r} of {name!r} has shape {tuple(value.shape)}, "
+                        f"the parameter {shape}; {how}"
+                    )
+
+    # ------------------------------------------------------------------ loss scaling
+
+    @torch.no_grad()
+    def _unscale_grads_for_scaler(self, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool) -> dict:
+        """``GradScaler._unscale_grads_`` for this optimizer (installed by ``import dmuon``, see
+        :mod:`dmuon.exec.amp`): finish in-flight reduces, unscale every local gradient (a DTensor
+        through its local shard) with torch's kernel per (device, dtype), then SUM-all-reduce the
+        inf flag over the default process group so that every rank skips the same step.
+
+        Collectives: one all-reduce of one float (when a process group is initialised), on
+        every rank alike, whatever the gradients hold.
+
+        Returns: ``{found_inf.device: found_inf}`` (0.0 or 1.0 on every rank), as the scaler expects.
+
+        Raises:
+            ValueError: an fp16 gradient with ``allow_fp16=False`` (torch's rule), on the rank that
+                holds it, before the collective; sparse gradients are not supported.
+        """
+        import torch.distributed as dist
+
+        wait_pending(self._dedicated_params())
+        by_device: dict[torch.device, dict[torch.dtype, list[Tensor]]] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                grad = p.grad
+                if grad is None:
+                    continue
+                if grad.is_sparse:
+                    raise RuntimeError("dmuon.Muon: loss scaling does not support sparse gradients")
+                if not allow_fp16 and grad.dtype == torch.float16:
+                    raise ValueError("Attempting to unscale FP16 gradients.")
+                local = grad.to_local() if hasattr(grad, "to_local") else grad  # DTensor: its shard
+                by_device.setdefault(local.device, {}).setdefault(local.dtype, []).append(local)
+        flags = []
+        for device, per_dtype in by_device.items():
+            flag = torch.zeros_like(found_inf, device=device)
+            scale = inv_scale.to(device)
+            for grads in per_dtype.values():
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, scale)
+            flags.append(flag.to(found_inf.device))
+        for flag in flags:
+            found_inf.add_(flag)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            from . import collectives as C
+
+            C.all_reduce_sum(found_inf, group=None, phase="other")
+        found_inf.clamp_(max=1.0)
+        return {found_inf.device: found_inf}
+
     # ------------------------------------------------------------------ step
 
     def _dedicated_params(self) -> list[Tensor]:
@@ -538,7 +688,16 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         dedicated = self._dedicated_params()
+        if not self.state and _is_dcp_dummy_step(dedicated):
+            # torch.distributed.checkpoint's _init_optim_state on a rank with nothing to initialise
+            # (no owned matrix, no AdamW parameter): no state to create, no collective to join
+            for p in dedicated:
+                p.grad = None
+            return loss
         wait_pending(dedicated)
+        if not self._set_up_checked:
+            _check_set_up_order(self, dedicated)
+            self._set_up_checked = True
         for group in self.param_groups:
             if group["use_muon"]:
                 self._muon_group_step(group)
@@ -701,6 +860,87 @@ def _check_planned_ns_backend(p: Tensor, group: dict) -> None:
             f"plan with ns_backend={mode!r} (dmuon.plan.compile / dmuon.dedicate_params; 'auto' assumes "
             f"ns_steps={_cost.NS_STEPS}) or build dmuon.Muon with the plan's ns_backend"
         )
+
+
+SET_UP_ORDER = (
+    "dmuon.dedicate_params(model, mesh) -> fully_shard(block) for each block -> fully_shard(model) -> "
+    "dmuon.Muon(model, ...)"
+)
+
+
+def _fsdp_managed_params(model: nn.Module) -> set[int] | None:
+    """ids of the sharded parameters the ``fully_shard`` units in ``model`` manage (None if this
+    torch's FSDP2 state does not expose them)."""
+    from . import fsdp2
+
+    managed: set[int] = set()
+    for module in model.modules():
+        state = fsdp2.fsdp_state(module)
+        if state is None:
+            continue
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [] if group is None else [group]
+        for group in groups:
+            for fp in getattr(group, "fsdp_params", None) or ():
+                sharded = getattr(fp, "sharded_param", None)
+                if sharded is None:
+                    return None
+                managed.add(id(sharded))
+    return managed
+
+
+def _check_set_up_order(opt: "Muon", dedicated: list[Tensor]) -> None:
+    """First ``step()``: the optimizer must hold the model's FSDP2-sharded parameters.
+
+    Two set-up mistakes would otherwise train without an error: ``dmuon.Muon`` built before
+    ``fully_shard`` (it holds the pre-shard tensors that ``fully_shard`` replaced, so every
+    non-dedicated parameter stays at its initial value), and a missing ``fully_shard`` (e.g. the
+    final ``fully_shard(model)``: parameters outside every unit get no gradient averaging and the
+    ranks drift apart). Local and structural, so every rank raises alike; skipped for a
+    data-parallel mesh of one rank and without a live dmuon runtime. (Skipping only the per-block
+    ``fully_shard`` calls is not an error: the root unit then manages every parameter, at the
+    cost of one large all-gather.)
+
+    Raises:
+        RuntimeError: naming the count, the first parameters and the set-up order.
+    """
+    from .runtime import _runtimes
+
+    runtimes = _runtimes(dedicated)
+    if not runtimes or runtimes[0].world_numel == 1:
+        return
+    model = runtimes[0].model_ref()
+    if model is None:
+        return
+    named = {id(p): n for n, p in model.named_parameters()}
+    others = [p for g in opt.param_groups if not g["use_muon"] for p in g["params"]]
+    stale = [p for p in others if id(p) not in named]
+    if stale:
+        raise RuntimeError(
+            f"dmuon.Muon: {len(stale)} of its parameters are no longer parameters of the model "
+            "(fully_shard replaced them with sharded DTensors after the optimizer was built), so they "
+            f"would never be updated: build dmuon.Muon after fully_shard. Set-up order: {SET_UP_ORDER}"
+        )
+    managed = _fsdp_managed_params(model)
+    if managed is None:
+        return
+    unmanaged = [named[id(p)] for p in others if p.requires_grad and id(p) not in managed]
+    if unmanaged:
+        shown = ", ".join(repr(n) for n in unmanaged[:4]) + (" ..." if len(unmanaged) > 4 else "")
+        raise RuntimeError(
+            f"dmuon.Muon: {len(unmanaged)} non-dedicated parameters ({shown}) are not managed by any "
+            "fully_shard unit, so their gradients are never averaged across ranks and the replicas "
+            "drift apart: call fully_shard on every block, then fully_shard(model) (it takes every "
+            f"parameter left over). Set-up order: {SET_UP_ORDER}"
+        )
+
+
+def _is_dcp_dummy_step(dedicated: list[Tensor]) -> bool:
+    """A step whose non-owner placeholders hold gradients: only ``torch.distributed.checkpoint``'s
+    state initialisation (``p.grad = zeros_like(p)`` on every parameter) makes those."""
+    return any(p.grad is not None and not _info(p).is_owner for p in dedicated)
 
 
 def _ns_settings(group: dict) -> tuple[Callable, dict]:

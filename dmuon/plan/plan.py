@@ -695,6 +695,14 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
         hook_boundary_predicate=hook_boundary_predicate,
         hook_boundary_strict=hook_boundary_strict,
     )
+    if predicate is None:
+        from .selection import coverage_warning
+
+        message = coverage_warning(snapshot, hook_boundary_predicate)
+        if message is not None:
+            import warnings
+
+            warnings.warn(message, UserWarning, stacklevel=2)
     specs = tuple(
         ParamSpec(
             fqn=s.record.fqn,

@@ -176,6 +176,7 @@ def render_summary(plan: ShardingPlan, *, max_rows: int = 16) -> str:
     base_total = fig.baseline_cost.total_nbytes
     if base_total:
         lines.append(f"{'saving vs FSDP2+naive':<34}{100.0 * (1 - fig.cost.total_nbytes / base_total):>19.1f}%")
+    lines += _excluded_lines(plan)
     lines.append("")
     stats = sorted(fig.stats, key=lambda r: (-r.owned_numel, r.rank))
     counts = [0] * plan.world_size
@@ -193,6 +194,28 @@ def render_summary(plan: ShardingPlan, *, max_rows: int = 16) -> str:
         )
     lines += _schedule_lines(plan, fig)
     return "\n".join(lines)
+
+
+def excluded_vectors(plan: ShardingPlan) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """Trainable 2-D parameters inside a hook boundary that the plan leaves to FSDP2/AdamW
+    because a side is 1 (a ``(1, C)`` gate or head, a ``(C, 1)`` column: Newton-Schulz would only
+    normalise a vector), read from the plan's ``fsdp2_units``: ``(fqn, shape)`` pairs."""
+    out = []
+    for unit in plan.fsdp2_units:
+        if unit.fqn == "":
+            continue  # root unit: outside every boundary, not a candidate anyway
+        for fqn, shape, grad in zip(unit.params, unit.shapes, unit.requires_grad):
+            if grad and len(shape) == 2 and min(shape) == 1:
+                out.append((fqn, tuple(shape)))
+    return tuple(out)
+
+
+def _excluded_lines(plan: ShardingPlan) -> list[str]:
+    vectors = excluded_vectors(plan)
+    if not vectors:
+        return []
+    shown = ", ".join(f"{fqn} {shape}" for fqn, shape in vectors[:4]) + (" ..." if len(vectors) > 4 else "")
+    return ["", f"left to AdamW inside hook boundaries, a side of 1 (not a matrix for Muon): {len(vectors)}: {shown}"]
 
 
 def _schedule_lines(plan: ShardingPlan, fig: _Figures) -> list[str]:

@@ -1,0 +1,81 @@
+"""A clear message when a DCP checkpoint's dedicated set differs from the model's.
+
+The model's state-dict keys do not depend on which matrices dmuon dedicates, but the optimizer's
+do: a dedicated matrix has ``<prefix>state.<fqn>.momentum_buffer``, any other parameter
+``.step`` / ``.exp_avg`` / ``.exp_avg_sq``. Loading an optimizer checkpoint after the
+``predicate`` (or the hook-boundary choice) changed therefore fails inside ``dcp.load`` with
+torch's ``Missing key in checkpoint state_dict: optim.state.<fqn>.step``, which does not say why.
+
+:func:`install` (run by ``import dmuon``) wraps
+``torch.distributed.checkpoint.default_planner.create_default_local_load_plan``, the function that
+raises it (every rank builds its local plan, so every rank raises alike): when the missing key is
+one optimizer-state kind and the checkpoint holds the other kind for the same parameter, the
+``RuntimeError`` says that the dedicated set differs, for which parameters, and how to proceed.
+Behaviour is unchanged otherwise (the same error, with torch's message kept at the end).
+"""
+
+from __future__ import annotations
+
+import functools
+
+__all__ = ["install", "dedicated_set_mismatch"]
+
+_PATCHED_ATTR = "__dmuon_wrapped__"
+_MUON_KEYS = ("momentum_buffer",)
+_ADAMW_KEYS = ("step", "exp_avg", "exp_avg_sq")
+
+
+def dedicated_set_mismatch(wanted_keys, saved_keys) -> tuple[list[str], list[str]]:
+    """``(dedicated here but not in the checkpoint, dedicated in the checkpoint but not here)``:
+    parameter keys (``<prefix>state.<fqn>``) whose optimizer-state kind differs."""
+    saved = set(saved_keys)
+    here, there = [], []
+    for key in wanted_keys:
+        base, _, leaf = key.rpartition(".")
+        if not base or key in saved:
+            continue
+        if leaf in _MUON_KEYS and any(f"{base}.{k}" in saved for k in _ADAMW_KEYS):
+            here.append(base)
+        elif leaf in _ADAMW_KEYS and any(f"{base}.{k}" in saved for k in _MUON_KEYS):
+            if base not in there:
+                there.append(base)
+    return here, there
+
+
+def _wrap(fn):
+    @functools.wraps(fn)
+    def wrapper(state_dict, metadata, *args, **kwargs):
+        try:
+            return fn(state_dict, metadata, *args, **kwargs)
+        except RuntimeError as exc:
+            if "Missing key in checkpoint state_dict" not in str(exc):
+                raise
+            here, there = dedicated_set_mismatch(state_dict, metadata.state_dict_metadata)
+            if not here and not there:
+                raise
+            parts = []
+            if here:
+                parts.append(f"dedicated (Muon) here but AdamW in the checkpoint: {', '.join(here[:4])}{' ...' if len(here) > 4 else ''}")
+            if there:
+                parts.append(f"dedicated (Muon) in the checkpoint but AdamW here: {', '.join(there[:4])}{' ...' if len(there) > 4 else ''}")
+            raise RuntimeError(
+                "dmuon: the checkpoint's dedicated set differs from this model's (the predicate or the "
+                f"hook-boundary choice changed since it was saved): {'; '.join(parts)}. Compile with the "
+                "predicate the checkpoint was saved with, or load only the model state dict (its keys do not "
+                f"depend on the dedicated set) and start the optimizer fresh. torch: {exc}"
+            ) from exc
+
+    setattr(wrapper, _PATCHED_ATTR, fn)
+    return wrapper
+
+
+def install() -> None:
+    """Wrap DCP's local load planning (idempotent; a torch without it is left alone)."""
+    try:
+        from torch.distributed.checkpoint import default_planner
+    except ImportError:  # pragma: no cover - depends on the torch build
+        return
+    fn = getattr(default_planner, "create_default_local_load_plan", None)
+    if fn is None or hasattr(fn, _PATCHED_ATTR):
+        return
+    default_planner.create_default_local_load_plan = _wrap(fn)

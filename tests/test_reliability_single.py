@@ -1,0 +1,265 @@
+"""Reliability, round 2 (issue #14): the single-process items.
+
+* tiny and zero gradients in one fp32 NS batch: each matrix divided by ``max(||X||_F, eps)`` of
+  its own, as torch's ``clamp(min=eps)``, in the standard, Gram and TP-Gram paths and through
+  ``dmuon.Muon``'s batched bucket, against torch.optim.Muon's iteration (fp32);
+* the planner's coverage warning (blocks the boundary heuristic cannot see);
+* degenerate "matrices" (a side of 1, depthwise conv kernels) left to AdamW.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import dmuon
+from dmuon.exec import newton_schulz as ns
+from oracle import Block, _ns_fp32
+
+COEFFS = (3.4445, -4.775, 2.0315)
+EPS = 1e-7
+
+
+def _three(shape=(8, 20), seed=0):
+    """A normal matrix, one whose norm is below eps (1e-9 scale: ||X|| ~ 1e-8), one all zero."""
+    g = torch.Generator().manual_seed(seed)
+    normal = torch.randn(shape, generator=g)
+    tiny = torch.randn(shape, generator=g) * 1e-9
+    assert tiny.norm() < EPS
+    return [normal, tiny, torch.zeros(shape)]
+
+
+def _reference(x):
+    return _ns_fp32(x, COEFFS, 5, EPS)
+
+
+def _assert_matches_torch(outs, ins, tol, where):
+    for i, (o, x) in enumerate(zip(outs, ins)):
+        want = _reference(x)
+        if not x.any():
+            assert not o.any() and torch.isfinite(o).all(), (where, i)  # all-zero stays zero
+            continue
+        scale = want.abs().max().item()
+        assert scale > 0.05, (where, i, scale)  # below eps: scaled by 1/eps, not normalised
+        err = (o.float() - want).abs().max().item()
+        assert err <= tol * scale, (where, i, err, scale)
+
+
+@pytest.mark.parametrize("shape", [(8, 20), (20, 8)], ids=["wide", "tall"])
+def test_tiny_and_zero_matrices_in_one_batch_match_torch(shape):
+    ins = _three(shape)
+    kw = dict(coefficients=COEFFS, steps=5, eps=EPS, dtype=torch.float32)
+    # standard NS: 2-D one by one, and the three as one (3, m, n) batch
+    _assert_matches_torch([ns.newton_schulz(x, **kw) for x in ins], ins, 1e-5, "standard 2-D")
+    _assert_matches_torch(ns.newton_schulz(torch.stack(ins), **kw).unbind(0), ins, 1e-5, "standard batch")
+    # Gram NS (with its restarts and fallback), batched
+    _assert_matches_torch(ns.gram_newton_schulz(torch.stack(ins), **kw).unbind(0), ins, 1e-4, "gram batch")
+    # TP-Gram: the wide orientation split by columns over T=2 "ranks" (threads, summing all-reduce)
+    wide = [x if x.shape[0] <= x.shape[1] else x.T for x in ins]
+    X = torch.stack(wide)
+    halves = X.chunk(2, dim=-1)
+    results = [None, None]
+    barrier = threading.Barrier(2)
+    box: list = [None, None]
+
+    def all_reduce(t, rank):
+        box[rank] = t.clone()
+        barrier.wait()
+        t.copy_(box[0] + box[1])
+        barrier.wait()
+        return t
+
+    def run(rank):
+        results[rank] = ns.sharded_gram_newton_schulz(
+            halves[rank].contiguous(), all_reduce_sum=lambda t: all_reduce(t, rank), **kw
+        )
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    out = torch.cat(results, dim=-1)
+    _assert_matches_torch(out.unbind(0), wide, 1e-4, "tp-gram T=2")
+
+
+def test_muon_bucket_with_tiny_and_zero_gradients_matches_torch_muon(monkeypatch):
+    """dmuon.Muon (fp32 NS: the three share one batched call) vs torch.optim.Muon (fp32 NS)."""
+    from dmuon.exec import optim as optim_mod
+    from oracle import fp32_newton_schulz
+    from test_optim_single import tag
+
+    monkeypatch.setattr(optim_mod, "wait_pending", lambda params: None)
+    monkeypatch.setattr(optim_mod, "after_step", lambda params: None)
+    grads = _three((8, 20), seed=3)
+    ours = [tag(nn.Parameter(torch.randn(8, 20)), f"layers.0.w{i}") for i in range(3)]
+    ref = [nn.Parameter(p.detach().clone()) for p in ours]
+    opt = dmuon.Muon(ours, lr=0.02, weight_decay=0.1, ns_dtype=torch.float32)
+    ref_opt = torch.optim.Muon(ref, lr=0.02, weight_decay=0.1)
+    for _ in range(2):
+        for p, q, g in zip(ours, ref, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        with fp32_newton_schulz():
+            ref_opt.step()
+    for i, (p, q) in enumerate(zip(ours, ref)):
+        assert torch.isfinite(p).all(), i
+        err = (p - q).abs().max().item()
+        assert err <= 1e-5 * q.abs().max().item(), (i, err)
+
+
+# ----------------------------------------------------------------------------------------------
+# coverage warning
+# ----------------------------------------------------------------------------------------------
+
+
+class DictLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(11, 8)
+        self.blocks = nn.ModuleDict({"first": Block(), "second": Block()})
+        self.head = nn.Linear(8, 11)
+
+
+class EncoderDecoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = Block()
+        self.decoder = Block()
+
+
+def _compile_warnings(model, **kw):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = dmuon.plan.compile(model, 2, **kw)
+    return plan, [str(w.message) for w in caught if "hook boundary" in str(w.message)]
+
+
+@pytest.mark.parametrize(
+    "model,count,first",
+    [(DictLM, "9 of 9", "blocks.first.fc1.weight"), (EncoderDecoder, "8 of 8", "encoder.fc1.weight"), (Block, "4 of 4", "fc1.weight")],
+    ids=["moduledict", "plain_attributes", "one_block"],
+)
+def test_invisible_blocks_warn_with_the_fix(model, count, first):
+    plan, msgs = _compile_warnings(model())
+    assert plan.dedicated == () and len(msgs) == 1, msgs
+    msg = msgs[0]
+    assert "no matrix is dedicated" in msg and f"{count} 2-D matrices" in msg and first in msg, msg
+    assert "Fix: hook_boundary_predicate=lambda module: isinstance(module, Block)" in msg, msg
+    # the line it shows fixes it, without a warning
+    fixed, msgs = _compile_warnings(model(), hook_boundary_predicate=lambda m: isinstance(m, Block))
+    assert len(fixed.dedicated) == int(count.split()[0]) - (model is DictLM) and msgs == []
+
+
+def test_lm_head_outside_the_blocks_does_not_warn():
+    from oracle import TinyLM
+
+    plan, msgs = _compile_warnings(TinyLM())
+    assert len(plan.dedicated) == 12 and msgs == []
+    # strict mode keeps its meaning: a predicate selecting the head still raises
+    with pytest.raises(ValueError, match="no hook-boundary ancestor"):
+        dmuon.plan.compile(TinyLM(), 2, predicate=lambda fqn, p: p.ndim == 2 and "embed" not in fqn)
+
+
+def test_mostly_uncovered_warns():
+    class Wide(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(4, 4)])  # 16 elements inside
+            self.trunk = Block()  # 2·288 + 2·40 = 656 outside
+
+    plan, msgs = _compile_warnings(Wide())
+    assert plan.dedicated == ("layers.0.weight",) and len(msgs) == 1
+    assert "most matrix elements are not dedicated: 4 of 5 2-D matrices (98% of their elements" in msgs[0], msgs
+
+
+# ----------------------------------------------------------------------------------------------
+# degenerate matrices
+# ----------------------------------------------------------------------------------------------
+
+
+class Degenerate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        block = nn.Module()
+        block.fc = nn.Linear(8, 8)
+        block.gate = nn.Linear(8, 1)  # (1, 8): a vector
+        block.col = nn.Linear(1, 8, bias=False)  # (8, 1)
+        block.depthwise = nn.Conv1d(8, 8, 3, groups=8)  # (8, 1, 3)
+        block.pointwise = nn.Conv1d(8, 8, 1)  # (8, 8, 1): an (8, 8) matrix view
+        block.layer_scale = nn.Parameter(torch.ones(8, 1, 1))  # C matrices of (1, 1)
+        self.layers = nn.ModuleList([block])
+
+
+def test_degenerate_views_stay_with_adamw():
+    from dmuon.plan.selection import degenerate_reason
+    from dmuon.plan.snapshot import take_snapshot
+
+    model = Degenerate()
+    assert dmuon.plan.compile(model, 2).dedicated == ("layers.0.fc.weight",)
+    pred = dmuon.plan.matrix_predicate(model)
+    assert dmuon.plan.compile(model, 2, predicate=pred).dedicated == ("layers.0.fc.weight", "layers.0.pointwise.weight")
+    reasons = {r.fqn: degenerate_reason(r) for r in take_snapshot(model).params}
+    assert reasons["layers.0.gate.weight"].startswith("matrix view (1, 8) has a side of 1")
+    assert reasons["layers.0.col.weight"].startswith("matrix view (8, 1) has a side of 1")
+    assert reasons["layers.0.depthwise.weight"].startswith("depthwise conv kernel (8, 1, 3)")
+    assert reasons["layers.0.layer_scale"].startswith("matrix view (1, 1) has a side of 1")
+    assert reasons["layers.0.fc.weight"] is None and reasons["layers.0.pointwise.weight"] is None
+    # a user predicate may still select one (its view is defined): Muon normalises the vector
+    plan = dmuon.plan.compile(model, 2, predicate=lambda fqn, p: fqn == "layers.0.gate.weight")
+    assert plan.param("layers.0.gate.weight").matrix_shape == (1, 8)
+
+
+def test_plan_summary_reports_vectors_left_to_adamw():
+    plan = dmuon.plan.compile(Degenerate(), 2)
+    text = plan.summary()
+    assert (
+        "left to AdamW inside hook boundaries, a side of 1 (not a matrix for Muon): 2: "
+        "layers.0.gate.weight (1, 8), layers.0.col.weight (8, 1)"
+    ) in text, text
+    from oracle import TinyLM
+
+    assert "left to AdamW inside hook boundaries" not in dmuon.plan.compile(TinyLM(), 2).summary()
+
+
+# ----------------------------------------------------------------------------------------------
+# init_params: parameters no reset_parameters covers
+# ----------------------------------------------------------------------------------------------
+
+
+def test_init_params_reports_uncovered_raw_parameters():
+    from oracle import TinyLM
+
+    class PosLM(TinyLM):
+        def __init__(self):
+            super().__init__()
+            self.pos = nn.Parameter(torch.randn(5, 8) * 0.02)  # no module's reset_parameters covers it
+
+    with torch.device("meta"):
+        model = PosLM()
+    model.to_empty(device="cpu")
+    with pytest.raises(ValueError, match=r"1 parameter\(s\) \('pos'\) belong to modules without reset_parameters"):
+        dmuon.init_params(model)
+
+    def init_fn(m):
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+        if isinstance(m, PosLM):
+            nn.init.normal_(m.pos, std=0.02)
+
+    torch.manual_seed(0)
+    dmuon.init_params(model, init_fn)
+    assert model.pos.abs().max() < 1.0 and torch.isfinite(model.pos).all()
+    # a model every parameter of which some reset_parameters covers: no error, as before
+    with torch.device("meta"):
+        plain = TinyLM()
+    plain.to_empty(device="cpu")
+    torch.manual_seed(0)
+    dmuon.init_params(plain)
+    torch.manual_seed(0)
+    ref = TinyLM()
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), ref.state_dict().values()))
