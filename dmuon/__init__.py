@@ -1,7 +1,9 @@
 """dmuon: Muon on FSDP2 with exclusive ownership of every Muon-target matrix.
 
 ``import dmuon`` makes ``fully_shard`` (however it was imported) skip parameters dedicated by
-:func:`dedicate_params`. Public names (the README's "API" section):
+:func:`dedicate_params`, makes accelerate's FSDP2 ``prepare`` dmuon-aware when accelerate is
+imported, and makes any optimizer other than :class:`Muon` that holds dedicated parameters raise
+at its first step (:mod:`dmuon.integrations`). Public names (the README's "API" section):
 
 * :mod:`dmuon.plan` — pure planning: ``dmuon.plan.compile(model, mesh, ...)`` → ``ShardingPlan``.
 * :mod:`dmuon.exec` — execution: ``dmuon.exec.apply(plan, model, mesh=None)``.
@@ -16,6 +18,7 @@
 from . import plan
 from . import exec  # noqa: A004 - the public sub-package name is fixed by the API
 from .exec import fsdp2 as _fsdp2
+from . import integrations as _integrations
 from .exec.api import dedicate_params
 from .exec.clip import clip_grad_norm_
 from .exec.optim import Muon
@@ -24,6 +27,7 @@ from .exec.materialize import init_params
 from .exec.runtime import no_sync
 
 _fsdp2.install()
+_integrations.install()
 
 __all__ = ["plan", "exec", "dedicate_params", "Muon", "no_sync", "clip_grad_norm_"]
 __all__ += ["full_state_dict", "init_params"]
