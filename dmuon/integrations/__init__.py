@@ -5,6 +5,7 @@ hook the user writes (Lightning's ``configure_model``, torchtitan's ``paralleliz
 and they build or wrap the optimizer and the model. This package holds what dmuon needs to fit
 into each of them; recipes: ``docs/integrations.md``.
 
+* :mod:`dmuon.integrations.hf` — ``MuonFactory`` for ``transformers.Trainer``.
 * :func:`boundary_modules` — the modules to ``fully_shard`` one by one after dedication (the
   plan's hook boundaries: ``model.layers.N``, ``transformer.h.N``, ``encoder.layer.N`` ...).
 * :mod:`dmuon.integrations.accelerate` — accelerate's FSDP2 ``prepare`` made dmuon-aware
@@ -83,7 +84,8 @@ _HINTS: dict[str, dict[str, str]] = {
         "trainer": (
             "transformers.Trainer with FSDP2 shards the model inside trainer.train() "
             "(accelerator.prepare): call dmuon.dedicate_params(model, mesh) on the unsharded "
-            "model BEFORE Trainer(...), and pass optimizers=(dmuon.Muon(model, ...), None)"
+            "model BEFORE Trainer(...), and pass optimizer_cls_and_kwargs="
+            "(dmuon.integrations.hf.MuonFactory, {...})"
         ),
         "accelerate": (
             "accelerate's FSDP2 prepare() calls fully_shard: call dmuon.dedicate_params(model, "
@@ -103,7 +105,8 @@ _HINTS: dict[str, dict[str, str]] = {
     "foreign_optimizer": {
         "trainer": (
             "transformers.Trainer built its own optimizer from model.parameters(): pass "
-            "optimizers=(dmuon.Muon(model, lr=..., adamw_lr=...), None) to Trainer(...)"
+            "optimizer_cls_and_kwargs=(dmuon.integrations.hf.MuonFactory, {'lr': ..., "
+            "'adamw_lr': ...}) to Trainer(...) (with FSDP Trainer refuses optimizers=(...))"
         ),
         "accelerate": (
             "pass dmuon.Muon(model, ...) to accelerator.prepare(model, optimizer) instead of an "
@@ -239,7 +242,9 @@ def install() -> None:
       non-dmuon optimizer holding dedicated parameters (one attribute lookup per parameter
       group member per step, on the first step only once it passed: see below);
     * accelerate: :func:`dmuon.integrations.accelerate.patch` is applied to
-      ``accelerate.accelerator`` when it is imported (now, if it already is).
+      ``accelerate.accelerator`` when it is imported (now, if it already is);
+    * transformers: :func:`dmuon.integrations.hf.patch_trainer` to ``transformers.trainer``
+      (Trainer's gradient-norm clipping), likewise.
     """
     global _INSTALLED
     with _LOCK:
@@ -255,9 +260,16 @@ def install() -> None:
 
         _acc.patch(module)
 
+    def patch_trainer(module) -> None:
+        from . import hf as _hf
+
+        _hf.patch_trainer(module)
+
     _POST_IMPORT["accelerate.accelerator"] = patch_accelerate
-    if "accelerate.accelerator" in sys.modules:
-        patch_accelerate(sys.modules["accelerate.accelerator"])
+    _POST_IMPORT["transformers.trainer"] = patch_trainer
+    for name, fn in _POST_IMPORT.items():
+        if name in sys.modules:
+            fn(sys.modules[name])
     sys.meta_path.insert(0, _PostImportFinder())
 
 
