@@ -33,6 +33,7 @@ import dmuon  # noqa: E402
 STEPS = 3
 LOSS_RTOL = 1e-6  # the fp32 contract (README, "The oracle guarantee")
 PARAM_TOL = 1e-4
+ORACLE_KINDS = ("llama", "qwen2", "qwen3", "gpt2", "bert", "vit")
 
 # -- golden table: what the defaults pick -----------------------------------------------------
 
@@ -209,7 +210,7 @@ def _trainer_recipe(out_dir):
         output_dir=out_dir, max_steps=STEPS, per_device_train_batch_size=per_device,
         lr_scheduler_type="constant", max_grad_norm=0.05, logging_steps=1, save_strategy="no",
         report_to=[], use_cpu=True, remove_unused_columns=False, dataloader_drop_last=True,
-        fsdp="full_shard", fsdp_config={"fsdp_version": 2, "reshard_after_forward": True,
+        fsdp=True, fsdp_config={"fsdp_version": 2, "reshard_after_forward": True,
                                         "transformer_layer_cls_to_wrap": ["GPT2Block"]},
         disable_tqdm=True, average_tokens_across_devices=False,  # per-rank mean, as the oracle
     )
@@ -297,7 +298,7 @@ def _first_errors():
 
 
 def _all_cases(out_dir):
-    out = {kind: _fsdp2_recipe(kind) for kind in ("llama", "qwen3", "gpt2", "bert", "vit")}
+    out = {kind: _fsdp2_recipe(kind) for kind in ORACLE_KINDS}
     out["accelerate"] = _accelerate_recipe()
     out["trainer"] = _trainer_recipe(out_dir)
     out["errors"] = _first_errors()
@@ -315,7 +316,7 @@ def _check_oracle(r):
     assert r["losses"][-1] < r["losses"][0]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "gpt2", "bert", "vit"])
+@pytest.mark.parametrize("kind", ORACLE_KINDS)
 def test_hf_model_fsdp2_matches_oracle(results, kind):
     for rank in (0, 1):
         _check_oracle(results[rank][kind])
