@@ -239,8 +239,8 @@ def install() -> None:
     """Called by ``import dmuon``; idempotent.
 
     * a global optimizer step pre-hook that raises :func:`check_optimizer`'s error for any
-      non-dmuon optimizer holding dedicated parameters (one attribute lookup per parameter
-      group member per step, on the first step only once it passed: see below);
+      non-dmuon optimizer holding dedicated parameters (checked at the first step and again
+      whenever the optimizer's parameters change; ``dmuon.Muon`` is skipped);
     * accelerate: :func:`dmuon.integrations.accelerate.patch` is applied to
       ``accelerate.accelerator`` when it is imported (now, if it already is);
     * transformers: :func:`dmuon.integrations.hf.patch_trainer` to ``transformers.trainer``
@@ -278,6 +278,10 @@ _CHECKED_ATTR = "_dmuon_checked_param_ids"
 
 def _checked_once(optimizer, args, kwargs) -> None:
     """The foreign-optimizer check, redone only when the optimizer's parameters changed."""
+    from dmuon.exec.optim import Muon
+
+    if isinstance(optimizer, Muon):
+        return
     ids = tuple(id(p) for g in optimizer.param_groups for p in g["params"])
     if getattr(optimizer, _CHECKED_ATTR, None) == ids:
         return
