@@ -4,7 +4,8 @@
 ``fully_shard`` per boundary block and the root; ``configure_optimizers`` returns
 ``dmuon.Muon``. The strategy is given ``data_parallel_size=2, tensor_parallel_size=1``: its
 defaults on one node are dp = 1 x tp = 2 (data-parallel size = number of nodes). Also: an
-optimizer built from ``self.parameters()`` fails at its first step with Lightning's fix.
+optimizer built from ``self.parameters()`` fails at its first step with Lightning's fix, and
+``strategy="ddp"`` fails when it wraps the dedicated model.
 """
 
 from __future__ import annotations
@@ -93,6 +94,15 @@ def _lightning_cases():
         trainer().fit(_lit_module(foreign_optimizer=True), loader)
     except TypeError as e:
         out["foreign"] = str(e)
+    # DDPStrategy wraps the dedicated model in DistributedDataParallel
+    lit = _lit_module(foreign_optimizer=False)
+    lit.configure_model = lambda: dmuon.dedicate_params(lit.model, None) and None
+    try:
+        L.Trainer(accelerator="cpu", devices=world, max_steps=1, strategy="ddp", logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  use_distributed_sampler=False).fit(lit, loader)
+    except ValueError as e:
+        out["ddp"] = str(e)
     return out
 
 
@@ -105,3 +115,4 @@ def test_lightning_model_parallel_strategy_matches_oracle():
         assert r["losses"][-1] < r["losses"][0]
         assert "AdamW holds" in r["foreign"] and "lightning:" in r["foreign"]
         assert "configure_optimizers" in r["foreign"]
+        assert "DistributedDataParallel around" in r["ddp"] and "ModelParallelStrategy" in r["ddp"]

@@ -13,6 +13,7 @@ into each of them; recipes: ``docs/integrations.md``.
 * :mod:`dmuon.integrations.lightning` — the ``configure_model`` / ``configure_optimizers``
   pair for Lightning's ``ModelParallelStrategy``.
 * :mod:`dmuon.integrations.torchtitan` — a model converter and an optimizer builder.
+* ``import dmuon`` also makes ``DistributedDataParallel(model)`` of a dedicated model raise.
 * :func:`framework_hint` — the framework-specific fix appended to the errors users hit first
   (``fully_shard`` before ``dedicate_params``; an optimizer built from ``model.parameters()``;
   the model wrapped after dedication).
@@ -265,6 +266,7 @@ def install() -> None:
 
         _hf.patch_trainer(module)
 
+    _wrap_ddp_init()
     _POST_IMPORT["accelerate.accelerator"] = patch_accelerate
     _POST_IMPORT["transformers.trainer"] = patch_trainer
     for name, fn in _POST_IMPORT.items():
@@ -290,3 +292,29 @@ def _checked_once(optimizer, args, kwargs) -> None:
         setattr(optimizer, _CHECKED_ATTR, ids)
     except AttributeError:  # an optimizer with __slots__: check every step
         pass
+
+
+def _wrap_ddp_init() -> None:
+    """``DistributedDataParallel(model)`` of a model with dedicated parameters raises a
+    ``ValueError`` naming the framework's fix, before DDP's own parameter-shape check (which
+    fails with a size mismatch between owners and non-owners, or hangs on ranks that disagree)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    orig = DDP.__init__
+    if getattr(orig, "__dmuon_wrapped__", None) is not None:
+        return
+
+    def __init__(self, module, *args, **kwargs):
+        dedicated = _dedicated(module.parameters()) if isinstance(module, nn.Module) else []
+        if dedicated:
+            raise ValueError(
+                f"dmuon: DistributedDataParallel around a model with {len(dedicated)} parameter(s) "
+                f"dedicated by dmuon.dedicate_params (e.g. {dedicated[0]._dmuon.fqn!r}): owners hold "
+                f"full matrices, other ranks zero-size placeholders, and dmuon already averages their "
+                f"gradients. " + framework_hint("wrapped_after", module)
+            )
+        orig(self, module, *args, **kwargs)
+
+    __init__.__dmuon_wrapped__ = orig
+    __init__.__doc__ = orig.__doc__
+    DDP.__init__ = __init__
