@@ -10,9 +10,10 @@ into each of them; recipes: ``docs/integrations.md``.
   plan's hook boundaries: ``model.layers.N``, ``transformer.h.N``, ``encoder.layer.N`` ...).
 * :mod:`dmuon.integrations.accelerate` — accelerate's FSDP2 ``prepare`` made dmuon-aware
   (installed by ``import dmuon`` as soon as accelerate is imported, see :func:`install`).
-* :mod:`dmuon.integrations.lightning` — the ``configure_model`` / ``configure_optimizers``
-  pair for Lightning's ``ModelParallelStrategy``.
-* :mod:`dmuon.integrations.torchtitan` — a model converter and an optimizer builder.
+* Lightning's ``ModelParallelStrategy`` needs no module: ``configure_model`` dedicates and
+  shards, ``configure_optimizers`` returns ``dmuon.Muon`` (docs/integrations.md).
+* torchtitan 0.3.0 is not integrated: its models import triton, which CPU builds of torch lack
+  (docs/integrations.md says where dmuon would go).
 * ``import dmuon`` also makes ``DistributedDataParallel(model)`` of a dedicated model raise.
 * :func:`framework_hint` — the framework-specific fix appended to the errors users hit first
   (``fully_shard`` before ``dedicate_params``; an optimizer built from ``model.parameters()``;
@@ -99,8 +100,8 @@ _HINTS: dict[str, dict[str, str]] = {
             "model; return dmuon.Muon(self.model, ...) from configure_optimizers"
         ),
         "torchtitan": (
-            "torchtitan's parallelize function calls fully_shard: insert dmuon through the model "
-            "converter (dmuon.integrations.torchtitan), which runs before parallelisation"
+            "torchtitan's parallelize function calls fully_shard: dmuon.dedicate_params must run "
+            "before it, e.g. in a model converter (not shipped by dmuon: docs/integrations.md)"
         ),
     },
     "foreign_optimizer": {
@@ -118,8 +119,8 @@ _HINTS: dict[str, dict[str, str]] = {
             "(configure_model must have called dmuon.dedicate_params)"
         ),
         "torchtitan": (
-            "build the optimizer with dmuon.integrations.torchtitan.build_dmuon_optimizers "
-            "instead of torchtitan's build_optimizers"
+            "torchtitan's build_optimizers builds from model.parameters(): the optimizer must be "
+            "dmuon.Muon(model, ...) (not shipped by dmuon: docs/integrations.md)"
         ),
     },
     "wrapped_after": {
