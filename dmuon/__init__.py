@@ -1,7 +1,9 @@
 """dmuon: Muon on FSDP2 with exclusive ownership of every Muon-target matrix.
 
 ``import dmuon`` makes ``fully_shard`` (however it was imported) skip parameters dedicated by
-:func:`dedicate_params`. Public names (the README's "API" section):
+:func:`dedicate_params`, makes accelerate's FSDP2 ``prepare`` dmuon-aware when accelerate is
+imported, and makes any optimizer other than :class:`Muon` that holds dedicated parameters raise
+at its first step (:mod:`dmuon.integrations`). Public names (the README's "API" section):
 
 * :mod:`dmuon.plan` — pure planning: ``dmuon.plan.compile(model, mesh, ...)`` → ``ShardingPlan``.
 * :mod:`dmuon.exec` — execution: ``dmuon.exec.apply(plan, model, mesh=None)``.
@@ -20,6 +22,7 @@ from .exec import amp as _amp
 from .exec import clip as _clip
 from .exec import dcp_errors as _dcp_errors
 from .exec import fsdp2 as _fsdp2
+from . import integrations as _integrations
 from .exec.api import dedicate_params
 from .exec.clip import clip_grad_norm_
 from .exec.optim import Muon
@@ -32,6 +35,7 @@ _fsdp2.install()
 _amp.install()
 _clip.install()
 _dcp_errors.install()
+_integrations.install()
 
 __all__ = ["plan", "exec", "dedicate_params", "Muon", "no_sync", "clip_grad_norm_"]
 __all__ += ["full_state_dict", "init_params", "qk_clip"]

@@ -110,13 +110,16 @@ def check_not_fully_sharded(model: nn.Module) -> None:
     """
     from torch.distributed.fsdp import FSDPModule
 
+    from dmuon.integrations import framework_hint
+
     wrapped = [name or "<root>" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     if wrapped:
         what = f"modules {wrapped[:5]}"
         raise ValueError(
             f"dmuon: the model is already sharded ({what}{' ...' if len(wrapped) > 5 else ''}). "
             "Call dmuon.dedicate_params(model, mesh) BEFORE fully_shard: dedicate_params -> "
-            "fully_shard(layer) for each layer -> fully_shard(model) -> dmuon.Muon(model)."
+            "fully_shard(layer) for each layer -> fully_shard(model) -> dmuon.Muon(model). "
+            + framework_hint("fully_shard_first", model)
         )
 
 

@@ -1,0 +1,164 @@
+"""accelerate (and so ``transformers.Trainer``) with FSDP2: what dmuon changes in ``prepare``.
+
+``import dmuon`` applies :func:`patch` to ``accelerate.accelerator`` as soon as accelerate is
+imported (``dmuon.integrations.install``). The user's order stays the one of plain FSDP2, with
+accelerate's ``prepare`` in place of the ``fully_shard`` calls::
+
+    plan = dmuon.dedicate_params(model, mesh)          # unsharded model, every rank
+    optimizer = dmuon.Muon(model, lr=..., adamw_lr=...)
+    model, optimizer = accelerator.prepare(model, optimizer)   # FSDP2: fully_shard per block
+
+What the patch does, for a model with dedicated parameters only (anything else is untouched):
+
+``Accelerator._prepare_fsdp2`` (the FSDP2 branch of ``prepare``)
+    * accelerate re-maps every optimizer parameter to its sharded successor by ``data_ptr()``.
+      dmuon's zero-size placeholders all have ``data_ptr() == 0``, so they would collapse into
+      one (the optimizer would hold one placeholder many times and lose the others). For the
+      duration of ``prepare`` every dedicated parameter gets a distinct (negative, never a real
+      address) ``data_ptr()``; FSDP2 leaves dedicated parameters alone, so the re-map then maps
+      each of them to itself.
+    * ``cpu_ram_efficient_loading=True`` moves the model to meta and loads a full state dict with
+      ``load_state_dict(..., assign=True)``, which would replace dmuon's owner-held parameters:
+      rejected with a ``ValueError`` before anything runs (use dmuon's meta-device recipe).
+    * with ``mixed_precision`` other than "no", accelerate upcasts low-precision parameters with
+      ``param.data = param.data.float()``, which would detach an owner's master from its
+      broadcast buffer: a dedicated parameter that is not float32 is rejected.
+    * an optimizer holding dedicated parameters that is not ``dmuon.Muon`` is rejected
+      (:func:`dmuon.integrations.check_optimizer`).
+``Accelerator.prepare_model`` without FSDP2 (DDP and friends)
+    DistributedDataParallel would see different parameter shapes on owners and non-owners:
+    rejected with the configuration that turns FSDP2 on.
+``Accelerator.clip_grad_norm_``
+    with dedicated parameters among ``parameters``: :func:`dmuon.clip_grad_norm_` (owner-held
+    gradients counted once over the world). accelerate's own mix of DTensor and plain gradients
+    would sum each rank's owned gradients locally and clip every rank by a different norm.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+
+from . import check_optimizer, framework_hint
+
+__all__ = ["patch", "is_patched"]
+
+_PATCHED = "__dmuon_patched__"
+
+
+def _has_dedicated(model) -> bool:
+    return isinstance(model, nn.Module) and any(
+        getattr(p, "_dmuon", None) is not None for p in model.parameters()
+    )
+
+
+def _check_fsdp2_plugin(accelerator, model: nn.Module) -> None:
+    plugin = accelerator.state.fsdp_plugin
+    if getattr(plugin, "cpu_ram_efficient_loading", False):
+        raise ValueError(
+            "dmuon: accelerate's cpu_ram_efficient_loading moves the model to meta and reloads it "
+            "with load_state_dict(..., assign=True), which would replace the parameters "
+            "dmuon.dedicate_params gave to their owners. Set fsdp_cpu_ram_efficient_loading: false "
+            "(FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=False), or "
+            "FSDP_CPU_RAM_EFFICIENT_LOADING=false). For models that do not fit in host memory use "
+            "dmuon's meta-device recipe (docs/checkpointing.md, 'Large-model initialisation')."
+        )
+    if accelerator.mixed_precision != "no":
+        low = [
+            p._dmuon.fqn for p in model.parameters()
+            if getattr(p, "_dmuon", None) is not None and p.requires_grad and p.dtype != torch.float32
+        ]
+        if low:
+            raise ValueError(
+                f"dmuon: accelerate with mixed_precision={accelerator.mixed_precision!r} upcasts "
+                f"parameters that are not float32 (param.data = param.data.float()), which would "
+                f"detach dmuon's owner-held masters from their buffers: {low[:3]}"
+                f"{' ...' if len(low) > 3 else ''} are {torch.float32} only after loading the model "
+                f"in float32 (from_pretrained(..., dtype=torch.float32)) BEFORE "
+                f"dmuon.dedicate_params; accelerate's mixed_precision then casts for compute."
+            )
+
+
+def _unique_data_ptrs(models) -> list:
+    """Give every dedicated parameter of ``models`` a distinct ``data_ptr()`` for the duration of
+    accelerate's re-map (an instance attribute shadowing the method, as accelerate itself does
+    for the stand-ins it puts in the optimizer); returns the parameters to restore."""
+    tagged = []
+    for model in models:
+        for p in model.parameters():
+            if getattr(p, "_dmuon", None) is not None and "data_ptr" not in p.__dict__:
+                key = -(len(tagged) + 1)  # never a real address
+                p.data_ptr = functools.partial(int, key)
+                tagged.append(p)
+    return tagged
+
+
+def _restore_data_ptrs(tagged) -> None:
+    for p in tagged:
+        p.__dict__.pop("data_ptr", None)
+
+
+def patch(module) -> None:
+    """Wrap ``module.Accelerator``'s ``_prepare_fsdp2``, ``prepare_model`` and
+    ``clip_grad_norm_`` (idempotent; ``module`` is ``accelerate.accelerator``)."""
+    cls = module.Accelerator
+    if getattr(cls, _PATCHED, False):
+        return
+    orig_prepare_fsdp2 = cls._prepare_fsdp2
+    orig_prepare_model = cls.prepare_model
+    orig_clip = cls.clip_grad_norm_
+
+    @functools.wraps(orig_prepare_fsdp2)
+    def _prepare_fsdp2(self, *args):
+        models = [a for a in args if _has_dedicated(a)]
+        if not models:
+            return orig_prepare_fsdp2(self, *args)
+        optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
+        for model in models:
+            _check_fsdp2_plugin(self, model)
+        for opt in optimizers:
+            check_optimizer(opt, models[0])
+        tagged = _unique_data_ptrs(models)
+        try:
+            return orig_prepare_fsdp2(self, *args)
+        finally:
+            _restore_data_ptrs(tagged)
+
+    @functools.wraps(orig_prepare_model)
+    def prepare_model(self, model, device_placement=None, evaluation_mode=False):
+        if not evaluation_mode and not self.is_fsdp2 and _has_dedicated(model):
+            from torch.distributed.fsdp import FSDPModule
+
+            if self.num_processes > 1 and not isinstance(model, FSDPModule):
+                raise ValueError(
+                    f"dmuon: accelerate is about to wrap a model with dedicated parameters for "
+                    f"{self.distributed_type} (DistributedDataParallel), whose ranks hold different "
+                    f"parameter shapes (owners: full matrices, others: zero-size placeholders). "
+                    + framework_hint("wrapped_after", model)
+                )
+        return orig_prepare_model(self, model, device_placement, evaluation_mode)
+
+    @functools.wraps(orig_clip)
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        params = list(parameters)
+        if any(getattr(p, "_dmuon", None) is not None for p in params):
+            import dmuon
+
+            self.unscale_gradients()  # as accelerate does first (fp16 grad scaler)
+            return dmuon.clip_grad_norm_(params, max_norm, norm_type)
+        return orig_clip(self, params, max_norm, norm_type)
+
+    cls._prepare_fsdp2 = _prepare_fsdp2
+    cls.prepare_model = prepare_model
+    cls.clip_grad_norm_ = clip_grad_norm_
+    setattr(cls, _PATCHED, True)
+
+
+def is_patched() -> bool:
+    """Whether accelerate is imported and patched."""
+    import sys
+
+    mod = sys.modules.get("accelerate.accelerator")
+    return mod is not None and getattr(mod.Accelerator, _PATCHED, False)

@@ -1,0 +1,65 @@
+"""Hugging Face transformers: the optimizer factory ``transformers.Trainer`` takes.
+
+``Trainer`` refuses ``optimizers=(...)`` when FSDP is on and builds the optimizer itself, from
+``optimizer_cls_and_kwargs``, before accelerate's ``prepare`` shards the model. A class that is
+not a ``torch.optim.Optimizer`` counts there as a *factory*: ``Trainer`` instantiates it and
+calls the instance with the model. :class:`MuonFactory` is that factory for ``dmuon.Muon``::
+
+    plan = dmuon.dedicate_params(model, mesh)        # before Trainer(...)
+    trainer = Trainer(model=model, args=args, train_dataset=...,
+                      optimizer_cls_and_kwargs=(MuonFactory, {"lr": 0.02, "adamw_lr": 3e-4}))
+
+The default predicate and hook-boundary heuristic pick the projection matrices of every block
+of Llama / Qwen2 / Qwen3 (``model.layers.N``), GPT-2 (``transformer.h.N``, Conv1D weights),
+BERT (``bert.encoder.layer.N``) and ViT (``vit.layers.N``): docs/integrations.md has the table.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+__all__ = ["MuonFactory"]
+
+
+class MuonFactory:
+    """``optimizer_cls_and_kwargs=(MuonFactory, kwargs)``: ``Trainer`` calls
+    ``MuonFactory()(model, **kwargs)``, i.e. ``dmuon.Muon(model, **kwargs)`` (every keyword of
+    :class:`dmuon.Muon`: ``lr``, ``weight_decay``, ``adamw_lr``, ``ns_dtype`` ...). Trainer's own
+    ``learning_rate`` / ``weight_decay`` arguments are not read: give them here. The LR schedule
+    Trainer builds scales every group's ``lr`` by the same factor (Muon's and AdamW's)."""
+
+    def __call__(self, model: nn.Module, **kwargs: Any):
+        import dmuon
+
+        return dmuon.Muon(model, **kwargs)
+
+
+_PATCHED = "__dmuon_patched__"
+
+
+def patch_trainer(module) -> None:
+    """Wrap ``module.Trainer._mixed_mesh_grad_norm`` (``module`` is ``transformers.trainer``;
+    idempotent). Trainer takes that path whenever gradients are a mix of DTensors and plain
+    tensors, which is always the case with dmuon (owner-held gradients are plain tensors): it
+    would add each rank's owned gradients to the norm locally, so every rank would clip by a
+    different, too small norm. With dedicated parameters the norm (and the clip) is
+    :func:`dmuon.clip_grad_norm_`'s, identical on every rank; ``max_norm=inf`` only measures."""
+    cls = module.Trainer
+    orig = getattr(cls, "_mixed_mesh_grad_norm", None)
+    if orig is None or getattr(cls, _PATCHED, False):
+        return
+
+    def _mixed_mesh_grad_norm(self, model, max_norm):
+        params = list(model.parameters())
+        if any(getattr(p, "_dmuon", None) is not None for p in params):
+            import dmuon
+
+            return dmuon.clip_grad_norm_(params, max_norm)
+        return orig(self, model, max_norm)
+
+    _mixed_mesh_grad_norm.__wrapped__ = orig
+    _mixed_mesh_grad_norm.__doc__ = orig.__doc__
+    cls._mixed_mesh_grad_norm = _mixed_mesh_grad_norm
+    setattr(cls, _PATCHED, True)
