@@ -383,7 +383,7 @@ def replay_ops(sim_ops: list[_SimOp], num_ranks: int, hw: Hardware, *, timeline_
     def pattern(g: int, vec: list[int]) -> tuple:
         """The flattened (member position, dep order, local-dep slices) of ``vec``'s deps as seen
         from group ``g``; the same for every op whose deps sit on the same groups (every layer)."""
-        key = (g, tuple(gid[d] if sim_ops[d].collective else ~gid[d] for d in vec))
+        key = (g, tuple(gid[d] if sim_ops[d].collective else ~gid[d] for d in vec))  # ~: a local dep
         hit = pattern_cache.get(key)
         if hit is None:
             cols, rows, counts, local = [], [], [], []
@@ -443,16 +443,17 @@ def replay_ops(sim_ops: list[_SimOp], num_ranks: int, hw: Hardware, *, timeline_
                 issued[G] = np.maximum(cstart[G], issued[G]) + op.host_s
                 issue = issued[G]
             c = op.channel
-            cand_t = [issue.max(), chan[c][G].max()]
-            j_issue = int(G[int(issue.argmax())])
-            j_chan = int(G[int(chan[c][G].argmax())])
+            free = chan[c][G]
+            a, b = int(issue.argmax()), int(free.argmax())
+            j_issue, j_chan = int(G[a]), int(G[b])
+            cand_t = [issue[a], free[b]]
             cand_p = [(int(host_op[j_issue]), j_issue), (int(chan_op[c][j_chan]), j_chan)]
             if op.deps:
                 dr, who = dep_ready(op.deps, i, G)
                 k = int(dr.argmax())
                 cand_t.append(dr[k])
                 cand_p.append((int(who[k]), int(G[k])))
-            k = int(np.argmax(cand_t))
+            k = max(range(len(cand_t)), key=cand_t.__getitem__)  # the first of the latest, as np.argmax
             start = max(0.0, float(cand_t[k]))
             end = start + float(op.seconds)
             pred[i] = cand_p[k] if cand_t[k] > 0 else (-1, -1)
@@ -463,9 +464,9 @@ def replay_ops(sim_ops: list[_SimOp], num_ranks: int, hw: Hardware, *, timeline_
             if op.deferred:
                 deferred_end[G] = np.maximum(deferred_end[G], end)
             else:
-                later = comm_end[G] < end
-                comm_end[G] = np.maximum(comm_end[G], end)
-                comm_end_op[G[later]] = i
+                later = G[comm_end[G] < end]
+                comm_end[later] = end
+                comm_end_op[later] = i
             if share:
                 steal[G] += share * float(op.seconds)
             if tl:
