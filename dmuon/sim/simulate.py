@@ -350,9 +350,6 @@ def replay_ops(sim_ops: list[_SimOp], num_ranks: int, hw: Hardware, *, timeline_
     steal = np.zeros(n)
     threads = hw.comm_engine == "threads"
     share = hw.comm_cpu_share if threads else 0.0
-    garr: dict[tuple[int, ...], np.ndarray] = {}
-    gmask: dict[tuple[int, ...], np.ndarray] = {}
-    gpos: dict[tuple[int, ...], np.ndarray] = {}
     tl_mask = np.zeros(n, dtype=bool)
     tl = [r for r in timeline_ranks if 0 <= r < n]
     tl_mask[tl] = True
@@ -364,70 +361,79 @@ def replay_ops(sim_ops: list[_SimOp], num_ranks: int, hw: Hardware, *, timeline_
     start_vec: dict[int, np.ndarray] = {}
     pred: dict[int, Any] = {}  # collective: (op, rank); local: (pred op array n, pred rank array n)
 
-    def members(group):
-        a = garr.get(group)
-        if a is None:
-            a = garr[group] = np.asarray(group, dtype=np.int64)
-            mk = np.zeros(n, dtype=bool)
-            mk[a] = True
-            gmask[group] = mk
-        return a
+    # Groups are interned once: ``gid[i]`` names op i's group, ``garr[g]`` its global ranks.
+    # Hashing a rank tuple costs O(group size), so everything below is keyed by group id.
+    gids: dict[tuple[int, ...], int] = {}
+    gid = [gids.setdefault(op.group, len(gids)) for op in sim_ops]
+    garr = [np.asarray(g, dtype=np.int64) for g in gids]
+    overlap_cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+    pattern_cache: dict[tuple, tuple] = {}
 
-    def dep_ready(deps, group, G):
-        """(ready per member, dep index per member or -1). Collective deps on the same group (or
-        on every rank) give one scalar for all members; the rest are masked per member."""
+    def overlap(dep_g: int, g: int) -> tuple[np.ndarray, np.ndarray]:
+        """(positions in group ``g``, global ranks) of the members ``g`` shares with ``dep_g``."""
+        hit = overlap_cache.get((dep_g, g))
+        if hit is None:
+            pos = np.full(n, -1, dtype=np.int64)
+            pos[garr[g]] = np.arange(len(garr[g]))
+            p = pos[garr[dep_g]]
+            keep = p >= 0
+            hit = overlap_cache[(dep_g, g)] = (p[keep], garr[dep_g][keep])
+        return hit
+
+    def pattern(g: int, vec: list[int]) -> tuple:
+        """The flattened (member position, dep order, local-dep slices) of ``vec``'s deps as seen
+        from group ``g``; the same for every op whose deps sit on the same groups (every layer)."""
+        key = (g, tuple(gid[d] if sim_ops[d].collective else ~gid[d] for d in vec))  # ~: a local dep
+        hit = pattern_cache.get(key)
+        if hit is None:
+            cols, rows, counts, local = [], [], [], []
+            at = 0
+            for j, d in enumerate(vec):
+                pos, ranks = overlap(gid[d], g)
+                cols.append(pos)
+                rows.append(np.full(len(pos), j, dtype=np.int64))
+                counts.append(len(pos))
+                if not sim_ops[d].collective:
+                    local.append((j, at, at + len(pos), ranks))
+                at += len(pos)
+            hit = pattern_cache[key] = (np.concatenate(cols), np.concatenate(rows), np.asarray(counts), local)
+        return hit
+
+    def dep_ready(deps, i, G):
+        """(ready per member of op ``i``, dep index per member or -1): the latest end among the
+        deps each member takes part in; on ties the first dep in ``deps`` order wins (a
+        collective on the op's own group, or on every rank, counts as one scalar read first).
+        The other deps are read in one pass: every (dep, shared member) pair flattened, the max
+        per member by ``np.maximum.at``, the first dep reaching it by ``np.minimum.at``."""
+        g = gid[i]
         sbest, swho = neg, -1
         vec = []
         for d in deps:
-            if d in end_vec:
-                vec.append(d)
-                continue
-            dg = sim_ops[d].group
-            if dg is group or dg == group or len(dg) == n:
+            if sim_ops[d].collective and (gid[d] == g or len(garr[gid[d]]) == n):
                 if end_scalar[d] > sbest:
                     sbest, swho = end_scalar[d], d
             else:
                 vec.append(d)
-        best = np.full(len(G), sbest)
-        who = np.full(len(G), swho, dtype=np.int64)
+        k = len(G)
         if not vec:
-            return best, who
-        posm = None
-        for d in vec:
-            dg = sim_ops[d].group
-            if len(dg) == n:  # a local op on every rank: read it densely
-                v = end_vec[d][G]
-                better = v > best
-                if better.any():
-                    best = np.where(better, v, best)
-                    who = np.where(better, d, who)
-                continue
-            if posm is None:
-                posm = posmap(group)
-            dm = members(dg)
-            p = posm[dm]
-            keep = p >= 0
-            idx = p[keep]
-            if not len(idx):
-                continue
-            vals = end_vec[d][dm[keep]] if d in end_vec else np.full(len(idx), end_scalar[d])
-            better = vals > best[idx]
-            if better.any():
-                sel = idx[better]
-                best[sel] = vals[better]
-                who[sel] = d
+            return np.full(k, sbest), np.full(k, swho, dtype=np.int64)
+        cols, rows, counts, local = pattern(g, vec)
+        vec_arr = np.asarray(vec, dtype=np.int64)
+        vals = np.repeat(end_scalar[vec_arr], counts)
+        for j, a, b, ranks in local:
+            vals[a:b] = end_vec[vec[j]][ranks]
+        top = np.full(k, neg)
+        np.maximum.at(top, cols, vals)
+        win = vals == top[cols]
+        first = np.full(k, len(vec), dtype=np.int64)
+        np.minimum.at(first, cols[win], rows[win])
+        better = top > sbest
+        best = np.where(better, top, sbest)
+        who = np.where(better, np.append(vec_arr, -1)[first], swho)
         return best, who
 
-    def posmap(group):
-        pm = gpos.get(group)
-        if pm is None:
-            a = members(group)
-            pm = gpos[group] = np.full(n, -1, dtype=np.int64)
-            pm[a] = np.arange(len(a))
-        return pm
-
     for i, op in enumerate(sim_ops):
-        G = members(op.group)
+        G = garr[gid[i]]
         if op.collective:
             if threads:
                 host[G] += op.host_s
@@ -437,16 +443,17 @@ def replay_ops(sim_ops: list[_SimOp], num_ranks: int, hw: Hardware, *, timeline_
                 issued[G] = np.maximum(cstart[G], issued[G]) + op.host_s
                 issue = issued[G]
             c = op.channel
-            cand_t = [issue.max(), chan[c][G].max()]
-            j_issue = int(G[int(issue.argmax())])
-            j_chan = int(G[int(chan[c][G].argmax())])
+            free = chan[c][G]
+            a, b = int(issue.argmax()), int(free.argmax())
+            j_issue, j_chan = int(G[a]), int(G[b])
+            cand_t = [issue[a], free[b]]
             cand_p = [(int(host_op[j_issue]), j_issue), (int(chan_op[c][j_chan]), j_chan)]
             if op.deps:
-                dr, who = dep_ready(op.deps, op.group, G)
+                dr, who = dep_ready(op.deps, i, G)
                 k = int(dr.argmax())
                 cand_t.append(dr[k])
                 cand_p.append((int(who[k]), int(G[k])))
-            k = int(np.argmax(cand_t))
+            k = max(range(len(cand_t)), key=cand_t.__getitem__)  # the first of the latest, as np.argmax
             start = max(0.0, float(cand_t[k]))
             end = start + float(op.seconds)
             pred[i] = cand_p[k] if cand_t[k] > 0 else (-1, -1)
@@ -457,9 +464,9 @@ def replay_ops(sim_ops: list[_SimOp], num_ranks: int, hw: Hardware, *, timeline_
             if op.deferred:
                 deferred_end[G] = np.maximum(deferred_end[G], end)
             else:
-                later = comm_end[G] < end
-                comm_end[G] = np.maximum(comm_end[G], end)
-                comm_end_op[G[later]] = i
+                later = G[comm_end[G] < end]
+                comm_end[later] = end
+                comm_end_op[later] = i
             if share:
                 steal[G] += share * float(op.seconds)
             if tl:
@@ -471,7 +478,7 @@ def replay_ops(sim_ops: list[_SimOp], num_ranks: int, hw: Hardware, *, timeline_
                 steal[G] = 0.0
             h = host[G]
             if op.deps:
-                dr, who = dep_ready(op.deps, op.group, G)
+                dr, who = dep_ready(op.deps, i, G)
                 start = np.maximum(h, dr)
                 from_dep = dr > h
             else:
