@@ -48,6 +48,19 @@ __all__ = ["patch", "is_patched"]
 _PATCHED = "__dmuon_patched__"
 
 
+def _cpu_note(accelerator) -> str:
+    """The CPU case of the DDP refusal: accelerate never turns FSDP on for ``MULTI_CPU``, even with
+    an ``fsdp_plugin`` given, so the usual fix (configure FSDP2) is not the one that applies."""
+    if "CPU" not in str(accelerator.distributed_type):
+        return ""
+    return (
+        "On CPU, accelerate ignores fsdp_plugin and never selects FSDP (its AcceleratorState makes a "
+        "MULTI_CPU run DDP); to run FSDP2 on CPU/gloo anyway, right after Accelerator(...) set "
+        "accelerator.state.distributed_type = DistributedType.FSDP and assign accelerator.state.fsdp_plugin "
+        "= FullyShardedDataParallelPlugin(fsdp_version=2, ...) (docs/integrations.md, 'On CPU'). "
+    )
+
+
 def _has_dedicated(model) -> bool:
     return isinstance(model, nn.Module) and any(
         getattr(p, "_dmuon", None) is not None for p in model.parameters()
@@ -136,6 +149,7 @@ def patch(module) -> None:
                     f"dmuon: accelerate is about to wrap a model with dedicated parameters for "
                     f"{self.distributed_type} (DistributedDataParallel), whose ranks hold different "
                     f"parameter shapes (owners: full matrices, others: zero-size placeholders). "
+                    + _cpu_note(self)
                     + framework_hint("wrapped_after", model)
                 )
         return orig_prepare_model(self, model, device_placement, evaluation_mode)
