@@ -171,12 +171,10 @@ def make_model(kind: str, seed: int = 0) -> nn.Module:
     raise ValueError(kind)
 
 
-def dmuon_optimizer(model: nn.Module, ns_dtype: torch.dtype = torch.float32, hp=HP):
-    """``dmuon.Muon`` with the hyper-parameters :func:`reference_run` gives torch's optimizers."""
-    import dmuon
-
-    return dmuon.Muon(
-        model,
+def dmuon_muon_kwargs(ns_dtype: torch.dtype = torch.float32, hp=HP) -> dict:
+    """``dmuon.Muon``'s keyword arguments for the hyper-parameters :func:`reference_run` gives
+    torch's optimizers (for frameworks that build the optimizer from a factory)."""
+    return dict(
         lr=hp["lr"],
         weight_decay=hp["weight_decay"],
         momentum=hp["momentum"],
@@ -187,15 +185,27 @@ def dmuon_optimizer(model: nn.Module, ns_dtype: torch.dtype = torch.float32, hp=
     )
 
 
-def train_steps(model: nn.Module, opt, batches) -> list[float]:
+def dmuon_optimizer(model: nn.Module, ns_dtype: torch.dtype = torch.float32, hp=HP):
+    """``dmuon.Muon`` with the hyper-parameters :func:`reference_run` gives torch's optimizers."""
+    import dmuon
+
+    return dmuon.Muon(model, **dmuon_muon_kwargs(ns_dtype, hp))
+
+
+def train_steps(model: nn.Module, opt, batches, local_loss=None) -> list[float]:
     """Data-parallel steps: rank r trains on its slice of each global batch; returns the
-    global-batch loss of each step (mean over ranks), identical on every rank."""
+    global-batch loss of each step (mean over ranks), identical on every rank.
+    ``local_loss(model, batch, rank, world)`` computes this rank's loss (default: :func:`lm_loss`
+    on ``batch.chunk(world)[rank]``)."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
     losses = []
     for batch in batches:
-        loss = lm_loss(model, batch.chunk(world)[rank])
+        if local_loss is None:
+            loss = lm_loss(model, batch.chunk(world)[rank])
+        else:
+            loss = local_loss(model, batch, rank, world)
         loss.backward()
         opt.step()
         opt.zero_grad()

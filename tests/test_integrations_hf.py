@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 import hf_models  # noqa: E402
 from dist_utils import run_distributed  # noqa: E402
-from oracle import HP  # noqa: E402
+from oracle import dmuon_muon_kwargs, dmuon_optimizer, train_steps  # noqa: E402
 
 import dmuon  # noqa: E402
 
@@ -97,10 +97,8 @@ def _force_fsdp2_on_cpu(accelerator, plugin) -> None:
 
 def _fsdp2_recipe(kind):
     """The plain recipe: dedicate, fully_shard each boundary block, the root, dmuon.Muon."""
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    rank, world = dist.get_rank(), dist.get_world_size()
     model = hf_models.build(kind)
     data = hf_models.batches(kind, STEPS)
     plan = dmuon.dedicate_params(model, None)
@@ -108,18 +106,8 @@ def _fsdp2_recipe(kind):
     for block in dmuon.integrations.boundary_modules(model, plan):
         fully_shard(block)
     fully_shard(model)
-    opt = dmuon.Muon(model, lr=HP["lr"], weight_decay=HP["weight_decay"], momentum=HP["momentum"],
-                     nesterov=HP["nesterov"], adamw_lr=HP["adamw_lr"],
-                     adamw_weight_decay=HP["adamw_weight_decay"], ns_dtype=torch.float32)
-    losses = []
-    for batch in data:
-        loss = hf_models.loss_of(model, hf_models.rank_slice(batch, rank, world))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
+    opt = dmuon_optimizer(model)
+    losses = train_steps(model, opt, data, lambda m, batch, r, w: hf_models.loss_of(m, hf_models.rank_slice(batch, r, w)))
     full = dmuon.full_state_dict(model, rank0_only=False)
     return {"losses": losses, "ref_losses": ref_losses,
             "param_err": hf_models.max_param_error(full, ref_sd), "n_dedicated": len(plan.dedicated)}
@@ -143,9 +131,7 @@ def _accelerate_recipe():
     ref_norms = []
     ref_losses, ref_sd = hf_models.reference_run(hf_models.build("llama"), set(plan.dedicated), data,
                                                  max_grad_norm=0.05, grad_norms=ref_norms)
-    opt = dmuon.Muon(model, lr=HP["lr"], weight_decay=HP["weight_decay"], momentum=HP["momentum"],
-                     nesterov=HP["nesterov"], adamw_lr=HP["adamw_lr"],
-                     adamw_weight_decay=HP["adamw_weight_decay"], ns_dtype=torch.float32)
+    opt = dmuon_optimizer(model)
     n_before = [len(g["params"]) for g in opt.param_groups]
     model, aopt = acc.prepare(model, opt)
     muon_group = opt.param_groups[0]["params"]
@@ -203,9 +189,7 @@ def _trainer_recipe(out_dir):
     ref_norms = []
     ref_losses, ref_sd = hf_models.reference_run(hf_models.build("gpt2"), set(plan.dedicated), data,
                                                  max_grad_norm=0.05, grad_norms=ref_norms)
-    muon_kwargs = dict(lr=HP["lr"], weight_decay=HP["weight_decay"], momentum=HP["momentum"],
-                       nesterov=HP["nesterov"], adamw_lr=HP["adamw_lr"],
-                       adamw_weight_decay=HP["adamw_weight_decay"], ns_dtype=torch.float32)
+    muon_kwargs = dmuon_muon_kwargs()
     args = T.TrainingArguments(
         output_dir=out_dir, max_steps=STEPS, per_device_train_batch_size=per_device,
         lr_scheduler_type="constant", max_grad_norm=0.05, logging_steps=1, save_strategy="no",

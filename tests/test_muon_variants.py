@@ -27,7 +27,7 @@ import torch
 
 from attn_models import AttnLM
 from dist_utils import run_distributed
-from oracle import HP, fp32_newton_schulz, global_batches, lm_loss
+from oracle import HP, dmuon_muon_kwargs, dmuon_optimizer, fp32_newton_schulz, global_batches, lm_loss
 
 import dmuon
 from dmuon.plan import views as V
@@ -340,9 +340,7 @@ def _build(kind, case, mesh, qk_tau, adjust_lr_fn, z3):
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=z3)
     fully_shard(model, mesh=mesh)
-    opt = dmuon.Muon(model, lr=HP["lr"], weight_decay=HP["weight_decay"], momentum=HP["momentum"],
-                     nesterov=HP["nesterov"], adamw_lr=HP["adamw_lr"], adamw_weight_decay=HP["adamw_weight_decay"],
-                     ns_dtype=torch.float32, adjust_lr_fn=adjust_lr_fn)
+    opt = dmuon.Muon(model, **dmuon_muon_kwargs(), adjust_lr_fn=adjust_lr_fn)
     return model, opt
 
 
@@ -406,9 +404,7 @@ def _worker(cases, mesh_shape, check_error):
         for layer in model.layers:
             fully_shard(layer, mesh=mesh, reshard_after_forward=z3)
         fully_shard(model, mesh=mesh)
-        opt = dmuon.Muon(model, lr=HP["lr"], weight_decay=HP["weight_decay"], momentum=HP["momentum"],
-                         nesterov=HP["nesterov"], adamw_lr=HP["adamw_lr"], adamw_weight_decay=HP["adamw_weight_decay"],
-                         ns_dtype=torch.float32, adjust_lr_fn=adjust_lr_fn)
+        opt = dmuon.Muon(model, **dmuon_muon_kwargs(), adjust_lr_fn=adjust_lr_fn)
         step = Step(micro_batches=tuple(MicroBatch(sync=i == micro - 1) for i in range(micro)))
         expected_nbytes = schedule_byte_cost(plan.schedule(step)).per_rank_nbytes[rank]
         losses, ledgers, stats = [], [], []
@@ -553,8 +549,7 @@ def _tp_worker():
     for layer in model.layers:
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
-    opt = dmuon.Muon(model, lr=HP["lr"], weight_decay=HP["weight_decay"], momentum=HP["momentum"], nesterov=HP["nesterov"],
-                     adamw_lr=HP["adamw_lr"], adamw_weight_decay=HP["adamw_weight_decay"], ns_dtype=torch.float32)
+    opt = dmuon_optimizer(model)
     batches = global_batches(STEPS, batch=4, seq=cfg.seq_len, vocab=cfg.vocab_size, seed=3)
     losses, ledgers, tp_bytes = [], [], []
     for batch in batches:

@@ -140,7 +140,7 @@ def _auto_worker(steps):
 
     from dmuon.exec import newton_schulz as ns_mod
     from ns_spy import counting_ns
-    from oracle import HP, global_batches, lm_loss
+    from oracle import dmuon_muon_kwargs, global_batches, lm_loss
 
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -154,9 +154,7 @@ def _auto_worker(steps):
         dmuon.Muon(model, ns_backend="standard")
     except ValueError as exc:
         errors.append(str(exc))
-    opt = dmuon.Muon(model, lr=HP["lr"], weight_decay=HP["weight_decay"], momentum=HP["momentum"],
-                     nesterov=HP["nesterov"], adamw_lr=HP["adamw_lr"],
-                     adamw_weight_decay=HP["adamw_weight_decay"], ns_dtype=torch.float32, ns_backend="auto")
+    opt = dmuon.Muon(model, **dmuon_muon_kwargs(), ns_backend="auto")
     flops = []
     real = {name: getattr(ns_mod, name) for name in ("newton_schulz", "gram_newton_schulz")}
     losses = []

@@ -15,19 +15,10 @@ import numpy as np
 import pytest
 
 from dist_utils import run_distributed
+from train_job import TINY, write_corpus
 
 from dmuon.train.checkpoint import latest_checkpoint, step_dir
 
-TINY = dict(d_model=32, n_layers=2, n_heads=2, d_mlp=64, seq_len=16, batch=4, eval_batch=4,
-            eval_batches=1, steps=4, eval_every=2, log_every=1, ns_dtype="fp32",
-            cooldown_frac=0.5, quiet=True)
-"""4 steps with a decaying LR in the last 2 (the resumed half), fp32 Newton-Schulz."""
-
-
-def _corpus(tmp_path) -> str:
-    path = tmp_path / "corpus.txt"
-    path.write_bytes(("".join(f"line {i}: the quick brown fox {i * 7 % 13}\n" for i in range(400))).encode())
-    return str(path)
 
 
 def _resume_cases(root: str, data: str):
@@ -64,7 +55,7 @@ def _losses(m, kind="train"):
 
 
 def test_save_resume_any_mesh_and_compare(tmp_path):
-    root, data = str(tmp_path / "ckpt"), _corpus(tmp_path)
+    root, data = str(tmp_path / "ckpt"), write_corpus(tmp_path)
     two = run_distributed(_resume_cases, 2, root, data, timeout_s=300)
     (one,) = run_distributed(_resume_cases, 1, root, data, timeout_s=120)
     r = two[0]

@@ -13,21 +13,13 @@ import os
 import numpy as np
 
 from dist_utils import run_distributed
+from train_job import TINY, write_corpus
 
 from dmuon.train.checkpoint import step_dir
 
-TINY = dict(d_model=32, n_layers=2, n_heads=2, d_mlp=64, seq_len=16, batch=4, eval_batch=4,
-            eval_batches=1, steps=4, eval_every=2, log_every=1, ns_dtype="fp32",
-            cooldown_frac=0.5, quiet=True)
 # TP changes the reduction order of the matmuls (and Gram NS where the plan picks it): the
 # resharded runs are held to 1e-5 relative (the TP oracle bound of tests/test_tp.py).
 LOSS_RTOL = 1e-5
-
-
-def _corpus(tmp_path) -> str:
-    path = tmp_path / "corpus.txt"
-    path.write_bytes(("".join(f"line {i}: the quick brown fox {i * 7 % 13}\n" for i in range(400))).encode())
-    return str(path)
 
 
 def _tp_cases(root: str, data: str):
@@ -47,7 +39,7 @@ def _losses(m, kind="train"):
 
 
 def test_save_under_tp_resume_without_tp_and_back(tmp_path):
-    root, data = str(tmp_path / "ckpt"), _corpus(tmp_path)
+    root, data = str(tmp_path / "ckpt"), write_corpus(tmp_path)
     r = run_distributed(_tp_cases, 2, root, data, timeout_s=300)[0]
     full, same, no_tp, back = r["full"], r["same"], r["no_tp"], r["back"]
     assert (full["start_step"], same["start_step"], no_tp["start_step"], back["start_step"]) == (0, 2, 2, 3)
