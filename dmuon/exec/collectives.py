@@ -57,6 +57,7 @@ PHASES = (
     "replicate_reduce",
     "replicate_broadcast",
     "tp",
+    "owner_group",
     "qk_clip",
     "other",
 )

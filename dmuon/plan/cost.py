@@ -58,7 +58,7 @@ import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .records import Owner, ParamSpec, _check_int, itemsize_nbytes
+from .records import Owner, OwnerGroup, ParamSpec, _check_int, balanced_sizes, itemsize_nbytes
 
 __all__ = [
     "NS_STEPS",
@@ -89,6 +89,12 @@ __all__ = [
     "tp_ns_flops",
     "choose_tp_ns",
     "TP_NS_MODES",
+    "OWNER_GROUP_MODES",
+    "owner_group_dim",
+    "owner_group_problem",
+    "owner_group_max_split",
+    "owner_group_piece_weights",
+    "owner_weights",
     "bcast_dtype",
     "reduce_dtype",
     "collective_rank_nbytes",
@@ -112,6 +118,8 @@ GRAM_RESTART_EVERY = 2
 TP_NS_MODES = ("auto", "gram", "gather")
 #: dtype of the Gram matrices all-reduced over a TP group (accumulated in fp32 whatever the NS dtype)
 TP_GRAM_DTYPE = "torch.float32"
+#: string values of ``dmuon.plan.compile(owner_groups=...)`` (an int ``k >= 1`` forces ``k``)
+OWNER_GROUP_MODES = ("off", "auto")
 
 
 # --------------------------------------------------------------------------- formulas
@@ -406,6 +414,81 @@ def choose_tp_ns(spec: ParamSpec, mode: str, segments: int) -> str:
     return "gram" if gram < gather else "gather"
 
 
+# --------------------------------------------------------------------------- owner groups
+
+
+def owner_group_dim(shape: Sequence[int]) -> int:
+    """The dim an owner group cuts a 2-D matrix along: its long side (rows when ``m >= n``), so
+    that the Gram of the short side ``d`` is a sum of the blocks' Grams (:func:`tp_gram_side`
+    with the same dim gives ``d``)."""
+    return 0 if int(shape[0]) >= int(shape[1]) else 1
+
+
+def owner_group_problem(spec: ParamSpec) -> str | None:
+    """Why ``spec`` cannot be owned by an owner group (None if it can): only whole 2-D matrices
+    (no TP shard, no matrix view, no expert stack or conv kernel) are cut into blocks."""
+    if spec.tp_size > 1:
+        return "it is TP-sharded (its TP group already shares the Newton-Schulz)"
+    if spec.view is not None:
+        return "it has a matrix view (its blocks are orthogonalised separately)"
+    if len(spec.shape) != 2 or spec.num_matrices != 1:
+        return f"it is not a plain 2-D matrix (shape {spec.shape})"
+    return None
+
+
+def owner_group_max_split(spec: ParamSpec, num_shards: int) -> int:
+    """Largest owner group ``spec`` may get on ``num_shards`` shard ranks: ``min(N, long side)``,
+    or 1 (:func:`owner_group_problem`)."""
+    if owner_group_problem(spec) is not None:
+        return 1
+    return max(1, min(int(num_shards), max(int(v) for v in spec.shape)))
+
+
+def owner_group_piece_weights(
+    spec: ParamSpec, k: int, cost_model: str, segment_lengths: Sequence[int]
+) -> tuple[int, ...]:
+    """LPT weight of each member of a ``k``-member owner group of ``spec``, block order (blocks
+    of :func:`~dmuon.plan.records.balanced_sizes` along :func:`owner_group_dim`); ``k = 1``:
+    ``(param_weight(spec),)``.
+
+    ``"numel"``: the block's elements. ``"ns_flops"``: the member's share of sharded Gram NS,
+    :func:`gram_ns_segment_flops` of ``(d, D_j)`` with ``d`` the short side and ``D_j`` the
+    block's long side: the local Gram and ``Q·X_j`` scale with the block, the ``(d, d)``
+    iteration runs on every member (so splitting a matrix ``k`` ways costs ``k·(8L-6)·d³``
+    more in total per segment). Every member's block enters NS padded with zeros to the
+    largest block, ``D_j = ceil(L/k)`` (zero columns add nothing to the Gram and stay zero),
+    so members of one group batch identically; the FLOPs are of that width.
+    """
+    if k == 1:
+        return (param_weight(spec, cost_model),)
+    dim = owner_group_dim(spec.shape)
+    sizes = balanced_sizes(int(spec.shape[dim]), k)
+    other = int(spec.shape[1 - dim])
+    if cost_model == "numel":
+        return tuple(size * other for size in sizes)
+    if cost_model == "ns_flops":  # every member runs the padded block width (exec: one batch shape per group)
+        return (gram_ns_segment_flops(other, max(sizes), segment_lengths),) * k
+    raise ValueError(f"cost_model must be one of {COST_MODELS}, got {cost_model!r}")
+
+
+def owner_weights(
+    spec: ParamSpec, owner: Owner | OwnerGroup, cost_model: str, segment_lengths: Sequence[int]
+) -> tuple[tuple[int, int], ...]:
+    """``(mesh rank, weight)`` of every owner of ``spec``: one pair for an :class:`Owner`, one per
+    member of an :class:`OwnerGroup` (:func:`owner_group_piece_weights`)."""
+    if isinstance(owner, OwnerGroup):
+        w = owner_group_piece_weights(spec, owner.k, cost_model, segment_lengths)
+        return tuple(zip(owner.ranks, w))
+    return ((owner.rank, param_weight(spec, cost_model)),)
+
+
+def owner_ns_flops(spec: ParamSpec, owner: Owner | OwnerGroup, segment_lengths: Sequence[int]) -> tuple[int, ...]:
+    """Newton-Schulz FLOPs of each owner of a non-TP ``spec`` (block order for a group)."""
+    if isinstance(owner, OwnerGroup):
+        return owner_group_piece_weights(spec, owner.k, "ns_flops", segment_lengths)
+    return (spec_ns_flops(spec),)
+
+
 def fsdp2_shard_numel(shape: Sequence[int], num_shards: int) -> int:
     """Elements of one FSDP2 shard of a tensor of ``shape``, padding included:
     ``ceil(shape[0] / N) * prod(shape[1:])`` (FSDP2 chunks dim 0 and pads every chunk)."""
@@ -440,6 +523,9 @@ class ByteCost:
     owner TP groups' Gram all-reduces and all-gathers (:func:`tp_rank_nbytes`).
     ``qk_clip_nbytes``: QK-clip's all-reduce (max) of the per-head max logits, ``ΣH`` fp32
     values over the data-parallel mesh (:mod:`dmuon.plan.qk_clip`); 0 without QK-clip.
+    ``owner_group_nbytes``: the owner groups' Gram all-reduces (fp32 ``(d, d)`` per grouped
+    matrix and Gram segment over its ``k`` members, ring-charged as every all-reduce); 0
+    without owner groups.
     """
 
     forward_broadcast_nbytes: int
@@ -451,6 +537,7 @@ class ByteCost:
     per_rank_nbytes: tuple[int, ...]
     tp_nbytes: int = 0
     qk_clip_nbytes: int = 0
+    owner_group_nbytes: int = 0
 
     PHASES = (
         "forward_broadcast_nbytes",
@@ -460,6 +547,7 @@ class ByteCost:
         "replicate_broadcast_nbytes",
         "tp_nbytes",
         "qk_clip_nbytes",
+        "owner_group_nbytes",
     )
 
     def __post_init__(self) -> None:
@@ -480,7 +568,7 @@ class ByteCost:
         return max(self.per_rank_nbytes, default=0)
 
     def to_dict(self) -> dict[str, Any]:
-        optional = ("tp_nbytes", "qk_clip_nbytes")  # absent when 0: older cost dicts unchanged
+        optional = ("tp_nbytes", "qk_clip_nbytes", "owner_group_nbytes")  # absent when 0: older cost dicts unchanged
         d: dict[str, Any] = {n: getattr(self, n) for n in self.PHASES + ("total_nbytes",) if n not in optional or getattr(self, n)}
         d["per_rank_nbytes"] = list(self.per_rank_nbytes)
         return d
@@ -567,6 +655,7 @@ PHASE_FIELDS = {
     "replicate_reduce": "replicate_reduce_nbytes",
     "replicate_broadcast": "replicate_broadcast_nbytes",
     "tp": "tp_nbytes",
+    "owner_group": "owner_group_nbytes",
     "qk_clip": "qk_clip_nbytes",
 }
 
@@ -631,10 +720,15 @@ def rank_stats(
     owned_nbytes = [0] * world
     replica_nbytes_by_shard = [0] * N  # params with owner shard s, any replicate: held by every (s, r')
     for spec, owner in zip(params, owners):
-        nbytes = spec.local_numel * itemsize_nbytes(spec.dtype)
-        owned_numel[owner.rank] += spec.local_numel
-        owned_nbytes[owner.rank] += nbytes
-        replica_nbytes_by_shard[owner.shard] += nbytes
+        isz = itemsize_nbytes(spec.dtype)
+        if isinstance(owner, OwnerGroup):  # each member owns (and its replicas hold) one block
+            pieces = [(m, numel) for m, numel in zip(owner.members, owner_group_piece_weights(spec, owner.k, "numel", ()))]
+        else:
+            pieces = [(owner, spec.local_numel)]
+        for member, numel in pieces:
+            owned_numel[member.rank] += numel
+            owned_nbytes[member.rank] += numel * isz
+            replica_nbytes_by_shard[member.shard] += numel * isz
 
     flops = [0] * n
     received: dict[tuple[str, tuple[int, ...]], int] = {}  # (boundary, group) -> bytes per member

@@ -12,7 +12,7 @@ import dataclasses
 
 from .cost import ByteCost
 from .plan import _SETTINGS, ShardingPlan
-from .records import Owner, ParamSpec
+from .records import Owner, OwnerGroup, ParamSpec
 
 __all__ = ["ParamChange", "CostDelta", "SettingChange", "PlanDiff", "diff"]
 
@@ -155,18 +155,13 @@ class PlanDiff:
                 break
             shown += 1
             if c.kind == "added":
-                o = c.owner_after
-                out.append(f"  + {c.fqn}  owner rank {o.rank} (s{o.shard},r{o.replicate})  boundary {c.boundary_after}")  # type: ignore[union-attr]
+                out.append(f"  + {c.fqn}  {_owner_str(c.owner_after)}  boundary {c.boundary_after}")
             elif c.kind == "removed":
-                o = c.owner_before
-                out.append(f"  - {c.fqn}  was owner rank {o.rank} (s{o.shard},r{o.replicate})")  # type: ignore[union-attr]
+                out.append(f"  - {c.fqn}  was {_owner_str(c.owner_before)}")
             else:
                 parts = []
                 if c.owner_moved:
-                    a, b = c.owner_before, c.owner_after
-                    parts.append(
-                        f"owner rank {a.rank} (s{a.shard},r{a.replicate}) -> {b.rank} (s{b.shard},r{b.replicate})"  # type: ignore[union-attr]
-                    )
+                    parts.append(f"{_owner_str(c.owner_before)} -> {_owner_str(c.owner_after)}")
                 if c.boundary_changed:
                     parts.append(f"boundary {c.boundary_before} -> {c.boundary_after}")
                 if c.spec_changed:
@@ -248,6 +243,16 @@ def diff(a: ShardingPlan, b: ShardingPlan) -> PlanDiff:
     a_bounds = {bd.fqn: bd for bd in a.boundaries}
     layouts_changed = tuple(bd.fqn for bd in b.boundaries if bd.fqn in a_bounds and a_bounds[bd.fqn] != bd)
     return PlanDiff(changes=tuple(changes), costs=costs, settings=settings, layouts_changed=layouts_changed)
+
+
+def _owner_str(o) -> str:
+    """``owner rank 3 (s3,r0)`` / ``owner group ranks 0,1 (s0,s1; r0) rows 24+24``."""
+    if isinstance(o, OwnerGroup):
+        cut = "rows" if o.dim == 0 else "cols"
+        shards = ",".join(f"s{m.shard}" for m in o.members)
+        ranks = ",".join(str(r) for r in o.ranks)
+        return f"owner group ranks {ranks} ({shards}; r{o.replicate}) {cut} {'+'.join(map(str, o.sizes))}"
+    return f"owner rank {o.rank} (s{o.shard},r{o.replicate})"
 
 
 def _spec_str(spec: ParamSpec) -> str:

@@ -31,7 +31,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from .records import Owner, _check_int, _check_shape, check_dtype_str
+from .records import Owner, OwnerGroup, _check_int, _check_shape, check_dtype_str
 
 __all__ = [
     "LayoutEntry",
@@ -57,6 +57,10 @@ class LayoutEntry:
     Attributes:
         fqn: canonical FQN. owner: its owner. offset: first element, from buffer start.
         numel: elements (``prod(shape)``). shape: logical shape (the view to take).
+        block: None for a matrix with one owner; for a matrix owned by an
+            :class:`~dmuon.plan.records.OwnerGroup`, the index ``j`` of the block this entry
+            holds (``owner`` is member ``j``, ``shape`` the block's shape): a grouped matrix has
+            one entry per block, each in its member's segment.
     """
 
     fqn: str
@@ -64,6 +68,7 @@ class LayoutEntry:
     offset: int
     numel: int
     shape: tuple[int, ...]
+    block: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.fqn, str) or not self.fqn:
@@ -75,6 +80,8 @@ class LayoutEntry:
         _check_shape("LayoutEntry", "shape", self.shape)
         if math.prod(self.shape) != self.numel:
             raise ValueError(f"LayoutEntry {self.fqn}: numel {self.numel} != prod(shape {self.shape})")
+        if self.block is not None:
+            _check_int("LayoutEntry", "block", self.block, 0)
 
     @property
     def end(self) -> int:
@@ -87,6 +94,7 @@ class LayoutEntry:
             "offset": self.offset,
             "numel": self.numel,
             "shape": list(self.shape),
+            **({} if self.block is None else {"block": self.block}),  # absent: plans without owner groups keep their JSON
         }
 
     @classmethod
@@ -97,6 +105,7 @@ class LayoutEntry:
             offset=d["offset"],
             numel=d["numel"],
             shape=tuple(d["shape"]),
+            block=d.get("block"),
         )
 
 
@@ -338,8 +347,11 @@ def check_buffer_layout(buf: BufferLayout, align_numel: int) -> None:
                 raise ValueError(f"buffer {buf.dtype}: subsegment {sub.owner} offset {sub.offset} not aligned to {a}")
 
 
-def _build_buffer(dtype: str, items: Sequence[tuple[str, tuple[int, ...], int, Owner]], align_numel: int) -> BufferLayout:
-    """``items``: ``(fqn, shape, numel, owner)`` in plan order."""
+def _build_buffer(
+    dtype: str, items: Sequence[tuple[str, tuple[int, ...], int, Owner, int | None]], align_numel: int
+) -> BufferLayout:
+    """``items``: ``(fqn, shape, numel, owner, block)`` in plan order (one per block of a
+    grouped matrix)."""
     by_shard: dict[int, dict[int, list[tuple[str, tuple[int, ...], int, Owner]]]] = {}
     for item in items:
         owner = item[3]
@@ -354,8 +366,8 @@ def _build_buffer(dtype: str, items: Sequence[tuple[str, tuple[int, ...], int, O
             sub_offset = cursor
             pos = sub_offset
             entries: list[LayoutEntry] = []
-            for fqn, shape, numel, owner in members:
-                entries.append(LayoutEntry(fqn=fqn, owner=owner, offset=pos, numel=numel, shape=shape))
+            for fqn, shape, numel, owner, block in members:
+                entries.append(LayoutEntry(fqn=fqn, owner=owner, offset=pos, numel=numel, shape=shape, block=block))
                 pos = round_up(pos + numel, align_numel)
             flags_offset = pos
             sub_numel = round_up(flags_offset + len(entries) - sub_offset, align_numel)
@@ -374,7 +386,7 @@ def _build_buffer(dtype: str, items: Sequence[tuple[str, tuple[int, ...], int, O
 
 
 def build_boundaries(
-    items: Sequence[tuple[str, tuple[int, ...], int, str, Owner, str]],
+    items: Sequence[tuple[str, tuple[int, ...], int, str, Any, str]],
     boundary_order: Sequence[str],
     fallback: dict[str, bool],
     *,
@@ -383,14 +395,22 @@ def build_boundaries(
     """Build every boundary's buffers.
 
     Args:
-        items: ``(fqn, shape, numel, dtype, owner, boundary_fqn)`` per dedicated param, plan order.
+        items: ``(fqn, shape, numel, dtype, owner, boundary_fqn)`` per dedicated param, plan
+            order; ``owner`` an :class:`~dmuon.plan.records.Owner`, or an
+            :class:`~dmuon.plan.records.OwnerGroup` (one entry per block, in its member's segment).
         boundary_order: boundary FQNs in output order (first appearance in ``named_modules()``).
         fallback: boundary FQN -> fallback flag.
         align_numel: alignment in elements (>= 1).
     """
-    grouped: dict[str, dict[str, list[tuple[str, tuple[int, ...], int, Owner]]]] = {}
+    grouped: dict[str, dict[str, list[tuple[str, tuple[int, ...], int, Owner, int | None]]]] = {}
     for fqn, shape, numel, dtype, owner, boundary in items:
-        grouped.setdefault(boundary, {}).setdefault(dtype, []).append((fqn, shape, numel, owner))
+        dest = grouped.setdefault(boundary, {}).setdefault(dtype, [])
+        if isinstance(owner, OwnerGroup):
+            for j, member in enumerate(owner.members):
+                block = owner.block_shape(j, shape)
+                dest.append((fqn, block, block[0] * block[1], member, j))
+        else:
+            dest.append((fqn, shape, numel, owner, None))
     out: list[Boundary] = []
     for bfqn in boundary_order:
         if bfqn not in grouped:

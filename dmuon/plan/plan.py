@@ -42,9 +42,14 @@ from .layout import (
     check_buffer_layout,
 )
 from .partition import lpt_partition
+
+try:  # the owner-group planner (merged from its own branch); a forced-k stand-in until then
+    from .partition import lpt_partition_groups
+except ImportError:  # pragma: no cover
+    from ._groups_tmp import lpt_partition_groups
 from .boundaries import BoundaryResolver
 from .qk_clip import QKClip, check_qk_clip
-from .records import Fsdp2Unit, Owner, ParamSpec, _check_int, check_dtype_str, dtype_str
+from .records import Fsdp2Unit, Owner, OwnerGroup, ParamSpec, _check_int, balanced_sizes, check_dtype_str, dtype_str, owner_from_dict
 from .selection import select_params
 from .snapshot import take_snapshot
 
@@ -56,6 +61,7 @@ __all__ = [
     "MeshDimRoles",
     "MESH_DIM_NAMES",
     "Owner",
+    "OwnerGroup",
     "ParamSpec",
     "LayoutEntry",
     "SubSegment",
@@ -215,7 +221,10 @@ class ShardingPlan:
         align_numel: alignment of layout entries and flags, in elements.
         param_dtype / reduce_dtype: mixed-precision wire dtype strings or None.
         params: dedicated parameters, ``named_parameters()`` order.
-        owners: owner of each parameter (aligned with ``params``).
+        owners: owner of each parameter (aligned with ``params``): an
+            :class:`~dmuon.plan.records.Owner`, or an :class:`~dmuon.plan.records.OwnerGroup`
+            (``compile(owner_groups=...)``: ``k`` ranks of one replicate row each owning a block
+            of the matrix along its long side; its layout has one entry per block).
         boundaries: hook boundaries with their buffers, first-appearance order in ``named_modules()``.
         model_digest: sha256 hex of the snapshot of ALL parameters (names, shapes, dtypes, ties).
         tp_size: tensor-parallel degree ``T`` of the dedicated matrices (1 = no TP). With
@@ -248,7 +257,7 @@ class ShardingPlan:
     param_dtype: str | None
     reduce_dtype: str | None
     params: tuple[ParamSpec, ...]
-    owners: tuple[Owner, ...]
+    owners: tuple[Owner | OwnerGroup, ...]
     boundaries: tuple[Boundary, ...]
     model_digest: str
     tp_size: int = 1
@@ -276,10 +285,11 @@ class ShardingPlan:
         check_dtype_str("ShardingPlan", "reduce_dtype", self.reduce_dtype, optional=True)
         if not isinstance(self.model_digest, str):
             raise TypeError("ShardingPlan.model_digest must be a str")
-        for name, cls in (("params", ParamSpec), ("owners", Owner), ("boundaries", Boundary), ("fsdp2_units", Fsdp2Unit)):
+        for name, cls in (("params", ParamSpec), ("owners", (Owner, OwnerGroup)), ("boundaries", Boundary), ("fsdp2_units", Fsdp2Unit)):
             value = getattr(self, name)
             if type(value) is not tuple or any(not isinstance(v, cls) for v in value):
-                raise TypeError(f"ShardingPlan.{name} must be a tuple of {cls.__name__}")
+                names = "/".join(c.__name__ for c in (cls if isinstance(cls, tuple) else (cls,)))
+                raise TypeError(f"ShardingPlan.{name} must be a tuple of {names}")
         if len(self.owners) != len(self.params):
             raise ValueError("ShardingPlan.owners must align with params")
         if self.qk_clip is not None and not isinstance(self.qk_clip, QKClip):
@@ -295,8 +305,19 @@ class ShardingPlan:
                 )
         R, N = ms
         for spec, owner in zip(self.params, self.owners):
-            if owner.shard >= N or owner.replicate >= R or owner.rank != owner.replicate * N + owner.shard:
-                raise ValueError(f"ShardingPlan: owner {owner} of {spec.fqn} is not on mesh (R={R}, N={N})")
+            for o in owner.members if isinstance(owner, OwnerGroup) else (owner,):
+                if o.shard >= N or o.replicate >= R or o.rank != o.replicate * N + o.shard:
+                    raise ValueError(f"ShardingPlan: owner {o} of {spec.fqn} is not on mesh (R={R}, N={N})")
+            if isinstance(owner, OwnerGroup):
+                problem = _cost.owner_group_problem(spec)
+                if problem is not None:
+                    raise ValueError(f"ShardingPlan: {spec.fqn} has an owner group but {problem}")
+                if owner.dim != _cost.owner_group_dim(spec.shape) or sum(owner.sizes) != spec.shape[owner.dim]:
+                    raise ValueError(
+                        f"ShardingPlan: owner group of {spec.fqn} {spec.shape} must cut its long side "
+                        f"(dim {_cost.owner_group_dim(spec.shape)}) into blocks summing to it, got dim {owner.dim} "
+                        f"sizes {owner.sizes}"
+                    )
         index = self._build_index()
         seen: set[str] = set()
         for boundary in self.boundaries:
@@ -309,13 +330,21 @@ class ShardingPlan:
                     i = index["canonical"].get(entry.fqn)
                     if i is None:
                         raise ValueError(f"ShardingPlan: layout entry {entry.fqn!r} is not a dedicated param")
-                    spec = self.params[i]
-                    if (entry.owner, entry.numel, entry.shape, buf.dtype) != (
-                        self.owners[i],
-                        spec.local_numel,
-                        spec.local_shape,
-                        spec.dtype,
-                    ):
+                    spec, owner = self.params[i], self.owners[i]
+                    if isinstance(owner, OwnerGroup):
+                        j = entry.block
+                        ok = j is not None and j < owner.k and entry.owner == owner.members[j]
+                        expected = (owner.block_shape(j, spec.shape) if ok else None)
+                        ok = ok and entry.shape == expected and entry.numel == expected[0] * expected[1]
+                        ok = ok and buf.dtype == spec.dtype
+                    else:
+                        ok = entry.block is None and (entry.owner, entry.numel, entry.shape, buf.dtype) == (
+                            owner,
+                            spec.local_numel,
+                            spec.local_shape,
+                            spec.dtype,
+                        )
+                    if not ok:
                         raise ValueError(f"ShardingPlan: layout entry {entry.fqn!r} disagrees with its ParamSpec/Owner")
         if len(index["boundary_of"]) != len(self.params) or None in index["boundary_of"]:
             raise ValueError("ShardingPlan: every dedicated param must appear in exactly one boundary buffer")
@@ -338,14 +367,25 @@ class ShardingPlan:
                     raise ValueError(f"ShardingPlan: alias {a!r} names two dedicated params")
                 alias[a] = i
         boundary_of: list[int | None] = [None] * len(self.params)
+        blocks_seen: list[set] = [set() for _ in self.params]
         for b_index, boundary in enumerate(self.boundaries):
             for buf in boundary.buffers:
                 for entry in buf.entries():
                     i = canonical.get(entry.fqn)
                     if i is not None:
-                        if boundary_of[i] is not None:
+                        # one entry per parameter; an owner group's blocks: one entry each, one buffer
+                        if boundary_of[i] is not None and (boundary_of[i] != b_index or entry.block is None
+                                                           or entry.block in blocks_seen[i]):
                             raise ValueError(f"ShardingPlan: {entry.fqn!r} appears in two buffers")
                         boundary_of[i] = b_index
+                        blocks_seen[i].add(entry.block)
+        for i, owner in enumerate(self.owners):
+            expected = set(range(owner.k)) if isinstance(owner, OwnerGroup) else {None}
+            if boundary_of[i] is not None and blocks_seen[i] != expected:
+                raise ValueError(
+                    f"ShardingPlan: {self.params[i].fqn!r} has layout blocks {sorted(map(str, blocks_seen[i]))}, "
+                    f"expected {sorted(map(str, expected))}"
+                )
         return {"canonical": canonical, "alias": alias, "boundary_of": boundary_of}
 
     def _idx(self) -> dict:
@@ -373,8 +413,9 @@ class ShardingPlan:
             raise KeyError(f"{fqn!r} is not a dedicated parameter of this plan{_closest(fqn, list(self._idx()['alias']))}")
         return idx
 
-    def owner(self, fqn: str) -> Owner:
-        """Owner of dedicated parameter ``fqn`` (any alias). Raises KeyError with close matches."""
+    def owner(self, fqn: str) -> Owner | OwnerGroup:
+        """Owner (or owner group) of dedicated parameter ``fqn`` (any alias). Raises KeyError
+        with close matches."""
         return self.owners[self._lookup(fqn)]
 
     def param(self, fqn: str) -> ParamSpec:
@@ -409,21 +450,26 @@ class ShardingPlan:
         """Elements owned per mesh rank (global owners only), length ``R*N``."""
         out = [0] * self.world_size
         for spec, owner in zip(self.params, self.owners):
-            out[owner.rank] += spec.numel
+            for rank, numel in _cost.owner_weights(spec, owner, "numel", ()):
+                out[rank] += numel
         return tuple(out)
 
     @property
     def owned_weight(self) -> tuple[int, ...]:
         """LPT weight (``cost_model`` unit) owned per mesh rank."""
         out = [0] * self.world_size
+        lengths = self.tp_segment_lengths
         for spec, owner in zip(self.params, self.owners):
-            out[owner.rank] += _cost.param_weight(spec, self.cost_model)
+            for rank, weight in _cost.owner_weights(spec, owner, self.cost_model, lengths):
+                out[rank] += weight
         return tuple(out)
 
     @property
     def balance_bound(self) -> float:
-        """Proven LPT bound on ``max(owned_weight)``: ``total/(R*N) + max item weight``."""
-        weights = [_cost.param_weight(p, self.cost_model) for p in self.params]
+        """Proven LPT bound on ``max(owned_weight)``: ``total/(R*N) + max item weight``, items
+        being the matrices (owner-group members' blocks counted as items of their own)."""
+        lengths = self.tp_segment_lengths
+        weights = [w for spec, o in zip(self.params, self.owners) for _, w in _cost.owner_weights(spec, o, self.cost_model, lengths)]
         return sum(weights) / self.world_size + max(weights, default=0)
 
     def schedule(self, step: Any = None) -> Any:
@@ -524,7 +570,7 @@ class ShardingPlan:
             param_dtype=d["param_dtype"],
             reduce_dtype=d["reduce_dtype"],
             params=tuple(ParamSpec.from_dict(p) for p in d["params"]),
-            owners=tuple(Owner.from_dict(o) for o in d["owners"]),
+            owners=tuple(owner_from_dict(o) for o in d["owners"]),
             boundaries=tuple(Boundary.from_dict(b) for b in d["boundaries"]),
             model_digest=d["model_digest"],
             tp_size=d.get("tp_size", 1),
@@ -626,6 +672,7 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
     matrix_views: Any = None,
     qk_clip: Any = None,
     ns_backend: str = "standard",
+    owner_groups: str | int = "off",
 ) -> ShardingPlan:
     """Plan DMuon for ``model`` on ``mesh`` (pure; no process group; meta models work).
 
@@ -668,6 +715,18 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
             weights, not square attention projections). ``cost_model="ns_flops"`` balances by
             those FLOPs; ``dmuon.Muon`` must then be built with the same ``ns_backend`` (it
             raises otherwise, naming the parameter).
+        owner_groups: ``"off"`` (default: ONE owner rank per matrix), ``"auto"`` (the planner
+            gives a matrix an owner group of ``k`` shard ranks of one replicate row only where
+            exclusive owners cannot balance the mesh, e.g. more ranks than matrices:
+            :func:`~dmuon.plan.partition.lpt_partition_groups`) or an int ``k`` (every matrix
+            that can be cut gets ``min(k, N, long side)`` members; ``1`` = ``"off"``). A grouped
+            matrix is cut along its long side into balanced blocks (``OwnerGroup``), each
+            member holding, broadcasting and updating its block, and is orthogonalised by
+            sharded Gram Newton-Schulz over the group (one fp32 ``(d, d)`` all-reduce per Gram
+            segment of ``tp_ns_steps`` / ``tp_gram_restart_every``; ``dmuon.Muon``'s
+            ``ns_steps`` must agree): the Gram form, not torch's iteration, for those matrices,
+            which is why it is opt-in. Matrices with a TP shard, a matrix view, an expert stack
+            or a conv kernel, and QK-clip's W_q / W_k, keep one owner.
 
     Returns:
         A validated, frozen :class:`ShardingPlan` whose nominal step schedule passed the
@@ -741,14 +800,10 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
             for spec in specs
         )
     R, N = mesh_shape
-    result = lpt_partition(
-        [_cost.param_weight(spec, cost_model) for spec in specs],
-        [spec.fqn for spec in specs],
-        [s.boundary for s in selected],
-        num_shards=N,
-        num_replicas=R,
+    owners = _assign_owners(
+        specs, [s.boundary for s in selected], mesh_shape, cost_model, owner_groups, T, qk_clip,
+        _cost.gram_segment_lengths(tp_ns_steps, tp_gram_restart_every),
     )
-    owners = tuple(Owner.at(slot, N) for slot in result.slots)
     fallback = {s.boundary: s.fallback for s in selected}
     used = set(fallback)
     boundary_order = [fqn for fqn in snapshot.module_fqns if fqn in used]
@@ -781,6 +836,57 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
     )
     plan.schedule().check()  # the nominal step replays without deadlock on every rank
     return plan
+
+
+def _assign_owners(specs, boundaries, mesh_shape, cost_model, owner_groups, tp_size, qk_clip, segment_lengths):
+    """The owner (constrained LPT, :func:`~dmuon.plan.partition.lpt_partition`) or owner group
+    (:func:`~dmuon.plan.partition.lpt_partition_groups`) of every dedicated parameter."""
+    R, N = mesh_shape
+    if isinstance(owner_groups, bool) or not (
+        owner_groups in _cost.OWNER_GROUP_MODES or (isinstance(owner_groups, int) and owner_groups >= 1)
+    ):
+        raise ValueError(
+            f"owner_groups must be one of {_cost.OWNER_GROUP_MODES} or an int k >= 1, got {owner_groups!r}"
+        )
+    weights = [_cost.param_weight(spec, cost_model) for spec in specs]
+    keys = [spec.fqn for spec in specs]
+    if owner_groups in ("off", 1):
+        result = lpt_partition(weights, keys, boundaries, num_shards=N, num_replicas=R)
+        return tuple(Owner.at(slot, N) for slot in result.slots)
+    if tp_size > 1:
+        raise ValueError(
+            f"dmuon.plan.compile: owner_groups={owner_groups!r} with tensor parallelism (T={tp_size}) is not "
+            "supported: a TP-sharded matrix is already orthogonalised by its TP group, and an owner group of TP "
+            "groups is not implemented; use owner_groups='off' with TP"
+        )
+    clipped = set()
+    if qk_clip is not None:  # QK-clip rescales whole W_q / W_k rows on their owner
+        clipped = {rows.fqn for att in qk_clip.attention for rows in (att.q, att.k)}
+    max_split = [1 if spec.fqn in clipped else _cost.owner_group_max_split(spec, N) for spec in specs]
+    result = lpt_partition_groups(
+        weights,
+        lambda i, k: _cost.owner_group_piece_weights(specs[i], k, cost_model, segment_lengths),
+        max_split,
+        keys,
+        boundaries,
+        num_shards=N,
+        num_replicas=R,
+        split=owner_groups,
+    )
+    owners = []
+    for spec, members in zip(specs, result.members):
+        if len(members) == 1:
+            owners.append(Owner.at(members[0], N))
+            continue
+        dim = _cost.owner_group_dim(spec.shape)
+        owners.append(
+            OwnerGroup(
+                members=tuple(Owner.at(slot, N) for slot in members),
+                dim=dim,
+                sizes=balanced_sizes(int(spec.shape[dim]), len(members)),
+            )
+        )
+    return tuple(owners)
 
 
 def _fsdp2_units(snapshot, dedicated: set[str], hook_boundary_predicate) -> tuple[Fsdp2Unit, ...]:

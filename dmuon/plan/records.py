@@ -19,6 +19,7 @@ import torch
 
 __all__ = [
     "Owner",
+    "OwnerGroup",
     "MatrixView",
     "ParamSpec",
     "Fsdp2Unit",
@@ -115,6 +116,106 @@ class Owner:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Owner:
         return cls(shard=d["shard"], replicate=d["replicate"], rank=d["rank"])
+
+
+def balanced_sizes(length: int, k: int) -> tuple[int, ...]:
+    """``length`` cut into ``k`` consecutive blocks as evenly as possible, the first
+    ``length % k`` one longer: ``balanced_sizes(10, 4) == (3, 3, 2, 2)``. ``1 <= k <= length``."""
+    if not 1 <= k <= length:
+        raise ValueError(f"cannot cut {length} into {k} non-empty blocks")
+    q, extra = divmod(length, k)
+    return tuple(q + 1 if j < extra else q for j in range(k))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class OwnerGroup:
+    """The ``k >= 2`` mesh ranks that own one dedicated matrix together (an *owner group*).
+
+    The matrix ``(m, n)`` is cut along its long side ``dim`` into ``k`` consecutive blocks of
+    ``sizes`` (``dim=0``: row blocks ``(sizes[j], n)`` of a tall matrix; ``dim=1``: column
+    blocks ``(m, sizes[j])`` of a wide one); member ``j`` holds block ``j`` of the master and of
+    the momentum, receives block ``j`` of the averaged gradient and broadcasts it to its shard
+    peers. Newton-Schulz runs sharded over the group: Gram NS on the short side ``d``, one fp32
+    ``(d, d)`` all-reduce per Gram segment (``ShardingPlan.tp_ns_steps`` /
+    ``tp_gram_restart_every``, as for tensor parallelism), each member updating its block.
+
+    Attributes:
+        members: the owners of the blocks, block order: one replicate coordinate, distinct
+            shard coordinates (ascending is not required).
+        dim: 0 (row blocks) or 1 (column blocks), the long side (``m >= n`` cuts rows).
+        sizes: rows (``dim=0``) or columns (``dim=1``) of each block, each >= 1, ``len == k``.
+    """
+
+    members: tuple[Owner, ...]
+    dim: int
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if type(self.members) is not tuple or len(self.members) < 2:
+            raise ValueError(f"OwnerGroup.members must be a tuple of >= 2 Owners, got {self.members!r}")
+        if any(not isinstance(o, Owner) for o in self.members):
+            raise TypeError("OwnerGroup.members must hold Owner records")
+        if len({o.replicate for o in self.members}) != 1:
+            raise ValueError(f"OwnerGroup members must share one replicate coordinate, got {self.members}")
+        if len({o.shard for o in self.members}) != len(self.members):
+            raise ValueError(f"OwnerGroup members must have distinct shard coordinates, got {self.members}")
+        if self.dim not in (0, 1) or type(self.dim) is not int:
+            raise ValueError(f"OwnerGroup.dim must be 0 or 1, got {self.dim!r}")
+        if type(self.sizes) is not tuple or len(self.sizes) != len(self.members):
+            raise ValueError(f"OwnerGroup.sizes must be a tuple with one size per member, got {self.sizes!r}")
+        for v in self.sizes:
+            _check_int("OwnerGroup", "sizes[i]", v, 1)
+
+    @property
+    def k(self) -> int:
+        """Members (blocks)."""
+        return len(self.members)
+
+    @property
+    def replicate(self) -> int:
+        return self.members[0].replicate
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Mesh ranks of the members, block order."""
+        return tuple(o.rank for o in self.members)
+
+    def offsets(self) -> tuple[int, ...]:
+        """Start of each block along :attr:`dim`."""
+        out, at = [], 0
+        for s in self.sizes:
+            out.append(at)
+            at += s
+        return tuple(out)
+
+    def block_shape(self, j: int, shape: tuple[int, ...]) -> tuple[int, int]:
+        """Shape of block ``j`` of a matrix of 2-D ``shape``."""
+        m, n = shape
+        return (self.sizes[j], n) if self.dim == 0 else (m, self.sizes[j])
+
+    def block_of(self, owner: Owner) -> int | None:
+        """Index of the block ``owner`` holds, or None."""
+        for j, o in enumerate(self.members):
+            if o == owner:
+                return j
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"members": [o.to_dict() for o in self.members], "dim": self.dim, "sizes": list(self.sizes)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> OwnerGroup:
+        return cls(members=tuple(Owner.from_dict(o) for o in d["members"]), dim=d["dim"], sizes=tuple(d["sizes"]))
+
+
+def owner_from_dict(d: dict[str, Any]) -> Owner | OwnerGroup:
+    """An :class:`Owner` or an :class:`OwnerGroup` (``"members"`` key) from its ``to_dict``."""
+    return OwnerGroup.from_dict(d) if "members" in d else Owner.from_dict(d)
+
+
+def owner_ranks(owner: Owner | OwnerGroup) -> tuple[int, ...]:
+    """The mesh ranks that own (blocks of) a matrix: one for an :class:`Owner`."""
+    return owner.ranks if isinstance(owner, OwnerGroup) else (owner.rank,)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

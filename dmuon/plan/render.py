@@ -10,7 +10,10 @@ from __future__ import annotations
 import html
 from typing import TYPE_CHECKING
 
+from collections.abc import Sequence
+
 from .cost import RankStats, rank_stats, schedule_byte_cost
+from .records import OwnerGroup, owner_ranks
 
 if TYPE_CHECKING:
     from .plan import ShardingPlan
@@ -86,6 +89,7 @@ _COST_ROWS = (
     ("naive Muon grad all-gather", None, "muon_all_gather_nbytes"),
     ("TP Gram all-reduce / gather", "tp_nbytes", "tp_all_gather_nbytes"),
     ("QK-clip all-reduce (max)", "qk_clip_nbytes", None),
+    ("owner-group Gram all-reduce", "owner_group_nbytes", None),
     ("total", "total_nbytes", "total_nbytes"),
     ("busiest rank", "max_rank_nbytes", "max_rank_nbytes"),
 )
@@ -97,6 +101,7 @@ def _cost_rows(plan: ShardingPlan, fig: _Figures) -> list[tuple[str, int | None,
         (label, getattr(ours, a) if a else None, getattr(base, b) if b else None)
         for label, a, b in _COST_ROWS
         if (a != "tp_nbytes" or plan.tp_size > 1) and (a != "qk_clip_nbytes" or plan.qk_clip is not None)
+        and (a != "owner_group_nbytes" or ours.owner_group_nbytes > 0)
     ]
 
 
@@ -178,10 +183,13 @@ def render_summary(plan: ShardingPlan, *, max_rows: int = 16) -> str:
         lines.append(f"{'saving vs FSDP2+naive':<34}{100.0 * (1 - fig.cost.total_nbytes / base_total):>19.1f}%")
     lines += _excluded_lines(plan)
     lines.append("")
+    lines += ownership_lines(plan)
+    lines.append("")
     stats = sorted(fig.stats, key=lambda r: (-r.owned_numel, r.rank))
     counts = [0] * plan.world_size
     for o in plan.owners:
-        counts[o.rank] += 1
+        for rank in owner_ranks(o):
+            counts[rank] += 1
     N, T = plan.mesh_shape[1], plan.tp_size
     shown = stats[:max_rows]
     lines.append(f"ranks by owned elements ({len(shown)} of {len(stats)}):")
@@ -194,6 +202,72 @@ def render_summary(plan: ShardingPlan, *, max_rows: int = 16) -> str:
         )
     lines += _schedule_lines(plan, fig)
     return "\n".join(lines)
+
+
+def _ownership_figures(owned: Sequence[int]) -> tuple[int, float]:
+    """``(ranks owning nothing, max/mean owned)`` of a per-rank owned-elements vector."""
+    mean = sum(owned) / len(owned) if owned else 0
+    return sum(1 for v in owned if v == 0), (max(owned) / mean if mean else 0.0)
+
+
+def ownership_lines(plan: ShardingPlan) -> list[str]:
+    """Ownership in words: ranks owning nothing, the largest matrix's share of the busiest rank,
+    and what owner groups change (for a plan without them: what ``owner_groups="auto"`` would
+    do; with them: the same parameters with one owner each, ``k = 1`` forced). Pure: reruns
+    the planner on the plan's own parameters (elements as the weight, as these figures are)."""
+    from . import cost as _cost
+    from .partition import lpt_partition
+    from .plan import lpt_partition_groups  # the owner-group planner plan.compile uses
+
+    if not plan.params:
+        return []
+    R, N = plan.mesh_shape
+    S = R * N
+    owned = plan.owned_numel
+    idle, ratio = _ownership_figures(owned)
+    busiest = max(range(S), key=lambda r: (owned[r], -r))
+    grouped = [(p, o) for p, o in zip(plan.params, plan.owners) if isinstance(o, OwnerGroup)]
+    pieces = [  # (elements, what) this busiest rank owns
+        (numel, p.fqn if not isinstance(o, OwnerGroup) else f"a block of {p.fqn}")
+        for p, o in zip(plan.params, plan.owners)
+        for rank, numel in _cost.owner_weights(p, o, "numel", ())
+        if rank == busiest
+    ]
+    top = max(pieces, default=(0, "-"))
+    lines = [
+        f"ownership: {idle:,} of {S:,} ranks own nothing; owned elements max/mean {ratio:.2f}; the busiest rank "
+        f"({busiest}) owns {owned[busiest]:,} elements, {100.0 * top[0] / owned[busiest] if owned[busiest] else 0:.0f}% "
+        f"of them in {top[1]}"
+    ]
+    keys = [p.fqn for p in plan.params]
+    bounds = [plan.boundary(p.fqn) for p in plan.params]
+    numel = [p.numel for p in plan.params]
+    if grouped:
+        ks = sorted(o.k for _, o in grouped)
+        res = lpt_partition(numel, keys, bounds, num_shards=N, num_replicas=R)
+        loads = [0] * S
+        for p, slot in zip(plan.params, res.slots):
+            loads[slot] += p.numel
+        idle1, ratio1 = _ownership_figures(loads)
+        lines.append(
+            f"owner groups: {len(grouped):,} matrices cut into blocks (k {ks[0]}-{ks[-1]}, median {ks[len(ks) // 2]}), "
+            f"Gram NS over each group, {fmt_nbytes(plan.cost.owner_group_nbytes)} of Gram all-reduces per step; "
+            f"with one owner per matrix (k = 1): {idle1:,} ranks would own nothing, max/mean {ratio1:.2f}"
+        )
+    elif plan.tp_size == 1 and (idle or ratio > 1.25):
+        max_split = [_cost.owner_group_max_split(p, N) for p in plan.params]
+        res = lpt_partition_groups(
+            numel, lambda i, k: _cost.owner_group_piece_weights(plan.params[i], k, "numel", ()), max_split,
+            keys, bounds, num_shards=N, num_replicas=R, split="auto",
+        )
+        loads = list(res.loads)
+        idle_g, ratio_g = _ownership_figures(loads)
+        split = sum(1 for m in res.members if len(m) > 1)
+        lines.append(
+            f"owner groups: compile(owner_groups='auto') would cut {split:,} matrices into blocks owned by groups "
+            f"(sharded Gram NS) and leave {idle_g:,} ranks owning nothing, max/mean {ratio_g:.2f}"
+        )
+    return lines
 
 
 def excluded_vectors(plan: ShardingPlan) -> tuple[tuple[str, tuple[int, ...]], ...]:

@@ -17,6 +17,9 @@ op kind                    what                                                 
 ``all_reduce``             TP Gram NS: the fp32 Gram of a batch of matrices over the
                            owner's TP group, one per Gram segment (``tp``)
 ``all_gather``             TP gather: the owner group's local updates (``tp``)
+``all_reduce``             owner groups (``compile(owner_groups=...)``): the fp32 Gram
+                           of a batch of grouped matrices over their members, one per
+                           Gram segment (``owner_group``)
 ``newton_schulz``          the owner's momentum + NS + update of one matrix (FLOPs)     dmuon
 ``forward`` / ``backward`` the boundary's own compute; ``recompute`` for activation     external
 / ``recompute``            checkpointing (between its pre-backward and backward)
@@ -69,7 +72,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import cost as _cost
-from .records import itemsize_nbytes
+from .records import OwnerGroup, itemsize_nbytes
 
 if TYPE_CHECKING:
     from .plan import ShardingPlan
@@ -96,7 +99,10 @@ EXTERNAL_KINDS = ("forward", "backward", "recompute", "fsdp2_all_gather", "fsdp2
 #: every op kind
 OP_KINDS = COLLECTIVE_KINDS + ("newton_schulz",) + EXTERNAL_KINDS
 #: the ledger phases a schedule charges bytes to (``ByteCost`` fields without ``_nbytes``)
-CHARGED_PHASES = ("forward_broadcast", "backward_broadcast", "reduce", "replicate_reduce", "replicate_broadcast", "tp", "qk_clip")
+CHARGED_PHASES = (
+    "forward_broadcast", "backward_broadcast", "reduce", "replicate_reduce", "replicate_broadcast", "tp", "owner_group",
+    "qk_clip",
+)
 #: dtype of QK-clip's all-reduced per-head max logits
 QK_CLIP_DTYPE = "torch.float32"
 #: collectives that have a root (the others must have none)
@@ -655,8 +661,12 @@ class _Builder:
                 reduce_deps[e.fqn] = deps
         ns_ids: dict[str, int] = {}
         tp_entries: dict[tuple[int, int], list] = {}
+        owner_groups: dict[tuple[int, ...], list] = {}
         for spec, owner in zip(plan.params, plan.owners):
             if spec.fqn in unused:
+                continue
+            if isinstance(owner, OwnerGroup):  # no TP with owner groups: schedule ranks are mesh ranks
+                owner_groups.setdefault(tuple(sorted(owner.ranks)), []).append((spec, owner))
                 continue
             group = tps[(owner.replicate, owner.shard)]
             if spec.tp_size > 1:
@@ -704,6 +714,27 @@ class _Builder:
                     ns_ids[spec.fqn] = self.emit(kind="newton_schulz", phase="optimizer", group=group,
                                                  flops=_cost.tp_ns_flops(spec, lengths), fqns=(spec.fqn,),
                                                  micro_batch=mb, deps=(ag,))
+        # owner groups (dmuon.exec's grouped orthogonalisation): per group in order of first
+        # appearance, Gram buckets by (d, padded block width, dtype) in plan order, one fp32
+        # all-reduce of the bucket's (d, d) Grams per Gram segment, then every member's NS
+        lengths = plan.tp_segment_lengths
+        for ranks, entries in owner_groups.items():
+            gram_buckets: dict[tuple, list] = {}
+            for spec, owner in entries:
+                d = int(spec.shape[1 - owner.dim])
+                gram_buckets.setdefault((d, max(owner.sizes), spec.dtype), []).append(spec)
+            for (d, width, _), bucket in gram_buckets.items():
+                deps = tuple(i for spec in bucket for i in reduce_deps[spec.fqn])
+                ar = []
+                for _ in lengths:
+                    ar.append(self.emit(kind="all_reduce", phase="owner_group", group=ranks, dtype=_cost.TP_GRAM_DTYPE,
+                                        numel=len(bucket) * d * d, fqns=tuple(sp.fqn for sp in bucket),
+                                        micro_batch=mb, deps=deps))
+                    deps = (ar[-1],)
+                for spec in bucket:
+                    ns_ids[spec.fqn] = self.emit(kind="newton_schulz", phase="optimizer", group=ranks,
+                                                 flops=_cost.gram_ns_segment_flops(d, width, lengths), fqns=(spec.fqn,),
+                                                 micro_batch=mb, deps=tuple(ar))
         qk_ids: tuple[int, ...] = ()
         if plan.qk_clip is not None:  # QK-clip: one all-reduce (max) of every layer's per-head max logits
             qk_ids = (self.emit(kind="all_reduce", phase="qk_clip", group=self.everyone,
