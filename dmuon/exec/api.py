@@ -194,19 +194,31 @@ def apply(
     _validate(plan, model, table)
     tp_mesh = _check_tp(plan, model, table, mesh_tp_ranks(mesh, **dims))
     _check_same_plan_everywhere(plan)
+    owner_groups = owner_group_member_sets(plan)
     if tp_mesh is not None:
         groups = MeshGroups.build(table, tp_tables=_world_tables(table, tp_mesh))
     elif sum(len(row) for row in table) < dist.get_world_size():
         # a data-parallel sub-mesh (e.g. mesh["dp"] of a larger world): every rank must create
         # every rank's groups, so learn the other sub-meshes' tables first
-        groups = MeshGroups.build(table, peer_tables=_world_tables(table))
+        groups = MeshGroups.build(table, peer_tables=_world_tables(table), owner_groups=owner_groups)
     else:
-        groups = MeshGroups.build(table)
+        groups = MeshGroups.build(table, owner_groups=owner_groups)
     runtime = DmuonRuntime(plan, model, groups, _device_of(model, plan), timeout_s=collective_timeout_s)
     object.__setattr__(model, RUNTIME_ATTR, runtime)
     checkpoint.register_state_dict_hooks(runtime)
     materialize.install(runtime, model)
     return runtime
+
+
+def owner_group_member_sets(plan) -> tuple[tuple[int, ...], ...]:
+    """The distinct member sets (sorted mesh ranks) of the plan's owner groups, plan order."""
+    from dmuon.plan.records import OwnerGroup
+
+    seen: dict[tuple[int, ...], None] = {}
+    for owner in plan.owners:
+        if isinstance(owner, OwnerGroup):
+            seen.setdefault(tuple(sorted(owner.ranks)), None)
+    return tuple(seen)
 
 
 def dedicate_params(

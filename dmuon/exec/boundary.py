@@ -125,6 +125,9 @@ class _BoundaryRuntime:
         self.segments = segments
         self.ops = ops  # this rank's collectives per phase, from the plan's schedule
         self.slots = [slot for seg in segments for slot in seg.slots]
+        # matrices owned by owner groups: their blocks are slots above (no module homes); the
+        # modules see each one's assembled full compute parameter
+        self.grouped = list({id(s.grouped): s.grouped for s in self.slots if s.grouped is not None}.values())
         self.pending_backward = 0  # grad-enabled forwards whose backward has not finished
         self.sharded_state = ShardedState.RESHARDED
         self.training_state = TrainingState.IDLE
@@ -180,6 +183,8 @@ class _BoundaryRuntime:
             self._inflight, self._inflight_phase, self._inflight_stream = works, phase, stream
             # nothing to wait for (one shard, off CUDA): unsharded at once
             self.sharded_state = ShardedState.UNSHARDING if works or stream is not None else ShardedState.UNSHARDED
+            if self.sharded_state is ShardedState.UNSHARDED:
+                self._assemble_grouped()
         if wait and self.sharded_state is ShardedState.UNSHARDING:
             works, stream = self._inflight, self._inflight_stream
             self._inflight, self._inflight_stream = [], None
@@ -188,6 +193,13 @@ class _BoundaryRuntime:
             if stream is not None:  # the compute stream waits before the parameters are used
                 torch.cuda.current_stream(stream.device).wait_event(stream.record_event())
             self.sharded_state = ShardedState.UNSHARDED
+            self._assemble_grouped()
+
+    def _assemble_grouped(self) -> None:
+        """Owner groups: copy each grouped matrix's blocks (now resident) into its full compute
+        parameter (on the compute stream, after the broadcasts)."""
+        for gm in self.grouped:
+            gm.assemble()
 
     def _reshard(self) -> None:
         """Free the storage of every segment this rank does not hold (the tensors stay valid).
@@ -200,6 +212,9 @@ class _BoundaryRuntime:
             if not seg.held and seg.resident:
                 seg.wire.untyped_storage().resize_(0)
                 seg.resident = False
+        for gm in self.grouped:
+            if gm.resident:
+                gm.release()
         self.sharded_state = ShardedState.RESHARDED
 
     @staticmethod
@@ -216,18 +231,24 @@ class _BoundaryRuntime:
         if self.training_state is not TrainingState.IDLE:
             self.training_state = state
             return
-        for slot in self.slots:
+        for slot in self.installable:
             if slot.compute.requires_grad != slot.logical.requires_grad:  # frozen / unfrozen since
                 slot.compute.requires_grad_(slot.logical.requires_grad)
             for module, attr in slot.homes:
                 module._parameters[attr] = slot.compute
         self.training_state = state
 
+    @property
+    def installable(self) -> list:
+        """What the modules hold during forward / backward: the slots of matrices with one owner,
+        and the grouped matrices (their blocks have no homes)."""
+        return [s for s in self.slots if s.grouped is None] + self.grouped
+
     def _restore(self) -> None:
         """Put the logical parameters back (no-op when they are there already)."""
         if self.training_state is TrainingState.IDLE:
             return
-        for slot in self.slots:
+        for slot in self.installable:
             for module, attr in slot.homes:
                 module._parameters[attr] = slot.logical
         self.training_state = TrainingState.IDLE
@@ -357,18 +378,24 @@ class _BoundaryRuntime:
                 keep = []
                 for sub in seg.subs:
                     for k, slot in enumerate(sub.slots):
-                        g = slot.compute.grad
+                        gm = slot.grouped
+                        g = slot.compute.grad if gm is None else gm.compute.grad
                         if g is not None:
                             if slot.tp is not None:
                                 g = slot.tp.local(g)
-                            buf[slot.offset_in_seg : slot.offset_in_seg + slot.numel].copy_(g.reshape(-1))
+                            if gm is not None:  # this block of the grouped matrix's full gradient
+                                g = g.narrow(gm.info.dim, gm.info.offsets[slot.block], gm.info.sizes[slot.block])
+                            buf[slot.offset_in_seg : slot.offset_in_seg + slot.numel].view(slot.shape).copy_(g)
                             buf[sub.flags_offset_in_seg + k] = 1
                             if stream is not None:
                                 keep.append(g)
-                            slot.compute.grad = None
+                            if gm is None:
+                                slot.compute.grad = None
                 work = C.reduce_sum(buf, dst=b.root, group=b.group, phase=b.op.phase, async_op=True)
                 seg.reduce_inflight = True
                 rt.pending_reduces.append((self, seg, buf, work, keep))
+            for gm in self.grouped:  # every block packed: the full local gradient is done with
+                gm.compute.grad = None
 
     @staticmethod
     def _reduce_buffer(seg: _Segment) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["DedicatedInfo", "TPInfo", "build_segments"]
+__all__ = ["DedicatedInfo", "TPInfo", "GroupInfo", "build_segments"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -50,6 +50,38 @@ class DedicatedInfo:
     runtime: Any = dataclasses.field(repr=False, compare=False)  # weakref to DmuonRuntime
     tp: "TPInfo | None" = None  # a TP-sharded matrix: its placement and owner TP group
     view: Any = None  # dmuon.plan.records.MatrixView or None
+    group: "GroupInfo | None" = None  # a matrix owned by an owner group: this rank's block of it
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class GroupInfo:
+    """A dedicated matrix owned by an owner group (the plan's ``OwnerGroup``), as one rank sees it.
+
+    The matrix ``shape`` is cut along ``dim`` into blocks of ``sizes``; this rank holds block
+    ``block`` (its logical parameter is that block, ``sizes[block]`` rows or columns at
+    ``offsets[block]``), or none (``block is None``: a zero-size placeholder). ``pg``: dmuon's
+    process group of the members (None on non-members), ``ranks``: their global ranks, block
+    order. Members run sharded Gram Newton-Schulz over ``pg``
+    (:func:`dmuon.exec.tp_orthogonalize.orthogonalize_groups_and_apply`).
+    """
+
+    shape: tuple[int, int]
+    dim: int
+    sizes: tuple[int, ...]
+    offsets: tuple[int, ...]
+    block: int | None
+    pg: Any
+    ranks: tuple[int, ...]
+    mesh_ranks: tuple[int, ...]  # sorted mesh ranks of the members (the schedule's group)
+    shards: tuple[int, ...]  # shard coordinate of each member, block order (holders of block j: (shards[j], ·))
+
+    @property
+    def k(self) -> int:
+        return len(self.sizes)
+
+    def block_shape(self, j: int) -> tuple[int, int]:
+        m, n = self.shape
+        return (self.sizes[j], n) if self.dim == 0 else (m, self.sizes[j])
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -105,7 +137,9 @@ def _dtype(name: str) -> torch.dtype:
 
 @dataclasses.dataclass(eq=False)
 class _Slot:
-    """One dedicated parameter inside a segment."""
+    """One dedicated parameter inside a segment (or one block of a grouped matrix: ``grouped``
+    is set, ``homes`` is empty, ``compute`` is the block's view of the segment and the module
+    sees ``grouped.compute``)."""
 
     fqn: str
     offset_in_seg: int  # elements from the segment start
@@ -115,6 +149,42 @@ class _Slot:
     logical: nn.Parameter
     compute: nn.Parameter
     tp: TPInfo | None = None
+    grouped: "_Grouped | None" = None
+    block: int | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class _Grouped:
+    """A matrix owned by an owner group, within one boundary on this rank.
+
+    Its ``k`` blocks are slots of (up to ``k``) different segments. ``compute``: the full
+    ``(m, n)`` compute parameter the modules see during forward and backward, with storage of
+    its own, grown and filled from the blocks' segment views when the boundary is unsharded
+    (one copy; ``writer`` aliases the storage with its own version counter, so the fill does
+    not invalidate tensors saved for backward) and released with the segments.
+    """
+
+    fqn: str
+    info: GroupInfo
+    homes: list[tuple[nn.Module, str]]
+    logical: nn.Parameter
+    compute: nn.Parameter
+    writer: torch.Tensor
+    blocks: list  # [_Slot] in block order
+    resident: bool = False
+
+    def assemble(self) -> None:
+        """Grow ``compute``'s storage and copy every block's (current) wire into it."""
+        w = self.writer
+        w.untyped_storage().resize_(w.numel() * w.element_size())
+        with torch.no_grad():
+            for slot, off, size in zip(self.blocks, self.info.offsets, self.info.sizes):
+                w.narrow(self.info.dim, off, size).copy_(slot.compute)
+        self.resident = True
+
+    def release(self) -> None:
+        self.writer.untyped_storage().resize_(0)
+        self.resident = False
 
 
 @dataclasses.dataclass(eq=False)
@@ -182,6 +252,7 @@ def build_segments(
     """
     g = groups
     segments: list[_Segment] = []
+    grouped: dict[str, _Grouped] = {}
     for layout in boundary.buffers:
         param_dtype = _dtype(layout.dtype)
         wire_dtype = _dtype(plan.bcast_dtype(layout.dtype))
@@ -218,6 +289,15 @@ def build_segments(
                     spec = specs[e.fqn]
                     off = e.offset - seg_l.offset
                     orig = original[e.fqn]
+                    if e.block is not None:  # one block of a matrix owned by an owner group
+                        slot = _block_slot(
+                            e, off, seg_l, held, wire, master, spec, orig, owners[e.fqn], grouped,
+                            groups=g, device=device, param_dtype=param_dtype, wire_dtype=wire_dtype,
+                            modules=modules, runtime_ref=runtime_ref,
+                        )
+                        sub.slots.append(slot)
+                        seg.slots.append(slot)
+                        continue
                     if tuple(orig.shape) != tuple(spec.shape) or str(orig.dtype) != spec.dtype:
                         raise ValueError(
                             f"dmuon: parameter {e.fqn!r} is {tuple(orig.shape)} {orig.dtype} in the model "
@@ -279,7 +359,83 @@ def build_segments(
                 wire.untyped_storage().resize_(0)
                 seg.resident = False
             segments.append(seg)
+    for gm in grouped.values():
+        if any(b is None for b in gm.blocks):
+            raise ValueError(f"dmuon: the plan's layout of {gm.fqn!r} misses blocks of its owner group")
     return segments
+
+
+def _block_slot(e, off, seg_l, held, wire, master, spec, orig, owner, grouped, *, groups, device, param_dtype,
+                wire_dtype, modules, runtime_ref) -> _Slot:
+    """The slot of block ``e.block`` of a grouped matrix, and (first block seen) its :class:`_Grouped`."""
+    g = groups
+    if tuple(orig.shape) != tuple(spec.shape) or str(orig.dtype) != spec.dtype:
+        raise ValueError(
+            f"dmuon: parameter {e.fqn!r} is {tuple(orig.shape)} {orig.dtype} in the model "
+            f"but {spec.shape} {spec.dtype} in the plan; recompile the plan after changing the model"
+        )
+    if getattr(orig, "placements", None) is not None:
+        raise ValueError(f"dmuon: {e.fqn!r} is a DTensor but the plan gives it an owner group (no TP support)")
+    j = e.block
+    bshape = tuple(e.shape)
+    gm = grouped.get(e.fqn)
+    if gm is None:
+        me = dist.get_rank()
+        ranks = tuple(g.rank_of(o.replicate, o.shard) for o in owner.members)
+        mine = next((i for i, o in enumerate(owner.members) if o.shard == g.shard), None)  # block held here
+        mesh_ranks = tuple(sorted(owner.ranks))
+        info = GroupInfo(
+            shape=tuple(spec.shape), dim=owner.dim, sizes=tuple(owner.sizes), offsets=owner.offsets(),
+            block=mine, pg=g.owner_group(mesh_ranks) if me in ranks else None, ranks=ranks, mesh_ranks=mesh_ranks,
+            shards=tuple(o.shard for o in owner.members),
+        )
+        full = torch.empty(int(spec.numel), dtype=wire_dtype, device=device)
+        strides = _contiguous_strides(spec.shape)
+        compute = torch.empty(0, dtype=wire_dtype, device=device).set_(full.untyped_storage(), 0, spec.shape, strides)
+        writer = torch.empty(0, dtype=wire_dtype, device=device).set_(full.untyped_storage(), 0, spec.shape, strides)
+        full.untyped_storage().resize_(0)
+        if mine is None:  # zero rows, the other dims kept (as a non-holder's placeholder)
+            logical = torch.empty((0, *spec.shape[1:]), dtype=param_dtype, device=device)
+        else:
+            logical = None  # bound below when the held block's entry is reached
+        homes = []
+        for alias in spec.aliases:
+            mod_fqn, _, attr = alias.rpartition(".")
+            homes.append((modules[mod_fqn], attr))
+        gm = grouped[e.fqn] = _Grouped(
+            fqn=e.fqn, info=info, homes=homes, logical=logical, compute=nn.Parameter(compute, requires_grad=orig.requires_grad),
+            writer=writer, blocks=[None] * owner.k,
+        )
+    info = gm.info
+    strides = _contiguous_strides(bshape)
+    if held:
+        value = orig.detach().narrow(info.dim, info.offsets[j], info.sizes[j])
+        master[off : off + e.numel].view(bshape).copy_(value)
+        gm.logical = torch.empty(0, dtype=param_dtype, device=device).set_(master.untyped_storage(), off, bshape, strides)
+    block_view = torch.empty(0, dtype=wire_dtype, device=device).set_(wire.untyped_storage(), off, bshape, strides)
+    slot = _Slot(fqn=e.fqn, offset_in_seg=off, numel=e.numel, shape=bshape, homes=[], logical=None,
+                 compute=block_view, grouped=gm, block=j)
+    gm.blocks[j] = slot
+    if all(b is not None for b in gm.blocks):  # every block seen: the logical parameter is complete
+        logical = gm.logical
+        if not isinstance(logical, nn.Parameter):
+            logical = nn.Parameter(logical, requires_grad=orig.requires_grad)
+        owner_rank = None if info.block is None else info.ranks[info.block]
+        logical._dmuon = DedicatedInfo(
+            fqn=e.fqn,
+            owner_global_rank=info.ranks[0] if owner_rank is None else owner_rank,
+            is_owner=owner_rank == dist.get_rank(),
+            holds_full=False,
+            shape=tuple(spec.shape),
+            matrix_shape=tuple(spec.matrix_shape),
+            num_matrices=1,
+            runtime=runtime_ref,
+            group=info,
+        )
+        gm.logical = logical
+        for b in gm.blocks:
+            b.logical = logical
+    return slot
 
 
 def tp_info(spec, orig: torch.Tensor, groups) -> TPInfo | None:

@@ -50,6 +50,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import collectives as C
+from .buffers import _Grouped
 
 __all__ = [
     "register_state_dict_hooks",
@@ -168,6 +169,40 @@ def _momentum_to_dtensor(runtime, slot, info, buf):
     return _as_dtensor(runtime, slot, chunk)
 
 
+def _grouped_momentum_to_dtensor(runtime, info, p, buf):
+    """The owner group's momentum (each member holds its block) as a full-shape DTensor: the
+    members broadcast their blocks in the owners' row (every rank of that row holds the matrix
+    for a moment), each keeps its row chunk; HSDP: each chunk is broadcast over its replicate
+    group, as for one owner."""
+    g = runtime.groups
+    gm = runtime.grouped_by_fqn[info.fqn]
+    group_info = info.group
+    owner_replicate = _coords(runtime, group_info.ranks[0])[0]
+    shape = tuple(group_info.shape)
+    N = g.shape[1]
+    c = _chunk_rows(shape[0], N)
+    chunk = torch.zeros((c, *shape[1:]), dtype=p.dtype, device=runtime.device)
+    if g.replicate == owner_replicate:
+        def block(j):
+            if buf is None:  # state cleared by hand: the step would start from zeros too
+                return torch.zeros(group_info.block_shape(j), dtype=p.dtype, device=runtime.device)
+            return buf
+        full = _grouped_full(runtime, gm, block)
+        rows = _my_rows(shape[0], N, g.shard)
+        chunk[:rows].copy_(full[g.shard * c : g.shard * c + rows])
+    if g.shape[0] > 1:
+        C.broadcast(chunk, src=g.rank_of(owner_replicate, g.shard), group=g.replicate_group, phase="other")
+    rows = _my_rows(shape[0], N, g.shard)
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = (Shard(0),) if g.shape[0] == 1 else (Replicate(), Shard(0))
+    return DTensor.from_local(
+        chunk[:rows], runtime.state_dict_mesh(), placements, run_check=False, shape=torch.Size(shape),
+        stride=torch.empty(shape, device="meta").stride(),
+    )
+
+
 def _coords(runtime, rank: int) -> tuple[int, int]:
     """``(replicate, shard)`` of global ``rank`` in its TP coordinate's table (any table with TP)."""
     g = runtime.groups
@@ -269,7 +304,7 @@ def register_state_dict_hooks(runtime) -> None:
     ref = weakref.ref(runtime)
     by_module: dict[int, list] = {}
     for b in runtime.boundaries:
-        for slot in b.slots:
+        for slot in b.installable:  # one-owner slots and owner-grouped matrices (_Grouped)
             for module, attr in slot.homes:
                 by_module.setdefault(id(module), [module, []])[1].append((attr, slot))
 
@@ -283,7 +318,9 @@ def register_state_dict_hooks(runtime) -> None:
             full = getattr(_LOCAL, "full", None)
             rt.prepare_state_access("state_dict()")
             for key, slot in keys:
-                if full is None:
+                if isinstance(slot, _Grouped):
+                    state_dict[key] = _grouped_state_entry(rt, slot, full)
+                elif full is None:
                     state_dict[key] = scatter_full_to_dtensor(rt, slot)
                 else:
                     state_dict[key] = _gather_full(rt, slot, rank0_only=full[0])
@@ -298,6 +335,10 @@ def register_state_dict_hooks(runtime) -> None:
             rt.prepare_state_access("load_state_dict()")
             g = rt.groups
             for key, slot in keys:
+                if isinstance(slot, _Grouped):
+                    _load_grouped(rt, slot, state_dict[key], slot.logical)
+                    state_dict[key] = slot.logical
+                    continue
                 holder = g.rank_of(g.replicate, rt.shard_of_fqn[slot.fqn])
                 full = _full_on(rt, slot, state_dict[key], holder)
                 if full is not None:
@@ -308,6 +349,80 @@ def register_state_dict_hooks(runtime) -> None:
 
         module._register_state_dict_hook(post_hook)
         module._register_load_state_dict_pre_hook(load_pre_hook, with_module=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Owner-grouped matrices: no rank holds the whole matrix; its k blocks live on k shard ranks
+# ----------------------------------------------------------------------------------------------
+
+
+def _grouped_full(runtime, gm, block_of_holder) -> torch.Tensor:
+    """The full matrix of grouped ``gm`` on every rank of this rank's shard group: one broadcast
+    per block from the rank of this row that holds it (``block_of_holder(j)``: the holder's
+    tensor of block ``j``, read on the holder only). One matrix is materialised at a time."""
+    g = runtime.groups
+    info = gm.info
+    dtype = gm.logical.dtype
+    full = torch.empty(info.shape, dtype=dtype, device=runtime.device)
+    me = dist.get_rank()
+    for j, (off, size) in enumerate(zip(info.offsets, info.sizes)):
+        src = g.rank_of(g.replicate, info.shards[j])
+        block = torch.empty(info.block_shape(j), dtype=dtype, device=runtime.device)
+        if me == src:
+            block.copy_(block_of_holder(j))
+        if g.shape[1] > 1:
+            C.broadcast(block, src=src, group=g.shard_group, phase="other")
+        full.narrow(info.dim, off, size).copy_(block)
+    return full
+
+
+def _full_to_dtensor(runtime, shape, full: torch.Tensor):
+    """``full`` (present on every rank of the shard group) as dmuon's ``Shard(0)`` state-dict DTensor."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Replicate, Shard
+
+    g = runtime.groups
+    N = g.shape[1]
+    c = _chunk_rows(shape[0], N)
+    local = full[g.shard * c : g.shard * c + _my_rows(shape[0], N, g.shard)].clone()
+    placements = (Shard(0),) if g.shape[0] == 1 else (Replicate(), Shard(0))
+    return DTensor.from_local(
+        local, runtime.state_dict_mesh(), placements, run_check=False, shape=torch.Size(shape),
+        stride=torch.empty(shape, device="meta").stride(),
+    )
+
+
+def _grouped_state_entry(runtime, gm, full_mode):
+    """State-dict value of a grouped matrix: the ``Shard(0)`` DTensor (``full_mode`` None), or the
+    full tensor for :func:`full_state_dict` (None off rank 0 with ``rank0_only``)."""
+    info = gm.info
+    full = _grouped_full(runtime, gm, lambda j: gm.logical.detach())
+    if full_mode is None:
+        return _full_to_dtensor(runtime, info.shape, full)
+    if full_mode[0] and dist.get_rank() != 0:
+        return None
+    return full
+
+
+def _load_grouped(runtime, gm, value, target: torch.Tensor | None) -> torch.Tensor | None:
+    """Write this rank's block of ``value`` (a full tensor or a full-shape DTensor of any layout)
+    into ``target`` (the held block; None: nothing held here). A DTensor is gathered with
+    ``full_tensor()`` (a collective over its mesh; one matrix at a time); returns the block."""
+    info = gm.info
+    if tuple(value.shape) != tuple(info.shape):
+        raise ValueError(
+            f"dmuon: state dict entry for {gm.fqn!r} has shape {tuple(value.shape)}, expected the full "
+            f"{info.shape} (a full tensor or a DTensor of full shape)"
+        )
+    if _is_dtensor(value):
+        value = value.full_tensor()
+    if info.block is None:
+        return None
+    block = value.narrow(info.dim, info.offsets[info.block], info.sizes[info.block])
+    if target is not None and target.numel():
+        with torch.no_grad():
+            target.copy_(block)
+    return block
 
 
 def _gather_full(runtime, slot, *, rank0_only: bool) -> torch.Tensor | None:
@@ -436,8 +551,12 @@ def _optim_state_dict_post_hook(opt, state_dict):
         info, rt = _live_info(p)
         if rt is None:
             continue
-        slot = rt.slots_by_fqn[info.fqn]
         entry = dict(state.get(idx, {}))
+        if getattr(info, "group", None) is not None:
+            entry["momentum_buffer"] = _grouped_momentum_to_dtensor(rt, info, p, entry.get("momentum_buffer"))
+            state[idx] = entry
+            continue
+        slot = rt.slots_by_fqn[info.fqn]
         buf = None
         if info.is_owner:
             buf = entry.get("momentum_buffer")
@@ -479,6 +598,15 @@ def _optim_load_state_dict_pre_hook(opt, state_dict):
                 state.pop(key, None)
             continue
         g = rt.groups
+        if getattr(info, "group", None) is not None:  # every rank joins the gather; owners keep their block
+            block = _load_grouped(rt, rt.grouped_by_fqn[info.fqn], value, None)
+            if info.is_owner:
+                entry = dict(entry)
+                entry["momentum_buffer"] = block.to(device=p.device, dtype=p.dtype, copy=True).contiguous()
+                state[key] = entry
+            else:
+                state.pop(key, None)
+            continue
         owner_replicate = _coords(rt, info.owner_global_rank)[0]
         dst = info.owner_global_rank if g.replicate == owner_replicate else None
         slot = rt.slots_by_fqn[info.fqn]

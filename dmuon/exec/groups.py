@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import dataclasses
 from typing import Any
 
@@ -117,6 +119,13 @@ class MeshGroups:
     tp_ranks: tuple[int, ...] = ()
     tp_tables: tuple[tuple[tuple[int, ...], ...], ...] = ()  # [t][replicate][shard] -> global rank, T > 1 only
     job_group: Any = None  # ProcessGroup over every rank of this job (dp x tp), None = the world
+    # owner groups (plan OwnerGroups): sorted mesh ranks of the members -> ProcessGroup, for
+    # the groups this rank belongs to
+    owner_group_pgs: dict = dataclasses.field(default_factory=dict)
+
+    def owner_group(self, mesh_ranks: tuple[int, ...]):
+        """dmuon's process group of the owner group with these mesh ranks (this rank a member)."""
+        return self.owner_group_pgs[tuple(sorted(mesh_ranks))]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -131,6 +140,7 @@ class MeshGroups:
         *,
         tp_tables: tuple[tuple[tuple[int, ...], ...], ...] | None = None,
         peer_tables: tuple[tuple[tuple[int, ...], ...], ...] | None = None,
+        owner_groups: Sequence[tuple[int, ...]] = (),
     ) -> "MeshGroups":
         """Create the groups for the rank table ``ranks[replicate][shard]`` (see
         :func:`mesh_rank_table`); a collective call on every rank of the world, in a fixed order.
@@ -139,7 +149,9 @@ class MeshGroups:
         same on every rank; ``ranks`` is one of them): groups are created for every table, then
         one TP group per data-parallel coordinate. ``peer_tables``: without TP, the tables of
         every independent data-parallel sub-mesh of the world (``ranks`` among them): groups are
-        created for all of them, no TP groups.
+        created for all of them, no TP groups. ``owner_groups``: the distinct member sets of the
+        plan's owner groups (sorted mesh ranks, plan order; the same on every rank): one group
+        each, in every table.
         """
         me = dist.get_rank()
         tables = tuple(tp_tables or peer_tables or (ranks,))
@@ -176,7 +188,17 @@ class MeshGroups:
                 g = dist.new_group(ranks=sorted(x for row in tab for x in row))
                 if t == my_t:
                     job_group = g
+        owner_group_pgs = {}
+        if owner_groups and tp_tables is not None:
+            raise ValueError("dmuon: owner groups with tensor parallelism are not supported")
+        for t, tab in enumerate(tables):  # every rank creates every table's owner groups, same order
+            flat = [x for row in tab for x in row]
+            for members in owner_groups:
+                g = dist.new_group(ranks=sorted(flat[m] for m in members))
+                if t == my_t and my_r * N + my_s in members:
+                    owner_group_pgs[tuple(members)] = g
         return MeshGroups(
+            owner_group_pgs=owner_group_pgs,
             mesh_ranks=tables[my_t],
             replicate=my_r,
             shard=my_s,

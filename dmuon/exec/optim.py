@@ -108,7 +108,14 @@ def _check_dedicated(p: Tensor) -> None:
         raise ValueError(
             f"{where}: num_matrices={k} x matrix_shape={(m, n)} does not tile shape {shape}"
         )
-    if info.is_owner:
+    grouped = getattr(info, "group", None)
+    if info.is_owner and grouped is not None:  # an owner-group member holds its block
+        if tuple(p.shape) != grouped.block_shape(grouped.block):
+            raise ValueError(
+                f"{where}: this rank owns block {grouped.block} of it but holds a tensor of shape "
+                f"{tuple(p.shape)}, expected {grouped.block_shape(grouped.block)}"
+            )
+    elif info.is_owner:
         if tuple(p.shape) != shape:
             raise ValueError(
                 f"{where}: this rank owns it but holds a tensor of shape {tuple(p.shape)}, "
@@ -439,11 +446,12 @@ class Muon(torch.optim.Optimizer):
             for p in params:
                 _check_dedicated(p)
                 tp = getattr(_info(p), "tp", None)  # None: no TP (or a test double)
-                if tp is not None and tp.method == "gram":
+                if (tp is not None and tp.method == "gram") or getattr(_info(p), "group", None) is not None:
                     plan = _info(p).runtime().plan
                     if group["ns_steps"] != plan.tp_ns_steps:
+                        what = "TP-sharded" if tp is not None else "owner-grouped"
                         raise ValueError(
-                            f"dmuon.Muon: ns_steps={group['ns_steps']} but the plan of the TP-sharded "
+                            f"dmuon.Muon: ns_steps={group['ns_steps']} but the plan of the {what} "
                             f"matrix {_info(p).fqn!r} assumes tp_ns_steps={plan.tp_ns_steps} (its Gram "
                             f"all-reduce count); compile the plan with tp_ns_steps={group['ns_steps']}"
                         )
@@ -721,6 +729,7 @@ class Muon(torch.optim.Optimizer):
         batched = ns_kw["dtype"] in _BATCHED_NS_DTYPES
         buckets: dict[tuple, list[tuple[Tensor, Tensor, int, int, int]]] = {}
         tp_entries: list[tuple[Tensor, Tensor, Any]] = []
+        grouped_entries: list[tuple[Tensor, Tensor, Any]] = []
         for p in group["params"]:
             info = _info(p)
             grad = p.grad
@@ -731,6 +740,11 @@ class Muon(torch.optim.Optimizer):
             state = self.state[p]
             tp = getattr(info, "tp", None)
             view = getattr(info, "view", None)
+            og = getattr(info, "group", None)
+            if og is not None:  # owner group: momentum on this rank's block, sharded Gram NS below
+                update = _momentum_update(grad, state, group["momentum"], group["nesterov"])
+                grouped_entries.append((p, update, og))
+                continue
             if tp is not None:  # TP-sharded: momentum on the local shard, NS on the TP group below
                 update = _tp_momentum_update(grad, state, tp, group["momentum"], group["nesterov"])
                 if tp.method != "local":
@@ -769,6 +783,8 @@ class Muon(torch.optim.Optimizer):
             _tp.orthogonalize_and_apply(
                 tp_entries, steps=group["ns_steps"], orthogonalize=orthogonalize, ns_kw=ns_kw, apply=apply
             )
+        if grouped_entries:
+            _tp.orthogonalize_groups_and_apply(grouped_entries, steps=group["ns_steps"], ns_kw=ns_kw, apply=apply)
 
     def _adamw_group_step(self, group: dict) -> None:
         params: list[Tensor] = []
@@ -837,8 +853,8 @@ def _check_planned_ns_backend(p: Tensor, group: dict) -> None:
         ValueError: naming the parameter, the two backends and the fix.
     """
     info = _info(p)
-    if getattr(info, "tp", None) is not None:
-        return
+    if getattr(info, "tp", None) is not None or getattr(info, "group", None) is not None:
+        return  # sharded Gram NS over the TP / owner group, whatever the group's backend
     runtime = getattr(info, "runtime", None)
     rt = runtime() if callable(runtime) else None
     plan = getattr(rt, "plan", None)

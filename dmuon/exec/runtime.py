@@ -112,16 +112,22 @@ class DmuonRuntime:
             module = modules[b.fqn]
             br = _BoundaryRuntime(self, b.fqn, module, segments, bind(program, segments, self.groups))
             br.index = len(self.boundaries)
-            for slot in br.slots:
+            for slot in br.installable:
                 for mod, attr in slot.homes:
                     mod._parameters[attr] = slot.logical
             br.handles.append(module.register_forward_pre_hook(eager_hook(br.pre_forward), with_kwargs=True))
             br.handles.append(module.register_forward_hook(eager_hook(br.post_forward), with_kwargs=True))
             self.boundaries.append(br)
-        self.slots_by_fqn = {s.fqn: s for b in self.boundaries for s in b.slots}
-        self.shard_of_fqn = {s.fqn: seg.shard for b in self.boundaries for seg in b.segments for s in seg.slots}
+        # matrices with one owner: their slot; owner-grouped matrices: their _Grouped (blocks in
+        # several segments)
+        self.slots_by_fqn = {s.fqn: s for b in self.boundaries for s in b.slots if s.grouped is None}
+        self.grouped_by_fqn = {gm.fqn: gm for b in self.boundaries for gm in b.grouped}
+        self.shard_of_fqn = {
+            s.fqn: seg.shard for b in self.boundaries for seg in b.segments for s in seg.slots if s.grouped is None
+        }
         # checkpoint / materialisation bookkeeping (dmuon.exec.checkpoint, dmuon.exec.materialize)
         self.infos = {s.fqn: s.logical._dmuon for s in self.slots_by_fqn.values()}
+        self.infos.update({fqn: gm.logical._dmuon for fqn, gm in self.grouped_by_fqn.items()})
         self._state_dict_mesh = None  # DeviceMesh of the state-dict DTensors, built on first use
         self.replicas_stale = False  # HSDP: holders may disagree (set by to_empty & co.)
         self.qk_clip = None  # QK-clip (MuonClip): reported max logits and the owners' rescaling
@@ -426,7 +432,7 @@ def wait_pending(params) -> None:
     """
     for rt in _runtimes(params):
         rt.finish_reduces()
-        stale = [s.fqn for b in rt.boundaries for s in b.slots if s.compute.grad is not None]
+        stale = [s.fqn for b in rt.boundaries for s in b.installable if s.compute.grad is not None]
         if stale:
             raise RuntimeError(
                 f"dmuon: step() with unreduced gradients of {len(stale)} dedicated matrices "

@@ -1,4 +1,6 @@
-"""Newton-Schulz of tensor-parallel dedicated matrices on their owner's TP group (``dmuon.Muon``).
+"""Newton-Schulz of dedicated matrices that several ranks hold, on the ranks that hold them
+(``dmuon.Muon``): TP-sharded matrices on their owner's TP group, and matrices owned by an
+owner group (``dmuon.plan.compile(owner_groups=...)``) on its members.
 
 A TP-sharded dedicated matrix is owned by ``T`` ranks (one TP group), each holding one block of
 rows or columns of its momentum. :func:`orthogonalize_and_apply` orthogonalises the full matrix
@@ -14,7 +16,7 @@ import torch.distributed as dist
 from . import collectives as C
 from . import newton_schulz as _ns
 
-__all__ = ["orthogonalize_and_apply"]
+__all__ = ["orthogonalize_and_apply", "orthogonalize_groups_and_apply"]
 
 
 def orthogonalize_and_apply(entries, *, steps: int, orthogonalize, ns_kw: dict, apply) -> None:
@@ -89,3 +91,56 @@ def orthogonalize_and_apply(entries, *, steps: int, orthogonalize, ns_kw: dict, 
             rows = u.shape[tp.shard_dim]
             mine = ortho.narrow(tp.shard_dim, tp.rank * rows, rows)
             apply(p.to_local(), mine, tp.shape)
+
+
+def orthogonalize_groups_and_apply(entries, *, steps: int, ns_kw: dict, apply) -> None:
+    """Sharded Gram Newton-Schulz of owner-grouped matrices over their members, then the update.
+
+    ``entries``: ``(p, block update, GroupInfo)`` in ``group["params"]`` order, this rank's
+    block of each grouped matrix it owns with a gradient. Every member of one owner group owns
+    the same matrices and agrees on which have a gradient, so the all-reduces below run in the
+    same order on all of them: groups in order of first appearance, within a group Gram
+    buckets by ``(d, padded block width, dtype)`` in order of first appearance (the plan's
+    schedule, phase ``"owner_group"``). Each block enters as ``(d, D_j)`` (row blocks
+    transposed, ``d`` = the short side) padded with zero columns to the group's largest block
+    ``ceil(L/k)`` — zero columns add nothing to the Gram and stay zero — so every member stacks
+    the same batch; one fp32 ``(B, d, d)`` all-reduce per Gram segment
+    (:func:`~dmuon.exec.newton_schulz.sharded_gram_newton_schulz`).
+    """
+    rt = entries[0][0]._dmuon.runtime()
+    plan = rt.plan
+    if steps != plan.tp_ns_steps:
+        raise ValueError(
+            f"dmuon.Muon: ns_steps={steps} but the plan of the owner-grouped matrix {entries[0][0]._dmuon.fqn!r} "
+            f"assumes tp_ns_steps={plan.tp_ns_steps} (its Gram all-reduce count); compile the plan with "
+            f"tp_ns_steps={steps}"
+        )
+    by_group: dict[tuple, dict[tuple, list]] = {}
+    for p, update, og in entries:
+        x = update.mT if og.dim == 0 else update  # (d, D_j)
+        width = max(og.sizes)
+        key = (int(x.shape[0]), width, x.dtype)
+        by_group.setdefault(og.mesh_ranks, {}).setdefault(key, []).append((p, x, og))
+    for buckets in by_group.values():
+        for (d, width, dtype), items in buckets.items():
+            og = items[0][2]
+
+            def all_reduce(g, og=og):
+                C.all_reduce_sum(g, group=og.pg, phase="owner_group")
+                return g
+
+            x = torch.zeros((len(items), d, width), dtype=dtype, device=items[0][1].device)
+            for b, (_, xb, _) in enumerate(items):
+                x[b, :, : xb.shape[1]].copy_(xb)
+            ortho = _ns.sharded_gram_newton_schulz(
+                x,
+                all_reduce_sum=all_reduce,
+                coefficients=ns_kw["coefficients"],
+                steps=steps,
+                eps=ns_kw["eps"],
+                dtype=ns_kw["dtype"],
+                restart_every=plan.tp_gram_restart_every,
+            )
+            for (p, xb, og), o in zip(items, ortho.unbind(0)):
+                o = o[:, : xb.shape[1]]
+                apply(p, o.mT if og.dim == 0 else o, og.shape)
