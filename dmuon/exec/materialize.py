@@ -151,8 +151,16 @@ def rebind_storage(rt, boundaries=None) -> bool:
     boundaries = rt.boundaries if boundaries is None else boundaries
     rt._settle(boundaries, "moving or re-creating the model's storage (to_empty / to)")
     for b in boundaries:
+        for gm in b.grouped:  # owner groups: the module holds the grouped matrix's logical parameter
+            _adopt_module_param(rt, gm)
+            if getattr(gm.logical, "_dmuon", None) is None:
+                gm.logical._dmuon = rt.infos[gm.fqn]
+            for block in gm.blocks:
+                block.logical = gm.logical
         for seg in b.segments:
             changed |= _rebind_segment(rt, seg)
+        for gm in b.grouped:
+            changed |= _rebind_grouped(gm, b.segments)
     if changed:
         devices = {seg.wire.device for b in rt.boundaries for seg in b.segments}
         if len(devices) == 1:
@@ -208,6 +216,22 @@ def _rebind_segment(rt, seg: _Segment) -> bool:
         )
     wire.untyped_storage().resize_(0)
     seg.wire, seg.resident = wire, False
+    return True
+
+
+def _rebind_grouped(gm, segments) -> bool:
+    """A grouped matrix's full compute parameter (and its writer) on the segments' device."""
+    device = segments[0].wire.device
+    if gm.writer.device == device:
+        return False
+    shape = gm.info.shape
+    full = torch.empty(gm.writer.numel(), dtype=gm.writer.dtype, device=device)
+    strides = _contiguous_strides(shape)
+    compute = torch.empty(0, dtype=full.dtype, device=device).set_(full.untyped_storage(), 0, shape, strides)
+    gm.writer = torch.empty(0, dtype=full.dtype, device=device).set_(full.untyped_storage(), 0, shape, strides)
+    gm.compute = nn.Parameter(compute, requires_grad=gm.compute.requires_grad)
+    full.untyped_storage().resize_(0)
+    gm.resident = False
     return True
 
 
@@ -326,7 +350,8 @@ def init_params(model: nn.Module, init_fn=None) -> None:
             if info is not None:
                 if info.holds_full and info.tp is None:
                     continue  # the full master itself
-                # a non-holder's placeholder, or a TP holder's shard: the full matrix for a moment
+                # an owner-group block, a non-holder's placeholder, or a TP holder's shard: the
+                # full matrix for a moment
                 tmp = torch.empty(info.shape, dtype=p.dtype, device=p.device)
             elif isinstance(p, DTensor):
                 if p.device.type == "meta":
@@ -346,6 +371,13 @@ def init_params(model: nn.Module, init_fn=None) -> None:
                 module._parameters[name] = original
         for _, original, tmp in swapped:
             info = getattr(original, "_dmuon", None)
+            group = getattr(info, "group", None)
+            if group is not None:  # an owner group: the block this rank holds, if any
+                if group.block is not None:
+                    original.detach().copy_(
+                        tmp.detach().narrow(group.dim, group.offsets[group.block], group.sizes[group.block])
+                    )
+                continue
             if info is not None and not info.holds_full:
                 continue  # a placeholder keeps nothing
             if isinstance(original, DTensor):  # FSDP2 shard, or a TP holder's shard

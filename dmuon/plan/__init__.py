@@ -24,7 +24,7 @@ from .diff import CostDelta, ParamChange, PlanDiff, SettingChange, diff
 from .layout import Boundary, BufferLayout, LayoutEntry, Segment, SubSegment
 from .plan import MESH_DIM_NAMES, MeshDimRoles, ShardingPlan, compile, mesh_dim_roles, normalize_mesh
 from .qk_clip import QKClip
-from .records import MatrixView, Owner, ParamSpec
+from .records import MatrixView, Owner, OwnerGroup, ParamSpec
 from .step_schedule import MicroBatch, Op, ScheduleError, Step, StepSchedule, replay, schedule
 from .selection import matrix_predicate
 
@@ -41,6 +41,7 @@ __all__ = [
     "presets",
     "ShardingPlan",
     "Owner",
+    "OwnerGroup",
     "ParamSpec",
     "MatrixView",
     "QKClip",
