@@ -27,6 +27,19 @@ from .selection import matrix_predicate
 __all__ = ["main_plan", "main_diff", "parse_mesh"]
 
 
+def _owner_groups(text: str):
+    """``--owner-groups``: ``off`` / ``auto`` or an int K >= 1."""
+    if text in ("off", "auto"):
+        return text
+    try:
+        k = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected off, auto or an int K >= 1, got {text!r}") from None
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"K must be >= 1, got {k}")
+    return k
+
+
 def parse_mesh(text: str) -> int | tuple[int, int]:
     """``"8"`` -> ``8``; ``"2x8"`` -> ``(2, 8)`` (R replicate x N shard).
 
@@ -65,6 +78,11 @@ def main_plan(argv: Sequence[str] | None = None) -> int:
         help="tensor-parallel degree: Megatron-style colwise q/k/v/gate/up, rowwise o/down (world = mesh x T)",
     )
     parser.add_argument("--tp-ns", default="auto", choices=("auto", "gram", "gather"), help="TP Newton-Schulz method")
+    parser.add_argument(
+        "--owner-groups", default="off", type=_owner_groups, metavar="off|auto|K",
+        help="owner groups: 'off' (one owner per matrix), 'auto' (groups where one owner per matrix cannot "
+        "balance the mesh) or K (every matrix that can be cut gets K members)",
+    )
     parser.add_argument("--json", metavar="FILE", default=None, help="write the plan as JSON to FILE")
     parser.add_argument(
         "--schedule", type=int, default=None, metavar="RANK",
@@ -93,6 +111,7 @@ def main_plan(argv: Sequence[str] | None = None) -> int:
         reshard_after_forward=not args.z2,
         cost_model=args.cost_model,
         mp_policy=mp,
+        owner_groups=args.owner_groups,
         **tp_kw,
     )
     if args.schedule is not None:

@@ -702,11 +702,14 @@ def rank_stats(
     mesh_shape: tuple[int, int],
     reshard_after_forward: bool,
     tp_size: int = 1,
+    assembled_nbytes: dict[str, int] | None = None,
 ) -> tuple[RankStats, ...]:
     """Per-rank :class:`RankStats` of a DMuon plan (definitions on the record), from its nominal
     schedule ``sched``: ``comm_nbytes`` = ``cost.per_rank_nbytes``; ``ns_flops`` = the
     ``newton_schulz`` ops each rank runs; ``peak_transient_nbytes`` = the bytes a rank receives
-    in one boundary's forward broadcasts (Z3: the largest boundary; Z2: all of them).
+    in one boundary's forward broadcasts (Z3: the largest boundary; Z2: all of them), plus, per
+    boundary, ``assembled_nbytes[boundary]``: the full compute matrices of owner-grouped
+    matrices, which every rank assembles from their blocks (broadcast dtype).
 
     With TP (``tp_size = T > 1``) there is one record per schedule rank
     ``(replicate*N + shard)*T + tp``: element and byte figures are that rank's shards (the
@@ -750,6 +753,10 @@ def rank_stats(
             row[x] += nbytes
     for (boundary, root), nbytes in root_credit.items():
         per_boundary[boundary][root] -= nbytes
+    for boundary, nbytes in (assembled_nbytes or {}).items():
+        row = per_boundary.setdefault(boundary, [0] * n)
+        for x in range(n):
+            row[x] += nbytes
     transient = [0] * n
     for row in per_boundary.values():
         for x in range(n):

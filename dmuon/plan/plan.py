@@ -49,7 +49,18 @@ except ImportError:  # pragma: no cover
     from ._groups_tmp import lpt_partition_groups
 from .boundaries import BoundaryResolver
 from .qk_clip import QKClip, check_qk_clip
-from .records import Fsdp2Unit, Owner, OwnerGroup, ParamSpec, _check_int, balanced_sizes, check_dtype_str, dtype_str, owner_from_dict
+from .records import (
+    Fsdp2Unit,
+    Owner,
+    OwnerGroup,
+    ParamSpec,
+    _check_int,
+    balanced_sizes,
+    check_dtype_str,
+    dtype_str,
+    itemsize_nbytes,
+    owner_from_dict,
+)
 from .selection import select_params
 from .snapshot import take_snapshot
 
@@ -497,6 +508,18 @@ class ShardingPlan:
             tp_size=self.tp_size,
         )
 
+    @property
+    def assembled_nbytes(self) -> dict[str, int]:
+        """Owner groups: per boundary FQN, the bytes of the full compute matrices every rank
+        assembles from the blocks while the boundary is unsharded (broadcast dtype); empty
+        without owner groups."""
+        out: dict[str, int] = {}
+        for spec, owner in zip(self.params, self.owners):
+            if isinstance(owner, OwnerGroup):
+                b = self.boundary(spec.fqn)
+                out[b] = out.get(b, 0) + spec.numel * itemsize_nbytes(self.bcast_dtype(spec.dtype))
+        return out
+
     def rank_stats(self) -> tuple[_cost.RankStats, ...]:
         """Per-rank :class:`~dmuon.plan.cost.RankStats` of this plan (schedule ranks: the mesh
         rank, or ``(replicate*N + shard)*T + tp`` with TP), from the nominal schedule."""
@@ -509,6 +532,7 @@ class ShardingPlan:
             mesh_shape=self.mesh_shape,
             reshard_after_forward=self.reshard_after_forward,
             tp_size=self.tp_size,
+            assembled_nbytes=self.assembled_nbytes,
         )
 
     def baseline_rank_stats(self) -> tuple[_cost.RankStats, ...]:

@@ -65,6 +65,7 @@ class _Figures:
         self.stats = rank_stats(
             plan.params, plan.owners, self.schedule, self.cost, mesh_shape=plan.mesh_shape,
             reshard_after_forward=plan.reshard_after_forward, tp_size=plan.tp_size,
+            assembled_nbytes=plan.assembled_nbytes,
         )
         self.baseline_cost = plan.baseline_cost
         self.baseline_stats = plan.baseline_rank_stats()

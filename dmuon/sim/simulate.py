@@ -577,7 +577,7 @@ def memory(plan: Any, workload: Workload, variant: str, sched: StepSchedule | No
         else:  # the same figures from a schedule already built (plan.rank_stats() builds its own)
             stats = _cost.rank_stats(plan.params, plan.owners, sched, _cost.schedule_byte_cost(sched),
                                      mesh_shape=plan.mesh_shape, reshard_after_forward=plan.reshard_after_forward,
-                                     tp_size=plan.tp_size)
+                                     tp_size=plan.tp_size, assembled_nbytes=plan.assembled_nbytes)
         z3 = plan.reshard_after_forward
         fsdp_unsharded = max(unit_full.values(), default=0) if z3 else sum(unit_full.values())
         reduce_buf = max((sum(buf.numel * itemsize_nbytes(buf.dtype) for buf in b.buffers) for b in plan.boundaries),
