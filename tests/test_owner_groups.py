@@ -2,7 +2,8 @@
 
 Model: one hook boundary with THREE dedicated matrices on FOUR ranks, one much larger — the case
 where exclusive ownership leaves a rank owning nothing: ``tall`` (48, 8) (row blocks),
-``square`` (8, 8) and ``wide`` (8, 12) (column blocks).
+``square`` (8, 8) and ``wide`` (8, 10) (column blocks; uneven at k = 4: 3 + 3 + 2 + 2, so members
+pad to the widest block).
 
 Pure plan checks (hand-computed): forced ``k = 2`` / ``k = 4`` owners, blocks and layout entries,
 the owner-group Gram all-reduce bytes, JSON / diff / summary.
@@ -42,12 +43,12 @@ class FewBlock(nn.Module):
         self.norm = nn.LayerNorm(d)
         self.tall = nn.Linear(d, 48, bias=False)  # (48, 8): the large one, cut into row blocks
         self.square = nn.Linear(d, d, bias=False)  # (8, 8)
-        self.wide = nn.Linear(12, d, bias=False)  # (8, 12): cut into column blocks
+        self.wide = nn.Linear(10, d, bias=False)  # (8, 10): cut into column blocks
 
     def forward(self, x):
         h = self.norm(x)
         t = torch.tanh(self.tall(h))
-        return x + self.square(h) + self.wide(t[..., :12]) + t.reshape(*t.shape[:-1], 6, 8).mean(-2)
+        return x + self.square(h) + self.wide(t[..., :10]) + t.reshape(*t.shape[:-1], 6, 8).mean(-2)
 
 
 class FewMatrixLM(nn.Module):
@@ -94,7 +95,7 @@ def _plan(mesh, k, **kw):
 
 def test_exclusive_owners_leave_a_rank_idle_and_the_summary_says_so():
     plan = _plan(4, "off")
-    assert sorted(plan.owned_numel) == [0, 64, 96, 384]  # 3 matrices, 4 ranks
+    assert sorted(plan.owned_numel) == [0, 64, 80, 384]  # 3 matrices, 4 ranks
     text = plan.summary()
     assert "ownership: 1 of 4 ranks own nothing" in text
     assert "100% of them in layers.0.tall.weight" in text
@@ -110,17 +111,17 @@ def test_forced_k2_plan_by_hand():
     tall, square, wide = (owners[f"layers.0.{n}.weight"] for n in ("tall", "square", "wide"))
     assert (tall.dim, tall.sizes) == (0, (24, 24))
     assert (square.dim, square.sizes) == (0, (4, 4))
-    assert (wide.dim, wide.sizes) == (1, (6, 6))
+    assert (wide.dim, wide.sizes) == (1, (5, 5))
     for o in owners.values():  # one replicate row, distinct shard coordinates
         assert len({m.shard for m in o.members}) == 2
     # every rank owns a block; owned elements = the blocks
     owned = plan.owned_numel
-    assert sum(owned) == 384 + 64 + 96 and min(owned) > 0
+    assert sum(owned) == 384 + 64 + 80 and min(owned) > 0
     # one layout entry per block, in its member's segment, with the block's shape
     entries = [e for e in plan.boundaries[0].entries() if e.fqn == "layers.0.wide.weight"]
     assert sorted((e.block, e.shape, e.owner.shard) for e in entries) == [
-        (0, (8, 6), wide.members[0].shard),
-        (1, (8, 6), wide.members[1].shard),
+        (0, (8, 5), wide.members[0].shard),
+        (1, (8, 5), wide.members[1].shard),
     ]
     # Gram all-reduces: per group, buckets by (d = 8, padded width, fp32); 3 Gram segments (5
     # steps, restart every 2); each member charged 2 (k-1) ceil(64 B / k) 4 bytes per call
@@ -140,7 +141,7 @@ def test_forced_k2_plan_by_hand():
     import dmuon
 
     d = str(dmuon.plan.diff(_plan(4, "off"), plan))
-    assert "owner group ranks" in d and "rows 24+24" in d and "cols 6+6" in d
+    assert "owner group ranks" in d and "rows 24+24" in d and "cols 5+5" in d
 
 
 def test_forced_k4_and_hsdp_rows():
@@ -150,9 +151,12 @@ def test_forced_k4_and_hsdp_rows():
     plan = _plan(4, 4)
     for o in plan.owners:
         assert isinstance(o, OwnerGroup) and sorted(o.ranks) == [0, 1, 2, 3]
-    # one group of all 4 ranks; widths 12 (tall 48/4), 2 (square), 3 (wide): 3 buckets
+    # one group of all 4 ranks; widths 12 (tall 48/4), 2 (square), 3 (wide 10 = 3+3+2+2, padded
+    # to 3): 3 buckets, 3 Gram segments, 4 members
     assert plan.cost.owner_group_nbytes == 4 * 3 * 3 * all_reduce_rank_nbytes(64, 4, 4)
-    assert plan.owned_numel == (136, 136, 136, 136)
+    wide = plan.owner("layers.0.wide.weight")
+    assert wide.sizes == (3, 3, 2, 2)
+    assert sorted(plan.owned_numel) == [128, 128, 136, 136]  # 96 + 16 + 8*3 or 8*2 each
     hsdp = _plan((2, 2), 2)
     for o in hsdp.owners:  # members inside one shard group (one replicate row)
         assert isinstance(o, OwnerGroup) and {m.shard for m in o.members} == {0, 1}

@@ -57,8 +57,8 @@ PHASES = (
     "replicate_reduce",
     "replicate_broadcast",
     "tp",
-    "owner_group",
     "qk_clip",
+    "owner_group",
     "other",
 )
 

@@ -41,12 +41,7 @@ from .layout import (
     build_boundaries,
     check_buffer_layout,
 )
-from .partition import lpt_partition
-
-try:  # the owner-group planner (merged from its own branch); a forced-k stand-in until then
-    from .partition import lpt_partition_groups
-except ImportError:  # pragma: no cover
-    from ._groups_tmp import lpt_partition_groups
+from .partition import lpt_partition, lpt_partition_groups
 from .boundaries import BoundaryResolver
 from .qk_clip import QKClip, check_qk_clip
 from .records import (

@@ -217,8 +217,7 @@ def ownership_lines(plan: ShardingPlan) -> list[str]:
     do; with them: the same parameters with one owner each, ``k = 1`` forced). Pure: reruns
     the planner on the plan's own parameters (elements as the weight, as these figures are)."""
     from . import cost as _cost
-    from .partition import lpt_partition
-    from .plan import lpt_partition_groups  # the owner-group planner plan.compile uses
+    from .partition import lpt_partition, lpt_partition_groups
 
     if not plan.params:
         return []
