@@ -355,19 +355,27 @@ class StepSchedule:
     def __post_init__(self) -> None:
         n = self.num_ranks
         index: dict[tuple[int, ...], int] = {}
+        # ops built from one template share its group tuple: look groups up by identity first
+        # (hashing a 4096-rank tuple per op dominated schedules of 1000s of ranks)
+        by_id: dict[int, int] = {}
+        members: list[frozenset] = []
         group_ops: list[list[int]] = []
         for i, op in enumerate(self.ops):
             if op.id != i:
                 raise ValueError(f"StepSchedule: ops[{i}].id is {op.id}")
-            g = index.get(op.group)
+            g = by_id.get(id(op.group))
             if g is None:
-                problem = _group_problem(op.group, n)
-                if problem is not None:
-                    raise ScheduleError(f"StepSchedule: {op.describe()}: {problem}", op=op)
-                g = index[op.group] = len(group_ops)
-                group_ops.append([])
+                g = index.get(op.group)
+                if g is None:
+                    problem = _group_problem(op.group, n)
+                    if problem is not None:
+                        raise ScheduleError(f"StepSchedule: {op.describe()}: {problem}", op=op)
+                    g = index[op.group] = len(group_ops)
+                    group_ops.append([])
+                    members.append(frozenset(op.group))
+                by_id[id(op.group)] = g
             group_ops[g].append(i)
-            problem = _op_problem(op)
+            problem = _op_problem(op, members[g])
             if problem is not None:
                 raise ScheduleError(f"StepSchedule: {op.describe()}: {problem}", op=op)
         rank_groups: list[list[int]] = [[] for _ in range(n)]
@@ -822,12 +830,13 @@ def _group_problem(group: Any, num_ranks: int) -> str | None:
     return None
 
 
-def _op_problem(op: Op) -> str | None:
+def _op_problem(op: Op, members: frozenset | None = None) -> str | None:
     """Why ``op`` (on a valid group) cannot run: an unknown kind, a root outside its group or on
-    a kind without one, a negative size, a collective without a dtype (None if it can)."""
+    a kind without one, a negative size, a collective without a dtype (None if it can).
+    ``members``: ``frozenset(op.group)`` when the caller has it (membership in O(1))."""
     if op.kind not in OP_KINDS:
         return f"unknown kind {op.kind!r} (one of {OP_KINDS})"
-    if op.kind in ROOTED_KINDS and op.root not in op.group:
+    if op.kind in ROOTED_KINDS and op.root not in (op.group if members is None else members):
         return f"its root {op.root!r} is not a member of its group {_fmt_group(op.group)}"
     if op.kind not in ROOTED_KINDS and op.root is not None:
         return f"{op.kind} takes no root, got {op.root!r}"
