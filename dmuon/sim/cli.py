@@ -45,6 +45,7 @@ def recommend(sims: dict, memory_nbytes: int) -> str:
 
 def main_simulate(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m dmuon simulate``. Returns 0."""
+    from ..plan.cli import _owner_groups as _owner_groups_arg
     from ..plan.cli import parse_mesh
     from ..plan.plan import compile
     from ..plan.presets import PRESETS, megatron_tp_shard_dims
@@ -64,6 +65,10 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--param-dtype", default=None, help="FSDP2 / dmuon wire dtype (GPU default bfloat16)")
     parser.add_argument("--reduce-dtype", default=None, help="gradient reduce dtype (GPU default float32)")
     parser.add_argument("--cost-model", default="ns_flops", choices=("numel", "ns_flops"))
+    parser.add_argument(
+        "--owner-groups", default="off", type=_owner_groups_arg, metavar="off|auto|K",
+        help="dmuon owner groups (k ranks own one matrix as blocks; docs/owner_groups.md)",
+    )
     parser.add_argument("--json", metavar="FILE", default=None, help="write every variant's figures as JSON")
     parser.add_argument("--png", metavar="FILE", default=None, help="draw rank 0's timeline of each variant (matplotlib)")
     args = parser.parse_args(argv)
@@ -87,7 +92,10 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
         tp_kw = dict(tp_size=args.tp, tp_shard_dims={k: v for k, v in megatron_tp_shard_dims(model).items() if k in dedicated})
     plans = {}
     for z3 in (False, True):
-        plans[z3] = compile(model, args.mesh, reshard_after_forward=z3, cost_model=args.cost_model, mp_policy=mp, **tp_kw)
+        plans[z3] = compile(
+            model, args.mesh, reshard_after_forward=z3, cost_model=args.cost_model, mp_policy=mp,
+            owner_groups=args.owner_groups, **tp_kw,
+        )
     plan = plans[True]
     R, N = plan.mesh_shape
     if not gpu:  # a calibrated CPU: every rank on this machine
