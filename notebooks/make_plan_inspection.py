@@ -147,6 +147,22 @@ CELLS = [
         "plan_405b = P.compile(P.presets.llama3_405b(), 1024)\n"
         "plot_decision([('Llama-3-70B, HSDP 8x128', plan_70b), ('Llama-3-405B, N=1024', plan_405b)])"
     ),
+    new_markdown_cell(
+        "### Owner groups: past one matrix per rank\n\n"
+        "`owner_groups='auto'` lets `k` shard ranks of one replicate row own a matrix as blocks along "
+        "its long side (sharded Gram NS over them; `docs/owner_groups.md`) where one owner per matrix "
+        "cannot balance the mesh. The same two meshes: no rank owns nothing, the busiest rank's NS and "
+        "resident bytes come down to near the mean. The summary says it in words."
+    ),
+    new_code_cell(
+        "plan_70b_g = P.compile(P.presets.llama3_70b(), (8, 128), owner_groups='auto')\n"
+        "plan_405b_g = P.compile(P.presets.llama3_405b(), 1024, owner_groups='auto')\n"
+        "plot_decision([('Llama-3-70B, HSDP 8x128, owner groups', plan_70b_g),\n"
+        "               ('Llama-3-405B, N=1024, owner groups', plan_405b_g)])\n"
+        "print('\\n'.join(l for l in plan_405b.summary().splitlines() if l.startswith(('ownership', 'owner groups'))))\n"
+        "print('\\n'.join(l for l in plan_405b_g.summary().splitlines() if l.startswith(('ownership', 'owner groups'))))\n"
+        "print(P.diff(plan_405b, plan_405b_g).render(max_lines=3))"
+    ),
     new_markdown_cell("## Diffs\n\nPlans are compared by FQN; this works across mesh sizes and modes."),
     new_code_cell(
         "z2 = P.compile(model, 8, reshard_after_forward=False)\n"

@@ -43,7 +43,11 @@ def test_notebook_executes():
     images = [
         out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs if "image/png" in out.get("data", {})
     ]
-    assert len(images) == 5  # per-rank load x2, NS FLOPs / resident bytes: 8B, then 70B + 405B; the Gantt chart
+    # per-rank load x2, NS FLOPs / resident bytes: 8B, then 70B + 405B, again with owner groups; the Gantt chart
+    assert len(images) == 6
     assert "z3: step" in text
     assert "Llama-3-70B, HSDP 8x128: 1024 ranks, 464 own nothing" in text
     assert "Llama-3-405B, N=1024: 1024 ranks, 142 own nothing" in text
+    assert "Llama-3-70B, HSDP 8x128, owner groups: 1024 ranks, 0 own nothing" in text
+    assert "Llama-3-405B, N=1024, owner groups: 1024 ranks, 0 own nothing" in text
+    assert "ownership: 142 of 1,024 ranks own nothing" in text
