@@ -18,7 +18,9 @@ Layout rule (``a = align_numel``, ``round_up(x) = ceil(x / a) * a``)::
     └─ Segment(shard=s1) ...                  starts at the previous one's end
 
 so segments and subsegments are contiguous, every entry and flags region starts at a multiple
-of ``a``, and ``buffer.numel`` is a multiple of ``a``. A segment is what its shard rank
+of ``a``, and ``buffer.numel`` is a multiple of ``a``. A matrix owned by an owner group
+(:class:`~dmuon.plan.records.OwnerGroup`) has one entry per block (``LayoutEntry.block``), each
+in its member's sub-segment, with the block's shape. A segment is what its shard rank
 broadcasts (in every replicate group) and what the gradient reduce delivers to it; the flags
 let the owner tell "no rank produced a gradient" (all flags 0 after the AVG-reduce) from a zero
 gradient.
