@@ -406,7 +406,12 @@ LLAMA3_70B = dict(layers=80, hidden=8192, kv_dim=1024, inter=28672)
 
 @pytest.mark.parametrize(
     "model, R, N, max_ratio",
-    [(LLAMA3_405B, 1, 1024, 1.12), (LLAMA3_405B, 1, 4096, 1.12), (LLAMA3_70B, 8, 128, 1.18), (LLAMA3_70B, 1, 1024, 1.18)],
+    [
+        (LLAMA3_405B, 1, 1024, 1.12),
+        (LLAMA3_405B, 1, 4096, 1.12),
+        (LLAMA3_70B, 8, 128, 1.18),
+        (LLAMA3_70B, 1, 1024, 1.18),
+    ],
 )
 def test_groups_llama_auto_balances_past_one_matrix_per_rank(model, R, N, max_ratio):
     """The issue's cases: with exclusive owners ranks own nothing and max/mean is 2.2-8.9;

@@ -320,6 +320,10 @@ def _place(pieces, keys, groups, *, num_shards, num_replicas):
     dtype = np.int64 if 2 * penalty < _INT64_SAFE else object
     key = np.arange(S, dtype=np.int64).astype(dtype)
     key2d = key.reshape(R, N)  # a view
+    # R = 1: a heap of keys finds the k least-loaded slots in O(k log S); an entry v is stale
+    # once key[v % S] != v (the slot was loaded since), and is dropped when popped
+    heap = list(range(S)) if R == 1 else None
+    key_list = list(range(S)) if R == 1 else None  # the same keys as Python ints (fast reads)
     group_ids: dict[str, int] = {}
     blocked: list[np.ndarray] = []  # per group: key offset, penalty where the coordinate is used
     n_used: list[int] = []
@@ -341,38 +345,55 @@ def _place(pieces, keys, groups, *, num_shards, num_replicas):
             load_e, load_g = int(key[e]) // S, int(key[g]) // S
             c = e if load_e + w <= max(makespan, load_g + w_max) else g
             key[c] += w * S
+            if heap is not None:
+                key_list[c] += w * S
+                heapq.heappush(heap, key_list[c])
             makespan = max(makespan, load_e + w if c == e else load_g + w)
             slots = (c,)
             member = slots
         else:
             # block order: largest block first (ties: lower block), onto ascending loads
             block_order = sorted(range(k), key=lambda j: (-p[j], j))
-            desc = np.array([p[j] for j in block_order], dtype=dtype)
-            if R == 1:
-                part = key[np.argpartition(key, k - 1)[:k]] if k < N else key.copy()
-                part = np.sort(part)
-                slots_arr = (part % S).astype(np.int64)
-                peak = int((part // S + desc).max())
+            desc = [p[j] for j in block_order]
+            if heap is not None:
+                lowest: list[int] = []
+                while len(lowest) < k:
+                    v = heapq.heappop(heap)
+                    if key_list[v % S] == v:
+                        lowest.append(v)
+                slots = tuple(v % S for v in lowest)
+                for v, s, d in zip(lowest, slots, desc):
+                    nv = v + d * S
+                    key_list[s] = nv
+                    heapq.heappush(heap, nv)
+                key[list(slots)] = np.array([key_list[s] for s in slots], dtype=dtype)
+                makespan = max(makespan, max(key_list[s] for s in slots) // S)
             else:
+                desc = np.array(desc, dtype=dtype)
                 part = np.partition(key2d, k - 1, axis=1)[:, :k] if k < N else key2d.copy()
                 part = np.sort(part, axis=1)
                 peaks = (part // S + desc[None, :]).max(axis=1)
                 r = int(np.argmin(peaks))  # ties: lowest row
                 slots_arr = (part[r] % S).astype(np.int64)
-                peak = int(peaks[r])
-            key[slots_arr] += desc * S
-            makespan = max(makespan, peak)
-            slots = tuple(int(s) for s in slots_arr)
+                key[slots_arr] += desc * S
+                makespan = max(makespan, int(peaks[r]))
+                slots = tuple(int(s) for s in slots_arr)
             m = [0] * k
             for s, j in zip(slots, block_order):
                 m[j] = s
             member = tuple(m)
-        for s in slots:
-            c = s % N
+        if R == 1:
+            for s in slots:
+                if pen[s] == 0:
+                    pen[s] = penalty
+                    n_used[gid] += 1
+        else:
             row_view = pen.reshape(R, N)
-            if row_view[0, c] == 0:
-                row_view[:, c] = penalty
-                n_used[gid] += 1
+            for s in slots:
+                c = s % N
+                if row_view[0, c] == 0:
+                    row_view[:, c] = penalty
+                    n_used[gid] += 1
         out[i] = member
     return out, [int(x) // S for x in key]
 
@@ -495,7 +516,9 @@ def _huge(pieces) -> bool:
     return sum(sum(p) for p in pieces) >= _INT64_SAFE
 
 
-def _auto(weights, keys, pieces_of, max_split, run, num_shards, num_replicas, slack, max_runs: int = 12, max_levels: int = 64):
+def _auto(
+    weights, keys, pieces_of, max_split, run, num_shards, num_replicas, slack, max_runs: int = 12, max_levels: int = 64
+):
     """``split="auto"`` (module docstring, "Owner groups: auto"): lower a piece cap level by
     level from "nothing split", splitting the items with the largest piece to the smallest
     ``k`` under the cap, and return the first placement that meets the target."""
