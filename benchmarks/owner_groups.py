@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     models: dict[str, object] = {}
     header = (
         f"{'preset':<12}{'mesh':>9} {'split':<6}{'empty':>6}{'owned max/mean':>15}{'resident max/mean':>18}"
-        f"{'bound/mean':>11}{'split items':>12}  {'k distribution':<28}{'max k':>6}{'median ms':>10}{'min-max ms':>12}"
+        f"{'bound/mean':>11}{'split items':>12}  {'k distribution':<28}{'max k':>6}{'median ms':>10}{'min-max ms':>15}"
     )
     print(header)
     for name, mesh in CASES:
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{name:<12}{mesh_s:>9} {split:<6}{res.num_empty_slots:>6}{res.max_load / mean_numel:>15.3f}"
                 f"{max(resident) * S / sum(resident):>18.3f}{res.bound[0] / res.bound[1] / mean_numel:>11.3f}"
                 f"{sum(dist.values()):>12}  {' '.join(f'{k}:{c}' for k, c in sorted(dist.items())) or '-':<28}"
-                f"{max(ks):>6}{statistics.median(t):>10.1f}{f'{min(t):.1f}-{max(t):.1f}':>12}"
+                f"{max(ks):>6}{statistics.median(t):>10.1f}{f'{min(t):.1f}-{max(t):.1f}':>15}"
             )
     return 0
 

@@ -473,3 +473,27 @@ def test_groups_bad_inputs(kwargs, match):
     weights, pw, ms, keys, groups = (args.pop(n) for n in ("weights", "piece_weights", "max_split", "keys", "groups"))
     with pytest.raises(ValueError, match=match):
         lpt_partition_groups(weights, pw, ms, keys, groups, **args)
+
+
+def test_groups_large_weights_use_exact_integers():
+    w = [2**61, 2**61, 3, 5]
+
+    def piece_weights(i, k):
+        return tuple(w[i] // k + (j < w[i] % k) for j in range(k))
+
+    for split in (2, "auto"):
+        res = lpt_partition_groups(
+            w, piece_weights, [4, 4, 1, 1], list("abcd"), ["x", "x", "y", "y"], num_shards=4, split=split
+        )
+        assert res.members == ((0, 1), (2, 3), (1,), (0,))
+        assert res.loads == (2**60 + 5, 2**60 + 3, 2**60, 2**60)
+
+
+def test_groups_zero_weights_keep_distinct_members():
+    """Zero-weight items leave loads unchanged; a group must still get k distinct slots
+    (b takes slot 1 by the spread preference: a used coordinate 0 of boundary g)."""
+    res = lpt_partition_groups(
+        [0, 0, 0, 0], lambda i, k: (0,) * k, [1, 1, 2, 2], list("abcd"), ["g"] * 4, num_shards=2, split=2
+    )
+    assert res.members == ((0,), (1,), (0, 1), (0, 1))
+    assert res.loads == (0, 0)

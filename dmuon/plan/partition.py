@@ -71,7 +71,8 @@ owner above. Given ``k`` per item, one greedy pass places *pieces*::
                 choose the row whose peak max_j (l_j + p_j) is smallest (ties: lowest row);
                 mark the k shard coordinates used by the item's boundary
 
-With every ``k = 1`` this is :func:`lpt_partition`, slot for slot.
+With every ``k = 1`` this is :func:`lpt_partition`, slot for slot. (For ``R = 1`` a heap of
+``load * S + slot`` keys yields the ``k`` least-loaded slots; rows use a numpy partition.)
 
 **Guarantee.** Let ``T`` be the total piece weight, ``W`` the largest piece, ``S = R*N``, and
 ``K`` the largest group size. Then ``max(load) <= T/S + W`` when ``R = 1`` (or ``K = 1``), and
@@ -97,7 +98,7 @@ its peak is ``<= l_k + p_1 <= N/(N-k+1) * T/S + W``, and the chosen row's peak i
 the largest *piece* instead of the largest item, which is the point of splitting. With
 ``R > 1`` a group needs ``k`` slots in ONE row, and the row's ``k``-th lowest load is bounded
 only through the row's mean, hence the factor ``N/(N-K+1)`` on the mean term (``1 + (K-1)/(N-K+1)``;
-2 % for ``K = 3``, ``N = 128``). ``T/S + W`` does fail for ``R > 1``: ``R = 4, N = 3``, four
+1.6 % for ``K = 3``, ``N = 128``). ``T/S + W`` does fail for ``R > 1``: ``R = 4, N = 3``, four
 items of 28 and one of 26, all ``k = 2`` (blocks 14 and 13): every row is ``(14, 14, 0)``
 before the 26, which then peaks at ``14 + 13 = 27 > T/S + W = 11.5 + 14``.
 
@@ -136,7 +137,11 @@ choice of items to split may meet ``L`` with fewer pieces); monotonicity (MORE s
 be worse: Llama-3-405B on 1024 slots meets ``L`` with the 872 M-element MLP matrices at
 ``k = 2`` (max/mean 1.11) but not at ``k = 3`` (1.48: 1134 blocks on 1024 slots, pigeonhole),
 which is why the scan places levels in order instead of bisecting); that no slot owns
-nothing (step 4 is best effort; fewer pieces than slots leave slots empty by necessity).
+nothing (step 4 is best effort; fewer pieces than slots leave slots empty by necessity); the
+spread preference for a group's blocks (its ``k`` members are distinct shard coordinates, but
+they may share coordinates with other items of the same boundary); that the proven bound is
+close (it is about ``2x`` the mean on the Llama-3 plans where the placement reaches ``1.11x``:
+``W`` is one block, and LPT's last pieces fill the gaps the bound allows for).
 
 Complexity: one placement is O(items * S) numpy work (an argmin, or a partition of each row,
 per item); ``auto`` runs a handful of placements (Llama-3-405B on 4096 slots: about 0.15 s).
@@ -200,56 +205,16 @@ def lpt_partition(
     Raises:
         ValueError: mismatched lengths, duplicate keys, negative weights, non-positive mesh.
     """
-    n_items = len(weights)
-    if len(keys) != n_items or len(groups) != n_items:
-        raise ValueError("weights, keys and groups must have equal lengths")
-    if len(set(keys)) != n_items:
-        raise ValueError("item keys must be unique")
-    if num_shards < 1 or num_replicas < 1:
-        raise ValueError(f"mesh must be positive, got R={num_replicas}, N={num_shards}")
-    if any(int(w) != w or w < 0 for w in weights):
-        raise ValueError("weights must be non-negative integers")
+    _validate_common(weights, keys, groups, num_shards, num_replicas)
     num_slots = num_shards * num_replicas
     total = sum(int(w) for w in weights)
     w_max = max((int(w) for w in weights), default=0)
-    bound = (total + num_slots * w_max, num_slots)
-
-    order = sorted(range(n_items), key=lambda i: (-int(weights[i]), keys[i]))
-    dtype = np.int64 if total + w_max < _INT64_SAFE else object
-    loads = np.zeros(num_slots, dtype=dtype)
-    coord_of_slot = np.arange(num_slots) % num_shards
-    group_ids: dict[str, int] = {}
-    used_rows: list[np.ndarray] = []  # per group: bool[N] shard coordinates already used
-    # Masked argmin: loads + penalty, where penalty exceeds any reachable load.
-    penalty = (total + w_max + 1) if dtype is np.int64 else None
-
-    out = [0] * n_items
-    makespan = 0
-    for i in order:
-        w = int(weights[i])
-        gid = group_ids.setdefault(groups[i], len(group_ids))
-        if gid == len(used_rows):
-            used_rows.append(np.zeros(num_shards, dtype=bool))
-        used = used_rows[gid]
-        g = int(np.argmin(loads))
-        blocked = used[coord_of_slot]
-        if blocked.all():
-            e = g
-        elif penalty is not None:
-            e = int(np.argmin(loads + blocked * penalty))
-        else:
-            candidates = np.flatnonzero(~blocked)
-            e = int(candidates[int(np.argmin(loads[candidates]))])
-        load_e = int(loads[e])
-        c = e if load_e + w <= max(makespan, int(loads[g]) + w_max) else g
-        loads[c] += w
-        makespan = max(makespan, int(loads[c]))
-        used[c % num_shards] = True
-        out[i] = c
+    pieces = [(int(w),) for w in weights]
+    members, loads = _place(pieces, keys, groups, num_shards=num_shards, num_replicas=num_replicas)
     return PartitionResult(
-        slots=tuple(out),
-        loads=tuple(int(x) for x in loads),
-        bound=bound,
+        slots=tuple(m[0] for m in members),
+        loads=tuple(loads),
+        bound=(total + num_slots * w_max, num_slots),
     )
 
 
@@ -302,8 +267,9 @@ def _validate_common(weights, keys, groups, num_shards, num_replicas) -> None:
 
 
 def _place(pieces, keys, groups, *, num_shards, num_replicas):
-    """One greedy pass (module docstring, "Owner groups"): items in ``(-largest piece, key)``
-    order; a 1-piece item exactly as :func:`lpt_partition`; a ``k``-piece item on the ``k``
+    """One greedy pass (module docstring, "Owner groups"), :func:`lpt_partition`'s when every
+    item is one piece: items in ``(-largest piece, key)`` order; a 1-piece item as in the module
+    docstring's LPT step; a ``k``-piece item on the ``k``
     least-loaded slots of the replicate row whose resulting maximum is smallest (ties: lowest
     row), its largest block on the least-loaded slot. Returns ``(members, loads)``.
 
@@ -320,8 +286,9 @@ def _place(pieces, keys, groups, *, num_shards, num_replicas):
     dtype = np.int64 if 2 * penalty < _INT64_SAFE else object
     key = np.arange(S, dtype=np.int64).astype(dtype)
     key2d = key.reshape(R, N)  # a view
-    # R = 1: a heap of keys finds the k least-loaded slots in O(k log S); an entry v is stale
-    # once key[v % S] != v (the slot was loaded since), and is dropped when popped
+    # R = 1: a heap of keys finds the k least-loaded slots in O(k log S). It holds every slot's
+    # current key exactly once, plus stale older keys (key[v % S] != v: the slot was loaded
+    # since), dropped when popped
     heap = list(range(S)) if R == 1 else None
     key_list = list(range(S)) if R == 1 else None  # the same keys as Python ints (fast reads)
     group_ids: dict[str, int] = {}
@@ -338,14 +305,14 @@ def _place(pieces, keys, groups, *, num_shards, num_replicas):
             blocked.append(np.zeros(S, dtype=dtype))
             n_used.append(0)
         pen = blocked[gid]
-        if k == 1:  # lpt_partition's step, verbatim
+        if k == 1:  # the LPT step of the module docstring (spread preference)
             w = p[0]
             g = int(np.argmin(key))
             e = g if n_used[gid] == N else int(np.argmin(key + pen))
             load_e, load_g = int(key[e]) // S, int(key[g]) // S
             c = e if load_e + w <= max(makespan, load_g + w_max) else g
             key[c] += w * S
-            if heap is not None:
+            if heap is not None and w:  # (a zero weight leaves the slot's entry valid)
                 key_list[c] += w * S
                 heapq.heappush(heap, key_list[c])
             makespan = max(makespan, load_e + w if c == e else load_g + w)
