@@ -329,7 +329,7 @@ def fallback_cut_meets(shapes, R, N, slack) -> bool:
     return False
 
 
-@settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.filter_too_much])
+@settings(max_examples=25, deadline=None, database=None, suppress_health_check=[HealthCheck.filter_too_much])
 @given(fine_instances(), st.sampled_from([0.25, 0.5, 1.0, 2.0]))
 def test_groups_auto_meets_target_when_the_bound_allows(inst, slack):
     """Docstring guarantee: when a cut's proven bound meets the target, "auto" meets
@@ -405,23 +405,24 @@ LLAMA3_70B = dict(layers=80, hidden=8192, kv_dim=1024, inter=28672)
 
 
 @pytest.mark.parametrize(
-    "model, R, N, max_ratio",
+    "model, R, N, plain_empty, max_ratio",
     [
-        (LLAMA3_405B, 1, 1024, 1.12),
-        (LLAMA3_405B, 1, 4096, 1.12),
-        (LLAMA3_70B, 8, 128, 1.18),
-        (LLAMA3_70B, 1, 1024, 1.18),
+        (LLAMA3_405B, 1, 1024, 142, 1.12),
+        (LLAMA3_405B, 1, 4096, 3214, 1.12),
+        (LLAMA3_70B, 8, 128, 464, 1.18),
+        (LLAMA3_70B, 1, 1024, 464, 1.18),
     ],
 )
-def test_groups_llama_auto_balances_past_one_matrix_per_rank(model, R, N, max_ratio):
-    """The issue's cases: with exclusive owners ranks own nothing and max/mean is 2.2-8.9;
-    "auto" leaves no rank empty and max/mean under 1.25 (the figures in docs/planning.md)."""
+def test_groups_llama_auto_balances_past_one_matrix_per_rank(model, R, N, plain_empty, max_ratio):
+    """The issue's cases: exclusive owners leave ranks with nothing (142 of 1024 for 405B, 464
+    for 70B on 8 x 128, as the issue reports from today's plans) and max/mean 2.2-8.9; "auto"
+    leaves no rank empty and max/mean under 1.25."""
     shapes, keys, groups = llama_items(**model)
     max_split = [min(N, L) for L, _ in shapes]
     S = R * N
     total = sum(L * s for L, s in shapes)
     plain = group_call(shapes, max_split, keys, groups, N=N, R=R, split=1)
-    assert plain.num_empty_slots > 0 and plain.max_load * S > 2 * total
+    assert plain.num_empty_slots == plain_empty and plain.max_load * S > 2 * total
     res = group_call(shapes, max_split, keys, groups, N=N, R=R)
     check_structure(res, shapes, max_split, R, N)
     assert res.num_empty_slots == 0

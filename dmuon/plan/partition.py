@@ -143,8 +143,10 @@ they may share coordinates with other items of the same boundary); that the prov
 close (it is about ``2x`` the mean on the Llama-3 plans where the placement reaches ``1.11x``:
 ``W`` is one block, and LPT's last pieces fill the gaps the bound allows for).
 
-Complexity: one placement is O(items * S) numpy work (an argmin, or a partition of each row,
-per item); ``auto`` runs a handful of placements (Llama-3-405B on 4096 slots: about 0.15 s).
+Complexity: one placement is O(items * S) numpy work (two argmins per 1-piece item; per
+group a heap walk for ``R = 1``, a partition of each row for ``R > 1``); ``auto`` places a
+handful of levels (Llama-3-405B on 4096 slots: two, about 0.2 s on a busy 2-core machine;
+``benchmarks/owner_groups.py``).
 """
 
 from __future__ import annotations
