@@ -51,6 +51,102 @@ never nest).
 Complexity: O(items * S) with numpy vector ops (two masked argmins per item); 560 items on
 1024 slots run in milliseconds. Weights are exact integers (int64, or Python ints when the
 total could overflow int64).
+
+Owner groups (:func:`lpt_partition_groups`)
+-------------------------------------------
+
+Past one matrix per slot, exclusive owners cannot balance: the busiest slot holds at least
+the largest matrix. An item may instead be owned by a *group* of ``k`` slots: it is cut into
+``k`` blocks along its long side (the caller's ``piece_weights(i, k)``: the block weights in
+block order), member ``j`` owns block ``j``. The ``k`` members lie in ONE replicate row
+(``slot // N``) on ``k`` distinct shard coordinates, so ``k <= N``; ``k = 1`` is the exclusive
+owner above. Given ``k`` per item, one greedy pass places *pieces*::
+
+    sort items by (-largest piece, fqn)          # LPT over pieces; ties by FQN
+    W = largest piece over all items
+    for each item:
+        k = 1:  exactly the step above (spread preference, acceptance against M and W)
+        k >= 2: in every row r take the k least-loaded slots l_1 <= ... <= l_k (ties: lowest
+                index) and pair them with the blocks sorted largest first, p_1 >= ... >= p_k;
+                choose the row whose peak max_j (l_j + p_j) is smallest (ties: lowest row);
+                mark the k shard coordinates used by the item's boundary
+
+With every ``k = 1`` this is :func:`lpt_partition`, slot for slot. (For ``R = 1`` a heap of
+``load * S + slot`` keys yields the ``k`` least-loaded slots; rows use a numpy partition.)
+
+**Guarantee.** Let ``T`` be the total piece weight, ``W`` the largest piece, ``S = R*N``, and
+``K`` the largest group size. Then ``max(load) <= T/S + W`` when ``R = 1`` (or ``K = 1``), and
+``max(load) <= N/(N-K+1) * T/S + W`` when ``R > 1``. (``bound`` holds it as an exact fraction.)
+
+*Proof, R = 1.* We show the invariant ``max(load) - min(load) <= W``; at the end
+``min(load) <= T/S`` gives the bound. Start: all zero. A 1-piece step puts ``w <= W`` on
+``g`` (the minimum) or on ``e`` only if the result is ``<= max(M, load[g] + W)``; so the new
+maximum is ``<= max(M, m + W)`` (``m`` the old minimum) and the minimum does not drop: the gap
+stays ``<= W``. A group step with ``R = 1`` takes the ``k`` least-loaded slots of the whole
+mesh; let ``x_j = l_j + p_j``. Unchosen slots have load ``u >= l_k``, so ``x_a - u <= p_a <=
+W``. For two chosen ``a > b``: ``l_a >= l_b`` and ``p_a <= p_b``, so ``x_a - x_b <= l_a - l_b
+<= W`` (old gap) and ``x_b - x_a <= p_b <= W``. Loads only grow, so every new gap is ``<= W``. ∎
+
+*Proof, R > 1.* Each step leaves ``M <= max(M_before, N/(N-K+1) * T/S + W)``. A 1-piece step
+as in the 1-D proof: ``load[g] <= T/S``, new load ``<= max(M, T/S + W)``. A group step: let
+``ρ`` be the row with the smallest load sum; it is ``<= T/R``. In ``ρ`` the ``N - k + 1``
+slots from the ``k``-th least loaded up each hold ``>= l_k``, so ``l_k <= (T/R)/(N-k+1)``;
+its peak is ``<= l_k + p_1 <= N/(N-k+1) * T/S + W``, and the chosen row's peak is no larger.
+∎
+
+*What the group constraint costs.* With ``R = 1`` nothing: the bound is Graham's with ``W``
+the largest *piece* instead of the largest item, which is the point of splitting. With
+``R > 1`` a group needs ``k`` slots in ONE row, and the row's ``k``-th lowest load is bounded
+only through the row's mean, hence the factor ``N/(N-K+1)`` on the mean term (``1 + (K-1)/(N-K+1)``;
+1.6 % for ``K = 3``, ``N = 128``). ``T/S + W`` does fail for ``R > 1``: ``R = 4, N = 3``, four
+items of 28 and one of 26, all ``k = 2`` (blocks 14 and 13): every row is ``(14, 14, 0)``
+before the 26, which then peaks at ``14 + 13 = 27 > T/S + W = 11.5 + 14``.
+
+Owner groups: ``split="auto"``
+------------------------------
+
+The target is ``max(load) <= L = (1 + slack) * sum(weights) / S`` (the mean of the unsplit
+weights; with ``numel`` weights splitting does not change the total). ``auto`` chooses ``k``:
+
+1. Items that cannot get a piece ``<= L`` even at ``max_split`` (a TP-sharded or expert-stack
+   matrix with ``max_split = 1``, or too few shard ranks) bound every placement from below; ``L``
+   is raised to the largest such piece, and nothing else is split on their account.
+2. Every item above ``L`` gets the smallest ``k`` whose largest block is ``<= L`` (a larger cap
+   cannot meet ``L``); with no item above ``L`` this first level is plain LPT, so when plain
+   LPT meets ``L`` nothing is split. Then the cap is lowered level by level: the items holding
+   the current largest piece get the smallest ``k`` that lowers it (largest first). A level
+   is placed only when a cheap lower bound on ANY placement (largest piece, mean, pigeonhole
+   over the ``j*S + 1`` largest pieces) fits ``L``; the first placement that meets ``L`` wins.
+3. After 12 placements or 64 levels the scan gives up and places the cap ``slack * T/S``
+   (halved while the proven bound exceeds ``L``), where the bound meets ``L`` whenever the
+   pieces can get that small.
+4. Empty slots: while the winner leaves slots owning nothing, split the already-split items
+   with the largest blocks one block further (as many as there are empty slots, at most 3
+   rounds), keeping a round only if it still meets ``L`` and empties fewer slots.
+
+*Guaranteed:* ``k = 1`` everywhere when plain LPT meets ``L``; when any placed level or the
+step-3 cut meets ``L`` the result does (every placement is checked exactly, in integers);
+the step-3 cut meets ``L`` whenever its proven bound does: for ``R = 1`` whenever every item
+has a ``k <= max_split`` whose blocks are ``<= slack * T/S`` and sum to its weight (then
+``T/S + W <= L``), for ``R > 1`` whenever some halved cap ``c`` gives
+``N/(N-K+1) * T/S + c <= L``. Otherwise the result is the placement with the smallest
+maximum among those placed. The proven bound above holds for every result.
+
+*Not guaranteed:* the smallest ``k`` per item (the scan splits by largest piece first; another
+choice of items to split may meet ``L`` with fewer pieces); monotonicity (MORE splitting can
+be worse: Llama-3-405B on 1024 slots meets ``L`` with the 872 M-element MLP matrices at
+``k = 2`` (max/mean 1.11) but not at ``k = 3`` (1.48: 1134 blocks on 1024 slots, pigeonhole),
+which is why the scan places levels in order instead of bisecting); that no slot owns
+nothing (step 4 is best effort; fewer pieces than slots leave slots empty by necessity); the
+spread preference for a group's blocks (its ``k`` members are distinct shard coordinates, but
+they may share coordinates with other items of the same boundary); that the proven bound is
+close (it is about ``2x`` the mean on the Llama-3 plans where the placement reaches ``1.11x``:
+``W`` is one block, and LPT's last pieces fill the gaps the bound allows for).
+
+Complexity: one placement is O(items * S) numpy work (two argmins per 1-piece item; per
+group a heap walk for ``R = 1``, a partition of each row for ``R > 1``); ``auto`` places a
+handful of levels (Llama-3-405B on 4096 slots: two, about 0.2 s on a busy 2-core machine;
+``benchmarks/owner_groups.py``).
 """
 
 from __future__ import annotations
@@ -111,56 +207,16 @@ def lpt_partition(
     Raises:
         ValueError: mismatched lengths, duplicate keys, negative weights, non-positive mesh.
     """
-    n_items = len(weights)
-    if len(keys) != n_items or len(groups) != n_items:
-        raise ValueError("weights, keys and groups must have equal lengths")
-    if len(set(keys)) != n_items:
-        raise ValueError("item keys must be unique")
-    if num_shards < 1 or num_replicas < 1:
-        raise ValueError(f"mesh must be positive, got R={num_replicas}, N={num_shards}")
-    if any(int(w) != w or w < 0 for w in weights):
-        raise ValueError("weights must be non-negative integers")
+    _validate_common(weights, keys, groups, num_shards, num_replicas)
     num_slots = num_shards * num_replicas
     total = sum(int(w) for w in weights)
     w_max = max((int(w) for w in weights), default=0)
-    bound = (total + num_slots * w_max, num_slots)
-
-    order = sorted(range(n_items), key=lambda i: (-int(weights[i]), keys[i]))
-    dtype = np.int64 if total + w_max < _INT64_SAFE else object
-    loads = np.zeros(num_slots, dtype=dtype)
-    coord_of_slot = np.arange(num_slots) % num_shards
-    group_ids: dict[str, int] = {}
-    used_rows: list[np.ndarray] = []  # per group: bool[N] shard coordinates already used
-    # Masked argmin: loads + penalty, where penalty exceeds any reachable load.
-    penalty = (total + w_max + 1) if dtype is np.int64 else None
-
-    out = [0] * n_items
-    makespan = 0
-    for i in order:
-        w = int(weights[i])
-        gid = group_ids.setdefault(groups[i], len(group_ids))
-        if gid == len(used_rows):
-            used_rows.append(np.zeros(num_shards, dtype=bool))
-        used = used_rows[gid]
-        g = int(np.argmin(loads))
-        blocked = used[coord_of_slot]
-        if blocked.all():
-            e = g
-        elif penalty is not None:
-            e = int(np.argmin(loads + blocked * penalty))
-        else:
-            candidates = np.flatnonzero(~blocked)
-            e = int(candidates[int(np.argmin(loads[candidates]))])
-        load_e = int(loads[e])
-        c = e if load_e + w <= max(makespan, int(loads[g]) + w_max) else g
-        loads[c] += w
-        makespan = max(makespan, int(loads[c]))
-        used[c % num_shards] = True
-        out[i] = c
+    pieces = [(int(w),) for w in weights]
+    members, loads = _place(pieces, keys, groups, num_shards=num_shards, num_replicas=num_replicas)
     return PartitionResult(
-        slots=tuple(out),
-        loads=tuple(int(x) for x in loads),
-        bound=bound,
+        slots=tuple(m[0] for m in members),
+        loads=tuple(loads),
+        bound=(total + num_slots * w_max, num_slots),
     )
 
 
@@ -213,8 +269,9 @@ def _validate_common(weights, keys, groups, num_shards, num_replicas) -> None:
 
 
 def _place(pieces, keys, groups, *, num_shards, num_replicas):
-    """One greedy pass (module docstring, "Owner groups"): items in ``(-largest piece, key)``
-    order; a 1-piece item exactly as :func:`lpt_partition`; a ``k``-piece item on the ``k``
+    """One greedy pass (module docstring, "Owner groups"), :func:`lpt_partition`'s when every
+    item is one piece: items in ``(-largest piece, key)`` order; a 1-piece item as in the module
+    docstring's LPT step; a ``k``-piece item on the ``k``
     least-loaded slots of the replicate row whose resulting maximum is smallest (ties: lowest
     row), its largest block on the least-loaded slot. Returns ``(members, loads)``.
 
@@ -231,6 +288,11 @@ def _place(pieces, keys, groups, *, num_shards, num_replicas):
     dtype = np.int64 if 2 * penalty < _INT64_SAFE else object
     key = np.arange(S, dtype=np.int64).astype(dtype)
     key2d = key.reshape(R, N)  # a view
+    # R = 1: a heap of keys finds the k least-loaded slots in O(k log S). It holds every slot's
+    # current key exactly once, plus stale older keys (key[v % S] != v: the slot was loaded
+    # since), dropped when popped
+    heap = list(range(S)) if R == 1 else None
+    key_list = list(range(S)) if R == 1 else None  # the same keys as Python ints (fast reads)
     group_ids: dict[str, int] = {}
     blocked: list[np.ndarray] = []  # per group: key offset, penalty where the coordinate is used
     n_used: list[int] = []
@@ -245,45 +307,62 @@ def _place(pieces, keys, groups, *, num_shards, num_replicas):
             blocked.append(np.zeros(S, dtype=dtype))
             n_used.append(0)
         pen = blocked[gid]
-        if k == 1:  # lpt_partition's step, verbatim
+        if k == 1:  # the LPT step of the module docstring (spread preference)
             w = p[0]
             g = int(np.argmin(key))
             e = g if n_used[gid] == N else int(np.argmin(key + pen))
             load_e, load_g = int(key[e]) // S, int(key[g]) // S
             c = e if load_e + w <= max(makespan, load_g + w_max) else g
             key[c] += w * S
+            if heap is not None and w:  # (a zero weight leaves the slot's entry valid)
+                key_list[c] += w * S
+                heapq.heappush(heap, key_list[c])
             makespan = max(makespan, load_e + w if c == e else load_g + w)
             slots = (c,)
             member = slots
         else:
             # block order: largest block first (ties: lower block), onto ascending loads
             block_order = sorted(range(k), key=lambda j: (-p[j], j))
-            desc = np.array([p[j] for j in block_order], dtype=dtype)
-            if R == 1:
-                part = key[np.argpartition(key, k - 1)[:k]] if k < N else key.copy()
-                part = np.sort(part)
-                slots_arr = part % S
-                peak = int((part // S + desc).max())
+            desc = [p[j] for j in block_order]
+            if heap is not None:
+                lowest: list[int] = []
+                while len(lowest) < k:
+                    v = heapq.heappop(heap)
+                    if key_list[v % S] == v:
+                        lowest.append(v)
+                slots = tuple(v % S for v in lowest)
+                for v, s, d in zip(lowest, slots, desc):
+                    nv = v + d * S
+                    key_list[s] = nv
+                    heapq.heappush(heap, nv)
+                key[list(slots)] = np.array([key_list[s] for s in slots], dtype=dtype)
+                makespan = max(makespan, max(key_list[s] for s in slots) // S)
             else:
+                desc = np.array(desc, dtype=dtype)
                 part = np.partition(key2d, k - 1, axis=1)[:, :k] if k < N else key2d.copy()
                 part = np.sort(part, axis=1)
                 peaks = (part // S + desc[None, :]).max(axis=1)
                 r = int(np.argmin(peaks))  # ties: lowest row
-                slots_arr = part[r] % S
-                peak = int(peaks[r])
-            key[slots_arr] += desc * S
-            makespan = max(makespan, peak)
-            slots = tuple(int(s) for s in slots_arr)
+                slots_arr = (part[r] % S).astype(np.int64)
+                key[slots_arr] += desc * S
+                makespan = max(makespan, int(peaks[r]))
+                slots = tuple(int(s) for s in slots_arr)
             m = [0] * k
             for s, j in zip(slots, block_order):
                 m[j] = s
             member = tuple(m)
-        for s in slots:
-            c = s % N
+        if R == 1:
+            for s in slots:
+                if pen[s] == 0:
+                    pen[s] = penalty
+                    n_used[gid] += 1
+        else:
             row_view = pen.reshape(R, N)
-            if row_view[0, c] == 0:
-                row_view[:, c] = penalty
-                n_used[gid] += 1
+            for s in slots:
+                c = s % N
+                if row_view[0, c] == 0:
+                    row_view[:, c] = penalty
+                    n_used[gid] += 1
         out[i] = member
     return out, [int(x) // S for x in key]
 
@@ -313,7 +392,11 @@ def lpt_partition_groups(
         num_shards: N. num_replicas: R.
         split: ``"auto"`` (choose ``k`` per item) or an int ``k >= 1``: every item uses
             ``min(k, max_split[i])``. ``split=1`` gives exactly :func:`lpt_partition`'s slots.
-        slack: ``"auto"``'s target is ``max(loads) <= (1 + slack) * sum(weights) / (R*N)``.
+        slack: ``"auto"``'s target is ``max(loads) <= (1 + slack) * sum(weights) / (R*N)``
+            (raised to the largest piece of an item that cannot get under it).
+
+    Returns:
+        :class:`GroupPartitionResult`, members aligned to the input order.
 
     Raises:
         ValueError: as :func:`lpt_partition`; a bad ``max_split``, ``split`` or ``slack``; a
@@ -359,7 +442,7 @@ def lpt_partition_groups(
         raise ValueError(f"split must be 'auto' or an int >= 1, got {split!r}")
     if split != "auto":
         return run([min(int(split), int(m)) for m in max_split])
-    return _auto(weights, pieces_of, max_split, run, num_shards, num_replicas, Fraction(slack))
+    return _auto(weights, keys, pieces_of, max_split, run, num_shards, num_replicas, Fraction(slack))
 
 
 def result_bound(ks, pieces_of, num_shards: int, num_replicas: int) -> tuple[int, int]:
@@ -402,7 +485,9 @@ def _huge(pieces) -> bool:
     return sum(sum(p) for p in pieces) >= _INT64_SAFE
 
 
-def _auto(weights, pieces_of, max_split, run, num_shards, num_replicas, slack, max_runs: int = 12, max_levels: int = 64):
+def _auto(
+    weights, keys, pieces_of, max_split, run, num_shards, num_replicas, slack, max_runs: int = 12, max_levels: int = 64
+):
     """``split="auto"`` (module docstring, "Owner groups: auto"): lower a piece cap level by
     level from "nothing split", splitting the items with the largest piece to the smallest
     ``k`` under the cap, and return the first placement that meets the target."""
@@ -422,23 +507,24 @@ def _auto(weights, pieces_of, max_split, run, num_shards, num_replicas, slack, m
             got = results[ks] = run(list(ks))
         return got
 
-    w_max = max(weights, default=0)
-    if w_max * S <= limit:  # level 0, nothing split (an item above the target cannot be unsplit)
-        plain = result(tuple([1] * n_items))
-        if meets(plain):
-            return plain
-    # Levels above the target cannot meet it (their largest piece exceeds it): jump to the
-    # smallest k under the target for every item above it.
-    cap = limit / S
-    ks = [1] * n_items
-    largest = list(weights)
-    for i, w in enumerate(weights):
-        if w > cap:
-            ks[i] = _smallest_k_under(i, w, int(max_split[i]), cap, pieces_of)
-            largest[i] = max(pieces_of(i, ks[i]))
+    def jump(cap):
+        """Every item above ``cap`` at the smallest k whose largest piece is under it."""
+        ks = [1] * n_items
+        largest = list(weights)
+        for i, w in enumerate(weights):
+            if w > cap:
+                ks[i] = _smallest_k_under(i, w, int(max_split[i]), cap, pieces_of)
+                largest[i] = max(pieces_of(i, ks[i]))
+        return ks, largest
+
+    # Levels above the target cannot meet it (their largest piece exceeds it): the scan starts
+    # with every item above the target split to the smallest k under it; with no item above it,
+    # the first level is plain LPT (nothing split).
+    ks, largest = jump(limit / S)
     floor = max(largest, default=0)
-    if floor > cap:  # an item that may not split (far enough) is above the target: raise it
-        limit = Fraction(floor * S)
+    if floor * S > limit:  # an item that may not split (far enough) stays above the target:
+        limit = Fraction(floor * S)  # that is the target then, and nothing else splits for it
+        ks, largest = jump(limit / S)
     heap = [(-largest[i], i) for i in range(n_items) if ks[i] < max_split[i] and largest[i] > 0]
     heapq.heapify(heap)
     fixed_max = max((largest[i] for i in range(n_items) if not (ks[i] < max_split[i] and largest[i] > 0)), default=0)
@@ -451,7 +537,7 @@ def _auto(weights, pieces_of, max_split, run, num_shards, num_replicas, slack, m
                 res = result(tuple(ks))
                 runs += 1
                 if meets(res):
-                    return _fill_empty_slots(tuple(ks), result, meets, pieces_of, max_split, weights)
+                    return _fill_empty_slots(tuple(ks), result, meets, pieces_of, max_split, weights, keys)
                 if runs >= max_runs:
                     break
         if not heap:
@@ -462,7 +548,7 @@ def _auto(weights, pieces_of, max_split, run, num_shards, num_replicas, slack, m
         while heap and -heap[0][0] == level:
             _, i = heapq.heappop(heap)
             m, w = int(max_split[i]), weights[i]
-            k = max(ks[i] + 1, min(m, math.ceil(w / level)))
+            k = max(ks[i] + 1, min(m, -(-w // level)))
             while k < m and max(pieces_of(i, k)) >= level:
                 k += 1
             ks[i] = k
@@ -483,7 +569,7 @@ def _auto(weights, pieces_of, max_split, run, num_shards, num_replicas, slack, m
         cap /= 2
     res = result(ks_g)
     if meets(res):
-        return _fill_empty_slots(ks_g, result, meets, pieces_of, max_split, weights)
+        return _fill_empty_slots(ks_g, result, meets, pieces_of, max_split, weights, keys)
     return min(results.values(), key=lambda r: (r.max_load, sum(len(m) for m in r.members)))
 
 
@@ -491,13 +577,15 @@ def _smallest_k_under(i, w, m, cap, pieces_of) -> int:
     """The smallest ``k >= ceil(w / cap)``, ``<= m``, whose largest piece is ``<= cap``."""
     if w <= cap or m == 1:
         return 1
+    if cap <= 0:
+        return m
     k = min(m, max(2, math.ceil(w / cap)))
     while k < m and max(pieces_of(i, k)) > cap:
         k += 1
     return k
 
 
-def _fill_empty_slots(ks, result, meets, pieces_of, max_split, weights, rounds: int = 3):
+def _fill_empty_slots(ks, result, meets, pieces_of, max_split, weights, keys, rounds: int = 3):
     """Split further (one more block each, items with the largest blocks first) while slots own
     nothing and the target still holds; the first run that breaks the target or does not reduce
     the empty slots ends it."""
@@ -508,7 +596,7 @@ def _fill_empty_slots(ks, result, meets, pieces_of, max_split, weights, rounds: 
             break
         cand = sorted(
             (i for i, k in enumerate(ks) if k < max_split[i] and weights[i] > 0 and k > 1),
-            key=lambda i: (-max(pieces_of(i, ks[i])), i),
+            key=lambda i: (-max(pieces_of(i, ks[i])), keys[i]),
         )
         if not cand:
             break
