@@ -58,6 +58,8 @@ SHAPES = [
     ("small N=4", 4, 128, 128), ("small N=4", 2, 128, 512),
     ("large N=2", 16, 256, 256), ("large N=2", 8, 256, 1024),
     ("large N=4", 8, 256, 256), ("large N=4", 4, 256, 1024),
+    # the MLP's up projection as a tall batch (B, 4d, d), i.e. the transposed view inside NS
+    ("large N=2, tall", 8, 1024, 256),
 ]
 FP32 = torch.float32
 

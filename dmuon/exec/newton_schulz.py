@@ -460,27 +460,60 @@ def gram_ns_from_gram(g: Tensor, *, coefficients: Coefficients, steps: int) -> T
 
 
 def _gram_q(R: Tensor, schedule: Sequence[Triple]) -> Tensor:
-    """:func:`gram_ns_from_gram` on a (B, d, d) batch and a resolved schedule."""
-    # Z = a·I + W with W = b·R + c·R², and every product with Z is evaluated as a·M + M·W in
-    # one fused baddbmm: the large a·I part is never rounded on its own (in bf16 that alone
-    # costs ~2x accuracy), as in Dao-AILab/gram-newton-schulz.
-    # W of the first step becomes Q in place once R no longer needs it (no copy).
+    """:func:`gram_ns_from_gram` on a (B, d, d) batch and a resolved schedule (``R`` is not
+    modified): ``Q = A·I + Q'`` from :func:`_gram_poly`."""
+    Qs, A = _gram_poly(R, schedule)
+    Qs.diagonal(dim1=-2, dim2=-1).add_(A)
+    return Qs
+
+
+def _gram_poly(
+    R: Tensor, schedule: Sequence[Triple], workspace: Optional[list[Tensor]] = None
+) -> tuple[Tensor, float]:
+    """One Gram NS segment on a (B, d, d) batch: ``(Q', A)`` with the segment's factor
+    ``Q = Z_L ⋯ Z_1 = A·I + Q'`` (``Q'`` a new tensor; ``R`` is not modified).
+
+    ``W_k = b_k R_k + c_k R_k²``, ``Z_k = a_k I + W_k``, and every product with ``Z_k`` is one
+    fused ``baddbmm`` (``a·M + M·W``): the large ``a·I`` part is never rounded on its own (in
+    bf16 that alone costs ~2x accuracy), as in Dao-AILab/gram-newton-schulz. A one-step segment
+    returns ``(W, a)``, so the caller applies it as ``a·X + W·X`` in one ``baddbmm``: exactly the
+    standard iteration's step. A longer one returns ``(Q, 0)``: its ``Π a`` (12 for two "muon"
+    steps, 484 for five) would cancel against ``Q'`` in low precision. The ``(d, d)``
+    intermediates live in ``workspace``, a list of free ``R``-shaped buffers that the caller may
+    share between segments (taken from and given back to as values die, ``out=``; fresh buffers
+    when it runs dry).
+    """
+    spare: list[Tensor] = [] if workspace is None else workspace
+
+    def buf() -> Tensor:
+        return spare.pop() if spare else torch.empty_like(R, memory_format=torch.contiguous_format)
+
+    if not schedule:
+        return torch.zeros_like(R, memory_format=torch.contiguous_format), 1.0
     Q: Optional[Tensor] = None
     last = len(schedule) - 1
     for k, (a, b, c) in enumerate(schedule):
-        W = torch.baddbmm(R, R, R, beta=b, alpha=c)  # b·R + c·R²
+        W = torch.baddbmm(R, R, R, beta=b, alpha=c, out=buf())  # b·R + c·R²
         if k < last:
-            RZ = torch.baddbmm(R, R, W, beta=a)  # R·Z
-            R = torch.baddbmm(RZ, W, RZ, beta=a)  # Z·R·Z
-            R = (R + R.mT).mul_(0.5)
+            RZ = torch.baddbmm(R, R, W, beta=a, out=buf())  # R·Z
+            ZRZ = torch.baddbmm(RZ, W, RZ, beta=a, out=buf())  # Z·R·Z
+            if k > 0:
+                spare.append(R)
+            R = torch.add(ZRZ, ZRZ.mT, out=RZ).mul_(0.5)  # symmetrised, into RZ's storage
+            spare.append(ZRZ)
+        elif k > 0:
+            spare.append(R)
+        if last == 0:
+            return W, a  # Q = a·I + W
         if Q is None:
             Q = W
             Q.diagonal(dim1=-2, dim2=-1).add_(a)  # Q = Z
         else:
-            Q = torch.baddbmm(Q, Q, W, beta=a)  # Q·Z
-    if Q is None:
-        Q = torch.eye(R.shape[-1], dtype=R.dtype, device=R.device).expand_as(R).clone()
-    return Q
+            nxt = torch.baddbmm(Q, Q, W, beta=a, out=buf())  # Q·Z
+            spare += [Q, W]
+            Q = nxt
+    assert Q is not None
+    return Q, 0.0
 
 
 @functools.lru_cache(maxsize=64)
@@ -613,26 +646,66 @@ def gram_newton_schulz(
 
     lead, m, n = x.shape[:-2], x.shape[-2], x.shape[-1]
     tall = m > n
-    X = x.reshape(-1, m, n).to(dtype, copy=True)
+    X0 = x.reshape(-1, m, n)
+    if X0.dtype != dtype:
+        X0 = X0.to(dtype)
     if tall:
-        X = X.mT
-    norms = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
+        X0 = X0.mT
+    norms = torch.linalg.vector_norm(X0, dim=(-2, -1), keepdim=True)
     scale = norms.clamp(min=eps)
-    X.div_(scale)
-    X0 = X
-    for segment in segments:
-        X = torch.bmm(_gram_q(_symmetric_gram(X), segment), X)
+    # X0 = x / scale is never formed when x already has the iteration dtype: the first Gram is
+    # x·xᵀ / scale² and the first factor is divided by the scale instead (d² elements, not d·D;
+    # one (B, d, D) buffer and a pass fewer).
+    scaled_input = bool(segments) and X0.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    if not scaled_input:
+        if X0.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+            X0 = X0.clone()
+        X0.div_(scale)
+    # Workspace of the call: the Gram (re-formed per segment in the same storage; after the loop
+    # it is the last segment's, which the fallback check reads) and two (B, d, D) buffers that the
+    # segments' products alternate between (x itself is never written).
+    B, d = X0.shape[0], X0.shape[-2]
+    G = X0.new_empty((B, d, d)) if segments else None
+    spare: list[Tensor] = []
+    work: list[Tensor] = []  # free (B, d, d) buffers, shared by the segments
+    Q, A, X = None, 1.0, X0
+    for j, segment in enumerate(segments):
+        G = _symmetric_gram(X, out=G)
+        if j == 0 and scaled_input:
+            G.div_(scale.square())
+        if Q is not None:
+            work.append(Q)
+        Q, A = _gram_poly(G, segment, work)  # the segment's factor A·I + Q
+        Y = spare.pop() if spare else torch.empty_like(X, memory_format=torch.contiguous_format)
+        if j == 0 and scaled_input:
+            P = torch.div(Q, scale, out=work.pop() if work else None)
+            P.diagonal(dim1=-2, dim2=-1).add_(A / scale.reshape(-1, 1))
+            torch.bmm(P, X, out=Y)  # (A·I + Q)/scale · x
+            work.append(P)
+        elif A:
+            torch.baddbmm(X, Q, X, beta=A, out=Y)  # A·X + Q·X
+        else:
+            torch.bmm(Q, X, out=Y)
+        if X is not X0:
+            spare.append(X)
+        X = Y
 
     if fallback and segments:
         min_slope, max_gain = schedule_gain_bounds(schedule)
         top = _GRAM_FALLBACK_MARGIN * max_gain
         floor = min_slope / _GRAM_FALLBACK_MARGIN
         acc = torch.promote_types(X.dtype, torch.float32)
-        inner = (X * X0).sum(dim=(-2, -1), dtype=acc)
+        inner = _batched_inner(X, X0, acc)
+        if scaled_input:
+            inner = inner / scale.reshape(-1).to(acc)
         # ‖X0‖_F²: 1, or 0 for a zero matrix; from the norms, without another pass over X0
         x0_sq = (norms / scale).square().reshape(-1).to(acc)
         # NaN / inf compare False, so they count as bad.
-        ok = (_spectral_norm_estimate(X) <= top) & (inner >= floor * x0_sq)
+        if _gram_estimate_is_tight(segments[-1], dtype):
+            norm_estimate = _gram_spectral_norm_estimate(Q, A, G)
+        else:
+            norm_estimate = _spectral_norm_estimate(X)
+        ok = (norm_estimate <= top) & (inner >= floor * x0_sq)
         bad = ~ok
         if bool(bad.any()):
             idx = bad.nonzero().flatten()
@@ -647,37 +720,51 @@ def gram_newton_schulz(
                 stacklevel=2,
             )
             redo = _newton_schulz(x.reshape(-1, m, n)[idx], schedule, eps, dtype)
-            X = X.clone()
             X[idx] = redo.mT if tall else redo
     if tall:
         X = X.mT
     return X.reshape(*lead, m, n)
 
 
-def _symmetric_gram(X: Tensor) -> Tensor:
-    """``X Xᵀ`` of a ``(B, d, K)`` batch, exactly symmetric, in ``X``'s dtype.
+def _batched_inner(Y: Tensor, X: Tensor, acc: torch.dtype) -> Tensor:
+    """``⟨Y_b, X_b⟩`` (Frobenius) per matrix of two ``(B, d, D)`` batches, in ``acc``: one
+    ``(1, dD)·(dD, 1)`` product per matrix where both are contiguous (a single pass, no
+    temporary), else an elementwise product and sum."""
+    if Y.is_contiguous() and X.is_contiguous() and Y.dtype == acc:
+        return torch.bmm(Y.reshape(Y.shape[0], 1, -1), X.reshape(X.shape[0], -1, 1)).reshape(-1)
+    return (Y * X).sum(dim=(-2, -1), dtype=acc)
 
-    ``d < GRAM_SYM_MIN_SIDE``: one ``bmm``, symmetrised as ``(G + Gᵀ)/2``. Otherwise only the
-    lower blocks are multiplied (:func:`dmuon.plan.cost.gram_product_flops`: 3/4 of the FLOPs):
-    with ``h = d // 2``, ``G[:, :h] = X·X[:h]ᵀ`` and ``G[h:, h:] = X[h:]·X[h:]ᵀ``, and the upper
-    right block is the transpose of the lower left one; the two diagonal blocks are symmetrised
-    as ``(B + Bᵀ)/2`` (``d²/2`` elements). Each entry is the dot product a full ``bmm`` computes,
-    up to the kernel's summation order.
+
+def _symmetric_gram(X: Tensor, out: Optional[Tensor] = None) -> Tensor:
+    """``X Xᵀ`` of a ``(B, d, K)`` batch, exactly symmetric, in ``X``'s dtype (written into
+    ``out``, a ``(B, d, d)`` buffer, when given).
+
+    ``d < GRAM_SYM_MIN_SIDE``: one ``bmm``. Otherwise only the blocks on and below the diagonal
+    are multiplied (:func:`dmuon.plan.cost.gram_product_flops`: 3/4 of the FLOPs): with
+    ``h = d // 2``, the first ``h`` rows ``G[:, :h] = X[:h]·Xᵀ`` and ``G[h:, h:] = X[h:]·X[h:]ᵀ``
+    go straight into their (row-strided) places in ``G``, and the lower left block is the
+    transpose of the upper right one. Diagonal blocks (the whole ``G`` below the threshold) are
+    symmetrised as ``(B + Bᵀ)/2``, a no-op where the kernel is symmetric already. Each entry is
+    the dot product a full ``bmm`` computes, up to the kernel's summation order.
     """
-    d = X.shape[-2]
+    B, d = X.shape[0], X.shape[-2]
+    G = X.new_empty((B, d, d)) if out is None else out
     if d < GRAM_SYM_MIN_SIDE:
-        G = torch.bmm(X, X.mT)
-        return (G + G.mT).mul_(0.5)
+        torch.bmm(X, X.mT, out=G)
+        return _symmetrize_(G)
     h = d // 2
-    G = X.new_empty((X.shape[0], d, d))
-    left = torch.bmm(X, X[:, :h].mT)  # (B, d, h): G[:, :, :h]
-    top = left[:, :h]
-    G[:, :h, :h] = (top + top.mT).mul_(0.5)
-    G[:, h:, :h] = left[:, h:]
-    G[:, :h, h:] = left[:, h:].mT
-    bottom = torch.bmm(X[:, h:], X[:, h:].mT)
-    G[:, h:, h:] = (bottom + bottom.mT).mul_(0.5)
+    torch.bmm(X[:, :h], X.mT, out=G[:, :h])
+    torch.bmm(X[:, h:], X[:, h:].mT, out=G[:, h:, h:])
+    G[:, h:, :h] = G[:, :h, h:].mT
+    _symmetrize_(G[:, :h, :h])
+    _symmetrize_(G[:, h:, h:])
     return G
+
+
+def _symmetrize_(A: Tensor) -> Tensor:
+    """``A <- (A + Aᵀ)/2`` in place (exactly symmetric: both triangles get the same sum)."""
+    A.copy_(torch.add(A, A.mT).mul_(0.5))
+    return A
 
 
 def sharded_gram_newton_schulz(
@@ -774,6 +861,52 @@ def _spectral_norm_estimate(X: Tensor) -> Tensor:
         norm = v.to(acc).square().sum(dim=-1, keepdim=True).sqrt_()
         v = (v / norm.clamp_(min=1e-30)).to(X.dtype)
     return torch.bmm(v, X).to(acc).square().sum(dim=(-2, -1)).sqrt_()
+
+
+#: Largest worst-case error of :func:`_gram_spectral_norm_estimate`'s ``Q G Qᵀ`` against the
+#: result's ``Y Yᵀ`` (on eigenvalues ``<= max_gain² ~ 1.44``) for which the check uses it.
+_GRAM_ESTIMATE_MAX_ERROR = 0.1
+
+
+def _gram_estimate_is_tight(segment: Sequence[Triple], dtype: torch.dtype) -> bool:
+    """Whether ``Q G Qᵀ`` (the last segment's factor and Gram) stands for the result's
+    ``Y Yᵀ`` in the fallback check: ``G`` carries rounding of relative size ``eps(dtype)``,
+    which ``Q`` amplifies by up to ``‖Q‖² <= (Π |a|)²`` over the segment's steps (the
+    polynomial's value at 0). Tight when that error stays below
+    :data:`_GRAM_ESTIMATE_MAX_ERROR`: in fp32 for every "muon" last segment of up to 5 steps and every
+    "polar_express" one but a 5-step segment from step 1 (whose ``Π a`` is ~1000); in bf16 / fp16 only for a one-step
+    last segment with ``a <= 3.5`` (the default restarts with "muon": 3.4445² · 2⁻⁷ = 0.093).
+    Otherwise — a long last segment in low precision, exactly where rounding of
+    ``G``'s small eigenvalues makes the Gram form unstable — the check multiplies the result
+    itself (:func:`_spectral_norm_estimate`)."""
+    amp = math.prod(abs(a) for a, _, _ in segment)
+    return amp * amp * torch.finfo(dtype).eps <= _GRAM_ESTIMATE_MAX_ERROR
+
+
+def _gram_spectral_norm_estimate(Q: Tensor, A: float, G: Tensor) -> Tensor:
+    """A lower estimate of ``‖Y_b‖_2``, ``Y = (A·I + Q)·X``, per matrix from ``(B, d, d)``
+    factors alone, where ``G = X Xᵀ``: ``Y Yᵀ = P G Pᵀ`` with ``P = A·I + Q``, so
+    ``_POWER_STEPS`` power iterations on ``P G Pᵀ`` (three row-vector products with ``(d, d)``
+    matrices each, ``6·d²`` FLOPs, instead of two passes over the ``(d, D)`` result) from a
+    fixed pseudo-random start (deterministic), in ``Q``'s dtype. Returns ``sqrt(uᵀ G u)`` with
+    ``uᵀ = vᵀ P``, ``‖v‖ = 1``, which never exceeds the true norm beyond the rounding of ``G``
+    (:func:`_gram_estimate_is_tight` says when that is small), so a value clearly above a limit
+    shows the limit exceeded. Non-finite factors give a non-finite estimate. (Row vectors:
+    ``vᵀ·M`` streams ``M`` in its own layout; the column form ``M·v`` runs 10-40x slower in CPU
+    ``bmm``.)
+    """
+    acc = torch.promote_types(Q.dtype, torch.float32)
+    g = torch.Generator(device="cpu").manual_seed(0x5EED)
+    v = torch.randn(1, 1, Q.shape[-1], generator=g, dtype=torch.float32)
+    v = v.to(device=Q.device, dtype=Q.dtype).expand(Q.shape[0], -1, -1).contiguous()
+    Qt = Q.mT
+    for _ in range(_POWER_STEPS):
+        u = torch.bmm(torch.baddbmm(v, v, Q, beta=A), G)  # vᵀ P G
+        v = torch.baddbmm(u, u, Qt, beta=A)  # vᵀ P G Pᵀ
+        # the sum of squares as one (1, d)·(d, 1) product per matrix
+        v = v * torch.bmm(v, v.mT).clamp_(min=1e-30).rsqrt_()
+    u = torch.baddbmm(v, v, Q, beta=A)
+    return torch.bmm(torch.bmm(u, G), u.mT).reshape(-1).to(acc).clamp_(min=0).sqrt_()
 
 
 def gram_ns_flops(
