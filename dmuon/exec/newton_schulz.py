@@ -30,7 +30,8 @@ Backends (:data:`NS_BACKENDS`; every one is a pure function with the same keywor
   ``max(m, n) >> min(m, n)``, and the form tensor parallelism needs
   (:func:`gram_ns_from_gram`).
 - ``"auto"``: :func:`auto_newton_schulz`: ``"gram"`` where it needs fewer FLOPs for the
-  matrix's shape, ``"standard"`` elsewhere (opt-in, like ``"gram"``).
+  matrix's shape and the short side is at least 256, ``"standard"`` elsewhere (opt-in, like
+  ``"gram"``).
 
 Coefficient presets (:data:`NS_PRESETS`) are orthogonal to the backend: ``"muon"`` (Jordan
 et al.) and ``"polar_express"`` (Amsel et al., arXiv 2505.16932) run on either.
@@ -316,12 +317,13 @@ def auto_newton_schulz(
 ) -> Tensor:
     """:func:`gram_newton_schulz` (default restarts, safe fallback) where it needs fewer matmul
     FLOPs than :func:`newton_schulz` for ``x``'s matrix shape and ``steps``, else
-    :func:`newton_schulz` — the rule :func:`dmuon.plan.cost.choose_ns_backend` (ties: standard).
+    :func:`newton_schulz` and the short side reaches ``GRAM_AUTO_MIN_SIDE`` — the rule
+    :func:`dmuon.plan.cost.choose_ns_backend` (ties: standard).
 
     Every matrix of a batch has the same shape, so one call runs one backend. Same arguments,
     shapes and result as the backend it picks. With 5 steps: Gram NS for ``(d, D)`` with
-    ``D > 1.26·d`` (``d >= 128``; ``D > 1.5·d`` below), e.g. an MLP's ``(4d, d)`` weights; the
-    standard iteration on square matrices. Measured deviation and savings:
+    ``d >= GRAM_AUTO_MIN_SIDE`` (256) and ``D > 1.26·d``, e.g. an MLP's ``(4d, d)`` weights from
+    ``d = 256``; the standard iteration on square and thinner matrices. Measured deviation and savings:
     docs/newton_schulz.md ("auto").
     """
     _check_input(x, dtype, "auto_newton_schulz")
@@ -355,18 +357,35 @@ def _newton_schulz(x: Tensor, schedule: tuple[Triple, ...], eps: float, dtype: t
             X = X.T
         return X
 
+    # Batched: the same kernels on the same operands as above, so the same values, with the
+    # call's tensors allocated once: A and B, and two (B, d, D) buffers the steps alternate
+    # between (the first is the normalised copy of x, reinterpreted in the wide layout once the
+    # first step has read it). A fresh tensor per step costs page faults on CPU.
     lead = x.shape[:-2]
     batch = math.prod(lead)
-    X = x.reshape(batch, m, n).to(dtype, copy=True)
-    if m > n:
-        X = X.mT
-    norms = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
-    X.div_(norms.clamp_(min=eps))
-    for a, b, c in schedule:
-        A = torch.bmm(X, X.mT)
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-        X = torch.baddbmm(X, B, X, beta=a)
-    if m > n:
+    tall = m > n
+    d, D = (n, m) if tall else (m, n)
+    src = x.reshape(batch, m, n)
+    if src.dtype == dtype:  # the normalised copy in one pass: x / ‖x‖ (same values as copy, then /=)
+        norms = torch.linalg.vector_norm(src, dim=(-2, -1), keepdim=True)
+        Xc = torch.div(src, norms.clamp_(min=eps))
+    else:
+        Xc = src.to(dtype, copy=True)
+        norms = torch.linalg.vector_norm(Xc, dim=(-2, -1), keepdim=True)
+        Xc.div_(norms.clamp_(min=eps))
+    X = Xc.mT if tall else Xc
+    if schedule:
+        A = Xc.new_empty((batch, d, d))
+        Bm = torch.empty_like(A)
+        bufs: list[Optional[Tensor]] = [Xc.view(batch, d, D), None]
+        for k, (a, b, c) in enumerate(schedule):
+            torch.bmm(X, X.mT, out=A)
+            torch.baddbmm(A, A, A, beta=b, alpha=c, out=Bm)
+            out = bufs[(k + 1) % 2]
+            if out is None:
+                out = bufs[1] = Xc.new_empty((batch, d, D))
+            X = torch.baddbmm(X, Bm, X, beta=a, out=out)
+    if tall:
         X = X.mT
     return X.reshape(*lead, m, n)
 
@@ -562,10 +581,13 @@ def gram_newton_schulz(
     :func:`newton_schulz` with the same ``coefficients``/``steps``/``eps``, evaluated as:
 
     1. ``X = x.to(dtype)``, wide orientation ``(d, D)``, ``d <= D`` (tall input transposed),
-       ``X /= max(‖X‖_F, eps)`` per matrix — exactly :func:`newton_schulz`'s prologue;
+       ``X /= max(‖X‖_F, eps)`` per matrix — :func:`newton_schulz`'s prologue (when ``x`` is
+       already in ``dtype`` the scaled copy is not formed: the first Gram is divided by the
+       squared norm and the first factor by the norm, which differs only by rounding);
     2. for each segment of the schedule between restarts (:func:`gram_segments`):
        ``G = X Xᵀ`` (exactly symmetric; from ``d >= 128`` only its lower blocks are multiplied,
-       :func:`_symmetric_gram`), ``Q = gram_ns_from_gram(G, segment)``, ``X = Q X``;
+       :func:`_symmetric_gram`), ``Q = gram_ns_from_gram(G, segment)``, ``X = Q X`` (for a
+       one-step segment as ``a·X + W·X`` in one ``baddbmm``, the standard step itself);
     3. transpose back.
 
     Only ``(d, d)`` products run inside a segment; ``(d, D)`` products only at its ends. A
@@ -603,7 +625,10 @@ def gram_newton_schulz(
 
     - it is not finite, or
     - its largest singular value exceeds ``1.1·max_gain`` (a deterministic 8-step power
-      iteration gives a lower estimate, so this is never a false alarm), or
+      iteration gives a lower estimate, so this is never a false alarm; for ``D > 1.5·d`` it
+      runs on the last segment's ``(d, d)`` factor and Gram, ``Y Yᵀ = Q G Qᵀ``, where their
+      rounding is small enough for that, :func:`_gram_estimate_is_tight`: fp32 with these
+      presets, and bf16 with the default restarts; otherwise on ``Y`` itself), or
     - ``⟨Y, X⟩ < 0.9·min_slope`` for the normalised input ``X`` (``‖X‖_F = 1``; exact:
       ``⟨Y, X⟩ = Σ P(s_i)·s_i >= min_slope``): the result lost the input's directions;
 
@@ -615,8 +640,9 @@ def gram_newton_schulz(
     singular values from 12 to 7e8); the third catches a result turned away from its input,
     which ``Q``'s rounding error (relative to ``‖Q‖``, i.e. up to ``Π a``) can cause on
     low-rank input when restarts are sparse. None of them catches the milder loss of
-    accuracy above: with the default restarts no zoo matrix falls back. Cost: ~``36·d·D``
-    FLOPs per matrix and one host synchronisation per call.
+    accuracy above: with the default restarts no zoo matrix falls back. Cost per matrix: one
+    pass over ``Y`` and the input (``⟨Y, X⟩``), ``~48·d²`` FLOPs of power iteration on the
+    factors (``~32·d·D`` on ``Y``), and one host synchronisation per call.
 
     Shapes, dtype, zero input: as :func:`newton_schulz` (``(m, n)`` or ``(..., m, n)``;
     result in ``dtype`` with ``x``'s shape, a tall 2-D input's result is a transposed view;
@@ -701,7 +727,8 @@ def gram_newton_schulz(
         # ‖X0‖_F²: 1, or 0 for a zero matrix; from the norms, without another pass over X0
         x0_sq = (norms / scale).square().reshape(-1).to(acc)
         # NaN / inf compare False, so they count as bad.
-        if _gram_estimate_is_tight(segments[-1], dtype):
+        # on the factors: 3 products with (d, d) per power step against 2 with (d, D) on Y
+        if 3 * d < 2 * X.shape[-1] and _gram_estimate_is_tight(segments[-1], dtype):
             norm_estimate = _gram_spectral_norm_estimate(Q, A, G)
         else:
             norm_estimate = _spectral_norm_estimate(X)
@@ -739,7 +766,7 @@ def _symmetric_gram(X: Tensor, out: Optional[Tensor] = None) -> Tensor:
     """``X Xᵀ`` of a ``(B, d, K)`` batch, exactly symmetric, in ``X``'s dtype (written into
     ``out``, a ``(B, d, d)`` buffer, when given).
 
-    ``d < GRAM_SYM_MIN_SIDE``: one ``bmm``. Otherwise only the blocks on and below the diagonal
+    ``d < GRAM_SYM_MIN_SIDE``: one ``bmm``. Otherwise only the blocks on and above the diagonal
     are multiplied (:func:`dmuon.plan.cost.gram_product_flops`: 3/4 of the FLOPs): with
     ``h = d // 2``, the first ``h`` rows ``G[:, :h] = X[:h]·Xᵀ`` and ``G[h:, h:] = X[h:]·X[h:]ᵀ``
     go straight into their (row-strided) places in ``G``, and the lower left block is the
