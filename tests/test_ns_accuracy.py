@@ -126,58 +126,58 @@ BOUNDS = {
     },
     "gram": {
         "fp32": {
-            "gauss_1x1": (0.23, 1e-05),  # measured 0.196, 2.8e-06
-            "gauss_1x4": (0.25, 7e-06),  # measured 0.215, 1.7e-06
+            "gauss_1x1": (0.23, 1e-05),  # measured 0.196, 2.7e-06
+            "gauss_1x4": (0.25, 5e-06),  # measured 0.215, 1.7e-06
             "gauss_4x1": (0.25, 5e-06),  # measured 0.216, 1.6e-06
-            "gauss_1x16": (0.30, 7e-06),  # measured 0.258, 1.7e-06
-            "cond_1e2": (0.23, 7e-06),  # measured 0.191, 2.3e-06
+            "gauss_1x16": (0.30, 7e-06),  # measured 0.258, 1.8e-06
+            "cond_1e2": (0.23, 1e-05),  # measured 0.191, 2.4e-06
             "cond_1e4": (0.22, 1e-05),  # measured 0.188, 2.6e-06
-            "cond_1e6": (0.22, 1e-05),  # measured 0.191, 2.8e-06
-            "cond_1e4_tall": (0.22, 7e-06),  # measured 0.188, 2.2e-06
-            "rank4": (0.26, 5e-06),  # measured 0.222, 1.5e-06
+            "cond_1e6": (0.22, 1e-05),  # measured 0.191, 2.6e-06
+            "cond_1e4_tall": (0.22, 7e-06),  # measured 0.188, 2.3e-06
+            "rank4": (0.26, 5e-06),  # measured 0.222, 1.6e-06
             "rank4_tall": (0.26, 1.5e-06),  # measured 0.226, 4.3e-07
-            "rank1": (0.35, 1e-05),  # measured 0.304, 2.5e-06
+            "rank1": (0.35, 1e-05),  # measured 0.304, 2.4e-06
         },
         "bf16": {
-            "gauss_1x1": (0.32, 0.1),  # measured 0.205, 2.9e-02
-            "gauss_1x4": (0.30, 0.07),  # measured 0.223, 2.3e-02
-            "gauss_4x1": (0.34, 0.1),  # measured 0.225, 2.6e-02
-            "gauss_1x16": (0.38, 0.1),  # measured 0.273, 2.9e-02
-            "cond_1e2": (0.32, 0.1),  # measured 0.199, 2.6e-02
-            "cond_1e4": (0.31, 0.1),  # measured 0.196, 3.0e-02
-            "cond_1e6": (0.32, 0.1),  # measured 0.197, 3.2e-02
-            "cond_1e4_tall": (0.31, 0.1),  # measured 0.194, 2.5e-02
-            "rank4": (0.35, 0.1),  # measured 0.227, 2.7e-02
-            "rank4_tall": (0.29, 0.05),  # measured 0.224, 1.0e-02
-            "rank1": (0.49, 0.15),  # measured 0.316, 3.7e-02
+            "gauss_1x1": (0.32, 0.1),  # measured 0.200, 2.7e-02
+            "gauss_1x4": (0.30, 0.07),  # measured 0.218, 2.1e-02
+            "gauss_4x1": (0.34, 0.1),  # measured 0.220, 2.4e-02
+            "gauss_1x16": (0.35, 0.07),  # measured 0.266, 2.2e-02
+            "cond_1e2": (0.32, 0.1),  # measured 0.194, 2.4e-02
+            "cond_1e4": (0.31, 0.1),  # measured 0.191, 2.8e-02
+            "cond_1e6": (0.32, 0.1),  # measured 0.192, 3.1e-02
+            "cond_1e4_tall": (0.31, 0.1),  # measured 0.190, 2.4e-02
+            "rank4": (0.35, 0.1),  # measured 0.223, 2.8e-02
+            "rank4_tall": (0.29, 0.05),  # measured 0.221, 1.2e-02
+            "rank1": (0.49, 0.15),  # measured 0.307, 3.4e-02
         },
     },
     "gram_pe": {
         "fp32": {
-            "gauss_1x1": (0.11, 3e-05),  # measured 0.085, 7.5e-06
+            "gauss_1x1": (0.11, 3e-05),  # measured 0.085, 7.3e-06
             "gauss_1x4": (0.10, 1e-05),  # measured 0.081, 2.9e-06
-            "gauss_4x1": (0.11, 1e-05),  # measured 0.086, 3.0e-06
-            "gauss_1x16": (0.11, 1e-05),  # measured 0.085, 3.0e-06
-            "cond_1e2": (0.11, 2e-05),  # measured 0.086, 5.2e-06
-            "cond_1e4": (0.11, 3e-05),  # measured 0.089, 9.5e-06
-            "cond_1e6": (0.12, 3e-05),  # measured 0.094, 1.0e-05
-            "cond_1e4_tall": (0.11, 1.5e-05),  # measured 0.089, 4.6e-06
+            "gauss_4x1": (0.11, 1.5e-05),  # measured 0.086, 3.5e-06
+            "gauss_1x16": (0.11, 1e-05),  # measured 0.085, 2.6e-06
+            "cond_1e2": (0.11, 2e-05),  # measured 0.086, 5.7e-06
+            "cond_1e4": (0.11, 5e-05),  # measured 0.089, 1.1e-05
+            "cond_1e6": (0.12, 3e-05),  # measured 0.094, 9.5e-06
+            "cond_1e4_tall": (0.11, 2e-05),  # measured 0.089, 5.0e-06
             "rank4": (0.08, 3e-05),  # measured 0.058, 8.1e-06
-            "rank4_tall": (0.13, 3e-05),  # measured 0.105, 7.1e-06
-            "rank1": (0.15, 0.00015),  # measured 0.123, 4.3e-05
+            "rank4_tall": (0.13, 3e-05),  # measured 0.105, 6.9e-06
+            "rank1": (0.15, 0.00015),  # measured 0.123, 3.8e-05
         },
         "bf16": {
             "gauss_1x1": (0.27, 0.15),  # measured 0.088, 3.4e-02
-            "gauss_1x4": (0.21, 0.1),  # measured 0.079, 2.3e-02
-            "gauss_4x1": (0.21, 0.1),  # measured 0.086, 2.7e-02
-            "gauss_1x16": (0.17, 0.07),  # measured 0.083, 2.2e-02
+            "gauss_1x4": (0.21, 0.1),  # measured 0.079, 2.4e-02
+            "gauss_4x1": (0.21, 0.1),  # measured 0.087, 2.7e-02
+            "gauss_1x16": (0.17, 0.07),  # measured 0.083, 2.3e-02
             "cond_1e2": (0.21, 0.1),  # measured 0.091, 3.3e-02
             "cond_1e4": (0.33, 0.2),  # measured 0.104, 6.0e-02
-            "cond_1e6": (0.34, 0.2),  # measured 0.112, 5.9e-02
-            "cond_1e4_tall": (0.21, 0.1),  # measured 0.090, 3.3e-02
-            "rank4": (0.42, 0.3),  # measured 0.119, 9.8e-02
-            "rank4_tall": (0.29, 0.15),  # measured 0.096, 3.5e-02
-            "rank1": (0.97, 0.7),  # measured 0.300, 3.0e-01
+            "cond_1e6": (0.34, 0.2),  # measured 0.111, 5.9e-02
+            "cond_1e4_tall": (0.27, 0.15),  # measured 0.091, 3.4e-02
+            "rank4": (0.42, 0.3),  # measured 0.120, 1.0e-01
+            "rank4_tall": (0.29, 0.15),  # measured 0.097, 3.4e-02
+            "rank1": (0.97, 0.7),  # measured 0.300, 2.9e-01
         },
     },
 }
@@ -205,20 +205,20 @@ MAIN_BOUNDS = {
     },
     "gram": {
         "fp32": {
-            "gpt_small_q": (0.22, 1e-05),  # measured 0.191, 3.0e-06
+            "gpt_small_q": (0.22, 1e-05),  # measured 0.191, 3.1e-06
             "gpt_small_up": (0.22, 1e-05),  # measured 0.182, 2.5e-06
             "gpt_small_down": (0.22, 7e-06),  # measured 0.190, 2.0e-06
             "gpt_large_q": (0.22, 7e-06),  # measured 0.182, 2.1e-06
-            "gpt_large_up": (0.22, 1.5e-05),  # measured 0.182, 3.9e-06
-            "gpt_large_down": (0.22, 1e-05),  # measured 0.185, 3.3e-06
+            "gpt_large_up": (0.22, 1.5e-05),  # measured 0.182, 4.0e-06
+            "gpt_large_down": (0.22, 1e-05),  # measured 0.185, 3.2e-06
         },
         "bf16": {
-            "gpt_small_q": (0.32, 0.1),  # measured 0.197, 2.5e-02
-            "gpt_small_up": (0.31, 0.1),  # measured 0.191, 2.4e-02
-            "gpt_small_down": (0.28, 0.07),  # measured 0.196, 2.1e-02
-            "gpt_large_q": (0.31, 0.1),  # measured 0.189, 2.4e-02
-            "gpt_large_up": (0.27, 0.07),  # measured 0.190, 2.1e-02
-            "gpt_large_down": (0.27, 0.07),  # measured 0.194, 2.2e-02
+            "gpt_small_q": (0.32, 0.1),  # measured 0.192, 2.4e-02
+            "gpt_small_up": (0.27, 0.07),  # measured 0.186, 2.2e-02
+            "gpt_small_down": (0.28, 0.07),  # measured 0.191, 1.9e-02
+            "gpt_large_q": (0.27, 0.07),  # measured 0.185, 2.3e-02
+            "gpt_large_up": (0.27, 0.07),  # measured 0.185, 1.8e-02
+            "gpt_large_down": (0.27, 0.07),  # measured 0.188, 1.8e-02
         },
     },
 }
