@@ -23,9 +23,15 @@ within a round, and the table gives their median and [min-max] over the rounds. 
   that over the matmul rate; ``of peak``: over the theoretical peak of one core
   (``--flops-per-cycle`` x the nominal clock of /proc/cpuinfo; boost clocks are higher).
 
+With ``--kernels``, a third table: the matmul kernels both iterations are made of, timed alone in
+the same rounds (``(d, d)·(d, d)`` and ``(d, d)·(d, D)`` as ``baddbmm``, ``X Xᵀ`` full and as the
+symmetric blocks), their GFLOP/s, and the time ratio Gram / standard they imply with no other
+work (``3·(Gram + QX) + 11·dd`` against ``5·(XXᵀ + dd + QX)`` for 5 steps and the default
+restarts): the best the kernels allow, to read the measured ratio against.
+
 Usage::
 
-    python benchmarks/ns_backends.py --rounds 9 --baseline 1f558c3 [--json out.json]
+    python benchmarks/ns_backends.py --rounds 9 --baseline e56e164 [--kernels] [--json out.json]
 
 Single thread (``torch.set_num_threads(1)``): the ranks of step_time.py run one each. Times are
 this thread's CPU time by default (``--clock cpu``, ``time.thread_time``): all the work of a
@@ -51,6 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dmuon.exec import newton_schulz as ns  # noqa: E402
+from dmuon.plan.cost import gram_product_flops  # noqa: E402
 
 # (label, B, d, D): matrices per owner rank, batched as dmuon.Muon does (fp32)
 SHAPES = [
@@ -58,6 +65,8 @@ SHAPES = [
     ("small N=4", 4, 128, 128), ("small N=4", 2, 128, 512),
     ("large N=2", 16, 256, 256), ("large N=2", 8, 256, 1024),
     ("large N=4", 8, 256, 256), ("large N=4", 4, 256, 1024),
+    # the MLP's up projection as a tall batch (B, 4d, d), i.e. the transposed view inside NS
+    ("large N=2, tall", 8, 1024, 256),
 ]
 FP32 = torch.float32
 
@@ -123,6 +132,7 @@ def main(argv=None) -> int:
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
                         help="cpu: this thread's CPU time (time.thread_time; robust to a shared, "
                              "oversubscribed machine, where wall time mostly measures the scheduler); wall")
+    parser.add_argument("--kernels", action="store_true", help="also time the iterations' matmul kernels alone")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     global _clock
@@ -196,9 +206,45 @@ def main(argv=None) -> int:
             g = r["gflops"][k]
             print(f"| {r['label']} | {B} x {d} x {D} | {mmg:.1f} | {k} | {ms:.2f} [{lo:.2f}-{hi:.2f}] | "
                   f"{g:.1f} | {g / mmg:.2f} | {g / peak:.2f} |")
+    kernels = _kernel_table(shapes, args.rounds) if args.kernels else []
     if args.json:
-        args.json.write_text(json.dumps({"cpu": cpu, "peak_gflops": peak, "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"cpu": cpu, "peak_gflops": peak, "rows": rows, "kernels": kernels},
+                                        indent=1))
     return 0
+
+
+def _kernel_table(shapes, rounds: int) -> list:
+    """The matmul kernels of both iterations alone, interleaved per round (see the module doc)."""
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    print("\n| size, N | batch | dd GF/s | QX GF/s | XXᵀ GF/s | sym XXᵀ GF/s | dd / QX rate | kernel-only gram / standard |")
+    print("|---|---|---|---|---|---|---|---|")
+    for label, B, d, D in shapes:
+        if d > D:
+            continue
+        X = torch.randn(B, d, D, generator=gen) / D**0.5
+        R = torch.randn(B, d, d, generator=gen) / d
+        G, W, Y = torch.empty(B, d, d), torch.empty(B, d, d), torch.empty(B, d, D)
+        ks = {"dd": lambda: torch.baddbmm(R, R, R, beta=0.5, alpha=2.0, out=W),
+              "qx": lambda: torch.baddbmm(X, R, X, beta=3.4, out=Y),
+              "xx": lambda: torch.bmm(X, X.mT, out=G),
+              "sym": lambda: ns._symmetric_gram(X, out=G)}
+        t = {k: [] for k in ks}
+        for _ in range(rounds):
+            for k, fn in ks.items():
+                t[k].append(_time(fn, 3))
+        med = {k: statistics.median(v) for k, v in t.items()}
+        fl = {"dd": 2 * B * d**3, "qx": 2 * B * d * d * D, "xx": 2 * B * d * d * D,
+              "sym": B * gram_product_flops(d, D)}
+        gfs = {k: fl[k] / med[k] / 1e9 for k in ks}
+        std_t = 5 * (med["xx"] + med["dd"] + med["qx"])
+        gram_t = 3 * (med["sym"] + med["qx"]) + 11 * med["dd"]
+        row = {"label": label, "shape": [B, d, D], "ms": {k: v * 1e3 for k, v in med.items()}, "gflops": gfs,
+               "kernel_ratio": gram_t / std_t}
+        out.append(row)
+        print(f"| {label} | {B} x {d} x {D} | {gfs['dd']:.1f} | {gfs['qx']:.1f} | {gfs['xx']:.1f} | "
+              f"{gfs['sym']:.1f} | {gfs['dd'] / gfs['qx']:.2f} | {gram_t / std_t:.3f} |")
+    return out
 
 
 if __name__ == "__main__":

@@ -44,37 +44,54 @@ def test_choose_ns_backend_rule():
     # d >= 128: Gram 10.5 d²D + 22 d³ (symmetric X Xᵀ) vs standard 20 d²D + 10 d³: D > 1.26 d
     assert cost.matrix_ns_flops(256, 1024, "gram") == 10.5 * 256**2 * 1024 + 22 * 256**3
     assert cost.matrix_ns_flops(1024, 256, "standard") == 20 * 256**2 * 1024 + 10 * 256**3
-    assert cost.choose_ns_backend((128, 162), "auto") == "gram"  # 162 > 1.26·128 = 161.7
-    assert cost.choose_ns_backend((161, 128), "auto") == "standard"
-    # d < 128: 12 d²D + 22 d³ vs 20 d²D + 10 d³: D > 1.5 d; a tie goes to torch's iteration
-    assert cost.choose_ns_backend((64, 96), "auto") == "standard"
-    assert cost.choose_ns_backend((97, 64), "auto") == "gram"
+    assert cost.GRAM_AUTO_MIN_SIDE == 256
+    assert cost.choose_ns_backend((256, 324), "auto") == "gram"  # 9.5 d²D > 12 d³: D > 1.263·256 = 323.4
+    assert cost.choose_ns_backend((323, 256), "auto") == "standard"
+    assert cost.choose_ns_backend((1024, 256), "auto") == "gram"  # the large GPT's MLP
+    # below GRAM_AUTO_MIN_SIDE: standard whatever the FLOPs (the small GPT's 128 x 512 MLP)
+    assert cost.choose_ns_backend((128, 512), "auto") == "standard"
+    assert cost.choose_ns_backend((255, 4096), "auto") == "standard"
     assert cost.choose_ns_backend((512, 512), "auto") == "standard"
-    # a restart before every step is the standard iteration's FLOPs: a tie; no steps: nothing to save
-    assert cost.choose_ns_backend((64, 4096), "auto", restart_every=1) == "standard"
-    assert cost.choose_ns_backend((64, 4096), "auto", steps=0) == "standard"
+    # a restart before every step: from d = 128 the symmetric X Xᵀ alone saves; no steps: nothing to save
+    assert cost.choose_ns_backend((256, 4096), "auto", restart_every=1) == "gram"
+    assert cost.choose_ns_backend((256, 4096), "auto", steps=0) == "standard"
     assert cost.choose_ns_backend((8, 8), "gram") == "gram"
     with pytest.raises(ValueError, match="ns_backend must be one of"):
         cost.choose_ns_backend((8, 8), "fast")
 
 
-@pytest.mark.parametrize("size, expect_ratio", [("small", 0.8266), ("large", 0.8266)])
+def test_choose_ns_backend_flop_rule_below_the_side_threshold(monkeypatch):
+    """The FLOP part of the rule on its own (the threshold lowered, as the tiny-model tests
+    below do): d < 128 counts a general Gram product, 12 d²D + 22 d³ vs 20 d²D + 10 d³:
+    D > 1.5 d; from 128, D > 1.26 d; a tie goes to torch's iteration."""
+    monkeypatch.setattr(cost, "GRAM_AUTO_MIN_SIDE", 1)
+    assert cost.choose_ns_backend((128, 162), "auto") == "gram"  # 162 > 1.26·128 = 161.7
+    assert cost.choose_ns_backend((161, 128), "auto") == "standard"
+    assert cost.choose_ns_backend((64, 96), "auto") == "standard"
+    assert cost.choose_ns_backend((97, 64), "auto") == "gram"
+    # below d = 128 a restart before every step is the standard iteration's FLOPs: a tie
+    assert cost.choose_ns_backend((64, 4096), "auto", restart_every=1) == "standard"
+
+
+@pytest.mark.parametrize("size, expect_ratio", [("small", 1.0), ("large", 0.8266)])
 def test_compile_auto_records_backends_and_balances_their_flops(size, expect_ratio):
     model = _gpt(size)
+    gram_mlp = min(SIZES[size]["d_model"], SIZES[size]["d_mlp"]) >= cost.GRAM_AUTO_MIN_SIDE
     std = dmuon.plan.compile(model, 4, cost_model="ns_flops")
     auto = dmuon.plan.compile(model, 4, cost_model="ns_flops", ns_backend="auto")
     assert "ns_backend" not in std.to_json()  # default plans keep their JSON and fingerprint
     assert dmuon.plan.ShardingPlan.from_json(auto.to_json()) == auto
     for spec in auto.params:
         mlp = spec.fqn.endswith(("up_proj.weight", "down_proj.weight"))
-        assert spec.ns_backend == ("gram" if mlp else "standard"), spec.fqn
+        assert spec.ns_backend == ("gram" if mlp and gram_mlp else "standard"), spec.fqn
         assert std.param(spec.fqn).ns_backend == "standard"
     # the per-rank NS FLOPs of the schedule are the FLOPs of the recorded backends
     per_rank = [s.ns_flops for s in auto.rank_stats()]
     assert sum(per_rank) == sum(cost.spec_ns_flops(p) for p in auto.params)
     assert max(per_rank) == sum(per_rank) // 4  # balanced exactly (N divides every block's matrices)
     ratio = max(per_rank) / max(s.ns_flops for s in std.rank_stats())
-    assert ratio == pytest.approx(expect_ratio, abs=1e-4)  # MLP d x 4d: 0.711 of its standard FLOPs
+    # large: MLP d x 4d at 0.711 of its standard FLOPs; small (d = 128): all standard
+    assert ratio == pytest.approx(expect_ratio, abs=1e-4)
     gram_all = dmuon.plan.compile(model, 4, ns_backend="gram")
     assert {p.ns_backend for p in gram_all.params} == {"gram"}
     with pytest.raises(ValueError, match="ns_backend must be one of"):
@@ -93,8 +110,8 @@ def test_param_spec_ns_backend_validation():
         dataclasses.replace(spec, tp_size=2, tp_shard_dim=1, tp_ns="gram", ns_backend="gram")
 
 
-@pytest.mark.parametrize("shape, backend", [((4, 128, 512), "gram"), ((512, 128), "gram"),
-                                            ((3, 64, 64), "standard"), ((36, 8), "gram")])
+@pytest.mark.parametrize("shape, backend", [((2, 256, 512), "gram"), ((512, 256), "gram"),
+                                            ((4, 128, 512), "standard"), ((3, 64, 64), "standard")])
 def test_auto_newton_schulz_is_the_backend_it_picks(shape, backend):
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
     for dtype in (torch.float32, torch.bfloat16):
@@ -115,7 +132,8 @@ def _tagged(model: nn.Module, plan) -> list[torch.Tensor]:
     return list(model.parameters())
 
 
-def test_muon_checks_the_plans_backend():
+def test_muon_checks_the_plans_backend(monkeypatch):
+    monkeypatch.setattr(cost, "GRAM_AUTO_MIN_SIDE", 1)  # the tiny MLP's (64, 16) runs Gram NS
     model = GPT(GPTConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, d_mlp=64, seq_len=8), seed=0)
     auto = dmuon.plan.compile(model, 1, ns_backend="auto")
     std = dmuon.plan.compile(model, 1)
@@ -130,7 +148,8 @@ def test_muon_checks_the_plans_backend():
 
 
 def _tiny_gpt() -> nn.Module:
-    """The main job's GPT, tiny: square attention projections (standard) and (64, 16) MLP (Gram)."""
+    """The main job's GPT, tiny: square attention projections (standard) and (64, 16) MLP (Gram
+    once the workers lower ``GRAM_AUTO_MIN_SIDE``)."""
     return GPT(GPTConfig(vocab_size=11, d_model=16, n_layers=2, n_heads=2, d_mlp=64, seq_len=8), seed=0)
 
 
@@ -143,6 +162,7 @@ def _auto_worker(steps):
     from oracle import dmuon_muon_kwargs, global_batches, lm_loss
 
     torch.set_num_threads(1)
+    cost.GRAM_AUTO_MIN_SIDE = 1  # this worker process only: the FLOP rule picks Gram for the MLP
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _tiny_gpt()
     plan = dmuon.dedicate_params(model, None, cost_model="ns_flops", ns_backend="auto")

@@ -30,7 +30,8 @@ Backends (:data:`NS_BACKENDS`; every one is a pure function with the same keywor
   ``max(m, n) >> min(m, n)``, and the form tensor parallelism needs
   (:func:`gram_ns_from_gram`).
 - ``"auto"``: :func:`auto_newton_schulz`: ``"gram"`` where it needs fewer FLOPs for the
-  matrix's shape, ``"standard"`` elsewhere (opt-in, like ``"gram"``).
+  matrix's shape and the short side is at least 256, ``"standard"`` elsewhere (opt-in, like
+  ``"gram"``).
 
 Coefficient presets (:data:`NS_PRESETS`) are orthogonal to the backend: ``"muon"`` (Jordan
 et al.) and ``"polar_express"`` (Amsel et al., arXiv 2505.16932) run on either.
@@ -316,12 +317,13 @@ def auto_newton_schulz(
 ) -> Tensor:
     """:func:`gram_newton_schulz` (default restarts, safe fallback) where it needs fewer matmul
     FLOPs than :func:`newton_schulz` for ``x``'s matrix shape and ``steps``, else
-    :func:`newton_schulz` — the rule :func:`dmuon.plan.cost.choose_ns_backend` (ties: standard).
+    :func:`newton_schulz` and the short side reaches ``GRAM_AUTO_MIN_SIDE`` — the rule
+    :func:`dmuon.plan.cost.choose_ns_backend` (ties: standard).
 
     Every matrix of a batch has the same shape, so one call runs one backend. Same arguments,
     shapes and result as the backend it picks. With 5 steps: Gram NS for ``(d, D)`` with
-    ``D > 1.26·d`` (``d >= 128``; ``D > 1.5·d`` below), e.g. an MLP's ``(4d, d)`` weights; the
-    standard iteration on square matrices. Measured deviation and savings:
+    ``d >= GRAM_AUTO_MIN_SIDE`` (256) and ``D > 1.26·d``, e.g. an MLP's ``(4d, d)`` weights from
+    ``d = 256``; the standard iteration on square and thinner matrices. Measured deviation and savings:
     docs/newton_schulz.md ("auto").
     """
     _check_input(x, dtype, "auto_newton_schulz")
@@ -355,18 +357,35 @@ def _newton_schulz(x: Tensor, schedule: tuple[Triple, ...], eps: float, dtype: t
             X = X.T
         return X
 
+    # Batched: the same kernels on the same operands as above, so the same values, with the
+    # call's tensors allocated once: A and B, and two (B, d, D) buffers the steps alternate
+    # between (the first is the normalised copy of x, reinterpreted in the wide layout once the
+    # first step has read it). A fresh tensor per step costs page faults on CPU.
     lead = x.shape[:-2]
     batch = math.prod(lead)
-    X = x.reshape(batch, m, n).to(dtype, copy=True)
-    if m > n:
-        X = X.mT
-    norms = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
-    X.div_(norms.clamp_(min=eps))
-    for a, b, c in schedule:
-        A = torch.bmm(X, X.mT)
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-        X = torch.baddbmm(X, B, X, beta=a)
-    if m > n:
+    tall = m > n
+    d, D = (n, m) if tall else (m, n)
+    src = x.reshape(batch, m, n)
+    if src.dtype == dtype:  # the normalised copy in one pass: x / ‖x‖ (same values as copy, then /=)
+        norms = torch.linalg.vector_norm(src, dim=(-2, -1), keepdim=True)
+        Xc = torch.div(src, norms.clamp_(min=eps))
+    else:
+        Xc = src.to(dtype, copy=True)
+        norms = torch.linalg.vector_norm(Xc, dim=(-2, -1), keepdim=True)
+        Xc.div_(norms.clamp_(min=eps))
+    X = Xc.mT if tall else Xc
+    if schedule:
+        A = Xc.new_empty((batch, d, d))
+        Bm = torch.empty_like(A)
+        bufs: list[Optional[Tensor]] = [Xc.view(batch, d, D), None]
+        for k, (a, b, c) in enumerate(schedule):
+            torch.bmm(X, X.mT, out=A)
+            torch.baddbmm(A, A, A, beta=b, alpha=c, out=Bm)
+            out = bufs[(k + 1) % 2]
+            if out is None:
+                out = bufs[1] = Xc.new_empty((batch, d, D))
+            X = torch.baddbmm(X, Bm, X, beta=a, out=out)
+    if tall:
         X = X.mT
     return X.reshape(*lead, m, n)
 
@@ -460,27 +479,60 @@ def gram_ns_from_gram(g: Tensor, *, coefficients: Coefficients, steps: int) -> T
 
 
 def _gram_q(R: Tensor, schedule: Sequence[Triple]) -> Tensor:
-    """:func:`gram_ns_from_gram` on a (B, d, d) batch and a resolved schedule."""
-    # Z = a·I + W with W = b·R + c·R², and every product with Z is evaluated as a·M + M·W in
-    # one fused baddbmm: the large a·I part is never rounded on its own (in bf16 that alone
-    # costs ~2x accuracy), as in Dao-AILab/gram-newton-schulz.
-    # W of the first step becomes Q in place once R no longer needs it (no copy).
+    """:func:`gram_ns_from_gram` on a (B, d, d) batch and a resolved schedule (``R`` is not
+    modified): ``Q = A·I + Q'`` from :func:`_gram_poly`."""
+    Qs, A = _gram_poly(R, schedule)
+    Qs.diagonal(dim1=-2, dim2=-1).add_(A)
+    return Qs
+
+
+def _gram_poly(
+    R: Tensor, schedule: Sequence[Triple], workspace: Optional[list[Tensor]] = None
+) -> tuple[Tensor, float]:
+    """One Gram NS segment on a (B, d, d) batch: ``(Q', A)`` with the segment's factor
+    ``Q = Z_L ⋯ Z_1 = A·I + Q'`` (``Q'`` a new tensor; ``R`` is not modified).
+
+    ``W_k = b_k R_k + c_k R_k²``, ``Z_k = a_k I + W_k``, and every product with ``Z_k`` is one
+    fused ``baddbmm`` (``a·M + M·W``): the large ``a·I`` part is never rounded on its own (in
+    bf16 that alone costs ~2x accuracy), as in Dao-AILab/gram-newton-schulz. A one-step segment
+    returns ``(W, a)``, so the caller applies it as ``a·X + W·X`` in one ``baddbmm``: exactly the
+    standard iteration's step. A longer one returns ``(Q, 0)``: its ``Π a`` (12 for two "muon"
+    steps, 484 for five) would cancel against ``Q'`` in low precision. The ``(d, d)``
+    intermediates live in ``workspace``, a list of free ``R``-shaped buffers that the caller may
+    share between segments (taken from and given back to as values die, ``out=``; fresh buffers
+    when it runs dry).
+    """
+    spare: list[Tensor] = [] if workspace is None else workspace
+
+    def buf() -> Tensor:
+        return spare.pop() if spare else torch.empty_like(R, memory_format=torch.contiguous_format)
+
+    if not schedule:
+        return torch.zeros_like(R, memory_format=torch.contiguous_format), 1.0
     Q: Optional[Tensor] = None
     last = len(schedule) - 1
     for k, (a, b, c) in enumerate(schedule):
-        W = torch.baddbmm(R, R, R, beta=b, alpha=c)  # b·R + c·R²
+        W = torch.baddbmm(R, R, R, beta=b, alpha=c, out=buf())  # b·R + c·R²
         if k < last:
-            RZ = torch.baddbmm(R, R, W, beta=a)  # R·Z
-            R = torch.baddbmm(RZ, W, RZ, beta=a)  # Z·R·Z
-            R = (R + R.mT).mul_(0.5)
+            RZ = torch.baddbmm(R, R, W, beta=a, out=buf())  # R·Z
+            ZRZ = torch.baddbmm(RZ, W, RZ, beta=a, out=buf())  # Z·R·Z
+            if k > 0:
+                spare.append(R)
+            R = torch.add(ZRZ, ZRZ.mT, out=RZ).mul_(0.5)  # symmetrised, into RZ's storage
+            spare.append(ZRZ)
+        elif k > 0:
+            spare.append(R)
+        if last == 0:
+            return W, a  # Q = a·I + W
         if Q is None:
             Q = W
             Q.diagonal(dim1=-2, dim2=-1).add_(a)  # Q = Z
         else:
-            Q = torch.baddbmm(Q, Q, W, beta=a)  # Q·Z
-    if Q is None:
-        Q = torch.eye(R.shape[-1], dtype=R.dtype, device=R.device).expand_as(R).clone()
-    return Q
+            nxt = torch.baddbmm(Q, Q, W, beta=a, out=buf())  # Q·Z
+            spare += [Q, W]
+            Q = nxt
+    assert Q is not None
+    return Q, 0.0
 
 
 @functools.lru_cache(maxsize=64)
@@ -529,10 +581,13 @@ def gram_newton_schulz(
     :func:`newton_schulz` with the same ``coefficients``/``steps``/``eps``, evaluated as:
 
     1. ``X = x.to(dtype)``, wide orientation ``(d, D)``, ``d <= D`` (tall input transposed),
-       ``X /= max(‖X‖_F, eps)`` per matrix — exactly :func:`newton_schulz`'s prologue;
+       ``X /= max(‖X‖_F, eps)`` per matrix — :func:`newton_schulz`'s prologue (when ``x`` is
+       already in ``dtype`` the scaled copy is not formed: the first Gram is divided by the
+       squared norm and the first factor by the norm, which differs only by rounding);
     2. for each segment of the schedule between restarts (:func:`gram_segments`):
        ``G = X Xᵀ`` (exactly symmetric; from ``d >= 128`` only its lower blocks are multiplied,
-       :func:`_symmetric_gram`), ``Q = gram_ns_from_gram(G, segment)``, ``X = Q X``;
+       :func:`_symmetric_gram`), ``Q = gram_ns_from_gram(G, segment)``, ``X = Q X`` (for a
+       one-step segment as ``a·X + W·X`` in one ``baddbmm``, the standard step itself);
     3. transpose back.
 
     Only ``(d, d)`` products run inside a segment; ``(d, D)`` products only at its ends. A
@@ -570,7 +625,10 @@ def gram_newton_schulz(
 
     - it is not finite, or
     - its largest singular value exceeds ``1.1·max_gain`` (a deterministic 8-step power
-      iteration gives a lower estimate, so this is never a false alarm), or
+      iteration gives a lower estimate, so this is never a false alarm; for ``D > 1.5·d`` it
+      runs on the last segment's ``(d, d)`` factor and Gram, ``Y Yᵀ = Q G Qᵀ``, where their
+      rounding is small enough for that, :func:`_gram_estimate_is_tight`: fp32 with these
+      presets, and bf16 with the default restarts; otherwise on ``Y`` itself), or
     - ``⟨Y, X⟩ < 0.9·min_slope`` for the normalised input ``X`` (``‖X‖_F = 1``; exact:
       ``⟨Y, X⟩ = Σ P(s_i)·s_i >= min_slope``): the result lost the input's directions;
 
@@ -582,8 +640,9 @@ def gram_newton_schulz(
     singular values from 12 to 7e8); the third catches a result turned away from its input,
     which ``Q``'s rounding error (relative to ``‖Q‖``, i.e. up to ``Π a``) can cause on
     low-rank input when restarts are sparse. None of them catches the milder loss of
-    accuracy above: with the default restarts no zoo matrix falls back. Cost: ~``36·d·D``
-    FLOPs per matrix and one host synchronisation per call.
+    accuracy above: with the default restarts no zoo matrix falls back. Cost per matrix: one
+    pass over ``Y`` and the input (``⟨Y, X⟩``), ``~48·d²`` FLOPs of power iteration on the
+    factors (``~32·d·D`` on ``Y``), and one host synchronisation per call.
 
     Shapes, dtype, zero input: as :func:`newton_schulz` (``(m, n)`` or ``(..., m, n)``;
     result in ``dtype`` with ``x``'s shape, a tall 2-D input's result is a transposed view;
@@ -613,26 +672,67 @@ def gram_newton_schulz(
 
     lead, m, n = x.shape[:-2], x.shape[-2], x.shape[-1]
     tall = m > n
-    X = x.reshape(-1, m, n).to(dtype, copy=True)
+    X0 = x.reshape(-1, m, n)
+    if X0.dtype != dtype:
+        X0 = X0.to(dtype)
     if tall:
-        X = X.mT
-    norms = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
+        X0 = X0.mT
+    norms = torch.linalg.vector_norm(X0, dim=(-2, -1), keepdim=True)
     scale = norms.clamp(min=eps)
-    X.div_(scale)
-    X0 = X
-    for segment in segments:
-        X = torch.bmm(_gram_q(_symmetric_gram(X), segment), X)
+    # X0 = x / scale is never formed when x already has the iteration dtype: the first Gram is
+    # x·xᵀ / scale² and the first factor is divided by the scale instead (d² elements, not d·D;
+    # one (B, d, D) buffer and a pass fewer).
+    scaled_input = bool(segments) and X0.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    if not scaled_input:
+        if X0.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+            X0 = X0.clone()
+        X0.div_(scale)
+    # Workspace of the call: the Gram (re-formed per segment in the same storage; after the loop
+    # it is the last segment's, which the fallback check reads) and two (B, d, D) buffers that the
+    # segments' products alternate between (x itself is never written).
+    B, d = X0.shape[0], X0.shape[-2]
+    G = X0.new_empty((B, d, d)) if segments else None
+    spare: list[Tensor] = []
+    work: list[Tensor] = []  # free (B, d, d) buffers, shared by the segments
+    Q, A, X = None, 1.0, X0
+    for j, segment in enumerate(segments):
+        G = _symmetric_gram(X, out=G)
+        if j == 0 and scaled_input:
+            G.div_(scale.square())
+        if Q is not None:
+            work.append(Q)
+        Q, A = _gram_poly(G, segment, work)  # the segment's factor A·I + Q
+        Y = spare.pop() if spare else torch.empty_like(X, memory_format=torch.contiguous_format)
+        if j == 0 and scaled_input:
+            P = torch.div(Q, scale, out=work.pop() if work else None)
+            P.diagonal(dim1=-2, dim2=-1).add_(A / scale.reshape(-1, 1))
+            torch.bmm(P, X, out=Y)  # (A·I + Q)/scale · x
+            work.append(P)
+        elif A:
+            torch.baddbmm(X, Q, X, beta=A, out=Y)  # A·X + Q·X
+        else:
+            torch.bmm(Q, X, out=Y)
+        if X is not X0:
+            spare.append(X)
+        X = Y
 
     if fallback and segments:
         min_slope, max_gain = schedule_gain_bounds(schedule)
         top = _GRAM_FALLBACK_MARGIN * max_gain
         floor = min_slope / _GRAM_FALLBACK_MARGIN
         acc = torch.promote_types(X.dtype, torch.float32)
-        inner = (X * X0).sum(dim=(-2, -1), dtype=acc)
+        inner = _batched_inner(X, X0, acc)
+        if scaled_input:
+            inner = inner / scale.reshape(-1).to(acc)
         # ‖X0‖_F²: 1, or 0 for a zero matrix; from the norms, without another pass over X0
         x0_sq = (norms / scale).square().reshape(-1).to(acc)
         # NaN / inf compare False, so they count as bad.
-        ok = (_spectral_norm_estimate(X) <= top) & (inner >= floor * x0_sq)
+        # on the factors: 3 products with (d, d) per power step against 2 with (d, D) on Y
+        if 3 * d < 2 * X.shape[-1] and _gram_estimate_is_tight(segments[-1], dtype):
+            norm_estimate = _gram_spectral_norm_estimate(Q, A, G)
+        else:
+            norm_estimate = _spectral_norm_estimate(X)
+        ok = (norm_estimate <= top) & (inner >= floor * x0_sq)
         bad = ~ok
         if bool(bad.any()):
             idx = bad.nonzero().flatten()
@@ -647,37 +747,51 @@ def gram_newton_schulz(
                 stacklevel=2,
             )
             redo = _newton_schulz(x.reshape(-1, m, n)[idx], schedule, eps, dtype)
-            X = X.clone()
             X[idx] = redo.mT if tall else redo
     if tall:
         X = X.mT
     return X.reshape(*lead, m, n)
 
 
-def _symmetric_gram(X: Tensor) -> Tensor:
-    """``X Xᵀ`` of a ``(B, d, K)`` batch, exactly symmetric, in ``X``'s dtype.
+def _batched_inner(Y: Tensor, X: Tensor, acc: torch.dtype) -> Tensor:
+    """``⟨Y_b, X_b⟩`` (Frobenius) per matrix of two ``(B, d, D)`` batches, in ``acc``: one
+    ``(1, dD)·(dD, 1)`` product per matrix where both are contiguous (a single pass, no
+    temporary), else an elementwise product and sum."""
+    if Y.is_contiguous() and X.is_contiguous() and Y.dtype == acc:
+        return torch.bmm(Y.reshape(Y.shape[0], 1, -1), X.reshape(X.shape[0], -1, 1)).reshape(-1)
+    return (Y * X).sum(dim=(-2, -1), dtype=acc)
 
-    ``d < GRAM_SYM_MIN_SIDE``: one ``bmm``, symmetrised as ``(G + Gᵀ)/2``. Otherwise only the
-    lower blocks are multiplied (:func:`dmuon.plan.cost.gram_product_flops`: 3/4 of the FLOPs):
-    with ``h = d // 2``, ``G[:, :h] = X·X[:h]ᵀ`` and ``G[h:, h:] = X[h:]·X[h:]ᵀ``, and the upper
-    right block is the transpose of the lower left one; the two diagonal blocks are symmetrised
-    as ``(B + Bᵀ)/2`` (``d²/2`` elements). Each entry is the dot product a full ``bmm`` computes,
-    up to the kernel's summation order.
+
+def _symmetric_gram(X: Tensor, out: Optional[Tensor] = None) -> Tensor:
+    """``X Xᵀ`` of a ``(B, d, K)`` batch, exactly symmetric, in ``X``'s dtype (written into
+    ``out``, a ``(B, d, d)`` buffer, when given).
+
+    ``d < GRAM_SYM_MIN_SIDE``: one ``bmm``. Otherwise only the blocks on and above the diagonal
+    are multiplied (:func:`dmuon.plan.cost.gram_product_flops`: 3/4 of the FLOPs): with
+    ``h = d // 2``, the first ``h`` rows ``G[:, :h] = X[:h]·Xᵀ`` and ``G[h:, h:] = X[h:]·X[h:]ᵀ``
+    go straight into their (row-strided) places in ``G``, and the lower left block is the
+    transpose of the upper right one. Diagonal blocks (the whole ``G`` below the threshold) are
+    symmetrised as ``(B + Bᵀ)/2``, a no-op where the kernel is symmetric already. Each entry is
+    the dot product a full ``bmm`` computes, up to the kernel's summation order.
     """
-    d = X.shape[-2]
+    B, d = X.shape[0], X.shape[-2]
+    G = X.new_empty((B, d, d)) if out is None else out
     if d < GRAM_SYM_MIN_SIDE:
-        G = torch.bmm(X, X.mT)
-        return (G + G.mT).mul_(0.5)
+        torch.bmm(X, X.mT, out=G)
+        return _symmetrize_(G)
     h = d // 2
-    G = X.new_empty((X.shape[0], d, d))
-    left = torch.bmm(X, X[:, :h].mT)  # (B, d, h): G[:, :, :h]
-    top = left[:, :h]
-    G[:, :h, :h] = (top + top.mT).mul_(0.5)
-    G[:, h:, :h] = left[:, h:]
-    G[:, :h, h:] = left[:, h:].mT
-    bottom = torch.bmm(X[:, h:], X[:, h:].mT)
-    G[:, h:, h:] = (bottom + bottom.mT).mul_(0.5)
+    torch.bmm(X[:, :h], X.mT, out=G[:, :h])
+    torch.bmm(X[:, h:], X[:, h:].mT, out=G[:, h:, h:])
+    G[:, h:, :h] = G[:, :h, h:].mT
+    _symmetrize_(G[:, :h, :h])
+    _symmetrize_(G[:, h:, h:])
     return G
+
+
+def _symmetrize_(A: Tensor) -> Tensor:
+    """``A <- (A + Aᵀ)/2`` in place (exactly symmetric: both triangles get the same sum)."""
+    A.copy_(torch.add(A, A.mT).mul_(0.5))
+    return A
 
 
 def sharded_gram_newton_schulz(
@@ -774,6 +888,52 @@ def _spectral_norm_estimate(X: Tensor) -> Tensor:
         norm = v.to(acc).square().sum(dim=-1, keepdim=True).sqrt_()
         v = (v / norm.clamp_(min=1e-30)).to(X.dtype)
     return torch.bmm(v, X).to(acc).square().sum(dim=(-2, -1)).sqrt_()
+
+
+#: Largest worst-case error of :func:`_gram_spectral_norm_estimate`'s ``Q G Qᵀ`` against the
+#: result's ``Y Yᵀ`` (on eigenvalues ``<= max_gain² ~ 1.44``) for which the check uses it.
+_GRAM_ESTIMATE_MAX_ERROR = 0.1
+
+
+def _gram_estimate_is_tight(segment: Sequence[Triple], dtype: torch.dtype) -> bool:
+    """Whether ``Q G Qᵀ`` (the last segment's factor and Gram) stands for the result's
+    ``Y Yᵀ`` in the fallback check: ``G`` carries rounding of relative size ``eps(dtype)``,
+    which ``Q`` amplifies by up to ``‖Q‖² <= (Π |a|)²`` over the segment's steps (the
+    polynomial's value at 0). Tight when that error stays below
+    :data:`_GRAM_ESTIMATE_MAX_ERROR`: in fp32 for every "muon" last segment of up to 5 steps and every
+    "polar_express" one but a 5-step segment from step 1 (whose ``Π a`` is ~1000); in bf16 / fp16 only for a one-step
+    last segment with ``a <= 3.5`` (the default restarts with "muon": 3.4445² · 2⁻⁷ = 0.093).
+    Otherwise — a long last segment in low precision, exactly where rounding of
+    ``G``'s small eigenvalues makes the Gram form unstable — the check multiplies the result
+    itself (:func:`_spectral_norm_estimate`)."""
+    amp = math.prod(abs(a) for a, _, _ in segment)
+    return amp * amp * torch.finfo(dtype).eps <= _GRAM_ESTIMATE_MAX_ERROR
+
+
+def _gram_spectral_norm_estimate(Q: Tensor, A: float, G: Tensor) -> Tensor:
+    """A lower estimate of ``‖Y_b‖_2``, ``Y = (A·I + Q)·X``, per matrix from ``(B, d, d)``
+    factors alone, where ``G = X Xᵀ``: ``Y Yᵀ = P G Pᵀ`` with ``P = A·I + Q``, so
+    ``_POWER_STEPS`` power iterations on ``P G Pᵀ`` (three row-vector products with ``(d, d)``
+    matrices each, ``6·d²`` FLOPs, instead of two passes over the ``(d, D)`` result) from a
+    fixed pseudo-random start (deterministic), in ``Q``'s dtype. Returns ``sqrt(uᵀ G u)`` with
+    ``uᵀ = vᵀ P``, ``‖v‖ = 1``, which never exceeds the true norm beyond the rounding of ``G``
+    (:func:`_gram_estimate_is_tight` says when that is small), so a value clearly above a limit
+    shows the limit exceeded. Non-finite factors give a non-finite estimate. (Row vectors:
+    ``vᵀ·M`` streams ``M`` in its own layout; the column form ``M·v`` runs 10-40x slower in CPU
+    ``bmm``.)
+    """
+    acc = torch.promote_types(Q.dtype, torch.float32)
+    g = torch.Generator(device="cpu").manual_seed(0x5EED)
+    v = torch.randn(1, 1, Q.shape[-1], generator=g, dtype=torch.float32)
+    v = v.to(device=Q.device, dtype=Q.dtype).expand(Q.shape[0], -1, -1).contiguous()
+    Qt = Q.mT
+    for _ in range(_POWER_STEPS):
+        u = torch.bmm(torch.baddbmm(v, v, Q, beta=A), G)  # vᵀ P G
+        v = torch.baddbmm(u, u, Qt, beta=A)  # vᵀ P G Pᵀ
+        # the sum of squares as one (1, d)·(d, 1) product per matrix
+        v = v * torch.bmm(v, v.mT).clamp_(min=1e-30).rsqrt_()
+    u = torch.baddbmm(v, v, Q, beta=A)
+    return torch.bmm(torch.bmm(u, G), u.mT).reshape(-1).to(acc).clamp_(min=0).sqrt_()
 
 
 def gram_ns_flops(

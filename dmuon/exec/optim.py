@@ -158,8 +158,9 @@ class Muon(torch.optim.Optimizer):
             ``ns_dtype`` fp64, 1e-4 with fp32, 0.15 with bf16; measured 8e-15, 5e-6, 5e-2).
             An option, never a silent default.
             ``"auto"``: :func:`~dmuon.exec.newton_schulz.auto_newton_schulz`, per matrix
-            (per NS batch, which shares one shape) Gram NS where it needs fewer FLOPs for the
-            shape and ``ns_steps``, the standard iteration elsewhere
+            (per NS batch, which shares one shape) Gram NS where the short side is at least
+            ``GRAM_AUTO_MIN_SIDE`` = 256 and it needs fewer FLOPs for the shape and ``ns_steps``,
+            the standard iteration elsewhere
             (:func:`dmuon.plan.cost.choose_ns_backend`); opt-in. Needs a plan compiled with
             ``ns_backend="auto"`` (``dedicate_params(..., ns_backend="auto")``), which records
             each matrix's backend in its ``ParamSpec`` so that ``cost_model="ns_flops"``

@@ -84,6 +84,7 @@ __all__ = [
     "gram_ns_segment_flops",
     "gram_product_flops",
     "GRAM_SYM_MIN_SIDE",
+    "GRAM_AUTO_MIN_SIDE",
     "tp_gram_side",
     "tp_rank_nbytes",
     "tp_ns_flops",
@@ -160,18 +161,31 @@ def matrix_ns_flops(m: int, n: int, backend: str, *, steps: int = NS_STEPS, num_
     raise ValueError(f"backend must be 'standard' or 'gram', got {backend!r}")
 
 
+#: ``ns_backend="auto"`` picks Gram NS only for matrices whose short side ``d = min(m, n)`` is at
+#: least this (:func:`choose_ns_backend`). Hardware assumption: one CPU core (fp32, MKL; measured
+#: on AMD Zen 3 in benchmarks/ns_backends.py, docs/performance.md). Gram NS moves about 40 % of
+#: its FLOPs into ``(d, d)`` products, which run ~25 % slower per FLOP than the ``(d, D)`` ones at
+#: ``d = 256``, and adds ~10 small ops per step and its fallback check (two ``(d, D)`` passes):
+#: at ``128 x 512`` that ate all of the 29 % FLOP saving (0.95-1.1x the standard iteration's
+#: time), at ``256 x 1024`` it ran 0.75-0.85x. Accelerators, where Gram NS pays from much larger
+#: ``d``, need their own value: this constant is the rule's only hardware term.
+GRAM_AUTO_MIN_SIDE = 256
+
+
 def choose_ns_backend(matrix_shape: Sequence[int], mode: str, *, steps: int = NS_STEPS,
                       restart_every: int | Sequence[int] | None = GRAM_RESTART_EVERY) -> str:
     """The Newton-Schulz backend a matrix runs: ``"standard"`` or ``"gram"`` (the one rule, used by
-    :func:`dmuon.plan.compile` to fill ``ParamSpec.ns_backend`` and by
-    ``dmuon.exec.newton_schulz.auto_newton_schulz`` at run time).
+    :func:`dmuon.plan.compile` to fill ``ParamSpec.ns_backend``, by ``dmuon.Muon`` to check it and
+    by ``dmuon.exec.newton_schulz.auto_newton_schulz`` at run time).
 
-    ``mode="auto"``: ``"gram"`` exactly when it needs fewer matmul FLOPs (:func:`matrix_ns_flops`
-    with ``steps`` and ``restart_every``), ties to ``"standard"`` (torch's iteration). With 5 steps
-    and the default restarts (before steps 2 and 4) Gram NS costs ``10.5·d²·D + 22·d³`` for
-    ``(d, D)``, ``d = min(m, n) >= 128`` (the symmetric Gram product, :func:`gram_product_flops`),
-    against ``20·d²·D + 10·d³``: Gram where ``D > 1.26·d``; below ``d = 128`` (``12·d²·D + 22·d³``)
-    where ``D > 1.5·d``. ``"standard"`` / ``"gram"``: forced.
+    ``mode="auto"``: ``"gram"`` exactly when the short side ``d = min(m, n)`` is at least
+    :data:`GRAM_AUTO_MIN_SIDE` (below it the per-op and fallback-check overheads outweigh the
+    saving on a CPU core; the constant's comment gives the measurement) and Gram NS needs fewer
+    matmul FLOPs (:func:`matrix_ns_flops` with ``steps`` and ``restart_every``); ties and everything
+    else go to ``"standard"`` (torch's iteration). With 5 steps and the default restarts (before
+    steps 2 and 4) Gram NS costs ``10.5·d²·D + 22·d³`` for ``(d, D)`` (the symmetric Gram product,
+    :func:`gram_product_flops`) against ``20·d²·D + 10·d³``: Gram where ``D > 1.26·d``.
+    ``"standard"`` / ``"gram"``: forced.
 
     Raises:
         ValueError: unknown ``mode``.
@@ -181,6 +195,8 @@ def choose_ns_backend(matrix_shape: Sequence[int], mode: str, *, steps: int = NS
     if mode != "auto":
         return mode
     m, n = (int(v) for v in matrix_shape)
+    if min(m, n) < GRAM_AUTO_MIN_SIDE:
+        return "standard"
     gram = matrix_ns_flops(m, n, "gram", steps=steps, restart_every=restart_every)
     return "gram" if gram < ns_flops(m, n, steps) else "standard"
 

@@ -728,10 +728,10 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
             the plan's schedule and cost then include its one all-reduce (max) per step.
         ns_backend: the Newton-Schulz backend each (non-TP) matrix's owner will run, recorded
             in its ``ParamSpec.ns_backend``: ``"standard"`` (default: torch's iteration),
-            ``"gram"`` (Gram NS everywhere) or ``"auto"`` (per matrix, Gram NS where it needs
-            fewer FLOPs with 5 steps and the default restarts,
-            :func:`~dmuon.plan.cost.choose_ns_backend`: e.g. an MLP's ``(4d, d)`` / ``(d, 4d)``
-            weights, not square attention projections). ``cost_model="ns_flops"`` balances by
+            ``"gram"`` (Gram NS everywhere) or ``"auto"`` (per matrix, Gram NS where its short
+            side is at least ``GRAM_AUTO_MIN_SIDE`` = 256 and it needs fewer FLOPs with 5 steps
+            and the default restarts, :func:`~dmuon.plan.cost.choose_ns_backend`: e.g. an MLP's
+            ``(4d, d)`` / ``(d, 4d)`` weights from ``d = 256``, not square attention projections). ``cost_model="ns_flops"`` balances by
             those FLOPs; ``dmuon.Muon`` must then be built with the same ``ns_backend`` (it
             raises otherwise, naming the parameter).
         owner_groups: ``"off"`` (default: ONE owner rank per matrix), ``"auto"`` (the planner
