@@ -162,6 +162,25 @@ def test_forced_k4_and_hsdp_rows():
         assert isinstance(o, OwnerGroup) and {m.shard for m in o.members} == {0, 1}
 
 
+def test_auto_with_ns_flops_never_raises_the_busiest_rank_ns():
+    """``"auto"`` sizes groups by elements and places them by the cost model: with
+    ``cost_model="ns_flops"`` (where a member's Gram NS share does not shrink like 1/k) the
+    busiest rank's NS FLOPs must still fall, and no rank own nothing (found by a user trial:
+    sizing by NS FLOPs cut every matrix across every rank, 44x the busiest rank's FLOPs)."""
+    import dmuon
+    from dmuon.plan.presets import PRESETS
+
+    for name, mesh in (("tiny-llama", 64), ("llama3-8b", 512)):
+        model = PRESETS[name]()
+        off = dmuon.plan.compile(model, mesh, cost_model="ns_flops")
+        auto = dmuon.plan.compile(model, mesh, cost_model="ns_flops", owner_groups="auto")
+        busiest = lambda p: max(r.ns_flops for r in p.rank_stats())  # noqa: E731
+        assert busiest(auto) < busiest(off), name
+        assert min(auto.owned_numel) > 0 and min(off.owned_numel) == 0, name
+        by_numel = dmuon.plan.compile(model, mesh, owner_groups="auto")
+        assert [getattr(o, "k", 1) for o in auto.owners] == [getattr(o, "k", 1) for o in by_numel.owners], name
+
+
 def test_owner_group_errors():
     import dmuon
 

@@ -96,3 +96,21 @@ def test_plan_schedule_prints_one_ranks_step(capsys):
     assert any("replicate_broadcast" in line for line in body)
     with pytest.raises(SystemExit):
         main_plan(["--model", "tiny-llama", "--mesh", "2x2", "--schedule", "4"])
+
+
+def test_plan_owner_groups_flag(tmp_path, capsys):
+    from dmuon.plan import OwnerGroup
+
+    path = tmp_path / "g.json"
+    assert main_plan(["--model", "tiny-llama", "--mesh", "64", "--owner-groups", "auto", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "ownership: 0 of 64 ranks own nothing" in out and "owner groups:" in out
+    plan = ShardingPlan.from_json(path.read_text())
+    assert any(isinstance(o, OwnerGroup) for o in plan.owners) and min(plan.owned_numel) > 0
+    for bad, why in (("yes", "expected off, auto or an int"), ("0", "K must be >= 1")):
+        with pytest.raises(SystemExit):
+            main_plan(["--model", "tiny-llama", "--mesh", "4", "--owner-groups", bad])
+        assert why in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # an argparse error, not a traceback
+        main_plan(["--model", "tiny-llama", "--mesh", "4", "--tp", "2", "--owner-groups", "2"])
+    assert "not supported with tensor parallelism" in capsys.readouterr().err

@@ -27,7 +27,7 @@ from .selection import matrix_predicate
 __all__ = ["main_plan", "main_diff", "parse_mesh"]
 
 
-def _owner_groups(text: str):
+def parse_owner_groups(text: str):
     """``--owner-groups``: ``off`` / ``auto`` or an int K >= 1."""
     if text in ("off", "auto"):
         return text
@@ -79,7 +79,7 @@ def main_plan(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--tp-ns", default="auto", choices=("auto", "gram", "gather"), help="TP Newton-Schulz method")
     parser.add_argument(
-        "--owner-groups", default="off", type=_owner_groups, metavar="off|auto|K",
+        "--owner-groups", default="off", type=parse_owner_groups, metavar="off|auto|K",
         help="owner groups: 'off' (one owner per matrix), 'auto' (groups where one owner per matrix cannot "
         "balance the mesh) or K (every matrix that can be cut gets K members)",
     )
@@ -91,6 +91,8 @@ def main_plan(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.tp < 1:
         parser.error("--tp must be >= 1")
+    if args.tp > 1 and args.owner_groups not in ("off", 1):
+        parser.error("--owner-groups with --tp: owner groups are not supported with tensor parallelism (use off)")
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         parser.error(f"--json: the folder of {args.json!r} does not exist")
 

@@ -882,6 +882,24 @@ def _assign_owners(specs, boundaries, mesh_shape, cost_model, owner_groups, tp_s
     if qk_clip is not None:  # QK-clip rescales whole W_q / W_k rows on their owner
         clipped = {rows.fqn for att in qk_clip.attention for rows in (att.q, att.k)}
     max_split = [1 if spec.fqn in clipped else _cost.owner_group_max_split(spec, N) for spec in specs]
+    split = owner_groups
+    if owner_groups == "auto" and cost_model != "numel":
+        # "auto" sizes the groups by elements, what they exist for (memory, ranks owning
+        # nothing), then places them by the cost model: a member's share of Gram NS does not
+        # shrink like 1/k (the (d, d) part runs on every member), so sizing by NS FLOPs alone
+        # would cut square matrices across every rank and raise the busiest rank's FLOPs
+        sizing = lpt_partition_groups(
+            [spec.numel for spec in specs],
+            lambda i, k: _cost.owner_group_piece_weights(specs[i], k, "numel", segment_lengths),
+            max_split,
+            keys,
+            boundaries,
+            num_shards=N,
+            num_replicas=R,
+            split="auto",
+        )
+        max_split = [len(m) for m in sizing.members]
+        split = max(max_split)  # forced: each matrix gets min(split, max_split[i]), its own k
     result = lpt_partition_groups(
         weights,
         lambda i, k: _cost.owner_group_piece_weights(specs[i], k, cost_model, segment_lengths),
@@ -890,7 +908,7 @@ def _assign_owners(specs, boundaries, mesh_shape, cost_model, owner_groups, tp_s
         boundaries,
         num_shards=N,
         num_replicas=R,
-        split=owner_groups,
+        split=split,
     )
     owners = []
     for spec, members in zip(specs, result.members):

@@ -249,10 +249,13 @@ def ownership_lines(plan: ShardingPlan) -> list[str]:
         for p, slot in zip(plan.params, res.slots):
             loads[slot] += p.numel
         idle1, ratio1 = _ownership_figures(loads)
+        assembled = max(plan.assembled_nbytes.values(), default=0)
         lines.append(
             f"owner groups: {len(grouped):,} matrices cut into blocks (k {ks[0]}-{ks[-1]}, median {ks[len(ks) // 2]}), "
             f"Gram NS over each group, {fmt_nbytes(plan.cost.owner_group_nbytes)} of Gram all-reduces per step; "
-            f"with one owner per matrix (k = 1): {idle1:,} ranks would own nothing, max/mean {ratio1:.2f}"
+            f"every rank assembles a boundary's grouped matrices in full while it computes (up to "
+            f"{fmt_nbytes(assembled)} more transient memory); with one owner per matrix (k = 1): {idle1:,} ranks "
+            f"would own nothing, max/mean {ratio1:.3f}"
         )
     elif plan.tp_size == 1 and (idle or ratio > 1.25):
         max_split = [_cost.owner_group_max_split(p, N) for p in plan.params]

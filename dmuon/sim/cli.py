@@ -45,7 +45,7 @@ def recommend(sims: dict, memory_nbytes: int) -> str:
 
 def main_simulate(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m dmuon simulate``. Returns 0."""
-    from ..plan.cli import _owner_groups as _owner_groups_arg
+    from ..plan.cli import parse_owner_groups as _owner_groups_arg
     from ..plan.cli import parse_mesh
     from ..plan.plan import compile
     from ..plan.presets import PRESETS, megatron_tp_shard_dims
@@ -72,6 +72,8 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", metavar="FILE", default=None, help="write every variant's figures as JSON")
     parser.add_argument("--png", metavar="FILE", default=None, help="draw rank 0's timeline of each variant (matplotlib)")
     args = parser.parse_args(argv)
+    if args.tp > 1 and args.owner_groups not in ("off", 1):
+        parser.error("--owner-groups with --tp: owner groups are not supported with tensor parallelism (use off)")
     for f in (args.json, args.png):
         if f and not os.path.isdir(os.path.dirname(os.path.abspath(f))):
             parser.error(f"the folder of {f!r} does not exist")

@@ -34,6 +34,8 @@ _PG_TIMEOUT = datetime.timedelta(minutes=10)
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``train`` argument parser (all defaults: the main job on 2 CPU processes)."""
+    from dmuon.plan.cli import parse_owner_groups  # the one parser of off | auto | K
+
     p = argparse.ArgumentParser(
         prog="python -m dmuon train",
         description="Train a small byte-level GPT with dmuon.Muon (or the AdamW baseline) on "
@@ -78,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "attention logit exceeded TAU (docs/muon_variants.md); logs clipped heads and the max logit")
     g.add_argument("--matrix-views", choices=("none", "per-head"), default="none",
                    help="per-head: orthogonalise q/k/v row blocks and o_proj column blocks per head")
+    g.add_argument("--owner-groups", type=parse_owner_groups, default="off", metavar="off|auto|K",
+                   help="owner groups (docs/owner_groups.md): 'auto' lets K shard ranks own a matrix as blocks "
+                        "where one owner per matrix cannot balance the mesh; K: every matrix gets K members")
     g.add_argument("--warmup", type=int, default=0, help="linear LR warm-up steps")
     g.add_argument("--cooldown-frac", type=float, default=0.2,
                    help="fraction of the steps over which the LR decays linearly to 0 at the end")

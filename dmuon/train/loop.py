@@ -135,7 +135,8 @@ def _fmt_bytes(n: int | None) -> str:
 
 
 def _variant_kwargs(args: argparse.Namespace, model: GPT) -> dict[str, Any]:
-    """``dedicate_params`` arguments of ``--matrix-views`` and ``--qk-clip`` (docs/muon_variants.md)."""
+    """``dedicate_params`` arguments of ``--matrix-views``, ``--qk-clip`` (docs/muon_variants.md)
+    and ``--owner-groups`` (docs/owner_groups.md)."""
     from .model import per_head_views, qk_clip_spec
 
     kw: dict[str, Any] = {}
@@ -143,6 +144,8 @@ def _variant_kwargs(args: argparse.Namespace, model: GPT) -> dict[str, Any]:
         kw["matrix_views"] = per_head_views(model.cfg)
     if getattr(args, "qk_clip", None) is not None:
         kw["qk_clip"] = qk_clip_spec(model, args.qk_clip)
+    if getattr(args, "owner_groups", "off") != "off":
+        kw["owner_groups"] = args.owner_groups
     return kw
 
 
