@@ -13,6 +13,17 @@ from dmuon.plan.partition import lpt_partition
 SETTINGS = settings(max_examples=150, deadline=None, database=None)
 
 
+def _boundary_items(sizes, max_items: int) -> tuple[list[str], list[str]]:
+    """FQN-like keys ``layers.g.pj`` and their boundary ``layers.g``, ``sizes[g]`` items per
+    boundary, the first ``max_items``."""
+    keys, groups = [], []
+    for g, k in enumerate(sizes):
+        for j in range(k):
+            keys.append(f"layers.{g}.p{j}")
+            groups.append(f"layers.{g}")
+    return keys[:max_items], groups[:max_items]
+
+
 @st.composite
 def instances(draw, *, equal_weights: bool = False, max_items: int = 40):
     """(weights, keys, groups, R, N): random items with FQN-like keys grouped by boundary."""
@@ -20,12 +31,7 @@ def instances(draw, *, equal_weights: bool = False, max_items: int = 40):
     N = draw(st.integers(1, 6))
     n_groups = draw(st.integers(1, 8))
     sizes = draw(st.lists(st.integers(1, 7), min_size=n_groups, max_size=n_groups))
-    keys, groups = [], []
-    for g, k in enumerate(sizes):
-        for j in range(k):
-            keys.append(f"layers.{g}.p{j}")
-            groups.append(f"layers.{g}")
-    keys, groups = keys[:max_items], groups[:max_items]
+    keys, groups = _boundary_items(sizes, max_items)
     if equal_weights:
         w = draw(st.integers(1, 1000))
         weights = [w] * len(keys)
@@ -197,12 +203,7 @@ def group_instances(draw, *, max_items: int = 24, max_slots: int = 4096):
     N = draw(st.sampled_from([1, 2, 3, 5, 8, 16, 64, 128, 512]).filter(lambda n: n * R <= max_slots))
     n_groups = draw(st.integers(1, 6))
     sizes = draw(st.lists(st.integers(1, 5), min_size=n_groups, max_size=n_groups))
-    keys, groups = [], []
-    for g, k in enumerate(sizes):
-        for j in range(k):
-            keys.append(f"layers.{g}.p{j}")
-            groups.append(f"layers.{g}")
-    keys, groups = keys[:max_items], groups[:max_items]
+    keys, groups = _boundary_items(sizes, max_items)
     shapes = [
         (draw(st.integers(1, 3000)), draw(st.sampled_from([0, 1, 7, 64, 1000]))) for _ in keys
     ]

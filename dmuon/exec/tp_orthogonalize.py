@@ -19,6 +19,25 @@ from . import newton_schulz as _ns
 __all__ = ["orthogonalize_and_apply", "orthogonalize_groups_and_apply"]
 
 
+def _sharded_gram(x, group, phase: str, *, steps: int, ns_kw: dict, restart_every):
+    """:func:`~dmuon.exec.newton_schulz.sharded_gram_newton_schulz` of the ``(B, d, D)`` batch
+    ``x`` with its Gram all-reduces on ``group``, charged to the ledger as ``phase``."""
+
+    def all_reduce(g):
+        C.all_reduce_sum(g, group=group, phase=phase)
+        return g
+
+    return _ns.sharded_gram_newton_schulz(
+        x,
+        all_reduce_sum=all_reduce,
+        coefficients=ns_kw["coefficients"],
+        steps=steps,
+        eps=ns_kw["eps"],
+        dtype=ns_kw["dtype"],
+        restart_every=restart_every,
+    )
+
+
 def orthogonalize_and_apply(entries, *, steps: int, orthogonalize, ns_kw: dict, apply) -> None:
     """Newton-Schulz of TP-sharded matrices on their owner's TP group, then the update.
 
@@ -53,20 +72,8 @@ def orthogonalize_and_apply(entries, *, steps: int, orthogonalize, ns_kw: dict, 
     for items in gram.values():
         tp = items[0][2]
 
-        def all_reduce(g, tp=tp):
-            C.all_reduce_sum(g, group=tp.group, phase="tp")
-            return g
-
         x = torch.stack([e[1] for e in items]) if len(items) > 1 else items[0][1].unsqueeze(0)
-        ortho = _ns.sharded_gram_newton_schulz(
-            x,
-            all_reduce_sum=all_reduce,
-            coefficients=ns_kw["coefficients"],
-            steps=steps,
-            eps=ns_kw["eps"],
-            dtype=ns_kw["dtype"],
-            restart_every=plan.tp_gram_restart_every,
-        )
+        ortho = _sharded_gram(x, tp.group, "tp", steps=steps, ns_kw=ns_kw, restart_every=plan.tp_gram_restart_every)
         for (p, _, tp), o in zip(items, ortho.unbind(0)):
             o = o.mT if tp.shard_dim == 0 else o
             apply(p.to_local(), o, tp.shape)
@@ -123,23 +130,11 @@ def orthogonalize_groups_and_apply(entries, *, steps: int, ns_kw: dict, apply) -
         by_group.setdefault(og.mesh_ranks, {}).setdefault(key, []).append((p, x, og))
     for buckets in by_group.values():
         for (d, width, dtype), items in buckets.items():
-            og = items[0][2]
-
-            def all_reduce(g, og=og):
-                C.all_reduce_sum(g, group=og.pg, phase="owner_group")
-                return g
-
             x = torch.zeros((len(items), d, width), dtype=dtype, device=items[0][1].device)
             for b, (_, xb, _) in enumerate(items):
                 x[b, :, : xb.shape[1]].copy_(xb)
-            ortho = _ns.sharded_gram_newton_schulz(
-                x,
-                all_reduce_sum=all_reduce,
-                coefficients=ns_kw["coefficients"],
-                steps=steps,
-                eps=ns_kw["eps"],
-                dtype=ns_kw["dtype"],
-                restart_every=plan.tp_gram_restart_every,
+            ortho = _sharded_gram(
+                x, items[0][2].pg, "owner_group", steps=steps, ns_kw=ns_kw, restart_every=plan.tp_gram_restart_every
             )
             for (p, xb, og), o in zip(items, ortho.unbind(0)):
                 o = o[:, : xb.shape[1]]

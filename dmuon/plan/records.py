@@ -118,6 +118,15 @@ class Owner:
         return cls(shard=d["shard"], replicate=d["replicate"], rank=d["rank"])
 
 
+def _offsets(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """Start of each of consecutive blocks of ``sizes``: ``(3, 3, 2) -> (0, 3, 6)``."""
+    out, at = [], 0
+    for s in sizes:
+        out.append(at)
+        at += s
+    return tuple(out)
+
+
 def balanced_sizes(length: int, k: int) -> tuple[int, ...]:
     """``length`` cut into ``k`` consecutive blocks as evenly as possible, the first
     ``length % k`` one longer: ``balanced_sizes(10, 4) == (3, 3, 2, 2)``. ``1 <= k <= length``."""
@@ -182,11 +191,7 @@ class OwnerGroup:
 
     def offsets(self) -> tuple[int, ...]:
         """Start of each block along :attr:`dim`."""
-        out, at = [], 0
-        for s in self.sizes:
-            out.append(at)
-            at += s
-        return tuple(out)
+        return _offsets(self.sizes)
 
     def block_shape(self, j: int, shape: tuple[int, ...]) -> tuple[int, int]:
         """Shape of block ``j`` of a matrix of 2-D ``shape``."""
@@ -257,11 +262,7 @@ class MatrixView:
 
     def offsets(self) -> tuple[int, ...]:
         """Start of each block along :attr:`dim`."""
-        out, at = [], 0
-        for s in self.sizes:
-            out.append(at)
-            at += s
-        return tuple(out)
+        return _offsets(self.sizes)
 
     def describe(self, shape: tuple[int, ...]) -> str:
         """``"32 heads of (128, 4096) along dim 0"`` / ``"qkv: (2048, 4096), (512, 4096) x2 along dim 0"``."""

@@ -648,6 +648,21 @@ class _Builder:
             self.fsdp2("", "fsdp2_all_reduce", mb, rs)
         self.fsdp2_resident.clear()
 
+    def gram_bucket(self, group, phase: str, d: int, bucket, flops, reduce_deps, ns_ids, mb: int) -> None:
+        """Sharded Gram NS of one bucket of matrices on ``group`` (a TP group or an owner group):
+        one fp32 all-reduce of the bucket's ``(d, d)`` Grams per Gram segment, each after the
+        previous one, then every matrix's NS op (``flops[i]`` per member) after all of them."""
+        deps = tuple(i for spec in bucket for i in reduce_deps[spec.fqn])
+        ar = []
+        for _ in self.plan.tp_segment_lengths:
+            ar.append(self.emit(kind="all_reduce", phase=phase, group=group, dtype=_cost.TP_GRAM_DTYPE,
+                                numel=len(bucket) * d * d, fqns=tuple(sp.fqn for sp in bucket),
+                                micro_batch=mb, deps=deps))
+            deps = (ar[-1],)
+        for spec, f in zip(bucket, flops):
+            ns_ids[spec.fqn] = self.emit(kind="newton_schulz", phase="optimizer", group=group, flops=f,
+                                         fqns=(spec.fqn,), micro_batch=mb, deps=tuple(ar))
+
     def optimizer_step(self, mb: int) -> None:
         plan = self.plan
         R = plan.mesh_shape[0]
@@ -702,17 +717,8 @@ class _Builder:
                 else:
                     gather.setdefault(spec.dtype, []).append(spec)
             for (d, _, _), bucket in gram.items():
-                deps = tuple(i for spec in bucket for i in reduce_deps[spec.fqn])
-                ar = []
-                for _ in lengths:
-                    ar.append(self.emit(kind="all_reduce", phase="tp", group=group, dtype=_cost.TP_GRAM_DTYPE,
-                                        numel=len(bucket) * d * d, fqns=tuple(sp.fqn for sp in bucket),
-                                        micro_batch=mb, deps=deps))
-                    deps = (ar[-1],)
-                for spec in bucket:
-                    ns_ids[spec.fqn] = self.emit(kind="newton_schulz", phase="optimizer", group=group,
-                                                 flops=_cost.tp_ns_flops(spec, lengths), fqns=(spec.fqn,),
-                                                 micro_batch=mb, deps=tuple(ar))
+                self.gram_bucket(group, "tp", d, bucket, [_cost.tp_ns_flops(sp, lengths) for sp in bucket],
+                                 reduce_deps, ns_ids, mb)
             for dtype, bucket in gather.items():
                 deps = tuple(i for spec in bucket for i in reduce_deps[spec.fqn])
                 ag = self.emit(kind="all_gather", phase="tp", group=group, dtype=dtype,
@@ -732,17 +738,8 @@ class _Builder:
                 d = int(spec.shape[1 - owner.dim])
                 gram_buckets.setdefault((d, max(owner.sizes), spec.dtype), []).append(spec)
             for (d, width, _), bucket in gram_buckets.items():
-                deps = tuple(i for spec in bucket for i in reduce_deps[spec.fqn])
-                ar = []
-                for _ in lengths:
-                    ar.append(self.emit(kind="all_reduce", phase="owner_group", group=ranks, dtype=_cost.TP_GRAM_DTYPE,
-                                        numel=len(bucket) * d * d, fqns=tuple(sp.fqn for sp in bucket),
-                                        micro_batch=mb, deps=deps))
-                    deps = (ar[-1],)
-                for spec in bucket:
-                    ns_ids[spec.fqn] = self.emit(kind="newton_schulz", phase="optimizer", group=ranks,
-                                                 flops=_cost.gram_ns_segment_flops(d, width, lengths), fqns=(spec.fqn,),
-                                                 micro_batch=mb, deps=tuple(ar))
+                flops = _cost.gram_ns_segment_flops(d, width, lengths)
+                self.gram_bucket(ranks, "owner_group", d, bucket, [flops] * len(bucket), reduce_deps, ns_ids, mb)
         qk_ids: tuple[int, ...] = ()
         if plan.qk_clip is not None:  # QK-clip: one all-reduce (max) of every layer's per-head max logits
             qk_ids = (self.emit(kind="all_reduce", phase="qk_clip", group=self.everyone,
