@@ -19,8 +19,10 @@ each running its collectives in order:
   and ends for all members together after :func:`~dmuon.sim.hardware.collective_s`. With
   ``comm_engine="separate"`` (GPUs) a rank issues a collective as soon as the compute op before
   it has *started* (the CPU runs ahead of the device by one op; issue cost off the stream);
-  with ``"threads"`` (gloo) issuing occupies the thread, and a collective's duration times
-  ``comm_cpu_share`` is taken from its members' next compute.
+  with ``"threads"`` (gloo) issuing occupies the thread, and a compute op that runs while the
+  rank's collectives are still in flight (from its start to the end of the latest collective
+  the rank issued) is stretched by ``comm_cpu_share`` (:func:`~dmuon.sim.hardware.comm_cpu_share_at`)
+  times that overlap: gloo's threads share the cores.
 * a **compute op** (forward, backward, recompute, Newton-Schulz, optimizer) starts when the
   thread is free and its dependencies are done *on that rank* (a rank waits only for the ops it
   takes part in); time between is that rank's communication wait. Durations come from the
@@ -53,7 +55,8 @@ from ..plan import cost as _cost
 from ..plan.records import itemsize_nbytes
 from ..plan.step_schedule import Op, Step, StepSchedule
 from . import alternatives as _alt
-from .hardware import OP_COLLECTIVE, Hardware, collective_s, elementwise_s, matmul_s
+from .hardware import (OP_COLLECTIVE, Hardware, collective_s, dtensor_gather_s_at, elementwise_s, fsdp2_call_s_at,
+                       comm_cpu_share_at, matmul_s, train_elementwise_s, train_matmul_s)
 from .workload import Work, Workload
 
 __all__ = ["VARIANTS", "Interval", "PathStep", "RankTime", "MemoryBreakdown", "Simulation", "simulate",
@@ -214,11 +217,11 @@ class _SimOp:
 
 
 def _work_s(hw: Hardware, w: Work, factor: float, dtype: str) -> float:
-    """Seconds of ``factor`` x the forward of ``w`` (matmuls at their efficiency, attention,
-    elementwise bytes and operators)."""
-    t = sum(matmul_s(hw, f, d, dtype) for f, d in w.matmuls)
-    t += matmul_s(hw, w.attention_flops, w.attention_d, dtype)
-    return factor * (t + elementwise_s(hw, w.elementwise_nbytes, w.ops))
+    """Seconds of ``factor`` x the forward of ``w`` (matmuls at the training-matmul efficiency,
+    attention, elementwise bytes and operators with autograd: :func:`~dmuon.sim.hardware.train_matmul_s`)."""
+    t = sum(train_matmul_s(hw, f, d, dtype) for f, d in w.matmuls)
+    t += train_matmul_s(hw, w.attention_flops, w.attention_d, dtype)
+    return factor * (t + train_elementwise_s(hw, w.elementwise_nbytes, w.ops))
 
 
 def _ns_s(hw: Hardware, wl: Workload, spec: Any, flops: int) -> float:
@@ -286,11 +289,13 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
                 secs = coll_cache[key] = collective_s(hw, OP_COLLECTIVE[kind], op.group, nbytes)
             host = hw.issue_s
             if kind.startswith("fsdp2_"):
-                host += hw.fsdp2_call_s + elementwise_s(hw, 2 * k * nbytes, 1)  # copy-out / copy-in
+                host += fsdp2_call_s_at(hw, k) + elementwise_s(hw, 2 * k * nbytes, 1)  # copy-out / copy-in
             elif kind == "reduce" and op.phase == "reduce" and op.segment is not None:
                 pass  # packing is charged once per boundary below (with its first reduce)
             elif kind == "all_to_all":
                 host += elementwise_s(hw, 2 * nbytes, 2)
+            elif kind == "all_gather" and variant == "naive":  # DTensor.full_tensor() + redistribute back
+                host += dtensor_gather_s_at(hw, k)
             label = f"{op.phase} {op.boundary or ''}".strip()
             s = _SimOp(kind, label, op.group, deps, True, secs, host, _CHANNEL[kind],
                        deferred=op.phase == "replicate_broadcast" and plan.replicate_async)
@@ -347,9 +352,9 @@ def replay_ops(sim_ops: list[_SimOp], num_ranks: int, hw: Hardware, *, timeline_
     busy = np.zeros(n)
     wait = np.zeros(n)
     ns = np.zeros(n)
-    steal = np.zeros(n)
+    comm_busy = np.zeros(n)  # end of the latest collective issued by each rank (its CPU share)
     threads = hw.comm_engine == "threads"
-    share = hw.comm_cpu_share if threads else 0.0
+    share = comm_cpu_share_at(hw) if threads else 0.0
     tl_mask = np.zeros(n, dtype=bool)
     tl = [r for r in timeline_ranks if 0 <= r < n]
     tl_mask[tl] = True
@@ -468,14 +473,12 @@ def replay_ops(sim_ops: list[_SimOp], num_ranks: int, hw: Hardware, *, timeline_
                 comm_end[later] = end
                 comm_end_op[later] = i
             if share:
-                steal[G] += share * float(op.seconds)
+                comm_busy[G] = np.maximum(comm_busy[G], end)
             if tl:
                 for x in G[tl_mask[G]]:
                     timelines[int(x)].append(Interval(start, end, c, op.kind, op.label))
         else:
-            dur = op.seconds + steal[G] if share else op.seconds
-            if share:
-                steal[G] = 0.0
+            dur = op.seconds
             h = host[G]
             if op.deps:
                 dr, who = dep_ready(op.deps, i, G)
@@ -485,6 +488,8 @@ def replay_ops(sim_ops: list[_SimOp], num_ranks: int, hw: Hardware, *, timeline_
                 start = h.copy()
                 from_dep = np.zeros(len(G), dtype=bool)
                 who = np.full(len(G), -1, dtype=np.int64)
+            if share:  # gloo's threads take their share of the part of the op the rank's collectives overlap
+                dur = dur + share * np.clip(np.minimum(comm_busy[G], start + dur) - start, 0.0, None)
             wait[G] += start - h
             end = start + dur
             busy[G] += dur
