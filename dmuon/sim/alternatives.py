@@ -182,7 +182,8 @@ def build(variant: str, plan: Any, step: Step | None = None) -> tuple[Op, ...]:
             batches.append(group[i:i + N])
     sends: list[tuple[int, ...]] = []
     for batch in batches:
-        deps = tuple(i for spec in batch for i in last_grad.get(plan.boundary(spec.fqn), ()))
+        # each unit's gradient collectives once (first-seen order), however many of its matrices the batch holds
+        deps = tuple(dict.fromkeys(i for spec in batch for i in last_grad.get(plan.boundary(spec.fqn), ())))
         shard = max(_cost.fsdp2_shard_numel(spec.local_shape, N) for spec in batch)
         if N > 1:
             sends.append(tuple(e.emit(kind="all_to_all", phase="optimizer", group=row, dtype=batch[0].dtype,
