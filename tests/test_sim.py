@@ -133,6 +133,12 @@ def test_in_situ_costs_reach_the_ops(tiny):
         gathers = sum(1 for op in a if op.kind == "all_gather")
         assert sum(extra) == pytest.approx(fsdp * 1e-3 + gathers * 2e-3)
         assert (gathers > 0) == (variant == "naive")
+        # gloo: the thread waits for each full_tensor() gather before the next (one wait op each,
+        # right after it, depending on it); separate engines only make the NS wait (no wait ops)
+        waits = [j for j, op in enumerate(a) if op.kind == "wait"]
+        assert len(waits) == gathers and all(a[j - 1].kind == "all_gather" and a[j].deps == (j - 1,) for j in waits)
+        gpu = _lower(ops, plan, dataclasses.replace(hw, comm_engine="separate"), wl, variant=variant, num_ranks=n)
+        assert not any(op.kind == "wait" for op in gpu)
 
 
 def test_comm_cpu_share_stretches_the_overlapped_part():

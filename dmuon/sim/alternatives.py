@@ -16,7 +16,9 @@ AdamW on every shard (added by the simulator).
 ``naive`` — FSDP2 + naive Muon (``benchmarks/step_time.py``'s ``NaiveMuon``): the same FSDP2
 ops, then per Muon matrix momentum on its shard, one all-gather of the update over the shard
 group (``DTensor.full_tensor()``), Newton-Schulz of EVERY matrix on EVERY rank, and each rank
-applies its own shard.
+applies its own shard. Each NS waits for its own gather; on gloo the simulator also makes the
+thread wait for each gather before the next (``full_tensor()`` blocks the host there), so all
+gathers precede the first NS, as in ``NaiveMuon.step``.
 
 ``all_to_all`` — the design of microsoft/dion's Muon (``dion/muon.py``: gradient shards
 all-to-all to whole-matrix owners at the step, all-to-all back): the same FSDP2 ops; at the step,

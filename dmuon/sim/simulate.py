@@ -319,6 +319,11 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
             raise ValueError(f"dmuon.sim: cannot simulate op kind {kind!r} ({op.describe()})")
         remap[op.id] = len(out)
         out.append(s)
+        if kind == "all_gather" and variant == "naive" and hw.comm_engine == "threads":
+            # DTensor.full_tensor() on gloo returns when the gather is done: the thread waits
+            # before the next matrix's gather (so every gather precedes the first NS, as in the
+            # baseline's step); NCCL only makes the compute stream wait, which the deps express
+            out.append(_SimOp("wait", s.label, op.group, (len(out) - 1,), False, 0.0))
         if op.kind == "backward" and last_bwd.get(mb) == op.id:
             out.append(_SimOp("backward", "embed", everyone, (len(out) - 1,), False, embed_b))
     # the optimizer: AdamW on this rank's FSDP2 shards (DTensors), after its gradient collectives
