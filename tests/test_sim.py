@@ -94,6 +94,68 @@ def test_matmul_efficiency_curve():
     assert H.matmul_s(hw, 2e12, 8192, "torch.bfloat16") == pytest.approx(2e12 / (989e12 * 0.78))
 
 
+def test_training_terms_and_in_situ_costs_by_group():
+    """The calibrated training terms: forward / backward matmuls on the autograd curve, operators
+    at ``autograd_op_s``; FSDP2 and DTensor-gather costs by group size, the scalar elsewhere;
+    without the new fields every figure is the plain one (GPU presets unchanged)."""
+    hw = dataclasses.replace(
+        _cpu(), matmul_efficiency=((100.0, 0.5),), autograd_matmul_efficiency=((10.0, 0.1), (1000.0, 0.4)),
+        op_overhead_s=1e-6, autograd_op_s=5e-6, elementwise_Bps=1e9, fsdp2_call_s=1e-4,
+        fsdp2_call_s_by_group=((2, 3e-3), (4, 9e-3)), dtensor_gather_s=2e-4, dtensor_gather_s_by_group=((2, 1e-3),),
+        comm_cpu_share=0.5, comm_cpu_share_by_group=((2, 0.25),))
+    assert H.matmul_s(hw, 1e9, 100.0, "torch.float32") == pytest.approx(1e9 / (1e9 * 0.5))
+    assert H.train_matmul_s(hw, 1e9, 100.0, "torch.float32") == pytest.approx(1e9 / (1e9 * 0.25))  # halfway in log d
+    assert H.train_elementwise_s(hw, 1e6, 10) == pytest.approx(1e-3 + 10 * 5e-6)
+    assert H.elementwise_s(hw, 1e6, 10) == pytest.approx(1e-3 + 10 * 1e-6)
+    assert (H.fsdp2_call_s_at(hw, 2), H.fsdp2_call_s_at(hw, 3), H.fsdp2_call_s_at(hw, 4)) == (3e-3, 1e-4, 9e-3)
+    assert (H.dtensor_gather_s_at(hw, 2), H.dtensor_gather_s_at(hw, 4)) == (1e-3, 2e-4)
+    assert H.comm_cpu_share_at(hw) == 0.25 and H.comm_cpu_share_at(dataclasses.replace(hw, ranks_per_node=3)) == 0.5
+    plain = _cpu(matmul_efficiency=((100.0, 0.5),), op_overhead_s=1e-6)
+    assert H.train_matmul_s(plain, 1e9, 100.0, "torch.float32") == H.matmul_s(plain, 1e9, 100.0, "torch.float32")
+    assert H.train_elementwise_s(plain, 1e6, 10) == H.elementwise_s(plain, 1e6, 10)
+    assert H.Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
+
+
+def test_in_situ_costs_reach_the_ops(tiny):
+    """FSDP2 calls pay ``fsdp2_call_s_at(k)`` on the thread and the naive baseline's all-gathers
+    ``dtensor_gather_s_at(k)``: each extra second per call moves the replay by calls x seconds
+    on the critical rank when nothing overlaps (one rank per core, no compute)."""
+    from dmuon.sim.simulate import _lower, _variant_ops
+
+    plan, wl = tiny
+    hw = _cpu(ranks_per_node=4, cores_per_node=4)
+    more = dataclasses.replace(hw, fsdp2_call_s_by_group=((4, 1e-3),), dtensor_gather_s_by_group=((4, 2e-3),))
+    for variant in ("adamw", "naive"):
+        ops, n, *_ = _variant_ops(plan, variant, None, False)
+        a, b = (_lower(ops, plan, h, wl, variant=variant, num_ranks=n) for h in (hw, more))
+        extra = [y.host_s - x.host_s for x, y in zip(a, b)]
+        fsdp = sum(1 for op in a if op.kind.startswith("fsdp2_"))
+        gathers = sum(1 for op in a if op.kind == "all_gather")
+        assert sum(extra) == pytest.approx(fsdp * 1e-3 + gathers * 2e-3)
+        assert (gathers > 0) == (variant == "naive")
+        # gloo: the thread waits for each full_tensor() gather before the next (one wait op each,
+        # right after it, depending on it); separate engines only make the NS wait (no wait ops)
+        waits = [j for j, op in enumerate(a) if op.kind == "wait"]
+        assert len(waits) == gathers and all(a[j - 1].kind == "all_gather" and a[j].deps == (j - 1,) for j in waits)
+        gpu = _lower(ops, plan, dataclasses.replace(hw, comm_engine="separate"), wl, variant=variant, num_ranks=n)
+        assert not any(op.kind == "wait" for op in gpu)
+
+
+def test_comm_cpu_share_stretches_the_overlapped_part():
+    """gloo's threads share the cores: a 2 s broadcast issued before a 3 s compute op overlaps
+    2 s of it, so with share 0.5 the op takes 3 + 0.5 * 2 = 4 s; a compute op after the
+    broadcast has ended is not stretched."""
+    ops = [
+        _SimOp("broadcast", "b", (0, 1), (), True, 2.0, 0.0, "bcast"),
+        _SimOp("forward", "f", (0, 1), (), False, 3.0),
+        _SimOp("forward", "g", (0, 1), (), False, 1.0),
+    ]
+    for share, end in ((0.0, 4.0), (0.5, 5.0), (1.0, 6.0)):
+        raw = replay_ops(ops, 2, _cpu(comm_cpu_share_by_group=((2, share),)))
+        assert list(raw["rank_end"]) == [end, end]  # f: 0 .. 3 + 2 share, g: 1 s after
+        assert list(raw["busy"]) == [4.0 + 2 * share] * 2
+
+
 # ------------------------------------------------------------------ a 2-rank replay by hand
 
 

@@ -16,7 +16,9 @@ AdamW on every shard (added by the simulator).
 ``naive`` — FSDP2 + naive Muon (``benchmarks/step_time.py``'s ``NaiveMuon``): the same FSDP2
 ops, then per Muon matrix momentum on its shard, one all-gather of the update over the shard
 group (``DTensor.full_tensor()``), Newton-Schulz of EVERY matrix on EVERY rank, and each rank
-applies its own shard.
+applies its own shard. Each NS waits for its own gather; on gloo the simulator also makes the
+thread wait for each gather before the next (``full_tensor()`` blocks the host there), so all
+gathers precede the first NS, as in ``NaiveMuon.step``.
 
 ``all_to_all`` — the design of microsoft/dion's Muon (``dion/muon.py``: gradient shards
 all-to-all to whole-matrix owners at the step, all-to-all back): the same FSDP2 ops; at the step,
@@ -182,7 +184,8 @@ def build(variant: str, plan: Any, step: Step | None = None) -> tuple[Op, ...]:
             batches.append(group[i:i + N])
     sends: list[tuple[int, ...]] = []
     for batch in batches:
-        deps = tuple(i for spec in batch for i in last_grad.get(plan.boundary(spec.fqn), ()))
+        # each unit's gradient collectives once (first-seen order), however many of its matrices the batch holds
+        deps = tuple(dict.fromkeys(i for spec in batch for i in last_grad.get(plan.boundary(spec.fqn), ())))
         shard = max(_cost.fsdp2_shard_numel(spec.local_shape, N) for spec in batch)
         if N > 1:
             sends.append(tuple(e.emit(kind="all_to_all", phase="optimizer", group=row, dtype=batch[0].dtype,

@@ -11,10 +11,27 @@ Measured on this machine, nothing taken from a training run:
   (``torch.set_num_threads(1)``, as every rank of the benchmarks runs): the peak is the best
   size's rate, the efficiency curve every size's fraction of it.
 * **per-operator overhead** (a 1-element add) and **elementwise bandwidth** (a 4 M-element add).
+* **training matmuls**: ``F.linear`` forward + backward with autograd (``x·Wᵀ``, the input and
+  the weight gradient) at ``(4d, d, d)``, as a fraction of the plain peak by mean dimension
+  (``autograd_matmul_efficiency``); and the **autograd operator** cost (a chain of recorded
+  elementwise ops, forward + backward, per op).
 * **hook cost**: a module with a forward pre-hook, forward hook and backward hooks vs without.
-* **FSDP2 call / DTensor dispatch**: in a 1-rank gloo group, the time of one FSDP2 unit's
-  forward + backward with tiny parameters minus the plain module's (per unit and call), and a
-  ``DTensor`` in-place multiply vs a plain one.
+* **FSDP2 call / DTensor gather / communication CPU share, in a real group of each size** (one launch of
+  ``k`` processes per group size, the whole world as the group): a stack of FSDP2 units of 8 tiny parameters each (a transformer
+  block's count) forward + backward minus the plain stack's, per call, less the bare blocking
+  collectives of the same payload (the simulator times those from the curves); and a
+  ``DTensor.full_tensor()`` + ``redistribute`` back to ``Shard(0)`` less a bare all-gather; and
+  how much of a collective's duration the members' compute loses while it runs on gloo's
+  threads (``comm_cpu_share``, :func:`_comm_cpu_share`). On gloo these grow with the group and
+  with ranks per core (blocking waits, threads that share the cores), which a 1-rank
+  measurement misses.
+  The DTensor dispatch of an in-place multiply vs a plain one (1-rank group).
+
+Compute is measured in one process while the other cores idle: with one process per core
+running GEMMs and transformer blocks concurrently (the benchmark's condition) the per-process
+rates on this machine were the same within noise (2-core AMD EPYC VM, synchronised windows),
+so the simulator's processor sharing (``ranks_per_node / cores_per_node``) is the only
+contention term.
 
 ``--quick`` measures fewer sizes and repeats (a smoke run for tests, seconds). Total: well under
 3 minutes on 2 cores. Progress: a tqdm bar if tqdm is installed, else one line per stage.
@@ -144,6 +161,90 @@ def _time_collectives(dist, torch, group, k: int, sizes: Sequence[int], repeats:
     return res
 
 
+def _in_situ(dist, torch, group, k: int, repeats: int) -> dict[str, float]:
+    """FSDP2 per-call and DTensor-gather costs on ``group`` (``k`` ranks; members only call),
+    beyond the bare collectives (module docstring)."""
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = DeviceMesh.from_group(group, "cpu")
+    units, per_unit, width = 4, 8, 8
+
+    def stack():
+        return nn.Sequential(*[nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(per_unit)])
+                               for _ in range(units)])
+
+    def med(fn, reps):
+        fn()
+        fn()
+        times = []
+        for _ in range(reps):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    plain, sharded = stack(), stack()
+    for unit in sharded:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    inp = torch.ones(2, width)
+    reps = max(repeats, 11)
+    t_plain = med(lambda: plain(inp).sum().backward(), reps)
+    t_fsdp = med(lambda: sharded(inp).sum().backward(), reps)
+    unit_numel = per_unit * width * width
+    shard = torch.ones(-(-unit_numel // k))
+    full = torch.empty(shard.numel() * k)
+    t_ag = med(lambda: dist.all_gather_into_tensor(full, shard, group=group), reps)
+    t_rs = med(lambda: dist.reduce_scatter_tensor(shard, full, group=group), reps)
+    calls = units * 3  # Z3: all-gather before forward and before backward, reduce-scatter after
+    fsdp2 = (t_fsdp - t_plain) / calls - (2 * t_ag + t_rs) / 3
+    dt = distribute_tensor(torch.ones(k * 16, width), mesh, [Shard(0)])
+    x = torch.ones(16 * width)
+    y = torch.empty(16 * width * k)
+    t_full = med(lambda: dt.full_tensor(), reps)
+    rep = dt.redistribute(mesh, [Replicate()])
+    t_back = med(lambda: rep.redistribute(mesh, [Shard(0)]), reps)
+    t_bare = med(lambda: dist.all_gather_into_tensor(y, x, group=group), reps)
+    share = _comm_cpu_share(dist, torch, group, k, reps, med)
+    out = torch.tensor([max(0.0, fsdp2), max(0.0, t_full + t_back - t_bare), share], dtype=torch.float64)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    return dict(fsdp2_call_s=float(out[0]), dtensor_gather_s=float(out[1]), comm_cpu_share=float(out[2]))
+
+
+def _comm_cpu_share(dist, torch, group, k: int, reps: int, med) -> float:
+    """The fraction of a collective's duration its members' compute loses while it runs
+    (``comm_cpu_share``): every rank runs a fixed loop of 256 x 256 matmuls (``C`` seconds
+    alone) while 16 broadcasts of 256 KB from rotating roots progress on gloo's threads (``X``
+    alone); both at once take ``T``. ``(T - max(C, X)) / min(C, X)``, clamped to [0, 1]: 0 =
+    communication fully hidden, 1 = none of it overlaps."""
+    a = torch.randn(256, 256)
+    b = torch.randn(256, 256)
+    bufs = [torch.ones(65536) for _ in range(16)]
+
+    def compute():
+        for _ in range(40):
+            a @ b
+
+    def issue():
+        return [dist.broadcast(x, dist.get_global_rank(group, i % k), group=group, async_op=True)
+                for i, x in enumerate(bufs)]
+
+    def both():
+        works = issue()
+        compute()
+        for w in works:
+            w.wait()
+
+    t_c = med(compute, reps)
+    t_x = med(lambda: [w.wait() for w in issue()], reps)
+    t_both = med(both, reps)
+    return min(1.0, max(0.0, (t_both - max(t_c, t_x)) / max(min(t_c, t_x), 1e-9)))
+
+
 def _fsdp_overheads(torch, group, repeats: int) -> dict[str, float]:
     """FSDP2 call and DTensor dispatch cost on a 1-rank group (no communication)."""
     from torch import nn
@@ -180,11 +281,12 @@ def _fsdp_overheads(torch, group, repeats: int) -> dict[str, float]:
     return dict(fsdp2_call_s=fsdp2_call_s, dtensor_op_s=max(0.0, t_d - t_q))
 
 
-def _worker(rank: int, world: int, port: int, out: str, group_sizes: Sequence[int], sizes: Sequence[int],
-            repeats: int) -> None:
+def _worker(rank: int, world: int, port: int, out: str, sizes: Sequence[int], repeats: int, fsdp_solo: bool) -> None:
+    """One launch of ``world`` processes: the collective curves on the whole world, then the
+    in-situ costs (:func:`_in_situ`); with ``fsdp_solo`` also the DTensor dispatch (rank 0)."""
     import warnings
 
-    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore")
     import torch
     import torch.distributed as dist
 
@@ -192,15 +294,13 @@ def _worker(rank: int, world: int, port: int, out: str, group_sizes: Sequence[in
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        res: dict[str, Any] = {"collectives": {}}
-        for k in group_sizes:
-            g = dist.new_group(list(range(k))) if k < world else dist.group.WORLD
-            res["collectives"][str(k)] = _time_collectives(dist, torch, g if rank < k else None, k, sizes, repeats)
+        g = dist.group.WORLD
+        res: dict[str, Any] = _time_collectives(dist, torch, g, world, sizes, repeats)
+        res["in_situ"] = _in_situ(dist, torch, g, world, repeats)
+        if fsdp_solo:
+            solo = dist.new_group([0])
             if rank == 0:
-                print(f"  gloo collectives on {k} ranks done", file=sys.stderr, flush=True)
-        solo = dist.new_group([0])
-        if rank == 0:
-            res["fsdp"] = _fsdp_overheads(torch, solo, repeats)
+                res["fsdp"] = _fsdp_overheads(torch, solo, repeats)
         dist.barrier()
         if rank == 0:
             with open(out, "w") as f:
@@ -247,6 +347,21 @@ def _matmul(sizes: Sequence[int], repeats: int) -> dict[str, list[tuple[int, flo
             t = _median_s(lambda: [a @ b for _ in range(reps)], repeats) / reps
             pts.append((d, 2 * d**3 / t))
         out[str(dtype)] = pts
+    # training matmuls: x (t, i) . W (o, i)^T forward, grad_x and grad_W backward, with autograd
+    pts = []
+    for d in sizes:
+        t_rows = 4 * d
+        x = torch.randn(t_rows, d, requires_grad=True)
+        w = torch.randn(d, d, requires_grad=True)
+        flops = 3 * 2 * t_rows * d * d
+        reps = max(2, int(2e8 / flops))
+
+        def fb(x=x, w=w):
+            for _ in range(reps):
+                torch.nn.functional.linear(x, w).backward(torch.ones(t_rows, d))
+        fb()
+        pts.append(((t_rows * d * d) ** (1 / 3), flops * reps / _median_s(fb, repeats)))
+    out["autograd"] = pts
     return out
 
 
@@ -257,6 +372,17 @@ def _overheads(repeats: int) -> dict[str, float]:
     x = torch.ones(1)
     n = 2000
     op_s = _median_s(lambda: [x.add(1.0) for _ in range(n)], repeats) / n
+    xg = torch.ones(8, requires_grad=True)
+
+    def chain(ops):
+        def f():
+            y = xg
+            for _ in range(ops):
+                y = y * 1.0001
+            y.sum().backward()
+        return f
+
+    autograd_op_s = max(0.0, (_median_s(chain(110), repeats) - _median_s(chain(10), repeats)) / 100 / 3)
     big = torch.ones(4 * 2**20)
     other = torch.ones_like(big)
     out_t = torch.empty_like(big)
@@ -276,7 +402,7 @@ def _overheads(repeats: int) -> dict[str, float]:
     for h in hooks:
         h.remove()
     hook_s = max(0.0, (hooked - plain) / 200 / 2)  # per hook call: forward and backward each run two
-    return dict(op_overhead_s=op_s, elementwise_Bps=elem_Bps, hook_s=hook_s)
+    return dict(op_overhead_s=op_s, autograd_op_s=autograd_op_s, elementwise_Bps=elem_Bps, hook_s=hook_s)
 
 
 # ----------------------------------------------------------------------------------- main
@@ -293,12 +419,15 @@ def calibrate(*, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, re
     raw: dict[str, Any] = dict(machine=dict(cpu_count=os.cpu_count(), torch=torch.__version__), collectives={})
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "gloo.json")
-        _launch(_worker, max(group_sizes), (path, tuple(group_sizes), sizes, reps))
-        with open(path) as f:
-            got = json.load(f)
-        raw["collectives"] = got["collectives"]
-        raw["fsdp"] = got["fsdp"]
+        for i, k in enumerate(group_sizes):  # one launch per group size: k processes, the world as the group
+            path = os.path.join(tmp, f"gloo{k}.json")
+            _launch(_worker, k, (path, sizes, reps, i == 0))
+            with open(path) as f:
+                got = json.load(f)
+            if "fsdp" in got:
+                raw["fsdp"] = got.pop("fsdp")
+            raw["collectives"][str(k)] = got
+            print(f"  gloo collectives and in-situ costs on {k} ranks done", file=sys.stderr, flush=True)
         prog.step(f"gloo collectives on {', '.join(map(str, group_sizes))} ranks; FSDP2 call / DTensor dispatch")
     raw["matmul"] = _matmul(MATMUL_SIZES[:3] if quick else MATMUL_SIZES, reps)
     prog.step("matmul FLOP/s")
@@ -316,13 +445,17 @@ def calibrate(*, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, re
                                           seconds=tuple(float(s) for _, s in pts)))
     peaks = []
     eff: list[tuple[float, float]] = []
+    in_situ = {int(k): res["in_situ"] for k, res in raw["collectives"].items() if "in_situ" in res}
     for dtype, pts in raw["matmul"].items():
-        if not pts:
+        if not pts or dtype == "autograd":
             continue
         best = max(f for _, f in pts)
         peaks.append((dtype, best))
         if dtype == "torch.float32":
             eff = [(float(d), f / best) for d, f in pts]
+    fp32_peak = dict(peaks).get("torch.float32", 1.0)
+    # the training-matmul curve as a fraction of the plain fp32 peak (may exceed 1 nowhere here)
+    autograd_eff = tuple((float(d), f / fp32_peak) for d, f in raw["matmul"].get("autograd", ()))
     ov = raw["overheads"]
     cores = os.cpu_count() or 1
     hw = Hardware(
@@ -335,14 +468,19 @@ def calibrate(*, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, re
         issue_s=statistics.median(issue),
         matmul_peak_flops=tuple(sorted(peaks, key=lambda p: p[0] != "torch.float32")),
         matmul_efficiency=tuple(eff) or ((1.0, 1.0),),
+        autograd_matmul_efficiency=autograd_eff,
         op_overhead_s=ov["op_overhead_s"],
+        autograd_op_s=ov.get("autograd_op_s", 0.0),
         elementwise_Bps=ov["elementwise_Bps"],
         hook_s=ov["hook_s"],
+        comm_cpu_share_by_group=tuple(sorted((k, v["comm_cpu_share"]) for k, v in in_situ.items())),
         fsdp2_call_s=raw["fsdp"]["fsdp2_call_s"],
         dtensor_op_s=raw["fsdp"]["dtensor_op_s"],
+        fsdp2_call_s_by_group=tuple(sorted((k, v["fsdp2_call_s"]) for k, v in in_situ.items())),
+        dtensor_gather_s_by_group=tuple(sorted((k, v["dtensor_gather_s"]) for k, v in in_situ.items())),
         cores_per_node=cores,
         comm_engine="threads",
-        comm_cpu_share=0.0,
+        comm_cpu_share=0.0,  # the scalar: sizes without a measurement
         compute_dtype="torch.float32",
         ns_dtype="torch.float32",
         source="python -m dmuon calibrate",
@@ -369,7 +507,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  matmul peak {d.replace('torch.', '')}: {f / 1e9:.1f} GFLOP/s (1 thread)")
     print(f"  operator overhead {1e6 * hw.op_overhead_s:.2f} us, elementwise {hw.elementwise_Bps / 1e9:.2f} GB/s, "
           f"hook {1e6 * hw.hook_s:.1f} us, FSDP2 call {1e6 * hw.fsdp2_call_s:.0f} us, DTensor op +{1e6 * hw.dtensor_op_s:.1f} us, "
-          f"collective issue {1e6 * hw.issue_s:.0f} us")
+          f"collective issue {1e6 * hw.issue_s:.0f} us, autograd op {1e6 * hw.autograd_op_s:.1f} us")
+    if hw.autograd_matmul_efficiency:
+        print("  training matmul (autograd) fraction of peak by d: "
+              + ", ".join(f"{d:.0f} {e:.2f}" for d, e in hw.autograd_matmul_efficiency))
+    for (k, f), (_, g), (_, h) in zip(hw.fsdp2_call_s_by_group, hw.dtensor_gather_s_by_group,
+                                      hw.comm_cpu_share_by_group):
+        print(f"  k={k}: FSDP2 call {1e3 * f:.2f} ms, DTensor gather {1e3 * g:.2f} ms (each beyond its collective), "
+              f"comm CPU share {h:.2f}")
     for c in hw.curves:
         if c.kind in ("broadcast", "all_gather"):
             pts = ", ".join(f"{b / 1024:.0f}K {1e3 * s:.2f}" for b, s in zip(c.nbytes, c.seconds))

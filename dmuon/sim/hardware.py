@@ -22,20 +22,32 @@ one small named function:
   schedule ranks), else ``intra``. These are the textbook ring / double-binary-tree costs that
   NCCL chooses between (Thakur, Rabenseifner, Gropp 2005; NCCL's tuning model).
 * :func:`matmul_s` — ``flops / (peak(dtype) · efficiency(d))`` with ``d = (m·n·k)^(1/3)``, the
-  efficiency interpolated in ``log d`` over ``matmul_efficiency``.
-* :func:`elementwise_s` — ``nbytes / elementwise_Bps + ops · op_overhead_s``.
+  efficiency interpolated in ``log d`` over ``matmul_efficiency`` (a plain ``a @ b``: the
+  optimizer's Newton-Schulz). The forward / backward of training runs its matmuls as
+  ``x·Wᵀ`` with autograd (transposed operands for the input and weight gradients, one graph
+  node each); where the record has ``autograd_matmul_efficiency`` (calibrated from exactly
+  that, :func:`train_matmul_s`) those use it instead.
+* :func:`elementwise_s` — ``nbytes / elementwise_Bps + ops · op_overhead_s``; forward /
+  backward operators of training cost ``autograd_op_s`` each where the record has it (a
+  recorded op and its share of the backward node; :func:`train_elementwise_s`).
 
 Per-call cost on the calling thread (``issue_s``: a collective's Python + c10d issue path;
 ``hook_s``: one dmuon hook call; ``fsdp2_call_s``: one FSDP2 unshard / reduce-scatter call
-including its DTensor bookkeeping; ``dtensor_op_s``: the extra dispatch of one optimizer op on
-a ``DTensor``) are charged to the rank's thread by the simulator.
+including its DTensor bookkeeping, beyond the collective itself; ``dtensor_op_s``: the extra
+dispatch of one optimizer op on a ``DTensor``; ``dtensor_gather_s``: a
+``DTensor.full_tensor()`` and the ``Replicate -> Shard`` redistribution back, beyond the
+all-gather itself) are charged to the rank's thread by the simulator. A calibration measures
+the FSDP2 and DTensor-gather costs in a real group of each size (``*_by_group``: ``(k,
+seconds)`` pairs, :func:`fsdp2_call_s_at` / :func:`dtensor_gather_s_at`), because on gloo they grow
+with the group (blocking waits, and ranks that outnumber the cores).
 
 Processor sharing: ``cores_per_node`` cores serve ``ranks_per_node`` ranks; when ranks outnumber
 cores every compute op runs ``ranks_per_node / cores_per_node`` times slower (all ranks are busy in
 a symmetric step; an idle rank does not release its share — stated as an assumption).
 ``comm_engine`` says where collectives progress: ``"separate"`` (GPU copy engines / NCCL
 kernels: overlap with compute for free) or ``"threads"`` (gloo's threads on the same cores: a
-collective also takes ``comm_cpu_share`` of its duration from the compute of its members).
+collective also takes ``comm_cpu_share`` of its duration from the compute of its members;
+calibrated per count of ranks on the node, :func:`comm_cpu_share_at`).
 
 Presets (:data:`PRESETS`) carry public figures; docs/performance.md cites each. ``cpu-gloo`` is
 not a preset: it is what ``python -m dmuon calibrate`` measures (:func:`load`).
@@ -62,6 +74,11 @@ __all__ = [
     "matmul_s",
     "matmul_efficiency",
     "elementwise_s",
+    "train_matmul_s",
+    "train_elementwise_s",
+    "fsdp2_call_s_at",
+    "dtensor_gather_s_at",
+    "comm_cpu_share_at",
     "group_link",
 ]
 
@@ -158,11 +175,22 @@ class Hardware:
         matmul_peak_flops: ``(dtype string, FLOP/s)`` pairs, e.g. ``("torch.bfloat16", 989e12)``.
         matmul_efficiency: ``(d, fraction of peak)`` points, ``d`` increasing (``d`` = cube root
             of ``m·n·k``).
+        autograd_matmul_efficiency: ``(d, fraction of the fp32 / compute-dtype peak)`` of a
+            training matmul (``x·Wᵀ`` forward + both gradients, with autograd); empty = use
+            ``matmul_efficiency`` (GPU presets).
         op_overhead_s: seconds per operator beyond its bytes / FLOPs (dispatch, launch).
+        autograd_op_s: seconds per forward operator of training with autograd (the op and its
+            backward node, per unit of the workload's operator count); 0 = ``op_overhead_s``.
         elementwise_Bps: bytes per second of memory-bound elementwise ops.
         hook_s: one dmuon hook call (Python), on the calling thread.
         fsdp2_call_s: one FSDP2 all-gather / reduce-scatter call's calling-thread cost.
         dtensor_op_s: extra dispatch per optimizer op on a ``DTensor`` parameter.
+        dtensor_gather_s: one ``DTensor.full_tensor()`` + ``redistribute`` back, beyond its
+            all-gather (FSDP2 + naive Muon).
+        fsdp2_call_s_by_group / dtensor_gather_s_by_group: ``(group size, seconds)`` pairs
+            measured in a real group of that size; sizes not listed use the scalar field.
+        comm_cpu_share_by_group: ``(ranks on the node, share)`` pairs measured with that many
+            ranks computing and communicating at once; other counts use ``comm_cpu_share``.
         cores_per_node: cores that run the ranks of a node (GPU presets: one per GPU).
         comm_engine: ``"separate"`` or ``"threads"``.
         comm_cpu_share: with ``"threads"``, the fraction of a collective's duration its members'
@@ -182,11 +210,17 @@ class Hardware:
     issue_s: float = 0.0
     matmul_peak_flops: tuple[tuple[str, float], ...] = ()
     matmul_efficiency: tuple[tuple[float, float], ...] = ((1.0, 1.0),)
+    autograd_matmul_efficiency: tuple[tuple[float, float], ...] = ()
     op_overhead_s: float = 0.0
+    autograd_op_s: float = 0.0
     elementwise_Bps: float = 1e12
     hook_s: float = 0.0
     fsdp2_call_s: float = 0.0
     dtensor_op_s: float = 0.0
+    dtensor_gather_s: float = 0.0
+    fsdp2_call_s_by_group: tuple[tuple[int, float], ...] = ()
+    dtensor_gather_s_by_group: tuple[tuple[int, float], ...] = ()
+    comm_cpu_share_by_group: tuple[tuple[int, float], ...] = ()
     cores_per_node: int = 1
     comm_engine: str = "separate"
     comm_cpu_share: float = 0.0
@@ -203,8 +237,10 @@ class Hardware:
             raise ValueError(f"Hardware.comm_engine must be 'separate' or 'threads', got {self.comm_engine!r}")
         if not self.matmul_peak_flops:
             raise ValueError("Hardware.matmul_peak_flops needs at least one (dtype, FLOP/s) pair")
-        if any(b[0] <= a[0] for a, b in zip(self.matmul_efficiency, self.matmul_efficiency[1:])):
-            raise ValueError("Hardware.matmul_efficiency: d must increase")
+        for name in ("matmul_efficiency", "autograd_matmul_efficiency"):
+            pts = getattr(self, name)
+            if any(b[0] <= a[0] for a, b in zip(pts, pts[1:])):
+                raise ValueError(f"Hardware.{name}: d must increase")
         index: dict[str, dict[int, CollectiveCurve]] = {}
         for c in self.curves:
             index.setdefault(c.kind, {})[c.group_size] = c
@@ -238,7 +274,9 @@ class Hardware:
         d["curves"] = [dict(kind=c.kind, group_size=c.group_size, nbytes=list(c.nbytes), seconds=list(c.seconds))
                        for c in self.curves]
         d["matmul_peak_flops"] = [list(x) for x in self.matmul_peak_flops]
-        d["matmul_efficiency"] = [list(x) for x in self.matmul_efficiency]
+        for name in ("matmul_efficiency", "autograd_matmul_efficiency", "fsdp2_call_s_by_group",
+                     "dtensor_gather_s_by_group", "comm_cpu_share_by_group"):
+            d[name] = [list(x) for x in getattr(self, name)]
         return d
 
     @classmethod
@@ -250,6 +288,9 @@ class Hardware:
                                             seconds=tuple(c["seconds"])) for c in d.get("curves", ()))
         d["matmul_peak_flops"] = tuple((str(a), float(b)) for a, b in d["matmul_peak_flops"])
         d["matmul_efficiency"] = tuple((float(a), float(b)) for a, b in d["matmul_efficiency"])
+        d["autograd_matmul_efficiency"] = tuple((float(a), float(b)) for a, b in d.get("autograd_matmul_efficiency", ()))
+        for name in ("fsdp2_call_s_by_group", "dtensor_gather_s_by_group", "comm_cpu_share_by_group"):
+            d[name] = tuple((int(a), float(b)) for a, b in d.get(name, ()))
         known = {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")}
         return cls(**{k: v for k, v in d.items() if k in known})
 
@@ -300,10 +341,10 @@ def collective_s(hw: Hardware, kind: str, group: Sequence[int], nbytes: float) -
     return formula_collective_s(kind, k, nbytes, group_link(hw, group), hw.launch_s)
 
 
-def matmul_efficiency(hw: Hardware, d: float) -> float:
+def matmul_efficiency(hw: Hardware, d: float, curve: Sequence[tuple[float, float]] | None = None) -> float:
     """Fraction of peak a matmul of mean dimension ``d`` reaches (log-linear interpolation,
-    clamped at the ends of ``hw.matmul_efficiency``)."""
-    pts = hw.matmul_efficiency
+    clamped at the ends of ``curve``, default ``hw.matmul_efficiency``)."""
+    pts = hw.matmul_efficiency if curve is None else curve
     if d <= pts[0][0]:
         return pts[0][1]
     if d >= pts[-1][0]:
@@ -324,6 +365,44 @@ def matmul_s(hw: Hardware, flops: float, d: float, dtype: str) -> float:
 def elementwise_s(hw: Hardware, nbytes: float, ops: float) -> float:
     """Seconds of memory-bound work: ``nbytes / elementwise_Bps + ops * op_overhead_s``."""
     return nbytes / hw.elementwise_Bps + ops * hw.op_overhead_s
+
+
+def train_matmul_s(hw: Hardware, flops: float, d: float, dtype: str) -> float:
+    """:func:`matmul_s` for a matmul of the training forward / backward: the peak of ``dtype``
+    times ``autograd_matmul_efficiency(d)`` where the record has that curve, else
+    :func:`matmul_s`."""
+    if not hw.autograd_matmul_efficiency:
+        return matmul_s(hw, flops, d, dtype)
+    if flops <= 0:
+        return 0.0
+    return flops / (hw.peak_flops(dtype) * matmul_efficiency(hw, d, hw.autograd_matmul_efficiency))
+
+
+def train_elementwise_s(hw: Hardware, nbytes: float, ops: float) -> float:
+    """:func:`elementwise_s` with ``autograd_op_s`` per operator where the record has it."""
+    return nbytes / hw.elementwise_Bps + ops * (hw.autograd_op_s or hw.op_overhead_s)
+
+
+def _by_group(pairs: Sequence[tuple[int, float]], k: int, default: float) -> float:
+    for g, s in pairs:
+        if g == k:
+            return s
+    return default
+
+
+def fsdp2_call_s_at(hw: Hardware, k: int) -> float:
+    """One FSDP2 call's calling-thread cost on a group of ``k`` (measured there, else the scalar)."""
+    return _by_group(hw.fsdp2_call_s_by_group, k, hw.fsdp2_call_s)
+
+
+def comm_cpu_share_at(hw: Hardware) -> float:
+    """``comm_cpu_share`` with ``hw.ranks_per_node`` ranks on a node (measured so, else the scalar)."""
+    return _by_group(hw.comm_cpu_share_by_group, hw.ranks_per_node, hw.comm_cpu_share)
+
+
+def dtensor_gather_s_at(hw: Hardware, k: int) -> float:
+    """One ``DTensor.full_tensor()`` + redistribution back on ``k`` ranks, beyond the all-gather."""
+    return _by_group(hw.dtensor_gather_s_by_group, k, hw.dtensor_gather_s)
 
 
 # ----------------------------------------------------------------------------------- presets

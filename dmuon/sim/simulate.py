@@ -19,8 +19,10 @@ each running its collectives in order:
   and ends for all members together after :func:`~dmuon.sim.hardware.collective_s`. With
   ``comm_engine="separate"`` (GPUs) a rank issues a collective as soon as the compute op before
   it has *started* (the CPU runs ahead of the device by one op; issue cost off the stream);
-  with ``"threads"`` (gloo) issuing occupies the thread, and a collective's duration times
-  ``comm_cpu_share`` is taken from its members' next compute.
+  with ``"threads"`` (gloo) issuing occupies the thread, and a compute op that runs while the
+  rank's collectives are still in flight (from its start to the end of the latest collective
+  the rank issued) is stretched by ``comm_cpu_share`` (:func:`~dmuon.sim.hardware.comm_cpu_share_at`)
+  times that overlap: gloo's threads share the cores.
 * a **compute op** (forward, backward, recompute, Newton-Schulz, optimizer) starts when the
   thread is free and its dependencies are done *on that rank* (a rank waits only for the ops it
   takes part in); time between is that rank's communication wait. Durations come from the
@@ -53,7 +55,8 @@ from ..plan import cost as _cost
 from ..plan.records import itemsize_nbytes
 from ..plan.step_schedule import Op, Step, StepSchedule
 from . import alternatives as _alt
-from .hardware import OP_COLLECTIVE, Hardware, collective_s, elementwise_s, matmul_s
+from .hardware import (OP_COLLECTIVE, Hardware, collective_s, dtensor_gather_s_at, elementwise_s, fsdp2_call_s_at,
+                       comm_cpu_share_at, matmul_s, train_elementwise_s, train_matmul_s)
 from .workload import Work, Workload
 
 __all__ = ["VARIANTS", "Interval", "PathStep", "RankTime", "MemoryBreakdown", "Simulation", "simulate",
@@ -214,11 +217,11 @@ class _SimOp:
 
 
 def _work_s(hw: Hardware, w: Work, factor: float, dtype: str) -> float:
-    """Seconds of ``factor`` x the forward of ``w`` (matmuls at their efficiency, attention,
-    elementwise bytes and operators)."""
-    t = sum(matmul_s(hw, f, d, dtype) for f, d in w.matmuls)
-    t += matmul_s(hw, w.attention_flops, w.attention_d, dtype)
-    return factor * (t + elementwise_s(hw, w.elementwise_nbytes, w.ops))
+    """Seconds of ``factor`` x the forward of ``w`` (matmuls at the training-matmul efficiency,
+    attention, elementwise bytes and operators with autograd: :func:`~dmuon.sim.hardware.train_matmul_s`)."""
+    t = sum(train_matmul_s(hw, f, d, dtype) for f, d in w.matmuls)
+    t += train_matmul_s(hw, w.attention_flops, w.attention_d, dtype)
+    return factor * (t + train_elementwise_s(hw, w.elementwise_nbytes, w.ops))
 
 
 def _ns_s(hw: Hardware, wl: Workload, spec: Any, flops: int) -> float:
@@ -275,7 +278,7 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
         if op.kind in ("backward", "recompute") and mb not in first_bwd:
             first_bwd.add(mb)
             out.append(_SimOp("backward", "head", everyone, tuple(root_ag.get(mb, ())), False, head))
-        deps = tuple(remap[d] for d in op.deps)
+        deps = tuple(map(remap.__getitem__, op.deps))
         kind = op.kind
         if kind in OP_COLLECTIVE:
             nbytes = op.nbytes
@@ -286,11 +289,13 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
                 secs = coll_cache[key] = collective_s(hw, OP_COLLECTIVE[kind], op.group, nbytes)
             host = hw.issue_s
             if kind.startswith("fsdp2_"):
-                host += hw.fsdp2_call_s + elementwise_s(hw, 2 * k * nbytes, 1)  # copy-out / copy-in
+                host += fsdp2_call_s_at(hw, k) + elementwise_s(hw, 2 * k * nbytes, 1)  # copy-out / copy-in
             elif kind == "reduce" and op.phase == "reduce" and op.segment is not None:
                 pass  # packing is charged once per boundary below (with its first reduce)
             elif kind == "all_to_all":
                 host += elementwise_s(hw, 2 * nbytes, 2)
+            elif kind == "all_gather" and variant == "naive":  # DTensor.full_tensor() + redistribute back
+                host += dtensor_gather_s_at(hw, k)
             label = f"{op.phase} {op.boundary or ''}".strip()
             s = _SimOp(kind, label, op.group, deps, True, secs, host, _CHANNEL[kind],
                        deferred=op.phase == "replicate_broadcast" and plan.replicate_async)
@@ -314,6 +319,11 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
             raise ValueError(f"dmuon.sim: cannot simulate op kind {kind!r} ({op.describe()})")
         remap[op.id] = len(out)
         out.append(s)
+        if kind == "all_gather" and variant == "naive" and hw.comm_engine == "threads":
+            # DTensor.full_tensor() on gloo returns when the gather is done: the thread waits
+            # before the next matrix's gather (so every gather precedes the first NS, as in the
+            # baseline's step); NCCL only makes the compute stream wait, which the deps express
+            out.append(_SimOp("wait", s.label, op.group, (len(out) - 1,), False, 0.0))
         if op.kind == "backward" and last_bwd.get(mb) == op.id:
             out.append(_SimOp("backward", "embed", everyone, (len(out) - 1,), False, embed_b))
     # the optimizer: AdamW on this rank's FSDP2 shards (DTensors), after its gradient collectives
@@ -347,9 +357,9 @@ def replay_ops(sim_ops: list[_SimOp], num_ranks: int, hw: Hardware, *, timeline_
     busy = np.zeros(n)
     wait = np.zeros(n)
     ns = np.zeros(n)
-    steal = np.zeros(n)
+    comm_busy = np.zeros(n)  # end of the latest collective issued by each rank (its CPU share)
     threads = hw.comm_engine == "threads"
-    share = hw.comm_cpu_share if threads else 0.0
+    share = comm_cpu_share_at(hw) if threads else 0.0
     tl_mask = np.zeros(n, dtype=bool)
     tl = [r for r in timeline_ranks if 0 <= r < n]
     tl_mask[tl] = True
@@ -368,6 +378,13 @@ def replay_ops(sim_ops: list[_SimOp], num_ranks: int, hw: Hardware, *, timeline_
     garr = [np.asarray(g, dtype=np.int64) for g in gids]
     overlap_cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
     pattern_cache: dict[tuple, tuple] = {}
+    # dep_ready is a function of (group, deps) once the deps are replayed (they precede the op),
+    # so ops with the same deps on the same group (e.g. the naive baseline's all-gathers of every
+    # matrix of a unit, row by row) read them once; the arrays returned are never written to
+    ready_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+    is_coll = [op.collective for op in sim_ops]
+    sgid = [g if c else ~g for g, c in zip(gid, is_coll)]  # ~: a local op's group
+    spans_all = [c and len(garr[g]) == n for g, c in zip(gid, is_coll)]
 
     def overlap(dep_g: int, g: int) -> tuple[np.ndarray, np.ndarray]:
         """(positions in group ``g``, global ranks) of the members ``g`` shares with ``dep_g``."""
@@ -383,7 +400,7 @@ def replay_ops(sim_ops: list[_SimOp], num_ranks: int, hw: Hardware, *, timeline_
     def pattern(g: int, vec: list[int]) -> tuple:
         """The flattened (member position, dep order, local-dep slices) of ``vec``'s deps as seen
         from group ``g``; the same for every op whose deps sit on the same groups (every layer)."""
-        key = (g, tuple(gid[d] if sim_ops[d].collective else ~gid[d] for d in vec))  # ~: a local dep
+        key = (g, tuple(map(sgid.__getitem__, vec)))
         hit = pattern_cache.get(key)
         if hit is None:
             cols, rows, counts, local = [], [], [], []
@@ -393,10 +410,16 @@ def replay_ops(sim_ops: list[_SimOp], num_ranks: int, hw: Hardware, *, timeline_
                 cols.append(pos)
                 rows.append(np.full(len(pos), j, dtype=np.int64))
                 counts.append(len(pos))
-                if not sim_ops[d].collective:
+                if not is_coll[d]:
                     local.append((j, at, at + len(pos), ranks))
                 at += len(pos)
-            hit = pattern_cache[key] = (np.concatenate(cols), np.concatenate(rows), np.asarray(counts), local)
+            cols_a, rows_a = np.concatenate(cols), np.concatenate(rows)
+            # every member reached by exactly one dep (e.g. a replicate all-reduce after the
+            # reduce-scatters of its rows): the dep of each member, in member order
+            one = None
+            if len(cols_a) == len(garr[g]) and not local and len(np.unique(cols_a)) == len(cols_a):
+                one = rows_a[np.argsort(cols_a)]
+            hit = pattern_cache[key] = (cols_a, rows_a, np.asarray(counts), local, one)
         return hit
 
     def dep_ready(deps, i, G):
@@ -406,19 +429,30 @@ def replay_ops(sim_ops: list[_SimOp], num_ranks: int, hw: Hardware, *, timeline_
         The other deps are read in one pass: every (dep, shared member) pair flattened, the max
         per member by ``np.maximum.at``, the first dep reaching it by ``np.minimum.at``."""
         g = gid[i]
+        hit = ready_cache.get((g, deps))
+        if hit is not None:
+            return hit
         sbest, swho = neg, -1
         vec = []
         for d in deps:
-            if sim_ops[d].collective and (gid[d] == g or len(garr[gid[d]]) == n):
-                if end_scalar[d] > sbest:
-                    sbest, swho = end_scalar[d], d
+            if spans_all[d] or (is_coll[d] and gid[d] == g):
+                e = end_scalar[d]
+                if e > sbest:
+                    sbest, swho = e, d
             else:
                 vec.append(d)
         k = len(G)
         if not vec:
-            return np.full(k, sbest), np.full(k, swho, dtype=np.int64)
-        cols, rows, counts, local = pattern(g, vec)
+            hit = ready_cache[(g, deps)] = (np.full(k, sbest), np.full(k, swho, dtype=np.int64))
+            return hit
+        cols, rows, counts, local, one = pattern(g, vec)
         vec_arr = np.asarray(vec, dtype=np.int64)
+        if one is not None:  # no ties to break: each member's dep is read directly
+            mine = vec_arr[one]
+            top = end_scalar[mine]
+            better = top > sbest
+            hit = ready_cache[(g, deps)] = (np.where(better, top, sbest), np.where(better, mine, swho))
+            return hit
         vals = np.repeat(end_scalar[vec_arr], counts)
         for j, a, b, ranks in local:
             vals[a:b] = end_vec[vec[j]][ranks]
@@ -430,7 +464,8 @@ def replay_ops(sim_ops: list[_SimOp], num_ranks: int, hw: Hardware, *, timeline_
         better = top > sbest
         best = np.where(better, top, sbest)
         who = np.where(better, np.append(vec_arr, -1)[first], swho)
-        return best, who
+        hit = ready_cache[(g, deps)] = (best, who)
+        return hit
 
     for i, op in enumerate(sim_ops):
         G = garr[gid[i]]
@@ -468,14 +503,12 @@ def replay_ops(sim_ops: list[_SimOp], num_ranks: int, hw: Hardware, *, timeline_
                 comm_end[later] = end
                 comm_end_op[later] = i
             if share:
-                steal[G] += share * float(op.seconds)
+                comm_busy[G] = np.maximum(comm_busy[G], end)
             if tl:
                 for x in G[tl_mask[G]]:
                     timelines[int(x)].append(Interval(start, end, c, op.kind, op.label))
         else:
-            dur = op.seconds + steal[G] if share else op.seconds
-            if share:
-                steal[G] = 0.0
+            dur = op.seconds
             h = host[G]
             if op.deps:
                 dr, who = dep_ready(op.deps, i, G)
@@ -485,6 +518,8 @@ def replay_ops(sim_ops: list[_SimOp], num_ranks: int, hw: Hardware, *, timeline_
                 start = h.copy()
                 from_dep = np.zeros(len(G), dtype=bool)
                 who = np.full(len(G), -1, dtype=np.int64)
+            if share:  # gloo's threads take their share of the part of the op the rank's collectives overlap
+                dur = dur + share * np.clip(np.minimum(comm_busy[G], start + dur) - start, 0.0, None)
             wait[G] += start - h
             end = start + dur
             busy[G] += dur
