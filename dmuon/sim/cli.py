@@ -113,12 +113,12 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
     base = sims["adamw"].step_s
     print(f"{args.model} on mesh {plan.mesh_shape} x TP {plan.tp_size} ({plan.world_size * plan.tp_size} ranks), "
           f"{hw.name}; {args.tokens_per_rank:,} tokens/rank, seq {seq}, wire {param_dtype or 'fp32'}")
-    hdr = f"{'variant':<12}{'step ms':>10}{'x AdamW':>9}{'exposed ms':>12}{'NS ms':>9}{'NS %':>7}{'peak GiB':>10}{'GB moved':>10}"
+    hdr = f"{'variant':<12}{'step ms':>10}{'x AdamW':>9}{'exposed ms':>12}{'NS ms':>9}{'NS %':>7}{'peak GiB':>10}{'TB moved':>12}"
     print(hdr)
     print("-" * len(hdr))
     for v, s in sims.items():
         print(f"{v:<12}{1e3 * s.step_s:>10.1f}{s.step_s / base:>9.3f}{1e3 * s.exposed_comm_s:>12.1f}{1e3 * s.ns_s:>9.1f}"
-              f"{100 * s.ns_share:>7.1f}{max(s.peak_memory_nbytes) / 2**30:>10.2f}{s.comm_nbytes / 1e9:>10.2f}")
+              f"{100 * s.ns_share:>7.1f}{max(s.peak_memory_nbytes) / 2**30:>10.2f} {s.comm_nbytes / 1e12:>11.3f}")
     rec = recommend(sims, hw.memory_nbytes)
     print(f"\nrecommended: dmuon {rec.upper()} ({sims[rec].step_s / base:.3f} x FSDP2 + AdamW)")
     if args.json:
