@@ -160,6 +160,11 @@ def test_forced_k4_and_hsdp_rows():
     hsdp = _plan((2, 2), 2)
     for o in hsdp.owners:  # members inside one shard group (one replicate row)
         assert isinstance(o, OwnerGroup) and {m.shard for m in o.members} == {0, 1}
+    # the summary's bound is the planner's (HSDP: N/(N-K+1) on the mean term, here 2/1)
+    assert max(hsdp.owned_weight) <= hsdp.balance_bound
+    total = sum(hsdp.owned_weight)
+    biggest = max(w for spec, o in zip(hsdp.params, hsdp.owners) for w in (s * (spec.shape[1 - o.dim]) for s in o.sizes))
+    assert hsdp.balance_bound == 2 * total / 4 + biggest
 
 
 def test_auto_with_ns_flops_never_raises_the_busiest_rank_ns():

@@ -473,10 +473,15 @@ class ShardingPlan:
     @property
     def balance_bound(self) -> float:
         """Proven LPT bound on ``max(owned_weight)``: ``total/(R*N) + max item weight``, items
-        being the matrices (owner-group members' blocks counted as items of their own)."""
+        being the matrices (owner-group members' blocks counted as items of their own); on an
+        HSDP mesh with owner groups of up to ``K`` members the mean term carries
+        ``lpt_partition_groups``' factor ``N/(N-K+1)`` (a group stays in one replicate row)."""
         lengths = self.tp_segment_lengths
         weights = [w for spec, o in zip(self.params, self.owners) for _, w in _cost.owner_weights(spec, o, self.cost_model, lengths)]
-        return sum(weights) / self.world_size + max(weights, default=0)
+        R, N = self.mesh_shape
+        K = max((o.k for o in self.owners if isinstance(o, OwnerGroup)), default=1)
+        factor = N / (N - K + 1) if R > 1 and K > 1 else 1.0
+        return factor * sum(weights) / self.world_size + max(weights, default=0)
 
     def schedule(self, step: Any = None) -> Any:
         """:func:`dmuon.plan.step_schedule.schedule` of this plan: every rank's ops for ``step``
