@@ -12,7 +12,7 @@ import copy
 
 import torch
 
-from oracle import HP, fp32_newton_schulz
+from oracle import HP, fp32_newton_schulz, reference_optimizers
 
 KINDS = ("llama", "qwen2", "qwen3", "gpt2", "bert", "vit")
 VOCAB, SEQ = 64, 8
@@ -83,12 +83,7 @@ def reference_run(model, dedicated, global_batches, *, hp=HP, max_grad_norm=None
     optional global gradient-norm clip, whose pre-clip norms go to ``grad_norms``). Returns
     (losses, state_dict)."""
     model = copy.deepcopy(model)
-    named = list(model.named_parameters())
-    muon = torch.optim.Muon([p for n, p in named if n in dedicated], lr=hp["lr"],
-                            weight_decay=hp["weight_decay"], momentum=hp["momentum"],
-                            nesterov=hp["nesterov"])
-    adamw = torch.optim.AdamW([p for n, p in named if n not in dedicated], lr=hp["adamw_lr"],
-                              weight_decay=hp["adamw_weight_decay"])
+    muon, adamw = reference_optimizers(model, dedicated, hp)
     losses = []
     with fp32_newton_schulz():
         for batch in global_batches:

@@ -259,6 +259,20 @@ def fp32_newton_schulz():
     return patched_newton_schulz(_ns_fp32)
 
 
+def reference_optimizers(model: nn.Module, dedicated: set[str], hp=HP):
+    """``(torch.optim.Muon on the dedicated FQNs, torch.optim.AdamW on the rest)`` of ``model``
+    with the hyper-parameters ``hp`` — the single-process reference's optimizers."""
+    muon = torch.optim.Muon(
+        [p for n, p in model.named_parameters() if n in dedicated],
+        lr=hp["lr"], weight_decay=hp["weight_decay"], momentum=hp["momentum"], nesterov=hp["nesterov"],
+    )
+    adamw = torch.optim.AdamW(
+        [p for n, p in model.named_parameters() if n not in dedicated], lr=hp["adamw_lr"],
+        weight_decay=hp["adamw_weight_decay"],
+    )
+    return muon, adamw
+
+
 def reference_run(
     model: nn.Module,
     dedicated: set[str],
@@ -284,12 +298,8 @@ def reference_run(
     last counts the dedicated matrices that had a gradient (torch.optim.Muon skips the others).
     """
     model = copy.deepcopy(model)
+    muon, adamw = reference_optimizers(model, dedicated, hp)
     muon_params = [p for n, p in model.named_parameters() if n in dedicated]
-    adamw_params = [p for n, p in model.named_parameters() if n not in dedicated]
-    muon = torch.optim.Muon(
-        muon_params, lr=hp["lr"], weight_decay=hp["weight_decay"], momentum=hp["momentum"], nesterov=hp["nesterov"]
-    )
-    adamw = torch.optim.AdamW(adamw_params, lr=hp["adamw_lr"], weight_decay=hp["adamw_weight_decay"])
     losses, ns_calls = [], []
     if newton_schulz is not None:
         ctx = patched_newton_schulz(newton_schulz)

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from oracle import HP, dmuon_optimizer, fp32_newton_schulz, global_batches, lm_loss, make_model
+from oracle import HP, dmuon_optimizer, fp32_newton_schulz, global_batches, lm_loss, make_model, reference_optimizers
 
 LOSS_RTOL = 1e-6
 PARAM_TOL = 1e-4
@@ -688,10 +688,7 @@ def runs(tmp_path_factory):
 def _reference_skipping(kind, dedicated, batches, skip):
     """torch.optim.Muon + AdamW, fp32 NS, one process; step ``skip`` is skipped by both."""
     model = make_model(kind)
-    muon_p = [p for n, p in model.named_parameters() if n in dedicated]
-    adamw_p = [p for n, p in model.named_parameters() if n not in dedicated]
-    muon = torch.optim.Muon(muon_p, lr=HP["lr"], weight_decay=HP["weight_decay"], momentum=HP["momentum"])
-    adamw = torch.optim.AdamW(adamw_p, lr=HP["adamw_lr"], weight_decay=HP["adamw_weight_decay"])
+    muon, adamw = reference_optimizers(model, dedicated)
     losses, states = [], []
     with fp32_newton_schulz():
         for step, batch in enumerate(batches):
@@ -788,10 +785,7 @@ def test_set_up_order_mistakes_are_detected_on_every_rank(runs):
 
 def _reference_toggle(dedicated, set_to_none):
     model = make_model("tiny")
-    muon_p = [p for n, p in model.named_parameters() if n in dedicated]
-    adamw_p = [p for n, p in model.named_parameters() if n not in dedicated]
-    muon = torch.optim.Muon(muon_p, lr=HP["lr"], weight_decay=HP["weight_decay"], momentum=HP["momentum"])
-    adamw = torch.optim.AdamW(adamw_p, lr=HP["adamw_lr"], weight_decay=HP["adamw_weight_decay"])
+    muon, adamw = reference_optimizers(model, dedicated)
     losses = []
     with fp32_newton_schulz():
         for step, batch in enumerate(global_batches(TOGGLE_STEPS, batch=12)):
@@ -821,10 +815,7 @@ def test_torch_clip_grad_norm_gives_the_global_norm(runs):
     assert per_rank[1]["norms"] == r0["norms"]
     model = make_model("tiny")
     dedicated = set(r0["dedicated"])
-    muon = torch.optim.Muon([p for n, p in model.named_parameters() if n in dedicated], lr=HP["lr"],
-                            weight_decay=HP["weight_decay"], momentum=HP["momentum"])
-    adamw = torch.optim.AdamW([p for n, p in model.named_parameters() if n not in dedicated], lr=HP["adamw_lr"],
-                              weight_decay=HP["adamw_weight_decay"])
+    muon, adamw = reference_optimizers(model, dedicated)
     with fp32_newton_schulz():
         for step, batch in enumerate(global_batches(2, batch=12)):
             lm_loss(model, batch).backward()

@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from oracle import HP, dmuon_optimizer, global_batches, lm_loss, make_model, reference_run
+from oracle import HP, dmuon_optimizer, global_batches, lm_loss, make_model, reference_optimizers, reference_run
 
 STEPS = 3
 GAS = 4
@@ -151,10 +151,7 @@ def _worker(cases, mesh_shape=None):
 def _reference_mp(model, dedicated, batches):
     """FSDP2-style mixed precision in one process: bf16 compute copy, fp32 grads and masters."""
     master = copy.deepcopy(model)
-    muon_p = [p for n, p in master.named_parameters() if n in dedicated]
-    adamw_p = [p for n, p in master.named_parameters() if n not in dedicated]
-    muon = torch.optim.Muon(muon_p, lr=HP["lr"], weight_decay=HP["weight_decay"], momentum=HP["momentum"])
-    adamw = torch.optim.AdamW(adamw_p, lr=HP["adamw_lr"], weight_decay=HP["adamw_weight_decay"])
+    muon, adamw = reference_optimizers(master, dedicated)
     from oracle import fp32_newton_schulz
 
     losses = []
@@ -175,10 +172,7 @@ def _reference_mp(model, dedicated, batches):
 
 def _reference_clip(model, dedicated, batches, max_norm):
     model = copy.deepcopy(model)
-    muon_p = [p for n, p in model.named_parameters() if n in dedicated]
-    adamw_p = [p for n, p in model.named_parameters() if n not in dedicated]
-    muon = torch.optim.Muon(muon_p, lr=HP["lr"], weight_decay=HP["weight_decay"], momentum=HP["momentum"])
-    adamw = torch.optim.AdamW(adamw_p, lr=HP["adamw_lr"], weight_decay=HP["adamw_weight_decay"])
+    muon, adamw = reference_optimizers(model, dedicated)
     from oracle import fp32_newton_schulz
 
     losses, norms = [], []
