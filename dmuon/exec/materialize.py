@@ -55,6 +55,8 @@ import weakref
 import torch
 import torch.nn as nn
 
+from dmuon.plan.render import fmt_names
+
 from .boundary import eager_hook
 from .buffers import _contiguous_strides, _Segment, _Slot
 from .runtime import get_model_runtime
@@ -398,7 +400,7 @@ def _check_covered(model: nn.Module) -> None:
             owners.setdefault(id(p), f"{mod_name}.{name}" if mod_name else name)
     missing = [fqn for pid, fqn in owners.items() if pid not in covered]
     if missing:
-        shown = ", ".join(repr(f) for f in missing[:6]) + (" ..." if len(missing) > 6 else "")
+        shown = fmt_names([repr(f) for f in missing], 6)
         raise ValueError(
             f"dmuon.init_params: {len(missing)} parameter(s) ({shown}) belong to modules without "
             "reset_parameters, so nothing would initialise them (after to_empty they hold uninitialised "

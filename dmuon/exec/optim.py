@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.optim.adamw import adamw as _torch_adamw
 
 from dmuon.plan import cost as _cost
+from dmuon.plan.render import fmt_names
 
 from . import checkpoint as _checkpoint
 from . import newton_schulz as _ns
@@ -945,7 +946,7 @@ def _check_set_up_order(opt: "Muon", dedicated: list[Tensor]) -> None:
         return
     unmanaged = [named[id(p)] for p in others if p.requires_grad and id(p) not in managed]
     if unmanaged:
-        shown = ", ".join(repr(n) for n in unmanaged[:4]) + (" ..." if len(unmanaged) > 4 else "")
+        shown = fmt_names([repr(n) for n in unmanaged], 4)
         raise RuntimeError(
             f"dmuon.Muon: {len(unmanaged)} non-dedicated parameters ({shown}) are not managed by any "
             "fully_shard unit, so their gradients are never averaged across ranks and the replicas "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from .cost import ByteCost
+from .render import fmt_names
 from .plan import _SETTINGS, ShardingPlan
 from .records import Owner, OwnerGroup, ParamSpec
 
@@ -169,7 +170,7 @@ class PlanDiff:
                     parts.append(f"spec {_spec_str(a)} -> {_spec_str(b)}")
                 out.append(f"  ~ {c.fqn}  " + "; ".join(parts))
         if self.layouts_changed:
-            names = ", ".join(self.layouts_changed[:8]) + (" ..." if len(self.layouts_changed) > 8 else "")
+            names = fmt_names(self.layouts_changed, 8)
             out.append(f"  layouts changed in {len(self.layouts_changed)} boundary(ies): {names}")
         out.append("  bytes per step (all ranks)          before            after            delta")
         for c in self.costs:

@@ -8,9 +8,8 @@ the same parameters (:mod:`dmuon.plan.cost`).
 from __future__ import annotations
 
 import html
-from typing import TYPE_CHECKING
-
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from .cost import RankStats, rank_stats, schedule_byte_cost
 from .records import OwnerGroup, owner_ranks
@@ -38,6 +37,12 @@ def fmt_nbytes(v: float) -> str:
         if abs(v) >= scale:
             return f"{v / scale:,.2f} {unit}"
     return f"{v:,.0f} B"
+
+
+def fmt_names(names: Sequence[str], limit: int) -> str:
+    """The first ``limit`` of ``names``, comma-separated, ``" ..."`` when there are more (for
+    messages that name what they are about without listing hundreds)."""
+    return ", ".join(names[:limit]) + (" ..." if len(names) > limit else "")
 
 
 def fmt_flops(v: float) -> str:
@@ -291,7 +296,7 @@ def _excluded_lines(plan: ShardingPlan) -> list[str]:
     vectors = excluded_vectors(plan)
     if not vectors:
         return []
-    shown = ", ".join(f"{fqn} {shape}" for fqn, shape in vectors[:4]) + (" ..." if len(vectors) > 4 else "")
+    shown = fmt_names([f"{fqn} {shape}" for fqn, shape in vectors], 4)
     return ["", f"left to AdamW inside hook boundaries, a side of 1 (not a matrix for Muon): {len(vectors)}: {shown}"]
 
 

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from .boundaries import BoundaryResolver, Resolution
+from .render import fmt_names
 from .snapshot import ModelSnapshot, ModuleKind, ParamRecord, take_snapshot
 
 __all__ = ["Selected", "matrix_view", "select_params", "matrix_predicate", "degenerate_reason", "coverage_warning"]
@@ -133,7 +134,7 @@ def coverage_warning(snapshot: ModelSnapshot, hook_boundary_predicate=None) -> s
         name = type(snapshot.modules[parent]).__name__
         parents[name] = parents.get(name, 0) + 1
     block = max(sorted(parents), key=parents.get)
-    names = ", ".join(r.fqn for r in outside[:4]) + (" ..." if len(outside) > 4 else "")
+    names = fmt_names([r.fqn for r in outside], 4)
     what = "no matrix is dedicated" if len(outside) == len(candidates) else "most matrix elements are not dedicated"
     return (
         f"dmuon.plan.compile: {what}: {len(outside)} of {len(candidates)} 2-D matrices "
