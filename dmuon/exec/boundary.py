@@ -128,6 +128,10 @@ class _BoundaryRuntime:
         # matrices owned by owner groups: their blocks are slots above (no module homes); the
         # modules see each one's assembled full compute parameter
         self.grouped = list({id(s.grouped): s.grouped for s in self.slots if s.grouped is not None}.values())
+        # what the modules hold during forward / backward: the slots of matrices with one owner,
+        # and the grouped matrices (their blocks have no homes); the objects stay, their tensors
+        # may be rebound (dmuon.exec.materialize)
+        self.installable = [s for s in self.slots if s.grouped is None] + self.grouped
         self.pending_backward = 0  # grad-enabled forwards whose backward has not finished
         self.sharded_state = ShardedState.RESHARDED
         self.training_state = TrainingState.IDLE
@@ -238,11 +242,6 @@ class _BoundaryRuntime:
                 module._parameters[attr] = slot.compute
         self.training_state = state
 
-    @property
-    def installable(self) -> list:
-        """What the modules hold during forward / backward: the slots of matrices with one owner,
-        and the grouped matrices (their blocks have no homes)."""
-        return [s for s in self.slots if s.grouped is None] + self.grouped
 
     def _restore(self) -> None:
         """Put the logical parameters back (no-op when they are there already)."""

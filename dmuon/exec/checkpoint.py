@@ -128,15 +128,18 @@ def _scatter_chunks(runtime, shape, dtype, full, src: int) -> torch.Tensor:
 
 def _as_dtensor(runtime, slot, padded_chunk):
     """This rank's row chunk of the unit ``slot.shape`` as a DTensor of the full logical shape."""
+    return _chunk_dtensor(runtime, tuple(slot.shape), _global_shape(runtime, slot), _placements(runtime, slot), padded_chunk)
+
+
+def _chunk_dtensor(runtime, unit_shape, shape, placements, padded_chunk):
+    """This rank's (padded) row chunk of a unit of ``unit_shape`` as a DTensor of ``shape``."""
     from torch.distributed.tensor import DTensor
 
     g = runtime.groups
-    shape = _global_shape(runtime, slot)
-    local = padded_chunk[: _my_rows(slot.shape[0], g.shape[1], g.shard)]
+    local = padded_chunk[: _my_rows(unit_shape[0], g.shape[1], g.shard)]
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(
-        local, runtime.state_dict_mesh(), _placements(runtime, slot), run_check=False, shape=torch.Size(shape),
-        stride=stride,
+        local, runtime.state_dict_mesh(), placements, run_check=False, shape=torch.Size(shape), stride=stride
     )
 
 
@@ -192,15 +195,7 @@ def _grouped_momentum_to_dtensor(runtime, info, p, buf):
         chunk[:rows].copy_(full[g.shard * c : g.shard * c + rows])
     if g.shape[0] > 1:
         C.broadcast(chunk, src=g.rank_of(owner_replicate, g.shard), group=g.replicate_group, phase="other")
-    rows = _my_rows(shape[0], N, g.shard)
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor import Replicate, Shard
-
-    placements = (Shard(0),) if g.shape[0] == 1 else (Replicate(), Shard(0))
-    return DTensor.from_local(
-        chunk[:rows], runtime.state_dict_mesh(), placements, run_check=False, shape=torch.Size(shape),
-        stride=torch.empty(shape, device="meta").stride(),
-    )
+    return _chunk_dtensor(runtime, shape, shape, _placements(runtime), chunk)
 
 
 def _coords(runtime, rank: int) -> tuple[int, int]:
@@ -378,18 +373,9 @@ def _grouped_full(runtime, gm, block_of_holder) -> torch.Tensor:
 
 def _full_to_dtensor(runtime, shape, full: torch.Tensor):
     """``full`` (present on every rank of the shard group) as dmuon's ``Shard(0)`` state-dict DTensor."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor import Replicate, Shard
-
     g = runtime.groups
-    N = g.shape[1]
-    c = _chunk_rows(shape[0], N)
-    local = full[g.shard * c : g.shard * c + _my_rows(shape[0], N, g.shard)].clone()
-    placements = (Shard(0),) if g.shape[0] == 1 else (Replicate(), Shard(0))
-    return DTensor.from_local(
-        local, runtime.state_dict_mesh(), placements, run_check=False, shape=torch.Size(shape),
-        stride=torch.empty(shape, device="meta").stride(),
-    )
+    c = _chunk_rows(shape[0], g.shape[1])
+    return _chunk_dtensor(runtime, shape, shape, _placements(runtime), full[g.shard * c : (g.shard + 1) * c].clone())
 
 
 def _grouped_state_entry(runtime, gm, full_mode):

@@ -95,6 +95,7 @@ __all__ = [
     "owner_group_problem",
     "owner_group_max_split",
     "owner_group_piece_weights",
+    "member_weights",
     "owner_weights",
     "bcast_dtype",
     "reduce_dtype",
@@ -478,12 +479,19 @@ def owner_group_piece_weights(
     if k == 1:
         return (param_weight(spec, cost_model),)
     dim = owner_group_dim(spec.shape)
-    sizes = balanced_sizes(int(spec.shape[dim]), k)
+    return member_weights(spec, dim, balanced_sizes(int(spec.shape[dim]), k), cost_model, segment_lengths)
+
+
+def member_weights(
+    spec: ParamSpec, dim: int, sizes: Sequence[int], cost_model: str, segment_lengths: Sequence[int]
+) -> tuple[int, ...]:
+    """LPT weight of each member of an owner group cutting ``spec`` along ``dim`` into blocks of
+    ``sizes`` (:func:`owner_group_piece_weights` has the rule)."""
     other = int(spec.shape[1 - dim])
     if cost_model == "numel":
         return tuple(size * other for size in sizes)
     if cost_model == "ns_flops":  # every member runs the padded block width (exec: one batch shape per group)
-        return (gram_ns_segment_flops(other, max(sizes), segment_lengths),) * k
+        return (gram_ns_segment_flops(other, max(sizes), segment_lengths),) * len(sizes)
     raise ValueError(f"cost_model must be one of {COST_MODELS}, got {cost_model!r}")
 
 
@@ -491,18 +499,10 @@ def owner_weights(
     spec: ParamSpec, owner: Owner | OwnerGroup, cost_model: str, segment_lengths: Sequence[int]
 ) -> tuple[tuple[int, int], ...]:
     """``(mesh rank, weight)`` of every owner of ``spec``: one pair for an :class:`Owner`, one per
-    member of an :class:`OwnerGroup` (:func:`owner_group_piece_weights`)."""
+    member of an :class:`OwnerGroup` (:func:`member_weights` of the group's own blocks)."""
     if isinstance(owner, OwnerGroup):
-        w = owner_group_piece_weights(spec, owner.k, cost_model, segment_lengths)
-        return tuple(zip(owner.ranks, w))
+        return tuple(zip(owner.ranks, member_weights(spec, owner.dim, owner.sizes, cost_model, segment_lengths)))
     return ((owner.rank, param_weight(spec, cost_model)),)
-
-
-def owner_ns_flops(spec: ParamSpec, owner: Owner | OwnerGroup, segment_lengths: Sequence[int]) -> tuple[int, ...]:
-    """Newton-Schulz FLOPs of each owner of a non-TP ``spec`` (block order for a group)."""
-    if isinstance(owner, OwnerGroup):
-        return owner_group_piece_weights(spec, owner.k, "ns_flops", segment_lengths)
-    return (spec_ns_flops(spec),)
 
 
 def fsdp2_shard_numel(shape: Sequence[int], num_shards: int) -> int:
@@ -741,7 +741,7 @@ def rank_stats(
     for spec, owner in zip(params, owners):
         isz = itemsize_nbytes(spec.dtype)
         if isinstance(owner, OwnerGroup):  # each member owns (and its replicas hold) one block
-            pieces = [(m, numel) for m, numel in zip(owner.members, owner_group_piece_weights(spec, owner.k, "numel", ()))]
+            pieces = list(zip(owner.members, member_weights(spec, owner.dim, owner.sizes, "numel", ())))
         else:
             pieces = [(owner, spec.local_numel)]
         for member, numel in pieces:

@@ -189,7 +189,7 @@ def render_summary(plan: ShardingPlan, *, max_rows: int = 16) -> str:
         lines.append(f"{'saving vs FSDP2+naive':<34}{100.0 * (1 - fig.cost.total_nbytes / base_total):>19.1f}%")
     lines += _excluded_lines(plan)
     lines.append("")
-    lines += ownership_lines(plan)
+    lines += ownership_lines(plan, fig.cost)
     lines.append("")
     stats = sorted(fig.stats, key=lambda r: (-r.owned_numel, r.rank))
     counts = [0] * plan.world_size
@@ -216,11 +216,12 @@ def _ownership_figures(owned: Sequence[int]) -> tuple[int, float]:
     return sum(1 for v in owned if v == 0), (max(owned) / mean if mean else 0.0)
 
 
-def ownership_lines(plan: ShardingPlan) -> list[str]:
+def ownership_lines(plan: ShardingPlan, cost=None) -> list[str]:
     """Ownership in words: ranks owning nothing, the largest matrix's share of the busiest rank,
     and what owner groups change (for a plan without them: what ``owner_groups="auto"`` would
     do; with them: the same parameters with one owner each, ``k = 1`` forced). Pure: reruns
-    the planner on the plan's own parameters (elements as the weight, as these figures are)."""
+    the planner on the plan's own parameters (elements as the weight, as these figures are).
+    ``cost``: ``plan.cost`` when the caller has it already."""
     from . import cost as _cost
     from .partition import lpt_partition, lpt_partition_groups
 
@@ -257,7 +258,7 @@ def ownership_lines(plan: ShardingPlan) -> list[str]:
         assembled = max(plan.assembled_nbytes.values(), default=0)
         lines.append(
             f"owner groups: {len(grouped):,} matrices cut into blocks (k {ks[0]}-{ks[-1]}, median {ks[len(ks) // 2]}), "
-            f"Gram NS over each group, {fmt_nbytes(plan.cost.owner_group_nbytes)} of Gram all-reduces per step; "
+            f"Gram NS over each group, {fmt_nbytes((cost or plan.cost).owner_group_nbytes)} of Gram all-reduces per step; "
             f"every rank assembles a boundary's grouped matrices in full while it computes (up to "
             f"{fmt_nbytes(assembled)} more transient memory); with one owner per matrix (k = 1): {idle1:,} ranks "
             f"would own nothing, max/mean {ratio1:.3f}"
