@@ -242,7 +242,6 @@ class _BoundaryRuntime:
                 module._parameters[attr] = slot.compute
         self.training_state = state
 
-
     def _restore(self) -> None:
         """Put the logical parameters back (no-op when they are there already)."""
         if self.training_state is TrainingState.IDLE:
