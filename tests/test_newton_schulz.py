@@ -531,3 +531,17 @@ def test_symmetric_gram_is_x_xt(shape):
             assert torch.equal(G[:, h:, :h], G[:, :h, h:].mT)
         torch.testing.assert_close(G, G.mT, rtol=1e-14, atol=1e-12)
         torch.testing.assert_close(G, X @ X.mT, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("batch", [3, 20])  # one dot per matrix / vecdot (_DOT_LOOP_MAX_BATCH)
+def test_fallback_inner_product_paths(batch):
+    """The fallback check's ⟨Y, X⟩ per matrix, on its fast paths and its strided fallback,
+    against the sum of products in float64."""
+    from dmuon.exec.newton_schulz import _batched_inner
+
+    Y, X = _randn(batch, 12, 40), _randn(batch, 12, 40)
+    expect = (Y.double() * X.double()).sum(dim=(-2, -1))
+    for a, b in ((Y, X), (Y, X.mT.contiguous().mT)):
+        got = _batched_inner(a, b, torch.float32)
+        assert got.shape == (batch,) and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), expect, rtol=1e-5, atol=1e-4)
