@@ -502,11 +502,11 @@ def test_gram_ns_flops_hand_checked():
         gram_ns_flops(-1, 3, 5)
 
 
-@pytest.mark.parametrize("shape", [(36, 16), (5, 8), (16, 16), (4, 12, 20), (2, 129, 160), (160, 128)])
+@pytest.mark.parametrize("shape", [(36, 16), (5, 8), (16, 16), (4, 12, 20), (2, 129, 160), (160, 128), (257, 300)])
 @pytest.mark.parametrize("restart_every", [2, None, [2], 1])
 def test_gram_ns_flops_matches_flop_counter(shape, restart_every):
-    """Also from d = 128 (GRAM_SYM_MIN_SIDE, odd d = 129 included): the symmetric Gram product's
-    blocks are what the formula counts."""
+    """Below and from d = 256 (GRAM_SYM_MIN_SIDE, odd d = 257): the general product, and the
+    symmetric Gram product's blocks, are what the formula counts."""
     x = _randn(*shape)
     with FlopCounterMode(display=False) as counter:
         gram_newton_schulz(x, dtype=torch.float32, steps=5, restart_every=restart_every, fallback=False)
@@ -515,15 +515,33 @@ def test_gram_ns_flops_matches_flop_counter(shape, restart_every):
     assert counter.get_total_flops() == expected
 
 
-@pytest.mark.parametrize("shape", [(3, 128, 40), (2, 129, 33), (2, 8, 50)])
-def test_symmetric_gram_is_x_xt_exactly_symmetric(shape):
-    """Gram NS's X Xᵀ (issue #17): from d = 128 its lower blocks only, mirrored; the same values
-    as the full product (the same dot products, up to the kernel's summation order), exactly
-    symmetric, also for a transposed (tall) view."""
+@pytest.mark.parametrize("shape", [(3, 256, 40), (2, 257, 33), (2, 8, 50)])
+def test_symmetric_gram_is_x_xt(shape):
+    """Gram NS's X Xᵀ (issue #17): from d = 256 its lower blocks only, the upper right block
+    mirrored exactly; the same values as the full product (the same dot products, up to the
+    kernel's summation order), also for a transposed (tall) view."""
     from dmuon.exec.newton_schulz import _symmetric_gram
+    from dmuon.plan.cost import GRAM_SYM_MIN_SIDE
 
     x = _randn(*shape).double()
+    h = shape[-2] // 2
     for X in (x, x.mT.contiguous().mT):
         G = _symmetric_gram(X)
-        assert torch.equal(G, G.mT)
+        if shape[-2] >= GRAM_SYM_MIN_SIDE:
+            assert torch.equal(G[:, h:, :h], G[:, :h, h:].mT)
+        torch.testing.assert_close(G, G.mT, rtol=1e-14, atol=1e-12)
         torch.testing.assert_close(G, X @ X.mT, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("batch", [3, 20])  # one dot per matrix / vecdot (_DOT_LOOP_MAX_BATCH)
+def test_fallback_inner_product_paths(batch):
+    """The fallback check's ⟨Y, X⟩ per matrix, on its fast paths and its strided fallback,
+    against the sum of products in float64."""
+    from dmuon.exec.newton_schulz import _batched_inner
+
+    Y, X = _randn(batch, 12, 40), _randn(batch, 12, 40)
+    expect = (Y.double() * X.double()).sum(dim=(-2, -1))
+    for a, b in ((Y, X), (Y, X.mT.contiguous().mT)):
+        got = _batched_inner(a, b, torch.float32)
+        assert got.shape == (batch,) and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), expect, rtol=1e-5, atol=1e-4)

@@ -52,7 +52,7 @@ def test_choose_ns_backend_rule():
     assert cost.choose_ns_backend((128, 512), "auto") == "standard"
     assert cost.choose_ns_backend((255, 4096), "auto") == "standard"
     assert cost.choose_ns_backend((512, 512), "auto") == "standard"
-    # a restart before every step: from d = 128 the symmetric X Xᵀ alone saves; no steps: nothing to save
+    # a restart before every step: from d = 256 the symmetric X Xᵀ alone saves; no steps: nothing to save
     assert cost.choose_ns_backend((256, 4096), "auto", restart_every=1) == "gram"
     assert cost.choose_ns_backend((256, 4096), "auto", steps=0) == "standard"
     assert cost.choose_ns_backend((8, 8), "gram") == "gram"
@@ -62,14 +62,16 @@ def test_choose_ns_backend_rule():
 
 def test_choose_ns_backend_flop_rule_below_the_side_threshold(monkeypatch):
     """The FLOP part of the rule on its own (the threshold lowered, as the tiny-model tests
-    below do): d < 128 counts a general Gram product, 12 d²D + 22 d³ vs 20 d²D + 10 d³:
-    D > 1.5 d; from 128, D > 1.26 d; a tie goes to torch's iteration."""
+    below do): d < 256 counts a general Gram product, 12 d²D + 22 d³ vs 20 d²D + 10 d³:
+    D > 1.5 d; from 256, D > 1.26 d; a tie goes to torch's iteration."""
     monkeypatch.setattr(cost, "GRAM_AUTO_MIN_SIDE", 1)
-    assert cost.choose_ns_backend((128, 162), "auto") == "gram"  # 162 > 1.26·128 = 161.7
-    assert cost.choose_ns_backend((161, 128), "auto") == "standard"
+    assert cost.choose_ns_backend((256, 324), "auto") == "gram"  # 324 > (12 / 9.5)·256 = 323.4
+    assert cost.choose_ns_backend((323, 256), "auto") == "standard"
+    assert cost.choose_ns_backend((128, 193), "auto") == "gram"  # 193 > 1.5·128
+    assert cost.choose_ns_backend((192, 128), "auto") == "standard"
     assert cost.choose_ns_backend((64, 96), "auto") == "standard"
     assert cost.choose_ns_backend((97, 64), "auto") == "gram"
-    # below d = 128 a restart before every step is the standard iteration's FLOPs: a tie
+    # below d = 256 a restart before every step is the standard iteration's FLOPs: a tie
     assert cost.choose_ns_backend((64, 4096), "auto", restart_every=1) == "standard"
 
 

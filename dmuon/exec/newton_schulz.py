@@ -585,7 +585,7 @@ def gram_newton_schulz(
        already in ``dtype`` the scaled copy is not formed: the first Gram is divided by the
        squared norm and the first factor by the norm, which differs only by rounding);
     2. for each segment of the schedule between restarts (:func:`gram_segments`):
-       ``G = X Xᵀ`` (exactly symmetric; from ``d >= 128`` only its lower blocks are multiplied,
+       ``G = X Xᵀ`` (from ``d >= 256`` only its lower blocks are multiplied,
        :func:`_symmetric_gram`), ``Q = gram_ns_from_gram(G, segment)``, ``X = Q X`` (for a
        one-step segment as ``a·X + W·X`` in one ``baddbmm``, the standard step itself);
     3. transpose back.
@@ -753,45 +753,48 @@ def gram_newton_schulz(
     return X.reshape(*lead, m, n)
 
 
+#: Batch size up to which :func:`_batched_inner` runs one BLAS ``dot`` per matrix (beyond it
+#: the per-call cost of a Python loop outweighs ``vecdot``'s slower pass).
+_DOT_LOOP_MAX_BATCH = 16
+
+
 def _batched_inner(Y: Tensor, X: Tensor, acc: torch.dtype) -> Tensor:
-    """``⟨Y_b, X_b⟩`` (Frobenius) per matrix of two ``(B, d, D)`` batches, in ``acc``: one
-    ``(1, dD)·(dD, 1)`` product per matrix where both are contiguous (a single pass, no
-    temporary), else an elementwise product and sum."""
-    if Y.is_contiguous() and X.is_contiguous() and Y.dtype == acc:
-        return torch.bmm(Y.reshape(Y.shape[0], 1, -1), X.reshape(X.shape[0], -1, 1)).reshape(-1)
+    """``⟨Y_b, X_b⟩`` (Frobenius) per matrix of two ``(B, d, D)`` batches, in ``acc``. Where both
+    are contiguous in ``acc``: a single pass without a temporary, one BLAS ``dot`` per matrix
+    for a few large ones, ``linalg.vecdot`` for many (on CPU both took 0.3-0.4x the time of a
+    batched ``(1, dD)·(dD, 1)`` product); else an elementwise product and sum."""
+    if Y.is_contiguous() and X.is_contiguous() and Y.dtype == X.dtype == acc:
+        Yf, Xf = Y.reshape(Y.shape[0], -1), X.reshape(X.shape[0], -1)
+        if Y.shape[0] <= _DOT_LOOP_MAX_BATCH:
+            return torch.stack([torch.dot(y, x) for y, x in zip(Yf, Xf)])
+        return torch.linalg.vecdot(Yf, Xf)
     return (Y * X).sum(dim=(-2, -1), dtype=acc)
 
 
 def _symmetric_gram(X: Tensor, out: Optional[Tensor] = None) -> Tensor:
-    """``X Xᵀ`` of a ``(B, d, K)`` batch, exactly symmetric, in ``X``'s dtype (written into
-    ``out``, a ``(B, d, d)`` buffer, when given).
+    """``X Xᵀ`` of a ``(B, d, K)`` batch in ``X``'s dtype (written into ``out``, a ``(B, d, d)``
+    buffer, when given).
 
     ``d < GRAM_SYM_MIN_SIDE``: one ``bmm``. Otherwise only the blocks on and above the diagonal
     are multiplied (:func:`dmuon.plan.cost.gram_product_flops`: 3/4 of the FLOPs): with
     ``h = d // 2``, the first ``h`` rows ``G[:, :h] = X[:h]·Xᵀ`` and ``G[h:, h:] = X[h:]·X[h:]ᵀ``
     go straight into their (row-strided) places in ``G``, and the lower left block is the
-    transpose of the upper right one. Diagonal blocks (the whole ``G`` below the threshold) are
-    symmetrised as ``(B + Bᵀ)/2``, a no-op where the kernel is symmetric already. Each entry is
-    the dot product a full ``bmm`` computes, up to the kernel's summation order.
+    transpose of the upper right one. Each entry is the dot product a full ``bmm`` computes, up
+    to the kernel's summation order. Symmetric up to that order within the diagonal blocks (the
+    whole ``G`` below the threshold): MKL's fp32 / bf16 ``A·Aᵀ`` is bitwise symmetric on this
+    Zen 3 CPU, its fp64 one to ~1e-16 relative. Nothing downstream needs more (the
+    ``(d, d)`` iteration symmetrises its own ``R``); a ``(A + Aᵀ)/2`` pass here read a transpose
+    and cost up to 0.6x the product itself (8 x 128 x 128).
     """
     B, d = X.shape[0], X.shape[-2]
     G = X.new_empty((B, d, d)) if out is None else out
     if d < GRAM_SYM_MIN_SIDE:
-        torch.bmm(X, X.mT, out=G)
-        return _symmetrize_(G)
+        return torch.bmm(X, X.mT, out=G)
     h = d // 2
     torch.bmm(X[:, :h], X.mT, out=G[:, :h])
     torch.bmm(X[:, h:], X[:, h:].mT, out=G[:, h:, h:])
     G[:, h:, :h] = G[:, :h, h:].mT
-    _symmetrize_(G[:, :h, :h])
-    _symmetrize_(G[:, h:, h:])
     return G
-
-
-def _symmetrize_(A: Tensor) -> Tensor:
-    """``A <- (A + Aᵀ)/2`` in place (exactly symmetric: both triangles get the same sum)."""
-    A.copy_(torch.add(A, A.mT).mul_(0.5))
-    return A
 
 
 def sharded_gram_newton_schulz(
@@ -948,13 +951,13 @@ def gram_ns_flops(
         num_matrices * Σ_j [ g(d, D)  +  2·d²·D  +  (8·L_j - 6)·d³ ]
 
     per segment: ``G = X Xᵀ`` (``g`` = :func:`dmuon.plan.cost.gram_product_flops`: ``2·d²·D``
-    below ``d = 128``, ``1.5·d²·D`` from there, the symmetric product of
+    below ``d = 256``, ``1.5·d²·D`` from there, the symmetric product of
     :func:`_symmetric_gram`) and ``Q·X`` (``2·d²·D``), and inside (:func:`gram_ns_from_gram`)
     ``R²`` every step, ``Q·Z`` from the segment's second step and ``Z·R·Z`` (two products)
     before its last step (``2·d³`` each). Compare :func:`ns_flops`: ``steps·(4·d²·D + 2·d³)``.
-    For 5 steps with the default restarts (segments 2, 2, 1) and ``d >= 128``: ``10.5·d²·D +
+    For 5 steps with the default restarts (segments 2, 2, 1) and ``d >= 256``: ``10.5·d²·D +
     22·d³`` versus ``20·d²·D + 10·d³``: Gram NS is cheaper once ``D > 1.26·d`` (``D > 1.5·d``
-    below ``d = 128``), and tends to 1.9x fewer FLOPs for ``D >> d`` (one restart after step 2:
+    below ``d = 256``), and tends to 1.9x fewer FLOPs for ``D >> d`` (one restart after step 2:
     2.9x); on a square matrix it costs 1.08x more. The fallback,
     norms and elementwise work are not counted.
 

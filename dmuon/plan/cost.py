@@ -321,9 +321,11 @@ def gram_segment_lengths(steps: int, restart_every: int | Sequence[int] | None) 
 
 
 #: Gram side ``d`` from which Newton-Schulz forms a Gram matrix ``X Xᵀ`` from its lower blocks
-#: only (:func:`gram_product_flops`); below it, one general matmul (smaller blocks lose more
-#: kernel efficiency than they save in FLOPs on a CPU core; measured in benchmarks/ns_backends.py).
-GRAM_SYM_MIN_SIDE = 128
+#: only (:func:`gram_product_flops`); below it, one general matmul: at ``d = 128`` the blocks'
+#: 64-row products took as long as the full product for 3/4 of its FLOPs on a CPU core
+#: (benchmarks/ns_backends.py ``--kernels``), so counting the saving there promised time the
+#: kernels do not give; at ``d = 256`` the blocks take 0.7-0.9 of the full product's time.
+GRAM_SYM_MIN_SIDE = 256
 
 
 def gram_product_flops(d: int, D: int) -> int:
