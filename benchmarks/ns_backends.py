@@ -24,8 +24,8 @@ within a round, and the table gives their median and [min-max] over the rounds. 
   (``--flops-per-cycle`` x the nominal clock of /proc/cpuinfo; boost clocks are higher).
 
 With ``--kernels``, a third table: the matmul kernels both iterations are made of, timed alone in
-the same rounds (``(d, d)·(d, d)`` and ``(d, d)·(d, D)`` as ``baddbmm``, ``X Xᵀ`` full and as the
-symmetric blocks), their GFLOP/s, and the time ratio Gram / standard they imply with no other
+the same rounds (``(d, d)·(d, d)`` and ``(d, d)·(d, D)`` as ``baddbmm``, ``X Xᵀ`` full and as
+Gram NS forms it: the symmetric blocks from ``GRAM_SYM_MIN_SIDE``, the full product below), their GFLOP/s, and the time ratio Gram / standard they imply with no other
 work (``3·(Gram + QX) + 11·dd`` against ``5·(XXᵀ + dd + QX)`` for 5 steps and the default
 restarts): the best the kernels allow, to read the measured ratio against.
 
@@ -217,7 +217,7 @@ def _kernel_table(shapes, rounds: int) -> list:
     """The matmul kernels of both iterations alone, interleaved per round (see the module doc)."""
     gen = torch.Generator().manual_seed(1)
     out = []
-    print("\n| size, N | batch | dd GF/s | QX GF/s | XXᵀ GF/s | sym XXᵀ GF/s | dd / QX rate | kernel-only gram / standard |")
+    print("\n| size, N | batch | dd GF/s | QX GF/s | XXᵀ GF/s | Gram NS XXᵀ GF/s | dd / QX rate | kernel-only gram / standard |")
     print("|---|---|---|---|---|---|---|---|")
     for label, B, d, D in shapes:
         if d > D:
