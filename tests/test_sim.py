@@ -116,6 +116,36 @@ def test_training_terms_and_in_situ_costs_by_group():
     assert H.Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
 
 
+def test_attention_norm_activation_terms_by_hand():
+    """The calibrated kernels of training: attention on its own curve at one head's mean
+    dimension, norms and the activation function per element (a third of the calibrated
+    forward + backward in the forward); without them, the matmul curve at the whole width and
+    6 resp. 2 memory passes (the GPU presets' figures, unchanged)."""
+    from dmuon.sim.simulate import _work_s
+    from dmuon.sim.workload import Work
+
+    plain = _cpu(autograd_matmul_efficiency=((10.0, 0.1), (1000.0, 0.4)), elementwise_Bps=1e9, autograd_op_s=5e-6)
+    hw = dataclasses.replace(plain, attention_efficiency=((50.0, 0.1), (200.0, 0.4)),
+                             norm_train_s_per_numel=9e-9, activation_train_s_per_numel=6e-9)
+    # head_d 100 is halfway between 50 and 200 in log d: efficiency 0.25 of the 1 GFLOP/s peak
+    assert H.train_attention_s(hw, 1e9, 1000.0, 100.0, "torch.float32") == pytest.approx(1e9 / (1e9 * 0.25))
+    assert H.train_attention_s(hw, 1e9, 1000.0, 0.0, "torch.float32") == H.train_matmul_s(hw, 1e9, 1000.0, "torch.float32")
+    assert H.train_attention_s(plain, 1e9, 1000.0, 100.0, "torch.float32") == pytest.approx(1e9 / (1e9 * 0.4))
+    assert H.train_norm_s(hw, 3e6, 4) == pytest.approx(3e6 * 9e-9 / 3)
+    assert H.train_norm_s(plain, 3e6, 4) == pytest.approx(6 * 3e6 * 4 / 1e9)
+    assert H.train_activation_s(hw, 3e6, 4) == pytest.approx(3e6 * 6e-9 / 3)
+    assert H.train_activation_s(plain, 3e6, 4) == pytest.approx(2 * 3e6 * 4 / 1e9)
+    assert H.Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
+    # one unit's forward and backward (x2), term by term
+    w = Work(fqn="b", label="boundary", matmuls=((int(1e8), 1000.0),), attention_flops=int(1e8), attention_d=1000.0,
+             attention_head_d=100.0, elementwise_nbytes=int(1e6), norm_numel=30_000, activation_numel=60_000, ops=10)
+    fwd = 1e8 / 0.4e9 + 1e8 / 0.25e9 + 30_000 * 9e-9 / 3 + 60_000 * 6e-9 / 3 + 1e6 / 1e9 + 10 * 5e-6
+    assert _work_s(hw, w, 1.0, "torch.float32", 4) == pytest.approx(fwd)
+    assert _work_s(hw, w, 2.0, "torch.float32", 4) == pytest.approx(2 * fwd)
+    old = 1e8 / 0.4e9 + 1e8 / 0.4e9 + (6 * 30_000 + 2 * 60_000) * 4 / 1e9 + 1e6 / 1e9 + 10 * 5e-6
+    assert _work_s(plain, w, 1.0, "torch.float32", 4) == pytest.approx(old)
+
+
 def test_in_situ_costs_reach_the_ops(tiny):
     """FSDP2 calls pay ``fsdp2_call_s_at(k)`` on the thread and the naive baseline's all-gathers
     ``dtensor_gather_s_at(k)``: each extra second per call moves the replay by calls x seconds
@@ -287,6 +317,22 @@ def test_workload_terms_by_hand():
     assert w.matmul_flops == 2 * t * weights
     assert w.attention_flops == 2 * 2 * t * s * 64 // 2  # causal: half of Q K^T and P V
     assert w.ops == 7 * 2 + 2 * 6 + 10
+    # SwiGLU: the activation runs on gate_proj's output; every other matmul output is one pass
+    assert w.activation_numel == t * 160
+    assert w.elementwise_nbytes == 2 * t * 4 * (64 + 32 + 32 + 64 + 160 + 64)
+    assert w.norm_numel == 2 * t * 64
+    assert w.attention_head_d == pytest.approx((s * s * 64) ** (1 / 3))  # default: min(128, d_attn = 64)
+    heads = S.from_plan(plan, tokens_per_rank=t, seq_len=s, head_dim=16).work("model.layers.0")
+    assert heads.attention_head_d == pytest.approx((s * s * 16) ** (1 / 3))
+    assert wl.head.norm_numel == t * 64 and wl.head.activation_numel == 0  # the final norm; lm_head is a matmul
+    from dmuon.train.model import GPT, GPTConfig
+
+    gpt = P.compile(GPT(GPTConfig(d_model=32, d_mlp=128, n_layers=1, n_heads=2, seq_len=16), device="meta"), 2)
+    g = S.from_plan(gpt, tokens_per_rank=t, seq_len=16, activation_dtype="torch.float32").work("layers.0")
+    assert g.activation_numel == t * 128  # up_proj feeds the GELU
+    assert g.elementwise_nbytes == 2 * t * 4 * (4 * 32 + 32)  # q, k, v, o, down_proj
+    with pytest.raises(ValueError, match="head_dim"):
+        S.from_plan(plan, tokens_per_rank=t, seq_len=s, head_dim=0)
     assert w.activation_nbytes == 34 * t * 64 * 4 // 2
     assert wl.head.matmul_flops == 2 * t * 256 * 64  # lm_head
     assert wl.embed.matmul_flops == 0

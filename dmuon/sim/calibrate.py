@@ -24,7 +24,13 @@ Measured on this machine, nothing taken from a training run:
   how much of a collective's duration the members' compute loses while it runs on gloo's
   threads (``comm_cpu_share``, :func:`_comm_cpu_share`). On gloo these grow with the group and
   with ranks per core (blocking waits, threads that share the cores), which a 1-rank
-  measurement misses.
+  measurement misses. Each is the difference of two noisy timings, so the whole in-situ
+  measurement runs :data:`IN_SITU_REPEATS` times per group size and the record keeps the median
+  of each figure (``raw["collectives"][k]["in_situ_all"]`` keeps every repeat).
+* **attention, norm, activation**: fused ``scaled_dot_product_attention`` (causal), ``RMSNorm``
+  and ``GELU``, forward + backward with autograd (:func:`_training_kernels`): on this CPU they
+  run far below the GEMM rate / the plain add's bandwidth, which the matmul curve and the
+  elementwise bandwidth would otherwise assume.
   The DTensor dispatch of an in-place multiply vs a plain one (1-rank group).
 
 Compute is measured in one process while the other cores idle: with one process per core
@@ -59,6 +65,8 @@ SIZES = (256, 4096, 65536, 524288, 2097152, 8388608)
 QUICK_SIZES = (4096, 524288)
 KINDS = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 MATMUL_SIZES = (32, 64, 128, 256, 512, 768)
+#: repeats of the in-situ measurement per group size (the median of each figure is kept)
+IN_SITU_REPEATS = 3
 
 
 class _Progress:
@@ -281,9 +289,11 @@ def _fsdp_overheads(torch, group, repeats: int) -> dict[str, float]:
     return dict(fsdp2_call_s=fsdp2_call_s, dtensor_op_s=max(0.0, t_d - t_q))
 
 
-def _worker(rank: int, world: int, port: int, out: str, sizes: Sequence[int], repeats: int, fsdp_solo: bool) -> None:
+def _worker(rank: int, world: int, port: int, out: str, sizes: Sequence[int], repeats: int, fsdp_solo: bool,
+            in_situ_repeats: int = IN_SITU_REPEATS) -> None:
     """One launch of ``world`` processes: the collective curves on the whole world, then the
-    in-situ costs (:func:`_in_situ`); with ``fsdp_solo`` also the DTensor dispatch (rank 0)."""
+    in-situ costs (:func:`_in_situ`, ``in_situ_repeats`` times: the median of each figure); with
+    ``fsdp_solo`` also the DTensor dispatch (rank 0)."""
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -296,7 +306,11 @@ def _worker(rank: int, world: int, port: int, out: str, sizes: Sequence[int], re
     try:
         g = dist.group.WORLD
         res: dict[str, Any] = _time_collectives(dist, torch, g, world, sizes, repeats)
-        res["in_situ"] = _in_situ(dist, torch, g, world, repeats)
+        # each in-situ cost is a difference of two timings of tens of ms: repeat the whole
+        # measurement and keep the median of each figure (every repeat is in raw["in_situ_all"])
+        runs = [_in_situ(dist, torch, g, world, repeats) for _ in range(in_situ_repeats)]
+        res["in_situ_all"] = runs
+        res["in_situ"] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
         if fsdp_solo:
             solo = dist.new_group([0])
             if rank == 0:
@@ -365,6 +379,52 @@ def _matmul(sizes: Sequence[int], repeats: int) -> dict[str, list[tuple[int, flo
     return out
 
 
+#: (seq_len, head_dim) of the attention calibration: one head's mean dimension 51 ... 323
+ATTENTION_SHAPES = ((64, 32), (128, 32), (128, 64), (256, 64), (256, 128), (512, 128))
+QUICK_ATTENTION_SHAPES = ((64, 32), (128, 64))
+
+
+def _training_kernels(repeats: int, quick: bool) -> dict[str, Any]:
+    """The training kernels that are neither a GEMM nor a plain memory pass, forward + backward
+    under autograd, one thread:
+
+    * attention: ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` on ``(batch, 8,
+      seq_len, head_dim)`` (8 heads, ``n = 8 · batch`` chosen for ~30 MFLOP of forward; the
+      models' 4-D layout: a 3-D ``(n, seq_len, head_dim)`` one measured slower here), per :data:`ATTENTION_SHAPES`:
+      ``(d, FLOP/s)`` with ``d = (seq_len² · head_dim)^(1/3)`` and the FLOPs counted as the
+      workload counts them (``3 ×`` the causal forward ``2 · n · seq_len² · head_dim``);
+    * ``torch.nn.RMSNorm`` over ``(1024, 256)``: seconds per element;
+    * ``F.gelu`` over ``(1024, 1024)``: seconds per element.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    att = []
+    for seq, hd in (QUICK_ATTENTION_SHAPES if quick else ATTENTION_SHAPES):
+        b = max(1, round(3e7 / (2 * 8 * seq * seq * hd)))
+        n = 8 * b
+        q, k, v = (torch.randn(b, 8, seq, hd, requires_grad=True) for _ in range(3))
+        go = torch.ones(b, 8, seq, hd)
+
+        def fb(q=q, k=k, v=v, go=go):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(go)
+        fb()
+        att.append(((seq * seq * hd) ** (1 / 3), 3 * 2 * n * seq * seq * hd / _median_s(fb, max(repeats, 15))))
+
+    def per_numel(fn, shape):
+        x = torch.randn(*shape, requires_grad=True)
+        go = torch.ones(*shape)
+
+        def fb():
+            fn(x).backward(go)
+        fb()
+        return _median_s(fb, max(repeats, 15)) / x.numel()
+
+    norm = torch.nn.RMSNorm(256)
+    return dict(attention=sorted(att), norm_s_per_numel=per_numel(norm, (1024, 256)),
+                activation_s_per_numel=per_numel(F.gelu, (1024, 1024)))
+
+
 def _overheads(repeats: int) -> dict[str, float]:
     import torch
     from torch import nn
@@ -421,7 +481,7 @@ def calibrate(*, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, re
     with tempfile.TemporaryDirectory() as tmp:
         for i, k in enumerate(group_sizes):  # one launch per group size: k processes, the world as the group
             path = os.path.join(tmp, f"gloo{k}.json")
-            _launch(_worker, k, (path, sizes, reps, i == 0))
+            _launch(_worker, k, (path, sizes, reps, i == 0, 1 if quick else IN_SITU_REPEATS))
             with open(path) as f:
                 got = json.load(f)
             if "fsdp" in got:
@@ -432,7 +492,8 @@ def calibrate(*, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, re
     raw["matmul"] = _matmul(MATMUL_SIZES[:3] if quick else MATMUL_SIZES, reps)
     prog.step("matmul FLOP/s")
     raw["overheads"] = _overheads(reps)
-    prog.step("operator / elementwise / hook overheads")
+    raw["training_kernels"] = _training_kernels(reps, quick)
+    prog.step("operator / elementwise / hook overheads; attention, norm, activation")
     prog.close()
     raw["wall_s"] = time.time() - t0
     curves = []
@@ -456,6 +517,8 @@ def calibrate(*, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, re
     fp32_peak = dict(peaks).get("torch.float32", 1.0)
     # the training-matmul curve as a fraction of the plain fp32 peak (may exceed 1 nowhere here)
     autograd_eff = tuple((float(d), f / fp32_peak) for d, f in raw["matmul"].get("autograd", ()))
+    kern = raw["training_kernels"]
+    attention_eff = tuple((float(d), f / fp32_peak) for d, f in kern["attention"])
     ov = raw["overheads"]
     cores = os.cpu_count() or 1
     hw = Hardware(
@@ -469,6 +532,9 @@ def calibrate(*, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, re
         matmul_peak_flops=tuple(sorted(peaks, key=lambda p: p[0] != "torch.float32")),
         matmul_efficiency=tuple(eff) or ((1.0, 1.0),),
         autograd_matmul_efficiency=autograd_eff,
+        attention_efficiency=attention_eff,
+        norm_train_s_per_numel=kern["norm_s_per_numel"],
+        activation_train_s_per_numel=kern["activation_s_per_numel"],
         op_overhead_s=ov["op_overhead_s"],
         autograd_op_s=ov.get("autograd_op_s", 0.0),
         elementwise_Bps=ov["elementwise_Bps"],
@@ -511,6 +577,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if hw.autograd_matmul_efficiency:
         print("  training matmul (autograd) fraction of peak by d: "
               + ", ".join(f"{d:.0f} {e:.2f}" for d, e in hw.autograd_matmul_efficiency))
+    if hw.attention_efficiency:
+        print("  attention (SDPA forward + backward) fraction of peak by head d: "
+              + ", ".join(f"{d:.0f} {e:.2f}" for d, e in hw.attention_efficiency))
+    print(f"  RMSNorm forward + backward {1e9 * hw.norm_train_s_per_numel:.2f} ns / element, "
+          f"GELU forward + backward {1e9 * hw.activation_train_s_per_numel:.2f} ns / element")
     for (k, f), (_, g), (_, h) in zip(hw.fsdp2_call_s_by_group, hw.dtensor_gather_s_by_group,
                                       hw.comm_cpu_share_by_group):
         print(f"  k={k}: FSDP2 call {1e3 * f:.2f} ms, DTensor gather {1e3 * g:.2f} ms (each beyond its collective), "

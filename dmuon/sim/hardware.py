@@ -30,6 +30,16 @@ one small named function:
 * :func:`elementwise_s` — ``nbytes / elementwise_Bps + ops · op_overhead_s``; forward /
   backward operators of training cost ``autograd_op_s`` each where the record has it (a
   recorded op and its share of the backward node; :func:`train_elementwise_s`).
+* Three kernels of training that are neither a GEMM nor a plain memory pass, where the record
+  has them calibrated (each measured forward + backward under autograd; the forward is priced at
+  a third of it, the backward at two thirds, as every workload term): **attention**
+  (:func:`train_attention_s`: a fused ``scaled_dot_product_attention``'s FLOP/s as a fraction of
+  the peak by one head's mean dimension ``(seq_len² · head_dim)^(1/3)``, ``attention_efficiency``;
+  without it the attention matmuls use the training-matmul curve at the whole width), **norms**
+  (:func:`train_norm_s`: ``norm_train_s_per_numel`` per element, else 6 passes of memory) and
+  the **activation function** (:func:`train_activation_s`: ``activation_train_s_per_numel`` per
+  element, else 2 passes). On this CPU the three run at 0.1–0.2 of the GEMM rate (attention) and
+  2–4× their bytes' time (GELU's ``erf``, RMSNorm's composite reduction and its backward).
 
 Per-call cost on the calling thread (``issue_s``: a collective's Python + c10d issue path;
 ``hook_s``: one dmuon hook call; ``fsdp2_call_s``: one FSDP2 unshard / reduce-scatter call
@@ -76,6 +86,9 @@ __all__ = [
     "elementwise_s",
     "train_matmul_s",
     "train_elementwise_s",
+    "train_attention_s",
+    "train_norm_s",
+    "train_activation_s",
     "fsdp2_call_s_at",
     "dtensor_gather_s_at",
     "comm_cpu_share_at",
@@ -178,6 +191,14 @@ class Hardware:
         autograd_matmul_efficiency: ``(d, fraction of the fp32 / compute-dtype peak)`` of a
             training matmul (``x·Wᵀ`` forward + both gradients, with autograd); empty = use
             ``matmul_efficiency`` (GPU presets).
+        attention_efficiency: ``(d, fraction of the compute-dtype peak)`` of a fused attention
+            kernel's forward + backward (``3 ×`` the forward FLOPs in the measured time), ``d`` =
+            one head's ``(seq_len² · head_dim)^(1/3)``; empty = the attention matmuls on the
+            training-matmul curve (GPU presets).
+        norm_train_s_per_numel: seconds per element of a norm's forward + backward with autograd
+            (0 = 6 memory passes).
+        activation_train_s_per_numel: seconds per element of the MLP activation's forward +
+            backward with autograd (0 = 2 memory passes).
         op_overhead_s: seconds per operator beyond its bytes / FLOPs (dispatch, launch).
         autograd_op_s: seconds per forward operator of training with autograd (the op and its
             backward node, per unit of the workload's operator count); 0 = ``op_overhead_s``.
@@ -211,6 +232,9 @@ class Hardware:
     matmul_peak_flops: tuple[tuple[str, float], ...] = ()
     matmul_efficiency: tuple[tuple[float, float], ...] = ((1.0, 1.0),)
     autograd_matmul_efficiency: tuple[tuple[float, float], ...] = ()
+    attention_efficiency: tuple[tuple[float, float], ...] = ()
+    norm_train_s_per_numel: float = 0.0
+    activation_train_s_per_numel: float = 0.0
     op_overhead_s: float = 0.0
     autograd_op_s: float = 0.0
     elementwise_Bps: float = 1e12
@@ -237,7 +261,7 @@ class Hardware:
             raise ValueError(f"Hardware.comm_engine must be 'separate' or 'threads', got {self.comm_engine!r}")
         if not self.matmul_peak_flops:
             raise ValueError("Hardware.matmul_peak_flops needs at least one (dtype, FLOP/s) pair")
-        for name in ("matmul_efficiency", "autograd_matmul_efficiency"):
+        for name in ("matmul_efficiency", "autograd_matmul_efficiency", "attention_efficiency"):
             pts = getattr(self, name)
             if any(b[0] <= a[0] for a, b in zip(pts, pts[1:])):
                 raise ValueError(f"Hardware.{name}: d must increase")
@@ -274,7 +298,7 @@ class Hardware:
         d["curves"] = [dict(kind=c.kind, group_size=c.group_size, nbytes=list(c.nbytes), seconds=list(c.seconds))
                        for c in self.curves]
         d["matmul_peak_flops"] = [list(x) for x in self.matmul_peak_flops]
-        for name in ("matmul_efficiency", "autograd_matmul_efficiency", "fsdp2_call_s_by_group",
+        for name in ("matmul_efficiency", "autograd_matmul_efficiency", "attention_efficiency", "fsdp2_call_s_by_group",
                      "dtensor_gather_s_by_group", "comm_cpu_share_by_group"):
             d[name] = [list(x) for x in getattr(self, name)]
         return d
@@ -288,7 +312,8 @@ class Hardware:
                                             seconds=tuple(c["seconds"])) for c in d.get("curves", ()))
         d["matmul_peak_flops"] = tuple((str(a), float(b)) for a, b in d["matmul_peak_flops"])
         d["matmul_efficiency"] = tuple((float(a), float(b)) for a, b in d["matmul_efficiency"])
-        d["autograd_matmul_efficiency"] = tuple((float(a), float(b)) for a, b in d.get("autograd_matmul_efficiency", ()))
+        for name in ("autograd_matmul_efficiency", "attention_efficiency"):
+            d[name] = tuple((float(a), float(b)) for a, b in d.get(name, ()))
         for name in ("fsdp2_call_s_by_group", "dtensor_gather_s_by_group", "comm_cpu_share_by_group"):
             d[name] = tuple((int(a), float(b)) for a, b in d.get(name, ()))
         known = {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")}
@@ -381,6 +406,34 @@ def train_matmul_s(hw: Hardware, flops: float, d: float, dtype: str) -> float:
 def train_elementwise_s(hw: Hardware, nbytes: float, ops: float) -> float:
     """:func:`elementwise_s` with ``autograd_op_s`` per operator where the record has it."""
     return nbytes / hw.elementwise_Bps + ops * (hw.autograd_op_s or hw.op_overhead_s)
+
+
+def train_attention_s(hw: Hardware, flops: float, d: float, head_d: float, dtype: str) -> float:
+    """Seconds of ``flops`` attention FLOPs of the training forward (``flops`` as the workload
+    counts them, causal factor applied): on the calibrated ``attention_efficiency`` curve at one
+    head's mean dimension ``head_d`` where the record has one, else :func:`train_matmul_s` at
+    the whole width's ``d``."""
+    if flops <= 0:
+        return 0.0
+    if not (hw.attention_efficiency and head_d > 0):
+        return train_matmul_s(hw, flops, d, dtype)
+    return flops / (hw.peak_flops(dtype) * matmul_efficiency(hw, head_d, hw.attention_efficiency))
+
+
+def train_norm_s(hw: Hardware, numel: float, itemsize: int) -> float:
+    """Forward seconds of norms over ``numel`` elements: a third of the calibrated forward +
+    backward (``norm_train_s_per_numel``), else 6 passes of ``itemsize`` bytes."""
+    if hw.norm_train_s_per_numel > 0:
+        return numel * hw.norm_train_s_per_numel / 3
+    return 6 * numel * itemsize / hw.elementwise_Bps
+
+
+def train_activation_s(hw: Hardware, numel: float, itemsize: int) -> float:
+    """Forward seconds of the activation function over ``numel`` elements: a third of the
+    calibrated forward + backward (``activation_train_s_per_numel``), else 2 passes."""
+    if hw.activation_train_s_per_numel > 0:
+        return numel * hw.activation_train_s_per_numel / 3
+    return 2 * numel * itemsize / hw.elementwise_Bps
 
 
 def _by_group(pairs: Sequence[tuple[int, float]], k: int, default: float) -> float:

@@ -56,7 +56,8 @@ from ..plan.records import itemsize_nbytes
 from ..plan.step_schedule import Op, Step, StepSchedule
 from . import alternatives as _alt
 from .hardware import (OP_COLLECTIVE, Hardware, collective_s, dtensor_gather_s_at, elementwise_s, fsdp2_call_s_at,
-                       comm_cpu_share_at, matmul_s, train_elementwise_s, train_matmul_s)
+                       comm_cpu_share_at, matmul_s, train_activation_s, train_attention_s, train_elementwise_s,
+                       train_matmul_s, train_norm_s)
 from .workload import Work, Workload
 
 __all__ = ["VARIANTS", "Interval", "PathStep", "RankTime", "MemoryBreakdown", "Simulation", "simulate",
@@ -216,11 +217,15 @@ class _SimOp:
     deferred: bool = False  # HSDP replicate broadcast with replicate_async: waited for in the next step
 
 
-def _work_s(hw: Hardware, w: Work, factor: float, dtype: str) -> float:
-    """Seconds of ``factor`` x the forward of ``w`` (matmuls at the training-matmul efficiency,
-    attention, elementwise bytes and operators with autograd: :func:`~dmuon.sim.hardware.train_matmul_s`)."""
+def _work_s(hw: Hardware, w: Work, factor: float, dtype: str, itemsize: int) -> float:
+    """Seconds of ``factor`` x the forward of ``w``: matmuls at the training-matmul efficiency
+    (:func:`~dmuon.sim.hardware.train_matmul_s`), attention
+    (:func:`~dmuon.sim.hardware.train_attention_s`), norms and the activation function
+    (:func:`~dmuon.sim.hardware.train_norm_s`, :func:`~dmuon.sim.hardware.train_activation_s`),
+    the other elementwise bytes and operators with autograd."""
     t = sum(train_matmul_s(hw, f, d, dtype) for f, d in w.matmuls)
-    t += train_matmul_s(hw, w.attention_flops, w.attention_d, dtype)
+    t += train_attention_s(hw, w.attention_flops, w.attention_d, w.attention_head_d, dtype)
+    t += train_norm_s(hw, w.norm_numel, itemsize) + train_activation_s(hw, w.activation_numel, itemsize)
     return factor * (t + train_elementwise_s(hw, w.elementwise_nbytes, w.ops))
 
 
@@ -250,11 +255,12 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
     dmuon = variant in ("z2", "z3")
     over = hw.oversubscription
     work = dict(wl.boundaries)
-    fwd_s = {f: _work_s(hw, w, 1.0, dtype) * over for f, w in work.items()}
-    bwd_s = {f: _work_s(hw, w, w.backward_factor, dtype) * over for f, w in work.items()}
-    embed_f = _work_s(hw, wl.embed, 1.0, dtype) * over
-    embed_b = _work_s(hw, wl.embed, wl.embed.backward_factor, dtype) * over
-    head = _work_s(hw, wl.head, 1.0 + wl.head.backward_factor, dtype) * over
+    isz = itemsize_nbytes(wl.activation_dtype)
+    fwd_s = {f: _work_s(hw, w, 1.0, dtype, isz) * over for f, w in work.items()}
+    bwd_s = {f: _work_s(hw, w, w.backward_factor, dtype, isz) * over for f, w in work.items()}
+    embed_f = _work_s(hw, wl.embed, 1.0, dtype, isz) * over
+    embed_b = _work_s(hw, wl.embed, wl.embed.backward_factor, dtype, isz) * over
+    head = _work_s(hw, wl.head, 1.0 + wl.head.backward_factor, dtype, isz) * over
     hook = 2 * hw.hook_s if dmuon else 0.0
     boundary_nbytes = {b.fqn: sum(buf.numel * itemsize_nbytes(buf.dtype) for buf in b.buffers) for b in plan.boundaries}
     specs = {s.fqn: s for s in plan.params}
