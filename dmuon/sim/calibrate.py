@@ -379,8 +379,10 @@ def _matmul(sizes: Sequence[int], repeats: int) -> dict[str, list[tuple[int, flo
     return out
 
 
-#: (seq_len, head_dim) of the attention calibration: one head's mean dimension 51 ... 323
-ATTENTION_SHAPES = ((64, 32), (128, 32), (128, 64), (256, 64), (256, 128), (512, 128))
+#: (seq_len, head_dim) of the attention calibration: one head's mean dimension 51 ... 203
+ATTENTION_SHAPES = ((64, 32), (128, 32), (128, 64), (256, 64), (256, 128))
+#: batch x heads of the attention calibration (4 sequences x 8 heads)
+ATTENTION_BATCH, ATTENTION_HEADS = 4, 8
 QUICK_ATTENTION_SHAPES = ((64, 32), (128, 64))
 
 
@@ -388,9 +390,10 @@ def _training_kernels(repeats: int, quick: bool) -> dict[str, Any]:
     """The training kernels that are neither a GEMM nor a plain memory pass, forward + backward
     under autograd, one thread:
 
-    * attention: ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` on ``(batch, 8,
-      seq_len, head_dim)`` (8 heads, ``n = 8 · batch`` chosen for ~30 MFLOP of forward; the
-      models' 4-D layout: a 3-D ``(n, seq_len, head_dim)`` one measured slower here), per :data:`ATTENTION_SHAPES`:
+    * attention: ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` on ``(4, 8,
+      seq_len, head_dim)`` (``n = 32`` heads of 4 sequences, the models' 4-D layout: a 3-D
+      ``(n, seq_len, head_dim)`` one, and more heads, measured slower here), per
+      :data:`ATTENTION_SHAPES`:
       ``(d, FLOP/s)`` with ``d = (seq_len² · head_dim)^(1/3)`` and the FLOPs counted as the
       workload counts them (``3 ×`` the causal forward ``2 · n · seq_len² · head_dim``);
     * ``torch.nn.RMSNorm`` over ``(1024, 256)``: seconds per element;
@@ -401,10 +404,10 @@ def _training_kernels(repeats: int, quick: bool) -> dict[str, Any]:
 
     att = []
     for seq, hd in (QUICK_ATTENTION_SHAPES if quick else ATTENTION_SHAPES):
-        b = max(1, round(3e7 / (2 * 8 * seq * seq * hd)))
-        n = 8 * b
-        q, k, v = (torch.randn(b, 8, seq, hd, requires_grad=True) for _ in range(3))
-        go = torch.ones(b, 8, seq, hd)
+        shape = (ATTENTION_BATCH, ATTENTION_HEADS, seq, hd)
+        n = ATTENTION_BATCH * ATTENTION_HEADS
+        q, k, v = (torch.randn(*shape, requires_grad=True) for _ in range(3))
+        go = torch.ones(*shape)
 
         def fb(q=q, k=k, v=v, go=go):
             F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(go)
