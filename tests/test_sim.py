@@ -146,6 +146,25 @@ def test_attention_norm_activation_terms_by_hand():
     assert _work_s(plain, w, 1.0, "torch.float32", 4) == pytest.approx(old)
 
 
+def test_newton_schulz_on_its_calibrated_curve_by_hand():
+    """With ``ns_efficiency`` one NS call is ``flops / (peak · eff(d))`` (the whole call) plus the
+    update's 6 passes and operators; without it, the matmuls on the plain curve plus ``2 · steps``
+    passes and the iteration's operators (the GPU presets' figure)."""
+    from dmuon.sim.simulate import _ns_s
+
+    plain = _cpu(matmul_efficiency=((100.0, 0.5),), elementwise_Bps=1e9, op_overhead_s=1e-6, ns_dtype="torch.float32")
+    hw = dataclasses.replace(plain, ns_efficiency=((64.0, 0.2), (256.0, 0.8)))
+    assert H.ns_call_s(hw, 1e9, 128.0) == pytest.approx(1e9 / (1e9 * 0.5))  # halfway in log d
+    spec = SimpleNamespace(matrix_shape=(128, 128), dtype="torch.float32", local_numel=128 * 128)
+    wl = SimpleNamespace(muon_ops_per_matrix=8, ns_ops_per_step=5)
+    flops = C.ns_flops(128, 128)
+    update = 6 * 128 * 128 * 4 / 1e9 + 8 * 1e-6
+    assert _ns_s(hw, wl, spec, flops) == pytest.approx(flops / (1e9 * 0.5) + update)
+    passes = 2 * C.NS_STEPS * 128 * 128 * 4 / 1e9 + 5 * C.NS_STEPS * 1e-6
+    assert _ns_s(plain, wl, spec, flops) == pytest.approx(flops / (1e9 * 0.5) + passes + update)
+    assert H.Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
+
+
 def test_in_situ_costs_reach_the_ops(tiny):
     """FSDP2 calls pay ``fsdp2_call_s_at(k)`` on the thread and the naive baseline's all-gathers
     ``dtensor_gather_s_at(k)``: each extra second per call moves the replay by calls x seconds

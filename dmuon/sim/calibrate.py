@@ -27,6 +27,7 @@ Measured on this machine, nothing taken from a training run:
   measurement misses. Each is the difference of two noisy timings, so the whole in-situ
   measurement runs :data:`IN_SITU_REPEATS` times per group size and the record keeps the median
   of each figure (``raw["collectives"][k]["in_situ_all"]`` keeps every repeat).
+* **Newton-Schulz**: one fp32 ``newton_schulz`` call by matrix shape (:func:`_newton_schulz`).
 * **attention, norm, activation**: fused ``scaled_dot_product_attention`` (causal), ``RMSNorm``
   and ``GELU``, forward + backward with autograd (:func:`_training_kernels`): on this CPU they
   run far below the GEMM rate / the plain add's bandwidth, which the matmul curve and the
@@ -428,6 +429,30 @@ def _training_kernels(repeats: int, quick: bool) -> dict[str, Any]:
                 activation_s_per_numel=per_numel(F.gelu, (1024, 1024)))
 
 
+#: (a, b) matrices of the Newton-Schulz calibration (square and 1:4, as transformer blocks have)
+NS_SHAPES = ((64, 64), (64, 256), (128, 128), (128, 512), (256, 256), (256, 1024), (512, 512))
+QUICK_NS_SHAPES = ((64, 64), (128, 512))
+
+
+def _newton_schulz(repeats: int, quick: bool) -> list[tuple[float, float]]:
+    """One fp32 ``dmuon.exec.newton_schulz.newton_schulz`` call (5 steps: the matmuls with their
+    transposed operand, the norm, the axpys) per :data:`NS_SHAPES`: ``(d, FLOP/s)`` with ``d =
+    (a²·b)^(1/3)`` and the FLOPs of :func:`dmuon.plan.cost.ns_flops`. A square ``a @ b`` on the
+    same sizes runs 10–25 % faster on this CPU, which the plain curve would assume."""
+    import torch
+
+    from ..exec.newton_schulz import newton_schulz
+    from ..plan.cost import ns_flops
+
+    pts = []
+    for a, b in (QUICK_NS_SHAPES if quick else NS_SHAPES):
+        x = torch.randn(a, b)
+        newton_schulz(x, dtype=torch.float32)
+        t = _median_s(lambda x=x: newton_schulz(x, dtype=torch.float32), repeats)
+        pts.append(((a * a * b) ** (1 / 3), ns_flops(a, b) / t))
+    return sorted(pts)
+
+
 def _overheads(repeats: int) -> dict[str, float]:
     import torch
     from torch import nn
@@ -496,7 +521,8 @@ def calibrate(*, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, re
     prog.step("matmul FLOP/s")
     raw["overheads"] = _overheads(reps)
     raw["training_kernels"] = _training_kernels(reps, quick)
-    prog.step("operator / elementwise / hook overheads; attention, norm, activation")
+    raw["newton_schulz"] = _newton_schulz(reps, quick)
+    prog.step("operator / elementwise / hook overheads; attention, norm, activation; Newton-Schulz")
     prog.close()
     raw["wall_s"] = time.time() - t0
     curves = []
@@ -522,6 +548,7 @@ def calibrate(*, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, re
     autograd_eff = tuple((float(d), f / fp32_peak) for d, f in raw["matmul"].get("autograd", ()))
     kern = raw["training_kernels"]
     attention_eff = tuple((float(d), f / fp32_peak) for d, f in kern["attention"])
+    ns_eff = tuple((float(d), f / fp32_peak) for d, f in raw["newton_schulz"])  # fp32 NS on CPU
     ov = raw["overheads"]
     cores = os.cpu_count() or 1
     hw = Hardware(
@@ -536,6 +563,7 @@ def calibrate(*, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, re
         matmul_efficiency=tuple(eff) or ((1.0, 1.0),),
         autograd_matmul_efficiency=autograd_eff,
         attention_efficiency=attention_eff,
+        ns_efficiency=ns_eff,
         norm_train_s_per_numel=kern["norm_s_per_numel"],
         activation_train_s_per_numel=kern["activation_s_per_numel"],
         op_overhead_s=ov["op_overhead_s"],
@@ -583,6 +611,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if hw.attention_efficiency:
         print("  attention (SDPA forward + backward) fraction of peak by head d: "
               + ", ".join(f"{d:.0f} {e:.2f}" for d, e in hw.attention_efficiency))
+    if hw.ns_efficiency:
+        print("  Newton-Schulz call (fp32) fraction of peak by d: "
+              + ", ".join(f"{d:.0f} {e:.2f}" for d, e in hw.ns_efficiency))
     print(f"  RMSNorm forward + backward {1e9 * hw.norm_train_s_per_numel:.2f} ns / element, "
           f"GELU forward + backward {1e9 * hw.activation_train_s_per_numel:.2f} ns / element")
     for (k, f), (_, g), (_, h) in zip(hw.fsdp2_call_s_by_group, hw.dtensor_gather_s_by_group,

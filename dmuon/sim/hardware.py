@@ -30,6 +30,11 @@ one small named function:
 * :func:`elementwise_s` — ``nbytes / elementwise_Bps + ops · op_overhead_s``; forward /
   backward operators of training cost ``autograd_op_s`` each where the record has it (a
   recorded op and its share of the backward node; :func:`train_elementwise_s`).
+* :func:`ns_call_s` — one Newton-Schulz call (``dmuon.exec.newton_schulz``: its matmuls with
+  their transposed operand, the norm and the axpys) where the record has ``ns_efficiency``
+  (calibrated from exactly that call, FLOPs as :func:`dmuon.plan.cost.ns_flops` counts them, by
+  ``d = (a²·b)^(1/3)``); without it the simulator prices NS as its matmuls on the plain curve
+  plus ``2 · steps`` memory passes.
 * Three kernels of training that are neither a GEMM nor a plain memory pass, where the record
   has them calibrated (each measured forward + backward under autograd; the forward is priced at
   a third of it, the backward at two thirds, as every workload term): **attention**
@@ -87,6 +92,7 @@ __all__ = [
     "train_matmul_s",
     "train_elementwise_s",
     "train_attention_s",
+    "ns_call_s",
     "train_norm_s",
     "train_activation_s",
     "fsdp2_call_s_at",
@@ -195,6 +201,9 @@ class Hardware:
             kernel's forward + backward (``3 ×`` the forward FLOPs in the measured time), ``d`` =
             one head's ``(seq_len² · head_dim)^(1/3)``; empty = the attention matmuls on the
             training-matmul curve (GPU presets).
+        ns_efficiency: ``(d, fraction of the ns_dtype peak)`` of one whole Newton-Schulz call
+            (``d = (a²·b)^(1/3)`` of an ``a × b`` matrix, ``a <= b``); empty = its matmuls on
+            ``matmul_efficiency`` plus memory passes.
         norm_train_s_per_numel: seconds per element of a norm's forward + backward with autograd
             (0 = 6 memory passes).
         activation_train_s_per_numel: seconds per element of the MLP activation's forward +
@@ -233,6 +242,7 @@ class Hardware:
     matmul_efficiency: tuple[tuple[float, float], ...] = ((1.0, 1.0),)
     autograd_matmul_efficiency: tuple[tuple[float, float], ...] = ()
     attention_efficiency: tuple[tuple[float, float], ...] = ()
+    ns_efficiency: tuple[tuple[float, float], ...] = ()
     norm_train_s_per_numel: float = 0.0
     activation_train_s_per_numel: float = 0.0
     op_overhead_s: float = 0.0
@@ -261,7 +271,7 @@ class Hardware:
             raise ValueError(f"Hardware.comm_engine must be 'separate' or 'threads', got {self.comm_engine!r}")
         if not self.matmul_peak_flops:
             raise ValueError("Hardware.matmul_peak_flops needs at least one (dtype, FLOP/s) pair")
-        for name in ("matmul_efficiency", "autograd_matmul_efficiency", "attention_efficiency"):
+        for name in ("matmul_efficiency", "autograd_matmul_efficiency", "attention_efficiency", "ns_efficiency"):
             pts = getattr(self, name)
             if any(b[0] <= a[0] for a, b in zip(pts, pts[1:])):
                 raise ValueError(f"Hardware.{name}: d must increase")
@@ -298,7 +308,8 @@ class Hardware:
         d["curves"] = [dict(kind=c.kind, group_size=c.group_size, nbytes=list(c.nbytes), seconds=list(c.seconds))
                        for c in self.curves]
         d["matmul_peak_flops"] = [list(x) for x in self.matmul_peak_flops]
-        for name in ("matmul_efficiency", "autograd_matmul_efficiency", "attention_efficiency", "fsdp2_call_s_by_group",
+        for name in ("matmul_efficiency", "autograd_matmul_efficiency", "attention_efficiency", "ns_efficiency",
+                     "fsdp2_call_s_by_group",
                      "dtensor_gather_s_by_group", "comm_cpu_share_by_group"):
             d[name] = [list(x) for x in getattr(self, name)]
         return d
@@ -312,7 +323,7 @@ class Hardware:
                                             seconds=tuple(c["seconds"])) for c in d.get("curves", ()))
         d["matmul_peak_flops"] = tuple((str(a), float(b)) for a, b in d["matmul_peak_flops"])
         d["matmul_efficiency"] = tuple((float(a), float(b)) for a, b in d["matmul_efficiency"])
-        for name in ("autograd_matmul_efficiency", "attention_efficiency"):
+        for name in ("autograd_matmul_efficiency", "attention_efficiency", "ns_efficiency"):
             d[name] = tuple((float(a), float(b)) for a, b in d.get(name, ()))
         for name in ("fsdp2_call_s_by_group", "dtensor_gather_s_by_group", "comm_cpu_share_by_group"):
             d[name] = tuple((int(a), float(b)) for a, b in d.get(name, ()))
@@ -418,6 +429,15 @@ def train_attention_s(hw: Hardware, flops: float, d: float, head_d: float, dtype
     if not (hw.attention_efficiency and head_d > 0):
         return train_matmul_s(hw, flops, d, dtype)
     return flops / (hw.peak_flops(dtype) * matmul_efficiency(hw, head_d, hw.attention_efficiency))
+
+
+def ns_call_s(hw: Hardware, flops: float, d: float) -> float:
+    """Seconds of one Newton-Schulz call of ``flops`` (:func:`dmuon.plan.cost.ns_flops`) on a
+    matrix of mean dimension ``d`` in ``hw.ns_dtype``, on the calibrated ``ns_efficiency`` curve
+    (the whole call: matmuls, norm, axpys). The record must have the curve."""
+    if flops <= 0:
+        return 0.0
+    return flops / (hw.peak_flops(hw.ns_dtype) * matmul_efficiency(hw, d, hw.ns_efficiency))
 
 
 def train_norm_s(hw: Hardware, numel: float, itemsize: int) -> float:

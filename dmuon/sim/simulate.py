@@ -56,7 +56,7 @@ from ..plan.records import itemsize_nbytes
 from ..plan.step_schedule import Op, Step, StepSchedule
 from . import alternatives as _alt
 from .hardware import (OP_COLLECTIVE, Hardware, collective_s, dtensor_gather_s_at, elementwise_s, fsdp2_call_s_at,
-                       comm_cpu_share_at, matmul_s, train_activation_s, train_attention_s, train_elementwise_s,
+                       comm_cpu_share_at, matmul_s, ns_call_s, train_activation_s, train_attention_s, train_elementwise_s,
                        train_matmul_s, train_norm_s)
 from .workload import Work, Workload
 
@@ -230,14 +230,21 @@ def _work_s(hw: Hardware, w: Work, factor: float, dtype: str, itemsize: int) -> 
 
 
 def _ns_s(hw: Hardware, wl: Workload, spec: Any, flops: int) -> float:
+    """One matrix's Muon update: the Newton-Schulz call (calibrated as a whole where the record has
+    ``ns_efficiency``, else its matmuls on the plain curve plus its norm / axpy passes) and the
+    update's elementwise work (momentum, Nesterov, decay, apply: 6 passes, ``muon_ops_per_matrix``)."""
     m, n = spec.matrix_shape
     a, b = min(m, n), max(m, n)
     isz = itemsize_nbytes(spec.dtype)
-    mm = matmul_s(hw, flops, (a * a * b) ** (1 / 3), hw.ns_dtype)
     numel = spec.local_numel
-    elem = elementwise_s(hw, 6 * numel * isz + 2 * _cost.NS_STEPS * numel * itemsize_nbytes(hw.ns_dtype),
-                         wl.muon_ops_per_matrix + wl.ns_ops_per_step * _cost.NS_STEPS)
-    return mm + elem
+    update = elementwise_s(hw, 6 * numel * isz, wl.muon_ops_per_matrix)
+    d = (a * a * b) ** (1 / 3)
+    if hw.ns_efficiency:
+        return ns_call_s(hw, flops, d) + update
+    mm = matmul_s(hw, flops, d, hw.ns_dtype)
+    passes = elementwise_s(hw, 2 * _cost.NS_STEPS * numel * itemsize_nbytes(hw.ns_dtype),
+                           wl.ns_ops_per_step * _cost.NS_STEPS)
+    return mm + passes + update
 
 
 def _adamw_s(hw: Hardware, wl: Workload, tensors: Sequence[tuple[int, int]], dtensor: bool) -> float:
