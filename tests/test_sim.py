@@ -492,3 +492,36 @@ def test_step_time_prediction_column():
     rows = [dict(size="small", nproc=2, variant=v, step_ms=100.0) for v in ("adamw", "dmuon_z3")]
     step_time.add_predictions(rows, [hw, hw], "ns_flops")
     assert rows[0]["predicted_ratio"] == 1.0 and rows[1]["predicted_ms_all"] == [rows[1]["predicted_ms"]] * 2
+
+
+def test_calibrate_assembles_the_record(monkeypatch):
+    """``calibrate`` turns its measurements into the record: the gloo launches faked (they need
+    processes), everything else measured for real in quick mode; the in-situ figures are each
+    one's median over the repeats (by hand), the new kernel curves present with ``d`` rising."""
+    from dmuon.sim import calibrate as K
+
+    runs = [dict(fsdp2_call_s=3e-3, dtensor_gather_s=1e-3, comm_cpu_share=0.9),
+            dict(fsdp2_call_s=1e-3, dtensor_gather_s=4e-3, comm_cpu_share=0.2),
+            dict(fsdp2_call_s=2e-3, dtensor_gather_s=2e-3, comm_cpu_share=0.5)]
+    assert K._median_of_runs(runs) == dict(fsdp2_call_s=2e-3, dtensor_gather_s=2e-3, comm_cpu_share=0.5)
+
+    def fake_launch(fn, world, args, timeout=300.0):
+        path, sizes, _, fsdp_solo, _ = args
+        res = {kind: [(b, 1e-5 * world + b * 1e-9) for b in sizes] for kind in K.KINDS}
+        res.update(issue_s=1e-4, in_situ=K._median_of_runs([{k: v * world for k, v in r.items()} for r in runs]))
+        if fsdp_solo:
+            res["fsdp"] = dict(fsdp2_call_s=3e-4, dtensor_op_s=1e-6)
+        with open(path, "w") as f:
+            json.dump(res, f)
+
+    monkeypatch.setattr(K, "_launch", fake_launch)
+    hw, raw = K.calibrate(group_sizes=(2, 3), quick=True)
+    assert hw.fsdp2_call_s_by_group == ((2, 4e-3), (3, 6e-3))
+    assert hw.comm_cpu_share_by_group == ((2, 1.0), (3, 1.5))
+    assert hw.dtensor_gather_s_by_group == ((2, 4e-3), (3, 6e-3))
+    assert H.collective_s(hw, "broadcast", (0, 1), 4096) == pytest.approx(2e-5 + 4096e-9)
+    for curve in (hw.attention_efficiency, hw.ns_efficiency, hw.autograd_matmul_efficiency):
+        assert len(curve) >= 2 and all(b[0] > a[0] for a, b in zip(curve, curve[1:])) and all(e > 0 for _, e in curve)
+    assert hw.norm_train_s_per_numel > 0 and hw.activation_train_s_per_numel > 0
+    assert len(raw["newton_schulz"]) == len(K.QUICK_NS_SHAPES)
+    assert H.Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw

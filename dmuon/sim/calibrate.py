@@ -290,6 +290,11 @@ def _fsdp_overheads(torch, group, repeats: int) -> dict[str, float]:
     return dict(fsdp2_call_s=fsdp2_call_s, dtensor_op_s=max(0.0, t_d - t_q))
 
 
+def _median_of_runs(runs: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Each figure's median over repeated in-situ measurements (the figures are independent)."""
+    return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+
+
 def _worker(rank: int, world: int, port: int, out: str, sizes: Sequence[int], repeats: int, fsdp_solo: bool,
             in_situ_repeats: int = IN_SITU_REPEATS) -> None:
     """One launch of ``world`` processes: the collective curves on the whole world, then the
@@ -311,7 +316,7 @@ def _worker(rank: int, world: int, port: int, out: str, sizes: Sequence[int], re
         # measurement and keep the median of each figure (every repeat is in raw["in_situ_all"])
         runs = [_in_situ(dist, torch, g, world, repeats) for _ in range(in_situ_repeats)]
         res["in_situ_all"] = runs
-        res["in_situ"] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+        res["in_situ"] = _median_of_runs(runs)
         if fsdp_solo:
             solo = dist.new_group([0])
             if rank == 0:
