@@ -146,6 +146,23 @@ def test_attention_norm_activation_terms_by_hand():
     assert _work_s(plain, w, 1.0, "torch.float32", 4) == pytest.approx(old)
 
 
+def test_busy_node_factors_by_hand():
+    """With every core busy the calibrated factors apply, matmul-class and memory-bound terms each
+    their own; linear in the busy cores from 1 at one; one rank per node or the GPU default: 1."""
+    from dmuon.sim.simulate import _work_s
+    from dmuon.sim.workload import Work
+
+    hw = _cpu(ranks_per_node=4, cores_per_node=4, busy_compute_factor=1.3, busy_memory_factor=1.6,
+              autograd_matmul_efficiency=((10.0, 0.5),), elementwise_Bps=1e9)
+    assert H.busy_factors(hw) == pytest.approx((1.3, 1.6))
+    assert H.busy_factors(dataclasses.replace(hw, ranks_per_node=3)) == pytest.approx((1.2, 1.4))  # 2 of 3 steps
+    assert H.busy_factors(dataclasses.replace(hw, ranks_per_node=8)) == pytest.approx((1.3, 1.6))  # all busy
+    assert H.busy_factors(dataclasses.replace(hw, ranks_per_node=1)) == (1.0, 1.0)
+    assert H.busy_factors(H.preset("h100")) == (1.0, 1.0)
+    w = Work(fqn="b", label="boundary", matmuls=((int(1e8), 100.0),), elementwise_nbytes=int(1e6))
+    assert _work_s(hw, w, 1.0, "torch.float32", 4) == pytest.approx(1.3 * 1e8 / 0.5e9 + 1.6 * 1e6 / 1e9)
+
+
 def test_newton_schulz_on_its_calibrated_curve_by_hand():
     """With ``ns_efficiency`` one NS call is ``flops / (peak · eff(d))`` (the whole call) plus the
     update's 6 passes and operators; without it, the matmuls on the plain curve plus ``2 · steps``
@@ -515,7 +532,9 @@ def test_calibrate_assembles_the_record(monkeypatch):
             json.dump(res, f)
 
     monkeypatch.setattr(K, "_launch", fake_launch)
+    monkeypatch.setattr(K, "_busy_node", lambda repeats: dict(busy_compute_factor=1.2, busy_memory_factor=1.3))
     hw, raw = K.calibrate(group_sizes=(2, 3), quick=True)
+    assert (hw.busy_compute_factor, hw.busy_memory_factor) == (1.2, 1.3)
     assert hw.fsdp2_call_s_by_group == ((2, 4e-3), (3, 6e-3))
     assert hw.comm_cpu_share_by_group == ((2, 1.0), (3, 1.5))
     assert hw.dtensor_gather_s_by_group == ((2, 4e-3), (3, 6e-3))

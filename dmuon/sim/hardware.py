@@ -58,7 +58,14 @@ with the group (blocking waits, and ranks that outnumber the cores).
 
 Processor sharing: ``cores_per_node`` cores serve ``ranks_per_node`` ranks; when ranks outnumber
 cores every compute op runs ``ranks_per_node / cores_per_node`` times slower (all ranks are busy in
-a symmetric step; an idle rank does not release its share — stated as an assumption).
+a symmetric step; an idle rank does not release its share — stated as an assumption). Busy
+neighbours (:func:`busy_factors`): a core computes slower while the node's other cores compute
+too (shared caches and memory bandwidth; on a VM possibly SMT siblings): calibrated as the
+slowdown of a reference mix with every core busy against one core alone, one factor for
+matmul-class work (training matmuls, attention, Newton-Schulz: ``busy_compute_factor``) and one
+for memory-bound work (norms, activation, elementwise passes, the optimizer:
+``busy_memory_factor``), applied with ``min(ranks_per_node, cores_per_node)`` cores busy
+(linear from 1 at one busy core to the factor at all cores busy). GPU presets: 1.
 ``comm_engine`` says where collectives progress: ``"separate"`` (GPU copy engines / NCCL
 kernels: overlap with compute for free) or ``"threads"`` (gloo's threads on the same cores: a
 collective also takes ``comm_cpu_share`` of its duration from the compute of its members;
@@ -93,6 +100,7 @@ __all__ = [
     "train_elementwise_s",
     "train_attention_s",
     "ns_call_s",
+    "busy_factors",
     "train_norm_s",
     "train_activation_s",
     "fsdp2_call_s_at",
@@ -222,6 +230,9 @@ class Hardware:
         comm_cpu_share_by_group: ``(ranks on the node, share)`` pairs measured with that many
             ranks computing and communicating at once; other counts use ``comm_cpu_share``.
         cores_per_node: cores that run the ranks of a node (GPU presets: one per GPU).
+        busy_compute_factor / busy_memory_factor: slowdown of matmul-class / memory-bound compute
+            with every core of the node busy against one core alone (:func:`busy_factors`; 1 =
+            none).
         comm_engine: ``"separate"`` or ``"threads"``.
         comm_cpu_share: with ``"threads"``, the fraction of a collective's duration its members'
             compute loses to gloo's threads.
@@ -256,6 +267,8 @@ class Hardware:
     dtensor_gather_s_by_group: tuple[tuple[int, float], ...] = ()
     comm_cpu_share_by_group: tuple[tuple[int, float], ...] = ()
     cores_per_node: int = 1
+    busy_compute_factor: float = 1.0
+    busy_memory_factor: float = 1.0
     comm_engine: str = "separate"
     comm_cpu_share: float = 0.0
     compute_dtype: str = "torch.bfloat16"
@@ -429,6 +442,18 @@ def train_attention_s(hw: Hardware, flops: float, d: float, head_d: float, dtype
     if not (hw.attention_efficiency and head_d > 0):
         return train_matmul_s(hw, flops, d, dtype)
     return flops / (hw.peak_flops(dtype) * matmul_efficiency(hw, head_d, hw.attention_efficiency))
+
+
+def busy_factors(hw: Hardware) -> tuple[float, float]:
+    """``(matmul-class, memory-bound)`` slowdown with ``min(ranks_per_node, cores_per_node)`` of
+    the node's cores busy: 1 with one busy core, the calibrated factors with all of them, linear
+    between (module docstring)."""
+    cores = hw.cores_per_node
+    busy = min(hw.ranks_per_node, cores)
+    if cores <= 1 or busy <= 1:
+        return 1.0, 1.0
+    w = (busy - 1) / (cores - 1)
+    return 1.0 + w * (hw.busy_compute_factor - 1.0), 1.0 + w * (hw.busy_memory_factor - 1.0)
 
 
 def ns_call_s(hw: Hardware, flops: float, d: float) -> float:
