@@ -485,22 +485,24 @@ def _probes():
     return compute, memory
 
 
-def _busy_loop(stop, ready) -> None:
-    """A background process of :func:`_busy_node`: the reference mix until ``stop`` is set."""
+def _busy_loop(stop, run, ready) -> None:
+    """A background process of :func:`_busy_node`: the reference mix while ``run`` is set."""
     import torch
 
     torch.set_num_threads(1)
     compute, memory = _probes()
     ready.set()
     while not stop.is_set():
-        compute()
-        memory()
+        if run.wait(0.01):
+            compute()
+            memory()
 
 
 def _busy_node(repeats: int) -> dict[str, float]:
     """Slowdown of the reference mix (:func:`_probes`) with every other core of the node running
     it too (``cores - 1`` background processes) against this core alone: the benchmark's
-    condition, one rank per core, all computing. Medians of interleaved solo / busy timings."""
+    condition, one rank per core, all computing. Solo and busy samples interleaved (the
+    background paused / running), medians of each."""
     import torch.multiprocessing as mp
 
     cores = os.cpu_count() or 1
@@ -508,28 +510,32 @@ def _busy_node(repeats: int) -> dict[str, float]:
         return dict(busy_compute_factor=1.0, busy_memory_factor=1.0)
     compute, memory = _probes()
     compute(), memory()
-    solo_c, solo_m = _median_s(compute, repeats), _median_s(memory, repeats)
     ctx = mp.get_context("spawn")
-    stop = ctx.Event()
+    stop, run = ctx.Event(), ctx.Event()
     readies = [ctx.Event() for _ in range(cores - 1)]
-    procs = [ctx.Process(target=_busy_loop, args=(stop, r), daemon=True) for r in readies]
+    procs = [ctx.Process(target=_busy_loop, args=(stop, run, r), daemon=True) for r in readies]
     for p in procs:
         p.start()
+    samples: dict[str, list[float]] = dict(solo_c=[], solo_m=[], busy_c=[], busy_m=[])
     try:
         for r in readies:
             r.wait(120)
-        time.sleep(0.2)
-        busy_c, busy_m = _median_s(compute, repeats), _median_s(memory, repeats)
+        for _ in range(repeats):
+            for mode in ("solo", "busy"):
+                (run.set if mode == "busy" else run.clear)()
+                time.sleep(0.03)  # the background settles (running, or parked on the event)
+                samples[f"{mode}_c"].append(_median_s(compute, 1))
+                samples[f"{mode}_m"].append(_median_s(memory, 1))
     finally:
         stop.set()
+        run.set()
         for p in procs:
             p.join(30)
             if p.is_alive():
                 p.kill()
-    # solo again after the background stops: the solo figure is the better of the two
-    solo_c = min(solo_c, _median_s(compute, repeats))
-    solo_m = min(solo_m, _median_s(memory, repeats))
-    return dict(busy_compute_factor=max(1.0, busy_c / solo_c), busy_memory_factor=max(1.0, busy_m / solo_m))
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    return dict(busy_compute_factor=max(1.0, med["busy_c"] / med["solo_c"]),
+                busy_memory_factor=max(1.0, med["busy_m"] / med["solo_m"]))
 
 
 def _overheads(repeats: int) -> dict[str, float]:
@@ -601,7 +607,7 @@ def calibrate(*, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, re
     raw["overheads"] = _overheads(reps)
     raw["training_kernels"] = _training_kernels(reps, quick)
     raw["newton_schulz"] = _newton_schulz(reps, quick)
-    raw["busy_node"] = _busy_node(max(reps, 9))
+    raw["busy_node"] = _busy_node(max(reps, 25))
     prog.step("operator / elementwise / hook overheads; attention, norm, activation; Newton-Schulz; busy node")
     prog.close()
     raw["wall_s"] = time.time() - t0
