@@ -797,7 +797,7 @@ def predict(size: str, nproc: int, variant: str, hw, cost_model: str) -> dict[st
     plan = P.compile(GPT(cfg, device="meta"), nproc, cost_model=cost_model,
                      reshard_after_forward=variant != "dmuon_z2")
     wl = S.from_plan(plan, tokens_per_rank=s["batch"] // nproc * s["seq_len"], seq_len=s["seq_len"],
-                     activation_dtype="torch.float32")
+                     activation_dtype="torch.float32", head_dim=s["d_model"] // s["n_heads"])
     sim = S.simulate(plan, dataclasses.replace(hw, ranks_per_node=nproc), wl, variant=SIM_VARIANT[variant],
                      timeline_ranks=())
     return dict(step_ms=1e3 * sim.step_s, ns_ms=1e3 * sim.ns_s, exposed_comm_ms=1e3 * sim.exposed_comm_s)

@@ -116,6 +116,72 @@ def test_training_terms_and_in_situ_costs_by_group():
     assert H.Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
 
 
+def test_attention_norm_activation_terms_by_hand():
+    """The calibrated kernels of training: attention on its own curve at one head's mean
+    dimension, norms and the activation function per element (a third of the calibrated
+    forward + backward in the forward); without them, the matmul curve at the whole width and
+    6 resp. 2 memory passes (the GPU presets' figures, unchanged)."""
+    from dmuon.sim.simulate import _work_s
+    from dmuon.sim.workload import Work
+
+    plain = _cpu(autograd_matmul_efficiency=((10.0, 0.1), (1000.0, 0.4)), elementwise_Bps=1e9, autograd_op_s=5e-6)
+    hw = dataclasses.replace(plain, attention_efficiency=((50.0, 0.1), (200.0, 0.4)),
+                             norm_train_s_per_numel=9e-9, activation_train_s_per_numel=6e-9)
+    # head_d 100 is halfway between 50 and 200 in log d: efficiency 0.25 of the 1 GFLOP/s peak
+    assert H.train_attention_s(hw, 1e9, 1000.0, 100.0, "torch.float32") == pytest.approx(1e9 / (1e9 * 0.25))
+    assert H.train_attention_s(hw, 1e9, 1000.0, 0.0, "torch.float32") == H.train_matmul_s(hw, 1e9, 1000.0, "torch.float32")
+    assert H.train_attention_s(plain, 1e9, 1000.0, 100.0, "torch.float32") == pytest.approx(1e9 / (1e9 * 0.4))
+    assert H.train_norm_s(hw, 3e6, 4) == pytest.approx(3e6 * 9e-9 / 3)
+    assert H.train_norm_s(plain, 3e6, 4) == pytest.approx(6 * 3e6 * 4 / 1e9)
+    assert H.train_activation_s(hw, 3e6, 4) == pytest.approx(3e6 * 6e-9 / 3)
+    assert H.train_activation_s(plain, 3e6, 4) == pytest.approx(2 * 3e6 * 4 / 1e9)
+    assert H.Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
+    # one unit's forward and backward (x2), term by term
+    w = Work(fqn="b", label="boundary", matmuls=((int(1e8), 1000.0),), attention_flops=int(1e8), attention_d=1000.0,
+             attention_head_d=100.0, elementwise_nbytes=int(1e6), norm_numel=30_000, activation_numel=60_000, ops=10)
+    fwd = 1e8 / 0.4e9 + 1e8 / 0.25e9 + 30_000 * 9e-9 / 3 + 60_000 * 6e-9 / 3 + 1e6 / 1e9 + 10 * 5e-6
+    assert _work_s(hw, w, 1.0, "torch.float32", 4) == pytest.approx(fwd)
+    assert _work_s(hw, w, 2.0, "torch.float32", 4) == pytest.approx(2 * fwd)
+    old = 1e8 / 0.4e9 + 1e8 / 0.4e9 + (6 * 30_000 + 2 * 60_000) * 4 / 1e9 + 1e6 / 1e9 + 10 * 5e-6
+    assert _work_s(plain, w, 1.0, "torch.float32", 4) == pytest.approx(old)
+
+
+def test_busy_node_factors_by_hand():
+    """With every core busy the calibrated factors apply, matmul-class and memory-bound terms each
+    their own; linear in the busy cores from 1 at one; one rank per node or the GPU default: 1."""
+    from dmuon.sim.simulate import _work_s
+    from dmuon.sim.workload import Work
+
+    hw = _cpu(ranks_per_node=4, cores_per_node=4, busy_compute_factor=1.3, busy_memory_factor=1.6,
+              autograd_matmul_efficiency=((10.0, 0.5),), elementwise_Bps=1e9)
+    assert H.busy_factors(hw) == pytest.approx((1.3, 1.6))
+    assert H.busy_factors(dataclasses.replace(hw, ranks_per_node=3)) == pytest.approx((1.2, 1.4))  # 2 of 3 steps
+    assert H.busy_factors(dataclasses.replace(hw, ranks_per_node=8)) == pytest.approx((1.3, 1.6))  # all busy
+    assert H.busy_factors(dataclasses.replace(hw, ranks_per_node=1)) == (1.0, 1.0)
+    assert H.busy_factors(H.preset("h100")) == (1.0, 1.0)
+    w = Work(fqn="b", label="boundary", matmuls=((int(1e8), 100.0),), elementwise_nbytes=int(1e6))
+    assert _work_s(hw, w, 1.0, "torch.float32", 4) == pytest.approx(1.3 * 1e8 / 0.5e9 + 1.6 * 1e6 / 1e9)
+
+
+def test_newton_schulz_on_its_calibrated_curve_by_hand():
+    """With ``ns_efficiency`` one NS call is ``flops / (peak · eff(d))`` (the whole call) plus the
+    update's 6 passes and operators; without it, the matmuls on the plain curve plus ``2 · steps``
+    passes and the iteration's operators (the GPU presets' figure)."""
+    from dmuon.sim.simulate import _ns_s
+
+    plain = _cpu(matmul_efficiency=((100.0, 0.5),), elementwise_Bps=1e9, op_overhead_s=1e-6, ns_dtype="torch.float32")
+    hw = dataclasses.replace(plain, ns_efficiency=((64.0, 0.2), (256.0, 0.8)))
+    assert H.ns_call_s(hw, 1e9, 128.0) == pytest.approx(1e9 / (1e9 * 0.5))  # halfway in log d
+    spec = SimpleNamespace(matrix_shape=(128, 128), dtype="torch.float32", local_numel=128 * 128)
+    wl = SimpleNamespace(muon_ops_per_matrix=8, ns_ops_per_step=5)
+    flops = C.ns_flops(128, 128)
+    update = 6 * 128 * 128 * 4 / 1e9 + 8 * 1e-6
+    assert _ns_s(hw, wl, spec, flops) == pytest.approx(flops / (1e9 * 0.5) + update)
+    passes = 2 * C.NS_STEPS * 128 * 128 * 4 / 1e9 + 5 * C.NS_STEPS * 1e-6
+    assert _ns_s(plain, wl, spec, flops) == pytest.approx(flops / (1e9 * 0.5) + passes + update)
+    assert H.Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
+
+
 def test_in_situ_costs_reach_the_ops(tiny):
     """FSDP2 calls pay ``fsdp2_call_s_at(k)`` on the thread and the naive baseline's all-gathers
     ``dtensor_gather_s_at(k)``: each extra second per call moves the replay by calls x seconds
@@ -287,6 +353,22 @@ def test_workload_terms_by_hand():
     assert w.matmul_flops == 2 * t * weights
     assert w.attention_flops == 2 * 2 * t * s * 64 // 2  # causal: half of Q K^T and P V
     assert w.ops == 7 * 2 + 2 * 6 + 10
+    # SwiGLU: the activation runs on gate_proj's output; every other matmul output is one pass
+    assert w.activation_numel == t * 160
+    assert w.elementwise_nbytes == 2 * t * 4 * (64 + 32 + 32 + 64 + 160 + 64)
+    assert w.norm_numel == 2 * t * 64
+    assert w.attention_head_d == pytest.approx((s * s * 64) ** (1 / 3))  # default: min(128, d_attn = 64)
+    heads = S.from_plan(plan, tokens_per_rank=t, seq_len=s, head_dim=16).work("model.layers.0")
+    assert heads.attention_head_d == pytest.approx((s * s * 16) ** (1 / 3))
+    assert wl.head.norm_numel == t * 64 and wl.head.activation_numel == 0  # the final norm; lm_head is a matmul
+    from dmuon.train.model import GPT, GPTConfig
+
+    gpt = P.compile(GPT(GPTConfig(d_model=32, d_mlp=128, n_layers=1, n_heads=2, seq_len=16), device="meta"), 2)
+    g = S.from_plan(gpt, tokens_per_rank=t, seq_len=16, activation_dtype="torch.float32").work("layers.0")
+    assert g.activation_numel == t * 128  # up_proj feeds the GELU
+    assert g.elementwise_nbytes == 2 * t * 4 * (4 * 32 + 32)  # q, k, v, o, down_proj
+    with pytest.raises(ValueError, match="head_dim"):
+        S.from_plan(plan, tokens_per_rank=t, seq_len=s, head_dim=0)
     assert w.activation_nbytes == 34 * t * 64 * 4 // 2
     assert wl.head.matmul_flops == 2 * t * 256 * 64  # lm_head
     assert wl.embed.matmul_flops == 0
@@ -427,3 +509,38 @@ def test_step_time_prediction_column():
     rows = [dict(size="small", nproc=2, variant=v, step_ms=100.0) for v in ("adamw", "dmuon_z3")]
     step_time.add_predictions(rows, [hw, hw], "ns_flops")
     assert rows[0]["predicted_ratio"] == 1.0 and rows[1]["predicted_ms_all"] == [rows[1]["predicted_ms"]] * 2
+
+
+def test_calibrate_assembles_the_record(monkeypatch):
+    """``calibrate`` turns its measurements into the record: the gloo launches faked (they need
+    processes), everything else measured for real in quick mode; the in-situ figures are each
+    one's median over the repeats (by hand), the new kernel curves present with ``d`` rising."""
+    from dmuon.sim import calibrate as K
+
+    runs = [dict(fsdp2_call_s=3e-3, dtensor_gather_s=1e-3, comm_cpu_share=0.9),
+            dict(fsdp2_call_s=1e-3, dtensor_gather_s=4e-3, comm_cpu_share=0.2),
+            dict(fsdp2_call_s=2e-3, dtensor_gather_s=2e-3, comm_cpu_share=0.5)]
+    assert K._median_of_runs(runs) == dict(fsdp2_call_s=2e-3, dtensor_gather_s=2e-3, comm_cpu_share=0.5)
+
+    def fake_launch(fn, world, args, timeout=300.0):
+        path, sizes, _, fsdp_solo, _ = args
+        res = {kind: [(b, 1e-5 * world + b * 1e-9) for b in sizes] for kind in K.KINDS}
+        res.update(issue_s=1e-4, in_situ=K._median_of_runs([{k: v * world for k, v in r.items()} for r in runs]))
+        if fsdp_solo:
+            res["fsdp"] = dict(fsdp2_call_s=3e-4, dtensor_op_s=1e-6)
+        with open(path, "w") as f:
+            json.dump(res, f)
+
+    monkeypatch.setattr(K, "_launch", fake_launch)
+    monkeypatch.setattr(K, "_busy_node", lambda repeats: dict(busy_compute_factor=1.2, busy_memory_factor=1.3))
+    hw, raw = K.calibrate(group_sizes=(2, 3), quick=True)
+    assert (hw.busy_compute_factor, hw.busy_memory_factor) == (1.2, 1.3)
+    assert hw.fsdp2_call_s_by_group == ((2, 4e-3), (3, 6e-3))
+    assert hw.comm_cpu_share_by_group == ((2, 1.0), (3, 1.5))
+    assert hw.dtensor_gather_s_by_group == ((2, 4e-3), (3, 6e-3))
+    assert H.collective_s(hw, "broadcast", (0, 1), 4096) == pytest.approx(2e-5 + 4096e-9)
+    for curve in (hw.attention_efficiency, hw.ns_efficiency, hw.autograd_matmul_efficiency):
+        assert len(curve) >= 2 and all(b[0] > a[0] for a, b in zip(curve, curve[1:])) and all(e > 0 for _, e in curve)
+    assert hw.norm_train_s_per_numel > 0 and hw.activation_train_s_per_numel > 0
+    assert len(raw["newton_schulz"]) == len(K.QUICK_NS_SHAPES)
+    assert H.Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw

@@ -24,14 +24,22 @@ Measured on this machine, nothing taken from a training run:
   how much of a collective's duration the members' compute loses while it runs on gloo's
   threads (``comm_cpu_share``, :func:`_comm_cpu_share`). On gloo these grow with the group and
   with ranks per core (blocking waits, threads that share the cores), which a 1-rank
-  measurement misses.
+  measurement misses. Each is the difference of two noisy timings, so the whole in-situ
+  measurement runs :data:`IN_SITU_REPEATS` times per group size and the record keeps the median
+  of each figure (``raw["collectives"][k]["in_situ_all"]`` keeps every repeat).
+* **Newton-Schulz**: one fp32 ``newton_schulz`` call by matrix shape (:func:`_newton_schulz`).
+* **attention, norm, activation**: fused ``scaled_dot_product_attention`` (causal), ``RMSNorm``
+  and ``GELU``, forward + backward with autograd (:func:`_training_kernels`): on this CPU they
+  run far below the GEMM rate / the plain add's bandwidth, which the matmul curve and the
+  elementwise bandwidth would otherwise assume.
   The DTensor dispatch of an in-place multiply vs a plain one (1-rank group).
 
-Compute is measured in one process while the other cores idle: with one process per core
-running GEMMs and transformer blocks concurrently (the benchmark's condition) the per-process
-rates on this machine were the same within noise (2-core AMD EPYC VM, synchronised windows),
-so the simulator's processor sharing (``ranks_per_node / cores_per_node``) is the only
-contention term.
+Compute is measured in one process while the other cores idle, and then the **busy node**
+(:func:`_busy_node`): a reference mix of a block's kernels timed alone and with every other core
+running the same mix (one background process per core), giving the slowdown of matmul-class and
+of memory-bound work when every core computes (the benchmark's condition; on this 2-core VM a
+block's kernels ran 10–35 % slower with the other core busy). The simulator applies these on
+top of processor sharing (``ranks_per_node / cores_per_node``).
 
 ``--quick`` measures fewer sizes and repeats (a smoke run for tests, seconds). Total: well under
 3 minutes on 2 cores. Progress: a tqdm bar if tqdm is installed, else one line per stage.
@@ -59,6 +67,8 @@ SIZES = (256, 4096, 65536, 524288, 2097152, 8388608)
 QUICK_SIZES = (4096, 524288)
 KINDS = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 MATMUL_SIZES = (32, 64, 128, 256, 512, 768)
+#: repeats of the in-situ measurement per group size (the median of each figure is kept)
+IN_SITU_REPEATS = 3
 
 
 class _Progress:
@@ -281,9 +291,16 @@ def _fsdp_overheads(torch, group, repeats: int) -> dict[str, float]:
     return dict(fsdp2_call_s=fsdp2_call_s, dtensor_op_s=max(0.0, t_d - t_q))
 
 
-def _worker(rank: int, world: int, port: int, out: str, sizes: Sequence[int], repeats: int, fsdp_solo: bool) -> None:
+def _median_of_runs(runs: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Each figure's median over repeated in-situ measurements (the figures are independent)."""
+    return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+
+
+def _worker(rank: int, world: int, port: int, out: str, sizes: Sequence[int], repeats: int, fsdp_solo: bool,
+            in_situ_repeats: int = IN_SITU_REPEATS) -> None:
     """One launch of ``world`` processes: the collective curves on the whole world, then the
-    in-situ costs (:func:`_in_situ`); with ``fsdp_solo`` also the DTensor dispatch (rank 0)."""
+    in-situ costs (:func:`_in_situ`, ``in_situ_repeats`` times: the median of each figure); with
+    ``fsdp_solo`` also the DTensor dispatch (rank 0)."""
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -296,7 +313,11 @@ def _worker(rank: int, world: int, port: int, out: str, sizes: Sequence[int], re
     try:
         g = dist.group.WORLD
         res: dict[str, Any] = _time_collectives(dist, torch, g, world, sizes, repeats)
-        res["in_situ"] = _in_situ(dist, torch, g, world, repeats)
+        # each in-situ cost is a difference of two timings of tens of ms: repeat the whole
+        # measurement and keep the median of each figure (every repeat is in raw["in_situ_all"])
+        runs = [_in_situ(dist, torch, g, world, repeats) for _ in range(in_situ_repeats)]
+        res["in_situ_all"] = runs
+        res["in_situ"] = _median_of_runs(runs)
         if fsdp_solo:
             solo = dist.new_group([0])
             if rank == 0:
@@ -365,6 +386,158 @@ def _matmul(sizes: Sequence[int], repeats: int) -> dict[str, list[tuple[int, flo
     return out
 
 
+#: (seq_len, head_dim) of the attention calibration: one head's mean dimension 51 ... 203
+ATTENTION_SHAPES = ((64, 32), (128, 32), (128, 64), (256, 64), (256, 128))
+#: batch x heads of the attention calibration (4 sequences x 8 heads)
+ATTENTION_BATCH, ATTENTION_HEADS = 4, 8
+QUICK_ATTENTION_SHAPES = ((64, 32), (128, 64))
+
+
+def _training_kernels(repeats: int, quick: bool) -> dict[str, Any]:
+    """The training kernels that are neither a GEMM nor a plain memory pass, forward + backward
+    under autograd, one thread:
+
+    * attention: ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` on ``(4, 8,
+      seq_len, head_dim)`` (``n = 32`` heads of 4 sequences, the models' 4-D layout: a 3-D
+      ``(n, seq_len, head_dim)`` one, and more heads, measured slower here), per
+      :data:`ATTENTION_SHAPES`:
+      ``(d, FLOP/s)`` with ``d = (seq_len² · head_dim)^(1/3)`` and the FLOPs counted as the
+      workload counts them (``3 ×`` the causal forward ``2 · n · seq_len² · head_dim``);
+    * ``torch.nn.RMSNorm`` over ``(1024, 256)``: seconds per element;
+    * ``F.gelu`` over ``(1024, 1024)``: seconds per element.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    att = []
+    for seq, hd in (QUICK_ATTENTION_SHAPES if quick else ATTENTION_SHAPES):
+        shape = (ATTENTION_BATCH, ATTENTION_HEADS, seq, hd)
+        n = ATTENTION_BATCH * ATTENTION_HEADS
+        q, k, v = (torch.randn(*shape, requires_grad=True) for _ in range(3))
+        go = torch.ones(*shape)
+
+        def fb(q=q, k=k, v=v, go=go):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(go)
+        fb()
+        att.append(((seq * seq * hd) ** (1 / 3), 3 * 2 * n * seq * seq * hd / _median_s(fb, max(repeats, 15))))
+
+    def per_numel(fn, shape):
+        x = torch.randn(*shape, requires_grad=True)
+        go = torch.ones(*shape)
+
+        def fb():
+            fn(x).backward(go)
+        fb()
+        return _median_s(fb, max(repeats, 15)) / x.numel()
+
+    norm = torch.nn.RMSNorm(256)
+    return dict(attention=sorted(att), norm_s_per_numel=per_numel(norm, (1024, 256)),
+                activation_s_per_numel=per_numel(F.gelu, (1024, 1024)))
+
+
+#: (a, b) matrices of the Newton-Schulz calibration (square and 1:4, as transformer blocks have)
+NS_SHAPES = ((64, 64), (64, 256), (128, 128), (128, 512), (256, 256), (256, 1024), (512, 512))
+QUICK_NS_SHAPES = ((64, 64), (128, 512))
+
+
+def _newton_schulz(repeats: int, quick: bool) -> list[tuple[float, float]]:
+    """One fp32 ``dmuon.exec.newton_schulz.newton_schulz`` call (5 steps: the matmuls with their
+    transposed operand, the norm, the axpys) per :data:`NS_SHAPES`: ``(d, FLOP/s)`` with ``d =
+    (a²·b)^(1/3)`` and the FLOPs of :func:`dmuon.plan.cost.ns_flops`. A square ``a @ b`` on the
+    same sizes runs 10–25 % faster on this CPU, which the plain curve would assume."""
+    import torch
+
+    from ..exec.newton_schulz import newton_schulz
+    from ..plan.cost import ns_flops
+
+    pts = []
+    for a, b in (QUICK_NS_SHAPES if quick else NS_SHAPES):
+        x = torch.randn(a, b)
+        newton_schulz(x, dtype=torch.float32)
+        t = _median_s(lambda x=x: newton_schulz(x, dtype=torch.float32), repeats)
+        pts.append(((a * a * b) ** (1 / 3), ns_flops(a, b) / t))
+    return sorted(pts)
+
+
+def _probes():
+    """The busy-node reference mix, one thread: ``(matmul-class, memory-bound)`` callables, each a
+    transformer block's kernels forward + backward under autograd — ``F.linear`` at (1024, 256) x
+    (256, 256) and causal SDPA on (4, 8, 128, 32); GELU over (1024, 1024), RMSNorm over (1024, 256)
+    and a residual add."""
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.randn(1024, 256, requires_grad=True)
+    w = torch.randn(256, 256, requires_grad=True)
+    q, k, v = (torch.randn(4, 8, 128, 32, requires_grad=True) for _ in range(3))
+    g = torch.randn(1024, 1024, requires_grad=True)
+    norm = torch.nn.RMSNorm(256)
+
+    def compute():
+        F.linear(x, w).sum().backward()
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    def memory():
+        F.gelu(g).sum().backward()
+        norm(x).sum().backward()
+        (x + x).sum().backward()
+
+    return compute, memory
+
+
+def _busy_loop(stop, run, ready) -> None:
+    """A background process of :func:`_busy_node`: the reference mix while ``run`` is set."""
+    import torch
+
+    torch.set_num_threads(1)
+    compute, memory = _probes()
+    ready.set()
+    while not stop.is_set():
+        if run.wait(0.01):
+            compute()
+            memory()
+
+
+def _busy_node(repeats: int) -> dict[str, float]:
+    """Slowdown of the reference mix (:func:`_probes`) with every other core of the node running
+    it too (``cores - 1`` background processes) against this core alone: the benchmark's
+    condition, one rank per core, all computing. Solo and busy samples interleaved (the
+    background paused / running), medians of each."""
+    import torch.multiprocessing as mp
+
+    cores = os.cpu_count() or 1
+    if cores <= 1:
+        return dict(busy_compute_factor=1.0, busy_memory_factor=1.0)
+    compute, memory = _probes()
+    compute(), memory()
+    ctx = mp.get_context("spawn")
+    stop, run = ctx.Event(), ctx.Event()
+    readies = [ctx.Event() for _ in range(cores - 1)]
+    procs = [ctx.Process(target=_busy_loop, args=(stop, run, r), daemon=True) for r in readies]
+    for p in procs:
+        p.start()
+    samples: dict[str, list[float]] = dict(solo_c=[], solo_m=[], busy_c=[], busy_m=[])
+    try:
+        for r in readies:
+            r.wait(120)
+        for _ in range(repeats):
+            for mode in ("solo", "busy"):
+                (run.set if mode == "busy" else run.clear)()
+                time.sleep(0.03)  # the background settles (running, or parked on the event)
+                samples[f"{mode}_c"].append(_median_s(compute, 1))
+                samples[f"{mode}_m"].append(_median_s(memory, 1))
+    finally:
+        stop.set()
+        run.set()
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    return dict(busy_compute_factor=max(1.0, med["busy_c"] / med["solo_c"]),
+                busy_memory_factor=max(1.0, med["busy_m"] / med["solo_m"]))
+
+
 def _overheads(repeats: int) -> dict[str, float]:
     import torch
     from torch import nn
@@ -421,7 +594,7 @@ def calibrate(*, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, re
     with tempfile.TemporaryDirectory() as tmp:
         for i, k in enumerate(group_sizes):  # one launch per group size: k processes, the world as the group
             path = os.path.join(tmp, f"gloo{k}.json")
-            _launch(_worker, k, (path, sizes, reps, i == 0))
+            _launch(_worker, k, (path, sizes, reps, i == 0, 1 if quick else IN_SITU_REPEATS))
             with open(path) as f:
                 got = json.load(f)
             if "fsdp" in got:
@@ -432,7 +605,10 @@ def calibrate(*, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, re
     raw["matmul"] = _matmul(MATMUL_SIZES[:3] if quick else MATMUL_SIZES, reps)
     prog.step("matmul FLOP/s")
     raw["overheads"] = _overheads(reps)
-    prog.step("operator / elementwise / hook overheads")
+    raw["training_kernels"] = _training_kernels(reps, quick)
+    raw["newton_schulz"] = _newton_schulz(reps, quick)
+    raw["busy_node"] = _busy_node(max(reps, 25))
+    prog.step("operator / elementwise / hook overheads; attention, norm, activation; Newton-Schulz; busy node")
     prog.close()
     raw["wall_s"] = time.time() - t0
     curves = []
@@ -456,6 +632,9 @@ def calibrate(*, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, re
     fp32_peak = dict(peaks).get("torch.float32", 1.0)
     # the training-matmul curve as a fraction of the plain fp32 peak (may exceed 1 nowhere here)
     autograd_eff = tuple((float(d), f / fp32_peak) for d, f in raw["matmul"].get("autograd", ()))
+    kern = raw["training_kernels"]
+    attention_eff = tuple((float(d), f / fp32_peak) for d, f in kern["attention"])
+    ns_eff = tuple((float(d), f / fp32_peak) for d, f in raw["newton_schulz"])  # fp32 NS on CPU
     ov = raw["overheads"]
     cores = os.cpu_count() or 1
     hw = Hardware(
@@ -469,6 +648,10 @@ def calibrate(*, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, re
         matmul_peak_flops=tuple(sorted(peaks, key=lambda p: p[0] != "torch.float32")),
         matmul_efficiency=tuple(eff) or ((1.0, 1.0),),
         autograd_matmul_efficiency=autograd_eff,
+        attention_efficiency=attention_eff,
+        ns_efficiency=ns_eff,
+        norm_train_s_per_numel=kern["norm_s_per_numel"],
+        activation_train_s_per_numel=kern["activation_s_per_numel"],
         op_overhead_s=ov["op_overhead_s"],
         autograd_op_s=ov.get("autograd_op_s", 0.0),
         elementwise_Bps=ov["elementwise_Bps"],
@@ -479,6 +662,8 @@ def calibrate(*, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, re
         fsdp2_call_s_by_group=tuple(sorted((k, v["fsdp2_call_s"]) for k, v in in_situ.items())),
         dtensor_gather_s_by_group=tuple(sorted((k, v["dtensor_gather_s"]) for k, v in in_situ.items())),
         cores_per_node=cores,
+        busy_compute_factor=raw["busy_node"]["busy_compute_factor"],
+        busy_memory_factor=raw["busy_node"]["busy_memory_factor"],
         comm_engine="threads",
         comm_cpu_share=0.0,  # the scalar: sizes without a measurement
         compute_dtype="torch.float32",
@@ -511,6 +696,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if hw.autograd_matmul_efficiency:
         print("  training matmul (autograd) fraction of peak by d: "
               + ", ".join(f"{d:.0f} {e:.2f}" for d, e in hw.autograd_matmul_efficiency))
+    if hw.attention_efficiency:
+        print("  attention (SDPA forward + backward) fraction of peak by head d: "
+              + ", ".join(f"{d:.0f} {e:.2f}" for d, e in hw.attention_efficiency))
+    if hw.ns_efficiency:
+        print("  Newton-Schulz call (fp32) fraction of peak by d: "
+              + ", ".join(f"{d:.0f} {e:.2f}" for d, e in hw.ns_efficiency))
+    print(f"  busy node ({hw.cores_per_node} cores computing): matmul-class x{hw.busy_compute_factor:.2f}, "
+          f"memory-bound x{hw.busy_memory_factor:.2f}")
+    print(f"  RMSNorm forward + backward {1e9 * hw.norm_train_s_per_numel:.2f} ns / element, "
+          f"GELU forward + backward {1e9 * hw.activation_train_s_per_numel:.2f} ns / element")
     for (k, f), (_, g), (_, h) in zip(hw.fsdp2_call_s_by_group, hw.dtensor_gather_s_by_group,
                                       hw.comm_cpu_share_by_group):
         print(f"  k={k}: FSDP2 call {1e3 * f:.2f} ms, DTensor gather {1e3 * g:.2f} ms (each beyond its collective), "

@@ -30,6 +30,21 @@ one small named function:
 * :func:`elementwise_s` — ``nbytes / elementwise_Bps + ops · op_overhead_s``; forward /
   backward operators of training cost ``autograd_op_s`` each where the record has it (a
   recorded op and its share of the backward node; :func:`train_elementwise_s`).
+* :func:`ns_call_s` — one Newton-Schulz call (``dmuon.exec.newton_schulz``: its matmuls with
+  their transposed operand, the norm and the axpys) where the record has ``ns_efficiency``
+  (calibrated from exactly that call, FLOPs as :func:`dmuon.plan.cost.ns_flops` counts them, by
+  ``d = (a²·b)^(1/3)``); without it the simulator prices NS as its matmuls on the plain curve
+  plus ``2 · steps`` memory passes.
+* Three kernels of training that are neither a GEMM nor a plain memory pass, where the record
+  has them calibrated (each measured forward + backward under autograd; the forward is priced at
+  a third of it, the backward at two thirds, as every workload term): **attention**
+  (:func:`train_attention_s`: a fused ``scaled_dot_product_attention``'s FLOP/s as a fraction of
+  the peak by one head's mean dimension ``(seq_len² · head_dim)^(1/3)``, ``attention_efficiency``;
+  without it the attention matmuls use the training-matmul curve at the whole width), **norms**
+  (:func:`train_norm_s`: ``norm_train_s_per_numel`` per element, else 6 passes of memory) and
+  the **activation function** (:func:`train_activation_s`: ``activation_train_s_per_numel`` per
+  element, else 2 passes). On this CPU the three run at 0.1–0.2 of the GEMM rate (attention) and
+  2–4× their bytes' time (GELU's ``erf``, RMSNorm's composite reduction and its backward).
 
 Per-call cost on the calling thread (``issue_s``: a collective's Python + c10d issue path;
 ``hook_s``: one dmuon hook call; ``fsdp2_call_s``: one FSDP2 unshard / reduce-scatter call
@@ -43,7 +58,14 @@ with the group (blocking waits, and ranks that outnumber the cores).
 
 Processor sharing: ``cores_per_node`` cores serve ``ranks_per_node`` ranks; when ranks outnumber
 cores every compute op runs ``ranks_per_node / cores_per_node`` times slower (all ranks are busy in
-a symmetric step; an idle rank does not release its share — stated as an assumption).
+a symmetric step; an idle rank does not release its share — stated as an assumption). Busy
+neighbours (:func:`busy_factors`): a core computes slower while the node's other cores compute
+too (shared caches and memory bandwidth; on a VM possibly SMT siblings): calibrated as the
+slowdown of a reference mix with every core busy against one core alone, one factor for
+matmul-class work (training matmuls, attention, Newton-Schulz: ``busy_compute_factor``) and one
+for memory-bound work (norms, activation, elementwise passes, the optimizer:
+``busy_memory_factor``), applied with ``min(ranks_per_node, cores_per_node)`` cores busy
+(linear from 1 at one busy core to the factor at all cores busy). GPU presets: 1.
 ``comm_engine`` says where collectives progress: ``"separate"`` (GPU copy engines / NCCL
 kernels: overlap with compute for free) or ``"threads"`` (gloo's threads on the same cores: a
 collective also takes ``comm_cpu_share`` of its duration from the compute of its members;
@@ -76,6 +98,11 @@ __all__ = [
     "elementwise_s",
     "train_matmul_s",
     "train_elementwise_s",
+    "train_attention_s",
+    "ns_call_s",
+    "busy_factors",
+    "train_norm_s",
+    "train_activation_s",
     "fsdp2_call_s_at",
     "dtensor_gather_s_at",
     "comm_cpu_share_at",
@@ -178,6 +205,17 @@ class Hardware:
         autograd_matmul_efficiency: ``(d, fraction of the fp32 / compute-dtype peak)`` of a
             training matmul (``x·Wᵀ`` forward + both gradients, with autograd); empty = use
             ``matmul_efficiency`` (GPU presets).
+        attention_efficiency: ``(d, fraction of the compute-dtype peak)`` of a fused attention
+            kernel's forward + backward (``3 ×`` the forward FLOPs in the measured time), ``d`` =
+            one head's ``(seq_len² · head_dim)^(1/3)``; empty = the attention matmuls on the
+            training-matmul curve (GPU presets).
+        ns_efficiency: ``(d, fraction of the ns_dtype peak)`` of one whole Newton-Schulz call
+            (``d = (a²·b)^(1/3)`` of an ``a × b`` matrix, ``a <= b``); empty = its matmuls on
+            ``matmul_efficiency`` plus memory passes.
+        norm_train_s_per_numel: seconds per element of a norm's forward + backward with autograd
+            (0 = 6 memory passes).
+        activation_train_s_per_numel: seconds per element of the MLP activation's forward +
+            backward with autograd (0 = 2 memory passes).
         op_overhead_s: seconds per operator beyond its bytes / FLOPs (dispatch, launch).
         autograd_op_s: seconds per forward operator of training with autograd (the op and its
             backward node, per unit of the workload's operator count); 0 = ``op_overhead_s``.
@@ -192,6 +230,9 @@ class Hardware:
         comm_cpu_share_by_group: ``(ranks on the node, share)`` pairs measured with that many
             ranks computing and communicating at once; other counts use ``comm_cpu_share``.
         cores_per_node: cores that run the ranks of a node (GPU presets: one per GPU).
+        busy_compute_factor / busy_memory_factor: slowdown of matmul-class / memory-bound compute
+            with every core of the node busy against one core alone (:func:`busy_factors`; 1 =
+            none).
         comm_engine: ``"separate"`` or ``"threads"``.
         comm_cpu_share: with ``"threads"``, the fraction of a collective's duration its members'
             compute loses to gloo's threads.
@@ -211,6 +252,10 @@ class Hardware:
     matmul_peak_flops: tuple[tuple[str, float], ...] = ()
     matmul_efficiency: tuple[tuple[float, float], ...] = ((1.0, 1.0),)
     autograd_matmul_efficiency: tuple[tuple[float, float], ...] = ()
+    attention_efficiency: tuple[tuple[float, float], ...] = ()
+    ns_efficiency: tuple[tuple[float, float], ...] = ()
+    norm_train_s_per_numel: float = 0.0
+    activation_train_s_per_numel: float = 0.0
     op_overhead_s: float = 0.0
     autograd_op_s: float = 0.0
     elementwise_Bps: float = 1e12
@@ -222,6 +267,8 @@ class Hardware:
     dtensor_gather_s_by_group: tuple[tuple[int, float], ...] = ()
     comm_cpu_share_by_group: tuple[tuple[int, float], ...] = ()
     cores_per_node: int = 1
+    busy_compute_factor: float = 1.0
+    busy_memory_factor: float = 1.0
     comm_engine: str = "separate"
     comm_cpu_share: float = 0.0
     compute_dtype: str = "torch.bfloat16"
@@ -237,7 +284,7 @@ class Hardware:
             raise ValueError(f"Hardware.comm_engine must be 'separate' or 'threads', got {self.comm_engine!r}")
         if not self.matmul_peak_flops:
             raise ValueError("Hardware.matmul_peak_flops needs at least one (dtype, FLOP/s) pair")
-        for name in ("matmul_efficiency", "autograd_matmul_efficiency"):
+        for name in ("matmul_efficiency", "autograd_matmul_efficiency", "attention_efficiency", "ns_efficiency"):
             pts = getattr(self, name)
             if any(b[0] <= a[0] for a, b in zip(pts, pts[1:])):
                 raise ValueError(f"Hardware.{name}: d must increase")
@@ -274,7 +321,8 @@ class Hardware:
         d["curves"] = [dict(kind=c.kind, group_size=c.group_size, nbytes=list(c.nbytes), seconds=list(c.seconds))
                        for c in self.curves]
         d["matmul_peak_flops"] = [list(x) for x in self.matmul_peak_flops]
-        for name in ("matmul_efficiency", "autograd_matmul_efficiency", "fsdp2_call_s_by_group",
+        for name in ("matmul_efficiency", "autograd_matmul_efficiency", "attention_efficiency", "ns_efficiency",
+                     "fsdp2_call_s_by_group",
                      "dtensor_gather_s_by_group", "comm_cpu_share_by_group"):
             d[name] = [list(x) for x in getattr(self, name)]
         return d
@@ -288,7 +336,8 @@ class Hardware:
                                             seconds=tuple(c["seconds"])) for c in d.get("curves", ()))
         d["matmul_peak_flops"] = tuple((str(a), float(b)) for a, b in d["matmul_peak_flops"])
         d["matmul_efficiency"] = tuple((float(a), float(b)) for a, b in d["matmul_efficiency"])
-        d["autograd_matmul_efficiency"] = tuple((float(a), float(b)) for a, b in d.get("autograd_matmul_efficiency", ()))
+        for name in ("autograd_matmul_efficiency", "attention_efficiency", "ns_efficiency"):
+            d[name] = tuple((float(a), float(b)) for a, b in d.get(name, ()))
         for name in ("fsdp2_call_s_by_group", "dtensor_gather_s_by_group", "comm_cpu_share_by_group"):
             d[name] = tuple((int(a), float(b)) for a, b in d.get(name, ()))
         known = {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")}
@@ -381,6 +430,55 @@ def train_matmul_s(hw: Hardware, flops: float, d: float, dtype: str) -> float:
 def train_elementwise_s(hw: Hardware, nbytes: float, ops: float) -> float:
     """:func:`elementwise_s` with ``autograd_op_s`` per operator where the record has it."""
     return nbytes / hw.elementwise_Bps + ops * (hw.autograd_op_s or hw.op_overhead_s)
+
+
+def train_attention_s(hw: Hardware, flops: float, d: float, head_d: float, dtype: str) -> float:
+    """Seconds of ``flops`` attention FLOPs of the training forward (``flops`` as the workload
+    counts them, causal factor applied): on the calibrated ``attention_efficiency`` curve at one
+    head's mean dimension ``head_d`` where the record has one, else :func:`train_matmul_s` at
+    the whole width's ``d``."""
+    if flops <= 0:
+        return 0.0
+    if not (hw.attention_efficiency and head_d > 0):
+        return train_matmul_s(hw, flops, d, dtype)
+    return flops / (hw.peak_flops(dtype) * matmul_efficiency(hw, head_d, hw.attention_efficiency))
+
+
+def busy_factors(hw: Hardware) -> tuple[float, float]:
+    """``(matmul-class, memory-bound)`` slowdown with ``min(ranks_per_node, cores_per_node)`` of
+    the node's cores busy: 1 with one busy core, the calibrated factors with all of them, linear
+    between (module docstring)."""
+    cores = hw.cores_per_node
+    busy = min(hw.ranks_per_node, cores)
+    if cores <= 1 or busy <= 1:
+        return 1.0, 1.0
+    w = (busy - 1) / (cores - 1)
+    return 1.0 + w * (hw.busy_compute_factor - 1.0), 1.0 + w * (hw.busy_memory_factor - 1.0)
+
+
+def ns_call_s(hw: Hardware, flops: float, d: float) -> float:
+    """Seconds of one Newton-Schulz call of ``flops`` (:func:`dmuon.plan.cost.ns_flops`) on a
+    matrix of mean dimension ``d`` in ``hw.ns_dtype``, on the calibrated ``ns_efficiency`` curve
+    (the whole call: matmuls, norm, axpys). The record must have the curve."""
+    if flops <= 0:
+        return 0.0
+    return flops / (hw.peak_flops(hw.ns_dtype) * matmul_efficiency(hw, d, hw.ns_efficiency))
+
+
+def train_norm_s(hw: Hardware, numel: float, itemsize: int) -> float:
+    """Forward seconds of norms over ``numel`` elements: a third of the calibrated forward +
+    backward (``norm_train_s_per_numel``), else 6 passes of ``itemsize`` bytes."""
+    if hw.norm_train_s_per_numel > 0:
+        return numel * hw.norm_train_s_per_numel / 3
+    return 6 * numel * itemsize / hw.elementwise_Bps
+
+
+def train_activation_s(hw: Hardware, numel: float, itemsize: int) -> float:
+    """Forward seconds of the activation function over ``numel`` elements: a third of the
+    calibrated forward + backward (``activation_train_s_per_numel``), else 2 passes."""
+    if hw.activation_train_s_per_numel > 0:
+        return numel * hw.activation_train_s_per_numel / 3
+    return 2 * numel * itemsize / hw.elementwise_Bps
 
 
 def _by_group(pairs: Sequence[tuple[int, float]], k: int, default: float) -> float:

@@ -27,7 +27,8 @@ each running its collectives in order:
   thread is free and its dependencies are done *on that rank* (a rank waits only for the ops it
   takes part in); time between is that rank's communication wait. Durations come from the
   :class:`~dmuon.sim.workload.Workload` and the hardware (module :mod:`dmuon.sim.hardware`),
-  multiplied by the processor-sharing factor ``hardware.oversubscription``.
+  multiplied by the processor-sharing factor ``hardware.oversubscription`` and, per term, by the
+  busy-node factors (:func:`~dmuon.sim.hardware.busy_factors`).
 
 Added to every schedule (they are not ops of it): the root's work (embeddings before the first
 forward of a micro-batch, final norm + ``lm_head`` + loss forward and backward before the first
@@ -55,8 +56,9 @@ from ..plan import cost as _cost
 from ..plan.records import itemsize_nbytes
 from ..plan.step_schedule import Op, Step, StepSchedule
 from . import alternatives as _alt
-from .hardware import (OP_COLLECTIVE, Hardware, collective_s, dtensor_gather_s_at, elementwise_s, fsdp2_call_s_at,
-                       comm_cpu_share_at, matmul_s, train_elementwise_s, train_matmul_s)
+from .hardware import (OP_COLLECTIVE, Hardware, busy_factors, collective_s, comm_cpu_share_at, dtensor_gather_s_at,
+                       elementwise_s, fsdp2_call_s_at, matmul_s, ns_call_s, train_activation_s, train_attention_s,
+                       train_elementwise_s, train_matmul_s, train_norm_s)
 from .workload import Work, Workload
 
 __all__ = ["VARIANTS", "Interval", "PathStep", "RankTime", "MemoryBreakdown", "Simulation", "simulate",
@@ -216,23 +218,39 @@ class _SimOp:
     deferred: bool = False  # HSDP replicate broadcast with replicate_async: waited for in the next step
 
 
-def _work_s(hw: Hardware, w: Work, factor: float, dtype: str) -> float:
-    """Seconds of ``factor`` x the forward of ``w`` (matmuls at the training-matmul efficiency,
-    attention, elementwise bytes and operators with autograd: :func:`~dmuon.sim.hardware.train_matmul_s`)."""
-    t = sum(train_matmul_s(hw, f, d, dtype) for f, d in w.matmuls)
-    t += train_matmul_s(hw, w.attention_flops, w.attention_d, dtype)
-    return factor * (t + train_elementwise_s(hw, w.elementwise_nbytes, w.ops))
+def _work_s(hw: Hardware, w: Work, factor: float, dtype: str, itemsize: int) -> float:
+    """Seconds of ``factor`` x the forward of ``w``: matmuls at the training-matmul efficiency
+    (:func:`~dmuon.sim.hardware.train_matmul_s`), attention
+    (:func:`~dmuon.sim.hardware.train_attention_s`), norms and the activation function
+    (:func:`~dmuon.sim.hardware.train_norm_s`, :func:`~dmuon.sim.hardware.train_activation_s`),
+    the other elementwise bytes and operators with autograd; the first two times the busy-node
+    matmul factor, the rest times the memory factor (:func:`~dmuon.sim.hardware.busy_factors`)."""
+    busy_c, busy_m = busy_factors(hw)
+    t_c = sum(train_matmul_s(hw, f, d, dtype) for f, d in w.matmuls)
+    t_c += train_attention_s(hw, w.attention_flops, w.attention_d, w.attention_head_d, dtype)
+    t_m = train_norm_s(hw, w.norm_numel, itemsize) + train_activation_s(hw, w.activation_numel, itemsize)
+    t_m += train_elementwise_s(hw, w.elementwise_nbytes, w.ops)
+    return factor * (busy_c * t_c + busy_m * t_m)
 
 
 def _ns_s(hw: Hardware, wl: Workload, spec: Any, flops: int) -> float:
+    """One matrix's Muon update: the Newton-Schulz call (calibrated as a whole where the record has
+    ``ns_efficiency``, else its matmuls on the plain curve plus its norm / axpy passes) and the
+    update's elementwise work (momentum, Nesterov, decay, apply: 6 passes, ``muon_ops_per_matrix``);
+    matmuls times the busy-node matmul factor, passes times the memory factor."""
     m, n = spec.matrix_shape
     a, b = min(m, n), max(m, n)
     isz = itemsize_nbytes(spec.dtype)
-    mm = matmul_s(hw, flops, (a * a * b) ** (1 / 3), hw.ns_dtype)
     numel = spec.local_numel
-    elem = elementwise_s(hw, 6 * numel * isz + 2 * _cost.NS_STEPS * numel * itemsize_nbytes(hw.ns_dtype),
-                         wl.muon_ops_per_matrix + wl.ns_ops_per_step * _cost.NS_STEPS)
-    return mm + elem
+    busy_c, busy_m = busy_factors(hw)
+    update = busy_m * elementwise_s(hw, 6 * numel * isz, wl.muon_ops_per_matrix)
+    d = (a * a * b) ** (1 / 3)
+    if hw.ns_efficiency:
+        return busy_c * ns_call_s(hw, flops, d) + update
+    mm = matmul_s(hw, flops, d, hw.ns_dtype)
+    passes = elementwise_s(hw, 2 * _cost.NS_STEPS * numel * itemsize_nbytes(hw.ns_dtype),
+                           wl.ns_ops_per_step * _cost.NS_STEPS)
+    return busy_c * mm + busy_m * passes + update
 
 
 def _adamw_s(hw: Hardware, wl: Workload, tensors: Sequence[tuple[int, int]], dtensor: bool) -> float:
@@ -240,7 +258,7 @@ def _adamw_s(hw: Hardware, wl: Workload, tensors: Sequence[tuple[int, int]], dte
     p, m, v), ``adamw_ops_per_tensor`` operators each, plus DTensor dispatch per operator."""
     nbytes = sum(7 * n * isz for n, isz in tensors)
     ops = wl.adamw_ops_per_tensor * len(tensors)
-    return elementwise_s(hw, nbytes, ops) + (ops * hw.dtensor_op_s if dtensor else 0.0)
+    return busy_factors(hw)[1] * (elementwise_s(hw, nbytes, ops) + (ops * hw.dtensor_op_s if dtensor else 0.0))
 
 
 def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant: str, num_ranks: int) -> list[_SimOp]:
@@ -250,11 +268,12 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
     dmuon = variant in ("z2", "z3")
     over = hw.oversubscription
     work = dict(wl.boundaries)
-    fwd_s = {f: _work_s(hw, w, 1.0, dtype) * over for f, w in work.items()}
-    bwd_s = {f: _work_s(hw, w, w.backward_factor, dtype) * over for f, w in work.items()}
-    embed_f = _work_s(hw, wl.embed, 1.0, dtype) * over
-    embed_b = _work_s(hw, wl.embed, wl.embed.backward_factor, dtype) * over
-    head = _work_s(hw, wl.head, 1.0 + wl.head.backward_factor, dtype) * over
+    isz = itemsize_nbytes(wl.activation_dtype)
+    fwd_s = {f: _work_s(hw, w, 1.0, dtype, isz) * over for f, w in work.items()}
+    bwd_s = {f: _work_s(hw, w, w.backward_factor, dtype, isz) * over for f, w in work.items()}
+    embed_f = _work_s(hw, wl.embed, 1.0, dtype, isz) * over
+    embed_b = _work_s(hw, wl.embed, wl.embed.backward_factor, dtype, isz) * over
+    head = _work_s(hw, wl.head, 1.0 + wl.head.backward_factor, dtype, isz) * over
     hook = 2 * hw.hook_s if dmuon else 0.0
     boundary_nbytes = {b.fqn: sum(buf.numel * itemsize_nbytes(buf.dtype) for buf in b.buffers) for b in plan.boundaries}
     specs = {s.fqn: s for s in plan.params}
@@ -307,7 +326,7 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
             b = op.boundary
             secs = (fwd_s[b] if kind != "backward" else bwd_s[b]) + hook
             if kind == "backward" and dmuon:
-                secs += elementwise_s(hw, 2 * boundary_nbytes.get(b, 0), 2) * over  # gradient packing
+                secs += elementwise_s(hw, 2 * boundary_nbytes.get(b, 0), 2) * busy_factors(hw)[1] * over  # packing
             s = _SimOp(kind, b or "", op.group, deps, False, secs)
         elif kind == "newton_schulz":
             spec = specs[op.fqns[0]]

@@ -16,10 +16,21 @@ attention FLOPs              scores ``Q·Kᵀ`` and values ``P·V``: ``2 · 2 ·
                              d_attn`` times the causal factor ``1/2``; backward ``2×``
                              (``d_attn`` = rows of a ``q_proj`` weight, or a third of ``qkv``'s;
                              no attention if neither exists)
+attention head dimension     ``attention_head_d = (seq_len² · head_dim)^(1/3)``, the mean
+                             dimension of one head's ``Q·Kᵀ`` (``head_dim`` given, default
+                             ``min(128, d_attn)``): where the hardware has a calibrated
+                             attention curve (a fused SDPA kernel) it is read there
 elementwise bytes            every matmul output read and written once by one elementwise op
-                             (activation, residual add, norm input): ``2 · tokens · out ·
-                             itemsize``; every 1-D weight (a norm) ``6`` passes over ``tokens ×
-                             numel``
+                             (residual add, reshape, norm input): ``2 · tokens · out ·
+                             itemsize``, except the activation function's input (next row)
+norm elements                ``norm_numel = tokens × numel`` of every 1-D weight (a norm); priced
+                             at the hardware's calibrated norm forward + backward per element,
+                             else as ``6`` passes of ``itemsize`` bytes
+activation elements          ``activation_numel = tokens × out`` of the MLP's activation input
+                             (``gate_proj`` where the boundary has one, else ``up_proj`` /
+                             ``fc1`` / ``c_fc`` / ``w1``); priced at the calibrated activation
+                             (GELU / SiLU) forward + backward per element, else as the ``2``
+                             passes of its matmul output
 operators                    ``2`` per 2-D weight (matmul + reshape), ``6`` per 1-D weight (a
                              norm), ``10`` per boundary (attention glue, activation, residuals)
 activation memory            ``34 · tokens · hidden`` bytes per boundary in bf16 (Korthikanti et
@@ -59,6 +70,9 @@ _OPS_PER_NORM = 6
 _OPS_PER_BOUNDARY = 10
 _NORM_PASSES = 6
 _LOSS_PASSES = 4
+_DEFAULT_HEAD_DIM = 128
+#: leaf modules whose output feeds the MLP's activation (``gate_proj`` wins where present: SwiGLU)
+_ACTIVATION_INPUTS = ("up_proj", "fc1", "c_fc", "w1")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,8 +85,13 @@ class Work:
         matmuls: ``(flops, d)`` pairs: FLOPs of one matmul and its mean dimension
             ``(m·n·k)^(1/3)`` (for the efficiency curve).
         attention_flops: forward attention FLOPs (causal factor applied).
-        attention_d: mean dimension of the attention matmuls.
-        elementwise_nbytes: forward memory-bound bytes.
+        attention_d: mean dimension of the attention matmuls over the whole width
+            ``(seq_len² · d_attn)^(1/3)`` (the matmul curves).
+        attention_head_d: mean dimension of one head's attention ``(seq_len² · head_dim)^(1/3)``
+            (a calibrated attention curve; 0 = no attention).
+        elementwise_nbytes: forward memory-bound bytes besides norms and the activation.
+        norm_numel: elements the unit's norms normalise in the forward.
+        activation_numel: elements through the MLP's activation function in the forward.
         ops: forward operator count.
         activation_nbytes: activations kept for the backward.
         backward_factor: backward cost / forward cost of every term (2).
@@ -83,7 +102,10 @@ class Work:
     matmuls: tuple[tuple[int, float], ...] = ()
     attention_flops: int = 0
     attention_d: float = 1.0
+    attention_head_d: float = 0.0
     elementwise_nbytes: int = 0
+    norm_numel: int = 0
+    activation_numel: int = 0
     ops: int = 0
     activation_nbytes: int = 0
     backward_factor: float = 2.0
@@ -154,16 +176,18 @@ def _is_embedding(fqn: str) -> bool:
 
 
 def _unit_work(fqn: str, label: str, params: list[tuple[str, tuple[int, ...]]], *, tokens: int, seq_len: int,
-               itemsize: int, top_k: int, causal: bool) -> Work:
+               itemsize: int, top_k: int, causal: bool, head_dim: int | None) -> Work:
     matmuls: list[tuple[int, float]] = []
     elem = 0
+    norm_numel = 0
+    act_by_leaf: dict[str, int] = {}
     ops = _OPS_PER_BOUNDARY if label == "boundary" else 0
     d_attn = 0
     hidden = 0
     sides = []
     for name, shape in params:
         if len(shape) == 1:
-            elem += _NORM_PASSES * tokens * shape[0] * itemsize
+            norm_numel += tokens * shape[0]
             ops += _OPS_PER_NORM
             hidden = max(hidden, shape[0])
             continue
@@ -183,27 +207,40 @@ def _unit_work(fqn: str, label: str, params: list[tuple[str, tuple[int, ...]]], 
         m = shape[0]
         n = math.prod(shape[1:])
         matmuls.append((2 * tokens * m * n, _mean_dim(tokens, m, n)))
-        elem += 2 * tokens * m * itemsize
         ops += _OPS_PER_MATRIX
         sides.append(min(m, n))
         leaf = name.rpartition(".")[0].rpartition(".")[2]
+        if label == "boundary" and (leaf == "gate_proj" or leaf in _ACTIVATION_INPUTS):
+            act_by_leaf[leaf] = act_by_leaf.get(leaf, 0) + tokens * m
+        else:
+            elem += 2 * tokens * m * itemsize
         if leaf == "q_proj":
             d_attn = max(d_attn, m)
         elif leaf == "qkv":
             d_attn = max(d_attn, m // 3)
+    # SwiGLU: the activation runs on gate_proj's output; up_proj's is the multiplier (one pass)
+    act_numel = act_by_leaf.pop("gate_proj", 0)
+    if act_numel:
+        elem += sum(2 * n * itemsize for n in act_by_leaf.values())
+    else:
+        act_numel = sum(act_by_leaf.values())
     att = 0
     att_d = 1.0
+    att_head_d = 0.0
     if d_attn and label == "boundary":
         att = int(2 * 2 * tokens * seq_len * d_attn * (0.5 if causal else 1.0))
         att_d = _mean_dim(seq_len, seq_len, d_attn)
+        att_head_d = _mean_dim(seq_len, seq_len, min(head_dim or _DEFAULT_HEAD_DIM, d_attn))
     hidden = hidden or (min(sides) if sides else 0)
     act = ACTIVATION_BYTES_PER_TOKEN_HIDDEN * tokens * hidden * itemsize // 2 if label == "boundary" else 0
     return Work(fqn=fqn, label=label, matmuls=tuple(matmuls), attention_flops=att, attention_d=att_d,
-                elementwise_nbytes=int(elem), ops=ops, activation_nbytes=int(act))
+                attention_head_d=att_head_d, elementwise_nbytes=int(elem), norm_numel=int(norm_numel),
+                activation_numel=int(act_numel), ops=ops, activation_nbytes=int(act))
 
 
 def from_plan(plan: Any, *, tokens_per_rank: int, seq_len: int, micro_batches: int = 1,
-              activation_dtype: str = "torch.bfloat16", top_k: int = 2, causal: bool = True) -> Workload:
+              activation_dtype: str = "torch.bfloat16", top_k: int = 2, causal: bool = True,
+              head_dim: int | None = None) -> Workload:
     """The :class:`Workload` of ``plan``'s model (module docstring: every term).
 
     Args:
@@ -215,12 +252,14 @@ def from_plan(plan: Any, *, tokens_per_rank: int, seq_len: int, micro_batches: i
         activation_dtype: the compute dtype (activation bytes, elementwise bytes).
         top_k: experts each token visits in 3-D ``experts`` stacks.
         causal: causal attention (factor 1/2 on attention FLOPs).
+        head_dim: attention head dimension (``attention_head_d``); None = ``min(128, d_attn)``
+            (Llama-3's, Mistral's, Qwen's head size).
 
     Raises:
-        ValueError: non-positive tokens, sequence length or micro-batches.
+        ValueError: non-positive tokens, sequence length, micro-batches or head dimension.
     """
-    if tokens_per_rank <= 0 or seq_len <= 0 or micro_batches <= 0:
-        raise ValueError("from_plan: tokens_per_rank, seq_len and micro_batches must be positive")
+    if tokens_per_rank <= 0 or seq_len <= 0 or micro_batches <= 0 or (head_dim is not None and head_dim <= 0):
+        raise ValueError("from_plan: tokens_per_rank, seq_len, micro_batches and head_dim must be positive")
     tokens = tokens_per_rank / micro_batches
     isz = itemsize_nbytes(activation_dtype)
     per_boundary: dict[str, list[tuple[str, tuple[int, ...]]]] = {b.fqn: [] for b in plan.boundaries}
@@ -233,7 +272,7 @@ def from_plan(plan: Any, *, tokens_per_rank: int, seq_len: int, micro_batches: i
             root.extend(pairs)
         else:
             per_boundary.setdefault(unit.fqn, []).extend(pairs)
-    kw = dict(tokens=int(tokens), seq_len=seq_len, itemsize=isz, top_k=top_k, causal=causal)
+    kw = dict(tokens=int(tokens), seq_len=seq_len, itemsize=isz, top_k=top_k, causal=causal, head_dim=head_dim)
     bounds = tuple((fqn, _unit_work(fqn, "boundary", ps, **kw)) for fqn, ps in per_boundary.items())
     embed = _unit_work("", "embed", [p for p in root if _is_embedding(p[0])], **kw)
     head_params = [p for p in root if not _is_embedding(p[0])]
