@@ -803,10 +803,15 @@ def predict(size: str, nproc: int, variant: str, hw, cost_model: str) -> dict[st
     return dict(step_ms=1e3 * sim.step_s, ns_ms=1e3 * sim.ns_s, exposed_comm_ms=1e3 * sim.exposed_comm_s)
 
 
-def add_predictions(rows: list[dict], hw_records: list, cost_model: str) -> None:
-    """``predicted_ms`` (median over the calibrations), ``predicted_ms_all``, ``predicted_ratio``."""
+def add_predictions(rows: list[dict], hw_records: list, cost_model: str,
+                    by_nproc: dict[int, list] | None = None) -> None:
+    """``predicted_ms`` (median over the records), ``predicted_ms_all``, ``predicted_ratio``.
+
+    ``by_nproc``: the records of each launch (``--calibrate``: the calibrations taken just before
+    and just after it), used for that launch's rows instead of ``hw_records``."""
     for r in rows:
-        preds = [predict(r["size"], r["nproc"], r["variant"], hw, cost_model) for hw in hw_records]
+        records = (by_nproc or {}).get(r["nproc"]) or hw_records
+        preds = [predict(r["size"], r["nproc"], r["variant"], hw, cost_model) for hw in records]
         preds = [p for p in preds if p is not None]
         r["predicted_ms"] = statistics.median(p["step_ms"] for p in preds) if preds else None
         r["predicted_ms_all"] = [p["step_ms"] for p in preds]
@@ -872,7 +877,8 @@ def format_table(rows: list[dict]) -> str:
         )
     lines.append("  (step/fwd+bwd/opt: medians over the timed steps, each the slowest rank's; min ms: the "
                  "fastest timed step; xAdamW: ratio to FSDP2+AdamW at the same N, by median and by min)")
-    lines.append("  (pred ms: dmuon.sim.simulate on the calibrated cpu-gloo record(s), median over calibrations; "
+    lines.append("  (pred ms: dmuon.sim.simulate on the calibrated cpu-gloo record(s), median over the calibrations "
+                 "bracketing the row's launch (--calibrate) or over --hw; "
                  "err: pred / measured median - 1; pred x: predicted ratio to FSDP2+AdamW)")
     lines.append("  (* = plan.baseline_cost byte MODEL of FSDP2 [+ naive all-gather] for the Muon "
                  "matrices, not measured; ledger = dmuon's measured bytes, summed over ranks)")
@@ -983,8 +989,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hw", nargs="+", default=[], metavar="FILE",
                    help="calibration JSON(s) of `python -m dmuon calibrate` for the predicted ms column")
     p.add_argument("--calibrate", action="store_true",
-                   help="run `python -m dmuon calibrate` before every launch (same sitting, interleaved) "
-                        "and predict from those calibrations")
+                   help="run `python -m dmuon calibrate` before every launch and after the last (same "
+                        "sitting, interleaved); each launch's rows are predicted from the two that bracket it")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--png", help="write a bar chart here")
     return p
@@ -1013,16 +1019,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     hw_records = [H.load(f) for f in args.hw]
     calibrations = []
+    cal_records: list = []  # calibration i runs before launch i; the last one after the last launch
     cal_dir = tempfile.mkdtemp(prefix="dmuon-cal-")
+
+    def calibrate(when: str) -> None:
+        print(f"calibrating {when} ...", file=sys.stderr, flush=True)
+        path = os.path.join(cal_dir, f"cal-{len(calibrations)}.json")
+        cal_records.append(run_calibration(path))
+        with open(path) as f:
+            calibrations.append(json.load(f))
+
     for n in args.nproc:
         if args.calibrate:
-            print(f"calibrating before N={n} ...", file=sys.stderr, flush=True)
-            path = os.path.join(cal_dir, f"cal-{len(calibrations)}.json")
-            hw_records.append(run_calibration(path))
-            with open(path) as f:
-                calibrations.append(json.load(f))
+            calibrate(f"before N={n}")
         print(f"launching N={n} ({', '.join(args.variants)}) ...", file=sys.stderr, flush=True)
         results += launch(n, dict(job, variants=list(args.variants)), args.timeout)
+    by_nproc = None
+    if args.calibrate:
+        calibrate("after the last launch")
+        # each launch is predicted from the calibrations that bracket it (the machine's speed
+        # drifts by tens of percent over minutes here); the median over all of them is kept
+        # in hw_records for rows no launch owns
+        by_nproc = {n: cal_records[i:i + 2] for i, n in enumerate(args.nproc)}
+        hw_records += cal_records
     if args.hook_overhead:
         print(f"launching N=1 ({', '.join(HOOK_VARIANTS)}) ...", file=sys.stderr, flush=True)
         hook_results = launch(1, dict(job, variants=list(HOOK_VARIANTS)), args.timeout)
@@ -1030,7 +1049,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     hook_rows = rows_of(hook_results)
     if hw_records:
         try:
-            add_predictions(rows, hw_records, args.cost_model)
+            add_predictions(rows, hw_records, args.cost_model, by_nproc)
         except Exception:  # a broken prediction must not lose the measurements
             traceback.print_exc()
     info = machine_info(args.device)

@@ -509,6 +509,13 @@ def test_step_time_prediction_column():
     rows = [dict(size="small", nproc=2, variant=v, step_ms=100.0) for v in ("adamw", "dmuon_z3")]
     step_time.add_predictions(rows, [hw, hw], "ns_flops")
     assert rows[0]["predicted_ratio"] == 1.0 and rows[1]["predicted_ms_all"] == [rows[1]["predicted_ms"]] * 2
+    # --calibrate: a launch's rows from the calibrations that bracket it, not the sitting's median
+    slow = dataclasses.replace(hw, matmul_peak_flops=tuple((d, f / 2) for d, f in hw.matmul_peak_flops))
+    rows2 = [dict(size="small", nproc=n, variant="adamw", step_ms=100.0) for n in (2, 4)]
+    step_time.add_predictions(rows2, [hw, hw, slow, slow], "ns_flops", {2: [hw, hw], 4: [slow, slow]})
+    assert rows2[0]["predicted_ms"] == preds["adamw"]["step_ms"]
+    assert rows2[1]["predicted_ms"] == step_time.predict("small", 4, "adamw", slow, "ns_flops")["step_ms"]
+    assert rows2[1]["predicted_ms"] > step_time.predict("small", 4, "adamw", hw, "ns_flops")["step_ms"]
 
 
 def test_calibrate_assembles_the_record(monkeypatch):
