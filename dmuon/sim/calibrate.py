@@ -653,7 +653,7 @@ def calibrate(*, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, re
         norm_train_s_per_numel=kern["norm_s_per_numel"],
         activation_train_s_per_numel=kern["activation_s_per_numel"],
         op_overhead_s=ov["op_overhead_s"],
-        autograd_op_s=ov.get("autograd_op_s", 0.0),
+        autograd_op_s=ov["autograd_op_s"],
         elementwise_Bps=ov["elementwise_Bps"],
         hook_s=ov["hook_s"],
         comm_cpu_share_by_group=tuple(sorted((k, v["comm_cpu_share"]) for k, v in in_situ.items())),

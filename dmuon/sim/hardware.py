@@ -188,6 +188,16 @@ def _bisect(xs: Sequence[float], x: float) -> int:
     return lo
 
 
+#: ``(d, fraction of peak)`` curves of :class:`Hardware` (``matmul_efficiency`` first: required)
+_CURVE_FIELDS = ("matmul_efficiency", "autograd_matmul_efficiency", "attention_efficiency", "ns_efficiency")
+#: ``(group size or ranks on the node, value)`` pairs of :class:`Hardware`
+_BY_GROUP_FIELDS = ("fsdp2_call_s_by_group", "dtensor_gather_s_by_group", "comm_cpu_share_by_group")
+#: memory passes of a norm's / the activation function's forward where the record has no
+#: calibrated per-element cost (:func:`train_norm_s`, :func:`train_activation_s`)
+NORM_PASSES = 6
+ACTIVATION_PASSES = 2
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Hardware:
     """A machine for :func:`dmuon.sim.simulate` (module docstring: every field's role).
@@ -284,7 +294,7 @@ class Hardware:
             raise ValueError(f"Hardware.comm_engine must be 'separate' or 'threads', got {self.comm_engine!r}")
         if not self.matmul_peak_flops:
             raise ValueError("Hardware.matmul_peak_flops needs at least one (dtype, FLOP/s) pair")
-        for name in ("matmul_efficiency", "autograd_matmul_efficiency", "attention_efficiency", "ns_efficiency"):
+        for name in _CURVE_FIELDS:
             pts = getattr(self, name)
             if any(b[0] <= a[0] for a, b in zip(pts, pts[1:])):
                 raise ValueError(f"Hardware.{name}: d must increase")
@@ -321,9 +331,7 @@ class Hardware:
         d["curves"] = [dict(kind=c.kind, group_size=c.group_size, nbytes=list(c.nbytes), seconds=list(c.seconds))
                        for c in self.curves]
         d["matmul_peak_flops"] = [list(x) for x in self.matmul_peak_flops]
-        for name in ("matmul_efficiency", "autograd_matmul_efficiency", "attention_efficiency", "ns_efficiency",
-                     "fsdp2_call_s_by_group",
-                     "dtensor_gather_s_by_group", "comm_cpu_share_by_group"):
+        for name in _CURVE_FIELDS + _BY_GROUP_FIELDS:
             d[name] = [list(x) for x in getattr(self, name)]
         return d
 
@@ -336,9 +344,9 @@ class Hardware:
                                             seconds=tuple(c["seconds"])) for c in d.get("curves", ()))
         d["matmul_peak_flops"] = tuple((str(a), float(b)) for a, b in d["matmul_peak_flops"])
         d["matmul_efficiency"] = tuple((float(a), float(b)) for a, b in d["matmul_efficiency"])
-        for name in ("autograd_matmul_efficiency", "attention_efficiency", "ns_efficiency"):
+        for name in _CURVE_FIELDS[1:]:  # optional: absent from records of older calibrations
             d[name] = tuple((float(a), float(b)) for a, b in d.get(name, ()))
-        for name in ("fsdp2_call_s_by_group", "dtensor_gather_s_by_group", "comm_cpu_share_by_group"):
+        for name in _BY_GROUP_FIELDS:
             d[name] = tuple((int(a), float(b)) for a, b in d.get(name, ()))
         known = {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")}
         return cls(**{k: v for k, v in d.items() if k in known})
@@ -470,7 +478,7 @@ def train_norm_s(hw: Hardware, numel: float, itemsize: int) -> float:
     backward (``norm_train_s_per_numel``), else 6 passes of ``itemsize`` bytes."""
     if hw.norm_train_s_per_numel > 0:
         return numel * hw.norm_train_s_per_numel / 3
-    return 6 * numel * itemsize / hw.elementwise_Bps
+    return NORM_PASSES * numel * itemsize / hw.elementwise_Bps
 
 
 def train_activation_s(hw: Hardware, numel: float, itemsize: int) -> float:
@@ -478,7 +486,7 @@ def train_activation_s(hw: Hardware, numel: float, itemsize: int) -> float:
     calibrated forward + backward (``activation_train_s_per_numel``), else 2 passes."""
     if hw.activation_train_s_per_numel > 0:
         return numel * hw.activation_train_s_per_numel / 3
-    return 2 * numel * itemsize / hw.elementwise_Bps
+    return ACTIVATION_PASSES * numel * itemsize / hw.elementwise_Bps
 
 
 def _by_group(pairs: Sequence[tuple[int, float]], k: int, default: float) -> float:

@@ -267,6 +267,7 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
     N = plan.mesh_shape[1]
     dmuon = variant in ("z2", "z3")
     over = hw.oversubscription
+    busy_m = busy_factors(hw)[1]
     work = dict(wl.boundaries)
     isz = itemsize_nbytes(wl.activation_dtype)
     fwd_s = {f: _work_s(hw, w, 1.0, dtype, isz) * over for f, w in work.items()}
@@ -326,7 +327,7 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
             b = op.boundary
             secs = (fwd_s[b] if kind != "backward" else bwd_s[b]) + hook
             if kind == "backward" and dmuon:
-                secs += elementwise_s(hw, 2 * boundary_nbytes.get(b, 0), 2) * busy_factors(hw)[1] * over  # packing
+                secs += elementwise_s(hw, 2 * boundary_nbytes.get(b, 0), 2) * busy_m * over  # packing
             s = _SimOp(kind, b or "", op.group, deps, False, secs)
         elif kind == "newton_schulz":
             spec = specs[op.fqns[0]]

@@ -68,7 +68,6 @@ ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 34
 _OPS_PER_MATRIX = 2
 _OPS_PER_NORM = 6
 _OPS_PER_BOUNDARY = 10
-_NORM_PASSES = 6
 _LOSS_PASSES = 4
 _DEFAULT_HEAD_DIM = 128
 #: leaf modules whose output feeds the MLP's activation (``gate_proj`` wins where present: SwiGLU)
