@@ -289,6 +289,12 @@ def build_segments(
                     spec = specs[e.fqn]
                     off = e.offset - seg_l.offset
                     orig = original[e.fqn]
+                    if tuple(orig.shape) != tuple(spec.shape) or str(orig.dtype) != spec.dtype:
+                        raise ValueError(
+                            f"dmuon: parameter {e.fqn!r} is {tuple(orig.shape)} {orig.dtype} in the model "
+                            f"but {spec.shape} {spec.dtype} in the plan; recompile the plan after "
+                            "changing the model"
+                        )
                     if e.block is not None:  # one block of a matrix owned by an owner group
                         slot = _block_slot(
                             e, off, seg_l, held, wire, master, spec, orig, owners[e.fqn], grouped,
@@ -298,12 +304,6 @@ def build_segments(
                         sub.slots.append(slot)
                         seg.slots.append(slot)
                         continue
-                    if tuple(orig.shape) != tuple(spec.shape) or str(orig.dtype) != spec.dtype:
-                        raise ValueError(
-                            f"dmuon: parameter {e.fqn!r} is {tuple(orig.shape)} {orig.dtype} in the model "
-                            f"but {spec.shape} {spec.dtype} in the plan; recompile the plan after "
-                            "changing the model"
-                        )
                     tp = tp_info(spec, orig, g)
                     lshape = tuple(spec.local_shape)
                     strides = _contiguous_strides(lshape)
@@ -369,11 +369,6 @@ def _block_slot(e, off, seg_l, held, wire, master, spec, orig, owner, grouped, *
                 wire_dtype, modules, runtime_ref) -> _Slot:
     """The slot of block ``e.block`` of a grouped matrix, and (first block seen) its :class:`_Grouped`."""
     g = groups
-    if tuple(orig.shape) != tuple(spec.shape) or str(orig.dtype) != spec.dtype:
-        raise ValueError(
-            f"dmuon: parameter {e.fqn!r} is {tuple(orig.shape)} {orig.dtype} in the model "
-            f"but {spec.shape} {spec.dtype} in the plan; recompile the plan after changing the model"
-        )
     if getattr(orig, "placements", None) is not None:
         raise ValueError(f"dmuon: {e.fqn!r} is a DTensor but the plan gives it an owner group (no TP support)")
     j = e.block
