@@ -449,14 +449,8 @@ class Muon(torch.optim.Optimizer):
                 _check_dedicated(p)
                 tp = getattr(_info(p), "tp", None)  # None: no TP (or a test double)
                 if (tp is not None and tp.method == "gram") or getattr(_info(p), "group", None) is not None:
-                    plan = _info(p).runtime().plan
-                    if group["ns_steps"] != plan.tp_ns_steps:
-                        what = "TP-sharded" if tp is not None else "owner-grouped"
-                        raise ValueError(
-                            f"dmuon.Muon: ns_steps={group['ns_steps']} but the plan of the {what} "
-                            f"matrix {_info(p).fqn!r} assumes tp_ns_steps={plan.tp_ns_steps} (its Gram "
-                            f"all-reduce count); compile the plan with tp_ns_steps={group['ns_steps']}"
-                        )
+                    what = "TP-sharded" if tp is not None else "owner-grouped"
+                    _tp.check_gram_steps(group["ns_steps"], _info(p).runtime().plan, _info(p).fqn, what)
             for p in params:
                 _check_planned_ns_backend(p, group)
         super().add_param_group(group)

@@ -16,7 +16,19 @@ import torch.distributed as dist
 from . import collectives as C
 from . import newton_schulz as _ns
 
-__all__ = ["orthogonalize_and_apply", "orthogonalize_groups_and_apply"]
+__all__ = ["orthogonalize_and_apply", "orthogonalize_groups_and_apply", "check_gram_steps"]
+
+
+def check_gram_steps(steps: int, plan, fqn: str, what: str) -> None:
+    """Raise ``ValueError`` unless ``steps`` (``dmuon.Muon``'s ``ns_steps``) is the plan's
+    ``tp_ns_steps``, from which the plan counts the Gram all-reduces of a ``what`` matrix
+    (``"TP-sharded"`` / ``"owner-grouped"``) ``fqn``: another count would desynchronise them."""
+    if steps != plan.tp_ns_steps:
+        raise ValueError(
+            f"dmuon.Muon: ns_steps={steps} but the plan of the {what} matrix {fqn!r} assumes "
+            f"tp_ns_steps={plan.tp_ns_steps} (its Gram all-reduce count); compile the plan with "
+            f"tp_ns_steps={steps}"
+        )
 
 
 def _sharded_gram(x, group, phase: str, *, steps: int, ns_kw: dict, restart_every):
@@ -58,12 +70,7 @@ def orthogonalize_and_apply(entries, *, steps: int, orthogonalize, ns_kw: dict, 
     gather: dict[tuple, list] = {}
     for p, update, tp in entries:
         if tp.method == "gram":
-            if steps != plan.tp_ns_steps:
-                raise ValueError(
-                    f"dmuon.Muon: ns_steps={steps} but the plan of the TP-sharded matrix "
-                    f"{p._dmuon.fqn!r} assumes tp_ns_steps={plan.tp_ns_steps} (its Gram all-reduce "
-                    f"count); compile the plan with tp_ns_steps={steps}"
-                )
+            check_gram_steps(steps, plan, p._dmuon.fqn, "TP-sharded")
             x = update.mT if tp.shard_dim == 0 else update  # (d, D_local), d = unsplit side
             gram.setdefault((tuple(x.shape), x.dtype, id(tp.group)), []).append((p, x, tp))
         else:
@@ -116,12 +123,7 @@ def orthogonalize_groups_and_apply(entries, *, steps: int, ns_kw: dict, apply) -
     """
     rt = entries[0][0]._dmuon.runtime()
     plan = rt.plan
-    if steps != plan.tp_ns_steps:
-        raise ValueError(
-            f"dmuon.Muon: ns_steps={steps} but the plan of the owner-grouped matrix {entries[0][0]._dmuon.fqn!r} "
-            f"assumes tp_ns_steps={plan.tp_ns_steps} (its Gram all-reduce count); compile the plan with "
-            f"tp_ns_steps={steps}"
-        )
+    check_gram_steps(steps, plan, entries[0][0]._dmuon.fqn, "owner-grouped")
     by_group: dict[tuple, dict[tuple, list]] = {}
     for p, update, og in entries:
         x = update.mT if og.dim == 0 else update  # (d, D_j)
