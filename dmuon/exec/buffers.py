@@ -19,6 +19,7 @@ Tensors per dedicated parameter:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -365,6 +366,18 @@ def build_segments(
     return segments
 
 
+def _grouped_storage(shape: tuple[int, ...], dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(compute, writer)``: two tensors of ``shape`` on one storage of their own, released
+    (size 0) until :meth:`_Grouped.assemble` grows it; ``writer`` has its own version counter,
+    so filling it does not invalidate ``compute`` where autograd saved it."""
+    full = torch.empty(math.prod(shape), dtype=dtype, device=device)
+    strides = _contiguous_strides(shape)
+    compute = torch.empty(0, dtype=dtype, device=device).set_(full.untyped_storage(), 0, shape, strides)
+    writer = torch.empty(0, dtype=dtype, device=device).set_(full.untyped_storage(), 0, shape, strides)
+    full.untyped_storage().resize_(0)
+    return compute, writer
+
+
 def _block_slot(e, off, seg_l, held, wire, master, spec, orig, owner, grouped, *, groups, device, param_dtype,
                 wire_dtype, modules, runtime_ref) -> _Slot:
     """The slot of block ``e.block`` of a grouped matrix, and (first block seen) its :class:`_Grouped`."""
@@ -384,11 +397,7 @@ def _block_slot(e, off, seg_l, held, wire, master, spec, orig, owner, grouped, *
             block=mine, pg=g.owner_group(mesh_ranks) if me in ranks else None, ranks=ranks, mesh_ranks=mesh_ranks,
             shards=tuple(o.shard for o in owner.members),
         )
-        full = torch.empty(int(spec.numel), dtype=wire_dtype, device=device)
-        strides = _contiguous_strides(spec.shape)
-        compute = torch.empty(0, dtype=wire_dtype, device=device).set_(full.untyped_storage(), 0, spec.shape, strides)
-        writer = torch.empty(0, dtype=wire_dtype, device=device).set_(full.untyped_storage(), 0, spec.shape, strides)
-        full.untyped_storage().resize_(0)
+        compute, writer = _grouped_storage(tuple(spec.shape), wire_dtype, device)
         if mine is None:  # zero rows, the other dims kept (as a non-holder's placeholder)
             logical = torch.empty((0, *spec.shape[1:]), dtype=param_dtype, device=device)
         else:

@@ -58,7 +58,7 @@ import torch.nn as nn
 from dmuon.plan.render import fmt_names
 
 from .boundary import eager_hook
-from .buffers import _contiguous_strides, _Segment, _Slot
+from .buffers import _contiguous_strides, _grouped_storage, _Segment, _Slot
 from .runtime import get_model_runtime
 
 __all__ = ["install", "init_params", "rebind_storage"]
@@ -226,13 +226,8 @@ def _rebind_grouped(gm, segments) -> bool:
     device = segments[0].wire.device
     if gm.writer.device == device:
         return False
-    shape = gm.info.shape
-    full = torch.empty(gm.writer.numel(), dtype=gm.writer.dtype, device=device)
-    strides = _contiguous_strides(shape)
-    compute = torch.empty(0, dtype=full.dtype, device=device).set_(full.untyped_storage(), 0, shape, strides)
-    gm.writer = torch.empty(0, dtype=full.dtype, device=device).set_(full.untyped_storage(), 0, shape, strides)
+    compute, gm.writer = _grouped_storage(tuple(gm.info.shape), gm.writer.dtype, device)
     gm.compute = nn.Parameter(compute, requires_grad=gm.compute.requires_grad)
-    full.untyped_storage().resize_(0)
     gm.resident = False
     return True
 
