@@ -171,20 +171,70 @@ def _time_collectives(dist, torch, group, k: int, sizes: Sequence[int], repeats:
     return res
 
 
-def _in_situ(dist, torch, group, k: int, repeats: int) -> dict[str, float]:
-    """FSDP2 per-call and DTensor-gather costs on ``group`` (``k`` ranks; members only call),
-    beyond the bare collectives (module docstring)."""
-    from torch import nn
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+#: The in-situ FSDP2 stacks (:func:`_in_situ`): ``(Linear width, Linears per unit, input rows)``.
+#: The first is per-call cost alone (8 parameters per unit, a transformer block's count, of 64
+#: elements); the second has a real block's bytes (6 x 256 x 256 fp32 = 1.5 MiB per unit) and
+#: little compute; the third the same bytes and 4x the compute. Second minus first: the cost per
+#: unsharded byte; third minus second: the cost per second of compute between the calls.
+FSDP2_STACKS = ((8, 8, 2), (256, 6, 64), (256, 6, 256))
 
-    mesh = DeviceMesh.from_group(group, "cpu")
-    units, per_unit, width = 4, 8, 8
+
+def _fsdp2_stack(dist, torch, group, mesh, k: int, med, reps: int, width: int, per_unit: int,
+                 rows: int) -> dict[str, float]:
+    """One FSDP2 stack of 4 units of ``per_unit`` ``Linear(width, width)`` on ``rows`` inputs:
+    ``call_s`` = the sharded stack's forward + backward minus the plain stack's, per call, less
+    the bare blocking all-gather / reduce-scatter of the unit's payload (the simulator times
+    those from the curves); ``compute_s`` = the plain stack's time; ``calls``; ``unit_nbytes``."""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    units = 4
 
     def stack():
         return nn.Sequential(*[nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(per_unit)])
                                for _ in range(units)])
+
+    plain, sharded = stack(), stack()
+    for unit in sharded:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    inp = torch.ones(rows, width)
+    t_plain = med(lambda: plain(inp).sum().backward(), reps)
+    t_fsdp = med(lambda: sharded(inp).sum().backward(), reps)
+    unit_numel = per_unit * width * width
+    shard = torch.ones(-(-unit_numel // k))
+    full = torch.empty(shard.numel() * k)
+    t_ag = med(lambda: dist.all_gather_into_tensor(full, shard, group=group), reps)
+    t_rs = med(lambda: dist.reduce_scatter_tensor(shard, full, group=group), reps)
+    calls = units * 3  # Z3: all-gather before forward and before backward, reduce-scatter after
+    return dict(call_s=(t_fsdp - t_plain) / calls - (2 * t_ag + t_rs) / 3, compute_s=t_plain, calls=calls,
+                unit_nbytes=4 * full.numel())
+
+
+def fsdp2_terms(small: dict[str, float], mid: dict[str, float], large: dict[str, float]) -> tuple[float, float, float]:
+    """``(fixed s per call, s per unsharded byte, step-compute factor)`` from the three
+    :data:`FSDP2_STACKS` measurements (:func:`_fsdp2_stack`), a call's cost being
+    ``fixed + per_byte · unit_nbytes + (factor - 1) · compute_s / calls``: the factor from the two
+    stacks of equal bytes, then the per-byte cost from the first two with that compute share
+    removed. Each clamped to its physical range (>= 0, factor >= 1)."""
+    extra = (large["call_s"] * large["calls"] - mid["call_s"] * mid["calls"]) / max(large["compute_s"] - mid["compute_s"], 1e-9)
+    extra = max(0.0, extra)
+
+    def fixed_part(m):
+        return m["call_s"] - extra * m["compute_s"] / m["calls"]
+
+    per_byte = max(0.0, (fixed_part(mid) - fixed_part(small)) / (mid["unit_nbytes"] - small["unit_nbytes"]))
+    return max(0.0, fixed_part(small) - per_byte * small["unit_nbytes"]), per_byte, 1.0 + extra
+
+
+def _in_situ(dist, torch, group, k: int, repeats: int) -> dict[str, float]:
+    """FSDP2 per-call (fixed and per unsharded byte: the two :data:`FSDP2_STACKS`) and
+    DTensor-gather costs on ``group`` (``k`` ranks; members only call), beyond the bare
+    collectives, and the communication CPU share (module docstring)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = DeviceMesh.from_group(group, "cpu")
 
     def med(fn, reps):
         fn()
@@ -197,21 +247,10 @@ def _in_situ(dist, torch, group, k: int, repeats: int) -> dict[str, float]:
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
-    plain, sharded = stack(), stack()
-    for unit in sharded:
-        fully_shard(unit, mesh=mesh)
-    fully_shard(sharded, mesh=mesh)
-    inp = torch.ones(2, width)
     reps = max(repeats, 11)
-    t_plain = med(lambda: plain(inp).sum().backward(), reps)
-    t_fsdp = med(lambda: sharded(inp).sum().backward(), reps)
-    unit_numel = per_unit * width * width
-    shard = torch.ones(-(-unit_numel // k))
-    full = torch.empty(shard.numel() * k)
-    t_ag = med(lambda: dist.all_gather_into_tensor(full, shard, group=group), reps)
-    t_rs = med(lambda: dist.reduce_scatter_tensor(shard, full, group=group), reps)
-    calls = units * 3  # Z3: all-gather before forward and before backward, reduce-scatter after
-    fsdp2 = (t_fsdp - t_plain) / calls - (2 * t_ag + t_rs) / 3
+    fsdp2, per_byte, step_factor = fsdp2_terms(*(_fsdp2_stack(dist, torch, group, mesh, k, med, reps, *s)
+                                                 for s in FSDP2_STACKS))
+    width = 8
     dt = distribute_tensor(torch.ones(k * 16, width), mesh, [Shard(0)])
     x = torch.ones(16 * width)
     y = torch.empty(16 * width * k)
@@ -220,9 +259,10 @@ def _in_situ(dist, torch, group, k: int, repeats: int) -> dict[str, float]:
     t_back = med(lambda: rep.redistribute(mesh, [Shard(0)]), reps)
     t_bare = med(lambda: dist.all_gather_into_tensor(y, x, group=group), reps)
     share = _comm_cpu_share(dist, torch, group, k, reps, med)
-    out = torch.tensor([max(0.0, fsdp2), max(0.0, t_full + t_back - t_bare), share], dtype=torch.float64)
+    out = torch.tensor([fsdp2, per_byte, max(0.0, t_full + t_back - t_bare), share, step_factor], dtype=torch.float64)
     dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
-    return dict(fsdp2_call_s=float(out[0]), dtensor_gather_s=float(out[1]), comm_cpu_share=float(out[2]))
+    return dict(fsdp2_call_s=float(out[0]), fsdp2_s_per_byte=float(out[1]), dtensor_gather_s=float(out[2]),
+                comm_cpu_share=float(out[3]), step_compute_factor=float(out[4]))
 
 
 def _comm_cpu_share(dist, torch, group, k: int, reps: int, med) -> float:
@@ -660,6 +700,10 @@ def calibrate(*, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, re
         fsdp2_call_s=raw["fsdp"]["fsdp2_call_s"],
         dtensor_op_s=raw["fsdp"]["dtensor_op_s"],
         fsdp2_call_s_by_group=tuple(sorted((k, v["fsdp2_call_s"]) for k, v in in_situ.items())),
+        fsdp2_s_per_byte_by_group=tuple(sorted((k, v["fsdp2_s_per_byte"]) for k, v in in_situ.items()
+                                               if "fsdp2_s_per_byte" in v)),
+        step_compute_factor_by_group=tuple(sorted((k, v["step_compute_factor"]) for k, v in in_situ.items()
+                                                  if "step_compute_factor" in v)),
         dtensor_gather_s_by_group=tuple(sorted((k, v["dtensor_gather_s"]) for k, v in in_situ.items())),
         cores_per_node=cores,
         busy_compute_factor=raw["busy_node"]["busy_compute_factor"],
@@ -706,10 +750,13 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"memory-bound x{hw.busy_memory_factor:.2f}")
     print(f"  RMSNorm forward + backward {1e9 * hw.norm_train_s_per_numel:.2f} ns / element, "
           f"GELU forward + backward {1e9 * hw.activation_train_s_per_numel:.2f} ns / element")
+    per_byte = dict(hw.fsdp2_s_per_byte_by_group)
+    step_factor = dict(hw.step_compute_factor_by_group)
     for (k, f), (_, g), (_, h) in zip(hw.fsdp2_call_s_by_group, hw.dtensor_gather_s_by_group,
                                       hw.comm_cpu_share_by_group):
-        print(f"  k={k}: FSDP2 call {1e3 * f:.2f} ms, DTensor gather {1e3 * g:.2f} ms (each beyond its collective), "
-              f"comm CPU share {h:.2f}")
+        print(f"  k={k}: FSDP2 call {1e3 * f:.2f} ms + {1e9 * per_byte.get(k, 0.0):.2f} ms / MB unsharded, "
+              f"DTensor gather {1e3 * g:.2f} ms (each beyond its collective), comm CPU share {h:.2f}, "
+              f"step compute x{step_factor.get(k, 1.0):.2f}")
     for c in hw.curves:
         if c.kind in ("broadcast", "all_gather"):
             pts = ", ".join(f"{b / 1024:.0f}K {1e3 * s:.2f}" for b, s in zip(c.nbytes, c.seconds))

@@ -104,8 +104,11 @@ __all__ = [
     "train_norm_s",
     "train_activation_s",
     "fsdp2_call_s_at",
+    "fsdp2_host_s",
     "dtensor_gather_s_at",
     "comm_cpu_share_at",
+    "step_compute_factor_at",
+    "blocking_wait_s_at",
     "group_link",
 ]
 
@@ -191,7 +194,8 @@ def _bisect(xs: Sequence[float], x: float) -> int:
 #: ``(d, fraction of peak)`` curves of :class:`Hardware` (``matmul_efficiency`` first: required)
 _CURVE_FIELDS = ("matmul_efficiency", "autograd_matmul_efficiency", "attention_efficiency", "ns_efficiency")
 #: ``(group size or ranks on the node, value)`` pairs of :class:`Hardware`
-_BY_GROUP_FIELDS = ("fsdp2_call_s_by_group", "dtensor_gather_s_by_group", "comm_cpu_share_by_group")
+_BY_GROUP_FIELDS = ("fsdp2_call_s_by_group", "fsdp2_s_per_byte_by_group", "dtensor_gather_s_by_group",
+                    "comm_cpu_share_by_group", "step_compute_factor_by_group")
 #: memory passes of a norm's / the activation function's forward where the record has no
 #: calibrated per-element cost (:func:`train_norm_s`, :func:`train_activation_s`)
 NORM_PASSES = 6
@@ -235,10 +239,18 @@ class Hardware:
         dtensor_op_s: extra dispatch per optimizer op on a ``DTensor`` parameter.
         dtensor_gather_s: one ``DTensor.full_tensor()`` + ``redistribute`` back, beyond its
             all-gather (FSDP2 + naive Muon).
-        fsdp2_call_s_by_group / dtensor_gather_s_by_group: ``(group size, seconds)`` pairs
-            measured in a real group of that size; sizes not listed use the scalar field.
+        fsdp2_s_per_byte: an FSDP2 call's calling-thread seconds per byte of the unit's unsharded
+            parameters, on top of ``fsdp2_call_s`` (:func:`fsdp2_host_s`); 0 = the copy-in / copy-out
+            as two memory passes at ``elementwise_Bps`` instead.
+        fsdp2_call_s_by_group / fsdp2_s_per_byte_by_group / dtensor_gather_s_by_group: ``(group
+            size, value)`` pairs measured in a real group of that size; sizes not listed use the
+            scalar field.
         comm_cpu_share_by_group: ``(ranks on the node, share)`` pairs measured with that many
             ranks computing and communicating at once; other counts use ``comm_cpu_share``.
+        step_compute_factor_by_group: ``(group size, factor)``: the forward / backward compute of a
+            step whose units synchronise on a group of that size (a blocking collective between
+            every two units) runs ``factor`` times its time alone (:func:`step_compute_factor_at`;
+            absent = 1: GPU presets).
         cores_per_node: cores that run the ranks of a node (GPU presets: one per GPU).
         busy_compute_factor / busy_memory_factor: slowdown of matmul-class / memory-bound compute
             with every core of the node busy against one core alone (:func:`busy_factors`; 1 =
@@ -273,9 +285,12 @@ class Hardware:
     fsdp2_call_s: float = 0.0
     dtensor_op_s: float = 0.0
     dtensor_gather_s: float = 0.0
+    fsdp2_s_per_byte: float = 0.0
     fsdp2_call_s_by_group: tuple[tuple[int, float], ...] = ()
+    fsdp2_s_per_byte_by_group: tuple[tuple[int, float], ...] = ()
     dtensor_gather_s_by_group: tuple[tuple[int, float], ...] = ()
     comm_cpu_share_by_group: tuple[tuple[int, float], ...] = ()
+    step_compute_factor_by_group: tuple[tuple[int, float], ...] = ()
     cores_per_node: int = 1
     busy_compute_factor: float = 1.0
     busy_memory_factor: float = 1.0
@@ -497,13 +512,48 @@ def _by_group(pairs: Sequence[tuple[int, float]], k: int, default: float) -> flo
 
 
 def fsdp2_call_s_at(hw: Hardware, k: int) -> float:
-    """One FSDP2 call's calling-thread cost on a group of ``k`` (measured there, else the scalar)."""
+    """One FSDP2 call's fixed calling-thread cost on a group of ``k`` (measured there, else the scalar)."""
     return _by_group(hw.fsdp2_call_s_by_group, k, hw.fsdp2_call_s)
+
+
+def fsdp2_host_s(hw: Hardware, k: int, unsharded_nbytes: float) -> float:
+    """One FSDP2 all-gather / reduce-scatter call's calling-thread cost on a group of ``k`` for a
+    unit of ``unsharded_nbytes`` parameter bytes, beyond the collective itself:
+    ``fsdp2_call_s_at(k) + s_per_byte(k) · unsharded_nbytes`` where the record has the per-byte
+    figure (calibrated in situ from units of two sizes: the copy-in / copy-out, the unsharded
+    buffers' first touch and FSDP2's per-parameter work together), else the fixed cost plus the
+    copy-in / copy-out as two memory passes (:func:`elementwise_s`)."""
+    per_byte = _by_group(hw.fsdp2_s_per_byte_by_group, k, hw.fsdp2_s_per_byte)
+    if per_byte > 0.0:
+        return fsdp2_call_s_at(hw, k) + per_byte * unsharded_nbytes
+    return fsdp2_call_s_at(hw, k) + elementwise_s(hw, 2 * unsharded_nbytes, 1)
 
 
 def comm_cpu_share_at(hw: Hardware) -> float:
     """``comm_cpu_share`` with ``hw.ranks_per_node`` ranks on a node (measured so, else the scalar)."""
     return _by_group(hw.comm_cpu_share_by_group, hw.ranks_per_node, hw.comm_cpu_share)
+
+
+def blocking_wait_s_at(hw: Hardware, k: int) -> float:
+    """What a rank's blocking wait on one gloo collective of ``k`` members costs inside a step,
+    beyond the collective's own time: the wake-up of the waiting thread and the members' skew.
+    Not measured on its own but taken from FSDP2's in-situ call cost, whose calls are exactly
+    such waits on CPU: ``fsdp2_call_s_at(k)`` less FSDP2's call on one rank (``fsdp2_call_s``,
+    the same Python without a peer). 0 where collectives progress on separate engines (a GPU
+    stream waits, not the thread), for ``k = 1``, and where ``k`` was not measured."""
+    if hw.comm_engine != "threads" or k <= 1 or all(g != k for g, _ in hw.fsdp2_call_s_by_group):
+        return 0.0
+    return max(0.0, fsdp2_call_s_at(hw, k) - hw.fsdp2_call_s)
+
+
+def step_compute_factor_at(hw: Hardware, k: int) -> float:
+    """Slowdown of forward / backward compute in a step that synchronises on groups of ``k``
+    (measured there; 1 for ``k = 1`` and where not measured). On gloo it comes from what a
+    blocking collective between units costs beyond itself in proportion to the compute since the
+    previous one: the members' skew (the slowest member's jitter over that compute) and gloo's
+    threads and wake-ups sharing the cores with it; the in-situ calibration measures it as the
+    extra time per second of compute between FSDP2 calls (``calibrate._in_situ``)."""
+    return _by_group(hw.step_compute_factor_by_group, k, 1.0) if k > 1 else 1.0
 
 
 def dtensor_gather_s_at(hw: Hardware, k: int) -> float:

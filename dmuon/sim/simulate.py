@@ -13,8 +13,8 @@ run there one after another) and one **channel** per kind of collective (dmuon's
 dmuon's reduces, FSDP2's all-gathers, FSDP2's reduce-scatters / all-reduces, TP, all-to-all),
 each running its collectives in order:
 
-* a **collective** costs its members ``issue_s`` (plus FSDP2's ``fsdp2_call_s`` and the copy in /
-  out of its packed or unsharded buffer) on the thread when issued; it starts when every member
+* a **collective** costs its members ``issue_s`` (plus, for FSDP2's, the per-call cost of
+  :func:`~dmuon.sim.hardware.fsdp2_host_s` on the unit's unsharded bytes) on the thread when issued; it starts when every member
   has issued it, every member's channel is free and its dependencies are done on every member,
   and ends for all members together after :func:`~dmuon.sim.hardware.collective_s`. With
   ``comm_engine="separate"`` (GPUs) a rank issues a collective as soon as the compute op before
@@ -27,8 +27,10 @@ each running its collectives in order:
   thread is free and its dependencies are done *on that rank* (a rank waits only for the ops it
   takes part in); time between is that rank's communication wait. Durations come from the
   :class:`~dmuon.sim.workload.Workload` and the hardware (module :mod:`dmuon.sim.hardware`),
-  multiplied by the processor-sharing factor ``hardware.oversubscription`` and, per term, by the
-  busy-node factors (:func:`~dmuon.sim.hardware.busy_factors`).
+  multiplied by the processor-sharing factor ``hardware.oversubscription``, per term by the
+  busy-node factors (:func:`~dmuon.sim.hardware.busy_factors`), and the forward / backward (the
+  compute between the step's blocking collectives) by the step-compute factor of the shard group
+  (:func:`~dmuon.sim.hardware.step_compute_factor_at`; 1 on GPU presets).
 
 Added to every schedule (they are not ops of it): the root's work (embeddings before the first
 forward of a micro-batch, final norm + ``lm_head`` + loss forward and backward before the first
@@ -57,8 +59,8 @@ from ..plan.records import itemsize_nbytes
 from ..plan.step_schedule import Op, Step, StepSchedule
 from . import alternatives as _alt
 from .hardware import (OP_COLLECTIVE, Hardware, busy_factors, collective_s, comm_cpu_share_at, dtensor_gather_s_at,
-                       elementwise_s, fsdp2_call_s_at, matmul_s, ns_call_s, train_activation_s, train_attention_s,
-                       train_elementwise_s, train_matmul_s, train_norm_s)
+                       blocking_wait_s_at, elementwise_s, fsdp2_host_s, matmul_s, ns_call_s, step_compute_factor_at, train_activation_s,
+                       train_attention_s, train_elementwise_s, train_matmul_s, train_norm_s)
 from .workload import Work, Workload
 
 __all__ = ["VARIANTS", "Interval", "PathStep", "RankTime", "MemoryBreakdown", "Simulation", "simulate",
@@ -268,13 +270,15 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
     dmuon = variant in ("z2", "z3")
     over = hw.oversubscription
     busy_m = busy_factors(hw)[1]
+    # forward / backward compute between the step's blocking collectives (shard groups of N)
+    step_f = over * step_compute_factor_at(hw, N)
     work = dict(wl.boundaries)
     isz = itemsize_nbytes(wl.activation_dtype)
-    fwd_s = {f: _work_s(hw, w, 1.0, dtype, isz) * over for f, w in work.items()}
-    bwd_s = {f: _work_s(hw, w, w.backward_factor, dtype, isz) * over for f, w in work.items()}
-    embed_f = _work_s(hw, wl.embed, 1.0, dtype, isz) * over
-    embed_b = _work_s(hw, wl.embed, wl.embed.backward_factor, dtype, isz) * over
-    head = _work_s(hw, wl.head, 1.0 + wl.head.backward_factor, dtype, isz) * over
+    fwd_s = {f: _work_s(hw, w, 1.0, dtype, isz) * step_f for f, w in work.items()}
+    bwd_s = {f: _work_s(hw, w, w.backward_factor, dtype, isz) * step_f for f, w in work.items()}
+    embed_f = _work_s(hw, wl.embed, 1.0, dtype, isz) * step_f
+    embed_b = _work_s(hw, wl.embed, wl.embed.backward_factor, dtype, isz) * step_f
+    head = _work_s(hw, wl.head, 1.0 + wl.head.backward_factor, dtype, isz) * step_f
     hook = 2 * hw.hook_s if dmuon else 0.0
     boundary_nbytes = {b.fqn: sum(buf.numel * itemsize_nbytes(buf.dtype) for buf in b.buffers) for b in plan.boundaries}
     specs = {s.fqn: s for s in plan.params}
@@ -290,6 +294,7 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
             last_bwd[op.micro_batch] = op.id
     grad_colls: list[int] = []
     coll_cache: dict = {}
+    waited: set[tuple] = set()
     for op in ops:
         mb = op.micro_batch
         if op.kind == "forward" and mb not in first_fwd:
@@ -309,9 +314,15 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
                 secs = coll_cache[key] = collective_s(hw, OP_COLLECTIVE[kind], op.group, nbytes)
             host = hw.issue_s
             if kind.startswith("fsdp2_"):
-                host += fsdp2_call_s_at(hw, k) + elementwise_s(hw, 2 * k * nbytes, 1)  # copy-out / copy-in
-            elif kind == "reduce" and op.phase == "reduce" and op.segment is not None:
-                pass  # packing is charged once per boundary below (with its first reduce)
+                host += fsdp2_host_s(hw, k, k * nbytes)  # op.nbytes: one rank's shard of the unit
+            elif dmuon and kind in ("broadcast", "reduce", "all_reduce"):
+                # the runtime blocks once per boundary's broadcasts (before its forward / backward)
+                # and once per step on its reduces (finish_reduces); the reduce packing is charged
+                # with the boundary's backward, below
+                wait_key = (op.phase, op.boundary, mb) if kind != "reduce" else ("reduce", mb)
+                if wait_key not in waited:
+                    waited.add(wait_key)
+                    host += blocking_wait_s_at(hw, k)
             elif kind == "all_to_all":
                 host += elementwise_s(hw, 2 * nbytes, 2)
             elif kind == "all_gather" and variant == "naive":  # DTensor.full_tensor() + redistribute back
