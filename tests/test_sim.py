@@ -207,6 +207,60 @@ def test_in_situ_costs_reach_the_ops(tiny):
         assert not any(op.kind == "wait" for op in gpu)
 
 
+def test_fsdp2_per_byte_step_factor_and_blocking_wait_by_hand():
+    """The in-situ FSDP2 terms: a call costs ``fixed + per_byte * unsharded bytes`` where the
+    record has the per-byte figure (else the copy-in / copy-out as two memory passes); a blocking
+    wait on k ranks costs FSDP2's k-rank call less its 1-rank call on gloo only, for measured k;
+    the step-compute factor is 1 at k = 1 and where not measured."""
+    hw = _cpu(elementwise_Bps=1e9, fsdp2_call_s=4e-4, fsdp2_call_s_by_group=((2, 2e-3), (4, 5e-3)),
+              fsdp2_s_per_byte_by_group=((2, 1e-9),), step_compute_factor_by_group=((2, 1.25),))
+    assert H.fsdp2_host_s(hw, 2, 1e6) == pytest.approx(2e-3 + 1e-3)  # 1 MB at 1 ms / MB
+    assert H.fsdp2_host_s(hw, 4, 1e6) == pytest.approx(5e-3 + 2e6 / 1e9)  # no per-byte figure at k = 4
+    assert (H.blocking_wait_s_at(hw, 2), H.blocking_wait_s_at(hw, 4)) == (pytest.approx(1.6e-3), pytest.approx(4.6e-3))
+    assert H.blocking_wait_s_at(hw, 3) == 0.0 and H.blocking_wait_s_at(hw, 1) == 0.0
+    assert H.blocking_wait_s_at(dataclasses.replace(hw, comm_engine="separate"), 2) == 0.0
+    assert (H.step_compute_factor_at(hw, 1), H.step_compute_factor_at(hw, 2), H.step_compute_factor_at(hw, 4)) == (1.0, 1.25, 1.0)
+    assert H.Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
+    # three stacks by hand: 2 ms fixed, 1 ms / MB, 0.2 s extra per second of compute, 12 calls
+    from dmuon.sim.calibrate import fsdp2_terms
+
+    def stack(nbytes, compute_s):
+        return dict(call_s=2e-3 + 1e-9 * nbytes + 0.2 * compute_s / 12, compute_s=compute_s, calls=12, unit_nbytes=nbytes)
+
+    fixed, per_byte, factor = fsdp2_terms(stack(2048, 0.002), stack(1.5e6, 0.02), stack(1.5e6, 0.08))
+    assert (fixed, per_byte, factor) == (pytest.approx(2e-3), pytest.approx(1e-9), pytest.approx(1.2))
+    # noise below zero clamps to the physical range
+    assert fsdp2_terms(stack(2048, 0.002), stack(1.5e6, 0.08), stack(1.5e6, 0.02))[2] == 1.0
+
+
+def test_step_factor_and_blocking_waits_reach_the_ops(tiny):
+    """The step-compute factor scales exactly the forward / backward (and the root's) compute, not
+    Newton-Schulz or the optimizer; dmuon pays one blocking wait per (phase, boundary) of its
+    broadcasts and one per micro-batch for its reduces, FSDP2 + AdamW none beyond its calls."""
+    from dmuon.sim.simulate import _lower, _variant_ops
+
+    plan, wl = tiny
+    hw = _cpu(ranks_per_node=4, cores_per_node=4)
+    more = dataclasses.replace(hw, fsdp2_call_s=1e-4, fsdp2_call_s_by_group=((4, 1.1e-3),),
+                               step_compute_factor_by_group=((4, 1.5),))
+    for variant in ("z3", "z2", "adamw"):
+        ops, n, *_ = _variant_ops(plan, variant, None, False)
+        a, b = (_lower(ops, plan, h, wl, variant=variant, num_ranks=n) for h in (hw, more))
+        for x, y in zip(a, b):
+            # (dmuon's backwards also pack their gradients: not compute between collectives)
+            if x.kind == "forward" or (x.kind == "backward" and not variant.startswith("z")):
+                assert y.seconds == pytest.approx(1.5 * x.seconds)
+            elif x.kind in ("newton_schulz", "optimizer"):
+                assert y.seconds == x.seconds
+        fsdp = sum(1 for op in a if op.kind.startswith("fsdp2_"))
+        groups = {(op.phase, op.boundary, op.micro_batch) for op in ops if op.kind == "broadcast"}
+        drains = {op.micro_batch for op in ops if op.kind == "reduce"}
+        waits = len(groups) + len(drains) if variant.startswith("z") else 0
+        extra = sum(y.host_s - x.host_s for x, y in zip(a, b))
+        assert extra == pytest.approx(fsdp * 1e-3 + waits * 1e-3)
+        assert (waits > 0) == variant.startswith("z")
+
+
 def test_comm_cpu_share_stretches_the_overlapped_part():
     """gloo's threads share the cores: a 2 s broadcast issued before a 3 s compute op overlaps
     2 s of it, so with share 0.5 the op takes 3 + 0.5 * 2 = 4 s; a compute op after the

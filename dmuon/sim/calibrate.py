@@ -174,15 +174,16 @@ def _time_collectives(dist, torch, group, k: int, sizes: Sequence[int], repeats:
 #: The in-situ FSDP2 stacks (:func:`_in_situ`): ``(Linear width, Linears per unit, input rows)``.
 #: The first is per-call cost alone (8 parameters per unit, a transformer block's count, of 64
 #: elements); the second has a real block's bytes (6 x 256 x 256 fp32 = 1.5 MiB per unit) and
-#: little compute; the third the same bytes and 4x the compute. Second minus first: the cost per
+#: little compute; the third the same bytes and 8x the compute. Second minus first: the cost per
 #: unsharded byte; third minus second: the cost per second of compute between the calls.
-FSDP2_STACKS = ((8, 8, 2), (256, 6, 64), (256, 6, 256))
+FSDP2_STACKS = ((8, 8, 2), (256, 6, 64), (256, 6, 512))
 
 
 def _fsdp2_stack(dist, torch, group, mesh, k: int, med, reps: int, width: int, per_unit: int,
                  rows: int) -> dict[str, float]:
     """One FSDP2 stack of 4 units of ``per_unit`` ``Linear(width, width)`` on ``rows`` inputs:
-    ``call_s`` = the sharded stack's forward + backward minus the plain stack's, per call, less
+    ``call_s`` = the sharded stack's forward + backward minus the plain stack's (the median of
+    interleaved pairs), per call, less
     the bare blocking all-gather / reduce-scatter of the unit's payload (the simulator times
     those from the curves); ``compute_s`` = the plain stack's time; ``calls``; ``unit_nbytes``."""
     from torch import nn
@@ -199,15 +200,28 @@ def _fsdp2_stack(dist, torch, group, mesh, k: int, med, reps: int, width: int, p
         fully_shard(unit, mesh=mesh)
     fully_shard(sharded, mesh=mesh)
     inp = torch.ones(rows, width)
-    t_plain = med(lambda: plain(inp).sum().backward(), reps)
-    t_fsdp = med(lambda: sharded(inp).sum().backward(), reps)
+
+    def timed(model):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        model(inp).sum().backward()
+        return time.perf_counter() - t0
+
+    for model in (plain, sharded, plain, sharded):  # warm-up
+        timed(model)
+    # interleaved pairs: the FSDP2 overhead as the median of per-pair differences, so the
+    # machine's drift over the measurement cancels (the per-second-of-compute figure is a
+    # difference of two such overheads)
+    pairs = [(timed(plain), timed(sharded)) for _ in range(reps)]
+    t_plain = statistics.median(p for p, _ in pairs)
+    overhead = statistics.median(f - p for p, f in pairs)
     unit_numel = per_unit * width * width
     shard = torch.ones(-(-unit_numel // k))
     full = torch.empty(shard.numel() * k)
     t_ag = med(lambda: dist.all_gather_into_tensor(full, shard, group=group), reps)
     t_rs = med(lambda: dist.reduce_scatter_tensor(shard, full, group=group), reps)
     calls = units * 3  # Z3: all-gather before forward and before backward, reduce-scatter after
-    return dict(call_s=(t_fsdp - t_plain) / calls - (2 * t_ag + t_rs) / 3, compute_s=t_plain, calls=calls,
+    return dict(call_s=overhead / calls - (2 * t_ag + t_rs) / 3, compute_s=t_plain, calls=calls,
                 unit_nbytes=4 * full.numel())
 
 
