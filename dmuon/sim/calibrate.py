@@ -16,10 +16,14 @@ Measured on this machine, nothing taken from a training run:
   (``autograd_matmul_efficiency``); and the **autograd operator** cost (a chain of recorded
   elementwise ops, forward + backward, per op).
 * **hook cost**: a module with a forward pre-hook, forward hook and backward hooks vs without.
-* **FSDP2 call / DTensor gather / communication CPU share, in a real group of each size** (one launch of
-  ``k`` processes per group size, the whole world as the group): a stack of FSDP2 units of 8 tiny parameters each (a transformer
-  block's count) forward + backward minus the plain stack's, per call, less the bare blocking
-  collectives of the same payload (the simulator times those from the curves); and a
+* **FSDP2 call / step-compute factor / DTensor gather / communication CPU share, in a real group
+  of each size** (one launch of ``k`` processes per group size, the whole world as the group):
+  stacks of FSDP2 units (:data:`FSDP2_STACKS`) forward + backward minus the plain stack's
+  (interleaved pairs), per call, less the bare blocking collectives of the same payload (the
+  simulator times those from the curves) — on tiny 8-parameter units (a transformer block's
+  count) the per-call cost, and on two stacks of real block size 8x apart in compute the extra
+  per second of compute between blocking calls (the members' skew, gloo's threads and wake-ups:
+  ``step_compute_factor_by_group``, :func:`fsdp2_terms`); and a
   ``DTensor.full_tensor()`` + ``redistribute`` back to ``Shard(0)`` less a bare all-gather; and
   how much of a collective's duration the members' compute loses while it runs on gloo's
   threads (``comm_cpu_share``, :func:`_comm_cpu_share`). On gloo these grow with the group and
@@ -41,8 +45,8 @@ of memory-bound work when every core computes (the benchmark's condition; on thi
 block's kernels ran 10–35 % slower with the other core busy). The simulator applies these on
 top of processor sharing (``ranks_per_node / cores_per_node``).
 
-``--quick`` measures fewer sizes and repeats (a smoke run for tests, seconds). Total: well under
-3 minutes on 2 cores. Progress: a tqdm bar if tqdm is installed, else one line per stage.
+``--quick`` measures fewer sizes and repeats (a smoke run for tests, seconds). Total: under 3
+minutes on 2 cores (150–172 s measured). Progress: a tqdm bar if tqdm is installed, else one line per stage.
 """
 
 from __future__ import annotations
@@ -172,10 +176,11 @@ def _time_collectives(dist, torch, group, k: int, sizes: Sequence[int], repeats:
 
 
 #: The in-situ FSDP2 stacks (:func:`_in_situ`): ``(Linear width, Linears per unit, input rows)``.
-#: The first is per-call cost alone (8 parameters per unit, a transformer block's count, of 64
-#: elements); the second has a real block's bytes (6 x 256 x 256 fp32 = 1.5 MiB per unit) and
-#: little compute; the third the same bytes and 8x the compute. Second minus first: the cost per
-#: unsharded byte; third minus second: the cost per second of compute between the calls.
+#: The first is FSDP2's per-call cost alone (8 parameters per unit, a transformer block's count,
+#: of 64 elements, next to no compute); the other two have a real block's bytes (6 x 256 x 256
+#: fp32 = 1.5 MiB per unit) and 8x apart in compute between the calls: their difference is what
+#: a blocking FSDP2 call costs per second of compute since the previous one (the step-compute
+#: factor; the bytes cancel).
 FSDP2_STACKS = ((8, 8, 2), (256, 6, 64), (256, 6, 512))
 
 
@@ -225,25 +230,20 @@ def _fsdp2_stack(dist, torch, group, mesh, k: int, med, reps: int, width: int, p
                 unit_nbytes=4 * full.numel())
 
 
-def fsdp2_terms(small: dict[str, float], mid: dict[str, float], large: dict[str, float]) -> tuple[float, float, float]:
-    """``(fixed s per call, s per unsharded byte, step-compute factor)`` from the three
-    :data:`FSDP2_STACKS` measurements (:func:`_fsdp2_stack`), a call's cost being
-    ``fixed + per_byte · unit_nbytes + (factor - 1) · compute_s / calls``: the factor from the two
-    stacks of equal bytes, then the per-byte cost from the first two with that compute share
-    removed. Each clamped to its physical range (>= 0, factor >= 1)."""
-    extra = (large["call_s"] * large["calls"] - mid["call_s"] * mid["calls"]) / max(large["compute_s"] - mid["compute_s"], 1e-9)
+def fsdp2_terms(small: dict[str, float], low: dict[str, float], high: dict[str, float]) -> tuple[float, float]:
+    """``(fixed s per call, step-compute factor)`` from the three :data:`FSDP2_STACKS`
+    measurements (:func:`_fsdp2_stack`), a call's cost being ``fixed(bytes) + (factor - 1) ·
+    compute_s / calls``: the factor from the two stacks of equal bytes (``low`` and ``high``
+    compute), the fixed cost from the first stack with its (small) compute share removed. Each
+    clamped to its physical range (``fixed >= 0``, ``factor >= 1``)."""
+    extra = (high["call_s"] * high["calls"] - low["call_s"] * low["calls"]) / max(high["compute_s"] - low["compute_s"], 1e-9)
     extra = max(0.0, extra)
-
-    def fixed_part(m):
-        return m["call_s"] - extra * m["compute_s"] / m["calls"]
-
-    per_byte = max(0.0, (fixed_part(mid) - fixed_part(small)) / (mid["unit_nbytes"] - small["unit_nbytes"]))
-    return max(0.0, fixed_part(small) - per_byte * small["unit_nbytes"]), per_byte, 1.0 + extra
+    return max(0.0, small["call_s"] - extra * small["compute_s"] / small["calls"]), 1.0 + extra
 
 
 def _in_situ(dist, torch, group, k: int, repeats: int) -> dict[str, float]:
-    """FSDP2 per-call (fixed and per unsharded byte: the two :data:`FSDP2_STACKS`) and
-    DTensor-gather costs on ``group`` (``k`` ranks; members only call), beyond the bare
+    """FSDP2's per-call cost and step-compute factor (:data:`FSDP2_STACKS`, :func:`fsdp2_terms`),
+    the DTensor-gather cost on ``group`` (``k`` ranks; members only call), each beyond the bare
     collectives, and the communication CPU share (module docstring)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -262,8 +262,8 @@ def _in_situ(dist, torch, group, k: int, repeats: int) -> dict[str, float]:
         return statistics.median(times)
 
     reps = max(repeats, 11)
-    fsdp2, per_byte, step_factor = fsdp2_terms(*(_fsdp2_stack(dist, torch, group, mesh, k, med, reps, *s)
-                                                 for s in FSDP2_STACKS))
+    fsdp2, step_factor = fsdp2_terms(*(_fsdp2_stack(dist, torch, group, mesh, k, med, reps, *s)
+                                       for s in FSDP2_STACKS))
     width = 8
     dt = distribute_tensor(torch.ones(k * 16, width), mesh, [Shard(0)])
     x = torch.ones(16 * width)
@@ -273,10 +273,10 @@ def _in_situ(dist, torch, group, k: int, repeats: int) -> dict[str, float]:
     t_back = med(lambda: rep.redistribute(mesh, [Shard(0)]), reps)
     t_bare = med(lambda: dist.all_gather_into_tensor(y, x, group=group), reps)
     share = _comm_cpu_share(dist, torch, group, k, reps, med)
-    out = torch.tensor([fsdp2, per_byte, max(0.0, t_full + t_back - t_bare), share, step_factor], dtype=torch.float64)
+    out = torch.tensor([fsdp2, max(0.0, t_full + t_back - t_bare), share, step_factor], dtype=torch.float64)
     dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
-    return dict(fsdp2_call_s=float(out[0]), fsdp2_s_per_byte=float(out[1]), dtensor_gather_s=float(out[2]),
-                comm_cpu_share=float(out[3]), step_compute_factor=float(out[4]))
+    return dict(fsdp2_call_s=float(out[0]), dtensor_gather_s=float(out[1]), comm_cpu_share=float(out[2]),
+                step_compute_factor=float(out[3]))
 
 
 def _comm_cpu_share(dist, torch, group, k: int, reps: int, med) -> float:
@@ -714,8 +714,6 @@ def calibrate(*, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, re
         fsdp2_call_s=raw["fsdp"]["fsdp2_call_s"],
         dtensor_op_s=raw["fsdp"]["dtensor_op_s"],
         fsdp2_call_s_by_group=tuple(sorted((k, v["fsdp2_call_s"]) for k, v in in_situ.items())),
-        fsdp2_s_per_byte_by_group=tuple(sorted((k, v["fsdp2_s_per_byte"]) for k, v in in_situ.items()
-                                               if "fsdp2_s_per_byte" in v)),
         step_compute_factor_by_group=tuple(sorted((k, v["step_compute_factor"]) for k, v in in_situ.items()
                                                   if "step_compute_factor" in v)),
         dtensor_gather_s_by_group=tuple(sorted((k, v["dtensor_gather_s"]) for k, v in in_situ.items())),
@@ -764,12 +762,10 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"memory-bound x{hw.busy_memory_factor:.2f}")
     print(f"  RMSNorm forward + backward {1e9 * hw.norm_train_s_per_numel:.2f} ns / element, "
           f"GELU forward + backward {1e9 * hw.activation_train_s_per_numel:.2f} ns / element")
-    per_byte = dict(hw.fsdp2_s_per_byte_by_group)
     step_factor = dict(hw.step_compute_factor_by_group)
     for (k, f), (_, g), (_, h) in zip(hw.fsdp2_call_s_by_group, hw.dtensor_gather_s_by_group,
                                       hw.comm_cpu_share_by_group):
-        print(f"  k={k}: FSDP2 call {1e3 * f:.2f} ms + {1e9 * per_byte.get(k, 0.0):.2f} ms / MB unsharded, "
-              f"DTensor gather {1e3 * g:.2f} ms (each beyond its collective), comm CPU share {h:.2f}, "
+        print(f"  k={k}: FSDP2 call {1e3 * f:.2f} ms, DTensor gather {1e3 * g:.2f} ms (each beyond its collective), comm CPU share {h:.2f}, "
               f"step compute x{step_factor.get(k, 1.0):.2f}")
     for c in hw.curves:
         if c.kind in ("broadcast", "all_gather"):

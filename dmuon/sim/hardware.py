@@ -104,7 +104,6 @@ __all__ = [
     "train_norm_s",
     "train_activation_s",
     "fsdp2_call_s_at",
-    "fsdp2_host_s",
     "dtensor_gather_s_at",
     "comm_cpu_share_at",
     "step_compute_factor_at",
@@ -194,8 +193,8 @@ def _bisect(xs: Sequence[float], x: float) -> int:
 #: ``(d, fraction of peak)`` curves of :class:`Hardware` (``matmul_efficiency`` first: required)
 _CURVE_FIELDS = ("matmul_efficiency", "autograd_matmul_efficiency", "attention_efficiency", "ns_efficiency")
 #: ``(group size or ranks on the node, value)`` pairs of :class:`Hardware`
-_BY_GROUP_FIELDS = ("fsdp2_call_s_by_group", "fsdp2_s_per_byte_by_group", "dtensor_gather_s_by_group",
-                    "comm_cpu_share_by_group", "step_compute_factor_by_group")
+_BY_GROUP_FIELDS = ("fsdp2_call_s_by_group", "dtensor_gather_s_by_group", "comm_cpu_share_by_group",
+                    "step_compute_factor_by_group")
 #: memory passes of a norm's / the activation function's forward where the record has no
 #: calibrated per-element cost (:func:`train_norm_s`, :func:`train_activation_s`)
 NORM_PASSES = 6
@@ -239,12 +238,8 @@ class Hardware:
         dtensor_op_s: extra dispatch per optimizer op on a ``DTensor`` parameter.
         dtensor_gather_s: one ``DTensor.full_tensor()`` + ``redistribute`` back, beyond its
             all-gather (FSDP2 + naive Muon).
-        fsdp2_s_per_byte: an FSDP2 call's calling-thread seconds per byte of the unit's unsharded
-            parameters, on top of ``fsdp2_call_s`` (:func:`fsdp2_host_s`); 0 = the copy-in / copy-out
-            as two memory passes at ``elementwise_Bps`` instead.
-        fsdp2_call_s_by_group / fsdp2_s_per_byte_by_group / dtensor_gather_s_by_group: ``(group
-            size, value)`` pairs measured in a real group of that size; sizes not listed use the
-            scalar field.
+        fsdp2_call_s_by_group / dtensor_gather_s_by_group: ``(group size, seconds)`` pairs
+            measured in a real group of that size; sizes not listed use the scalar field.
         comm_cpu_share_by_group: ``(ranks on the node, share)`` pairs measured with that many
             ranks computing and communicating at once; other counts use ``comm_cpu_share``.
         step_compute_factor_by_group: ``(group size, factor)``: the forward / backward compute of a
@@ -285,9 +280,7 @@ class Hardware:
     fsdp2_call_s: float = 0.0
     dtensor_op_s: float = 0.0
     dtensor_gather_s: float = 0.0
-    fsdp2_s_per_byte: float = 0.0
     fsdp2_call_s_by_group: tuple[tuple[int, float], ...] = ()
-    fsdp2_s_per_byte_by_group: tuple[tuple[int, float], ...] = ()
     dtensor_gather_s_by_group: tuple[tuple[int, float], ...] = ()
     comm_cpu_share_by_group: tuple[tuple[int, float], ...] = ()
     step_compute_factor_by_group: tuple[tuple[int, float], ...] = ()
@@ -512,21 +505,8 @@ def _by_group(pairs: Sequence[tuple[int, float]], k: int, default: float) -> flo
 
 
 def fsdp2_call_s_at(hw: Hardware, k: int) -> float:
-    """One FSDP2 call's fixed calling-thread cost on a group of ``k`` (measured there, else the scalar)."""
+    """One FSDP2 call's calling-thread cost on a group of ``k`` (measured there, else the scalar)."""
     return _by_group(hw.fsdp2_call_s_by_group, k, hw.fsdp2_call_s)
-
-
-def fsdp2_host_s(hw: Hardware, k: int, unsharded_nbytes: float) -> float:
-    """One FSDP2 all-gather / reduce-scatter call's calling-thread cost on a group of ``k`` for a
-    unit of ``unsharded_nbytes`` parameter bytes, beyond the collective itself:
-    ``fsdp2_call_s_at(k) + s_per_byte(k) · unsharded_nbytes`` where the record has the per-byte
-    figure (calibrated in situ from units of two sizes: the copy-in / copy-out, the unsharded
-    buffers' first touch and FSDP2's per-parameter work together), else the fixed cost plus the
-    copy-in / copy-out as two memory passes (:func:`elementwise_s`)."""
-    per_byte = _by_group(hw.fsdp2_s_per_byte_by_group, k, hw.fsdp2_s_per_byte)
-    if per_byte > 0.0:
-        return fsdp2_call_s_at(hw, k) + per_byte * unsharded_nbytes
-    return fsdp2_call_s_at(hw, k) + elementwise_s(hw, 2 * unsharded_nbytes, 1)
 
 
 def comm_cpu_share_at(hw: Hardware) -> float:

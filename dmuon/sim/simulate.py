@@ -13,8 +13,10 @@ run there one after another) and one **channel** per kind of collective (dmuon's
 dmuon's reduces, FSDP2's all-gathers, FSDP2's reduce-scatters / all-reduces, TP, all-to-all),
 each running its collectives in order:
 
-* a **collective** costs its members ``issue_s`` (plus, for FSDP2's, the per-call cost of
-  :func:`~dmuon.sim.hardware.fsdp2_host_s` on the unit's unsharded bytes) on the thread when issued; it starts when every member
+* a **collective** costs its members ``issue_s`` on the thread when issued (plus, for FSDP2's,
+  ``fsdp2_call_s`` and the copy in / out of its unsharded buffer; for dmuon's on gloo, one
+  blocking wait per boundary's broadcasts and per micro-batch's reduces,
+  :func:`~dmuon.sim.hardware.blocking_wait_s_at`); it starts when every member
   has issued it, every member's channel is free and its dependencies are done on every member,
   and ends for all members together after :func:`~dmuon.sim.hardware.collective_s`. With
   ``comm_engine="separate"`` (GPUs) a rank issues a collective as soon as the compute op before
@@ -59,7 +61,7 @@ from ..plan.records import itemsize_nbytes
 from ..plan.step_schedule import Op, Step, StepSchedule
 from . import alternatives as _alt
 from .hardware import (OP_COLLECTIVE, Hardware, busy_factors, collective_s, comm_cpu_share_at, dtensor_gather_s_at,
-                       blocking_wait_s_at, elementwise_s, fsdp2_host_s, matmul_s, ns_call_s, step_compute_factor_at, train_activation_s,
+                       blocking_wait_s_at, elementwise_s, fsdp2_call_s_at, matmul_s, ns_call_s, step_compute_factor_at, train_activation_s,
                        train_attention_s, train_elementwise_s, train_matmul_s, train_norm_s)
 from .workload import Work, Workload
 
@@ -314,7 +316,7 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
                 secs = coll_cache[key] = collective_s(hw, OP_COLLECTIVE[kind], op.group, nbytes)
             host = hw.issue_s
             if kind.startswith("fsdp2_"):
-                host += fsdp2_host_s(hw, k, k * nbytes)  # op.nbytes: one rank's shard of the unit
+                host += fsdp2_call_s_at(hw, k) + elementwise_s(hw, 2 * k * nbytes, 1)  # copy-out / copy-in
             elif dmuon and kind in ("broadcast", "reduce", "all_reduce"):
                 # the runtime blocks once per boundary's broadcasts (before its forward / backward)
                 # and once per step on its reduces (finish_reduces); the reduce packing is charged
