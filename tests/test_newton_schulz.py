@@ -416,12 +416,20 @@ def test_zero_input_maps_to_zeros_every_backend(shape, dtype, coefficients):
         assert torch.isfinite(y).all() and not y.any(), name
 
 
-def test_gram_input_not_mutated_and_tall_result_is_transposed_view():
+def test_gram_input_not_mutated_and_tall_result_contiguous():
+    """A tall input's iterates live in its own layout (products computed as their transposes):
+    the result is contiguous, the input untouched, and equal in float64 to the wide input's
+    result transposed."""
     x = _randn(36, 16, seed=22).bfloat16()
     before = x.clone()
     y = gram_newton_schulz(x)
     assert torch.equal(x, before)
-    assert y.shape == (36, 16) and y.dtype == torch.bfloat16
+    assert y.shape == (36, 16) and y.dtype == torch.bfloat16 and y.is_contiguous()
+    x64 = _randn(3, 40, 12, seed=23, dtype=torch.float64)
+    tall = gram_newton_schulz(x64, dtype=torch.float64)
+    assert tall.is_contiguous()
+    wide = gram_newton_schulz(x64.mT.contiguous(), dtype=torch.float64)
+    assert (tall - wide.mT).abs().max().item() <= 1e-12
 
 
 def test_gram_ns_from_gram_is_the_tensor_parallel_split():

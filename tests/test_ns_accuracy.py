@@ -371,16 +371,19 @@ def test_gram_without_restarts_blows_up_in_bf16_and_the_fallback_catches_it(coef
     _, max_gain = ns.schedule_gain_bounds(ns.coefficient_schedule(coefficients, 5))
     assert torch.linalg.matrix_norm(raw.double(), ord=2) > 5 * max_gain  # the instability
 
-    batch = torch.stack([good, bad])
-    calls, fell_back = spy_ns(monkeypatch), []
-    with pytest.warns(RuntimeWarning, match="recomputed with the standard"):
-        out = ns.gram_newton_schulz(batch, on_fallback=fell_back.append, **kw)
-    assert [i.tolist() for i in fell_back] == [[1]]  # one matrix fell back: the bad one
-    assert calls.matrices == 2 and calls.calls == ["gram_newton_schulz"]  # the redo is not counted twice
-    expected = ns.newton_schulz(bad, coefficients=coefficients, dtype=torch.bfloat16)
-    torch.testing.assert_close(out[1].float(), expected.float(), rtol=0, atol=4e-2)  # bmm vs mm
-    assert torch.equal(out[0], ns.gram_newton_schulz(batch, fallback=False, **kw)[0])
-    assert torch.isfinite(out).all()
+    for tall in (False, True):  # a tall batch: the iterates in its own layout, the redo written back into it
+        batch = torch.stack([good, bad])
+        if tall:
+            batch = batch.mT.contiguous()
+        calls, fell_back = spy_ns(monkeypatch), []
+        with pytest.warns(RuntimeWarning, match="recomputed with the standard"):
+            out = ns.gram_newton_schulz(batch, on_fallback=fell_back.append, **kw)
+        assert [i.tolist() for i in fell_back] == [[1]]  # one matrix fell back: the bad one
+        assert calls.matrices == 2 and calls.calls == ["gram_newton_schulz"]  # the redo is not counted twice
+        expected = ns.newton_schulz(batch[1], coefficients=coefficients, dtype=torch.bfloat16)
+        torch.testing.assert_close(out[1].float(), expected.float(), rtol=0, atol=4e-2)  # bmm vs mm
+        assert torch.equal(out[0], ns.gram_newton_schulz(batch, fallback=False, **kw)[0])
+        assert torch.isfinite(out).all() and out.is_contiguous()
 
 
 def test_fallback_catches_non_finite_input():
