@@ -60,9 +60,9 @@ from ..plan import cost as _cost
 from ..plan.records import itemsize_nbytes
 from ..plan.step_schedule import Op, Step, StepSchedule
 from . import alternatives as _alt
-from .hardware import (OP_COLLECTIVE, Hardware, busy_factors, collective_s, comm_cpu_share_at, dtensor_gather_s_at,
-                       blocking_wait_s_at, elementwise_s, fsdp2_call_s_at, matmul_s, ns_call_s, step_compute_factor_at, train_activation_s,
-                       train_attention_s, train_elementwise_s, train_matmul_s, train_norm_s)
+from .hardware import (OP_COLLECTIVE, Hardware, blocking_wait_s_at, busy_factors, collective_s, comm_cpu_share_at,
+                       dtensor_gather_s_at, elementwise_s, fsdp2_call_s_at, matmul_s, ns_call_s, step_compute_factor_at,
+                       train_activation_s, train_attention_s, train_elementwise_s, train_matmul_s, train_norm_s)
 from .workload import Work, Workload
 
 __all__ = ["VARIANTS", "Interval", "PathStep", "RankTime", "MemoryBreakdown", "Simulation", "simulate",
