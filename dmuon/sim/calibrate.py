@@ -188,9 +188,9 @@ def _fsdp2_stack(dist, torch, group, mesh, k: int, med, reps: int, width: int, p
                  rows: int) -> dict[str, float]:
     """One FSDP2 stack of 4 units of ``per_unit`` ``Linear(width, width)`` on ``rows`` inputs:
     ``call_s`` = the sharded stack's forward + backward minus the plain stack's (the median of
-    interleaved pairs), per call, less
-    the bare blocking all-gather / reduce-scatter of the unit's payload (the simulator times
-    those from the curves); ``compute_s`` = the plain stack's time; ``calls``; ``unit_nbytes``."""
+    interleaved pairs), per call, less the bare blocking all-gather / reduce-scatter of the unit's
+    payload (the simulator times those from the curves); ``compute_s`` = the plain stack's time;
+    ``calls``."""
     from torch import nn
     from torch.distributed.fsdp import fully_shard
 
@@ -226,16 +226,16 @@ def _fsdp2_stack(dist, torch, group, mesh, k: int, med, reps: int, width: int, p
     t_ag = med(lambda: dist.all_gather_into_tensor(full, shard, group=group), reps)
     t_rs = med(lambda: dist.reduce_scatter_tensor(shard, full, group=group), reps)
     calls = units * 3  # Z3: all-gather before forward and before backward, reduce-scatter after
-    return dict(call_s=overhead / calls - (2 * t_ag + t_rs) / 3, compute_s=t_plain, calls=calls,
-                unit_nbytes=4 * full.numel())
+    return dict(call_s=overhead / calls - (2 * t_ag + t_rs) / 3, compute_s=t_plain, calls=calls)
 
 
 def fsdp2_terms(small: dict[str, float], low: dict[str, float], high: dict[str, float]) -> tuple[float, float]:
     """``(fixed s per call, step-compute factor)`` from the three :data:`FSDP2_STACKS`
-    measurements (:func:`_fsdp2_stack`), a call's cost being ``fixed(bytes) + (factor - 1) ·
-    compute_s / calls``: the factor from the two stacks of equal bytes (``low`` and ``high``
-    compute), the fixed cost from the first stack with its (small) compute share removed. Each
-    clamped to its physical range (``fixed >= 0``, ``factor >= 1``)."""
+    measurements (:func:`_fsdp2_stack`), a call's cost being ``fixed + (factor - 1) · compute_s /
+    calls`` with ``fixed`` the stack's cost without compute (it grows with the unit's bytes, which
+    the two block-sized stacks share): the factor from those two (``low`` and ``high`` compute),
+    the fixed cost from the tiny-unit stack with its (small) compute share removed. Each clamped to
+    its physical range (``fixed >= 0``, ``factor >= 1``)."""
     extra = (high["call_s"] * high["calls"] - low["call_s"] * low["calls"]) / max(high["compute_s"] - low["compute_s"], 1e-9)
     extra = max(0.0, extra)
     return max(0.0, small["call_s"] - extra * small["compute_s"] / small["calls"]), 1.0 + extra
