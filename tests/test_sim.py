@@ -577,10 +577,11 @@ def test_calibrate_assembles_the_record(monkeypatch):
     one's median over the repeats (by hand), the new kernel curves present with ``d`` rising."""
     from dmuon.sim import calibrate as K
 
-    runs = [dict(fsdp2_call_s=3e-3, dtensor_gather_s=1e-3, comm_cpu_share=0.9),
-            dict(fsdp2_call_s=1e-3, dtensor_gather_s=4e-3, comm_cpu_share=0.2),
-            dict(fsdp2_call_s=2e-3, dtensor_gather_s=2e-3, comm_cpu_share=0.5)]
-    assert K._median_of_runs(runs) == dict(fsdp2_call_s=2e-3, dtensor_gather_s=2e-3, comm_cpu_share=0.5)
+    runs = [dict(fsdp2_call_s=3e-3, dtensor_gather_s=1e-3, comm_cpu_share=0.9, step_compute_factor=1.1),
+            dict(fsdp2_call_s=1e-3, dtensor_gather_s=4e-3, comm_cpu_share=0.2, step_compute_factor=1.3),
+            dict(fsdp2_call_s=2e-3, dtensor_gather_s=2e-3, comm_cpu_share=0.5, step_compute_factor=1.2)]
+    assert K._median_of_runs(runs) == dict(fsdp2_call_s=2e-3, dtensor_gather_s=2e-3, comm_cpu_share=0.5,
+                                           step_compute_factor=1.2)
 
     def fake_launch(fn, world, args, timeout=300.0):
         path, sizes, _, fsdp_solo, _ = args
@@ -598,6 +599,7 @@ def test_calibrate_assembles_the_record(monkeypatch):
     assert hw.fsdp2_call_s_by_group == ((2, 4e-3), (3, 6e-3))
     assert hw.comm_cpu_share_by_group == ((2, 1.0), (3, 1.5))
     assert hw.dtensor_gather_s_by_group == ((2, 4e-3), (3, 6e-3))
+    assert hw.step_compute_factor_by_group == (pytest.approx((2, 2.4)), pytest.approx((3, 3.6)))
     assert H.collective_s(hw, "broadcast", (0, 1), 4096) == pytest.approx(2e-5 + 4096e-9)
     for curve in (hw.attention_efficiency, hw.ns_efficiency, hw.autograd_matmul_efficiency):
         assert len(curve) >= 2 and all(b[0] > a[0] for a, b in zip(curve, curve[1:])) and all(e > 0 for _, e in curve)

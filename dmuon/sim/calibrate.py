@@ -676,6 +676,10 @@ def calibrate(*, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, re
     peaks = []
     eff: list[tuple[float, float]] = []
     in_situ = {int(k): res["in_situ"] for k, res in raw["collectives"].items() if "in_situ" in res}
+
+    def by_group(figure: str) -> tuple[tuple[int, float], ...]:  # an in-situ figure per group size
+        return tuple(sorted((k, v[figure]) for k, v in in_situ.items()))
+
     for dtype, pts in raw["matmul"].items():
         if not pts or dtype == "autograd":
             continue
@@ -710,13 +714,12 @@ def calibrate(*, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, re
         autograd_op_s=ov["autograd_op_s"],
         elementwise_Bps=ov["elementwise_Bps"],
         hook_s=ov["hook_s"],
-        comm_cpu_share_by_group=tuple(sorted((k, v["comm_cpu_share"]) for k, v in in_situ.items())),
+        comm_cpu_share_by_group=by_group("comm_cpu_share"),
         fsdp2_call_s=raw["fsdp"]["fsdp2_call_s"],
         dtensor_op_s=raw["fsdp"]["dtensor_op_s"],
-        fsdp2_call_s_by_group=tuple(sorted((k, v["fsdp2_call_s"]) for k, v in in_situ.items())),
-        step_compute_factor_by_group=tuple(sorted((k, v["step_compute_factor"]) for k, v in in_situ.items()
-                                                  if "step_compute_factor" in v)),
-        dtensor_gather_s_by_group=tuple(sorted((k, v["dtensor_gather_s"]) for k, v in in_situ.items())),
+        fsdp2_call_s_by_group=by_group("fsdp2_call_s"),
+        step_compute_factor_by_group=by_group("step_compute_factor"),
+        dtensor_gather_s_by_group=by_group("dtensor_gather_s"),
         cores_per_node=cores,
         busy_compute_factor=raw["busy_node"]["busy_compute_factor"],
         busy_memory_factor=raw["busy_node"]["busy_memory_factor"],

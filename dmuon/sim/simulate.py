@@ -319,7 +319,7 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
                 host += fsdp2_call_s_at(hw, k) + elementwise_s(hw, 2 * k * nbytes, 1)  # copy-out / copy-in
             elif dmuon and kind in ("broadcast", "reduce", "all_reduce"):
                 # the runtime blocks once per boundary's broadcasts (before its forward / backward)
-                # and once per step on its reduces (finish_reduces); the reduce packing is charged
+                # and once per micro-batch on its reduces (finish_reduces); the reduce packing is charged
                 # with the boundary's backward, below
                 wait_key = (op.phase, op.boundary, mb) if kind != "reduce" else ("reduce", mb)
                 if wait_key not in waited:
