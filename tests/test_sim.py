@@ -182,6 +182,77 @@ def test_newton_schulz_on_its_calibrated_curve_by_hand():
     assert H.Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
 
 
+def test_ns_batch_factor_by_hand():
+    """Per matrix, a batched NS call of ``B`` costs ``factor(d, B)``: 1 at ``B = 1`` and without a
+    table; linear in ``log B`` from (1, 1) through the measured batches, held beyond the largest;
+    linear in ``log d`` between the measured ``d``, held outside; priced into one matrix's NS."""
+    from dmuon.sim.simulate import _ns_s
+
+    hw = _cpu(ns_dtype="torch.float32", ns_efficiency=((64.0, 0.5), (512.0, 0.5)),
+              ns_batch_factor=((128.0, 4.0, 0.8), (128.0, 16.0, 0.9), (512.0, 4.0, 1.2)))
+    f = H.ns_batch_factor_at
+    assert f(hw, 128.0, 1) == 1.0 and f(_cpu(), 128.0, 8) == 1.0
+    assert f(hw, 128.0, 2) == pytest.approx(0.9)  # halfway from (1, 1.0) to (4, 0.8) in log B
+    assert f(hw, 128.0, 8) == pytest.approx(0.85) and f(hw, 128.0, 64) == pytest.approx(0.9)
+    assert f(hw, 64.0, 4) == pytest.approx(0.8) and f(hw, 1024.0, 64) == pytest.approx(1.2)
+    assert f(hw, 256.0, 4) == pytest.approx(1.0)  # halfway between d = 128 and 512 in log d
+    spec = SimpleNamespace(matrix_shape=(128, 128), dtype="torch.float32", local_numel=128 * 128)
+    wl = SimpleNamespace(muon_ops_per_matrix=8, ns_ops_per_step=5)
+    flops = C.ns_flops(128, 128)
+    update = _ns_s(hw, wl, spec, 0)
+    assert _ns_s(hw, wl, spec, flops, 0.8) - update == pytest.approx(0.8 * flops / (1e9 * 0.5))
+    assert H.Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
+    with pytest.raises(ValueError, match="ns_batch_factor"):
+        _cpu(ns_batch_factor=((128.0, 16.0, 0.9), (128.0, 4.0, 0.8)))
+
+
+def test_ns_batch_runs_by_hand():
+    """The batched-NS rule ``dmuon.Muon`` runs and the simulator prices: consecutive entries up to
+    ``NS_BATCH_MAX_NUMEL`` elements per call, an entry larger than that alone."""
+    big = C.NS_BATCH_MAX_NUMEL
+    assert C.ns_batch_runs([]) == []
+    assert C.ns_batch_runs([big // 2, big // 2, 1, big + 1, 3]) == [[0, 1], [2], [3], [4]]
+    assert C.ns_bucket_sides(1024, 256) == C.ns_bucket_sides(256, 1024) == (256, 1024)
+
+
+def test_ns_batches_reach_the_ops():
+    """dmuon prices each matrix's NS by the batch its owner runs it in (same-side matrices of one
+    owner, tall and wide together), the naive baseline by the batch of every such matrix (every
+    rank runs all of them), dion's all-to-all and bf16 NS unbatched."""
+    from dmuon.sim.simulate import _lower, _ns_batch_factors, _ns_s, _variant_ops
+    from dmuon.train.model import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=256, d_model=128, n_layers=2, n_heads=4, d_mlp=512, seq_len=64)
+    plan = P.compile(GPT(cfg, device="meta"), 2, cost_model="ns_flops")
+    table = tuple((d, b, 1.0 + d / 1000 + b / 100) for d in (128.0, 203.18733465192946) for b in (2.0, 4.0, 8.0))
+    hw = _cpu(ns_dtype="torch.float32", ns_efficiency=((64.0, 0.5),), ns_batch_factor=table)
+    for variant in ("z3", "naive"):
+        ops, *_ = _variant_ops(plan, variant, None, False)
+        got = _ns_batch_factors(ops, plan, hw, variant)
+        ns = [op for op in ops if op.kind == "newton_schulz"]
+        assert set(got) == {op.id for op in ns}
+        for op in ns:
+            spec = plan.param(op.fqns[0])
+            sides = C.ns_bucket_sides(*spec.matrix_shape)
+            batch = sum(1 for o in ns if o.group == op.group
+                        and C.ns_bucket_sides(*plan.param(o.fqns[0]).matrix_shape) == sides)
+            d = (sides[0] ** 2 * sides[1]) ** (1 / 3)
+            assert got[op.id] == pytest.approx(H.ns_batch_factor_at(hw, d, batch))
+        if variant == "z3":  # the owners' batches hold every matrix once, some more than one
+            calls = {(op.group, C.ns_bucket_sides(*plan.param(op.fqns[0]).matrix_shape)) for op in ns}
+            assert len(ns) == 12 and len(calls) < len(ns)
+            wl = S.from_plan(plan, tokens_per_rank=256, seq_len=64)
+            lowered = [x for x in _lower(ops, plan, hw, wl, variant=variant, num_ranks=2) if x.kind == "newton_schulz"]
+            assert [x.seconds for x in lowered] == pytest.approx(
+                [_ns_s(hw, wl, plan.param(op.fqns[0]), op.flops, got[op.id]) * hw.oversubscription for op in ns])
+        if variant == "naive":  # 2 layers: 8 square matrices, 4 MLP matrices, all on every rank
+            assert sorted({round(v, 6) for v in got.values()}) == pytest.approx(
+                sorted([H.ns_batch_factor_at(hw, 128.0, 8), H.ns_batch_factor_at(hw, (128 * 128 * 512) ** (1 / 3), 4)]))
+    for variant, h in (("all_to_all", hw), ("z3", dataclasses.replace(hw, ns_dtype="torch.bfloat16"))):
+        ops, *_ = _variant_ops(plan, variant, None, False)
+        assert _ns_batch_factors(ops, plan, h, variant) == {}
+
+
 def test_in_situ_costs_reach_the_ops(tiny):
     """FSDP2 calls pay ``fsdp2_call_s_at(k)`` on the thread and the naive baseline's all-gathers
     ``dtensor_gather_s_at(k)``: each extra second per call moves the replay by calls x seconds
@@ -605,6 +676,8 @@ def test_calibrate_assembles_the_record(monkeypatch):
         assert len(curve) >= 2 and all(b[0] > a[0] for a, b in zip(curve, curve[1:])) and all(e > 0 for _, e in curve)
     assert hw.norm_train_s_per_numel > 0 and hw.activation_train_s_per_numel > 0
     assert len(raw["newton_schulz"]) == len(K.QUICK_NS_SHAPES)
+    assert hw.ns_batch_factor == tuple((d, float(b), f) for d, b, f in raw["ns_batch_factor"])
+    assert [(round(d), b) for d, b, _ in hw.ns_batch_factor] == [(128, 4)] and hw.ns_batch_factor[0][2] > 0
     assert H.Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
 
 

@@ -38,12 +38,9 @@ from .runtime import after_step, wait_pending
 __all__ = ["Muon", "adjust_lr"]
 
 _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
-# dtypes for which the optimizer batches Newton-Schulz over same-shape matrices. The bf16 /
-# fp16 paths stay per-matrix so that they reproduce torch.optim.Muon bit for bit.
-_BATCHED_NS_DTYPES = (torch.float32, torch.float64)
-# Upper bound on the elements of one batched NS call (several temporaries of this size
-# live at once); a single larger unit still runs, alone.
-_NS_BATCH_MAX_NUMEL = 1 << 26
+# dtypes for which the optimizer batches Newton-Schulz over same-shape matrices (the rule and the
+# per-call element bound live in dmuon.plan.cost, which the simulator prices by)
+_BATCHED_NS_DTYPES = tuple(getattr(torch, name.split(".")[1]) for name in _cost.NS_BATCHED_DTYPES)
 
 
 def adjust_lr(lr: float, adjust_lr_fn: Optional[str], matrix_shape: Sequence[int]) -> float:
@@ -1018,7 +1015,7 @@ def _view_blocks(p: Tensor, update: Tensor, view, *, lo: int, length: int) -> li
 def _bucket_key(update: Tensor, m: int, n: int) -> tuple:
     """Batched NS bucket: tall and wide matrices of the same (min, max) side share one (NS of a
     tall G is the transpose of NS of the wide Gᵀ; newton_schulz itself transposes)."""
-    return (min(m, n), max(m, n), update.dtype, update.device)
+    return (*_cost.ns_bucket_sides(m, n), update.dtype, update.device)
 
 
 def _orthogonalize_bucket(chunk: list, orthogonalize, ns_kw: dict) -> list[Tensor]:
@@ -1043,15 +1040,6 @@ def _apply_update(p: Tensor, ortho: Tensor, lr: float, weight_decay: float, scal
 
 
 def _chunks(entries: list, matrix_numel: int) -> Iterable[list]:
-    """Split bucket entries ``(p, update, k, m, n)`` into runs of <= _NS_BATCH_MAX_NUMEL elements."""
-    chunk: list = []
-    numel = 0
-    for entry in entries:
-        size = entry[2] * matrix_numel
-        if chunk and numel + size > _NS_BATCH_MAX_NUMEL:
-            yield chunk
-            chunk, numel = [], 0
-        chunk.append(entry)
-        numel += size
-    if chunk:
-        yield chunk
+    """Bucket entries ``(p, update, k, m, n)`` as batched NS calls (:func:`dmuon.plan.cost.ns_batch_runs`)."""
+    for run in _cost.ns_batch_runs([entry[2] * matrix_numel for entry in entries]):
+        yield [entries[i] for i in run]

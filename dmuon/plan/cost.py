@@ -72,6 +72,10 @@ __all__ = [
     "choose_ns_backend",
     "matrix_ns_flops",
     "spec_ns_flops",
+    "NS_BATCHED_DTYPES",
+    "NS_BATCH_MAX_NUMEL",
+    "ns_bucket_sides",
+    "ns_batch_runs",
     "param_weight",
     "broadcast_nbytes",
     "reduce_nbytes",
@@ -116,6 +120,12 @@ NS_BACKEND_MODES = ("standard", "gram", "auto")
 #: Gram restart period of ``dmuon.exec.newton_schulz.gram_newton_schulz`` (and so of
 #: ``dmuon.Muon(ns_backend="gram" | "auto")``): restart before every 2nd step (0-based 2, 4, ...)
 GRAM_RESTART_EVERY = 2
+#: NS dtypes for which ``dmuon.Muon`` batches Newton-Schulz over same-shape matrices (fp32 /
+#: fp64; bf16 / fp16 stay one call per matrix, bit for bit torch.optim.Muon's)
+NS_BATCHED_DTYPES = ("torch.float32", "torch.float64")
+#: upper bound on the elements of one batched NS call (several temporaries of this size live at
+#: once); a single larger entry still runs, alone
+NS_BATCH_MAX_NUMEL = 1 << 26
 #: valid ``tp_ns`` values of :func:`dmuon.plan.compile`
 TP_NS_MODES = ("auto", "gram", "gather")
 #: dtype of the Gram matrices all-reduced over a TP group (accumulated in fp32 whatever the NS dtype)
@@ -200,6 +210,31 @@ def choose_ns_backend(matrix_shape: Sequence[int], mode: str, *, steps: int = NS
         return "standard"
     gram = matrix_ns_flops(m, n, "gram", steps=steps, restart_every=restart_every)
     return "gram" if gram < ns_flops(m, n, steps) else "standard"
+
+
+def ns_bucket_sides(m: int, n: int) -> tuple[int, int]:
+    """``(short, long)`` side: the batched-NS bucket of an ``(m, n)`` matrix (with its dtype and
+    device). Tall and wide matrices of the same sides share a bucket: NS of a tall ``G`` is the
+    transpose of NS of the wide ``Gᵀ``, so e.g. an MLP's ``(4d, d)`` and ``(d, 4d)`` weights run
+    in one call."""
+    return (min(m, n), max(m, n))
+
+
+def ns_batch_runs(numels: Sequence[int]) -> list[list[int]]:
+    """A bucket's entries (``numels[i]`` elements each, in parameter order) cut into batched NS
+    calls: runs of consecutive indices of at most :data:`NS_BATCH_MAX_NUMEL` elements in all (an
+    entry larger than that alone). ``dmuon.Muon`` issues one call per run;
+    :mod:`dmuon.sim` prices the runs it builds the same way."""
+    runs: list[list[int]] = []
+    total = 0
+    for i, numel in enumerate(numels):
+        if runs and total + numel <= NS_BATCH_MAX_NUMEL:
+            runs[-1].append(i)
+            total += numel
+        else:
+            runs.append([i])
+            total = numel
+    return runs
 
 
 def spec_ns_flops(spec: ParamSpec, steps: int = NS_STEPS) -> int:

@@ -31,7 +31,9 @@ Measured on this machine, nothing taken from a training run:
   measurement misses. Each is the difference of two noisy timings, so the whole in-situ
   measurement runs :data:`IN_SITU_REPEATS` times per group size and the record keeps the median
   of each figure (``raw["collectives"][k]["in_situ_all"]`` keeps every repeat).
-* **Newton-Schulz**: one fp32 ``newton_schulz`` call by matrix shape (:func:`_newton_schulz`).
+* **Newton-Schulz**: one fp32 ``newton_schulz`` call by matrix shape (:func:`_newton_schulz`),
+  and per matrix a batched call of 4 / 16 / 32 same-shape matrices against a single one, as
+  ``dmuon.Muon`` batches a bucket (:func:`_ns_batch_factor`).
 * **attention, norm, activation**: fused ``scaled_dot_product_attention`` (causal), ``RMSNorm``
   and ``GELU``, forward + backward with autograd (:func:`_training_kernels`): on this CPU they
   run far below the GEMM rate / the plain add's bandwidth, which the matmul curve and the
@@ -513,6 +515,46 @@ def _newton_schulz(repeats: int, quick: bool) -> list[tuple[float, float]]:
     return sorted(pts)
 
 
+#: (a, b) matrices and batch sizes of the batched-NS calibration (:func:`_ns_batch_factor`):
+#: the benchmark models' shapes; batches of 32 only where ``a·b <= 65536`` (one call of 32 at
+#: 256 × 1024 takes ~0.8 s here); beyond the largest measured batch the factor is held
+NS_BATCH_SHAPES = ((128, 128), (128, 512), (256, 256), (256, 1024))
+NS_BATCHES = (4, 16, 32)
+QUICK_NS_BATCH = (((128, 128),), (4,))
+
+
+def _ns_batch_factor(repeats: int, quick: bool) -> list[tuple[float, int, float]]:
+    """Per matrix, one batched fp32 ``newton_schulz`` call on ``(B, a, b)`` (how ``dmuon.Muon``
+    runs a bucket) over one call on a single ``(a, b)`` matrix, single and batched calls
+    interleaved, each timed right after an untimed call of the same size (as
+    :func:`_newton_schulz` times the single call: a call after a larger one pays for the memory
+    the allocator handed back, which a step's repeated calls do not), medians of each:
+    ``(d, B, factor)`` points (``d = (a²·b)^(1/3)``). On this
+    2-core VM: ×0.93–0.96 for batches that stay in cache at ``d <= 203``, ×1.1–1.26 at
+    ``d >= 256`` with 8–32 matrices."""
+    import torch
+
+    from ..exec.newton_schulz import newton_schulz
+
+    shapes, batches = QUICK_NS_BATCH if quick else (NS_BATCH_SHAPES, NS_BATCHES)
+    pts = []
+    for a, b in shapes:
+        sizes = [1] + [B for B in batches if B <= 16 or a * b <= 65536]
+        xs = {B: torch.randn(B, a, b) if B > 1 else torch.randn(a, b) for B in sizes}
+        samples: dict[int, list[float]] = {B: [] for B in sizes}
+        for x in xs.values():
+            newton_schulz(x, dtype=torch.float32)
+        for _ in range(repeats):
+            for B, x in xs.items():  # each timed call right after an untimed one of its own size
+                newton_schulz(x, dtype=torch.float32)
+                t0 = time.perf_counter()
+                newton_schulz(x, dtype=torch.float32)
+                samples[B].append((time.perf_counter() - t0) / B)
+        single = statistics.median(samples[1])
+        pts += [((a * a * b) ** (1 / 3), B, statistics.median(samples[B]) / single) for B in sizes[1:]]
+    return sorted(pts)
+
+
 def _probes():
     """The busy-node reference mix, one thread: ``(matmul-class, memory-bound)`` callables, each a
     transformer block's kernels forward + backward under autograd — ``F.linear`` at (1024, 256) x
@@ -661,6 +703,7 @@ def calibrate(*, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, re
     raw["overheads"] = _overheads(reps)
     raw["training_kernels"] = _training_kernels(reps, quick)
     raw["newton_schulz"] = _newton_schulz(reps, quick)
+    raw["ns_batch_factor"] = _ns_batch_factor(max(3, reps // 2 + 1), quick)
     raw["busy_node"] = _busy_node(max(reps, 25))
     prog.step("operator / elementwise / hook overheads; attention, norm, activation; Newton-Schulz; busy node")
     prog.close()
@@ -708,6 +751,7 @@ def calibrate(*, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, re
         autograd_matmul_efficiency=autograd_eff,
         attention_efficiency=attention_eff,
         ns_efficiency=ns_eff,
+        ns_batch_factor=tuple((float(d), float(B), float(f)) for d, B, f in raw["ns_batch_factor"]),
         norm_train_s_per_numel=kern["norm_s_per_numel"],
         activation_train_s_per_numel=kern["activation_s_per_numel"],
         op_overhead_s=ov["op_overhead_s"],
@@ -761,6 +805,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if hw.ns_efficiency:
         print("  Newton-Schulz call (fp32) fraction of peak by d: "
               + ", ".join(f"{d:.0f} {e:.2f}" for d, e in hw.ns_efficiency))
+    if hw.ns_batch_factor:
+        print("  batched Newton-Schulz, per matrix over one call, by (d, batch): "
+              + ", ".join(f"{d:.0f}/{b:.0f} x{f:.2f}" for d, b, f in hw.ns_batch_factor))
     print(f"  busy node ({hw.cores_per_node} cores computing): matmul-class x{hw.busy_compute_factor:.2f}, "
           f"memory-bound x{hw.busy_memory_factor:.2f}")
     print(f"  RMSNorm forward + backward {1e9 * hw.norm_train_s_per_numel:.2f} ns / element, "

@@ -35,6 +35,11 @@ one small named function:
   (calibrated from exactly that call, FLOPs as :func:`dmuon.plan.cost.ns_flops` counts them, by
   ``d = (a²·b)^(1/3)``); without it the simulator prices NS as its matmuls on the plain curve
   plus ``2 · steps`` memory passes.
+  ``dmuon.Muon`` runs fp32 / fp64 NS as one batched call per bucket of same-shape matrices
+  (:func:`dmuon.plan.cost.ns_batch_runs`); per matrix, such a call takes
+  :func:`ns_batch_factor_at` times a single-matrix call (calibrated ``ns_batch_factor`` by
+  ``d`` and batch: on this CPU ×0.93–0.96 for cache-sized batches at ``d <= 203``, ×1.1–1.26
+  at ``d >= 256`` with 8–32 matrices, whose working set leaves the cache).
 * Three kernels of training that are neither a GEMM nor a plain memory pass, where the record
   has them calibrated (each measured forward + backward under autograd; the forward is priced at
   a third of it, the backward at two thirds, as every workload term): **attention**
@@ -100,6 +105,7 @@ __all__ = [
     "train_elementwise_s",
     "train_attention_s",
     "ns_call_s",
+    "ns_batch_factor_at",
     "busy_factors",
     "train_norm_s",
     "train_activation_s",
@@ -225,6 +231,11 @@ class Hardware:
         ns_efficiency: ``(d, fraction of the ns_dtype peak)`` of one whole Newton-Schulz call
             (``d = (a²·b)^(1/3)`` of an ``a × b`` matrix, ``a <= b``); empty = its matmuls on
             ``matmul_efficiency`` plus memory passes.
+        ns_batch_factor: ``(d, batch, factor)`` points, sorted by ``(d, batch)``: per matrix, one
+            batched Newton-Schulz call of ``batch`` same-shape matrices takes ``factor`` times
+            one call on a single matrix (``dmuon.Muon`` batches fp32 / fp64 NS by bucket,
+            :func:`dmuon.plan.cost.ns_batch_runs`); :func:`ns_batch_factor_at` interpolates.
+            Empty = 1 (GPU presets: their NS is bf16, one call per matrix).
         norm_train_s_per_numel: seconds per element of a norm's forward + backward with autograd
             (0 = 6 memory passes).
         activation_train_s_per_numel: seconds per element of the MLP activation's forward +
@@ -271,6 +282,7 @@ class Hardware:
     autograd_matmul_efficiency: tuple[tuple[float, float], ...] = ()
     attention_efficiency: tuple[tuple[float, float], ...] = ()
     ns_efficiency: tuple[tuple[float, float], ...] = ()
+    ns_batch_factor: tuple[tuple[float, float, float], ...] = ()
     norm_train_s_per_numel: float = 0.0
     activation_train_s_per_numel: float = 0.0
     op_overhead_s: float = 0.0
@@ -306,6 +318,10 @@ class Hardware:
             pts = getattr(self, name)
             if any(b[0] <= a[0] for a, b in zip(pts, pts[1:])):
                 raise ValueError(f"Hardware.{name}: d must increase")
+        pts3 = self.ns_batch_factor
+        if any(not (d > 0 and b > 1 and f > 0) for d, b, f in pts3) or any(
+                (b[0], b[1]) <= (a[0], a[1]) for a, b in zip(pts3, pts3[1:])):
+            raise ValueError("Hardware.ns_batch_factor: (d, batch > 1, factor > 0) points, (d, batch) increasing")
         index: dict[str, dict[int, CollectiveCurve]] = {}
         for c in self.curves:
             index.setdefault(c.kind, {})[c.group_size] = c
@@ -339,7 +355,7 @@ class Hardware:
         d["curves"] = [dict(kind=c.kind, group_size=c.group_size, nbytes=list(c.nbytes), seconds=list(c.seconds))
                        for c in self.curves]
         d["matmul_peak_flops"] = [list(x) for x in self.matmul_peak_flops]
-        for name in _CURVE_FIELDS + _BY_GROUP_FIELDS:
+        for name in _CURVE_FIELDS + _BY_GROUP_FIELDS + ("ns_batch_factor",):
             d[name] = [list(x) for x in getattr(self, name)]
         return d
 
@@ -356,6 +372,7 @@ class Hardware:
             d[name] = tuple((float(a), float(b)) for a, b in d.get(name, ()))
         for name in _BY_GROUP_FIELDS:
             d[name] = tuple((int(a), float(b)) for a, b in d.get(name, ()))
+        d["ns_batch_factor"] = tuple((float(a), float(b), float(c)) for a, b, c in d.get("ns_batch_factor", ()))
         known = {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")}
         return cls(**{k: v for k, v in d.items() if k in known})
 
@@ -409,15 +426,33 @@ def collective_s(hw: Hardware, kind: str, group: Sequence[int], nbytes: float) -
 def matmul_efficiency(hw: Hardware, d: float, curve: Sequence[tuple[float, float]] | None = None) -> float:
     """Fraction of peak a matmul of mean dimension ``d`` reaches (log-linear interpolation,
     clamped at the ends of ``curve``, default ``hw.matmul_efficiency``)."""
-    pts = hw.matmul_efficiency if curve is None else curve
-    if d <= pts[0][0]:
+    return _log_interp(hw.matmul_efficiency if curve is None else curve, d)
+
+
+def _log_interp(pts: Sequence[tuple[float, float]], x: float) -> float:
+    """``y`` at ``x`` on ``(x, y)`` points (``x`` increasing): linear in ``log x``, clamped at the ends."""
+    if x <= pts[0][0]:
         return pts[0][1]
-    if d >= pts[-1][0]:
+    if x >= pts[-1][0]:
         return pts[-1][1]
-    i = _bisect([p[0] for p in pts], d)
-    (d0, e0), (d1, e1) = pts[i - 1], pts[i]
-    w = (math.log(d) - math.log(d0)) / (math.log(d1) - math.log(d0))
-    return e0 + w * (e1 - e0)
+    i = _bisect([p[0] for p in pts], x)
+    (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+    w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+    return y0 + w * (y1 - y0)
+
+
+def ns_batch_factor_at(hw: Hardware, d: float, batch: int) -> float:
+    """Per-matrix time of a batched Newton-Schulz call of ``batch`` matrices of mean dimension
+    ``d`` over one call on a single matrix (``hw.ns_batch_factor``): at each measured ``d``,
+    linear in ``log batch`` from ``(1, 1.0)`` through the measured batches (clamped beyond the
+    largest), then linear in ``log d`` between the measured ``d`` (clamped outside them). 1 for
+    ``batch <= 1`` or a record without the table."""
+    if batch <= 1 or not hw.ns_batch_factor:
+        return 1.0
+    by_d: dict[float, list[tuple[float, float]]] = {}
+    for dd, b, f in hw.ns_batch_factor:
+        by_d.setdefault(dd, [(1.0, 1.0)]).append((b, f))
+    return _log_interp([(dd, _log_interp(pts, batch)) for dd, pts in by_d.items()], d)
 
 
 def matmul_s(hw: Hardware, flops: float, d: float, dtype: str) -> float:

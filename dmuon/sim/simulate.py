@@ -57,12 +57,13 @@ from typing import Any
 import numpy as np
 
 from ..plan import cost as _cost
-from ..plan.records import itemsize_nbytes
+from ..plan.records import OwnerGroup, itemsize_nbytes
 from ..plan.step_schedule import Op, Step, StepSchedule
 from . import alternatives as _alt
 from .hardware import (OP_COLLECTIVE, Hardware, blocking_wait_s_at, busy_factors, collective_s, comm_cpu_share_at,
-                       dtensor_gather_s_at, elementwise_s, fsdp2_call_s_at, matmul_s, ns_call_s, step_compute_factor_at,
-                       train_activation_s, train_attention_s, train_elementwise_s, train_matmul_s, train_norm_s)
+                       dtensor_gather_s_at, elementwise_s, fsdp2_call_s_at, matmul_s, ns_batch_factor_at, ns_call_s,
+                       step_compute_factor_at, train_activation_s, train_attention_s, train_elementwise_s,
+                       train_matmul_s, train_norm_s)
 from .workload import Work, Workload
 
 __all__ = ["VARIANTS", "Interval", "PathStep", "RankTime", "MemoryBreakdown", "Simulation", "simulate",
@@ -237,10 +238,11 @@ def _work_s(hw: Hardware, w: Work, factor: float, dtype: str, itemsize: int) -> 
     return factor * (busy_c * t_c + busy_m * t_m)
 
 
-def _ns_s(hw: Hardware, wl: Workload, spec: Any, flops: int) -> float:
+def _ns_s(hw: Hardware, wl: Workload, spec: Any, flops: int, batch_factor: float = 1.0) -> float:
     """One matrix's Muon update: the Newton-Schulz call (calibrated as a whole where the record has
-    ``ns_efficiency``, else its matmuls on the plain curve plus its norm / axpy passes) and the
-    update's elementwise work (momentum, Nesterov, decay, apply: 6 passes, ``muon_ops_per_matrix``);
+    ``ns_efficiency``, else its matmuls on the plain curve plus its norm / axpy passes) times
+    ``batch_factor`` (its share of a batched call, :func:`_ns_batch_factors`), and the update's
+    elementwise work (momentum, Nesterov, decay, apply: 6 passes, ``muon_ops_per_matrix``);
     matmuls times the busy-node matmul factor, passes times the memory factor."""
     m, n = spec.matrix_shape
     a, b = min(m, n), max(m, n)
@@ -250,11 +252,54 @@ def _ns_s(hw: Hardware, wl: Workload, spec: Any, flops: int) -> float:
     update = busy_m * elementwise_s(hw, 6 * numel * isz, wl.muon_ops_per_matrix)
     d = (a * a * b) ** (1 / 3)
     if hw.ns_efficiency:
-        return busy_c * ns_call_s(hw, flops, d) + update
+        return busy_c * ns_call_s(hw, flops, d) * batch_factor + update
     mm = matmul_s(hw, flops, d, hw.ns_dtype)
     passes = elementwise_s(hw, 2 * _cost.NS_STEPS * numel * itemsize_nbytes(hw.ns_dtype),
                            wl.ns_ops_per_step * _cost.NS_STEPS)
-    return busy_c * mm + busy_m * passes + update
+    return (busy_c * mm + busy_m * passes) * batch_factor + update
+
+
+def _ns_batch_factors(ops: Sequence[Op], plan: Any, hw: Hardware, variant: str) -> dict[int, float]:
+    """Op id -> the per-matrix factor of the batched NS call its matrices run in
+    (:func:`~dmuon.sim.hardware.ns_batch_factor_at`; ops not listed: 1).
+
+    ``dmuon.Muon`` (and the naive baseline, which batches as it does) runs fp32 / fp64 NS per
+    bucket: on each rank, the matrices it orthogonalises with the same ``(short, long)`` side and
+    dtype, in parameter order, cut into calls by :func:`dmuon.plan.cost.ns_batch_runs` (a view's
+    blocks enter one by one, an expert stack as its ``E`` matrices). Here a bucket is keyed by the
+    op's group (its members run the same calls), so each matrix gets the batch size of its call; an
+    op whose matrices fall in several calls gets their factors weighted by NS FLOPs. The TP and
+    owner-group paths (Gram buckets, gathered TP matrices) and dion's all-to-all (one matrix per
+    owner per batch) are not batched this way: factor 1."""
+    if variant not in ("z2", "z3", "naive") or not hw.ns_batch_factor or hw.ns_dtype not in _cost.NS_BATCHED_DTYPES:
+        return {}
+    grouped = {spec.fqn for spec, owner in zip(plan.params, plan.owners) if isinstance(owner, OwnerGroup)}
+    specs = {s.fqn: s for s in plan.params}
+    buckets: dict[tuple, list[tuple[int, int, int, int, int]]] = {}  # key -> [(op id, a, b, count, numel)]
+    for op in ops:
+        if op.kind != "newton_schulz":
+            continue
+        spec = specs[op.fqns[0]]
+        if spec.tp_size > 1 or spec.fqn in grouped:
+            continue
+        if spec.view is None:
+            entries = [(tuple(spec.matrix_shape), spec.num_matrices)]
+        else:
+            entries = [(block, 1) for block in spec.matrices]
+        for (m, n), count in entries:
+            a, b = _cost.ns_bucket_sides(m, n)
+            buckets.setdefault((op.group, a, b, spec.dtype), []).append((op.id, a, b, count, count * a * b))
+    weighted: dict[int, list[float]] = {}  # op id -> [sum of flops x factor, sum of flops]
+    for entries in buckets.values():
+        for run in _cost.ns_batch_runs([e[4] for e in entries]):
+            batch = sum(entries[i][3] for i in run)
+            for i in run:
+                op_id, a, b, count, _ = entries[i]
+                f = _cost.ns_flops(a, b, num_matrices=count)
+                acc = weighted.setdefault(op_id, [0.0, 0.0])
+                acc[0] += f * ns_batch_factor_at(hw, (a * a * b) ** (1 / 3), batch)
+                acc[1] += f
+    return {i: num / den for i, (num, den) in weighted.items() if den > 0}
 
 
 def _adamw_s(hw: Hardware, wl: Workload, tensors: Sequence[tuple[int, int]], dtensor: bool) -> float:
@@ -297,6 +342,7 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
     grad_colls: list[int] = []
     coll_cache: dict = {}
     waited: set[tuple] = set()
+    batch_factors = _ns_batch_factors(ops, plan, hw, variant)
     for op in ops:
         mb = op.micro_batch
         if op.kind == "forward" and mb not in first_fwd:
@@ -344,7 +390,7 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
             s = _SimOp(kind, b or "", op.group, deps, False, secs)
         elif kind == "newton_schulz":
             spec = specs[op.fqns[0]]
-            secs = _ns_s(hw, wl, spec, op.flops) * over
+            secs = _ns_s(hw, wl, spec, op.flops, batch_factors.get(op.id, 1.0)) * over
             if not dmuon:  # FSDP2 shards: DTensor dispatch of the update's operators
                 secs += wl.muon_ops_per_matrix * hw.dtensor_op_s * over
             s = _SimOp(kind, op.fqns[0], op.group, deps, False, secs, ns=True)
