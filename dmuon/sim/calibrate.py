@@ -48,7 +48,7 @@ block's kernels ran 10–35 % slower with the other core busy). The simulator ap
 top of processor sharing (``ranks_per_node / cores_per_node``).
 
 ``--quick`` measures fewer sizes and repeats (a smoke run for tests, seconds). Total: under 3
-minutes on 2 cores (150–172 s measured). Progress: a tqdm bar if tqdm is installed, else one line per stage.
+minutes on 2 cores (161 s measured idle; 168–188 s under the step-time benchmark's load before its in-situ pairs went from 11 to 9 and the batched-NS and busy-node stages were trimmed). Progress: a tqdm bar if tqdm is installed, else one line per stage.
 """
 
 from __future__ import annotations
@@ -263,7 +263,7 @@ def _in_situ(dist, torch, group, k: int, repeats: int) -> dict[str, float]:
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
-    reps = max(repeats, 11)
+    reps = max(repeats, 9)
     fsdp2, step_factor = fsdp2_terms(*(_fsdp2_stack(dist, torch, group, mesh, k, med, reps, *s)
                                        for s in FSDP2_STACKS))
     width = 8
@@ -516,8 +516,9 @@ def _newton_schulz(repeats: int, quick: bool) -> list[tuple[float, float]]:
 
 
 #: (a, b) matrices and batch sizes of the batched-NS calibration (:func:`_ns_batch_factor`):
-#: the benchmark models' shapes; batches of 32 only where ``a·b <= 65536`` (one call of 32 at
-#: 256 × 1024 takes ~0.8 s here); beyond the largest measured batch the factor is held
+#: the benchmark models' shapes; batches of 32 only where ``a·b <= 16384`` (the calibration's
+#: time: one call of 32 at 256 × 256 takes ~0.25 s here); beyond the largest measured batch the
+#: factor is held
 NS_BATCH_SHAPES = ((128, 128), (128, 512), (256, 256), (256, 1024))
 NS_BATCHES = (4, 16, 32)
 QUICK_NS_BATCH = (((128, 128),), (4,))
@@ -539,7 +540,7 @@ def _ns_batch_factor(repeats: int, quick: bool) -> list[tuple[float, int, float]
     shapes, batches = QUICK_NS_BATCH if quick else (NS_BATCH_SHAPES, NS_BATCHES)
     pts = []
     for a, b in shapes:
-        sizes = [1] + [B for B in batches if B <= 16 or a * b <= 65536]
+        sizes = [1] + [B for B in batches if B <= 16 or a * b <= 16384]
         xs = {B: torch.randn(B, a, b) if B > 1 else torch.randn(a, b) for B in sizes}
         samples: dict[int, list[float]] = {B: [] for B in sizes}
         for x in xs.values():
@@ -703,8 +704,8 @@ def calibrate(*, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, re
     raw["overheads"] = _overheads(reps)
     raw["training_kernels"] = _training_kernels(reps, quick)
     raw["newton_schulz"] = _newton_schulz(reps, quick)
-    raw["ns_batch_factor"] = _ns_batch_factor(max(3, reps // 2 + 1), quick)
-    raw["busy_node"] = _busy_node(max(reps, 25))
+    raw["ns_batch_factor"] = _ns_batch_factor(3, quick)
+    raw["busy_node"] = _busy_node(max(reps, 15))
     prog.step("operator / elementwise / hook overheads; attention, norm, activation; Newton-Schulz; busy node")
     prog.close()
     raw["wall_s"] = time.time() - t0
