@@ -48,7 +48,9 @@ block's kernels ran 10–35 % slower with the other core busy). The simulator ap
 top of processor sharing (``ranks_per_node / cores_per_node``).
 
 ``--quick`` measures fewer sizes and repeats (a smoke run for tests, seconds). Total: under 3
-minutes on 2 cores (161 s measured idle; 168–188 s under the step-time benchmark's load before its in-situ pairs went from 11 to 9 and the batched-NS and busy-node stages were trimmed). Progress: a tqdm bar if tqdm is installed, else one line per stage.
+minutes on 2 cores (161 s measured on the idle machine; 168–188 s under the step-time
+benchmark's load before the in-situ pairs went from 11 to 9 and the batched-NS and busy-node
+stages were trimmed). Progress: a tqdm bar if tqdm is installed, else one line per stage.
 """
 
 from __future__ import annotations
