@@ -206,6 +206,34 @@ def test_ns_batch_factor_by_hand():
         _cpu(ns_batch_factor=((128.0, 16.0, 0.9), (128.0, 4.0, 0.8)))
 
 
+def test_gram_ns_priced_on_its_own_curve():
+    """A matrix that runs Gram NS (the plan's ``ns_backend="gram"``; owner groups' sharded Gram
+    NS) is priced on ``gram_ns_efficiency`` where the record has it, on ``ns_efficiency``
+    otherwise; the standard iteration and every baseline's NS stay on ``ns_efficiency``."""
+    from dmuon.sim.simulate import _lower, _ns_backends, _variant_ops
+    from dmuon.train.model import GPT, GPTConfig
+
+    hw = _cpu(ns_dtype="torch.float32", ns_efficiency=((64.0, 0.8),), gram_ns_efficiency=((64.0, 0.4),))
+    assert H.ns_call_s(hw, 1e9, 300.0, "gram") == pytest.approx(1e9 / (1e9 * 0.4))
+    assert H.ns_call_s(hw, 1e9, 300.0) == pytest.approx(1e9 / (1e9 * 0.8))
+    no_gram = dataclasses.replace(hw, gram_ns_efficiency=())
+    assert H.ns_call_s(no_gram, 1e9, 300.0, "gram") == pytest.approx(1e9 / (1e9 * 0.8))
+    cfg = GPTConfig(vocab_size=256, d_model=256, n_layers=1, n_heads=4, d_mlp=1024, seq_len=64)
+    plan = P.compile(GPT(cfg, device="meta"), 2, cost_model="ns_flops", ns_backend="auto")
+    backends = _ns_backends(plan)
+    assert {f for f, b in backends.items() if b == "gram"} == {
+        s.fqn for s in plan.params if s.ns_backend == "gram"} and "gram" in backends.values()
+    assert all(b == "gram" for b in _ns_backends(P.compile(GPT(cfg, device="meta"), 2, owner_groups=2)).values())
+    wl = S.from_plan(plan, tokens_per_rank=128, seq_len=64)
+    for variant in ("z3", "naive"):
+        ops, n, *_ = _variant_ops(plan, variant, None, False)
+        a, b = (_lower(ops, plan, h, wl, variant=variant, num_ranks=n) for h in (hw, no_gram))
+        for op, x, y in ((op, x, y) for x, y in zip(a, b) if x.kind == "newton_schulz"
+                         for op in [plan.param(x.label)]):
+            gram = variant == "z3" and op.ns_backend == "gram"
+            assert (x.seconds > y.seconds) == gram and (x.seconds == y.seconds) == (not gram)
+
+
 def test_ns_batch_runs_by_hand():
     """The batched-NS rule ``dmuon.Muon`` runs and the simulator prices: consecutive entries up to
     ``NS_BATCH_MAX_NUMEL`` elements per call, an entry larger than that alone."""
@@ -676,6 +704,7 @@ def test_calibrate_assembles_the_record(monkeypatch):
         assert len(curve) >= 2 and all(b[0] > a[0] for a, b in zip(curve, curve[1:])) and all(e > 0 for _, e in curve)
     assert hw.norm_train_s_per_numel > 0 and hw.activation_train_s_per_numel > 0
     assert len(raw["newton_schulz"]) == len(K.QUICK_NS_SHAPES)
+    assert [round(d) for d, _ in hw.gram_ns_efficiency] == [round((128 * 128 * 512) ** (1 / 3))]  # 1:4 only
     assert hw.ns_batch_factor == tuple((d, float(b), f) for d, b, f in raw["ns_batch_factor"])
     assert [(round(d), b) for d, b, _ in hw.ns_batch_factor] == [(128, 4)] and hw.ns_batch_factor[0][2] > 0
     assert H.Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw

@@ -31,7 +31,8 @@ Measured on this machine, nothing taken from a training run:
   measurement misses. Each is the difference of two noisy timings, so the whole in-situ
   measurement runs :data:`IN_SITU_REPEATS` times per group size and the record keeps the median
   of each figure (``raw["collectives"][k]["in_situ_all"]`` keeps every repeat).
-* **Newton-Schulz**: one fp32 ``newton_schulz`` call by matrix shape (:func:`_newton_schulz`),
+* **Newton-Schulz**: one fp32 ``newton_schulz`` call by matrix shape (:func:`_newton_schulz`;
+  ``gram_newton_schulz`` likewise on the shapes where it saves FLOPs),
   and per matrix a batched call of 4 / 16 / 32 same-shape matrices against a single one, as
   ``dmuon.Muon`` batches a bucket (:func:`_ns_batch_factor`).
 * **attention, norm, activation**: fused ``scaled_dot_product_attention`` (causal), ``RMSNorm``
@@ -498,22 +499,29 @@ NS_SHAPES = ((64, 64), (64, 256), (128, 128), (128, 512), (256, 256), (256, 1024
 QUICK_NS_SHAPES = ((64, 64), (128, 512))
 
 
-def _newton_schulz(repeats: int, quick: bool) -> list[tuple[float, float]]:
-    """One fp32 ``dmuon.exec.newton_schulz.newton_schulz`` call (5 steps: the matmuls with their
-    transposed operand, the norm, the axpys) per :data:`NS_SHAPES`: ``(d, FLOP/s)`` with ``d =
-    (a²·b)^(1/3)`` and the FLOPs of :func:`dmuon.plan.cost.ns_flops`. A square ``a @ b`` on the
-    same sizes runs 10–25 % faster on this CPU, which the plain curve would assume."""
+def _newton_schulz(repeats: int, quick: bool, backend: str = "standard") -> list[tuple[float, float]]:
+    """One fp32 Newton-Schulz call (5 steps) per shape: ``(d, FLOP/s)`` with ``d = (a²·b)^(1/3)``
+    and the FLOPs of :func:`dmuon.plan.cost.matrix_ns_flops`. ``"standard"``:
+    ``dmuon.exec.newton_schulz.newton_schulz`` (the matmuls with their transposed operand, the
+    norm, the axpys) per :data:`NS_SHAPES` — a square ``a @ b`` on the same sizes runs 10–25 %
+    faster on this CPU, which the plain curve would assume; ``"gram"``: ``gram_newton_schulz``
+    (default restarts, fallback check) on the shapes of :data:`NS_SHAPES` where it needs fewer
+    FLOPs (the 1:4 ones), which run at a lower rate per FLOP than the standard call here."""
     import torch
 
-    from ..exec.newton_schulz import newton_schulz
-    from ..plan.cost import ns_flops
+    from ..exec.newton_schulz import gram_newton_schulz, newton_schulz
+    from ..plan.cost import matrix_ns_flops
 
+    fn = gram_newton_schulz if backend == "gram" else newton_schulz
+    shapes = QUICK_NS_SHAPES if quick else NS_SHAPES
+    if backend == "gram":
+        shapes = tuple((a, b) for a, b in shapes if matrix_ns_flops(a, b, "gram") < matrix_ns_flops(a, b, "standard"))
     pts = []
-    for a, b in (QUICK_NS_SHAPES if quick else NS_SHAPES):
+    for a, b in shapes:
         x = torch.randn(a, b)
-        newton_schulz(x, dtype=torch.float32)
-        t = _median_s(lambda x=x: newton_schulz(x, dtype=torch.float32), repeats)
-        pts.append(((a * a * b) ** (1 / 3), ns_flops(a, b) / t))
+        fn(x, dtype=torch.float32)
+        t = _median_s(lambda x=x: fn(x, dtype=torch.float32), repeats)
+        pts.append(((a * a * b) ** (1 / 3), matrix_ns_flops(a, b, backend) / t))
     return sorted(pts)
 
 
@@ -706,6 +714,7 @@ def calibrate(*, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, re
     raw["overheads"] = _overheads(reps)
     raw["training_kernels"] = _training_kernels(reps, quick)
     raw["newton_schulz"] = _newton_schulz(reps, quick)
+    raw["gram_newton_schulz"] = _newton_schulz(reps, quick, "gram")
     raw["ns_batch_factor"] = _ns_batch_factor(3, quick)
     raw["busy_node"] = _busy_node(max(reps, 15))
     prog.step("operator / elementwise / hook overheads; attention, norm, activation; Newton-Schulz; busy node")
@@ -739,6 +748,7 @@ def calibrate(*, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, re
     kern = raw["training_kernels"]
     attention_eff = tuple((float(d), f / fp32_peak) for d, f in kern["attention"])
     ns_eff = tuple((float(d), f / fp32_peak) for d, f in raw["newton_schulz"])  # fp32 NS on CPU
+    gram_eff = tuple((float(d), f / fp32_peak) for d, f in raw["gram_newton_schulz"])
     ov = raw["overheads"]
     cores = os.cpu_count() or 1
     hw = Hardware(
@@ -754,6 +764,7 @@ def calibrate(*, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, re
         autograd_matmul_efficiency=autograd_eff,
         attention_efficiency=attention_eff,
         ns_efficiency=ns_eff,
+        gram_ns_efficiency=gram_eff,
         ns_batch_factor=tuple((float(d), float(B), float(f)) for d, B, f in raw["ns_batch_factor"]),
         norm_train_s_per_numel=kern["norm_s_per_numel"],
         activation_train_s_per_numel=kern["activation_s_per_numel"],
@@ -808,6 +819,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if hw.ns_efficiency:
         print("  Newton-Schulz call (fp32) fraction of peak by d: "
               + ", ".join(f"{d:.0f} {e:.2f}" for d, e in hw.ns_efficiency))
+    if hw.gram_ns_efficiency:
+        print("  Gram Newton-Schulz call (fp32) fraction of peak by d: "
+              + ", ".join(f"{d:.0f} {e:.2f}" for d, e in hw.gram_ns_efficiency))
     if hw.ns_batch_factor:
         print("  batched Newton-Schulz, per matrix over one call, by (d, batch): "
               + ", ".join(f"{d:.0f}/{b:.0f} x{f:.2f}" for d, b, f in hw.ns_batch_factor))

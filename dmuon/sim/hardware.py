@@ -33,8 +33,9 @@ one small named function:
 * :func:`ns_call_s` — one Newton-Schulz call (``dmuon.exec.newton_schulz``: its matmuls with
   their transposed operand, the norm and the axpys) where the record has ``ns_efficiency``
   (calibrated from exactly that call, FLOPs as :func:`dmuon.plan.cost.ns_flops` counts them, by
-  ``d = (a²·b)^(1/3)``); without it the simulator prices NS as its matmuls on the plain curve
-  plus ``2 · steps`` memory passes.
+  ``d = (a²·b)^(1/3)``; a matrix the plan gives ``ns_backend="gram"`` on ``gram_ns_efficiency``,
+  calibrated from ``gram_newton_schulz`` the same way, where the record has it); without it the
+  simulator prices NS as its matmuls on the plain curve plus ``2 · steps`` memory passes.
   ``dmuon.Muon`` runs fp32 / fp64 NS as one batched call per bucket of same-shape matrices
   (:func:`dmuon.plan.cost.ns_batch_runs`); per matrix, such a call takes
   :func:`ns_batch_factor_at` times a single-matrix call (calibrated ``ns_batch_factor`` by
@@ -197,7 +198,8 @@ def _bisect(xs: Sequence[float], x: float) -> int:
 
 
 #: ``(d, fraction of peak)`` curves of :class:`Hardware` (``matmul_efficiency`` first: required)
-_CURVE_FIELDS = ("matmul_efficiency", "autograd_matmul_efficiency", "attention_efficiency", "ns_efficiency")
+_CURVE_FIELDS = ("matmul_efficiency", "autograd_matmul_efficiency", "attention_efficiency", "ns_efficiency",
+                 "gram_ns_efficiency")
 #: ``(group size or ranks on the node, value)`` pairs of :class:`Hardware`
 _BY_GROUP_FIELDS = ("fsdp2_call_s_by_group", "dtensor_gather_s_by_group", "comm_cpu_share_by_group",
                     "step_compute_factor_by_group")
@@ -231,6 +233,10 @@ class Hardware:
         ns_efficiency: ``(d, fraction of the ns_dtype peak)`` of one whole Newton-Schulz call
             (``d = (a²·b)^(1/3)`` of an ``a × b`` matrix, ``a <= b``); empty = its matmuls on
             ``matmul_efficiency`` plus memory passes.
+        gram_ns_efficiency: the same for one whole Gram Newton-Schulz call
+            (``gram_newton_schulz``, default restarts and fallback check; FLOPs as
+            :func:`dmuon.plan.cost.matrix_ns_flops` counts them for ``"gram"``) — the matrices a
+            plan gives ``ns_backend="gram"``; empty = those on ``ns_efficiency``.
         ns_batch_factor: ``(d, batch, factor)`` points, sorted by ``(d, batch)``: per matrix, one
             batched Newton-Schulz call of ``batch`` same-shape matrices takes ``factor`` times
             one call on a single matrix (``dmuon.Muon`` batches fp32 / fp64 NS by bucket,
@@ -282,6 +288,7 @@ class Hardware:
     autograd_matmul_efficiency: tuple[tuple[float, float], ...] = ()
     attention_efficiency: tuple[tuple[float, float], ...] = ()
     ns_efficiency: tuple[tuple[float, float], ...] = ()
+    gram_ns_efficiency: tuple[tuple[float, float], ...] = ()
     ns_batch_factor: tuple[tuple[float, float, float], ...] = ()
     norm_train_s_per_numel: float = 0.0
     activation_train_s_per_numel: float = 0.0
@@ -507,13 +514,16 @@ def busy_factors(hw: Hardware) -> tuple[float, float]:
     return 1.0 + w * (hw.busy_compute_factor - 1.0), 1.0 + w * (hw.busy_memory_factor - 1.0)
 
 
-def ns_call_s(hw: Hardware, flops: float, d: float) -> float:
-    """Seconds of one Newton-Schulz call of ``flops`` (:func:`dmuon.plan.cost.ns_flops`) on a
-    matrix of mean dimension ``d`` in ``hw.ns_dtype``, on the calibrated ``ns_efficiency`` curve
-    (the whole call: matmuls, norm, axpys). The record must have the curve."""
+def ns_call_s(hw: Hardware, flops: float, d: float, backend: str = "standard") -> float:
+    """Seconds of one Newton-Schulz call of ``flops`` (:func:`dmuon.plan.cost.matrix_ns_flops`
+    for ``backend``) on a matrix of mean dimension ``d`` in ``hw.ns_dtype``, on the calibrated
+    curve of that call (the whole call: matmuls, norm, axpys; Gram NS also its Gram products and
+    fallback check): ``gram_ns_efficiency`` for ``backend="gram"`` where the record has it, else
+    ``ns_efficiency``. The record must have ``ns_efficiency``."""
     if flops <= 0:
         return 0.0
-    return flops / (hw.peak_flops(hw.ns_dtype) * matmul_efficiency(hw, d, hw.ns_efficiency))
+    curve = hw.gram_ns_efficiency if backend == "gram" and hw.gram_ns_efficiency else hw.ns_efficiency
+    return flops / (hw.peak_flops(hw.ns_dtype) * matmul_efficiency(hw, d, curve))
 
 
 def train_norm_s(hw: Hardware, numel: float, itemsize: int) -> float:

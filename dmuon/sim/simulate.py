@@ -238,9 +238,11 @@ def _work_s(hw: Hardware, w: Work, factor: float, dtype: str, itemsize: int) -> 
     return factor * (busy_c * t_c + busy_m * t_m)
 
 
-def _ns_s(hw: Hardware, wl: Workload, spec: Any, flops: int, batch_factor: float = 1.0) -> float:
+def _ns_s(hw: Hardware, wl: Workload, spec: Any, flops: int, batch_factor: float = 1.0,
+          backend: str = "standard") -> float:
     """One matrix's Muon update: the Newton-Schulz call (calibrated as a whole where the record has
-    ``ns_efficiency``, else its matmuls on the plain curve plus its norm / axpy passes) times
+    ``ns_efficiency`` — on the Gram curve for ``backend="gram"``,
+    :func:`~dmuon.sim.hardware.ns_call_s` — else its matmuls on the plain curve plus its norm / axpy passes) times
     ``batch_factor`` (its share of a batched call, :func:`_ns_batch_factors`), and the update's
     elementwise work (momentum, Nesterov, decay, apply: 6 passes, ``muon_ops_per_matrix``);
     matmuls times the busy-node matmul factor, passes times the memory factor."""
@@ -252,11 +254,23 @@ def _ns_s(hw: Hardware, wl: Workload, spec: Any, flops: int, batch_factor: float
     update = busy_m * elementwise_s(hw, 6 * numel * isz, wl.muon_ops_per_matrix)
     d = (a * a * b) ** (1 / 3)
     if hw.ns_efficiency:
-        return busy_c * ns_call_s(hw, flops, d) * batch_factor + update
+        return busy_c * ns_call_s(hw, flops, d, backend) * batch_factor + update
     mm = matmul_s(hw, flops, d, hw.ns_dtype)
     passes = elementwise_s(hw, 2 * _cost.NS_STEPS * numel * itemsize_nbytes(hw.ns_dtype),
                            wl.ns_ops_per_step * _cost.NS_STEPS)
     return (busy_c * mm + busy_m * passes) * batch_factor + update
+
+
+def _ns_backends(plan: Any) -> dict[str, str]:
+    """Param fqn -> the Newton-Schulz its update runs, ``"gram"`` or ``"standard"``: Gram for the
+    plan's ``ns_backend="gram"`` matrices, TP-sharded ones with ``tp_ns="gram"`` and owner-group
+    matrices (sharded Gram NS, :mod:`dmuon.exec.tp_orthogonalize`)."""
+    out = {}
+    for spec, owner in zip(plan.params, plan.owners):
+        gram = (spec.ns_backend == "gram" or (spec.tp_size > 1 and spec.tp_ns == "gram")
+                or isinstance(owner, OwnerGroup))
+        out[spec.fqn] = "gram" if gram else "standard"
+    return out
 
 
 def _ns_batch_factors(ops: Sequence[Op], plan: Any, hw: Hardware, variant: str) -> dict[int, float]:
@@ -343,6 +357,7 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
     coll_cache: dict = {}
     waited: set[tuple] = set()
     batch_factors = _ns_batch_factors(ops, plan, hw, variant)
+    backends = _ns_backends(plan) if dmuon else {s.fqn: "standard" for s in plan.params}
     for op in ops:
         mb = op.micro_batch
         if op.kind == "forward" and mb not in first_fwd:
@@ -390,7 +405,7 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
             s = _SimOp(kind, b or "", op.group, deps, False, secs)
         elif kind == "newton_schulz":
             spec = specs[op.fqns[0]]
-            secs = _ns_s(hw, wl, spec, op.flops, batch_factors.get(op.id, 1.0)) * over
+            secs = _ns_s(hw, wl, spec, op.flops, batch_factors.get(op.id, 1.0), backends[spec.fqn]) * over
             if not dmuon:  # FSDP2 shards: DTensor dispatch of the update's operators
                 secs += wl.muon_ops_per_matrix * hw.dtensor_op_s * over
             s = _SimOp(kind, op.fqns[0], op.group, deps, False, secs, ns=True)
