@@ -540,9 +540,8 @@ def _ns_batch_factor(repeats: int, quick: bool) -> list[tuple[float, int, float]
     interleaved, each timed right after an untimed call of the same size (as
     :func:`_newton_schulz` times the single call: a call after a larger one pays for the memory
     the allocator handed back, which a step's repeated calls do not), medians of each:
-    ``(d, B, factor)`` points (``d = (a²·b)^(1/3)``). On this
-    2-core VM: ×0.93–0.96 for batches that stay in cache at ``d <= 203``, ×1.1–1.26 at
-    ``d >= 256`` with 8–32 matrices."""
+    ``(d, B, factor)`` points (``d = (a²·b)^(1/3)``). On this 2-core VM: ×0.8–1.0 for batches
+    of 4–16 at ``d <= 203``, ×1.0–1.26 at ``d >= 256``, whose batches leave the cache."""
     import torch
 
     from ..exec.newton_schulz import newton_schulz

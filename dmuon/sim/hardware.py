@@ -33,14 +33,15 @@ one small named function:
 * :func:`ns_call_s` — one Newton-Schulz call (``dmuon.exec.newton_schulz``: its matmuls with
   their transposed operand, the norm and the axpys) where the record has ``ns_efficiency``
   (calibrated from exactly that call, FLOPs as :func:`dmuon.plan.cost.ns_flops` counts them, by
-  ``d = (a²·b)^(1/3)``; a matrix the plan gives ``ns_backend="gram"`` on ``gram_ns_efficiency``,
+  ``d = (a²·b)^(1/3)``; a matrix that runs Gram NS — the plan's ``ns_backend="gram"``, TP
+  ``tp_ns="gram"``, owner groups — on ``gram_ns_efficiency``,
   calibrated from ``gram_newton_schulz`` the same way, where the record has it); without it the
   simulator prices NS as its matmuls on the plain curve plus ``2 · steps`` memory passes.
   ``dmuon.Muon`` runs fp32 / fp64 NS as one batched call per bucket of same-shape matrices
   (:func:`dmuon.plan.cost.ns_batch_runs`); per matrix, such a call takes
   :func:`ns_batch_factor_at` times a single-matrix call (calibrated ``ns_batch_factor`` by
-  ``d`` and batch: on this CPU ×0.93–0.96 for cache-sized batches at ``d <= 203``, ×1.1–1.26
-  at ``d >= 256`` with 8–32 matrices, whose working set leaves the cache).
+  ``d`` and batch: on this CPU ×0.8–1.0 for batches of 4–16 at ``d <= 203``, which amortise
+  the per-operator cost, and ×1.0–1.26 at ``d >= 256``, whose working set leaves the cache).
 * Three kernels of training that are neither a GEMM nor a plain memory pass, where the record
   has them calibrated (each measured forward + backward under autograd; the forward is priced at
   a third of it, the backward at two thirds, as every workload term): **attention**
@@ -235,8 +236,9 @@ class Hardware:
             ``matmul_efficiency`` plus memory passes.
         gram_ns_efficiency: the same for one whole Gram Newton-Schulz call
             (``gram_newton_schulz``, default restarts and fallback check; FLOPs as
-            :func:`dmuon.plan.cost.matrix_ns_flops` counts them for ``"gram"``) — the matrices a
-            plan gives ``ns_backend="gram"``; empty = those on ``ns_efficiency``.
+            :func:`dmuon.plan.cost.matrix_ns_flops` counts them for ``"gram"``) — the plan's
+            ``ns_backend="gram"`` matrices, TP ``tp_ns="gram"`` and owner groups; empty = those
+            on ``ns_efficiency``.
         ns_batch_factor: ``(d, batch, factor)`` points, sorted by ``(d, batch)``: per matrix, one
             batched Newton-Schulz call of ``batch`` same-shape matrices takes ``factor`` times
             one call on a single matrix (``dmuon.Muon`` batches fp32 / fp64 NS by bucket,
