@@ -280,7 +280,8 @@ def _ns_batch_factors(ops: Sequence[Op], plan: Any, hw: Hardware, variant: str) 
     ``dmuon.Muon`` (and the naive baseline, which batches as it does) runs fp32 / fp64 NS per
     bucket: on each rank, the matrices it orthogonalises with the same ``(short, long)`` side and
     dtype, in parameter order, cut into calls by :func:`dmuon.plan.cost.ns_batch_runs` (a view's
-    blocks enter one by one, an expert stack as its ``E`` matrices). Here a bucket is keyed by the
+    blocks enter one by one, an expert stack as its ``E`` matrices; the optimizer buckets per param
+    group, the simulator assumes one Muon param group). Here a bucket is keyed by the
     op's group (its members run the same calls), so each matrix gets the batch size of its call; an
     op whose matrices fall in several calls gets their factors weighted by NS FLOPs. The TP and
     owner-group paths (Gram buckets, gathered TP matrices) and dion's all-to-all (one matrix per
