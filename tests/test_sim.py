@@ -210,7 +210,10 @@ def test_gram_ns_priced_on_its_own_curve():
     """A matrix that runs Gram NS (the plan's ``ns_backend="gram"``; owner groups' sharded Gram
     NS) is priced on ``gram_ns_efficiency`` where the record has it, on ``ns_efficiency``
     otherwise; the standard iteration and every baseline's NS stay on ``ns_efficiency``."""
-    from dmuon.sim.simulate import _lower, _ns_backends, _variant_ops
+    from dmuon.sim.simulate import _lower, _ns_backend, _owner_group_fqns, _variant_ops
+
+    def _ns_backends(plan):
+        return {spec.fqn: _ns_backend(spec, _owner_group_fqns(plan)) for spec in plan.params}
     from dmuon.train.model import GPT, GPTConfig
 
     hw = _cpu(ns_dtype="torch.float32", ns_efficiency=((64.0, 0.8),), gram_ns_efficiency=((64.0, 0.4),))
@@ -247,16 +250,17 @@ def test_ns_batches_reach_the_ops():
     """dmuon prices each matrix's NS by the batch its owner runs it in (same-side matrices of one
     owner, tall and wide together), the naive baseline by the batch of every such matrix (every
     rank runs all of them), dion's all-to-all and bf16 NS unbatched."""
-    from dmuon.sim.simulate import _lower, _ns_batch_factors, _ns_s, _variant_ops
+    from dmuon.sim.simulate import _lower, _ns_batch_factors, _ns_s, _owner_group_fqns, _variant_ops
     from dmuon.train.model import GPT, GPTConfig
 
     cfg = GPTConfig(vocab_size=256, d_model=128, n_layers=2, n_heads=4, d_mlp=512, seq_len=64)
     plan = P.compile(GPT(cfg, device="meta"), 2, cost_model="ns_flops")
+    specs = {spec.fqn: spec for spec in plan.params}
     table = tuple((d, b, 1.0 + d / 1000 + b / 100) for d in (128.0, 203.18733465192946) for b in (2.0, 4.0, 8.0))
     hw = _cpu(ns_dtype="torch.float32", ns_efficiency=((64.0, 0.5),), ns_batch_factor=table)
     for variant in ("z3", "naive"):
         ops, *_ = _variant_ops(plan, variant, None, False)
-        got = _ns_batch_factors(ops, plan, hw, variant)
+        got = _ns_batch_factors(ops, specs, _owner_group_fqns(plan), hw, variant)
         ns = [op for op in ops if op.kind == "newton_schulz"]
         assert set(got) == {op.id for op in ns}
         for op in ns:
@@ -278,7 +282,7 @@ def test_ns_batches_reach_the_ops():
                 sorted([H.ns_batch_factor_at(hw, 128.0, 8), H.ns_batch_factor_at(hw, (128 * 128 * 512) ** (1 / 3), 4)]))
     for variant, h in (("all_to_all", hw), ("z3", dataclasses.replace(hw, ns_dtype="torch.bfloat16"))):
         ops, *_ = _variant_ops(plan, variant, None, False)
-        assert _ns_batch_factors(ops, plan, h, variant) == {}
+        assert _ns_batch_factors(ops, specs, _owner_group_fqns(plan), h, variant) == {}
 
 
 def test_in_situ_costs_reach_the_ops(tiny):

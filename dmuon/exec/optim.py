@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.optim.adamw import adamw as _torch_adamw
 
 from dmuon.plan import cost as _cost
+from dmuon.plan.records import dtype_str
 from dmuon.plan.render import fmt_names
 
 from . import checkpoint as _checkpoint
@@ -38,9 +39,6 @@ from .runtime import after_step, wait_pending
 __all__ = ["Muon", "adjust_lr"]
 
 _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
-# dtypes for which the optimizer batches Newton-Schulz over same-shape matrices (the rule and the
-# per-call element bound live in dmuon.plan.cost, which the simulator prices by)
-_BATCHED_NS_DTYPES = tuple(getattr(torch, name.split(".")[1]) for name in _cost.NS_BATCHED_DTYPES)
 
 
 def adjust_lr(lr: float, adjust_lr_fn: Optional[str], matrix_shape: Sequence[int]) -> float:
@@ -719,7 +717,8 @@ class Muon(torch.optim.Optimizer):
         def apply(p: Tensor, ortho: Tensor, matrix_shape) -> None:
             _apply_update(p, ortho, lr, weight_decay, adjust_lr(lr, adjust_lr_fn, matrix_shape))
 
-        batched = ns_kw["dtype"] in _BATCHED_NS_DTYPES
+        # fp32 / fp64 NS batched by bucket (the rule in dmuon.plan.cost, which the simulator prices by)
+        batched = dtype_str(ns_kw["dtype"]) in _cost.NS_BATCHED_DTYPES
         buckets: dict[tuple, list[tuple[Tensor, Tensor, int, int, int]]] = {}
         tp_entries: list[tuple[Tensor, Tensor, Any]] = []
         grouped_entries: list[tuple[Tensor, Tensor, Any]] = []

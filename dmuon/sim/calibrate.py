@@ -67,7 +67,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .hardware import CollectiveCurve, Hardware, Link, dump
+from .hardware import CollectiveCurve, Hardware, Link, dump, ns_mean_dim
 
 __all__ = ["calibrate", "main"]
 
@@ -521,7 +521,7 @@ def _newton_schulz(repeats: int, quick: bool, backend: str = "standard") -> list
         x = torch.randn(a, b)
         fn(x, dtype=torch.float32)
         t = _median_s(lambda x=x: fn(x, dtype=torch.float32), repeats)
-        pts.append(((a * a * b) ** (1 / 3), matrix_ns_flops(a, b, backend) / t))
+        pts.append((ns_mean_dim(a, b), matrix_ns_flops(a, b, backend) / t))
     return sorted(pts)
 
 
@@ -561,7 +561,7 @@ def _ns_batch_factor(repeats: int, quick: bool) -> list[tuple[float, int, float]
                 newton_schulz(x, dtype=torch.float32)
                 samples[B].append((time.perf_counter() - t0) / B)
         single = statistics.median(samples[1])
-        pts += [((a * a * b) ** (1 / 3), B, statistics.median(samples[B]) / single) for B in sizes[1:]]
+        pts += [(ns_mean_dim(a, b), B, statistics.median(samples[B]) / single) for B in sizes[1:]]
     return sorted(pts)
 
 

@@ -107,6 +107,7 @@ __all__ = [
     "train_elementwise_s",
     "train_attention_s",
     "ns_call_s",
+    "ns_mean_dim",
     "ns_batch_factor_at",
     "busy_factors",
     "train_norm_s",
@@ -514,6 +515,14 @@ def busy_factors(hw: Hardware) -> tuple[float, float]:
         return 1.0, 1.0
     w = (busy - 1) / (cores - 1)
     return 1.0 + w * (hw.busy_compute_factor - 1.0), 1.0 + w * (hw.busy_memory_factor - 1.0)
+
+
+def ns_mean_dim(m: int, n: int) -> float:
+    """``d = (a²·b)^(1/3)`` of an ``(m, n)`` matrix (``a <= b`` its sides): the mean dimension the
+    Newton-Schulz curves (``ns_efficiency``, ``gram_ns_efficiency``, ``ns_batch_factor``) are
+    calibrated and looked up by."""
+    a, b = min(m, n), max(m, n)
+    return (a * a * b) ** (1 / 3)
 
 
 def ns_call_s(hw: Hardware, flops: float, d: float, backend: str = "standard") -> float:

@@ -62,7 +62,7 @@ from ..plan.step_schedule import Op, Step, StepSchedule
 from . import alternatives as _alt
 from .hardware import (OP_COLLECTIVE, Hardware, blocking_wait_s_at, busy_factors, collective_s, comm_cpu_share_at,
                        dtensor_gather_s_at, elementwise_s, fsdp2_call_s_at, matmul_s, ns_batch_factor_at, ns_call_s,
-                       step_compute_factor_at, train_activation_s, train_attention_s, train_elementwise_s,
+                       ns_mean_dim, step_compute_factor_at, train_activation_s, train_attention_s, train_elementwise_s,
                        train_matmul_s, train_norm_s)
 from .workload import Work, Workload
 
@@ -246,13 +246,11 @@ def _ns_s(hw: Hardware, wl: Workload, spec: Any, flops: int, batch_factor: float
     ``batch_factor`` (its share of a batched call, :func:`_ns_batch_factors`), and the update's
     elementwise work (momentum, Nesterov, decay, apply: 6 passes, ``muon_ops_per_matrix``);
     matmuls times the busy-node matmul factor, passes times the memory factor."""
-    m, n = spec.matrix_shape
-    a, b = min(m, n), max(m, n)
     isz = itemsize_nbytes(spec.dtype)
     numel = spec.local_numel
     busy_c, busy_m = busy_factors(hw)
     update = busy_m * elementwise_s(hw, 6 * numel * isz, wl.muon_ops_per_matrix)
-    d = (a * a * b) ** (1 / 3)
+    d = ns_mean_dim(*spec.matrix_shape)
     if hw.ns_efficiency:
         return busy_c * ns_call_s(hw, flops, d, backend) * batch_factor + update
     mm = matmul_s(hw, flops, d, hw.ns_dtype)
@@ -261,19 +259,21 @@ def _ns_s(hw: Hardware, wl: Workload, spec: Any, flops: int, batch_factor: float
     return (busy_c * mm + busy_m * passes) * batch_factor + update
 
 
-def _ns_backends(plan: Any) -> dict[str, str]:
-    """Param fqn -> the Newton-Schulz its update runs, ``"gram"`` or ``"standard"``: Gram for the
+def _owner_group_fqns(plan: Any) -> set[str]:
+    """The plan's matrices owned by an owner group (sharded Gram NS on its members)."""
+    return {spec.fqn for spec, owner in zip(plan.params, plan.owners) if isinstance(owner, OwnerGroup)}
+
+
+def _ns_backend(spec: Any, grouped: set[str]) -> str:
+    """The Newton-Schulz a dmuon matrix's update runs, ``"gram"`` or ``"standard"``: Gram for the
     plan's ``ns_backend="gram"`` matrices, TP-sharded ones with ``tp_ns="gram"`` and owner-group
-    matrices (sharded Gram NS, :mod:`dmuon.exec.tp_orthogonalize`)."""
-    out = {}
-    for spec, owner in zip(plan.params, plan.owners):
-        gram = (spec.ns_backend == "gram" or (spec.tp_size > 1 and spec.tp_ns == "gram")
-                or isinstance(owner, OwnerGroup))
-        out[spec.fqn] = "gram" if gram else "standard"
-    return out
+    matrices (``grouped``; sharded Gram NS, :mod:`dmuon.exec.tp_orthogonalize`)."""
+    gram = spec.ns_backend == "gram" or (spec.tp_size > 1 and spec.tp_ns == "gram") or spec.fqn in grouped
+    return "gram" if gram else "standard"
 
 
-def _ns_batch_factors(ops: Sequence[Op], plan: Any, hw: Hardware, variant: str) -> dict[int, float]:
+def _ns_batch_factors(ops: Sequence[Op], specs: dict[str, Any], grouped: set[str], hw: Hardware,
+                      variant: str) -> dict[int, float]:
     """Op id -> the per-matrix factor of the batched NS call its matrices run in
     (:func:`~dmuon.sim.hardware.ns_batch_factor_at`; ops not listed: 1).
 
@@ -283,13 +283,12 @@ def _ns_batch_factors(ops: Sequence[Op], plan: Any, hw: Hardware, variant: str) 
     blocks enter one by one, an expert stack as its ``E`` matrices; the optimizer buckets per param
     group, the simulator assumes one Muon param group). Here a bucket is keyed by the
     op's group (its members run the same calls), so each matrix gets the batch size of its call; an
-    op whose matrices fall in several calls gets their factors weighted by NS FLOPs. The TP and
+    op whose matrices fall in several calls gets their factors weighted by NS FLOPs (``specs``: fqn ->
+    spec; ``grouped``: :func:`_owner_group_fqns`). The TP and
     owner-group paths (Gram buckets, gathered TP matrices) and dion's all-to-all (one matrix per
     owner per batch) are not batched this way: factor 1."""
     if variant not in ("z2", "z3", "naive") or not hw.ns_batch_factor or hw.ns_dtype not in _cost.NS_BATCHED_DTYPES:
         return {}
-    grouped = {spec.fqn for spec, owner in zip(plan.params, plan.owners) if isinstance(owner, OwnerGroup)}
-    specs = {s.fqn: s for s in plan.params}
     buckets: dict[tuple, list[tuple[int, int, int, int, int]]] = {}  # key -> [(op id, a, b, count, numel)]
     for op in ops:
         if op.kind != "newton_schulz":
@@ -312,7 +311,7 @@ def _ns_batch_factors(ops: Sequence[Op], plan: Any, hw: Hardware, variant: str) 
                 op_id, a, b, count, _ = entries[i]
                 f = _cost.ns_flops(a, b, num_matrices=count)
                 acc = weighted.setdefault(op_id, [0.0, 0.0])
-                acc[0] += f * ns_batch_factor_at(hw, (a * a * b) ** (1 / 3), batch)
+                acc[0] += f * ns_batch_factor_at(hw, ns_mean_dim(a, b), batch)
                 acc[1] += f
     return {i: num / den for i, (num, den) in weighted.items() if den > 0}
 
@@ -357,8 +356,8 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
     grad_colls: list[int] = []
     coll_cache: dict = {}
     waited: set[tuple] = set()
-    batch_factors = _ns_batch_factors(ops, plan, hw, variant)
-    backends = _ns_backends(plan) if dmuon else {s.fqn: "standard" for s in plan.params}
+    grouped = _owner_group_fqns(plan)
+    batch_factors = _ns_batch_factors(ops, specs, grouped, hw, variant)
     for op in ops:
         mb = op.micro_batch
         if op.kind == "forward" and mb not in first_fwd:
@@ -406,7 +405,8 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
             s = _SimOp(kind, b or "", op.group, deps, False, secs)
         elif kind == "newton_schulz":
             spec = specs[op.fqns[0]]
-            secs = _ns_s(hw, wl, spec, op.flops, batch_factors.get(op.id, 1.0), backends[spec.fqn]) * over
+            backend = _ns_backend(spec, grouped) if dmuon else "standard"  # the baselines: torch's iteration
+            secs = _ns_s(hw, wl, spec, op.flops, batch_factors.get(op.id, 1.0), backend) * over
             if not dmuon:  # FSDP2 shards: DTensor dispatch of the update's operators
                 secs += wl.muon_ops_per_matrix * hw.dtensor_op_s * over
             s = _SimOp(kind, op.fqns[0], op.group, deps, False, secs, ns=True)
