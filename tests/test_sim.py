@@ -302,12 +302,36 @@ def test_in_situ_costs_reach_the_ops(tiny):
         gathers = sum(1 for op in a if op.kind == "all_gather")
         assert sum(extra) == pytest.approx(fsdp * 1e-3 + gathers * 2e-3)
         assert (gathers > 0) == (variant == "naive")
-        # gloo: the thread waits for each full_tensor() gather before the next (one wait op each,
-        # right after it, depending on it); separate engines only make the NS wait (no wait ops)
+        # gloo: the thread waits for each full_tensor() gather before the next and for each of
+        # FSDP2's gradient reduce-scatters (issued without async_op): one wait op right after
+        # each, depending on it; separate engines only make the consumers wait (no wait ops)
+        blocking = [j for j, op in enumerate(a) if op.kind in ("all_gather", "fsdp2_reduce_scatter", "fsdp2_all_reduce")]
         waits = [j for j, op in enumerate(a) if op.kind == "wait"]
-        assert len(waits) == gathers and all(a[j - 1].kind == "all_gather" and a[j].deps == (j - 1,) for j in waits)
+        assert waits == [j + 1 for j in blocking] and all(a[j].deps == (j - 1,) for j in waits)
+        assert sum(1 for op in a if op.kind == "fsdp2_reduce_scatter") == len(plan.fsdp2_units) > 1  # one per unit
         gpu = _lower(ops, plan, dataclasses.replace(hw, comm_engine="separate"), wl, variant=variant, num_ranks=n)
         assert not any(op.kind == "wait" for op in gpu)
+
+
+def test_fsdp2_reduce_scatter_blocks_the_thread_on_gloo(tiny):
+    """FSDP2 issues its gradient reduce-scatter without ``async_op``: on gloo the backward after
+    it waits for the whole collective, so each extra second of a reduce-scatter moves the step by
+    exactly that second per call (one rank per core, nothing to hide it behind); on a GPU preset's
+    streams backward goes on, and the step grows by less."""
+    plan, wl = tiny
+
+    def rs(seconds):
+        return (H.CollectiveCurve(kind="reduce_scatter", group_size=4, nbytes=(1, 2), seconds=(seconds, seconds)),)
+
+    calls = len(plan.fsdp2_units)
+    long_backward = S.from_plan(plan, tokens_per_rank=2**22, seq_len=128)  # ~50 ms per block on an H100
+    for hw, w, blocking in ((_cpu(ranks_per_node=4, cores_per_node=4), wl, True), (H.preset("h100"), long_backward, False)):
+        fast, slow = (S.simulate(plan, dataclasses.replace(hw, curves=rs(s)), w, variant="adamw").step_s
+                      for s in (1e-3, 11e-3))
+        if blocking:
+            assert slow - fast == pytest.approx(calls * 10e-3)
+        else:
+            assert slow - fast < calls * 10e-3 - 1e-6
 
 
 def test_step_factor_and_blocking_wait_by_hand():
