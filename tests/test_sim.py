@@ -303,9 +303,9 @@ def test_in_situ_costs_reach_the_ops(tiny):
         assert sum(extra) == pytest.approx(fsdp * 1e-3 + gathers * 2e-3)
         assert (gathers > 0) == (variant == "naive")
         # gloo: the thread waits for each full_tensor() gather before the next and for each of
-        # FSDP2's gradient reduce-scatters (issued without async_op): one wait op right after
-        # each, depending on it; separate engines only make the consumers wait (no wait ops)
-        blocking = [j for j, op in enumerate(a) if op.kind in ("all_gather", "fsdp2_reduce_scatter", "fsdp2_all_reduce")]
+        # FSDP2's collectives (issued without async_op): one wait op right after each,
+        # depending on it; separate engines only make the consumers wait (no wait ops)
+        blocking = [j for j, op in enumerate(a) if op.kind == "all_gather" or op.kind.startswith("fsdp2_")]
         waits = [j for j, op in enumerate(a) if op.kind == "wait"]
         assert waits == [j + 1 for j in blocking] and all(a[j].deps == (j - 1,) for j in waits)
         assert sum(1 for op in a if op.kind == "fsdp2_reduce_scatter") == len(plan.fsdp2_units) > 1  # one per unit
@@ -313,25 +313,36 @@ def test_in_situ_costs_reach_the_ops(tiny):
         assert not any(op.kind == "wait" for op in gpu)
 
 
-def test_fsdp2_reduce_scatter_blocks_the_thread_on_gloo(tiny):
-    """FSDP2 issues its gradient reduce-scatter without ``async_op``: on gloo the backward after
-    it waits for the whole collective, so each extra second of a reduce-scatter moves the step by
-    exactly that second per call (one rank per core, nothing to hide it behind); on a GPU preset's
-    streams backward goes on, and the step grows by less."""
-    plan, wl = tiny
+@pytest.mark.parametrize("mesh, kind", [(4, "reduce_scatter"), (4, "all_gather"), ((2, 2), "all_reduce")])
+def test_fsdp2_collectives_block_the_thread_on_gloo(mesh, kind):
+    """FSDP2 issues its all-gathers (prefetches included) and its gradient reduce-scatter /
+    HSDP all-reduce without ``async_op``: on gloo the thread waits for the whole collective, so
+    each extra second of one moves the step by exactly that second per call (one rank per core,
+    nothing to hide it behind); on a GPU preset's streams the compute goes on, and of the
+    gradient collectives only the two after the last backward (the first block's, the root's)
+    are exposed."""
+    from dmuon.sim.simulate import _variant_ops
 
-    def rs(seconds):
-        return (H.CollectiveCurve(kind="reduce_scatter", group_size=4, nbytes=(1, 2), seconds=(seconds, seconds)),)
+    plan = P.compile(P.presets.tiny_llama(), mesh)
+    group = plan.mesh_shape[0] if kind == "all_reduce" else plan.mesh_shape[1]
 
-    calls = len(plan.fsdp2_units)
-    long_backward = S.from_plan(plan, tokens_per_rank=2**22, seq_len=128)  # ~50 ms per block on an H100
-    for hw, w, blocking in ((_cpu(ranks_per_node=4, cores_per_node=4), wl, True), (H.preset("h100"), long_backward, False)):
-        fast, slow = (S.simulate(plan, dataclasses.replace(hw, curves=rs(s)), w, variant="adamw").step_s
+    def curve(seconds):
+        return (H.CollectiveCurve(kind=kind, group_size=group, nbytes=(1, 2), seconds=(seconds, seconds)),)
+
+    ops, *_ = _variant_ops(plan, "adamw", None, False)
+    calls = sum(1 for op in ops if op.kind == "fsdp2_" + kind and 0 in op.group)  # rank 0's calls
+    assert calls == len(plan.fsdp2_units) * (2 if kind == "all_gather" else 1) - (kind == "all_gather")  # root: no re-gather
+    gloo = (_cpu(ranks_per_node=4, cores_per_node=4), S.from_plan(plan, tokens_per_rank=512, seq_len=128))
+    gpu = (H.preset("h100"), S.from_plan(plan, tokens_per_rank=2**22, seq_len=128))  # ~50 ms per block backward
+    for hw, w in (gloo, gpu):
+        fast, slow = (S.simulate(plan, dataclasses.replace(hw, curves=curve(s)), w, variant="adamw").step_s
                       for s in (1e-3, 11e-3))
-        if blocking:
+        if hw is gloo[0]:
             assert slow - fast == pytest.approx(calls * 10e-3)
+        elif kind == "all_gather":
+            assert slow - fast < calls * 10e-3 - 1e-3
         else:
-            assert slow - fast < calls * 10e-3 - 1e-6
+            assert slow - fast == pytest.approx(2 * 10e-3)
 
 
 def test_step_factor_and_blocking_wait_by_hand():

@@ -22,11 +22,12 @@ each running its collectives in order:
   ``comm_engine="separate"`` (GPUs) a rank issues a collective as soon as the compute op before
   it has *started* (the CPU runs ahead of the device by one op; issue cost off the stream);
   with ``"threads"`` (gloo) issuing occupies the thread, a call that returns only when its
-  collective is done holds it until then (the naive baseline's ``DTensor.full_tensor()`` gathers;
-  FSDP2's gradient reduce-scatters / all-reduces, which FSDP2 issues without ``async_op``), and a compute op that runs while the
-  rank's collectives are still in flight (from its start to the end of the latest collective
-  the rank issued) is stretched by ``comm_cpu_share`` (:func:`~dmuon.sim.hardware.comm_cpu_share_at`)
-  times that overlap: gloo's threads share the cores.
+  collective is done holds it until then (every FSDP2 collective, which FSDP2 issues without
+  ``async_op``; the naive baseline's ``DTensor.full_tensor()`` gathers), and a compute op that
+  runs while the rank's collectives are still in flight (from its start to the end of the
+  latest collective the rank issued) is stretched by ``comm_cpu_share``
+  (:func:`~dmuon.sim.hardware.comm_cpu_share_at`) times that overlap: gloo's threads share the
+  cores.
 * a **compute op** (forward, backward, recompute, Newton-Schulz, optimizer) starts when the
   thread is free and its dependencies are done *on that rank* (a rank waits only for the ops it
   takes part in); time between is that rank's communication wait. Durations come from the
@@ -416,12 +417,12 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
             raise ValueError(f"dmuon.sim: cannot simulate op kind {kind!r} ({op.describe()})")
         remap[op.id] = len(out)
         out.append(s)
-        if hw.comm_engine == "threads" and (
-                (kind == "all_gather" and variant == "naive") or kind in ("fsdp2_reduce_scatter", "fsdp2_all_reduce")):
-            # Calls that return only when the collective is done, on gloo: DTensor.full_tensor()
-            # (the naive baseline's gather: every gather precedes the first NS, as in its step)
-            # and FSDP2's gradient reduce-scatter / all-reduce (issued without async_op in the
-            # post-backward hook; on GPUs a stream runs them while backward goes on). NCCL only
+        if hw.comm_engine == "threads" and (kind.startswith("fsdp2_") or (kind == "all_gather" and variant == "naive")):
+            # Calls that return only when the collective is done, on gloo: every FSDP2 collective
+            # (its all-gathers, prefetches included — unshard_async_op is off — and its gradient
+            # reduce-scatter / all-reduce in the post-backward hook are issued without async_op;
+            # on GPUs streams run them beside the compute) and DTensor.full_tensor() (the naive
+            # baseline's gather: every gather precedes the first NS, as in its step). NCCL only
             # makes the compute stream wait, which the deps express.
             out.append(_SimOp("wait", s.label, op.group, (len(out) - 1,), False, 0.0))
         if op.kind == "backward" and last_bwd.get(mb) == op.id:
