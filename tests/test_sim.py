@@ -650,6 +650,29 @@ def test_z2_never_moves_more_bytes_than_z3(layers, hidden, mesh, mp):
 # ------------------------------------------------------------------ CLI
 
 
+def test_gantt_draws_every_interval_with_a_duration(tiny):
+    """One bar per timeline interval of positive length; a gloo thread's zero-length waits (an
+    FSDP2 call whose collective was already done when it returned) draw nothing and get no
+    legend entry."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.patches import Rectangle
+
+    from dmuon.sim.plot import gantt
+
+    plan, wl = tiny
+    sims = {v: S.simulate(plan, _cpu(ranks_per_node=4, cores_per_node=4), wl, variant=v) for v in ("adamw", "z3")}
+    assert any(iv.kind == "wait" and iv.end_s == iv.start_s for iv in sims["adamw"].timelines[0])
+    fig = gantt(sims, 0)
+    for ax, sim in zip(fig.axes, sims.values()):
+        bars = [p for p in ax.patches if isinstance(p, Rectangle)]
+        assert len(bars) == sum(1 for iv in sim.timelines[0] if iv.end_s > iv.start_s)
+    labels = {t.get_text() for t in fig.legends[0].get_texts()}
+    assert "wait" not in labels and {"forward", "backward", "fsdp2_reduce_scatter"} <= labels
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
 def test_simulate_cli(tmp_path, capsys):
     from dmuon.__main__ import main
 

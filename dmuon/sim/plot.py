@@ -36,7 +36,7 @@ def gantt(sims: Mapping[str, Any], rank: int, path: str | None = None, *, ax_wid
         lanes = [l for l in _LANES if any(b.lane == l for b in bars)]
         for y, lane in enumerate(lanes):
             for b in bars:
-                if b.lane != lane:
+                if b.lane != lane or b.end_s <= b.start_s:  # zero-length: a thread's wait that found its collective done
                     continue
                 kinds_seen.add(b.kind)
                 ax.barh(y, 1e3 * (b.end_s - b.start_s), left=1e3 * b.start_s, height=0.8,
