@@ -693,6 +693,36 @@ def test_simulate_cli(tmp_path, capsys):
         main(["simulate", "--model", "llama3-8b", "--mesh", "8", "--hw", "tpu"])
 
 
+def test_simulate_cli_user_errors(tmp_path, capsys):
+    """Each user error is one argparse error (exit 2, no traceback) naming the problem: the plan's
+    refusal cut to its first lines, an unreadable calibration record, a dtype, a sequence length,
+    a folder given as an output file; a model that cannot fit prints a warning, not a silent pick."""
+    from dmuon.__main__ import main
+
+    bad_record = tmp_path / "bad.json"
+    bad_record.write_text('{"name": "not a record"}')
+    corrupt = tmp_path / "corrupt.json"
+    corrupt.write_text("{\n")
+    cases = [
+        (["--tp", "3"], ["is not divisible by the TP degree 3", "more lines)"]),
+        (["--hw", str(bad_record)], ["not a preset", "calibrate --json"]),
+        (["--hw", str(corrupt)], [str(corrupt), "JSONDecodeError"]),
+        (["--param-dtype", "fp8"], ["'fp8' is not a torch dtype"]),
+        (["--seq-len", "0"], ["--seq-len must be between 1 and"]),
+        (["--json", str(tmp_path)], ["is a folder"]),
+    ]
+    for extra, needles in cases:
+        argv = ["simulate", "--model", "llama3-8b", "--mesh", "8", "--hw", "h100", "--tokens-per-rank", "4096", *extra]
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "Traceback" not in err, extra
+        assert all(n in err for n in needles), (extra, err[-400:])
+        assert len(err.splitlines()) < 30, extra
+    assert main(["simulate", "--model", "llama3-70b", "--mesh", "8x128", "--hw", "h100", "--mode", "z2"]) == 0
+    assert "warning: no dmuon mode fits the device: Z2 peaks at" in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------ purity
 
 

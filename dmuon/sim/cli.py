@@ -10,7 +10,10 @@ Examples::
 Prints, per variant (adamw, naive, z2, z3, all_to_all), the simulated step time, its ratio to
 FSDP2 + AdamW, the exposed communication, the Newton-Schulz share and the peak memory, then the
 recommended dmuon mode: the faster of Z2 / Z3 whose peak memory fits the device (Z3 on a tie
-within 1 %, since it holds less). ``--mode`` restricts the dmuon rows to one mode.
+within 1 %, since it holds less), with a warning when neither fits. ``--mode`` restricts the
+dmuon rows to one mode. A user error (a mesh, TP degree or dtype the plan refuses, an unreadable
+``--hw`` record, a folder for ``--json`` / ``--png``) ends in one argparse error before any
+simulation.
 
 GPU presets train in bf16 with FSDP2's usual mixed precision (``--param-dtype bfloat16
 --reduce-dtype float32`` unless given); a calibration file keeps fp32. With ``--tp T`` dmuon
@@ -28,6 +31,18 @@ from collections.abc import Sequence
 from types import SimpleNamespace
 
 __all__ = ["main_simulate", "recommend"]
+
+#: lines of a plan-compile error the CLI prints (a TP refusal names every parameter it refuses)
+_ERROR_LINES = 6
+
+
+def _dtype_arg(value: str) -> str:
+    from ..plan.records import dtype_str
+
+    try:
+        return dtype_str(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a torch dtype (e.g. bfloat16, float32)") from None
 
 
 def recommend(sims: dict, memory_nbytes: int) -> str:
@@ -62,8 +77,9 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=None, help="sequence length (default: min(tokens, 8192))")
     parser.add_argument("--mode", choices=("z2", "z3"), default=None, help="only this dmuon mode")
     parser.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel degree")
-    parser.add_argument("--param-dtype", default=None, help="FSDP2 / dmuon wire dtype (GPU default bfloat16)")
-    parser.add_argument("--reduce-dtype", default=None, help="gradient reduce dtype (GPU default float32)")
+    parser.add_argument("--param-dtype", default=None, type=_dtype_arg,
+                        help="FSDP2 / dmuon wire dtype (GPU default bfloat16)")
+    parser.add_argument("--reduce-dtype", default=None, type=_dtype_arg, help="gradient reduce dtype (GPU default float32)")
     parser.add_argument("--cost-model", default="ns_flops", choices=("numel", "ns_flops"))
     parser.add_argument(
         "--owner-groups", default="off", type=_owner_groups_arg, metavar="off|auto|K",
@@ -75,29 +91,40 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
     if args.tp > 1 and args.owner_groups not in ("off", 1):
         parser.error("--owner-groups with --tp: owner groups are not supported with tensor parallelism (use off)")
     for f in (args.json, args.png):
+        if f and os.path.isdir(f):
+            parser.error(f"{f!r} is a folder: give a file name")
         if f and not os.path.isdir(os.path.dirname(os.path.abspath(f))):
             parser.error(f"the folder of {f!r} does not exist")
     if args.tp < 1 or args.tokens_per_rank < 1:
         parser.error("--tp and --tokens-per-rank must be >= 1")
+    if args.seq_len is not None and not 1 <= args.seq_len <= args.tokens_per_rank:
+        parser.error(f"--seq-len must be between 1 and --tokens-per-rank ({args.tokens_per_rank:,}), got {args.seq_len}")
     try:
         hw = H.preset(args.hw)
-    except (ValueError, OSError) as exc:
-        parser.error(str(exc))
+    except (ValueError, OSError, KeyError, TypeError) as exc:  # JSONDecodeError is a ValueError
+        parser.error(f"--hw {args.hw!r}: not a preset {sorted(H.PRESETS)} nor a readable calibration record "
+                     f"({type(exc).__name__}: {exc}); write one with `python -m dmuon calibrate --json FILE`")
     gpu = hw.comm_engine == "separate"
     param_dtype = args.param_dtype or ("bfloat16" if gpu else None)
     reduce_dtype = args.reduce_dtype or ("float32" if gpu else None)
     mp = SimpleNamespace(param_dtype=param_dtype, reduce_dtype=reduce_dtype) if (param_dtype or reduce_dtype) else None
     model = PRESETS[args.model]()
-    tp_kw = {}
-    if args.tp > 1:
-        dedicated = set(compile(model, args.mesh).dedicated)
-        tp_kw = dict(tp_size=args.tp, tp_shard_dims={k: v for k, v in megatron_tp_shard_dims(model).items() if k in dedicated})
-    plans = {}
-    for z3 in (False, True):
-        plans[z3] = compile(
-            model, args.mesh, reshard_after_forward=z3, cost_model=args.cost_model, mp_policy=mp,
-            owner_groups=args.owner_groups, **tp_kw,
-        )
+    try:
+        tp_kw = {}
+        if args.tp > 1:
+            dedicated = set(compile(model, args.mesh).dedicated)
+            tp_kw = dict(tp_size=args.tp,
+                         tp_shard_dims={k: v for k, v in megatron_tp_shard_dims(model).items() if k in dedicated})
+        plans = {}
+        for z3 in (False, True):
+            plans[z3] = compile(
+                model, args.mesh, reshard_after_forward=z3, cost_model=args.cost_model, mp_policy=mp,
+                owner_groups=args.owner_groups, **tp_kw,
+            )
+    except ValueError as exc:  # the plan refuses this mesh / TP degree / owner groups for this model
+        lines = str(exc).splitlines()
+        more = f"\n  ... ({len(lines) - _ERROR_LINES} more lines)" if len(lines) > _ERROR_LINES else ""
+        parser.error(f"{args.model} on --mesh {args.mesh} --tp {args.tp}: " + "\n".join(lines[:_ERROR_LINES]) + more)
     plan = plans[True]
     R, N = plan.mesh_shape
     if not gpu:  # a calibrated CPU: every rank on this machine
@@ -121,6 +148,10 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
               f"{100 * s.ns_share:>7.1f}{max(s.peak_memory_nbytes) / 2**30:>10.2f} {s.comm_nbytes / 1e12:>11.3f}")
     rec = recommend(sims, hw.memory_nbytes)
     print(f"\nrecommended: dmuon {rec.upper()} ({sims[rec].step_s / base:.3f} x FSDP2 + AdamW)")
+    peak = max(sims[rec].peak_memory_nbytes)
+    if hw.memory_nbytes and peak > hw.memory_nbytes:
+        print(f"warning: no dmuon mode fits the device: {rec.upper()} peaks at {peak / 2**30:.1f} GiB per rank against "
+              f"{hw.memory_nbytes / 2**30:.1f} GiB (more shard ranks, TP, activation checkpointing or fewer tokens per rank)")
     if args.json:
         out = dict(model=args.model, mesh=list(plan.mesh_shape), tp=plan.tp_size, hardware=hw.name,
                    tokens_per_rank=args.tokens_per_rank, seq_len=seq, recommended=rec,
