@@ -211,10 +211,10 @@ def test_gram_ns_priced_on_its_own_curve():
     NS) is priced on ``gram_ns_efficiency`` where the record has it, on ``ns_efficiency``
     otherwise; the standard iteration and every baseline's NS stay on ``ns_efficiency``."""
     from dmuon.sim.simulate import _lower, _ns_backend, _owner_group_fqns, _variant_ops
+    from dmuon.train.model import GPT, GPTConfig
 
     def _ns_backends(plan):
         return {spec.fqn: _ns_backend(spec, _owner_group_fqns(plan)) for spec in plan.params}
-    from dmuon.train.model import GPT, GPTConfig
 
     hw = _cpu(ns_dtype="torch.float32", ns_efficiency=((64.0, 0.8),), gram_ns_efficiency=((64.0, 0.4),))
     assert H.ns_call_s(hw, 1e9, 300.0, "gram") == pytest.approx(1e9 / (1e9 * 0.4))

@@ -657,10 +657,19 @@ def preset(name: str) -> Hardware:
 
 def load(path: str) -> Hardware:
     """Read a :class:`Hardware` written by :func:`dump` / ``python -m dmuon calibrate --json``
-    (the file's ``"hardware"`` object, or the record itself)."""
+    (the file's ``"hardware"`` object, or the record itself).
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: it is not JSON or not such a record (the message names the file and the fix).
+    """
     with open(path, encoding="utf-8") as f:
-        d = json.load(f)
-    return Hardware.from_dict(d.get("hardware", d))
+        try:
+            d = json.load(f)
+            return Hardware.from_dict(d.get("hardware", d))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # JSONDecodeError is a ValueError
+            raise ValueError(f"{path}: not a calibration record ({type(exc).__name__}: {exc}); "
+                             "write one with `python -m dmuon calibrate --json FILE`") from exc
 
 
 def dump(hw: Hardware, path: str, **extra: Any) -> None:
