@@ -12,7 +12,8 @@ Modules: ``snapshot`` (read-only model snapshot), ``boundaries`` (hook-boundary 
 ``selection`` (dedicated params and matrix views), ``partition`` (constrained LPT),
 ``layout`` (packed buffers), ``step_schedule`` (every rank's ops in one step; deadlock replay),
 ``cost`` (bytes/FLOPs/memory summed from the schedule; the FSDP2 baseline),
-``plan`` (records, JSON, compile), ``diff``, ``render``, ``presets``, ``cli``, ``views`` (matrix
+``mesh`` (mesh dim roles, ``normalize_mesh``), ``plan`` (the ``ShardingPlan`` record, JSON),
+``compile`` (the planner), ``diff``, ``render``, ``presets``, ``cli``, ``views`` (matrix
 views: per-head / split-QKV orthogonalisation) and ``qk_clip`` (QK-clip settings), see
 docs/muon_variants.md.
 See docs/planning.md.
@@ -22,11 +23,13 @@ from . import presets, qk_clip, views
 from .cost import BaselineByteCost, ByteCost, RankStats
 from .diff import CostDelta, ParamChange, PlanDiff, SettingChange, diff
 from .layout import Boundary, BufferLayout, LayoutEntry, Segment, SubSegment
-from .plan import MESH_DIM_NAMES, MeshDimRoles, ShardingPlan, compile, mesh_dim_roles, normalize_mesh
+from .mesh import MESH_DIM_NAMES, MeshDimRoles, mesh_dim_roles, normalize_mesh
+from .plan import ShardingPlan
 from .qk_clip import QKClip
 from .records import MatrixView, Owner, OwnerGroup, ParamSpec
 from .step_schedule import MicroBatch, Op, ScheduleError, Step, StepSchedule, replay, schedule
 from .selection import matrix_predicate
+from .compile import compile  # last: dmuon.plan.compile is the function (it shadows its module)
 
 __all__ = [
     "compile",

@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from types import SimpleNamespace
 
 from .diff import diff
-from .plan import ShardingPlan, compile
+from .compile import compile
+from .plan import ShardingPlan
 from .presets import PRESETS, megatron_tp_shard_dims
 from .selection import matrix_predicate
 

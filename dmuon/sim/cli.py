@@ -70,7 +70,7 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m dmuon simulate``. Returns 0."""
     from ..plan.cli import parse_owner_groups as _owner_groups_arg
     from ..plan.cli import parse_mesh
-    from ..plan.plan import compile
+    from ..plan.compile import compile
     from ..plan.presets import PRESETS, megatron_tp_shard_dims
     from . import hardware as H
     from .simulate import VARIANTS, simulate

@@ -1,0 +1,421 @@
+"""The planner: :func:`compile` builds a :class:`~dmuon.plan.plan.ShardingPlan`.
+
+``compile(model, mesh, ...)`` is pure: it reads a snapshot of the model (names, shapes, dtypes,
+module types; meta-device models work), selects the dedicated parameters, resolves their hook
+boundaries, assigns ONE owner rank per parameter with constrained LPT over the ``R*N`` mesh
+slots, and lays out the packed per-boundary buffers. It never touches ``torch.distributed``,
+never mutates or allocates the model, and gives byte-identical plans (same
+:meth:`ShardingPlan.fingerprint`) for the same model and arguments on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import cost as _cost
+from .boundaries import BoundaryResolver
+from .layout import build_boundaries
+from .mesh import normalize_mesh
+from .partition import lpt_partition, lpt_partition_groups
+from .plan import ShardingPlan
+from .qk_clip import QKClip, check_qk_clip
+from .records import Fsdp2Unit, Owner, OwnerGroup, ParamSpec, balanced_sizes, dtype_str
+from .selection import select_params
+from .snapshot import take_snapshot
+
+__all__ = ["compile"]
+
+
+def _mp_dtypes(mp_policy: Any) -> tuple[str | None, str | None]:
+    if mp_policy is None:
+        return None, None
+    return dtype_str(getattr(mp_policy, "param_dtype", None)), dtype_str(getattr(mp_policy, "reduce_dtype", None))
+
+
+def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile is the public name
+    model: nn.Module,
+    mesh: Any,
+    *,
+    predicate: Callable[[str, torch.Tensor], bool] | None = None,
+    reshard_after_forward: bool = True,
+    hook_boundary_predicate: Callable[[nn.Module], bool] | None = None,
+    hook_boundary_strict: bool = True,
+    replicate_async: bool = True,
+    mp_policy: Any = None,
+    cost_model: str = "numel",
+    align_numel: int = 16,
+    tp_ns: str = "auto",
+    tp_size: int | None = None,
+    tp_shard_dims: Mapping[str, int] | None = None,
+    tp_ns_steps: int = 5,
+    tp_gram_restart_every: int | None = 2,
+    matrix_views: Any = None,
+    qk_clip: Any = None,
+    ns_backend: str = "standard",
+    owner_groups: str | int = "off",
+) -> ShardingPlan:
+    """Plan DMuon for ``model`` on ``mesh`` (pure; no process group; meta models work).
+
+    Args:
+        model: any ``nn.Module`` on any device; only names/shapes/dtypes/module types are read.
+        mesh: ``N`` | ``(N,)`` | ``(R, N)`` | an object with ``.shape`` (DeviceMesh).
+        predicate: ``(fqn, param) -> bool`` selecting dedicated params by canonical FQN; None =
+            every 2-D param inside a hook boundary that is not an embedding weight.
+        reshard_after_forward: True = DMuon-Z3, False = DMuon-Z2.
+        hook_boundary_predicate: ``(module) -> bool``; innermost matching ancestor is the
+            boundary. None = FQN heuristic (:mod:`dmuon.plan.boundaries`).
+        hook_boundary_strict: raise if a dedicated param has no boundary (else own-module fallback).
+        replicate_async: recorded for the runtime (HSDP post-step broadcast overlap).
+        mp_policy: object with ``.param_dtype`` / ``.reduce_dtype`` (torch dtypes, dtype strings
+            or None), e.g. FSDP2's ``MixedPrecisionPolicy``: wire dtypes of broadcast/reduce.
+        cost_model: ``"numel"`` (elements) or ``"ns_flops"`` (Newton-Schulz FLOPs) LPT weight.
+        align_numel: alignment of every layout entry and flags region, in elements (>= 1).
+        tp_ns: tensor parallelism: ``"auto"`` (per matrix, the cheaper in bytes of Gram NS and
+            gathering, :func:`~dmuon.plan.cost.choose_tp_ns`), ``"gram"`` or ``"gather"``.
+        tp_size, tp_shard_dims: plan tensor parallelism for a model that is not parallelised
+            (e.g. on the meta device): ``T`` and ``{fqn: dim}`` of the dedicated matrices TP
+            shards (``0`` colwise, ``1`` rowwise). Without them, TP is read from the model's
+            ``DTensor`` parameters (``parallelize_module`` on a 1-D TP mesh).
+        tp_ns_steps, tp_gram_restart_every: Newton-Schulz steps and Gram restart period the TP
+            cost assumes (``dmuon.Muon``'s ``ns_steps`` must agree; restarts as
+            ``gram_newton_schulz(restart_every=...)``).
+        matrix_views: which blocks of dedicated matrices Muon orthogonalises separately
+            (per-head q/k/v/o, split QKV): ``{fqn_pattern: MatrixView | rule}`` (fnmatch globs,
+            first match wins) or ``(fqn, shape) -> MatrixView | None``; None = whole matrices.
+            Helpers: :mod:`dmuon.plan.views` (``hf_llama_views``, ``gpt2_views``, ...). Under TP
+            a view must cut the TP-sharded dim with whole blocks per shard (``tp_ns="local"``).
+        qk_clip: QK-clip (MuonClip) settings, a :class:`dmuon.plan.qk_clip.QKClip` (threshold
+            ``tau`` and the attention layers whose W_q / W_k rows are rescaled after each step);
+            the plan's schedule and cost then include its one all-reduce (max) per step.
+        ns_backend: the Newton-Schulz backend each (non-TP) matrix's owner will run, recorded
+            in its ``ParamSpec.ns_backend``: ``"standard"`` (default: torch's iteration),
+            ``"gram"`` (Gram NS everywhere) or ``"auto"`` (per matrix, Gram NS where its short
+            side is at least ``GRAM_AUTO_MIN_SIDE`` = 256 and it needs fewer FLOPs with 5 steps
+            and the default restarts, :func:`~dmuon.plan.cost.choose_ns_backend`: e.g. an MLP's
+            ``(4d, d)`` / ``(d, 4d)`` weights from ``d = 256``, not square attention projections). ``cost_model="ns_flops"`` balances by
+            those FLOPs; ``dmuon.Muon`` must then be built with the same ``ns_backend`` (it
+            raises otherwise, naming the parameter).
+        owner_groups: ``"off"`` (default: ONE owner rank per matrix), ``"auto"`` (the planner
+            gives a matrix an owner group of ``k`` shard ranks of one replicate row only where
+            exclusive owners cannot balance the mesh, e.g. more ranks than matrices:
+            :func:`~dmuon.plan.partition.lpt_partition_groups`) or an int ``k`` (every matrix
+            that can be cut gets ``min(k, N, long side)`` members; ``1`` = ``"off"``). A grouped
+            matrix is cut along its long side into balanced blocks (``OwnerGroup``), each
+            member holding, broadcasting and updating its block, and is orthogonalised by
+            sharded Gram Newton-Schulz over the group (one fp32 ``(d, d)`` all-reduce per Gram
+            segment of ``tp_ns_steps`` / ``tp_gram_restart_every``; ``dmuon.Muon``'s
+            ``ns_steps`` must agree): the Gram form, not torch's iteration, for those matrices,
+            which is why it is opt-in. Matrices with a TP shard, a matrix view, an expert stack
+            or a conv kernel, and QK-clip's W_q / W_k, keep one owner.
+
+    Returns:
+        A validated, frozen :class:`ShardingPlan` whose nominal step schedule passed the
+        deadlock replay (:meth:`~dmuon.plan.step_schedule.StepSchedule.check`).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: bad mesh / cost_model / align_numel; a selected param without a matrix
+            view; a tied param across boundaries; a boundary-less param when strict; a
+            selected ``DTensor`` that dmuon cannot own (not ``Shard(0)``/``Shard(1)`` on a 1-D
+            mesh, uneven, not 2-D), TP degrees that differ, ``tp_shard_dims`` naming a
+            parameter that is not dedicated or combined with a parallelised model.
+    """
+    mesh_shape = normalize_mesh(mesh)
+    if cost_model not in _cost.COST_MODELS:
+        raise ValueError(f"cost_model must be one of {_cost.COST_MODELS}, got {cost_model!r}")
+    _cost.choose_ns_backend((1, 1), ns_backend)  # ValueError naming the known modes
+    if isinstance(align_numel, bool) or not isinstance(align_numel, int) or align_numel < 1:
+        raise ValueError(f"align_numel must be a positive int (elements), got {align_numel!r}")
+    param_dtype, reduce_dtype = _mp_dtypes(mp_policy)
+    snapshot = take_snapshot(model)
+    selected = select_params(
+        snapshot,
+        predicate=predicate,
+        hook_boundary_predicate=hook_boundary_predicate,
+        hook_boundary_strict=hook_boundary_strict,
+    )
+    if predicate is None:
+        from .selection import coverage_warning
+
+        message = coverage_warning(snapshot, hook_boundary_predicate)
+        if message is not None:
+            import warnings
+
+            warnings.warn(message, UserWarning, stacklevel=2)
+    specs = tuple(
+        ParamSpec(
+            fqn=s.record.fqn,
+            shape=s.record.shape,
+            dtype=s.record.dtype,
+            numel=s.record.numel,
+            matrix_shape=s.matrix_shape,
+            num_matrices=s.num_matrices,
+            aliases=s.record.aliases,
+            module_fqn=s.record.module_fqn,
+            attr=s.record.attr,
+        )
+        for s in selected
+    )
+    if matrix_views is not None:
+        from .views import resolve_views
+
+        views = resolve_views(specs, matrix_views)
+        specs = tuple(dataclasses.replace(spec, view=views[spec.fqn]) if spec.fqn in views else spec for spec in specs)
+    T, specs = _tp_specs(snapshot, selected, specs, tp_ns, tp_size, tp_shard_dims, tp_ns_steps, tp_gram_restart_every)
+    if qk_clip is not None:
+        if not isinstance(qk_clip, QKClip):
+            raise TypeError(f"qk_clip must be a dmuon.plan.qk_clip.QKClip, got {type(qk_clip).__name__}")
+        check_qk_clip(qk_clip, specs, snapshot.modules, {a: r for r in snapshot.params for a in r.aliases})
+    if ns_backend != "standard":
+        with_view = [spec.fqn for spec in specs if spec.view is not None]
+        if with_view:
+            raise ValueError(
+                f"compile: ns_backend={ns_backend!r} with matrix views is not supported yet ({with_view[0]} has "
+                f"a view; its blocks may differ in shape and so in the backend 'auto' would pick): use "
+                f"ns_backend='standard' with matrix_views, or drop matrix_views"
+            )
+        specs = tuple(
+            spec if spec.tp_size > 1
+            else dataclasses.replace(spec, ns_backend=_cost.choose_ns_backend(spec.matrix_shape, ns_backend))
+            for spec in specs
+        )
+    R, N = mesh_shape
+    owners = _assign_owners(
+        specs, [s.boundary for s in selected], mesh_shape, cost_model, owner_groups, T, qk_clip,
+        _cost.gram_segment_lengths(tp_ns_steps, tp_gram_restart_every),
+    )
+    fallback = {s.boundary: s.fallback for s in selected}
+    used = set(fallback)
+    boundary_order = [fqn for fqn in snapshot.module_fqns if fqn in used]
+    boundaries = build_boundaries(
+        [
+            (spec.fqn, spec.local_shape, spec.local_numel, spec.dtype, owner, s.boundary)
+            for spec, owner, s in zip(specs, owners, selected)
+        ],
+        boundary_order,
+        fallback,
+        align_numel=align_numel,
+    )
+    plan = ShardingPlan(
+        mesh_shape=mesh_shape,
+        reshard_after_forward=bool(reshard_after_forward),
+        replicate_async=bool(replicate_async),
+        cost_model=cost_model,
+        align_numel=align_numel,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        params=specs,
+        owners=owners,
+        boundaries=boundaries,
+        model_digest=snapshot.digest,
+        tp_size=T,
+        tp_ns_steps=tp_ns_steps,
+        tp_gram_restart_every=tp_gram_restart_every,
+        fsdp2_units=_fsdp2_units(snapshot, {s.record.fqn for s in selected}, hook_boundary_predicate),
+        qk_clip=qk_clip,
+    )
+    plan.schedule().check()  # the nominal step replays without deadlock on every rank
+    return plan
+
+
+def _assign_owners(specs, boundaries, mesh_shape, cost_model, owner_groups, tp_size, qk_clip, segment_lengths):
+    """The owner (constrained LPT, :func:`~dmuon.plan.partition.lpt_partition`) or owner group
+    (:func:`~dmuon.plan.partition.lpt_partition_groups`) of every dedicated parameter."""
+    R, N = mesh_shape
+    if isinstance(owner_groups, bool) or not (
+        owner_groups in _cost.OWNER_GROUP_MODES or (isinstance(owner_groups, int) and owner_groups >= 1)
+    ):
+        raise ValueError(
+            f"owner_groups must be one of {_cost.OWNER_GROUP_MODES} or an int k >= 1, got {owner_groups!r}"
+        )
+    weights = [_cost.param_weight(spec, cost_model) for spec in specs]
+    keys = [spec.fqn for spec in specs]
+    if owner_groups in ("off", 1):
+        result = lpt_partition(weights, keys, boundaries, num_shards=N, num_replicas=R)
+        return tuple(Owner.at(slot, N) for slot in result.slots)
+    if tp_size > 1:
+        raise ValueError(
+            f"dmuon.plan.compile: owner_groups={owner_groups!r} with tensor parallelism (T={tp_size}) is not "
+            "supported: a TP-sharded matrix is already orthogonalised by its TP group, and an owner group of TP "
+            "groups is not implemented; use owner_groups='off' with TP"
+        )
+    clipped = set()
+    if qk_clip is not None:  # QK-clip rescales whole W_q / W_k rows on their owner
+        clipped = {rows.fqn for att in qk_clip.attention for rows in (att.q, att.k)}
+    max_split = [1 if spec.fqn in clipped else _cost.owner_group_max_split(spec, N) for spec in specs]
+    split = owner_groups
+    if owner_groups == "auto" and cost_model != "numel":
+        # "auto" sizes the groups by elements, what they exist for (memory, ranks owning
+        # nothing), then places them by the cost model: a member's share of Gram NS does not
+        # shrink like 1/k (the (d, d) part runs on every member), so sizing by NS FLOPs alone
+        # would cut square matrices across every rank and raise the busiest rank's FLOPs
+        sizing = lpt_partition_groups(
+            [spec.numel for spec in specs],
+            lambda i, k: _cost.owner_group_piece_weights(specs[i], k, "numel", segment_lengths),
+            max_split,
+            keys,
+            boundaries,
+            num_shards=N,
+            num_replicas=R,
+            split="auto",
+        )
+        max_split = [len(m) for m in sizing.members]
+        split = max(max_split)  # forced: each matrix gets min(split, max_split[i]), its own k
+    result = lpt_partition_groups(
+        weights,
+        lambda i, k: _cost.owner_group_piece_weights(specs[i], k, cost_model, segment_lengths),
+        max_split,
+        keys,
+        boundaries,
+        num_shards=N,
+        num_replicas=R,
+        split=split,
+    )
+    owners = []
+    for spec, members in zip(specs, result.members):
+        if len(members) == 1:
+            owners.append(Owner.at(members[0], N))
+            continue
+        dim = _cost.owner_group_dim(spec.shape)
+        owners.append(
+            OwnerGroup(
+                members=tuple(Owner.at(slot, N) for slot in members),
+                dim=dim,
+                sizes=balanced_sizes(int(spec.shape[dim]), len(members)),
+            )
+        )
+    return tuple(owners)
+
+
+def _fsdp2_units(snapshot, dedicated: set[str], hook_boundary_predicate) -> tuple[Fsdp2Unit, ...]:
+    """The non-dedicated parameters per ``fully_shard`` unit (:class:`Fsdp2Unit`): each one's
+    hook boundary (the same resolution as for dedicated parameters), else the root; units in
+    ``named_modules()`` order of their module, the root last."""
+    resolver = BoundaryResolver(snapshot.modules, hook_boundary_predicate)
+    order = snapshot.module_order()
+    by_unit: dict[str, list] = {}
+    for record in snapshot.params:
+        if record.fqn in dedicated:
+            continue
+        res = resolver.resolve(record)
+        unit = res.boundary if res.boundary is not None and not res.conflict else ""
+        shape = record.shape
+        if record.tp_size > 1 and record.tp_shard_dim is not None:
+            d = record.tp_shard_dim
+            shape = shape[:d] + (-(-shape[d] // record.tp_size),) + shape[d + 1 :]
+        by_unit.setdefault(unit, []).append((record.fqn, shape, record.dtype, bool(record.tensor.requires_grad)))
+    units = sorted((u for u in by_unit if u), key=lambda u: order.get(u, len(order)))
+    if "" in by_unit:
+        units.append("")
+    return tuple(
+        Fsdp2Unit(
+            fqn=u,
+            params=tuple(p[0] for p in by_unit[u]),
+            shapes=tuple(p[1] for p in by_unit[u]),
+            dtypes=tuple(p[2] for p in by_unit[u]),
+            requires_grad=tuple(p[3] for p in by_unit[u]),
+        )
+        for u in units
+    )
+
+
+def _tp_specs(snapshot, selected, specs, tp_ns, tp_size, tp_shard_dims, ns_steps, restart_every):
+    """``(T, specs)`` with the TP fields filled in (see :func:`compile`'s TP arguments)."""
+    if tp_ns not in _cost.TP_NS_MODES:
+        raise ValueError(f"tp_ns must be one of {_cost.TP_NS_MODES}, got {tp_ns!r}")
+    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or ns_steps < 0:
+        raise ValueError(f"tp_ns_steps must be an int >= 0, got {ns_steps!r}")
+    if restart_every is not None and (
+        isinstance(restart_every, bool) or not isinstance(restart_every, int) or restart_every < 1
+    ):
+        raise ValueError(f"tp_gram_restart_every must be None or an int >= 1, got {restart_every!r}")
+    dims: dict[str, int] = {}
+    sizes: dict[str, int] = {}
+    problems: list[str] = []
+    if tp_shard_dims is not None or tp_size is not None:
+        if tp_size is None or isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"tp_size must be an int >= 1 when tp_shard_dims is given, got {tp_size!r}")
+        if tp_size > 1 and not tp_shard_dims:
+            raise ValueError(
+                f"dmuon.plan.compile: tp_size={tp_size} without tp_shard_dims plans no TP-sharded matrix; pass "
+                "tp_shard_dims={fqn: 0 (colwise) | 1 (rowwise)} for the dedicated matrices TP shards "
+                "(e.g. dmuon.plan.presets.megatron_tp_shard_dims(model)), or parallelize the model first"
+            )
+        parallel = [r.fqn for r in snapshot.params if r.tp_size > 1]
+        if parallel:
+            raise ValueError(
+                f"dmuon.plan.compile: tp_size/tp_shard_dims describe TP for a model that is not "
+                f"parallelised, but {parallel[:3]} are already DTensors; drop the arguments "
+                "(TP is read from the model)"
+            )
+        names = {s.record.fqn: s.record.fqn for s in selected}
+        names.update({a: s.record.fqn for s in selected for a in s.record.aliases})
+        for fqn, dim in dict(tp_shard_dims or {}).items():
+            if fqn not in names:
+                raise ValueError(
+                    f"dmuon.plan.compile: tp_shard_dims names {fqn!r}, which is not a dedicated parameter"
+                )
+            if dim not in (0, 1):
+                raise ValueError(f"dmuon.plan.compile: tp_shard_dims[{fqn!r}] must be 0 or 1, got {dim!r}")
+            dims[names[fqn]] = dim
+            sizes[names[fqn]] = tp_size
+    else:
+        for sel in selected:
+            r = sel.record
+            if r.tp_size == 1:
+                continue
+            if r.tp_unsupported:
+                problems.append(f"  {r.fqn}: {r.tp_unsupported}")
+            elif r.tp_shard_dim is None:
+                problems.append(
+                    f"  {r.fqn}: replicated over the TP mesh (Replicate()); dmuon owns TP-sharded matrices"
+                )
+            else:
+                dims[r.fqn] = r.tp_shard_dim
+                sizes[r.fqn] = r.tp_size
+    for spec in specs:
+        if spec.fqn in dims:
+            d = dims[spec.fqn]
+            if spec.num_matrices != 1 or len(spec.shape) != 2:
+                problems.append(f"  {spec.fqn}: TP-sharded but {len(spec.shape)}-D {spec.shape}; only 2-D matrices")
+            elif spec.shape[d] % sizes[spec.fqn]:
+                problems.append(
+                    f"  {spec.fqn}: dim {d} of {spec.shape} is not divisible by the TP degree {sizes[spec.fqn]}"
+                )
+    if problems:
+        raise ValueError(
+            "dmuon.plan.compile: selected tensor-parallel parameters dmuon cannot own:\n"
+            + "\n".join(problems)
+            + "\nFix: exclude them in predicate (they stay with FSDP2 and AdamW), or shard them with "
+            "ColwiseParallel/RowwiseParallel (Shard(0)/Shard(1) on a 1-D TP mesh, evenly)."
+        )
+    degrees = sorted(set(sizes.values()) - {1})
+    if len(degrees) > 1:
+        raise ValueError(f"dmuon.plan.compile: dedicated matrices use different TP degrees {degrees}; use one TP mesh")
+    T = degrees[0] if degrees else 1
+    if T == 1:
+        return 1, specs
+    segments = len(_cost.gram_segment_lengths(ns_steps, restart_every))
+    out = []
+    view_problems = []
+    for spec in specs:
+        if spec.fqn in dims:
+            spec = dataclasses.replace(spec, tp_size=T, tp_shard_dim=dims[spec.fqn], tp_ns="gather")
+            if spec.view is not None and spec.view_tp_problem() is not None:
+                view_problems.append(f"  {spec.fqn}: {spec.view_tp_problem()}")
+                continue
+            spec = dataclasses.replace(spec, tp_ns=_cost.choose_tp_ns(spec, tp_ns, segments))
+        out.append(spec)
+    if view_problems:
+        raise ValueError(
+            "dmuon.plan.compile: matrix views that tensor parallelism splits:\n" + "\n".join(view_problems)
+            + "\nA view works under TP when it cuts the dim TP shards and every TP shard holds whole blocks "
+            "(per-head q/k/v with colwise TP, per-head o_proj with rowwise TP, heads divisible by the TP degree); "
+            "drop the view for these matrices (matrix_views) or shard them so."
+        )
+    return T, tuple(out)
