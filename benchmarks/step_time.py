@@ -175,7 +175,7 @@ class NaiveMuon:
         from torch.distributed.tensor import DTensor, Replicate
 
         from dmuon.exec import newton_schulz as ns_mod
-        from dmuon.exec.optim import adjust_lr
+        from dmuon.exec.muon_step import adjust_lr
 
         h = self.hp
         mu, lr, wd = h["momentum"], h["lr"], h["weight_decay"]

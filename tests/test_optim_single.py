@@ -29,7 +29,8 @@ from torch import nn
 
 import dmuon.exec.newton_schulz as ns_mod
 import dmuon.exec.optim as optim_mod
-from dmuon.exec.optim import Muon, adjust_lr
+from dmuon.exec.muon_step import adjust_lr
+from dmuon.exec.optim import Muon
 from ns_spy import spy_ns
 
 MUON_KW = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=True, adjust_lr_fn=None)

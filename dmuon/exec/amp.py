@@ -17,7 +17,7 @@ sees would make that rank alone skip its step.
 
 :func:`install` (run by ``import dmuon``) wraps ``GradScaler._unscale_grads_`` (and
 ``ShardedGradScaler``'s override): for a :class:`dmuon.Muon` it calls
-:meth:`dmuon.Muon._unscale_grads_for_scaler` instead, which
+:func:`unscale_grads` instead (through ``dmuon.Muon._unscale_grads_for_scaler``), which
 
 1. finishes in-flight gradient reduces (``runtime.wait_pending``), so owners' ``.grad`` are final;
 2. unscales every local gradient (DTensors through their local shards) with torch's own kernel,
@@ -35,7 +35,12 @@ from __future__ import annotations
 import functools
 import inspect
 
-__all__ = ["install", "is_installed"]
+import torch
+from torch import Tensor
+
+from .runtime import wait_pending
+
+__all__ = ["install", "is_installed", "unscale_grads"]
 
 _PATCHED_ATTR = "__dmuon_wrapped__"
 
@@ -88,3 +93,52 @@ def install() -> None:
 
 def is_installed() -> bool:
     return all(hasattr(cls.__dict__.get("_unscale_grads_"), _PATCHED_ATTR) for cls in _scaler_classes())
+
+
+@torch.no_grad()
+def unscale_grads(opt, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool) -> dict:
+    """``GradScaler._unscale_grads_`` for the :class:`dmuon.Muon` ``opt`` (called through
+    ``Muon._unscale_grads_for_scaler`` by the wrapper :func:`install` puts on the scalers):
+    finish in-flight reduces, unscale every local gradient (a DTensor through its local shard)
+    with torch's kernel per (device, dtype), then SUM-all-reduce the inf flag over the default
+    process group so that every rank skips the same step.
+
+    Collectives: one all-reduce of one float (when a process group is initialised), on
+    every rank alike, whatever the gradients hold.
+
+    Returns: ``{found_inf.device: found_inf}`` (0.0 or 1.0 on every rank), as the scaler expects.
+
+    Raises:
+        ValueError: an fp16 gradient with ``allow_fp16=False`` (torch's rule), on the rank that
+            holds it, before the collective; sparse gradients are not supported.
+    """
+    import torch.distributed as dist
+
+    wait_pending(opt._dedicated_params())
+    by_device: dict[torch.device, dict[torch.dtype, list[Tensor]]] = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            grad = p.grad
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                raise RuntimeError("dmuon.Muon: loss scaling does not support sparse gradients")
+            if not allow_fp16 and grad.dtype == torch.float16:
+                raise ValueError("Attempting to unscale FP16 gradients.")
+            local = grad.to_local() if hasattr(grad, "to_local") else grad  # DTensor: its shard
+            by_device.setdefault(local.device, {}).setdefault(local.dtype, []).append(local)
+    flags = []
+    for device, per_dtype in by_device.items():
+        flag = torch.zeros_like(found_inf, device=device)
+        scale = inv_scale.to(device)
+        for grads in per_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, scale)
+        flags.append(flag.to(found_inf.device))
+    for flag in flags:
+        found_inf.add_(flag)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        from . import collectives as C
+
+        C.all_reduce_sum(found_inf, group=None, phase="other")
+    found_inf.clamp_(max=1.0)
+    return {found_inf.device: found_inf}

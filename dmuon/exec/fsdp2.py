@@ -9,6 +9,9 @@ narrowest point that serves every way of calling ``fully_shard`` (however it was
 
 :func:`install` checks the signatures of both functions and raises ``RuntimeError`` on a torch
 whose internals differ, rather than letting FSDP2 shard owner-held parameters silently.
+
+Also here: the set-up order check of :class:`dmuon.Muon`'s first step (:data:`SET_UP_ORDER`,
+:func:`_check_set_up_order`), which reads the ``fully_shard`` units' managed parameters.
 """
 
 from __future__ import annotations
@@ -16,8 +19,15 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
+from typing import TYPE_CHECKING
 
 import torch.nn as nn
+from torch import Tensor
+
+from dmuon.plan.render import fmt_names
+
+if TYPE_CHECKING:
+    from .optim import Muon
 
 __all__ = [
     "install",
@@ -158,3 +168,76 @@ def check_mp_policy(module, plan, fqn: str) -> None:
 
 def _dtype_name(dtype) -> str | None:
     return None if dtype is None else str(dtype)
+
+
+SET_UP_ORDER = (
+    "dmuon.dedicate_params(model, mesh) -> fully_shard(block) for each block -> fully_shard(model) -> "
+    "dmuon.Muon(model, ...)"
+)
+
+
+def _fsdp_managed_params(model: nn.Module) -> set[int] | None:
+    """ids of the sharded parameters the ``fully_shard`` units in ``model`` manage (None if this
+    torch's FSDP2 state does not expose them)."""
+    managed: set[int] = set()
+    for module in model.modules():
+        state = fsdp_state(module)
+        if state is None:
+            continue
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [] if group is None else [group]
+        for group in groups:
+            for fp in getattr(group, "fsdp_params", None) or ():
+                sharded = getattr(fp, "sharded_param", None)
+                if sharded is None:
+                    return None
+                managed.add(id(sharded))
+    return managed
+
+
+def _check_set_up_order(opt: "Muon", dedicated: list[Tensor]) -> None:
+    """First ``step()``: the optimizer must hold the model's FSDP2-sharded parameters.
+
+    Two set-up mistakes would otherwise train without an error: ``dmuon.Muon`` built before
+    ``fully_shard`` (it holds the pre-shard tensors that ``fully_shard`` replaced, so every
+    non-dedicated parameter stays at its initial value), and a missing ``fully_shard`` (e.g. the
+    final ``fully_shard(model)``: parameters outside every unit get no gradient averaging and the
+    ranks drift apart). Local and structural, so every rank raises alike; skipped for a
+    data-parallel mesh of one rank and without a live dmuon runtime. (Skipping only the per-block
+    ``fully_shard`` calls is not an error: the root unit then manages every parameter, at the
+    cost of one large all-gather.)
+
+    Raises:
+        RuntimeError: naming the count, the first parameters and the set-up order.
+    """
+    from .runtime import _runtimes
+
+    runtimes = _runtimes(dedicated)
+    if not runtimes or runtimes[0].world_numel == 1:
+        return
+    model = runtimes[0].model_ref()
+    if model is None:
+        return
+    named = {id(p): n for n, p in model.named_parameters()}
+    others = [p for g in opt.param_groups if not g["use_muon"] for p in g["params"]]
+    stale = [p for p in others if id(p) not in named]
+    if stale:
+        raise RuntimeError(
+            f"dmuon.Muon: {len(stale)} of its parameters are no longer parameters of the model "
+            "(fully_shard replaced them with sharded DTensors after the optimizer was built), so they "
+            f"would never be updated: build dmuon.Muon after fully_shard. Set-up order: {SET_UP_ORDER}"
+        )
+    managed = _fsdp_managed_params(model)
+    if managed is None:
+        return
+    unmanaged = [named[id(p)] for p in others if p.requires_grad and id(p) not in managed]
+    if unmanaged:
+        shown = fmt_names([repr(n) for n in unmanaged], 4)
+        raise RuntimeError(
+            f"dmuon.Muon: {len(unmanaged)} non-dedicated parameters ({shown}) are not managed by any "
+            "fully_shard unit, so their gradients are never averaged across ranks and the replicas "
+            "drift apart: call fully_shard on every block, then fully_shard(model) (it takes every "
+            f"parameter left over). Set-up order: {SET_UP_ORDER}"
+        )

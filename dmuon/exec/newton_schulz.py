@@ -3,7 +3,7 @@
 Everything here is a pure function of its arguments: the module holds no state (no call
 counters; to count calls, wrap the module attribute a caller resolves, e.g. through
 :func:`get_ns_backend`, and observe Gram fallbacks with ``gram_newton_schulz(on_fallback=...)``).
-Momentum, learning rates and parameter updates live in :mod:`dmuon.exec.optim`; this module
+Momentum, learning rates and parameter updates live in :mod:`dmuon.exec.muon_step`; this module
 only maps a matrix ``G`` (or a batch of matrices) to an approximation of the orthogonal polar
 factor ``U Vᵀ`` of ``G = U S Vᵀ``. docs/newton_schulz.md compares the backends and presets.
 

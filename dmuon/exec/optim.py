@@ -4,9 +4,9 @@ A *dedicated* parameter is one that :func:`dmuon.exec.apply` tagged with ``p._dm
 ``DedicatedInfo`` with fields ``fqn, owner_global_rank, is_owner, matrix_shape, num_matrices,
 shape``). On its owner rank the parameter is the full master tensor and, after backward,
 its ``.grad`` holds the data-parallel average; on every other rank it is a zero-size
-placeholder that never gets a gradient. So the Muon update below runs once per matrix in the
-whole job, on the owner, with no communication. Every other parameter (typically an FSDP2
-``DTensor`` shard) gets AdamW through torch's own functional implementation.
+placeholder that never gets a gradient. So the Muon update (:mod:`dmuon.exec.muon_step`) runs
+once per matrix in the whole job, on the owner, with no communication. Every other parameter
+(typically an FSDP2 ``DTensor`` shard) gets AdamW through torch's own functional implementation.
 
 Numerical reference: a single process running ``torch.optim.Muon`` on the dedicated
 parameters and ``torch.optim.AdamW`` on the rest. On one process with 2-D dedicated
@@ -20,7 +20,7 @@ Training" (Moonlight, arXiv 2502.16982); AdamW, Loshchilov & Hutter (arXiv 1711.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any, Optional, Union
 
 import torch
@@ -28,65 +28,21 @@ from torch import Tensor, nn
 from torch.optim.adamw import adamw as _torch_adamw
 
 from dmuon.plan import cost as _cost
-from dmuon.plan.records import dtype_str
-from dmuon.plan.render import fmt_names
 
+from . import amp as _amp
 from . import checkpoint as _checkpoint
 from . import newton_schulz as _ns
 from . import tp_orthogonalize as _tp
+from .fsdp2 import _check_set_up_order
+from .muon_step import _ADJUST_LR_FNS, _as_dtype, _info, adjust_lr, muon_step
 from .runtime import after_step, wait_pending
 
 __all__ = ["Muon", "adjust_lr"]
-
-_ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
-
-
-def adjust_lr(lr: float, adjust_lr_fn: Optional[str], matrix_shape: Sequence[int]) -> float:
-    """Learning rate of the orthogonalised update of one ``(m, n)`` matrix.
-
-    Same rule and float op order as ``torch.optim._muon._adjust_lr``:
-
-    - ``None`` / ``"original"`` (Jordan et al. 2024): ``lr * sqrt(max(1, m / n))``;
-    - ``"match_rms_adamw"`` (Moonlight, arXiv 2502.16982): ``lr * 0.2 * sqrt(max(m, n))``,
-      which gives the update the RMS of a typical AdamW update so AdamW's lr and weight
-      decay transfer.
-
-    ``matrix_shape`` is the matrix view ``(m, n)`` (for a conv weight ``(out, in·kh·kw)``,
-    for an expert stack one expert's ``(m, n)``), never the raw parameter shape.
-
-    Raises:
-        ValueError: an unknown ``adjust_lr_fn``.
-    """
-    A, B = matrix_shape[0], matrix_shape[1]
-    if adjust_lr_fn is None or adjust_lr_fn == "original":
-        ratio = math.sqrt(max(1, A / B))
-    elif adjust_lr_fn == "match_rms_adamw":
-        ratio = 0.2 * math.sqrt(max(A, B))
-    else:
-        raise ValueError(
-            f"unknown adjust_lr_fn {adjust_lr_fn!r}; expected one of {_ADJUST_LR_FNS}"
-        )
-    return lr * ratio
 
 
 def _scalar_dtype() -> torch.dtype:
     # torch.optim.optimizer._get_scalar_dtype(): dtype of AdamW's "step" counter.
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-
-
-def _as_dtype(value: Any, what: str) -> torch.dtype:
-    if isinstance(value, str):
-        resolved = getattr(torch, value.removeprefix("torch."), None)
-        if not isinstance(resolved, torch.dtype):
-            raise ValueError(f"{what}: {value!r} does not name a torch dtype")
-        value = resolved
-    if not isinstance(value, torch.dtype) or not value.is_floating_point:
-        raise ValueError(f"{what} must be a real floating-point torch.dtype, got {value!r}")
-    return value
-
-
-def _info(p: Tensor):
-    return getattr(p, "_dmuon", None)
 
 
 def _check_dedicated(p: Tensor) -> None:
@@ -124,6 +80,12 @@ def _check_dedicated(p: Tensor) -> None:
 class Muon(torch.optim.Optimizer):
     r"""Muon for dedicated matrices, AdamW for all other parameters, in one optimizer.
 
+    On each dedicated matrix's owner rank: ``torch.optim.Muon``'s update (momentum,
+    Newton-Schulz, decoupled weight decay, :func:`adjust_lr` scaling) with no communication, by
+    :func:`dmuon.exec.muon_step.muon_step`; everything else: torch's functional AdamW. Param
+    groups, state, the step's order, NS batching, loss scaling and the numerics: docs/runtime.md
+    ("The optimizer"); backends and coefficients: docs/newton_schulz.md.
+
     Args:
         model_or_params: an ``nn.Module`` (all of ``module.parameters()``) or an iterable of
             parameters (all of them: dedicated ones, placeholders and the rest). Param-group
@@ -133,10 +95,8 @@ class Muon(torch.optim.Optimizer):
         momentum: Muon momentum ``mu``. Default 0.95.
         nesterov: Nesterov momentum (the NS input is ``g.lerp(buf, mu)``). Default True.
         ns_coefficients: ``(a, b, c)``, a per-step table of ``ns_steps`` triples, or a key of
-            :data:`dmuon.exec.newton_schulz.NS_PRESETS`: ``"muon"`` (the default triple) or
-            ``"polar_express"`` (Amsel et al., arXiv 2505.16932: 8 per-step triples, the
-            first ``ns_steps`` used, the last repeated beyond 8). A preset name is resolved
-            at construction; the group stores the triple or the per-step table.
+            :data:`dmuon.exec.newton_schulz.NS_PRESETS` (``"muon"``, the default triple, or
+            ``"polar_express"``).
         eps: Frobenius-norm clamp of the NS normalisation. Default 1e-7.
         ns_steps: Newton-Schulz iterations, ``0 <= ns_steps < 100``. Default 5.
         adjust_lr_fn: ``None`` | ``"original"`` | ``"match_rms_adamw"`` (see :func:`adjust_lr`).
@@ -144,120 +104,16 @@ class Muon(torch.optim.Optimizer):
             ``torch.float32`` for the tight numerical contract.
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW hyper-parameters
             (torch.optim.AdamW semantics; defaults 1e-3, (0.9, 0.999), 1e-8, 1e-2).
-        ns_backend: keyword-only. ``"standard"`` (default): :func:`~dmuon.exec.newton_schulz.
-            newton_schulz`, bit-identical to torch.optim.Muon as described below.
-            ``"gram"``: :func:`~dmuon.exec.newton_schulz.gram_newton_schulz` (Gram
-            Newton-Schulz with its default restarts and safe fallback): the same polynomial in
-            exact arithmetic, fewer FLOPs for matrices with ``max(m, n) >> min(m, n)``;
-            numerically it differs (tests/test_optim_single.py, after 5 steps, relative to each
-            tensor's largest magnitude: parameters within 1e-12 of the standard backend with
-            ``ns_dtype`` fp64, 1e-4 with fp32, 0.15 with bf16; measured 8e-15, 5e-6, 5e-2).
-            An option, never a silent default.
-            ``"auto"``: :func:`~dmuon.exec.newton_schulz.auto_newton_schulz`, per matrix
-            (per NS batch, which shares one shape) Gram NS where the short side is at least
-            ``GRAM_AUTO_MIN_SIDE`` = 256 and it needs fewer FLOPs for the shape and ``ns_steps``,
-            the standard iteration elsewhere
-            (:func:`dmuon.plan.cost.choose_ns_backend`); opt-in. Needs a plan compiled with
-            ``ns_backend="auto"`` (``dedicate_params(..., ns_backend="auto")``), which records
-            each matrix's backend in its ``ParamSpec`` so that ``cost_model="ns_flops"``
-            balances the FLOPs that run; a mismatch between the plan's record and what this
-            optimizer would run raises ``ValueError`` (a default plan still accepts ``"gram"``).
-            Measured deviation and savings: docs/newton_schulz.md.
-
-    Param groups (fixed layout, whatever the model holds):
-        ``param_groups[0]``: the Muon group, every dedicated parameter (owners' masters and
-        non-owners' zero-size placeholders, in the given order), keys ``"params", "lr",
-        "momentum", "nesterov", "weight_decay", "ns_coefficients", "ns_steps", "eps",
-        "adjust_lr_fn", "ns_dtype", "ns_backend", "use_muon"=True``.
-        ``param_groups[1]``: the AdamW group, every other parameter, keys ``"params", "lr",
-        "betas", "eps", "weight_decay", "use_muon"=False``.
-        Both groups always exist (either may be empty), so a ``LambdaLR`` with two lambdas
-        ``[muon_fn, adamw_fn]`` works on every rank and every model. Groups added later with
-        :meth:`add_param_group` are appended; their missing keys come from the constructor
-        arguments of their kind (``"use_muon"`` defaults to whether the params are dedicated).
-
-    State (``optimizer.state[p]``):
-        dedicated, this rank the owner: ``"momentum_buffer"``, full parameter shape and dtype,
-        created as zeros at construction (so state keys are known before the first step);
-        non-owner placeholders: no state.
-        AdamW params: ``"step"`` (0-d float32 CPU tensor, as torch keeps it), ``"exp_avg"``,
-        ``"exp_avg_sq"`` (like the param, DTensor shards for FSDP2 params), created as zeros at
-        construction (and by :meth:`add_param_group`): the numbers torch's lazy first-step
-        initialisation would make, so the steps are identical; only the allocation moves to
-        construction. Reason: ``torch.distributed.checkpoint``'s ``get/set_optimizer_state_dict``
-        run a dummy ``step()`` on every rank whose ``optimizer.state`` is empty, and with lazy
-        state that would be exactly the ranks that own no matrix, so a job resumed into a fresh
-        optimizer would step on some ranks only. A rank whose state is empty even so (it owns
-        no matrix and holds no AdamW parameter) turns that dummy step into a local no-op.
-        :meth:`init_state` re-creates any entry missing (e.g. after ``state.clear()``).
-
-    Muon step, for each dedicated parameter this rank owns whose ``.grad`` is not None
-    (others are skipped exactly as torch.optim.Muon skips a gradient-less parameter: no
-    momentum, no decay). With the matrix view ``(k, m, n)`` = ``(num_matrices,) +
-    matrix_shape`` of the tag (``(m, n)`` when ``k == 1``)::
-
-        buf.lerp_(g, 1 - momentum)                      # elementwise, full shape
-        u = g.lerp(buf, momentum) if nesterov else buf
-        o = newton_schulz(u.view(k, m, n), ...)         # each (m, n) matrix on its own
-                                                        # (gram_newton_schulz if ns_backend="gram")
-        p.mul_(1 - lr * weight_decay)
-        p.add_(o.view_as(p), alpha=-adjust_lr(lr, adjust_lr_fn, (m, n)))
-
-    — ``torch.optim._muon._single_tensor_muon``'s ops in its order. Conv weights
-    ``(out, in, kh, kw)`` use their tag's ``(out, in·kh·kw)`` view; expert stacks
-    ``(E, m, n)`` orthogonalise each expert's matrix separately. A matrix with a plan
-    ``MatrixView`` (``info.view``: per-head / split-QKV blocks) runs the NS and the
-    ``adjust_lr`` scaling on each block as a matrix of its own (momentum and decay are
-    elementwise), i.e. torch.optim.Muon given every block as a parameter; with TP
-    (``tp_ns="local"``) each TP rank does so for the blocks in its shard.
-
-    NS batching (how the NS calls are grouped; the math per matrix is the same):
-        ``ns_dtype`` bf16 / fp16 (default): no batching. One 2-D :func:`newton_schulz` call per
-        matrix, an expert stack loops over its ``E`` matrices, so a 2-D parameter is
-        bit-identical to torch.optim.Muon and an expert stack to torch.optim.Muon run on
-        each slice.
-        ``ns_dtype`` fp32 / fp64: the owned matrices of one group that have a gradient are
-        bucketed by ``(min(m, n), max(m, n), dtype, device)`` in parameter order (a tall
-        matrix enters its bucket transposed, which is exactly what the NS does to it anyway,
-        so e.g. an MLP's ``(4d, d)`` and ``(d, 4d)`` weights share one call); each bucket is
-        concatenated into one ``(B, d, D)`` batch (at most ``2**26`` elements per call; a
-        larger single unit runs alone) and orthogonalised by one batched call
-        (``bmm``/``baddbmm``, per-matrix norms). A bucket of a single 2-D matrix uses the 2-D
-        path. This differs from the per-matrix loop only by ``bmm`` vs ``mm`` reduction order,
-        inside the fp32 numerical contract. Costs one transient copy of the bucket's updates.
-
-    Step hooks: ``step()`` first evaluates ``closure`` (if any), then calls
-    ``dmuon.exec.runtime.wait_pending(params)`` (to finish in-flight gradient reduces), runs
-    the Muon and AdamW groups, and finally calls ``dmuon.exec.runtime.after_step(params)``
-    (HSDP replicate broadcast). ``params`` is the list of all dedicated parameters of this
-    optimizer (placeholders included), in param-group order. Both are no-ops for parameters
-    whose tag has no live runtime, so this class works without ``dmuon.exec.apply``. The first
-    ``step()`` also checks the set-up order (:func:`_check_set_up_order`: built after
-    ``fully_shard``, every non-dedicated parameter in a ``fully_shard`` unit) and raises the same
-    ``RuntimeError`` on every rank otherwise.
-
-    Loss scaling: ``torch.amp.GradScaler`` (and ``ShardedGradScaler``) call
-    :meth:`_unscale_grads_for_scaler` for this optimizer (installed by ``import dmuon``,
-    :mod:`dmuon.exec.amp`), so every rank agrees on skipping a step with an inf/NaN gradient.
-
-    AdamW: torch's functional ``torch.optim.adamw.adamw`` with ``amsgrad=False,
-    maximize=False, foreach=None, fused=None, capturable=False, differentiable=False``, i.e.
-    torch.optim.AdamW's defaults including its foreach choice (per-tensor loop on CPU,
-    foreach kernels on CUDA), so the result is bit-identical to ``torch.optim.AdamW``.
-
-    ``ns_dtype`` is stored in its group as a ``torch.dtype`` (``torch.save`` and
-    ``torch.load(weights_only=True)`` handle it); :meth:`load_state_dict` also accepts it as
-    a string such as ``"torch.bfloat16"``, and tuples that a serialiser turned into lists.
+        ns_backend: keyword-only. ``"standard"`` (default, bit-identical to torch.optim.Muon),
+            ``"gram"`` (Gram Newton-Schulz) or ``"auto"`` (per matrix; needs a plan compiled
+            with ``ns_backend="auto"``), see docs/newton_schulz.md.
 
     Raises:
         TypeError: ``model_or_params`` is a tensor, contains param-group dicts or
             non-tensors.
-        ValueError: a bad hyper-parameter (negative lr / weight decay / momentum / eps, beta
-            outside [0, 1), unknown ``adjust_lr_fn``, ``ns_steps`` outside [0, 100),
-            malformed ``ns_coefficients``, non-float ``ns_dtype``, unknown ``ns_backend``),
-            a dedicated parameter
-            that is not a matrix (1-D), whose tag does not tile its shape or whose owner
-            tensor is not full-size, duplicate parameters, or an empty parameter list.
+        ValueError: a bad hyper-parameter, a dedicated parameter that is not a matrix (1-D),
+            whose tag does not tile its shape or whose owner tensor is not full-size, duplicate
+            parameters, or an empty parameter list.
         RuntimeError (in step): sparse gradients; at the first step, a set-up order mistake
             (built before ``fully_shard``, or parameters outside every ``fully_shard`` unit).
     """
@@ -453,7 +309,7 @@ class Muon(torch.optim.Optimizer):
             self._init_muon_state(group)
         else:
             # eager, so that every rank's optimizer.state is non-empty from construction (see
-            # "State" in the class docstring): torch.distributed.checkpoint never dummy-steps it
+            # "State" in docs/runtime.md): torch.distributed.checkpoint never dummy-steps it
             for p in params:
                 if len(self.state[p]) == 0:
                     self._init_adamw_state(p, self.state[p])
@@ -622,52 +478,9 @@ class Muon(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ loss scaling
 
-    @torch.no_grad()
     def _unscale_grads_for_scaler(self, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool) -> dict:
-        """``GradScaler._unscale_grads_`` for this optimizer (installed by ``import dmuon``, see
-        :mod:`dmuon.exec.amp`): finish in-flight reduces, unscale every local gradient (a DTensor
-        through its local shard) with torch's kernel per (device, dtype), then SUM-all-reduce the
-        inf flag over the default process group so that every rank skips the same step.
-
-        Collectives: one all-reduce of one float (when a process group is initialised), on
-        every rank alike, whatever the gradients hold.
-
-        Returns: ``{found_inf.device: found_inf}`` (0.0 or 1.0 on every rank), as the scaler expects.
-
-        Raises:
-            ValueError: an fp16 gradient with ``allow_fp16=False`` (torch's rule), on the rank that
-                holds it, before the collective; sparse gradients are not supported.
-        """
-        import torch.distributed as dist
-
-        wait_pending(self._dedicated_params())
-        by_device: dict[torch.device, dict[torch.dtype, list[Tensor]]] = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                grad = p.grad
-                if grad is None:
-                    continue
-                if grad.is_sparse:
-                    raise RuntimeError("dmuon.Muon: loss scaling does not support sparse gradients")
-                if not allow_fp16 and grad.dtype == torch.float16:
-                    raise ValueError("Attempting to unscale FP16 gradients.")
-                local = grad.to_local() if hasattr(grad, "to_local") else grad  # DTensor: its shard
-                by_device.setdefault(local.device, {}).setdefault(local.dtype, []).append(local)
-        flags = []
-        for device, per_dtype in by_device.items():
-            flag = torch.zeros_like(found_inf, device=device)
-            scale = inv_scale.to(device)
-            for grads in per_dtype.values():
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, scale)
-            flags.append(flag.to(found_inf.device))
-        for flag in flags:
-            found_inf.add_(flag)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            from . import collectives as C
-
-            C.all_reduce_sum(found_inf, group=None, phase="other")
-        found_inf.clamp_(max=1.0)
-        return {found_inf.device: found_inf}
+        """``GradScaler._unscale_grads_`` for this optimizer: :func:`dmuon.exec.amp.unscale_grads`."""
+        return _amp.unscale_grads(self, inv_scale, found_inf, allow_fp16)
 
     # ------------------------------------------------------------------ step
 
@@ -680,7 +493,7 @@ class Muon(torch.optim.Optimizer):
 
         Order: ``closure`` (with grad enabled) → ``runtime.wait_pending(dedicated)`` →
         Muon groups and AdamW groups in ``param_groups`` order →
-        ``runtime.after_step(dedicated)``. See the class docstring.
+        ``runtime.after_step(dedicated)``. See docs/runtime.md ("The optimizer").
         """
         loss = None
         if closure is not None:
@@ -706,77 +519,9 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _muon_group_step(self, group: dict) -> None:
-        """Muon on the matrices of ``group`` this rank owns that have a gradient (see the class
-        docstring): momentum, then Newton-Schulz per matrix or per bucket, then the update."""
-        lr = group["lr"]
-        if isinstance(lr, Tensor):
-            lr = lr.item()
-        weight_decay, adjust_lr_fn = group["weight_decay"], group["adjust_lr_fn"]
-        orthogonalize, ns_kw = _ns_settings(group)
-
-        def apply(p: Tensor, ortho: Tensor, matrix_shape) -> None:
-            _apply_update(p, ortho, lr, weight_decay, adjust_lr(lr, adjust_lr_fn, matrix_shape))
-
-        # fp32 / fp64 NS batched by bucket (the rule in dmuon.plan.cost, which the simulator prices by)
-        batched = dtype_str(ns_kw["dtype"]) in _cost.NS_BATCHED_DTYPES
-        buckets: dict[tuple, list[tuple[Tensor, Tensor, int, int, int]]] = {}
-        tp_entries: list[tuple[Tensor, Tensor, Any]] = []
-        grouped_entries: list[tuple[Tensor, Tensor, Any]] = []
-        for p in group["params"]:
-            info = _info(p)
-            grad = p.grad
-            if not info.is_owner or grad is None:
-                continue
-            if grad.is_sparse:
-                raise RuntimeError("Muon does not support sparse gradients")
-            state = self.state[p]
-            tp = getattr(info, "tp", None)
-            view = getattr(info, "view", None)
-            og = getattr(info, "group", None)
-            if og is not None:  # owner group: momentum on this rank's block, sharded Gram NS below
-                update = _momentum_update(grad, state, group["momentum"], group["nesterov"])
-                grouped_entries.append((p, update, og))
-                continue
-            if tp is not None:  # TP-sharded: momentum on the local shard, NS on the TP group below
-                update = _tp_momentum_update(grad, state, tp, group["momentum"], group["nesterov"])
-                if tp.method != "local":
-                    tp_entries.append((p, update, tp))
-                    continue
-                # view blocks inside this rank's shard: orthogonalised here like untouched matrices
-                per = tp.shape[tp.shard_dim] // tp.size
-                blocks = _view_blocks(p.to_local(), update, view, lo=tp.rank * per, length=per)
-            elif view is not None:
-                update = _momentum_update(grad, state, group["momentum"], group["nesterov"])
-                blocks = _view_blocks(p, update, view, lo=0, length=int(info.shape[view.dim]))
-            else:
-                blocks = None
-            if blocks is not None:  # each block as its own matrix: its NS, its adjust_lr
-                for p_block, u_block in blocks:
-                    m, n = p_block.shape
-                    if batched:
-                        buckets.setdefault(_bucket_key(u_block, m, n), []).append((p_block, u_block, 1, m, n))
-                    else:
-                        apply(p_block, _orthogonalize_matrices(u_block, 1, m, n, orthogonalize, ns_kw), (m, n))
-                continue
-            update = _momentum_update(grad, state, group["momentum"], group["nesterov"])
-            m, n = (int(s) for s in info.matrix_shape)
-            k = int(info.num_matrices)
-            if batched:
-                buckets.setdefault(_bucket_key(update, m, n), []).append((p, update, k, m, n))
-                continue
-            apply(p, _orthogonalize_matrices(update, k, m, n, orthogonalize, ns_kw), (m, n))
-
-        for (d, D, _, _), entries in buckets.items():
-            for chunk in _chunks(entries, d * D):
-                for (p, _, _, m, n), o in zip(chunk, _orthogonalize_bucket(chunk, orthogonalize, ns_kw)):
-                    apply(p, o, (m, n))
-
-        if tp_entries:
-            _tp.orthogonalize_and_apply(
-                tp_entries, steps=group["ns_steps"], orthogonalize=orthogonalize, ns_kw=ns_kw, apply=apply
-            )
-        if grouped_entries:
-            _tp.orthogonalize_groups_and_apply(grouped_entries, steps=group["ns_steps"], ns_kw=ns_kw, apply=apply)
+        """Muon on the matrices of ``group`` this rank owns that have a gradient:
+        :func:`dmuon.exec.muon_step.muon_step`."""
+        muon_step(group, self.state)
 
     def _adamw_group_step(self, group: dict) -> None:
         params: list[Tensor] = []
@@ -826,11 +571,6 @@ class Muon(torch.optim.Optimizer):
         )
 
 
-# ----------------------------------------------------------------------------------------------
-# One Muon step, piece by piece (each torch.optim._muon._single_tensor_muon's ops, in its order)
-# ----------------------------------------------------------------------------------------------
-
-
 def _check_planned_ns_backend(p: Tensor, group: dict) -> None:
     """The backend ``group`` runs on ``p`` must be the one its plan recorded
     (``ParamSpec.ns_backend``, ``dmuon.plan.compile(ns_backend=...)``), so that
@@ -870,175 +610,7 @@ def _check_planned_ns_backend(p: Tensor, group: dict) -> None:
         )
 
 
-SET_UP_ORDER = (
-    "dmuon.dedicate_params(model, mesh) -> fully_shard(block) for each block -> fully_shard(model) -> "
-    "dmuon.Muon(model, ...)"
-)
-
-
-def _fsdp_managed_params(model: nn.Module) -> set[int] | None:
-    """ids of the sharded parameters the ``fully_shard`` units in ``model`` manage (None if this
-    torch's FSDP2 state does not expose them)."""
-    from . import fsdp2
-
-    managed: set[int] = set()
-    for module in model.modules():
-        state = fsdp2.fsdp_state(module)
-        if state is None:
-            continue
-        groups = getattr(state, "_fsdp_param_groups", None)
-        if groups is None:
-            group = getattr(state, "_fsdp_param_group", None)
-            groups = [] if group is None else [group]
-        for group in groups:
-            for fp in getattr(group, "fsdp_params", None) or ():
-                sharded = getattr(fp, "sharded_param", None)
-                if sharded is None:
-                    return None
-                managed.add(id(sharded))
-    return managed
-
-
-def _check_set_up_order(opt: "Muon", dedicated: list[Tensor]) -> None:
-    """First ``step()``: the optimizer must hold the model's FSDP2-sharded parameters.
-
-    Two set-up mistakes would otherwise train without an error: ``dmuon.Muon`` built before
-    ``fully_shard`` (it holds the pre-shard tensors that ``fully_shard`` replaced, so every
-    non-dedicated parameter stays at its initial value), and a missing ``fully_shard`` (e.g. the
-    final ``fully_shard(model)``: parameters outside every unit get no gradient averaging and the
-    ranks drift apart). Local and structural, so every rank raises alike; skipped for a
-    data-parallel mesh of one rank and without a live dmuon runtime. (Skipping only the per-block
-    ``fully_shard`` calls is not an error: the root unit then manages every parameter, at the
-    cost of one large all-gather.)
-
-    Raises:
-        RuntimeError: naming the count, the first parameters and the set-up order.
-    """
-    from .runtime import _runtimes
-
-    runtimes = _runtimes(dedicated)
-    if not runtimes or runtimes[0].world_numel == 1:
-        return
-    model = runtimes[0].model_ref()
-    if model is None:
-        return
-    named = {id(p): n for n, p in model.named_parameters()}
-    others = [p for g in opt.param_groups if not g["use_muon"] for p in g["params"]]
-    stale = [p for p in others if id(p) not in named]
-    if stale:
-        raise RuntimeError(
-            f"dmuon.Muon: {len(stale)} of its parameters are no longer parameters of the model "
-            "(fully_shard replaced them with sharded DTensors after the optimizer was built), so they "
-            f"would never be updated: build dmuon.Muon after fully_shard. Set-up order: {SET_UP_ORDER}"
-        )
-    managed = _fsdp_managed_params(model)
-    if managed is None:
-        return
-    unmanaged = [named[id(p)] for p in others if p.requires_grad and id(p) not in managed]
-    if unmanaged:
-        shown = fmt_names([repr(n) for n in unmanaged], 4)
-        raise RuntimeError(
-            f"dmuon.Muon: {len(unmanaged)} non-dedicated parameters ({shown}) are not managed by any "
-            "fully_shard unit, so their gradients are never averaged across ranks and the replicas "
-            "drift apart: call fully_shard on every block, then fully_shard(model) (it takes every "
-            f"parameter left over). Set-up order: {SET_UP_ORDER}"
-        )
-
-
 def _is_dcp_dummy_step(dedicated: list[Tensor]) -> bool:
     """A step whose non-owner placeholders hold gradients: only ``torch.distributed.checkpoint``'s
     state initialisation (``p.grad = zeros_like(p)`` on every parameter) makes those."""
     return any(p.grad is not None and not _info(p).is_owner for p in dedicated)
-
-
-def _ns_settings(group: dict) -> tuple[Callable, dict]:
-    """The group's Newton-Schulz backend and its keyword arguments (``coefficients, steps, eps,
-    dtype``)."""
-    orthogonalize = _ns.get_ns_backend(group.get("ns_backend", "standard"))
-    ns_kw = dict(
-        coefficients=_ns.coefficient_schedule(group["ns_coefficients"], group["ns_steps"]),
-        steps=group["ns_steps"],
-        eps=group["eps"],
-        dtype=_as_dtype(group["ns_dtype"], "ns_dtype"),
-    )
-    return orthogonalize, ns_kw
-
-
-def _momentum_update(grad: Tensor, state: dict, momentum: float, nesterov: bool) -> Tensor:
-    """``buf.lerp_(g, 1 - momentum)``; the NS input is ``g.lerp(buf, momentum)`` (Nesterov) or
-    ``buf``. The buffer is created as zeros when missing (e.g. state cleared by hand), as torch does."""
-    buf = state.get("momentum_buffer")
-    if buf is None:
-        buf = state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-    buf.lerp_(grad, 1 - momentum)
-    return grad.lerp(buf, momentum) if nesterov else buf
-
-
-def _tp_momentum_update(grad: Tensor, state: dict, tp, momentum: float, nesterov: bool) -> Tensor:
-    """:func:`_momentum_update` of a TP-sharded matrix on its local shard (the buffer is a
-    DTensor with the matrix's placement); returns the local NS input."""
-    g_local = tp.local(grad)
-    buf = state.get("momentum_buffer")
-    if buf is None:
-        buf = state["momentum_buffer"] = tp.wrap(torch.zeros_like(g_local))
-    b_local = tp.local(buf)
-    b_local.lerp_(g_local, 1 - momentum)
-    return g_local.lerp(b_local, momentum) if nesterov else b_local
-
-
-def _orthogonalize_matrices(update: Tensor, k: int, m: int, n: int, orthogonalize, ns_kw: dict) -> Tensor:
-    """Unbatched NS: one 2-D call per ``(m, n)`` matrix (an expert stack loops over its ``k``)."""
-    if k == 1:
-        mat = update if tuple(update.shape) == (m, n) else update.reshape(m, n)
-        return orthogonalize(mat, **ns_kw)
-    stack = update.reshape(k, m, n)
-    ortho = torch.empty((k, m, n), dtype=ns_kw["dtype"], device=update.device)
-    for i in range(k):
-        ortho[i] = orthogonalize(stack[i], **ns_kw)
-    return ortho
-
-
-def _view_blocks(p: Tensor, update: Tensor, view, *, lo: int, length: int) -> list[tuple[Tensor, Tensor]]:
-    """``(parameter block, update block)`` pairs of a :class:`~dmuon.plan.records.MatrixView`
-    for the blocks inside ``[lo, lo + length)`` of its dim (``p`` / ``update`` hold that range:
-    the whole matrix, or one TP rank's shard). Parameter blocks are views (updated in place);
-    update blocks are contiguous copies, as ``torch.optim.Muon`` sees a block of its own."""
-    out = []
-    for off, size in zip(view.offsets(), view.sizes):
-        if lo <= off < lo + length:
-            start = off - lo
-            out.append((p.narrow(view.dim, start, size), update.narrow(view.dim, start, size).contiguous()))
-    return out
-
-
-def _bucket_key(update: Tensor, m: int, n: int) -> tuple:
-    """Batched NS bucket: tall and wide matrices of the same (min, max) side share one (NS of a
-    tall G is the transpose of NS of the wide Gᵀ; newton_schulz itself transposes)."""
-    return (*_cost.ns_bucket_sides(m, n), update.dtype, update.device)
-
-
-def _orthogonalize_bucket(chunk: list, orthogonalize, ns_kw: dict) -> list[Tensor]:
-    """Batched NS of one chunk of bucket entries ``(p, update, k, m, n)``: one call on their
-    ``(B, d, D)`` concatenation (a lone 2-D matrix uses the 2-D path); one result per entry,
-    in its own orientation."""
-    if len(chunk) == 1 and chunk[0][2] == 1:
-        _, update, _, m, n = chunk[0]
-        mat = update if tuple(update.shape) == (m, n) else update.reshape(m, n)
-        return [orthogonalize(mat, **ns_kw)]
-    # (k, d, D) wide views; tall (k, D, d) matrices enter transposed.
-    views = [u.reshape(k, m, n).mT if m > n else u.reshape(k, m, n) for _, u, k, m, n in chunk]
-    stack = views[0] if len(views) == 1 else torch.cat(views)
-    ortho = orthogonalize(stack, **ns_kw)
-    return [o.mT if m > n else o for o, (_, _, _, m, n) in zip(ortho.split([e[2] for e in chunk]), chunk)]
-
-
-def _apply_update(p: Tensor, ortho: Tensor, lr: float, weight_decay: float, scaled_lr: float) -> None:
-    """Decoupled weight decay, then the scaled orthogonalised update (``_single_tensor_muon``)."""
-    p.mul_(1 - lr * weight_decay)
-    p.add_(ortho if ortho.shape == p.shape else ortho.reshape(p.shape), alpha=-scaled_lr)
-
-
-def _chunks(entries: list, matrix_numel: int) -> Iterable[list]:
-    """Bucket entries ``(p, update, k, m, n)`` as batched NS calls (:func:`dmuon.plan.cost.ns_batch_runs`)."""
-    for run in _cost.ns_batch_runs([entry[2] * matrix_numel for entry in entries]):
-        yield [entries[i] for i in run]
