@@ -360,18 +360,19 @@ def test_gram_segments():
 
 
 def test_flop_formulas_and_segment_rule_are_the_cost_models():
-    """One definition each (dmuon.plan.cost): the optimizer and the plan cannot disagree."""
+    """One definition each (dmuon.plan.cost, dmuon.plan.rules): the optimizer and the plan cannot disagree."""
     from dmuon.plan import cost
+    from dmuon.plan import rules
 
     assert ns_mod.ns_flops is cost.ns_flops
     sched = coefficient_schedule(MUON, 5)
     for restart_every in (None, 1, 2, 3, 7, [2], [0, 2, 2, 9], ()):
-        lengths = cost.gram_segment_lengths(5, restart_every)
+        lengths = rules.gram_segment_lengths(5, restart_every)
         assert tuple(len(s) for s in gram_segments(sched, restart_every)) == lengths
         assert gram_ns_flops(4, 10, 5, restart_every=restart_every) == cost.gram_ns_segment_flops(4, 10, lengths)
     for bad in (0, -1, "2", 2.0, True, [1.5]):
         with pytest.raises(ValueError, match="restart_every"):
-            cost.gram_segment_lengths(5, bad)
+            rules.gram_segment_lengths(5, bad)
 
 
 GRAM_SHAPES = [(16, 16), (36, 16), (5, 8), (1, 33), (33, 1), (12, 200), (3, 12, 40), (2, 2, 9, 7)]

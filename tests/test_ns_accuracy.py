@@ -57,7 +57,7 @@ import pytest
 import torch
 
 import dmuon.exec.newton_schulz as ns
-from dmuon.plan import cost
+from dmuon.plan import rules
 from conftest import REPO_ROOT
 from ns_spy import spy_ns
 
@@ -226,8 +226,8 @@ MAIN_BOUNDS = {
 
 
 def _picked(matrix: str) -> str:
-    """The backend "auto" runs on a zoo / main-job matrix (dmuon.plan.cost.choose_ns_backend)."""
-    return cost.choose_ns_backend(tuple(acc.zoo_matrix(matrix).shape), "auto")
+    """The backend "auto" runs on a zoo / main-job matrix (dmuon.plan.rules.choose_ns_backend)."""
+    return rules.choose_ns_backend(tuple(acc.zoo_matrix(matrix).shape), "auto")
 
 
 for _table, _names in ((BOUNDS, [m for m in acc.ZOO if m != "zero"]), (MAIN_BOUNDS, list(acc.MAIN_JOB))):

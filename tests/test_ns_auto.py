@@ -1,7 +1,7 @@
 """``ns_backend="auto"`` (issue #17 §1): the plan records the backend each matrix runs, the cost
 model counts its FLOPs, ``dmuon.Muon`` runs it and refuses a plan that records another one.
 
-* the rule (:func:`dmuon.plan.cost.choose_ns_backend`) against hand-computed FLOP counts;
+* the rule (:func:`dmuon.plan.rules.choose_ns_backend`) against hand-computed FLOP counts;
 * ``compile(ns_backend=...)`` on the main job's GPT (meta device): which matrices get Gram NS,
   JSON round trip, default plans' JSON unchanged, busiest-rank FLOPs of both benchmark sizes;
 * :func:`auto_newton_schulz` equals the backend it picks, bit for bit;
@@ -26,6 +26,7 @@ from torch import nn
 import dmuon
 from dmuon.exec import newton_schulz as ns
 from dmuon.plan import cost
+from dmuon.plan import rules
 from dmuon.plan.records import ParamSpec
 from dmuon.train.model import GPT, GPTConfig
 from dist_utils import run_distributed
@@ -44,39 +45,39 @@ def test_choose_ns_backend_rule():
     # d >= 256: Gram 10.5 d²D + 22 d³ (symmetric X Xᵀ) vs standard 20 d²D + 10 d³: D > 1.26 d
     assert cost.matrix_ns_flops(256, 1024, "gram") == 10.5 * 256**2 * 1024 + 22 * 256**3
     assert cost.matrix_ns_flops(1024, 256, "standard") == 20 * 256**2 * 1024 + 10 * 256**3
-    assert cost.GRAM_AUTO_MIN_SIDE == 256
-    assert cost.choose_ns_backend((256, 324), "auto") == "gram"  # 9.5 d²D > 12 d³: D > 1.263·256 = 323.4
-    assert cost.choose_ns_backend((323, 256), "auto") == "standard"
-    assert cost.choose_ns_backend((1024, 256), "auto") == "gram"  # the large GPT's MLP
+    assert rules.GRAM_AUTO_MIN_SIDE == 256
+    assert rules.choose_ns_backend((256, 324), "auto") == "gram"  # 9.5 d²D > 12 d³: D > 1.263·256 = 323.4
+    assert rules.choose_ns_backend((323, 256), "auto") == "standard"
+    assert rules.choose_ns_backend((1024, 256), "auto") == "gram"  # the large GPT's MLP
     # below GRAM_AUTO_MIN_SIDE: standard whatever the FLOPs (the small GPT's 128 x 512 MLP)
-    assert cost.choose_ns_backend((128, 512), "auto") == "standard"
-    assert cost.choose_ns_backend((255, 4096), "auto") == "standard"
-    assert cost.choose_ns_backend((512, 512), "auto") == "standard"
+    assert rules.choose_ns_backend((128, 512), "auto") == "standard"
+    assert rules.choose_ns_backend((255, 4096), "auto") == "standard"
+    assert rules.choose_ns_backend((512, 512), "auto") == "standard"
     # a restart before every step: from d = 256 the symmetric X Xᵀ alone saves; no steps: nothing to save
-    assert cost.choose_ns_backend((256, 4096), "auto", restart_every=1) == "gram"
-    assert cost.choose_ns_backend((256, 4096), "auto", steps=0) == "standard"
-    assert cost.choose_ns_backend((8, 8), "gram") == "gram"
+    assert rules.choose_ns_backend((256, 4096), "auto", restart_every=1) == "gram"
+    assert rules.choose_ns_backend((256, 4096), "auto", steps=0) == "standard"
+    assert rules.choose_ns_backend((8, 8), "gram") == "gram"
     with pytest.raises(ValueError, match="ns_backend must be one of"):
-        cost.choose_ns_backend((8, 8), "fast")
+        rules.choose_ns_backend((8, 8), "fast")
 
 
 def test_choose_ns_backend_flop_rule_below_the_side_threshold(monkeypatch):
     """The FLOP part of the rule on its own (the threshold lowered, as the tiny-model tests
     below do): d < 256 counts a general Gram product, 12 d²D + 22 d³ vs 20 d²D + 10 d³:
     D > 1.5 d (from 256, D > 1.26 d: test_choose_ns_backend_rule); a tie goes to torch's iteration."""
-    monkeypatch.setattr(cost, "GRAM_AUTO_MIN_SIDE", 1)
-    assert cost.choose_ns_backend((128, 193), "auto") == "gram"  # 193 > 1.5·128
-    assert cost.choose_ns_backend((192, 128), "auto") == "standard"
-    assert cost.choose_ns_backend((64, 96), "auto") == "standard"
-    assert cost.choose_ns_backend((97, 64), "auto") == "gram"
+    monkeypatch.setattr(rules, "GRAM_AUTO_MIN_SIDE", 1)
+    assert rules.choose_ns_backend((128, 193), "auto") == "gram"  # 193 > 1.5·128
+    assert rules.choose_ns_backend((192, 128), "auto") == "standard"
+    assert rules.choose_ns_backend((64, 96), "auto") == "standard"
+    assert rules.choose_ns_backend((97, 64), "auto") == "gram"
     # below d = 256 a restart before every step is the standard iteration's FLOPs: a tie
-    assert cost.choose_ns_backend((64, 4096), "auto", restart_every=1) == "standard"
+    assert rules.choose_ns_backend((64, 4096), "auto", restart_every=1) == "standard"
 
 
 @pytest.mark.parametrize("size, expect_ratio", [("small", 1.0), ("large", 0.8266)])
 def test_compile_auto_records_backends_and_balances_their_flops(size, expect_ratio):
     model = _gpt(size)
-    gram_mlp = min(SIZES[size]["d_model"], SIZES[size]["d_mlp"]) >= cost.GRAM_AUTO_MIN_SIDE
+    gram_mlp = min(SIZES[size]["d_model"], SIZES[size]["d_mlp"]) >= rules.GRAM_AUTO_MIN_SIDE
     std = dmuon.plan.compile(model, 4, cost_model="ns_flops")
     auto = dmuon.plan.compile(model, 4, cost_model="ns_flops", ns_backend="auto")
     assert "ns_backend" not in std.to_json()  # default plans keep their JSON and fingerprint
@@ -133,7 +134,7 @@ def _tagged(model: nn.Module, plan) -> list[torch.Tensor]:
 
 
 def test_muon_checks_the_plans_backend(monkeypatch):
-    monkeypatch.setattr(cost, "GRAM_AUTO_MIN_SIDE", 1)  # the tiny MLP's (64, 16) runs Gram NS
+    monkeypatch.setattr(rules, "GRAM_AUTO_MIN_SIDE", 1)  # the tiny MLP's (64, 16) runs Gram NS
     model = GPT(GPTConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, d_mlp=64, seq_len=8), seed=0)
     auto = dmuon.plan.compile(model, 1, ns_backend="auto")
     std = dmuon.plan.compile(model, 1)
@@ -162,7 +163,7 @@ def _auto_worker(steps):
     from oracle import dmuon_muon_kwargs, global_batches, lm_loss
 
     torch.set_num_threads(1)
-    cost.GRAM_AUTO_MIN_SIDE = 1  # this worker process only: the FLOP rule picks Gram for the MLP
+    rules.GRAM_AUTO_MIN_SIDE = 1  # this worker process only: the FLOP rule picks Gram for the MLP
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _tiny_gpt()
     plan = dmuon.dedicate_params(model, None, cost_model="ns_flops", ns_backend="auto")

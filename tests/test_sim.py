@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import dmuon.plan as P
 import dmuon.sim as S
 from dmuon.plan import cost as C
+from dmuon.plan import rules as R
 from dmuon.sim import hardware as H
 from dmuon.sim.simulate import _critical_path, _SimOp, replay_ops
 
@@ -177,7 +178,7 @@ def test_newton_schulz_on_its_calibrated_curve_by_hand():
     flops = C.ns_flops(128, 128)
     update = 6 * 128 * 128 * 4 / 1e9 + 8 * 1e-6
     assert _ns_s(hw, wl, spec, flops) == pytest.approx(flops / (1e9 * 0.5) + update)
-    passes = 2 * C.NS_STEPS * 128 * 128 * 4 / 1e9 + 5 * C.NS_STEPS * 1e-6
+    passes = 2 * R.NS_STEPS * 128 * 128 * 4 / 1e9 + 5 * R.NS_STEPS * 1e-6
     assert _ns_s(plain, wl, spec, flops) == pytest.approx(flops / (1e9 * 0.5) + passes + update)
     assert H.Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
 
@@ -240,10 +241,10 @@ def test_gram_ns_priced_on_its_own_curve():
 def test_ns_batch_runs_by_hand():
     """The batched-NS rule ``dmuon.Muon`` runs and the simulator prices: consecutive entries up to
     ``NS_BATCH_MAX_NUMEL`` elements per call, an entry larger than that alone."""
-    big = C.NS_BATCH_MAX_NUMEL
-    assert C.ns_batch_runs([]) == []
-    assert C.ns_batch_runs([big // 2, big // 2, 1, big + 1, 3]) == [[0, 1], [2], [3], [4]]
-    assert C.ns_bucket_sides(1024, 256) == C.ns_bucket_sides(256, 1024) == (256, 1024)
+    big = R.NS_BATCH_MAX_NUMEL
+    assert R.ns_batch_runs([]) == []
+    assert R.ns_batch_runs([big // 2, big // 2, 1, big + 1, 3]) == [[0, 1], [2], [3], [4]]
+    assert R.ns_bucket_sides(1024, 256) == R.ns_bucket_sides(256, 1024) == (256, 1024)
 
 
 def test_ns_batches_reach_the_ops():
@@ -265,13 +266,13 @@ def test_ns_batches_reach_the_ops():
         assert set(got) == {op.id for op in ns}
         for op in ns:
             spec = plan.param(op.fqns[0])
-            sides = C.ns_bucket_sides(*spec.matrix_shape)
+            sides = R.ns_bucket_sides(*spec.matrix_shape)
             batch = sum(1 for o in ns if o.group == op.group
-                        and C.ns_bucket_sides(*plan.param(o.fqns[0]).matrix_shape) == sides)
+                        and R.ns_bucket_sides(*plan.param(o.fqns[0]).matrix_shape) == sides)
             d = (sides[0] ** 2 * sides[1]) ** (1 / 3)
             assert got[op.id] == pytest.approx(H.ns_batch_factor_at(hw, d, batch))
         if variant == "z3":  # the owners' batches hold every matrix once, some more than one
-            calls = {(op.group, C.ns_bucket_sides(*plan.param(op.fqns[0]).matrix_shape)) for op in ns}
+            calls = {(op.group, R.ns_bucket_sides(*plan.param(op.fqns[0]).matrix_shape)) for op in ns}
             assert len(ns) == 12 and len(calls) < len(ns)
             wl = S.from_plan(plan, tokens_per_rank=256, seq_len=64)
             lowered = [x for x in _lower(ops, plan, hw, wl, variant=variant, num_ranks=2) if x.kind == "newton_schulz"]

@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from dmuon.plan import cost as _cost
+from dmuon.plan import rules as _rules
 from dmuon.plan.records import dtype_str
 
 from . import newton_schulz as _ns
@@ -83,8 +83,8 @@ def muon_step(group: dict, states) -> None:
     def apply(p: Tensor, ortho: Tensor, matrix_shape) -> None:
         _apply_update(p, ortho, lr, weight_decay, adjust_lr(lr, adjust_lr_fn, matrix_shape))
 
-    # fp32 / fp64 NS batched by bucket (the rule in dmuon.plan.cost, which the simulator prices by)
-    batched = dtype_str(ns_kw["dtype"]) in _cost.NS_BATCHED_DTYPES
+    # fp32 / fp64 NS batched by bucket (the rule in dmuon.plan.rules, which the simulator prices by)
+    batched = dtype_str(ns_kw["dtype"]) in _rules.NS_BATCHED_DTYPES
     buckets: dict[tuple, list[tuple[Tensor, Tensor, int, int, int]]] = {}
     tp_entries: list[tuple[Tensor, Tensor, Any]] = []
     grouped_entries: list[tuple[Tensor, Tensor, Any]] = []
@@ -208,7 +208,7 @@ def _view_blocks(p: Tensor, update: Tensor, view, *, lo: int, length: int) -> li
 def _bucket_key(update: Tensor, m: int, n: int) -> tuple:
     """Batched NS bucket: tall and wide matrices of the same (min, max) side share one (NS of a
     tall G is the transpose of NS of the wide Gᵀ; newton_schulz itself transposes)."""
-    return (*_cost.ns_bucket_sides(m, n), update.dtype, update.device)
+    return (*_rules.ns_bucket_sides(m, n), update.dtype, update.device)
 
 
 def _orthogonalize_bucket(chunk: list, orthogonalize, ns_kw: dict) -> list[Tensor]:
@@ -233,6 +233,6 @@ def _apply_update(p: Tensor, ortho: Tensor, lr: float, weight_decay: float, scal
 
 
 def _chunks(entries: list, matrix_numel: int) -> Iterable[list]:
-    """Bucket entries ``(p, update, k, m, n)`` as batched NS calls (:func:`dmuon.plan.cost.ns_batch_runs`)."""
-    for run in _cost.ns_batch_runs([entry[2] * matrix_numel for entry in entries]):
+    """Bucket entries ``(p, update, k, m, n)`` as batched NS calls (:func:`dmuon.plan.rules.ns_batch_runs`)."""
+    for run in _rules.ns_batch_runs([entry[2] * matrix_numel for entry in entries]):
         yield [entries[i] for i in run]

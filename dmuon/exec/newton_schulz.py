@@ -55,15 +55,10 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-# The FLOP formulas and the Gram segment rule are written once, in the (torch-free) cost model.
-from dmuon.plan.cost import (
-    GRAM_RESTART_EVERY,
-    GRAM_SYM_MIN_SIDE,
-    choose_ns_backend,
-    gram_ns_segment_flops,
-    gram_segment_lengths,
-    ns_flops,
-)
+# The FLOP formulas (the cost model) and the Gram segment and backend rules (the rules) are
+# written once, in the torch-free planner.
+from dmuon.plan.cost import GRAM_SYM_MIN_SIDE, gram_ns_segment_flops, ns_flops
+from dmuon.plan.rules import GRAM_RESTART_EVERY, choose_ns_backend, gram_segment_lengths
 
 __all__ = [
     "GRAM_RESTART_EVERY",
@@ -318,7 +313,7 @@ def auto_newton_schulz(
     """:func:`gram_newton_schulz` (default restarts, safe fallback) where it needs fewer matmul
     FLOPs than :func:`newton_schulz` for ``x``'s matrix shape and ``steps``, else
     :func:`newton_schulz` and the short side reaches ``GRAM_AUTO_MIN_SIDE`` — the rule
-    :func:`dmuon.plan.cost.choose_ns_backend` (ties: standard).
+    :func:`dmuon.plan.rules.choose_ns_backend` (ties: standard).
 
     Every matrix of a batch has the same shape, so one call runs one backend. Same arguments,
     shapes and result as the backend it picks. With 5 steps: Gram NS for ``(d, D)`` with
@@ -393,7 +388,7 @@ def _newton_schulz(x: Tensor, schedule: tuple[Triple, ...], eps: float, dtype: t
 # ------------------------------------------------------------------------------ Gram NS
 
 
-# GRAM_RESTART_EVERY (imported from dmuon.plan.cost, where the cost model reads it): default
+# GRAM_RESTART_EVERY (imported from dmuon.plan.rules, where the cost model reads it too): default
 # restart period of gram_newton_schulz: re-form the Gram matrix from the current X before steps
 # 2, 4, ... (0-based), i.e. segments of 2 steps.
 
@@ -421,7 +416,7 @@ def gram_segments(
     Raises:
         ValueError: ``restart_every`` is not ``None``, an int ``>= 1`` or a sequence of ints.
 
-    The rule itself is :func:`dmuon.plan.cost.gram_segment_lengths` (shared with the plan's
+    The rule itself is :func:`dmuon.plan.rules.gram_segment_lengths` (shared with the plan's
     count of TP Gram all-reduces); this function applies it to ``schedule``.
     """
     segments, start = [], 0

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim.adamw import adamw as _torch_adamw
 
-from dmuon.plan import cost as _cost
+from dmuon.plan import rules as _rules
 
 from . import amp as _amp
 from . import checkpoint as _checkpoint
@@ -600,13 +600,13 @@ def _check_planned_ns_backend(p: Tensor, group: dict) -> None:
             f"dmuon.Muon: ns_backend='auto' with a matrix view ({info.fqn!r}) is not supported yet (its blocks "
             f"may differ in shape, so in the backend 'auto' picks); use ns_backend='standard' or 'gram'"
         )
-    runs = _cost.choose_ns_backend(tuple(info.matrix_shape), mode, steps=group["ns_steps"])
+    runs = _rules.choose_ns_backend(tuple(info.matrix_shape), mode, steps=group["ns_steps"])
     if runs != planned and (mode == "auto" or planned != "standard"):
         raise ValueError(
             f"dmuon.Muon: ns_backend={mode!r} (ns_steps={group['ns_steps']}) runs {runs!r} Newton-Schulz "
             f"on {info.fqn!r} {tuple(info.matrix_shape)}, but its plan records {planned!r}; compile the "
             f"plan with ns_backend={mode!r} (dmuon.plan.compile / dmuon.dedicate_params; 'auto' assumes "
-            f"ns_steps={_cost.NS_STEPS}) or build dmuon.Muon with the plan's ns_backend"
+            f"ns_steps={_rules.NS_STEPS}) or build dmuon.Muon with the plan's ns_backend"
         )
 
 

@@ -11,7 +11,8 @@ work on meta-device models. Entry points::
 Modules: ``snapshot`` (read-only model snapshot), ``boundaries`` (hook-boundary rules),
 ``selection`` (dedicated params and matrix views), ``partition`` (constrained LPT),
 ``layout`` (packed buffers), ``step_schedule`` (every rank's ops in one step; deadlock replay),
-``cost`` (bytes/FLOPs/memory summed from the schedule; the FSDP2 baseline),
+``cost`` (bytes/FLOPs/memory summed from the schedule; the FSDP2 baseline), ``rules`` (NS backend
+choice and batching, Gram restarts, accepted modes, wire dtypes, owner-group dims),
 ``mesh`` (mesh dim roles, ``normalize_mesh``), ``plan`` (the ``ShardingPlan`` record, JSON),
 ``compile`` (the planner), ``diff``, ``render``, ``presets``, ``cli``, ``views`` (matrix
 views: per-head / split-QKV orthogonalisation) and ``qk_clip`` (QK-clip settings), see

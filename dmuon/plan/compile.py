@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from . import cost as _cost
+from . import rules as _rules
 from .boundaries import BoundaryResolver
 from .layout import build_boundaries
 from .mesh import normalize_mesh
@@ -96,7 +97,7 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
             in its ``ParamSpec.ns_backend``: ``"standard"`` (default: torch's iteration),
             ``"gram"`` (Gram NS everywhere) or ``"auto"`` (per matrix, Gram NS where its short
             side is at least ``GRAM_AUTO_MIN_SIDE`` = 256 and it needs fewer FLOPs with 5 steps
-            and the default restarts, :func:`~dmuon.plan.cost.choose_ns_backend`: e.g. an MLP's
+            and the default restarts, :func:`~dmuon.plan.rules.choose_ns_backend`: e.g. an MLP's
             ``(4d, d)`` / ``(d, 4d)`` weights from ``d = 256``, not square attention projections). ``cost_model="ns_flops"`` balances by
             those FLOPs; ``dmuon.Muon`` must then be built with the same ``ns_backend`` (it
             raises otherwise, naming the parameter).
@@ -126,9 +127,9 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
             parameter that is not dedicated or combined with a parallelised model.
     """
     mesh_shape = normalize_mesh(mesh)
-    if cost_model not in _cost.COST_MODELS:
-        raise ValueError(f"cost_model must be one of {_cost.COST_MODELS}, got {cost_model!r}")
-    _cost.choose_ns_backend((1, 1), ns_backend)  # ValueError naming the known modes
+    if cost_model not in _rules.COST_MODELS:
+        raise ValueError(f"cost_model must be one of {_rules.COST_MODELS}, got {cost_model!r}")
+    _rules.choose_ns_backend((1, 1), ns_backend)  # ValueError naming the known modes
     if isinstance(align_numel, bool) or not isinstance(align_numel, int) or align_numel < 1:
         raise ValueError(f"align_numel must be a positive int (elements), got {align_numel!r}")
     param_dtype, reduce_dtype = _mp_dtypes(mp_policy)
@@ -181,13 +182,13 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
             )
         specs = tuple(
             spec if spec.tp_size > 1
-            else dataclasses.replace(spec, ns_backend=_cost.choose_ns_backend(spec.matrix_shape, ns_backend))
+            else dataclasses.replace(spec, ns_backend=_rules.choose_ns_backend(spec.matrix_shape, ns_backend))
             for spec in specs
         )
     R, N = mesh_shape
     owners = _assign_owners(
         specs, [s.boundary for s in selected], mesh_shape, cost_model, owner_groups, T, qk_clip,
-        _cost.gram_segment_lengths(tp_ns_steps, tp_gram_restart_every),
+        _rules.gram_segment_lengths(tp_ns_steps, tp_gram_restart_every),
     )
     fallback = {s.boundary: s.fallback for s in selected}
     used = set(fallback)
@@ -228,10 +229,10 @@ def _assign_owners(specs, boundaries, mesh_shape, cost_model, owner_groups, tp_s
     (:func:`~dmuon.plan.partition.lpt_partition_groups`) of every dedicated parameter."""
     R, N = mesh_shape
     if isinstance(owner_groups, bool) or not (
-        owner_groups in _cost.OWNER_GROUP_MODES or (isinstance(owner_groups, int) and owner_groups >= 1)
+        owner_groups in _rules.OWNER_GROUP_MODES or (isinstance(owner_groups, int) and owner_groups >= 1)
     ):
         raise ValueError(
-            f"owner_groups must be one of {_cost.OWNER_GROUP_MODES} or an int k >= 1, got {owner_groups!r}"
+            f"owner_groups must be one of {_rules.OWNER_GROUP_MODES} or an int k >= 1, got {owner_groups!r}"
         )
     weights = [_cost.param_weight(spec, cost_model) for spec in specs]
     keys = [spec.fqn for spec in specs]
@@ -247,7 +248,7 @@ def _assign_owners(specs, boundaries, mesh_shape, cost_model, owner_groups, tp_s
     clipped = set()
     if qk_clip is not None:  # QK-clip rescales whole W_q / W_k rows on their owner
         clipped = {rows.fqn for att in qk_clip.attention for rows in (att.q, att.k)}
-    max_split = [1 if spec.fqn in clipped else _cost.owner_group_max_split(spec, N) for spec in specs]
+    max_split = [1 if spec.fqn in clipped else _rules.owner_group_max_split(spec, N) for spec in specs]
     split = owner_groups
     if owner_groups == "auto" and cost_model != "numel":
         # "auto" sizes the groups by elements, what they exist for (memory, ranks owning
@@ -281,7 +282,7 @@ def _assign_owners(specs, boundaries, mesh_shape, cost_model, owner_groups, tp_s
         if len(members) == 1:
             owners.append(Owner.at(members[0], N))
             continue
-        dim = _cost.owner_group_dim(spec.shape)
+        dim = _rules.owner_group_dim(spec.shape)
         owners.append(
             OwnerGroup(
                 members=tuple(Owner.at(slot, N) for slot in members),
@@ -326,8 +327,8 @@ def _fsdp2_units(snapshot, dedicated: set[str], hook_boundary_predicate) -> tupl
 
 def _tp_specs(snapshot, selected, specs, tp_ns, tp_size, tp_shard_dims, ns_steps, restart_every):
     """``(T, specs)`` with the TP fields filled in (see :func:`compile`'s TP arguments)."""
-    if tp_ns not in _cost.TP_NS_MODES:
-        raise ValueError(f"tp_ns must be one of {_cost.TP_NS_MODES}, got {tp_ns!r}")
+    if tp_ns not in _rules.TP_NS_MODES:
+        raise ValueError(f"tp_ns must be one of {_rules.TP_NS_MODES}, got {tp_ns!r}")
     if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or ns_steps < 0:
         raise ValueError(f"tp_ns_steps must be an int >= 0, got {ns_steps!r}")
     if restart_every is not None and (
@@ -400,7 +401,7 @@ def _tp_specs(snapshot, selected, specs, tp_ns, tp_size, tp_shard_dims, ns_steps
     T = degrees[0] if degrees else 1
     if T == 1:
         return 1, specs
-    segments = len(_cost.gram_segment_lengths(ns_steps, restart_every))
+    segments = len(_rules.gram_segment_lengths(ns_steps, restart_every))
     out = []
     view_problems = []
     for spec in specs:

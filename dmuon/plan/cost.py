@@ -54,28 +54,29 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from .records import Owner, OwnerGroup, ParamSpec, _check_int, balanced_sizes, itemsize_nbytes
+from .rules import (
+    COST_MODELS,
+    GRAM_RESTART_EVERY,
+    NS_STEPS,
+    TP_GRAM_DTYPE,
+    TP_NS_MODES,
+    bcast_dtype,
+    gram_segment_lengths,
+    owner_group_dim,
+    reduce_dtype,
+)
 
 __all__ = [
-    "NS_STEPS",
-    "COST_MODELS",
     "ByteCost",
     "BaselineByteCost",
     "RankStats",
     "ns_flops",
-    "NS_BACKEND_MODES",
-    "GRAM_RESTART_EVERY",
-    "choose_ns_backend",
     "matrix_ns_flops",
     "spec_ns_flops",
-    "NS_BATCHED_DTYPES",
-    "NS_BATCH_MAX_NUMEL",
-    "ns_bucket_sides",
-    "ns_batch_runs",
     "param_weight",
     "broadcast_nbytes",
     "reduce_nbytes",
@@ -84,25 +85,16 @@ __all__ = [
     "all_reduce_nbytes",
     "fsdp2_shard_numel",
     "all_reduce_rank_nbytes",
-    "gram_segment_lengths",
     "gram_ns_segment_flops",
     "gram_product_flops",
     "GRAM_SYM_MIN_SIDE",
-    "GRAM_AUTO_MIN_SIDE",
     "tp_gram_side",
     "tp_rank_nbytes",
     "tp_ns_flops",
     "choose_tp_ns",
-    "TP_NS_MODES",
-    "OWNER_GROUP_MODES",
-    "owner_group_dim",
-    "owner_group_problem",
-    "owner_group_max_split",
     "owner_group_piece_weights",
     "member_weights",
     "owner_weights",
-    "bcast_dtype",
-    "reduce_dtype",
     "collective_rank_nbytes",
     "schedule_byte_cost",
     "PHASE_FIELDS",
@@ -110,28 +102,6 @@ __all__ = [
     "rank_stats",
     "baseline_rank_stats",
 ]
-
-#: Newton-Schulz steps assumed by ``cost_model="ns_flops"`` (torch.optim.Muon default)
-NS_STEPS = 5
-#: valid ``cost_model`` values of :func:`dmuon.plan.compile`
-COST_MODELS = ("numel", "ns_flops")
-#: valid ``ns_backend`` values of :func:`dmuon.plan.compile` (and of ``dmuon.Muon``)
-NS_BACKEND_MODES = ("standard", "gram", "auto")
-#: Gram restart period of ``dmuon.exec.newton_schulz.gram_newton_schulz`` (and so of
-#: ``dmuon.Muon(ns_backend="gram" | "auto")``): restart before every 2nd step (0-based 2, 4, ...)
-GRAM_RESTART_EVERY = 2
-#: NS dtypes for which ``dmuon.Muon`` batches Newton-Schulz over same-shape matrices (fp32 /
-#: fp64; bf16 / fp16 stay one call per matrix, bit for bit torch.optim.Muon's)
-NS_BATCHED_DTYPES = ("torch.float32", "torch.float64")
-#: upper bound on the elements of one batched NS call (several temporaries of this size live at
-#: once); a single larger entry still runs, alone
-NS_BATCH_MAX_NUMEL = 1 << 26
-#: valid ``tp_ns`` values of :func:`dmuon.plan.compile`
-TP_NS_MODES = ("auto", "gram", "gather")
-#: dtype of the Gram matrices all-reduced over a TP group (accumulated in fp32 whatever the NS dtype)
-TP_GRAM_DTYPE = "torch.float32"
-#: string values of ``dmuon.plan.compile(owner_groups=...)`` (an int ``k >= 1`` forces ``k``)
-OWNER_GROUP_MODES = ("off", "auto")
 
 
 # --------------------------------------------------------------------------- formulas
@@ -170,71 +140,6 @@ def matrix_ns_flops(m: int, n: int, backend: str, *, steps: int = NS_STEPS, num_
         d, D = min(m, n), max(m, n)
         return num_matrices * gram_ns_segment_flops(d, D, gram_segment_lengths(steps, restart_every))
     raise ValueError(f"backend must be 'standard' or 'gram', got {backend!r}")
-
-
-#: ``ns_backend="auto"`` picks Gram NS only for matrices whose short side ``d = min(m, n)`` is at
-#: least this (:func:`choose_ns_backend`). Hardware assumption: one CPU core (fp32, MKL; measured
-#: on AMD Zen 3 in benchmarks/ns_backends.py, docs/performance.md). Gram NS moves about 40 % of
-#: its FLOPs into ``(d, d)`` products, which run ~25 % slower per FLOP than the ``(d, D)`` ones at
-#: ``d = 256``, and adds ~10 small ops per step and its fallback check (two ``(d, D)`` passes):
-#: at ``128 x 512`` that ate all of the 29 % FLOP saving (0.95-1.1x the standard iteration's
-#: time), at ``256 x 1024`` it ran 0.75-0.85x. Accelerators, where Gram NS pays from much larger
-#: ``d``, need their own value: this constant is the rule's only hardware term.
-GRAM_AUTO_MIN_SIDE = 256
-
-
-def choose_ns_backend(matrix_shape: Sequence[int], mode: str, *, steps: int = NS_STEPS,
-                      restart_every: int | Sequence[int] | None = GRAM_RESTART_EVERY) -> str:
-    """The Newton-Schulz backend a matrix runs: ``"standard"`` or ``"gram"`` (the one rule, used by
-    :func:`dmuon.plan.compile` to fill ``ParamSpec.ns_backend``, by ``dmuon.Muon`` to check it and
-    by ``dmuon.exec.newton_schulz.auto_newton_schulz`` at run time).
-
-    ``mode="auto"``: ``"gram"`` exactly when the short side ``d = min(m, n)`` is at least
-    :data:`GRAM_AUTO_MIN_SIDE` (below it the per-op and fallback-check overheads outweigh the
-    saving on a CPU core; the constant's comment gives the measurement) and Gram NS needs fewer
-    matmul FLOPs (:func:`matrix_ns_flops` with ``steps`` and ``restart_every``); ties and everything
-    else go to ``"standard"`` (torch's iteration). With 5 steps and the default restarts (before
-    steps 2 and 4) Gram NS costs ``10.5·d²·D + 22·d³`` for ``(d, D)`` (the symmetric Gram product,
-    :func:`gram_product_flops`) against ``20·d²·D + 10·d³``: Gram where ``D > 1.26·d``.
-    ``"standard"`` / ``"gram"``: forced.
-
-    Raises:
-        ValueError: unknown ``mode``.
-    """
-    if mode not in NS_BACKEND_MODES:
-        raise ValueError(f"ns_backend must be one of {NS_BACKEND_MODES}, got {mode!r}")
-    if mode != "auto":
-        return mode
-    m, n = (int(v) for v in matrix_shape)
-    if min(m, n) < GRAM_AUTO_MIN_SIDE:
-        return "standard"
-    gram = matrix_ns_flops(m, n, "gram", steps=steps, restart_every=restart_every)
-    return "gram" if gram < ns_flops(m, n, steps) else "standard"
-
-
-def ns_bucket_sides(m: int, n: int) -> tuple[int, int]:
-    """``(short, long)`` side: the batched-NS bucket of an ``(m, n)`` matrix (with its dtype and
-    device). Tall and wide matrices of the same sides share a bucket: NS of a tall ``G`` is the
-    transpose of NS of the wide ``Gᵀ``, so e.g. an MLP's ``(4d, d)`` and ``(d, 4d)`` weights run
-    in one call."""
-    return (min(m, n), max(m, n))
-
-
-def ns_batch_runs(numels: Sequence[int]) -> list[list[int]]:
-    """A bucket's entries (``numels[i]`` elements each, in parameter order) cut into batched NS
-    calls: runs of consecutive indices of at most :data:`NS_BATCH_MAX_NUMEL` elements in all (an
-    entry larger than that alone). ``dmuon.Muon`` issues one call per run;
-    :mod:`dmuon.sim` prices the runs it builds the same way."""
-    runs: list[list[int]] = []
-    total = 0
-    for i, numel in enumerate(numels):
-        if runs and total + numel <= NS_BATCH_MAX_NUMEL:
-            runs[-1].append(i)
-            total += numel
-        else:
-            runs.append([i])
-            total = numel
-    return runs
 
 
 def spec_ns_flops(spec: ParamSpec, steps: int = NS_STEPS) -> int:
@@ -319,40 +224,6 @@ def collective_rank_nbytes(kind: str, numel: int, itemsize: int, group_size: int
     if kind == "all_gather":
         return (group_size - 1) * numel * itemsize
     raise ValueError(f"unknown collective kind {kind!r}")
-
-
-def gram_segment_lengths(steps: int, restart_every: int | Sequence[int] | None) -> tuple[int, ...]:
-    """Lengths of the Gram Newton-Schulz segments between restarts; one Gram (one TP
-    all-reduce) per segment. The one segment rule: ``dmuon.exec.newton_schulz.gram_segments``
-    splits a schedule by these lengths.
-
-    ``restart_every``: ``r >= 1``: restart before every 0-based step ``k`` with ``k % r == 0``,
-    ``k > 0`` (segments of ``r`` steps, the last one shorter); ``None``: never (one segment); a
-    sequence of ints: restart before exactly those 0-based steps (entries ``<= 0`` or
-    ``>= steps`` are ignored). ``()`` for ``steps <= 0``.
-
-    Raises:
-        ValueError: ``restart_every`` is not ``None``, an int ``>= 1`` or a sequence of ints.
-    """
-    if restart_every is None:
-        cuts: list[int] = []
-    elif isinstance(restart_every, numbers.Integral) and not isinstance(restart_every, bool):
-        if restart_every < 1:
-            raise ValueError(f"restart_every must be >= 1 (or None for no restarts), got {restart_every}")
-        cuts = list(range(int(restart_every), steps, int(restart_every)))
-    elif isinstance(restart_every, Sequence) and not isinstance(restart_every, str) and all(
-        isinstance(k, numbers.Integral) and not isinstance(k, bool) for k in restart_every
-    ):
-        cuts = sorted({int(k) for k in restart_every if 0 < k < steps})
-    else:
-        raise ValueError(
-            "restart_every must be None, an int >= 1 or a sequence of 0-based step indices, "
-            f"got {restart_every!r}"
-        )
-    if steps <= 0:
-        return ()
-    bounds = [0, *cuts, steps]
-    return tuple(b - a for a, b in zip(bounds, bounds[1:]))
 
 
 #: Gram side ``d`` from which Newton-Schulz forms a Gram matrix ``X Xᵀ`` from its lower blocks
@@ -471,33 +342,6 @@ def choose_tp_ns(spec: ParamSpec, mode: str, segments: int) -> str:
 # --------------------------------------------------------------------------- owner groups
 
 
-def owner_group_dim(shape: Sequence[int]) -> int:
-    """The dim an owner group cuts a 2-D matrix along: its long side (rows when ``m >= n``), so
-    that the Gram of the short side ``d`` is a sum of the blocks' Grams (:func:`tp_gram_side`
-    with the same dim gives ``d``)."""
-    return 0 if int(shape[0]) >= int(shape[1]) else 1
-
-
-def owner_group_problem(spec: ParamSpec) -> str | None:
-    """Why ``spec`` cannot be owned by an owner group (None if it can): only whole 2-D matrices
-    (no TP shard, no matrix view, no expert stack or conv kernel) are cut into blocks."""
-    if spec.tp_size > 1:
-        return "it is TP-sharded (its TP group already shares the Newton-Schulz)"
-    if spec.view is not None:
-        return "it has a matrix view (its blocks are orthogonalised separately)"
-    if len(spec.shape) != 2 or spec.num_matrices != 1:
-        return f"it is not a plain 2-D matrix (shape {spec.shape})"
-    return None
-
-
-def owner_group_max_split(spec: ParamSpec, num_shards: int) -> int:
-    """Largest owner group ``spec`` may get on ``num_shards`` shard ranks: ``min(N, long side)``,
-    or 1 (:func:`owner_group_problem`)."""
-    if owner_group_problem(spec) is not None:
-        return 1
-    return max(1, min(int(num_shards), max(int(v) for v in spec.shape)))
-
-
 def owner_group_piece_weights(
     spec: ParamSpec, k: int, cost_model: str, segment_lengths: Sequence[int]
 ) -> tuple[int, ...]:
@@ -548,17 +392,6 @@ def fsdp2_shard_numel(shape: Sequence[int], num_shards: int) -> int:
     if not shape:
         return 1
     return -(-shape[0] // num_shards) * math.prod(shape[1:])
-
-
-def bcast_dtype(storage_dtype: str, param_dtype: str | None) -> str:
-    """Wire dtype of forward/backward broadcasts: ``param_dtype`` or the storage dtype."""
-    return param_dtype or storage_dtype
-
-
-def reduce_dtype(storage_dtype: str, param_dtype: str | None, reduce_dtype_: str | None) -> str:
-    """Wire dtype of gradient reduces: ``reduce_dtype or param_dtype or`` the storage dtype
-    (FSDP2 ``MixedPrecisionPolicy`` semantics)."""
-    return reduce_dtype_ or param_dtype or storage_dtype
 
 
 # --------------------------------------------------------------------------- records

@@ -25,6 +25,7 @@ from typing import Any
 import optree
 
 from . import cost as _cost
+from . import rules as _rules
 from .layout import (
     Boundary,
     BufferLayout,
@@ -110,7 +111,7 @@ class ShardingPlan:
             world is ``R*N*T`` ranks (:class:`~dmuon.plan.cost.ByteCost` indexing).
         tp_ns_steps / tp_gram_restart_every: the Newton-Schulz steps and Gram restart period
             the TP byte cost assumes (one Gram all-reduce per segment,
-            :func:`~dmuon.plan.cost.gram_segment_lengths`); ``dmuon.Muon`` checks that its
+            :func:`~dmuon.plan.rules.gram_segment_lengths`); ``dmuon.Muon`` checks that its
             ``ns_steps`` agrees.
         fsdp2_units: the non-dedicated parameters per ``fully_shard`` unit
             (:class:`~dmuon.plan.records.Fsdp2Unit`), hook-boundary units in module order,
@@ -154,8 +155,8 @@ class ShardingPlan:
         for name in ("reshard_after_forward", "replicate_async"):
             if type(getattr(self, name)) is not bool:
                 raise TypeError(f"ShardingPlan.{name} must be a bool")
-        if self.cost_model not in _cost.COST_MODELS:
-            raise ValueError(f"ShardingPlan.cost_model must be one of {_cost.COST_MODELS}, got {self.cost_model!r}")
+        if self.cost_model not in _rules.COST_MODELS:
+            raise ValueError(f"ShardingPlan.cost_model must be one of {_rules.COST_MODELS}, got {self.cost_model!r}")
         _check_int("ShardingPlan", "align_numel", self.align_numel, 1)
         check_dtype_str("ShardingPlan", "param_dtype", self.param_dtype, optional=True)
         check_dtype_str("ShardingPlan", "reduce_dtype", self.reduce_dtype, optional=True)
@@ -185,13 +186,13 @@ class ShardingPlan:
                 if o.shard >= N or o.replicate >= R or o.rank != o.replicate * N + o.shard:
                     raise ValueError(f"ShardingPlan: owner {o} of {spec.fqn} is not on mesh (R={R}, N={N})")
             if isinstance(owner, OwnerGroup):
-                problem = _cost.owner_group_problem(spec)
+                problem = _rules.owner_group_problem(spec)
                 if problem is not None:
                     raise ValueError(f"ShardingPlan: {spec.fqn} has an owner group but {problem}")
-                if owner.dim != _cost.owner_group_dim(spec.shape) or sum(owner.sizes) != spec.shape[owner.dim]:
+                if owner.dim != _rules.owner_group_dim(spec.shape) or sum(owner.sizes) != spec.shape[owner.dim]:
                     raise ValueError(
                         f"ShardingPlan: owner group of {spec.fqn} {spec.shape} must cut its long side "
-                        f"(dim {_cost.owner_group_dim(spec.shape)}) into blocks summing to it, got dim {owner.dim} "
+                        f"(dim {_rules.owner_group_dim(spec.shape)}) into blocks summing to it, got dim {owner.dim} "
                         f"sizes {owner.sizes}"
                     )
         index = self._build_index()
@@ -276,7 +277,7 @@ class ShardingPlan:
     @property
     def tp_segment_lengths(self) -> tuple[int, ...]:
         """Steps per Gram NS segment assumed for TP ``"gram"`` matrices (one all-reduce each)."""
-        return _cost.gram_segment_lengths(self.tp_ns_steps, self.tp_gram_restart_every)
+        return _rules.gram_segment_lengths(self.tp_ns_steps, self.tp_gram_restart_every)
 
     @property
     def dedicated(self) -> tuple[str, ...]:
@@ -312,11 +313,11 @@ class ShardingPlan:
 
     def bcast_dtype(self, param_dtype_str: str) -> str:
         """Broadcast wire dtype for a parameter stored as ``param_dtype_str``."""
-        return _cost.bcast_dtype(param_dtype_str, self.param_dtype)
+        return _rules.bcast_dtype(param_dtype_str, self.param_dtype)
 
     def reduce_dtype_for(self, param_dtype_str: str) -> str:
         """Gradient-reduce wire dtype for a parameter stored as ``param_dtype_str``."""
-        return _cost.reduce_dtype(param_dtype_str, self.param_dtype, self.reduce_dtype)
+        return _rules.reduce_dtype(param_dtype_str, self.param_dtype, self.reduce_dtype)
 
     # ------------------------------------------------------------------ derived figures
     # Pure functions of the plan, computed on every access (nothing is cached on a frozen

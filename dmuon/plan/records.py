@@ -317,7 +317,7 @@ class ParamSpec:
             a 2-D parameter, or None (the whole ``matrix_shape`` matrix). With a view,
             ``matrix_shape`` is the parameter's ``(m, n)`` and :attr:`matrices` lists the blocks.
         ns_backend: the Newton-Schulz backend its owner runs, ``"standard"`` (default) or
-            ``"gram"`` (``compile(ns_backend=...)``, :func:`dmuon.plan.cost.choose_ns_backend`);
+            ``"gram"`` (``compile(ns_backend=...)``, :func:`dmuon.plan.rules.choose_ns_backend`);
             ``cost_model="ns_flops"`` weighs it by that backend's FLOPs and ``dmuon.Muon``
             checks that it runs it. Always ``"standard"`` for a TP-sharded matrix (``tp_ns``
             decides there).

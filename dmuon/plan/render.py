@@ -223,6 +223,7 @@ def ownership_lines(plan: ShardingPlan, cost=None) -> list[str]:
     the planner on the plan's own parameters (elements as the weight, as these figures are).
     ``cost``: ``plan.cost`` when the caller has it already."""
     from . import cost as _cost
+    from . import rules as _rules
     from .partition import lpt_partition, lpt_partition_groups
 
     if not plan.params:
@@ -264,7 +265,7 @@ def ownership_lines(plan: ShardingPlan, cost=None) -> list[str]:
             f"would own nothing, max/mean {ratio1:.3f}"
         )
     elif plan.tp_size == 1 and (idle or ratio > 1.25):
-        max_split = [_cost.owner_group_max_split(p, N) for p in plan.params]
+        max_split = [_rules.owner_group_max_split(p, N) for p in plan.params]
         res = lpt_partition_groups(
             numel, lambda i, k: _cost.owner_group_piece_weights(plan.params[i], k, "numel", ()), max_split,
             keys, bounds, num_shards=N, num_replicas=R, split="auto",

@@ -72,6 +72,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import cost as _cost
+from . import rules as _rules
 from .records import OwnerGroup, itemsize_nbytes
 
 if TYPE_CHECKING:
@@ -655,7 +656,7 @@ class _Builder:
         deps = tuple(i for spec in bucket for i in reduce_deps[spec.fqn])
         ar = []
         for _ in self.plan.tp_segment_lengths:
-            ar.append(self.emit(kind="all_reduce", phase=phase, group=group, dtype=_cost.TP_GRAM_DTYPE,
+            ar.append(self.emit(kind="all_reduce", phase=phase, group=group, dtype=_rules.TP_GRAM_DTYPE,
                                 numel=len(bucket) * d * d, fqns=tuple(sp.fqn for sp in bucket),
                                 micro_batch=mb, deps=deps))
             deps = (ar[-1],)

@@ -60,6 +60,7 @@ from typing import Any
 import numpy as np
 
 from ..plan import cost as _cost
+from ..plan import rules as _rules
 from ..plan.records import OwnerGroup, itemsize_nbytes
 from ..plan.step_schedule import Op, Step, StepSchedule
 from . import alternatives as _alt
@@ -257,8 +258,8 @@ def _ns_s(hw: Hardware, wl: Workload, spec: Any, flops: int, batch_factor: float
     if hw.ns_efficiency:
         return busy_c * ns_call_s(hw, flops, d, backend) * batch_factor + update
     mm = matmul_s(hw, flops, d, hw.ns_dtype)
-    passes = elementwise_s(hw, 2 * _cost.NS_STEPS * numel * itemsize_nbytes(hw.ns_dtype),
-                           wl.ns_ops_per_step * _cost.NS_STEPS)
+    passes = elementwise_s(hw, 2 * _rules.NS_STEPS * numel * itemsize_nbytes(hw.ns_dtype),
+                           wl.ns_ops_per_step * _rules.NS_STEPS)
     return (busy_c * mm + busy_m * passes) * batch_factor + update
 
 
@@ -282,7 +283,7 @@ def _ns_batch_factors(ops: Sequence[Op], specs: dict[str, Any], grouped: set[str
 
     ``dmuon.Muon`` (and the naive baseline, which batches as it does) runs fp32 / fp64 NS per
     bucket: on each rank, the matrices it orthogonalises with the same ``(short, long)`` side and
-    dtype, in parameter order, cut into calls by :func:`dmuon.plan.cost.ns_batch_runs` (a view's
+    dtype, in parameter order, cut into calls by :func:`dmuon.plan.rules.ns_batch_runs` (a view's
     blocks enter one by one, an expert stack as its ``E`` matrices; the optimizer buckets per param
     group, the simulator assumes one Muon param group). Here a bucket is keyed by the
     op's group (its members run the same calls), so each matrix gets the batch size of its call; an
@@ -290,7 +291,7 @@ def _ns_batch_factors(ops: Sequence[Op], specs: dict[str, Any], grouped: set[str
     spec; ``grouped``: :func:`_owner_group_fqns`). The TP and
     owner-group paths (Gram buckets, gathered TP matrices) and dion's all-to-all (one matrix per
     owner per batch) are not batched this way: factor 1."""
-    if variant not in ("z2", "z3", "naive") or not hw.ns_batch_factor or hw.ns_dtype not in _cost.NS_BATCHED_DTYPES:
+    if variant not in ("z2", "z3", "naive") or not hw.ns_batch_factor or hw.ns_dtype not in _rules.NS_BATCHED_DTYPES:
         return {}
     buckets: dict[tuple, list[tuple[int, int, int, int, int]]] = {}  # key -> [(op id, a, b, count, numel)]
     for op in ops:
@@ -304,11 +305,11 @@ def _ns_batch_factors(ops: Sequence[Op], specs: dict[str, Any], grouped: set[str
         else:
             entries = [(block, 1) for block in spec.matrices]
         for (m, n), count in entries:
-            a, b = _cost.ns_bucket_sides(m, n)
+            a, b = _rules.ns_bucket_sides(m, n)
             buckets.setdefault((op.group, a, b, spec.dtype), []).append((op.id, a, b, count, count * a * b))
     weighted: dict[int, list[float]] = {}  # op id -> [sum of flops x factor, sum of flops]
     for entries in buckets.values():
-        for run in _cost.ns_batch_runs([e[4] for e in entries]):
+        for run in _rules.ns_batch_runs([e[4] for e in entries]):
             batch = sum(entries[i][3] for i in run)
             for i in run:
                 op_id, a, b, count, _ = entries[i]
