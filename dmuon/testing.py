@@ -293,6 +293,8 @@ def reference_newton_schulz(grad: Tensor, ns_coefficients, ns_steps: int, eps: f
     is bf16) and the same arithmetic otherwise. ``ns_coefficients``: one ``(a, b, c)`` triple,
     or a per-step table of ``ns_steps`` triples (dmuon's per-step presets)."""
     table = _as_table(ns_coefficients, ns_steps)
+    if len(table) != ns_steps:
+        raise ValueError(f"a per-step coefficient table needs ns_steps = {ns_steps} triples, got {len(table)}")
     x = grad.to(dtype)
     if grad.size(0) > grad.size(1):
         x = x.T
@@ -400,6 +402,8 @@ class ReferenceOptimizer:
                 f"{sorted(_MUON_HP) + sorted(_ADAMW_HP)}"
             )
         h = {**_MUON_HP, **_ADAMW_HP, **hp}
+        if not isinstance(ns_dtype, torch.dtype) or not ns_dtype.is_floating_point:
+            raise ValueError(f"ReferenceOptimizer: ns_dtype must be a floating torch.dtype, got {ns_dtype!r}")
         named = dict(model.named_parameters())
         missing = sorted(set(muon_proxies) - set(named))
         if missing:
