@@ -14,6 +14,8 @@ at its first step (:mod:`dmuon.integrations`). Public names (the README's "API" 
 * :func:`full_state_dict` — gathered full tensors (rank 0 by default) for export; docs/checkpointing.md.
 * :mod:`qk_clip` — QK-clip (MuonClip): ``dmuon.qk_clip.record(attn_module, max_logits)``; docs/muon_variants.md.
 * :func:`init_params` — initialise a ``to_empty``-ed meta model as one process would; docs/checkpointing.md.
+* :mod:`dmuon.testing` (``import dmuon.testing``, not imported here) — the single-process
+  reference and ``check_against_reference``: check dmuon on your own model; docs/testing.md.
 """
 
 from . import plan

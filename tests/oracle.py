@@ -2,19 +2,28 @@
 
 The reference is what the numerical contract (README, "The oracle guarantee") names: one
 process, the global batch, ``torch.optim.Muon`` on the dedicated matrices and
-``torch.optim.AdamW`` on the rest, with the same hyper-parameters. ``fp32_newton_schulz``
-patches torch's Muon to iterate in float32 (the "reference patched to iterate in fp32" of the
-contract) without touching its other arithmetic.
+``torch.optim.AdamW`` on the rest, with the same hyper-parameters. The reference itself
+(:class:`dmuon.testing.ReferenceOptimizer`) and ``fp32_newton_schulz``, which patches torch's
+Muon to iterate in float32 (the "reference patched to iterate in fp32" of the contract) without
+touching its other arithmetic, live in :mod:`dmuon.testing`; this module adds the test models
+and data.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from dmuon.testing import (  # noqa: F401 - re-exported for the tests
+    ReferenceOptimizer,
+    fp32_newton_schulz,
+    patched_newton_schulz,
+    proxies_for,
+    reference_newton_schulz,
+)
 
 HP = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, adamw_lr=3e-3, adamw_weight_decay=0.01)
 
@@ -225,38 +234,9 @@ def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
 
 
-def _ns_fp32(grad, ns_coefficients, ns_steps, eps):
-    """torch.optim._muon._zeropower_via_newtonschulz with the iteration in float32."""
-    a, b, c = ns_coefficients
-    x = grad.float()
-    if grad.size(0) > grad.size(1):
-        x = x.T
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(ns_steps):
-        gram = x @ x.T
-        upd = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.addmm(x, upd, x, beta=a)
-    if grad.size(0) > grad.size(1):
-        x = x.T
-    return x
-
-
-@contextlib.contextmanager
-def patched_newton_schulz(fn):
-    """torch.optim.Muon's ``_zeropower_via_newtonschulz(grad, ns_coefficients, ns_steps, eps)``
-    replaced by ``fn`` inside the block (nothing else of torch's Muon changes)."""
-    import torch.optim._muon as m
-
-    orig = m._zeropower_via_newtonschulz
-    m._zeropower_via_newtonschulz = fn
-    try:
-        yield
-    finally:
-        m._zeropower_via_newtonschulz = orig
-
-
-def fp32_newton_schulz():
-    return patched_newton_schulz(_ns_fp32)
+# The reference's Newton-Schulz patch lives in the package (dmuon.testing, the reference users
+# run); these names are the tests' historical spelling of it.
+_ns_fp32 = reference_newton_schulz  # torch's iteration with float32 instead of bfloat16
 
 
 def reference_optimizers(model: nn.Module, dedicated: set[str], hp=HP):
@@ -298,31 +278,31 @@ def reference_run(
     last counts the dedicated matrices that had a gradient (torch.optim.Muon skips the others).
     """
     model = copy.deepcopy(model)
-    muon, adamw = reference_optimizers(model, dedicated, hp)
-    muon_params = [p for n, p in model.named_parameters() if n in dedicated]
+    named = dict(model.named_parameters())
+    opt = ReferenceOptimizer(
+        model,
+        {n: proxies_for(p.shape) for n, p in named.items() if n in dedicated},
+        ns_dtype=torch.float32 if ns_fp32 else torch.bfloat16,
+        newton_schulz=newton_schulz,
+        **hp,
+    )
+    muon_params = [p for n, p in named.items() if n in dedicated]
     losses, ns_calls = [], []
-    if newton_schulz is not None:
-        ctx = patched_newton_schulz(newton_schulz)
-    else:
-        ctx = fp32_newton_schulz() if ns_fp32 else contextlib.nullcontext()
-    with ctx:
-        for batch in batches:
-            if hasattr(model, "set_rank"):
-                parts = []
-                for r, chunk in enumerate(batch.chunk(world)):
-                    model.set_rank(r)
-                    parts.append(lm_loss(model, chunk))
-                loss = torch.stack(parts).mean()
-            else:
-                loss = lm_loss(model, batch)
-            loss.backward()
-            if grad_norms is not None:
-                grads = [p.grad for p in model.parameters() if p.grad is not None]
-                grad_norms.append(torch.nn.utils.get_total_norm(grads).item())
-            ns_calls.append(sum(p.grad is not None for p in muon_params))
-            muon.step()
-            adamw.step()
-            muon.zero_grad()
-            adamw.zero_grad()
-            losses.append(loss.item())
+    for batch in batches:
+        if hasattr(model, "set_rank"):
+            parts = []
+            for r, chunk in enumerate(batch.chunk(world)):
+                model.set_rank(r)
+                parts.append(lm_loss(model, chunk))
+            loss = torch.stack(parts).mean()
+        else:
+            loss = lm_loss(model, batch)
+        loss.backward()
+        if grad_norms is not None:
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            grad_norms.append(torch.nn.utils.get_total_norm(grads).item())
+        ns_calls.append(sum(p.grad is not None for p in muon_params))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, ns_calls

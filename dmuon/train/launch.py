@@ -18,7 +18,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -26,6 +25,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from dmuon._launch import free_port  # the package's one port picker
 
 __all__ = ["build_parser", "parse_args", "run", "main", "free_port"]
 
@@ -177,13 +178,6 @@ def _complete(args: argparse.Namespace | Mapping[str, Any]) -> argparse.Namespac
         setattr(full, k, v)
     _validate(full)
     return full
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _backend(args: argparse.Namespace) -> str:
