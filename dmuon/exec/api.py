@@ -129,17 +129,18 @@ def _world_tables(table, tp_mesh=None):
 def _check_not_applied(model: nn.Module) -> None:
     """A second ``dedicate_params`` / ``apply`` on a model that already has a dmuon runtime
     (also after ``fully_shard``, which would otherwise read as "sharded before dedication")."""
-    runtime = get_model_runtime(model)
-    if runtime is None:
+    found = next(((n, get_model_runtime(m)) for n, m in model.named_modules() if get_model_runtime(m) is not None), None)
+    if found is None:
         return
     from torch.distributed.fsdp import FSDPModule
 
+    where, runtime = found
     plan = runtime.plan
     sharded = any(isinstance(m, FSDPModule) for m in model.modules())
     R, N = tuple(plan.mesh_shape)
     what = (
         f"plan {plan.fingerprint()[:12]}: mesh (R={R}, N={N}), {len(plan.dedicated)} dedicated "
-        f"parameter{'s' if len(plan.dedicated) != 1 else ''}"
+        f"parameter{'s' if len(plan.dedicated) != 1 else ''}{f', on submodule {where!r}' if where else ''}"
     )
     nxt = (
         "it was also fully_shard-ed since, so the set-up is complete: build dmuon.Muon(model, ...) next"
