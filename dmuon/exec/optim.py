@@ -32,6 +32,7 @@ from dmuon.plan.records import dtype_str
 from dmuon.plan.render import fmt_names
 
 from . import checkpoint as _checkpoint
+from . import fsdp2 as _fsdp2
 from . import newton_schulz as _ns
 from . import tp_orthogonalize as _tp
 from .runtime import after_step, wait_pending
@@ -281,7 +282,7 @@ class Muon(torch.optim.Optimizer):
         *,
         ns_backend: str = "standard",
     ) -> None:
-        params = self._collect(model_or_params)
+        params = self._collect(_fsdp2.sharded_params_for_optimizer(model_or_params))
         self._muon_defaults = self._checked_muon_hparams(
             {
                 "lr": lr,
