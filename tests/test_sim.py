@@ -826,3 +826,37 @@ def test_in_situ_measurement_runs_in_a_real_group():
     assert all(math.isfinite(v) for v in r.values())
     assert r["fsdp2_call_s"] >= 0 and r["dtensor_gather_s"] >= 0 and 0 <= r["comm_cpu_share"] <= 1
     assert r["step_compute_factor"] >= 1
+
+
+def test_simulate_accepts_the_plan_selection_options(tmp_path, capsys):
+    """`simulate` takes every plan-selection option `plan` takes (one definition,
+    dmuon.plan.cli.add_selection_args), and they reach the simulated plan."""
+    import argparse
+
+    from dmuon.__main__ import main
+    from dmuon.plan.cli import add_selection_args
+
+    p = argparse.ArgumentParser()
+    add_selection_args(p)
+    options = [o for a in p._actions for o in a.option_strings if o.startswith("--") and o != "--help"]
+    assert {"--all-matrices", "--tp-ns", "--owner-groups", "--cost-model", "--param-dtype", "--reduce-dtype", "--tp"} <= set(options)
+    for cmd in ("plan", "simulate"):
+        with pytest.raises(SystemExit) as e:
+            main([cmd, "--help"])
+        assert e.value.code == 0
+        text = capsys.readouterr().out
+        assert all(o in text for o in options), (cmd, [o for o in options if o not in text])
+
+    def z3(*extra):
+        out = tmp_path / "s.json"
+        assert main(["simulate", "--hw", "a100", "--tokens-per-rank", "1024", "--json", str(out), *extra]) == 0
+        capsys.readouterr()
+        return json.loads(out.read_text())["variants"]["z3"]
+
+    moe = ["--model", "tiny-moe", "--mesh", "4"]
+    assert z3(*moe, "--all-matrices")["ns_ms"] > z3(*moe)["ns_ms"]  # the expert stacks are dedicated too
+    tp = ["--model", "tiny-llama", "--mesh", "2", "--tp", "2"]
+    assert z3(*tp, "--tp-ns", "gram") != z3(*tp, "--tp-ns", "gather")
+    with pytest.raises(SystemExit) as e:  # the same refusal as `plan`
+        main(["simulate", *tp, "--hw", "a100", "--owner-groups", "2"])
+    assert e.value.code == 2 and "--owner-groups with --tp" in capsys.readouterr().err

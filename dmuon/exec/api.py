@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -31,8 +33,8 @@ def _validate(plan, model: nn.Module, table) -> None:
             "dmuon.exec.apply needs an initialised default process group: call "
             "torch.distributed.init_process_group(...) first (use world size 1 for a single process)"
         )
+    _check_not_applied(model)  # first: a dedicated model that was then fully_shard-ed is not "sharded first"
     fsdp2.check_not_fully_sharded(model)
-    _check_not_applied(model)
     shape = _table_shape(table)
     if tuple(plan.mesh_shape) != shape:
         raise ValueError(
@@ -125,25 +127,77 @@ def _world_tables(table, tp_mesh=None):
 
 
 def _check_not_applied(model: nn.Module) -> None:
-    if get_model_runtime(model) is not None:
-        raise ValueError(
-            "dmuon: this model already has dedicated parameters (dedicate_params/apply was called "
-            "before); call it once per model"
-        )
+    """A second ``dedicate_params`` / ``apply`` on a model that already has a dmuon runtime
+    (also after ``fully_shard``, which would otherwise read as "sharded before dedication")."""
+    found = next(((n, get_model_runtime(m)) for n, m in model.named_modules() if get_model_runtime(m) is not None), None)
+    if found is None:
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    where, runtime = found
+    plan = runtime.plan
+    sharded = any(isinstance(m, FSDPModule) for m in model.modules())
+    R, N = tuple(plan.mesh_shape)
+    what = (
+        f"plan {plan.fingerprint()[:12]}: mesh (R={R}, N={N}), {len(plan.dedicated)} dedicated "
+        f"parameter{'s' if len(plan.dedicated) != 1 else ''}{f', on submodule {where!r}' if where else ''}"
+    )
+    nxt = (
+        "it was also fully_shard-ed since, so the set-up is complete: build dmuon.Muon(model, ...) next"
+        if sharded
+        else "continue with fully_shard(block) for each block -> fully_shard(model) -> dmuon.Muon(model, ...)"
+    )
+    raise ValueError(
+        f"dmuon: this model was already dedicated by dmuon.dedicate_params / dmuon.exec.apply ({what}); "
+        f"a second call is not needed (one call per model; dmuon.exec.get_model_runtime(model).plan is that plan): {nxt}. "
+        "To change the plan, build the model again and dedicate it once"
+    )
+
+
+#: per-parameter lines of the plan difference shown when ranks hold different plans
+PLAN_DIFF_LINES = 5
 
 
 def _check_same_plan_everywhere(plan) -> None:
-    """All ranks must hold the same plan: compare fingerprints (one all_gather_object)."""
+    """All ranks must hold the same plan: compare fingerprints (one all_gather_object). Only when
+    they differ, a second all_gather_object exchanges the plans' JSON so that every rank raises the
+    same error naming what differs between rank 0's plan and the first differing rank's."""
     mine = plan.fingerprint()
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     bad = sorted({i for i, f in enumerate(everyone) if f != everyone[0]})
     if bad:
+        plans: list = [None] * dist.get_world_size()
+        dist.all_gather_object(plans, plan.to_json())
         raise RuntimeError(
             f"dmuon: ranks hold different plans (fingerprint of rank 0: {everyone[0][:12]}, "
-            f"differing ranks: {bad}). Compile the plan identically on every rank (same model "
-            "definition, mesh and arguments), or compile once and broadcast its JSON"
+            f"differing ranks: {bad}; rank {bad[0]}: {everyone[bad[0]][:12]}). "
+            f"{_plan_difference(plans[0], plans[bad[0]], bad[0])}\n"
+            "Compile the plan identically on every rank (same model definition, mesh and arguments), "
+            "or compile once and broadcast its JSON"
         )
+
+
+def _plan_difference(json_a: str, json_b: str, rank_b: int) -> str:
+    """What differs from rank 0's plan to rank ``rank_b``'s (``dmuon.plan.diff``), first lines only."""
+    from dmuon.plan import ShardingPlan, diff
+
+    try:
+        d = diff(ShardingPlan.from_json(json_a), ShardingPlan.from_json(json_b))
+    except Exception as exc:  # noqa: BLE001 - the report must not hide the real error
+        return f"(the plans could not be compared: {type(exc).__name__}: {exc})"
+    if d.empty:
+        return (
+            "dmuon.plan.diff finds no difference in parameters, owners, boundaries or settings: "
+            "compare the ranks' plan.to_json()"
+        )
+    # the most telling differences first: parameters dedicated on one rank only, then boundary or
+    # shape changes, then owners that moved (a consequence of the others)
+    rank_of = lambda c: (c.kind == "changed", not (c.boundary_changed or c.spec_changed))  # noqa: E731
+    d = dataclasses.replace(d, changes=tuple(sorted(d.changes, key=rank_of)))
+    lines = d.render(max_lines=PLAN_DIFF_LINES).splitlines()
+    cut = next((i for i, line in enumerate(lines) if line.lstrip().startswith("bytes per step")), len(lines))
+    return f"dmuon.plan.diff(plan of rank 0, plan of rank {rank_b}):\n" + "\n".join(lines[:cut])
 
 
 def apply(
@@ -253,8 +307,8 @@ def dedicate_params(
             "dmuon.dedicate_params needs an initialised default process group: call "
             "torch.distributed.init_process_group(...) first (use world size 1 for a single process)"
         )
-    fsdp2.check_not_fully_sharded(model)
     _check_not_applied(model)
+    fsdp2.check_not_fully_sharded(model)
     table = mesh_rank_table(mesh, shard_dim=shard_dim, replicate_dim=replicate_dim, tp_dim=tp_dim)
     plan = _plan.compile(
         model,

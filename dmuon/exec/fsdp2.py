@@ -37,6 +37,7 @@ __all__ = [
     "fsdp_state",
     "requires_gradient_sync",
     "check_mp_policy",
+    "sharded_params_for_optimizer",
 ]
 
 _PATCHED_ATTR = "__dmuon_wrapped__"
@@ -131,6 +132,65 @@ def check_not_fully_sharded(model: nn.Module) -> None:
             "fully_shard(layer) for each layer -> fully_shard(model) -> dmuon.Muon(model). "
             + framework_hint("fully_shard_first", model)
         )
+
+
+# ----------------------------------------------------------------------------------------------
+# Units left unsharded when the optimizer is built
+# ----------------------------------------------------------------------------------------------
+
+
+def _unsharded_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every ``fully_shard`` unit of ``model`` whose parameters are now
+    unsharded (FSDP2 registers the unsharded plain tensors in place of the sharded DTensors)."""
+    out = []
+    for name, m in model.named_modules():
+        groups = getattr(fsdp_state(m), "_fsdp_param_groups", None) or ()
+        if any(not getattr(g, "is_sharded", True) for g in groups):
+            out.append((name or "<root>", m))
+    return out
+
+
+def sharded_params_for_optimizer(model_or_params):
+    """``dmuon.Muon``'s argument, made safe to collect parameters from: a forward without its
+    backward (an evaluation under ``torch.no_grad()``, or a loss never backpropagated) leaves
+    FSDP2's root unit unsharded, and ``model.parameters()`` then yields its unsharded plain tensors,
+    which no step updates. A module: every such unit is resharded (``FSDPModule.reshard()``, local,
+    no collective), so its sharded ``DTensor`` parameters are collected. An iterable of
+    parameters: returned as a list; raises ``RuntimeError`` if it holds unsharded parameters of
+    such a unit (every rank alike: the units' state is the same everywhere). Anything else is
+    returned unchanged (``dmuon.Muon`` reports it).
+    """
+    import torch
+
+    if isinstance(model_or_params, nn.Module):
+        for _, unit in _unsharded_units(model_or_params):
+            unit.reshard()
+        return model_or_params
+    if isinstance(model_or_params, torch.Tensor) or not hasattr(model_or_params, "__iter__"):
+        return model_or_params
+    params = list(model_or_params)
+    from .runtime import get_runtime
+
+    runtime = next((get_runtime(p) for p in params if isinstance(p, torch.Tensor) and get_runtime(p)), None)
+    model = runtime.model_ref() if runtime is not None else None
+    if model is None:
+        return params
+    given = {id(p) for p in params if isinstance(p, torch.Tensor)}
+    bad = []
+    for name, unit in _unsharded_units(model):
+        for g in fsdp_state(unit)._fsdp_param_groups:
+            if any(id(getattr(fp, "_unsharded_param", None)) in given for fp in g.fsdp_params):
+                bad.append(name)
+                break
+    if bad:
+        raise RuntimeError(
+            f"dmuon.Muon: its parameters include unsharded tensors of the fully_shard unit(s) {bad[:5]}: a forward "
+            "without its backward (e.g. an evaluation under torch.no_grad()) left them unsharded, so "
+            "model.parameters() yielded plain tensors instead of the sharded DTensor parameters, and no step "
+            "would update them. Call model.reshard() (on each unit listed) before collecting the parameters, "
+            "or pass the model itself: dmuon.Muon(model, ...) reshards it"
+        )
+    return params
 
 
 # ----------------------------------------------------------------------------------------------

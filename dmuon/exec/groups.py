@@ -46,10 +46,18 @@ def mesh_rank_table(
             R, N = normalize_mesh(mesh)  # the one parser of mesh shapes (dmuon.plan)
         except ValueError as exc:
             raise ValueError(f"dmuon: {exc}") from None
-        if R * N != world:
+        if R * N > world:
+            shape = f"R*N = {R} x {N} = {R * N}" if R > 1 else f"{N}"
             raise ValueError(
-                f"dmuon: mesh {mesh!r} has {R * N} ranks but the world has {world}; pass a "
-                "DeviceMesh to use a subset of the ranks"
+                f"dmuon: mesh {mesh!r} needs {shape} ranks but the world has {world} "
+                f"(processes): pass a mesh of {world} ranks (or None = 1-D over the world), or start "
+                f"{R * N} processes (e.g. torchrun --nproc-per-node {R * N})"
+            )
+        if R * N < world:
+            raise ValueError(
+                f"dmuon: mesh {mesh!r} has R*N = {R * N} ranks but the world has {world}: an int or "
+                f"tuple mesh must span the world (pass {world}, or None); to run dmuon on a subset of "
+                "the ranks (e.g. the data-parallel part of a larger world), pass that DeviceMesh"
             )
         return tuple(tuple(r * N + s for s in range(N)) for r in range(R))
     t = mesh.mesh.detach().cpu()

@@ -31,6 +31,7 @@ from dmuon.plan import rules as _rules
 
 from . import amp as _amp
 from . import checkpoint as _checkpoint
+from . import fsdp2 as _fsdp2
 from . import newton_schulz as _ns
 from . import tp_orthogonalize as _tp
 from .fsdp2 import _check_set_up_order
@@ -137,7 +138,7 @@ class Muon(torch.optim.Optimizer):
         *,
         ns_backend: str = "standard",
     ) -> None:
-        params = self._collect(model_or_params)
+        params = self._collect(_fsdp2.sharded_params_for_optimizer(model_or_params))
         self._muon_defaults = self._checked_muon_hparams(
             {
                 "lr": lr,

@@ -25,7 +25,7 @@ from .plan import ShardingPlan
 from .presets import PRESETS, megatron_tp_shard_dims
 from .selection import matrix_predicate
 
-__all__ = ["main_plan", "main_diff", "parse_mesh"]
+__all__ = ["main_plan", "main_diff", "parse_mesh", "add_selection_args", "check_selection_args", "selection_kwargs"]
 
 
 def parse_owner_groups(text: str):
@@ -57,6 +57,65 @@ def parse_mesh(text: str) -> int | tuple[int, int]:
     return dims[0] if len(dims) == 1 else (dims[0], dims[1])
 
 
+def dtype_arg(value: str) -> str:
+    """``value`` unchanged if it names a torch dtype (the plan normalises it), else an argparse error."""
+    from .records import dtype_str
+
+    try:
+        dtype_str(value)
+        return value
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a torch dtype (e.g. bfloat16, float32)") from None
+
+
+def add_selection_args(parser: argparse.ArgumentParser, *, cost_model_default: str = "numel") -> None:
+    """The options that choose what a plan dedicates and how (shared by ``python -m dmuon plan``
+    and ``python -m dmuon simulate``, so both accept the same ones): ``--cost-model``,
+    ``--param-dtype``, ``--reduce-dtype``, ``--all-matrices``, ``--tp``, ``--tp-ns``,
+    ``--owner-groups``. Read them with :func:`check_selection_args` and :func:`selection_kwargs`."""
+    g = parser.add_argument_group("plan selection (the same for plan and simulate)")
+    g.add_argument("--cost-model", default=cost_model_default, choices=("numel", "ns_flops"),
+                   help="LPT weight of the owner assignment")
+    g.add_argument("--param-dtype", default=None, type=dtype_arg,
+                   help="mixed-precision broadcast (wire) dtype, e.g. bfloat16")
+    g.add_argument("--reduce-dtype", default=None, type=dtype_arg, help="mixed-precision reduce dtype, e.g. float32")
+    g.add_argument("--all-matrices", action="store_true",
+                   help="also dedicate conv weights and 3-D expert stacks (default: 2-D only)")
+    g.add_argument("--tp", type=int, default=1, metavar="T",
+                   help="tensor-parallel degree: Megatron-style colwise q/k/v/gate/up, rowwise o/down (world = mesh x T)")
+    g.add_argument("--tp-ns", default="auto", choices=("auto", "gram", "gather"), help="TP Newton-Schulz method")
+    g.add_argument(
+        "--owner-groups", default="off", type=parse_owner_groups, metavar="off|auto|K",
+        help="owner groups: 'off' (one owner per matrix), 'auto' (groups where one owner per matrix cannot "
+        "balance the mesh) or K (every matrix that can be cut gets K members); docs/owner_groups.md",
+    )
+
+
+def check_selection_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The combinations :func:`add_selection_args`' options refuse, as argparse errors."""
+    if args.tp < 1:
+        parser.error("--tp must be >= 1")
+    if args.tp > 1 and args.owner_groups not in ("off", 1):
+        parser.error("--owner-groups with --tp: owner groups are not supported with tensor parallelism (use off)")
+
+
+def selection_kwargs(args: argparse.Namespace, model, mesh, *, param_dtype=None, reduce_dtype=None) -> dict:
+    """``dmuon.plan.compile`` keyword arguments of :func:`add_selection_args`' options for
+    ``model`` on ``mesh``; ``param_dtype`` / ``reduce_dtype``: defaults for the dtype options."""
+    pred = matrix_predicate(model) if args.all_matrices else None
+    kw: dict = dict(predicate=pred, cost_model=args.cost_model, owner_groups=args.owner_groups)
+    if args.tp > 1:
+        dedicated = set(compile(model, mesh, predicate=pred).dedicated)
+        dims = {k: v for k, v in megatron_tp_shard_dims(model).items() if k in dedicated}
+        kw.update(tp_size=args.tp, tp_shard_dims=dims, tp_ns=args.tp_ns)
+    param_dtype = args.param_dtype or param_dtype
+    reduce_dtype = args.reduce_dtype or reduce_dtype
+    kw["mp_policy"] = (
+        SimpleNamespace(param_dtype=param_dtype, reduce_dtype=reduce_dtype) if (param_dtype or reduce_dtype) else None
+    )
+    return kw
+
+
 def main_plan(argv: Sequence[str] | None = None) -> int:
     """Compile a preset model's plan, print ``plan.summary()``, optionally write JSON. Returns 0."""
     parser = argparse.ArgumentParser(
@@ -66,57 +125,19 @@ def main_plan(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", required=True, choices=sorted(PRESETS), help="preset model shape")
     parser.add_argument("--mesh", required=True, type=parse_mesh, help="N (1-D) or RxN (HSDP), e.g. 8 or 2x8")
     parser.add_argument("--z2", action="store_true", help="reshard_after_forward=False (DMuon-Z2)")
-    parser.add_argument("--cost-model", default="numel", choices=("numel", "ns_flops"), help="LPT weight")
-    parser.add_argument("--param-dtype", default=None, help="mixed-precision broadcast dtype, e.g. bfloat16")
-    parser.add_argument("--reduce-dtype", default=None, help="mixed-precision reduce dtype, e.g. float32")
-    parser.add_argument(
-        "--all-matrices",
-        action="store_true",
-        help="also dedicate conv weights and 3-D expert stacks (default: 2-D only)",
-    )
-    parser.add_argument(
-        "--tp", type=int, default=1, metavar="T",
-        help="tensor-parallel degree: Megatron-style colwise q/k/v/gate/up, rowwise o/down (world = mesh x T)",
-    )
-    parser.add_argument("--tp-ns", default="auto", choices=("auto", "gram", "gather"), help="TP Newton-Schulz method")
-    parser.add_argument(
-        "--owner-groups", default="off", type=parse_owner_groups, metavar="off|auto|K",
-        help="owner groups: 'off' (one owner per matrix), 'auto' (groups where one owner per matrix cannot "
-        "balance the mesh) or K (every matrix that can be cut gets K members)",
-    )
+    add_selection_args(parser)
     parser.add_argument("--json", metavar="FILE", default=None, help="write the plan as JSON to FILE")
     parser.add_argument(
         "--schedule", type=int, default=None, metavar="RANK",
         help="print RANK's ops of the nominal step (schedule rank: mesh rank, x T + tp with TP) instead of the summary",
     )
     args = parser.parse_args(argv)
-    if args.tp < 1:
-        parser.error("--tp must be >= 1")
-    if args.tp > 1 and args.owner_groups not in ("off", 1):
-        parser.error("--owner-groups with --tp: owner groups are not supported with tensor parallelism (use off)")
+    check_selection_args(parser, args)
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         parser.error(f"--json: the folder of {args.json!r} does not exist")
 
     model = PRESETS[args.model]()
-    tp_kw = {}
-    if args.tp > 1:
-        pred = matrix_predicate(model) if args.all_matrices else None
-        dedicated = set(compile(model, args.mesh, predicate=pred).dedicated)
-        dims = {k: v for k, v in megatron_tp_shard_dims(model).items() if k in dedicated}
-        tp_kw = dict(tp_size=args.tp, tp_shard_dims=dims, tp_ns=args.tp_ns)
-    mp = None
-    if args.param_dtype or args.reduce_dtype:
-        mp = SimpleNamespace(param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype)
-    plan = compile(
-        model,
-        args.mesh,
-        predicate=matrix_predicate(model) if args.all_matrices else None,
-        reshard_after_forward=not args.z2,
-        cost_model=args.cost_model,
-        mp_policy=mp,
-        owner_groups=args.owner_groups,
-        **tp_kw,
-    )
+    plan = compile(model, args.mesh, reshard_after_forward=not args.z2, **selection_kwargs(args, model, args.mesh))
     if args.schedule is not None:
         sched = plan.schedule()
         if not 0 <= args.schedule < sched.num_ranks:

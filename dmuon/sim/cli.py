@@ -2,7 +2,7 @@
 
 Examples::
 
-    python -m dmuon simulate --model llama3-70b --mesh 8x128 --hw h100 --tokens-per-rank 8192
+    python -m dmuon simulate --model llama3-70b --mesh 8x128 --hw h100 --tokens-per-rank 2048
     python -m dmuon simulate --model llama3-8b --mesh 8 --hw h200 --mode z2 --json s.json --png s.png
     python -m dmuon simulate --model llama3-8b --mesh 8 --tp 8 --hw a100
     python -m dmuon simulate --model tiny-llama --mesh 4 --hw cal.json     # from `python -m dmuon calibrate`
@@ -28,24 +28,12 @@ import dataclasses
 import json
 import os
 from collections.abc import Sequence
-from types import SimpleNamespace
 from typing import Any
 
 __all__ = ["main_simulate", "recommend"]
 
 #: lines of a plan-compile error the CLI prints (a TP refusal names every parameter it refuses)
 _ERROR_LINES = 6
-
-
-def _dtype_arg(value: str) -> str:
-    """``value`` unchanged if it names a torch dtype (the plan normalises it), else an argparse error."""
-    from ..plan.records import dtype_str
-
-    try:
-        dtype_str(value)
-        return value
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a torch dtype (e.g. bfloat16, float32)") from None
 
 
 def _fits(sim: Any, memory_nbytes: int) -> bool:
@@ -68,10 +56,9 @@ def recommend(sims: dict, memory_nbytes: int) -> str:
 
 def main_simulate(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m dmuon simulate``. Returns 0."""
-    from ..plan.cli import parse_owner_groups as _owner_groups_arg
-    from ..plan.cli import parse_mesh
+    from ..plan.cli import add_selection_args, check_selection_args, parse_mesh, selection_kwargs
     from ..plan.compile import compile
-    from ..plan.presets import PRESETS, megatron_tp_shard_dims
+    from ..plan.presets import PRESETS
     from . import hardware as H
     from .simulate import VARIANTS, simulate
     from .workload import from_plan
@@ -84,27 +71,18 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tokens-per-rank", type=int, default=8192, help="tokens per rank per step")
     parser.add_argument("--seq-len", type=int, default=None, help="sequence length (default: min(tokens, 8192))")
     parser.add_argument("--mode", choices=("z2", "z3"), default=None, help="only this dmuon mode")
-    parser.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel degree")
-    parser.add_argument("--param-dtype", default=None, type=_dtype_arg,
-                        help="FSDP2 / dmuon wire dtype (GPU default bfloat16)")
-    parser.add_argument("--reduce-dtype", default=None, type=_dtype_arg, help="gradient reduce dtype (GPU default float32)")
-    parser.add_argument("--cost-model", default="ns_flops", choices=("numel", "ns_flops"))
-    parser.add_argument(
-        "--owner-groups", default="off", type=_owner_groups_arg, metavar="off|auto|K",
-        help="dmuon owner groups (k ranks own one matrix as blocks; docs/owner_groups.md)",
-    )
+    add_selection_args(parser, cost_model_default="ns_flops")  # the same options as `plan`
     parser.add_argument("--json", metavar="FILE", default=None, help="write every variant's figures as JSON")
     parser.add_argument("--png", metavar="FILE", default=None, help="draw rank 0's timeline of each variant (matplotlib)")
     args = parser.parse_args(argv)
-    if args.tp > 1 and args.owner_groups not in ("off", 1):
-        parser.error("--owner-groups with --tp: owner groups are not supported with tensor parallelism (use off)")
+    check_selection_args(parser, args)
     for f in (args.json, args.png):
         if f and os.path.isdir(f):
             parser.error(f"{f!r} is a folder: give a file name")
         if f and not os.path.isdir(os.path.dirname(os.path.abspath(f))):
             parser.error(f"the folder of {f!r} does not exist")
-    if args.tp < 1 or args.tokens_per_rank < 1:
-        parser.error("--tp and --tokens-per-rank must be >= 1")
+    if args.tokens_per_rank < 1:
+        parser.error("--tokens-per-rank must be >= 1")
     if args.seq_len is not None and not 1 <= args.seq_len <= args.tokens_per_rank:
         parser.error(f"--seq-len must be between 1 and --tokens-per-rank ({args.tokens_per_rank:,}), got {args.seq_len}")
     try:
@@ -113,21 +91,11 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--hw {args.hw!r}: not a preset {sorted(H.PRESETS)} nor a readable calibration record ({exc})")
     gpu = hw.comm_engine == "separate"
     param_dtype = args.param_dtype or ("bfloat16" if gpu else None)
-    reduce_dtype = args.reduce_dtype or ("float32" if gpu else None)
-    mp = SimpleNamespace(param_dtype=param_dtype, reduce_dtype=reduce_dtype) if (param_dtype or reduce_dtype) else None
     model = PRESETS[args.model]()
     try:
-        tp_kw = {}
-        if args.tp > 1:
-            dedicated = set(compile(model, args.mesh).dedicated)
-            tp_kw = dict(tp_size=args.tp,
-                         tp_shard_dims={k: v for k, v in megatron_tp_shard_dims(model).items() if k in dedicated})
-        plans = {}
-        for z3 in (False, True):
-            plans[z3] = compile(
-                model, args.mesh, reshard_after_forward=z3, cost_model=args.cost_model, mp_policy=mp,
-                owner_groups=args.owner_groups, **tp_kw,
-            )
+        kw = selection_kwargs(args, model, args.mesh, param_dtype=param_dtype,
+                              reduce_dtype="float32" if gpu else None)
+        plans = {z3: compile(model, args.mesh, reshard_after_forward=z3, **kw) for z3 in (False, True)}
     except ValueError as exc:  # the plan refuses this mesh / TP degree / owner groups for this model
         lines = str(exc).splitlines()
         more = f"\n  ... ({len(lines) - _ERROR_LINES} more lines)" if len(lines) > _ERROR_LINES else ""

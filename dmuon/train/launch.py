@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -155,6 +156,9 @@ def _validate(args: argparse.Namespace) -> None:
         raise SystemExit(f"--qk-clip must be a positive threshold, got {args.qk_clip}")
     if args.eval_every < 0 or args.warmup < 0 or not 0.0 <= args.cooldown_frac <= 1.0:
         raise SystemExit("--eval-every and --warmup must be >= 0, --cooldown-frac in [0, 1]")
+    if args.tp > 1 and args.owner_groups not in ("off", 1):
+        raise SystemExit("--owner-groups with --tp: owner groups are not supported with tensor parallelism "
+                         "(leave --owner-groups off)")
     if args.compare and args.optimizer != "dmuon":
         raise SystemExit("--compare adamw compares a dmuon run with AdamW: leave --optimizer dmuon")
     if args.png:
@@ -198,8 +202,42 @@ def _spawn_entry(rank: int, world: int, port: int, args: argparse.Namespace, out
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(metrics, f)
+    except SystemExit as exc:  # a user error found inside the ranks: the launcher prints it once
+        if exc.code not in (None, 0):
+            with open(_error_path(out, rank), "w") as f:
+                f.write(str(exc.code))
+            sys.stderr.flush()
+            os._exit(2)  # no clean-up: a peer may be waiting in a collective this rank left
+        raise
     finally:
         dist.destroy_process_group()
+
+
+def _error_path(out: str, rank: int) -> str:
+    """Where rank ``rank`` of a spawned run leaves the message of its ``SystemExit``."""
+    return os.path.join(os.path.dirname(out), f"error.{rank}")
+
+
+def _rank_error(out: str, nproc: int) -> str | None:
+    """The ``SystemExit`` message left by the lowest rank that left one, or None."""
+    for rank in range(nproc):
+        path = _error_path(out, rank)
+        if os.path.exists(path):
+            with open(path) as f:
+                return f.read()
+    return None
+
+
+class _QuietAfterUserError(logging.Filter):
+    """Drops torch's "Terminating process ... via signal SIGTERM" warnings once a rank has left a
+    user error: stopping the other ranks is then expected, and only the error is printed."""
+
+    def __init__(self, out: str, nproc: int) -> None:
+        super().__init__()
+        self._out, self._nproc = out, nproc
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (str(record.msg).startswith("Terminating process") and _rank_error(self._out, self._nproc))
 
 
 def _under_torchrun() -> bool:
@@ -241,15 +279,31 @@ def run(args: argparse.Namespace | Mapping[str, Any]) -> dict[str, Any]:
         raise SystemExit(f"--tp {args.tp} must divide --n-heads {args.n_heads} and --d-mlp {args.d_mlp}")
     if args.device == "cuda" and args.nproc > torch.cuda.device_count():
         raise SystemExit(f"--nproc {args.nproc} > {torch.cuda.device_count()} visible GPUs")
+    from torch.multiprocessing.spawn import ProcessException
+
     with tempfile.TemporaryDirectory(prefix="dmuon-train-") as tmp:
         out = os.path.join(tmp, "metrics.json")
-        torch.multiprocessing.spawn(
-            _spawn_entry,
-            args=(args.nproc, free_port(), args, out),
-            nprocs=args.nproc,
-            join=True,
-            start_method="spawn",
-        )
+        spawn_log = logging.getLogger("torch.multiprocessing.spawn")
+        quiet = _QuietAfterUserError(out, args.nproc)
+        spawn_log.addFilter(quiet)
+        try:
+            torch.multiprocessing.spawn(
+                _spawn_entry,
+                args=(args.nproc, free_port(), args, out),
+                nprocs=args.nproc,
+                join=True,
+                start_method="spawn",
+            )
+        except ProcessException:
+            # A rank ended in SystemExit (a user error, e.g. --resume of a folder without a
+            # checkpoint): its one-line message, not the launcher's ProcessExitedException
+            # traceback. Any other failure (a bug) keeps torch's report with the rank's traceback.
+            message = _rank_error(out, args.nproc)
+            if message is None:
+                raise
+            raise SystemExit(message) from None
+        finally:
+            spawn_log.removeFilter(quiet)
         with open(out) as f:
             return json.load(f)
 
