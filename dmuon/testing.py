@@ -231,19 +231,34 @@ def proxies_for(shape: Sequence[int], *, layout: str = "linear") -> tuple[Proxy,
     raise ValueError(f"no Muon matrix view for a {nd}-D parameter of shape {tuple(shape)}")
 
 
-def _stack_layout_of(spec) -> str:
-    """The expert layout of a plan's 3-D ``ParamSpec``. The plan records only ``num_matrices=E``
-    today, i.e. ``E`` matrices ``(m, n) = shape[1:]``: ``"linear"``. Extension point: once the
-    plan records the layout of a stack, read it here."""
-    return "linear"
+def _stack_layout_of(spec) -> tuple[str, bool]:
+    """``(layout, fused)`` of a plan's 3-D ``ParamSpec`` for :func:`expert_stack`, from its
+    ``ExpertStack`` record (``ParamSpec.experts``; a stack without one is ``"linear"``)."""
+    stack = spec.experts
+    if stack is None:
+        return "linear", False
+    fused = not stack.split
+    table = {
+        (False, ""): "linear",
+        (True, ""): "in_out",
+        (False, "concat"): "hf_gate_up",
+        (True, "interleave"): "gpt_oss_gate_up",
+    }
+    layout = table.get((stack.transposed, stack.gate_up))
+    if layout is None:
+        raise ValueError(
+            f"proxies_from_plan: {spec.fqn}: no reference layout for {stack.describe(tuple(spec.shape))}; "
+            "pass stack_layouts={fqn: layout} or build its proxies by hand"
+        )
+    return layout, fused
 
 
 def proxies_from_plan(plan, stack_layouts: Optional[Mapping[str, str]] = None) -> dict[str, tuple[Proxy, ...]]:
     """``{fqn: proxies}`` of every dedicated parameter of ``plan`` (a
     :class:`dmuon.plan.ShardingPlan`), from its ``ParamSpec``: a ``view`` -> :func:`matrix_view`;
-    a 3-D stack (``matrix_shape == shape[1:]``, ``num_matrices = E``) -> :func:`expert_stack` in
-    the layout ``stack_layouts[fqn]`` (default: the plan's, ``"linear"`` today, which is what
-    dmuon runs: ``E`` matrices ``shape[1:]``); a conv weight (``nn.Conv1d``'s is 3-D too) ->
+    an expert stack (``ParamSpec.experts``, or a 3-D stack with ``matrix_shape == shape[1:]``)
+    -> :func:`expert_stack` in the layout ``stack_layouts[fqn]`` (default: the plan's record,
+    orientation and gate/up split included); a conv weight (``nn.Conv1d``'s is 3-D too) ->
     :func:`conv`; else :func:`matrix`. Without an override the proxies' shapes are checked
     against the plan's ``ParamSpec.matrices`` (``ValueError`` if they differ).
 
@@ -256,11 +271,12 @@ def proxies_from_plan(plan, stack_layouts: Optional[Mapping[str, str]] = None) -
         shape, (m, n) = tuple(spec.shape), tuple(spec.matrix_shape)
         if spec.view is not None:
             proxies = matrix_view(shape, spec.view.dim, spec.view.sizes)
-        elif len(shape) == 3 and (m, n) == shape[1:]:  # expert stack: E = num_matrices matrices (m, n)
+        elif len(shape) == 3 and (spec.experts is not None or (m, n) == shape[1:]):  # an expert stack
             if spec.fqn in stack_layouts:
                 out[spec.fqn] = expert_stack(shape, stack_layouts.pop(spec.fqn))
                 continue
-            proxies = expert_stack(shape, _stack_layout_of(spec))
+            layout, fused = _stack_layout_of(spec)
+            proxies = expert_stack(shape, layout, fused=fused)
         elif len(shape) > 2:  # conv weight: (out, in * prod(k))
             proxies = conv(shape)
         else:

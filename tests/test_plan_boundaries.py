@@ -194,11 +194,18 @@ def test_conv_view():
     assert "dedicated: 0 params" in empty.summary()
 
 
-def test_default_predicate_skips_conv_and_experts():
-    model = P.presets.tiny_moe()
+def test_default_predicate_selects_experts_and_experts_off_restores_2d_only():
+    model = P.presets.tiny_moe()  # torchtitan-style GroupedExperts: experts.w1/w3 (4, 48, 32), w2 (4, 32, 48)
     plan = P.compile(model, 2)
-    assert not any(".experts." in f for f in plan.dedicated)
+    assert {f for f in plan.dedicated if ".experts." in f} == {
+        f"layers.{i}.mlp.experts.{w}" for i in range(2) for w in ("w1", "w2", "w3")
+    }
+    assert plan.param("layers.0.mlp.experts.w1").experts.layout == "torchtitan"
     assert plan.is_dedicated("layers.0.mlp.gate.weight")  # router (E, hidden) is 2-D
+    with pytest.warns(UserWarning, match=r"experts='off' leaves 6 expert stacks"):
+        old = P.compile(model, 2, experts="off")
+    assert not any(".experts." in f for f in old.dedicated)
+    assert old.is_dedicated("layers.0.mlp.gate.weight")
 
 
 def test_expert_stack_view():

@@ -839,7 +839,8 @@ def test_simulate_accepts_the_plan_selection_options(tmp_path, capsys):
     p = argparse.ArgumentParser()
     add_selection_args(p)
     options = [o for a in p._actions for o in a.option_strings if o.startswith("--") and o != "--help"]
-    assert {"--all-matrices", "--tp-ns", "--owner-groups", "--cost-model", "--param-dtype", "--reduce-dtype", "--tp"} <= set(options)
+    assert {"--all-matrices", "--experts", "--expert-gate-up", "--tp-ns", "--owner-groups", "--cost-model",
+            "--param-dtype", "--reduce-dtype", "--tp"} <= set(options)
     for cmd in ("plan", "simulate"):
         with pytest.raises(SystemExit) as e:
             main([cmd, "--help"])
@@ -854,7 +855,7 @@ def test_simulate_accepts_the_plan_selection_options(tmp_path, capsys):
         return json.loads(out.read_text())["variants"]["z3"]
 
     moe = ["--model", "tiny-moe", "--mesh", "4"]
-    assert z3(*moe, "--all-matrices")["ns_ms"] > z3(*moe)["ns_ms"]  # the expert stacks are dedicated too
+    assert z3(*moe)["ns_ms"] > z3(*moe, "--experts", "off")["ns_ms"]  # the expert stacks are dedicated by default
     tp = ["--model", "tiny-llama", "--mesh", "2", "--tp", "2"]
     assert z3(*tp, "--tp-ns", "gram") != z3(*tp, "--tp-ns", "gather")
     with pytest.raises(SystemExit) as e:  # the same refusal as `plan`

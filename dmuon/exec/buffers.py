@@ -38,7 +38,9 @@ class DedicatedInfo:
     ``holds_full``: this rank stores the full value (the owner, and in HSDP its replicate peers);
     ``matrix_shape`` ``(m, n)`` and ``num_matrices``: the Muon view; ``shape``: logical shape;
     ``view``: the plan's :class:`~dmuon.plan.records.MatrixView` (blocks orthogonalised
-    separately) or None.
+    separately) or None; ``experts``: the plan's :class:`~dmuon.plan.records.ExpertStack` of an
+    expert stack (its layout; ``num_matrices`` then counts the matrices of the experts this
+    rank's tensor holds) or None.
     """
 
     fqn: str
@@ -51,7 +53,8 @@ class DedicatedInfo:
     runtime: Any = dataclasses.field(repr=False, compare=False)  # weakref to DmuonRuntime
     tp: "TPInfo | None" = None  # a TP-sharded matrix: its placement and owner TP group
     view: Any = None  # dmuon.plan.records.MatrixView or None
-    group: "GroupInfo | None" = None  # a matrix owned by an owner group: this rank's block of it
+    group: "GroupInfo | None" = None  # a matrix owned by an owner group / a stack with several expert owners
+    experts: Any = None  # dmuon.plan.records.ExpertStack of an expert stack, or None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -64,6 +67,10 @@ class GroupInfo:
     process group of the members (None on non-members), ``ranks``: their global ranks, block
     order. Members run sharded Gram Newton-Schulz over ``pg``
     (:func:`dmuon.exec.tp_orthogonalize.orthogonalize_groups_and_apply`).
+
+    An expert stack with several owners (the plan's ``ExpertOwners``) is the same record with
+    ``dim = 0`` (ranges of experts), ``experts`` its layout and ``pg = None``: each member
+    orthogonalises its own experts' matrices, with no collective.
     """
 
     shape: tuple[int, int]
@@ -75,12 +82,15 @@ class GroupInfo:
     ranks: tuple[int, ...]
     mesh_ranks: tuple[int, ...]  # sorted mesh ranks of the members (the schedule's group)
     shards: tuple[int, ...]  # shard coordinate of each member, block order (holders of block j: (shards[j], ·))
+    experts: Any = None  # dmuon.plan.records.ExpertStack when the blocks are ranges of experts
 
     @property
     def k(self) -> int:
         return len(self.sizes)
 
-    def block_shape(self, j: int) -> tuple[int, int]:
+    def block_shape(self, j: int) -> tuple[int, ...]:
+        if self.experts is not None:
+            return (self.sizes[j], *self.shape[1:])
         m, n = self.shape
         return (self.sizes[j], n) if self.dim == 0 else (m, self.sizes[j])
 
@@ -338,6 +348,7 @@ def build_segments(
                         runtime=runtime_ref,
                         tp=tp,
                         view=spec.view,
+                        experts=spec.experts,
                     )
                     homes = []
                     for alias in spec.aliases:
@@ -392,10 +403,12 @@ def _block_slot(e, off, seg_l, held, wire, master, spec, orig, owner, grouped, *
         ranks = tuple(g.rank_of(o.replicate, o.shard) for o in owner.members)
         mine = next((i for i, o in enumerate(owner.members) if o.shard == g.shard), None)  # block held here
         mesh_ranks = tuple(sorted(owner.ranks))
+        is_experts = type(owner).__name__ == "ExpertOwners"  # ranges of experts: no group collective
         info = GroupInfo(
             shape=tuple(spec.shape), dim=owner.dim, sizes=tuple(owner.sizes), offsets=owner.offsets(),
-            block=mine, pg=g.owner_group(mesh_ranks) if me in ranks else None, ranks=ranks, mesh_ranks=mesh_ranks,
-            shards=tuple(o.shard for o in owner.members),
+            block=mine, pg=g.owner_group(mesh_ranks) if me in ranks and not is_experts else None, ranks=ranks,
+            mesh_ranks=mesh_ranks, shards=tuple(o.shard for o in owner.members),
+            experts=spec.experts if is_experts else None,
         )
         compute, writer = _grouped_storage(tuple(spec.shape), wire_dtype, device)
         if mine is None:  # zero rows, the other dims kept (as a non-holder's placeholder)
@@ -425,6 +438,10 @@ def _block_slot(e, off, seg_l, held, wire, master, spec, orig, owner, grouped, *
         if not isinstance(logical, nn.Parameter):
             logical = nn.Parameter(logical, requires_grad=orig.requires_grad)
         owner_rank = None if info.block is None else info.ranks[info.block]
+        stack = info.experts
+        local_matrices = 1 if stack is None else (
+            spec.num_matrices if info.block is None else info.sizes[info.block] * stack.matrices_per_expert
+        )
         logical._dmuon = DedicatedInfo(
             fqn=e.fqn,
             owner_global_rank=info.ranks[0] if owner_rank is None else owner_rank,
@@ -432,9 +449,10 @@ def _block_slot(e, off, seg_l, held, wire, master, spec, orig, owner, grouped, *
             holds_full=False,
             shape=tuple(spec.shape),
             matrix_shape=tuple(spec.matrix_shape),
-            num_matrices=1,
+            num_matrices=local_matrices,
             runtime=runtime_ref,
             group=info,
+            experts=stack,
         )
         gm.logical = logical
         for b in gm.blocks:

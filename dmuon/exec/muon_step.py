@@ -16,6 +16,7 @@ from dmuon.plan.records import dtype_str
 
 from . import newton_schulz as _ns
 from . import tp_orthogonalize as _tp
+from .experts import matrices_to_stack, stack_to_matrices
 
 __all__ = ["adjust_lr", "muon_step"]
 
@@ -80,7 +81,12 @@ def muon_step(group: dict, states) -> None:
     weight_decay, adjust_lr_fn = group["weight_decay"], group["adjust_lr_fn"]
     orthogonalize, ns_kw = _ns_settings(group)
 
+    stacks: dict[int, Any] = {}  # id(p) -> ExpertStack of an expert stack whose update is in matrix layout
+
     def apply(p: Tensor, ortho: Tensor, matrix_shape) -> None:
+        stack = stacks.get(id(p))
+        if stack is not None:  # (k, out, in) matrices back to the stack's storage layout
+            ortho = matrices_to_stack(ortho.reshape(-1, *matrix_shape), stack, tuple(p.shape))
         _apply_update(p, ortho, lr, weight_decay, adjust_lr(lr, adjust_lr_fn, matrix_shape))
 
     # fp32 / fp64 NS batched by bucket (the rule in dmuon.plan.rules, which the simulator prices by)
@@ -99,7 +105,8 @@ def muon_step(group: dict, states) -> None:
         tp = getattr(info, "tp", None)
         view = getattr(info, "view", None)
         og = getattr(info, "group", None)
-        if og is not None:  # owner group: momentum on this rank's block, sharded Gram NS below
+        stack = getattr(info, "experts", None)
+        if og is not None and stack is None:  # owner group: momentum on this rank's block, sharded Gram NS below
             update = _momentum_update(grad, state, group["momentum"], group["nesterov"])
             grouped_entries.append((p, update, og))
             continue
@@ -127,6 +134,9 @@ def muon_step(group: dict, states) -> None:
         update = _momentum_update(grad, state, group["momentum"], group["nesterov"])
         m, n = (int(s) for s in info.matrix_shape)
         k = int(info.num_matrices)
+        if stack is not None:  # an expert stack (this rank's experts): its (k, out, in) Muon matrices
+            update = stack_to_matrices(update, stack)
+            stacks[id(p)] = stack
         if batched:
             buckets.setdefault(_bucket_key(update, m, n), []).append((p, update, k, m, n))
             continue

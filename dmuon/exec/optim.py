@@ -57,11 +57,13 @@ def _check_dedicated(p: Tensor) -> None:
         )
     m, n = (int(s) for s in info.matrix_shape)
     k = int(info.num_matrices)
+    grouped = getattr(info, "group", None)
+    if info.is_owner and grouped is not None and grouped.experts is not None:  # its range of experts
+        shape = tuple(grouped.block_shape(grouped.block))
     if m <= 0 or n <= 0 or k <= 0 or k * m * n != math.prod(shape):
         raise ValueError(
             f"{where}: num_matrices={k} x matrix_shape={(m, n)} does not tile shape {shape}"
         )
-    grouped = getattr(info, "group", None)
     if info.is_owner and grouped is not None:  # an owner-group member holds its block
         if tuple(p.shape) != grouped.block_shape(grouped.block):
             raise ValueError(

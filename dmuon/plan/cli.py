@@ -71,8 +71,8 @@ def dtype_arg(value: str) -> str:
 def add_selection_args(parser: argparse.ArgumentParser, *, cost_model_default: str = "numel") -> None:
     """The options that choose what a plan dedicates and how (shared by ``python -m dmuon plan``
     and ``python -m dmuon simulate``, so both accept the same ones): ``--cost-model``,
-    ``--param-dtype``, ``--reduce-dtype``, ``--all-matrices``, ``--tp``, ``--tp-ns``,
-    ``--owner-groups``. Read them with :func:`check_selection_args` and :func:`selection_kwargs`."""
+    ``--param-dtype``, ``--reduce-dtype``, ``--all-matrices``, ``--experts``,
+    ``--expert-gate-up``, ``--tp``, ``--tp-ns``, ``--owner-groups``. Read them with :func:`check_selection_args` and :func:`selection_kwargs`."""
     g = parser.add_argument_group("plan selection (the same for plan and simulate)")
     g.add_argument("--cost-model", default=cost_model_default, choices=("numel", "ns_flops"),
                    help="LPT weight of the owner assignment")
@@ -80,7 +80,13 @@ def add_selection_args(parser: argparse.ArgumentParser, *, cost_model_default: s
                    help="mixed-precision broadcast (wire) dtype, e.g. bfloat16")
     g.add_argument("--reduce-dtype", default=None, type=dtype_arg, help="mixed-precision reduce dtype, e.g. float32")
     g.add_argument("--all-matrices", action="store_true",
-                   help="also dedicate conv weights and 3-D expert stacks (default: 2-D only)")
+                   help="also dedicate conv weights and every 3-D parameter (default: 2-D matrices and "
+                   "recognised expert stacks)")
+    g.add_argument("--experts", default="auto", choices=("auto", "off"),
+                   help="expert stacks: 'auto' (dedicated, one owner per range of experts) or 'off' (the selection "
+                   "before expert support: 2-D only); docs/moe.md")
+    g.add_argument("--expert-gate-up", default="split", choices=("split", "fused"),
+                   help="a fused gate/up expert: two Muon matrices (split) or one (fused)")
     g.add_argument("--tp", type=int, default=1, metavar="T",
                    help="tensor-parallel degree: Megatron-style colwise q/k/v/gate/up, rowwise o/down (world = mesh x T)")
     g.add_argument("--tp-ns", default="auto", choices=("auto", "gram", "gather"), help="TP Newton-Schulz method")
@@ -103,9 +109,12 @@ def selection_kwargs(args: argparse.Namespace, model, mesh, *, param_dtype=None,
     """``dmuon.plan.compile`` keyword arguments of :func:`add_selection_args`' options for
     ``model`` on ``mesh``; ``param_dtype`` / ``reduce_dtype``: defaults for the dtype options."""
     pred = matrix_predicate(model) if args.all_matrices else None
-    kw: dict = dict(predicate=pred, cost_model=args.cost_model, owner_groups=args.owner_groups)
+    kw: dict = dict(
+        predicate=pred, cost_model=args.cost_model, owner_groups=args.owner_groups, experts=args.experts,
+        expert_gate_up=args.expert_gate_up,
+    )
     if args.tp > 1:
-        dedicated = set(compile(model, mesh, predicate=pred).dedicated)
+        dedicated = set(compile(model, mesh, predicate=pred, experts=args.experts).dedicated)
         dims = {k: v for k, v in megatron_tp_shard_dims(model).items() if k in dedicated}
         kw.update(tp_size=args.tp, tp_shard_dims=dims, tp_ns=args.tp_ns)
     param_dtype = args.param_dtype or param_dtype

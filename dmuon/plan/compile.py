@@ -25,7 +25,8 @@ from .mesh import normalize_mesh
 from .partition import lpt_partition, lpt_partition_groups
 from .plan import ShardingPlan
 from .qk_clip import QKClip, check_qk_clip
-from .records import Fsdp2Unit, Owner, OwnerGroup, ParamSpec, balanced_sizes, dtype_str
+from .experts import expert_max_split, expert_range_weights
+from .records import ExpertOwners, Fsdp2Unit, Owner, OwnerGroup, ParamSpec, balanced_sizes, dtype_str
 from .selection import select_params
 from .snapshot import take_snapshot
 
@@ -59,6 +60,8 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
     qk_clip: Any = None,
     ns_backend: str = "standard",
     owner_groups: str | int = "off",
+    experts: str = "auto",
+    expert_gate_up: str = "split",
 ) -> ShardingPlan:
     """Plan DMuon for ``model`` on ``mesh`` (pure; no process group; meta models work).
 
@@ -66,7 +69,8 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
         model: any ``nn.Module`` on any device; only names/shapes/dtypes/module types are read.
         mesh: ``N`` | ``(N,)`` | ``(R, N)`` | an object with ``.shape`` (DeviceMesh).
         predicate: ``(fqn, param) -> bool`` selecting dedicated params by canonical FQN; None =
-            every 2-D param inside a hook boundary that is not an embedding weight.
+            every 2-D param inside a hook boundary that is not an embedding weight or a stacked
+            bias, and every expert stack there (:mod:`dmuon.plan.experts`).
         reshard_after_forward: True = DMuon-Z3, False = DMuon-Z2.
         hook_boundary_predicate: ``(module) -> bool``; innermost matching ancestor is the
             boundary. None = FQN heuristic (:mod:`dmuon.plan.boundaries`).
@@ -113,6 +117,17 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
             ``ns_steps`` must agree): the Gram form, not torch's iteration, for those matrices,
             which is why it is opt-in. Matrices with a TP shard, a matrix view, an expert stack
             or a conv kernel, and QK-clip's W_q / W_k, keep one owner.
+        experts: ``"auto"`` (default): recognised 3-D expert stacks (HF fused ``gate_up_proj`` /
+            ``down_proj``, gpt-oss's transposed interleaved layout, torchtitan's
+            ``GroupedExperts`` ``w1``/``w2``/``w3``, any 3-D parameter under an ``experts``
+            module) are selected by the default rule, each expert is ``E`` Muon matrices in
+            ``nn.Linear`` orientation (:class:`~dmuon.plan.records.ExpertStack`), and a stack's
+            experts get ``min(E, N)`` owners of contiguous ranges (:class:`ExpertOwners`).
+            ``"off"``: the selection before expert support (2-D parameters only; a stack a
+            predicate selects is one owned unit of ``E`` matrices ``shape[1:]``).
+        expert_gate_up: ``"split"`` (default): a fused gate/up expert is two Muon matrices,
+            gate and up, as ``torch.optim.Muon`` treats the unfused model; ``"fused"``: one
+            ``(2F, D)`` matrix per expert.
 
     Returns:
         A validated, frozen :class:`ShardingPlan` whose nominal step schedule passed the
@@ -139,11 +154,13 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
         predicate=predicate,
         hook_boundary_predicate=hook_boundary_predicate,
         hook_boundary_strict=hook_boundary_strict,
+        experts=experts,
+        expert_gate_up=expert_gate_up,
     )
     if predicate is None:
         from .selection import coverage_warning
 
-        message = coverage_warning(snapshot, hook_boundary_predicate)
+        message = coverage_warning(snapshot, hook_boundary_predicate, experts)
         if message is not None:
             import warnings
 
@@ -159,6 +176,7 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
             aliases=s.record.aliases,
             module_fqn=s.record.module_fqn,
             attr=s.record.attr,
+            experts=s.experts,
         )
         for s in selected
     )
@@ -225,8 +243,14 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
 
 
 def _assign_owners(specs, boundaries, mesh_shape, cost_model, owner_groups, tp_size, qk_clip, segment_lengths):
-    """The owner (constrained LPT, :func:`~dmuon.plan.partition.lpt_partition`) or owner group
-    (:func:`~dmuon.plan.partition.lpt_partition_groups`) of every dedicated parameter."""
+    """The owner (constrained LPT, :func:`~dmuon.plan.partition.lpt_partition`), owner group or
+    expert owners (:func:`~dmuon.plan.partition.lpt_partition_groups`) of every dedicated
+    parameter.
+
+    An expert stack (``ParamSpec.experts``) of ``E`` experts is cut into
+    :func:`~dmuon.plan.experts.expert_max_split` ``= min(E, N)`` contiguous ranges of experts,
+    each an LPT item of its own placed together with the dense matrices (on distinct shard
+    ranks of one replicate row, as an owner group's blocks): :class:`ExpertOwners`."""
     R, N = mesh_shape
     if isinstance(owner_groups, bool) or not (
         owner_groups in _rules.OWNER_GROUP_MODES or (isinstance(owner_groups, int) and owner_groups >= 1)
@@ -236,40 +260,59 @@ def _assign_owners(specs, boundaries, mesh_shape, cost_model, owner_groups, tp_s
         )
     weights = [_cost.param_weight(spec, cost_model) for spec in specs]
     keys = [spec.fqn for spec in specs]
-    if owner_groups in ("off", 1):
+    expert_split = [
+        expert_max_split(spec.num_experts, N) if spec.experts is not None else 1 for spec in specs
+    ]
+    if owner_groups in ("off", 1) and max(expert_split, default=1) == 1:
         result = lpt_partition(weights, keys, boundaries, num_shards=N, num_replicas=R)
         return tuple(Owner.at(slot, N) for slot in result.slots)
-    if tp_size > 1:
+    if tp_size > 1 and owner_groups not in ("off", 1):
         raise ValueError(
             f"dmuon.plan.compile: owner_groups={owner_groups!r} with tensor parallelism (T={tp_size}) is not "
             "supported: a TP-sharded matrix is already orthogonalised by its TP group, and an owner group of TP "
             "groups is not implemented; use owner_groups='off' with TP"
         )
-    clipped = set()
-    if qk_clip is not None:  # QK-clip rescales whole W_q / W_k rows on their owner
-        clipped = {rows.fqn for att in qk_clip.attention for rows in (att.q, att.k)}
-    max_split = [1 if spec.fqn in clipped else _rules.owner_group_max_split(spec, N) for spec in specs]
-    split = owner_groups
-    if owner_groups == "auto" and cost_model != "numel":
-        # "auto" sizes the groups by elements, what they exist for (memory, ranks owning
-        # nothing), then places them by the cost model: a member's share of Gram NS does not
-        # shrink like 1/k (the (d, d) part runs on every member), so sizing by NS FLOPs alone
-        # would cut square matrices across every rank and raise the busiest rank's FLOPs
-        sizing = lpt_partition_groups(
-            [spec.numel for spec in specs],
-            lambda i, k: _cost.owner_group_piece_weights(specs[i], k, "numel", segment_lengths),
-            max_split,
-            keys,
-            boundaries,
-            num_shards=N,
-            num_replicas=R,
-            split="auto",
-        )
-        max_split = [len(m) for m in sizing.members]
-        split = max(max_split)  # forced: each matrix gets min(split, max_split[i]), its own k
+
+    def pieces(i: int, k: int, model: str) -> tuple[int, ...]:
+        spec = specs[i]
+        if spec.experts is not None:  # every expert of a stack weighs the same
+            return expert_range_weights(_cost.param_weight(spec, model) // spec.num_experts, spec.num_experts, k)
+        return _cost.owner_group_piece_weights(spec, k, model, segment_lengths)
+
+    if owner_groups in ("off", 1):
+        max_split, split = expert_split, N  # forced: each stack gets its min(E, N) ranges, matrices one owner
+    else:
+        clipped = set()
+        if qk_clip is not None:  # QK-clip rescales whole W_q / W_k rows on their owner
+            clipped = {rows.fqn for att in qk_clip.attention for rows in (att.q, att.k)}
+        max_split = [1 if spec.fqn in clipped else _rules.owner_group_max_split(spec, N) for spec in specs]
+        split = owner_groups
+        has_stacks = max(expert_split, default=1) > 1
+        if owner_groups == "auto" and (cost_model != "numel" or has_stacks):
+            # "auto" sizes the groups by elements, what they exist for (memory, ranks owning
+            # nothing), then places them by the cost model: a member's share of Gram NS does not
+            # shrink like 1/k (the (d, d) part runs on every member), so sizing by NS FLOPs alone
+            # would cut square matrices across every rank and raise the busiest rank's FLOPs
+            sizing = lpt_partition_groups(
+                [spec.numel for spec in specs],
+                lambda i, k: pieces(i, k, "numel"),
+                [e if e > 1 else m for e, m in zip(expert_split, max_split)],
+                keys,
+                boundaries,
+                num_shards=N,
+                num_replicas=R,
+                split="auto",
+            )
+            max_split = [len(m) for m in sizing.members]
+            split = max(max_split)  # forced: each matrix gets min(split, max_split[i]), its own k
+        elif owner_groups != "auto":
+            max_split = [min(m, int(owner_groups)) for m in max_split]
+        if has_stacks:  # expert stacks always get their min(E, N) ranges; split = the largest k, forced
+            max_split = [e if e > 1 else m for e, m in zip(expert_split, max_split)]
+            split = max(max_split)
     result = lpt_partition_groups(
         weights,
-        lambda i, k: _cost.owner_group_piece_weights(specs[i], k, cost_model, segment_lengths),
+        lambda i, k: pieces(i, k, cost_model),
         max_split,
         keys,
         boundaries,
@@ -281,6 +324,14 @@ def _assign_owners(specs, boundaries, mesh_shape, cost_model, owner_groups, tp_s
     for spec, members in zip(specs, result.members):
         if len(members) == 1:
             owners.append(Owner.at(members[0], N))
+            continue
+        if spec.experts is not None:
+            owners.append(
+                ExpertOwners(
+                    members=tuple(Owner.at(slot, N) for slot in members),
+                    sizes=balanced_sizes(spec.num_experts, len(members)),
+                )
+            )
             continue
         dim = _rules.owner_group_dim(spec.shape)
         owners.append(

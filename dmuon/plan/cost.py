@@ -57,7 +57,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .records import Owner, OwnerGroup, ParamSpec, _check_int, balanced_sizes, itemsize_nbytes
+from .records import ExpertOwners, Owner, OwnerGroup, ParamSpec, _check_int, balanced_sizes, itemsize_nbytes
 from .rules import (
     COST_MODELS,
     GRAM_RESTART_EVERY,
@@ -380,7 +380,11 @@ def owner_weights(
     spec: ParamSpec, owner: Owner | OwnerGroup, cost_model: str, segment_lengths: Sequence[int]
 ) -> tuple[tuple[int, int], ...]:
     """``(mesh rank, weight)`` of every owner of ``spec``: one pair for an :class:`Owner`, one per
-    member of an :class:`OwnerGroup` (:func:`member_weights` of the group's own blocks)."""
+    member of an :class:`OwnerGroup` (:func:`member_weights` of the group's own blocks), one per
+    member of an :class:`ExpertOwners` (its experts' share of the stack's weight)."""
+    if isinstance(owner, ExpertOwners):
+        per_expert = param_weight(spec, cost_model) // spec.num_experts
+        return tuple((rank, per_expert * size) for rank, size in zip(owner.ranks, owner.sizes))
     if isinstance(owner, OwnerGroup):
         return tuple(zip(owner.ranks, member_weights(spec, owner.dim, owner.sizes, cost_model, segment_lengths)))
     return ((owner.rank, param_weight(spec, cost_model)),)
@@ -610,7 +614,10 @@ def rank_stats(
     replica_nbytes_by_shard = [0] * N  # params with owner shard s, any replicate: held by every (s, r')
     for spec, owner in zip(params, owners):
         isz = itemsize_nbytes(spec.dtype)
-        if isinstance(owner, OwnerGroup):  # each member owns (and its replicas hold) one block
+        if isinstance(owner, ExpertOwners):  # each member owns (and its replicas hold) a range of experts
+            per_expert = spec.numel // spec.num_experts
+            pieces = [(member, per_expert * size) for member, size in zip(owner.members, owner.sizes)]
+        elif isinstance(owner, OwnerGroup):  # each member owns (and its replicas hold) one block
             pieces = list(zip(owner.members, member_weights(spec, owner.dim, owner.sizes, "numel", ())))
         else:
             pieces = [(owner, spec.local_numel)]

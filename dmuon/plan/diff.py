@@ -13,7 +13,7 @@ import dataclasses
 from .cost import ByteCost
 from .render import fmt_names
 from .plan import _SETTINGS, ShardingPlan
-from .records import Owner, OwnerGroup, ParamSpec
+from .records import ExpertOwners, Owner, OwnerGroup, ParamSpec
 
 __all__ = ["ParamChange", "CostDelta", "SettingChange", "PlanDiff", "diff"]
 
@@ -247,7 +247,12 @@ def diff(a: ShardingPlan, b: ShardingPlan) -> PlanDiff:
 
 
 def _owner_str(o) -> str:
-    """``owner rank 3 (s3,r0)`` / ``owner group ranks 0,1 (s0,s1; r0) rows 24+24``."""
+    """``owner rank 3 (s3,r0)`` / ``owner group ranks 0,1 (s0,s1; r0) rows 24+24`` /
+    ``expert owners ranks 0,1 (s0,s1; r0) experts 4+4``."""
+    if isinstance(o, ExpertOwners):
+        shards = ",".join(f"s{m.shard}" for m in o.members)
+        ranks = ",".join(str(r) for r in o.ranks)
+        return f"expert owners ranks {ranks} ({shards}; r{o.replicate}) experts {'+'.join(map(str, o.sizes))}"
     if isinstance(o, OwnerGroup):
         cut = "rows" if o.dim == 0 else "cols"
         shards = ",".join(f"s{m.shard}" for m in o.members)
@@ -263,6 +268,8 @@ def _spec_str(spec: ParamSpec) -> str:
         text += f" TP {spec.tp_size} Shard({spec.tp_shard_dim}) {spec.tp_ns}"
     if spec.view is not None:
         text += f" view [{spec.view.describe(spec.shape)}]"
+    if spec.experts is not None:
+        text += f" experts [{spec.experts.describe(spec.shape)}]"
     return text
 
 

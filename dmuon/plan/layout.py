@@ -20,7 +20,9 @@ Layout rule (``a = align_numel``, ``round_up(x) = ceil(x / a) * a``)::
 so segments and subsegments are contiguous, every entry and flags region starts at a multiple
 of ``a``, and ``buffer.numel`` is a multiple of ``a``. A matrix owned by an owner group
 (:class:`~dmuon.plan.records.OwnerGroup`) has one entry per block (``LayoutEntry.block``), each
-in its member's sub-segment, with the block's shape. A segment is what its shard rank
+in its member's sub-segment, with the block's shape; an expert stack with several owners
+(:class:`~dmuon.plan.records.ExpertOwners`) likewise has one entry per contiguous range of
+experts ``(sizes[j], a, b)``. A segment is what its shard rank
 broadcasts (in every replicate group) and what the gradient reduce delivers to it; the flags
 let the owner tell "no rank produced a gradient" (all flags 0 after the AVG-reduce) from a zero
 gradient.
@@ -33,7 +35,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from .records import Owner, OwnerGroup, _check_int, _check_shape, check_dtype_str
+from .records import ExpertOwners, Owner, OwnerGroup, _check_int, _check_shape, check_dtype_str
 
 __all__ = [
     "LayoutEntry",
@@ -399,7 +401,8 @@ def build_boundaries(
     Args:
         items: ``(fqn, shape, numel, dtype, owner, boundary_fqn)`` per dedicated param, plan
             order; ``owner`` an :class:`~dmuon.plan.records.Owner`, or an
-            :class:`~dmuon.plan.records.OwnerGroup` (one entry per block, in its member's segment).
+            :class:`~dmuon.plan.records.OwnerGroup` / :class:`~dmuon.plan.records.ExpertOwners`
+            (one entry per block / range of experts, in its member's segment).
         boundary_order: boundary FQNs in output order (first appearance in ``named_modules()``).
         fallback: boundary FQN -> fallback flag.
         align_numel: alignment in elements (>= 1).
@@ -407,10 +410,10 @@ def build_boundaries(
     grouped: dict[str, dict[str, list[tuple[str, tuple[int, ...], int, Owner, int | None]]]] = {}
     for fqn, shape, numel, dtype, owner, boundary in items:
         dest = grouped.setdefault(boundary, {}).setdefault(dtype, [])
-        if isinstance(owner, OwnerGroup):
+        if isinstance(owner, (OwnerGroup, ExpertOwners)):
             for j, member in enumerate(owner.members):
-                block = owner.block_shape(j, shape)
-                dest.append((fqn, block, block[0] * block[1], member, j))
+                block = tuple(owner.block_shape(j, shape))
+                dest.append((fqn, block, math.prod(block), member, j))
         else:
             dest.append((fqn, shape, numel, owner, None))
     out: list[Boundary] = []

@@ -17,6 +17,7 @@ mapped plan may hold arbitrary leaves; methods other than field access need real
 from __future__ import annotations
 
 import dataclasses
+import math
 import difflib
 import hashlib
 import json
@@ -39,6 +40,7 @@ from .records import (
     Fsdp2Unit,
     Owner,
     OwnerGroup,
+    ExpertOwners,
     ParamSpec,
     _check_int,
     check_dtype_str,
@@ -50,6 +52,7 @@ __all__ = [
     "ShardingPlan",
     "Owner",
     "OwnerGroup",
+    "ExpertOwners",
     "ParamSpec",
     "LayoutEntry",
     "SubSegment",
@@ -134,7 +137,7 @@ class ShardingPlan:
     param_dtype: str | None
     reduce_dtype: str | None
     params: tuple[ParamSpec, ...]
-    owners: tuple[Owner | OwnerGroup, ...]
+    owners: tuple[Owner | OwnerGroup | ExpertOwners, ...]
     boundaries: tuple[Boundary, ...]
     model_digest: str
     tp_size: int = 1
@@ -162,7 +165,7 @@ class ShardingPlan:
         check_dtype_str("ShardingPlan", "reduce_dtype", self.reduce_dtype, optional=True)
         if not isinstance(self.model_digest, str):
             raise TypeError("ShardingPlan.model_digest must be a str")
-        for name, cls in (("params", ParamSpec), ("owners", (Owner, OwnerGroup)), ("boundaries", Boundary), ("fsdp2_units", Fsdp2Unit)):
+        for name, cls in (("params", ParamSpec), ("owners", (Owner, OwnerGroup, ExpertOwners)), ("boundaries", Boundary), ("fsdp2_units", Fsdp2Unit)):
             value = getattr(self, name)
             if type(value) is not tuple or any(not isinstance(v, cls) for v in value):
                 names = "/".join(c.__name__ for c in (cls if isinstance(cls, tuple) else (cls,)))
@@ -182,9 +185,14 @@ class ShardingPlan:
                 )
         R, N = ms
         for spec, owner in zip(self.params, self.owners):
-            for o in owner.members if isinstance(owner, OwnerGroup) else (owner,):
+            for o in owner.members if isinstance(owner, (OwnerGroup, ExpertOwners)) else (owner,):
                 if o.shard >= N or o.replicate >= R or o.rank != o.replicate * N + o.shard:
                     raise ValueError(f"ShardingPlan: owner {o} of {spec.fqn} is not on mesh (R={R}, N={N})")
+            if isinstance(owner, ExpertOwners) and (spec.experts is None or sum(owner.sizes) != spec.num_experts):
+                raise ValueError(
+                    f"ShardingPlan: {spec.fqn} {spec.shape} has expert owners with ranges {owner.sizes} but "
+                    + ("no expert-stack layout" if spec.experts is None else f"{spec.num_experts} experts")
+                )
             if isinstance(owner, OwnerGroup):
                 problem = _rules.owner_group_problem(spec)
                 if problem is not None:
@@ -208,11 +216,11 @@ class ShardingPlan:
                     if i is None:
                         raise ValueError(f"ShardingPlan: layout entry {entry.fqn!r} is not a dedicated param")
                     spec, owner = self.params[i], self.owners[i]
-                    if isinstance(owner, OwnerGroup):
+                    if isinstance(owner, (OwnerGroup, ExpertOwners)):
                         j = entry.block
                         ok = j is not None and j < owner.k and entry.owner == owner.members[j]
-                        expected = (owner.block_shape(j, spec.shape) if ok else None)
-                        ok = ok and entry.shape == expected and entry.numel == expected[0] * expected[1]
+                        expected = (tuple(owner.block_shape(j, spec.shape)) if ok else None)
+                        ok = ok and entry.shape == expected and entry.numel == math.prod(expected)
                         ok = ok and buf.dtype == spec.dtype
                     else:
                         ok = entry.block is None and (entry.owner, entry.numel, entry.shape, buf.dtype) == (
@@ -257,7 +265,7 @@ class ShardingPlan:
                         boundary_of[i] = b_index
                         blocks_seen[i].add(entry.block)
         for i, owner in enumerate(self.owners):
-            expected = set(range(owner.k)) if isinstance(owner, OwnerGroup) else {None}
+            expected = set(range(owner.k)) if isinstance(owner, (OwnerGroup, ExpertOwners)) else {None}
             if boundary_of[i] is not None and blocks_seen[i] != expected:
                 raise ValueError(
                     f"ShardingPlan: {self.params[i].fqn!r} has layout blocks {sorted(map(str, blocks_seen[i]))}, "
@@ -292,8 +300,28 @@ class ShardingPlan:
 
     def owner(self, fqn: str) -> Owner | OwnerGroup:
         """Owner (or owner group) of dedicated parameter ``fqn`` (any alias). Raises KeyError
-        with close matches."""
-        return self.owners[self._lookup(fqn)]
+        with close matches, and ValueError for an expert stack whose experts have several
+        owners (use :meth:`expert_owners`)."""
+        owner = self.owners[self._lookup(fqn)]
+        if isinstance(owner, ExpertOwners):
+            raise ValueError(
+                f"{fqn!r} is an expert stack whose {owner.num_experts} experts have {owner.k} owners "
+                f"(ranks {', '.join(map(str, owner.ranks))}); plan.expert_owners(fqn) gives the owner of each "
+                "expert, plan.owners[i] the ExpertOwners record"
+            )
+        return owner
+
+    def expert_owners(self, fqn: str) -> tuple[Owner, ...]:
+        """The :class:`Owner` of every expert of expert stack ``fqn`` (any alias), expert order
+        (``len == E``). Raises KeyError (unknown FQN, close matches named) or ValueError (not an
+        expert stack)."""
+        i = self._lookup(fqn)
+        spec, owner = self.params[i], self.owners[i]
+        if spec.experts is None:
+            raise ValueError(f"{fqn!r} is not an expert stack (shape {spec.shape}); plan.owner(fqn) gives its owner")
+        if isinstance(owner, ExpertOwners):
+            return owner.per_expert()
+        return (owner,) * spec.num_experts
 
     def param(self, fqn: str) -> ParamSpec:
         """:class:`ParamSpec` of ``fqn`` (any alias). Raises KeyError with close matches."""
@@ -350,7 +378,7 @@ class ShardingPlan:
         lengths = self.tp_segment_lengths
         weights = [w for spec, o in zip(self.params, self.owners) for _, w in _cost.owner_weights(spec, o, self.cost_model, lengths)]
         R, N = self.mesh_shape
-        K = max((o.k for o in self.owners if isinstance(o, OwnerGroup)), default=1)
+        K = max((o.k for o in self.owners if isinstance(o, (OwnerGroup, ExpertOwners))), default=1)
         factor = N / (N - K + 1) if R > 1 and K > 1 else 1.0
         return factor * sum(weights) / self.world_size + max(weights, default=0)
 
@@ -381,12 +409,12 @@ class ShardingPlan:
 
     @property
     def assembled_nbytes(self) -> dict[str, int]:
-        """Owner groups: per boundary FQN, the bytes of the full compute matrices every rank
-        assembles from the blocks while the boundary is unsharded (broadcast dtype); empty
-        without owner groups."""
+        """Owner groups and expert stacks with several owners: per boundary FQN, the bytes of
+        the full compute tensors every rank assembles from the blocks / expert ranges while the
+        boundary is unsharded (broadcast dtype); empty without them."""
         out: dict[str, int] = {}
         for spec, owner in zip(self.params, self.owners):
-            if isinstance(owner, OwnerGroup):
+            if isinstance(owner, (OwnerGroup, ExpertOwners)):
                 b = self.boundary(spec.fqn)
                 out[b] = out.get(b, 0) + spec.numel * itemsize_nbytes(self.bcast_dtype(spec.dtype))
         return out

@@ -20,7 +20,9 @@ import torch
 __all__ = [
     "Owner",
     "OwnerGroup",
+    "ExpertOwners",
     "MatrixView",
+    "ExpertStack",
     "ParamSpec",
     "Fsdp2Unit",
     "dtype_str",
@@ -213,14 +215,99 @@ class OwnerGroup:
         return cls(members=tuple(Owner.from_dict(o) for o in d["members"]), dim=d["dim"], sizes=tuple(d["sizes"]))
 
 
-def owner_from_dict(d: dict[str, Any]) -> Owner | OwnerGroup:
-    """An :class:`Owner` or an :class:`OwnerGroup` (``"members"`` key) from its ``to_dict``."""
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ExpertOwners:
+    """The owners of an expert stack's experts: one owner per contiguous range of experts.
+
+    The stack ``(E, a, b)`` is cut along its expert dim 0 into ``k >= 2`` consecutive ranges of
+    ``sizes`` experts; member ``j`` holds range ``j`` of the master and of the momentum,
+    receives range ``j`` of the averaged gradient, broadcasts it to its shard peers, and
+    orthogonalises each of its experts' matrices on its own (no collective: experts are
+    independent Muon matrices, unlike an :class:`OwnerGroup`'s blocks of one matrix). A stack
+    whose experts all have one owner has a plain :class:`Owner` instead.
+
+    Attributes:
+        members: the owner of each range, range order: one replicate coordinate, distinct
+            shard coordinates (on an HSDP mesh the other replicate rows hold every range as
+            replicas, as for any owner).
+        sizes: experts in each range, each >= 1, ``len == k``, ``sum == E``.
+    """
+
+    members: tuple[Owner, ...]
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if type(self.members) is not tuple or len(self.members) < 2:
+            raise ValueError(f"ExpertOwners.members must be a tuple of >= 2 Owners, got {self.members!r}")
+        if any(not isinstance(o, Owner) for o in self.members):
+            raise TypeError("ExpertOwners.members must hold Owner records")
+        if len({o.replicate for o in self.members}) != 1:
+            raise ValueError(f"ExpertOwners members must share one replicate coordinate, got {self.members}")
+        if len({o.shard for o in self.members}) != len(self.members):
+            raise ValueError(f"ExpertOwners members must have distinct shard coordinates, got {self.members}")
+        if type(self.sizes) is not tuple or len(self.sizes) != len(self.members):
+            raise ValueError(f"ExpertOwners.sizes must be a tuple with one size per member, got {self.sizes!r}")
+        for v in self.sizes:
+            _check_int("ExpertOwners", "sizes[i]", v, 1)
+
+    dim = 0  # class constant (not a field): the ranges cut the expert dim
+
+    @property
+    def k(self) -> int:
+        """Members (ranges)."""
+        return len(self.members)
+
+    @property
+    def replicate(self) -> int:
+        return self.members[0].replicate
+
+    @property
+    def num_experts(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Mesh ranks of the members, range order."""
+        return tuple(o.rank for o in self.members)
+
+    def offsets(self) -> tuple[int, ...]:
+        """First expert of each range."""
+        return _offsets(self.sizes)
+
+    def block_shape(self, j: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Shape of range ``j`` of a stack of ``shape`` ``(E, a, b)``."""
+        return (self.sizes[j],) + tuple(shape[1:])
+
+    def block_of(self, owner: Owner) -> int | None:
+        """Index of the range ``owner`` holds, or None."""
+        for j, o in enumerate(self.members):
+            if o == owner:
+                return j
+        return None
+
+    def per_expert(self) -> tuple[Owner, ...]:
+        """The owner of every expert, expert order (``len == E``)."""
+        return tuple(o for o, size in zip(self.members, self.sizes) for _ in range(size))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"experts": [o.to_dict() for o in self.members], "sizes": list(self.sizes)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ExpertOwners:
+        return cls(members=tuple(Owner.from_dict(o) for o in d["experts"]), sizes=tuple(d["sizes"]))
+
+
+def owner_from_dict(d: dict[str, Any]) -> Owner | OwnerGroup | ExpertOwners:
+    """An :class:`Owner`, :class:`OwnerGroup` (``"members"`` key) or :class:`ExpertOwners`
+    (``"experts"`` key) from its ``to_dict``."""
+    if "experts" in d:
+        return ExpertOwners.from_dict(d)
     return OwnerGroup.from_dict(d) if "members" in d else Owner.from_dict(d)
 
 
-def owner_ranks(owner: Owner | OwnerGroup) -> tuple[int, ...]:
-    """The mesh ranks that own (blocks of) a matrix: one for an :class:`Owner`."""
-    return owner.ranks if isinstance(owner, OwnerGroup) else (owner.rank,)
+def owner_ranks(owner: Owner | OwnerGroup | ExpertOwners) -> tuple[int, ...]:
+    """The mesh ranks that own (blocks or experts of) a parameter: one for an :class:`Owner`."""
+    return owner.ranks if isinstance(owner, (OwnerGroup, ExpertOwners)) else (owner.rank,)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -285,6 +372,82 @@ class MatrixView:
         return cls(dim=d["dim"], sizes=tuple(d["sizes"]), label=d.get("label", ""))
 
 
+_GATE_UP_FORMS = ("", "concat", "interleave")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ExpertStack:
+    """How a 3-D parameter ``(E, a, b)`` holds its experts' Muon matrices.
+
+    Attributes:
+        num_experts: ``E``, the leading dim.
+        transposed: each expert is stored ``(in, out)`` (gpt-oss), i.e. its ``nn.Linear``
+            matrix is ``W[e].T``; False: stored ``(out, in)``.
+        gate_up: ``""`` (one projection per expert), ``"concat"`` (gate rows then up rows along
+            the output dim) or ``"interleave"`` (gate and up alternate along the output dim).
+        split: with a fused ``gate_up``, orthogonalise gate and up separately (default); False
+            keeps each expert's fused ``(2F, D)`` matrix whole. Ignored without ``gate_up``.
+        layout: what recognised it, for reports (``"hf"``, ``"gpt-oss"``, ``"torchtitan"``,
+            ``"generic"``).
+    """
+
+    num_experts: int
+    transposed: bool = False
+    gate_up: str = ""
+    split: bool = True
+    layout: str = "generic"
+
+    def __post_init__(self) -> None:
+        _check_int("ExpertStack", "num_experts", self.num_experts, 1)
+        if type(self.transposed) is not bool or type(self.split) is not bool:
+            raise TypeError("ExpertStack.transposed and .split must be bools")
+        if self.gate_up not in _GATE_UP_FORMS:
+            raise ValueError(f"ExpertStack.gate_up must be one of {_GATE_UP_FORMS}, got {self.gate_up!r}")
+        if not isinstance(self.layout, str):
+            raise TypeError(f"ExpertStack.layout must be a str, got {self.layout!r}")
+
+    @property
+    def matrices_per_expert(self) -> int:
+        """2 for a split gate/up projection, else 1."""
+        return 2 if self.gate_up and self.split else 1
+
+    def matrix_shape(self, shape: tuple[int, ...]) -> tuple[int, int]:
+        """``(out, in)`` of each Muon matrix of a stack of ``shape`` (``nn.Linear`` orientation)."""
+        _, a, b = shape
+        out, inp = (b, a) if self.transposed else (a, b)
+        if self.matrices_per_expert == 2:
+            if out % 2:
+                raise ValueError(f"a fused gate/up stack needs an even output dim, got {out} in {shape}")
+            out //= 2
+        return (out, inp)
+
+    def describe(self, shape: tuple[int, ...]) -> str:
+        """``"128 experts x gate|up (768, 2048) [hf]"``."""
+        m, n = self.matrix_shape(shape)
+        parts = "gate|up " if self.matrices_per_expert == 2 else ("gate+up fused " if self.gate_up else "")
+        stored = ", stored (in, out)" if self.transposed else ""
+        return f"{self.num_experts} experts x {parts}({m}, {n}) [{self.layout}{stored}]"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "num_experts": self.num_experts,
+            "transposed": self.transposed,
+            "gate_up": self.gate_up,
+            "split": self.split,
+            "layout": self.layout,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ExpertStack:
+        return cls(
+            num_experts=d["num_experts"],
+            transposed=d["transposed"],
+            gate_up=d["gate_up"],
+            split=d["split"],
+            layout=d["layout"],
+        )
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ParamSpec:
     """A dedicated parameter as the plan sees it.
@@ -321,6 +484,10 @@ class ParamSpec:
             ``cost_model="ns_flops"`` weighs it by that backend's FLOPs and ``dmuon.Muon``
             checks that it runs it. Always ``"standard"`` for a TP-sharded matrix (``tp_ns``
             decides there).
+        experts: an :class:`ExpertStack` for a 3-D expert stack ``(E, a, b)`` (its layout:
+            orientation, fused gate/up and whether it is split), else None. Then
+            ``matrix_shape`` is one Muon matrix ``(out, in)`` in ``nn.Linear`` orientation and
+            ``num_matrices = E * experts.matrices_per_expert`` (``2E`` for a split gate/up).
     """
 
     fqn: str
@@ -337,6 +504,15 @@ class ParamSpec:
     tp_ns: str | None = None
     view: MatrixView | None = None
     ns_backend: str = "standard"
+    experts: ExpertStack | None = None
+
+    @property
+    def num_experts(self) -> int:
+        """``E`` of an expert stack, 1 otherwise (a stack without an :class:`ExpertStack`
+        record, selected by a predicate, counts its leading dim)."""
+        if self.experts is not None:
+            return self.experts.num_experts
+        return self.shape[0] if len(self.shape) == 3 else 1
 
     @property
     def matrices(self) -> tuple[tuple[int, int], ...]:
@@ -427,6 +603,20 @@ class ParamSpec:
                     f"ParamSpec {self.fqn}: view sizes sum to {sum(self.view.sizes)} but dim {self.view.dim} "
                     f"of {self.shape} is {self.shape[self.view.dim]}"
                 )
+        if self.experts is not None:
+            if not isinstance(self.experts, ExpertStack):
+                raise TypeError(f"ParamSpec {self.fqn}: experts must be an ExpertStack or None, got {self.experts!r}")
+            if len(self.shape) != 3 or self.shape[0] != self.experts.num_experts:
+                raise ValueError(
+                    f"ParamSpec {self.fqn}: an expert stack needs shape (E, a, b) with E = "
+                    f"{self.experts.num_experts}, got {self.shape}"
+                )
+            expected = (self.experts.matrix_shape(self.shape), self.experts.num_experts * self.experts.matrices_per_expert)
+            if (tuple(self.matrix_shape), self.num_matrices) != expected:
+                raise ValueError(
+                    f"ParamSpec {self.fqn}: matrix_shape {self.matrix_shape} x {self.num_matrices} does not match "
+                    f"its expert stack {self.experts.describe(self.shape)}"
+                )
         if self.ns_backend not in ("standard", "gram"):
             raise ValueError(f"ParamSpec {self.fqn}: ns_backend must be 'standard' or 'gram', got {self.ns_backend!r}")
         if self.tp_size > 1 and self.ns_backend != "standard":
@@ -458,6 +648,8 @@ class ParamSpec:
         view = {} if self.view is None else {"view": self.view.to_dict()}  # absent: older plans keep their JSON
         if self.ns_backend != "standard":  # absent by default: older plans keep their JSON
             tp["ns_backend"] = self.ns_backend
+        if self.experts is not None:  # absent for matrices: plans without expert stacks keep their JSON
+            tp["experts"] = self.experts.to_dict()
         return {
             "fqn": self.fqn,
             "shape": list(self.shape),
@@ -489,6 +681,7 @@ class ParamSpec:
             tp_ns=d.get("tp_ns"),
             view=MatrixView.from_dict(d["view"]) if d.get("view") is not None else None,
             ns_backend=d.get("ns_backend", "standard"),
+            experts=ExpertStack.from_dict(d["experts"]) if d.get("experts") is not None else None,
         )
 
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .cost import RankStats, rank_stats, schedule_byte_cost
-from .records import OwnerGroup, owner_ranks
+from .records import ExpertOwners, OwnerGroup, owner_ranks
 
 if TYPE_CHECKING:
     from .plan import ShardingPlan
@@ -188,6 +188,7 @@ def render_summary(plan: ShardingPlan, *, max_rows: int = 16) -> str:
     if base_total:
         lines.append(f"{'saving vs FSDP2+naive':<34}{100.0 * (1 - fig.cost.total_nbytes / base_total):>19.1f}%")
     lines += _excluded_lines(plan)
+    lines += [""] + expert_lines(plan) if any(p.experts is not None for p in plan.params) else []
     lines.append("")
     lines += ownership_lines(plan, fig.cost)
     lines.append("")
@@ -292,6 +293,37 @@ def excluded_vectors(plan: ShardingPlan) -> tuple[tuple[str, tuple[int, ...]], .
             if grad and len(shape) == 2 and min(shape) == 1:
                 out.append((fqn, tuple(shape)))
     return tuple(out)
+
+
+def expert_lines(plan: ShardingPlan) -> list[str]:
+    """The experts line of a plan with expert stacks: stacks, experts, Muon matrices, layouts,
+    and where they are owned (ranks owning experts, experts per owner, stacks with one owner)."""
+    stacks = [(p, o) for p, o in zip(plan.params, plan.owners) if p.experts is not None]
+    if not stacks:
+        return []
+    experts = sum(p.experts.num_experts for p, _ in stacks)
+    matrices = sum(p.num_matrices for p, _ in stacks)
+    numel = sum(p.numel for p, _ in stacks)
+    total = sum(p.numel for p in plan.params)
+    per_rank: dict[int, int] = {}
+    whole = 0
+    for p, o in stacks:
+        if isinstance(o, ExpertOwners):
+            for member, size in zip(o.members, o.sizes):
+                per_rank[member.rank] = per_rank.get(member.rank, 0) + size
+        else:
+            whole += 1
+            per_rank[o.rank] = per_rank.get(o.rank, 0) + p.experts.num_experts
+    layouts = sorted({p.experts.describe(p.shape).split("[")[-1].rstrip("]") for p, _ in stacks})
+    split = sum(1 for p, _ in stacks if p.experts.matrices_per_expert == 2)
+    counts = sorted(per_rank.values())
+    return [
+        f"experts: {len(stacks):,} stacks, {experts:,} experts, {matrices:,} Muon matrices"
+        + (f" ({split} fused gate/up stacks split into gate and up)" if split else "")
+        + f", {100.0 * numel / total if total else 0:.0f}% of dedicated elements; layouts {', '.join(layouts)}",
+        f"  owned by {len(per_rank):,} of {plan.world_size:,} ranks, {counts[0]:,}-{counts[-1]:,} experts each; "
+        f"stacks with a single owner: {whole:,}",
+    ]
 
 
 def _excluded_lines(plan: ShardingPlan) -> list[str]:

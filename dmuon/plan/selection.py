@@ -3,12 +3,17 @@
 Degenerate views (:func:`degenerate_reason`: a side of 1 per matrix, or a depthwise conv
 kernel) are never selected by the default rule or :func:`matrix_predicate`.
 
-Default selection (``predicate=None``): every 2-D parameter that resolves to a hook boundary
-(:mod:`dmuon.plan.boundaries`) and is not the ``weight`` of an ``nn.Embedding`` /
+Default selection (``predicate=None``): every 2-D parameter and every recognised 3-D expert
+stack (:mod:`dmuon.plan.experts`; with ``experts="auto"``, the default) that resolves to a hook
+boundary (:mod:`dmuon.plan.boundaries`), is not the ``weight`` of an ``nn.Embedding`` /
 ``nn.EmbeddingBag`` under ANY of its aliases (so a tied ``lm_head``/``embed_tokens`` pair is
-never dedicated), and requires a gradient (a frozen matrix stays with FSDP2, which never reduces
-or updates it; a predicate that selects one raises ``ValueError``). Conv weights and 3-D expert stacks are selected only by a user predicate (or
-:func:`matrix_predicate`).
+never dedicated), is not a stacked bias (a 2-D parameter named ``*bias``, e.g. gpt-oss's
+``gate_up_proj_bias`` ``(E, 2F)``), and requires a gradient (a frozen matrix stays with FSDP2,
+which never reduces or updates it; a predicate that selects one raises ``ValueError``). Conv
+weights and other 3-D parameters are selected only by a user predicate (or
+:func:`matrix_predicate`). ``experts="off"`` restores the selection before expert support:
+2-D parameters only, and a stack a predicate selects is one owned unit of ``E`` matrices
+without a layout (a fused gate/up expert one matrix).
 
 Matrix view of a selected parameter of shape ``shape`` (the ``(m, n)`` matrices Muon
 orthogonalises, Jordan et al. 2024):
@@ -16,7 +21,10 @@ orthogonalises, Jordan et al. 2024):
 * 2-D ``(m, n)``: ``matrix_shape=(m, n)``, ``num_matrices=1``;
 * ``nn.Conv1d/2d/3d`` weight ``(out, in/groups, *k)`` (canonical alias's module):
   ``matrix_shape=(out, in/groups * prod(k))``, ``num_matrices=1``;
-* other 3-D ``(E, m, n)`` (expert stack): ``matrix_shape=(m, n)``, ``num_matrices=E``;
+* 3-D expert stack ``(E, a, b)``: one :class:`~dmuon.plan.records.ExpertStack` per stack
+  (orientation, fused gate/up), ``matrix_shape`` = one Muon matrix ``(out, in)``,
+  ``num_matrices = E`` (``2E`` for a split gate/up); a 3-D parameter outside an ``experts``
+  module selected by a predicate is a generic stack ``(E, m, n)`` -> ``E`` matrices ``(m, n)``;
 * anything else (0-D, 1-D, ``nn.ConvTranspose*d`` weights whose first dim is the input
   channel, non-conv 4-D+): undefined -> ``ValueError`` if selected.
 """
@@ -31,10 +39,20 @@ import torch
 from torch import nn
 
 from .boundaries import BoundaryResolver, Resolution
+from .experts import EXPERT_MODES, expert_stack, is_stacked_bias
+from .records import ExpertStack
 from .render import fmt_names
 from .snapshot import ModelSnapshot, ModuleKind, ParamRecord, take_snapshot
 
-__all__ = ["Selected", "matrix_view", "select_params", "matrix_predicate", "degenerate_reason", "coverage_warning"]
+__all__ = [
+    "Selected",
+    "matrix_view",
+    "record_stack",
+    "select_params",
+    "matrix_predicate",
+    "degenerate_reason",
+    "coverage_warning",
+]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -46,6 +64,7 @@ class Selected:
     num_matrices: int
     boundary: str
     fallback: bool
+    experts: ExpertStack | None = None
 
 
 def matrix_view(record: ParamRecord) -> tuple[tuple[int, int], int] | None:
@@ -98,9 +117,17 @@ def degenerate_reason(record: ParamRecord) -> str | None:
     return None
 
 
-def _default_candidate(record: ParamRecord) -> bool:
+def record_stack(snapshot: ModelSnapshot, record: ParamRecord, gate_up: str = "split") -> ExpertStack | None:
+    """The :class:`ExpertStack` of a recognised 3-D expert parameter (its canonical module's
+    attributes and names, :func:`dmuon.plan.experts.expert_stack`), else None."""
+    if record.ndim != 3 or record.module_kinds[0] != ModuleKind.OTHER:
+        return None
+    return expert_stack(record.shape, record.attr, record.module_fqn, snapshot.modules[record.module_fqn], gate_up=gate_up)
+
+
+def _default_candidate(record: ParamRecord, stack: ExpertStack | None = None) -> bool:
     return (
-        record.ndim == 2
+        ((record.ndim == 2 and not is_stacked_bias(record.shape, record.attr)) or stack is not None)
         and not record.is_embedding_weight
         and bool(record.tensor.requires_grad)
         and degenerate_reason(record) is None
@@ -114,18 +141,33 @@ def _default_candidate(record: ParamRecord) -> bool:
 UNCOVERED_WARN_FRACTION = 0.5
 
 
-def coverage_warning(snapshot: ModelSnapshot, hook_boundary_predicate=None) -> str | None:
+def coverage_warning(snapshot: ModelSnapshot, hook_boundary_predicate=None, experts: str = "auto") -> str | None:
     """The warning :func:`dmuon.plan.compile` gives for the default rule (None if the blocks are
-    covered): how many default candidates lie outside every hook boundary, and the
-    ``hook_boundary_predicate=`` line that would cover them."""
+    covered): how many default candidates (2-D matrices and expert stacks, counted by elements)
+    lie outside every hook boundary, and the ``hook_boundary_predicate=`` line that would cover
+    them; with ``experts="off"``, how many expert-stack elements that rule leaves to AdamW."""
     resolver = BoundaryResolver(snapshot.modules, hook_boundary_predicate)
-    candidates = [r for r in snapshot.params if _default_candidate(r)]
+    stacks = {r.fqn: record_stack(snapshot, r) for r in snapshot.params}
+    candidates = [r for r in snapshot.params if _default_candidate(r, stacks[r.fqn])]
     if not candidates:
         return None
-    outside = [r for r in candidates if resolver.resolve(r).boundary is None and not resolver.resolve(r).conflict]
+    inside = [r for r in candidates if resolver.resolve(r).boundary is not None or resolver.resolve(r).conflict]
     total = sum(r.numel for r in candidates)
+    if experts == "off":
+        left_stacks = [r for r in inside if stacks[r.fqn] is not None]
+        stack_numel = sum(r.numel for r in left_stacks)
+        if left_stacks and stack_numel > UNCOVERED_WARN_FRACTION * total:
+            return (
+                f"dmuon.plan.compile: experts='off' leaves {len(left_stacks)} expert stacks "
+                f"({100 * stack_numel / total:.0f}% of the matrix elements: {fmt_names([r.fqn for r in left_stacks], 4)}) "
+                "to AdamW. Fix: experts='auto' (the default) gives every expert its own Muon owner."
+            )
+        candidates = [r for r in candidates if stacks[r.fqn] is None]
+        total = sum(r.numel for r in candidates)
+    inside_fqns = {r.fqn for r in inside}
+    outside = [r for r in candidates if r.fqn not in inside_fqns]
     left = sum(r.numel for r in outside)
-    if not outside or (len(outside) < len(candidates) and left <= UNCOVERED_WARN_FRACTION * total):
+    if not candidates or not outside or (len(outside) < len(candidates) and left <= UNCOVERED_WARN_FRACTION * total):
         return None
     # the most common class among the parents of the left-out matrices' modules: the likely block
     parents: dict[str, int] = {}
@@ -135,9 +177,11 @@ def coverage_warning(snapshot: ModelSnapshot, hook_boundary_predicate=None) -> s
         parents[name] = parents.get(name, 0) + 1
     block = max(sorted(parents), key=parents.get)
     names = fmt_names([r.fqn for r in outside], 4)
+    n_stacks = sum(1 for r in outside if stacks[r.fqn] is not None)
     what = "no matrix is dedicated" if len(outside) == len(candidates) else "most matrix elements are not dedicated"
+    kinds = f"2-D matrices and expert stacks ({n_stacks} stacks)" if n_stacks else "2-D matrices"
     return (
-        f"dmuon.plan.compile: {what}: {len(outside)} of {len(candidates)} 2-D matrices "
+        f"dmuon.plan.compile: {what}: {len(outside)} of {len(candidates)} {kinds} "
         f"({100 * left / total:.0f}% of their elements: {names}) lie outside every hook boundary and "
         "train with AdamW only. The default boundary rule looks for blocks at '<container>.<int>' "
         "(layers.N, h.N, blocks.N, ...); blocks in an nn.ModuleDict or as plain attributes are not "
@@ -151,6 +195,8 @@ def select_params(
     predicate: Callable[[str, torch.Tensor], bool] | None,
     hook_boundary_predicate: Callable[[nn.Module], bool] | None,
     hook_boundary_strict: bool,
+    experts: str = "auto",
+    expert_gate_up: str = "split",
 ) -> tuple[Selected, ...]:
     """Dedicated parameters of ``snapshot`` in ``named_parameters()`` order.
 
@@ -159,6 +205,10 @@ def select_params(
         hook_boundary_predicate: see :class:`~dmuon.plan.boundaries.BoundaryResolver`.
         hook_boundary_strict: raise for a dedicated parameter without a boundary; if False,
             fall back to the parameter's own module (``fallback=True``).
+        experts: ``"auto"`` (recognised expert stacks are default candidates and carry an
+            :class:`~dmuon.plan.records.ExpertStack`) or ``"off"`` (2-D only; a stack a
+            predicate selects has no layout record), :data:`~dmuon.plan.experts.EXPERT_MODES`.
+        expert_gate_up: ``"split"`` or ``"fused"``, :data:`~dmuon.plan.experts.GATE_UP_MODES`.
 
     Raises:
         ValueError: (checked in this order, each listing every offending parameter)
@@ -166,11 +216,16 @@ def select_params(
             a selected tied parameter resolves to different boundaries under its aliases;
             ``hook_boundary_strict`` and a selected parameter has no boundary.
     """
+    if experts not in EXPERT_MODES:
+        raise ValueError(f"dmuon.plan.compile: experts must be one of {EXPERT_MODES}, got {experts!r}")
     resolver = BoundaryResolver(snapshot.modules, hook_boundary_predicate)
+    stacks = {
+        r.fqn: (record_stack(snapshot, r, expert_gate_up) if experts == "auto" else None) for r in snapshot.params
+    }
     chosen: list[tuple[ParamRecord, Resolution]] = []
     for record in snapshot.params:
         if predicate is None:
-            if not _default_candidate(record):
+            if not _default_candidate(record, stacks[record.fqn]):
                 continue
             res = resolver.resolve(record)
             if res.boundary is None and not res.conflict:
@@ -225,6 +280,11 @@ def select_params(
     out: list[Selected] = []
     for record, res in chosen:
         (m, n), e = matrix_view(record)  # type: ignore[misc]
+        stack = stacks[record.fqn]
+        if stack is None and experts == "auto" and record.ndim == 3 and record.module_kinds[0] == ModuleKind.OTHER:
+            stack = ExpertStack(num_experts=record.shape[0])  # a predicate-selected 3-D parameter: a generic stack
+        if stack is not None:
+            (m, n), e = stack.matrix_shape(record.shape), stack.num_experts * stack.matrices_per_expert
         fallback = res.boundary is None
         out.append(
             Selected(
@@ -233,6 +293,7 @@ def select_params(
                 num_matrices=e,
                 boundary=record.module_fqn if fallback else res.boundary,  # type: ignore[arg-type]
                 fallback=fallback,
+                experts=stack,
             )
         )
     return tuple(out)
@@ -244,8 +305,9 @@ def matrix_predicate(
     hook_boundary_predicate: Callable[[nn.Module], bool] | None = None,
 ) -> Callable[[str, torch.Tensor], bool]:
     """A ``predicate`` for :func:`dmuon.plan.compile` that selects every parameter with a
-    defined matrix view (2-D, conv weight, 3-D expert stack) that is inside a hook boundary and
-    not an embedding weight: the default rule extended to conv and expert-stack views.
+    defined matrix view (2-D, conv weight, 3-D stack) that is inside a hook boundary and is
+    neither an embedding weight nor a stacked bias: the default rule extended to conv kernels
+    and every 3-D parameter.
 
     Evaluated against a snapshot of ``model`` taken now (pure; the model is not mutated).
     """
@@ -253,7 +315,13 @@ def matrix_predicate(
     resolver = BoundaryResolver(snapshot.modules, hook_boundary_predicate)
     keep: set[str] = set()
     for r in snapshot.params:
-        if r.is_embedding_weight or r.ndim < 2 or matrix_view(r) is None or degenerate_reason(r) is not None:
+        if (
+            r.is_embedding_weight
+            or r.ndim < 2
+            or is_stacked_bias(r.shape, r.attr)
+            or matrix_view(r) is None
+            or degenerate_reason(r) is not None
+        ):
             continue
         res = resolver.resolve(r)
         if res.boundary is not None or res.conflict:  # conflicts are reported by compile

@@ -73,7 +73,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import cost as _cost
 from . import rules as _rules
-from .records import OwnerGroup, itemsize_nbytes
+from .records import ExpertOwners, OwnerGroup, itemsize_nbytes
 
 if TYPE_CHECKING:
     from .plan import ShardingPlan
@@ -683,7 +683,7 @@ class _Builder:
             deps = self.last_rep_reduce.get(i, ()) if R > 1 else self.last_reduce.get(i, ())
             for e in b.entries():
                 reduce_deps[e.fqn] = deps
-        ns_ids: dict[str, int] = {}
+        ns_ids: dict[str | tuple[str, int], int] = {}  # fqn, or (fqn, range) of an expert stack
         tp_entries: dict[tuple[int, int], list] = {}
         owner_groups: dict[tuple[int, ...], list] = {}
         for spec, owner in zip(plan.params, plan.owners):
@@ -691,6 +691,14 @@ class _Builder:
                 continue
             if isinstance(owner, OwnerGroup):  # no TP with owner groups: schedule ranks are mesh ranks
                 owner_groups.setdefault(tuple(sorted(owner.ranks)), []).append((spec, owner))
+                continue
+            if isinstance(owner, ExpertOwners):  # each member orthogonalises its own experts: no collective
+                per_expert = _cost.spec_ns_flops(spec) // spec.num_experts
+                for j, (member, size) in enumerate(zip(owner.members, owner.sizes)):
+                    ns_ids[(spec.fqn, j)] = self.emit(  # keyed by (fqn, range): its replica broadcast waits for it
+                        kind="newton_schulz", phase="optimizer", group=tps[(member.replicate, member.shard)],
+                        flops=per_expert * size, fqns=(spec.fqn,), micro_batch=mb, deps=reduce_deps[spec.fqn],
+                    )
                 continue
             group = tps[(owner.replicate, owner.shard)]
             if spec.tp_size > 1:
@@ -751,7 +759,8 @@ class _Builder:
                 subs = {(buf.dtype, seg.shard, sub.owner.replicate): sub for buf in b.buffers for seg in buf.segments for sub in seg.subsegments}
                 for t in prog.replicate_broadcast:
                     sub = subs[(t.buffer, t.segment, t.subsegment)]
-                    deps = tuple(ns_ids[e.fqn] for e in sub.entries if e.fqn in ns_ids) + qk_ids
+                    ns = (ns_ids.get((e.fqn, e.block), ns_ids.get(e.fqn)) for e in sub.entries)
+                    deps = tuple(i for i in ns if i is not None) + qk_ids
                     self.emit(t, micro_batch=mb, deps=deps)
 
 
