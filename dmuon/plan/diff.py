@@ -205,7 +205,7 @@ def diff(a: ShardingPlan, b: ShardingPlan) -> PlanDiff:
                 )
             )
             continue
-        spec_a, owner_a, bnd_a = a.param(key), a.owner(key), a.boundary(key)
+        spec_a, owner_a, bnd_a = a.param(key), a.owner_record(key), a.boundary(key)
         bnd_b = b.boundary(spec_b.fqn)
         if (spec_a, owner_a, bnd_a) != (spec_b, owner_b, bnd_b):
             changes.append(

@@ -307,9 +307,14 @@ class ShardingPlan:
             raise ValueError(
                 f"{fqn!r} is an expert stack whose {owner.num_experts} experts have {owner.k} owners "
                 f"(ranks {', '.join(map(str, owner.ranks))}); plan.expert_owners(fqn) gives the owner of each "
-                "expert, plan.owners[i] the ExpertOwners record"
+                "expert, plan.owner_record(fqn) the ExpertOwners record"
             )
         return owner
+
+    def owner_record(self, fqn: str) -> Owner | OwnerGroup | ExpertOwners:
+        """The ownership record of ``fqn`` (any alias) as the plan stores it, whatever its kind
+        (``plan.owners[i]``); :meth:`owner` is the same but refuses a multi-owner expert stack."""
+        return self.owners[self._lookup(fqn)]
 
     def expert_owners(self, fqn: str) -> tuple[Owner, ...]:
         """The :class:`Owner` of every expert of expert stack ``fqn`` (any alias), expert order
