@@ -143,6 +143,8 @@ class _BoundaryRuntime:
         self._checked_fsdp_policy = False
         self.index = 0  # position in the runtime's boundary order (set by the runtime)
         self.handles: list = []
+        # step check: grad-enabled forwards of this boundary since the last optimizer step
+        self.forwards_since_step = 0
 
     # -- storage ---------------------------------------------------------------------------
 
@@ -176,10 +178,14 @@ class _BoundaryRuntime:
                     seg.resident = True
             if stream is not None:  # masters written by the optimizer, storage last read by compute
                 stream.wait_stream(torch.cuda.current_stream(stream.device))
+            code = self._step_code(phase)
             with _on_stream(stream):
                 for seg in self.segments:
                     if seg.held:
                         self._copy_masters_to_wire(seg)
+                        if bops:  # the flag slots carry (step, phase, forward); receivers compare
+                            for sub in seg.subs:
+                                seg.wire[sub.flags_offset_in_seg : sub.flags_offset_in_seg + len(sub.slots)] = code
                 for b in bops:
                     works.append(
                         C.broadcast(b.segment.wire, src=b.root, group=b.group, phase=b.op.phase, async_op=True)
@@ -197,7 +203,44 @@ class _BoundaryRuntime:
             if stream is not None:  # the compute stream waits before the parameters are used
                 torch.cuda.current_stream(stream.device).wait_event(stream.record_event())
             self.sharded_state = ShardedState.UNSHARDED
+            self._check_rounds(self._inflight_phase)
             self._assemble_grouped()
+
+    def _step_code(self, phase: str) -> float:
+        rt = self.runtime_ref()
+        return step_code(rt.steps_done, phase == "backward_broadcast", self.forwards_since_step)
+
+    def _check_rounds(self, phase: str) -> None:
+        """Every received segment's flag slots must carry this rank's own :func:`step_code`
+        (optimizer step, phase, forward index): a holder on another step or phase (a rank that
+        skipped or repeated a forward, backward or optimizer step) is reported here on CPU; on
+        an accelerator the comparison stays on the device and the runtime checks it once per
+        optimizer step (one host sync)."""
+        received = [seg.wire[seg.subs[0].flags_offset_in_seg] for seg in self.segments if not seg.held]
+        if not received:
+            return
+        got = torch.stack(received)
+        expected = self._step_code(phase)
+        if got.device.type != "cpu":
+            self.runtime_ref().defer_round_check(self, phase, got, expected)
+        elif not bool((got == expected).all()):  # host memory: no sync; the values are read on a mismatch only
+            self.raise_if_out_of_step(phase, got.tolist(), expected)
+
+    def raise_if_out_of_step(self, phase: str, got: list, expected: float) -> None:
+        """Raise :class:`RanksOutOfStep` naming both sides when a received round differs."""
+        rt = self.runtime_ref()
+        holders = [seg for seg in self.segments if not seg.held]
+        for seg, value in zip(holders, got):
+            if value != expected:
+                holder = rt.groups.rank_of(rt.groups.replicate, seg.shard)  # the broadcast's root
+                me = rt.groups.rank_of(rt.groups.replicate, rt.groups.shard)
+                raise RanksOutOfStep(
+                    f"dmuon: ranks out of step at boundary {self.fqn!r}: this rank (global rank {me}) is at "
+                    f"{describe_code(expected)} (optimizer steps done: {rt.steps_done}), but global rank {holder}, "
+                    f"whose broadcast it received, is at {describe_code(value)}: one of them skipped or repeated a "
+                    "forward, a backward or an optimizer step. Every rank must run the same forwards, backwards "
+                    "and opt.step() calls in the same order (no rank-dependent skip, early exit or extra step)."
+                )
 
     def _assemble_grouped(self) -> None:
         """Owner groups: copy each grouped matrix's blocks (now resident) into its full compute
@@ -271,6 +314,7 @@ class _BoundaryRuntime:
         self._unshard("forward_broadcast")
         self._install(TrainingState.FORWARD)
         if torch.is_grad_enabled():
+            self.forwards_since_step += 1
             self.pending_backward += 1
             args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs
@@ -420,6 +464,32 @@ class _BoundaryRuntime:
         else:
             buf.untyped_storage().resize_(seg.numel * buf.element_size())
         return buf
+
+
+class RanksOutOfStep(RuntimeError):
+    """Ranks disagree on how many broadcast rounds a boundary has run (a rank skipped or
+    repeated a forward, backward or optimizer step); raised on the ranks that see it."""
+
+
+_STEP_MOD, _FORWARD_MOD = 32, 4  # codes 1..256: integers every wire dtype holds exactly (bf16: up to 256)
+
+
+def step_code(steps_done: int, backward: bool, forwards_since_step: int) -> float:
+    """The value a holder writes into its segment's flag slots before a broadcast, and every
+    receiver compares with its own: ``1 + (steps mod 32) * 8 + backward * 4 + (forwards mod 4)``
+    (1..256, exact in bf16, fp16 and fp32). ``forwards_since_step``: grad-enabled forwards of
+    the boundary since the last optimizer step, counted before this forward. The flag slots are
+    already part of every segment (the reduce's gradient-presence flags), so the check moves no
+    extra byte and the plan's byte counts are unchanged."""
+    return float(1 + (steps_done % _STEP_MOD) * 8 + int(backward) * 4 + forwards_since_step % _FORWARD_MOD)
+
+
+def describe_code(code: float) -> str:
+    """``"optimizer step 3 (mod 32), forward broadcast of forward 1 (mod 4)"`` of a :func:`step_code`."""
+    v = int(code) - 1
+    step, rest = divmod(v, 8)
+    phase = "backward" if rest >= 4 else "forward"
+    return f"step {step} (mod {_STEP_MOD}), {phase} broadcast, after {rest % 4} forward(s) of this step (mod {_FORWARD_MOD})"
 
 
 def _on_stream(stream):

@@ -79,6 +79,8 @@ class DmuonRuntime:
         self.use_streams = bool(use_streams)  # CUDA: dmuon's own broadcast / reduce streams (False: the compute stream)
         self._streams = None  # (device, {"broadcast": Stream, "reduce": Stream}), built on first use
         self.pending_replicate: dict[int, list] = {}
+        self.steps_done = 0  # optimizer steps this runtime has seen (after_step), for the step check
+        self.deferred_rounds: list = []  # accelerators: received broadcast rounds to compare at the step
         self._final_callback_queued = False
         self.requires_gradient_sync = True
         self.timeout_s = timeout_s  # seconds a dmuon collective may take (None: wait forever)
@@ -302,6 +304,21 @@ class DmuonRuntime:
                 what = f"boundary {self.boundaries[key].fqn!r} replicate_broadcast (after step)"
                 C.wait_all(works, what=what, timeout_s=self.timeout_s)
 
+    def defer_round_check(self, boundary, phase: str, got: torch.Tensor, expected: float) -> None:
+        """Accelerators: keep a boundary's received broadcast rounds on the device; they are
+        compared once per optimizer step (one host sync) in :meth:`after_step`."""
+        self.deferred_rounds.append((boundary, phase, got, expected))
+
+    def _check_deferred_rounds(self) -> None:
+        if not self.deferred_rounds:
+            return
+        pending, self.deferred_rounds = self.deferred_rounds, []
+        values = torch.cat([got for _, _, got, _ in pending]).tolist()  # the one host sync
+        at = 0
+        for boundary, phase, got, expected in pending:
+            boundary.raise_if_out_of_step(phase, values[at : at + got.numel()], expected)
+            at += got.numel()
+
     def after_step(self) -> None:
         """HSDP: each owner broadcasts its updated sub-segments to its replicate peers.
 
@@ -311,6 +328,10 @@ class DmuonRuntime:
         QK-clip (``plan.qk_clip``) runs first: its all-reduce (max) and the owners' rescaling of
         W_q / W_k rows (:mod:`dmuon.exec.qk_clip`), so replicas receive the rescaled values.
         """
+        self.steps_done += 1
+        self._check_deferred_rounds()
+        for b in self.boundaries:
+            b.forwards_since_step = 0
         if self.qk_clip is not None:
             self.qk_clip.step()
         if self.groups.shape[0] == 1:
