@@ -44,7 +44,7 @@ from dmuon.plan.step_schedule import boundary_programs
 from . import collectives as C
 from . import fsdp2
 from .boundary import ShardedState, TrainingState, _BoundaryRuntime, _on_stream, current_stream, eager_hook, has_streams
-from .buffers import build_segments
+from .buffers import build_segments, dedicated_info
 from .groups import MeshGroups
 from .program import bind
 
@@ -127,8 +127,8 @@ class DmuonRuntime:
             s.fqn: seg.shard for b in self.boundaries for seg in b.segments for s in seg.slots if s.grouped is None
         }
         # checkpoint / materialisation bookkeeping (dmuon.exec.checkpoint, dmuon.exec.materialize)
-        self.infos = {s.fqn: s.logical._dmuon for s in self.slots_by_fqn.values()}
-        self.infos.update({fqn: gm.logical._dmuon for fqn, gm in self.grouped_by_fqn.items()})
+        self.infos = {s.fqn: dedicated_info(s.logical) for s in self.slots_by_fqn.values()}
+        self.infos.update({fqn: dedicated_info(gm.logical) for fqn, gm in self.grouped_by_fqn.items()})
         self._state_dict_mesh = None  # DeviceMesh of the state-dict DTensors, built on first use
         self.replicas_stale = False  # HSDP: holders may disagree (set by to_empty & co.)
         self.qk_clip = None  # QK-clip (MuonClip): reported max logits and the owners' rescaling
@@ -412,17 +412,22 @@ def get_model_runtime(model: nn.Module) -> DmuonRuntime | None:
 
 
 def get_runtime(p: torch.Tensor) -> DmuonRuntime | None:
-    info = getattr(p, "_dmuon", None)
+    """The live :class:`DmuonRuntime` of the dedicated parameter ``p`` (None if not dedicated)."""
+    info = dedicated_info(p)
     return None if info is None else info.runtime()
 
 
-def _runtimes(params) -> list[DmuonRuntime]:
+def runtimes_of(params) -> list[DmuonRuntime]:
+    """The distinct live runtimes of the dedicated parameters among ``params``, in first-seen order."""
     seen: dict[int, DmuonRuntime] = {}
     for p in params:
         rt = get_runtime(p)
         if rt is not None:
             seen.setdefault(id(rt), rt)
     return list(seen.values())
+
+
+_runtimes = runtimes_of  # the former private name
 
 
 def wait_pending(params) -> None:
@@ -432,7 +437,7 @@ def wait_pending(params) -> None:
         RuntimeError: local gradients of dedicated matrices were never reduced (every backward
             since the last step ran inside ``dmuon.no_sync``): the step would silently skip them.
     """
-    for rt in _runtimes(params):
+    for rt in runtimes_of(params):
         rt.finish_reduces()
         stale = [s.fqn for b in rt.boundaries for s in b.installable if s.compute.grad is not None]
         if stale:
@@ -446,7 +451,7 @@ def wait_pending(params) -> None:
 
 def after_step(params) -> None:
     """Post-step work of every runtime owning one of ``params`` (HSDP replicate broadcast)."""
-    for rt in _runtimes(params):
+    for rt in runtimes_of(params):
         rt.after_step()
 
 
