@@ -15,8 +15,11 @@ tensors: the scaler's one foreach call over a list that mixes them with DTensors
 ("got mixed torch.Tensor and DTensor"), and even split, an inf that only the owner of one matrix
 sees would make that rank alone skip its step.
 
-:func:`install` (run by ``import dmuon``) wraps ``GradScaler._unscale_grads_`` (and
-``ShardedGradScaler``'s override): for a :class:`dmuon.Muon` it calls
+:class:`GradScaler` (``dmuon.GradScaler``, a ``torch.amp.GradScaler``) does this without any patch,
+the way ``ShardedGradScaler`` scopes FSDP1's. By default the first ``dmuon.dedicate_params`` also
+wraps ``torch.amp.GradScaler._unscale_grads_`` (and ``ShardedGradScaler``'s override) with
+:func:`route_unscale` (the ``amp.*`` entries of :mod:`dmuon._registry`), so that the plain scaler
+works too: for a :class:`dmuon.Muon` it calls
 :func:`unscale_grads` instead (through ``dmuon.Muon._unscale_grads_for_scaler``), which
 
 1. finishes in-flight gradient reduces (``runtime.wait_pending``), so owners' ``.grad`` are final;
@@ -33,19 +36,20 @@ then all-reduces the agreed ``found_inf`` once more (a sum of equal flags: same 
 from __future__ import annotations
 
 import functools
-import inspect
 
 import torch
 from torch import Tensor
 
 from .runtime import wait_pending
 
-__all__ = ["install", "is_installed", "unscale_grads"]
-
-_PATCHED_ATTR = "__dmuon_wrapped__"
+__all__ = ["GradScaler", "route_unscale", "install", "is_installed", "unscale_grads"]
 
 
-def _wrap(fn):
+def route_unscale(fn):
+    """The wrapper of a scaler's ``_unscale_grads_`` (registry entries ``amp.*``): an optimizer
+    with ``_unscale_grads_for_scaler`` (:class:`dmuon.Muon`) unscales through it; any other goes
+    to ``fn`` unchanged."""
+
     @functools.wraps(fn)
     def wrapper(self, optimizer, inv_scale, found_inf, allow_fp16=False, *args, **kwargs):
         hook = getattr(optimizer, "_unscale_grads_for_scaler", None)
@@ -53,52 +57,45 @@ def _wrap(fn):
             return fn(self, optimizer, inv_scale, found_inf, allow_fp16, *args, **kwargs)
         return hook(inv_scale, found_inf, allow_fp16)
 
-    setattr(wrapper, _PATCHED_ATTR, fn)
     return wrapper
 
 
-def _scaler_classes() -> list[type]:
-    from torch.amp.grad_scaler import GradScaler
+class GradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` for :class:`dmuon.Muon`, without patching torch: ``unscale_`` /
+    ``step`` on a ``dmuon.Muon`` unscale owner-held gradients and agree on ``found_inf`` over
+    every rank (:func:`unscale_grads`); any other optimizer is torch's. Same arguments as
+    ``torch.amp.GradScaler`` (``dmuon.GradScaler("cuda")``)."""
 
-    classes = [GradScaler]
-    try:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-    except ImportError:  # pragma: no cover - depends on the torch build
-        ShardedGradScaler = None
-    if ShardedGradScaler is not None and "_unscale_grads_" in ShardedGradScaler.__dict__:
-        classes.append(ShardedGradScaler)
-    return classes
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        hook = getattr(optimizer, "_unscale_grads_for_scaler", None)
+        if hook is None:
+            return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        return hook(inv_scale, found_inf, allow_fp16)
 
 
 def install() -> None:
-    """Wrap the scalers' ``_unscale_grads_`` for :class:`dmuon.Muon` (idempotent).
+    """Wrap the scalers' ``_unscale_grads_`` now (``dmuon._registry.install("amp")``), even with
+    the automatic installs disabled. Idempotent.
 
     Raises:
-        RuntimeError: the installed torch's ``_unscale_grads_`` no longer takes
-            ``(self, optimizer, inv_scale, found_inf, allow_fp16)``.
+        dmuon._registry.IntegrationError: the installed torch's ``_unscale_grads_`` no longer
+            takes ``(self, optimizer, inv_scale, found_inf, allow_fp16)``.
     """
-    for cls in _scaler_classes():
-        fn = cls.__dict__.get("_unscale_grads_")
-        if fn is None or hasattr(fn, _PATCHED_ATTR):
-            continue
-        params = list(inspect.signature(fn).parameters)
-        if params[:5] != ["self", "optimizer", "inv_scale", "found_inf", "allow_fp16"]:
-            raise RuntimeError(
-                f"dmuon: {cls.__module__}.{cls.__qualname__}._unscale_grads_{inspect.signature(fn)} no longer "
-                "takes (optimizer, inv_scale, found_inf, allow_fp16); dmuon cannot make loss scaling agree "
-                "across ranks on this torch version"
-            )
-        cls._unscale_grads_ = _wrap(fn)
+    from dmuon import _registry
+
+    _registry.install("amp")
 
 
 def is_installed() -> bool:
-    return all(hasattr(cls.__dict__.get("_unscale_grads_"), _PATCHED_ATTR) for cls in _scaler_classes())
+    from dmuon import _registry
+
+    return _registry.installed("amp.grad_scaler")
 
 
 @torch.no_grad()
 def unscale_grads(opt, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool) -> dict:
     """``GradScaler._unscale_grads_`` for the :class:`dmuon.Muon` ``opt`` (called through
-    ``Muon._unscale_grads_for_scaler`` by the wrapper :func:`install` puts on the scalers):
+    ``Muon._unscale_grads_for_scaler`` by :class:`GradScaler` or :func:`route_unscale`):
     finish in-flight reduces, unscale every local gradient (a DTensor through its local shard)
     with torch's kernel per (device, dtype), then SUM-all-reduce the inf flag over the default
     process group so that every rank skips the same step.

@@ -8,7 +8,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import checkpoint, fsdp2, materialize
+from dmuon import _registry
+
+from . import checkpoint, guards, materialize
 from .groups import MeshGroups, mesh_rank_table, mesh_tp_ranks
 from .runtime import RUNTIME_ATTR, DmuonRuntime, get_model_runtime
 
@@ -34,7 +36,7 @@ def _validate(plan, model: nn.Module, table) -> None:
             "torch.distributed.init_process_group(...) first (use world size 1 for a single process)"
         )
     _check_not_applied(model)  # first: a dedicated model that was then fully_shard-ed is not "sharded first"
-    fsdp2.check_not_fully_sharded(model)
+    guards.check_not_fully_sharded(model)
     shape = _table_shape(table)
     if tuple(plan.mesh_shape) != shape:
         raise ValueError(
@@ -240,7 +242,7 @@ def apply(
     Collectives: one ``all_gather_object`` (plan fingerprints), then ``new_group`` calls; all
     local validation happens before them.
     """
-    fsdp2.install()
+    _registry.install_stage("dedicate")  # GradScaler, DCP, guards, accelerate / transformers (not with DMUON_NO_PATCHES)
     if not (dist.is_available() and dist.is_initialized()):
         _validate(plan, model, None)  # raises the "no process group" error
     dims = dict(shard_dim=shard_dim, replicate_dim=replicate_dim, tp_dim=tp_dim)
@@ -308,7 +310,7 @@ def dedicate_params(
             "torch.distributed.init_process_group(...) first (use world size 1 for a single process)"
         )
     _check_not_applied(model)
-    fsdp2.check_not_fully_sharded(model)
+    guards.check_not_fully_sharded(model)
     table = mesh_rank_table(mesh, shard_dim=shard_dim, replicate_dim=replicate_dim, tp_dim=tp_dim)
     plan = _plan.compile(
         model,

@@ -171,13 +171,13 @@ class _BoundaryRuntime:
                 )
             rt.wait_replicate_broadcasts(self)  # HSDP: the holder's value must be current
             works = []
-            stream = rt.comm_stream("broadcast")  # None off CUDA
+            stream = rt.comm_stream("broadcast")  # None on CPU
             for seg in self.segments:
                 if not seg.held:  # regrown on the compute stream: the allocator keeps it stream-ordered
                     seg.wire.untyped_storage().resize_(seg.numel * seg.wire.element_size())
                     seg.resident = True
             if stream is not None:  # masters written by the optimizer, storage last read by compute
-                stream.wait_stream(torch.cuda.current_stream(stream.device))
+                stream.wait_stream(current_stream(stream.device))
             code = self._step_code(phase)
             with _on_stream(stream):
                 for seg in self.segments:
@@ -201,7 +201,7 @@ class _BoundaryRuntime:
             with _on_stream(stream):  # NCCL: the broadcast stream waits for the collectives
                 C.wait_all(works, what=f"boundary {self.fqn!r} {self._inflight_phase}", timeout_s=rt.timeout_s)
             if stream is not None:  # the compute stream waits before the parameters are used
-                torch.cuda.current_stream(stream.device).wait_event(stream.record_event())
+                current_stream(stream.device).wait_event(stream.record_event())
             self.sharded_state = ShardedState.UNSHARDED
             self._check_rounds(self._inflight_phase)
             self._assemble_grouped()
@@ -408,11 +408,11 @@ class _BoundaryRuntime:
         rt = self.runtime_ref()
         if any(seg.reduce_inflight for seg in self.segments):
             rt.finish_reduces()
-        stream = rt.comm_stream("reduce")  # None off CUDA
+        stream = rt.comm_stream("reduce")  # None on CPU
         # (re)grow the buffers on the compute stream, as FSDP2 allocates its reduce-scatter input
         bufs = [self._reduce_buffer(b.segment) for b in self.ops.reduce]
         if stream is not None:  # the gradients were produced on the compute stream
-            stream.wait_stream(torch.cuda.current_stream(stream.device))
+            stream.wait_stream(current_stream(stream.device))
         with _on_stream(stream):
             for b, buf in zip(self.ops.reduce, bufs):
                 seg = b.segment
@@ -493,8 +493,23 @@ def describe_code(code: float) -> str:
 
 
 def _on_stream(stream):
-    """``torch.cuda.stream(stream)``, or nothing for ``None`` (CPU: a single stream)."""
-    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+    """``stream`` made current for the block (``torch.Stream`` is a context manager, on any
+    accelerator), or nothing for ``None`` (CPU: a single stream)."""
+    return contextlib.nullcontext() if stream is None else stream
+
+
+def current_stream(device: torch.device):
+    """The current (compute) stream of ``device``, whatever the accelerator (``torch.accelerator``)."""
+    return torch.accelerator.current_stream(device)
+
+
+def has_streams(device: torch.device) -> bool:
+    """Whether ``device`` is the process's accelerator (CUDA, XPU, MPS, ...), whose work dmuon
+    orders on its own streams; False on CPU, where every stream function below is skipped."""
+    if device.type == "cpu" or not torch.accelerator.is_available():
+        return False
+    acc = torch.accelerator.current_accelerator()
+    return acc is not None and acc.type == device.type
 
 
 def _in_backward() -> bool:

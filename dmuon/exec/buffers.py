@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["DedicatedInfo", "TPInfo", "GroupInfo", "build_segments"]
+__all__ = ["DedicatedInfo", "TPInfo", "GroupInfo", "build_segments", "dedicated_info"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,6 +55,16 @@ class DedicatedInfo:
     view: Any = None  # dmuon.plan.records.MatrixView or None
     group: "GroupInfo | None" = None  # a matrix owned by an owner group / a stack with several expert owners
     experts: Any = None  # dmuon.plan.records.ExpertStack of an expert stack, or None
+
+
+#: the attribute :func:`dmuon.exec.apply` sets on every logical dedicated parameter
+INFO_ATTR = "_dmuon"
+
+
+def dedicated_info(p) -> DedicatedInfo | None:
+    """The :class:`DedicatedInfo` of ``p`` if :func:`dmuon.exec.apply` dedicated it, else None: the
+    one way to ask "is this parameter dedicated" (read ``p._dmuon`` nowhere else)."""
+    return getattr(p, INFO_ATTR, None)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)

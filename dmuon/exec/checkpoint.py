@@ -50,7 +50,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import collectives as C
-from .buffers import _Grouped
+from .buffers import _Grouped, dedicated_info
 
 __all__ = [
     "register_state_dict_hooks",
@@ -496,7 +496,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu_offload: b
 
 
 def _live_info(p):
-    info = getattr(p, "_dmuon", None)
+    info = dedicated_info(p)
     ref = getattr(info, "runtime", None)
     rt = ref() if callable(ref) else None
     return (info, rt) if rt is not None else (None, None)

@@ -8,7 +8,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["clip_grad_norm_"]
+from .buffers import dedicated_info
+
+__all__ = ["clip_grad_norm_", "hand_off"]
 
 
 def clip_grad_norm_(model_or_params, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -47,7 +49,7 @@ def clip_grad_norm_(model_or_params, max_norm: float, norm_type: float = 2.0) ->
     tp_size = 1
     job_group = None  # dmuon's group over this job's ranks (None: the world)
     for p in params:
-        info = getattr(p, "_dmuon", None)
+        info = dedicated_info(p)
         if info is not None and job_group is None:
             job_group = getattr(getattr(info.runtime(), "groups", None), "job_group", None)
         if p.grad is None:
@@ -104,20 +106,24 @@ def clip_grad_norm_(model_or_params, max_norm: float, norm_type: float = 2.0) ->
 # torch.nn.utils.clip_grad_norm_ on a dmuon model
 # ----------------------------------------------------------------------------------------------
 
-_PATCHED_ATTR = "__dmuon_wrapped__"
-
-
 def _has_dedicated(params: list) -> bool:
-    return any(getattr(p, "_dmuon", None) is not None for p in params)
+    return any(dedicated_info(p) is not None for p in params)
 
 
-def _wrap_torch_clip(fn):
+def hand_off(fn):
+    """The wrapper of ``torch.nn.utils.clip_grad_norm_`` (registry entries ``clip.*``, installed by
+    ``import dmuon``): when its parameters include dedicated ones (placeholders included, so every
+    rank takes the same path) it is :func:`clip_grad_norm_` (the global norm with owner-held
+    gradients counted once, identical on every rank); any other call goes to ``fn`` unchanged,
+    with the same arguments. A name bound by ``from torch.nn.utils import clip_grad_norm_``
+    BEFORE ``import dmuon`` keeps torch's function; the patch-free way is
+    ``dmuon.clip_grad_norm_``."""
     import functools
 
     @functools.wraps(fn)
     def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        if not _has_dedicated(params):
+        if not _has_dedicated(params):  # (a generator was consumed above: torch gets the list)
             return fn(params, max_norm, norm_type, error_if_nonfinite, foreach)
         if error_if_nonfinite:
             raise RuntimeError(
@@ -129,7 +135,6 @@ def _wrap_torch_clip(fn):
         # torch's norm would fail on the mix or count a rank's owned matrices only
         return clip_grad_norm_dmuon(params, max_norm, norm_type)
 
-    setattr(clip_grad_norm_, _PATCHED_ATTR, fn)
     return clip_grad_norm_
 
 
@@ -137,17 +142,8 @@ clip_grad_norm_dmuon = clip_grad_norm_
 
 
 def install() -> None:
-    """Make ``torch.nn.utils.clip_grad_norm_`` (the ``torch.nn.utils`` and
-    ``torch.nn.utils.clip_grad`` attributes) delegate to :func:`clip_grad_norm_` when its
-    parameters include dedicated ones (tagged ``p._dmuon``, placeholders included, so every rank
-    takes the same path): the global norm with owner-held gradients counted once, identical on
-    every rank. Other calls go to torch unchanged. A name bound by ``from torch.nn.utils import
-    clip_grad_norm_`` BEFORE ``import dmuon`` keeps torch's function. Idempotent."""
-    import torch.nn.utils as nn_utils
-    import torch.nn.utils.clip_grad as clip_mod
+    """Install the ``torch.nn.utils.clip_grad_norm_`` hand-off now (``dmuon._registry.install("clip")``),
+    even with the automatic installs disabled. Idempotent."""
+    from dmuon import _registry
 
-    for mod in (clip_mod, nn_utils):
-        fn = getattr(mod, "clip_grad_norm_", None)
-        if fn is None or hasattr(fn, _PATCHED_ATTR):
-            continue
-        setattr(mod, "clip_grad_norm_", _wrap_torch_clip(fn))
+    _registry.install("clip")

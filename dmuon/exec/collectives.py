@@ -37,6 +37,8 @@ from dmuon.plan.cost import collective_rank_nbytes
 __all__ = [
     "PHASES",
     "LEDGER",
+    "ledger",
+    "metered",
     "Ledger",
     "IssuedOp",
     "CollectiveTimeout",
@@ -137,8 +139,34 @@ class Ledger:
         return sum(v for k, v in snap.items() if include_other or k != "other")
 
 
-#: The per-process ledger every wrapper below charges.
+#: The per-process ledger every wrapper below charges. Kept for existing code; the API is
+#: :func:`ledger` (this object) and :func:`metered` (a ledger of one block of code).
 LEDGER = Ledger()
+
+_METERS: list[Ledger] = []  # open metered() blocks, charged alongside LEDGER
+
+
+def ledger() -> Ledger:
+    """The per-process :class:`Ledger` every dmuon collective charges (``LEDGER``)."""
+    return LEDGER
+
+
+@contextlib.contextmanager
+def metered(*, record: bool = False):
+    """A fresh :class:`Ledger` charged with every dmuon collective of this process issued inside
+    the block (``record=True``: also its :class:`IssuedOp` list), without resetting the process
+    ledger, which keeps counting::
+
+        with dmuon.exec.metered() as led:
+            loss.backward(); opt.step()
+        led.snapshot()   # {phase: bytes charged to this rank in the block}
+    """
+    led = Ledger(record=record)
+    _METERS.append(led)
+    try:
+        yield led
+    finally:
+        _METERS.remove(led)
 
 #: Seconds a wait may take before :class:`CollectiveTimeout`; ``None`` = wait forever.
 DEFAULT_TIMEOUT_S: float | None = None
@@ -151,10 +179,12 @@ def _charge(kind: str, phase: str, tensor: torch.Tensor, group, root: int | None
     me = dist.get_rank()
     nbytes = collective_rank_nbytes(kind, tensor.numel(), tensor.element_size(), k, me == root)
     op = None
-    if LEDGER.record:
+    if LEDGER.record or any(m.record for m in _METERS):
         ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(k))
         op = IssuedOp(kind, phase, ranks, root, str(tensor.dtype), tensor.numel(), nbytes)
     LEDGER.charge(phase, nbytes, op)
+    for meter in _METERS:
+        meter.charge(phase, nbytes, op)
 
 
 def broadcast(

@@ -6,9 +6,11 @@ do: a dedicated matrix has ``<prefix>state.<fqn>.momentum_buffer``, any other pa
 ``predicate`` (or the hook-boundary choice) changed therefore fails inside ``dcp.load`` with
 torch's ``Missing key in checkpoint state_dict: optim.state.<fqn>.step``, which does not say why.
 
-:func:`install` (run by ``import dmuon``) wraps
+:class:`DCPLoadPlanner` (``dcp.load(..., planner=dmuon.DCPLoadPlanner())``) says so without any
+patch. By default the first ``dmuon.dedicate_params`` also wraps
 ``torch.distributed.checkpoint.default_planner.create_default_local_load_plan``, the function that
-raises it (every rank builds its local plan, so every rank raises alike): when the missing key is
+raises it (every rank builds its local plan, so every rank raises alike), with
+:func:`explain_mismatch` (the ``dcp.load_plan`` entry of :mod:`dmuon._registry`): when the missing key is
 one optimizer-state kind and the checkpoint holds the other kind for the same parameter, the
 ``RuntimeError`` says that the dedicated set differs, for which parameters, and how to proceed.
 Behaviour is unchanged otherwise (the same error, with torch's message kept at the end).
@@ -18,9 +20,7 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["install", "dedicated_set_mismatch"]
-
-_PATCHED_ATTR = "__dmuon_wrapped__"
+__all__ = ["DCPLoadPlanner", "explain_mismatch", "install", "dedicated_set_mismatch"]
 _MUON_KEYS = ("momentum_buffer",)
 _ADAMW_KEYS = ("step", "exp_avg", "exp_avg_sq")
 
@@ -42,40 +42,70 @@ def dedicated_set_mismatch(wanted_keys, saved_keys) -> tuple[list[str], list[str
     return here, there
 
 
-def _wrap(fn):
+def _explained(exc: RuntimeError, state_dict, metadata) -> RuntimeError | None:
+    """The dmuon error for torch's ``exc`` when it is a dedicated-set mismatch, else None."""
+    if "Missing key in checkpoint state_dict" not in str(exc):
+        return None
+    here, there = dedicated_set_mismatch(state_dict, metadata.state_dict_metadata)
+    if not here and not there:
+        return None
+    parts = []
+    if here:
+        parts.append(f"dedicated (Muon) here but AdamW in the checkpoint: {', '.join(here[:4])}{' ...' if len(here) > 4 else ''}")
+    if there:
+        parts.append(f"dedicated (Muon) in the checkpoint but AdamW here: {', '.join(there[:4])}{' ...' if len(there) > 4 else ''}")
+    return RuntimeError(
+        "dmuon: the checkpoint's dedicated set differs from this model's (the predicate or the "
+        f"hook-boundary choice changed since it was saved): {'; '.join(parts)}. Compile with the "
+        "predicate the checkpoint was saved with, or load only the model state dict (its keys do not "
+        f"depend on the dedicated set) and start the optimizer fresh. torch: {exc}"
+    )
+
+
+def explain_mismatch(fn):
+    """The wrapper of DCP's ``create_default_local_load_plan`` (registry entry ``dcp.load_plan``):
+    torch's "Missing key" error, explained when the dedicated set differs; unchanged otherwise."""
+
     @functools.wraps(fn)
     def wrapper(state_dict, metadata, *args, **kwargs):
         try:
             return fn(state_dict, metadata, *args, **kwargs)
         except RuntimeError as exc:
-            if "Missing key in checkpoint state_dict" not in str(exc):
+            new = _explained(exc, state_dict, metadata)
+            if new is None:
                 raise
-            here, there = dedicated_set_mismatch(state_dict, metadata.state_dict_metadata)
-            if not here and not there:
-                raise
-            parts = []
-            if here:
-                parts.append(f"dedicated (Muon) here but AdamW in the checkpoint: {', '.join(here[:4])}{' ...' if len(here) > 4 else ''}")
-            if there:
-                parts.append(f"dedicated (Muon) in the checkpoint but AdamW here: {', '.join(there[:4])}{' ...' if len(there) > 4 else ''}")
-            raise RuntimeError(
-                "dmuon: the checkpoint's dedicated set differs from this model's (the predicate or the "
-                f"hook-boundary choice changed since it was saved): {'; '.join(parts)}. Compile with the "
-                "predicate the checkpoint was saved with, or load only the model state dict (its keys do not "
-                f"depend on the dedicated set) and start the optimizer fresh. torch: {exc}"
-            ) from exc
+            raise new from exc
 
-    setattr(wrapper, _PATCHED_ATTR, fn)
     return wrapper
 
 
+def _planner_base():
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    return DefaultLoadPlanner
+
+
+class DCPLoadPlanner(_planner_base()):
+    """``torch.distributed.checkpoint.DefaultLoadPlanner`` whose local planning explains a
+    dedicated-set mismatch (the patch-free path)::
+
+        dcp.load(state, checkpoint_id=path, planner=dmuon.DCPLoadPlanner())
+
+    Same constructor arguments as ``DefaultLoadPlanner``; behaviour is unchanged otherwise."""
+
+    def create_local_plan(self):
+        try:
+            return super().create_local_plan()
+        except RuntimeError as exc:
+            new = _explained(exc, self.state_dict, self.metadata)
+            if new is None:
+                raise
+            raise new from exc
+
+
 def install() -> None:
-    """Wrap DCP's local load planning (idempotent; a torch without it is left alone)."""
-    try:
-        from torch.distributed.checkpoint import default_planner
-    except ImportError:  # pragma: no cover - depends on the torch build
-        return
-    fn = getattr(default_planner, "create_default_local_load_plan", None)
-    if fn is None or hasattr(fn, _PATCHED_ATTR):
-        return
-    default_planner.create_default_local_load_plan = _wrap(fn)
+    """Wrap DCP's local load planning now (``dmuon._registry.install("dcp")``), even with the
+    automatic installs disabled. Idempotent; a torch without it is left alone."""
+    from dmuon import _registry
+
+    _registry.install("dcp")

@@ -1,47 +1,38 @@
-"""FSDP2 integration: after ``import dmuon``, ``fully_shard`` leaves dedicated parameters alone.
+"""FSDP2: ``fully_shard`` must leave dedicated parameters alone; reading FSDP2's per-module state.
 
 FSDP2 already supports parameters it must not manage: ``fully_shard(..., ignored_params=S)``.
-dmuon adds every dedicated parameter reachable from the modules being sharded to ``S``, at the
-narrowest point that serves every way of calling ``fully_shard`` (however it was imported):
-``torch.distributed.fsdp._fully_shard._fsdp_init._get_managed_modules`` and
-``_get_managed_states``, the two functions through which ``fully_shard`` reads
-``ignored_params``. Both are wrapped, not replaced; the wrappers only widen ``ignored_params``.
-
-:func:`install` checks the signatures of both functions and raises ``RuntimeError`` on a torch
-whose internals differ, rather than letting FSDP2 shard owner-held parameters silently.
-
-Also here: the set-up order check of :class:`dmuon.Muon`'s first step (:data:`SET_UP_ORDER`,
-:func:`_check_set_up_order`), which reads the ``fully_shard`` units' managed parameters.
+:func:`ignored_params` is that set for a dedicated model (the patch-free path:
+``fully_shard(block, ignored_params=dmuon.fsdp2_ignored_params(block))``). By default ``import
+dmuon`` instead adds every dedicated parameter reachable from the modules being sharded to ``S``,
+at the narrowest point that serves every way of calling ``fully_shard`` (however it was
+imported): ``torch.distributed.fsdp._fully_shard._fsdp_init._get_managed_modules`` and
+``_get_managed_states``, the two functions through which ``fully_shard`` reads ``ignored_params``.
+Both are wrapped by :func:`skip_dedicated`, not replaced; the wrappers only widen
+``ignored_params``. The wrapping itself is the ``fsdp2.*`` entries of :mod:`dmuon._registry`
+(signature-checked; ``DMUON_NO_PATCHES=1`` leaves FSDP2 untouched, and then
+:func:`check_dedicated_unmanaged` stops a dedicated parameter that FSDP2 ended up managing).
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import warnings
-from typing import TYPE_CHECKING
 
 import torch.nn as nn
-from torch import Tensor
 
-from dmuon.plan.render import fmt_names
-
-if TYPE_CHECKING:
-    from .optim import Muon
+from .buffers import dedicated_info
 
 __all__ = [
     "install",
     "is_installed",
+    "ignored_params",
     "dedicated_params_in",
-    "check_not_fully_sharded",
+    "check_dedicated_unmanaged",
     "fsdp_state",
     "requires_gradient_sync",
     "check_mp_policy",
     "sharded_params_for_optimizer",
 ]
-
-_PATCHED_ATTR = "__dmuon_wrapped__"
-_TARGETS = ("_get_managed_modules", "_get_managed_states")
 
 
 def dedicated_params_in(modules) -> set[nn.Parameter]:
@@ -49,12 +40,27 @@ def dedicated_params_in(modules) -> set[nn.Parameter]:
     out: set[nn.Parameter] = set()
     for module in modules:
         for p in module.parameters():
-            if getattr(p, "_dmuon", None) is not None:
+            if dedicated_info(p) is not None:
                 out.add(p)
     return out
 
 
-def _wrap(fn):
+def ignored_params(model_or_modules) -> set[nn.Parameter]:
+    """The ``ignored_params`` to give ``fully_shard`` for a dedicated model (or block, or list of
+    modules): its dedicated parameters. With it no patch of FSDP2 is needed::
+
+        for block in dmuon.integrations.boundary_modules(model, plan):
+            fully_shard(block, mesh=mesh, ignored_params=dmuon.fsdp2_ignored_params(block))
+        fully_shard(model, mesh=mesh, ignored_params=dmuon.fsdp2_ignored_params(model))
+    """
+    roots = model_or_modules if isinstance(model_or_modules, (list, tuple)) else (model_or_modules,)
+    return dedicated_params_in(roots)
+
+
+def skip_dedicated(fn):
+    """The wrapper of FSDP2's ``_get_managed_modules`` / ``_get_managed_states`` (registry entries
+    ``fsdp2.*``): ``ignored_params`` widened by the dedicated parameters under ``modules``."""
+
     @functools.wraps(fn)
     def wrapper(modules, ignored_params=None, *args, **kwargs):
         roots = modules if isinstance(modules, (list, tuple)) else (modules,)
@@ -63,74 +69,52 @@ def _wrap(fn):
             ignored_params = set(ignored_params or ()) | dedicated
         return fn(modules, ignored_params, *args, **kwargs)
 
-    setattr(wrapper, _PATCHED_ATTR, fn)
     return wrapper
 
 
-def _fsdp_init_module():
-    try:
-        from torch.distributed.fsdp._fully_shard import _fsdp_init
-    except ImportError as exc:  # pragma: no cover - depends on the torch build
-        raise RuntimeError(
-            "dmuon: this torch has no torch.distributed.fsdp._fully_shard._fsdp_init; dmuon's "
-            "fully_shard integration supports torch >= 2.7 (tested on 2.13)"
-        ) from exc
-    return _fsdp_init
-
-
 def install() -> None:
-    """Wrap FSDP2's managed-state discovery so dedicated parameters are ignored (idempotent).
+    """Install the ``fully_shard`` skip now (``dmuon._registry.install("fsdp2")``), even when the
+    automatic installs are disabled. Idempotent.
 
     Raises:
-        RuntimeError: the installed torch's FSDP2 internals differ from what dmuon was tested
-            against (missing function, or its first two parameters are not
-            ``(modules, ignored_params)``).
+        dmuon._registry.IntegrationError: this torch's FSDP2 internals differ from what dmuon
+            relies on (missing function, or its second parameter is not ``ignored_params``).
     """
-    mod = _fsdp_init_module()
-    for name in _TARGETS:
-        fn = getattr(mod, name, None)
-        if fn is None:
-            raise RuntimeError(
-                f"dmuon: FSDP2 internals changed: {mod.__name__}.{name} is missing; dmuon cannot "
-                "make fully_shard skip dedicated parameters on this torch version"
-            )
-        if hasattr(fn, _PATCHED_ATTR):
-            continue
-        params = list(inspect.signature(fn).parameters)
-        if len(params) < 2 or params[1] != "ignored_params":
-            raise RuntimeError(
-                f"dmuon: FSDP2 internals changed: {mod.__name__}.{name}{inspect.signature(fn)} no "
-                "longer takes (modules, ignored_params, ...); dmuon cannot make fully_shard skip "
-                "dedicated parameters on this torch version"
-            )
-        setattr(mod, name, _wrap(fn))
+    from dmuon import _registry
+
+    _registry.install("fsdp2")
 
 
 def is_installed() -> bool:
-    mod = _fsdp_init_module()
-    return all(hasattr(getattr(mod, n, None), _PATCHED_ATTR) for n in _TARGETS)
+    from dmuon import _registry
+
+    return all(_registry.installed(n) for n in ("fsdp2.managed_modules", "fsdp2.managed_states"))
 
 
-def check_not_fully_sharded(model: nn.Module) -> None:
-    """Raise ``ValueError`` if ``fully_shard`` was already applied anywhere in ``model``.
-
-    dmuon must decide ownership of full matrices before FSDP2 shards them: the order is
-    ``dedicate_params`` → ``fully_shard(layer)`` for each layer → ``fully_shard(model)``.
-    ``DTensor`` parameters alone are fine: tensor parallelism (``parallelize_module``) comes
-    first (the plan rejects placements it cannot own).
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    from dmuon.integrations import framework_hint
-
-    wrapped = [name or "<root>" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
-    if wrapped:
-        what = f"modules {wrapped[:5]}"
-        raise ValueError(
-            f"dmuon: the model is already sharded ({what}{' ...' if len(wrapped) > 5 else ''}). "
-            "Call dmuon.dedicate_params(model, mesh) BEFORE fully_shard: dedicate_params -> "
-            "fully_shard(layer) for each layer -> fully_shard(model) -> dmuon.Muon(model). "
-            + framework_hint("fully_shard_first", model)
+def check_dedicated_unmanaged(model: nn.Module) -> None:
+    """Raise ``RuntimeError`` if ``fully_shard`` took over a dedicated parameter of ``model`` (its
+    module now holds an FSDP2 ``DTensor`` without dmuon's tag in its place): this happens only
+    without the ``fully_shard`` skip (``DMUON_NO_PATCHES=1`` / ``dmuon.integrations.disable()``)
+    when ``fully_shard`` was not given ``ignored_params``. Local and structural: every rank raises
+    alike, before any collective of dmuon's."""
+    rt = getattr(model, "_dmuon_runtime", None)  # dmuon.exec.runtime.RUNTIME_ATTR (not imported: runtime imports this)
+    if rt is None:
+        return
+    taken = []
+    for fqn in rt.plan.dedicated:
+        try:
+            p = model.get_parameter(fqn)
+        except AttributeError:
+            continue
+        if dedicated_info(p) is None:
+            taken.append(fqn)
+    if taken:
+        raise RuntimeError(
+            f"dmuon: fully_shard manages {len(taken)} dedicated parameter(s) (e.g. {taken[0]!r}) that their "
+            "owner ranks must keep: dmuon's fully_shard skip is not installed (DMUON_NO_PATCHES=1 or "
+            "dmuon.integrations.disable()), so pass them as ignored: fully_shard(module, ..., "
+            "ignored_params=dmuon.fsdp2_ignored_params(module)) for every fully_shard call on the dedicated "
+            "model (docs/integrations.md, 'Without patches')"
         )
 
 
@@ -150,6 +134,11 @@ def _unsharded_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return out
 
 
+def _runtime_of(p):
+    info = dedicated_info(p)
+    return None if info is None else info.runtime()
+
+
 def sharded_params_for_optimizer(model_or_params):
     """``dmuon.Muon``'s argument, made safe to collect parameters from: a forward without its
     backward (an evaluation under ``torch.no_grad()``, or a loss never backpropagated) leaves
@@ -163,18 +152,18 @@ def sharded_params_for_optimizer(model_or_params):
     import torch
 
     if isinstance(model_or_params, nn.Module):
+        check_dedicated_unmanaged(model_or_params)
         for _, unit in _unsharded_units(model_or_params):
             unit.reshard()
         return model_or_params
     if isinstance(model_or_params, torch.Tensor) or not hasattr(model_or_params, "__iter__"):
         return model_or_params
     params = list(model_or_params)
-    from .runtime import get_runtime
-
-    runtime = next((get_runtime(p) for p in params if isinstance(p, torch.Tensor) and get_runtime(p)), None)
+    runtime = next((rt for rt in map(_runtime_of, params) if rt is not None), None)
     model = runtime.model_ref() if runtime is not None else None
     if model is None:
         return params
+    check_dedicated_unmanaged(model)
     given = {id(p) for p in params if isinstance(p, torch.Tensor)}
     bad = []
     for name, unit in _unsharded_units(model):
@@ -230,12 +219,6 @@ def _dtype_name(dtype) -> str | None:
     return None if dtype is None else str(dtype)
 
 
-SET_UP_ORDER = (
-    "dmuon.dedicate_params(model, mesh) -> fully_shard(block) for each block -> fully_shard(model) -> "
-    "dmuon.Muon(model, ...)"
-)
-
-
 def _fsdp_managed_params(model: nn.Module) -> set[int] | None:
     """ids of the sharded parameters the ``fully_shard`` units in ``model`` manage (None if this
     torch's FSDP2 state does not expose them)."""
@@ -255,49 +238,3 @@ def _fsdp_managed_params(model: nn.Module) -> set[int] | None:
                     return None
                 managed.add(id(sharded))
     return managed
-
-
-def _check_set_up_order(opt: "Muon", dedicated: list[Tensor]) -> None:
-    """First ``step()``: the optimizer must hold the model's FSDP2-sharded parameters.
-
-    Two set-up mistakes would otherwise train without an error: ``dmuon.Muon`` built before
-    ``fully_shard`` (it holds the pre-shard tensors that ``fully_shard`` replaced, so every
-    non-dedicated parameter stays at its initial value), and a missing ``fully_shard`` (e.g. the
-    final ``fully_shard(model)``: parameters outside every unit get no gradient averaging and the
-    ranks drift apart). Local and structural, so every rank raises alike; skipped for a
-    data-parallel mesh of one rank and without a live dmuon runtime. (Skipping only the per-block
-    ``fully_shard`` calls is not an error: the root unit then manages every parameter, at the
-    cost of one large all-gather.)
-
-    Raises:
-        RuntimeError: naming the count, the first parameters and the set-up order.
-    """
-    from .runtime import _runtimes
-
-    runtimes = _runtimes(dedicated)
-    if not runtimes or runtimes[0].world_numel == 1:
-        return
-    model = runtimes[0].model_ref()
-    if model is None:
-        return
-    named = {id(p): n for n, p in model.named_parameters()}
-    others = [p for g in opt.param_groups if not g["use_muon"] for p in g["params"]]
-    stale = [p for p in others if id(p) not in named]
-    if stale:
-        raise RuntimeError(
-            f"dmuon.Muon: {len(stale)} of its parameters are no longer parameters of the model "
-            "(fully_shard replaced them with sharded DTensors after the optimizer was built), so they "
-            f"would never be updated: build dmuon.Muon after fully_shard. Set-up order: {SET_UP_ORDER}"
-        )
-    managed = _fsdp_managed_params(model)
-    if managed is None:
-        return
-    unmanaged = [named[id(p)] for p in others if p.requires_grad and id(p) not in managed]
-    if unmanaged:
-        shown = fmt_names([repr(n) for n in unmanaged], 4)
-        raise RuntimeError(
-            f"dmuon.Muon: {len(unmanaged)} non-dedicated parameters ({shown}) are not managed by any "
-            "fully_shard unit, so their gradients are never averaged across ranks and the replicas "
-            "drift apart: call fully_shard on every block, then fully_shard(model) (it takes every "
-            f"parameter left over). Set-up order: {SET_UP_ORDER}"
-        )

@@ -58,7 +58,7 @@ import torch.nn as nn
 from dmuon.plan.render import fmt_names
 
 from .boundary import eager_hook
-from .buffers import _contiguous_strides, _grouped_storage, _Segment, _Slot
+from .buffers import _contiguous_strides, _grouped_storage, _Segment, _Slot, dedicated_info
 from .runtime import get_model_runtime
 
 __all__ = ["install", "init_params", "rebind_storage"]
@@ -155,7 +155,7 @@ def rebind_storage(rt, boundaries=None) -> bool:
     for b in boundaries:
         for gm in b.grouped:  # owner groups: the module holds the grouped matrix's logical parameter
             _adopt_module_param(rt, gm)
-            if getattr(gm.logical, "_dmuon", None) is None:
+            if dedicated_info(gm.logical) is None:
                 gm.logical._dmuon = rt.infos[gm.fqn]
             for block in gm.blocks:
                 block.logical = gm.logical
@@ -173,7 +173,7 @@ def rebind_storage(rt, boundaries=None) -> bool:
 def _rebind_segment(rt, seg: _Segment) -> bool:
     for slot in seg.slots:
         _adopt_module_param(rt, slot)
-        if getattr(slot.logical, "_dmuon", None) is None:
+        if dedicated_info(slot.logical) is None:
             slot.logical._dmuon = rt.infos[slot.fqn]
     devices = {slot.logical.device for slot in seg.slots}
     if len(devices) != 1:
@@ -343,7 +343,7 @@ def init_params(model: nn.Module, init_fn=None) -> None:
         for name, p in list(module._parameters.items()):
             if p is None:
                 continue
-            info = getattr(p, "_dmuon", None)
+            info = dedicated_info(p)
             if info is not None:
                 if info.holds_full and info.tp is None:
                     continue  # the full master itself
@@ -367,7 +367,7 @@ def init_params(model: nn.Module, init_fn=None) -> None:
             for name, original, tmp in swapped:
                 module._parameters[name] = original
         for _, original, tmp in swapped:
-            info = getattr(original, "_dmuon", None)
+            info = dedicated_info(original)
             group = getattr(info, "group", None)
             if group is not None:  # an owner group: the block this rank holds, if any
                 if group.block is not None:

@@ -34,7 +34,7 @@ from . import checkpoint as _checkpoint
 from . import fsdp2 as _fsdp2
 from . import newton_schulz as _ns
 from . import tp_orthogonalize as _tp
-from .fsdp2 import _check_set_up_order
+from .guards import check_set_up_order as _check_set_up_order
 from .muon_step import _ADJUST_LR_FNS, _as_dtype, _info, adjust_lr, muon_step
 from .runtime import after_step, wait_pending
 

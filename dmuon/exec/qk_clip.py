@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from . import collectives as C
+from .buffers import dedicated_info
 
 __all__ = ["record", "wants_logits", "max_logits_eager", "max_logits_sdpa", "stats", "QKClipRuntime"]
 
@@ -213,7 +214,7 @@ class QKClipRuntime:
         per_elem = head_factor.repeat_interleave(rows.head_dim)
         slot = rt.slots_by_fqn.get(rows.fqn) or rt.slots_by_fqn[rt.plan.param(rows.fqn).fqn]
         w = slot.logical
-        if w._dmuon.is_owner:
+        if dedicated_info(w).is_owner:
             block = w.narrow(rows.dim, rows.offset, rows.span)
             f = per_elem.to(w.device, w.dtype)
             block.mul_(f.view(-1, 1) if rows.dim == 0 else f.view(1, -1))

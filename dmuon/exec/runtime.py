@@ -22,12 +22,13 @@ plan's step schedule (:func:`dmuon.plan.step_schedule.boundary_programs`, bound 
 buffers by :mod:`dmuon.exec.program`): groups, roots, sizes, dtypes and order are the plan's;
 the hooks decide when each list runs.
 
-CUDA (``DmuonRuntime.use_streams``, default on): broadcasts (and the mixed-precision cast before
+On an accelerator (``DmuonRuntime.use_streams``, default on; ``torch.Stream`` / ``torch.accelerator``, so
+CUDA, XPU or any other device module alike): broadcasts (and the mixed-precision cast before
 them) run on a broadcast stream, gradient packing and reduces on a reduce stream, as FSDP2 orders
 its all-gathers and reduce-scatters: each waits for the compute stream when issued, the compute
 stream waits for an event on it before the parameters or the reduced gradients are used, storage
 is regrown on the compute stream and freed only after that wait, and local gradients read by the
-reduce stream stay referenced until it. Off CUDA none of this runs.
+reduce stream stay referenced until it. On CPU none of this runs.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ from dmuon.plan.step_schedule import boundary_programs
 
 from . import collectives as C
 from . import fsdp2
-from .boundary import ShardedState, TrainingState, _BoundaryRuntime, _on_stream, eager_hook
-from .buffers import build_segments
+from .boundary import ShardedState, TrainingState, _BoundaryRuntime, _on_stream, current_stream, eager_hook, has_streams
+from .buffers import build_segments, dedicated_info
 from .groups import MeshGroups
 from .program import bind
 
@@ -128,8 +129,8 @@ class DmuonRuntime:
             s.fqn: seg.shard for b in self.boundaries for seg in b.segments for s in seg.slots if s.grouped is None
         }
         # checkpoint / materialisation bookkeeping (dmuon.exec.checkpoint, dmuon.exec.materialize)
-        self.infos = {s.fqn: s.logical._dmuon for s in self.slots_by_fqn.values()}
-        self.infos.update({fqn: gm.logical._dmuon for fqn, gm in self.grouped_by_fqn.items()})
+        self.infos = {s.fqn: dedicated_info(s.logical) for s in self.slots_by_fqn.values()}
+        self.infos.update({fqn: dedicated_info(gm.logical) for fqn, gm in self.grouped_by_fqn.items()})
         self._state_dict_mesh = None  # DeviceMesh of the state-dict DTensors, built on first use
         self.replicas_stale = False  # HSDP: holders may disagree (set by to_empty & co.)
         self.qk_clip = None  # QK-clip (MuonClip): reported max logits and the owners' rescaling
@@ -195,14 +196,15 @@ class DmuonRuntime:
         return mesh
 
     def comm_stream(self, kind: str):
-        """CUDA: dmuon's ``"broadcast"`` or ``"reduce"`` stream (high priority, as FSDP2's), ordered
-        with the compute stream by events; ``None`` off CUDA or with ``use_streams=False``."""
-        if self.device.type != "cuda" or not self.use_streams:
+        """On an accelerator (CUDA, XPU, ...): dmuon's ``"broadcast"`` or ``"reduce"`` stream (high
+        priority, as FSDP2's), ordered with the compute stream by events; ``None`` on CPU or with
+        ``use_streams=False``. Written against torch's accelerator-generic ``torch.Stream``."""
+        if not self.use_streams or not has_streams(self.device):
             return None
         if self._streams is None or self._streams[0] != self.device:
             self._streams = (
                 self.device,
-                {k: torch.cuda.Stream(device=self.device, priority=-1) for k in ("broadcast", "reduce")},
+                {k: torch.Stream(device=self.device, priority=-1) for k in ("broadcast", "reduce")},
             )
         return self._streams[1][kind]
 
@@ -244,7 +246,7 @@ class DmuonRuntime:
         pending, self.pending_reduces = self.pending_reduces, []
         if not pending:
             return
-        stream = self.comm_stream("reduce")  # None off CUDA
+        stream = self.comm_stream("reduce")  # None on CPU
         with _on_stream(stream):  # NCCL: the reduce stream waits for the collectives
             for boundary, _, _, work, _ in pending:
                 C.wait_all([work], what=f"boundary {boundary.fqn!r} reduce", timeout_s=self.timeout_s)
@@ -257,7 +259,7 @@ class DmuonRuntime:
             for boundary, work in works:
                 C.wait_all([work], what=f"boundary {boundary.fqn!r} replicate_reduce", timeout_s=self.timeout_s)
         if stream is not None:  # the compute stream reads the buffers below; the local grads are released after
-            torch.cuda.current_stream(stream.device).wait_event(stream.record_event())
+            current_stream(stream.device).wait_event(stream.record_event())
         for _, seg, _, _, _ in pending:
             seg.reduce_inflight = False
         owned = [o for _, seg, _, _, _ in pending for o in seg.owned]
@@ -431,17 +433,22 @@ def get_model_runtime(model: nn.Module) -> DmuonRuntime | None:
 
 
 def get_runtime(p: torch.Tensor) -> DmuonRuntime | None:
-    info = getattr(p, "_dmuon", None)
+    """The live :class:`DmuonRuntime` of the dedicated parameter ``p`` (None if not dedicated)."""
+    info = dedicated_info(p)
     return None if info is None else info.runtime()
 
 
-def _runtimes(params) -> list[DmuonRuntime]:
+def runtimes_of(params) -> list[DmuonRuntime]:
+    """The distinct live runtimes of the dedicated parameters among ``params``, in first-seen order."""
     seen: dict[int, DmuonRuntime] = {}
     for p in params:
         rt = get_runtime(p)
         if rt is not None:
             seen.setdefault(id(rt), rt)
     return list(seen.values())
+
+
+_runtimes = runtimes_of  # the former private name
 
 
 def wait_pending(params) -> None:
@@ -451,7 +458,7 @@ def wait_pending(params) -> None:
         RuntimeError: local gradients of dedicated matrices were never reduced (every backward
             since the last step ran inside ``dmuon.no_sync``): the step would silently skip them.
     """
-    for rt in _runtimes(params):
+    for rt in runtimes_of(params):
         rt.finish_reduces()
         stale = [s.fqn for b in rt.boundaries for s in b.installable if s.compute.grad is not None]
         if stale:
@@ -465,7 +472,7 @@ def wait_pending(params) -> None:
 
 def after_step(params) -> None:
     """Post-step work of every runtime owning one of ``params`` (HSDP replicate broadcast)."""
-    for rt in _runtimes(params):
+    for rt in runtimes_of(params):
         rt.after_step()
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives as C
+from .buffers import dedicated_info
 from . import newton_schulz as _ns
 
 __all__ = ["orthogonalize_and_apply", "orthogonalize_groups_and_apply", "check_gram_steps"]
@@ -64,13 +65,13 @@ def orthogonalize_and_apply(entries, *, steps: int, orthogonalize, ns_kw: dict, 
       then the group's NS backend on each full matrix on every TP rank, each keeping its
       block.
     """
-    rt = entries[0][0]._dmuon.runtime()
+    rt = dedicated_info(entries[0][0]).runtime()
     plan = rt.plan
     gram: dict[tuple, list] = {}
     gather: dict[tuple, list] = {}
     for p, update, tp in entries:
         if tp.method == "gram":
-            check_gram_steps(steps, plan, p._dmuon.fqn, "TP-sharded")
+            check_gram_steps(steps, plan, dedicated_info(p).fqn, "TP-sharded")
             x = update.mT if tp.shard_dim == 0 else update  # (d, D_local), d = unsplit side
             gram.setdefault((tuple(x.shape), x.dtype, id(tp.group)), []).append((p, x, tp))
         else:
@@ -121,9 +122,9 @@ def orthogonalize_groups_and_apply(entries, *, steps: int, ns_kw: dict, apply) -
     the same batch; one fp32 ``(B, d, d)`` all-reduce per Gram segment
     (:func:`~dmuon.exec.newton_schulz.sharded_gram_newton_schulz`).
     """
-    rt = entries[0][0]._dmuon.runtime()
+    rt = dedicated_info(entries[0][0]).runtime()
     plan = rt.plan
-    check_gram_steps(steps, plan, entries[0][0]._dmuon.fqn, "owner-grouped")
+    check_gram_steps(steps, plan, dedicated_info(entries[0][0]).fqn, "owner-grouped")
     by_group: dict[tuple, dict[tuple, list]] = {}
     for p, update, og in entries:
         x = update.mT if og.dim == 0 else update  # (d, D_j)

@@ -8,164 +8,43 @@ into each of them; recipes: ``docs/integrations.md``.
 * :mod:`dmuon.integrations.hf` — ``MuonFactory`` for ``transformers.Trainer``.
 * :func:`boundary_modules` — the modules to ``fully_shard`` one by one after dedication (the
   plan's hook boundaries: ``model.layers.N``, ``transformer.h.N``, ``encoder.layer.N`` ...).
-* :mod:`dmuon.integrations.accelerate` — accelerate's FSDP2 ``prepare`` made dmuon-aware
-  (installed by ``import dmuon`` as soon as accelerate is imported, see :func:`install`).
+* :mod:`dmuon.integrations.accelerate` — accelerate's FSDP2 ``prepare`` made dmuon-aware.
 * Lightning's ``ModelParallelStrategy`` needs no module: ``configure_model`` dedicates and
   shards, ``configure_optimizers`` returns ``dmuon.Muon`` (docs/integrations.md).
 * torchtitan 0.3.0 is not integrated: its models import triton, which CPU builds of torch lack
   (docs/integrations.md says where dmuon would go).
-* ``import dmuon`` also makes ``DistributedDataParallel(model)`` of a dedicated model raise.
-* :func:`framework_hint` — the framework-specific fix appended to the errors users hit first
-  (``fully_shard`` before ``dedicate_params``; an optimizer built from ``model.parameters()``;
-  the model wrapped after dedication).
+* :func:`framework_hint` — the framework-specific fix appended to the errors users hit first.
+
+What dmuon changes in other libraries, and when, is one list (:mod:`dmuon._registry`):
+:func:`status` prints it; ``import dmuon`` installs only the ``fully_shard`` skip and the
+``clip_grad_norm_`` hand-off, the first ``dmuon.dedicate_params`` the rest (GradScaler, DCP, the
+DDP and optimizer guards, accelerate / transformers when imported). :func:`disable` (or
+``DMUON_NO_PATCHES=1``) undoes and blocks all of it; :func:`enable` installs named integrations
+explicitly (``enable("accelerate", "trainer")``).
 
 Importing this package imports no framework: each submodule imports its framework when used.
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import inspect
-import sys
-import threading
-from typing import Callable
-
-import torch
 import torch.nn as nn
+
+from dmuon import _registry
+from dmuon._hints import detect_framework, framework_hint
+from dmuon._registry import IntegrationError, status
+from dmuon.exec.guards import check_optimizer
 
 __all__ = [
     "boundary_modules",
     "framework_hint",
     "detect_framework",
     "check_optimizer",
-    "install",
+    "status",
+    "enable",
+    "disable",
+    "uninstall",
+    "IntegrationError",
 ]
-
-# ------------------------------------------------------------------------------------------
-# Which framework is the user in
-# ------------------------------------------------------------------------------------------
-
-_FRAMEWORK_MODULES = (  # (framework, module prefixes whose frames on the stack name it)
-    ("trainer", ("transformers.trainer",)),
-    ("accelerate", ("accelerate.",)),
-    ("lightning", ("lightning.", "pytorch_lightning.", "lightning_fabric.")),
-    ("torchtitan", ("torchtitan.",)),
-)
-
-
-def detect_framework(model: nn.Module | None = None) -> str | None:
-    """The framework the current call comes from: ``"trainer"`` (transformers.Trainer),
-    ``"accelerate"``, ``"lightning"``, ``"torchtitan"``, or None.
-
-    Read from the call stack (the innermost framework frame wins, Trainer before accelerate,
-    which it calls), then from the model's classes (a ``LightningModule``; a transformers
-    ``PreTrainedModel`` counts as ``"accelerate"``, which is how such models get sharded).
-    """
-    names = []
-    for frame in inspect.stack(context=0)[1:]:
-        mod = frame.frame.f_globals.get("__name__", "")
-        names.append(mod)
-    for fw, prefixes in _FRAMEWORK_MODULES:
-        if any(n.startswith(prefixes) for n in names):
-            return fw
-    if model is not None:
-        for cls in type(model).__mro__:
-            mod = cls.__module__ or ""
-            if mod.startswith(("lightning.", "pytorch_lightning.")):
-                return "lightning"
-            if mod.startswith("transformers."):
-                return "accelerate"
-            if mod.startswith("torchtitan."):
-                return "torchtitan"
-    return None
-
-
-_HINTS: dict[str, dict[str, str]] = {
-    "fully_shard_first": {
-        "trainer": (
-            "transformers.Trainer with FSDP2 shards the model inside trainer.train() "
-            "(accelerator.prepare): call dmuon.dedicate_params(model, mesh) on the unsharded "
-            "model BEFORE Trainer(...), and pass optimizer_cls_and_kwargs="
-            "(dmuon.integrations.hf.MuonFactory, {...})"
-        ),
-        "accelerate": (
-            "accelerate's FSDP2 prepare() calls fully_shard: call dmuon.dedicate_params(model, "
-            "mesh) and build dmuon.Muon(model, ...) BEFORE accelerator.prepare(model, optimizer), "
-            "not on the prepared model"
-        ),
-        "lightning": (
-            "in LightningModule.configure_model call dmuon.dedicate_params(self.model, "
-            "self.device_mesh['data_parallel']) first, then fully_shard each block, then the "
-            "model; return dmuon.Muon(self.model, ...) from configure_optimizers"
-        ),
-        "torchtitan": (
-            "torchtitan's parallelize function calls fully_shard: dmuon.dedicate_params must run "
-            "before it, e.g. in a model converter (not shipped by dmuon: docs/integrations.md)"
-        ),
-    },
-    "foreign_optimizer": {
-        "trainer": (
-            "transformers.Trainer built its own optimizer from model.parameters(): pass "
-            "optimizer_cls_and_kwargs=(dmuon.integrations.hf.MuonFactory, {'lr': ..., "
-            "'adamw_lr': ...}) to Trainer(...) (with FSDP Trainer refuses optimizers=(...))"
-        ),
-        "accelerate": (
-            "pass dmuon.Muon(model, ...) to accelerator.prepare(model, optimizer) instead of an "
-            "optimizer built from model.parameters()"
-        ),
-        "lightning": (
-            "return dmuon.Muon(self.model, ...) from LightningModule.configure_optimizers "
-            "(configure_model must have called dmuon.dedicate_params)"
-        ),
-        "torchtitan": (
-            "torchtitan's build_optimizers builds from model.parameters(): the optimizer must be "
-            "dmuon.Muon(model, ...) (not shipped by dmuon: docs/integrations.md)"
-        ),
-    },
-    "wrapped_after": {
-        "trainer": (
-            "transformers.Trainer wraps the model in DistributedDataParallel unless FSDP2 is "
-            "on: TrainingArguments(fsdp='full_shard', fsdp_config={'fsdp_version': 2, ...}) "
-            "(or an accelerate config with distributed_type: FSDP, fsdp_version: 2)"
-        ),
-        "accelerate": (
-            "accelerate wraps the model in DistributedDataParallel unless FSDP2 is on: "
-            "Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, ...)) or "
-            "an accelerate config with distributed_type: FSDP and fsdp_version: 2"
-        ),
-        "lightning": (
-            "use strategy=ModelParallelStrategy(...) and apply dmuon + fully_shard in "
-            "configure_model; DDPStrategy / FSDPStrategy wrap the dedicated model"
-        ),
-        "torchtitan": (
-            "let torchtitan's parallelize function apply fully_shard (data_parallel_shard_degree) "
-            "after the dmuon model converter; do not enable DDP (data_parallel_replicate_degree "
-            "without sharding)"
-        ),
-    },
-}
-
-_GENERIC = {
-    "fully_shard_first": "order: dedicate_params -> fully_shard(layer) for each layer -> "
-    "fully_shard(model) -> dmuon.Muon(model)",
-    "foreign_optimizer": "build the optimizer with dmuon.Muon(model, ...): it runs Muon on the "
-    "dedicated matrices (owner only) and AdamW on every other parameter",
-    "wrapped_after": "dmuon composes with FSDP2 (fully_shard) only; DistributedDataParallel "
-    "sees different parameter shapes on different ranks",
-}
-
-
-def framework_hint(kind: str, model: nn.Module | None = None) -> str:
-    """The fix for mistake ``kind`` (``"fully_shard_first"``, ``"foreign_optimizer"``,
-    ``"wrapped_after"``) in the framework of this call (:func:`detect_framework`), as one
-    sentence starting with the framework's name; the generic rule when no framework is
-    recognised. Docs: docs/integrations.md."""
-    fw = detect_framework(model)
-    if fw is None:
-        return _GENERIC[kind] + " (docs/integrations.md)"
-    return f"{fw}: {_HINTS[kind][fw]} (docs/integrations.md)"
-
 
 # ------------------------------------------------------------------------------------------
 # Recipes' helpers
@@ -179,143 +58,39 @@ def boundary_modules(model: nn.Module, plan) -> list[nn.Module]:
     return [model.get_submodule(b.fqn) for b in plan.boundaries]
 
 
-def _dedicated(params) -> list[torch.Tensor]:
-    return [p for p in params if getattr(p, "_dmuon", None) is not None]
-
-
-def check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module | None = None) -> None:
-    """Raise ``TypeError`` if ``optimizer`` holds dmuon-dedicated parameters but is not a
-    ``dmuon.Muon``: such an optimizer would update owner-held masters as if they were ordinary
-    parameters (and skip the zero-size placeholders), i.e. train wrongly. The message names the
-    parameter and the framework-specific fix (:func:`framework_hint`)."""
-    from dmuon.exec.optim import Muon
-
-    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
-    if isinstance(inner, Muon):
-        return
-    params = [p for g in inner.param_groups for p in g["params"]]
-    dedicated = _dedicated(params)
-    if dedicated:
-        fqn = dedicated[0]._dmuon.fqn
-        raise TypeError(
-            f"dmuon: {type(inner).__name__} holds {len(dedicated)} parameter(s) dedicated by "
-            f"dmuon.dedicate_params (e.g. {fqn!r}); only dmuon.Muon can update them. "
-            + framework_hint("foreign_optimizer", model)
-        )
-
-
-def _foreign_optimizer_step_pre_hook(optimizer, args, kwargs) -> None:
-    check_optimizer(optimizer)
-
-
 # ------------------------------------------------------------------------------------------
-# Installation: patches applied when (and only if) the framework is imported
+# What dmuon changes in other libraries (dmuon._registry)
 # ------------------------------------------------------------------------------------------
 
-_POST_IMPORT: dict[str, Callable[[object], None]] = {}
-_LOCK = threading.Lock()
-_INSTALLED = False
 
+def enable(*names: str) -> list[str]:
+    """Install the named integrations now, also with ``DMUON_NO_PATCHES=1`` or after
+    :func:`disable` (the explicit way): families ``"fsdp2"``, ``"clip"``, ``"amp"``, ``"dcp"``,
+    ``"ddp"``, ``"optimizer"``, ``"accelerate"`` (imports accelerate), ``"trainer"`` (imports
+    transformers.trainer), or entry names of :func:`status`. Without names: every integration
+    (what ``import dmuon`` + the first dedication install, accelerate / transformers only if
+    imported). Idempotent; returns the names installed.
 
-class _PostImportFinder(importlib.abc.MetaPathFinder):
-    """Runs ``_POST_IMPORT[name](module)`` right after module ``name`` is executed."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in _POST_IMPORT:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
-            return None
-        loader = spec.loader
-        exec_module = loader.exec_module
-
-        def exec_and_patch(module):
-            exec_module(module)
-            _POST_IMPORT[fullname](module)
-
-        loader.exec_module = exec_and_patch
-        return spec
-
-
-def install() -> None:
-    """Called by ``import dmuon``; idempotent.
-
-    * a global optimizer step pre-hook that raises :func:`check_optimizer`'s error for any
-      non-dmuon optimizer holding dedicated parameters (checked at the first step and again
-      whenever the optimizer's parameters change; ``dmuon.Muon`` is skipped);
-    * accelerate: :func:`dmuon.integrations.accelerate.patch` is applied to
-      ``accelerate.accelerator`` when it is imported (now, if it already is);
-    * transformers: :func:`dmuon.integrations.hf.patch_trainer` to ``transformers.trainer``
-      (Trainer's gradient-norm clipping), likewise.
+    Raises:
+        IntegrationError: a target no longer has the parameters dmuon's wrapper relies on.
     """
-    global _INSTALLED
-    with _LOCK:
-        if _INSTALLED:
-            return
-        _INSTALLED = True
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    if not names:
+        names = tuple(i.name for i in _registry.INTEGRATIONS if i.trigger is None)
+        import sys
 
-    register_optimizer_step_pre_hook(_checked_once)
-
-    def patch_accelerate(module) -> None:
-        from . import accelerate as _acc
-
-        _acc.patch(module)
-
-    def patch_trainer(module) -> None:
-        from . import hf as _hf
-
-        _hf.patch_trainer(module)
-
-    _wrap_ddp_init()
-    _POST_IMPORT["accelerate.accelerator"] = patch_accelerate
-    _POST_IMPORT["transformers.trainer"] = patch_trainer
-    for name, fn in _POST_IMPORT.items():
-        if name in sys.modules:
-            fn(sys.modules[name])
-    sys.meta_path.insert(0, _PostImportFinder())
+        names += tuple(i.name for i in _registry.INTEGRATIONS if i.trigger in sys.modules)
+    return _registry.install(*names)
 
 
-_CHECKED_ATTR = "_dmuon_checked_param_ids"
+def uninstall(*names: str) -> list[str]:
+    """Undo the named integrations (all without names): the original objects back in place.
+    The automatic installs of a stage already passed do not run again."""
+    return _registry.uninstall(*names)
 
 
-def _checked_once(optimizer, args, kwargs) -> None:
-    """The foreign-optimizer check, redone only when the optimizer's parameters changed."""
-    from dmuon.exec.optim import Muon
-
-    if isinstance(optimizer, Muon):
-        return
-    ids = tuple(id(p) for g in optimizer.param_groups for p in g["params"])
-    if getattr(optimizer, _CHECKED_ATTR, None) == ids:
-        return
-    check_optimizer(optimizer)
-    try:
-        setattr(optimizer, _CHECKED_ATTR, ids)
-    except AttributeError:  # an optimizer with __slots__: check every step
-        pass
-
-
-def _wrap_ddp_init() -> None:
-    """``DistributedDataParallel(model)`` of a model with dedicated parameters raises a
-    ``ValueError`` naming the framework's fix, before DDP's own parameter-shape check (which
-    fails with a size mismatch between owners and non-owners, or hangs on ranks that disagree)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    orig = DDP.__init__
-    if getattr(orig, "__dmuon_wrapped__", None) is not None:
-        return
-
-    def __init__(self, module, *args, **kwargs):
-        dedicated = _dedicated(module.parameters()) if isinstance(module, nn.Module) else []
-        if dedicated:
-            raise ValueError(
-                f"dmuon: DistributedDataParallel around a model with {len(dedicated)} parameter(s) "
-                f"dedicated by dmuon.dedicate_params (e.g. {dedicated[0]._dmuon.fqn!r}): owners hold "
-                f"full matrices, other ranks zero-size placeholders, and dmuon already averages their "
-                f"gradients. " + framework_hint("wrapped_after", module)
-            )
-        orig(self, module, *args, **kwargs)
-
-    __init__.__dmuon_wrapped__ = orig
-    __init__.__doc__ = orig.__doc__
-    DDP.__init__ = __init__
+def disable() -> list[str]:
+    """Undo every integration and block the automatic installs, as ``DMUON_NO_PATCHES=1`` does
+    (torch and the frameworks untouched; the ``fully_shard`` skip included, so pass
+    ``ignored_params=dmuon.fsdp2_ignored_params(module)`` to ``fully_shard``: docs/integrations.md,
+    "Without patches"). Returns the names undone."""
+    return _registry.disable()

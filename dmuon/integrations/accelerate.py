@@ -1,7 +1,10 @@
 """accelerate (and so ``transformers.Trainer``) with FSDP2: what dmuon changes in ``prepare``.
 
-``import dmuon`` applies :func:`patch` to ``accelerate.accelerator`` as soon as accelerate is
-imported (``dmuon.integrations.install``). The user's order stays the one of plain FSDP2, with
+The first ``dmuon.dedicate_params`` installs the wrappers below on ``accelerate.accelerator.Accelerator``
+(now if accelerate is imported, else when it is: the ``accelerate.*`` entries of
+:mod:`dmuon._registry`); ``dmuon.integrations.enable("accelerate")`` installs them explicitly
+(also with ``DMUON_NO_PATCHES=1``, in which case ``prepare`` runs with the ``fully_shard`` skip
+installed for its duration only). The user's order stays the one of plain FSDP2, with
 accelerate's ``prepare`` in place of the ``fully_shard`` calls::
 
     plan = dmuon.dedicate_params(model, mesh)          # unsharded model, every rank
@@ -41,11 +44,12 @@ import functools
 import torch
 import torch.nn as nn
 
-from . import check_optimizer, framework_hint
+from dmuon import _registry
+from dmuon._hints import framework_hint
+from dmuon.exec.buffers import dedicated_info
+from dmuon.exec.guards import check_optimizer
 
-__all__ = ["patch", "is_patched"]
-
-_PATCHED = "__dmuon_patched__"
+__all__ = ["patch", "is_patched", "wrap_prepare_fsdp2", "wrap_prepare_model", "wrap_clip_grad_norm_"]
 
 
 def _cpu_note(accelerator) -> str:
@@ -62,9 +66,7 @@ def _cpu_note(accelerator) -> str:
 
 
 def _has_dedicated(model) -> bool:
-    return isinstance(model, nn.Module) and any(
-        getattr(p, "_dmuon", None) is not None for p in model.parameters()
-    )
+    return isinstance(model, nn.Module) and any(dedicated_info(p) is not None for p in model.parameters())
 
 
 def _check_fsdp2_plugin(accelerator, model: nn.Module) -> None:
@@ -80,8 +82,8 @@ def _check_fsdp2_plugin(accelerator, model: nn.Module) -> None:
         )
     if accelerator.mixed_precision != "no":
         low = [
-            p._dmuon.fqn for p in model.parameters()
-            if getattr(p, "_dmuon", None) is not None and p.requires_grad and p.dtype != torch.float32
+            dedicated_info(p).fqn for p in model.parameters()
+            if dedicated_info(p) is not None and p.requires_grad and p.dtype != torch.float32
         ]
         if low:
             raise ValueError(
@@ -101,7 +103,7 @@ def _unique_data_ptrs(models) -> list:
     tagged = []
     for model in models:
         for p in model.parameters():
-            if getattr(p, "_dmuon", None) is not None and "data_ptr" not in p.__dict__:
+            if dedicated_info(p) is not None and "data_ptr" not in p.__dict__:
                 key = -(len(tagged) + 1)  # never a real address
                 p.data_ptr = functools.partial(int, key)
                 tagged.append(p)
@@ -113,21 +115,14 @@ def _restore_data_ptrs(tagged) -> None:
         p.__dict__.pop("data_ptr", None)
 
 
-def patch(module) -> None:
-    """Wrap ``module.Accelerator``'s ``_prepare_fsdp2``, ``prepare_model`` and
-    ``clip_grad_norm_`` (idempotent; ``module`` is ``accelerate.accelerator``)."""
-    cls = module.Accelerator
-    if getattr(cls, _PATCHED, False):
-        return
-    orig_prepare_fsdp2 = cls._prepare_fsdp2
-    orig_prepare_model = cls.prepare_model
-    orig_clip = cls.clip_grad_norm_
+def wrap_prepare_fsdp2(orig):
+    """``Accelerator._prepare_fsdp2`` (entry ``accelerate.prepare_fsdp2``)."""
 
-    @functools.wraps(orig_prepare_fsdp2)
+    @functools.wraps(orig)
     def _prepare_fsdp2(self, *args):
         models = [a for a in args if _has_dedicated(a)]
         if not models:
-            return orig_prepare_fsdp2(self, *args)
+            return orig(self, *args)
         optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
         for model in models:
             _check_fsdp2_plugin(self, model)
@@ -135,11 +130,18 @@ def patch(module) -> None:
             check_optimizer(opt, models[0])
         tagged = _unique_data_ptrs(models)
         try:
-            return orig_prepare_fsdp2(self, *args)
+            with _registry.scoped("fsdp2"):  # accelerate calls fully_shard: it must skip dedicated params
+                return orig(self, *args)
         finally:
             _restore_data_ptrs(tagged)
 
-    @functools.wraps(orig_prepare_model)
+    return _prepare_fsdp2
+
+
+def wrap_prepare_model(orig):
+    """``Accelerator.prepare_model`` (entry ``accelerate.prepare_model``)."""
+
+    @functools.wraps(orig)
     def prepare_model(self, model, device_placement=None, evaluation_mode=False):
         if not evaluation_mode and not self.is_fsdp2 and _has_dedicated(model):
             from torch.distributed.fsdp import FSDPModule
@@ -152,27 +154,33 @@ def patch(module) -> None:
                     + _cpu_note(self)
                     + framework_hint("wrapped_after", model)
                 )
-        return orig_prepare_model(self, model, device_placement, evaluation_mode)
+        return orig(self, model, device_placement, evaluation_mode)
 
-    @functools.wraps(orig_clip)
+    return prepare_model
+
+
+def wrap_clip_grad_norm_(orig):
+    """``Accelerator.clip_grad_norm_`` (entry ``accelerate.clip_grad_norm_``)."""
+
+    @functools.wraps(orig)
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         params = list(parameters)
-        if any(getattr(p, "_dmuon", None) is not None for p in params):
-            import dmuon
+        if any(dedicated_info(p) is not None for p in params):
+            from dmuon.exec.clip import clip_grad_norm_ as dmuon_clip
 
             self.unscale_gradients()  # as accelerate does first (fp16 grad scaler)
-            return dmuon.clip_grad_norm_(params, max_norm, norm_type)
-        return orig_clip(self, params, max_norm, norm_type)
+            return dmuon_clip(params, max_norm, norm_type)
+        return orig(self, params, max_norm, norm_type)
 
-    cls._prepare_fsdp2 = _prepare_fsdp2
-    cls.prepare_model = prepare_model
-    cls.clip_grad_norm_ = clip_grad_norm_
-    setattr(cls, _PATCHED, True)
+    return clip_grad_norm_
+
+
+def patch(module=None) -> None:
+    """Install the accelerate integration now (``dmuon.integrations.enable("accelerate")``;
+    idempotent; ``module``, accelerate.accelerator, is accepted for compatibility)."""
+    _registry.install("accelerate")
 
 
 def is_patched() -> bool:
-    """Whether accelerate is imported and patched."""
-    import sys
-
-    mod = sys.modules.get("accelerate.accelerator")
-    return mod is not None and getattr(mod.Accelerator, _PATCHED, False)
+    """Whether accelerate is imported and dmuon's wrappers are installed on it."""
+    return all(_registry.installed(n) for n in _registry._FAMILIES["accelerate"])

@@ -36,30 +36,32 @@ class MuonFactory:
         return dmuon.Muon(model, **kwargs)
 
 
-_PATCHED = "__dmuon_patched__"
+def wrap_mixed_mesh_grad_norm(orig):
+    """``Trainer._mixed_mesh_grad_norm`` (entry ``trainer.grad_norm`` of :mod:`dmuon._registry`,
+    installed at the first dedication once transformers.trainer is imported, or by
+    ``dmuon.integrations.enable("trainer")``). Trainer takes that path whenever gradients are a
+    mix of DTensors and plain tensors, which is always the case with dmuon (owner-held gradients
+    are plain tensors): it would add each rank's owned gradients to the norm locally, so every
+    rank would clip by a different, too small norm. With dedicated parameters the norm (and the
+    clip) is :func:`dmuon.clip_grad_norm_`'s, identical on every rank; ``max_norm=inf`` only
+    measures."""
+    import functools
 
-
-def patch_trainer(module) -> None:
-    """Wrap ``module.Trainer._mixed_mesh_grad_norm`` (``module`` is ``transformers.trainer``;
-    idempotent). Trainer takes that path whenever gradients are a mix of DTensors and plain
-    tensors, which is always the case with dmuon (owner-held gradients are plain tensors): it
-    would add each rank's owned gradients to the norm locally, so every rank would clip by a
-    different, too small norm. With dedicated parameters the norm (and the clip) is
-    :func:`dmuon.clip_grad_norm_`'s, identical on every rank; ``max_norm=inf`` only measures."""
-    cls = module.Trainer
-    orig = getattr(cls, "_mixed_mesh_grad_norm", None)
-    if orig is None or getattr(cls, _PATCHED, False):
-        return
-
+    @functools.wraps(orig)
     def _mixed_mesh_grad_norm(self, model, max_norm):
-        params = list(model.parameters())
-        if any(getattr(p, "_dmuon", None) is not None for p in params):
-            import dmuon
+        from dmuon.exec.buffers import dedicated_info
+        from dmuon.exec.clip import clip_grad_norm_
 
-            return dmuon.clip_grad_norm_(params, max_norm)
+        params = list(model.parameters())
+        if any(dedicated_info(p) is not None for p in params):
+            return clip_grad_norm_(params, max_norm)
         return orig(self, model, max_norm)
 
-    _mixed_mesh_grad_norm.__wrapped__ = orig
-    _mixed_mesh_grad_norm.__doc__ = orig.__doc__
-    cls._mixed_mesh_grad_norm = _mixed_mesh_grad_norm
-    setattr(cls, _PATCHED, True)
+    return _mixed_mesh_grad_norm
+
+
+def patch_trainer(module=None) -> None:
+    """Install the Trainer integration now (``dmuon.integrations.enable("trainer")``; idempotent)."""
+    from dmuon import _registry
+
+    _registry.install("trainer")
