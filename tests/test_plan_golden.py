@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 import dmuon.plan as P
-from dmuon.plan import Boundary, BufferLayout, ByteCost, LayoutEntry, Owner, Segment, SubSegment
+from dmuon.plan import Boundary, BufferLayout, ByteCost, Owner
+from dmuon.plan.layout import LayoutEntry, Segment, SubSegment
 
 
 def o(shard: int, replicate: int, N: int) -> Owner:

@@ -16,6 +16,7 @@ from dmuon.plan.records import dtype_str
 
 from . import newton_schulz as _ns
 from . import tp_orthogonalize as _tp
+from .buffers import dedicated_info
 from .experts import matrices_to_stack, stack_to_matrices
 
 __all__ = ["adjust_lr", "muon_step"]
@@ -62,10 +63,6 @@ def _as_dtype(value: Any, what: str) -> torch.dtype:
     return value
 
 
-def _info(p: Tensor):
-    return getattr(p, "_dmuon", None)
-
-
 # ----------------------------------------------------------------------------------------------
 # One Muon step, piece by piece (each torch.optim._muon._single_tensor_muon's ops, in its order)
 # ----------------------------------------------------------------------------------------------
@@ -95,7 +92,7 @@ def muon_step(group: dict, states) -> None:
     tp_entries: list[tuple[Tensor, Tensor, Any]] = []
     grouped_entries: list[tuple[Tensor, Tensor, Any]] = []
     for p in group["params"]:
-        info = _info(p)
+        info = dedicated_info(p)
         grad = p.grad
         if not info.is_owner or grad is None:
             continue

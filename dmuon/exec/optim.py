@@ -35,7 +35,8 @@ from . import fsdp2 as _fsdp2
 from . import newton_schulz as _ns
 from . import tp_orthogonalize as _tp
 from .guards import check_set_up_order as _check_set_up_order
-from .muon_step import _ADJUST_LR_FNS, _as_dtype, _info, adjust_lr, muon_step
+from .buffers import dedicated_info as _info
+from .muon_step import _ADJUST_LR_FNS, _as_dtype, adjust_lr, muon_step
 from .runtime import after_step, wait_pending
 
 __all__ = ["Muon", "adjust_lr"]

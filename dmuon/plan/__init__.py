@@ -23,7 +23,7 @@ See docs/planning.md.
 from . import presets, qk_clip, views
 from .cost import BaselineByteCost, ByteCost, RankStats
 from .diff import CostDelta, ParamChange, PlanDiff, SettingChange, diff
-from .layout import Boundary, BufferLayout, LayoutEntry, Segment, SubSegment
+from .layout import Boundary, BufferLayout
 from .mesh import MESH_DIM_NAMES, MeshDimRoles, mesh_dim_roles, normalize_mesh
 from .plan import ShardingPlan
 from .qk_clip import QKClip
@@ -58,9 +58,6 @@ __all__ = [
     "ParamChange",
     "CostDelta",
     "SettingChange",
-    "LayoutEntry",
-    "SubSegment",
-    "Segment",
     "BufferLayout",
     "Boundary",
     "matrix_predicate",
