@@ -205,7 +205,8 @@ def diff(a: ShardingPlan, b: ShardingPlan) -> PlanDiff:
                 )
             )
             continue
-        spec_a, owner_a, bnd_a = a.param(key), a.owner(key), a.boundary(key)
+        # plan.owners, not plan.owner(): the latter raises for an expert stack with several owners
+        spec_a, owner_a, bnd_a = a.param(key), a.owners[a.params.index(a.param(key))], a.boundary(key)
         bnd_b = b.boundary(spec_b.fqn)
         if (spec_a, owner_a, bnd_a) != (spec_b, owner_b, bnd_b):
             changes.append(
