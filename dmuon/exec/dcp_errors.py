@@ -42,6 +42,23 @@ def dedicated_set_mismatch(wanted_keys, saved_keys) -> tuple[list[str], list[str
     return here, there
 
 
+def _stacks(bases, shape_of, kinds=_MUON_KEYS + _ADAMW_KEYS) -> list[str]:
+    """The parameter FQNs among ``bases`` (``<prefix>state.<fqn>`` keys) whose state tensors are
+    3-D: expert stacks (dedicated by default with ``experts="auto"``, on AdamW with ``"off"``)."""
+    out = []
+    for base in bases:
+        for leaf in kinds:
+            shape = shape_of(f"{base}.{leaf}")
+            if shape is not None and len(shape) == 3:
+                out.append(base.split("state.", 1)[1] if "state." in base else base)
+                break
+    return out
+
+
+def _names(fqns) -> str:
+    return ", ".join(fqns[:4]) + (f" (+{len(fqns) - 4} more)" if len(fqns) > 4 else "")
+
+
 def _explained(exc: RuntimeError, state_dict, metadata) -> RuntimeError | None:
     """The dmuon error for torch's ``exc`` when it is a dedicated-set mismatch, else None."""
     if "Missing key in checkpoint state_dict" not in str(exc):
@@ -54,9 +71,24 @@ def _explained(exc: RuntimeError, state_dict, metadata) -> RuntimeError | None:
         parts.append(f"dedicated (Muon) here but AdamW in the checkpoint: {', '.join(here[:4])}{' ...' if len(here) > 4 else ''}")
     if there:
         parts.append(f"dedicated (Muon) in the checkpoint but AdamW here: {', '.join(there[:4])}{' ...' if len(there) > 4 else ''}")
+    stacks_here = _stacks(here, lambda k: getattr(state_dict.get(k), "shape", None))
+    stacks_there = _stacks(there, lambda k: getattr(metadata.state_dict_metadata.get(k), "size", None), kinds=_MUON_KEYS)
+    experts = ""
+    if stacks_here:
+        experts += (
+            f" Expert stacks dedicated here but not in the checkpoint: {_names(stacks_here)}: the checkpoint "
+            "was saved with experts='off' (expert stacks on AdamW, the selection before expert support); "
+            "pass experts=\"off\" to dmuon.dedicate_params / dmuon.plan.compile to load it."
+        )
+    if stacks_there:
+        experts += (
+            f" Expert stacks dedicated in the checkpoint but not here: {_names(stacks_there)}: the checkpoint "
+            "was saved with experts='auto' (the default); drop experts=\"off\" to load it."
+        )
     return RuntimeError(
-        "dmuon: the checkpoint's dedicated set differs from this model's (the predicate or the "
-        f"hook-boundary choice changed since it was saved): {'; '.join(parts)}. Compile with the "
+        "dmuon: the checkpoint's dedicated set differs from this model's (the predicate, the "
+        f"hook-boundary choice or the experts= setting changed since it was saved): {'; '.join(parts)}."
+        f"{experts} Compile with the "
         "predicate the checkpoint was saved with, or load only the model state dict (its keys do not "
         f"depend on the dedicated set) and start the optimizer fresh. torch: {exc}"
     )

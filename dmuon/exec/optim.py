@@ -59,7 +59,9 @@ def _check_dedicated(p: Tensor) -> None:
     m, n = (int(s) for s in info.matrix_shape)
     k = int(info.num_matrices)
     grouped = getattr(info, "group", None)
-    if info.is_owner and grouped is not None and grouped.experts is not None:  # its range of experts
+    if grouped is not None and grouped.experts is not None and grouped.block is not None:
+        # a holder of a range of experts (its owner, and in HSDP the owner's replicas): num_matrices
+        # counts the matrices of that range
         shape = tuple(grouped.block_shape(grouped.block))
     if m <= 0 or n <= 0 or k <= 0 or k * m * n != math.prod(shape):
         raise ValueError(

@@ -27,7 +27,7 @@ from .layout import Boundary, BufferLayout
 from .mesh import MESH_DIM_NAMES, MeshDimRoles, mesh_dim_roles, normalize_mesh
 from .plan import ShardingPlan
 from .qk_clip import QKClip
-from .records import MatrixView, Owner, OwnerGroup, ParamSpec
+from .records import ExpertOwners, ExpertStack, MatrixView, Owner, OwnerGroup, ParamSpec
 from .step_schedule import MicroBatch, Op, ScheduleError, Step, StepSchedule, replay, schedule
 from .selection import matrix_predicate
 from .compile import compile  # last: dmuon.plan.compile is the function (it shadows its module)
@@ -46,6 +46,8 @@ __all__ = [
     "ShardingPlan",
     "Owner",
     "OwnerGroup",
+    "ExpertOwners",
+    "ExpertStack",
     "ParamSpec",
     "MatrixView",
     "QKClip",

@@ -253,6 +253,15 @@ def select_params(
             "(out, in*prod(k)); 3-D expert stack (E, m, n) -> E matrices (m, n)."
         )
 
+    e_errors = _num_experts_errors(snapshot, [r for r, _ in chosen if r.ndim == 3])
+    if e_errors:
+        raise ValueError(
+            "dmuon.plan.compile: expert stacks whose leading dim disagrees with their module's num_experts:\n"
+            + "\n".join(e_errors)
+            + "\nAn expert stack (E, a, b) must hold all E experts of its module (dim 0 = the expert index); "
+            "fix the model (or its config), or exclude the parameter via predicate."
+        )
+
     conflicts = [res.conflict_message(r) for r, res in chosen if res.conflict]
     if conflicts:
         raise ValueError("dmuon.plan.compile: " + "\n".join(conflicts))
@@ -297,6 +306,22 @@ def select_params(
             )
         )
     return tuple(out)
+
+
+def _num_experts_errors(snapshot: ModelSnapshot, records) -> list[str]:
+    """One line per selected 3-D parameter whose canonical module has an integer attribute
+    ``num_experts`` (Hugging Face's experts modules, torchtitan's ``GroupedExperts``) that differs
+    from its leading dim."""
+    out = []
+    for r in records:
+        declared = getattr(snapshot.modules.get(r.module_fqn), "num_experts", None)
+        if isinstance(declared, int) and not isinstance(declared, bool) and declared != r.shape[0]:
+            out.append(
+                f"  {r.fqn}: shape {r.shape} holds {r.shape[0]} experts, but its module "
+                f"{r.module_fqn or '<root>'} ({type(snapshot.modules[r.module_fqn]).__name__}) has "
+                f"num_experts = {declared}"
+            )
+    return out
 
 
 def matrix_predicate(

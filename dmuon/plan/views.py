@@ -216,6 +216,13 @@ def resolve_views(specs, matrix_views) -> dict[str, MatrixView]:
             value = matrix_views(spec.fqn, tuple(spec.shape))
         if value is None:
             continue
+        if getattr(spec, "experts", None) is not None:
+            problems.append(
+                f"  {spec.fqn}: shape {spec.shape} is an expert stack ({spec.experts.describe(spec.shape)}): every "
+                "expert is already its own Muon matrix; views cut 2-D weights (compile(expert_gate_up=...) chooses "
+                "whether a fused gate/up expert is one matrix or two)"
+            )
+            continue
         if len(spec.shape) != 2 or spec.num_matrices != 1:
             problems.append(f"  {spec.fqn}: shape {spec.shape} is not a 2-D matrix (views cut 2-D weights)")
             continue

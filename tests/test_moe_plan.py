@@ -1,0 +1,566 @@
+"""Expert stacks in the plan (issue 28, "How it is checked"; pure, no process group).
+
+Golden plans (conventions of tests/test_plan_golden.py: cost_model="numel", align_numel=16,
+fp32 = 4 bytes) for a GroupedExperts-style block (tests/moe_models.py, one layer, meta device):
+
+    layers.0.attn.weight        (8, 8)      64 elements, one owner
+    layers.0.moe.router.weight  (4, 8)      32 elements, one owner
+    layers.0.moe.experts.w1     (4, 6, 8)   4 experts x 48 elements (torchtitan w1_EFD: (F, D) each)
+    layers.0.moe.experts.w2     (4, 8, 6)   4 x 48 ((D, F) each)
+    layers.0.moe.experts.w3     (4, 6, 8)   4 x 48
+
+A stack of E experts gets min(E, N) owners of contiguous ranges; every range is an LPT piece
+(E / k experts x 48), placed with the dense matrices by lpt_partition_groups (R = 1: a k-piece
+item takes the k least-loaded slots, lowest index first on ties, its largest block on the least
+loaded). Each range is a layout entry with one presence flag.
+
+Then: selection on tiny HF Qwen3-MoE, gpt-oss, Qwen2-MoE (shared expert gate (1, D)) and
+DeepSeek-V3 (e_score_correction_bias buffer) built from configs; experts="off";
+expert_gate_up="fused"; plan.owner / plan.expert_owners; JSON and dmuon.plan.diff; validation
+errors; a hypothesis property of the balance bound; the issue's DeepSeek-V3 figure on 64 ranks;
+bad input (num_experts disagreeing with the stack, matrix_views naming a stack).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import dmuon.plan as P
+from dmuon.plan import (
+    Boundary,
+    BufferLayout,
+    ByteCost,
+    ExpertOwners,
+    ExpertStack,
+    LayoutEntry,
+    MatrixView,
+    Owner,
+    ParamSpec,
+    Segment,
+    ShardingPlan,
+    SubSegment,
+)
+from moe_models import GroupedLM
+
+W1, W2, W3 = (f"layers.0.moe.experts.w{i}" for i in (1, 2, 3))
+ATTN, ROUTER = "layers.0.attn.weight", "layers.0.moe.router.weight"
+F32 = "torch.float32"
+
+
+def o(shard: int, N: int, replicate: int = 0) -> Owner:
+    return Owner(shard=shard, replicate=replicate, rank=replicate * N + shard)
+
+
+def grouped_meta(num_experts: int = 4, n_layers: int = 1) -> nn.Module:
+    with torch.device("meta"):
+        return GroupedLM(num_experts, n_layers=n_layers)
+
+
+def _pm_nbytes(plan: ShardingPlan) -> int:
+    """P_M: bytes of every boundary's packed buffers, alignment padding and flags included."""
+    return sum(buf.numel * torch.empty((), dtype=getattr(torch, buf.dtype.split(".")[1])).element_size()
+               for b in plan.boundaries for buf in b.buffers)
+
+
+def _sub(shard, N, offset, numel, entries, flags_offset):
+    return Segment(shard=shard, offset=offset, numel=numel, subsegments=(SubSegment(
+        owner=o(shard, N), offset=offset, numel=numel, flags_offset=flags_offset,
+        entries=tuple(LayoutEntry(fqn=f, owner=o(shard, N), offset=off, numel=math.prod(shape), shape=shape, block=blk)
+                      for f, off, shape, blk in entries)),))
+
+
+# --------------------------------------------------------------------------- golden, N = 2
+
+# pieces: w1, w2, w3 -> 2 ranges of 2 experts = (96, 96) each; attn 64; router 32; W = 96.
+# LPT order (-largest piece, fqn): w1, w2, w3 (96), attn (64), router (32).
+#   w1: two least-loaded slots 0, 1 (ties: lowest index): range 0 -> 0, range 1 -> 1   [96, 96]
+#   w2, w3: the same                                                                  [288, 288]
+#   attn: g = 0 (tie -> lowest); every coordinate of layers.0 used -> e = g           [352, 288]
+#   router: g = 1                                                                     [352, 320]
+OWNED_2 = (352, 320)
+
+
+def expected_boundary_2() -> Boundary:
+    # seg s0 @0: attn @0 (64); w1[0:2] @64 (96) -> 160; w2[0:2] @160 -> 256; w3[0:2] @256 -> 352;
+    #            4 flags @352; numel round_up(356) = 368
+    # seg s1 @368: router @368 (32) -> 400; w1[2:4] @400 -> 496; w2[2:4] @496 -> 592;
+    #            w3[2:4] @592 -> 688; 4 flags @688; numel round_up(688 + 4 - 368 = 324) = 336
+    # buffer 704 elements
+    return Boundary(fqn="layers.0", fallback=False, buffers=(BufferLayout(dtype=F32, numel=704, segments=(
+        _sub(0, 2, 0, 368, [(ATTN, 0, (8, 8), None), (W1, 64, (2, 6, 8), 0), (W2, 160, (2, 8, 6), 0),
+                            (W3, 256, (2, 6, 8), 0)], 352),
+        _sub(1, 2, 368, 336, [(ROUTER, 368, (4, 8), None), (W1, 400, (2, 6, 8), 1), (W2, 496, (2, 8, 6), 1),
+                              (W3, 592, (2, 6, 8), 1)], 688),
+    )),))
+
+
+# --------------------------------------------------------------------------- golden, N = 4
+
+# pieces: every stack 4 ranges of 1 expert (48 each); attn 64 is now the largest piece.
+# LPT order: attn (64), w1, w2, w3 (48), router (32).
+#   attn: slot 0                                                     [64, 0, 0, 0]
+#   w1: least loaded 1, 2, 3, 0 -> expert 0 on 1, 1 on 2, 2 on 3, 3 on 0   [112, 48, 48, 48]
+#   w2, w3: the same order                                           [208, 144, 144, 144]
+#   router: g = 1 (every coordinate used: e = g)                      [208, 176, 144, 144]
+OWNED_4 = (208, 176, 144, 144)
+
+
+def expected_boundary_4() -> Boundary:
+    # s0 @0: attn @0 (64); w1[3] @64 (48) -> 112; w2[3] @112 -> 160; w3[3] @160 -> 208; 4 flags
+    #        @208; numel round_up(212) = 224
+    # s1 @224: router @224 (32) -> 256; w1[0] @256 -> 304; w2[0] @304 -> 352; w3[0] @352 -> 400;
+    #        4 flags @400; numel round_up(180) = 192
+    # s2 @416: w1[1] @416 -> 464; w2[1] @464 -> 512; w3[1] @512 -> 560; 3 flags @560; numel 160
+    # s3 @576: w1[2] @576 ...; 3 flags @720; numel 160.  Buffer 736 elements
+    return Boundary(fqn="layers.0", fallback=False, buffers=(BufferLayout(dtype=F32, numel=736, segments=(
+        _sub(0, 4, 0, 224, [(ATTN, 0, (8, 8), None), (W1, 64, (1, 6, 8), 3), (W2, 112, (1, 8, 6), 3),
+                            (W3, 160, (1, 6, 8), 3)], 208),
+        _sub(1, 4, 224, 192, [(ROUTER, 224, (4, 8), None), (W1, 256, (1, 6, 8), 0), (W2, 304, (1, 8, 6), 0),
+                              (W3, 352, (1, 6, 8), 0)], 400),
+        _sub(2, 4, 416, 160, [(W1, 416, (1, 6, 8), 1), (W2, 464, (1, 8, 6), 1), (W3, 512, (1, 6, 8), 1)], 560),
+        _sub(3, 4, 576, 160, [(W1, 576, (1, 6, 8), 2), (W2, 624, (1, 8, 6), 2), (W3, 672, (1, 6, 8), 2)], 720),
+    )),))
+
+
+@pytest.mark.parametrize("N", [2, 4])
+def test_golden_grouped_experts_owners_and_layout(N):
+    plan = P.compile(grouped_meta(), N)
+    assert plan.dedicated == (ATTN, ROUTER, W1, W2, W3)
+    assert plan.owner(ATTN) == o(0, N) and plan.owner(ROUTER) == o(1, N)
+    ranks = {2: (0, 0, 1, 1), 4: (1, 2, 3, 0)}[N]  # owner of each expert
+    sizes = {2: (2, 2), 4: (1, 1, 1, 1)}[N]
+    members = {2: (o(0, 2), o(1, 2)), 4: (o(1, 4), o(2, 4), o(3, 4), o(0, 4))}[N]
+    for fqn in (W1, W2, W3):
+        assert plan.owners[plan.dedicated.index(fqn)] == ExpertOwners(members=members, sizes=sizes)
+        assert tuple(x.rank for x in plan.expert_owners(fqn)) == ranks
+        with pytest.raises(ValueError, match="expert stack whose 4 experts have"):
+            plan.owner(fqn)
+    for fqn, matrix in ((W1, (6, 8)), (W2, (8, 6)), (W3, (6, 8))):
+        spec = plan.param(fqn)
+        assert spec.experts == ExpertStack(num_experts=4, layout="torchtitan")
+        assert (spec.matrix_shape, spec.num_matrices) == (matrix, 4)
+    assert plan.owned_numel == {2: OWNED_2, 4: OWNED_4}[N]
+    assert plan.boundaries == ({2: expected_boundary_2, 4: expected_boundary_4}[N](),)
+    text = plan.summary()
+    assert "experts: 3 stacks, 12 experts, 12 Muon matrices" in text, text
+
+
+def test_golden_grouped_experts_bytes_are_the_formula():
+    # P_M = 704 * 4 = 2816 B (N = 2) and 736 * 4 = 2944 B (N = 4); Z3 per phase (N-1) P_M.
+    # N = 2: rank 0 receives / sends the s1 segment (336 el = 1344 B) per phase -> 3 * 1344;
+    #        rank 1 the s0 segment (368 el = 1472 B) -> 3 * 1472.
+    # N = 4: rank r: 3 * (736 - seg_r) * 4 with segs 224, 192, 160, 160.
+    want = {
+        2: ByteCost(forward_broadcast_nbytes=2816, backward_broadcast_nbytes=2816, reduce_nbytes=2816,
+                    replicate_reduce_nbytes=0, replicate_broadcast_nbytes=0, total_nbytes=8448,
+                    per_rank_nbytes=(4032, 4416)),
+        4: ByteCost(forward_broadcast_nbytes=8832, backward_broadcast_nbytes=8832, reduce_nbytes=8832,
+                    replicate_reduce_nbytes=0, replicate_broadcast_nbytes=0, total_nbytes=26496,
+                    per_rank_nbytes=(6144, 6528, 6912, 6912)),
+    }
+    for N in (2, 4):
+        plan = P.compile(grouped_meta(), N)
+        assert plan.cost == want[N]
+        pm = _pm_nbytes(plan)
+        assert pm == {2: 2816, 4: 2944}[N]
+        c = plan.cost
+        assert c.forward_broadcast_nbytes == c.backward_broadcast_nbytes == c.reduce_nbytes == (N - 1) * pm
+        z2 = P.compile(grouped_meta(), N, reshard_after_forward=False).cost
+        assert (z2.backward_broadcast_nbytes, z2.total_nbytes) == (0, 2 * (N - 1) * pm)
+
+
+@pytest.mark.parametrize("mesh", [3, (2, 2), (2, 3), 8])
+def test_bytes_per_phase_are_the_formula_on_other_meshes(mesh):
+    # more and fewer experts than shard ranks (E = 3 on N = 4 and 8), HSDP: (N-1) P_M per phase
+    # and replica row (R (N-1) P_M summed over rows)
+    for E in (3, 5):
+        plan = P.compile(grouped_meta(E, n_layers=2), mesh)
+        R, N = plan.mesh_shape
+        pm = _pm_nbytes(plan)
+        assert plan.cost.forward_broadcast_nbytes == plan.cost.reduce_nbytes == R * (N - 1) * pm, (mesh, E)
+        for fqn in plan.dedicated:
+            if plan.param(fqn).experts is not None:
+                owners = plan.expert_owners(fqn)
+                assert len(owners) == E and len({x.rank for x in owners}) == min(E, N)
+
+
+# --------------------------------------------------------------------------- HF selection
+
+
+def _hf(builder):
+    pytest.importorskip("transformers", reason="the 'hf' extra (transformers) is not installed")
+    import moe_models
+
+    torch.manual_seed(0)
+    return getattr(moe_models, builder)()
+
+
+def test_selection_qwen3_moe():
+    model = _hf("qwen3_moe")
+    plan = P.compile(model, 2)
+    for i in (0, 1):
+        pre = f"model.layers.{i}.mlp."
+        gu, down = plan.param(pre + "experts.gate_up_proj"), plan.param(pre + "experts.down_proj")
+        # (E, 2F, D) = (4, 16, 16): gate and up (8, 16) each; down (E, D, F) = (4, 16, 8)
+        assert gu.experts == ExpertStack(num_experts=4, gate_up="concat", split=True, layout="hf")
+        assert (gu.matrix_shape, gu.num_matrices) == ((8, 16), 8)
+        assert down.experts == ExpertStack(num_experts=4, layout="hf")
+        assert (down.matrix_shape, down.num_matrices) == ((16, 8), 4)
+        assert plan.is_dedicated(pre + "gate.weight")  # the router, an ordinary 2-D matrix
+        assert plan.param(pre + "gate.weight").experts is None
+    assert not any("norm" in f or "embed" in f or f == "lm_head.weight" for f in plan.dedicated)
+
+
+def test_selection_gpt_oss_biases_stay_with_adamw():
+    model = _hf("gpt_oss")
+    plan = P.compile(model, 2)
+    pre = "model.layers.0.mlp."
+    gu, down = plan.param(pre + "experts.gate_up_proj"), plan.param(pre + "experts.down_proj")
+    # stored (in, out): gate_up (E, D, 2F) = (4, 16, 16) interleaved -> gate / up (8, 16) each
+    assert gu.experts == ExpertStack(num_experts=4, transposed=True, gate_up="interleave", layout="gpt-oss")
+    assert (gu.matrix_shape, gu.num_matrices) == ((8, 16), 8)
+    # down (E, F, D) = (4, 8, 16) stored (in, out) -> (D, F) = (16, 8) per expert
+    assert down.experts == ExpertStack(num_experts=4, transposed=True, layout="gpt-oss")
+    assert (down.matrix_shape, down.num_matrices) == ((16, 8), 4)
+    for i in (0, 1):
+        pre = f"model.layers.{i}.mlp."
+        assert not plan.is_dedicated(pre + "experts.gate_up_proj_bias")
+        assert not plan.is_dedicated(pre + "experts.down_proj_bias")
+        assert not plan.is_dedicated(pre + "router.bias")
+        assert plan.is_dedicated(pre + "router.weight")
+    # the biases are 2-D (E, out) but never matrices, even for matrix_predicate
+    pred = P.matrix_predicate(model)
+    assert not pred("model.layers.0.mlp.experts.gate_up_proj_bias", model.model.layers[0].mlp.experts.gate_up_proj_bias)
+
+
+def test_selection_qwen2_moe_shared_expert_gate_stays_with_adamw():
+    model = _hf("qwen2_moe")
+    plan = P.compile(model, 2)
+    pre = "model.layers.0.mlp."
+    assert not plan.is_dedicated(pre + "shared_expert_gate.weight")  # (1, 16): a side of 1
+    for name in ("shared_expert.gate_proj.weight", "shared_expert.up_proj.weight", "shared_expert.down_proj.weight",
+                 "gate.weight", "experts.gate_up_proj", "experts.down_proj"):
+        assert plan.is_dedicated(pre + name), name
+    assert plan.param(pre + "shared_expert.gate_proj.weight").experts is None
+
+
+def test_selection_deepseek_v3_buffers_untouched():
+    model = _hf("deepseek_v3")
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    plan = P.compile(model, 2)
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in before
+    assert not any("e_score_correction_bias" in f for f in plan.dedicated)
+    after = dict(model.named_buffers())
+    assert set(after) == set(before) and all(torch.equal(after[n], b) for n, b in before.items())
+    pre = "model.layers.1.mlp."
+    assert plan.param(pre + "experts.gate_up_proj").experts.gate_up == "concat"
+    assert plan.param(pre + "shared_experts.gate_proj.weight").experts is None  # 2-D under "shared_experts"
+    assert plan.is_dedicated(pre + "gate.weight")
+
+
+def test_experts_off_restores_the_old_selection_with_its_warning():
+    model = _hf("qwen3_moe")
+    with pytest.warns(UserWarning, match=r"experts='off' leaves 4 expert stacks .* to AdamW"):
+        off = P.compile(model, 2, experts="off")
+    assert all(off.param(f).experts is None and len(off.param(f).shape) == 2 for f in off.dedicated)
+    auto = P.compile(model, 2)
+    stacks = {f for f in auto.dedicated if auto.param(f).experts is not None}
+    assert len(stacks) == 4 and set(off.dedicated) == set(auto.dedicated) - stacks
+    # the old rule: 2-D parameters inside a hook boundary, not embeddings
+    old = {n for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("model.layers.")}
+    assert set(off.dedicated) == old
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        P.compile(model, 2)  # auto: no warning
+    with pytest.raises(ValueError, match="experts must be one of"):
+        P.compile(model, 2, experts="on")
+
+
+def test_expert_gate_up_fused_gives_e_matrices():
+    model = _hf("qwen3_moe")
+    plan = P.compile(model, 2, expert_gate_up="fused")
+    gu = plan.param("model.layers.0.mlp.experts.gate_up_proj")
+    assert gu.experts.split is False and (gu.matrix_shape, gu.num_matrices) == ((16, 16), 4)  # (2F, D), E
+    oss = P.compile(_hf("gpt_oss"), 2, expert_gate_up="fused").param("model.layers.0.mlp.experts.gate_up_proj")
+    assert (oss.matrix_shape, oss.num_matrices) == ((16, 16), 4)  # (2F, D) = the transpose of (D, 2F)
+    with pytest.raises(ValueError, match="expert_gate_up must be one of"):
+        P.compile(model, 2, expert_gate_up="halves")
+
+
+def test_owner_and_expert_owners():
+    plan = P.compile(grouped_meta(3), 2)  # E = 3 on N = 2: ranges (2, 1)
+    with pytest.raises(ValueError, match=r"plan.expert_owners\(fqn\)"):
+        plan.owner(W1)
+    owners = plan.expert_owners(W1)
+    assert len(owners) == 3 and owners[0] == owners[1] != owners[2]
+    with pytest.raises(ValueError, match="is not an expert stack"):
+        plan.expert_owners(ATTN)
+    with pytest.raises(KeyError):
+        plan.expert_owners("layers.0.moe.experts.w4")
+    one = P.compile(grouped_meta(3), 1)  # one rank: one owner for everything, a plain Owner
+    assert one.owner(W1) == o(0, 1) and one.expert_owners(W1) == (o(0, 1),) * 3
+
+
+# --------------------------------------------------------------------------- JSON, diff
+
+
+@pytest.mark.parametrize("mesh", [2, 4, (2, 2)])
+def test_json_round_trip(mesh):
+    plan = P.compile(grouped_meta(3, n_layers=2), mesh)
+    back = ShardingPlan.from_json(plan.to_json())
+    assert back == plan and back.fingerprint() == plan.fingerprint()
+    assert back.expert_owners(W2) == plan.expert_owners(W2)
+    fused = P.compile(_hf("qwen3_moe"), mesh, expert_gate_up="fused")
+    assert ShardingPlan.from_json(fused.to_json()) == fused
+
+
+def test_diff_on_expert_plans():
+    a = P.compile(grouped_meta(), 2)
+    assert P.diff(a, ShardingPlan.from_json(a.to_json())).empty
+    d = P.diff(a, P.compile(grouped_meta(), 4))  # across mesh sizes
+    assert set(d.owners_moved) >= {W1, W2, W3}
+    assert "expert owners ranks 0,1 (s0,s1; r0) experts 2+2 -> expert owners ranks 1,2,3,0" in str(d), str(d)
+    assert d.cost_delta("total_nbytes") == 26496 - 8448
+    with pytest.warns(UserWarning, match="experts='off'"):
+        off = P.compile(grouped_meta(), 2, experts="off")
+    d = P.diff(a, off)
+    assert set(d.removed) == {W1, W2, W3}
+    assert set(P.diff(off, a).added) == {W1, W2, W3}
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _stack_spec(**kw) -> ParamSpec:
+    base = dict(fqn="x.experts.w1", shape=(4, 6, 8), dtype=F32, numel=192, matrix_shape=(6, 8), num_matrices=4,
+                aliases=("x.experts.w1",), module_fqn="x.experts", attr="w1",
+                experts=ExpertStack(num_experts=4, layout="torchtitan"))
+    base.update(kw)
+    return ParamSpec(**base)
+
+
+def test_paramspec_and_records_validation():
+    assert _stack_spec().num_experts == 4
+    with pytest.raises(ValueError, match=r"needs shape \(E, a, b\) with E = 5"):
+        _stack_spec(experts=ExpertStack(num_experts=5))
+    with pytest.raises(ValueError, match=r"needs shape \(E, a, b\)"):
+        _stack_spec(shape=(24, 8), numel=192, experts=ExpertStack(num_experts=24))
+    with pytest.raises(ValueError, match=r"does not match its expert stack"):
+        _stack_spec(matrix_shape=(8, 6))
+    with pytest.raises(ValueError, match=r"does not match its expert stack"):  # split gate/up: 2E matrices (3, 8)
+        _stack_spec(experts=ExpertStack(num_experts=4, gate_up="concat"))
+    with pytest.raises(TypeError, match="experts must be an ExpertStack"):
+        _stack_spec(experts={"num_experts": 4})
+    with pytest.raises(ValueError, match="num_experts"):
+        ExpertStack(num_experts=0)
+    with pytest.raises(ValueError, match="gate_up must be one of"):
+        ExpertStack(num_experts=2, gate_up="zip")
+    with pytest.raises(TypeError):
+        ExpertStack(num_experts=2, transposed=1)
+    with pytest.raises(ValueError, match="even output dim"):
+        ExpertStack(num_experts=2, gate_up="concat").matrix_shape((2, 7, 4))
+    with pytest.raises(ValueError, match=">= 2 Owners"):
+        ExpertOwners(members=(o(0, 2),), sizes=(4,))
+    with pytest.raises(ValueError, match="distinct shard"):
+        ExpertOwners(members=(o(0, 2), o(0, 2)), sizes=(2, 2))
+    with pytest.raises(ValueError, match="one replicate coordinate"):
+        ExpertOwners(members=(o(0, 2), o(1, 2, 1)), sizes=(2, 2))
+    with pytest.raises(ValueError, match="one size per member"):
+        ExpertOwners(members=(o(0, 2), o(1, 2)), sizes=(4,))
+    with pytest.raises(ValueError):
+        ExpertOwners(members=(o(0, 2), o(1, 2)), sizes=(4, 0))
+    spec = _stack_spec()
+    assert ParamSpec.from_dict(spec.to_dict()) == spec
+    # a plan whose expert ranges do not cover the stack is rejected
+    plan = P.compile(grouped_meta(), 2)
+    i = plan.dedicated.index(W1)
+    bad = list(plan.owners)
+    bad[i] = ExpertOwners(members=(o(0, 2), o(1, 2)), sizes=(2, 1))
+    with pytest.raises(ValueError, match="has expert owners with ranges"):
+        dataclasses.replace(plan, owners=tuple(bad))
+    no_stack = list(plan.params)
+    no_stack[i] = dataclasses.replace(no_stack[i], experts=None)
+    with pytest.raises(ValueError, match="no expert-stack layout"):
+        dataclasses.replace(plan, params=tuple(no_stack))
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_num_experts_disagreeing_with_the_stack_raises_at_compile():
+    model = grouped_meta()
+    model.layers[0].moe.experts.num_experts = 5
+    with pytest.raises(ValueError) as info:
+        P.compile(model, 2)
+    msg = str(info.value)
+    assert "layers.0.moe.experts.w1: shape (4, 6, 8) holds 4 experts" in msg, msg
+    assert "num_experts = 5" in msg and "layers.0.moe.experts.w3" in msg, msg
+    hf = _hf("qwen3_moe")
+    hf.model.layers[1].mlp.experts.num_experts = 3
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.experts.gate_up_proj: shape \(4, 16, 16\) holds 4 "
+                                         r"experts, but its module .* has num_experts = 3"):
+        P.compile(hf, 2)
+
+
+def test_matrix_views_naming_a_stack_raises_naming_it():
+    with pytest.raises(ValueError, match=r"layers.0.moe.experts.w1: shape \(4, 6, 8\) is an expert stack"):
+        P.compile(grouped_meta(), 2, matrix_views={"*.experts.w1": MatrixView(dim=0, sizes=(3, 3))})
+
+
+# --------------------------------------------------------------------------- balance property
+
+
+class _Stacks(nn.Module):
+    def __init__(self, E: int, shapes):
+        super().__init__()
+        for j, (a, b) in enumerate(shapes):
+            setattr(self, f"w{j + 1}", nn.Parameter(torch.empty(E, a, b)))
+
+
+class _Block(nn.Module):
+    def __init__(self, E: int, shapes, dense):
+        super().__init__()
+        self.experts = _Stacks(E, shapes)
+        self.dense = nn.ModuleList(nn.Linear(b, a, bias=False) for a, b in dense)
+
+
+class _Model(nn.Module):
+    def __init__(self, blocks):
+        super().__init__()
+        self.layers = nn.ModuleList(_Block(*b) for b in blocks)
+
+
+_side = st.integers(2, 12)
+_block = st.tuples(
+    st.integers(1, 512),
+    st.lists(st.tuples(_side, _side), min_size=1, max_size=3),
+    st.lists(st.tuples(st.integers(2, 96), st.integers(2, 96)), max_size=3),
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    blocks=st.lists(_block, min_size=1, max_size=3),
+    N=st.one_of(st.integers(1, 16), st.integers(1, 4096)),
+    R=st.sampled_from([1, 2]),
+)
+def test_every_expert_one_owner_and_the_balance_bound(blocks, N, R):
+    with torch.device("meta"):
+        model = _Model(blocks)
+    plan = P.compile(model, (R, N))
+    stacks = 0
+    for spec, owner in zip(plan.params, plan.owners):
+        if spec.experts is None:
+            assert isinstance(owner, Owner)
+            continue
+        stacks += 1
+        E = spec.num_experts
+        per_expert = plan.expert_owners(spec.fqn)
+        assert len(per_expert) == E  # every expert exactly one owner
+        if isinstance(owner, ExpertOwners):
+            assert owner.k == min(E, N) and sum(owner.sizes) == E
+            # contiguous ranges covering [0, E): range j = experts offsets[j] .. offsets[j] + sizes[j]
+            assert owner.offsets() == tuple(sum(owner.sizes[:j]) for j in range(owner.k))
+            for j, (start, size) in enumerate(zip(owner.offsets(), owner.sizes)):
+                assert set(per_expert[start:start + size]) == {owner.members[j]}
+            if E >= N:  # every rank of the row gets a range of each stack
+                assert sorted(m.shard for m in owner.members) == list(range(N))
+        else:
+            assert min(E, N) == 1
+    assert stacks == sum(len(b[1]) for b in blocks)
+    assert max(plan.owned_numel) <= plan.balance_bound + 1e-6 * plan.balance_bound
+
+
+# --------------------------------------------------------------------------- the issue's figure
+
+D, F, E_DS, HEADS = 7168, 2048, 256, 128
+
+
+class _DSExperts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.num_experts = E_DS
+        self.gate_up_proj = nn.Parameter(torch.empty(E_DS, 2 * F, D))  # HF fused layout (E, 2F, D)
+        self.down_proj = nn.Parameter(torch.empty(E_DS, D, F))
+
+
+class _DSMLP(nn.Module):
+    def __init__(self, f: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(D, f, bias=False)
+        self.up_proj = nn.Linear(D, f, bias=False)
+        self.down_proj = nn.Linear(f, D, bias=False)
+
+
+class _DSGate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(E_DS, D))
+        self.register_buffer("e_score_correction_bias", torch.zeros(E_DS))
+
+
+class _DSMoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = _DSGate()
+        self.experts = _DSExperts()
+        self.shared_experts = _DSMLP(F)
+
+
+class _DSAttention(nn.Module):  # MLA: q_lora 1536, kv_lora 512, rope 64, nope 128, v 128
+    def __init__(self):
+        super().__init__()
+        self.q_a_proj = nn.Linear(D, 1536, bias=False)
+        self.q_b_proj = nn.Linear(1536, HEADS * 192, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, 576, bias=False)
+        self.kv_b_proj = nn.Linear(512, HEADS * 256, bias=False)
+        self.o_proj = nn.Linear(HEADS * 128, D, bias=False)
+
+
+class _DSLayer(nn.Module):
+    def __init__(self, moe: bool):
+        super().__init__()
+        self.self_attn = _DSAttention()
+        self.mlp = _DSMoE() if moe else _DSMLP(18432)
+
+
+class _DSModel(nn.Module):
+    def __init__(self, dense: int, moe: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(129280, D)
+        self.layers = nn.ModuleList([_DSLayer(False) for _ in range(dense)] + [_DSLayer(True) for _ in range(moe)])
+
+
+def test_deepseek_v3_like_on_64_ranks_no_rank_owns_a_whole_stack():
+    """DeepSeek-V3's shapes (3 dense + 58 MoE layers, HF fused layout, E = 256), 64 ranks: every
+    stack has 64 owners of 4 experts, owned max/mean <= 1.05 (measured 1.0001).
+
+    With few layers the busiest rank is bounded below by the equal expert ranges plus the largest
+    dense matrix (o_proj, 117 M): 3 MoE layers alone give max/mean 1.20 (asserted below, so a
+    planner that starts to balance it shows up here)."""
+    with torch.device("meta"):
+        model = _DSModel(3, 58)
+    plan = P.compile(model, 64)
+    stacks = [(s, ow) for s, ow in zip(plan.params, plan.owners) if s.experts is not None]
+    assert len(stacks) == 2 * 58
+    for spec, owner in stacks:
+        assert isinstance(owner, ExpertOwners) and owner.k == 64 and set(owner.sizes) == {4}, spec.fqn
+    gu = plan.param("layers.3.mlp.experts.gate_up_proj")
+    assert (gu.matrix_shape, gu.num_matrices) == ((F, D), 2 * E_DS)
+    owned = plan.owned_numel
+    ratio = max(owned) / (sum(owned) / len(owned))
+    assert ratio <= 1.05, ratio
+
+    with torch.device("meta"):
+        small = _DSModel(0, 3)
+    owned = P.compile(small, 64).owned_numel
+    small_ratio = max(owned) / (sum(owned) / len(owned))
+    assert 1.15 < small_ratio < 1.25, small_ratio
