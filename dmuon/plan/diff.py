@@ -205,7 +205,8 @@ def diff(a: ShardingPlan, b: ShardingPlan) -> PlanDiff:
                 )
             )
             continue
-        spec_a, owner_a, bnd_a = a.param(key), a.owner(key), a.boundary(key)
+        # owners[...]: plan.owner() refuses a stack with several expert owners
+        spec_a, owner_a, bnd_a = a.param(key), a.owners[a.params.index(a.param(key))], a.boundary(key)
         bnd_b = b.boundary(spec_b.fqn)
         if (spec_a, owner_a, bnd_a) != (spec_b, owner_b, bnd_b):
             changes.append(
@@ -252,7 +253,8 @@ def _owner_str(o) -> str:
     if isinstance(o, ExpertOwners):
         shards = ",".join(f"s{m.shard}" for m in o.members)
         ranks = ",".join(str(r) for r in o.ranks)
-        return f"expert owners ranks {ranks} ({shards}; r{o.replicate}) experts {'+'.join(map(str, o.sizes))}"
+        local = " expert-parallel, local" if o.local else ""
+        return f"expert owners ranks {ranks} ({shards}; r{o.replicate}) experts {'+'.join(map(str, o.sizes))}{local}"
     if isinstance(o, OwnerGroup):
         cut = "rows" if o.dim == 0 else "cols"
         shards = ",".join(f"s{m.shard}" for m in o.members)
