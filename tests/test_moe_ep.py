@@ -102,6 +102,8 @@ def test_ep_refusals():
         P.compile(ep_model(2, 0), 2, ep=2, predicate=lambda fqn, p: p.ndim == 2 and fqn.startswith("layers."))
     with pytest.raises(ValueError, match="not dedicated"):
         P.compile(ep_model(2, 0), 2, ep=2, experts="off")
+    with pytest.raises(ValueError, match="with tensor parallelism"):
+        P.compile(ep_model(2, 0), 2, ep=2, tp_size=2, tp_shard_dims={"layers.0.qkv.weight": 0})
     with pytest.raises(ValueError, match="no expert stack"):
         P.compile(torch.nn.Sequential(torch.nn.Linear(4, 4)), 2, ep=2, hook_boundary_strict=False)
 
@@ -135,3 +137,125 @@ def test_ep_plan_validation():
         dataclasses.replace(plan, owners=tuple(owners))
     with pytest.raises(ValueError, match="rank order"):
         ExpertOwners(members=tuple(reversed(plan.owners[i].members)), sizes=(4, 4), local=True)
+
+
+# ------------------------------------------------------------------------------ runtime
+
+
+def _worker(ep: int, named_mesh: bool):
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+    from torch.distributed.fsdp import fully_shard
+
+    from dmuon.exec.collectives import LEDGER
+
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = None
+    if named_mesh:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    model = ep_model(ep, rank)
+    plan = dmuon.dedicate_params(model, mesh, **({} if named_mesh else {"ep": ep}))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = dmuon.Muon(model, ns_dtype=torch.float32, **HP)
+    experts = {n: p for n, p in model.named_parameters() if is_expert(n)}
+    assert all(type(p) is torch.nn.Parameter and p._dmuon.ep_local for p in experts.values())
+    losses, ledgers = [], []
+    for batch in global_batches(STEPS, world):
+        local = batch.chunk(world)[rank]
+        LEDGER.reset()
+        loss = lm_loss(model, local)
+        loss.backward()
+        if not losses:  # step 0: the experts' gradients (the global-batch mean's) and the global norm
+            norm = dmuon.clip_grad_norm_(model, 1e9).item()
+            grads = {}
+            for n, p in experts.items():
+                parts = [torch.empty_like(p) for _ in range(world)]
+                dist.all_gather(parts, p.grad.contiguous())
+                grads[n] = torch.cat(parts)
+        opt.step()
+        opt.zero_grad()
+        ledgers.append(LEDGER.total_nbytes())
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+    gathered = {}
+    for n, p in experts.items():
+        parts = [torch.empty_like(p) for _ in range(world)]
+        dist.all_gather(parts, p.detach().contiguous())
+        gathered[n] = torch.cat(parts)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    full = {k: v.detach().clone() for k, v in full.items()}
+    osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    mom = {k: v["momentum_buffer"].shape for k, v in osd["state"].items() if is_expert(k)}
+    # load back (full tensors of the global shape): each rank takes its own experts
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    before = {n: p.detach().clone() for n, p in experts.items()}
+    moms = {n: opt.state[p]["momentum_buffer"].clone() for n, p in experts.items()}
+    with torch.no_grad():
+        for p in experts.values():
+            p.zero_()
+            opt.state[p]["momentum_buffer"].zero_()
+    set_model_state_dict(model, {k: v.clone() for k, v in full.items()}, options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(model, opt, osd, options=StateDictOptions(full_state_dict=True))
+    reloaded = all(torch.equal(p, before[n]) for n, p in experts.items()) and all(
+        torch.equal(opt.state[p]["momentum_buffer"], moms[n]) for n, p in experts.items()
+    )
+    return dict(
+        plan_json=plan.to_json(), losses=losses, ledgers=ledgers, gathered=gathered, full=full, mom=mom, norm=norm, reloaded=reloaded,
+        grads=grads,
+    )
+
+
+def _reference(world: int):
+    ref_plan = P.compile(full_model(), world)
+    proxies = dmuon.testing.proxies_from_plan(ref_plan)
+    return dmuon.testing.reference_run(
+        full_model(), lm_loss, global_batches(STEPS, world), proxies, ns_dtype=torch.float32, **HP
+    )
+
+
+@pytest.mark.parametrize("world,named_mesh", [(4, False), (2, True)])
+def test_ep_matches_single_process_reference(world, named_mesh):
+    results = run_distributed(_worker, world, world, named_mesh, timeout_s=600)
+    ref_losses, ref_state = _reference(world)
+    plan = ShardingPlan.from_json(results[0]["plan_json"])
+    assert plan.ep_size == world
+    loss_dev = max(abs(a - b) / abs(b) for a, b in zip(results[0]["losses"], ref_losses))
+    assert loss_dev < 1e-6, (results[0]["losses"], ref_losses)
+    worst = 0.0
+    for r in results:
+        for key, want in ref_state.items():
+            got = r["gathered"][key] if is_expert(key) else r["full"][key]
+            assert tuple(r["full"][key].shape) == tuple(want.shape), key  # experts: full logical shape
+            dev = (got - want).abs().max().item() / want.abs().max().item()
+            worst = max(worst, dev)
+            assert dev < 1e-4, (key, dev)
+            if is_expert(key):  # the state-dict DTensor is the ranks' experts, in expert order
+                assert torch.equal(r["full"][key], r["gathered"][key]), key
+        assert all(shape[0] == E for shape in r["mom"].values()) and len(r["mom"]) == 6
+        assert r["reloaded"]
+    # gradient scale: a local expert's gradient is the global-batch mean's (the hook's / W), and
+    # dmuon.clip_grad_norm_ counts each rank's experts once (Muon alone would not see a wrong scale)
+    model = full_model()
+    lm_loss(model, global_batches(STEPS, world)[0]).backward()
+    want_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+    for r in results:
+        assert abs(r["norm"] - want_norm) / want_norm < 1e-5, (r["norm"], want_norm)
+        for name, p in model.named_parameters():
+            if is_expert(name):
+                dev = (r["grads"][name] - p.grad).abs().max().item() / p.grad.abs().max().item()
+                assert dev < 1e-5, (name, dev)
+    per_rank = plan.cost.per_rank_nbytes
+    for rank, r in enumerate(results):
+        assert r["ledgers"] == [per_rank[rank]] * STEPS, (rank, r["ledgers"], per_rank[rank])
+    print(f"EP world={world}: loss dev {loss_dev:.2e}, param dev {worst:.2e}, bytes/rank/step {per_rank}")

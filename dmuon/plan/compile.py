@@ -199,6 +199,11 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
         views = resolve_views(specs, matrix_views)
         specs = tuple(dataclasses.replace(spec, view=views[spec.fqn]) if spec.fqn in views else spec for spec in specs)
     T, specs = _tp_specs(snapshot, selected, specs, tp_ns, tp_size, tp_shard_dims, tp_ns_steps, tp_gram_restart_every)
+    if ep > 1 and T > 1:
+        raise ValueError(
+            f"dmuon.plan.compile: ep={ep} with tensor parallelism (T={T}) is not supported yet; use ep = N on a "
+            "1-D data-parallel mesh without TP"
+        )
     if qk_clip is not None:
         if not isinstance(qk_clip, QKClip):
             raise TypeError(f"qk_clip must be a dmuon.plan.qk_clip.QKClip, got {type(qk_clip).__name__}")
