@@ -291,6 +291,7 @@ def dedicate_params(
     shard_dim: str | None = None,
     replicate_dim: str | None = None,
     tp_dim: str | None = None,
+    ep: int | None = None,
     **compile_kwargs,
 ):
     """``dmuon.plan.compile`` + :func:`apply`; returns the plan.
@@ -299,8 +300,9 @@ def dedicate_params(
     named ``("dp_replicate", "dp_shard", "tp")`` as torchtitan builds it, unsliced; dims found by
     :func:`dmuon.plan.mesh_dim_roles`, ``shard_dim`` / ``replicate_dim`` / ``tp_dim`` name them
     when they are called otherwise), an int ``N`` / ``(N,)`` / ``(R, N)`` spanning the world,
-    or ``None`` (1-D over the world). Extra keyword arguments go
-    to ``dmuon.plan.compile`` (e.g. ``cost_model``).
+    or ``None`` (1-D over the world). ``ep``: the expert-parallel degree (``dmuon.plan.compile``;
+    ``None``: ``N`` for a 1-D ``DeviceMesh`` whose dim is named ``"ep"``, else 1; docs/moe_ep.md).
+    Extra keyword arguments go to ``dmuon.plan.compile`` (e.g. ``cost_model``).
     """
     from dmuon import plan as _plan
 
@@ -312,9 +314,13 @@ def dedicate_params(
     _check_not_applied(model)
     guards.check_not_fully_sharded(model)
     table = mesh_rank_table(mesh, shard_dim=shard_dim, replicate_dim=replicate_dim, tp_dim=tp_dim)
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ()) if hasattr(mesh, "shape") else ()
+    if ep is None and names == ("ep",):  # compile reads the (R, N) below, without the dim's name
+        ep = len(table[0])
     plan = _plan.compile(
         model,
         (len(table), len(table[0])),
+        ep=ep,
         predicate=predicate,
         reshard_after_forward=reshard_after_forward,
         hook_boundary_predicate=hook_boundary_predicate,

@@ -40,7 +40,11 @@ class DedicatedInfo:
     ``view``: the plan's :class:`~dmuon.plan.records.MatrixView` (blocks orthogonalised
     separately) or None; ``experts``: the plan's :class:`~dmuon.plan.records.ExpertStack` of an
     expert stack (its layout; ``num_matrices`` then counts the matrices of the experts this
-    rank's tensor holds) or None.
+    rank's tensor holds) or None; ``ep_local``: an expert-parallel stack (the plan's
+    ``ExpertOwners(local=True)``): the model's own tensor of this rank's experts, left in place
+    (never packed, never moved by dmuon), owned here (``is_owner``), ``shape`` its local shape
+    ``(E/ep, a, b)``, its gradient the local one divided by the data-parallel world by a tensor
+    hook.
     """
 
     fqn: str
@@ -55,6 +59,7 @@ class DedicatedInfo:
     view: Any = None  # dmuon.plan.records.MatrixView or None
     group: "GroupInfo | None" = None  # a matrix owned by an owner group / a stack with several expert owners
     experts: Any = None  # dmuon.plan.records.ExpertStack of an expert stack, or None
+    ep_local: bool = False  # an expert-parallel stack: this rank's experts, in the model, owned here
 
 
 #: the attribute :func:`dmuon.exec.apply` sets on every logical dedicated parameter

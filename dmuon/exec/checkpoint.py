@@ -344,6 +344,94 @@ def register_state_dict_hooks(runtime) -> None:
 
         module._register_state_dict_hook(post_hook)
         module._register_load_state_dict_pre_hook(load_pre_hook, with_module=True)
+    _register_expert_parallel_hooks(runtime)
+
+
+# ----------------------------------------------------------------------------------------------
+# Expert-parallel stacks: each rank's model holds its own experts (E/ep, a, b), in place
+# ----------------------------------------------------------------------------------------------
+
+
+def _ep_dtensor(runtime, fqn: str, local: torch.Tensor):
+    """This rank's experts ``local`` as the stack's DTensor of full logical shape ``(E, a, b)``,
+    ``[Shard(0)]`` over the shard group (rank ``j`` holds experts ``j*E/ep ..``, which is
+    DTensor's even ``Shard(0)`` chunking). No copy: ``from_local`` of ``local`` itself."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    shape = tuple(runtime.plan.param(fqn).shape)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(
+        local, runtime.state_dict_mesh(), (Shard(0),), run_check=False, shape=torch.Size(shape), stride=stride
+    )
+
+
+def _ep_rows(runtime, fqn: str, value) -> torch.Tensor:
+    """This rank's experts of a saved stack ``value``: a DTensor in this runtime's layout
+    (its local tensor), any other DTensor (``full_tensor()``, e.g. saved at another EP degree
+    and not resharded by DCP), or a full tensor ``(E, a, b)``."""
+    spec = runtime.plan.param(fqn)
+    local_shape = tuple(spec.local_shape)
+    if _is_dtensor(value):
+        from torch.distributed.tensor import Shard
+
+        if (
+            tuple(value.placements) == (Shard(0),)
+            and value.device_mesh == runtime.state_dict_mesh()
+            and tuple(value.to_local().shape) == local_shape
+        ):
+            return value.to_local()
+        value = value.full_tensor()
+    if tuple(value.shape) != tuple(spec.shape):
+        raise ValueError(
+            f"dmuon: loading expert-parallel stack {fqn!r}: the saved tensor is {tuple(value.shape)} but the stack "
+            f"is {tuple(spec.shape)} ({spec.experts.num_experts} experts, {local_shape[0]} on each of "
+            f"{spec.experts.ep_size} ranks)"
+        )
+    e = local_shape[0]
+    j = runtime.groups.shard
+    return value[j * e : (j + 1) * e]
+
+
+def _register_expert_parallel_hooks(runtime) -> None:
+    """State-dict hooks of the expert-parallel stacks (:attr:`DmuonRuntime.ep_params`): saved as
+    the full ``(E, a, b)`` DTensor ``Shard(0)`` over the shard group (:func:`_ep_dtensor`, no
+    copy), loaded by taking this rank's experts (:func:`_ep_rows`); DCP reshards between EP
+    degrees / world sizes through the DTensor layout."""
+    import weakref
+
+    ref = weakref.ref(runtime)
+    by_module: dict[int, list] = {}
+    plan = runtime.plan
+    for fqn, p in runtime.ep_params.items():
+        for alias in plan.param(fqn).aliases:
+            mod_fqn, _, attr = alias.rpartition(".")
+            module = runtime.model_ref().get_submodule(mod_fqn)
+            by_module.setdefault(id(module), [module, []])[1].append((attr, fqn, p))
+    for module, entries in by_module.values():
+
+        def post_hook(mod, state_dict, prefix, local_metadata, _entries=entries):
+            rt = ref()
+            if rt is None:
+                return state_dict
+            for attr, fqn, p in _entries:
+                if prefix + attr in state_dict:
+                    state_dict[prefix + attr] = _ep_dtensor(rt, fqn, p.detach())
+            return state_dict
+
+        def load_pre_hook(mod, state_dict, prefix, *args, _entries=entries):
+            rt = ref()
+            if rt is None:
+                return
+            for attr, fqn, p in _entries:
+                key = prefix + attr
+                if key in state_dict:
+                    rows = _ep_rows(rt, fqn, state_dict[key])
+                    with torch.no_grad():
+                        p.copy_(rows)
+                    state_dict[key] = p  # the default copy_ is then a no-op
+
+        module._register_state_dict_hook(post_hook)
+        module._register_load_state_dict_pre_hook(load_pre_hook, with_module=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -538,6 +626,13 @@ def _optim_state_dict_post_hook(opt, state_dict):
         if rt is None:
             continue
         entry = dict(state.get(idx, {}))
+        if getattr(info, "ep_local", False):  # this rank's experts' momentum, no copy
+            buf = entry.get("momentum_buffer")
+            if buf is None:
+                buf = torch.zeros_like(p)
+            entry["momentum_buffer"] = _ep_dtensor(rt, info.fqn, buf)
+            state[idx] = entry
+            continue
         if getattr(info, "group", None) is not None:
             entry["momentum_buffer"] = _grouped_momentum_to_dtensor(rt, info, p, entry.get("momentum_buffer"))
             state[idx] = entry
@@ -584,6 +679,11 @@ def _optim_load_state_dict_pre_hook(opt, state_dict):
                 state.pop(key, None)
             continue
         g = rt.groups
+        if getattr(info, "ep_local", False):  # this rank's experts' rows
+            entry = dict(entry)
+            entry["momentum_buffer"] = _ep_rows(rt, info.fqn, value).to(device=p.device, dtype=p.dtype, copy=True)
+            state[key] = entry
+            continue
         if getattr(info, "group", None) is not None:  # every rank joins the gather; owners keep their block
             block = _load_grouped(rt, rt.grouped_by_fqn[info.fqn], value, None)
             if info.is_owner:

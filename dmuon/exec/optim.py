@@ -474,6 +474,9 @@ class Muon(torch.optim.Optimizer):
                     f"expected {sorted(want)} ({'Muon' if use_muon else 'AdamW'}); {how}"
                 )
             shape = tuple(_info(p).shape) if use_muon else tuple(p.shape)
+            if use_muon and getattr(_info(p), "ep_local", False):  # saved at the stack's global shape
+                runtime = _info(p).runtime()
+                shape = tuple(runtime.plan.param(_info(p).fqn).shape) if runtime is not None else shape
             for k in sorted(got - {"step"}):
                 value = entry[k]
                 if isinstance(value, Tensor) and tuple(value.shape) != shape:

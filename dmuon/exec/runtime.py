@@ -44,7 +44,7 @@ from dmuon.plan.step_schedule import boundary_programs
 from . import collectives as C
 from . import fsdp2
 from .boundary import ShardedState, TrainingState, _BoundaryRuntime, _on_stream, current_stream, eager_hook, has_streams
-from .buffers import build_segments, dedicated_info
+from .buffers import DedicatedInfo, build_segments, dedicated_info
 from .groups import MeshGroups
 from .program import bind
 
@@ -86,6 +86,7 @@ class DmuonRuntime:
         self.requires_gradient_sync = True
         self.timeout_s = timeout_s  # seconds a dmuon collective may take (None: wait forever)
         self.model_ref = weakref.ref(model)
+        self.ep_hooks: list = []  # expert-parallel stacks' gradient-divisor hooks
         self._build(model)
 
     # -- construction ----------------------------------------------------------------------
@@ -121,6 +122,7 @@ class DmuonRuntime:
             br.handles.append(module.register_forward_pre_hook(eager_hook(br.pre_forward), with_kwargs=True))
             br.handles.append(module.register_forward_hook(eager_hook(br.post_forward), with_kwargs=True))
             self.boundaries.append(br)
+        self.ep_params = self._bind_expert_parallel(modules, original)
         # matrices with one owner: their slot; owner-grouped matrices: their _Grouped (blocks in
         # several segments)
         self.slots_by_fqn = {s.fqn: s for b in self.boundaries for s in b.slots if s.grouped is None}
@@ -138,6 +140,53 @@ class DmuonRuntime:
             from .qk_clip import QKClipRuntime
 
             self.qk_clip = QKClipRuntime(self, model)
+
+    def _bind_expert_parallel(self, modules, original) -> dict[str, nn.Parameter]:
+        """Expert-parallel stacks (``Boundary.local``): each rank's model holds its own experts.
+        The parameter stays where it is (no buffer, no broadcast, no reduce); it is tagged
+        ``p._dmuon`` (``ep_local``, owned here, so ``fully_shard`` skips it and ``dmuon.Muon``
+        orthogonalises its experts) and a tensor hook divides every gradient contribution by
+        the data-parallel world ``W = R*N``: tokens of every rank reach a local expert through
+        the model's all-to-all, so its gradient is the SUM over ranks of their local-loss
+        gradients, and ``/W`` makes it the global-batch mean's (as the reduce-AVG does for the
+        dense matrices). Returns ``{fqn: parameter}``."""
+        import torch.distributed as dist
+
+        out: dict[str, nn.Parameter] = {}
+        specs = {p.fqn: p for p in self.plan.params}
+        world = self.world_numel
+        me = dist.get_rank()
+        for b in self.plan.boundaries:
+            for fqn in b.local:
+                spec = specs[fqn]
+                p = original[fqn]
+                if not isinstance(p, nn.Parameter) or getattr(p, "placements", None) is not None:
+                    raise ValueError(
+                        f"dmuon: expert-parallel stack {fqn!r} must be a plain nn.Parameter of this rank's experts "
+                        f"{spec.local_shape}, got {type(p).__name__}"
+                    )
+                if tuple(p.shape) != tuple(spec.local_shape) or str(p.dtype) != spec.dtype:
+                    raise ValueError(
+                        f"dmuon: expert-parallel stack {fqn!r} is {tuple(p.shape)} {p.dtype} on this rank but the plan "
+                        f"gives each rank {spec.local_shape} {spec.dtype} (E/ep experts of {spec.shape})"
+                    )
+                stack = spec.experts
+                p._dmuon = DedicatedInfo(
+                    fqn=fqn,
+                    owner_global_rank=me,
+                    is_owner=True,
+                    holds_full=True,
+                    shape=tuple(spec.local_shape),
+                    matrix_shape=tuple(spec.matrix_shape),
+                    num_matrices=stack.local_experts * stack.matrices_per_expert,
+                    runtime=weakref.ref(self),
+                    experts=stack,
+                    ep_local=True,
+                )
+                if world > 1 and p.requires_grad:
+                    self.ep_hooks.append(p.register_hook(_ep_grad_divisor(world)))
+                out[fqn] = p
+        return out
 
     # -- settings and state changed from outside (dmuon.exec.materialize, benchmarks) ----------
 
@@ -360,6 +409,9 @@ class DmuonRuntime:
         """After ``load_state_dict`` wrote new masters on every holder (nothing to communicate)."""
 
     def remove_hooks(self) -> None:
+        for h in self.ep_hooks:
+            h.remove()
+        self.ep_hooks.clear()
         for b in self.boundaries:
             for h in b.handles:
                 h.remove()
@@ -425,6 +477,16 @@ class DmuonRuntime:
 # ----------------------------------------------------------------------------------------------
 # Optimizer hooks (called by dmuon.Muon.step)
 # ----------------------------------------------------------------------------------------------
+
+
+def _ep_grad_divisor(world: int):
+    """The tensor hook of an expert-parallel stack: each backward contribution ``g`` becomes
+    ``g / world`` (the data-parallel world ``R*N``)."""
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        return grad / world
+
+    return hook
 
 
 def get_model_runtime(model: nn.Module) -> DmuonRuntime | None:

@@ -62,6 +62,7 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
     owner_groups: str | int = "off",
     experts: str = "auto",
     expert_gate_up: str = "split",
+    ep: int | None = None,
 ) -> ShardingPlan:
     """Plan DMuon for ``model`` on ``mesh`` (pure; no process group; meta models work).
 
@@ -125,6 +126,14 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
             experts get ``min(E, N)`` owners of contiguous ranges (:class:`ExpertOwners`).
             ``"off"``: the selection before expert support (2-D parameters only; a stack a
             predicate selects is one owned unit of ``E`` matrices ``shape[1:]``).
+        ep: expert-parallel degree (docs/moe_ep.md). ``None`` (default): ``N`` when ``mesh`` is
+            a 1-D ``DeviceMesh`` whose dim is named ``"ep"``, else 1. With ``ep > 1`` the model
+            on each rank holds only its own ``E/ep`` experts of every expert stack, as plain
+            tensors (EP groups: ``ep`` consecutive shard ranks), and routes tokens to them
+            itself (``all_to_all``); the plan records the global stack ``(E, a, b)``
+            (:attr:`ExpertStack.ep_size`, ``ParamSpec.local_shape`` the rank's experts) and each
+            rank owns its own experts (:class:`ExpertOwners` with ``local=True``): no dmuon byte
+            moves for them. Supported now: ``ep = N`` (efsdp = N/ep = 1), ``R = 1``, no TP.
         expert_gate_up: ``"split"`` (default): a fused gate/up expert is two Muon matrices,
             gate and up, as ``torch.optim.Muon`` treats the unfused model; ``"fused"``: one
             ``(2F, D)`` matrix per expert.
@@ -142,6 +151,7 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
             parameter that is not dedicated or combined with a parallelised model.
     """
     mesh_shape = normalize_mesh(mesh)
+    ep = _ep_degree(mesh, mesh_shape, ep)
     if cost_model not in _rules.COST_MODELS:
         raise ValueError(f"cost_model must be one of {_rules.COST_MODELS}, got {cost_model!r}")
     _rules.choose_ns_backend((1, 1), ns_backend)  # ValueError naming the known modes
@@ -180,12 +190,20 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
         )
         for s in selected
     )
+    _check_expert_dtensors(selected)
+    if ep > 1:
+        specs = _ep_specs(snapshot, selected, specs, ep, expert_gate_up)
     if matrix_views is not None:
         from .views import resolve_views
 
         views = resolve_views(specs, matrix_views)
         specs = tuple(dataclasses.replace(spec, view=views[spec.fqn]) if spec.fqn in views else spec for spec in specs)
     T, specs = _tp_specs(snapshot, selected, specs, tp_ns, tp_size, tp_shard_dims, tp_ns_steps, tp_gram_restart_every)
+    if ep > 1 and T > 1:
+        raise ValueError(
+            f"dmuon.plan.compile: ep={ep} with tensor parallelism (T={T}) is not supported yet; use ep = N on a "
+            "1-D data-parallel mesh without TP"
+        )
     if qk_clip is not None:
         if not isinstance(qk_clip, QKClip):
             raise TypeError(f"qk_clip must be a dmuon.plan.qk_clip.QKClip, got {type(qk_clip).__name__}")
@@ -325,6 +343,17 @@ def _assign_owners(specs, boundaries, mesh_shape, cost_model, owner_groups, tp_s
         if len(members) == 1:
             owners.append(Owner.at(members[0], N))
             continue
+        if spec.experts is not None and spec.ep_size > 1:
+            # expert parallelism: rank j holds (and owns) experts j*E/ep ..; the LPT placed the
+            # N equal ranges on N distinct ranks, so fixing them to rank order keeps every load
+            owners.append(
+                ExpertOwners(
+                    members=tuple(Owner.at(slot, N) for slot in range(N)),
+                    sizes=(spec.experts.local_experts,) * N,
+                    local=True,
+                )
+            )
+            continue
         if spec.experts is not None:
             owners.append(
                 ExpertOwners(
@@ -342,6 +371,103 @@ def _assign_owners(specs, boundaries, mesh_shape, cost_model, owner_groups, tp_s
             )
         )
     return tuple(owners)
+
+
+EP_EFSDP_MESSAGE = (
+    "experts sharded over ep x efsdp with efsdp > 1 are not supported yet; use ep = N"
+)
+
+
+def _ep_degree(mesh: Any, mesh_shape: tuple[int, int], ep: int | None) -> int:
+    """The expert-parallel degree: ``ep``, or ``N`` for a 1-D mesh named ``("ep",)``; checked
+    against the layouts that work (``ep = N``, ``R = 1``)."""
+    R, N = mesh_shape
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ()) if hasattr(mesh, "shape") else ()
+    if names == ("ep",):
+        if ep is not None and ep != N:
+            raise ValueError(
+                f"dmuon.plan.compile: the mesh's only dim is named 'ep' (expert parallelism over its {N} ranks) "
+                f"but ep={ep!r}; drop ep= or pass ep={N}"
+            )
+        ep = N
+    if ep is None:
+        return 1
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"dmuon.plan.compile: ep (the expert-parallel degree) must be an int >= 1, got {ep!r}")
+    if ep == 1:
+        return 1
+    if N % ep:
+        raise ValueError(
+            f"dmuon.plan.compile: ep={ep} does not divide the {N} shard ranks (EP groups are ep consecutive "
+            f"shard ranks); the layout that works: ep = N = {N}"
+        )
+    if N // ep > 1:
+        raise ValueError(
+            f"dmuon.plan.compile: ep={ep} on {N} shard ranks gives efsdp = N/ep = {N // ep}: {EP_EFSDP_MESSAGE} "
+            f"(ep={N})"
+        )
+    if R > 1:
+        raise ValueError(
+            f"dmuon.plan.compile: ep={ep} on an HSDP mesh (R={R}, N={N}): EP with HSDP replicas not supported "
+            f"yet; use a 1-D mesh of N ranks with ep = N"
+        )
+    return ep
+
+
+def _check_expert_dtensors(selected) -> None:
+    """A recognised expert stack given as a ``DTensor`` (expert parallelism by ``Shard(0)``) is
+    refused: dmuon's expert parallelism wants each rank's experts as a plain tensor."""
+    bad = [s.record.fqn for s in selected if s.experts is not None and s.record.tp_size > 1]
+    if bad:
+        raise ValueError(
+            f"dmuon.plan.compile: expert stack {bad[0]!r}"
+            + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
+            + " is a DTensor (expert parallelism by Shard(0) over a device mesh?); dmuon does not own DTensor "
+            "expert stacks. Hold each rank's local experts as a plain tensor (E/ep, a, b), route tokens with "
+            "all_to_all, and pass ep= (dmuon.plan.compile / dmuon.dedicate_params), see docs/moe_ep.md"
+        )
+
+
+def _ep_specs(snapshot, selected, specs, ep: int, gate_up: str):
+    """The specs of an expert-parallel model: every expert stack at its global logical shape
+    ``(ep * E_local, a, b)`` with :attr:`ExpertStack.ep_size` ``= ep``.
+
+    Raises:
+        ValueError: no expert stack; a dedicated 3-D parameter that is not a recognised stack; a
+            recognised stack that is not dedicated (FSDP2 would average ranks' different experts).
+    """
+    from .selection import record_stack
+
+    chosen = {s.record.fqn for s in selected}
+    unrecognised = [s.record.fqn for s in selected if s.experts is None and len(s.record.shape) == 3]
+    if unrecognised:
+        raise ValueError(
+            f"dmuon.plan.compile: ep={ep}, but the dedicated 3-D parameter {unrecognised[0]!r} is not a recognised "
+            "expert stack (dmuon.plan.experts: HF fused, gpt-oss, torchtitan GroupedExperts w1/w2/w3, or a 3-D "
+            "parameter under an 'experts' module); expert parallelism needs every stack recognised (experts='auto')"
+        )
+    left = [
+        r.fqn for r in snapshot.params
+        if r.fqn not in chosen and r.ndim == 3 and record_stack(snapshot, r, gate_up) is not None
+    ]
+    if left:
+        raise ValueError(
+            f"dmuon.plan.compile: ep={ep}, but the expert stack {left[0]!r} is not dedicated (predicate / "
+            "experts='off'); under expert parallelism each rank holds different experts, which FSDP2 must not "
+            "average: dedicate every expert stack"
+        )
+    if not any(spec.experts is not None for spec in specs):
+        raise ValueError(f"dmuon.plan.compile: ep={ep} but the model has no expert stack (dmuon.plan.experts)")
+    out = []
+    for spec in specs:
+        if spec.experts is not None:
+            stack = dataclasses.replace(spec.experts, num_experts=spec.experts.num_experts * ep, ep_size=ep)
+            shape = (spec.shape[0] * ep,) + tuple(spec.shape[1:])
+            spec = dataclasses.replace(
+                spec, shape=shape, numel=spec.numel * ep, num_matrices=spec.num_matrices * ep, experts=stack
+            )
+        out.append(spec)
+    return tuple(out)
 
 
 def _fsdp2_units(snapshot, dedicated: set[str], hook_boundary_predicate) -> tuple[Fsdp2Unit, ...]:

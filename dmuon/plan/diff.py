@@ -252,7 +252,8 @@ def _owner_str(o) -> str:
     if isinstance(o, ExpertOwners):
         shards = ",".join(f"s{m.shard}" for m in o.members)
         ranks = ",".join(str(r) for r in o.ranks)
-        return f"expert owners ranks {ranks} ({shards}; r{o.replicate}) experts {'+'.join(map(str, o.sizes))}"
+        local = " expert-parallel, local" if o.local else ""
+        return f"expert owners ranks {ranks} ({shards}; r{o.replicate}) experts {'+'.join(map(str, o.sizes))}{local}"
     if isinstance(o, OwnerGroup):
         cut = "rows" if o.dim == 0 else "cols"
         shards = ",".join(f"s{m.shard}" for m in o.members)

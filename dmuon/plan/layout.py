@@ -292,18 +292,25 @@ class Boundary:
         fallback: True if no boundary ancestor existed and ``hook_boundary_strict=False`` fell
             back to the parameter's own module.
         buffers: one per parameter storage dtype, sorted by dtype string.
+        local: canonical FQNs of the expert-parallel stacks inside this boundary (plan order):
+            dedicated, but each rank's model holds and owns its own experts, so they have no
+            buffer entry and move no bytes (:class:`~dmuon.plan.records.ExpertOwners` with
+            ``local=True``). In JSON only when non-empty.
     """
 
     fqn: str
     fallback: bool
     buffers: tuple[BufferLayout, ...]
+    local: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.fqn, str):
             raise TypeError(f"Boundary.fqn must be a str, got {self.fqn!r}")
         if type(self.fallback) is not bool:
             raise TypeError("Boundary.fallback must be a bool")
-        if type(self.buffers) is not tuple or not self.buffers:
+        if type(self.local) is not tuple or any(not isinstance(f, str) for f in self.local):
+            raise TypeError(f"Boundary {self.fqn!r}: local must be a tuple of FQNs, got {self.local!r}")
+        if type(self.buffers) is not tuple or not (self.buffers or self.local):
             raise ValueError(f"Boundary {self.fqn!r}: buffers must be a non-empty tuple")
         dtypes = [b.dtype for b in self.buffers]
         if dtypes != sorted(set(dtypes)):
@@ -313,7 +320,8 @@ class Boundary:
         return tuple(e for buf in self.buffers for e in buf.entries())
 
     def to_dict(self) -> dict[str, Any]:
-        return {"fqn": self.fqn, "fallback": self.fallback, "buffers": [b.to_dict() for b in self.buffers]}
+        local = {"local": list(self.local)} if self.local else {}  # absent without EP: older plans keep their JSON
+        return {"fqn": self.fqn, "fallback": self.fallback, "buffers": [b.to_dict() for b in self.buffers], **local}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Boundary:
@@ -321,6 +329,7 @@ class Boundary:
             fqn=d["fqn"],
             fallback=d["fallback"],
             buffers=tuple(BufferLayout.from_dict(b) for b in d["buffers"]),
+            local=tuple(d.get("local", ())),
         )
 
 
@@ -408,7 +417,12 @@ def build_boundaries(
         align_numel: alignment in elements (>= 1).
     """
     grouped: dict[str, dict[str, list[tuple[str, tuple[int, ...], int, Owner, int | None]]]] = {}
+    local: dict[str, list[str]] = {}
     for fqn, shape, numel, dtype, owner, boundary in items:
+        if getattr(owner, "local", False):  # expert parallelism: held by each rank's model, no entry
+            local.setdefault(boundary, []).append(fqn)
+            grouped.setdefault(boundary, {})
+            continue
         dest = grouped.setdefault(boundary, {}).setdefault(dtype, [])
         if isinstance(owner, (OwnerGroup, ExpertOwners)):
             for j, member in enumerate(owner.members):
@@ -423,5 +437,5 @@ def build_boundaries(
         buffers = tuple(
             _build_buffer(dtype, grouped[bfqn][dtype], align_numel) for dtype in sorted(grouped[bfqn])
         )
-        out.append(Boundary(fqn=bfqn, fallback=fallback[bfqn], buffers=buffers))
+        out.append(Boundary(fqn=bfqn, fallback=fallback[bfqn], buffers=buffers, local=tuple(local.get(bfqn, ()))))
     return tuple(out)

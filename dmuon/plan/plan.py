@@ -193,6 +193,14 @@ class ShardingPlan:
                     f"ShardingPlan: {spec.fqn} {spec.shape} has expert owners with ranges {owner.sizes} but "
                     + ("no expert-stack layout" if spec.experts is None else f"{spec.num_experts} experts")
                 )
+            ep = spec.ep_size
+            if ep > 1 or (isinstance(owner, ExpertOwners) and owner.local):
+                if not (isinstance(owner, ExpertOwners) and owner.local and owner.k == ep == N and R == 1):
+                    raise ValueError(
+                        f"ShardingPlan: {spec.fqn} is expert-parallel (ep_size {ep}) but its owner is {owner}; an "
+                        f"expert-parallel stack on mesh (R={R}, N={N}) needs ExpertOwners(local=True) over every "
+                        "shard rank with ep = N and R = 1"
+                    )
             if isinstance(owner, OwnerGroup):
                 problem = _rules.owner_group_problem(spec)
                 if problem is not None:
@@ -216,6 +224,11 @@ class ShardingPlan:
                     if i is None:
                         raise ValueError(f"ShardingPlan: layout entry {entry.fqn!r} is not a dedicated param")
                     spec, owner = self.params[i], self.owners[i]
+                    if isinstance(owner, ExpertOwners) and owner.local:
+                        raise ValueError(
+                            f"ShardingPlan: layout entry {entry.fqn!r} of an expert-parallel stack (its experts are "
+                            "local to each rank and have no buffer entry)"
+                        )
                     if isinstance(owner, (OwnerGroup, ExpertOwners)):
                         j = entry.block
                         ok = j is not None and j < owner.k and entry.owner == owner.members[j]
@@ -264,7 +277,20 @@ class ShardingPlan:
                             raise ValueError(f"ShardingPlan: {entry.fqn!r} appears in two buffers")
                         boundary_of[i] = b_index
                         blocks_seen[i].add(entry.block)
+            for fqn in boundary.local:  # expert-parallel stacks: in the boundary, no buffer entry
+                i = canonical.get(fqn)
+                if i is None:
+                    raise ValueError(f"ShardingPlan: boundary {boundary.fqn!r} lists {fqn!r} as local, not a dedicated param")
+                owner = self.owners[i]
+                if boundary_of[i] is not None or not (isinstance(owner, ExpertOwners) and owner.local):
+                    raise ValueError(
+                        f"ShardingPlan: boundary {boundary.fqn!r} lists {fqn!r} as local, but it "
+                        + ("appears in two boundaries" if boundary_of[i] is not None else "is not an expert-parallel stack")
+                    )
+                boundary_of[i] = b_index
         for i, owner in enumerate(self.owners):
+            if isinstance(owner, ExpertOwners) and owner.local:
+                continue
             expected = set(range(owner.k)) if isinstance(owner, (OwnerGroup, ExpertOwners)) else {None}
             if boundary_of[i] is not None and blocks_seen[i] != expected:
                 raise ValueError(
@@ -281,6 +307,11 @@ class ShardingPlan:
     def world_size(self) -> int:
         """``R * N`` data-parallel mesh ranks (the LPT slots; times ``tp_size`` for the world)."""
         return self.mesh_shape[0] * self.mesh_shape[1]
+
+    @property
+    def ep_size(self) -> int:
+        """Expert-parallel degree of the plan's expert stacks (``compile(ep=...)``; 1 = none)."""
+        return max((spec.ep_size for spec in self.params), default=1)
 
     @property
     def tp_segment_lengths(self) -> tuple[int, ...]:
@@ -400,11 +431,16 @@ class ShardingPlan:
         from the nominal step's schedule (:func:`~dmuon.plan.cost.schedule_byte_cost`)."""
         return _cost.schedule_byte_cost(self.schedule())
 
+    def _baseline_params(self) -> tuple[ParamSpec, ...]:
+        """The parameters FSDP2 + naive Muon would shard: expert-parallel stacks are local to
+        each rank's model under either, so they are in neither cost."""
+        return tuple(spec for spec in self.params if spec.ep_size == 1)
+
     @property
     def baseline_cost(self) -> _cost.BaselineByteCost:
         """Bytes per step of FSDP2 + naive all-gather Muon on the same parameters."""
         return _cost.baseline_byte_cost(
-            self.params,
+            self._baseline_params(),
             mesh_shape=self.mesh_shape,
             reshard_after_forward=self.reshard_after_forward,
             param_dtype=self.param_dtype,
@@ -419,7 +455,7 @@ class ShardingPlan:
         boundary is unsharded (broadcast dtype); empty without them."""
         out: dict[str, int] = {}
         for spec, owner in zip(self.params, self.owners):
-            if isinstance(owner, (OwnerGroup, ExpertOwners)):
+            if isinstance(owner, (OwnerGroup, ExpertOwners)) and not getattr(owner, "local", False):
                 b = self.boundary(spec.fqn)
                 out[b] = out.get(b, 0) + spec.numel * itemsize_nbytes(self.bcast_dtype(spec.dtype))
         return out
@@ -442,7 +478,7 @@ class ShardingPlan:
     def baseline_rank_stats(self) -> tuple[_cost.RankStats, ...]:
         """Per-rank :class:`~dmuon.plan.cost.RankStats` of FSDP2 + naive Muon, same parameters."""
         return _cost.baseline_rank_stats(
-            self.params,
+            self._baseline_params(),
             self.boundary,
             self.baseline_cost,
             mesh_shape=self.mesh_shape,

@@ -231,10 +231,17 @@ class ExpertOwners:
             shard coordinates (on an HSDP mesh the other replicate rows hold every range as
             replicas, as for any owner).
         sizes: experts in each range, each >= 1, ``len == k``, ``sum == E``.
+        local: expert parallelism (``compile(ep=...)``, :attr:`ExpertStack.ep_size` ``> 1``):
+            the model on each rank holds only its own experts, so member ``j`` is shard rank
+            ``j`` and owns exactly the ``sizes[j]`` experts that rank holds (all sizes equal).
+            Nothing is broadcast or reduced: no layout entry, the owner's gradient is its local
+            one (tokens reach its experts through the model's all-to-all). In JSON only when
+            True.
     """
 
     members: tuple[Owner, ...]
     sizes: tuple[int, ...]
+    local: bool = False
 
     def __post_init__(self) -> None:
         if type(self.members) is not tuple or len(self.members) < 2:
@@ -249,6 +256,15 @@ class ExpertOwners:
             raise ValueError(f"ExpertOwners.sizes must be a tuple with one size per member, got {self.sizes!r}")
         for v in self.sizes:
             _check_int("ExpertOwners", "sizes[i]", v, 1)
+        if type(self.local) is not bool:
+            raise TypeError(f"ExpertOwners.local must be a bool, got {self.local!r}")
+        if self.local and (
+            tuple(o.shard for o in self.members) != tuple(range(len(self.members))) or len(set(self.sizes)) != 1
+        ):
+            raise ValueError(
+                "ExpertOwners(local=True) (expert parallelism) needs members on shard ranks 0..k-1 in rank order "
+                f"and equal sizes (each rank holds E/ep experts), got {self.members} sizes {self.sizes}"
+            )
 
     dim = 0  # class constant (not a field): the ranges cut the expert dim
 
@@ -290,11 +306,16 @@ class ExpertOwners:
         return tuple(o for o, size in zip(self.members, self.sizes) for _ in range(size))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"experts": [o.to_dict() for o in self.members], "sizes": list(self.sizes)}
+        local = {"local": True} if self.local else {}  # absent without EP: older plans keep their JSON
+        return {"experts": [o.to_dict() for o in self.members], "sizes": list(self.sizes), **local}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ExpertOwners:
-        return cls(members=tuple(Owner.from_dict(o) for o in d["experts"]), sizes=tuple(d["sizes"]))
+        return cls(
+            members=tuple(Owner.from_dict(o) for o in d["experts"]),
+            sizes=tuple(d["sizes"]),
+            local=bool(d.get("local", False)),
+        )
 
 
 def owner_from_dict(d: dict[str, Any]) -> Owner | OwnerGroup | ExpertOwners:
@@ -389,6 +410,10 @@ class ExpertStack:
             keeps each expert's fused ``(2F, D)`` matrix whole. Ignored without ``gate_up``.
         layout: what recognised it, for reports (``"hf"``, ``"gpt-oss"``, ``"torchtitan"``,
             ``"generic"``).
+        ep_size: expert-parallel degree (``compile(ep=...)``): the model on each of ``ep_size``
+            ranks holds ``num_experts // ep_size`` consecutive experts as a plain tensor
+            (rank ``j``: experts ``j*E/ep ..``); ``num_experts`` is the global ``E``. 1 = every
+            rank's model holds the whole stack. In JSON only when > 1.
     """
 
     num_experts: int
@@ -396,6 +421,7 @@ class ExpertStack:
     gate_up: str = ""
     split: bool = True
     layout: str = "generic"
+    ep_size: int = 1
 
     def __post_init__(self) -> None:
         _check_int("ExpertStack", "num_experts", self.num_experts, 1)
@@ -405,6 +431,16 @@ class ExpertStack:
             raise ValueError(f"ExpertStack.gate_up must be one of {_GATE_UP_FORMS}, got {self.gate_up!r}")
         if not isinstance(self.layout, str):
             raise TypeError(f"ExpertStack.layout must be a str, got {self.layout!r}")
+        _check_int("ExpertStack", "ep_size", self.ep_size, 1)
+        if self.num_experts % self.ep_size:
+            raise ValueError(
+                f"ExpertStack: {self.num_experts} experts do not split over ep_size {self.ep_size} ranks"
+            )
+
+    @property
+    def local_experts(self) -> int:
+        """Experts each expert-parallel rank holds: ``num_experts // ep_size``."""
+        return self.num_experts // self.ep_size
 
     @property
     def matrices_per_expert(self) -> int:
@@ -426,7 +462,8 @@ class ExpertStack:
         m, n = self.matrix_shape(shape)
         parts = "gate|up " if self.matrices_per_expert == 2 else ("gate+up fused " if self.gate_up else "")
         stored = ", stored (in, out)" if self.transposed else ""
-        return f"{self.num_experts} experts x {parts}({m}, {n}) [{self.layout}{stored}]"
+        ep = f", expert-parallel over {self.ep_size}" if self.ep_size > 1 else ""
+        return f"{self.num_experts} experts x {parts}({m}, {n}) [{self.layout}{stored}{ep}]"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -435,6 +472,7 @@ class ExpertStack:
             "gate_up": self.gate_up,
             "split": self.split,
             "layout": self.layout,
+            **({"ep_size": self.ep_size} if self.ep_size > 1 else {}),  # absent without EP
         }
 
     @classmethod
@@ -445,6 +483,7 @@ class ExpertStack:
             gate_up=d["gate_up"],
             split=d["split"],
             layout=d["layout"],
+            ep_size=d.get("ep_size", 1),
         )
 
 
@@ -533,8 +572,16 @@ class ParamSpec:
         )
 
     @property
+    def ep_size(self) -> int:
+        """Expert-parallel degree of an expert stack (:attr:`ExpertStack.ep_size`), else 1."""
+        return self.experts.ep_size if self.experts is not None else 1
+
+    @property
     def local_shape(self) -> tuple[int, ...]:
-        """Shape of one TP rank's shard (``shape`` without TP): elements per dim."""
+        """Shape of one TP rank's shard, or of one expert-parallel rank's experts
+        ``(E/ep, a, b)`` (``shape`` without TP or EP): elements per dim."""
+        if self.ep_size > 1:
+            return (self.shape[0] // self.ep_size,) + tuple(self.shape[1:])
         if self.tp_size == 1:
             return self.shape
         d = self.tp_shard_dim
@@ -542,8 +589,9 @@ class ParamSpec:
 
     @property
     def local_numel(self) -> int:
-        """Elements of one TP rank's shard (``numel`` without TP)."""
-        return self.numel // self.tp_size
+        """Elements of one TP rank's shard, or one expert-parallel rank's experts (``numel``
+        without TP or EP)."""
+        return self.numel // (self.tp_size * self.ep_size)
 
     def __post_init__(self) -> None:
         if not isinstance(self.fqn, str) or not self.fqn:
@@ -611,6 +659,8 @@ class ParamSpec:
                     f"ParamSpec {self.fqn}: an expert stack needs shape (E, a, b) with E = "
                     f"{self.experts.num_experts}, got {self.shape}"
                 )
+            if self.experts.ep_size > 1 and self.tp_size > 1:
+                raise ValueError(f"ParamSpec {self.fqn}: an expert-parallel stack cannot also be TP-sharded")
             expected = (self.experts.matrix_shape(self.shape), self.experts.num_experts * self.experts.matrices_per_expert)
             if (tuple(self.matrix_shape), self.num_matrices) != expected:
                 raise ValueError(

@@ -317,13 +317,22 @@ def expert_lines(plan: ShardingPlan) -> list[str]:
     layouts = sorted({p.experts.describe(p.shape).split("[")[-1].rstrip("]") for p, _ in stacks})
     split = sum(1 for p, _ in stacks if p.experts.matrices_per_expert == 2)
     counts = sorted(per_rank.values())
+    local = [(p, o) for p, o in stacks if isinstance(o, ExpertOwners) and o.local]
+    ep_line = []
+    if local:
+        ep = max(p.experts.ep_size for p, _ in local)
+        ep_line = [
+            f"  expert-parallel, local: {len(local):,} stacks over ep = {ep} ranks (each rank owns the "
+            f"{', '.join(sorted({str(p.experts.local_experts) for p, _ in local}))} experts its model holds); "
+            "0 dmuon bytes per step"
+        ]
     return [
         f"experts: {len(stacks):,} stacks, {experts:,} experts, {matrices:,} Muon matrices"
         + (f" ({split} fused gate/up stacks split into gate and up)" if split else "")
         + f", {100.0 * numel / total if total else 0:.0f}% of dedicated elements; layouts {', '.join(layouts)}",
         f"  owned by {len(per_rank):,} of {plan.world_size:,} ranks, {counts[0]:,}-{counts[-1]:,} experts each; "
         f"stacks with a single owner: {whole:,}",
-    ]
+    ] + ep_line
 
 
 def _excluded_lines(plan: ShardingPlan) -> list[str]:

@@ -683,6 +683,8 @@ class _Builder:
             deps = self.last_rep_reduce.get(i, ()) if R > 1 else self.last_reduce.get(i, ())
             for e in b.entries():
                 reduce_deps[e.fqn] = deps
+            for fqn in b.local:  # expert-parallel stacks: the local gradient, nothing reduced
+                reduce_deps[fqn] = ()
         ns_ids: dict[str | tuple[str, int], int] = {}  # fqn, or (fqn, range) of an expert stack
         tp_entries: dict[tuple[int, int], list] = {}
         owner_groups: dict[tuple[int, ...], list] = {}

@@ -1,0 +1,261 @@
+"""Expert parallelism (ep = N, efsdp = 1, no replicate): each rank's model holds its own
+experts and routes tokens with all_to_all; dmuon owns every rank's experts locally, moves no
+byte for them, and trains as the single-process reference on the global batch.
+
+Plan side (pure): the refusals and their messages, JSON round trip, the cost of an EP plan
+(the non-EP plan's minus the stacks' bytes), boundary lookups, the schedule. Runtime: W = 4
+(ep = 4, ep given) and W = 2 (ep = 2, a 1-D DeviceMesh named "ep") against
+``dmuon.testing.reference_run`` with fp32 Newton-Schulz, the ledger against ``plan.cost``, and
+the state-dict view of the stacks (full logical shape, DTensor Shard(0)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import dmuon
+import dmuon.plan as P
+import dmuon.testing
+from dmuon.plan import ShardingPlan
+from dmuon.plan.records import ExpertOwners
+from dist_utils import run_distributed
+from moe_ep_models import E, full_model, ep_model, global_batches, is_expert, lm_loss
+
+STEPS = 3
+HP = dict(lr=0.02, weight_decay=0.1, adamw_lr=3e-3)
+
+
+# ------------------------------------------------------------------------------ plan side (pure)
+
+
+def test_ep_plan_records_global_stacks_owned_locally():
+    plan = P.compile(ep_model(4, 0), 4, ep=4)
+    stacks = [(s, o) for s, o in zip(plan.params, plan.owners) if s.experts is not None]
+    assert len(stacks) == 6
+    for spec, owner in stacks:
+        assert spec.experts.ep_size == 4 and spec.experts.num_experts == E
+        assert spec.shape[0] == E and spec.local_shape == (E // 4,) + spec.shape[1:]
+        assert spec.local_numel * 4 == spec.numel
+        assert isinstance(owner, ExpertOwners) and owner.local
+        assert owner.ranks == (0, 1, 2, 3) and owner.sizes == (2, 2, 2, 2)
+        assert plan.boundary(spec.fqn) == spec.fqn.split(".moe")[0]
+        assert all(e.fqn != spec.fqn for b in plan.boundaries for e in b.entries())
+    assert plan.ep_size == 4
+    assert ShardingPlan.from_json(plan.to_json()) == plan
+    assert '"local":true' in plan.to_json() and '"ep_size":4' in plan.to_json()
+    plan.schedule().check()
+    ns = [op for op in plan.schedule().ops if op.kind == "newton_schulz" and "layers.0.moe.experts.w1" in op.fqns]
+    assert sorted(op.group for op in ns) == [(0,), (1,), (2,), (3,)] and all(op.deps == () for op in ns)
+    assert "expert-parallel, local" in plan.summary()
+
+
+def test_ep_plan_without_ep_keeps_json():
+    plan = P.compile(full_model(), 4)
+    text = plan.to_json()
+    assert '"local"' not in text and '"ep_size"' not in text and plan.ep_size == 1
+
+
+@pytest.mark.parametrize("world,align", [(4, 1), (2, 1), (4, 16)])
+def test_ep_cost_is_non_ep_cost_minus_stacks(world, align):
+    full = P.compile(full_model(), world, align_numel=align)
+    ep = P.compile(ep_model(world, 0), world, ep=world, align_numel=align)
+    # dense owners do not move: the stacks' ranges were N equal pieces in both plans
+    dense = lambda p: [(s.fqn, o) for s, o in zip(p.params, p.owners) if s.experts is None]  # noqa: E731
+    assert dense(full) == dense(ep)
+    stacks = [s.fqn for s in full.params if s.experts is not None]
+    # the stacks' bytes in the non-EP plan: every forward/backward broadcast and reduce of the
+    # segments, counted without the stacks' entries (same boundary programs, their segments shrunk)
+    assert ep.cost.total_nbytes < full.cost.total_nbytes
+    if align == 1:  # packed without padding: each range entry is its elements + one flag element
+        isz, n = 4, world
+        stack_elems = sum(full.param(f).numel + world for f in stacks)
+        assert full.cost.total_nbytes - ep.cost.total_nbytes == 3 * (n - 1) * isz * stack_elems
+    assert sum(ep.cost.per_rank_nbytes) == ep.cost.total_nbytes
+
+
+def test_ep_mesh_named_ep_implies_ep_n():
+    from torch.distributed.device_mesh import DeviceMesh  # noqa: F401 - a duck-typed mesh below
+
+    class Mesh:
+        shape = (4,)
+        mesh_dim_names = ("ep",)
+
+    plan = P.compile(ep_model(4, 0), Mesh())
+    assert plan.ep_size == 4
+    with pytest.raises(ValueError, match="named 'ep'"):
+        P.compile(ep_model(4, 0), Mesh(), ep=2)
+
+
+def test_ep_refusals():
+    with pytest.raises(ValueError, match="does not divide"):
+        P.compile(ep_model(4, 0), 6, ep=4)
+    with pytest.raises(ValueError, match="efsdp > 1 are not supported yet; use ep = N"):
+        P.compile(ep_model(2, 0), 4, ep=2)
+    with pytest.raises(ValueError, match="EP with HSDP replicas not supported yet"):
+        P.compile(ep_model(2, 0), (2, 2), ep=2)
+    with pytest.raises(ValueError, match="must be an int >= 1"):
+        P.compile(ep_model(2, 0), 2, ep=0)
+    with pytest.raises(ValueError, match="not dedicated"):
+        P.compile(ep_model(2, 0), 2, ep=2, predicate=lambda fqn, p: p.ndim == 2 and fqn.startswith("layers."))
+    with pytest.raises(ValueError, match="not dedicated"):
+        P.compile(ep_model(2, 0), 2, ep=2, experts="off")
+    with pytest.raises(ValueError, match="with tensor parallelism"):
+        P.compile(ep_model(2, 0), 2, ep=2, tp_size=2, tp_shard_dims={"layers.0.qkv.weight": 0})
+    with pytest.raises(ValueError, match="no expert stack"):
+        P.compile(torch.nn.Sequential(torch.nn.Linear(4, 4)), 2, ep=2, hook_boundary_strict=False)
+
+
+def test_ep_dtensor_stack_refused():
+    """A stack held as a DTensor (EP by Shard(0)) is refused with the reason (duck-typed DTensor)."""
+    from dmuon.plan import compile as compile_mod  # noqa: F401
+    import dmuon.plan.snapshot as snap
+
+    real = snap._tp_placement
+
+    def fake(tensor):
+        if tensor.ndim == 3:
+            return 2, 0, ""
+        return real(tensor)
+
+    snap._tp_placement = fake
+    try:
+        with pytest.raises(ValueError, match="is a DTensor.*plain tensor"):
+            P.compile(ep_model(2, 0), 2, ep=2)
+    finally:
+        snap._tp_placement = real
+
+
+def test_ep_plan_validation():
+    plan = P.compile(ep_model(2, 0), 2, ep=2)
+    i = next(i for i, s in enumerate(plan.params) if s.experts is not None)
+    owners = list(plan.owners)
+    owners[i] = dataclasses.replace(owners[i], local=False)
+    with pytest.raises(ValueError, match="expert-parallel"):
+        dataclasses.replace(plan, owners=tuple(owners))
+    with pytest.raises(ValueError, match="rank order"):
+        ExpertOwners(members=tuple(reversed(plan.owners[i].members)), sizes=(4, 4), local=True)
+
+
+# ------------------------------------------------------------------------------ runtime
+
+
+def _worker(ep: int, named_mesh: bool):
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+    from torch.distributed.fsdp import fully_shard
+
+    from dmuon.exec.collectives import LEDGER
+
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = None
+    if named_mesh:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    model = ep_model(ep, rank)
+    plan = dmuon.dedicate_params(model, mesh, **({} if named_mesh else {"ep": ep}))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = dmuon.Muon(model, ns_dtype=torch.float32, **HP)
+    experts = {n: p for n, p in model.named_parameters() if is_expert(n)}
+    assert all(type(p) is torch.nn.Parameter and p._dmuon.ep_local for p in experts.values())
+    losses, ledgers = [], []
+    for batch in global_batches(STEPS, world):
+        local = batch.chunk(world)[rank]
+        LEDGER.reset()
+        loss = lm_loss(model, local)
+        loss.backward()
+        if not losses:  # step 0: the experts' gradients (the global-batch mean's) and the global norm
+            norm = dmuon.clip_grad_norm_(model, 1e9).item()
+            grads = {}
+            for n, p in experts.items():
+                parts = [torch.empty_like(p) for _ in range(world)]
+                dist.all_gather(parts, p.grad.contiguous())
+                grads[n] = torch.cat(parts)
+        opt.step()
+        opt.zero_grad()
+        ledgers.append(LEDGER.total_nbytes())
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+    gathered = {}
+    for n, p in experts.items():
+        parts = [torch.empty_like(p) for _ in range(world)]
+        dist.all_gather(parts, p.detach().contiguous())
+        gathered[n] = torch.cat(parts)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    full = {k: v.detach().clone() for k, v in full.items()}
+    osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    mom = {k: v["momentum_buffer"].shape for k, v in osd["state"].items() if is_expert(k)}
+    # load back (full tensors of the global shape): each rank takes its own experts
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    before = {n: p.detach().clone() for n, p in experts.items()}
+    moms = {n: opt.state[p]["momentum_buffer"].clone() for n, p in experts.items()}
+    with torch.no_grad():
+        for p in experts.values():
+            p.zero_()
+            opt.state[p]["momentum_buffer"].zero_()
+    set_model_state_dict(model, {k: v.clone() for k, v in full.items()}, options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(model, opt, osd, options=StateDictOptions(full_state_dict=True))
+    reloaded = all(torch.equal(p, before[n]) for n, p in experts.items()) and all(
+        torch.equal(opt.state[p]["momentum_buffer"], moms[n]) for n, p in experts.items()
+    )
+    return dict(
+        plan_json=plan.to_json(), losses=losses, ledgers=ledgers, gathered=gathered, full=full, mom=mom, norm=norm, reloaded=reloaded,
+        grads=grads,
+    )
+
+
+def _reference(world: int):
+    ref_plan = P.compile(full_model(), world)
+    proxies = dmuon.testing.proxies_from_plan(ref_plan)
+    return dmuon.testing.reference_run(
+        full_model(), lm_loss, global_batches(STEPS, world), proxies, ns_dtype=torch.float32, **HP
+    )
+
+
+@pytest.mark.parametrize("world,named_mesh", [(4, False), (2, True)])
+def test_ep_matches_single_process_reference(world, named_mesh):
+    results = run_distributed(_worker, world, world, named_mesh, timeout_s=600)
+    ref_losses, ref_state = _reference(world)
+    plan = ShardingPlan.from_json(results[0]["plan_json"])
+    assert plan.ep_size == world
+    loss_dev = max(abs(a - b) / abs(b) for a, b in zip(results[0]["losses"], ref_losses))
+    assert loss_dev < 1e-6, (results[0]["losses"], ref_losses)
+    worst = 0.0
+    for r in results:
+        for key, want in ref_state.items():
+            got = r["gathered"][key] if is_expert(key) else r["full"][key]
+            assert tuple(r["full"][key].shape) == tuple(want.shape), key  # experts: full logical shape
+            dev = (got - want).abs().max().item() / want.abs().max().item()
+            worst = max(worst, dev)
+            assert dev < 1e-4, (key, dev)
+            if is_expert(key):  # the state-dict DTensor is the ranks' experts, in expert order
+                assert torch.equal(r["full"][key], r["gathered"][key]), key
+        assert all(shape[0] == E for shape in r["mom"].values()) and len(r["mom"]) == 6
+        assert r["reloaded"]
+    # gradient scale: a local expert's gradient is the global-batch mean's (the hook's / W), and
+    # dmuon.clip_grad_norm_ counts each rank's experts once (Muon alone would not see a wrong scale)
+    model = full_model()
+    lm_loss(model, global_batches(STEPS, world)[0]).backward()
+    want_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+    for r in results:
+        assert abs(r["norm"] - want_norm) / want_norm < 1e-5, (r["norm"], want_norm)
+        for name, p in model.named_parameters():
+            if is_expert(name):
+                dev = (r["grads"][name] - p.grad).abs().max().item() / p.grad.abs().max().item()
+                assert dev < 1e-5, (name, dev)
+    per_rank = plan.cost.per_rank_nbytes
+    for rank, r in enumerate(results):
+        assert r["ledgers"] == [per_rank[rank]] * STEPS, (rank, r["ledgers"], per_rank[rank])
+    print(f"EP world={world}: loss dev {loss_dev:.2e}, param dev {worst:.2e}, bytes/rank/step {per_rank}")
