@@ -40,14 +40,12 @@ from dmuon.plan import (
     ByteCost,
     ExpertOwners,
     ExpertStack,
-    LayoutEntry,
     MatrixView,
     Owner,
     ParamSpec,
-    Segment,
     ShardingPlan,
-    SubSegment,
 )
+from dmuon.plan.layout import LayoutEntry, Segment, SubSegment
 from moe_models import GroupedLM
 
 W1, W2, W3 = (f"layers.0.moe.experts.w{i}" for i in (1, 2, 3))
