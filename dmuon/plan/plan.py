@@ -147,6 +147,8 @@ class ShardingPlan:
     qk_clip: QKClip | None = None
     # FQN lookup tables, built once at construction (__post_init__, or _unflatten); never written after
     _index: dict | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    # (nominal step schedule, its ByteCost): derived once at construction, like _index; never written after
+    _nominal: tuple | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
@@ -252,6 +254,15 @@ class ShardingPlan:
                     if rows.fqn not in index["alias"]:
                         raise ValueError(f"ShardingPlan: qk_clip names {rows.fqn!r}, which is not a dedicated parameter")
         object.__setattr__(self, "_index", index)
+        object.__setattr__(self, "_nominal", self._build_nominal())
+
+    def _build_nominal(self) -> tuple:
+        """The nominal step's schedule and its :class:`ByteCost` (what :attr:`cost`,
+        :meth:`schedule` with no step and :meth:`rank_stats` read), computed once per plan."""
+        from .step_schedule import schedule
+
+        sched = schedule(self)
+        return sched, _cost.schedule_byte_cost(sched)
 
     def _build_index(self) -> dict:
         canonical: dict[str, int] = {}
@@ -420,7 +431,10 @@ class ShardingPlan:
 
     def schedule(self, step: Any = None) -> Any:
         """:func:`dmuon.plan.step_schedule.schedule` of this plan: every rank's ops for ``step``
-        (a :class:`~dmuon.plan.step_schedule.Step`; None = the nominal step)."""
+        (a :class:`~dmuon.plan.step_schedule.Step`; None = the nominal step, built once with
+        the plan)."""
+        if step is None and self._nominal is not None:
+            return self._nominal[0]
         from .step_schedule import schedule
 
         return schedule(self, step)
@@ -428,7 +442,10 @@ class ShardingPlan:
     @property
     def cost(self) -> ByteCost:
         """:class:`ByteCost`: DMuon bytes per step summed over all ranks (+ per rank), summed
-        from the nominal step's schedule (:func:`~dmuon.plan.cost.schedule_byte_cost`)."""
+        from the nominal step's schedule (:func:`~dmuon.plan.cost.schedule_byte_cost`); computed
+        once, when the plan is built."""
+        if self._nominal is not None:
+            return self._nominal[1]
         return _cost.schedule_byte_cost(self.schedule())
 
     def _baseline_params(self) -> tuple[ParamSpec, ...]:
@@ -463,12 +480,11 @@ class ShardingPlan:
     def rank_stats(self) -> tuple[_cost.RankStats, ...]:
         """Per-rank :class:`~dmuon.plan.cost.RankStats` of this plan (schedule ranks: the mesh
         rank, or ``(replicate*N + shard)*T + tp`` with TP), from the nominal schedule."""
-        sched = self.schedule()
         return _cost.rank_stats(
             self.params,
             self.owners,
-            sched,
-            _cost.schedule_byte_cost(sched),
+            self.schedule(),
+            self.cost,
             mesh_shape=self.mesh_shape,
             reshard_after_forward=self.reshard_after_forward,
             tp_size=self.tp_size,
@@ -590,11 +606,14 @@ def _unflatten(meta: tuple, children) -> ShardingPlan:
     object.__setattr__(plan, "params", params)
     object.__setattr__(plan, "owners", owners)
     object.__setattr__(plan, "boundaries", boundaries)
-    try:  # lookups of a plan of records; a plan mapped to other leaves has none
+    try:  # lookups and the nominal schedule of a plan of records; a plan mapped to other leaves has none
         index = plan._build_index()
-    except (AttributeError, TypeError, ValueError):
-        index = None
+        object.__setattr__(plan, "_index", index)
+        nominal = plan._build_nominal()
+    except (AttributeError, TypeError, ValueError, KeyError):
+        index = nominal = None
     object.__setattr__(plan, "_index", index)
+    object.__setattr__(plan, "_nominal", nominal)
     return plan
 
 
