@@ -249,6 +249,27 @@ CELLS = [
         "assert sims['adamw'].step_s < sims['z3'].step_s < sims['naive'].step_s"
     ),
     new_markdown_cell(
+        "## Mixture-of-Experts\n\n"
+        "3-D expert stacks (here Qwen3-30B-A3B's fused `gate_up_proj` `(128, 1536, 2048)` and `down_proj` "
+        "`(128, 2048, 768)` in every layer) are dedicated by default: every expert is its own Muon matrices "
+        "(gate and up split) and a stack's experts are owned by min(E, N) ranks in contiguous ranges. "
+        "Before (`experts='off'` with `matrix_predicate`: each stack one parameter with one owner) the "
+        "largest owner carries whole stacks. See `docs/moe.md`."
+    ),
+    new_code_cell(
+        "from dmuon.plan.render import expert_lines\n"
+        "\n"
+        "qwen = P.presets.qwen3_30b_a3b()\n"
+        "after = P.compile(qwen, 64)\n"
+        "before = P.compile(qwen, 64, predicate=P.matrix_predicate(qwen), experts='off')\n"
+        "print('\\n'.join(expert_lines(after)))\n"
+        "for name, p in (('before: one owner per stack', before), ('after: expert ranges', after)):\n"
+        "    owned = p.owned_numel\n"
+        "    print(f'{name}: owned max/mean {max(owned) / (sum(owned) / len(owned)):.2f}')\n"
+        "owners = after.expert_owners('model.layers.0.mlp.experts.gate_up_proj')  # one Owner per expert\n"
+        "print(f'layer 0 gate_up_proj: {len(owners)} experts on {len({o.rank for o in owners})} ranks, expert 0 on rank {owners[0].rank}')"
+    ),
+    new_markdown_cell(
         "## Round trip and fingerprint\n\nPlans serialise losslessly; ranks compare fingerprints at apply time."
     ),
     new_code_cell(

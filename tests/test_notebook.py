@@ -51,3 +51,6 @@ def test_notebook_executes():
     assert "Llama-3-70B, HSDP 8x128, owner groups: 1024 ranks, 0 own nothing" in text
     assert "Llama-3-405B, N=1024, owner groups: 1024 ranks, 0 own nothing" in text
     assert "ownership: 142 of 1,024 ranks own nothing" in text
+    assert "experts: 96 stacks, 12,288 experts, 18,432 Muon matrices" in text
+    assert "before: one owner per stack: owned max/mean 1.29" in text
+    assert "after: expert ranges: owned max/mean 1.01" in text

@@ -114,3 +114,30 @@ def test_plan_owner_groups_flag(tmp_path, capsys):
     with pytest.raises(SystemExit):  # an argparse error, not a traceback
         main_plan(["--model", "tiny-llama", "--mesh", "4", "--tp", "2", "--owner-groups", "2"])
     assert "not supported with tensor parallelism" in capsys.readouterr().err
+
+
+def test_moe_presets_shapes_and_plan():
+    """The HF fused-layout MoE presets: real shapes on the meta device (Qwen3-30B-A3B 30.5 B
+    parameters, DeepSeek-V3-like 671 B), expert stacks recognised as 'hf', fused gate/up split."""
+    import dmuon.plan as P
+    from dmuon.plan.presets import PRESETS
+
+    qwen = PRESETS["qwen3-30b-a3b"]()
+    shapes = {n: tuple(p.shape) for n, p in qwen.named_parameters()}
+    assert round(sum(p.numel() for p in qwen.parameters()) / 1e9, 2) == 30.53
+    assert shapes["model.layers.0.mlp.experts.gate_up_proj"] == (128, 1536, 2048)
+    assert shapes["model.layers.47.mlp.experts.down_proj"] == (128, 2048, 768)
+    assert shapes["model.layers.0.mlp.gate.weight"] == (128, 2048)
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == (4096, 2048)
+    assert shapes["model.layers.0.self_attn.k_proj.weight"] == (512, 2048)
+    ds = PRESETS["deepseek-v3"]()
+    shapes = {n: tuple(p.shape) for n, p in ds.named_parameters()}
+    assert round(sum(p.numel() for p in ds.parameters()) / 1e9, 2) == 671.03
+    assert shapes["model.layers.2.mlp.gate_proj.weight"] == (18432, 7168)  # dense layers 0-2
+    assert shapes["model.layers.3.mlp.experts.gate_up_proj"] == (256, 4096, 7168)
+    assert shapes["model.layers.60.mlp.shared_experts.down_proj.weight"] == (7168, 2048)
+    assert shapes["model.layers.3.self_attn.kv_b_proj.weight"] == (32768, 512)
+    plan = P.compile(qwen, 8)
+    spec = plan.param("model.layers.0.mlp.experts.gate_up_proj")
+    assert spec.experts.layout == "hf" and spec.matrix_shape == (768, 2048) and spec.num_matrices == 256
+    assert len(set(plan.expert_owners(spec.fqn))) == 8

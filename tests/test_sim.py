@@ -861,3 +861,47 @@ def test_simulate_accepts_the_plan_selection_options(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:  # the same refusal as `plan`
         main(["simulate", *tp, "--hw", "a100", "--owner-groups", "2"])
     assert e.value.code == 2 and "--owner-groups with --tp" in capsys.readouterr().err
+
+
+def test_expert_plans_simulate_with_the_models_top_k_and_range_batches(monkeypatch):
+    """Expert plans (several owners per stack) simulate: the workload's expert FLOPs follow the
+    model's routing ``top_k`` (``model_top_k``, the CLI's default), and a batched NS call counts an
+    owner's range of experts, not the whole stack (one NS op per range)."""
+    import sys
+
+    from dmuon.plan.presets import hf_moe
+    from dmuon.plan.records import ExpertOwners
+    from dmuon.sim.workload import from_plan, model_top_k
+
+    m = hf_moe(num_layers=2, hidden=64, num_experts=8, moe_ffn=32, top_k=4, vocab=128, num_heads=4,
+               num_kv_heads=2, head_dim=16)
+    assert model_top_k(m) == 4 and model_top_k(torch_linear()) == 2
+    plan = P.compile(m, 4)
+    assert sum(1 for p in plan.params if p.experts is not None) == 4
+    wl2, wl4 = (from_plan(plan, tokens_per_rank=256, seq_len=256, top_k=k) for k in (2, 4))
+    dense = from_plan(plan, tokens_per_rank=256, seq_len=256, top_k=0).forward_flops
+    assert wl4.forward_flops - dense == pytest.approx(2 * (wl2.forward_flops - dense), rel=1e-6)
+    batches = []
+    sim_mod = sys.modules["dmuon.sim.simulate"]
+    real = sim_mod.ns_batch_factor_at
+    monkeypatch.setattr(sim_mod, "ns_batch_factor_at", lambda hw, d, b: batches.append(b) or real(hw, d, b))
+    hw = _cpu(ns_dtype="torch.float32", ns_efficiency=((16.0, 0.5), (512.0, 0.5)),
+              ns_batch_factor=((32.0, 4.0, 0.8), (32.0, 16.0, 0.7)))
+    s = S.simulate(plan, hw, wl4, variant="z3")
+    assert s.step_s > 0 and s.ns_s > 0
+    owned = [0] * 4  # Muon matrices each rank orthogonalises
+    for spec, o in zip(plan.params, plan.owners):
+        if isinstance(o, ExpertOwners):
+            for member, size in zip(o.members, o.sizes):
+                owned[member.rank] += size * spec.experts.matrices_per_expert
+        else:
+            owned[o.rank] += spec.num_matrices
+    # a call holds at most the matrices its rank owns (a range op counted as its whole stack's
+    # 16 / 8 matrices overshot this)
+    assert batches and max(batches) <= max(owned), (sorted(set(batches)), owned)
+
+
+def torch_linear():
+    import torch
+
+    return torch.nn.Linear(2, 2)

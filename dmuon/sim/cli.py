@@ -61,7 +61,7 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
     from ..plan.presets import PRESETS
     from . import hardware as H
     from .simulate import VARIANTS, simulate
-    from .workload import from_plan
+    from .workload import from_plan, model_top_k
 
     parser = argparse.ArgumentParser(prog="python -m dmuon simulate",
                                      description="Simulated step time of dmuon Z2/Z3 and the alternatives (no GPU needed).")
@@ -71,6 +71,9 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tokens-per-rank", type=int, default=8192, help="tokens per rank per step")
     parser.add_argument("--seq-len", type=int, default=None, help="sequence length (default: min(tokens, 8192))")
     parser.add_argument("--mode", choices=("z2", "z3"), default=None, help="only this dmuon mode")
+    parser.add_argument("--top-k", type=int, default=None, metavar="K",
+                        help="experts each token visits in 3-D expert stacks (default: the model's routing "
+                        "top_k, e.g. 8 for qwen3-30b-a3b and deepseek-v3; 2 when the model names none)")
     add_selection_args(parser, cost_model_default="ns_flops")  # the same options as `plan`
     parser.add_argument("--json", metavar="FILE", default=None, help="write every variant's figures as JSON")
     parser.add_argument("--png", metavar="FILE", default=None, help="draw rank 0's timeline of each variant (matplotlib)")
@@ -83,6 +86,8 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
             parser.error(f"the folder of {f!r} does not exist")
     if args.tokens_per_rank < 1:
         parser.error("--tokens-per-rank must be >= 1")
+    if args.top_k is not None and args.top_k < 1:
+        parser.error(f"--top-k must be >= 1, got {args.top_k}")
     if args.seq_len is not None and not 1 <= args.seq_len <= args.tokens_per_rank:
         parser.error(f"--seq-len must be between 1 and --tokens-per-rank ({args.tokens_per_rank:,}), got {args.seq_len}")
     try:
@@ -106,7 +111,8 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
         hw = dataclasses.replace(hw, ranks_per_node=R * N * plan.tp_size)
     seq = args.seq_len or min(args.tokens_per_rank, 8192)
     wl = from_plan(plan, tokens_per_rank=args.tokens_per_rank, seq_len=seq,
-                   activation_dtype="torch.bfloat16" if gpu else "torch.float32")
+                   activation_dtype="torch.bfloat16" if gpu else "torch.float32",
+                   top_k=args.top_k or model_top_k(model))
     variants = [v for v in VARIANTS if args.mode is None or v not in ("z2", "z3") or v == args.mode]
     sims = {}
     for v in variants:

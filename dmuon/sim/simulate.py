@@ -243,15 +243,17 @@ def _work_s(hw: Hardware, w: Work, factor: float, dtype: str, itemsize: int) -> 
 
 
 def _ns_s(hw: Hardware, wl: Workload, spec: Any, flops: int, batch_factor: float = 1.0,
-          backend: str = "standard") -> float:
+          backend: str = "standard", numel: int | None = None) -> float:
     """One matrix's Muon update: the Newton-Schulz call (calibrated as a whole where the record has
     ``ns_efficiency`` — on the Gram curve for ``backend="gram"``,
     :func:`~dmuon.sim.hardware.ns_call_s` — else its matmuls on the plain curve plus its norm / axpy passes) times
     ``batch_factor`` (its share of a batched call, :func:`_ns_batch_factors`), and the update's
     elementwise work (momentum, Nesterov, decay, apply: 6 passes, ``muon_ops_per_matrix``);
-    matmuls times the busy-node matmul factor, passes times the memory factor."""
+    matmuls times the busy-node matmul factor, passes times the memory factor. ``numel``: the
+    elements the op updates (default ``spec.local_numel``; an expert stack's range op: its share,
+    :func:`_op_numel`)."""
     isz = itemsize_nbytes(spec.dtype)
-    numel = spec.local_numel
+    numel = spec.local_numel if numel is None else numel
     busy_c, busy_m = busy_factors(hw)
     update = busy_m * elementwise_s(hw, 6 * numel * isz, wl.muon_ops_per_matrix)
     d = ns_mean_dim(*spec.matrix_shape)
@@ -261,6 +263,16 @@ def _ns_s(hw: Hardware, wl: Workload, spec: Any, flops: int, batch_factor: float
     passes = elementwise_s(hw, 2 * _rules.NS_STEPS * numel * itemsize_nbytes(hw.ns_dtype),
                            wl.ns_ops_per_step * _rules.NS_STEPS)
     return (busy_c * mm + busy_m * passes) * batch_factor + update
+
+
+def _op_numel(spec: Any, flops: int) -> int:
+    """Elements a Newton-Schulz op of ``spec`` updates: the whole parameter, or for an expert
+    stack's op over one owner's range of experts (its FLOPs a share of the stack's), that share
+    of the stack's elements (every expert of a stack has the same size)."""
+    if spec.experts is None:
+        return spec.local_numel
+    total = _cost.spec_ns_flops(spec)
+    return spec.local_numel if total <= 0 or flops >= total else spec.local_numel * flops // total
 
 
 def _owner_group_fqns(plan: Any) -> set[str]:
@@ -300,7 +312,11 @@ def _ns_batch_factors(ops: Sequence[Op], specs: dict[str, Any], grouped: set[str
         spec = specs[op.fqns[0]]
         if spec.tp_size > 1 or spec.fqn in grouped:
             continue
-        if spec.view is None:
+        if spec.experts is not None and spec.view is None:  # an op covers one owner's range of experts
+            total = _cost.spec_ns_flops(spec)
+            count = spec.num_matrices if total <= 0 else max(1, round(spec.num_matrices * op.flops / total))
+            entries = [(tuple(spec.matrix_shape), count)]
+        elif spec.view is None:
             entries = [(tuple(spec.matrix_shape), spec.num_matrices)]
         else:
             entries = [(block, 1) for block in spec.matrices]
@@ -410,7 +426,7 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
         elif kind == "newton_schulz":
             spec = specs[op.fqns[0]]
             backend = _ns_backend(spec, grouped) if dmuon else "standard"  # the baselines: torch's iteration
-            secs = _ns_s(hw, wl, spec, op.flops, batch_factors.get(op.id, 1.0), backend) * over
+            secs = _ns_s(hw, wl, spec, op.flops, batch_factors.get(op.id, 1.0), backend, _op_numel(spec, op.flops)) * over
             if not dmuon:  # FSDP2 shards: DTensor dispatch of the update's operators
                 secs += wl.muon_ops_per_matrix * hw.dtensor_op_s * over
             s = _SimOp(kind, op.fqns[0], op.group, deps, False, secs, ns=True)

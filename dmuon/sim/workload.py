@@ -59,7 +59,7 @@ from typing import Any
 
 from ..plan.records import itemsize_nbytes
 
-__all__ = ["Work", "Workload", "from_plan", "ACTIVATION_BYTES_PER_TOKEN_HIDDEN"]
+__all__ = ["Work", "Workload", "from_plan", "model_top_k", "ACTIVATION_BYTES_PER_TOKEN_HIDDEN"]
 
 #: activation bytes per token and hidden unit of one transformer layer in bf16 with flash
 #: attention (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
@@ -235,6 +235,17 @@ def _unit_work(fqn: str, label: str, params: list[tuple[str, tuple[int, ...]]], 
     return Work(fqn=fqn, label=label, matmuls=tuple(matmuls), attention_flops=att, attention_d=att_d,
                 attention_head_d=att_head_d, elementwise_nbytes=int(elem), norm_numel=int(norm_numel),
                 activation_numel=int(act_numel), ops=ops, activation_nbytes=int(act))
+
+
+def model_top_k(model: Any, default: int = 2) -> int:
+    """The experts per token of ``model``'s routing: the first integer ``top_k`` attribute of its
+    modules (``dmuon.plan.presets``' MoE blocks, ``dmuon.train``'s :class:`~dmuon.train.model.MoE`,
+    transformers' ``top_k`` on most MoE blocks), else ``default``."""
+    for module in model.modules():
+        k = getattr(module, "top_k", None)
+        if isinstance(k, int) and not isinstance(k, bool) and k > 0:
+            return k
+    return default
 
 
 def from_plan(plan: Any, *, tokens_per_rank: int, seq_len: int, micro_batches: int = 1,

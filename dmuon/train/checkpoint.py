@@ -56,10 +56,15 @@ RUN_FLAGS = (
     "optimizer", "steps", "batch", "seq_len", "d_model", "n_layers", "n_heads", "d_mlp",
     "lr", "adamw_lr", "weight_decay", "adamw_weight_decay", "warmup", "cooldown_frac",
     "seed", "data", "val_fraction", "ns_dtype", "qk_clip", "matrix_views",
+    "experts", "top_k", "aux_loss_coef",
 )
 """Flags that define the run: a resumed run must be given the same values (anything else --
 mesh, world size, Z2/Z3, logging, evaluation -- may change). ``ns_dtype`` is compared after
 ``auto`` is resolved, so a CPU run and a CUDA run differ there."""
+
+_ADDED_FLAG_DEFAULTS = {"experts": 0, "top_k": 2, "aux_loss_coef": 0.01}
+"""Run flags added after checkpoints were first written: a checkpoint without one was saved
+with its default (the dense model)."""
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
@@ -108,7 +113,7 @@ def latest_checkpoint(path: str) -> str | None:
 
 def run_flags(args: argparse.Namespace, ns_dtype: str) -> dict[str, Any]:
     """The values of :data:`RUN_FLAGS` for this run (``ns_dtype`` resolved)."""
-    flags = {k: getattr(args, k) for k in RUN_FLAGS}
+    flags = {k: getattr(args, k, _ADDED_FLAG_DEFAULTS.get(k)) for k in RUN_FLAGS}
     flags["ns_dtype"] = ns_dtype
     return flags
 
@@ -195,7 +200,7 @@ def load_checkpoint(
     holder = {"train": ""}
     dcp.load(holder, checkpoint_id=found)
     train = json.loads(holder["train"])
-    saved = train["flags"]
+    saved = {**_ADDED_FLAG_DEFAULTS, **train["flags"]}
     diff = {k: (saved.get(k), v) for k, v in flags.items() if saved.get(k) != v}
     if diff:
         lines = ", ".join(f"--{k.replace('_', '-')} {s!r} (given {g!r})" for k, (s, g) in diff.items())

@@ -95,7 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--d-model", type=int, default=128)
     g.add_argument("--n-layers", type=int, default=4)
     g.add_argument("--n-heads", type=int, default=4)
-    g.add_argument("--d-mlp", type=int, default=512)
+    g.add_argument("--d-mlp", type=int, default=512, help="MLP hidden width (each expert's with --experts)")
+    g.add_argument("--experts", type=int, default=0, metavar="E",
+                   help="Mixture-of-Experts MLP of E SwiGLU experts in every block (router 'gate', "
+                   "3-D stacks experts.w1/w3/w2, token-choice top-k); 0 = the dense MLP")
+    g.add_argument("--top-k", type=int, default=2, metavar="K", help="with --experts: experts per token")
+    g.add_argument("--aux-loss-coef", type=float, default=0.01,
+                   help="with --experts: weight of the Switch-style load-balancing loss added to the LM loss")
 
     g = p.add_argument_group("data and output")
     g.add_argument("--data", default=None,
@@ -152,6 +158,13 @@ def _validate(args: argparse.Namespace) -> None:
                  "save_every"):
         if getattr(args, name) <= 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be positive")
+    if args.experts < 0 or (args.experts and not 1 <= args.top_k <= args.experts):
+        raise SystemExit(f"--experts must be >= 0 and --top-k in [1, --experts], got --experts {args.experts} "
+                         f"--top-k {args.top_k}")
+    if args.aux_loss_coef < 0:
+        raise SystemExit(f"--aux-loss-coef must be >= 0, got {args.aux_loss_coef}")
+    if args.experts and args.tp > 1:
+        raise SystemExit("--experts with --tp: tensor parallelism of the MoE model is not supported")
     if args.qk_clip is not None and not args.qk_clip > 0:
         raise SystemExit(f"--qk-clip must be a positive threshold, got {args.qk_clip}")
     if args.eval_every < 0 or args.warmup < 0 or not 0.0 <= args.cooldown_frac <= 1.0:

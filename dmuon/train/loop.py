@@ -70,6 +70,8 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
         n_heads=args.n_heads,
         d_mlp=args.d_mlp,
         seq_len=args.seq_len,
+        n_experts=getattr(args, "experts", 0),
+        top_k=getattr(args, "top_k", 2),
     )
 
 
@@ -261,14 +263,21 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     )
 
     tokens_per_step = args.batch * args.seq_len
+    aux_coef = float(getattr(args, "aux_loss_coef", 0.0)) if cfg.n_experts else 0.0
     log(
         f"dmuon train | world {world} ({device.type}, {dist.get_backend()}) | "
         f"mesh {'x'.join(map(str, mesh_shape))}{f' x tp {tp}' if tp > 1 else ''} | "
         f"optimizer {args.optimizer} | mode {args.mode} | ns {ns_name} | seed {args.seed}"
     )
+    moe_desc = ""
+    if cfg.n_experts:
+        per_expert = 3 * cfg.d_model * cfg.d_mlp * cfg.n_layers
+        active = n_params - (cfg.n_experts - cfg.top_k) * per_expert
+        moe_desc = (f" | MoE: {cfg.n_experts} experts, top-{cfg.top_k}, aux-loss coef {aux_coef}, "
+                    f"{active:,} active parameters per token")
     log(
         f"model: {cfg.n_layers} layers, d_model {cfg.d_model}, heads {cfg.n_heads}, "
-        f"d_mlp {cfg.d_mlp}, seq_len {cfg.seq_len}, {n_params:,} parameters"
+        f"d_mlp {cfg.d_mlp}, seq_len {cfg.seq_len}, {n_params:,} parameters{moe_desc}"
     )
     log(
         f"data: {corpus.description}: {corpus.train.size:,} train / {corpus.val.size:,} val "
@@ -278,11 +287,16 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if plan is not None:
         dedicated_numel = sum(plan.param(f).numel for f in plan.dedicated)
         log(
-            f"plan: {len(plan.dedicated)} dedicated matrices ({dedicated_numel:,} elements), "
+            f"plan: {len(plan.dedicated)} dedicated params "
+            f"({sum(plan.param(f).num_matrices for f in plan.dedicated)} Muon matrices, {dedicated_numel:,} elements), "
             f"owned elements per rank {list(plan.owned_numel)}, "
             f"{plan_cost.total_nbytes:,} B/step over all ranks "
             f"(per rank {list(plan_cost.per_rank_nbytes)})"
         )
+        from dmuon.plan.render import expert_lines
+
+        for line in expert_lines(plan):  # MoE: the plan summary's experts line
+            log(line)
     log(f"unigram baseline (train -> val): {unigram:.4f} nats/token")
 
     def evaluate() -> float:
@@ -296,6 +310,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         return float(acc[0] / acc[1])
 
     history_qk: list[list[float]] = []  # [step, clipped heads, max logit] at log steps (--qk-clip)
+    history_aux: list[list[float]] = []  # [step, aux loss, min, max expert share] at log steps (--experts)
     history_train: list[list[float]] = []
     history_val: list[list[float]] = []
     history_val_time: list[float] = []  # training wall time (s) at each validation
@@ -312,6 +327,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         history_val = [list(e) for e in state.history["val"]]
         history_val_time = list(state.history["val_train_time_s"])
         history_qk = [list(e) for e in state.history.get("qk_clip", [])]
+        history_aux = [list(e) for e in state.history.get("moe", [])]
         log(f"resumed from {state.path} at step {start_step}/{args.steps}")
     elif args.eval_every > 0:
         v0 = evaluate()
@@ -323,6 +339,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         out = {"train": history_train, "val": history_val, "val_train_time_s": history_val_time}
         if history_qk:
             out["qk_clip"] = history_qk
+        if history_aux:
+            out["moe"] = history_aux
         return out
 
     n_phases = len(LEDGER_PHASES)
@@ -341,7 +359,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         _sync(device)
         t0 = time.perf_counter()
         loss = lm_loss(model(x), y)
-        loss.backward()
+        aux = model.aux_loss() if cfg.n_experts else None
+        (loss + aux_coef * aux if aux is not None and aux_coef else loss).backward()
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
@@ -368,6 +387,16 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 f"{tokens_per_step * interval_steps / max(interval_time, 1e-9):,.0f} tok/s"
             )
             interval_time, interval_steps = 0.0, 0
+            if aux is not None:  # the last step's load balance, over all ranks
+                load = model.expert_load().to(comm_device, torch.float64)
+                stats = torch.cat([aux.detach().reshape(1).to(comm_device, torch.float64), load.flatten()])
+                dist.all_reduce(stats)
+                share = stats[1:].view_as(load)
+                share = share / share.sum(-1, keepdim=True)
+                aux_last = float(stats[0]) / world
+                share_min, share_max = float(share.min()), float(share.max())
+                history_aux.append([step, aux_last, share_min, share_max])
+                msg += f" | aux {aux_last:.3f}, expert share {share_min:.3f}-{share_max:.3f}"
             if LEDGER is not None:
                 step_bytes = ledger_step.to(comm_device)
                 dist.all_reduce(step_bytes)
@@ -424,6 +453,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "seq_len": args.seq_len,
         "tokens_per_step": tokens_per_step,
         "n_params": n_params,
+        "experts": cfg.n_experts,
+        "top_k": cfg.top_k if cfg.n_experts else None,
+        "final_aux_loss": history_aux[-1][1] if history_aux else None,
         "data": corpus.description,
         "first_train_loss": history_train[0][1],
         "final_train_loss": history_train[-1][1],

@@ -15,9 +15,20 @@ Parameter names (what the planner and the hook-boundary heuristic see)::
     norm.weight                        (d_model,)              RMSNorm       -> AdamW
     lm_head.weight                     (vocab_size, d_model)   Linear        -> AdamW (outside every block)
 
+With ``n_experts = E > 0`` (``python -m dmuon train --experts E --top-k K``) every block's MLP is
+a Mixture-of-Experts (:class:`MoE`, torchtitan ``GroupedExperts`` layout, SwiGLU experts of
+hidden width ``d_mlp``) instead::
+
+    layers.{i}.mlp.gate.weight         (E, d_model)            Linear router -> Muon (dedicated)
+    layers.{i}.mlp.experts.w1          (E, d_mlp, d_model)     expert stack  -> Muon, E matrices
+    layers.{i}.mlp.experts.w3          (E, d_mlp, d_model)     expert stack  -> Muon, E matrices
+    layers.{i}.mlp.experts.w2          (E, d_model, d_mlp)     expert stack  -> Muon, E matrices
+
 The "-> Muon" column is what dmuon's default predicate selects: every 2-D parameter inside a
-hook boundary (``layers.{i}``) that is not an ``nn.Embedding`` weight. ``lm_head`` sits outside
-the blocks, so it stays with FSDP2 + AdamW, as is usual for Muon.
+hook boundary (``layers.{i}``) that is not an ``nn.Embedding`` weight, and every recognised 3-D
+expert stack (each expert its own Muon matrix, the stack's experts owned by min(E, N) ranks in
+contiguous ranges; docs/moe.md). ``lm_head`` sits outside the blocks, so it stays with FSDP2 +
+AdamW, as is usual for Muon.
 
 Every linear layer has ``bias=False``; positions are learned (``pos_embed``), so the model holds
 no buffers and builds on the ``meta`` device as well as on a real one.
@@ -32,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPTConfig", "GPT", "Block", "Attention", "MLP", "lm_loss", "per_head_views", "qk_clip_spec"]
+__all__ = ["GPTConfig", "GPT", "Block", "Attention", "MLP", "MoE", "GroupedExperts", "lm_loss", "per_head_views", "qk_clip_spec"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,6 +59,9 @@ class GPTConfig:
         seq_len: maximum sequence length (rows of ``pos_embed``), in tokens.
         tie_embeddings: share ``lm_head.weight`` with ``embed.weight`` (default False).
         norm_eps: epsilon of the RMSNorms.
+        n_experts: 0 (default) = dense MLP; ``E > 0`` = a Mixture-of-Experts MLP of ``E``
+            SwiGLU experts of hidden width ``d_mlp`` in every block (:class:`MoE`).
+        top_k: experts per token (token-choice routing), ``1 <= top_k <= n_experts``.
     """
 
     vocab_size: int = 256
@@ -58,11 +72,18 @@ class GPTConfig:
     seq_len: int = 64
     tie_embeddings: bool = False
     norm_eps: float = 1e-6
+    n_experts: int = 0
+    top_k: int = 2
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_mlp", "seq_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"GPTConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.n_experts < 0 or (self.n_experts and not 1 <= self.top_k <= self.n_experts):
+            raise ValueError(
+                f"GPTConfig: n_experts must be >= 0 and 1 <= top_k <= n_experts, got n_experts="
+                f"{self.n_experts}, top_k={self.top_k}"
+            )
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}"
@@ -114,15 +135,88 @@ class MLP(nn.Module):
         return self.down_proj(F.gelu(self.up_proj(x)))
 
 
+class GroupedExperts(nn.Module):
+    """``E`` SwiGLU experts as 3-D stacks in torchtitan's ``GroupedExperts`` layout, each expert's
+    slice in ``nn.Linear`` ``(out, in)`` orientation: ``w1``, ``w3`` ``(E, d_mlp, d_model)``
+    (gate and up), ``w2`` ``(E, d_model, d_mlp)`` (down). Expert ``e`` maps ``x`` to
+    ``w2[e] @ (silu(w1[e] @ x) * (w3[e] @ x))``.
+
+    The forward loops over the experts with ``index_select`` / ``index_add`` (no grouped GEMM:
+    fine on CPU and for this job's sizes); an expert that no token reached still gets a zero
+    gradient slice, since the stack's gradient is one tensor.
+    """
+
+    def __init__(self, num_experts: int, d_model: int, d_mlp: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, d_mlp, d_model))
+        self.w3 = nn.Parameter(torch.empty(num_experts, d_mlp, d_model))
+        self.w2 = nn.Parameter(torch.empty(num_experts, d_model, d_mlp))
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x: (T, d_model); idx, weights: (T, K) routed experts and their weights -> (T, d_model)."""
+        out = torch.zeros_like(x)
+        flat_idx = idx.reshape(-1)
+        flat_w = weights.reshape(-1, 1).to(x.dtype)
+        token = torch.arange(x.shape[0], device=x.device).repeat_interleave(idx.shape[1])
+        order = torch.argsort(flat_idx, stable=True)  # token slots grouped by expert
+        counts = torch.bincount(flat_idx, minlength=self.num_experts).tolist()
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            slots = order[start : start + n]
+            start += n
+            rows = token.index_select(0, slots)
+            h = x.index_select(0, rows)
+            h = F.silu(h @ self.w1[e].t()) * (h @ self.w3[e].t())
+            out = out.index_add(0, rows, (h @ self.w2[e].t()) * flat_w.index_select(0, slots))
+        return out
+
+
+class MoE(nn.Module):
+    """Token-choice top-k Mixture-of-Experts MLP: router ``gate`` ``nn.Linear(d_model, E)``, the
+    softmax over all ``E`` router logits, then each token's ``top_k`` largest probabilities as
+    its experts' weights (not renormalised), experts :class:`GroupedExperts`.
+
+    After each forward, :attr:`aux_loss` holds the Switch-Transformer load-balancing loss of that
+    forward, ``E · Σ_e f_e · P_e`` (``f_e``: fraction of the token slots routed to expert ``e``,
+    ``P_e``: mean router probability of ``e``; 1.0 when the load is uniform), which the training
+    loop adds to the LM loss times ``--aux-loss-coef`` so that experts stay used.
+    """
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.num_experts = cfg.n_experts
+        self.gate = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
+        self.experts = GroupedExperts(cfg.n_experts, cfg.d_model, cfg.d_mlp)
+        self.aux_loss: torch.Tensor | None = None
+        self.expert_load: torch.Tensor | None = None  # (E,) token slots per expert, last forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (B, T, d_model) -> (B, T, d_model)."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        probs = self.gate(flat).float().softmax(-1)  # (T, E)
+        weights, idx = probs.topk(self.top_k, dim=-1)  # (T, K)
+        load = torch.bincount(idx.reshape(-1), minlength=self.num_experts)
+        frac = load.to(probs.dtype) / idx.numel()
+        self.aux_loss = self.num_experts * (frac * probs.mean(0)).sum()
+        self.expert_load = load.detach()
+        return self.experts(flat, idx, weights).view(shape)
+
+
 class Block(nn.Module):
-    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (``mlp`` an
+    :class:`MLP`, or an :class:`MoE` when ``cfg.n_experts > 0``)."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.n_experts else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, T, d_model) -> (B, T, d_model)."""
@@ -166,7 +260,8 @@ class GPT(nn.Module):
         """Deterministic init (GPT-2 style).
 
         Norm weights = 1; embeddings and linear weights ~ N(0, 0.02²), except the residual
-        output projections ``o_proj`` / ``down_proj``, whose std is 0.02 / sqrt(2 · n_layers).
+        output projections ``o_proj`` / ``down_proj`` / ``experts.w2``, whose std is
+        0.02 / sqrt(2 · n_layers).
         Draws are made on the CPU with a generator seeded by ``seed`` and copied to the
         parameter's device, so the values do not depend on the device or the global RNG.
         """
@@ -177,7 +272,7 @@ class GPT(nn.Module):
             if p.ndim == 1:
                 p.fill_(1.0)
                 continue
-            s = resid_std if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+            s = resid_std if name.endswith(("o_proj.weight", "down_proj.weight", "experts.w2")) else std
             draw = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, s, generator=gen)
             p.copy_(draw)
 
@@ -191,6 +286,22 @@ class GPT(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.lm_head(self.norm(x))
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """Mean over blocks of the MoE load-balancing losses of the last forward
+        (:attr:`MoE.aux_loss`); None for the dense model."""
+        losses = [layer.mlp.aux_loss for layer in self.layers if isinstance(layer.mlp, MoE)]
+        if not losses or any(loss is None for loss in losses):
+            return None
+        return torch.stack(losses).mean()
+
+    def expert_load(self) -> torch.Tensor | None:
+        """(n_layers, E) token slots routed to each expert in the last forward (this rank's
+        tokens); None for the dense model."""
+        loads = [layer.mlp.expert_load for layer in self.layers if isinstance(layer.mlp, MoE)]
+        if not loads or any(load is None for load in loads):
+            return None
+        return torch.stack(loads)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -243,6 +354,8 @@ def apply_tensor_parallel(model: GPT, tp_mesh) -> None:
 
     T = tp_mesh.size()
     cfg = model.cfg
+    if cfg.n_experts:
+        raise ValueError("tensor parallelism of the MoE model is not supported (--experts with --tp)")
     if cfg.n_heads % T or cfg.d_mlp % T:
         raise ValueError(f"tensor parallel degree {T} must divide n_heads={cfg.n_heads} and d_mlp={cfg.d_mlp}")
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}

@@ -15,9 +15,11 @@ __all__ = ["plot_runs"]
 
 
 def _label(m: dict[str, Any]) -> str:
+    experts = m.get("experts") or 0
+    moe = f", MoE {experts} experts top-{m['top_k']}" if experts else ""
     if m["optimizer"] == "adamw":
-        return "FSDP2 + AdamW"
-    return f"dmuon ({m['mode'].upper()}, NS {m['ns_dtype']})"
+        return f"FSDP2 + AdamW{moe}"
+    return f"dmuon ({m['mode'].upper()}, NS {m['ns_dtype']}{moe})"
 
 
 def plot_runs(runs: Sequence[dict[str, Any]], path: str) -> None:

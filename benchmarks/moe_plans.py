@@ -1,0 +1,74 @@
+"""Mixture-of-Experts plans before and after expert ranges (docs/planning.md, "Mixture-of-Experts").
+
+    python benchmarks/moe_plans.py [--models qwen3-30b-a3b deepseek-v3] [--meshes 64 256]
+
+For each preset (meta device, no GPU, no process group) and mesh, two plans:
+
+* before: ``predicate=dmuon.plan.matrix_predicate(model), experts="off"`` -- every 3-D expert
+  stack is one Muon parameter with a single owner (what selecting the stacks meant before expert
+  support; ``python -m dmuon plan --experts off --all-matrices``);
+* after: the defaults (``experts="auto"``, ``expert_gate_up="split"``) -- every expert its own
+  Muon matrices, a stack's experts owned by min(E, N) ranks in contiguous ranges.
+
+Columns: ranks owning nothing; owned elements max/mean over ranks; the busiest rank's
+Newton-Schulz FLOPs per step; bytes per rank per step (max of ``plan.cost.per_rank_nbytes``);
+peak transient buffer (max of ``plan.rank_stats()`` ``peak_transient_nbytes``); the Muon matrix
+count; and ``compile`` wall time (seconds, this machine). Storage fp32, Z3, cost model numel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import dmuon.plan as P  # noqa: E402
+from dmuon.plan.presets import PRESETS  # noqa: E402
+
+GIB = 2**30
+
+
+def row(model, mesh: int, before: bool) -> dict:
+    """The table's figures of one plan."""
+    kw = dict(predicate=P.matrix_predicate(model), experts="off") if before else {}
+    t0 = time.perf_counter()
+    plan = P.compile(model, mesh, **kw)
+    compile_s = time.perf_counter() - t0
+    owned = plan.owned_numel
+    stats = plan.rank_stats()
+    return dict(
+        empty=sum(1 for n in owned if n == 0),
+        max_mean=max(owned) / (sum(owned) / len(owned)),
+        ns_tflop=max(s.ns_flops for s in stats) / 1e12,
+        bytes_gib=max(plan.cost.per_rank_nbytes) / GIB,
+        peak_gib=max(s.peak_transient_nbytes for s in stats) / GIB,
+        matrices=sum(p.num_matrices for p in plan.params),
+        compile_s=compile_s,
+    )
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["qwen3-30b-a3b", "deepseek-v3"], choices=sorted(PRESETS))
+    ap.add_argument("--meshes", nargs="+", type=int, default=[64, 256])
+    args = ap.parse_args(argv)
+    print("| model | ranks | plan | Muon matrices | ranks owning nothing | owned max/mean | busiest-rank NS TFLOP "
+          "| bytes/rank/step (max) | peak transient (max) | compile s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name in args.models:
+        model = PRESETS[name]()
+        for mesh in args.meshes:
+            for before in (True, False):
+                r = row(model, mesh, before)
+                label = "before: one owner per stack" if before else "after: expert ranges (default)"
+                print(f"| {name} | {mesh} | {label} | {r['matrices']:,} | {r['empty']} | {r['max_mean']:.2f} "
+                      f"| {r['ns_tflop']:.1f} | {r['bytes_gib']:.1f} GiB | {r['peak_gib']:.2f} GiB | {r['compile_s']:.1f} |",
+                      flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
