@@ -772,6 +772,7 @@ _DTENSOR_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.distributed  # a process group in a subprocess
 def test_adamw_on_dtensors_bit_identical():
     proc = subprocess.run(
         [sys.executable, "-c", _DTENSOR_SCRIPT],

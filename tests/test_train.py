@@ -243,6 +243,7 @@ def test_world_size_invariance(optimizer):
     assert two["final_val_loss"] == pytest.approx(one["final_val_loss"], rel=1e-6)
 
 
+@pytest.mark.distributed  # a process group in a subprocess
 def test_cli_end_to_end(tmp_path):
     """``python -m dmuon train`` spawns its 2 ranks itself and writes --json."""
     out = tmp_path / "metrics.json"
