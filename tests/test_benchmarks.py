@@ -13,6 +13,8 @@ import math
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO_ROOT
 
 SCRIPT = REPO_ROOT / "benchmarks" / "step_time.py"
@@ -26,6 +28,7 @@ ROW_KEYS = {
 }
 
 
+@pytest.mark.distributed  # a process group in a subprocess
 def test_step_time_quick(tmp_path):
     out_json = tmp_path / "bench.json"
     out_png = tmp_path / "bench.png"
@@ -85,8 +88,6 @@ GPU_CHECK = REPO_ROOT / "benchmarks" / "gpu_check.py"
 def test_gpu_check_arguments():
     """Argument parsing of benchmarks/gpu_check.py (importable without a GPU)."""
     import importlib.util
-
-    import pytest
     import torch
 
     spec = importlib.util.spec_from_file_location("gpu_check", GPU_CHECK)
@@ -104,6 +105,7 @@ def test_gpu_check_arguments():
             mod.parse_args([])  # --device cuda is the default and needs a GPU
 
 
+@pytest.mark.distributed  # a process group in a subprocess
 def test_gpu_check_cpu_fallback(tmp_path):
     """The CPU fallback of both parts: NS rows, and dmuon's 1-rank run against torch.optim.Muon +
     AdamW, once through gloo and once through the identity collectives the GPU run may need."""
@@ -127,6 +129,7 @@ def test_gpu_check_cpu_fallback(tmp_path):
             assert all(r["tflops"] > 0 and r["peak_tflops"] > 0 for r in data["ns"])
 
 
+@pytest.mark.distributed  # a process group in a subprocess
 def test_gpu_check_fails_on_mismatch():
     """A loss outside the tolerance (here: any, with a negative one) exits 1 and says FAIL."""
     proc = subprocess.run(

@@ -18,7 +18,7 @@ import copy
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from shared_launch import shared_run
 from oracle import dmuon_optimizer, global_batches, lm_loss, make_model
 
 
@@ -141,9 +141,18 @@ def _worker(mesh_shape):
     return log
 
 
-@pytest.mark.parametrize("mesh_shape", [None, (2, 1)], ids=["n2", "hsdp_2x1"])
+MESH_SHAPES = [None, (2, 1)]
+
+
+def _meshes_worker(mesh_shapes):
+    return [_worker(mesh_shape) for mesh_shape in mesh_shapes]
+
+
+@pytest.mark.parametrize("mesh_shape", MESH_SHAPES, ids=["n2", "hsdp_2x1"])
 def test_reduce_buffers_reused_released_and_one_flag_read(mesh_shape):
-    results = run_distributed(_worker, 2, mesh_shape, timeout_s=180)
+    # both meshes in one launch of 2 ranks; this test reads its mesh's results
+    runs = shared_run("test_exec_buffers", _meshes_worker, 2, MESH_SHAPES, timeout_s=2 * 180)
+    results = [r[MESH_SHAPES.index(mesh_shape)] for r in runs]
     assert any(r["owned"] for r in results)
     for rank, log in enumerate(results):
         for key in ("err0", "err_acc", "err_after_none", "err_after_zero"):

@@ -1,7 +1,8 @@
 """Runtime oracle tests (issue #3): processes + gloo against single-process Muon + AdamW.
 
-One process group per world size runs every configuration (Z2/Z3 x bf16/fp32 NS x models), since
-process start-up dominates on 2 cores. Each case checks, against the single-process reference
+One process group per world size runs every configuration of that size (Z2/Z3 x bf16/fp32 NS x
+models, the 1-D mesh and the HSDP meshes; each still its own test), since process start-up
+dominates on 2 cores. Each case checks, against the single-process reference
 of ``tests/oracle.py``:
 
 * losses (fp32 NS: 1e-6 relative; bf16 NS: 2e-3 relative — see BF16_* below),
@@ -21,8 +22,8 @@ import math
 import pytest
 import torch
 
-from dist_utils import run_distributed
 from dmuon.testing import BF16_LOSS_RTOL, BF16_PARAM_TOL, FP32_LOSS_RTOL, FP32_PARAM_TOL
+from shared_launch import shared_run
 from oracle import dmuon_optimizer, global_batches, lm_loss, make_model, reference_run
 
 STEPS = 3
@@ -121,22 +122,45 @@ def _worker(cases, mesh_shape=None, replicate_async=True):
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+WORLDS = [1, 2, 3, 4]
+HSDP_CASES = [("tiny", True, True), ("tiny", False, True), ("two", True, False)]
+HSDP_MESHES = [((2, 2), True), ((2, 2), False), ((2, 1), True), ((1, 4), False), ((3, 1), False)]
+
+
+def _configs(world):
+    """Every configuration of one world size, run in ONE launch (``label, cases, mesh_shape,
+    replicate_async``): the 1-D mesh, then the HSDP meshes of that size."""
+    out = [(f"world={world}", CASES, None, True)]
+    for mesh_shape, replicate_async in HSDP_MESHES:
+        if mesh_shape[0] * mesh_shape[1] == world:
+            out.append((f"mesh={mesh_shape} replicate_async={replicate_async}", HSDP_CASES, mesh_shape, replicate_async))
+    return out
+
+
+def _configs_worker(configs):
+    return [_worker(cases, mesh_shape, replicate_async) for _, cases, mesh_shape, replicate_async in configs]
+
+
+def _results(world, label):
+    """Every rank's results of configuration ``label``, from the launch of its world size."""
+    configs = _configs(world)
+    runs = shared_run(("test_exec_oracle", world), _configs_worker, world, configs, timeout_s=240 * len(configs))
+    i = [c[0] for c in configs].index(label)
+    return [r[i] for r in runs]
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_matches_single_process_muon_adamw(world):
-    results = run_distributed(_worker, world, CASES, timeout_s=240)
+    results = _results(world, f"world={world}")
     _check_against_oracle(results, CASES, f"world={world}")
 
 
-HSDP_CASES = [("tiny", True, True), ("tiny", False, True), ("two", True, False)]
-
-
-@pytest.mark.parametrize(
-    "mesh_shape, replicate_async", [((2, 2), True), ((2, 2), False), ((2, 1), True), ((1, 4), False), ((3, 1), False)]
-)
+@pytest.mark.parametrize("mesh_shape, replicate_async", HSDP_MESHES)
 def test_hsdp_matches_single_process_muon_adamw(mesh_shape, replicate_async):
     world = mesh_shape[0] * mesh_shape[1]
-    results = run_distributed(_worker, world, HSDP_CASES, mesh_shape, replicate_async, timeout_s=240)
-    _check_against_oracle(results, HSDP_CASES, f"mesh={mesh_shape} replicate_async={replicate_async}")
+    label = f"mesh={mesh_shape} replicate_async={replicate_async}"
+    results = _results(world, label)
+    _check_against_oracle(results, HSDP_CASES, label)
 
 
 def _check_against_oracle(results, cases, label):

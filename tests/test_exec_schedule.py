@@ -193,11 +193,16 @@ HSDP_CASES = [("tiny", True, 1), ("tiny", False, 2), ("repeat", True, 1), ("gate
 TP_CASES = [("gram", True, 1), ("gather", False, 2)]
 
 
+def _hsdp_and_tp_worker():
+    return _dp_worker(HSDP_CASES, (2, 2)), _tp_worker(TP_CASES)
+
+
 def test_runtime_issues_the_schedule_hsdp_and_tp():
-    """HSDP (2, 2) and TP (dp 2 x tp 2), in one 4-rank process group each."""
-    results = run_distributed(_dp_worker, 4, HSDP_CASES, (2, 2), timeout_s=300)
+    """HSDP (2, 2) and TP (dp 2 x tp 2), one after the other in one 4-rank process group."""
+    runs = run_distributed(_hsdp_and_tp_worker, 4, timeout_s=2 * 300)
+    results = [r[0] for r in runs]
     _check(results, HSDP_CASES, lambda case, plan: _step(case[0], case[2], plan), "HSDP (2, 2)")
-    results = run_distributed(_tp_worker, 4, TP_CASES, timeout_s=300)
+    results = [r[1] for r in runs]
     _check(results, TP_CASES, lambda case, plan: _step("gpt", case[2], plan), "TP dp=2 x tp=2")
     tp_plan = P.ShardingPlan.from_json(results[0][0][0])
     assert tp_plan.tp_size == 2 and any(op.phase == "tp" for op in tp_plan.schedule().ops)

@@ -27,6 +27,7 @@ import torch
 
 from attn_models import AttnLM
 from dist_utils import run_distributed
+from shared_launch import shared_run
 from oracle import HP, dmuon_muon_kwargs, dmuon_optimizer, fp32_newton_schulz, global_batches, lm_loss
 
 import dmuon
@@ -508,11 +509,22 @@ def _cases(mesh: str):
     ]
 
 
-@pytest.mark.timeout(300)
+def _two_rank_worker():
+    """Everything of W = 2 in one launch: the TP views and the main job first, then the 1-D
+    oracle cases (they end with the step that raises)."""
+    return _tp_and_main_job_worker(), _worker(_cases("1d"), (2,), True)
+
+
+def _two_rank_results(which):
+    runs = shared_run("test_muon_variants W=2", _two_rank_worker, 2, timeout_s=280 + 180)
+    return [r[{"tp_and_main_job": 0, "1d": 1}[which]] for r in runs]
+
+
+@pytest.mark.timeout(300 + 200)  # the launch it shares with test_views_tp_local_and_main_job
 def test_variants_oracle_1d():
     """W = 2, 1-D: per-head views (GQA and MHA, o_proj column blocks), QK-clip's MHA rule, and
     the error of a step in which no layer reported."""
-    results = run_distributed(_worker, 2, _cases("1d"), (2,), True, timeout_s=280)
+    results = _two_rank_results("1d")
     report = []
     _check(results, report, expect_error=True)
     print(report)
@@ -584,12 +596,12 @@ def _tp_and_main_job_worker():
     return _tp_worker(), run(job)
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(300 + 200)  # the launch it shares with test_variants_oracle_1d
 def test_views_tp_local_and_main_job():
     """Per-head views under TP (dp=1, tp=2); then, in the same process group, the main job with
     ``--qk-clip 0.02 --matrix-views per-head`` (1-D over both ranks): it logs clipped heads and
     the largest logit at every log step, and its bytes per step equal the plan's."""
-    results = run_distributed(_tp_and_main_job_worker, 2, timeout_s=180)
+    results = _two_rank_results("tp_and_main_job")
     job = results[0][1]
     assert job["ledger_nbytes_per_step"] == job["plan_total_nbytes"] and job["ledger_phase_nbytes_per_step"]["qk_clip"] > 0
     steps = job["history"]["qk_clip"]

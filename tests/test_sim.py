@@ -603,10 +603,27 @@ def test_early_ns_is_a_reordering(tiny):
 def test_hsdp_replicate_broadcast_is_deferred():
     plan = P.compile(P.presets.tiny_llama(), (2, 2))
     wl = S.from_plan(plan, tokens_per_rank=512, seq_len=128)
+
+    def last_replicate_broadcast_end(sim):
+        return max(i.end_s for tl in sim.timelines.values() for i in tl if i.label.startswith("replicate_broadcast"))
+
+    # one node (a100: 8 ranks per node): the broadcasts finish under the optimizer step, nothing runs past it
     sim = S.simulate(plan, H.preset("a100"), wl)
     sync = S.simulate(dataclasses.replace(plan, replicate_async=False), H.preset("a100"), wl)
     assert sim.step_s <= sync.step_s
-    assert sim.deferred_comm_s >= 0.0
+    assert last_replicate_broadcast_end(sim) < sim.step_s
+    assert sim.deferred_comm_s == 0.0 and sync.deferred_comm_s == 0.0
+    # replicas on two nodes over a slow link: the broadcasts outlast the step. deferred_comm_s is how
+    # far the last one runs past step_s, and the synchronous step waits for exactly that much more
+    a100 = H.preset("a100")
+    slow = dataclasses.replace(a100, ranks_per_node=2, curves=(),
+                               inter=dataclasses.replace(a100.inter, bandwidth_Bps=a100.inter.bandwidth_Bps / 100))
+    sim = S.simulate(plan, slow, wl)
+    sync = S.simulate(dataclasses.replace(plan, replicate_async=False), slow, wl)
+    assert sim.deferred_comm_s > 0.0
+    assert sim.deferred_comm_s == pytest.approx(last_replicate_broadcast_end(sim) - sim.step_s, rel=1e-12)
+    assert sync.deferred_comm_s == 0.0
+    assert sync.step_s == pytest.approx(sim.step_s + sim.deferred_comm_s, rel=1e-9)
 
 
 # ------------------------------------------------------------------ invariants (hypothesis)

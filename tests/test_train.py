@@ -19,6 +19,7 @@ import torch
 
 from conftest import REPO_ROOT, SHARED_DATA
 from dist_utils import run_distributed
+from shared_launch import shared_run
 
 from dmuon.train.data import (
     DEFAULT_CORPUS_NBYTES,
@@ -221,17 +222,39 @@ def test_adamw_baseline_runs():
     assert m["plan_total_nbytes"] is None
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "dmuon"])
+INVARIANCE_OPTIMIZERS = ["adamw", "dmuon"]
+
+
+def _invariance_cases(world):
+    """The runs of every optimizer of test_world_size_invariance at one world size, in order."""
+    out = []
+    for optimizer in INVARIANCE_OPTIMIZERS:
+        case = dict(SHORT, optimizer=optimizer)
+        if world == 1:
+            out.append(case)
+        else:
+            out += [case, dict(case, tp=2)] + ([dict(case, mesh="2x1")] if optimizer == "dmuon" else [])
+    return out
+
+
+def _invariance_runs(world, optimizer):
+    """This optimizer's runs from the one launch of ``world`` ranks that runs every optimizer's."""
+    cases = _invariance_cases(world)
+    runs = shared_run(("test_world_size_invariance", world), _train_cases, world, cases,
+                      timeout_s=240 * len(INVARIANCE_OPTIMIZERS))[0]
+    return [r for c, r in zip(cases, runs) if c["optimizer"] == optimizer]
+
+
+@pytest.mark.parametrize("optimizer", INVARIANCE_OPTIMIZERS)
 def test_world_size_invariance(optimizer):
     """The global batch does not depend on N: 1 and 2 ranks give the same losses (up to
     reduction order; fp32 Newton-Schulz), on the embedded stdlib corpus; so does ``--tp 2``
     (one data-parallel rank, tensor parallel over 2; with this model's shapes every matrix is
     gathered, so the standard iteration runs: 1e-5, TP's row-parallel sums reorder); for dmuon
-    also an HSDP mesh ``--mesh 2x1`` (2 replicate groups of 1 shard); ledgers match plans."""
-    case = dict(SHORT, optimizer=optimizer)
-    (one,) = run_distributed(_train_cases, 1, [case], timeout_s=240)[0]
-    cases = [case, dict(case, tp=2)] + ([dict(case, mesh="2x1")] if optimizer == "dmuon" else [])
-    two, tp, *hsdp = run_distributed(_train_cases, 2, cases, timeout_s=240)[0]
+    also an HSDP mesh ``--mesh 2x1`` (2 replicate groups of 1 shard); ledgers match plans.
+    Both optimizers' runs share one launch per world size."""
+    (one,) = _invariance_runs(1, optimizer)
+    two, tp, *hsdp = _invariance_runs(2, optimizer)
     assert tp["tp"] == 2
     np.testing.assert_allclose([loss for _, loss in tp["history"]["train"]],
                                [loss for _, loss in one["history"]["train"]], rtol=1e-5)
@@ -251,6 +274,7 @@ def test_world_size_invariance(optimizer):
     assert two["final_val_loss"] == pytest.approx(one["final_val_loss"], rel=1e-6)
 
 
+@pytest.mark.distributed  # a process group in a subprocess
 def test_cli_end_to_end(tmp_path):
     """``python -m dmuon train`` spawns its 2 ranks itself and writes --json."""
     out = tmp_path / "metrics.json"

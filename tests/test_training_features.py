@@ -1,6 +1,6 @@
 """Training for real (issue #6): each feature against the single-process oracle.
 
-One process group per mesh runs every case (N = 2, N = 3, HSDP (2, 1)):
+One process group per world size runs every case (N = 2 with HSDP (2, 1), N = 3):
 
 * gradient accumulation, reduce every micro-batch vs ``dmuon.no_sync``: gas=4 equals the
   oracle on the same global batch (so gas=4 equals gas=1); reduce traffic x4 vs x1; one NS per
@@ -34,6 +34,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
+from shared_launch import shared_run
 from oracle import HP, dmuon_optimizer, global_batches, lm_loss, make_model, reference_optimizers, reference_run
 
 STEPS = 3
@@ -255,14 +256,30 @@ def _check(results, cases, label):
                 assert torch.equal(full[k], init[k]), (where, k)
 
 
+def _configs_worker(configs):
+    return [_worker(cases, mesh_shape) for cases, mesh_shape in configs]
+
+
+def _results(world, which):
+    """Every rank's results of configuration ``which`` ("1d" or "hsdp"): N = 2 runs the 1-D
+    cases and the HSDP (2, 1) cases in one launch, N = 3 the 1-D cases."""
+    configs = {"1d": (CASES, None)}
+    if world == 2:
+        configs["hsdp"] = (HSDP_CASES, (2, 1))
+    timeout_s = 300 + (200 if world == 2 else 0)
+    runs = shared_run(("test_training_features", world), _configs_worker, world, list(configs.values()), timeout_s=timeout_s)
+    i = list(configs).index(which)
+    return [r[i] for r in runs]
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_training_features_match_oracle(world):
-    results = run_distributed(_worker, world, CASES, timeout_s=300)
+    results = _results(world, "1d")
     _check(results, CASES, f"world={world}")
 
 
 def test_training_features_hsdp():
-    results = run_distributed(_worker, 2, HSDP_CASES, (2, 1), timeout_s=200)
+    results = _results(2, "hsdp")
     _check(results, HSDP_CASES, "mesh=(2, 1)")
 
 

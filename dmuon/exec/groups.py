@@ -2,6 +2,23 @@
 
 :func:`mesh_rank_table` reads a mesh argument as a rank table ``table[replicate][shard]``;
 :meth:`MeshGroups.build` creates dmuon's own groups for it (a collective over the world).
+
+Groups are cached. :meth:`MeshGroups.build` asks for its groups as one *rank table* (the tuple
+of the rank lists of every group it creates, in creation order, the same on every rank) and
+reuses the groups of an earlier build with the same table and backend under the same default
+process group, so a second ``dedicate_params`` / ``apply`` in one process group (another model,
+a test's next case) makes no ``new_group`` call. ``new_group`` is a collective: every rank must
+make the same calls in the same order, so the cache is consulted the same way on every rank:
+its key holds nothing rank-local, and its contents change only through calls every rank makes
+(a build, :func:`release_groups`, the default group being replaced), never through garbage
+collection, whose timing differs between ranks.
+
+Lifetime: the groups live as long as the default group. ``dist.destroy_process_group()``
+destroys them with every other group, and the cache forgets them as soon as it sees that the
+default group is gone or replaced (a re-initialised world gets fresh groups).
+:func:`release_groups` (on every rank, once no dmuon runtime uses them) destroys them earlier.
+Runtimes built from the same table share the groups; their collectives are issued in program
+order on every rank, as FSDP2's modules share one group.
 """
 
 from __future__ import annotations
@@ -9,13 +26,73 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import dataclasses
+import weakref
 from typing import Any
 
 import torch.distributed as dist
 
 from dmuon.plan import mesh_dim_roles, normalize_mesh
 
-__all__ = ["mesh_rank_table", "mesh_tp_ranks", "MeshGroups"]
+__all__ = ["mesh_rank_table", "mesh_tp_ranks", "MeshGroups", "release_groups", "cached_group_tables"]
+
+# (rank table, backend) -> its groups, in table order; valid under the default group that
+# _CACHE_WORLD refers to (weakly: the cache must not keep a destroyed world alive)
+_CACHE: dict[tuple[tuple[tuple[int, ...], ...], str], tuple[Any, ...]] = {}
+_CACHE_WORLD: weakref.ref | None = None
+
+
+def _current_cache() -> dict:
+    """The cache of the current default group (emptied when that group changed: torch destroyed
+    the old groups along with the old default group)."""
+    global _CACHE_WORLD
+    world = dist.distributed_c10d._get_default_group()
+    if _CACHE_WORLD is None or _CACHE_WORLD() is not world:
+        _CACHE.clear()
+        _CACHE_WORLD = weakref.ref(world)
+    return _CACHE
+
+
+def _groups_for(table: tuple[tuple[int, ...], ...]) -> tuple[Any, ...]:
+    """One process group per rank list of ``table`` (``dist.new_group`` in table order), or the
+    groups an earlier call made for the same table and backend under this default group.
+    Collective: every rank calls it with the same table."""
+    cache = _current_cache()
+    key = (table, str(dist.get_backend()))
+    groups = cache.get(key)
+    if groups is None:
+        groups = cache[key] = tuple(dist.new_group(ranks=list(members)) for members in table)
+    return groups
+
+
+def cached_group_tables() -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """The rank tables whose groups are cached under the current default group (none without one)."""
+    if not dist.is_initialized():
+        return ()
+    return tuple(table for table, _ in _current_cache())
+
+
+def release_groups() -> int:
+    """Destroy every process group dmuon cached under the current default group; returns how many
+    this rank destroyed (those it is a member of).
+
+    Call it on every rank at the same point, once no dmuon runtime built on them is used any more
+    (a later ``dedicate_params`` creates fresh groups). Not needed before
+    ``dist.destroy_process_group()``, which destroys them too.
+    """
+    global _CACHE_WORLD
+    if not dist.is_initialized():
+        _CACHE.clear()
+        _CACHE_WORLD = None
+        return 0
+    cache = _current_cache()
+    doomed = [g for groups in cache.values() for g in groups]
+    cache.clear()
+    n = 0
+    for g in reversed(doomed):  # reverse creation order on every rank, as torch's own teardown
+        if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
+            dist.destroy_process_group(g)
+            n += 1
+    return n
 
 
 def mesh_rank_table(
@@ -167,44 +244,54 @@ class MeshGroups:
         if len(found) != 1:
             raise ValueError(f"dmuon: rank {me} appears {len(found)} times in mesh {tables}")
         my_t, my_r, my_s = found[0]
+        if owner_groups and tp_tables is not None:
+            raise ValueError("dmuon: owner groups with tensor parallelism are not supported")
         R, N = len(ranks), len(ranks[0])
-        shard_group = replicate_group = tp_group = None
+        # The rank list of every group, in creation order (the same on every rank: nothing below
+        # depends on this rank's coordinates), and which of them this rank uses.
+        specs: list[tuple[int, ...]] = []
+
+        def want(members) -> int:
+            specs.append(tuple(members))
+            return len(specs) - 1
+
+        shard_i = replicate_i = tp_i = job_i = None
         for t, tab in enumerate(tables):  # every rank creates every group, same order
             for r, row in enumerate(tab):
-                g = dist.new_group(ranks=list(row))
+                i = want(row)
                 if (t, r) == (my_t, my_r):
-                    shard_group = g
+                    shard_i = i
             if R > 1:
                 for s in range(N):
-                    g = dist.new_group(ranks=[tab[r][s] for r in range(R)])
+                    i = want(tab[r][s] for r in range(R))
                     if (t, s) == (my_t, my_s):
-                        replicate_group = g
+                        replicate_i = i
         T = len(tables) if tp_tables is not None else 1
-        tp_ranks: tuple[int, ...] = ()
         if T > 1:
             for r in range(R):
                 for s in range(N):
-                    members = [tab[r][s] for tab in tables]
-                    g = dist.new_group(ranks=members)
+                    i = want(tab[r][s] for tab in tables)
                     if (r, s) == (my_r, my_s):
-                        tp_group, tp_ranks = g, tuple(members)
+                        tp_i = i
         # the ranks of one job (global reductions such as clip_grad_norm_): all tables with TP,
         # each table on its own for independent sub-meshes; None when that is the whole world
-        job_group = None
         if peer_tables is not None and tp_tables is None:
             for t, tab in enumerate(tables):
-                g = dist.new_group(ranks=sorted(x for row in tab for x in row))
+                i = want(sorted(x for row in tab for x in row))
                 if t == my_t:
-                    job_group = g
-        owner_group_pgs = {}
-        if owner_groups and tp_tables is not None:
-            raise ValueError("dmuon: owner groups with tensor parallelism are not supported")
+                    job_i = i
+        owner_i = {}
         for t, tab in enumerate(tables):  # every rank creates every table's owner groups, same order
             flat = [x for row in tab for x in row]
             for members in owner_groups:
-                g = dist.new_group(ranks=sorted(flat[m] for m in members))
+                i = want(sorted(flat[m] for m in members))
                 if t == my_t and my_r * N + my_s in members:
-                    owner_group_pgs[tuple(members)] = g
+                    owner_i[tuple(members)] = i
+        pgs = _groups_for(tuple(specs))
+        pick = lambda i: None if i is None else pgs[i]  # noqa: E731
+        shard_group, replicate_group, tp_group, job_group = map(pick, (shard_i, replicate_i, tp_i, job_i))
+        tp_ranks = specs[tp_i] if tp_i is not None else ()
+        owner_group_pgs = {members: pgs[i] for members, i in owner_i.items()}
         return MeshGroups(
             owner_group_pgs=owner_group_pgs,
             mesh_ranks=tables[my_t],
