@@ -123,8 +123,8 @@ def test_auto_newton_schulz_is_the_backend_it_picks(shape, backend):
 
 def _tagged(model: nn.Module, plan) -> list[torch.Tensor]:
     """Tag the plan's matrices as a live runtime would (owner everywhere), with a runtime that
-    carries ``plan``."""
-    rt = types.SimpleNamespace(plan=plan)
+    carries ``plan`` (and no model: ``model_ref()`` is None, as for a runtime whose model is gone)."""
+    rt = types.SimpleNamespace(plan=plan, model_ref=lambda: None)
     params = dict(model.named_parameters())
     for spec in plan.params:
         params[spec.fqn]._dmuon = types.SimpleNamespace(
