@@ -80,15 +80,12 @@ plan, and busiest-rank NS FLOPs <= 1.05 x total / N (meaningful with ``--cost-mo
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import math
 import os
-import pickle
 import platform
 import resource
-import socket
 import statistics
 import sys
 import tempfile
@@ -592,47 +589,20 @@ def _summarise(v: Variant, per_rank: list[dict], rss: list[float], world: int) -
 # ==============================================================================================
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rank_entry(job: dict) -> Any:
+    """One rank of a launch (in the group :func:`dmuon._launch.run_distributed` set up; on CUDA
+    rank i on ``cuda:i``): a 1-D mesh over the world, then ``job["body"]``."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
 
+    import dmuon  # noqa: F401  (fully_shard integration)
 
-def _rank_entry(rank: int, world: int, port: int, out_dir: str, job: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    path = os.path.join(out_dir, f"{rank}.pkl")
-    try:
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-
-        import dmuon  # noqa: F401  (fully_shard integration)
-
-        if job["device"] == "cuda":
-            torch.cuda.set_device(rank)
-            device = torch.device("cuda", rank)
-            backend = "nccl"
-        else:
-            device = torch.device("cpu")
-            backend = "gloo"
-        if job["threads"] > 0:
-            torch.set_num_threads(job["threads"])
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(minutes=30))
-        mesh = init_device_mesh(device.type, (world,))
-        results = (job.get("body") or _bench_body)(mesh, device, job)
-        dist.barrier()
-        dist.destroy_process_group()
-        payload = pickle.dumps((True, results))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        payload = pickle.dumps((False, traceback.format_exc()))
-        with open(path, "wb") as f:
-            f.write(payload)
-        sys.stderr.flush()
-        os._exit(1)
-    with open(path + ".tmp", "wb") as f:
-        f.write(payload)
-    os.replace(path + ".tmp", path)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", rank) if job["device"] == "cuda" else torch.device("cpu")
+    mesh = init_device_mesh(device.type, (world,))
+    results = (job.get("body") or _bench_body)(mesh, device, job)
+    dist.barrier()
+    return results
 
 
 def _bench_body(mesh, device: torch.device, job: dict) -> list[dict] | None:
@@ -653,48 +623,17 @@ def _bench_body(mesh, device: torch.device, job: dict) -> list[dict] | None:
 
 
 def launch(world: int, job: dict, timeout_s: float) -> Any:
-    """Spawn ``world`` processes (gloo on CPU, NCCL on CUDA), each running
+    """Spawn ``world`` processes (:func:`dmuon._launch.run_distributed`: gloo on CPU with
+    ``torch.set_num_threads(job["threads"])``, NCCL on CUDA), each running
     ``job["body"](mesh, device, job)`` (default: :func:`_bench_body`, every size of ``job``)
-    in an initialised group with a 1-D mesh; return rank 0's return value."""
-    import torch.multiprocessing as mp
+    in an initialised group with a 1-D mesh; return rank 0's return value. A failed rank raises
+    ``DistributedError`` with its traceback, a run past ``timeout_s`` ``DistributedTimeout``."""
+    from dmuon._launch import run_distributed
 
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="dmuon-bench-") as out_dir:
-        job = dict(job, tmp=out_dir)
-        port = _free_port()
-        procs = [ctx.Process(target=_rank_entry, args=(r, world, port, out_dir, job), daemon=True)
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout_s
-        try:
-            while True:
-                codes = [p.exitcode for p in procs]
-                if any(c not in (None, 0) for c in codes):
-                    time.sleep(0.5)
-                    msgs = []
-                    for r in range(world):
-                        fp = os.path.join(out_dir, f"{r}.pkl")
-                        if os.path.exists(fp):
-                            ok, val = pickle.load(open(fp, "rb"))
-                            if not ok:
-                                msgs.append(f"rank {r}:\n{val}")
-                    raise RuntimeError(f"benchmark at N={world} failed:\n" + ("\n".join(msgs) or str(codes)))
-                if all(c == 0 for c in codes):
-                    break
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"benchmark at N={world} did not finish in {timeout_s:.0f} s")
-                time.sleep(0.1)
-            ok, val = pickle.load(open(os.path.join(out_dir, "0.pkl"), "rb"))
-            if not ok:
-                raise RuntimeError(val)
-            return val
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-            for p in procs:
-                p.join(timeout=10)
+    backend = "nccl" if job["device"] == "cuda" else "gloo"
+    with tempfile.TemporaryDirectory(prefix="dmuon-bench-") as tmp:
+        return run_distributed(_rank_entry, world, dict(job, tmp=tmp), timeout_s=timeout_s,
+                               backend=backend, threads=job["threads"])[0]
 
 
 # ==============================================================================================

@@ -1,7 +1,9 @@
 """Run a function on W local processes that share one gloo process group, with a hard timeout.
 
-The package's one process launcher for CPU multi-rank runs: :func:`dmuon.testing.check_against_reference`
-and the test suite (``tests/dist_utils.py`` re-exports these names) use it. Process start-up
+The package's one launcher of local ranks: the test suite (``tests/dist_utils.py`` re-exports
+these names), :func:`dmuon.testing.check_against_reference`, ``python -m dmuon train``
+(:func:`dmuon.train.launch.run`), the simulator's calibration (:mod:`dmuon.sim.calibrate`) and the
+benchmarks (``benchmarks/step_time.py``) use it. Process start-up
 (importing torch) dominates on a small machine, so a caller should run several cases inside
 ONE call: ``fn`` loops over its cases and returns one picklable result per rank::
 
@@ -15,17 +17,20 @@ ONE call: ``fn`` loops over its cases and returns one picklable result per rank:
 Guarantees:
 * every rank runs ``fn(*args, **kwargs)`` with the default group initialised (``backend``,
   rendezvous on a free port of 127.0.0.1 through MASTER_ADDR / MASTER_PORT / RANK /
-  WORLD_SIZE / LOCAL_RANK), ``torch.set_num_threads(threads)`` applied, and the group destroyed
-  afterwards;
+  WORLD_SIZE / LOCAL_RANK), ``torch.set_num_threads(threads)`` applied, with NCCL rank i on
+  ``cuda:i``, and the group destroyed afterwards;
 * the first rank to fail (exception or non-zero exit) makes run_distributed kill the others
-  and raise :class:`DistributedError` with that rank's traceback;
+  and raise :class:`DistributedError` with that rank's traceback; with ``system_exit=True`` a
+  rank that ended in ``SystemExit`` with a message (a user error found inside the ranks) makes
+  it raise ``SystemExit`` with that message instead, no traceback;
 * a run that has not finished within ``timeout_s`` seconds (start-up included) is killed,
   every rank, and :class:`DistributedTimeout` is raised — a hang fails the test instead of
-  hanging CI.
+  hanging CI (``timeout_s=None``: no limit, for training runs).
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import pickle
 import socket
@@ -64,35 +69,41 @@ def _entry(
     port: int,
     backend: str,
     threads: int,
+    group_timeout_s: float,
     out_dir: str,
     args: tuple,
     kwargs: dict,
 ) -> None:
-    """One rank: write ``(True, result, t)`` or ``(False, traceback, t)`` to
-    ``out_dir/{rank}.pkl``, t = ``time.time()`` when it finished or failed."""
+    """One rank: write ``(True, result, t, None)`` or ``(False, traceback, t, exit_message)`` to
+    ``out_dir/{rank}.pkl``, t = ``time.time()`` when it finished or failed, exit_message the
+    message of a ``SystemExit`` with a non-zero code (else None)."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
     )
     path = os.path.join(out_dir, f"{rank}.pkl")
     try:
-        import datetime
-
         import torch
         import torch.distributed as dist
 
         if threads > 0:
             torch.set_num_threads(threads)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=30)
+            backend, rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=group_timeout_s),
         )
         result = fn(*args, **kwargs)
-        payload = pickle.dumps((True, result, time.time()))
+        payload = pickle.dumps((True, result, time.time(), None))
         dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
         # Report before any clean-up: tearing the group down would make peers fail too, and
         # the parent must see this rank as the first to fail.
-        _write_atomic(path, pickle.dumps((False, traceback.format_exc(), time.time())))
+        message = (
+            str(exc.code) if isinstance(exc, SystemExit) and exc.code not in (None, 0) else None
+        )
+        _write_atomic(path, pickle.dumps((False, traceback.format_exc(), time.time(), message)))
         sys.stderr.flush()
         os._exit(1)  # skip clean-up and atexit handlers that could block on a dead peer
     _write_atomic(path, payload)
@@ -123,9 +134,11 @@ def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
     *args: Any,
-    timeout_s: float = 300.0,
+    timeout_s: float | None = 300.0,
     backend: str = "gloo",
     threads: int = 1,
+    group_timeout_s: float = 1800.0,
+    system_exit: bool = False,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh processes in one process group.
@@ -133,15 +146,22 @@ def run_distributed(
     Args:
         fn: a picklable (module-level) function; its return value must be picklable.
         world_size: number of ranks, >= 1.
-        timeout_s: wall-clock limit for the whole run in seconds, process start-up included.
-        backend: ``torch.distributed`` backend ("gloo" on CPU).
+        timeout_s: wall-clock limit for the whole run in seconds, process start-up included;
+            None: no limit.
+        backend: ``torch.distributed`` backend ("gloo" on CPU; "nccl": rank i on ``cuda:i``).
         threads: ``torch.set_num_threads`` in each rank (0 = leave torch's default).
+        group_timeout_s: the process group's own timeout (``init_process_group(timeout=)``).
+        system_exit: a rank that ended in ``SystemExit`` with a non-zero code makes this raise
+            ``SystemExit`` with its message (the lowest such rank's) rather than
+            :class:`DistributedError`: a user error found inside the ranks reads as the
+            caller's own one-line error.
 
     Returns: ``[result of rank 0, result of rank 1, ...]``.
 
     Raises:
         DistributedError: a rank raised (its traceback is in the message) or exited non-zero.
         DistributedTimeout: not finished within ``timeout_s``; every rank was killed first.
+        SystemExit: with ``system_exit``, as above.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -152,13 +172,14 @@ def run_distributed(
         procs = [
             ctx.Process(
                 target=_entry,
-                args=(fn, rank, world_size, port, backend, threads, out_dir, args, kwargs),
+                args=(fn, rank, world_size, port, backend, threads, group_timeout_s, out_dir,
+                      args, kwargs),
                 name=f"{name}-rank{rank}",
                 daemon=True,  # never outlive the test process
             )
             for rank in range(world_size)
         ]
-        deadline = time.monotonic() + timeout_s
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
             for p in procs:
                 p.start()
@@ -167,10 +188,10 @@ def run_distributed(
                 if failed:
                     time.sleep(0.5)  # let peers that fail because of it report too
                     _kill_all(procs)
-                    raise _failure(name, world_size, procs, out_dir)
+                    raise _failure(name, world_size, procs, out_dir, system_exit)
                 if all(p.exitcode == 0 for p in procs):
                     break
-                if time.monotonic() > deadline:
+                if deadline is not None and time.monotonic() > deadline:
                     alive = [r for r, p in enumerate(procs) if p.is_alive()]
                     _kill_all(procs)
                     raise DistributedTimeout(
@@ -181,7 +202,7 @@ def run_distributed(
             results = []
             for rank in range(world_size):
                 with open(os.path.join(out_dir, f"{rank}.pkl"), "rb") as f:
-                    ok, value, _ = pickle.load(f)
+                    ok, value, _, _ = pickle.load(f)
                 if not ok:  # exited 0 after an error: cannot happen, but never lose it
                     raise DistributedError(f"{name}: rank {rank} failed:\n{value}")
                 results.append(value)
@@ -190,7 +211,7 @@ def run_distributed(
             _kill_all(procs)
 
 
-def _read_report(out_dir: str, rank: int) -> tuple[bool, str, float] | None:
+def _read_report(out_dir: str, rank: int) -> tuple[bool, Any, float, str | None] | None:
     try:
         with open(os.path.join(out_dir, f"{rank}.pkl"), "rb") as f:
             return pickle.load(f)
@@ -198,12 +219,19 @@ def _read_report(out_dir: str, rank: int) -> tuple[bool, str, float] | None:
         return None
 
 
-def _failure(name: str, world_size: int, procs: list, out_dir: str) -> DistributedError:
+def _failure(
+    name: str, world_size: int, procs: list, out_dir: str, system_exit: bool = False
+) -> BaseException:
     """The error for a failed run: the traceback of the rank that failed FIRST (by the time
     it reported; a peer usually fails a moment later on the broken connection), then a line
-    for every other failed rank."""
+    for every other failed rank. With ``system_exit``: ``SystemExit(message)`` of the lowest
+    rank that ended in a ``SystemExit`` with a message, if any did."""
     failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
     reports = {r: _read_report(out_dir, r) for r in failed}
+    if system_exit:
+        for r in failed:
+            if reports[r] is not None and reports[r][3] is not None:
+                return SystemExit(reports[r][3])
     # ranks that reported an error, earliest first; then ranks that died silently
     order = sorted(failed, key=lambda r: (reports[r] is None, reports[r][2] if reports[r] else 0))
     first = order[0]

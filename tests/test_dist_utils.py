@@ -40,6 +40,14 @@ def _raise_on_rank1(msg):
     dist.barrier()  # rank 0 would block here until killed
 
 
+def _user_error_on_rank1(msg):
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise SystemExit(msg)
+    dist.barrier()  # rank 0 would block here until killed
+
+
 def test_two_rank_all_reduce_several_cases():
     res = run_distributed(_all_reduce_cases, 2, [1, 2.5], timeout_s=120)
     assert [r["rank"] for r in res] == [0, 1]
@@ -68,6 +76,17 @@ def test_exception_propagates_with_traceback():
     assert "ValueError: boom-42" in msg and "_raise_on_rank1" in msg
     assert not isinstance(info.value, DistributedTimeout)
     assert time.monotonic() - t0 < 60  # rank 0 blocked in barrier was killed, not waited for
+
+
+def test_system_exit_in_a_rank():
+    """A rank's SystemExit with a message: the parent's own SystemExit with it (system_exit=True),
+    else a DistributedError with the rank's traceback like any other exception."""
+    with pytest.raises(SystemExit) as info:
+        run_distributed(_user_error_on_rank1, 2, "--flag 3: wrong", timeout_s=120, system_exit=True)
+    assert info.value.code == "--flag 3: wrong"
+    with pytest.raises(DistributedError, match="rank 1 of 2 failed") as err:
+        run_distributed(_user_error_on_rank1, 2, "--flag 3: wrong", timeout_s=120)
+    assert "SystemExit: --flag 3: wrong" in str(err.value)
 
 
 def test_shared_data_path():

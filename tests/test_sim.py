@@ -792,16 +792,15 @@ def test_calibrate_assembles_the_record(monkeypatch):
     assert K._median_of_runs(runs) == dict(fsdp2_call_s=2e-3, dtensor_gather_s=2e-3, comm_cpu_share=0.5,
                                            step_compute_factor=1.2)
 
-    def fake_launch(fn, world, args, timeout=300.0):
-        path, sizes, _, fsdp_solo, _ = args
+    def fake_launch(fn, world, sizes, repeats, fsdp_solo, in_situ_repeats, timeout_s=300.0):
+        assert fn is K._worker
         res = {kind: [(b, 1e-5 * world + b * 1e-9) for b in sizes] for kind in K.KINDS}
         res.update(issue_s=1e-4, in_situ=K._median_of_runs([{k: v * world for k, v in r.items()} for r in runs]))
         if fsdp_solo:
             res["fsdp"] = dict(fsdp2_call_s=3e-4, dtensor_op_s=1e-6)
-        with open(path, "w") as f:
-            json.dump(res, f)
+        return [res] + [None] * (world - 1)  # rank 0 returns the measurements
 
-    monkeypatch.setattr(K, "_launch", fake_launch)
+    monkeypatch.setattr(K, "run_distributed", fake_launch)
     monkeypatch.setattr(K, "_busy_node", lambda repeats: dict(busy_compute_factor=1.2, busy_memory_factor=1.3))
     hw, raw = K.calibrate(group_sizes=(2, 3), quick=True)
     assert (hw.busy_compute_factor, hw.busy_memory_factor) == (1.2, 1.3)

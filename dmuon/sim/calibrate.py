@@ -59,14 +59,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from .._launch import run_distributed  # the package's one launcher of local ranks
 from .hardware import CollectiveCurve, Hardware, Link, dump, ns_mean_dim
 
 __all__ = ["calibrate", "main"]
@@ -104,12 +103,6 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _median_s(fn, repeats: int) -> float:
@@ -355,57 +348,32 @@ def _median_of_runs(runs: Sequence[dict[str, float]]) -> dict[str, float]:
     return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
 
 
-def _worker(rank: int, world: int, port: int, out: str, sizes: Sequence[int], repeats: int, fsdp_solo: bool,
-            in_situ_repeats: int = IN_SITU_REPEATS) -> None:
-    """One launch of ``world`` processes: the collective curves on the whole world, then the
-    in-situ costs (:func:`_in_situ`, ``in_situ_repeats`` times: the median of each figure); with
-    ``fsdp_solo`` also the DTensor dispatch (rank 0)."""
+def _worker(sizes: Sequence[int], repeats: int, fsdp_solo: bool,
+            in_situ_repeats: int = IN_SITU_REPEATS) -> dict[str, Any] | None:
+    """Every rank of one launch of ``world`` processes (:func:`dmuon._launch.run_distributed`,
+    gloo, one thread): the collective curves on the whole world, then the in-situ costs
+    (:func:`_in_situ`, ``in_situ_repeats`` times: the median of each figure); with ``fsdp_solo``
+    also the DTensor dispatch (rank 0). Rank 0 returns the measurements."""
     import warnings
 
     warnings.filterwarnings("ignore")
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        g = dist.group.WORLD
-        res: dict[str, Any] = _time_collectives(dist, torch, g, world, sizes, repeats)
-        # each in-situ cost is a difference of two timings of tens of ms: repeat the whole
-        # measurement and keep the median of each figure (every repeat is in raw["in_situ_all"])
-        runs = [_in_situ(dist, torch, g, world, repeats) for _ in range(in_situ_repeats)]
-        res["in_situ_all"] = runs
-        res["in_situ"] = _median_of_runs(runs)
-        if fsdp_solo:
-            solo = dist.new_group([0])
-            if rank == 0:
-                res["fsdp"] = _fsdp_overheads(torch, solo, repeats)
-        dist.barrier()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = dist.group.WORLD
+    res: dict[str, Any] = _time_collectives(dist, torch, g, world, sizes, repeats)
+    # each in-situ cost is a difference of two timings of tens of ms: repeat the whole
+    # measurement and keep the median of each figure (every repeat is in raw["in_situ_all"])
+    runs = [_in_situ(dist, torch, g, world, repeats) for _ in range(in_situ_repeats)]
+    res["in_situ_all"] = runs
+    res["in_situ"] = _median_of_runs(runs)
+    if fsdp_solo:
+        solo = dist.new_group([0])
         if rank == 0:
-            with open(out, "w") as f:
-                json.dump(res, f)
-    finally:
-        dist.destroy_process_group()
-
-
-def _launch(fn, world: int, args: tuple, timeout: float = 300.0) -> None:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=fn, args=(r, world, port) + args) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.time() + timeout
-    for p in procs:
-        p.join(max(1.0, deadline - time.time()))
-    bad = [p for p in procs if p.exitcode != 0]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    if bad:
-        raise RuntimeError(f"calibration launch of {world} processes failed (exit codes {[p.exitcode for p in procs]})")
+            res["fsdp"] = _fsdp_overheads(torch, solo, repeats)
+    dist.barrier()
+    return res if rank == 0 else None
 
 
 # ----------------------------------------------------------------------------------- compute
@@ -697,17 +665,14 @@ def calibrate(*, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, re
     prog = _Progress(3)
     raw: dict[str, Any] = dict(machine=dict(cpu_count=os.cpu_count(), torch=torch.__version__), collectives={})
     t0 = time.time()
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, k in enumerate(group_sizes):  # one launch per group size: k processes, the world as the group
-            path = os.path.join(tmp, f"gloo{k}.json")
-            _launch(_worker, k, (path, sizes, reps, i == 0, 1 if quick else IN_SITU_REPEATS))
-            with open(path) as f:
-                got = json.load(f)
-            if "fsdp" in got:
-                raw["fsdp"] = got.pop("fsdp")
-            raw["collectives"][str(k)] = got
-            print(f"  gloo collectives and in-situ costs on {k} ranks done", file=sys.stderr, flush=True)
-        prog.step(f"gloo collectives on {', '.join(map(str, group_sizes))} ranks; FSDP2 call / DTensor dispatch")
+    for i, k in enumerate(group_sizes):  # one launch per group size: k processes, the world as the group
+        got = run_distributed(_worker, k, sizes, reps, i == 0, 1 if quick else IN_SITU_REPEATS, timeout_s=300.0)[0]
+        got = json.loads(json.dumps(got))  # plain JSON data like the rest of raw (tuples as lists)
+        if "fsdp" in got:
+            raw["fsdp"] = got.pop("fsdp")
+        raw["collectives"][str(k)] = got
+        print(f"  gloo collectives and in-situ costs on {k} ranks done", file=sys.stderr, flush=True)
+    prog.step(f"gloo collectives on {', '.join(map(str, group_sizes))} ranks; FSDP2 call / DTensor dispatch")
     raw["matmul"] = _matmul(MATMUL_SIZES[:3] if quick else MATMUL_SIZES, reps)
     prog.step("matmul FLOP/s")
     raw["overheads"] = _overheads(reps)

@@ -2,8 +2,9 @@
 
 Three ways in, one training function (:func:`dmuon.train.loop.train`):
 
-* plain ``python -m dmuon train --nproc N``: spawns N local processes (torch.multiprocessing,
-  start method "spawn"), rendezvous on a free port of 127.0.0.1 via MASTER_ADDR/MASTER_PORT;
+* plain ``python -m dmuon train --nproc N``: spawns N local processes
+  (:func:`dmuon._launch.run_distributed`, the package's one launcher), rendezvous on a free port
+  of 127.0.0.1 via MASTER_ADDR/MASTER_PORT;
 * ``torchrun ... -m dmuon train``: RANK / WORLD_SIZE / LOCAL_RANK / MASTER_* come from the
   environment and this process is one rank (``--nproc`` is ignored);
 * :func:`run` called from a process whose default group is already initialised (tests): trains
@@ -17,17 +18,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import logging
 import os
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dmuon._launch import free_port  # the package's one port picker
+from dmuon._launch import free_port, run_distributed  # the package's one launcher
 
 __all__ = ["build_parser", "parse_args", "run", "main", "free_port"]
 
@@ -201,56 +200,13 @@ def _backend(args: argparse.Namespace) -> str:
     return "nccl" if args.device == "cuda" else "gloo"
 
 
-def _spawn_entry(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
-    """Body of one spawned rank: rendezvous, train, rank 0 writes the metrics to ``out``."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-        WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-    )
+def _rank_body(args: argparse.Namespace) -> str | None:
+    """One spawned rank (in the group :func:`dmuon._launch.run_distributed` set up): train;
+    rank 0 returns the metrics as JSON (the caller reads them back as the JSON file they were)."""
     from dmuon.train.loop import run_job as train
 
-    dist.init_process_group(_backend(args), rank=rank, world_size=world, timeout=_PG_TIMEOUT)
-    try:
-        metrics = train(args)
-        if rank == 0:
-            with open(out, "w") as f:
-                json.dump(metrics, f)
-    except SystemExit as exc:  # a user error found inside the ranks: the launcher prints it once
-        if exc.code not in (None, 0):
-            with open(_error_path(out, rank), "w") as f:
-                f.write(str(exc.code))
-            sys.stderr.flush()
-            os._exit(2)  # no clean-up: a peer may be waiting in a collective this rank left
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
-def _error_path(out: str, rank: int) -> str:
-    """Where rank ``rank`` of a spawned run leaves the message of its ``SystemExit``."""
-    return os.path.join(os.path.dirname(out), f"error.{rank}")
-
-
-def _rank_error(out: str, nproc: int) -> str | None:
-    """The ``SystemExit`` message left by the lowest rank that left one, or None."""
-    for rank in range(nproc):
-        path = _error_path(out, rank)
-        if os.path.exists(path):
-            with open(path) as f:
-                return f.read()
-    return None
-
-
-class _QuietAfterUserError(logging.Filter):
-    """Drops torch's "Terminating process ... via signal SIGTERM" warnings once a rank has left a
-    user error: stopping the other ranks is then expected, and only the error is printed."""
-
-    def __init__(self, out: str, nproc: int) -> None:
-        super().__init__()
-        self._out, self._nproc = out, nproc
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (str(record.msg).startswith("Terminating process") and _rank_error(self._out, self._nproc))
+    metrics = train(args)
+    return json.dumps(metrics) if dist.get_rank() == 0 else None
 
 
 def _under_torchrun() -> bool:
@@ -263,8 +219,10 @@ def run(args: argparse.Namespace | Mapping[str, Any]) -> dict[str, Any]:
     * default group already initialised: train in it, in this process (every rank calls run);
     * under torchrun (RANK and WORLD_SIZE set): initialise from the environment, train,
       tear down;
-    * otherwise: spawn ``args.nproc`` local processes and wait for them; an exception in any
-      rank terminates the others and is re-raised here with that rank's traceback.
+    * otherwise: spawn ``args.nproc`` local processes (:func:`dmuon._launch.run_distributed`)
+      and wait for them; an exception in any rank terminates the others and is raised here as
+      :class:`dmuon._launch.DistributedError` with that rank's traceback, a ``SystemExit`` (a
+      user error) as this process's ``SystemExit`` with the rank's one-line message.
     """
     from dmuon.train.loop import run_job as train
 
@@ -292,33 +250,14 @@ def run(args: argparse.Namespace | Mapping[str, Any]) -> dict[str, Any]:
         raise SystemExit(f"--tp {args.tp} must divide --n-heads {args.n_heads} and --d-mlp {args.d_mlp}")
     if args.device == "cuda" and args.nproc > torch.cuda.device_count():
         raise SystemExit(f"--nproc {args.nproc} > {torch.cuda.device_count()} visible GPUs")
-    from torch.multiprocessing.spawn import ProcessException
-
-    with tempfile.TemporaryDirectory(prefix="dmuon-train-") as tmp:
-        out = os.path.join(tmp, "metrics.json")
-        spawn_log = logging.getLogger("torch.multiprocessing.spawn")
-        quiet = _QuietAfterUserError(out, args.nproc)
-        spawn_log.addFilter(quiet)
-        try:
-            torch.multiprocessing.spawn(
-                _spawn_entry,
-                args=(args.nproc, free_port(), args, out),
-                nprocs=args.nproc,
-                join=True,
-                start_method="spawn",
-            )
-        except ProcessException:
-            # A rank ended in SystemExit (a user error, e.g. --resume of a folder without a
-            # checkpoint): its one-line message, not the launcher's ProcessExitedException
-            # traceback. Any other failure (a bug) keeps torch's report with the rank's traceback.
-            message = _rank_error(out, args.nproc)
-            if message is None:
-                raise
-            raise SystemExit(message) from None
-        finally:
-            spawn_log.removeFilter(quiet)
-        with open(out) as f:
-            return json.load(f)
+    # A rank that ends in SystemExit (a user error, e.g. --resume of a folder without a
+    # checkpoint) is raised here as this process's SystemExit with its one-line message; any
+    # other failure (a bug) raises DistributedError with that rank's traceback.
+    (metrics, *_) = run_distributed(
+        _rank_body, args.nproc, args, timeout_s=None, backend=_backend(args), threads=0,
+        group_timeout_s=_PG_TIMEOUT.total_seconds(), system_exit=True,
+    )
+    return json.loads(metrics)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
