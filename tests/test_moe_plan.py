@@ -404,8 +404,25 @@ def test_num_experts_disagreeing_with_the_stack_raises_at_compile():
     hf = _hf("qwen3_moe")
     hf.model.layers[1].mlp.experts.num_experts = 3
     with pytest.raises(ValueError, match=r"model.layers.1.mlp.experts.gate_up_proj: shape \(4, 16, 16\) holds 4 "
-                                         r"experts, but its module .* has num_experts = 3"):
+                                         r"experts, expected 3: its module .* has num_experts = 3"):
         P.compile(hf, 2)
+
+
+def test_ep_on_a_model_holding_every_expert_is_refused():
+    """ep= on a model that is not expert-parallel (every rank holds all E experts) would train each
+    rank's experts apart and divide their gradients by W: refused at compile, before any collective,
+    from the module's num_experts (HF) or, without it, from the router's rows."""
+    hf = _hf("qwen3_moe")  # 4 experts per layer, num_experts = 4 on the experts module
+    with pytest.raises(ValueError, match=r"(?s)holds 4 experts, expected 1 \(= 4 / ep 4\): its module .* num_experts = 4"
+                                         r".*not expert-parallel: drop ep="):
+        P.compile(hf, 4, ep=4)
+    model = grouped_meta()  # no num_experts attribute: the router's rows count the experts
+    for layer in model.layers:
+        del layer.moe.experts.num_experts
+    E = model.layers[0].moe.experts.w1.shape[0]
+    with pytest.raises(ValueError, match=rf"holds {E} experts, expected {E // 2} \(= {E} / ep 2\): its router "
+                                         r"layers.0.moe.router.weight has"):
+        P.compile(model, 2, ep=2)
 
 
 def test_matrix_views_naming_a_stack_raises_naming_it():

@@ -166,6 +166,7 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
         hook_boundary_strict=hook_boundary_strict,
         experts=experts,
         expert_gate_up=expert_gate_up,
+        ep=ep,
     )
     if predicate is None:
         from .selection import coverage_warning

@@ -197,6 +197,7 @@ def select_params(
     hook_boundary_strict: bool,
     experts: str = "auto",
     expert_gate_up: str = "split",
+    ep: int = 1,
 ) -> tuple[Selected, ...]:
     """Dedicated parameters of ``snapshot`` in ``named_parameters()`` order.
 
@@ -209,6 +210,7 @@ def select_params(
             :class:`~dmuon.plan.records.ExpertStack`) or ``"off"`` (2-D only; a stack a
             predicate selects has no layout record), :data:`~dmuon.plan.experts.EXPERT_MODES`.
         expert_gate_up: ``"split"`` or ``"fused"``, :data:`~dmuon.plan.experts.GATE_UP_MODES`.
+        ep: expert-parallel degree: each rank's stacks hold ``E / ep`` of their module's experts.
 
     Raises:
         ValueError: (checked in this order, each listing every offending parameter)
@@ -253,13 +255,20 @@ def select_params(
             "(out, in*prod(k)); 3-D expert stack (E, m, n) -> E matrices (m, n)."
         )
 
-    e_errors = _num_experts_errors(snapshot, [r for r, _ in chosen if r.ndim == 3])
+    e_errors = _num_experts_errors(snapshot, [r for r, _ in chosen if r.ndim == 3], ep)
     if e_errors:
+        held = "all E experts of its module" if ep == 1 else f"E / ep (ep={ep}) of its module's E experts"
         raise ValueError(
-            "dmuon.plan.compile: expert stacks whose leading dim disagrees with their module's num_experts:\n"
+            "dmuon.plan.compile: expert stacks whose leading dim disagrees with their module's expert count:\n"
             + "\n".join(e_errors)
-            + "\nAn expert stack (E, a, b) must hold all E experts of its module (dim 0 = the expert index); "
-            "fix the model (or its config), or exclude the parameter via predicate."
+            + f"\nAn expert stack (E, a, b) must hold {held} (dim 0 = the expert index); "
+            + (
+                "fix the model (or its config), or exclude the parameter via predicate."
+                if ep == 1
+                else "under expert parallelism each rank's model builds only its own experts and routes tokens "
+                "with all_to_all (docs/moe_ep.md); a model holding every expert on every rank is not "
+                "expert-parallel: drop ep=."
+            )
         )
 
     conflicts = [res.conflict_message(r) for r, res in chosen if res.conflict]
@@ -308,19 +317,37 @@ def select_params(
     return tuple(out)
 
 
-def _num_experts_errors(snapshot: ModelSnapshot, records) -> list[str]:
-    """One line per selected 3-D parameter whose canonical module has an integer attribute
-    ``num_experts`` (Hugging Face's experts modules, torchtitan's ``GroupedExperts``) that differs
-    from its leading dim."""
+def declared_num_experts(snapshot: ModelSnapshot, module_fqn: str) -> tuple[int, str] | None:
+    """``(E, where)`` the model declares for the experts module ``module_fqn``: its integer
+    attribute ``num_experts`` (Hugging Face's experts modules, torchtitan's ``GroupedExperts``),
+    else the rows of a sibling router (``gate`` / ``router`` with a 2-D ``weight`` ``(E, D)``,
+    as in Qwen3-MoE, Mixtral, gpt-oss); None when neither exists."""
+    module = snapshot.modules.get(module_fqn)
+    declared = getattr(module, "num_experts", None)
+    if isinstance(declared, int) and not isinstance(declared, bool):
+        return declared, f"its module {module_fqn or '<root>'} ({type(module).__name__}) has num_experts = {declared}"
+    parent = module_fqn.rpartition(".")[0]
+    for name in ("gate", "router"):
+        router = snapshot.modules.get(f"{parent}.{name}" if parent else name)
+        weight = getattr(router, "weight", None)
+        if router is not None and getattr(weight, "ndim", 0) == 2:
+            rows = int(weight.shape[0])
+            return rows, f"its router {parent + '.' if parent else ''}{name}.weight has {rows} rows (experts)"
+    return None
+
+
+def _num_experts_errors(snapshot: ModelSnapshot, records, ep: int = 1) -> list[str]:
+    """One line per selected 3-D parameter whose leading dim is not ``E / ep`` of the experts its
+    model declares (:func:`declared_num_experts`)."""
     out = []
     for r in records:
-        declared = getattr(snapshot.modules.get(r.module_fqn), "num_experts", None)
-        if isinstance(declared, int) and not isinstance(declared, bool) and declared != r.shape[0]:
-            out.append(
-                f"  {r.fqn}: shape {r.shape} holds {r.shape[0]} experts, but its module "
-                f"{r.module_fqn or '<root>'} ({type(snapshot.modules[r.module_fqn]).__name__}) has "
-                f"num_experts = {declared}"
-            )
+        found = declared_num_experts(snapshot, r.module_fqn)
+        if found is None:
+            continue
+        declared, where = found
+        if declared % ep or declared // ep != r.shape[0]:
+            want = f"{declared // ep} (= {declared} / ep {ep})" if ep > 1 and not declared % ep else str(declared)
+            out.append(f"  {r.fqn}: shape {r.shape} holds {r.shape[0]} experts, expected {want}: {where}")
     return out
 
 
