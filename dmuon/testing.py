@@ -632,9 +632,10 @@ def _dmuon_worker(model_fn, loss_fn, batches, mesh_shape, seed, dedicate_kwargs,
     torch.manual_seed(seed)
     model = model_fn()
     plan = dmuon.dedicate_params(model, mesh, **dedicate_kwargs)
+    # ignored_params explicit: the checker also runs with dmuon's patches off (DMUON_NO_PATCHES=1)
     for block in boundary_modules(model, plan):
-        fully_shard(block, mesh=mesh, **fully_shard_kwargs)
-    fully_shard(model, mesh=mesh, **fully_shard_kwargs)
+        fully_shard(block, mesh=mesh, ignored_params=dmuon.fsdp2_ignored_params(block), **fully_shard_kwargs)
+    fully_shard(model, mesh=mesh, ignored_params=dmuon.fsdp2_ignored_params(model), **fully_shard_kwargs)
     opt = dmuon.Muon(model, **optimizer_kwargs)
     losses = []
     for batch in batches:

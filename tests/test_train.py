@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -275,20 +276,28 @@ def test_world_size_invariance(optimizer):
 
 
 @pytest.mark.distributed  # a process group in a subprocess
-def test_cli_end_to_end(tmp_path):
-    """``python -m dmuon train`` spawns its 2 ranks itself and writes --json."""
+@pytest.mark.parametrize("optimizer,patches", [("adamw", "on"), ("dmuon", "off")])
+def test_cli_end_to_end(tmp_path, optimizer, patches):
+    """``python -m dmuon train`` spawns its 2 ranks itself and writes --json; dmuon's run also with
+    its patches off (``DMUON_NO_PATCHES=1``): the job passes ``ignored_params`` to ``fully_shard``."""
     out = tmp_path / "metrics.json"
     cmd = [
-        sys.executable, "-m", "dmuon", "train", "--optimizer", "adamw", "--steps", "3",
+        sys.executable, "-m", "dmuon", "train", "--optimizer", optimizer, "--steps", "3",
         "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--d-mlp", "64",
         "--seq-len", "32", "--batch", "4", "--eval-batch", "4", "--eval-batches", "1",
         "--eval-every", "3", "--log-every", "1", "--json", str(out),
     ]
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if patches == "off":
+        env["DMUON_NO_PATCHES"] = "1"
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "unigram baseline" in proc.stdout and "summary:" in proc.stdout
     assert "python stdlib sources" in proc.stdout
+    if optimizer == "dmuon":  # bytes per step measured == plan at the last log step
+        summary = proc.stdout.split("summary:")[1]
+        measured, planned = re.search(r"measured ([\d,]+) B vs plan ([\d,]+) B", summary).groups()
+        assert measured == planned, summary
     m = json.loads(out.read_text())
-    assert m["world_size"] == 2 and m["steps"] == 3 and m["optimizer"] == "adamw"
+    assert m["world_size"] == 2 and m["steps"] == 3 and m["optimizer"] == optimizer
     assert math.isfinite(m["final_val_loss"]) and m["tokens_per_s"] > 0

@@ -235,9 +235,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     # Looked up after ``import dmuon`` so that whatever dmuon installs on import is in place.
     import torch.distributed.fsdp as fsdp
 
+    # dedicated parameters passed as ignored_params explicitly: the job also runs with dmuon's
+    # patches off (DMUON_NO_PATCHES=1), where fully_shard does not skip them by itself
+    ignored = dmuon.fsdp2_ignored_params if plan is not None else (lambda module: None)
     for layer in model.layers:
-        fsdp.fully_shard(layer, mesh=mesh, reshard_after_forward=z3)
-    fsdp.fully_shard(model, mesh=mesh, reshard_after_forward=z3)
+        fsdp.fully_shard(layer, mesh=mesh, reshard_after_forward=z3, ignored_params=ignored(layer))
+    fsdp.fully_shard(model, mesh=mesh, reshard_after_forward=z3, ignored_params=ignored(model))
 
     if args.optimizer == "dmuon":
         import dmuon
