@@ -203,19 +203,12 @@ def _rebind_segment(rt, seg: _Segment) -> bool:
             _point_logical(rt, slot, view)
         wire = master if wire_dtype == seg.param_dtype else torch.zeros(seg.numel, dtype=wire_dtype, device=device)
         seg.master, seg.wire, seg.resident = master, wire, True
-        for slot in seg.slots:
-            _set_compute(slot, wire[slot.offset_in_seg : slot.offset_in_seg + slot.numel].view(slot.shape))
+        _set_computes(seg, wire)
         return True
     if seg.wire.device == device:
         return False
     wire = torch.empty(seg.numel, dtype=wire_dtype, device=device)
-    for slot in seg.slots:
-        _set_compute(
-            slot,
-            torch.empty(0, dtype=wire_dtype, device=device).set_(
-                wire.untyped_storage(), slot.offset_in_seg, slot.shape, _contiguous_strides(slot.shape)
-            ),
-        )
+    _set_computes(seg, wire)
     wire.untyped_storage().resize_(0)
     seg.wire, seg.resident = wire, False
     return True
@@ -230,6 +223,20 @@ def _rebind_grouped(gm, segments) -> bool:
     gm.compute = nn.Parameter(compute, requires_grad=gm.compute.requires_grad)
     gm.resident = False
     return True
+
+
+def _set_computes(seg, wire: torch.Tensor) -> None:
+    """Every slot's compute parameter on ``wire``'s storage, each a tensor of its own (``set_``,
+    as :func:`~dmuon.exec.buffers.build_segments` makes them), not a view of ``wire``: writes into
+    the wire (the mixed-precision copy of the masters, the step code in the flag slots before a
+    broadcast) must not bump the version counter of compute parameters autograd saved."""
+    for slot in seg.slots:
+        _set_compute(
+            slot,
+            torch.empty(0, dtype=wire.dtype, device=wire.device).set_(
+                wire.untyped_storage(), slot.offset_in_seg, slot.shape, _contiguous_strides(slot.shape)
+            ),
+        )
 
 
 def _set_compute(slot: _Slot, view: torch.Tensor) -> None:
