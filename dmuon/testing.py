@@ -730,6 +730,12 @@ def check_against_reference(
     for b in batches:
         _slice_batch(b, 0, world_size)  # uneven batches fail here, before any process starts
     mesh_shape = _mesh_shape(mesh, world_size)
+    if (dedicate_kwargs or {}).get("ep", 1) not in (None, 1):
+        raise ValueError(
+            "check_against_reference: expert parallelism (dedicate_kwargs ep=...) is not covered: the reference "
+            "runs the model model_fn builds, which under EP holds only one rank's experts. Build the reference "
+            "from the non-EP model yourself (dmuon.testing.reference_run), as tests/test_moe_ep.py does"
+        )
     loss_bound, param_bound = bounds(ns_dtype)
     optimizer_kwargs = dict(optimizer_kwargs or {})
     if "ns_dtype" in optimizer_kwargs:

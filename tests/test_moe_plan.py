@@ -579,3 +579,33 @@ def test_deepseek_v3_like_on_64_ranks_no_rank_owns_a_whole_stack():
     owned = P.compile(small, 64).owned_numel
     small_ratio = max(owned) / (sum(owned) / len(owned))
     assert 1.15 < small_ratio < 1.25, small_ratio
+
+
+def test_unrecognised_3d_parameters_inside_blocks_are_named_in_a_warning():
+    """3-D weights the default rule does not recognise as expert stacks (no 'experts' on their path,
+    no transformers markers, no torchtitan names) stay on AdamW, and compile says so with the fix."""
+
+    class Moe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w_in = nn.Parameter(torch.empty(4, 8, 6, device="meta"))
+            self.proj = nn.Linear(6, 6, device="meta")
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.ModuleDict(dict(moe=Moe()))])
+
+    with pytest.warns(UserWarning, match=r"1 3-D parameter\(s\) inside hook boundaries are not recognised expert "
+                                         r"stacks and train with AdamW: layers.0.moe.w_in \(4, 8, 6\).*matrix_predicate"):
+        plan = P.compile(Model(), 2)
+    assert plan.dedicated == ("layers.0.moe.proj.weight",)
+    assert P.compile(Model(), 2, predicate=P.matrix_predicate(Model())).is_dedicated("layers.0.moe.w_in")
+
+
+def test_check_against_reference_refuses_expert_parallelism_before_any_process():
+    import dmuon.testing as T
+
+    with pytest.raises(ValueError, match="expert parallelism .* is not covered"):
+        T.check_against_reference(lambda: nn.Linear(2, 2), None, [torch.zeros(2, 2)], world_size=2,
+                                  dedicate_kwargs=dict(ep=2))

@@ -169,13 +169,16 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
         ep=ep,
     )
     if predicate is None:
-        from .selection import coverage_warning
+        import warnings
 
-        message = coverage_warning(snapshot, hook_boundary_predicate, experts)
-        if message is not None:
-            import warnings
+        from .selection import coverage_warning, unrecognised_stack_warning
 
-            warnings.warn(message, UserWarning, stacklevel=2)
+        for message in (
+            coverage_warning(snapshot, hook_boundary_predicate, experts),
+            unrecognised_stack_warning(snapshot, hook_boundary_predicate) if experts == "auto" else None,
+        ):
+            if message is not None:
+                warnings.warn(message, UserWarning, stacklevel=2)
     specs = tuple(
         ParamSpec(
             fqn=s.record.fqn,

@@ -52,6 +52,7 @@ __all__ = [
     "matrix_predicate",
     "degenerate_reason",
     "coverage_warning",
+    "unrecognised_stack_warning",
 ]
 
 
@@ -186,6 +187,28 @@ def coverage_warning(snapshot: ModelSnapshot, hook_boundary_predicate=None, expe
         "train with AdamW only. The default boundary rule looks for blocks at '<container>.<int>' "
         "(layers.N, h.N, blocks.N, ...); blocks in an nn.ModuleDict or as plain attributes are not "
         f"found. Fix: hook_boundary_predicate=lambda module: isinstance(module, {block})"
+    )
+
+
+def unrecognised_stack_warning(snapshot: ModelSnapshot, hook_boundary_predicate=None) -> str | None:
+    """The warning :func:`dmuon.plan.compile` gives for the default rule when 3-D parameters inside
+    hook boundaries are not recognised expert stacks (no ``experts`` module on their path, no
+    transformers markers, no torchtitan names) and so train with AdamW; None when there are none."""
+    resolver = BoundaryResolver(snapshot.modules, hook_boundary_predicate)
+    left = [
+        r for r in snapshot.params
+        if r.ndim == 3 and r.module_kinds[0] == ModuleKind.OTHER and not r.attr.endswith("bias")
+        and bool(r.tensor.requires_grad) and record_stack(snapshot, r) is None
+        and resolver.resolve(r).boundary is not None
+    ]
+    if not left:
+        return None
+    return (
+        f"dmuon.plan.compile: {len(left)} 3-D parameter(s) inside hook boundaries are not recognised expert "
+        f"stacks and train with AdamW: {fmt_names([f'{r.fqn} {r.shape}' for r in left], 4)}. Recognised: "
+        "transformers' experts modules, torchtitan's GroupedExperts (w1/w2/w3), any 3-D parameter under a module "
+        "whose path contains 'experts'. If they are (E, out, in) expert stacks, pass "
+        "predicate=dmuon.plan.matrix_predicate(model) (every 3-D parameter as E matrices) or rename the module"
     )
 
 
