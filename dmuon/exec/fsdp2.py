@@ -16,6 +16,7 @@ Also here: the set-up order check of :class:`dmuon.Muon`'s first step (:data:`SE
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import warnings
@@ -54,9 +55,44 @@ def dedicated_params_in(modules) -> set[nn.Parameter]:
     return out
 
 
+#: Callbacks to run once, at the next ``fully_shard`` call (:func:`before_next_fully_shard`).
+_BEFORE_NEXT_FULLY_SHARD: list = []
+
+
+@contextlib.contextmanager
+def before_next_fully_shard(callback):
+    """Within the context, run ``callback()`` once, at the start of the next ``fully_shard`` call,
+    before FSDP2 reads the modules it is given (and however ``fully_shard`` was imported).
+
+    The hook point for frameworks whose set-up function applies tensor parallelism, activation
+    checkpointing and ``torch.compile`` and then ``fully_shard`` in one call (torchtitan's
+    ``parallelize_*``, :mod:`dmuon.integrations.torchtitan`): dedication has to run between the
+    two. Runs inside the wrapper of ``_get_managed_modules``, which ``fully_shard`` calls after
+    validating its arguments and before it creates any state. Yields a list that holds
+    ``callback``'s return value once it ran (empty if no ``fully_shard`` was called). On exit a
+    callback that did not run is dropped.
+    """
+    ran: list = []
+
+    def once():
+        ran.append(callback())
+
+    _BEFORE_NEXT_FULLY_SHARD.append(once)
+    try:
+        yield ran
+    finally:
+        if once in _BEFORE_NEXT_FULLY_SHARD:
+            _BEFORE_NEXT_FULLY_SHARD.remove(once)
+
+
 def _wrap(fn):
     @functools.wraps(fn)
     def wrapper(modules, ignored_params=None, *args, **kwargs):
+        if _BEFORE_NEXT_FULLY_SHARD and fn.__name__ == "_get_managed_modules":
+            pending = list(_BEFORE_NEXT_FULLY_SHARD)
+            _BEFORE_NEXT_FULLY_SHARD.clear()
+            for callback in pending:
+                callback()
         roots = modules if isinstance(modules, (list, tuple)) else (modules,)
         dedicated = dedicated_params_in(roots)
         if dedicated:
