@@ -12,8 +12,10 @@ into each of them; recipes: ``docs/integrations.md``.
   (installed by ``import dmuon`` as soon as accelerate is imported, see :func:`install`).
 * Lightning's ``ModelParallelStrategy`` needs no module: ``configure_model`` dedicates and
   shards, ``configure_optimizers`` returns ``dmuon.Muon`` (docs/integrations.md).
-* torchtitan 0.3.0 is not integrated: its models import triton, which CPU builds of torch lack
-  (docs/integrations.md says where dmuon would go).
+* :mod:`dmuon.integrations.torchtitan` — torchtitan (>= 0.3): dedication inside the model's
+  parallelize function (``wrap_parallelize``), ``dmuon.Muon`` through an ``OptimizersContainer``
+  subclass (``muon_optimizer``), and torchtitan's gradient clipping routed to
+  ``dmuon.clip_grad_norm_`` (installed by ``import dmuon`` when torchtitan is imported).
 * ``import dmuon`` also makes ``DistributedDataParallel(model)`` of a dedicated model raise.
 * :func:`framework_hint` — the framework-specific fix appended to the errors users hit first
   (``fully_shard`` before ``dedicate_params``; an optimizer built from ``model.parameters()``;
@@ -100,8 +102,10 @@ _HINTS: dict[str, dict[str, str]] = {
             "model; return dmuon.Muon(self.model, ...) from configure_optimizers"
         ),
         "torchtitan": (
-            "torchtitan's parallelize function calls fully_shard: dmuon.dedicate_params must run "
-            "before it, e.g. in a model converter (not shipped by dmuon: docs/integrations.md)"
+            "torchtitan's parallelize function calls fully_shard: dedicate inside it, by setting "
+            "model_spec.parallelize_fn = dmuon.integrations.torchtitan.wrap_parallelize("
+            "model_spec.parallelize_fn) (or dmuon_model_spec(model_spec)); do not call "
+            "dmuon.dedicate_params on the parallelized model"
         ),
     },
     "foreign_optimizer": {
@@ -119,8 +123,9 @@ _HINTS: dict[str, dict[str, str]] = {
             "(configure_model must have called dmuon.dedicate_params)"
         ),
         "torchtitan": (
-            "torchtitan's build_optimizers builds from model.parameters(): the optimizer must be "
-            "dmuon.Muon(model, ...) (not shipped by dmuon: docs/integrations.md)"
+            "torchtitan's OptimizersContainer builds Adam/AdamW/DistMuon over every parameter: set "
+            "config.optimizer = dmuon.integrations.torchtitan.muon_optimizer(lr=..., adamw_lr=...) "
+            "(a DmuonOptimizersContainer.Config whose param groups use optimizer_name='Muon')"
         ),
     },
     "wrapped_after": {
@@ -139,9 +144,9 @@ _HINTS: dict[str, dict[str, str]] = {
             "configure_model; DDPStrategy / FSDPStrategy wrap the dedicated model"
         ),
         "torchtitan": (
-            "let torchtitan's parallelize function apply fully_shard (data_parallel_shard_degree) "
-            "after the dmuon model converter; do not enable DDP (data_parallel_replicate_degree "
-            "without sharding)"
+            "let torchtitan's parallelize function apply fully_shard (data_parallel_shard_degree), "
+            "wrapped by dmuon.integrations.torchtitan.wrap_parallelize; do not enable DDP "
+            "(data_parallel_replicate_degree without sharding)"
         ),
     },
 }
@@ -195,6 +200,12 @@ def check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module | None = 
         return
     params = [p for g in inner.param_groups for p in g["params"]]
     dedicated = _dedicated(params)
+    parts = getattr(inner, "optimizers", None)  # a container (torchtitan's OptimizersContainer)
+    if dedicated and isinstance(parts, (list, tuple)) and all(isinstance(o, torch.optim.Optimizer) for o in parts):
+        # the container steps its parts, each checked on its own step: here only that every
+        # dedicated parameter it holds is in one of its dmuon.Muon parts
+        in_muon = {id(p) for o in parts if isinstance(o, Muon) for g in o.param_groups for p in g["params"]}
+        dedicated = [p for p in dedicated if id(p) not in in_muon]
     if dedicated:
         fqn = dedicated[0]._dmuon.fqn
         raise TypeError(
@@ -246,7 +257,9 @@ def install() -> None:
     * accelerate: :func:`dmuon.integrations.accelerate.patch` is applied to
       ``accelerate.accelerator`` when it is imported (now, if it already is);
     * transformers: :func:`dmuon.integrations.hf.patch_trainer` to ``transformers.trainer``
-      (Trainer's gradient-norm clipping), likewise.
+      (Trainer's gradient-norm clipping), likewise;
+    * torchtitan: :func:`dmuon.integrations._torchtitan_clip.patch_clip_grad_norm` to
+      ``torchtitan.distributed.utils`` (the trainer's gradient-norm clipping), likewise.
     """
     global _INSTALLED
     with _LOCK:
@@ -267,7 +280,13 @@ def install() -> None:
 
         _hf.patch_trainer(module)
 
+    def patch_torchtitan(module) -> None:
+        from . import _torchtitan_clip
+
+        _torchtitan_clip.patch_clip_grad_norm(module)
+
     _wrap_ddp_init()
+    _POST_IMPORT["torchtitan.distributed.utils"] = patch_torchtitan
     _POST_IMPORT["accelerate.accelerator"] = patch_accelerate
     _POST_IMPORT["transformers.trainer"] = patch_trainer
     for name, fn in _POST_IMPORT.items():
