@@ -276,3 +276,60 @@ def test_llama3_debug_model_matches_oracle(mesh_shape, tmp_path):
         assert err <= 1e-4 * scale, (k, err, scale)
     print(f"torchtitan {mesh_shape}: losses {loss_dev:.1e} rel, grad norms {norm_dev:.1e} rel, "
           f"parameters {param_dev:.1e} of max|p|")
+
+
+def _checkpointer(model, optimizers, lr_schedulers, tmp):
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    config = CheckpointManager.Config(enable=True, folder="checkpoint", interval=1, last_save_model_only=False)
+    return config.build(dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=lr_schedulers,
+                        states={}, sd_adapter=None, base_folder=tmp)
+
+
+def _save_worker(tmp):
+    """W = 4: two steps, torchtitan's checkpointer saves (step 2), then the third step."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    model, parallel_dims, training, optimizers, lr_schedulers, loss_fn = _setup(dist.get_world_size(), (1, 4), tmp)
+    checkpointer = _checkpointer(model, optimizers, lr_schedulers, tmp)
+    batches = _batches()
+    for batch in batches[:2]:
+        _train_step(model, parallel_dims, training, optimizers, lr_schedulers, loss_fn, batch)
+    checkpointer.save(curr_step=2, last_step=True)
+    loss, norm, _ = _train_step(model, parallel_dims, training, optimizers, lr_schedulers, loss_fn, batches[2])
+    return dict(loss=loss, norm=norm, full=_full_params(model))
+
+
+def _load_worker(tmp):
+    """W = 2: fresh model (the reference init), torchtitan's checkpointer loads step 2, third step."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    model, parallel_dims, training, optimizers, lr_schedulers, loss_fn = _setup(dist.get_world_size(), (1, 2), tmp)
+    checkpointer = _checkpointer(model, optimizers, lr_schedulers, tmp)
+    assert checkpointer.load(step=2)
+    loss, norm, _ = _train_step(model, parallel_dims, training, optimizers, lr_schedulers, loss_fn, _batches()[2])
+    return dict(loss=loss, norm=norm, full=_full_params(model))
+
+
+def test_checkpoint_saved_at_4_resumes_at_2(tmp_path):
+    """torchtitan's CheckpointManager (DCP; model via ModelWrapper = model.state_dict() with the
+    fused-wqkv split hook, optimizer via the container's flat FQN-keyed state, LR schedulers) saves
+    at W = 4 after two steps; a fresh W = 2 job loads it and runs the third step: same loss, grad
+    norm and parameters as the W = 4 job's third step (fp32 bounds)."""
+    saved = run_distributed(_save_worker, 4, str(tmp_path), timeout_s=240)
+    resumed = run_distributed(_load_worker, 2, str(tmp_path), timeout_s=240)
+    assert math.isclose(resumed[0]["loss"], saved[0]["loss"], rel_tol=1e-6), (resumed[0]["loss"], saved[0]["loss"])
+    assert math.isclose(resumed[0]["norm"], saved[0]["norm"], rel_tol=1e-5), (resumed[0]["norm"], saved[0]["norm"])
+    want = {k: v for r in saved for k, v in r["full"].items()}
+    got = {k: v for r in resumed for k, v in r["full"].items()}
+    assert set(got) == set(want)
+    dev = 0.0
+    for k, w in want.items():
+        scale = w.abs().max().item() or 1.0
+        err = (got[k] - w).abs().max().item()
+        dev = max(dev, err / scale)
+        assert err <= 1e-4 * scale, (k, err, scale)
+    print(f"torchtitan checkpoint W=4 -> W=2: loss {abs(resumed[0]['loss'] - saved[0]['loss']):.1e} abs, "
+          f"parameters {dev:.1e} of max|p|")

@@ -294,6 +294,27 @@ class DmuonOptimizersContainer(OptimizersContainer):
             return build_muon
         return OptimizersContainer._resolve_optimizer_factory(name)
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torchtitan's load, with every dedicated matrix's momentum key on every rank.
+
+        torchtitan's ``load_flat_optim_state_dict`` asks the checkpoint only for the state of
+        parameters already in ``optimizer.state``; ``dmuon.Muon`` keeps a matrix's momentum on
+        its owner only, so each rank would ask for different matrices and dmuon's load hook
+        (which gathers each momentum's rows to its owner, a collective per matrix) would hang.
+        Non-owners get a ``momentum_buffer`` key for the lookup (``None``; the load replaces
+        the whole state, and dmuon's hook keeps momentum on owners only)."""
+        from dmuon.exec.optim import Muon
+        from torchtitan.components.optimizer.utils import init_optim_state, load_flat_optim_state_dict
+
+        for optim in self.optimizers:
+            init_optim_state(optim)
+            if isinstance(optim, Muon):
+                for group in optim.param_groups:
+                    if group["use_muon"]:
+                        for p in group["params"]:
+                            optim.state[p].setdefault("momentum_buffer", None)
+            load_flat_optim_state_dict(optim, state_dict)
+
 
 def muon_optimizer(
     lr: float = 0.02,
