@@ -93,7 +93,7 @@ def _batches():
     return [torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
 
 
-def _setup(world, mesh_shape, tmp):
+def _setup(world, mesh_shape, tmp, tp=1):
     """torchtitan's build path up to the optimizer: model on meta, parallelize (wrapped), init,
     the reference weights loaded, optimizer / LR scheduler / loss from their configs."""
     import torch.distributed as dist
@@ -111,7 +111,7 @@ def _setup(world, mesh_shape, tmp):
 
     replicate, shard = mesh_shape
     parallelism = ParallelismConfig(spmd_backend="partial_dtensor", data_parallel_replicate_degree=replicate,
-                                    data_parallel_shard_degree=shard)
+                                    data_parallel_shard_degree=shard, tensor_parallel_degree=tp)
     training = TrainingConfig(mixed_precision_param="float32", local_batch_size=BATCH // world, seq_len=SEQ,
                               steps=STEPS, max_norm=MAX_NORM)
     titan_pd.device_type = "cpu"  # torchtitan's default is "cuda" on a machine without accelerator
@@ -152,11 +152,17 @@ def _train_step(model, parallel_dims, training, optimizers, lr_schedulers, loss_
     import torch.distributed as dist
     from torchtitan.distributed import utils as dist_utils
 
-    rank, world = dist.get_rank(), dist.get_world_size()
     optimizers.zero_grad()
-    local = batch.chunk(world)[rank]
+    if parallel_dims.dp_enabled:  # as Trainer: the batch mesh's rank picks the slice
+        batch_mesh = parallel_dims.get_mesh("batch")
+        local = batch.chunk(batch_mesh.size())[batch_mesh.get_local_rank()]
+    else:
+        local = batch
     inputs, labels = local[:, :-1], local[:, 1:]
-    global_valid_tokens = dist_utils.dist_sum_tensor(torch.tensor(labels.numel()), parallel_dims.get_mesh("batch"))
+    if parallel_dims.dp_enabled:
+        global_valid_tokens = dist_utils.dist_sum_tensor(torch.tensor(labels.numel()), batch_mesh)
+    else:
+        global_valid_tokens = torch.tensor(labels.numel())
     pred = model(inputs)
     loss, _ = loss_fn(pred, labels, global_valid_tokens)
     loss.backward()
@@ -167,18 +173,19 @@ def _train_step(model, parallel_dims, training, optimizers, lr_schedulers, loss_
     optimizers.step()
     lr_schedulers.step()
     total = loss.detach().clone()
-    dist.all_reduce(total)
+    if parallel_dims.dp_enabled:
+        dist.all_reduce(total, group=batch_mesh.get_group())
     return total.item(), grad_norm.item(), factor
 
 
-def _worker(mesh_shape, tmp):
+def _worker(mesh_shape, tmp, tp=1):
     import torch.distributed as dist
     import dmuon
     from dmuon.exec.optim import Muon
 
     torch.set_num_threads(1)
     world = dist.get_world_size()
-    model, parallel_dims, training, optimizers, lr_schedulers, loss_fn = _setup(world, mesh_shape, tmp)
+    model, parallel_dims, training, optimizers, lr_schedulers, loss_fn = _setup(world, mesh_shape, tmp, tp)
     runtime = dmuon.exec.get_model_runtime(model)
     assert runtime is not None, "wrap_parallelize did not dedicate"
     muon = [o for o in optimizers.optimizers if isinstance(o, Muon)]
@@ -211,8 +218,8 @@ def _full_params(model):
     for name, p in model.named_parameters():
         info = getattr(p, "_dmuon", None)
         if info is not None:
-            if info.is_owner:
-                out[name] = p.detach().clone()
+            if info.is_owner:  # under TP the owner is a TP group (every member calls full_tensor)
+                out[name] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
         elif isinstance(p, DTensor):
             full = p.full_tensor()
             if dist.get_rank() == 0:
@@ -245,10 +252,12 @@ def _reference(dedicated, factors):
     return losses, norms, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-@pytest.mark.parametrize("mesh_shape", [(1, 2), (2, 1)], ids=["fsdp2", "hsdp2x1"])
-def test_llama3_debug_model_matches_oracle(mesh_shape, tmp_path):
-    world = mesh_shape[0] * mesh_shape[1]
-    results = run_distributed(_worker, world, mesh_shape, str(tmp_path), timeout_s=600)
+@pytest.mark.parametrize("mesh_shape, tp", [((1, 2), 1), ((2, 1), 1), ((1, 1), 2), ((1, 2), 2)], ids=["fsdp2", "hsdp2x1", "tp2", "fsdp2_tp2"])
+def test_llama3_debug_model_matches_oracle(mesh_shape, tp, tmp_path):
+    """tp2: torchtitan's tensor parallelism (tensor_parallel_degree 2, no data parallelism):
+    dedication after TP on the ("fsdp", "tp") mesh, the owner a TP group (dmuon's TP path)."""
+    world = mesh_shape[0] * mesh_shape[1] * tp
+    results = run_distributed(_worker, world, mesh_shape, str(tmp_path), tp, timeout_s=300)
     got = results[0]
     # the five projections of every block are Muon's (torchtitan's fused wqkv is one matrix)
     assert len(got["dedicated"]) == 5 * LAYERS, got["dedicated"]
@@ -274,7 +283,7 @@ def test_llama3_debug_model_matches_oracle(mesh_shape, tmp_path):
         err = (full[k].float() - want.float()).abs().max().item()
         param_dev = max(param_dev, err / scale)
         assert err <= 1e-4 * scale, (k, err, scale)
-    print(f"torchtitan {mesh_shape}: losses {loss_dev:.1e} rel, grad norms {norm_dev:.1e} rel, "
+    print(f"torchtitan {mesh_shape} tp={tp}: losses {loss_dev:.1e} rel, grad norms {norm_dev:.1e} rel, "
           f"parameters {param_dev:.1e} of max|p|")
 
 

@@ -40,8 +40,8 @@ What each piece does:
 Refused at parallelize time (``NotImplementedError``, naming the setting): pipeline parallelism,
 expert parallelism (``expert_parallel_degree > 1``), CPU offload, and ``spmd_backend`` other than
 ``"partial_dtensor"`` (0.3.0's default is ``"spmd_types"``; set
-``config.parallelism.spmd_backend = "partial_dtensor"``). Tensor parallelism is passed through to dmuon's TP support (the mesh with the
-``tp`` dim) but was not run under torchtitan (docs/integrations.md).
+``config.parallelism.spmd_backend = "partial_dtensor"``). Tensor parallelism goes to dmuon's TP support (the mesh with the ``tp`` dim; tested
+at TP 2 and FSDP2 2 x TP 2, docs/integrations.md).
 """
 
 from __future__ import annotations
