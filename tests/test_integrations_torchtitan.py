@@ -32,7 +32,6 @@ scaled per step by the factor torchtitan's scheduler applied. Bounds: the contra
 from __future__ import annotations
 
 import math
-import os
 import types
 
 import pytest
