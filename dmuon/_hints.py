@@ -71,8 +71,10 @@ _HINTS: dict[str, dict[str, str]] = {
             "model; return dmuon.Muon(self.model, ...) from configure_optimizers"
         ),
         "torchtitan": (
-            "torchtitan's parallelize function calls fully_shard: dmuon.dedicate_params must run "
-            "before it, e.g. in a model converter (not shipped by dmuon: docs/integrations.md)"
+            "torchtitan's parallelize function calls fully_shard: dedicate inside it, by setting "
+            "model_spec.parallelize_fn = dmuon.integrations.torchtitan.wrap_parallelize("
+            "model_spec.parallelize_fn) (or dmuon_model_spec(model_spec)); do not call "
+            "dmuon.dedicate_params on the parallelized model"
         ),
     },
     "foreign_optimizer": {
@@ -90,8 +92,9 @@ _HINTS: dict[str, dict[str, str]] = {
             "(configure_model must have called dmuon.dedicate_params)"
         ),
         "torchtitan": (
-            "torchtitan's build_optimizers builds from model.parameters(): the optimizer must be "
-            "dmuon.Muon(model, ...) (not shipped by dmuon: docs/integrations.md)"
+            "torchtitan's OptimizersContainer builds Adam/AdamW/DistMuon over every parameter: set "
+            "config.optimizer = dmuon.integrations.torchtitan.muon_optimizer(lr=..., adamw_lr=...) "
+            "(a DmuonOptimizersContainer.Config whose param groups use optimizer_name='Muon')"
         ),
     },
     "wrapped_after": {
@@ -110,9 +113,9 @@ _HINTS: dict[str, dict[str, str]] = {
             "configure_model; DDPStrategy / FSDPStrategy wrap the dedicated model"
         ),
         "torchtitan": (
-            "let torchtitan's parallelize function apply fully_shard (data_parallel_shard_degree) "
-            "after the dmuon model converter; do not enable DDP (data_parallel_replicate_degree "
-            "without sharding)"
+            "let torchtitan's parallelize function apply fully_shard (data_parallel_shard_degree), "
+            "wrapped by dmuon.integrations.torchtitan.wrap_parallelize; do not enable DDP "
+            "(data_parallel_replicate_degree without sharding)"
         ),
     },
 }

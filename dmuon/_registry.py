@@ -185,6 +185,14 @@ INTEGRATIONS: tuple[Integration, ...] = (
         explicit="dmuon.integrations.enable('accelerate')",
     ),
     Integration(
+        "torchtitan.clip_grad_norm_", "torchtitan.distributed.utils:clip_grad_norm_",
+        "dmuon.integrations._torchtitan_clip:wrap_clip_grad_norm", "dedicate",
+        "torchtitan's trainer clipping over dedicated parameters is dmuon.clip_grad_norm_",
+        expects=("parameters", "max_norm", "norm_type", "error_if_nonfinite", "foreach", "pp_mesh", "ep_enabled"),
+        trigger="torchtitan.distributed.utils", required=False,
+        explicit="dmuon.clip_grad_norm_(model, max_norm) in place of torchtitan's clip_grad_norm_",
+    ),
+    Integration(
         "trainer.grad_norm", "transformers.trainer:Trainer._mixed_mesh_grad_norm",
         "dmuon.integrations.hf:wrap_mixed_mesh_grad_norm", "dedicate",
         "Trainer's max_grad_norm clipping over dedicated parameters is dmuon.clip_grad_norm_",
@@ -204,6 +212,7 @@ _FAMILIES = {
     "optimizer": ("optimizer.guard",),
     "accelerate": ("accelerate.prepare_fsdp2", "accelerate.prepare_model", "accelerate.clip_grad_norm_"),
     "trainer": ("trainer.grad_norm",),
+    "torchtitan": ("torchtitan.clip_grad_norm_",),
 }
 
 

@@ -13,7 +13,8 @@ post-backward          pack gradients into the segment's reduce buffer (one tens
                        averages are out; zeros + presence flag 0 where a compute parameter has
                        no gradient), SUM-reduce each segment to its holder in the shard group;
                        HSDP: then SUM-reduce each sub-segment over the replicate group to its
-                       owner; the owner divides by ``R·N``; free non-held storage
+                       owner; the owner divides by ``R·N`` (or by FSDP2's gradient divide
+                       factor when one is set); free non-held storage
 end of backward        (autograd final callback, :class:`~dmuon.exec.runtime.DmuonRuntime`)
                        reduce boundaries not yet reduced, wait for every reduce, read all owned
                        presence flags at once (one host sync), copy or add the averaged

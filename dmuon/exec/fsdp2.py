@@ -15,6 +15,7 @@ Both are wrapped by :func:`skip_dedicated`, not replaced; the wrappers only wide
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 
@@ -57,12 +58,47 @@ def ignored_params(model_or_modules) -> set[nn.Parameter]:
     return dedicated_params_in(roots)
 
 
+#: Callbacks to run once, at the next ``fully_shard`` call (:func:`before_next_fully_shard`).
+_BEFORE_NEXT_FULLY_SHARD: list = []
+
+
+@contextlib.contextmanager
+def before_next_fully_shard(callback):
+    """Within the context, run ``callback()`` once, at the start of the next ``fully_shard`` call,
+    before FSDP2 reads the modules it is given (and however ``fully_shard`` was imported).
+
+    The hook point for frameworks whose set-up function applies tensor parallelism, activation
+    checkpointing and ``torch.compile`` and then ``fully_shard`` in one call (torchtitan's
+    ``parallelize_*``, :mod:`dmuon.integrations.torchtitan`): dedication has to run between the
+    two. Runs inside the wrapper of ``_get_managed_modules``, which ``fully_shard`` calls after
+    validating its arguments and before it creates any state. Yields a list that holds
+    ``callback``'s return value once it ran (empty if no ``fully_shard`` was called). On exit a
+    callback that did not run is dropped.
+    """
+    ran: list = []
+
+    def once():
+        ran.append(callback())
+
+    _BEFORE_NEXT_FULLY_SHARD.append(once)
+    try:
+        yield ran
+    finally:
+        if once in _BEFORE_NEXT_FULLY_SHARD:
+            _BEFORE_NEXT_FULLY_SHARD.remove(once)
+
+
 def skip_dedicated(fn):
     """The wrapper of FSDP2's ``_get_managed_modules`` / ``_get_managed_states`` (registry entries
     ``fsdp2.*``): ``ignored_params`` widened by the dedicated parameters under ``modules``."""
 
     @functools.wraps(fn)
     def wrapper(modules, ignored_params=None, *args, **kwargs):
+        if _BEFORE_NEXT_FULLY_SHARD and fn.__name__ == "_get_managed_modules":
+            pending = list(_BEFORE_NEXT_FULLY_SHARD)
+            _BEFORE_NEXT_FULLY_SHARD.clear()
+            for callback in pending:
+                callback()
         roots = modules if isinstance(modules, (list, tuple)) else (modules,)
         dedicated = dedicated_params_in(roots)
         if dedicated:

@@ -137,6 +137,12 @@ def check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module | None = 
         return
     params = [p for g in inner.param_groups for p in g["params"]]
     dedicated = _dedicated(params)
+    parts = getattr(inner, "optimizers", None)  # a container (torchtitan's OptimizersContainer)
+    if dedicated and isinstance(parts, (list, tuple)) and all(isinstance(o, torch.optim.Optimizer) for o in parts):
+        # the container steps its parts, each checked on its own step: here only that every
+        # dedicated parameter it holds is in one of its dmuon.Muon parts
+        in_muon = {id(p) for o in parts if _is_dmuon_muon(o) for g in o.param_groups for p in g["params"]}
+        dedicated = [p for p in dedicated if id(p) not in in_muon]
     if dedicated:
         fqn = dedicated_info(dedicated[0]).fqn
         raise TypeError(

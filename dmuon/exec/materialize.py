@@ -49,6 +49,7 @@ Initial values (what is guaranteed):
 
 from __future__ import annotations
 
+import contextlib
 import types
 import weakref
 
@@ -331,8 +332,6 @@ def init_params(model: nn.Module, init_fn=None) -> None:
 
     Memory: one module's own parameters at full size at a time, per rank.
     """
-    from torch.distributed.tensor import DTensor
-
     rt = get_model_runtime(model)
     if rt is not None:
         rt.check_materialized("dmuon.init_params")
@@ -346,46 +345,63 @@ def init_params(model: nn.Module, init_fn=None) -> None:
             call = fn
         else:
             call = lambda m=module: init_fn(m)  # noqa: E731
-        swapped = []  # (name, original, temporary)
-        for name, p in list(module._parameters.items()):
-            if p is None:
-                continue
-            info = dedicated_info(p)
-            if info is not None:
-                if info.holds_full and info.tp is None:
-                    continue  # the full master itself
-                # an owner-group block, a non-holder's placeholder, or a TP holder's shard: the
-                # full matrix for a moment
-                tmp = torch.empty(info.shape, dtype=p.dtype, device=p.device)
-            elif isinstance(p, DTensor):
-                if p.device.type == "meta":
-                    raise RuntimeError("dmuon.init_params: the model is still on the meta device; call to_empty first")
-                tmp = torch.empty(p.shape, dtype=p.dtype, device=p.device)
-            else:
-                if p.device.type == "meta":
-                    raise RuntimeError("dmuon.init_params: the model is still on the meta device; call to_empty first")
-                continue
-            swapped.append((name, p, nn.Parameter(tmp, requires_grad=p.requires_grad)))
-        for name, _, tmp in swapped:
-            module._parameters[name] = tmp
-        try:
+        with full_size_params(module):
             call()
-        finally:
-            for name, original, tmp in swapped:
-                module._parameters[name] = original
-        for _, original, tmp in swapped:
-            info = dedicated_info(original)
-            group = getattr(info, "group", None)
-            if group is not None:  # an owner group: the block this rank holds, if any
-                if group.block is not None:
-                    original.detach().copy_(
-                        tmp.detach().narrow(group.dim, group.offsets[group.block], group.sizes[group.block])
-                    )
-                continue
-            if info is not None and not info.holds_full:
-                continue  # a placeholder keeps nothing
-            if isinstance(original, DTensor):  # FSDP2 shard, or a TP holder's shard
-                _copy_local_part(original, tmp.detach())
+
+
+@contextlib.contextmanager
+def full_size_params(module: nn.Module, *, dedicated_only: bool = False):
+    """Within the context, ``module``'s own parameters (``recurse=False``) are full size; on exit
+    this rank keeps its part of what was written to them (see :func:`init_params`).
+
+    A holder's dedicated parameter is its full master already; a non-holder's placeholder, an
+    owner-group block or a TP holder's shard (and, unless ``dedicated_only``, an FSDP2
+    ``DTensor``) is replaced by a temporary full tensor, whose rows this rank does not keep are
+    dropped on exit. ``dedicated_only=True`` is for initialisers that handle FSDP2's DTensors
+    themselves (torchtitan's ``init_weights``: :mod:`dmuon.integrations.torchtitan`).
+    """
+    from torch.distributed.tensor import DTensor
+
+    swapped = []  # (name, original, temporary)
+    for name, p in list(module._parameters.items()):
+        if p is None:
+            continue
+        info = dedicated_info(p)
+        if info is not None:
+            if info.holds_full and info.tp is None:
+                continue  # the full master itself
+            # an owner-group block, a non-holder's placeholder, or a TP holder's shard: the
+            # full matrix for a moment
+            tmp = torch.empty(info.shape, dtype=p.dtype, device=p.device)
+        elif isinstance(p, DTensor) and not dedicated_only:
+            if p.device.type == "meta":
+                raise RuntimeError("dmuon.init_params: the model is still on the meta device; call to_empty first")
+            tmp = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+        else:
+            if p.device.type == "meta":
+                raise RuntimeError("dmuon.init_params: the model is still on the meta device; call to_empty first")
+            continue
+        swapped.append((name, p, nn.Parameter(tmp, requires_grad=p.requires_grad)))
+    for name, _, tmp in swapped:
+        module._parameters[name] = tmp
+    try:
+        yield
+    finally:
+        for name, original, tmp in swapped:
+            module._parameters[name] = original
+    for _, original, tmp in swapped:
+        info = dedicated_info(original)
+        group = getattr(info, "group", None)
+        if group is not None:  # an owner group: the block this rank holds, if any
+            if group.block is not None:
+                original.detach().copy_(
+                    tmp.detach().narrow(group.dim, group.offsets[group.block], group.sizes[group.block])
+                )
+            continue
+        if info is not None and not info.holds_full:
+            continue  # a placeholder keeps nothing
+        if isinstance(original, DTensor):  # FSDP2 shard, or a TP holder's shard
+            _copy_local_part(original, tmp.detach())
 
 
 def _check_covered(model: nn.Module) -> None:

@@ -290,7 +290,8 @@ class DmuonRuntime:
 
         HSDP: after the shard-group reduce, every holder ``(s, r')`` of a segment SUM-reduces each
         sub-segment over its replicate group to the sub-segment's owner ``(s, r)``; the owner
-        divides by ``R·N`` (net AVG over the whole mesh).
+        divides by :meth:`grad_divisor`: ``R·N`` (net AVG over the whole mesh), or the gradient
+        divide factor set on FSDP2 (``set_gradient_divide_factor``).
         """
         pending, self.pending_reduces = self.pending_reduces, []
         if not pending:
@@ -311,24 +312,50 @@ class DmuonRuntime:
             current_stream(stream.device).wait_event(stream.record_event())
         for _, seg, _, _, _ in pending:
             seg.reduce_inflight = False
-        owned = [o for _, seg, _, _, _ in pending for o in seg.owned]
+        owned = [(boundary, o) for boundary, seg, _, _, _ in pending for o in seg.owned]
         if owned:
             self._write_owner_grads(owned)
         for _, seg, buf, _, _ in pending:  # averages copied out: release until the next backward
             buf.untyped_storage().resize_(0)
 
+    def grad_divisor(self, boundary) -> float:
+        """What the owner divides a reduced (summed) gradient by: FSDP2's gradient divide factor.
+
+        FSDP2 divides each reduced gradient by its param groups' ``gradient_divide_factor``
+        (``FSDPModule.set_gradient_divide_factor``; torchtitan sets 1.0 and divides the loss by
+        the global token count itself), or by the data-parallel size when none is set. dmuon
+        follows the same rule so that dedicated and FSDP2-sharded gradients are scaled alike: the
+        factor of ``boundary``'s own ``fully_shard`` unit, else the first one set on any unit of
+        the model (a block whose parameters are all dedicated has no FSDP2 param group), else
+        ``R·N`` (the average over the data-parallel mesh). Read at every reduce, so a factor set
+        after set-up is honoured.
+        """
+        factor = _divide_factor(boundary.module)
+        if factor is None:
+            model = self.model_ref()
+            for module in model.modules() if model is not None else ():
+                factor = _divide_factor(module)
+                if factor is not None:
+                    break
+        return float(self.world_numel if factor is None else factor)
+
     def _write_owner_grads(self, owned: list) -> None:
-        """Average the owned sub-segments of finished reduces into their parameters' ``.grad``."""
+        """Divide the owned sub-segments of finished reduces (``(boundary, owned)`` pairs) by
+        :meth:`grad_divisor` into their parameters' ``.grad``."""
         # one host read of every presence flag this rank owns (a device sync on CUDA)
-        flags = (owned[0].flags if len(owned) == 1 else torch.cat([o.flags for o in owned])).tolist()
+        flags = (owned[0][1].flags if len(owned) == 1 else torch.cat([o.flags for _, o in owned])).tolist()
         self._flag_host_reads += 1
         i = 0
-        for o in owned:
+        divisors: dict[int, float] = {}
+        for boundary, o in owned:
             sub = o.sub
             sub_flags, i = flags[i : i + len(sub.slots)], i + len(sub.slots)
             if not any(sub_flags):
                 continue
-            o.values.div_(self.world_numel)
+            if id(boundary) not in divisors:
+                divisors[id(boundary)] = self.grad_divisor(boundary)
+            if divisors[id(boundary)] != 1.0:
+                o.values.div_(divisors[id(boundary)])
             for slot, flag in zip(sub.slots, sub_flags):
                 if flag == 0:
                     continue  # no rank had a gradient: skip, as torch.optim.Muon does
@@ -487,6 +514,17 @@ def _ep_grad_divisor(world: int):
         return grad / world
 
     return hook
+
+
+def _divide_factor(module) -> float | None:
+    """The ``gradient_divide_factor`` set on ``module``'s FSDP2 param groups, or None."""
+    get = getattr(module, "_get_fsdp_state", None)
+    state = get() if get is not None else None
+    for group in getattr(state, "_fsdp_param_groups", None) or ():
+        factor = getattr(group, "gradient_divide_factor", None)
+        if factor is not None:
+            return factor
+    return None
 
 
 def get_model_runtime(model: nn.Module) -> DmuonRuntime | None:

@@ -10,10 +10,11 @@ __all__ = ["MESH_DIM_NAMES", "MeshDimRoles", "mesh_dim_roles", "normalize_mesh"]
 
 
 #: Dim names recognised on a named mesh, per role, in order of preference (torchtitan names its
-#: meshes ``("dp_replicate", "dp_shard", "tp")``; :func:`mesh_dim_roles`).
+#: meshes ``("dp_replicate", "dp_shard", "tp")``, and from 0.3 its FSDP2 mesh
+#: ``("dp_replicate", "fsdp")``, ``"fsdp"`` = dp_shard x cp; :func:`mesh_dim_roles`).
 MESH_DIM_NAMES = {
     "replicate": ("replicate", "dp_replicate"),
-    "shard": ("shard", "dp_shard", "dp"),
+    "shard": ("shard", "dp_shard", "fsdp", "dp"),
     "tp": ("tp",),
 }
 

@@ -1,0 +1,344 @@
+"""dmuon inside torchtitan (>= 0.3) without forking it: the pieces a torchtitan config uses.
+
+Recipe (docs/integrations.md, "torchtitan")::
+
+    from dmuon.integrations.torchtitan import dmuon_model_spec, muon_optimizer
+
+    config = llama3_debugmodel()                                   # any Trainer.Config
+    config.model_spec = dmuon_model_spec(config.model_spec)        # 1. dedicate inside parallelize
+    config.optimizer = muon_optimizer(lr=0.02, adamw_lr=8e-4)      # 2. dmuon.Muon in the container
+
+What each piece does:
+
+1. :func:`wrap_parallelize` (:func:`dmuon_model_spec` applies it to a ``ModelSpec``): the
+   model's parallelize function (``parallelize_llama``, ``parallelize_qwen3`` ...) applies
+   tensor parallelism, activation checkpointing, ``torch.compile`` and then FSDP2 through
+   ``fully_shard`` (inside ``apply_fsdp_to_decoder``, imported by name into each model's module,
+   so there is no attribute to replace). The wrapper runs ``dmuon.dedicate_params`` at the
+   start of the first ``fully_shard`` call the parallelize function makes
+   (:func:`dmuon.exec.fsdp2.before_next_fully_shard`, a hook inside the FSDP2 wrapper ``import
+   dmuon`` already installs, live only during that call): after TP / AC / compile, before any
+   FSDP2 state exists, on the data-parallel mesh torchtitan hands FSDP2 (``["fsdp"]`` or
+   ``["dp_replicate", "fsdp"]``) and with FSDP2's mixed-precision policy. It logs the plan's
+   summary (``dmuon: dedicated ... matrices``) through torchtitan's logger.
+2. :class:`DmuonOptimizersContainer` (:func:`muon_optimizer` builds its ``Config``): torchtitan's
+   ``OptimizersContainer`` with one more optimizer name, ``"Muon"`` = ``dmuon.Muon``. Its param
+   groups arrive as torchtitan builds them (regex-split dicts with ``params``, ``param_names``,
+   ``fused``, ``foreach`` and the group's ``optimizer_kwargs``); each dict becomes a Muon group
+   (its dedicated parameters, with ``lr``, ``weight_decay``, ``momentum``, ``nesterov``,
+   ``ns_*`` ...) and an AdamW group (the rest, with ``adamw_lr``, ``adamw_betas``,
+   ``adamw_eps``, ``adamw_weight_decay`` as ``lr``, ``betas`` ...), both carrying their
+   ``param_names``, so torchtitan's FQN-keyed checkpoint state, LR schedulers (one factor for
+   both), metrics and step pre-hooks (MoE load balancing) see an ordinary optimizer.
+3. Gradient scaling: torchtitan sets FSDP2's gradient divide factor to 1 and divides the loss by
+   the global token count; dmuon's owners divide by the same factor (read from FSDP2 at every
+   reduce, :meth:`dmuon.exec.runtime.DmuonRuntime.grad_divisor`).
+4. Gradient clipping: the first dedication routes (registry entry ``torchtitan.clip_grad_norm_``) ``torchtitan.distributed.utils.clip_grad_norm_`` to
+   ``dmuon.clip_grad_norm_`` for models with dedicated parameters
+   (:mod:`dmuon.integrations._torchtitan_clip`).
+
+Refused at parallelize time (``NotImplementedError``, naming the setting): pipeline parallelism,
+expert parallelism (``expert_parallel_degree > 1``), CPU offload, and ``spmd_backend`` other than
+``"partial_dtensor"`` (0.3.0's default is ``"spmd_types"``; set
+``config.parallelism.spmd_backend = "partial_dtensor"``). Tensor parallelism goes to dmuon's TP support (the mesh with the ``tp`` dim; tested
+at TP 2 and FSDP2 2 x TP 2, docs/integrations.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+
+__all__ = [
+    "wrap_parallelize",
+    "dmuon_model_spec",
+    "data_parallel_mesh",
+    "DmuonOptimizersContainer",
+    "muon_optimizer",
+    "build_muon",
+]
+
+_WRAPPED_ATTR = "__dmuon_parallelize__"
+
+
+# ------------------------------------------------------------------------------------------
+# 1. dedication inside the parallelize step
+# ------------------------------------------------------------------------------------------
+
+
+def data_parallel_mesh(parallel_dims):
+    """The mesh dmuon dedicates over: the one torchtitan gives ``fully_shard``
+    (``["dp_replicate", "fsdp"]`` with a replicate degree, else ``["fsdp"]``; ``"fsdp"`` is
+    ``dp_shard x cp``), with the ``tp`` dim appended when tensor parallelism is on (dmuon reads
+    the dims by name, ``dmuon.plan.mesh.MESH_DIM_NAMES``)."""
+    names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+    if parallel_dims.tp_enabled:
+        names.append("tp")
+    return parallel_dims.get_mesh(names)
+
+
+def _refuse_unsupported(parallel_dims, kwargs) -> None:
+    parallelism = kwargs.get("parallelism")
+    training = kwargs.get("training")
+    why = []
+    if parallel_dims.pp_enabled:
+        why.append("pipeline parallelism (pipeline_parallel_degree > 1)")
+    if parallel_dims.ep_enabled:
+        why.append("expert parallelism (expert_parallel_degree > 1)")
+    if training is not None and getattr(training, "enable_cpu_offload", False):
+        why.append("CPU offload (training.enable_cpu_offload)")
+    backend = getattr(parallelism, "spmd_backend", None) if parallelism is not None else None
+    if backend in ("full_dtensor", "spmd_types"):
+        why.append(
+            f'parallelism.spmd_backend = "{backend}" (set "partial_dtensor": FSDP2 then shards plain '
+            "parameters over the data-parallel mesh, the path dmuon is tested on; under "
+            f'"{backend}" FSDP2 is given the full SPMD mesh with dp_mesh_dims)'
+        )
+    if why:
+        raise NotImplementedError(
+            "dmuon.integrations.torchtitan: not supported with " + ", ".join(why) + " (docs/integrations.md)"
+        )
+
+
+def _mp_policy(training):
+    """FSDP2's policy as torchtitan's ``apply_fsdp_to_decoder`` builds it (param / reduce dtypes)."""
+    if training is None:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torchtitan.config import TORCH_DTYPE_MAP
+
+    return MixedPrecisionPolicy(
+        param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
+        reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
+        cast_forward_inputs=False,
+    )
+
+
+def wrap_parallelize(parallelize_fn: Callable, **dedicate_kwargs: Any) -> Callable:
+    """``parallelize_fn`` (a ``ModelSpec.parallelize_fn``) with ``dmuon.dedicate_params`` run
+    right before its first ``fully_shard`` call (after TP, AC and compile).
+
+    ``dedicate_kwargs`` go to ``dmuon.dedicate_params`` (``predicate=``, ``owner_groups=``,
+    ``tp_ns=`` ...). Defaults taken from torchtitan's config when not given:
+    ``reshard_after_forward`` from ``parallelism.fsdp_reshard_after_forward`` ("always" /
+    "default" -> Z3, "never" -> Z2) and ``mp_policy`` from ``training.mixed_precision_*``.
+
+    Raises:
+        NotImplementedError: pipeline / expert parallelism, CPU offload, full_dtensor.
+        RuntimeError: the parallelize function called no ``fully_shard`` (nothing to dedicate
+            before), so dmuon was not applied.
+    """
+    if getattr(parallelize_fn, _WRAPPED_ATTR, False):
+        return parallelize_fn
+
+    @functools.wraps(parallelize_fn)
+    def parallelize(model: nn.Module, *args: Any, parallel_dims, **kwargs: Any) -> nn.Module:
+        import dmuon
+        from dmuon.exec.fsdp2 import before_next_fully_shard
+        from torchtitan.tools.logging import logger
+
+        _refuse_unsupported(parallel_dims, kwargs)
+        training, parallelism = kwargs.get("training"), kwargs.get("parallelism")
+        opts = dict(dedicate_kwargs)
+        if "mp_policy" not in opts and training is not None:
+            opts["mp_policy"] = _mp_policy(training)
+        if "reshard_after_forward" not in opts and parallelism is not None:
+            opts["reshard_after_forward"] = parallelism.fsdp_reshard_after_forward != "never"
+
+        def dedicate():
+            mesh = data_parallel_mesh(parallel_dims)
+            plan = dmuon.dedicate_params(model, mesh, **opts)
+            logger.info(
+                f"dmuon: dedicated {len(plan.dedicated)} matrices to owners on mesh "
+                f"{tuple(mesh.mesh_dim_names or ())} {tuple(mesh.shape)} (Muon on owners, "
+                f"FSDP2 + AdamW for the rest)\n{plan.summary()}"
+            )
+            return plan
+
+        with before_next_fully_shard(dedicate) as ran:
+            out = parallelize_fn(model, *args, parallel_dims=parallel_dims, **kwargs)
+        if not ran:
+            raise RuntimeError(
+                f"dmuon.integrations.torchtitan: {getattr(parallelize_fn, '__qualname__', parallelize_fn)} "
+                "never called fully_shard, so dmuon had no point to dedicate at; dmuon needs FSDP2 "
+                "(torchtitan applies it for data_parallel_shard_degree != 1 and on one rank too)"
+            )
+        _full_size_param_init(out, ran[0])
+        return out
+
+    setattr(parallelize, _WRAPPED_ATTR, True)
+    return parallelize
+
+
+def _full_size_param_init(model: nn.Module, plan) -> None:
+    """torchtitan's ``init_weights`` (run by the Trainer after ``to_empty``) initialises each
+    module's own parameters with its config's ``param_init`` functions, which may build the full
+    value and ``copy_`` it in (the fused ``wqkv`` init does): on a non-holder's zero-row
+    placeholder that fails. Each module owning a dedicated parameter gets an instance-level
+    ``_init_self_parameters`` that runs torchtitan's under
+    :func:`dmuon.exec.materialize.full_size_params` (dedicated parameters full size, FSDP2's
+    DTensors left to torchtitan), so every rank draws the same random numbers and holders keep
+    the values."""
+    from dmuon.exec.materialize import full_size_params
+
+    homes = {spec.module_fqn for spec in plan.params}
+    for fqn in sorted(homes):
+        module = model.get_submodule(fqn)
+        init = getattr(module, "_init_self_parameters", None)
+        if init is None or getattr(init, _WRAPPED_ATTR, False):
+            continue
+
+        def _init_self_parameters(module=module, init=init):
+            with full_size_params(module, dedicated_only=True):
+                init()
+
+        setattr(_init_self_parameters, _WRAPPED_ATTR, True)
+        module._init_self_parameters = _init_self_parameters
+
+
+def dmuon_model_spec(model_spec, **dedicate_kwargs: Any):
+    """A copy of ``model_spec`` whose ``parallelize_fn`` is :func:`wrap_parallelize`'d."""
+    return dataclasses.replace(
+        model_spec, parallelize_fn=wrap_parallelize(model_spec.parallelize_fn, **dedicate_kwargs)
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# 2. dmuon.Muon through torchtitan's OptimizersContainer
+# ------------------------------------------------------------------------------------------
+
+#: torchtitan's implementation keys on every group (from ``OptimizersContainer.Config.implementation``)
+_IMPL_KEYS = ("fused", "foreach")
+#: optimizer_kwargs key -> AdamW group key
+_ADAMW_KEYS = {"adamw_lr": "lr", "adamw_betas": "betas", "adamw_eps": "eps", "adamw_weight_decay": "weight_decay"}
+
+
+def _muon_signature_defaults() -> dict[str, Any]:
+    from dmuon.exec.optim import Muon
+
+    sig = inspect.signature(Muon.__init__)
+    return {n: p.default for n, p in sig.parameters.items() if n not in ("self", "model_or_params")}
+
+
+def build_muon(param_groups: list[dict[str, Any]], **factory_kwargs: Any):
+    """``dmuon.Muon`` from torchtitan's param-group dicts (the ``"Muon"`` factory of
+    :class:`DmuonOptimizersContainer`).
+
+    Each dict's ``optimizer_kwargs`` take ``dmuon.Muon``'s constructor names; keys a dict does
+    not give take ``factory_kwargs`` (``optimizer_factory_kwargs_by_name["Muon"]``), then
+    ``dmuon.Muon``'s defaults. ``fused`` / ``foreach`` (torchtitan's implementation switches) are
+    dropped: dmuon's step has one implementation. Every resulting group carries
+    ``param_names`` (torchtitan's checkpoint keys); empty groups are not kept.
+    """
+    from dmuon.exec.muon_step import _info
+    from dmuon.exec.optim import Muon
+
+    signature = _muon_signature_defaults()
+    unknown = sorted(set(factory_kwargs) - set(signature))
+    if unknown:
+        raise TypeError(f"dmuon.integrations.torchtitan: optimizer_factory_kwargs_by_name['Muon'] {unknown} are not dmuon.Muon arguments")
+    defaults = {**signature, **factory_kwargs}
+    opt = None
+    for i, group in enumerate(param_groups):
+        group = dict(group)
+        params = list(group.pop("params"))
+        names = list(group.pop("param_names", [None] * len(params)))
+        for key in _IMPL_KEYS:
+            group.pop(key, None)
+        unknown = sorted(set(group) - set(defaults))
+        if unknown:
+            raise TypeError(
+                f"dmuon.integrations.torchtitan: optimizer_kwargs {unknown} of param group {i} are not "
+                f"dmuon.Muon arguments; expected some of {sorted(defaults)}"
+            )
+        h = {**defaults, **group}
+        muon_h = {k: v for k, v in h.items() if k not in _ADAMW_KEYS}
+        adamw_h = {_ADAMW_KEYS[k]: v for k, v in h.items() if k in _ADAMW_KEYS}
+        parts = [
+            (True, [(n, p) for n, p in zip(names, params) if _info(p) is not None]),
+            (False, [(n, p) for n, p in zip(names, params) if _info(p) is None]),
+        ]
+        for use_muon, named in parts:
+            if not named:
+                continue
+            ps = [p for _, p in named]
+            if opt is None:
+                opt = Muon(ps, **h)
+                opt.param_groups[:] = [g for g in opt.param_groups if g["params"]]
+                opt.param_groups[0]["param_names"] = [n for n, _ in named]
+                continue
+            hp = {k: v for k, v in (muon_h if use_muon else adamw_h).items() if k != "ns_backend" or use_muon}
+            opt.add_param_group({"params": ps, "param_names": [n for n, _ in named], "use_muon": use_muon, **hp})
+    if opt is None:
+        raise ValueError("dmuon.integrations.torchtitan: the Muon param groups hold no parameters")
+    return opt
+
+
+class DmuonOptimizersContainer(OptimizersContainer):
+    """torchtitan's ``OptimizersContainer`` that also knows ``optimizer_name="Muon"``
+    (``dmuon.Muon``, :func:`build_muon`); every other name resolves as in torchtitan."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(OptimizersContainer.Config):
+        pass
+
+    @staticmethod
+    def _resolve_optimizer_factory(name: str) -> Callable[..., torch.optim.Optimizer]:
+        if name == "Muon":
+            return build_muon
+        return OptimizersContainer._resolve_optimizer_factory(name)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torchtitan's load, with every dedicated matrix's momentum key on every rank.
+
+        torchtitan's ``load_flat_optim_state_dict`` asks the checkpoint only for the state of
+        parameters already in ``optimizer.state``; ``dmuon.Muon`` keeps a matrix's momentum on
+        its owner only, so each rank would ask for different matrices and dmuon's load hook
+        (which gathers each momentum's rows to its owner, a collective per matrix) would hang.
+        Non-owners get a ``momentum_buffer`` key for the lookup (``None``; the load replaces
+        the whole state, and dmuon's hook keeps momentum on owners only)."""
+        from dmuon.exec.optim import Muon
+        from torchtitan.components.optimizer.utils import init_optim_state, load_flat_optim_state_dict
+
+        for optim in self.optimizers:
+            init_optim_state(optim)
+            if isinstance(optim, Muon):
+                for group in optim.param_groups:
+                    if group["use_muon"]:
+                        for p in group["params"]:
+                            optim.state[p].setdefault("momentum_buffer", None)
+            load_flat_optim_state_dict(optim, state_dict)
+
+
+def muon_optimizer(
+    lr: float = 0.02,
+    adamw_lr: float = 8e-4,
+    *,
+    weight_decay: float = 0.1,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    adamw_betas: tuple[float, float] = (0.9, 0.95),
+    adamw_eps: float = 1e-8,
+    adamw_weight_decay: float = 0.1,
+    extra_param_groups: list[ParamGroupConfig] = (),
+    **muon_kwargs: Any,
+) -> DmuonOptimizersContainer.Config:
+    """``config.optimizer`` for dmuon: one catch-all ``"Muon"`` group (Muon on the dedicated
+    matrices, AdamW on everything else; AdamW defaults as torchtitan's ``default_adamw``).
+    ``extra_param_groups`` come first (first match wins), e.g. a different ``adamw_lr`` for
+    the embeddings; ``muon_kwargs``: more ``dmuon.Muon`` arguments (``ns_steps``,
+    ``adjust_lr_fn``, ``ns_dtype`` ...)."""
+    kwargs = dict(
+        lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, adamw_lr=adamw_lr,
+        adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay, **muon_kwargs,
+    )
+    return DmuonOptimizersContainer.Config(
+        param_groups=[*extra_param_groups, ParamGroupConfig(pattern=r".*", optimizer_name="Muon", optimizer_kwargs=kwargs)],
+        implementation="for-loop",
+    )
