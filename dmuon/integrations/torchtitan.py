@@ -236,7 +236,7 @@ def build_muon(param_groups: list[dict[str, Any]], **factory_kwargs: Any):
     dropped: dmuon's step has one implementation. Every resulting group carries
     ``param_names`` (torchtitan's checkpoint keys); empty groups are not kept.
     """
-    from dmuon.exec.muon_step import _info
+    from dmuon.exec.buffers import dedicated_info as _info
     from dmuon.exec.optim import Muon
 
     signature = _muon_signature_defaults()
