@@ -278,7 +278,9 @@ def select_params(
             "(out, in*prod(k)); 3-D expert stack (E, m, n) -> E matrices (m, n)."
         )
 
-    e_errors = _num_experts_errors(snapshot, [r for r, _ in chosen if r.ndim == 3], ep)
+    e_errors = _num_experts_errors(
+        snapshot, [r for r, _ in chosen if r.ndim == 3 and r.module_kinds[0] == ModuleKind.OTHER], ep
+    )
     if e_errors:
         held = "all E experts of its module" if ep == 1 else f"E / ep (ep={ep}) of its module's E experts"
         raise ValueError(
@@ -340,15 +342,18 @@ def select_params(
     return tuple(out)
 
 
-def declared_num_experts(snapshot: ModelSnapshot, module_fqn: str) -> tuple[int, str] | None:
+def declared_num_experts(snapshot: ModelSnapshot, module_fqn: str, *, router: bool = True) -> tuple[int, str] | None:
     """``(E, where)`` the model declares for the experts module ``module_fqn``: its integer
     attribute ``num_experts`` (Hugging Face's experts modules, torchtitan's ``GroupedExperts``),
-    else the rows of a sibling router (``gate`` / ``router`` with a 2-D ``weight`` ``(E, D)``,
-    as in Qwen3-MoE, Mixtral, gpt-oss); None when neither exists."""
+    else (``router=True``: for a recognised expert stack only) the rows of a sibling router
+    (``gate`` / ``router`` with a 2-D ``weight`` ``(E, D)``, as in Qwen3-MoE, Mixtral, gpt-oss);
+    None when neither exists."""
     module = snapshot.modules.get(module_fqn)
     declared = getattr(module, "num_experts", None)
     if isinstance(declared, int) and not isinstance(declared, bool):
         return declared, f"its module {module_fqn or '<root>'} ({type(module).__name__}) has num_experts = {declared}"
+    if not router:
+        return None
     parent = module_fqn.rpartition(".")[0]
     for name in ("gate", "router"):
         router = snapshot.modules.get(f"{parent}.{name}" if parent else name)
@@ -364,7 +369,7 @@ def _num_experts_errors(snapshot: ModelSnapshot, records, ep: int = 1) -> list[s
     model declares (:func:`declared_num_experts`)."""
     out = []
     for r in records:
-        found = declared_num_experts(snapshot, r.module_fqn)
+        found = declared_num_experts(snapshot, r.module_fqn, router=record_stack(snapshot, r) is not None)
         if found is None:
             continue
         declared, where = found
