@@ -138,8 +138,58 @@ def balanced_sizes(length: int, k: int) -> tuple[int, ...]:
     return tuple(q + 1 if j < extra else q for j in range(k))
 
 
+class _Blocks:
+    """What :class:`OwnerGroup` and :class:`ExpertOwners` share: ``members`` (one per block, block
+    order; one replicate coordinate, distinct shard coordinates, checked by :func:`_check_members`)
+    and ``sizes`` (block lengths along the cut dim)."""
+
+    __slots__ = ()
+
+    @property
+    def k(self) -> int:
+        """Members (blocks / expert ranges)."""
+        return len(self.members)
+
+    @property
+    def replicate(self) -> int:
+        return self.members[0].replicate
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Mesh ranks of the members, block order."""
+        return tuple(o.rank for o in self.members)
+
+    def offsets(self) -> tuple[int, ...]:
+        """Start of each block along the cut dim."""
+        return _offsets(self.sizes)
+
+    def block_of(self, owner: Owner) -> int | None:
+        """Index of the block ``owner`` holds, or None."""
+        for j, o in enumerate(self.members):
+            if o == owner:
+                return j
+        return None
+
+
+def _check_members(record: str, members, sizes) -> None:
+    """The :class:`_Blocks` invariants: >= 2 Owners in one replicate row on distinct shard
+    coordinates, one size >= 1 per member."""
+    if type(members) is not tuple or len(members) < 2:
+        raise ValueError(f"{record}.members must be a tuple of >= 2 Owners, got {members!r}")
+    if any(not isinstance(o, Owner) for o in members):
+        raise TypeError(f"{record}.members must hold Owner records")
+    if len({o.replicate for o in members}) != 1:
+        raise ValueError(f"{record} members must share one replicate coordinate, got {members}")
+    if len({o.shard for o in members}) != len(members):
+        raise ValueError(f"{record} members must have distinct shard coordinates, got {members}")
+    if type(sizes) is not tuple or len(sizes) != len(members):
+        raise ValueError(f"{record}.sizes must be a tuple with one size per member, got {sizes!r}")
+    for v in sizes:
+        _check_int(record, "sizes[i]", v, 1)
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class OwnerGroup:
+class OwnerGroup(_Blocks):
     """The ``k >= 2`` mesh ranks that own one dedicated matrix together (an *owner group*).
 
     The matrix ``(m, n)`` is cut along its long side ``dim`` into ``k`` consecutive blocks of
@@ -162,50 +212,14 @@ class OwnerGroup:
     sizes: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if type(self.members) is not tuple or len(self.members) < 2:
-            raise ValueError(f"OwnerGroup.members must be a tuple of >= 2 Owners, got {self.members!r}")
-        if any(not isinstance(o, Owner) for o in self.members):
-            raise TypeError("OwnerGroup.members must hold Owner records")
-        if len({o.replicate for o in self.members}) != 1:
-            raise ValueError(f"OwnerGroup members must share one replicate coordinate, got {self.members}")
-        if len({o.shard for o in self.members}) != len(self.members):
-            raise ValueError(f"OwnerGroup members must have distinct shard coordinates, got {self.members}")
+        _check_members("OwnerGroup", self.members, self.sizes)
         if self.dim not in (0, 1) or type(self.dim) is not int:
             raise ValueError(f"OwnerGroup.dim must be 0 or 1, got {self.dim!r}")
-        if type(self.sizes) is not tuple or len(self.sizes) != len(self.members):
-            raise ValueError(f"OwnerGroup.sizes must be a tuple with one size per member, got {self.sizes!r}")
-        for v in self.sizes:
-            _check_int("OwnerGroup", "sizes[i]", v, 1)
-
-    @property
-    def k(self) -> int:
-        """Members (blocks)."""
-        return len(self.members)
-
-    @property
-    def replicate(self) -> int:
-        return self.members[0].replicate
-
-    @property
-    def ranks(self) -> tuple[int, ...]:
-        """Mesh ranks of the members, block order."""
-        return tuple(o.rank for o in self.members)
-
-    def offsets(self) -> tuple[int, ...]:
-        """Start of each block along :attr:`dim`."""
-        return _offsets(self.sizes)
 
     def block_shape(self, j: int, shape: tuple[int, ...]) -> tuple[int, int]:
         """Shape of block ``j`` of a matrix of 2-D ``shape``."""
         m, n = shape
         return (self.sizes[j], n) if self.dim == 0 else (m, self.sizes[j])
-
-    def block_of(self, owner: Owner) -> int | None:
-        """Index of the block ``owner`` holds, or None."""
-        for j, o in enumerate(self.members):
-            if o == owner:
-                return j
-        return None
 
     def to_dict(self) -> dict[str, Any]:
         return {"members": [o.to_dict() for o in self.members], "dim": self.dim, "sizes": list(self.sizes)}
@@ -216,7 +230,7 @@ class OwnerGroup:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class ExpertOwners:
+class ExpertOwners(_Blocks):
     """The owners of an expert stack's experts: one owner per contiguous range of experts.
 
     The stack ``(E, a, b)`` is cut along its expert dim 0 into ``k >= 2`` consecutive ranges of
@@ -244,18 +258,7 @@ class ExpertOwners:
     local: bool = False
 
     def __post_init__(self) -> None:
-        if type(self.members) is not tuple or len(self.members) < 2:
-            raise ValueError(f"ExpertOwners.members must be a tuple of >= 2 Owners, got {self.members!r}")
-        if any(not isinstance(o, Owner) for o in self.members):
-            raise TypeError("ExpertOwners.members must hold Owner records")
-        if len({o.replicate for o in self.members}) != 1:
-            raise ValueError(f"ExpertOwners members must share one replicate coordinate, got {self.members}")
-        if len({o.shard for o in self.members}) != len(self.members):
-            raise ValueError(f"ExpertOwners members must have distinct shard coordinates, got {self.members}")
-        if type(self.sizes) is not tuple or len(self.sizes) != len(self.members):
-            raise ValueError(f"ExpertOwners.sizes must be a tuple with one size per member, got {self.sizes!r}")
-        for v in self.sizes:
-            _check_int("ExpertOwners", "sizes[i]", v, 1)
+        _check_members("ExpertOwners", self.members, self.sizes)
         if type(self.local) is not bool:
             raise TypeError(f"ExpertOwners.local must be a bool, got {self.local!r}")
         if self.local and (
@@ -269,37 +272,12 @@ class ExpertOwners:
     dim = 0  # class constant (not a field): the ranges cut the expert dim
 
     @property
-    def k(self) -> int:
-        """Members (ranges)."""
-        return len(self.members)
-
-    @property
-    def replicate(self) -> int:
-        return self.members[0].replicate
-
-    @property
     def num_experts(self) -> int:
         return sum(self.sizes)
-
-    @property
-    def ranks(self) -> tuple[int, ...]:
-        """Mesh ranks of the members, range order."""
-        return tuple(o.rank for o in self.members)
-
-    def offsets(self) -> tuple[int, ...]:
-        """First expert of each range."""
-        return _offsets(self.sizes)
 
     def block_shape(self, j: int, shape: tuple[int, ...]) -> tuple[int, ...]:
         """Shape of range ``j`` of a stack of ``shape`` ``(E, a, b)``."""
         return (self.sizes[j],) + tuple(shape[1:])
-
-    def block_of(self, owner: Owner) -> int | None:
-        """Index of the range ``owner`` holds, or None."""
-        for j, o in enumerate(self.members):
-            if o == owner:
-                return j
-        return None
 
     def per_expert(self) -> tuple[Owner, ...]:
         """The owner of every expert, expert order (``len == E``)."""
