@@ -537,32 +537,17 @@ def _fault_rank(rank, world, port, root, where):
 
 def _run_fault(root, where):
     import pickle
-    import time
 
-    import torch.multiprocessing as mp
+    from dist_utils import run_fault_ranks
 
-    from dist_utils import free_port
-
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_fault_rank, args=(r, 2, port, root, where), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 240  # start-up included (a loaded 2-core machine is slow)
+    # start-up included (a loaded 2-core machine is slow)
+    exitcodes, alive = run_fault_ranks(_fault_rank, 2, (root, where), deadline_s=240)
     try:
-        for p in procs:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
-        alive = [r for r, p in enumerate(procs) if p.is_alive()]
-        try:
-            with open(f"{root}/fault_{where}_0.pkl", "rb") as f:
-                survivor = pickle.load(f)
-        except FileNotFoundError:
-            survivor = dict(result=("no record", f"survivor exit code {procs[0].exitcode}"), elapsed_s=float("inf"))
-        return dict(alive=alive, victim_exitcode=procs[1].exitcode, survivor=survivor)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+        with open(f"{root}/fault_{where}_0.pkl", "rb") as f:
+            survivor = pickle.load(f)
+    except FileNotFoundError:
+        survivor = dict(result=("no record", f"survivor exit code {exitcodes[0]}"), elapsed_s=float("inf"))
+    return dict(alive=alive, victim_exitcode=exitcodes[1], survivor=survivor)
 
 
 def _case_resume_after_fault(root):

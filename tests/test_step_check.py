@@ -62,33 +62,17 @@ def _rank(rank, world, port, root, fault):
 
 def _run(root, fault):
     import pickle
-    import time
 
-    import torch.multiprocessing as mp
+    from dist_utils import run_fault_ranks
 
-    from dist_utils import free_port
-
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, root, fault), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        for p in procs:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+    exitcodes, hung = run_fault_ranks(_rank, 2, (root, fault), deadline_s=DEADLINE_S)
     out = {}
     for r in range(2):
         try:
             with open(f"{root}/{fault}_{r}.pkl", "rb") as f:
                 out[r] = pickle.load(f)
         except FileNotFoundError:
-            out[r] = dict(result=("no record", f"exit code {procs[r].exitcode}"), elapsed_s=float("inf"))
+            out[r] = dict(result=("no record", f"exit code {exitcodes[r]}"), elapsed_s=float("inf"))
     return out, hung
 
 
