@@ -306,3 +306,21 @@ def reference_run(
         opt.zero_grad()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, ns_calls
+
+
+def hand_fp32_newton_schulz(grad, ns_coefficients, ns_steps, eps):
+    """``torch.optim._muon._zeropower_via_newtonschulz`` with ``.bfloat16()`` -> ``.float()``,
+    written out by hand (not through :mod:`dmuon.testing`): the tests that validate dmuon's own
+    reference patch torch with this one."""
+    a, b, c = ns_coefficients
+    X = grad.float()
+    if grad.size(0) > grad.size(1):
+        X = X.T
+    X.div_(X.norm().clamp(min=eps))
+    for _ in range(ns_steps):
+        A = X @ X.T
+        B = torch.addmm(A, A, A, beta=b, alpha=c)
+        X = torch.addmm(X, B, X, beta=a)
+    if grad.size(0) > grad.size(1):
+        X = X.T
+    return X

@@ -32,6 +32,7 @@ import dmuon.exec.optim as optim_mod
 from dmuon.exec.muon_step import adjust_lr
 from dmuon.exec.optim import Muon
 from ns_spy import spy_ns
+from oracle import hand_fp32_newton_schulz
 
 MUON_KW = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=True, adjust_lr_fn=None)
 ADAMW_KW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.05)
@@ -348,26 +349,10 @@ class Experts(nn.Module):
         return (y @ self.a @ self.c.T).square().mean()
 
 
-def _fp32_torch_ns(grad, ns_coefficients, ns_steps, eps):
-    """torch.optim._muon._zeropower_via_newtonschulz with .bfloat16() -> .float()."""
-    a, b, c = ns_coefficients
-    X = grad.float()
-    if grad.size(0) > grad.size(1):
-        X = X.T
-    X.div_(X.norm().clamp(min=eps))
-    for _ in range(ns_steps):
-        A = X @ X.T
-        B = torch.addmm(A, A, A, beta=b, alpha=c)
-        X = torch.addmm(X, B, X, beta=a)
-    if grad.size(0) > grad.size(1):
-        X = X.T
-    return X
-
-
 @pytest.mark.parametrize("ns_dtype", [torch.bfloat16, torch.float32])
 def test_expert_stack_equals_torch_muon_per_slice(ns_dtype, monkeypatch):
     if ns_dtype == torch.float32:
-        monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", _fp32_torch_ns)
+        monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", hand_fp32_newton_schulz)
     torch.manual_seed(3)
     ours = Experts(stacked=True)
     torch.manual_seed(3)

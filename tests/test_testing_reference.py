@@ -22,28 +22,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dmuon.testing as T
+from oracle import hand_fp32_newton_schulz
 
 E, D, FF = 3, 5, 3  # experts, model dim, per-expert hidden (F)
 ROWS = (0, 0, 0, 1, 1, 1)  # token -> expert; expert 2 gets no token (zero gradient, not None)
 HP = dict(lr=0.05, weight_decay=0.1, momentum=0.9, nesterov=True, adamw_lr=0.01, adamw_weight_decay=0.02)
 STEPS = 3
-
-
-def _hand_fp32_ns(grad, ns_coefficients, ns_steps, eps):
-    """torch.optim._muon._zeropower_via_newtonschulz with .bfloat16() -> .float() (written
-    here again on purpose: the hand side does not use dmuon.testing)."""
-    a, b, c = ns_coefficients
-    X = grad.float()
-    if grad.size(0) > grad.size(1):
-        X = X.T
-    X.div_(X.norm().clamp(min=eps))
-    for _ in range(ns_steps):
-        A = X @ X.T
-        B = torch.addmm(A, A, A, beta=b, alpha=c)
-        X = torch.addmm(X, B, X, beta=a)
-    if grad.size(0) > grad.size(1):
-        X = X.T
-    return X
 
 
 class Fused(nn.Module):
@@ -193,7 +177,7 @@ def test_reference_equals_hand_built_torch_muon(ns_dtype, fused_gate_up, monkeyp
         assert unfused.mats(2)[0].grad is not None and not unfused.mats(2)[0].grad.any()  # zero, not None
         ref.step()
         if ns_dtype == torch.float32:
-            monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", _hand_fp32_ns)
+            monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", hand_fp32_newton_schulz)
         hand_muon.step()
         monkeypatch.undo()
         hand_adamw.step()
