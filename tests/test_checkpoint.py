@@ -29,6 +29,8 @@ import pytest
 import torch
 import torch.nn as nn
 
+from dcp_utils import dcp_load as _load
+from dcp_utils import sharded_state as _sharded
 from dist_utils import run_distributed
 from oracle import Block, TinyLM, dmuon_optimizer, global_batches, reference_run, train_steps
 
@@ -86,26 +88,10 @@ def _build(mesh, z3=True):
     return model, opt, plan
 
 
-def _sharded(model, opt):
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-
-
 def _save(model, opt, path):
     import torch.distributed.checkpoint as dcp
 
     dcp.save(_sharded(model, opt), checkpoint_id=path)
-
-
-def _load(model, opt, path):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-    sd = _sharded(model, opt)
-    dcp.load(sd, checkpoint_id=path)
-    set_model_state_dict(model, sd["model"])
-    set_optimizer_state_dict(model, opt, sd["optim"])
 
 
 def _full_optim(model, opt):

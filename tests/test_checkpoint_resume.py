@@ -21,6 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dcp_utils import dcp_load, sharded_state
 from dist_utils import run_distributed
 from oracle import dmuon_optimizer, global_batches, lm_loss, make_model
 
@@ -79,12 +80,6 @@ def _steps(model, opt, batches, gas: int) -> list[float]:
     return losses
 
 
-def _state(model, opt):
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-
-
 def _full(model, opt):
     """Full model and optimizer state on rank 0 (None elsewhere)."""
     import torch.distributed as dist
@@ -117,12 +112,12 @@ def _first(root):
         at_save = _full(model, opt)
         path = f"{root}/{name.replace(' ', '_')}"
         if case.get("async_save"):
-            future = dcp.async_save(_state(model, opt), checkpoint_id=path, process_group=ckpt_group)
+            future = dcp.async_save(sharded_state(model, opt), checkpoint_id=path, process_group=ckpt_group)
             losses += _steps(model, opt, batches[SAVE_AT : SAVE_AT + 1], gas)  # trains while the save runs
             future.result()
             losses += _steps(model, opt, batches[SAVE_AT + 1 :], gas)
         else:
-            dcp.save(_state(model, opt), checkpoint_id=path)
+            dcp.save(sharded_state(model, opt), checkpoint_id=path)
             losses += _steps(model, opt, batches[SAVE_AT:], gas)
         out[name] = dict(losses=losses, at_save=at_save, final=_full(model, opt))
         dist.barrier()
@@ -131,18 +126,13 @@ def _first(root):
 
 def _second(root):
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     torch.set_num_threads(1)
     batches = global_batches(TOTAL_STEPS, batch=GLOBAL_BATCH)
     out = {}
     for name, case in CASES.items():
         model, opt = _build(case)
-        sd = _state(model, opt)
-        dcp.load(sd, checkpoint_id=f"{root}/{name.replace(' ', '_')}")
-        set_model_state_dict(model, sd["model"])
-        set_optimizer_state_dict(model, opt, sd["optim"])
+        dcp_load(model, opt, f"{root}/{name.replace(' ', '_')}")
         loaded = _full(model, opt)
         losses = _steps(model, opt, batches[SAVE_AT:], case.get("gas", 1))
         out[name] = dict(loaded=loaded, losses=losses, final=_full(model, opt))

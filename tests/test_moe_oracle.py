@@ -37,6 +37,8 @@ import pytest
 import torch
 
 import moe_models as M
+from dcp_utils import dcp_load as _load
+from dcp_utils import sharded_state as _sharded
 from dist_utils import run_distributed
 from oracle import HP, dmuon_muon_kwargs
 
@@ -153,22 +155,6 @@ def _full(model, opt):
         optim={k: {n: t.detach().clone() for n, t in v.items() if isinstance(t, torch.Tensor)}
                for k, v in osd["state"].items()},
     )
-
-
-def _sharded(model, opt):
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-
-
-def _load(model, opt, path):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-    sd = _sharded(model, opt)
-    dcp.load(sd, checkpoint_id=path)
-    set_model_state_dict(model, sd["model"])
-    set_optimizer_state_dict(model, opt, sd["optim"])
 
 
 def _stack_shapes(model, opt, plan):

@@ -28,6 +28,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dcp_utils import dcp_load as _load
+from dcp_utils import sharded_state as _sharded
 from dist_utils import run_distributed
 from oracle import HP, dmuon_optimizer, global_batches, lm_loss, reference_run, train_steps
 
@@ -256,22 +258,6 @@ def _full_optim(model, opt):
 
     osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
     return {k: {n: t.detach().clone() for n, t in v.items() if isinstance(t, torch.Tensor)} for k, v in osd["state"].items()}
-
-
-def _sharded(model, opt):
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-
-
-def _load(model, opt, path):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-    sd = _sharded(model, opt)
-    dcp.load(sd, checkpoint_id=path)
-    set_model_state_dict(model, sd["model"])
-    set_optimizer_state_dict(model, opt, sd["optim"])
 
 
 def _worker(root):
