@@ -33,9 +33,10 @@ class GroupedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, ep: int = 1):
+    def __init__(self, ep: int = 1, group=None):
         super().__init__()
         self.ep = ep
+        self.group = group  # the EP process group (None: the world)
         self.router = nn.Linear(D, E, bias=False)
         self.experts = GroupedExperts(E // ep, D, FF)
 
@@ -67,14 +68,16 @@ class MoE(nn.Module):
             warnings.simplefilter("ignore", FutureWarning)
             from torch.distributed.nn.functional import all_to_all_single as _a2a
 
+        group = self.group if self.group is not None else dist.group.WORLD
+
         def all_to_all_single(out, inp, out_split, in_split):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
-                return _a2a(out, inp, out_split, in_split)
+                return _a2a(out, inp, out_split, in_split, group=group)
 
         ep, el = self.ep, E // self.ep
         recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts)  # [src rank, local expert] tokens this rank gets
+        dist.all_to_all_single(recv_counts, counts, group=group)  # [src rank, local expert] tokens this rank gets
         send_split = counts.view(ep, el).sum(1).tolist()
         rc = recv_counts.view(ep, el)
         recv_split = rc.sum(1).tolist()
@@ -88,13 +91,13 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, ep: int = 1):
+    def __init__(self, ep: int = 1, group=None):
         super().__init__()
         self.norm1 = nn.LayerNorm(D)
         self.qkv = nn.Linear(D, 3 * D, bias=False)
         self.o = nn.Linear(D, D, bias=False)
         self.norm2 = nn.LayerNorm(D)
-        self.moe = MoE(ep)
+        self.moe = MoE(ep, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -105,10 +108,10 @@ class Block(nn.Module):
 
 
 class MoELM(nn.Module):
-    def __init__(self, ep: int = 1):
+    def __init__(self, ep: int = 1, group=None):
         super().__init__()
         self.embed = nn.Embedding(V, D)
-        self.layers = nn.ModuleList(Block(ep) for _ in range(LAYERS))
+        self.layers = nn.ModuleList(Block(ep, group) for _ in range(LAYERS))
         self.norm = nn.LayerNorm(D)
         self.lm_head = nn.Linear(D, V, bias=False)
 
@@ -131,10 +134,11 @@ def full_model(seed: int = 0) -> MoELM:
     return MoELM(ep=1)
 
 
-def ep_model(ep: int, rank: int, seed: int = 0) -> MoELM:
-    """The EP model of rank ``rank``: the full model's weights, experts ``rank*E/ep ..`` only."""
+def ep_model(ep: int, rank: int, seed: int = 0, group=None) -> MoELM:
+    """The EP model of EP coordinate ``rank``: the full model's weights, experts ``rank*E/ep ..``
+    only; ``group``: the EP process group its all-to-all runs on (None: the world)."""
     full = full_model(seed).state_dict()
-    model = MoELM(ep=ep)
+    model = MoELM(ep=ep, group=group)
     el = E // ep
     local = {k: (v[rank * el : (rank + 1) * el] if is_expert(k) else v) for k, v in full.items()}
     model.load_state_dict(local)

@@ -259,3 +259,125 @@ def test_ep_matches_single_process_reference(world, named_mesh):
     for rank, r in enumerate(results):
         assert r["ledgers"] == [per_rank[rank]] * STEPS, (rank, r["ledgers"], per_rank[rank])
     print(f"EP world={world}: loss dev {loss_dev:.2e}, param dev {worst:.2e}, bytes/rank/step {per_rank}")
+
+
+# ------------------------------------------------------- efsdp > 1 and HSDP (owners in efsdp groups)
+
+# (mesh shape, ep): ep 2 x efsdp 2 on a 1-D mesh of 4; ep 2 on a (2, 2) HSDP mesh (efsdp 1, two
+# replicas of every expert); run one after the other in one launch of 4 ranks
+EFSDP_CASES = (((1, 4), 2), ((2, 2), 2))
+
+
+def _ep_groups(mesh_shape, ep):
+    """Every EP group (``ep`` consecutive shard ranks of a row), created on every rank; returns
+    this rank's."""
+    import torch.distributed as dist
+
+    R, N = mesh_shape
+    mine = None
+    for r in range(R):
+        for start in range(0, N, ep):
+            ranks = [r * N + start + j for j in range(ep)]
+            pg = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine = pg
+    return mine
+
+
+def _efsdp_worker():
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dcp_utils import dcp_load, sharded_state
+    from dmuon.exec.collectives import LEDGER
+
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    path = None
+    for mesh_shape, ep in EFSDP_CASES:
+        R, N = mesh_shape
+        shard = rank % N
+        group = _ep_groups(mesh_shape, ep)
+        model = ep_model(ep, shard % ep, group=group)
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp_replicate", "dp_shard"))
+        plan = dmuon.dedicate_params(model, mesh, ep=ep)
+        fsdp_mesh = mesh if R > 1 else mesh["dp_shard"]
+        for layer in model.layers:
+            fully_shard(layer, mesh=fsdp_mesh)
+        fully_shard(model, mesh=fsdp_mesh)
+        opt = dmuon.Muon(model, ns_dtype=torch.float32, **HP)
+        losses, ledgers, norm = [], [], None
+        for batch in global_batches(STEPS, world):
+            LEDGER.reset()
+            loss = lm_loss(model, batch.chunk(world)[rank])
+            loss.backward()
+            if norm is None:
+                norm = dmuon.clip_grad_norm_(model, 1e9).item()
+            opt.step()
+            opt.zero_grad()
+            ledgers.append(LEDGER.total_nbytes())
+            t = loss.detach().clone()
+            dist.all_reduce(t)
+            losses.append(t.item() / world)
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        full = {k: v.detach().clone() for k, v in full.items()}
+        # DCP: the first case saves (sharded, experts at full logical shape), the second loads
+        # it into its own layout (efsdp owners -> HSDP replicas), then saves its own state
+        if path is None:
+            path = [tempfile.mkdtemp(prefix="dmuon_efsdp_") if rank == 0 else None]
+            dist.broadcast_object_list(path)
+            path = path[0]
+            dcp.save(sharded_state(model, opt), checkpoint_id=path)
+            saved = full
+            reload = None
+        else:
+            dcp_load(model, opt, path)
+            got = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+            reload = all(torch.equal(got[k], saved[k]) for k in saved)
+        out[f"{mesh_shape}/{ep}"] = dict(
+            plan_json=plan.to_json(), losses=losses, ledgers=ledgers, full=full, norm=norm, reload=reload,
+        )
+    return out
+
+
+def test_ep_efsdp_and_hsdp_match_single_process_reference():
+    """ep 2 x efsdp 2 (1-D, 4 ranks) and ep 2 on HSDP (2, 2): every expert owned once inside its
+    efsdp group, the training equal to the single-process per-expert oracle on the global batch,
+    the ledger equal to the plan per rank and step, a DCP checkpoint saved under one layout
+    loading under the other."""
+    results = run_distributed(_efsdp_worker, 4, timeout_s=900)
+    world = 4
+    ref_losses, ref_state = _reference(world)
+    model = full_model()
+    lm_loss(model, global_batches(STEPS, world)[0]).backward()
+    want_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+    for mesh_shape, ep in EFSDP_CASES:
+        key = f"{mesh_shape}/{ep}"
+        plan = ShardingPlan.from_json(results[0][key]["plan_json"])
+        assert plan.ep_size == ep
+        for spec, owner in zip(plan.params, plan.owners):
+            if spec.experts is not None:  # every expert exactly one owner, inside its efsdp group
+                per = plan.expert_owners(spec.fqn)
+                assert len(per) == spec.num_experts and not owner.local
+                for e, o in enumerate(per):
+                    assert o.shard % ep == e // (E // ep), (key, spec.fqn, e, o)
+        per_rank = plan.cost.per_rank_nbytes
+        for rank, r in enumerate(results):
+            got = r[key]
+            assert got["ledgers"] == [per_rank[rank]] * STEPS, (key, rank, got["ledgers"], per_rank[rank])
+            dev = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref_losses))
+            assert dev < 1e-6, (key, got["losses"], ref_losses)
+            assert abs(got["norm"] - want_norm) / want_norm < 1e-5, (key, got["norm"], want_norm)
+            for name, want in ref_state.items():
+                have = got["full"][name]
+                assert tuple(have.shape) == tuple(want.shape), (key, name)
+                d = (have - want).abs().max().item() / want.abs().max().item()
+                assert d < 1e-4, (key, name, d)
+        print(f"EP {key}: bytes/rank/step {per_rank}")
+    assert all(r[f"{EFSDP_CASES[1][0]}/{EFSDP_CASES[1][1]}"]["reload"] for r in results)

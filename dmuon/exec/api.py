@@ -274,7 +274,20 @@ def owner_group_member_sets(plan) -> tuple[tuple[int, ...], ...]:
     for owner in plan.owners:
         if isinstance(owner, OwnerGroup):
             seen.setdefault(tuple(sorted(owner.ranks)), None)
+    for members in efsdp_member_sets(plan):
+        seen.setdefault(members, None)
     return tuple(seen)
+
+
+def efsdp_member_sets(plan) -> tuple[tuple[int, ...], ...]:
+    """Expert parallelism with ``efsdp = N/ep > 1``: the efsdp groups (mesh ranks ``r*N + j +
+    i*ep`` for ``i < efsdp``, per replicate row ``r`` and EP coordinate ``j``) over which the
+    expert-parallel buffers' segments are broadcast and reduced; empty otherwise."""
+    eps = {buf.ep for b in plan.boundaries for buf in b.buffers if buf.ep > 1}
+    R, N = plan.mesh_shape
+    return tuple(
+        tuple(r * N + s for s in range(j, N, ep)) for ep in sorted(eps) if N // ep > 1 for r in range(R) for j in range(ep)
+    )
 
 
 def dedicate_params(

@@ -43,7 +43,7 @@ import torch.nn as nn
 from . import collectives as C
 from . import fsdp2
 from .buffers import _Owned, _Segment
-from .program import BoundaryOps
+from .program import ONE_RANK, BoundaryOps
 
 if TYPE_CHECKING:
     from .runtime import DmuonRuntime
@@ -427,14 +427,16 @@ class _BoundaryRuntime:
                             if slot.tp is not None:
                                 g = slot.tp.local(g)
                             if gm is not None:  # this block of the grouped matrix's full gradient
-                                g = g.narrow(gm.info.dim, gm.info.offsets[slot.block], gm.info.sizes[slot.block])
+                                g = g.narrow(gm.info.dim, gm.info.compute_offset(slot.block), gm.info.sizes[slot.block])
                             buf[slot.offset_in_seg : slot.offset_in_seg + slot.numel].view(slot.shape).copy_(g)
                             buf[sub.flags_offset_in_seg + k] = 1
                             if stream is not None:
                                 keep.append(g)
                             if gm is None:
                                 slot.compute.grad = None
-                work = C.reduce_sum(buf, dst=b.root, group=b.group, phase=b.op.phase, async_op=True)
+                work = None if b.group is ONE_RANK else C.reduce_sum(
+                    buf, dst=b.root, group=b.group, phase=b.op.phase, async_op=True
+                )
                 seg.reduce_inflight = True
                 rt.pending_reduces.append((self, seg, buf, work, keep))
             for gm in self.grouped:  # every block packed: the full local gradient is done with

@@ -98,10 +98,31 @@ class GroupInfo:
     mesh_ranks: tuple[int, ...]  # sorted mesh ranks of the members (the schedule's group)
     shards: tuple[int, ...]  # shard coordinate of each member, block order (holders of block j: (shards[j], ·))
     experts: Any = None  # dmuon.plan.records.ExpertStack when the blocks are ranges of experts
+    # expert parallelism with efsdp > 1 (an expert-parallel buffer): this rank's model holds
+    # only the blocks ``compute_blocks`` (its EP coordinate's ranges, global experts from
+    # ``compute_start``); None = every block (the compute tensor is the whole ``shape``)
+    compute_blocks: tuple[int, ...] | None = None
+    compute_start: int = 0
 
     @property
     def k(self) -> int:
         return len(self.sizes)
+
+    @property
+    def compute_block_ids(self) -> tuple[int, ...]:
+        """The blocks the compute tensor is assembled from (all, or this EP coordinate's)."""
+        return tuple(range(self.k)) if self.compute_blocks is None else self.compute_blocks
+
+    @property
+    def compute_shape(self) -> tuple[int, ...]:
+        """Shape of this rank's compute tensor: ``shape``, or its EP coordinate's experts."""
+        if self.compute_blocks is None:
+            return tuple(self.shape)
+        return (sum(self.sizes[q] for q in self.compute_blocks), *self.shape[1:])
+
+    def compute_offset(self, j: int) -> int:
+        """Where block ``j`` starts in this rank's compute tensor (along ``dim``)."""
+        return self.offsets[j] - self.compute_start
 
     def block_shape(self, j: int) -> tuple[int, ...]:
         if self.experts is not None:
@@ -203,9 +224,10 @@ class _Grouped:
         """Grow ``compute``'s storage and copy every block's (current) wire into it."""
         w = self.writer
         w.untyped_storage().resize_(w.numel() * w.element_size())
+        info = self.info
         with torch.no_grad():
-            for slot, off, size in zip(self.blocks, self.info.offsets, self.info.sizes):
-                w.narrow(self.info.dim, off, size).copy_(slot.compute)
+            for j in info.compute_block_ids:
+                w.narrow(info.dim, info.compute_offset(j), info.sizes[j]).copy_(self.blocks[j].compute)
         self.resident = True
 
     def release(self) -> None:
@@ -234,6 +256,7 @@ class _Segment:
     slots: list[_Slot]
     reduce_dtype: torch.dtype
     param_dtype: torch.dtype
+    buffer_key: str = ""  # the plan buffer's key (BufferLayout.key): its dtype, "/ep<k>" if expert-parallel
     resident: bool = True
     # gradient reduce, built on first use (``_BoundaryRuntime._reduce_buffer``) and reused every step
     reduce_buf: torch.Tensor | None = None  # 1-D, reduce dtype, on the segment's device
@@ -284,6 +307,8 @@ def build_segments(
         wire_dtype = _dtype(plan.bcast_dtype(layout.dtype))
         reduce_dtype = _dtype(plan.reduce_dtype_for(layout.dtype))
         for seg_l in layout.segments:
+            if layout.ep > 1 and seg_l.shard % layout.ep != g.shard % layout.ep:
+                continue  # expert-parallel: another EP coordinate's experts, not on this rank
             held = seg_l.shard == g.shard
             wire = torch.zeros(seg_l.numel, dtype=wire_dtype, device=device)
             master = None
@@ -301,6 +326,7 @@ def build_segments(
                 slots=[],
                 reduce_dtype=reduce_dtype,
                 param_dtype=param_dtype,
+                buffer_key=layout.key,
             )
             for sub_l in seg_l.subsegments:
                 sub = _SubSeg(
@@ -315,17 +341,19 @@ def build_segments(
                     spec = specs[e.fqn]
                     off = e.offset - seg_l.offset
                     orig = original[e.fqn]
-                    if tuple(orig.shape) != tuple(spec.shape) or str(orig.dtype) != spec.dtype:
+                    # an expert-parallel stack holds E/ep experts (checked in _block_slot)
+                    want = tuple(spec.local_shape) if layout.ep > 1 else tuple(spec.shape)
+                    if tuple(orig.shape) != want or str(orig.dtype) != spec.dtype:
                         raise ValueError(
                             f"dmuon: parameter {e.fqn!r} is {tuple(orig.shape)} {orig.dtype} in the model "
-                            f"but {spec.shape} {spec.dtype} in the plan; recompile the plan after "
+                            f"but {want} {spec.dtype} in the plan; recompile the plan after "
                             "changing the model"
                         )
                     if e.block is not None:  # one block of a matrix owned by an owner group
                         slot = _block_slot(
                             e, off, seg_l, held, wire, master, spec, orig, owners[e.fqn], grouped,
                             groups=g, device=device, param_dtype=param_dtype, wire_dtype=wire_dtype,
-                            modules=modules, runtime_ref=runtime_ref,
+                            modules=modules, runtime_ref=runtime_ref, ep=layout.ep,
                         )
                         sub.slots.append(slot)
                         seg.slots.append(slot)
@@ -387,7 +415,7 @@ def build_segments(
                 seg.resident = False
             segments.append(seg)
     for gm in grouped.values():
-        if any(b is None for b in gm.blocks):
+        if any(gm.blocks[j] is None for j in gm.info.compute_block_ids):
             raise ValueError(f"dmuon: the plan's layout of {gm.fqn!r} misses blocks of its owner group")
     return segments
 
@@ -405,8 +433,11 @@ def _grouped_storage(shape: tuple[int, ...], dtype: torch.dtype, device) -> tupl
 
 
 def _block_slot(e, off, seg_l, held, wire, master, spec, orig, owner, grouped, *, groups, device, param_dtype,
-                wire_dtype, modules, runtime_ref) -> _Slot:
-    """The slot of block ``e.block`` of a grouped matrix, and (first block seen) its :class:`_Grouped`."""
+                wire_dtype, modules, runtime_ref, ep: int = 1) -> _Slot:
+    """The slot of block ``e.block`` of a grouped matrix, and (first block seen) its :class:`_Grouped`.
+
+    ``ep > 1``: an expert-parallel stack owned in efsdp groups: the model's parameter holds this
+    rank's EP coordinate's experts only, and the compute tensor is assembled from those ranges."""
     g = groups
     if getattr(orig, "placements", None) is not None:
         raise ValueError(f"dmuon: {e.fqn!r} is a DTensor but the plan gives it an owner group (no TP support)")
@@ -419,13 +450,24 @@ def _block_slot(e, off, seg_l, held, wire, master, spec, orig, owner, grouped, *
         mine = next((i for i, o in enumerate(owner.members) if o.shard == g.shard), None)  # block held here
         mesh_ranks = tuple(sorted(owner.ranks))
         is_experts = type(owner).__name__ == "ExpertOwners"  # ranges of experts: no group collective
+        offsets = owner.offsets()
+        compute_blocks, compute_start = None, 0
+        if ep > 1:  # this EP coordinate's ranges, contiguous from its first expert
+            compute_blocks = tuple(q for q, o in enumerate(owner.members) if o.shard % ep == g.shard % ep)
+            compute_start = offsets[compute_blocks[0]]
         info = GroupInfo(
-            shape=tuple(spec.shape), dim=owner.dim, sizes=tuple(owner.sizes), offsets=owner.offsets(),
+            shape=tuple(spec.shape), dim=owner.dim, sizes=tuple(owner.sizes), offsets=offsets,
             block=mine, pg=g.owner_group(mesh_ranks) if me in ranks and not is_experts else None, ranks=ranks,
             mesh_ranks=mesh_ranks, shards=tuple(o.shard for o in owner.members),
             experts=spec.experts if is_experts else None,
+            compute_blocks=compute_blocks, compute_start=compute_start,
         )
-        compute, writer = _grouped_storage(tuple(spec.shape), wire_dtype, device)
+        if ep > 1 and tuple(orig.shape) != info.compute_shape:
+            raise ValueError(
+                f"dmuon: expert-parallel stack {e.fqn!r} is {tuple(orig.shape)} on this rank but the plan gives each "
+                f"rank {info.compute_shape} (E/ep experts of {tuple(spec.shape)}, ep = {ep})"
+            )
+        compute, writer = _grouped_storage(info.compute_shape, wire_dtype, device)
         if mine is None:  # zero rows, the other dims kept (as a non-holder's placeholder)
             logical = torch.empty((0, *spec.shape[1:]), dtype=param_dtype, device=device)
         else:
@@ -441,14 +483,14 @@ def _block_slot(e, off, seg_l, held, wire, master, spec, orig, owner, grouped, *
     info = gm.info
     strides = _contiguous_strides(bshape)
     if held:
-        value = orig.detach().narrow(info.dim, info.offsets[j], info.sizes[j])
+        value = orig.detach().narrow(info.dim, info.compute_offset(j), info.sizes[j])
         master[off : off + e.numel].view(bshape).copy_(value)
         gm.logical = torch.empty(0, dtype=param_dtype, device=device).set_(master.untyped_storage(), off, bshape, strides)
     block_view = torch.empty(0, dtype=wire_dtype, device=device).set_(wire.untyped_storage(), off, bshape, strides)
     slot = _Slot(fqn=e.fqn, offset_in_seg=off, numel=e.numel, shape=bshape, homes=[], logical=None,
                  compute=block_view, grouped=gm, block=j)
     gm.blocks[j] = slot
-    if all(b is not None for b in gm.blocks):  # every block seen: the logical parameter is complete
+    if all(gm.blocks[q] is not None for q in info.compute_block_ids):  # every block seen: the logical parameter is complete
         logical = gm.logical
         if not isinstance(logical, nn.Parameter):
             logical = nn.Parameter(logical, requires_grad=orig.requires_grad)
@@ -471,7 +513,8 @@ def _block_slot(e, off, seg_l, held, wire, master, spec, orig, owner, grouped, *
         )
         gm.logical = logical
         for b in gm.blocks:
-            b.logical = logical
+            if b is not None:  # expert parallelism: only this EP coordinate's ranges
+                b.logical = logical
     return slot
 
 

@@ -159,7 +159,8 @@ def rebind_storage(rt, boundaries=None) -> bool:
             if dedicated_info(gm.logical) is None:
                 gm.logical._dmuon = rt.infos[gm.fqn]
             for block in gm.blocks:
-                block.logical = gm.logical
+                if block is not None:  # expert parallelism: only this EP coordinate's ranges
+                    block.logical = gm.logical
         for seg in b.segments:
             changed |= _rebind_segment(rt, seg)
         for gm in b.grouped:

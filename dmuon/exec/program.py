@@ -19,7 +19,7 @@ from dmuon.plan.step_schedule import BoundaryProgram, Op
 from .buffers import _Segment, _SubSeg
 from .groups import MeshGroups
 
-__all__ = ["BoundOp", "BoundaryOps", "schedule_rank", "bind"]
+__all__ = ["BoundOp", "BoundaryOps", "schedule_rank", "bind", "ONE_RANK"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -54,6 +54,21 @@ class BoundaryOps:
         return tuple(b for b in self.replicate_reduce if b.segment is segment)
 
 
+#: the phases whose ops run on a segment's efsdp group when its buffer is expert-parallel
+EFSDP_PHASES = ("forward_broadcast", "backward_broadcast", "reduce")
+
+
+class _OneRank:
+    """The "group" of a reduce over one rank (an efsdp group of size 1, ``ep = N`` on an HSDP
+    mesh): the packed buffer is already the sum, no collective runs and no byte moves."""
+
+    def __repr__(self) -> str:
+        return "ONE_RANK"
+
+
+ONE_RANK = _OneRank()
+
+
 def schedule_rank(groups: MeshGroups) -> int:
     """This process's schedule rank: ``(replicate*N + shard)*T + tp`` (the mesh rank without TP)."""
     return (groups.replicate * groups.shape[1] + groups.shard) * groups.tp_size + groups.tp_rank
@@ -72,7 +87,8 @@ def bind(program: BoundaryProgram, segments: list[_Segment], groups: MeshGroups)
     """Bind ``program``'s ops that include this rank to its ``segments`` (local; no collective).
 
     Raises:
-        AssertionError: an op's group is neither this rank's shard group nor its replicate group,
+        AssertionError: an op's group is neither this rank's shard group, its replicate group
+            nor (expert-parallel buffers) its efsdp group,
             or its size differs from the segment's (the runtime and the plan disagree: a bug).
     """
     me = schedule_rank(groups)
@@ -82,13 +98,17 @@ def bind(program: BoundaryProgram, segments: list[_Segment], groups: MeshGroups)
     my_col = tuple((r * N + groups.shard) * T + groups.tp_rank for r in range(R))
     by_key = {}
     for seg in segments:
-        by_key[(str(seg.param_dtype), seg.shard)] = seg
+        by_key[(seg.buffer_key, seg.shard)] = seg
 
     def bound(op: Op) -> BoundOp:
         seg = by_key[(op.buffer, op.segment)]
         sub = None
         if op.group == my_row:
             group, size = groups.shard_group, seg.numel
+        elif op.phase == "reduce" and op.group == (me,):  # an efsdp group of one rank: nothing to move
+            group, size = ONE_RANK, seg.numel
+        elif op.phase in EFSDP_PHASES and T == 1 and tuple(op.group) in groups.owner_group_pgs:
+            group, size = groups.owner_group(op.group), seg.numel  # expert-parallel: the efsdp group
         elif op.group == my_col:
             group = groups.replicate_group
             sub = seg.subs[[x.replicate for x in seg.subs].index(op.subsegment)]

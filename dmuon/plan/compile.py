@@ -235,7 +235,8 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
     boundary_order = [fqn for fqn in snapshot.module_fqns if fqn in used]
     boundaries = build_boundaries(
         [
-            (spec.fqn, spec.local_shape, spec.local_numel, spec.dtype, owner, s.boundary)
+            (spec.fqn, spec.local_shape, spec.local_numel, spec.dtype, owner, s.boundary,
+             spec.ep_size if isinstance(owner, ExpertOwners) and not owner.local else 1)
             for spec, owner, s in zip(specs, owners, selected)
         ],
         boundary_order,
@@ -279,6 +280,11 @@ def _assign_owners(specs, boundaries, mesh_shape, cost_model, owner_groups, tp_s
     ):
         raise ValueError(
             f"owner_groups must be one of {_rules.OWNER_GROUP_MODES} or an int k >= 1, got {owner_groups!r}"
+        )
+    ep = max((spec.ep_size for spec in specs), default=1)
+    if ep > 1 and (N // ep > 1 or R > 1):
+        return _assign_ep_owners(
+            specs, boundaries, mesh_shape, ep, cost_model, owner_groups, tp_size, qk_clip, segment_lengths
         )
     weights = [_cost.param_weight(spec, cost_model) for spec in specs]
     keys = [spec.fqn for spec in specs]
@@ -377,14 +383,105 @@ def _assign_owners(specs, boundaries, mesh_shape, cost_model, owner_groups, tp_s
     return tuple(owners)
 
 
-EP_EFSDP_MESSAGE = (
-    "experts sharded over ep x efsdp with efsdp > 1 are not supported yet; use ep = N"
-)
+def _assign_ep_owners(specs, boundaries, mesh_shape, ep, cost_model, owner_groups, tp_size, qk_clip, segment_lengths):
+    """Owners under expert parallelism with ``efsdp = N/ep > 1`` or HSDP replicas (``R > 1``).
+
+    Shard rank ``s`` holds the experts of EP coordinate ``j = s mod ep`` (EP groups are ``ep``
+    consecutive shard ranks); the ``efsdp`` ranks ``j, j+ep, j+2ep, ...`` of a replicate row (its
+    *efsdp group*) hold the same ``E/ep`` experts and split their ownership.
+
+    1. The stacks first: each stack's ``E/ep`` local experts are cut into ``k = min(E/ep,
+       efsdp)`` contiguous ranges (:func:`~dmuon.plan.records.balanced_sizes`), placed by the
+       constrained LPT (:func:`~dmuon.plan.partition.lpt_partition_groups`) on ``k`` distinct
+       efsdp indices ``i`` of one replicate row ``r``, the slots being ``(r, i)``. Every EP
+       coordinate ``j`` uses the same placement, so range ``q`` of coordinate ``j`` is owned by
+       shard ``j + i_q*ep`` of row ``r`` and every rank of an EP group carries the same load.
+    2. Then the dense matrices, by the LPT of :func:`_assign_owners` over the ``R*N`` slots with
+       the stacks' loads as ``initial_loads`` (owner groups as requested).
+
+    The :class:`ExpertOwners` lists the ranges in global expert order (coordinate-major), so
+    ``per_expert()`` is the owner of every global expert.
+    """
+    R, N = mesh_shape
+    efsdp = N // ep
+    stack_idx = [i for i, spec in enumerate(specs) if spec.experts is not None]
+    dense_idx = [i for i, spec in enumerate(specs) if spec.experts is None]
+    per_expert = {i: _cost.param_weight(specs[i], cost_model) // specs[i].num_experts for i in stack_idx}
+    local = {i: specs[i].experts.local_experts for i in stack_idx}
+    ks = [min(local[i], efsdp) for i in stack_idx]
+    placed = lpt_partition_groups(
+        [per_expert[i] * local[i] for i in stack_idx],
+        lambda n, k: expert_range_weights(per_expert[stack_idx[n]], local[stack_idx[n]], k),
+        ks,
+        [specs[i].fqn for i in stack_idx],
+        [boundaries[i] for i in stack_idx],
+        num_shards=efsdp,
+        num_replicas=R,
+        split=max(ks),
+    )
+    owners: list[Any] = [None] * len(specs)
+    for n, i in enumerate(stack_idx):
+        slots = placed.members[n]
+        sizes = balanced_sizes(local[i], len(slots))
+        members = tuple(Owner.at((slot // efsdp) * N + j + (slot % efsdp) * ep, N) for j in range(ep) for slot in slots)
+        owners[i] = ExpertOwners(members=members, sizes=tuple(sizes) * ep)
+    initial = [placed.loads[r * efsdp + s // ep] for r in range(R) for s in range(N)]
+    if dense_idx:
+        dense = [specs[i] for i in dense_idx]
+        sub = _assign_dense(
+            dense, [boundaries[i] for i in dense_idx], mesh_shape, cost_model, owner_groups, tp_size, qk_clip,
+            segment_lengths, initial,
+        )
+        for i, owner in zip(dense_idx, sub):
+            owners[i] = owner
+    return tuple(owners)
+
+
+def _assign_dense(specs, boundaries, mesh_shape, cost_model, owner_groups, tp_size, qk_clip, segment_lengths, initial):
+    """The dense matrices' owners (one owner, or owner groups as ``owner_groups`` asks) by the
+    constrained LPT with ``initial`` slot loads (:func:`_assign_ep_owners`)."""
+    R, N = mesh_shape
+    weights = [_cost.param_weight(spec, cost_model) for spec in specs]
+    keys = [spec.fqn for spec in specs]
+    if owner_groups in ("off", 1):
+        max_split, split = [1] * len(specs), 1
+    else:
+        clipped = set()
+        if qk_clip is not None:
+            clipped = {rows.fqn for att in qk_clip.attention for rows in (att.q, att.k)}
+        max_split = [1 if spec.fqn in clipped else _rules.owner_group_max_split(spec, N) for spec in specs]
+        split = owner_groups
+    result = lpt_partition_groups(
+        weights,
+        lambda i, k: _cost.owner_group_piece_weights(specs[i], k, cost_model, segment_lengths),
+        max_split,
+        keys,
+        boundaries,
+        num_shards=N,
+        num_replicas=R,
+        split=split,
+        initial_loads=initial,
+    )
+    out = []
+    for spec, members in zip(specs, result.members):
+        if len(members) == 1:
+            out.append(Owner.at(members[0], N))
+            continue
+        dim = _rules.owner_group_dim(spec.shape)
+        out.append(
+            OwnerGroup(
+                members=tuple(Owner.at(slot, N) for slot in members),
+                dim=dim,
+                sizes=balanced_sizes(int(spec.shape[dim]), len(members)),
+            )
+        )
+    return out
+
 
 
 def _ep_degree(mesh: Any, mesh_shape: tuple[int, int], ep: int | None) -> int:
-    """The expert-parallel degree: ``ep``, or ``N`` for a 1-D mesh named ``("ep",)``; checked
-    against the layouts that work (``ep = N``, ``R = 1``)."""
+    """The expert-parallel degree: ``ep``, or ``N`` for a 1-D mesh named ``("ep",)``; ``ep``
+    must divide the ``N`` shard ranks (``efsdp = N/ep``)."""
     R, N = mesh_shape
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ()) if hasattr(mesh, "shape") else ()
     if names == ("ep",):
@@ -404,16 +501,6 @@ def _ep_degree(mesh: Any, mesh_shape: tuple[int, int], ep: int | None) -> int:
         raise ValueError(
             f"dmuon.plan.compile: ep={ep} does not divide the {N} shard ranks (EP groups are ep consecutive "
             f"shard ranks); the layout that works: ep = N = {N}"
-        )
-    if N // ep > 1:
-        raise ValueError(
-            f"dmuon.plan.compile: ep={ep} on {N} shard ranks gives efsdp = N/ep = {N // ep}: {EP_EFSDP_MESSAGE} "
-            f"(ep={N})"
-        )
-    if R > 1:
-        raise ValueError(
-            f"dmuon.plan.compile: ep={ep} on an HSDP mesh (R={R}, N={N}): EP with HSDP replicas not supported "
-            f"yet; use a 1-D mesh of N ranks with ep = N"
         )
     return ep
 

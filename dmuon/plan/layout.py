@@ -240,15 +240,23 @@ class BufferLayout:
     Attributes:
         dtype: storage dtype string of every entry. numel: total elements.
         segments: ordered by shard, contiguous from 0.
+        ep: 1, or the expert-parallel degree of the stacks this buffer holds (``efsdp = N/ep > 1``
+            or HSDP): shard ``s`` holds the experts of EP coordinate ``s mod ep``, so segment
+            ``s`` is broadcast and reduced over its *efsdp group* only, the shard ranks
+            ``s mod ep, s mod ep + ep, ...`` of each replicate row, and exists only on them. The
+            offsets stay global (each rank allocates its segments separately). In JSON only
+            when > 1.
     """
 
     dtype: str
     numel: int
     segments: tuple[Segment, ...]
+    ep: int = 1
 
     def __post_init__(self) -> None:
         check_dtype_str("BufferLayout", "dtype", self.dtype)
         _check_int("BufferLayout", "numel", self.numel, 0)
+        _check_int("BufferLayout", "ep", self.ep, 1)
         if type(self.segments) is not tuple or not self.segments:
             raise ValueError("BufferLayout.segments must be a non-empty tuple")
         cursor = 0
@@ -272,7 +280,8 @@ class BufferLayout:
         return tuple(e for seg in self.segments for sub in seg.subsegments for e in sub.entries)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "numel": self.numel, "segments": [s.to_dict() for s in self.segments]}
+        ep = {"ep": self.ep} if self.ep > 1 else {}  # absent without EP: older plans keep their JSON
+        return {"dtype": self.dtype, "numel": self.numel, "segments": [s.to_dict() for s in self.segments], **ep}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> BufferLayout:
@@ -280,7 +289,19 @@ class BufferLayout:
             dtype=d["dtype"],
             numel=d["numel"],
             segments=tuple(Segment.from_dict(s) for s in d["segments"]),
+            ep=d.get("ep", 1),
         )
+
+    @property
+    def key(self) -> str:
+        """The buffer's name within its boundary (schedule ops carry it): the dtype, with
+        ``/ep<k>`` for an expert-parallel buffer (a boundary may hold both of one dtype)."""
+        return self.dtype if self.ep == 1 else f"{self.dtype}/ep{self.ep}"
+
+    def group_shards(self, shard: int, num_shards: int) -> tuple[int, ...]:
+        """The shard coordinates segment ``shard`` is broadcast and reduced over: the whole row,
+        or its efsdp group when ``ep > 1``."""
+        return tuple(range(shard % self.ep, num_shards, self.ep))
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -291,7 +312,8 @@ class Boundary:
         fqn: module FQN whose hooks serve the entries (``""`` = root).
         fallback: True if no boundary ancestor existed and ``hook_boundary_strict=False`` fell
             back to the parameter's own module.
-        buffers: one per parameter storage dtype, sorted by dtype string.
+        buffers: one per parameter storage dtype and EP degree (:attr:`BufferLayout.ep`), sorted
+            by ``(ep, dtype)``: the dense buffers first.
         local: canonical FQNs of the expert-parallel stacks inside this boundary (plan order):
             dedicated, but each rank's model holds and owns its own experts, so they have no
             buffer entry and move no bytes (:class:`~dmuon.plan.records.ExpertOwners` with
@@ -312,9 +334,9 @@ class Boundary:
             raise TypeError(f"Boundary {self.fqn!r}: local must be a tuple of FQNs, got {self.local!r}")
         if type(self.buffers) is not tuple or not (self.buffers or self.local):
             raise ValueError(f"Boundary {self.fqn!r}: buffers must be a non-empty tuple")
-        dtypes = [b.dtype for b in self.buffers]
-        if dtypes != sorted(set(dtypes)):
-            raise ValueError(f"Boundary {self.fqn!r}: buffers must be unique and sorted by dtype, got {dtypes}")
+        keys = [(b.ep, b.dtype) for b in self.buffers]
+        if keys != sorted(set(keys)):
+            raise ValueError(f"Boundary {self.fqn!r}: buffers must be unique and sorted by (ep, dtype), got {keys}")
 
     def entries(self) -> tuple[LayoutEntry, ...]:
         return tuple(e for buf in self.buffers for e in buf.entries())
@@ -361,7 +383,7 @@ def check_buffer_layout(buf: BufferLayout, align_numel: int) -> None:
 
 
 def _build_buffer(
-    dtype: str, items: Sequence[tuple[str, tuple[int, ...], int, Owner, int | None]], align_numel: int
+    dtype: str, items: Sequence[tuple[str, tuple[int, ...], int, Owner, int | None]], align_numel: int, ep: int = 1
 ) -> BufferLayout:
     """``items``: ``(fqn, shape, numel, owner, block)`` in plan order (one per block of a
     grouped matrix)."""
@@ -395,11 +417,11 @@ def _build_buffer(
             )
             cursor = sub_offset + sub_numel
         segments.append(Segment(shard=shard, offset=seg_offset, numel=cursor - seg_offset, subsegments=tuple(subs)))
-    return BufferLayout(dtype=dtype, numel=cursor, segments=tuple(segments))
+    return BufferLayout(dtype=dtype, numel=cursor, segments=tuple(segments), ep=ep)
 
 
 def build_boundaries(
-    items: Sequence[tuple[str, tuple[int, ...], int, str, Any, str]],
+    items: Sequence[tuple[str, tuple[int, ...], int, str, Any, str] | tuple[str, tuple[int, ...], int, str, Any, str, int]],
     boundary_order: Sequence[str],
     fallback: dict[str, bool],
     *,
@@ -411,19 +433,25 @@ def build_boundaries(
         items: ``(fqn, shape, numel, dtype, owner, boundary_fqn)`` per dedicated param, plan
             order; ``owner`` an :class:`~dmuon.plan.records.Owner`, or an
             :class:`~dmuon.plan.records.OwnerGroup` / :class:`~dmuon.plan.records.ExpertOwners`
-            (one entry per block / range of experts, in its member's segment).
+            (one entry per block / range of experts, in its member's segment). An optional 7th
+            field: the stack's EP degree when its ranges are owned inside efsdp groups (its
+            entries go to a buffer of that :attr:`BufferLayout.ep`); 1 otherwise.
         boundary_order: boundary FQNs in output order (first appearance in ``named_modules()``).
         fallback: boundary FQN -> fallback flag.
         align_numel: alignment in elements (>= 1).
     """
-    grouped: dict[str, dict[str, list[tuple[str, tuple[int, ...], int, Owner, int | None]]]] = {}
+    grouped: dict[str, dict[tuple[int, str], list[tuple[str, tuple[int, ...], int, Owner, int | None]]]] = {}
     local: dict[str, list[str]] = {}
-    for fqn, shape, numel, dtype, owner, boundary in items:
+    for item in items:
+        fqn, shape, numel, dtype, owner, boundary = item[:6]
+        ep = item[6] if len(item) > 6 else 1
         if getattr(owner, "local", False):  # expert parallelism: held by each rank's model, no entry
             local.setdefault(boundary, []).append(fqn)
             grouped.setdefault(boundary, {})
             continue
-        dest = grouped.setdefault(boundary, {}).setdefault(dtype, [])
+        if ep > 1:  # ranges of the global stack (E, a, b): entries of the global shape's ranges
+            shape = (shape[0] * ep,) + tuple(shape[1:])
+        dest = grouped.setdefault(boundary, {}).setdefault((ep, dtype), [])
         if isinstance(owner, (OwnerGroup, ExpertOwners)):
             for j, member in enumerate(owner.members):
                 block = tuple(owner.block_shape(j, shape))
@@ -435,7 +463,7 @@ def build_boundaries(
         if bfqn not in grouped:
             continue
         buffers = tuple(
-            _build_buffer(dtype, grouped[bfqn][dtype], align_numel) for dtype in sorted(grouped[bfqn])
+            _build_buffer(dtype, grouped[bfqn][(ep, dtype)], align_numel, ep) for ep, dtype in sorted(grouped[bfqn])
         )
         out.append(Boundary(fqn=bfqn, fallback=fallback[bfqn], buffers=buffers, local=tuple(local.get(bfqn, ()))))
     return tuple(out)

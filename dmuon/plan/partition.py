@@ -268,12 +268,14 @@ def _validate_common(weights, keys, groups, num_shards, num_replicas) -> None:
         raise ValueError("weights must be non-negative integers")
 
 
-def _place(pieces, keys, groups, *, num_shards, num_replicas):
+def _place(pieces, keys, groups, *, num_shards, num_replicas, initial_loads=None):
     """One greedy pass (module docstring, "Owner groups"), :func:`lpt_partition`'s when every
     item is one piece: items in ``(-largest piece, key)`` order; a 1-piece item as in the module
     docstring's LPT step; a ``k``-piece item on the ``k``
     least-loaded slots of the replicate row whose resulting maximum is smallest (ties: lowest
     row), its largest block on the least-loaded slot. Returns ``(members, loads)``.
+    ``initial_loads``: per slot, weight placed before this pass (expert-parallel ranges placed
+    by their own structure); None = all zero.
 
     State: ``key[s] = load[s] * S + s``, so one argmin / partition over ``key`` orders slots by
     load with ties by lowest index (all keys distinct)."""
@@ -285,20 +287,25 @@ def _place(pieces, keys, groups, *, num_shards, num_replicas):
     order = sorted(range(n_items), key=lambda i: (-max(pieces[i]), keys[i]))
     # penalty: a key offset above any reachable key (masked argmin over unused coordinates)
     penalty = (total + w_max + 1) * S
+    initial = [0] * S if initial_loads is None else [int(x) for x in initial_loads]
+    penalty += max(initial, default=0) * S
     dtype = np.int64 if 2 * penalty < _INT64_SAFE else object
-    key = np.arange(S, dtype=np.int64).astype(dtype)
+    if initial_loads is None:
+        key = np.arange(S, dtype=np.int64).astype(dtype)
+    else:
+        key = np.array([x * S + s for s, x in enumerate(initial)], dtype=dtype)
     key2d = key.reshape(R, N)  # a view
     # R = 1: a heap of keys finds the k least-loaded slots in O(k log S). It holds every slot's
     # current key exactly once, plus stale older keys (key[v % S] != v: the slot was loaded
     # since), dropped when popped
-    heap = list(range(S)) if R == 1 else None
-    key_list = list(range(S)) if R == 1 else None  # the same keys as Python ints (fast reads)
+    key_list = [int(v) for v in key] if R == 1 else None  # the same keys as Python ints (fast reads)
+    heap = sorted(key_list) if R == 1 else None
     group_ids: dict[str, int] = {}
     blocked: list[np.ndarray] = []  # per group: key offset, penalty where the coordinate is used
     n_used: list[int] = []
 
     out: list[tuple[int, ...]] = [()] * n_items
-    makespan = 0
+    makespan = max(initial, default=0)
     for i in order:
         p = pieces[i]
         k = len(p)
@@ -378,6 +385,7 @@ def lpt_partition_groups(
     num_replicas: int = 1,
     split: str | int = "auto",
     slack: float = 0.25,
+    initial_loads: Sequence[int] | None = None,
 ) -> GroupPartitionResult:
     """Assign each item to an owner group of ``k`` slots (module docstring, "Owner groups").
 
@@ -394,6 +402,11 @@ def lpt_partition_groups(
             ``min(k, max_split[i])``. ``split=1`` gives exactly :func:`lpt_partition`'s slots.
         slack: ``"auto"``'s target is ``max(loads) <= (1 + slack) * sum(weights) / (R*N)``
             (raised to the largest piece of an item that cannot get under it).
+        initial_loads: per slot (``replicate*N + shard``), weight already placed there (the
+            expert-parallel ranges, placed by their own structure first); ``loads`` include
+            it, the target and the bound count it as placed weight (``T`` = pieces + initial;
+            the list-scheduling argument holds unchanged: the slot that ends busiest was the
+            least loaded when its last piece went on). None: all zero.
 
     Returns:
         :class:`GroupPartitionResult`, members aligned to the input order.
@@ -415,6 +428,12 @@ def lpt_partition_groups(
     if not (isinstance(slack, (int, float)) and slack >= 0):
         raise ValueError(f"slack must be a non-negative number, got {slack!r}")
     weights = [int(w) for w in weights]
+    S = num_shards * num_replicas
+    if initial_loads is not None:
+        initial_loads = [int(x) for x in initial_loads]
+        if len(initial_loads) != S or any(x < 0 for x in initial_loads):
+            raise ValueError(f"initial_loads must hold {S} non-negative integers, one per slot")
+    preload = sum(initial_loads) if initial_loads is not None else 0
     cache: dict[tuple[int, int], tuple[int, ...]] = {}
 
     def pieces_of(i: int, k: int) -> tuple[int, ...]:
@@ -433,29 +452,32 @@ def lpt_partition_groups(
 
     def run(ks):
         pieces = [pieces_of(i, k) for i, k in enumerate(ks)]
-        members, loads = _place(pieces, keys, groups, num_shards=num_shards, num_replicas=num_replicas)
+        members, loads = _place(
+            pieces, keys, groups, num_shards=num_shards, num_replicas=num_replicas, initial_loads=initial_loads
+        )
         return GroupPartitionResult(
-            members=tuple(members), loads=tuple(loads), bound=_group_bound(pieces, num_shards, num_replicas)
+            members=tuple(members), loads=tuple(loads),
+            bound=_group_bound(pieces, num_shards, num_replicas, preload=preload),
         )
 
     if isinstance(split, bool) or not (split == "auto" or (isinstance(split, int) and split >= 1)):
         raise ValueError(f"split must be 'auto' or an int >= 1, got {split!r}")
     if split != "auto":
         return run([min(int(split), int(m)) for m in max_split])
-    return _auto(weights, keys, pieces_of, max_split, run, num_shards, num_replicas, Fraction(slack))
+    return _auto(weights, keys, pieces_of, max_split, run, num_shards, num_replicas, Fraction(slack), preload=preload)
 
 
 def result_bound(ks, pieces_of, num_shards: int, num_replicas: int) -> tuple[int, int]:
     return _group_bound([pieces_of(i, k) for i, k in enumerate(ks)], num_shards, num_replicas)
 
 
-def _group_bound(pieces, num_shards: int, num_replicas: int) -> tuple[int, int]:
+def _group_bound(pieces, num_shards: int, num_replicas: int, preload: int = 0) -> tuple[int, int]:
     """The proven bound on the makespan of :func:`_place` (module docstring, "Owner groups"),
     an exact fraction: ``T/S + W`` for ``R = 1`` or without groups; ``N/(N-K+1) * T/S + W`` for
     ``R > 1``, ``K`` the largest group size. ``T`` = total piece weight, ``W`` = largest piece."""
     N, R = num_shards, num_replicas
     S = N * R
-    total = sum(sum(p) for p in pieces)
+    total = sum(sum(p) for p in pieces) + preload
     w_max = max((max(p) for p in pieces), default=0)
     K = max((len(p) for p in pieces), default=1)
     if R == 1 or K == 1:
@@ -486,14 +508,15 @@ def _huge(pieces) -> bool:
 
 
 def _auto(
-    weights, keys, pieces_of, max_split, run, num_shards, num_replicas, slack, max_runs: int = 12, max_levels: int = 64
+    weights, keys, pieces_of, max_split, run, num_shards, num_replicas, slack, max_runs: int = 12, max_levels: int = 64,
+    preload: int = 0,
 ):
     """``split="auto"`` (module docstring, "Owner groups: auto"): lower a piece cap level by
     level from "nothing split", splitting the items with the largest piece to the smallest
     ``k`` under the cap, and return the first placement that meets the target."""
     n_items = len(weights)
     S = num_shards * num_replicas
-    total = sum(weights)
+    total = sum(weights) + preload
     limit = (1 + slack) * total  # a placement meets the target iff max_load * S <= limit
 
     def meets(res) -> bool:

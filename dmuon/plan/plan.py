@@ -197,11 +197,10 @@ class ShardingPlan:
                 )
             ep = spec.ep_size
             if ep > 1 or (isinstance(owner, ExpertOwners) and owner.local):
-                if not (isinstance(owner, ExpertOwners) and owner.local and owner.k == ep == N and R == 1):
+                problem = _ep_owner_problem(spec, owner, R, N)
+                if problem:
                     raise ValueError(
-                        f"ShardingPlan: {spec.fqn} is expert-parallel (ep_size {ep}) but its owner is {owner}; an "
-                        f"expert-parallel stack on mesh (R={R}, N={N}) needs ExpertOwners(local=True) over every "
-                        "shard rank with ep = N and R = 1"
+                        f"ShardingPlan: {spec.fqn} is expert-parallel (ep_size {ep}) but its owner is {owner}: {problem}"
                     )
             if isinstance(owner, OwnerGroup):
                 problem = _rules.owner_group_problem(spec)
@@ -624,3 +623,27 @@ optree.register_pytree_node(
     path_entry_type=optree.GetAttrEntry,
     namespace="dmuon",
 )
+
+
+def _ep_owner_problem(spec: ParamSpec, owner: Any, R: int, N: int) -> str:
+    """Why ``owner`` cannot own expert-parallel ``spec`` on mesh ``(R, N)`` ("" if it can).
+
+    ``ep = N``, ``R = 1``: ``ExpertOwners(local=True)`` over every shard rank. Otherwise
+    (``efsdp = N/ep > 1`` or ``R > 1``): ranges in global expert order, each owned inside the
+    efsdp group that holds it (member shard ``= j (mod ep)`` for a range of EP coordinate ``j``),
+    every coordinate cut alike."""
+    ep = spec.ep_size
+    if not isinstance(owner, ExpertOwners) or ep < 2 or N % ep:
+        return "expert parallelism needs an ExpertOwners record and ep dividing N"
+    if owner.local:
+        return "" if owner.k == ep == N and R == 1 else "ExpertOwners(local=True) needs ep = N and R = 1"
+    if ep == N and R == 1:
+        return "with ep = N and R = 1 the stack is owned locally (ExpertOwners(local=True))"
+    per = spec.experts.local_experts
+    k, rem = divmod(owner.k, ep)
+    if rem or owner.sizes != owner.sizes[:k] * ep or sum(owner.sizes[:k]) != per:
+        return f"ranges must cut each EP coordinate's {per} experts alike"
+    for q, member in enumerate(owner.members):
+        if member.shard % ep != q // k:
+            return f"range {q} (EP coordinate {q // k}) is owned by shard {member.shard}, outside its efsdp group"
+    return ""

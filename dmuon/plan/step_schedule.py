@@ -141,7 +141,9 @@ class Op:
         numel: elements per rank (broadcast / reduce payload, all-reduce tensor, all-gather input).
         flops: Newton-Schulz FLOPs each member runs (matmuls; ``newton_schulz`` ops only).
         boundary: FQN of the hook boundary (None for TP and NS ops).
-        buffer: storage dtype of the boundary buffer the op moves (None if not a buffer op).
+        buffer: :attr:`~dmuon.plan.layout.BufferLayout.key` of the boundary buffer the op moves
+            (its storage dtype; ``"<dtype>/ep<k>"`` for expert-parallel ranges), None if not a
+            buffer op.
         segment: shard coordinate of the segment (buffer ops).
         subsegment: owner replicate coordinate of the sub-segment (replicate ops), else None.
         fqns: the dedicated parameters an NS or TP op covers, plan order.
@@ -304,9 +306,12 @@ def boundary_programs(plan: ShardingPlan) -> tuple[BoundaryProgram, ...]:
                     wire = plan.bcast_dtype(buf.dtype)
                     red_dtype = plan.reduce_dtype_for(buf.dtype)
                     for seg in buf.segments:
-                        common = dict(id=-1, group=rows[(r, t)], root=rank(r, seg.shard, t), numel=seg.numel,
-                                      boundary=b.fqn, buffer=buf.dtype, segment=seg.shard)
-                        if N > 1:  # a one-rank shard group has nothing to broadcast
+                        group = rows[(r, t)]
+                        if buf.ep > 1:  # expert-parallel ranges: the segment's efsdp group only
+                            group = tuple(rank(r, s, t) for s in buf.group_shards(seg.shard, N))
+                        common = dict(id=-1, group=group, root=rank(r, seg.shard, t), numel=seg.numel,
+                                      boundary=b.fqn, buffer=buf.key, segment=seg.shard)
+                        if len(group) > 1:  # a one-rank group has nothing to broadcast
                             fwd.append(Op(kind="broadcast", phase="forward_broadcast", dtype=wire, **common))
                             if plan.reshard_after_forward:
                                 bwd.append(Op(kind="broadcast", phase="backward_broadcast", dtype=wire, **common))
@@ -318,7 +323,7 @@ def boundary_programs(plan: ShardingPlan) -> tuple[BoundaryProgram, ...]:
                     for sub in seg.subsegments:
                         for t in range(T):
                             common = dict(id=-1, group=cols[(seg.shard, t)], root=rank(sub.owner.replicate, seg.shard, t),
-                                          numel=sub.numel, boundary=b.fqn, buffer=buf.dtype, segment=seg.shard,
+                                          numel=sub.numel, boundary=b.fqn, buffer=buf.key, segment=seg.shard,
                                           subsegment=sub.owner.replicate)
                             rep_red.append(Op(kind="reduce", phase="replicate_reduce", dtype=red_dtype, **common))
                             rep_bc.append(Op(kind="broadcast", phase="replicate_broadcast", dtype=buf.dtype, **common))
@@ -758,7 +763,7 @@ class _Builder:
                                 deps=tuple(ns_ids.values())),)
         if R > 1:  # HSDP: owners broadcast the new values to their replicate peers
             for prog, b in zip(self.programs, plan.boundaries):
-                subs = {(buf.dtype, seg.shard, sub.owner.replicate): sub for buf in b.buffers for seg in buf.segments for sub in seg.subsegments}
+                subs = {(buf.key, seg.shard, sub.owner.replicate): sub for buf in b.buffers for seg in buf.segments for sub in seg.subsegments}
                 for t in prog.replicate_broadcast:
                     sub = subs[(t.buffer, t.segment, t.subsegment)]
                     ns = (ns_ids.get((e.fqn, e.block), ns_ids.get(e.fqn)) for e in sub.entries)
