@@ -184,7 +184,7 @@ class DmuonRuntime:
                     ep_local=True,
                 )
                 if world > 1 and p.requires_grad:
-                    self.ep_hooks.append(p.register_hook(_ep_grad_divisor(world)))
+                    self.ep_hooks.append(p.register_hook(_ep_grad_divisor(weakref.ref(self), b.fqn)))
                 out[fqn] = p
         return out
 
@@ -506,12 +506,19 @@ class DmuonRuntime:
 # ----------------------------------------------------------------------------------------------
 
 
-def _ep_grad_divisor(world: int):
-    """The tensor hook of an expert-parallel stack: each backward contribution ``g`` becomes
-    ``g / world`` (the data-parallel world ``R*N``)."""
+def _ep_grad_divisor(runtime_ref, boundary_fqn: str):
+    """The tensor hook of a local expert-parallel stack: each backward contribution ``g``
+    becomes ``g / d`` with ``d`` what an owner divides a reduced gradient by
+    (:meth:`DmuonRuntime.grad_divisor`: FSDP2's gradient divide factor when one is set, e.g.
+    torchtitan's 1.0, else the data-parallel world ``R*N``), read at every call."""
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
-        return grad / world
+        rt = runtime_ref()
+        if rt is None:
+            return grad
+        boundary = next((b for b in rt.boundaries if b.fqn == boundary_fqn), None)
+        divisor = rt.grad_divisor(boundary) if boundary is not None else float(rt.world_numel)
+        return grad if divisor == 1.0 else grad / divisor
 
     return hook
 

@@ -318,7 +318,19 @@ def expert_lines(plan: ShardingPlan) -> list[str]:
     split = sum(1 for p, _ in stacks if p.experts.matrices_per_expert == 2)
     counts = sorted(per_rank.values())
     local = [(p, o) for p, o in stacks if isinstance(o, ExpertOwners) and o.local]
+    grouped = [(p, o) for p, o in stacks if p.experts.ep_size > 1 and not (isinstance(o, ExpertOwners) and o.local)]
     ep_line = []
+    if grouped:
+        ep = max(p.experts.ep_size for p, _ in grouped)
+        R, N = plan.mesh_shape
+        efsdp = N // ep
+        ep_line = [
+            f"  expert-parallel: {len(grouped):,} stacks over ep = {ep} x efsdp = {efsdp}"
+            + (f" x {R} replicas" if R > 1 else "")
+            + f"; each rank's {', '.join(sorted({str(p.experts.local_experts) for p, _ in grouped}))} experts owned "
+            + (f"in ranges inside its efsdp group of {efsdp} ranks" if efsdp > 1 else "on the rank (efsdp = 1)")
+            + (", replicas reduced over the replicate group" if R > 1 else "")
+        ]
     if local:
         ep = max(p.experts.ep_size for p, _ in local)
         ep_line = [
