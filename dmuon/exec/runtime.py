@@ -146,10 +146,13 @@ class DmuonRuntime:
         The parameter stays where it is (no buffer, no broadcast, no reduce); it is tagged
         ``p._dmuon`` (``ep_local``, owned here, so ``fully_shard`` skips it and ``dmuon.Muon``
         orthogonalises its experts) and a tensor hook divides every gradient contribution by
-        the data-parallel world ``W = R*N``: tokens of every rank reach a local expert through
-        the model's all-to-all, so its gradient is the SUM over ranks of their local-loss
-        gradients, and ``/W`` makes it the global-batch mean's (as the reduce-AVG does for the
-        dense matrices). Returns ``{fqn: parameter}``."""
+        :meth:`grad_divisor` (the data-parallel world ``W = R*N``, or FSDP2's gradient divide
+        factor when one is set): tokens of every rank reach a local expert through the model's
+        all-to-all, so its gradient is the SUM over ranks of their local-loss gradients, and
+        ``/W`` makes it the global-batch mean's (as the reduce-AVG does for the dense
+        matrices). Stacks owned in efsdp groups need no hook: their reduce SUMs the holders'
+        gradients, which together are that same SUM, and the owner divides it like any
+        other. Returns ``{fqn: parameter}``."""
         import torch.distributed as dist
 
         out: dict[str, nn.Parameter] = {}

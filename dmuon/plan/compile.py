@@ -133,7 +133,10 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
             itself (``all_to_all``); the plan records the global stack ``(E, a, b)``
             (:attr:`ExpertStack.ep_size`, ``ParamSpec.local_shape`` the rank's experts) and each
             rank owns its own experts (:class:`ExpertOwners` with ``local=True``): no dmuon byte
-            moves for them. Supported now: ``ep = N`` (efsdp = N/ep = 1), ``R = 1``, no TP.
+            moves for them, when ``ep = N`` and ``R = 1``. With ``efsdp = N/ep > 1`` or HSDP
+            replicas the ``efsdp`` ranks holding one EP coordinate's experts own them in
+            contiguous ranges, broadcast and reduced over that efsdp group only
+            (:attr:`~dmuon.plan.layout.BufferLayout.ep`). Not with TP.
         expert_gate_up: ``"split"`` (default): a fused gate/up expert is two Muon matrices,
             gate and up, as ``torch.optim.Muon`` treats the unfused model; ``"fused"``: one
             ``(2F, D)`` matrix per expert.
