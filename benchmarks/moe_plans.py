@@ -8,7 +8,12 @@ For each preset (meta device, no GPU, no process group) and mesh, two plans:
   stack is one Muon parameter with a single owner (what selecting the stacks meant before expert
   support; ``python -m dmuon plan --experts off --all-matrices``);
 * after: the defaults (``experts="auto"``, ``expert_gate_up="split"``) -- every expert its own
-  Muon matrices, a stack's experts owned by min(E, N) ranks in contiguous ranges.
+  Muon matrices, a stack's experts owned by min(E, N) ranks in contiguous ranges;
+
+and per ``--ep k`` (default 8 and N) the expert-parallel plan (``compile(ep=k)`` of the model as
+one rank holds it, ``E/k`` experts per stack): local experts for ``k = N`` (0 expert bytes),
+owners inside efsdp groups of ``N/k`` ranks otherwise. Owned elements, NS FLOPs and bytes count
+the experts each rank owns and moves (the model's own all-to-all is not dmuon's).
 
 Columns: ranks owning nothing; owned elements max/mean over ranks; the busiest rank's
 Newton-Schulz FLOPs per step; bytes per rank per step (max of ``plan.cost.per_rank_nbytes``);
@@ -31,9 +36,26 @@ from dmuon.plan.presets import PRESETS  # noqa: E402
 GIB = 2**30
 
 
-def row(model, mesh: int, before: bool) -> dict:
-    """The table's figures of one plan."""
+def ep_variant(model, ep: int):
+    """The model as one rank of expert parallelism ``ep`` holds it (meta device): every expert
+    stack cut to its first ``E/ep`` experts; routers and the rest unchanged."""
+    import torch
+    from torch import nn
+
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None and p.ndim == 3 and "experts" in type(mod).__name__.lower() + name:
+                mod._parameters[name] = nn.Parameter(
+                    torch.empty((p.shape[0] // ep, *p.shape[1:]), dtype=p.dtype, device="meta"), requires_grad=p.requires_grad
+                )
+    return model
+
+
+def row(model, mesh: int, before: bool, ep: int = 1) -> dict:
+    """The table's figures of one plan (``ep > 1``: ``model`` is an :func:`ep_variant`)."""
     kw = dict(predicate=P.matrix_predicate(model), experts="off") if before else {}
+    if ep > 1:
+        kw = dict(ep=ep)
     t0 = time.perf_counter()
     plan = P.compile(model, mesh, **kw)
     compile_s = time.perf_counter() - t0
@@ -54,6 +76,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["qwen3-30b-a3b", "deepseek-v3"], choices=sorted(PRESETS))
     ap.add_argument("--meshes", nargs="+", type=int, default=[64, 256])
+    ap.add_argument("--no-before-after", action="store_true", help="only the EP rows")
+    ap.add_argument("--ep", nargs="*", type=int, default=[8, 0],
+                    help="expert-parallel degrees to add rows for (0 = ep = min(N, E): local experts when E >= N)")
     args = ap.parse_args(argv)
     print("| model | ranks | plan | Muon matrices | ranks owning nothing | owned max/mean | busiest-rank NS TFLOP "
           "| bytes/rank/step (max) | peak transient (max) | compile s |")
@@ -61,9 +86,19 @@ def main(argv=None) -> int:
     for name in args.models:
         model = PRESETS[name]()
         for mesh in args.meshes:
-            for before in (True, False):
+            for before in () if args.no_before_after else (True, False):
                 r = row(model, mesh, before)
                 label = "before: one owner per stack" if before else "after: expert ranges (default)"
+                print(f"| {name} | {mesh} | {label} | {r['matrices']:,} | {r['empty']} | {r['max_mean']:.2f} "
+                      f"| {r['ns_tflop']:.1f} | {r['bytes_gib']:.1f} GiB | {r['peak_gib']:.2f} GiB | {r['compile_s']:.1f} |",
+                      flush=True)
+            num_experts = next(p.shape[0] for n, p in model.named_parameters() if p.ndim == 3)
+            for ep in args.ep:
+                k = ep or min(mesh, num_experts)  # "0": ep = N, or every expert on its own rank when N > E
+                if num_experts % k or mesh % k:
+                    continue
+                r = row(ep_variant(PRESETS[name](), k), mesh, False, ep=k)
+                label = f"EP ep={k} x efsdp={mesh // k}" + (" (local)" if k == mesh else "")
                 print(f"| {name} | {mesh} | {label} | {r['matrices']:,} | {r['empty']} | {r['max_mean']:.2f} "
                       f"| {r['ns_tflop']:.1f} | {r['bytes_gib']:.1f} GiB | {r['peak_gib']:.2f} GiB | {r['compile_s']:.1f} |",
                       flush=True)

@@ -468,12 +468,14 @@ class ShardingPlan:
     def assembled_nbytes(self) -> dict[str, int]:
         """Owner groups and expert stacks with several owners: per boundary FQN, the bytes of
         the full compute tensors every rank assembles from the blocks / expert ranges while the
-        boundary is unsharded (broadcast dtype); empty without them."""
+        boundary is unsharded (broadcast dtype; an expert-parallel stack: the rank's ``E/ep``
+        experts); empty without them."""
         out: dict[str, int] = {}
         for spec, owner in zip(self.params, self.owners):
             if isinstance(owner, (OwnerGroup, ExpertOwners)) and not getattr(owner, "local", False):
                 b = self.boundary(spec.fqn)
-                out[b] = out.get(b, 0) + spec.numel * itemsize_nbytes(self.bcast_dtype(spec.dtype))
+                numel = spec.local_numel if spec.ep_size > 1 else spec.numel  # EP: the rank's E/ep experts
+                out[b] = out.get(b, 0) + numel * itemsize_nbytes(self.bcast_dtype(spec.dtype))
         return out
 
     def rank_stats(self) -> tuple[_cost.RankStats, ...]:
