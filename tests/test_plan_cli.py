@@ -141,3 +141,89 @@ def test_moe_presets_shapes_and_plan():
     spec = plan.param("model.layers.0.mlp.experts.gate_up_proj")
     assert spec.experts.layout == "hf" and spec.matrix_shape == (768, 2048) and spec.num_matrices == 256
     assert len(set(plan.expert_owners(spec.fqn))) == 8
+
+
+def _one_stack_model(num_experts: int):
+    """``layers.0.experts.w1`` ``(num_experts, 6, 4)``: one expert stack, nothing else."""
+    import torch
+    from torch import nn
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1 = nn.Parameter(torch.empty(num_experts, 6, 4, device="meta"))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = Experts()
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Block()])
+
+    return Model()
+
+
+def test_expert_lines_singular_and_plural():
+    """The summary's experts line counts in words that agree with their numbers: one stack of one
+    expert on one rank is "1 stack, 1 expert, 1 Muon matrix ... 1 of 1 rank, 1 expert each"; the
+    plural forms and an uneven range ("2-3 experts each") as before."""
+    import dmuon.plan as P
+    from dmuon.plan.render import expert_lines
+
+    one = expert_lines(P.compile(_one_stack_model(1), 1))
+    assert one == [
+        "experts: 1 stack, 1 expert, 1 Muon matrix, 100% of dedicated elements; layout torchtitan",
+        "  owned by 1 of 1 rank, 1 expert each; stacks with a single owner: 1",
+    ]
+    five = expert_lines(P.compile(_one_stack_model(5), 2))
+    assert five == [
+        "experts: 1 stack, 5 experts, 5 Muon matrices, 100% of dedicated elements; layout torchtitan",
+        "  owned by 2 of 2 ranks, 2-3 experts each; stacks with a single owner: 0",
+    ]
+    moe = expert_lines(P.compile(P.presets.PRESETS["tiny-moe"](), 4))
+    assert moe[0].startswith("experts: 6 stacks, ") and " Muon matrices, " in moe[0]
+    assert ", 1 Muon matrix" not in moe[0] and " 1 stacks" not in moe[0]
+
+
+def test_plan_prints_compile_warnings_as_clean_lines(capsys):
+    """``python -m dmuon plan`` shows compile's warnings (here: ``--experts off`` leaves the stacks
+    to AdamW) as one ``warning: ...`` line each on stderr, not Python's ``UserWarning`` form; the
+    message is the one ``dmuon.plan.compile`` warns with."""
+    import warnings
+
+    import dmuon.plan as P
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        P.compile(P.presets.PRESETS["tiny-moe"](), 4, experts="off")
+    (expected,) = [str(w.message) for w in caught]
+    assert main_plan(["--model", "tiny-moe", "--mesh", "4", "--experts", "off"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [f"warning: {expected}"]
+    assert "UserWarning" not in captured.err + captured.out
+    assert "sharding plan" in captured.out
+    assert main_plan(["--model", "tiny-moe", "--mesh", "4"]) == 0  # the default: nothing to warn about
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("model,top_k,why", [
+    ("tiny-moe", 0, "--top-k 0: experts per token must be between 1 and 4, the number of experts of "
+                    "layers.0.mlp.experts.w1"),
+    ("tiny-moe", 5, "--top-k 5: experts per token must be between 1 and 4"),
+    ("tiny-llama", 1, "--top-k 1: the model has no expert stacks"),
+])
+def test_simulate_refuses_top_k_outside_the_models_experts(capsys, model, top_k, why):
+    """``python -m dmuon simulate --top-k K`` needs 1 <= K <= E of the model's stacks: an argparse
+    error naming the bound (the tiny-moe preset has 4 experts per stack), before any simulation."""
+    from dmuon.plan.presets import PRESETS
+    from dmuon.sim.cli import expert_counts, main_simulate
+
+    if model == "tiny-moe":
+        assert set(expert_counts(PRESETS[model]()).values()) == {4}
+    with pytest.raises(SystemExit):
+        main_simulate(["--model", model, "--mesh", "4", "--hw", "h100", "--top-k", str(top_k)])
+    captured = capsys.readouterr()
+    assert why in captured.err and captured.out == ""

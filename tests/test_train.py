@@ -161,6 +161,43 @@ def test_lr_schedule_and_flags():
         _complete({"experts": 2, "tp": 2})
 
 
+def test_ep_flags_are_refused_with_clear_messages():
+    """``--ep P``: the job's own checks, before any process starts (dmuon's plan decides which
+    mesh layouts it supports)."""
+    from dmuon.train import run
+
+    assert parse_args(["--experts", "4", "--ep", "2"]).ep == 2 and parse_args([]).ep == 1
+    for given, message in (
+        ({"ep": 0}, "--ep must be positive"),
+        ({"ep": 2}, "--ep 2 needs --experts E: expert parallelism splits the MoE's experts over ranks"),
+        ({"experts": 6, "ep": 4}, r"--ep 4 must divide --experts 6 \(each rank holds E/P experts\)"),
+        ({"experts": 4, "ep": 2, "tp": 2},
+         "--ep with --tp: expert parallelism together with tensor parallelism is not supported"),
+        ({"experts": 4, "ep": 2, "optimizer": "adamw"}, "--ep with --optimizer adamw: expert parallelism needs dmuon"),
+    ):
+        with pytest.raises(SystemExit, match=f"^{message}"):
+            _complete(given)
+    with pytest.raises(SystemExit, match=r"^--ep 4 must divide the world size 2 \(--nproc\)$"):
+        run({"experts": 4, "ep": 4, "nproc": 2})  # refused before spawning
+
+
+def test_ep_model_holds_its_slice_of_the_full_model():
+    """``GPTConfig(ep=P)``: rank j's expert stacks are experts ``j*E/P ..`` of the ``ep = 1`` model
+    of the same seed, every other parameter equal; ``num_experts`` stays the global E."""
+    full_cfg = GPTConfig(d_model=16, n_layers=2, n_heads=2, d_mlp=24, seq_len=8, n_experts=4, top_k=2)
+    full = dict(GPT(full_cfg, seed=3).named_parameters())
+    ep_cfg = GPTConfig(**{**full_cfg.__dict__, "ep": 2})
+    for j in range(2):
+        model = GPT(ep_cfg, seed=3, ep_rank=j)
+        assert model.layers[0].mlp.experts.num_experts == 4
+        assert list(model.layers[0].mlp.experts.held) == [2 * j, 2 * j + 1]
+        for name, p in model.named_parameters():
+            want = full[name][2 * j : 2 * j + 2] if ".experts.w" in name else full[name]
+            assert torch.equal(p, want), name
+    with pytest.raises(ValueError, match="ep must be >= 1 and, when > 1, divide n_experts"):
+        GPTConfig(n_experts=4, ep=3)
+
+
 # -- real runs on 2 ranks --------------------------------------------------------------------
 
 
@@ -190,6 +227,17 @@ def test_dmuon_run_learns_and_ledger_matches_plan():
     assert 3 * z2["plan_total_nbytes"] == 2 * z3["plan_total_nbytes"]
 
 
+# 6 steps of the MoE job without and with expert parallelism (same data, same init; fp32 NS)
+MOE_SHORT = dict(SHORT, d_mlp=64, experts=4, top_k=2)
+
+
+def _moe_runs():
+    """The one launch of the MoE tests: a 30-step run, then MOE_SHORT without and with ``--ep 2``."""
+    case = dict(SMALL, d_mlp=128, experts=4, top_k=2, steps=30, eval_every=30, log_every=10)
+    cases = [case, MOE_SHORT, dict(MOE_SHORT, ep=2)]
+    return case, shared_run(("test_train_moe", 2), _train_cases, 2, cases, timeout_s=300)[0]
+
+
 def test_moe_run_learns_and_ledger_matches_plan():
     """``--experts 4 --top-k 2`` (router + torchtitan-layout expert stacks w1/w3/w2, every expert
     its own Muon matrices, the stacks' experts split over both ranks), 30 steps on the embedded
@@ -198,8 +246,7 @@ def test_moe_run_learns_and_ledger_matches_plan():
     from dmuon.plan import compile as plan_compile
     from dmuon.train.loop import model_config
 
-    case = dict(SMALL, d_mlp=128, experts=4, top_k=2, steps=30, eval_every=30, log_every=10)
-    (m,) = run_distributed(_train_cases, 2, [case], timeout_s=240)[0]
+    case, (m, *_) = _moe_runs()
     _check_learns(m, below_unigram=True)
     assert m["experts"] == 4 and m["top_k"] == 2
     assert m["ledger_nbytes_per_step"] == m["plan_total_nbytes"] > 0
@@ -213,6 +260,32 @@ def test_moe_run_learns_and_ledger_matches_plan():
     assert sorted(p.fqn for p in stacks) == sorted(f"layers.{i}.mlp.experts.w{j}" for i in range(2) for j in (1, 2, 3))
     assert {o.rank for o in plan.expert_owners("layers.0.mlp.experts.w1")} == {0, 1}
     assert "layers.0.mlp.gate.weight" in plan.dedicated
+
+
+def test_moe_ep_run_computes_the_non_ep_run():
+    """``--experts 4 --ep 2`` on 2 ranks: each rank holds 2 experts, token slots travel by
+    all_to_all, dmuon owns the local experts. Same data and init as ``--experts 4`` without EP,
+    fp32 Newton-Schulz: every step's train loss and the validation losses agree to the oracle
+    contract's 1e-6; the ledger's bytes per step equal the plan's, which is the plan of the EP
+    model compiled on its own (meta device, ``ep=2``): the non-EP plan minus the stacks' bytes."""
+    from dmuon.plan import compile as plan_compile
+    from dmuon.train.loop import model_config
+
+    _, (_, dense, ep) = _moe_runs()
+    assert (dense["ep"], ep["ep"]) == (1, 2) and ep["n_params"] == dense["n_params"]
+    losses = {k: [loss for _, loss in r["history"]["train"]] for k, r in (("dense", dense), ("ep", ep))}
+    assert len(losses["ep"]) == 6 and losses["ep"][-1] < losses["ep"][0]
+    np.testing.assert_allclose(losses["ep"], losses["dense"], rtol=1e-6)
+    np.testing.assert_allclose([v for _, v in ep["history"]["val"]], [v for _, v in dense["history"]["val"]],
+                               rtol=1e-6)
+    assert ep["ledger_nbytes_per_step"] == ep["plan_total_nbytes"] > 0
+    cfg = model_config(_complete(dict(MOE_SHORT, ep=2)))
+    planned = plan_compile(GPT(cfg, device="meta"), 2, ep=2)
+    assert planned.cost.total_nbytes == ep["plan_total_nbytes"]
+    assert list(planned.cost.per_rank_nbytes) == ep["plan_per_rank_nbytes"]
+    stacks = [p.fqn for p in planned.params if p.experts is not None]
+    assert len(stacks) == 6 and all(planned.param(f).experts.ep_size == 2 for f in stacks)
+    assert ep["plan_total_nbytes"] < dense["plan_total_nbytes"]
 
 
 @needs_shakespeare

@@ -3,7 +3,8 @@
 One 2-rank process group runs: an uninterrupted 1-D run that saves every 2 steps; resumes from
 its step-2 checkpoint on the same mesh (bit-identical losses, validation losses, LR schedule and
 RNG) and on an HSDP mesh 2x1 (fp32 bounds); the AdamW baseline saved and resumed the same way;
-and ``--compare adamw --png``. A 1-rank group resumes the 2-rank checkpoint (another world size).
+the MoE job with expert parallelism (``--experts 4 --ep 2``) saved and resumed at ``--ep 2`` and
+without EP, and the MoE job without EP resumed at ``--ep 2``; and ``--compare adamw --png``. A 1-rank group resumes the 2-rank checkpoint (another world size).
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ def _resume_cases(root: str, data: str):
     out["hsdp"] = run(dict(base, resume=step_dir(os.path.join(root, "dmuon"), 2), mesh="2x1"))
     out["adamw_full"] = run(dict(base, optimizer="adamw", save=os.path.join(root, "adamw"), save_every=2))
     out["adamw_same"] = run(dict(base, optimizer="adamw", resume=step_dir(os.path.join(root, "adamw"), 2)))
+    moe, ep_root = dict(base, experts=4, top_k=2), os.path.join(root, "ep")
+    out["ep_full"] = run(dict(moe, ep=2, save=ep_root, save_every=2))
+    out["ep_same"] = run(dict(moe, ep=2, resume=step_dir(ep_root, 2)))
+    out["ep_to_1"] = run(dict(moe, resume=step_dir(ep_root, 2)))  # the same checkpoint without EP
+    out["moe_full"] = run(dict(moe, save=os.path.join(root, "moe"), save_every=2))  # no EP
+    out["moe_to_ep"] = run(dict(moe, ep=2, resume=step_dir(os.path.join(root, "moe"), 2)))
     try:
         run(dict(base, seed=1, resume=os.path.join(root, "dmuon")))
     except SystemExit as e:
@@ -81,6 +88,27 @@ def test_save_resume_any_mesh_and_compare(tmp_path):
         np.testing.assert_allclose(_losses(other), _losses(full), rtol=1e-6)
         np.testing.assert_allclose(_losses(other, "val"), _losses(full, "val"), rtol=1e-6)
     assert _losses(full)[3] < _losses(full)[0]
+
+    # expert parallelism: the checkpoint holds each stack and its momentum at the full logical
+    # shape (E, F, D) (DCP reshards it); resuming at --ep 2 is the uninterrupted run bit for bit,
+    # resuming without EP (every expert on both ranks, expert ranges owned by dmuon) within fp32 bounds
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(step_dir(os.path.join(root, "ep"), 2)).read_metadata().state_dict_metadata
+    assert tuple(meta["model.layers.0.mlp.experts.w1"].size) == (4, 64, 32)
+    assert tuple(meta["optim.state.layers.0.mlp.experts.w2.momentum_buffer"].size) == (4, 32, 64)
+    ep_full, ep_same, ep_to_1 = r["ep_full"], r["ep_same"], r["ep_to_1"]
+    moe_full, moe_to_ep = r["moe_full"], r["moe_to_ep"]
+    assert (ep_full["ep"], ep_same["ep"], ep_to_1["ep"], moe_full["ep"], moe_to_ep["ep"]) == (2, 2, 1, 1, 2)
+    assert _losses(ep_same) == _losses(ep_full) and _losses(ep_same, "val") == _losses(ep_full, "val")
+    assert ep_same["start_step"] == ep_to_1["start_step"] == moe_to_ep["start_step"] == 2
+    # the EP run is the run without EP (fp32 bounds), and a resume across EP degrees in either
+    # direction continues it within the same bounds
+    for other, ref in ((moe_full, ep_full), (ep_to_1, ep_full), (moe_to_ep, moe_full)):
+        assert _losses(other)[:2] == _losses(ref)[:2] or other is moe_full
+        np.testing.assert_allclose(_losses(other), _losses(ref), rtol=1e-6)
+        np.testing.assert_allclose(_losses(other, "val"), _losses(ref, "val"), rtol=1e-6)
+    assert ep_same["ledger_nbytes_per_step"] == ep_same["plan_total_nbytes"]
 
     # the run-defining flags must match: the same clear error on every rank
     for rank in (0, 1):

@@ -14,9 +14,11 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from types import SimpleNamespace
 
 from .diff import diff
@@ -25,7 +27,26 @@ from .plan import ShardingPlan
 from .presets import PRESETS, megatron_tp_shard_dims
 from .selection import matrix_predicate
 
-__all__ = ["main_plan", "main_diff", "parse_mesh", "add_selection_args", "check_selection_args", "selection_kwargs"]
+__all__ = [
+    "main_plan", "main_diff", "parse_mesh", "add_selection_args", "check_selection_args", "selection_kwargs",
+    "warnings_to_stderr",
+]
+
+
+@contextlib.contextmanager
+def warnings_to_stderr() -> Iterator[None]:
+    """Collect the warnings raised inside (``dmuon.plan.compile``'s coverage and stack warnings)
+    and print each distinct message once, as a ``warning: ...`` line on stderr, when the block
+    ends, instead of Python's ``file:line: UserWarning: ...`` form (a CLI user did not write
+    that line)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield
+        finally:
+            messages = list(dict.fromkeys(str(w.message) for w in caught))  # distinct, in order
+    for message in messages:
+        print(f"warning: {message}", file=sys.stderr)
 
 
 def parse_owner_groups(text: str):
@@ -146,7 +167,8 @@ def main_plan(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--json: the folder of {args.json!r} does not exist")
 
     model = PRESETS[args.model]()
-    plan = compile(model, args.mesh, reshard_after_forward=not args.z2, **selection_kwargs(args, model, args.mesh))
+    with warnings_to_stderr():
+        plan = compile(model, args.mesh, reshard_after_forward=not args.z2, **selection_kwargs(args, model, args.mesh))
     if args.schedule is not None:
         sched = plan.schedule()
         if not 0 <= args.schedule < sched.num_ranks:

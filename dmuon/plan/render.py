@@ -333,18 +333,30 @@ def expert_lines(plan: ShardingPlan) -> list[str]:
         ]
     if local:
         ep = max(p.experts.ep_size for p, _ in local)
+        held = sorted({p.experts.local_experts for p, _ in local})
         ep_line = [
-            f"  expert-parallel, local: {len(local):,} stacks over ep = {ep} ranks (each rank owns the "
-            f"{', '.join(sorted({str(p.experts.local_experts) for p, _ in local}))} experts its model holds); "
-            "0 dmuon bytes per step"
+            f"  expert-parallel, local: {_count(len(local), 'stack')} over ep = {_count(ep, 'rank')} (each rank owns the "
+            f"{', '.join(map(str, held))} {_noun(held[-1], 'expert')} its model holds); 0 dmuon bytes per step"
         ]
+    each = f"{counts[0]:,}" if counts[0] == counts[-1] else f"{counts[0]:,}-{counts[-1]:,}"
     return [
-        f"experts: {len(stacks):,} stacks, {experts:,} experts, {matrices:,} Muon matrices"
-        + (f" ({split} fused gate/up stacks split into gate and up)" if split else "")
-        + f", {100.0 * numel / total if total else 0:.0f}% of dedicated elements; layouts {', '.join(layouts)}",
-        f"  owned by {len(per_rank):,} of {plan.world_size:,} ranks, {counts[0]:,}-{counts[-1]:,} experts each; "
+        f"experts: {_count(len(stacks), 'stack')}, {_count(experts, 'expert')}, {_count(matrices, 'Muon matrix', 'Muon matrices')}"
+        + (f" ({_count(split, 'fused gate/up stack')} split into gate and up)" if split else "")
+        + f", {100.0 * numel / total if total else 0:.0f}% of dedicated elements; "
+        + f"{_noun(len(layouts), 'layout')} {', '.join(layouts)}",
+        f"  owned by {len(per_rank):,} of {_count(plan.world_size, 'rank')}, {each} {_noun(counts[-1], 'expert')} each; "
         f"stacks with a single owner: {whole:,}",
     ] + ep_line
+
+
+def _noun(n: int, singular: str, plural: str | None = None) -> str:
+    """``singular`` for ``n == 1``, else ``plural`` (default: ``singular + "s"``)."""
+    return singular if n == 1 else (plural or singular + "s")
+
+
+def _count(n: int, singular: str, plural: str | None = None) -> str:
+    """``"1 stack"``, ``"12 stacks"``, ``"12,288 experts"``: ``n`` and its noun."""
+    return f"{n:,} {_noun(n, singular, plural)}"
 
 
 def _excluded_lines(plan: ShardingPlan) -> list[str]:

@@ -54,9 +54,29 @@ def recommend(sims: dict, memory_nbytes: int) -> str:
     return "z2" if z2.step_s < 0.99 * z3.step_s else "z3"
 
 
+def expert_counts(model: Any) -> dict[str, int]:
+    """``{fqn: E}`` of ``model``'s expert stacks as the simulator's workload sees them (3-D
+    parameters whose name contains ``expert``, :func:`dmuon.sim.workload.from_plan`)."""
+    return {n: int(p.shape[0]) for n, p in model.named_parameters() if p.ndim == 3 and "expert" in n}
+
+
+def top_k_error(model: Any, top_k: int) -> str | None:
+    """Why ``--top-k top_k`` does not fit ``model`` (None when it does): each token visits
+    ``1 <= top_k <= E`` of a stack's ``E`` experts, for every stack."""
+    counts = expert_counts(model)
+    if not counts:
+        return "the model has no expert stacks (3-D 'experts' parameters); leave --top-k out"
+    fewest = min(counts.values())
+    if not 1 <= top_k <= fewest:
+        name = min(counts, key=lambda n: (counts[n], n))
+        smallest = " (the model's smallest stack)" if len(set(counts.values())) > 1 else ""
+        return f"experts per token must be between 1 and {fewest}, the number of experts of {name}{smallest}"
+    return None
+
+
 def main_simulate(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m dmuon simulate``. Returns 0."""
-    from ..plan.cli import add_selection_args, check_selection_args, parse_mesh, selection_kwargs
+    from ..plan.cli import add_selection_args, check_selection_args, parse_mesh, selection_kwargs, warnings_to_stderr
     from ..plan.compile import compile
     from ..plan.presets import PRESETS
     from . import hardware as H
@@ -86,8 +106,6 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
             parser.error(f"the folder of {f!r} does not exist")
     if args.tokens_per_rank < 1:
         parser.error("--tokens-per-rank must be >= 1")
-    if args.top_k is not None and args.top_k < 1:
-        parser.error(f"--top-k must be >= 1, got {args.top_k}")
     if args.seq_len is not None and not 1 <= args.seq_len <= args.tokens_per_rank:
         parser.error(f"--seq-len must be between 1 and --tokens-per-rank ({args.tokens_per_rank:,}), got {args.seq_len}")
     try:
@@ -97,10 +115,15 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
     gpu = hw.comm_engine == "separate"
     param_dtype = args.param_dtype or ("bfloat16" if gpu else None)
     model = PRESETS[args.model]()
+    if args.top_k is not None:
+        check = top_k_error(model, args.top_k)
+        if check:
+            parser.error(f"--top-k {args.top_k}: {check}")
     try:
-        kw = selection_kwargs(args, model, args.mesh, param_dtype=param_dtype,
-                              reduce_dtype="float32" if gpu else None)
-        plans = {z3: compile(model, args.mesh, reshard_after_forward=z3, **kw) for z3 in (False, True)}
+        with warnings_to_stderr():
+            kw = selection_kwargs(args, model, args.mesh, param_dtype=param_dtype,
+                                  reduce_dtype="float32" if gpu else None)
+            plans = {z3: compile(model, args.mesh, reshard_after_forward=z3, **kw) for z3 in (False, True)}
     except ValueError as exc:  # the plan refuses this mesh / TP degree / owner groups for this model
         lines = str(exc).splitlines()
         more = f"\n  ... ({len(lines) - _ERROR_LINES} more lines)" if len(lines) > _ERROR_LINES else ""

@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Mixture-of-Experts MLP of E SwiGLU experts in every block (router 'gate', "
                    "3-D stacks experts.w1/w3/w2, token-choice top-k); 0 = the dense MLP")
     g.add_argument("--top-k", type=int, default=2, metavar="K", help="with --experts: experts per token")
+    g.add_argument("--ep", type=int, default=1, metavar="P",
+                   help="with --experts: expert parallelism over groups of P consecutive ranks; each rank holds "
+                   "E/P experts of every stack and routes token slots with all_to_all; dmuon owns them locally "
+                   "(docs/moe_ep.md); P must divide E and the world size")
     g.add_argument("--aux-loss-coef", type=float, default=0.01,
                    help="with --experts: weight of the Switch-style load-balancing loss added to the LM loss")
 
@@ -153,7 +157,7 @@ def _validate(args: argparse.Namespace) -> None:
                 f"--{action.dest.replace('_', '-')} must be one of {sorted(action.choices)}, "
                 f"got {value!r}"
             )
-    for name in ("nproc", "tp", "steps", "batch", "seq_len", "eval_batches", "eval_batch", "log_every",
+    for name in ("nproc", "tp", "ep", "steps", "batch", "seq_len", "eval_batches", "eval_batch", "log_every",
                  "save_every"):
         if getattr(args, name) <= 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be positive")
@@ -162,6 +166,16 @@ def _validate(args: argparse.Namespace) -> None:
                          f"--top-k {args.top_k}")
     if args.aux_loss_coef < 0:
         raise SystemExit(f"--aux-loss-coef must be >= 0, got {args.aux_loss_coef}")
+    if args.ep > 1:
+        if not args.experts:
+            raise SystemExit(f"--ep {args.ep} needs --experts E: expert parallelism splits the MoE's experts over ranks")
+        if args.experts % args.ep:
+            raise SystemExit(f"--ep {args.ep} must divide --experts {args.experts} (each rank holds E/P experts)")
+        if args.tp > 1:
+            raise SystemExit("--ep with --tp: expert parallelism together with tensor parallelism is not supported")
+        if args.optimizer != "dmuon":
+            raise SystemExit(f"--ep with --optimizer {args.optimizer}: expert parallelism needs dmuon, which owns and "
+                             "averages the local experts (--compare adamw runs its baseline without --ep)")
     if args.experts and args.tp > 1:
         raise SystemExit("--experts with --tp: tensor parallelism of the MoE model is not supported")
     if args.qk_clip is not None and not args.qk_clip > 0:
@@ -240,6 +254,8 @@ def run(args: argparse.Namespace | Mapping[str, Any]) -> dict[str, Any]:
     if args.nproc % args.tp:
         raise SystemExit(f"--nproc {args.nproc} must be a multiple of --tp {args.tp}")
     dp = args.nproc // args.tp
+    if args.nproc % args.ep:
+        raise SystemExit(f"--ep {args.ep} must divide the world size {args.nproc} (--nproc)")
     parse_mesh(args.mesh, dp)  # a bad --mesh fails here, before any process starts
     if args.batch % dp or args.eval_batch % dp:
         raise SystemExit(

@@ -72,6 +72,7 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
         seq_len=args.seq_len,
         n_experts=getattr(args, "experts", 0),
         top_k=getattr(args, "top_k", 2),
+        ep=getattr(args, "ep", 1),
     )
 
 
@@ -134,6 +135,11 @@ def _rank0_float(x: float, comm_device: torch.device) -> float:
 
 def _fmt_bytes(n: int | None) -> str:
     return "n/a" if n is None else f"{n:,} B"
+
+
+def _is_expert_stack(fqn: str) -> bool:
+    """``layers.{i}.mlp.experts.w1`` / ``w2`` / ``w3``: the job's expert stacks."""
+    return ".experts.w" in fqn
 
 
 def _variant_kwargs(args: argparse.Namespace, model: GPT) -> dict[str, Any]:
@@ -221,17 +227,34 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
     # -- model, sharding, optimizer ----------------------------------------------------------
     cfg = model_config(args)
-    model = GPT(cfg, seed=args.seed, device=device)
-    n_params = sum(p.numel() for p in model.parameters())
+    ep_group = None
+    if cfg.ep > 1:  # expert parallelism: EP groups of cfg.ep consecutive ranks (dmuon.train.expert_parallel)
+        if world % cfg.ep:
+            raise SystemExit(f"--ep {cfg.ep} must divide the world size {world}")
+        from dmuon.train.expert_parallel import new_ep_group
+
+        ep_group = new_ep_group(cfg.ep)
+    model = GPT(cfg, seed=args.seed, device=device, ep_group=ep_group)
+    # the logical model's parameters: an EP rank holds 1/ep of each expert stack
+    n_params = sum(p.numel() * (cfg.ep if _is_expert_stack(n) else 1) for n, p in model.named_parameters())
     if tp > 1:  # TP first, then dmuon on the data-parallel mesh, then FSDP2 (docs/tensor_parallel.md)
         apply_tensor_parallel(model, world_mesh["tp"])
     plan = None
     if args.optimizer == "dmuon":
         import dmuon
 
-        plan = dmuon.dedicate_params(
-            model, mesh, reshard_after_forward=z3, tp_ns=getattr(args, "tp_ns", "auto"), **_variant_kwargs(args, model)
-        )
+        kw = _variant_kwargs(args, model)
+        if cfg.ep > 1:
+            kw["ep"] = cfg.ep
+        try:
+            plan = dmuon.dedicate_params(
+                model, mesh, reshard_after_forward=z3, tp_ns=getattr(args, "tp_ns", "auto"), **kw
+            )
+        except ValueError as exc:
+            if cfg.ep == 1:
+                raise
+            # a layout dmuon's expert parallelism refuses (the same message on every rank)
+            raise SystemExit(f"--ep {cfg.ep} on mesh {'x'.join(map(str, mesh_shape))}: {exc}") from None
     # Looked up after ``import dmuon`` so that whatever dmuon installs on import is in place.
     import torch.distributed.fsdp as fsdp
 
@@ -278,6 +301,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         active = n_params - (cfg.n_experts - cfg.top_k) * per_expert
         moe_desc = (f" | MoE: {cfg.n_experts} experts, top-{cfg.top_k}, aux-loss coef {aux_coef}, "
                     f"{active:,} active parameters per token")
+        if cfg.ep > 1:
+            moe_desc += f", expert parallel over ep = {cfg.ep} ranks ({cfg.n_experts // cfg.ep} experts each)"
     log(
         f"model: {cfg.n_layers} layers, d_model {cfg.d_model}, heads {cfg.n_heads}, "
         f"d_mlp {cfg.d_mlp}, seq_len {cfg.seq_len}, {n_params:,} parameters{moe_desc}"
@@ -458,6 +483,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "n_params": n_params,
         "experts": cfg.n_experts,
         "top_k": cfg.top_k if cfg.n_experts else None,
+        "ep": cfg.ep,
         "final_aux_loss": history_aux[-1][1] if history_aux else None,
         "data": corpus.description,
         "first_train_loss": history_train[0][1],
@@ -500,6 +526,7 @@ def run_job(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "compare", None) == "adamw":
         base = argparse.Namespace(**vars(args))
         base.optimizer, base.save, base.resume, base.json = "adamw", None, None, None
+        base.ep = 1  # the baseline on the same model without expert parallelism (AdamW on FSDP2 shards)
         baseline = train(base)
         metrics["compare"] = baseline
         runs.append(baseline)

@@ -24,6 +24,11 @@ hidden width ``d_mlp``) instead::
     layers.{i}.mlp.experts.w3          (E, d_mlp, d_model)     expert stack  -> Muon, E matrices
     layers.{i}.mlp.experts.w2          (E, d_model, d_mlp)     expert stack  -> Muon, E matrices
 
+With expert parallelism (``--ep P``, ``GPTConfig.ep``) each rank's stacks hold only its ``E/P``
+consecutive experts, ``(E/P, ...)``, and the block routes token slots to them with
+``all_to_all`` (:mod:`dmuon.train.expert_parallel`); dmuon owns them where they are
+(``dmuon.dedicate_params(..., ep=P)``, docs/moe_ep.md).
+
 The "-> Muon" column is what dmuon's default predicate selects: every 2-D parameter inside a
 hook boundary (``layers.{i}``) that is not an ``nn.Embedding`` weight, and every recognised 3-D
 expert stack (each expert its own Muon matrix, the stack's experts owned by min(E, N) ranks in
@@ -62,6 +67,8 @@ class GPTConfig:
         n_experts: 0 (default) = dense MLP; ``E > 0`` = a Mixture-of-Experts MLP of ``E``
             SwiGLU experts of hidden width ``d_mlp`` in every block (:class:`MoE`).
         top_k: experts per token (token-choice routing), ``1 <= top_k <= n_experts``.
+        ep: expert-parallel degree: each rank holds ``n_experts / ep`` experts of every stack
+            (1 = every expert on every rank); ``ep > 1`` needs ``n_experts`` divisible by it.
     """
 
     vocab_size: int = 256
@@ -74,6 +81,7 @@ class GPTConfig:
     norm_eps: float = 1e-6
     n_experts: int = 0
     top_k: int = 2
+    ep: int = 1
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_mlp", "seq_len"):
@@ -83,6 +91,11 @@ class GPTConfig:
             raise ValueError(
                 f"GPTConfig: n_experts must be >= 0 and 1 <= top_k <= n_experts, got n_experts="
                 f"{self.n_experts}, top_k={self.top_k}"
+            )
+        if self.ep < 1 or (self.ep > 1 and (not self.n_experts or self.n_experts % self.ep)):
+            raise ValueError(
+                f"GPTConfig: ep must be >= 1 and, when > 1, divide n_experts > 0; got ep={self.ep}, "
+                f"n_experts={self.n_experts}"
             )
         if self.d_model % self.n_heads:
             raise ValueError(
@@ -144,17 +157,27 @@ class GroupedExperts(nn.Module):
     The forward loops over the experts with ``index_select`` / ``index_add`` (no grouped GEMM:
     fine on CPU and for this job's sizes); an expert that no token reached still gets a zero
     gradient slice, since the stack's gradient is one tensor.
+
+    Under expert parallelism the stacks hold only the experts ``held``, a range of
+    ``num_local_experts`` consecutive global ids (:func:`dmuon.train.expert_parallel.expert_range`),
+    and the block calls :meth:`grouped` on the rows the all-to-all brought. ``num_experts`` is
+    always the global ``E`` (as torchtitan's; dmuon reads it to check the stacks' local shape).
     """
 
-    def __init__(self, num_experts: int, d_model: int, d_mlp: int) -> None:
+    def __init__(self, num_experts: int, d_model: int, d_mlp: int, *, held: range | None = None) -> None:
         super().__init__()
         self.num_experts = num_experts
-        self.w1 = nn.Parameter(torch.empty(num_experts, d_mlp, d_model))
-        self.w3 = nn.Parameter(torch.empty(num_experts, d_mlp, d_model))
-        self.w2 = nn.Parameter(torch.empty(num_experts, d_model, d_mlp))
+        self.held = range(num_experts) if held is None else held
+        self.num_local_experts = len(self.held)
+        self.w1 = nn.Parameter(torch.empty(self.num_local_experts, d_mlp, d_model))
+        self.w3 = nn.Parameter(torch.empty(self.num_local_experts, d_mlp, d_model))
+        self.w2 = nn.Parameter(torch.empty(self.num_local_experts, d_model, d_mlp))
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x: (T, d_model); idx, weights: (T, K) routed experts and their weights -> (T, d_model)."""
+        """x: (T, d_model); idx, weights: (T, K) routed experts and their weights -> (T, d_model).
+        Every expert in the process (no expert parallelism)."""
+        if self.num_local_experts != self.num_experts:
+            raise RuntimeError("GroupedExperts.forward needs every expert; an EP rank's experts run in grouped()")
         out = torch.zeros_like(x)
         flat_idx = idx.reshape(-1)
         flat_w = weights.reshape(-1, 1).to(x.dtype)
@@ -173,6 +196,17 @@ class GroupedExperts(nn.Module):
             out = out.index_add(0, rows, (h @ self.w2[e].t()) * flat_w.index_select(0, slots))
         return out
 
+    def grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x: rows grouped by local expert, ``counts[e]`` rows for local expert ``e`` -> each row
+        through its expert's SwiGLU (unweighted), same shape."""
+        outs = []
+        for e, h in enumerate(x.split(counts)):
+            if h.shape[0]:
+                h = F.silu(h @ self.w1[e].t()) * (h @ self.w3[e].t())
+                h = h @ self.w2[e].t()
+            outs.append(h)
+        return torch.cat(outs) if outs else x
+
 
 class MoE(nn.Module):
     """Token-choice top-k Mixture-of-Experts MLP: router ``gate`` ``nn.Linear(d_model, E)``, the
@@ -183,14 +217,24 @@ class MoE(nn.Module):
     forward, ``E · Σ_e f_e · P_e`` (``f_e``: fraction of the token slots routed to expert ``e``,
     ``P_e``: mean router probability of ``e``; 1.0 when the load is uniform), which the training
     loop adds to the LM loss times ``--aux-loss-coef`` so that experts stay used.
+
+    With ``cfg.ep > 1`` the experts are this rank's ``E/ep`` (``ep_rank`` in the EP group
+    ``ep_group``), and the forward sends the routed token slots to their experts' ranks and back
+    (:func:`dmuon.train.expert_parallel.dispatch_combine`); router, balance loss and load are
+    computed on this rank's tokens exactly as without EP.
     """
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, *, ep_group=None, ep_rank: int = 0) -> None:
         super().__init__()
+        from .expert_parallel import expert_range
+
         self.top_k = cfg.top_k
         self.num_experts = cfg.n_experts
+        self.ep = cfg.ep
+        self.ep_group = ep_group
+        held = expert_range(cfg.n_experts, cfg.ep, ep_rank)
         self.gate = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
-        self.experts = GroupedExperts(cfg.n_experts, cfg.d_model, cfg.d_mlp)
+        self.experts = GroupedExperts(cfg.n_experts, cfg.d_model, cfg.d_mlp, held=held)
         self.aux_loss: torch.Tensor | None = None
         self.expert_load: torch.Tensor | None = None  # (E,) token slots per expert, last forward
 
@@ -204,19 +248,26 @@ class MoE(nn.Module):
         frac = load.to(probs.dtype) / idx.numel()
         self.aux_loss = self.num_experts * (frac * probs.mean(0)).sum()
         self.expert_load = load.detach()
-        return self.experts(flat, idx, weights).view(shape)
+        if self.ep == 1:
+            return self.experts(flat, idx, weights).view(shape)
+        if self.ep_group is None:
+            raise RuntimeError(f"MoE with ep={self.ep} needs its EP process group (GPT(..., ep_group=...))")
+        from .expert_parallel import dispatch_combine
+
+        out = dispatch_combine(flat, idx, weights, self.experts, num_experts=self.num_experts, group=self.ep_group)
+        return out.view(shape)
 
 
 class Block(nn.Module):
     """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (``mlp`` an
     :class:`MLP`, or an :class:`MoE` when ``cfg.n_experts > 0``)."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, *, ep_group=None, ep_rank: int = 0) -> None:
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.mlp = MoE(cfg) if cfg.n_experts else MLP(cfg)
+        self.mlp = MoE(cfg, ep_group=ep_group, ep_rank=ep_rank) if cfg.n_experts else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, T, d_model) -> (B, T, d_model)."""
@@ -233,6 +284,14 @@ class GPT(nn.Module):
             rank and every machine (the draws come from a private CPU ``torch.Generator``, in
             ``named_parameters()`` order, independent of the global RNG).
         device: where to allocate. ``"meta"`` skips initialisation (for planning only).
+        ep_group: with ``cfg.ep > 1``, the EP process group of ``cfg.ep`` ranks the MoE blocks
+            dispatch over (:func:`dmuon.train.expert_parallel.new_ep_group`); this rank's index
+            in it picks its experts. None (planning, or ``ep = 1``): ``ep_rank``.
+        ep_rank: the rank's index in its EP group when ``ep_group`` is None.
+
+    With ``cfg.ep > 1`` the parameters are the ``ep = 1`` model's, each expert stack cut to the
+    rank's experts: the same ``(cfg, seed)`` gives every rank its slice of the same full init,
+    so the EP model computes what the ``ep = 1`` model computes.
     """
 
     def __init__(
@@ -241,13 +300,21 @@ class GPT(nn.Module):
         *,
         seed: int = 0,
         device: torch.device | str | None = None,
+        ep_group=None,
+        ep_rank: int = 0,
     ) -> None:
         super().__init__()
         self.cfg = cfg
+        if ep_group is not None:
+            import torch.distributed as dist
+
+            if dist.get_world_size(ep_group) != cfg.ep:
+                raise ValueError(f"ep_group has {dist.get_world_size(ep_group)} ranks, cfg.ep = {cfg.ep}")
+            ep_rank = dist.get_rank(ep_group)
         with torch.device(device or "cpu"):
             self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
             self.pos_embed = nn.Embedding(cfg.seq_len, cfg.d_model)
-            self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+            self.layers = nn.ModuleList(Block(cfg, ep_group=ep_group, ep_rank=ep_rank) for _ in range(cfg.n_layers))
             self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
             self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -264,17 +331,26 @@ class GPT(nn.Module):
         0.02 / sqrt(2 · n_layers).
         Draws are made on the CPU with a generator seeded by ``seed`` and copied to the
         parameter's device, so the values do not depend on the device or the global RNG.
+        Under expert parallelism each expert stack is drawn at its full ``(E, ...)`` shape and the
+        rank keeps its experts' slice, so every draw is the ``ep = 1`` model's.
         """
         gen = torch.Generator(device="cpu").manual_seed(seed)
         std = 0.02
         resid_std = std / math.sqrt(2 * self.cfg.n_layers)
+        held = {}  # id(expert stack) -> the global experts this rank holds
+        for module in self.modules():
+            if isinstance(module, GroupedExperts):
+                for p in (module.w1, module.w2, module.w3):
+                    held[id(p)] = slice(module.held.start, module.held.stop)
         for name, p in self.named_parameters():  # remove_duplicate=True: tied weight drawn once
             if p.ndim == 1:
                 p.fill_(1.0)
                 continue
             s = resid_std if name.endswith(("o_proj.weight", "down_proj.weight", "experts.w2")) else std
-            draw = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, s, generator=gen)
-            p.copy_(draw)
+            cut = held.get(id(p))
+            shape = p.shape if cut is None else (self.cfg.n_experts, *p.shape[1:])
+            draw = torch.empty(shape, dtype=torch.float32).normal_(0.0, s, generator=gen)
+            p.copy_(draw if cut is None else draw[cut])
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: (B, T) int64 ids with T <= seq_len -> logits (B, T, vocab_size), float."""

@@ -17,6 +17,8 @@ __all__ = ["plot_runs"]
 def _label(m: dict[str, Any]) -> str:
     experts = m.get("experts") or 0
     moe = f", MoE {experts} experts top-{m['top_k']}" if experts else ""
+    if (m.get("ep") or 1) > 1:
+        moe += f", EP {m['ep']}"
     if m["optimizer"] == "adamw":
         return f"FSDP2 + AdamW{moe}"
     return f"dmuon ({m['mode'].upper()}, NS {m['ns_dtype']}{moe})"
