@@ -331,8 +331,8 @@ def _run_case(case: Case, tmp):
         factors=factors,
         n_pre_hooks=len(optimizers._optimizer_step_pre_hooks),
         initial_ep_stacks=model.initial_ep_stacks,
-        ep_dispatch=sorted({type(m).__name__ for m in model.modules()
-                            if getattr(m, "ep_mesh", None) is not None}),
+        ep_dispatch=sorted({type(d).__name__ for d in (getattr(m, "token_dispatcher", None) for m in model.modules())
+                            if getattr(d, "ep_mesh", None) is not None}),
     )
     if case.kind == "llama3":
         out["full"] = _full_params(model)
@@ -449,11 +449,15 @@ def _reference(case: Case, plan_json, factors):
 
 
 def _bounds(case: Case):
-    """(loss rel, grad norm rel, parameters of max|p|): the contract's fp32 bounds, or for
-    torchtitan's bf16 expert forward the bf16-sized ones (the gradients' bf16 rounding differs
-    between per-rank and global sums: measured below)."""
+    """(loss rel, grad norm rel, parameters of max|p|): the contract's fp32 ones; for torchtitan's
+    bf16 expert forward the gradients' bf16 rounding differs between per-rank and global sums
+    (measured at W = 2, E = 4: losses 1e-6, grad norms 1e-5, parameters 4.6e-2 of max|p| in the
+    embedding, whose AdamW update divides small noisy gradients by their own size): the
+    contract's bf16 parameter bound (dmuon.testing.bounds), losses and norms 1e-4."""
     if case.kind == "qwen3_moe" and not case.fp32_experts:
-        return 1e-3, 1e-2, 5e-2
+        from dmuon.testing import bounds
+
+        return 1e-4, 1e-4, bounds(torch.bfloat16)[1]
     return 1e-6, 1e-5, 1e-4
 
 
