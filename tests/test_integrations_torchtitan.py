@@ -598,3 +598,35 @@ def test_checkpoint_saved_at_4_resumes_at_2(root):
         assert err <= 1e-4 * scale, (k, err, scale)
     print(f"torchtitan checkpoint W=4 -> W=2: loss {abs(resumed[0]['loss'] - saved[0]['loss']):.1e} abs, "
           f"parameters {dev:.1e} of max|p|")
+
+
+@pytest.mark.parametrize(
+    "degrees, says",
+    [
+        (dict(data_parallel_shard_degree=4, expert_parallel_degree=2), "set expert_parallel_degree = 4"),
+        (dict(data_parallel_replicate_degree=2, data_parallel_shard_degree=2, expert_parallel_degree=2),
+         "data_parallel_replicate_degree > 1"),
+        (dict(data_parallel_shard_degree=2, tensor_parallel_degree=2, expert_parallel_degree=2),
+         "tensor_parallel_degree > 1"),
+    ],
+    ids=["ep_below_fsdp", "ep_hsdp", "ep_tp"],
+)
+def test_expert_parallel_layouts_dmuon_does_not_take_are_refused(degrees, says):
+    """Refused in the wrapped parallelize before anything runs (no process group needed), naming
+    torchtitan's setting."""
+    from torchtitan.config import ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+
+    from dmuon.integrations.torchtitan import wrap_parallelize
+
+    parallelism = ParallelismConfig(spmd_backend="partial_dtensor", **degrees)
+    world = (parallelism.data_parallel_replicate_degree * parallelism.data_parallel_shard_degree
+             * parallelism.tensor_parallel_degree)
+    parallel_dims = ParallelDims.from_config(parallelism, world)
+    called = []
+    parallelize = wrap_parallelize(lambda model, **kw: called.append(model))
+    with pytest.raises(NotImplementedError, match="dmuon.integrations.torchtitan: not supported with") as err:
+        parallelize(torch.nn.Linear(2, 2), parallel_dims=parallel_dims, parallelism=parallelism,
+                    training=TrainingConfig())
+    assert says in str(err.value), str(err.value)
+    assert not called

@@ -37,11 +37,23 @@ What each piece does:
    ``dmuon.clip_grad_norm_`` for models with dedicated parameters
    (:mod:`dmuon.integrations._torchtitan_clip`).
 
-Refused at parallelize time (``NotImplementedError``, naming the setting): pipeline parallelism,
-expert parallelism (``expert_parallel_degree > 1``), CPU offload, and ``spmd_backend`` other than
+5. Expert parallelism (``expert_parallel_degree = data_parallel_shard_degree x
+   context_parallel_degree``, no HSDP replicas, no TP): torchtitan's ``parallelize`` makes each
+   expert stack a DTensor ``Shard(0)`` over ``ep`` and wires its all-to-all token dispatcher;
+   the wrapper replaces each such DTensor by a plain ``nn.Parameter`` of its local tensor (this
+   rank's ``E/ep`` experts; ``GroupedExperts`` takes either) and dedicates with ``ep=``: each
+   rank owns the experts it holds, no dmuon bytes for them (docs/moe_ep.md). Three things dmuon's
+   EP path does not do by itself yet are done here (:func:`_adopt_expert_parallel_stacks`,
+   :func:`_full_size_ep_stacks`): the stacks' gradient divided by FSDP2's divide factor
+   (torchtitan: 1) rather than by ``W``, the dedicated parameter objects kept across
+   ``to_empty``, and ``init_weights`` drawing each stack whole so that ranks get distinct experts.
+
+Refused at parallelize time (``NotImplementedError``, naming the setting, identical on every
+rank): pipeline parallelism, expert parallelism with ``expert_parallel_degree`` below the FSDP
+degree or with HSDP replicas or TP, CPU offload, and ``spmd_backend`` other than
 ``"partial_dtensor"`` (0.3.0's default is ``"spmd_types"``; set
-``config.parallelism.spmd_backend = "partial_dtensor"``). Tensor parallelism goes to dmuon's TP support (the mesh with the ``tp`` dim; tested
-at TP 2 and FSDP2 2 x TP 2, docs/integrations.md).
+``config.parallelism.spmd_backend = "partial_dtensor"``). Tensor parallelism goes to dmuon's TP
+support (the mesh with the ``tp`` dim; tested at TP 2 and FSDP2 2 x TP 2, docs/integrations.md).
 """
 
 from __future__ import annotations
@@ -91,6 +103,20 @@ def _refuse_unsupported(parallel_dims, kwargs) -> None:
     why = []
     if parallel_dims.pp_enabled:
         why.append("pipeline parallelism (pipeline_parallel_degree > 1)")
+    if parallel_dims.ep_enabled:
+        # dmuon owns each rank's experts where torchtitan's EP puts them only when ep spans the
+        # whole FSDP dim of a 1-D data-parallel mesh (docs/moe_ep.md)
+        fsdp = parallel_dims.dp_shard * parallel_dims.cp
+        if parallel_dims.ep != fsdp:
+            why.append(
+                f"expert_parallel_degree = {parallel_dims.ep} below data_parallel_shard_degree x "
+                f"context_parallel_degree = {fsdp} (experts sharded over ep x efsdp with efsdp > 1; "
+                f"set expert_parallel_degree = {fsdp})"
+            )
+        if parallel_dims.dp_replicate_enabled:
+            why.append("expert parallelism with data_parallel_replicate_degree > 1 (HSDP replicas)")
+        if parallel_dims.tp_enabled:
+            why.append("expert parallelism with tensor_parallel_degree > 1")
     if training is not None and getattr(training, "enable_cpu_offload", False):
         why.append("CPU offload (training.enable_cpu_offload)")
     backend = getattr(parallelism, "spmd_backend", None) if parallelism is not None else None
@@ -130,7 +156,8 @@ def wrap_parallelize(parallelize_fn: Callable, **dedicate_kwargs: Any) -> Callab
     "default" -> Z3, "never" -> Z2) and ``mp_policy`` from ``training.mixed_precision_*``.
 
     Raises:
-        NotImplementedError: pipeline / expert parallelism, CPU offload, full_dtensor.
+        NotImplementedError: pipeline parallelism, an expert-parallel layout dmuon does not take
+            (module docstring), CPU offload, ``spmd_backend`` other than ``"partial_dtensor"``.
         RuntimeError: the parallelize function called no ``fully_shard`` (nothing to dedicate
             before), so dmuon was not applied.
     """
