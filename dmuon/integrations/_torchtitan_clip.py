@@ -29,11 +29,10 @@ def wrap_clip_grad_norm(fn):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         if not any(dedicated_info(p) is not None for p in params):
             return fn(params, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh, ep_enabled)
-        if pp_mesh is not None or ep_enabled:
+        if pp_mesh is not None:
             raise NotImplementedError(
-                "dmuon: gradient clipping over dmuon-dedicated parameters with pipeline or expert "
-                "parallelism is not supported (dmuon.integrations.torchtitan refuses both at "
-                "parallelize time)"
+                "dmuon: gradient clipping over dmuon-dedicated parameters with pipeline parallelism "
+                "is not supported (dmuon.integrations.torchtitan refuses it at parallelize time)"
             )
         from dmuon.exec.clip import clip_grad_norm_ as dmuon_clip
 

@@ -37,18 +37,32 @@ What each piece does:
    ``dmuon.clip_grad_norm_`` for models with dedicated parameters
    (:mod:`dmuon.integrations._torchtitan_clip`).
 
-Refused at parallelize time (``NotImplementedError``, naming the setting): pipeline parallelism,
-expert parallelism (``expert_parallel_degree > 1``), CPU offload, and ``spmd_backend`` other than
+5. Expert parallelism (``expert_parallel_degree = data_parallel_shard_degree x
+   context_parallel_degree``, no HSDP replicas, no TP): torchtitan's ``parallelize`` makes each
+   expert stack a DTensor ``Shard(0)`` over ``ep`` and wires its all-to-all token dispatcher;
+   the wrapper replaces each such DTensor by a plain ``nn.Parameter`` of its local tensor (this
+   rank's ``E/ep`` experts; ``GroupedExperts`` takes either) and dedicates with ``ep=``: each
+   rank owns the experts it holds, no dmuon bytes for them (docs/moe_ep.md). Three things dmuon's
+   EP path does not do by itself yet are done here (:func:`_adopt_expert_parallel_stacks`,
+   :func:`_full_size_ep_stacks`): the stacks' gradient divided by FSDP2's divide factor
+   (torchtitan: 1) rather than by ``W``, the dedicated parameter objects kept across
+   ``to_empty``, and ``init_weights`` drawing each stack whole so that ranks get distinct experts.
+
+Refused at parallelize time (``NotImplementedError``, naming the setting, identical on every
+rank): pipeline parallelism, expert parallelism with ``expert_parallel_degree`` below the FSDP
+degree or with HSDP replicas or TP, CPU offload, and ``spmd_backend`` other than
 ``"partial_dtensor"`` (0.3.0's default is ``"spmd_types"``; set
-``config.parallelism.spmd_backend = "partial_dtensor"``). Tensor parallelism goes to dmuon's TP support (the mesh with the ``tp`` dim; tested
-at TP 2 and FSDP2 2 x TP 2, docs/integrations.md).
+``config.parallelism.spmd_backend = "partial_dtensor"``). Tensor parallelism goes to dmuon's TP
+support (the mesh with the ``tp`` dim; tested at TP 2 and FSDP2 2 x TP 2, docs/integrations.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
+import types
 from typing import Any, Callable
 
 import torch
@@ -90,7 +104,19 @@ def _refuse_unsupported(parallel_dims, kwargs) -> None:
     if parallel_dims.pp_enabled:
         why.append("pipeline parallelism (pipeline_parallel_degree > 1)")
     if parallel_dims.ep_enabled:
-        why.append("expert parallelism (expert_parallel_degree > 1)")
+        # dmuon owns each rank's experts where torchtitan's EP puts them only when ep spans the
+        # whole FSDP dim of a 1-D data-parallel mesh (docs/moe_ep.md)
+        fsdp = parallel_dims.dp_shard * parallel_dims.cp
+        if parallel_dims.ep != fsdp:
+            why.append(
+                f"expert_parallel_degree = {parallel_dims.ep} below data_parallel_shard_degree x "
+                f"context_parallel_degree = {fsdp} (experts sharded over ep x efsdp with efsdp > 1; "
+                f"set expert_parallel_degree = {fsdp})"
+            )
+        if parallel_dims.dp_replicate_enabled:
+            why.append("expert parallelism with data_parallel_replicate_degree > 1 (HSDP replicas)")
+        if parallel_dims.tp_enabled:
+            why.append("expert parallelism with tensor_parallel_degree > 1")
     if training is not None and getattr(training, "enable_cpu_offload", False):
         why.append("CPU offload (training.enable_cpu_offload)")
     backend = getattr(parallelism, "spmd_backend", None) if parallelism is not None else None
@@ -130,7 +156,8 @@ def wrap_parallelize(parallelize_fn: Callable, **dedicate_kwargs: Any) -> Callab
     "default" -> Z3, "never" -> Z2) and ``mp_policy`` from ``training.mixed_precision_*``.
 
     Raises:
-        NotImplementedError: pipeline / expert parallelism, CPU offload, full_dtensor.
+        NotImplementedError: pipeline parallelism, an expert-parallel layout dmuon does not take
+            (module docstring), CPU offload, ``spmd_backend`` other than ``"partial_dtensor"``.
         RuntimeError: the parallelize function called no ``fully_shard`` (nothing to dedicate
             before), so dmuon was not applied.
     """
@@ -153,7 +180,11 @@ def wrap_parallelize(parallelize_fn: Callable, **dedicate_kwargs: Any) -> Callab
 
         def dedicate():
             mesh = data_parallel_mesh(parallel_dims)
-            plan = dmuon.dedicate_params(model, mesh, **opts)
+            kw = dict(opts)
+            if parallel_dims.ep_enabled:
+                _localize_expert_dtensors(model, parallel_dims)
+                kw.setdefault("ep", parallel_dims.ep)
+            plan = dmuon.dedicate_params(model, mesh, **kw)
             logger.info(
                 f"dmuon: dedicated {len(plan.dedicated)} matrices to owners on mesh "
                 f"{tuple(mesh.mesh_dim_names or ())} {tuple(mesh.shape)} (Muon on owners, "
@@ -170,10 +201,101 @@ def wrap_parallelize(parallelize_fn: Callable, **dedicate_kwargs: Any) -> Callab
                 "(torchtitan applies it for data_parallel_shard_degree != 1 and on one rank too)"
             )
         _full_size_param_init(out, ran[0])
+        if parallel_dims.ep_enabled:
+            _adopt_expert_parallel_stacks(out)
         return out
 
     setattr(parallelize, _WRAPPED_ATTR, True)
     return parallelize
+
+
+def _localize_expert_dtensors(model: nn.Module, parallel_dims) -> list[str]:
+    """Expert parallelism: each 3-D parameter torchtitan's ``parallelize`` made a DTensor sharded
+    ``Shard(0)`` over the ``ep`` mesh dim becomes a plain ``nn.Parameter`` of this rank's experts
+    (its local tensor, no copy), the form ``dmuon.dedicate_params(..., ep=N)`` takes. Returns the
+    FQNs replaced."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    done = []
+    for mod_fqn, module in model.named_modules():
+        for name, p in list(module._parameters.items()):
+            if not isinstance(p, DTensor) or p.dim() != 3:
+                continue
+            names = tuple(p.device_mesh.mesh_dim_names or ())
+            if "ep" not in names:
+                continue
+            ep_dim = names.index("ep")
+            if p.placements[ep_dim] != Shard(0) or any(
+                pl.is_shard() for i, pl in enumerate(p.placements) if i != ep_dim
+            ):
+                raise NotImplementedError(
+                    f"dmuon.integrations.torchtitan: expert parameter {mod_fqn}.{name} is placed "
+                    f"{tuple(p.placements)} on mesh {names}; dmuon takes experts sharded Shard(0) over "
+                    "'ep' only (expert_parallel_degree = data_parallel_shard_degree, no TP on experts)"
+                )
+            module._parameters[name] = nn.Parameter(p.to_local(), requires_grad=p.requires_grad)
+            done.append(f"{mod_fqn}.{name}" if mod_fqn else name)
+    return done
+
+
+def _adopt_expert_parallel_stacks(model: nn.Module) -> None:
+    """Expert parallelism under torchtitan: two things dmuon's EP path (docs/moe_ep.md) does not
+    do by itself yet, done here for the model's expert-parallel stacks.
+
+    * Gradient scale: dmuon divides an EP stack's gradient by the data-parallel world ``W``
+      (the local expert receives the SUM of every rank's contribution); torchtitan sets FSDP2's
+      divide factor to 1 and scales the loss by the global token count, so the sum already is the
+      global mean. dmuon's ``/W`` hooks are replaced by one that divides by the factor dmuon's
+      owners use for the dense matrices (``DmuonRuntime.grad_divisor``: FSDP2's divide factor,
+      else ``R·N``), read at every backward.
+    * Meta initialisation: ``model.to_empty`` (the Trainer's step after parallelize) gives every
+      parameter a new ``nn.Parameter`` object, so an EP stack would lose its dmuon tag and hook
+      and dmuon's state-dict hooks would keep the old meta tensor. A wrapper of the experts
+      module's ``_apply`` (instance attribute, the class's ``_apply`` runs first) puts the
+      dedicated object back with the new storage (``torch.utils.swap_tensors``).
+    """
+    import dmuon
+    from dmuon.exec.buffers import dedicated_info
+
+    rt = dmuon.exec.get_model_runtime(model)
+    if rt is None or not rt.ep_params:
+        return
+    for handle in rt.ep_hooks:
+        handle.remove()
+    rt.ep_hooks.clear()
+    by_module: dict[int, tuple[nn.Module, list]] = {}
+    for fqn, p in rt.ep_params.items():
+        mod_fqn, _, attr = fqn.rpartition(".")
+        module = model.get_submodule(mod_fqn)
+        boundary = next(b for b in rt.boundaries if b.module is model.get_submodule(rt.plan.boundary(fqn)))
+        by_module.setdefault(id(module), (module, []))[1].append((attr, p, boundary))
+        rt.ep_hooks.append(p.register_hook(_ep_divisor_hook(rt, boundary)))
+
+    for module, entries in by_module.values():
+
+        def _apply(self, fn, *args, _entries=entries, **kwargs):
+            out = type(self)._apply(self, fn, *args, **kwargs)
+            for attr, orig, boundary in _entries:
+                cur = self._parameters[attr]
+                if cur is orig:
+                    continue
+                info = dedicated_info(orig)
+                torch.utils.swap_tensors(orig, cur)  # orig: the new storage; cur: the old one
+                self._parameters[attr] = orig
+                orig.__dict__.update(cur.__dict__)
+                orig._dmuon = info
+                rt.ep_hooks.append(orig.register_hook(_ep_divisor_hook(rt, boundary)))
+            return out
+
+        object.__setattr__(module, "_apply", types.MethodType(_apply, module))
+
+
+def _ep_divisor_hook(rt, boundary):
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        divisor = rt.grad_divisor(boundary)
+        return grad if divisor == 1 else grad / divisor
+
+    return hook
 
 
 def _full_size_param_init(model: nn.Module, plan) -> None:
@@ -195,11 +317,43 @@ def _full_size_param_init(model: nn.Module, plan) -> None:
             continue
 
         def _init_self_parameters(module=module, init=init):
-            with full_size_params(module, dedicated_only=True):
+            with full_size_params(module, dedicated_only=True), _full_size_ep_stacks(module):
                 init()
 
         setattr(_init_self_parameters, _WRAPPED_ATTR, True)
         module._init_self_parameters = _init_self_parameters
+
+
+@contextlib.contextmanager
+def _full_size_ep_stacks(module: nn.Module):
+    """Within the context, each expert-parallel stack of ``module`` (``recurse=False``) is a
+    temporary full ``(E, a, b)`` tensor; on exit this rank keeps its experts' rows. So every rank
+    draws the whole stack alike and rank ``j`` keeps experts ``j*E/ep ..``, as torchtitan's
+    initialisation of the ``Shard(0)`` DTensor would give them distinct values (initialising the
+    local tensor alone would give every rank the same experts)."""
+    from dmuon.exec.buffers import dedicated_info
+
+    swapped = []
+    for name, p in list(module._parameters.items()):
+        info = dedicated_info(p) if p is not None else None
+        if info is None or not info.ep_local:
+            continue
+        full = (info.experts.num_experts, *p.shape[1:])
+        swapped.append((name, p, info, nn.Parameter(torch.empty(full, dtype=p.dtype, device=p.device),
+                                                    requires_grad=p.requires_grad)))
+    for name, _, _, tmp in swapped:
+        module._parameters[name] = tmp
+    try:
+        yield
+    finally:
+        for name, p, _, _ in swapped:
+            module._parameters[name] = p
+    for _, p, info, tmp in swapped:
+        rt = info.runtime()
+        e = p.shape[0]
+        j = rt.groups.shard
+        with torch.no_grad():
+            p.copy_(tmp.detach()[j * e : (j + 1) * e])
 
 
 def dmuon_model_spec(model_spec, **dedicate_kwargs: Any):
