@@ -39,6 +39,9 @@ def new_ep_group(ep: int):
         group = dist.new_group(list(range(first, first + ep)))
         if first <= rank < first + ep:
             mine = group
+    # every group connected before any rank goes on: a rank that then stops (a user error raised
+    # on every rank) must not take the default group's store away from peers still connecting
+    dist.barrier()
     return mine
 
 

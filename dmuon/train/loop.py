@@ -7,6 +7,10 @@ Set-up, exactly as a user writes it (the README's "Integration: three lines")::
     fully_shard(model, mesh=mesh, reshard_after_forward=z3)
     opt = dmuon.Muon(model, lr=..., weight_decay=..., adamw_lr=..., adamw_weight_decay=...)
 
+With ``--experts E --ep P`` (expert parallelism) the model is built with each rank's ``E/P``
+experts only (EP groups of ``P`` consecutive ranks, :mod:`dmuon.train.expert_parallel`) and the
+first line becomes ``dmuon.dedicate_params(model, mesh, ep=P, ...)``.
+
 ``--optimizer adamw`` is the baseline: no dedication, the same ``fully_shard`` calls, and
 ``torch.optim.AdamW`` (lr ``--adamw-lr``, weight decay ``--adamw-weight-decay``) on every
 parameter.
