@@ -522,6 +522,7 @@ def test_qwen3_moe_debug_model_matches_per_expert_oracle(world, i, root):
     assert sorted(s.fqn.rsplit(".", 1)[1] for s in stacks) == sorted(["w1_EFD", "w2_EDF", "w3_EFD"] * LAYERS)
     E, N = case.experts, case.mesh[1]
     for spec in stacks:
+        assert spec.experts.layout == "torchtitan", spec.experts  # w1_EFD / w3_EFD / w2_EDF recognised by name
         assert spec.num_matrices == E
         assert len({o.rank for o in plan.expert_owners(spec.fqn)}) == min(E, N), spec.fqn
     # wqkv, wo, router gate per layer are matrices; 3 stacks per layer

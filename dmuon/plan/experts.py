@@ -83,7 +83,7 @@ def expert_stack(shape: tuple[int, ...], attr: str, module_fqn: str, module: Any
         return ExpertStack(num_experts=E, transposed=transposed, gate_up=form, split=split, layout=layout)
     if not _in_experts_path(module_fqn, module):
         return None
-    if attr in ("w1", "w2", "w3"):
+    if attr in ("w1", "w2", "w3", "w1_EFD", "w2_EDF", "w3_EFD"):  # torchtitan < 0.3 / >= 0.3 names
         return ExpertStack(num_experts=E, layout="torchtitan")
     if attr == "gate_up_proj":  # transformers' fused layout without the implementation markers
         return ExpertStack(num_experts=E, gate_up="concat", split=split, layout="hf")
