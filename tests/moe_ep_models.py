@@ -23,6 +23,14 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.randn(num_experts, dim, hidden) / hidden**0.5)
         self.w3 = nn.Parameter(torch.randn(num_experts, hidden, dim) / dim**0.5)
 
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The constructor's draws again (``randn`` is ``normal_`` on an empty tensor), for
+        ``dmuon.init_params`` after ``to_empty``: with the stacks full size there (E experts),
+        the same values as ``MoELM(ep=1)`` built with the same seed."""
+        for w in (self.w1, self.w2, self.w3):
+            w.normal_().div_(w.shape[2] ** 0.5)
+
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """``x``: tokens grouped by expert (``counts[e]`` rows for local expert ``e``)."""
         outs = []

@@ -6,7 +6,8 @@ Plan side (pure): the refusals and their messages, JSON round trip, the cost of 
 (the non-EP plan's minus the stacks' bytes), boundary lookups, the schedule. Runtime: W = 4
 (ep = 4, ep given) and W = 2 (ep = 2, a 1-D DeviceMesh named "ep") against
 ``dmuon.testing.reference_run`` with fp32 Newton-Schulz, the ledger against ``plan.cost``, and
-the state-dict view of the stacks (full logical shape, DTensor Shard(0)).
+the state-dict view of the stacks (full logical shape, DTensor Shard(0)); in the same launches
+the model built on ``meta``, ``to_empty`` + ``dmuon.init_params``, against the same reference.
 """
 
 from __future__ import annotations
@@ -245,8 +246,53 @@ def _worker(ep: int, named_mesh: bool):
     )
     return dict(
         plan_json=plan.to_json(), losses=losses, ledgers=ledgers, gathered=gathered, full=full, mom=mom, norm=norm, reloaded=reloaded,
-        grads=grads,
+        grads=grads, meta=_meta_init_run(ep, mesh, named_mesh),
     )
+
+
+def _meta_init_run(ep: int, mesh, named_mesh: bool):
+    """The same EP model built on ``meta``, dedicated and sharded there, then ``to_empty`` +
+    ``dmuon.init_params`` (seed 0: the stacks drawn whole, each rank keeping its experts, so
+    the values are ``full_model(0)``'s) and STEPS steps: the stacks keep their dedicated
+    object, tag, gradient hook and state-dict hooks across ``to_empty``."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    from moe_ep_models import MoELM
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with torch.device("meta"):
+        model = MoELM(ep=ep)
+    dmuon.dedicate_params(model, mesh, **({} if named_mesh else {"ep": ep}))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    rt = dmuon.exec.get_model_runtime(model)
+    before = dict(rt.ep_params)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    dmuon.init_params(model)
+    experts = {n: p for n, p in model.named_parameters() if is_expert(n)}
+    kept = (
+        all(rt.ep_params[n] is p and before[n] is p and p.device.type == "cpu" and p._dmuon.ep_local
+            for n, p in experts.items())
+        and sorted(rt.ep_hooks) == sorted(experts)
+    )
+    opt = dmuon.Muon(model, ns_dtype=torch.float32, **HP)
+    losses, norm = [], None
+    for batch in global_batches(STEPS, world):
+        loss = lm_loss(model, batch.chunk(world)[rank])
+        loss.backward()
+        if norm is None:  # the global gradient norm: the stacks' hook divided by W
+            norm = dmuon.clip_grad_norm_(model, 1e9).item()
+        opt.step()
+        opt.zero_grad()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # the experts' hooks
+    return dict(kept=kept, losses=losses, norm=norm, full={k: v.detach().clone() for k, v in full.items()})
 
 
 def _reference(world: int):
@@ -292,6 +338,19 @@ def test_ep_matches_single_process_reference(world, named_mesh):
     for rank, r in enumerate(results):
         assert r["ledgers"] == [per_rank[rank]] * STEPS, (rank, r["ledgers"], per_rank[rank])
     print(f"EP world={world}: loss dev {loss_dev:.2e}, param dev {worst:.2e}, bytes/rank/step {per_rank}")
+    # meta-device build, to_empty, dmuon.init_params: the same training as the reference's
+    meta_loss, meta_param = 0.0, 0.0
+    for r in results:
+        m = r["meta"]
+        assert m["kept"], "to_empty lost an EP stack's object, tag or hook"
+        meta_loss = max(meta_loss, *(abs(a - b) / abs(b) for a, b in zip(m["losses"], ref_losses)))
+        assert abs(m["norm"] - want_norm) / want_norm < 1e-5, (m["norm"], want_norm)
+        for key, want in ref_state.items():
+            dev = (m["full"][key] - want).abs().max().item() / want.abs().max().item()
+            meta_param = max(meta_param, dev)
+            assert dev < 1e-4, ("meta", key, dev)
+    assert meta_loss < 1e-6, meta_loss
+    print(f"EP world={world} from meta: loss dev {meta_loss:.2e}, param dev {meta_param:.2e}")
 
 
 # ------------------------------------------------------- efsdp > 1 and HSDP (owners in efsdp groups)

@@ -402,28 +402,31 @@ def _register_expert_parallel_hooks(runtime) -> None:
     ref = weakref.ref(runtime)
     by_module: dict[int, list] = {}
     plan = runtime.plan
-    for fqn, p in runtime.ep_params.items():
+    for fqn in runtime.ep_params:
         for alias in plan.param(fqn).aliases:
             mod_fqn, _, attr = alias.rpartition(".")
             module = runtime.model_ref().get_submodule(mod_fqn)
-            by_module.setdefault(id(module), [module, []])[1].append((attr, fqn, p))
+            by_module.setdefault(id(module), [module, []])[1].append((attr, fqn))
+    # the parameter is read from rt.ep_params at every call: to_empty may have replaced it
+    # (dmuon.exec.materialize._adopt_ep_stacks)
     for module, entries in by_module.values():
 
         def post_hook(mod, state_dict, prefix, local_metadata, _entries=entries):
             rt = ref()
             if rt is None:
                 return state_dict
-            for attr, fqn, p in _entries:
+            for attr, fqn in _entries:
                 if prefix + attr in state_dict:
-                    state_dict[prefix + attr] = _ep_dtensor(rt, fqn, p.detach())
+                    state_dict[prefix + attr] = _ep_dtensor(rt, fqn, rt.ep_params[fqn].detach())
             return state_dict
 
         def load_pre_hook(mod, state_dict, prefix, *args, _entries=entries):
             rt = ref()
             if rt is None:
                 return
-            for attr, fqn, p in _entries:
+            for attr, fqn in _entries:
                 key = prefix + attr
+                p = rt.ep_params[fqn]
                 if key in state_dict:
                     rows = _ep_rows(rt, fqn, state_dict[key])
                     with torch.no_grad():

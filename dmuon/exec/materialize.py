@@ -165,6 +165,7 @@ def rebind_storage(rt, boundaries=None) -> bool:
             changed |= _rebind_segment(rt, seg)
         for gm in b.grouped:
             changed |= _rebind_grouped(gm, b.segments)
+        _adopt_ep_stacks(rt, b)
     if changed:
         devices = {seg.wire.device for b in rt.boundaries for seg in b.segments}
         if len(devices) == 1:
@@ -298,6 +299,47 @@ def _adopt_module_param(rt, slot: _Slot) -> None:
         module._parameters[attr] = slot.logical
 
 
+def _adopt_ep_stacks(rt, b) -> None:
+    """The local expert-parallel stacks of boundary ``b`` (``Boundary.local``, no segment):
+    after ``Module._apply`` each keeps its dedicated object, ``_dmuon`` tag, gradient-divisor
+    hook and place in :attr:`~dmuon.exec.runtime.DmuonRuntime.ep_params`.
+
+    ``to_empty`` from ``meta`` registers a NEW Parameter (as for the segments' logical
+    parameters, :func:`_adopt_module_param`): its content moves into the dedicated object with
+    ``torch.utils.swap_tensors`` (or, where that fails, the new object is adopted and tagged),
+    which is registered again under every alias. The object's tensor-hook dict stays with the
+    Python object in a swap while autograd keeps it on the old TensorImpl, so it is bound to the
+    current one again (assigning ``_backward_hooks``; also covers the swap ``Module._apply``
+    itself does under ``set_swap_module_params_on_conversion``) and dmuon's hook registered again."""
+    local = rt.plan.boundaries[b.index].local
+    if not local:
+        return
+    model = rt.model_ref()
+    for fqn in local:
+        orig = rt.ep_params[fqn]
+        info = rt.ep_infos[fqn]
+        homes = []
+        for alias in rt.plan.param(fqn).aliases:
+            mod_fqn, _, attr = alias.rpartition(".")
+            homes.append((model.get_submodule(mod_fqn), attr))
+        new = next((m._parameters[a] for m, a in homes if m._parameters.get(a) is not None
+                    and m._parameters[a] is not orig), None)
+        keep = orig
+        if new is not None:
+            try:
+                torch.utils.swap_tensors(orig, new)  # orig: the new storage; new: the old one
+            except RuntimeError:  # e.g. a weak reference to one of them: adopt the new object
+                keep = new
+        keep._dmuon = info
+        rt.ep_params[fqn] = keep
+        for module, attr in homes:
+            module._parameters[attr] = keep
+        hooks = keep._backward_hooks  # the Python object's hook dict stays with it in a swap, but
+        if hooks is not None:  # autograd keeps it on the old TensorImpl: bind it to the current one
+            keep._backward_hooks = hooks
+        rt.hook_ep_param(fqn, keep, b.fqn)
+
+
 # ----------------------------------------------------------------------------------------------
 # Initial values
 # ----------------------------------------------------------------------------------------------
@@ -358,7 +400,9 @@ def full_size_params(module: nn.Module, *, dedicated_only: bool = False):
     A holder's dedicated parameter is its full master already; a non-holder's placeholder, an
     owner-group block or a TP holder's shard (and, unless ``dedicated_only``, an FSDP2
     ``DTensor``) is replaced by a temporary full tensor, whose rows this rank does not keep are
-    dropped on exit. ``dedicated_only=True`` is for initialisers that handle FSDP2's DTensors
+    dropped on exit. A local expert-parallel stack ``(E/ep, a, b)`` is replaced by the whole
+    ``(E, a, b)`` stack and keeps its EP coordinate's experts, so ranks get distinct experts
+    equal to the single-process model's. ``dedicated_only=True`` is for initialisers that handle FSDP2's DTensors
     themselves (torchtitan's ``init_weights``: :mod:`dmuon.integrations.torchtitan`).
     """
     from torch.distributed.tensor import DTensor
@@ -369,6 +413,10 @@ def full_size_params(module: nn.Module, *, dedicated_only: bool = False):
             continue
         info = dedicated_info(p)
         if info is not None:
+            if info.ep_local:  # a local expert-parallel stack: the whole (E, a, b) stack for a moment
+                tmp = torch.empty((info.experts.num_experts, *p.shape[1:]), dtype=p.dtype, device=p.device)
+                swapped.append((name, p, nn.Parameter(tmp, requires_grad=p.requires_grad)))
+                continue
             if info.holds_full and info.tp is None:
                 continue  # the full master itself
             # an owner-group block, a non-holder's placeholder, or a TP holder's shard: the
@@ -392,6 +440,12 @@ def full_size_params(module: nn.Module, *, dedicated_only: bool = False):
             module._parameters[name] = original
     for _, original, tmp in swapped:
         info = dedicated_info(original)
+        if info is not None and info.ep_local:  # this rank's EP coordinate's experts
+            rt = info.runtime()
+            e = original.shape[0]
+            j = rt.groups.shard % info.experts.ep_size
+            original.detach().copy_(tmp.detach()[j * e : (j + 1) * e])
+            continue
         group = getattr(info, "group", None)
         if group is not None:  # an owner group: the block this rank holds, if any
             if group.block is not None:

@@ -86,7 +86,7 @@ class DmuonRuntime:
         self.requires_gradient_sync = True
         self.timeout_s = timeout_s  # seconds a dmuon collective may take (None: wait forever)
         self.model_ref = weakref.ref(model)
-        self.ep_hooks: list = []  # expert-parallel stacks' gradient-divisor hooks
+        self.ep_hooks: dict = {}  # expert-parallel stacks' gradient-divisor hook handles, by FQN
         self._build(model)
 
     # -- construction ----------------------------------------------------------------------
@@ -123,6 +123,7 @@ class DmuonRuntime:
             br.handles.append(module.register_forward_hook(eager_hook(br.post_forward), with_kwargs=True))
             self.boundaries.append(br)
         self.ep_params = self._bind_expert_parallel(modules, original)
+        self.ep_infos = {fqn: dedicated_info(p) for fqn, p in self.ep_params.items()}
         # matrices with one owner: their slot; owner-grouped matrices: their _Grouped (blocks in
         # several segments)
         self.slots_by_fqn = {s.fqn: s for b in self.boundaries for s in b.slots if s.grouped is None}
@@ -157,7 +158,6 @@ class DmuonRuntime:
 
         out: dict[str, nn.Parameter] = {}
         specs = {p.fqn: p for p in self.plan.params}
-        world = self.world_numel
         me = dist.get_rank()
         for b in self.plan.boundaries:
             for fqn in b.local:
@@ -186,10 +186,19 @@ class DmuonRuntime:
                     experts=stack,
                     ep_local=True,
                 )
-                if world > 1 and p.requires_grad:
-                    self.ep_hooks.append(p.register_hook(_ep_grad_divisor(weakref.ref(self), b.fqn)))
+                self.hook_ep_param(fqn, p, b.fqn)
                 out[fqn] = p
         return out
+
+    def hook_ep_param(self, fqn: str, p: nn.Parameter, boundary_fqn: str) -> None:
+        """(Re-)register the gradient-divisor hook of the local expert-parallel stack ``fqn`` on
+        ``p`` (dropping the one it had): at ``dedicate_params``, and again when ``to_empty``
+        gave the stack a new tensor (:func:`dmuon.exec.materialize.rebind_storage`)."""
+        old = self.ep_hooks.pop(fqn, None)
+        if old is not None:
+            old.remove()
+        if self.world_numel > 1 and p.requires_grad:
+            self.ep_hooks[fqn] = p.register_hook(_ep_grad_divisor(weakref.ref(self), boundary_fqn))
 
     # -- settings and state changed from outside (dmuon.exec.materialize, benchmarks) ----------
 
@@ -439,7 +448,7 @@ class DmuonRuntime:
         """After ``load_state_dict`` wrote new masters on every holder (nothing to communicate)."""
 
     def remove_hooks(self) -> None:
-        for h in self.ep_hooks:
+        for h in self.ep_hooks.values():
             h.remove()
         self.ep_hooks.clear()
         for b in self.boundaries:
