@@ -37,32 +37,33 @@ What each piece does:
    ``dmuon.clip_grad_norm_`` for models with dedicated parameters
    (:mod:`dmuon.integrations._torchtitan_clip`).
 
-5. Expert parallelism (``expert_parallel_degree = data_parallel_shard_degree x
-   context_parallel_degree``, no HSDP replicas, no TP): torchtitan's ``parallelize`` makes each
-   expert stack a DTensor ``Shard(0)`` over ``ep`` and wires its all-to-all token dispatcher;
-   the wrapper replaces each such DTensor by a plain ``nn.Parameter`` of its local tensor (this
-   rank's ``E/ep`` experts; ``GroupedExperts`` takes either) and dedicates with ``ep=``: each
-   rank owns the experts it holds, no dmuon bytes for them (docs/moe_ep.md). Three things dmuon's
-   EP path does not do by itself yet are done here (:func:`_adopt_expert_parallel_stacks`,
-   :func:`_full_size_ep_stacks`): the stacks' gradient divided by FSDP2's divide factor
-   (torchtitan: 1) rather than by ``W``, the dedicated parameter objects kept across
-   ``to_empty``, and ``init_weights`` drawing each stack whole so that ranks get distinct experts.
+5. Expert parallelism (``expert_parallel_degree`` = ``ep``, any divisor of the FSDP degree
+   ``N = data_parallel_shard_degree x context_parallel_degree``, with or without HSDP replicas;
+   no TP): torchtitan's ``parallelize`` makes each expert stack a DTensor ``Shard(0)`` over
+   ``ep`` and wires its all-to-all token dispatcher; the wrapper checks that torchtitan's EP
+   groups are ``ep`` consecutive shard ranks (:func:`_check_ep_layout`, dmuon's layout), replaces
+   each such DTensor by a plain ``nn.Parameter`` of its local tensor (this rank's ``E/ep``
+   experts; ``GroupedExperts`` takes either) and dedicates with ``ep=`` (docs/moe_ep.md): with
+   ``ep = N`` and no replicas each rank owns the experts it holds (no dmuon bytes for them);
+   with ``efsdp = N/ep > 1`` or replicas, the ``efsdp`` (and replica) ranks holding an EP
+   coordinate's experts own them in ranges, broadcast and reduced over that group. Gradient
+   scale, ``to_empty`` and whole-stack initialisation are dmuon's core's (the EP gradient hook
+   divides by FSDP2's divide factor, torchtitan's 1; ``init_weights`` runs under
+   :func:`dmuon.exec.materialize.full_size_params`).
 
 Refused at parallelize time (``NotImplementedError``, naming the setting, identical on every
-rank): pipeline parallelism, expert parallelism with ``expert_parallel_degree`` below the FSDP
-degree or with HSDP replicas or TP, CPU offload, and ``spmd_backend`` other than
-``"partial_dtensor"`` (0.3.0's default is ``"spmd_types"``; set
-``config.parallelism.spmd_backend = "partial_dtensor"``). Tensor parallelism goes to dmuon's TP
+rank): pipeline parallelism, expert parallelism together with TP, CPU offload, and
+``spmd_backend`` other than ``"partial_dtensor"`` (0.3.0's default is ``"spmd_types"``; set
+``config.parallelism.spmd_backend = "partial_dtensor"``); at dedication, EP groups that are
+not ``ep`` consecutive shard ranks. Tensor parallelism goes to dmuon's TP
 support (the mesh with the ``tp`` dim; tested at TP 2 and FSDP2 2 x TP 2, docs/integrations.md).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import inspect
-import types
 from typing import Any, Callable
 
 import torch
@@ -103,20 +104,10 @@ def _refuse_unsupported(parallel_dims, kwargs) -> None:
     why = []
     if parallel_dims.pp_enabled:
         why.append("pipeline parallelism (pipeline_parallel_degree > 1)")
-    if parallel_dims.ep_enabled:
-        # dmuon owns each rank's experts where torchtitan's EP puts them only when ep spans the
-        # whole FSDP dim of a 1-D data-parallel mesh (docs/moe_ep.md)
-        fsdp = parallel_dims.dp_shard * parallel_dims.cp
-        if parallel_dims.ep != fsdp:
-            why.append(
-                f"expert_parallel_degree = {parallel_dims.ep} below data_parallel_shard_degree x "
-                f"context_parallel_degree = {fsdp} (experts sharded over ep x efsdp with efsdp > 1; "
-                f"set expert_parallel_degree = {fsdp})"
-            )
-        if parallel_dims.dp_replicate_enabled:
-            why.append("expert parallelism with data_parallel_replicate_degree > 1 (HSDP replicas)")
-        if parallel_dims.tp_enabled:
-            why.append("expert parallelism with tensor_parallel_degree > 1")
+    if parallel_dims.ep_enabled and parallel_dims.tp_enabled:
+        # an expert stack would be TP-sharded (torchtitan's ETP) as well as split over ep: dmuon's
+        # EP stacks are plain tensors of whole experts (docs/moe_ep.md, "What is refused")
+        why.append("expert parallelism with tensor_parallel_degree > 1")
     if training is not None and getattr(training, "enable_cpu_offload", False):
         why.append("CPU offload (training.enable_cpu_offload)")
     backend = getattr(parallelism, "spmd_backend", None) if parallelism is not None else None
@@ -182,6 +173,7 @@ def wrap_parallelize(parallelize_fn: Callable, **dedicate_kwargs: Any) -> Callab
             mesh = data_parallel_mesh(parallel_dims)
             kw = dict(opts)
             if parallel_dims.ep_enabled:
+                _check_ep_layout(parallel_dims, mesh)
                 _localize_expert_dtensors(model, parallel_dims)
                 kw.setdefault("ep", parallel_dims.ep)
             plan = dmuon.dedicate_params(model, mesh, **kw)
@@ -201,12 +193,44 @@ def wrap_parallelize(parallelize_fn: Callable, **dedicate_kwargs: Any) -> Callab
                 "(torchtitan applies it for data_parallel_shard_degree != 1 and on one rank too)"
             )
         _full_size_param_init(out, ran[0])
-        if parallel_dims.ep_enabled:
-            _adopt_expert_parallel_stacks(out)
         return out
 
     setattr(parallelize, _WRAPPED_ATTR, True)
     return parallelize
+
+
+def _check_ep_layout(parallel_dims, mesh) -> None:
+    """dmuon's expert-parallel layout (docs/moe_ep.md): in each replicate row, shard rank ``s``
+    of the FSDP dim holds the experts of EP coordinate ``s mod ep`` (EP groups are ``ep``
+    consecutive shard ranks) and is index ``s // ep`` of its efsdp group. torchtitan unflattens
+    the world into ``(pp, dp_replicate, fsdp, tp)`` for the dense parameters and
+    ``(pp, dp_replicate, efsdp, ep)`` for the experts, ``ep`` innermost, so with ``tp = 1`` that
+    holds (``ParallelDims.build_mesh``); checked here on every rank against the global ranks of
+    its ``ep`` and ``efsdp`` groups, and agreed by an all-reduce, so that a layout that breaks it raises the same error on
+    every rank instead of training wrongly."""
+    import torch.distributed as dist
+
+    def ranks(m, dim=None):  # the global ranks of this rank's group along a mesh dim, in group-rank order
+        group = m.get_group(dim) if dim is not None else m.get_group()
+        return [dist.get_global_rank(group, i) for i in range(group.size())]
+
+    ep = parallel_dims.ep
+    names = tuple(mesh.mesh_dim_names or ())
+    row = ranks(mesh, "fsdp" if len(names) > 1 else None)  # this replicate row's shard ranks, s = 0 .. N-1
+    s = row.index(dist.get_rank())
+    ok = (
+        ranks(parallel_dims.get_mesh("ep")) == row[s - s % ep : s - s % ep + ep]
+        and ranks(parallel_dims.get_mesh("efsdp")) == row[s % ep :: ep]
+    )
+    flag = torch.tensor([int(ok)], device=mesh.device_type)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if not int(flag.item()):
+        raise NotImplementedError(
+            "dmuon.integrations.torchtitan: torchtitan's expert-parallel groups are not what dmuon plans for: "
+            f"dmuon assumes shard rank s of the FSDP dim ({names}) holds the experts of EP coordinate s mod "
+            f"ep (ep = {ep}: EP groups of ep consecutive shard ranks, efsdp groups s, s+ep, ...), and the 'ep' / "
+            "'efsdp' meshes torchtitan built disagree on some rank (docs/moe_ep.md)"
+        )
 
 
 def _localize_expert_dtensors(model: nn.Module, parallel_dims) -> list[str]:
@@ -231,71 +255,11 @@ def _localize_expert_dtensors(model: nn.Module, parallel_dims) -> list[str]:
                 raise NotImplementedError(
                     f"dmuon.integrations.torchtitan: expert parameter {mod_fqn}.{name} is placed "
                     f"{tuple(p.placements)} on mesh {names}; dmuon takes experts sharded Shard(0) over "
-                    "'ep' only (expert_parallel_degree = data_parallel_shard_degree, no TP on experts)"
+                    "'ep' only (no TP on experts)"
                 )
             module._parameters[name] = nn.Parameter(p.to_local(), requires_grad=p.requires_grad)
             done.append(f"{mod_fqn}.{name}" if mod_fqn else name)
     return done
-
-
-def _adopt_expert_parallel_stacks(model: nn.Module) -> None:
-    """Expert parallelism under torchtitan: two things dmuon's EP path (docs/moe_ep.md) does not
-    do by itself yet, done here for the model's expert-parallel stacks.
-
-    * Gradient scale: dmuon divides an EP stack's gradient by the data-parallel world ``W``
-      (the local expert receives the SUM of every rank's contribution); torchtitan sets FSDP2's
-      divide factor to 1 and scales the loss by the global token count, so the sum already is the
-      global mean. dmuon's ``/W`` hooks are replaced by one that divides by the factor dmuon's
-      owners use for the dense matrices (``DmuonRuntime.grad_divisor``: FSDP2's divide factor,
-      else ``R·N``), read at every backward.
-    * Meta initialisation: ``model.to_empty`` (the Trainer's step after parallelize) gives every
-      parameter a new ``nn.Parameter`` object, so an EP stack would lose its dmuon tag and hook
-      and dmuon's state-dict hooks would keep the old meta tensor. A wrapper of the experts
-      module's ``_apply`` (instance attribute, the class's ``_apply`` runs first) puts the
-      dedicated object back with the new storage (``torch.utils.swap_tensors``).
-    """
-    import dmuon
-    from dmuon.exec.buffers import dedicated_info
-
-    rt = dmuon.exec.get_model_runtime(model)
-    if rt is None or not rt.ep_params:
-        return
-    for handle in rt.ep_hooks:
-        handle.remove()
-    rt.ep_hooks.clear()
-    by_module: dict[int, tuple[nn.Module, list]] = {}
-    for fqn, p in rt.ep_params.items():
-        mod_fqn, _, attr = fqn.rpartition(".")
-        module = model.get_submodule(mod_fqn)
-        boundary = next(b for b in rt.boundaries if b.module is model.get_submodule(rt.plan.boundary(fqn)))
-        by_module.setdefault(id(module), (module, []))[1].append((attr, p, boundary))
-        rt.ep_hooks.append(p.register_hook(_ep_divisor_hook(rt, boundary)))
-
-    for module, entries in by_module.values():
-
-        def _apply(self, fn, *args, _entries=entries, **kwargs):
-            out = type(self)._apply(self, fn, *args, **kwargs)
-            for attr, orig, boundary in _entries:
-                cur = self._parameters[attr]
-                if cur is orig:
-                    continue
-                info = dedicated_info(orig)
-                torch.utils.swap_tensors(orig, cur)  # orig: the new storage; cur: the old one
-                self._parameters[attr] = orig
-                orig.__dict__.update(cur.__dict__)
-                orig._dmuon = info
-                rt.ep_hooks.append(orig.register_hook(_ep_divisor_hook(rt, boundary)))
-            return out
-
-        object.__setattr__(module, "_apply", types.MethodType(_apply, module))
-
-
-def _ep_divisor_hook(rt, boundary):
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        divisor = rt.grad_divisor(boundary)
-        return grad if divisor == 1 else grad / divisor
-
-    return hook
 
 
 def _full_size_param_init(model: nn.Module, plan) -> None:
@@ -317,43 +281,11 @@ def _full_size_param_init(model: nn.Module, plan) -> None:
             continue
 
         def _init_self_parameters(module=module, init=init):
-            with full_size_params(module, dedicated_only=True), _full_size_ep_stacks(module):
+            with full_size_params(module, dedicated_only=True):
                 init()
 
         setattr(_init_self_parameters, _WRAPPED_ATTR, True)
         module._init_self_parameters = _init_self_parameters
-
-
-@contextlib.contextmanager
-def _full_size_ep_stacks(module: nn.Module):
-    """Within the context, each expert-parallel stack of ``module`` (``recurse=False``) is a
-    temporary full ``(E, a, b)`` tensor; on exit this rank keeps its experts' rows. So every rank
-    draws the whole stack alike and rank ``j`` keeps experts ``j*E/ep ..``, as torchtitan's
-    initialisation of the ``Shard(0)`` DTensor would give them distinct values (initialising the
-    local tensor alone would give every rank the same experts)."""
-    from dmuon.exec.buffers import dedicated_info
-
-    swapped = []
-    for name, p in list(module._parameters.items()):
-        info = dedicated_info(p) if p is not None else None
-        if info is None or not info.ep_local:
-            continue
-        full = (info.experts.num_experts, *p.shape[1:])
-        swapped.append((name, p, info, nn.Parameter(torch.empty(full, dtype=p.dtype, device=p.device),
-                                                    requires_grad=p.requires_grad)))
-    for name, _, _, tmp in swapped:
-        module._parameters[name] = tmp
-    try:
-        yield
-    finally:
-        for name, p, _, _ in swapped:
-            module._parameters[name] = p
-    for _, p, info, tmp in swapped:
-        rt = info.runtime()
-        e = p.shape[0]
-        j = rt.groups.shard
-        with torch.no_grad():
-            p.copy_(tmp.detach()[j * e : (j + 1) * e])
 
 
 def dmuon_model_spec(model_spec, **dedicate_kwargs: Any):
