@@ -250,11 +250,12 @@ def _worker(ep: int, named_mesh: bool):
     )
 
 
-def _meta_init_run(ep: int, mesh, named_mesh: bool):
+def _meta_init_run(ep: int, mesh, named_mesh: bool, group=None, fsdp_mesh=None):
     """The same EP model built on ``meta``, dedicated and sharded there, then ``to_empty`` +
     ``dmuon.init_params`` (seed 0: the stacks drawn whole, each rank keeping its experts, so
     the values are ``full_model(0)``'s) and STEPS steps: the stacks keep their dedicated
-    object, tag, gradient hook and state-dict hooks across ``to_empty``."""
+    object, tag, gradient hook and state-dict hooks across ``to_empty``; stacks owned in efsdp
+    groups (``group``: the EP group, ``fsdp_mesh``: FSDP2's mesh) keep their tag."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import fully_shard
@@ -263,22 +264,26 @@ def _meta_init_run(ep: int, mesh, named_mesh: bool):
 
     rank, world = dist.get_rank(), dist.get_world_size()
     with torch.device("meta"):
-        model = MoELM(ep=ep)
+        model = MoELM(ep=ep, group=group)
     dmuon.dedicate_params(model, mesh, **({} if named_mesh else {"ep": ep}))
+    fsdp_mesh = mesh if fsdp_mesh is None else fsdp_mesh
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=fsdp_mesh)
+    fully_shard(model, mesh=fsdp_mesh)
     rt = dmuon.exec.get_model_runtime(model)
     before = dict(rt.ep_params)
     model.to_empty(device="cpu")
     torch.manual_seed(0)
     dmuon.init_params(model)
     experts = {n: p for n, p in model.named_parameters() if is_expert(n)}
-    kept = (
-        all(rt.ep_params[n] is p and before[n] is p and p.device.type == "cpu" and p._dmuon.ep_local
-            for n, p in experts.items())
-        and sorted(rt.ep_hooks) == sorted(experts)
-    )
+    if before:  # local EP stacks: the same objects, tagged, hooked
+        kept = (
+            all(rt.ep_params[n] is p and before[n] is p and p.device.type == "cpu" and p._dmuon.ep_local
+                for n, p in experts.items())
+            and sorted(rt.ep_hooks) == sorted(experts)
+        )
+    else:  # owned in efsdp groups
+        kept = all(p.device.type == "cpu" and p._dmuon.group is not None for p in experts.values())
     opt = dmuon.Muon(model, ns_dtype=torch.float32, **HP)
     losses, norm = [], None
     for batch in global_batches(STEPS, world):
@@ -435,6 +440,8 @@ def _efsdp_worker():
         out[f"{mesh_shape}/{ep}"] = dict(
             plan_json=plan.to_json(), losses=losses, ledgers=ledgers, full=full, norm=norm, reload=reload,
         )
+        if R == 1:  # ep 2 x efsdp 2 from meta: to_empty + dmuon.init_params (stacks drawn whole)
+            out["meta"] = _meta_init_run(ep, mesh, False, group=group, fsdp_mesh=fsdp_mesh)
     return out
 
 
@@ -473,3 +480,13 @@ def test_ep_efsdp_and_hsdp_match_single_process_reference():
                 assert d < 1e-4, (key, name, d)
         print(f"EP {key}: bytes/rank/step {per_rank}")
     assert all(r[f"{EFSDP_CASES[1][0]}/{EFSDP_CASES[1][1]}"]["reload"] for r in results)
+    meta_loss = 0.0
+    for r in results:  # ep 2 x efsdp 2 built on meta, to_empty, dmuon.init_params
+        m = r["meta"]
+        assert m["kept"], "to_empty lost an efsdp-owned stack's tag"
+        meta_loss = max(meta_loss, *(abs(a - b) / abs(b) for a, b in zip(m["losses"], ref_losses)))
+        assert abs(m["norm"] - want_norm) / want_norm < 1e-5, (m["norm"], want_norm)
+        for name, want in ref_state.items():
+            d = (m["full"][name] - want).abs().max().item() / want.abs().max().item()
+            assert d < 1e-4, ("meta", name, d)
+    assert meta_loss < 1e-6, meta_loss
