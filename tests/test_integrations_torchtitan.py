@@ -30,15 +30,17 @@ batch's by ~4e-3 relative); one case keeps torchtitan's bf16 forward, with bf16-
 
 Launches: one per world size, every case of that size in it (``tests/shared_launch.py``):
 W = 4 (dense FSDP2 2 x TP 2; Qwen3-MoE E = 3 (fewer experts than ranks) and E = 6 (more) on
-FSDP2 4; E = 8 with torchtitan's expert parallelism, ep = 4; the checkpoint save) and W = 2
+FSDP2 4; E = 8 with torchtitan's expert parallelism, ep = 4, and ep = 2 x efsdp 2; E = 4 with
+ep = 2 on HSDP (2, 2); the checkpoint save) and W = 2
 (dense FSDP2 2, HSDP (2, 1), TP 2; Qwen3-MoE E = 3 on FSDP2 2, E = 4 with torchtitan's bf16
 experts, E = 4 with ep = 2; the checkpoint load). W = 2 runs after W = 4 (it loads W = 4's
 checkpoint).
 
-Expert parallelism (``expert_parallel_degree = data_parallel_shard_degree``): torchtitan's
-``parallelize`` makes each expert stack a DTensor ``Shard(0)`` over ``ep`` and wires the
-all-to-all token dispatcher; ``wrap_parallelize`` turns the stacks into plain parameters of the
-rank's ``E/ep`` experts and dedicates with ``ep=`` (owned where held, docs/moe_ep.md).
+Expert parallelism (``expert_parallel_degree`` dividing ``data_parallel_shard_degree``, replicas
+allowed): torchtitan's ``parallelize`` makes each expert stack a DTensor ``Shard(0)`` over
+``ep`` and wires the all-to-all token dispatcher; ``wrap_parallelize`` turns the stacks into
+plain parameters of the rank's ``E/ep`` experts and dedicates with ``ep=`` (owned where held
+when ep = N without replicas, else in ranges inside each efsdp group, docs/moe_ep.md).
 
 Oracle: one process, the same model and weights, the global batch, mean token loss,
 ``torch.nn.utils.clip_grad_norm_`` at the same max norm, :class:`dmuon.testing.ReferenceOptimizer`
