@@ -78,8 +78,6 @@ def test_ep_cost_is_non_ep_cost_minus_stacks(world, align):
 
 
 def test_ep_mesh_named_ep_implies_ep_n():
-    from torch.distributed.device_mesh import DeviceMesh  # noqa: F401 - a duck-typed mesh below
-
     class Mesh:
         shape = (4,)
         mesh_dim_names = ("ep",)
@@ -144,7 +142,6 @@ def test_ep_efsdp_plan_by_hand():
 
 def test_ep_dtensor_stack_refused():
     """A stack held as a DTensor (EP by Shard(0)) is refused with the reason (duck-typed DTensor)."""
-    from dmuon.plan import compile as compile_mod  # noqa: F401
     import dmuon.plan.snapshot as snap
 
     real = snap._tp_placement

@@ -30,7 +30,6 @@ bit-identical to the saved ones (rank 0).
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 
 import pytest
@@ -369,4 +368,4 @@ def test_experts_off_checkpoint_into_auto_model_names_the_stacks(w4):
 
 
 def test_launch_times(w4, w3, w2):
-    print(f"\n[moe oracle] launch wall times: " + ", ".join(f"W={w}: {t:.1f}s" for w, t in sorted(_TIMES.items())))
+    print("\n[moe oracle] launch wall times: " + ", ".join(f"W={w}: {t:.1f}s" for w, t in sorted(_TIMES.items())))

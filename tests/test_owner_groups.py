@@ -26,12 +26,11 @@ import math
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from dcp_utils import dcp_load as _load
 from dcp_utils import sharded_state as _sharded
 from dist_utils import run_distributed
-from oracle import HP, dmuon_optimizer, global_batches, lm_loss, reference_run, train_steps
+from oracle import dmuon_optimizer, global_batches, lm_loss, reference_run, train_steps
 
 STEPS = 3
 LOSS_RTOL = 1e-6
