@@ -375,14 +375,7 @@ def _assign_owners(specs, boundaries, mesh_shape, cost_model, owner_groups, tp_s
                 )
             )
             continue
-        dim = _rules.owner_group_dim(spec.shape)
-        owners.append(
-            OwnerGroup(
-                members=tuple(Owner.at(slot, N) for slot in members),
-                dim=dim,
-                sizes=balanced_sizes(int(spec.shape[dim]), len(members)),
-            )
-        )
+        owners.append(_owner_group(spec, members, N))
     return tuple(owners)
 
 
@@ -465,20 +458,18 @@ def _assign_dense(specs, boundaries, mesh_shape, cost_model, owner_groups, tp_si
         split=split,
         initial_loads=initial,
     )
-    out = []
-    for spec, members in zip(specs, result.members):
-        if len(members) == 1:
-            out.append(Owner.at(members[0], N))
-            continue
-        dim = _rules.owner_group_dim(spec.shape)
-        out.append(
-            OwnerGroup(
-                members=tuple(Owner.at(slot, N) for slot in members),
-                dim=dim,
-                sizes=balanced_sizes(int(spec.shape[dim]), len(members)),
-            )
-        )
-    return out
+    return [Owner.at(m[0], N) if len(m) == 1 else _owner_group(spec, m, N) for spec, m in zip(specs, result.members)]
+
+
+def _owner_group(spec, members, N: int) -> OwnerGroup:
+    """The :class:`OwnerGroup` of a dense matrix on LPT ``members`` (slots): its long side cut
+    into balanced blocks, block ``j`` on member ``j``."""
+    dim = _rules.owner_group_dim(spec.shape)
+    return OwnerGroup(
+        members=tuple(Owner.at(slot, N) for slot in members),
+        dim=dim,
+        sizes=balanced_sizes(int(spec.shape[dim]), len(members)),
+    )
 
 
 
