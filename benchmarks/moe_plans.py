@@ -31,28 +31,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dmuon.plan as P  # noqa: E402
-from dmuon.plan.presets import PRESETS  # noqa: E402
+from dmuon.plan.presets import PRESETS, expert_parallel_variant  # noqa: E402
 
 GIB = 2**30
 
 
-def ep_variant(model, ep: int):
-    """The model as one rank of expert parallelism ``ep`` holds it (meta device): every expert
-    stack cut to its first ``E/ep`` experts; routers and the rest unchanged."""
-    import torch
-    from torch import nn
-
-    for mod in model.modules():
-        for name, p in list(mod._parameters.items()):
-            if p is not None and p.ndim == 3 and "experts" in type(mod).__name__.lower() + name:
-                mod._parameters[name] = nn.Parameter(
-                    torch.empty((p.shape[0] // ep, *p.shape[1:]), dtype=p.dtype, device="meta"), requires_grad=p.requires_grad
-                )
-    return model
-
-
 def row(model, mesh: int, before: bool, ep: int = 1) -> dict:
-    """The table's figures of one plan (``ep > 1``: ``model`` is an :func:`ep_variant`)."""
+    """The table's figures of one plan (``ep > 1``: ``model`` is an ``expert_parallel_variant``)."""
     kw = dict(predicate=P.matrix_predicate(model), experts="off") if before else {}
     if ep > 1:
         kw = dict(ep=ep)
@@ -97,7 +82,7 @@ def main(argv=None) -> int:
                 k = ep or min(mesh, num_experts)  # "0": ep = N, or every expert on its own rank when N > E
                 if num_experts % k or mesh % k:
                     continue
-                r = row(ep_variant(PRESETS[name](), k), mesh, False, ep=k)
+                r = row(expert_parallel_variant(PRESETS[name](), k), mesh, False, ep=k)
                 label = f"EP ep={k} x efsdp={mesh // k}" + (" (local)" if k == mesh else "")
                 print(f"| {name} | {mesh} | {label} | {r['matrices']:,} | {r['empty']} | {r['max_mean']:.2f} "
                       f"| {r['ns_tflop']:.1f} | {r['bytes_gib']:.1f} GiB | {r['peak_gib']:.2f} GiB | {r['compile_s']:.1f} |",

@@ -227,3 +227,28 @@ def test_simulate_refuses_top_k_outside_the_models_experts(capsys, model, top_k,
         main_simulate(["--model", model, "--mesh", "4", "--hw", "h100", "--top-k", str(top_k)])
     captured = capsys.readouterr()
     assert why in captured.err and captured.out == ""
+
+
+def test_plan_ep(tmp_path, capsys):
+    """``plan --ep K`` plans the preset as one rank of ep = K holds it (E/K experts per stack):
+    the JSON's stacks are global with ep_size K, each expert owned inside its efsdp group; a K
+    that does not divide the experts or the shard ranks, or a model without stacks, is a usage
+    error naming the flag."""
+    from dmuon.plan import ShardingPlan
+
+    path = tmp_path / "ep.json"
+    assert main_plan(["--model", "tiny-moe", "--mesh", "4", "--ep", "2", "--json", str(path)]) == 0
+    assert "expert-parallel: 6 stacks over ep = 2 x efsdp = 2" in capsys.readouterr().out
+    plan = ShardingPlan.from_json(path.read_text())
+    stacks = [p for p in plan.params if p.experts is not None]
+    assert len(stacks) == 6 and all(p.ep_size == 2 and p.shape[0] == 4 and p.local_shape[0] == 2 for p in stacks)
+    for p in stacks:
+        assert [o.shard % 2 for o in plan.expert_owners(p.fqn)] == [0, 0, 1, 1]
+    for argv, msg in (
+        (["--model", "tiny-moe", "--mesh", "4", "--ep", "3"], "--ep 3: expert_parallel_variant: ep=3 does not divide the 4 experts"),
+        (["--model", "tiny-moe", "--mesh", "2x2", "--ep", "4"], "--ep 4 on --mesh (2, 2): dmuon.plan.compile: ep=4 does not divide the 2 shard ranks"),
+        (["--model", "tiny-llama", "--mesh", "4", "--ep", "2"], "--ep 2: expert_parallel_variant: the model has no expert stack"),
+    ):
+        with pytest.raises(SystemExit):
+            main_plan(argv)
+        assert msg in capsys.readouterr().err, argv

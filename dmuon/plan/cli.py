@@ -24,7 +24,7 @@ from types import SimpleNamespace
 from .diff import diff
 from .compile import compile
 from .plan import ShardingPlan
-from .presets import PRESETS, megatron_tp_shard_dims
+from .presets import PRESETS, expert_parallel_variant, megatron_tp_shard_dims
 from .selection import matrix_predicate
 
 __all__ = [
@@ -155,6 +155,11 @@ def main_plan(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", required=True, choices=sorted(PRESETS), help="preset model shape")
     parser.add_argument("--mesh", required=True, type=parse_mesh, help="N (1-D) or RxN (HSDP), e.g. 8 or 2x8")
     parser.add_argument("--z2", action="store_true", help="reshard_after_forward=False (DMuon-Z2)")
+    parser.add_argument(
+        "--ep", type=int, default=1, metavar="K",
+        help="expert parallelism: plan the preset as one rank of ep = K holds it (each stack's E/K experts; "
+        "K must divide the shard ranks and the experts); docs/moe_ep.md",
+    )
     add_selection_args(parser)
     parser.add_argument("--json", metavar="FILE", default=None, help="write the plan as JSON to FILE")
     parser.add_argument(
@@ -167,8 +172,20 @@ def main_plan(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--json: the folder of {args.json!r} does not exist")
 
     model = PRESETS[args.model]()
-    with warnings_to_stderr():
-        plan = compile(model, args.mesh, reshard_after_forward=not args.z2, **selection_kwargs(args, model, args.mesh))
+    kw = selection_kwargs(args, model, args.mesh)
+    if args.ep != 1:
+        try:
+            model = expert_parallel_variant(model, args.ep)
+        except ValueError as exc:
+            parser.error(f"--ep {args.ep}: {exc}")
+        kw["ep"] = args.ep
+    try:
+        with warnings_to_stderr():
+            plan = compile(model, args.mesh, reshard_after_forward=not args.z2, **kw)
+    except ValueError as exc:
+        if args.ep == 1:
+            raise
+        parser.error(f"--ep {args.ep} on --mesh {args.mesh}: {exc}")
     if args.schedule is not None:
         sched = plan.schedule()
         if not 0 <= args.schedule < sched.num_ranks:

@@ -494,7 +494,7 @@ def _ep_degree(mesh: Any, mesh_shape: tuple[int, int], ep: int | None) -> int:
     if N % ep:
         raise ValueError(
             f"dmuon.plan.compile: ep={ep} does not divide the {N} shard ranks (EP groups are ep consecutive "
-            f"shard ranks); the layout that works: ep = N = {N}"
+            f"shard ranks, efsdp = N/ep of them hold the same experts); use a divisor of {N}"
         )
     return ep
 

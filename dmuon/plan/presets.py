@@ -37,6 +37,7 @@ __all__ = [
     "qwen3_30b_a3b",
     "deepseek_v3",
     "megatron_tp_shard_dims",
+    "expert_parallel_variant",
     "TP_COLWISE",
     "TP_ROWWISE",
 ]
@@ -636,6 +637,34 @@ def megatron_tp_shard_dims(model: nn.Module) -> dict[str, int]:
             elif leaf in TP_ROWWISE:
                 out[f"{name}.weight"] = 1
     return out
+
+
+def expert_parallel_variant(model: nn.Module, ep: int) -> nn.Module:
+    """``model`` (in place) as one rank of expert parallelism ``ep`` holds it: every 3-D
+    parameter under a module path containing ``experts`` (the stacks of the presets) cut to
+    ``E/ep`` experts, on the meta device; routers and everything else unchanged. For
+    ``dmuon.plan.compile(model, mesh, ep=ep)`` on a preset (``python -m dmuon plan --ep``).
+
+    Raises:
+        ValueError: ``ep < 1``, no expert stack, or ``ep`` not dividing a stack's experts.
+    """
+    if ep < 1:
+        raise ValueError(f"expert_parallel_variant: ep must be >= 1, got {ep}")
+    found = False
+    for mod_name, mod in model.named_modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None or p.ndim != 3 or "experts" not in mod_name:
+                continue
+            if p.shape[0] % ep:
+                raise ValueError(f"expert_parallel_variant: ep={ep} does not divide the {p.shape[0]} experts of "
+                                 f"{mod_name}.{name}")
+            found = True
+            mod._parameters[name] = nn.Parameter(
+                torch.empty((p.shape[0] // ep, *p.shape[1:]), dtype=p.dtype, device="meta"), requires_grad=p.requires_grad
+            )
+    if not found:
+        raise ValueError("expert_parallel_variant: the model has no expert stack (a 3-D parameter under 'experts')")
+    return model
 
 
 PRESETS: dict[str, Callable[[], nn.Module]] = {
