@@ -183,7 +183,7 @@ def row_blocks(long_side: int, short_numel: int, k: int) -> tuple[int, ...]:
     return tuple((q + (j < r)) * short_numel for j in range(k))
 
 
-def group_call(shapes, max_split, keys, groups, *, N, R, split="auto", slack=0.25):
+def group_call(shapes, max_split, keys, groups, *, N, R, split="auto", slack=0.25, initial_loads=None):
     """lpt_partition_groups on items of (long side, short-side numel), numel weights."""
     weights = [L * s for L, s in shapes]
 
@@ -192,7 +192,8 @@ def group_call(shapes, max_split, keys, groups, *, N, R, split="auto", slack=0.2
         return row_blocks(*shapes[i], k)
 
     return lpt_partition_groups(
-        weights, piece_weights, max_split, keys, groups, num_shards=N, num_replicas=R, split=split, slack=slack
+        weights, piece_weights, max_split, keys, groups, num_shards=N, num_replicas=R, split=split, slack=slack,
+        initial_loads=initial_loads,
     )
 
 
@@ -267,6 +268,45 @@ def test_groups_forced_split_structure_and_bound(inst, k):
     check_structure(res, shapes, max_split, R, N, ks=[min(k, m) for m in max_split])
     if any(L * s for L, s in shapes):
         assert Fraction(*res.bound) == stated_bound(res, shapes, R, N)
+
+
+@GROUP_SETTINGS
+@given(group_instances(max_slots=256), st.sampled_from(["auto", 1, 3]), st.data())
+def test_groups_initial_loads(inst, split, data):
+    """``initial_loads`` (expert-parallel ranges placed first): the structure as without them,
+    ``loads`` = initial + pieces, ``max_load`` within the stated bound (pieces + initial as ``T``,
+    at least the largest initial load); all-zero initial loads give the plain result."""
+    shapes, max_split, keys, groups, R, N = inst
+    init = data.draw(st.lists(st.integers(0, 10**6), min_size=R * N, max_size=R * N))
+    res = group_call(shapes, max_split, keys, groups, N=N, R=R, split=split, initial_loads=init)
+    plain = group_call(shapes, max_split, keys, groups, N=N, R=R, split=split, initial_loads=[0] * (R * N))
+    assert plain == group_call(shapes, max_split, keys, groups, N=N, R=R, split=split)
+    loads = list(init)
+    for i, m in enumerate(res.members):
+        assert len({s // N for s in m}) == 1 and len({s % N for s in m}) == len(m) <= max_split[i]
+        pieces = (shapes[i][0] * shapes[i][1],) if len(m) == 1 else row_blocks(*shapes[i], len(m))
+        for s, p in zip(m, pieces):
+            loads[s] += p
+    assert tuple(loads) == res.loads
+    num, den = res.bound
+    assert res.max_load * den <= num
+    if any(L * s for L, s in shapes):
+        T = Fraction(sum(init)) + sum(
+            sum((L * s,) if len(m) == 1 else row_blocks(L, s, len(m))) for (L, s), m in zip(shapes, res.members)
+        )
+        b = stated_bound(res, shapes, R, N) + (T - stated_bound_total(res, shapes)) * _bound_factor(res, R, N) / (R * N)
+        assert Fraction(num, den) == max(Fraction(max(init)), b)
+
+
+def stated_bound_total(res, shapes) -> int:
+    return sum(
+        sum((L * s,) if len(m) == 1 else row_blocks(L, s, len(m))) for (L, s), m in zip(shapes, res.members)
+    )
+
+
+def _bound_factor(res, R, N) -> Fraction:
+    K = max(len(m) for m in res.members)
+    return Fraction(1) if R == 1 or K == 1 else Fraction(N, N - K + 1)
 
 
 @GROUP_SETTINGS

@@ -404,9 +404,9 @@ def lpt_partition_groups(
             (raised to the largest piece of an item that cannot get under it).
         initial_loads: per slot (``replicate*N + shard``), weight already placed there (the
             expert-parallel ranges, placed by their own structure first); ``loads`` include
-            it, the target and the bound count it as placed weight (``T`` = pieces + initial;
-            the list-scheduling argument holds unchanged: the slot that ends busiest was the
-            least loaded when its last piece went on). None: all zero.
+            it, the target and the bound count it as placed weight (``T`` = pieces + initial,
+            and the bound is at least the largest initial load: the list-scheduling argument
+            holds with the makespan starting there). None: all zero.
 
     Returns:
         :class:`GroupPartitionResult`, members aligned to the input order.
@@ -457,7 +457,9 @@ def lpt_partition_groups(
         )
         return GroupPartitionResult(
             members=tuple(members), loads=tuple(loads),
-            bound=_group_bound(pieces, num_shards, num_replicas, preload=preload),
+            bound=_group_bound(
+                pieces, num_shards, num_replicas, preload=preload, max_initial=max(initial_loads or [0])
+            ),
         )
 
     if isinstance(split, bool) or not (split == "auto" or (isinstance(split, int) and split >= 1)):
@@ -471,19 +473,23 @@ def result_bound(ks, pieces_of, num_shards: int, num_replicas: int) -> tuple[int
     return _group_bound([pieces_of(i, k) for i, k in enumerate(ks)], num_shards, num_replicas)
 
 
-def _group_bound(pieces, num_shards: int, num_replicas: int, preload: int = 0) -> tuple[int, int]:
+def _group_bound(pieces, num_shards: int, num_replicas: int, preload: int = 0, max_initial: int = 0) -> tuple[int, int]:
     """The proven bound on the makespan of :func:`_place` (module docstring, "Owner groups"),
     an exact fraction: ``T/S + W`` for ``R = 1`` or without groups; ``N/(N-K+1) * T/S + W`` for
-    ``R > 1``, ``K`` the largest group size. ``T`` = total piece weight, ``W`` = largest piece."""
+    ``R > 1``, ``K`` the largest group size. ``T`` = total piece weight, ``W`` = largest piece.
+    With initial loads, ``T`` includes their sum ``preload`` and the bound is at least their
+    largest, ``max_initial`` (a slot may start above every average)."""
     N, R = num_shards, num_replicas
     S = N * R
     total = sum(sum(p) for p in pieces) + preload
     w_max = max((max(p) for p in pieces), default=0)
     K = max((len(p) for p in pieces), default=1)
     if R == 1 or K == 1:
-        return (total + S * w_max, S)
-    den = S * (N - K + 1)
-    return (total * N + w_max * den, den)
+        num, den = total + S * w_max, S
+    else:
+        den = S * (N - K + 1)
+        num = total * N + w_max * den
+    return (max_initial, 1) if max_initial * den > num else (num, den)
 
 
 def _pieces_lower_bound(pieces, num_slots: int) -> int:
