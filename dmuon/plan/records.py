@@ -251,6 +251,11 @@ class ExpertOwners(_Blocks):
             Nothing is broadcast or reduced: no layout entry, the owner's gradient is its local
             one (tokens reach its experts through the model's all-to-all). In JSON only when
             True.
+
+    Expert parallelism with ``efsdp = N/ep > 1`` or HSDP replicas (``local=False``, the stack's
+    :attr:`ExpertStack.ep_size` ``> 1``): the ranges are in global expert order, each EP
+    coordinate ``j``'s ``E/ep`` experts cut alike into ``k/ep`` ranges owned by members of its
+    efsdp group (shard ``= j mod ep``); the plan checks this (``ShardingPlan``).
     """
 
     members: tuple[Owner, ...]
