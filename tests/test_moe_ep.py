@@ -138,6 +138,15 @@ def test_ep_efsdp_plan_by_hand():
               and sum(op.charged_nbytes(x) for x in op.group) > 0}
     assert phases == {"replicate_reduce", "replicate_broadcast"}
     assert "expert-parallel: 6 stacks over ep = 2 x efsdp = 2" in plan.summary()
+    # a record that puts a range outside the efsdp group holding its experts is refused
+    import json
+
+    d = json.loads(plan.to_json())
+    i = next(i for i, p in enumerate(plan.params) if p.experts is not None)
+    members = d["owners"][i]["experts"]
+    members[1], members[2] = members[2], members[1]  # EP coordinate 0's second range to an odd shard
+    with pytest.raises(ValueError, match="outside its efsdp group"):
+        ShardingPlan.from_json(json.dumps(d))
 
 
 def test_ep_dtensor_stack_refused():
