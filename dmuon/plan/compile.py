@@ -268,7 +268,8 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
     return plan
 
 
-def _assign_owners(specs, boundaries, mesh_shape, cost_model, owner_groups, tp_size, qk_clip, segment_lengths):
+def _assign_owners(specs, boundaries, mesh_shape, cost_model, owner_groups, tp_size, qk_clip, segment_lengths,
+                   initial_loads=None):
     """The owner (constrained LPT, :func:`~dmuon.plan.partition.lpt_partition`), owner group or
     expert owners (:func:`~dmuon.plan.partition.lpt_partition_groups`) of every dedicated
     parameter.
@@ -276,7 +277,11 @@ def _assign_owners(specs, boundaries, mesh_shape, cost_model, owner_groups, tp_s
     An expert stack (``ParamSpec.experts``) of ``E`` experts is cut into
     :func:`~dmuon.plan.experts.expert_max_split` ``= min(E, N)`` contiguous ranges of experts,
     each an LPT item of its own placed together with the dense matrices (on distinct shard
-    ranks of one replicate row, as an owner group's blocks): :class:`ExpertOwners`."""
+    ranks of one replicate row, as an owner group's blocks): :class:`ExpertOwners`.
+
+    ``initial_loads``: ``{"numel": [...], cost_model: [...]}``, per slot, weight placed before
+    (the expert-parallel ranges of :func:`_assign_ep_owners`), in elements (what "auto" owner
+    groups are sized by) and in the cost model's unit (what they are placed by); None: none."""
     R, N = mesh_shape
     if isinstance(owner_groups, bool) or not (
         owner_groups in _rules.OWNER_GROUP_MODES or (isinstance(owner_groups, int) and owner_groups >= 1)
@@ -294,7 +299,8 @@ def _assign_owners(specs, boundaries, mesh_shape, cost_model, owner_groups, tp_s
     expert_split = [
         expert_max_split(spec.num_experts, N) if spec.experts is not None else 1 for spec in specs
     ]
-    if owner_groups in ("off", 1) and max(expert_split, default=1) == 1:
+    initial = initial_loads or {}
+    if owner_groups in ("off", 1) and max(expert_split, default=1) == 1 and not initial:
         result = lpt_partition(weights, keys, boundaries, num_shards=N, num_replicas=R)
         return tuple(Owner.at(slot, N) for slot in result.slots)
     if tp_size > 1 and owner_groups not in ("off", 1):
@@ -333,6 +339,7 @@ def _assign_owners(specs, boundaries, mesh_shape, cost_model, owner_groups, tp_s
                 num_shards=N,
                 num_replicas=R,
                 split="auto",
+                initial_loads=initial.get("numel"),
             )
             max_split = [len(m) for m in sizing.members]
             split = max(max_split)  # forced: each matrix gets min(split, max_split[i]), its own k
@@ -350,6 +357,7 @@ def _assign_owners(specs, boundaries, mesh_shape, cost_model, owner_groups, tp_s
         num_shards=N,
         num_replicas=R,
         split=split,
+        initial_loads=initial.get(cost_model),
     )
     owners = []
     for spec, members in zip(specs, result.members):
@@ -392,8 +400,8 @@ def _assign_ep_owners(specs, boundaries, mesh_shape, ep, cost_model, owner_group
        efsdp indices ``i`` of one replicate row ``r``, the slots being ``(r, i)``. Every EP
        coordinate ``j`` uses the same placement, so range ``q`` of coordinate ``j`` is owned by
        shard ``j + i_q*ep`` of row ``r`` and every rank of an EP group carries the same load.
-    2. Then the dense matrices, by the LPT of :func:`_assign_owners` over the ``R*N`` slots with
-       the stacks' loads as ``initial_loads`` (owner groups as requested).
+    2. Then the dense matrices, by :func:`_assign_owners` over the ``R*N`` slots with the
+       stacks' loads as its ``initial_loads`` (owner groups as requested).
 
     The :class:`ExpertOwners` lists the ranges in global expert order (coordinate-major), so
     ``per_expert()`` is the owner of every global expert.
@@ -421,44 +429,20 @@ def _assign_ep_owners(specs, boundaries, mesh_shape, ep, cost_model, owner_group
         sizes = balanced_sizes(local[i], len(slots))
         members = tuple(Owner.at((slot // efsdp) * N + j + (slot % efsdp) * ep, N) for j in range(ep) for slot in slots)
         owners[i] = ExpertOwners(members=members, sizes=tuple(sizes) * ep)
-    initial = [placed.loads[r * efsdp + s // ep] for r in range(R) for s in range(N)]
     if dense_idx:
-        dense = [specs[i] for i in dense_idx]
-        sub = _assign_dense(
-            dense, [boundaries[i] for i in dense_idx], mesh_shape, cost_model, owner_groups, tp_size, qk_clip,
-            segment_lengths, initial,
+        initial = {"numel": [0] * (R * N), cost_model: [0] * (R * N)}
+        for i in stack_idx:
+            for model, loads in initial.items():
+                per = _cost.param_weight(specs[i], model) // specs[i].num_experts
+                for member, size in zip(owners[i].members, owners[i].sizes):
+                    loads[member.rank] += per * size
+        sub = _assign_owners(
+            tuple(specs[i] for i in dense_idx), [boundaries[i] for i in dense_idx], mesh_shape, cost_model,
+            owner_groups, tp_size, qk_clip, segment_lengths, initial_loads=initial,
         )
         for i, owner in zip(dense_idx, sub):
             owners[i] = owner
     return tuple(owners)
-
-
-def _assign_dense(specs, boundaries, mesh_shape, cost_model, owner_groups, tp_size, qk_clip, segment_lengths, initial):
-    """The dense matrices' owners (one owner, or owner groups as ``owner_groups`` asks) by the
-    constrained LPT with ``initial`` slot loads (:func:`_assign_ep_owners`)."""
-    R, N = mesh_shape
-    weights = [_cost.param_weight(spec, cost_model) for spec in specs]
-    keys = [spec.fqn for spec in specs]
-    if owner_groups in ("off", 1):
-        max_split, split = [1] * len(specs), 1
-    else:
-        clipped = set()
-        if qk_clip is not None:
-            clipped = {rows.fqn for att in qk_clip.attention for rows in (att.q, att.k)}
-        max_split = [1 if spec.fqn in clipped else _rules.owner_group_max_split(spec, N) for spec in specs]
-        split = owner_groups
-    result = lpt_partition_groups(
-        weights,
-        lambda i, k: _cost.owner_group_piece_weights(specs[i], k, cost_model, segment_lengths),
-        max_split,
-        keys,
-        boundaries,
-        num_shards=N,
-        num_replicas=R,
-        split=split,
-        initial_loads=initial,
-    )
-    return [Owner.at(m[0], N) if len(m) == 1 else _owner_group(spec, m, N) for spec, m in zip(specs, result.members)]
 
 
 def _owner_group(spec, members, N: int) -> OwnerGroup:
