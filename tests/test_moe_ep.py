@@ -191,8 +191,6 @@ def _worker(ep: int, named_mesh: bool):
     )
     from torch.distributed.fsdp import fully_shard
 
-    from dmuon.exec.collectives import LEDGER
-
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = None
@@ -208,25 +206,15 @@ def _worker(ep: int, named_mesh: bool):
     opt = dmuon.Muon(model, ns_dtype=torch.float32, **HP)
     experts = {n: p for n, p in model.named_parameters() if is_expert(n)}
     assert all(type(p) is torch.nn.Parameter and p._dmuon.ep_local for p in experts.values())
-    losses, ledgers = [], []
-    for batch in global_batches(STEPS, world):
-        local = batch.chunk(world)[rank]
-        LEDGER.reset()
-        loss = lm_loss(model, local)
-        loss.backward()
-        if not losses:  # step 0: the experts' gradients (the global-batch mean's) and the global norm
-            norm = dmuon.clip_grad_norm_(model, 1e9).item()
-            grads = {}
-            for n, p in experts.items():
-                parts = [torch.empty_like(p) for _ in range(world)]
-                dist.all_gather(parts, p.grad.contiguous())
-                grads[n] = torch.cat(parts)
-        opt.step()
-        opt.zero_grad()
-        ledgers.append(LEDGER.total_nbytes())
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
+    grads = {}
+
+    def first_step():  # the experts' gradients (the global-batch mean's)
+        for n, p in experts.items():
+            parts = [torch.empty_like(p) for _ in range(world)]
+            dist.all_gather(parts, p.grad.contiguous())
+            grads[n] = torch.cat(parts)
+
+    losses, ledgers, norm = _train(model, opt, first_step)
     gathered = {}
     for n, p in experts.items():
         parts = [torch.empty_like(p) for _ in range(world)]
@@ -262,13 +250,11 @@ def _meta_init_run(ep: int, mesh, named_mesh: bool, group=None, fsdp_mesh=None):
     the values are ``full_model(0)``'s) and STEPS steps: the stacks keep their dedicated
     object, tag, gradient hook and state-dict hooks across ``to_empty``; stacks owned in efsdp
     groups (``group``: the EP group, ``fsdp_mesh``: FSDP2's mesh) keep their tag."""
-    import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import fully_shard
 
     from moe_ep_models import MoELM
 
-    rank, world = dist.get_rank(), dist.get_world_size()
     with torch.device("meta"):
         model = MoELM(ep=ep, group=group)
     dmuon.dedicate_params(model, mesh, **({} if named_mesh else {"ep": ep}))
@@ -291,19 +277,36 @@ def _meta_init_run(ep: int, mesh, named_mesh: bool, group=None, fsdp_mesh=None):
     else:  # owned in efsdp groups
         kept = all(p.device.type == "cpu" and p._dmuon.group is not None for p in experts.values())
     opt = dmuon.Muon(model, ns_dtype=torch.float32, **HP)
-    losses, norm = [], None
+    losses, _, norm = _train(model, opt)  # the global gradient norm: the stacks' hook divided by W
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # the experts' hooks
+    return dict(kept=kept, losses=losses, norm=norm, full={k: v.detach().clone() for k, v in full.items()})
+
+
+def _train(model, opt, first_step=None) -> tuple[list[float], list[int], float]:
+    """``STEPS`` steps on this rank's share of the global batches (inside a worker): the
+    global-batch mean losses, this rank's ledger bytes per step, and the global gradient norm
+    of step 0 (``dmuon.clip_grad_norm_``), where ``first_step()`` also runs."""
+    import torch.distributed as dist
+
+    from dmuon.exec.collectives import LEDGER
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses, ledgers, norm = [], [], None
     for batch in global_batches(STEPS, world):
+        LEDGER.reset()
         loss = lm_loss(model, batch.chunk(world)[rank])
         loss.backward()
-        if norm is None:  # the global gradient norm: the stacks' hook divided by W
+        if norm is None:
             norm = dmuon.clip_grad_norm_(model, 1e9).item()
+            if first_step is not None:
+                first_step()
         opt.step()
         opt.zero_grad()
+        ledgers.append(LEDGER.total_nbytes())
         t = loss.detach().clone()
         dist.all_reduce(t)
         losses.append(t.item() / world)
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # the experts' hooks
-    return dict(kept=kept, losses=losses, norm=norm, full={k: v.detach().clone() for k, v in full.items()})
+    return losses, ledgers, norm
 
 
 def _reference(world: int):
@@ -404,10 +407,9 @@ def _efsdp_worker():
     from torch.distributed.fsdp import fully_shard
 
     from dcp_utils import dcp_load, sharded_state
-    from dmuon.exec.collectives import LEDGER
 
     torch.set_num_threads(1)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     out = {}
     path = None
     for mesh_shape, ep in EFSDP_CASES:
@@ -422,19 +424,7 @@ def _efsdp_worker():
             fully_shard(layer, mesh=fsdp_mesh)
         fully_shard(model, mesh=fsdp_mesh)
         opt = dmuon.Muon(model, ns_dtype=torch.float32, **HP)
-        losses, ledgers, norm = [], [], None
-        for batch in global_batches(STEPS, world):
-            LEDGER.reset()
-            loss = lm_loss(model, batch.chunk(world)[rank])
-            loss.backward()
-            if norm is None:
-                norm = dmuon.clip_grad_norm_(model, 1e9).item()
-            opt.step()
-            opt.zero_grad()
-            ledgers.append(LEDGER.total_nbytes())
-            t = loss.detach().clone()
-            dist.all_reduce(t)
-            losses.append(t.item() / world)
+        losses, ledgers, norm = _train(model, opt)
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         full = {k: v.detach().clone() for k, v in full.items()}
         # DCP: the first case saves (sharded, experts at full logical shape), the second loads
