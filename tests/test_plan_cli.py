@@ -246,7 +246,9 @@ def test_plan_ep(tmp_path, capsys):
         assert [o.shard % 2 for o in plan.expert_owners(p.fqn)] == [0, 0, 1, 1]
     for argv, msg in (
         (["--model", "tiny-moe", "--mesh", "4", "--ep", "3"], "--ep 3: expert_parallel_variant: ep=3 does not divide the 4 experts"),
-        (["--model", "tiny-moe", "--mesh", "2x2", "--ep", "4"], "--ep 4 on --mesh (2, 2): dmuon.plan.compile: ep=4 does not divide the 2 shard ranks"),
+        (["--model", "tiny-moe", "--mesh", "2x2", "--ep", "4"], "tiny-moe on --mesh (2, 2) --ep 4: dmuon.plan.compile: ep=4 does not divide the 2 shard ranks"),
+        (["--model", "tiny-llama", "--mesh", "4", "--tp", "3"], "tiny-llama on --mesh 4 --tp 3: "),
+        (["--model", "tiny-moe", "--mesh", "4", "--experts", "off", "--expert-gate-up", "fused"], "--expert-gate-up with --experts off"),
         (["--model", "tiny-llama", "--mesh", "4", "--ep", "2"], "--ep 2: expert_parallel_variant: the model has no expert stack"),
     ):
         with pytest.raises(SystemExit):

@@ -124,6 +124,9 @@ def check_selection_args(parser: argparse.ArgumentParser, args: argparse.Namespa
         parser.error("--tp must be >= 1")
     if args.tp > 1 and args.owner_groups not in ("off", 1):
         parser.error("--owner-groups with --tp: owner groups are not supported with tensor parallelism (use off)")
+    if args.experts == "off" and args.expert_gate_up != "split":
+        parser.error("--expert-gate-up with --experts off: the stacks stay with AdamW, there is no gate/up to keep fused "
+                     "(--all-matrices --experts off dedicates each stack as one unit)")
 
 
 def selection_kwargs(args: argparse.Namespace, model, mesh, *, param_dtype=None, reduce_dtype=None) -> dict:
@@ -182,10 +185,9 @@ def main_plan(argv: Sequence[str] | None = None) -> int:
     try:
         with warnings_to_stderr():
             plan = compile(model, args.mesh, reshard_after_forward=not args.z2, **kw)
-    except ValueError as exc:
-        if args.ep == 1:
-            raise
-        parser.error(f"--ep {args.ep} on --mesh {args.mesh}: {exc}")
+    except ValueError as exc:  # the plan refuses this mesh / TP degree / EP degree / owner groups for this model
+        flags = f"--mesh {args.mesh}" + (f" --tp {args.tp}" if args.tp > 1 else "") + (f" --ep {args.ep}" if args.ep > 1 else "")
+        parser.error(f"{args.model} on {flags}: {exc}")
     if args.schedule is not None:
         sched = plan.schedule()
         if not 0 <= args.schedule < sched.num_ranks:

@@ -142,8 +142,19 @@ def _header(plan: ShardingPlan) -> list[str]:
         + (f": {', '.join(fallback[:5])}{' ...' if len(fallback) > 5 else ''}" if fallback else "")
         + ")",
         f"LPT load ({plan.cost_model}): max {max(weights, default=0):,} <= bound {plan.balance_bound:,.0f} "
-        f"(total/ranks + largest); max/mean {max(weights, default=0) / mean if mean else 0:.3f}",
+        f"({_bound_formula(plan)}); max/mean {max(weights, default=0) / mean if mean else 0:.3f}",
     ]
+
+
+def _bound_formula(plan: ShardingPlan) -> str:
+    """The formula :attr:`ShardingPlan.balance_bound` used: ``total/ranks + largest``, or on an
+    HSDP mesh with groups / expert ranges of up to ``K`` members its ``N/(N-K+1)`` factor (a
+    group stays in one replicate row; loose, up to ``N``x, when ``K`` nears ``N``)."""
+    R, N = plan.mesh_shape
+    K = max((o.k for o in plan.owners if isinstance(o, (OwnerGroup, ExpertOwners))), default=1)
+    if R > 1 and K > 1:
+        return f"{N}/({N}-{K}+1) x total/ranks + largest: groups of up to K={K} stay in one replicate row"
+    return "total/ranks + largest"
 
 
 def _variant_lines(plan: ShardingPlan, *, max_views: int = 3) -> list[str]:

@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ep", type=int, default=1, metavar="P",
                    help="with --experts: expert parallelism over groups of P consecutive ranks; each rank holds "
                    "E/P experts of every stack and routes token slots with all_to_all; dmuon owns them locally "
-                   "(docs/moe_ep.md); P must divide E and the world size")
+                   "(docs/moe_ep.md); P must divide E, the world size and the mesh's shard dim N")
     g.add_argument("--aux-loss-coef", type=float, default=0.01,
                    help="with --experts: weight of the Switch-style load-balancing loss added to the LM loss")
 
@@ -163,7 +163,7 @@ def _validate(args: argparse.Namespace) -> None:
             raise SystemExit(f"--{name.replace('_', '-')} must be positive")
     if args.experts < 0 or (args.experts and not 1 <= args.top_k <= args.experts):
         raise SystemExit(f"--experts must be >= 0 and --top-k in [1, --experts], got --experts {args.experts} "
-                         f"--top-k {args.top_k}")
+                         f"--top-k {args.top_k}" + (" (--top-k defaults to 2: with one expert pass --top-k 1)" if args.experts == 1 else ""))
     if args.aux_loss_coef < 0:
         raise SystemExit(f"--aux-loss-coef must be >= 0, got {args.aux_loss_coef}")
     if args.ep > 1:
@@ -256,7 +256,12 @@ def run(args: argparse.Namespace | Mapping[str, Any]) -> dict[str, Any]:
     dp = args.nproc // args.tp
     if args.nproc % args.ep:
         raise SystemExit(f"--ep {args.ep} must divide the world size {args.nproc} (--nproc)")
-    parse_mesh(args.mesh, dp)  # a bad --mesh fails here, before any process starts
+    shape = parse_mesh(args.mesh, dp)  # a bad --mesh fails here, before any process starts
+    if shape[-1] % args.ep:  # EP groups are P consecutive shard ranks of one replicate row
+        raise SystemExit(
+            f"--ep {args.ep} must divide the mesh's shard dim N = {shape[-1]} (--mesh {args.mesh}): EP groups are "
+            f"P consecutive shard ranks of one replicate group"
+        )
     if args.batch % dp or args.eval_batch % dp:
         raise SystemExit(
             f"--batch {args.batch} and --eval-batch {args.eval_batch} must be multiples of the "
