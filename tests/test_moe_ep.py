@@ -198,8 +198,24 @@ def _worker(ep: int, named_mesh: bool):
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    # a model holding every expert on every rank passed with ep=: shapes cannot tell (its router
+    # renamed, so no expert count shows), the identical stacks on every rank of the EP group can:
+    # the same warning on every rank
+    import warnings
+
+    every = full_model()
+    for layer in every.layers:
+        layer.moe.wg = layer.moe.router
+        del layer.moe.router
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dmuon.dedicate_params(every, mesh, **({} if named_mesh else {"ep": ep}))
+    warned_full = [str(w.message) for w in caught if "identical expert stacks" in str(w.message)]
     model = ep_model(ep, rank)
-    plan = dmuon.dedicate_params(model, mesh, **({} if named_mesh else {"ep": ep}))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = dmuon.dedicate_params(model, mesh, **({} if named_mesh else {"ep": ep}))
+    warned_ep = [str(w.message) for w in caught if "identical expert stacks" in str(w.message)]
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -240,6 +256,7 @@ def _worker(ep: int, named_mesh: bool):
     )
     return dict(
         plan_json=plan.to_json(), losses=losses, ledgers=ledgers, gathered=gathered, full=full, mom=mom, norm=norm, reloaded=reloaded,
+        warned_full=warned_full, warned_ep=warned_ep,
         grads=grads, meta=_meta_init_run(ep, mesh, named_mesh),
     )
 
@@ -351,6 +368,10 @@ def test_ep_matches_single_process_reference(world, named_mesh):
     per_rank = plan.cost.per_rank_nbytes
     for rank, r in enumerate(results):
         assert r["ledgers"] == [per_rank[rank]] * STEPS, (rank, r["ledgers"], per_rank[rank])
+    # every expert on every rank passed with ep=: the same warning on every rank; the EP model: none
+    assert all(len(r["warned_full"]) == 1 and r["warned_full"] == results[0]["warned_full"] for r in results)
+    assert "drop ep=" in results[0]["warned_full"][0]
+    assert not any(r["warned_ep"] for r in results)
     print(f"EP world={world}: loss dev {loss_dev:.2e}, param dev {worst:.2e}, bytes/rank/step {per_rank}")
     # meta-device build, to_empty, dmuon.init_params: the same training as the reference's
     meta_loss, meta_param = _check_meta(results, ref_losses, ref_state, want_norm, "an EP stack's object, tag or hook")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -180,6 +181,47 @@ def _check_same_plan_everywhere(plan) -> None:
         )
 
 
+def _check_ep_stacks_differ(plan, model: nn.Module, table) -> None:
+    """Expert parallelism: the ranks of an EP group must hold different experts.
+
+    Shapes cannot tell an EP model from one that holds every expert on every rank when the
+    model shows no expert count (a router named ``gate`` / ``router`` or a ``num_experts``
+    attribute): ``E/ep`` local experts look like ``E``. So each rank sends a digest of its
+    stacks (sum and sum of squares, float64) in one ``all_gather_object``; when every EP group
+    holds identical stacks on all its ranks, every rank warns the same ``UserWarning``. Not on
+    the meta device (nothing to compare before ``to_empty``)."""
+    if plan.ep_size <= 1:
+        return
+    modules = dict(model.named_modules(remove_duplicate=False))
+    digest = []
+    for spec in plan.params:
+        if spec.experts is None:
+            continue
+        p = modules[spec.module_fqn]._parameters[spec.attr]
+        if p is None or p.is_meta:
+            digest = None
+            break
+        with torch.no_grad():
+            x = p.detach().to(torch.float64)
+            digest.append((spec.fqn, float(x.sum()), float(x.square().sum())))
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, digest)
+    ep = plan.ep_size
+    groups = [row[g : g + ep] for row in table for g in range(0, len(row), ep)]
+    if any(everyone[x] is None for group in groups for x in group):
+        return
+    if all(all(everyone[x] == everyone[group[0]] for x in group) for group in groups):
+        fqn = everyone[groups[0][0]][0][0]
+        warnings.warn(
+            f"dmuon.dedicate_params: ep={ep}, but the ranks of every EP group hold identical expert stacks (e.g. "
+            f"{fqn!r}): under expert parallelism rank j of an EP group holds its own experts j*E/ep .. (j+1)*E/ep-1. "
+            "If the model holds every expert on every rank, drop ep=; if its initialisation draws the same values "
+            "on every rank, give each rank its slice of one full initialisation (docs/moe_ep.md)",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def _plan_difference(json_a: str, json_b: str, rank_b: int) -> str:
     """What differs from rank 0's plan to rank ``rank_b``'s (``dmuon.plan.diff``), first lines only."""
     from dmuon.plan import ShardingPlan, diff
@@ -239,8 +281,9 @@ def apply(
             another mesh shape or another model (changed after planning); applied twice.
         ValueError: dedicated parameters on more than one device.
 
-    Collectives: one ``all_gather_object`` (plan fingerprints), then ``new_group`` calls; all
-    local validation happens before them.
+    Collectives: one ``all_gather_object`` (plan fingerprints; a second of the expert stacks'
+    digests under expert parallelism), then ``new_group`` calls; all local validation happens
+    before them.
     """
     _registry.install_stage("dedicate")  # GradScaler, DCP, guards, accelerate / transformers (not with DMUON_NO_PATCHES)
     if not (dist.is_available() and dist.is_initialized()):
@@ -250,6 +293,7 @@ def apply(
     _validate(plan, model, table)
     tp_mesh = _check_tp(plan, model, table, mesh_tp_ranks(mesh, **dims))
     _check_same_plan_everywhere(plan)
+    _check_ep_stacks_differ(plan, model, table)
     owner_groups = owner_group_member_sets(plan)
     if tp_mesh is not None:
         groups = MeshGroups.build(table, tp_tables=_world_tables(table, tp_mesh))
