@@ -337,7 +337,7 @@ def _adopt_ep_stacks(rt, b) -> None:
         hooks = keep._backward_hooks  # the Python object's hook dict stays with it in a swap, but
         if hooks is not None:  # autograd keeps it on the old TensorImpl: bind it to the current one
             keep._backward_hooks = hooks
-        rt.hook_ep_param(fqn, keep, b.fqn)
+        rt.hook_ep_param(fqn, keep, b.index)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -159,7 +159,7 @@ class DmuonRuntime:
         out: dict[str, nn.Parameter] = {}
         specs = {p.fqn: p for p in self.plan.params}
         me = dist.get_rank()
-        for b in self.plan.boundaries:
+        for index, b in enumerate(self.plan.boundaries):
             for fqn in b.local:
                 spec = specs[fqn]
                 p = original[fqn]
@@ -186,11 +186,11 @@ class DmuonRuntime:
                     experts=stack,
                     ep_local=True,
                 )
-                self.hook_ep_param(fqn, p, b.fqn)
+                self.hook_ep_param(fqn, p, index)
                 out[fqn] = p
         return out
 
-    def hook_ep_param(self, fqn: str, p: nn.Parameter, boundary_fqn: str) -> None:
+    def hook_ep_param(self, fqn: str, p: nn.Parameter, boundary_index: int) -> None:
         """(Re-)register the gradient-divisor hook of the local expert-parallel stack ``fqn`` on
         ``p`` (dropping the one it had): at ``dedicate_params``, and again when ``to_empty``
         gave the stack a new tensor (:func:`dmuon.exec.materialize.rebind_storage`)."""
@@ -198,7 +198,7 @@ class DmuonRuntime:
         if old is not None:
             old.remove()
         if self.world_numel > 1 and p.requires_grad:
-            self.ep_hooks[fqn] = p.register_hook(_ep_grad_divisor(weakref.ref(self), boundary_fqn))
+            self.ep_hooks[fqn] = p.register_hook(_ep_grad_divisor(weakref.ref(self), boundary_index))
 
     # -- settings and state changed from outside (dmuon.exec.materialize, benchmarks) ----------
 
@@ -518,18 +518,18 @@ class DmuonRuntime:
 # ----------------------------------------------------------------------------------------------
 
 
-def _ep_grad_divisor(runtime_ref, boundary_fqn: str):
+def _ep_grad_divisor(runtime_ref, boundary_index: int):
     """The tensor hook of a local expert-parallel stack: each backward contribution ``g``
     becomes ``g / d`` with ``d`` what an owner divides a reduced gradient by
     (:meth:`DmuonRuntime.grad_divisor`: FSDP2's gradient divide factor when one is set, e.g.
-    torchtitan's 1.0, else the data-parallel world ``R*N``), read at every call."""
+    torchtitan's 1.0, else the data-parallel world ``R*N``), read at every call, of the stack's
+    boundary ``runtime.boundaries[boundary_index]`` (plan order)."""
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
         rt = runtime_ref()
         if rt is None:
             return grad
-        boundary = next((b for b in rt.boundaries if b.fqn == boundary_fqn), None)
-        divisor = rt.grad_divisor(boundary) if boundary is not None else float(rt.world_numel)
+        divisor = rt.grad_divisor(rt.boundaries[boundary_index])
         return grad if divisor == 1.0 else grad / divisor
 
     return hook
