@@ -12,9 +12,9 @@ with the compute stream, the reused reduce buffers (same tensors every step, sto
 Parts (both by default; ``--parts ns`` / ``--parts train`` for one):
 
 ``ns``
-    :func:`~dmuon.exec.newton_schulz.newton_schulz` on one matrix, the same on a batch of ``B``
+    :func:`~dmuon.exec.optim.newton_schulz.newton_schulz` on one matrix, the same on a batch of ``B``
     matrices (one ``bmm``/``baddbmm`` chain), and
-    :func:`~dmuon.exec.newton_schulz.gram_newton_schulz` on one matrix, by shape and dtype.
+    :func:`~dmuon.exec.optim.newton_schulz.gram_newton_schulz` on one matrix, by shape and dtype.
     ``TFLOP/s`` = matmul FLOPs of the call (``ns_flops`` / ``gram_ns_flops``) / fastest time;
     ``peak`` = a square ``(P, P) @ (P, P)`` matmul of the same dtype measured in the same run
     (``P`` = 8192 on CUDA, 256 on CPU); ``of peak`` = their ratio.
@@ -147,7 +147,7 @@ def matmul_peak_tflops(dtype: torch.dtype, device: str, side: int, min_time: flo
 
 
 def ns_rows(device: str, dtype_names, shapes, batch: int, steps: int, min_time: float, peak_side: int) -> list[dict]:
-    from dmuon.exec.newton_schulz import gram_newton_schulz, gram_ns_flops, newton_schulz, ns_flops
+    from dmuon.exec.optim.newton_schulz import gram_newton_schulz, gram_ns_flops, newton_schulz, ns_flops
 
     rows = []
     for dname in dtype_names:
@@ -201,7 +201,7 @@ class _Done:
 
 
 class _OneRankCollectives(types.SimpleNamespace):
-    """``torch.distributed`` as :mod:`dmuon.exec.collectives` sees it, with ``broadcast`` and
+    """``torch.distributed`` as :mod:`dmuon.exec.comm.collectives` sees it, with ``broadcast`` and
     ``reduce`` replaced by identities: exact on a 1-rank group, whatever the backend supports."""
 
     def __getattr__(self, name):
@@ -227,7 +227,7 @@ def init_one_rank_group(device: str, collectives: str) -> str:
     """A 1-rank gloo default group (no NCCL, no network); returns how collectives run."""
     import torch.distributed as dist
 
-    from dmuon.exec import collectives as C
+    from dmuon.exec.comm import collectives as C
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -266,7 +266,7 @@ def _gpt(spec: dict, device: str):
 
 def run_dmuon(spec: dict, batches, device: str, *, use_streams: bool) -> dict:
     import dmuon
-    from dmuon.exec.collectives import LEDGER
+    from dmuon.exec.comm.collectives import LEDGER
     from dmuon.train.model import lm_loss
 
     model = _gpt(spec, device)

@@ -63,13 +63,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import dmuon.exec.newton_schulz as ns  # noqa: E402
+import dmuon.exec.optim.newton_schulz as ns  # noqa: E402
 
 STEPS = 5
 RESOLVED_S = 1e-2
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_DTYPES = ("fp32", "bf16")
-#: backend name -> (function name in dmuon.exec.newton_schulz, coefficient preset)
+#: backend name -> (function name in dmuon.exec.optim.newton_schulz, coefficient preset)
 BACKENDS: dict[str, tuple[str, str]] = {
     "standard": ("newton_schulz", "muon"),
     "polar_express": ("newton_schulz", "polar_express"),

@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dmuon.plan as P  # noqa: E402
+from dmuon import zoo  # noqa: E402
 
 CASES = [
     ("llama3-70b", 1024, "numel"),
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         t_build = 0.0
         if name not in models:
             t0 = time.perf_counter()
-            models[name] = P.presets.PRESETS[name]()
+            models[name] = zoo.PRESETS[name]()
             t_build = time.perf_counter() - t0
         model = models[name]
         t_compile, plan = _best(lambda: P.compile(model, mesh, cost_model=cost_model), args.repeats)
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"{'preset':<14}{'mesh':>10}{'mode':>6}{'ops':>9}{'schedule s':>12}{'rank_ops s':>12}{'check s':>9}{'sched+check s':>15}")
     for name, mesh in SCHEDULE_CASES:
-        model = models.get(name) or models.setdefault(name, P.presets.PRESETS[name]())
+        model = models.get(name) or models.setdefault(name, zoo.PRESETS[name]())
         for z3 in (True, False):
             plan = P.compile(model, mesh, reshard_after_forward=z3)
             t_sched, sched = _best(plan.schedule, args.repeats)

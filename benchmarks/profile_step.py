@@ -73,10 +73,10 @@ def install_ranges() -> None:
     Must run before ``dedicate_params``: the forward hooks are bound methods looked up when
     they are registered.
     """
-    from dmuon.exec import collectives as C
-    from dmuon.exec import newton_schulz as NS
-    from dmuon.exec import runtime as R
-    from dmuon.exec.boundary import _BoundaryRuntime as B
+    from dmuon.exec.comm import collectives as C
+    from dmuon.exec.optim import newton_schulz as NS
+    from dmuon.exec.runtime import runtime as R
+    from dmuon.exec.runtime.boundary import _BoundaryRuntime as B
 
     targets = [
         (B, "pre_forward", "dmuon.hook.pre_forward"),

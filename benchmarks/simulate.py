@@ -30,6 +30,7 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dmuon.plan as P  # noqa: E402
+from dmuon import zoo  # noqa: E402
 import dmuon.sim as S  # noqa: E402
 from dmuon.sim import hardware as H  # noqa: E402
 
@@ -48,7 +49,7 @@ def _plans(model, mesh):
 
 
 def run_case(name, mesh, hw, tokens, variants=S.VARIANTS):
-    model = P.presets.PRESETS[name]()
+    model = zoo.PRESETS[name]()
     plans = _plans(model, mesh)
     wl = S.from_plan(plans[True], tokens_per_rank=tokens, seq_len=min(tokens, 8192))
     out = {}

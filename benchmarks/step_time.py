@@ -44,13 +44,13 @@ slowest rank's. Reported per variant: the median over the timed steps.
 Per variant (JSON field names in brackets):
 
 * ``step_ms`` / ``fwd_bwd_ms`` / ``opt_ms``: medians, milliseconds; ``ratio_to_adamw``.
-* ``ledger_nbytes_per_step``: dmuon's byte ledger (:data:`dmuon.exec.collectives.LEDGER`) for one
+* ``ledger_nbytes_per_step``: dmuon's byte ledger (:data:`dmuon.exec.comm.collectives.LEDGER`) for one
   step, plan phases only, summed over ranks (the median over steps; ``ledger_constant`` says
   whether every step charged the same), ``ledger_per_rank_nbytes``; ``plan_total_nbytes`` and
   ``plan_per_rank_nbytes`` from ``plan.cost``; ``ledger_matches_plan`` (total and per rank, every
   timed step). For ``adamw`` / ``naive``, ``model_nbytes_per_step`` is the plan's byte MODEL of
   FSDP2 (+ the naive all-gather) for the same matrices (``plan.baseline_cost``), not a measurement.
-* NS: ``dmuon.exec.newton_schulz.newton_schulz`` is wrapped in every rank (both Muon variants
+* NS: ``dmuon.exec.optim.newton_schulz.newton_schulz`` is wrapped in every rank (both Muon variants
   call it through the module), recording matmul FLOPs (``ns_flops`` of each call's shape) and
   wall time (CUDA: synchronised around the call). ``ns_flops_total`` (all ranks, one step),
   ``ns_flops_per_rank``, ``ns_flops_busiest``, ``ns_busiest_over_mean`` = busiest / (total / N),
@@ -137,7 +137,7 @@ class NaiveMuon:
        elementwise, so sharding it is exact;
     2. ``u`` is all-gathered with ``DTensor.full_tensor()`` (one all-gather per matrix, the
        same bytes as gathering the gradient itself);
-    3. Newton-Schulz (:func:`dmuon.exec.newton_schulz.newton_schulz`) on the full matrix, on
+    3. Newton-Schulz (:func:`dmuon.exec.optim.newton_schulz.newton_schulz`) on the full matrix, on
        EVERY rank (fp32/fp64: same-shape matrices batched per call exactly as ``dmuon.Muon``
        batches them; bf16: one call per matrix);
     4. the rank keeps its own shard of the result (``Replicate -> Shard`` redistribution, a
@@ -171,8 +171,8 @@ class NaiveMuon:
     def step(self) -> None:
         from torch.distributed.tensor import DTensor, Replicate
 
-        from dmuon.exec import newton_schulz as ns_mod
-        from dmuon.exec.muon_step import adjust_lr
+        from dmuon.exec.optim import newton_schulz as ns_mod
+        from dmuon.exec.optim.muon_step import adjust_lr
 
         h = self.hp
         mu, lr, wd = h["momentum"], h["lr"], h["weight_decay"]
@@ -225,11 +225,11 @@ _ADAMW_LOG: list[float] = []  # seconds of each dmuon.Muon AdamW group step
 
 
 def _install_ns_timer(device: torch.device) -> None:
-    """Wrap ``dmuon.exec.newton_schulz.newton_schulz`` and ``gram_newton_schulz`` (module
+    """Wrap ``dmuon.exec.optim.newton_schulz.newton_schulz`` and ``gram_newton_schulz`` (module
     attributes; ``ns_backend="auto"`` calls them through the module) with a FLOP/time log, and
     ``dmuon.Muon``'s AdamW group step with a time log (the ``floor`` column)."""
-    from dmuon.exec import newton_schulz as ns_mod
-    from dmuon.exec.optim import Muon
+    from dmuon.exec.optim import newton_schulz as ns_mod
+    from dmuon.exec.optim.muon import Muon
 
     if getattr(ns_mod.newton_schulz, "_bench_timed", False):
         return
@@ -418,7 +418,7 @@ def run_step(v: Variant, batches, device: torch.device, *, timed: bool) -> None:
     """One training step of ``v`` (collective). Appends a record to ``v.records`` if ``timed``."""
     import torch.distributed as dist
 
-    from dmuon.exec.collectives import LEDGER
+    from dmuon.exec.comm.collectives import LEDGER
     from dmuon.train.model import lm_loss
 
     x, y = batches[v.steps_done % len(batches)]

@@ -23,20 +23,20 @@ guards, accelerate / transformers when imported). All of it is one list, :mod:`d
   reference and ``check_against_reference``: check dmuon on your own model; docs/testing.md.
 """
 
-from . import plan
-from . import exec  # noqa: A004 - the public sub-package name is fixed by the API
-from . import _registry
-from . import integrations
-from .exec.api import dedicate_params
-from .exec.amp import GradScaler
-from .exec.clip import clip_grad_norm_
-from .exec.dcp_errors import DCPLoadPlanner
-from .exec.fsdp2 import ignored_params as fsdp2_ignored_params
-from .exec.optim import Muon
-from .exec.checkpoint import full_state_dict
-from .exec.materialize import init_params
-from .exec.runtime import no_sync
-from .exec import qk_clip
+from dmuon import plan
+from dmuon import exec  # noqa: A004 - the public sub-package name is fixed by the API
+from dmuon import _registry
+from dmuon import integrations
+from dmuon.exec.setup.api import dedicate_params
+from dmuon.exec.optim.amp import GradScaler
+from dmuon.exec.optim.clip import clip_grad_norm_
+from dmuon.exec.state.dcp_errors import DCPLoadPlanner
+from dmuon.exec.setup.fsdp2 import ignored_params as fsdp2_ignored_params
+from dmuon.exec.optim.muon import Muon
+from dmuon.exec.state.checkpoint import full_state_dict
+from dmuon.exec.setup.materialize import init_params
+from dmuon.exec.runtime.runtime import no_sync
+from dmuon.exec.optim import qk_clip
 
 _registry.install_stage("import")  # the fully_shard skip and the clip_grad_norm_ hand-off only
 

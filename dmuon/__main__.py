@@ -1,7 +1,7 @@
 """``python -m dmuon {train,plan,diff,simulate,calibrate} ...``
 
 * ``train``: the main job (:mod:`dmuon.train`); ``python -m dmuon train --help``.
-* ``plan``, ``diff``: :func:`dmuon.plan.cli.main_plan` / :func:`dmuon.plan.cli.main_diff`.
+* ``plan``, ``diff``: :func:`dmuon.plan.tools.cli.main_plan` / :func:`dmuon.plan.tools.cli.main_diff`.
 * ``simulate``, ``calibrate``: :func:`dmuon.sim.cli.main_simulate` / :func:`dmuon.sim.calibrate.main`.
 
 Subcommand modules are imported only when chosen, so ``train`` does not pay for the others.
@@ -35,11 +35,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return int(main_train(rest) or 0)
     if cmd == "plan":
-        from dmuon.plan.cli import main_plan
+        from dmuon.plan.tools.cli import main_plan
 
         return int(main_plan(rest) or 0)
     if cmd == "diff":
-        from dmuon.plan.cli import main_diff
+        from dmuon.plan.tools.cli import main_diff
 
         return int(main_diff(rest) or 0)
     if cmd == "simulate":

@@ -97,32 +97,32 @@ _FSDP_INIT = "torch.distributed.fsdp._fully_shard._fsdp_init"
 
 INTEGRATIONS: tuple[Integration, ...] = (
     Integration(
-        "fsdp2.managed_modules", f"{_FSDP_INIT}:_get_managed_modules", "dmuon.exec.fsdp2:skip_dedicated",
+        "fsdp2.managed_modules", f"{_FSDP_INIT}:_get_managed_modules", "dmuon.exec.setup.fsdp2:skip_dedicated",
         "import", "fully_shard (however imported) adds the dedicated parameters under its modules to ignored_params",
         expects=("*", "ignored_params"),
         explicit="fully_shard(module, ignored_params=dmuon.fsdp2_ignored_params(module))",
     ),
     Integration(
-        "fsdp2.managed_states", f"{_FSDP_INIT}:_get_managed_states", "dmuon.exec.fsdp2:skip_dedicated",
+        "fsdp2.managed_states", f"{_FSDP_INIT}:_get_managed_states", "dmuon.exec.setup.fsdp2:skip_dedicated",
         "import", "the same for FSDP2's parameter / buffer discovery",
         expects=("*", "ignored_params"),
         explicit="fully_shard(module, ignored_params=dmuon.fsdp2_ignored_params(module))",
     ),
     Integration(
-        "clip.nn_utils", "torch.nn.utils:clip_grad_norm_", "dmuon.exec.clip:hand_off",
+        "clip.nn_utils", "torch.nn.utils:clip_grad_norm_", "dmuon.exec.optim.clip:hand_off",
         "import", "clip_grad_norm_ over dedicated parameters is dmuon.clip_grad_norm_ (global norm, owned "
         "gradients counted once); other calls go to torch unchanged",
         expects=("parameters", "max_norm", "norm_type", "error_if_nonfinite", "foreach"),
         explicit="dmuon.clip_grad_norm_(model, max_norm)",
     ),
     Integration(
-        "clip.clip_grad", "torch.nn.utils.clip_grad:clip_grad_norm_", "dmuon.exec.clip:hand_off",
+        "clip.clip_grad", "torch.nn.utils.clip_grad:clip_grad_norm_", "dmuon.exec.optim.clip:hand_off",
         "import", "the same function under torch.nn.utils.clip_grad",
         expects=("parameters", "max_norm", "norm_type", "error_if_nonfinite", "foreach"),
         explicit="dmuon.clip_grad_norm_(model, max_norm)",
     ),
     Integration(
-        "amp.grad_scaler", "torch.amp.grad_scaler:GradScaler._unscale_grads_", "dmuon.exec.amp:route_unscale",
+        "amp.grad_scaler", "torch.amp.grad_scaler:GradScaler._unscale_grads_", "dmuon.exec.optim.amp:route_unscale",
         "dedicate", "GradScaler.unscale_ on a dmuon.Muon unscales owner-held gradients and agrees on found_inf "
         "over every rank (one all-reduce)",
         expects=("self", "optimizer", "inv_scale", "found_inf", "allow_fp16"),
@@ -130,27 +130,27 @@ INTEGRATIONS: tuple[Integration, ...] = (
     ),
     Integration(
         "amp.sharded_grad_scaler", "torch.distributed.fsdp.sharded_grad_scaler:ShardedGradScaler._unscale_grads_",
-        "dmuon.exec.amp:route_unscale", "dedicate", "the same for FSDP1's ShardedGradScaler override",
+        "dmuon.exec.optim.amp:route_unscale", "dedicate", "the same for FSDP1's ShardedGradScaler override",
         expects=("self", "optimizer", "inv_scale", "found_inf", "allow_fp16"), required=False,
         explicit="dmuon.GradScaler(device)",
     ),
     Integration(
         "dcp.load_plan", "torch.distributed.checkpoint.default_planner:create_default_local_load_plan",
-        "dmuon.exec.dcp_errors:explain_mismatch", "dedicate",
+        "dmuon.exec.state.dcp_errors:explain_mismatch", "dedicate",
         "a DCP load whose checkpoint dedicated other matrices says so (instead of 'Missing key ... .step')",
         expects=("state_dict", "metadata"), required=False,
         explicit="dcp.load(..., planner=dmuon.DCPLoadPlanner())",
     ),
     Integration(
         "ddp.guard", "torch.nn.parallel.distributed:DistributedDataParallel.__init__",
-        "dmuon.exec.guards:wrap_ddp_init", "dedicate",
+        "dmuon.exec.setup.guards:wrap_ddp_init", "dedicate",
         "DistributedDataParallel(model) of a dedicated model raises ValueError naming the fix",
         expects=("self", "module"),
         explicit="dmuon composes with fully_shard only; no wrapper needed to stay correct",
     ),
     Integration(
         "optimizer.guard", "torch.optim.optimizer:register_optimizer_step_pre_hook",
-        "dmuon.exec.guards:install_optimizer_guard", "dedicate",
+        "dmuon.exec.setup.guards:install_optimizer_guard", "dedicate",
         "an optimizer other than dmuon.Muon holding dedicated parameters raises TypeError at its first step",
         kind="hook", expects=("hook",),
         explicit="build the optimizer with dmuon.Muon(model, ...)",

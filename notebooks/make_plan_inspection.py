@@ -27,8 +27,9 @@ CELLS = [
         "from IPython.display import Image, display\n"
         "\n"
         "import dmuon.plan as P\n"
+        "from dmuon import zoo\n"
         "\n"
-        "model = P.presets.llama3_8b()          # meta device: nothing is allocated\n"
+        "model = zoo.llama3_8b()          # meta device: nothing is allocated\n"
         "plan = P.compile(model, 8)             # 1-D mesh of 8 ranks, DMuon-Z3\n"
         "print(plan.summary(max_rows=8))"
     ),
@@ -143,8 +144,8 @@ CELLS = [
     ),
     new_code_cell(
         "# At scale (planning only, meta device; ~1 minute on a laptop core)\n"
-        "plan_70b = P.compile(P.presets.llama3_70b(), (8, 128))    # HSDP: 8 replicas x 128 shards\n"
-        "plan_405b = P.compile(P.presets.llama3_405b(), 1024)\n"
+        "plan_70b = P.compile(zoo.llama3_70b(), (8, 128))    # HSDP: 8 replicas x 128 shards\n"
+        "plan_405b = P.compile(zoo.llama3_405b(), 1024)\n"
         "plot_decision([('Llama-3-70B, HSDP 8x128', plan_70b), ('Llama-3-405B, N=1024', plan_405b)])"
     ),
     new_markdown_cell(
@@ -155,8 +156,8 @@ CELLS = [
         "resident bytes come down to near the mean. The summary says it in words."
     ),
     new_code_cell(
-        "plan_70b_g = P.compile(P.presets.llama3_70b(), (8, 128), owner_groups='auto')\n"
-        "plan_405b_g = P.compile(P.presets.llama3_405b(), 1024, owner_groups='auto')\n"
+        "plan_70b_g = P.compile(zoo.llama3_70b(), (8, 128), owner_groups='auto')\n"
+        "plan_405b_g = P.compile(zoo.llama3_405b(), 1024, owner_groups='auto')\n"
         "plot_decision([('Llama-3-70B, HSDP 8x128, owner groups', plan_70b_g),\n"
         "               ('Llama-3-405B, N=1024, owner groups', plan_405b_g)])\n"
         "print('\\n'.join(l for l in plan_405b.summary().splitlines() if l.startswith(('ownership', 'owner groups'))))\n"
@@ -185,12 +186,13 @@ CELLS = [
     new_markdown_cell(
         "## Tensor parallelism\n\n"
         "`tp_size` / `tp_shard_dims` plan TP on the unparallelised meta model (Megatron-style dims from "
-        "`presets.megatron_tp_shard_dims`). Each matrix is orthogonalised by its owner's TP group, "
+        "`dmuon.plan.model.parallel.megatron_tp_shard_dims`). Each matrix is orthogonalised by its owner's TP group, "
         "either by Gram NS (fp32 `(d, d)` all-reduces) or by gathering it; `tp_ns='auto'` picks the "
         "fewer bytes. The diff compares the two choices by FQN. See `docs/tensor_parallel.md`."
     ),
     new_code_cell(
-        "dims = P.presets.megatron_tp_shard_dims(model)\n"
+        "from dmuon.plan.model.parallel import megatron_tp_shard_dims\n"
+        "dims = megatron_tp_shard_dims(model)\n"
         "tp_auto = P.compile(model, 8, tp_size=8, tp_shard_dims=dims)\n"
         "tp_gram = P.compile(model, 8, tp_size=8, tp_shard_dims=dims, tp_ns='gram')\n"
         "for name, p in (('auto', tp_auto), ('gram', tp_gram)):\n"
@@ -257,9 +259,9 @@ CELLS = [
         "largest owner carries whole stacks. See `docs/moe.md`."
     ),
     new_code_cell(
-        "from dmuon.plan.render import expert_lines\n"
+        "from dmuon.plan.tools.render import expert_lines\n"
         "\n"
-        "qwen = P.presets.qwen3_30b_a3b()\n"
+        "qwen = zoo.qwen3_30b_a3b()\n"
         "after = P.compile(qwen, 64)\n"
         "before = P.compile(qwen, 64, predicate=P.matrix_predicate(qwen), experts='off')\n"
         "print('\\n'.join(expert_lines(after)))\n"

@@ -32,7 +32,7 @@ def _worker(mesh_shape):
     import torch.distributed as dist
 
     import dmuon
-    from dmuon.exec.collectives import LEDGER
+    from dmuon.exec.comm.collectives import LEDGER
 
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()

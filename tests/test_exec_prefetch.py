@@ -18,7 +18,7 @@ def _worker():
     import torch.distributed as dist
 
     import dmuon
-    from dmuon.exec import collectives as C
+    from dmuon.exec.comm import collectives as C
 
     torch.set_num_threads(1)
     rank = dist.get_rank()

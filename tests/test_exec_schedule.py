@@ -68,7 +68,7 @@ def _step(kind: str, micro: int, plan) -> P.Step:
 
 def _run_steps(model, opt, batches, *, world, rank, micro):
     import dmuon
-    from dmuon.exec.collectives import LEDGER
+    from dmuon.exec.comm.collectives import LEDGER
 
     recorded = []
     for step, batch in enumerate(batches):

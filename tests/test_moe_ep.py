@@ -21,7 +21,7 @@ import dmuon
 import dmuon.plan as P
 import dmuon.testing
 from dmuon.plan import ShardingPlan
-from dmuon.plan.records import ExpertOwners
+from dmuon.plan.records.params import ExpertOwners
 from dist_utils import run_distributed
 from moe_ep_models import E, full_model, ep_model, global_batches, is_expert, lm_loss
 
@@ -151,7 +151,7 @@ def test_ep_efsdp_plan_by_hand():
 
 def test_ep_dtensor_stack_refused():
     """A stack held as a DTensor (EP by Shard(0)) is refused with the reason (duck-typed DTensor)."""
-    import dmuon.plan.snapshot as snap
+    import dmuon.plan.model.snapshot as snap
 
     real = snap._tp_placement
 
@@ -305,7 +305,7 @@ def _train(model, opt, first_step=None) -> tuple[list[float], list[int], float]:
     of step 0 (``dmuon.clip_grad_norm_``), where ``first_step()`` also runs."""
     import torch.distributed as dist
 
-    from dmuon.exec.collectives import LEDGER
+    from dmuon.exec.comm.collectives import LEDGER
 
     rank, world = dist.get_rank(), dist.get_world_size()
     losses, ledgers, norm = [], [], None

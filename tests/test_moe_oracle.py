@@ -115,7 +115,7 @@ def _build(kind, E, mesh_shape, dk, ns_dtype=torch.float32):
 def _train(kind, model, opt, batches, ledgers=None):
     import torch.distributed as dist
 
-    from dmuon.exec.collectives import LEDGER
+    from dmuon.exec.comm.collectives import LEDGER
 
     rank, world = dist.get_rank(), dist.get_world_size()
     losses = []

@@ -45,7 +45,7 @@ from dmuon.plan import (
     ParamSpec,
     ShardingPlan,
 )
-from dmuon.plan.layout import LayoutEntry, Segment, SubSegment
+from dmuon.plan.layout.buffers import LayoutEntry, Segment, SubSegment
 from moe_models import GroupedLM
 
 W1, W2, W3 = (f"layers.0.moe.experts.w{i}" for i in (1, 2, 3))

@@ -1,4 +1,4 @@
-"""dmuon.exec.newton_schulz: bit-identity with torch, batching, presets, counter, FLOPs.
+"""dmuon.exec.optim.newton_schulz: bit-identity with torch, batching, presets, counter, FLOPs.
 
 Tolerances used here:
 - 2-D, dtype=bf16: bit-identical to ``torch.optim._muon._zeropower_via_newtonschulz``.
@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns
 from torch.utils.flop_counter import FlopCounterMode
 
-import dmuon.exec.newton_schulz as ns_mod
-from dmuon.exec.newton_schulz import (
+import dmuon.exec.optim.newton_schulz as ns_mod
+from dmuon.exec.optim.newton_schulz import (
     NS_PRESETS,
     coefficient_schedule,
     newton_schulz,
@@ -263,7 +263,7 @@ def test_ns_flops_matches_flop_counter(shape):
 #   PolarExpress (normalisation by 1.01·‖X‖_F, safety-scaled table): <= 1e-12.
 # ---------------------------------------------------------------------------------------------
 
-from dmuon.exec.newton_schulz import (  # noqa: E402
+from dmuon.exec.optim.newton_schulz import (  # noqa: E402
     NS_BACKENDS,
     POLAR_EXPRESS_PUBLISHED,
     POLAR_EXPRESS_SAFETY,
@@ -360,8 +360,8 @@ def test_gram_segments():
 
 
 def test_flop_formulas_and_segment_rule_are_the_cost_models():
-    """One definition each (dmuon.plan.cost, dmuon.plan.rules): the optimizer and the plan cannot disagree."""
-    from dmuon.plan import cost
+    """One definition each (dmuon.plan.cost.model, dmuon.plan.rules): the optimizer and the plan cannot disagree."""
+    from dmuon.plan.cost import model as cost
     from dmuon.plan import rules
 
     assert ns_mod.ns_flops is cost.ns_flops
@@ -529,8 +529,8 @@ def test_symmetric_gram_is_x_xt(shape):
     """Gram NS's X Xᵀ (issue #17): from d = 256 its lower blocks only, the upper right block
     mirrored exactly; the same values as the full product (the same dot products, up to the
     kernel's summation order), also for a transposed (tall) view."""
-    from dmuon.exec.newton_schulz import _symmetric_gram
-    from dmuon.plan.cost import GRAM_SYM_MIN_SIDE
+    from dmuon.exec.optim.newton_schulz import _symmetric_gram
+    from dmuon.plan.cost.model import GRAM_SYM_MIN_SIDE
 
     x = _randn(*shape).double()
     h = shape[-2] // 2
@@ -546,7 +546,7 @@ def test_symmetric_gram_is_x_xt(shape):
 def test_fallback_inner_product_paths(batch):
     """The fallback check's ⟨Y, X⟩ per matrix, on its fast paths and its strided fallback,
     against the sum of products in float64."""
-    from dmuon.exec.newton_schulz import _batched_inner
+    from dmuon.exec.optim.newton_schulz import _batched_inner
 
     Y, X = _randn(batch, 12, 40), _randn(batch, 12, 40)
     expect = (Y.double() * X.double()).sum(dim=(-2, -1))

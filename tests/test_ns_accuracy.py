@@ -56,7 +56,7 @@ import warnings
 import pytest
 import torch
 
-import dmuon.exec.newton_schulz as ns
+import dmuon.exec.optim.newton_schulz as ns
 from dmuon.plan import rules
 from conftest import REPO_ROOT
 from ns_spy import spy_ns

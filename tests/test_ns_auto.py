@@ -24,10 +24,10 @@ import torch
 from torch import nn
 
 import dmuon
-from dmuon.exec import newton_schulz as ns
-from dmuon.plan import cost
+from dmuon.exec.optim import newton_schulz as ns
+from dmuon.plan.cost import model as cost
 from dmuon.plan import rules
-from dmuon.plan.records import ParamSpec
+from dmuon.plan.records.params import ParamSpec
 from dmuon.train.model import GPT, GPTConfig
 from dist_utils import run_distributed
 
@@ -158,7 +158,7 @@ def _auto_worker(steps):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from dmuon.exec import newton_schulz as ns_mod
+    from dmuon.exec.optim import newton_schulz as ns_mod
     from ns_spy import counting_ns
     from oracle import dmuon_muon_kwargs, global_batches, lm_loss
 

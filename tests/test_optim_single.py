@@ -27,10 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import dmuon.exec.newton_schulz as ns_mod
-import dmuon.exec.optim as optim_mod
-from dmuon.exec.muon_step import adjust_lr
-from dmuon.exec.optim import Muon
+import dmuon.exec.optim.newton_schulz as ns_mod
+import dmuon.exec.optim.muon as optim_mod
+from dmuon.exec.optim.muon_step import adjust_lr
+from dmuon.exec.optim.muon import Muon
 from ns_spy import spy_ns
 from oracle import hand_fp32_newton_schulz
 
@@ -51,7 +51,7 @@ def _single_thread():
 
 @dataclasses.dataclass(frozen=True)
 class FakeInfo:
-    """Duck-typed stand-in for dmuon.exec.buffers.DedicatedInfo."""
+    """Duck-typed stand-in for dmuon.exec.runtime.buffers.DedicatedInfo."""
 
     fqn: str
     owner_global_rank: int
@@ -598,7 +598,7 @@ def test_runtime_hooks_wrap_the_step(monkeypatch):
 def test_runtime_hooks_without_live_runtime_are_noops(monkeypatch):
     # the real hooks, on parameters whose runtime is gone (the tag's weakref answers None): they
     # find no runtime, do nothing, and the steps stay bit-identical to torch's Muon + AdamW
-    import dmuon.exec.runtime as runtime_mod
+    import dmuon.exec.runtime.runtime as runtime_mod
 
     ours, ref = make_pair()
     assert all(runtime_mod.get_runtime(p) is None for p in ours.parameters())
@@ -717,7 +717,7 @@ _DTENSOR_SCRIPT = textwrap.dedent(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor, Shard, Replicate
     from torch import nn
-    import dmuon.exec.optim as optim_mod
+    import dmuon.exec.optim.muon as optim_mod
     optim_mod.wait_pending = optim_mod.after_step = lambda params: None
     tmp = tempfile.TemporaryDirectory()
     dist.init_process_group("gloo", init_method=f"file://{tmp.name}/init", rank=0, world_size=1)

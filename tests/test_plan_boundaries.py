@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 import dmuon.plan as P
-from dmuon.plan.boundaries import ancestors, heuristic_boundary
+from dmuon import zoo
+from dmuon.plan.model.boundaries import ancestors, heuristic_boundary
 
 
 def tree(params: dict[str, tuple[int, ...]], special: dict[str, nn.Module] | None = None) -> nn.Module:
@@ -80,7 +81,7 @@ def test_ancestors():
 
 
 def test_default_selection_llama_like():
-    plan = P.compile(P.presets.tiny_llama(), 4)
+    plan = P.compile(zoo.tiny_llama(), 4)
     assert len(plan.dedicated) == 4 * 7
     assert all(f.startswith("model.layers.") and f.endswith("_proj.weight") for f in plan.dedicated)
     # excluded: embedding, lm_head (no boundary), RMSNorm weights (1-D)
@@ -117,7 +118,7 @@ def test_hook_boundary_predicate_root():
 
 def test_hook_boundary_predicate_by_type():
     plan = P.compile(
-        P.presets.tiny_llama(),
+        zoo.tiny_llama(),
         2,
         hook_boundary_predicate=lambda m: type(m).__name__ in ("LlamaAttention", "LlamaMLP"),
     )
@@ -130,7 +131,7 @@ def test_hook_boundary_predicate_by_type():
 
 
 def test_strict_error_lists_every_param_and_fixes():
-    model = P.presets.tiny_llama()
+    model = zoo.tiny_llama()
     with pytest.raises(ValueError) as info:
         P.compile(model, 2, predicate=lambda fqn, p: p.ndim == 2 and "embed" not in fqn)
     msg = str(info.value)
@@ -146,7 +147,7 @@ def test_strict_error_lists_every_param_and_fixes():
 
 
 def test_non_strict_fallback_to_own_module():
-    model = P.presets.tiny_llama()
+    model = zoo.tiny_llama()
     plan = P.compile(
         model,
         2,
@@ -165,7 +166,7 @@ def test_non_strict_fallback_to_own_module():
 
 
 def test_one_d_selected_raises_naming_fqn():
-    model = P.presets.tiny_llama()
+    model = zoo.tiny_llama()
     with pytest.raises(ValueError, match=r"model\.layers\.0\.input_layernorm\.weight: is 1-D") as info:
         P.compile(model, 2, predicate=lambda fqn, p: fqn.startswith("model.layers.0."))
     assert "exclude them in predicate" in str(info.value)
@@ -195,7 +196,7 @@ def test_conv_view():
 
 
 def test_default_predicate_selects_experts_and_experts_off_restores_2d_only():
-    model = P.presets.tiny_moe()  # torchtitan-style GroupedExperts: experts.w1/w3 (4, 48, 32), w2 (4, 32, 48)
+    model = zoo.tiny_moe()  # torchtitan-style GroupedExperts: experts.w1/w3 (4, 48, 32), w2 (4, 32, 48)
     plan = P.compile(model, 2)
     assert {f for f in plan.dedicated if ".experts." in f} == {
         f"layers.{i}.mlp.experts.{w}" for i in range(2) for w in ("w1", "w2", "w3")
@@ -209,13 +210,13 @@ def test_default_predicate_selects_experts_and_experts_off_restores_2d_only():
 
 
 def test_expert_stack_view():
-    model = P.presets.tiny_moe()  # experts.w1/w3 (4, 48, 32), w2 (4, 32, 48)
+    model = zoo.tiny_moe()  # experts.w1/w3 (4, 48, 32), w2 (4, 32, 48)
     plan = P.compile(model, 4, predicate=P.matrix_predicate(model))
     spec = plan.param("layers.1.mlp.experts.w2")
     assert (spec.shape, spec.matrix_shape, spec.num_matrices, spec.numel) == ((4, 32, 48), (32, 48), 4, 6144)
     assert plan.boundary("layers.1.mlp.experts.w2") == "layers.1"
     # ns_flops weights count each expert matrix: 4 * 5 * (4*32*32*48 + 2*32**3)
-    from dmuon.plan.cost import ns_flops
+    from dmuon.plan.cost.model import ns_flops
 
     assert ns_flops(32, 48, num_matrices=4) == 4 * 5 * (4 * 32 * 32 * 48 + 2 * 32**3)
     assert ns_flops(48, 32) == ns_flops(32, 48)
@@ -237,7 +238,7 @@ def test_four_d_non_conv_and_conv_transpose_raise():
 
 
 def test_tied_embedding_is_excluded_under_every_alias():
-    model = P.presets.tiny_llama(tie_embeddings=True)
+    model = zoo.tiny_llama(tie_embeddings=True)
     # lm_head.weight IS model.embed_tokens.weight: not dedicated, even if a predicate ignores it
     plan = P.compile(model, 2)
     assert not plan.is_dedicated("lm_head.weight")
@@ -267,7 +268,7 @@ def test_tied_across_boundaries_raises_naming_it():
 
 
 def test_unknown_fqn_keyerror_names_closest():
-    plan = P.compile(P.presets.tiny_llama(), 2)
+    plan = P.compile(zoo.tiny_llama(), 2)
     with pytest.raises(KeyError, match=r"closest: model\.layers\.1\.mlp\.up_proj\.weight"):
         plan.owner("model.layers.1.mlp.up_proj.wieght")
     with pytest.raises(KeyError):

@@ -1,4 +1,4 @@
-"""CLI functions behind `python -m dmuon plan` / `python -m dmuon diff` (dmuon/plan/cli.py)."""
+"""CLI functions behind `python -m dmuon plan` / `python -m dmuon diff` (dmuon/plan/tools/cli.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import argparse
 
 import pytest
 
+from dmuon import zoo
 from dmuon.plan import ShardingPlan
-from dmuon.plan.cli import main_diff, main_plan, parse_mesh
+from dmuon.plan.tools.cli import main_diff, main_plan, parse_mesh
 
 
 def test_parse_mesh():
@@ -86,7 +87,7 @@ def test_plan_schedule_prints_one_ranks_step(capsys):
 
     assert main_plan(["--model", "tiny-llama", "--mesh", "2x2", "--schedule", "3"]) == 0
     out = capsys.readouterr().out
-    plan = P.compile(P.presets.PRESETS["tiny-llama"](), (2, 2))
+    plan = P.compile(zoo.PRESETS["tiny-llama"](), (2, 2))
     ops = plan.schedule().rank_ops(3)
     assert f"rank 3, {len(ops):,} ops, {plan.cost.per_rank_nbytes[3]:,} B charged per step" in out
     body = [line for line in out.splitlines()[2:] if line.strip()]
@@ -120,7 +121,7 @@ def test_moe_presets_shapes_and_plan():
     """The HF fused-layout MoE presets: real shapes on the meta device (Qwen3-30B-A3B 30.5 B
     parameters, DeepSeek-V3-like 671 B), expert stacks recognised as 'hf', fused gate/up split."""
     import dmuon.plan as P
-    from dmuon.plan.presets import PRESETS
+    from dmuon.zoo import PRESETS
 
     qwen = PRESETS["qwen3-30b-a3b"]()
     shapes = {n: tuple(p.shape) for n, p in qwen.named_parameters()}
@@ -171,7 +172,7 @@ def test_expert_lines_singular_and_plural():
     expert on one rank is "1 stack, 1 expert, 1 Muon matrix ... 1 of 1 rank, 1 expert each"; the
     plural forms and an uneven range ("2-3 experts each") as before."""
     import dmuon.plan as P
-    from dmuon.plan.render import expert_lines
+    from dmuon.plan.tools.render import expert_lines
 
     one = expert_lines(P.compile(_one_stack_model(1), 1))
     assert one == [
@@ -183,7 +184,7 @@ def test_expert_lines_singular_and_plural():
         "experts: 1 stack, 5 experts, 5 Muon matrices, 100% of dedicated elements; layout torchtitan",
         "  owned by 2 of 2 ranks, 2-3 experts each; stacks with a single owner: 0",
     ]
-    moe = expert_lines(P.compile(P.presets.PRESETS["tiny-moe"](), 4))
+    moe = expert_lines(P.compile(zoo.PRESETS["tiny-moe"](), 4))
     assert moe[0].startswith("experts: 6 stacks, ") and " Muon matrices, " in moe[0]
     assert ", 1 Muon matrix" not in moe[0] and " 1 stacks" not in moe[0]
 
@@ -198,7 +199,7 @@ def test_plan_prints_compile_warnings_as_clean_lines(capsys):
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        P.compile(P.presets.PRESETS["tiny-moe"](), 4, experts="off")
+        P.compile(zoo.PRESETS["tiny-moe"](), 4, experts="off")
     (expected,) = [str(w.message) for w in caught]
     assert main_plan(["--model", "tiny-moe", "--mesh", "4", "--experts", "off"]) == 0
     captured = capsys.readouterr()
@@ -218,7 +219,7 @@ def test_plan_prints_compile_warnings_as_clean_lines(capsys):
 def test_simulate_refuses_top_k_outside_the_models_experts(capsys, model, top_k, why):
     """``python -m dmuon simulate --top-k K`` needs 1 <= K <= E of the model's stacks: an argparse
     error naming the bound (the tiny-moe preset has 4 experts per stack), before any simulation."""
-    from dmuon.plan.presets import PRESETS
+    from dmuon.zoo import PRESETS
     from dmuon.sim.cli import expert_counts, main_simulate
 
     if model == "tiny-moe":

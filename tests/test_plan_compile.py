@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import dmuon.plan as P
+from dmuon.plan.cost import model as plan_cost
+from dmuon import zoo
 from dmuon.plan import Owner, ShardingPlan
 
 SETTINGS = settings(max_examples=60, deadline=None, database=None)
@@ -92,7 +94,7 @@ def test_one_owner_per_matrix_and_valid_layout(spec):
         assert owner.rank == owner.replicate * N + owner.shard
     assert sum(plan.owned_numel) == sum(p.numel for p in plan.params)
     # balance bound in the plan's own cost model
-    weights = [P.cost.param_weight(p, cost_model) for p in plan.params]
+    weights = [plan_cost.param_weight(p, cost_model) for p in plan.params]
     assert max(plan.owned_weight) * plan.world_size <= sum(weights) + plan.world_size * max(weights, default=0)
     # cost invariants
     c = plan.cost
@@ -144,7 +146,7 @@ def _balance_ratio(plan: ShardingPlan) -> float:
 
 @pytest.fixture(scope="module")
 def llama8b():
-    return P.presets.llama3_8b()
+    return zoo.llama3_8b()
 
 
 def test_llama3_8b_shapes(llama8b):
@@ -188,7 +190,7 @@ def test_llama3_8b_hsdp_covers_every_slot(llama8b):
 
 
 def test_meta_model_compiles_without_allocating_or_mutating():
-    model = P.presets.llama3_405b()  # ~1.6 TB if materialised in fp32
+    model = zoo.llama3_405b()  # ~1.6 TB if materialised in fp32
     before = {n: p for n, p in model.named_parameters()}
     plan = P.compile(model, (2, 64), reshard_after_forward=False)
     after = dict(model.named_parameters())
@@ -199,7 +201,7 @@ def test_meta_model_compiles_without_allocating_or_mutating():
 
 
 def test_cpu_model_is_not_mutated():
-    model = P.presets.tiny_llama(device="cpu")
+    model = zoo.tiny_llama(device="cpu")
     state = {k: (v.data_ptr(), v.clone()) for k, v in model.state_dict().items()}
     P.compile(model, 4)
     for k, v in model.state_dict().items():
@@ -207,7 +209,7 @@ def test_cpu_model_is_not_mutated():
 
 
 def test_presets_all_compile():
-    for name, builder in P.presets.PRESETS.items():
+    for name, builder in zoo.PRESETS.items():
         if name == "llama3-405b":
             continue  # covered above
         plan = P.compile(builder(), 4)
@@ -215,12 +217,12 @@ def test_presets_all_compile():
 
 
 def test_vit_and_moe_presets():
-    vit = P.presets.vit_b16()
+    vit = zoo.vit_b16()
     plan = P.compile(vit, 8)
     assert [b.fqn for b in plan.boundaries] == [f"blocks.{i}" for i in range(12)]
     assert plan.param("blocks.0.attn.qkv.weight").shape == (2304, 768)
     assert not plan.is_dedicated("patch_embed.proj.weight")  # conv outside boundaries
-    moe = P.presets.mixtral_8x7b()
+    moe = zoo.mixtral_8x7b()
     plan = P.compile(moe, 8, predicate=P.matrix_predicate(moe), cost_model="ns_flops")
     spec = plan.param("layers.0.mlp.experts.w1")
     assert (spec.shape, spec.matrix_shape, spec.num_matrices) == ((8, 14336, 4096), (14336, 4096), 8)
@@ -240,7 +242,7 @@ class FakeMesh:
 )
 def test_mesh_forms(mesh, shape):
     assert P.normalize_mesh(mesh) == shape
-    assert P.compile(P.presets.tiny_llama(), mesh).mesh_shape == shape
+    assert P.compile(zoo.tiny_llama(), mesh).mesh_shape == shape
 
 
 @pytest.mark.parametrize("mesh", [0, (2, 0), (1, 2, 3), True, "8", 2.5])
@@ -250,7 +252,7 @@ def test_bad_mesh(mesh):
 
 
 def test_bad_arguments():
-    model = P.presets.tiny_llama()
+    model = zoo.tiny_llama()
     with pytest.raises(ValueError, match="cost_model"):
         P.compile(model, 2, cost_model="time")
     with pytest.raises(ValueError, match="align_numel"):
@@ -260,17 +262,17 @@ def test_bad_arguments():
 
 
 def test_cost_model_ns_flops_changes_weights():
-    plan = P.compile(P.presets.tiny_llama(), 4, cost_model="ns_flops")
+    plan = P.compile(zoo.tiny_llama(), 4, cost_model="ns_flops")
     spec = plan.param("model.layers.0.mlp.down_proj.weight")  # (64, 160): m=64, n=160
-    assert P.cost.param_weight(spec, "ns_flops") == 5 * (4 * 64 * 64 * 160 + 2 * 64**3)
-    assert sum(plan.owned_weight) == sum(P.cost.param_weight(p, "ns_flops") for p in plan.params)
+    assert plan_cost.param_weight(spec, "ns_flops") == 5 * (4 * 64 * 64 * 160 + 2 * 64**3)
+    assert sum(plan.owned_weight) == sum(plan_cost.param_weight(p, "ns_flops") for p in plan.params)
 
 
 # --------------------------------------------------------------------------- records
 
 
 def test_records_are_frozen_and_validated():
-    plan = P.compile(P.presets.tiny_llama(), 2)
+    plan = P.compile(zoo.tiny_llama(), 2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.mesh_shape = (1, 4)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -297,7 +299,7 @@ def test_records_are_frozen_and_validated():
 
 
 def test_plan_accessors():
-    plan = P.compile(P.presets.tiny_llama(), (2, 2))
+    plan = P.compile(zoo.tiny_llama(), (2, 2))
     assert plan.world_size == 4
     assert len(plan.owned_numel) == 4
     assert plan.bcast_dtype("torch.float32") == "torch.float32"
@@ -318,8 +320,8 @@ def test_plan_accessors():
 
 def test_fsdp2_baseline_matches_formula():
     # 1-D, Z3, fp32: baseline = 4 (N-1) S with S the padded dedicated bytes; DMuon = 3 (N-1) P.
-    plan = P.compile(P.presets.tiny_llama(), 4)
-    S = sum(P.cost.fsdp2_shard_numel(p.shape, 4) * 4 * 4 for p in plan.params)
+    plan = P.compile(zoo.tiny_llama(), 4)
+    S = sum(plan_cost.fsdp2_shard_numel(p.shape, 4) * 4 * 4 for p in plan.params)
     assert plan.baseline_cost.total_nbytes == 4 * 3 * S
     Pm = sum(buf.numel * 4 for b in plan.boundaries for buf in b.buffers)
     assert plan.cost.total_nbytes == 3 * 3 * Pm
@@ -329,7 +331,7 @@ def test_fsdp2_baseline_matches_formula():
 
 
 def test_optree_registration():
-    model = P.presets.tiny_llama()
+    model = zoo.tiny_llama()
     a = P.compile(model, 4)
     b = P.compile(model, 4)
     leaves = optree.tree_leaves(a, namespace="dmuon")
@@ -354,7 +356,7 @@ def test_optree_registration():
 
 
 def test_diff_z2_vs_z3_only_costs_and_setting():
-    model = P.presets.tiny_llama()
+    model = zoo.tiny_llama()
     z3 = P.compile(model, 4)
     z2 = P.compile(model, 4, reshard_after_forward=False)
     d = P.diff(z3, z2)
@@ -367,7 +369,7 @@ def test_diff_z2_vs_z3_only_costs_and_setting():
 
 
 def test_diff_across_mesh_sizes_and_hsdp():
-    model = P.presets.tiny_llama()
+    model = zoo.tiny_llama()
     p4, p8, h = P.compile(model, 4), P.compile(model, 8), P.compile(model, (2, 4))
     d = P.diff(p4, p8)
     assert set(d.owners_moved) == {f for f in p4.dedicated if p4.owner(f) != p8.owner(f)}
@@ -381,7 +383,7 @@ def test_diff_across_mesh_sizes_and_hsdp():
 
 
 def test_diff_added_removed_and_boundaries():
-    model = P.presets.tiny_llama()
+    model = zoo.tiny_llama()
     full = P.compile(model, 4)
     fewer = P.compile(model, 4, predicate=lambda fqn, p: p.ndim == 2 and "embed" not in fqn and "lm_head" not in fqn and "q_proj" not in fqn)
     d = P.diff(full, fewer)

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 import dmuon
-from dmuon.exec import newton_schulz as ns
+from dmuon.exec.optim import newton_schulz as ns
 from oracle import Block, _ns_fp32
 
 COEFFS = (3.4445, -4.775, 2.0315)
@@ -89,7 +89,7 @@ def test_tiny_and_zero_matrices_in_one_batch_match_torch(shape):
 
 def test_muon_bucket_with_tiny_and_zero_gradients_matches_torch_muon(monkeypatch):
     """dmuon.Muon (fp32 NS: the three share one batched call) vs torch.optim.Muon (fp32 NS)."""
-    from dmuon.exec import optim as optim_mod
+    from dmuon.exec.optim import muon as optim_mod
     from oracle import fp32_newton_schulz
     from test_optim_single import tag
 
@@ -196,8 +196,8 @@ class Degenerate(nn.Module):
 
 
 def test_degenerate_views_stay_with_adamw():
-    from dmuon.plan.selection import degenerate_reason
-    from dmuon.plan.snapshot import take_snapshot
+    from dmuon.plan.model.selection import degenerate_reason
+    from dmuon.plan.model.snapshot import take_snapshot
 
     model = Degenerate()
     assert dmuon.plan.compile(model, 2).dedicated == ("layers.0.fc.weight",)

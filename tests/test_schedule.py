@@ -12,8 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dmuon.plan as P
+from dmuon.plan.cost import model as plan_cost
+from dmuon import zoo
 from dmuon.plan import MicroBatch, ScheduleError, Step
-from dmuon.plan.step_schedule import programs_of, replay
+from dmuon.plan.scheduling.step_schedule import programs_of, replay
 from formula_cost import formula_cost, formula_rank_stats, schedule_fields
 from test_plan_compile import build, model_specs
 from test_plan_golden import build_a, build_b
@@ -165,7 +167,7 @@ def test_golden_b_hsdp_rank_lists():
 
 
 def _phase_nbytes(sched):
-    return {f: getattr(P.cost.schedule_byte_cost(sched), f) for f in P.ByteCost.PHASES}
+    return {f: getattr(plan_cost.schedule_byte_cost(sched), f) for f in P.ByteCost.PHASES}
 
 
 def test_no_sync_micro_batches_broadcast_each_and_reduce_once():
@@ -307,7 +309,7 @@ def test_tp_schedule_cost_equals_formulas(spec, z3, T, tp_ns):
 
 @pytest.mark.parametrize("name, mesh", [("llama3-8b", 8), ("llama3-8b", (2, 4)), ("llama3-70b", (8, 16))])
 def test_presets_cost_equals_formulas(name, mesh):
-    model = P.presets.PRESETS[name]()
+    model = zoo.PRESETS[name]()
     for z3 in (True, False):
         plan = P.compile(model, mesh, reshard_after_forward=z3)
         assert plan.cost == formula_cost(plan)

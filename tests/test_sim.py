@@ -14,8 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dmuon.plan as P
+from dmuon import zoo
 import dmuon.sim as S
-from dmuon.plan import cost as C
+from dmuon.plan.cost import model as C
 from dmuon.plan import rules as R
 from dmuon.sim import hardware as H
 from dmuon.sim.simulate import _critical_path, _SimOp, replay_ops
@@ -324,7 +325,7 @@ def test_fsdp2_collectives_block_the_thread_on_gloo(mesh, kind):
     are exposed."""
     from dmuon.sim.simulate import _variant_ops
 
-    plan = P.compile(P.presets.tiny_llama(), mesh)
+    plan = P.compile(zoo.tiny_llama(), mesh)
     group = plan.mesh_shape[0] if kind == "all_reduce" else plan.mesh_shape[1]
 
     def curve(seconds):
@@ -467,7 +468,7 @@ def test_separate_engines_issue_while_the_previous_op_runs():
 def test_processor_sharing_slows_compute_when_ranks_outnumber_cores():
     hw = _cpu(ranks_per_node=4, cores_per_node=2)
     assert hw.oversubscription == 2.0
-    plan = P.compile(P.presets.tiny_llama(), 4)
+    plan = P.compile(zoo.tiny_llama(), 4)
     wl = S.from_plan(plan, tokens_per_rank=256, seq_len=64, activation_dtype="torch.float32")
     shared = S.simulate(plan, hw, wl, variant="adamw")
     alone = S.simulate(plan, dataclasses.replace(hw, cores_per_node=4), wl, variant="adamw")
@@ -480,7 +481,7 @@ def test_processor_sharing_slows_compute_when_ranks_outnumber_cores():
 
 @pytest.fixture(scope="module")
 def tiny():
-    plan = P.compile(P.presets.tiny_llama(), 4)
+    plan = P.compile(zoo.tiny_llama(), 4)
     wl = S.from_plan(plan, tokens_per_rank=512, seq_len=128)
     return plan, wl
 
@@ -504,7 +505,7 @@ def test_simulation_accounts_every_second(tiny):
 def test_dmuon_bytes_equal_the_plan(tiny):
     plan, wl = tiny
     for z3 in (False, True):
-        p = P.compile(P.presets.tiny_llama(), 4, reshard_after_forward=z3)
+        p = P.compile(zoo.tiny_llama(), 4, reshard_after_forward=z3)
         sim = S.simulate(p, H.preset("h100"), wl)
         fsdp = S.alternatives.moved_nbytes([op for op in p.schedule().ops if op.kind.startswith("fsdp2_")])
         assert sim.comm_nbytes == p.cost.total_nbytes + fsdp
@@ -536,7 +537,7 @@ def test_alternatives_structure(tiny):
 
 
 def test_workload_terms_by_hand():
-    plan = P.compile(P.presets.tiny_llama(), 2)
+    plan = P.compile(zoo.tiny_llama(), 2)
     t, s = 512, 128
     wl = S.from_plan(plan, tokens_per_rank=t, seq_len=s, activation_dtype="torch.float32")
     w = wl.work("model.layers.0")
@@ -567,7 +568,7 @@ def test_workload_terms_by_hand():
     assert wl.forward_flops == 4 * w.flops + wl.head.flops
     two = S.from_plan(plan, tokens_per_rank=t, seq_len=s, micro_batches=2)
     assert two.work("model.layers.0").matmul_flops == w.matmul_flops // 2
-    moe = P.compile(P.presets.tiny_moe(), 2, predicate=P.matrix_predicate(P.presets.tiny_moe()))
+    moe = P.compile(zoo.tiny_moe(), 2, predicate=P.matrix_predicate(zoo.tiny_moe()))
     mw = S.from_plan(moe, tokens_per_rank=t, seq_len=s).work("layers.0")
     expert_flops = 2 * t * 2 * (3 * 48 * 32)  # top_k = 2 of 4 experts: k/E of the stacked weights
     dense = 2 * t * (2 * 32 * 32 + 2 * 16 * 32 + 4 * 32)  # attention projections + router
@@ -576,7 +577,7 @@ def test_workload_terms_by_hand():
 
 def test_memory_terms(tiny):
     plan, wl = tiny
-    z2 = S.simulate(P.compile(P.presets.tiny_llama(), 4, reshard_after_forward=False), H.preset("h100"), wl)
+    z2 = S.simulate(P.compile(zoo.tiny_llama(), 4, reshard_after_forward=False), H.preset("h100"), wl)
     z3 = S.simulate(plan, H.preset("h100"), wl)
     assert max(z3.peak_memory_nbytes) < max(z2.peak_memory_nbytes)
     owned = sum(s.numel * 4 for s in plan.params)
@@ -588,7 +589,7 @@ def test_memory_terms(tiny):
 def test_early_ns_is_a_reordering(tiny):
     plan, _ = tiny
     for mesh in (4, (2, 2)):
-        p = P.compile(P.presets.tiny_llama(), mesh)
+        p = P.compile(zoo.tiny_llama(), mesh)
         sched = p.schedule()
         early = S.early_ns_schedule(sched)
         key = lambda o: (o.kind, o.phase, o.group, o.root, o.numel, o.flops, o.fqns, o.boundary, o.segment)  # noqa: E731
@@ -601,7 +602,7 @@ def test_early_ns_is_a_reordering(tiny):
 
 
 def test_hsdp_replicate_broadcast_is_deferred():
-    plan = P.compile(P.presets.tiny_llama(), (2, 2))
+    plan = P.compile(zoo.tiny_llama(), (2, 2))
     wl = S.from_plan(plan, tokens_per_rank=512, seq_len=128)
 
     def last_replicate_broadcast_end(sim):
@@ -637,7 +638,7 @@ _MESHES = st.sampled_from([2, 4, 8, (2, 4), (2, 8), 16])
        factor=st.floats(1.0, 20.0), hw=st.sampled_from(["h100", "a100", "a800"]), z3=st.booleans(),
        tokens=st.sampled_from([256, 4096]))
 def test_more_bandwidth_never_slows_a_gpu_step(layers, hidden, mesh, factor, hw, z3, tokens):
-    model = P.presets.llama(num_layers=layers, hidden=hidden, kv_dim=hidden // 2, intermediate=2 * hidden,
+    model = zoo.llama(num_layers=layers, hidden=hidden, kv_dim=hidden // 2, intermediate=2 * hidden,
                             vocab=512, head_dim=32)
     plan = P.compile(model, mesh, reshard_after_forward=z3)
     wl = S.from_plan(plan, tokens_per_rank=tokens, seq_len=min(tokens, 1024))
@@ -653,7 +654,7 @@ def test_more_bandwidth_never_slows_a_gpu_step(layers, hidden, mesh, factor, hw,
 @given(layers=st.integers(1, 3), hidden=st.sampled_from([64, 128, 192]), mesh=_MESHES,
        mp=st.sampled_from([None, "bfloat16"]))
 def test_z2_never_moves_more_bytes_than_z3(layers, hidden, mesh, mp):
-    model = P.presets.llama(num_layers=layers, hidden=hidden, kv_dim=hidden // 2 if hidden != 192 else 64, intermediate=3 * hidden,
+    model = zoo.llama(num_layers=layers, hidden=hidden, kv_dim=hidden // 2 if hidden != 192 else 64, intermediate=3 * hidden,
                             vocab=256, head_dim=32)
     pol = SimpleNamespace(param_dtype=mp, reduce_dtype=None) if mp else None
     z2 = P.compile(model, mesh, reshard_after_forward=False, mp_policy=pol)
@@ -846,11 +847,11 @@ def test_in_situ_measurement_runs_in_a_real_group():
 
 def test_simulate_accepts_the_plan_selection_options(tmp_path, capsys):
     """`simulate` takes every plan-selection option `plan` takes (one definition,
-    dmuon.plan.cli.add_selection_args), and they reach the simulated plan."""
+    dmuon.plan.tools.cli.add_selection_args), and they reach the simulated plan."""
     import argparse
 
     from dmuon.__main__ import main
-    from dmuon.plan.cli import add_selection_args
+    from dmuon.plan.tools.cli import add_selection_args
 
     p = argparse.ArgumentParser()
     add_selection_args(p)
@@ -885,8 +886,8 @@ def test_expert_plans_simulate_with_the_models_top_k_and_range_batches(monkeypat
     owner's range of experts, not the whole stack (one NS op per range)."""
     import sys
 
-    from dmuon.plan.presets import hf_moe
-    from dmuon.plan.records import ExpertOwners
+    from dmuon.zoo import hf_moe
+    from dmuon.plan.records.params import ExpertOwners
     from dmuon.sim.workload import from_plan, model_top_k
 
     m = hf_moe(num_layers=2, hidden=64, num_experts=8, moe_ffn=32, top_k=4, vocab=128, num_heads=4,

@@ -63,7 +63,7 @@ def _expected_methods(tp_ns: str, parallel: str = "all") -> dict[str, str | None
 
 def _reference_ns(methods_by_shape, dtype):
     """torch.optim.Muon's NS: in ``dtype``, Gram NS for the shapes the plan runs as Gram."""
-    from dmuon.exec import newton_schulz as ns
+    from dmuon.exec.optim import newton_schulz as ns
 
     def iterate(grad, ns_coefficients, ns_steps, eps):
         if methods_by_shape.get(tuple(grad.shape)) == "gram":
@@ -167,7 +167,7 @@ def _worker(dp, tp: int, cases, errors: bool = False, steps: int = STEPS):
     from torch.distributed.fsdp import fully_shard
 
     import dmuon
-    from dmuon.exec.collectives import LEDGER
+    from dmuon.exec.comm.collectives import LEDGER
     from dmuon.train.model import GPT, apply_tensor_parallel
     from ns_spy import counting_ns
 

@@ -169,7 +169,7 @@ def _layout_report(run):
 
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from dmuon.exec.collectives import LEDGER
+    from dmuon.exec.comm.collectives import LEDGER
 
     plan = run["plan"]
     LEDGER.reset()

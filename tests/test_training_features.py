@@ -74,7 +74,7 @@ def _worker(cases, mesh_shape=None):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import dmuon
-    from dmuon.exec.collectives import LEDGER
+    from dmuon.exec.comm.collectives import LEDGER
     from ns_spy import counting_ns
 
     torch.set_num_threads(1)
@@ -289,7 +289,7 @@ def _timeout_worker():
     import torch.distributed as dist
 
     import dmuon
-    from dmuon.exec.collectives import CollectiveTimeout
+    from dmuon.exec.comm.collectives import CollectiveTimeout
 
     torch.set_num_threads(1)
     rank = dist.get_rank()

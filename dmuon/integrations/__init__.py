@@ -32,7 +32,7 @@ import torch.nn as nn
 from dmuon import _registry
 from dmuon._hints import detect_framework, framework_hint
 from dmuon._registry import IntegrationError, status
-from dmuon.exec.guards import check_optimizer
+from dmuon.exec.setup.guards import check_optimizer
 
 __all__ = [
     "boundary_modules",

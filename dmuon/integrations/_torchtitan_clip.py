@@ -24,7 +24,7 @@ def wrap_clip_grad_norm(fn):
                         pp_mesh=None, ep_enabled=False):
         import torch
 
-        from dmuon.exec.buffers import dedicated_info
+        from dmuon.exec.runtime.buffers import dedicated_info
 
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         if not any(dedicated_info(p) is not None for p in params):
@@ -34,7 +34,7 @@ def wrap_clip_grad_norm(fn):
                 "dmuon: gradient clipping over dmuon-dedicated parameters with pipeline parallelism "
                 "is not supported (dmuon.integrations.torchtitan refuses it at parallelize time)"
             )
-        from dmuon.exec.clip import clip_grad_norm_ as dmuon_clip
+        from dmuon.exec.optim.clip import clip_grad_norm_ as dmuon_clip
 
         total = dmuon_clip(params, max_norm, norm_type)
         if error_if_nonfinite and not torch.isfinite(total):

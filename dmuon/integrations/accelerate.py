@@ -46,8 +46,8 @@ import torch.nn as nn
 
 from dmuon import _registry
 from dmuon._hints import framework_hint
-from dmuon.exec.buffers import dedicated_info
-from dmuon.exec.guards import check_optimizer
+from dmuon.exec.runtime.buffers import dedicated_info
+from dmuon.exec.setup.guards import check_optimizer
 
 __all__ = ["patch", "is_patched", "wrap_prepare_fsdp2", "wrap_prepare_model", "wrap_clip_grad_norm_"]
 
@@ -166,7 +166,7 @@ def wrap_clip_grad_norm_(orig):
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         params = list(parameters)
         if any(dedicated_info(p) is not None for p in params):
-            from dmuon.exec.clip import clip_grad_norm_ as dmuon_clip
+            from dmuon.exec.optim.clip import clip_grad_norm_ as dmuon_clip
 
             self.unscale_gradients()  # as accelerate does first (fp16 grad scaler)
             return dmuon_clip(params, max_norm, norm_type)

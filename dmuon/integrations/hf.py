@@ -49,8 +49,8 @@ def wrap_mixed_mesh_grad_norm(orig):
 
     @functools.wraps(orig)
     def _mixed_mesh_grad_norm(self, model, max_norm):
-        from dmuon.exec.buffers import dedicated_info
-        from dmuon.exec.clip import clip_grad_norm_
+        from dmuon.exec.runtime.buffers import dedicated_info
+        from dmuon.exec.optim.clip import clip_grad_norm_
 
         params = list(model.parameters())
         if any(dedicated_info(p) is not None for p in params):

@@ -6,31 +6,39 @@ work on meta-device models. Entry points::
     plan = dmuon.plan.compile(model, mesh, ...)     # -> ShardingPlan (frozen, validated)
     dmuon.plan.schedule(plan, step=None)            # -> StepSchedule: every rank's ops, in order
     dmuon.plan.diff(plan_a, plan_b)                 # -> PlanDiff keyed by FQN
-    dmuon.plan.presets.PRESETS["llama3-8b"]()       # meta-device model shapes
 
-Modules: ``snapshot`` (read-only model snapshot), ``boundaries`` (hook-boundary rules),
-``selection`` (dedicated params and matrix views), ``partition`` (constrained LPT),
-``layout`` (packed buffers), ``step_schedule`` (every rank's ops in one step; deadlock replay),
-``cost`` (bytes/FLOPs/memory summed from the schedule; the FSDP2 baseline), ``rules`` (NS backend
-choice and batching, Gram restarts, accepted modes, wire dtypes, owner-group dims),
-``mesh`` (mesh dim roles, ``normalize_mesh``), ``plan`` (the ``ShardingPlan`` record, JSON),
-``compile`` (the planner), ``diff``, ``render``, ``presets``, ``cli``, ``views`` (matrix
-views: per-head / split-QKV orthogonalisation) and ``qk_clip`` (QK-clip settings), see
-docs/muon_variants.md.
-See docs/planning.md.
+The folders follow the pipeline ``compile`` runs (docs/planning.md, "Where each stage lives"):
+
+    model/       stage 1: read the model (``snapshot``), find hook boundaries (``boundaries``),
+                 select the dedicated matrices (``selection``, ``experts``, ``views``), and the
+                 TP / EP views of an unparallelised model (``parallel``)
+    ownership/   stage 2: owners by constrained LPT (``partition``)
+    layout/      stage 3: packed buffers per boundary (``buffers``)
+    scheduling/  stage 4: every rank's ops in one step, deadlock replay (``step_schedule``)
+    cost/        stage 5: bytes, FLOPs and memory summed from the schedule; the FSDP2 baseline
+    records/     the frozen records the stages pass on: ``params`` (Owner, ParamSpec, ...),
+                 ``plan`` (ShardingPlan, JSON), ``mesh`` (mesh roles), ``qk_clip`` (settings)
+    tools/       ``render`` (summary, HTML), ``diff``, ``cli`` (``python -m dmuon plan|diff``)
+    compile.py   the planner: runs the stages in order
+    rules.py     behaviour rules shared by planner and runtime (NS backend choice and batching,
+                 Gram restarts, accepted modes, wire dtypes, owner-group dims)
+
+Model shapes to plan (Llama-3, ViT, Qwen3-MoE, DeepSeek-V3 on the meta device) live in
+:mod:`dmuon.zoo`, outside the planner.
 """
 
-from . import presets, qk_clip, views
-from .cost import BaselineByteCost, ByteCost, RankStats
-from .diff import CostDelta, ParamChange, PlanDiff, SettingChange, diff
-from .layout import Boundary, BufferLayout
-from .mesh import MESH_DIM_NAMES, MeshDimRoles, mesh_dim_roles, normalize_mesh
-from .plan import ShardingPlan
-from .qk_clip import QKClip
-from .records import ExpertOwners, ExpertStack, MatrixView, Owner, OwnerGroup, ParamSpec
-from .step_schedule import MicroBatch, Op, ScheduleError, Step, StepSchedule, replay, schedule
-from .selection import matrix_predicate
-from .compile import compile  # last: dmuon.plan.compile is the function (it shadows its module)
+from dmuon.plan.records import qk_clip
+from dmuon.plan.model import views
+from dmuon.plan.cost.model import BaselineByteCost, ByteCost, RankStats
+from dmuon.plan.tools.diff import CostDelta, ParamChange, PlanDiff, SettingChange, diff
+from dmuon.plan.layout.buffers import Boundary, BufferLayout
+from dmuon.plan.records.mesh import MESH_DIM_NAMES, MeshDimRoles, mesh_dim_roles, normalize_mesh
+from dmuon.plan.records.plan import ShardingPlan
+from dmuon.plan.records.qk_clip import QKClip
+from dmuon.plan.records.params import ExpertOwners, ExpertStack, MatrixView, Owner, OwnerGroup, ParamSpec
+from dmuon.plan.scheduling.step_schedule import MicroBatch, Op, ScheduleError, Step, StepSchedule, replay, schedule
+from dmuon.plan.model.selection import matrix_predicate
+from dmuon.plan.compile import compile  # last: dmuon.plan.compile is the function (it shadows its module)
 
 __all__ = [
     "compile",
@@ -42,7 +50,6 @@ __all__ = [
     "Op",
     "ScheduleError",
     "diff",
-    "presets",
     "ShardingPlan",
     "Owner",
     "OwnerGroup",

@@ -1,4 +1,4 @@
-"""The planner: :func:`compile` builds a :class:`~dmuon.plan.plan.ShardingPlan`.
+"""The planner: :func:`compile` builds a :class:`~dmuon.plan.records.plan.ShardingPlan`.
 
 ``compile(model, mesh, ...)`` is pure: it reads a snapshot of the model (names, shapes, dtypes,
 module types; meta-device models work), selects the dedicated parameters, resolves their hook
@@ -17,18 +17,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import cost as _cost
-from . import rules as _rules
-from .boundaries import BoundaryResolver
-from .layout import build_boundaries
-from .mesh import normalize_mesh
-from .partition import lpt_partition, lpt_partition_groups
-from .plan import ShardingPlan
-from .qk_clip import QKClip, check_qk_clip
-from .experts import expert_max_split, expert_range_weights
-from .records import ExpertOwners, Fsdp2Unit, Owner, OwnerGroup, ParamSpec, balanced_sizes, dtype_str
-from .selection import select_params
-from .snapshot import take_snapshot
+from dmuon.plan.cost import model as _cost
+from dmuon.plan import rules as _rules
+from dmuon.plan.model.boundaries import BoundaryResolver
+from dmuon.plan.layout.buffers import build_boundaries
+from dmuon.plan.records.mesh import normalize_mesh
+from dmuon.plan.ownership.partition import lpt_partition, lpt_partition_groups
+from dmuon.plan.records.plan import ShardingPlan
+from dmuon.plan.records.qk_clip import QKClip, check_qk_clip
+from dmuon.plan.model.experts import expert_max_split, expert_range_weights
+from dmuon.plan.records.params import ExpertOwners, Fsdp2Unit, Owner, OwnerGroup, ParamSpec, balanced_sizes, dtype_str
+from dmuon.plan.model.selection import select_params
+from dmuon.plan.model.snapshot import take_snapshot
 
 __all__ = ["compile"]
 
@@ -71,10 +71,10 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
         mesh: ``N`` | ``(N,)`` | ``(R, N)`` | an object with ``.shape`` (DeviceMesh).
         predicate: ``(fqn, param) -> bool`` selecting dedicated params by canonical FQN; None =
             every 2-D param inside a hook boundary that is not an embedding weight or a stacked
-            bias, and every expert stack there (:mod:`dmuon.plan.experts`).
+            bias, and every expert stack there (:mod:`dmuon.plan.model.experts`).
         reshard_after_forward: True = DMuon-Z3, False = DMuon-Z2.
         hook_boundary_predicate: ``(module) -> bool``; innermost matching ancestor is the
-            boundary. None = FQN heuristic (:mod:`dmuon.plan.boundaries`).
+            boundary. None = FQN heuristic (:mod:`dmuon.plan.model.boundaries`).
         hook_boundary_strict: raise if a dedicated param has no boundary (else own-module fallback).
         replicate_async: recorded for the runtime (HSDP post-step broadcast overlap).
         mp_policy: object with ``.param_dtype`` / ``.reduce_dtype`` (torch dtypes, dtype strings
@@ -82,7 +82,7 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
         cost_model: ``"numel"`` (elements) or ``"ns_flops"`` (Newton-Schulz FLOPs) LPT weight.
         align_numel: alignment of every layout entry and flags region, in elements (>= 1).
         tp_ns: tensor parallelism: ``"auto"`` (per matrix, the cheaper in bytes of Gram NS and
-            gathering, :func:`~dmuon.plan.cost.choose_tp_ns`), ``"gram"`` or ``"gather"``.
+            gathering, :func:`~dmuon.plan.cost.model.choose_tp_ns`), ``"gram"`` or ``"gather"``.
         tp_size, tp_shard_dims: plan tensor parallelism for a model that is not parallelised
             (e.g. on the meta device): ``T`` and ``{fqn: dim}`` of the dedicated matrices TP
             shards (``0`` colwise, ``1`` rowwise). Without them, TP is read from the model's
@@ -93,9 +93,9 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
         matrix_views: which blocks of dedicated matrices Muon orthogonalises separately
             (per-head q/k/v/o, split QKV): ``{fqn_pattern: MatrixView | rule}`` (fnmatch globs,
             first match wins) or ``(fqn, shape) -> MatrixView | None``; None = whole matrices.
-            Helpers: :mod:`dmuon.plan.views` (``hf_llama_views``, ``gpt2_views``, ...). Under TP
+            Helpers: :mod:`dmuon.plan.model.views` (``hf_llama_views``, ``gpt2_views``, ...). Under TP
             a view must cut the TP-sharded dim with whole blocks per shard (``tp_ns="local"``).
-        qk_clip: QK-clip (MuonClip) settings, a :class:`dmuon.plan.qk_clip.QKClip` (threshold
+        qk_clip: QK-clip (MuonClip) settings, a :class:`dmuon.plan.records.qk_clip.QKClip` (threshold
             ``tau`` and the attention layers whose W_q / W_k rows are rescaled after each step);
             the plan's schedule and cost then include its one all-reduce (max) per step.
         ns_backend: the Newton-Schulz backend each (non-TP) matrix's owner will run, recorded
@@ -109,7 +109,7 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
         owner_groups: ``"off"`` (default: ONE owner rank per matrix), ``"auto"`` (the planner
             gives a matrix an owner group of ``k`` shard ranks of one replicate row only where
             exclusive owners cannot balance the mesh, e.g. more ranks than matrices:
-            :func:`~dmuon.plan.partition.lpt_partition_groups`) or an int ``k`` (every matrix
+            :func:`~dmuon.plan.ownership.partition.lpt_partition_groups`) or an int ``k`` (every matrix
             that can be cut gets ``min(k, N, long side)`` members; ``1`` = ``"off"``). A grouped
             matrix is cut along its long side into balanced blocks (``OwnerGroup``), each
             member holding, broadcasting and updating its block, and is orthogonalised by
@@ -122,7 +122,7 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
             ``down_proj``, gpt-oss's transposed interleaved layout, torchtitan's
             ``GroupedExperts`` ``w1``/``w2``/``w3``, any 3-D parameter under an ``experts``
             module) are selected by the default rule, each expert is ``E`` Muon matrices in
-            ``nn.Linear`` orientation (:class:`~dmuon.plan.records.ExpertStack`), and a stack's
+            ``nn.Linear`` orientation (:class:`~dmuon.plan.records.params.ExpertStack`), and a stack's
             experts get ``min(E, N)`` owners of contiguous ranges (:class:`ExpertOwners`).
             ``"off"``: the selection before expert support (2-D parameters only; a stack a
             predicate selects is one owned unit of ``E`` matrices ``shape[1:]``).
@@ -136,14 +136,14 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
             moves for them, when ``ep = N`` and ``R = 1``. With ``efsdp = N/ep > 1`` or HSDP
             replicas the ``efsdp`` ranks holding one EP coordinate's experts own them in
             contiguous ranges, broadcast and reduced over that efsdp group only
-            (:attr:`~dmuon.plan.layout.BufferLayout.ep`). Not with TP.
+            (:attr:`~dmuon.plan.layout.buffers.BufferLayout.ep`). Not with TP.
         expert_gate_up: ``"split"`` (default): a fused gate/up expert is two Muon matrices,
             gate and up, as ``torch.optim.Muon`` treats the unfused model; ``"fused"``: one
             ``(2F, D)`` matrix per expert.
 
     Returns:
         A validated, frozen :class:`ShardingPlan` whose nominal step schedule passed the
-        deadlock replay (:meth:`~dmuon.plan.step_schedule.StepSchedule.check`).
+        deadlock replay (:meth:`~dmuon.plan.scheduling.step_schedule.StepSchedule.check`).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
@@ -174,7 +174,7 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
     if predicate is None:
         import warnings
 
-        from .selection import coverage_warning, unrecognised_stack_warning
+        from dmuon.plan.model.selection import coverage_warning, unrecognised_stack_warning
 
         for message in (
             coverage_warning(snapshot, hook_boundary_predicate, experts),
@@ -201,7 +201,7 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
     if ep > 1:
         specs = _ep_specs(snapshot, selected, specs, ep, expert_gate_up)
     if matrix_views is not None:
-        from .views import resolve_views
+        from dmuon.plan.model.views import resolve_views
 
         views = resolve_views(specs, matrix_views)
         specs = tuple(dataclasses.replace(spec, view=views[spec.fqn]) if spec.fqn in views else spec for spec in specs)
@@ -213,7 +213,7 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
         )
     if qk_clip is not None:
         if not isinstance(qk_clip, QKClip):
-            raise TypeError(f"qk_clip must be a dmuon.plan.qk_clip.QKClip, got {type(qk_clip).__name__}")
+            raise TypeError(f"qk_clip must be a dmuon.plan.records.qk_clip.QKClip, got {type(qk_clip).__name__}")
         check_qk_clip(qk_clip, specs, snapshot.modules, {a: r for r in snapshot.params for a in r.aliases})
     if ns_backend != "standard":
         with_view = [spec.fqn for spec in specs if spec.view is not None]
@@ -270,12 +270,12 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
 
 def _assign_owners(specs, boundaries, mesh_shape, cost_model, owner_groups, tp_size, qk_clip, segment_lengths,
                    initial_loads=None):
-    """The owner (constrained LPT, :func:`~dmuon.plan.partition.lpt_partition`), owner group or
-    expert owners (:func:`~dmuon.plan.partition.lpt_partition_groups`) of every dedicated
+    """The owner (constrained LPT, :func:`~dmuon.plan.ownership.partition.lpt_partition`), owner group or
+    expert owners (:func:`~dmuon.plan.ownership.partition.lpt_partition_groups`) of every dedicated
     parameter.
 
     An expert stack (``ParamSpec.experts``) of ``E`` experts is cut into
-    :func:`~dmuon.plan.experts.expert_max_split` ``= min(E, N)`` contiguous ranges of experts,
+    :func:`~dmuon.plan.model.experts.expert_max_split` ``= min(E, N)`` contiguous ranges of experts,
     each an LPT item of its own placed together with the dense matrices (on distinct shard
     ranks of one replicate row, as an owner group's blocks): :class:`ExpertOwners`.
 
@@ -395,8 +395,8 @@ def _assign_ep_owners(specs, boundaries, mesh_shape, ep, cost_model, owner_group
     *efsdp group*) hold the same ``E/ep`` experts and split their ownership.
 
     1. The stacks first: each stack's ``E/ep`` local experts are cut into ``k = min(E/ep,
-       efsdp)`` contiguous ranges (:func:`~dmuon.plan.records.balanced_sizes`), placed by the
-       constrained LPT (:func:`~dmuon.plan.partition.lpt_partition_groups`) on ``k`` distinct
+       efsdp)`` contiguous ranges (:func:`~dmuon.plan.records.params.balanced_sizes`), placed by the
+       constrained LPT (:func:`~dmuon.plan.ownership.partition.lpt_partition_groups`) on ``k`` distinct
        efsdp indices ``i`` of one replicate row ``r``, the slots being ``(r, i)``. Every EP
        coordinate ``j`` uses the same placement, so range ``q`` of coordinate ``j`` is owned by
        shard ``j + i_q*ep`` of row ``r`` and every rank of an EP group carries the same load.
@@ -505,14 +505,14 @@ def _ep_specs(snapshot, selected, specs, ep: int, gate_up: str):
         ValueError: no expert stack; a dedicated 3-D parameter that is not a recognised stack; a
             recognised stack that is not dedicated (FSDP2 would average ranks' different experts).
     """
-    from .selection import record_stack
+    from dmuon.plan.model.selection import record_stack
 
     chosen = {s.record.fqn for s in selected}
     unrecognised = [s.record.fqn for s in selected if s.experts is None and len(s.record.shape) == 3]
     if unrecognised:
         raise ValueError(
             f"dmuon.plan.compile: ep={ep}, but the dedicated 3-D parameter {unrecognised[0]!r} is not a recognised "
-            "expert stack (dmuon.plan.experts: HF fused, gpt-oss, torchtitan GroupedExperts w1/w2/w3, or a 3-D "
+            "expert stack (dmuon.plan.model.experts: HF fused, gpt-oss, torchtitan GroupedExperts w1/w2/w3, or a 3-D "
             "parameter under an 'experts' module); expert parallelism needs every stack recognised (experts='auto')"
         )
     left = [
@@ -526,7 +526,7 @@ def _ep_specs(snapshot, selected, specs, ep: int, gate_up: str):
             "average: dedicate every expert stack"
         )
     if not any(spec.experts is not None for spec in specs):
-        raise ValueError(f"dmuon.plan.compile: ep={ep} but the model has no expert stack (dmuon.plan.experts)")
+        raise ValueError(f"dmuon.plan.compile: ep={ep} but the model has no expert stack (dmuon.plan.model.experts)")
     out = []
     for spec in specs:
         if spec.experts is not None:
@@ -591,7 +591,7 @@ def _tp_specs(snapshot, selected, specs, tp_ns, tp_size, tp_shard_dims, ns_steps
             raise ValueError(
                 f"dmuon.plan.compile: tp_size={tp_size} without tp_shard_dims plans no TP-sharded matrix; pass "
                 "tp_shard_dims={fqn: 0 (colwise) | 1 (rowwise)} for the dedicated matrices TP shards "
-                "(e.g. dmuon.plan.presets.megatron_tp_shard_dims(model)), or parallelize the model first"
+                "(e.g. dmuon.plan.model.parallel.megatron_tp_shard_dims(model)), or parallelize the model first"
             )
         parallel = [r.fqn for r in snapshot.params if r.tp_size > 1]
         if parallel:

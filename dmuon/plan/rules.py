@@ -1,8 +1,8 @@
 """Behaviour rules of the planner and the runtime, one definition each: which Newton-Schulz
 backend a matrix runs, how the optimizer batches NS calls, where Gram NS restarts, which
 modes ``dmuon.plan.compile`` accepts, the wire dtypes, and which matrices an owner group may
-cut. The cost model (:mod:`dmuon.plan.cost`) prices what these rules decide; ``dmuon.Muon``,
-``dmuon.exec.newton_schulz`` and the simulator follow them.
+cut. The cost model (:mod:`dmuon.plan.cost.model`) prices what these rules decide; ``dmuon.Muon``,
+``dmuon.exec.optim.newton_schulz`` and the simulator follow them.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numbers
 from collections.abc import Sequence
 
-from .records import ParamSpec
+from dmuon.plan.records.params import ParamSpec
 
 __all__ = [
     "NS_STEPS",
@@ -40,7 +40,7 @@ NS_STEPS = 5
 COST_MODELS = ("numel", "ns_flops")
 #: valid ``ns_backend`` values of :func:`dmuon.plan.compile` (and of ``dmuon.Muon``)
 NS_BACKEND_MODES = ("standard", "gram", "auto")
-#: Gram restart period of ``dmuon.exec.newton_schulz.gram_newton_schulz`` (and so of
+#: Gram restart period of ``dmuon.exec.optim.newton_schulz.gram_newton_schulz`` (and so of
 #: ``dmuon.Muon(ns_backend="gram" | "auto")``): restart before every 2nd step (0-based 2, 4, ...)
 GRAM_RESTART_EVERY = 2
 #: NS dtypes for which ``dmuon.Muon`` batches Newton-Schulz over same-shape matrices (fp32 /
@@ -72,21 +72,21 @@ def choose_ns_backend(matrix_shape: Sequence[int], mode: str, *, steps: int = NS
                       restart_every: int | Sequence[int] | None = GRAM_RESTART_EVERY) -> str:
     """The Newton-Schulz backend a matrix runs: ``"standard"`` or ``"gram"`` (the one rule, used by
     :func:`dmuon.plan.compile` to fill ``ParamSpec.ns_backend``, by ``dmuon.Muon`` to check it and
-    by ``dmuon.exec.newton_schulz.auto_newton_schulz`` at run time).
+    by ``dmuon.exec.optim.newton_schulz.auto_newton_schulz`` at run time).
 
     ``mode="auto"``: ``"gram"`` exactly when the short side ``d = min(m, n)`` is at least
     :data:`GRAM_AUTO_MIN_SIDE` (below it the per-op and fallback-check overheads outweigh the
     saving on a CPU core; the constant's comment gives the measurement) and Gram NS needs fewer
-    matmul FLOPs (:func:`~dmuon.plan.cost.matrix_ns_flops` with ``steps`` and ``restart_every``); ties and everything
+    matmul FLOPs (:func:`~dmuon.plan.cost.model.matrix_ns_flops` with ``steps`` and ``restart_every``); ties and everything
     else go to ``"standard"`` (torch's iteration). With 5 steps and the default restarts (before
     steps 2 and 4) Gram NS costs ``10.5·d²·D + 22·d³`` for ``(d, D)`` (the symmetric Gram product,
-    :func:`~dmuon.plan.cost.gram_product_flops`) against ``20·d²·D + 10·d³``: Gram where ``D > 1.26·d``.
+    :func:`~dmuon.plan.cost.model.gram_product_flops`) against ``20·d²·D + 10·d³``: Gram where ``D > 1.26·d``.
     ``"standard"`` / ``"gram"``: forced.
 
     Raises:
         ValueError: unknown ``mode``.
     """
-    from .cost import matrix_ns_flops, ns_flops  # the FLOP formulas (cost imports this module)
+    from dmuon.plan.cost.model import matrix_ns_flops, ns_flops  # the FLOP formulas (cost imports this module)
 
     if mode not in NS_BACKEND_MODES:
         raise ValueError(f"ns_backend must be one of {NS_BACKEND_MODES}, got {mode!r}")
@@ -126,7 +126,7 @@ def ns_batch_runs(numels: Sequence[int]) -> list[list[int]]:
 
 def gram_segment_lengths(steps: int, restart_every: int | Sequence[int] | None) -> tuple[int, ...]:
     """Lengths of the Gram Newton-Schulz segments between restarts; one Gram (one TP
-    all-reduce) per segment. The one segment rule: ``dmuon.exec.newton_schulz.gram_segments``
+    all-reduce) per segment. The one segment rule: ``dmuon.exec.optim.newton_schulz.gram_segments``
     splits a schedule by these lengths.
 
     ``restart_every``: ``r >= 1``: restart before every 0-based step ``k`` with ``k % r == 0``,
@@ -160,7 +160,7 @@ def gram_segment_lengths(steps: int, restart_every: int | Sequence[int] | None) 
 
 def owner_group_dim(shape: Sequence[int]) -> int:
     """The dim an owner group cuts a 2-D matrix along: its long side (rows when ``m >= n``), so
-    that the Gram of the short side ``d`` is a sum of the blocks' Grams (:func:`~dmuon.plan.cost.tp_gram_side`
+    that the Gram of the short side ``d`` is a sum of the blocks' Grams (:func:`~dmuon.plan.cost.model.tp_gram_side`
     with the same dim gives ``d``)."""
     return 0 if int(shape[0]) >= int(shape[1]) else 1
 

@@ -14,11 +14,11 @@ dion-style all-to-all as op tables), ``variants`` (schedule variants such as ear
 See docs/performance.md ("Step-time simulator").
 """
 
-from . import alternatives, hardware, workload
-from .hardware import CollectiveCurve, Hardware, Link
-from .simulate import VARIANTS, Interval, MemoryBreakdown, PathStep, RankTime, Simulation, simulate, simulate_variants
-from .variants import early_ns_schedule
-from .workload import Work, Workload, from_plan
+from dmuon.sim import alternatives, hardware, workload
+from dmuon.sim.hardware import CollectiveCurve, Hardware, Link
+from dmuon.sim.simulate import VARIANTS, Interval, MemoryBreakdown, PathStep, RankTime, Simulation, simulate, simulate_variants
+from dmuon.sim.variants import early_ns_schedule
+from dmuon.sim.workload import Work, Workload, from_plan
 
 __all__ = [
     "simulate",

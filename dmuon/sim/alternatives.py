@@ -1,7 +1,7 @@
 r"""The step schedules of what a user would run instead of dmuon, as op tables.
 
 Each builder returns a tuple of :class:`dmuon.plan.Op` in issue order (the symmetric form of
-:mod:`dmuon.plan.step_schedule`: every op shared by all members of its group, each rank issues
+:mod:`dmuon.plan.scheduling.step_schedule`: every op shared by all members of its group, each rank issues
 the ops whose group holds it in table order), on the plan's data-parallel mesh, with the same
 boundaries, parameters, wire dtypes and FSDP2 units the plan describes. They are replayed by
 :func:`dmuon.sim.simulate` exactly as a dmuon schedule is.
@@ -37,8 +37,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..plan import cost as _cost
-from ..plan.step_schedule import Op, Step
+from dmuon.plan.cost import model as _cost
+from dmuon.plan.scheduling.step_schedule import Op, Step
 
 __all__ = ["VARIANTS", "fsdp2_ops", "build"]
 
@@ -138,7 +138,7 @@ def build(variant: str, plan: Any, step: Step | None = None) -> tuple[Op, ...]:
     """The op table of alternative ``variant`` (:data:`VARIANTS`) on ``plan``'s model and mesh.
 
     FSDP2 runs with the plan's ``reshard_after_forward`` for ``naive`` / ``all_to_all`` and with
-    ``True`` for ``adamw`` (the floor as usually deployed). NS FLOPs: :func:`dmuon.plan.cost.ns_flops`
+    ``True`` for ``adamw`` (the floor as usually deployed). NS FLOPs: :func:`dmuon.plan.cost.model.ns_flops`
     of each matrix view.
 
     Raises:

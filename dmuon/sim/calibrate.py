@@ -65,8 +65,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .._launch import run_distributed  # the package's one launcher of local ranks
-from .hardware import CollectiveCurve, Hardware, Link, dump, ns_mean_dim
+from dmuon._launch import run_distributed  # the package's one launcher of local ranks
+from dmuon.sim.hardware import CollectiveCurve, Hardware, Link, dump, ns_mean_dim
 
 __all__ = ["calibrate", "main"]
 
@@ -469,16 +469,16 @@ QUICK_NS_SHAPES = ((64, 64), (128, 512))
 
 def _newton_schulz(repeats: int, quick: bool, backend: str = "standard") -> list[tuple[float, float]]:
     """One fp32 Newton-Schulz call (5 steps) per shape: ``(d, FLOP/s)`` with ``d = (a²·b)^(1/3)``
-    and the FLOPs of :func:`dmuon.plan.cost.matrix_ns_flops`. ``"standard"``:
-    ``dmuon.exec.newton_schulz.newton_schulz`` (the matmuls with their transposed operand, the
+    and the FLOPs of :func:`dmuon.plan.cost.model.matrix_ns_flops`. ``"standard"``:
+    ``dmuon.exec.optim.newton_schulz.newton_schulz`` (the matmuls with their transposed operand, the
     norm, the axpys) per :data:`NS_SHAPES` — a square ``a @ b`` on the same sizes runs 10–25 %
     faster on this CPU, which the plain curve would assume; ``"gram"``: ``gram_newton_schulz``
     (default restarts, fallback check) on the shapes of :data:`NS_SHAPES` where it needs fewer
     FLOPs (the 1:4 ones), which run at a lower rate per FLOP than the standard call here."""
     import torch
 
-    from ..exec.newton_schulz import gram_newton_schulz, newton_schulz
-    from ..plan.cost import matrix_ns_flops
+    from dmuon.exec.optim.newton_schulz import gram_newton_schulz, newton_schulz
+    from dmuon.plan.cost.model import matrix_ns_flops
 
     fn = gram_newton_schulz if backend == "gram" else newton_schulz
     shapes = QUICK_NS_SHAPES if quick else NS_SHAPES
@@ -512,7 +512,7 @@ def _ns_batch_factor(repeats: int, quick: bool) -> list[tuple[float, int, float]
     of 4–16 at ``d <= 203``, ×1.0–1.26 at ``d >= 256``, whose batches leave the cache."""
     import torch
 
-    from ..exec.newton_schulz import newton_schulz
+    from dmuon.exec.optim.newton_schulz import newton_schulz
 
     shapes, batches = QUICK_NS_BATCH if quick else (NS_BATCH_SHAPES, NS_BATCHES)
     pts = []

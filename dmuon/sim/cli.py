@@ -76,12 +76,12 @@ def top_k_error(model: Any, top_k: int) -> str | None:
 
 def main_simulate(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m dmuon simulate``. Returns 0."""
-    from ..plan.cli import add_selection_args, check_selection_args, parse_mesh, selection_kwargs, warnings_to_stderr
-    from ..plan.compile import compile
-    from ..plan.presets import PRESETS
-    from . import hardware as H
-    from .simulate import VARIANTS, simulate
-    from .workload import from_plan, model_top_k
+    from dmuon.plan.tools.cli import add_selection_args, check_selection_args, parse_mesh, selection_kwargs, warnings_to_stderr
+    from dmuon.plan.compile import compile
+    from dmuon.zoo import PRESETS
+    from dmuon.sim import hardware as H
+    from dmuon.sim.simulate import VARIANTS, simulate
+    from dmuon.sim.workload import from_plan, model_top_k
 
     parser = argparse.ArgumentParser(prog="python -m dmuon simulate",
                                      description="Simulated step time of dmuon Z2/Z3 and the alternatives (no GPU needed).")
@@ -170,7 +170,7 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
             f.write("\n")
         print(f"wrote {args.json}")
     if args.png:
-        from .plot import gantt
+        from dmuon.sim.plot import gantt
 
         gantt({v: s for v, s in sims.items()}, 0, args.png)
         print(f"wrote {args.png}")

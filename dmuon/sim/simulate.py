@@ -1,6 +1,6 @@
 r"""Replay a step schedule on a hardware model: ``simulate(plan, hardware, workload) -> Simulation``.
 
-The replay is the deadlock check's (:mod:`dmuon.plan.step_schedule`) with clocks. In the
+The replay is the deadlock check's (:mod:`dmuon.plan.scheduling.step_schedule`) with clocks. In the
 symmetric form every op of the table is shared by all members of its group and each rank
 issues its ops in table order, so walking the table once in order visits every rank's ops in
 issue order and every collective's members at the same matched call — the ``i``-th call on a
@@ -59,16 +59,16 @@ from typing import Any
 
 import numpy as np
 
-from ..plan import cost as _cost
-from ..plan import rules as _rules
-from ..plan.records import OwnerGroup, itemsize_nbytes
-from ..plan.step_schedule import Op, Step, StepSchedule
-from . import alternatives as _alt
-from .hardware import (OP_COLLECTIVE, Hardware, blocking_wait_s_at, busy_factors, collective_s, comm_cpu_share_at,
+from dmuon.plan.cost import model as _cost
+from dmuon.plan import rules as _rules
+from dmuon.plan.records.params import OwnerGroup, itemsize_nbytes
+from dmuon.plan.scheduling.step_schedule import Op, Step, StepSchedule
+from dmuon.sim import alternatives as _alt
+from dmuon.sim.hardware import (OP_COLLECTIVE, Hardware, blocking_wait_s_at, busy_factors, collective_s, comm_cpu_share_at,
                        dtensor_gather_s_at, elementwise_s, fsdp2_call_s_at, matmul_s, ns_batch_factor_at, ns_call_s,
                        ns_mean_dim, step_compute_factor_at, train_activation_s, train_attention_s, train_elementwise_s,
                        train_matmul_s, train_norm_s)
-from .workload import Work, Workload
+from dmuon.sim.workload import Work, Workload
 
 __all__ = ["VARIANTS", "Interval", "PathStep", "RankTime", "MemoryBreakdown", "Simulation", "simulate",
            "simulate_variants", "memory", "replay_ops"]
@@ -283,7 +283,7 @@ def _owner_group_fqns(plan: Any) -> set[str]:
 def _ns_backend(spec: Any, grouped: set[str]) -> str:
     """The Newton-Schulz a dmuon matrix's update runs, ``"gram"`` or ``"standard"``: Gram for the
     plan's ``ns_backend="gram"`` matrices, TP-sharded ones with ``tp_ns="gram"`` and owner-group
-    matrices (``grouped``; sharded Gram NS, :mod:`dmuon.exec.tp_orthogonalize`)."""
+    matrices (``grouped``; sharded Gram NS, :mod:`dmuon.exec.optim.tp_orthogonalize`)."""
     gram = spec.ns_backend == "gram" or (spec.tp_size > 1 and spec.tp_ns == "gram") or spec.fqn in grouped
     return "gram" if gram else "standard"
 
@@ -777,7 +777,7 @@ def _variant_ops(plan: Any, variant: str, step: Step | None, early_ns: bool | st
         sched.check()
         nominal = sched
         if early_ns:
-            from .variants import early_ns_schedule
+            from dmuon.sim.variants import early_ns_schedule
 
             sched = early_ns_schedule(sched, early_replicate_broadcast=early_ns != "ns_only")
         return sched.ops, sched.num_ranks, plan, nominal
@@ -788,7 +788,7 @@ def _variant_ops(plan: Any, variant: str, step: Step | None, early_ns: bool | st
 
 def _moved_nbytes(ops: Sequence[Op], num_ranks: int, variant: str) -> int:
     """Bytes on the wire per step summed over ranks: dmuon's collectives by the ledger's rule
-    (:func:`dmuon.plan.cost.schedule_byte_cost`), FSDP2's and the alternatives' by
+    (:func:`dmuon.plan.cost.model.schedule_byte_cost`), FSDP2's and the alternatives' by
     :func:`dmuon.sim.alternatives.moved_nbytes`."""
     if variant in ("z2", "z3"):
         view = _OpsView(tuple(op for op in ops if op.collective), num_ranks)
@@ -798,7 +798,7 @@ def _moved_nbytes(ops: Sequence[Op], num_ranks: int, variant: str) -> int:
 
 
 class _OpsView:
-    """The two attributes :func:`dmuon.plan.cost.schedule_byte_cost` reads."""
+    """The two attributes :func:`dmuon.plan.cost.model.schedule_byte_cost` reads."""
 
     def __init__(self, ops: Sequence[Op], n: int) -> None:
         self.ops = ops

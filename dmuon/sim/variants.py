@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..plan.step_schedule import StepSchedule
+from dmuon.plan.scheduling.step_schedule import StepSchedule
 
 __all__ = ["early_ns_schedule"]
 

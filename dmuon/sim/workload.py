@@ -57,7 +57,7 @@ import dataclasses
 import math
 from typing import Any
 
-from ..plan.records import itemsize_nbytes
+from dmuon.plan.records.params import itemsize_nbytes
 
 __all__ = ["Work", "Workload", "from_plan", "model_top_k", "ACTIVATION_BYTES_PER_TOKEN_HIDDEN"]
 
@@ -239,7 +239,7 @@ def _unit_work(fqn: str, label: str, params: list[tuple[str, tuple[int, ...]]], 
 
 def model_top_k(model: Any, default: int = 2) -> int:
     """The experts per token of ``model``'s routing: the first integer ``top_k`` attribute of its
-    modules (``dmuon.plan.presets``' MoE blocks, ``dmuon.train``'s :class:`~dmuon.train.model.MoE`,
+    modules (``dmuon.zoo``' MoE blocks, ``dmuon.train``'s :class:`~dmuon.train.model.MoE`,
     transformers' ``top_k`` on most MoE blocks), else ``default``."""
     for module in model.modules():
         k = getattr(module, "top_k", None)

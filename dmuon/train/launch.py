@@ -35,7 +35,7 @@ _PG_TIMEOUT = datetime.timedelta(minutes=10)
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``train`` argument parser (all defaults: the main job on 2 CPU processes)."""
-    from dmuon.plan.cli import parse_owner_groups  # the one parser of off | auto | K
+    from dmuon.plan.tools.cli import parse_owner_groups  # the one parser of off | auto | K
 
     p = argparse.ArgumentParser(
         prog="python -m dmuon train",

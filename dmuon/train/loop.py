@@ -33,8 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dmuon.exec import collectives as _collectives
-from dmuon.plan.cost import ByteCost
+from dmuon.exec.comm import collectives as _collectives
+from dmuon.plan.cost.model import ByteCost
 from dmuon.train.checkpoint import load_checkpoint, run_flags, save_checkpoint
 from dmuon.train.data import VOCAB_SIZE, Corpus, load_corpus
 from dmuon.train.progress import progress_bar, write_line
@@ -43,7 +43,7 @@ from dmuon.train.model import GPT, GPTConfig, apply_tensor_parallel, lm_loss
 __all__ = ["LEDGER_PHASES", "train", "run_job", "lr_factor", "model_config"]
 
 LEDGER_PHASES = _collectives.PHASES
-"""Ledger phases, in the order of the per-step byte vector (``dmuon.exec.collectives.PHASES``):
+"""Ledger phases, in the order of the per-step byte vector (``dmuon.exec.comm.collectives.PHASES``):
 the phases of ``plan.cost`` first, in ``ByteCost.PHASES`` order ("tp": tensor-parallel Gram
 all-reduces and gathers), then "other", which collects any other phase the ledger reports (not
 part of the plan)."""
@@ -149,7 +149,7 @@ def _is_expert_stack(fqn: str) -> bool:
 def _variant_kwargs(args: argparse.Namespace, model: GPT) -> dict[str, Any]:
     """``dedicate_params`` arguments of ``--matrix-views``, ``--qk-clip`` (docs/muon_variants.md)
     and ``--owner-groups`` (docs/owner_groups.md)."""
-    from .model import per_head_views, qk_clip_spec
+    from dmuon.train.model import per_head_views, qk_clip_spec
 
     kw: dict[str, Any] = {}
     if getattr(args, "matrix_views", "none") == "per-head":
@@ -280,7 +280,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             adamw_weight_decay=args.adamw_weight_decay,
             ns_dtype=ns_dtype,
         )
-        from dmuon.exec.collectives import LEDGER
+        from dmuon.exec.comm.collectives import LEDGER
     elif args.optimizer == "adamw":
         opt = torch.optim.AdamW(
             model.parameters(), lr=args.adamw_lr, weight_decay=args.adamw_weight_decay
@@ -325,7 +325,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             f"{plan_cost.total_nbytes:,} B/step over all ranks "
             f"(per rank {list(plan_cost.per_rank_nbytes)})"
         )
-        from dmuon.plan.render import expert_lines
+        from dmuon.plan.tools.render import expert_lines
 
         for line in expert_lines(plan):  # MoE: the plan summary's experts line
             log(line)

@@ -127,7 +127,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        from dmuon.exec import qk_clip  # QK-clip layer of a live plan: report the per-head max logits
+        from dmuon.exec.optim import qk_clip  # QK-clip layer of a live plan: report the per-head max logits
 
         if qk_clip.wants_logits(self):  # SDPA never materialises them: one extra QKᵀ pass
             qk_clip.record(self, qk_clip.max_logits_sdpa(q, k, is_causal=True))
@@ -226,7 +226,7 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: GPTConfig, *, ep_group=None, ep_rank: int = 0) -> None:
         super().__init__()
-        from .expert_parallel import expert_range
+        from dmuon.train.expert_parallel import expert_range
 
         self.top_k = cfg.top_k
         self.num_experts = cfg.n_experts
@@ -252,7 +252,7 @@ class MoE(nn.Module):
             return self.experts(flat, idx, weights).view(shape)
         if self.ep_group is None:
             raise RuntimeError(f"MoE with ep={self.ep} needs its EP process group (GPT(..., ep_group=...))")
-        from .expert_parallel import dispatch_combine
+        from dmuon.train.expert_parallel import dispatch_combine
 
         out = dispatch_combine(flat, idx, weights, self.experts, num_experts=self.num_experts, group=self.ep_group)
         return out.view(shape)
@@ -391,14 +391,14 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def per_head_views(cfg: GPTConfig) -> dict:
     """``matrix_views`` for :func:`dmuon.plan.compile`: q/k/v as ``n_heads`` row blocks, o_proj
     as ``n_heads`` column blocks (``python -m dmuon train --matrix-views per-head``)."""
-    from dmuon.plan.views import heads
+    from dmuon.plan.model.views import heads
 
     return {"*.attn.[qkv]_proj.weight": heads(cfg.n_heads), "*.attn.o_proj.weight": heads(cfg.n_heads, dim=1)}
 
 
 def qk_clip_spec(model: GPT, tau: float):
-    """:class:`dmuon.plan.qk_clip.QKClip` of every block's attention (``--qk-clip TAU``)."""
-    from dmuon.plan.qk_clip import attention_qk_clip
+    """:class:`dmuon.plan.records.qk_clip.QKClip` of every block's attention (``--qk-clip TAU``)."""
+    from dmuon.plan.records.qk_clip import attention_qk_clip
 
     cfg = model.cfg
     return attention_qk_clip(model, tau, suffix="attn", q="q_proj", k="k_proj", num_heads=cfg.n_heads, head_dim=cfg.head_dim)

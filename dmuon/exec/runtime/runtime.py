@@ -1,0 +1,623 @@
+"""The runtime of one model: its hook boundaries, reduce completion, HSDP replicas and streams.
+
+:class:`DmuonRuntime` owns one :class:`~dmuon.exec.runtime.boundary._BoundaryRuntime` per hook
+boundary (their packed buffers: :mod:`dmuon.exec.runtime.buffers`; dmuon's process groups:
+:mod:`dmuon.exec.comm.groups`) and does what spans boundaries:
+
+=====================  =====================================================================
+phase                  what happens on this rank (mesh coordinate ``(r, s)``)
+=====================  =====================================================================
+end of backward        (autograd final callback) reduce boundaries not yet reduced, wait for
+                       every reduce, read all owned presence flags at once (one host sync), copy
+                       or add the averaged gradients into the owners' ``.grad`` (never a view of
+                       the reduce buffer), release the reduce buffers' storage
+optimizer step         HSDP: after the owner's update, broadcast each sub-segment from its
+                       owner to its replicate peers (waited for before the next use when
+                       ``replicate_async=True``)
+=====================  =====================================================================
+
+The per-boundary phases (pre-/post-forward, pre-/post-backward) are in
+:mod:`dmuon.exec.runtime.boundary`. Every collective of those phases and of the ones above comes from the
+plan's step schedule (:func:`dmuon.plan.scheduling.step_schedule.boundary_programs`, bound to this rank's
+buffers by :mod:`dmuon.exec.runtime.program`): groups, roots, sizes, dtypes and order are the plan's;
+the hooks decide when each list runs.
+
+On an accelerator (``DmuonRuntime.use_streams``, default on; ``torch.Stream`` / ``torch.accelerator``, so
+CUDA, XPU or any other device module alike): broadcasts (and the mixed-precision cast before
+them) run on a broadcast stream, gradient packing and reduces on a reduce stream, as FSDP2 orders
+its all-gathers and reduce-scatters: each waits for the compute stream when issued, the compute
+stream waits for an event on it before the parameters or the reduced gradients are used, storage
+is regrown on the compute stream and freed only after that wait, and local gradients read by the
+reduce stream stay referenced until it. On CPU none of this runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+import torch.nn as nn
+
+from dmuon.plan.scheduling.step_schedule import boundary_programs
+
+from dmuon.exec.comm import collectives as C
+from dmuon.exec.setup import fsdp2
+from dmuon.exec.runtime.boundary import ShardedState, TrainingState, _BoundaryRuntime, _on_stream, current_stream, eager_hook, has_streams
+from dmuon.exec.runtime.buffers import DedicatedInfo, build_segments, dedicated_info
+from dmuon.exec.comm.groups import MeshGroups
+from dmuon.exec.runtime.program import bind
+
+__all__ = ["DmuonRuntime", "wait_pending", "after_step", "get_runtime", "get_model_runtime", "no_sync"]
+
+RUNTIME_ATTR = "_dmuon_runtime"  # the model attribute that holds its DmuonRuntime
+
+
+class DmuonRuntime:
+    """Binds a :class:`~dmuon.plan.ShardingPlan` to a model and a mesh (see module docstring)."""
+
+    def __init__(
+        self,
+        plan,
+        model: nn.Module,
+        groups: MeshGroups,
+        device: torch.device,
+        *,
+        timeout_s: float | None = None,
+        use_streams: bool = True,
+    ):
+        self.plan = plan
+        self.groups = groups
+        self.device = device
+        self.reshard_after_forward = bool(plan.reshard_after_forward)
+        self.replicate_async = bool(plan.replicate_async)
+        self.num_shards = groups.shape[1]
+        self.world_numel = groups.shape[0] * groups.shape[1]
+        self.tp_size = groups.tp_size
+        self.boundaries: list[_BoundaryRuntime] = []
+        self.pending_reduces: list = []  # (boundary, segment, buffer, work, local grads kept alive)
+        self._flag_host_reads = 0  # host reads of presence flags (one per finish_reduces with owned grads)
+        self.use_streams = bool(use_streams)  # CUDA: dmuon's own broadcast / reduce streams (False: the compute stream)
+        self._streams = None  # (device, {"broadcast": Stream, "reduce": Stream}), built on first use
+        self.pending_replicate: dict[int, list] = {}
+        self.steps_done = 0  # optimizer steps this runtime has seen (after_step), for the step check
+        self.deferred_rounds: list = []  # accelerators: received broadcast rounds to compare at the step
+        self._final_callback_queued = False
+        self.requires_gradient_sync = True
+        self.timeout_s = timeout_s  # seconds a dmuon collective may take (None: wait forever)
+        self.model_ref = weakref.ref(model)
+        self.ep_hooks: dict = {}  # expert-parallel stacks' gradient-divisor hook handles, by FQN
+        self._build(model)
+
+    # -- construction ----------------------------------------------------------------------
+
+    def _build(self, model: nn.Module) -> None:
+        plan = self.plan
+        modules = dict(model.named_modules(remove_duplicate=False))
+        specs = {p.fqn: p for p in plan.params}
+        owners = dict(zip((p.fqn for p in plan.params), plan.owners))
+        original = {}
+        for spec in plan.params:
+            mod = modules[spec.module_fqn]
+            original[spec.fqn] = mod._parameters[spec.attr]
+        programs = boundary_programs(plan)  # the schedule's per-boundary collectives
+        for b, program in zip(plan.boundaries, programs):
+            segments = build_segments(
+                b,
+                plan=plan,
+                groups=self.groups,
+                device=self.device,
+                modules=modules,
+                specs=specs,
+                owners=owners,
+                original=original,
+                runtime_ref=weakref.ref(self),
+            )
+            module = modules[b.fqn]
+            br = _BoundaryRuntime(self, b.fqn, module, segments, bind(program, segments, self.groups))
+            br.index = len(self.boundaries)
+            for slot in br.installable:
+                for mod, attr in slot.homes:
+                    mod._parameters[attr] = slot.logical
+            br.handles.append(module.register_forward_pre_hook(eager_hook(br.pre_forward), with_kwargs=True))
+            br.handles.append(module.register_forward_hook(eager_hook(br.post_forward), with_kwargs=True))
+            self.boundaries.append(br)
+        self.ep_params = self._bind_expert_parallel(modules, original)
+        self.ep_infos = {fqn: dedicated_info(p) for fqn, p in self.ep_params.items()}
+        # matrices with one owner: their slot; owner-grouped matrices: their _Grouped (blocks in
+        # several segments)
+        self.slots_by_fqn = {s.fqn: s for b in self.boundaries for s in b.slots if s.grouped is None}
+        self.grouped_by_fqn = {gm.fqn: gm for b in self.boundaries for gm in b.grouped}
+        self.shard_of_fqn = {
+            s.fqn: seg.shard for b in self.boundaries for seg in b.segments for s in seg.slots if s.grouped is None
+        }
+        # checkpoint / materialisation bookkeeping (dmuon.exec.state.checkpoint, dmuon.exec.setup.materialize)
+        self.infos = {s.fqn: dedicated_info(s.logical) for s in self.slots_by_fqn.values()}
+        self.infos.update({fqn: dedicated_info(gm.logical) for fqn, gm in self.grouped_by_fqn.items()})
+        self._state_dict_mesh = None  # DeviceMesh of the state-dict DTensors, built on first use
+        self.replicas_stale = False  # HSDP: holders may disagree (set by to_empty & co.)
+        self.qk_clip = None  # QK-clip (MuonClip): reported max logits and the owners' rescaling
+        if plan.qk_clip is not None:
+            from dmuon.exec.optim.qk_clip import QKClipRuntime
+
+            self.qk_clip = QKClipRuntime(self, model)
+
+    def _bind_expert_parallel(self, modules, original) -> dict[str, nn.Parameter]:
+        """Expert-parallel stacks (``Boundary.local``): each rank's model holds its own experts.
+        The parameter stays where it is (no buffer, no broadcast, no reduce); it is tagged
+        ``p._dmuon`` (``ep_local``, owned here, so ``fully_shard`` skips it and ``dmuon.Muon``
+        orthogonalises its experts) and a tensor hook divides every gradient contribution by
+        :meth:`grad_divisor` (the data-parallel world ``W = R*N``, or FSDP2's gradient divide
+        factor when one is set): tokens of every rank reach a local expert through the model's
+        all-to-all, so its gradient is the SUM over ranks of their local-loss gradients, and
+        ``/W`` makes it the global-batch mean's (as the reduce-AVG does for the dense
+        matrices). Stacks owned in efsdp groups need no hook: their reduce SUMs the holders'
+        gradients, which together are that same SUM, and the owner divides it like any
+        other. Returns ``{fqn: parameter}``."""
+        import torch.distributed as dist
+
+        out: dict[str, nn.Parameter] = {}
+        specs = {p.fqn: p for p in self.plan.params}
+        me = dist.get_rank()
+        for index, b in enumerate(self.plan.boundaries):
+            for fqn in b.local:
+                spec = specs[fqn]
+                p = original[fqn]
+                if not isinstance(p, nn.Parameter) or getattr(p, "placements", None) is not None:
+                    raise ValueError(
+                        f"dmuon: expert-parallel stack {fqn!r} must be a plain nn.Parameter of this rank's experts "
+                        f"{spec.local_shape}, got {type(p).__name__}"
+                    )
+                if tuple(p.shape) != tuple(spec.local_shape) or str(p.dtype) != spec.dtype:
+                    raise ValueError(
+                        f"dmuon: expert-parallel stack {fqn!r} is {tuple(p.shape)} {p.dtype} on this rank but the plan "
+                        f"gives each rank {spec.local_shape} {spec.dtype} (E/ep experts of {spec.shape})"
+                    )
+                stack = spec.experts
+                p._dmuon = DedicatedInfo(
+                    fqn=fqn,
+                    owner_global_rank=me,
+                    is_owner=True,
+                    holds_full=True,
+                    shape=tuple(spec.local_shape),
+                    matrix_shape=tuple(spec.matrix_shape),
+                    num_matrices=stack.local_experts * stack.matrices_per_expert,
+                    runtime=weakref.ref(self),
+                    experts=stack,
+                    ep_local=True,
+                )
+                self.hook_ep_param(fqn, p, index)
+                out[fqn] = p
+        return out
+
+    def hook_ep_param(self, fqn: str, p: nn.Parameter, boundary_index: int) -> None:
+        """(Re-)register the gradient-divisor hook of the local expert-parallel stack ``fqn`` on
+        ``p`` (dropping the one it had): at ``dedicate_params``, and again when ``to_empty``
+        gave the stack a new tensor (:func:`dmuon.exec.setup.materialize.rebind_storage`)."""
+        old = self.ep_hooks.pop(fqn, None)
+        if old is not None:
+            old.remove()
+        if self.world_numel > 1 and p.requires_grad:
+            self.ep_hooks[fqn] = p.register_hook(_ep_grad_divisor(weakref.ref(self), boundary_index))
+
+    # -- settings and state changed from outside (dmuon.exec.setup.materialize, benchmarks) ----------
+
+    def set_use_streams(self, enabled: bool) -> None:
+        """CUDA: use dmuon's own broadcast / reduce streams (default) or the compute stream."""
+        self.use_streams = bool(enabled)
+
+    def mark_replicas_stale(self) -> None:
+        """HSDP: holders may disagree now (after a ``Module._apply``): :meth:`sync_replicas`
+        broadcasts every owner's value before the next use. Without replicas, nothing to do."""
+        self.replicas_stale = self.groups.shape[0] > 1
+
+    def set_device(self, device: torch.device) -> None:
+        """The dedicated storage moved to ``device`` (after :func:`dmuon.exec.setup.materialize.rebind_storage`)."""
+        if device != self.device:
+            self.device = device
+            self._state_dict_mesh = None
+
+    def state_dict_mesh(self):
+        """The ``DeviceMesh`` of dmuon's state-dict DTensors (over dmuon's groups), cached.
+
+        Without TP: ``(shard,)`` or ``("replicate", "shard")`` over this data-parallel mesh.
+        With TP (``T > 1``) the whole job: ``("tp", "shard")`` or ``("replicate", "tp",
+        "shard")``, ``mesh[r][t][s]`` = the global rank at ``(r, s)`` of TP coordinate ``t``;
+        ``tp`` comes before ``shard`` so that a column-parallel (``Shard(0)``) matrix is split
+        into its TP blocks first, then each block into row chunks (DTensor applies placements
+        of one tensor dim left to right), which is how the holders store it.
+        """
+        mesh = self._state_dict_mesh
+        if mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            g = self.groups
+            R, _ = g.shape
+            device_type = self.device.type
+            if g.tp_size > 1:
+                ranks = torch.tensor(g.tp_tables, dtype=torch.int64).permute(1, 0, 2)  # [r][t][s]
+                if R == 1:
+                    mesh = DeviceMesh.from_group(
+                        [g.tp_group, g.shard_group], device_type, mesh=ranks[0], mesh_dim_names=("tp", "shard")
+                    )
+                else:
+                    mesh = DeviceMesh.from_group(
+                        [g.replicate_group, g.tp_group, g.shard_group], device_type, mesh=ranks,
+                        mesh_dim_names=("replicate", "tp", "shard"),
+                    )
+            elif R == 1:
+                ranks = torch.tensor(g.mesh_ranks, dtype=torch.int64)
+                mesh = DeviceMesh.from_group(g.shard_group, device_type, mesh=ranks[0])
+            else:
+                ranks = torch.tensor(g.mesh_ranks, dtype=torch.int64)
+                mesh = DeviceMesh.from_group(
+                    [g.replicate_group, g.shard_group], device_type, mesh=ranks, mesh_dim_names=("replicate", "shard")
+                )
+            self._state_dict_mesh = mesh
+        return mesh
+
+    def comm_stream(self, kind: str):
+        """On an accelerator (CUDA, XPU, ...): dmuon's ``"broadcast"`` or ``"reduce"`` stream (high
+        priority, as FSDP2's), ordered with the compute stream by events; ``None`` on CPU or with
+        ``use_streams=False``. Written against torch's accelerator-generic ``torch.Stream``."""
+        if not self.use_streams or not has_streams(self.device):
+            return None
+        if self._streams is None or self._streams[0] != self.device:
+            self._streams = (
+                self.device,
+                {k: torch.Stream(device=self.device, priority=-1) for k in ("broadcast", "reduce")},
+            )
+        return self._streams[1][kind]
+
+    def boundary_after(self, b: "_BoundaryRuntime") -> "_BoundaryRuntime | None":
+        """Forward prefetch target: the next boundary in plan (module registration) order."""
+        i = b.index + 1
+        return self.boundaries[i] if i < len(self.boundaries) else None
+
+    def boundary_before(self, b: "_BoundaryRuntime") -> "_BoundaryRuntime | None":
+        """Backward prefetch target: the previous boundary in plan order."""
+        return self.boundaries[b.index - 1] if b.index > 0 else None
+
+    # -- backward bookkeeping --------------------------------------------------------------
+
+    def queue_final_callback(self) -> None:
+        if self._final_callback_queued:
+            return
+        self._final_callback_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
+
+    def _final_callback(self) -> None:
+        self._final_callback_queued = False
+        for b in reversed(self.boundaries):
+            b.finish_backward()
+        self.finish_reduces()
+        # a boundary prefetched but not called in this forward (e.g. a skipped layer) waits for
+        # its broadcasts and frees its copies: every step starts with every boundary resharded
+        for b in self.boundaries:
+            if b.sharded_state is not ShardedState.RESHARDED:
+                b._reshard()
+
+    def finish_reduces(self) -> None:
+        """Wait for the in-flight gradient reduces and accumulate the averages into owners' ``.grad``.
+
+        HSDP: after the shard-group reduce, every holder ``(s, r')`` of a segment SUM-reduces each
+        sub-segment over its replicate group to the sub-segment's owner ``(s, r)``; the owner
+        divides by :meth:`grad_divisor`: ``R·N`` (net AVG over the whole mesh), or the gradient
+        divide factor set on FSDP2 (``set_gradient_divide_factor``).
+        """
+        pending, self.pending_reduces = self.pending_reduces, []
+        if not pending:
+            return
+        stream = self.comm_stream("reduce")  # None on CPU
+        with _on_stream(stream):  # NCCL: the reduce stream waits for the collectives
+            for boundary, _, _, work, _ in pending:
+                C.wait_all([work], what=f"boundary {boundary.fqn!r} reduce", timeout_s=self.timeout_s)
+            works = []
+            for boundary, seg, buf, _, _ in pending:  # HSDP: the held segments' sub-segments
+                for b in boundary.ops.replicate_reduce_of(seg):
+                    part = buf[b.sub.offset_in_seg : b.sub.offset_in_seg + b.sub.numel]
+                    work = C.reduce_sum(part, dst=b.root, group=b.group, phase=b.op.phase, async_op=True)
+                    works.append((boundary, work))
+            for boundary, work in works:
+                C.wait_all([work], what=f"boundary {boundary.fqn!r} replicate_reduce", timeout_s=self.timeout_s)
+        if stream is not None:  # the compute stream reads the buffers below; the local grads are released after
+            current_stream(stream.device).wait_event(stream.record_event())
+        for _, seg, _, _, _ in pending:
+            seg.reduce_inflight = False
+        owned = [(boundary, o) for boundary, seg, _, _, _ in pending for o in seg.owned]
+        if owned:
+            self._write_owner_grads(owned)
+        for _, seg, buf, _, _ in pending:  # averages copied out: release until the next backward
+            buf.untyped_storage().resize_(0)
+
+    def grad_divisor(self, boundary) -> float:
+        """What the owner divides a reduced (summed) gradient by: FSDP2's gradient divide factor.
+
+        FSDP2 divides each reduced gradient by its param groups' ``gradient_divide_factor``
+        (``FSDPModule.set_gradient_divide_factor``; torchtitan sets 1.0 and divides the loss by
+        the global token count itself), or by the data-parallel size when none is set. dmuon
+        follows the same rule so that dedicated and FSDP2-sharded gradients are scaled alike: the
+        factor of ``boundary``'s own ``fully_shard`` unit, else the first one set on any unit of
+        the model (a block whose parameters are all dedicated has no FSDP2 param group), else
+        ``R·N`` (the average over the data-parallel mesh). Read at every reduce, so a factor set
+        after set-up is honoured.
+        """
+        factor = _divide_factor(boundary.module)
+        if factor is None:
+            model = self.model_ref()
+            for module in model.modules() if model is not None else ():
+                factor = _divide_factor(module)
+                if factor is not None:
+                    break
+        return float(self.world_numel if factor is None else factor)
+
+    def _write_owner_grads(self, owned: list) -> None:
+        """Divide the owned sub-segments of finished reduces (``(boundary, owned)`` pairs) by
+        :meth:`grad_divisor` into their parameters' ``.grad``."""
+        # one host read of every presence flag this rank owns (a device sync on CUDA)
+        flags = (owned[0][1].flags if len(owned) == 1 else torch.cat([o.flags for _, o in owned])).tolist()
+        self._flag_host_reads += 1
+        i = 0
+        divisors: dict[int, float] = {}
+        for boundary, o in owned:
+            sub = o.sub
+            sub_flags, i = flags[i : i + len(sub.slots)], i + len(sub.slots)
+            if not any(sub_flags):
+                continue
+            if id(boundary) not in divisors:
+                divisors[id(boundary)] = self.grad_divisor(boundary)
+            if divisors[id(boundary)] != 1.0:
+                o.values.div_(divisors[id(boundary)])
+            for slot, flag in zip(sub.slots, sub_flags):
+                if flag == 0:
+                    continue  # no rank had a gradient: skip, as torch.optim.Muon does
+                start = slot.offset_in_seg - sub.offset_in_seg
+                grad = o.values[start : start + slot.numel].view(slot.shape)
+                p = slot.logical
+                # a copy, never a view of the reduce buffer (released below, rewritten next backward)
+                grad = grad.to(p.dtype, copy=True) if p.grad is None else grad.to(p.dtype)
+                if slot.tp is not None:
+                    grad = slot.tp.wrap(grad)
+                if p.grad is None:
+                    p.grad = grad
+                else:
+                    p.grad.add_(grad)
+
+    def wait_replicate_broadcasts(self, boundary=None) -> None:
+        """HSDP: wait for the post-step replicate broadcasts of ``boundary`` (all when ``None``)."""
+        if not self.pending_replicate:
+            return
+        keys = list(self.pending_replicate) if boundary is None else [boundary.index]
+        for key in keys:
+            works = self.pending_replicate.pop(key, None)
+            if works:
+                what = f"boundary {self.boundaries[key].fqn!r} replicate_broadcast (after step)"
+                C.wait_all(works, what=what, timeout_s=self.timeout_s)
+
+    def defer_round_check(self, boundary, phase: str, got: torch.Tensor, expected: float) -> None:
+        """Accelerators: keep a boundary's received broadcast rounds on the device; they are
+        compared once per optimizer step (one host sync) in :meth:`after_step`."""
+        self.deferred_rounds.append((boundary, phase, got, expected))
+
+    def _check_deferred_rounds(self) -> None:
+        if not self.deferred_rounds:
+            return
+        pending, self.deferred_rounds = self.deferred_rounds, []
+        values = torch.cat([got for _, _, got, _ in pending]).tolist()  # the one host sync
+        at = 0
+        for boundary, phase, got, expected in pending:
+            boundary.raise_if_out_of_step(phase, values[at : at + got.numel()], expected)
+            at += got.numel()
+
+    def after_step(self) -> None:
+        """HSDP: each owner broadcasts its updated sub-segments to its replicate peers.
+
+        ``replicate_async=True``: launched here, waited for just before the boundary's next
+        forward broadcast or any state-dict read; ``False``: waited for here.
+
+        QK-clip (``plan.qk_clip``) runs first: its all-reduce (max) and the owners' rescaling of
+        W_q / W_k rows (:mod:`dmuon.exec.optim.qk_clip`), so replicas receive the rescaled values.
+        """
+        self.steps_done += 1
+        self._check_deferred_rounds()
+        for b in self.boundaries:
+            b.forwards_since_step = 0
+        if self.qk_clip is not None:
+            self.qk_clip.step()
+        if self.groups.shape[0] == 1:
+            return
+        self.wait_replicate_broadcasts()
+        for b in self.boundaries:
+            works = self._broadcast_to_replicas([b], "replicate_broadcast")
+            if self.replicate_async:
+                self.pending_replicate[b.index] = works
+            else:
+                C.wait_all(works, what=f"boundary {b.fqn!r} replicate broadcast", timeout_s=self.timeout_s)
+
+    def _broadcast_to_replicas(self, boundaries, phase: str) -> list:
+        """HSDP: post one async broadcast per sub-segment of ``boundaries`` held here, from its
+        owner to its replicate peers (the owner's current master); returns the works."""
+        works = []
+        for boundary in boundaries:
+            for b in boundary.ops.replicate_broadcast:
+                part = b.segment.master[b.sub.offset_in_seg : b.sub.offset_in_seg + b.sub.numel]
+                works.append(C.broadcast(part, src=b.root, group=b.group, phase=phase, async_op=True))
+        return works
+
+    def after_load(self) -> None:
+        """After ``load_state_dict`` wrote new masters on every holder (nothing to communicate)."""
+
+    def remove_hooks(self) -> None:
+        for h in self.ep_hooks.values():
+            h.remove()
+        self.ep_hooks.clear()
+        for b in self.boundaries:
+            for h in b.handles:
+                h.remove()
+            b.handles.clear()
+
+    # -- storage binding and state access (dmuon.exec.setup.materialize, dmuon.exec.state.checkpoint) --
+    def check_materialized(self, what: str) -> None:
+        """Raise a clear error while the dedicated storage is still on the ``meta`` device."""
+        if any(seg.wire.device.type == "meta" for b in self.boundaries for seg in b.segments):
+            raise RuntimeError(
+                f"dmuon: {what}: the dedicated parameters are still on the meta device; call "
+                "model.to_empty(device=...) and initialise the model first (e.g. dmuon.init_params(model), "
+                "or load a checkpoint; see docs/checkpointing.md)"
+            )
+
+    def check_idle(self, what: str) -> None:
+        """Before masters are overwritten (state-dict load): every boundary between steps.
+
+        Raises if a forward still awaits its backward; a boundary left resident by a prefetch
+        (a forward that stopped early) waits for its broadcasts and frees its copies, so the
+        next forward broadcasts the new values again.
+        """
+        self._settle(self.boundaries, what)
+
+    @staticmethod
+    def _settle(boundaries, what: str) -> None:
+        busy = [b.fqn for b in boundaries if b.training_state is not TrainingState.IDLE or b.pending_backward > 0]
+        if busy:
+            raise RuntimeError(
+                f"dmuon: {what} while boundaries {busy[:3]} are between their forward and backward; "
+                "do it between training steps"
+            )
+        for b in boundaries:
+            if b.sharded_state is not ShardedState.RESHARDED:
+                b._reshard()
+
+    def sync_replicas(self) -> None:
+        """HSDP: broadcast every owner's value to its replicate peers when they may disagree.
+
+        Runs only when :attr:`replicas_stale` is set, i.e. after a ``Module._apply`` on the model
+        (``to_empty`` followed by a per-rank initialisation leaves replicas with their own
+        values); a collective over each replicate group, charged to the ledger as ``"other"``.
+        The flag is set on every rank by the same call, so all ranks agree on running it.
+        """
+        if not self.replicas_stale:
+            return
+        self.replicas_stale = False
+        if self.groups.shape[0] == 1:
+            return
+        self.check_materialized("synchronising HSDP replicas")
+        self.wait_replicate_broadcasts()
+        works = self._broadcast_to_replicas(self.boundaries, "other")
+        C.wait_all(works, what="HSDP replica sync after materialisation", timeout_s=self.timeout_s)
+
+    def prepare_state_access(self, what: str) -> None:
+        """Before reading or writing masters through the state-dict API (collective in HSDP)."""
+        self.check_materialized(what)
+        self.sync_replicas()
+        self.wait_replicate_broadcasts()
+
+
+
+# ----------------------------------------------------------------------------------------------
+# Optimizer hooks (called by dmuon.Muon.step)
+# ----------------------------------------------------------------------------------------------
+
+
+def _ep_grad_divisor(runtime_ref, boundary_index: int):
+    """The tensor hook of a local expert-parallel stack: each backward contribution ``g``
+    becomes ``g / d`` with ``d`` what an owner divides a reduced gradient by
+    (:meth:`DmuonRuntime.grad_divisor`: FSDP2's gradient divide factor when one is set, e.g.
+    torchtitan's 1.0, else the data-parallel world ``R*N``), read at every call, of the stack's
+    boundary ``runtime.boundaries[boundary_index]`` (plan order)."""
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        rt = runtime_ref()
+        if rt is None:
+            return grad
+        divisor = rt.grad_divisor(rt.boundaries[boundary_index])
+        return grad if divisor == 1.0 else grad / divisor
+
+    return hook
+
+
+def _divide_factor(module) -> float | None:
+    """The ``gradient_divide_factor`` set on ``module``'s FSDP2 param groups, or None."""
+    get = getattr(module, "_get_fsdp_state", None)
+    state = get() if get is not None else None
+    for group in getattr(state, "_fsdp_param_groups", None) or ():
+        factor = getattr(group, "gradient_divide_factor", None)
+        if factor is not None:
+            return factor
+    return None
+
+
+def get_model_runtime(model: nn.Module) -> DmuonRuntime | None:
+    """The :class:`DmuonRuntime` that :func:`dmuon.exec.apply` attached to ``model``, or None."""
+    return getattr(model, RUNTIME_ATTR, None)
+
+
+def get_runtime(p: torch.Tensor) -> DmuonRuntime | None:
+    """The live :class:`DmuonRuntime` of the dedicated parameter ``p`` (None if not dedicated)."""
+    info = dedicated_info(p)
+    return None if info is None else info.runtime()
+
+
+def runtimes_of(params) -> list[DmuonRuntime]:
+    """The distinct live runtimes of the dedicated parameters among ``params``, in first-seen order."""
+    seen: dict[int, DmuonRuntime] = {}
+    for p in params:
+        rt = get_runtime(p)
+        if rt is not None:
+            seen.setdefault(id(rt), rt)
+    return list(seen.values())
+
+
+_runtimes = runtimes_of  # the former private name
+
+
+def wait_pending(params) -> None:
+    """Before ``step()``: finish in-flight gradient reduces of every runtime owning ``params``.
+
+    Raises:
+        RuntimeError: local gradients of dedicated matrices were never reduced (every backward
+            since the last step ran inside ``dmuon.no_sync``): the step would silently skip them.
+    """
+    for rt in runtimes_of(params):
+        rt.finish_reduces()
+        stale = [s.fqn for b in rt.boundaries for s in b.installable if s.compute.grad is not None]
+        if stale:
+            raise RuntimeError(
+                f"dmuon: step() with unreduced gradients of {len(stale)} dedicated matrices "
+                f"(e.g. {stale[0]!r}): every backward since the last step ran inside dmuon.no_sync "
+                "(or with FSDP2's requires_gradient_sync False). Run the last micro-batch's backward "
+                "outside the context so the accumulated gradients are reduced once."
+            )
+
+
+def after_step(params) -> None:
+    """Post-step work of every runtime owning one of ``params`` (HSDP replicate broadcast)."""
+    for rt in runtimes_of(params):
+        rt.after_step()
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module):
+    """Defer gradient reduces (dmuon's and FSDP2's) for the backward passes inside the context.
+
+    Gradient accumulation without communication: every rank keeps its full local gradient of
+    every dedicated matrix (+ the dedicated bytes of memory on non-owners) and FSDP2 keeps its
+    unsharded gradients; the first backward outside the context reduces the accumulated sum
+    once. Without the context each micro-batch reduces and owners accumulate the averages
+    (traffic x micro-batches, no extra memory). Either way the optimizer step runs one
+    Newton-Schulz per matrix. FSDP2's ``set_requires_gradient_sync(False)`` is honoured too.
+    """
+    rt = get_model_runtime(model)
+    if rt is None:
+        raise ValueError("dmuon.no_sync: the model has no dedicated parameters (call dmuon.dedicate_params first)")
+    fsdp = getattr(model, "set_requires_gradient_sync", None)
+    prev = rt.requires_gradient_sync
+    prev_fsdp = fsdp2.requires_gradient_sync(model)
+    rt.requires_gradient_sync = False
+    if fsdp is not None:
+        fsdp(False)
+    try:
+        yield
+    finally:
+        rt.requires_gradient_sync = prev
+        if fsdp is not None:
+            fsdp(prev_fsdp)

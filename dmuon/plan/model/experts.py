@@ -1,0 +1,113 @@
+"""Expert stacks: how a 3-D Mixture-of-Experts parameter holds its Muon matrices.
+
+A Mixture-of-Experts block stores its ``E`` experts' weights as one 3-D parameter per
+projection. Muon orthogonalises every expert's matrices separately, in ``nn.Linear``
+``(out, in)`` orientation, exactly as ``torch.optim.Muon`` treats the unfused model's 2-D
+weights. Layouts recognised (``shape[0] == E`` always):
+
+=====================================  ====================  =======================================
+layout                                 storage per expert    Muon matrices per expert
+=====================================  ====================  =======================================
+HF fused ``gate_up_proj`` (Qwen3-MoE,  ``(2F, D)`` out/in,   gate ``[:F]`` and up ``[F:]``, each
+Qwen2-MoE, Mixtral, DeepSeek-V3)       gate rows first       ``(F, D)``
+HF ``down_proj`` / ``up_proj``         ``(D, F)`` out/in     one ``(D, F)``
+gpt-oss ``gate_up_proj``               ``(D, 2F)`` in/out,   gate ``[:, ::2]ᵀ`` and up ``[:, 1::2]ᵀ``,
+(``is_transposed``, interleaved)       gate/up interleaved   each ``(F, D)``
+gpt-oss ``down_proj``                  ``(F, D)`` in/out     one ``(D, F)`` (the transpose)
+torchtitan ``GroupedExperts``          ``w1``/``w3``         one per expert, as stored
+(``w1_EFD``, ``w3_EFD``, ``w2_EDF``)   ``(F, D)``, ``w2``
+                                       ``(D, F)``, out/in
+any other 3-D ``(E, m, n)`` parameter  ``(m, n)`` out/in     one ``(m, n)``
+under a module path with ``experts``
+=====================================  ====================  =======================================
+
+Hugging Face transformers 5.x marks its experts modules with ``is_transposed``,
+``is_concatenated`` and ``has_gate`` (``transformers.integrations.moe.use_experts_implementation``);
+:func:`expert_stack` reads those attributes when present, and falls back to the names above.
+
+Expert *biases* (``gate_up_proj_bias`` ``(E, 2F)``, ``down_proj_bias`` ``(E, D)``) are stacks of
+vectors, not matrices: :func:`is_stacked_bias` keeps them out of the default selection (AdamW).
+Routers (``mlp.gate.weight`` ``(E, D)``) and shared experts are ordinary 2-D matrices.
+
+Pure: reads module attributes and parameter metadata only; never imports ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dmuon.plan.records.params import ExpertStack
+
+__all__ = [
+    "ExpertStack",
+    "GATE_UP_MODES",
+    "EXPERT_MODES",
+    "expert_stack",
+    "is_stacked_bias",
+]
+
+# how a fused gate/up projection is orthogonalised: "split" = gate and up separately (what the
+# unfused model gets from torch.optim.Muon, the default), "fused" = one (2F, D) matrix per expert
+GATE_UP_MODES = ("split", "fused")
+# compile(experts=...): "auto" = recognised expert stacks are selected by the default rule and
+# every expert has its own owner; "off" = the selection before expert support (2-D only)
+EXPERT_MODES = ("auto", "off")
+
+def _in_experts_path(module_fqn: str, module: Any) -> bool:
+    parts = module_fqn.split(".") if module_fqn else []
+    return any("experts" in part.lower() for part in parts) or "experts" in type(module).__name__.lower()
+
+
+def expert_stack(shape: tuple[int, ...], attr: str, module_fqn: str, module: Any, *, gate_up: str = "split") -> ExpertStack | None:
+    """The :class:`ExpertStack` of a parameter ``module.<attr>`` of ``shape``, or None when it
+    is not a recognised expert stack (see the module docstring for the rules).
+
+    Args:
+        gate_up: ``"split"`` (default) or ``"fused"``, :data:`GATE_UP_MODES`.
+    """
+    if gate_up not in GATE_UP_MODES:
+        raise ValueError(f"expert_gate_up must be one of {GATE_UP_MODES}, got {gate_up!r}")
+    if len(shape) != 3 or attr.endswith("bias"):
+        return None
+    split = gate_up == "split"
+    E = int(shape[0])
+    if isinstance(getattr(module, "is_transposed", None), bool) and isinstance(
+        getattr(module, "is_concatenated", None), bool
+    ):  # transformers' use_experts_implementation marks its experts modules
+        transposed = module.is_transposed
+        fused = attr == "gate_up_proj" and getattr(module, "has_gate", True)
+        form = ("concat" if module.is_concatenated else "interleave") if fused else ""
+        layout = "hf" if not transposed and module.is_concatenated else "hf-transposed"
+        if type(module).__name__.lower().startswith("gptoss"):
+            layout = "gpt-oss"
+        return ExpertStack(num_experts=E, transposed=transposed, gate_up=form, split=split, layout=layout)
+    if not _in_experts_path(module_fqn, module):
+        return None
+    if attr in ("w1", "w2", "w3", "w1_EFD", "w2_EDF", "w3_EFD"):  # torchtitan < 0.3 / >= 0.3 names
+        return ExpertStack(num_experts=E, layout="torchtitan")
+    if attr == "gate_up_proj":  # transformers' fused layout without the implementation markers
+        return ExpertStack(num_experts=E, gate_up="concat", split=split, layout="hf")
+    if attr in ("down_proj", "up_proj"):
+        return ExpertStack(num_experts=E, layout="hf")
+    return ExpertStack(num_experts=E, layout="generic")
+
+
+def is_stacked_bias(shape: tuple[int, ...], attr: str) -> bool:
+    """True for a 2-D parameter whose name ends in ``bias`` (an expert bias stack ``(E, out)``):
+    a stack of vectors, never a Muon matrix."""
+    return len(shape) == 2 and attr.endswith("bias")
+
+
+def expert_max_split(num_experts: int, num_shards: int) -> int:
+    """How many owners an expert stack of ``num_experts`` gets on ``num_shards`` shard ranks:
+    ``min(E, N)`` contiguous ranges of experts (each expert whole on one owner; every rank of a
+    replicate row gets a range when ``E >= N``)."""
+    return max(1, min(num_experts, num_shards))
+
+
+def expert_range_weights(per_expert_weight: int, num_experts: int, k: int) -> tuple[int, ...]:
+    """Weights of the ``k`` contiguous ranges of :func:`~dmuon.plan.records.params.balanced_sizes`
+    ``(E, k)``: every expert of a stack weighs the same (``per_expert_weight``)."""
+    from dmuon.plan.records.params import balanced_sizes
+
+    return tuple(per_expert_weight * size for size in balanced_sizes(num_experts, k))

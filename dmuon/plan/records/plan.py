@@ -1,0 +1,651 @@
+"""The sharding plan record: :class:`ShardingPlan` (validation, lookups, JSON, fingerprint).
+
+:func:`dmuon.plan.compile` (:mod:`dmuon.plan.compile`) builds it; this module holds the
+record itself.
+
+optree registration (namespace ``"dmuon"``): a ShardingPlan is an internal node whose children
+are, in this order, ``params``, ``owners``, ``boundaries`` (tuples, so the leaves are the
+:class:`~dmuon.plan.records.params.ParamSpec`, :class:`~dmuon.plan.records.params.Owner` and
+:class:`~dmuon.plan.layout.buffers.Boundary` records, in plan order); every other field is treespec
+metadata. So ``optree.tree_map(f, plan_a, plan_b, namespace="dmuon")`` works for plans that
+share the dedicated-parameter count, boundary count AND settings (mesh shape, Z2/Z3, dtypes,
+cost model, alignment, model digest); compare plans of different shape with
+:func:`dmuon.plan.diff`. Unflattening does not re-run validation (like equinox modules), so a
+mapped plan may hold arbitrary leaves; methods other than field access need real records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import difflib
+import hashlib
+import json
+from typing import Any
+
+import optree
+
+from dmuon.plan.cost import model as _cost
+from dmuon.plan import rules as _rules
+from dmuon.plan.layout.buffers import (
+    Boundary,
+    BufferLayout,
+    LayoutEntry,
+    Segment,
+    SubSegment,
+    check_buffer_layout,
+)
+from dmuon.plan.records.qk_clip import QKClip
+from dmuon.plan.records.params import (
+    Fsdp2Unit,
+    Owner,
+    OwnerGroup,
+    ExpertOwners,
+    ParamSpec,
+    _check_int,
+    check_dtype_str,
+    itemsize_nbytes,
+    owner_from_dict,
+)
+
+__all__ = [
+    "ShardingPlan",
+    "Owner",
+    "OwnerGroup",
+    "ExpertOwners",
+    "ParamSpec",
+    "LayoutEntry",
+    "SubSegment",
+    "Segment",
+    "BufferLayout",
+    "Boundary",
+    "ByteCost",
+    "JSON_FORMAT",
+]
+
+ByteCost = _cost.ByteCost
+
+#: version tag written into every :meth:`ShardingPlan.to_json`
+JSON_FORMAT = "dmuon.plan/1"
+
+_SETTINGS = (
+    "mesh_shape",
+    "reshard_after_forward",
+    "replicate_async",
+    "cost_model",
+    "align_numel",
+    "param_dtype",
+    "reduce_dtype",
+    "model_digest",
+    "tp_size",
+    "tp_ns_steps",
+    "tp_gram_restart_every",
+    "qk_clip",
+)
+
+
+def _closest(name: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.5)
+    return f"; closest: {', '.join(close)}" if close else ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True, eq=True)
+class ShardingPlan:
+    """Who owns each dedicated parameter, which module's hooks serve it, and the packed layouts.
+
+    Attributes:
+        mesh_shape: ``(R, N)`` (a 1-D mesh of N is ``(1, N)``); mesh rank ``= replicate*N + shard``.
+        reshard_after_forward: True = DMuon-Z3 (re-broadcast for backward), False = Z2.
+        replicate_async: HSDP post-step replicate broadcast waited for lazily.
+        cost_model: ``"numel"`` or ``"ns_flops"``, the LPT weight.
+        align_numel: alignment of layout entries and flags, in elements.
+        param_dtype / reduce_dtype: mixed-precision wire dtype strings or None.
+        params: dedicated parameters, ``named_parameters()`` order.
+        owners: owner of each parameter (aligned with ``params``): an
+            :class:`~dmuon.plan.records.params.Owner`, or an :class:`~dmuon.plan.records.params.OwnerGroup`
+            (``compile(owner_groups=...)``: ``k`` ranks of one replicate row each owning a block
+            of the matrix along its long side; its layout has one entry per block).
+        boundaries: hook boundaries with their buffers, first-appearance order in ``named_modules()``.
+        model_digest: sha256 hex of the snapshot of ALL parameters (names, shapes, dtypes, ties).
+        tp_size: tensor-parallel degree ``T`` of the dedicated matrices (1 = no TP). With
+            ``T > 1`` the mesh ``(R, N)`` is the data-parallel mesh of each TP coordinate, the
+            layouts hold one TP rank's shards (identical on every TP coordinate), owners are
+            data-parallel coordinates (the owner's ``T`` TP ranks form its owner group) and the
+            world is ``R*N*T`` ranks (:class:`~dmuon.plan.cost.model.ByteCost` indexing).
+        tp_ns_steps / tp_gram_restart_every: the Newton-Schulz steps and Gram restart period
+            the TP byte cost assumes (one Gram all-reduce per segment,
+            :func:`~dmuon.plan.rules.gram_segment_lengths`); ``dmuon.Muon`` checks that its
+            ``ns_steps`` agrees.
+        fsdp2_units: the non-dedicated parameters per ``fully_shard`` unit
+            (:class:`~dmuon.plan.records.params.Fsdp2Unit`), hook-boundary units in module order,
+            then the root's: the schedule's external FSDP2 ops. Not part of the cost.
+        qk_clip: QK-clip (MuonClip) settings (:class:`~dmuon.plan.records.qk_clip.QKClip`) or None; with
+            them the schedule holds the per-step all-reduce (max) of the per-head logits.
+
+    Raises (construction):
+        ValueError / TypeError: any invariant below is violated: owner coordinates inside the
+        mesh and ``rank == replicate*N + shard``; unique FQNs/aliases; each parameter in exactly
+        one boundary buffer with its owner, numel, shape and dtype; layouts aligned and packed
+        per :mod:`dmuon.plan.layout.buffers`.
+    """
+
+    mesh_shape: tuple[int, int]
+    reshard_after_forward: bool
+    replicate_async: bool
+    cost_model: str
+    align_numel: int
+    param_dtype: str | None
+    reduce_dtype: str | None
+    params: tuple[ParamSpec, ...]
+    owners: tuple[Owner | OwnerGroup | ExpertOwners, ...]
+    boundaries: tuple[Boundary, ...]
+    model_digest: str
+    tp_size: int = 1
+    tp_ns_steps: int = 5
+    tp_gram_restart_every: int | None = 2
+    fsdp2_units: tuple[Fsdp2Unit, ...] = ()
+    qk_clip: QKClip | None = None
+    # FQN lookup tables, built once at construction (__post_init__, or _unflatten); never written after
+    _index: dict | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    # (nominal step schedule, its ByteCost): derived once at construction, like _index; never written after
+    _nominal: tuple | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
+    # ------------------------------------------------------------------ validation
+    def __post_init__(self) -> None:
+        ms = self.mesh_shape
+        if type(ms) is not tuple or len(ms) != 2:
+            raise ValueError(f"ShardingPlan.mesh_shape must be a 2-tuple (R, N), got {ms!r}")
+        _check_int("ShardingPlan", "mesh_shape[0]", ms[0], 1)
+        _check_int("ShardingPlan", "mesh_shape[1]", ms[1], 1)
+        for name in ("reshard_after_forward", "replicate_async"):
+            if type(getattr(self, name)) is not bool:
+                raise TypeError(f"ShardingPlan.{name} must be a bool")
+        if self.cost_model not in _rules.COST_MODELS:
+            raise ValueError(f"ShardingPlan.cost_model must be one of {_rules.COST_MODELS}, got {self.cost_model!r}")
+        _check_int("ShardingPlan", "align_numel", self.align_numel, 1)
+        check_dtype_str("ShardingPlan", "param_dtype", self.param_dtype, optional=True)
+        check_dtype_str("ShardingPlan", "reduce_dtype", self.reduce_dtype, optional=True)
+        if not isinstance(self.model_digest, str):
+            raise TypeError("ShardingPlan.model_digest must be a str")
+        for name, cls in (("params", ParamSpec), ("owners", (Owner, OwnerGroup, ExpertOwners)), ("boundaries", Boundary), ("fsdp2_units", Fsdp2Unit)):
+            value = getattr(self, name)
+            if type(value) is not tuple or any(not isinstance(v, cls) for v in value):
+                names = "/".join(c.__name__ for c in (cls if isinstance(cls, tuple) else (cls,)))
+                raise TypeError(f"ShardingPlan.{name} must be a tuple of {names}")
+        if len(self.owners) != len(self.params):
+            raise ValueError("ShardingPlan.owners must align with params")
+        if self.qk_clip is not None and not isinstance(self.qk_clip, QKClip):
+            raise TypeError("ShardingPlan.qk_clip must be a QKClip or None")
+        _check_int("ShardingPlan", "tp_size", self.tp_size, 1)
+        _check_int("ShardingPlan", "tp_ns_steps", self.tp_ns_steps, 0)
+        if self.tp_gram_restart_every is not None:
+            _check_int("ShardingPlan", "tp_gram_restart_every", self.tp_gram_restart_every, 1)
+        for spec in self.params:
+            if spec.tp_size not in (1, self.tp_size):
+                raise ValueError(
+                    f"ShardingPlan: {spec.fqn} has tp_size {spec.tp_size} but the plan's is {self.tp_size}"
+                )
+        R, N = ms
+        for spec, owner in zip(self.params, self.owners):
+            for o in owner.members if isinstance(owner, (OwnerGroup, ExpertOwners)) else (owner,):
+                if o.shard >= N or o.replicate >= R or o.rank != o.replicate * N + o.shard:
+                    raise ValueError(f"ShardingPlan: owner {o} of {spec.fqn} is not on mesh (R={R}, N={N})")
+            if isinstance(owner, ExpertOwners) and (spec.experts is None or sum(owner.sizes) != spec.num_experts):
+                raise ValueError(
+                    f"ShardingPlan: {spec.fqn} {spec.shape} has expert owners with ranges {owner.sizes} but "
+                    + ("no expert-stack layout" if spec.experts is None else f"{spec.num_experts} experts")
+                )
+            ep = spec.ep_size
+            if ep > 1 or (isinstance(owner, ExpertOwners) and owner.local):
+                problem = _ep_owner_problem(spec, owner, R, N)
+                if problem:
+                    raise ValueError(
+                        f"ShardingPlan: {spec.fqn} is expert-parallel (ep_size {ep}) but its owner is {owner}: {problem}"
+                    )
+            if isinstance(owner, OwnerGroup):
+                problem = _rules.owner_group_problem(spec)
+                if problem is not None:
+                    raise ValueError(f"ShardingPlan: {spec.fqn} has an owner group but {problem}")
+                if owner.dim != _rules.owner_group_dim(spec.shape) or sum(owner.sizes) != spec.shape[owner.dim]:
+                    raise ValueError(
+                        f"ShardingPlan: owner group of {spec.fqn} {spec.shape} must cut its long side "
+                        f"(dim {_rules.owner_group_dim(spec.shape)}) into blocks summing to it, got dim {owner.dim} "
+                        f"sizes {owner.sizes}"
+                    )
+        index = self._build_index()
+        seen: set[str] = set()
+        for boundary in self.boundaries:
+            if boundary.fqn in seen:
+                raise ValueError(f"ShardingPlan: boundary {boundary.fqn!r} listed twice")
+            seen.add(boundary.fqn)
+            for buf in boundary.buffers:
+                check_buffer_layout(buf, self.align_numel)
+                for entry in buf.entries():
+                    i = index["canonical"].get(entry.fqn)
+                    if i is None:
+                        raise ValueError(f"ShardingPlan: layout entry {entry.fqn!r} is not a dedicated param")
+                    spec, owner = self.params[i], self.owners[i]
+                    if isinstance(owner, ExpertOwners) and owner.local:
+                        raise ValueError(
+                            f"ShardingPlan: layout entry {entry.fqn!r} of an expert-parallel stack (its experts are "
+                            "local to each rank and have no buffer entry)"
+                        )
+                    if isinstance(owner, (OwnerGroup, ExpertOwners)):
+                        j = entry.block
+                        ok = j is not None and j < owner.k and entry.owner == owner.members[j]
+                        expected = (tuple(owner.block_shape(j, spec.shape)) if ok else None)
+                        ok = ok and entry.shape == expected and entry.numel == math.prod(expected)
+                        ok = ok and buf.dtype == spec.dtype
+                    else:
+                        ok = entry.block is None and (entry.owner, entry.numel, entry.shape, buf.dtype) == (
+                            owner,
+                            spec.local_numel,
+                            spec.local_shape,
+                            spec.dtype,
+                        )
+                    if not ok:
+                        raise ValueError(f"ShardingPlan: layout entry {entry.fqn!r} disagrees with its ParamSpec/Owner")
+        if len(index["boundary_of"]) != len(self.params) or None in index["boundary_of"]:
+            raise ValueError("ShardingPlan: every dedicated param must appear in exactly one boundary buffer")
+        if self.qk_clip is not None:  # the rows QK-clip rescales live on dedicated owners
+            for att in self.qk_clip.attention:
+                for rows in (att.q, att.k):
+                    if rows.fqn not in index["alias"]:
+                        raise ValueError(f"ShardingPlan: qk_clip names {rows.fqn!r}, which is not a dedicated parameter")
+        object.__setattr__(self, "_index", index)
+        object.__setattr__(self, "_nominal", self._build_nominal())
+
+    def _build_nominal(self) -> tuple:
+        """The nominal step's schedule and its :class:`ByteCost` (what :attr:`cost`,
+        :meth:`schedule` with no step and :meth:`rank_stats` read), computed once per plan."""
+        from dmuon.plan.scheduling.step_schedule import schedule
+
+        sched = schedule(self)
+        return sched, _cost.schedule_byte_cost(sched)
+
+    def _build_index(self) -> dict:
+        canonical: dict[str, int] = {}
+        alias: dict[str, int] = {}
+        for i, spec in enumerate(self.params):
+            if spec.fqn in canonical:
+                raise ValueError(f"ShardingPlan: duplicate dedicated param {spec.fqn!r}")
+            canonical[spec.fqn] = i
+            for a in spec.aliases:
+                if a in alias:
+                    raise ValueError(f"ShardingPlan: alias {a!r} names two dedicated params")
+                alias[a] = i
+        boundary_of: list[int | None] = [None] * len(self.params)
+        blocks_seen: list[set] = [set() for _ in self.params]
+        for b_index, boundary in enumerate(self.boundaries):
+            for buf in boundary.buffers:
+                for entry in buf.entries():
+                    i = canonical.get(entry.fqn)
+                    if i is not None:
+                        # one entry per parameter; an owner group's blocks: one entry each, one buffer
+                        if boundary_of[i] is not None and (boundary_of[i] != b_index or entry.block is None
+                                                           or entry.block in blocks_seen[i]):
+                            raise ValueError(f"ShardingPlan: {entry.fqn!r} appears in two buffers")
+                        boundary_of[i] = b_index
+                        blocks_seen[i].add(entry.block)
+            for fqn in boundary.local:  # expert-parallel stacks: in the boundary, no buffer entry
+                i = canonical.get(fqn)
+                if i is None:
+                    raise ValueError(f"ShardingPlan: boundary {boundary.fqn!r} lists {fqn!r} as local, not a dedicated param")
+                owner = self.owners[i]
+                if boundary_of[i] is not None or not (isinstance(owner, ExpertOwners) and owner.local):
+                    raise ValueError(
+                        f"ShardingPlan: boundary {boundary.fqn!r} lists {fqn!r} as local, but it "
+                        + ("appears in two boundaries" if boundary_of[i] is not None else "is not an expert-parallel stack")
+                    )
+                boundary_of[i] = b_index
+        for i, owner in enumerate(self.owners):
+            if isinstance(owner, ExpertOwners) and owner.local:
+                continue
+            expected = set(range(owner.k)) if isinstance(owner, (OwnerGroup, ExpertOwners)) else {None}
+            if boundary_of[i] is not None and blocks_seen[i] != expected:
+                raise ValueError(
+                    f"ShardingPlan: {self.params[i].fqn!r} has layout blocks {sorted(map(str, blocks_seen[i]))}, "
+                    f"expected {sorted(map(str, expected))}"
+                )
+        return {"canonical": canonical, "alias": alias, "boundary_of": boundary_of}
+
+    def _idx(self) -> dict:
+        return self._index  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ lookups
+    @property
+    def world_size(self) -> int:
+        """``R * N`` data-parallel mesh ranks (the LPT slots; times ``tp_size`` for the world)."""
+        return self.mesh_shape[0] * self.mesh_shape[1]
+
+    @property
+    def ep_size(self) -> int:
+        """Expert-parallel degree of the plan's expert stacks (``compile(ep=...)``; 1 = none)."""
+        return max((spec.ep_size for spec in self.params), default=1)
+
+    @property
+    def tp_segment_lengths(self) -> tuple[int, ...]:
+        """Steps per Gram NS segment assumed for TP ``"gram"`` matrices (one all-reduce each)."""
+        return _rules.gram_segment_lengths(self.tp_ns_steps, self.tp_gram_restart_every)
+
+    @property
+    def dedicated(self) -> tuple[str, ...]:
+        """Canonical FQNs of dedicated parameters, ``named_parameters()`` order."""
+        return tuple(p.fqn for p in self.params)
+
+    def _lookup(self, fqn: str) -> int:
+        idx = self._idx()["alias"].get(fqn)
+        if idx is None:
+            raise KeyError(f"{fqn!r} is not a dedicated parameter of this plan{_closest(fqn, list(self._idx()['alias']))}")
+        return idx
+
+    def owner(self, fqn: str) -> Owner | OwnerGroup:
+        """Owner (or owner group) of dedicated parameter ``fqn`` (any alias). Raises KeyError
+        with close matches, and ValueError for an expert stack whose experts have several
+        owners (use :meth:`expert_owners`)."""
+        owner = self.owners[self._lookup(fqn)]
+        if isinstance(owner, ExpertOwners):
+            raise ValueError(
+                f"{fqn!r} is an expert stack whose {owner.num_experts} experts have {owner.k} owners "
+                f"(ranks {', '.join(map(str, owner.ranks))}); plan.expert_owners(fqn) gives the owner of each "
+                "expert, plan.owner_record(fqn) the ExpertOwners record"
+            )
+        return owner
+
+    def owner_record(self, fqn: str) -> Owner | OwnerGroup | ExpertOwners:
+        """The ownership record of ``fqn`` (any alias) as the plan stores it, whatever its kind
+        (``plan.owners[i]``); :meth:`owner` is the same but refuses a multi-owner expert stack."""
+        return self.owners[self._lookup(fqn)]
+
+    def expert_owners(self, fqn: str) -> tuple[Owner, ...]:
+        """The :class:`Owner` of every expert of expert stack ``fqn`` (any alias), expert order
+        (``len == E``). Raises KeyError (unknown FQN, close matches named) or ValueError (not an
+        expert stack)."""
+        i = self._lookup(fqn)
+        spec, owner = self.params[i], self.owners[i]
+        if spec.experts is None:
+            raise ValueError(f"{fqn!r} is not an expert stack (shape {spec.shape}); plan.owner(fqn) gives its owner")
+        if isinstance(owner, ExpertOwners):
+            return owner.per_expert()
+        return (owner,) * spec.num_experts
+
+    def param(self, fqn: str) -> ParamSpec:
+        """:class:`ParamSpec` of ``fqn`` (any alias). Raises KeyError with close matches."""
+        return self.params[self._lookup(fqn)]
+
+    def boundary(self, fqn: str) -> str:
+        """FQN of the hook boundary module serving ``fqn`` (any alias). Raises KeyError."""
+        return self.boundaries[self._idx()["boundary_of"][self._lookup(fqn)]].fqn
+
+    def boundary_record(self, fqn: str) -> Boundary:
+        """The :class:`Boundary` (with buffers) serving parameter ``fqn`` (any alias)."""
+        return self.boundaries[self._idx()["boundary_of"][self._lookup(fqn)]]
+
+    def is_dedicated(self, fqn: str) -> bool:
+        """True iff ``fqn`` (any alias) is a dedicated parameter."""
+        return fqn in self._idx()["alias"]
+
+    def bcast_dtype(self, param_dtype_str: str) -> str:
+        """Broadcast wire dtype for a parameter stored as ``param_dtype_str``."""
+        return _rules.bcast_dtype(param_dtype_str, self.param_dtype)
+
+    def reduce_dtype_for(self, param_dtype_str: str) -> str:
+        """Gradient-reduce wire dtype for a parameter stored as ``param_dtype_str``."""
+        return _rules.reduce_dtype(param_dtype_str, self.param_dtype, self.reduce_dtype)
+
+    # ------------------------------------------------------------------ derived figures
+    # Pure functions of the plan, computed on every access (nothing is cached on a frozen
+    # record): bind the result once where it is read repeatedly.
+    @property
+    def owned_numel(self) -> tuple[int, ...]:
+        """Elements owned per mesh rank (global owners only), length ``R*N``."""
+        out = [0] * self.world_size
+        for spec, owner in zip(self.params, self.owners):
+            for rank, numel in _cost.owner_weights(spec, owner, "numel", ()):
+                out[rank] += numel
+        return tuple(out)
+
+    @property
+    def owned_weight(self) -> tuple[int, ...]:
+        """LPT weight (``cost_model`` unit) owned per mesh rank."""
+        out = [0] * self.world_size
+        lengths = self.tp_segment_lengths
+        for spec, owner in zip(self.params, self.owners):
+            for rank, weight in _cost.owner_weights(spec, owner, self.cost_model, lengths):
+                out[rank] += weight
+        return tuple(out)
+
+    @property
+    def balance_bound(self) -> float:
+        """Proven LPT bound on ``max(owned_weight)``: ``total/(R*N) + max item weight``, items
+        being the matrices (owner-group members' blocks counted as items of their own); on an
+        HSDP mesh with owner groups of up to ``K`` members the mean term carries
+        ``lpt_partition_groups``' factor ``N/(N-K+1)`` (a group stays in one replicate row)."""
+        lengths = self.tp_segment_lengths
+        weights = [w for spec, o in zip(self.params, self.owners) for _, w in _cost.owner_weights(spec, o, self.cost_model, lengths)]
+        R, N = self.mesh_shape
+        K = max((o.k for o in self.owners if isinstance(o, (OwnerGroup, ExpertOwners))), default=1)
+        factor = N / (N - K + 1) if R > 1 and K > 1 else 1.0
+        return factor * sum(weights) / self.world_size + max(weights, default=0)
+
+    def schedule(self, step: Any = None) -> Any:
+        """:func:`dmuon.plan.scheduling.step_schedule.schedule` of this plan: every rank's ops for ``step``
+        (a :class:`~dmuon.plan.scheduling.step_schedule.Step`; None = the nominal step, built once with
+        the plan)."""
+        if step is None and self._nominal is not None:
+            return self._nominal[0]
+        from dmuon.plan.scheduling.step_schedule import schedule
+
+        return schedule(self, step)
+
+    @property
+    def cost(self) -> ByteCost:
+        """:class:`ByteCost`: DMuon bytes per step summed over all ranks (+ per rank), summed
+        from the nominal step's schedule (:func:`~dmuon.plan.cost.model.schedule_byte_cost`); computed
+        once, when the plan is built."""
+        if self._nominal is not None:
+            return self._nominal[1]
+        return _cost.schedule_byte_cost(self.schedule())
+
+    def _baseline_params(self) -> tuple[ParamSpec, ...]:
+        """The parameters FSDP2 + naive Muon would shard: expert-parallel stacks are local to
+        each rank's model under either, so they are in neither cost."""
+        return tuple(spec for spec in self.params if spec.ep_size == 1)
+
+    @property
+    def baseline_cost(self) -> _cost.BaselineByteCost:
+        """Bytes per step of FSDP2 + naive all-gather Muon on the same parameters."""
+        return _cost.baseline_byte_cost(
+            self._baseline_params(),
+            mesh_shape=self.mesh_shape,
+            reshard_after_forward=self.reshard_after_forward,
+            param_dtype=self.param_dtype,
+            reduce_dtype_=self.reduce_dtype,
+            tp_size=self.tp_size,
+        )
+
+    @property
+    def assembled_nbytes(self) -> dict[str, int]:
+        """Owner groups and expert stacks with several owners: per boundary FQN, the bytes of
+        the full compute tensors every rank assembles from the blocks / expert ranges while the
+        boundary is unsharded (broadcast dtype; an expert-parallel stack: the rank's ``E/ep``
+        experts); empty without them."""
+        out: dict[str, int] = {}
+        for spec, owner in zip(self.params, self.owners):
+            if isinstance(owner, (OwnerGroup, ExpertOwners)) and not getattr(owner, "local", False):
+                b = self.boundary(spec.fqn)
+                numel = spec.local_numel if spec.ep_size > 1 else spec.numel  # EP: the rank's E/ep experts
+                out[b] = out.get(b, 0) + numel * itemsize_nbytes(self.bcast_dtype(spec.dtype))
+        return out
+
+    def rank_stats(self) -> tuple[_cost.RankStats, ...]:
+        """Per-rank :class:`~dmuon.plan.cost.model.RankStats` of this plan (schedule ranks: the mesh
+        rank, or ``(replicate*N + shard)*T + tp`` with TP), from the nominal schedule."""
+        return _cost.rank_stats(
+            self.params,
+            self.owners,
+            self.schedule(),
+            self.cost,
+            mesh_shape=self.mesh_shape,
+            reshard_after_forward=self.reshard_after_forward,
+            tp_size=self.tp_size,
+            assembled_nbytes=self.assembled_nbytes,
+        )
+
+    def baseline_rank_stats(self) -> tuple[_cost.RankStats, ...]:
+        """Per-rank :class:`~dmuon.plan.cost.model.RankStats` of FSDP2 + naive Muon, same parameters."""
+        return _cost.baseline_rank_stats(
+            self._baseline_params(),
+            self.boundary,
+            self.baseline_cost,
+            mesh_shape=self.mesh_shape,
+            reshard_after_forward=self.reshard_after_forward,
+            param_dtype=self.param_dtype,
+            tp_size=self.tp_size,
+        )
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (field order fixed; see :meth:`to_json`)."""
+        return {
+            "format": JSON_FORMAT,
+            "mesh_shape": list(self.mesh_shape),
+            "reshard_after_forward": self.reshard_after_forward,
+            "replicate_async": self.replicate_async,
+            "cost_model": self.cost_model,
+            "align_numel": self.align_numel,
+            "param_dtype": self.param_dtype,
+            "reduce_dtype": self.reduce_dtype,
+            "model_digest": self.model_digest,
+            "params": [p.to_dict() for p in self.params],
+            "owners": [o.to_dict() for o in self.owners],
+            "boundaries": [b.to_dict() for b in self.boundaries],
+            "fsdp2_units": [u.to_dict() for u in self.fsdp2_units],
+            **(
+                {  # absent without TP: plans without TP keep their JSON and fingerprint
+                    "tp_size": self.tp_size,
+                    "tp_ns_steps": self.tp_ns_steps,
+                    "tp_gram_restart_every": self.tp_gram_restart_every,
+                }
+                if self.tp_size > 1
+                else {}
+            ),
+            **({"qk_clip": self.qk_clip.to_dict()} if self.qk_clip is not None else {}),
+        }
+
+    def to_json(self, *, indent: int | None = None) -> str:
+        """Deterministic JSON text (ASCII, fixed key order); ``from_json(to_json()) == self``."""
+        seps = (",", ":") if indent is None else (",", ": ")
+        return json.dumps(self.to_dict(), indent=indent, separators=seps, ensure_ascii=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ShardingPlan:
+        if d.get("format") != JSON_FORMAT:
+            raise ValueError(f"not a {JSON_FORMAT} plan (format={d.get('format')!r})")
+        return cls(
+            mesh_shape=tuple(d["mesh_shape"]),
+            reshard_after_forward=d["reshard_after_forward"],
+            replicate_async=d["replicate_async"],
+            cost_model=d["cost_model"],
+            align_numel=d["align_numel"],
+            param_dtype=d["param_dtype"],
+            reduce_dtype=d["reduce_dtype"],
+            params=tuple(ParamSpec.from_dict(p) for p in d["params"]),
+            owners=tuple(owner_from_dict(o) for o in d["owners"]),
+            boundaries=tuple(Boundary.from_dict(b) for b in d["boundaries"]),
+            model_digest=d["model_digest"],
+            tp_size=d.get("tp_size", 1),
+            tp_ns_steps=d.get("tp_ns_steps", 5),
+            tp_gram_restart_every=d.get("tp_gram_restart_every", 2),
+            fsdp2_units=tuple(Fsdp2Unit.from_dict(u) for u in d.get("fsdp2_units", ())),
+            qk_clip=QKClip.from_dict(d["qk_clip"]) if d.get("qk_clip") is not None else None,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> ShardingPlan:
+        """Inverse of :meth:`to_json` (validates). Raises ValueError on a malformed plan."""
+        return cls.from_dict(json.loads(text))
+
+    def fingerprint(self) -> str:
+        """sha256 hex of :meth:`to_json` (compared across ranks at apply time)."""
+        return hashlib.sha256(self.to_json().encode("ascii")).hexdigest()
+
+    # ------------------------------------------------------------------ rendering
+    def __repr__(self) -> str:
+        # the field-by-field dataclass repr of a 70B plan is megabytes; to_json() has it all
+        mode = "Z3" if self.reshard_after_forward else "Z2"
+        return (
+            f"ShardingPlan(mesh_shape={self.mesh_shape}, {mode}, params={len(self.params)}, "
+            f"boundaries={len(self.boundaries)}, cost_model={self.cost_model!r}, "
+            f"param_dtype={self.param_dtype!r}, reduce_dtype={self.reduce_dtype!r}, "
+            f"model_digest={self.model_digest[:12]!r})"
+        )
+
+    def summary(self, *, max_rows: int = 16) -> str:
+        """Plain-text report: settings, per-rank load vs. the LPT bound, bytes vs. the baseline."""
+        from dmuon.plan.tools.render import render_summary
+
+        return render_summary(self, max_rows=max_rows)
+
+    def _repr_html_(self) -> str:
+        from dmuon.plan.tools.render import render_html
+
+        return render_html(self)
+
+
+def _flatten(plan: ShardingPlan):
+    meta = tuple(getattr(plan, name) for name in _SETTINGS) + (plan.fsdp2_units,)
+    return (plan.params, plan.owners, plan.boundaries), meta, ("params", "owners", "boundaries")
+
+
+def _unflatten(meta: tuple, children) -> ShardingPlan:
+    plan = object.__new__(ShardingPlan)
+    for name, value in zip(_SETTINGS, meta):
+        object.__setattr__(plan, name, value)
+    object.__setattr__(plan, "fsdp2_units", meta[len(_SETTINGS)])
+    params, owners, boundaries = children
+    object.__setattr__(plan, "params", params)
+    object.__setattr__(plan, "owners", owners)
+    object.__setattr__(plan, "boundaries", boundaries)
+    try:  # lookups and the nominal schedule of a plan of records; a plan mapped to other leaves has none
+        index = plan._build_index()
+        object.__setattr__(plan, "_index", index)
+        nominal = plan._build_nominal()
+    except (AttributeError, TypeError, ValueError, KeyError):
+        index = nominal = None
+    object.__setattr__(plan, "_index", index)
+    object.__setattr__(plan, "_nominal", nominal)
+    return plan
+
+
+optree.register_pytree_node(
+    ShardingPlan,
+    _flatten,
+    _unflatten,
+    path_entry_type=optree.GetAttrEntry,
+    namespace="dmuon",
+)
+
+
+def _ep_owner_problem(spec: ParamSpec, owner: Any, R: int, N: int) -> str:
+    """Why ``owner`` cannot own expert-parallel ``spec`` on mesh ``(R, N)`` ("" if it can).
+
+    ``ep = N``, ``R = 1``: ``ExpertOwners(local=True)`` over every shard rank. Otherwise
+    (``efsdp = N/ep > 1`` or ``R > 1``): ranges in global expert order, each owned inside the
+    efsdp group that holds it (member shard ``= j (mod ep)`` for a range of EP coordinate ``j``),
+    every coordinate cut alike."""
+    ep = spec.ep_size
+    if not isinstance(owner, ExpertOwners) or ep < 2 or N % ep:
+        return "expert parallelism needs an ExpertOwners record and ep dividing N"
+    if owner.local:
+        return "" if owner.k == ep == N and R == 1 else "ExpertOwners(local=True) needs ep = N and R = 1"
+    if ep == N and R == 1:
+        return "with ep = N and R = 1 the stack is owned locally (ExpertOwners(local=True))"
+    per = spec.experts.local_experts
+    k, rem = divmod(owner.k, ep)
+    if rem or owner.sizes != owner.sizes[:k] * ep or sum(owner.sizes[:k]) != per:
+        return f"ranges must cut each EP coordinate's {per} experts alike"
+    for q, member in enumerate(owner.members):
+        if member.shard % ep != q // k:
+            return f"range {q} (EP coordinate {q // k}) is owned by shard {member.shard}, outside its efsdp group"
+    return ""
