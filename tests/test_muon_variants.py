@@ -390,7 +390,7 @@ def _worker(cases, mesh_shape, check_error):
 
     from dmuon.exec.comm.collectives import LEDGER
     from dmuon.plan.cost.model import schedule_byte_cost
-    from dmuon.plan.scheduling.step_schedule import MicroBatch, Step
+    from dmuon.plan.scheduling.ops import MicroBatch, Step
 
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()

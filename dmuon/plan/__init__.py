@@ -14,7 +14,9 @@ The folders follow the pipeline ``compile`` runs (docs/planning.md, "Where each 
                  TP / EP views of an unparallelised model (``parallel``)
     ownership/   stage 2: owners by constrained LPT (``partition``)
     layout/      stage 3: packed buffers per boundary (``buffers``)
-    scheduling/  stage 4: every rank's ops in one step, deadlock replay (``step_schedule``)
+    scheduling/  stage 4: every rank's ops in one step: ``ops`` (Op, Step), ``programs`` (per-boundary
+                 collectives), ``builder`` (``schedule``), ``step_schedule`` (StepSchedule), ``replay``
+                 (deadlock check)
     cost/        stage 5: bytes, FLOPs and memory summed from the schedule; the FSDP2 baseline
     records/     the frozen records the stages pass on: ``params`` (Owner, ParamSpec, ...),
                  ``plan`` (ShardingPlan, JSON), ``mesh`` (mesh roles), ``qk_clip`` (settings)
@@ -36,7 +38,10 @@ from dmuon.plan.records.mesh import MESH_DIM_NAMES, MeshDimRoles, mesh_dim_roles
 from dmuon.plan.records.plan import ShardingPlan
 from dmuon.plan.records.qk_clip import QKClip
 from dmuon.plan.records.params import ExpertOwners, ExpertStack, MatrixView, Owner, OwnerGroup, ParamSpec
-from dmuon.plan.scheduling.step_schedule import MicroBatch, Op, ScheduleError, Step, StepSchedule, replay, schedule
+from dmuon.plan.scheduling.ops import MicroBatch, Op, ScheduleError, Step
+from dmuon.plan.scheduling.step_schedule import StepSchedule
+from dmuon.plan.scheduling.replay import replay
+from dmuon.plan.scheduling.builder import schedule
 from dmuon.plan.model.selection import matrix_predicate
 from dmuon.plan.compile import compile  # last: dmuon.plan.compile is the function (it shadows its module)
 

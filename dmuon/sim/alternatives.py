@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dmuon.plan.cost import model as _cost
-from dmuon.plan.scheduling.step_schedule import Op, Step
+from dmuon.plan.scheduling.ops import Op, Step
 
 __all__ = ["VARIANTS", "fsdp2_ops", "build"]
 

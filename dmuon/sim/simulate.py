@@ -1,6 +1,6 @@
 r"""Replay a step schedule on a hardware model: ``simulate(plan, hardware, workload) -> Simulation``.
 
-The replay is the deadlock check's (:mod:`dmuon.plan.scheduling.step_schedule`) with clocks. In the
+The replay is the deadlock check's (:mod:`dmuon.plan.scheduling.replay`) with clocks. In the
 symmetric form every op of the table is shared by all members of its group and each rank
 issues its ops in table order, so walking the table once in order visits every rank's ops in
 issue order and every collective's members at the same matched call — the ``i``-th call on a
@@ -62,7 +62,8 @@ import numpy as np
 from dmuon.plan.cost import model as _cost
 from dmuon.plan import rules as _rules
 from dmuon.plan.records.params import OwnerGroup, itemsize_nbytes
-from dmuon.plan.scheduling.step_schedule import Op, Step, StepSchedule
+from dmuon.plan.scheduling.ops import Op, Step
+from dmuon.plan.scheduling.step_schedule import StepSchedule
 from dmuon.sim import alternatives as _alt
 from dmuon.sim.hardware import (OP_COLLECTIVE, Hardware, blocking_wait_s_at, busy_factors, collective_s, comm_cpu_share_at,
                        dtensor_gather_s_at, elementwise_s, fsdp2_call_s_at, matmul_s, ns_batch_factor_at, ns_call_s,

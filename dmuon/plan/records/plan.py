@@ -258,7 +258,7 @@ class ShardingPlan:
     def _build_nominal(self) -> tuple:
         """The nominal step's schedule and its :class:`ByteCost` (what :attr:`cost`,
         :meth:`schedule` with no step and :meth:`rank_stats` read), computed once per plan."""
-        from dmuon.plan.scheduling.step_schedule import schedule
+        from dmuon.plan.scheduling.builder import schedule
 
         sched = schedule(self)
         return sched, _cost.schedule_byte_cost(sched)
@@ -429,12 +429,12 @@ class ShardingPlan:
         return factor * sum(weights) / self.world_size + max(weights, default=0)
 
     def schedule(self, step: Any = None) -> Any:
-        """:func:`dmuon.plan.scheduling.step_schedule.schedule` of this plan: every rank's ops for ``step``
-        (a :class:`~dmuon.plan.scheduling.step_schedule.Step`; None = the nominal step, built once with
+        """:func:`dmuon.plan.scheduling.builder.schedule` of this plan: every rank's ops for ``step``
+        (a :class:`~dmuon.plan.scheduling.ops.Step`; None = the nominal step, built once with
         the plan)."""
         if step is None and self._nominal is not None:
             return self._nominal[0]
-        from dmuon.plan.scheduling.step_schedule import schedule
+        from dmuon.plan.scheduling.builder import schedule
 
         return schedule(self, step)
 
