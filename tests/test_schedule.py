@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dmuon.plan as P
-from dmuon.plan.cost import model as plan_cost
+from dmuon.plan.cost import nbytes as plan_cost
 from dmuon import zoo
 from dmuon.plan import MicroBatch, ScheduleError, Step
 from dmuon.plan.scheduling.replay import programs_of, replay

@@ -17,13 +17,15 @@ The folders follow the pipeline ``compile`` runs (docs/planning.md, "Where each 
     scheduling/  stage 4: every rank's ops in one step: ``ops`` (Op, Step), ``programs`` (per-boundary
                  collectives), ``builder`` (``schedule``), ``step_schedule`` (StepSchedule), ``replay``
                  (deadlock check)
-    cost/        stage 5: bytes, FLOPs and memory summed from the schedule; the FSDP2 baseline
+    cost/        stage 5: ``model`` (ByteCost, RankStats), ``flops`` (NS FLOPs), ``nbytes`` (the byte rule,
+                 ByteCost summed from the schedule), ``weights`` (LPT), ``memory`` (per rank), ``baseline``
+                 (FSDP2 + naive Muon)
     records/     the frozen records the stages pass on: ``params`` (Owner, ParamSpec, ...),
                  ``plan`` (ShardingPlan, JSON), ``mesh`` (mesh roles), ``qk_clip`` (settings)
     tools/       ``render`` (summary, HTML), ``diff``, ``cli`` (``python -m dmuon plan|diff``)
     compile.py   the planner: runs the stages in order
     rules.py     behaviour rules shared by planner and runtime (NS backend choice and batching,
-                 Gram restarts, accepted modes, wire dtypes, owner-group dims)
+                 Gram restarts, accepted modes, wire dtypes, owner-group dims, TP Gram or gather)
 
 Model shapes to plan (Llama-3, ViT, Qwen3-MoE, DeepSeek-V3 on the meta device) live in
 :mod:`dmuon.zoo`, outside the planner.

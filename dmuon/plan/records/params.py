@@ -495,7 +495,7 @@ class ParamSpec:
             shard; one all-reduce of the fp32 Gram ``(d, d)`` per Gram NS segment, ``d`` = the
             side TP does not shard) or ``"gather"`` (all-gather the update, every TP rank runs
             NS on the full matrix and keeps its shard); None without TP.
-            See :func:`dmuon.plan.cost.model.choose_tp_ns`. ``"local"``: the matrix has a
+            See :func:`dmuon.plan.rules.choose_tp_ns`. ``"local"``: the matrix has a
             :class:`MatrixView` whose blocks each lie inside one TP shard (heads split by TP):
             every TP rank orthogonalises its own blocks, no TP collective.
         view: a :class:`MatrixView` (blocks orthogonalised separately: per-head, split QKV) of

@@ -25,7 +25,11 @@ from typing import Any
 
 import optree
 
+from dmuon.plan.cost import baseline as _baseline
+from dmuon.plan.cost import memory as _memory
 from dmuon.plan.cost import model as _cost
+from dmuon.plan.cost import nbytes as _nbytes
+from dmuon.plan.cost import weights as _weights
 from dmuon.plan import rules as _rules
 from dmuon.plan.layout.buffers import (
     Boundary,
@@ -261,7 +265,7 @@ class ShardingPlan:
         from dmuon.plan.scheduling.builder import schedule
 
         sched = schedule(self)
-        return sched, _cost.schedule_byte_cost(sched)
+        return sched, _nbytes.schedule_byte_cost(sched)
 
     def _build_index(self) -> dict:
         canonical: dict[str, int] = {}
@@ -401,7 +405,7 @@ class ShardingPlan:
         """Elements owned per mesh rank (global owners only), length ``R*N``."""
         out = [0] * self.world_size
         for spec, owner in zip(self.params, self.owners):
-            for rank, numel in _cost.owner_weights(spec, owner, "numel", ()):
+            for rank, numel in _weights.owner_weights(spec, owner, "numel", ()):
                 out[rank] += numel
         return tuple(out)
 
@@ -411,7 +415,7 @@ class ShardingPlan:
         out = [0] * self.world_size
         lengths = self.tp_segment_lengths
         for spec, owner in zip(self.params, self.owners):
-            for rank, weight in _cost.owner_weights(spec, owner, self.cost_model, lengths):
+            for rank, weight in _weights.owner_weights(spec, owner, self.cost_model, lengths):
                 out[rank] += weight
         return tuple(out)
 
@@ -422,7 +426,7 @@ class ShardingPlan:
         HSDP mesh with owner groups of up to ``K`` members the mean term carries
         ``lpt_partition_groups``' factor ``N/(N-K+1)`` (a group stays in one replicate row)."""
         lengths = self.tp_segment_lengths
-        weights = [w for spec, o in zip(self.params, self.owners) for _, w in _cost.owner_weights(spec, o, self.cost_model, lengths)]
+        weights = [w for spec, o in zip(self.params, self.owners) for _, w in _weights.owner_weights(spec, o, self.cost_model, lengths)]
         R, N = self.mesh_shape
         K = max((o.k for o in self.owners if isinstance(o, (OwnerGroup, ExpertOwners))), default=1)
         factor = N / (N - K + 1) if R > 1 and K > 1 else 1.0
@@ -441,11 +445,11 @@ class ShardingPlan:
     @property
     def cost(self) -> ByteCost:
         """:class:`ByteCost`: DMuon bytes per step summed over all ranks (+ per rank), summed
-        from the nominal step's schedule (:func:`~dmuon.plan.cost.model.schedule_byte_cost`); computed
+        from the nominal step's schedule (:func:`~dmuon.plan.cost.nbytes.schedule_byte_cost`); computed
         once, when the plan is built."""
         if self._nominal is not None:
             return self._nominal[1]
-        return _cost.schedule_byte_cost(self.schedule())
+        return _nbytes.schedule_byte_cost(self.schedule())
 
     def _baseline_params(self) -> tuple[ParamSpec, ...]:
         """The parameters FSDP2 + naive Muon would shard: expert-parallel stacks are local to
@@ -455,7 +459,7 @@ class ShardingPlan:
     @property
     def baseline_cost(self) -> _cost.BaselineByteCost:
         """Bytes per step of FSDP2 + naive all-gather Muon on the same parameters."""
-        return _cost.baseline_byte_cost(
+        return _baseline.baseline_byte_cost(
             self._baseline_params(),
             mesh_shape=self.mesh_shape,
             reshard_after_forward=self.reshard_after_forward,
@@ -481,7 +485,7 @@ class ShardingPlan:
     def rank_stats(self) -> tuple[_cost.RankStats, ...]:
         """Per-rank :class:`~dmuon.plan.cost.model.RankStats` of this plan (schedule ranks: the mesh
         rank, or ``(replicate*N + shard)*T + tp`` with TP), from the nominal schedule."""
-        return _cost.rank_stats(
+        return _memory.rank_stats(
             self.params,
             self.owners,
             self.schedule(),
@@ -494,7 +498,7 @@ class ShardingPlan:
 
     def baseline_rank_stats(self) -> tuple[_cost.RankStats, ...]:
         """Per-rank :class:`~dmuon.plan.cost.model.RankStats` of FSDP2 + naive Muon, same parameters."""
-        return _cost.baseline_rank_stats(
+        return _baseline.baseline_rank_stats(
             self._baseline_params(),
             self.boundary,
             self.baseline_cost,

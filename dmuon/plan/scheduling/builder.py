@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from dmuon.plan.cost import model as _cost
+from dmuon.plan.cost import flops as _flops
+from dmuon.plan.cost import nbytes as _nbytes
 from dmuon.plan import rules as _rules
 from dmuon.plan.records.params import ExpertOwners, OwnerGroup
 from dmuon.plan.scheduling.ops import QK_CLIP_DTYPE, MicroBatch, Op, Step
@@ -51,7 +52,7 @@ class _Builder:
         for unit in plan.fsdp2_units:
             per: dict[str, list[int]] = {}
             for shape, dtype, grad in zip(unit.shapes, unit.dtypes, unit.requires_grad):
-                c = _cost.fsdp2_shard_numel(shape, N)
+                c = _nbytes.fsdp2_shard_numel(shape, N)
                 acc = per.setdefault(dtype, [0, 0])
                 acc[0] += c
                 acc[1] += c if grad else 0
@@ -233,7 +234,7 @@ class _Builder:
                 owner_groups.setdefault(tuple(sorted(owner.ranks)), []).append((spec, owner))
                 continue
             if isinstance(owner, ExpertOwners):  # each member orthogonalises its own experts: no collective
-                per_expert = _cost.spec_ns_flops(spec) // spec.num_experts
+                per_expert = _flops.spec_ns_flops(spec) // spec.num_experts
                 for j, (member, size) in enumerate(zip(owner.members, owner.sizes)):
                     ns_ids[(spec.fqn, j)] = self.emit(  # keyed by (fqn, range): its replica broadcast waits for it
                         kind="newton_schulz", phase="optimizer", group=tps[(member.replicate, member.shard)],
@@ -245,7 +246,7 @@ class _Builder:
                 tp_entries.setdefault((owner.replicate, owner.shard), []).append(spec)
                 continue
             ns_ids[spec.fqn] = self.emit(
-                kind="newton_schulz", phase="optimizer", group=group, flops=_cost.spec_ns_flops(spec),
+                kind="newton_schulz", phase="optimizer", group=group, flops=_flops.spec_ns_flops(spec),
                 fqns=(spec.fqn,), micro_batch=mb, deps=reduce_deps[spec.fqn],
             )
         # TP owner groups (dmuon.exec's TP orthogonalisation): Gram buckets by (d, D_local, dtype)
@@ -258,15 +259,15 @@ class _Builder:
             for spec in specs:
                 if spec.tp_ns == "local":  # view blocks inside the TP shards: NS on each rank's own blocks
                     ns_ids[spec.fqn] = self.emit(kind="newton_schulz", phase="optimizer", group=group,
-                                                 flops=_cost.tp_ns_flops(spec, lengths), fqns=(spec.fqn,),
+                                                 flops=_flops.tp_ns_flops(spec, lengths), fqns=(spec.fqn,),
                                                  micro_batch=mb, deps=reduce_deps[spec.fqn])
                 elif spec.tp_ns == "gram":
-                    d = _cost.tp_gram_side(spec.shape, spec.tp_shard_dim)  # type: ignore[arg-type]
+                    d = _flops.tp_gram_side(spec.shape, spec.tp_shard_dim)  # type: ignore[arg-type]
                     gram.setdefault((d, spec.local_numel // d, spec.dtype), []).append(spec)
                 else:
                     gather.setdefault(spec.dtype, []).append(spec)
             for (d, _, _), bucket in gram.items():
-                self.gram_bucket(group, "tp", d, bucket, [_cost.tp_ns_flops(sp, lengths) for sp in bucket],
+                self.gram_bucket(group, "tp", d, bucket, [_flops.tp_ns_flops(sp, lengths) for sp in bucket],
                                  reduce_deps, ns_ids, mb)
             for dtype, bucket in gather.items():
                 deps = tuple(i for spec in bucket for i in reduce_deps[spec.fqn])
@@ -275,7 +276,7 @@ class _Builder:
                                micro_batch=mb, deps=deps)
                 for spec in bucket:
                     ns_ids[spec.fqn] = self.emit(kind="newton_schulz", phase="optimizer", group=group,
-                                                 flops=_cost.tp_ns_flops(spec, lengths), fqns=(spec.fqn,),
+                                                 flops=_flops.tp_ns_flops(spec, lengths), fqns=(spec.fqn,),
                                                  micro_batch=mb, deps=(ag,))
         # owner groups (dmuon.exec's grouped orthogonalisation): per group in order of first
         # appearance, Gram buckets by (d, padded block width, dtype) in plan order, one fp32
@@ -287,7 +288,7 @@ class _Builder:
                 d = int(spec.shape[1 - owner.dim])
                 gram_buckets.setdefault((d, max(owner.sizes), spec.dtype), []).append(spec)
             for (d, width, _), bucket in gram_buckets.items():
-                flops = _cost.gram_ns_segment_flops(d, width, lengths)
+                flops = _flops.gram_ns_segment_flops(d, width, lengths)
                 self.gram_bucket(ranks, "owner_group", d, bucket, [flops] * len(bucket), reduce_deps, ns_ids, mb)
         qk_ids: tuple[int, ...] = ()
         if plan.qk_clip is not None:  # QK-clip: one all-reduce (max) of every layer's per-head max logits

@@ -41,7 +41,7 @@ Ranks are *schedule ranks*: the mesh rank ``replicate*N + shard`` without tensor
 group is the tuple of schedule ranks that take part; a root is a schedule rank.
 
 Bytes charged to a rank (:meth:`Op.charged_nbytes`) follow the ledger's rule
-(:func:`dmuon.plan.cost.model.collective_rank_nbytes`): every non-root rank of a broadcast or
+(:func:`dmuon.plan.cost.nbytes.collective_rank_nbytes`): every non-root rank of a broadcast or
 reduce of ``S`` bytes is charged ``S``; each rank of an all-reduce of ``numel`` elements over
 ``k`` ranks ``2·(k-1)·ceil(numel/k)·itemsize``; each rank of an all-gather of ``S`` bytes per
 rank ``(k-1)·S``. External ops are not charged.
@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dmuon.plan.cost import model as _cost
+from dmuon.plan.cost import nbytes as _nbytes
 from dmuon.plan.records.params import itemsize_nbytes
 
 __all__ = [
@@ -165,7 +165,7 @@ class Op:
         """Bytes the ledger charges schedule rank ``rank`` for this op (0 if not a member)."""
         if not self.collective or rank not in self.group:
             return 0
-        return _cost.collective_rank_nbytes(
+        return _nbytes.collective_rank_nbytes(
             self.kind, self.numel, itemsize_nbytes(self.dtype), len(self.group), rank == self.root  # type: ignore[arg-type]
         )
 
