@@ -21,7 +21,8 @@ The folders follow the pipeline ``compile`` runs (docs/planning.md, "Where each 
                  ByteCost summed from the schedule), ``weights`` (LPT), ``memory`` (per rank), ``baseline``
                  (FSDP2 + naive Muon)
     records/     the frozen records the stages pass on: ``params`` (Owner, ParamSpec, ...),
-                 ``plan`` (ShardingPlan, JSON), ``mesh`` (mesh roles), ``qk_clip`` (settings)
+                 ``plan`` (ShardingPlan; its ``plan_index``, ``plan_json``, ``plan_figures``),
+                 ``mesh`` (mesh roles), ``qk_clip`` (settings)
     tools/       ``render`` (summary, HTML), ``diff``, ``cli`` (``python -m dmuon plan|diff``)
     compile.py   the planner: runs the stages in order
     rules.py     behaviour rules shared by planner and runtime (NS backend choice and batching,
