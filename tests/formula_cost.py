@@ -13,7 +13,9 @@ from dmuon.plan.cost.model import ByteCost
 from dmuon.plan.cost.nbytes import broadcast_nbytes, reduce_nbytes
 from dmuon.plan.rules import tp_rank_nbytes
 from dmuon.plan.layout.buffers import Boundary
-from dmuon.plan.records.params import Owner, ParamSpec, itemsize_nbytes
+from dmuon.plan.records.fields import itemsize_nbytes
+from dmuon.plan.records.owners import Owner
+from dmuon.plan.records.params import ParamSpec
 from dmuon.plan.rules import bcast_dtype, reduce_dtype
 
 

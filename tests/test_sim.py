@@ -888,7 +888,7 @@ def test_expert_plans_simulate_with_the_models_top_k_and_range_batches(monkeypat
     import sys
 
     from dmuon.zoo import hf_moe
-    from dmuon.plan.records.params import ExpertOwners
+    from dmuon.plan.records.owners import ExpertOwners
     from dmuon.sim.workload import from_plan, model_top_k
 
     m = hf_moe(num_layers=2, hidden=64, num_experts=8, moe_ffn=32, top_k=4, vocab=128, num_heads=4,

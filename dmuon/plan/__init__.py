@@ -20,7 +20,8 @@ The folders follow the pipeline ``compile`` runs (docs/planning.md, "Where each 
     cost/        stage 5: ``model`` (ByteCost, RankStats), ``flops`` (NS FLOPs), ``nbytes`` (the byte rule,
                  ByteCost summed from the schedule), ``weights`` (LPT), ``memory`` (per rank), ``baseline``
                  (FSDP2 + naive Muon)
-    records/     the frozen records the stages pass on: ``params`` (Owner, ParamSpec, ...),
+    records/     the frozen records the stages pass on: ``owners`` (Owner, OwnerGroup, ...),
+                 ``params`` (ParamSpec, MatrixView, ...), ``fields`` (checks, dtype strings),
                  ``plan`` (ShardingPlan; its ``plan_index``, ``plan_json``, ``plan_figures``),
                  ``mesh`` (mesh roles), ``qk_clip`` (settings)
     tools/       ``render`` (summary, HTML), ``diff``, ``cli`` (``python -m dmuon plan|diff``)
@@ -40,7 +41,8 @@ from dmuon.plan.layout.buffers import Boundary, BufferLayout
 from dmuon.plan.records.mesh import MESH_DIM_NAMES, MeshDimRoles, mesh_dim_roles, normalize_mesh
 from dmuon.plan.records.plan import ShardingPlan
 from dmuon.plan.records.qk_clip import QKClip
-from dmuon.plan.records.params import ExpertOwners, ExpertStack, MatrixView, Owner, OwnerGroup, ParamSpec
+from dmuon.plan.records.owners import ExpertOwners, Owner, OwnerGroup
+from dmuon.plan.records.params import ExpertStack, MatrixView, ParamSpec
 from dmuon.plan.scheduling.ops import MicroBatch, Op, ScheduleError, Step
 from dmuon.plan.scheduling.step_schedule import StepSchedule
 from dmuon.plan.scheduling.replay import replay

@@ -26,7 +26,9 @@ from dmuon.plan.ownership.partition import lpt_partition, lpt_partition_groups
 from dmuon.plan.records.plan import ShardingPlan
 from dmuon.plan.records.qk_clip import QKClip, check_qk_clip
 from dmuon.plan.model.experts import expert_max_split, expert_range_weights
-from dmuon.plan.records.params import ExpertOwners, Fsdp2Unit, Owner, OwnerGroup, ParamSpec, balanced_sizes, dtype_str
+from dmuon.plan.records.fields import dtype_str
+from dmuon.plan.records.owners import ExpertOwners, Owner, OwnerGroup, balanced_sizes
+from dmuon.plan.records.params import Fsdp2Unit, ParamSpec
 from dmuon.plan.model.selection import select_params
 from dmuon.plan.model.snapshot import take_snapshot
 
@@ -395,7 +397,7 @@ def _assign_ep_owners(specs, boundaries, mesh_shape, ep, cost_model, owner_group
     *efsdp group*) hold the same ``E/ep`` experts and split their ownership.
 
     1. The stacks first: each stack's ``E/ep`` local experts are cut into ``k = min(E/ep,
-       efsdp)`` contiguous ranges (:func:`~dmuon.plan.records.params.balanced_sizes`), placed by the
+       efsdp)`` contiguous ranges (:func:`~dmuon.plan.records.owners.balanced_sizes`), placed by the
        constrained LPT (:func:`~dmuon.plan.ownership.partition.lpt_partition_groups`) on ``k`` distinct
        efsdp indices ``i`` of one replicate row ``r``, the slots being ``(r, i)``. Every EP
        coordinate ``j`` uses the same placement, so range ``q`` of coordinate ``j`` is owned by

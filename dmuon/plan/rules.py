@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 from dmuon.plan.cost.flops import GRAM_RESTART_EVERY, NS_STEPS, gram_segment_lengths, matrix_ns_flops, ns_flops, tp_gram_side
 from dmuon.plan.cost.nbytes import all_reduce_rank_nbytes
-from dmuon.plan.records.params import ParamSpec, itemsize_nbytes
+from dmuon.plan.records.fields import itemsize_nbytes
+from dmuon.plan.records.params import ParamSpec
 
 __all__ = [
     "NS_STEPS",

@@ -63,7 +63,8 @@ from dmuon.plan.cost import flops as _flops
 from dmuon.plan.cost import memory as _memory
 from dmuon.plan.cost import nbytes as _nbytes
 from dmuon.plan import rules as _rules
-from dmuon.plan.records.params import OwnerGroup, itemsize_nbytes
+from dmuon.plan.records.fields import itemsize_nbytes
+from dmuon.plan.records.owners import OwnerGroup
 from dmuon.plan.scheduling.ops import Op, Step
 from dmuon.plan.scheduling.step_schedule import StepSchedule
 from dmuon.sim import alternatives as _alt

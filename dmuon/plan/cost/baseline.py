@@ -31,7 +31,8 @@ from collections.abc import Callable, Sequence
 from dmuon.plan.cost.flops import spec_ns_flops
 from dmuon.plan.cost.model import BaselineByteCost, RankStats
 from dmuon.plan.cost.nbytes import fsdp2_shard_numel
-from dmuon.plan.records.params import ParamSpec, itemsize_nbytes
+from dmuon.plan.records.fields import itemsize_nbytes
+from dmuon.plan.records.params import ParamSpec
 from dmuon.plan.rules import bcast_dtype, reduce_dtype
 
 __all__ = [

@@ -10,7 +10,9 @@ from typing import Any
 
 from dmuon.plan.cost.model import ByteCost, RankStats
 from dmuon.plan.cost.weights import member_weights
-from dmuon.plan.records.params import ExpertOwners, Owner, OwnerGroup, ParamSpec, itemsize_nbytes
+from dmuon.plan.records.fields import itemsize_nbytes
+from dmuon.plan.records.owners import ExpertOwners, Owner, OwnerGroup
+from dmuon.plan.records.params import ParamSpec
 
 __all__ = [
     "rank_stats",

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from dmuon.plan.records.params import _check_int
+from dmuon.plan.records.fields import _check_int
 
 __all__ = [
     "ByteCost",

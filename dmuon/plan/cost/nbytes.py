@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dmuon.plan.cost.model import ByteCost
-from dmuon.plan.records.params import itemsize_nbytes
+from dmuon.plan.records.fields import itemsize_nbytes
 
 __all__ = [
     "broadcast_nbytes",

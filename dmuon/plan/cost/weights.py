@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from dmuon.plan.cost.flops import gram_ns_segment_flops, spec_ns_flops
-from dmuon.plan.records.params import ExpertOwners, Owner, OwnerGroup, ParamSpec, balanced_sizes
+from dmuon.plan.records.owners import ExpertOwners, Owner, OwnerGroup, balanced_sizes
+from dmuon.plan.records.params import ParamSpec
 from dmuon.plan.rules import COST_MODELS, owner_group_dim
 
 __all__ = [
@@ -39,7 +40,7 @@ def owner_group_piece_weights(
     spec: ParamSpec, k: int, cost_model: str, segment_lengths: Sequence[int]
 ) -> tuple[int, ...]:
     """LPT weight of each member of a ``k``-member owner group of ``spec``, block order (blocks
-    of :func:`~dmuon.plan.records.params.balanced_sizes` along :func:`owner_group_dim`); ``k = 1``:
+    of :func:`~dmuon.plan.records.owners.balanced_sizes` along :func:`owner_group_dim`); ``k = 1``:
     ``(param_weight(spec),)``.
 
     ``"numel"``: the block's elements. ``"ns_flops"``: the member's share of sharded Gram NS,

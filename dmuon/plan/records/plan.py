@@ -8,7 +8,7 @@ delegate to those modules; ``summary()`` / ``_repr_html_()`` to :mod:`dmuon.plan
 
 optree registration (namespace ``"dmuon"``): a ShardingPlan is an internal node whose children
 are, in this order, ``params``, ``owners``, ``boundaries`` (tuples, so the leaves are the
-:class:`~dmuon.plan.records.params.ParamSpec`, :class:`~dmuon.plan.records.params.Owner` and
+:class:`~dmuon.plan.records.params.ParamSpec`, :class:`~dmuon.plan.records.owners.Owner` and
 :class:`~dmuon.plan.layout.buffers.Boundary` records, in plan order); every other field is treespec
 metadata. So ``optree.tree_map(f, plan_a, plan_b, namespace="dmuon")`` works for plans that
 share the dedicated-parameter count, boundary count AND settings (mesh shape, Z2/Z3, dtypes,
@@ -36,15 +36,9 @@ from dmuon.plan.layout.buffers import (
     check_buffer_layout,
 )
 from dmuon.plan.records.qk_clip import QKClip
-from dmuon.plan.records.params import (
-    Fsdp2Unit,
-    Owner,
-    OwnerGroup,
-    ExpertOwners,
-    ParamSpec,
-    _check_int,
-    check_dtype_str,
-)
+from dmuon.plan.records.fields import _check_int, check_dtype_str
+from dmuon.plan.records.owners import Owner, OwnerGroup, ExpertOwners
+from dmuon.plan.records.params import Fsdp2Unit, ParamSpec
 from dmuon.plan.records import plan_figures as _plan_figures
 from dmuon.plan.records import plan_index as _plan_index
 from dmuon.plan.records import plan_json as _plan_json
@@ -94,7 +88,7 @@ class ShardingPlan:
         param_dtype / reduce_dtype: mixed-precision wire dtype strings or None.
         params: dedicated parameters, ``named_parameters()`` order.
         owners: owner of each parameter (aligned with ``params``): an
-            :class:`~dmuon.plan.records.params.Owner`, or an :class:`~dmuon.plan.records.params.OwnerGroup`
+            :class:`~dmuon.plan.records.owners.Owner`, or an :class:`~dmuon.plan.records.owners.OwnerGroup`
             (``compile(owner_groups=...)``: ``k`` ranks of one replicate row each owning a block
             of the matrix along its long side; its layout has one entry per block).
         boundaries: hook boundaries with their buffers, first-appearance order in ``named_modules()``.

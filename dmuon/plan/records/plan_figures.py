@@ -14,7 +14,9 @@ from dmuon.plan.cost import memory as _memory
 from dmuon.plan.cost import model as _cost
 from dmuon.plan.cost import nbytes as _nbytes
 from dmuon.plan.cost import weights as _weights
-from dmuon.plan.records.params import ExpertOwners, OwnerGroup, ParamSpec, itemsize_nbytes
+from dmuon.plan.records.fields import itemsize_nbytes
+from dmuon.plan.records.owners import ExpertOwners, OwnerGroup
+from dmuon.plan.records.params import ParamSpec
 
 if TYPE_CHECKING:
     from dmuon.plan.records.plan import ShardingPlan

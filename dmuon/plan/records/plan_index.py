@@ -10,7 +10,8 @@ import difflib
 from typing import TYPE_CHECKING
 
 from dmuon.plan.layout.buffers import Boundary
-from dmuon.plan.records.params import ExpertOwners, Owner, OwnerGroup, ParamSpec
+from dmuon.plan.records.owners import ExpertOwners, Owner, OwnerGroup
+from dmuon.plan.records.params import ParamSpec
 
 if TYPE_CHECKING:
     from dmuon.plan.records.plan import ShardingPlan

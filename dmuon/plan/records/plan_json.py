@@ -11,7 +11,8 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from dmuon.plan.layout.buffers import Boundary
-from dmuon.plan.records.params import Fsdp2Unit, ParamSpec, owner_from_dict
+from dmuon.plan.records.owners import owner_from_dict
+from dmuon.plan.records.params import Fsdp2Unit, ParamSpec
 from dmuon.plan.records.qk_clip import QKClip
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from dmuon.plan.cost import flops as _flops
 from dmuon.plan.cost import nbytes as _nbytes
 from dmuon.plan import rules as _rules
-from dmuon.plan.records.params import ExpertOwners, OwnerGroup
+from dmuon.plan.records.owners import ExpertOwners, OwnerGroup
 from dmuon.plan.scheduling.ops import QK_CLIP_DTYPE, MicroBatch, Op, Step
 from dmuon.plan.scheduling.programs import _rank_fns, boundary_programs
 from dmuon.plan.scheduling.step_schedule import StepSchedule

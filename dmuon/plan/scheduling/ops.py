@@ -60,7 +60,7 @@ from __future__ import annotations
 import dataclasses
 
 from dmuon.plan.cost import nbytes as _nbytes
-from dmuon.plan.records.params import itemsize_nbytes
+from dmuon.plan.records.fields import itemsize_nbytes
 
 __all__ = [
     "COLLECTIVE_KINDS",

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from dmuon.plan.cost.memory import rank_stats
 from dmuon.plan.cost.model import RankStats
 from dmuon.plan.cost.nbytes import schedule_byte_cost
-from dmuon.plan.records.params import ExpertOwners, OwnerGroup, owner_ranks
+from dmuon.plan.records.owners import ExpertOwners, OwnerGroup, owner_ranks
 
 if TYPE_CHECKING:
     from dmuon.plan.records.plan import ShardingPlan
