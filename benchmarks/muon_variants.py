@@ -2,7 +2,7 @@
 
 1. Per-head orthogonalisation: ``dmuon.Muon.step`` on one ``(H·d_h, D)`` matrix, whole vs
    as ``H`` row blocks (``MatrixView``), fp32 NS (the batched path); the FLOP ratio of the two
-   (:func:`dmuon.plan.cost.model.ns_flops`) next to the measured time ratio.
+   (:func:`dmuon.plan.cost.flops.ns_flops`) next to the measured time ratio.
 2. QK-clip's SDPA helper: :func:`dmuon.exec.optim.qk_clip.max_logits_sdpa` (the extra ``QKᵀ`` pass)
    vs the ``scaled_dot_product_attention`` forward it accompanies, causal.
 
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import dmuon  # noqa: E402
 from dmuon.exec.runtime.buffers import DedicatedInfo  # noqa: E402
 from dmuon.exec.optim.qk_clip import max_logits_sdpa  # noqa: E402
-from dmuon.plan.cost.model import ns_flops  # noqa: E402
+from dmuon.plan.cost.flops import ns_flops  # noqa: E402
 from dmuon.plan.records.params import MatrixView  # noqa: E402
 
 

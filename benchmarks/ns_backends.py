@@ -15,7 +15,7 @@ at N = 2 and N = 4 for ``benchmarks/step_time.py``'s ``small`` (128 x 128, 128 x
 Every variant of a round runs back to back (interleaved), rounds repeat; ratios are taken
 within a round, and the table gives their median and [min-max] over the rounds. Columns:
 
-- ``FLOP ratio``: ``gram_ns_flops / ns_flops`` (the FLOPs each runs, dmuon.plan.cost.model);
+- ``FLOP ratio``: ``gram_ns_flops / ns_flops`` (the FLOPs each runs, dmuon.plan.cost.flops);
 - ``time ratio``: gram / standard wall time; ``goal`` = ``1 - 0.8·(1 - FLOP ratio)`` (Gram
   faster by at least 80 % of its FLOP saving); the FLOP ratio of the baseline revision is
   given in ``old FLOP ratio`` (its Gram counted as a general matmul);
@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dmuon.exec.optim import newton_schulz as ns  # noqa: E402
-from dmuon.plan.cost.model import gram_product_flops  # noqa: E402
+from dmuon.plan.cost.flops import gram_product_flops  # noqa: E402
 
 # (label, B, d, D): matrices per owner rank, batched as dmuon.Muon does (fp32)
 SHAPES = [

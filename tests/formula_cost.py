@@ -8,9 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dmuon.plan.cost.model import ByteCost, broadcast_nbytes, ns_flops, reduce_nbytes, tp_ns_flops, tp_rank_nbytes
+from dmuon.plan.cost.flops import ns_flops, tp_ns_flops
+from dmuon.plan.cost.model import ByteCost
+from dmuon.plan.cost.nbytes import broadcast_nbytes, reduce_nbytes
+from dmuon.plan.rules import tp_rank_nbytes
 from dmuon.plan.layout.buffers import Boundary
-from dmuon.plan.records.params import Owner, ParamSpec, itemsize_nbytes
+from dmuon.plan.records.fields import itemsize_nbytes
+from dmuon.plan.records.owners import Owner
+from dmuon.plan.records.params import ParamSpec
 from dmuon.plan.rules import bcast_dtype, reduce_dtype
 
 

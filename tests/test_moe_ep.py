@@ -21,7 +21,7 @@ import dmuon
 import dmuon.plan as P
 import dmuon.testing
 from dmuon.plan import ShardingPlan
-from dmuon.plan.records.params import ExpertOwners
+from dmuon.plan.records.owners import ExpertOwners
 from dist_utils import run_distributed
 from moe_ep_models import E, full_model, ep_model, global_batches, is_expert, lm_loss
 

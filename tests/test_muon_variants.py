@@ -93,7 +93,7 @@ def test_view_helpers_blocks():
 
 
 def test_view_ns_flops_lpt_and_summary():
-    from dmuon.plan.cost.model import ns_flops, spec_ns_flops
+    from dmuon.plan.cost.flops import ns_flops, spec_ns_flops
 
     model = AttnLM("gqa")
     views = {"*.q_proj.weight": V.heads(4), "*.o_proj.weight": V.heads(4, dim=1)}
@@ -389,8 +389,8 @@ def _worker(cases, mesh_shape, check_error):
     from torch.distributed.fsdp import fully_shard
 
     from dmuon.exec.comm.collectives import LEDGER
-    from dmuon.plan.cost.model import schedule_byte_cost
-    from dmuon.plan.scheduling.step_schedule import MicroBatch, Step
+    from dmuon.plan.cost.nbytes import schedule_byte_cost
+    from dmuon.plan.scheduling.ops import MicroBatch, Step
 
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()

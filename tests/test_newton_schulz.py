@@ -360,8 +360,8 @@ def test_gram_segments():
 
 
 def test_flop_formulas_and_segment_rule_are_the_cost_models():
-    """One definition each (dmuon.plan.cost.model, dmuon.plan.rules): the optimizer and the plan cannot disagree."""
-    from dmuon.plan.cost import model as cost
+    """One definition each (dmuon.plan.cost.flops, dmuon.plan.rules): the optimizer and the plan cannot disagree."""
+    from dmuon.plan.cost import flops as cost
     from dmuon.plan import rules
 
     assert ns_mod.ns_flops is cost.ns_flops
@@ -530,7 +530,7 @@ def test_symmetric_gram_is_x_xt(shape):
     mirrored exactly; the same values as the full product (the same dot products, up to the
     kernel's summation order), also for a transposed (tall) view."""
     from dmuon.exec.optim.newton_schulz import _symmetric_gram
-    from dmuon.plan.cost.model import GRAM_SYM_MIN_SIDE
+    from dmuon.plan.cost.flops import GRAM_SYM_MIN_SIDE
 
     x = _randn(*shape).double()
     h = shape[-2] // 2

@@ -25,7 +25,7 @@ from torch import nn
 
 import dmuon
 from dmuon.exec.optim import newton_schulz as ns
-from dmuon.plan.cost import model as cost
+from dmuon.plan.cost import flops as cost
 from dmuon.plan import rules
 from dmuon.plan.records.params import ParamSpec
 from dmuon.train.model import GPT, GPTConfig

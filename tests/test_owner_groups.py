@@ -104,7 +104,7 @@ def test_exclusive_owners_leave_a_rank_idle_and_the_summary_says_so():
 
 def test_forced_k2_plan_by_hand():
     from dmuon.plan import OwnerGroup
-    from dmuon.plan.cost.model import all_reduce_rank_nbytes
+    from dmuon.plan.cost.nbytes import all_reduce_rank_nbytes
 
     plan = _plan(4, 2)
     owners = {spec.fqn: o for spec, o in zip(plan.params, plan.owners)}
@@ -147,7 +147,7 @@ def test_forced_k2_plan_by_hand():
 
 def test_forced_k4_and_hsdp_rows():
     from dmuon.plan import OwnerGroup
-    from dmuon.plan.cost.model import all_reduce_rank_nbytes
+    from dmuon.plan.cost.nbytes import all_reduce_rank_nbytes
 
     plan = _plan(4, 4)
     for o in plan.owners:

@@ -216,7 +216,7 @@ def test_expert_stack_view():
     assert (spec.shape, spec.matrix_shape, spec.num_matrices, spec.numel) == ((4, 32, 48), (32, 48), 4, 6144)
     assert plan.boundary("layers.1.mlp.experts.w2") == "layers.1"
     # ns_flops weights count each expert matrix: 4 * 5 * (4*32*32*48 + 2*32**3)
-    from dmuon.plan.cost.model import ns_flops
+    from dmuon.plan.cost.flops import ns_flops
 
     assert ns_flops(32, 48, num_matrices=4) == 4 * 5 * (4 * 32 * 32 * 48 + 2 * 32**3)
     assert ns_flops(48, 32) == ns_flops(32, 48)

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import dmuon.plan as P
-from dmuon.plan.cost import model as plan_cost
+from dmuon.plan.cost import nbytes as plan_nbytes
+from dmuon.plan.cost import weights as plan_cost
 from dmuon import zoo
 from dmuon.plan import Owner, ShardingPlan
 
@@ -321,7 +322,7 @@ def test_plan_accessors():
 def test_fsdp2_baseline_matches_formula():
     # 1-D, Z3, fp32: baseline = 4 (N-1) S with S the padded dedicated bytes; DMuon = 3 (N-1) P.
     plan = P.compile(zoo.tiny_llama(), 4)
-    S = sum(plan_cost.fsdp2_shard_numel(p.shape, 4) * 4 * 4 for p in plan.params)
+    S = sum(plan_nbytes.fsdp2_shard_numel(p.shape, 4) * 4 * 4 for p in plan.params)
     assert plan.baseline_cost.total_nbytes == 4 * 3 * S
     Pm = sum(buf.numel * 4 for b in plan.boundaries for buf in b.buffers)
     assert plan.cost.total_nbytes == 3 * 3 * Pm

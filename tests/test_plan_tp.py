@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import dmuon
-from dmuon.plan.cost import model as C
+from dmuon.plan import rules as C
 
 
 class Block(nn.Module):

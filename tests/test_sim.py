@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 import dmuon.plan as P
 from dmuon import zoo
 import dmuon.sim as S
-from dmuon.plan.cost import model as C
+from dmuon.plan.cost import flops as CF
+from dmuon.plan.cost import nbytes as C
 from dmuon.plan import rules as R
 from dmuon.sim import hardware as H
 from dmuon.sim.simulate import _critical_path, _SimOp, replay_ops
@@ -176,7 +177,7 @@ def test_newton_schulz_on_its_calibrated_curve_by_hand():
     assert H.ns_call_s(hw, 1e9, 128.0) == pytest.approx(1e9 / (1e9 * 0.5))  # halfway in log d
     spec = SimpleNamespace(matrix_shape=(128, 128), dtype="torch.float32", local_numel=128 * 128)
     wl = SimpleNamespace(muon_ops_per_matrix=8, ns_ops_per_step=5)
-    flops = C.ns_flops(128, 128)
+    flops = CF.ns_flops(128, 128)
     update = 6 * 128 * 128 * 4 / 1e9 + 8 * 1e-6
     assert _ns_s(hw, wl, spec, flops) == pytest.approx(flops / (1e9 * 0.5) + update)
     passes = 2 * R.NS_STEPS * 128 * 128 * 4 / 1e9 + 5 * R.NS_STEPS * 1e-6
@@ -200,7 +201,7 @@ def test_ns_batch_factor_by_hand():
     assert f(hw, 256.0, 4) == pytest.approx(1.0)  # halfway between d = 128 and 512 in log d
     spec = SimpleNamespace(matrix_shape=(128, 128), dtype="torch.float32", local_numel=128 * 128)
     wl = SimpleNamespace(muon_ops_per_matrix=8, ns_ops_per_step=5)
-    flops = C.ns_flops(128, 128)
+    flops = CF.ns_flops(128, 128)
     update = _ns_s(hw, wl, spec, 0)
     assert _ns_s(hw, wl, spec, flops, 0.8) - update == pytest.approx(0.8 * flops / (1e9 * 0.5))
     assert H.Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
@@ -529,7 +530,7 @@ def test_alternatives_structure(tiny):
     assert len(ns) == len(plan.params) and all(len(op.group) == 1 for op in ns)
     # each rank runs about total / N of the NS FLOPs (batches of N matrices)
     per = [sum(op.flops for op in ns if op.group == (r,)) for r in range(4)]
-    assert sum(per) == sum(C.ns_flops(*s.matrix_shape) for s in plan.params)
+    assert sum(per) == sum(CF.ns_flops(*s.matrix_shape) for s in plan.params)
     # batches of N = 4 same-shape matrices: q/o 8 -> 2, k/v 8 -> 2, gate/up 8 -> 2, down 4 -> 1; 2 all-to-alls each
     assert len([op for op in a2a if op.kind == "all_to_all"]) == 2 * 7
     with pytest.raises(ValueError, match="unknown alternative"):
@@ -887,7 +888,7 @@ def test_expert_plans_simulate_with_the_models_top_k_and_range_batches(monkeypat
     import sys
 
     from dmuon.zoo import hf_moe
-    from dmuon.plan.records.params import ExpertOwners
+    from dmuon.plan.records.owners import ExpertOwners
     from dmuon.sim.workload import from_plan, model_top_k
 
     m = hf_moe(num_layers=2, hidden=64, num_experts=8, moe_ffn=32, top_k=4, vocab=128, num_heads=4,

@@ -14,14 +14,20 @@ The folders follow the pipeline ``compile`` runs (docs/planning.md, "Where each 
                  TP / EP views of an unparallelised model (``parallel``)
     ownership/   stage 2: owners by constrained LPT (``partition``)
     layout/      stage 3: packed buffers per boundary (``buffers``)
-    scheduling/  stage 4: every rank's ops in one step, deadlock replay (``step_schedule``)
-    cost/        stage 5: bytes, FLOPs and memory summed from the schedule; the FSDP2 baseline
-    records/     the frozen records the stages pass on: ``params`` (Owner, ParamSpec, ...),
-                 ``plan`` (ShardingPlan, JSON), ``mesh`` (mesh roles), ``qk_clip`` (settings)
+    scheduling/  stage 4: every rank's ops in one step: ``ops`` (Op, Step), ``programs`` (per-boundary
+                 collectives), ``builder`` (``schedule``), ``step_schedule`` (StepSchedule), ``replay``
+                 (deadlock check)
+    cost/        stage 5: ``model`` (ByteCost, RankStats), ``flops`` (NS FLOPs), ``nbytes`` (the byte rule,
+                 ByteCost summed from the schedule), ``weights`` (LPT), ``memory`` (per rank), ``baseline``
+                 (FSDP2 + naive Muon)
+    records/     the frozen records the stages pass on: ``owners`` (Owner, OwnerGroup, ...),
+                 ``params`` (ParamSpec, MatrixView, ...), ``fields`` (checks, dtype strings),
+                 ``plan`` (ShardingPlan; its ``plan_index``, ``plan_json``, ``plan_figures``),
+                 ``mesh`` (mesh roles), ``qk_clip`` (settings)
     tools/       ``render`` (summary, HTML), ``diff``, ``cli`` (``python -m dmuon plan|diff``)
     compile.py   the planner: runs the stages in order
     rules.py     behaviour rules shared by planner and runtime (NS backend choice and batching,
-                 Gram restarts, accepted modes, wire dtypes, owner-group dims)
+                 Gram restarts, accepted modes, wire dtypes, owner-group dims, TP Gram or gather)
 
 Model shapes to plan (Llama-3, ViT, Qwen3-MoE, DeepSeek-V3 on the meta device) live in
 :mod:`dmuon.zoo`, outside the planner.
@@ -35,8 +41,12 @@ from dmuon.plan.layout.buffers import Boundary, BufferLayout
 from dmuon.plan.records.mesh import MESH_DIM_NAMES, MeshDimRoles, mesh_dim_roles, normalize_mesh
 from dmuon.plan.records.plan import ShardingPlan
 from dmuon.plan.records.qk_clip import QKClip
-from dmuon.plan.records.params import ExpertOwners, ExpertStack, MatrixView, Owner, OwnerGroup, ParamSpec
-from dmuon.plan.scheduling.step_schedule import MicroBatch, Op, ScheduleError, Step, StepSchedule, replay, schedule
+from dmuon.plan.records.owners import ExpertOwners, Owner, OwnerGroup
+from dmuon.plan.records.params import ExpertStack, MatrixView, ParamSpec
+from dmuon.plan.scheduling.ops import MicroBatch, Op, ScheduleError, Step
+from dmuon.plan.scheduling.step_schedule import StepSchedule
+from dmuon.plan.scheduling.replay import replay
+from dmuon.plan.scheduling.builder import schedule
 from dmuon.plan.model.selection import matrix_predicate
 from dmuon.plan.compile import compile  # last: dmuon.plan.compile is the function (it shadows its module)
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dmuon.plan.cost import model as _cost
+from dmuon.plan.cost import weights as _weights
 from dmuon.plan import rules as _rules
 from dmuon.plan.model.boundaries import BoundaryResolver
 from dmuon.plan.layout.buffers import build_boundaries
@@ -26,7 +26,9 @@ from dmuon.plan.ownership.partition import lpt_partition, lpt_partition_groups
 from dmuon.plan.records.plan import ShardingPlan
 from dmuon.plan.records.qk_clip import QKClip, check_qk_clip
 from dmuon.plan.model.experts import expert_max_split, expert_range_weights
-from dmuon.plan.records.params import ExpertOwners, Fsdp2Unit, Owner, OwnerGroup, ParamSpec, balanced_sizes, dtype_str
+from dmuon.plan.records.fields import dtype_str
+from dmuon.plan.records.owners import ExpertOwners, Owner, OwnerGroup, balanced_sizes
+from dmuon.plan.records.params import Fsdp2Unit, ParamSpec
 from dmuon.plan.model.selection import select_params
 from dmuon.plan.model.snapshot import take_snapshot
 
@@ -82,7 +84,7 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
         cost_model: ``"numel"`` (elements) or ``"ns_flops"`` (Newton-Schulz FLOPs) LPT weight.
         align_numel: alignment of every layout entry and flags region, in elements (>= 1).
         tp_ns: tensor parallelism: ``"auto"`` (per matrix, the cheaper in bytes of Gram NS and
-            gathering, :func:`~dmuon.plan.cost.model.choose_tp_ns`), ``"gram"`` or ``"gather"``.
+            gathering, :func:`~dmuon.plan.rules.choose_tp_ns`), ``"gram"`` or ``"gather"``.
         tp_size, tp_shard_dims: plan tensor parallelism for a model that is not parallelised
             (e.g. on the meta device): ``T`` and ``{fqn: dim}`` of the dedicated matrices TP
             shards (``0`` colwise, ``1`` rowwise). Without them, TP is read from the model's
@@ -294,7 +296,7 @@ def _assign_owners(specs, boundaries, mesh_shape, cost_model, owner_groups, tp_s
         return _assign_ep_owners(
             specs, boundaries, mesh_shape, ep, cost_model, owner_groups, tp_size, qk_clip, segment_lengths
         )
-    weights = [_cost.param_weight(spec, cost_model) for spec in specs]
+    weights = [_weights.param_weight(spec, cost_model) for spec in specs]
     keys = [spec.fqn for spec in specs]
     expert_split = [
         expert_max_split(spec.num_experts, N) if spec.experts is not None else 1 for spec in specs
@@ -313,8 +315,8 @@ def _assign_owners(specs, boundaries, mesh_shape, cost_model, owner_groups, tp_s
     def pieces(i: int, k: int, model: str) -> tuple[int, ...]:
         spec = specs[i]
         if spec.experts is not None:  # every expert of a stack weighs the same
-            return expert_range_weights(_cost.param_weight(spec, model) // spec.num_experts, spec.num_experts, k)
-        return _cost.owner_group_piece_weights(spec, k, model, segment_lengths)
+            return expert_range_weights(_weights.param_weight(spec, model) // spec.num_experts, spec.num_experts, k)
+        return _weights.owner_group_piece_weights(spec, k, model, segment_lengths)
 
     if owner_groups in ("off", 1):
         max_split, split = expert_split, N  # forced: each stack gets its min(E, N) ranges, matrices one owner
@@ -395,7 +397,7 @@ def _assign_ep_owners(specs, boundaries, mesh_shape, ep, cost_model, owner_group
     *efsdp group*) hold the same ``E/ep`` experts and split their ownership.
 
     1. The stacks first: each stack's ``E/ep`` local experts are cut into ``k = min(E/ep,
-       efsdp)`` contiguous ranges (:func:`~dmuon.plan.records.params.balanced_sizes`), placed by the
+       efsdp)`` contiguous ranges (:func:`~dmuon.plan.records.owners.balanced_sizes`), placed by the
        constrained LPT (:func:`~dmuon.plan.ownership.partition.lpt_partition_groups`) on ``k`` distinct
        efsdp indices ``i`` of one replicate row ``r``, the slots being ``(r, i)``. Every EP
        coordinate ``j`` uses the same placement, so range ``q`` of coordinate ``j`` is owned by
@@ -410,7 +412,7 @@ def _assign_ep_owners(specs, boundaries, mesh_shape, ep, cost_model, owner_group
     efsdp = N // ep
     stack_idx = [i for i, spec in enumerate(specs) if spec.experts is not None]
     dense_idx = [i for i, spec in enumerate(specs) if spec.experts is None]
-    per_expert = {i: _cost.param_weight(specs[i], cost_model) // specs[i].num_experts for i in stack_idx}
+    per_expert = {i: _weights.param_weight(specs[i], cost_model) // specs[i].num_experts for i in stack_idx}
     local = {i: specs[i].experts.local_experts for i in stack_idx}
     ks = [min(local[i], efsdp) for i in stack_idx]
     placed = lpt_partition_groups(
@@ -433,7 +435,7 @@ def _assign_ep_owners(specs, boundaries, mesh_shape, ep, cost_model, owner_group
         initial = {"numel": [0] * (R * N), cost_model: [0] * (R * N)}
         for i in stack_idx:
             for model, loads in initial.items():
-                per = _cost.param_weight(specs[i], model) // specs[i].num_experts
+                per = _weights.param_weight(specs[i], model) // specs[i].num_experts
                 for member, size in zip(owners[i].members, owners[i].sizes):
                     loads[member.rank] += per * size
         sub = _assign_owners(
@@ -656,7 +658,7 @@ def _tp_specs(snapshot, selected, specs, tp_ns, tp_size, tp_shard_dims, ns_steps
             if spec.view is not None and spec.view_tp_problem() is not None:
                 view_problems.append(f"  {spec.fqn}: {spec.view_tp_problem()}")
                 continue
-            spec = dataclasses.replace(spec, tp_ns=_cost.choose_tp_ns(spec, tp_ns, segments))
+            spec = dataclasses.replace(spec, tp_ns=_rules.choose_tp_ns(spec, tp_ns, segments))
         out.append(spec)
     if view_problems:
         raise ValueError(

@@ -1,15 +1,20 @@
 """Behaviour rules of the planner and the runtime, one definition each: which Newton-Schulz
 backend a matrix runs, how the optimizer batches NS calls, where Gram NS restarts, which
-modes ``dmuon.plan.compile`` accepts, the wire dtypes, and which matrices an owner group may
-cut. The cost model (:mod:`dmuon.plan.cost.model`) prices what these rules decide; ``dmuon.Muon``,
-``dmuon.exec.optim.newton_schulz`` and the simulator follow them.
+modes ``dmuon.plan.compile`` accepts, the wire dtypes, which matrices an owner group may
+cut, and how a TP-sharded matrix is orthogonalised (:func:`choose_tp_ns`). The cost model
+(:mod:`dmuon.plan.cost`) prices what these rules decide; ``dmuon.Muon``,
+``dmuon.exec.optim.newton_schulz`` and the simulator follow them. The Newton-Schulz schedule
+(``NS_STEPS``, ``GRAM_RESTART_EVERY``, :func:`gram_segment_lengths`) is defined beside the FLOP
+formulas that count over it, in the leaf :mod:`dmuon.plan.cost.flops`, and re-exported here.
 """
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Sequence
 
+from dmuon.plan.cost.flops import GRAM_RESTART_EVERY, NS_STEPS, gram_segment_lengths, matrix_ns_flops, ns_flops, tp_gram_side
+from dmuon.plan.cost.nbytes import all_reduce_rank_nbytes
+from dmuon.plan.records.fields import itemsize_nbytes
 from dmuon.plan.records.params import ParamSpec
 
 __all__ = [
@@ -27,6 +32,8 @@ __all__ = [
     "ns_bucket_sides",
     "ns_batch_runs",
     "gram_segment_lengths",
+    "tp_rank_nbytes",
+    "choose_tp_ns",
     "owner_group_dim",
     "owner_group_problem",
     "owner_group_max_split",
@@ -34,15 +41,10 @@ __all__ = [
     "reduce_dtype",
 ]
 
-#: Newton-Schulz steps assumed by ``cost_model="ns_flops"`` (torch.optim.Muon default)
-NS_STEPS = 5
 #: valid ``cost_model`` values of :func:`dmuon.plan.compile`
 COST_MODELS = ("numel", "ns_flops")
 #: valid ``ns_backend`` values of :func:`dmuon.plan.compile` (and of ``dmuon.Muon``)
 NS_BACKEND_MODES = ("standard", "gram", "auto")
-#: Gram restart period of ``dmuon.exec.optim.newton_schulz.gram_newton_schulz`` (and so of
-#: ``dmuon.Muon(ns_backend="gram" | "auto")``): restart before every 2nd step (0-based 2, 4, ...)
-GRAM_RESTART_EVERY = 2
 #: NS dtypes for which ``dmuon.Muon`` batches Newton-Schulz over same-shape matrices (fp32 /
 #: fp64; bf16 / fp16 stay one call per matrix, bit for bit torch.optim.Muon's)
 NS_BATCHED_DTYPES = ("torch.float32", "torch.float64")
@@ -77,17 +79,15 @@ def choose_ns_backend(matrix_shape: Sequence[int], mode: str, *, steps: int = NS
     ``mode="auto"``: ``"gram"`` exactly when the short side ``d = min(m, n)`` is at least
     :data:`GRAM_AUTO_MIN_SIDE` (below it the per-op and fallback-check overheads outweigh the
     saving on a CPU core; the constant's comment gives the measurement) and Gram NS needs fewer
-    matmul FLOPs (:func:`~dmuon.plan.cost.model.matrix_ns_flops` with ``steps`` and ``restart_every``); ties and everything
+    matmul FLOPs (:func:`~dmuon.plan.cost.flops.matrix_ns_flops` with ``steps`` and ``restart_every``); ties and everything
     else go to ``"standard"`` (torch's iteration). With 5 steps and the default restarts (before
     steps 2 and 4) Gram NS costs ``10.5·d²·D + 22·d³`` for ``(d, D)`` (the symmetric Gram product,
-    :func:`~dmuon.plan.cost.model.gram_product_flops`) against ``20·d²·D + 10·d³``: Gram where ``D > 1.26·d``.
+    :func:`~dmuon.plan.cost.flops.gram_product_flops`) against ``20·d²·D + 10·d³``: Gram where ``D > 1.26·d``.
     ``"standard"`` / ``"gram"``: forced.
 
     Raises:
         ValueError: unknown ``mode``.
     """
-    from dmuon.plan.cost.model import matrix_ns_flops, ns_flops  # the FLOP formulas (cost imports this module)
-
     if mode not in NS_BACKEND_MODES:
         raise ValueError(f"ns_backend must be one of {NS_BACKEND_MODES}, got {mode!r}")
     if mode != "auto":
@@ -124,43 +124,51 @@ def ns_batch_runs(numels: Sequence[int]) -> list[list[int]]:
     return runs
 
 
-def gram_segment_lengths(steps: int, restart_every: int | Sequence[int] | None) -> tuple[int, ...]:
-    """Lengths of the Gram Newton-Schulz segments between restarts; one Gram (one TP
-    all-reduce) per segment. The one segment rule: ``dmuon.exec.optim.newton_schulz.gram_segments``
-    splits a schedule by these lengths.
+def tp_rank_nbytes(spec: ParamSpec, method: str, segments: int) -> int:
+    """Bytes charged to each rank of the owner's TP group per step for ``spec``:
 
-    ``restart_every``: ``r >= 1``: restart before every 0-based step ``k`` with ``k % r == 0``,
-    ``k > 0`` (segments of ``r`` steps, the last one shorter); ``None``: never (one segment); a
-    sequence of ints: restart before exactly those 0-based steps (entries ``<= 0`` or
-    ``>= steps`` are ignored). ``()`` for ``steps <= 0``.
+    * ``"gram"``: ``segments`` ring all-reduces of the fp32 ``(d, d)`` Gram
+      (:func:`all_reduce_rank_nbytes`, :func:`tp_gram_side`);
+    * ``"gather"``: an all-gather of the update in the storage dtype: ``(T-1) * S/T`` with
+      ``S`` = the full matrix's bytes.
+    """
+    T = spec.tp_size
+    if method == "gram":
+        d = tp_gram_side(spec.shape, spec.tp_shard_dim)  # type: ignore[arg-type]
+        return segments * all_reduce_rank_nbytes(d * d, itemsize_nbytes(TP_GRAM_DTYPE), T)
+    if method == "gather":
+        return (T - 1) * spec.local_numel * itemsize_nbytes(spec.dtype)
+    raise ValueError(f"tp method must be 'gram' or 'gather', got {method!r}")
+
+
+def choose_tp_ns(spec: ParamSpec, mode: str, segments: int) -> str:
+    """``"gram"`` or ``"gather"`` for a TP-sharded matrix (``spec.tp_ns`` is not read).
+
+    ``mode="auto"``: the method charging fewer bytes per step (:func:`tp_rank_nbytes`), ties to
+    ``"gather"`` (no extra rounding). Per rank, Gram costs ``segments·2·(T-1)·ceil(d²/T)·4`` and
+    gathering ``(T-1)·(d·D/T)·itemsize`` (``D`` = the split side), so with fp32 storage Gram
+    wins when ``D > 2·segments·d``, whatever ``T``: ``D > 6·d`` with the default three segments
+    (5 steps, a restart every 2), ``D > 2·d`` with no restarts. Sharding along the short side
+    (e.g. a colwise ``(1024, 4096)`` k_proj) makes ``d`` the long side, so it gathers; so do
+    square matrices. ``"gram"`` / ``"gather"``: forced.
 
     Raises:
-        ValueError: ``restart_every`` is not ``None``, an int ``>= 1`` or a sequence of ints.
+        ValueError: unknown ``mode``.
     """
-    if restart_every is None:
-        cuts: list[int] = []
-    elif isinstance(restart_every, numbers.Integral) and not isinstance(restart_every, bool):
-        if restart_every < 1:
-            raise ValueError(f"restart_every must be >= 1 (or None for no restarts), got {restart_every}")
-        cuts = list(range(int(restart_every), steps, int(restart_every)))
-    elif isinstance(restart_every, Sequence) and not isinstance(restart_every, str) and all(
-        isinstance(k, numbers.Integral) and not isinstance(k, bool) for k in restart_every
-    ):
-        cuts = sorted({int(k) for k in restart_every if 0 < k < steps})
-    else:
-        raise ValueError(
-            "restart_every must be None, an int >= 1 or a sequence of 0-based step indices, "
-            f"got {restart_every!r}"
-        )
-    if steps <= 0:
-        return ()
-    bounds = [0, *cuts, steps]
-    return tuple(b - a for a, b in zip(bounds, bounds[1:]))
+    if mode not in TP_NS_MODES:
+        raise ValueError(f"tp_ns must be one of {TP_NS_MODES}, got {mode!r}")
+    if spec.view is not None and spec.view_tp_problem() is None:
+        return "local"  # blocks inside the TP shards: no TP collective at all
+    if mode != "auto":
+        return mode
+    gram = tp_rank_nbytes(spec, "gram", segments)
+    gather = tp_rank_nbytes(spec, "gather", segments)
+    return "gram" if gram < gather else "gather"
 
 
 def owner_group_dim(shape: Sequence[int]) -> int:
     """The dim an owner group cuts a 2-D matrix along: its long side (rows when ``m >= n``), so
-    that the Gram of the short side ``d`` is a sum of the blocks' Grams (:func:`~dmuon.plan.cost.model.tp_gram_side`
+    that the Gram of the short side ``d`` is a sum of the blocks' Grams (:func:`~dmuon.plan.cost.flops.tp_gram_side`
     with the same dim gives ``d``)."""
     return 0 if int(shape[0]) >= int(shape[1]) else 1
 

@@ -37,8 +37,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from dmuon.plan.cost import model as _cost
-from dmuon.plan.scheduling.step_schedule import Op, Step
+from dmuon.plan.cost import flops as _flops
+from dmuon.plan.cost import nbytes as _nbytes
+from dmuon.plan.scheduling.ops import Op, Step
 
 __all__ = ["VARIANTS", "fsdp2_ops", "build"]
 
@@ -92,7 +93,7 @@ def fsdp2_ops(plan: Any, step: Step | None = None, *, reshard_after_forward: boo
         for _, dtype, shape, g in units[unit]:
             if grad and not g:
                 continue
-            per[dtype] = per.get(dtype, 0) + _cost.fsdp2_shard_numel(shape, N)
+            per[dtype] = per.get(dtype, 0) + _nbytes.fsdp2_shard_numel(shape, N)
         return sorted(per.items())
 
     def gather(unit: str, mb: int) -> tuple[int, ...]:
@@ -138,7 +139,7 @@ def build(variant: str, plan: Any, step: Step | None = None) -> tuple[Op, ...]:
     """The op table of alternative ``variant`` (:data:`VARIANTS`) on ``plan``'s model and mesh.
 
     FSDP2 runs with the plan's ``reshard_after_forward`` for ``naive`` / ``all_to_all`` and with
-    ``True`` for ``adamw`` (the floor as usually deployed). NS FLOPs: :func:`dmuon.plan.cost.model.ns_flops`
+    ``True`` for ``adamw`` (the floor as usually deployed). NS FLOPs: :func:`dmuon.plan.cost.flops.ns_flops`
     of each matrix view.
 
     Raises:
@@ -165,14 +166,14 @@ def build(variant: str, plan: Any, step: Step | None = None) -> tuple[Op, ...]:
             if N > 1:
                 gathers[spec.fqn] = tuple(
                     e.emit(kind="all_gather", phase="optimizer", group=row, dtype=spec.dtype,
-                           numel=_cost.fsdp2_shard_numel(spec.local_shape, N), fqns=(spec.fqn,), micro_batch=mb,
+                           numel=_nbytes.fsdp2_shard_numel(spec.local_shape, N), fqns=(spec.fqn,), micro_batch=mb,
                            deps=deps, external=True) for row in rows)
             else:
                 gathers[spec.fqn] = deps
         for spec in specs:
             m, n = spec.matrix_shape
             e.emit(kind="newton_schulz", phase="optimizer", group=everyone, fqns=(spec.fqn,), micro_batch=mb,
-                   flops=_cost.ns_flops(m, n, num_matrices=spec.num_matrices), deps=gathers[spec.fqn])
+                   flops=_flops.ns_flops(m, n, num_matrices=spec.num_matrices), deps=gathers[spec.fqn])
         return tuple(e.ops)
     # all_to_all (dion): batches of N same-shape matrices
     by_shape: dict[tuple, list] = {}
@@ -186,7 +187,7 @@ def build(variant: str, plan: Any, step: Step | None = None) -> tuple[Op, ...]:
     for batch in batches:
         # each unit's gradient collectives once (first-seen order), however many of its matrices the batch holds
         deps = tuple(dict.fromkeys(i for spec in batch for i in last_grad.get(plan.boundary(spec.fqn), ())))
-        shard = max(_cost.fsdp2_shard_numel(spec.local_shape, N) for spec in batch)
+        shard = max(_nbytes.fsdp2_shard_numel(spec.local_shape, N) for spec in batch)
         if N > 1:
             sends.append(tuple(e.emit(kind="all_to_all", phase="optimizer", group=row, dtype=batch[0].dtype,
                                       numel=N * shard, fqns=tuple(s.fqn for s in batch), micro_batch=mb, deps=deps,
@@ -201,9 +202,9 @@ def build(variant: str, plan: Any, step: Step | None = None) -> tuple[Op, ...]:
                 sent_r = (sent[r],) if N > 1 else sent  # the row's own all-to-all
                 ns_ids.setdefault(r, []).append(
                     e.emit(kind="newton_schulz", phase="optimizer", group=(row[j],), fqns=(spec.fqn,), micro_batch=mb,
-                           flops=_cost.ns_flops(m, n, num_matrices=spec.num_matrices), deps=sent_r))
+                           flops=_flops.ns_flops(m, n, num_matrices=spec.num_matrices), deps=sent_r))
         if N > 1:
-            shard = max(_cost.fsdp2_shard_numel(spec.local_shape, N) for spec in batch)
+            shard = max(_nbytes.fsdp2_shard_numel(spec.local_shape, N) for spec in batch)
             for r, row in enumerate(rows):
                 e.emit(kind="all_to_all", phase="optimizer", group=row, dtype=batch[0].dtype, numel=N * shard,
                        fqns=tuple(s.fqn for s in batch), micro_batch=mb, deps=tuple(ns_ids[r]), external=True)
@@ -227,7 +228,7 @@ def moved_nbytes(ops: Sequence[Op]) -> int:
         elif op.kind in ("all_gather", "fsdp2_all_gather", "fsdp2_reduce_scatter"):
             total += k * (k - 1) * op.nbytes
         elif op.kind in ("all_reduce", "fsdp2_all_reduce"):
-            total += k * _cost.all_reduce_rank_nbytes(op.numel, isz, k)
+            total += k * _nbytes.all_reduce_rank_nbytes(op.numel, isz, k)
         elif op.kind == "all_to_all":
             total += (k - 1) * op.nbytes
     return total

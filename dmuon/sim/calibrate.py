@@ -469,7 +469,7 @@ QUICK_NS_SHAPES = ((64, 64), (128, 512))
 
 def _newton_schulz(repeats: int, quick: bool, backend: str = "standard") -> list[tuple[float, float]]:
     """One fp32 Newton-Schulz call (5 steps) per shape: ``(d, FLOP/s)`` with ``d = (a²·b)^(1/3)``
-    and the FLOPs of :func:`dmuon.plan.cost.model.matrix_ns_flops`. ``"standard"``:
+    and the FLOPs of :func:`dmuon.plan.cost.flops.matrix_ns_flops`. ``"standard"``:
     ``dmuon.exec.optim.newton_schulz.newton_schulz`` (the matmuls with their transposed operand, the
     norm, the axpys) per :data:`NS_SHAPES` — a square ``a @ b`` on the same sizes runs 10–25 %
     faster on this CPU, which the plain curve would assume; ``"gram"``: ``gram_newton_schulz``
@@ -478,7 +478,7 @@ def _newton_schulz(repeats: int, quick: bool, backend: str = "standard") -> list
     import torch
 
     from dmuon.exec.optim.newton_schulz import gram_newton_schulz, newton_schulz
-    from dmuon.plan.cost.model import matrix_ns_flops
+    from dmuon.plan.cost.flops import matrix_ns_flops
 
     fn = gram_newton_schulz if backend == "gram" else newton_schulz
     shapes = QUICK_NS_SHAPES if quick else NS_SHAPES

@@ -32,7 +32,7 @@ one small named function:
   recorded op and its share of the backward node; :func:`train_elementwise_s`).
 * :func:`ns_call_s` — one Newton-Schulz call (``dmuon.exec.optim.newton_schulz``: its matmuls with
   their transposed operand, the norm and the axpys) where the record has ``ns_efficiency``
-  (calibrated from exactly that call, FLOPs as :func:`dmuon.plan.cost.model.ns_flops` counts them, by
+  (calibrated from exactly that call, FLOPs as :func:`dmuon.plan.cost.flops.ns_flops` counts them, by
   ``d = (a²·b)^(1/3)``; a matrix that runs Gram NS — the plan's ``ns_backend="gram"``, TP
   ``tp_ns="gram"``, owner groups — on ``gram_ns_efficiency``,
   calibrated from ``gram_newton_schulz`` the same way, where the record has it); without it the
@@ -237,7 +237,7 @@ class Hardware:
             ``matmul_efficiency`` plus memory passes.
         gram_ns_efficiency: the same for one whole Gram Newton-Schulz call
             (``gram_newton_schulz``, default restarts and fallback check; FLOPs as
-            :func:`dmuon.plan.cost.model.matrix_ns_flops` counts them for ``"gram"``) — the plan's
+            :func:`dmuon.plan.cost.flops.matrix_ns_flops` counts them for ``"gram"``) — the plan's
             ``ns_backend="gram"`` matrices, TP ``tp_ns="gram"`` and owner groups; empty = those
             on ``ns_efficiency``.
         ns_batch_factor: ``(d, batch, factor)`` points, sorted by ``(d, batch)``: per matrix, one
@@ -526,7 +526,7 @@ def ns_mean_dim(m: int, n: int) -> float:
 
 
 def ns_call_s(hw: Hardware, flops: float, d: float, backend: str = "standard") -> float:
-    """Seconds of one Newton-Schulz call of ``flops`` (:func:`dmuon.plan.cost.model.matrix_ns_flops`
+    """Seconds of one Newton-Schulz call of ``flops`` (:func:`dmuon.plan.cost.flops.matrix_ns_flops`
     for ``backend``) on a matrix of mean dimension ``d`` in ``hw.ns_dtype``, on the calibrated
     curve of that call (the whole call: matmuls, norm, axpys; Gram NS also its Gram products and
     fallback check): ``gram_ns_efficiency`` for ``backend="gram"`` where the record has it, else

@@ -1,6 +1,6 @@
 r"""Replay a step schedule on a hardware model: ``simulate(plan, hardware, workload) -> Simulation``.
 
-The replay is the deadlock check's (:mod:`dmuon.plan.scheduling.step_schedule`) with clocks. In the
+The replay is the deadlock check's (:mod:`dmuon.plan.scheduling.replay`) with clocks. In the
 symmetric form every op of the table is shared by all members of its group and each rank
 issues its ops in table order, so walking the table once in order visits every rank's ops in
 issue order and every collective's members at the same matched call — the ``i``-th call on a
@@ -59,10 +59,14 @@ from typing import Any
 
 import numpy as np
 
-from dmuon.plan.cost import model as _cost
+from dmuon.plan.cost import flops as _flops
+from dmuon.plan.cost import memory as _memory
+from dmuon.plan.cost import nbytes as _nbytes
 from dmuon.plan import rules as _rules
-from dmuon.plan.records.params import OwnerGroup, itemsize_nbytes
-from dmuon.plan.scheduling.step_schedule import Op, Step, StepSchedule
+from dmuon.plan.records.fields import itemsize_nbytes
+from dmuon.plan.records.owners import OwnerGroup
+from dmuon.plan.scheduling.ops import Op, Step
+from dmuon.plan.scheduling.step_schedule import StepSchedule
 from dmuon.sim import alternatives as _alt
 from dmuon.sim.hardware import (OP_COLLECTIVE, Hardware, blocking_wait_s_at, busy_factors, collective_s, comm_cpu_share_at,
                        dtensor_gather_s_at, elementwise_s, fsdp2_call_s_at, matmul_s, ns_batch_factor_at, ns_call_s,
@@ -271,7 +275,7 @@ def _op_numel(spec: Any, flops: int) -> int:
     of the stack's elements (every expert of a stack has the same size)."""
     if spec.experts is None:
         return spec.local_numel
-    total = _cost.spec_ns_flops(spec)
+    total = _flops.spec_ns_flops(spec)
     return spec.local_numel if total <= 0 or flops >= total else spec.local_numel * flops // total
 
 
@@ -313,7 +317,7 @@ def _ns_batch_factors(ops: Sequence[Op], specs: dict[str, Any], grouped: set[str
         if spec.tp_size > 1 or spec.fqn in grouped:
             continue
         if spec.experts is not None and spec.view is None:  # an op covers one owner's range of experts
-            total = _cost.spec_ns_flops(spec)
+            total = _flops.spec_ns_flops(spec)
             count = spec.num_matrices if total <= 0 else max(1, round(spec.num_matrices * op.flops / total))
             entries = [(tuple(spec.matrix_shape), count)]
         elif spec.view is None:
@@ -329,7 +333,7 @@ def _ns_batch_factors(ops: Sequence[Op], specs: dict[str, Any], grouped: set[str
             batch = sum(entries[i][3] for i in run)
             for i in run:
                 op_id, a, b, count, _ = entries[i]
-                f = _cost.ns_flops(a, b, num_matrices=count)
+                f = _flops.ns_flops(a, b, num_matrices=count)
                 acc = weighted.setdefault(op_id, [0.0, 0.0])
                 acc[0] += f * ns_batch_factor_at(hw, ns_mean_dim(a, b), batch)
                 acc[1] += f
@@ -449,9 +453,9 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
     for u in plan.fsdp2_units:
         for shape, dt, g in zip(u.shapes, u.dtypes, u.requires_grad):
             if g:
-                tensors.append((_cost.fsdp2_shard_numel(shape, N), itemsize_nbytes(dt)))
+                tensors.append((_nbytes.fsdp2_shard_numel(shape, N), itemsize_nbytes(dt)))
     if variant == "adamw":  # naive / all_to_all: Muon's elementwise work on the shards is in the NS ops
-        tensors += [(_cost.fsdp2_shard_numel(s.local_shape, N), itemsize_nbytes(s.dtype)) for s in plan.params]
+        tensors += [(_nbytes.fsdp2_shard_numel(s.local_shape, N), itemsize_nbytes(s.dtype)) for s in plan.params]
     out.append(_SimOp("optimizer", "adamw", everyone, tuple(grad_colls), False, _adamw_s(hw, wl, tensors, True) * over))
     return out
 
@@ -722,13 +726,13 @@ def memory(plan: Any, workload: Workload, variant: str, sched: StepSchedule | No
         for shape, dt in zip(u.shapes, u.dtypes):
             isz = itemsize_nbytes(dt)
             full += math.prod(shape) * isz
-            shard_rest += _cost.fsdp2_shard_numel(shape, N) * isz
+            shard_rest += _nbytes.fsdp2_shard_numel(shape, N) * isz
         unit_full[u.fqn] = unit_full.get(u.fqn, 0) + full
     if variant in ("z2", "z3"):
         if sched is None:
             stats = plan.rank_stats()
         else:  # the same figures from a schedule already built (plan.rank_stats() builds its own)
-            stats = _cost.rank_stats(plan.params, plan.owners, sched, _cost.schedule_byte_cost(sched),
+            stats = _memory.rank_stats(plan.params, plan.owners, sched, _nbytes.schedule_byte_cost(sched),
                                      mesh_shape=plan.mesh_shape, reshard_after_forward=plan.reshard_after_forward,
                                      tp_size=plan.tp_size, assembled_nbytes=plan.assembled_nbytes)
         z3 = plan.reshard_after_forward
@@ -746,7 +750,7 @@ def memory(plan: Any, workload: Workload, variant: str, sched: StepSchedule | No
                 activations_nbytes=act,
             ))
         return tuple(out)
-    muon_shard = sum(_cost.fsdp2_shard_numel(s.local_shape, N) * itemsize_nbytes(s.dtype) for s in plan.params)
+    muon_shard = sum(_nbytes.fsdp2_shard_numel(s.local_shape, N) * itemsize_nbytes(s.dtype) for s in plan.params)
     muon_full = sum(s.local_numel * itemsize_nbytes(s.dtype) for s in plan.params)
     for s in plan.params:
         b = plan.boundary(s.fqn)
@@ -788,17 +792,17 @@ def _variant_ops(plan: Any, variant: str, step: Step | None, early_ns: bool | st
 
 def _moved_nbytes(ops: Sequence[Op], num_ranks: int, variant: str) -> int:
     """Bytes on the wire per step summed over ranks: dmuon's collectives by the ledger's rule
-    (:func:`dmuon.plan.cost.model.schedule_byte_cost`), FSDP2's and the alternatives' by
+    (:func:`dmuon.plan.cost.nbytes.schedule_byte_cost`), FSDP2's and the alternatives' by
     :func:`dmuon.sim.alternatives.moved_nbytes`."""
     if variant in ("z2", "z3"):
         view = _OpsView(tuple(op for op in ops if op.collective), num_ranks)
-        dmuon_part = _cost.schedule_byte_cost(view).total_nbytes
+        dmuon_part = _nbytes.schedule_byte_cost(view).total_nbytes
         return dmuon_part + _alt.moved_nbytes([op for op in ops if op.kind.startswith("fsdp2_")])
     return _alt.moved_nbytes(ops)
 
 
 class _OpsView:
-    """The two attributes :func:`dmuon.plan.cost.model.schedule_byte_cost` reads."""
+    """The two attributes :func:`dmuon.plan.cost.nbytes.schedule_byte_cost` reads."""
 
     def __init__(self, ops: Sequence[Op], n: int) -> None:
         self.ops = ops

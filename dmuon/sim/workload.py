@@ -57,7 +57,7 @@ import dataclasses
 import math
 from typing import Any
 
-from dmuon.plan.records.params import itemsize_nbytes
+from dmuon.plan.records.fields import itemsize_nbytes
 
 __all__ = ["Work", "Workload", "from_plan", "model_top_k", "ACTIVATION_BYTES_PER_TOKEN_HIDDEN"]
 

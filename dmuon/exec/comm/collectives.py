@@ -1,6 +1,6 @@
 """Every collective dmuon issues passes through this module, and is charged to the byte ledger.
 
-Accounting (the rule :func:`dmuon.plan.cost.model.collective_rank_nbytes` states once, and
+Accounting (the rule :func:`dmuon.plan.cost.nbytes.collective_rank_nbytes` states once, and
 ``plan.cost`` sums over the step's schedule): for one collective over a group of ``k`` ranks and
 a payload of ``S`` bytes, every non-root rank is charged ``S`` (it receives ``S`` in a
 broadcast, sends ``S`` in a reduce), so the collective totals ``(k-1)·S`` over the group. An
@@ -32,7 +32,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from dmuon.plan.cost.model import collective_rank_nbytes
+from dmuon.plan.cost.nbytes import collective_rank_nbytes
 
 __all__ = [
     "PHASES",
@@ -174,7 +174,7 @@ DEFAULT_TIMEOUT_S: float | None = None
 
 def _charge(kind: str, phase: str, tensor: torch.Tensor, group, root: int | None) -> None:
     """Charge this rank for ``kind`` on ``tensor`` over ``group`` (rule of
-    :func:`dmuon.plan.cost.model.collective_rank_nbytes`), recording it when the ledger records."""
+    :func:`dmuon.plan.cost.nbytes.collective_rank_nbytes`), recording it when the ledger records."""
     k = dist.get_world_size(group)
     me = dist.get_rank()
     nbytes = collective_rank_nbytes(kind, tensor.numel(), tensor.element_size(), k, me == root)

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from dmuon.plan import rules as _rules
-from dmuon.plan.records.params import dtype_str
+from dmuon.plan.records.fields import dtype_str
 
 from dmuon.exec.optim import newton_schulz as _ns
 from dmuon.exec.optim import tp_orthogonalize as _tp

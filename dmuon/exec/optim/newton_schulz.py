@@ -57,7 +57,7 @@ from torch import Tensor
 
 # The FLOP formulas (the cost model) and the Gram segment and backend rules (the rules) are
 # written once, in the torch-free planner.
-from dmuon.plan.cost.model import GRAM_SYM_MIN_SIDE, gram_ns_segment_flops, ns_flops
+from dmuon.plan.cost.flops import GRAM_SYM_MIN_SIDE, gram_ns_segment_flops, ns_flops
 from dmuon.plan.rules import GRAM_RESTART_EVERY, choose_ns_backend, gram_segment_lengths
 
 __all__ = [
@@ -790,7 +790,7 @@ def _symmetric_gram(X: Tensor, out: Optional[Tensor] = None) -> Tensor:
     buffer, when given).
 
     ``d < GRAM_SYM_MIN_SIDE``: one ``bmm``. Otherwise only the blocks on and above the diagonal
-    are multiplied (:func:`dmuon.plan.cost.model.gram_product_flops`: 3/4 of the FLOPs): with
+    are multiplied (:func:`dmuon.plan.cost.flops.gram_product_flops`: 3/4 of the FLOPs): with
     ``h = d // 2``, the first ``h`` rows ``G[:, :h] = X[:h]·Xᵀ`` and ``G[h:, h:] = X[h:]·X[h:]ᵀ``
     go straight into their (row-strided) places in ``G``, and the lower left block is the
     transpose of the upper right one. Each entry is the dot product a full ``bmm`` computes, up
@@ -966,11 +966,11 @@ def gram_ns_flops(
 
     With ``d = min(m, n)``, ``D = max(m, n)`` and the schedule split into segments of
     lengths ``L_1 … L_S`` (:func:`gram_segments`; ``S = 1 +`` number of restarts), the
-    formula of :func:`dmuon.plan.cost.model.gram_ns_segment_flops`::
+    formula of :func:`dmuon.plan.cost.flops.gram_ns_segment_flops`::
 
         num_matrices * Σ_j [ g(d, D)  +  2·d²·D  +  (8·L_j - 6)·d³ ]
 
-    per segment: ``G = X Xᵀ`` (``g`` = :func:`dmuon.plan.cost.model.gram_product_flops`: ``2·d²·D``
+    per segment: ``G = X Xᵀ`` (``g`` = :func:`dmuon.plan.cost.flops.gram_product_flops`: ``2·d²·D``
     below ``d = 256``, ``1.5·d²·D`` from there, the symmetric product of
     :func:`_symmetric_gram`) and ``Q·X`` (``2·d²·D``), and inside (:func:`gram_ns_from_gram`)
     ``R²`` every step, ``Q·Z`` from the segment's second step and ``Z·R·Z`` (two products)

@@ -1,6 +1,6 @@
 """The schedule's collectives bound to this rank's buffers and process groups.
 
-:func:`dmuon.plan.scheduling.step_schedule.boundary_programs` gives, per hook boundary and phase, the ops of
+:func:`dmuon.plan.scheduling.programs.boundary_programs` gives, per hook boundary and phase, the ops of
 every rank (the same lists :func:`dmuon.plan.schedule` sequences into a step). :func:`bind`
 keeps the ops whose group contains this rank, resolves each to the packed segment (and
 sub-segment) it moves, its root as a global rank and dmuon's process group, and checks that the
@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from dmuon.plan.scheduling.step_schedule import BoundaryProgram, Op
+from dmuon.plan.scheduling.ops import Op
+from dmuon.plan.scheduling.programs import BoundaryProgram
 
 from dmuon.exec.runtime.buffers import _Segment, _SubSeg
 from dmuon.exec.comm.groups import MeshGroups
@@ -38,7 +39,7 @@ class BoundOp:
 @dataclasses.dataclass(frozen=True, eq=False)
 class BoundaryOps:
     """This rank's collectives of one hook boundary, per phase, in issue order
-    (:class:`~dmuon.plan.scheduling.step_schedule.BoundaryProgram` filtered to this rank)."""
+    (:class:`~dmuon.plan.scheduling.programs.BoundaryProgram` filtered to this rank)."""
 
     forward_broadcast: tuple[BoundOp, ...]
     backward_broadcast: tuple[BoundOp, ...]  # empty in Z2: the buffers stay resident for the backward

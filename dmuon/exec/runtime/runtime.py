@@ -18,7 +18,7 @@ optimizer step         HSDP: after the owner's update, broadcast each sub-segmen
 
 The per-boundary phases (pre-/post-forward, pre-/post-backward) are in
 :mod:`dmuon.exec.runtime.boundary`. Every collective of those phases and of the ones above comes from the
-plan's step schedule (:func:`dmuon.plan.scheduling.step_schedule.boundary_programs`, bound to this rank's
+plan's step schedule (:func:`dmuon.plan.scheduling.programs.boundary_programs`, bound to this rank's
 buffers by :mod:`dmuon.exec.runtime.program`): groups, roots, sizes, dtypes and order are the plan's;
 the hooks decide when each list runs.
 
@@ -39,7 +39,7 @@ import weakref
 import torch
 import torch.nn as nn
 
-from dmuon.plan.scheduling.step_schedule import boundary_programs
+from dmuon.plan.scheduling.programs import boundary_programs
 
 from dmuon.exec.comm import collectives as C
 from dmuon.exec.setup import fsdp2

@@ -315,7 +315,7 @@ def apply(
 
 def owner_group_member_sets(plan) -> tuple[tuple[int, ...], ...]:
     """The distinct member sets (sorted mesh ranks) of the plan's owner groups, plan order."""
-    from dmuon.plan.records.params import OwnerGroup
+    from dmuon.plan.records.owners import OwnerGroup
 
     seen: dict[tuple[int, ...], None] = {}
     for owner in plan.owners:

@@ -19,9 +19,9 @@ Layout rule (``a = align_numel``, ``round_up(x) = ceil(x / a) * a``)::
 
 so segments and subsegments are contiguous, every entry and flags region starts at a multiple
 of ``a``, and ``buffer.numel`` is a multiple of ``a``. A matrix owned by an owner group
-(:class:`~dmuon.plan.records.params.OwnerGroup`) has one entry per block (``LayoutEntry.block``), each
+(:class:`~dmuon.plan.records.owners.OwnerGroup`) has one entry per block (``LayoutEntry.block``), each
 in its member's sub-segment, with the block's shape; an expert stack with several owners
-(:class:`~dmuon.plan.records.params.ExpertOwners`) likewise has one entry per contiguous range of
+(:class:`~dmuon.plan.records.owners.ExpertOwners`) likewise has one entry per contiguous range of
 experts ``(sizes[j], a, b)``. A segment is what its shard rank
 broadcasts (in every replicate group) and what the gradient reduce delivers to it; the flags
 let the owner tell "no rank produced a gradient" (all flags 0 after the AVG-reduce) from a zero
@@ -35,7 +35,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from dmuon.plan.records.params import ExpertOwners, Owner, OwnerGroup, _check_int, _check_shape, check_dtype_str
+from dmuon.plan.records.fields import _check_int, _check_shape, check_dtype_str
+from dmuon.plan.records.owners import ExpertOwners, Owner, OwnerGroup
 
 __all__ = [
     "LayoutEntry",
@@ -62,7 +63,7 @@ class LayoutEntry:
         fqn: canonical FQN. owner: its owner. offset: first element, from buffer start.
         numel: elements (``prod(shape)``). shape: logical shape (the view to take).
         block: None for a matrix with one owner; for a matrix owned by an
-            :class:`~dmuon.plan.records.params.OwnerGroup`, the index ``j`` of the block this entry
+            :class:`~dmuon.plan.records.owners.OwnerGroup`, the index ``j`` of the block this entry
             holds (``owner`` is member ``j``, ``shape`` the block's shape): a grouped matrix has
             one entry per block, each in its member's segment.
     """
@@ -316,7 +317,7 @@ class Boundary:
             by ``(ep, dtype)``: the dense buffers first.
         local: canonical FQNs of the expert-parallel stacks inside this boundary (plan order):
             dedicated, but each rank's model holds and owns its own experts, so they have no
-            buffer entry and move no bytes (:class:`~dmuon.plan.records.params.ExpertOwners` with
+            buffer entry and move no bytes (:class:`~dmuon.plan.records.owners.ExpertOwners` with
             ``local=True``). In JSON only when non-empty.
     """
 
@@ -431,8 +432,8 @@ def build_boundaries(
 
     Args:
         items: ``(fqn, shape, numel, dtype, owner, boundary_fqn)`` per dedicated param, plan
-            order; ``owner`` an :class:`~dmuon.plan.records.params.Owner`, or an
-            :class:`~dmuon.plan.records.params.OwnerGroup` / :class:`~dmuon.plan.records.params.ExpertOwners`
+            order; ``owner`` an :class:`~dmuon.plan.records.owners.Owner`, or an
+            :class:`~dmuon.plan.records.owners.OwnerGroup` / :class:`~dmuon.plan.records.owners.ExpertOwners`
             (one entry per block / range of experts, in its member's segment). An optional 7th
             field: the stack's EP degree when its ranges are owned inside efsdp groups (its
             entries go to a buffer of that :attr:`BufferLayout.ep`); 1 otherwise.

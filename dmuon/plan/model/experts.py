@@ -106,8 +106,8 @@ def expert_max_split(num_experts: int, num_shards: int) -> int:
 
 
 def expert_range_weights(per_expert_weight: int, num_experts: int, k: int) -> tuple[int, ...]:
-    """Weights of the ``k`` contiguous ranges of :func:`~dmuon.plan.records.params.balanced_sizes`
+    """Weights of the ``k`` contiguous ranges of :func:`~dmuon.plan.records.owners.balanced_sizes`
     ``(E, k)``: every expert of a stack weighs the same (``per_expert_weight``)."""
-    from dmuon.plan.records.params import balanced_sizes
+    from dmuon.plan.records.owners import balanced_sizes
 
     return tuple(per_expert_weight * size for size in balanced_sizes(num_experts, k))

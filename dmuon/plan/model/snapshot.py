@@ -26,7 +26,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from dmuon.plan.records.params import dtype_str
+from dmuon.plan.records.fields import dtype_str
 
 __all__ = ["ModuleKind", "ParamRecord", "ModelSnapshot", "take_snapshot", "module_kind"]
 

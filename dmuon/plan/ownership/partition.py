@@ -2,7 +2,7 @@ r"""Owner assignment: constrained LPT (longest processing time first) over R*N o
 
 Slots are the mesh ranks, ``slot = replicate * N + shard``; the *shard coordinate* of a slot is
 ``slot % N``. Each item (a dedicated parameter) has an integer weight ``w`` (``cost_model``:
-elements, or Newton-Schulz FLOPs, see :mod:`dmuon.plan.cost.model`) and a group (its hook boundary).
+elements, or Newton-Schulz FLOPs, see :mod:`dmuon.plan.cost.weights`) and a group (its hook boundary).
 
 Algorithm (Graham 1969 list scheduling in LPT order, with a spread preference)::
 

@@ -1,4 +1,6 @@
-"""The frozen records every planner stage passes on: ``params`` (Owner, OwnerGroup,
-ExpertOwners, ParamSpec, MatrixView, dtype helpers), ``plan`` (ShardingPlan: validation,
-lookups, JSON, fingerprint), ``mesh`` (mesh dim roles, ``normalize_mesh``), ``qk_clip``
+"""The frozen records every planner stage passes on: ``owners`` (Owner, OwnerGroup,
+ExpertOwners), ``params`` (ParamSpec, MatrixView, ExpertStack, Fsdp2Unit), ``fields`` (field
+checks, dtype strings), ``plan`` (ShardingPlan: the record and its validation), ``plan_index``
+(its lookups by FQN), ``plan_json`` (JSON, fingerprint), ``plan_figures`` (the nominal schedule,
+cost, baseline, per-rank stats), ``mesh`` (mesh dim roles, ``normalize_mesh``), ``qk_clip``
 (QK-clip settings)."""

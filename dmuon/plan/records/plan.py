@@ -1,11 +1,14 @@
-"""The sharding plan record: :class:`ShardingPlan` (validation, lookups, JSON, fingerprint).
+"""The sharding plan record: :class:`ShardingPlan`, its validation and its optree registration.
 
 :func:`dmuon.plan.compile` (:mod:`dmuon.plan.compile`) builds it; this module holds the
-record itself.
+record itself. Its lookups by FQN (:mod:`dmuon.plan.records.plan_index`), JSON and fingerprint
+(:mod:`dmuon.plan.records.plan_json`) and derived figures (the nominal schedule, ``cost``,
+the baseline, per-rank stats: :mod:`dmuon.plan.records.plan_figures`) are methods that
+delegate to those modules; ``summary()`` / ``_repr_html_()`` to :mod:`dmuon.plan.tools.render`.
 
 optree registration (namespace ``"dmuon"``): a ShardingPlan is an internal node whose children
 are, in this order, ``params``, ``owners``, ``boundaries`` (tuples, so the leaves are the
-:class:`~dmuon.plan.records.params.ParamSpec`, :class:`~dmuon.plan.records.params.Owner` and
+:class:`~dmuon.plan.records.params.ParamSpec`, :class:`~dmuon.plan.records.owners.Owner` and
 :class:`~dmuon.plan.layout.buffers.Boundary` records, in plan order); every other field is treespec
 metadata. So ``optree.tree_map(f, plan_a, plan_b, namespace="dmuon")`` works for plans that
 share the dedicated-parameter count, boundary count AND settings (mesh shape, Z2/Z3, dtypes,
@@ -18,9 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import difflib
-import hashlib
-import json
 from typing import Any
 
 import optree
@@ -36,17 +36,12 @@ from dmuon.plan.layout.buffers import (
     check_buffer_layout,
 )
 from dmuon.plan.records.qk_clip import QKClip
-from dmuon.plan.records.params import (
-    Fsdp2Unit,
-    Owner,
-    OwnerGroup,
-    ExpertOwners,
-    ParamSpec,
-    _check_int,
-    check_dtype_str,
-    itemsize_nbytes,
-    owner_from_dict,
-)
+from dmuon.plan.records.fields import _check_int, check_dtype_str
+from dmuon.plan.records.owners import Owner, OwnerGroup, ExpertOwners
+from dmuon.plan.records.params import Fsdp2Unit, ParamSpec
+from dmuon.plan.records import plan_figures as _plan_figures
+from dmuon.plan.records import plan_index as _plan_index
+from dmuon.plan.records import plan_json as _plan_json
 
 __all__ = [
     "ShardingPlan",
@@ -60,13 +55,9 @@ __all__ = [
     "BufferLayout",
     "Boundary",
     "ByteCost",
-    "JSON_FORMAT",
 ]
 
 ByteCost = _cost.ByteCost
-
-#: version tag written into every :meth:`ShardingPlan.to_json`
-JSON_FORMAT = "dmuon.plan/1"
 
 _SETTINGS = (
     "mesh_shape",
@@ -84,11 +75,6 @@ _SETTINGS = (
 )
 
 
-def _closest(name: str, candidates: list[str]) -> str:
-    close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.5)
-    return f"; closest: {', '.join(close)}" if close else ""
-
-
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True, eq=True)
 class ShardingPlan:
     """Who owns each dedicated parameter, which module's hooks serve it, and the packed layouts.
@@ -102,7 +88,7 @@ class ShardingPlan:
         param_dtype / reduce_dtype: mixed-precision wire dtype strings or None.
         params: dedicated parameters, ``named_parameters()`` order.
         owners: owner of each parameter (aligned with ``params``): an
-            :class:`~dmuon.plan.records.params.Owner`, or an :class:`~dmuon.plan.records.params.OwnerGroup`
+            :class:`~dmuon.plan.records.owners.Owner`, or an :class:`~dmuon.plan.records.owners.OwnerGroup`
             (``compile(owner_groups=...)``: ``k`` ranks of one replicate row each owning a block
             of the matrix along its long side; its layout has one entry per block).
         boundaries: hook boundaries with their buffers, first-appearance order in ``named_modules()``.
@@ -256,58 +242,10 @@ class ShardingPlan:
         object.__setattr__(self, "_nominal", self._build_nominal())
 
     def _build_nominal(self) -> tuple:
-        """The nominal step's schedule and its :class:`ByteCost` (what :attr:`cost`,
-        :meth:`schedule` with no step and :meth:`rank_stats` read), computed once per plan."""
-        from dmuon.plan.scheduling.step_schedule import schedule
-
-        sched = schedule(self)
-        return sched, _cost.schedule_byte_cost(sched)
+        return _plan_figures.nominal(self)
 
     def _build_index(self) -> dict:
-        canonical: dict[str, int] = {}
-        alias: dict[str, int] = {}
-        for i, spec in enumerate(self.params):
-            if spec.fqn in canonical:
-                raise ValueError(f"ShardingPlan: duplicate dedicated param {spec.fqn!r}")
-            canonical[spec.fqn] = i
-            for a in spec.aliases:
-                if a in alias:
-                    raise ValueError(f"ShardingPlan: alias {a!r} names two dedicated params")
-                alias[a] = i
-        boundary_of: list[int | None] = [None] * len(self.params)
-        blocks_seen: list[set] = [set() for _ in self.params]
-        for b_index, boundary in enumerate(self.boundaries):
-            for buf in boundary.buffers:
-                for entry in buf.entries():
-                    i = canonical.get(entry.fqn)
-                    if i is not None:
-                        # one entry per parameter; an owner group's blocks: one entry each, one buffer
-                        if boundary_of[i] is not None and (boundary_of[i] != b_index or entry.block is None
-                                                           or entry.block in blocks_seen[i]):
-                            raise ValueError(f"ShardingPlan: {entry.fqn!r} appears in two buffers")
-                        boundary_of[i] = b_index
-                        blocks_seen[i].add(entry.block)
-            for fqn in boundary.local:  # expert-parallel stacks: in the boundary, no buffer entry
-                i = canonical.get(fqn)
-                if i is None:
-                    raise ValueError(f"ShardingPlan: boundary {boundary.fqn!r} lists {fqn!r} as local, not a dedicated param")
-                owner = self.owners[i]
-                if boundary_of[i] is not None or not (isinstance(owner, ExpertOwners) and owner.local):
-                    raise ValueError(
-                        f"ShardingPlan: boundary {boundary.fqn!r} lists {fqn!r} as local, but it "
-                        + ("appears in two boundaries" if boundary_of[i] is not None else "is not an expert-parallel stack")
-                    )
-                boundary_of[i] = b_index
-        for i, owner in enumerate(self.owners):
-            if isinstance(owner, ExpertOwners) and owner.local:
-                continue
-            expected = set(range(owner.k)) if isinstance(owner, (OwnerGroup, ExpertOwners)) else {None}
-            if boundary_of[i] is not None and blocks_seen[i] != expected:
-                raise ValueError(
-                    f"ShardingPlan: {self.params[i].fqn!r} has layout blocks {sorted(map(str, blocks_seen[i]))}, "
-                    f"expected {sorted(map(str, expected))}"
-                )
-        return {"canonical": canonical, "alias": alias, "boundary_of": boundary_of}
+        return _plan_index.build_index(self)
 
     def _idx(self) -> dict:
         return self._index  # type: ignore[return-value]
@@ -334,56 +272,40 @@ class ShardingPlan:
         return tuple(p.fqn for p in self.params)
 
     def _lookup(self, fqn: str) -> int:
-        idx = self._idx()["alias"].get(fqn)
-        if idx is None:
-            raise KeyError(f"{fqn!r} is not a dedicated parameter of this plan{_closest(fqn, list(self._idx()['alias']))}")
-        return idx
+        return _plan_index.lookup(self, fqn)
 
     def owner(self, fqn: str) -> Owner | OwnerGroup:
         """Owner (or owner group) of dedicated parameter ``fqn`` (any alias). Raises KeyError
         with close matches, and ValueError for an expert stack whose experts have several
         owners (use :meth:`expert_owners`)."""
-        owner = self.owners[self._lookup(fqn)]
-        if isinstance(owner, ExpertOwners):
-            raise ValueError(
-                f"{fqn!r} is an expert stack whose {owner.num_experts} experts have {owner.k} owners "
-                f"(ranks {', '.join(map(str, owner.ranks))}); plan.expert_owners(fqn) gives the owner of each "
-                "expert, plan.owner_record(fqn) the ExpertOwners record"
-            )
-        return owner
+        return _plan_index.owner(self, fqn)
 
     def owner_record(self, fqn: str) -> Owner | OwnerGroup | ExpertOwners:
         """The ownership record of ``fqn`` (any alias) as the plan stores it, whatever its kind
         (``plan.owners[i]``); :meth:`owner` is the same but refuses a multi-owner expert stack."""
-        return self.owners[self._lookup(fqn)]
+        return _plan_index.owner_record(self, fqn)
 
     def expert_owners(self, fqn: str) -> tuple[Owner, ...]:
         """The :class:`Owner` of every expert of expert stack ``fqn`` (any alias), expert order
         (``len == E``). Raises KeyError (unknown FQN, close matches named) or ValueError (not an
         expert stack)."""
-        i = self._lookup(fqn)
-        spec, owner = self.params[i], self.owners[i]
-        if spec.experts is None:
-            raise ValueError(f"{fqn!r} is not an expert stack (shape {spec.shape}); plan.owner(fqn) gives its owner")
-        if isinstance(owner, ExpertOwners):
-            return owner.per_expert()
-        return (owner,) * spec.num_experts
+        return _plan_index.expert_owners(self, fqn)
 
     def param(self, fqn: str) -> ParamSpec:
         """:class:`ParamSpec` of ``fqn`` (any alias). Raises KeyError with close matches."""
-        return self.params[self._lookup(fqn)]
+        return _plan_index.param(self, fqn)
 
     def boundary(self, fqn: str) -> str:
         """FQN of the hook boundary module serving ``fqn`` (any alias). Raises KeyError."""
-        return self.boundaries[self._idx()["boundary_of"][self._lookup(fqn)]].fqn
+        return _plan_index.boundary(self, fqn)
 
     def boundary_record(self, fqn: str) -> Boundary:
         """The :class:`Boundary` (with buffers) serving parameter ``fqn`` (any alias)."""
-        return self.boundaries[self._idx()["boundary_of"][self._lookup(fqn)]]
+        return _plan_index.boundary_record(self, fqn)
 
     def is_dedicated(self, fqn: str) -> bool:
         """True iff ``fqn`` (any alias) is a dedicated parameter."""
-        return fqn in self._idx()["alias"]
+        return _plan_index.is_dedicated(self, fqn)
 
     def bcast_dtype(self, param_dtype_str: str) -> str:
         """Broadcast wire dtype for a parameter stored as ``param_dtype_str``."""
@@ -399,21 +321,12 @@ class ShardingPlan:
     @property
     def owned_numel(self) -> tuple[int, ...]:
         """Elements owned per mesh rank (global owners only), length ``R*N``."""
-        out = [0] * self.world_size
-        for spec, owner in zip(self.params, self.owners):
-            for rank, numel in _cost.owner_weights(spec, owner, "numel", ()):
-                out[rank] += numel
-        return tuple(out)
+        return _plan_figures.owned_numel(self)
 
     @property
     def owned_weight(self) -> tuple[int, ...]:
         """LPT weight (``cost_model`` unit) owned per mesh rank."""
-        out = [0] * self.world_size
-        lengths = self.tp_segment_lengths
-        for spec, owner in zip(self.params, self.owners):
-            for rank, weight in _cost.owner_weights(spec, owner, self.cost_model, lengths):
-                out[rank] += weight
-        return tuple(out)
+        return _plan_figures.owned_weight(self)
 
     @property
     def balance_bound(self) -> float:
@@ -421,48 +334,28 @@ class ShardingPlan:
         being the matrices (owner-group members' blocks counted as items of their own); on an
         HSDP mesh with owner groups of up to ``K`` members the mean term carries
         ``lpt_partition_groups``' factor ``N/(N-K+1)`` (a group stays in one replicate row)."""
-        lengths = self.tp_segment_lengths
-        weights = [w for spec, o in zip(self.params, self.owners) for _, w in _cost.owner_weights(spec, o, self.cost_model, lengths)]
-        R, N = self.mesh_shape
-        K = max((o.k for o in self.owners if isinstance(o, (OwnerGroup, ExpertOwners))), default=1)
-        factor = N / (N - K + 1) if R > 1 and K > 1 else 1.0
-        return factor * sum(weights) / self.world_size + max(weights, default=0)
+        return _plan_figures.balance_bound(self)
 
     def schedule(self, step: Any = None) -> Any:
-        """:func:`dmuon.plan.scheduling.step_schedule.schedule` of this plan: every rank's ops for ``step``
-        (a :class:`~dmuon.plan.scheduling.step_schedule.Step`; None = the nominal step, built once with
+        """:func:`dmuon.plan.scheduling.builder.schedule` of this plan: every rank's ops for ``step``
+        (a :class:`~dmuon.plan.scheduling.ops.Step`; None = the nominal step, built once with
         the plan)."""
-        if step is None and self._nominal is not None:
-            return self._nominal[0]
-        from dmuon.plan.scheduling.step_schedule import schedule
-
-        return schedule(self, step)
+        return _plan_figures.schedule(self, step)
 
     @property
     def cost(self) -> ByteCost:
         """:class:`ByteCost`: DMuon bytes per step summed over all ranks (+ per rank), summed
-        from the nominal step's schedule (:func:`~dmuon.plan.cost.model.schedule_byte_cost`); computed
+        from the nominal step's schedule (:func:`~dmuon.plan.cost.nbytes.schedule_byte_cost`); computed
         once, when the plan is built."""
-        if self._nominal is not None:
-            return self._nominal[1]
-        return _cost.schedule_byte_cost(self.schedule())
+        return _plan_figures.cost(self)
 
     def _baseline_params(self) -> tuple[ParamSpec, ...]:
-        """The parameters FSDP2 + naive Muon would shard: expert-parallel stacks are local to
-        each rank's model under either, so they are in neither cost."""
-        return tuple(spec for spec in self.params if spec.ep_size == 1)
+        return _plan_figures.baseline_params(self)
 
     @property
     def baseline_cost(self) -> _cost.BaselineByteCost:
         """Bytes per step of FSDP2 + naive all-gather Muon on the same parameters."""
-        return _cost.baseline_byte_cost(
-            self._baseline_params(),
-            mesh_shape=self.mesh_shape,
-            reshard_after_forward=self.reshard_after_forward,
-            param_dtype=self.param_dtype,
-            reduce_dtype_=self.reduce_dtype,
-            tp_size=self.tp_size,
-        )
+        return _plan_figures.baseline_cost(self)
 
     @property
     def assembled_nbytes(self) -> dict[str, int]:
@@ -470,105 +363,38 @@ class ShardingPlan:
         the full compute tensors every rank assembles from the blocks / expert ranges while the
         boundary is unsharded (broadcast dtype; an expert-parallel stack: the rank's ``E/ep``
         experts); empty without them."""
-        out: dict[str, int] = {}
-        for spec, owner in zip(self.params, self.owners):
-            if isinstance(owner, (OwnerGroup, ExpertOwners)) and not getattr(owner, "local", False):
-                b = self.boundary(spec.fqn)
-                numel = spec.local_numel if spec.ep_size > 1 else spec.numel  # EP: the rank's E/ep experts
-                out[b] = out.get(b, 0) + numel * itemsize_nbytes(self.bcast_dtype(spec.dtype))
-        return out
+        return _plan_figures.assembled_nbytes(self)
 
     def rank_stats(self) -> tuple[_cost.RankStats, ...]:
         """Per-rank :class:`~dmuon.plan.cost.model.RankStats` of this plan (schedule ranks: the mesh
         rank, or ``(replicate*N + shard)*T + tp`` with TP), from the nominal schedule."""
-        return _cost.rank_stats(
-            self.params,
-            self.owners,
-            self.schedule(),
-            self.cost,
-            mesh_shape=self.mesh_shape,
-            reshard_after_forward=self.reshard_after_forward,
-            tp_size=self.tp_size,
-            assembled_nbytes=self.assembled_nbytes,
-        )
+        return _plan_figures.rank_stats(self)
 
     def baseline_rank_stats(self) -> tuple[_cost.RankStats, ...]:
         """Per-rank :class:`~dmuon.plan.cost.model.RankStats` of FSDP2 + naive Muon, same parameters."""
-        return _cost.baseline_rank_stats(
-            self._baseline_params(),
-            self.boundary,
-            self.baseline_cost,
-            mesh_shape=self.mesh_shape,
-            reshard_after_forward=self.reshard_after_forward,
-            param_dtype=self.param_dtype,
-            tp_size=self.tp_size,
-        )
+        return _plan_figures.baseline_rank_stats(self)
 
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (field order fixed; see :meth:`to_json`)."""
-        return {
-            "format": JSON_FORMAT,
-            "mesh_shape": list(self.mesh_shape),
-            "reshard_after_forward": self.reshard_after_forward,
-            "replicate_async": self.replicate_async,
-            "cost_model": self.cost_model,
-            "align_numel": self.align_numel,
-            "param_dtype": self.param_dtype,
-            "reduce_dtype": self.reduce_dtype,
-            "model_digest": self.model_digest,
-            "params": [p.to_dict() for p in self.params],
-            "owners": [o.to_dict() for o in self.owners],
-            "boundaries": [b.to_dict() for b in self.boundaries],
-            "fsdp2_units": [u.to_dict() for u in self.fsdp2_units],
-            **(
-                {  # absent without TP: plans without TP keep their JSON and fingerprint
-                    "tp_size": self.tp_size,
-                    "tp_ns_steps": self.tp_ns_steps,
-                    "tp_gram_restart_every": self.tp_gram_restart_every,
-                }
-                if self.tp_size > 1
-                else {}
-            ),
-            **({"qk_clip": self.qk_clip.to_dict()} if self.qk_clip is not None else {}),
-        }
+        return _plan_json.to_dict(self)
 
     def to_json(self, *, indent: int | None = None) -> str:
         """Deterministic JSON text (ASCII, fixed key order); ``from_json(to_json()) == self``."""
-        seps = (",", ":") if indent is None else (",", ": ")
-        return json.dumps(self.to_dict(), indent=indent, separators=seps, ensure_ascii=True)
+        return _plan_json.to_json(self, indent=indent)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ShardingPlan:
-        if d.get("format") != JSON_FORMAT:
-            raise ValueError(f"not a {JSON_FORMAT} plan (format={d.get('format')!r})")
-        return cls(
-            mesh_shape=tuple(d["mesh_shape"]),
-            reshard_after_forward=d["reshard_after_forward"],
-            replicate_async=d["replicate_async"],
-            cost_model=d["cost_model"],
-            align_numel=d["align_numel"],
-            param_dtype=d["param_dtype"],
-            reduce_dtype=d["reduce_dtype"],
-            params=tuple(ParamSpec.from_dict(p) for p in d["params"]),
-            owners=tuple(owner_from_dict(o) for o in d["owners"]),
-            boundaries=tuple(Boundary.from_dict(b) for b in d["boundaries"]),
-            model_digest=d["model_digest"],
-            tp_size=d.get("tp_size", 1),
-            tp_ns_steps=d.get("tp_ns_steps", 5),
-            tp_gram_restart_every=d.get("tp_gram_restart_every", 2),
-            fsdp2_units=tuple(Fsdp2Unit.from_dict(u) for u in d.get("fsdp2_units", ())),
-            qk_clip=QKClip.from_dict(d["qk_clip"]) if d.get("qk_clip") is not None else None,
-        )
+        return _plan_json.from_dict(cls, d)
 
     @classmethod
     def from_json(cls, text: str) -> ShardingPlan:
         """Inverse of :meth:`to_json` (validates). Raises ValueError on a malformed plan."""
-        return cls.from_dict(json.loads(text))
+        return _plan_json.from_json(cls, text)
 
     def fingerprint(self) -> str:
         """sha256 hex of :meth:`to_json` (compared across ranks at apply time)."""
-        return hashlib.sha256(self.to_json().encode("ascii")).hexdigest()
+        return _plan_json.fingerprint(self)
 
     # ------------------------------------------------------------------ rendering
     def __repr__(self) -> str:

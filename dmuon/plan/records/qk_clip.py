@@ -32,7 +32,7 @@ import dataclasses
 import math
 from typing import Any
 
-from dmuon.plan.records.params import _check_int
+from dmuon.plan.records.fields import _check_int
 
 __all__ = [
     "HeadRows",

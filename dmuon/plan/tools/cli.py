@@ -81,7 +81,7 @@ def parse_mesh(text: str) -> int | tuple[int, int]:
 
 def dtype_arg(value: str) -> str:
     """``value`` unchanged if it names a torch dtype (the plan normalises it), else an argparse error."""
-    from dmuon.plan.records.params import dtype_str
+    from dmuon.plan.records.fields import dtype_str
 
     try:
         dtype_str(value)

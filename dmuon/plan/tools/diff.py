@@ -13,7 +13,8 @@ import dataclasses
 from dmuon.plan.cost.model import ByteCost
 from dmuon.plan.tools.render import fmt_names
 from dmuon.plan.records.plan import _SETTINGS, ShardingPlan
-from dmuon.plan.records.params import ExpertOwners, Owner, OwnerGroup, ParamSpec
+from dmuon.plan.records.owners import ExpertOwners, Owner, OwnerGroup
+from dmuon.plan.records.params import ParamSpec
 
 __all__ = ["ParamChange", "CostDelta", "SettingChange", "PlanDiff", "diff"]
 

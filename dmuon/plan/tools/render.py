@@ -2,7 +2,7 @@
 
 Figures are per optimizer step; "all ranks" = summed over the mesh. Means are derived here
 for display only. The baseline column is FSDP2 (HSDP when R > 1) + naive all-gather Muon on
-the same parameters (:mod:`dmuon.plan.cost.model`).
+the same parameters (:mod:`dmuon.plan.cost.baseline`).
 """
 
 from __future__ import annotations
@@ -11,8 +11,10 @@ import html
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from dmuon.plan.cost.model import RankStats, rank_stats, schedule_byte_cost
-from dmuon.plan.records.params import ExpertOwners, OwnerGroup, owner_ranks
+from dmuon.plan.cost.memory import rank_stats
+from dmuon.plan.cost.model import RankStats
+from dmuon.plan.cost.nbytes import schedule_byte_cost
+from dmuon.plan.records.owners import ExpertOwners, OwnerGroup, owner_ranks
 
 if TYPE_CHECKING:
     from dmuon.plan.records.plan import ShardingPlan
@@ -234,7 +236,7 @@ def ownership_lines(plan: ShardingPlan, cost=None) -> list[str]:
     do; with them: the same parameters with one owner each, ``k = 1`` forced). Pure: reruns
     the planner on the plan's own parameters (elements as the weight, as these figures are).
     ``cost``: ``plan.cost`` when the caller has it already."""
-    from dmuon.plan.cost import model as _cost
+    from dmuon.plan.cost import weights as _weights
     from dmuon.plan import rules as _rules
     from dmuon.plan.ownership.partition import lpt_partition, lpt_partition_groups
 
@@ -249,7 +251,7 @@ def ownership_lines(plan: ShardingPlan, cost=None) -> list[str]:
     pieces = [  # (elements, what) this busiest rank owns
         (numel, p.fqn if not isinstance(o, OwnerGroup) else f"a block of {p.fqn}")
         for p, o in zip(plan.params, plan.owners)
-        for rank, numel in _cost.owner_weights(p, o, "numel", ())
+        for rank, numel in _weights.owner_weights(p, o, "numel", ())
         if rank == busiest
     ]
     top = max(pieces, default=(0, "-"))
@@ -279,7 +281,7 @@ def ownership_lines(plan: ShardingPlan, cost=None) -> list[str]:
     elif plan.tp_size == 1 and (idle or ratio > 1.25):
         max_split = [_rules.owner_group_max_split(p, N) for p in plan.params]
         res = lpt_partition_groups(
-            numel, lambda i, k: _cost.owner_group_piece_weights(plan.params[i], k, "numel", ()), max_split,
+            numel, lambda i, k: _weights.owner_group_piece_weights(plan.params[i], k, "numel", ()), max_split,
             keys, bounds, num_shards=N, num_replicas=R, split="auto",
         )
         loads = list(res.loads)
