@@ -20,7 +20,8 @@ from dmuon.plan.cost import flops as CF
 from dmuon.plan.cost import nbytes as C
 from dmuon.plan import rules as R
 from dmuon.sim import hardware as H
-from dmuon.sim.simulate import _critical_path, _SimOp, replay_ops
+from dmuon.sim.lower import _SimOp
+from dmuon.sim.replay import _critical_path, replay_ops
 
 LINK = H.Link(latency_s=1e-5, bandwidth_Bps=1e9)
 
@@ -124,7 +125,7 @@ def test_attention_norm_activation_terms_by_hand():
     dimension, norms and the activation function per element (a third of the calibrated
     forward + backward in the forward); without them, the matmul curve at the whole width and
     6 resp. 2 memory passes (the GPU presets' figures, unchanged)."""
-    from dmuon.sim.simulate import _work_s
+    from dmuon.sim.lower import _work_s
     from dmuon.sim.workload import Work
 
     plain = _cpu(autograd_matmul_efficiency=((10.0, 0.1), (1000.0, 0.4)), elementwise_Bps=1e9, autograd_op_s=5e-6)
@@ -152,7 +153,7 @@ def test_attention_norm_activation_terms_by_hand():
 def test_busy_node_factors_by_hand():
     """With every core busy the calibrated factors apply, matmul-class and memory-bound terms each
     their own; linear in the busy cores from 1 at one; one rank per node or the GPU default: 1."""
-    from dmuon.sim.simulate import _work_s
+    from dmuon.sim.lower import _work_s
     from dmuon.sim.workload import Work
 
     hw = _cpu(ranks_per_node=4, cores_per_node=4, busy_compute_factor=1.3, busy_memory_factor=1.6,
@@ -170,7 +171,7 @@ def test_newton_schulz_on_its_calibrated_curve_by_hand():
     """With ``ns_efficiency`` one NS call is ``flops / (peak · eff(d))`` (the whole call) plus the
     update's 6 passes and operators; without it, the matmuls on the plain curve plus ``2 · steps``
     passes and the iteration's operators (the GPU presets' figure)."""
-    from dmuon.sim.simulate import _ns_s
+    from dmuon.sim.lower import _ns_s
 
     plain = _cpu(matmul_efficiency=((100.0, 0.5),), elementwise_Bps=1e9, op_overhead_s=1e-6, ns_dtype="torch.float32")
     hw = dataclasses.replace(plain, ns_efficiency=((64.0, 0.2), (256.0, 0.8)))
@@ -189,7 +190,7 @@ def test_ns_batch_factor_by_hand():
     """Per matrix, a batched NS call of ``B`` costs ``factor(d, B)``: 1 at ``B = 1`` and without a
     table; linear in ``log B`` from (1, 1) through the measured batches, held beyond the largest;
     linear in ``log d`` between the measured ``d``, held outside; priced into one matrix's NS."""
-    from dmuon.sim.simulate import _ns_s
+    from dmuon.sim.lower import _ns_s
 
     hw = _cpu(ns_dtype="torch.float32", ns_efficiency=((64.0, 0.5), (512.0, 0.5)),
               ns_batch_factor=((128.0, 4.0, 0.8), (128.0, 16.0, 0.9), (512.0, 4.0, 1.2)))
@@ -213,7 +214,8 @@ def test_gram_ns_priced_on_its_own_curve():
     """A matrix that runs Gram NS (the plan's ``ns_backend="gram"``; owner groups' sharded Gram
     NS) is priced on ``gram_ns_efficiency`` where the record has it, on ``ns_efficiency``
     otherwise; the standard iteration and every baseline's NS stay on ``ns_efficiency``."""
-    from dmuon.sim.simulate import _lower, _ns_backend, _owner_group_fqns, _variant_ops
+    from dmuon.sim.lower import _lower, _ns_backend, _owner_group_fqns
+    from dmuon.sim.simulate import _variant_ops
     from dmuon.train.model import GPT, GPTConfig
 
     def _ns_backends(plan):
@@ -253,7 +255,8 @@ def test_ns_batches_reach_the_ops():
     """dmuon prices each matrix's NS by the batch its owner runs it in (same-side matrices of one
     owner, tall and wide together), the naive baseline by the batch of every such matrix (every
     rank runs all of them), dion's all-to-all and bf16 NS unbatched."""
-    from dmuon.sim.simulate import _lower, _ns_batch_factors, _ns_s, _owner_group_fqns, _variant_ops
+    from dmuon.sim.lower import _lower, _ns_batch_factors, _ns_s, _owner_group_fqns
+    from dmuon.sim.simulate import _variant_ops
     from dmuon.train.model import GPT, GPTConfig
 
     cfg = GPTConfig(vocab_size=256, d_model=128, n_layers=2, n_heads=4, d_mlp=512, seq_len=64)
@@ -292,7 +295,8 @@ def test_in_situ_costs_reach_the_ops(tiny):
     """FSDP2 calls pay ``fsdp2_call_s_at(k)`` on the thread and the naive baseline's all-gathers
     ``dtensor_gather_s_at(k)``: each extra second per call moves the replay by calls x seconds
     on the critical rank when nothing overlaps (one rank per core, no compute)."""
-    from dmuon.sim.simulate import _lower, _variant_ops
+    from dmuon.sim.lower import _lower
+    from dmuon.sim.simulate import _variant_ops
 
     plan, wl = tiny
     hw = _cpu(ranks_per_node=4, cores_per_node=4)
@@ -377,7 +381,8 @@ def test_step_factor_and_blocking_waits_reach_the_ops(tiny):
     """The step-compute factor scales exactly the forward / backward (and the root's) compute, not
     Newton-Schulz or the optimizer; dmuon pays one blocking wait per (phase, boundary) of its
     broadcasts and one per micro-batch for its reduces, FSDP2 + AdamW none beyond its calls."""
-    from dmuon.sim.simulate import _lower, _variant_ops
+    from dmuon.sim.lower import _lower
+    from dmuon.sim.simulate import _variant_ops
 
     plan, wl = tiny
     hw = _cpu(ranks_per_node=4, cores_per_node=4)
@@ -825,7 +830,7 @@ def _in_situ_worker():
     import torch
     import torch.distributed as dist
 
-    from dmuon.sim import calibrate as K
+    from dmuon.sim.calibrate import gloo as K
 
     return K._in_situ(dist, torch, dist.group.WORLD, dist.get_world_size(), 3)
 
@@ -900,7 +905,7 @@ def test_expert_plans_simulate_with_the_models_top_k_and_range_batches(monkeypat
     dense = from_plan(plan, tokens_per_rank=256, seq_len=256, top_k=0).forward_flops
     assert wl4.forward_flops - dense == pytest.approx(2 * (wl2.forward_flops - dense), rel=1e-6)
     batches = []
-    sim_mod = sys.modules["dmuon.sim.simulate"]
+    sim_mod = sys.modules["dmuon.sim.lower"]
     real = sim_mod.ns_batch_factor_at
     monkeypatch.setattr(sim_mod, "ns_batch_factor_at", lambda hw, d, b: batches.append(b) or real(hw, d, b))
     hw = _cpu(ns_dtype="torch.float32", ns_efficiency=((16.0, 0.5), (512.0, 0.5)),

@@ -10,13 +10,16 @@ Pure: no process group, no GPU, never imports ``torch.distributed``. Entry point
 Modules: ``hardware`` (links, collective cost, compute throughput, presets), ``workload``
 (per-boundary compute derived from the plan), ``alternatives`` (FSDP2 + AdamW, naive Muon,
 dion-style all-to-all as op tables), ``variants`` (schedule variants such as earlier NS),
-``simulate`` (the clocked replay), ``calibrate`` (microbenchmarks for ``cpu-gloo``), ``cli``.
+``simulate`` (the API: ``simulate``, ``simulate_variants``), ``lower`` (schedule ops -> timed
+simulator ops), ``replay`` (the clocked replay, the critical path), ``memory`` (peak memory),
+``records`` (the result records), ``calibrate`` (microbenchmarks for ``cpu-gloo``), ``cli``.
 See docs/performance.md ("Step-time simulator").
 """
 
 from dmuon.sim import alternatives, hardware, workload
 from dmuon.sim.hardware import CollectiveCurve, Hardware, Link
-from dmuon.sim.simulate import VARIANTS, Interval, MemoryBreakdown, PathStep, RankTime, Simulation, simulate, simulate_variants
+from dmuon.sim.records import Interval, MemoryBreakdown, PathStep, RankTime, Simulation
+from dmuon.sim.simulate import VARIANTS, simulate, simulate_variants
 from dmuon.sim.variants import early_ns_schedule
 from dmuon.sim.workload import Work, Workload, from_plan
 

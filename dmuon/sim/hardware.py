@@ -588,7 +588,7 @@ def step_compute_factor_at(hw: Hardware, k: int) -> float:
     blocking collective between units costs beyond itself in proportion to the compute since the
     previous one: the members' skew (the slowest member's jitter over that compute) and gloo's
     threads and wake-ups sharing the cores with it; the in-situ calibration measures it as the
-    extra time per second of compute between FSDP2 calls (``calibrate._in_situ``)."""
+    extra time per second of compute between FSDP2 calls (``calibrate.gloo._in_situ``)."""
     return _by_group(hw.step_compute_factor_by_group, k, 1.0) if k > 1 else 1.0
 
 

@@ -30,10 +30,9 @@ the matrix.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import weakref
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import optree
 import torch
@@ -42,11 +41,10 @@ import torch.nn as nn
 
 from dmuon.exec.comm import collectives as C
 from dmuon.exec.setup import fsdp2
+from dmuon.exec.runtime.boundary_host import BoundaryHost
 from dmuon.exec.runtime.buffers import _Owned, _Segment
 from dmuon.exec.runtime.program import ONE_RANK, BoundaryOps
-
-if TYPE_CHECKING:
-    from dmuon.exec.runtime.runtime import DmuonRuntime
+from dmuon.exec.runtime.streams import _on_stream, current_stream
 
 __all__ = ["ShardedState", "TrainingState"]
 
@@ -118,9 +116,9 @@ class _BoundaryRuntime:
     """
 
     def __init__(
-        self, runtime: "DmuonRuntime", fqn: str, module: nn.Module, segments: list[_Segment], ops: BoundaryOps
+        self, runtime: BoundaryHost, fqn: str, module: nn.Module, segments: list[_Segment], ops: BoundaryOps
     ):
-        self.runtime_ref = weakref.ref(runtime)
+        self.runtime_ref: Callable[[], BoundaryHost | None] = weakref.ref(runtime)  # only what BoundaryHost lists
         self.fqn = fqn
         self.module = module
         self.segments = segments
@@ -493,26 +491,6 @@ def describe_code(code: float) -> str:
     step, rest = divmod(v, 8)
     phase = "backward" if rest >= 4 else "forward"
     return f"step {step} (mod {_STEP_MOD}), {phase} broadcast, after {rest % 4} forward(s) of this step (mod {_FORWARD_MOD})"
-
-
-def _on_stream(stream):
-    """``stream`` made current for the block (``torch.Stream`` is a context manager, on any
-    accelerator), or nothing for ``None`` (CPU: a single stream)."""
-    return contextlib.nullcontext() if stream is None else stream
-
-
-def current_stream(device: torch.device):
-    """The current (compute) stream of ``device``, whatever the accelerator (``torch.accelerator``)."""
-    return torch.accelerator.current_stream(device)
-
-
-def has_streams(device: torch.device) -> bool:
-    """Whether ``device`` is the process's accelerator (CUDA, XPU, MPS, ...), whose work dmuon
-    orders on its own streams; False on CPU, where every stream function below is skipped."""
-    if device.type == "cpu" or not torch.accelerator.is_available():
-        return False
-    acc = torch.accelerator.current_accelerator()
-    return acc is not None and acc.type == device.type
 
 
 def _in_backward() -> bool:

@@ -29,6 +29,12 @@ its all-gathers and reduce-scatters: each waits for the compute stream when issu
 stream waits for an event on it before the parameters or the reduced gradients are used, storage
 is regrown on the compute stream and freed only after that wait, and local gradients read by the
 reduce stream stay referenced until it. On CPU none of this runs.
+
+:class:`DmuonRuntime` holds the state and delegates each job to its module:
+:mod:`~dmuon.exec.runtime.reduces` (the end of backward: reduce completion, the gradient divisor),
+:mod:`~dmuon.exec.runtime.replicas` (the HSDP replica broadcasts), :mod:`~dmuon.exec.runtime.streams`
+(the accelerator streams), :mod:`~dmuon.exec.runtime.expert_parallel` (the local expert-parallel
+stacks). The boundaries see it only through :class:`~dmuon.exec.runtime.boundary_host.BoundaryHost`.
 """
 
 from __future__ import annotations
@@ -41,10 +47,10 @@ import torch.nn as nn
 
 from dmuon.plan.scheduling.programs import boundary_programs
 
-from dmuon.exec.comm import collectives as C
 from dmuon.exec.setup import fsdp2
-from dmuon.exec.runtime.boundary import ShardedState, TrainingState, _BoundaryRuntime, _on_stream, current_stream, eager_hook, has_streams
-from dmuon.exec.runtime.buffers import DedicatedInfo, build_segments, dedicated_info
+from dmuon.exec.runtime import expert_parallel, reduces, replicas, streams
+from dmuon.exec.runtime.boundary import ShardedState, TrainingState, _BoundaryRuntime, eager_hook
+from dmuon.exec.runtime.buffers import build_segments, dedicated_info
 from dmuon.exec.comm.groups import MeshGroups
 from dmuon.exec.runtime.program import bind
 
@@ -122,7 +128,7 @@ class DmuonRuntime:
             br.handles.append(module.register_forward_pre_hook(eager_hook(br.pre_forward), with_kwargs=True))
             br.handles.append(module.register_forward_hook(eager_hook(br.post_forward), with_kwargs=True))
             self.boundaries.append(br)
-        self.ep_params = self._bind_expert_parallel(modules, original)
+        self.ep_params = expert_parallel.bind_expert_parallel(self, modules, original)
         self.ep_infos = {fqn: dedicated_info(p) for fqn, p in self.ep_params.items()}
         # matrices with one owner: their slot; owner-grouped matrices: their _Grouped (blocks in
         # several segments)
@@ -142,63 +148,10 @@ class DmuonRuntime:
 
             self.qk_clip = QKClipRuntime(self, model)
 
-    def _bind_expert_parallel(self, modules, original) -> dict[str, nn.Parameter]:
-        """Expert-parallel stacks (``Boundary.local``): each rank's model holds its own experts.
-        The parameter stays where it is (no buffer, no broadcast, no reduce); it is tagged
-        ``p._dmuon`` (``ep_local``, owned here, so ``fully_shard`` skips it and ``dmuon.Muon``
-        orthogonalises its experts) and a tensor hook divides every gradient contribution by
-        :meth:`grad_divisor` (the data-parallel world ``W = R*N``, or FSDP2's gradient divide
-        factor when one is set): tokens of every rank reach a local expert through the model's
-        all-to-all, so its gradient is the SUM over ranks of their local-loss gradients, and
-        ``/W`` makes it the global-batch mean's (as the reduce-AVG does for the dense
-        matrices). Stacks owned in efsdp groups need no hook: their reduce SUMs the holders'
-        gradients, which together are that same SUM, and the owner divides it like any
-        other. Returns ``{fqn: parameter}``."""
-        import torch.distributed as dist
-
-        out: dict[str, nn.Parameter] = {}
-        specs = {p.fqn: p for p in self.plan.params}
-        me = dist.get_rank()
-        for index, b in enumerate(self.plan.boundaries):
-            for fqn in b.local:
-                spec = specs[fqn]
-                p = original[fqn]
-                if not isinstance(p, nn.Parameter) or getattr(p, "placements", None) is not None:
-                    raise ValueError(
-                        f"dmuon: expert-parallel stack {fqn!r} must be a plain nn.Parameter of this rank's experts "
-                        f"{spec.local_shape}, got {type(p).__name__}"
-                    )
-                if tuple(p.shape) != tuple(spec.local_shape) or str(p.dtype) != spec.dtype:
-                    raise ValueError(
-                        f"dmuon: expert-parallel stack {fqn!r} is {tuple(p.shape)} {p.dtype} on this rank but the plan "
-                        f"gives each rank {spec.local_shape} {spec.dtype} (E/ep experts of {spec.shape})"
-                    )
-                stack = spec.experts
-                p._dmuon = DedicatedInfo(
-                    fqn=fqn,
-                    owner_global_rank=me,
-                    is_owner=True,
-                    holds_full=True,
-                    shape=tuple(spec.local_shape),
-                    matrix_shape=tuple(spec.matrix_shape),
-                    num_matrices=stack.local_experts * stack.matrices_per_expert,
-                    runtime=weakref.ref(self),
-                    experts=stack,
-                    ep_local=True,
-                )
-                self.hook_ep_param(fqn, p, index)
-                out[fqn] = p
-        return out
-
     def hook_ep_param(self, fqn: str, p: nn.Parameter, boundary_index: int) -> None:
-        """(Re-)register the gradient-divisor hook of the local expert-parallel stack ``fqn`` on
-        ``p`` (dropping the one it had): at ``dedicate_params``, and again when ``to_empty``
-        gave the stack a new tensor (:func:`dmuon.exec.setup.materialize.rebind_storage`)."""
-        old = self.ep_hooks.pop(fqn, None)
-        if old is not None:
-            old.remove()
-        if self.world_numel > 1 and p.requires_grad:
-            self.ep_hooks[fqn] = p.register_hook(_ep_grad_divisor(weakref.ref(self), boundary_index))
+        """(Re-)register the gradient-divisor hook of the local expert-parallel stack ``fqn`` on ``p``
+        (:func:`dmuon.exec.runtime.expert_parallel.hook_ep_param`)."""
+        expert_parallel.hook_ep_param(self, fqn, p, boundary_index)
 
     # -- settings and state changed from outside (dmuon.exec.setup.materialize, benchmarks) ----------
 
@@ -257,17 +210,9 @@ class DmuonRuntime:
         return mesh
 
     def comm_stream(self, kind: str):
-        """On an accelerator (CUDA, XPU, ...): dmuon's ``"broadcast"`` or ``"reduce"`` stream (high
-        priority, as FSDP2's), ordered with the compute stream by events; ``None`` on CPU or with
-        ``use_streams=False``. Written against torch's accelerator-generic ``torch.Stream``."""
-        if not self.use_streams or not has_streams(self.device):
-            return None
-        if self._streams is None or self._streams[0] != self.device:
-            self._streams = (
-                self.device,
-                {k: torch.Stream(device=self.device, priority=-1) for k in ("broadcast", "reduce")},
-            )
-        return self._streams[1][kind]
+        """On an accelerator: dmuon's ``"broadcast"`` or ``"reduce"`` stream; ``None`` on CPU or with
+        ``use_streams=False`` (:func:`dmuon.exec.runtime.streams.comm_stream`)."""
+        return streams.comm_stream(self, kind)
 
     def boundary_after(self, b: "_BoundaryRuntime") -> "_BoundaryRuntime | None":
         """Forward prefetch target: the next boundary in plan (module registration) order."""
@@ -298,101 +243,19 @@ class DmuonRuntime:
                 b._reshard()
 
     def finish_reduces(self) -> None:
-        """Wait for the in-flight gradient reduces and accumulate the averages into owners' ``.grad``.
-
-        HSDP: after the shard-group reduce, every holder ``(s, r')`` of a segment SUM-reduces each
-        sub-segment over its replicate group to the sub-segment's owner ``(s, r)``; the owner
-        divides by :meth:`grad_divisor`: ``R·N`` (net AVG over the whole mesh), or the gradient
-        divide factor set on FSDP2 (``set_gradient_divide_factor``).
-        """
-        pending, self.pending_reduces = self.pending_reduces, []
-        if not pending:
-            return
-        stream = self.comm_stream("reduce")  # None on CPU
-        with _on_stream(stream):  # NCCL: the reduce stream waits for the collectives
-            for boundary, _, _, work, _ in pending:
-                C.wait_all([work], what=f"boundary {boundary.fqn!r} reduce", timeout_s=self.timeout_s)
-            works = []
-            for boundary, seg, buf, _, _ in pending:  # HSDP: the held segments' sub-segments
-                for b in boundary.ops.replicate_reduce_of(seg):
-                    part = buf[b.sub.offset_in_seg : b.sub.offset_in_seg + b.sub.numel]
-                    work = C.reduce_sum(part, dst=b.root, group=b.group, phase=b.op.phase, async_op=True)
-                    works.append((boundary, work))
-            for boundary, work in works:
-                C.wait_all([work], what=f"boundary {boundary.fqn!r} replicate_reduce", timeout_s=self.timeout_s)
-        if stream is not None:  # the compute stream reads the buffers below; the local grads are released after
-            current_stream(stream.device).wait_event(stream.record_event())
-        for _, seg, _, _, _ in pending:
-            seg.reduce_inflight = False
-        owned = [(boundary, o) for boundary, seg, _, _, _ in pending for o in seg.owned]
-        if owned:
-            self._write_owner_grads(owned)
-        for _, seg, buf, _, _ in pending:  # averages copied out: release until the next backward
-            buf.untyped_storage().resize_(0)
+        """Wait for the in-flight gradient reduces and accumulate the averages into owners' ``.grad``
+        (:func:`dmuon.exec.runtime.reduces.finish_reduces`)."""
+        reduces.finish_reduces(self)
 
     def grad_divisor(self, boundary) -> float:
-        """What the owner divides a reduced (summed) gradient by: FSDP2's gradient divide factor.
-
-        FSDP2 divides each reduced gradient by its param groups' ``gradient_divide_factor``
-        (``FSDPModule.set_gradient_divide_factor``; torchtitan sets 1.0 and divides the loss by
-        the global token count itself), or by the data-parallel size when none is set. dmuon
-        follows the same rule so that dedicated and FSDP2-sharded gradients are scaled alike: the
-        factor of ``boundary``'s own ``fully_shard`` unit, else the first one set on any unit of
-        the model (a block whose parameters are all dedicated has no FSDP2 param group), else
-        ``R·N`` (the average over the data-parallel mesh). Read at every reduce, so a factor set
-        after set-up is honoured.
-        """
-        factor = _divide_factor(boundary.module)
-        if factor is None:
-            model = self.model_ref()
-            for module in model.modules() if model is not None else ():
-                factor = _divide_factor(module)
-                if factor is not None:
-                    break
-        return float(self.world_numel if factor is None else factor)
-
-    def _write_owner_grads(self, owned: list) -> None:
-        """Divide the owned sub-segments of finished reduces (``(boundary, owned)`` pairs) by
-        :meth:`grad_divisor` into their parameters' ``.grad``."""
-        # one host read of every presence flag this rank owns (a device sync on CUDA)
-        flags = (owned[0][1].flags if len(owned) == 1 else torch.cat([o.flags for _, o in owned])).tolist()
-        self._flag_host_reads += 1
-        i = 0
-        divisors: dict[int, float] = {}
-        for boundary, o in owned:
-            sub = o.sub
-            sub_flags, i = flags[i : i + len(sub.slots)], i + len(sub.slots)
-            if not any(sub_flags):
-                continue
-            if id(boundary) not in divisors:
-                divisors[id(boundary)] = self.grad_divisor(boundary)
-            if divisors[id(boundary)] != 1.0:
-                o.values.div_(divisors[id(boundary)])
-            for slot, flag in zip(sub.slots, sub_flags):
-                if flag == 0:
-                    continue  # no rank had a gradient: skip, as torch.optim.Muon does
-                start = slot.offset_in_seg - sub.offset_in_seg
-                grad = o.values[start : start + slot.numel].view(slot.shape)
-                p = slot.logical
-                # a copy, never a view of the reduce buffer (released below, rewritten next backward)
-                grad = grad.to(p.dtype, copy=True) if p.grad is None else grad.to(p.dtype)
-                if slot.tp is not None:
-                    grad = slot.tp.wrap(grad)
-                if p.grad is None:
-                    p.grad = grad
-                else:
-                    p.grad.add_(grad)
+        """What the owner divides a reduced (summed) gradient by: FSDP2's gradient divide factor
+        (:func:`dmuon.exec.runtime.reduces.grad_divisor`)."""
+        return reduces.grad_divisor(self, boundary)
 
     def wait_replicate_broadcasts(self, boundary=None) -> None:
-        """HSDP: wait for the post-step replicate broadcasts of ``boundary`` (all when ``None``)."""
-        if not self.pending_replicate:
-            return
-        keys = list(self.pending_replicate) if boundary is None else [boundary.index]
-        for key in keys:
-            works = self.pending_replicate.pop(key, None)
-            if works:
-                what = f"boundary {self.boundaries[key].fqn!r} replicate_broadcast (after step)"
-                C.wait_all(works, what=what, timeout_s=self.timeout_s)
+        """HSDP: wait for the post-step replicate broadcasts of ``boundary`` (all when ``None``;
+        :func:`dmuon.exec.runtime.replicas.wait_replicate_broadcasts`)."""
+        replicas.wait_replicate_broadcasts(self, boundary)
 
     def defer_round_check(self, boundary, phase: str, got: torch.Tensor, expected: float) -> None:
         """Accelerators: keep a boundary's received broadcast rounds on the device; they are
@@ -424,25 +287,7 @@ class DmuonRuntime:
             b.forwards_since_step = 0
         if self.qk_clip is not None:
             self.qk_clip.step()
-        if self.groups.shape[0] == 1:
-            return
-        self.wait_replicate_broadcasts()
-        for b in self.boundaries:
-            works = self._broadcast_to_replicas([b], "replicate_broadcast")
-            if self.replicate_async:
-                self.pending_replicate[b.index] = works
-            else:
-                C.wait_all(works, what=f"boundary {b.fqn!r} replicate broadcast", timeout_s=self.timeout_s)
-
-    def _broadcast_to_replicas(self, boundaries, phase: str) -> list:
-        """HSDP: post one async broadcast per sub-segment of ``boundaries`` held here, from its
-        owner to its replicate peers (the owner's current master); returns the works."""
-        works = []
-        for boundary in boundaries:
-            for b in boundary.ops.replicate_broadcast:
-                part = b.segment.master[b.sub.offset_in_seg : b.sub.offset_in_seg + b.sub.numel]
-                works.append(C.broadcast(part, src=b.root, group=b.group, phase=phase, async_op=True))
-        return works
+        replicas.broadcast_after_step(self)
 
     def after_load(self) -> None:
         """After ``load_state_dict`` wrote new masters on every holder (nothing to communicate)."""
@@ -488,22 +333,9 @@ class DmuonRuntime:
                 b._reshard()
 
     def sync_replicas(self) -> None:
-        """HSDP: broadcast every owner's value to its replicate peers when they may disagree.
-
-        Runs only when :attr:`replicas_stale` is set, i.e. after a ``Module._apply`` on the model
-        (``to_empty`` followed by a per-rank initialisation leaves replicas with their own
-        values); a collective over each replicate group, charged to the ledger as ``"other"``.
-        The flag is set on every rank by the same call, so all ranks agree on running it.
-        """
-        if not self.replicas_stale:
-            return
-        self.replicas_stale = False
-        if self.groups.shape[0] == 1:
-            return
-        self.check_materialized("synchronising HSDP replicas")
-        self.wait_replicate_broadcasts()
-        works = self._broadcast_to_replicas(self.boundaries, "other")
-        C.wait_all(works, what="HSDP replica sync after materialisation", timeout_s=self.timeout_s)
+        """HSDP: broadcast every owner's value to its replicate peers when they may disagree
+        (:attr:`replicas_stale`; :func:`dmuon.exec.runtime.replicas.sync_replicas`)."""
+        replicas.sync_replicas(self)
 
     def prepare_state_access(self, what: str) -> None:
         """Before reading or writing masters through the state-dict API (collective in HSDP)."""
@@ -516,34 +348,6 @@ class DmuonRuntime:
 # ----------------------------------------------------------------------------------------------
 # Optimizer hooks (called by dmuon.Muon.step)
 # ----------------------------------------------------------------------------------------------
-
-
-def _ep_grad_divisor(runtime_ref, boundary_index: int):
-    """The tensor hook of a local expert-parallel stack: each backward contribution ``g``
-    becomes ``g / d`` with ``d`` what an owner divides a reduced gradient by
-    (:meth:`DmuonRuntime.grad_divisor`: FSDP2's gradient divide factor when one is set, e.g.
-    torchtitan's 1.0, else the data-parallel world ``R*N``), read at every call, of the stack's
-    boundary ``runtime.boundaries[boundary_index]`` (plan order)."""
-
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        rt = runtime_ref()
-        if rt is None:
-            return grad
-        divisor = rt.grad_divisor(rt.boundaries[boundary_index])
-        return grad if divisor == 1.0 else grad / divisor
-
-    return hook
-
-
-def _divide_factor(module) -> float | None:
-    """The ``gradient_divide_factor`` set on ``module``'s FSDP2 param groups, or None."""
-    get = getattr(module, "_get_fsdp_state", None)
-    state = get() if get is not None else None
-    for group in getattr(state, "_fsdp_param_groups", None) or ():
-        factor = getattr(group, "gradient_divide_factor", None)
-        if factor is not None:
-            return factor
-    return None
 
 
 def get_model_runtime(model: nn.Module) -> DmuonRuntime | None:

@@ -1,0 +1,115 @@
+"""Reduce completion: the end of a backward's gradient reduces (:func:`finish_reduces`) and the
+divisor of a reduced gradient (:func:`grad_divisor`), for :class:`~dmuon.exec.runtime.runtime.DmuonRuntime`
+(its ``pending_reduces``, filled by each boundary's post-backward,
+:meth:`dmuon.exec.runtime.boundary._BoundaryRuntime._launch_reduce`).
+``rt`` is that runtime (not imported here: the runtime imports this module)."""
+
+from __future__ import annotations
+
+import torch
+
+from dmuon.exec.comm import collectives as C
+from dmuon.exec.runtime.streams import _on_stream, current_stream
+
+__all__ = ["finish_reduces", "grad_divisor"]
+
+
+def finish_reduces(rt) -> None:
+    """Wait for the in-flight gradient reduces and accumulate the averages into owners' ``.grad``.
+
+    HSDP: after the shard-group reduce, every holder ``(s, r')`` of a segment SUM-reduces each
+    sub-segment over its replicate group to the sub-segment's owner ``(s, r)``; the owner
+    divides by :meth:`grad_divisor`: ``R·N`` (net AVG over the whole mesh), or the gradient
+    divide factor set on FSDP2 (``set_gradient_divide_factor``).
+    """
+    pending, rt.pending_reduces = rt.pending_reduces, []
+    if not pending:
+        return
+    stream = rt.comm_stream("reduce")  # None on CPU
+    with _on_stream(stream):  # NCCL: the reduce stream waits for the collectives
+        for boundary, _, _, work, _ in pending:
+            C.wait_all([work], what=f"boundary {boundary.fqn!r} reduce", timeout_s=rt.timeout_s)
+        works = []
+        for boundary, seg, buf, _, _ in pending:  # HSDP: the held segments' sub-segments
+            for b in boundary.ops.replicate_reduce_of(seg):
+                part = buf[b.sub.offset_in_seg : b.sub.offset_in_seg + b.sub.numel]
+                work = C.reduce_sum(part, dst=b.root, group=b.group, phase=b.op.phase, async_op=True)
+                works.append((boundary, work))
+        for boundary, work in works:
+            C.wait_all([work], what=f"boundary {boundary.fqn!r} replicate_reduce", timeout_s=rt.timeout_s)
+    if stream is not None:  # the compute stream reads the buffers below; the local grads are released after
+        current_stream(stream.device).wait_event(stream.record_event())
+    for _, seg, _, _, _ in pending:
+        seg.reduce_inflight = False
+    owned = [(boundary, o) for boundary, seg, _, _, _ in pending for o in seg.owned]
+    if owned:
+        _write_owner_grads(rt, owned)
+    for _, seg, buf, _, _ in pending:  # averages copied out: release until the next backward
+        buf.untyped_storage().resize_(0)
+
+
+def grad_divisor(rt, boundary) -> float:
+    """What the owner divides a reduced (summed) gradient by: FSDP2's gradient divide factor.
+
+    FSDP2 divides each reduced gradient by its param groups' ``gradient_divide_factor``
+    (``FSDPModule.set_gradient_divide_factor``; torchtitan sets 1.0 and divides the loss by
+    the global token count itself), or by the data-parallel size when none is set. dmuon
+    follows the same rule so that dedicated and FSDP2-sharded gradients are scaled alike: the
+    factor of ``boundary``'s own ``fully_shard`` unit, else the first one set on any unit of
+    the model (a block whose parameters are all dedicated has no FSDP2 param group), else
+    ``R·N`` (the average over the data-parallel mesh). Read at every reduce, so a factor set
+    after set-up is honoured.
+    """
+    factor = _divide_factor(boundary.module)
+    if factor is None:
+        model = rt.model_ref()
+        for module in model.modules() if model is not None else ():
+            factor = _divide_factor(module)
+            if factor is not None:
+                break
+    return float(rt.world_numel if factor is None else factor)
+
+
+def _write_owner_grads(rt, owned: list) -> None:
+    """Divide the owned sub-segments of finished reduces (``(boundary, owned)`` pairs) by
+    :meth:`grad_divisor` into their parameters' ``.grad``."""
+    # one host read of every presence flag this rank owns (a device sync on CUDA)
+    flags = (owned[0][1].flags if len(owned) == 1 else torch.cat([o.flags for _, o in owned])).tolist()
+    rt._flag_host_reads += 1
+    i = 0
+    divisors: dict[int, float] = {}
+    for boundary, o in owned:
+        sub = o.sub
+        sub_flags, i = flags[i : i + len(sub.slots)], i + len(sub.slots)
+        if not any(sub_flags):
+            continue
+        if id(boundary) not in divisors:
+            divisors[id(boundary)] = rt.grad_divisor(boundary)
+        if divisors[id(boundary)] != 1.0:
+            o.values.div_(divisors[id(boundary)])
+        for slot, flag in zip(sub.slots, sub_flags):
+            if flag == 0:
+                continue  # no rank had a gradient: skip, as torch.optim.Muon does
+            start = slot.offset_in_seg - sub.offset_in_seg
+            grad = o.values[start : start + slot.numel].view(slot.shape)
+            p = slot.logical
+            # a copy, never a view of the reduce buffer (released below, rewritten next backward)
+            grad = grad.to(p.dtype, copy=True) if p.grad is None else grad.to(p.dtype)
+            if slot.tp is not None:
+                grad = slot.tp.wrap(grad)
+            if p.grad is None:
+                p.grad = grad
+            else:
+                p.grad.add_(grad)
+
+
+def _divide_factor(module) -> float | None:
+    """The ``gradient_divide_factor`` set on ``module``'s FSDP2 param groups, or None."""
+    get = getattr(module, "_get_fsdp_state", None)
+    state = get() if get is not None else None
+    for group in getattr(state, "_fsdp_param_groups", None) or ():
+        factor = getattr(group, "gradient_divide_factor", None)
+        if factor is not None:
+            return factor
+    return None
+
