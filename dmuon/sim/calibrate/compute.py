@@ -125,7 +125,7 @@ def _newton_schulz(repeats: int, quick: bool, backend: str = "standard") -> list
     import torch
 
     from dmuon.exec.optim.newton_schulz import gram_newton_schulz, newton_schulz
-    from dmuon.plan.cost.model import matrix_ns_flops
+    from dmuon.plan.cost.flops import matrix_ns_flops
 
     fn = gram_newton_schulz if backend == "gram" else newton_schulz
     shapes = QUICK_NS_SHAPES if quick else NS_SHAPES
