@@ -2,7 +2,7 @@
 backend a matrix runs, how the optimizer batches NS calls, where Gram NS restarts, which
 modes ``dmuon.plan.compile`` accepts, the wire dtypes, and which matrices an owner group may
 cut. The cost model (:mod:`dmuon.plan.cost.model`) prices what these rules decide; ``dmuon.Muon``,
-``dmuon.exec.optim.newton_schulz`` and the simulator follow them.
+the Newton-Schulz backends (``dmuon.exec.optim.ns_*``) and the simulator follow them.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ NS_STEPS = 5
 COST_MODELS = ("numel", "ns_flops")
 #: valid ``ns_backend`` values of :func:`dmuon.plan.compile` (and of ``dmuon.Muon``)
 NS_BACKEND_MODES = ("standard", "gram", "auto")
-#: Gram restart period of ``dmuon.exec.optim.newton_schulz.gram_newton_schulz`` (and so of
+#: Gram restart period of ``dmuon.exec.optim.ns_gram.gram_newton_schulz`` (and so of
 #: ``dmuon.Muon(ns_backend="gram" | "auto")``): restart before every 2nd step (0-based 2, 4, ...)
 GRAM_RESTART_EVERY = 2
 #: NS dtypes for which ``dmuon.Muon`` batches Newton-Schulz over same-shape matrices (fp32 /
@@ -72,7 +72,7 @@ def choose_ns_backend(matrix_shape: Sequence[int], mode: str, *, steps: int = NS
                       restart_every: int | Sequence[int] | None = GRAM_RESTART_EVERY) -> str:
     """The Newton-Schulz backend a matrix runs: ``"standard"`` or ``"gram"`` (the one rule, used by
     :func:`dmuon.plan.compile` to fill ``ParamSpec.ns_backend``, by ``dmuon.Muon`` to check it and
-    by ``dmuon.exec.optim.newton_schulz.auto_newton_schulz`` at run time).
+    by ``dmuon.exec.optim.ns_backends.auto_newton_schulz`` at run time).
 
     ``mode="auto"``: ``"gram"`` exactly when the short side ``d = min(m, n)`` is at least
     :data:`GRAM_AUTO_MIN_SIDE` (below it the per-op and fallback-check overheads outweigh the
@@ -126,7 +126,7 @@ def ns_batch_runs(numels: Sequence[int]) -> list[list[int]]:
 
 def gram_segment_lengths(steps: int, restart_every: int | Sequence[int] | None) -> tuple[int, ...]:
     """Lengths of the Gram Newton-Schulz segments between restarts; one Gram (one TP
-    all-reduce) per segment. The one segment rule: ``dmuon.exec.optim.newton_schulz.gram_segments``
+    all-reduce) per segment. The one segment rule: ``dmuon.exec.optim.ns_gram.gram_segments``
     splits a schedule by these lengths.
 
     ``restart_every``: ``r >= 1``: restart before every 0-based step ``k`` with ``k % r == 0``,

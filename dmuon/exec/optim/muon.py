@@ -32,7 +32,8 @@ from dmuon.plan import rules as _rules
 from dmuon.exec.optim import amp as _amp
 from dmuon.exec.state import checkpoint as _checkpoint
 from dmuon.exec.setup import fsdp2 as _fsdp2
-from dmuon.exec.optim import newton_schulz as _ns
+from dmuon.exec.optim import ns_backends as _ns
+from dmuon.exec.optim import ns_coefficients as _nsc
 from dmuon.exec.optim import tp_orthogonalize as _tp
 from dmuon.exec.setup.guards import check_set_up_order as _check_set_up_order
 from dmuon.exec.runtime.buffers import dedicated_info as _info
@@ -101,7 +102,7 @@ class Muon(torch.optim.Optimizer):
         momentum: Muon momentum ``mu``. Default 0.95.
         nesterov: Nesterov momentum (the NS input is ``g.lerp(buf, mu)``). Default True.
         ns_coefficients: ``(a, b, c)``, a per-step table of ``ns_steps`` triples, or a key of
-            :data:`dmuon.exec.optim.newton_schulz.NS_PRESETS` (``"muon"``, the default triple, or
+            :data:`dmuon.exec.optim.ns_coefficients.NS_PRESETS` (``"muon"``, the default triple, or
             ``"polar_express"``).
         eps: Frobenius-norm clamp of the NS normalisation. Default 1e-7.
         ns_steps: Newton-Schulz iterations, ``0 <= ns_steps < 100``. Default 5.
@@ -131,7 +132,7 @@ class Muon(torch.optim.Optimizer):
         weight_decay: float = 0.1,
         momentum: float = 0.95,
         nesterov: bool = True,
-        ns_coefficients: _ns.Coefficients = (3.4445, -4.775, 2.0315),
+        ns_coefficients: _nsc.Coefficients = (3.4445, -4.775, 2.0315),
         eps: float = 1e-7,
         ns_steps: int = 5,
         adjust_lr_fn: Optional[str] = None,
@@ -235,10 +236,10 @@ class Muon(torch.optim.Optimizer):
         # Resolve preset names, validate the table against ns_steps, normalise lists to
         # tuples; a constant schedule is stored as its single triple (torch's layout).
         coeffs, steps = h["ns_coefficients"], h["ns_steps"]
-        schedule = _ns.coefficient_schedule(coeffs, steps)
+        schedule = _nsc.coefficient_schedule(coeffs, steps)
         if isinstance(coeffs, str):
-            coeffs = _ns.NS_PRESETS[coeffs]
-        if _ns._is_triple(coeffs):
+            coeffs = _nsc.NS_PRESETS[coeffs]
+        if _nsc._is_triple(coeffs):
             h["ns_coefficients"] = tuple(float(v) for v in coeffs)
         else:
             h["ns_coefficients"] = schedule

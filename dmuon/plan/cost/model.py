@@ -109,7 +109,7 @@ __all__ = [
 
 def ns_flops(m: int, n: int, steps: int = NS_STEPS, *, num_matrices: int = 1) -> int:
     """Newton-Schulz FLOPs to orthogonalise ``num_matrices`` matrices of shape ``(m, n)``: the
-    matmul FLOPs of ``dmuon.exec.optim.newton_schulz.newton_schulz`` (which re-exports this function).
+    matmul FLOPs of ``dmuon.exec.optim.ns_kernel.newton_schulz`` (``ns_kernel`` re-exports this function).
 
     ``num_matrices * steps * (4 * a*a*b + 2 * a**3)`` with ``a = min(m, n)``, ``b = max(m, n)``
     (Muon runs the iteration on the wide orientation): per step ``A = X Xᵀ`` and ``B·X``
@@ -236,7 +236,7 @@ GRAM_SYM_MIN_SIDE = 256
 
 def gram_product_flops(d: int, D: int) -> int:
     """FLOPs of forming the symmetric ``(d, d)`` Gram ``X Xᵀ`` of one ``(d, D)`` matrix as
-    ``dmuon.exec.optim.newton_schulz`` does:
+    ``dmuon.exec.optim.ns_gram`` does:
 
     * ``d < GRAM_SYM_MIN_SIDE``: one matmul, ``2·d²·D``;
     * otherwise its lower blocks only, mirrored into the upper one: with ``h = d // 2`` and
