@@ -8,7 +8,7 @@ at N = 2 and N = 4 for ``benchmarks/step_time.py``'s ``small`` (128 x 128, 128 x
 - ``standard``: :func:`dmuon.exec.optim.ns_kernel.newton_schulz` (fp32, 5 steps, "muon");
 - ``gram``: :func:`gram_newton_schulz` with its default restarts and fallback check;
 - ``gram_r2``: ``restart_every=[2]`` (one restart, the Dao-AILab schedule), fallback on;
-- with ``--baseline REV``: the same three from ``dmuon/exec/optim/newton_schulz.py`` (revisions before its split into ``ns_*.py``) as of git
+- with ``--baseline REV``: the same three from ``dmuon/exec/optim/newton_schulz.py`` as of git
   revision ``REV`` (``old_*``), so before / after are measured in one sitting;
 - ``mm``: a square 512 fp32 matmul (the core's attainable matmul rate, measured in the run).
 
