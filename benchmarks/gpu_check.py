@@ -12,9 +12,9 @@ with the compute stream, the reused reduce buffers (same tensors every step, sto
 Parts (both by default; ``--parts ns`` / ``--parts train`` for one):
 
 ``ns``
-    :func:`~dmuon.exec.optim.newton_schulz.newton_schulz` on one matrix, the same on a batch of ``B``
+    :func:`~dmuon.exec.optim.ns_kernel.newton_schulz` on one matrix, the same on a batch of ``B``
     matrices (one ``bmm``/``baddbmm`` chain), and
-    :func:`~dmuon.exec.optim.newton_schulz.gram_newton_schulz` on one matrix, by shape and dtype.
+    :func:`~dmuon.exec.optim.ns_gram.gram_newton_schulz` on one matrix, by shape and dtype.
     ``TFLOP/s`` = matmul FLOPs of the call (``ns_flops`` / ``gram_ns_flops``) / fastest time;
     ``peak`` = a square ``(P, P) @ (P, P)`` matmul of the same dtype measured in the same run
     (``P`` = 8192 on CUDA, 256 on CPU); ``of peak`` = their ratio.
@@ -147,7 +147,8 @@ def matmul_peak_tflops(dtype: torch.dtype, device: str, side: int, min_time: flo
 
 
 def ns_rows(device: str, dtype_names, shapes, batch: int, steps: int, min_time: float, peak_side: int) -> list[dict]:
-    from dmuon.exec.optim.newton_schulz import gram_newton_schulz, gram_ns_flops, newton_schulz, ns_flops
+    from dmuon.exec.optim.ns_gram import gram_newton_schulz, gram_ns_flops
+    from dmuon.exec.optim.ns_kernel import newton_schulz, ns_flops
 
     rows = []
     for dname in dtype_names:

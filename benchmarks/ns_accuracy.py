@@ -63,13 +63,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import dmuon.exec.optim.newton_schulz as ns  # noqa: E402
+import dmuon.exec.optim.ns_backends as ns  # noqa: E402
+import dmuon.exec.optim.ns_gram as ns_gram  # noqa: E402
+import dmuon.exec.optim.ns_kernel as ns_kernel  # noqa: E402
 
 STEPS = 5
 RESOLVED_S = 1e-2
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_DTYPES = ("fp32", "bf16")
-#: backend name -> (function name in dmuon.exec.optim.newton_schulz, coefficient preset)
+#: backend name -> (function name in dmuon.exec.optim.ns_backends, coefficient preset)
 BACKENDS: dict[str, tuple[str, str]] = {
     "standard": ("newton_schulz", "muon"),
     "polar_express": ("newton_schulz", "polar_express"),
@@ -308,9 +310,9 @@ def format_flops(markdown: bool = False, steps: int = STEPS) -> str:
     header = ["(d, D)", "standard", "gram (restart 2,4)", "ratio", "gram (restart [2])", "ratio"]
     body = []
     for d, D in FLOP_SHAPES:
-        std = ns.ns_flops(d, D, steps)
-        g2 = ns.gram_ns_flops(d, D, steps)
-        g1 = ns.gram_ns_flops(d, D, steps, restart_every=[2])
+        std = ns_kernel.ns_flops(d, D, steps)
+        g2 = ns_gram.gram_ns_flops(d, D, steps)
+        g1 = ns_gram.gram_ns_flops(d, D, steps, restart_every=[2])
         body.append([f"({d}, {D})", f"{std / 1e9:.1f} G", f"{g2 / 1e9:.1f} G", f"{g2 / std:.2f}",
                      f"{g1 / 1e9:.1f} G", f"{g1 / std:.2f}"])
     if markdown:

@@ -5,7 +5,7 @@ fp32 (one ``(B, d, D)`` call per ``(min, max)`` side; ``B`` = the matrices one o
 at N = 2 and N = 4 for ``benchmarks/step_time.py``'s ``small`` (128 x 128, 128 x 512) and
 ``large`` (256 x 256, 256 x 1024) GPTs). For each shape, in every round, in turn:
 
-- ``standard``: :func:`dmuon.exec.optim.newton_schulz.newton_schulz` (fp32, 5 steps, "muon");
+- ``standard``: :func:`dmuon.exec.optim.ns_kernel.newton_schulz` (fp32, 5 steps, "muon");
 - ``gram``: :func:`gram_newton_schulz` with its default restarts and fallback check;
 - ``gram_r2``: ``restart_every=[2]`` (one restart, the Dao-AILab schedule), fallback on;
 - with ``--baseline REV``: the same three from ``dmuon/exec/optim/newton_schulz.py`` as of git
@@ -15,7 +15,7 @@ at N = 2 and N = 4 for ``benchmarks/step_time.py``'s ``small`` (128 x 128, 128 x
 Every variant of a round runs back to back (interleaved), rounds repeat; ratios are taken
 within a round, and the table gives their median and [min-max] over the rounds. Columns:
 
-- ``FLOP ratio``: ``gram_ns_flops / ns_flops`` (the FLOPs each runs, dmuon.plan.cost.flops);
+- ``FLOP ratio``: ``gram_ns_flops / ns_flops`` (the FLOPs each runs, dmuon.plan.cost.model);
 - ``time ratio``: gram / standard wall time; ``goal`` = ``1 - 0.8·(1 - FLOP ratio)`` (Gram
   faster by at least 80 % of its FLOP saving); the FLOP ratio of the baseline revision is
   given in ``old FLOP ratio`` (its Gram counted as a general matmul);
@@ -56,7 +56,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dmuon.exec.optim import newton_schulz as ns  # noqa: E402
+from dmuon.exec.optim import ns_backends as ns  # noqa: E402
+from dmuon.exec.optim import ns_gram, ns_kernel  # noqa: E402
 from dmuon.plan.cost.flops import gram_product_flops  # noqa: E402
 
 # (label, B, d, D): matrices per owner rank, batched as dmuon.Muon does (fp32)
@@ -162,9 +163,9 @@ def main(argv=None) -> int:
             for k, fn in variants.items():
                 times[k].append(_time(lambda: fn(x), args.reps))
             mm_gfs.append(2 * 512**3 / _time(mm, 3) / 1e9)
-        flops = {"standard": ns.ns_flops(d, D, 5, num_matrices=B),
-                 "gram": ns.gram_ns_flops(d, D, 5, num_matrices=B),
-                 "gram_r2": ns.gram_ns_flops(d, D, 5, restart_every=[2], num_matrices=B)}
+        flops = {"standard": ns_kernel.ns_flops(d, D, 5, num_matrices=B),
+                 "gram": ns_gram.gram_ns_flops(d, D, 5, num_matrices=B),
+                 "gram_r2": ns_gram.gram_ns_flops(d, D, 5, restart_every=[2], num_matrices=B)}
         row = {"label": label, "shape": [B, d, D], "flops": flops, "mm_gflops": _med(mm_gfs),
                "ms": {k: _med([t * 1e3 for t in v]) for k, v in times.items()}}
         for g in ("gram", "gram_r2"):
@@ -228,7 +229,7 @@ def _kernel_table(shapes, rounds: int) -> list:
         ks = {"dd": lambda: torch.baddbmm(R, R, R, beta=0.5, alpha=2.0, out=W),
               "qx": lambda: torch.baddbmm(X, R, X, beta=3.4, out=Y),
               "xx": lambda: torch.bmm(X, X.mT, out=G),
-              "sym": lambda: ns._symmetric_gram(X, out=G)}
+              "sym": lambda: ns_gram._symmetric_gram(X, out=G)}
         t = {k: [] for k in ks}
         for _ in range(rounds):
             for k, fn in ks.items():

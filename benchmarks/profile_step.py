@@ -74,7 +74,7 @@ def install_ranges() -> None:
     they are registered.
     """
     from dmuon.exec.comm import collectives as C
-    from dmuon.exec.optim import newton_schulz as NS
+    from dmuon.exec.optim import ns_backends as NS
     from dmuon.exec.runtime import runtime as R
     from dmuon.exec.runtime.boundary import _BoundaryRuntime as B
 

@@ -50,7 +50,7 @@ Per variant (JSON field names in brackets):
   ``plan_per_rank_nbytes`` from ``plan.cost``; ``ledger_matches_plan`` (total and per rank, every
   timed step). For ``adamw`` / ``naive``, ``model_nbytes_per_step`` is the plan's byte MODEL of
   FSDP2 (+ the naive all-gather) for the same matrices (``plan.baseline_cost``), not a measurement.
-* NS: ``dmuon.exec.optim.newton_schulz.newton_schulz`` is wrapped in every rank (both Muon variants
+* NS: ``dmuon.exec.optim.ns_backends.newton_schulz`` is wrapped in every rank (both Muon variants
   call it through the module), recording matmul FLOPs (``ns_flops`` of each call's shape) and
   wall time (CUDA: synchronised around the call). ``ns_flops_total`` (all ranks, one step),
   ``ns_flops_per_rank``, ``ns_flops_busiest``, ``ns_busiest_over_mean`` = busiest / (total / N),
@@ -137,7 +137,7 @@ class NaiveMuon:
        elementwise, so sharding it is exact;
     2. ``u`` is all-gathered with ``DTensor.full_tensor()`` (one all-gather per matrix, the
        same bytes as gathering the gradient itself);
-    3. Newton-Schulz (:func:`dmuon.exec.optim.newton_schulz.newton_schulz`) on the full matrix, on
+    3. Newton-Schulz (:func:`dmuon.exec.optim.ns_kernel.newton_schulz`) on the full matrix, on
        EVERY rank (fp32/fp64: same-shape matrices batched per call exactly as ``dmuon.Muon``
        batches them; bf16: one call per matrix);
     4. the rank keeps its own shard of the result (``Replicate -> Shard`` redistribution, a
@@ -171,7 +171,7 @@ class NaiveMuon:
     def step(self) -> None:
         from torch.distributed.tensor import DTensor, Replicate
 
-        from dmuon.exec.optim import newton_schulz as ns_mod
+        from dmuon.exec.optim import ns_backends as ns_mod
         from dmuon.exec.optim.muon_step import adjust_lr
 
         h = self.hp
@@ -225,10 +225,11 @@ _ADAMW_LOG: list[float] = []  # seconds of each dmuon.Muon AdamW group step
 
 
 def _install_ns_timer(device: torch.device) -> None:
-    """Wrap ``dmuon.exec.optim.newton_schulz.newton_schulz`` and ``gram_newton_schulz`` (module
+    """Wrap ``dmuon.exec.optim.ns_backends.newton_schulz`` and ``gram_newton_schulz`` (module
     attributes; ``ns_backend="auto"`` calls them through the module) with a FLOP/time log, and
     ``dmuon.Muon``'s AdamW group step with a time log (the ``floor`` column)."""
-    from dmuon.exec.optim import newton_schulz as ns_mod
+    from dmuon.exec.optim import ns_backends as ns_mod
+    from dmuon.exec.optim import ns_gram, ns_kernel
     from dmuon.exec.optim.muon import Muon
 
     if getattr(ns_mod.newton_schulz, "_bench_timed", False):
@@ -248,8 +249,8 @@ def _install_ns_timer(device: torch.device) -> None:
         timed._bench_timed = True  # type: ignore[attr-defined]
         return timed
 
-    ns_mod.newton_schulz = wrap(ns_mod.newton_schulz, ns_mod.ns_flops)
-    ns_mod.gram_newton_schulz = wrap(ns_mod.gram_newton_schulz, ns_mod.gram_ns_flops)
+    ns_mod.newton_schulz = wrap(ns_mod.newton_schulz, ns_kernel.ns_flops)
+    ns_mod.gram_newton_schulz = wrap(ns_mod.gram_newton_schulz, ns_gram.gram_ns_flops)
     adamw_step = Muon._adamw_group_step
 
     def timed_adamw(self, group):

@@ -33,7 +33,7 @@ from dmuon.exec.optim.clip import clip_grad_norm_
 from dmuon.exec.state.dcp_errors import DCPLoadPlanner
 from dmuon.exec.setup.fsdp2 import ignored_params as fsdp2_ignored_params
 from dmuon.exec.optim.muon import Muon
-from dmuon.exec.state.checkpoint import full_state_dict
+from dmuon.exec.state.model_state import full_state_dict
 from dmuon.exec.setup.materialize import init_params
 from dmuon.exec.runtime.runtime import no_sync
 from dmuon.exec.optim import qk_clip

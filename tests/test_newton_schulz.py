@@ -1,4 +1,4 @@
-"""dmuon.exec.optim.newton_schulz: bit-identity with torch, batching, presets, counter, FLOPs.
+"""dmuon.exec.optim.ns_kernel / ns_gram / ns_coefficients / ns_backends: bit-identity with torch, batching, presets, counter, FLOPs.
 
 Tolerances used here:
 - 2-D, dtype=bf16: bit-identical to ``torch.optim._muon._zeropower_via_newtonschulz``.
@@ -20,13 +20,10 @@ from hypothesis import strategies as st
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns
 from torch.utils.flop_counter import FlopCounterMode
 
-import dmuon.exec.optim.newton_schulz as ns_mod
-from dmuon.exec.optim.newton_schulz import (
-    NS_PRESETS,
-    coefficient_schedule,
-    newton_schulz,
-    ns_flops,
-)
+import dmuon.exec.optim.ns_backends as ns_mod
+import dmuon.exec.optim.ns_kernel as ns_kernel
+from dmuon.exec.optim.ns_coefficients import NS_PRESETS, coefficient_schedule
+from dmuon.exec.optim.ns_kernel import newton_schulz, ns_flops
 from ns_spy import spy_ns
 
 MUON = (3.4445, -4.775, 2.0315)
@@ -263,16 +260,17 @@ def test_ns_flops_matches_flop_counter(shape):
 #   PolarExpress (normalisation by 1.01·‖X‖_F, safety-scaled table): <= 1e-12.
 # ---------------------------------------------------------------------------------------------
 
-from dmuon.exec.optim.newton_schulz import (  # noqa: E402
-    NS_BACKENDS,
+from dmuon.exec.optim.ns_backends import NS_BACKENDS, get_ns_backend  # noqa: E402
+from dmuon.exec.optim.ns_coefficients import (  # noqa: E402
     POLAR_EXPRESS_PUBLISHED,
     POLAR_EXPRESS_SAFETY,
-    get_ns_backend,
+    schedule_gain_bounds,
+)
+from dmuon.exec.optim.ns_gram import (  # noqa: E402
     gram_newton_schulz,
     gram_ns_flops,
     gram_ns_from_gram,
     gram_segments,
-    schedule_gain_bounds,
 )
 
 
@@ -364,7 +362,7 @@ def test_flop_formulas_and_segment_rule_are_the_cost_models():
     from dmuon.plan.cost import flops as cost
     from dmuon.plan import rules
 
-    assert ns_mod.ns_flops is cost.ns_flops
+    assert ns_kernel.ns_flops is cost.ns_flops
     sched = coefficient_schedule(MUON, 5)
     for restart_every in (None, 1, 2, 3, 7, [2], [0, 2, 2, 9], ()):
         lengths = rules.gram_segment_lengths(5, restart_every)
@@ -529,7 +527,7 @@ def test_symmetric_gram_is_x_xt(shape):
     """Gram NS's X Xᵀ (issue #17): from d = 256 its lower blocks only, the upper right block
     mirrored exactly; the same values as the full product (the same dot products, up to the
     kernel's summation order), also for a transposed (tall) view."""
-    from dmuon.exec.optim.newton_schulz import _symmetric_gram
+    from dmuon.exec.optim.ns_gram import _symmetric_gram
     from dmuon.plan.cost.flops import GRAM_SYM_MIN_SIDE
 
     x = _randn(*shape).double()
@@ -546,7 +544,7 @@ def test_symmetric_gram_is_x_xt(shape):
 def test_fallback_inner_product_paths(batch):
     """The fallback check's ⟨Y, X⟩ per matrix, on its fast paths and its strided fallback,
     against the sum of products in float64."""
-    from dmuon.exec.optim.newton_schulz import _batched_inner
+    from dmuon.exec.optim.ns_gram import _batched_inner
 
     Y, X = _randn(batch, 12, 40), _randn(batch, 12, 40)
     expect = (Y.double() * X.double()).sum(dim=(-2, -1))

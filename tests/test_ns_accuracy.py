@@ -56,7 +56,9 @@ import warnings
 import pytest
 import torch
 
-import dmuon.exec.optim.newton_schulz as ns
+import dmuon.exec.optim.ns_backends as ns
+import dmuon.exec.optim.ns_coefficients as ns_coef
+import dmuon.exec.optim.ns_gram as ns_gram
 from dmuon.plan import rules
 from conftest import REPO_ROOT
 from ns_spy import spy_ns
@@ -368,7 +370,7 @@ def test_gram_without_restarts_blows_up_in_bf16_and_the_fallback_catches_it(coef
     good = acc.zoo_matrix("gauss_1x4")
     kw = dict(coefficients=coefficients, dtype=torch.bfloat16, restart_every=None)
     raw = ns.gram_newton_schulz(bad, fallback=False, **kw)
-    _, max_gain = ns.schedule_gain_bounds(ns.coefficient_schedule(coefficients, 5))
+    _, max_gain = ns_coef.schedule_gain_bounds(ns_coef.coefficient_schedule(coefficients, 5))
     assert torch.linalg.matrix_norm(raw.double(), ord=2) > 5 * max_gain  # the instability
 
     for tall in (False, True):  # a tall batch: the iterates in its own layout, the redo written back into it
@@ -404,7 +406,7 @@ def test_fallback_catches_a_lost_signal(monkeypatch):
     right singular values but turned away from the input (here: Q followed by a reflection
     that swaps the rank-1 input's direction u with an orthogonal e) is rejected."""
     x = acc.zoo_matrix("rank1").double()
-    real = ns._gram_poly
+    real = ns_gram._gram_poly
 
     def turned(R, schedule, workspace=None):  # the factor Q = A·I + Q' becomes H·Q
         u = torch.linalg.eigh(R)[1][..., -1:]  # (B, d, 1): the input's left singular vector
@@ -417,7 +419,7 @@ def test_fallback_catches_a_lost_signal(monkeypatch):
         Qs, A = real(R, schedule, workspace)
         return H @ (A * eye + Qs) - A * eye, A
 
-    monkeypatch.setattr(ns, "_gram_poly", turned)
+    monkeypatch.setattr(ns_gram, "_gram_poly", turned)
     fell_back = []
     with pytest.warns(RuntimeWarning, match="alignment"):
         out = ns.gram_newton_schulz(x, dtype=torch.float64, restart_every=None, on_fallback=fell_back.append)

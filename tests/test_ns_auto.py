@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import dmuon
-from dmuon.exec.optim import newton_schulz as ns
+from dmuon.exec.optim import ns_backends as ns
 from dmuon.plan.cost import flops as cost
 from dmuon.plan import rules
 from dmuon.plan.records.params import ParamSpec
@@ -158,7 +158,7 @@ def _auto_worker(steps):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from dmuon.exec.optim import newton_schulz as ns_mod
+    from dmuon.exec.optim import ns_backends as ns_mod
     from ns_spy import counting_ns
     from oracle import dmuon_muon_kwargs, global_batches, lm_loss
 

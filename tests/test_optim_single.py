@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import dmuon.exec.optim.newton_schulz as ns_mod
+import dmuon.exec.optim.ns_backends as ns_mod
+import dmuon.exec.optim.ns_coefficients as ns_coef
 import dmuon.exec.optim.muon as optim_mod
 from dmuon.exec.optim.muon_step import adjust_lr
 from dmuon.exec.optim.muon import Muon
@@ -834,7 +835,7 @@ def test_polar_express_preset_runs_and_round_trips(ns_dtype, ns_backend):
     full, _ = make_pair()
     opt_full = ours_optimizer(full, MUON_KW, ADAMW_KW, **kw)
     group = opt_full.param_groups[0]
-    assert group["ns_coefficients"] == ns_mod.NS_PRESETS["polar_express"][:5]  # resolved, 5 steps
+    assert group["ns_coefficients"] == ns_coef.NS_PRESETS["polar_express"][:5]  # resolved, 5 steps
     _train(opt_full, full, 5)
     assert all(torch.isfinite(p).all() for p in full.parameters())
 
@@ -851,7 +852,7 @@ def test_polar_express_preset_runs_and_round_trips(ns_dtype, ns_backend):
     opt_resumed = ours_optimizer(resumed, MUON_KW, ADAMW_KW)  # standard / "muon": the ckpt wins
     opt_resumed.load_state_dict(ckpt["optim"])
     assert opt_resumed.param_groups[0]["ns_backend"] == ns_backend
-    assert opt_resumed.param_groups[0]["ns_coefficients"] == ns_mod.NS_PRESETS["polar_express"][:5]
+    assert opt_resumed.param_groups[0]["ns_coefficients"] == ns_coef.NS_PRESETS["polar_express"][:5]
     _train(opt_resumed, resumed, 2, start=3)
     assert_params_equal(resumed, full)
     assert opt_resumed.state_dict()["param_groups"] == opt_full.state_dict()["param_groups"]
@@ -868,7 +869,7 @@ def test_polar_express_preset_differs_from_muon():
 def test_polar_express_preset_with_other_step_counts():
     ours, _ = make_pair()
     opt = Muon(ours, ns_coefficients="polar_express", ns_steps=10)
-    preset = ns_mod.NS_PRESETS["polar_express"]
+    preset = ns_coef.NS_PRESETS["polar_express"]
     assert opt.param_groups[0]["ns_coefficients"] == preset + (preset[-1],) * 2
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 import dmuon
-from dmuon.exec.optim import newton_schulz as ns
+from dmuon.exec.optim import ns_backends as ns
 from oracle import Block, _ns_fp32
 
 COEFFS = (3.4445, -4.775, 2.0315)

@@ -63,7 +63,7 @@ def _expected_methods(tp_ns: str, parallel: str = "all") -> dict[str, str | None
 
 def _reference_ns(methods_by_shape, dtype):
     """torch.optim.Muon's NS: in ``dtype``, Gram NS for the shapes the plan runs as Gram."""
-    from dmuon.exec.optim import newton_schulz as ns
+    from dmuon.exec.optim import ns_backends as ns
 
     def iterate(grad, ns_coefficients, ns_steps, eps):
         if methods_by_shape.get(tuple(grad.shape)) == "gram":

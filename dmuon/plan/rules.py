@@ -3,7 +3,7 @@ backend a matrix runs, how the optimizer batches NS calls, where Gram NS restart
 modes ``dmuon.plan.compile`` accepts, the wire dtypes, which matrices an owner group may
 cut, and how a TP-sharded matrix is orthogonalised (:func:`choose_tp_ns`). The cost model
 (:mod:`dmuon.plan.cost`) prices what these rules decide; ``dmuon.Muon``,
-``dmuon.exec.optim.newton_schulz`` and the simulator follow them. The Newton-Schulz schedule
+the Newton-Schulz backends (``dmuon.exec.optim.ns_*``) and the simulator follow them. The Newton-Schulz schedule
 (``NS_STEPS``, ``GRAM_RESTART_EVERY``, :func:`gram_segment_lengths`) is defined beside the FLOP
 formulas that count over it, in the leaf :mod:`dmuon.plan.cost.flops`, and re-exported here.
 """
@@ -74,7 +74,7 @@ def choose_ns_backend(matrix_shape: Sequence[int], mode: str, *, steps: int = NS
                       restart_every: int | Sequence[int] | None = GRAM_RESTART_EVERY) -> str:
     """The Newton-Schulz backend a matrix runs: ``"standard"`` or ``"gram"`` (the one rule, used by
     :func:`dmuon.plan.compile` to fill ``ParamSpec.ns_backend``, by ``dmuon.Muon`` to check it and
-    by ``dmuon.exec.optim.newton_schulz.auto_newton_schulz`` at run time).
+    by ``dmuon.exec.optim.ns_backends.auto_newton_schulz`` at run time).
 
     ``mode="auto"``: ``"gram"`` exactly when the short side ``d = min(m, n)`` is at least
     :data:`GRAM_AUTO_MIN_SIDE` (below it the per-op and fallback-check overheads outweigh the

@@ -98,7 +98,7 @@ def _variant_ops(plan: Any, variant: str, step: Step | None, early_ns: bool | st
 
 def _moved_nbytes(ops: Sequence[Op], num_ranks: int, variant: str) -> int:
     """Bytes on the wire per step summed over ranks: dmuon's collectives by the ledger's rule
-    (:func:`dmuon.plan.cost.model.schedule_byte_cost`), FSDP2's and the alternatives' by
+    (:func:`dmuon.plan.cost.nbytes.schedule_byte_cost`), FSDP2's and the alternatives' by
     :func:`dmuon.sim.alternatives.moved_nbytes`."""
     if variant in ("z2", "z3"):
         view = _OpsView(tuple(op for op in ops if op.collective), num_ranks)
@@ -108,7 +108,7 @@ def _moved_nbytes(ops: Sequence[Op], num_ranks: int, variant: str) -> int:
 
 
 class _OpsView:
-    """The two attributes :func:`dmuon.plan.cost.model.schedule_byte_cost` reads."""
+    """The two attributes :func:`dmuon.plan.cost.nbytes.schedule_byte_cost` reads."""
 
     def __init__(self, ops: Sequence[Op], n: int) -> None:
         self.ops = ops

@@ -161,7 +161,7 @@ class ReferenceOptimizer:
                 for pr in proxies
             )
 
-        from dmuon.exec.optim.newton_schulz import coefficient_schedule
+        from dmuon.exec.optim.ns_coefficients import coefficient_schedule
 
         # a triple (or a preset / table that is constant) goes to torch as is; a per-step table
         # is stored in torch's group too (torch does not read it) and needs our iteration

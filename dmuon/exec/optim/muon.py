@@ -30,9 +30,10 @@ from torch.optim.adamw import adamw as _torch_adamw
 from dmuon.plan import rules as _rules
 
 from dmuon.exec.optim import amp as _amp
-from dmuon.exec.state import checkpoint as _checkpoint
+from dmuon.exec.state import optimizer_state as _optimizer_state
 from dmuon.exec.setup import fsdp2 as _fsdp2
-from dmuon.exec.optim import newton_schulz as _ns
+from dmuon.exec.optim import ns_backends as _ns
+from dmuon.exec.optim import ns_coefficients as _nsc
 from dmuon.exec.optim import tp_orthogonalize as _tp
 from dmuon.exec.setup.guards import check_set_up_order as _check_set_up_order
 from dmuon.exec.runtime.buffers import dedicated_info as _info
@@ -101,7 +102,7 @@ class Muon(torch.optim.Optimizer):
         momentum: Muon momentum ``mu``. Default 0.95.
         nesterov: Nesterov momentum (the NS input is ``g.lerp(buf, mu)``). Default True.
         ns_coefficients: ``(a, b, c)``, a per-step table of ``ns_steps`` triples, or a key of
-            :data:`dmuon.exec.optim.newton_schulz.NS_PRESETS` (``"muon"``, the default triple, or
+            :data:`dmuon.exec.optim.ns_coefficients.NS_PRESETS` (``"muon"``, the default triple, or
             ``"polar_express"``).
         eps: Frobenius-norm clamp of the NS normalisation. Default 1e-7.
         ns_steps: Newton-Schulz iterations, ``0 <= ns_steps < 100``. Default 5.
@@ -131,7 +132,7 @@ class Muon(torch.optim.Optimizer):
         weight_decay: float = 0.1,
         momentum: float = 0.95,
         nesterov: bool = True,
-        ns_coefficients: _ns.Coefficients = (3.4445, -4.775, 2.0315),
+        ns_coefficients: _nsc.Coefficients = (3.4445, -4.775, 2.0315),
         eps: float = 1e-7,
         ns_steps: int = 5,
         adjust_lr_fn: Optional[str] = None,
@@ -177,7 +178,7 @@ class Muon(torch.optim.Optimizer):
         super().__init__(groups, {})
         self._set_up_checked = False  # _check_set_up_order runs at the first step
         # DTensor momentum for torch.distributed.checkpoint (no-ops without a live runtime)
-        _checkpoint.register_optimizer_hooks(self)
+        _optimizer_state.register_optimizer_hooks(self)
 
     # ------------------------------------------------------------------ construction
 
@@ -235,10 +236,10 @@ class Muon(torch.optim.Optimizer):
         # Resolve preset names, validate the table against ns_steps, normalise lists to
         # tuples; a constant schedule is stored as its single triple (torch's layout).
         coeffs, steps = h["ns_coefficients"], h["ns_steps"]
-        schedule = _ns.coefficient_schedule(coeffs, steps)
+        schedule = _nsc.coefficient_schedule(coeffs, steps)
         if isinstance(coeffs, str):
-            coeffs = _ns.NS_PRESETS[coeffs]
-        if _ns._is_triple(coeffs):
+            coeffs = _nsc.NS_PRESETS[coeffs]
+        if _nsc._is_triple(coeffs):
             h["ns_coefficients"] = tuple(float(v) for v in coeffs)
         else:
             h["ns_coefficients"] = schedule
@@ -410,80 +411,11 @@ class Muon(torch.optim.Optimizer):
             if group["use_muon"]:
                 self._init_muon_state(group)
 
-    _MUON_STATE_KEYS = frozenset({"momentum_buffer"})
-    _ADAMW_STATE_KEYS = frozenset({"step", "exp_avg", "exp_avg_sq"})
-
-    def _param_name(self, p: Tensor) -> str:
-        """FQN of ``p`` (dedicated: its tag; else looked up in its model, when dmuon knows it)."""
-        info = _info(p)
-        if info is not None:
-            return info.fqn
-        for q in self._dedicated_params():
-            rt = getattr(_info(q), "runtime", None)
-            model = rt().model_ref() if callable(rt) and rt() is not None else None
-            if model is not None:
-                for name, r in model.named_parameters():
-                    if r is p:
-                        return name
-        return f"<parameter of shape {tuple(p.shape)}>"
-
     def _check_loadable(self, state_dict: dict) -> None:
         """Raise ``ValueError`` naming the first mismatch between ``state_dict`` and this
-        optimizer (see :meth:`load_state_dict`); local, no collective."""
-        how = (
-            "load a checkpoint saved by this model's dmuon.Muon (same model, predicate and "
-            "param groups; the world size may differ)"
-        )
-        saved_groups = state_dict.get("param_groups", [])
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"dmuon.Muon.load_state_dict: the state dict has {len(saved_groups)} param groups, this "
-                f"optimizer {len(self.param_groups)}; {how}"
-            )
-        index: dict[Any, tuple[Tensor, bool]] = {}
-        for g, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
-            kind = "Muon" if group["use_muon"] else "AdamW"
-            if bool(saved.get("use_muon", group["use_muon"])) != group["use_muon"]:
-                raise ValueError(
-                    f"dmuon.Muon.load_state_dict: param group {g} is a {kind} group here but not in the "
-                    f"state dict; {how}"
-                )
-            if len(saved["params"]) != len(group["params"]):
-                extra = group["params"][len(saved["params"])] if len(group["params"]) > len(saved["params"]) else None
-                first = f" (first parameter without a saved counterpart: {self._param_name(extra)!r})" if extra is not None else ""
-                raise ValueError(
-                    f"dmuon.Muon.load_state_dict: {kind} param group {g} holds {len(group['params'])} parameters "
-                    f"here but {len(saved['params'])} in the state dict{first}. The dedicated set or the model "
-                    f"differs (another predicate or hook-boundary choice dedicates other matrices); {how}"
-                )
-            for key, p in zip(saved["params"], group["params"]):
-                index[key] = (p, group["use_muon"])
-        for key, entry in state_dict.get("state", {}).items():
-            if key not in index:
-                raise ValueError(
-                    f"dmuon.Muon.load_state_dict: state key {key!r} indexes no parameter of the state dict's "
-                    f"param groups; {how}"
-                )
-            p, use_muon = index[key]
-            want = self._MUON_STATE_KEYS if use_muon else self._ADAMW_STATE_KEYS
-            got = set(entry) if isinstance(entry, dict) else set()
-            name = self._param_name(p)
-            if got and got != want:
-                raise ValueError(
-                    f"dmuon.Muon.load_state_dict: the state of {name!r} (key {key!r}) has keys {sorted(got)}, "
-                    f"expected {sorted(want)} ({'Muon' if use_muon else 'AdamW'}); {how}"
-                )
-            shape = tuple(_info(p).shape) if use_muon else tuple(p.shape)
-            if use_muon and getattr(_info(p), "ep_local", False):  # saved at the stack's global shape
-                runtime = _info(p).runtime()
-                shape = tuple(runtime.plan.param(_info(p).fqn).shape) if runtime is not None else shape
-            for k in sorted(got - {"step"}):
-                value = entry[k]
-                if isinstance(value, Tensor) and tuple(value.shape) != shape:
-                    raise ValueError(
-                        f"dmuon.Muon.load_state_dict: state {k!r} of {name!r} has shape {tuple(value.shape)}, "
-                        f"the parameter {shape}; {how}"
-                    )
+        optimizer (see :meth:`load_state_dict`); local, no collective:
+        :func:`dmuon.exec.state.optimizer_state.check_loadable`."""
+        _optimizer_state.check_loadable(self, state_dict)
 
     # ------------------------------------------------------------------ loss scaling
 

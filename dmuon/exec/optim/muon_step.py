@@ -14,7 +14,8 @@ from torch import Tensor
 from dmuon.plan import rules as _rules
 from dmuon.plan.records.fields import dtype_str
 
-from dmuon.exec.optim import newton_schulz as _ns
+from dmuon.exec.optim import ns_backends as _ns
+from dmuon.exec.optim import ns_coefficients as _nsc
 from dmuon.exec.optim import tp_orthogonalize as _tp
 from dmuon.exec.runtime.buffers import dedicated_info
 from dmuon.exec.optim.experts import matrices_to_stack, stack_to_matrices
@@ -157,7 +158,7 @@ def _ns_settings(group: dict) -> tuple[Callable, dict]:
     dtype``)."""
     orthogonalize = _ns.get_ns_backend(group.get("ns_backend", "standard"))
     ns_kw = dict(
-        coefficients=_ns.coefficient_schedule(group["ns_coefficients"], group["ns_steps"]),
+        coefficients=_nsc.coefficient_schedule(group["ns_coefficients"], group["ns_steps"]),
         steps=group["ns_steps"],
         eps=group["eps"],
         dtype=_as_dtype(group["ns_dtype"], "ns_dtype"),

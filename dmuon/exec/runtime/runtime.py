@@ -137,7 +137,7 @@ class DmuonRuntime:
         self.shard_of_fqn = {
             s.fqn: seg.shard for b in self.boundaries for seg in b.segments for s in seg.slots if s.grouped is None
         }
-        # checkpoint / materialisation bookkeeping (dmuon.exec.state.checkpoint, dmuon.exec.setup.materialize)
+        # checkpoint / materialisation bookkeeping (dmuon.exec.state.*_state, dmuon.exec.setup.materialize)
         self.infos = {s.fqn: dedicated_info(s.logical) for s in self.slots_by_fqn.values()}
         self.infos.update({fqn: dedicated_info(gm.logical) for fqn, gm in self.grouped_by_fqn.items()})
         self._state_dict_mesh = None  # DeviceMesh of the state-dict DTensors, built on first use
@@ -301,7 +301,7 @@ class DmuonRuntime:
                 h.remove()
             b.handles.clear()
 
-    # -- storage binding and state access (dmuon.exec.setup.materialize, dmuon.exec.state.checkpoint) --
+    # -- storage binding and state access (dmuon.exec.setup.materialize, dmuon.exec.state.*_state) --
     def check_materialized(self, what: str) -> None:
         """Raise a clear error while the dedicated storage is still on the ``meta`` device."""
         if any(seg.wire.device.type == "meta" for b in self.boundaries for seg in b.segments):

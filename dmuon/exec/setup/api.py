@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from dmuon import _registry
 
-from dmuon.exec.state import checkpoint
+from dmuon.exec.state import model_state
 from dmuon.exec.setup import guards
 from dmuon.exec.setup import materialize
 from dmuon.exec.comm.groups import MeshGroups, mesh_rank_table, mesh_tp_ranks
@@ -308,7 +308,7 @@ def apply(
         groups = MeshGroups.build(table, owner_groups=owner_groups)
     runtime = DmuonRuntime(plan, model, groups, _device_of(model, plan), timeout_s=collective_timeout_s)
     object.__setattr__(model, RUNTIME_ATTR, runtime)
-    checkpoint.register_state_dict_hooks(runtime)
+    model_state.register_state_dict_hooks(runtime)
     materialize.install(runtime, model)
     return runtime
 

@@ -34,14 +34,14 @@ __all__ = [
 
 #: Newton-Schulz steps assumed by ``cost_model="ns_flops"`` (torch.optim.Muon default)
 NS_STEPS = 5
-#: Gram restart period of ``dmuon.exec.optim.newton_schulz.gram_newton_schulz`` (and so of
+#: Gram restart period of ``dmuon.exec.optim.ns_gram.gram_newton_schulz`` (and so of
 #: ``dmuon.Muon(ns_backend="gram" | "auto")``): restart before every 2nd step (0-based 2, 4, ...)
 GRAM_RESTART_EVERY = 2
 
 
 def gram_segment_lengths(steps: int, restart_every: int | Sequence[int] | None) -> tuple[int, ...]:
     """Lengths of the Gram Newton-Schulz segments between restarts; one Gram (one TP
-    all-reduce) per segment. The one segment rule: ``dmuon.exec.optim.newton_schulz.gram_segments``
+    all-reduce) per segment. The one segment rule: ``dmuon.exec.optim.ns_gram.gram_segments``
     splits a schedule by these lengths.
 
     ``restart_every``: ``r >= 1``: restart before every 0-based step ``k`` with ``k % r == 0``,
@@ -75,7 +75,7 @@ def gram_segment_lengths(steps: int, restart_every: int | Sequence[int] | None) 
 
 def ns_flops(m: int, n: int, steps: int = NS_STEPS, *, num_matrices: int = 1) -> int:
     """Newton-Schulz FLOPs to orthogonalise ``num_matrices`` matrices of shape ``(m, n)``: the
-    matmul FLOPs of ``dmuon.exec.optim.newton_schulz.newton_schulz`` (which re-exports this function).
+    matmul FLOPs of ``dmuon.exec.optim.ns_kernel.newton_schulz`` (``ns_kernel`` re-exports this function).
 
     ``num_matrices * steps * (4 * a*a*b + 2 * a**3)`` with ``a = min(m, n)``, ``b = max(m, n)``
     (Muon runs the iteration on the wide orientation): per step ``A = X Xᵀ`` and ``B·X``
@@ -131,7 +131,7 @@ GRAM_SYM_MIN_SIDE = 256
 
 def gram_product_flops(d: int, D: int) -> int:
     """FLOPs of forming the symmetric ``(d, d)`` Gram ``X Xᵀ`` of one ``(d, D)`` matrix as
-    ``dmuon.exec.optim.newton_schulz`` does:
+    ``dmuon.exec.optim.ns_gram`` does:
 
     * ``d < GRAM_SYM_MIN_SIDE``: one matmul, ``2·d²·D``;
     * otherwise its lower blocks only, mirrored into the upper one: with ``h = d // 2`` and

@@ -116,15 +116,16 @@ QUICK_NS_SHAPES = ((64, 64), (128, 512))
 
 def _newton_schulz(repeats: int, quick: bool, backend: str = "standard") -> list[tuple[float, float]]:
     """One fp32 Newton-Schulz call (5 steps) per shape: ``(d, FLOP/s)`` with ``d = (a²·b)^(1/3)``
-    and the FLOPs of :func:`dmuon.plan.cost.model.matrix_ns_flops`. ``"standard"``:
-    ``dmuon.exec.optim.newton_schulz.newton_schulz`` (the matmuls with their transposed operand, the
+    and the FLOPs of :func:`dmuon.plan.cost.flops.matrix_ns_flops`. ``"standard"``:
+    ``dmuon.exec.optim.ns_kernel.newton_schulz`` (the matmuls with their transposed operand, the
     norm, the axpys) per :data:`NS_SHAPES` — a square ``a @ b`` on the same sizes runs 10–25 %
     faster on this CPU, which the plain curve would assume; ``"gram"``: ``gram_newton_schulz``
     (default restarts, fallback check) on the shapes of :data:`NS_SHAPES` where it needs fewer
     FLOPs (the 1:4 ones), which run at a lower rate per FLOP than the standard call here."""
     import torch
 
-    from dmuon.exec.optim.newton_schulz import gram_newton_schulz, newton_schulz
+    from dmuon.exec.optim.ns_gram import gram_newton_schulz
+    from dmuon.exec.optim.ns_kernel import newton_schulz
     from dmuon.plan.cost.flops import matrix_ns_flops
 
     fn = gram_newton_schulz if backend == "gram" else newton_schulz
@@ -159,7 +160,7 @@ def _ns_batch_factor(repeats: int, quick: bool) -> list[tuple[float, int, float]
     of 4–16 at ``d <= 203``, ×1.0–1.26 at ``d >= 256``, whose batches leave the cache."""
     import torch
 
-    from dmuon.exec.optim.newton_schulz import newton_schulz
+    from dmuon.exec.optim.ns_kernel import newton_schulz
 
     shapes, batches = QUICK_NS_BATCH if quick else (NS_BATCH_SHAPES, NS_BATCHES)
     pts = []

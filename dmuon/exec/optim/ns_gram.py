@@ -1,53 +1,23 @@
-"""Newton-Schulz orthogonalisation: stateless backends and coefficient presets.
+"""Gram Newton-Schulz (backend ``"gram"``): the standard polynomial evaluated through the
+``(d, d)`` Gram matrix, with restarts and a safe fallback, and its sharded form for matrices
+several ranks hold.
 
-Everything here is a pure function of its arguments: the module holds no state (no call
-counters; to count calls, wrap the module attribute a caller resolves, e.g. through
-:func:`get_ns_backend`, and observe Gram fallbacks with ``gram_newton_schulz(on_fallback=...)``).
-Momentum, learning rates and parameter updates live in :mod:`dmuon.exec.optim.muon_step`; this module
-only maps a matrix ``G`` (or a batch of matrices) to an approximation of the orthogonal polar
-factor ``U Vᵀ`` of ``G = U S Vᵀ``. docs/newton_schulz.md compares the backends and presets.
+``"gram"``: :func:`gram_newton_schulz` (Zhang, Amsel, Chen, Dao, "Gram Newton-Schulz",
+2026): the same polynomial as :func:`dmuon.exec.optim.ns_kernel.newton_schulz` evaluated on
+the ``(d, d)`` Gram matrix, ``d = min(m, n)``, with restarts (:func:`gram_segments`); equal to
+``"standard"`` in exact arithmetic, cheaper when ``max(m, n) >> min(m, n)``, and the form tensor
+parallelism needs (:func:`gram_ns_from_gram`, :func:`sharded_gram_newton_schulz`, which
+:mod:`dmuon.exec.optim.tp_orthogonalize` runs for TP-sharded and owner-grouped matrices). The
+safe fallback's checks (power-iteration spectral-norm estimates, the alignment ``⟨Y, X⟩``) and
+the matmul FLOPs (:func:`gram_ns_flops`) live here too.
 
-The iteration (Jordan et al. 2024, "Muon: An optimizer for hidden layers in neural
-networks", https://kellerjordan.github.io/posts/muon/) is the odd quintic
-
-    X₀   = G / max(‖G‖_F, eps)            (so the spectral norm is <= 1)
-    A    = Xₖ Xₖᵀ
-    B    = b·A + c·A·A
-    Xₖ₊₁ = a·Xₖ + B·Xₖ                    = a·X + b·(XXᵀ)X + c·(XXᵀ)²X
-
-run on the wide orientation (rows <= columns) so that the Gram matrix ``A`` is the small
-(min(m, n))² one. With the "muon" coefficients the singular values land roughly in
-[0.7, 1.2] after 5 steps rather than at exactly 1, which does not hurt training.
-
-Backends (:data:`NS_BACKENDS`; every one is a pure function with the same keywords):
-
-- ``"standard"``: :func:`newton_schulz`, the iteration above; the default everywhere, and
-  the only backend of the numerical contract (the README's "The oracle guarantee": same
-  losses and parameters as one process running ``torch.optim.Muon``, up to reduction order).
-- ``"gram"``: :func:`gram_newton_schulz` (Zhang, Amsel, Chen, Dao, "Gram Newton-Schulz",
-  2026): the same polynomial evaluated on the ``(d, d)`` Gram matrix, ``d = min(m, n)``,
-  with restarts; equal to ``"standard"`` in exact arithmetic, cheaper when
-  ``max(m, n) >> min(m, n)``, and the form tensor parallelism needs
-  (:func:`gram_ns_from_gram`).
-- ``"auto"``: :func:`auto_newton_schulz`: ``"gram"`` where it needs fewer FLOPs for the
-  matrix's shape and the short side is at least 256, ``"standard"`` elsewhere (opt-in, like
-  ``"gram"``).
-
-Coefficient presets (:data:`NS_PRESETS`) are orthogonal to the backend: ``"muon"`` (Jordan
-et al.) and ``"polar_express"`` (Amsel et al., arXiv 2505.16932) run on either.
-
-Sources: Keller Jordan's reference implementation
-(https://github.com/KellerJordan/Muon/blob/master/muon.py) and its PyTorch port
-``torch.optim._muon._zeropower_via_newtonschulz``, which :func:`newton_schulz` reproduces
-bit for bit on 2-D bf16 input. Polar Express: see :data:`POLAR_EXPRESS_PUBLISHED`. Gram
-Newton-Schulz: see :func:`gram_newton_schulz`.
+Pure functions: the module holds no state (observe fallbacks with
+``gram_newton_schulz(on_fallback=...)``). Sources: see :func:`gram_newton_schulz`.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-import numbers
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Optional, Union
@@ -55,338 +25,22 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-# The FLOP formulas (the cost model) and the Gram segment and backend rules (the rules) are
-# written once, in the torch-free planner.
-from dmuon.plan.cost.flops import GRAM_SYM_MIN_SIDE, gram_ns_segment_flops, ns_flops
-from dmuon.plan.rules import GRAM_RESTART_EVERY, choose_ns_backend, gram_segment_lengths
+# The FLOP formulas (the cost model) and the Gram segment rule (the rules) are written once, in
+# the torch-free planner.
+from dmuon.plan.cost.flops import GRAM_SYM_MIN_SIDE, gram_ns_segment_flops
+from dmuon.plan.rules import GRAM_RESTART_EVERY, gram_segment_lengths
+
+from dmuon.exec.optim.ns_coefficients import Coefficients, Triple, coefficient_schedule, schedule_gain_bounds
+from dmuon.exec.optim.ns_kernel import _check_input, _newton_schulz
 
 __all__ = [
     "GRAM_RESTART_EVERY",
-    "NS_BACKENDS",
-    "NS_PRESETS",
-    "POLAR_EXPRESS_PUBLISHED",
-    "POLAR_EXPRESS_SAFETY",
-    "Coefficients",
-    "coefficient_schedule",
-    "get_ns_backend",
     "gram_newton_schulz",
     "gram_ns_flops",
-    "auto_newton_schulz",
     "gram_ns_from_gram",
     "gram_segments",
-    "newton_schulz",
-    "ns_flops",
-    "schedule_gain_bounds",
     "sharded_gram_newton_schulz",
 ]
-
-Triple = tuple[float, float, float]
-#: A coefficient spec: one ``(a, b, c)`` triple used at every step, a sequence of triples
-#: (one per step), or the name of an entry of :data:`NS_PRESETS`.
-Coefficients = Union[str, Sequence[float], Sequence[Sequence[float]]]
-
-#: The Polar Express coefficient table, verbatim: Amsel, Persson, Musco, Gower, "The Polar
-#: Express: Optimal Matrix Sign Methods and Their Application to the Muon Algorithm"
-#: (arXiv 2505.16932), the degree-5 ``coeffs_list`` of the paper's Python listing, as
-#: published in the authors' reference implementation
-#: https://github.com/NoahAmsel/PolarExpress (``polar_express/basic.py`` at commit 7f0fb57,
-#: ``_COEFFS``; the same numbers appear in that repository's ``gram_NS_diagnostic.py`` and,
-#: the first five, in Dao-AILab/gram-newton-schulz ``coefficients.py``). One
-#: ``(a_t, b_t, c_t)`` per step t = 1..8 of ``X <- a X + b (XXᵀ)X + c (XXᵀ)²X``: the paper's
-#: optimal (minimax) odd quintics for singular values in ``[l, 1]`` with ``l = 1e-3``; the
-#: last is the limit polynomial ``(15/8, -10/8, 3/8)``, which the reference repeats for steps
-#: beyond 8.
-#: These are data, never to be edited; the preset :data:`NS_PRESETS` ``["polar_express"]`` is
-#: derived from them with :data:`POLAR_EXPRESS_SAFETY` (see there).
-POLAR_EXPRESS_PUBLISHED: tuple[Triple, ...] = (
-    (8.28721201814563, -23.595886519098837, 17.300387312530933),
-    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
-    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
-    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
-    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
-    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
-    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
-    (1.875, -1.25, 0.375),
-)
-
-#: Safety factor of the Polar Express reference, used twice there:
-#: (1) every published triple but the last is replaced by ``(a/s, b/s³, c/s⁵)`` (the
-#: polynomial of ``x/s``), and (2) the input is normalised by ``s·‖G‖_F + 1e-7`` instead of
-#: ``‖G‖_F``. Both guard against singular values pushed slightly above 1 by rounding.
-POLAR_EXPRESS_SAFETY = 1.01
-
-
-def _polar_express_preset(table: tuple[Triple, ...], s: float) -> tuple[Triple, ...]:
-    """The per-step schedule that, applied to ``X / ‖X‖_F`` (this module's normalisation),
-    computes exactly the polynomial of the reference ``X / (s·‖X‖_F)`` followed by the
-    safety-scaled table.
-
-    Reference: ``p'_1(x/s)`` with ``p'_1 = (a/s, b/s³, c/s⁵)``, i.e. coefficients
-    ``(a/s², b/s⁶, c/s¹⁰)`` on ``x``; steps 2..7: ``(a/s, b/s³, c/s⁵)``; step 8 unscaled.
-    (Folding the normalisation into step 1 keeps every backend, the optimizer's stored
-    schedule and the Gram/TP form free of a preset-specific normaliser; the only difference
-    to the reference is its ``+ 1e-7`` versus this module's ``clamp(min=eps)``.)
-    """
-    scaled = [(a / s, b / s**3, c / s**5) for a, b, c in table[:-1]] + [table[-1]]
-    a, b, c = scaled[0]
-    scaled[0] = (a / s, b / s**3, c / s**5)
-    return tuple(scaled)
-
-
-#: Coefficient presets, by name, in one table. A value is either one ``(a, b, c)`` triple
-#: used at every step, or a tuple of triples, one per step. A per-step preset adapts to any
-#: number of steps exactly as its reference does: the first ``steps`` triples, and the last
-#: triple repeated beyond the table's length. (A per-step table passed directly, not by
-#: name, must have exactly ``steps`` triples.)
-#:
-#: - ``"muon"``: ``(3.4445, -4.775, 2.0315)``, Jordan et al. 2024; the default of
-#:   ``torch.optim.Muon``. Chosen to maximise the slope at zero; converges to
-#:   singular values in about [0.7, 1.2], not to 1.
-#: - ``"polar_express"``: 8 triples derived from :data:`POLAR_EXPRESS_PUBLISHED` with
-#:   :data:`POLAR_EXPRESS_SAFETY` = 1.01 (see :func:`_polar_express_preset`): the reference
-#:   ``PolarExpress(G, steps)`` up to rounding, with this module's normalisation
-#:   ``X / max(‖X‖_F, eps)``. Designed for 5-8 steps (dmuon's default is 5, as Muon's). In
-#:   exact arithmetic, 5 steps map every normalised singular value ``s`` in [3e-3, 1] into
-#:   [0.87, 1.12] ("muon": [0.68, 1.20]); 8 steps map [1e-3, 1] to 1 within ~1e-12.
-NS_PRESETS: dict[str, Union[Triple, tuple[Triple, ...]]] = {
-    "muon": (3.4445, -4.775, 2.0315),
-    "polar_express": _polar_express_preset(POLAR_EXPRESS_PUBLISHED, POLAR_EXPRESS_SAFETY),
-}
-
-#: Orthogonalisation backends, by name -> the name of the function in this module (looked up
-#: at call time by :func:`get_ns_backend`). ``"standard"`` is the default everywhere.
-NS_BACKENDS: dict[str, str] = {
-    "standard": "newton_schulz",
-    "gram": "gram_newton_schulz",
-    "auto": "auto_newton_schulz",
-}
-
-_MAX_STEPS = 100  # torch.optim.Muon refuses ns_steps >= 100 "for computational efficiency"
-
-
-def get_ns_backend(name: str) -> Callable[..., Tensor]:
-    """The orthogonalisation function of backend ``name`` (a key of :data:`NS_BACKENDS`).
-
-    Resolved at call time from this module, so monkeypatching ``newton_schulz`` /
-    ``gram_newton_schulz`` is seen by callers such as :class:`dmuon.Muon`.
-
-    Raises:
-        ValueError: an unknown backend name.
-    """
-    try:
-        return globals()[NS_BACKENDS[name]]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"unknown Newton-Schulz backend {name!r}; expected one of {tuple(NS_BACKENDS)}"
-        ) from None
-
-
-def _is_triple(value: object) -> bool:
-    return (
-        isinstance(value, Sequence)
-        and not isinstance(value, str)
-        and len(value) == 3
-        and all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in value)
-    )
-
-
-def coefficient_schedule(coefficients: Coefficients, steps: int) -> tuple[Triple, ...]:
-    """Resolve a coefficient spec to one ``(a, b, c)`` triple per step.
-
-    Args:
-        coefficients: a triple ``(a, b, c)`` used at every step; a sequence of exactly
-            ``steps`` triples, one per step; or a key of :data:`NS_PRESETS` (a per-step
-            preset gives its first ``steps`` triples, its last one repeated if ``steps`` is
-            longer than the preset).
-        steps: number of Newton-Schulz steps, ``0 <= steps < 100``.
-
-    Returns:
-        A tuple of ``steps`` triples of Python floats.
-
-    Raises:
-        ValueError: unknown preset name, a malformed triple, a per-step table whose
-            length differs from ``steps``, or ``steps`` out of range.
-        TypeError: ``steps`` is not an int.
-    """
-    if isinstance(steps, bool) or not isinstance(steps, int):
-        raise TypeError(f"steps must be an int, got {type(steps).__name__}")
-    if not 0 <= steps < _MAX_STEPS:
-        raise ValueError(
-            f"steps must satisfy 0 <= steps < {_MAX_STEPS} (as torch.optim.Muon), got {steps}"
-        )
-    if isinstance(coefficients, str):
-        try:
-            coefficients = NS_PRESETS[coefficients]
-        except KeyError:
-            raise ValueError(
-                f"unknown Newton-Schulz preset {coefficients!r}; known: {sorted(NS_PRESETS)}"
-            ) from None
-        if not _is_triple(coefficients):  # per-step preset: truncate, or repeat its last
-            table = tuple(coefficients)
-            coefficients = table[:steps] + (table[-1],) * max(0, steps - len(table))
-    if _is_triple(coefficients):
-        a, b, c = (float(v) for v in coefficients)  # type: ignore[union-attr]
-        return ((a, b, c),) * steps
-    if isinstance(coefficients, Sequence) and not isinstance(coefficients, str):
-        table = tuple(coefficients)
-        bad = [i for i, t in enumerate(table) if not _is_triple(t)]
-        if bad:
-            raise ValueError(
-                "coefficients must be an (a, b, c) triple of real numbers or a sequence of "
-                f"such triples, one per step; entries {bad} of {coefficients!r} are not triples"
-            )
-        if len(table) != steps:
-            raise ValueError(
-                f"per-step coefficient table has {len(table)} triples but steps={steps}"
-            )
-        return tuple(tuple(float(v) for v in t) for t in table)  # type: ignore[misc]
-    raise ValueError(
-        "coefficients must be an (a, b, c) triple, a sequence of triples (one per step) or "
-        f"a preset name from {sorted(NS_PRESETS)}; got {coefficients!r}"
-    )
-
-
-def newton_schulz(
-    x: Tensor,
-    *,
-    coefficients: Coefficients = (3.4445, -4.775, 2.0315),
-    steps: int = 5,
-    eps: float = 1e-7,
-    dtype: torch.dtype = torch.bfloat16,
-) -> Tensor:
-    """Approximately orthogonalise ``x`` (its polar factor) with a quintic Newton-Schulz iteration.
-
-    Shapes:
-        ``x`` is one matrix ``(m, n)`` or a batch ``(B, m, n)`` (more leading dimensions
-        ``(..., m, n)`` are flattened into the batch and restored). The result has the
-        shape of ``x`` and dtype ``dtype``. ``x`` is never modified.
-
-    Algorithm, in this exact op order (the order of
-    ``torch.optim._muon._zeropower_via_newtonschulz``):
-
-    1. ``X = x.to(dtype)`` (always a copy);
-    2. if ``m > n``, ``X = Xᵀ`` (a transposed view: iterate on the wide orientation, whose
-       Gram matrix is ``min(m, n)²``);
-    3. ``X /= ‖X‖_F.clamp(min=eps)``; batched input uses each matrix's own norm;
-    4. for each step with coefficients ``(a, b, c)``:
-       ``A = X @ Xᵀ``; ``B = addmm(A, A, A, beta=b, alpha=c)``;
-       ``X = addmm(X, B, X, beta=a)`` (``bmm``/``baddbmm`` when batched);
-    5. transpose back if step 2 did.
-
-    For a 2-D ``x`` and ``dtype=torch.bfloat16`` the result is bit-identical to
-    ``torch.optim._muon._zeropower_via_newtonschulz(x, coefficients, steps, eps)`` (same
-    kernels, same operands, same layouts), except that torch divides in place and so
-    mutates its input when that is already bf16; this function never does. Batched input
-    equals looping over the matrices up to floating-point reduction order of ``bmm``
-    versus ``mm`` (identical on most CPU builds, not guaranteed). As in torch, the 2-D
-    result of a tall matrix is a transposed (non-contiguous) view.
-
-    Args:
-        x: real floating-point tensor, ``x.ndim >= 2``.
-        coefficients: ``(a, b, c)`` used at every step, a sequence of ``steps`` triples
-            (one per step), or a :data:`NS_PRESETS` key. Default: the "muon" preset.
-        steps: number of iterations, ``0 <= steps < 100`` (default 5).
-        eps: lower clamp of the Frobenius norm; an all-zero matrix maps to zeros.
-        dtype: dtype of the whole iteration and of the result (default bf16, as
-            ``torch.optim.Muon``; ``torch.float32`` for the tight numerical contract).
-
-    Returns:
-        Tensor of ``x.shape`` in ``dtype``.
-
-    Raises:
-        ValueError: ``x.ndim < 2``, complex ``x``, or a bad coefficient spec / ``steps``
-            (see :func:`coefficient_schedule`).
-    """
-    _check_input(x, dtype, "newton_schulz")
-    schedule = coefficient_schedule(coefficients, steps)
-    return _newton_schulz(x, schedule, eps, dtype)
-
-
-def auto_newton_schulz(
-    x: Tensor,
-    *,
-    coefficients: Coefficients = (3.4445, -4.775, 2.0315),
-    steps: int = 5,
-    eps: float = 1e-7,
-    dtype: torch.dtype = torch.bfloat16,
-) -> Tensor:
-    """:func:`gram_newton_schulz` (default restarts, safe fallback) where it needs fewer matmul
-    FLOPs than :func:`newton_schulz` for ``x``'s matrix shape and ``steps``, else
-    :func:`newton_schulz` and the short side reaches ``GRAM_AUTO_MIN_SIDE`` — the rule
-    :func:`dmuon.plan.rules.choose_ns_backend` (ties: standard).
-
-    Every matrix of a batch has the same shape, so one call runs one backend. Same arguments,
-    shapes and result as the backend it picks. With 5 steps: Gram NS for ``(d, D)`` with
-    ``d >= GRAM_AUTO_MIN_SIDE`` (256) and ``D > 1.26·d``, e.g. an MLP's ``(4d, d)`` weights from
-    ``d = 256``; the standard iteration on square and thinner matrices. Measured deviation and savings:
-    docs/newton_schulz.md ("auto").
-    """
-    _check_input(x, dtype, "auto_newton_schulz")
-    backend = choose_ns_backend(x.shape[-2:], "auto", steps=steps)
-    fn = gram_newton_schulz if backend == "gram" else newton_schulz  # module globals: spies see them
-    return fn(x, coefficients=coefficients, steps=steps, eps=eps, dtype=dtype)
-
-
-def _check_input(x: Tensor, dtype: torch.dtype, who: str) -> None:
-    if x.ndim < 2:
-        raise ValueError(f"{who} needs a matrix or a batch of matrices, got shape {tuple(x.shape)}")
-    if x.is_complex() or dtype.is_complex:
-        raise ValueError(f"{who} supports real tensors only")
-
-
-def _newton_schulz(x: Tensor, schedule: tuple[Triple, ...], eps: float, dtype: torch.dtype) -> Tensor:
-    """:func:`newton_schulz` on a resolved schedule, without validation (also the redo of
-    :func:`gram_newton_schulz`'s fallback)."""
-    m, n = x.shape[-2], x.shape[-1]
-
-    if x.ndim == 2:
-        X = x.to(dtype, copy=True)
-        if m > n:
-            X = X.T
-        X.div_(X.norm().clamp(min=eps))
-        for a, b, c in schedule:
-            A = X @ X.T
-            B = torch.addmm(A, A, A, beta=b, alpha=c)
-            X = torch.addmm(X, B, X, beta=a)
-        if m > n:
-            X = X.T
-        return X
-
-    # Batched: the same kernels on the same operands as above, so the same values, with the
-    # call's tensors allocated once: A and B, and two (B, d, D) buffers the steps alternate
-    # between (the first is the normalised copy of x, reinterpreted in the wide layout once the
-    # first step has read it). A fresh tensor per step costs page faults on CPU.
-    lead = x.shape[:-2]
-    batch = math.prod(lead)
-    tall = m > n
-    d, D = (n, m) if tall else (m, n)
-    src = x.reshape(batch, m, n)
-    if src.dtype == dtype:  # the normalised copy in one pass: x / ‖x‖ (same values as copy, then /=)
-        norms = torch.linalg.vector_norm(src, dim=(-2, -1), keepdim=True)
-        Xc = torch.div(src, norms.clamp_(min=eps))
-    else:
-        Xc = src.to(dtype, copy=True)
-        norms = torch.linalg.vector_norm(Xc, dim=(-2, -1), keepdim=True)
-        Xc.div_(norms.clamp_(min=eps))
-    X = Xc.mT if tall else Xc
-    if schedule:
-        A = Xc.new_empty((batch, d, d))
-        Bm = torch.empty_like(A)
-        bufs: list[Optional[Tensor]] = [Xc.view(batch, d, D), None]
-        for k, (a, b, c) in enumerate(schedule):
-            torch.bmm(X, X.mT, out=A)
-            torch.baddbmm(A, A, A, beta=b, alpha=c, out=Bm)
-            out = bufs[(k + 1) % 2]
-            if out is None:
-                out = bufs[1] = Xc.new_empty((batch, d, D))
-            X = torch.baddbmm(X, Bm, X, beta=a, out=out)
-    if tall:
-        X = X.mT
-    return X.reshape(*lead, m, n)
-
-
-# ------------------------------------------------------------------------------ Gram NS
-
 
 # GRAM_RESTART_EVERY (imported from dmuon.plan.rules, where the cost model reads it too): default
 # restart period of gram_newton_schulz: re-form the Gram matrix from the current X before steps
@@ -528,33 +182,6 @@ def _gram_poly(
             Q = nxt
     assert Q is not None
     return Q, 0.0
-
-
-@functools.lru_cache(maxsize=64)
-def schedule_gain_bounds(schedule: tuple[Triple, ...]) -> tuple[float, float]:
-    """``(min_slope, max_gain)`` of the scalar map ``P = p_K ∘ … ∘ p_1`` that a schedule applies
-    to each singular value ``s`` of the normalised input (``p(s) = a s + b s³ + c s⁵``):
-
-    - ``max_gain = max |P(s)|`` over ``s`` in ``[0, 1]``: in exact arithmetic no singular
-      value of an NS result exceeds it (the normalised input has ``‖X‖_2 <= ‖X‖_F = 1``);
-    - ``min_slope = min P(s)/s`` over ``s`` in ``(0, 1]``: in exact arithmetic
-      ``⟨NS(X), X⟩ = Σ P(s_i)·s_i >= min_slope · Σ s_i² = min_slope`` for ``‖X‖_F = 1``.
-
-    Evaluated in float64 on a grid (4097 uniform points plus 1000 log-spaced in
-    ``[1e-8, 1]``), so grid extrema, tight to ~1e-4 for the presets here. 5 steps:
-    "muon" ``(0.696, 1.202)``, "polar_express" ``(0.877, 1.124)``. ``(1, 1)`` for no steps.
-    """
-    s0 = torch.cat(
-        [
-            torch.linspace(0.0, 1.0, 4097, dtype=torch.float64)[1:],
-            torch.logspace(-8, 0, 1000, dtype=torch.float64),
-        ]
-    )
-    s = s0
-    for a, b, c in schedule:
-        s2 = s * s
-        s = s * (a + s2 * (b + c * s2))
-    return float((s / s0).min()), max(float(s.abs().max()), 0.0)
 
 
 def gram_newton_schulz(
