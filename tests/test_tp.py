@@ -267,6 +267,9 @@ def _worker(dp, tp: int, cases, errors: bool = False, steps: int = STEPS):
         norm_err = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
         assert norm_err < loss_tol, (norms, ref_norms)
 
+        # the HSDP replicas' values arrive asynchronously (replicate_async=True): wait before reading
+        # the parameters directly (the state-dict API and the next forward wait by themselves)
+        dmuon.exec.get_model_runtime(model).wait_replicate_broadcasts()
         param_err = 0.0
         for name, p in model.named_parameters():
             info = getattr(p, "_dmuon", None)
