@@ -85,6 +85,7 @@ class PlanDiff:
         costs: one :class:`CostDelta` per field of :data:`COST_FIELDS` (all listed, even if 0).
         settings: differing settings.
         layouts_changed: boundary FQNs present in both plans whose buffers differ.
+        before / after: the two plans (``a``, ``b``), for :meth:`to_html`; not compared.
 
     ``diff[fqn]`` returns the change for ``fqn`` (KeyError if unchanged); ``bool(diff)`` and
     ``not diff.empty`` are True iff anything differs.
@@ -94,6 +95,9 @@ class PlanDiff:
     costs: tuple[CostDelta, ...]
     settings: tuple[SettingChange, ...]
     layouts_changed: tuple[str, ...]
+    # the two plans compared (set by diff(); what the HTML page draws), not part of the comparison
+    before: ShardingPlan | None = dataclasses.field(default=None, compare=False, repr=False)
+    after: ShardingPlan | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def empty(self) -> bool:
@@ -178,6 +182,19 @@ class PlanDiff:
             out.append(f"  {c.field:<28} {c.before:>16,} {c.after:>16,} {c.delta:>+16,}")
         return "\n".join(out)
 
+    def to_html(self) -> str:
+        """The diff as a standalone HTML page (both ownership maps with the changed owners
+        outlined, bytes per phase / boundary / rank before and after; docs/planning.md, "Pages
+        you can see"). Raises ValueError for a diff built without its plans."""
+        from dmuon.plan.tools.html.diff_page import diff_html
+
+        return diff_html(self, standalone=True)
+
+    def _repr_html_(self) -> str:
+        from dmuon.plan.tools.html.diff_page import diff_html
+
+        return diff_html(self)
+
     def __repr__(self) -> str:  # short; str() is the report
         return (
             f"PlanDiff(changes={len(self.changes)}, settings={len(self.settings)}, "
@@ -244,7 +261,7 @@ def diff(a: ShardingPlan, b: ShardingPlan) -> PlanDiff:
     )
     a_bounds = {bd.fqn: bd for bd in a.boundaries}
     layouts_changed = tuple(bd.fqn for bd in b.boundaries if bd.fqn in a_bounds and a_bounds[bd.fqn] != bd)
-    return PlanDiff(changes=tuple(changes), costs=costs, settings=settings, layouts_changed=layouts_changed)
+    return PlanDiff(changes=tuple(changes), costs=costs, settings=settings, layouts_changed=layouts_changed, before=a, after=b)
 
 
 def _owner_str(o) -> str:
