@@ -130,7 +130,8 @@ def _header(d: PlanDiff, fa: PlanFigures, fb: PlanFigures, same: bool) -> Svg:
     y += 2
     for i, (name, value, sub, delta) in enumerate(tiles):
         x = 12 + i * (tw + 10)
-        svg.rect(x, y, tw, 62, "#f3f6fa", stroke="#d5dde8", probe=i == 0, title=f"{name}: {value} ({sub})")
+        svg.rect(x, y, tw, 62, "#f3f6fa", stroke="#d5dde8", title=f"{name}: {value} ({sub})")
+        svg.set_probe(x + tw - 6, y + 6, "#f3f6fa")  # a corner of the first tile, clear of its text
         svg.text(x + 8, y + 16, name, size=11, fill="#555555")
         svg.text(x + 8, y + 38, fit(value, tw - 16, 16), size=16, bold=True)
         svg.text(x + 8, y + 54, fit(sub, tw - 16, 11), size=11, fill=UP if delta > 0 else DOWN if delta < 0 else "#555555")
@@ -169,35 +170,39 @@ def _boundary_bytes(f: PlanFigures) -> dict[str, int]:
 
 
 def _boundaries(fa: PlanFigures, fb: PlanFigures) -> Svg:
-    """Per boundary (matched by FQN; rows aggregate as the maps'): bytes per step before and
-    after, and the change as a bar from the centre."""
+    """Per boundary (matched by FQN; rows aggregate as the maps'): bytes per step of its
+    collectives before (grey) and after (blue), and the change."""
     ba, bb = _boundary_bytes(fa), _boundary_bytes(fb)
     names = list(fb.names) + [n for n in fa.names if n not in bb]
-    rows = RowAxis(names, max_height=480, min_h=8, max_h=16)
+    rows = RowAxis(names, max_height=520, min_h=10, max_h=18)
     vals = []
     for lo, hi in rows.bins:
         before = sum(ba.get(n, 0) for n in names[lo:hi + 1])
         after = sum(bb.get(n, 0) for n in names[lo:hi + 1])
         vals.append((before, after))
-    dmax = max([abs(x1 - x0) for x0, x1 in vals] + [1])
+    vmax = max([max(x0, x1) for x0, x1 in vals] + [1])
     svg = Svg(PAGE_WIDTH, 0, label="boundaries", data={"rows": len(rows)})
-    caption = ("Bytes per step of each boundary's collectives (all ranks), matched by FQN: the bar is the change, "
-               "right of the axis more bytes after (red), left fewer (green)."
+    caption = ("Bytes per step of each boundary's collectives (all ranks), boundaries matched by FQN: before (grey) and "
+               "after (blue); the change in red (more) or green (fewer)."
                + (f" Aggregated: {rows.describe()}." if rows.aggregated else ""))
-    y = header_block(svg, "Bytes per boundary: change", caption) + 4
-    cx, half = LABEL_W + 260, 250
-    svg.line(cx, y - 2, cx, y + len(rows) * rows.row_h + 2, "#888888")
+    y = header_block(svg, "Bytes per boundary: before and after", caption) + 4
+    bx, bw = LABEL_W, 480
     every = max(1, -(-11 // rows.row_h))
+    half = (rows.row_h - 2) / 2
     for i, (before, after) in enumerate(vals):
         y0 = y + i * rows.row_h
         delta = after - before
+        text = f"{rows.labels[i]}: {fmt_bytes(before)} → {fmt_bytes(after)} ({_signed(delta, fmt_bytes)})"
+        svg.raw(f'<g data-row="{i}" data-before="{before}" data-after="{after}">')
+        svg.rect(bx, y0, bw * before / vmax, half, BEFORE, title=text)
+        svg.rect(bx, y0 + half, bw * after / vmax, half, AFTER, title=text, probe=True)
+        svg.raw("</g>")
         if i % every == 0:
             svg.text(LABEL_W - 6, y0 + min(rows.row_h, 12) - 2, fit(rows.labels[i], LABEL_W - 12, 10), size=10, anchor="end")
-            svg.text(cx + half + 12, y0 + min(rows.row_h, 12) - 2,
-                     f"{fmt_bytes(before)} → {fmt_bytes(after)} ({_signed(delta, fmt_bytes)})", size=10, fill="#444444")
-        w = half * abs(delta) / dmax
-        svg.rect(cx if delta >= 0 else cx - w, y0 + 1, w, rows.row_h - 2, UP if delta > 0 else DOWN, probe=True,
-                 title=f"{rows.labels[i]}: {fmt_bytes(before)} → {fmt_bytes(after)} ({_signed(delta, fmt_bytes)})")
+            svg.text(bx + bw + 12, y0 + min(rows.row_h, 12) - 2, f"{fmt_bytes(before)} → {fmt_bytes(after)}", size=10,
+                     fill="#444444")
+            svg.text(bx + bw + 200, y0 + min(rows.row_h, 12) - 2, _signed(delta, fmt_bytes), size=10, bold=bool(delta),
+                     fill=UP if delta > 0 else DOWN if delta < 0 else "#777777")
     svg.height = y + len(rows) * rows.row_h + 14
     return svg
 

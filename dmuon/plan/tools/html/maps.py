@@ -141,7 +141,8 @@ def ownership_map(fig: PlanFigures, *, title: str = "Ownership: hook boundaries 
         parts.append(note)
     grid_h = len(rows) * rows.row_h
     svg = Svg(PAGE_WIDTH, 0, label=label, data={"rows": len(rows), "cols": len(ax), "ranks-per-col": ax.per_col,
-                                                "boundaries-per-row": rows.per_row, "vmax": round(vmax, 3)})
+                                                "boundaries-per-row": rows.per_row, "vmax": round(vmax, 3),
+                                                "aggregation": agg})
     y = header_block(svg, title, " ".join(parts))
     top = _columns_header(svg, ax, y + 2)
     label_every = max(1, -(-11 // rows.row_h))

@@ -132,7 +132,8 @@ def header_card(fig: PlanFigures) -> Svg:
     tw = (PAGE_WIDTH - 24 - 4 * 10) / 5
     for i, (name, value, sub) in enumerate(tiles):
         x = 12 + i * (tw + 10)
-        svg.rect(x, y, tw, 62, "#f3f6fa", stroke="#d5dde8", probe=i == 0, title=f"{name}: {value} ({sub})")
+        svg.rect(x, y, tw, 62, "#f3f6fa", stroke="#d5dde8", title=f"{name}: {value} ({sub})")
+        svg.set_probe(x + tw - 6, y + 6, "#f3f6fa")  # a corner of the first tile, clear of its text
         svg.text(x + 8, y + 16, name, size=11, fill="#555555")
         svg.text(x + 8, y + 38, fit(value, tw - 16, 18), size=18, bold=True)
         svg.text(x + 8, y + 54, fit(sub, tw - 16, 10), size=10, fill="#555555")
@@ -214,7 +215,7 @@ def per_rank_bars(fig: PlanFigures, ax: RankAxis) -> Svg:
             label = (f"{ax.label(i)}: {f(mx)}" if not ax.aggregated or ax.size(i) == 1
                      else f"{ax.label(i)}: min {f(mn)}, mean {f(avg)}, max {f(mx)}")
             if ax.aggregated and mn != mx:
-                svg.rect(x, base_y - h_mx, w, h_mx, BAR_LIGHT, title=label)
+                svg.rect(x, base_y - h_mx, w, h_mx, BAR_LIGHT, title=label, probe=True)
                 h_mn = ph * mn / vmax
                 svg.rect(x, base_y - h_mn, w, h_mn, BAR, title=label)
             else:

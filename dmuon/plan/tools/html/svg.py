@@ -170,6 +170,11 @@ class Svg:
         if probe and self.probe is None and w >= 4 and h >= 4 and fill.startswith("#"):
             self.probe = (x + w / 2, y + h / 2, fill)
 
+    def set_probe(self, x: float, y: float, fill: str) -> None:
+        """Make ``(x, y)``, a point of plain ``fill`` (no text over it), the section's pixel probe."""
+        if self.probe is None:
+            self.probe = (x, y, fill)
+
     def line(self, x1: float, y1: float, x2: float, y2: float, stroke: str, *, width: float = 1.0,
              dash: str | None = None, title: str | None = None) -> None:
         d = f' stroke-dasharray="{dash}"' if dash else ""
