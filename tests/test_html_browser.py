@@ -4,38 +4,33 @@ expert ranges, an HSDP plan, a plan diff and a simulator result, side by side in
 is an SVG of fixed size whose top the page records in ``data-top``): enough pixels differ from
 the white page, several colours, and the pixel at the section's ``data-probe`` point has the
 fill the page drew there. The pages are also parsed and their ``data-*`` figures compared with
-the plan's own.
+the plan's (diff's, simulation's) own.
 
-Chromium: ``chromium`` (Debian's package; ``.ci/run`` installs it), ``chromium-browser`` or
-``google-chrome`` on the PATH, or ``DMUON_CHROMIUM``. Missing, the test fails under ``CI=true``
+Chromium: :func:`dmuon.plan.tools.html.browser.find_chromium` (``chromium``, Debian's package,
+which ``.ci/run`` installs; ``chromium-browser``, ``google-chrome``, or ``DMUON_CHROMIUM``). Missing, the test fails under ``CI=true``
 and skips with the reason elsewhere. Pixels are read with Pillow (matplotlib's dependency, in
 the ``test`` extra)."""
 
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
 
 import dmuon.plan as P
 from dmuon import zoo
+from dmuon.plan.tools.html.browser import find_chromium, screenshot
 from html_pages import parse, root, sections
 
 COLUMN_PX = 1120  # each page's column in the shared screenshot (pages are 1080 wide)
-FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars",
-         "--force-device-scale-factor=1")
 
 
 def chromium() -> str:
     """Path of a Chromium binary, or skip (fail under ``CI=true``) saying how to get one."""
-    for name in (os.environ.get("DMUON_CHROMIUM"), "chromium", "chromium-browser", "google-chrome"):
-        path = name and shutil.which(name)
-        if path:
-            return path
+    path = find_chromium()
+    if path:
+        return path
     why = "headless Chromium not found (apt-get install -y chromium, or set DMUON_CHROMIUM)"
     if os.environ.get("CI") == "true":
         pytest.fail(why + ": CI must run the browser test")
@@ -55,7 +50,33 @@ def _pages():
     sims = S.simulate_variants(tiny, S.hardware.preset("h100"), wl, variants=("adamw", "z3", "naive"),
                                timeline_ranks=(0,))
     return [("tiny", tiny._repr_html_(), tiny), ("moe", moe._repr_html_(), moe), ("hsdp", hsdp._repr_html_(), hsdp),
-            ("diff", d._repr_html_(), None), ("simulation", sims._repr_html_(), None)]
+            ("diff", d._repr_html_(), d), ("simulation", sims._repr_html_(), sims)]
+
+
+def _check_figures(els, obj) -> None:
+    """The ``data-*`` figures of a page equal its object's own."""
+    kind = root(els).data("page")
+    if kind == "plan":  # per-rank owned elements and bytes, the LPT bound, bytes per phase
+        top = root(els)
+        assert tuple(top.ints("owned-numel")) == obj.owned_numel
+        assert tuple(top.ints("comm-nbytes")) == obj.cost.per_rank_nbytes
+        assert float(top.data("bound")) == obj.balance_bound
+        fields = [e for e in els if e.tag == "g" and e.attrs.get("data-field")]
+        assert fields
+        for g in fields:
+            assert int(g.data("nbytes")) == getattr(obj.cost, g.data("field"))
+    elif kind == "diff":  # bytes per phase before and after
+        rows = [e for e in els if e.tag == "g" and "data-before" in e.attrs and "data-field" in e.attrs]
+        assert {g.data("field") for g in rows} == {c.field for c in obj.costs if c.before or c.after}
+        for g in rows:
+            c = next(c for c in obj.costs if c.field == g.data("field"))
+            assert (int(g.data("before")), int(g.data("after"))) == (c.before, c.after)
+    else:  # each variant's step and bytes
+        rows = [e for e in els if e.tag == "g" and "data-variant" in e.attrs]
+        assert [g.data("variant") for g in rows] == list(obj)
+        for g in rows:
+            assert float(g.data("step-s")) == obj[g.data("variant")].step_s
+            assert int(g.data("comm-nbytes")) == obj[g.data("variant")].comm_nbytes
 
 
 def _close(a, b, tol: int = 6) -> bool:
@@ -68,20 +89,14 @@ def test_pages_render_in_chromium(tmp_path):
     pages = _pages()
     height = 0
     columns = []
-    for i, (name, page, plan) in enumerate(pages):
+    for i, (name, page, obj) in enumerate(pages):
         els = parse(page)
         secs = sections(els)
         assert secs, name
         bottom = max(float(s.data("top")) + float(s.attrs["height"]) for s in secs)
         height = max(height, int(bottom) + 40)
-        columns.append((name, i * COLUMN_PX, els, secs, plan))
-        if plan is not None:  # the figures the page carries are the plan's own
-            top = root(els)
-            assert tuple(top.ints("owned-numel")) == plan.owned_numel
-            assert tuple(top.ints("comm-nbytes")) == plan.cost.per_rank_nbytes
-            assert float(top.data("bound")) == plan.balance_bound
-            for g in (e for e in els if e.tag == "g" and e.attrs.get("data-field")):
-                assert int(g.data("nbytes")) == getattr(plan.cost, g.data("field"))
+        columns.append((name, i * COLUMN_PX, els, secs))
+        _check_figures(els, obj)
     body = "".join(f'<div style="position:absolute;left:{x}px;top:0;width:1080px">{page}</div>'
                    for (_, x, *_), (_, page, _) in zip(columns, pages))
     sheet = tmp_path / "pages.html"
@@ -89,14 +104,11 @@ def test_pages_render_in_chromium(tmp_path):
                      f"<body style='margin:0;background:#ffffff'>{body}</body></html>", encoding="utf-8")
     shot = tmp_path / "pages.png"
     width = len(pages) * COLUMN_PX
-    cmd = [exe, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", f"--window-size={width},{height}",
-           f"--screenshot={shot}", sheet.as_uri()]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
-    assert shot.exists(), f"no screenshot (exit {run.returncode}): {run.stderr[-2000:]}"
+    screenshot(sheet, shot, width=width, height=height, chromium=exe)
     img = Image.open(shot).convert("RGB")
     assert img.size == (width, height), img.size
     checked = 0
-    for name, x0, els, secs, _ in columns:
+    for name, x0, els, secs in columns:
         for s in secs:
             top, w, h = float(s.data("top")), float(s.attrs["width"]), float(s.attrs["height"])
             box = np.asarray(img.crop((int(x0), int(top), int(x0 + w), int(top + h))))
