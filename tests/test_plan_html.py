@@ -234,9 +234,16 @@ def test_diff_page_same_mesh_outlines_the_moved_owners():
     top = root(els)
     assert top.data("page") == "diff" and top.data("same-ranks") == "1"
     assert int(top.data("owners-moved")) == len(d.owners_moved)
-    for g in (e for e in els if e.tag == "g" and "data-before" in e.attrs):
+    for g in (e for e in els if e.tag == "g" and "data-before" in e.attrs and "data-field" in e.attrs):
         c = next(c for c in d.costs if c.field == g.data("field"))
         assert (int(g.data("before")), int(g.data("after"))) == (c.before, c.after)
+    # per boundary (matched by FQN): its collectives' bytes before and after
+    rows = [e for e in els if e.tag == "g" and "data-row" in e.attrs and "data-before" in e.attrs]
+    assert sum(int(g.data("before")) for g in rows) == a.cost.total_nbytes
+    assert sum(int(g.data("after")) for g in rows) == b.cost.total_nbytes
+    # the cost models differ: both maps in elements, on one scale
+    maps = [section(els, "map-before"), section(els, "map-after")]
+    assert maps[0].data("vmax") == maps[1].data("vmax") and "both maps in elements" in page
     # per rank: each rank's change of bytes per step, exactly
     panel = next(e for e in els if e.tag == "g" and e.attrs.get("data-panel") == "bytes per step")
     assert panel.ints("delta") == [y - x for x, y in zip(a.cost.per_rank_nbytes, b.cost.per_rank_nbytes)]

@@ -5,8 +5,8 @@ Aggregation (stated on every picture that uses it): past :data:`MAX_COLS` ranks 
 ``b = ceil(N / (MAX_COLS // R))`` consecutive shard ranks of ONE replicate row (so HSDP replicas
 stay apart; with more than ``MAX_COLS // 4`` replicas, ``ceil(R*N / MAX_COLS)`` consecutive mesh
 ranks whatever their row); past :data:`MAX_ROWS` boundaries a row holds ``ceil(B / MAX_ROWS)``
-consecutive boundaries. An aggregated cell shows the mean per rank of its ranks and boundaries'
-sum, and its ``<title>`` the min and max rank.
+consecutive boundaries. An aggregated cell is coloured by its busiest rank (the largest of its
+ranks' loads summed over its boundaries), and its ``<title>`` gives the min, mean and max rank.
 """
 
 from __future__ import annotations
@@ -90,12 +90,13 @@ class RankAxis:
         lo, hi = self.bins[i]
         return f"rank {lo}" if lo == hi else f"ranks {lo}–{hi}"
 
-    def describe(self) -> str:
-        """The aggregation in words, for the picture's caption ("" when none)."""
+    def describe(self, how: str = "coloured by its busiest rank") -> str:
+        """The aggregation in words, for the picture's caption ("" when none); ``how``: what a
+        column shows of its ranks."""
         if not self.aggregated:
             return ""
         where = "of one replicate row " if self.by_row and self.R > 1 else ""
-        return f"{self.R * self.N:,} ranks > {MAX_COLS}: a column is {self.per_col} consecutive ranks {where}(mean per rank)"
+        return f"{self.R * self.N:,} ranks > {MAX_COLS}: a column is {self.per_col} consecutive ranks {where}({how})"
 
     def reduce(self, values: Sequence[float]) -> list[tuple[float, float, float]]:
         """``(min, mean, max)`` of per-rank ``values`` in each column."""

@@ -55,13 +55,16 @@ def diff_page(d: PlanDiff) -> Page:
     page.add(_header(d, fa, fb, same))
     page.add(_phases(d))
     ax_a, ax_b = rank_axis(fa), rank_axis(fb)
-    vmax = max(ownership_vmax(fa, ax_a, RowAxis(fa.names)), ownership_vmax(fb, ax_b, RowAxis(fb.names)))
+    by = "weight" if a.cost_model == b.cost_model else "numel"  # one unit for both maps' shared scale
+    vmax = max(ownership_vmax(fa, ax_a, RowAxis(fa.names), by), ownership_vmax(fb, ax_b, RowAxis(fb.names), by))
     hi_a, hi_b = _highlights(d, fa, fb)
     rule = "" if same else "Different meshes: rank numbers do not correspond; compare rows (boundaries) only."
-    page.add(ownership_map(fa, title="Before: ownership", ax=ax_a, vmax=vmax, highlight=hi_a, label="map-before",
-                           note=f"Outlined: cells holding a parameter that moved, changed or was removed. {rule}"))
-    page.add(ownership_map(fb, title="After: ownership", ax=ax_b, vmax=vmax, highlight=hi_b, label="map-after",
-                           note=f"Outlined: cells holding a parameter that moved, changed or was added. {rule}"))
+    unit = "" if by == "weight" else " The cost models differ: both maps in elements."
+    page.add(ownership_map(fa, title="Before: ownership", ax=ax_a, vmax=vmax, highlight=hi_a, label="map-before", by=by,
+                           note=f"One colour scale for both maps. Outlined: cells holding a parameter that moved, "
+                                f"changed or was removed.{unit} {rule}"))
+    page.add(ownership_map(fb, title="After: ownership", ax=ax_b, vmax=vmax, highlight=hi_b, label="map-after", by=by,
+                           note=f"Outlined: cells holding a parameter that moved, changed or was added.{unit} {rule}"))
     page.add(_boundaries(fa, fb))
     page.add(_per_rank(fa, fb) if same else _distributions(fa, fb))
     return page
@@ -213,7 +216,7 @@ def _per_rank(fa: PlanFigures, fb: PlanFigures) -> Svg:
     unit, fmt = unit_fmt(fb.plan.cost_model)
     svg = Svg(PAGE_WIDTH, 0, label="per-rank")
     caption = ("Ranks correspond (same mesh): each rank's change, up = more after (red), down = less (green)."
-               + (f" Aggregated: {ax.describe()}; the column's mean change." if ax.aggregated else ""))
+               + (f" Aggregated: {ax.describe('their mean change')}." if ax.aggregated else ""))
     y = header_block(svg, "Per rank: change", caption) + 4
     if fa.plan.cost_model == fb.plan.cost_model:
         load = (f"LPT load ({unit})", fa.owned_weight, fb.owned_weight, fmt)

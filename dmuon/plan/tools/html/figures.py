@@ -63,8 +63,8 @@ class PlanFigures:
         stats / base_stats: ``plan.rank_stats()`` / ``plan.baseline_rank_stats()``.
         cost / base_cost: ``plan.cost`` / ``plan.baseline_cost``.
         owned_numel / owned_weight / bound: the plan's own (per mesh rank; the LPT bound).
-        cells: per boundary, ``{mesh rank: [single, group, expert, numel]}``: LPT weight owned by
-            kind, and elements owned.
+        cells: per boundary, ``{mesh rank: [single, group, expert] * 2}``: LPT weight owned by
+            kind, then elements owned by kind (:data:`KINDS`).
         cell_params: per boundary, ``{mesh rank: [(short name, weight), ...]}``.
         experts: per boundary with expert stacks, ``{mesh rank: [experts, [(stack, first, last)]]}``.
         coll: per boundary (then :data:`STEP_ROW`), ``{(kind, phase): [calls, bytes per step]}``
@@ -116,9 +116,9 @@ class PlanFigures:
             for (rank, w), (_, n) in zip(weights, numels):
                 cell = cells.get(rank)
                 if cell is None:
-                    cell = cells[rank] = [0, 0, 0, 0]
+                    cell = cells[rank] = [0, 0, 0, 0, 0, 0]
                 cell[kind] += w
-                cell[3] += n
+                cell[3 + kind] += n
                 params.setdefault(rank, []).append((name, w))
             if spec.experts is not None:
                 rows = self.experts.setdefault(b, {})

@@ -79,7 +79,7 @@ def _legend(svg: Svg, y: float, kinds: Sequence[int], vmax: float, fmt, unit: st
             svg.rect(x, y - 9, 10, 12, RAMPS[k][lvl], title=f"{KINDS[k]}: up to {fmt(vmax * lvl / LEVELS)} {unit} per rank")
             x += 10
         x += 14
-    svg.text(x, y + 1, f"scale 0 – {fmt(vmax)} {unit} per rank", size=11, fill="#444444")
+    svg.text(x, y + 1, f"0 – {fmt(vmax)} {unit} per rank", size=11, fill="#444444")
     x += 200
     for spec, label in extra:
         svg.rect(x, y - 9, 12, 12, "none", stroke=spec, stroke_width=2)
@@ -87,48 +87,55 @@ def _legend(svg: Svg, y: float, kinds: Sequence[int], vmax: float, fmt, unit: st
         x += 16 + len(label) * 6.6 + 14
 
 
-def _ownership_values(fig: PlanFigures, ax: RankAxis, rows: RowAxis):
-    """Per map row: per column ``[single, group, expert, numel]`` sums, and per rank totals."""
+def _ownership_values(fig: PlanFigures, ax: RankAxis, rows: RowAxis, by: str = "weight"):
+    """Per map row: per column ``[single, group, expert, other unit, largest rank]``: the kinds'
+    sums over the cell's ranks and boundaries in the unit ``by`` (``"weight"``: the LPT weight;
+    ``"numel"``: elements), the total in the other unit, and the largest of its ranks' loads;
+    and the per-rank loads of the row."""
+    a, o = (0, 3) if by == "weight" else (3, 0)
     out = []
     for lo, hi in rows.bins:
-        cols = [[0, 0, 0, 0] for _ in range(len(ax))]
+        cols = [[0, 0, 0, 0, 0] for _ in range(len(ax))]
         per_rank: dict[int, int] = {}
         for b in range(lo, hi + 1):
             for rank, cell in fig.cells[b].items():
                 c = cols[ax.col_of[rank]]
-                for j in range(4):
-                    c[j] += cell[j]
-                per_rank[rank] = per_rank.get(rank, 0) + cell[0] + cell[1] + cell[2]
+                for j in range(3):
+                    c[j] += cell[a + j]
+                c[3] += cell[o] + cell[o + 1] + cell[o + 2]
+                per_rank[rank] = per_rank.get(rank, 0) + cell[a] + cell[a + 1] + cell[a + 2]
+        for rank, w in per_rank.items():
+            c = cols[ax.col_of[rank]]
+            c[4] = max(c[4], w)
         out.append((cols, per_rank))
     return out
 
 
-def ownership_vmax(fig: PlanFigures, ax: RankAxis, rows: RowAxis) -> float:
-    """The largest mean-per-rank cell value of ``fig``'s map (the colour scale's top)."""
-    best = 0.0
-    for cols, _ in _ownership_values(fig, ax, rows):
-        for i, c in enumerate(cols):
-            best = max(best, (c[0] + c[1] + c[2]) / ax.size(i))
-    return best
+def ownership_vmax(fig: PlanFigures, ax: RankAxis, rows: RowAxis, by: str = "weight") -> float:
+    """The largest rank load of any cell of ``fig``'s map (the colour scale's top)."""
+    return max((c[4] for cols, _ in _ownership_values(fig, ax, rows, by) for c in cols), default=0)
 
 
 def ownership_map(fig: PlanFigures, *, title: str = "Ownership: hook boundaries × ranks", ax: RankAxis | None = None,
                   vmax: float | None = None, highlight: set[tuple[int, int]] | None = None,
-                  note: str = "", label: str = "ownership") -> Svg:
-    """Boundaries down, mesh ranks across; a cell's colour is the LPT load (``cost_model`` unit)
-    its rank(s) own in its boundary(ies): blue single owners, orange owner-group blocks, green
-    expert ranges (the kind holding most of it), grey nothing. ``highlight``: ``(boundary
-    index, mesh rank)`` pairs outlined in red (a diff's changes); ``vmax``: a shared scale."""
+                  note: str = "", label: str = "ownership", by: str = "weight") -> Svg:
+    """Boundaries down, mesh ranks across; a cell's colour is the LPT load (``by="weight"``: the
+    ``cost_model`` unit; ``"numel"``: elements) its rank(s) own in its boundary(ies): blue
+    single owners, orange owner-group blocks, green expert ranges (the kind holding most of it),
+    grey nothing. ``highlight``: ``(boundary index, mesh rank)`` pairs outlined in red (a
+    diff's changes); ``vmax``: a shared scale."""
     plan = fig.plan
     ax = ax or rank_axis(fig)
     rows = RowAxis(fig.names)
-    unit, fmt = unit_fmt(plan.cost_model)
-    values = _ownership_values(fig, ax, rows)
+    unit, fmt = unit_fmt(plan.cost_model if by == "weight" else "numel")
+    values = _ownership_values(fig, ax, rows, by)
     if vmax is None:
-        vmax = max(((c[0] + c[1] + c[2]) / ax.size(i) for cols, _ in values for i, c in enumerate(cols)), default=0)
+        vmax = max((c[4] for cols, _ in values for c in cols), default=0)
     kinds_present = sorted({k for cols, _ in values for c in cols for k in range(3) if c[k]})
-    parts = [f"Each cell: the LPT load ({unit}) the rank owns in the boundary, whose matrices it keeps in full and "
-             "orthogonalises; the colour's hue is the kind of ownership holding most of it."]
+    what = f"the LPT load ({unit})" if by == "weight" else "the elements"
+    parts = [f"Each cell: {what} the rank owns in the boundary, whose matrices it keeps in full and "
+             "orthogonalises; the colour's hue is the kind of ownership holding most of it (hover a cell: what it "
+             "holds)."]
     if fig.R > 1:
         parts.append(f"HSDP: {fig.R} replicas side by side, each matrix owned once on the whole mesh.")
     if fig.T > 1:
@@ -159,18 +166,18 @@ def ownership_map(fig: PlanFigures, *, title: str = "Ownership: hook boundaries 
             c = cols[j]
             w = c[0] + c[1] + c[2]
             kind = max(range(3), key=lambda k: c[k]) if w else -1
-            lvl = level(w / ax.size(j), vmax)
+            lvl = level(c[4], vmax)
             run = j + 1
             while run < len(ax) and ax.replica[run] == ax.replica[j]:
                 n = cols[run]
                 nw = n[0] + n[1] + n[2]
                 nkind = max(range(3), key=lambda k: n[k]) if nw else -1
-                if nkind != kind or level(nw / ax.size(run), vmax) != lvl:
+                if nkind != kind or level(n[4], vmax) != lvl:
                     break
                 run += 1
             fill = ramp_colour(RAMPS[kind], lvl) if kind >= 0 else EMPTY
             svg.rect(ax.x[j], y0, ax.x[run - 1] + ax.col_w - ax.x[j], rows.row_h - (1 if rows.row_h >= 8 else 0), fill,
-                     title=_cell_title(fig, ax, rows, i, j, run, cols, per_rank, unit, fmt), probe=w > 0)
+                     title=_cell_title(fig, ax, rows, i, j, run, cols, per_rank, unit, fmt, by), probe=w > 0)
             j = run
         svg.raw("</g>")
     if highlight:
@@ -192,7 +199,8 @@ def ownership_map(fig: PlanFigures, *, title: str = "Ownership: hook boundaries 
     return svg
 
 
-def _cell_title(fig: PlanFigures, ax: RankAxis, rows: RowAxis, i: int, j: int, run: int, cols, per_rank, unit, fmt) -> str:
+def _cell_title(fig: PlanFigures, ax: RankAxis, rows: RowAxis, i: int, j: int, run: int, cols, per_rank, unit, fmt,
+                by: str) -> str:
     lo_b, hi_b = rows.bins[i]
     where = rows.labels[i]
     first, last = ax.bins[j][0], ax.bins[run - 1][1]
@@ -205,9 +213,11 @@ def _cell_title(fig: PlanFigures, ax: RankAxis, rows: RowAxis, i: int, j: int, r
     if n_ranks == 1:
         coords = f" (shard {first % fig.N}, replica {first // fig.N})" if fig.R > 1 else ""
         items = sorted(fig.cell_params[lo_b].get(first, ()), key=lambda t: -t[1]) if lo_b == hi_b else []
-        what = ", ".join(f"{name} {fmt(v)}" for name, v in items[:4]) + (f" (+{len(items) - 4} more)" if len(items) > 4 else "")
+        f_item = fmt if by == "weight" else unit_fmt(fig.plan.cost_model)[1]
+        what = ", ".join(f"{name} {f_item(v)}" for name, v in items[:4]) + (f" (+{len(items) - 4} more)" if len(items) > 4 else "")
         kinds = "; ".join(f"{KINDS[k]} {100 * total[k] / w:.0f}%" for k in range(3) if total[k] and total[k] != w)
-        numel = f"; {fmt_count(total[3])} elements" if fig.plan.cost_model != "numel" else ""
+        numel = "" if fig.plan.cost_model == "numel" else (
+            f"; {fmt_count(total[3])} elements" if by == "weight" else f"; {unit_fmt(fig.plan.cost_model)[1](total[3])} LPT weight")
         return (f"{where} × {ranks}{coords}: {fmt(w)} {unit}{numel}" + (f" — {what}" if what else "")
                 + (f" [{kinds}]" if kinds else ""))
     vals = [per_rank.get(r, 0) for r in range(first, last + 1)]
@@ -243,11 +253,11 @@ def experts_map(fig: PlanFigures, *, ax: RankAxis | None = None, lines: Sequence
                 f = min(a for _, a, _ in ranges)
                 first[j] = f if first[j] is None else min(first[j], f)
         grid.append((first, count))
-    agg = "; ".join(s for s in (rows.describe(), ax.describe()) if s)
+    agg = "; ".join(s for s in (rows.describe(), ax.describe("the lowest first expert")) if s)
     caption = ("Which experts each rank owns: colour = the first expert of its range in the boundary's stacks (expert 0 "
                f"dark … expert {n_exp - 1} light), so contiguous ranges show as a gradient along the ranks; grey: no "
                "experts. A rank owns whole experts (master, momentum) and runs their Newton-Schulz; hover for the "
-               "ranges." + (f" Aggregated: {agg} (the lowest first expert)." if agg else ""))
+               "ranges." + (f" Aggregated: {agg}." if agg else ""))
     svg = Svg(PAGE_WIDTH, 0, label="experts", data={"rows": len(rows), "cols": len(ax), "experts": n_exp})
     y = header_block(svg, "Experts: expert ranges × ranks", caption)
     y = svg.lines(10, y + 4, lines, size=11, mono=True, step=14)

@@ -187,7 +187,7 @@ def per_rank_bars(fig: PlanFigures, ax: RankAxis) -> Svg:
                "matrices. Resident: owned masters + momentum (+ HSDP replicas); peak transient: the broadcast buffers "
                "a rank holds at once.")
     if ax.aggregated:
-        caption += f" Aggregated: {ax.describe()}; light bar = max, dark = min of the column."
+        caption += f" Aggregated: {ax.describe('light bar: their max, dark: their min')}."
     if T > 1:
         caption += f" With TP a column shows the largest of its {T} TP ranks."
     svg = Svg(PAGE_WIDTH, 0, label="per-rank")
@@ -199,11 +199,14 @@ def per_rank_bars(fig: PlanFigures, ax: RankAxis) -> Svg:
         mean = sum(values) / len(values) if values else 0
         svg.text(10, y + 12, title, size=12, bold=True)
         svg.text(10, y + 28, f"max {f(max(values, default=0))}", size=10, fill="#555555")
-        svg.text(10, y + 41, f"mean {f(mean)}", size=10, fill=MEAN)
+        svg.line(10, y + 37.5, 26, y + 37.5, MEAN, width=1.2, dash="5 3")
+        svg.text(30, y + 41, f"mean {f(mean)}", size=10, fill=MEAN)
         if bound is not None:
-            svg.text(10, y + 54, f"LPT bound {f(bound)}", size=10, fill=BOUND)
+            svg.line(10, y + 50.5, 26, y + 50.5, BOUND, width=1.5)
+            svg.text(30, y + 54, f"LPT bound {f(bound)}", size=10, fill=BOUND)
         if base is not None:
-            svg.text(10, y + 54, f"FSDP2+naive mean {f(base)}", size=10, fill=BASELINE)
+            svg.line(10, y + 50.5, 26, y + 50.5, BASELINE, width=1.5, dash="8 3 2 3")
+            svg.text(30, y + 54, f"FSDP2+naive mean {f(base)}", size=10, fill=BASELINE)
         base_y = y + ph
         svg.line(ax.x0, base_y + 0.5, ax.x1, base_y + 0.5, "#999999")
         field = title.split(" (")[0].replace(" ", "-")
