@@ -136,6 +136,8 @@ def test_tp_page_per_schedule_rank_bytes():
     els = _check_plan_page(plan, page)
     assert len(root(els).ints("comm-nbytes")) == 4  # schedule ranks (R*N*T)
     assert "TP: a column is a data-parallel coordinate" in page
+    spec = next(p for p in plan.params if p.tp_size > 1)  # a cell names how its owner's TP group runs NS
+    assert f"{spec.fqn[len(plan.boundary(spec.fqn)) + 1:]} [TP {spec.tp_ns}]" in page
     assert "TP all-" in page  # the TP collectives have their category in the chart
 
 

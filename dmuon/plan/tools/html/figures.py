@@ -112,6 +112,7 @@ class PlanFigures:
             weights = owner_weights(spec, owner, model, lengths)
             numels = weights if model == "numel" else owner_weights(spec, owner, "numel", lengths)
             name = short_name(spec.fqn, bname)
+            label = name + (f" [TP {spec.tp_ns}]" if spec.tp_size > 1 else "")  # how its owner TP group runs NS
             cells, params = self.cells[b], self.cell_params[b]
             for (rank, w), (_, n) in zip(weights, numels):
                 cell = cells.get(rank)
@@ -119,7 +120,7 @@ class PlanFigures:
                     cell = cells[rank] = [0, 0, 0, 0, 0, 0]
                 cell[kind] += w
                 cell[3 + kind] += n
-                params.setdefault(rank, []).append((name, w))
+                params.setdefault(rank, []).append((label, w))
             if spec.experts is not None:
                 rows = self.experts.setdefault(b, {})
                 if isinstance(owner, ExpertOwners):

@@ -114,7 +114,6 @@ def header_card(fig: PlanFigures) -> Svg:
     ident = f"plan fingerprint {fig.fingerprint[:16]} · model digest {plan.model_digest[:16]}"
     svg = Svg(PAGE_WIDTH, 0, label="header", data={"max-weight": wmax, "mean-weight": repr(float(mean)),
                                                     "bound": repr(float(fig.bound))})
-    svg.rect(0.5, 0.5, PAGE_WIDTH - 1, 10, "#ffffff")  # keeps the card's corner in the box
     svg.text(12, 26, f"{mode_name(plan)} sharding plan", size=18, bold=True)
     y = svg.lines(12, 48, [f"mesh: {roles}", z, settings, what], size=12, step=17)
     svg.text(12, y, ident, size=11, mono=True, fill="#555555")
