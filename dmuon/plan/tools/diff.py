@@ -80,24 +80,24 @@ class PlanDiff:
     """Differences ``a -> b`` keyed by FQN.
 
     Attributes:
+        before / after: the two plans (``a``, ``b``), for :meth:`to_html`; not compared.
         changes: one :class:`ParamChange` per differing FQN: ``b``'s order first (changed and
             added), then removed params in ``a``'s order.
         costs: one :class:`CostDelta` per field of :data:`COST_FIELDS` (all listed, even if 0).
         settings: differing settings.
         layouts_changed: boundary FQNs present in both plans whose buffers differ.
-        before / after: the two plans (``a``, ``b``), for :meth:`to_html`; not compared.
 
     ``diff[fqn]`` returns the change for ``fqn`` (KeyError if unchanged); ``bool(diff)`` and
     ``not diff.empty`` are True iff anything differs.
     """
 
+    # the two plans compared (set by diff(); what the HTML page draws), not part of the comparison
+    before: ShardingPlan | None = dataclasses.field(default=None, compare=False, repr=False)
+    after: ShardingPlan | None = dataclasses.field(default=None, compare=False, repr=False)
     changes: tuple[ParamChange, ...]
     costs: tuple[CostDelta, ...]
     settings: tuple[SettingChange, ...]
     layouts_changed: tuple[str, ...]
-    # the two plans compared (set by diff(); what the HTML page draws), not part of the comparison
-    before: ShardingPlan | None = dataclasses.field(default=None, compare=False, repr=False)
-    after: ShardingPlan | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def empty(self) -> bool:
@@ -203,7 +203,13 @@ class PlanDiff:
 
 
 def diff(a: ShardingPlan, b: ShardingPlan) -> PlanDiff:
-    """Differences from plan ``a`` to plan ``b``, keyed by FQN (module docstring)."""
+    """Differences from plan ``a`` to plan ``b``, keyed by FQN (module docstring); the result
+    keeps ``a`` and ``b`` (``before`` / ``after``) for its page."""
+    return dataclasses.replace(_compare(a, b), before=a, after=b)
+
+
+def _compare(a: ShardingPlan, b: ShardingPlan) -> PlanDiff:
+    """:func:`diff` without the plans attached."""
     if not isinstance(a, ShardingPlan) or not isinstance(b, ShardingPlan):
         raise TypeError("dmuon.plan.diff expects two ShardingPlan objects")
     changes: list[ParamChange] = []
@@ -261,7 +267,7 @@ def diff(a: ShardingPlan, b: ShardingPlan) -> PlanDiff:
     )
     a_bounds = {bd.fqn: bd for bd in a.boundaries}
     layouts_changed = tuple(bd.fqn for bd in b.boundaries if bd.fqn in a_bounds and a_bounds[bd.fqn] != bd)
-    return PlanDiff(changes=tuple(changes), costs=costs, settings=settings, layouts_changed=layouts_changed, before=a, after=b)
+    return PlanDiff(changes=tuple(changes), costs=costs, settings=settings, layouts_changed=layouts_changed)
 
 
 def _owner_str(o) -> str:
