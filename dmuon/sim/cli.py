@@ -12,7 +12,7 @@ FSDP2 + AdamW, the exposed communication, the Newton-Schulz share and the peak m
 recommended dmuon mode: the faster of Z2 / Z3 whose peak memory fits the device (Z3 on a tie
 within 1 %, since it holds less), with a warning when neither fits. ``--mode`` restricts the
 dmuon rows to one mode. A user error (a mesh, TP degree or dtype the plan refuses, an unreadable
-``--hw`` record, a folder for ``--json`` / ``--png`` / ``--html``) ends in one argparse error before any
+``--hw`` record, a folder for ``--json`` / ``--png``) ends in one argparse error before any
 simulation.
 
 GPU presets train in bf16 with FSDP2's usual mixed precision (``--param-dtype bfloat16
