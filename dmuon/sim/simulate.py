@@ -61,6 +61,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from dmuon.plan.cost import nbytes as _nbytes
 from dmuon.plan.scheduling.ops import Op, Step
 from dmuon.sim import alternatives as _alt
@@ -150,6 +152,7 @@ def simulate(plan: Any, hardware: Hardware, workload: Workload, step: Step | Non
     crit, path = _critical_path(sim_ops, raw)
     step_s = float(raw["rank_end"].max())
     mem = memory(mode_plan, workload, variant, sched=nominal if step is None else None)
+    calls = _calls_per_rank(sim_ops, n)
     ranks = []
     for x in range(n):
         busy, wait = float(raw["busy"][x]), float(raw["wait"][x])
@@ -171,7 +174,21 @@ def simulate(plan: Any, hardware: Hardware, workload: Workload, step: Step | Non
         timelines=raw["timelines"],
         comm_nbytes=_moved_nbytes(ops, n, variant),
         deferred_comm_s=max(0.0, float(raw["deferred_end"].max()) - step_s),
+        collectives_per_rank=calls,
     )
+
+
+def _calls_per_rank(sim_ops: Sequence[Any], n: int) -> tuple[int, ...]:
+    """Collective calls each rank issues in the simulated step (a coalesced group counts once;
+    FSDP2's and the model's token all-to-alls included)."""
+    per_group: dict[tuple[int, ...], int] = {}
+    for op in sim_ops:
+        if op.collective:
+            per_group[op.group] = per_group.get(op.group, 0) + 1
+    calls = np.zeros(n, dtype=np.int64)
+    for group, c in per_group.items():
+        calls[np.asarray(group, dtype=np.int64)] += c
+    return tuple(int(c) for c in calls)
 
 
 def simulate_variants(plan: Any, hardware: Hardware, workload: Workload, step: Step | None = None, *,
