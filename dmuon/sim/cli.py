@@ -254,7 +254,7 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
     by_kind, busiest = dmuon_collectives(plan)
     payload, wire = buffer_padding(plan)
     kinds = ", ".join(f"{k} {c:,}" for k, c in sorted(by_kind.items())) or "none"
-    pad = f"{100 * (wire / payload - 1):.1f} %" if payload else "-"
+    pad = f"{100 * (wire / payload - 1):.4f} %" if payload else "-"
     print(f"dmuon Z3 collectives per step: {kinds} (schedule table, all groups); busiest rank issues "
           f"{busiest:,}{coll_note}; buffer padding {pad} ({payload:,} elements carried, {wire:,} moved per row and phase)")
     hdr = (f"{'variant':<12}{'step ms':>10}{'x AdamW':>9}{'exposed ms':>12}{'NS ms':>9}{'NS %':>7}{'peak GiB':>10}"

@@ -9,9 +9,10 @@ dmuon schedule is first checked with :meth:`StepSchedule.check` (the same matchi
 clocks), so a schedule that would hang raises :class:`dmuon.plan.ScheduleError` here too.
 
 Each rank has one **thread** (its Python thread and, on GPUs, its compute stream: compute ops
-run there one after another) and one **channel** per kind of collective (dmuon's broadcasts,
-dmuon's reduces, FSDP2's all-gathers, FSDP2's reduce-scatters / all-reduces, TP, all-to-all),
-each running its collectives in order:
+run there one after another) and one **channel** per kind of collective (dmuon's parameter
+phases — broadcasts or all-gathers —, dmuon's gradient phases — reduces or reduce-scatters —,
+FSDP2's all-gathers, FSDP2's reduce-scatters / all-reduces, TP, all-to-all; dmuon's collectives
+are routed by ledger phase, :mod:`dmuon.sim.lower`), each running its collectives in order:
 
 * a **collective** costs its members ``issue_s`` on the thread when issued (plus, for FSDP2's,
   ``fsdp2_call_s`` and the copy in / out of its unsharded buffer; for dmuon's on gloo, one
@@ -37,7 +38,10 @@ each running its collectives in order:
   compute between the step's blocking collectives) by the step-compute factor of the shard group
   (:func:`~dmuon.sim.hardware.step_compute_factor_at`; 1 on GPU presets).
 
-Added to every schedule (they are not ops of it): the root's work (embeddings before the first
+Where the hardware coalesces (``Hardware.coalesces``: NCCL), a boundary phase's broadcasts
+(reduces) on one group are one collective (:mod:`dmuon.sim.coalesce`); on an expert-parallel plan
+every variant runs the model's token all-to-all around each MoE boundary's expert compute
+(:mod:`dmuon.sim.lower`). Added to every schedule (they are not ops of it): the root's work (embeddings before the first
 forward of a micro-batch, final norm + ``lm_head`` + loss forward and backward before the first
 backward, embedding backward after the last), dmuon's hook calls (``hook_s`` x 2 on each
 boundary forward and backward), the Muon update's elementwise work inside each Newton-Schulz
