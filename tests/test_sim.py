@@ -1028,6 +1028,11 @@ def test_dmuon_all_gather_and_reduce_scatter_run_on_their_phases_channel():
     raw = replay_ops(sim_ops, 4, hw)
     starts = [float(raw["start_scalar"][i]) for i, o in enumerate(sim_ops) if o.collective]
     assert starts[:2] == [0.0, 0.0]
+    # on gloo the runtime blocks once on the forward gather and once on the gradient drain, as
+    # on broadcasts and reduces (FSDP2's in-situ call on 4 ranks less its call on one: 200 us)
+    gloo = _hand_hw(comm_engine="threads", fsdp2_call_s=1e-4, fsdp2_call_s_by_group=((4, 3e-4),))
+    hosts = [o.host_s for o in S.lower._lower(ops, plan, gloo, wl, variant="z3", num_ranks=4) if o.collective]
+    assert hosts == pytest.approx([2e-4, 0.0, 2e-4])
 
 
 def test_coalesced_broadcasts_by_hand():

@@ -258,7 +258,8 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
         host = hw.issue_s
         if kind.startswith("fsdp2_"):
             host += fsdp2_call_s_at(hw, k) + elementwise_s(hw, 2 * k * nbytes, 1)  # copy-out / copy-in
-        elif dmuon and not op.external:
+        elif dmuon and (kind in ("broadcast", "reduce", "all_reduce", "reduce_scatter")
+                        or (kind == "all_gather" and op.phase in ("forward_broadcast", "backward_broadcast"))):
             # the runtime blocks once per boundary's broadcasts / all-gathers (before its forward /
             # backward) and once per micro-batch on its gradient collectives (finish_reduces); the
             # packing is charged with the boundary's backward, below
