@@ -290,7 +290,7 @@ def apply(
     digests under expert parallelism), then ``new_group`` calls; all local validation happens
     before them.
     """
-    _registry.install_stage("dedicate")  # GradScaler, DCP, guards, accelerate / transformers (not with DMUON_NO_PATCHES)
+    _registry.install_stage("dedicate")  # the fully_shard skip, GradScaler, DCP, guards, frameworks (not with DMUON_NO_PATCHES)
     if not (dist.is_available() and dist.is_initialized()):
         _validate(plan, model, None)  # raises the "no process group" error
     dims = dict(shard_dim=shard_dim, replicate_dim=replicate_dim, tp_dim=tp_dim)
