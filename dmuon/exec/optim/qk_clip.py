@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from dmuon import _tags
+from dmuon._dtensor import is_dtensor
 from dmuon.exec.comm import collectives as C
 from dmuon._tags import dedicated_info
 
@@ -225,11 +226,9 @@ class QKClipRuntime:
 def _scale_bias(bias: torch.Tensor, offset: int, per_elem: torch.Tensor) -> None:
     """``bias[offset : offset + len(per_elem)] *= per_elem`` on this rank's part of ``bias`` (a
     plain tensor, or an FSDP2 ``DTensor`` shard whose global offset DTensor computes)."""
-    from torch.distributed.tensor import DTensor
-
     full = torch.ones(bias.shape[0], dtype=per_elem.dtype, device=per_elem.device)
     full[offset : offset + per_elem.numel()] = per_elem
-    if isinstance(bias, DTensor):
+    if is_dtensor(bias):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         local = bias.to_local()
