@@ -17,6 +17,7 @@ import dataclasses
 import pytest
 import torch
 
+from dmuon.exec import dedicated_info
 import dmuon
 import dmuon.plan as P
 import dmuon.testing
@@ -221,7 +222,7 @@ def _worker(ep: int, named_mesh: bool):
     fully_shard(model, mesh=mesh)
     opt = dmuon.Muon(model, ns_dtype=torch.float32, **HP)
     experts = {n: p for n, p in model.named_parameters() if is_expert(n)}
-    assert all(type(p) is torch.nn.Parameter and p._dmuon.ep_local for p in experts.values())
+    assert all(type(p) is torch.nn.Parameter and dedicated_info(p).ep_local for p in experts.values())
     grads = {}
 
     def first_step():  # the experts' gradients (the global-batch mean's)
@@ -287,12 +288,12 @@ def _meta_init_run(ep: int, mesh, named_mesh: bool, group=None, fsdp_mesh=None):
     experts = {n: p for n, p in model.named_parameters() if is_expert(n)}
     if before:  # local EP stacks: the same objects, tagged, hooked
         kept = (
-            all(rt.ep_params[n] is p and before[n] is p and p.device.type == "cpu" and p._dmuon.ep_local
+            all(rt.ep_params[n] is p and before[n] is p and p.device.type == "cpu" and dedicated_info(p).ep_local
                 for n, p in experts.items())
             and sorted(rt.ep_hooks) == sorted(experts)
         )
     else:  # owned in efsdp groups
-        kept = all(p.device.type == "cpu" and p._dmuon.group is not None for p in experts.values())
+        kept = all(p.device.type == "cpu" and dedicated_info(p).group is not None for p in experts.values())
     opt = dmuon.Muon(model, ns_dtype=torch.float32, **HP)
     losses, _, norm = _train(model, opt)  # the global gradient norm: the stacks' hook divided by W
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # the experts' hooks

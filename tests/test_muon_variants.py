@@ -143,14 +143,15 @@ def test_view_step_equals_torch_muon_per_block(adjust_lr_fn):
     with the default bf16 iteration (per-matrix path), within 1e-6 with fp32 (batched path);
     adjust_lr is the block's (original: sqrt(6) and sqrt(2), the whole matrix's would be sqrt(1.5);
     match_rms_adamw: 0.2*sqrt(12) for both)."""
+    from dmuon import _tags
     from dmuon.exec.runtime.buffers import DedicatedInfo
 
     for ns_dtype in (torch.bfloat16, torch.float32):
         torch.manual_seed(0)
         w = torch.nn.Parameter(torch.randn(12, 8))
-        w._dmuon = DedicatedInfo(fqn="w", owner_global_rank=0, is_owner=True, holds_full=True, shape=(12, 8),
-                                 matrix_shape=(12, 8), num_matrices=1, runtime=lambda: None,
-                                 view=MatrixView(dim=1, sizes=(2, 6)))
+        _tags.write(w, _tags.PARAM, DedicatedInfo(fqn="w", owner_global_rank=0, is_owner=True, holds_full=True,
+                                                  shape=(12, 8), matrix_shape=(12, 8), num_matrices=1,
+                                                  runtime=lambda: None, view=MatrixView(dim=1, sizes=(2, 6))))
         blocks = [torch.nn.Parameter(w.detach()[:, :2].clone()), torch.nn.Parameter(w.detach()[:, 2:].clone())]
         ours = dmuon.Muon([w], lr=0.02, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype)
         ref = torch.optim.Muon(blocks, lr=0.02, adjust_lr_fn=adjust_lr_fn)

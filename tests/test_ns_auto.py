@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 import dmuon
+from dmuon import _tags
 from dmuon.exec.optim import ns_backends as ns
 from dmuon.plan.cost import flops as cost
 from dmuon.plan import rules
@@ -127,9 +128,9 @@ def _tagged(model: nn.Module, plan) -> list[torch.Tensor]:
     rt = types.SimpleNamespace(plan=plan, model_ref=lambda: None)
     params = dict(model.named_parameters())
     for spec in plan.params:
-        params[spec.fqn]._dmuon = types.SimpleNamespace(
+        _tags.write(params[spec.fqn], _tags.PARAM, types.SimpleNamespace(
             fqn=spec.fqn, owner_global_rank=0, is_owner=True, holds_full=True, shape=spec.shape,
-            matrix_shape=spec.matrix_shape, num_matrices=spec.num_matrices, runtime=lambda: rt, tp=None)
+            matrix_shape=spec.matrix_shape, num_matrices=spec.num_matrices, runtime=lambda: rt, tp=None))
     return list(model.parameters())
 
 

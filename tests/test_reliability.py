@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
+from dmuon.exec import dedicated_info, get_model_runtime
 from oracle import HP, dmuon_optimizer, fp32_newton_schulz, global_batches, lm_loss, make_model, reference_optimizers
 
 LOSS_RTOL = 1e-6
@@ -87,7 +88,7 @@ def _case_amp(mesh_shape, scaler_kind):
         handles.append(module.weight.register_hook(lambda g: torch.full_like(g, float("inf"))))
 
     losses, scales, fulls, momenta, adamw_steps = [], [], [], [], []
-    owned = [p for p in model.parameters() if getattr(p, "_dmuon", None) is not None and p._dmuon.is_owner]
+    owned = [p for p in model.parameters() if dedicated_info(p) is not None and dedicated_info(p).is_owner]
     adamw = [p for g in opt.param_groups if not g["use_muon"] for p in g["params"]]
     for step, batch in enumerate(global_batches(AMP_STEPS, batch=12)):
         pre = out_mod.register_forward_pre_hook(poison) if (step == AMP_SKIP and rank == poison_rank) else None
@@ -326,8 +327,8 @@ def _grouped(mesh):
         [p for n, p in params.items() if n not in late], lr=lr0, weight_decay=wd0, momentum=HP["momentum"],
         adamw_lr=lr1, adamw_weight_decay=wd1, ns_dtype=torch.float32,
     )
-    opt.add_param_group({"params": [params[n] for n in late if (getattr(params[n], '_dmuon', None) is not None)], "lr": lr2, "weight_decay": wd2})
-    opt.add_param_group({"params": [params[n] for n in late if not (getattr(params[n], '_dmuon', None) is not None)], "lr": lr3, "weight_decay": wd3})
+    opt.add_param_group({"params": [params[n] for n in late if (dedicated_info(params[n]) is not None)], "lr": lr2, "weight_decay": wd2})
+    opt.add_param_group({"params": [params[n] for n in late if not (dedicated_info(params[n]) is not None)], "lr": lr3, "weight_decay": wd3})
     sched = torch.optim.lr_scheduler.LambdaLR(opt, LAMBDAS)
     return model, opt, sched
 
@@ -614,7 +615,7 @@ def _case_missing_shard(root):
     err = _catch(load)
     after = dmuon.full_state_dict(target)
     dist.barrier()
-    dedicated = set(target._dmuon_runtime.slots_by_fqn)
+    dedicated = set(get_model_runtime(target).slots_by_fqn)
     same = {k: torch.equal(before[k], after[k]) for k in before} if dist.get_rank() == 0 else {}
     return dict(
         err=err,

@@ -1,4 +1,6 @@
-"""``dmuon.clip_grad_norm_``: the global gradient norm with owner-held gradients counted once."""
+"""``dmuon.clip_grad_norm_``: the global gradient norm with owner-held gradients counted once.
+
+(``torch.nn.utils.clip_grad_norm_``'s hand-off to it lives in :mod:`dmuon.integrations.clip`.)"""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import torch.nn as nn
 
 from dmuon.exec.runtime.buffers import dedicated_info
 
-__all__ = ["clip_grad_norm_", "hand_off"]
+__all__ = ["clip_grad_norm_"]
 
 
 def clip_grad_norm_(model_or_params, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -100,50 +102,3 @@ def clip_grad_norm_(model_or_params, max_norm: float, norm_type: float = 2.0) ->
     for g in dtensors:
         g.mul_(coef.item())
     return total
-
-
-# ----------------------------------------------------------------------------------------------
-# torch.nn.utils.clip_grad_norm_ on a dmuon model
-# ----------------------------------------------------------------------------------------------
-
-def _has_dedicated(params: list) -> bool:
-    return any(dedicated_info(p) is not None for p in params)
-
-
-def hand_off(fn):
-    """The wrapper of ``torch.nn.utils.clip_grad_norm_`` (registry entries ``clip.*``, installed by
-    ``import dmuon``): when its parameters include dedicated ones (placeholders included, so every
-    rank takes the same path) it is :func:`clip_grad_norm_` (the global norm with owner-held
-    gradients counted once, identical on every rank); any other call goes to ``fn`` unchanged,
-    with the same arguments. A name bound by ``from torch.nn.utils import clip_grad_norm_``
-    BEFORE ``import dmuon`` keeps torch's function; the patch-free way is
-    ``dmuon.clip_grad_norm_``."""
-    import functools
-
-    @functools.wraps(fn)
-    def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        if not _has_dedicated(params):  # (a generator was consumed above: torch gets the list)
-            return fn(params, max_norm, norm_type, error_if_nonfinite, foreach)
-        if error_if_nonfinite:
-            raise RuntimeError(
-                "torch.nn.utils.clip_grad_norm_(..., error_if_nonfinite=True) on parameters dedicated by dmuon: "
-                "call dmuon.clip_grad_norm_(model, max_norm, norm_type) and check that the norm it returns "
-                "(the same on every rank) is finite"
-            )
-        # the parameters hold owner-only gradients (plain tensors) next to FSDP2's DTensor shards:
-        # torch's norm would fail on the mix or count a rank's owned matrices only
-        return clip_grad_norm_dmuon(params, max_norm, norm_type)
-
-    return clip_grad_norm_
-
-
-clip_grad_norm_dmuon = clip_grad_norm_
-
-
-def install() -> None:
-    """Install the ``torch.nn.utils.clip_grad_norm_`` hand-off now (``dmuon._registry.install("clip")``),
-    even with the automatic installs disabled. Idempotent."""
-    from dmuon import _registry
-
-    _registry.install("clip")

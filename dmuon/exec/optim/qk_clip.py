@@ -30,12 +30,13 @@ import weakref
 import torch
 import torch.nn as nn
 
+from dmuon import _tags
+from dmuon._dtensor import is_dtensor
 from dmuon.exec.comm import collectives as C
-from dmuon.exec.runtime.buffers import dedicated_info
+from dmuon._tags import dedicated_info
 
 __all__ = ["record", "wants_logits", "max_logits_eager", "max_logits_sdpa", "stats", "QKClipRuntime"]
 
-_TAG = "_dmuon_qk_clip"  # attribute on a reporting module: (weakref to QKClipRuntime, layer index)
 
 
 def record(module: nn.Module, max_logits: torch.Tensor) -> bool:
@@ -48,7 +49,7 @@ def record(module: nn.Module, max_logits: torch.Tensor) -> bool:
     Raises:
         ValueError: ``max_logits`` is not ``(H,)`` for the layer's ``H`` q heads.
     """
-    tag = getattr(module, _TAG, None)
+    tag = _tags.read(module, _tags.QK_CLIP)
     if tag is None or not torch.is_grad_enabled():
         return False
     rt = tag[0]()
@@ -61,7 +62,7 @@ def wants_logits(module: nn.Module) -> bool:
     """True when :func:`record` would keep a value for ``module`` now (a QK-clip layer of a live
     dmuon plan, gradients enabled): lets an SDPA model skip :func:`max_logits_sdpa`'s extra pass
     otherwise."""
-    tag = getattr(module, _TAG, None)
+    tag = _tags.read(module, _tags.QK_CLIP)
     return tag is not None and torch.is_grad_enabled() and tag[0]() is not None
 
 
@@ -132,7 +133,7 @@ def max_logits_sdpa(
 def stats(model: nn.Module) -> dict[str, float | int] | None:
     """The last step's QK-clip figures of ``model``: ``{"clipped_heads": int, "max_logit": float,
     "tau": float}`` (one host read), or None without QK-clip / before the first step."""
-    rt = getattr(model, "_dmuon_runtime", None)
+    rt = _tags.model_runtime(model)
     qk = getattr(rt, "qk_clip", None)
     if qk is None or qk.last is None:
         return None
@@ -155,7 +156,7 @@ class QKClipRuntime:
         modules = dict(model.named_modules())
         self._max: list[torch.Tensor | None] = [None] * len(self.spec.attention)
         for i, a in enumerate(self.spec.attention):
-            object.__setattr__(modules[a.module], _TAG, (weakref.ref(self), i))
+            _tags.write(modules[a.module], _tags.QK_CLIP, (weakref.ref(self), i))
 
     def record(self, index: int, max_logits: torch.Tensor) -> bool:
         a = self.spec.attention[index]
@@ -225,11 +226,9 @@ class QKClipRuntime:
 def _scale_bias(bias: torch.Tensor, offset: int, per_elem: torch.Tensor) -> None:
     """``bias[offset : offset + len(per_elem)] *= per_elem`` on this rank's part of ``bias`` (a
     plain tensor, or an FSDP2 ``DTensor`` shard whose global offset DTensor computes)."""
-    from torch.distributed.tensor import DTensor
-
     full = torch.ones(bias.shape[0], dtype=per_elem.dtype, device=per_elem.device)
     full[offset : offset + per_elem.numel()] = per_elem
-    if isinstance(bias, DTensor):
+    if is_dtensor(bias):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         local = bias.to_local()

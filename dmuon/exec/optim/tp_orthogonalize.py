@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.exec.comm import collectives as C
-from dmuon.exec.runtime.buffers import dedicated_info
+from dmuon._tags import dedicated_info
 from dmuon.exec.optim import ns_backends as _ns
 
 __all__ = ["orthogonalize_and_apply", "orthogonalize_groups_and_apply", "check_gram_steps"]

@@ -10,6 +10,7 @@ import torch
 
 from dmuon.exec.comm import collectives as C
 from dmuon.exec.runtime.streams import _on_stream, current_stream
+from dmuon.exec.setup.fsdp2 import gradient_divide_factor
 
 __all__ = ["finish_reduces", "grad_divisor"]
 
@@ -60,11 +61,11 @@ def grad_divisor(rt, boundary) -> float:
     ``R·N`` (the average over the data-parallel mesh). Read at every reduce, so a factor set
     after set-up is honoured.
     """
-    factor = _divide_factor(boundary.module)
+    factor = gradient_divide_factor(boundary.module)
     if factor is None:
         model = rt.model_ref()
         for module in model.modules() if model is not None else ():
-            factor = _divide_factor(module)
+            factor = gradient_divide_factor(module)
             if factor is not None:
                 break
     return float(rt.world_numel if factor is None else factor)
@@ -101,15 +102,4 @@ def _write_owner_grads(rt, owned: list) -> None:
                 p.grad = grad
             else:
                 p.grad.add_(grad)
-
-
-def _divide_factor(module) -> float | None:
-    """The ``gradient_divide_factor`` set on ``module``'s FSDP2 param groups, or None."""
-    get = getattr(module, "_get_fsdp_state", None)
-    state = get() if get is not None else None
-    for group in getattr(state, "_fsdp_param_groups", None) or ():
-        factor = getattr(group, "gradient_divide_factor", None)
-        if factor is not None:
-            return factor
-    return None
 

@@ -45,18 +45,19 @@ import weakref
 import torch
 import torch.nn as nn
 
+from dmuon import _tags
+from dmuon._tags import dedicated_info
 from dmuon.plan.scheduling.programs import boundary_programs
 
 from dmuon.exec.setup import fsdp2
 from dmuon.exec.runtime import expert_parallel, reduces, replicas, streams
 from dmuon.exec.runtime.boundary import ShardedState, TrainingState, _BoundaryRuntime, eager_hook
-from dmuon.exec.runtime.buffers import build_segments, dedicated_info
+from dmuon.exec.runtime.buffers import build_segments
 from dmuon.exec.comm.groups import MeshGroups
 from dmuon.exec.runtime.program import bind
 
 __all__ = ["DmuonRuntime", "wait_pending", "after_step", "get_runtime", "get_model_runtime", "no_sync"]
 
-RUNTIME_ATTR = "_dmuon_runtime"  # the model attribute that holds its DmuonRuntime
 
 
 class DmuonRuntime:
@@ -352,7 +353,7 @@ class DmuonRuntime:
 
 def get_model_runtime(model: nn.Module) -> DmuonRuntime | None:
     """The :class:`DmuonRuntime` that :func:`dmuon.exec.apply` attached to ``model``, or None."""
-    return getattr(model, RUNTIME_ATTR, None)
+    return _tags.model_runtime(model)
 
 
 def get_runtime(p: torch.Tensor) -> DmuonRuntime | None:

@@ -29,8 +29,9 @@ from torch import Tensor
 from dmuon._hints import SET_UP_ORDER, framework_hint
 from dmuon.plan.tools.render import fmt_names
 
+from dmuon import _tags
+from dmuon._tags import dedicated_info
 from dmuon.exec.setup import fsdp2
-from dmuon.exec.runtime.buffers import dedicated_info
 
 if TYPE_CHECKING:
     from dmuon.exec.optim.muon import Muon
@@ -158,9 +159,6 @@ def _is_dmuon_muon(optimizer) -> bool:
     return callable(getattr(type(optimizer), "_unscale_grads_for_scaler", None))
 
 
-_CHECKED_ATTR = "_dmuon_checked_groups"
-
-
 def _groups_key(optimizer) -> tuple:
     """What changes when parameters are added or swapped: each group's params list and length
     (O(groups), not O(parameters))."""
@@ -174,11 +172,11 @@ def _optimizer_step_pre_hook(optimizer, args, kwargs) -> None:
     if _is_dmuon_muon(optimizer):
         return
     key = _groups_key(optimizer)
-    if getattr(optimizer, _CHECKED_ATTR, None) == key:
+    if _tags.read(optimizer, _tags.CHECKED_GROUPS) == key:
         return
     check_optimizer(optimizer)
     try:
-        setattr(optimizer, _CHECKED_ATTR, key)
+        _tags.write(optimizer, _tags.CHECKED_GROUPS, key)
     except AttributeError:  # an optimizer with __slots__: check every step
         pass
 
