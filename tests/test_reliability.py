@@ -480,16 +480,22 @@ def _case_interop_2(root):
 FAULT_PG_TIMEOUT_S = 5  # gloo process-group timeout in the fault runs
 FAULT_DMUON_TIMEOUT_S = 3  # dmuon's collective_timeout_s there
 FAULT_DEADLINE_S = 30  # a survivor must have ended by then (it would hang forever otherwise)
+FAULTS = ("broadcast", "reduce")  # the dmuon collective the survivor waits in when rank 1 exits
 
 
 def _fault_rank(rank, world, port, root, where):
-    """One rank of a fault run: a step, a DCP checkpoint, then rank 1 SIGKILLs itself at the start
-    of the next backward (``where="backward"``) or of the next optimizer step (``"step"``); the
-    survivor records how it ended."""
+    """One rank of a fault run: a step, a DCP checkpoint, then rank 1 exits (``os._exit``, as a
+    rank that stopped early or died) in the backward of a second model while the survivor waits
+    in a dmuon collective: at the start of the backward, so the survivor waits in the last
+    boundary's backward broadcast (``where="broadcast"``), or inside the first boundary's
+    backward, after its backward broadcast and before its gradient reduce, so the survivor
+    waits in that reduce (``"reduce"``). The second model is dedicated but not ``fully_shard``'ed:
+    every collective of its forward and backward is dmuon's (FSDP2's all-gathers and
+    reduce-scatters would otherwise meet the closed connection first, in FSDP2's own waits). The
+    survivor records how it ended and how long it waited."""
     import datetime
     import os
     import pickle
-    import signal
     import time
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
@@ -512,21 +518,22 @@ def _fault_rank(rank, world, port, root, where):
     batches = global_batches(3)
     train_steps(model, opt, batches[:1])
     dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=f"{root}/fault_{where}")
+    probe = make_model("tiny")
+    dmuon.dedicate_params(probe, collective_timeout_s=FAULT_DMUON_TIMEOUT_S)
     dist.barrier()
-    kill = lambda *args: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
+    leave = lambda *args: os._exit(0)  # noqa: E731
+
+    def leave_in_backward(module, args):  # inside layers.0's forward: its compute weight's gradient hook
+        module.weight.register_hook(leave)
+
+    if rank == 1 and where == "reduce":
+        probe.get_submodule("layers.0.fc1").register_forward_pre_hook(leave_in_backward)
     t0 = time.monotonic()
     try:
-        for batch in batches[1:]:
-            loss = lm_loss(model, batch.chunk(world)[rank])
-            if rank == 1 and where == "backward":
-                loss.register_hook(kill)
-            if rank == 1 and where == "step":
-                opt.register_step_pre_hook(kill)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            t = loss.detach().clone()
-            dist.all_reduce(t)
+        loss = lm_loss(probe, batches[1].chunk(world)[rank])
+        if rank == 1 and where == "broadcast":
+            loss.register_hook(leave)
+        loss.backward()
         result = ("no error", "")
     except BaseException as exc:  # noqa: BLE001
         result = (type(exc).__name__, str(exc))
@@ -569,7 +576,7 @@ def _case_resume_after_fault(root):
     want = train_steps(model, opt, batches)
     want_full = dmuon.full_state_dict(model)
     out = {}
-    for where in ("backward", "step"):
+    for where in FAULTS:
         model2, opt2, _ = _build("tiny")
         sd = {"model": get_model_state_dict(model2), "optim": get_optimizer_state_dict(model2, opt2)}
         dcp.load(sd, checkpoint_id=f"{root}/fault_{where}")
@@ -659,7 +666,7 @@ def _worker2(root):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("dmuon-reliability"))
-    faults = {where: _run_fault(root, where) for where in ("backward", "step")}
+    faults = {where: _run_fault(root, where) for where in FAULTS}
     r4 = run_distributed(_worker4, 4, root, timeout_s=300)
     r2 = run_distributed(_worker2, 2, root, timeout_s=240)
     return r4, r2, faults
@@ -884,18 +891,28 @@ def test_plain_fsdp2_checkpoints_load_into_dmuon_and_back(runs):
     assert r4["broadcast"] == 0.0 and r2["broadcast"] == 0.0, (r4, r2)  # rank-0 full state dict, N=4 and 2
 
 
-@pytest.mark.parametrize("where", ["backward", "step"])
-def test_sigkilled_rank_survivor_ends_quickly_and_checkpoint_resumes(runs, where):
+@pytest.mark.parametrize("where", FAULTS)
+def test_peer_exit_during_a_dmuon_collective_names_the_transport_error(runs, where):
+    """Rank 1 exits while the survivor waits in a dmuon broadcast / reduce: the survivor raises
+    dmuon's transport error at once (not a timeout), naming the boundary and phase, its step and
+    forward count, the peer and the usual causes; the checkpoint written before resumes exactly."""
+    import re
+
     fault = runs[2][where]
-    assert fault["alive"] == [] and fault["victim_exitcode"] == -9, fault
+    assert fault["alive"] == [] and fault["victim_exitcode"] == 0, fault
     kind, msg = fault["survivor"]["result"]
     assert fault["survivor"]["elapsed_s"] < FAULT_DEADLINE_S, fault
-    # dmuon's CollectiveTimeout naming boundary and phase, or gloo's peer-lost / timeout error
-    dmuon_timeout = kind == "CollectiveTimeout" and "boundary" in msg
-    gloo_lost = kind in ("RuntimeError", "DistBackendError") and any(
-        s in msg for s in ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out")
-    )
-    assert dmuon_timeout or gloo_lost, fault
+    assert kind == "CollectiveTransportError", fault
+    phase = "'layers.2' backward_broadcast" if where == "broadcast" else "' reduce"
+    assert "dmuon: collective for boundary " in msg and phase in msg and "failed in the transport" in msg, msg
+    assert "did not complete within" not in msg, msg
+    waited = float(re.search(r"after ([0-9.]+) s of waiting", msg).group(1))
+    assert waited < FAULT_DMUON_TIMEOUT_S, msg  # named at once, well within dmuon's timeout
+    assert "global rank 0, 0 optimizer step(s) done" in msg and "grad-enabled forward(s) of this boundary" in msg, msg
+    assert "(the only other rank: 1)" in msg and "the backend names the peer" in msg, msg
+    causes = [msg.index(c) for c in ("stopped early or skipped a whole step", "a rank died", "rank-dependent number of micro-batches")]
+    assert causes == sorted(causes), msg
+    assert "Last collective dmuon issued on this rank:" in msg, msg
     assert runs[1][0]["resume_after_fault"][where] and runs[1][1]["resume_after_fault"][where]
 
 
