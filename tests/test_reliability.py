@@ -210,14 +210,18 @@ FREEZE_AT, UNFREEZE_AT = 2, 4  # 0-based steps: frozen for steps 2 and 3
 FROZEN = ("layers.1.fc1.weight", "layers.1.fc2.weight", "layers.1.gate.weight", "layers.1.out.weight")
 
 
-def _toggle(model, step):
-    if step in (FREEZE_AT, UNFREEZE_AT):
+LATE_FROM = 2  # "late": FROZEN's matrices get no gradient (None) for steps 0 and 1, then one
+
+
+def _toggle(model, step, freeze_at=FREEZE_AT, unfreeze_at=UNFREEZE_AT):
+    if step in (freeze_at, unfreeze_at):
         for fqn in FROZEN:
-            model.get_parameter(fqn).requires_grad_(step == UNFREEZE_AT)
+            model.get_parameter(fqn).requires_grad_(step == unfreeze_at)
 
 
-def _case_requires_grad_toggle(set_to_none):
-    """A block's matrices frozen after step 2 and unfrozen after step 4."""
+def _case_requires_grad_toggle(set_to_none, late=False):
+    """A block's matrices frozen after step 2 and unfrozen after step 4; ``late``: frozen from
+    the start (gradient None on every rank for the first LATE_FROM steps), then trained."""
     import torch.distributed as dist
 
     import dmuon
@@ -226,7 +230,7 @@ def _case_requires_grad_toggle(set_to_none):
     model, opt, plan = _build("tiny")
     losses = []
     for step, batch in enumerate(global_batches(TOGGLE_STEPS, batch=12)):
-        _toggle(model, step)
+        _toggle(model, step, *((0, LATE_FROM) if late else ()))
         loss = lm_loss(model, batch.chunk(world)[rank])
         loss.backward()
         opt.step()
@@ -261,6 +265,77 @@ def _case_torch_clip():
     full = dmuon.full_state_dict(model)
     dist.barrier()
     return dict(dedicated=plan.dedicated, norms=norms, losses=losses, full=full if rank == 0 else None, err=err)
+
+
+def _case_dmuon_clip():
+    """dmuon.clip_grad_norm_ with torch's signature. Step 0: error_if_nonfinite=True on finite
+    gradients, foreach=True, recorded by a metered ledger around the whole step (dmuon's step
+    collectives next to clip's), then the same clip with foreach=False on a copy of the
+    gradients. Step 1: a NaN in a gradient rank 1 holds (a dedicated matrix it owns):
+    error_if_nonfinite=True raises on every rank, gradients untouched; without it, the norm is
+    NaN on every rank (torch's behaviour)."""
+    import logging
+
+    import torch.distributed as dist
+
+    import dmuon
+    from dmuon.exec.comm import collectives as C
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, opt, plan = _build("tiny")
+    batches = global_batches(2, batch=12)
+    grads = lambda: {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()  # noqa: E731
+                     for n, p in model.named_parameters() if p.grad is not None}
+    with dmuon.exec.metered(record=True) as led:
+        lm_loss(model, batches[0].chunk(world)[rank]).backward()
+        before = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        logged = []  # the dmuon.comm logger at DEBUG: one line per issued collective
+
+        class Keep(logging.Handler):
+            def emit(self, record):
+                logged.append(record.getMessage())
+
+        log, keep = logging.getLogger("dmuon.comm"), Keep()
+        level = log.level
+        log.addHandler(keep)
+        log.setLevel(logging.DEBUG)
+        try:
+            with dmuon.exec.metered(record=True) as clip_led:
+                norm = dmuon.clip_grad_norm_(model, 0.05, error_if_nonfinite=True, foreach=True).item()
+        finally:
+            log.removeHandler(keep)
+            log.setLevel(level)
+        group = C._LAST[0][2] or dist.group.WORLD  # the group of the last op: its count of collectives so far
+        seq, last = group._get_sequence_number_for_group(), C.last_issued()
+        clipped = grads()
+        for n, p in model.named_parameters():  # the same clip, tensor by tensor
+            if p.grad is not None:
+                p.grad.copy_(before[n])
+        norm_loop = dmuon.clip_grad_norm_(model.parameters(), 0.05, foreach=False).item()
+        same_loop = all(torch.allclose(clipped[n], g, rtol=1e-6, atol=0) for n, g in grads().items())
+        opt.step()
+    opt.zero_grad()
+    op = lambda o: (o.kind, o.phase, tuple(sorted(o.group)), o.root, o.dtype, o.numel, o.nbytes)  # noqa: E731
+    issued = [op(o) for o in led.ops if o.phase != "other"]
+    planned = [(o.kind, o.phase, o.group, o.root, o.dtype, o.numel, o.charged_nbytes(rank))
+               for o in plan.schedule().rank_ops(rank) if o.collective]
+    lm_loss(model, batches[1].chunk(world)[rank]).backward()
+    target = next(f for f in plan.dedicated if plan.owner(f).rank == 1)
+    if rank == 1:
+        model.get_parameter(target).grad[0, 0] = float("nan")
+    kept = grads()
+    err = _catch(lambda: dmuon.clip_grad_norm_(model, 0.05, error_if_nonfinite=True))
+    untouched = all(torch.equal(kept[n], g) or (n == target and torch.equal(kept[n].nan_to_num(), g.nan_to_num()))
+                    for n, g in grads().items())
+    nan_norm = dmuon.clip_grad_norm_(model, 0.05).item()
+    dist.barrier()
+    return dict(
+        dedicated=plan.dedicated, norm=norm, norm_loop=norm_loop, same_loop=same_loop,
+        clip_ops=[op(o) for o in clip_led.ops], clip_other=clip_led.snapshot()["other"],
+        step_other=[op(o) for o in led.ops if o.phase == "other"], ops_match=issued == planned,
+        step_nbytes=led.total_nbytes(), plan_nbytes=plan.cost.per_rank_nbytes[rank],
+        target=target, err=err, untouched=untouched, nan_norm=nan_norm, logged=logged, seq=seq, last=last,
+    )
 
 
 def _case_predicate_changed(root):
@@ -654,7 +729,9 @@ def _worker2(root):
         order=_case_order_mistakes(),
         toggle_none=_case_requires_grad_toggle(True),
         toggle_zero=_case_requires_grad_toggle(False),
+        late_grad=_case_requires_grad_toggle(True, late=True),
         torch_clip=_case_torch_clip(),
+        dmuon_clip=_case_dmuon_clip(),
         predicate_changed=_case_predicate_changed(root),
         groups_n2=_case_groups_load(root, None),
         interop=_case_interop_2(root),
@@ -775,13 +852,13 @@ def test_set_up_order_mistakes_are_detected_on_every_rank(runs):
     assert r["no_block_fully_shard"] is None
 
 
-def _reference_toggle(dedicated, set_to_none):
+def _reference_toggle(dedicated, set_to_none, late=False):
     model = make_model("tiny")
     muon, adamw = reference_optimizers(model, dedicated)
     losses = []
     with fp32_newton_schulz():
         for step, batch in enumerate(global_batches(TOGGLE_STEPS, batch=12)):
-            _toggle(model, step)
+            _toggle(model, step, *((0, LATE_FROM) if late else ()))
             loss = lm_loss(model, batch)
             loss.backward()
             muon.step()
@@ -792,10 +869,13 @@ def _reference_toggle(dedicated, set_to_none):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("name,set_to_none", [("toggle_none", True), ("toggle_zero", False)])
-def test_requires_grad_toggled_mid_run_matches_oracle(runs, name, set_to_none):
+@pytest.mark.parametrize("name,set_to_none,late", [("toggle_none", True, False), ("toggle_zero", False, False),
+                                                   ("late_grad", True, True)])
+def test_requires_grad_toggled_mid_run_matches_oracle(runs, name, set_to_none, late):
+    """Toggled mid-run, or (late_grad) no gradient on any rank for the first steps, then present:
+    untouched while absent (no momentum, no decay), then trained exactly as the oracle."""
     r0 = runs[1][0][name]
-    ref_losses, ref_state = _reference_toggle(set(r0["dedicated"]), set_to_none)
+    ref_losses, ref_state = _reference_toggle(set(r0["dedicated"]), set_to_none, late)
     for step, (got, want) in enumerate(zip(r0["losses"], ref_losses)):
         assert math.isclose(got, want, rel_tol=LOSS_RTOL), (name, step, got, want)
     _assert_state_close(r0["full"], ref_state, name)
@@ -821,6 +901,38 @@ def test_torch_clip_grad_norm_gives_the_global_norm(runs):
     _assert_state_close(r0["full"], {k: v.detach() for k, v in model.state_dict().items()}, "torch clip")
     for r in per_rank:
         assert r["err"][0] == "RuntimeError" and "dmuon.clip_grad_norm_(model" in r["err"][1], r["err"]
+
+
+def test_dmuon_clip_grad_norm_takes_torchs_signature_and_names_nonfinite_ranks(runs):
+    per_rank = [r["dmuon_clip"] for r in runs[1]]
+    r0 = per_rank[0]
+    model = make_model("tiny")  # the single-process oracle's norm on the global batch
+    lm_loss(model, global_batches(2, batch=12)[0]).backward()
+    want = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05, error_if_nonfinite=True).item()
+    for rank, r in enumerate(per_rank):
+        assert math.isclose(r["norm"], want, rel_tol=1e-5) and math.isclose(r["norm_loop"], r["norm"], rel_tol=1e-6), r
+        assert r["same_loop"]  # foreach=True and foreach=False scale identically
+        # ledger: clip's collectives are charged to "other" (the all-reduce of one fp32 scalar,
+        # 2*(k-1)*ceil(1/k)*4 = 8 B; the flags' all-gather of 3 int64, (k-1)*3*8 = 24 B) ...
+        assert r["clip_ops"] == [("all_reduce", "other", (0, 1), None, "torch.float32", 1, 8),
+                                 ("all_gather", "other", (0, 1), None, "torch.int64", 3, 24)], r["clip_ops"]
+        assert r["clip_other"] == 32 and r["step_other"] == r["clip_ops"] + r["clip_ops"][:1]  # 2nd clip: no flags
+        # ... and are no op of the plan's step: the step's other collectives are exactly the schedule's
+        assert r["ops_match"] and r["step_nbytes"] == r["plan_nbytes"], rank
+        # dmuon.comm at DEBUG logs each issued collective with its group's sequence number (NCCL's
+        # watchdog SeqNum): the last line names the last op and the group's count after it
+        op = (f"all_gather (phase other) over global ranks (0, 1), 3 int64 elements, "
+              f"group sequence number {r['seq']}")
+        assert len(r["logged"]) == 2 and r["logged"][-1] == f"dmuon rank {rank} issues {op}", r["logged"]
+        assert r["last"] == op and r["logged"][0].startswith(f"dmuon rank {rank} issues all_reduce (phase other)")
+    # a NaN in a gradient rank 1 holds: every rank raises the same error naming rank 1 and the parameter
+    errs = [r["err"] for r in per_rank]
+    assert errs[0] == errs[1] and errs[0][0] == "RuntimeError", errs
+    msg = errs[0][1]
+    assert "dmuon.clip_grad_norm_: the total norm of order 2 of the gradients is non-finite" in msg, msg
+    assert "global rank(s) [1] hold non-finite gradients" in msg and f"the first such parameter: {r0['target']!r}" in msg, msg
+    assert all(r["untouched"] for r in per_rank)  # raised before any gradient was scaled
+    assert all(math.isnan(r["nan_norm"]) for r in per_rank)  # without the flag: torch's NaN norm
 
 
 def test_checkpoint_after_predicate_change_says_the_dedicated_set_differs(runs):

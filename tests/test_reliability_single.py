@@ -374,3 +374,97 @@ def test_wait_report_classifies_backend_messages():
     assert backend_peer("Read error [127.0.0.1]:9629: Connection reset by peer") == "[127.0.0.1]:9629"
     assert backend_peer("NCCL error: peer rank 3 failed") == "rank 3"
     assert backend_peer("something else") is None
+
+
+# ----------------------------------------------------------------------------------------------
+# edge cases against torch.optim.Muon, the default (bf16) Newton-Schulz on both sides
+# ----------------------------------------------------------------------------------------------
+
+
+def _pair(shapes, seed=0):
+    """dmuon.Muon and torch.optim.Muon over copies of the same matrices (default hyper-parameters
+    but lr 0.02, weight decay 0.1: the decay shows whether a skipped matrix was touched)."""
+    from test_optim_single import tag
+
+    g = torch.Generator().manual_seed(seed)
+    ours = [tag(nn.Parameter(torch.randn(s, generator=g)), f"layers.0.w{i}") for i, s in enumerate(shapes)]
+    ref = [nn.Parameter(p.detach().clone()) for p in ours]
+    return ours, ref, dmuon.Muon(ours, lr=0.02, weight_decay=0.1), torch.optim.Muon(ref, lr=0.02, weight_decay=0.1)
+
+
+def test_gradient_norm_below_eps_default_bf16_equals_torch_muon(monkeypatch):
+    """||G||_F below eps (1e-7) and exactly 0, next to a normal gradient, in dmuon.Muon's default
+    bf16 iteration: bit-equal to torch.optim.Muon's, finite (torch divides by max(||X||, eps):
+    a tiny gradient is scaled by 1/eps, not normalised; a zero one stays zero)."""
+    from dmuon.exec.optim import muon as optim_mod
+
+    monkeypatch.setattr(optim_mod, "wait_pending", lambda params: None)
+    monkeypatch.setattr(optim_mod, "after_step", lambda params: None)
+    grads = _three((8, 20), seed=5)
+    assert 0 < grads[1].norm() < EPS
+    ours, ref, opt, ref_opt = _pair([(8, 20)] * 3)
+    assert opt.param_groups[0]["ns_dtype"] == torch.bfloat16  # the default, as torch's
+    for _ in range(3):
+        for p, q, g in zip(ours, ref, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        ref_opt.step()
+        for i, (p, q) in enumerate(zip(ours, ref)):
+            assert torch.isfinite(p).all(), i
+            assert torch.equal(p, q), (i, (p - q).abs().max().item())
+
+
+def test_gradient_absent_for_the_first_steps_then_present_equals_torch_muon(monkeypatch):
+    """A matrix whose gradient is None for the first K steps: untouched by them (no momentum, no
+    weight decay), then updated from step K+1 on exactly as torch.optim.Muon, which creates its
+    momentum buffer at the first gradient (dmuon's exists from construction, zero)."""
+    from dmuon.exec.optim import muon as optim_mod
+
+    monkeypatch.setattr(optim_mod, "wait_pending", lambda params: None)
+    monkeypatch.setattr(optim_mod, "after_step", lambda params: None)
+    K, steps = 2, 5
+    ours, ref, opt, ref_opt = _pair([(8, 20), (12, 6)], seed=7)
+    start = ours[1].detach().clone()
+    g = torch.Generator().manual_seed(8)
+    for step in range(steps):
+        for i, (p, q) in enumerate(zip(ours, ref)):
+            grad = torch.randn(p.shape, generator=g)
+            p.grad = q.grad = None
+            if i == 0 or step >= K:
+                p.grad, q.grad = grad.clone(), grad.clone()
+        opt.step()
+        ref_opt.step()
+        if step < K:
+            assert torch.equal(ours[1], start) and "momentum_buffer" not in ref_opt.state[ref[1]], step
+        for i, (p, q) in enumerate(zip(ours, ref)):
+            assert torch.equal(p, q), (step, i, (p - q).abs().max().item())
+    assert not torch.equal(ours[1], start)
+    assert torch.equal(opt.state[ours[1]]["momentum_buffer"], ref_opt.state[ref[1]]["momentum_buffer"])
+
+
+# ----------------------------------------------------------------------------------------------
+# the main job off a terminal: the note in place of the bar
+# ----------------------------------------------------------------------------------------------
+
+
+def test_main_job_notes_no_bar_and_no_plot_off_a_terminal(monkeypatch):
+    import io
+    import sys
+
+    from dmuon.train import progress
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal: no bar, one note
+    assert isinstance(progress.progress_bar(total=3), progress._NoBar)
+    assert progress.progress_note(log_every=25) == (
+        "progress: no bar (stderr is not a terminal), a log line every 25 steps; no plot without --png FILE"
+    )
+    assert progress.progress_note(png="run.png").endswith("log lines only; the plot goes to run.png")
+    assert progress.progress_note(enabled=False) is None  # --quiet: nothing
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Tty())
+    pytest.importorskip("tqdm")
+    assert progress.progress_note() is None  # the bar shows: no note
