@@ -106,6 +106,26 @@ def test_ep_refusals():
         P.compile(torch.nn.Sequential(torch.nn.Linear(4, 4)), 2, ep=2, hook_boundary_strict=False)
 
 
+def test_ep_stack_count_mismatch_hint_fits_the_case():
+    """The fix named for a stack/router mismatch under ep= fits the case: a rank holding every
+    expert is told to drop ep=; a rank holding another count (a model built for another ep) is
+    told to build E/ep experts per stack or pass the ep its count implies, not to drop ep=."""
+    with pytest.raises(ValueError) as info:
+        P.compile(full_model(), 4, ep=4)
+    msg = str(info.value)
+    assert "holds 8 experts, expected 2 (= 8 / ep 4)" in msg and msg.endswith("not expert-parallel: drop ep= "
+        "(under expert parallelism each rank's model builds only its own experts and routes tokens with all_to_all, "
+        "docs/moe_ep.md)."), msg
+    for built, asked in ((2, 4), (4, 2)):  # a model built for ep=built, compiled with ep=asked
+        with pytest.raises(ValueError) as info:
+            P.compile(ep_model(built, 0), 4, ep=asked)
+        msg = str(info.value)
+        assert f"holds {E // built} experts, expected {E // asked} (= {E} / ep {asked})" in msg, msg
+        assert "drop ep=" not in msg, msg
+        assert msg.endswith(f"build each rank's model with E/ep experts per stack, or pass ep={built}, the degree this "
+                            "model was built for."), msg
+
+
 def test_ep_efsdp_plan_by_hand():
     """ep 2 x efsdp 2 on 4 ranks (align 1, Z3, fp32): each EP coordinate's 4 experts of a stack
     cut into two ranges of 2, one per member of its efsdp group ({0, 2} holds experts 0-3, {1, 3}

@@ -24,8 +24,8 @@ def hand_off(fn):
     """The wrapper of ``torch.nn.utils.clip_grad_norm_`` (registry entries ``clip.*``, installed by
     ``import dmuon``): when its parameters include dedicated ones (placeholders included, so every
     rank takes the same path) it is :func:`dmuon.clip_grad_norm_` (the global norm with owner-held
-    gradients counted once, identical on every rank); any other call goes to ``fn`` unchanged,
-    with the same arguments. A name bound by ``from torch.nn.utils import clip_grad_norm_``
+    gradients counted once, identical on every rank; ``error_if_nonfinite`` and ``foreach`` are
+    passed on); any other call goes to ``fn`` unchanged, with the same arguments. A name bound by ``from torch.nn.utils import clip_grad_norm_``
     BEFORE ``import dmuon`` keeps torch's function; the patch-free way is
     ``dmuon.clip_grad_norm_``."""
 
@@ -34,17 +34,11 @@ def hand_off(fn):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         if not _tags.has_dedicated(params):  # (a generator was consumed above: torch gets the list)
             return fn(params, max_norm, norm_type, error_if_nonfinite, foreach)
-        if error_if_nonfinite:
-            raise RuntimeError(
-                "torch.nn.utils.clip_grad_norm_(..., error_if_nonfinite=True) on parameters dedicated by dmuon: "
-                "call dmuon.clip_grad_norm_(model, max_norm, norm_type) and check that the norm it returns "
-                "(the same on every rank) is finite"
-            )
         from dmuon.exec.optim.clip import clip_grad_norm_ as dmuon_clip
 
         # the parameters hold owner-only gradients (plain tensors) next to FSDP2's DTensor shards:
         # torch's norm would fail on the mix or count a rank's owned matrices only
-        return dmuon_clip(params, max_norm, norm_type)
+        return dmuon_clip(params, max_norm, norm_type, error_if_nonfinite, foreach)
 
     return clip_grad_norm_
 

@@ -38,7 +38,7 @@ from dmuon.plan.cost.model import ByteCost
 from dmuon.plan.records.mesh import parse_mesh_text
 from dmuon.train.checkpoint import load_checkpoint, run_flags, save_checkpoint
 from dmuon.train.data import VOCAB_SIZE, Corpus, load_corpus
-from dmuon.train.progress import progress_bar, write_line
+from dmuon.train.progress import progress_bar, progress_note, write_line
 from dmuon.train.model import GPT, GPTConfig, apply_tensor_parallel, lm_loss
 
 __all__ = ["LEDGER_PHASES", "train", "run_job", "lr_factor", "model_config"]
@@ -383,6 +383,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     interval_time, interval_steps = 0.0, 0
     comm_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
     bar = progress_bar(total=args.steps, initial=start_step, enabled=is_log)
+    note = progress_note(enabled=is_log, png=getattr(args, "png", None), log_every=getattr(args, "log_every", None))
+    if note is not None:
+        log(note)
 
     for step in range(start_step + 1, args.steps + 1):
         x, y = corpus.train_batch(step - 1, args.batch, dp_rank, dp_world)

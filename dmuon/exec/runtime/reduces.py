@@ -28,16 +28,17 @@ def finish_reduces(rt) -> None:
         return
     stream = rt.comm_stream("reduce")  # None on CPU
     with _on_stream(stream):  # NCCL: the reduce stream waits for the collectives
-        for boundary, _, _, work, _ in pending:
-            C.wait_all([work], what=f"boundary {boundary.fqn!r} reduce", timeout_s=rt.timeout_s)
+        for boundary, seg, _, work, _ in pending:
+            group = next((b.group for b in boundary.ops.reduce if b.segment is seg), None)
+            rt.wait([work], f"boundary {boundary.fqn!r} reduce", boundary=boundary, group=group)
         works = []
         for boundary, seg, buf, _, _ in pending:  # HSDP: the held segments' sub-segments
             for b in boundary.ops.replicate_reduce_of(seg):
                 part = buf[b.sub.offset_in_seg : b.sub.offset_in_seg + b.sub.numel]
                 work = C.reduce_sum(part, dst=b.root, group=b.group, phase=b.op.phase, async_op=True)
-                works.append((boundary, work))
-        for boundary, work in works:
-            C.wait_all([work], what=f"boundary {boundary.fqn!r} replicate_reduce", timeout_s=rt.timeout_s)
+                works.append((boundary, work, b.group))
+        for boundary, work, group in works:
+            rt.wait([work], f"boundary {boundary.fqn!r} replicate_reduce", boundary=boundary, group=group)
     if stream is not None:  # the compute stream reads the buffers below; the local grads are released after
         current_stream(stream.device).wait_event(stream.record_event())
     for _, seg, _, _, _ in pending:

@@ -16,6 +16,7 @@ from dmuon._dtensor import is_dtensor
 from dmuon.exec.state import model_state
 from dmuon.exec.setup import guards
 from dmuon.exec.setup import materialize
+from dmuon.exec.comm.collectives import DEFAULT_TIMEOUT_S
 from dmuon.exec.comm.groups import MeshGroups, mesh_rank_table, mesh_tp_ranks
 from dmuon.exec.runtime.runtime import DmuonRuntime, get_model_runtime
 
@@ -254,7 +255,7 @@ def apply(
     model: nn.Module,
     mesh=None,
     *,
-    collective_timeout_s: float | None = None,
+    collective_timeout_s: float | None = DEFAULT_TIMEOUT_S,
     shard_dim: str | None = None,
     replicate_dim: str | None = None,
     tp_dim: str | None = None,
@@ -273,9 +274,17 @@ def apply(
             ``(R, N)`` spanning the world, or ``None`` = a 1-D mesh over the world.
         shard_dim, replicate_dim, tp_dim: the names of the mesh's dims when they are not among
             :data:`dmuon.plan.MESH_DIM_NAMES` (see :func:`dmuon.plan.mesh_dim_roles`).
-        collective_timeout_s: a dmuon collective not complete within this many seconds raises
+        collective_timeout_s: a dmuon wait not complete within this many seconds raises
             :class:`~dmuon.exec.comm.collectives.CollectiveTimeout` naming the boundary and phase
-            (``None``: wait forever, as torch does up to the process group's own timeout).
+            (default :data:`~dmuon.exec.comm.collectives.DEFAULT_TIMEOUT_S`, 600 s; ``None``: no
+            dmuon timeout, the process group's own applies). Enforced where the wait blocks the
+            CPU anyway: gloo, or NCCL with ``TORCH_NCCL_BLOCKING_WAIT=1``; on NCCL's default
+            non-blocking wait the process group's watchdog and its timeout handle a hang. The
+            two timeouts run side by side: whichever is shorter fires first (gloo's default
+            process-group timeout is 30 min, so dmuon's fires first); either way the error is a
+            ``CollectiveTimeout`` naming the boundary, and a peer that exits or closes its
+            connection raises :class:`~dmuon.exec.comm.collectives.CollectiveTransportError` at
+            once (docs/troubleshooting.md, "Collective failures").
 
     Returns:
         the :class:`~dmuon.exec.runtime.runtime.DmuonRuntime` (also ``dmuon.exec.get_model_runtime(model)``).
@@ -349,7 +358,7 @@ def dedicate_params(
     hook_boundary_strict: bool = True,
     replicate_async: bool = True,
     mp_policy=None,
-    collective_timeout_s: float | None = None,
+    collective_timeout_s: float | None = DEFAULT_TIMEOUT_S,
     shard_dim: str | None = None,
     replicate_dim: str | None = None,
     tp_dim: str | None = None,

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from dmuon._hints import SET_UP_ORDER, framework_hint
+from dmuon._hints import SET_UP_ORDER, detect_framework, framework_hint
 from dmuon.plan.tools.render import fmt_names
 
 from dmuon import _tags
@@ -64,7 +64,9 @@ def check_not_fully_sharded(model: nn.Module) -> None:
         what = f"modules {wrapped[:5]}"
         raise ValueError(
             f"dmuon: the model is already sharded ({what}{' ...' if len(wrapped) > 5 else ''}). "
-            f"Call dmuon.dedicate_params(model, mesh) BEFORE fully_shard. Set-up order: {SET_UP_ORDER}. "
+            "Call dmuon.dedicate_params(model, mesh) BEFORE fully_shard. "
+            # the order once: the generic hint is the order itself, a framework's follows it
+            + (f"Set-up order: {SET_UP_ORDER}. " if detect_framework(model) is not None else "")
             + framework_hint("fully_shard_first", model)
         )
 

@@ -157,7 +157,9 @@ def _gather_rows(runtime, value, dst: int | None, shape) -> torch.Tensor | None:
         return padded[:rows]
     gather_list = [torch.empty_like(padded) for _ in range(N)] if me == dst else None
     C.LEDGER.charge("other", 0 if me == dst else padded.numel() * padded.element_size())
-    dist.gather(padded, gather_list, dst=dst, group=g.shard_group)
+    work = dist.gather(padded, gather_list, dst=dst, group=g.shard_group, async_op=True)
+    C.wait_all([work], what="state-dict gather of a dedicated matrix's row chunks",
+               timeout_s=C.blocking_timeout_s(runtime.timeout_s, device, g.shard_group), group=g.shard_group)
     if me != dst:
         return None
     return torch.cat(gather_list)[:rows]
