@@ -272,7 +272,7 @@ def run_dmuon(spec: dict, batches, device: str, *, use_streams: bool) -> dict:
 
     model = _gpt(spec, device)
     plan = dmuon.dedicate_params(model)
-    rt = model._dmuon_runtime
+    rt = dmuon.exec.get_model_runtime(model)
     rt.set_use_streams(use_streams)
     opt = dmuon.Muon(model, **MUON_HP, ns_dtype=torch.bfloat16, adamw_lr=ADAMW_HP["lr"],
                      adamw_betas=ADAMW_HP["betas"], adamw_eps=ADAMW_HP["eps"],

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The first GPU run (issue #17 §4), as ONE prepared script for a session lent a GPU.
 #
-#   bash benchmarks/gpu_session.sh OUT_DIR        # ~6 min on one GPU; writes JSON + logs to OUT_DIR
+#   bash benchmarks/gpu_session.sh OUT_DIR        # 53 s on one H200 (measured); writes JSON + logs to OUT_DIR
 #
 # 1. benchmarks/gpu_check.py: NS TFLOP/s (standard, batched, Gram; bf16 and fp32) next to a square
 #    matmul measured in the same run, and the 1-rank training check (dmuon with CUDA streams vs no

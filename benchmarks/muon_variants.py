@@ -27,6 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dmuon  # noqa: E402
+from dmuon import _tags  # noqa: E402
 from dmuon.exec.runtime.buffers import DedicatedInfo  # noqa: E402
 from dmuon.exec.optim.qk_clip import max_logits_sdpa  # noqa: E402
 from dmuon.plan.cost.flops import ns_flops  # noqa: E402
@@ -62,8 +63,9 @@ def _interleaved(fa, fb, repeats, device):
 
 def _muon_step(shape, view, device):
     w = torch.nn.Parameter(torch.randn(shape, device=device))
-    w._dmuon = DedicatedInfo(fqn="w", owner_global_rank=0, is_owner=True, holds_full=True, shape=shape,
-                             matrix_shape=shape, num_matrices=1, runtime=lambda: None, view=view)
+    _tags.write(w, _tags.PARAM, DedicatedInfo(fqn="w", owner_global_rank=0, is_owner=True, holds_full=True,
+                                              shape=shape, matrix_shape=shape, num_matrices=1, runtime=lambda: None,
+                                              view=view))
     opt = dmuon.Muon([w], ns_dtype=torch.float32)
     g = torch.randn(shape, device=device)
 

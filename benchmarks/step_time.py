@@ -299,7 +299,9 @@ def _held_nbytes(v: "Variant") -> int:
     for st in opt.state.values():
         for t in st.values():
             add(t)
-    rt = getattr(v.model, "_dmuon_runtime", None)
+    from dmuon.exec import get_model_runtime
+
+    rt = get_model_runtime(v.model)
     if rt is not None:
         for b in rt.boundaries:
             for seg in b.segments:

@@ -1,14 +1,16 @@
 """dmuon: Muon on FSDP2 with exclusive ownership of every Muon-target matrix.
 
-``import dmuon`` changes two things in torch: ``fully_shard`` (however it was imported) skips
-parameters dedicated by :func:`dedicate_params`, and ``torch.nn.utils.clip_grad_norm_`` over
-dedicated parameters hands off to :func:`clip_grad_norm_` (other calls unchanged). The first
-:func:`dedicate_params` installs the rest (GradScaler, DCP load errors, the DDP and foreign-optimizer
-guards, accelerate / transformers when imported). All of it is one list, :mod:`dmuon._registry`:
-``dmuon.integrations.status()`` shows it, ``DMUON_NO_PATCHES=1`` or
-``dmuon.integrations.disable()`` leaves every library untouched (explicit paths:
-:func:`fsdp2_ignored_params`, :class:`GradScaler`, :func:`clip_grad_norm_`, :class:`DCPLoadPlanner`,
-``dmuon.integrations.enable("accelerate")``; docs/integrations.md). Public names (the README's "API" section):
+``import dmuon`` changes one thing in torch: ``torch.nn.utils.clip_grad_norm_`` over dedicated
+parameters hands off to :func:`clip_grad_norm_` (other calls unchanged). It imports no
+``dmuon.exec`` module and no ``torch.distributed.fsdp``: the names below load on first use. The
+first :func:`dedicate_params` installs the rest (the ``fully_shard`` skip of dedicated
+parameters, GradScaler, DCP load errors, the DDP and foreign-optimizer guards, accelerate /
+transformers / torchtitan when imported). All of it is one list,
+:mod:`dmuon.integrations.patches`: ``dmuon.integrations.status()`` shows it,
+``DMUON_NO_PATCHES=1`` or ``dmuon.integrations.disable()`` leaves every library untouched
+(explicit paths: :func:`fsdp2_ignored_params`, :class:`GradScaler`, :func:`clip_grad_norm_`,
+:class:`DCPLoadPlanner`, ``dmuon.integrations.enable("accelerate")``; docs/integrations.md).
+Public names (the README's "API" section):
 
 * :mod:`dmuon.plan` — pure planning: ``dmuon.plan.compile(model, mesh, ...)`` → ``ShardingPlan``.
 * :mod:`dmuon.exec` — execution: ``dmuon.exec.apply(plan, model, mesh=None)``.
@@ -23,22 +25,45 @@ guards, accelerate / transformers when imported). All of it is one list, :mod:`d
   reference and ``check_against_reference``: check dmuon on your own model; docs/testing.md.
 """
 
-from dmuon import plan
-from dmuon import exec  # noqa: A004 - the public sub-package name is fixed by the API
-from dmuon import _registry
-from dmuon import integrations
-from dmuon.exec.setup.api import dedicate_params
-from dmuon.exec.optim.amp import GradScaler
-from dmuon.exec.optim.clip import clip_grad_norm_
-from dmuon.exec.state.dcp_errors import DCPLoadPlanner
-from dmuon.exec.setup.fsdp2 import ignored_params as fsdp2_ignored_params
-from dmuon.exec.optim.muon import Muon
-from dmuon.exec.state.model_state import full_state_dict
-from dmuon.exec.setup.materialize import init_params
-from dmuon.exec.runtime.runtime import no_sync
-from dmuon.exec.optim import qk_clip
+import importlib as _importlib
 
-_registry.install_stage("import")  # the fully_shard skip and the clip_grad_norm_ hand-off only
+from dmuon import _registry
+from dmuon.integrations import patches as _patches  # noqa: F401 - registers the list (names its wrappers, imports none)
+
+_registry.install_stage("import")  # the clip_grad_norm_ hand-off only
+
+#: public name -> "module" (a module) or "module:attr" (loaded on first access, PEP 562)
+_LAZY = {
+    "plan": "dmuon.plan",
+    "exec": "dmuon.exec",
+    "integrations": "dmuon.integrations",
+    "dedicate_params": "dmuon.exec.setup.api:dedicate_params",
+    "Muon": "dmuon.exec.optim.muon:Muon",
+    "no_sync": "dmuon.exec.runtime.runtime:no_sync",
+    "clip_grad_norm_": "dmuon.exec.optim.clip:clip_grad_norm_",
+    "full_state_dict": "dmuon.exec.state.model_state:full_state_dict",
+    "init_params": "dmuon.exec.setup.materialize:init_params",
+    "qk_clip": "dmuon.exec.optim.qk_clip",
+    "GradScaler": "dmuon.exec.optim.amp:GradScaler",
+    "DCPLoadPlanner": "dmuon.exec.state.dcp_errors:DCPLoadPlanner",
+    "fsdp2_ignored_params": "dmuon.exec.setup.fsdp2:ignored_params",
+}
 
 __all__ = ["plan", "exec", "integrations", "dedicate_params", "Muon", "no_sync", "clip_grad_norm_"]
 __all__ += ["full_state_dict", "init_params", "qk_clip", "GradScaler", "DCPLoadPlanner", "fsdp2_ignored_params"]
+
+
+def __getattr__(name: str):
+    spec = _LAZY.get(name)
+    if spec is None:
+        raise AttributeError(f"module 'dmuon' has no attribute {name!r}")
+    module, _, attr = spec.partition(":")
+    value = _importlib.import_module(module)
+    if attr:
+        value = getattr(value, attr)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

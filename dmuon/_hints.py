@@ -121,7 +121,7 @@ _HINTS: dict[str, dict[str, str]] = {
 }
 
 _GENERIC = {
-    "fully_shard_first": "order: " + SET_UP_ORDER,
+    "fully_shard_first": "Set-up order: " + SET_UP_ORDER,
     "foreign_optimizer": "build the optimizer with dmuon.Muon(model, ...): it runs Muon on the "
     "dedicated matrices (owner only) and AdamW on every other parameter",
     "wrapped_after": "dmuon composes with FSDP2 (fully_shard) only; DistributedDataParallel "

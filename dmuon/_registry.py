@@ -1,31 +1,36 @@
-"""The one list of what dmuon changes in other libraries, and the machinery that installs it.
+"""The machinery that installs, checks and undoes what dmuon changes in other libraries.
 
-Every change dmuon makes to an object it does not own is an :class:`Integration` in
-:data:`INTEGRATIONS` below: the target (module + attribute), the wrapper factory, the leading
-parameters of the target the wrapper relies on (checked before wrapping: a library upgrade fails
-with :class:`IntegrationError` naming the integration, never with a wrong result), when it is
-installed and why. Installing and undoing go through :func:`install` / :func:`uninstall` only;
-every wrapper carries ``__dmuon_wraps__`` (the integration's name) and ``__wrapped__`` (the
-original), and :func:`uninstall` puts the original object back (identity).
+Every change dmuon makes to an object it does not own is an :class:`Integration`: the target
+(module + attribute), the wrapper factory, the leading parameters of the target the wrapper
+relies on (checked before wrapping: a library upgrade fails with :class:`IntegrationError`
+naming the integration, never with a wrong result), when it is installed and why. The one list
+of them is :mod:`dmuon.integrations.patches`, registered here (:func:`register`) by ``import
+dmuon``; :data:`INTEGRATIONS` is that list once registered. Installing and undoing go through
+:func:`install` / :func:`uninstall` only; every wrapper carries ``__dmuon_wraps__`` (the
+integration's name) and ``__wrapped__`` (the original), and :func:`uninstall` puts the original
+object back (identity).
 
 When (``stage``):
 
-* ``"import"`` — ``import dmuon``: FSDP2's managed-modules / managed-states filtering (so that
-  ``fully_shard`` skips dedicated parameters) and the ``torch.nn.utils.clip_grad_norm_``
-  hand-off (calls without dedicated parameters go to torch unchanged).
-* ``"dedicate"`` — the first ``dmuon.dedicate_params`` / ``dmuon.exec.apply``: everything else.
-  Integrations with a ``trigger`` module (accelerate, transformers) are installed then if that
-  module is imported, else when it is imported later (one ``sys.meta_path`` finder, itself an
-  entry of the list).
+* ``"import"`` — ``import dmuon``: the ``torch.nn.utils.clip_grad_norm_`` hand-off only (calls
+  without dedicated parameters go to torch unchanged; it must exist before a script binds the
+  name, and it imports ``dmuon.exec`` only when a call involves dedicated parameters).
+* ``"dedicate"`` — the first ``dmuon.dedicate_params`` / ``dmuon.exec.apply``: everything else,
+  the ``fully_shard`` skip first (FSDP2's managed-modules / managed-states filtering; a
+  ``fully_shard`` before the first dedication has nothing to skip, and ``dedicate_params``
+  refuses a model ``fully_shard`` already wrapped). Integrations with a ``trigger`` module
+  (accelerate, transformers, torchtitan) are installed then if that module is imported, else
+  when it is imported later (one ``sys.meta_path`` finder, itself an entry of the list).
 
 Opt-out: ``DMUON_NO_PATCHES=1`` in the environment before ``import dmuon``, or
 :func:`disable` (uninstalls everything and blocks the automatic installs); explicit
 :func:`install` of named integrations still works. The patch-free path for each integration is in
 docs/integrations.md ("Without patches").
 
-This module imports nothing from dmuon (it is imported by both ``dmuon.exec`` and
-``dmuon.integrations``); wrapper factories are named ``"module:function"`` and imported when the
-integration is installed.
+A leaf: this module imports nothing from dmuon and names no dmuon module. The list names its
+wrapper factories as ``"module:function"`` strings, imported when an integration is installed;
+so the modules that hold wrappers (in ``dmuon.exec`` and ``dmuon.integrations``) import this one,
+and only the list, above them all, names them.
 """
 
 from __future__ import annotations
@@ -93,127 +98,39 @@ class Integration:
     explicit: str = ""  # the patch-free way (docs/integrations.md)
 
 
-_FSDP_INIT = "torch.distributed.fsdp._fully_shard._fsdp_init"
+_LOCK = threading.RLock()
 
-INTEGRATIONS: tuple[Integration, ...] = (
-    Integration(
-        "fsdp2.managed_modules", f"{_FSDP_INIT}:_get_managed_modules", "dmuon.exec.setup.fsdp2:skip_dedicated",
-        "import", "fully_shard (however imported) adds the dedicated parameters under its modules to ignored_params",
-        expects=("*", "ignored_params"),
-        explicit="fully_shard(module, ignored_params=dmuon.fsdp2_ignored_params(module))",
-    ),
-    Integration(
-        "fsdp2.managed_states", f"{_FSDP_INIT}:_get_managed_states", "dmuon.exec.setup.fsdp2:skip_dedicated",
-        "import", "the same for FSDP2's parameter / buffer discovery",
-        expects=("*", "ignored_params"),
-        explicit="fully_shard(module, ignored_params=dmuon.fsdp2_ignored_params(module))",
-    ),
-    Integration(
-        "clip.nn_utils", "torch.nn.utils:clip_grad_norm_", "dmuon.exec.optim.clip:hand_off",
-        "import", "clip_grad_norm_ over dedicated parameters is dmuon.clip_grad_norm_ (global norm, owned "
-        "gradients counted once); other calls go to torch unchanged",
-        expects=("parameters", "max_norm", "norm_type", "error_if_nonfinite", "foreach"),
-        explicit="dmuon.clip_grad_norm_(model, max_norm)",
-    ),
-    Integration(
-        "clip.clip_grad", "torch.nn.utils.clip_grad:clip_grad_norm_", "dmuon.exec.optim.clip:hand_off",
-        "import", "the same function under torch.nn.utils.clip_grad",
-        expects=("parameters", "max_norm", "norm_type", "error_if_nonfinite", "foreach"),
-        explicit="dmuon.clip_grad_norm_(model, max_norm)",
-    ),
-    Integration(
-        "amp.grad_scaler", "torch.amp.grad_scaler:GradScaler._unscale_grads_", "dmuon.exec.optim.amp:route_unscale",
-        "dedicate", "GradScaler.unscale_ on a dmuon.Muon unscales owner-held gradients and agrees on found_inf "
-        "over every rank (one all-reduce)",
-        expects=("self", "optimizer", "inv_scale", "found_inf", "allow_fp16"),
-        explicit="dmuon.GradScaler(device)",
-    ),
-    Integration(
-        "amp.sharded_grad_scaler", "torch.distributed.fsdp.sharded_grad_scaler:ShardedGradScaler._unscale_grads_",
-        "dmuon.exec.optim.amp:route_unscale", "dedicate", "the same for FSDP1's ShardedGradScaler override",
-        expects=("self", "optimizer", "inv_scale", "found_inf", "allow_fp16"), required=False,
-        explicit="dmuon.GradScaler(device)",
-    ),
-    Integration(
-        "dcp.load_plan", "torch.distributed.checkpoint.default_planner:create_default_local_load_plan",
-        "dmuon.exec.state.dcp_errors:explain_mismatch", "dedicate",
-        "a DCP load whose checkpoint dedicated other matrices says so (instead of 'Missing key ... .step')",
-        expects=("state_dict", "metadata"), required=False,
-        explicit="dcp.load(..., planner=dmuon.DCPLoadPlanner())",
-    ),
-    Integration(
-        "ddp.guard", "torch.nn.parallel.distributed:DistributedDataParallel.__init__",
-        "dmuon.exec.setup.guards:wrap_ddp_init", "dedicate",
-        "DistributedDataParallel(model) of a dedicated model raises ValueError naming the fix",
-        expects=("self", "module"),
-        explicit="dmuon composes with fully_shard only; no wrapper needed to stay correct",
-    ),
-    Integration(
-        "optimizer.guard", "torch.optim.optimizer:register_optimizer_step_pre_hook",
-        "dmuon.exec.setup.guards:install_optimizer_guard", "dedicate",
-        "an optimizer other than dmuon.Muon holding dedicated parameters raises TypeError at its first step",
-        kind="hook", expects=("hook",),
-        explicit="build the optimizer with dmuon.Muon(model, ...)",
-    ),
-    Integration(
-        "import_hook", "sys:meta_path", "dmuon._registry:_install_finder", "dedicate",
-        "installs the accelerate / transformers integrations when those libraries are imported after "
-        "the first dedication",
-        kind="hook",
-        explicit="dmuon.integrations.enable('accelerate', 'trainer')",
-    ),
-    Integration(
-        "accelerate.prepare_fsdp2", "accelerate.accelerator:Accelerator._prepare_fsdp2",
-        "dmuon.integrations.accelerate:wrap_prepare_fsdp2", "dedicate",
-        "accelerate's FSDP2 prepare keeps dedicated parameters (distinct data_ptr during its re-map) and "
-        "rejects settings that would break them",
-        expects=("self",), trigger="accelerate.accelerator",
-        explicit="dmuon.integrations.enable('accelerate')",
-    ),
-    Integration(
-        "accelerate.prepare_model", "accelerate.accelerator:Accelerator.prepare_model",
-        "dmuon.integrations.accelerate:wrap_prepare_model", "dedicate",
-        "accelerate's DDP path on a dedicated model raises ValueError naming the FSDP2 configuration",
-        expects=("self", "model", "device_placement", "evaluation_mode"), trigger="accelerate.accelerator",
-        explicit="dmuon.integrations.enable('accelerate')",
-    ),
-    Integration(
-        "accelerate.clip_grad_norm_", "accelerate.accelerator:Accelerator.clip_grad_norm_",
-        "dmuon.integrations.accelerate:wrap_clip_grad_norm_", "dedicate",
-        "accelerator.clip_grad_norm_ over dedicated parameters is dmuon.clip_grad_norm_",
-        expects=("self", "parameters", "max_norm", "norm_type"), trigger="accelerate.accelerator",
-        explicit="dmuon.integrations.enable('accelerate')",
-    ),
-    Integration(
-        "torchtitan.clip_grad_norm_", "torchtitan.distributed.utils:clip_grad_norm_",
-        "dmuon.integrations._torchtitan_clip:wrap_clip_grad_norm", "dedicate",
-        "torchtitan's trainer clipping over dedicated parameters is dmuon.clip_grad_norm_",
-        expects=("parameters", "max_norm", "norm_type", "error_if_nonfinite", "foreach", "pp_mesh", "ep_enabled"),
-        trigger="torchtitan.distributed.utils", required=False,
-        explicit="dmuon.clip_grad_norm_(model, max_norm) in place of torchtitan's clip_grad_norm_",
-    ),
-    Integration(
-        "trainer.grad_norm", "transformers.trainer:Trainer._mixed_mesh_grad_norm",
-        "dmuon.integrations.hf:wrap_mixed_mesh_grad_norm", "dedicate",
-        "Trainer's max_grad_norm clipping over dedicated parameters is dmuon.clip_grad_norm_",
-        expects=("self", "model", "max_norm"), trigger="transformers.trainer", required=False,
-        explicit="dmuon.integrations.enable('trainer')",
-    ),
-)
-
-_BY_NAME = {i.name: i for i in INTEGRATIONS}
+#: every registered integration, in order (:func:`register`; ``dmuon.integrations.patches`` at ``import dmuon``)
+INTEGRATIONS: tuple[Integration, ...] = ()
+_BY_NAME: dict[str, Integration] = {}
 #: short names accepted by :func:`install` for a family ("accelerate" -> its three entries)
-_FAMILIES = {
-    "fsdp2": ("fsdp2.managed_modules", "fsdp2.managed_states"),
-    "clip": ("clip.nn_utils", "clip.clip_grad"),
-    "amp": ("amp.grad_scaler", "amp.sharded_grad_scaler"),
-    "dcp": ("dcp.load_plan",),
-    "ddp": ("ddp.guard",),
-    "optimizer": ("optimizer.guard",),
-    "accelerate": ("accelerate.prepare_fsdp2", "accelerate.prepare_model", "accelerate.clip_grad_norm_"),
-    "trainer": ("trainer.grad_norm",),
-    "torchtitan": ("torchtitan.clip_grad_norm_",),
-}
+_FAMILIES: dict[str, tuple[str, ...]] = {}
+
+
+def register(integrations, families=None) -> None:
+    """Add ``integrations`` to the list (in order) and ``families`` (short name -> entry names) to
+    the names :func:`install` accepts. Registering the same entry again is a no-op; another entry
+    under a registered name raises ``ValueError``."""
+    global INTEGRATIONS
+    with _LOCK:
+        new = []
+        for integ in integrations:
+            known = _BY_NAME.get(integ.name)
+            if known is None:
+                new.append(integ)
+                _BY_NAME[integ.name] = integ
+            elif known != integ:
+                raise ValueError(f"dmuon: integration {integ.name!r} is registered already, as {known}")
+        INTEGRATIONS = INTEGRATIONS + tuple(new)
+        for family, names in (families or {}).items():
+            unknown = [n for n in names if n not in _BY_NAME]
+            if unknown:
+                raise ValueError(f"dmuon: family {family!r} names unregistered integrations {unknown}")
+            _FAMILIES[family] = tuple(names)
+        if not _DISABLED:  # an entry registered after its stage ran installs now
+            for integ in new:
+                if integ.stage in _STAGES_DONE:
+                    _install_one(integ, _STAGE_REASON[integ.stage])
 
 
 @dataclasses.dataclass
@@ -227,7 +144,7 @@ class _Installed:
     reason: str = ""
 
 
-_LOCK = threading.RLock()
+_STAGE_REASON = {"import": "import dmuon", "dedicate": "first dmuon.dedicate_params / dmuon.exec.apply"}
 _INSTALLED: dict[str, _Installed] = {}
 _SKIPPED: dict[str, str] = {}  # name -> why it is not installed (absent target, pending import)
 _STAGES_DONE: set[str] = set()
@@ -408,10 +325,9 @@ def install_stage(stage: str) -> None:
             if s in _STAGES_DONE:
                 continue
             _STAGES_DONE.add(s)
-            why = "import dmuon" if s == "import" else "first dmuon.dedicate_params / dmuon.exec.apply"
             for integ in INTEGRATIONS:
                 if integ.stage == s:
-                    _install_one(integ, why)
+                    _install_one(integ, _STAGE_REASON[s])
 
 
 def _on_import(module_name: str) -> None:

@@ -32,6 +32,7 @@ import torch.nn as nn
 from dcp_utils import dcp_load as _load
 from dcp_utils import sharded_state as _sharded
 from dist_utils import run_distributed
+from dmuon.exec import dedicated_info, get_model_runtime
 from oracle import Block, TinyLM, dmuon_optimizer, global_batches, reference_run, train_steps
 
 LOSS_RTOL = 1e-6
@@ -108,7 +109,7 @@ def _layout_report(model, opt, plan):
 
     sd = _sharded(model, opt)
     msd, osd = sd["model"], sd["optim"]
-    rt = model._dmuon_runtime
+    rt = get_model_runtime(model)
     N = rt.groups.shape[1]
     dedicated = set(plan.dedicated)
     bad = []
@@ -142,7 +143,7 @@ def _layout_report(model, opt, plan):
 
 def _placeholder_guard(model, opt):
     """A gradient on a placeholder (what DCP's dummy-step init does) makes step() raise."""
-    ph = [p for p in model.parameters() if getattr(p, "_dmuon", None) is not None and not p._dmuon.is_owner]
+    ph = [p for p in model.parameters() if dedicated_info(p) is not None and not dedicated_info(p).is_owner]
     if not ph:
         return "no placeholder"
     ph[0].grad = torch.zeros_like(ph[0])

@@ -106,6 +106,10 @@ def test_dedicate_params_again_says_already_dedicated(results):
     assert "continue with fully_shard(block)" in msg, msg
     kind, msg = results["fully_shard_first"]  # the genuine order mistake keeps its message
     assert kind == "ValueError" and "already sharded" in msg and "BEFORE fully_shard" in msg
+    from dmuon._hints import SET_UP_ORDER
+
+    assert msg.count(SET_UP_ORDER) == 1 and msg.count("order:") == 1, msg  # the set-up order once
+    assert msg.endswith(f"Set-up order: {SET_UP_ORDER} (docs/integrations.md)"), msg
 
 
 def test_mesh_larger_than_world_names_sizes_and_fix(results):

@@ -18,6 +18,7 @@ import copy
 import pytest
 import torch
 
+from dmuon.exec import dedicated_info, get_model_runtime
 from shared_launch import shared_run
 from oracle import dmuon_optimizer, global_batches, lm_loss, make_model
 
@@ -48,10 +49,10 @@ def _worker(mesh_shape):
     for layer in model.layers:  # the set-up order dmuon.Muon checks at its first step
         fully_shard(layer, mesh=fsdp_mesh)
     fully_shard(model, mesh=fsdp_mesh)
-    rt = model._dmuon_runtime
+    rt = get_model_runtime(model)
     opt = dmuon_optimizer(model)
     params = dict(model.named_parameters())
-    owned = [fqn for fqn in plan.dedicated if params[fqn]._dmuon.is_owner]
+    owned = [fqn for fqn in plan.dedicated if dedicated_info(params[fqn]).is_owner]
     segments = [seg for b in rt.boundaries for seg in b.segments]
 
     tolist_calls = []

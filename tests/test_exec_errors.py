@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
+from dmuon.exec import dedicated_info
 from oracle import lm_loss, make_model
 
 
@@ -92,5 +93,5 @@ def test_apply_without_process_group():
     with pytest.raises(RuntimeError, match="init_process_group"):
         dmuon.exec.apply(plan, model)
     # nothing was modified: parameters are still the model's own full tensors
-    assert all(not hasattr(p, "_dmuon") for p in model.parameters())
+    assert all(dedicated_info(p) is None for p in model.parameters())
     assert model.layers[0].fc1.weight.shape == torch.Size([36, 8])

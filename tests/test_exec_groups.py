@@ -20,6 +20,7 @@ import tempfile
 import torch
 
 from dist_utils import run_distributed
+from dmuon.exec import get_model_runtime
 from oracle import dmuon_optimizer, global_batches, lm_loss, make_model, reference_run
 
 STEPS = 3
@@ -62,7 +63,7 @@ def _worker(store_path):
         out = {}
         a, plan, out["first"] = dedicate(None)
         b, _, out["second"] = dedicate(None)
-        out["second_shares_groups"] = a._dmuon_runtime.groups.shard_group is b._dmuon_runtime.groups.shard_group
+        out["second_shares_groups"] = get_model_runtime(a).groups.shard_group is get_model_runtime(b).groups.shard_group
         opts = [dmuon_optimizer(m, torch.float32) for m in (a, b)]
         out["losses"] = [[], []]
         for batch in global_batches(STEPS):  # the two models interleaved, step for step

@@ -22,6 +22,7 @@ import math
 import pytest
 import torch
 
+from dmuon.exec import get_model_runtime
 from dmuon.testing import BF16_LOSS_RTOL, BF16_PARAM_TOL, FP32_LOSS_RTOL, FP32_PARAM_TOL
 from shared_launch import shared_run
 from oracle import dmuon_optimizer, global_batches, lm_loss, make_model, reference_run
@@ -46,7 +47,7 @@ CASES = [
 
 
 def _non_held_storage_nbytes(model) -> int:
-    rt = model._dmuon_runtime
+    rt = get_model_runtime(model)
     return sum(
         seg.wire.untyped_storage().nbytes() for b in rt.boundaries for seg in b.segments if not seg.held
     )

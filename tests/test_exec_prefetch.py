@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from dist_utils import run_distributed
+from dmuon.exec import get_model_runtime
 from oracle import global_batches, lm_loss, make_model
 
 
@@ -24,7 +25,7 @@ def _worker():
     rank = dist.get_rank()
     model = make_model("tiny")  # 3 boundaries: layers.0 .. layers.2
     dmuon.dedicate_params(model, reshard_after_forward=True)
-    rt = model._dmuon_runtime
+    rt = get_model_runtime(model)
     owner_of = {}
     for b in rt.boundaries:
         for seg in b.segments:

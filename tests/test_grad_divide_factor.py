@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from dist_utils import run_distributed
+from dmuon.exec import dedicated_info
 from oracle import global_batches, lm_loss, make_model
 
 STEPS = 3
@@ -81,7 +82,7 @@ def _worker(cases):
             loss.backward()
             if not grads:  # first step: the owners' reduced gradients
                 for fqn, p in model.named_parameters():
-                    info = getattr(p, "_dmuon", None)
+                    info = dedicated_info(p)
                     if info is not None and info.is_owner and p.grad is not None:
                         grads[fqn] = p.grad.detach().clone()
             norms.append(dmuon.clip_grad_norm_(model, MAX_NORM).item())

@@ -70,6 +70,7 @@ pytest.importorskip(
 )
 pytest.importorskip("triton", reason="torchtitan's models import triton: pip install triton (CPU wheel works)")
 
+from dmuon.exec import dedicated_info  # noqa: E402
 from shared_launch import shared_run  # noqa: E402
 
 STEPS = 3
@@ -360,7 +361,7 @@ def _full_params(model):
 
     out = {}
     for name, p in model.named_parameters():
-        info = getattr(p, "_dmuon", None)
+        info = dedicated_info(p)
         if info is not None:
             if info.is_owner:  # under TP the owner is a TP group (every member calls full_tensor)
                 out[name] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()

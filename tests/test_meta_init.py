@@ -24,6 +24,7 @@ import math
 import torch
 
 from dist_utils import run_distributed
+from dmuon.exec import dedicated_info, get_model_runtime
 from oracle import TinyLM, dmuon_optimizer, global_batches, make_model, reference_run, train_steps
 
 CASES = {"1d": None, "hsdp": (2, 2)}
@@ -47,7 +48,7 @@ def _build_meta(mesh, *, shard=True):
 
 
 def _storage_report(model, plan):
-    rt = model._dmuon_runtime
+    rt = get_model_runtime(model)
     me = rt.groups.shard
     want = sum(seg.numel for b in plan.boundaries for buf in b.buffers for seg in buf.segments if seg.shard == me)
     held = [seg for b in rt.boundaries for seg in b.segments if seg.held]
@@ -55,7 +56,7 @@ def _storage_report(model, plan):
         s.logical.untyped_storage()._cdata == seg.master.untyped_storage()._cdata for seg in held for s in seg.slots
     )
     placeholders = [
-        p.numel() for p in model.parameters() if getattr(p, "_dmuon", None) is not None and not p._dmuon.holds_full
+        p.numel() for p in model.parameters() if dedicated_info(p) is not None and not dedicated_info(p).holds_full
     ]
     return dict(
         held_numel=sum(seg.master.numel() for seg in held),
@@ -125,7 +126,7 @@ def _worker():
                 m.reset_parameters()
         with torch.no_grad():
             model3(global_batches(1)[0][:2, :-1])
-        rt = model3._dmuon_runtime
+        rt = get_model_runtime(model3)
         res["held_masters"] = {
             (b.fqn, seg.shard): seg.master.clone() for b in rt.boundaries for seg in b.segments if seg.held
         }

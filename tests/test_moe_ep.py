@@ -17,6 +17,7 @@ import dataclasses
 import pytest
 import torch
 
+from dmuon.exec import dedicated_info
 import dmuon
 import dmuon.plan as P
 import dmuon.testing
@@ -103,6 +104,26 @@ def test_ep_refusals():
         P.compile(ep_model(2, 0), 2, ep=2, tp_size=2, tp_shard_dims={"layers.0.qkv.weight": 0})
     with pytest.raises(ValueError, match="no expert stack"):
         P.compile(torch.nn.Sequential(torch.nn.Linear(4, 4)), 2, ep=2, hook_boundary_strict=False)
+
+
+def test_ep_stack_count_mismatch_hint_fits_the_case():
+    """The fix named for a stack/router mismatch under ep= fits the case: a rank holding every
+    expert is told to drop ep=; a rank holding another count (a model built for another ep) is
+    told to build E/ep experts per stack or pass the ep its count implies, not to drop ep=."""
+    with pytest.raises(ValueError) as info:
+        P.compile(full_model(), 4, ep=4)
+    msg = str(info.value)
+    assert "holds 8 experts, expected 2 (= 8 / ep 4)" in msg and msg.endswith("not expert-parallel: drop ep= "
+        "(under expert parallelism each rank's model builds only its own experts and routes tokens with all_to_all, "
+        "docs/moe_ep.md)."), msg
+    for built, asked in ((2, 4), (4, 2)):  # a model built for ep=built, compiled with ep=asked
+        with pytest.raises(ValueError) as info:
+            P.compile(ep_model(built, 0), 4, ep=asked)
+        msg = str(info.value)
+        assert f"holds {E // built} experts, expected {E // asked} (= {E} / ep {asked})" in msg, msg
+        assert "drop ep=" not in msg, msg
+        assert msg.endswith(f"build each rank's model with E/ep experts per stack, or pass ep={built}, the degree this "
+                            "model was built for."), msg
 
 
 def test_ep_efsdp_plan_by_hand():
@@ -221,7 +242,7 @@ def _worker(ep: int, named_mesh: bool):
     fully_shard(model, mesh=mesh)
     opt = dmuon.Muon(model, ns_dtype=torch.float32, **HP)
     experts = {n: p for n, p in model.named_parameters() if is_expert(n)}
-    assert all(type(p) is torch.nn.Parameter and p._dmuon.ep_local for p in experts.values())
+    assert all(type(p) is torch.nn.Parameter and dedicated_info(p).ep_local for p in experts.values())
     grads = {}
 
     def first_step():  # the experts' gradients (the global-batch mean's)
@@ -287,12 +308,12 @@ def _meta_init_run(ep: int, mesh, named_mesh: bool, group=None, fsdp_mesh=None):
     experts = {n: p for n, p in model.named_parameters() if is_expert(n)}
     if before:  # local EP stacks: the same objects, tagged, hooked
         kept = (
-            all(rt.ep_params[n] is p and before[n] is p and p.device.type == "cpu" and p._dmuon.ep_local
+            all(rt.ep_params[n] is p and before[n] is p and p.device.type == "cpu" and dedicated_info(p).ep_local
                 for n, p in experts.items())
             and sorted(rt.ep_hooks) == sorted(experts)
         )
     else:  # owned in efsdp groups
-        kept = all(p.device.type == "cpu" and p._dmuon.group is not None for p in experts.values())
+        kept = all(p.device.type == "cpu" and dedicated_info(p).group is not None for p in experts.values())
     opt = dmuon.Muon(model, ns_dtype=torch.float32, **HP)
     losses, _, norm = _train(model, opt)  # the global gradient norm: the stacks' hook divided by W
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # the experts' hooks

@@ -143,14 +143,15 @@ def test_view_step_equals_torch_muon_per_block(adjust_lr_fn):
     with the default bf16 iteration (per-matrix path), within 1e-6 with fp32 (batched path);
     adjust_lr is the block's (original: sqrt(6) and sqrt(2), the whole matrix's would be sqrt(1.5);
     match_rms_adamw: 0.2*sqrt(12) for both)."""
+    from dmuon import _tags
     from dmuon.exec.runtime.buffers import DedicatedInfo
 
     for ns_dtype in (torch.bfloat16, torch.float32):
         torch.manual_seed(0)
         w = torch.nn.Parameter(torch.randn(12, 8))
-        w._dmuon = DedicatedInfo(fqn="w", owner_global_rank=0, is_owner=True, holds_full=True, shape=(12, 8),
-                                 matrix_shape=(12, 8), num_matrices=1, runtime=lambda: None,
-                                 view=MatrixView(dim=1, sizes=(2, 6)))
+        _tags.write(w, _tags.PARAM, DedicatedInfo(fqn="w", owner_global_rank=0, is_owner=True, holds_full=True,
+                                                  shape=(12, 8), matrix_shape=(12, 8), num_matrices=1,
+                                                  runtime=lambda: None, view=MatrixView(dim=1, sizes=(2, 6))))
         blocks = [torch.nn.Parameter(w.detach()[:, :2].clone()), torch.nn.Parameter(w.detach()[:, 2:].clone())]
         ours = dmuon.Muon([w], lr=0.02, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype)
         ref = torch.optim.Muon(blocks, lr=0.02, adjust_lr_fn=adjust_lr_fn)
@@ -509,15 +510,78 @@ def _cases(mesh: str):
     ]
 
 
+TAU_NONFINITE, BIG = 5.0, 20.0
+# per rank, per layer: the (H,) max logits reported in one step. Layer 0: head 0 inf on rank 0, head
+# 1 NaN on rank 1, head 2 below tau, head 3 above (clipped); layer 1: every logit negative.
+NONFINITE_REPORTS = (
+    ([float("inf"), 1.0, 2.0, BIG], [-1.0, -2.0, -3.0, -4.0]),
+    ([0.5, float("nan"), -3.0, 1.0], [-0.5, -6.0, -1.0, -2.0]),
+)
+
+
+def _nonfinite_worker():
+    """QK-clip with non-finite and all-negative max logits (W = 2, MHA): reported through
+    ``dmuon.qk_clip.record`` with no gradient anywhere, so ``opt.step()`` changes nothing but
+    QK-clip's rescaling; returns the q / k weights before and after, the warnings and the stats."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    model = AttnLM("mha", gain=GAIN)
+    dmuon.dedicate_params(model, qk_clip=_qk_for("mha", model, TAU_NONFINITE))
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = dmuon.Muon(model, ns_dtype=torch.float32)
+    names = [f"layers.{i}.attn.{w}_proj.weight" for i in range(2) for w in "qk"]
+    before = {k: v for k, v in dmuon.full_state_dict(model).items() if k in names}
+    with torch.enable_grad():
+        for layer, logits in zip(model.layers, NONFINITE_REPORTS[rank]):
+            assert dmuon.qk_clip.record(layer.attn, torch.tensor(logits))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    after = {k: v for k, v in dmuon.full_state_dict(model).items() if k in names}
+    warned = [(type(w.message).__name__, str(w.message)) for w in caught if "QK-clip" in str(w.message)]
+    return dict(before=before, after=after, warned=warned, stats=dmuon.qk_clip.stats(model))
+
+
 def _two_rank_worker():
-    """Everything of W = 2 in one launch: the TP views and the main job first, then the 1-D
-    oracle cases (they end with the step that raises)."""
-    return _tp_and_main_job_worker(), _worker(_cases("1d"), (2,), True)
+    """Everything of W = 2 in one launch: the TP views and the main job first, QK-clip with
+    non-finite logits, then the 1-D oracle cases (they end with the step that raises)."""
+    return _tp_and_main_job_worker(), _worker(_cases("1d"), (2,), True), _nonfinite_worker()
 
 
 def _two_rank_results(which):
     runs = shared_run("test_muon_variants W=2", _two_rank_worker, 2, timeout_s=280 + 180)
-    return [r[{"tp_and_main_job": 0, "1d": 1}[which]] for r in runs]
+    return [r[{"tp_and_main_job": 0, "1d": 1, "nonfinite": 2}[which]] for r in runs]
+
+
+@pytest.mark.timeout(300 + 200)  # the launch it shares with test_variants_oracle_1d
+def test_qk_clip_non_finite_logits_never_zero_or_poison_a_head():
+    """A head whose step maximum is inf (rank 0) or NaN (rank 1) keeps its W_q / W_k rows, with the
+    same warning on every rank naming the layer, the heads and the step; a finite head above tau in
+    the same layer is clipped by sqrt(tau/S); a layer whose logits are all negative is untouched."""
+    results = _two_rank_results("nonfinite")
+    r0 = results[0]
+    for r in results:
+        assert r["warned"] == r0["warned"] and len(r0["warned"]) == 1, r["warned"]
+        assert r["stats"] == r0["stats"]
+    kind, msg = r0["warned"][0]
+    assert kind == "QKClipNonFinite", kind
+    assert "non-finite max logit (inf, or NaN on some rank) at optimizer step 1 in 'layers.0.attn' head(s) [0, 1]" in msg, msg
+    assert "'layers.1.attn'" not in msg and "left unscaled" in msg, msg
+    assert r0["stats"] == {"clipped_heads": 1, "max_logit": float("inf"), "tau": TAU_NONFINITE, "nonfinite_heads": 2}
+    factor = math.sqrt(TAU_NONFINITE / BIG)
+    for w in "qk":
+        b, a = r0["before"][f"layers.0.attn.{w}_proj.weight"], r0["after"][f"layers.0.attn.{w}_proj.weight"]
+        assert torch.isfinite(a).all()
+        assert torch.equal(a[: 3 * 4], b[: 3 * 4]), w  # heads 0 (inf), 1 (NaN), 2 (below tau): unchanged
+        assert torch.allclose(a[12:], b[12:] * factor, rtol=1e-6, atol=0), w  # head 3: sqrt(tau / S)
+        assert torch.equal(r0["after"][f"layers.1.attn.{w}_proj.weight"], r0["before"][f"layers.1.attn.{w}_proj.weight"])
 
 
 @pytest.mark.timeout(300 + 200)  # the launch it shares with test_views_tp_local_and_main_job

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 import dmuon
+from dmuon import _tags
 from dmuon.exec.optim import ns_backends as ns
 from dmuon.plan.cost import flops as cost
 from dmuon.plan import rules
@@ -127,9 +128,9 @@ def _tagged(model: nn.Module, plan) -> list[torch.Tensor]:
     rt = types.SimpleNamespace(plan=plan, model_ref=lambda: None)
     params = dict(model.named_parameters())
     for spec in plan.params:
-        params[spec.fqn]._dmuon = types.SimpleNamespace(
+        _tags.write(params[spec.fqn], _tags.PARAM, types.SimpleNamespace(
             fqn=spec.fqn, owner_global_rank=0, is_owner=True, holds_full=True, shape=spec.shape,
-            matrix_shape=spec.matrix_shape, num_matrices=spec.num_matrices, runtime=lambda: rt, tp=None)
+            matrix_shape=spec.matrix_shape, num_matrices=spec.num_matrices, runtime=lambda: rt, tp=None))
     return list(model.parameters())
 
 
@@ -146,6 +147,59 @@ def test_muon_checks_the_plans_backend(monkeypatch):
     with pytest.raises(ValueError, match=r"ns_steps=1"):  # auto with 1 step picks differently
         dmuon.Muon(_tagged(model, auto), ns_backend="auto", ns_steps=1)
     dmuon.Muon(_tagged(model, std), ns_backend="gram")  # a default plan accepts Gram everywhere
+
+
+def _muon_step_calls(model: nn.Module, backend: str) -> tuple[list, dict]:
+    """One ``muon_step`` of ``dmuon.Muon(ns_backend=backend)`` on ``model`` planned with the same
+    backend (tags without a process group, fixed gradients): the backend functions it called, in
+    order, with their input shapes, and the parameters after the step."""
+    from dmuon.exec.optim.muon_step import muon_step
+
+    plan = dmuon.plan.compile(model, 1, ns_backend=backend)
+    params = _tagged(model, plan)
+    for i, p in enumerate(model.parameters()):
+        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(i))
+    opt = dmuon.Muon(params, ns_backend=backend, ns_dtype=torch.float32)
+    calls = []
+    names = ("newton_schulz", "gram_newton_schulz", "auto_newton_schulz")
+    real = {n: getattr(ns, n) for n in names}
+
+    def spy(name):
+        return lambda x, **kw: calls.append((name, tuple(x.shape))) or real[name](x, **kw)
+
+    try:
+        for n in names:
+            setattr(ns, n, spy(n))
+        with torch.no_grad():
+            muon_step(opt.param_groups[0], opt.state)
+    finally:
+        for n, f in real.items():
+            setattr(ns, n, f)
+    return calls, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+@pytest.mark.parametrize("min_side", [256, 1])
+def test_auto_runs_the_picked_backends_calls(monkeypatch, min_side):
+    """``dmuon.Muon(ns_backend="auto")`` decides once per NS bucket and calls the picked backend
+    itself (``resolve_ns_backend``): on the step_time benchmark's small GPT (every matrix below
+    ``GRAM_AUTO_MIN_SIDE``) exactly the calls of ``"standard"``, same inputs, same parameters bit
+    for bit, and never the per-call ``auto_newton_schulz``; with the threshold lowered, Gram NS
+    on the MLP bucket and the standard iteration on the square one."""
+    monkeypatch.setattr(rules, "GRAM_AUTO_MIN_SIDE", min_side)
+    cfg = GPTConfig(vocab_size=32, d_model=128, n_layers=1, n_heads=2, d_mlp=512, seq_len=8)
+    std_calls, std_params = _muon_step_calls(GPT(cfg, seed=0), "standard")
+    auto_calls, auto_params = _muon_step_calls(GPT(cfg, seed=0), "auto")
+    assert std_calls == [("newton_schulz", (4, 128, 128)), ("newton_schulz", (2, 128, 512))]
+    if min_side == 256:
+        assert auto_calls == std_calls
+        assert all(torch.equal(auto_params[k], std_params[k]) for k in std_params)
+    else:
+        assert auto_calls == [("newton_schulz", (4, 128, 128)), ("gram_newton_schulz", (2, 128, 512))]
+    assert ns.resolve_ns_backend("auto", (128, 512), steps=5) is ns.get_ns_backend(
+        "standard" if min_side == 256 else "gram")
+    assert ns.resolve_ns_backend("gram", (8, 8), steps=5) is ns.gram_newton_schulz
+    with pytest.raises(ValueError, match="unknown Newton-Schulz backend"):
+        ns.resolve_ns_backend("fast", (8, 8), steps=5)
 
 
 def _tiny_gpt() -> nn.Module:

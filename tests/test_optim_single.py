@@ -1,7 +1,7 @@
 """dmuon.Muon in one process against torch.optim.Muon + torch.optim.AdamW (the oracle).
 
-Dedicated parameters are tagged by hand with a fake ``p._dmuon`` (no process group, no plan),
-so these tests pin the optimizer's math alone:
+Dedicated parameters are tagged by hand with a fake info (``_tags.write(p, _tags.PARAM, info)``, no
+process group, no plan), so these tests pin the optimizer's math alone:
 
 - default bf16 Newton-Schulz, 2-D / conv-view matrices: parameters and state BIT-IDENTICAL to
   the oracle after every step;
@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dmuon import _tags
 import dmuon.exec.optim.ns_backends as ns_mod
 import dmuon.exec.optim.ns_coefficients as ns_coef
 import dmuon.exec.optim.muon as optim_mod
@@ -68,7 +69,7 @@ def tag(p: torch.Tensor, fqn: str, *, is_owner=True, shape=None, matrix_shape=No
     shape = tuple(p.shape) if shape is None else tuple(shape)
     if matrix_shape is None:
         matrix_shape = (shape[0], math.prod(shape[1:])) if num_matrices == 1 else shape[-2:]
-    p._dmuon = FakeInfo(fqn, 0, is_owner, shape, tuple(matrix_shape), num_matrices, holds_full=is_owner)
+    _tags.write(p, _tags.PARAM, FakeInfo(fqn, 0, is_owner, shape, tuple(matrix_shape), num_matrices, holds_full=is_owner))
     return p
 
 
@@ -687,7 +688,7 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="tile"):
         Muon([tag(nn.Parameter(torch.ones(4, 6)), "w", matrix_shape=(4, 5))])
     bad_owner = nn.Parameter(torch.ones(4, 6))
-    bad_owner._dmuon = FakeInfo("w", 0, True, (8, 6), (8, 6), 1)
+    _tags.write(bad_owner, _tags.PARAM, FakeInfo("w", 0, True, (8, 6), (8, 6), 1))
     with pytest.raises(ValueError, match="full"):
         Muon([bad_owner])
     with pytest.raises(TypeError, match="param-group dicts"):
@@ -735,7 +736,7 @@ _DTENSOR_SCRIPT = textwrap.dedent(
     class Info: pass
     info = Info(); info.fqn="w"; info.owner_global_rank=0; info.is_owner=True; info.shape=(12, 4)
     info.matrix_shape=(12, 4); info.num_matrices=1; info.runtime=lambda: None
-    w._dmuon = info
+    _tags.write(w, _tags.PARAM, info)
     opt = optim_mod.Muon(ours + [w], adamw_lr=0.01, adamw_weight_decay=0.1)
     ropt = torch.optim.AdamW(ref, lr=0.01, weight_decay=0.1)
     rmu = torch.optim.Muon([w_ref])

@@ -54,8 +54,8 @@ def test_every_integration_is_listed_once_with_a_known_stage():
     names = [i.name for i in _registry.INTEGRATIONS]
     assert len(names) == len(set(names))
     assert {i.stage for i in _registry.INTEGRATIONS} == {"import", "dedicate"}
-    assert [i.name for i in _registry.INTEGRATIONS if i.stage == "import"] == [
-        "fsdp2.managed_modules", "fsdp2.managed_states", "clip.nn_utils", "clip.clip_grad"]
+    # import dmuon installs the clip hand-off only; the fully_shard skip moved to the first dedication
+    assert [i.name for i in _registry.INTEGRATIONS if i.stage == "import"] == ["clip.nn_utils", "clip.clip_grad"]
     for integ in _registry.INTEGRATIONS:
         assert integ.why and integ.explicit, integ.name
 
@@ -87,7 +87,7 @@ def test_install_is_idempotent_and_undo_restores_every_original(registry_state):
 
 def test_status_says_what_and_why(registry_state):
     rows = {s.name: s for s in dmuon.integrations.status()}
-    assert rows["fsdp2.managed_modules"].installed and "import dmuon" in rows["fsdp2.managed_modules"].why
+    assert rows["clip.nn_utils"].installed and "import dmuon" in rows["clip.nn_utils"].why
     text = str(dmuon.integrations.status())
     assert "fsdp2.managed_states" in text and "accelerate.prepare_fsdp2" in text
     dmuon.integrations.disable()
@@ -132,7 +132,7 @@ def test_clip_hand_off_passes_other_calls_through_unchanged(monkeypatch):
         seen.append((parameters, max_norm, norm_type, error_if_nonfinite, foreach))
         return orig(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
 
-    wrapper = dmuon.exec.optim.clip.hand_off(spy)
+    wrapper = dmuon.integrations.clip.hand_off(spy)
     w = torch.nn.Parameter(torch.ones(3))
     w.grad = torch.full((3,), 4.0)
     norm = wrapper((p for p in [w]), 1.0, 2.0, False, True)
@@ -235,7 +235,7 @@ plan = dmuon.dedicate_params(model, None)
 """
 
 
-def test_import_changes_only_the_fully_shard_skip_and_clip_then_dedication_the_rest():
+def test_import_changes_only_the_clip_hand_off_then_dedication_the_rest():
     r = _run(
         """
         s0 = snapshot()
@@ -252,9 +252,10 @@ def test_import_changes_only_the_fully_shard_skip_and_clip_then_dedication_the_r
                               restored=changed(s0, s3), undone=sorted(undone))))
         """
     )
-    assert r["on_import"] == ["clip.clip_grad", "clip.nn_utils", "fsdp2.managed_modules", "fsdp2.managed_states"]
+    # import dmuon: the clip hand-off only; the fully_shard skip installs with the rest at the first dedication
+    assert r["on_import"] == ["clip.clip_grad", "clip.nn_utils"]
     assert r["on_dedicate"] == ["amp.grad_scaler", "amp.sharded_grad_scaler", "dcp.load_plan", "ddp.guard",
-                                "import_hook", "optimizer.guard"]
+                                "fsdp2.managed_modules", "fsdp2.managed_states", "import_hook", "optimizer.guard"]
     assert r["restored"] == []  # every original object back (identity)
     assert sorted(k for k, v in r["status"].items() if v) == r["undone"]
 

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
+from dmuon.exec import dedicated_info, get_model_runtime
 from oracle import HP, dmuon_optimizer, fp32_newton_schulz, global_batches, lm_loss, make_model, reference_optimizers
 
 LOSS_RTOL = 1e-6
@@ -87,7 +88,7 @@ def _case_amp(mesh_shape, scaler_kind):
         handles.append(module.weight.register_hook(lambda g: torch.full_like(g, float("inf"))))
 
     losses, scales, fulls, momenta, adamw_steps = [], [], [], [], []
-    owned = [p for p in model.parameters() if getattr(p, "_dmuon", None) is not None and p._dmuon.is_owner]
+    owned = [p for p in model.parameters() if dedicated_info(p) is not None and dedicated_info(p).is_owner]
     adamw = [p for g in opt.param_groups if not g["use_muon"] for p in g["params"]]
     for step, batch in enumerate(global_batches(AMP_STEPS, batch=12)):
         pre = out_mod.register_forward_pre_hook(poison) if (step == AMP_SKIP and rank == poison_rank) else None
@@ -210,14 +211,18 @@ FREEZE_AT, UNFREEZE_AT = 2, 4  # 0-based steps: frozen for steps 2 and 3
 FROZEN = ("layers.1.fc1.weight", "layers.1.fc2.weight", "layers.1.gate.weight", "layers.1.out.weight")
 
 
-def _toggle(model, step):
-    if step in (FREEZE_AT, UNFREEZE_AT):
+LATE_FROM = 2  # "late": FROZEN's matrices get no gradient (None) for steps 0 and 1, then one
+
+
+def _toggle(model, step, freeze_at=FREEZE_AT, unfreeze_at=UNFREEZE_AT):
+    if step in (freeze_at, unfreeze_at):
         for fqn in FROZEN:
-            model.get_parameter(fqn).requires_grad_(step == UNFREEZE_AT)
+            model.get_parameter(fqn).requires_grad_(step == unfreeze_at)
 
 
-def _case_requires_grad_toggle(set_to_none):
-    """A block's matrices frozen after step 2 and unfrozen after step 4."""
+def _case_requires_grad_toggle(set_to_none, late=False):
+    """A block's matrices frozen after step 2 and unfrozen after step 4; ``late``: frozen from
+    the start (gradient None on every rank for the first LATE_FROM steps), then trained."""
     import torch.distributed as dist
 
     import dmuon
@@ -226,7 +231,7 @@ def _case_requires_grad_toggle(set_to_none):
     model, opt, plan = _build("tiny")
     losses = []
     for step, batch in enumerate(global_batches(TOGGLE_STEPS, batch=12)):
-        _toggle(model, step)
+        _toggle(model, step, *((0, LATE_FROM) if late else ()))
         loss = lm_loss(model, batch.chunk(world)[rank])
         loss.backward()
         opt.step()
@@ -247,11 +252,14 @@ def _case_torch_clip():
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model, opt, plan = _build("tiny")
-    norms, losses = [], []
+    norms, strict, losses = [], [], []
     for batch in global_batches(2, batch=12):
         loss = lm_loss(model, batch.chunk(world)[rank])
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).item())
+        # error_if_nonfinite is passed on to dmuon.clip_grad_norm_: finite here, so the norm of the
+        # gradients just clipped to 0.05 (max_norm 1e9 scales nothing)
+        strict.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9, error_if_nonfinite=True).item())
         opt.step()
         opt.zero_grad()
         t = loss.detach().clone()
@@ -260,7 +268,79 @@ def _case_torch_clip():
     err = _catch(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05, error_if_nonfinite=True))
     full = dmuon.full_state_dict(model)
     dist.barrier()
-    return dict(dedicated=plan.dedicated, norms=norms, losses=losses, full=full if rank == 0 else None, err=err)
+    return dict(dedicated=plan.dedicated, norms=norms, strict=strict, losses=losses, full=full if rank == 0 else None,
+                err=err)
+
+
+def _case_dmuon_clip():
+    """dmuon.clip_grad_norm_ with torch's signature. Step 0: error_if_nonfinite=True on finite
+    gradients, foreach=True, recorded by a metered ledger around the whole step (dmuon's step
+    collectives next to clip's), then the same clip with foreach=False on a copy of the
+    gradients. Step 1: a NaN in a gradient rank 1 holds (a dedicated matrix it owns):
+    error_if_nonfinite=True raises on every rank, gradients untouched; without it, the norm is
+    NaN on every rank (torch's behaviour)."""
+    import logging
+
+    import torch.distributed as dist
+
+    import dmuon
+    from dmuon.exec.comm import collectives as C
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, opt, plan = _build("tiny")
+    batches = global_batches(2, batch=12)
+    grads = lambda: {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()  # noqa: E731
+                     for n, p in model.named_parameters() if p.grad is not None}
+    with dmuon.exec.metered(record=True) as led:
+        lm_loss(model, batches[0].chunk(world)[rank]).backward()
+        before = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        logged = []  # the dmuon.comm logger at DEBUG: one line per issued collective
+
+        class Keep(logging.Handler):
+            def emit(self, record):
+                logged.append(record.getMessage())
+
+        log, keep = logging.getLogger("dmuon.comm"), Keep()
+        level = log.level
+        log.addHandler(keep)
+        log.setLevel(logging.DEBUG)
+        try:
+            with dmuon.exec.metered(record=True) as clip_led:
+                norm = dmuon.clip_grad_norm_(model, 0.05, error_if_nonfinite=True, foreach=True).item()
+        finally:
+            log.removeHandler(keep)
+            log.setLevel(level)
+        group = C._LAST[0][2] or dist.group.WORLD  # the group of the last op: its count of collectives so far
+        seq, last = group._get_sequence_number_for_group(), C.last_issued()
+        clipped = grads()
+        for n, p in model.named_parameters():  # the same clip, tensor by tensor
+            if p.grad is not None:
+                p.grad.copy_(before[n])
+        norm_loop = dmuon.clip_grad_norm_(model.parameters(), 0.05, foreach=False).item()
+        same_loop = all(torch.allclose(clipped[n], g, rtol=1e-6, atol=0) for n, g in grads().items())
+        opt.step()
+    opt.zero_grad()
+    op = lambda o: (o.kind, o.phase, tuple(sorted(o.group)), o.root, o.dtype, o.numel, o.nbytes)  # noqa: E731
+    issued = [op(o) for o in led.ops if o.phase != "other"]
+    planned = [(o.kind, o.phase, o.group, o.root, o.dtype, o.numel, o.charged_nbytes(rank))
+               for o in plan.schedule().rank_ops(rank) if o.collective]
+    lm_loss(model, batches[1].chunk(world)[rank]).backward()
+    target = next(f for f in plan.dedicated if plan.owner(f).rank == 1)
+    if rank == 1:
+        model.get_parameter(target).grad[0, 0] = float("nan")
+    kept = grads()
+    err = _catch(lambda: dmuon.clip_grad_norm_(model, 0.05, error_if_nonfinite=True))
+    untouched = all(torch.equal(kept[n], g) or (n == target and torch.equal(kept[n].nan_to_num(), g.nan_to_num()))
+                    for n, g in grads().items())
+    nan_norm = dmuon.clip_grad_norm_(model, 0.05).item()
+    dist.barrier()
+    return dict(
+        dedicated=plan.dedicated, norm=norm, norm_loop=norm_loop, same_loop=same_loop,
+        clip_ops=[op(o) for o in clip_led.ops], clip_other=clip_led.snapshot()["other"],
+        step_other=[op(o) for o in led.ops if o.phase == "other"], ops_match=issued == planned,
+        step_nbytes=led.total_nbytes(), plan_nbytes=plan.cost.per_rank_nbytes[rank],
+        target=target, err=err, untouched=untouched, nan_norm=nan_norm, logged=logged, seq=seq, last=last,
+    )
 
 
 def _case_predicate_changed(root):
@@ -326,8 +406,8 @@ def _grouped(mesh):
         [p for n, p in params.items() if n not in late], lr=lr0, weight_decay=wd0, momentum=HP["momentum"],
         adamw_lr=lr1, adamw_weight_decay=wd1, ns_dtype=torch.float32,
     )
-    opt.add_param_group({"params": [params[n] for n in late if (getattr(params[n], '_dmuon', None) is not None)], "lr": lr2, "weight_decay": wd2})
-    opt.add_param_group({"params": [params[n] for n in late if not (getattr(params[n], '_dmuon', None) is not None)], "lr": lr3, "weight_decay": wd3})
+    opt.add_param_group({"params": [params[n] for n in late if (dedicated_info(params[n]) is not None)], "lr": lr2, "weight_decay": wd2})
+    opt.add_param_group({"params": [params[n] for n in late if not (dedicated_info(params[n]) is not None)], "lr": lr3, "weight_decay": wd3})
     sched = torch.optim.lr_scheduler.LambdaLR(opt, LAMBDAS)
     return model, opt, sched
 
@@ -480,16 +560,22 @@ def _case_interop_2(root):
 FAULT_PG_TIMEOUT_S = 5  # gloo process-group timeout in the fault runs
 FAULT_DMUON_TIMEOUT_S = 3  # dmuon's collective_timeout_s there
 FAULT_DEADLINE_S = 30  # a survivor must have ended by then (it would hang forever otherwise)
+FAULTS = ("broadcast", "reduce")  # the dmuon collective the survivor waits in when rank 1 exits
 
 
 def _fault_rank(rank, world, port, root, where):
-    """One rank of a fault run: a step, a DCP checkpoint, then rank 1 SIGKILLs itself at the start
-    of the next backward (``where="backward"``) or of the next optimizer step (``"step"``); the
-    survivor records how it ended."""
+    """One rank of a fault run: a step, a DCP checkpoint, then rank 1 exits (``os._exit``, as a
+    rank that stopped early or died) in the backward of a second model while the survivor waits
+    in a dmuon collective: at the start of the backward, so the survivor waits in the last
+    boundary's backward broadcast (``where="broadcast"``), or inside the first boundary's
+    backward, after its backward broadcast and before its gradient reduce, so the survivor
+    waits in that reduce (``"reduce"``). The second model is dedicated but not ``fully_shard``'ed:
+    every collective of its forward and backward is dmuon's (FSDP2's all-gathers and
+    reduce-scatters would otherwise meet the closed connection first, in FSDP2's own waits). The
+    survivor records how it ended and how long it waited."""
     import datetime
     import os
     import pickle
-    import signal
     import time
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
@@ -512,21 +598,22 @@ def _fault_rank(rank, world, port, root, where):
     batches = global_batches(3)
     train_steps(model, opt, batches[:1])
     dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=f"{root}/fault_{where}")
+    probe = make_model("tiny")
+    dmuon.dedicate_params(probe, collective_timeout_s=FAULT_DMUON_TIMEOUT_S)
     dist.barrier()
-    kill = lambda *args: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
+    leave = lambda *args: os._exit(0)  # noqa: E731
+
+    def leave_in_backward(module, args):  # inside layers.0's forward: its compute weight's gradient hook
+        module.weight.register_hook(leave)
+
+    if rank == 1 and where == "reduce":
+        probe.get_submodule("layers.0.fc1").register_forward_pre_hook(leave_in_backward)
     t0 = time.monotonic()
     try:
-        for batch in batches[1:]:
-            loss = lm_loss(model, batch.chunk(world)[rank])
-            if rank == 1 and where == "backward":
-                loss.register_hook(kill)
-            if rank == 1 and where == "step":
-                opt.register_step_pre_hook(kill)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            t = loss.detach().clone()
-            dist.all_reduce(t)
+        loss = lm_loss(probe, batches[1].chunk(world)[rank])
+        if rank == 1 and where == "broadcast":
+            loss.register_hook(leave)
+        loss.backward()
         result = ("no error", "")
     except BaseException as exc:  # noqa: BLE001
         result = (type(exc).__name__, str(exc))
@@ -569,7 +656,7 @@ def _case_resume_after_fault(root):
     want = train_steps(model, opt, batches)
     want_full = dmuon.full_state_dict(model)
     out = {}
-    for where in ("backward", "step"):
+    for where in FAULTS:
         model2, opt2, _ = _build("tiny")
         sd = {"model": get_model_state_dict(model2), "optim": get_optimizer_state_dict(model2, opt2)}
         dcp.load(sd, checkpoint_id=f"{root}/fault_{where}")
@@ -614,7 +701,7 @@ def _case_missing_shard(root):
     err = _catch(load)
     after = dmuon.full_state_dict(target)
     dist.barrier()
-    dedicated = set(target._dmuon_runtime.slots_by_fqn)
+    dedicated = set(get_model_runtime(target).slots_by_fqn)
     same = {k: torch.equal(before[k], after[k]) for k in before} if dist.get_rank() == 0 else {}
     return dict(
         err=err,
@@ -647,7 +734,9 @@ def _worker2(root):
         order=_case_order_mistakes(),
         toggle_none=_case_requires_grad_toggle(True),
         toggle_zero=_case_requires_grad_toggle(False),
+        late_grad=_case_requires_grad_toggle(True, late=True),
         torch_clip=_case_torch_clip(),
+        dmuon_clip=_case_dmuon_clip(),
         predicate_changed=_case_predicate_changed(root),
         groups_n2=_case_groups_load(root, None),
         interop=_case_interop_2(root),
@@ -659,7 +748,7 @@ def _worker2(root):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("dmuon-reliability"))
-    faults = {where: _run_fault(root, where) for where in ("backward", "step")}
+    faults = {where: _run_fault(root, where) for where in FAULTS}
     r4 = run_distributed(_worker4, 4, root, timeout_s=300)
     r2 = run_distributed(_worker2, 2, root, timeout_s=240)
     return r4, r2, faults
@@ -768,13 +857,13 @@ def test_set_up_order_mistakes_are_detected_on_every_rank(runs):
     assert r["no_block_fully_shard"] is None
 
 
-def _reference_toggle(dedicated, set_to_none):
+def _reference_toggle(dedicated, set_to_none, late=False):
     model = make_model("tiny")
     muon, adamw = reference_optimizers(model, dedicated)
     losses = []
     with fp32_newton_schulz():
         for step, batch in enumerate(global_batches(TOGGLE_STEPS, batch=12)):
-            _toggle(model, step)
+            _toggle(model, step, *((0, LATE_FROM) if late else ()))
             loss = lm_loss(model, batch)
             loss.backward()
             muon.step()
@@ -785,10 +874,13 @@ def _reference_toggle(dedicated, set_to_none):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("name,set_to_none", [("toggle_none", True), ("toggle_zero", False)])
-def test_requires_grad_toggled_mid_run_matches_oracle(runs, name, set_to_none):
+@pytest.mark.parametrize("name,set_to_none,late", [("toggle_none", True, False), ("toggle_zero", False, False),
+                                                   ("late_grad", True, True)])
+def test_requires_grad_toggled_mid_run_matches_oracle(runs, name, set_to_none, late):
+    """Toggled mid-run, or (late_grad) no gradient on any rank for the first steps, then present:
+    untouched while absent (no momentum, no decay), then trained exactly as the oracle."""
     r0 = runs[1][0][name]
-    ref_losses, ref_state = _reference_toggle(set(r0["dedicated"]), set_to_none)
+    ref_losses, ref_state = _reference_toggle(set(r0["dedicated"]), set_to_none, late)
     for step, (got, want) in enumerate(zip(r0["losses"], ref_losses)):
         assert math.isclose(got, want, rel_tol=LOSS_RTOL), (name, step, got, want)
     _assert_state_close(r0["full"], ref_state, name)
@@ -813,7 +905,40 @@ def test_torch_clip_grad_norm_gives_the_global_norm(runs):
             adamw.zero_grad()
     _assert_state_close(r0["full"], {k: v.detach() for k, v in model.state_dict().items()}, "torch clip")
     for r in per_rank:
-        assert r["err"][0] == "RuntimeError" and "dmuon.clip_grad_norm_(model" in r["err"][1], r["err"]
+        assert r["err"] is None, r["err"]  # error_if_nonfinite=True is passed on, the norm is finite
+        assert all(math.isclose(s, 0.05, rel_tol=1e-4) for s in r["strict"]), r["strict"]
+
+
+def test_dmuon_clip_grad_norm_takes_torchs_signature_and_names_nonfinite_ranks(runs):
+    per_rank = [r["dmuon_clip"] for r in runs[1]]
+    r0 = per_rank[0]
+    model = make_model("tiny")  # the single-process oracle's norm on the global batch
+    lm_loss(model, global_batches(2, batch=12)[0]).backward()
+    want = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05, error_if_nonfinite=True).item()
+    for rank, r in enumerate(per_rank):
+        assert math.isclose(r["norm"], want, rel_tol=1e-5) and math.isclose(r["norm_loop"], r["norm"], rel_tol=1e-6), r
+        assert r["same_loop"]  # foreach=True and foreach=False scale identically
+        # ledger: clip's collectives are charged to "other" (the all-reduce of one fp32 scalar,
+        # 2*(k-1)*ceil(1/k)*4 = 8 B; the flags' all-gather of 3 int64, (k-1)*3*8 = 24 B) ...
+        assert r["clip_ops"] == [("all_reduce", "other", (0, 1), None, "torch.float32", 1, 8),
+                                 ("all_gather", "other", (0, 1), None, "torch.int64", 3, 24)], r["clip_ops"]
+        assert r["clip_other"] == 32 and r["step_other"] == r["clip_ops"] + r["clip_ops"][:1]  # 2nd clip: no flags
+        # ... and are no op of the plan's step: the step's other collectives are exactly the schedule's
+        assert r["ops_match"] and r["step_nbytes"] == r["plan_nbytes"], rank
+        # dmuon.comm at DEBUG logs each issued collective with its group's sequence number (NCCL's
+        # watchdog SeqNum): the last line names the last op and the group's count after it
+        op = (f"all_gather (phase other) over global ranks (0, 1), 3 int64 elements, "
+              f"group sequence number {r['seq']}")
+        assert len(r["logged"]) == 2 and r["logged"][-1] == f"dmuon rank {rank} issues {op}", r["logged"]
+        assert r["last"] == op and r["logged"][0].startswith(f"dmuon rank {rank} issues all_reduce (phase other)")
+    # a NaN in a gradient rank 1 holds: every rank raises the same error naming rank 1 and the parameter
+    errs = [r["err"] for r in per_rank]
+    assert errs[0] == errs[1] and errs[0][0] == "RuntimeError", errs
+    msg = errs[0][1]
+    assert "dmuon.clip_grad_norm_: the total norm of order 2 of the gradients is non-finite" in msg, msg
+    assert "global rank(s) [1] hold non-finite gradients" in msg and f"the first such parameter: {r0['target']!r}" in msg, msg
+    assert all(r["untouched"] for r in per_rank)  # raised before any gradient was scaled
+    assert all(math.isnan(r["nan_norm"]) for r in per_rank)  # without the flag: torch's NaN norm
 
 
 def test_checkpoint_after_predicate_change_says_the_dedicated_set_differs(runs):
@@ -884,18 +1009,28 @@ def test_plain_fsdp2_checkpoints_load_into_dmuon_and_back(runs):
     assert r4["broadcast"] == 0.0 and r2["broadcast"] == 0.0, (r4, r2)  # rank-0 full state dict, N=4 and 2
 
 
-@pytest.mark.parametrize("where", ["backward", "step"])
-def test_sigkilled_rank_survivor_ends_quickly_and_checkpoint_resumes(runs, where):
+@pytest.mark.parametrize("where", FAULTS)
+def test_peer_exit_during_a_dmuon_collective_names_the_transport_error(runs, where):
+    """Rank 1 exits while the survivor waits in a dmuon broadcast / reduce: the survivor raises
+    dmuon's transport error at once (not a timeout), naming the boundary and phase, its step and
+    forward count, the peer and the usual causes; the checkpoint written before resumes exactly."""
+    import re
+
     fault = runs[2][where]
-    assert fault["alive"] == [] and fault["victim_exitcode"] == -9, fault
+    assert fault["alive"] == [] and fault["victim_exitcode"] == 0, fault
     kind, msg = fault["survivor"]["result"]
     assert fault["survivor"]["elapsed_s"] < FAULT_DEADLINE_S, fault
-    # dmuon's CollectiveTimeout naming boundary and phase, or gloo's peer-lost / timeout error
-    dmuon_timeout = kind == "CollectiveTimeout" and "boundary" in msg
-    gloo_lost = kind in ("RuntimeError", "DistBackendError") and any(
-        s in msg for s in ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out")
-    )
-    assert dmuon_timeout or gloo_lost, fault
+    assert kind == "CollectiveTransportError", fault
+    phase = "'layers.2' backward_broadcast" if where == "broadcast" else "' reduce"
+    assert "dmuon: collective for boundary " in msg and phase in msg and "failed in the transport" in msg, msg
+    assert "did not complete within" not in msg, msg
+    waited = float(re.search(r"after ([0-9.]+) s of waiting", msg).group(1))
+    assert waited < FAULT_DMUON_TIMEOUT_S, msg  # named at once, well within dmuon's timeout
+    assert "global rank 0, 0 optimizer step(s) done" in msg and "grad-enabled forward(s) of this boundary" in msg, msg
+    assert "(the only other rank: 1)" in msg and "the backend names the peer" in msg, msg
+    causes = [msg.index(c) for c in ("stopped early or skipped a whole step", "a rank died", "rank-dependent number of micro-batches")]
+    assert causes == sorted(causes), msg
+    assert "Last collective dmuon issued on this rank:" in msg, msg
     assert runs[1][0]["resume_after_fault"][where] and runs[1][1]["resume_after_fault"][where]
 
 

@@ -928,3 +928,256 @@ def torch_linear():
     import torch
 
     return torch.nn.Linear(2, 2)
+
+
+# ------------------------------------------------------------------ issue #35: fair FSDP2 baseline,
+# all-gather / reduce-scatter phases, coalescing, expert parallelism's token all-to-all
+
+
+def test_fsdp2_expert_stack_placement_by_hand():
+    """torchtitan's apply_fsdp_to_decoder: a stack Shard(1) when its FSDP group outnumbers its
+    (local) experts, else Shard(0); with EP over its efsdp group; dense tensors always Shard(0)."""
+    from dmuon.plan.cost import baseline as B
+
+    qwen_w1 = (128, 1536, 2048)  # Qwen3-30B-A3B gate_up, E = 128
+    assert C.fsdp2_shard_numel(qwen_w1, 256, expert_stack=True) == 6 * 128 * 2048  # ceil(1536/256) rows of every expert
+    assert C.fsdp2_shard_numel(qwen_w1, 256) == 1 * 1536 * 2048  # dim 0: one expert per rank, half the ranks empty
+    assert C.fsdp2_shard_numel(qwen_w1, 64, expert_stack=True) == 2 * 1536 * 2048  # 64 <= 128: Shard(0)
+    assert C.fsdp2_shard_numel((1536, 2048), 256, expert_stack=True) == 6 * 2048  # not 3-D: Shard(0)
+    assert B.is_expert_stack("layers.0.mlp.experts.gate_up_proj", qwen_w1)
+    assert not B.is_expert_stack("layers.0.mlp.experts.gate_up_proj", (1536, 2048))
+    assert not B.is_expert_stack("layers.0.conv.weight", (8, 4, 3))
+    name = "layers.0.mlp.experts.w1"
+    # ep 8 on 64 ranks: 16 local experts over an efsdp group of 8 -> Shard(0)
+    assert B.fsdp2_param_shard(name, (16, 1536, 2048), 64, ep=8) == (8, 2 * 1536 * 2048)
+    # ep 128 on 256 ranks: 1 local expert over efsdp 2 -> Shard(1)
+    assert B.fsdp2_param_shard(name, (1, 1536, 2048), 256, ep=128) == (2, 768 * 2048)
+    # efsdp 1: FSDP2 has no group to shard over
+    assert B.fsdp2_param_shard(name, (16, 1536, 2048), 8, ep=8) == (1, 16 * 1536 * 2048)
+    assert B.fsdp2_param_shard("layers.0.attn.q.weight", (4096, 2048), 64, ep=8) == (64, 64 * 2048)  # dense: the row
+
+
+def test_fair_baseline_bytes_by_hand():
+    """tiny-moe (2 layers; q (32, 32), k / v (16, 32), o (32, 32), router (4, 32), stacks w1 / w3
+    (4, 48, 32) and w2 (4, 32, 48), norms (32,)) on 8 ranks, fp32: per layer the dense shards are
+    ceil(d0/8)*d1 = 128 + 64 + 64 + 128 + 32 = 416 elements; the stacks, 8 ranks > 4 experts,
+    Shard(1): ceil(48/8)*4*32 = ceil(32/8)*4*48 = 768 each, 2,304 (dim 0 would pad each to 1 expert
+    per rank, 1,536). Forward all-gather per rank 7 x 2 x 2,720 x 4 B = 152,320 B, x 8 ranks."""
+    moe = zoo.tiny_moe()
+    plan = P.compile(moe, 8)
+    base = plan.baseline_cost
+    assert base.forward_all_gather_nbytes == 8 * 7 * 2 * (416 + 2304) * 4 == 1_218_560
+    assert base.total_nbytes == 4 * 1_218_560  # Z3: forward, backward, reduce-scatter, naive gather
+    assert plan.baseline_rank_stats()[0].owned_numel == 2 * (416 + 2304)
+    # the simulator's FSDP2 + AdamW: per boundary one all-gather of dense + norms (2 x 4) + stacks
+    ops = S.alternatives.build("adamw", plan)
+    ag = [(op.group, op.numel) for op in ops if op.kind == "fsdp2_all_gather" and op.boundary == "layers.0"]
+    assert ag == [(tuple(range(8)), 416 + 8 + 2304)] * 2  # forward and backward
+    # the same model with EP 2 (efsdp 4): dense over the row, each rank's 2 experts over ranks
+    # j, j+2, j+4, j+6 -- 4 > 2 experts: Shard(1), ceil(48/4)*2*32 = ceil(32/4)*2*48 = 768 each
+    from dmuon.plan.model.parallel import expert_parallel_variant
+
+    ep_plan = P.compile(expert_parallel_variant(zoo.tiny_moe(), 2), 8, ep=2)
+    ops = S.alternatives.build("adamw", ep_plan)
+    ag = sorted((op.group, op.numel) for op in ops if op.kind == "fsdp2_all_gather" and op.boundary == "layers.0")
+    assert ag == sorted([(tuple(range(8)), 424), ((0, 2, 4, 6), 2304), ((1, 3, 5, 7), 2304)] * 2)
+    # EP 4 on 4 ranks (efsdp 1): no FSDP2 traffic for the stacks at all
+    ep4 = P.compile(expert_parallel_variant(zoo.tiny_moe(), 4), 4, ep=4)
+    ag = [(op.group, op.numel) for op in S.alternatives.build("adamw", ep4)
+          if op.kind == "fsdp2_all_gather" and op.boundary == "layers.0"]
+    assert ag == [((0, 1, 2, 3), 8 * 32 + 4 * 32 + 4 * 32 + 8 * 32 + 1 * 32 + 2 * 8)] * 2  # dense + norms only
+    with pytest.raises(ValueError, match="not modelled with expert parallelism"):
+        S.alternatives.build("all_to_all", ep4)
+
+
+def _hand_hw(**kw):
+    base = dict(name="hand", ranks_per_node=8, intra=LINK, inter=LINK, launch_s=5e-6,
+                matmul_peak_flops=(("torch.float32", 1e12),), compute_dtype="torch.float32", ns_dtype="torch.float32")
+    base.update(kw)
+    return H.Hardware(**base)
+
+
+def _op(i, kind, phase, group=(0, 1, 2, 3), **kw):
+    if kind in ("forward", "backward"):
+        kw.setdefault("external", True)
+    elif kind not in ("newton_schulz",):
+        kw.setdefault("dtype", "torch.float32")
+    return P.Op(id=i, kind=kind, phase=phase, group=group, **kw)
+
+
+def test_dmuon_all_gather_and_reduce_scatter_run_on_their_phases_channel():
+    """A dmuon all-gather on the forward phase and a reduce-scatter on the gradient phase (the
+    per-buffer kinds of issue #35) are timed by the ring formula and run on the broadcast /
+    reduce channels; a TP all-gather keeps the TP channel. By hand (k = 4, 1,000 fp32 per rank,
+    alpha 10 us, 1 GB/s, launch 5 us): 5 + 3 x 10 + 3 x 4 = 47 us each; the TP gather does not
+    queue behind the forward gather (both start at 0)."""
+    plan = P.compile(zoo.tiny_llama(), 4)
+    wl = S.from_plan(plan, tokens_per_rank=64, seq_len=16, activation_dtype="torch.float32")
+    b = plan.boundaries[0].fqn
+    ops = [_op(0, "all_gather", "forward_broadcast", numel=1000, boundary=b),
+           _op(1, "all_gather", "tp", numel=1000),
+           _op(2, "forward", "compute", boundary=b, deps=(0,)),
+           _op(3, "backward", "compute", boundary=b, deps=(2,)),
+           _op(4, "reduce_scatter", "reduce", numel=1000, boundary=b, deps=(3,))]
+    hw = _hand_hw()
+    sim_ops = S.lower._lower(ops, plan, hw, wl, variant="z3", num_ranks=4)
+    colls = [(o.kind, o.channel, o.seconds) for o in sim_ops if o.collective]
+    each = 5e-6 + 3 * 1e-5 + 3 * 4000 / 1e9
+    assert [(k, c) for k, c, _ in colls] == [("all_gather", "bcast"), ("all_gather", "tp"), ("reduce_scatter", "reduce")]
+    assert all(s == pytest.approx(each) for _, _, s in colls)
+    raw = replay_ops(sim_ops, 4, hw)
+    starts = [float(raw["start_scalar"][i]) for i, o in enumerate(sim_ops) if o.collective]
+    assert starts[:2] == [0.0, 0.0]
+    # on gloo the runtime blocks once on the forward gather and once on the gradient drain, as
+    # on broadcasts and reduces (FSDP2's in-situ call on 4 ranks less its call on one: 200 us)
+    gloo = _hand_hw(comm_engine="threads", fsdp2_call_s=1e-4, fsdp2_call_s_by_group=((4, 3e-4),))
+    hosts = [o.host_s for o in S.lower._lower(ops, plan, gloo, wl, variant="z3", num_ranks=4) if o.collective]
+    assert hosts == pytest.approx([2e-4, 0.0, 2e-4])
+
+
+def test_coalesced_broadcasts_by_hand():
+    """NCCL coalescing (Hardware.coalesces): the forward broadcasts of one boundary on one group
+    become ONE op, issued once: launch 5 us + ceil(log2 4) x 10 us + (4,000 + 8,000 + 12,000) B
+    / 1 GB/s + 2 x 10 us per extra call = 69 us (serial), with coalesced_op_s = 1 us 51 us. Two
+    groups interleaved (HSDP rows) give one op each; the gradient reduces are their own block.
+    Concurrent (uncalibrated): with every member a root (4 payloads of 4..16 kB) the busiest
+    member receives all but its own smallest 4 kB: 36 kB."""
+    plan = P.compile(zoo.tiny_llama(), 4)
+    wl = S.from_plan(plan, tokens_per_rank=64, seq_len=16, activation_dtype="torch.float32")
+    b = plan.boundaries[0].fqn
+    bcasts = [_op(i, "broadcast", "forward_broadcast", root=i, numel=1000 * (i + 1), boundary=b) for i in range(3)]
+    ops = bcasts + [_op(3, "forward", "compute", boundary=b, deps=(0, 1, 2)),
+                    _op(4, "backward", "compute", boundary=b, deps=(3,)),
+                    _op(5, "reduce", "reduce", root=0, numel=1000, boundary=b, deps=(4,)),
+                    _op(6, "reduce", "reduce", root=1, numel=1000, boundary=b, deps=(4,))]
+    hw = _hand_hw(issue_s=1e-6, coalesces=True)
+    sim_ops = S.lower._lower(ops, plan, hw, wl, variant="z3", num_ranks=4)
+    colls = [o for o in sim_ops if o.collective]
+    assert [(o.kind, o.channel) for o in colls] == [("broadcast", "bcast"), ("reduce", "reduce")]
+    assert colls[0].seconds == pytest.approx(5e-6 + 2e-5 + 24000 / 1e9 + 2 * 1e-5)
+    assert colls[1].seconds == pytest.approx(5e-6 + 2e-5 + 8000 / 1e9 + 1e-5)
+    assert colls[0].host_s == 1e-6  # issued once
+    fwd = next(i for i, o in enumerate(sim_ops) if o.kind == "forward" and o.label == b)
+    assert sim_ops[fwd].deps == (sim_ops.index(colls[0]),)
+    op_s = S.lower._lower(ops, plan, dataclasses.replace(hw, coalesced_op_s=1e-6), wl, variant="z3", num_ranks=4)
+    assert [o.seconds for o in op_s if o.collective][0] == pytest.approx(5e-6 + 2e-5 + 24000 / 1e9 + 2e-6)
+    # not coalescing: one op per broadcast, each by the broadcast formula
+    plain = [o for o in S.lower._lower(ops, plan, dataclasses.replace(hw, coalesces=False), wl, variant="z3",
+                                       num_ranks=4) if o.collective]
+    assert [o.seconds for o in plain[:3]] == pytest.approx([5e-6 + 2e-5 + 4000 * (i + 1) / 1e9 for i in range(3)])
+    # two groups interleaved in one boundary phase: one coalesced op per group, first-seen order
+    rows = [_op(i, "broadcast", "forward_broadcast", group=(0, 1) if i % 2 == 0 else (2, 3),
+                root=0 if i % 2 == 0 else 2, numel=1000, boundary=b) for i in range(4)]
+    rows.append(_op(4, "forward", "compute", boundary=b, deps=(0, 1, 2, 3)))
+    got = [(o.group, o.seconds) for o in S.lower._lower(rows, plan, hw, wl, variant="z3", num_ranks=4) if o.collective]
+    two = 5e-6 + 1e-5 + 8000 / 1e9 + 1e-5
+    assert [g for g, _ in got] == [(0, 1), (2, 3)] and all(s == pytest.approx(two) for _, s in got)
+    # the coalesced cost model on its own
+    from dmuon.sim.coalesce import coalesced_collective_s
+
+    four = [4000.0, 8000.0, 12000.0, 16000.0]
+    conc = dataclasses.replace(hw, coalesce_model="concurrent")
+    assert coalesced_collective_s(conc, "broadcast", (0, 1, 2, 3), four, [0, 1, 2, 3]) == pytest.approx(
+        5e-6 + 2e-5 + 36000 / 1e9 + 3e-5)
+    assert coalesced_collective_s(hw, "broadcast", (0, 1, 2, 3), four, [0, 1, 2, 3]) == pytest.approx(
+        5e-6 + 2e-5 + 40000 / 1e9 + 3e-5)
+    assert coalesced_collective_s(conc, "reduce", (0, 1, 2, 3), four[:3], [0, 1, 2]) == pytest.approx(
+        5e-6 + 2e-5 + 24000 / 1e9 + 2e-5)  # rank 3 roots nothing: the serial figure
+    with pytest.raises(ValueError, match="only broadcasts and reduces"):
+        coalesced_collective_s(hw, "all_gather", (0, 1), [1.0], [0])
+    with pytest.raises(ValueError, match="coalesce_model"):
+        _hand_hw(coalesce_model="fast")
+    # presets coalesce (NCCL), records that do not say do not (gloo)
+    assert H.preset("h100").coalesces and not H.Hardware.from_dict(
+        {k: v for k, v in _hand_hw().to_dict().items() if k != "coalesces"}).coalesces
+    assert H.Hardware.from_dict(json.loads(json.dumps(conc.to_dict()))) == conc
+
+
+def test_token_all_to_all_by_hand():
+    """tiny-moe with EP 2 on 4 ranks, 64 tokens per rank, top-2, fp32, hidden 32: one dispatch
+    sends 64 x 2 x 32 x 4 = 16,384 B per rank; per MoE layer and micro-batch 4 all-to-alls (dispatch,
+    combine, their gradients) on each EP group (0, 1) and (2, 3): 2 layers x 4 x 2 groups = 16,
+    each 5 us + (2-1) x 10 us + 1/2 x 16,384 B / 1 GB/s = 23.192 us, on the all-to-all channel.
+    The expert FLOPs per rank do not change with EP (uniform routing): 3 stacks x 2 x 48 x 32
+    FLOP x 64 tokens x 2 experts = 1,179,648 per layer."""
+    from dmuon.plan.model.parallel import expert_parallel_variant
+
+    ep_plan = P.compile(expert_parallel_variant(zoo.tiny_moe(), 2), 4, ep=2)
+    plain = P.compile(zoo.tiny_moe(), 4)
+    kw = dict(tokens_per_rank=64, seq_len=64, activation_dtype="torch.float32", top_k=2)
+    wl, wl_plain = S.from_plan(ep_plan, **kw), S.from_plan(plain, **kw)
+    w = wl.work("layers.0")
+    assert w.dispatch_nbytes == 64 * 2 * 32 * 4 == 16_384
+    assert w.experts.matmul_flops == wl_plain.work("layers.0").experts.matmul_flops == 1_179_648
+    assert wl.forward_flops == wl_plain.forward_flops
+    hw = _hand_hw()
+    sim_ops = S.lower._lower(ep_plan.schedule().ops, ep_plan, hw, wl, variant="z3", num_ranks=4)
+    a2a = [o for o in sim_ops if o.kind == "all_to_all"]
+    assert len(a2a) == 16 and {o.group for o in a2a} == {(0, 1), (2, 3)} and {o.channel for o in a2a} == {"a2a"}
+    assert all(o.seconds == pytest.approx(5e-6 + 1e-5 + 0.5 * 16_384 / 1e9) for o in a2a)
+    # forward of layers.0: dense | dispatch | experts | combine, each waiting for the one before
+    i = next(j for j, o in enumerate(sim_ops) if o.kind == "forward" and o.label == "layers.0")
+    seq = [(o.kind, o.label) for o in sim_ops[i:i + 7]]
+    assert seq == [("forward", "layers.0"), ("all_to_all", "tokens layers.0 mb0"), ("all_to_all", "tokens layers.0 mb0"),
+                   ("forward", "layers.0 experts"), ("all_to_all", "tokens layers.0 mb0"),
+                   ("all_to_all", "tokens layers.0 mb0"), ("forward", "layers.0 combined")]
+    assert sim_ops[i + 1].deps == (i,) and sim_ops[i + 3].deps == (i + 1, i + 2) and sim_ops[i + 6].deps == (i + 4, i + 5)
+    # the split keeps the compute: with a FLOP-bound hardware the forward seconds equal the
+    # non-EP plan's (same FLOPs per rank), and only the EP plan has all-to-alls
+    fwd = lambda ops: sum(o.seconds for o in ops if o.kind == "forward")  # noqa: E731
+    plain_ops = S.lower._lower(plain.schedule().ops, plain, hw, wl_plain, variant="z3", num_ranks=4)
+    assert fwd(sim_ops) == pytest.approx(fwd(plain_ops)) and not any(o.kind == "all_to_all" for o in plain_ops)
+    # every variant runs the model's all-to-alls: each rank issues 8 of them
+    # FSDP2 + AdamW with EP: the 8 all-to-alls, and per layer the stacks' own all-gathers (forward,
+    # backward) and reduce-scatter on the efsdp group beside the row's
+    adamw = S.simulate(ep_plan, hw, wl, variant="adamw").collectives_per_rank[0]
+    assert adamw - S.simulate(plain, hw, wl_plain, variant="adamw").collectives_per_rank[0] == 8 + 2 * 3
+    # calls per rank: the schedule's collectives (dmuon's and FSDP2's) + the 8 all-to-alls
+    calls = lambda p: sum(1 for o in p.schedule().ops if o.kind in H.OP_COLLECTIVE and 0 in o.group)  # noqa: E731
+    assert S.simulate(ep_plan, hw, wl, variant="z3").collectives_per_rank[0] == calls(ep_plan) + 8
+    assert S.simulate(plain, hw, wl_plain, variant="z3").collectives_per_rank[0] == calls(plain)
+
+
+def test_buffer_wire_numel():
+    """What a rank holds while a buffer is gathered: a broadcast buffer's segments (an EP buffer:
+    its largest efsdp group's), an all-gather buffer's k slots."""
+    from dmuon.sim.memory import buffer_wire_numel
+
+    segs = tuple(SimpleNamespace(shard=s, numel=n) for s, n in enumerate((10, 20, 30, 40)))
+    assert buffer_wire_numel(SimpleNamespace(ep=1, numel=100, segments=segs), 4) == 100
+    assert buffer_wire_numel(SimpleNamespace(ep=2, numel=100, segments=segs), 4) == 60  # shards 1, 3
+    gathered = SimpleNamespace(ep=1, numel=100, segments=segs, collective="all_gather", slot_numel=48)
+    assert buffer_wire_numel(gathered, 4) == 4 * 48
+    gathered_ep = SimpleNamespace(ep=2, numel=100, segments=segs, collective="all_gather", slot_numel=48)
+    assert buffer_wire_numel(gathered_ep, 4) == 2 * 48  # efsdp group of 2
+
+
+def test_simulate_cli_expert_parallel(tmp_path, capsys):
+    """`simulate --ep K`: the EP plan, the token all-to-all line (4 calls per MoE layer, bytes by
+    hand: 256 tokens x top-2 x hidden 32 x 2 B bf16 = 32,768 B), the baseline statement, dmuon's
+    collectives and padding, adamw / z2 / z3 only; user errors are argparse errors."""
+    from dmuon.__main__ import main
+    from dmuon.sim.cli import BASELINE_LINE
+
+    out = tmp_path / "ep.json"
+    assert main(["simulate", "--model", "tiny-moe", "--mesh", "4", "--ep", "2", "--hw", "h100", "--tokens-per-rank",
+                 "256", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert BASELINE_LINE in text and "EP 2 (efsdp 2)" in text
+    assert "token all-to-all over EP groups of 2 ranks: 8 calls per step" in text and "0.0 MB per rank" in text
+    assert "dmuon Z3 collectives per step: broadcast" in text and "buffer padding" in text and "calls/rank" in text
+    d = json.loads(out.read_text())
+    assert d["ep"] == 2 and set(d["variants"]) == {"adamw", "z2", "z3"}
+    assert d["dmuon_collectives"]["broadcast"] > 0 and d["buffer_wire_numel"] >= d["buffer_payload_numel"] > 0
+    for extra, needle in ((["--ep", "3"], "--ep 3"), (["--ep", "2", "--tp", "2"], "--ep with --tp"),
+                          (["--ep", "0"], "--ep must be >= 1")):
+        with pytest.raises(SystemExit) as e:
+            main(["simulate", "--model", "tiny-moe", "--mesh", "4", "--hw", "h100", *extra])
+        assert e.value.code == 2 and needle in capsys.readouterr().err, extra
+    calls = {}
+    for mode in ("record", "off"):
+        assert main(["simulate", "--model", "tiny-moe", "--mesh", "4", "--hw", "h100", "--mode", "z3",
+                     "--coalesce", mode, "--json", str(out)]) == 0
+        capsys.readouterr()
+        calls[mode] = json.loads(out.read_text())["variants"]["z3"]["collectives_busiest_rank"]
+    assert calls["off"] > calls["record"]  # one call per broadcast / reduce without coalescing

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
+from dmuon.exec import dedicated_info
 from oracle import HP, global_batches, lm_loss, reference_run
 
 STEPS = 3
@@ -272,7 +273,7 @@ def _worker(dp, tp: int, cases, errors: bool = False, steps: int = STEPS):
         dmuon.exec.get_model_runtime(model).wait_replicate_broadcasts()
         param_err = 0.0
         for name, p in model.named_parameters():
-            info = getattr(p, "_dmuon", None)
+            info = dedicated_info(p)
             if info is not None and not info.holds_full:
                 continue  # placeholder: the owner group checks it
             full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()

@@ -33,6 +33,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
+from dmuon.exec import dedicated_info
 from oracle import HP, dmuon_optimizer, global_batches, lm_loss, reference_run
 
 LOSS_RTOL = 1e-5
@@ -204,7 +205,7 @@ def _meta_report(run, plan):
     bad = []
     for spec in plan.params:
         p = run["model"].get_parameter(spec.fqn)
-        info = p._dmuon
+        info = dedicated_info(p)
         local = p.to_local() if hasattr(p, "to_local") else p
         want = tuple(spec.local_shape) if info.holds_full else (0, *spec.local_shape[1:])
         if tuple(local.shape) != want:

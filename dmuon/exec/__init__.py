@@ -9,7 +9,7 @@ per-process one; :func:`metered`, the bytes of one block; ``LEDGER`` stays for e
 
 from dmuon.exec.comm import collectives
 from dmuon.exec.setup.api import apply, dedicate_params
-from dmuon.exec.runtime.buffers import dedicated_info
+from dmuon._tags import dedicated_info
 from dmuon.exec.comm.collectives import LEDGER, ledger, metered
 from dmuon.exec.runtime.runtime import get_model_runtime, runtimes_of
 

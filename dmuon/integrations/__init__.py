@@ -15,14 +15,16 @@ into each of them; recipes: ``docs/integrations.md``.
   (docs/integrations.md says where dmuon would go).
 * :func:`framework_hint` — the framework-specific fix appended to the errors users hit first.
 
-What dmuon changes in other libraries, and when, is one list (:mod:`dmuon._registry`):
-:func:`status` prints it; ``import dmuon`` installs only the ``fully_shard`` skip and the
-``clip_grad_norm_`` hand-off, the first ``dmuon.dedicate_params`` the rest (GradScaler, DCP, the
-DDP and optimizer guards, accelerate / transformers when imported). :func:`disable` (or
+What dmuon changes in other libraries, and when, is one list (:mod:`dmuon.integrations.patches`,
+installed by the machinery of :mod:`dmuon._registry`): :func:`status` prints it; ``import dmuon``
+installs only the ``clip_grad_norm_`` hand-off (:mod:`dmuon.integrations.clip`), the first
+``dmuon.dedicate_params`` the rest (the ``fully_shard`` skip, GradScaler, DCP, the DDP and
+optimizer guards, accelerate / transformers / torchtitan when imported). :func:`disable` (or
 ``DMUON_NO_PATCHES=1``) undoes and blocks all of it; :func:`enable` installs named integrations
 explicitly (``enable("accelerate", "trainer")``).
 
-Importing this package imports no framework: each submodule imports its framework when used.
+Importing this package imports no framework and no ``dmuon.exec`` module: each submodule imports
+its framework when used, and :func:`check_optimizer` loads on first access.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ import torch.nn as nn
 from dmuon import _registry
 from dmuon._hints import detect_framework, framework_hint
 from dmuon._registry import IntegrationError, status
-from dmuon.exec.setup.guards import check_optimizer
 
 __all__ = [
     "boundary_modules",
@@ -45,6 +46,19 @@ __all__ = [
     "uninstall",
     "IntegrationError",
 ]
+
+
+def __getattr__(name: str):
+    if name == "check_optimizer":  # dmuon.exec.setup.guards.check_optimizer, loaded on first use
+        from dmuon.exec.setup.guards import check_optimizer
+
+        return check_optimizer
+    raise AttributeError(f"module 'dmuon.integrations' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
 
 # ------------------------------------------------------------------------------------------
 # Recipes' helpers

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import functools
 
+from dmuon import _tags
+
 
 def wrap_clip_grad_norm(fn):
     """The wrapper of ``torchtitan.distributed.utils.clip_grad_norm_`` (registry factory)."""
@@ -24,10 +26,8 @@ def wrap_clip_grad_norm(fn):
                         pp_mesh=None, ep_enabled=False):
         import torch
 
-        from dmuon.exec.runtime.buffers import dedicated_info
-
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        if not any(dedicated_info(p) is not None for p in params):
+        if not _tags.has_dedicated(params):
             return fn(params, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh, ep_enabled)
         if pp_mesh is not None:
             raise NotImplementedError(

@@ -45,8 +45,9 @@ import torch
 import torch.nn as nn
 
 from dmuon import _registry
+from dmuon import _tags
 from dmuon._hints import framework_hint
-from dmuon.exec.runtime.buffers import dedicated_info
+from dmuon._tags import dedicated_info
 from dmuon.exec.setup.guards import check_optimizer
 
 __all__ = ["patch", "is_patched", "wrap_prepare_fsdp2", "wrap_prepare_model", "wrap_clip_grad_norm_"]
@@ -63,10 +64,6 @@ def _cpu_note(accelerator) -> str:
         "accelerator.state.distributed_type = DistributedType.FSDP and assign accelerator.state.fsdp_plugin "
         "= FullyShardedDataParallelPlugin(fsdp_version=2, ...) (docs/integrations.md, 'On CPU'). "
     )
-
-
-def _has_dedicated(model) -> bool:
-    return isinstance(model, nn.Module) and any(dedicated_info(p) is not None for p in model.parameters())
 
 
 def _check_fsdp2_plugin(accelerator, model: nn.Module) -> None:
@@ -120,7 +117,7 @@ def wrap_prepare_fsdp2(orig):
 
     @functools.wraps(orig)
     def _prepare_fsdp2(self, *args):
-        models = [a for a in args if _has_dedicated(a)]
+        models = [a for a in args if isinstance(a, nn.Module) and _tags.has_dedicated(a.parameters())]
         if not models:
             return orig(self, *args)
         optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
@@ -143,7 +140,7 @@ def wrap_prepare_model(orig):
 
     @functools.wraps(orig)
     def prepare_model(self, model, device_placement=None, evaluation_mode=False):
-        if not evaluation_mode and not self.is_fsdp2 and _has_dedicated(model):
+        if not evaluation_mode and not self.is_fsdp2 and _tags.has_dedicated(model.parameters()):
             from torch.distributed.fsdp import FSDPModule
 
             if self.num_processes > 1 and not isinstance(model, FSDPModule):
@@ -165,7 +162,7 @@ def wrap_clip_grad_norm_(orig):
     @functools.wraps(orig)
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         params = list(parameters)
-        if any(dedicated_info(p) is not None for p in params):
+        if _tags.has_dedicated(params):
             from dmuon.exec.optim.clip import clip_grad_norm_ as dmuon_clip
 
             self.unscale_gradients()  # as accelerate does first (fp16 grad scaler)

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch.nn as nn
 
+from dmuon import _tags
+
 __all__ = ["MuonFactory"]
 
 
@@ -31,9 +33,9 @@ class MuonFactory:
     Trainer builds scales every group's ``lr`` by the same factor (Muon's and AdamW's)."""
 
     def __call__(self, model: nn.Module, **kwargs: Any):
-        import dmuon
+        from dmuon.exec.optim.muon import Muon
 
-        return dmuon.Muon(model, **kwargs)
+        return Muon(model, **kwargs)
 
 
 def wrap_mixed_mesh_grad_norm(orig):
@@ -49,11 +51,10 @@ def wrap_mixed_mesh_grad_norm(orig):
 
     @functools.wraps(orig)
     def _mixed_mesh_grad_norm(self, model, max_norm):
-        from dmuon.exec.runtime.buffers import dedicated_info
-        from dmuon.exec.optim.clip import clip_grad_norm_
-
         params = list(model.parameters())
-        if any(dedicated_info(p) is not None for p in params):
+        if _tags.has_dedicated(params):
+            from dmuon.exec.optim.clip import clip_grad_norm_
+
             return clip_grad_norm_(params, max_norm)
         return orig(self, model, max_norm)
 

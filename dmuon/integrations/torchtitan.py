@@ -16,8 +16,8 @@ What each piece does:
    ``fully_shard`` (inside ``apply_fsdp_to_decoder``, imported by name into each model's module,
    so there is no attribute to replace). The wrapper runs ``dmuon.dedicate_params`` at the
    start of the first ``fully_shard`` call the parallelize function makes
-   (:func:`dmuon.exec.setup.fsdp2.before_next_fully_shard`, a hook inside the FSDP2 wrapper ``import
-   dmuon`` already installs, live only during that call): after TP / AC / compile, before any
+   (:func:`dmuon.exec.setup.fsdp2.before_next_fully_shard`, a hook inside the FSDP2 wrapper of the
+   first dedication's stage, which the wrapper installs first, live only during that call): after TP / AC / compile, before any
    FSDP2 state exists, on the data-parallel mesh torchtitan hands FSDP2 (``["fsdp"]`` or
    ``["dp_replicate", "fsdp"]``) and with FSDP2's mixed-precision policy. It logs the plan's
    summary (``dmuon: dedicated ... matrices``) through torchtitan's logger.
@@ -69,6 +69,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+
+from dmuon._dtensor import is_dtensor
 
 __all__ = [
     "wrap_parallelize",
@@ -157,7 +159,8 @@ def wrap_parallelize(parallelize_fn: Callable, **dedicate_kwargs: Any) -> Callab
 
     @functools.wraps(parallelize_fn)
     def parallelize(model: nn.Module, *args: Any, parallel_dims, **kwargs: Any) -> nn.Module:
-        import dmuon
+        from dmuon import _registry
+        from dmuon.exec.setup.api import dedicate_params
         from dmuon.exec.setup.fsdp2 import before_next_fully_shard
         from torchtitan.tools.logging import logger
 
@@ -176,7 +179,7 @@ def wrap_parallelize(parallelize_fn: Callable, **dedicate_kwargs: Any) -> Callab
                 _check_ep_layout(parallel_dims, mesh)
                 _localize_expert_dtensors(model, parallel_dims)
                 kw.setdefault("ep", parallel_dims.ep)
-            plan = dmuon.dedicate_params(model, mesh, **kw)
+            plan = dedicate_params(model, mesh, **kw)
             logger.info(
                 f"dmuon: dedicated {len(plan.dedicated)} matrices to owners on mesh "
                 f"{tuple(mesh.mesh_dim_names or ())} {tuple(mesh.shape)} (Muon on owners, "
@@ -184,6 +187,9 @@ def wrap_parallelize(parallelize_fn: Callable, **dedicate_kwargs: Any) -> Callab
             )
             return plan
 
+        # the hook below runs inside the fully_shard skip, which the first dedication installs:
+        # install that stage now (as before, DMUON_NO_PATCHES=1 leaves it out: the RuntimeError below)
+        _registry.install_stage("dedicate")
         with before_next_fully_shard(dedicate) as ran:
             out = parallelize_fn(model, *args, parallel_dims=parallel_dims, **kwargs)
         if not ran:
@@ -238,12 +244,12 @@ def _localize_expert_dtensors(model: nn.Module, parallel_dims) -> list[str]:
     ``Shard(0)`` over the ``ep`` mesh dim becomes a plain ``nn.Parameter`` of this rank's experts
     (its local tensor, no copy), the form ``dmuon.dedicate_params(..., ep=N)`` takes. Returns the
     FQNs replaced."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import Shard
 
     done = []
     for mod_fqn, module in model.named_modules():
         for name, p in list(module._parameters.items()):
-            if not isinstance(p, DTensor) or p.dim() != 3:
+            if not is_dtensor(p) or p.dim() != 3:
                 continue
             names = tuple(p.device_mesh.mesh_dim_names or ())
             if "ep" not in names:
@@ -322,7 +328,7 @@ def build_muon(param_groups: list[dict[str, Any]], **factory_kwargs: Any):
     dropped: dmuon's step has one implementation. Every resulting group carries
     ``param_names`` (torchtitan's checkpoint keys); empty groups are not kept.
     """
-    from dmuon.exec.runtime.buffers import dedicated_info as _info
+    from dmuon._tags import dedicated_info as _info
     from dmuon.exec.optim.muon import Muon
 
     signature = _muon_signature_defaults()

@@ -7,7 +7,11 @@ boundaries, parameters, wire dtypes and FSDP2 units the plan describes. They are
 :func:`dmuon.sim.simulate` exactly as a dmuon schedule is.
 
 ``adamw`` — FSDP2 + AdamW, the floor. ``fully_shard`` on every hook boundary and on the root, all
-parameters (dmuon's matrices included) sharded on dim 0: per micro-batch the root's all-gather,
+parameters (dmuon's matrices included) sharded on dim 0, except expert stacks, which are placed as
+torchtitan's ``apply_fsdp_to_decoder`` places them (``Shard(1)`` when their FSDP group outnumbers
+their experts, else ``Shard(0)``; with expert parallelism ``ep`` each rank's ``E/ep`` experts
+over its efsdp group of ``N/ep`` ranks, nothing when that is one rank:
+:func:`dmuon.plan.cost.baseline.fsdp2_param_shard`): per micro-batch the root's all-gather,
 per boundary an all-gather before its forward (again before its backward with
 ``reshard_after_forward=True``), the forward / backward, a reduce-scatter after the backward
 (HSDP: then an all-reduce over the replicate group), the root's reduce-scatter at the end; then
@@ -29,7 +33,10 @@ shard rank ``j``), Newton-Schulz of one matrix on each owner, one all-to-all of 
 shards back. Every replicate group does the same (Newton-Schulz is repeated ``R`` times on HSDP).
 
 Tensor parallelism is not modelled for the alternatives: they run on the data-parallel mesh with
-the plan's per-TP-rank shapes (each TP rank's FLOPs), one TP coordinate.
+the plan's per-TP-rank shapes (each TP rank's FLOPs), one TP coordinate. With expert parallelism
+(a plan compiled with ``ep > 1``) ``adamw`` and ``naive`` shard and gather each expert stack
+over its efsdp group and orthogonalise a rank's ``E/ep`` experts; ``all_to_all`` is not modelled
+there (:func:`build` raises).
 """
 
 from __future__ import annotations
@@ -37,11 +44,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from dmuon.plan.cost import baseline as _baseline
 from dmuon.plan.cost import flops as _flops
 from dmuon.plan.cost import nbytes as _nbytes
 from dmuon.plan.scheduling.ops import Op, Step
 
-__all__ = ["VARIANTS", "fsdp2_ops", "build"]
+__all__ = ["VARIANTS", "fsdp2_ops", "build", "plan_ep", "shard_groups", "ep_groups"]
 
 #: alternatives :func:`build` knows
 VARIANTS = ("adamw", "naive", "all_to_all")
@@ -57,15 +65,25 @@ class _Emitter:
         return i
 
 
-def _units(plan: Any) -> dict[str, list[tuple[str, str, tuple[int, ...], bool]]]:
-    """Unit fqn -> [(param fqn, dtype, local shape, requires_grad)]: every parameter, dedicated
-    ones in their boundary's unit."""
+def plan_ep(plan: Any) -> int:
+    """The plan's expert-parallel degree (``compile(ep=...)``; 1 without EP)."""
+    return max((spec.ep_size for spec in plan.params), default=1)
+
+
+def _units(plan: Any) -> dict[str, list[tuple[str, int, int, bool]]]:
+    """Unit fqn -> [(dtype, k, shard numel, requires_grad)] of every parameter, dedicated ones in
+    their boundary's unit: ``k`` ranks of its FSDP2 group and its padded shard
+    (:func:`dmuon.plan.cost.baseline.fsdp2_param_shard`)."""
+    N = plan.mesh_shape[1]
+    ep = plan_ep(plan)
     units: dict[str, list] = {b.fqn: [] for b in plan.boundaries}
     for spec in plan.params:
-        units.setdefault(plan.boundary(spec.fqn), []).append((spec.fqn, spec.dtype, tuple(spec.local_shape), True))
+        k, c = _baseline.spec_fsdp2_shard(spec, N)
+        units.setdefault(plan.boundary(spec.fqn), []).append((spec.dtype, k, c, True))
     for u in plan.fsdp2_units:
         for p, s, d, g in zip(u.params, u.shapes, u.dtypes, u.requires_grad):
-            units.setdefault(u.fqn, []).append((p, d, tuple(s), g))
+            k, c = _baseline.fsdp2_param_shard(p, tuple(s), N, ep=ep)
+            units.setdefault(u.fqn, []).append((d, k, c, g))
     units.setdefault("", [])
     return units
 
@@ -77,38 +95,61 @@ def _rows_cols(plan: Any) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]
     return rows, cols
 
 
+def shard_groups(plan: Any, k: int) -> list[tuple[int, ...]]:
+    """FSDP2 groups of ``k`` ranks: the replicate rows (``k = N``), or with expert parallelism
+    each row's efsdp groups (``k = N/ep``: ranks ``j, j+ep, j+2ep, ...`` of the row, those that
+    hold the same experts); none for ``k = 1``."""
+    R, N = plan.mesh_shape
+    if k <= 1:
+        return []
+    if k == N:
+        return _rows_cols(plan)[0]
+    ep = N // k
+    return [tuple(r * N + j + i * ep for i in range(k)) for r in range(R) for j in range(ep)]
+
+
+def ep_groups(plan: Any) -> list[tuple[int, ...]]:
+    """The model's expert-parallel groups (its token all-to-all): ``ep`` consecutive shard ranks
+    of each row (rank ``j`` of a group holds experts ``j*E/ep ..``); none without EP."""
+    R, N = plan.mesh_shape
+    ep = plan_ep(plan)
+    if ep <= 1:
+        return []
+    return [tuple(r * N + g * ep + j for j in range(ep)) for r in range(R) for g in range(N // ep)]
+
+
 def fsdp2_ops(plan: Any, step: Step | None = None, *, reshard_after_forward: bool = True) -> tuple[tuple[Op, ...], dict[str, tuple[int, ...]]]:
     """FSDP2's ops for every parameter of ``plan``'s model (module docstring, ``adamw``), and per
     unit FQN the ids of its last gradient collectives (reduce-scatter, HSDP all-reduce)."""
     step = Step() if step is None else step
     R, N = plan.mesh_shape
-    rows, cols = _rows_cols(plan)
+    _, cols = _rows_cols(plan)
     everyone = tuple(range(R * N))
     units = _units(plan)
     e = _Emitter()
     last_grad: dict[str, tuple[int, ...]] = {}
 
-    def sizes(unit: str, grad: bool) -> list[tuple[str, int]]:
-        per: dict[str, int] = {}
-        for _, dtype, shape, g in units[unit]:
+    def sizes(unit: str, grad: bool) -> list[tuple[str, int, int]]:
+        """(dtype, group size k, shard numel) per FSDP2 collective of the unit: one per dtype and
+        FSDP2 group (the rows; an EP model's expert stacks: their efsdp groups)."""
+        per: dict[tuple[str, int], int] = {}
+        for dtype, k, c, g in units[unit]:
             if grad and not g:
                 continue
-            per[dtype] = per.get(dtype, 0) + _nbytes.fsdp2_shard_numel(shape, N)
-        return sorted(per.items())
+            per[(dtype, -k)] = per.get((dtype, -k), 0) + c
+        return [(d, -nk, c) for (d, nk), c in sorted(per.items())]
 
     def gather(unit: str, mb: int) -> tuple[int, ...]:
-        if N == 1:
-            return ()
-        return tuple(e.emit(kind="fsdp2_all_gather", phase="fsdp2", group=row, dtype=plan.bcast_dtype(d), numel=c,
+        return tuple(e.emit(kind="fsdp2_all_gather", phase="fsdp2", group=grp, dtype=plan.bcast_dtype(d), numel=c,
                             boundary=unit, micro_batch=mb, external=True)
-                     for d, c in sizes(unit, False) for row in rows)
+                     for d, k, c in sizes(unit, False) for grp in shard_groups(plan, k))
 
     def reduce(unit: str, mb: int, deps: tuple[int, ...]) -> None:
         ids = []
-        for d, c in sizes(unit, True):
+        for d, k, c in sizes(unit, True):
             wire = plan.reduce_dtype_for(d)
-            rs = [e.emit(kind="fsdp2_reduce_scatter", phase="fsdp2", group=row, dtype=wire, numel=c, boundary=unit,
-                         micro_batch=mb, deps=deps, external=True) for row in rows] if N > 1 else []
+            rs = [e.emit(kind="fsdp2_reduce_scatter", phase="fsdp2", group=grp, dtype=wire, numel=c, boundary=unit,
+                         micro_batch=mb, deps=deps, external=True) for grp in shard_groups(plan, k)]
             ids += rs
             for col in cols:
                 ids.append(e.emit(kind="fsdp2_all_reduce", phase="fsdp2", group=col, dtype=wire, numel=c, boundary=unit,
@@ -163,18 +204,18 @@ def build(variant: str, plan: Any, step: Step | None = None) -> tuple[Op, ...]:
         gathers = {}
         for spec in specs:
             deps = last_grad.get(plan.boundary(spec.fqn), ())
-            if N > 1:
-                gathers[spec.fqn] = tuple(
-                    e.emit(kind="all_gather", phase="optimizer", group=row, dtype=spec.dtype,
-                           numel=_nbytes.fsdp2_shard_numel(spec.local_shape, N), fqns=(spec.fqn,), micro_batch=mb,
-                           deps=deps, external=True) for row in rows)
-            else:
-                gathers[spec.fqn] = deps
+            k, c = _baseline.spec_fsdp2_shard(spec, N)
+            gathers[spec.fqn] = tuple(
+                e.emit(kind="all_gather", phase="optimizer", group=grp, dtype=spec.dtype, numel=c, fqns=(spec.fqn,),
+                       micro_batch=mb, deps=deps, external=True) for grp in shard_groups(plan, k)) or deps
         for spec in specs:
             m, n = spec.matrix_shape
+            local = spec.num_matrices // spec.ep_size  # an EP rank's experts
             e.emit(kind="newton_schulz", phase="optimizer", group=everyone, fqns=(spec.fqn,), micro_batch=mb,
-                   flops=_flops.ns_flops(m, n, num_matrices=spec.num_matrices), deps=gathers[spec.fqn])
+                   flops=_flops.ns_flops(m, n, num_matrices=local), deps=gathers[spec.fqn])
         return tuple(e.ops)
+    if plan_ep(plan) > 1:
+        raise ValueError("the all_to_all (dion) alternative is not modelled with expert parallelism")
     # all_to_all (dion): batches of N same-shape matrices
     by_shape: dict[tuple, list] = {}
     for spec in specs:
@@ -187,7 +228,7 @@ def build(variant: str, plan: Any, step: Step | None = None) -> tuple[Op, ...]:
     for batch in batches:
         # each unit's gradient collectives once (first-seen order), however many of its matrices the batch holds
         deps = tuple(dict.fromkeys(i for spec in batch for i in last_grad.get(plan.boundary(spec.fqn), ())))
-        shard = max(_nbytes.fsdp2_shard_numel(spec.local_shape, N) for spec in batch)
+        shard = max(_baseline.spec_fsdp2_shard(spec, N)[1] for spec in batch)
         if N > 1:
             sends.append(tuple(e.emit(kind="all_to_all", phase="optimizer", group=row, dtype=batch[0].dtype,
                                       numel=N * shard, fqns=tuple(s.fqn for s in batch), micro_batch=mb, deps=deps,
@@ -204,7 +245,7 @@ def build(variant: str, plan: Any, step: Step | None = None) -> tuple[Op, ...]:
                     e.emit(kind="newton_schulz", phase="optimizer", group=(row[j],), fqns=(spec.fqn,), micro_batch=mb,
                            flops=_flops.ns_flops(m, n, num_matrices=spec.num_matrices), deps=sent_r))
         if N > 1:
-            shard = max(_nbytes.fsdp2_shard_numel(spec.local_shape, N) for spec in batch)
+            shard = max(_baseline.spec_fsdp2_shard(spec, N)[1] for spec in batch)
             for r, row in enumerate(rows):
                 e.emit(kind="all_to_all", phase="optimizer", group=row, dtype=batch[0].dtype, numel=N * shard,
                        fqns=tuple(s.fqn for s in batch), micro_batch=mb, deps=tuple(ns_ids[r]), external=True)

@@ -17,7 +17,9 @@ one small named function:
       reduce_scatter      (k-1)·α + (k-1)·S·β          S = the output shard of one rank
       all_to_all          (k-1)·α + (k-1)/k·S·β        S = what one rank sends in all
 
-  plus ``launch_s`` (a fixed start-up of each call on the device). A group spans the
+  plus ``launch_s`` (a fixed start-up of each call on the device). Where the backend coalesces
+  (``coalesces``: NCCL, the GPU presets; not gloo), the broadcasts (reduces) of one boundary's
+  phase on one group run as ONE call (:func:`dmuon.sim.coalesce.coalesced_collective_s`). A group spans the
   ``inter`` link when its ranks sit on more than one node (``rank // ranks_per_node``,
   schedule ranks), else ``intra``. These are the textbook ring / double-binary-tree costs that
   NCCL chooses between (Thakur, Rabenseifner, Gropp 2005; NCCL's tuning model).
@@ -122,12 +124,15 @@ __all__ = [
 
 #: collective kinds the cost model knows (schedule kinds, FSDP2's, and all-to-all)
 KINDS = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+#: models of a coalesced group of broadcasts / reduces (:mod:`dmuon.sim.coalesce`)
+COALESCE_MODELS = ("serial", "concurrent")
 #: op kind of a schedule -> collective kind of the cost model
 OP_COLLECTIVE = {
     "broadcast": "broadcast",
     "reduce": "reduce",
     "all_reduce": "all_reduce",
     "all_gather": "all_gather",
+    "reduce_scatter": "reduce_scatter",
     "fsdp2_all_gather": "all_gather",
     "fsdp2_reduce_scatter": "reduce_scatter",
     "fsdp2_all_reduce": "all_reduce",
@@ -277,6 +282,14 @@ class Hardware:
         ns_dtype: dtype of the Newton-Schulz iteration (torch.optim.Muon: bf16; CPU: fp32).
         memory_nbytes: device memory per rank (0 = unknown), for the memory figure.
         source: where the figures come from (a preset's citation key, or the calibration run).
+        coalesces: the backend runs a boundary phase's broadcasts (reduces) on one group as one
+            coalesced call (NCCL: True in the GPU presets; gloo cannot: False for calibrated
+            records and for records that do not say).
+        coalesce_model: ``"serial"`` (default: the bytes of a coalesced group move one after
+            another) or ``"concurrent"`` (uncalibrated: they move at once, bound by the member
+            that receives the most), :func:`dmuon.sim.coalesce.coalesced_collective_s`.
+        coalesced_op_s: per-collective cost inside a coalesced call beyond the first (None:
+            the group's link latency ``α``).
     """
 
     name: str
@@ -315,6 +328,9 @@ class Hardware:
     ns_dtype: str = "torch.bfloat16"
     memory_nbytes: int = 0
     source: str = ""
+    coalesces: bool = False
+    coalesce_model: str = "serial"
+    coalesced_op_s: float | None = None
     _curve_index: dict | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -322,6 +338,8 @@ class Hardware:
             raise ValueError("Hardware: ranks_per_node and cores_per_node must be >= 1")
         if self.comm_engine not in ("separate", "threads"):
             raise ValueError(f"Hardware.comm_engine must be 'separate' or 'threads', got {self.comm_engine!r}")
+        if self.coalesce_model not in COALESCE_MODELS:
+            raise ValueError(f"Hardware.coalesce_model must be one of {COALESCE_MODELS}, got {self.coalesce_model!r}")
         if not self.matmul_peak_flops:
             raise ValueError("Hardware.matmul_peak_flops needs at least one (dtype, FLOP/s) pair")
         for name in _CURVE_FIELDS:
@@ -628,6 +646,7 @@ def _gpu(name: str, *, bf16: float, fp32: float, hbm: float, nvlink: float, ib: 
         ns_dtype="torch.bfloat16",
         memory_nbytes=int(mem_gb * 2**30),
         source=source,
+        coalesces=True,  # NCCL groups a boundary phase's broadcasts / reduces on one group
     )
 
 

@@ -5,6 +5,19 @@
 :class:`~dmuon.sim.workload.Workload`, Newton-Schulz with its batching) and adds the work that is
 not an op of the schedule: the root's, the hooks', the optimizer's (:mod:`dmuon.sim.simulate`'s
 docstring: the model). :func:`dmuon.sim.replay.replay_ops` replays the result.
+
+Two things the lowering changes in the table itself:
+
+* **Coalescing.** On hardware whose backend coalesces (``Hardware.coalesces``: NCCL), the
+  broadcasts (reduces) dmuon issues for one boundary's phase and micro-batch on one group become
+  ONE simulator op, priced by :func:`dmuon.sim.coalesce.coalesced_collective_s` and issued once;
+  an all-gather / reduce-scatter is one call already.
+* **The model's token all-to-all.** On an expert-parallel plan (``compile(ep=K)``, K > 1) every
+  forward / recompute of a boundary with expert stacks runs ``dense | dispatch | experts |
+  combine`` and every backward ``combine' | experts | dispatch' | dense``: two all-to-alls over
+  each EP group (:func:`dmuon.sim.alternatives.ep_groups`), ``Work.dispatch_nbytes`` per rank,
+  on the ``a2a`` channel, the compute waiting for each (no overlap; uniform routing, no capacity
+  factor). The same for dmuon and for the alternatives: the model is the same.
 """
 
 from __future__ import annotations
@@ -13,21 +26,38 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from dmuon.plan.cost import baseline as _baseline
 from dmuon.plan.cost import flops as _flops
-from dmuon.plan.cost import nbytes as _nbytes
 from dmuon.plan import rules as _rules
 from dmuon.plan.records.fields import itemsize_nbytes
 from dmuon.plan.records.owners import OwnerGroup
 from dmuon.plan.scheduling.ops import Op
+from dmuon.sim import alternatives as _alt
+from dmuon.sim.coalesce import coalesced_collective_s
 from dmuon.sim.hardware import (OP_COLLECTIVE, Hardware, blocking_wait_s_at, busy_factors, collective_s,
                        dtensor_gather_s_at, elementwise_s, fsdp2_call_s_at, matmul_s, ns_batch_factor_at, ns_call_s,
                        ns_mean_dim, step_compute_factor_at, train_activation_s, train_attention_s, train_elementwise_s,
                        train_matmul_s, train_norm_s)
+from dmuon.sim.memory import buffer_wire_numel
 from dmuon.sim.workload import Work, Workload
 
+#: channel of dmuon's collectives, by ledger phase: a phase's collective may be a broadcast or an
+#: all-gather (forward / backward), a reduce or a reduce-scatter (gradients)
+_PHASE_CHANNEL = {
+    "forward_broadcast": "bcast",
+    "backward_broadcast": "bcast",
+    "replicate_broadcast": "bcast",
+    "reduce": "reduce",
+    "replicate_reduce": "reduce",
+    "tp": "tp",
+    "owner_group": "tp",
+    "qk_clip": "tp",
+}
+#: channel of the other collectives (FSDP2's, the alternatives', all-to-alls), by kind
 _CHANNEL = {
     "broadcast": "bcast",
     "reduce": "reduce",
+    "reduce_scatter": "reduce",
     "all_reduce": "tp",
     "all_gather": "tp",
     "fsdp2_all_gather": "fsdp2_ag",
@@ -36,6 +66,14 @@ _CHANNEL = {
     "all_to_all": "a2a",
 }
 _CHANNELS = ("bcast", "reduce", "fsdp2_ag", "fsdp2_rs", "tp", "a2a")
+#: dmuon's collectives that the runtime coalesces per boundary phase and group where the backend can
+_COALESCED_KINDS = ("broadcast", "reduce")
+
+
+def _channel(op: Op) -> str:
+    """The channel an op's collective runs on: dmuon's by phase (:data:`_PHASE_CHANNEL`), the
+    others by kind."""
+    return (not op.external and _PHASE_CHANNEL.get(op.phase)) or _CHANNEL[op.kind]
 
 
 @dataclasses.dataclass(slots=True)
@@ -186,7 +224,8 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
     embed_b = _work_s(hw, wl.embed, wl.embed.backward_factor, dtype, isz) * step_f
     head = _work_s(hw, wl.head, 1.0 + wl.head.backward_factor, dtype, isz) * step_f
     hook = 2 * hw.hook_s if dmuon else 0.0
-    boundary_nbytes = {b.fqn: sum(buf.numel * itemsize_nbytes(buf.dtype) for buf in b.buffers) for b in plan.boundaries}
+    boundary_nbytes = {b.fqn: sum(buffer_wire_numel(buf, N) * itemsize_nbytes(buf.dtype) for buf in b.buffers)
+                       for b in plan.boundaries}
     specs = {s.fqn: s for s in plan.params}
     everyone = tuple(range(num_ranks))
     out: list[_SimOp] = []
@@ -203,16 +242,90 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
     waited: set[tuple] = set()
     grouped = _owner_group_fqns(plan)
     batch_factors = _ns_batch_factors(ops, specs, grouped, hw, variant)
+    # the model's token all-to-all under expert parallelism (module docstring)
+    a2a_groups = _alt.ep_groups(plan)
+    if a2a_groups and plan.tp_size > 1:
+        raise ValueError("dmuon.sim: expert parallelism with tensor parallelism is not simulated")
+    moe = {f: w for f, w in work.items() if w.experts is not None and w.dispatch_nbytes} if a2a_groups else {}
+    exp_s = {f: (_work_s(hw, w.experts, 1.0, dtype, isz) * step_f,
+                 _work_s(hw, w.experts, w.backward_factor, dtype, isz) * step_f) for f, w in moe.items()}
+    last_compute = [-1]  # the latest compute op on every rank (what a token all-to-all waits for)
+    block: list[Op] = []  # dmuon broadcasts / reduces of one boundary phase, coalesced (module docstring)
+
+    def host_s(op: Op, k: int, nbytes: int) -> float:
+        """A collective's cost on the calling thread: issue, and the per-kind extras."""
+        kind = op.kind
+        host = hw.issue_s
+        if kind.startswith("fsdp2_"):
+            host += fsdp2_call_s_at(hw, k) + elementwise_s(hw, 2 * k * nbytes, 1)  # copy-out / copy-in
+        elif dmuon and (kind in ("broadcast", "reduce", "all_reduce", "reduce_scatter")
+                        or (kind == "all_gather" and op.phase in ("forward_broadcast", "backward_broadcast"))):
+            # the runtime blocks once per boundary's broadcasts / all-gathers (before its forward /
+            # backward) and once per micro-batch on its gradient collectives (finish_reduces); the
+            # packing is charged with the boundary's backward, below
+            grad = kind in ("reduce", "reduce_scatter")
+            wait_key = ("reduce", op.micro_batch) if grad else (op.phase, op.boundary, op.micro_batch)
+            if wait_key not in waited:
+                waited.add(wait_key)
+                host += blocking_wait_s_at(hw, k)
+        elif kind == "all_to_all":
+            host += elementwise_s(hw, 2 * nbytes, 2)
+        elif kind == "all_gather" and variant == "naive":  # DTensor.full_tensor() + redistribute back
+            host += dtensor_gather_s_at(hw, k)
+        return host
+
+    def flush() -> None:
+        """Emit the pending coalesced block: one op per group, in first-appearance order."""
+        by_group: dict[tuple[int, ...], list[Op]] = {}
+        for op in block:
+            by_group.setdefault(op.group, []).append(op)
+        for group, run in by_group.items():
+            first = run[0]
+            deps = tuple(dict.fromkeys(remap[d] for o in run for d in o.deps))
+            secs = coalesced_collective_s(hw, first.kind, group, [o.nbytes for o in run], [o.root for o in run])
+            label = f"{first.phase} {first.boundary or ''}".strip() + (f" x{len(run)}" if len(run) > 1 else "")
+            for o in run:
+                remap[o.id] = len(out)
+            out.append(_SimOp(first.kind, label, group, deps, True, secs, host_s(first, len(group), first.nbytes),
+                              _channel(first), deferred=first.phase == "replicate_broadcast" and plan.replicate_async))
+        block.clear()
+
+    def token_a2a(b: str, mb: int, deps: tuple[int, ...]) -> tuple[int, ...]:
+        """One token all-to-all of boundary ``b`` on every EP group; the new ops' indices."""
+        nbytes = moe[b].dispatch_nbytes
+        ids = []
+        for grp in a2a_groups:
+            key = ("all_to_all", grp, nbytes)
+            secs = coll_cache.get(key)
+            if secs is None:
+                secs = coll_cache[key] = collective_s(hw, "all_to_all", grp, nbytes)
+            ids.append(len(out))
+            out.append(_SimOp("all_to_all", f"tokens {b} mb{mb}", grp, deps, True, secs,
+                              hw.issue_s + elementwise_s(hw, 2 * nbytes, 2), "a2a"))
+        return tuple(ids)
+
+    def compute(kind: str, label: str, deps: tuple[int, ...], secs: Any) -> int:
+        last_compute[0] = len(out)
+        out.append(_SimOp(kind, label, everyone, deps, False, secs))
+        return last_compute[0]
+
     for op in ops:
         mb = op.micro_batch
-        if op.kind == "forward" and mb not in first_fwd:
-            first_fwd.add(mb)
-            out.append(_SimOp("forward", "embed", everyone, tuple(root_ag.get(mb, ())), False, embed_f))
-        if op.kind in ("backward", "recompute") and mb not in first_bwd:
-            first_bwd.add(mb)
-            out.append(_SimOp("backward", "head", everyone, tuple(root_ag.get(mb, ())), False, head))
-        deps = tuple(map(remap.__getitem__, op.deps))
         kind = op.kind
+        coalesce = hw.coalesces and dmuon and not op.external and kind in _COALESCED_KINDS
+        if block and not (coalesce and (kind, op.phase, op.boundary, mb) == (block[0].kind, block[0].phase,
+                                                                          block[0].boundary, block[0].micro_batch)):
+            flush()
+        if coalesce:
+            block.append(op)
+            continue
+        if kind == "forward" and mb not in first_fwd:
+            first_fwd.add(mb)
+            compute("forward", "embed", tuple(root_ag.get(mb, ())), embed_f)
+        if kind in ("backward", "recompute") and mb not in first_bwd:
+            first_bwd.add(mb)
+            compute("backward", "head", tuple(root_ag.get(mb, ())), head)
+        deps = tuple(dict.fromkeys(map(remap.__getitem__, op.deps)))  # coalesced ops share one
         if kind in OP_COLLECTIVE:
             nbytes = op.nbytes
             k = len(op.group)
@@ -220,23 +333,8 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
             secs = coll_cache.get(key)
             if secs is None:
                 secs = coll_cache[key] = collective_s(hw, OP_COLLECTIVE[kind], op.group, nbytes)
-            host = hw.issue_s
-            if kind.startswith("fsdp2_"):
-                host += fsdp2_call_s_at(hw, k) + elementwise_s(hw, 2 * k * nbytes, 1)  # copy-out / copy-in
-            elif dmuon and kind in ("broadcast", "reduce", "all_reduce"):
-                # the runtime blocks once per boundary's broadcasts (before its forward / backward)
-                # and once per micro-batch on its reduces (finish_reduces); the reduce packing is charged
-                # with the boundary's backward, below
-                wait_key = (op.phase, op.boundary, mb) if kind != "reduce" else ("reduce", mb)
-                if wait_key not in waited:
-                    waited.add(wait_key)
-                    host += blocking_wait_s_at(hw, k)
-            elif kind == "all_to_all":
-                host += elementwise_s(hw, 2 * nbytes, 2)
-            elif kind == "all_gather" and variant == "naive":  # DTensor.full_tensor() + redistribute back
-                host += dtensor_gather_s_at(hw, k)
             label = f"{op.phase} {op.boundary or ''}".strip()
-            s = _SimOp(kind, label, op.group, deps, True, secs, host, _CHANNEL[kind],
+            s = _SimOp(kind, label, op.group, deps, True, secs, host_s(op, k, nbytes), _channel(op),
                        deferred=op.phase == "replicate_broadcast" and plan.replicate_async)
             if kind == "fsdp2_all_gather" and op.boundary == "":
                 root_ag.setdefault(mb, []).append(len(out))
@@ -247,7 +345,22 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
             secs = (fwd_s[b] if kind != "backward" else bwd_s[b]) + hook
             if kind == "backward" and dmuon:
                 secs += elementwise_s(hw, 2 * boundary_nbytes.get(b, 0), 2) * busy_m * over  # packing
-            s = _SimOp(kind, b or "", op.group, deps, False, secs)
+            if b in moe:  # dense | dispatch | experts | combine, or its reverse in the backward
+                e_s = exp_s[b][kind == "backward"]
+                if kind == "backward":
+                    sent = token_a2a(b, mb, (last_compute[0],) if last_compute[0] >= 0 else ())
+                    x = compute(kind, f"{b} experts", sent + deps, e_s)
+                    sent = token_a2a(b, mb, (x,))
+                    s = _SimOp(kind, b or "", everyone, sent, False, secs - e_s)
+                else:
+                    a = compute(kind, b or "", deps, secs - e_s)
+                    sent = token_a2a(b, mb, (a,))
+                    x = compute(kind, f"{b} experts", sent, e_s)
+                    sent = token_a2a(b, mb, (x,))
+                    s = _SimOp(kind, f"{b} combined", everyone, sent, False, 0.0)
+            else:
+                s = _SimOp(kind, b or "", op.group, deps, False, secs)
+            last_compute[0] = len(out)
         elif kind == "newton_schulz":
             spec = specs[op.fqns[0]]
             backend = _ns_backend(spec, grouped) if dmuon else "standard"  # the baselines: torch's iteration
@@ -268,15 +381,19 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
             # makes the compute stream wait, which the deps express.
             out.append(_SimOp("wait", s.label, op.group, (len(out) - 1,), False, 0.0))
         if op.kind == "backward" and last_bwd.get(mb) == op.id:
-            out.append(_SimOp("backward", "embed", everyone, (len(out) - 1,), False, embed_b))
+            compute("backward", "embed", (len(out) - 1,), embed_b)
+    if block:
+        flush()
     # the optimizer: AdamW on this rank's FSDP2 shards (DTensors), after its gradient collectives
+    # (expert stacks as torchtitan shards them, dmuon.plan.cost.baseline.fsdp2_param_shard)
     tensors: list[tuple[int, int]] = []
+    ep = _alt.plan_ep(plan)
     for u in plan.fsdp2_units:
-        for shape, dt, g in zip(u.shapes, u.dtypes, u.requires_grad):
+        for p, shape, dt, g in zip(u.params, u.shapes, u.dtypes, u.requires_grad):
             if g:
-                tensors.append((_nbytes.fsdp2_shard_numel(shape, N), itemsize_nbytes(dt)))
+                tensors.append((_baseline.fsdp2_param_shard(p, tuple(shape), N, ep=ep)[1], itemsize_nbytes(dt)))
     if variant == "adamw":  # naive / all_to_all: Muon's elementwise work on the shards is in the NS ops
-        tensors += [(_nbytes.fsdp2_shard_numel(s.local_shape, N), itemsize_nbytes(s.dtype)) for s in plan.params]
+        tensors += [(_baseline.spec_fsdp2_shard(s, N)[1], itemsize_nbytes(s.dtype)) for s in plan.params]
     out.append(_SimOp("optimizer", "adamw", everyone, tuple(grad_colls), False, _adamw_s(hw, wl, tensors, True) * over))
     return out
 

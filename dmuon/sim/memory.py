@@ -8,14 +8,34 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from dmuon.plan.cost import baseline as _baseline
 from dmuon.plan.cost import memory as _memory
 from dmuon.plan.cost import nbytes as _nbytes
 from dmuon.plan.records.fields import itemsize_nbytes
 from dmuon.plan.scheduling.step_schedule import StepSchedule
+from dmuon.sim.alternatives import plan_ep
 from dmuon.sim.records import MemoryBreakdown
 from dmuon.sim.workload import Workload
 
-__all__ = ["memory"]
+__all__ = ["memory", "buffer_wire_numel"]
+
+
+def buffer_wire_numel(buf: Any, num_shards: int) -> int:
+    """Elements of boundary buffer ``buf`` one rank holds while it is gathered, and packs for
+    its gradient collective: a broadcast buffer's segments over the rank's group (the whole
+    buffer; an expert-parallel buffer, ``buf.ep > 1``: the largest efsdp group's segments); an
+    all-gather buffer (``buf.collective == "all_gather"``): ``k · slot_numel`` over its group of
+    ``k`` ranks, its slot padding included."""
+    ep = buf.ep
+    k = num_shards // ep if ep > 1 else num_shards
+    if getattr(buf, "collective", "broadcast") == "all_gather":
+        return k * buf.slot_numel
+    if ep == 1:
+        return buf.numel
+    per: dict[int, int] = {}
+    for seg in buf.segments:
+        per[seg.shard % ep] = per.get(seg.shard % ep, 0) + seg.numel
+    return max(per.values())
 
 
 def memory(plan: Any, workload: Workload, variant: str, sched: StepSchedule | None = None) -> tuple[MemoryBreakdown, ...]:
@@ -26,8 +46,9 @@ def memory(plan: Any, workload: Workload, variant: str, sched: StepSchedule | No
     gradients of owned matrices + FSDP2 gradient shards; optimizer state = Muon momentum of
     owned matrices + AdamW's two moments of the shards; transient = the packed buffers
     (``RankStats.peak_transient_nbytes``: Z3 the largest boundary, Z2 all of them) + one
-    boundary's gradient reduce buffer + the largest FSDP2 unit unsharded (Z2: all units).
-    ``adamw`` / ``naive`` / ``all_to_all``: FSDP2 shards of every parameter, their gradients,
+    boundary's gradient reduce buffer (:func:`buffer_wire_numel`: a reduce-scatter's whole input) + the largest FSDP2 unit unsharded (Z2: all units).
+    ``adamw`` / ``naive`` / ``all_to_all``: FSDP2 shards of every parameter (expert stacks as
+    torchtitan shards them, :func:`dmuon.plan.cost.baseline.fsdp2_param_shard`), their gradients,
     AdamW moments (or Muon momentum for the matrices), the largest unit unsharded with its
     unsharded gradient (Z2: every unit's parameters); ``naive`` adds every full Muon update
     gathered at once (its step gathers all before the NS); ``all_to_all`` adds two matrices'
@@ -40,12 +61,13 @@ def memory(plan: Any, workload: Workload, variant: str, sched: StepSchedule | No
     act = workload.activation_nbytes
     unit_full: dict[str, int] = {}
     shard_rest = 0
+    ep = plan_ep(plan)
     for u in plan.fsdp2_units:
         full = 0
-        for shape, dt in zip(u.shapes, u.dtypes):
+        for p, shape, dt in zip(u.params, u.shapes, u.dtypes):
             isz = itemsize_nbytes(dt)
             full += math.prod(shape) * isz
-            shard_rest += _nbytes.fsdp2_shard_numel(shape, N) * isz
+            shard_rest += _baseline.fsdp2_param_shard(p, tuple(shape), N, ep=ep)[1] * isz
         unit_full[u.fqn] = unit_full.get(u.fqn, 0) + full
     if variant in ("z2", "z3"):
         if sched is None:
@@ -56,8 +78,8 @@ def memory(plan: Any, workload: Workload, variant: str, sched: StepSchedule | No
                                      tp_size=plan.tp_size, assembled_nbytes=plan.assembled_nbytes)
         z3 = plan.reshard_after_forward
         fsdp_unsharded = max(unit_full.values(), default=0) if z3 else sum(unit_full.values())
-        reduce_buf = max((sum(buf.numel * itemsize_nbytes(buf.dtype) for buf in b.buffers) for b in plan.boundaries),
-                         default=0)
+        reduce_buf = max((sum(buffer_wire_numel(buf, N) * itemsize_nbytes(buf.dtype) for buf in b.buffers)
+                          for b in plan.boundaries), default=0)
         out = []
         for st in stats:
             momentum = st.owned_nbytes
@@ -69,7 +91,7 @@ def memory(plan: Any, workload: Workload, variant: str, sched: StepSchedule | No
                 activations_nbytes=act,
             ))
         return tuple(out)
-    muon_shard = sum(_nbytes.fsdp2_shard_numel(s.local_shape, N) * itemsize_nbytes(s.dtype) for s in plan.params)
+    muon_shard = sum(_baseline.spec_fsdp2_shard(s, N)[1] * itemsize_nbytes(s.dtype) for s in plan.params)
     muon_full = sum(s.local_numel * itemsize_nbytes(s.dtype) for s in plan.params)
     for s in plan.params:
         b = plan.boundary(s.fqn)

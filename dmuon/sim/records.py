@@ -91,6 +91,8 @@ class Simulation:
         deferred_comm_s: HSDP with ``replicate_async``: how far the replicate broadcasts run
             past ``step_s`` (they are waited for before the next step's broadcast of their
             boundary, so they must hide behind the next forward; not in ``step_s``).
+        collectives_per_rank: collective calls each rank issues in the step (dmuon's, FSDP2's,
+            the model's token all-to-alls; a coalesced group of broadcasts / reduces once).
     """
 
     variant: str
@@ -105,6 +107,7 @@ class Simulation:
     timelines: dict[int, tuple[Interval, ...]] = dataclasses.field(compare=False)
     comm_nbytes: int
     deferred_comm_s: float = 0.0
+    collectives_per_rank: tuple[int, ...] = ()
 
     @property
     def ns_share(self) -> float:

@@ -9,9 +9,10 @@ dmuon schedule is first checked with :meth:`StepSchedule.check` (the same matchi
 clocks), so a schedule that would hang raises :class:`dmuon.plan.ScheduleError` here too.
 
 Each rank has one **thread** (its Python thread and, on GPUs, its compute stream: compute ops
-run there one after another) and one **channel** per kind of collective (dmuon's broadcasts,
-dmuon's reduces, FSDP2's all-gathers, FSDP2's reduce-scatters / all-reduces, TP, all-to-all),
-each running its collectives in order:
+run there one after another) and one **channel** per kind of collective (dmuon's parameter
+phases — broadcasts or all-gathers —, dmuon's gradient phases — reduces or reduce-scatters —,
+FSDP2's all-gathers, FSDP2's reduce-scatters / all-reduces, TP, all-to-all; dmuon's collectives
+are routed by ledger phase, :mod:`dmuon.sim.lower`), each running its collectives in order:
 
 * a **collective** costs its members ``issue_s`` on the thread when issued (plus, for FSDP2's,
   ``fsdp2_call_s`` and the copy in / out of its unsharded buffer; for dmuon's on gloo, one
@@ -37,7 +38,10 @@ each running its collectives in order:
   compute between the step's blocking collectives) by the step-compute factor of the shard group
   (:func:`~dmuon.sim.hardware.step_compute_factor_at`; 1 on GPU presets).
 
-Added to every schedule (they are not ops of it): the root's work (embeddings before the first
+Where the hardware coalesces (``Hardware.coalesces``: NCCL), a boundary phase's broadcasts
+(reduces) on one group are one collective (:mod:`dmuon.sim.coalesce`); on an expert-parallel plan
+every variant runs the model's token all-to-all around each MoE boundary's expert compute
+(:mod:`dmuon.sim.lower`). Added to every schedule (they are not ops of it): the root's work (embeddings before the first
 forward of a micro-batch, final norm + ``lm_head`` + loss forward and backward before the first
 backward, embedding backward after the last), dmuon's hook calls (``hook_s`` x 2 on each
 boundary forward and backward), the Muon update's elementwise work inside each Newton-Schulz
@@ -60,6 +64,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from dmuon.plan.cost import nbytes as _nbytes
 from dmuon.plan.scheduling.ops import Op, Step
@@ -150,6 +156,7 @@ def simulate(plan: Any, hardware: Hardware, workload: Workload, step: Step | Non
     crit, path = _critical_path(sim_ops, raw)
     step_s = float(raw["rank_end"].max())
     mem = memory(mode_plan, workload, variant, sched=nominal if step is None else None)
+    calls = _calls_per_rank(sim_ops, n)
     ranks = []
     for x in range(n):
         busy, wait = float(raw["busy"][x]), float(raw["wait"][x])
@@ -171,7 +178,21 @@ def simulate(plan: Any, hardware: Hardware, workload: Workload, step: Step | Non
         timelines=raw["timelines"],
         comm_nbytes=_moved_nbytes(ops, n, variant),
         deferred_comm_s=max(0.0, float(raw["deferred_end"].max()) - step_s),
+        collectives_per_rank=calls,
     )
+
+
+def _calls_per_rank(sim_ops: Sequence[Any], n: int) -> tuple[int, ...]:
+    """Collective calls each rank issues in the simulated step (a coalesced group counts once;
+    FSDP2's and the model's token all-to-alls included)."""
+    per_group: dict[tuple[int, ...], int] = {}
+    for op in sim_ops:
+        if op.collective:
+            per_group[op.group] = per_group.get(op.group, 0) + 1
+    calls = np.zeros(n, dtype=np.int64)
+    for group, c in per_group.items():
+        calls[np.asarray(group, dtype=np.int64)] += c
+    return tuple(int(c) for c in calls)
 
 
 def simulate_variants(plan: Any, hardware: Hardware, workload: Workload, step: Step | None = None, *,

@@ -11,7 +11,10 @@ term                         rule
 matmul FLOPs                 ``2 · tokens`` per weight element of every 2-D weight (``(out,
                              in)``: one ``tokens × in × out`` matmul); 3-D expert stacks ``(E,
                              m, n)`` at ``top_k / E`` of their weights (each token visits
-                             ``top_k`` experts); backward ``2×`` (input and weight gradients)
+                             ``top_k`` experts; with expert parallelism ``ep`` a rank holds
+                             ``E/ep`` of them and each gets ``ep`` ranks' tokens: the same
+                             FLOPs per rank, uniform routing); backward ``2×`` (input and weight
+                             gradients)
 attention FLOPs              scores ``Q·Kᵀ`` and values ``P·V``: ``2 · 2 · tokens · seq_len ·
                              d_attn`` times the causal factor ``1/2``; backward ``2×``
                              (``d_attn`` = rows of a ``q_proj`` weight, or a third of ``qkv``'s;
@@ -33,6 +36,14 @@ activation elements          ``activation_numel = tokens × out`` of the MLP's a
                              passes of its matmul output
 operators                    ``2`` per 2-D weight (matmul + reshape), ``6`` per 1-D weight (a
                              norm), ``10`` per boundary (attention glue, activation, residuals)
+expert part                  ``Work.experts``: the terms above of the boundary's expert stacks
+                             alone (included in the boundary's), the compute between a token
+                             all-to-all's dispatch and its combine under expert parallelism
+token all-to-all             ``dispatch_nbytes = tokens · top_k · hidden · itemsize``: what one
+                             rank sends in one dispatch (and one combine, and their gradients)
+                             of a boundary with expert stacks under expert parallelism
+                             (``hidden`` as below; the simulator's token all-to-all, uniform
+                             routing, no capacity factor)
 activation memory            ``34 · tokens · hidden`` bytes per boundary in bf16 (Korthikanti et
                              al. 2022, with flash attention: no ``s²`` term), scaled by
                              ``itemsize / 2``; ``hidden`` = the boundary's widest 1-D weight, or
@@ -57,6 +68,7 @@ import dataclasses
 import math
 from typing import Any
 
+from dmuon.plan.cost.baseline import is_expert_stack
 from dmuon.plan.records.fields import itemsize_nbytes
 
 __all__ = ["Work", "Workload", "from_plan", "model_top_k", "ACTIVATION_BYTES_PER_TOKEN_HIDDEN"]
@@ -94,6 +106,10 @@ class Work:
         ops: forward operator count.
         activation_nbytes: activations kept for the backward.
         backward_factor: backward cost / forward cost of every term (2).
+        experts: the part of this Work that runs on the routed tokens (its expert stacks'
+            matmuls and elementwise terms, included in the ones above), or None without stacks.
+        dispatch_nbytes: bytes one rank sends in one token all-to-all of this boundary under
+            expert parallelism (``tokens · top_k · hidden · itemsize``; 0 without stacks).
     """
 
     fqn: str
@@ -108,6 +124,8 @@ class Work:
     ops: int = 0
     activation_nbytes: int = 0
     backward_factor: float = 2.0
+    experts: Work | None = None
+    dispatch_nbytes: int = 0
 
     @property
     def matmul_flops(self) -> int:
@@ -174,9 +192,14 @@ def _is_embedding(fqn: str) -> bool:
     return "embed" in leaf and "patch" not in leaf
 
 
-def _unit_work(fqn: str, label: str, params: list[tuple[str, tuple[int, ...]]], *, tokens: int, seq_len: int,
+def _unit_work(fqn: str, label: str, params: list[tuple[str, tuple[int, ...], int]], *, tokens: int, seq_len: int,
                itemsize: int, top_k: int, causal: bool, head_dim: int | None) -> Work:
+    """The Work of one unit from its ``(fqn, local shape, ep)`` parameters (``ep``: an expert
+    stack's expert-parallel degree, its local shape ``(E/ep, m, n)``)."""
     matmuls: list[tuple[int, float]] = []
+    exp_matmuls: list[tuple[int, float]] = []
+    exp_elem = 0
+    exp_ops = 0
     elem = 0
     norm_numel = 0
     act_by_leaf: dict[str, int] = {}
@@ -184,7 +207,7 @@ def _unit_work(fqn: str, label: str, params: list[tuple[str, tuple[int, ...]]], 
     d_attn = 0
     hidden = 0
     sides = []
-    for name, shape in params:
+    for name, shape, ep in params:
         if len(shape) == 1:
             norm_numel += tokens * shape[0]
             ops += _OPS_PER_NORM
@@ -194,13 +217,14 @@ def _unit_work(fqn: str, label: str, params: list[tuple[str, tuple[int, ...]]], 
             elem += 2 * tokens * shape[-1] * itemsize
             ops += 1
             continue
-        if len(shape) == 3 and "expert" in name:  # (E, m, n) stacks: each token visits top_k experts
+        if is_expert_stack(name, shape):  # (E/ep, m, n) stacks: each token visits top_k of the E experts
             e, m, n = shape
-            t_e = tokens * min(top_k, e) / e
+            E = e * ep
+            t_e = tokens * min(top_k, E) / E * ep  # tokens per local expert: ep ranks' share
             for _ in range(e):
-                matmuls.append((int(2 * t_e * m * n), _mean_dim(t_e, m, n)))
-            elem += int(2 * tokens * min(top_k, e) * m * itemsize)
-            ops += _OPS_PER_MATRIX * e
+                exp_matmuls.append((int(2 * t_e * m * n), _mean_dim(t_e, m, n)))
+            exp_elem += int(2 * tokens * min(top_k, E) * m * itemsize)
+            exp_ops += _OPS_PER_MATRIX * e
             sides.append(min(m, n))
             continue
         m = shape[0]
@@ -232,9 +256,15 @@ def _unit_work(fqn: str, label: str, params: list[tuple[str, tuple[int, ...]]], 
         att_head_d = _mean_dim(seq_len, seq_len, min(head_dim or _DEFAULT_HEAD_DIM, d_attn))
     hidden = hidden or (min(sides) if sides else 0)
     act = ACTIVATION_BYTES_PER_TOKEN_HIDDEN * tokens * hidden * itemsize // 2 if label == "boundary" else 0
-    return Work(fqn=fqn, label=label, matmuls=tuple(matmuls), attention_flops=att, attention_d=att_d,
-                attention_head_d=att_head_d, elementwise_nbytes=int(elem), norm_numel=int(norm_numel),
-                activation_numel=int(act_numel), ops=ops, activation_nbytes=int(act))
+    experts = None
+    dispatch = 0
+    if exp_matmuls:
+        experts = Work(fqn=fqn, label="experts", matmuls=tuple(exp_matmuls), elementwise_nbytes=exp_elem, ops=exp_ops)
+        dispatch = tokens * top_k * hidden * itemsize
+    return Work(fqn=fqn, label=label, matmuls=tuple(matmuls + exp_matmuls), attention_flops=att, attention_d=att_d,
+                attention_head_d=att_head_d, elementwise_nbytes=int(elem + exp_elem), norm_numel=int(norm_numel),
+                activation_numel=int(act_numel), ops=ops + exp_ops, activation_nbytes=int(act), experts=experts,
+                dispatch_nbytes=int(dispatch))
 
 
 def model_top_k(model: Any, default: int = 2) -> int:
@@ -272,12 +302,13 @@ def from_plan(plan: Any, *, tokens_per_rank: int, seq_len: int, micro_batches: i
         raise ValueError("from_plan: tokens_per_rank, seq_len, micro_batches and head_dim must be positive")
     tokens = tokens_per_rank / micro_batches
     isz = itemsize_nbytes(activation_dtype)
-    per_boundary: dict[str, list[tuple[str, tuple[int, ...]]]] = {b.fqn: [] for b in plan.boundaries}
+    per_boundary: dict[str, list[tuple[str, tuple[int, ...], int]]] = {b.fqn: [] for b in plan.boundaries}
+    ep = max((spec.ep_size for spec in plan.params), default=1)
     for spec in plan.params:
-        per_boundary.setdefault(plan.boundary(spec.fqn), []).append((spec.fqn, tuple(spec.local_shape)))
-    root: list[tuple[str, tuple[int, ...]]] = []
+        per_boundary.setdefault(plan.boundary(spec.fqn), []).append((spec.fqn, tuple(spec.local_shape), spec.ep_size))
+    root: list[tuple[str, tuple[int, ...], int]] = []
     for unit in plan.fsdp2_units:
-        pairs = list(zip(unit.params, unit.shapes))
+        pairs = [(p, tuple(s), ep) for p, s in zip(unit.params, unit.shapes)]
         if unit.fqn == "":
             root.extend(pairs)
         else:
@@ -287,7 +318,7 @@ def from_plan(plan: Any, *, tokens_per_rank: int, seq_len: int, micro_batches: i
     embed = _unit_work("", "embed", [p for p in root if _is_embedding(p[0])], **kw)
     head_params = [p for p in root if not _is_embedding(p[0])]
     head = _unit_work("", "head", head_params, **kw)
-    vocab = max((s[0] for n, s in head_params if len(s) == 2), default=0)
+    vocab = max((s[0] for n, s, _ in head_params if len(s) == 2), default=0)
     head = dataclasses.replace(head, elementwise_nbytes=head.elementwise_nbytes + _LOSS_PASSES * int(tokens) * vocab * 4,
                                ops=head.ops + 6)
     return Workload(tokens_per_rank=tokens_per_rank, micro_batches=micro_batches, seq_len=seq_len,

@@ -35,9 +35,10 @@ import torch.distributed as dist
 
 from dmuon.exec.comm import collectives as _collectives
 from dmuon.plan.cost.model import ByteCost
+from dmuon.plan.records.mesh import parse_mesh_text
 from dmuon.train.checkpoint import load_checkpoint, run_flags, save_checkpoint
 from dmuon.train.data import VOCAB_SIZE, Corpus, load_corpus
-from dmuon.train.progress import progress_bar, write_line
+from dmuon.train.progress import progress_bar, progress_note, write_line
 from dmuon.train.model import GPT, GPTConfig, apply_tensor_parallel, lm_loss
 
 __all__ = ["LEDGER_PHASES", "train", "run_job", "lr_factor", "model_config"]
@@ -57,10 +58,10 @@ def parse_mesh(text: str | None, world: int) -> tuple[int, ...]:
     if text is None:
         return (world,)
     try:
-        shape = tuple(int(x) for x in str(text).lower().split("x"))
+        shape = parse_mesh_text(text)
     except ValueError:
         raise SystemExit(f"--mesh must be N or RxN, got {text!r}") from None
-    if len(shape) not in (1, 2) or any(d <= 0 for d in shape) or math.prod(shape) != world:
+    if math.prod(shape) != world:
         raise SystemExit(f"--mesh {text} does not describe {world} ranks (N or RxN with R*N = {world})")
     return shape
 
@@ -259,7 +260,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 raise
             # a layout dmuon's expert parallelism refuses (the same message on every rank)
             raise SystemExit(f"--ep {cfg.ep} on mesh {'x'.join(map(str, mesh_shape))}: {exc}") from None
-    # Looked up after ``import dmuon`` so that whatever dmuon installs on import is in place.
+    # Looked up after the dedication, which installs dmuon's fully_shard skip (also passed explicitly below).
     import torch.distributed.fsdp as fsdp
 
     # dedicated parameters passed as ignored_params explicitly: the job also runs with dmuon's
@@ -382,6 +383,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     interval_time, interval_steps = 0.0, 0
     comm_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
     bar = progress_bar(total=args.steps, initial=start_step, enabled=is_log)
+    note = progress_note(enabled=is_log, png=getattr(args, "png", None), log_every=getattr(args, "log_every", None))
+    if note is not None:
+        log(note)
 
     for step in range(start_step + 1, args.steps + 1):
         x, y = corpus.train_batch(step - 1, args.batch, dp_rank, dp_world)

@@ -1,4 +1,5 @@
-"""Rank 0's progress bar: tqdm when it is installed (``pip install -e '.[train]'``), on a TTY.
+"""Rank 0's progress bar: tqdm when it is installed (``pip install -e '.[train]'``), on a TTY;
+off one :func:`progress_note` says so in one log line.
 
 ``progress_bar(total=, initial=, enabled=)`` returns a tqdm bar with ETA writing to stderr when
 ``enabled`` (rank 0 and not ``--quiet``) and stderr is a terminal; otherwise (no TTY: a log file,
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["progress_bar", "write_line"]
+__all__ = ["progress_bar", "progress_note", "write_line"]
 
 _ACTIVE: list = []  # the open tqdm bar, if any (rank 0 only)
 
@@ -44,6 +45,26 @@ def progress_bar(*, total: int, initial: int = 0, enabled: bool = True):
 
     bar.close = _close
     return bar
+
+
+def progress_note(*, enabled: bool = True, png: str | None = None, log_every: int | None = None) -> str | None:
+    """One line saying why rank 0 shows no progress bar (``enabled``, i.e. not ``--quiet``) and
+    where the plot is: off a terminal (a log file, CI, a pipe) or without tqdm there is no bar,
+    and there is never a plot without ``--png FILE``; None when the bar shows."""
+    if not enabled:
+        return None
+    if not sys.stderr.isatty():
+        why = "stderr is not a terminal"
+    else:
+        try:
+            import tqdm  # noqa: F401
+        except ImportError:
+            why = "tqdm is not installed (pip install -e '.[train]')"
+        else:
+            return None
+    plot = f"the plot goes to {png}" if png else "no plot without --png FILE"
+    every = f"a log line every {log_every} steps" if log_every else "log lines only"
+    return f"progress: no bar ({why}), {every}; {plot}"
 
 
 def write_line(msg: str) -> None:

@@ -16,8 +16,20 @@ collective it charged, in issue order (:class:`IssuedOp`), to compare with
 ``dmuon.plan.schedule(plan, step).rank_ops(rank)`` op by op.
 
 The wrappers return the ``Work`` handle of an async collective (``async_op=True``) or ``None``.
-A collective whose wait exceeds ``timeout_s`` raises :class:`CollectiveTimeout` naming the phase
-and hook boundary instead of hanging silently.
+Every wait goes through :func:`wait_all` (a synchronous wrapper call too: it is issued async and
+waited for there), which names a failure for what it is: :class:`CollectiveTimeout` when the wait
+ran out of time (dmuon's ``timeout_s``, or the process group's own timeout first),
+:class:`CollectiveTransportError` when the backend reported anything else (a peer closed the
+connection, an NCCL error surfaced on the CPU), both naming the boundary and phase, this rank's
+step and forward count, the peer, dmuon's last issued collective here and the usual causes
+(:mod:`dmuon.exec.comm.wait_report`), the backend's error chained.
+
+The timeout a wait passes to ``Work.wait`` (:func:`blocking_timeout_s`): ``timeout_s`` where the
+wait blocks the CPU anyway (gloo; NCCL with ``TORCH_NCCL_BLOCKING_WAIT=1``), none on NCCL's
+default non-blocking wait (a timeout would make it block the CPU thread until the collective
+finished; the process group's watchdog enforces its own timeout there). With the logger
+``dmuon.comm`` at DEBUG (or ``DMUON_LOG_COLLECTIVES=1``) every issued collective is logged with its
+process group's sequence number, the ``SeqNum`` an NCCL watchdog report names.
 """
 
 from __future__ import annotations
@@ -25,13 +37,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import logging
+import os
 import threading
+import time
 from collections import Counter
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
+from dmuon.exec.comm import wait_report
 from dmuon.plan.cost.nbytes import collective_rank_nbytes
 
 __all__ = [
@@ -41,7 +57,12 @@ __all__ = [
     "metered",
     "Ledger",
     "IssuedOp",
+    "CollectiveError",
     "CollectiveTimeout",
+    "CollectiveTransportError",
+    "DEFAULT_TIMEOUT_S",
+    "blocking_timeout_s",
+    "last_issued",
     "broadcast",
     "reduce_sum",
     "all_reduce_sum",
@@ -51,7 +72,8 @@ __all__ = [
     "wait_all",
 ]
 
-#: Ledger phases, in the order of a training step (``"other"``: state dicts, fingerprints, tests).
+#: Ledger phases, in the order of a training step (``"other"``: outside the plan's step: state dicts,
+#: fingerprints, GradScaler's inf check, gradient clipping, tests).
 PHASES = (
     "forward_broadcast",
     "backward_broadcast",
@@ -65,8 +87,20 @@ PHASES = (
 )
 
 
-class CollectiveTimeout(RuntimeError):
-    """A dmuon collective did not complete in time; the message names the boundary and phase."""
+class CollectiveError(RuntimeError):
+    """A dmuon collective failed: :class:`CollectiveTimeout` or :class:`CollectiveTransportError`."""
+
+
+class CollectiveTimeout(CollectiveError):
+    """A dmuon collective did not complete in time (dmuon's ``timeout_s``, or the process group's
+    own timeout first); the message names the boundary and phase."""
+
+
+class CollectiveTransportError(CollectiveError):
+    """The backend reported a failure other than a timeout while dmuon waited (a peer closed or
+    reset the connection, an NCCL error surfaced on the CPU); the message names the boundary and
+    phase, the peer where the backend names it, and the usual causes; the backend's error is
+    chained (``__cause__``)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -168,13 +202,55 @@ def metered(*, record: bool = False):
     finally:
         _METERS.remove(led)
 
-#: Seconds a wait may take before :class:`CollectiveTimeout`; ``None`` = wait forever.
-DEFAULT_TIMEOUT_S: float | None = None
+#: Seconds a dmuon wait may take before :class:`CollectiveTimeout` (``collective_timeout_s``'s
+#: default): 10 minutes, NCCL's default process-group timeout and a third of gloo's (30 min), so
+#: on gloo dmuon's fires first and names the boundary. Applied where the wait blocks the CPU anyway
+#: (:func:`blocking_timeout_s`); collectives outside a runtime (state dicts) use it as well.
+DEFAULT_TIMEOUT_S: float = 600.0
+
+_LOG = logging.getLogger("dmuon.comm")
+if os.environ.get("DMUON_LOG_COLLECTIVES", "").strip().lower() in ("1", "true", "yes", "on"):
+    _LOG.setLevel(logging.DEBUG)
+    if not _LOG.handlers:
+        _LOG.addHandler(logging.StreamHandler())
+
+# dmuon's last issued collective on this process: (kind, phase, group, root, numel, dtype, seq)
+_LAST: list = [None]
+
+
+def _group_seq(group) -> int | None:
+    """The process group's collective sequence number (NCCL's watchdog ``SeqNum``), or None."""
+    try:
+        g = group if group is not None else dist.group.WORLD
+        return int(g._get_sequence_number_for_group())
+    except Exception:  # noqa: BLE001 - a diagnostic only
+        return None
+
+
+def last_issued() -> str | None:
+    """dmuon's last issued collective on this process, in words (kind, phase, global ranks,
+    root, elements, dtype, the process group's sequence number after it), or None."""
+    last = _LAST[0]
+    if last is None:
+        return None
+    kind, phase, group, root, numel, dtype, seq = last
+    try:
+        ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
+    except Exception:  # noqa: BLE001 - the group may be gone
+        ranks = "?"
+    text = f"{kind} (phase {phase}) over global ranks {ranks}"
+    if root is not None:
+        text += f", root {root}"
+    text += f", {numel} {dtype.replace('torch.', '')} elements"
+    if seq is not None:
+        text += f", group sequence number {seq}"
+    return text
 
 
 def _charge(kind: str, phase: str, tensor: torch.Tensor, group, root: int | None) -> None:
     """Charge this rank for ``kind`` on ``tensor`` over ``group`` (rule of
-    :func:`dmuon.plan.cost.nbytes.collective_rank_nbytes`), recording it when the ledger records."""
+    :func:`dmuon.plan.cost.nbytes.collective_rank_nbytes`), recording it when the ledger records;
+    remember it as this process's last issued collective (logged at DEBUG on ``dmuon.comm``)."""
     k = dist.get_world_size(group)
     me = dist.get_rank()
     nbytes = collective_rank_nbytes(kind, tensor.numel(), tensor.element_size(), k, me == root)
@@ -185,6 +261,11 @@ def _charge(kind: str, phase: str, tensor: torch.Tensor, group, root: int | None
     LEDGER.charge(phase, nbytes, op)
     for meter in _METERS:
         meter.charge(phase, nbytes, op)
+    # the sequence number this collective will carry (the group's counter before it is issued, + 1)
+    seq = _group_seq(group)
+    _LAST[0] = (kind, phase, group, root, tensor.numel(), str(tensor.dtype), None if seq is None else seq + 1)
+    if _LOG.isEnabledFor(logging.DEBUG):
+        _LOG.debug("dmuon rank %d issues %s", me, last_issued())
 
 
 def broadcast(
@@ -200,7 +281,7 @@ def broadcast(
     Charges ``tensor.nbytes`` to every rank but ``src``.
     """
     _charge("broadcast", phase, tensor, group, src)
-    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    return _done(dist.broadcast(tensor, src=src, group=group, async_op=True), async_op, "broadcast", phase, tensor, group)
 
 
 def reduce_sum(
@@ -216,21 +297,24 @@ def reduce_sum(
     Charges ``tensor.nbytes`` to every rank but ``dst``. Only ``dst``'s result is defined.
     """
     _charge("reduce", phase, tensor, group, dst)
-    return dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    work = dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return _done(work, async_op, "reduce", phase, tensor, group)
 
 
 def all_reduce_sum(tensor: torch.Tensor, *, group: dist.ProcessGroup | None, phase: str, async_op: bool = False):
     """SUM all-reduce in place over ``group``; charges every rank
     ``2·(k-1)·ceil(numel/k)·itemsize`` (ring reduce-scatter + all-gather)."""
     _charge("all_reduce", phase, tensor, group, None)
-    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return _done(work, async_op, "all-reduce (sum)", phase, tensor, group)
 
 
 def all_reduce_max(tensor: torch.Tensor, *, group: dist.ProcessGroup | None, phase: str, async_op: bool = False):
     """MAX all-reduce in place over ``group`` (QK-clip's per-head logits); charged like every
     all-reduce, ``2·(k-1)·ceil(numel/k)·itemsize`` per rank."""
     _charge("all_reduce", phase, tensor, group, None)
-    return dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=async_op)
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    return _done(work, async_op, "all-reduce (max)", phase, tensor, group)
 
 
 def all_gather_into(
@@ -241,7 +325,7 @@ def all_gather_into(
     other ranks' parts: ``S·(k-1)/k`` of the full ``S``)."""
     _charge("all_gather", phase, tensor, group, None)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch >= 2.13 renamed it
-    return gather(output, tensor, group=group, async_op=async_op)
+    return _done(gather(output, tensor, group=group, async_op=True), async_op, "all-gather", phase, tensor, group)
 
 
 def scatter(
@@ -258,31 +342,101 @@ def scatter(
     """
     _charge("scatter", phase, output, group, src)
     chunks = list(chunks) if dist.get_rank() == src else None
-    return dist.scatter(output, chunks, src=src, group=group)
+    return _done(dist.scatter(output, chunks, src=src, group=group, async_op=True), False, "scatter", phase, output, group)
 
 
-def wait_all(works, *, what: str, timeout_s: float | None = None) -> None:
-    """Wait for every ``Work`` in ``works`` (``None`` entries are skipped).
+def blocking_timeout_s(timeout_s: float | None, device: torch.device | None, group=None) -> float | None:
+    """The timeout dmuon passes to ``Work.wait`` for a collective on ``device`` over ``group``.
+
+    ``timeout_s`` where the wait blocks the CPU anyway: CPU tensors (gloo), or NCCL with
+    ``TORCH_NCCL_BLOCKING_WAIT=1``. ``None`` on NCCL's default non-blocking wait: there
+    ``Work.wait()`` only makes the current stream wait, and ``Work.wait(timeout)`` would block the
+    CPU thread until the collective finished on the GPU (no launch-ahead); the process group's
+    watchdog enforces the process group's timeout instead and takes the process down on a failure
+    (docs/troubleshooting.md, "Collective failures").
+    """
+    if timeout_s is None or device is None or device.type in ("cpu", "meta"):
+        return timeout_s
+    try:
+        backend = str(dist.get_backend(group))
+    except Exception:  # noqa: BLE001 - no group: nothing to wait for anyway
+        return timeout_s
+    if "nccl" not in backend:
+        return timeout_s
+    flag = os.environ.get("TORCH_NCCL_BLOCKING_WAIT", os.environ.get("NCCL_BLOCKING_WAIT", "0"))
+    return timeout_s if flag.strip().lower() in ("1", "true", "yes", "y", "on") else None
+
+
+def _done(work, async_op: bool, kind: str, phase: str, tensor: torch.Tensor, group):
+    """A wrapper's issued ``work``: returned when ``async_op``, else waited for here through
+    :func:`wait_all` (:data:`DEFAULT_TIMEOUT_S` where the wait blocks the CPU)."""
+    if async_op:
+        return work
+    wait_all([work], what=f"{kind} (ledger phase {phase!r})",
+             timeout_s=blocking_timeout_s(DEFAULT_TIMEOUT_S, tensor.device, group), group=group)
+    return None
+
+
+_DEFAULT = object()
+
+
+def wait_all(
+    works,
+    *,
+    what: str,
+    timeout_s=_DEFAULT,
+    step: int | None = None,
+    forwards: int | None = None,
+    group=None,
+) -> None:
+    """Wait for every ``Work`` in ``works`` (``None`` entries are skipped), naming a failure.
+
+    Args:
+        what: the boundary FQN and phase (or the collective's purpose), quoted by the errors.
+        timeout_s: seconds each wait may take (default :data:`DEFAULT_TIMEOUT_S`; ``None``: no
+            dmuon timeout, the process group's own applies).
+        step, forwards: this rank's optimizer steps done and the boundary's grad-enabled forwards
+            since the last step, quoted by the errors (None: not quoted).
+        group: the process group of the works (its global ranks are quoted; with two ranks the
+            other one is the peer).
 
     Raises:
-        CollectiveTimeout: a wait exceeded ``timeout_s`` (default :data:`DEFAULT_TIMEOUT_S`);
-            the message includes ``what`` (boundary FQN and phase).
+        CollectiveTimeout: a wait exceeded ``timeout_s``, or the backend raised a time-out of its
+            own (the process group's timeout fired first).
+        CollectiveTransportError: the backend raised anything else from a wait (a peer closed or
+            reset the connection, an NCCL error surfaced on the CPU), chained.
     """
-    timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+    timeout_s = DEFAULT_TIMEOUT_S if timeout_s is _DEFAULT else timeout_s
     for work in works:
         if work is None:
             continue
-        if timeout_s is None:
-            work.wait()
-            continue
+        t0 = time.monotonic()
         try:
-            ok = work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-        except RuntimeError as exc:  # gloo raises on timeout
-            raise CollectiveTimeout(
-                f"dmuon: collective for {what} did not complete within {timeout_s} s "
-                "(a rank skipped or reordered a collective, or a peer died)"
-            ) from exc
+            ok = work.wait() if timeout_s is None else work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as exc:  # gloo: RuntimeError; c10d: DistBackendError / DistNetworkError (subclasses)
+            waited_s = time.monotonic() - t0
+            timed_out = wait_report.is_timeout(str(exc), waited_s, timeout_s)
+            cls, text = (
+                (CollectiveTimeout, wait_report.timeout_message)
+                if timed_out
+                else (CollectiveTransportError, wait_report.transport_message)
+            )
+            raise cls(text(what, str(exc), waited_s=waited_s, timeout_s=timeout_s, **_where(step, forwards, group))) from exc
         if ok is False:
             raise CollectiveTimeout(
-                f"dmuon: collective for {what} did not complete within {timeout_s} s"
+                wait_report.timeout_message(
+                    what, None, waited_s=time.monotonic() - t0, timeout_s=timeout_s, **_where(step, forwards, group)
+                )
             )
+
+
+def _where(step, forwards, group) -> dict:
+    """This rank's position for a failed wait's message (never raises)."""
+    me = ranks = None
+    try:
+        me = dist.get_rank()
+        if isinstance(group, dist.ProcessGroup):
+            ranks = tuple(dist.get_process_group_ranks(group))
+    except Exception:  # noqa: BLE001 - the message must not hide the failure
+        pass
+    return dict(me=me, step=step, forwards=forwards, ranks=ranks, last_issued=last_issued())

@@ -40,6 +40,8 @@ import functools
 import torch
 from torch import Tensor
 
+from dmuon import _registry
+from dmuon._dtensor import local_tensor
 from dmuon.exec.runtime.runtime import wait_pending
 
 __all__ = ["GradScaler", "route_unscale", "install", "is_installed", "unscale_grads"]
@@ -81,14 +83,10 @@ def install() -> None:
         dmuon._registry.IntegrationError: the installed torch's ``_unscale_grads_`` no longer
             takes ``(self, optimizer, inv_scale, found_inf, allow_fp16)``.
     """
-    from dmuon import _registry
-
     _registry.install("amp")
 
 
 def is_installed() -> bool:
-    from dmuon import _registry
-
     return _registry.installed("amp.grad_scaler")
 
 
@@ -122,7 +120,7 @@ def unscale_grads(opt, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool) -
                 raise RuntimeError("dmuon.Muon: loss scaling does not support sparse gradients")
             if not allow_fp16 and grad.dtype == torch.float16:
                 raise ValueError("Attempting to unscale FP16 gradients.")
-            local = grad.to_local() if hasattr(grad, "to_local") else grad  # DTensor: its shard
+            local = local_tensor(grad)  # DTensor: its shard
             by_device.setdefault(local.device, {}).setdefault(local.dtype, []).append(local)
     flags = []
     for device, per_dtype in by_device.items():

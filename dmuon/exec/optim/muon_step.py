@@ -141,8 +141,10 @@ def muon_step(group: dict, states) -> None:
         apply(p, _orthogonalize_matrices(update, k, m, n, orthogonalize, ns_kw), (m, n))
 
     for (d, D, _, _), entries in buckets.items():
+        # "auto" decided once per bucket (its shape): the picked backend's own calls
+        fn = _ns.resolve_ns_backend(group.get("ns_backend", "standard"), (d, D), steps=group["ns_steps"])
         for chunk in _chunks(entries, d * D):
-            for (p, _, _, m, n), o in zip(chunk, _orthogonalize_bucket(chunk, orthogonalize, ns_kw)):
+            for (p, _, _, m, n), o in zip(chunk, _orthogonalize_bucket(chunk, fn, ns_kw)):
                 apply(p, o, (m, n))
 
     if tp_entries:

@@ -14,7 +14,8 @@ Backends (:data:`NS_BACKENDS`; every one is a pure function with the same keywor
   (:func:`~dmuon.exec.optim.ns_gram.gram_ns_from_gram`).
 - ``"auto"``: :func:`auto_newton_schulz`: ``"gram"`` where it needs fewer FLOPs for the
   matrix's shape and the short side is at least 256, ``"standard"`` elsewhere (opt-in, like
-  ``"gram"``).
+  ``"gram"``). ``dmuon.Muon`` decides once per batched NS bucket (:func:`resolve_ns_backend`)
+  and calls the picked backend itself, so ``"auto"`` runs exactly that backend's calls.
 
 Coefficient presets (:mod:`dmuon.exec.optim.ns_coefficients`) are orthogonal to the backend.
 
@@ -47,6 +48,7 @@ __all__ = [
     "NS_BACKENDS",
     "auto_newton_schulz",
     "get_ns_backend",
+    "resolve_ns_backend",
     # defined in ns_kernel / ns_gram; here as the attributes callers resolve at call time
     "gram_newton_schulz",
     "newton_schulz",
@@ -77,6 +79,22 @@ def get_ns_backend(name: str) -> Callable[..., Tensor]:
         raise ValueError(
             f"unknown Newton-Schulz backend {name!r}; expected one of {tuple(NS_BACKENDS)}"
         ) from None
+
+
+def resolve_ns_backend(name: str, matrix_shape: tuple[int, int], *, steps: int) -> Callable[..., Tensor]:
+    """The function one call on ``(m, n)`` matrices runs under backend ``name``: for ``"auto"``
+    the backend :func:`dmuon.plan.rules.choose_ns_backend` picks for that shape and ``steps``
+    (``newton_schulz`` or ``gram_newton_schulz``, resolved here from this module as
+    :func:`get_ns_backend` does), so that ``dmuon.Muon`` decides once per bucket and ``"auto"``
+    runs exactly the calls of the backend it picks — on shapes where it picks the standard
+    iteration, the very calls ``"standard"`` runs; any other name: :func:`get_ns_backend`.
+
+    Raises:
+        ValueError: an unknown backend name.
+    """
+    if name == "auto":
+        name = choose_ns_backend(tuple(int(v) for v in matrix_shape), "auto", steps=steps)
+    return get_ns_backend(name)
 
 
 def auto_newton_schulz(

@@ -17,7 +17,10 @@ The rule and the plan records are in :mod:`dmuon.plan.records.qk_clip`. At run t
 3. **Rescale.** The owner of each ``W_q`` / ``W_k`` multiplies the rows of the heads with
    ``S_h > τ`` (MHA: ``√(τ/S_h)`` for both; GQA: ``τ/S_h`` for q only); every rank scales its
    own FSDP2 shard of a q / k bias the same way (local, no collective). HSDP replicas receive
-   the new rows through the post-step replicate broadcast that follows.
+   the new rows through the post-step replicate broadcast that follows. A head whose maximum
+   is non-finite (inf; a NaN on any rank is sent as +inf, so every rank agrees) is skipped with
+   a :class:`QKClipNonFinite` warning naming the layer, the head and the step: ``τ/inf = 0``
+   would zero its rows for good and a NaN would poison them.
 
 :func:`stats` returns the last step's clipped-head count and largest logit (one host read).
 """
@@ -25,17 +28,19 @@ The rule and the plan records are in :mod:`dmuon.plan.records.qk_clip`. At run t
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 
 import torch
 import torch.nn as nn
 
+from dmuon import _tags
+from dmuon._dtensor import is_dtensor
 from dmuon.exec.comm import collectives as C
-from dmuon.exec.runtime.buffers import dedicated_info
+from dmuon._tags import dedicated_info
 
-__all__ = ["record", "wants_logits", "max_logits_eager", "max_logits_sdpa", "stats", "QKClipRuntime"]
+__all__ = ["record", "wants_logits", "max_logits_eager", "max_logits_sdpa", "stats", "QKClipRuntime", "QKClipNonFinite"]
 
-_TAG = "_dmuon_qk_clip"  # attribute on a reporting module: (weakref to QKClipRuntime, layer index)
 
 
 def record(module: nn.Module, max_logits: torch.Tensor) -> bool:
@@ -48,7 +53,7 @@ def record(module: nn.Module, max_logits: torch.Tensor) -> bool:
     Raises:
         ValueError: ``max_logits`` is not ``(H,)`` for the layer's ``H`` q heads.
     """
-    tag = getattr(module, _TAG, None)
+    tag = _tags.read(module, _tags.QK_CLIP)
     if tag is None or not torch.is_grad_enabled():
         return False
     rt = tag[0]()
@@ -61,7 +66,7 @@ def wants_logits(module: nn.Module) -> bool:
     """True when :func:`record` would keep a value for ``module`` now (a QK-clip layer of a live
     dmuon plan, gradients enabled): lets an SDPA model skip :func:`max_logits_sdpa`'s extra pass
     otherwise."""
-    tag = getattr(module, _TAG, None)
+    tag = _tags.read(module, _tags.QK_CLIP)
     return tag is not None and torch.is_grad_enabled() and tag[0]() is not None
 
 
@@ -131,13 +136,15 @@ def max_logits_sdpa(
 
 def stats(model: nn.Module) -> dict[str, float | int] | None:
     """The last step's QK-clip figures of ``model``: ``{"clipped_heads": int, "max_logit": float,
-    "tau": float}`` (one host read), or None without QK-clip / before the first step."""
-    rt = getattr(model, "_dmuon_runtime", None)
+    "tau": float, "nonfinite_heads": int}`` (one host read; ``nonfinite_heads``: heads whose max
+    logit was inf or NaN, left unscaled with a :class:`QKClipNonFinite` warning), or None without
+    QK-clip / before the first step."""
+    rt = _tags.model_runtime(model)
     qk = getattr(rt, "qk_clip", None)
     if qk is None or qk.last is None:
         return None
-    clipped, top = qk.last
-    return {"clipped_heads": int(clipped.item()), "max_logit": float(top.item()), "tau": qk.spec.tau}
+    clipped, top, nonfinite = torch.stack([t.float() for t in qk.last]).tolist()  # one host read
+    return {"clipped_heads": int(clipped), "max_logit": top, "tau": qk.spec.tau, "nonfinite_heads": int(nonfinite)}
 
 
 class QKClipRuntime:
@@ -151,11 +158,11 @@ class QKClipRuntime:
         self.spec = runtime.plan.qk_clip
         self.runtime_ref = weakref.ref(runtime)
         self.model_ref = weakref.ref(model)
-        self.last = None  # (clipped head count, largest logit) tensors of the last step
+        self.last = None  # (clipped head count, largest logit, non-finite head count) tensors of the last step
         modules = dict(model.named_modules())
         self._max: list[torch.Tensor | None] = [None] * len(self.spec.attention)
         for i, a in enumerate(self.spec.attention):
-            object.__setattr__(modules[a.module], _TAG, (weakref.ref(self), i))
+            _tags.write(modules[a.module], _tags.QK_CLIP, (weakref.ref(self), i))
 
     def record(self, index: int, max_logits: torch.Tensor) -> bool:
         a = self.spec.attention[index]
@@ -179,26 +186,34 @@ class QKClipRuntime:
         ]
         self._max = [None] * len(self.spec.attention)
         vec = torch.cat(parts)
-        C.wait_all(
+        # a NaN maximum becomes +inf before the reduce: the MAX of a NaN is backend-dependent (it
+        # may vanish), +inf survives it on every rank, so every rank sees the same non-finite head
+        vec.masked_fill_(vec.isnan(), float("inf"))
+        rt.wait(
             [C.all_reduce_max(vec, group=rt.groups.job_group, phase="qk_clip", async_op=True)],
-            what="QK-clip all-reduce (max) of the per-head max logits",
-            timeout_s=rt.timeout_s,
+            "QK-clip all-reduce (max) of the per-head max logits",
+            group=rt.groups.job_group,
         )
         tau = self.spec.tau
-        if bool(torch.isneginf(vec).all()):  # same reduced vector on every rank: all raise
+        nonfinite = torch.isposinf(vec)  # +inf: an inf or a NaN max logit on some rank
+        none_reported, any_nonfinite = torch.stack([torch.isneginf(vec).all(), nonfinite.any()]).tolist()  # one host read
+        if none_reported:  # same reduced vector on every rank: all raise
             raise RuntimeError(
                 "dmuon: QK-clip is on (plan.qk_clip) but no attention layer reported its max logits this step on any "
                 "rank; call dmuon.qk_clip.record(self, max_logits) in each listed module's forward (helpers: "
                 "dmuon.qk_clip.max_logits_eager / max_logits_sdpa) or compile without qk_clip"
             )
-        self.last = ((vec > tau).sum(), vec.max())
+        if any_nonfinite:
+            _warn_nonfinite(self.spec, nonfinite, rt.steps_done)
+        clip = (vec > tau) & ~nonfinite  # a non-finite head is never scaled (by 0 = tau/inf, or by NaN)
+        self.last = (clip.sum(), vec.max(), nonfinite.sum())
         model = self.model_ref()
         start = 0
         with torch.no_grad():
             for a in self.spec.attention:
                 S = vec[start : start + a.q.num_heads]
+                over = clip[start : start + a.q.num_heads]
                 start += a.q.num_heads
-                over = S > tau
                 ratio = torch.where(over, tau / S, torch.ones_like(S))
                 if a.gqa:  # q-only rule: the shared k head stays, each clipped q head shrinks by tau/S_h
                     fq, fk = ratio, None
@@ -222,14 +237,38 @@ class QKClipRuntime:
             _scale_bias(model.get_parameter(rows.bias), rows.offset, per_elem)
 
 
+def _warn_nonfinite(spec, nonfinite: torch.Tensor, step: int) -> None:
+    """Warn (the same text on every rank: the reduced vector is) naming each layer, its heads whose
+    max logit was non-finite, and the optimizer step; those heads are left unscaled this step."""
+    flags = nonfinite.tolist()
+    start, parts = 0, []
+    for a in spec.attention:
+        heads = [h for h in range(a.q.num_heads) if flags[start + h]]
+        start += a.q.num_heads
+        if heads:
+            parts.append(f"{a.module!r} head(s) {heads}")
+    warnings.warn(
+        f"dmuon: QK-clip: non-finite max logit (inf, or NaN on some rank) at optimizer step {step} in "
+        + "; ".join(parts)
+        + ": those heads' W_q / W_k rows are left unscaled this step (tau / inf would zero them for good, a NaN "
+        "would poison them); the forward diverged: check the loss, the learning rate and the mixed-precision "
+        "settings (docs/muon_variants.md, QK-clip)",
+        QKClipNonFinite,
+        stacklevel=2,
+    )
+
+
+class QKClipNonFinite(UserWarning):
+    """A QK-clip head's step maximum was non-finite; its rows were left unscaled (the message names
+    the layer, the heads and the step)."""
+
+
 def _scale_bias(bias: torch.Tensor, offset: int, per_elem: torch.Tensor) -> None:
     """``bias[offset : offset + len(per_elem)] *= per_elem`` on this rank's part of ``bias`` (a
     plain tensor, or an FSDP2 ``DTensor`` shard whose global offset DTensor computes)."""
-    from torch.distributed.tensor import DTensor
-
     full = torch.ones(bias.shape[0], dtype=per_elem.dtype, device=per_elem.device)
     full[offset : offset + per_elem.numel()] = per_elem
-    if isinstance(bias, DTensor):
+    if is_dtensor(bias):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         local = bias.to_local()

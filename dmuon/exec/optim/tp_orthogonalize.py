@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.exec.comm import collectives as C
-from dmuon.exec.runtime.buffers import dedicated_info
+from dmuon._tags import dedicated_info
 from dmuon.exec.optim import ns_backends as _ns
 
 __all__ = ["orthogonalize_and_apply", "orthogonalize_groups_and_apply", "check_gram_steps"]
@@ -90,11 +90,8 @@ def orthogonalize_and_apply(entries, *, steps: int, orthogonalize, ns_kw: dict, 
         tp = items[0][2]
         flat = torch.cat([u.reshape(-1) for _, u, _ in items])
         out = torch.empty(tp.size * flat.numel(), dtype=flat.dtype, device=flat.device)
-        C.wait_all(
-            [C.all_gather_into(out, flat, group=tp.group, phase="tp", async_op=True)],
-            what="TP all-gather of Muon updates",
-            timeout_s=rt.timeout_s,
-        )
+        rt.wait([C.all_gather_into(out, flat, group=tp.group, phase="tp", async_op=True)],
+                "TP all-gather of Muon updates", group=tp.group)
         out = out.view(tp.size, -1)
         by_coord = [out[dist.get_group_rank(tp.group, tp.ranks[t])] for t in range(tp.size)]
         offset = 0

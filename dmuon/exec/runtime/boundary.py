@@ -198,7 +198,9 @@ class _BoundaryRuntime:
             works, stream = self._inflight, self._inflight_stream
             self._inflight, self._inflight_stream = [], None
             with _on_stream(stream):  # NCCL: the broadcast stream waits for the collectives
-                C.wait_all(works, what=f"boundary {self.fqn!r} {self._inflight_phase}", timeout_s=rt.timeout_s)
+                groups = {id(b.group): b.group for b in self.ops.broadcast(self._inflight_phase)}
+                rt.wait(works, f"boundary {self.fqn!r} {self._inflight_phase}", boundary=self,
+                        group=next(iter(groups.values())) if len(groups) == 1 else None)
             if stream is not None:  # the compute stream waits before the parameters are used
                 current_stream(stream.device).wait_event(stream.record_event())
             self.sharded_state = ShardedState.UNSHARDED

@@ -32,7 +32,6 @@ class BoundaryHost(Protocol):
     groups: MeshGroups  # dmuon's process groups: the ranks named by the step check's error
     num_shards: int  # N: a boundary resharded at its backward under Z2 is an error only when N > 1
     reshard_after_forward: bool  # Z3 (True) frees after every forward; Z2 keeps until the backward
-    timeout_s: float | None  # seconds a dmuon collective may take (None: wait forever)
     model_ref: Callable[[], nn.Module | None]  # the model (weak): FSDP2's gradient-sync flag of the root
 
     # -- state the runtime owns ----------------------------------------------------------------
@@ -49,6 +48,9 @@ class BoundaryHost(Protocol):
 
     def comm_stream(self, kind: str) -> Any:
         """dmuon's ``"broadcast"`` / ``"reduce"`` stream on an accelerator; None on CPU."""
+
+    def wait(self, works: list, what: str, *, boundary: Any = None, group: Any = None) -> None:
+        """Wait for ``works`` (dmuon's timeout, the step and forward count quoted by a failure)."""
 
     def wait_replicate_broadcasts(self, boundary: Any = None) -> None:
         """HSDP: wait for ``boundary``'s post-step replicate broadcasts before its next unshard."""

@@ -26,12 +26,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dmuon import _tags
+from dmuon._dtensor import is_dtensor
+from dmuon._tags import dedicated_info
+
 __all__ = ["DedicatedInfo", "TPInfo", "GroupInfo", "build_segments", "dedicated_info"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DedicatedInfo:
-    """Attached as ``p._dmuon`` to every logical dedicated parameter.
+    """dmuon's tag (:data:`dmuon._tags.PARAM`) on every logical dedicated parameter; read it with
+    :func:`dedicated_info`.
 
     ``owner_global_rank``: the global rank that runs Newton-Schulz for it (the plan's
     ``Owner.rank`` is its mesh rank); ``is_owner``: this rank is it;
@@ -60,16 +65,6 @@ class DedicatedInfo:
     group: "GroupInfo | None" = None  # a matrix owned by an owner group / a stack with several expert owners
     experts: Any = None  # dmuon.plan.records.params.ExpertStack of an expert stack, or None
     ep_local: bool = False  # an expert-parallel stack: this rank's experts, in the model, owned here
-
-
-#: the attribute :func:`dmuon.exec.apply` sets on every logical dedicated parameter
-INFO_ATTR = "_dmuon"
-
-
-def dedicated_info(p) -> DedicatedInfo | None:
-    """The :class:`DedicatedInfo` of ``p`` if :func:`dmuon.exec.apply` dedicated it, else None: the
-    one way to ask "is this parameter dedicated" (read ``p._dmuon`` nowhere else)."""
-    return getattr(p, INFO_ATTR, None)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -380,7 +375,7 @@ def build_segments(
                     compute = nn.Parameter(compute, requires_grad=orig.requires_grad)
                     owner = owners[e.fqn]
                     owner_global_rank = g.rank_of(owner.replicate, owner.shard)
-                    logical._dmuon = DedicatedInfo(
+                    _tags.write(logical, _tags.PARAM, DedicatedInfo(
                         fqn=e.fqn,
                         owner_global_rank=owner_global_rank,
                         is_owner=owner_global_rank == dist.get_rank(),
@@ -392,7 +387,7 @@ def build_segments(
                         tp=tp,
                         view=spec.view,
                         experts=spec.experts,
-                    )
+                    ))
                     homes = []
                     for alias in spec.aliases:
                         mod_fqn, _, attr = alias.rpartition(".")
@@ -439,7 +434,7 @@ def _block_slot(e, off, seg_l, held, wire, master, spec, orig, owner, grouped, *
     ``ep > 1``: an expert-parallel stack owned in efsdp groups: the model's parameter holds this
     rank's EP coordinate's experts only, and the compute tensor is assembled from those ranges."""
     g = groups
-    if getattr(orig, "placements", None) is not None:
+    if is_dtensor(orig):
         raise ValueError(f"dmuon: {e.fqn!r} is a DTensor but the plan gives it an owner group (no TP support)")
     j = e.block
     bshape = tuple(e.shape)
@@ -499,7 +494,7 @@ def _block_slot(e, off, seg_l, held, wire, master, spec, orig, owner, grouped, *
         local_matrices = 1 if stack is None else (
             spec.num_matrices if info.block is None else info.sizes[info.block] * stack.matrices_per_expert
         )
-        logical._dmuon = DedicatedInfo(
+        _tags.write(logical, _tags.PARAM, DedicatedInfo(
             fqn=e.fqn,
             owner_global_rank=info.ranks[0] if owner_rank is None else owner_rank,
             is_owner=owner_rank == dist.get_rank(),
@@ -510,7 +505,7 @@ def _block_slot(e, off, seg_l, held, wire, master, spec, orig, owner, grouped, *
             runtime=runtime_ref,
             group=info,
             experts=stack,
-        )
+        ))
         gm.logical = logical
         for b in gm.blocks:
             if b is not None:  # expert parallelism: only this EP coordinate's ranges
@@ -524,8 +519,8 @@ def tp_info(spec, orig: torch.Tensor, groups) -> TPInfo | None:
     if spec.tp_size == 1:
         return None
     g = groups
-    placements = tuple(getattr(orig, "placements", ()))
-    mesh = getattr(orig, "device_mesh", None)
+    placements = tuple(orig.placements) if is_dtensor(orig) else ()
+    mesh = orig.device_mesh if is_dtensor(orig) else None
     ok = (
         mesh is not None
         and mesh.ndim == 1

@@ -10,6 +10,8 @@ import weakref
 import torch
 import torch.nn as nn
 
+from dmuon import _tags
+from dmuon._dtensor import is_dtensor
 from dmuon.exec.runtime.buffers import DedicatedInfo
 
 __all__ = ["bind_expert_parallel", "hook_ep_param"]
@@ -18,7 +20,7 @@ __all__ = ["bind_expert_parallel", "hook_ep_param"]
 def bind_expert_parallel(rt, modules, original) -> dict[str, nn.Parameter]:
     """Expert-parallel stacks (``Boundary.local``): each rank's model holds its own experts.
     The parameter stays where it is (no buffer, no broadcast, no reduce); it is tagged
-    ``p._dmuon`` (``ep_local``, owned here, so ``fully_shard`` skips it and ``dmuon.Muon``
+    dmuon's tag (``ep_local``, owned here, so ``fully_shard`` skips it and ``dmuon.Muon``
     orthogonalises its experts) and a tensor hook divides every gradient contribution by
     :meth:`DmuonRuntime.grad_divisor` (the data-parallel world ``W = R*N``, or FSDP2's gradient divide
     factor when one is set): tokens of every rank reach a local expert through the model's
@@ -36,7 +38,7 @@ def bind_expert_parallel(rt, modules, original) -> dict[str, nn.Parameter]:
         for fqn in b.local:
             spec = specs[fqn]
             p = original[fqn]
-            if not isinstance(p, nn.Parameter) or getattr(p, "placements", None) is not None:
+            if not isinstance(p, nn.Parameter) or is_dtensor(p):
                 raise ValueError(
                     f"dmuon: expert-parallel stack {fqn!r} must be a plain nn.Parameter of this rank's experts "
                     f"{spec.local_shape}, got {type(p).__name__}"
@@ -47,7 +49,7 @@ def bind_expert_parallel(rt, modules, original) -> dict[str, nn.Parameter]:
                     f"gives each rank {spec.local_shape} {spec.dtype} (E/ep experts of {spec.shape})"
                 )
             stack = spec.experts
-            p._dmuon = DedicatedInfo(
+            _tags.write(p, _tags.PARAM, DedicatedInfo(
                 fqn=fqn,
                 owner_global_rank=me,
                 is_owner=True,
@@ -58,7 +60,7 @@ def bind_expert_parallel(rt, modules, original) -> dict[str, nn.Parameter]:
                 runtime=weakref.ref(rt),
                 experts=stack,
                 ep_local=True,
-            )
+            ))
             rt.hook_ep_param(fqn, p, index)
             out[fqn] = p
     return out

@@ -10,6 +10,7 @@ import torch
 
 from dmuon.exec.comm import collectives as C
 from dmuon.exec.runtime.streams import _on_stream, current_stream
+from dmuon.exec.setup.fsdp2 import gradient_divide_factor
 
 __all__ = ["finish_reduces", "grad_divisor"]
 
@@ -27,16 +28,17 @@ def finish_reduces(rt) -> None:
         return
     stream = rt.comm_stream("reduce")  # None on CPU
     with _on_stream(stream):  # NCCL: the reduce stream waits for the collectives
-        for boundary, _, _, work, _ in pending:
-            C.wait_all([work], what=f"boundary {boundary.fqn!r} reduce", timeout_s=rt.timeout_s)
+        for boundary, seg, _, work, _ in pending:
+            group = next((b.group for b in boundary.ops.reduce if b.segment is seg), None)
+            rt.wait([work], f"boundary {boundary.fqn!r} reduce", boundary=boundary, group=group)
         works = []
         for boundary, seg, buf, _, _ in pending:  # HSDP: the held segments' sub-segments
             for b in boundary.ops.replicate_reduce_of(seg):
                 part = buf[b.sub.offset_in_seg : b.sub.offset_in_seg + b.sub.numel]
                 work = C.reduce_sum(part, dst=b.root, group=b.group, phase=b.op.phase, async_op=True)
-                works.append((boundary, work))
-        for boundary, work in works:
-            C.wait_all([work], what=f"boundary {boundary.fqn!r} replicate_reduce", timeout_s=rt.timeout_s)
+                works.append((boundary, work, b.group))
+        for boundary, work, group in works:
+            rt.wait([work], f"boundary {boundary.fqn!r} replicate_reduce", boundary=boundary, group=group)
     if stream is not None:  # the compute stream reads the buffers below; the local grads are released after
         current_stream(stream.device).wait_event(stream.record_event())
     for _, seg, _, _, _ in pending:
@@ -60,11 +62,11 @@ def grad_divisor(rt, boundary) -> float:
     ``R·N`` (the average over the data-parallel mesh). Read at every reduce, so a factor set
     after set-up is honoured.
     """
-    factor = _divide_factor(boundary.module)
+    factor = gradient_divide_factor(boundary.module)
     if factor is None:
         model = rt.model_ref()
         for module in model.modules() if model is not None else ():
-            factor = _divide_factor(module)
+            factor = gradient_divide_factor(module)
             if factor is not None:
                 break
     return float(rt.world_numel if factor is None else factor)
@@ -101,15 +103,4 @@ def _write_owner_grads(rt, owned: list) -> None:
                 p.grad = grad
             else:
                 p.grad.add_(grad)
-
-
-def _divide_factor(module) -> float | None:
-    """The ``gradient_divide_factor`` set on ``module``'s FSDP2 param groups, or None."""
-    get = getattr(module, "_get_fsdp_state", None)
-    state = get() if get is not None else None
-    for group in getattr(state, "_fsdp_param_groups", None) or ():
-        factor = getattr(group, "gradient_divide_factor", None)
-        if factor is not None:
-            return factor
-    return None
 

@@ -27,7 +27,7 @@ def broadcast_after_step(rt) -> None:
         if rt.replicate_async:
             rt.pending_replicate[b.index] = works
         else:
-            C.wait_all(works, what=f"boundary {b.fqn!r} replicate broadcast", timeout_s=rt.timeout_s)
+            rt.wait(works, f"boundary {b.fqn!r} replicate_broadcast", boundary=b, group=rt.groups.replicate_group)
 
 
 def wait_replicate_broadcasts(rt, boundary=None) -> None:
@@ -39,7 +39,7 @@ def wait_replicate_broadcasts(rt, boundary=None) -> None:
         works = rt.pending_replicate.pop(key, None)
         if works:
             what = f"boundary {rt.boundaries[key].fqn!r} replicate_broadcast (after step)"
-            C.wait_all(works, what=what, timeout_s=rt.timeout_s)
+            rt.wait(works, what, boundary=rt.boundaries[key], group=rt.groups.replicate_group)
 
 
 def _broadcast_to_replicas(rt, boundaries, phase: str) -> list:
@@ -69,4 +69,4 @@ def sync_replicas(rt) -> None:
     rt.check_materialized("synchronising HSDP replicas")
     rt.wait_replicate_broadcasts()
     works = _broadcast_to_replicas(rt, rt.boundaries, "other")
-    C.wait_all(works, what="HSDP replica sync after materialisation", timeout_s=rt.timeout_s)
+    rt.wait(works, "HSDP replica sync after materialisation", group=rt.groups.replicate_group)

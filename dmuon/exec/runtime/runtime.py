@@ -45,18 +45,20 @@ import weakref
 import torch
 import torch.nn as nn
 
+from dmuon import _tags
+from dmuon._tags import dedicated_info
 from dmuon.plan.scheduling.programs import boundary_programs
 
 from dmuon.exec.setup import fsdp2
 from dmuon.exec.runtime import expert_parallel, reduces, replicas, streams
 from dmuon.exec.runtime.boundary import ShardedState, TrainingState, _BoundaryRuntime, eager_hook
-from dmuon.exec.runtime.buffers import build_segments, dedicated_info
+from dmuon.exec.runtime.buffers import build_segments
+from dmuon.exec.comm import collectives as C
 from dmuon.exec.comm.groups import MeshGroups
 from dmuon.exec.runtime.program import bind
 
 __all__ = ["DmuonRuntime", "wait_pending", "after_step", "get_runtime", "get_model_runtime", "no_sync"]
 
-RUNTIME_ATTR = "_dmuon_runtime"  # the model attribute that holds its DmuonRuntime
 
 
 class DmuonRuntime:
@@ -69,7 +71,7 @@ class DmuonRuntime:
         groups: MeshGroups,
         device: torch.device,
         *,
-        timeout_s: float | None = None,
+        timeout_s: float | None = C.DEFAULT_TIMEOUT_S,
         use_streams: bool = True,
     ):
         self.plan = plan
@@ -90,7 +92,7 @@ class DmuonRuntime:
         self.deferred_rounds: list = []  # accelerators: received broadcast rounds to compare at the step
         self._final_callback_queued = False
         self.requires_gradient_sync = True
-        self.timeout_s = timeout_s  # seconds a dmuon collective may take (None: wait forever)
+        self.timeout_s = timeout_s  # seconds a dmuon wait may take where it blocks the CPU (None: no dmuon timeout)
         self.model_ref = weakref.ref(model)
         self.ep_hooks: dict = {}  # expert-parallel stacks' gradient-divisor hook handles, by FQN
         self._build(model)
@@ -208,6 +210,21 @@ class DmuonRuntime:
                 )
             self._state_dict_mesh = mesh
         return mesh
+
+    def wait(self, works, what: str, *, boundary=None, group=None) -> None:
+        """Wait for ``works`` through :func:`dmuon.exec.comm.collectives.wait_all` with this
+        runtime's timeout where the wait blocks the CPU (:func:`~dmuon.exec.comm.collectives.blocking_timeout_s`),
+        its optimizer steps done and ``boundary``'s grad-enabled forwards since the last step
+        (quoted by a :class:`~dmuon.exec.comm.collectives.CollectiveTimeout` or
+        :class:`~dmuon.exec.comm.collectives.CollectiveTransportError`)."""
+        C.wait_all(
+            works,
+            what=what,
+            timeout_s=C.blocking_timeout_s(self.timeout_s, self.device, group),
+            step=self.steps_done,
+            forwards=None if boundary is None else boundary.forwards_since_step,
+            group=group,
+        )
 
     def comm_stream(self, kind: str):
         """On an accelerator: dmuon's ``"broadcast"`` or ``"reduce"`` stream; ``None`` on CPU or with
@@ -352,7 +369,7 @@ class DmuonRuntime:
 
 def get_model_runtime(model: nn.Module) -> DmuonRuntime | None:
     """The :class:`DmuonRuntime` that :func:`dmuon.exec.apply` attached to ``model``, or None."""
-    return getattr(model, RUNTIME_ATTR, None)
+    return _tags.model_runtime(model)
 
 
 def get_runtime(p: torch.Tensor) -> DmuonRuntime | None:

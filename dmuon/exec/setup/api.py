@@ -10,12 +10,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dmuon import _registry
+from dmuon import _tags
+from dmuon._dtensor import is_dtensor
 
 from dmuon.exec.state import model_state
 from dmuon.exec.setup import guards
 from dmuon.exec.setup import materialize
+from dmuon.exec.comm.collectives import DEFAULT_TIMEOUT_S
 from dmuon.exec.comm.groups import MeshGroups, mesh_rank_table, mesh_tp_ranks
-from dmuon.exec.runtime.runtime import RUNTIME_ATTR, DmuonRuntime, get_model_runtime
+from dmuon.exec.runtime.runtime import DmuonRuntime, get_model_runtime
 
 __all__ = ["apply", "dedicate_params"]
 
@@ -75,7 +78,7 @@ def _check_tp(plan, model: nn.Module, table, mesh_tp: tuple[int, ...] | None = N
     for spec in plan.params:
         if spec.tp_size > 1:
             p = model.get_parameter(spec.fqn)
-            m = getattr(p, "device_mesh", None)
+            m = p.device_mesh if is_dtensor(p) else None
             if m is None:
                 raise ValueError(
                     f"dmuon: the plan says {spec.fqn!r} is TP-sharded but the model's parameter is a plain "
@@ -252,7 +255,7 @@ def apply(
     model: nn.Module,
     mesh=None,
     *,
-    collective_timeout_s: float | None = None,
+    collective_timeout_s: float | None = DEFAULT_TIMEOUT_S,
     shard_dim: str | None = None,
     replicate_dim: str | None = None,
     tp_dim: str | None = None,
@@ -271,12 +274,20 @@ def apply(
             ``(R, N)`` spanning the world, or ``None`` = a 1-D mesh over the world.
         shard_dim, replicate_dim, tp_dim: the names of the mesh's dims when they are not among
             :data:`dmuon.plan.MESH_DIM_NAMES` (see :func:`dmuon.plan.mesh_dim_roles`).
-        collective_timeout_s: a dmuon collective not complete within this many seconds raises
+        collective_timeout_s: a dmuon wait not complete within this many seconds raises
             :class:`~dmuon.exec.comm.collectives.CollectiveTimeout` naming the boundary and phase
-            (``None``: wait forever, as torch does up to the process group's own timeout).
+            (default :data:`~dmuon.exec.comm.collectives.DEFAULT_TIMEOUT_S`, 600 s; ``None``: no
+            dmuon timeout, the process group's own applies). Enforced where the wait blocks the
+            CPU anyway: gloo, or NCCL with ``TORCH_NCCL_BLOCKING_WAIT=1``; on NCCL's default
+            non-blocking wait the process group's watchdog and its timeout handle a hang. The
+            two timeouts run side by side: whichever is shorter fires first (gloo's default
+            process-group timeout is 30 min, so dmuon's fires first); either way the error is a
+            ``CollectiveTimeout`` naming the boundary, and a peer that exits or closes its
+            connection raises :class:`~dmuon.exec.comm.collectives.CollectiveTransportError` at
+            once (docs/troubleshooting.md, "Collective failures").
 
     Returns:
-        the :class:`~dmuon.exec.runtime.runtime.DmuonRuntime` (also at ``model._dmuon_runtime``).
+        the :class:`~dmuon.exec.runtime.runtime.DmuonRuntime` (also ``dmuon.exec.get_model_runtime(model)``).
 
     Raises:
         RuntimeError: no process group; ranks hold different plans.
@@ -288,7 +299,7 @@ def apply(
     digests under expert parallelism), then ``new_group`` calls; all local validation happens
     before them.
     """
-    _registry.install_stage("dedicate")  # GradScaler, DCP, guards, accelerate / transformers (not with DMUON_NO_PATCHES)
+    _registry.install_stage("dedicate")  # the fully_shard skip, GradScaler, DCP, guards, frameworks (not with DMUON_NO_PATCHES)
     if not (dist.is_available() and dist.is_initialized()):
         _validate(plan, model, None)  # raises the "no process group" error
     dims = dict(shard_dim=shard_dim, replicate_dim=replicate_dim, tp_dim=tp_dim)
@@ -307,7 +318,7 @@ def apply(
     else:
         groups = MeshGroups.build(table, owner_groups=owner_groups)
     runtime = DmuonRuntime(plan, model, groups, _device_of(model, plan), timeout_s=collective_timeout_s)
-    object.__setattr__(model, RUNTIME_ATTR, runtime)
+    _tags.write(model, _tags.RUNTIME, runtime)
     model_state.register_state_dict_hooks(runtime)
     materialize.install(runtime, model)
     return runtime
@@ -347,7 +358,7 @@ def dedicate_params(
     hook_boundary_strict: bool = True,
     replicate_async: bool = True,
     mp_policy=None,
-    collective_timeout_s: float | None = None,
+    collective_timeout_s: float | None = DEFAULT_TIMEOUT_S,
     shard_dim: str | None = None,
     replicate_dim: str | None = None,
     tp_dim: str | None = None,
@@ -364,7 +375,7 @@ def dedicate_params(
     ``None``: ``N`` for a 1-D ``DeviceMesh`` whose dim is named ``"ep"``, else 1; docs/moe_ep.md).
     Extra keyword arguments go to ``dmuon.plan.compile`` (e.g. ``cost_model``).
     """
-    from dmuon import plan as _plan
+    from dmuon.plan.compile import compile as compile_plan
 
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
@@ -377,7 +388,7 @@ def dedicate_params(
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ()) if hasattr(mesh, "shape") else ()
     if ep is None and names == ("ep",):  # compile reads the (R, N) below, without the dim's name
         ep = len(table[0])
-    plan = _plan.compile(
+    plan = compile_plan(
         model,
         (len(table), len(table[0])),
         ep=ep,

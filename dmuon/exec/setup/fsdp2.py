@@ -2,8 +2,9 @@
 
 FSDP2 already supports parameters it must not manage: ``fully_shard(..., ignored_params=S)``.
 :func:`ignored_params` is that set for a dedicated model (the patch-free path:
-``fully_shard(block, ignored_params=dmuon.fsdp2_ignored_params(block))``). By default ``import
-dmuon`` instead adds every dedicated parameter reachable from the modules being sharded to ``S``,
+``fully_shard(block, ignored_params=dmuon.fsdp2_ignored_params(block))``). By default the first
+dedication instead makes ``fully_shard`` add every dedicated parameter reachable from the modules
+being sharded to ``S``,
 at the narrowest point that serves every way of calling ``fully_shard`` (however it was
 imported): ``torch.distributed.fsdp._fully_shard._fsdp_init._get_managed_modules`` and
 ``_get_managed_states``, the two functions through which ``fully_shard`` reads ``ignored_params``.
@@ -21,7 +22,9 @@ import warnings
 
 import torch.nn as nn
 
-from dmuon.exec.runtime.buffers import dedicated_info
+from dmuon import _registry
+from dmuon import _tags
+from dmuon._tags import dedicated_info
 
 __all__ = [
     "install",
@@ -30,6 +33,8 @@ __all__ = [
     "dedicated_params_in",
     "check_dedicated_unmanaged",
     "fsdp_state",
+    "fsdp_param_groups",
+    "gradient_divide_factor",
     "requires_gradient_sync",
     "check_mp_policy",
     "sharded_params_for_optimizer",
@@ -116,14 +121,10 @@ def install() -> None:
         dmuon._registry.IntegrationError: this torch's FSDP2 internals differ from what dmuon
             relies on (missing function, or its second parameter is not ``ignored_params``).
     """
-    from dmuon import _registry
-
     _registry.install("fsdp2")
 
 
 def is_installed() -> bool:
-    from dmuon import _registry
-
     return all(_registry.installed(n) for n in ("fsdp2.managed_modules", "fsdp2.managed_states"))
 
 
@@ -133,7 +134,7 @@ def check_dedicated_unmanaged(model: nn.Module) -> None:
     without the ``fully_shard`` skip (``DMUON_NO_PATCHES=1`` / ``dmuon.integrations.disable()``)
     when ``fully_shard`` was not given ``ignored_params``. Local and structural: every rank raises
     alike, before any collective of dmuon's."""
-    rt = getattr(model, "_dmuon_runtime", None)  # dmuon.exec.runtime.runtime.RUNTIME_ATTR (not imported: runtime imports this)
+    rt = _tags.model_runtime(model)
     if rt is None:
         return
     taken = []
@@ -164,7 +165,7 @@ def _unsharded_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     unsharded (FSDP2 registers the unsharded plain tensors in place of the sharded DTensors)."""
     out = []
     for name, m in model.named_modules():
-        groups = getattr(fsdp_state(m), "_fsdp_param_groups", None) or ()
+        groups = fsdp_param_groups(m)
         if any(not getattr(g, "is_sharded", True) for g in groups):
             out.append((name or "<root>", m))
     return out
@@ -203,7 +204,7 @@ def sharded_params_for_optimizer(model_or_params):
     given = {id(p) for p in params if isinstance(p, torch.Tensor)}
     bad = []
     for name, unit in _unsharded_units(model):
-        for g in fsdp_state(unit)._fsdp_param_groups:
+        for g in fsdp_param_groups(unit):
             if any(id(getattr(fp, "_unsharded_param", None)) in given for fp in g.fsdp_params):
                 bad.append(name)
                 break
@@ -229,10 +230,31 @@ def fsdp_state(module):
     return get() if get is not None else None
 
 
+def fsdp_param_groups(module) -> tuple:
+    """The FSDP2 param groups of ``module``'s unit (empty when it is not one); the one reading of
+    FSDP2's per-module state (``_fsdp_param_groups``, or the single ``_fsdp_param_group`` of
+    older torch)."""
+    state = fsdp_state(module)
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = () if group is None else (group,)
+    return tuple(groups)
+
+
 def requires_gradient_sync(module) -> bool:
     """False when FSDP2's ``set_requires_gradient_sync(False)`` is in force on ``module``'s unit."""
-    groups = getattr(fsdp_state(module), "_fsdp_param_groups", None) or ()
-    return all(getattr(g, "reduce_grads", True) for g in groups)
+    return all(getattr(g, "reduce_grads", True) for g in fsdp_param_groups(module))
+
+
+def gradient_divide_factor(module) -> float | None:
+    """The ``gradient_divide_factor`` set on ``module``'s FSDP2 param groups
+    (``FSDPModule.set_gradient_divide_factor``), or None."""
+    for group in fsdp_param_groups(module):
+        factor = getattr(group, "gradient_divide_factor", None)
+        if factor is not None:
+            return factor
+    return None
 
 
 def check_mp_policy(module, plan, fqn: str) -> None:
@@ -260,14 +282,7 @@ def _fsdp_managed_params(model: nn.Module) -> set[int] | None:
     torch's FSDP2 state does not expose them)."""
     managed: set[int] = set()
     for module in model.modules():
-        state = fsdp_state(module)
-        if state is None:
-            continue
-        groups = getattr(state, "_fsdp_param_groups", None)
-        if groups is None:
-            group = getattr(state, "_fsdp_param_group", None)
-            groups = [] if group is None else [group]
-        for group in groups:
+        for group in fsdp_param_groups(module):
             for fp in getattr(group, "fsdp_params", None) or ():
                 sharded = getattr(fp, "sharded_param", None)
                 if sharded is None:

@@ -26,11 +26,12 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from dmuon._hints import SET_UP_ORDER, framework_hint
+from dmuon._hints import SET_UP_ORDER, detect_framework, framework_hint
 from dmuon.plan.tools.render import fmt_names
 
+from dmuon import _tags
+from dmuon._tags import dedicated_info
 from dmuon.exec.setup import fsdp2
-from dmuon.exec.runtime.buffers import dedicated_info
 
 if TYPE_CHECKING:
     from dmuon.exec.optim.muon import Muon
@@ -63,7 +64,9 @@ def check_not_fully_sharded(model: nn.Module) -> None:
         what = f"modules {wrapped[:5]}"
         raise ValueError(
             f"dmuon: the model is already sharded ({what}{' ...' if len(wrapped) > 5 else ''}). "
-            f"Call dmuon.dedicate_params(model, mesh) BEFORE fully_shard. Set-up order: {SET_UP_ORDER}. "
+            "Call dmuon.dedicate_params(model, mesh) BEFORE fully_shard. "
+            # the order once: the generic hint is the order itself, a framework's follows it
+            + (f"Set-up order: {SET_UP_ORDER}. " if detect_framework(model) is not None else "")
             + framework_hint("fully_shard_first", model)
         )
 
@@ -158,9 +161,6 @@ def _is_dmuon_muon(optimizer) -> bool:
     return callable(getattr(type(optimizer), "_unscale_grads_for_scaler", None))
 
 
-_CHECKED_ATTR = "_dmuon_checked_groups"
-
-
 def _groups_key(optimizer) -> tuple:
     """What changes when parameters are added or swapped: each group's params list and length
     (O(groups), not O(parameters))."""
@@ -174,11 +174,11 @@ def _optimizer_step_pre_hook(optimizer, args, kwargs) -> None:
     if _is_dmuon_muon(optimizer):
         return
     key = _groups_key(optimizer)
-    if getattr(optimizer, _CHECKED_ATTR, None) == key:
+    if _tags.read(optimizer, _tags.CHECKED_GROUPS) == key:
         return
     check_optimizer(optimizer)
     try:
-        setattr(optimizer, _CHECKED_ATTR, key)
+        _tags.write(optimizer, _tags.CHECKED_GROUPS, key)
     except AttributeError:  # an optimizer with __slots__: check every step
         pass
 

@@ -56,10 +56,13 @@ import weakref
 import torch
 import torch.nn as nn
 
+from dmuon import _tags
+from dmuon._dtensor import is_dtensor, local_tensor
+from dmuon._tags import dedicated_info
 from dmuon.plan.tools.render import fmt_names
 
 from dmuon.exec.runtime.boundary import eager_hook
-from dmuon.exec.runtime.buffers import _contiguous_strides, _grouped_storage, _Segment, _Slot, dedicated_info
+from dmuon.exec.runtime.buffers import _contiguous_strides, _grouped_storage, _Segment, _Slot
 from dmuon.exec.runtime.runtime import get_model_runtime
 
 __all__ = ["install", "init_params", "rebind_storage"]
@@ -102,20 +105,20 @@ def _dedupe(items: list) -> list:
 
 
 def _wrap_apply(module: nn.Module, runtime_ref, boundaries: list) -> None:
-    if getattr(module, "_dmuon_apply_wrapped", False):
-        module._dmuon_apply_boundaries = _dedupe(module._dmuon_apply_boundaries + boundaries)
+    if _tags.read(module, _tags.APPLY_WRAPPED, False):
+        _tags.write(module, _tags.APPLY_BOUNDARIES, _dedupe(_tags.read(module, _tags.APPLY_BOUNDARIES) + boundaries))
         return
 
     def _apply(self, fn, *args, **kwargs):
         out = type(self)._apply(self, fn, *args, **kwargs)  # the class's (FSDP2's) _apply
         rt = runtime_ref()
         if rt is not None:
-            rebind_storage(rt, self._dmuon_apply_boundaries)
+            rebind_storage(rt, _tags.read(self, _tags.APPLY_BOUNDARIES))
             rt.mark_replicas_stale()
         return out
 
-    object.__setattr__(module, "_dmuon_apply_boundaries", list(boundaries))
-    object.__setattr__(module, "_dmuon_apply_wrapped", True)
+    _tags.write(module, _tags.APPLY_BOUNDARIES, list(boundaries))
+    _tags.write(module, _tags.APPLY_WRAPPED, True)
     object.__setattr__(module, "_apply", types.MethodType(_apply, module))
 
 
@@ -157,7 +160,7 @@ def rebind_storage(rt, boundaries=None) -> bool:
         for gm in b.grouped:  # owner groups: the module holds the grouped matrix's logical parameter
             _adopt_module_param(rt, gm)
             if dedicated_info(gm.logical) is None:
-                gm.logical._dmuon = rt.infos[gm.fqn]
+                _tags.write(gm.logical, _tags.PARAM, rt.infos[gm.fqn])
             for block in gm.blocks:
                 if block is not None:  # expert parallelism: only this EP coordinate's ranges
                     block.logical = gm.logical
@@ -177,7 +180,7 @@ def _rebind_segment(rt, seg: _Segment) -> bool:
     for slot in seg.slots:
         _adopt_module_param(rt, slot)
         if dedicated_info(slot.logical) is None:
-            slot.logical._dmuon = rt.infos[slot.fqn]
+            _tags.write(slot.logical, _tags.PARAM, rt.infos[slot.fqn])
     devices = {slot.logical.device for slot in seg.slots}
     if len(devices) != 1:
         raise RuntimeError(
@@ -195,14 +198,14 @@ def _rebind_segment(rt, seg: _Segment) -> bool:
     if seg.held:
         storage = seg.master.untyped_storage()._cdata
         if seg.master.device == device and all(
-            _local(slot.logical).untyped_storage()._cdata == storage for slot in seg.slots
+            local_tensor(slot.logical).untyped_storage()._cdata == storage for slot in seg.slots
         ):
             return False
         master = torch.zeros(seg.numel, dtype=seg.param_dtype, device=device)
         for slot in seg.slots:
             view = master[slot.offset_in_seg : slot.offset_in_seg + slot.numel].view(slot.shape)
             if slot.logical.device.type != "meta":
-                view.copy_(_local(slot.logical).detach().reshape(slot.shape))
+                view.copy_(local_tensor(slot.logical).detach().reshape(slot.shape))
             _point_logical(rt, slot, view)
         wire = master if wire_dtype == seg.param_dtype else torch.zeros(seg.numel, dtype=wire_dtype, device=device)
         seg.master, seg.wire, seg.resident = master, wire, True
@@ -252,17 +255,12 @@ def _set_compute(slot: _Slot, view: torch.Tensor) -> None:
     slot.compute = compute
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A TP matrix's local shard (the DTensor's local tensor), else ``t``."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _point_logical(rt, slot: _Slot, view: torch.Tensor) -> None:
     """Make the logical parameter (same Python object) a view of ``view``.
 
     Without TP ``param.data = view``. A TP matrix's logical parameter is a DTensor, whose
     ``.data`` setter does not reach its local tensor: ``torch.utils.swap_tensors`` with a new
-    DTensor parameter on ``view`` instead (its ``_dmuon`` tag restored after)."""
+    DTensor parameter on ``view`` instead (its dedicated tag restored after)."""
     if slot.tp is None:
         slot.logical.data = view
         return
@@ -273,7 +271,7 @@ def _point_logical(rt, slot: _Slot, view: torch.Tensor) -> None:
         slot.logical = new
         for module, attr in slot.homes:
             module._parameters[attr] = new
-    slot.logical._dmuon = rt.infos[slot.fqn]
+    _tags.write(slot.logical, _tags.PARAM, rt.infos[slot.fqn])
 
 
 def _adopt_module_param(rt, slot: _Slot) -> None:
@@ -294,14 +292,14 @@ def _adopt_module_param(rt, slot: _Slot) -> None:
         torch.utils.swap_tensors(slot.logical, new)
     except RuntimeError:  # e.g. a weak reference to one of them: adopt the new object
         slot.logical = new
-    slot.logical._dmuon = rt.infos[slot.fqn]
+    _tags.write(slot.logical, _tags.PARAM, rt.infos[slot.fqn])
     for module, attr in slot.homes:
         module._parameters[attr] = slot.logical
 
 
 def _adopt_ep_stacks(rt, b) -> None:
     """The local expert-parallel stacks of boundary ``b`` (``Boundary.local``, no segment):
-    after ``Module._apply`` each keeps its dedicated object, ``_dmuon`` tag, gradient-divisor
+    after ``Module._apply`` each keeps its dedicated object, dedicated tag, gradient-divisor
     hook and place in :attr:`~dmuon.exec.runtime.runtime.DmuonRuntime.ep_params`.
 
     ``to_empty`` from ``meta`` registers a NEW Parameter (as for the segments' logical
@@ -330,7 +328,7 @@ def _adopt_ep_stacks(rt, b) -> None:
                 torch.utils.swap_tensors(orig, new)  # orig: the new storage; new: the old one
             except RuntimeError:  # e.g. a weak reference to one of them: adopt the new object
                 keep = new
-        keep._dmuon = info
+        _tags.write(keep, _tags.PARAM, info)
         rt.ep_params[fqn] = keep
         for module, attr in homes:
             module._parameters[attr] = keep
@@ -405,8 +403,6 @@ def full_size_params(module: nn.Module, *, dedicated_only: bool = False):
     equal to the single-process model's. ``dedicated_only=True`` is for initialisers that handle FSDP2's DTensors
     themselves (torchtitan's ``init_weights``: :mod:`dmuon.integrations.torchtitan`).
     """
-    from torch.distributed.tensor import DTensor
-
     swapped = []  # (name, original, temporary)
     for name, p in list(module._parameters.items()):
         if p is None:
@@ -422,7 +418,7 @@ def full_size_params(module: nn.Module, *, dedicated_only: bool = False):
             # an owner-group block, a non-holder's placeholder, or a TP holder's shard: the
             # full matrix for a moment
             tmp = torch.empty(info.shape, dtype=p.dtype, device=p.device)
-        elif isinstance(p, DTensor) and not dedicated_only:
+        elif is_dtensor(p) and not dedicated_only:
             if p.device.type == "meta":
                 raise RuntimeError("dmuon.init_params: the model is still on the meta device; call to_empty first")
             tmp = torch.empty(p.shape, dtype=p.dtype, device=p.device)
@@ -455,7 +451,7 @@ def full_size_params(module: nn.Module, *, dedicated_only: bool = False):
             continue
         if info is not None and not info.holds_full:
             continue  # a placeholder keeps nothing
-        if isinstance(original, DTensor):  # FSDP2 shard, or a TP holder's shard
+        if is_dtensor(original):  # FSDP2 shard, or a TP holder's shard
             _copy_local_part(original, tmp.detach())
 
 

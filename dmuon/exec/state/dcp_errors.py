@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import functools
 
+from dmuon import _registry
+
 __all__ = ["DCPLoadPlanner", "explain_mismatch", "install", "dedicated_set_mismatch"]
 _MUON_KEYS = ("momentum_buffer",)
 _ADAMW_KEYS = ("step", "exp_avg", "exp_avg_sq")
@@ -138,6 +140,4 @@ class DCPLoadPlanner(_planner_base()):
 def install() -> None:
     """Wrap DCP's local load planning now (``dmuon._registry.install("dcp")``), even with the
     automatic installs disabled. Idempotent; a torch without it is left alone."""
-    from dmuon import _registry
-
     _registry.install("dcp")

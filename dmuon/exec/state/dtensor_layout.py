@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from dmuon._dtensor import is_dtensor
 from dmuon.exec.comm import collectives as C
 
 
@@ -50,11 +51,6 @@ def _placements(runtime, slot=None) -> tuple:
         return dp
     tp = slot.tp.placements[0] if slot is not None and slot.tp is not None else Replicate()
     return dp[:-1] + (tp, Shard(0))
-
-
-def _local(t):
-    """The local tensor of a DTensor (a TP matrix's shard), else ``t`` itself."""
-    return t.to_local() if _is_dtensor(t) else t
 
 
 def _global_shape(runtime, slot) -> tuple[int, ...]:
@@ -161,7 +157,9 @@ def _gather_rows(runtime, value, dst: int | None, shape) -> torch.Tensor | None:
         return padded[:rows]
     gather_list = [torch.empty_like(padded) for _ in range(N)] if me == dst else None
     C.LEDGER.charge("other", 0 if me == dst else padded.numel() * padded.element_size())
-    dist.gather(padded, gather_list, dst=dst, group=g.shard_group)
+    work = dist.gather(padded, gather_list, dst=dst, group=g.shard_group, async_op=True)
+    C.wait_all([work], what="state-dict gather of a dedicated matrix's row chunks",
+               timeout_s=C.blocking_timeout_s(runtime.timeout_s, device, g.shard_group), group=g.shard_group)
     if me != dst:
         return None
     return torch.cat(gather_list)[:rows]
@@ -191,7 +189,7 @@ def _full_on(runtime, slot, value, dst: int | None) -> torch.Tensor | None:
             f"dmuon: state dict entry for {slot.fqn!r} has shape {tuple(value.shape)}, expected the full "
             f"{shape} (a full tensor or a DTensor of full shape)"
         )
-    if _is_dtensor(value):
+    if is_dtensor(value):
         if _is_own_layout(runtime, value, slot):
             return _gather_rows(runtime, value, dst, tuple(slot.shape))
         full = value.full_tensor()
@@ -241,7 +239,7 @@ def _load_grouped(runtime, gm, value, target: torch.Tensor | None) -> torch.Tens
             f"dmuon: state dict entry for {gm.fqn!r} has shape {tuple(value.shape)}, expected the full "
             f"{info.shape} (a full tensor or a DTensor of full shape)"
         )
-    if _is_dtensor(value):
+    if is_dtensor(value):
         value = value.full_tensor()
     if info.block is None:
         return None
@@ -276,7 +274,7 @@ def _ep_rows(runtime, fqn: str, value) -> torch.Tensor:
     and not resharded by DCP), or a full tensor ``(E, a, b)``."""
     spec = runtime.plan.param(fqn)
     local_shape = tuple(spec.local_shape)
-    if _is_dtensor(value):
+    if is_dtensor(value):
         from torch.distributed.tensor import Shard
 
         if (
@@ -295,9 +293,3 @@ def _ep_rows(runtime, fqn: str, value) -> torch.Tensor:
     e = local_shape[0]
     j = runtime.groups.shard
     return value[j * e : (j + 1) * e]
-
-
-def _is_dtensor(value) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(value, DTensor)

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dmuon._dtensor import is_dtensor, local_tensor
 from dmuon.exec.comm import collectives as C
 from dmuon.exec.runtime.buffers import _Grouped
 from dmuon.exec.state.dtensor_layout import (
@@ -48,7 +49,6 @@ from dmuon.exec.state.dtensor_layout import (
     _full_to_dtensor,
     _grouped_full,
     _load_grouped,
-    _local,
     _scatter_chunks,
 )
 
@@ -65,7 +65,7 @@ def scatter_full_to_dtensor(runtime, slot):
     """The dedicated parameter of ``slot`` as a full-shape DTensor (holder of each row scatters)."""
     g = runtime.groups
     src = g.rank_of(g.replicate, runtime.shard_of_fqn[slot.fqn])
-    full = _local(slot.logical) if dist.get_rank() == src else None
+    full = local_tensor(slot.logical) if dist.get_rank() == src else None
     chunk = _scatter_chunks(runtime, tuple(slot.shape), slot.logical.dtype, full, src)
     return _as_dtensor(runtime, slot, chunk)
 
@@ -122,7 +122,7 @@ def register_state_dict_hooks(runtime) -> None:
                 full = _full_on(rt, slot, state_dict[key], holder)
                 if full is not None:
                     with torch.no_grad():
-                        _local(slot.logical).copy_(full.reshape(slot.shape))
+                        local_tensor(slot.logical).copy_(full.reshape(slot.shape))
                 # the logical parameter itself: the default copy_ is a no-op, assign=True keeps it
                 state_dict[key] = slot.logical
 
@@ -214,7 +214,7 @@ def _gather_full(runtime, slot, *, rank0_only: bool) -> torch.Tensor | None:
             return None
     src = g.rank_of(g.replicate, runtime.shard_of_fqn[slot.fqn])
     if me == src:
-        buf = _local(slot.logical).detach()
+        buf = local_tensor(slot.logical).detach()
     else:
         buf = torch.empty(slot.shape, dtype=slot.logical.dtype, device=runtime.device)
     if g.shape[1] > 1:
@@ -253,8 +253,6 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu_offload: b
     Returns:
         ``{key: torch.Tensor}`` (detached copies, never aliases of the live masters).
     """
-    from torch.distributed.tensor import DTensor
-
     rank = dist.get_rank() if dist.is_initialized() else 0
     prev = getattr(_LOCAL, "full", None)
     _LOCAL.full = (rank0_only, cpu_offload)
@@ -265,7 +263,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu_offload: b
     keep = not rank0_only or rank == 0
     out = {}
     for key, value in sd.items():
-        if isinstance(value, DTensor):
+        if is_dtensor(value):
             value = value.full_tensor()
         if not keep or value is None:
             continue

@@ -29,8 +29,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dmuon._dtensor import is_dtensor, local_tensor
+from dmuon._tags import dedicated_info
 from dmuon.exec.comm import collectives as C
-from dmuon.exec.runtime.buffers import dedicated_info
 from dmuon.exec.state.dtensor_layout import (
     _as_dtensor,
     _chunk_dtensor,
@@ -40,10 +41,8 @@ from dmuon.exec.state.dtensor_layout import (
     _ep_rows,
     _full_on,
     _grouped_full,
-    _is_dtensor,
     _is_own_layout,
     _load_grouped,
-    _local,
     _my_rows,
     _placements,
     _scatter_chunks,
@@ -63,7 +62,7 @@ def _momentum_to_dtensor(runtime, slot, info, buf):
     owner_replicate = _coords(runtime, info.owner_global_rank)[0]
     shape = tuple(slot.shape)
     if g.replicate == owner_replicate:
-        full = _local(buf) if buf is not None else None
+        full = local_tensor(buf) if buf is not None else None
         chunk = _scatter_chunks(runtime, shape, slot.logical.dtype, full, info.owner_global_rank)
     else:
         chunk = torch.empty((_chunk_rows(shape[0], g.shape[1]), *shape[1:]), dtype=slot.logical.dtype, device=runtime.device)
@@ -216,7 +215,7 @@ def _optim_load_state_dict_pre_hook(opt, state_dict):
         owner_replicate = _coords(rt, info.owner_global_rank)[0]
         dst = info.owner_global_rank if g.replicate == owner_replicate else None
         slot = rt.slots_by_fqn[info.fqn]
-        if not _is_dtensor(value) or not _is_own_layout(rt, value, slot):
+        if not is_dtensor(value) or not _is_own_layout(rt, value, slot):
             dst = info.owner_global_rank  # full tensor / foreign DTensor: every rank takes part
         full = _full_on(rt, slot, value, dst)
         if info.is_owner:

@@ -3,7 +3,12 @@ r"""The baseline: FSDP2 + naive all-gather Muon on the same parameters, its byte
 
 Baseline "FSDP2 + naive Muon" for the SAME parameters (every rank runs Newton-Schulz on every
 full matrix after all-gathering its gradient). Per parameter with FSDP2 shard
-``c = ceil(d0/N) * prod(shape[1:])`` elements (dim-0 chunking with padding), ``S = N*c``:
+``c = ceil(d0/N) * prod(shape[1:])`` elements (dim-0 chunking with padding), ``S = N*c``. An expert
+stack is placed as torchtitan places it (``apply_fsdp_to_decoder``): ``Shard(1)``,
+``c = ceil(a/N) * E * b``, when its FSDP group outnumbers its experts, else ``Shard(0)``; with
+expert parallelism ``ep`` it holds its ``E/ep`` local experts and shards over its efsdp group
+of ``N/ep`` ranks (read ``N`` as ``N/ep`` for it below; ``N/ep = 1``: no FSDP2 traffic)
+(:func:`fsdp2_param_shard`, :func:`~dmuon.plan.cost.nbytes.fsdp2_shard_numel`):
 
 =========================  ===============================  ===================================
 collective                 total bytes                      per rank
@@ -38,7 +43,40 @@ from dmuon.plan.rules import bcast_dtype, reduce_dtype
 __all__ = [
     "baseline_byte_cost",
     "baseline_rank_stats",
+    "is_expert_stack",
+    "fsdp2_param_shard",
+    "spec_fsdp2_shard",
 ]
+
+
+def is_expert_stack(fqn: str, shape: Sequence[int]) -> bool:
+    """A 3-D parameter whose FQN names an expert (``...experts.gate_up_proj``, torchtitan's
+    ``moe.experts.w1``): the expert stacks FSDP2 places as torchtitan does
+    (:func:`~dmuon.plan.cost.nbytes.fsdp2_shard_numel` with ``expert_stack=True``), the stacks
+    ``dmuon.plan.model.parallel.expert_parallel_variant`` cuts and the simulator's workload prices
+    at ``top_k / E`` of their FLOPs."""
+    return len(shape) == 3 and "expert" in fqn
+
+
+def fsdp2_param_shard(fqn: str, shape: Sequence[int], num_shards: int, *, ep: int = 1,
+                      expert_stack: bool | None = None) -> tuple[int, int]:
+    """``(k, numel)``: the FSDP2 group size and shard elements of parameter ``fqn`` of local
+    ``shape`` (one TP rank's shard, or one EP rank's experts) when FSDP2 + AdamW (or a naive
+    Muon) runs the same model on ``num_shards`` shard ranks with expert parallelism ``ep``: an
+    expert stack (``expert_stack``, default :func:`is_expert_stack`) over its efsdp group of
+    ``k = num_shards / ep`` ranks (torchtitan's ``edp`` mesh; ``k = 1``: FSDP2 moves nothing for
+    it), everything else over all ``num_shards``; ``numel`` by :func:`~dmuon.plan.cost.nbytes.fsdp2_shard_numel`."""
+    stack = is_expert_stack(fqn, shape) if expert_stack is None else expert_stack
+    k = num_shards // ep if stack and ep > 1 else num_shards
+    return k, fsdp2_shard_numel(shape, k, expert_stack=stack)
+
+
+
+def spec_fsdp2_shard(spec: ParamSpec, num_shards: int) -> tuple[int, int]:
+    """:func:`fsdp2_param_shard` of a dedicated parameter: its local shape, its EP degree; an
+    expert stack if the plan recognised one (``spec.experts``) or :func:`is_expert_stack`."""
+    stack = spec.experts is not None or is_expert_stack(spec.fqn, spec.shape)
+    return fsdp2_param_shard(spec.fqn, spec.local_shape, num_shards, ep=spec.ep_size, expert_stack=stack)
 
 
 def baseline_byte_cost(
@@ -62,14 +100,14 @@ def baseline_byte_cost(
     R, N = mesh_shape
     ag = rs = ar = mu = tg = 0  # per rank
     for spec in params:
-        c = fsdp2_shard_numel(spec.local_shape, N)
+        k, c = spec_fsdp2_shard(spec, N)
         isz_p = itemsize_nbytes(spec.dtype)
         isz_b = itemsize_nbytes(bcast_dtype(spec.dtype, param_dtype))
         isz_r = itemsize_nbytes(reduce_dtype(spec.dtype, param_dtype, reduce_dtype_))
-        ag += (N - 1) * c * isz_b
-        rs += (N - 1) * c * isz_r
+        ag += (k - 1) * c * isz_b
+        rs += (k - 1) * c * isz_r
         ar += 2 * (R - 1) * (-(-c // R)) * isz_r
-        mu += (N - 1) * c * isz_p
+        mu += (k - 1) * c * isz_p
         tg += (spec.tp_size - 1) * spec.local_numel * isz_p
     world = R * N * tp_size
     bwd = ag if reshard_after_forward else 0
@@ -103,17 +141,17 @@ def baseline_rank_stats(
     layer_other_nbytes: dict[str, int] = {}
     max_grad_gather_nbytes = 0
     for spec in params:
-        c = fsdp2_shard_numel(spec.local_shape, N)
+        k, c = spec_fsdp2_shard(spec, N)
         isz_p = itemsize_nbytes(spec.dtype)
         shard_numel += c
         shard_nbytes += c * isz_p
         b = boundary_of(spec.fqn)
-        layer_other_nbytes[b] = layer_other_nbytes.get(b, 0) + (N - 1) * c * itemsize_nbytes(
+        layer_other_nbytes[b] = layer_other_nbytes.get(b, 0) + (k - 1) * c * itemsize_nbytes(
             bcast_dtype(spec.dtype, param_dtype)
         )
         # the gathered gradient: the TP shard from the data-parallel ranks, then (TP) the matrix
         max_grad_gather_nbytes = max(
-            max_grad_gather_nbytes, (N - 1) * c * isz_p + (spec.tp_size - 1) * spec.local_numel * isz_p
+            max_grad_gather_nbytes, (k - 1) * c * isz_p + (spec.tp_size - 1) * spec.local_numel * isz_p
         )
     if reshard_after_forward:
         unsharded = max(layer_other_nbytes.values(), default=0)

@@ -89,11 +89,24 @@ def collective_rank_nbytes(kind: str, numel: int, itemsize: int, group_size: int
         return (group_size - 1) * numel * itemsize
     raise ValueError(f"unknown collective kind {kind!r}")
 
-def fsdp2_shard_numel(shape: Sequence[int], num_shards: int) -> int:
-    """Elements of one FSDP2 shard of a tensor of ``shape``, padding included:
-    ``ceil(shape[0] / N) * prod(shape[1:])`` (FSDP2 chunks dim 0 and pads every chunk)."""
+def fsdp2_shard_numel(shape: Sequence[int], num_shards: int, *, expert_stack: bool = False) -> int:
+    """Elements of one FSDP2 shard of a tensor of ``shape`` over ``num_shards`` ranks, padding
+    included.
+
+    * Everything but an expert stack: ``Shard(0)``, ``ceil(shape[0] / N) * prod(shape[1:])``
+      (FSDP2 chunks dim 0 and pads every chunk).
+    * An expert stack (``expert_stack=True``, a 3-D ``(E_local, a, b)`` of the experts one rank
+      holds: all ``E`` without expert parallelism, ``E/ep`` with it; ``num_shards`` = its FSDP
+      group, ``efsdp = N/ep``): torchtitan's placement (``torchtitan/distributed/fsdp.py``,
+      ``apply_fsdp_to_decoder``: ``Shard(1)`` when ``efsdp * ep > num_experts``, else
+      ``Shard(0)``). Since ``E_local = E/ep`` that is ``Shard(1)``, ``ceil(a / efsdp) * E_local * b``,
+      when ``efsdp > E_local``, else ``Shard(0)`` as above — so a stack of 128 experts on 256
+      ranks is not padded to 2x with empty chunks.
+    """
     if not shape:
         return 1
+    if expert_stack and len(shape) == 3 and num_shards > shape[0]:
+        return -(-shape[1] // num_shards) * shape[0] * shape[2]
     return -(-shape[0] // num_shards) * math.prod(shape[1:])
 
 #: ``ByteCost`` field of each ledger phase a schedule charges

@@ -285,15 +285,9 @@ def select_params(
         held = "all E experts of its module" if ep == 1 else f"E / ep (ep={ep}) of its module's E experts"
         raise ValueError(
             "dmuon.plan.compile: expert stacks whose leading dim disagrees with their module's expert count:\n"
-            + "\n".join(e_errors)
+            + "\n".join(line for line, _, _ in e_errors)
             + f"\nAn expert stack (E, a, b) must hold {held} (dim 0 = the expert index); "
-            + (
-                "fix the model (or its config), or exclude the parameter via predicate."
-                if ep == 1
-                else "under expert parallelism each rank's model builds only its own experts and routes tokens "
-                "with all_to_all (docs/moe_ep.md); a model holding every expert on every rank is not "
-                "expert-parallel: drop ep=."
-            )
+            + _num_experts_fix(e_errors, ep)
         )
 
     conflicts = [res.conflict_message(r) for r, res in chosen if res.conflict]
@@ -364,9 +358,9 @@ def declared_num_experts(snapshot: ModelSnapshot, module_fqn: str, *, router: bo
     return None
 
 
-def _num_experts_errors(snapshot: ModelSnapshot, records, ep: int = 1) -> list[str]:
-    """One line per selected 3-D parameter whose leading dim is not ``E / ep`` of the experts its
-    model declares (:func:`declared_num_experts`)."""
+def _num_experts_errors(snapshot: ModelSnapshot, records, ep: int = 1) -> list[tuple[str, int, int]]:
+    """``(line, experts held, experts declared)`` per selected 3-D parameter whose leading dim is
+    not ``E / ep`` of the experts its model declares (:func:`declared_num_experts`)."""
     out = []
     for r in records:
         found = declared_num_experts(snapshot, r.module_fqn, router=record_stack(snapshot, r) is not None)
@@ -375,8 +369,30 @@ def _num_experts_errors(snapshot: ModelSnapshot, records, ep: int = 1) -> list[s
         declared, where = found
         if declared % ep or declared // ep != r.shape[0]:
             want = f"{declared // ep} (= {declared} / ep {ep})" if ep > 1 and not declared % ep else str(declared)
-            out.append(f"  {r.fqn}: shape {r.shape} holds {r.shape[0]} experts, expected {want}: {where}")
+            out.append((f"  {r.fqn}: shape {r.shape} holds {r.shape[0]} experts, expected {want}: {where}",
+                        int(r.shape[0]), declared))
     return out
+
+
+def _num_experts_fix(errors: list[tuple[str, int, int]], ep: int) -> str:
+    """The fix that fits the mismatch: without ``ep``, the model; a rank holding every expert
+    under ``ep > 1``, dropping ``ep=``; a rank holding another count, building each rank's
+    ``E / ep`` experts or passing the ``ep`` its count implies."""
+    if ep == 1:
+        return "fix the model (or its config), or exclude the parameter via predicate."
+    if all(held == declared for _, held, declared in errors):
+        return (
+            "each rank holds every expert: a model holding every expert on every rank is not expert-parallel: "
+            "drop ep= (under expert parallelism each rank's model builds only its own experts and routes tokens "
+            "with all_to_all, docs/moe_ep.md)."
+        )
+    implied = {declared // held for _, held, declared in errors if held and declared % held == 0 and held != declared}
+    hint = f", or pass ep={implied.pop()}, the degree this model was built for" if len(implied) == 1 else ""
+    return (
+        f"under expert parallelism rank j of an EP group builds only experts j*E/ep .. (j+1)*E/ep-1 of each stack "
+        f"and routes tokens with all_to_all (docs/moe_ep.md): build each rank's model with E/ep experts per stack"
+        f"{hint}."
+    )
 
 
 def matrix_predicate(

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from dmuon._dtensor import is_dtensor
 from dmuon.plan.records.fields import dtype_str
 
 __all__ = ["ModuleKind", "ParamRecord", "ModelSnapshot", "take_snapshot", "module_kind"]
@@ -143,13 +144,13 @@ def _digest(params: tuple[ParamRecord, ...]) -> str:
 def _tp_placement(tensor: torch.Tensor) -> tuple[int, int | None, str]:
     """``(tp_size, tp_shard_dim, tp_unsupported)`` of a parameter (see :class:`ParamRecord`).
 
-    Duck-typed on ``DTensor``'s public ``device_mesh`` / ``placements`` (this package never
-    imports ``torch.distributed``); only shapes and placement types are read.
+    A DTensor by :func:`dmuon._dtensor.is_dtensor` (its public ``device_mesh`` / ``placements``:
+    this package never imports ``torch.distributed``); only shapes and placement types are read.
     """
-    placements = getattr(tensor, "placements", None)
-    mesh = getattr(tensor, "device_mesh", None)
-    if placements is None or mesh is None:
+    if not is_dtensor(tensor):
         return 1, None, ""
+    placements = tensor.placements
+    mesh = tensor.device_mesh
     shape = tuple(int(d) for d in mesh.shape)
     size = math.prod(shape)
     if len(shape) != 1:

@@ -1,12 +1,13 @@
-"""Reading a mesh: the roles of its dims (:func:`mesh_dim_roles`) and the data-parallel
-``(R, N)`` (:func:`normalize_mesh`), the one rule for the planner and the runtime."""
+"""Reading a mesh: the roles of its dims (:func:`mesh_dim_roles`), the data-parallel ``(R, N)``
+(:func:`normalize_mesh`), the one rule for the planner and the runtime, and a mesh written as
+text, ``N`` or ``RxN`` (:func:`parse_mesh_text`), the one rule for the command lines."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-__all__ = ["MESH_DIM_NAMES", "MeshDimRoles", "mesh_dim_roles", "normalize_mesh"]
+__all__ = ["MESH_DIM_NAMES", "MeshDimRoles", "mesh_dim_roles", "normalize_mesh", "parse_mesh_text"]
 
 
 #: Dim names recognised on a named mesh, per role, in order of preference (torchtitan names its
@@ -119,3 +120,19 @@ def normalize_mesh(mesh: Any) -> tuple[int, int]:
     roles = mesh_dim_roles(tuple(out), names)
     R = 1 if roles.replicate is None else out[roles.replicate]
     return (R, out[roles.shard])
+
+
+def parse_mesh_text(text: str) -> tuple[int, ...]:
+    """A mesh written as text: ``"8"`` -> ``(8,)`` (N shard ranks), ``"2x8"`` -> ``(2, 8)`` (R
+    replicate x N shard; ``X`` also accepted).
+
+    Raises:
+        ValueError: not ``N`` or ``RxN`` with positive ints.
+    """
+    try:
+        dims = tuple(int(p) for p in str(text).lower().split("x"))
+    except ValueError:
+        dims = ()
+    if len(dims) not in (1, 2) or any(d < 1 for d in dims):
+        raise ValueError(f"mesh must be N or RxN with positive ints, got {text!r}")
+    return dims

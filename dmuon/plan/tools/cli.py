@@ -24,6 +24,7 @@ from types import SimpleNamespace
 
 from dmuon.plan.tools.diff import diff
 from dmuon.plan.compile import compile
+from dmuon.plan.records.mesh import parse_mesh_text
 from dmuon.plan.records.plan import ShardingPlan
 from dmuon.plan.model.parallel import expert_parallel_variant, megatron_tp_shard_dims
 from dmuon.zoo import PRESETS
@@ -70,13 +71,10 @@ def parse_mesh(text: str) -> int | tuple[int, int]:
     Raises:
         argparse.ArgumentTypeError: anything else.
     """
-    parts = text.lower().split("x")
     try:
-        dims = [int(p) for p in parts]
-    except ValueError:
-        dims = []
-    if len(dims) not in (1, 2) or any(d < 1 for d in dims):
-        raise argparse.ArgumentTypeError(f"mesh must be N or RxN with positive ints, got {text!r}")
+        dims = parse_mesh_text(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return dims[0] if len(dims) == 1 else (dims[0], dims[1])
 
 
