@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from dmuon.plan.cost.model import ByteCost
-from dmuon.plan.tools.render import fmt_names
+from dmuon.plan.tools.render import fmt_names, setting_str as _setting_str
 from dmuon.plan.records.plan import _SETTINGS, ShardingPlan
 from dmuon.plan.records.owners import ExpertOwners, Owner, OwnerGroup
 from dmuon.plan.records.params import ParamSpec
@@ -296,9 +296,3 @@ def _spec_str(spec: ParamSpec) -> str:
     if spec.experts is not None:
         text += f" experts [{spec.experts.describe(spec.shape)}]"
     return text
-
-
-def _setting_str(value: object) -> str:
-    """A setting for the report: records with ``describe()`` (QK-clip) in one line, the rest as repr."""
-    describe = getattr(value, "describe", None)
-    return describe() if callable(describe) else repr(value)

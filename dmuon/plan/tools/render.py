@@ -55,6 +55,13 @@ def fmt_flops(v: float) -> str:
     return f"{v:,.0f} FLOP"
 
 
+def setting_str(value: object) -> str:
+    """A plan setting for a report (the diff's text and page): records with ``describe()``
+    (QK-clip) in one line, the rest as repr."""
+    describe = getattr(value, "describe", None)
+    return describe() if callable(describe) else repr(value)
+
+
 def _fmt_field(field: str, v: float) -> str:
     if field.endswith("_nbytes"):
         return fmt_nbytes(v)

@@ -94,8 +94,7 @@ def _highlights(d: PlanDiff, fa: PlanFigures, fb: PlanFigures) -> tuple[set, set
 
 
 def _header(d: PlanDiff, fa: PlanFigures, fb: PlanFigures, same: bool) -> Svg:
-    from dmuon.plan.tools.diff import _setting_str
-    from dmuon.plan.tools.render import mode_name
+    from dmuon.plan.tools.render import mode_name, setting_str
 
     a, b = fa.plan, fb.plan
     svg = Svg(PAGE_WIDTH, 0, label="header")
@@ -108,7 +107,7 @@ def _header(d: PlanDiff, fa: PlanFigures, fb: PlanFigures, same: bool) -> Svg:
 
     lines = [f"before: {who(a, fa)}", f"after:  {who(b, fb)}"]
     for s in d.settings[:6]:
-        lines.append(fit(f"setting {s.name}: {_setting_str(s.before)} → {_setting_str(s.after)}", PAGE_WIDTH - 30, 12))
+        lines.append(fit(f"setting {s.name}: {setting_str(s.before)} → {setting_str(s.after)}", PAGE_WIDTH - 30, 12))
     if len(d.settings) > 6:
         lines.append(f"… {len(d.settings) - 6} more settings")
     spec = sum(1 for c in d.changes if c.spec_changed)
