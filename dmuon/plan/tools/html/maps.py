@@ -283,9 +283,7 @@ def experts_map(fig: PlanFigures, *, ax: RankAxis | None = None, lines: Sequence
             ranks = f"rank {a}" if a == z else f"ranks {a}–{z}"
             n = sum(count[j:run])
             if a == z and lo == hi:
-                ranges = fig.experts[bidx[lo]].get(a, (0, []))[1]
-                what = "; ".join(f"experts {fmt_range(s, e)} of {name}" for name, s, e in ranges[:4])
-                title = f"{rows.labels[i]} × {ranks}: " + (what or "no experts")
+                title = f"{rows.labels[i]} × {ranks}: " + _ranges_text(fig.experts[bidx[lo]].get(a, (0, []))[1])
             elif n:
                 firsts = [f for f in first[j:run] if f is not None]
                 title = (f"{rows.labels[i]} × {ranks}: {n:,} experts owned (all stacks), first experts "
@@ -307,6 +305,19 @@ def experts_map(fig: PlanFigures, *, ax: RankAxis | None = None, lines: Sequence
     svg.text(x + 6, y + 1, f"{n_exp - 1}", size=11)
     svg.height = y + 14
     return svg
+
+
+def _ranges_text(ranges, limit: int = 8) -> str:
+    """``"w1: experts 0–1, 6; w2: experts 0–1"``: a rank's expert ranges per stack, in order
+    (at most ``limit`` ranges per stack, then a count)."""
+    by_stack: dict[str, list[str]] = {}
+    for name, first, last in ranges:
+        by_stack.setdefault(name, []).append(fmt_range(first, last))
+    parts = []
+    for name, rs in by_stack.items():
+        more = f" (+{len(rs) - limit} more)" if len(rs) > limit else ""
+        parts.append(f"{name}: experts {', '.join(rs[:limit])}{more}")
+    return "; ".join(parts) or "no experts"
 
 
 #: fill per (collective kind, ledger phase); others get :data:`_MORE` in turn

@@ -18,7 +18,7 @@ from dmuon.plan.tools.html.axes import RankAxis
 from dmuon.plan.tools.html.figures import PlanFigures
 from dmuon.plan.tools.html.maps import collectives_chart, experts_map, header_block, ownership_map, rank_axis, unit_fmt
 from dmuon.plan.tools.html.svg import (
-    BLUES, PAGE_WIDTH, Page, Svg, details, document, fit, fmt_bytes, fmt_count, fmt_flops,
+    BLUES, PAGE_WIDTH, Page, Svg, details, document, fit, fmt_bytes, fmt_count, fmt_flops, num,
 )
 
 if TYPE_CHECKING:
@@ -29,6 +29,7 @@ __all__ = ["plan_page", "plan_html", "header_card", "per_rank_bars", "phases_cha
 #: colours of the per-rank bars and the lines over them
 BAR = BLUES[6]
 BAR_LIGHT = BLUES[3]
+BAR_DARK = BLUES[8]
 MEAN = "#333333"
 BOUND = "#d62728"
 BASELINE = "#7f7f7f"
@@ -186,7 +187,7 @@ def per_rank_bars(fig: PlanFigures, ax: RankAxis) -> Svg:
                "matrices. Resident: owned masters + momentum (+ HSDP replicas); peak transient: the broadcast buffers "
                "a rank holds at once.")
     if ax.aggregated:
-        caption += f" Aggregated: {ax.describe('light bar: their max, dark: their min')}."
+        caption += f" Aggregated: {ax.describe('light bar: their max; dark line: their min')}."
     if T > 1:
         caption += f" With TP a column shows the largest of its {T} TP ranks."
     svg = Svg(PAGE_WIDTH, 0, label="per-rank")
@@ -210,19 +211,21 @@ def per_rank_bars(fig: PlanFigures, ax: RankAxis) -> Svg:
         svg.line(ax.x0, base_y + 0.5, ax.x1, base_y + 0.5, "#999999")
         field = title.split(" (")[0].replace(" ", "-")
         svg.raw(f'<g data-panel="{field}" data-values="{_ints(values)}">' if len(values) <= 4096 else f'<g data-panel="{field}">')
+        floor = []  # aggregated: the columns' minima, one step line
         for i, (mn, avg, mx) in enumerate(cols):
             x = ax.x[i]
             w = max(1, ax.col_w - (1 if ax.col_w >= 4 else 0))
             h_mx = ph * mx / vmax
-            label = (f"{ax.label(i)}: {f(mx)}" if not ax.aggregated or ax.size(i) == 1
-                     else f"{ax.label(i)}: min {f(mn)}, mean {f(avg)}, max {f(mx)}")
-            if ax.aggregated and mn != mx:
-                svg.rect(x, base_y - h_mx, w, h_mx, BAR_LIGHT, title=label, probe=True)
-                h_mn = ph * mn / vmax
-                svg.rect(x, base_y - h_mn, w, h_mn, BAR, title=label)
+            if ax.aggregated:
+                svg.rect(x, base_y - h_mx, w, h_mx, BAR_LIGHT, probe=True,
+                         title=f"{ax.label(i)}: min {f(mn)}, mean {f(avg)}, max {f(mx)}")
+                y_mn = num(base_y - ph * mn / vmax)
+                floor.append(f"{'M' if not floor else 'L'}{num(x)} {y_mn}H{num(x + ax.col_w)}")
             else:
-                svg.rect(x, base_y - h_mx, w, h_mx, BAR, title=label, probe=True)
+                svg.rect(x, base_y - h_mx, w, h_mx, BAR, title=f"{ax.label(i)}: {f(mx)}", probe=True)
         svg.raw("</g>")
+        if floor:
+            svg.path("".join(floor), stroke=BAR_DARK, width=1.5, title="the least loaded rank of each column")
         svg.line(ax.x0, base_y - ph * mean / vmax, ax.x1, base_y - ph * mean / vmax, MEAN, width=1.2, dash="5 3",
                  title=f"mean {f(mean)}")
         if bound is not None:
