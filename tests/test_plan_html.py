@@ -111,23 +111,55 @@ def test_hsdp_and_ns_flops_pages():
     assert [e.data("section") for e in sections(els)][:3] == ["header", "ownership", "per-rank"]
 
 
-def test_moe_page_experts_section():
-    plan = P.compile(zoo.tiny_moe(), 4)
+@pytest.mark.parametrize("preset", ["tiny-moe/4", "qwen3-30b-a3b/64"])
+def test_moe_page_experts_section(preset):
+    plan = P.compile(zoo.tiny_moe(), 4) if preset.startswith("tiny") else P.compile(zoo.qwen3_30b_a3b(), 64)
     els = _check_plan_page(plan, plan._repr_html_())
     ex = section(els, "experts")
     stacks = [(p, o) for p, o in zip(plan.params, plan.owners) if p.experts is not None]
     assert int(ex.data("experts")) == max(p.num_experts for p, _ in stacks)
     page = plan._repr_html_()
-    titles = re.findall(r'<title>([^<]*)</title>', page)
-    for p, o in stacks:  # every expert range is named in its rank's cell title, under its stack
+    for p, o in stacks[:6]:  # every expert range is named in the title of its rank's cell, under its stack
         if isinstance(o, P.ExpertOwners):
             b = plan.boundary(p.fqn)
             for member, off, size in zip(o.members, o.offsets(), o.sizes):
-                title = next(t for t in titles if t.startswith(f"{b} × rank {member.rank}: ") and ": experts " in t)
-                stack = next(part for part in title.split(": ", 1)[1].split("; ")
-                             if part.startswith(p.fqn[len(b) + 1:] + ": experts "))
-                rng = str(off) if size == 1 else f"{off}–{off + size - 1}"
-                assert rng in stack.split(": experts ")[1].split(", "), (title, rng)
+                assert (off, off + size - 1) in _expert_ranges_named(page, member.rank, p.fqn[len(b) + 1:])
+
+
+def _expert_ranges_named(page: str, rank: int, stack: str) -> set[tuple[int, int]]:
+    """The ``(first, last)`` expert ranges of ``stack`` the experts map's titles give ``rank``
+    (a cell of one rank lists them; a run of ranks states a progression ``F–L, k per rank in rank
+    order``; a cell of several ranks lists them per rank)."""
+    svg = next(t for t in re.findall(r"<svg\b.*?</svg>", page, flags=re.S) if 'data-section="experts"' in t)
+    out = set()
+
+    def ranges(text):
+        return {tuple(int(v) for v in (r.split("–") * 2)[:2]) for r in text.split(", ")}
+
+    for title in (html.unescape(t) for t in re.findall(r"<title>([^<]*)</title>", svg)):
+        m = re.search(r" × ranks? (\d+)(?:–(\d+))?: (.*)$", title)
+        if not m or ": experts " not in title:
+            continue
+        lo, hi, body = int(m.group(1)), int(m.group(2) or m.group(1)), m.group(3)
+        if not lo <= rank <= hi:
+            continue
+        for part in body.split(" | "):
+            if part.startswith("rank "):  # per-rank listing of a cell of several ranks
+                r, part = part[5:].split(": ", 1)
+                if int(r) != rank:
+                    continue
+            for piece in part.split("; "):
+                name, _, text = piece.partition(": experts ")
+                if name != stack:
+                    continue
+                prog = re.fullmatch(r"(\d+)–(\d+), (\d+) per rank in rank order", text)
+                if prog:
+                    k = int(prog.group(3))
+                    first = int(prog.group(1)) + (rank - lo) * k
+                    out.add((first, first + k - 1))
+                else:
+                    out |= ranges(text)
+    return out
 
 
 def test_tp_page_per_schedule_rank_bytes():

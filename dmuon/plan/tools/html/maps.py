@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dmuon.plan.tools.html.axes import RankAxis, RowAxis
+from dmuon.plan.tools.html.axes import MAX_ROWS, RankAxis, RowAxis, row_label
 from dmuon.plan.tools.html.figures import KINDS, STEP_ROW, PlanFigures
 from dmuon.plan.tools.html.svg import (
     BLUES, EMPTY, GREENS, LEVELS, ORANGES, PAGE_WIDTH, Svg, fit, fmt_bytes, fmt_count, fmt_flops, fmt_range, level,
@@ -231,33 +231,55 @@ def _cell_title(fig: PlanFigures, ax: RankAxis, rows: RowAxis, i: int, j: int, r
 EXPERT_RAMP = ("#440154", "#46327e", "#365c8d", "#277f8e", "#1fa187", "#4ac16d", "#a0da39", "#fde725")
 
 
+def _expert_rows(fig: PlanFigures) -> list[tuple[list[int], bool]]:
+    """Rows of the experts map: runs of consecutive boundaries whose ranks own the same ranges
+    (one row each, exact), or, past :data:`~dmuon.plan.tools.html.axes.MAX_ROWS` such runs,
+    bins of consecutive runs (not exact): ``(boundary indices, exact)``."""
+    groups: list[tuple[list[int], tuple]] = []
+    for b in sorted(fig.experts):
+        pattern = tuple(sorted((rank, tuple(r)) for rank, (_, r) in fig.experts[b].items()))
+        if groups and groups[-1][1] == pattern and groups[-1][0][-1] == b - 1:
+            groups[-1][0].append(b)
+        else:
+            groups.append(([b], pattern))
+    if len(groups) <= MAX_ROWS:
+        return [(bs, True) for bs, _ in groups]
+    per = -(-len(groups) // MAX_ROWS)
+    return [([b for bs, _ in groups[i:i + per] for b in bs], per == 1) for i in range(0, len(groups), per)]
+
+
 def experts_map(fig: PlanFigures, *, ax: RankAxis | None = None, lines: Sequence[str] = ()) -> Svg | None:
-    """Boundaries with expert stacks down, ranks across; a cell's colour is the first expert the
-    rank owns there (expert 0 dark to the last light, so contiguous ranges read as a gradient and
-    ranks without experts stay grey); its ``<title>`` names every range and the count. None
-    when the plan has no expert stacks."""
+    """Expert ranges × ranks: a row is a run of consecutive boundaries whose ranks own the same
+    expert ranges; a cell's colour is the first expert the rank owns there (expert 0 dark to the
+    last light, so contiguous ranges read as a gradient; grey: none), its ``<title>`` names every
+    range of every stack of its rank(s). Past :data:`MAX_ROWS` rows, rows aggregate (their titles
+    then count experts). None when the plan has no expert stacks."""
     if not fig.experts:
         return None
     ax = ax or rank_axis(fig)
-    bidx = sorted(fig.experts)
-    rows = RowAxis([fig.names[b] for b in bidx], max_height=420, min_h=8)
+    row_items = _expert_rows(fig)
+    labels = [row_label([fig.names[b] for b in bs]) for bs, _ in row_items]
+    rows = RowAxis(labels, max_height=420, min_h=8)  # at most MAX_ROWS labels: one row each
     n_exp = max(spec.num_experts for spec in fig.plan.params if spec.experts is not None)
     grid = []  # per row: per column (first expert or None, experts owned)
-    for lo, hi in rows.bins:
+    for bs, _ in row_items:
         first: list[int | None] = [None] * len(ax)
         count = [0] * len(ax)
-        for b in bidx[lo:hi + 1]:
+        for b in bs:
             for rank, (n, ranges) in fig.experts[b].items():
                 j = ax.col_of[rank]
                 count[j] += n
                 f = min(a for _, a, _ in ranges)
                 first[j] = f if first[j] is None else min(first[j], f)
         grid.append((first, count))
-    agg = "; ".join(s for s in (rows.describe(), ax.describe("the lowest first expert")) if s)
-    caption = ("Which experts each rank owns: colour = the first expert of its range in the boundary's stacks (expert 0 "
-               f"dark … expert {n_exp - 1} light), so contiguous ranges show as a gradient along the ranks; grey: no "
-               "experts. A rank owns whole experts (master, momentum) and runs their Newton-Schulz; hover for the "
-               "ranges." + (f" Aggregated: {agg}." if agg else ""))
+    aggregated = not all(exact for _, exact in row_items)
+    agg = "; ".join(s for s in (
+        f"{len(fig.experts):,} boundaries in runs of equal ranges > {MAX_ROWS}: a row holds several runs" if aggregated else "",
+        ax.describe("the lowest first expert, every rank's ranges in the title")) if s)
+    caption = ("Which experts each rank owns. A row is a run of consecutive boundaries whose ranks own the same ranges; "
+               f"colour = the first expert a rank owns (expert 0 dark … expert {n_exp - 1} light), so contiguous ranges "
+               "show as a gradient along the ranks; grey: no experts. A rank owns whole experts (master, momentum) and "
+               "runs their Newton-Schulz; hover a cell for its ranges." + (f" Aggregated: {agg}." if agg else ""))
     svg = Svg(PAGE_WIDTH, 0, label="experts", data={"rows": len(rows), "cols": len(ax), "experts": n_exp})
     y = header_block(svg, "Experts: expert ranges × ranks", caption)
     y = svg.lines(10, y + 4, lines, size=11, mono=True, step=14)
@@ -267,29 +289,43 @@ def experts_map(fig: PlanFigures, *, ax: RankAxis | None = None, lines: Sequence
     def colour(f):
         return EMPTY if f is None else EXPERT_RAMP[min(7, f * 8 // max(1, n_exp))]
 
-    for i, (first, count) in enumerate(grid):
+    for i, ((first, count), (bs, exact)) in enumerate(zip(grid, row_items)):
         y0 = top + i * rows.row_h
-        lo, hi = rows.bins[i]
+        where = labels[i] + (f" ({len(bs)} boundaries)" if len(bs) > 1 else "")
         if i % label_every == 0:
-            svg.text(LABEL_W - 6, y0 + min(rows.row_h, 12) - 2, fit(rows.labels[i], LABEL_W - 12, 10), size=10,
-                     anchor="end")
+            svg.text(LABEL_W - 6, y0 + min(rows.row_h, 12) - 2, fit(labels[i], LABEL_W - 12, 10), size=10,
+                     anchor="end", title=where)
+        owned = fig.experts[bs[0]]  # exact rows: every boundary of the run owns these ranges
         j = 0
         while j < len(ax):
             fill = colour(first[j])
             run = j + 1
+            prog = _progression(owned, range(ax.bins[j][0], ax.bins[j][1] + 1)) if exact and first[j] is not None else None
             while run < len(ax) and ax.replica[run] == ax.replica[j] and colour(first[run]) == fill:
+                if exact and first[j] is not None:  # exact: a run of owners only while it is one progression
+                    longer = None if prog is None else _progression(owned, range(ax.bins[j][0], ax.bins[run][1] + 1))
+                    if longer is None:
+                        break
+                    prog = longer
                 run += 1
             a, z = ax.bins[j][0], ax.bins[run - 1][1]
             ranks = f"rank {a}" if a == z else f"ranks {a}–{z}"
             n = sum(count[j:run])
-            if a == z and lo == hi:
-                title = f"{rows.labels[i]} × {ranks}: " + _ranges_text(fig.experts[bidx[lo]].get(a, (0, []))[1])
-            elif n:
-                firsts = [f for f in first[j:run] if f is not None]
-                title = (f"{rows.labels[i]} × {ranks}: {n:,} experts owned (all stacks), first experts "
-                         f"{fmt_range(min(firsts), max(firsts))}")
+            if not n:
+                title = f"{where} × {ranks}: no experts"
+            elif exact and a == z:
+                title = f"{where} × rank {a}: " + _ranges_text(owned[a][1])
+            elif exact and prog is not None:
+                title = f"{where} × {ranks}: " + "; ".join(
+                    f"{name}: experts {fmt_range(f0, f1)}, {k} per rank in rank order" for name, (f0, f1, k) in prog.items())
+            elif exact:
+                owners = [r for r in range(a, z + 1) if r in owned]
+                title = f"{where} × {ranks}: " + " | ".join(f"rank {r}: {_ranges_text(owned[r][1])}" for r in owners[:8]) + (
+                    f" | +{len(owners) - 8} more ranks" if len(owners) > 8 else "")
             else:
-                title = f"{rows.labels[i]} × {ranks}: no experts"
+                firsts = [f for f in first[j:run] if f is not None]
+                title = (f"{where} × {ranks}: {n:,} experts owned (all stacks), first experts "
+                         f"{fmt_range(min(firsts), max(firsts))}")
             svg.rect(ax.x[j], y0, ax.x[run - 1] + ax.col_w - ax.x[j], rows.row_h - (1 if rows.row_h >= 8 else 0), fill,
                      title=title, probe=n > 0)
             j = run
@@ -305,6 +341,30 @@ def experts_map(fig: PlanFigures, *, ax: RankAxis | None = None, lines: Sequence
     svg.text(x + 6, y + 1, f"{n_exp - 1}", size=11)
     svg.height = y + 14
     return svg
+
+
+def _progression(owned: dict[int, list], ranks) -> dict[str, tuple[int, int, int]] | None:
+    """``{stack: (first expert, last expert, per rank)}`` when every rank of ``ranks`` (in order)
+    owns one range of each of the same stacks, of one size per stack, each starting where the
+    previous rank's ended; else None (the title then lists each rank's ranges)."""
+    out: dict[str, list[int]] = {}
+    stacks = None
+    for r in ranks:
+        entry = owned.get(r)
+        if entry is None:
+            return None
+        names = [name for name, _, _ in entry[1]]
+        if len(set(names)) != len(names) or (stacks is not None and set(names) != stacks):
+            return None
+        stacks = set(names)
+        for name, f, last in entry[1]:
+            if name not in out:
+                out[name] = [f, last, last - f + 1]
+            elif f != out[name][1] + 1 or last - f + 1 != out[name][2]:
+                return None
+            else:
+                out[name][1] = last
+    return {name: (v[0], v[1], v[2]) for name, v in out.items()}
 
 
 def _ranges_text(ranges, limit: int = 8) -> str:
