@@ -66,7 +66,8 @@ class PlanFigures:
         cells: per boundary, ``{mesh rank: [single, group, expert] * 2}``: LPT weight owned by
             kind, then elements owned by kind (:data:`KINDS`).
         cell_params: per boundary, ``{mesh rank: [(short name, weight), ...]}``.
-        experts: per boundary with expert stacks, ``{mesh rank: [experts, [(stack, first, last)]]}``.
+        experts: per boundary with expert stacks, ``{mesh rank: [experts, [(stack, first, last)]]}``
+            (a stack named by its attribute, ``gate_up_proj``, when no other stack of the boundary shares it).
         coll: per boundary (then :data:`STEP_ROW`), ``{(kind, phase): [calls, bytes per step]}``
             summed over ranks by the ledger's rule (they add up to ``plan.cost.total_nbytes``).
         op_counts: ``{(phase, kind): ops}`` of the whole step's op table.
@@ -105,6 +106,10 @@ class PlanFigures:
         self.cells: list[dict[int, list[int]]] = [{} for _ in self.names]
         self.cell_params: list[dict[int, list[tuple[str, int]]]] = [{} for _ in self.names]
         self.experts: dict[int, dict[int, list]] = {}
+        attrs: dict[int, list[str]] = {}  # an expert stack is named by its attribute when unique in its boundary
+        for spec in plan.params:
+            if spec.experts is not None:
+                attrs.setdefault(index[plan.boundary(spec.fqn)], []).append(spec.attr)
         for spec, owner in zip(plan.params, plan.owners):
             bname = plan.boundary(spec.fqn)
             b = index[bname]
@@ -123,6 +128,7 @@ class PlanFigures:
                 params.setdefault(rank, []).append((label, w))
             if spec.experts is not None:
                 rows = self.experts.setdefault(b, {})
+                name = spec.attr if attrs[b].count(spec.attr) == 1 else name
                 if isinstance(owner, ExpertOwners):
                     for member, off, size in zip(owner.members, owner.offsets(), owner.sizes):
                         entry = rows.setdefault(member.rank, [0, []])

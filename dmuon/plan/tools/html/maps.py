@@ -316,8 +316,12 @@ def experts_map(fig: PlanFigures, *, ax: RankAxis | None = None, lines: Sequence
             elif exact and a == z:
                 title = f"{where} × rank {a}: " + _ranges_text(owned[a][1])
             elif exact and prog is not None:
+                same: dict[tuple[int, int, int], list[str]] = {}  # stacks with one progression share a clause
+                for name, key in prog.items():
+                    same.setdefault(key, []).append(name)
                 title = f"{where} × {ranks}: " + "; ".join(
-                    f"{name}: experts {fmt_range(f0, f1)}, {k} per rank in rank order" for name, (f0, f1, k) in prog.items())
+                    f"{', '.join(names)}: experts {fmt_range(f0, f1)}, {k} per rank in rank order"
+                    for (f0, f1, k), names in same.items())
             elif exact:
                 owners = [r for r in range(a, z + 1) if r in owned]
                 title = f"{where} × {ranks}: " + " | ".join(f"rank {r}: {_ranges_text(owned[r][1])}" for r in owners[:8]) + (
@@ -368,16 +372,16 @@ def _progression(owned: dict[int, list], ranks) -> dict[str, tuple[int, int, int
 
 
 def _ranges_text(ranges, limit: int = 8) -> str:
-    """``"w1: experts 0–1, 6; w2: experts 0–1"``: a rank's expert ranges per stack, in order
-    (at most ``limit`` ranges per stack, then a count)."""
+    """``"w1, w3: experts 0–1, 6; w2: experts 2"``: a rank's expert ranges per stack, in order
+    (at most ``limit`` ranges per stack, then a count), stacks with the same ranges together."""
     by_stack: dict[str, list[str]] = {}
     for name, first, last in ranges:
         by_stack.setdefault(name, []).append(fmt_range(first, last))
-    parts = []
+    same: dict[str, list[str]] = {}  # stacks with the same ranges share a clause
     for name, rs in by_stack.items():
         more = f" (+{len(rs) - limit} more)" if len(rs) > limit else ""
-        parts.append(f"{name}: experts {', '.join(rs[:limit])}{more}")
-    return "; ".join(parts) or "no experts"
+        same.setdefault(f"experts {', '.join(rs[:limit])}{more}", []).append(name)
+    return "; ".join(f"{', '.join(names)}: {text}" for text, names in same.items()) or "no experts"
 
 
 #: fill per (collective kind, ledger phase); others get :data:`_MORE` in turn
