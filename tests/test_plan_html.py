@@ -239,11 +239,15 @@ class _CountingOps(tuple):
         return out
 
 
-def test_page_build_reads_the_schedule_twice_at_most(monkeypatch):
+@pytest.mark.parametrize("preset", ["tiny-moe/2x2", "llama3-405b/1024 owner groups"])
+def test_page_build_reads_the_schedule_twice_at_most(monkeypatch, preset):
     """The build cost, as a count: the op table is walked at most twice (rank_stats' pass and the
     page's per-boundary pass) plus the ops of two ranks (rank 0 and the busiest) a few times
     each; the planner is never re-run and the schedule never rebuilt."""
-    plan = P.compile(zoo.tiny_moe(), (2, 2))
+    if preset.startswith("tiny"):
+        plan = P.compile(zoo.tiny_moe(), (2, 2))
+    else:
+        plan = P.compile(zoo.llama3_405b(), 1024, owner_groups="auto")
     nominal = plan.schedule()
     counted = copy.copy(nominal)
     object.__setattr__(counted, "ops", _CountingOps(nominal.ops))
