@@ -34,6 +34,16 @@ CELLS = [
         "print(plan.summary(max_rows=8))"
     ),
     new_markdown_cell(
+        "## The plan's page\n\n"
+        "A plan displays itself (`plan._repr_html_()`, the same page as `plan.to_html()` and "
+        "`python -m dmuon plan ... --html FILE`): the header card with the balance against the LPT bound, "
+        "the ownership map (hook boundaries x ranks, coloured by the elements each rank owns; hover a cell "
+        "for what it holds), per-rank bars (load, resident and transient bytes, bytes per step, with the "
+        "mean, the LPT bound and FSDP2 + naive Muon), bytes per phase, collectives per boundary and the step "
+        "schedule by phase (the listing folded). Inline SVG, no JavaScript; `plan.summary()` is the text form."
+    ),
+    new_code_cell("display(plan)"),
+    new_markdown_cell(
         "## Owners and boundaries\n\n"
         "`plan.owner(fqn)` gives `Owner(shard, replicate, rank)`; `plan.boundary(fqn)` the module whose "
         "pre-forward hook broadcasts the parameter. Each Llama layer's 7 matrices land on 7 distinct ranks."
@@ -164,6 +174,12 @@ CELLS = [
         "print('\\n'.join(l for l in plan_405b_g.summary().splitlines() if l.startswith(('ownership', 'owner groups'))))\n"
         "print(P.diff(plan_405b, plan_405b_g).render(max_lines=3))"
     ),
+    new_markdown_cell(
+        "The page of a 1,024-rank plan aggregates: a column of the ownership map is 8 consecutive ranks "
+        "(mean per rank), a row 2 consecutive boundaries, and the picture says so. Owner-group blocks are "
+        "orange, single owners blue."
+    ),
+    new_code_cell("display(plan_405b_g)"),
     new_markdown_cell("## Diffs\n\nPlans are compared by FQN; this works across mesh sizes and modes."),
     new_code_cell(
         "z2 = P.compile(model, 8, reshard_after_forward=False)\n"
@@ -177,6 +193,14 @@ CELLS = [
         "print(d.render(max_lines=10))\n"
         "print(len(d.owners_moved), 'of', len(plan.dedicated), 'owners moved')"
     ),
+    new_markdown_cell(
+        "A diff displays itself too (`d.to_html()`, `python -m dmuon diff a.json b.json --html FILE`): both "
+        "ownership maps on one colour scale with the changed owners outlined, bytes per phase and per boundary "
+        "before and after. Here the meshes differ (8 -> 16 ranks), so rank numbers do not correspond: "
+        "boundaries are matched by FQN and the per-rank figures compared as sorted distributions. On one mesh "
+        "(below: the `ns_flops` cost model against `numel`) the page draws each rank's change."
+    ),
+    new_code_cell("display(d)\ndisplay(P.diff(plan, P.compile(model, 8, cost_model='ns_flops')))"),
     new_code_cell(
         "hsdp = P.compile(model, (2, 8))\n"
         "d = P.diff(plan, hsdp)\n"
@@ -229,26 +253,22 @@ CELLS = [
         "(`dmuon.sim.from_plan`: matmul and attention FLOPs per boundary for the given tokens). Each rank "
         "has a compute lane and one lane per kind of collective; a collective starts when every member "
         "has issued it. Below: rank 0 of Llama-3-8B on 8 GPUs, 4,096 tokens per GPU, for FSDP2 + AdamW, "
-        "dmuon Z3 and the naive all-gather Muon (see `docs/performance.md`, *Step-time simulator*)."
+        "dmuon Z3 and the naive all-gather Muon (see `docs/performance.md`, *Step-time simulator*). The result "
+        "(a dict of `Simulation`s) draws itself in SVG: the `--png` Gantt chart without matplotlib."
     ),
     new_code_cell(
         "from types import SimpleNamespace\n"
         "import dmuon.sim as S\n"
-        "from dmuon.sim.plot import gantt\n"
         "\n"
         "bf16 = SimpleNamespace(param_dtype='bfloat16', reduce_dtype='float32')\n"
         "p8 = P.compile(model, 8, mp_policy=bf16, cost_model='ns_flops')\n"
         "hw = S.hardware.preset('h100')\n"
         "wl = S.from_plan(p8, tokens_per_rank=4096, seq_len=4096)\n"
-        "sims = {v: S.simulate(p8, hw, wl, variant=v, timeline_ranks=(0,)) for v in ('adamw', 'z3', 'naive')}\n"
+        "sims = S.simulate_variants(p8, hw, wl, variants=('adamw', 'z3', 'naive'), timeline_ranks=(0,))\n"
         "for v, s in sims.items():\n"
         "    print(s.summary())\n"
-        "fig = gantt(sims, 0)\n"
-        "png = io.BytesIO()\n"
-        "fig.savefig(png, format='png', dpi=80)\n"
-        "plt.close(fig)\n"
-        "display(Image(png.getvalue()))\n"
-        "assert sims['adamw'].step_s < sims['z3'].step_s < sims['naive'].step_s"
+        "assert sims['adamw'].step_s < sims['z3'].step_s < sims['naive'].step_s\n"
+        "sims   # draws itself: the figures and rank 0's timeline per variant (sims.to_html(); simulate --html)"
     ),
     new_markdown_cell(
         "## Mixture-of-Experts\n\n"
@@ -272,6 +292,11 @@ CELLS = [
         "print(f'layer 0 gate_up_proj: {len(owners)} experts on {len({o.rank for o in owners})} ranks, expert 0 on rank {owners[0].rank}')"
     ),
     new_markdown_cell(
+        "Its page: expert ranges are green in the ownership map, and the experts section colours each rank by "
+        "the first expert it owns, so contiguous ranges read as a gradient along the ranks."
+    ),
+    new_code_cell("display(after)"),
+    new_markdown_cell(
         "## Round trip and fingerprint\n\nPlans serialise losslessly; ranks compare fingerprints at apply time."
     ),
     new_code_cell(
@@ -279,7 +304,7 @@ CELLS = [
         "again = P.ShardingPlan.from_json(text)\n"
         "assert again == plan and again.fingerprint() == plan.fingerprint()\n"
         "print(len(text), 'characters of JSON; fingerprint', plan.fingerprint()[:16])\n"
-        "plan"
+        "again   # the page again, from the JSON"
     ),
 ]
 

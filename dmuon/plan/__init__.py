@@ -24,7 +24,8 @@ The folders follow the pipeline ``compile`` runs (docs/planning.md, "Where each 
                  ``params`` (ParamSpec, MatrixView, ...), ``fields`` (checks, dtype strings),
                  ``plan`` (ShardingPlan; its ``plan_index``, ``plan_json``, ``plan_figures``),
                  ``mesh`` (mesh roles), ``qk_clip`` (settings)
-    tools/       ``render`` (summary, HTML), ``diff``, ``cli`` (``python -m dmuon plan|diff``)
+    tools/       ``render`` (summary), ``diff``, ``cli`` (``python -m dmuon plan|diff``), ``html`` (the plan and
+                 diff pages, imported when drawn)
     compile.py   the planner: runs the stages in order
     rules.py     behaviour rules shared by planner and runtime (NS backend choice and batching,
                  Gram restarts, accepted modes, wire dtypes, owner-group dims, TP Gram or gather)

@@ -12,13 +12,13 @@ Modules: ``hardware`` (links, collective cost, compute throughput, presets), ``w
 dion-style all-to-all as op tables), ``variants`` (schedule variants such as earlier NS),
 ``simulate`` (the API: ``simulate``, ``simulate_variants``), ``lower`` (schedule ops -> timed
 simulator ops), ``replay`` (the clocked replay, the critical path), ``memory`` (peak memory),
-``records`` (the result records), ``calibrate`` (microbenchmarks for ``cpu-gloo``), ``cli``.
+``records`` (the result records), ``html`` (the result as a page), ``calibrate`` (microbenchmarks for ``cpu-gloo``), ``cli``.
 See docs/performance.md ("Step-time simulator").
 """
 
 from dmuon.sim import alternatives, hardware, workload
 from dmuon.sim.hardware import CollectiveCurve, Hardware, Link
-from dmuon.sim.records import Interval, MemoryBreakdown, PathStep, RankTime, Simulation
+from dmuon.sim.records import Interval, MemoryBreakdown, PathStep, RankTime, Simulation, Simulations
 from dmuon.sim.simulate import VARIANTS, simulate, simulate_variants
 from dmuon.sim.variants import early_ns_schedule
 from dmuon.sim.workload import Work, Workload, from_plan
@@ -27,6 +27,7 @@ __all__ = [
     "simulate",
     "simulate_variants",
     "Simulation",
+    "Simulations",
     "RankTime",
     "MemoryBreakdown",
     "PathStep",

@@ -181,9 +181,11 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
     add_selection_args(parser, cost_model_default="ns_flops")  # the same options as `plan`
     parser.add_argument("--json", metavar="FILE", default=None, help="write every variant's figures as JSON")
     parser.add_argument("--png", metavar="FILE", default=None, help="draw rank 0's timeline of each variant (matplotlib)")
+    parser.add_argument("--html", metavar="FILE", default=None,
+                        help="write the variants' figures and rank 0's timeline per variant as a page (SVG, no matplotlib)")
     args = parser.parse_args(argv)
     check_selection_args(parser, args)
-    for f in (args.json, args.png):
+    for f in (args.json, args.png, args.html):
         if f and os.path.isdir(f):
             parser.error(f"{f!r} is a folder: give a file name")
         if f and not os.path.isdir(os.path.dirname(os.path.abspath(f))):
@@ -292,4 +294,9 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
 
         gantt({v: s for v, s in sims.items()}, 0, args.png)
         print(f"wrote {args.png}")
+    if args.html:
+        from dmuon.plan.tools.cli import write_html
+        from dmuon.sim.html import simulation_html
+
+        write_html(args.html, simulation_html(sims, standalone=True))
     return 0

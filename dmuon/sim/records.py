@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["Interval", "PathStep", "MemoryBreakdown", "RankTime", "Simulation"]
+__all__ = ["Interval", "PathStep", "MemoryBreakdown", "RankTime", "Simulation", "Simulations"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -124,6 +124,12 @@ class Simulation:
             out[p.kind] = out.get(p.kind, 0.0) + p.end_s - p.start_s
         return out
 
+    def _repr_html_(self) -> str:
+        """Its figures and the timeline of its first kept rank (:mod:`dmuon.sim.html`)."""
+        from dmuon.sim.html import simulation_html
+
+        return simulation_html({self.variant: self}, rank=min(self.timelines, default=0))
+
     def summary(self) -> str:
         busy = max(self.ranks, key=lambda r: r.end_s)
         path = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in sorted(self.path_seconds().items(), key=lambda kv: -kv[1])[:5])
@@ -132,3 +138,19 @@ class Simulation:
                 f"exposed comm {1e3 * self.exposed_comm_s:.2f} ms; NS {1e3 * self.ns_s:.2f} ms ({100 * self.ns_share:.1f} %); "
                 f"peak memory {max(self.peak_memory_nbytes) / 2**30:.2f} GiB; critical path ms: {path}")
 
+
+
+class Simulations(dict):
+    """``{variant: Simulation}`` (what :func:`dmuon.sim.simulate_variants` returns): a dict that
+    draws itself: every variant's figures and rank 0's timeline per variant
+    (:mod:`dmuon.sim.html`; ``to_html()`` for a standalone page)."""
+
+    def to_html(self, *, rank: int = 0) -> str:
+        from dmuon.sim.html import simulation_html
+
+        return simulation_html(self, rank=rank, standalone=True)
+
+    def _repr_html_(self) -> str:
+        from dmuon.sim.html import simulation_html
+
+        return simulation_html(self)

@@ -73,7 +73,7 @@ from dmuon.sim import alternatives as _alt
 from dmuon.sim.hardware import Hardware
 from dmuon.sim.lower import _lower
 from dmuon.sim.memory import memory
-from dmuon.sim.records import Interval, MemoryBreakdown, PathStep, RankTime, Simulation
+from dmuon.sim.records import Interval, MemoryBreakdown, PathStep, RankTime, Simulation, Simulations
 from dmuon.sim.replay import _critical_path, replay_ops
 from dmuon.sim.workload import Workload
 
@@ -196,6 +196,7 @@ def _calls_per_rank(sim_ops: Sequence[Any], n: int) -> tuple[int, ...]:
 
 
 def simulate_variants(plan: Any, hardware: Hardware, workload: Workload, step: Step | None = None, *,
-                      variants: Sequence[str] = VARIANTS, timeline_ranks: Sequence[int] | None = None) -> dict[str, Simulation]:
-    """:func:`simulate` for every variant of :data:`VARIANTS` (same hardware and workload)."""
-    return {v: simulate(plan, hardware, workload, step, variant=v, timeline_ranks=timeline_ranks) for v in variants}
+                      variants: Sequence[str] = VARIANTS, timeline_ranks: Sequence[int] | None = None) -> Simulations:
+    """:func:`simulate` for every variant of :data:`VARIANTS` (same hardware and workload), as a
+    :class:`~dmuon.sim.records.Simulations` dict (it draws itself in a notebook)."""
+    return Simulations({v: simulate(plan, hardware, workload, step, variant=v, timeline_ranks=timeline_ranks) for v in variants})

@@ -413,10 +413,18 @@ class ShardingPlan:
 
         return render_summary(self, max_rows=max_rows)
 
-    def _repr_html_(self) -> str:
-        from dmuon.plan.tools.render import render_html
+    def to_html(self) -> str:
+        """The plan as a standalone HTML page: header card, ownership map, per-rank bars, bytes
+        per phase, collectives per boundary, experts, the step schedule (inline SVG, no
+        JavaScript; docs/planning.md, "Pages you can see"). ``summary()`` is the text form."""
+        from dmuon.plan.tools.html.plan_page import plan_html
 
-        return render_html(self)
+        return plan_html(self, standalone=True)
+
+    def _repr_html_(self) -> str:
+        from dmuon.plan.tools.html.plan_page import plan_html
+
+        return plan_html(self)
 
 
 def _flatten(plan: ShardingPlan):

@@ -9,6 +9,7 @@ Examples::
     python -m dmuon plan --model llama3-70b --mesh 2x8 --z2 --cost-model ns_flops --json p.json
     python -m dmuon plan --model llama3-8b --mesh 2x4 --schedule 5   # rank 5's whole step
     python -m dmuon diff a.json b.json
+    python -m dmuon plan --model qwen3-30b-a3b --mesh 64 --html plan.html    # the plan's page
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from dmuon.plan.model.selection import matrix_predicate
 
 __all__ = [
     "main_plan", "main_diff", "parse_mesh", "add_selection_args", "check_selection_args", "selection_kwargs",
-    "warnings_to_stderr",
+    "warnings_to_stderr", "write_html",
 ]
 
 
@@ -164,14 +165,17 @@ def main_plan(argv: Sequence[str] | None = None) -> int:
     )
     add_selection_args(parser)
     parser.add_argument("--json", metavar="FILE", default=None, help="write the plan as JSON to FILE")
+    parser.add_argument("--html", metavar="FILE", default=None,
+                        help="write the plan's page to FILE (plan.to_html(): ownership map, per-rank bars, bytes; docs/planning.md)")
     parser.add_argument(
         "--schedule", type=int, default=None, metavar="RANK",
         help="print RANK's ops of the nominal step (schedule rank: mesh rank, x T + tp with TP) instead of the summary",
     )
     args = parser.parse_args(argv)
     check_selection_args(parser, args)
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        parser.error(f"--json: the folder of {args.json!r} does not exist")
+    for flag, path in (("--json", args.json), ("--html", args.html)):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            parser.error(f"{flag}: the folder of {path!r} does not exist")
 
     model = PRESETS[args.model]()
     kw = selection_kwargs(args, model, args.mesh)
@@ -205,7 +209,16 @@ def main_plan(argv: Sequence[str] | None = None) -> int:
             f.write(plan.to_json(indent=1))
             f.write("\n")
         print(f"\nwrote {args.json} (fingerprint {plan.fingerprint()[:12]})")
+    if args.html:
+        write_html(args.html, plan.to_html())
     return 0
+
+
+def write_html(path: str, text: str) -> None:
+    """Write a page (``--html FILE``) and say so."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    print(f"wrote {path} ({len(text.encode('utf-8')):,} bytes)")
 
 
 def main_diff(argv: Sequence[str] | None = None) -> int:
@@ -219,13 +232,19 @@ def main_diff(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("b", help="plan JSON (after)")
     parser.add_argument("--exit-code", action="store_true", help="exit 1 when the plans differ")
     parser.add_argument("--max-lines", type=int, default=40, help="per-parameter lines to print")
+    parser.add_argument("--html", metavar="FILE", default=None,
+                        help="write the diff's page to FILE (both ownership maps, changes outlined; docs/planning.md)")
     args = parser.parse_args(argv)
+    if args.html and not os.path.isdir(os.path.dirname(os.path.abspath(args.html))):
+        parser.error(f"--html: the folder of {args.html!r} does not exist")
     plans = []
     for path in (args.a, args.b):
         with open(path, encoding="ascii") as f:
             plans.append(ShardingPlan.from_json(f.read()))
     d = diff(plans[0], plans[1])
     print(d.render(max_lines=args.max_lines))
+    if args.html:
+        write_html(args.html, d.to_html())
     return 1 if (args.exit_code and d) else 0
 
 

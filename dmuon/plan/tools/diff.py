@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from dmuon.plan.cost.model import ByteCost
-from dmuon.plan.tools.render import fmt_names
+from dmuon.plan.tools.render import fmt_names, setting_str as _setting_str
 from dmuon.plan.records.plan import _SETTINGS, ShardingPlan
 from dmuon.plan.records.owners import ExpertOwners, Owner, OwnerGroup
 from dmuon.plan.records.params import ParamSpec
@@ -80,6 +80,7 @@ class PlanDiff:
     """Differences ``a -> b`` keyed by FQN.
 
     Attributes:
+        before / after: the two plans (``a``, ``b``), for :meth:`to_html`; not compared.
         changes: one :class:`ParamChange` per differing FQN: ``b``'s order first (changed and
             added), then removed params in ``a``'s order.
         costs: one :class:`CostDelta` per field of :data:`COST_FIELDS` (all listed, even if 0).
@@ -90,6 +91,9 @@ class PlanDiff:
     ``not diff.empty`` are True iff anything differs.
     """
 
+    # the two plans compared (set by diff(); what the HTML page draws), not part of the comparison
+    before: ShardingPlan | None = dataclasses.field(default=None, compare=False, repr=False)
+    after: ShardingPlan | None = dataclasses.field(default=None, compare=False, repr=False)
     changes: tuple[ParamChange, ...]
     costs: tuple[CostDelta, ...]
     settings: tuple[SettingChange, ...]
@@ -178,6 +182,19 @@ class PlanDiff:
             out.append(f"  {c.field:<28} {c.before:>16,} {c.after:>16,} {c.delta:>+16,}")
         return "\n".join(out)
 
+    def to_html(self) -> str:
+        """The diff as a standalone HTML page (both ownership maps with the changed owners
+        outlined, bytes per phase / boundary / rank before and after; docs/planning.md, "Pages
+        you can see"). Raises ValueError for a diff built without its plans."""
+        from dmuon.plan.tools.html.diff_page import diff_html
+
+        return diff_html(self, standalone=True)
+
+    def _repr_html_(self) -> str:
+        from dmuon.plan.tools.html.diff_page import diff_html
+
+        return diff_html(self)
+
     def __repr__(self) -> str:  # short; str() is the report
         return (
             f"PlanDiff(changes={len(self.changes)}, settings={len(self.settings)}, "
@@ -186,7 +203,13 @@ class PlanDiff:
 
 
 def diff(a: ShardingPlan, b: ShardingPlan) -> PlanDiff:
-    """Differences from plan ``a`` to plan ``b``, keyed by FQN (module docstring)."""
+    """Differences from plan ``a`` to plan ``b``, keyed by FQN (module docstring); the result
+    keeps ``a`` and ``b`` (``before`` / ``after``) for its page."""
+    return dataclasses.replace(_compare(a, b), before=a, after=b)
+
+
+def _compare(a: ShardingPlan, b: ShardingPlan) -> PlanDiff:
+    """:func:`diff` without the plans attached."""
     if not isinstance(a, ShardingPlan) or not isinstance(b, ShardingPlan):
         raise TypeError("dmuon.plan.diff expects two ShardingPlan objects")
     changes: list[ParamChange] = []
@@ -273,9 +296,3 @@ def _spec_str(spec: ParamSpec) -> str:
     if spec.experts is not None:
         text += f" experts [{spec.experts.describe(spec.shape)}]"
     return text
-
-
-def _setting_str(value: object) -> str:
-    """A setting for the report: records with ``describe()`` (QK-clip) in one line, the rest as repr."""
-    describe = getattr(value, "describe", None)
-    return describe() if callable(describe) else repr(value)

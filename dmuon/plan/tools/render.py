@@ -1,4 +1,5 @@
-"""Text and HTML reports of a :class:`~dmuon.plan.records.plan.ShardingPlan` (``summary()``, ``_repr_html_``).
+"""The text report of a :class:`~dmuon.plan.records.plan.ShardingPlan` (``summary()``; the HTML page:
+:mod:`dmuon.plan.tools.html`).
 
 Figures are per optimizer step; "all ranks" = summed over the mesh. Means are derived here
 for display only. The baseline column is FSDP2 (HSDP when R > 1) + naive all-gather Muon on
@@ -7,7 +8,6 @@ the same parameters (:mod:`dmuon.plan.cost.baseline`).
 
 from __future__ import annotations
 
-import html
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -19,7 +19,7 @@ from dmuon.plan.records.owners import ExpertOwners, OwnerGroup, owner_ranks
 if TYPE_CHECKING:
     from dmuon.plan.records.plan import ShardingPlan
 
-__all__ = ["render_summary", "render_html", "mode_name", "fmt_nbytes", "fmt_flops"]
+__all__ = ["render_summary", "mode_name", "fmt_nbytes", "fmt_flops"]
 
 
 def mode_name(plan: ShardingPlan) -> str:
@@ -53,6 +53,13 @@ def fmt_flops(v: float) -> str:
         if abs(v) >= scale:
             return f"{v / scale:,.2f} {unit}"
     return f"{v:,.0f} FLOP"
+
+
+def setting_str(value: object) -> str:
+    """A plan setting for a report (the diff's text and page): records with ``describe()``
+    (QK-clip) in one line, the rest as repr."""
+    describe = getattr(value, "describe", None)
+    return describe() if callable(describe) else repr(value)
 
 
 def _fmt_field(field: str, v: float) -> str:
@@ -400,29 +407,3 @@ def _schedule_lines(plan: ShardingPlan, fig: _Figures) -> list[str]:
         if busiest == 0:
             break
     return lines
-
-
-def render_html(plan: ShardingPlan) -> str:
-    """HTML version of :func:`render_summary` for notebooks."""
-    esc = html.escape
-    fig = _Figures(plan)
-    parts = ["<div class='dmuon-plan'>"]
-    parts += [f"<div>{esc(line)}</div>" for line in _header(plan)]
-    parts.append("<table><tr><th>per rank</th><th>min</th><th>mean</th><th>max</th><th>FSDP2+naive</th></tr>")
-    for field, lo, mean, hi, base in _stat_rows(fig):
-        parts.append(
-            f"<tr><td>{esc(field)}</td><td>{_fmt_field(field, lo)}</td><td>{_fmt_field(field, mean)}</td>"
-            f"<td>{_fmt_field(field, hi)}</td><td>{_fmt_field(field, base)}</td></tr>"
-        )
-    parts.append("</table>")
-    parts.append("<table><tr><th>bytes per step, all ranks</th><th>dmuon</th><th>FSDP2+naive</th></tr>")
-    for label, ours, base in _cost_rows(plan, fig):
-        parts.append(
-            f"<tr><td>{esc(label)}</td><td>{_fmt(ours) if ours is not None else '-'}</td>"
-            f"<td>{_fmt(base) if base is not None else '-'}</td></tr>"
-        )
-    parts.append("</table>")
-    parts += [f"<pre>{esc(line)}</pre>" if line.startswith("  ") else f"<div>{esc(line)}</div>"
-              for line in _schedule_lines(plan, fig) if line]
-    parts.append("</div>")
-    return "".join(parts)
