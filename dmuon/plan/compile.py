@@ -20,11 +20,14 @@ from torch import nn
 from dmuon.plan import rules as _rules
 from dmuon.plan.model.boundaries import BoundaryResolver
 from dmuon.plan.layout.buffers import build_boundaries
+from dmuon.plan.layout.collectives import assign_collectives
+from dmuon.plan.layout.slots import equal_slots
+from dmuon.plan.records.collectives import CollectiveSettings
 from dmuon.plan.records.mesh import normalize_mesh
 from dmuon.plan.ownership.assign import assign_owners
 from dmuon.plan.records.plan import ShardingPlan
 from dmuon.plan.records.qk_clip import QKClip, check_qk_clip
-from dmuon.plan.records.fields import dtype_str
+from dmuon.plan.records.fields import dtype_str, itemsize_nbytes
 from dmuon.plan.records.owners import ExpertOwners
 from dmuon.plan.records.params import Fsdp2Unit, ParamSpec
 from dmuon.plan.model.selection import select_params
@@ -63,6 +66,9 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
     experts: str = "auto",
     expert_gate_up: str = "split",
     ep: int | None = None,
+    collectives: str = "auto",
+    collective_latency_s: float | None = None,
+    collective_bandwidth_Bps: float | None = None,
 ) -> ShardingPlan:
     """Plan DMuon for ``model`` on ``mesh`` (pure; no process group; meta models work).
 
@@ -140,6 +146,24 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
         expert_gate_up: ``"split"`` (default): a fused gate/up expert is two Muon matrices,
             gate and up, as ``torch.optim.Muon`` treats the unfused model; ``"fused"``: one
             ``(2F, D)`` matrix per expert.
+        collectives: the collective of every packed buffer (hook boundary x dtype), recorded in
+            its :attr:`~dmuon.plan.layout.buffers.BufferLayout.collective`, for the forward and
+            backward parameter phases; the gradient phase pairs with it.
+            ``"broadcast"``: one broadcast per owner segment, gradient one SUM-reduce per
+            segment to its holder. ``"all_gather"``: every buffer whose group (replicate row, or
+            efsdp group under EP) has >= 2 ranks is one all-gather of equal slots (each shard
+            rank's segment padded to the largest, :mod:`dmuon.plan.layout.buffers`) per group and
+            phase, gradient one reduce-scatter (SUM) of the same slots. ``"auto"`` (default): per
+            buffer, the all-gather where the alpha-beta rule
+            (:func:`~dmuon.plan.cost.seconds.buffer_collective_s`: bytes with padding, per-call
+            latency ``alpha``, bandwidth ``B``) prices it strictly below the broadcasts. With
+            ``"auto"`` / ``"all_gather"`` a boundary's expert ranges are re-placed for equal
+            slots where that pays (:mod:`dmuon.plan.layout.slots`). HSDP's replicate phases
+            stay per sub-segment in every mode.
+        collective_latency_s, collective_bandwidth_Bps: ``alpha`` (seconds per collective step)
+            and ``B`` (bytes/s) of the ``"auto"`` rule; None = :data:`~dmuon.plan.rules.COLLECTIVE_LATENCY_S`
+            (8 us) and :data:`~dmuon.plan.rules.COLLECTIVE_BANDWIDTH_BPS` (45 GB/s), an H100
+            node's InfiniBand link. Recorded in the plan (``plan.collectives``, JSON, fingerprint).
 
     Returns:
         A validated, frozen :class:`ShardingPlan` whose nominal step schedule passed the
@@ -155,6 +179,11 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
     """
     mesh_shape = normalize_mesh(mesh)
     ep = _ep_degree(mesh, mesh_shape, ep)
+    collective_settings = CollectiveSettings(
+        mode=collectives,
+        latency_s=_rules.COLLECTIVE_LATENCY_S if collective_latency_s is None else collective_latency_s,
+        bandwidth_Bps=_rules.COLLECTIVE_BANDWIDTH_BPS if collective_bandwidth_Bps is None else collective_bandwidth_Bps,
+    )
     if cost_model not in _rules.COST_MODELS:
         raise ValueError(f"cost_model must be one of {_rules.COST_MODELS}, got {cost_model!r}")
     _rules.choose_ns_backend((1, 1), ns_backend)  # ValueError naming the known modes
@@ -236,15 +265,35 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
     fallback = {s.boundary: s.fallback for s in selected}
     used = set(fallback)
     boundary_order = [fqn for fqn in snapshot.module_fqns if fqn in used]
-    boundaries = build_boundaries(
-        [
-            (spec.fqn, spec.local_shape, spec.local_numel, spec.dtype, owner, s.boundary,
-             spec.ep_size if isinstance(owner, ExpertOwners) and not owner.local else 1)
-            for spec, owner, s in zip(specs, owners, selected)
-        ],
-        boundary_order,
-        fallback,
-        align_numel=align_numel,
+
+    def layout(owners):
+        return build_boundaries(
+            [
+                (spec.fqn, spec.local_shape, spec.local_numel, spec.dtype, owner, s.boundary,
+                 spec.ep_size if isinstance(owner, ExpertOwners) and not owner.local else 1)
+                for spec, owner, s in zip(specs, owners, selected)
+            ],
+            boundary_order,
+            fallback,
+            align_numel=align_numel,
+        )
+
+    def itemsizes(dtype: str) -> tuple[int, int]:
+        wire = _rules.bcast_dtype(dtype, param_dtype)
+        return itemsize_nbytes(wire), itemsize_nbytes(_rules.reduce_dtype(dtype, param_dtype, reduce_dtype))
+
+    boundaries = layout(owners)
+    z3 = bool(reshard_after_forward)
+    placed = equal_slots(
+        specs, owners, [s.boundary for s in selected], boundaries, collective_settings, mesh_shape=mesh_shape,
+        align_numel=align_numel, itemsizes=itemsizes, reshard_after_forward=z3, cost_model=cost_model,
+        segment_lengths=_rules.gram_segment_lengths(tp_ns_steps, tp_gram_restart_every),
+    )
+    if placed != owners:
+        owners, boundaries = placed, layout(placed)
+    boundaries = assign_collectives(
+        boundaries, collective_settings, num_shards=N, align_numel=align_numel, itemsizes=itemsizes,
+        reshard_after_forward=z3,
     )
     plan = ShardingPlan(
         mesh_shape=mesh_shape,
@@ -263,6 +312,7 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
         tp_gram_restart_every=tp_gram_restart_every,
         fsdp2_units=_fsdp2_units(snapshot, {s.record.fqn for s in selected}, hook_boundary_predicate),
         qk_clip=qk_clip,
+        collectives=collective_settings,
     )
     plan.schedule().check()  # the nominal step replays without deadlock on every rank
     return plan

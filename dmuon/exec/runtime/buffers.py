@@ -250,7 +250,9 @@ class _Segment:
     shard: int
     numel: int
     held: bool  # this rank stores it permanently (its shard coordinate)
-    wire: torch.Tensor  # 1-D, broadcast dtype; storage freed when not resident (non-held only)
+    # 1-D, broadcast dtype; storage freed when not resident (non-held only). In an all-gathered
+    # buffer a non-held segment's wire is a view of its slot in the buffer's gathered tensor
+    wire: torch.Tensor
     master: torch.Tensor | None  # held only: 1-D, param dtype; ``wire`` itself unless mixed precision
     subs: list[_SubSeg]
     slots: list[_Slot]
@@ -262,6 +264,92 @@ class _Segment:
     reduce_buf: torch.Tensor | None = None  # 1-D, reduce dtype, on the segment's device
     reduce_inflight: bool = False  # a reduce on ``reduce_buf`` is launched and not yet finished
     owned: list = dataclasses.field(default_factory=list)  # [_Owned] sub-segments this rank owns
+    gather: "_GatherBuffer | None" = None  # the all-gathered buffer it belongs to, or None (broadcast)
+
+
+@dataclasses.dataclass(eq=False)
+class _GatherBuffer:
+    """An all-gathered buffer of one boundary on this rank (the plan's ``BufferLayout`` with
+    ``collective="all_gather"``): ``k`` slots of ``slot_numel`` elements, slot ``j`` holding the
+    segment of shard coordinate ``group_shards[j]`` (or padding) and, in its last element, that
+    rank's step code.
+
+    ``gathered``: the ``k * slot_numel`` wire-dtype output of the forward / backward all-gather;
+    the non-held segments' wires are views of their slots, so its storage is grown before and
+    released after each use (as a broadcast segment's). Gradient: ``rs_in`` (``k`` slots of the
+    packed gradients and presence flags, reduce dtype) is reduce-scattered into ``rs_out`` (this
+    rank's slot, SUMmed), the held segment's ``reduce_buf``; both are released once the
+    averages are out.
+    """
+
+    key: str
+    slot_numel: int
+    group_shards: tuple[int, ...]
+    my_slot: int
+    gathered: torch.Tensor
+    segments: list  # per slot: its _Segment, or None (a shard rank owning nothing here)
+    reduce_dtype: torch.dtype
+    resident: bool = False
+    rs_in: torch.Tensor | None = None
+    rs_out: torch.Tensor | None = None
+    reduce_inflight: bool = False
+
+    @property
+    def k(self) -> int:
+        return len(self.group_shards)
+
+    @property
+    def held(self) -> "_Segment | None":
+        """This rank's own segment in the buffer (None when it owns nothing here)."""
+        return self.segments[self.my_slot]
+
+    def slot(self, j: int) -> torch.Tensor:
+        """Slot ``j`` of the gathered tensor (a view)."""
+        return self.gathered[j * self.slot_numel : (j + 1) * self.slot_numel]
+
+    def codes(self) -> torch.Tensor:
+        """The step code of every slot, slot order."""
+        return self.gathered.view(self.k, self.slot_numel)[:, self.slot_numel - 1]
+
+    def grow(self) -> None:
+        """Regrow the gathered storage (on the compute stream, before the all-gather writes it)."""
+        g = self.gathered
+        g.untyped_storage().resize_(g.numel() * g.element_size())
+        self.resident = True
+        for seg in self.segments:
+            if seg is not None and not seg.held:
+                seg.resident = True
+
+    def release(self) -> None:
+        self.gathered.untyped_storage().resize_(0)
+        self.resident = False
+        for seg in self.segments:
+            if seg is not None and not seg.held:
+                seg.resident = False
+
+    def segment_view(self, j: int, numel: int) -> torch.Tensor:
+        """A tensor of its own on the gathered storage: ``numel`` elements at slot ``j``'s start
+        (a non-held segment's wire)."""
+        g = self.gathered
+        return torch.empty(0, dtype=g.dtype, device=g.device).set_(
+            g.untyped_storage(), g.storage_offset() + j * self.slot_numel, (numel,), (1,)
+        )
+
+    def reduce_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rs_in, rs_out)`` with their storage grown; built once on the gathered tensor's
+        device (the held segment's ``reduce_buf`` and owned views point into ``rs_out``)."""
+        dev = self.gathered.device
+        if self.rs_in is None or self.rs_in.device != dev:
+            self.rs_in = torch.empty(self.k * self.slot_numel, dtype=self.reduce_dtype, device=dev)
+            self.rs_out = torch.empty(self.slot_numel, dtype=self.reduce_dtype, device=dev)
+            held = self.held
+            if held is not None:
+                held.reduce_buf = self.rs_out
+                held.owned = _owned_views(held, self.rs_out)
+        else:
+            for t in (self.rs_in, self.rs_out):
+                t.untyped_storage().resize_(t.numel() * t.element_size())
+        return self.rs_in, self.rs_out  # type: ignore[return-value]
 
 
 @dataclasses.dataclass(eq=False)
@@ -272,6 +360,21 @@ class _Owned:
     sub: _SubSeg
     values: torch.Tensor  # reduce_buf[sub.offset_in_seg : + sub.numel]
     flags: torch.Tensor  # reduce_buf[sub.flags_offset_in_seg : + len(sub.slots)]
+
+
+def _owned_views(seg: _Segment, buf: torch.Tensor) -> list[_Owned]:
+    """The :class:`_Owned` views of ``buf`` (a reduce buffer laid out as the segment) for the
+    sub-segments of ``seg`` this rank owns (none unless it holds ``seg``)."""
+    me = dist.get_rank()
+    return [
+        _Owned(
+            sub=sub,
+            values=buf[sub.offset_in_seg : sub.offset_in_seg + sub.numel],
+            flags=buf[sub.flags_offset_in_seg : sub.flags_offset_in_seg + len(sub.slots)],
+        )
+        for sub in seg.subs
+        if seg.held and sub.owner_global_rank == me
+    ]
 
 
 def _contiguous_strides(shape) -> tuple[int, ...]:
@@ -306,11 +409,23 @@ def build_segments(
         param_dtype = _dtype(layout.dtype)
         wire_dtype = _dtype(plan.bcast_dtype(layout.dtype))
         reduce_dtype = _dtype(plan.reduce_dtype_for(layout.dtype))
+        gb = None
+        if layout.collective == "all_gather":  # one gathered tensor; non-held wires are its slots
+            shards = layout.group_shards(g.shard, plan.mesh_shape[1])
+            gb = _GatherBuffer(
+                key=layout.key, slot_numel=layout.slot_numel, group_shards=shards,
+                my_slot=layout.slot_index(g.shard),
+                gathered=torch.zeros(len(shards) * layout.slot_numel, dtype=wire_dtype, device=device),
+                segments=[None] * len(shards), reduce_dtype=reduce_dtype,
+            )
         for seg_l in layout.segments:
             if layout.ep > 1 and seg_l.shard % layout.ep != g.shard % layout.ep:
                 continue  # expert-parallel: another EP coordinate's experts, not on this rank
             held = seg_l.shard == g.shard
-            wire = torch.zeros(seg_l.numel, dtype=wire_dtype, device=device)
+            if gb is not None and not held:
+                wire = gb.segment_view(layout.slot_index(seg_l.shard), seg_l.numel)
+            else:
+                wire = torch.zeros(seg_l.numel, dtype=wire_dtype, device=device)
             master = None
             if held:
                 master = wire if wire_dtype == param_dtype else torch.zeros(
@@ -327,7 +442,10 @@ def build_segments(
                 reduce_dtype=reduce_dtype,
                 param_dtype=param_dtype,
                 buffer_key=layout.key,
+                gather=gb,
             )
+            if gb is not None:
+                gb.segments[layout.slot_index(seg_l.shard)] = seg
             for sub_l in seg_l.subsegments:
                 sub = _SubSeg(
                     replicate=sub_l.owner.replicate,
@@ -372,7 +490,7 @@ def build_segments(
                         # true fan-in and run (as no-ops) on non-holders after to_empty
                         logical = torch.empty((0, *lshape[1:]), dtype=param_dtype, device=device)
                     compute = torch.empty(0, dtype=wire_dtype, device=device).set_(
-                        wire.untyped_storage(), off, lshape, strides
+                        wire.untyped_storage(), wire.storage_offset() + off, lshape, strides
                     )
                     if tp is not None:
                         logical, compute = tp.wrap(logical), tp.wrap(compute)
@@ -411,9 +529,12 @@ def build_segments(
                     seg.slots.append(slot)
                 seg.subs.append(sub)
             if not held:
-                wire.untyped_storage().resize_(0)
+                if gb is None:  # an all-gathered buffer's storage is released once, below
+                    wire.untyped_storage().resize_(0)
                 seg.resident = False
             segments.append(seg)
+        if gb is not None:
+            gb.release()
     for gm in grouped.values():
         if any(gm.blocks[j] is None for j in gm.info.compute_block_ids):
             raise ValueError(f"dmuon: the plan's layout of {gm.fqn!r} misses blocks of its owner group")
@@ -486,7 +607,9 @@ def _block_slot(e, off, seg_l, held, wire, master, spec, orig, owner, grouped, *
         value = orig.detach().narrow(info.dim, info.compute_offset(j), info.sizes[j])
         master[off : off + e.numel].view(bshape).copy_(value)
         gm.logical = torch.empty(0, dtype=param_dtype, device=device).set_(master.untyped_storage(), off, bshape, strides)
-    block_view = torch.empty(0, dtype=wire_dtype, device=device).set_(wire.untyped_storage(), off, bshape, strides)
+    block_view = torch.empty(0, dtype=wire_dtype, device=device).set_(
+        wire.untyped_storage(), wire.storage_offset() + off, bshape, strides
+    )
     slot = _Slot(fqn=e.fqn, offset_in_seg=off, numel=e.numel, shape=bshape, homes=[], logical=None,
                  compute=block_view, grouped=gm, block=j)
     gm.blocks[j] = slot

@@ -207,14 +207,32 @@ def _rebind_segment(rt, seg: _Segment) -> bool:
         wire = master if wire_dtype == seg.param_dtype else torch.zeros(seg.numel, dtype=wire_dtype, device=device)
         seg.master, seg.wire, seg.resident = master, wire, True
         _set_computes(seg, wire)
+        if seg.gather is not None:
+            _rebind_gather(seg.gather, device)
         return True
     if seg.wire.device == device:
         return False
+    gb = seg.gather
+    if gb is not None:  # an all-gathered buffer: the wire is a view of its slot in the gathered tensor
+        _rebind_gather(gb, device)
+        wire = gb.segment_view(gb.group_shards.index(seg.shard), seg.numel)
+        _set_computes(seg, wire)
+        seg.wire, seg.resident = wire, False
+        return True
     wire = torch.empty(seg.numel, dtype=wire_dtype, device=device)
     _set_computes(seg, wire)
     wire.untyped_storage().resize_(0)
     seg.wire, seg.resident = wire, False
     return True
+
+
+def _rebind_gather(gb, device) -> None:
+    """An all-gathered buffer's gathered tensor on ``device`` (released; its reduce buffers are
+    rebuilt there at the next reduce). The non-held segments' wires are rebound by the caller."""
+    if gb.gathered.device == device:
+        return
+    gb.gathered = torch.empty(gb.k * gb.slot_numel, dtype=gb.gathered.dtype, device=device)
+    gb.release()
 
 
 def _rebind_grouped(gm, segments) -> bool:
@@ -237,7 +255,8 @@ def _set_computes(seg, wire: torch.Tensor) -> None:
         _set_compute(
             slot,
             torch.empty(0, dtype=wire.dtype, device=wire.device).set_(
-                wire.untyped_storage(), slot.offset_in_seg, slot.shape, _contiguous_strides(slot.shape)
+                wire.untyped_storage(), wire.storage_offset() + slot.offset_in_seg, slot.shape,
+                _contiguous_strides(slot.shape),
             ),
         )
 

@@ -6,11 +6,12 @@ expert-parallel ranges owned inside efsdp groups (:func:`assign_ep_owners`).
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import Any
 
 from dmuon.plan import rules as _rules
 from dmuon.plan.cost import weights as _weights
-from dmuon.plan.model.experts import expert_max_split, expert_range_weights
+from dmuon.plan.model.experts import expert_max_split, expert_range_count, expert_range_weights
 from dmuon.plan.ownership.partition import lpt_partition, lpt_partition_groups
 from dmuon.plan.records.owners import ExpertOwners, Owner, OwnerGroup, balanced_sizes
 
@@ -24,9 +25,13 @@ def assign_owners(specs, boundaries, mesh_shape, cost_model, owner_groups, tp_si
     parameter.
 
     An expert stack (``ParamSpec.experts``) of ``E`` experts is cut into
-    :func:`~dmuon.plan.model.experts.expert_max_split` ``= min(E, N)`` contiguous ranges of experts,
+    :func:`~dmuon.plan.model.experts.expert_range_count` contiguous ranges of experts (ranges of
+    at most ``g`` experts, ``g`` the most whose weight stays within
+    :data:`~dmuon.plan.rules.EXPERT_RANGE_SLACK` of the mean slot weight; at most ``min(E, N)``),
     each an LPT item of its own placed together with the dense matrices (on distinct shard
-    ranks of one replicate row, as an owner group's blocks): :class:`ExpertOwners`.
+    ranks of one replicate row, as an owner group's blocks): :class:`ExpertOwners`. Fewer
+    ranges mean fewer owners per boundary, so fewer segments to broadcast. An expert-parallel
+    stack (owned locally, ``ep = N``) keeps ``N`` ranges.
 
     ``initial_loads``: ``{"numel": [...], cost_model: [...]}``, per slot, weight placed before
     (the expert-parallel ranges of :func:`assign_ep_owners`), in elements (what "auto" owner
@@ -45,10 +50,15 @@ def assign_owners(specs, boundaries, mesh_shape, cost_model, owner_groups, tp_si
         )
     weights = [_weights.param_weight(spec, cost_model) for spec in specs]
     keys = [spec.fqn for spec in specs]
-    expert_split = [
-        expert_max_split(spec.num_experts, N) if spec.experts is not None else 1 for spec in specs
-    ]
     initial = initial_loads or {}
+    total = sum(weights) + sum(initial.get(cost_model, ()))
+    mean = Fraction(total, R * N)
+    expert_split = [
+        1 if spec.experts is None
+        else expert_max_split(spec.num_experts, N) if spec.ep_size > 1  # local experts: one range per rank
+        else expert_range_count(spec.num_experts, N, w // spec.num_experts, mean, _rules.EXPERT_RANGE_SLACK)
+        for spec, w in zip(specs, weights)
+    ]
     if owner_groups in ("off", 1) and max(expert_split, default=1) == 1 and not initial:
         result = lpt_partition(weights, keys, boundaries, num_shards=N, num_replicas=R)
         return tuple(Owner.at(slot, N) for slot in result.slots)
@@ -66,7 +76,7 @@ def assign_owners(specs, boundaries, mesh_shape, cost_model, owner_groups, tp_si
         return _weights.owner_group_piece_weights(spec, k, model, segment_lengths)
 
     if owner_groups in ("off", 1):
-        max_split, split = expert_split, N  # forced: each stack gets its min(E, N) ranges, matrices one owner
+        max_split, split = expert_split, N  # forced: each stack gets its expert_range_count ranges, matrices one owner
     else:
         clipped = set()
         if qk_clip is not None:  # QK-clip rescales whole W_q / W_k rows on their owner
@@ -94,7 +104,7 @@ def assign_owners(specs, boundaries, mesh_shape, cost_model, owner_groups, tp_si
             split = max(max_split)  # forced: each matrix gets min(split, max_split[i]), its own k
         elif owner_groups != "auto":
             max_split = [min(m, int(owner_groups)) for m in max_split]
-        if has_stacks:  # expert stacks always get their min(E, N) ranges; split = the largest k, forced
+        if has_stacks:  # expert stacks always get their expert_range_count ranges; split = the largest k, forced
             max_split = [e if e > 1 else m for e, m in zip(expert_split, max_split)]
             split = max(max_split)
     result = lpt_partition_groups(
