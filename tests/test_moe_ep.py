@@ -61,9 +61,10 @@ def test_ep_plan_without_ep_keeps_json():
 
 @pytest.mark.parametrize("world,align", [(4, 1), (2, 1), (4, 16)])
 def test_ep_cost_is_non_ep_cost_minus_stacks(world, align):
-    full = P.compile(full_model(), world, align_numel=align)
-    ep = P.compile(ep_model(world, 0), world, ep=world, align_numel=align)
-    # dense owners do not move: the stacks' ranges were N equal pieces in both plans
+    # broadcast arithmetic (one segment per owner); the stacks' ranges are placed alike
+    full = P.compile(full_model(), world, align_numel=align, collectives="broadcast")
+    ep = P.compile(ep_model(world, 0), world, ep=world, align_numel=align, collectives="broadcast")
+    # dense owners do not move (the stacks weigh the same in the LPT of both plans)
     dense = lambda p: [(s.fqn, o) for s, o in zip(p.params, p.owners) if s.experts is None]  # noqa: E731
     assert dense(full) == dense(ep)
     stacks = [s.fqn for s in full.params if s.experts is not None]
@@ -72,7 +73,8 @@ def test_ep_cost_is_non_ep_cost_minus_stacks(world, align):
     assert ep.cost.total_nbytes < full.cost.total_nbytes
     if align == 1:  # packed without padding: each range entry is its elements + one flag element
         isz, n = 4, world
-        stack_elems = sum(full.param(f).numel + world for f in stacks)
+        ranges = {f: getattr(full.owner_record(f), "k", 1) for f in stacks}  # the planner's range count
+        stack_elems = sum(full.param(f).numel + ranges[f] for f in stacks)
         assert full.cost.total_nbytes - ep.cost.total_nbytes == 3 * (n - 1) * isz * stack_elems
     assert sum(ep.cost.per_rank_nbytes) == ep.cost.total_nbytes
 
@@ -112,8 +114,10 @@ def test_ep_efsdp_plan_by_hand():
     2 x 24 x 16 = 768 elements each) plus 3 presence flags = 2,307 elements, and each rank
     receives its one efsdp peer's segment in the forward and backward broadcasts and sends its
     own in the reduce: 2 layers x 3 phases x 2,307 x 4 B = 55,368 B per rank and step, on the
-    efsdp groups only."""
-    plan = P.compile(ep_model(2, 0), 4, ep=2, align_numel=1)
+    efsdp groups only. All-gathered (the default "auto" picks it: one call per group and phase
+    instead of two broadcasts), the two equal segments fill slots of 2,307 + 1 step code = 2,308
+    elements: 2 layers x 3 phases x (2 - 1) x 2,308 x 4 B = 55,392 B, on the same groups."""
+    plan = P.compile(ep_model(2, 0), 4, ep=2, align_numel=1, collectives="broadcast")
     for spec, owner in zip(plan.params, plan.owners):
         if spec.experts is not None:
             assert spec.shape[0] == E and spec.local_shape[0] == E // 2
@@ -131,6 +135,15 @@ def test_ep_efsdp_plan_by_hand():
             for x in op.group:
                 ep_bytes[x] += op.charged_nbytes(x)
     assert ep_bytes == [55_368] * 4
+    gathered = P.compile(ep_model(2, 0), 4, ep=2, align_numel=1)
+    assert gathered.owners == plan.owners
+    ep_bytes = [0] * 4
+    for op in gathered.schedule().ops:
+        if op.buffer is not None and op.buffer.endswith("/ep2"):
+            assert op.group in ((0, 2), (1, 3)) and op.kind in ("all_gather", "reduce_scatter") and op.numel == 2308
+            for x in op.group:
+                ep_bytes[x] += op.charged_nbytes(x)
+    assert ep_bytes == [55_392] * 4
     # HSDP (2, 2) with ep = 2 (efsdp 1): no shard-group traffic for the experts, only the
     # replicate reduce / broadcast of each range between its two holders
     hsdp = P.compile(ep_model(2, 0), (2, 2), ep=2, align_numel=1)
