@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dmuon.plan.layout.slots import in_place_stacks
+
 __all__ = ["DedicatedInfo", "TPInfo", "GroupInfo", "build_segments", "dedicated_info"]
 
 
@@ -216,12 +218,20 @@ class _Grouped:
     homes: list[tuple[nn.Module, str]]
     logical: nn.Parameter
     compute: nn.Parameter
-    writer: torch.Tensor
+    writer: torch.Tensor | None  # None when received in place
     blocks: list  # [_Slot] in block order
     resident: bool = False
+    # received in place (the plan's in_place_stacks): ``compute`` is a strided view of this
+    # all-gathered buffer's gathered tensor, ``(offset from its start, strides)``; nothing to copy
+    gather: "_GatherBuffer | None" = None
+    view: tuple | None = None
 
     def assemble(self) -> None:
-        """Grow ``compute``'s storage and copy every block's (current) wire into it."""
+        """Grow ``compute``'s storage and copy every block's (current) wire into it (received in
+        place: the all-gather wrote it already)."""
+        if self.view is not None:
+            self.resident = True
+            return
         w = self.writer
         w.untyped_storage().resize_(w.numel() * w.element_size())
         info = self.info
@@ -231,8 +241,18 @@ class _Grouped:
         self.resident = True
 
     def release(self) -> None:
-        self.writer.untyped_storage().resize_(0)
+        if self.view is None:  # in place: the gathered tensor's storage is released with its buffer
+            self.writer.untyped_storage().resize_(0)
         self.resident = False
+
+    def view_gathered(self) -> torch.Tensor:
+        """The compute tensor of a stack received in place: a view of the gathered storage with
+        its own version counter (``set_``), as every compute parameter is built."""
+        g = self.gather.gathered  # type: ignore[union-attr]
+        offset, strides = self.view  # type: ignore[misc]
+        return torch.empty(0, dtype=g.dtype, device=g.device).set_(
+            g.untyped_storage(), g.storage_offset() + offset, self.info.compute_shape, strides
+        )
 
 
 @dataclasses.dataclass(eq=False)
@@ -410,7 +430,9 @@ def build_segments(
         wire_dtype = _dtype(plan.bcast_dtype(layout.dtype))
         reduce_dtype = _dtype(plan.reduce_dtype_for(layout.dtype))
         gb = None
+        in_place: dict = {}
         if layout.collective == "all_gather":  # one gathered tensor; non-held wires are its slots
+            in_place = {fqn: views.get(g.shard % layout.ep) for fqn, views in in_place_stacks(layout).items()}
             shards = layout.group_shards(g.shard, plan.mesh_shape[1])
             gb = _GatherBuffer(
                 key=layout.key, slot_numel=layout.slot_numel, group_shards=shards,
@@ -472,6 +494,7 @@ def build_segments(
                             e, off, seg_l, held, wire, master, spec, orig, owners[e.fqn], grouped,
                             groups=g, device=device, param_dtype=param_dtype, wire_dtype=wire_dtype,
                             modules=modules, runtime_ref=runtime_ref, ep=layout.ep,
+                            gather=gb if in_place.get(e.fqn) else None, in_place=in_place.get(e.fqn),
                         )
                         sub.slots.append(slot)
                         seg.slots.append(slot)
@@ -554,11 +577,14 @@ def _grouped_storage(shape: tuple[int, ...], dtype: torch.dtype, device) -> tupl
 
 
 def _block_slot(e, off, seg_l, held, wire, master, spec, orig, owner, grouped, *, groups, device, param_dtype,
-                wire_dtype, modules, runtime_ref, ep: int = 1) -> _Slot:
+                wire_dtype, modules, runtime_ref, ep: int = 1, gather=None, in_place=None) -> _Slot:
     """The slot of block ``e.block`` of a grouped matrix, and (first block seen) its :class:`_Grouped`.
 
     ``ep > 1``: an expert-parallel stack owned in efsdp groups: the model's parameter holds this
-    rank's EP coordinate's experts only, and the compute tensor is assembled from those ranges."""
+    rank's EP coordinate's experts only, and the compute tensor is assembled from those ranges.
+    ``in_place``: ``(first slot, slot step, offset in the slot)`` of a stack received in place
+    (:func:`~dmuon.plan.layout.slots.in_place_stacks`): its compute tensor is a strided view of
+    ``gather``'s gathered tensor instead of a tensor of its own."""
     g = groups
     if getattr(orig, "placements", None) is not None:
         raise ValueError(f"dmuon: {e.fqn!r} is a DTensor but the plan gives it an owner group (no TP support)")
@@ -588,7 +614,14 @@ def _block_slot(e, off, seg_l, held, wire, master, spec, orig, owner, grouped, *
                 f"dmuon: expert-parallel stack {e.fqn!r} is {tuple(orig.shape)} on this rank but the plan gives each "
                 f"rank {info.compute_shape} (E/ep experts of {tuple(spec.shape)}, ep = {ep})"
             )
-        compute, writer = _grouped_storage(info.compute_shape, wire_dtype, device)
+        view = None
+        if in_place is not None:
+            first, step, offset = in_place
+            S = gather.slot_numel
+            view = (first * S + offset, (step * S, *_contiguous_strides(info.compute_shape[1:])))
+            compute, writer = None, None
+        else:
+            compute, writer = _grouped_storage(info.compute_shape, wire_dtype, device)
         if mine is None:  # zero rows, the other dims kept (as a non-holder's placeholder)
             logical = torch.empty((0, *spec.shape[1:]), dtype=param_dtype, device=device)
         else:
@@ -598,9 +631,10 @@ def _block_slot(e, off, seg_l, held, wire, master, spec, orig, owner, grouped, *
             mod_fqn, _, attr = alias.rpartition(".")
             homes.append((modules[mod_fqn], attr))
         gm = grouped[e.fqn] = _Grouped(
-            fqn=e.fqn, info=info, homes=homes, logical=logical, compute=nn.Parameter(compute, requires_grad=orig.requires_grad),
-            writer=writer, blocks=[None] * owner.k,
+            fqn=e.fqn, info=info, homes=homes, logical=logical, compute=None,  # type: ignore[arg-type]
+            writer=writer, blocks=[None] * owner.k, gather=gather if view is not None else None, view=view,
         )
+        gm.compute = nn.Parameter(gm.view_gathered() if view is not None else compute, requires_grad=orig.requires_grad)
     info = gm.info
     strides = _contiguous_strides(bshape)
     if held:

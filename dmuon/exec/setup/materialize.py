@@ -165,6 +165,9 @@ def rebind_storage(rt, boundaries=None) -> bool:
             changed |= _rebind_segment(rt, seg)
         for gm in b.grouped:
             changed |= _rebind_grouped(gm, b.segments)
+        for gb in b.gathers:  # the views are set (``set_`` regrows a storage it points past): release
+            if gb.resident or gb.gathered.untyped_storage().nbytes():
+                gb.release()
         _adopt_ep_stacks(rt, b)
     if changed:
         devices = {seg.wire.device for b in rt.boundaries for seg in b.segments}
@@ -227,17 +230,24 @@ def _rebind_segment(rt, seg: _Segment) -> bool:
 
 
 def _rebind_gather(gb, device) -> None:
-    """An all-gathered buffer's gathered tensor on ``device`` (released; its reduce buffers are
-    rebuilt there at the next reduce). The non-held segments' wires are rebound by the caller."""
+    """An all-gathered buffer's gathered tensor on ``device`` (its reduce buffers are rebuilt there
+    at the next reduce). The caller rebinds the non-held segments' wires and the in-place stacks'
+    views to it, then releases its storage (:func:`rebind_storage`)."""
     if gb.gathered.device == device:
         return
     gb.gathered = torch.empty(gb.k * gb.slot_numel, dtype=gb.gathered.dtype, device=device)
-    gb.release()
 
 
 def _rebind_grouped(gm, segments) -> bool:
-    """A grouped matrix's full compute parameter (and its writer) on the segments' device."""
+    """A grouped matrix's full compute parameter (and its writer) on the segments' device; a
+    stack received in place: its view of the (rebound) gathered tensor."""
     device = segments[0].wire.device
+    if gm.view is not None:
+        if gm.compute.device == device and gm.compute.untyped_storage()._cdata == gm.gather.gathered.untyped_storage()._cdata:
+            return False
+        gm.compute = nn.Parameter(gm.view_gathered(), requires_grad=gm.compute.requires_grad)
+        gm.resident = False
+        return True
     if gm.writer.device == device:
         return False
     compute, gm.writer = _grouped_storage(tuple(gm.info.shape), gm.writer.dtype, device)

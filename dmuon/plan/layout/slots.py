@@ -37,7 +37,7 @@ from dmuon.plan.layout.collectives import choose_collective
 from dmuon.plan.records.collectives import CollectiveSettings
 from dmuon.plan.records.owners import ExpertOwners, Owner
 
-__all__ = ["subsegment_numel", "water_fill", "equal_slots"]
+__all__ = ["subsegment_numel", "water_fill", "equal_slots", "in_place_stacks"]
 
 
 def subsegment_numel(numels: Sequence[int], align_numel: int) -> int:
@@ -181,3 +181,40 @@ def _pays(buf, alt, specs, owners, fqns, index, settings, N, a, itemsizes, z3) -
     if settings.mode == "all_gather":
         return after.slot_numel < before.slot_numel
     return min(after.broadcast_s, after.all_gather_s) < min(before.broadcast_s, before.all_gather_s)
+
+
+def in_place_stacks(buf: Any) -> dict[str, dict[int, tuple[int, int, int]]]:
+    """Expert stacks of an all-gathered buffer whose compute tensor can be a strided view of the
+    gathered tensor itself (received in place, nothing assembled): per stack FQN and EP coordinate
+    ``c`` (0 without EP) ``(first slot, slot step, offset in the slot)``.
+
+    A stack's compute tensor ``(E_c, a, b)`` (this EP coordinate's experts) is such a view exactly
+    when each of its ranges holds ONE expert and the ranges sit at the same offset of slots
+    ``first, first + step, ...`` in expert order: expert ``i`` is then ``(first + i*step) * slot +
+    offset``, dim-0 stride ``step * slot``. Ranges of several experts cannot be one view (their
+    experts are contiguous within a slot and a slot apart between ranges); neither can a
+    broadcast buffer's segments (separate tensors). Every other grouped matrix is assembled."""
+    if buf.collective != "all_gather":
+        return {}
+    seg_offset = {seg.shard: seg.offset for seg in buf.segments}
+    blocks: dict[str, dict[int, list[tuple[int, int, int, int]]]] = {}
+    for e in buf.entries():
+        if e.block is None or len(e.shape) != 3:  # expert ranges only (owner-group blocks are 2-D)
+            continue
+        c = e.owner.shard % buf.ep
+        where = (e.block, e.shape[0], buf.slot_index(e.owner.shard), e.offset - seg_offset[e.owner.shard])
+        blocks.setdefault(e.fqn, {}).setdefault(c, []).append(where)
+    out: dict[str, dict[int, tuple[int, int, int]]] = {}
+    for fqn, per in blocks.items():
+        views = {}
+        for c, ranges in per.items():
+            ranges.sort()
+            slots = [s for _, _, s, _ in ranges]
+            step = slots[1] - slots[0] if len(slots) > 1 else 1
+            if (any(size != 1 for _, size, _, _ in ranges) or len({o for *_, o in ranges}) != 1 or step < 1
+                    or any(b - a != step for a, b in zip(slots, slots[1:]))):
+                break
+            views[c] = (slots[0], step, ranges[0][3])
+        else:
+            out[fqn] = views
+    return out

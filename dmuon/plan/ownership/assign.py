@@ -186,6 +186,8 @@ def assign_ep_owners(specs, boundaries, mesh_shape, ep, cost_model, owner_groups
     for n, i in enumerate(stack_idx):
         slots = placed.members[n]
         sizes = balanced_sizes(local[i], len(slots))
+        if len(set(sizes)) == 1:  # equal ranges: in efsdp order (same loads), so single-expert
+            slots = sorted(slots)  # ranges sit in consecutive slots of an all-gather (in place)
         members = tuple(Owner.at((slot // efsdp) * N + j + (slot % efsdp) * ep, N) for j in range(ep) for slot in slots)
         owners[i] = ExpertOwners(members=members, sizes=tuple(sizes) * ep)
     if dense_idx:

@@ -375,7 +375,10 @@ class ShardingPlan:
         """Owner groups and expert stacks with several owners: per boundary FQN, the bytes of
         the full compute tensors every rank assembles from the blocks / expert ranges while the
         boundary is unsharded (broadcast dtype; an expert-parallel stack: the rank's ``E/ep``
-        experts); empty without them."""
+        experts); empty without them. Stacks received in place (an all-gathered buffer whose
+        ranges are single experts at one slot offset,
+        :func:`~dmuon.plan.layout.slots.in_place_stacks`) are views of the gathered tensor and
+        assemble nothing."""
         return _plan_figures.assembled_nbytes(self)
 
     def rank_stats(self) -> tuple[_cost.RankStats, ...]:
