@@ -227,7 +227,7 @@ def _check_ep_stacks_differ(plan, model: nn.Module, table) -> None:
 def _plan_difference(json_a: str, json_b: str, rank_b: int) -> str:
     """What differs from rank 0's plan to rank ``rank_b``'s (``dmuon.plan.diff``), first lines only."""
     from dmuon.plan import ShardingPlan
-    from dmuon.plan.tools import diff
+    from dmuon.plan.tools.diff import diff
 
     try:
         d = diff(ShardingPlan.from_json(json_a), ShardingPlan.from_json(json_b))
