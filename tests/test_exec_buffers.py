@@ -184,3 +184,46 @@ def test_reduce_buffers_reused_released_and_one_flag_read(config):
             want = 1 if log["owned"] else 0
             assert b["flag_reads"] == want and b["tolist"] == want, (rank, key, b)
             assert b["reduce_nbytes"] == log["cost"], (rank, key, b)
+
+
+def test_coalescing_guard_and_the_coalesced_issue(monkeypatch):
+    """NCCL-style coalescing is used only where the group's backend reports it for the device (never
+    on CPU / gloo, whose startCoalescing raises); coalesced, a list's broadcasts go inside one
+    ``_coalescing_manager`` and return its one work, charged exactly as one by one; otherwise one
+    broadcast (and one work) each. No process group needed: torch's calls are stubbed."""
+    import contextlib
+
+    from dmuon.exec.comm import collectives as C
+
+    class Backend:
+        supports_coalescing = True
+
+    class Group:
+        def _get_backend(self, device):
+            return Backend()
+
+    assert not C.coalescing_supported(Group(), torch.device("cpu"))
+    assert C.coalescing_supported(Group(), torch.device("cuda"))
+    assert not C.coalescing_supported(object(), torch.device("cuda"))  # no backend query: one by one
+
+    calls = []
+    monkeypatch.setattr(C, "_charge", lambda kind, phase, t, group, root: calls.append(("charge", kind, t.numel(), root)))
+
+    class CM:
+        works = ["coalesced work"]
+
+    @contextlib.contextmanager
+    def manager(group, device, async_ops):
+        calls.append(("start", async_ops))
+        yield CM
+        calls.append(("end",))
+
+    monkeypatch.setattr(C.dist.distributed_c10d, "_coalescing_manager", manager)
+    monkeypatch.setattr(C.dist, "broadcast", lambda t, src, group, async_op: calls.append(("broadcast", src)) or "work")
+    items = [(torch.zeros(2), 0), (torch.zeros(3), 1)]
+    assert C.broadcast_many(items, group=Group(), phase="forward_broadcast", coalesce=True) == ["coalesced work"]
+    assert calls == [("charge", "broadcast", 2, 0), ("charge", "broadcast", 3, 1), ("start", True),
+                     ("broadcast", 0), ("broadcast", 1), ("end",)]
+    calls.clear()
+    assert C.broadcast_many(items, group=Group(), phase="forward_broadcast", coalesce=False) == ["work", "work"]
+    assert calls == [("charge", "broadcast", 2, 0), ("charge", "broadcast", 3, 1), ("broadcast", 0), ("broadcast", 1)]
