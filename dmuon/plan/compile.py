@@ -129,7 +129,8 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
             ``GroupedExperts`` ``w1``/``w2``/``w3``, any 3-D parameter under an ``experts``
             module) are selected by the default rule, each expert is ``E`` Muon matrices in
             ``nn.Linear`` orientation (:class:`~dmuon.plan.records.params.ExpertStack`), and a stack's
-            experts get ``min(E, N)`` owners of contiguous ranges (:class:`ExpertOwners`).
+            experts get owners of contiguous ranges (:class:`ExpertOwners`; at most ``min(E, N)``, ranges
+            of at most ``g`` experts: :func:`~dmuon.plan.model.experts.expert_range_count`).
             ``"off"``: the selection before expert support (2-D parameters only; a stack a
             predicate selects is one owned unit of ``E`` matrices ``shape[1:]``).
         ep: expert-parallel degree (docs/moe_ep.md). ``None`` (default): ``N`` when ``mesh`` is

@@ -104,9 +104,9 @@ def is_stacked_bias(shape: tuple[int, ...], attr: str) -> bool:
 
 
 def expert_max_split(num_experts: int, num_shards: int) -> int:
-    """How many owners an expert stack of ``num_experts`` gets on ``num_shards`` shard ranks:
-    ``min(E, N)`` contiguous ranges of experts (each expert whole on one owner; every rank of a
-    replicate row gets a range when ``E >= N``)."""
+    """The most owners an expert stack of ``num_experts`` can get on ``num_shards`` shard ranks:
+    ``min(E, N)`` contiguous ranges of experts (each expert whole on one owner); what a local
+    expert-parallel stack gets (one range per rank) and :func:`expert_range_count`'s cap."""
     return max(1, min(num_experts, num_shards))
 
 
