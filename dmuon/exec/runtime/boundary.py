@@ -42,7 +42,8 @@ import torch.nn as nn
 from dmuon.exec.comm import collectives as C
 from dmuon.exec.setup import fsdp2
 from dmuon.exec.runtime.boundary_host import BoundaryHost
-from dmuon.exec.runtime.buffers import _GatherBuffer, _Segment, _owned_views
+from dmuon.exec.runtime.buffers import _Segment
+from dmuon.exec.runtime.gather_buffers import _GatherBuffer, _owned_views
 from dmuon.exec.runtime.program import ONE_RANK, BoundaryOps
 from dmuon.exec.runtime.streams import _on_stream, current_stream
 

@@ -17,7 +17,8 @@ from typing import Any
 from dmuon.plan.scheduling.ops import Op
 from dmuon.plan.scheduling.programs import BoundaryProgram
 
-from dmuon.exec.runtime.buffers import _GatherBuffer, _Segment, _SubSeg
+from dmuon.exec.runtime.buffers import _Segment, _SubSeg
+from dmuon.exec.runtime.gather_buffers import _GatherBuffer
 from dmuon.exec.comm.groups import MeshGroups
 
 __all__ = ["BoundOp", "BoundaryOps", "schedule_rank", "bind", "ONE_RANK"]
