@@ -18,8 +18,8 @@ def finish_reduces(rt) -> None:
     """Wait for the in-flight gradient reduces and accumulate the averages into owners' ``.grad``.
 
     Each pending entry (:class:`~dmuon.exec.runtime.boundary._PendingReduce`) is a segment's
-    reduce or an all-gathered buffer's reduce-scatter (whose input is released right after its
-    wait). HSDP: after the shard-group reduce, every holder ``(s, r')`` of a segment SUM-reduces
+    reduce or an all-gathered buffer's reduce-scatter (its input released with the output, once
+    the compute stream has waited for the reduce stream). HSDP: after the shard-group reduce, every holder ``(s, r')`` of a segment SUM-reduces
     each sub-segment over its replicate group to the sub-segment's owner ``(s, r)``; the owner
     divides by :meth:`grad_divisor`: ``R·N`` (net AVG over the whole mesh), or the gradient
     divide factor set on FSDP2 (``set_gradient_divide_factor``).
@@ -31,8 +31,6 @@ def finish_reduces(rt) -> None:
     with _on_stream(stream):  # NCCL: the reduce stream waits for the collectives
         for p in pending:
             C.wait_all(p.works, what=f"boundary {p.boundary.fqn!r} reduce", timeout_s=rt.timeout_s)
-            if p.gather is not None:  # the reduce-scatter's input is done with
-                p.gather.rs_in.untyped_storage().resize_(0)
         works = []
         for p in pending:  # HSDP: the held segments' sub-segments
             if p.segment is None:
@@ -53,8 +51,10 @@ def finish_reduces(rt) -> None:
     owned = [(p.boundary, o) for p in pending if p.segment is not None for o in p.segment.owned]
     if owned:
         _write_owner_grads(rt, owned)
-    for p in pending:  # averages copied out: release until the next backward
+    for p in pending:  # averages copied out: release until the next backward (after the stream wait above)
         p.buf.untyped_storage().resize_(0)
+        if p.gather is not None:  # the reduce-scatter's input
+            p.gather.rs_in.untyped_storage().resize_(0)
 
 
 def grad_divisor(rt, boundary) -> float:
