@@ -274,9 +274,11 @@ CELLS = [
         "## Mixture-of-Experts\n\n"
         "3-D expert stacks (here Qwen3-30B-A3B's fused `gate_up_proj` `(128, 1536, 2048)` and `down_proj` "
         "`(128, 2048, 768)` in every layer) are dedicated by default: every expert is its own Muon matrices "
-        "(gate and up split) and a stack's experts are owned by min(E, N) ranks in contiguous ranges. "
-        "Before (`experts='off'` with `matrix_predicate`: each stack one parameter with one owner) the "
-        "largest owner carries whole stacks. See `docs/moe.md`."
+        "(gate and up split) and a stack's experts are owned in contiguous ranges of at most g experts (g from "
+        "the mean load per rank: few owners per layer, so few broadcasts; each buffer's collective is chosen "
+        "by `collectives='auto'`). Before (`experts='off'` with `matrix_predicate`: each stack one parameter "
+        "with one owner) the largest owner carries whole stacks. See `docs/moe.md` and docs/planning.md, "
+        "\"Collectives per buffer\"."
     ),
     new_code_cell(
         "from dmuon.plan.tools.render import expert_lines\n"
@@ -287,7 +289,9 @@ CELLS = [
         "print('\\n'.join(expert_lines(after)))\n"
         "for name, p in (('before: one owner per stack', before), ('after: expert ranges', after)):\n"
         "    owned = p.owned_numel\n"
-        "    print(f'{name}: owned max/mean {max(owned) / (sum(owned) / len(owned)):.2f}')\n"
+        "    calls = sum(1 for op in p.schedule().rank_ops(0) if op.kind in ('broadcast', 'all_gather'))\n"
+        "    print(f'{name}: owned max/mean {max(owned) / (sum(owned) / len(owned)):.2f}, '\n"
+        "          f'{calls:,} broadcasts / all-gathers per rank and step')\n"
         "owners = after.expert_owners('model.layers.0.mlp.experts.gate_up_proj')  # one Owner per expert\n"
         "print(f'layer 0 gate_up_proj: {len(owners)} experts on {len({o.rank for o in owners})} ranks, expert 0 on rank {owners[0].rank}')"
     ),

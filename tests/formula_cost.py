@@ -1,6 +1,7 @@
 """Independent oracle for the schedule-derived costs: the closed-form per-phase byte formulas
 and per-rank statistics of a plan's layout (the table in docs/planning.md), written without the
-schedule. ``plan.cost`` / ``plan.rank_stats()`` sum the nominal step's ops instead; the two must
+schedule. Broadcast buffers: every non-holder receives / sends each segment; all-gathered
+buffers: every rank receives / sends ``N-1`` slots per phase and holds all ``N`` while unsharded. ``plan.cost`` / ``plan.rank_stats()`` sum the nominal step's ops instead; the two must
 agree exactly (tests/test_schedule.py).
 """
 
@@ -59,8 +60,9 @@ def byte_cost(
     ``T`` TP ranks (the TP traffic of the matrices it owns).
     """
     R, N = mesh_shape
-    seg_b_by_shard = [0] * N  # bytes of segments of shard s, broadcast dtype
+    seg_b_by_shard = [0] * N  # bytes of broadcast segments of shard s, broadcast dtype
     seg_r_by_shard = [0] * N  # same, reduce dtype
+    slot_b = slot_r = 0  # all-gathered buffers: one slot per rank, broadcast / reduce dtype
     sub_r_by_slot: dict[tuple[int, int], int] = {}
     sub_p_by_slot: dict[tuple[int, int], int] = {}
     for boundary in boundaries:
@@ -68,9 +70,15 @@ def byte_cost(
             isz_b = itemsize_nbytes(bcast_dtype(buf.dtype, param_dtype))
             isz_r = itemsize_nbytes(reduce_dtype(buf.dtype, param_dtype, reduce_dtype_))
             isz_p = itemsize_nbytes(buf.dtype)
+            gathered = buf.collective == "all_gather"
+            assert buf.ep == 1 or not gathered, "formula_cost: all-gathered expert-parallel buffers are not covered"
+            if gathered:  # every rank sends / receives (N-1) slots per phase
+                slot_b += buf.slot_numel * isz_b
+                slot_r += buf.slot_numel * isz_r
             for seg in buf.segments:
-                seg_b_by_shard[seg.shard] += seg.numel * isz_b
-                seg_r_by_shard[seg.shard] += seg.numel * isz_r
+                if not gathered:
+                    seg_b_by_shard[seg.shard] += seg.numel * isz_b
+                    seg_r_by_shard[seg.shard] += seg.numel * isz_r
                 for sub in seg.subsegments:
                     key = (seg.shard, sub.owner.replicate)
                     sub_r_by_slot[key] = sub_r_by_slot.get(key, 0) + sub.numel * isz_r
@@ -92,10 +100,12 @@ def byte_cost(
             red = total_r - seg_r_by_shard[s]  # sends its part of every other shard's segments
             rep_r = sub_r_by_shard[s] - sub_r_by_slot.get((s, r), 0)
             rep_p = sub_p_by_shard[s] - sub_p_by_slot.get((s, r), 0)
+            fwd_b += (N - 1) * slot_b
+            red += (N - 1) * slot_r
             per_rank[r * N + s] = fwd_b * (2 if bwd else 1) + red + (rep_r + rep_p if R > 1 else 0)
     T = tp_size
-    fwd_total = T * R * broadcast_nbytes(total_b, N)
-    red_total = T * R * reduce_nbytes(total_r, N)
+    fwd_total = T * R * (broadcast_nbytes(total_b, N) + N * (N - 1) * slot_b)
+    red_total = T * R * (reduce_nbytes(total_r, N) + N * (N - 1) * slot_r)
     rep_red_total = T * reduce_nbytes(sum(sub_r_by_slot.values()), R)
     rep_bc_total = T * broadcast_nbytes(sum(sub_p_by_slot.values()), R)
     tp_total = 0
@@ -145,6 +155,9 @@ def rank_stats(
         local_by_shard = [0] * N  # the shard's own segment: owned masters or HSDP replicas
         for buf in boundary.buffers:
             isz = itemsize_nbytes(bcast_dtype(buf.dtype, param_dtype))
+            if buf.collective == "all_gather":  # the whole gathered tensor, own slot included
+                b_total += N * buf.slot_numel * isz
+                continue
             b_total += buf.numel * isz
             for seg in buf.segments:
                 local_by_shard[seg.shard] += seg.numel * isz

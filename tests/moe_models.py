@@ -104,6 +104,10 @@ def grouped(num_experts: int = 4) -> GroupedLM:
     return GroupedLM(num_experts)
 
 
+def grouped_one_layer(num_experts: int = 4) -> GroupedLM:
+    return GroupedLM(num_experts, n_layers=1)
+
+
 def grouped_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     logits = model(batch[:, :-1])
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))

@@ -13,7 +13,12 @@ Two launches of W = 2 gloo ranks (new processes each), several cases per launch:
 
 Cases: fp32 masters with bf16 compute (FSDP2 ``MixedPrecisionPolicy`` and the same policy for
 dmuon); gradient accumulation 4 with ``dmuon.no_sync``; ``async_save`` on a 1-D and on an HSDP
-(2, 1) mesh.
+(2, 1) mesh; a checkpoint saved by a plan that broadcasts every buffer and resumed by one that
+all-gathers them, and the reverse (``collectives=``: the state dicts hold the same masters and
+momenta whatever moves them; on N = 2 every gradient is a sum of two, so a reduce and a
+reduce-scatter give the same bits and the continuation is bit-identical. On N >= 3 the two may sum
+in different orders: the continuation then agrees within the oracle's fp32 bounds, 1e-6 relative
+on losses, not bit for bit).
 """
 
 from __future__ import annotations
@@ -36,10 +41,12 @@ CASES = {
     "gas 4 with no_sync": dict(mesh=None, gas=4),
     "async_save 1-D": dict(mesh=None, async_save=True),
     "async_save HSDP (2, 1)": dict(mesh=(2, 1), async_save=True, z3=False),
+    "saved broadcast, loaded all-gathered": dict(mesh=None, collectives=("broadcast", "all_gather")),
+    "saved all-gathered, loaded broadcast": dict(mesh=None, collectives=("all_gather", "broadcast")),
 }
 
 
-def _build(case):
+def _build(case, launch: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -48,7 +55,11 @@ def _build(case):
     mesh = case["mesh"] and init_device_mesh("cpu", case["mesh"], mesh_dim_names=("replicate", "shard"))
     model = make_model("tiny")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if case.get("mp") else None
-    dmuon.dedicate_params(model, mesh, reshard_after_forward=case.get("z3", True), mp_policy=mp)
+    collectives = case.get("collectives", ("auto", "auto"))[launch]
+    plan = dmuon.dedicate_params(model, mesh, reshard_after_forward=case.get("z3", True), mp_policy=mp,
+                                 collectives=collectives)
+    if collectives != "auto":
+        assert {buf.collective for b in plan.boundaries for buf in b.buffers} == {collectives}
     kw = {} if mp is None else {"mp_policy": mp}
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, **kw)
@@ -107,7 +118,7 @@ def _first(root):
     out = {}
     for name, case in CASES.items():
         gas = case.get("gas", 1)
-        model, opt = _build(case)
+        model, opt = _build(case, 0)
         losses = _steps(model, opt, batches[:SAVE_AT], gas)
         at_save = _full(model, opt)
         path = f"{root}/{name.replace(' ', '_')}"
@@ -131,7 +142,7 @@ def _second(root):
     batches = global_batches(TOTAL_STEPS, batch=GLOBAL_BATCH)
     out = {}
     for name, case in CASES.items():
-        model, opt = _build(case)
+        model, opt = _build(case, 1)
         dcp_load(model, opt, f"{root}/{name.replace(' ', '_')}")
         loaded = _full(model, opt)
         losses = _steps(model, opt, batches[SAVE_AT:], case.get("gas", 1))

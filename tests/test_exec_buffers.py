@@ -8,7 +8,9 @@ single-process gradient of the global batch through the ways ``.grad`` is used b
 accumulation over two backwards, ``zero_grad()`` (``.grad`` back to None),
 ``zero_grad(set_to_none=False)``, optimizer steps. ``finish_reduces`` reads the flags this rank
 owns with exactly one ``Tensor.tolist`` (one host sync on CUDA), whatever the number of
-boundaries. Ledger bytes of each backward equal the plan. 1-D mesh N = 2 and HSDP (2, 1).
+boundaries. Ledger bytes of each backward equal the plan. 1-D mesh N = 2 (its buffers
+all-gathered, as collectives="auto" picks, and broadcast) and HSDP (2, 1). An all-gathered
+buffer's reduce buffers are its reduce-scatter input and output (the held segment's reduce_buf).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def _reference_grads(model, batch):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def _worker(mesh_shape):
+def _worker(mesh_shape, collectives):
     import torch.distributed as dist
 
     import dmuon
@@ -41,7 +43,7 @@ def _worker(mesh_shape):
     model = copy.deepcopy(ref_model)
     batches = global_batches(2)
     ref = [_reference_grads(ref_model, b) for b in batches]
-    plan = dmuon.dedicate_params(model, mesh_shape, reshard_after_forward=True)
+    plan = dmuon.dedicate_params(model, mesh_shape, reshard_after_forward=True, collectives=collectives)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -54,6 +56,11 @@ def _worker(mesh_shape):
     params = dict(model.named_parameters())
     owned = [fqn for fqn in plan.dedicated if dedicated_info(params[fqn]).is_owner]
     segments = [seg for b in rt.boundaries for seg in b.segments]
+    # the reduce buffers: a broadcast segment's own; an all-gathered buffer's reduce-scatter input
+    # (k slots) and output (this rank's slot, its held segment's reduce_buf)
+    gathers = [gb for b in rt.boundaries for gb in b.gathers]
+    reduce_tensors = lambda: [seg.reduce_buf for seg in segments if seg.gather is None] + [  # noqa: E731
+        t for gb in gathers for t in (gb.rs_in, gb.rs_out)]
 
     tolist_calls = []
     orig_tolist = torch.Tensor.tolist
@@ -79,17 +86,17 @@ def _worker(mesh_shape):
             "tolist": len(tolist_calls),
             "reduce_nbytes": t.tolist(),
             "pending": len(rt.pending_reduces),
-            "inflight": any(seg.reduce_inflight for seg in segments),
-            "released": all(seg.reduce_buf.untyped_storage().nbytes() == 0 for seg in segments),
+            "inflight": any(seg.reduce_inflight for seg in segments) or any(gb.reduce_inflight for gb in gathers),
+            "released": all(t.untyped_storage().nbytes() == 0 for t in reduce_tensors()),
         }
         tolist_calls.clear()
         return out
 
     def buffers():  # tensor objects and their storage objects (StorageImpl), not the memory
-        return [(id(seg.reduce_buf), seg.reduce_buf.untyped_storage()._cdata) for seg in segments]
+        return [(id(t), t.untyped_storage()._cdata) for t in reduce_tensors()]
 
     def aliases_buffer(g):
-        storages = {seg.reduce_buf.untyped_storage()._cdata for seg in segments}
+        storages = {t.untyped_storage()._cdata for t in reduce_tensors()}
         return g.untyped_storage()._cdata in storages
 
     def grad_errors(expected):
@@ -136,24 +143,33 @@ def _worker(mesh_shape):
     log["dtype_device"] = all(
         seg.reduce_buf.dtype == seg.reduce_dtype and seg.reduce_buf.device == seg.wire.device
         and seg.reduce_buf.numel() == seg.numel
-        for seg in segments
+        for seg in segments if seg.gather is None
+    ) and all(
+        gb.rs_in.dtype == gb.rs_out.dtype == gb.reduce_dtype and gb.rs_in.numel() == gb.k * gb.slot_numel
+        and gb.rs_out.numel() == gb.slot_numel and (gb.held is None or gb.held.reduce_buf is gb.rs_out)
+        for gb in gathers
     )
+    log["kinds"] = sorted({buf.collective for b in plan.boundaries for buf in b.buffers})
     dist.barrier()
     return log
 
 
-MESH_SHAPES = [None, (2, 1)]
+# (mesh, collectives): N = 2 all-gathers these buffers under "auto" (its default) and broadcasts
+# them when forced; HSDP (2, 1) has one rank per shard group (nothing moves but the replicate phases)
+CONFIGS = [(None, "auto"), (None, "broadcast"), ((2, 1), "auto")]
 
 
-def _meshes_worker(mesh_shapes):
-    return [_worker(mesh_shape) for mesh_shape in mesh_shapes]
+def _meshes_worker(configs):
+    return [_worker(mesh_shape, collectives) for mesh_shape, collectives in configs]
 
 
-@pytest.mark.parametrize("mesh_shape", MESH_SHAPES, ids=["n2", "hsdp_2x1"])
-def test_reduce_buffers_reused_released_and_one_flag_read(mesh_shape):
-    # both meshes in one launch of 2 ranks; this test reads its mesh's results
-    runs = shared_run("test_exec_buffers", _meshes_worker, 2, MESH_SHAPES, timeout_s=2 * 180)
-    results = [r[MESH_SHAPES.index(mesh_shape)] for r in runs]
+@pytest.mark.parametrize("config", CONFIGS, ids=["n2", "n2_broadcast", "hsdp_2x1"])
+def test_reduce_buffers_reused_released_and_one_flag_read(config):
+    # every configuration in one launch of 2 ranks; this test reads its configuration's results
+    runs = shared_run("test_exec_buffers", _meshes_worker, 2, CONFIGS, timeout_s=3 * 180)
+    results = [r[CONFIGS.index(config)] for r in runs]
+    kinds = {(None, "auto"): ["all_gather"], (None, "broadcast"): ["broadcast"], ((2, 1), "auto"): ["broadcast"]}
+    assert all(r["kinds"] == kinds[config] for r in results), config
     assert any(r["owned"] for r in results)
     for rank, log in enumerate(results):
         for key in ("err0", "err_acc", "err_after_none", "err_after_zero"):
@@ -169,3 +185,46 @@ def test_reduce_buffers_reused_released_and_one_flag_read(mesh_shape):
             want = 1 if log["owned"] else 0
             assert b["flag_reads"] == want and b["tolist"] == want, (rank, key, b)
             assert b["reduce_nbytes"] == log["cost"], (rank, key, b)
+
+
+def test_coalescing_guard_and_the_coalesced_issue(monkeypatch):
+    """NCCL-style coalescing is used only where the group's backend reports it for the device (never
+    on CPU / gloo, whose startCoalescing raises); coalesced, a list's broadcasts go inside one
+    ``_coalescing_manager`` and return its one work, charged exactly as one by one; otherwise one
+    broadcast (and one work) each. No process group needed: torch's calls are stubbed."""
+    import contextlib
+
+    from dmuon.exec.comm import collectives as C
+
+    class Backend:
+        supports_coalescing = True
+
+    class Group:
+        def _get_backend(self, device):
+            return Backend()
+
+    assert not C.coalescing_supported(Group(), torch.device("cpu"))
+    assert C.coalescing_supported(Group(), torch.device("cuda"))
+    assert not C.coalescing_supported(object(), torch.device("cuda"))  # no backend query: one by one
+
+    calls = []
+    monkeypatch.setattr(C, "_charge", lambda kind, phase, t, group, root: calls.append(("charge", kind, t.numel(), root)))
+
+    class CM:
+        works = ["coalesced work"]
+
+    @contextlib.contextmanager
+    def manager(group, device, async_ops):
+        calls.append(("start", async_ops))
+        yield CM
+        calls.append(("end",))
+
+    monkeypatch.setattr(C.dist.distributed_c10d, "_coalescing_manager", manager)
+    monkeypatch.setattr(C.dist, "broadcast", lambda t, src, group, async_op: calls.append(("broadcast", src)) or "work")
+    items = [(torch.zeros(2), 0), (torch.zeros(3), 1)]
+    assert C.broadcast_many(items, group=Group(), phase="forward_broadcast", coalesce=True) == ["coalesced work"]
+    assert calls == [("charge", "broadcast", 2, 0), ("charge", "broadcast", 3, 1), ("start", True),
+                     ("broadcast", 0), ("broadcast", 1), ("end",)]
+    calls.clear()
+    assert C.broadcast_many(items, group=Group(), phase="forward_broadcast", coalesce=False) == ["work", "work"]
+    assert calls == [("charge", "broadcast", 2, 0), ("charge", "broadcast", 3, 1), ("broadcast", 0), ("broadcast", 1)]

@@ -62,9 +62,10 @@ def test_ep_plan_without_ep_keeps_json():
 
 @pytest.mark.parametrize("world,align", [(4, 1), (2, 1), (4, 16)])
 def test_ep_cost_is_non_ep_cost_minus_stacks(world, align):
-    full = P.compile(full_model(), world, align_numel=align)
-    ep = P.compile(ep_model(world, 0), world, ep=world, align_numel=align)
-    # dense owners do not move: the stacks' ranges were N equal pieces in both plans
+    # broadcast arithmetic (one segment per owner); the stacks' ranges are placed alike
+    full = P.compile(full_model(), world, align_numel=align, collectives="broadcast")
+    ep = P.compile(ep_model(world, 0), world, ep=world, align_numel=align, collectives="broadcast")
+    # dense owners do not move (the stacks weigh the same in the LPT of both plans)
     dense = lambda p: [(s.fqn, o) for s, o in zip(p.params, p.owners) if s.experts is None]  # noqa: E731
     assert dense(full) == dense(ep)
     stacks = [s.fqn for s in full.params if s.experts is not None]
@@ -73,7 +74,8 @@ def test_ep_cost_is_non_ep_cost_minus_stacks(world, align):
     assert ep.cost.total_nbytes < full.cost.total_nbytes
     if align == 1:  # packed without padding: each range entry is its elements + one flag element
         isz, n = 4, world
-        stack_elems = sum(full.param(f).numel + world for f in stacks)
+        ranges = {f: getattr(full.owner_record(f), "k", 1) for f in stacks}  # the planner's range count
+        stack_elems = sum(full.param(f).numel + ranges[f] for f in stacks)
         assert full.cost.total_nbytes - ep.cost.total_nbytes == 3 * (n - 1) * isz * stack_elems
     assert sum(ep.cost.per_rank_nbytes) == ep.cost.total_nbytes
 
@@ -133,8 +135,10 @@ def test_ep_efsdp_plan_by_hand():
     2 x 24 x 16 = 768 elements each) plus 3 presence flags = 2,307 elements, and each rank
     receives its one efsdp peer's segment in the forward and backward broadcasts and sends its
     own in the reduce: 2 layers x 3 phases x 2,307 x 4 B = 55,368 B per rank and step, on the
-    efsdp groups only."""
-    plan = P.compile(ep_model(2, 0), 4, ep=2, align_numel=1)
+    efsdp groups only. All-gathered (the default "auto" picks it: one call per group and phase
+    instead of two broadcasts), the two equal segments fill slots of 2,307 + 1 step code = 2,308
+    elements: 2 layers x 3 phases x (2 - 1) x 2,308 x 4 B = 55,392 B, on the same groups."""
+    plan = P.compile(ep_model(2, 0), 4, ep=2, align_numel=1, collectives="broadcast")
     for spec, owner in zip(plan.params, plan.owners):
         if spec.experts is not None:
             assert spec.shape[0] == E and spec.local_shape[0] == E // 2
@@ -152,6 +156,15 @@ def test_ep_efsdp_plan_by_hand():
             for x in op.group:
                 ep_bytes[x] += op.charged_nbytes(x)
     assert ep_bytes == [55_368] * 4
+    gathered = P.compile(ep_model(2, 0), 4, ep=2, align_numel=1)
+    assert gathered.owners == plan.owners
+    ep_bytes = [0] * 4
+    for op in gathered.schedule().ops:
+        if op.buffer is not None and op.buffer.endswith("/ep2"):
+            assert op.group in ((0, 2), (1, 3)) and op.kind in ("all_gather", "reduce_scatter") and op.numel == 2308
+            for x in op.group:
+                ep_bytes[x] += op.charged_nbytes(x)
+    assert ep_bytes == [55_392] * 4
     # HSDP (2, 2) with ep = 2 (efsdp 1): no shard-group traffic for the experts, only the
     # replicate reduce / broadcast of each range between its two holders
     hsdp = P.compile(ep_model(2, 0), (2, 2), ep=2, align_numel=1)
@@ -418,9 +431,10 @@ def _check_meta(results, ref_losses, ref_state, want_norm, what: str) -> tuple[f
 
 # ------------------------------------------------------- efsdp > 1 and HSDP (owners in efsdp groups)
 
-# (mesh shape, ep): ep 2 x efsdp 2 on a 1-D mesh of 4; ep 2 on a (2, 2) HSDP mesh (efsdp 1, two
-# replicas of every expert); run one after the other in one launch of 4 ranks
-EFSDP_CASES = (((1, 4), 2), ((2, 2), 2))
+# (mesh shape, ep, collectives): ep 2 x efsdp 2 on a 1-D mesh of 4 (the default "auto": its efsdp
+# buffers all-gathered); ep 2 on a (2, 2) HSDP mesh (efsdp 1, two replicas of every expert); ep 2 x
+# efsdp 2 again with broadcasts; run one after the other in one launch of 4 ranks
+EFSDP_CASES = (((1, 4), 2, "auto"), ((2, 2), 2, "auto"), ((1, 4), 2, "broadcast"))
 
 
 def _ep_groups(mesh_shape, ep):
@@ -454,13 +468,13 @@ def _efsdp_worker():
     rank = dist.get_rank()
     out = {}
     path = None
-    for mesh_shape, ep in EFSDP_CASES:
+    for mesh_shape, ep, collectives in EFSDP_CASES:
         R, N = mesh_shape
         shard = rank % N
         group = _ep_groups(mesh_shape, ep)
         model = ep_model(ep, shard % ep, group=group)
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp_replicate", "dp_shard"))
-        plan = dmuon.dedicate_params(model, mesh, ep=ep)
+        plan = dmuon.dedicate_params(model, mesh, ep=ep, collectives=collectives)
         fsdp_mesh = mesh if R > 1 else mesh["dp_shard"]
         for layer in model.layers:
             fully_shard(layer, mesh=fsdp_mesh)
@@ -469,8 +483,8 @@ def _efsdp_worker():
         losses, ledgers, norm = _train(model, opt)
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         full = {k: v.detach().clone() for k, v in full.items()}
-        # DCP: the first case saves (sharded, experts at full logical shape), the second loads
-        # it into its own layout (efsdp owners -> HSDP replicas), then saves its own state
+        # DCP: the first case saves (sharded, experts at full logical shape), the others load it
+        # into their own layout (efsdp owners -> HSDP replicas; all-gathered -> broadcast buffers)
         if path is None:
             path = [tempfile.mkdtemp(prefix="dmuon_efsdp_") if rank == 0 else None]
             dist.broadcast_object_list(path)
@@ -482,10 +496,10 @@ def _efsdp_worker():
             dcp_load(model, opt, path)
             got = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
             reload = all(torch.equal(got[k], saved[k]) for k in saved)
-        out[f"{mesh_shape}/{ep}"] = dict(
+        out[f"{mesh_shape}/{ep}/{collectives}"] = dict(
             plan_json=plan.to_json(), losses=losses, ledgers=ledgers, full=full, norm=norm, reload=reload,
         )
-        if R == 1:  # ep 2 x efsdp 2 from meta: to_empty + dmuon.init_params (stacks drawn whole)
+        if R == 1 and collectives == "auto":  # ep 2 x efsdp 2 from meta: to_empty + dmuon.init_params
             out["meta"] = _meta_init_run(ep, mesh, False, group=group, fsdp_mesh=fsdp_mesh)
     return out
 
@@ -501,10 +515,12 @@ def test_ep_efsdp_and_hsdp_match_single_process_reference():
     model = full_model()
     lm_loss(model, global_batches(STEPS, world)[0]).backward()
     want_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
-    for mesh_shape, ep in EFSDP_CASES:
-        key = f"{mesh_shape}/{ep}"
+    for mesh_shape, ep, collectives in EFSDP_CASES:
+        key = f"{mesh_shape}/{ep}/{collectives}"
         plan = ShardingPlan.from_json(results[0][key]["plan_json"])
         assert plan.ep_size == ep
+        ep_kinds = {buf.collective for b in plan.boundaries for buf in b.buffers if buf.ep > 1}
+        assert ep_kinds == ({"all_gather"} if collectives == "auto" and mesh_shape[0] == 1 else {"broadcast"}), key
         for spec, owner in zip(plan.params, plan.owners):
             if spec.experts is not None:  # every expert exactly one owner, inside its efsdp group
                 per = plan.expert_owners(spec.fqn)
@@ -524,5 +540,9 @@ def test_ep_efsdp_and_hsdp_match_single_process_reference():
                 d = (have - want).abs().max().item() / want.abs().max().item()
                 assert d < 1e-4, (key, name, d)
         print(f"EP {key}: bytes/rank/step {per_rank}")
-    assert all(r[f"{EFSDP_CASES[1][0]}/{EFSDP_CASES[1][1]}"]["reload"] for r in results)
+    for case in EFSDP_CASES[1:]:  # saved with all-gathered efsdp buffers, loaded bit for bit
+        assert all(r["/".join(map(str, case))]["reload"] for r in results), case
+    # efsdp 2 moves every expert gradient as a sum of two: broadcast and all-gather runs agree bit for bit
+    a, b = ("/".join(map(str, c)) for c in (EFSDP_CASES[0], EFSDP_CASES[2]))
+    assert results[0][a]["losses"] == results[0][b]["losses"]
     _check_meta(results, ref_losses, ref_state, want_norm, "an efsdp-owned stack's tag")  # ep 2 x efsdp 2 from meta

@@ -60,5 +60,6 @@ def test_notebook_executes():
     assert "Llama-3-405B, N=1024, owner groups: 1024 ranks, 0 own nothing" in text
     assert "ownership: 142 of 1,024 ranks own nothing" in text
     assert "experts: 96 stacks, 12,288 experts, 18,432 Muon matrices" in text
-    assert "before: one owner per stack: owned max/mean 1.29" in text
-    assert "after: expert ranges: owned max/mean 1.01" in text
+    assert "before: one owner per stack: owned max/mean 1.29, 672 broadcasts / all-gathers per rank and step" in text
+    # ranges of at most g experts (issue 35): 768 collectives instead of min(E, N) ranges' 6,144
+    assert "after: expert ranges: owned max/mean 1.29, 768 broadcasts / all-gathers per rank and step" in text

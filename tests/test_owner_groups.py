@@ -209,11 +209,12 @@ def test_owner_group_errors():
 
 # -------------------------------------------------------------------------------- distributed
 
-CASES = [  # (mesh shape, k, reshard_after_forward)
+CASES = [  # (mesh shape, k, reshard_after_forward[, collectives]); default "auto" (all-gathers here)
     (None, 2, True),
     (None, 4, False),
     ((2, 2), 2, True),
     ((2, 2), 2, False),
+    (None, 2, True, "broadcast"),
 ]
 
 
@@ -223,7 +224,7 @@ def _mesh(shape):
     return None if shape is None else init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
 
 
-def _build(mesh, k, z3, *, meta=False):
+def _build(mesh, k, z3, *, meta=False, collectives="auto"):
     from torch.distributed.fsdp import fully_shard
 
     import dmuon
@@ -233,7 +234,7 @@ def _build(mesh, k, z3, *, meta=False):
             model = FewMatrixLM()
     else:
         model = make_model()
-    plan = dmuon.dedicate_params(model, mesh, owner_groups=k, reshard_after_forward=z3)
+    plan = dmuon.dedicate_params(model, mesh, owner_groups=k, reshard_after_forward=z3, collectives=collectives)
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -269,9 +270,9 @@ def _worker(root):
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {"cases": []}
-    for shape, k, z3 in CASES:
+    for shape, k, z3, *kind in CASES:
         mesh = _mesh(shape)
-        model, opt, plan = _build(mesh, k, z3)
+        model, opt, plan = _build(mesh, k, z3, collectives=kind[0] if kind else "auto")
         losses, ledgers, norms = [], [], []
         for batch in batches():
             LEDGER.reset()
@@ -354,10 +355,14 @@ def _assert_close(got: dict, want: dict, where):
 def test_matches_gram_ns_oracle_and_plan_bytes(results, case):
     from dmuon.plan import ShardingPlan
 
-    shape, k, z3 = CASES[case]
-    where = f"mesh={shape} k={k} z3={z3}"
+    shape, k, z3, *kind = CASES[case]
+    where = f"mesh={shape} k={k} z3={z3} {kind}"
     per_rank = [r["cases"][case] for r in results]
     plan = ShardingPlan.from_json(per_rank[0]["plan_json"])
+    kinds = {buf.collective for b in plan.boundaries for buf in b.buffers}
+    assert kinds == ({"broadcast"} if kind else {"all_gather"}), (where, kinds)
+    if kind:  # the all-gathered twin (case 0, N = 2): the same run bit for bit
+        assert per_rank[0]["losses"] == results[0]["cases"][0]["losses"], where
     ref_losses, ref_state, ref_norms = _reference(batches(), set(plan.dedicated))
     for got, want in zip(per_rank[0]["losses"], ref_losses):
         assert math.isclose(got, want, rel_tol=LOSS_RTOL), (where, got, want)

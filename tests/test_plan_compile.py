@@ -320,12 +320,15 @@ def test_plan_accessors():
 
 
 def test_fsdp2_baseline_matches_formula():
-    # 1-D, Z3, fp32: baseline = 4 (N-1) S with S the padded dedicated bytes; DMuon = 3 (N-1) P.
-    plan = P.compile(zoo.tiny_llama(), 4)
-    S = sum(plan_nbytes.fsdp2_shard_numel(p.shape, 4) * 4 * 4 for p in plan.params)
-    assert plan.baseline_cost.total_nbytes == 4 * 3 * S
-    Pm = sum(buf.numel * 4 for b in plan.boundaries for buf in b.buffers)
-    assert plan.cost.total_nbytes == 3 * 3 * Pm
+    # 1-D, Z3, fp32: baseline = 4 (N-1) S with S the padded dedicated bytes; DMuon = 3 (N-1) P with
+    # P the packed bytes: a broadcast buffer's segments, an all-gathered buffer's N slots
+    for mode in ("broadcast", "auto"):
+        plan = P.compile(zoo.tiny_llama(), 4, collectives=mode)
+        S = sum(plan_nbytes.fsdp2_shard_numel(p.shape, 4) * 4 * 4 for p in plan.params)
+        assert plan.baseline_cost.total_nbytes == 4 * 3 * S
+        Pm = sum((buf.numel if buf.collective == "broadcast" else 4 * buf.slot_numel) * 4
+                 for b in plan.boundaries for buf in b.buffers)
+        assert plan.cost.total_nbytes == 3 * 3 * Pm
 
 
 # --------------------------------------------------------------------------- optree

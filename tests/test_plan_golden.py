@@ -1,6 +1,9 @@
 """Golden plans with hand-computed owners, layouts and byte counts (arithmetic in comments).
 
-Conventions: cost_model="numel", align_numel=16, fp32 = 4 bytes, bf16 = 2 bytes.
+Conventions: cost_model="numel", align_numel=16, fp32 = 4 bytes, bf16 = 2 bytes. Models A and B
+are checked with one broadcast per segment (``collectives="broadcast"``) and, below each, with the
+all-gathers that ``collectives="auto"`` (the default) picks for their small, latency-bound
+buffers; model C's buffers have one segment each, which auto keeps as broadcasts.
 LPT: items sorted by (-numel, fqn); g = least-loaded slot (lowest index); e = least-loaded slot
 whose shard coordinate the item's boundary has not used; take e iff
 load[e] + w <= max(M, load[g] + w_max).
@@ -8,6 +11,7 @@ load[e] + w <= max(M, load[g] + w_max).
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -161,7 +165,7 @@ def expected_boundaries_a() -> tuple[Boundary, ...]:
 
 
 def test_golden_a_owners_and_layout():
-    plan = P.compile(build_a(), 2)
+    plan = P.compile(build_a(), 2, collectives="broadcast")
     assert plan.mesh_shape == (1, 2)
     assert plan.dedicated == (
         "layers.0.a.weight",
@@ -190,7 +194,7 @@ def test_golden_a_cost_z3_and_z2():
     # forward = R*(N-1)*160*4 = 640; backward (Z3) 640; reduce 640; total 1920.
     # rank 0 receives shard-1 segments 32+48 = 80 el = 320 B per broadcast (x2 for Z3) and
     # sends 80 el = 320 B in the reduce -> 960; rank 1 symmetric (48+32) -> 960.
-    plan = P.compile(build_a(), 2)
+    plan = P.compile(build_a(), 2, collectives="broadcast")
     assert plan.cost == ByteCost(
         forward_broadcast_nbytes=640,
         backward_broadcast_nbytes=640,
@@ -201,7 +205,7 @@ def test_golden_a_cost_z3_and_z2():
         per_rank_nbytes=(960, 960),
     )
     # Z2: no backward broadcast -> 1280 total, 640 per rank.
-    z2 = P.compile(build_a(), 2, reshard_after_forward=False)
+    z2 = P.compile(build_a(), 2, reshard_after_forward=False, collectives="broadcast")
     assert z2.cost.backward_broadcast_nbytes == 0
     assert z2.cost.total_nbytes == 1280
     assert z2.cost.per_rank_nbytes == (640, 640)
@@ -215,7 +219,7 @@ def test_golden_a_cost_z3_and_z2():
 
 
 def test_golden_a_rank_stats():
-    plan = P.compile(build_a(), 2)
+    plan = P.compile(build_a(), 2, collectives="broadcast")
     s0, s1 = plan.rank_stats()
     # owned: rank 0 = L0.a 12 + L0.c 9 + L1.b 10 = 31 el = 124 B; resident = params + momentum = 248 B
     assert (s0.owned_numel, s0.owned_nbytes, s0.resident_nbytes) == (31, 124, 248)
@@ -227,7 +231,44 @@ def test_golden_a_rank_stats():
     assert s0.ns_flops == 2280
     assert s0.comm_nbytes == 960
     # Z2 peak transient is the sum over boundaries: rank 0: (32 + 48) * 4 = 320
-    assert P.compile(build_a(), 2, reshard_after_forward=False).rank_stats()[0].peak_transient_nbytes == 320
+    assert P.compile(build_a(), 2, reshard_after_forward=False, collectives="broadcast").rank_stats()[0].peak_transient_nbytes == 320
+
+
+def _gathered(boundaries, slot: int):
+    """``boundaries`` with every buffer all-gathered over slots of ``slot`` elements."""
+    return tuple(
+        dataclasses.replace(b, buffers=tuple(
+            dataclasses.replace(buf, collective="all_gather", slot_numel=slot) for buf in b.buffers
+        ))
+        for b in boundaries
+    )
+
+
+def test_golden_a_all_gather():
+    # Same owners and segments as above; each buffer's slot = round_up(largest segment 48 + 1 step
+    # code, 16) = 64 elements. auto: per phase 2 broadcasts of (1 + ceil(log2 2))·8 us = 32 us vs one
+    # all-gather of 2·8 us + 64·4 B / 45 GB/s: all-gather.
+    for mode in ("auto", "all_gather"):
+        plan = P.compile(build_a(), 2, collectives=mode)
+        assert {f: plan.owner(f).rank for f in plan.dedicated} == OWNERS_A
+        assert plan.boundaries == _gathered(expected_boundaries_a(), 64)
+        assert plan.collectives == P.CollectiveSettings(mode=mode)
+        # every rank sends / receives (N-1) slots per buffer and phase: 2 buffers x 64 el x 4 B = 512 B
+        # per rank and phase, 1024 over the 2 ranks; Z3 three phases: 1536 per rank, 3072 total
+        assert plan.cost == ByteCost(
+            forward_broadcast_nbytes=1024,
+            backward_broadcast_nbytes=1024,
+            reduce_nbytes=1024,
+            replicate_reduce_nbytes=0,
+            replicate_broadcast_nbytes=0,
+            total_nbytes=3072,
+            per_rank_nbytes=(1536, 1536),
+        )
+        # transient: the whole gathered tensor, 2 slots x 64 el x 4 B = 512 B (Z3: one boundary)
+        assert [r.peak_transient_nbytes for r in plan.rank_stats()] == [512, 512]
+    z2 = P.compile(build_a(), 2, reshard_after_forward=False)
+    assert (z2.cost.total_nbytes, z2.cost.per_rank_nbytes) == (2048, (1024, 1024))
+    assert z2.rank_stats()[0].peak_transient_nbytes == 1024  # Z2: both boundaries resident
 
 
 # --------------------------------------------------------------------------- model B, HSDP (2, 2)
@@ -270,7 +311,7 @@ OWNERS_B = {
 
 
 def test_golden_b_hsdp_owners_layout_cost():
-    plan = P.compile(build_b(), (2, 2))
+    plan = P.compile(build_b(), (2, 2), collectives="broadcast")
     assert plan.mesh_shape == (2, 2)
     assert {f: (plan.owner(f).shard, plan.owner(f).replicate) for f in plan.dedicated} == OWNERS_B
     for f in plan.dedicated:
@@ -521,3 +562,25 @@ def test_golden_align_one_packs_tightly():
     ]
     assert [s.numel for s in buf.segments] == [23, 11]
     assert buf.numel == 34
+
+
+def test_golden_b_hsdp_all_gather():
+    # Model B on (2, 2) with the default collectives ("auto": all-gathers): owners and segments as
+    # in the broadcast golden; slots round_up(64 + 1, 16) = 80 (blocks.0: segments 64, 32;
+    # blocks.1: 32, 64). Shard phases per rank: 2 buffers x (N-1) x 80 el x 4 B = 640 B per phase,
+    # 1920 for Z3's three; the replicate phases stay per sub-segment (768 + 768 B, as broadcast):
+    # ranks (s, r0) take part in 512 B of them, ranks (s, r1) 256 B (the golden above's per-rank
+    # figures minus their broadcasts: 1664 - 1152, 1408 - 1152).
+    plan = P.compile(build_b(), (2, 2))
+    assert {f: (plan.owner(f).shard, plan.owner(f).replicate) for f in plan.dedicated} == OWNERS_B
+    assert [(buf.collective, buf.slot_numel) for b in plan.boundaries for buf in b.buffers] == [("all_gather", 80)] * 2
+    assert plan.cost == ByteCost(
+        forward_broadcast_nbytes=2560,
+        backward_broadcast_nbytes=2560,
+        reduce_nbytes=2560,
+        replicate_reduce_nbytes=768,
+        replicate_broadcast_nbytes=768,
+        total_nbytes=9216,
+        per_rank_nbytes=(2432, 2432, 2176, 2176),
+    )
+    assert [r.peak_transient_nbytes for r in plan.rank_stats()] == [640] * 4  # 2 slots x 80 x 4 B

@@ -33,6 +33,7 @@ DIMS = {"layers.0.up.weight": 0, "layers.0.down.weight": 1}
 
 def _plan(**kw):
     kw.setdefault("predicate", lambda fqn, p: fqn in DIMS)
+    kw.setdefault("collectives", "broadcast")  # the goldens below: one broadcast per segment
     return dmuon.plan.compile(Net(), 2, tp_size=2, tp_shard_dims=DIMS, **kw)
 
 
@@ -67,6 +68,13 @@ def test_golden_tp_plan():
     assert per_matrix == 4480
     assert all(s.ns_flops == per_matrix and s.owned_numel == 64 for s in stats)
     assert plan.baseline_cost.per_rank_nbytes.__len__() == 4
+    # all-gathered (the default "auto" picks it): slots round_up(80 + 1, 16) = 96 elements, per
+    # rank and phase (N-1)·96·4 = 384 B per TP coordinate's row: 3·384 + 192 (TP) = 1344 per rank
+    gathered = _plan(collectives="auto")
+    assert [(b.collective, b.slot_numel) for b in gathered.boundaries[0].buffers] == [("all_gather", 96)]
+    g = gathered.cost
+    assert (g.forward_broadcast_nbytes, g.backward_broadcast_nbytes, g.reduce_nbytes, g.tp_nbytes) == (1536,) * 3 + (768,)
+    assert g.per_rank_nbytes == (1344,) * 4
     assert dmuon.plan.ShardingPlan.from_json(plan.to_json()) == plan
     assert "tensor parallel: T=2" in plan.summary()
 

@@ -54,7 +54,7 @@ FWD_A = [
 
 
 def test_golden_a_z3_rank0():
-    sched = P.compile(build_a(), 2).schedule()
+    sched = P.compile(build_a(), 2, collectives="broadcast").schedule()
     ops = _ops(sched, 0)
     assert ops[:9] == FWD_A
     assert ops[9:] == [
@@ -93,8 +93,32 @@ def test_golden_a_z3_rank0():
     assert sched.rank_nbytes(1) == 3 * 4 * (48 + 32)
 
 
+def test_golden_a_all_gather_z3_rank0():
+    """Model A on N = 2 with all-gathers (what collectives="auto" picks for it: two 8 us steps per
+    call beat two broadcasts of 1 + ceil(log2 2) steps each). Slot of both buffers: round_up(48 + 1,
+    16) = 64 elements (the larger segment and its step code); per phase and buffer every rank
+    sends / receives (N-1)·64·4 = 256 B."""
+    for mode in ("auto", "all_gather"):
+        plan = P.compile(build_a(), 2, collectives=mode)
+        assert [(buf.collective, buf.slot_numel) for b in plan.boundaries for buf in b.buffers] == [("all_gather", 64)] * 2
+        sched = plan.schedule()
+        assert _ops(sched, 0, collectives_only=True) == [
+            ("all_gather", "forward_broadcast", L0, None, None, 64),
+            ("all_gather", "forward_broadcast", L1, None, None, 64),  # prefetched by L0's pre-forward
+            ("all_gather", "backward_broadcast", L1, None, None, 64),
+            ("all_gather", "backward_broadcast", L0, None, None, 64),
+            ("reduce_scatter", "reduce", L1, None, None, 64),
+            ("reduce_scatter", "reduce", L0, None, None, 64),
+        ]
+        c = plan.cost
+        assert (c.forward_broadcast_nbytes, c.backward_broadcast_nbytes, c.reduce_nbytes) == (1024, 1024, 1024)
+        assert c.per_rank_nbytes == (1536, 1536)
+        # the whole gathered tensor is transient on every rank: 2 slots of 64 fp32
+        assert [r.peak_transient_nbytes for r in plan.rank_stats()] == [512, 512]
+
+
 def test_golden_a_z2_rank1():
-    sched = P.compile(build_a(), 2, reshard_after_forward=False).schedule()
+    sched = P.compile(build_a(), 2, reshard_after_forward=False, collectives="broadcast").schedule()
     assert _ops(sched, 1, collectives_only=True) == [
         ("broadcast", "forward_broadcast", L0, 0, 0, 48),
         ("broadcast", "forward_broadcast", L0, 1, 1, 32),
@@ -125,7 +149,7 @@ def test_golden_b_hsdp_rank_lists():
     replicate reduces per column after the backward (sub-segment by sub-segment, to the owner),
     replicate broadcasts from the owner after the step; per-phase bytes equal the golden table
     (tests/test_plan_golden.py)."""
-    plan = P.compile(build_b(), (2, 2))
+    plan = P.compile(build_b(), (2, 2), collectives="broadcast")
     sched = plan.schedule()
     rows = {0: (0, 1), 1: (2, 3)}
     cols = {0: (0, 2), 1: (1, 3)}
@@ -189,7 +213,7 @@ def test_boundary_called_twice_z3():
     """Forward L0, L1, L1 (Z3): L1 is broadcast again for its second call; its backward
     re-broadcast runs once (the buffer stays resident until the boundary's last backward), and it
     reduces once."""
-    plan = P.compile(build_a(), 2)
+    plan = P.compile(build_a(), 2, collectives="broadcast")
     sched = plan.schedule(Step(micro_batches=(MicroBatch(forward=(L0, L1, L1)),)))
     coll = [(op.phase, op.boundary) for op in sched.rank_ops(0) if op.collective]
     assert coll == (
@@ -353,7 +377,7 @@ def test_replay_catches_two_ranks_in_opposite_group_order():
 
 
 def test_replay_catches_mismatched_root():
-    sched = P.compile(build_a(), 2).schedule()
+    sched = P.compile(build_a(), 2, collectives="broadcast").schedule()
     progs = [list(p) for p in programs_of(sched)]
     i = next(i for i, op in enumerate(progs[1]) if op.phase == "backward_broadcast")
     progs[1][i] = dataclasses.replace(progs[1][i], root=1 - progs[1][i].root)
@@ -363,7 +387,7 @@ def test_replay_catches_mismatched_root():
 
 
 def test_replay_catches_missing_collective():
-    sched = P.compile(build_a(), 2).schedule()
+    sched = P.compile(build_a(), 2, collectives="broadcast").schedule()
     progs = [list(p) for p in programs_of(sched)]
     progs[1] = [op for op in progs[1] if not (op.phase == "reduce" and op.boundary == L0 and op.segment == 1)]
     with pytest.raises(ScheduleError, match="rank 1.*ends its step without issuing it"):
@@ -394,7 +418,7 @@ def test_replay_rejects_op_on_foreign_group():
 )
 def test_replay_rejects_malformed_ops_every_rank_agrees_on(change, message):
     """Agreement is not validity: both ranks issue the same malformed collective."""
-    progs = [list(p) for p in programs_of(P.compile(build_a(), 2).schedule())]
+    progs = [list(p) for p in programs_of(P.compile(build_a(), 2, collectives="broadcast").schedule())]
     for rank in (0, 1):
         i = next(i for i, op in enumerate(progs[rank]) if op.collective)
         progs[rank][i] = dataclasses.replace(progs[rank][i], **change)

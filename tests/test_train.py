@@ -240,7 +240,7 @@ def _moe_runs():
 
 def test_moe_run_learns_and_ledger_matches_plan():
     """``--experts 4 --top-k 2`` (router + torchtitan-layout expert stacks w1/w3/w2, every expert
-    its own Muon matrices, the stacks' experts split over both ranks), 30 steps on the embedded
+    its own Muon matrices, the block's experts split over both ranks), 30 steps on the embedded
     corpus: val loss ends below the unigram baseline, the ledger's bytes per step equal the plan's
     at every step, and the load-balancing loss is logged."""
     from dmuon.plan import compile as plan_compile
@@ -252,13 +252,16 @@ def test_moe_run_learns_and_ledger_matches_plan():
     assert m["ledger_nbytes_per_step"] == m["plan_total_nbytes"] > 0
     assert [s for s, *_ in m["history"]["moe"]] == [1, 10, 20, 30]
     assert all(1.0 <= aux < 4.0 for _, aux, _, _ in m["history"]["moe"])  # E * sum f_e P_e >= 1 (uniform = 1)
-    # what the job dedicated: the router and the three stacks of every block, each stack's 4
-    # experts owned by 2 ranks (2 + 2)
+    # what the job dedicated: the router and the three stacks of every block; each block's buffer
+    # all-gathered (collectives="auto") with its experts water-filled over both ranks (w1 on rank 0,
+    # w3 2 + 2, w2 on rank 1: equal slots), every expert one owner
     model = GPT(model_config(_complete(case)), device="meta")
     plan = plan_compile(model, 2)
     stacks = [p for p in plan.params if p.experts is not None]
     assert sorted(p.fqn for p in stacks) == sorted(f"layers.{i}.mlp.experts.w{j}" for i in range(2) for j in (1, 2, 3))
-    assert {o.rank for o in plan.expert_owners("layers.0.mlp.experts.w1")} == {0, 1}
+    block = [o.rank for j in (1, 2, 3) for o in plan.expert_owners(f"layers.0.mlp.experts.w{j}")]
+    assert len(block) == 12 and sorted(set(block)) == [0, 1]
+    assert {buf.collective for b in plan.boundaries for buf in b.buffers} == {"all_gather"}
     assert "layers.0.mlp.gate.weight" in plan.dedicated
 
 

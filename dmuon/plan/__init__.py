@@ -12,18 +12,19 @@ The folders follow the pipeline ``compile`` runs (docs/planning.md, "Where each 
     model/       stage 1: read the model (``snapshot``), find hook boundaries (``boundaries``),
                  select the dedicated matrices (``selection``, ``experts``, ``views``), and the
                  TP / EP views of an unparallelised model (``parallel``)
-    ownership/   stage 2: owners by constrained LPT (``partition``)
-    layout/      stage 3: packed buffers per boundary (``buffers``)
+    ownership/   stage 2: owners by constrained LPT (``partition``), per matrix class (``assign``)
+    layout/      stage 3: packed buffers per boundary (``buffers``), the collective of each
+                 (``collectives``), equal all-gather slots by re-placing expert ranges (``slots``)
     scheduling/  stage 4: every rank's ops in one step: ``ops`` (Op, Step), ``programs`` (per-boundary
                  collectives), ``builder`` (``schedule``), ``step_schedule`` (StepSchedule), ``replay``
                  (deadlock check)
     cost/        stage 5: ``model`` (ByteCost, RankStats), ``flops`` (NS FLOPs), ``nbytes`` (the byte rule,
                  ByteCost summed from the schedule), ``weights`` (LPT), ``memory`` (per rank), ``baseline``
-                 (FSDP2 + naive Muon)
+                 (FSDP2 + naive Muon), ``seconds`` (the alpha-beta rule of ``collectives="auto"``)
     records/     the frozen records the stages pass on: ``owners`` (Owner, OwnerGroup, ...),
                  ``params`` (ParamSpec, MatrixView, ...), ``fields`` (checks, dtype strings),
                  ``plan`` (ShardingPlan; its ``plan_index``, ``plan_json``, ``plan_figures``),
-                 ``mesh`` (mesh roles), ``qk_clip`` (settings)
+                 ``mesh`` (mesh roles), ``qk_clip`` (settings), ``collectives`` (CollectiveSettings)
     tools/       ``render`` (summary), ``diff``, ``cli`` (``python -m dmuon plan|diff``), ``html`` (the plan and
                  diff pages, imported when drawn)
     compile.py   the planner: runs the stages in order
@@ -37,11 +38,12 @@ Model shapes to plan (Llama-3, ViT, Qwen3-MoE, DeepSeek-V3 on the meta device) l
 from dmuon.plan.records import qk_clip
 from dmuon.plan.model import views
 from dmuon.plan.cost.model import BaselineByteCost, ByteCost, RankStats
-from dmuon.plan.tools.diff import CostDelta, ParamChange, PlanDiff, SettingChange, diff
+from dmuon.plan.tools.diff import CollectiveChange, CostDelta, ParamChange, PlanDiff, SettingChange, diff
 from dmuon.plan.layout.buffers import Boundary, BufferLayout
 from dmuon.plan.records.mesh import MESH_DIM_NAMES, MeshDimRoles, mesh_dim_roles, normalize_mesh
 from dmuon.plan.records.plan import ShardingPlan
 from dmuon.plan.records.qk_clip import QKClip
+from dmuon.plan.records.collectives import CollectiveSettings
 from dmuon.plan.records.owners import ExpertOwners, Owner, OwnerGroup
 from dmuon.plan.records.params import ExpertStack, MatrixView, ParamSpec
 from dmuon.plan.scheduling.ops import MicroBatch, Op, ScheduleError, Step
@@ -78,6 +80,8 @@ __all__ = [
     "ParamChange",
     "CostDelta",
     "SettingChange",
+    "CollectiveChange",
+    "CollectiveSettings",
     "BufferLayout",
     "Boundary",
     "matrix_predicate",

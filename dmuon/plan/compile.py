@@ -17,17 +17,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from dmuon.plan.cost import weights as _weights
 from dmuon.plan import rules as _rules
 from dmuon.plan.model.boundaries import BoundaryResolver
 from dmuon.plan.layout.buffers import build_boundaries
+from dmuon.plan.layout.collectives import assign_collectives
+from dmuon.plan.layout.slots import equal_slots
+from dmuon.plan.records.collectives import CollectiveSettings
 from dmuon.plan.records.mesh import normalize_mesh
-from dmuon.plan.ownership.partition import lpt_partition, lpt_partition_groups
+from dmuon.plan.ownership.assign import assign_owners
 from dmuon.plan.records.plan import ShardingPlan
 from dmuon.plan.records.qk_clip import QKClip, check_qk_clip
-from dmuon.plan.model.experts import expert_max_split, expert_range_weights
-from dmuon.plan.records.fields import dtype_str
-from dmuon.plan.records.owners import ExpertOwners, Owner, OwnerGroup, balanced_sizes
+from dmuon.plan.records.fields import dtype_str, itemsize_nbytes
+from dmuon.plan.records.owners import ExpertOwners
 from dmuon.plan.records.params import Fsdp2Unit, ParamSpec
 from dmuon.plan.model.selection import select_params
 from dmuon.plan.model.snapshot import take_snapshot
@@ -65,6 +66,9 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
     experts: str = "auto",
     expert_gate_up: str = "split",
     ep: int | None = None,
+    collectives: str = "auto",
+    collective_latency_s: float | None = None,
+    collective_bandwidth_Bps: float | None = None,
 ) -> ShardingPlan:
     """Plan DMuon for ``model`` on ``mesh`` (pure; no process group; meta models work).
 
@@ -125,7 +129,8 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
             ``GroupedExperts`` ``w1``/``w2``/``w3``, any 3-D parameter under an ``experts``
             module) are selected by the default rule, each expert is ``E`` Muon matrices in
             ``nn.Linear`` orientation (:class:`~dmuon.plan.records.params.ExpertStack`), and a stack's
-            experts get ``min(E, N)`` owners of contiguous ranges (:class:`ExpertOwners`).
+            experts get owners of contiguous ranges (:class:`ExpertOwners`; at most ``min(E, N)``, ranges
+            of at most ``g`` experts: :func:`~dmuon.plan.model.experts.expert_range_count`).
             ``"off"``: the selection before expert support (2-D parameters only; a stack a
             predicate selects is one owned unit of ``E`` matrices ``shape[1:]``).
         ep: expert-parallel degree (docs/moe_ep.md). ``None`` (default): ``N`` when ``mesh`` is
@@ -142,6 +147,24 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
         expert_gate_up: ``"split"`` (default): a fused gate/up expert is two Muon matrices,
             gate and up, as ``torch.optim.Muon`` treats the unfused model; ``"fused"``: one
             ``(2F, D)`` matrix per expert.
+        collectives: the collective of every packed buffer (hook boundary x dtype), recorded in
+            its :attr:`~dmuon.plan.layout.buffers.BufferLayout.collective`, for the forward and
+            backward parameter phases; the gradient phase pairs with it.
+            ``"broadcast"``: one broadcast per owner segment, gradient one SUM-reduce per
+            segment to its holder. ``"all_gather"``: every buffer whose group (replicate row, or
+            efsdp group under EP) has >= 2 ranks is one all-gather of equal slots (each shard
+            rank's segment padded to the largest, :mod:`dmuon.plan.layout.buffers`) per group and
+            phase, gradient one reduce-scatter (SUM) of the same slots. ``"auto"`` (default): per
+            buffer, the all-gather where the alpha-beta rule
+            (:func:`~dmuon.plan.cost.seconds.buffer_collective_s`: bytes with padding, per-call
+            latency ``alpha``, bandwidth ``B``) prices it strictly below the broadcasts. With
+            ``"auto"`` / ``"all_gather"`` a boundary's expert ranges are re-placed for equal
+            slots where that pays (:mod:`dmuon.plan.layout.slots`). HSDP's replicate phases
+            stay per sub-segment in every mode.
+        collective_latency_s, collective_bandwidth_Bps: ``alpha`` (seconds per collective step)
+            and ``B`` (bytes/s) of the ``"auto"`` rule; None = :data:`~dmuon.plan.rules.COLLECTIVE_LATENCY_S`
+            (8 us) and :data:`~dmuon.plan.rules.COLLECTIVE_BANDWIDTH_BPS` (45 GB/s), an H100
+            node's InfiniBand link. Recorded in the plan (``plan.collectives``, JSON, fingerprint).
 
     Returns:
         A validated, frozen :class:`ShardingPlan` whose nominal step schedule passed the
@@ -157,6 +180,11 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
     """
     mesh_shape = normalize_mesh(mesh)
     ep = _ep_degree(mesh, mesh_shape, ep)
+    collective_settings = CollectiveSettings(
+        mode=collectives,
+        latency_s=_rules.COLLECTIVE_LATENCY_S if collective_latency_s is None else collective_latency_s,
+        bandwidth_Bps=_rules.COLLECTIVE_BANDWIDTH_BPS if collective_bandwidth_Bps is None else collective_bandwidth_Bps,
+    )
     if cost_model not in _rules.COST_MODELS:
         raise ValueError(f"cost_model must be one of {_rules.COST_MODELS}, got {cost_model!r}")
     _rules.choose_ns_backend((1, 1), ns_backend)  # ValueError naming the known modes
@@ -231,22 +259,42 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
             for spec in specs
         )
     R, N = mesh_shape
-    owners = _assign_owners(
+    owners = assign_owners(
         specs, [s.boundary for s in selected], mesh_shape, cost_model, owner_groups, T, qk_clip,
         _rules.gram_segment_lengths(tp_ns_steps, tp_gram_restart_every),
     )
     fallback = {s.boundary: s.fallback for s in selected}
     used = set(fallback)
     boundary_order = [fqn for fqn in snapshot.module_fqns if fqn in used]
-    boundaries = build_boundaries(
-        [
-            (spec.fqn, spec.local_shape, spec.local_numel, spec.dtype, owner, s.boundary,
-             spec.ep_size if isinstance(owner, ExpertOwners) and not owner.local else 1)
-            for spec, owner, s in zip(specs, owners, selected)
-        ],
-        boundary_order,
-        fallback,
-        align_numel=align_numel,
+
+    def layout(owners):
+        return build_boundaries(
+            [
+                (spec.fqn, spec.local_shape, spec.local_numel, spec.dtype, owner, s.boundary,
+                 spec.ep_size if isinstance(owner, ExpertOwners) and not owner.local else 1)
+                for spec, owner, s in zip(specs, owners, selected)
+            ],
+            boundary_order,
+            fallback,
+            align_numel=align_numel,
+        )
+
+    def itemsizes(dtype: str) -> tuple[int, int]:
+        wire = _rules.bcast_dtype(dtype, param_dtype)
+        return itemsize_nbytes(wire), itemsize_nbytes(_rules.reduce_dtype(dtype, param_dtype, reduce_dtype))
+
+    boundaries = layout(owners)
+    z3 = bool(reshard_after_forward)
+    placed = equal_slots(
+        specs, owners, [s.boundary for s in selected], boundaries, collective_settings, mesh_shape=mesh_shape,
+        align_numel=align_numel, itemsizes=itemsizes, reshard_after_forward=z3, cost_model=cost_model,
+        segment_lengths=_rules.gram_segment_lengths(tp_ns_steps, tp_gram_restart_every),
+    )
+    if placed != owners:
+        owners, boundaries = placed, layout(placed)
+    boundaries = assign_collectives(
+        boundaries, collective_settings, num_shards=N, align_numel=align_numel, itemsizes=itemsizes,
+        reshard_after_forward=z3,
     )
     plan = ShardingPlan(
         mesh_shape=mesh_shape,
@@ -265,198 +313,10 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
         tp_gram_restart_every=tp_gram_restart_every,
         fsdp2_units=_fsdp2_units(snapshot, {s.record.fqn for s in selected}, hook_boundary_predicate),
         qk_clip=qk_clip,
+        collectives=collective_settings,
     )
     plan.schedule().check()  # the nominal step replays without deadlock on every rank
     return plan
-
-
-def _assign_owners(specs, boundaries, mesh_shape, cost_model, owner_groups, tp_size, qk_clip, segment_lengths,
-                   initial_loads=None):
-    """The owner (constrained LPT, :func:`~dmuon.plan.ownership.partition.lpt_partition`), owner group or
-    expert owners (:func:`~dmuon.plan.ownership.partition.lpt_partition_groups`) of every dedicated
-    parameter.
-
-    An expert stack (``ParamSpec.experts``) of ``E`` experts is cut into
-    :func:`~dmuon.plan.model.experts.expert_max_split` ``= min(E, N)`` contiguous ranges of experts,
-    each an LPT item of its own placed together with the dense matrices (on distinct shard
-    ranks of one replicate row, as an owner group's blocks): :class:`ExpertOwners`.
-
-    ``initial_loads``: ``{"numel": [...], cost_model: [...]}``, per slot, weight placed before
-    (the expert-parallel ranges of :func:`_assign_ep_owners`), in elements (what "auto" owner
-    groups are sized by) and in the cost model's unit (what they are placed by); None: none."""
-    R, N = mesh_shape
-    if isinstance(owner_groups, bool) or not (
-        owner_groups in _rules.OWNER_GROUP_MODES or (isinstance(owner_groups, int) and owner_groups >= 1)
-    ):
-        raise ValueError(
-            f"owner_groups must be one of {_rules.OWNER_GROUP_MODES} or an int k >= 1, got {owner_groups!r}"
-        )
-    ep = max((spec.ep_size for spec in specs), default=1)
-    if ep > 1 and (N // ep > 1 or R > 1):
-        return _assign_ep_owners(
-            specs, boundaries, mesh_shape, ep, cost_model, owner_groups, tp_size, qk_clip, segment_lengths
-        )
-    weights = [_weights.param_weight(spec, cost_model) for spec in specs]
-    keys = [spec.fqn for spec in specs]
-    expert_split = [
-        expert_max_split(spec.num_experts, N) if spec.experts is not None else 1 for spec in specs
-    ]
-    initial = initial_loads or {}
-    if owner_groups in ("off", 1) and max(expert_split, default=1) == 1 and not initial:
-        result = lpt_partition(weights, keys, boundaries, num_shards=N, num_replicas=R)
-        return tuple(Owner.at(slot, N) for slot in result.slots)
-    if tp_size > 1 and owner_groups not in ("off", 1):
-        raise ValueError(
-            f"dmuon.plan.compile: owner_groups={owner_groups!r} with tensor parallelism (T={tp_size}) is not "
-            "supported: a TP-sharded matrix is already orthogonalised by its TP group, and an owner group of TP "
-            "groups is not implemented; use owner_groups='off' with TP"
-        )
-
-    def pieces(i: int, k: int, model: str) -> tuple[int, ...]:
-        spec = specs[i]
-        if spec.experts is not None:  # every expert of a stack weighs the same
-            return expert_range_weights(_weights.param_weight(spec, model) // spec.num_experts, spec.num_experts, k)
-        return _weights.owner_group_piece_weights(spec, k, model, segment_lengths)
-
-    if owner_groups in ("off", 1):
-        max_split, split = expert_split, N  # forced: each stack gets its min(E, N) ranges, matrices one owner
-    else:
-        clipped = set()
-        if qk_clip is not None:  # QK-clip rescales whole W_q / W_k rows on their owner
-            clipped = {rows.fqn for att in qk_clip.attention for rows in (att.q, att.k)}
-        max_split = [1 if spec.fqn in clipped else _rules.owner_group_max_split(spec, N) for spec in specs]
-        split = owner_groups
-        has_stacks = max(expert_split, default=1) > 1
-        if owner_groups == "auto" and (cost_model != "numel" or has_stacks):
-            # "auto" sizes the groups by elements, what they exist for (memory, ranks owning
-            # nothing), then places them by the cost model: a member's share of Gram NS does not
-            # shrink like 1/k (the (d, d) part runs on every member), so sizing by NS FLOPs alone
-            # would cut square matrices across every rank and raise the busiest rank's FLOPs
-            sizing = lpt_partition_groups(
-                [spec.numel for spec in specs],
-                lambda i, k: pieces(i, k, "numel"),
-                [e if e > 1 else m for e, m in zip(expert_split, max_split)],
-                keys,
-                boundaries,
-                num_shards=N,
-                num_replicas=R,
-                split="auto",
-                initial_loads=initial.get("numel"),
-            )
-            max_split = [len(m) for m in sizing.members]
-            split = max(max_split)  # forced: each matrix gets min(split, max_split[i]), its own k
-        elif owner_groups != "auto":
-            max_split = [min(m, int(owner_groups)) for m in max_split]
-        if has_stacks:  # expert stacks always get their min(E, N) ranges; split = the largest k, forced
-            max_split = [e if e > 1 else m for e, m in zip(expert_split, max_split)]
-            split = max(max_split)
-    result = lpt_partition_groups(
-        weights,
-        lambda i, k: pieces(i, k, cost_model),
-        max_split,
-        keys,
-        boundaries,
-        num_shards=N,
-        num_replicas=R,
-        split=split,
-        initial_loads=initial.get(cost_model),
-    )
-    owners = []
-    for spec, members in zip(specs, result.members):
-        if len(members) == 1:
-            owners.append(Owner.at(members[0], N))
-            continue
-        if spec.experts is not None and spec.ep_size > 1:
-            # expert parallelism: rank j holds (and owns) experts j*E/ep ..; the LPT placed the
-            # N equal ranges on N distinct ranks, so fixing them to rank order keeps every load
-            owners.append(
-                ExpertOwners(
-                    members=tuple(Owner.at(slot, N) for slot in range(N)),
-                    sizes=(spec.experts.local_experts,) * N,
-                    local=True,
-                )
-            )
-            continue
-        if spec.experts is not None:
-            owners.append(
-                ExpertOwners(
-                    members=tuple(Owner.at(slot, N) for slot in members),
-                    sizes=balanced_sizes(spec.num_experts, len(members)),
-                )
-            )
-            continue
-        owners.append(_owner_group(spec, members, N))
-    return tuple(owners)
-
-
-def _assign_ep_owners(specs, boundaries, mesh_shape, ep, cost_model, owner_groups, tp_size, qk_clip, segment_lengths):
-    """Owners under expert parallelism with ``efsdp = N/ep > 1`` or HSDP replicas (``R > 1``).
-
-    Shard rank ``s`` holds the experts of EP coordinate ``j = s mod ep`` (EP groups are ``ep``
-    consecutive shard ranks); the ``efsdp`` ranks ``j, j+ep, j+2ep, ...`` of a replicate row (its
-    *efsdp group*) hold the same ``E/ep`` experts and split their ownership.
-
-    1. The stacks first: each stack's ``E/ep`` local experts are cut into ``k = min(E/ep,
-       efsdp)`` contiguous ranges (:func:`~dmuon.plan.records.owners.balanced_sizes`), placed by the
-       constrained LPT (:func:`~dmuon.plan.ownership.partition.lpt_partition_groups`) on ``k`` distinct
-       efsdp indices ``i`` of one replicate row ``r``, the slots being ``(r, i)``. Every EP
-       coordinate ``j`` uses the same placement, so range ``q`` of coordinate ``j`` is owned by
-       shard ``j + i_q*ep`` of row ``r`` and every rank of an EP group carries the same load.
-    2. Then the dense matrices, by :func:`_assign_owners` over the ``R*N`` slots with the
-       stacks' loads as its ``initial_loads`` (owner groups as requested).
-
-    The :class:`ExpertOwners` lists the ranges in global expert order (coordinate-major), so
-    ``per_expert()`` is the owner of every global expert.
-    """
-    R, N = mesh_shape
-    efsdp = N // ep
-    stack_idx = [i for i, spec in enumerate(specs) if spec.experts is not None]
-    dense_idx = [i for i, spec in enumerate(specs) if spec.experts is None]
-    per_expert = {i: _weights.param_weight(specs[i], cost_model) // specs[i].num_experts for i in stack_idx}
-    local = {i: specs[i].experts.local_experts for i in stack_idx}
-    ks = [min(local[i], efsdp) for i in stack_idx]
-    placed = lpt_partition_groups(
-        [per_expert[i] * local[i] for i in stack_idx],
-        lambda n, k: expert_range_weights(per_expert[stack_idx[n]], local[stack_idx[n]], k),
-        ks,
-        [specs[i].fqn for i in stack_idx],
-        [boundaries[i] for i in stack_idx],
-        num_shards=efsdp,
-        num_replicas=R,
-        split=max(ks),
-    )
-    owners: list[Any] = [None] * len(specs)
-    for n, i in enumerate(stack_idx):
-        slots = placed.members[n]
-        sizes = balanced_sizes(local[i], len(slots))
-        members = tuple(Owner.at((slot // efsdp) * N + j + (slot % efsdp) * ep, N) for j in range(ep) for slot in slots)
-        owners[i] = ExpertOwners(members=members, sizes=tuple(sizes) * ep)
-    if dense_idx:
-        initial = {"numel": [0] * (R * N), cost_model: [0] * (R * N)}
-        for i in stack_idx:
-            for model, loads in initial.items():
-                per = _weights.param_weight(specs[i], model) // specs[i].num_experts
-                for member, size in zip(owners[i].members, owners[i].sizes):
-                    loads[member.rank] += per * size
-        sub = _assign_owners(
-            tuple(specs[i] for i in dense_idx), [boundaries[i] for i in dense_idx], mesh_shape, cost_model,
-            owner_groups, tp_size, qk_clip, segment_lengths, initial_loads=initial,
-        )
-        for i, owner in zip(dense_idx, sub):
-            owners[i] = owner
-    return tuple(owners)
-
-
-def _owner_group(spec, members, N: int) -> OwnerGroup:
-    """The :class:`OwnerGroup` of a dense matrix on LPT ``members`` (slots): its long side cut
-    into balanced blocks, block ``j`` on member ``j``."""
-    dim = _rules.owner_group_dim(spec.shape)
-    return OwnerGroup(
-        members=tuple(Owner.at(slot, N) for slot in members),
-        dim=dim,
-        sizes=balanced_sizes(int(spec.shape[dim]), len(members)),
-    )
-
 
 
 def _ep_degree(mesh: Any, mesh_shape: tuple[int, int], ep: int | None) -> int:

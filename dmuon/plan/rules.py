@@ -39,6 +39,11 @@ __all__ = [
     "owner_group_max_split",
     "bcast_dtype",
     "reduce_dtype",
+    "COLLECTIVE_MODES",
+    "GRADIENT_COLLECTIVE",
+    "COLLECTIVE_LATENCY_S",
+    "COLLECTIVE_BANDWIDTH_BPS",
+    "EXPERT_RANGE_SLACK",
 ]
 
 #: valid ``cost_model`` values of :func:`dmuon.plan.compile`
@@ -57,6 +62,22 @@ TP_NS_MODES = ("auto", "gram", "gather")
 TP_GRAM_DTYPE = "torch.float32"
 #: string values of ``dmuon.plan.compile(owner_groups=...)`` (an int ``k >= 1`` forces ``k``)
 OWNER_GROUP_MODES = ("off", "auto")
+#: valid ``collectives`` values of :func:`dmuon.plan.compile`: the parameter phases' collective
+#: of every buffer, chosen per buffer (``"auto"``) or forced (:mod:`dmuon.plan.layout.collectives`)
+COLLECTIVE_MODES = ("auto", "broadcast", "all_gather")
+#: the gradient collective each parameter-phase kind pairs with (over the same segments / slots)
+GRADIENT_COLLECTIVE = {"broadcast": "reduce", "all_gather": "reduce_scatter"}
+#: ``collectives="auto"``: seconds per collective algorithm step (alpha) and link bandwidth (B) of
+#: the cost rule (:func:`dmuon.plan.cost.seconds.buffer_collective_s`). COPIED from the simulator's
+#: ``dmuon.sim.hardware.PRESETS["h100"].inter`` (8 us, 0.9 x 50 GB/s NDR InfiniBand); the planner
+#: never imports the simulator, a test asserts the two agree. Plan settings (JSON, fingerprint).
+COLLECTIVE_LATENCY_S = 8e-6
+COLLECTIVE_BANDWIDTH_BPS = 45e9
+#: expert ranges: a stack of ``E`` experts gets ranges of ``g`` experts, ``g`` the largest with
+#: ``g * per-expert weight <= EXPERT_RANGE_SLACK * mean slot weight``
+#: (:func:`dmuon.plan.model.experts.expert_range_count`): fewer owners per boundary (fewer
+#: broadcasts) while the LPT bound stays ``mean + max(largest dense matrix, slack * mean)``
+EXPERT_RANGE_SLACK = 0.5
 
 
 #: ``ns_backend="auto"`` picks Gram NS only for matrices whose short side ``d = min(m, n)`` is at

@@ -31,8 +31,8 @@ consecutive experts, ``(E/P, ...)``, and the block routes token slots to them wi
 
 The "-> Muon" column is what dmuon's default predicate selects: every 2-D parameter inside a
 hook boundary (``layers.{i}``) that is not an ``nn.Embedding`` weight, and every recognised 3-D
-expert stack (each expert its own Muon matrix, the stack's experts owned by min(E, N) ranks in
-contiguous ranges; docs/moe.md). ``lm_head`` sits outside the blocks, so it stays with FSDP2 +
+expert stack (each expert its own Muon matrix, the stack's experts owned by up to min(E, N) ranks
+in contiguous ranges; docs/moe.md). ``lm_head`` sits outside the blocks, so it stays with FSDP2 +
 AdamW, as is usual for Muon.
 
 Every linear layer has ``bias=False``; positions are learned (``pos_embed``), so the model holds

@@ -5,8 +5,17 @@ Accounting (the rule :func:`dmuon.plan.cost.nbytes.collective_rank_nbytes` state
 a payload of ``S`` bytes, every non-root rank is charged ``S`` (it receives ``S`` in a
 broadcast, sends ``S`` in a reduce), so the collective totals ``(k-1)·S`` over the group. An
 all-reduce of ``numel`` elements is charged ``2·(k-1)·ceil(numel/k)·itemsize`` per rank (ring
-reduce-scatter + all-gather, ``~2·S``); an all-gather of ``S`` bytes per rank ``(k-1)·S`` per
-rank; a scatter charges each non-root rank its own chunk.
+reduce-scatter + all-gather, ``~2·S``); an all-gather of ``S`` bytes per rank, or a
+reduce-scatter to ``S`` bytes per rank, ``(k-1)·S`` per rank; a scatter charges each non-root
+rank its own chunk.
+
+Coalescing (:func:`broadcast_many`, :func:`reduce_many`): where the backend supports it (NCCL:
+``supports_coalescing`` on the group's backend for the device, the check torch's own
+``batch_isend_irecv`` makes) the broadcasts (or reduces) of one list are issued as one
+coalesced group through ``torch.distributed``'s private ``_coalescing_manager`` (torch has no
+public API for it; gloo's backend reports no support and raises on ``startCoalescing``), and
+return one ``Work``; elsewhere they are issued one by one, as before. The bytes charged are the
+same either way.
 
 Each process keeps its own :data:`LEDGER` of the bytes charged to *this* rank, per phase. The
 sum over ranks (e.g. ``all_reduce`` of :meth:`Ledger.total_nbytes`) is what
@@ -68,6 +77,10 @@ __all__ = [
     "all_reduce_sum",
     "all_reduce_max",
     "all_gather_into",
+    "reduce_scatter_into",
+    "broadcast_many",
+    "reduce_many",
+    "coalescing_supported",
     "scatter",
     "wait_all",
 ]
@@ -326,6 +339,62 @@ def all_gather_into(
     _charge("all_gather", phase, tensor, group, None)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch >= 2.13 renamed it
     return _done(gather(output, tensor, group=group, async_op=True), async_op, "all-gather", phase, tensor, group)
+
+
+def reduce_scatter_into(
+    output: torch.Tensor, tensor: torch.Tensor, *, group: dist.ProcessGroup, phase: str, async_op: bool = False
+):
+    """SUM-reduce-scatter ``tensor`` (``k·numel`` elements, group-rank order) over the ``k`` ranks
+    of ``group``: group rank ``j`` receives chunk ``j``, summed, in ``output``. Charges
+    ``(k-1)·output.nbytes`` to every rank (it sends the other ranks' chunks: ``S·(k-1)/k`` of the
+    full ``S``)."""
+    _charge("reduce_scatter", phase, output, group, None)
+    rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # torch >= 2.13 renamed it
+    return rs(output, tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def coalescing_supported(group, device: torch.device) -> bool:
+    """Whether ``group``'s backend on ``device`` coalesces a list of collectives into one launch
+    (NCCL; never gloo or CPU): ``supports_coalescing`` of the backend, as torch's own
+    ``batch_isend_irecv`` asks, and torch's private ``_coalescing_manager`` present. Any
+    failure to ask reads as False (the one-by-one issue)."""
+    if device.type == "cpu" or getattr(dist.distributed_c10d, "_coalescing_manager", None) is None:
+        return False
+    try:
+        return bool(group._get_backend(device).supports_coalescing)
+    except Exception:  # noqa: BLE001 - a backend without the query: issue one by one
+        return False
+
+
+def _issue_many(kind: str, items, group, phase: str, coalesce: bool) -> list:
+    call = dist.broadcast if kind == "broadcast" else dist.reduce
+    for tensor, root in items:
+        _charge(kind, phase, tensor, group, root)
+    if coalesce and len(items) > 1:
+        device = items[0][0].device
+        with dist.distributed_c10d._coalescing_manager(group, device, async_ops=True) as cm:
+            for tensor, root in items:
+                if kind == "broadcast":
+                    call(tensor, src=root, group=group, async_op=True)
+                else:
+                    call(tensor, dst=root, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        return list(cm.works)
+    if kind == "broadcast":
+        return [call(t, src=root, group=group, async_op=True) for t, root in items]
+    return [call(t, dst=root, op=dist.ReduceOp.SUM, group=group, async_op=True) for t, root in items]
+
+
+def broadcast_many(items: Sequence[tuple[torch.Tensor, int]], *, group, phase: str, coalesce: bool) -> list:
+    """Async broadcasts of ``(tensor, src global rank)`` pairs over ``group``, in order, charged
+    as :func:`broadcast` each; one coalesced group when ``coalesce`` (pass
+    :func:`coalescing_supported`), else one by one. Returns the works to wait for."""
+    return _issue_many("broadcast", items, group, phase, coalesce)
+
+
+def reduce_many(items: Sequence[tuple[torch.Tensor, int]], *, group, phase: str, coalesce: bool) -> list:
+    """Async SUM-reduces of ``(tensor, dst global rank)`` pairs over ``group``, in order, charged as
+    :func:`reduce_sum` each; one coalesced group when ``coalesce``, else one by one."""
+    return _issue_many("reduce", items, group, phase, coalesce)
 
 
 def scatter(

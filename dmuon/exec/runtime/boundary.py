@@ -30,19 +30,20 @@ the matrix.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import weakref
 from collections.abc import Callable
 
 import optree
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from dmuon.exec.comm import collectives as C
 from dmuon.exec.setup import fsdp2
 from dmuon.exec.runtime.boundary_host import BoundaryHost
-from dmuon.exec.runtime.buffers import _Owned, _Segment
+from dmuon.exec.runtime.buffers import _Segment
+from dmuon.exec.runtime.gather_buffers import _GatherBuffer, _owned_views
 from dmuon.exec.runtime.program import ONE_RANK, BoundaryOps
 from dmuon.exec.runtime.streams import _on_stream, current_stream
 
@@ -131,6 +132,11 @@ class _BoundaryRuntime:
         # and the grouped matrices (their blocks have no homes); the objects stay, their tensors
         # may be rebound (dmuon.exec.setup.materialize)
         self.installable = [s for s in self.slots if s.grouped is None] + self.grouped
+        # all-gathered buffers (the plan's BufferLayout.collective): one gathered tensor each,
+        # holding this rank's non-held segments of it
+        self.gathers = list({id(seg.gather): seg.gather for seg in segments if seg.gather is not None}.values())
+        # the step check: who sent each received step code, in _received_codes() order
+        self.round_senders = self._round_senders()
         self.pending_backward = 0  # grad-enabled forwards whose backward has not finished
         self.sharded_state = ShardedState.RESHARDED
         self.training_state = TrainingState.IDLE
@@ -169,12 +175,13 @@ class _BoundaryRuntime:
                     "was the forward run twice with its backward in between? Use reshard_after_forward=True"
                 )
             rt.wait_replicate_broadcasts(self)  # HSDP: the holder's value must be current
-            works = []
             stream = rt.comm_stream("broadcast")  # None on CPU
             for seg in self.segments:
-                if not seg.held:  # regrown on the compute stream: the allocator keeps it stream-ordered
+                if not seg.held and seg.gather is None:  # regrown on the compute stream: the allocator keeps it stream-ordered
                     seg.wire.untyped_storage().resize_(seg.numel * seg.wire.element_size())
                     seg.resident = True
+            for gb in self.gathers:
+                gb.grow()
             if stream is not None:  # masters written by the optimizer, storage last read by compute
                 stream.wait_stream(current_stream(stream.device))
             code = self._step_code(phase)
@@ -182,13 +189,15 @@ class _BoundaryRuntime:
                 for seg in self.segments:
                     if seg.held:
                         self._copy_masters_to_wire(seg)
-                        if bops:  # the flag slots carry (step, phase, forward); receivers compare
+                        if bops and seg.gather is None:  # the flag slots carry (step, phase, forward); receivers compare
                             for sub in seg.subs:
                                 seg.wire[sub.flags_offset_in_seg : sub.flags_offset_in_seg + len(sub.slots)] = code
-                for b in bops:
-                    works.append(
-                        C.broadcast(b.segment.wire, src=b.root, group=b.group, phase=b.op.phase, async_op=True)
-                    )
+                for gb in self.gathers:  # the own slot: the held segment (all-gathered in place) and the code
+                    own = gb.slot(gb.my_slot)
+                    if gb.held is not None:
+                        own[: gb.held.numel].copy_(gb.held.wire)
+                    own[gb.slot_numel - 1] = code
+                works = self._issue(bops, rt)
             self._inflight, self._inflight_phase, self._inflight_stream = works, phase, stream
             # nothing to wait for (one shard, off CUDA): unsharded at once
             self.sharded_state = ShardedState.UNSHARDING if works or stream is not None else ShardedState.UNSHARDED
@@ -207,20 +216,63 @@ class _BoundaryRuntime:
             self._check_rounds(self._inflight_phase)
             self._assemble_grouped()
 
+    def _issue(self, bops, rt) -> list:
+        """Post ``bops`` in order (async): an all-gather per all-gathered buffer (this rank's slot
+        of the gathered tensor is its input, in place), and each run of consecutive broadcasts
+        on one group as one coalesced group where the backend coalesces
+        (:func:`~dmuon.exec.comm.collectives.broadcast_many`). Returns the works."""
+        works: list = []
+        i = 0
+        while i < len(bops):
+            b = bops[i]
+            gb = b.gather
+            if gb is not None:
+                works.append(C.all_gather_into(gb.gathered, gb.slot(gb.my_slot), group=b.group, phase=b.op.phase,
+                                               async_op=True))
+                i += 1
+                continue
+            j = i + 1
+            while j < len(bops) and bops[j].gather is None and bops[j].group is b.group:
+                j += 1
+            items = [(x.segment.wire, x.root) for x in bops[i:j]]
+            works += C.broadcast_many(items, group=b.group, phase=b.op.phase, coalesce=rt.coalesces(b.group))
+            i = j
+        return works
+
     def _step_code(self, phase: str) -> float:
         rt = self.runtime_ref()
         return step_code(rt.steps_done, phase == "backward_broadcast", self.forwards_since_step)
 
+    def _round_senders(self) -> list[int]:
+        """Global rank that sent each code of :meth:`_received_codes`: the root of each received
+        broadcast segment, then per all-gathered buffer every other member of the group."""
+        rt = self.runtime_ref()
+        g = rt.groups
+        out = [g.rank_of(g.replicate, seg.shard) for seg in self.segments if not seg.held and seg.gather is None]
+        for gb in self.gathers:
+            out += [g.rank_of(g.replicate, s) for j, s in enumerate(gb.group_shards) if j != gb.my_slot]
+        return out
+
+    def _received_codes(self) -> list[torch.Tensor]:
+        """The step codes this rank received (views): a received broadcast segment's first flag
+        slot, and every other member's slot trailer of each all-gathered buffer."""
+        parts = [seg.wire[seg.subs[0].flags_offset_in_seg].reshape(1) for seg in self.segments
+                 if not seg.held and seg.gather is None]
+        for gb in self.gathers:
+            codes = gb.codes()
+            parts += [codes[: gb.my_slot], codes[gb.my_slot + 1 :]]
+        return parts
+
     def _check_rounds(self, phase: str) -> None:
-        """Every received segment's flag slots must carry this rank's own :func:`step_code`
-        (optimizer step, phase, forward index): a holder on another step or phase (a rank that
-        skipped or repeated a forward, backward or optimizer step) is reported here on CPU; on
-        an accelerator the comparison stays on the device and the runtime checks it once per
-        optimizer step (one host sync)."""
-        received = [seg.wire[seg.subs[0].flags_offset_in_seg] for seg in self.segments if not seg.held]
-        if not received:
+        """Every received step code (a broadcast segment's flag slots, an all-gathered slot's
+        trailer: every member writes one, owner or not) must be this rank's own
+        :func:`step_code` (optimizer step, phase, forward index): a sender on another step or
+        phase (a rank that skipped or repeated a forward, backward or optimizer step) is reported
+        here on CPU; on an accelerator the comparison stays on the device and the runtime checks
+        it once per optimizer step (one host sync)."""
+        if not self.round_senders:
             return
-        got = torch.stack(received)
+        got = torch.cat(self._received_codes())
         expected = self._step_code(phase)
         if got.device.type != "cpu":
             self.runtime_ref().defer_round_check(self, phase, got, expected)
@@ -230,16 +282,15 @@ class _BoundaryRuntime:
     def raise_if_out_of_step(self, phase: str, got: list, expected: float) -> None:
         """Raise :class:`RanksOutOfStep` naming both sides when a received round differs."""
         rt = self.runtime_ref()
-        holders = [seg for seg in self.segments if not seg.held]
-        for seg, value in zip(holders, got):
+        for holder, value in zip(self.round_senders, got):
             if value != expected:
-                holder = rt.groups.rank_of(rt.groups.replicate, seg.shard)  # the broadcast's root
                 me = rt.groups.rank_of(rt.groups.replicate, rt.groups.shard)
                 raise RanksOutOfStep(
                     f"dmuon: ranks out of step at boundary {self.fqn!r}: this rank (global rank {me}) is at "
                     f"{describe_code(expected)} (optimizer steps done: {rt.steps_done}), but global rank {holder}, "
-                    f"whose broadcast it received, is at {describe_code(value)}: one of them skipped or repeated a "
-                    "forward, a backward or an optimizer step. Every rank must run the same forwards, backwards "
+                    f"whose broadcast or all-gather slot it received, is at {describe_code(value)}: one of them "
+                    "skipped or repeated a forward, a backward or an optimizer step. Every rank must run the same "
+                    "forwards, backwards "
                     "and opt.step() calls in the same order (no rank-dependent skip, early exit or extra step)."
                 )
 
@@ -257,9 +308,12 @@ class _BoundaryRuntime:
         if self.sharded_state is ShardedState.UNSHARDING:
             self._unshard(self._inflight_phase)
         for seg in self.segments:
-            if not seg.held and seg.resident:
+            if not seg.held and seg.resident and seg.gather is None:
                 seg.wire.untyped_storage().resize_(0)
                 seg.resident = False
+        for gb in self.gathers:
+            if gb.resident:
+                gb.release()
         for gm in self.grouped:
             if gm.resident:
                 gm.release()
@@ -399,48 +453,88 @@ class _BoundaryRuntime:
     # -- gradient reduce -------------------------------------------------------------------
 
     def _launch_reduce(self) -> None:
-        """Pack the local gradients into each segment's reduce buffer and reduce it.
+        """Pack the local gradients into the reduce buffers and reduce them: per broadcast
+        segment its reduce buffer, SUM-reduced to its holder (runs on one group coalesced where
+        the backend coalesces); per all-gathered buffer ``rs_in`` (every segment at its slot),
+        reduce-scattered into this rank's slot ``rs_out``.
 
-        The buffer tensor is reused (storage regrown, zeroed, rewritten), so a reduce still in flight on it (the same boundary
-        finishing twice before the end of the backward) is finished first. CUDA: the packing and
-        the reduce are ordered after the compute stream on the reduce stream; the local gradients
-        stay referenced until :meth:`DmuonRuntime.finish_reduces` waits for that stream.
+        The buffer tensors are reused (storage regrown, zeroed, rewritten), so a reduce still in
+        flight on one (the same boundary finishing twice before the end of the backward) is
+        finished first. CUDA: the packing and the reduce are ordered after the compute stream on
+        the reduce stream; the local gradients stay referenced until
+        :meth:`DmuonRuntime.finish_reduces` waits for that stream.
         """
         rt = self.runtime_ref()
-        if any(seg.reduce_inflight for seg in self.segments):
+        if any(seg.reduce_inflight for seg in self.segments) or any(gb.reduce_inflight for gb in self.gathers):
             rt.finish_reduces()
         stream = rt.comm_stream("reduce")  # None on CPU
         # (re)grow the buffers on the compute stream, as FSDP2 allocates its reduce-scatter input
-        bufs = [self._reduce_buffer(b.segment) for b in self.ops.reduce]
+        bufs = [self._reduce_buffer(b.segment) if b.gather is None else b.gather.reduce_buffers()[0]
+                for b in self.ops.reduce]
         if stream is not None:  # the gradients were produced on the compute stream
             stream.wait_stream(current_stream(stream.device))
         with _on_stream(stream):
+            keeps = []
             for b, buf in zip(self.ops.reduce, bufs):
-                seg = b.segment
                 buf.fill_(0)
-                keep = []
-                for sub in seg.subs:
-                    for k, slot in enumerate(sub.slots):
-                        gm = slot.grouped
-                        g = slot.compute.grad if gm is None else gm.compute.grad
-                        if g is not None:
-                            if slot.tp is not None:
-                                g = slot.tp.local(g)
-                            if gm is not None:  # this block of the grouped matrix's full gradient
-                                g = g.narrow(gm.info.dim, gm.info.compute_offset(slot.block), gm.info.sizes[slot.block])
-                            buf[slot.offset_in_seg : slot.offset_in_seg + slot.numel].view(slot.shape).copy_(g)
-                            buf[sub.flags_offset_in_seg + k] = 1
-                            if stream is not None:
-                                keep.append(g)
-                            if gm is None:
-                                slot.compute.grad = None
-                work = None if b.group is ONE_RANK else C.reduce_sum(
-                    buf, dst=b.root, group=b.group, phase=b.op.phase, async_op=True
-                )
-                seg.reduce_inflight = True
-                rt.pending_reduces.append((self, seg, buf, work, keep))
+                keep: list = []
+                gb = b.gather
+                if gb is None:
+                    self._pack(b.segment, buf, 0, keep, stream)
+                else:
+                    for j, seg in enumerate(gb.segments):
+                        if seg is not None:
+                            self._pack(seg, buf, j * gb.slot_numel, keep, stream)
+                keeps.append(keep)
+            i = 0
+            ops = self.ops.reduce
+            while i < len(ops):
+                b = ops[i]
+                gb = b.gather
+                if gb is not None:
+                    work = C.reduce_scatter_into(gb.rs_out, bufs[i], group=b.group, phase=b.op.phase, async_op=True)
+                    gb.reduce_inflight = True
+                    rt.pending_reduces.append(_PendingReduce(self, gb.held, gb.rs_out, [work], keeps[i], gb))
+                    i += 1
+                    continue
+                j = i + 1
+                while j < len(ops) and ops[j].gather is None and ops[j].group is b.group:
+                    j += 1
+                if b.group is ONE_RANK:  # an efsdp group of one rank: the buffer is already the sum
+                    works = []
+                else:
+                    items = [(bufs[q], ops[q].root) for q in range(i, j)]
+                    works = C.reduce_many(items, group=b.group, phase=b.op.phase, coalesce=rt.coalesces(b.group))
+                for q in range(i, j):  # the run's works (one when coalesced) ride on its first segment
+                    seg = ops[q].segment
+                    seg.reduce_inflight = True
+                    rt.pending_reduces.append(_PendingReduce(self, seg, bufs[q], works if q == i else [], keeps[q], None))
+                i = j
             for gm in self.grouped:  # every block packed: the full local gradient is done with
                 gm.compute.grad = None
+
+    @staticmethod
+    def _pack(seg: _Segment, buf: torch.Tensor, base: int, keep: list, stream) -> None:
+        """Write ``seg``'s local gradients into ``buf`` at ``base`` + their offsets in the segment,
+        and a presence flag 1 for each one present (zeros stay where a compute parameter has no
+        gradient); a matrix's compute gradient is dropped once packed."""
+        for sub in seg.subs:
+            for k, slot in enumerate(sub.slots):
+                gm = slot.grouped
+                g = slot.compute.grad if gm is None else gm.compute.grad
+                if g is None:
+                    continue
+                if slot.tp is not None:
+                    g = slot.tp.local(g)
+                if gm is not None:  # this block of the grouped matrix's full gradient
+                    g = g.narrow(gm.info.dim, gm.info.compute_offset(slot.block), gm.info.sizes[slot.block])
+                start = base + slot.offset_in_seg
+                buf[start : start + slot.numel].view(slot.shape).copy_(g)
+                buf[base + sub.flags_offset_in_seg + k] = 1
+                if stream is not None:
+                    keep.append(g)
+                if gm is None:
+                    slot.compute.grad = None
 
     @staticmethod
     def _reduce_buffer(seg: _Segment) -> torch.Tensor:
@@ -453,20 +547,28 @@ class _BoundaryRuntime:
         buf = seg.reduce_buf
         if buf is None or buf.device != seg.wire.device:
             buf = torch.empty(seg.numel, dtype=seg.reduce_dtype, device=seg.wire.device)
-            me = dist.get_rank()
             seg.reduce_buf = buf
-            seg.owned = [
-                _Owned(
-                    sub=sub,
-                    values=buf[sub.offset_in_seg : sub.offset_in_seg + sub.numel],
-                    flags=buf[sub.flags_offset_in_seg : sub.flags_offset_in_seg + len(sub.slots)],
-                )
-                for sub in seg.subs
-                if seg.held and sub.owner_global_rank == me
-            ]
+            seg.owned = _owned_views(seg, buf)
         else:
             buf.untyped_storage().resize_(seg.numel * buf.element_size())
         return buf
+
+
+@dataclasses.dataclass(eq=False)
+class _PendingReduce:
+    """A launched gradient reduce, until :func:`~dmuon.exec.runtime.reduces.finish_reduces`:
+    its ``boundary``, the held ``segment`` whose owned sub-segments it delivers (None: this rank
+    holds nothing in an all-gathered buffer), the reduce buffer ``buf`` laid out as that segment
+    (a broadcast segment's, or an all-gathered buffer's ``rs_out``), the ``works`` to wait for,
+    the local gradients to ``keep`` referenced until then (CUDA), and the ``gather`` buffer of a
+    reduce-scatter (its ``rs_in`` is released after the wait)."""
+
+    boundary: "_BoundaryRuntime"
+    segment: _Segment | None
+    buf: torch.Tensor
+    works: list
+    keep: list
+    gather: _GatherBuffer | None
 
 
 class RanksOutOfStep(RuntimeError):

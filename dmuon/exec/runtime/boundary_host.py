@@ -37,7 +37,7 @@ class BoundaryHost(Protocol):
     # -- state the runtime owns ----------------------------------------------------------------
     steps_done: int  # optimizer steps seen: part of the step check's code
     requires_gradient_sync: bool  # False inside dmuon.no_sync: the post-backward defers the reduce
-    pending_reduces: list  # (boundary, segment, buffer, work, local grads): the post-backward appends, finish_reduces drains
+    pending_reduces: list  # _PendingReduce records: the post-backward appends, finish_reduces drains
 
     # -- calls ---------------------------------------------------------------------------------
     def boundary_after(self, b: Any) -> Any:
@@ -51,6 +51,9 @@ class BoundaryHost(Protocol):
 
     def wait(self, works: list, what: str, *, boundary: Any = None, group: Any = None) -> None:
         """Wait for ``works`` (dmuon's timeout, the step and forward count quoted by a failure)."""
+
+    def coalesces(self, group: Any) -> bool:
+        """Whether the broadcasts / reduces of one list on ``group`` go as one coalesced group."""
 
     def wait_replicate_broadcasts(self, boundary: Any = None) -> None:
         """HSDP: wait for ``boundary``'s post-step replicate broadcasts before its next unshard."""

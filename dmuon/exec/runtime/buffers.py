@@ -29,6 +29,9 @@ import torch.nn as nn
 from dmuon import _tags
 from dmuon._dtensor import is_dtensor
 from dmuon._tags import dedicated_info
+from dmuon.plan.layout.slots import in_place_stacks
+
+from dmuon.exec.runtime.gather_buffers import _GatherBuffer
 
 __all__ = ["DedicatedInfo", "TPInfo", "GroupInfo", "build_segments", "dedicated_info"]
 
@@ -211,12 +214,20 @@ class _Grouped:
     homes: list[tuple[nn.Module, str]]
     logical: nn.Parameter
     compute: nn.Parameter
-    writer: torch.Tensor
+    writer: torch.Tensor | None  # None when received in place
     blocks: list  # [_Slot] in block order
     resident: bool = False
+    # received in place (the plan's in_place_stacks): ``compute`` is a strided view of this
+    # all-gathered buffer's gathered tensor, ``(offset from its start, strides)``; nothing to copy
+    gather: "_GatherBuffer | None" = None
+    view: tuple | None = None
 
     def assemble(self) -> None:
-        """Grow ``compute``'s storage and copy every block's (current) wire into it."""
+        """Grow ``compute``'s storage and copy every block's (current) wire into it (received in
+        place: the all-gather wrote it already)."""
+        if self.view is not None:
+            self.resident = True
+            return
         w = self.writer
         w.untyped_storage().resize_(w.numel() * w.element_size())
         info = self.info
@@ -226,8 +237,18 @@ class _Grouped:
         self.resident = True
 
     def release(self) -> None:
-        self.writer.untyped_storage().resize_(0)
+        if self.view is None:  # in place: the gathered tensor's storage is released with its buffer
+            self.writer.untyped_storage().resize_(0)
         self.resident = False
+
+    def view_gathered(self) -> torch.Tensor:
+        """The compute tensor of a stack received in place: a view of the gathered storage with
+        its own version counter (``set_``), as every compute parameter is built."""
+        g = self.gather.gathered  # type: ignore[union-attr]
+        offset, strides = self.view  # type: ignore[misc]
+        return torch.empty(0, dtype=g.dtype, device=g.device).set_(
+            g.untyped_storage(), g.storage_offset() + offset, self.info.compute_shape, strides
+        )
 
 
 @dataclasses.dataclass(eq=False)
@@ -245,7 +266,9 @@ class _Segment:
     shard: int
     numel: int
     held: bool  # this rank stores it permanently (its shard coordinate)
-    wire: torch.Tensor  # 1-D, broadcast dtype; storage freed when not resident (non-held only)
+    # 1-D, broadcast dtype; storage freed when not resident (non-held only). In an all-gathered
+    # buffer a non-held segment's wire is a view of its slot in the buffer's gathered tensor
+    wire: torch.Tensor
     master: torch.Tensor | None  # held only: 1-D, param dtype; ``wire`` itself unless mixed precision
     subs: list[_SubSeg]
     slots: list[_Slot]
@@ -256,17 +279,8 @@ class _Segment:
     # gradient reduce, built on first use (``_BoundaryRuntime._reduce_buffer``) and reused every step
     reduce_buf: torch.Tensor | None = None  # 1-D, reduce dtype, on the segment's device
     reduce_inflight: bool = False  # a reduce on ``reduce_buf`` is launched and not yet finished
-    owned: list = dataclasses.field(default_factory=list)  # [_Owned] sub-segments this rank owns
-
-
-@dataclasses.dataclass(eq=False)
-class _Owned:
-    """A sub-segment this rank owns: views of its segment's reduce buffer (built once, valid
-    across the buffer's storage being released and regrown)."""
-
-    sub: _SubSeg
-    values: torch.Tensor  # reduce_buf[sub.offset_in_seg : + sub.numel]
-    flags: torch.Tensor  # reduce_buf[sub.flags_offset_in_seg : + len(sub.slots)]
+    owned: list = dataclasses.field(default_factory=list)  # [gather_buffers._Owned] sub-segments this rank owns
+    gather: "_GatherBuffer | None" = None  # the all-gathered buffer it belongs to, or None (broadcast)
 
 
 def _contiguous_strides(shape) -> tuple[int, ...]:
@@ -301,11 +315,25 @@ def build_segments(
         param_dtype = _dtype(layout.dtype)
         wire_dtype = _dtype(plan.bcast_dtype(layout.dtype))
         reduce_dtype = _dtype(plan.reduce_dtype_for(layout.dtype))
+        gb = None
+        in_place: dict = {}
+        if layout.collective == "all_gather":  # one gathered tensor; non-held wires are its slots
+            in_place = {fqn: views.get(g.shard % layout.ep) for fqn, views in in_place_stacks(layout).items()}
+            shards = layout.group_shards(g.shard, plan.mesh_shape[1])
+            gb = _GatherBuffer(
+                key=layout.key, slot_numel=layout.slot_numel, group_shards=shards,
+                my_slot=layout.slot_index(g.shard),
+                gathered=torch.zeros(len(shards) * layout.slot_numel, dtype=wire_dtype, device=device),
+                segments=[None] * len(shards), reduce_dtype=reduce_dtype,
+            )
         for seg_l in layout.segments:
             if layout.ep > 1 and seg_l.shard % layout.ep != g.shard % layout.ep:
                 continue  # expert-parallel: another EP coordinate's experts, not on this rank
             held = seg_l.shard == g.shard
-            wire = torch.zeros(seg_l.numel, dtype=wire_dtype, device=device)
+            if gb is not None and not held:
+                wire = gb.segment_view(layout.slot_index(seg_l.shard), seg_l.numel)
+            else:
+                wire = torch.zeros(seg_l.numel, dtype=wire_dtype, device=device)
             master = None
             if held:
                 master = wire if wire_dtype == param_dtype else torch.zeros(
@@ -322,7 +350,10 @@ def build_segments(
                 reduce_dtype=reduce_dtype,
                 param_dtype=param_dtype,
                 buffer_key=layout.key,
+                gather=gb,
             )
+            if gb is not None:
+                gb.segments[layout.slot_index(seg_l.shard)] = seg
             for sub_l in seg_l.subsegments:
                 sub = _SubSeg(
                     replicate=sub_l.owner.replicate,
@@ -349,6 +380,7 @@ def build_segments(
                             e, off, seg_l, held, wire, master, spec, orig, owners[e.fqn], grouped,
                             groups=g, device=device, param_dtype=param_dtype, wire_dtype=wire_dtype,
                             modules=modules, runtime_ref=runtime_ref, ep=layout.ep,
+                            gather=gb if in_place.get(e.fqn) else None, in_place=in_place.get(e.fqn),
                         )
                         sub.slots.append(slot)
                         seg.slots.append(slot)
@@ -367,7 +399,7 @@ def build_segments(
                         # true fan-in and run (as no-ops) on non-holders after to_empty
                         logical = torch.empty((0, *lshape[1:]), dtype=param_dtype, device=device)
                     compute = torch.empty(0, dtype=wire_dtype, device=device).set_(
-                        wire.untyped_storage(), off, lshape, strides
+                        wire.untyped_storage(), wire.storage_offset() + off, lshape, strides
                     )
                     if tp is not None:
                         logical, compute = tp.wrap(logical), tp.wrap(compute)
@@ -406,9 +438,12 @@ def build_segments(
                     seg.slots.append(slot)
                 seg.subs.append(sub)
             if not held:
-                wire.untyped_storage().resize_(0)
+                if gb is None:  # an all-gathered buffer's storage is released once, below
+                    wire.untyped_storage().resize_(0)
                 seg.resident = False
             segments.append(seg)
+        if gb is not None:
+            gb.release()
     for gm in grouped.values():
         if any(gm.blocks[j] is None for j in gm.info.compute_block_ids):
             raise ValueError(f"dmuon: the plan's layout of {gm.fqn!r} misses blocks of its owner group")
@@ -428,11 +463,14 @@ def _grouped_storage(shape: tuple[int, ...], dtype: torch.dtype, device) -> tupl
 
 
 def _block_slot(e, off, seg_l, held, wire, master, spec, orig, owner, grouped, *, groups, device, param_dtype,
-                wire_dtype, modules, runtime_ref, ep: int = 1) -> _Slot:
+                wire_dtype, modules, runtime_ref, ep: int = 1, gather=None, in_place=None) -> _Slot:
     """The slot of block ``e.block`` of a grouped matrix, and (first block seen) its :class:`_Grouped`.
 
     ``ep > 1``: an expert-parallel stack owned in efsdp groups: the model's parameter holds this
-    rank's EP coordinate's experts only, and the compute tensor is assembled from those ranges."""
+    rank's EP coordinate's experts only, and the compute tensor is assembled from those ranges.
+    ``in_place``: ``(first slot, slot step, offset in the slot)`` of a stack received in place
+    (:func:`~dmuon.plan.layout.slots.in_place_stacks`): its compute tensor is a strided view of
+    ``gather``'s gathered tensor instead of a tensor of its own."""
     g = groups
     if is_dtensor(orig):
         raise ValueError(f"dmuon: {e.fqn!r} is a DTensor but the plan gives it an owner group (no TP support)")
@@ -462,7 +500,14 @@ def _block_slot(e, off, seg_l, held, wire, master, spec, orig, owner, grouped, *
                 f"dmuon: expert-parallel stack {e.fqn!r} is {tuple(orig.shape)} on this rank but the plan gives each "
                 f"rank {info.compute_shape} (E/ep experts of {tuple(spec.shape)}, ep = {ep})"
             )
-        compute, writer = _grouped_storage(info.compute_shape, wire_dtype, device)
+        view = None
+        if in_place is not None:
+            first, step, offset = in_place
+            S = gather.slot_numel
+            view = (first * S + offset, (step * S, *_contiguous_strides(info.compute_shape[1:])))
+            compute, writer = None, None
+        else:
+            compute, writer = _grouped_storage(info.compute_shape, wire_dtype, device)
         if mine is None:  # zero rows, the other dims kept (as a non-holder's placeholder)
             logical = torch.empty((0, *spec.shape[1:]), dtype=param_dtype, device=device)
         else:
@@ -472,16 +517,19 @@ def _block_slot(e, off, seg_l, held, wire, master, spec, orig, owner, grouped, *
             mod_fqn, _, attr = alias.rpartition(".")
             homes.append((modules[mod_fqn], attr))
         gm = grouped[e.fqn] = _Grouped(
-            fqn=e.fqn, info=info, homes=homes, logical=logical, compute=nn.Parameter(compute, requires_grad=orig.requires_grad),
-            writer=writer, blocks=[None] * owner.k,
+            fqn=e.fqn, info=info, homes=homes, logical=logical, compute=None,  # type: ignore[arg-type]
+            writer=writer, blocks=[None] * owner.k, gather=gather if view is not None else None, view=view,
         )
+        gm.compute = nn.Parameter(gm.view_gathered() if view is not None else compute, requires_grad=orig.requires_grad)
     info = gm.info
     strides = _contiguous_strides(bshape)
     if held:
         value = orig.detach().narrow(info.dim, info.compute_offset(j), info.sizes[j])
         master[off : off + e.numel].view(bshape).copy_(value)
         gm.logical = torch.empty(0, dtype=param_dtype, device=device).set_(master.untyped_storage(), off, bshape, strides)
-    block_view = torch.empty(0, dtype=wire_dtype, device=device).set_(wire.untyped_storage(), off, bshape, strides)
+    block_view = torch.empty(0, dtype=wire_dtype, device=device).set_(
+        wire.untyped_storage(), wire.storage_offset() + off, bshape, strides
+    )
     slot = _Slot(fqn=e.fqn, offset_in_seg=off, numel=e.numel, shape=bshape, homes=[], logical=None,
                  compute=block_view, grouped=gm, block=j)
     gm.blocks[j] = slot

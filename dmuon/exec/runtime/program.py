@@ -18,6 +18,7 @@ from dmuon.plan.scheduling.ops import Op
 from dmuon.plan.scheduling.programs import BoundaryProgram
 
 from dmuon.exec.runtime.buffers import _Segment, _SubSeg
+from dmuon.exec.runtime.gather_buffers import _GatherBuffer
 from dmuon.exec.comm.groups import MeshGroups
 
 __all__ = ["BoundOp", "BoundaryOps", "schedule_rank", "bind", "ONE_RANK"]
@@ -27,13 +28,15 @@ __all__ = ["BoundOp", "BoundaryOps", "schedule_rank", "bind", "ONE_RANK"]
 class BoundOp:
     """One scheduled collective of this rank: the schedule's ``op``, the ``segment`` (and for
     the HSDP replicate phases the ``sub``-segment) it moves, its ``root`` as a global rank, and
-    dmuon's process ``group`` for it."""
+    dmuon's process ``group`` for it. An all-gather / reduce-scatter moves a whole all-gathered
+    buffer: ``gather`` is set, ``segment`` is its held segment or None, ``root`` None."""
 
     op: Op
-    segment: _Segment
+    segment: _Segment | None
     sub: _SubSeg | None
-    root: int
+    root: int | None
     group: Any
+    gather: _GatherBuffer | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -98,10 +101,25 @@ def bind(program: BoundaryProgram, segments: list[_Segment], groups: MeshGroups)
     my_row = tuple((groups.replicate * N + s) * T + groups.tp_rank for s in range(N))
     my_col = tuple((r * N + groups.shard) * T + groups.tp_rank for r in range(R))
     by_key = {}
+    gathers = {}
     for seg in segments:
         by_key[(seg.buffer_key, seg.shard)] = seg
+        if seg.gather is not None:
+            gathers[seg.buffer_key] = seg.gather
 
     def bound(op: Op) -> BoundOp:
+        if op.kind in ("all_gather", "reduce_scatter"):  # a whole all-gathered buffer, one slot per member
+            gb = gathers[op.buffer]
+            if op.group == my_row:
+                group = groups.shard_group
+            elif T == 1 and tuple(op.group) in groups.owner_group_pgs:
+                group = groups.owner_group(op.group)  # expert-parallel: the efsdp group
+            else:
+                raise AssertionError(f"dmuon: {op.describe()} on group {op.group} is not one of this rank's groups")
+            if op.numel != gb.slot_numel or len(op.group) != gb.k:
+                raise AssertionError(f"dmuon: {op.describe()} moves {len(op.group)} x {op.numel} elements but the "
+                                     f"buffer has {gb.k} x {gb.slot_numel}")
+            return BoundOp(op=op, segment=gb.held, sub=None, root=None, group=group, gather=gb)
         seg = by_key[(op.buffer, op.segment)]
         sub = None
         if op.group == my_row:

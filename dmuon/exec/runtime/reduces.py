@@ -18,8 +18,10 @@ __all__ = ["finish_reduces", "grad_divisor"]
 def finish_reduces(rt) -> None:
     """Wait for the in-flight gradient reduces and accumulate the averages into owners' ``.grad``.
 
-    HSDP: after the shard-group reduce, every holder ``(s, r')`` of a segment SUM-reduces each
-    sub-segment over its replicate group to the sub-segment's owner ``(s, r)``; the owner
+    Each pending entry (:class:`~dmuon.exec.runtime.boundary._PendingReduce`) is a segment's
+    reduce or an all-gathered buffer's reduce-scatter (its input released with the output, once
+    the compute stream has waited for the reduce stream). HSDP: after the shard-group reduce, every holder ``(s, r')`` of a segment SUM-reduces
+    each sub-segment over its replicate group to the sub-segment's owner ``(s, r)``; the owner
     divides by :meth:`grad_divisor`: ``R·N`` (net AVG over the whole mesh), or the gradient
     divide factor set on FSDP2 (``set_gradient_divide_factor``).
     """
@@ -28,26 +30,41 @@ def finish_reduces(rt) -> None:
         return
     stream = rt.comm_stream("reduce")  # None on CPU
     with _on_stream(stream):  # NCCL: the reduce stream waits for the collectives
-        for boundary, seg, _, work, _ in pending:
-            group = next((b.group for b in boundary.ops.reduce if b.segment is seg), None)
-            rt.wait([work], f"boundary {boundary.fqn!r} reduce", boundary=boundary, group=group)
+        for p in pending:
+            rt.wait(p.works, f"boundary {p.boundary.fqn!r} reduce", boundary=p.boundary, group=_reduce_group(p))
         works = []
-        for boundary, seg, buf, _, _ in pending:  # HSDP: the held segments' sub-segments
-            for b in boundary.ops.replicate_reduce_of(seg):
-                part = buf[b.sub.offset_in_seg : b.sub.offset_in_seg + b.sub.numel]
+        for p in pending:  # HSDP: the held segments' sub-segments
+            if p.segment is None:
+                continue
+            for b in p.boundary.ops.replicate_reduce_of(p.segment):
+                part = p.buf[b.sub.offset_in_seg : b.sub.offset_in_seg + b.sub.numel]
                 work = C.reduce_sum(part, dst=b.root, group=b.group, phase=b.op.phase, async_op=True)
-                works.append((boundary, work, b.group))
+                works.append((p.boundary, work, b.group))
         for boundary, work, group in works:
             rt.wait([work], f"boundary {boundary.fqn!r} replicate_reduce", boundary=boundary, group=group)
     if stream is not None:  # the compute stream reads the buffers below; the local grads are released after
         current_stream(stream.device).wait_event(stream.record_event())
-    for _, seg, _, _, _ in pending:
-        seg.reduce_inflight = False
-    owned = [(boundary, o) for boundary, seg, _, _, _ in pending for o in seg.owned]
+    for p in pending:
+        if p.segment is not None:
+            p.segment.reduce_inflight = False
+        if p.gather is not None:
+            p.gather.reduce_inflight = False
+    owned = [(p.boundary, o) for p in pending if p.segment is not None for o in p.segment.owned]
     if owned:
         _write_owner_grads(rt, owned)
-    for _, seg, buf, _, _ in pending:  # averages copied out: release until the next backward
-        buf.untyped_storage().resize_(0)
+    for p in pending:  # averages copied out: release until the next backward (after the stream wait above)
+        p.buf.untyped_storage().resize_(0)
+        if p.gather is not None:  # the reduce-scatter's input
+            p.gather.rs_in.untyped_storage().resize_(0)
+
+
+def _reduce_group(p):
+    """The process group of a pending reduce (named by a failed wait): its segment's reduce, or
+    its all-gathered buffer's reduce-scatter."""
+    for b in p.boundary.ops.reduce:
+        if (b.gather is p.gather) if p.gather is not None else (b.segment is p.segment):
+            return b.group
+    return None
 
 
 def grad_divisor(rt, boundary) -> float:

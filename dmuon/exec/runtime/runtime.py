@@ -49,11 +49,11 @@ from dmuon import _tags
 from dmuon._tags import dedicated_info
 from dmuon.plan.scheduling.programs import boundary_programs
 
+from dmuon.exec.comm import collectives as C
 from dmuon.exec.setup import fsdp2
 from dmuon.exec.runtime import expert_parallel, reduces, replicas, streams
 from dmuon.exec.runtime.boundary import ShardedState, TrainingState, _BoundaryRuntime, eager_hook
 from dmuon.exec.runtime.buffers import build_segments
-from dmuon.exec.comm import collectives as C
 from dmuon.exec.comm.groups import MeshGroups
 from dmuon.exec.runtime.program import bind
 
@@ -83,10 +83,12 @@ class DmuonRuntime:
         self.world_numel = groups.shape[0] * groups.shape[1]
         self.tp_size = groups.tp_size
         self.boundaries: list[_BoundaryRuntime] = []
-        self.pending_reduces: list = []  # (boundary, segment, buffer, work, local grads kept alive)
+        self.pending_reduces: list = []  # boundary._PendingReduce records, drained by finish_reduces
         self._flag_host_reads = 0  # host reads of presence flags (one per finish_reduces with owned grads)
         self.use_streams = bool(use_streams)  # CUDA: dmuon's own broadcast / reduce streams (False: the compute stream)
         self._streams = None  # (device, {"broadcast": Stream, "reduce": Stream}), built on first use
+        self.use_coalescing = True  # NCCL: a list of broadcasts / reduces on one group as one coalesced group
+        self._coalesces: dict = {}  # (id(group), device) -> the backend coalesces (asked once)
         self.pending_replicate: dict[int, list] = {}
         self.steps_done = 0  # optimizer steps this runtime has seen (after_step), for the step check
         self.deferred_rounds: list = []  # accelerators: received broadcast rounds to compare at the step
@@ -160,6 +162,23 @@ class DmuonRuntime:
     def set_use_streams(self, enabled: bool) -> None:
         """CUDA: use dmuon's own broadcast / reduce streams (default) or the compute stream."""
         self.use_streams = bool(enabled)
+
+    def set_coalescing(self, enabled: bool) -> None:
+        """Issue a list of broadcasts (or reduces) on one group as one coalesced group where the
+        backend supports it (default), or one by one. The same on every rank."""
+        self.use_coalescing = bool(enabled)
+
+    def coalesces(self, group) -> bool:
+        """Whether the broadcasts / reduces of one list on ``group`` go as one coalesced group:
+        :attr:`use_coalescing` and the group's backend on this runtime's device supports it
+        (:func:`dmuon.exec.comm.collectives.coalescing_supported`; never gloo), asked once per group."""
+        if not self.use_coalescing:
+            return False
+        key = (id(group), self.device)
+        found = self._coalesces.get(key)
+        if found is None:
+            found = self._coalesces[key] = C.coalescing_supported(group, self.device)
+        return found
 
     def mark_replicas_stale(self) -> None:
         """HSDP: holders may disagree now (after a ``Module._apply``): :meth:`sync_replicas`

@@ -168,6 +168,9 @@ def rebind_storage(rt, boundaries=None) -> bool:
             changed |= _rebind_segment(rt, seg)
         for gm in b.grouped:
             changed |= _rebind_grouped(gm, b.segments)
+        for gb in b.gathers:  # the views are set (``set_`` regrows a storage it points past): release
+            if gb.resident or gb.gathered.untyped_storage().nbytes():
+                gb.release()
         _adopt_ep_stacks(rt, b)
     if changed:
         devices = {seg.wire.device for b in rt.boundaries for seg in b.segments}
@@ -210,9 +213,18 @@ def _rebind_segment(rt, seg: _Segment) -> bool:
         wire = master if wire_dtype == seg.param_dtype else torch.zeros(seg.numel, dtype=wire_dtype, device=device)
         seg.master, seg.wire, seg.resident = master, wire, True
         _set_computes(seg, wire)
+        if seg.gather is not None:
+            _rebind_gather(seg.gather, device)
         return True
     if seg.wire.device == device:
         return False
+    gb = seg.gather
+    if gb is not None:  # an all-gathered buffer: the wire is a view of its slot in the gathered tensor
+        _rebind_gather(gb, device)
+        wire = gb.segment_view(gb.group_shards.index(seg.shard), seg.numel)
+        _set_computes(seg, wire)
+        seg.wire, seg.resident = wire, False
+        return True
     wire = torch.empty(seg.numel, dtype=wire_dtype, device=device)
     _set_computes(seg, wire)
     wire.untyped_storage().resize_(0)
@@ -220,9 +232,25 @@ def _rebind_segment(rt, seg: _Segment) -> bool:
     return True
 
 
+def _rebind_gather(gb, device) -> None:
+    """An all-gathered buffer's gathered tensor on ``device`` (its reduce buffers are rebuilt there
+    at the next reduce). The caller rebinds the non-held segments' wires and the in-place stacks'
+    views to it, then releases its storage (:func:`rebind_storage`)."""
+    if gb.gathered.device == device:
+        return
+    gb.gathered = torch.empty(gb.k * gb.slot_numel, dtype=gb.gathered.dtype, device=device)
+
+
 def _rebind_grouped(gm, segments) -> bool:
-    """A grouped matrix's full compute parameter (and its writer) on the segments' device."""
+    """A grouped matrix's full compute parameter (and its writer) on the segments' device; a
+    stack received in place: its view of the (rebound) gathered tensor."""
     device = segments[0].wire.device
+    if gm.view is not None:
+        if gm.compute.device == device and gm.compute.untyped_storage()._cdata == gm.gather.gathered.untyped_storage()._cdata:
+            return False
+        gm.compute = nn.Parameter(gm.view_gathered(), requires_grad=gm.compute.requires_grad)
+        gm.resident = False
+        return True
     if gm.writer.device == device:
         return False
     compute, gm.writer = _grouped_storage(tuple(gm.info.shape), gm.writer.dtype, device)
@@ -240,7 +268,8 @@ def _set_computes(seg, wire: torch.Tensor) -> None:
         _set_compute(
             slot,
             torch.empty(0, dtype=wire.dtype, device=wire.device).set_(
-                wire.untyped_storage(), slot.offset_in_seg, slot.shape, _contiguous_strides(slot.shape)
+                wire.untyped_storage(), wire.storage_offset() + slot.offset_in_seg, slot.shape,
+                _contiguous_strides(slot.shape),
             ),
         )
 

@@ -33,7 +33,9 @@ def rank_stats(
     """Per-rank :class:`RankStats` of a DMuon plan (definitions on the record), from its nominal
     schedule ``sched``: ``comm_nbytes`` = ``cost.per_rank_nbytes``; ``ns_flops`` = the
     ``newton_schulz`` ops each rank runs; ``peak_transient_nbytes`` = the bytes a rank receives
-    in one boundary's forward broadcasts (Z3: the largest boundary; Z2: all of them), plus, per
+    in one boundary's forward broadcasts, or the whole output of its forward all-gathers (every
+    slot, its own and the padding included: ``k * slot`` per all-gather), (Z3: the largest
+    boundary; Z2: all of them), plus, per
     boundary, ``assembled_nbytes[boundary]``: the full compute matrices of owner-grouped
     matrices, which every rank assembles from their blocks (broadcast dtype).
 
@@ -70,8 +72,11 @@ def rank_stats(
             for x in op.group:
                 flops[x] += op.flops
         elif op.phase == "forward_broadcast" and op.micro_batch == 0:
-            nbytes = op.nbytes
             key = (op.boundary, op.group)
+            if op.kind == "all_gather":  # the whole gathered tensor, own slot and padding included
+                received[key] = received.get(key, 0) + len(op.group) * op.nbytes
+                continue
+            nbytes = op.nbytes
             received[key] = received.get(key, 0) + nbytes
             rkey = (op.boundary, op.root)
             root_credit[rkey] = root_credit.get(rkey, 0) + nbytes

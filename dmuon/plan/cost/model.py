@@ -153,8 +153,10 @@ class RankStats:
         peak_transient_nbytes: largest temporary parameter buffer in the broadcast dtype.
             DMuon Z3: max over boundaries of the boundary's buffer bytes minus the segment of
             this rank's shard coordinate (its owned masters, or on HSDP the replicas it holds;
-            assumed aliased); Z2: the sum over boundaries (buffers stay resident from forward
-            to backward). Baseline: the same for FSDP2's unsharded
+            assumed aliased), or for an all-gathered buffer its whole gathered tensor (``k``
+            slots, padding included); Z2: the sum over boundaries (buffers stay resident from
+            forward to backward); plus the compute tensors assembled from owner-group blocks
+            and expert ranges. Baseline: the same for FSDP2's unsharded
             parameters (layer minus own shard; Z2: sum), or the largest all-gathered gradient in
             the naive Muon step if larger. Gradient reduce buffers and prefetch are not included.
         comm_nbytes: bytes charged to this rank per step (section 1 accounting).

@@ -76,7 +76,10 @@ def collective_rank_nbytes(kind: str, numel: int, itemsize: int, group_size: int
       numel * itemsize`` to every rank but the root (it receives / sends ``S``), 0 to the root;
     * ``"all_reduce"`` of ``numel`` elements: :func:`all_reduce_rank_nbytes` to every rank;
     * ``"all_gather"`` of ``numel`` elements per rank: ``(k-1) * S`` to every rank (it receives
-      the other ranks' parts).
+      the other ranks' parts);
+    * ``"reduce_scatter"`` to ``numel`` elements per rank: ``(k-1) * S`` to every rank (it sends
+      the other ranks' parts). Over a full tensor of ``k * S`` bytes both are ``(k-1)/k`` of it
+      per rank, ``(k-1) * k * S`` in total.
 
     Raises:
         ValueError: unknown ``kind``.
@@ -85,7 +88,7 @@ def collective_rank_nbytes(kind: str, numel: int, itemsize: int, group_size: int
         return 0 if is_root else numel * itemsize
     if kind == "all_reduce":
         return all_reduce_rank_nbytes(numel, itemsize, group_size)
-    if kind == "all_gather":
+    if kind in ("all_gather", "reduce_scatter"):
         return (group_size - 1) * numel * itemsize
     raise ValueError(f"unknown collective kind {kind!r}")
 

@@ -26,6 +26,16 @@ experts ``(sizes[j], a, b)``. A segment is what its shard rank
 broadcasts (in every replicate group) and what the gradient reduce delivers to it; the flags
 let the owner tell "no rank produced a gradient" (all flags 0 after the AVG-reduce) from a zero
 gradient.
+
+An all-gathered buffer (:attr:`BufferLayout.collective` ``"all_gather"``) keeps this layout and
+adds *slots*: every shard rank of a group contributes one slot of ``slot_numel = round_up(max
+segment numel + 1)`` elements, its segment (same relative offsets) then zeros, with the step
+code in the slot's last element::
+
+    gathered (k * slot_numel)   slot 0 = [segment of group shard 0 | 0 ... | code] slot 1 = [...] ...
+
+The gradient reduce-scatters the same ``k`` slots (each rank packs every segment's gradients
+and flags at its slot's offsets), so each holder receives its own slot, SUMmed.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ from dmuon.plan.records.fields import _check_int, _check_shape, check_dtype_str
 from dmuon.plan.records.owners import ExpertOwners, Owner, OwnerGroup
 
 __all__ = [
+    "BUFFER_COLLECTIVES",
     "LayoutEntry",
     "SubSegment",
     "Segment",
@@ -47,7 +58,13 @@ __all__ = [
     "round_up",
     "build_boundaries",
     "check_buffer_layout",
+    "slot_numel_of",
 ]
+
+
+#: the collectives a buffer's shard phases may use (:attr:`BufferLayout.collective`); the
+#: gradient pairs with them: ``"broadcast"`` with ``"reduce"``, ``"all_gather"`` with ``"reduce_scatter"``
+BUFFER_COLLECTIVES = ("broadcast", "all_gather")
 
 
 def round_up(x: int, align: int) -> int:
@@ -247,17 +264,38 @@ class BufferLayout:
             ``s mod ep, s mod ep + ep, ...`` of each replicate row, and exists only on them. The
             offsets stay global (each rank allocates its segments separately). In JSON only
             when > 1.
+        collective: how the shard phases move the buffer (the plan's choice, :func:`dmuon.plan.compile`'s
+            ``collectives``): ``"broadcast"`` (one broadcast per segment in the forward / backward,
+            one SUM-reduce per segment to its holder for the gradient) or ``"all_gather"`` (one
+            all-gather over equal *slots* per group and phase, one reduce-scatter over the same
+            slots for the gradient). In JSON only when ``"all_gather"``.
+        slot_numel: ``"all_gather"`` only (0 otherwise): elements of one slot, ``round_up(largest
+            segment + 1, align_numel)``. Slot ``j`` of a group's gathered tensor holds the segment
+            of the group's ``j``-th shard coordinate (:meth:`slot_index`) at its start (its
+            entries and flags at their offsets relative to the segment), zeros, and the step code
+            in its last element; a shard coordinate without a segment has a slot of padding and
+            its code. In JSON only when ``"all_gather"``.
     """
 
     dtype: str
     numel: int
     segments: tuple[Segment, ...]
     ep: int = 1
+    collective: str = "broadcast"
+    slot_numel: int = 0
 
     def __post_init__(self) -> None:
         check_dtype_str("BufferLayout", "dtype", self.dtype)
         _check_int("BufferLayout", "numel", self.numel, 0)
         _check_int("BufferLayout", "ep", self.ep, 1)
+        if self.collective not in BUFFER_COLLECTIVES:
+            raise ValueError(f"BufferLayout.collective must be one of {BUFFER_COLLECTIVES}, got {self.collective!r}")
+        _check_int("BufferLayout", "slot_numel", self.slot_numel, 0)
+        if (self.collective == "all_gather") != (self.slot_numel > 0):
+            raise ValueError(
+                f"BufferLayout {self.dtype}: slot_numel must be > 0 exactly for collective='all_gather', got "
+                f"{self.slot_numel} with {self.collective!r}"
+            )
         if type(self.segments) is not tuple or not self.segments:
             raise ValueError("BufferLayout.segments must be a non-empty tuple")
         cursor = 0
@@ -273,6 +311,11 @@ class BufferLayout:
             cursor = seg.end
         if cursor != self.numel:
             raise ValueError(f"BufferLayout {self.dtype}: numel {self.numel} != sum of segments {cursor}")
+        if self.slot_numel and self.slot_numel <= max(seg.numel for seg in self.segments):
+            raise ValueError(
+                f"BufferLayout {self.dtype}: slot_numel {self.slot_numel} leaves no room for the largest segment "
+                "and its step code"
+            )
 
     def subsegments(self) -> tuple[SubSegment, ...]:
         return tuple(sub for seg in self.segments for sub in seg.subsegments)
@@ -282,7 +325,10 @@ class BufferLayout:
 
     def to_dict(self) -> dict[str, Any]:
         ep = {"ep": self.ep} if self.ep > 1 else {}  # absent without EP: older plans keep their JSON
-        return {"dtype": self.dtype, "numel": self.numel, "segments": [s.to_dict() for s in self.segments], **ep}
+        # absent for broadcast buffers: plans without all-gathers keep their JSON
+        kind = {"collective": self.collective, "slot_numel": self.slot_numel} if self.collective != "broadcast" else {}
+        return {"dtype": self.dtype, "numel": self.numel, "segments": [s.to_dict() for s in self.segments], **ep,
+                **kind}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> BufferLayout:
@@ -291,7 +337,24 @@ class BufferLayout:
             numel=d["numel"],
             segments=tuple(Segment.from_dict(s) for s in d["segments"]),
             ep=d.get("ep", 1),
+            collective=d.get("collective", "broadcast"),
+            slot_numel=d.get("slot_numel", 0),
         )
+
+    def group_size(self, num_shards: int) -> int:
+        """Shard ranks of one group of the shard phases: ``N``, or ``N/ep`` (an efsdp group)."""
+        return num_shards // self.ep
+
+    def slot_index(self, shard: int) -> int:
+        """Position of shard coordinate ``shard`` in its group (:meth:`group_shards`): the index
+        of its slot in the group's gathered tensor (``"all_gather"``)."""
+        return shard // self.ep
+
+    def padding_numel(self, num_shards: int) -> int:
+        """Elements an ``"all_gather"`` buffer moves beyond its segments, per replicate row and
+        TP coordinate: ``N * slot_numel - numel`` (every shard rank contributes one slot; the
+        code trailers count as padding); 0 for ``"broadcast"``."""
+        return num_shards * self.slot_numel - self.numel if self.collective == "all_gather" else 0
 
     @property
     def key(self) -> str:
@@ -381,6 +444,17 @@ def check_buffer_layout(buf: BufferLayout, align_numel: int) -> None:
                 raise ValueError(f"buffer {buf.dtype}: subsegment {sub.owner} numel {sub.numel}, expected {expected}")
             if sub.offset % a:
                 raise ValueError(f"buffer {buf.dtype}: subsegment {sub.owner} offset {sub.offset} not aligned to {a}")
+    if buf.collective == "all_gather" and buf.slot_numel != slot_numel_of(buf, a):
+        raise ValueError(
+            f"buffer {buf.key}: slot_numel {buf.slot_numel}, expected {slot_numel_of(buf, a)} "
+            f"(round_up(largest segment + 1 step code, {a}))"
+        )
+
+
+def slot_numel_of(buf: BufferLayout, align_numel: int) -> int:
+    """The slot of an all-gathered buffer: ``round_up(largest segment + 1, align_numel)`` elements
+    (the segment, padding, and the step code in the last element)."""
+    return round_up(max(seg.numel for seg in buf.segments) + 1, align_numel)
 
 
 def _build_buffer(
@@ -421,6 +495,18 @@ def _build_buffer(
     return BufferLayout(dtype=dtype, numel=cursor, segments=tuple(segments), ep=ep)
 
 
+def _entry_items(fqn: str, shape: tuple[int, ...], numel: int, owner: Any) -> list:
+    """The ``(fqn, shape, numel, owner, block)`` items :func:`_build_buffer` lays out for one
+    parameter: one, or one per block / range of an owner group / expert owners."""
+    if isinstance(owner, (OwnerGroup, ExpertOwners)):
+        out = []
+        for j, member in enumerate(owner.members):
+            block = tuple(owner.block_shape(j, shape))
+            out.append((fqn, block, math.prod(block), member, j))
+        return out
+    return [(fqn, shape, numel, owner, None)]
+
+
 def build_boundaries(
     items: Sequence[tuple[str, tuple[int, ...], int, str, Any, str] | tuple[str, tuple[int, ...], int, str, Any, str, int]],
     boundary_order: Sequence[str],
@@ -452,13 +538,7 @@ def build_boundaries(
             continue
         if ep > 1:  # ranges of the global stack (E, a, b): entries of the global shape's ranges
             shape = (shape[0] * ep,) + tuple(shape[1:])
-        dest = grouped.setdefault(boundary, {}).setdefault((ep, dtype), [])
-        if isinstance(owner, (OwnerGroup, ExpertOwners)):
-            for j, member in enumerate(owner.members):
-                block = tuple(owner.block_shape(j, shape))
-                dest.append((fqn, block, math.prod(block), member, j))
-        else:
-            dest.append((fqn, shape, numel, owner, None))
+        grouped.setdefault(boundary, {}).setdefault((ep, dtype), []).extend(_entry_items(fqn, shape, numel, owner))
     out: list[Boundary] = []
     for bfqn in boundary_order:
         if bfqn not in grouped:

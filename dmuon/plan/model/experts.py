@@ -34,6 +34,8 @@ Pure: reads module attributes and parameter metadata only; never imports ``torch
 
 from __future__ import annotations
 
+import math
+from fractions import Fraction
 from typing import Any
 
 from dmuon.plan.records.params import ExpertStack
@@ -44,6 +46,9 @@ __all__ = [
     "EXPERT_MODES",
     "expert_stack",
     "is_stacked_bias",
+    "expert_max_split",
+    "expert_range_count",
+    "expert_range_weights",
 ]
 
 # how a fused gate/up projection is orthogonalised: "split" = gate and up separately (what the
@@ -99,10 +104,29 @@ def is_stacked_bias(shape: tuple[int, ...], attr: str) -> bool:
 
 
 def expert_max_split(num_experts: int, num_shards: int) -> int:
-    """How many owners an expert stack of ``num_experts`` gets on ``num_shards`` shard ranks:
-    ``min(E, N)`` contiguous ranges of experts (each expert whole on one owner; every rank of a
-    replicate row gets a range when ``E >= N``)."""
+    """The most owners an expert stack of ``num_experts`` can get on ``num_shards`` shard ranks:
+    ``min(E, N)`` contiguous ranges of experts (each expert whole on one owner); what a local
+    expert-parallel stack gets (one range per rank) and :func:`expert_range_count`'s cap."""
     return max(1, min(num_experts, num_shards))
+
+
+def expert_range_count(
+    num_experts: int, num_shards: int, per_expert_weight: int, mean_slot_weight: Fraction | int, slack: float
+) -> int:
+    """How many contiguous ranges an expert stack is cut into (fewer ranges: fewer owners, so
+    fewer segments and broadcasts per boundary): ``min(E, N, ceil(E / g))`` with ``g = max(1,
+    floor(slack * mean_slot_weight / per_expert_weight))`` experts per range at most, where
+    ``mean_slot_weight`` is the total LPT weight over the number of owner slots.
+
+    So every range weighs at most ``max(per_expert_weight, slack * mean)`` (ranges of
+    :func:`~dmuon.plan.records.owners.balanced_sizes` hold ``<= g`` experts), and the LPT bound
+    ``max load <= mean + largest piece`` becomes ``mean + max(largest dense matrix, slack * mean)``
+    (one expert heavier than ``slack * mean`` gives ``g = 1``: :func:`expert_max_split` ranges)."""
+    cap = expert_max_split(num_experts, num_shards)
+    if per_expert_weight <= 0:
+        return 1
+    g = max(1, math.floor(Fraction(slack) * Fraction(mean_slot_weight) / per_expert_weight))
+    return max(1, min(cap, -(-num_experts // g)))
 
 
 def expert_range_weights(per_expert_weight: int, num_experts: int, k: int) -> tuple[int, ...]:

@@ -1,2 +1,3 @@
 """Stage 2 of the planner: owners. ``partition`` is the constrained LPT over owner slots (with
-owner groups and initial loads); ``dmuon.plan.compile`` calls it per matrix class."""
+owner groups and initial loads); ``assign`` runs it per matrix class (one owner, owner groups,
+expert ranges, expert-parallel ranges) for ``dmuon.plan.compile``."""

@@ -3,4 +3,4 @@ ExpertOwners), ``params`` (ParamSpec, MatrixView, ExpertStack, Fsdp2Unit), ``fie
 checks, dtype strings), ``plan`` (ShardingPlan: the record and its validation), ``plan_index``
 (its lookups by FQN), ``plan_json`` (JSON, fingerprint), ``plan_figures`` (the nominal schedule,
 cost, baseline, per-rank stats), ``mesh`` (mesh dim roles, ``normalize_mesh``), ``qk_clip``
-(QK-clip settings)."""
+(QK-clip settings), ``collectives`` (how each buffer's collective was chosen)."""

@@ -35,6 +35,7 @@ from dmuon.plan.layout.buffers import (
     SubSegment,
     check_buffer_layout,
 )
+from dmuon.plan.records.collectives import CollectiveSettings
 from dmuon.plan.records.qk_clip import QKClip
 from dmuon.plan.records.fields import _check_int, check_dtype_str
 from dmuon.plan.records.owners import Owner, OwnerGroup, ExpertOwners
@@ -72,6 +73,7 @@ _SETTINGS = (
     "tp_ns_steps",
     "tp_gram_restart_every",
     "qk_clip",
+    "collectives",
 )
 
 
@@ -107,6 +109,11 @@ class ShardingPlan:
             then the root's: the schedule's external FSDP2 ops. Not part of the cost.
         qk_clip: QK-clip (MuonClip) settings (:class:`~dmuon.plan.records.qk_clip.QKClip`) or None; with
             them the schedule holds the per-step all-reduce (max) of the per-head logits.
+        collectives: how the collective of every buffer was chosen
+            (:class:`~dmuon.plan.records.collectives.CollectiveSettings`: the mode of
+            ``compile(collectives=...)`` and the alpha / B of its ``"auto"`` rule); each buffer's
+            choice is its :attr:`~dmuon.plan.layout.buffers.BufferLayout.collective`. Default
+            (and plans read from ``dmuon.plan/1`` JSON): ``mode="broadcast"``.
 
     Raises (construction):
         ValueError / TypeError: any invariant below is violated: owner coordinates inside the
@@ -131,6 +138,7 @@ class ShardingPlan:
     tp_gram_restart_every: int | None = 2
     fsdp2_units: tuple[Fsdp2Unit, ...] = ()
     qk_clip: QKClip | None = None
+    collectives: CollectiveSettings = CollectiveSettings()
     # FQN lookup tables, built once at construction (__post_init__, or _unflatten); never written after
     _index: dict | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
     # (nominal step schedule, its ByteCost): derived once at construction, like _index; never written after
@@ -198,6 +206,8 @@ class ShardingPlan:
                         f"(dim {_rules.owner_group_dim(spec.shape)}) into blocks summing to it, got dim {owner.dim} "
                         f"sizes {owner.sizes}"
                     )
+        if not isinstance(self.collectives, CollectiveSettings):
+            raise TypeError("ShardingPlan.collectives must be a CollectiveSettings")
         index = self._build_index()
         seen: set[str] = set()
         for boundary in self.boundaries:
@@ -206,6 +216,9 @@ class ShardingPlan:
             seen.add(boundary.fqn)
             for buf in boundary.buffers:
                 check_buffer_layout(buf, self.align_numel)
+                problem = _collective_problem(buf, self.collectives.mode, N)
+                if problem:
+                    raise ValueError(f"ShardingPlan: buffer {buf.key} of boundary {boundary.fqn!r}: {problem}")
                 for entry in buf.entries():
                     i = index["canonical"].get(entry.fqn)
                     if i is None:
@@ -362,7 +375,10 @@ class ShardingPlan:
         """Owner groups and expert stacks with several owners: per boundary FQN, the bytes of
         the full compute tensors every rank assembles from the blocks / expert ranges while the
         boundary is unsharded (broadcast dtype; an expert-parallel stack: the rank's ``E/ep``
-        experts); empty without them."""
+        experts); empty without them. Stacks received in place (an all-gathered buffer whose
+        ranges are single experts at one slot offset,
+        :func:`~dmuon.plan.layout.slots.in_place_stacks`) are views of the gathered tensor and
+        assemble nothing."""
         return _plan_figures.assembled_nbytes(self)
 
     def rank_stats(self) -> tuple[_cost.RankStats, ...]:
@@ -459,6 +475,19 @@ optree.register_pytree_node(
     path_entry_type=optree.GetAttrEntry,
     namespace="dmuon",
 )
+
+
+def _collective_problem(buf: BufferLayout, mode: str, N: int) -> str:
+    """Why ``buf``'s collective disagrees with the plan's ``collectives`` mode ("" if it does
+    not): a one-rank group moves nothing (broadcast); a forced mode holds for every buffer."""
+    k = buf.group_size(N)
+    if buf.collective == "all_gather" and k < 2:
+        return "an all-gather over a one-rank group (nothing moves: 'broadcast')"
+    if mode == "broadcast" and buf.collective != "broadcast":
+        return f"collective {buf.collective!r} under collectives='broadcast'"
+    if mode == "all_gather" and k >= 2 and buf.collective != "all_gather":
+        return f"collective {buf.collective!r} under collectives='all_gather'"
+    return ""
 
 
 def _ep_owner_problem(spec: ParamSpec, owner: Any, R: int, N: int) -> str:

@@ -112,8 +112,13 @@ def baseline_cost(plan: ShardingPlan) -> _cost.BaselineByteCost:
 
 def assembled_nbytes(plan: ShardingPlan) -> dict[str, int]:
     """:attr:`ShardingPlan.assembled_nbytes`."""
+    from dmuon.plan.layout.slots import in_place_stacks
+
+    in_place = {fqn for b in plan.boundaries for buf in b.buffers for fqn in in_place_stacks(buf)}
     out: dict[str, int] = {}
     for spec, owner in zip(plan.params, plan.owners):
+        if spec.fqn in in_place:  # received in place: a view of the gathered tensor, nothing assembled
+            continue
         if isinstance(owner, (OwnerGroup, ExpertOwners)) and not getattr(owner, "local", False):
             b = plan.boundary(spec.fqn)
             numel = spec.local_numel if spec.ep_size > 1 else spec.numel  # EP: the rank's E/ep experts

@@ -11,6 +11,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from dmuon.plan.layout.buffers import Boundary
+from dmuon.plan.records.collectives import CollectiveSettings
 from dmuon.plan.records.owners import owner_from_dict
 from dmuon.plan.records.params import Fsdp2Unit, ParamSpec
 from dmuon.plan.records.qk_clip import QKClip
@@ -20,6 +21,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "JSON_FORMAT",
+    "JSON_FORMAT_V1",
+    "JSON_FORMATS",
+    "json_format",
     "to_dict",
     "to_json",
     "from_dict",
@@ -27,14 +31,27 @@ __all__ = [
     "fingerprint",
 ]
 
-#: version tag written into every :meth:`ShardingPlan.to_json`
-JSON_FORMAT = "dmuon.plan/1"
+#: version tag of :meth:`ShardingPlan.to_json` (``dmuon.plan/2``: per-buffer collectives and the
+#: plan's ``collectives`` settings). A plan that needs nothing of version 2 (every buffer broadcast,
+#: default collective settings) is still written as :data:`JSON_FORMAT_V1`, byte for byte as before,
+#: so its fingerprint is unchanged; both versions are read.
+JSON_FORMAT = "dmuon.plan/2"
+#: the previous version: no ``collectives`` key (read as every buffer broadcast)
+JSON_FORMAT_V1 = "dmuon.plan/1"
+#: every version :func:`from_dict` reads
+JSON_FORMATS = (JSON_FORMAT_V1, JSON_FORMAT)
+
+
+def json_format(plan: ShardingPlan) -> str:
+    """The version :func:`to_dict` writes: :data:`JSON_FORMAT` when the plan uses something of it
+    (non-default ``collectives`` settings), else :data:`JSON_FORMAT_V1`."""
+    return JSON_FORMAT if not plan.collectives.is_default else JSON_FORMAT_V1
 
 
 def to_dict(plan: ShardingPlan) -> dict[str, Any]:
     """:meth:`ShardingPlan.to_dict`."""
     return {
-        "format": JSON_FORMAT,
+        "format": json_format(plan),
         "mesh_shape": list(plan.mesh_shape),
         "reshard_after_forward": plan.reshard_after_forward,
         "replicate_async": plan.replicate_async,
@@ -57,6 +74,8 @@ def to_dict(plan: ShardingPlan) -> dict[str, Any]:
             else {}
         ),
         **({"qk_clip": plan.qk_clip.to_dict()} if plan.qk_clip is not None else {}),
+        # absent at the default (every buffer broadcast): such plans keep the version-1 JSON
+        **({"collectives": plan.collectives.to_dict()} if not plan.collectives.is_default else {}),
     }
 
 
@@ -68,8 +87,11 @@ def to_json(plan: ShardingPlan, *, indent: int | None = None) -> str:
 
 def from_dict(cls: type[ShardingPlan], d: dict[str, Any]) -> ShardingPlan:
     """:meth:`ShardingPlan.from_dict`."""
-    if d.get("format") != JSON_FORMAT:
-        raise ValueError(f"not a {JSON_FORMAT} plan (format={d.get('format')!r})")
+    fmt = d.get("format")
+    if fmt not in JSON_FORMATS:
+        raise ValueError(f"not a dmuon plan of a known format {JSON_FORMATS} (format={fmt!r})")
+    if fmt == JSON_FORMAT_V1 and "collectives" in d:
+        raise ValueError(f"a {JSON_FORMAT_V1} plan has no 'collectives' (written by {JSON_FORMAT} and later)")
     return cls(
         mesh_shape=tuple(d["mesh_shape"]),
         reshard_after_forward=d["reshard_after_forward"],
@@ -87,6 +109,8 @@ def from_dict(cls: type[ShardingPlan], d: dict[str, Any]) -> ShardingPlan:
         tp_gram_restart_every=d.get("tp_gram_restart_every", 2),
         fsdp2_units=tuple(Fsdp2Unit.from_dict(u) for u in d.get("fsdp2_units", ())),
         qk_clip=QKClip.from_dict(d["qk_clip"]) if d.get("qk_clip") is not None else None,
+        # absent (every version-1 plan): every buffer broadcast
+        collectives=CollectiveSettings.from_dict(d["collectives"]) if "collectives" in d else CollectiveSettings(),
     )
 
 

@@ -158,9 +158,10 @@ class _Builder:
             by_seg: dict[tuple, list[int]] = {}
             for i in self.last_reduce[b]:
                 by_seg.setdefault((self.ops[i].buffer, self.ops[i].segment), []).append(i)
-            # each waits for the shard-group reduces of its segment (a rank waits for its row's)
+            # each waits for the shard-group reduces of its segment (a rank waits for its row's),
+            # or for its all-gathered buffer's reduce-scatters (segment None)
             self.last_rep_reduce[b] = tuple(
-                self.emit(t, micro_batch=mb, deps=tuple(by_seg[(t.buffer, t.segment)]))
+                self.emit(t, micro_batch=mb, deps=tuple(by_seg.get((t.buffer, t.segment)) or by_seg[(t.buffer, None)]))
                 for t in self.programs[b].replicate_reduce
             )
 

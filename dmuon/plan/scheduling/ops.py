@@ -13,6 +13,11 @@ op kind                    what                                                 
 ``reduce``                 a segment's gradients SUM-reduced to its holder (``reduce``);
                            HSDP: a sub-segment over the replicate group to its owner
                            (``replicate_reduce``)
+``all_gather``             an all-gathered buffer (``BufferLayout.collective``): its
+                           slots over the shard group (``forward_broadcast`` /
+                           ``backward_broadcast``; ``numel`` = one slot)
+``reduce_scatter``         an all-gathered buffer's gradients over the same slots, SUM
+                           (``reduce``; ``numel`` = one slot, what each rank receives)
 ``all_reduce``             TP Gram NS: the fp32 Gram of a batch of matrices over the
                            owner's TP group, one per Gram segment (``tp``)
 ``all_gather``             TP gather: the owner group's local updates (``tp``)
@@ -44,7 +49,7 @@ Bytes charged to a rank (:meth:`Op.charged_nbytes`) follow the ledger's rule
 (:func:`dmuon.plan.cost.nbytes.collective_rank_nbytes`): every non-root rank of a broadcast or
 reduce of ``S`` bytes is charged ``S``; each rank of an all-reduce of ``numel`` elements over
 ``k`` ranks ``2·(k-1)·ceil(numel/k)·itemsize``; each rank of an all-gather of ``S`` bytes per
-rank ``(k-1)·S``. External ops are not charged.
+rank, or of a reduce-scatter to ``S`` bytes per rank, ``(k-1)·S``. External ops are not charged.
 
 What a :class:`Step` can describe: micro-batches (gradient accumulation), each with its
 forward order (repeats: a boundary called twice; omissions: a boundary not called), its
@@ -76,7 +81,7 @@ __all__ = [
 ]
 
 #: op kinds that are collectives (matched across the members of their group)
-COLLECTIVE_KINDS = ("broadcast", "reduce", "all_reduce", "all_gather")
+COLLECTIVE_KINDS = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter")
 #: op kinds dmuon does not issue or charge: the step's own compute, and FSDP2's collectives of
 #: the parameters dmuon does not dedicate (FSDP2's own process groups; not replayed)
 EXTERNAL_KINDS = ("forward", "backward", "recompute", "fsdp2_all_gather", "fsdp2_reduce_scatter", "fsdp2_all_reduce")
@@ -121,13 +126,15 @@ class Op:
         group: schedule ranks that take part (a collective) or each run it (a local op).
         root: source of a broadcast / destination of a reduce (a schedule rank), else None.
         dtype: wire dtype string of a collective, else None.
-        numel: elements per rank (broadcast / reduce payload, all-reduce tensor, all-gather input).
+        numel: elements per rank (broadcast / reduce payload, all-reduce tensor, all-gather input,
+            reduce-scatter output).
         flops: Newton-Schulz FLOPs each member runs (matmuls; ``newton_schulz`` ops only).
         boundary: FQN of the hook boundary (None for TP and NS ops).
         buffer: :attr:`~dmuon.plan.layout.buffers.BufferLayout.key` of the boundary buffer the op moves
             (its storage dtype; ``"<dtype>/ep<k>"`` for expert-parallel ranges), None if not a
             buffer op.
-        segment: shard coordinate of the segment (buffer ops).
+        segment: shard coordinate of the segment (buffer ops); None for an all-gather /
+            reduce-scatter of a whole buffer's slots.
         subsegment: owner replicate coordinate of the sub-segment (replicate ops), else None.
         fqns: the dedicated parameters an NS or TP op covers, plan order.
         micro_batch: index of the micro-batch (optimizer ops: the last one).

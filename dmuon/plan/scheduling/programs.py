@@ -25,7 +25,11 @@ class BoundaryProgram:
 
     The runtime binds these lists to its buffers once; its hooks decide when each list runs.
     Order within a list: buffers by dtype, segments by shard, sub-segments by replicate; rows of
-    the mesh (and TP coordinates) one after another (their groups are disjoint).
+    the mesh (and TP coordinates) one after another (their groups are disjoint). A buffer moved
+    by all-gathers (:attr:`~dmuon.plan.layout.buffers.BufferLayout.collective`) has one
+    ``all_gather`` per group in each broadcast list and one ``reduce_scatter`` per group in
+    ``reduce`` (``segment`` None) in place of its per-segment ops; its replicate phases are
+    per sub-segment as for any buffer.
     ``backward_broadcast`` is empty in Z2: the buffers stay resident from the forward.
     """
 
@@ -71,6 +75,15 @@ def boundary_programs(plan: ShardingPlan) -> tuple[BoundaryProgram, ...]:
                 for buf in b.buffers:
                     wire = plan.bcast_dtype(buf.dtype)
                     red_dtype = plan.reduce_dtype_for(buf.dtype)
+                    if buf.collective == "all_gather":  # one all-gather / reduce-scatter of slots per group
+                        for c in sorted({seg.shard % buf.ep for seg in buf.segments}):
+                            group = tuple(rank(r, s, t) for s in buf.group_shards(c, N))
+                            common = dict(id=-1, group=group, numel=buf.slot_numel, boundary=b.fqn, buffer=buf.key)
+                            fwd.append(Op(kind="all_gather", phase="forward_broadcast", dtype=wire, **common))
+                            if plan.reshard_after_forward:
+                                bwd.append(Op(kind="all_gather", phase="backward_broadcast", dtype=wire, **common))
+                            red.append(Op(kind="reduce_scatter", phase="reduce", dtype=red_dtype, **common))
+                        continue
                     for seg in buf.segments:
                         group = rows[(r, t)]
                         if buf.ep > 1:  # expert-parallel ranges: the segment's efsdp group only

@@ -93,7 +93,8 @@ def add_selection_args(parser: argparse.ArgumentParser, *, cost_model_default: s
     """The options that choose what a plan dedicates and how (shared by ``python -m dmuon plan``
     and ``python -m dmuon simulate``, so both accept the same ones): ``--cost-model``,
     ``--param-dtype``, ``--reduce-dtype``, ``--all-matrices``, ``--experts``,
-    ``--expert-gate-up``, ``--tp``, ``--tp-ns``, ``--owner-groups``. Read them with :func:`check_selection_args` and :func:`selection_kwargs`."""
+    ``--expert-gate-up``, ``--tp``, ``--tp-ns``, ``--owner-groups``, ``--collectives``. Read them with
+    :func:`check_selection_args` and :func:`selection_kwargs`."""
     g = parser.add_argument_group("plan selection (the same for plan and simulate)")
     g.add_argument("--cost-model", default=cost_model_default, choices=("numel", "ns_flops"),
                    help="LPT weight of the owner assignment")
@@ -116,6 +117,10 @@ def add_selection_args(parser: argparse.ArgumentParser, *, cost_model_default: s
         help="owner groups: 'off' (one owner per matrix), 'auto' (groups where one owner per matrix cannot "
         "balance the mesh) or K (every matrix that can be cut gets K members); docs/owner_groups.md",
     )
+    g.add_argument("--collectives", default="auto", choices=("auto", "broadcast", "all_gather"),
+                   help="each buffer's parameter-phase collective: one broadcast per owner segment (gradient: reduce), "
+                   "one all-gather of equal slots (gradient: reduce-scatter), or per buffer by the cost rule "
+                   "(auto); docs/planning.md")
 
 
 def check_selection_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -135,7 +140,7 @@ def selection_kwargs(args: argparse.Namespace, model, mesh, *, param_dtype=None,
     pred = matrix_predicate(model) if args.all_matrices else None
     kw: dict = dict(
         predicate=pred, cost_model=args.cost_model, owner_groups=args.owner_groups, experts=args.experts,
-        expert_gate_up=args.expert_gate_up,
+        expert_gate_up=args.expert_gate_up, collectives=args.collectives,
     )
     if args.tp > 1:
         dedicated = set(compile(model, mesh, predicate=pred, experts=args.experts).dedicated)

@@ -16,7 +16,7 @@ from dmuon.plan.records.plan import _SETTINGS, ShardingPlan
 from dmuon.plan.records.owners import ExpertOwners, Owner, OwnerGroup
 from dmuon.plan.records.params import ParamSpec
 
-__all__ = ["ParamChange", "CostDelta", "SettingChange", "PlanDiff", "diff"]
+__all__ = ["ParamChange", "CostDelta", "SettingChange", "CollectiveChange", "PlanDiff", "diff"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,6 +71,20 @@ class SettingChange:
     after: object
 
 
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class CollectiveChange:
+    """A buffer (boundary FQN x :attr:`~dmuon.plan.layout.buffers.BufferLayout.key`) present in both
+    plans whose collective or slot differs: ``kind_before`` / ``kind_after`` (``"broadcast"`` or
+    ``"all_gather"``), ``slot_before`` / ``slot_after`` (elements; 0 for broadcast)."""
+
+    boundary: str
+    buffer: str
+    kind_before: str
+    kind_after: str
+    slot_before: int
+    slot_after: int
+
+
 #: ByteCost fields compared by :func:`diff` (``max_rank_nbytes`` is derived: busiest rank)
 COST_FIELDS = ByteCost.PHASES + ("total_nbytes", "max_rank_nbytes")
 
@@ -86,6 +100,8 @@ class PlanDiff:
         costs: one :class:`CostDelta` per field of :data:`COST_FIELDS` (all listed, even if 0).
         settings: differing settings.
         layouts_changed: boundary FQNs present in both plans whose buffers differ.
+        collectives_changed: one :class:`CollectiveChange` per buffer of a boundary in both plans
+            (matched by boundary FQN and buffer key) whose collective or slot differs.
 
     ``diff[fqn]`` returns the change for ``fqn`` (KeyError if unchanged); ``bool(diff)`` and
     ``not diff.empty`` are True iff anything differs.
@@ -98,6 +114,7 @@ class PlanDiff:
     costs: tuple[CostDelta, ...]
     settings: tuple[SettingChange, ...]
     layouts_changed: tuple[str, ...]
+    collectives_changed: tuple[CollectiveChange, ...] = ()
 
     @property
     def empty(self) -> bool:
@@ -177,6 +194,13 @@ class PlanDiff:
         if self.layouts_changed:
             names = fmt_names(self.layouts_changed, 8)
             out.append(f"  layouts changed in {len(self.layouts_changed)} boundary(ies): {names}")
+        for c in self.collectives_changed[:max_lines]:
+            out.append(
+                f"  collective {c.boundary} {c.buffer}: {c.kind_before} (slot {c.slot_before:,}) -> {c.kind_after} "
+                f"(slot {c.slot_after:,})"
+            )
+        if len(self.collectives_changed) > max_lines:
+            out.append(f"  ... {len(self.collectives_changed) - max_lines} more collective changes")
         out.append("  bytes per step (all ranks)          before            after            delta")
         for c in self.costs:
             out.append(f"  {c.field:<28} {c.before:>16,} {c.after:>16,} {c.delta:>+16,}")
@@ -267,7 +291,18 @@ def _compare(a: ShardingPlan, b: ShardingPlan) -> PlanDiff:
     )
     a_bounds = {bd.fqn: bd for bd in a.boundaries}
     layouts_changed = tuple(bd.fqn for bd in b.boundaries if bd.fqn in a_bounds and a_bounds[bd.fqn] != bd)
-    return PlanDiff(changes=tuple(changes), costs=costs, settings=settings, layouts_changed=layouts_changed)
+    collectives_changed = []
+    for bd in b.boundaries:
+        bufs_a = {buf.key: buf for buf in a_bounds[bd.fqn].buffers} if bd.fqn in a_bounds else {}
+        for buf in bd.buffers:
+            old = bufs_a.get(buf.key)
+            if old is not None and (old.collective, old.slot_numel) != (buf.collective, buf.slot_numel):
+                collectives_changed.append(CollectiveChange(
+                    boundary=bd.fqn, buffer=buf.key, kind_before=old.collective, kind_after=buf.collective,
+                    slot_before=old.slot_numel, slot_after=buf.slot_numel,
+                ))
+    return PlanDiff(changes=tuple(changes), costs=costs, settings=settings, layouts_changed=layouts_changed,
+                    collectives_changed=tuple(collectives_changed))
 
 
 def _owner_str(o) -> str:

@@ -15,6 +15,7 @@ from dmuon.plan.cost.memory import rank_stats
 from dmuon.plan.cost.model import RankStats
 from dmuon.plan.cost.nbytes import schedule_byte_cost
 from dmuon.plan.records.owners import ExpertOwners, OwnerGroup, owner_ranks
+from dmuon.plan.tools.render_collectives import collective_lines
 
 if TYPE_CHECKING:
     from dmuon.plan.records.plan import ShardingPlan
@@ -209,6 +210,8 @@ def render_summary(plan: ShardingPlan, *, max_rows: int = 16) -> str:
         lines.append(f"{'saving vs FSDP2+naive':<34}{100.0 * (1 - fig.cost.total_nbytes / base_total):>19.1f}%")
     lines += _excluded_lines(plan)
     lines += [""] + expert_lines(plan) if any(p.experts is not None for p in plan.params) else []
+    lines.append("")
+    lines += collective_lines(plan, fig.schedule)
     lines.append("")
     lines += ownership_lines(plan, fig.cost)
     lines.append("")
