@@ -380,7 +380,8 @@ def test_step_factor_and_blocking_wait_by_hand():
 def test_step_factor_and_blocking_waits_reach_the_ops(tiny):
     """The step-compute factor scales exactly the forward / backward (and the root's) compute, not
     Newton-Schulz or the optimizer; dmuon pays one blocking wait per (phase, boundary) of its
-    broadcasts and one per micro-batch for its reduces, FSDP2 + AdamW none beyond its calls."""
+    broadcasts (or all-gathers) and one per micro-batch for its reduces (or reduce-scatters), FSDP2 +
+    AdamW none beyond its calls."""
     from dmuon.sim.lower import _lower
     from dmuon.sim.simulate import _variant_ops
 
@@ -398,8 +399,10 @@ def test_step_factor_and_blocking_waits_reach_the_ops(tiny):
             elif x.kind in ("newton_schulz", "optimizer"):
                 assert y.seconds == x.seconds
         fsdp = sum(1 for op in a if op.kind.startswith("fsdp2_"))
-        groups = {(op.phase, op.boundary, op.micro_batch) for op in ops if op.kind == "broadcast"}
-        drains = {op.micro_batch for op in ops if op.kind == "reduce"}
+        # the parameter phases' broadcasts or all-gathers, the gradient reduces or reduce-scatters
+        groups = {(op.phase, op.boundary, op.micro_batch) for op in ops
+                  if op.kind in ("broadcast", "all_gather") and op.phase.endswith("broadcast")}
+        drains = {op.micro_batch for op in ops if op.kind in ("reduce", "reduce_scatter") and op.phase == "reduce"}
         waits = len(groups) + len(drains) if variant.startswith("z") else 0
         extra = sum(y.host_s - x.host_s for x, y in zip(a, b))
         assert extra == pytest.approx(fsdp * 1.1e-3 + waits * 1e-3)
@@ -1165,10 +1168,10 @@ def test_simulate_cli_expert_parallel(tmp_path, capsys):
     text = capsys.readouterr().out
     assert BASELINE_LINE in text and "EP 2 (efsdp 2)" in text
     assert "token all-to-all over EP groups of 2 ranks: 8 calls per step" in text and "0.0 MB per rank" in text
-    assert "dmuon Z3 collectives per step: broadcast" in text and "buffer padding" in text and "calls/rank" in text
+    assert "dmuon Z3 collectives per step: all_gather" in text and "buffer padding" in text and "calls/rank" in text
     d = json.loads(out.read_text())
     assert d["ep"] == 2 and set(d["variants"]) == {"adamw", "z2", "z3"}
-    assert d["dmuon_collectives"]["broadcast"] > 0 and d["buffer_wire_numel"] >= d["buffer_payload_numel"] > 0
+    assert d["dmuon_collectives"]["all_gather"] > 0 and d["buffer_wire_numel"] >= d["buffer_payload_numel"] > 0
     for extra, needle in ((["--ep", "3"], "--ep 3"), (["--ep", "2", "--tp", "2"], "--ep with --tp"),
                           (["--ep", "0"], "--ep must be >= 1")):
         with pytest.raises(SystemExit) as e:
@@ -1177,7 +1180,7 @@ def test_simulate_cli_expert_parallel(tmp_path, capsys):
     calls = {}
     for mode in ("record", "off"):
         assert main(["simulate", "--model", "tiny-moe", "--mesh", "4", "--hw", "h100", "--mode", "z3",
-                     "--coalesce", mode, "--json", str(out)]) == 0
+                     "--collectives", "broadcast", "--coalesce", mode, "--json", str(out)]) == 0
         capsys.readouterr()
         calls[mode] = json.loads(out.read_text())["variants"]["z3"]["collectives_busiest_rank"]
     assert calls["off"] > calls["record"]  # one call per broadcast / reduce without coalescing
