@@ -65,6 +65,7 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
     experts: str = "auto",
     expert_gate_up: str = "split",
     ep: int | None = None,
+    routers: str = "muon",
 ) -> ShardingPlan:
     """Plan DMuon for ``model`` on ``mesh`` (pure; no process group; meta models work).
 
@@ -142,6 +143,12 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
         expert_gate_up: ``"split"`` (default): a fused gate/up expert is two Muon matrices,
             gate and up, as ``torch.optim.Muon`` treats the unfused model; ``"fused"``: one
             ``(2F, D)`` matrix per expert.
+        routers: the optimizer of MoE routers under the default rule: ``"muon"`` (default:
+            dedicated like every 2-D matrix in a block) or ``"adamw"`` (left to FSDP2 and AdamW).
+            A router is the ``(E, D)`` ``weight`` of a module named ``gate`` / ``router`` next to a
+            recognised expert stack of ``E`` experts (:func:`~dmuon.plan.model.experts.is_router`).
+            With a ``predicate``, the predicate alone decides. Measured on the main job:
+            docs/moe.md ("Routers: Muon or AdamW").
 
     Returns:
         A validated, frozen :class:`ShardingPlan` whose nominal step schedule passed the
@@ -172,6 +179,7 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
         experts=experts,
         expert_gate_up=expert_gate_up,
         ep=ep,
+        routers=routers,
     )
     if predicate is None:
         import warnings
