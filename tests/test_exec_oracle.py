@@ -11,12 +11,16 @@ of ``tests/oracle.py``:
 * ledger bytes per step, total and per rank, equal to ``plan.cost`` exactly,
 * exactly one Newton-Schulz per dedicated matrix per step, summed over ranks (none for a matrix
   no rank used, as torch.optim.Muon skips it),
+* NorMuon (``variant="normuon"``, issue 37) on N = 2, 3 and HSDP (2, 2) against the NorMuon
+  reference, with the same bounds, and its ledger -- every collective issued, in order, with its
+  group, root, dtype and bytes -- equal to the Muon case's on the same layout: zero extra bytes,
 * a matrix used by one rank only, used twice in one forward, or used by no rank,
 * no full-size storage for non-held segments after a Z3 forward, a no-grad forward and the step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -59,7 +63,7 @@ def _worker(cases, mesh_shape=None, replicate_async=True):
     from torch.distributed.fsdp import fully_shard
 
     import dmuon
-    from dmuon.exec.comm.collectives import LEDGER
+    from dmuon.exec.comm.collectives import LEDGER, metered
     from ns_spy import counting_ns
 
     torch.set_num_threads(1)
@@ -68,7 +72,8 @@ def _worker(cases, mesh_shape=None, replicate_async=True):
     if mesh_shape is not None:
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
     out = []
-    for kind, z3, ns_fp32 in cases:
+    for kind, z3, ns_fp32, *rest in cases:
+        variant = rest[0] if rest else "muon"
         model = make_model(kind)
         if hasattr(model, "set_rank"):
             model.set_rank(rank)
@@ -76,12 +81,12 @@ def _worker(cases, mesh_shape=None, replicate_async=True):
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        opt = dmuon_optimizer(model, torch.float32 if ns_fp32 else torch.bfloat16)
-        losses, ledgers, ns_calls, storage = [], [], [], {}
+        opt = dmuon_optimizer(model, torch.float32 if ns_fp32 else torch.bfloat16, variant=variant)
+        losses, ledgers, ns_calls, storage, ops = [], [], [], {}, []
         for step, batch in enumerate(global_batches(STEPS)):
             local = batch.chunk(world)[rank]
             LEDGER.reset()
-            with counting_ns() as step_ns:  # matrices orthogonalised in this step
+            with counting_ns() as step_ns, metered(record=True) as led:  # matrices orthogonalised in this step
                 loss = lm_loss(model, local)
                 if step == 0:
                     storage["after_forward"] = _non_held_storage_nbytes(model)
@@ -91,6 +96,7 @@ def _worker(cases, mesh_shape=None, replicate_async=True):
                 storage.setdefault("after_step", _non_held_storage_nbytes(model))
                 ledgers.append(LEDGER.snapshot())
             ns_calls.append(step_ns.matrices)
+            ops.append([tuple(dataclasses.astuple(op)) for op in led.ops])
             t = loss.detach().clone()
             dist.all_reduce(t)
             losses.append(t.item() / world)
@@ -113,6 +119,7 @@ def _worker(cases, mesh_shape=None, replicate_async=True):
                 losses=losses,
                 ledgers=ledgers,
                 ns_calls=ns_calls,
+                ops=ops,
                 storage=storage,
                 same_output_everywhere=same_output_everywhere,
                 full=full if rank == 0 else None,
@@ -127,13 +134,22 @@ HSDP_CASES = [("tiny", True, True), ("tiny", False, True), ("two", True, False)]
 HSDP_MESHES = [((2, 2), True), ((2, 2), False), ((2, 1), True), ((1, 4), False), ((3, 1), False)]
 
 
+# NorMuon (variant="normuon") on the layouts the issue names, each next to a Muon case of the same
+# (model, Z3, fp32 NS) whose ledger it must equal
+NORMUON_CASE = ("tiny", True, True, "normuon")
+NORMUON_WORLDS = (2, 3)
+NORMUON_MESHES = (((2, 2), True),)
+
+
 def _configs(world):
     """Every configuration of one world size, run in ONE launch (``label, cases, mesh_shape,
     replicate_async``): the 1-D mesh, then the HSDP meshes of that size."""
-    out = [(f"world={world}", CASES, None, True)]
+    out = [(f"world={world}", CASES + ([NORMUON_CASE] if world in NORMUON_WORLDS else []), None, True)]
     for mesh_shape, replicate_async in HSDP_MESHES:
         if mesh_shape[0] * mesh_shape[1] == world:
-            out.append((f"mesh={mesh_shape} replicate_async={replicate_async}", HSDP_CASES, mesh_shape, replicate_async))
+            extra = [NORMUON_CASE] if (mesh_shape, replicate_async) in NORMUON_MESHES else []
+            out.append((f"mesh={mesh_shape} replicate_async={replicate_async}", HSDP_CASES + extra, mesh_shape,
+                        replicate_async))
     return out
 
 
@@ -149,10 +165,19 @@ def _results(world, label):
     return [r[i] for r in runs]
 
 
+def _cases(label):
+    """The cases of configuration ``label``."""
+    for w in WORLDS:
+        for c in _configs(w):
+            if c[0] == label:
+                return c[1]
+    raise KeyError(label)
+
+
 @pytest.mark.parametrize("world", WORLDS)
 def test_matches_single_process_muon_adamw(world):
     results = _results(world, f"world={world}")
-    _check_against_oracle(results, CASES, f"world={world}")
+    _check_against_oracle(results, _cases(f"world={world}"), f"world={world}")
 
 
 @pytest.mark.parametrize("mesh_shape, replicate_async", HSDP_MESHES)
@@ -160,22 +185,44 @@ def test_hsdp_matches_single_process_muon_adamw(mesh_shape, replicate_async):
     world = mesh_shape[0] * mesh_shape[1]
     label = f"mesh={mesh_shape} replicate_async={replicate_async}"
     results = _results(world, label)
-    _check_against_oracle(results, HSDP_CASES, label)
+    _check_against_oracle(results, _cases(label), label)
+
+
+_NORMUON_LABELS = [f"world={w}" for w in NORMUON_WORLDS] + [
+    f"mesh={m} replicate_async={a}" for m, a in NORMUON_MESHES
+]
+
+
+@pytest.mark.parametrize("label", _NORMUON_LABELS)
+def test_normuon_ledger_equals_muon_ledger(label):
+    """NorMuon moves no extra byte: every rank issues the same collectives as Muon on the same
+    layout (kind, phase, group, root, dtype, elements, bytes), in the same order, every step."""
+    world = next(w for w in WORLDS if any(c[0] == label for c in _configs(w)))
+    cases = _cases(label)
+    results = _results(world, label)
+    i_nm = cases.index(NORMUON_CASE)
+    i_mu = cases.index(NORMUON_CASE[:3])
+    for r in results:
+        assert r[i_nm]["ops"] == r[i_mu]["ops"], label
+        assert r[i_nm]["ledgers"] == r[i_mu]["ledgers"], label
+        assert r[i_nm]["ops"][0], label  # the layout does move bytes
 
 
 def _check_against_oracle(results, cases, label):
     from dmuon.plan import ShardingPlan
 
-    for case_idx, (kind, z3, ns_fp32) in enumerate(cases):
+    for case_idx, (kind, z3, ns_fp32, *rest) in enumerate(cases):
+        variant = rest[0] if rest else "muon"
         per_rank = [r[case_idx] for r in results]
         plan = ShardingPlan.from_json(per_rank[0]["plan_json"])
         assert all(ShardingPlan.from_json(r["plan_json"]) == plan for r in per_rank)
         ref_losses, ref_state, ref_ns_calls = reference_run(
-            make_model(kind), set(plan.dedicated), global_batches(STEPS), ns_fp32=ns_fp32, world=len(per_rank)
+            make_model(kind), set(plan.dedicated), global_batches(STEPS), ns_fp32=ns_fp32, world=len(per_rank),
+            variant=variant,
         )
         loss_tol = FP32_LOSS_RTOL if ns_fp32 else BF16_LOSS_RTOL
         param_tol = FP32_PARAM_TOL if ns_fp32 else BF16_PARAM_TOL
-        where = f"{label} model={kind} z3={z3} ns_fp32={ns_fp32}"
+        where = f"{label} model={kind} z3={z3} ns_fp32={ns_fp32} variant={variant}"
         for got, want in zip(per_rank[0]["losses"], ref_losses):
             assert math.isclose(got, want, rel_tol=loss_tol), (where, got, want)
         full = per_rank[0]["full"]
