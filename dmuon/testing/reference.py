@@ -77,7 +77,7 @@ def fp32_newton_schulz():
 # ---------------------------------------------------------------------------------------------
 
 _MUON_HP = dict(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True, ns_coefficients=(3.4445, -4.775, 2.0315),
-                eps=1e-7, ns_steps=5, adjust_lr_fn=None)
+                eps=1e-7, ns_steps=None, adjust_lr_fn=None)
 _ADAMW_HP = dict(adamw_lr=1e-3, adamw_betas=(0.9, 0.999), adamw_eps=1e-8, adamw_weight_decay=1e-2)
 _NORMUON_HP = dict(variant="muon", normuon_beta2=0.95, normuon_eps=1e-10)
 
@@ -171,8 +171,9 @@ class ReferenceOptimizer:
                 for pr in proxies
             )
 
-        from dmuon.exec.optim.ns_coefficients import coefficient_schedule
+        from dmuon.exec.optim.ns_coefficients import coefficient_schedule, resolve_ns_steps
 
+        h["ns_steps"] = resolve_ns_steps(h["ns_coefficients"], h["ns_steps"])  # dmuon.Muon's rule
         # a triple (or a preset / table that is constant) goes to torch as is; a per-step table
         # is stored in torch's group too (torch does not read it) and needs our iteration
         schedule = coefficient_schedule(h["ns_coefficients"], h["ns_steps"])

@@ -104,10 +104,14 @@ class Muon(torch.optim.Optimizer):
         momentum: Muon momentum ``mu``. Default 0.95.
         nesterov: Nesterov momentum (the NS input is ``g.lerp(buf, mu)``). Default True.
         ns_coefficients: ``(a, b, c)``, a per-step table of ``ns_steps`` triples, or a key of
-            :data:`dmuon.exec.optim.ns_coefficients.NS_PRESETS` (``"muon"``, the default triple, or
-            ``"polar_express"``).
+            :data:`dmuon.exec.optim.ns_coefficients.NS_PRESETS` (``"muon"``, the default triple,
+            ``"polar_express"`` or ``"deepseek_v4"``).
         eps: Frobenius-norm clamp of the NS normalisation. Default 1e-7.
-        ns_steps: Newton-Schulz iterations, ``0 <= ns_steps < 100``. Default 5.
+        ns_steps: Newton-Schulz iterations, ``0 <= ns_steps < 100``. Default None: 5, or the
+            length of a fixed-length preset (``"deepseek_v4"``: 10) or of an explicit table
+            (:func:`dmuon.exec.optim.ns_coefficients.resolve_ns_steps`); the resolved int is
+            what the param group and ``state_dict()`` hold. A fixed-length preset with another
+            count raises ``ValueError`` (never a silent truncation).
         adjust_lr_fn: ``None`` | ``"original"`` | ``"match_rms_adamw"`` (see :func:`adjust_lr`).
         ns_dtype: dtype of the NS iteration. Default ``torch.bfloat16`` (as torch.optim.Muon);
             ``torch.float32`` for the tight numerical contract.
@@ -144,7 +148,7 @@ class Muon(torch.optim.Optimizer):
         nesterov: bool = True,
         ns_coefficients: _nsc.Coefficients = (3.4445, -4.775, 2.0315),
         eps: float = 1e-7,
-        ns_steps: int = 5,
+        ns_steps: Optional[int] = None,
         adjust_lr_fn: Optional[str] = None,
         ns_dtype: torch.dtype = torch.bfloat16,
         adamw_lr: float = 1e-3,
@@ -251,7 +255,8 @@ class Muon(torch.optim.Optimizer):
         h["nesterov"] = bool(h["nesterov"])
         # Resolve preset names, validate the table against ns_steps, normalise lists to
         # tuples; a constant schedule is stored as its single triple (torch's layout).
-        coeffs, steps = h["ns_coefficients"], h["ns_steps"]
+        coeffs = h["ns_coefficients"]
+        steps = h["ns_steps"] = _nsc.resolve_ns_steps(coeffs, h["ns_steps"])
         schedule = _nsc.coefficient_schedule(coeffs, steps)
         if isinstance(coeffs, str):
             coeffs = _nsc.NS_PRESETS[coeffs]
@@ -318,6 +323,8 @@ class Muon(torch.optim.Optimizer):
                 "their AdamW state would exist only on the owner"
             )
         defaults = self._muon_defaults if use_muon else self._adamw_defaults
+        if use_muon and "ns_coefficients" in group and "ns_steps" not in group:
+            group["ns_steps"] = None  # the group's own coefficients decide (resolve_ns_steps)
         for key, value in defaults.items():
             group.setdefault(key, value)
         hparams = {k: group[k] for k in defaults}
