@@ -431,11 +431,12 @@ class Muon(torch.optim.Optimizer):
                 saved.setdefault("ns_backend", "standard")  # checkpoints from before ns_backend
                 # the variant is this optimizer's (a Muon state dict into NorMuon: zero second moments;
                 # the reverse was refused by _check_loadable); NorMuon's settings default to this group's
-                if current["variant"] == "normuon" and saved.get("variant", "muon") != "normuon":
+                variant = current.get("variant", "muon")
+                if variant == "normuon" and saved.get("variant", "muon") != "normuon":
                     zero_second_moments.append(len(groups))
-                saved["variant"] = current["variant"]
+                saved["variant"] = variant
                 for k in ("normuon_beta2", "normuon_eps"):
-                    saved.setdefault(k, current[k])
+                    saved.setdefault(k, current.get(k, self._muon_defaults[k]))
             else:
                 keys = self._adamw_defaults.keys()
                 checker = self._checked_adamw_hparams
