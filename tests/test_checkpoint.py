@@ -2,18 +2,21 @@
 
 Three process groups, run once per module (process start-up dominates on 2 cores):
 
-* **N=4** — cases ``1d`` (mesh N=4, Z3) and ``hsdp`` (mesh (2, 2), Z2): train 2 steps, a no-grad
+* **N=4** — cases ``1d`` (mesh N=4, Z3), ``hsdp`` (mesh (2, 2), Z2) and ``1d_normuon`` (N=4 with
+  ``dmuon.Muon(variant="normuon")``: its second moments ``(m, 1)`` chunked like the momentum, issue
+  37): train 2 steps, a no-grad
   eval forward, then ``dcp.save`` of the sharded model + optimizer state dicts. Checked there:
   identical keys on every rank, every dedicated matrix and momentum as a full-shape DTensor whose
   local part is one row chunk, plain ``model.state_dict()`` semantics, ``dmuon.full_state_dict``
   on rank 0 only, the dummy-step guard; then a resume at the same N (fresh model, ``dcp.load``,
   one more step) against the uninterrupted run: bit-identical losses, parameters and optimizer
   state.
-* **N=1** — loads both N=4 checkpoints, trains 2 steps, saves again.
-* **N=2** — loads the N=4 checkpoints (1-D -> N=2, HSDP -> HSDP (2, 1)) and, "back" up, the N=1
-  ones, and trains one more step; then a full-state-dict round trip (``full_state_dict=True,
-  cpu_offload=True`` on rank 0 -> ``broadcast_from_rank0=True`` into a fresh model) continues
-  bit-identically.
+* **N=1** — loads the two Muon N=4 checkpoints, trains 2 steps, saves again.
+* **N=2** — loads the N=4 checkpoints (1-D -> N=2, HSDP -> HSDP (2, 1), NorMuon 1-D -> N=2) and,
+  "back" up, the N=1 ones, and trains one more step; a Muon checkpoint into NorMuon (zero second
+  moments, a warning) and a NorMuon checkpoint into Muon (refused on every rank); then full-state-dict
+  round trips, Muon and NorMuon (``full_state_dict=True, cpu_offload=True`` on rank 0 ->
+  ``broadcast_from_rank0=True`` into a fresh model), continue bit-identically.
 
 Across N the run is checked against the single-process oracle (``tests/oracle.py``) with the fp32
 Newton-Schulz contract: losses within ``LOSS_RTOL`` relative, every parameter within

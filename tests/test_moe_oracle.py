@@ -5,9 +5,12 @@ Three launches, one process group each, several models per launch (tests/moe_mod
 
 * W = 4: tiny HF Qwen3-MoE E = 8 (more experts than ranks) 1-D; gpt-oss E = 4 on HSDP (2, 2);
   the GroupedExperts block E = 3 (fewer experts than ranks) 1-D and E = 5 on HSDP (2, 2);
-  Qwen3-MoE with ``expert_gate_up="fused"``; GroupedExperts E = 6 with bf16 Newton-Schulz.
+  Qwen3-MoE with ``expert_gate_up="fused"``; GroupedExperts E = 6 with bf16 Newton-Schulz; NorMuon
+  (``variant="normuon"``, issue 37) on Qwen3-MoE E = 8 1-D (expert ranges, split gate/up) and on
+  gpt-oss E = 4 HSDP (2, 2) (transposed, interleaved stacks) against the NorMuon reference.
   Then checkpoints: Qwen3-MoE E = 4 and GroupedExperts E = 3 trained 2 steps on 1-D N = 4 (one
-  range per rank / 3 of 4 ranks), ``dcp.save``; loaded into HSDP (2, 2). A checkpoint saved with
+  range per rank / 3 of 4 ranks), and Qwen3-MoE E = 4 under NorMuon (its second moments ``(E, out, 1)``
+  in the state dicts), ``dcp.save``; loaded into HSDP (2, 2). A checkpoint saved with
   ``experts="off"`` (stacks on AdamW) loaded into an ``experts="auto"`` model fails naming the
   stacks and ``experts="off"``.
 * W = 3: Qwen3-MoE E = 4 (ranges 2+1+1), gpt-oss E = 2 (fewer), GroupedExperts E = 5; the

@@ -13,7 +13,9 @@ QK-clip rule applied after the step, head by head, from the reference's own forw
 parameters (1e-4 of each tensor's largest magnitude), bytes per step per rank equal to the
 plan's schedule (QK-clip's all-reduce included, also with 2 micro-batches under
 ``dmuon.no_sync``), clipped-head counts equal to the oracle's with both clipped and unclipped
-heads in the run. Measured deviations are in docs/muon_variants.md.
+heads in the run; NorMuon (issue 37) with per-head q/k/v rows and o_proj column blocks, against
+``dmuon.testing``'s NorMuon reference on ``matrix_view`` proxies (its collectives: the schedule's,
+op for op). Measured deviations are in docs/muon_variants.md.
 """
 
 from __future__ import annotations
