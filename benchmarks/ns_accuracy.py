@@ -31,9 +31,11 @@ torch's default); ``polar_express`` = ``newton_schulz`` with the "polar_express"
 ``gram`` = ``gram_newton_schulz`` (default restarts: before steps 2 and 4) with "muon";
 ``gram_pe`` = ``gram_newton_schulz`` with "polar_express"; ``auto`` = ``auto_newton_schulz``
 with "muon" (Gram NS where it needs fewer FLOPs for the shape, the standard iteration
-elsewhere: on the zoo, Gram NS on every matrix but the square ``gauss_1x1``).
+elsewhere: on the zoo, Gram NS on every matrix but the square ``gauss_1x1``);
+``deepseek_v4`` = ``newton_schulz`` with the "deepseek_v4" preset, which runs its own 10 steps
+(a fixed-length schedule, :func:`backend_steps`; 2x the FLOPs of the others).
 
-A second table runs ``standard``, ``gram`` and ``auto`` on the main job's matrices
+A second table runs ``standard``, ``gram``, ``auto`` and ``deepseek_v4`` on the main job's matrices
 (:data:`MAIN_JOB`: block-0 gradients of ``benchmarks/step_time.py``'s GPTs, 128 x 128 to
 1024 x 256).
 
@@ -78,10 +80,20 @@ BACKENDS: dict[str, tuple[str, str]] = {
     "gram": ("gram_newton_schulz", "muon"),
     "gram_pe": ("gram_newton_schulz", "polar_express"),
     "auto": ("auto_newton_schulz", "muon"),
+    "deepseek_v4": ("newton_schulz", "deepseek_v4"),
 }
 #: backends measured on the main job's matrices (:data:`MAIN_JOB`): the default iteration, Gram
 #: NS and the per-shape choice between them (bf16 NS of 256 x 1024 matrices is slow on CPUs)
-MAIN_JOB_BACKENDS = ("standard", "gram", "auto")
+MAIN_JOB_BACKENDS = ("standard", "gram", "auto", "deepseek_v4")
+
+
+def backend_steps(backend: str, steps: int = STEPS) -> int:
+    """The steps ``backend`` runs: ``steps``, or its preset's own length for a fixed-length preset
+    (``"deepseek_v4"``: 10; ``dmuon.exec.optim.ns_coefficients.PRESET_LENGTH_POLICY``)."""
+    from dmuon.exec.optim.ns_coefficients import NS_PRESETS, PRESET_LENGTH_POLICY
+
+    preset = BACKENDS[backend][1]
+    return len(NS_PRESETS[preset]) if PRESET_LENGTH_POLICY.get(preset) == "fixed" else steps
 
 
 # ------------------------------------------------------------------------------ the zoo
@@ -219,6 +231,7 @@ def run_backend(
 ) -> tuple[torch.Tensor, int]:
     """``(Y, fallbacks)``: the backend's result on ``x`` and how many matrices fell back."""
     fn_name, preset = BACKENDS[backend]
+    steps = backend_steps(backend, steps)
     fn = getattr(ns, fn_name)
     fell_back: list[int] = []
     kw = {"on_fallback": lambda idx: fell_back.append(idx.numel())} if fn_name == "gram_newton_schulz" else {}
@@ -244,7 +257,8 @@ def measure(
         vr, ur = ref.v[:, ref.resolved], ref.u[:, ref.resolved]
         polar = float(torch.linalg.matrix_norm(y64 @ vr - ur) / math.sqrt(k))
         preset = BACKENDS[backend][1]
-        exact = ns.newton_schulz(x.double(), coefficients=preset, steps=steps, dtype=torch.float64)
+        exact = ns.newton_schulz(x.double(), coefficients=preset, steps=backend_steps(backend, steps),
+                                 dtype=torch.float64)
         err64 = float(torch.linalg.matrix_norm((y64 - exact) @ vr) / torch.linalg.matrix_norm(exact @ vr))
     return Metrics(
         matrix=name, dtype=dtype_name, backend=backend, finite=finite, nonzero=ref.nonzero, resolved=k,

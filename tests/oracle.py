@@ -194,11 +194,12 @@ def dmuon_muon_kwargs(ns_dtype: torch.dtype = torch.float32, hp=HP) -> dict:
     )
 
 
-def dmuon_optimizer(model: nn.Module, ns_dtype: torch.dtype = torch.float32, hp=HP):
-    """``dmuon.Muon`` with the hyper-parameters :func:`reference_run` gives torch's optimizers."""
+def dmuon_optimizer(model: nn.Module, ns_dtype: torch.dtype = torch.float32, hp=HP, variant: str = "muon"):
+    """``dmuon.Muon`` with the hyper-parameters :func:`reference_run` gives torch's optimizers
+    (``variant="normuon"``: NorMuon, against ``reference_run(variant="normuon")``)."""
     import dmuon
 
-    return dmuon.Muon(model, **dmuon_muon_kwargs(ns_dtype, hp))
+    return dmuon.Muon(model, **dmuon_muon_kwargs(ns_dtype, hp), variant=variant)
 
 
 def train_steps(model: nn.Module, opt, batches, local_loss=None) -> list[float]:
@@ -263,6 +264,7 @@ def reference_run(
     world: int = 1,
     newton_schulz=None,
     grad_norms: list | None = None,
+    variant: str = "muon",
 ):
     """Single process, global batch: Muon on ``dedicated`` FQNs, AdamW on the rest.
 
@@ -272,7 +274,8 @@ def reference_run(
 
     ``newton_schulz``: a replacement for torch's iteration (:func:`patched_newton_schulz`;
     overrides ``ns_fp32``). ``grad_norms``: a list that receives the 2-norm of all gradients of
-    each step, before the optimizers run.
+    each step, before the optimizers run. ``variant="normuon"``: NorMuon on the dedicated
+    matrices (:class:`dmuon.testing.ReferenceOptimizer`'s ``variant``).
 
     Returns (losses, state_dict of the final model, Newton-Schulz calls per step), where the
     last counts the dedicated matrices that had a gradient (torch.optim.Muon skips the others).
@@ -284,6 +287,7 @@ def reference_run(
         {n: proxies_for(p.shape) for n, p in named.items() if n in dedicated},
         ns_dtype=torch.float32 if ns_fp32 else torch.bfloat16,
         newton_schulz=newton_schulz,
+        variant=variant,
         **hp,
     )
     muon_params = [p for n, p in named.items() if n in dedicated]

@@ -14,18 +14,22 @@ of ``tests/oracle.py``:
   N <= 2 every loss and parameter),
 * exactly one Newton-Schulz per dedicated matrix per step, summed over ranks (none for a matrix
   no rank used, as torch.optim.Muon skips it),
+* NorMuon (``variant="normuon"``, issue 37) on N = 2, 3 and HSDP (2, 2) against the NorMuon
+  reference, with the same bounds, and its ledger -- every collective issued, in order, with its
+  group, root, dtype and bytes -- equal to the Muon case's on the same layout: zero extra bytes,
 * a matrix used by one rank only, used twice in one forward, or used by no rank,
 * no full-size storage for non-held segments after a Z3 forward, a no-grad forward and the step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
-
 from dmuon.exec import get_model_runtime
+
 from dmuon.testing import BF16_LOSS_RTOL, BF16_PARAM_TOL, FP32_LOSS_RTOL, FP32_PARAM_TOL
 from shared_launch import shared_run
 from oracle import dmuon_optimizer, global_batches, lm_loss, make_model, reference_run
@@ -38,7 +42,7 @@ STEPS = 3
 # FP32_LOSS_RTOL 1e-6, FP32_PARAM_TOL 1e-4.
 
 CASES = [
-    # (model kind, reshard_after_forward, ns fp32[, collectives]); the default collectives="auto"
+    # (model kind, reshard_after_forward, ns fp32[, collectives[, variant]]); the default collectives="auto"
     # all-gathers these small buffers on every N >= 2 (asserted), the last two force broadcasts
     ("tiny", True, True),
     ("tiny", False, True),
@@ -66,7 +70,7 @@ def _worker(cases, mesh_shape=None, replicate_async=True):
     from torch.distributed.fsdp import fully_shard
 
     import dmuon
-    from dmuon.exec.comm.collectives import LEDGER
+    from dmuon.exec.comm.collectives import LEDGER, metered
     from ns_spy import counting_ns
 
     torch.set_num_threads(1)
@@ -76,20 +80,22 @@ def _worker(cases, mesh_shape=None, replicate_async=True):
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
     out = []
     for kind, z3, ns_fp32, *rest in cases:
+        collectives = rest[0] if rest else "auto"
+        variant = rest[1] if len(rest) > 1 else "muon"
         model = make_model(kind)
         if hasattr(model, "set_rank"):
             model.set_rank(rank)
         plan = dmuon.dedicate_params(model, mesh, reshard_after_forward=z3, replicate_async=replicate_async,
-                                     collectives=rest[0] if rest else "auto")
+                                     collectives=collectives)
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        opt = dmuon_optimizer(model, torch.float32 if ns_fp32 else torch.bfloat16)
-        losses, ledgers, ns_calls, storage = [], [], [], {}
+        opt = dmuon_optimizer(model, torch.float32 if ns_fp32 else torch.bfloat16, variant=variant)
+        losses, ledgers, ns_calls, storage, ops = [], [], [], {}, []
         for step, batch in enumerate(global_batches(STEPS)):
             local = batch.chunk(world)[rank]
             LEDGER.reset()
-            with counting_ns() as step_ns:  # matrices orthogonalised in this step
+            with counting_ns() as step_ns, metered(record=True) as led:  # matrices orthogonalised in this step
                 loss = lm_loss(model, local)
                 if step == 0:
                     storage["after_forward"] = _non_held_storage_nbytes(model)
@@ -99,6 +105,7 @@ def _worker(cases, mesh_shape=None, replicate_async=True):
                 storage.setdefault("after_step", _non_held_storage_nbytes(model))
                 ledgers.append(LEDGER.snapshot())
             ns_calls.append(step_ns.matrices)
+            ops.append([tuple(dataclasses.astuple(op)) for op in led.ops])
             t = loss.detach().clone()
             dist.all_reduce(t)
             losses.append(t.item() / world)
@@ -121,6 +128,7 @@ def _worker(cases, mesh_shape=None, replicate_async=True):
                 losses=losses,
                 ledgers=ledgers,
                 ns_calls=ns_calls,
+                ops=ops,
                 storage=storage,
                 same_output_everywhere=same_output_everywhere,
                 full=full if rank == 0 else None,
@@ -135,13 +143,22 @@ HSDP_CASES = [("tiny", True, True), ("tiny", False, True), ("two", True, False),
 HSDP_MESHES = [((2, 2), True), ((2, 2), False), ((2, 1), True), ((1, 4), False), ((3, 1), False)]
 
 
+# NorMuon (variant="normuon") on the layouts the issue names, each next to a Muon case of the same
+# (model, Z3, fp32 NS) whose ledger it must equal
+NORMUON_CASE = ("tiny", True, True, "auto", "normuon")
+NORMUON_WORLDS = (2, 3)
+NORMUON_MESHES = (((2, 2), True),)
+
+
 def _configs(world):
     """Every configuration of one world size, run in ONE launch (``label, cases, mesh_shape,
     replicate_async``): the 1-D mesh, then the HSDP meshes of that size."""
-    out = [(f"world={world}", CASES, None, True)]
+    out = [(f"world={world}", CASES + ([NORMUON_CASE] if world in NORMUON_WORLDS else []), None, True)]
     for mesh_shape, replicate_async in HSDP_MESHES:
         if mesh_shape[0] * mesh_shape[1] == world:
-            out.append((f"mesh={mesh_shape} replicate_async={replicate_async}", HSDP_CASES, mesh_shape, replicate_async))
+            extra = [NORMUON_CASE] if (mesh_shape, replicate_async) in NORMUON_MESHES else []
+            out.append((f"mesh={mesh_shape} replicate_async={replicate_async}", HSDP_CASES + extra, mesh_shape,
+                        replicate_async))
     return out
 
 
@@ -157,10 +174,19 @@ def _results(world, label):
     return [r[i] for r in runs]
 
 
+def _cases(label):
+    """The cases of configuration ``label``."""
+    for w in WORLDS:
+        for c in _configs(w):
+            if c[0] == label:
+                return c[1]
+    raise KeyError(label)
+
+
 @pytest.mark.parametrize("world", WORLDS)
 def test_matches_single_process_muon_adamw(world):
     results = _results(world, f"world={world}")
-    _check_against_oracle(results, CASES, f"world={world}")
+    _check_against_oracle(results, _cases(f"world={world}"), f"world={world}")
 
 
 @pytest.mark.parametrize("mesh_shape, replicate_async", HSDP_MESHES)
@@ -168,24 +194,48 @@ def test_hsdp_matches_single_process_muon_adamw(mesh_shape, replicate_async):
     world = mesh_shape[0] * mesh_shape[1]
     label = f"mesh={mesh_shape} replicate_async={replicate_async}"
     results = _results(world, label)
-    _check_against_oracle(results, HSDP_CASES, label)
+    _check_against_oracle(results, _cases(label), label)
+
+
+_NORMUON_LABELS = [f"world={w}" for w in NORMUON_WORLDS] + [
+    f"mesh={m} replicate_async={a}" for m, a in NORMUON_MESHES
+]
+
+
+@pytest.mark.parametrize("label", _NORMUON_LABELS)
+def test_normuon_ledger_equals_muon_ledger(label):
+    """NorMuon moves no extra byte: every rank issues the same collectives as Muon on the same
+    layout (kind, phase, group, root, dtype, elements, bytes), in the same order, every step."""
+    world = next(w for w in WORLDS if any(c[0] == label for c in _configs(w)))
+    cases = _cases(label)
+    results = _results(world, label)
+    i_nm = cases.index(NORMUON_CASE)
+    i_mu = cases.index(NORMUON_CASE[:3])
+    for r in results:
+        assert r[i_nm]["ops"] == r[i_mu]["ops"], label
+        assert r[i_nm]["ledgers"] == r[i_mu]["ledgers"], label
+        assert r[i_nm]["ops"][0], label  # the layout does move bytes
 
 
 def _check_against_oracle(results, cases, label):
     from dmuon.plan import ShardingPlan
 
     for case_idx, (kind, z3, ns_fp32, *rest) in enumerate(cases):
+        collectives = rest[0] if rest else "auto"
+        variant = rest[1] if len(rest) > 1 else "muon"
         per_rank = [r[case_idx] for r in results]
         plan = ShardingPlan.from_json(per_rank[0]["plan_json"])
         assert all(ShardingPlan.from_json(r["plan_json"]) == plan for r in per_rank)
         kinds = {buf.collective for b in plan.boundaries for buf in b.buffers}
-        assert kinds == ({"all_gather"} if not rest and plan.mesh_shape[1] > 1 else {"broadcast"}), (label, kinds)
+        want = {"all_gather"} if collectives == "auto" and plan.mesh_shape[1] > 1 else {"broadcast"}
+        assert kinds == want, (label, kinds)
         ref_losses, ref_state, ref_ns_calls = reference_run(
-            make_model(kind), set(plan.dedicated), global_batches(STEPS), ns_fp32=ns_fp32, world=len(per_rank)
+            make_model(kind), set(plan.dedicated), global_batches(STEPS), ns_fp32=ns_fp32, world=len(per_rank),
+            variant=variant,
         )
         loss_tol = FP32_LOSS_RTOL if ns_fp32 else BF16_LOSS_RTOL
         param_tol = FP32_PARAM_TOL if ns_fp32 else BF16_PARAM_TOL
-        where = f"{label} model={kind} z3={z3} ns_fp32={ns_fp32} collectives={rest[0] if rest else 'auto'}"
+        where = f"{label} model={kind} z3={z3} ns_fp32={ns_fp32} collectives={collectives} variant={variant}"
         for got, want in zip(per_rank[0]["losses"], ref_losses):
             assert math.isclose(got, want, rel_tol=loss_tol), (where, got, want)
         full = per_rank[0]["full"]
@@ -231,8 +281,8 @@ def _check_kinds_agree(results, cases, label):
 
     index = {tuple(c): i for i, c in enumerate(cases)}
     for case in cases:
-        if len(case) < 4:
-            continue
+        if len(case) < 4 or case[3] == "auto" or case[4:] not in ((), ("muon",)):
+            continue  # a broadcast twin of a Muon case
         auto = index.get(tuple(case[:3]))
         if auto is None:
             continue
@@ -242,3 +292,4 @@ def _check_kinds_agree(results, cases, label):
         if ShardingPlan.from_json(a["plan_json"]).mesh_shape[1] <= 2:
             assert a["losses"] == b["losses"], where
             assert all(torch.equal(a["full"][k], b["full"][k]) for k in a["full"]), where
+

@@ -333,26 +333,30 @@ def _meta_init_run(ep: int, mesh, named_mesh: bool, group=None, fsdp_mesh=None):
     return dict(kept=kept, losses=losses, norm=norm, full={k: v.detach().clone() for k, v in full.items()})
 
 
-def _train(model, opt, first_step=None) -> tuple[list[float], list[int], float]:
+def _train(model, opt, first_step=None, ops=None) -> tuple[list[float], list[int], float]:
     """``STEPS`` steps on this rank's share of the global batches (inside a worker): the
     global-batch mean losses, this rank's ledger bytes per step, and the global gradient norm
-    of step 0 (``dmuon.clip_grad_norm_``), where ``first_step()`` also runs."""
+    of step 0 (``dmuon.clip_grad_norm_``), where ``first_step()`` also runs. ``ops``: a list that
+    receives every step's issued collectives (the ledger's record, as tuples)."""
     import torch.distributed as dist
 
-    from dmuon.exec.comm.collectives import LEDGER
+    from dmuon.exec.comm.collectives import LEDGER, metered
 
     rank, world = dist.get_rank(), dist.get_world_size()
     losses, ledgers, norm = [], [], None
     for batch in global_batches(STEPS, world):
         LEDGER.reset()
-        loss = lm_loss(model, batch.chunk(world)[rank])
-        loss.backward()
-        if norm is None:
-            norm = dmuon.clip_grad_norm_(model, 1e9).item()
-            if first_step is not None:
-                first_step()
-        opt.step()
-        opt.zero_grad()
+        with metered(record=True) as led:
+            loss = lm_loss(model, batch.chunk(world)[rank])
+            loss.backward()
+            if norm is None:
+                norm = dmuon.clip_grad_norm_(model, 1e9).item()
+                if first_step is not None:
+                    first_step()
+            opt.step()
+            opt.zero_grad()
+        if ops is not None:
+            ops.append([dataclasses.astuple(op) for op in led.ops])
         ledgers.append(LEDGER.total_nbytes())
         t = loss.detach().clone()
         dist.all_reduce(t)
@@ -360,11 +364,11 @@ def _train(model, opt, first_step=None) -> tuple[list[float], list[int], float]:
     return losses, ledgers, norm
 
 
-def _reference(world: int):
+def _reference(world: int, variant: str = "muon"):
     ref_plan = P.compile(full_model(), world)
     proxies = dmuon.testing.proxies_from_plan(ref_plan)
     return dmuon.testing.reference_run(
-        full_model(), lm_loss, global_batches(STEPS, world), proxies, ns_dtype=torch.float32, **HP
+        full_model(), lm_loss, global_batches(STEPS, world), proxies, ns_dtype=torch.float32, variant=variant, **HP
     )
 
 
@@ -431,10 +435,20 @@ def _check_meta(results, ref_losses, ref_state, want_norm, what: str) -> tuple[f
 
 # ------------------------------------------------------- efsdp > 1 and HSDP (owners in efsdp groups)
 
-# (mesh shape, ep, collectives): ep 2 x efsdp 2 on a 1-D mesh of 4 (the default "auto": its efsdp
-# buffers all-gathered); ep 2 on a (2, 2) HSDP mesh (efsdp 1, two replicas of every expert); ep 2 x
-# efsdp 2 again with broadcasts; run one after the other in one launch of 4 ranks
-EFSDP_CASES = (((1, 4), 2, "auto"), ((2, 2), 2, "auto"), ((1, 4), 2, "broadcast"))
+# (mesh shape, ep, collectives, variant): ep 2 x efsdp 2 on a 1-D mesh of 4 (the default "auto": its
+# efsdp buffers all-gathered); ep 2 on a (2, 2) HSDP mesh (efsdp 1, two replicas of every expert);
+# ep 2 x efsdp 2 again with broadcasts; NorMuon on ep 2 x efsdp 2 (its ledger must equal Muon's);
+# run one after the other in one launch of 4 ranks
+EFSDP_CASES = (
+    ((1, 4), 2, "auto", "muon"),
+    ((2, 2), 2, "auto", "muon"),
+    ((1, 4), 2, "broadcast", "muon"),
+    ((1, 4), 2, "auto", "normuon"),
+)
+
+
+def _case_key(mesh_shape, ep, collectives, variant) -> str:
+    return f"{mesh_shape}/{ep}/{collectives}" + ("" if variant == "muon" else f"/{variant}")
 
 
 def _ep_groups(mesh_shape, ep):
@@ -468,7 +482,7 @@ def _efsdp_worker():
     rank = dist.get_rank()
     out = {}
     path = None
-    for mesh_shape, ep, collectives in EFSDP_CASES:
+    for mesh_shape, ep, collectives, variant in EFSDP_CASES:
         R, N = mesh_shape
         shard = rank % N
         group = _ep_groups(mesh_shape, ep)
@@ -479,13 +493,16 @@ def _efsdp_worker():
         for layer in model.layers:
             fully_shard(layer, mesh=fsdp_mesh)
         fully_shard(model, mesh=fsdp_mesh)
-        opt = dmuon.Muon(model, ns_dtype=torch.float32, **HP)
-        losses, ledgers, norm = _train(model, opt)
+        opt = dmuon.Muon(model, ns_dtype=torch.float32, variant=variant, **HP)
+        ops = []
+        losses, ledgers, norm = _train(model, opt, ops=ops)
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         full = {k: v.detach().clone() for k, v in full.items()}
-        # DCP: the first case saves (sharded, experts at full logical shape), the others load it
-        # into their own layout (efsdp owners -> HSDP replicas; all-gathered -> broadcast buffers)
-        if path is None:
+        # DCP: the first case saves (sharded, experts at full logical shape), the other Muon cases
+        # load it into their own layout (efsdp owners -> HSDP replicas; all-gathered -> broadcast buffers)
+        if variant != "muon":
+            reload = None
+        elif path is None:
             path = [tempfile.mkdtemp(prefix="dmuon_efsdp_") if rank == 0 else None]
             dist.broadcast_object_list(path)
             path = path[0]
@@ -496,10 +513,10 @@ def _efsdp_worker():
             dcp_load(model, opt, path)
             got = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
             reload = all(torch.equal(got[k], saved[k]) for k in saved)
-        out[f"{mesh_shape}/{ep}/{collectives}"] = dict(
-            plan_json=plan.to_json(), losses=losses, ledgers=ledgers, full=full, norm=norm, reload=reload,
+        out[_case_key(mesh_shape, ep, collectives, variant)] = dict(
+            plan_json=plan.to_json(), losses=losses, ledgers=ledgers, full=full, norm=norm, reload=reload, ops=ops,
         )
-        if R == 1 and collectives == "auto":  # ep 2 x efsdp 2 from meta: to_empty + dmuon.init_params
+        if R == 1 and collectives == "auto" and variant == "muon":  # ep 2 x efsdp 2 from meta: to_empty + init_params
             out["meta"] = _meta_init_run(ep, mesh, False, group=group, fsdp_mesh=fsdp_mesh)
     return out
 
@@ -508,15 +525,17 @@ def test_ep_efsdp_and_hsdp_match_single_process_reference():
     """ep 2 x efsdp 2 (1-D, 4 ranks) and ep 2 on HSDP (2, 2): every expert owned once inside its
     efsdp group, the training equal to the single-process per-expert oracle on the global batch,
     the ledger equal to the plan per rank and step, a DCP checkpoint saved under one layout
-    loading under the other."""
+    loading under the other. NorMuon on ep 2 x efsdp 2: equal to the NorMuon reference, and every
+    collective issued (kind, phase, group, root, dtype, bytes, order) equal to Muon's."""
     results = run_distributed(_efsdp_worker, 4, timeout_s=900)
     world = 4
-    ref_losses, ref_state = _reference(world)
+    refs = {v: _reference(world, v) for v in sorted({c[3] for c in EFSDP_CASES})}
     model = full_model()
     lm_loss(model, global_batches(STEPS, world)[0]).backward()
     want_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
-    for mesh_shape, ep, collectives in EFSDP_CASES:
-        key = f"{mesh_shape}/{ep}/{collectives}"
+    for mesh_shape, ep, collectives, variant in EFSDP_CASES:
+        key = _case_key(mesh_shape, ep, collectives, variant)
+        ref_losses, ref_state = refs[variant]
         plan = ShardingPlan.from_json(results[0][key]["plan_json"])
         assert plan.ep_size == ep
         ep_kinds = {buf.collective for b in plan.boundaries for buf in b.buffers if buf.ep > 1}
@@ -540,9 +559,13 @@ def test_ep_efsdp_and_hsdp_match_single_process_reference():
                 d = (have - want).abs().max().item() / want.abs().max().item()
                 assert d < 1e-4, (key, name, d)
         print(f"EP {key}: bytes/rank/step {per_rank}")
-    for case in EFSDP_CASES[1:]:  # saved with all-gathered efsdp buffers, loaded bit for bit
-        assert all(r["/".join(map(str, case))]["reload"] for r in results), case
+    for case in EFSDP_CASES[1:3]:  # saved with all-gathered efsdp buffers, loaded bit for bit
+        assert all(r[_case_key(*case)]["reload"] for r in results), case
     # efsdp 2 moves every expert gradient as a sum of two: broadcast and all-gather runs agree bit for bit
-    a, b = ("/".join(map(str, c)) for c in (EFSDP_CASES[0], EFSDP_CASES[2]))
+    a, b = (_case_key(*c) for c in (EFSDP_CASES[0], EFSDP_CASES[2]))
     assert results[0][a]["losses"] == results[0][b]["losses"]
+    for r in results:  # NorMuon: not one extra collective or byte
+        assert r[_case_key(*EFSDP_CASES[3])]["ops"] == r[_case_key(*EFSDP_CASES[0])]["ops"]
+        assert r[_case_key(*EFSDP_CASES[3])]["ops"][0]
+    ref_losses, ref_state = refs["muon"]
     _check_meta(results, ref_losses, ref_state, want_norm, "an efsdp-owned stack's tag")  # ep 2 x efsdp 2 from meta

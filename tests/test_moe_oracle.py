@@ -5,9 +5,12 @@ Three launches, one process group each, several models per launch (tests/moe_mod
 
 * W = 4: tiny HF Qwen3-MoE E = 8 (more experts than ranks) 1-D; gpt-oss E = 4 on HSDP (2, 2);
   the GroupedExperts block E = 3 (fewer experts than ranks) 1-D and E = 5 on HSDP (2, 2);
-  Qwen3-MoE with ``expert_gate_up="fused"``; GroupedExperts E = 6 with bf16 Newton-Schulz.
+  Qwen3-MoE with ``expert_gate_up="fused"``; GroupedExperts E = 6 with bf16 Newton-Schulz; NorMuon
+  (``variant="normuon"``, issue 37) on Qwen3-MoE E = 8 1-D (expert ranges, split gate/up) and on
+  gpt-oss E = 4 HSDP (2, 2) (transposed, interleaved stacks) against the NorMuon reference.
   Then checkpoints: Qwen3-MoE E = 4 and GroupedExperts E = 3 trained 2 steps on 1-D N = 4 (one
-  range per rank / 3 of 4 ranks), ``dcp.save``; loaded into HSDP (2, 2). A checkpoint saved with
+  range per rank / 3 of 4 ranks), and Qwen3-MoE E = 4 under NorMuon (its second moments ``(E, out, 1)``
+  in the state dicts), ``dcp.save``; loaded into HSDP (2, 2). A checkpoint saved with
   ``experts="off"`` (stacks on AdamW) loaded into an ``experts="auto"`` model fails naming the
   stacks and ``experts="off"``.
 * W = 3: Qwen3-MoE E = 4 (ranges 2+1+1), gpt-oss E = 2 (fewer), GroupedExperts E = 5; the
@@ -83,6 +86,9 @@ CASES = {
         # one expert per rank and stack at one slot offset: the stacks received in place (no assembly)
         ("grouped1 E=4 N=4 in place", "grouped1", 4, None, {"collectives": "all_gather", "predicate": _experts_only},
          torch.float32),
+        # NorMuon (issue 37): expert ranges (split HF gate/up), gpt-oss's transposed interleaved stacks on HSDP
+        ("qwen3 E=8 N=4 normuon", "qwen3", 8, None, {}, torch.float32),
+        ("gpt-oss E=4 HSDP(2,2) normuon", "gpt_oss", 4, (2, 2), {}, torch.float32),
     ],
     3: [
         ("qwen3 E=4 N=3", "qwen3", 4, None, {}, torch.float32),
@@ -96,7 +102,13 @@ CASES = {
         ("grouped E=4 N=2 broadcast", "grouped", 4, None, {"collectives": "broadcast"}, torch.float32),
     ],
 }
-CKPT_MODELS = [("qwen3", 4), ("grouped", 3)]
+# (key, kind, E, optimizer variant): saved at W = 4 (one owner per range), loaded at every layout
+CKPT_MODELS = [("qwen3", "qwen3", 4, "muon"), ("grouped", "grouped", 3, "muon"), ("qwen3 normuon", "qwen3", 4, "normuon")]
+
+
+def _variant(name: str) -> str:
+    """The optimizer variant of case ``name`` (``"... normuon"``: NorMuon)."""
+    return "normuon" if name.endswith("normuon") else "muon"
 
 
 # ------------------------------------------------------------------------------- rank side
@@ -110,7 +122,7 @@ def _mesh(shape):
     return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
 
 
-def _build(kind, E, mesh_shape, dk, ns_dtype=torch.float32):
+def _build(kind, E, mesh_shape, dk, ns_dtype=torch.float32, variant="muon"):
     from torch.distributed.fsdp import fully_shard
 
     import dmuon
@@ -125,7 +137,7 @@ def _build(kind, E, mesh_shape, dk, ns_dtype=torch.float32):
     for block in boundary_modules(model, plan):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return model, dmuon.Muon(model, **dmuon_muon_kwargs(ns_dtype, HP)), plan
+    return model, dmuon.Muon(model, **dmuon_muon_kwargs(ns_dtype, HP), variant=variant), plan
 
 
 def _train(kind, model, opt, batches, ledgers=None):
@@ -180,7 +192,9 @@ def _stack_shapes(model, opt, plan):
     for spec in plan.params:
         if spec.experts is not None:
             v, m = sd["model"][spec.fqn], sd["optim"]["state"][spec.fqn]["momentum_buffer"]
-            out[spec.fqn] = (type(v).__name__, tuple(v.shape), type(m).__name__, tuple(m.shape), tuple(spec.shape))
+            sm = sd["optim"]["state"][spec.fqn].get("second_momentum_buffer")
+            sm = None if sm is None else (type(sm).__name__, tuple(sm.shape))
+            out[spec.fqn] = (type(v).__name__, tuple(v.shape), type(m).__name__, tuple(m.shape), tuple(spec.shape), sm)
     return out
 
 
@@ -192,7 +206,7 @@ def _worker(world, root):
 
     out = {"cases": [], "loaded": {}}
     for name, kind, E, mesh_shape, dk, ns_dtype in CASES[world]:
-        model, opt, plan = _build(kind, E, mesh_shape, dk, ns_dtype)
+        model, opt, plan = _build(kind, E, mesh_shape, dk, ns_dtype, _variant(name))
         ledgers = []
         losses = _train(kind, model, opt, _batches(kind), ledgers)
         full = _full(model, opt)
@@ -207,15 +221,15 @@ def _worker(world, root):
 
     if world == 4:  # save at one owner per range (W = 4), load at HSDP (2, 2) here
         out["saved"], out["shapes"] = {}, {}
-        for kind, E in CKPT_MODELS:
-            model, opt, plan = _build(kind, E, None, {})
+        for key, kind, E, variant in CKPT_MODELS:
+            model, opt, plan = _build(kind, E, None, {}, variant=variant)
             _train(kind, model, opt, _batches(kind)[:2])
-            out["shapes"][kind] = _stack_shapes(model, opt, plan)
-            dcp.save(_sharded(model, opt), checkpoint_id=f"{root}/{kind}")
-            out["saved"][kind] = _full(model, opt)
-            m2, o2, _ = _build(kind, E, (2, 2), {})
-            _load(m2, o2, f"{root}/{kind}")
-            out["loaded"][kind] = _full(m2, o2)
+            out["shapes"][key] = _stack_shapes(model, opt, plan)
+            dcp.save(_sharded(model, opt), checkpoint_id=f"{root}/{key}")
+            out["saved"][key] = _full(model, opt)
+            m2, o2, _ = _build(kind, E, (2, 2), {}, variant=variant)
+            _load(m2, o2, f"{root}/{key}")
+            out["loaded"][key] = _full(m2, o2)
         # experts="off" (stacks on AdamW) -> experts="auto": the dedicated-set error, on every rank
         model, opt, _ = _build("grouped", 3, None, {"experts": "off"})
         _train("grouped", model, opt, _batches("grouped")[:1])
@@ -227,10 +241,10 @@ def _worker(world, root):
         except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
             out["off_err"] = (type(exc).__name__, str(exc))
     else:  # load the W = 4 checkpoints at N = world
-        for kind, E in CKPT_MODELS:
-            m2, o2, _ = _build(kind, E, None, {})
-            _load(m2, o2, f"{root}/{kind}")
-            out["loaded"][kind] = _full(m2, o2)
+        for key, kind, E, variant in CKPT_MODELS:
+            m2, o2, _ = _build(kind, E, None, {}, variant=variant)
+            _load(m2, o2, f"{root}/{key}")
+            out["loaded"][key] = _full(m2, o2)
     dist.barrier()
     return out
 
@@ -274,7 +288,7 @@ def _results(request, world):
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(kind, E, plan_json, ns_dtype):
+def _reference(kind, E, plan_json, ns_dtype, variant="muon"):
     import dmuon.testing as T
     from dmuon.plan import ShardingPlan
 
@@ -283,7 +297,7 @@ def _reference(kind, E, plan_json, ns_dtype):
     model = _builder(kind)(E)
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     losses, state = T.reference_run(model, _loss(kind), list(_batches(kind)), T.proxies_from_plan(plan),
-                                    ns_dtype=ns_dtype, **HP)
+                                    ns_dtype=ns_dtype, variant=variant, **HP)
     return init, losses, state
 
 
@@ -324,7 +338,7 @@ def test_matches_reference_and_ledger_equals_plan(request, world, i):
         if spec.experts.gate_up:  # fused gate/up: E matrices (2F, D), else 2E (F, D)
             fused = dk.get("expert_gate_up") == "fused"
             assert spec.num_matrices == (E if fused else 2 * E) and spec.experts.split is not fused, (name, spec)
-    init, ref_losses, ref_state = _reference(kind, E, per_rank[0]["plan_json"], ns_dtype)
+    init, ref_losses, ref_state = _reference(kind, E, per_rank[0]["plan_json"], ns_dtype, _variant(name))
     loss_dev, param_dev, worst = _deviations(per_rank[0]["losses"], ref_losses, per_rank[0]["full"], ref_state)
     loss_bound, param_bound = T.bounds(ns_dtype)
     print(f"\n[moe oracle] {name}: loss dev {loss_dev:.2e} (bound {loss_bound:g}), param dev {param_dev:.2e} "
@@ -370,18 +384,26 @@ def test_matches_reference_and_ledger_equals_plan(request, world, i):
 
 
 def test_checkpoint_state_dicts_hold_stacks_at_full_shape(w4):
-    for kind, E in CKPT_MODELS:
+    for key, kind, E, variant in CKPT_MODELS:
         for r in w4:
-            shapes = r["shapes"][kind]
+            shapes = r["shapes"][key]
             assert len(shapes) == (4 if kind == "qwen3" else 6)
-            for fqn, (t_model, shape, t_mom, mom_shape, logical) in shapes.items():
+            for fqn, (t_model, shape, t_mom, mom_shape, logical, v) in shapes.items():
                 assert (t_model, t_mom) == ("DTensor", "DTensor"), fqn
                 assert shape == mom_shape == logical and logical[0] == E, fqn
-        saved = w4[0]["saved"][kind]
+                if variant == "normuon":  # NorMuon's second moment: the stack with `in` collapsed, Shard(0)
+                    assert v is not None and v[0] == "DTensor" and v[1][0] == E and v[1][2] == 1, (fqn, v)
+                    assert v[1][1] == logical[1], (fqn, v)  # HF stacks are (E, out, in): one row per output
+                else:
+                    assert v is None, fqn
+        saved = w4[0]["saved"][key]
         for fqn in shapes:
             assert tuple(saved["model"][fqn].shape) == shapes[fqn][4]
             assert tuple(saved["optim"][fqn]["momentum_buffer"].shape) == shapes[fqn][4]
             assert saved["optim"][fqn]["momentum_buffer"].abs().max() > 0  # trained: momentum is real
+            if variant == "normuon":
+                v = saved["optim"][fqn]["second_momentum_buffer"]
+                assert v.dtype == torch.float32 and v.abs().max() > 0, fqn  # trained: the EMA moved
 
 
 @pytest.mark.parametrize("target", ["hsdp(2,2)", "N=3", "N=2"])
@@ -389,15 +411,15 @@ def test_checkpoint_loads_bit_identically_at_another_layout(request, target):
     results = {"hsdp(2,2)": "w4", "N=3": "w3", "N=2": "w2"}[target]
     loaded_all = request.getfixturevalue(results)[0]["loaded"]
     saved_all = request.getfixturevalue("w4")[0]["saved"]
-    for kind, _ in CKPT_MODELS:
-        saved, loaded = saved_all[kind], loaded_all[kind]
+    for key, _, _, _ in CKPT_MODELS:
+        saved, loaded = saved_all[key], loaded_all[key]
         assert set(loaded["model"]) == set(saved["model"])
         for k, v in saved["model"].items():
-            assert torch.equal(loaded["model"][k], v), (target, kind, k)
+            assert torch.equal(loaded["model"][k], v), (target, key, k)
         assert set(loaded["optim"]) == set(saved["optim"])
         for k, entry in saved["optim"].items():
             for n, v in entry.items():
-                assert torch.equal(loaded["optim"][k][n], v), (target, kind, k, n)
+                assert torch.equal(loaded["optim"][k][n], v), (target, key, k, n)
 
 
 def test_experts_off_checkpoint_into_auto_model_names_the_stacks(w4):

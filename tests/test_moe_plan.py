@@ -312,6 +312,49 @@ def test_selection_deepseek_v3_buffers_untouched():
     assert plan.is_dedicated(pre + "gate.weight")
 
 
+@pytest.mark.parametrize("builder, routers", [
+    ("qwen3_moe", ["model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"]),
+    ("gpt_oss", ["model.layers.0.mlp.router.weight", "model.layers.1.mlp.router.weight"]),
+    ("qwen2_moe", ["model.layers.0.mlp.gate.weight"]),  # shared_expert_gate (1, D): not a router
+    ("deepseek_v3", ["model.layers.1.mlp.gate.weight"]),  # layer 0 is dense: its MLP has no router
+])
+def test_routers_adamw_leaves_exactly_the_routers_to_adamw(builder, routers):
+    """Issue #37: compile(routers="adamw") removes exactly the (E, D) routers next to expert
+    stacks from the default selection; everything else is planned as before."""
+    model = _hf(builder)
+    muon, adamw = P.compile(model, 2), P.compile(model, 2, routers="adamw")
+    assert sorted(set(muon.dedicated) - set(adamw.dedicated)) == routers
+    assert set(adamw.dedicated) <= set(muon.dedicated)
+    assert P.compile(model, 2, routers="muon") == muon  # the default
+    for f in adamw.dedicated:
+        assert adamw.param(f) == muon.param(f)
+
+
+def test_routers_torchtitan_names_ep_predicate_and_errors():
+    from dmuon.plan.model.experts import is_router
+    from moe_ep_models import ep_model, full_model
+
+    grouped = GroupedLM(3)  # moe.router (E, D), moe.experts.w1/w2/w3
+    plan = P.compile(grouped, 2, routers="adamw")
+    assert not any(".router." in f for f in plan.dedicated) and any(".experts.w1" in f for f in plan.dedicated)
+    # torchtitan's moe.router.gate (E, D) next to moe.experts; a dense MLP's "gate" is no router
+    stacks = {"layers.0.moe.experts": 8}
+    assert is_router("layers.0.moe.router.gate", "weight", (8, 16), stacks)
+    assert is_router("layers.0.moe.gate", "weight", (8, 16), stacks)
+    assert not is_router("layers.0.moe.router.gate", "weight", (4, 16), stacks)  # rows != E
+    assert not is_router("layers.1.mlp.gate", "weight", (8, 16), stacks)  # no stack in its block
+    assert not is_router("layers.0.moe.gate", "bias", (8,), stacks)
+    # under expert parallelism the router scores all E experts, the stack holds E / ep
+    full = {f for f in P.compile(full_model(), 2).dedicated} - set(P.compile(full_model(), 2, routers="adamw").dedicated)
+    ep = set(P.compile(ep_model(2, 0), 2, ep=2).dedicated) - set(P.compile(ep_model(2, 0), 2, ep=2, routers="adamw").dedicated)
+    assert full == ep and full
+    # a predicate decides alone; an unknown mode is refused
+    everything = lambda fqn, p: p.ndim == 2 and fqn.startswith("layers.")  # noqa: E731
+    assert P.compile(grouped, 2, predicate=everything, routers="adamw") == P.compile(grouped, 2, predicate=everything)
+    with pytest.raises(ValueError, match=r"routers must be one of \('muon', 'adamw'\)"):
+        P.compile(grouped, 2, routers="sgd")
+
+
 def test_experts_off_restores_the_old_selection_with_its_warning():
     model = _hf("qwen3_moe")
     with pytest.warns(UserWarning, match=r"experts='off' leaves 4 expert stacks .* to AdamW"):

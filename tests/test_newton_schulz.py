@@ -333,6 +333,61 @@ def test_polar_express_preset_equals_reference_algorithm(steps, shape):
     assert (got - ref).abs().max().item() < 1e-12 * max(1.0, ref.abs().max().item())
 
 
+def test_deepseek_v4_preset_is_fixed_length_and_never_truncated():
+    """Issue #37: the DeepSeek-V4 schedule (8 x Muon's triple, then 2 x (2, -1.5, 0.5)) is a
+    fixed 10-step recipe: 10 steps or an error, ns_steps=None selects 10; every per-step preset
+    declares its length policy (none truncates silently)."""
+    from dmuon.exec.optim.ns_coefficients import DEEPSEEK_V4, PRESET_LENGTH_POLICY, resolve_ns_steps
+
+    assert DEEPSEEK_V4 == (MUON,) * 8 + ((2.0, -1.5, 0.5),) * 2 and NS_PRESETS["deepseek_v4"] == DEEPSEEK_V4
+    assert coefficient_schedule("deepseek_v4", 10) == DEEPSEEK_V4
+    for steps in (0, 5, 8, 9, 11):
+        with pytest.raises(ValueError, match="fixed 10-step schedule"):
+            coefficient_schedule("deepseek_v4", steps)
+    # every per-step preset has a declared policy; only "prefix" presets take another length
+    per_step = {k for k, v in NS_PRESETS.items() if not isinstance(v[0], float)}
+    assert per_step == set(PRESET_LENGTH_POLICY) == {"polar_express", "deepseek_v4"}
+    assert PRESET_LENGTH_POLICY == {"polar_express": "prefix", "deepseek_v4": "fixed"}
+    assert [resolve_ns_steps(c, None) for c in ("muon", "polar_express", "deepseek_v4", MUON, [MUON] * 3)] == [5, 5, 10, 5, 3]
+    assert resolve_ns_steps("deepseek_v4", 7) == 7  # given: kept (and then refused by coefficient_schedule)
+    # the p(1) = 1, p'(1) = 0 finish: exact arithmetic maps [1e-3, 1] into [1.0000, 1.0005]
+    s = torch.cat([torch.logspace(-3, 0, 2000, dtype=torch.float64)])
+    y = s.clone()
+    for a, b, c in DEEPSEEK_V4:
+        y = a * y + b * y**3 + c * y**5
+    assert 0.99999 < y.min().item() and y.max().item() < 1.00055
+    lo, hi = schedule_gain_bounds(DEEPSEEK_V4)
+    assert abs(lo - 1.0) < 1e-4 and 1.0018 < hi < 1.0021  # peak of the finishing polynomial: 1.0018
+    # truncated, it would be exactly "muon" x 5; reordered (finish first), it would not converge
+    assert schedule_gain_bounds(DEEPSEEK_V4[:5]) == schedule_gain_bounds(coefficient_schedule("muon", 5))
+    y = s.clone()
+    for a, b, c in DEEPSEEK_V4[8:] + DEEPSEEK_V4[:8]:
+        y = a * y + b * y**3 + c * y**5
+    assert y.min().item() < 0.7 and y.max().item() > 1.1
+    # the standard iteration in float64 equals the composed polynomial on a known spectrum
+    x = _randn(24, 40, seed=3, dtype=torch.float64)
+    u, sv, vh = torch.linalg.svd(x, full_matrices=False)
+    got = newton_schulz(x, coefficients="deepseek_v4", steps=10, dtype=torch.float64)
+    z = sv / torch.linalg.matrix_norm(x)
+    for a, b, c in DEEPSEEK_V4:
+        z = a * z + b * z**3 + c * z**5
+    assert (got - (u * z) @ vh).abs().max().item() < 1e-12
+
+
+def test_muon_with_deepseek_v4_runs_10_steps_or_raises():
+    import dmuon
+
+    w = torch.nn.Linear(8, 6)
+    h = dmuon.Muon._checked_muon_hparams(dict(
+        lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0, ns_coefficients="deepseek_v4", ns_steps=None,
+        eps=1e-7, adjust_lr_fn=None, ns_dtype=torch.float32, ns_backend="standard", variant="muon",
+        normuon_beta2=0.95, normuon_eps=1e-10,
+    ))
+    assert h["ns_steps"] == 10 and h["ns_coefficients"] == NS_PRESETS["deepseek_v4"]
+    with pytest.raises(ValueError, match="pass ns_steps=10 or ns_steps=None"):
+        dmuon.Muon([w.weight], ns_coefficients="deepseek_v4", ns_steps=5)
+
+
 def test_schedule_gain_bounds():
     lo, hi = schedule_gain_bounds(coefficient_schedule("muon", 5))
     assert 0.69 < lo < 0.70 and 1.20 < hi < 1.21  # P(1) = 0.696; peak ~1.202

@@ -444,8 +444,11 @@ def test_param_groups_layout_and_flags():
     assert muon["params"] == [named[n] for n in DEDICATED]
     assert adamw["params"] == [p for n, p in named.items() if n not in DEDICATED]
     assert set(muon) == {"params", "lr", "momentum", "nesterov", "weight_decay", "ns_coefficients",
-                         "ns_steps", "eps", "adjust_lr_fn", "ns_dtype", "ns_backend", "use_muon"}
+                         "ns_steps", "eps", "adjust_lr_fn", "ns_dtype", "ns_backend", "use_muon",
+                         "variant", "normuon_beta2", "normuon_eps"}
     assert muon["ns_backend"] == "standard"  # issue #8: a new group field, standard by default
+    assert (muon["variant"], muon["normuon_beta2"], muon["normuon_eps"]) == ("muon", 0.95, 1e-10)  # issue #37
+    assert muon["ns_steps"] == 5  # ns_steps=None resolves to an int (issue #37)
     assert set(adamw) == {"params", "lr", "betas", "eps", "weight_decay", "use_muon"}
     assert muon["lr"] == MUON_KW["lr"] and adamw["lr"] == ADAMW_KW["lr"]
     assert muon["ns_dtype"] is torch.float32 and muon["ns_coefficients"] == (3.4445, -4.775, 2.0315)
@@ -663,7 +666,11 @@ def test_adjust_lr_matches_torch():
         (dict(adjust_lr_fn="sqrt"), "adjust_lr_fn"),
         (dict(ns_steps=100), "steps < 100"),
         (dict(ns_coefficients=(1.0, 2.0)), "triple"),
-        (dict(ns_coefficients=[(3.0, -3.0, 1.0)] * 2), "2 triples but steps=5"),
+        (dict(ns_coefficients=[(3.0, -3.0, 1.0)] * 2, ns_steps=5), "2 triples but steps=5"),
+        (dict(ns_coefficients="deepseek_v4", ns_steps=5), "fixed 10-step schedule"),
+        (dict(variant="adam"), "unknown variant"),
+        (dict(variant="normuon", normuon_beta2=1.0), "normuon_beta2"),
+        (dict(variant="normuon", normuon_eps=-1.0), "normuon_eps"),
         (dict(ns_coefficients="polar"), "preset"),
         (dict(ns_dtype=torch.int32), "ns_dtype"),
         (dict(ns_dtype="torch.banana"), "ns_dtype"),

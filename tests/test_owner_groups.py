@@ -328,6 +328,12 @@ def _worker(root):
     # meta-device build + init_params == the single-process init (seed 0)
     model, opt, plan = _build(None, 2, True, meta=True)
     out["meta_full"] = _full(model)
+    # NorMuon on owner-grouped matrices: refused at construction, the same error on every rank
+    try:
+        dmuon.Muon(model, ns_dtype=torch.float32, variant="normuon")
+        out["normuon_error"] = None
+    except ValueError as exc:
+        out["normuon_error"] = str(exc)
     dist.barrier()
     return out
 
@@ -395,6 +401,14 @@ def test_checkpoint_round_trips(results):
         assert res["same"] == dict(params_equal=True, momentum_equal=True, cont_losses_equal=True, cont_params_equal=True)
         assert res["exclusive"] == dict(params_equal=True, momentum_equal=True)
         assert res["hsdp"] == dict(params_equal=True, momentum_equal=True)
+
+
+def test_normuon_is_refused_on_owner_groups_on_every_rank(results):
+    """Issue #37: NorMuon's row statistic would need an all-reduce per owner group and step;
+    dmuon.Muon(variant="normuon") refuses, naming the first grouped parameter and the fix."""
+    errors = [r["normuon_error"] for r in results]
+    assert errors[0] is not None and all(e == errors[0] for e in errors)
+    assert "is owned by an owner group" in errors[0] and "owner_groups='off'" in errors[0], errors[0]
 
 
 def test_meta_init_equals_single_process_init(results):

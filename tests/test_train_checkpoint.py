@@ -1,10 +1,11 @@
-"""The main job's ``--save`` / ``--resume`` (DCP) and ``--compare adamw`` / ``--png``.
+"""The main job's ``--save`` / ``--resume`` (DCP) and ``--compare normuon,adamw`` / ``--png``.
 
 One 2-rank process group runs: an uninterrupted 1-D run that saves every 2 steps; resumes from
 its step-2 checkpoint on the same mesh (bit-identical losses, validation losses, LR schedule and
 RNG) and on an HSDP mesh 2x1 (fp32 bounds); the AdamW baseline saved and resumed the same way;
 the MoE job with expert parallelism (``--experts 4 --ep 2``) saved and resumed at ``--ep 2`` and
-without EP, and the MoE job without EP resumed at ``--ep 2``; and ``--compare adamw --png``. A 1-rank group resumes the 2-rank checkpoint (another world size).
+without EP, and the MoE job without EP resumed at ``--ep 2``; and ``--compare normuon,adamw --png``
+(every run in one figure). A 1-rank group resumes the 2-rank checkpoint (another world size).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def _resume_cases(root: str, data: str):
     except SystemExit as e:
         out["mismatch"] = str(e)
     png = os.path.join(root, "curves.png")
-    out["compare"] = run(dict(base, compare="adamw", png=png))
+    out["compare"] = run(dict(base, compare="normuon,adamw", png=png))
     out["png"] = open(png, "rb").read(8) if dist.get_rank() == 0 else None
     return out
 
@@ -114,15 +115,19 @@ def test_save_resume_any_mesh_and_compare(tmp_path):
     for rank in (0, 1):
         assert "belongs to another run" in two[rank]["mismatch"] and "--seed 0 (given 1)" in two[rank]["mismatch"]
 
-    # --compare adamw: the baseline is exactly the standalone AdamW run (same data and seed)
+    # --compare normuon,adamw: each compared run is exactly its standalone run (same data and seed)
     cmp = r["compare"]
-    assert cmp["optimizer"] == "dmuon" and cmp["compare"]["optimizer"] == "adamw"
-    assert cmp["compare"]["history"]["train"] == r["adamw_full"]["history"]["train"]
+    normuon, adamw = cmp["compare"]
+    assert cmp["optimizer"] == "dmuon" and (normuon["optimizer"], adamw["optimizer"]) == ("normuon", "adamw")
+    assert adamw["history"]["train"] == r["adamw_full"]["history"]["train"]
     assert _losses(cmp) == _losses(full)
+    # NorMuon: the same model and first batch (its first loss is Muon's), 0 extra bytes, another trajectory
+    assert _losses(normuon)[0] == _losses(full)[0] and _losses(normuon)[1:] != _losses(full)[1:]
+    assert normuon["ledger_nbytes_per_step"] == normuon["plan_total_nbytes"] == full["plan_total_nbytes"]
     times = cmp["history"]["val_train_time_s"]
     assert len(times) == len(cmp["history"]["val"]) == 3 and times[0] == 0.0 < times[1] <= times[2]
     assert r["png"] == b"\x89PNG\r\n\x1a\n" and two[1]["png"] is None
-    assert all(math.isfinite(v) for v in _losses(cmp["compare"], "val"))
+    assert all(math.isfinite(v) for m in cmp["compare"] for v in _losses(m, "val"))
 
 
 def test_png_without_matplotlib_fails_before_training(monkeypatch):
@@ -140,5 +145,9 @@ def test_png_without_matplotlib_fails_before_training(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     with pytest.raises(SystemExit, match=r"pip install -e '\.\[train\]'"):
         _complete({"png": "x.png"})
-    with pytest.raises(SystemExit, match="leave --optimizer dmuon"):
+    with pytest.raises(SystemExit, match="not the run's own --optimizer adamw"):
         _complete({"compare": "adamw", "optimizer": "adamw"})
+    with pytest.raises(SystemExit, match="unknown optimizer 'sgd'"):
+        _complete({"compare": "normuon,sgd"})
+    with pytest.raises(SystemExit, match="NorMuon runs on matrices whose owner holds them whole"):
+        _complete({"optimizer": "normuon", "owner_groups": "auto"})

@@ -69,6 +69,7 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
     collectives: str = "auto",
     collective_latency_s: float | None = None,
     collective_bandwidth_Bps: float | None = None,
+    routers: str = "muon",
 ) -> ShardingPlan:
     """Plan DMuon for ``model`` on ``mesh`` (pure; no process group; meta models work).
 
@@ -165,6 +166,12 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
             and ``B`` (bytes/s) of the ``"auto"`` rule; None = :data:`~dmuon.plan.rules.COLLECTIVE_LATENCY_S`
             (8 us) and :data:`~dmuon.plan.rules.COLLECTIVE_BANDWIDTH_BPS` (45 GB/s), an H100
             node's InfiniBand link. Recorded in the plan (``plan.collectives``, JSON, fingerprint).
+        routers: the optimizer of MoE routers under the default rule: ``"muon"`` (default:
+            dedicated like every 2-D matrix in a block) or ``"adamw"`` (left to FSDP2 and AdamW).
+            A router is the ``(E, D)`` ``weight`` of a module named ``gate`` / ``router`` next to a
+            recognised expert stack of ``E`` experts (:func:`~dmuon.plan.model.experts.is_router`).
+            With a ``predicate``, the predicate alone decides. Measured on the main job:
+            docs/moe.md ("Routers: Muon or AdamW").
 
     Returns:
         A validated, frozen :class:`ShardingPlan` whose nominal step schedule passed the
@@ -200,6 +207,7 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
         experts=experts,
         expert_gate_up=expert_gate_up,
         ep=ep,
+        routers=routers,
     )
     if predicate is None:
         import warnings

@@ -30,9 +30,14 @@ Two parts:
   batches, and returns a :class:`Report` of the loss and parameter deviations against the
   documented bounds (:func:`bounds`).
 
+NorMuon (``dmuon.Muon(variant="normuon")``): ``ReferenceOptimizer(..., variant="normuon")`` runs
+:func:`dmuon.testing.normuon.normuon_step` (a single-process NorMuon written from the paper and
+the authors' code, with its own hand-computed tests) on every proxy instead of torch's Muon step.
+
 Modules: :mod:`~dmuon.testing.proxies` (:class:`Proxy` and its constructors),
-:mod:`~dmuon.testing.reference` (the reference and its Newton-Schulz), :mod:`~dmuon.testing.check`
-(the checker, :class:`Report`, :func:`bounds`); every public name is importable from here.
+:mod:`~dmuon.testing.reference` (the reference and its Newton-Schulz), :mod:`~dmuon.testing.normuon`
+(the NorMuon reference), :mod:`~dmuon.testing.check` (the checker, :class:`Report`, :func:`bounds`);
+every public name but the NorMuon functions is importable from here.
 """
 
 from dmuon.testing.check import (BF16_LOSS_RTOL, BF16_PARAM_TOL, FP32_LOSS_RTOL, FP32_PARAM_TOL, Report, bounds,

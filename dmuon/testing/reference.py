@@ -77,8 +77,9 @@ def fp32_newton_schulz():
 # ---------------------------------------------------------------------------------------------
 
 _MUON_HP = dict(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True, ns_coefficients=(3.4445, -4.775, 2.0315),
-                eps=1e-7, ns_steps=5, adjust_lr_fn=None)
+                eps=1e-7, ns_steps=None, adjust_lr_fn=None)
 _ADAMW_HP = dict(adamw_lr=1e-3, adamw_betas=(0.9, 0.999), adamw_eps=1e-8, adamw_weight_decay=1e-2)
+_NORMUON_HP = dict(variant="muon", normuon_beta2=0.95, normuon_eps=1e-10)
 
 
 class ReferenceOptimizer:
@@ -103,6 +104,11 @@ class ReferenceOptimizer:
             preset name, as ``dmuon.Muon`` takes it).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: ``torch.optim.AdamW``'s
             ``lr, betas, eps, weight_decay``.
+        variant, normuon_beta2, normuon_eps: ``"muon"`` (default: ``torch.optim.Muon.step()``)
+            or ``"normuon"``: :func:`dmuon.testing.normuon.normuon_step` on every proxy instead
+            (the same momentum, Newton-Schulz and update as torch's Muon, NorMuon's normalisation
+            in fp32 between NS and the update; its second moment per proxy in
+            ``muon.state[proxy]["second_momentum_buffer"]``, ``(out,)`` fp32).
 
     Step (:meth:`step`), for each Muon-target parameter ``p``: each proxy's value is copied from
     its slice of ``p`` (``p`` is the source of truth, whatever changed it), its gradient from the
@@ -132,13 +138,17 @@ class ReferenceOptimizer:
         newton_schulz: Optional[Callable] = None,
         **hp: Any,
     ) -> None:
-        unknown = sorted(set(hp) - set(_MUON_HP) - set(_ADAMW_HP))
+        unknown = sorted(set(hp) - set(_MUON_HP) - set(_ADAMW_HP) - set(_NORMUON_HP))
         if unknown:
             raise TypeError(
                 f"ReferenceOptimizer: unknown hyper-parameters {unknown}; expected dmuon.Muon's "
-                f"{sorted(_MUON_HP) + sorted(_ADAMW_HP)}"
+                f"{sorted(_MUON_HP) + sorted(_ADAMW_HP) + sorted(_NORMUON_HP)}"
             )
-        h = {**_MUON_HP, **_ADAMW_HP, **hp}
+        h = {**_MUON_HP, **_ADAMW_HP, **_NORMUON_HP, **hp}
+        if h["variant"] not in ("muon", "normuon"):
+            raise ValueError(f"ReferenceOptimizer: variant must be 'muon' or 'normuon', got {h['variant']!r}")
+        self.variant = h["variant"]
+        self._normuon_hp = dict(beta2=h["normuon_beta2"], eps=h["normuon_eps"])
         if not isinstance(ns_dtype, torch.dtype) or not ns_dtype.is_floating_point:
             raise ValueError(f"ReferenceOptimizer: ns_dtype must be a floating torch.dtype, got {ns_dtype!r}")
         named = dict(model.named_parameters())
@@ -161,8 +171,9 @@ class ReferenceOptimizer:
                 for pr in proxies
             )
 
-        from dmuon.exec.optim.ns_coefficients import coefficient_schedule
+        from dmuon.exec.optim.ns_coefficients import coefficient_schedule, resolve_ns_steps
 
+        h["ns_steps"] = resolve_ns_steps(h["ns_coefficients"], h["ns_steps"])  # dmuon.Muon's rule
         # a triple (or a preset / table that is constant) goes to torch as is; a per-step table
         # is stored in torch's group too (torch does not read it) and needs our iteration
         schedule = coefficient_schedule(h["ns_coefficients"], h["ns_steps"])
@@ -195,12 +206,40 @@ class ReferenceOptimizer:
             for pr, pp in zip(self.proxies[fqn], self.proxy_params[fqn]):
                 pp.copy_(pr.of(p))
                 pp.grad = None if g is None else pr.of(g).clone(memory_format=torch.contiguous_format)
-        with patched_newton_schulz(self._ns) if self._ns is not None else contextlib.nullcontext():
-            self.muon.step()
+        if self.variant == "normuon":
+            self._normuon_step()
+        else:
+            with patched_newton_schulz(self._ns) if self._ns is not None else contextlib.nullcontext():
+                self.muon.step()
         for fqn, p in self._real.items():
             for pr, pp in zip(self.proxies[fqn], self.proxy_params[fqn]):
                 pr.of(p).copy_(pp)
         self.adamw.step()
+
+    def _normuon_step(self) -> None:
+        """:func:`dmuon.testing.normuon.normuon_step` on every proxy with a gradient, with the
+        hyper-parameters of ``self.muon``'s param group (an LR scheduler's ``lr`` included) and
+        its Newton-Schulz (torch's own, or the patched iteration)."""
+        import torch.optim._muon as torch_muon
+
+        from dmuon.testing.normuon import normuon_step
+
+        ns = self._ns if self._ns is not None else torch_muon._zeropower_via_newtonschulz
+        for group in self.muon.param_groups:
+            lr = group["lr"].item() if isinstance(group["lr"], Tensor) else group["lr"]
+            coefficients, steps, eps = group["ns_coefficients"], group["ns_steps"], group["eps"]
+            for pp in group["params"]:
+                if pp.grad is None:
+                    continue
+                state = self.muon.state[pp]
+                new, buf, v = normuon_step(
+                    pp.detach(), pp.grad, state.get("momentum_buffer"), state.get("second_momentum_buffer"),
+                    lr=lr, weight_decay=group["weight_decay"], momentum=group["momentum"],
+                    nesterov=group["nesterov"], adjust_lr_fn=group["adjust_lr_fn"],
+                    orthogonalize=lambda x: ns(x, coefficients, steps, eps), **self._normuon_hp,
+                )
+                pp.copy_(new)
+                state["momentum_buffer"], state["second_momentum_buffer"] = buf, v
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero (or drop) the gradients of the model's parameters and of the proxies."""

@@ -56,13 +56,13 @@ RUN_FLAGS = (
     "optimizer", "steps", "batch", "seq_len", "d_model", "n_layers", "n_heads", "d_mlp",
     "lr", "adamw_lr", "weight_decay", "adamw_weight_decay", "warmup", "cooldown_frac",
     "seed", "data", "val_fraction", "ns_dtype", "qk_clip", "matrix_views",
-    "experts", "top_k", "aux_loss_coef",
+    "experts", "top_k", "aux_loss_coef", "router_optimizer",
 )
 """Flags that define the run: a resumed run must be given the same values (anything else --
 mesh, world size, Z2/Z3, logging, evaluation -- may change). ``ns_dtype`` is compared after
 ``auto`` is resolved, so a CPU run and a CUDA run differ there."""
 
-_ADDED_FLAG_DEFAULTS = {"experts": 0, "top_k": 2, "aux_loss_coef": 0.01}
+_ADDED_FLAG_DEFAULTS = {"experts": 0, "top_k": 2, "aux_loss_coef": 0.01, "router_optimizer": "muon"}
 """Run flags added after checkpoints were first written: a checkpoint without one was saved
 with its default (the dense model)."""
 

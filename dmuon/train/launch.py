@@ -28,7 +28,10 @@ import torch.distributed as dist
 
 from dmuon._launch import free_port, run_distributed  # the package's one launcher
 
-__all__ = ["build_parser", "parse_args", "run", "main", "free_port"]
+__all__ = ["OPTIMIZERS", "build_parser", "parse_args", "compare_list", "run", "main", "free_port"]
+
+OPTIMIZERS = ("dmuon", "normuon", "adamw")
+"""``--optimizer`` values: dmuon.Muon, dmuon.Muon(variant="normuon"), torch.optim.AdamW."""
 
 _PG_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -60,9 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch intra-op threads per CPU rank (0 = leave torch's default)")
 
     g = p.add_argument_group("optimisation")
-    g.add_argument("--optimizer", choices=("dmuon", "adamw"), default="dmuon",
+    g.add_argument("--optimizer", choices=OPTIMIZERS, default="dmuon",
                    help="dmuon: dmuon.Muon (Muon on dedicated matrices, AdamW on the rest); "
+                   "normuon: dmuon.Muon(variant='normuon') (NorMuon, docs/muon_variants.md); "
                    "adamw: torch.optim.AdamW on everything, no dedication")
+    g.add_argument("--router-optimizer", choices=("muon", "adamw"), default="muon",
+                   help="with --experts: the MoE routers' optimizer under dmuon (dmuon.plan.compile(routers=...); "
+                   "docs/moe.md, 'Routers: Muon or AdamW')")
     g.add_argument("--mode", choices=("z2", "z3"), default="z3",
                    help="z3: reshard_after_forward=True, z2: False (dmuon and FSDP2 alike)")
     g.add_argument("--steps", type=int, default=500, help="optimizer steps")
@@ -130,12 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--resume", default=None, metavar="DIR",
                    help="continue the run saved in DIR (its newest step_* folder, or one "
                    "checkpoint folder); any mesh and world size; the run-defining flags must match")
-    g.add_argument("--compare", choices=("adamw",), default=None,
-                   help="after the run, train the AdamW baseline on the same data and seed "
-                   "(--adamw-lr on every parameter) and report both")
+    g.add_argument("--compare", default=None, metavar="OPT[,OPT...]",
+                   help="after the run, train each listed optimizer (dmuon, normuon, adamw; comma-separated, "
+                   "e.g. normuon,adamw) on the same data, seed and model and report them all "
+                   "(adamw: --adamw-lr on every parameter, without --ep)")
     g.add_argument("--png", default=None, metavar="FILE",
-                   help="plot validation loss vs step and vs training wall time (both runs with "
-                   "--compare) to FILE; needs matplotlib: pip install -e '.[train]'")
+                   help="plot validation loss vs step and vs training wall time (every run of "
+                   "--compare in one figure) to FILE; needs matplotlib: pip install -e '.[train]'")
     return p
 
 
@@ -173,7 +181,7 @@ def _validate(args: argparse.Namespace) -> None:
             raise SystemExit(f"--ep {args.ep} must divide --experts {args.experts} (each rank holds E/P experts)")
         if args.tp > 1:
             raise SystemExit("--ep with --tp: expert parallelism together with tensor parallelism is not supported")
-        if args.optimizer != "dmuon":
+        if args.optimizer == "adamw":
             raise SystemExit(f"--ep with --optimizer {args.optimizer}: expert parallelism needs dmuon, which owns and "
                              "averages the local experts (--compare adamw runs its baseline without --ep)")
     if args.experts and args.tp > 1:
@@ -185,8 +193,10 @@ def _validate(args: argparse.Namespace) -> None:
     if args.tp > 1 and args.owner_groups not in ("off", 1):
         raise SystemExit("--owner-groups with --tp: owner groups are not supported with tensor parallelism "
                          "(leave --owner-groups off)")
-    if args.compare and args.optimizer != "dmuon":
-        raise SystemExit("--compare adamw compares a dmuon run with AdamW: leave --optimizer dmuon")
+    compared = compare_list(args)  # SystemExit on a bad --compare
+    if "normuon" in (args.optimizer, *compared) and (args.tp > 1 or args.owner_groups not in ("off", 1)):
+        raise SystemExit("--optimizer normuon with --tp or --owner-groups: NorMuon runs on matrices whose owner holds "
+                         "them whole (docs/muon_variants.md, 'NorMuon'); leave --tp 1 and --owner-groups off")
     if args.png:
         try:
             import matplotlib  # noqa: F401
@@ -194,6 +204,26 @@ def _validate(args: argparse.Namespace) -> None:
             raise SystemExit("--png needs matplotlib: pip install -e '.[train]'") from None
         if args.eval_every == 0:
             raise SystemExit("--png plots validation loss: --eval-every must be > 0")
+
+
+def compare_list(args: argparse.Namespace) -> tuple[str, ...]:
+    """The optimizers of ``--compare`` (``"normuon,adamw"`` -> ``("normuon", "adamw")``; a list or
+    tuple is taken as is), in order; ``()`` without it.
+
+    Raises:
+        SystemExit: an unknown name, a duplicate, or the run's own ``--optimizer``.
+    """
+    value = getattr(args, "compare", None)
+    if not value:
+        return ()
+    names = tuple(x.strip() for x in value.split(",")) if isinstance(value, str) else tuple(value)
+    for name in names:
+        if name not in OPTIMIZERS:
+            raise SystemExit(f"--compare: unknown optimizer {name!r}; expected a comma-separated list of {OPTIMIZERS}")
+    if len(set(names)) != len(names) or args.optimizer in names:
+        raise SystemExit(f"--compare {value}: list each optimizer once, and not the run's own --optimizer "
+                         f"{args.optimizer}")
+    return names
 
 
 def _complete(args: argparse.Namespace | Mapping[str, Any]) -> argparse.Namespace:

@@ -41,7 +41,9 @@ from dmuon.train.data import VOCAB_SIZE, Corpus, load_corpus
 from dmuon.train.progress import progress_bar, progress_note, write_line
 from dmuon.train.model import GPT, GPTConfig, apply_tensor_parallel, lm_loss
 
-__all__ = ["LEDGER_PHASES", "train", "run_job", "lr_factor", "model_config"]
+__all__ = ["LEDGER_PHASES", "train", "run_job", "lr_factor", "model_config", "expert_share_stats"]
+
+_DMUON_OPTIMIZERS = ("dmuon", "normuon")  # --optimizer values that train with dmuon.Muon
 
 LEDGER_PHASES = _collectives.PHASES
 """Ledger phases, in the order of the per-step byte vector (``dmuon.exec.comm.collectives.PHASES``):
@@ -79,6 +81,27 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
         top_k=getattr(args, "top_k", 2),
         ep=getattr(args, "ep", 1),
     )
+
+
+def expert_share_stats(load: torch.Tensor) -> dict[str, Any]:
+    """Load balance of an MoE from ``load`` ``(n_layers, E)`` (token slots per expert, e.g. over
+    the validation batches): each layer's expert shares ``share`` (slots / all slots of the
+    layer), their ``min`` and ``max`` over all layers and experts, each layer's normalised
+    entropy ``-Σ_e s_e ln s_e / ln E`` (1 = uniform, 0 = one expert takes every slot) and its
+    minimum over layers, and ``dead``: the (layer, expert) pairs that got no slot."""
+    share = load / load.sum(-1, keepdim=True).clamp(min=1)
+    E = share.shape[-1]
+    plogp = torch.where(share > 0, share * share.clamp(min=1e-30).log(), torch.zeros_like(share))
+    entropy = (-plogp.sum(-1) / math.log(E)) if E > 1 else torch.ones(share.shape[0], dtype=share.dtype)
+    dead = [[int(i), int(e)] for i, e in (load == 0).nonzero().tolist()]
+    return {
+        "share": share.tolist(),
+        "min": float(share.min()),
+        "max": float(share.max()),
+        "entropy": entropy.tolist(),
+        "entropy_min": float(entropy.min()),
+        "dead": dead,
+    }
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, cooldown_frac: float) -> float:
@@ -159,6 +182,8 @@ def _variant_kwargs(args: argparse.Namespace, model: GPT) -> dict[str, Any]:
         kw["qk_clip"] = qk_clip_spec(model, args.qk_clip)
     if getattr(args, "owner_groups", "off") != "off":
         kw["owner_groups"] = args.owner_groups
+    if getattr(args, "experts", 0) and getattr(args, "router_optimizer", "muon") != "muon":
+        kw["routers"] = args.router_optimizer
     return kw
 
 
@@ -245,7 +270,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if tp > 1:  # TP first, then dmuon on the data-parallel mesh, then FSDP2 (docs/tensor_parallel.md)
         apply_tensor_parallel(model, world_mesh["tp"])
     plan = None
-    if args.optimizer == "dmuon":
+    if args.optimizer in _DMUON_OPTIMIZERS:
         import dmuon
 
         kw = _variant_kwargs(args, model)
@@ -270,7 +295,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         fsdp.fully_shard(layer, mesh=mesh, reshard_after_forward=z3, ignored_params=ignored(layer))
     fsdp.fully_shard(model, mesh=mesh, reshard_after_forward=z3, ignored_params=ignored(model))
 
-    if args.optimizer == "dmuon":
+    if args.optimizer in _DMUON_OPTIMIZERS:
         import dmuon
 
         opt = dmuon.Muon(
@@ -280,6 +305,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             adamw_lr=args.adamw_lr,
             adamw_weight_decay=args.adamw_weight_decay,
             ns_dtype=ns_dtype,
+            **({"variant": "normuon"} if args.optimizer == "normuon" else {}),
         )
         from dmuon.exec.comm.collectives import LEDGER
     elif args.optimizer == "adamw":
@@ -288,7 +314,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         )
         LEDGER = None
     else:
-        raise ValueError(f"unknown --optimizer {args.optimizer!r} (expected dmuon or adamw)")
+        raise ValueError(f"unknown --optimizer {args.optimizer!r} (expected dmuon, normuon or adamw)")
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, args.steps, args.warmup, args.cooldown_frac)
     )
@@ -332,16 +358,28 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             log(line)
     log(f"unigram baseline (train -> val): {unigram:.4f} nats/token")
 
+    val_load: list[torch.Tensor] = []  # MoE: (n_layers, E) token slots of the last validation, all ranks
+
     def evaluate() -> float:
-        """Mean loss over the fixed validation batches and all ranks, nats/token."""
+        """Mean loss over the fixed validation batches and all ranks, nats/token (MoE: the
+        token slots each expert got over them, summed over ranks, in ``val_load``)."""
         acc = torch.zeros(2, dtype=torch.float64, device=device)
+        load = None
         with torch.no_grad():
             for x, y in val_batches:
                 acc[0] += lm_loss(model(x), y).double()
                 acc[1] += 1
+                if cfg.n_experts:
+                    batch_load = model.expert_load().to(torch.float64)
+                    load = batch_load if load is None else load + batch_load
         dist.all_reduce(acc)
+        if load is not None:
+            load = load.to(comm_device)
+            dist.all_reduce(load)
+            val_load[:] = [load.cpu()]
         return float(acc[0] / acc[1])
 
+    comm_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
     history_qk: list[list[float]] = []  # [step, clipped heads, max logit] at log steps (--qk-clip)
     history_aux: list[list[float]] = []  # [step, aux loss, min, max expert share] at log steps (--experts)
     history_train: list[list[float]] = []
@@ -381,7 +419,6 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     ledger_step = torch.zeros(n_phases, dtype=torch.int64)  # this rank, last step
     pending: list[torch.Tensor] = []
     interval_time, interval_steps = 0.0, 0
-    comm_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
     bar = progress_bar(total=args.steps, initial=start_step, enabled=is_log)
     note = progress_note(enabled=is_log, png=getattr(args, "png", None), log_every=getattr(args, "log_every", None))
     if note is not None:
@@ -493,6 +530,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "top_k": cfg.top_k if cfg.n_experts else None,
         "ep": cfg.ep,
         "final_aux_loss": history_aux[-1][1] if history_aux else None,
+        "router_optimizer": getattr(args, "router_optimizer", "muon") if cfg.n_experts else None,
+        "expert_share": expert_share_stats(val_load[0]) if val_load else None,
         "data": corpus.description,
         "first_train_loss": history_train[0][1],
         "final_train_loss": history_train[-1][1],
@@ -524,25 +563,30 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_job(args: argparse.Namespace) -> dict[str, Any]:
-    """:func:`train`, then with ``--compare adamw`` the AdamW baseline in the same process group
-    (same data, seed, steps and schedule; ``torch.optim.AdamW`` at ``--adamw-lr`` on every
-    parameter; no ``--save`` / ``--resume``), then with ``--png FILE`` rank 0's plot
-    (:func:`dmuon.train.plot.plot_runs`). Returns the dmuon run's metrics, with the baseline's
-    under ``"compare"`` and the ratio of final validation losses printed on rank 0."""
+    """:func:`train`, then each optimizer of ``--compare`` (e.g. ``normuon,adamw``) in the same
+    process group (same data, seed, model, steps and schedule; no ``--save`` / ``--resume``;
+    ``adamw``: ``torch.optim.AdamW`` at ``--adamw-lr`` on every parameter, without ``--ep``), then
+    with ``--png FILE`` rank 0's plot of every run in one figure
+    (:func:`dmuon.train.plot.plot_runs`). Returns the first run's metrics with the compared runs'
+    metrics under ``"compare"`` (a list, ``--compare`` order); rank 0 prints each final
+    validation loss."""
+    from dmuon.train.launch import compare_list
+
     metrics = train(args)
     runs = [metrics]
-    if getattr(args, "compare", None) == "adamw":
-        base = argparse.Namespace(**vars(args))
-        base.optimizer, base.save, base.resume, base.json = "adamw", None, None, None
-        base.ep = 1  # the baseline on the same model without expert parallelism (AdamW on FSDP2 shards)
-        baseline = train(base)
-        metrics["compare"] = baseline
-        runs.append(baseline)
+    for name in compare_list(args):
+        other = argparse.Namespace(**vars(args))
+        other.optimizer, other.save, other.resume, other.json, other.compare = name, None, None, None, None
+        if name == "adamw":
+            other.ep = 1  # the baseline on the same model without expert parallelism (AdamW on FSDP2 shards)
+        runs.append(train(other))
+    if len(runs) > 1:
+        metrics["compare"] = runs[1:]
         if dist.get_rank() == 0 and not args.quiet and metrics["final_val_loss"] is not None:
             write_line(
-                f"compare: val {metrics['final_val_loss']:.4f} (dmuon) vs "
-                f"{baseline['final_val_loss']:.4f} (adamw) after {args.steps} steps; "
-                f"train time {metrics['train_time_s']:.1f} s vs {baseline['train_time_s']:.1f} s"
+                f"compare after {args.steps} steps: "
+                + " vs ".join(f"val {m['final_val_loss']:.4f} ({m['optimizer']}, train time {m['train_time_s']:.1f} s)"
+                              for m in runs)
             )
     if getattr(args, "png", None) and dist.get_rank() == 0:
         from dmuon.train.plot import plot_runs

@@ -1,7 +1,7 @@
 """``--png FILE``: validation loss against optimizer step and against training wall time.
 
-Two panels side by side, one line per run (dmuon, and the AdamW baseline with ``--compare
-adamw``), read from the metrics' ``history["val"]`` ([step, loss] pairs) and
+Two panels side by side, one line per run (the run, then every optimizer of ``--compare``,
+e.g. ``--compare normuon,adamw``), read from the metrics' ``history["val"]`` ([step, loss] pairs) and
 ``history["val_train_time_s"]`` (rank 0's training wall time at each validation, evaluation
 excluded). The unigram baseline is drawn as a dashed line. matplotlib comes with the
 ``[train]`` extra; the Agg backend is used, so no display is needed.
@@ -21,7 +21,10 @@ def _label(m: dict[str, Any]) -> str:
         moe += f", EP {m['ep']}"
     if m["optimizer"] == "adamw":
         return f"FSDP2 + AdamW{moe}"
-    return f"dmuon ({m['mode'].upper()}, NS {m['ns_dtype']}{moe})"
+    if experts and m.get("router_optimizer") == "adamw":
+        moe += ", routers on AdamW"
+    name = "dmuon NorMuon" if m["optimizer"] == "normuon" else "dmuon"
+    return f"{name} ({m['mode'].upper()}, NS {m['ns_dtype']}{moe})"
 
 
 def plot_runs(runs: Sequence[dict[str, Any]], path: str) -> None:

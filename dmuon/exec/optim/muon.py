@@ -20,6 +20,7 @@ Training" (Moonlight, arXiv 2502.16982); AdamW, Loshchilov & Hutter (arXiv 1711.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, Optional, Union
 
@@ -30,6 +31,7 @@ from torch.optim.adamw import adamw as _torch_adamw
 from dmuon.plan import rules as _rules
 
 from dmuon.exec.optim import amp as _amp
+from dmuon.exec.optim import normuon as _nm
 from dmuon.exec.state import optimizer_state as _optimizer_state
 from dmuon.exec.setup import fsdp2 as _fsdp2
 from dmuon.exec.optim import ns_backends as _ns
@@ -102,10 +104,14 @@ class Muon(torch.optim.Optimizer):
         momentum: Muon momentum ``mu``. Default 0.95.
         nesterov: Nesterov momentum (the NS input is ``g.lerp(buf, mu)``). Default True.
         ns_coefficients: ``(a, b, c)``, a per-step table of ``ns_steps`` triples, or a key of
-            :data:`dmuon.exec.optim.ns_coefficients.NS_PRESETS` (``"muon"``, the default triple, or
-            ``"polar_express"``).
+            :data:`dmuon.exec.optim.ns_coefficients.NS_PRESETS` (``"muon"``, the default triple,
+            ``"polar_express"`` or ``"deepseek_v4"``).
         eps: Frobenius-norm clamp of the NS normalisation. Default 1e-7.
-        ns_steps: Newton-Schulz iterations, ``0 <= ns_steps < 100``. Default 5.
+        ns_steps: Newton-Schulz iterations, ``0 <= ns_steps < 100``. Default None: 5, or the
+            length of a fixed-length preset (``"deepseek_v4"``: 10) or of an explicit table
+            (:func:`dmuon.exec.optim.ns_coefficients.resolve_ns_steps`); the resolved int is
+            what the param group and ``state_dict()`` hold. A fixed-length preset with another
+            count raises ``ValueError`` (never a silent truncation).
         adjust_lr_fn: ``None`` | ``"original"`` | ``"match_rms_adamw"`` (see :func:`adjust_lr`).
         ns_dtype: dtype of the NS iteration. Default ``torch.bfloat16`` (as torch.optim.Muon);
             ``torch.float32`` for the tight numerical contract.
@@ -114,6 +120,14 @@ class Muon(torch.optim.Optimizer):
         ns_backend: keyword-only. ``"standard"`` (default, bit-identical to torch.optim.Muon),
             ``"gram"`` (Gram Newton-Schulz) or ``"auto"`` (per matrix; needs a plan compiled
             with ``ns_backend="auto"``), see docs/newton_schulz.md.
+        variant: keyword-only. ``"muon"`` (default) or ``"normuon"``: NorMuon (arXiv 2510.05491),
+            Muon's update normalised per output neuron with a second-moment vector per matrix,
+            its Frobenius norm restored (:mod:`dmuon.exec.optim.normuon`; docs/muon_variants.md).
+            No extra byte on the wire; refused (``ValueError``) on TP-sharded and owner-grouped
+            matrices.
+        normuon_beta2: keyword-only. NorMuon's EMA factor of the second moment. Default 0.95.
+        normuon_eps: keyword-only. NorMuon's epsilon of both divisions (``eps`` stays the NS
+            clamp). Default 1e-10.
 
     Raises:
         TypeError: ``model_or_params`` is a tensor, contains param-group dicts or
@@ -134,7 +148,7 @@ class Muon(torch.optim.Optimizer):
         nesterov: bool = True,
         ns_coefficients: _nsc.Coefficients = (3.4445, -4.775, 2.0315),
         eps: float = 1e-7,
-        ns_steps: int = 5,
+        ns_steps: Optional[int] = None,
         adjust_lr_fn: Optional[str] = None,
         ns_dtype: torch.dtype = torch.bfloat16,
         adamw_lr: float = 1e-3,
@@ -143,6 +157,9 @@ class Muon(torch.optim.Optimizer):
         adamw_weight_decay: float = 1e-2,
         *,
         ns_backend: str = "standard",
+        variant: str = "muon",
+        normuon_beta2: float = _nm.NORMUON_BETA2,
+        normuon_eps: float = _nm.NORMUON_EPS,
     ) -> None:
         params = self._collect(_fsdp2.sharded_params_for_optimizer(model_or_params))
         self._muon_defaults = self._checked_muon_hparams(
@@ -157,6 +174,9 @@ class Muon(torch.optim.Optimizer):
                 "adjust_lr_fn": adjust_lr_fn,
                 "ns_dtype": ns_dtype,
                 "ns_backend": ns_backend,
+                "variant": variant,
+                "normuon_beta2": normuon_beta2,
+                "normuon_eps": normuon_eps,
             }
         )
         self._adamw_defaults = self._checked_adamw_hparams(
@@ -235,7 +255,8 @@ class Muon(torch.optim.Optimizer):
         h["nesterov"] = bool(h["nesterov"])
         # Resolve preset names, validate the table against ns_steps, normalise lists to
         # tuples; a constant schedule is stored as its single triple (torch's layout).
-        coeffs, steps = h["ns_coefficients"], h["ns_steps"]
+        coeffs = h["ns_coefficients"]
+        steps = h["ns_steps"] = _nsc.resolve_ns_steps(coeffs, h["ns_steps"])
         schedule = _nsc.coefficient_schedule(coeffs, steps)
         if isinstance(coeffs, str):
             coeffs = _nsc.NS_PRESETS[coeffs]
@@ -245,6 +266,12 @@ class Muon(torch.optim.Optimizer):
             h["ns_coefficients"] = schedule
         h["ns_dtype"] = _as_dtype(h["ns_dtype"], "ns_dtype")
         _ns.get_ns_backend(h["ns_backend"])  # ValueError naming the known backends
+        if h["variant"] not in _nm.VARIANTS:
+            raise ValueError(f"unknown variant {h['variant']!r}; expected one of {_nm.VARIANTS}")
+        if not 0.0 <= h["normuon_beta2"] < 1.0:
+            raise ValueError(f"normuon_beta2 must be in [0, 1), got {h['normuon_beta2']}")
+        if not 0.0 <= h["normuon_eps"]:
+            raise ValueError(f"normuon_eps must be >= 0, got {h['normuon_eps']}")
         return h
 
     @staticmethod
@@ -296,6 +323,8 @@ class Muon(torch.optim.Optimizer):
                 "their AdamW state would exist only on the owner"
             )
         defaults = self._muon_defaults if use_muon else self._adamw_defaults
+        if use_muon and "ns_coefficients" in group and "ns_steps" not in group:
+            group["ns_steps"] = None  # the group's own coefficients decide (resolve_ns_steps)
         for key, value in defaults.items():
             group.setdefault(key, value)
         hparams = {k: group[k] for k in defaults}
@@ -311,6 +340,8 @@ class Muon(torch.optim.Optimizer):
                     _tp.check_gram_steps(group["ns_steps"], _info(p).runtime().plan, _info(p).fqn, what)
             for p in params:
                 _check_planned_ns_backend(p, group)
+                if group["variant"] == "normuon":
+                    _nm.check_supported(_info(p))
         super().add_param_group(group)
         if use_muon:
             self._init_muon_state(group)
@@ -322,13 +353,16 @@ class Muon(torch.optim.Optimizer):
                     self._init_adamw_state(p, self.state[p])
 
     def _init_muon_state(self, group: dict) -> None:
+        normuon = group["variant"] == "normuon"
         for p in group["params"]:
             info = _info(p)
-            if info.is_owner and "momentum_buffer" not in self.state[p]:
-                self.state[p]["momentum_buffer"] = torch.zeros_like(
-                    p, memory_format=torch.preserve_format
-                )
-            elif not info.is_owner:
+            if info.is_owner:
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if normuon and _nm.SECOND_MOMENT_KEY not in state:
+                    state[_nm.SECOND_MOMENT_KEY] = _nm.new_second_moment(p, info)
+            else:
                 self.state.pop(p, None)
 
     @torch.no_grad()
@@ -370,24 +404,39 @@ class Muon(torch.optim.Optimizer):
         Before anything else (so before any collective of the checkpoint hooks, on every rank
         alike) the state dict is checked against this optimizer: the same number of groups of
         the same kinds and sizes, state keys that index a parameter, each entry with exactly
-        this optimizer's keys (Muon: ``momentum_buffer``; AdamW: ``step``, ``exp_avg``,
-        ``exp_avg_sq``) and tensors of the parameter's (full logical) shape. A parameter with
-        no entry at all starts from zeros, as torch treats a parameter that never stepped.
+        this optimizer's keys (Muon: ``momentum_buffer``; NorMuon also
+        ``second_momentum_buffer``; AdamW: ``step``, ``exp_avg``, ``exp_avg_sq``) and tensors of
+        the parameter's (full logical) shape. A parameter with no entry at all starts from zeros,
+        as torch treats a parameter that never stepped.
+
+        The variant (``"muon"`` / ``"normuon"``) is this optimizer's, not the state dict's: a Muon
+        state dict loads into ``variant="normuon"`` with zero second moments and a ``UserWarning``
+        (momenta and hyper-parameters loaded); a NorMuon state dict into ``variant="muon"`` is
+        refused (``ValueError``), since its second moments would be dropped silently.
 
         Raises:
             ValueError: a state dict of another optimizer layout or another model (the message
-                names the first mismatching group, key or parameter FQN), or a bad
-                hyper-parameter.
+                names the first mismatching group, key or parameter FQN), a NorMuon state dict
+                into a Muon optimizer, or a bad hyper-parameter.
         """
         self._check_loadable(state_dict)
         state_dict = dict(state_dict)
         groups = []
-        for saved in state_dict["param_groups"]:
+        zero_second_moments = []
+        for saved, current in zip(state_dict["param_groups"], self.param_groups):
             saved = dict(saved)
             if saved.get("use_muon"):
                 keys = self._muon_defaults.keys()
                 checker = self._checked_muon_hparams
                 saved.setdefault("ns_backend", "standard")  # checkpoints from before ns_backend
+                # the variant is this optimizer's (a Muon state dict into NorMuon: zero second moments;
+                # the reverse was refused by _check_loadable); NorMuon's settings default to this group's
+                variant = current.get("variant", "muon")
+                if variant == "normuon" and saved.get("variant", "muon") != "normuon":
+                    zero_second_moments.append(len(groups))
+                saved["variant"] = variant
+                for k in ("normuon_beta2", "normuon_eps"):
+                    saved.setdefault(k, current.get(k, self._muon_defaults[k]))
             else:
                 keys = self._adamw_defaults.keys()
                 checker = self._checked_adamw_hparams
@@ -403,6 +452,14 @@ class Muon(torch.optim.Optimizer):
                 saved.update(checker(hp))
             groups.append(saved)
         state_dict["param_groups"] = groups
+        if zero_second_moments:
+            warnings.warn(
+                f"dmuon.Muon.load_state_dict: loading a Muon state dict (Muon param groups {zero_second_moments} "
+                f"without '{_nm.SECOND_MOMENT_KEY}') into variant='normuon': NorMuon's second moments start at "
+                "zero (as at a NorMuon run's first step); momenta and everything else are loaded",
+                UserWarning,
+                stacklevel=2,
+            )
         super().load_state_dict(state_dict)
         # Optimizer.__setstate__ adds defaults["differentiable"]; keep defaults empty so that
         # later add_param_group calls do not grow an extra key.

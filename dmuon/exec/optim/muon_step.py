@@ -15,6 +15,7 @@ from dmuon.plan import rules as _rules
 from dmuon.plan.records.fields import dtype_str
 
 from dmuon.exec.optim import ns_backends as _ns
+from dmuon.exec.optim import normuon as _nm
 from dmuon.exec.optim import ns_coefficients as _nsc
 from dmuon.exec.optim import tp_orthogonalize as _tp
 from dmuon.exec.runtime.buffers import dedicated_info
@@ -71,8 +72,10 @@ def _as_dtype(value: Any, what: str) -> torch.dtype:
 
 def muon_step(group: dict, states) -> None:
     """Muon on the matrices of ``group`` this rank owns that have a gradient (see
-    :class:`dmuon.Muon`): momentum, then Newton-Schulz per matrix or per bucket, then the update.
-    ``states``: the optimizer's ``state`` (``states[p]`` holds ``p``'s momentum buffer)."""
+    :class:`dmuon.Muon`): momentum, then Newton-Schulz per matrix or per bucket, then (variant
+    ``"normuon"``) NorMuon's row normalisation (:mod:`dmuon.exec.optim.normuon`), then the update.
+    ``states``: the optimizer's ``state`` (``states[p]`` holds ``p``'s momentum buffer and, for
+    NorMuon, its second moment)."""
     lr = group["lr"]
     if isinstance(lr, Tensor):
         lr = lr.item()
@@ -80,8 +83,13 @@ def muon_step(group: dict, states) -> None:
     orthogonalize, ns_kw = _ns_settings(group)
 
     stacks: dict[int, Any] = {}  # id(p) -> ExpertStack of an expert stack whose update is in matrix layout
+    normuon = group.get("variant", "muon") == "normuon"
+    second: dict[int, tuple[Tensor, Any, Optional[int]]] = {}  # id(p or view block) -> (v, info, block)
 
     def apply(p: Tensor, ortho: Tensor, matrix_shape) -> None:
+        if normuon:
+            v, info, block = second[id(p)]
+            ortho = _normuon(ortho, v, info, block, matrix_shape, group)
         stack = stacks.get(id(p))
         if stack is not None:  # (k, out, in) matrices back to the stack's storage layout
             ortho = matrices_to_stack(ortho.reshape(-1, *matrix_shape), stack, tuple(p.shape))
@@ -100,6 +108,9 @@ def muon_step(group: dict, states) -> None:
         if grad.is_sparse:
             raise RuntimeError("Muon does not support sparse gradients")
         state = states[p]
+        if normuon and _nm.SECOND_MOMENT_KEY not in state:  # state cleared by hand: zeros, as the momentum
+            _nm.check_supported(info)
+            state[_nm.SECOND_MOMENT_KEY] = _nm.new_second_moment(p, info)
         tp = getattr(info, "tp", None)
         view = getattr(info, "view", None)
         og = getattr(info, "group", None)
@@ -122,8 +133,10 @@ def muon_step(group: dict, states) -> None:
         else:
             blocks = None
         if blocks is not None:  # each block as its own matrix: its NS, its adjust_lr
-            for p_block, u_block in blocks:
+            for p_block, u_block, i in blocks:
                 m, n = p_block.shape
+                if normuon:
+                    second[id(p_block)] = (state[_nm.SECOND_MOMENT_KEY], info, i)
                 if batched:
                     buckets.setdefault(_bucket_key(u_block, m, n), []).append((p_block, u_block, 1, m, n))
                 else:
@@ -132,6 +145,8 @@ def muon_step(group: dict, states) -> None:
         update = _momentum_update(grad, state, group["momentum"], group["nesterov"])
         m, n = (int(s) for s in info.matrix_shape)
         k = int(info.num_matrices)
+        if normuon:
+            second[id(p)] = (state[_nm.SECOND_MOMENT_KEY], info, None)
         if stack is not None:  # an expert stack (this rank's experts): its (k, out, in) Muon matrices
             update = stack_to_matrices(update, stack)
             stacks[id(p)] = stack
@@ -153,6 +168,19 @@ def muon_step(group: dict, states) -> None:
         )
     if grouped_entries:
         _tp.orthogonalize_groups_and_apply(grouped_entries, steps=group["ns_steps"], ns_kw=ns_kw, apply=apply)
+
+
+def _normuon(ortho: Tensor, v: Tensor, info, block, matrix_shape, group: dict) -> Tensor:
+    """NorMuon's normalisation of the orthogonalised ``ortho`` (one matrix ``(m, n)`` or ``k`` of
+    them) with the rows of ``v`` it covers (view block ``block``, or all of ``v``); ``v`` updated
+    in place. Returns the fp32 update in ``ortho``'s shape."""
+    m, n = matrix_shape
+    rows = _nm.second_moment_rows(v, info, block, m)
+    update, rows_new = _nm.normalize(
+        ortho.reshape(-1, m, n), rows, beta2=group["normuon_beta2"], eps=group["normuon_eps"]
+    )
+    _nm.write_second_moment_rows(v, rows_new, info, block)
+    return update.reshape(ortho.shape)
 
 
 def _ns_settings(group: dict) -> tuple[Callable, dict]:
@@ -202,16 +230,16 @@ def _orthogonalize_matrices(update: Tensor, k: int, m: int, n: int, orthogonaliz
     return ortho
 
 
-def _view_blocks(p: Tensor, update: Tensor, view, *, lo: int, length: int) -> list[tuple[Tensor, Tensor]]:
-    """``(parameter block, update block)`` pairs of a :class:`~dmuon.plan.records.params.MatrixView`
+def _view_blocks(p: Tensor, update: Tensor, view, *, lo: int, length: int) -> list[tuple[Tensor, Tensor, int]]:
+    """``(parameter block, update block, block index)`` triples of a :class:`~dmuon.plan.records.params.MatrixView`
     for the blocks inside ``[lo, lo + length)`` of its dim (``p`` / ``update`` hold that range:
     the whole matrix, or one TP rank's shard). Parameter blocks are views (updated in place);
     update blocks are contiguous copies, as ``torch.optim.Muon`` sees a block of its own."""
     out = []
-    for off, size in zip(view.offsets(), view.sizes):
+    for i, (off, size) in enumerate(zip(view.offsets(), view.sizes)):
         if lo <= off < lo + length:
             start = off - lo
-            out.append((p.narrow(view.dim, start, size), update.narrow(view.dim, start, size).contiguous()))
+            out.append((p.narrow(view.dim, start, size), update.narrow(view.dim, start, size).contiguous(), i))
     return out
 
 

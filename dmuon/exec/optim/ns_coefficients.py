@@ -9,8 +9,12 @@ gives the exact-arithmetic bounds of a schedule that Gram NS's safe fallback che
 Pure functions and constant tables.
 
 Coefficient presets (:data:`NS_PRESETS`) are orthogonal to the backend: ``"muon"`` (Jordan
-et al.) and ``"polar_express"`` (Amsel et al., arXiv 2505.16932) run on either. Polar Express:
-see :data:`POLAR_EXPRESS_PUBLISHED`. docs/newton_schulz.md compares the presets.
+et al.), ``"polar_express"`` (Amsel et al., arXiv 2505.16932) and ``"deepseek_v4"`` (the
+DeepSeek-V4 report) run on either. Polar Express: see :data:`POLAR_EXPRESS_PUBLISHED`;
+DeepSeek-V4: :data:`DEEPSEEK_V4`. A per-step preset declares how it meets a step count
+(:data:`PRESET_LENGTH_POLICY`: a ``"prefix"`` preset is valid at any length, a ``"fixed"`` one only
+at its own; never a silent truncation), and :func:`resolve_ns_steps` gives a spec's step count.
+docs/newton_schulz.md compares the presets.
 """
 
 from __future__ import annotations
@@ -24,10 +28,14 @@ import torch
 
 __all__ = [
     "NS_PRESETS",
+    "PRESET_LENGTH_POLICY",
+    "DEFAULT_NS_STEPS",
+    "DEEPSEEK_V4",
     "POLAR_EXPRESS_PUBLISHED",
     "POLAR_EXPRESS_SAFETY",
     "Coefficients",
     "coefficient_schedule",
+    "resolve_ns_steps",
     "schedule_gain_bounds",
 ]
 
@@ -84,11 +92,23 @@ def _polar_express_preset(table: tuple[Triple, ...], s: float) -> tuple[Triple, 
     return tuple(scaled)
 
 
+#: DeepSeek-V4's Newton-Schulz schedule, 10 steps: 8 steps of Muon's triple
+#: ``(3.4445, -4.775, 2.0315)`` (fast growth of small singular values, which end in about
+#: [0.68, 1.2]), then 2 steps of ``(2, -1.5, 0.5)``, whose polynomial has ``p(1) = 1`` and
+#: ``p'(1) = 0`` (quadratic convergence to 1; maximum 1.0018 at ``x = 0.894``). In exact
+#: arithmetic the 10 steps map every normalised singular value in [1e-3, 1] into
+#: [1.0000, 1.0005]; the order matters (the two finishing steps first leave [0.68, 1.13]).
+#: Source: the DeepSeek-V4 technical report
+#: (huggingface.co/deepseek-ai/DeepSeek-V4-Pro, ``DeepSeek_V4.pdf``) as transcribed in
+#: NVIDIA-NeMo/Emerging-Optimizers ``muon_utils._COEFFICIENT_SETS["deepseekv4"]`` (commit dd79ab1),
+#: checked against that repository's test (``steps=10``). A fixed-length recipe: its last steps
+#: are the finish, so it runs with exactly 10 steps (:data:`PRESET_LENGTH_POLICY`).
+DEEPSEEK_V4: tuple[Triple, ...] = ((3.4445, -4.775, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2
+
 #: Coefficient presets, by name, in one table. A value is either one ``(a, b, c)`` triple
-#: used at every step, or a tuple of triples, one per step. A per-step preset adapts to any
-#: number of steps exactly as its reference does: the first ``steps`` triples, and the last
-#: triple repeated beyond the table's length. (A per-step table passed directly, not by
-#: name, must have exactly ``steps`` triples.)
+#: used at every step, or a tuple of triples, one per step. How a per-step preset meets a step
+#: count is its :data:`PRESET_LENGTH_POLICY`. (A per-step table passed directly, not by name,
+#: must have exactly ``steps`` triples.)
 #:
 #: - ``"muon"``: ``(3.4445, -4.775, 2.0315)``, Jordan et al. 2024; the default of
 #:   ``torch.optim.Muon``. Chosen to maximise the slope at zero; converges to
@@ -99,10 +119,29 @@ def _polar_express_preset(table: tuple[Triple, ...], s: float) -> tuple[Triple, 
 #:   ``X / max(‖X‖_F, eps)``. Designed for 5-8 steps (dmuon's default is 5, as Muon's). In
 #:   exact arithmetic, 5 steps map every normalised singular value ``s`` in [3e-3, 1] into
 #:   [0.87, 1.12] ("muon": [0.68, 1.20]); 8 steps map [1e-3, 1] to 1 within ~1e-12.
+#: - ``"deepseek_v4"``: :data:`DEEPSEEK_V4`, 10 steps exactly (2x the FLOPs of 5); in exact
+#:   arithmetic [1e-3, 1] -> [1.0000, 1.0005].
 NS_PRESETS: dict[str, Union[Triple, tuple[Triple, ...]]] = {
     "muon": (3.4445, -4.775, 2.0315),
     "polar_express": _polar_express_preset(POLAR_EXPRESS_PUBLISHED, POLAR_EXPRESS_SAFETY),
+    "deepseek_v4": DEEPSEEK_V4,
 }
+
+#: How each per-step preset meets a step count ``steps`` (a single-triple preset runs any count):
+#:
+#: - ``"prefix"``: every prefix of the table is itself a valid ``k``-step method and the last
+#:   triple is the limit polynomial, so ``steps`` takes the first ``steps`` triples and repeats
+#:   the last beyond the table, as its reference does. Polar Express qualifies: the paper builds
+#:   step ``t`` greedily given steps ``1..t-1``, so its first 5 steps are the optimal 5-step
+#:   method (``dmuon.Muon(ns_coefficients="polar_express")`` runs them with the default 5 steps).
+#: - ``"fixed"``: a recipe whose last steps are the finish (DeepSeek-V4's two ``p(1) = 1``
+#:   steps); it runs with exactly its length. ``ns_steps=None`` selects that length; any other
+#:   ``ns_steps`` raises ``ValueError`` (a truncated DeepSeek-V4 would silently be 5 Muon steps).
+PRESET_LENGTH_POLICY: dict[str, str] = {"polar_express": "prefix", "deepseek_v4": "fixed"}
+
+#: The step count when none is given (``dmuon.Muon(ns_steps=None)``) and the preset does not
+#: fix one: torch.optim.Muon's 5.
+DEFAULT_NS_STEPS = 5
 
 _MAX_STEPS = 100  # torch.optim.Muon refuses ns_steps >= 100 "for computational efficiency"
 
@@ -116,14 +155,33 @@ def _is_triple(value: object) -> bool:
     )
 
 
+def resolve_ns_steps(coefficients: Coefficients, steps: "int | None") -> int:
+    """The Newton-Schulz step count of ``coefficients`` run with ``steps`` (``dmuon.Muon``'s
+    ``ns_steps``): ``steps`` itself when given; else (None) the length of a ``"fixed"`` preset
+    (:data:`PRESET_LENGTH_POLICY`: ``"deepseek_v4"`` -> 10) or of an explicit per-step table, and
+    :data:`DEFAULT_NS_STEPS` (5) for a triple or a ``"prefix"`` preset. Checking the pair is
+    :func:`coefficient_schedule`'s job."""
+    if steps is not None:
+        return steps
+    if isinstance(coefficients, str):
+        table = NS_PRESETS.get(coefficients)
+        if table is not None and PRESET_LENGTH_POLICY.get(coefficients) == "fixed":
+            return len(table)
+        return DEFAULT_NS_STEPS
+    if isinstance(coefficients, Sequence) and not _is_triple(coefficients) and len(coefficients) > 0:
+        return len(coefficients)
+    return DEFAULT_NS_STEPS
+
+
 def coefficient_schedule(coefficients: Coefficients, steps: int) -> tuple[Triple, ...]:
     """Resolve a coefficient spec to one ``(a, b, c)`` triple per step.
 
     Args:
         coefficients: a triple ``(a, b, c)`` used at every step; a sequence of exactly
-            ``steps`` triples, one per step; or a key of :data:`NS_PRESETS` (a per-step
+            ``steps`` triples, one per step; or a key of :data:`NS_PRESETS` (a ``"prefix"``
             preset gives its first ``steps`` triples, its last one repeated if ``steps`` is
-            longer than the preset).
+            longer than the preset; a ``"fixed"`` preset needs ``steps`` equal to its length,
+            :data:`PRESET_LENGTH_POLICY`).
         steps: number of Newton-Schulz steps, ``0 <= steps < 100``.
 
     Returns:
@@ -131,7 +189,8 @@ def coefficient_schedule(coefficients: Coefficients, steps: int) -> tuple[Triple
 
     Raises:
         ValueError: unknown preset name, a malformed triple, a per-step table whose
-            length differs from ``steps``, or ``steps`` out of range.
+            length differs from ``steps``, a fixed-length preset with another ``steps``, or
+            ``steps`` out of range.
         TypeError: ``steps`` is not an int.
     """
     if isinstance(steps, bool) or not isinstance(steps, int):
@@ -141,14 +200,19 @@ def coefficient_schedule(coefficients: Coefficients, steps: int) -> tuple[Triple
             f"steps must satisfy 0 <= steps < {_MAX_STEPS} (as torch.optim.Muon), got {steps}"
         )
     if isinstance(coefficients, str):
-        try:
-            coefficients = NS_PRESETS[coefficients]
-        except KeyError:
-            raise ValueError(
-                f"unknown Newton-Schulz preset {coefficients!r}; known: {sorted(NS_PRESETS)}"
-            ) from None
-        if not _is_triple(coefficients):  # per-step preset: truncate, or repeat its last
+        name = coefficients
+        if name not in NS_PRESETS:
+            raise ValueError(f"unknown Newton-Schulz preset {name!r}; known: {sorted(NS_PRESETS)}")
+        coefficients = NS_PRESETS[name]
+        if not _is_triple(coefficients):  # per-step preset: its declared length policy
             table = tuple(coefficients)
+            policy = PRESET_LENGTH_POLICY[name]
+            if policy == "fixed" and steps != len(table):
+                raise ValueError(
+                    f"Newton-Schulz preset {name!r} is a fixed {len(table)}-step schedule (its last steps are "
+                    f"the finish), got steps={steps}; pass ns_steps={len(table)} or ns_steps=None (its "
+                    f"length), or an explicit table of {steps} triples"
+                )
             coefficients = table[:steps] + (table[-1],) * max(0, steps - len(table))
     if _is_triple(coefficients):
         a, b, c = (float(v) for v in coefficients)  # type: ignore[union-attr]
@@ -184,7 +248,8 @@ def schedule_gain_bounds(schedule: tuple[Triple, ...]) -> tuple[float, float]:
 
     Evaluated in float64 on a grid (4097 uniform points plus 1000 log-spaced in
     ``[1e-8, 1]``), so grid extrema, tight to ~1e-4 for the presets here. 5 steps:
-    "muon" ``(0.696, 1.202)``, "polar_express" ``(0.877, 1.124)``. ``(1, 1)`` for no steps.
+    "muon" ``(0.696, 1.202)``, "polar_express" ``(0.877, 1.124)``; 10 steps of "deepseek_v4"
+    ``(1.000, 1.002)``. ``(1, 1)`` for no steps.
     """
     s0 = torch.cat(
         [

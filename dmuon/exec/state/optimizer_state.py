@@ -32,6 +32,8 @@ from torch import Tensor
 from dmuon._dtensor import is_dtensor, local_tensor
 from dmuon._tags import dedicated_info
 from dmuon.exec.comm import collectives as C
+from dmuon.exec.optim import normuon as _nm
+from dmuon.exec.state import normuon_state as _nms
 from dmuon.exec.state.dtensor_layout import (
     _as_dtensor,
     _chunk_dtensor,
@@ -139,12 +141,17 @@ def _optim_state_dict_post_hook(opt, state_dict):
     for rt in runtimes:
         rt.prepare_state_access("optimizer.state_dict()")
     params = [p for group in opt.param_groups for p in group["params"]]
+    normuon = {id(p) for group in opt.param_groups if group.get("variant") == "normuon" for p in group["params"]}
     state = dict(state_dict["state"])
     for idx, p in enumerate(params):
         info, rt = _live_info(p)
         if rt is None:
             continue
         entry = dict(state.get(idx, {}))
+        if id(p) in normuon:  # NorMuon's second moment, laid out like the momentum (before it: dict order)
+            v = _nms.second_moment_to_dtensor(rt, info, p, entry.get(_nm.SECOND_MOMENT_KEY))
+            # the same key order on every rank (DCP gathers in dict order); momentum filled below
+            entry = {"momentum_buffer": entry.get("momentum_buffer"), _nm.SECOND_MOMENT_KEY: v}
         if getattr(info, "ep_local", False):  # this rank's experts' momentum, no copy
             buf = entry.get("momentum_buffer")
             if buf is None:
@@ -192,6 +199,13 @@ def _optim_load_state_dict_pre_hook(opt, state_dict):
         if rt is None:
             continue
         entry = state.get(key)
+        v_saved = entry.get(_nm.SECOND_MOMENT_KEY) if isinstance(entry, dict) else None
+        if v_saved is not None:  # NorMuon's second moment: gathered to the owner like the momentum
+            v = _nms.second_moment_from_saved(rt, info, p, v_saved)
+            entry = {k: x for k, x in entry.items() if k != _nm.SECOND_MOMENT_KEY}
+            if v is not None:
+                entry[_nm.SECOND_MOMENT_KEY] = v
+            state[key] = entry
         value = entry.get("momentum_buffer") if isinstance(entry, dict) else None
         if value is None:
             if not info.is_owner:
@@ -259,7 +273,7 @@ def _optim_step_pre_hook(opt, args, kwargs):
 # dmuon.Muon.load_state_dict's checks (local, before any collective of the hooks)
 # ----------------------------------------------------------------------------------------------
 
-_MUON_STATE_KEYS = frozenset({"momentum_buffer"})
+_MUON_STATE_KEYS = frozenset({"momentum_buffer"})  # NorMuon adds normuon.SECOND_MOMENT_KEY
 _ADAMW_STATE_KEYS = frozenset({"step", "exp_avg", "exp_avg_sq"})
 
 
@@ -291,7 +305,7 @@ def check_loadable(opt, state_dict: dict) -> None:
             f"dmuon.Muon.load_state_dict: the state dict has {len(saved_groups)} param groups, this "
             f"optimizer {len(opt.param_groups)}; {how}"
         )
-    index: dict[Any, tuple[Tensor, bool]] = {}
+    index: dict[Any, tuple[Tensor, bool, frozenset]] = {}
     for g, (saved, group) in enumerate(zip(saved_groups, opt.param_groups)):
         kind = "Muon" if group["use_muon"] else "AdamW"
         if bool(saved.get("use_muon", group["use_muon"])) != group["use_muon"]:
@@ -307,19 +321,31 @@ def check_loadable(opt, state_dict: dict) -> None:
                 f"here but {len(saved['params'])} in the state dict{first}. The dedicated set or the model "
                 f"differs (another predicate or hook-boundary choice dedicates other matrices); {how}"
             )
+        want = _ADAMW_STATE_KEYS
+        if group["use_muon"]:
+            want = _MUON_STATE_KEYS
+            saved_variant, variant = saved.get("variant", "muon"), group.get("variant", "muon")
+            if saved_variant == "normuon" and variant != "normuon":
+                raise ValueError(
+                    f"dmuon.Muon.load_state_dict: Muon param group {g} of the state dict is NorMuon's "
+                    f"(variant='normuon', with '{_nm.SECOND_MOMENT_KEY}' entries) but this optimizer runs "
+                    f"variant={variant!r}. Build dmuon.Muon(..., variant='normuon') to resume it, or drop the "
+                    f"'{_nm.SECOND_MOMENT_KEY}' entries and the groups' 'variant' key to continue with Muon"
+                )
+            if variant == "normuon":  # without second moments: a Muon state dict, zeros (a warning)
+                want = _MUON_STATE_KEYS | {_nm.SECOND_MOMENT_KEY}
         for key, p in zip(saved["params"], group["params"]):
-            index[key] = (p, group["use_muon"])
+            index[key] = (p, group["use_muon"], want)
     for key, entry in state_dict.get("state", {}).items():
         if key not in index:
             raise ValueError(
                 f"dmuon.Muon.load_state_dict: state key {key!r} indexes no parameter of the state dict's "
                 f"param groups; {how}"
             )
-        p, use_muon = index[key]
-        want = _MUON_STATE_KEYS if use_muon else _ADAMW_STATE_KEYS
+        p, use_muon, want = index[key]
         got = set(entry) if isinstance(entry, dict) else set()
         name = _param_name(opt, p)
-        if got and got != want:
+        if got and got != want and not (_nm.SECOND_MOMENT_KEY in want and got == _MUON_STATE_KEYS):
             raise ValueError(
                 f"dmuon.Muon.load_state_dict: the state of {name!r} (key {key!r}) has keys {sorted(got)}, "
                 f"expected {sorted(want)} ({'Muon' if use_muon else 'AdamW'}); {how}"
@@ -330,8 +356,14 @@ def check_loadable(opt, state_dict: dict) -> None:
             shape = tuple(runtime.plan.param(dedicated_info(p).fqn).shape) if runtime is not None else shape
         for k in sorted(got - {"step"}):
             value = entry[k]
-            if isinstance(value, Tensor) and tuple(value.shape) != shape:
+            want_shape, what = shape, "the parameter"
+            if k == _nm.SECOND_MOMENT_KEY:
+                info = dedicated_info(p)
+                want_shape = _nm.second_moment_shape(shape, matrix_shape=info.matrix_shape, experts=info.experts,
+                                                     view=info.view)
+                what = "NorMuon's second-moment shape"
+            if isinstance(value, Tensor) and tuple(value.shape) != want_shape:
                 raise ValueError(
                     f"dmuon.Muon.load_state_dict: state {k!r} of {name!r} has shape {tuple(value.shape)}, "
-                    f"the parameter {shape}; {how}"
+                    f"{what} {want_shape}; {how}"
                 )

@@ -27,7 +27,8 @@ Hugging Face transformers 5.x marks its experts modules with ``is_transposed``,
 
 Expert *biases* (``gate_up_proj_bias`` ``(E, 2F)``, ``down_proj_bias`` ``(E, D)``) are stacks of
 vectors, not matrices: :func:`is_stacked_bias` keeps them out of the default selection (AdamW).
-Routers (``mlp.gate.weight`` ``(E, D)``) and shared experts are ordinary 2-D matrices.
+Routers (``mlp.gate.weight`` ``(E, D)``) and shared experts are ordinary 2-D matrices;
+:func:`is_router` recognises a router (for ``compile(routers=...)``, :data:`ROUTER_MODES`).
 
 Pure: reads module attributes and parameter metadata only; never imports ``torch.distributed``.
 """
@@ -49,6 +50,9 @@ __all__ = [
     "expert_max_split",
     "expert_range_count",
     "expert_range_weights",
+    "ROUTER_MODES",
+    "ROUTER_NAMES",
+    "is_router",
 ]
 
 # how a fused gate/up projection is orthogonalised: "split" = gate and up separately (what the
@@ -57,6 +61,12 @@ GATE_UP_MODES = ("split", "fused")
 # compile(experts=...): "auto" = recognised expert stacks are selected by the default rule and
 # every expert has its own owner; "off" = the selection before expert support (2-D only)
 EXPERT_MODES = ("auto", "off")
+# compile(routers=...): the optimizer of MoE routers under the default rule: "muon" = dedicated like
+# every other 2-D matrix in a block, "adamw" = left to FSDP2 and AdamW (docs/moe.md, "Routers")
+ROUTER_MODES = ("muon", "adamw")
+# names of a router module (the module holding the (E, D) ``weight``), or of its parent
+# (torchtitan's ``moe.router.gate``)
+ROUTER_NAMES = ("gate", "router")
 
 def _in_experts_path(module_fqn: str, module: Any) -> bool:
     parts = module_fqn.split(".") if module_fqn else []
@@ -95,6 +105,28 @@ def expert_stack(shape: tuple[int, ...], attr: str, module_fqn: str, module: Any
     if attr in ("down_proj", "up_proj"):
         return ExpertStack(num_experts=E, layout="hf")
     return ExpertStack(num_experts=E, layout="generic")
+
+
+def is_router(module_fqn: str, attr: str, shape: tuple[int, ...], stacks: dict[str, int]) -> bool:
+    """True for the ``weight`` of an MoE router: a 2-D ``(E, D)`` parameter of a module named
+    ``gate`` or ``router`` (or of a module inside one named ``router``, torchtitan's
+    ``moe.router.gate``) that sits next to a recognised expert stack of ``E`` experts: one whose
+    module path starts with the router's parent block (``layers.0.mlp.gate`` and
+    ``layers.0.mlp.experts``; gpt-oss ``mlp.router``; torchtitan ``moe.router.gate`` and
+    ``moe.experts``). ``stacks``: ``{module_fqn: E}`` of the model's recognised expert stacks
+    (``E`` global: under expert parallelism the router still scores all experts).
+
+    Qwen2-MoE's ``shared_expert_gate`` ``(1, D)`` is not a router (its name, and one row).
+    """
+    if attr != "weight" or len(shape) != 2:
+        return False
+    parts = module_fqn.split(".") if module_fqn else []
+    if not parts or parts[-1] not in ROUTER_NAMES:
+        return False
+    depth = 2 if len(parts) >= 2 and parts[-2] == "router" else 1  # the block holding router and experts
+    block = ".".join(parts[:-depth])
+    prefix = block + "." if block else ""
+    return any(fqn.startswith(prefix) and E == int(shape[0]) for fqn, E in stacks.items())
 
 
 def is_stacked_bias(shape: tuple[int, ...], attr: str) -> bool:

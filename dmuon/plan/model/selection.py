@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from dmuon.plan.model.boundaries import BoundaryResolver, Resolution
-from dmuon.plan.model.experts import EXPERT_MODES, expert_stack, is_stacked_bias
+from dmuon.plan.model.experts import EXPERT_MODES, ROUTER_MODES, expert_stack, is_router, is_stacked_bias
 from dmuon.plan.records.params import ExpertStack
 from dmuon.plan.tools.render import fmt_names
 from dmuon.plan.model.snapshot import ModelSnapshot, ModuleKind, ParamRecord, take_snapshot
@@ -49,6 +49,7 @@ __all__ = [
     "matrix_view",
     "record_stack",
     "select_params",
+    "router_fqns",
     "matrix_predicate",
     "degenerate_reason",
     "coverage_warning",
@@ -221,6 +222,7 @@ def select_params(
     experts: str = "auto",
     expert_gate_up: str = "split",
     ep: int = 1,
+    routers: str = "muon",
 ) -> tuple[Selected, ...]:
     """Dedicated parameters of ``snapshot`` in ``named_parameters()`` order.
 
@@ -234,6 +236,10 @@ def select_params(
             predicate selects has no layout record), :data:`~dmuon.plan.model.experts.EXPERT_MODES`.
         expert_gate_up: ``"split"`` or ``"fused"``, :data:`~dmuon.plan.model.experts.GATE_UP_MODES`.
         ep: expert-parallel degree: each rank's stacks hold ``E / ep`` of their module's experts.
+        routers: ``"muon"`` or ``"adamw"`` (:data:`~dmuon.plan.model.experts.ROUTER_MODES`): with
+            ``"adamw"`` the default rule leaves MoE routers
+            (:func:`~dmuon.plan.model.experts.is_router`) to FSDP2 and AdamW. A ``predicate``
+            decides alone (``routers`` does not filter what it selects).
 
     Raises:
         ValueError: (checked in this order, each listing every offending parameter)
@@ -243,14 +249,17 @@ def select_params(
     """
     if experts not in EXPERT_MODES:
         raise ValueError(f"dmuon.plan.compile: experts must be one of {EXPERT_MODES}, got {experts!r}")
+    if routers not in ROUTER_MODES:
+        raise ValueError(f"dmuon.plan.compile: routers must be one of {ROUTER_MODES}, got {routers!r}")
     resolver = BoundaryResolver(snapshot.modules, hook_boundary_predicate)
     stacks = {
         r.fqn: (record_stack(snapshot, r, expert_gate_up) if experts == "auto" else None) for r in snapshot.params
     }
+    skip = router_fqns(snapshot, ep) if predicate is None and routers == "adamw" else frozenset()
     chosen: list[tuple[ParamRecord, Resolution]] = []
     for record in snapshot.params:
         if predicate is None:
-            if not _default_candidate(record, stacks[record.fqn]):
+            if not _default_candidate(record, stacks[record.fqn]) or record.fqn in skip:
                 continue
             res = resolver.resolve(record)
             if res.boundary is None and not res.conflict:
@@ -334,6 +343,20 @@ def select_params(
             )
         )
     return tuple(out)
+
+
+def router_fqns(snapshot: ModelSnapshot, ep: int = 1) -> frozenset[str]:
+    """FQNs of the MoE routers of ``snapshot`` (:func:`~dmuon.plan.model.experts.is_router` next to
+    the recognised expert stacks, whatever ``experts=`` mode plans them; ``ep``: each stack holds
+    ``E / ep`` of the experts its router scores)."""
+    stacks: dict[str, int] = {}
+    for r in snapshot.params:
+        stack = record_stack(snapshot, r)
+        if stack is not None:
+            stacks[r.module_fqn] = stack.num_experts * ep
+    if not stacks:
+        return frozenset()
+    return frozenset(r.fqn for r in snapshot.params if is_router(r.module_fqn, r.attr, r.shape, stacks))
 
 
 def declared_num_experts(snapshot: ModelSnapshot, module_fqn: str, *, router: bool = True) -> tuple[int, str] | None:
