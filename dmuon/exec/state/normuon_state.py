@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from dmuon._dtensor import is_dtensor
 from dmuon.exec.comm import collectives as C
 from dmuon.exec.optim import normuon as _nm
 from dmuon.exec.state.dtensor_layout import (
@@ -29,7 +30,6 @@ from dmuon.exec.state.dtensor_layout import (
     _chunk_rows,
     _coords,
     _gather_rows,
-    _is_dtensor,
     _is_own_layout,
     _my_rows,
     _placements,
@@ -112,25 +112,25 @@ def second_moment_from_saved(runtime, info, p, value):
     g = runtime.groups
     if getattr(info, "ep_local", False):  # this rank's experts' rows
         e = int(p.shape[0])
-        if _is_dtensor(value) and tuple(value.to_local().shape) == (e, *shape[1:]) and _is_own_layout(runtime, value, None):
+        if is_dtensor(value) and tuple(value.to_local().shape) == (e, *shape[1:]) and _is_own_layout(runtime, value, None):
             local = value.to_local()
         else:
-            full = value.full_tensor() if _is_dtensor(value) else value
+            full = value.full_tensor() if is_dtensor(value) else value
             local = full[g.shard * e : (g.shard + 1) * e]
         return local.to(device=p.device, dtype=torch.float32, copy=True)
     group_info = getattr(info, "group", None)
     if group_info is not None:  # expert ranges: each member its range of rows
-        full = value.full_tensor() if _is_dtensor(value) else value
+        full = value.full_tensor() if is_dtensor(value) else value
         if not info.is_owner:
             return None
         off, size = group_info.offsets[group_info.block], group_info.sizes[group_info.block]
         return full[off : off + size].to(device=p.device, dtype=torch.float32, copy=True).contiguous()
     owner_replicate = _coords(runtime, info.owner_global_rank)[0]
     dst = info.owner_global_rank if g.replicate == owner_replicate else None
-    if _is_dtensor(value) and _is_own_layout(runtime, value, None):
+    if is_dtensor(value) and _is_own_layout(runtime, value, None):
         full = _gather_rows(runtime, value, dst, shape)
     else:
-        full = value.full_tensor() if _is_dtensor(value) else value
+        full = value.full_tensor() if is_dtensor(value) else value
     if not info.is_owner:
         return None
     return full.reshape(shape).to(device=p.device, dtype=torch.float32, copy=True)

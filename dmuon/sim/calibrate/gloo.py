@@ -216,7 +216,7 @@ def _fsdp_overheads(torch, group, repeats: int) -> dict[str, float]:
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
+    from dmuon._dtensor import is_dtensor
 
     mesh = DeviceMesh.from_group(group, "cpu")
     inp = torch.ones(2, 8)
@@ -238,7 +238,7 @@ def _fsdp_overheads(torch, group, repeats: int) -> dict[str, float]:
     # per unit and call: 9 units x (all-gather + Z3 backward all-gather + reduce-scatter) per step
     fsdp2_call_s = max(0.0, (t_fsdp - t_plain) / 10 / (9 * 3))
     p = sharded[0].weight
-    assert isinstance(p, DTensor)
+    assert is_dtensor(p)
     q = p.to_local().clone()
     n = 500
     with torch.no_grad():
