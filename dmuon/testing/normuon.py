@@ -47,7 +47,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from dmuon.testing.reference import reference_newton_schulz
+from dmuon.testing.newton_schulz import reference_newton_schulz
 
 __all__ = [
     "NORMUON_BETA2",

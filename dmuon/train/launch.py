@@ -194,6 +194,7 @@ def _validate(args: argparse.Namespace) -> None:
         raise SystemExit("--owner-groups with --tp: owner groups are not supported with tensor parallelism "
                          "(leave --owner-groups off)")
     compared = compare_list(args)  # SystemExit on a bad --compare
+    args.compare = compared or None  # the names, in order: what the training loop runs
     if "normuon" in (args.optimizer, *compared) and (args.tp > 1 or args.owner_groups not in ("off", 1)):
         raise SystemExit("--optimizer normuon with --tp or --owner-groups: NorMuon runs on matrices whose owner holds "
                          "them whole (docs/muon_variants.md, 'NorMuon'); leave --tp 1 and --owner-groups off")

@@ -569,12 +569,12 @@ def run_job(args: argparse.Namespace) -> dict[str, Any]:
     with ``--png FILE`` rank 0's plot of every run in one figure
     (:func:`dmuon.train.plot.plot_runs`). Returns the first run's metrics with the compared runs'
     metrics under ``"compare"`` (a list, ``--compare`` order); rank 0 prints each final
-    validation loss."""
-    from dmuon.train.launch import compare_list
-
+    validation loss. ``args.compare``: the optimizers' names, in order, as
+    :func:`dmuon.train.launch.compare_list` checked them (``dmuon.train.launch`` validates every
+    run's flags before they reach here)."""
     metrics = train(args)
     runs = [metrics]
-    for name in compare_list(args):
+    for name in args.compare or ():
         other = argparse.Namespace(**vars(args))
         other.optimizer, other.save, other.resume, other.json, other.compare = name, None, None, None, None
         if name == "adamw":
