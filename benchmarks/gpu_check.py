@@ -28,12 +28,17 @@ Parts (both by default; ``--parts ns`` / ``--parts train`` for one):
       compute stream;
     * ``torch_ref``: ``torch.optim.Muon`` on the same matrices + ``torch.optim.AdamW`` on the
       rest, plain model, same device;
-    * ``dmuon_cpu`` (CUDA only): ``dmuon_streams``'s set-up on the CPU.
+    * ``dmuon_cpu`` (CUDA only): ``dmuon_streams``'s set-up on the CPU;
+    * ``dmuon_normuon`` / ``normuon_ref``: ``dmuon.Muon(variant="normuon")`` against
+      :class:`dmuon.testing.ReferenceOptimizer` with the same variant, same device;
+    * ``dmuon_deepseek_v4`` / ``deepseek_v4_ref``: the fixed 10-step ``"deepseek_v4"``
+      Newton-Schulz preset, likewise.
 
     Newton-Schulz in bf16 everywhere (``torch.optim.Muon`` always iterates in bf16). Checks:
     streams vs no streams within ``--stream-rtol`` (the same kernels in the same order: they
     should agree to the last bit); every other run vs ``dmuon_streams`` within ``--loss-rtol``
-    (bf16 Newton-Schulz batched by dmuon, per matrix by torch; CPU vs GPU kernels); on CUDA,
+    (bf16 Newton-Schulz batched by dmuon, per matrix by torch; CPU vs GPU kernels), and each
+    ``dmuon_<variant>`` vs its ``<variant>_ref`` within ``--loss-rtol``; on CUDA,
     that the stream path really ran (streams built, reduce buffers the same tensors at the last
     step as after the first), and that the presence flags were read once per backward.
 
@@ -265,7 +270,7 @@ def _gpt(spec: dict, device: str):
     return GPT(cfg, seed=SEED, device=device)
 
 
-def run_dmuon(spec: dict, batches, device: str, *, use_streams: bool) -> dict:
+def run_dmuon(spec: dict, batches, device: str, *, use_streams: bool, **opt_kw) -> dict:
     import dmuon
     from dmuon.exec.comm.collectives import LEDGER
     from dmuon.train.model import lm_loss
@@ -274,7 +279,7 @@ def run_dmuon(spec: dict, batches, device: str, *, use_streams: bool) -> dict:
     plan = dmuon.dedicate_params(model)
     rt = dmuon.exec.get_model_runtime(model)
     rt.set_use_streams(use_streams)
-    opt = dmuon.Muon(model, **MUON_HP, ns_dtype=torch.bfloat16, adamw_lr=ADAMW_HP["lr"],
+    opt = dmuon.Muon(model, **{**MUON_HP, **opt_kw}, ns_dtype=torch.bfloat16, adamw_lr=ADAMW_HP["lr"],
                      adamw_betas=ADAMW_HP["betas"], adamw_eps=ADAMW_HP["eps"],
                      adamw_weight_decay=ADAMW_HP["weight_decay"])
     segments = [seg for b in rt.boundaries for seg in b.segments]
@@ -295,6 +300,7 @@ def run_dmuon(spec: dict, batches, device: str, *, use_streams: bool) -> dict:
     return dict(
         losses=losses,
         dedicated=list(plan.dedicated),
+        plan_json=plan.to_json(),
         streams_built=rt._streams is not None,
         buffers_persistent=first_bufs == [id(seg.reduce_buf) for seg in segments],
         flag_reads_per_step=(rt._flag_host_reads - reads0) / len(batches),
@@ -321,6 +327,28 @@ def run_torch_reference(spec: dict, batches, device: str, dedicated) -> dict:
     return dict(losses=losses)
 
 
+def run_testing_reference(spec: dict, batches, device: str, plan_json: str, **opt_kw) -> dict:
+    """:class:`dmuon.testing.ReferenceOptimizer` (``torch.optim.Muon`` / the NorMuon reference on the
+    dedicated matrices, AdamW on the rest, one process) on the same GPU, bf16 Newton-Schulz."""
+    from dmuon.plan import ShardingPlan
+    from dmuon.testing import ReferenceOptimizer, proxies_from_plan
+    from dmuon.train.model import lm_loss
+
+    model = _gpt(spec, device)
+    hp = {**MUON_HP, **opt_kw, **{f"adamw_{k}": v for k, v in ADAMW_HP.items()}}
+    if "ns_coefficients" in opt_kw:
+        hp.pop("ns_steps")  # a fixed-length preset sets its own step count (dmuon.Muon's rule)
+    opt = ReferenceOptimizer(model, proxies_from_plan(ShardingPlan.from_json(plan_json)), ns_dtype=torch.bfloat16, **hp)
+    losses = []
+    for x, y in batches:
+        loss = lm_loss(model(x.to(device)), y.to(device))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return dict(losses=losses)
+
+
 def _max_rel(a, b) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
 
@@ -332,12 +360,22 @@ def train_check(device: str, spec: dict, steps: int, loss_rtol: float, stream_rt
     if device == "cuda":
         runs["dmuon_no_streams"] = run_dmuon(spec, batches, device, use_streams=False)
     runs["torch_ref"] = run_torch_reference(spec, batches, device, dedicated)
+    # NorMuon (variant="normuon") and the fixed 10-step "deepseek_v4" Newton-Schulz preset against
+    # dmuon.testing's single-process references on the same device
+    variants = {"normuon": dict(variant="normuon"), "deepseek_v4": dict(ns_coefficients="deepseek_v4")}
+    for name, kw in variants.items():
+        hp = {**kw, "ns_steps": None} if "ns_coefficients" in kw else kw
+        runs[f"dmuon_{name}"] = run_dmuon(spec, batches, device, use_streams=True, **hp)
+        runs[f"{name}_ref"] = run_testing_reference(spec, batches, device, runs[f"dmuon_{name}"]["plan_json"], **kw)
     if device == "cuda":
         runs["dmuon_cpu"] = run_dmuon(spec, batches, "cpu", use_streams=True)
     ref = runs["dmuon_streams"]["losses"]
     checks = []
+    for name in variants:
+        err = _max_rel(runs[f"dmuon_{name}"]["losses"], runs[f"{name}_ref"]["losses"])
+        checks.append(dict(check=f"losses dmuon_{name} vs {name}_ref", value=err, limit=loss_rtol, ok=err <= loss_rtol))
     for name, run in runs.items():
-        if name == "dmuon_streams":
+        if name == "dmuon_streams" or any(name in (f"dmuon_{v}", f"{v}_ref") for v in variants):
             continue
         tol = stream_rtol if name == "dmuon_no_streams" else loss_rtol
         err = _max_rel(run["losses"], ref)
