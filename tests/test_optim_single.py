@@ -727,6 +727,7 @@ _DTENSOR_SCRIPT = textwrap.dedent(
     from torch.distributed.tensor import distribute_tensor, Shard, Replicate
     from torch import nn
     import dmuon.exec.optim.muon as optim_mod
+    from dmuon import _tags
     optim_mod.wait_pending = optim_mod.after_step = lambda params: None
     tmp = tempfile.TemporaryDirectory()
     dist.init_process_group("gloo", init_method=f"file://{tmp.name}/init", rank=0, world_size=1)
