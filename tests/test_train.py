@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from conftest import REPO_ROOT, SHARED_DATA
-from dist_utils import run_distributed
 from shared_launch import shared_run
 
 from dmuon.train.data import (
@@ -53,6 +52,28 @@ def _train_cases(cases):
     from dmuon.train import run
 
     return [run(c) for c in cases]
+
+
+def _runs_of_2(label: str) -> list[dict]:
+    """The runs ``label`` names, from the ONE launch of 2 ranks every 2-rank test of this file
+    shares (process start-up dominates on 2 cores): rank 0's metrics, in the label's order.
+    The tinyshakespeare runs join the launch only when the file exists (their tests skip
+    otherwise)."""
+    labels = _labels_of_2()
+    runs = shared_run(("test_train", 2), _train_cases, 2, [c for _, c in labels], timeout_s=600)[0]
+    return [r for (name, _), r in zip(labels, runs) if name == label]
+
+
+def _labels_of_2() -> list[tuple[str, dict]]:
+    """``(label, config)`` of every 2-rank run, in launch order."""
+    out = []
+    if SHAKESPEARE.exists():
+        out += [("learn", dict(LEARN, mode="z3")), ("learn", dict(LEARN, mode="z2", steps=3)),
+                ("adamw", dict(LEARN, optimizer="adamw"))]
+    moe = dict(SMALL, d_mlp=128, experts=4, top_k=2, steps=30, eval_every=30, log_every=10)
+    out += [("moe", moe), ("moe", MOE_SHORT), ("moe", dict(MOE_SHORT, ep=2))]
+    out += [("invariance", c) for c in _invariance_cases(2)]
+    return out
 
 
 # -- data ---------------------------------------------------------------------------------
@@ -215,10 +236,7 @@ def test_dmuon_run_learns_and_ledger_matches_plan():
     """dmuon.Muon (Z3 then Z2), 30 steps on tinyshakespeare: val loss ends below the unigram
     baseline and far below the first loss; the measured ledger bytes per step equal the plan's
     total, and Z2 moves 2/3 of Z3's bytes (docs/planning.md, "Costs")."""
-    z3, z2 = run_distributed(
-        _train_cases, 2, [dict(LEARN, mode="z3"), dict(LEARN, mode="z2", steps=3)],
-        timeout_s=240,
-    )[0]
+    z3, z2 = _runs_of_2("learn")
     _check_learns(z3, below_unigram=True)
     assert z3["plan_total_nbytes"] > 0
     assert z3["ledger_nbytes_per_step"] == z3["plan_total_nbytes"]
@@ -232,10 +250,9 @@ MOE_SHORT = dict(SHORT, d_mlp=64, experts=4, top_k=2)
 
 
 def _moe_runs():
-    """The one launch of the MoE tests: a 30-step run, then MOE_SHORT without and with ``--ep 2``."""
-    case = dict(SMALL, d_mlp=128, experts=4, top_k=2, steps=30, eval_every=30, log_every=10)
-    cases = [case, MOE_SHORT, dict(MOE_SHORT, ep=2)]
-    return case, shared_run(("test_train_moe", 2), _train_cases, 2, cases, timeout_s=300)[0]
+    """The MoE runs of the 2-rank launch: a 30-step run, then MOE_SHORT without and with ``--ep 2``."""
+    (case, _, _) = [c for name, c in _labels_of_2() if name == "moe"]
+    return case, _runs_of_2("moe")
 
 
 def test_moe_run_learns_and_ledger_matches_plan():
@@ -293,7 +310,7 @@ def test_moe_ep_run_computes_the_non_ep_run():
 
 @needs_shakespeare
 def test_adamw_baseline_runs():
-    (m,) = run_distributed(_train_cases, 2, [dict(LEARN, optimizer="adamw")], timeout_s=240)[0]
+    (m,) = _runs_of_2("adamw")
     _check_learns(m, below_unigram=False)
     assert m["optimizer"] == "adamw" and m["ledger_nbytes_per_step"] is None
     assert m["plan_total_nbytes"] is None
@@ -315,10 +332,14 @@ def _invariance_cases(world):
 
 
 def _invariance_runs(world, optimizer):
-    """This optimizer's runs from the one launch of ``world`` ranks that runs every optimizer's."""
+    """This optimizer's runs of ``world`` ranks: one launch of 1 rank for every optimizer's, the
+    2-rank ones from the file's one launch of 2 ranks."""
     cases = _invariance_cases(world)
-    runs = shared_run(("test_world_size_invariance", world), _train_cases, world, cases,
-                      timeout_s=240 * len(INVARIANCE_OPTIMIZERS))[0]
+    if world == 2:
+        runs = _runs_of_2("invariance")
+    else:
+        runs = shared_run(("test_world_size_invariance", world), _train_cases, world, cases,
+                          timeout_s=240 * len(INVARIANCE_OPTIMIZERS))[0]
     return [r for c, r in zip(cases, runs) if c["optimizer"] == optimizer]
 
 
