@@ -120,8 +120,11 @@ def test_gpu_check_cpu_fallback(tmp_path):
         data = json.loads(out_json.read_text())
         assert data["collectives"] == collectives
         train = data["train"]
-        assert train["ok"] and set(train["runs"]) == {"dmuon_streams", "torch_ref"}
+        assert train["ok"] and set(train["runs"]) == {
+            "dmuon_streams", "torch_ref", "dmuon_normuon", "normuon_ref", "dmuon_deepseek_v4", "deepseek_v4_ref"}
         assert all(c["ok"] for c in train["checks"])
+        checked = {c["check"] for c in train["checks"]}
+        assert any("normuon" in n for n in checked) and any("deepseek_v4" in n for n in checked), checked
         assert len(train["runs"]["dmuon_streams"]["losses"]) == 2
         if collectives == "gloo":
             kinds = {r["kind"] for r in data["ns"]}
