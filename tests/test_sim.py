@@ -991,6 +991,12 @@ def test_fair_baseline_bytes_by_hand():
     assert ag == [((0, 1, 2, 3), 8 * 32 + 4 * 32 + 4 * 32 + 8 * 32 + 1 * 32 + 2 * 8)] * 2  # dense + norms only
     with pytest.raises(ValueError, match="not modelled with expert parallelism"):
         S.alternatives.build("all_to_all", ep4)
+    # experts="off": the stacks stay with FSDP2 under dmuon too, placed as the baseline places
+    # them (Shard(1), 2,304) with the norms (2 x 4): dmuon's schedule and FSDP2 + AdamW agree
+    off = P.compile(zoo.tiny_moe(), 8, experts="off")
+    fsdp2 = sorted({(op.kind, op.group, op.numel) for op in off.schedule().ops
+                    if op.kind.startswith("fsdp2_") and op.boundary == "layers.0"})
+    assert fsdp2 == [("fsdp2_all_gather", tuple(range(8)), 2304 + 8), ("fsdp2_reduce_scatter", tuple(range(8)), 2304 + 8)]
 
 
 def _hand_hw(**kw):
