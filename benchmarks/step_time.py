@@ -5,10 +5,13 @@
     python benchmarks/step_time.py --device cuda --nproc 2 4 --json gpu.json  # one GPU per rank
 
 Model: :class:`dmuon.train.model.GPT` (byte vocabulary 256, random tokens; the data does not
-matter for speed), at two sizes::
+matter for speed), at these sizes (``--sizes``; ``mid`` is the simulator's blind check)::
 
     small: 4 blocks, d_model 128, d_mlp 512, 4 heads,  global batch 16 x 64 tokens
     large: 8 blocks, d_model 256, d_mlp 1024, 8 heads, global batch 16 x 128 tokens
+    mid:   6 blocks, d_model 192, d_mlp 768, 6 heads,  global batch 12 x 96 tokens
+    moe:   4 blocks, d_model 128, 4 heads, MoE MLP of 8 SwiGLU experts of hidden 256, top-2,
+           global batch 16 x 64 tokens (``naive`` does not handle its 3-D stacks: leave it out)
 
 For every N in ``--nproc`` the script spawns N local processes ONCE (gloo on CPU with
 ``torch.set_num_threads(--threads)``, default 1; NCCL on CUDA, rank i on ``cuda:i``); inside that
@@ -22,6 +25,11 @@ launch every size and every variant is built (same seed, same batches) and timed
     dmuon_z2  ``dmuon.dedicate_params(reshard_after_forward=False)`` + fully_shard(..., False)
               + ``dmuon.Muon``.
     dmuon_z3  the same with ``reshard_after_forward=True`` (dmuon's default).
+
+Opt-in (``--variants``): ``dmuon_z3_auto`` (below), and ``dmuon_z3_bcast`` / ``dmuon_z3_allgather``:
+``dmuon_z3`` with every buffer's collective forced (``collectives="broadcast"``: one broadcast per
+owner segment, one reduce per segment; ``"all_gather"``: one all-gather of equal slots, one
+reduce-scatter). ``dmuon_z2`` / ``dmuon_z3`` use the plan's default, ``collectives="auto"``.
 
 and, with ``--hook-overhead`` (default on, off in ``--quick``), one more launch at N = 1::
 
@@ -105,10 +113,15 @@ SIZES: dict[str, dict[str, int]] = {
     "large": dict(n_layers=8, d_model=256, d_mlp=1024, n_heads=8, seq_len=128, batch=16),
     # a size the step-time simulator was not built on (its blind check), divisible by N = 2, 3, 4
     "mid": dict(n_layers=6, d_model=192, d_mlp=768, n_heads=6, seq_len=96, batch=12),
+    # a Mixture-of-Experts block (8 SwiGLU experts of hidden 256, top-2): expert stacks as Muon owners
+    "moe": dict(n_layers=4, d_model=128, d_mlp=256, n_heads=4, seq_len=64, batch=16, n_experts=8, top_k=2),
 }
 VARIANTS = ("adamw", "naive", "dmuon_z2", "dmuon_z3")
-#: opt-in variants (``--variants``): dmuon Z3 with ``ns_backend="auto"`` in the plan and the optimizer
-EXTRA_VARIANTS = ("dmuon_z3_auto",)
+#: opt-in variants (``--variants``): dmuon Z3 with ``ns_backend="auto"`` in the plan and the optimizer;
+#: dmuon Z3 with every buffer's collective forced (``collectives="broadcast"`` / ``"all_gather"``)
+EXTRA_VARIANTS = ("dmuon_z3_auto", "dmuon_z3_bcast", "dmuon_z3_allgather")
+#: the ``collectives=`` of each dmuon variant's plan (the others: the default, ``"auto"``)
+VARIANT_COLLECTIVES = {"dmuon_z3_bcast": "broadcast", "dmuon_z3_allgather": "all_gather"}
 HOOK_VARIANTS = ("plain", "dmuon_hooks_z3", "adamw", "dmuon_z3")
 GOAL_STEP_RATIO = 1.15
 GOAL_NS_BALANCE = 1.05
@@ -353,6 +366,16 @@ class Variant:
         self.held_nbytes = 0
 
 
+def gpt_config(size: str):
+    """The :class:`dmuon.train.model.GPTConfig` of ``size`` (:data:`SIZES`)."""
+    from dmuon.train.model import GPTConfig
+
+    s = SIZES[size]
+    moe = {k: s[k] for k in ("n_experts", "top_k") if k in s}
+    return GPTConfig(vocab_size=256, d_model=s["d_model"], n_layers=s["n_layers"], n_heads=s["n_heads"],
+                     d_mlp=s["d_mlp"], seq_len=s["seq_len"], **moe)
+
+
 def _ns_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         name = "bf16" if device.type == "cuda" else "fp32"
@@ -364,23 +387,20 @@ def build_variant(name: str, size: str, mesh, device: torch.device, cfg_args: di
     import torch.distributed.fsdp as fsdp
 
     import dmuon
-    from dmuon.train.model import GPT, GPTConfig
+    from dmuon.train.model import GPT
 
-    s = SIZES[size]
-    cfg = GPTConfig(vocab_size=256, d_model=s["d_model"], n_layers=s["n_layers"],
-                    n_heads=s["n_heads"], d_mlp=s["d_mlp"], seq_len=s["seq_len"])
-    model = GPT(cfg, seed=SEED, device=device)
+    model = GPT(gpt_config(size), seed=SEED, device=device)
     ns_dtype = _ns_dtype(cfg_args["ns_dtype"], device)
     world = torch.distributed.get_world_size()
     # The matrices Muon treats (dmuon's default predicate), for every variant's bookkeeping.
     ref_plan = dmuon.plan.compile(model, world, cost_model=cfg_args["cost_model"])
     muon_fqns = list(ref_plan.dedicated)
     plan = None
-    if name in ("dmuon_z2", "dmuon_z3", "dmuon_hooks_z3", "dmuon_z3_auto"):
+    if name in ("dmuon_z2", "dmuon_z3", "dmuon_hooks_z3", "dmuon_z3_auto") + tuple(VARIANT_COLLECTIVES):
         z3 = name != "dmuon_z2"
         ns_backend = "auto" if name == "dmuon_z3_auto" else "standard"
-        plan = dmuon.dedicate_params(model, mesh, reshard_after_forward=z3,
-                                     cost_model=cfg_args["cost_model"], ns_backend=ns_backend)
+        plan = dmuon.dedicate_params(model, mesh, reshard_after_forward=z3, cost_model=cfg_args["cost_model"],
+                                     ns_backend=ns_backend, collectives=VARIANT_COLLECTIVES.get(name, "auto"))
         if name != "dmuon_hooks_z3":
             for layer in model.layers:
                 fsdp.fully_shard(layer, mesh=mesh, reshard_after_forward=z3)
@@ -692,14 +712,11 @@ def machine_info(device: str) -> dict[str, Any]:
 def plan_balance(sizes, nprocs) -> dict[str, Any]:
     """Plan-predicted NS balance and bytes for both cost models (pure: meta-device models)."""
     import dmuon.plan as P
-    from dmuon.train.model import GPT, GPTConfig
+    from dmuon.train.model import GPT
 
     out: dict[str, Any] = {}
     for size in sizes:
-        s = SIZES[size]
-        cfg = GPTConfig(vocab_size=256, d_model=s["d_model"], n_layers=s["n_layers"],
-                        n_heads=s["n_heads"], d_mlp=s["d_mlp"], seq_len=s["seq_len"])
-        model = GPT(cfg, device="meta")
+        model = GPT(gpt_config(size), device="meta")
         for n in nprocs:
             for cm in ("numel", "ns_flops"):
                 plan = P.compile(model, n, cost_model=cm)
@@ -718,28 +735,28 @@ def plan_balance(sizes, nprocs) -> dict[str, Any]:
 # Predictions: dmuon.sim on a calibrated cpu-gloo record (never fed from this script's timings)
 # ==============================================================================================
 
-SIM_VARIANT = {"adamw": "adamw", "naive": "naive", "dmuon_z2": "z2", "dmuon_z3": "z3"}
+SIM_VARIANT = {"adamw": "adamw", "naive": "naive", "dmuon_z2": "z2", "dmuon_z3": "z3", "dmuon_z3_bcast": "z3",
+               "dmuon_z3_allgather": "z3"}
 
 
 def predict(size: str, nproc: int, variant: str, hw, cost_model: str) -> dict[str, float] | None:
     """``dmuon.sim.simulate`` of one benchmark cell: the size's GPT on the meta device, the plan
-    this script builds (``cost_model``, Z2/Z3), ``hw`` with ``ranks_per_node = nproc`` (every rank
-    on this machine: processor sharing when they outnumber its cores). None for the N = 1 variants."""
+    this script builds (``cost_model``, Z2/Z3, the variant's ``collectives``), ``hw`` with
+    ``ranks_per_node = nproc`` (every rank on this machine: processor sharing when they outnumber
+    its cores). None for the N = 1 variants."""
     import dataclasses
 
     import dmuon.plan as P
     import dmuon.sim as S
-    from dmuon.train.model import GPT, GPTConfig
+    from dmuon.train.model import GPT
 
     if variant not in SIM_VARIANT:
         return None
     s = SIZES[size]
-    cfg = GPTConfig(vocab_size=256, d_model=s["d_model"], n_layers=s["n_layers"], n_heads=s["n_heads"],
-                    d_mlp=s["d_mlp"], seq_len=s["seq_len"])
-    plan = P.compile(GPT(cfg, device="meta"), nproc, cost_model=cost_model,
-                     reshard_after_forward=variant != "dmuon_z2")
+    plan = P.compile(GPT(gpt_config(size), device="meta"), nproc, cost_model=cost_model,
+                     reshard_after_forward=variant != "dmuon_z2", collectives=VARIANT_COLLECTIVES.get(variant, "auto"))
     wl = S.from_plan(plan, tokens_per_rank=s["batch"] // nproc * s["seq_len"], seq_len=s["seq_len"],
-                     activation_dtype="torch.float32", head_dim=s["d_model"] // s["n_heads"])
+                     activation_dtype="torch.float32", head_dim=s["d_model"] // s["n_heads"], top_k=s.get("top_k", 2))
     sim = S.simulate(plan, dataclasses.replace(hw, ranks_per_node=nproc), wl, variant=SIM_VARIANT[variant],
                      timeline_ranks=())
     return dict(step_ms=1e3 * sim.step_s, ns_ms=1e3 * sim.ns_s, exposed_comm_ms=1e3 * sim.exposed_comm_s)
@@ -764,13 +781,14 @@ def add_predictions(rows: list[dict], hw_records: list, cost_model: str,
                                 if base and r.get("predicted_ms") and base.get("predicted_ms") else None)
 
 
-def run_calibration(path: str) -> Any:
-    """``python -m dmuon calibrate --json path`` in a child process; returns the record."""
+def run_calibration(path: str, group_sizes: list[int] | None = None) -> Any:
+    """``python -m dmuon calibrate --json path [--group-sizes ...]`` in a child process; returns the record."""
     import subprocess
 
     import dmuon.sim.hardware as H
 
-    subprocess.run([sys.executable, "-m", "dmuon", "calibrate", "--json", path], check=True, cwd=REPO,
+    extra = ["--group-sizes", *map(str, group_sizes)] if group_sizes else []
+    subprocess.run([sys.executable, "-m", "dmuon", "calibrate", "--json", path, *extra], check=True, cwd=REPO,
                    env=dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")))
     return H.load(path)
 
@@ -797,7 +815,7 @@ def _fmt(x, spec="", none="-"):
 
 
 def format_table(rows: list[dict]) -> str:
-    hdr = (f"{'size':<6}{'N':>2} {'variant':<15}{'step ms':>9}{'fwd+bwd':>9}{'opt ms':>8}"
+    hdr = (f"{'size':<6}{'N':>2} {'variant':<19}{'step ms':>9}{'fwd+bwd':>9}{'opt ms':>8}"
            f"{'xAdamW':>7}{'min ms':>8}{'xAdamW':>7}  {'ledger B/step':>14}{'plan B/step':>13}{'=plan':>6}"
            f"{'NS GF max':>10}{'max/mean':>9}{'NS ms max':>10}{'floor':>8}{'alloc MiB':>10}{'RSS MiB':>9}"
            f"{'pred ms':>9}{'err':>6}{'pred x':>7}")
@@ -807,7 +825,7 @@ def format_table(rows: list[dict]) -> str:
         plan_s = _fmt(plan_b, ",") + ("" if r["plan_total_nbytes"] is not None or plan_b is None else "*")
         eq = None if r["ledger_matches_plan"] is None else ("yes" if r["ledger_matches_plan"] else "NO")
         lines.append(
-            f"{r['size']:<6}{r['nproc']:>2} {r['variant']:<15}{r['step_ms']:>9.1f}{r['fwd_bwd_ms']:>9.1f}"
+            f"{r['size']:<6}{r['nproc']:>2} {r['variant']:<19}{r['step_ms']:>9.1f}{r['fwd_bwd_ms']:>9.1f}"
             f"{r['opt_ms']:>8.1f}{_fmt(r['ratio_to_adamw'], '.2f'):>7}"
             f"{r['step_ms_min']:>8.1f}{_fmt(r.get('ratio_to_adamw_min'), '.2f'):>7}  "
             f"{_fmt(r['ledger_nbytes_per_step'], ','):>14}{plan_s:>13}{_fmt(eq):>6}"
@@ -933,6 +951,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate", action="store_true",
                    help="run `python -m dmuon calibrate` before every launch and after the last (same "
                         "sitting, interleaved); each launch's rows are predicted from the two that bracket it")
+    p.add_argument("--calibrate-group-sizes", type=int, nargs="+", default=None, metavar="K",
+                   help="with --calibrate: the gloo group sizes `dmuon calibrate` measures (default: its own, 2 3 4)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--png", help="write a bar chart here")
     return p
@@ -967,7 +987,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def calibrate(when: str) -> None:
         print(f"calibrating {when} ...", file=sys.stderr, flush=True)
         path = os.path.join(cal_dir, f"cal-{len(calibrations)}.json")
-        cal_records.append(run_calibration(path))
+        cal_records.append(run_calibration(path, args.calibrate_group_sizes))
         with open(path) as f:
             calibrations.append(json.load(f))
 

@@ -991,6 +991,12 @@ def test_fair_baseline_bytes_by_hand():
     assert ag == [((0, 1, 2, 3), 8 * 32 + 4 * 32 + 4 * 32 + 8 * 32 + 1 * 32 + 2 * 8)] * 2  # dense + norms only
     with pytest.raises(ValueError, match="not modelled with expert parallelism"):
         S.alternatives.build("all_to_all", ep4)
+    # experts="off": the stacks stay with FSDP2 under dmuon too, placed as the baseline places
+    # them (Shard(1), 2,304) with the norms (2 x 4): dmuon's schedule and FSDP2 + AdamW agree
+    off = P.compile(zoo.tiny_moe(), 8, experts="off")
+    fsdp2 = sorted({(op.kind, op.group, op.numel) for op in off.schedule().ops
+                    if op.kind.startswith("fsdp2_") and op.boundary == "layers.0"})
+    assert fsdp2 == [("fsdp2_all_gather", tuple(range(8)), 2304 + 8), ("fsdp2_reduce_scatter", tuple(range(8)), 2304 + 8)]
 
 
 def _hand_hw(**kw):
@@ -1184,3 +1190,61 @@ def test_simulate_cli_expert_parallel(tmp_path, capsys):
         capsys.readouterr()
         calls[mode] = json.loads(out.read_text())["variants"]["z3"]["collectives_busiest_rank"]
     assert calls["off"] > calls["record"]  # one call per broadcast / reduce without coalescing
+
+
+def test_buffer_kind_costs_by_hand():
+    """dmuon.sim.kinds on tiny-llama, 4 ranks in one node, fp32: layers.0's buffer has segments of
+    14,352 / 10,256 / 10,256 / 8,208 elements (43,072, 172,288 B) and slot 14,368 (57,472 B); link
+    10 us, 1 GB/s, launch 5 us, issue 2 us. Per phase (Z3: forward, backward, gradient):
+    broadcasts one call each 5 + ceil(log2 4) x 10 + 2 us + S / B; coalesced ONE call 5 + 2 x 10
+    + 3 x 10 (extra calls) + 2 us + 172,288 B / B; all-gather 5 + 3 x 10 + 2 us + 3 x 57,472 B / B.
+    Z2 has no backward phase."""
+    from dmuon.sim.kinds import buffer_kind_costs
+
+    segs = [14352, 10256, 10256, 8208]
+    bcast = sum(5e-6 + 2e-5 + 2e-6 + 4 * n / 1e9 for n in segs)
+    coalesced = 5e-6 + 2e-5 + 3e-5 + 2e-6 + 4 * sum(segs) / 1e9
+    gather = 5e-6 + 3e-5 + 2e-6 + 3 * 4 * 14368 / 1e9
+    for z3, phases in ((True, 3), (False, 2)):
+        plan = P.compile(zoo.tiny_llama(), 4, reshard_after_forward=z3)
+        buf = plan.boundaries[0].buffers[0]
+        assert [s.numel for s in buf.segments] == segs and buf.collective == "all_gather"
+        for coalesces, b_s in ((False, bcast), (True, coalesced)):
+            c = buffer_kind_costs(plan, _hand_hw(issue_s=2e-6, coalesces=coalesces))[0]
+            assert (c.boundary, c.buffer, c.chosen, c.group_size, c.segments, c.slot_numel) == (
+                plan.boundaries[0].fqn, "torch.float32", "all_gather", 4, 4, 14368)
+            assert c.broadcast_s == pytest.approx(phases * b_s) and c.all_gather_s == pytest.approx(phases * gather)
+            assert (c.chosen_s, c.other_s) == (c.all_gather_s, c.broadcast_s)
+    # forced broadcasts on the same layout: every buffer's chosen kind is the slower one here
+    forced = buffer_kind_costs(P.compile(zoo.tiny_llama(), 4, collectives="broadcast"), _hand_hw(issue_s=2e-6))
+    assert forced and all(c.chosen == "broadcast" and c.chosen_s > c.other_s for c in forced)
+    # a one-rank group moves nothing: no entry
+    assert buffer_kind_costs(P.compile(zoo.tiny_llama(), 1), _hand_hw()) == ()
+
+
+@pytest.mark.parametrize("name, mesh, ep", [
+    ("tiny-llama", 2, 1), ("tiny-llama", 4, 1), ("tiny-moe", 4, 1), ("llama3-8b", 8, 1), ("llama3-8b", (16, 8), 1),
+    ("qwen3-30b-a3b", 64, 1), ("qwen3-30b-a3b", 64, 8)])
+def test_auto_kind_is_not_slower_in_the_simulator(name, mesh, ep):
+    """Issue 35: on each row the kind ``collectives="auto"`` picks for a buffer is not modelled
+    slower by the simulator (h100, with and without NCCL coalescing) than the other kind on the
+    same layout. Rows small enough for the fast lane, each choice present (all-gathers on the tiny
+    models and Qwen3-30B-A3B's efsdp buffers, broadcasts on the dense models and Qwen3-30B-A3B
+    without EP); ``benchmarks/collective_plans.py --simulate`` checks every row of the issue."""
+    from dmuon.plan.model.parallel import expert_parallel_variant
+    from dmuon.sim.kinds import buffer_kind_costs
+
+    model = zoo.PRESETS[name]()
+    kw: dict = dict(mp_policy=SimpleNamespace(param_dtype="bfloat16", reduce_dtype="float32"), cost_model="ns_flops")
+    if ep > 1:
+        model, kw["ep"] = expert_parallel_variant(model, ep), ep
+    plan = P.compile(model, mesh, **kw)
+    hw = H.preset("h100")
+    kinds = set()
+    for h in (hw, dataclasses.replace(hw, coalesces=False)):
+        costs = buffer_kind_costs(plan, h)
+        assert costs
+        kinds |= {c.chosen for c in costs}
+        slower = [(c.boundary, c.buffer, c.chosen, c.chosen_s, c.other_s) for c in costs if c.chosen_s > c.other_s]
+        assert not slower
+    assert kinds == ({"all_gather"} if name.startswith("tiny") else {"broadcast", "all_gather"} if ep > 1 else {"broadcast"})

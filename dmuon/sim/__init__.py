@@ -12,7 +12,8 @@ Modules: ``hardware`` (links, collective cost, compute throughput, presets), ``w
 dion-style all-to-all as op tables), ``variants`` (schedule variants such as earlier NS),
 ``simulate`` (the API: ``simulate``, ``simulate_variants``), ``lower`` (schedule ops -> timed
 simulator ops), ``replay`` (the clocked replay, the critical path), ``memory`` (peak memory),
-``records`` (the result records), ``html`` (the result as a page), ``calibrate`` (microbenchmarks for ``cpu-gloo``), ``cli``.
+``records`` (the result records), ``html`` (the result as a page), ``kinds`` (each buffer's two collective
+kinds priced: a plan's choices against the simulator), ``calibrate`` (microbenchmarks for ``cpu-gloo``), ``cli``.
 See docs/performance.md ("Step-time simulator").
 """
 

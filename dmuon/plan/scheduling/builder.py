@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from dmuon.plan.cost import baseline as _baseline
 from dmuon.plan.cost import flops as _flops
-from dmuon.plan.cost import nbytes as _nbytes
 from dmuon.plan import rules as _rules
 from dmuon.plan.records.owners import ExpertOwners, OwnerGroup
 from dmuon.plan.scheduling.ops import QK_CLIP_DTYPE, MicroBatch, Op, Step
@@ -48,11 +48,15 @@ class _Builder:
         self.rows = tuple(rows.values())
         self.cols = tuple(cols.values()) if plan.mesh_shape[0] > 1 else ()
         N = plan.mesh_shape[1]
-        self.fsdp2_units: dict[str, list[tuple[str, int, int]]] = {}  # unit -> (dtype, shard numel, of grads)
+        # unit -> (dtype, shard numel, of grads): FSDP2 places the non-dedicated parameters as the
+        # baseline does (an expert stack Shard(1) where torchtitan uses it,
+        # dmuon.plan.cost.baseline.fsdp2_param_shard; over the row: compile refuses a
+        # non-dedicated stack under expert parallelism)
+        self.fsdp2_units: dict[str, list[tuple[str, int, int]]] = {}
         for unit in plan.fsdp2_units:
             per: dict[str, list[int]] = {}
-            for shape, dtype, grad in zip(unit.shapes, unit.dtypes, unit.requires_grad):
-                c = _nbytes.fsdp2_shard_numel(shape, N)
+            for fqn, shape, dtype, grad in zip(unit.params, unit.shapes, unit.dtypes, unit.requires_grad):
+                c = _baseline.fsdp2_param_shard(fqn, tuple(shape), N)[1]
                 acc = per.setdefault(dtype, [0, 0])
                 acc[0] += c
                 acc[1] += c if grad else 0
