@@ -66,12 +66,13 @@ def _table(sims: Mapping[str, Any]) -> Svg:
     hw = sorted({s.hardware for s in sims.values()})
     svg = Svg(PAGE_WIDTH, 0, label="variants")
     svg.text(10, 22, "Simulated step per variant", size=15, bold=True)
-    y = svg.lines(10, 42, wrap(f"Hardware {', '.join(hw)}. Step = the slowest rank's end; exposed comm = the critical rank's "
+    ranks = sorted({len(s.ranks) for s in sims.values()})
+    y = svg.lines(10, 42, wrap(f"Hardware {', '.join(hw)}; {', '.join(map(str, ranks))} ranks. Step = the slowest rank's end; exposed comm = the critical rank's "
                                f"wait for collectives; NS = Newton-Schulz of the busiest rank; peak = the largest rank's "
                                f"memory; moved = bytes on the wire per step, all ranks. Ratio to {base_name}.",
                                PAGE_WIDTH - 20, 12), size=12, fill="#444444") + 6
     cols = [(10, "variant"), (150, "step"), (230, "× " + ("AdamW" if "adamw" in sims else names[0])), (300, "exposed comm"),
-            (400, "NS (share)"), (510, "peak"), (590, "moved"), (680, "")]
+            (400, "NS (share)"), (510, "peak"), (590, "moved"), (680, "step (bar)")]
     for x, h in cols:
         svg.text(x, y + 12, h, size=11, bold=True)
     y += 20

@@ -38,19 +38,24 @@ def _boxes(page: str) -> dict[str, tuple[float, float]]:
 
 
 def shoot(page: str, name: str, sections: tuple[str, ...]) -> None:
-    """Render ``page`` and keep the sections ``sections`` (consecutive) as docs/img/``name``."""
+    """Render ``page`` and keep the sections ``sections``, one under the other in that order (the
+    header card first, where a picture needs its model and mesh), as docs/img/``name``."""
     from PIL import Image
 
     boxes = _boxes(page)
-    top = boxes[sections[0]][0]
-    bottom = boxes[sections[-1]][0] + boxes[sections[-1]][1]
     height = int(max(t + h for t, h in boxes.values())) + 200
     with tempfile.TemporaryDirectory() as tmp:
         html = pathlib.Path(tmp) / "page.html"
         png = pathlib.Path(tmp) / "page.png"
         html.write_text(document(f'<div style="padding:0 10px">{page}</div>', name), encoding="utf-8")
         screenshot(html, png, width=1100, height=height)
-        img = Image.open(png).convert("RGB").crop((0, int(top), 1100, int(bottom) + GAP_PX // 2))
+        full = Image.open(png).convert("RGB")
+        parts = [full.crop((0, int(boxes[s][0]), 1100, int(boxes[s][0] + boxes[s][1]) + GAP_PX // 2)) for s in sections]
+    img = Image.new("RGB", (1100, sum(p.size[1] for p in parts)), "white")
+    y = 0
+    for part in parts:
+        img.paste(part, (0, y))
+        y += part.size[1]
     img.quantize(colors=256, method=Image.Quantize.MEDIANCUT).save(OUT / name, optimize=True)
     print(f"wrote docs/img/{name} ({(OUT / name).stat().st_size:,} bytes, {img.size[0]}x{img.size[1]})")
 
@@ -59,10 +64,10 @@ def main() -> None:
     llama8 = zoo.llama3_8b()
     hsdp = P.compile(llama8, (2, 8))
     shoot(hsdp._repr_html_(), "plan_page.png", ("header", "ownership", "per-rank"))
-    shoot(hsdp._repr_html_(), "plan_bytes.png", ("phases", "collectives"))
+    shoot(hsdp._repr_html_(), "plan_bytes.png", ("header", "phases", "collectives"))
     qwen = P.compile(zoo.qwen3_30b_a3b(), 64)
-    shoot(qwen._repr_html_(), "plan_moe.png", ("ownership", "per-rank"))
-    shoot(qwen._repr_html_(), "plan_experts.png", ("experts", "schedule"))
+    shoot(qwen._repr_html_(), "plan_moe.png", ("header", "ownership", "per-rank"))
+    shoot(qwen._repr_html_(), "plan_experts.png", ("header", "experts", "schedule"))
     big = P.compile(zoo.llama3_405b(), 1024, owner_groups="auto")
     shoot(big._repr_html_(), "plan_405b_1024.png", ("header", "ownership"))
     d = P.diff(P.compile(llama8, 8), P.compile(llama8, 8, cost_model="ns_flops"))

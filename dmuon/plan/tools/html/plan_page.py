@@ -307,10 +307,11 @@ def schedule_section(fig: PlanFigures) -> tuple[Svg, list[str]]:
     keys = sorted(fig.op_counts, key=lambda k: (PHASE_ORDER.index(k[0]) if k[0] in PHASE_ORDER else len(PHASE_ORDER), k))
     caption = (f"The nominal step as data: {len(sched.ops):,} ops in issue order, every rank issuing the ops whose group "
                f"holds it (plan.schedule(); plan.cost is summed from it). Per phase and op kind: ops in the table, "
-               f"then per rank its ops and the bytes charged to it (NS: FLOPs).")
+               f"then per rank its ops and the bytes charged to it (NS: FLOPs), for rank 0 and the rank charged the most "
+               f"bytes.")
     svg = Svg(PAGE_WIDTH, 0, label="schedule", data={"ops": len(sched.ops)})
     y = header_block(svg, "Step schedule by phase", caption) + 6
-    heads = ["phase", "op kind", "ops (table)"] + [f"rank {r}" + (" (busiest)" if r == busiest else "") for r in ranks]
+    heads = ["phase", "op kind", "ops (table)"] + [f"rank {r}" + (" (most bytes)" if r == busiest else "") for r in ranks]
     xs = [10, 190, 330, 450, 750][:len(heads)]
     for x, h in zip(xs, heads):
         svg.text(x, y + 12, h, size=11, bold=True)
