@@ -146,7 +146,8 @@ def test_single_rank_reduces_on_a_group_of_one():
 
 def test_golden_b_hsdp_rank_lists():
     """Model B on (R, N) = (2, 2): rank (r, s) = r·2 + s. Shard-group ops run per replicate row,
-    replicate reduces per column after the backward (sub-segment by sub-segment, to the owner),
+    replicate reduces per column (sub-segment by sub-segment, to the owner; with two blocks all
+    after the last shard-group reduce, test_hsdp_replicate_reduces_one_boundary_behind),
     replicate broadcasts from the owner after the step; per-phase bytes equal the golden table
     (tests/test_plan_golden.py)."""
     plan = P.compile(build_b(), (2, 2), collectives="broadcast")
@@ -338,6 +339,30 @@ def test_presets_cost_equals_formulas(name, mesh):
         plan = P.compile(model, mesh, reshard_after_forward=z3)
         assert plan.cost == formula_cost(plan)
         assert schedule_fields(plan.rank_stats()) == formula_rank_stats(plan)
+
+
+def test_hsdp_replicate_reduces_one_boundary_behind():
+    """HSDP: a boundary's replicate reduces are issued at the next boundary's post-backward,
+    after that boundary's shard-group reduces (the runtime waits for the earlier shard reduces
+    there), and the last boundary's at the end of the backward. The tiny Llama's 4 layers on
+    (2, 2), every rank, by hand: reduce 3, reduce 2, replicate 3, reduce 1, replicate 2, reduce
+    0, replicate 1, replicate 0 (the replicate broadcasts after the step follow)."""
+    plan = P.compile(zoo.tiny_llama(), (2, 2), collectives="broadcast")
+    sched = plan.schedule()
+    layer = {b.fqn: i for i, b in enumerate(plan.boundaries)}
+    expected = [("reduce", 3), ("reduce", 2), ("replicate_reduce", 3), ("reduce", 1), ("replicate_reduce", 2),
+                ("reduce", 0), ("replicate_reduce", 1), ("replicate_reduce", 0)]
+    for rank in range(4):
+        seq = [(op.phase, layer[op.boundary]) for op in sched.rank_ops(rank)
+               if op.phase in ("reduce", "replicate_reduce")]
+        runs = [key for i, key in enumerate(seq) if i == 0 or seq[i - 1] != key]  # one entry per run of ops
+        assert runs == expected, (rank, runs)
+        # every replicate reduce depends on shard-group reduces of its own boundary only
+        for op in sched.rank_ops(rank):
+            if op.phase == "replicate_reduce":
+                assert op.deps and all(sched.ops[d].phase == "reduce" and sched.ops[d].boundary == op.boundary
+                                       for d in op.deps)
+    replay(programs_of(sched))
 
 
 # --------------------------------------------------------------------------- replay catches

@@ -1248,3 +1248,22 @@ def test_auto_kind_is_not_slower_in_the_simulator(name, mesh, ep):
         slower = [(c.boundary, c.buffer, c.chosen, c.chosen_s, c.other_s) for c in costs if c.chosen_s > c.other_s]
         assert not slower
     assert kinds == ({"all_gather"} if name.startswith("tiny") else {"broadcast", "all_gather"} if ep > 1 else {"broadcast"})
+
+
+def test_hsdp_replicate_reduces_run_during_the_backward_on_their_own_channel():
+    """HSDP (2, 2): the replicate reduces run on the replicate channel (the replicate process
+    group's stream, beside the shard group's reduces), and all but the last boundary's go out
+    during the backward: the first one ends before the last backward compute starts. The last
+    boundary of the backward (layers.0) is the one whose replicate reduce follows its shard reduce
+    at the end."""
+    plan = P.compile(zoo.tiny_llama(), (2, 2), collectives="broadcast")
+    wl = S.from_plan(plan, tokens_per_rank=256, seq_len=256)
+    sim = S.simulate(plan, H.preset("h100"), wl, variant="z3", timeline_ranks=(0,))
+    tl = sim.timelines[0]
+    rep = [i for i in tl if i.label.startswith("replicate_reduce")]
+    assert rep and {i.lane for i in rep} == {"replicate"}
+    assert {i.lane for i in tl if i.label.startswith("reduce ")} == {"reduce"}
+    last_backward_start = max(i.start_s for i in tl if i.kind == "backward")
+    assert min(i.end_s for i in rep) < last_backward_start
+    last_rep = max(rep, key=lambda i: i.start_s)
+    assert last_rep.label.startswith("replicate_reduce model.layers.0")

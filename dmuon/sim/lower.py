@@ -42,13 +42,15 @@ from dmuon.sim.memory import buffer_wire_numel
 from dmuon.sim.workload import Work, Workload
 
 #: channel of dmuon's collectives, by ledger phase: a phase's collective may be a broadcast or an
-#: all-gather (forward / backward), a reduce or a reduce-scatter (gradients)
+#: all-gather (forward / backward), a reduce or a reduce-scatter (gradients). HSDP's replicate
+#: phases run on the replicate process group, whose stream (NCCL) or worker thread (gloo) is not
+#: the shard group's: a channel of their own, concurrent with the shard-group reduces
 _PHASE_CHANNEL = {
     "forward_broadcast": "bcast",
     "backward_broadcast": "bcast",
-    "replicate_broadcast": "bcast",
+    "replicate_broadcast": "replicate",
     "reduce": "reduce",
-    "replicate_reduce": "reduce",
+    "replicate_reduce": "replicate",
     "tp": "tp",
     "owner_group": "tp",
     "qk_clip": "tp",
@@ -65,7 +67,7 @@ _CHANNEL = {
     "fsdp2_all_reduce": "fsdp2_rs",
     "all_to_all": "a2a",
 }
-_CHANNELS = ("bcast", "reduce", "fsdp2_ag", "fsdp2_rs", "tp", "a2a")
+_CHANNELS = ("bcast", "reduce", "replicate", "fsdp2_ag", "fsdp2_rs", "tp", "a2a")
 #: dmuon's collectives that the runtime coalesces per boundary phase and group where the backend can
 _COALESCED_KINDS = ("broadcast", "reduce")
 

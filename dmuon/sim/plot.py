@@ -14,7 +14,7 @@ COLORS = {
     "all_gather": "#8c8c8c", "fsdp2_all_gather": "#b0b0b0", "fsdp2_reduce_scatter": "#ccb974",
     "fsdp2_all_reduce": "#e0c090", "all_to_all": "#9e9ac8",
 }
-_LANES = ("compute", "bcast", "reduce", "fsdp2_ag", "fsdp2_rs", "tp", "a2a")
+_LANES = ("compute", "bcast", "reduce", "replicate", "fsdp2_ag", "fsdp2_rs", "tp", "a2a")
 
 
 def gantt(sims: Mapping[str, Any], rank: int, path: str | None = None, *, ax_width: float = 11.0) -> Any:

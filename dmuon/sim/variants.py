@@ -2,9 +2,10 @@ r"""Schedule variants the simulator can price before anyone implements them.
 
 :func:`early_ns_schedule` — "earlier NS": each owner runs a matrix's Newton-Schulz as soon as its
 averaged gradient is complete, during the rest of the backward, instead of after the whole
-backward; on HSDP the replicate reduce of a boundary is issued as soon as its shard reduces
-are done (not at the end of the backward), and the owner's replicate broadcast follows its NS
-at once, so updated matrices travel while the backward is still running. The transformation
+backward; on HSDP the owner's replicate broadcast follows its NS at once, so updated matrices
+travel while the backward is still running (the nominal schedule already issues the replicate
+reduces one boundary behind their shard reduces, after that boundary's own; the variant moves
+them just before them). The transformation
 only reorders the table: every ``newton_schulz`` and ``replicate_reduce`` op (and every
 ``replicate_broadcast`` that waits only on NS) moves to just after the first ``backward`` op
 issued after the ops it depends on (one boundary later, which gives the collective the next

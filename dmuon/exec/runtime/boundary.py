@@ -512,6 +512,9 @@ class _BoundaryRuntime:
                 i = j
             for gm in self.grouped:  # every block packed: the full local gradient is done with
                 gm.compute.grad = None
+        # HSDP: the boundaries reduced before this one, their shard reduces launched one boundary's
+        # backward ago, go on to their replicate reduces now rather than all after the backward
+        rt.issue_replicate_reduces(self)
 
     @staticmethod
     def _pack(seg: _Segment, buf: torch.Tensor, base: int, keep: list, stream) -> None:
@@ -561,7 +564,8 @@ class _PendingReduce:
     holds nothing in an all-gathered buffer), the reduce buffer ``buf`` laid out as that segment
     (a broadcast segment's, or an all-gathered buffer's ``rs_out``), the ``works`` to wait for,
     the local gradients to ``keep`` referenced until then (CUDA), and the ``gather`` buffer of a
-    reduce-scatter (its ``rs_in`` is released after the wait)."""
+    reduce-scatter (its ``rs_in`` is released after the wait); ``replicated`` once
+    :func:`~dmuon.exec.runtime.reduces.issue_replicate_reduces` has taken it."""
 
     boundary: "_BoundaryRuntime"
     segment: _Segment | None
@@ -569,6 +573,7 @@ class _PendingReduce:
     works: list
     keep: list
     gather: _GatherBuffer | None
+    replicated: bool = False  # HSDP: its works waited for and its replicate reduces issued
 
 
 class RanksOutOfStep(RuntimeError):

@@ -55,6 +55,9 @@ class BoundaryHost(Protocol):
     def coalesces(self, group: Any) -> bool:
         """Whether the broadcasts / reduces of one list on ``group`` go as one coalesced group."""
 
+    def issue_replicate_reduces(self, boundary: Any) -> None:
+        """HSDP: issue the replicate reduces of the boundaries reduced before ``boundary``."""
+
     def wait_replicate_broadcasts(self, boundary: Any = None) -> None:
         """HSDP: wait for ``boundary``'s post-step replicate broadcasts before its next unshard."""
 

@@ -1,4 +1,5 @@
-"""Reduce completion: the end of a backward's gradient reduces (:func:`finish_reduces`) and the
+"""Reduce completion: the HSDP replicate reduces (:func:`issue_replicate_reduces`), the end of a
+backward's gradient reduces (:func:`finish_reduces`) and the
 divisor of a reduced gradient (:func:`grad_divisor`), for :class:`~dmuon.exec.runtime.runtime.DmuonRuntime`
 (its ``pending_reduces``, filled by each boundary's post-backward,
 :meth:`dmuon.exec.runtime.boundary._BoundaryRuntime._launch_reduce`).
@@ -12,7 +13,31 @@ from dmuon.exec.comm import collectives as C
 from dmuon.exec.runtime.streams import _on_stream, current_stream
 from dmuon.exec.setup.fsdp2 import gradient_divide_factor
 
-__all__ = ["finish_reduces", "grad_divisor"]
+__all__ = ["finish_reduces", "grad_divisor", "issue_replicate_reduces"]
+
+
+def issue_replicate_reduces(rt, entries: list) -> None:
+    """HSDP: wait for the shard-group reduces of ``entries`` (pending records of boundaries whose
+    reduces are all launched) and issue their replicate reduces: every holder ``(s, r')`` of a
+    segment SUM-reduces each sub-segment over its replicate group to the sub-segment's owner
+    ``(s, r)``. The works join ``rt.replicate_reduce_works``, waited for by :func:`finish_reduces`.
+    The post-backward of each boundary calls this for the boundaries reduced before it (one
+    boundary's backward after their shard reduces were launched), :func:`finish_reduces` for the
+    rest; on a 1-D mesh there is nothing to issue. On NCCL the waits are the reduce stream's."""
+    if not entries:
+        return
+    stream = rt.comm_stream("reduce")  # None on CPU
+    with _on_stream(stream):
+        for p in entries:
+            rt.wait(p.works, f"boundary {p.boundary.fqn!r} reduce", boundary=p.boundary, group=_reduce_group(p))
+            p.replicated = True
+        for p in entries:  # the held segments' sub-segments
+            if p.segment is None:
+                continue
+            for b in p.boundary.ops.replicate_reduce_of(p.segment):
+                part = p.buf[b.sub.offset_in_seg : b.sub.offset_in_seg + b.sub.numel]
+                work = C.reduce_sum(part, dst=b.root, group=b.group, phase=b.op.phase, async_op=True)
+                rt.replicate_reduce_works.append((p.boundary, work, b.group))
 
 
 def finish_reduces(rt) -> None:
@@ -20,26 +45,19 @@ def finish_reduces(rt) -> None:
 
     Each pending entry (:class:`~dmuon.exec.runtime.boundary._PendingReduce`) is a segment's
     reduce or an all-gathered buffer's reduce-scatter (its input released with the output, once
-    the compute stream has waited for the reduce stream). HSDP: after the shard-group reduce, every holder ``(s, r')`` of a segment SUM-reduces
-    each sub-segment over its replicate group to the sub-segment's owner ``(s, r)``; the owner
-    divides by :meth:`grad_divisor`: ``R·N`` (net AVG over the whole mesh), or the gradient
-    divide factor set on FSDP2 (``set_gradient_divide_factor``).
+    the compute stream has waited for the reduce stream). HSDP: the replicate reduces not yet
+    issued by a later boundary's post-backward (:func:`issue_replicate_reduces`) are issued
+    here, then every replicate reduce is waited for; the owner divides by :meth:`grad_divisor`:
+    ``R·N`` (net AVG over the whole mesh), or the gradient divide factor set on FSDP2
+    (``set_gradient_divide_factor``).
     """
     pending, rt.pending_reduces = rt.pending_reduces, []
     if not pending:
         return
+    issue_replicate_reduces(rt, [p for p in pending if not p.replicated])
+    works, rt.replicate_reduce_works = rt.replicate_reduce_works, []
     stream = rt.comm_stream("reduce")  # None on CPU
     with _on_stream(stream):  # NCCL: the reduce stream waits for the collectives
-        for p in pending:
-            rt.wait(p.works, f"boundary {p.boundary.fqn!r} reduce", boundary=p.boundary, group=_reduce_group(p))
-        works = []
-        for p in pending:  # HSDP: the held segments' sub-segments
-            if p.segment is None:
-                continue
-            for b in p.boundary.ops.replicate_reduce_of(p.segment):
-                part = p.buf[b.sub.offset_in_seg : b.sub.offset_in_seg + b.sub.numel]
-                work = C.reduce_sum(part, dst=b.root, group=b.group, phase=b.op.phase, async_op=True)
-                works.append((p.boundary, work, b.group))
         for boundary, work, group in works:
             rt.wait([work], f"boundary {boundary.fqn!r} replicate_reduce", boundary=boundary, group=group)
     if stream is not None:  # the compute stream reads the buffers below; the local grads are released after

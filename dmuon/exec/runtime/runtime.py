@@ -84,6 +84,7 @@ class DmuonRuntime:
         self.tp_size = groups.tp_size
         self.boundaries: list[_BoundaryRuntime] = []
         self.pending_reduces: list = []  # boundary._PendingReduce records, drained by finish_reduces
+        self.replicate_reduce_works: list = []  # HSDP: (boundary, work, group) issued, waited by finish_reduces
         self._flag_host_reads = 0  # host reads of presence flags (one per finish_reduces with owned grads)
         self.use_streams = bool(use_streams)  # CUDA: dmuon's own broadcast / reduce streams (False: the compute stream)
         self._streams = None  # (device, {"broadcast": Stream, "reduce": Stream}), built on first use
@@ -277,6 +278,13 @@ class DmuonRuntime:
         for b in self.boundaries:
             if b.sharded_state is not ShardedState.RESHARDED:
                 b._reshard()
+
+    def issue_replicate_reduces(self, boundary) -> None:
+        """HSDP: the replicate reduces of the boundaries reduced before ``boundary`` in this
+        backward (:func:`dmuon.exec.runtime.reduces.issue_replicate_reduces`); nothing on a 1-D mesh."""
+        if self.groups.shape[0] > 1:
+            reduces.issue_replicate_reduces(
+                self, [p for p in self.pending_reduces if p.boundary is not boundary and not p.replicated])
 
     def finish_reduces(self) -> None:
         """Wait for the in-flight gradient reduces and accumulate the averages into owners' ``.grad``

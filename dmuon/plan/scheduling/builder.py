@@ -153,12 +153,15 @@ class _Builder:
             if b in self.inflight:  # reduced twice in one backward: finish the first one first
                 self.finish_reduces(mb)
             self.last_reduce[b] = tuple(self.emit(t, micro_batch=mb, deps=deps) for t in self.programs[b].reduce)
+            # HSDP: the boundaries reduced before this one get their replicate reduces now, one
+            # boundary's backward after their shard reduces (not all at the end of the backward)
+            self.replicate_reduces([e for e in self.inflight if e not in self.replicated], mb)
             self.inflight.append(b)
         self.resident[b] = False
 
-    def finish_reduces(self, mb: int) -> None:
-        inflight, self.inflight = self.inflight, []
-        for b in inflight:
+    def replicate_reduces(self, boundaries: list[int], mb: int) -> None:
+        """The replicate reduces of ``boundaries`` (their shard reduces already in the table)."""
+        for b in boundaries:
             by_seg: dict[tuple, list[int]] = {}
             for i in self.last_reduce[b]:
                 by_seg.setdefault((self.ops[i].buffer, self.ops[i].segment), []).append(i)
@@ -168,6 +171,12 @@ class _Builder:
                 self.emit(t, micro_batch=mb, deps=tuple(by_seg.get((t.buffer, t.segment)) or by_seg[(t.buffer, None)]))
                 for t in self.programs[b].replicate_reduce
             )
+            self.replicated.add(b)
+
+    def finish_reduces(self, mb: int) -> None:
+        inflight, self.inflight = self.inflight, []
+        self.replicate_reduces([b for b in inflight if b not in self.replicated], mb)
+        self.replicated = set()
 
     def micro_batch(self, mb: int, micro: MicroBatch) -> None:
         calls = [p.index for p in self.programs] if micro.forward is None else [self.boundary_index(f) for f in micro.forward]
@@ -177,7 +186,8 @@ class _Builder:
                 f"dmuon.plan.schedule: micro-batch {mb} recomputes "
                 f"{sorted(self.programs[b].fqn for b in recompute - set(calls))}, which its forward does not call"
             )
-        self.inflight: list[int] = []
+        self.inflight: list[int] = []  # reduced in this backward, until finish_reduces
+        self.replicated: set[int] = set()  # of those, the ones whose replicate reduces are issued
         self.fsdp2_unshard("", mb)  # the root unit (embeddings, final norm, lm_head)
         for b in calls:
             self.forward(b, mb)
