@@ -270,6 +270,25 @@ def test_groups_forced_split_structure_and_bound(inst, k):
         assert Fraction(*res.bound) == stated_bound(res, shapes, R, N)
 
 
+def test_groups_initial_loads_bound_when_a_group_spans_the_row():
+    """A group of every shard slot must load the slot that starts highest, so with initial loads
+    that differ by more than the largest piece the 1-D bound ``T/S + W`` does not hold (the case
+    hypothesis found): N = 2, R = 1, initial (0, 3), one 2 x 1 matrix split 2 ways into blocks of 1.
+    By hand: loads (1, 4); T = 2 + 3 = 5, W = 1, K = 2: ``N/(N-K+1) * T/S + W = 2 * 5/2 + 1 = 6``,
+    as (12, 2); the old ``T/S + W = 3.5`` is below the makespan. Ten such matrices on initial
+    (0, 100): every one puts a block on slot 1, loads (10, 110), bound (120·2 + 2) / 2 = 121."""
+    res = group_call([(2, 1)], [2], ["m"], ["layers.0"], N=2, R=1, split=2, initial_loads=[0, 3])
+    assert res.loads == (1, 4) and res.max_load == 4
+    assert res.bound == (12, 2)
+    keys = [f"layers.{i}.m" for i in range(10)]
+    res = group_call([(2, 1)] * 10, [2] * 10, keys, [f"layers.{i}" for i in range(10)], N=2, R=1, split=2,
+                     initial_loads=[0, 100])
+    assert res.loads == (10, 110) and res.bound == (242, 2)
+    # initial loads within W of each other keep the 1-D bound: (0, 1), W = 1 -> (3 + 2·1) / 2
+    res = group_call([(2, 1)], [2], ["m"], ["layers.0"], N=2, R=1, split=2, initial_loads=[0, 1])
+    assert res.loads == (1, 2) and res.bound == (5, 2)
+
+
 @GROUP_SETTINGS
 @given(group_instances(max_slots=256), st.sampled_from(["auto", 1, 3]), st.data())
 def test_groups_initial_loads(inst, split, data):

@@ -77,6 +77,10 @@ With every ``k = 1`` this is :func:`lpt_partition`, slot for slot. (For ``R = 1`
 **Guarantee.** Let ``T`` be the total piece weight, ``W`` the largest piece, ``S = R*N``, and
 ``K`` the largest group size. Then ``max(load) <= T/S + W`` when ``R = 1`` (or ``K = 1``), and
 ``max(load) <= N/(N-K+1) * T/S + W`` when ``R > 1``. (``bound`` holds it as an exact fraction.)
+With initial loads (``initial_loads``: weight on the slots before the pass), ``T`` includes them,
+every bound is at least the largest of them, and ``R = 1`` keeps ``T/S + W`` only when they differ
+by at most ``W`` (the proof's starting gap); otherwise it takes the ``R > 1`` form, whose proof
+does not need the gap (a ``K = N`` group must load the slot that starts highest).
 
 *Proof, R = 1.* We show the invariant ``max(load) - min(load) <= W``; at the end
 ``min(load) <= T/S`` gives the bound. Start: all zero. A 1-piece step puts ``w <= W`` on
@@ -404,9 +408,10 @@ def lpt_partition_groups(
             (raised to the largest piece of an item that cannot get under it).
         initial_loads: per slot (``replicate*N + shard``), weight already placed there (the
             expert-parallel ranges, placed by their own structure first); ``loads`` include
-            it, the target and the bound count it as placed weight (``T`` = pieces + initial,
-            and the bound is at least the largest initial load: the list-scheduling argument
-            holds with the makespan starting there). None: all zero.
+            it, the target and the bound count it as placed weight (``T`` = pieces + initial;
+            the bound is at least the largest initial load, and with groups on one replicate row
+            whose initial loads differ by more than the largest piece it is the ``N/(N-K+1)``
+            form: module docstring, "Guarantee"). None: all zero.
 
     Returns:
         :class:`GroupPartitionResult`, members aligned to the input order.
@@ -458,7 +463,8 @@ def lpt_partition_groups(
         return GroupPartitionResult(
             members=tuple(members), loads=tuple(loads),
             bound=_group_bound(
-                pieces, num_shards, num_replicas, preload=preload, max_initial=max(initial_loads or [0])
+                pieces, num_shards, num_replicas, preload=preload, max_initial=max(initial_loads or [0]),
+                min_initial=min(initial_loads or [0]),
             ),
         )
 
@@ -473,18 +479,20 @@ def result_bound(ks, pieces_of, num_shards: int, num_replicas: int) -> tuple[int
     return _group_bound([pieces_of(i, k) for i, k in enumerate(ks)], num_shards, num_replicas)
 
 
-def _group_bound(pieces, num_shards: int, num_replicas: int, preload: int = 0, max_initial: int = 0) -> tuple[int, int]:
+def _group_bound(
+    pieces, num_shards: int, num_replicas: int, preload: int = 0, max_initial: int = 0, min_initial: int = 0
+) -> tuple[int, int]:
     """The proven bound on the makespan of :func:`_place` (module docstring, "Owner groups"),
-    an exact fraction: ``T/S + W`` for ``R = 1`` or without groups; ``N/(N-K+1) * T/S + W`` for
-    ``R > 1``, ``K`` the largest group size. ``T`` = total piece weight, ``W`` = largest piece.
-    With initial loads, ``T`` includes their sum ``preload`` and the bound is at least their
-    largest, ``max_initial`` (a slot may start above every average)."""
+    an exact fraction: ``T/S + W`` without groups, or for ``R = 1`` when the initial loads differ
+    by at most ``W``; else ``N/(N-K+1) * T/S + W``, ``K`` the largest group size. ``T`` = total
+    piece weight plus the initial loads' sum ``preload``, ``W`` = largest piece; the bound is at
+    least the largest initial load ``max_initial`` (a slot may start above every average)."""
     N, R = num_shards, num_replicas
     S = N * R
     total = sum(sum(p) for p in pieces) + preload
     w_max = max((max(p) for p in pieces), default=0)
     K = max((len(p) for p in pieces), default=1)
-    if R == 1 or K == 1:
+    if K == 1 or (R == 1 and max_initial - min_initial <= w_max):
         num, den = total + S * w_max, S
     else:
         den = S * (N - K + 1)
