@@ -294,7 +294,8 @@ def test_groups_initial_loads_bound_when_a_group_spans_the_row():
 def test_groups_initial_loads(inst, split, data):
     """``initial_loads`` (expert-parallel ranges placed first): the structure as without them,
     ``loads`` = initial + pieces, ``max_load`` within the stated bound (pieces + initial as ``T``,
-    at least the largest initial load); all-zero initial loads give the plain result."""
+    at least the largest initial load; on one row with groups and initial loads more than the
+    largest piece apart, the ``N/(N-K+1)`` form); all-zero initial loads give the plain result."""
     shapes, max_split, keys, groups, R, N = inst
     init = data.draw(st.lists(st.integers(0, 10**6), min_size=R * N, max_size=R * N))
     res = group_call(shapes, max_split, keys, groups, N=N, R=R, split=split, initial_loads=init)
@@ -313,7 +314,13 @@ def test_groups_initial_loads(inst, split, data):
         T = Fraction(sum(init)) + sum(
             sum((L * s,) if len(m) == 1 else row_blocks(L, s, len(m))) for (L, s), m in zip(shapes, res.members)
         )
-        b = stated_bound(res, shapes, R, N) + (T - stated_bound_total(res, shapes)) * _bound_factor(res, R, N) / (R * N)
+        W = max(max((L * s,) if len(m) == 1 else row_blocks(L, s, len(m))) for (L, s), m in zip(shapes, res.members))
+        if R == 1 and max(len(m) for m in res.members) > 1 and max(init) - min(init) > W:
+            # one row, groups, initial loads further apart than a piece: the N/(N-K+1) form
+            K = max(len(m) for m in res.members)
+            b = Fraction(T * N, R * N * (N - K + 1)) + W
+        else:
+            b = stated_bound(res, shapes, R, N) + (T - stated_bound_total(res, shapes)) * _bound_factor(res, R, N) / (R * N)
         assert Fraction(num, den) == max(Fraction(max(init)), b)
 
 
