@@ -463,7 +463,10 @@ def test_param_groups_layout_and_flags():
 
 
 def test_groups_exist_even_when_empty():
-    opt = Muon(nn.Linear(3, 3))
+    """Nothing dedicated: both groups exist (the Muon group empty, for add_param_group), and it
+    is not silent: every rank warns that Muon runs on nothing."""
+    with pytest.warns(UserWarning, match=r"none of its 2 parameters is dedicated.*dedicate_params"):
+        opt = Muon(nn.Linear(3, 3))
     assert [g["use_muon"] for g in opt.param_groups] == [True, False]
     assert opt.param_groups[0]["params"] == []
 

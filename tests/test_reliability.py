@@ -745,13 +745,19 @@ def _worker2(root):
     )
 
 
+def _worker1():
+    torch.set_num_threads(1)
+    return dict(order=_case_order_mistakes())
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("dmuon-reliability"))
     faults = {where: _run_fault(root, where) for where in FAULTS}
     r4 = run_distributed(_worker4, 4, root, timeout_s=300)
     r2 = run_distributed(_worker2, 2, root, timeout_s=240)
-    return r4, r2, faults
+    r1 = run_distributed(_worker1, 1, timeout_s=120)
+    return r4, r2, faults, r1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -855,6 +861,17 @@ def test_set_up_order_mistakes_are_detected_on_every_rank(runs):
     assert kind == "RuntimeError" and "17 non-dedicated parameters" in msg and order in msg, msg
     # only the per-block calls skipped: the root unit manages everything, nothing drifts
     assert r["no_block_fully_shard"] is None
+
+
+def test_set_up_order_on_one_rank(runs):
+    """One data-parallel rank: fully_shard still replaces the parameters, so dmuon.Muon built
+    before it would leave every non-dedicated parameter at its initial value; the first step
+    says so. Without fully_shard nothing is averaged on one rank, so those orders are fine."""
+    (r,) = [x["order"] for x in runs[3]]
+    kind, msg = r["muon_before_fully_shard"]
+    assert kind == "RuntimeError" and "17 of its parameters are no longer parameters of the model" in msg, msg
+    assert "build dmuon.Muon after fully_shard" in msg
+    assert r["no_root_fully_shard"] is None and r["no_fully_shard"] is None and r["no_block_fully_shard"] is None
 
 
 def _reference_toggle(dedicated, set_to_none, late=False):

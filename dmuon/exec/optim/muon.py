@@ -189,6 +189,15 @@ class Muon(torch.optim.Optimizer):
         )
         dedicated = [p for p in params if _info(p) is not None]
         others = [p for p in params if _info(p) is None]
+        if not dedicated:  # every rank warns alike (its Muon group stays, empty, for add_param_group)
+            warnings.warn(
+                f"dmuon.Muon: none of its {len(params)} parameters is dedicated, so Muon runs on nothing and "
+                "every parameter trains with AdamW. Call dmuon.dedicate_params(model, mesh) on this model before "
+                "building dmuon.Muon (and pass the same model); if dedicate_params ran and its plan dedicated "
+                "nothing (dmuon.plan.compile warned why), fix the plan (hook_boundary_predicate=, predicate=) "
+                "or train with torch.optim.AdamW.",
+                stacklevel=2,
+            )
         groups = [
             {"params": dedicated, "use_muon": True},
             {"params": others, "use_muon": False},

@@ -78,8 +78,8 @@ def check_set_up_order(opt: "Muon", dedicated: list[Tensor]) -> None:
     ``fully_shard`` (it holds the pre-shard tensors that ``fully_shard`` replaced, so every
     non-dedicated parameter stays at its initial value), and a missing ``fully_shard`` (e.g. the
     final ``fully_shard(model)``: parameters outside every unit get no gradient averaging and the
-    ranks drift apart). Local and structural, so every rank raises alike; skipped for a
-    data-parallel mesh of one rank and without a live dmuon runtime. (Skipping only the per-block
+    ranks drift apart). Local and structural, so every rank raises alike; skipped without a live
+    dmuon runtime, and the missing ``fully_shard`` check also on a data-parallel mesh of one rank. (Skipping only the per-block
     ``fully_shard`` calls is not an error: the root unit then manages every parameter, at the
     cost of one large all-gather.) Also: no dedicated parameter may be managed by FSDP2
     (:func:`dmuon.exec.setup.fsdp2.check_dedicated_unmanaged`, any mesh).
@@ -94,7 +94,7 @@ def check_set_up_order(opt: "Muon", dedicated: list[Tensor]) -> None:
         model = rt.model_ref()
         if model is not None:
             fsdp2.check_dedicated_unmanaged(model)
-    if not runtimes or runtimes[0].world_numel == 1:
+    if not runtimes:
         return
     model = runtimes[0].model_ref()
     if model is None:
@@ -102,12 +102,14 @@ def check_set_up_order(opt: "Muon", dedicated: list[Tensor]) -> None:
     named = {id(p): n for n, p in model.named_parameters()}
     others = [p for g in opt.param_groups if not g["use_muon"] for p in g["params"]]
     stale = [p for p in others if id(p) not in named]
-    if stale:
+    if stale:  # on any mesh: fully_shard replaces the parameters on one rank too
         raise RuntimeError(
             f"dmuon.Muon: {len(stale)} of its parameters are no longer parameters of the model "
             "(fully_shard replaced them with sharded DTensors after the optimizer was built), so they "
             f"would never be updated: build dmuon.Muon after fully_shard. Set-up order: {SET_UP_ORDER}"
         )
+    if runtimes[0].world_numel == 1:  # one data-parallel rank: nothing to average
+        return
     managed = fsdp2._fsdp_managed_params(model)
     if managed is None:
         return
