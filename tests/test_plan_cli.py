@@ -262,3 +262,49 @@ def test_plan_ep(tmp_path, capsys):
         with pytest.raises(SystemExit):
             main_plan(argv)
         assert msg in capsys.readouterr().err, argv
+
+
+def test_diff_reads_errors_as_usage_errors(tmp_path, capsys):
+    """A missing, non-JSON or non-plan file, and a negative --max-lines: one usage line (exit 2)
+    naming the file and what is wrong, no traceback."""
+    plan = tmp_path / "a.json"
+    assert main_plan(["--model", "tiny-llama", "--mesh", "2", "--json", str(plan)]) == 0
+    (tmp_path / "bad.json").write_text("nope")
+    (tmp_path / "other.json").write_text('{"x": 1}')
+    capsys.readouterr()
+    for other, message in (
+        (tmp_path / "missing.json", "missing.json: cannot read it (No such file or directory)"),
+        (tmp_path / "bad.json", "bad.json: not a dmuon plan JSON (python -m dmuon plan --json FILE writes one): "
+                                "JSONDecodeError"),
+        (tmp_path / "other.json", "other.json: not a dmuon plan JSON (python -m dmuon plan --json FILE writes one): "
+                                  "ValueError: not a dmuon plan of a known format"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            main_diff([str(plan), str(other)])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+    with pytest.raises(SystemExit) as exc:
+        main_diff([str(plan), str(plan), "--max-lines", "-3"])
+    assert exc.value.code == 2 and "argument --max-lines: must be >= 0, got -3" in capsys.readouterr().err
+
+
+def test_wire_dtypes_are_floating_point_only(capsys):
+    """--param-dtype / --reduce-dtype and compile(mp_policy=...) accept only the dtypes dmuon's
+    buffers carry (the runtime's list), refused at planning instead of inside the ranks."""
+    import torch
+    from types import SimpleNamespace
+
+    import dmuon.plan as P
+
+    for flag, value in (("--param-dtype", "int8"), ("--reduce-dtype", "bool"), ("--param-dtype", "complex64")):
+        with pytest.raises(SystemExit) as exc:
+            main_plan(["--model", "tiny-llama", "--mesh", "2", flag, value])
+        assert exc.value.code == 2
+        assert f"{value!r} is not a floating-point torch dtype dmuon's buffers carry (float32, float64, float16, " \
+               "bfloat16)" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"^mp_policy.param_dtype = torch.int8: dmuon's buffers carry floating-point "
+                                         r"dtypes only \(float32, float64, float16, bfloat16\)$"):
+        P.compile(zoo.tiny_llama(), 2, mp_policy=SimpleNamespace(param_dtype=torch.int8, reduce_dtype=None))
+    plan = P.compile(zoo.tiny_llama(), 2, mp_policy=SimpleNamespace(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    assert (plan.param_dtype, plan.reduce_dtype) == ("torch.bfloat16", "torch.float32")

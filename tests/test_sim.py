@@ -735,7 +735,7 @@ def test_simulate_cli_user_errors(tmp_path, capsys):
         (["--tp", "3"], ["is not divisible by the TP degree 3", "more lines)"]),
         (["--hw", str(bad_record)], ["not a preset", "calibrate --json"]),
         (["--hw", str(corrupt)], [str(corrupt), "JSONDecodeError"]),
-        (["--param-dtype", "fp8"], ["'fp8' is not a torch dtype"]),
+        (["--param-dtype", "fp8"], ["'fp8' is not a floating-point torch dtype dmuon's buffers carry"]),
         (["--seq-len", "0"], ["--seq-len must be between 1 and"]),
         (["--json", str(tmp_path)], ["is a folder"]),
     ]

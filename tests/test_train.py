@@ -202,6 +202,35 @@ def test_ep_flags_are_refused_with_clear_messages():
         run({"experts": 4, "ep": 4, "nproc": 2})  # refused before spawning
 
 
+def test_paths_and_values_are_refused_before_any_rank_starts(tmp_path):
+    """User errors a run would otherwise hit inside its ranks (a traceback per rank) or only
+    after training (the output paths): refused by the launcher, one line each."""
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_bytes(b"abcdef")  # 6 tokens: too few for --seq-len 64 (needs 2 x 65)
+    text = tmp_path / "text.txt"
+    text.write_bytes(b"x" * 200)
+    missing = str(tmp_path / "no" / "such")
+    for argv, message in (
+        (["--data", str(tmp_path / "nothing.txt")], r"--data .*nothing\.txt: not a file"),
+        (["--data", str(tmp_path)], r"--data .*: not a file"),
+        (["--data", str(tiny)], r"--data .*tiny\.txt with --seq-len 64: corpus of 6 tokens is too small for "
+                                r"seq_len=64 \(needs at least 130 tokens\)"),
+        (["--seq-len", "100000000"], r"--data \(python stdlib sources\) with --seq-len 100000000: corpus of "
+                                     r"4194304 tokens is too small"),
+        (["--json", missing + ".json"], r"--json .*: the folder '.*no' does not exist or is not writable"),
+        (["--png", missing + ".png"], r"--png .*: the folder '.*no' does not exist or is not writable"),
+        (["--save", missing], r"--save .*such: cannot create the folder \(No such file or directory\)"),
+        (["--lr", "-1"], r"--lr and --adamw-lr must be >= 0, got --lr -1.0"),
+        (["--adamw-lr", "-0.5"], r"--lr and --adamw-lr must be >= 0"),
+        (["--router-optimizer", "adamw"], r"--router-optimizer adamw needs --experts E: a dense model has no router"),
+    ):
+        with pytest.raises(SystemExit, match=f"^{message}"):
+            parse_args(argv)
+    assert parse_args(["--data", str(text), "--seq-len", "8"]).data == str(text)  # 200 tokens are enough
+    save = tmp_path / "ckpt"
+    assert parse_args(["--save", str(save)]).save == str(save) and save.is_dir()  # created before the run
+
+
 def test_ep_model_holds_its_slice_of_the_full_model():
     """``GPTConfig(ep=P)``: rank j's expert stacks are experts ``j*E/P ..`` of the ``ep = 1`` model
     of the same seed, every other parameter equal; ``num_experts`` stays the global E."""

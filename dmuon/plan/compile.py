@@ -27,7 +27,7 @@ from dmuon.plan.records.mesh import normalize_mesh
 from dmuon.plan.ownership.assign import assign_owners
 from dmuon.plan.records.plan import ShardingPlan
 from dmuon.plan.records.qk_clip import QKClip, check_qk_clip
-from dmuon.plan.records.fields import dtype_str, itemsize_nbytes
+from dmuon.plan.records.fields import itemsize_nbytes, wire_dtype_str
 from dmuon.plan.records.owners import ExpertOwners
 from dmuon.plan.records.params import Fsdp2Unit, ParamSpec
 from dmuon.plan.model.selection import select_params
@@ -39,7 +39,8 @@ __all__ = ["compile"]
 def _mp_dtypes(mp_policy: Any) -> tuple[str | None, str | None]:
     if mp_policy is None:
         return None, None
-    return dtype_str(getattr(mp_policy, "param_dtype", None)), dtype_str(getattr(mp_policy, "reduce_dtype", None))
+    return (wire_dtype_str(getattr(mp_policy, "param_dtype", None), "mp_policy.param_dtype"),
+            wire_dtype_str(getattr(mp_policy, "reduce_dtype", None), "mp_policy.reduce_dtype"))
 
 
 def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile is the public name

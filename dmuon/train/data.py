@@ -33,6 +33,7 @@ __all__ = [
     "stdlib_corpus",
     "load_corpus",
     "Corpus",
+    "split_val_tokens",
     "unigram_cross_entropy",
 ]
 
@@ -127,6 +128,22 @@ def unigram_cross_entropy(train: np.ndarray, val: np.ndarray) -> float:
     return float(-logp[val].mean())
 
 
+def split_val_tokens(n: int, seq_len: int, val_fraction: float) -> int:
+    """Validation tokens of a corpus of ``n`` tokens: ``max(seq_len + 1, floor(val_fraction · n))``
+    (the last ones). Raises ValueError when ``val_fraction`` is outside (0, 1) or either split
+    would hold fewer than ``seq_len + 1`` tokens (one byte = one token, so a file's size in bytes
+    is its ``n``: the launcher checks ``--data`` with this rule before spawning ranks)."""
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    n_val = max(seq_len + 1, int(n * val_fraction))
+    if n - n_val < seq_len + 1:
+        raise ValueError(
+            f"corpus of {n} tokens is too small for seq_len={seq_len} "
+            f"(needs at least {2 * (seq_len + 1)} tokens)"
+        )
+    return n_val
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class Corpus:
     """A tokenized corpus with its train/val split and deterministic batch sampling.
@@ -158,15 +175,8 @@ class Corpus:
         """Split ``tokens`` (n,) into train = first n - n_val and val = last n_val tokens,
         n_val = max(seq_len + 1, floor(val_fraction · n)). Raises ValueError when either split
         holds fewer than seq_len + 1 tokens."""
-        if not 0.0 < val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
         n = int(tokens.shape[0])
-        n_val = max(seq_len + 1, int(n * val_fraction))
-        if n - n_val < seq_len + 1:
-            raise ValueError(
-                f"corpus of {n} tokens is too small for seq_len={seq_len} "
-                f"(needs at least {2 * (seq_len + 1)} tokens)"
-            )
+        n_val = split_val_tokens(n, seq_len, val_fraction)
         return cls(
             train=tokens[: n - n_val],
             val=tokens[n - n_val :],

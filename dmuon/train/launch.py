@@ -198,6 +198,11 @@ def _validate(args: argparse.Namespace) -> None:
     if "normuon" in (args.optimizer, *compared) and (args.tp > 1 or args.owner_groups not in ("off", 1)):
         raise SystemExit("--optimizer normuon with --tp or --owner-groups: NorMuon runs on matrices whose owner holds "
                          "them whole (docs/muon_variants.md, 'NorMuon'); leave --tp 1 and --owner-groups off")
+    if args.lr < 0 or args.adamw_lr < 0:
+        raise SystemExit(f"--lr and --adamw-lr must be >= 0, got --lr {args.lr} --adamw-lr {args.adamw_lr}")
+    if args.router_optimizer != "muon" and not args.experts:
+        raise SystemExit(f"--router-optimizer {args.router_optimizer} needs --experts E: a dense model has no router")
+    _check_paths(args)
     if args.png:
         try:
             import matplotlib  # noqa: F401
@@ -205,6 +210,44 @@ def _validate(args: argparse.Namespace) -> None:
             raise SystemExit("--png needs matplotlib: pip install -e '.[train]'") from None
         if args.eval_every == 0:
             raise SystemExit("--png plots validation loss: --eval-every must be > 0")
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    """Before any rank starts: ``--data`` is a file long enough for ``--seq-len`` (the split rule
+    of :func:`dmuon.train.data.split_val_tokens`; one byte = one token), and the folders that
+    ``--json`` / ``--png`` write into and ``--save`` creates exist and are writable, so no run
+    trains to its end and then fails on an output path (``--save`` is created here)."""
+    from pathlib import Path
+
+    from dmuon.train.data import DEFAULT_CORPUS_NBYTES, split_val_tokens
+
+    if args.data is not None:
+        path = Path(args.data)
+        if not path.is_file():
+            raise SystemExit(f"--data {args.data}: not a file (pass a text file; without --data the job trains on "
+                             "the Python standard library's sources)")
+        if not os.access(path, os.R_OK):
+            raise SystemExit(f"--data {args.data}: not readable")
+        n = path.stat().st_size
+    else:
+        n = DEFAULT_CORPUS_NBYTES  # the stdlib corpus is at most this long
+    try:
+        split_val_tokens(n, args.seq_len, args.val_fraction)
+    except ValueError as exc:
+        raise SystemExit(f"--data {args.data or '(python stdlib sources)'} with --seq-len {args.seq_len}: {exc}") from None
+    for flag, target in (("--json", args.json), ("--png", args.png)):
+        if target is None:
+            continue
+        folder = Path(target).parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise SystemExit(f"{flag} {target}: the folder {str(folder)!r} does not exist or is not writable")
+    if args.save is not None:  # created now (the run would create it at its first save)
+        try:
+            Path(args.save).mkdir(exist_ok=True)
+        except OSError as exc:
+            raise SystemExit(f"--save {args.save}: cannot create the folder ({exc.strerror or exc})") from None
+        if not os.access(args.save, os.W_OK):
+            raise SystemExit(f"--save {args.save}: the folder is not writable")
 
 
 def compare_list(args: argparse.Namespace) -> tuple[str, ...]:

@@ -30,6 +30,7 @@ from dmuon import _tags
 from dmuon._dtensor import is_dtensor
 from dmuon._tags import dedicated_info
 from dmuon.plan.layout.slots import in_place_stacks
+from dmuon.plan.records.fields import WIRE_DTYPES
 
 from dmuon.exec.runtime.gather_buffers import _GatherBuffer
 
@@ -170,7 +171,7 @@ class TPInfo:
         return t.to_local()
 
 
-_DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16)}
+_DTYPES = {name: getattr(torch, name[len("torch."):]) for name in WIRE_DTYPES}
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -13,10 +13,16 @@ from typing import Any
 import torch
 
 __all__ = [
+    "WIRE_DTYPES",
     "dtype_str",
+    "wire_dtype_str",
     "itemsize_nbytes",
     "check_dtype_str",
 ]
+
+#: the floating-point dtypes dmuon's buffers carry (a mixed-precision policy's ``param_dtype`` /
+#: ``reduce_dtype``, and the parameters' own): the one list the planner, the CLI and the runtime use
+WIRE_DTYPES = ("torch.float32", "torch.float64", "torch.float16", "torch.bfloat16")
 
 
 def _check_int(owner: str, name: str, value: Any, minimum: int) -> None:
@@ -60,6 +66,21 @@ def dtype_str(dtype: Any) -> str | None:
         if isinstance(resolved, torch.dtype):
             return str(resolved)
     raise ValueError(f"not a torch dtype: {dtype!r}")
+
+
+def wire_dtype_str(dtype: Any, what: str) -> str | None:
+    """:func:`dtype_str` of ``dtype`` (None stays None) if it is one of :data:`WIRE_DTYPES`.
+
+    Raises:
+        ValueError: naming ``what`` (e.g. ``"mp_policy.param_dtype"``) and the dtypes allowed.
+    """
+    name = dtype_str(dtype)
+    if name is not None and name not in WIRE_DTYPES:
+        raise ValueError(
+            f"{what} = {name}: dmuon's buffers carry floating-point dtypes only "
+            f"({', '.join(d[len('torch.'):] for d in WIRE_DTYPES)})"
+        )
+    return name
 
 
 def itemsize_nbytes(dtype: str) -> int:

@@ -79,14 +79,17 @@ def parse_mesh(text: str) -> int | tuple[int, int]:
 
 
 def dtype_arg(value: str) -> str:
-    """``value`` unchanged if it names a torch dtype (the plan normalises it), else an argparse error."""
-    from dmuon.plan.records.fields import dtype_str
+    """``value`` unchanged if it names a dtype dmuon's buffers carry (the plan normalises it),
+    else an argparse error."""
+    from dmuon.plan.records.fields import WIRE_DTYPES, wire_dtype_str
 
     try:
-        dtype_str(value)
+        wire_dtype_str(value, "dtype")
         return value
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a torch dtype (e.g. bfloat16, float32)") from None
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a floating-point torch dtype dmuon's buffers carry "
+            f"({', '.join(d[len('torch.'):] for d in WIRE_DTYPES)})") from None
 
 
 def add_selection_args(parser: argparse.ArgumentParser, *, cost_model_default: str = "numel") -> None:
@@ -226,6 +229,16 @@ def write_html(path: str, text: str) -> None:
     print(f"wrote {path} ({len(text.encode('utf-8')):,} bytes)")
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def main_diff(argv: Sequence[str] | None = None) -> int:
     """Print ``dmuon.plan.diff(a, b)`` of two plan JSON files. Returns 0 (with ``--exit-code``:
     1 if the plans differ)."""
@@ -236,7 +249,7 @@ def main_diff(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("a", help="plan JSON (before)")
     parser.add_argument("b", help="plan JSON (after)")
     parser.add_argument("--exit-code", action="store_true", help="exit 1 when the plans differ")
-    parser.add_argument("--max-lines", type=int, default=40, help="per-parameter lines to print")
+    parser.add_argument("--max-lines", type=_non_negative_int, default=40, help="per-parameter lines to print")
     parser.add_argument("--html", metavar="FILE", default=None,
                         help="write the diff's page to FILE (both ownership maps, changes outlined; docs/planning.md)")
     args = parser.parse_args(argv)
@@ -244,8 +257,14 @@ def main_diff(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--html: the folder of {args.html!r} does not exist")
     plans = []
     for path in (args.a, args.b):
-        with open(path, encoding="ascii") as f:
-            plans.append(ShardingPlan.from_json(f.read()))
+        try:
+            with open(path, encoding="ascii") as f:
+                plans.append(ShardingPlan.from_json(f.read()))
+        except OSError as exc:
+            parser.error(f"{path}: cannot read it ({exc.strerror or exc})")
+        except (ValueError, TypeError, KeyError) as exc:  # not JSON, not a plan, or a plan that fails validation
+            parser.error(f"{path}: not a dmuon plan JSON (python -m dmuon plan --json FILE writes one): "
+                         f"{type(exc).__name__}: {exc}")
     d = diff(plans[0], plans[1])
     print(d.render(max_lines=args.max_lines))
     if args.html:
