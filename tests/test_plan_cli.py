@@ -308,3 +308,25 @@ def test_wire_dtypes_are_floating_point_only(capsys):
         P.compile(zoo.tiny_llama(), 2, mp_policy=SimpleNamespace(param_dtype=torch.int8, reduce_dtype=None))
     plan = P.compile(zoo.tiny_llama(), 2, mp_policy=SimpleNamespace(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     assert (plan.param_dtype, plan.reduce_dtype) == ("torch.bfloat16", "torch.float32")
+
+
+def test_plan_refusal_is_cut_and_keeps_its_fix(capsys):
+    """A TP refusal names every parameter (224 here): the CLI prints the first lines, how many it
+    left out, and the refusal's last line, the fix (the same cut as ``simulate``)."""
+    with pytest.raises(SystemExit) as exc:
+        main_plan(["--model", "llama3-8b", "--mesh", "8", "--tp", "3"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err
+    assert "is not divisible by the TP degree 3" in err and "  ... (219 more lines)" in err
+    assert err.rstrip().splitlines()[-1].startswith("Fix: exclude them in predicate")
+    assert len(err.splitlines()) < 30
+
+
+def test_apply_names_a_plan_that_is_not_one():
+    """``dmuon.exec.apply`` takes a ShardingPlan; a JSON path is refused with how to load it,
+    before anything is installed (no process group needed to see it)."""
+    import dmuon.exec
+
+    with pytest.raises(TypeError, match=r"^dmuon.exec.apply: plan must be a dmuon.plan.ShardingPlan, got str "
+                                        r"'plan.json' \(a JSON file: dmuon.plan.ShardingPlan.from_json\(open\(path\).read\(\)\)\)$"):
+        dmuon.exec.apply("plan.json", zoo.tiny_llama())

@@ -49,10 +49,6 @@ from typing import Any
 
 __all__ = ["main_simulate", "recommend"]
 
-#: lines of a plan-compile error the CLI prints (a TP refusal names every parameter it refuses)
-_ERROR_LINES = 6
-
-
 def _fits(sim: Any, memory_nbytes: int) -> bool:
     """Every rank's simulated peak within the device's memory (0 = unknown: fits)."""
     return not memory_nbytes or max(sim.peak_memory_nbytes) <= memory_nbytes
@@ -153,7 +149,8 @@ def token_a2a_line(plan: Any, wl: Any, hw: Any, ep: int, top_k: int, act_dtype: 
 
 def main_simulate(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m dmuon simulate``. Returns 0."""
-    from dmuon.plan.tools.cli import add_selection_args, check_selection_args, parse_mesh, selection_kwargs, warnings_to_stderr
+    from dmuon.plan.tools.cli import (add_selection_args, check_selection_args, parse_mesh, refusal_text,
+                                      selection_kwargs, warnings_to_stderr)
     from dmuon.plan.compile import compile
     from dmuon.zoo import PRESETS
     from dmuon.sim import hardware as H
@@ -224,10 +221,8 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
                 kw["ep"] = args.ep
             plans = {z3: compile(model, args.mesh, reshard_after_forward=z3, **kw) for z3 in (False, True)}
     except ValueError as exc:  # the plan refuses this mesh / TP degree / EP degree / owner groups for this model
-        lines = str(exc).splitlines()
-        more = f"\n  ... ({len(lines) - _ERROR_LINES} more lines)" if len(lines) > _ERROR_LINES else ""
         flags = f"--mesh {args.mesh} --tp {args.tp}" + (f" --ep {args.ep}" if args.ep > 1 else "")
-        parser.error(f"{args.model} on {flags}: " + "\n".join(lines[:_ERROR_LINES]) + more)
+        parser.error(f"{args.model} on {flags}: {refusal_text(exc)}")
     plan = plans[True]
     R, N = plan.mesh_shape
     if not gpu:  # a calibrated CPU: every rank on this machine

@@ -290,6 +290,7 @@ def apply(
         the :class:`~dmuon.exec.runtime.runtime.DmuonRuntime` (also ``dmuon.exec.get_model_runtime(model)``).
 
     Raises:
+        TypeError: ``plan`` is not a ``ShardingPlan`` (e.g. the path of its JSON).
         RuntimeError: no process group; ranks hold different plans.
         ValueError: the model is already wrapped by ``fully_shard``; the plan was compiled for
             another mesh shape or another model (changed after planning); applied twice.
@@ -299,6 +300,13 @@ def apply(
     digests under expert parallelism), then ``new_group`` calls; all local validation happens
     before them.
     """
+    from dmuon.plan.records.plan import ShardingPlan
+
+    if not isinstance(plan, ShardingPlan):  # local: every rank raises alike, before any collective
+        raise TypeError(
+            f"dmuon.exec.apply: plan must be a dmuon.plan.ShardingPlan, got {type(plan).__name__} {plan!r:.80}"
+            + (" (a JSON file: dmuon.plan.ShardingPlan.from_json(open(path).read()))" if isinstance(plan, str) else "")
+        )
     _registry.install_stage("dedicate")  # the fully_shard skip, GradScaler, DCP, guards, frameworks (not with DMUON_NO_PATCHES)
     if not (dist.is_available() and dist.is_initialized()):
         _validate(plan, model, None)  # raises the "no process group" error

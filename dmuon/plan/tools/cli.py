@@ -52,6 +52,21 @@ def warnings_to_stderr() -> Iterator[None]:
         print(f"warning: {message}", file=sys.stderr)
 
 
+#: lines of a plan-compile refusal the CLIs print (a TP refusal names every parameter it refuses)
+ERROR_LINES = 6
+
+
+def refusal_text(exc: Exception) -> str:
+    """A plan-compile refusal cut to its first :data:`ERROR_LINES` lines, and its last line where
+    that is the fix (``plan`` and ``simulate``)."""
+    lines = str(exc).splitlines()
+    if len(lines) <= ERROR_LINES:
+        return "\n".join(lines)
+    fix = lines[-1] if lines[-1].startswith("Fix") else None
+    cut = len(lines) - ERROR_LINES - (fix is not None)
+    return "\n".join(lines[:ERROR_LINES] + [f"  ... ({cut} more lines)"] + ([fix] if fix else []))
+
+
 def parse_owner_groups(text: str):
     """``--owner-groups``: ``off`` / ``auto`` or an int K >= 1."""
     if text in ("off", "auto"):
@@ -198,7 +213,7 @@ def main_plan(argv: Sequence[str] | None = None) -> int:
             plan = compile(model, args.mesh, reshard_after_forward=not args.z2, **kw)
     except ValueError as exc:  # the plan refuses this mesh / TP degree / EP degree / owner groups for this model
         flags = f"--mesh {args.mesh}" + (f" --tp {args.tp}" if args.tp > 1 else "") + (f" --ep {args.ep}" if args.ep > 1 else "")
-        parser.error(f"{args.model} on {flags}: {exc}")
+        parser.error(f"{args.model} on {flags}: {refusal_text(exc)}")
     if args.schedule is not None:
         sched = plan.schedule()
         if not 0 <= args.schedule < sched.num_ranks:
