@@ -37,6 +37,8 @@ _LAZY = {
     "plan": "dmuon.plan",
     "exec": "dmuon.exec",
     "integrations": "dmuon.integrations",
+    "sim": "dmuon.sim",
+    "zoo": "dmuon.zoo",
     "dedicate_params": "dmuon.exec.setup.api:dedicate_params",
     "Muon": "dmuon.exec.optim.muon:Muon",
     "no_sync": "dmuon.exec.runtime.runtime:no_sync",
