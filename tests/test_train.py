@@ -219,7 +219,7 @@ def test_paths_and_values_are_refused_before_any_rank_starts(tmp_path):
                                      r"4194304 tokens is too small"),
         (["--json", missing + ".json"], r"--json .*: the folder '.*no' does not exist or is not writable"),
         (["--png", missing + ".png"], r"--png .*: the folder '.*no' does not exist or is not writable"),
-        (["--save", missing], r"--save .*such: cannot create the folder \(No such file or directory\)"),
+        (["--save", str(tiny / "ckpt")], r"--save .*ckpt: cannot create the folder \(Not a directory\)"),
         (["--lr", "-1"], r"--lr and --adamw-lr must be >= 0, got --lr -1.0"),
         (["--adamw-lr", "-0.5"], r"--lr and --adamw-lr must be >= 0"),
         (["--router-optimizer", "adamw"], r"--router-optimizer adamw needs --experts E: a dense model has no router"),
@@ -227,7 +227,7 @@ def test_paths_and_values_are_refused_before_any_rank_starts(tmp_path):
         with pytest.raises(SystemExit, match=f"^{message}"):
             parse_args(argv)
     assert parse_args(["--data", str(text), "--seq-len", "8"]).data == str(text)  # 200 tokens are enough
-    save = tmp_path / "ckpt"
+    save = tmp_path / "ckpt" / "tp"  # parents too, as DCP's own writer creates them
     assert parse_args(["--save", str(save)]).save == str(save) and save.is_dir()  # created before the run
 
 

@@ -243,7 +243,7 @@ def _check_paths(args: argparse.Namespace) -> None:
             raise SystemExit(f"{flag} {target}: the folder {str(folder)!r} does not exist or is not writable")
     if args.save is not None:  # created now (the run would create it at its first save)
         try:
-            Path(args.save).mkdir(exist_ok=True)
+            Path(args.save).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise SystemExit(f"--save {args.save}: cannot create the folder ({exc.strerror or exc})") from None
         if not os.access(args.save, os.W_OK):
