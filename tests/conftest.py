@@ -64,7 +64,8 @@ def _launches_processes(fn, seen: set) -> bool:
 def pytest_collection_modifyitems(config, items):
     """Mark ``distributed`` every test that launches processes through ``run_distributed``
     (directly, through a helper of the tests, or through a fixture); tests that start process
-    groups another way (a subprocess CLI) carry the mark themselves. ``-m "not distributed"``
+    groups another way (a subprocess CLI), or that reach a launching fixture through
+    ``request.getfixturevalue`` (no name to follow), carry the mark themselves. ``-m "not distributed"``
     is the fast lane (README, "Tests")."""
     for item in items:
         if item.get_closest_marker("distributed") is not None:
@@ -76,3 +77,12 @@ def pytest_collection_modifyitems(config, items):
         seen: set = set()
         if any(f is not None and _launches_processes(f, seen) for f in fns):
             item.add_marker(pytest.mark.distributed)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before the test's fixtures: tell :func:`dist_utils.run_distributed` whether this test may
+    launch processes (it refuses in an unmarked one)."""
+    import dist_utils
+
+    dist_utils.ALLOW_LAUNCH = item.get_closest_marker("distributed") is not None

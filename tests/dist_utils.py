@@ -4,9 +4,26 @@ under the name the tests import (``from dist_utils import run_distributed``), an
 
 from __future__ import annotations
 
-from dmuon._launch import DistributedError, DistributedTimeout, free_port, run_distributed
+from dmuon._launch import DistributedError, DistributedTimeout, free_port
+from dmuon._launch import run_distributed as _run_distributed
 
 __all__ = ["run_distributed", "DistributedError", "DistributedTimeout", "free_port", "run_fault_ranks"]
+
+#: set by ``tests/conftest.py`` before each test: whether it is marked ``distributed`` (None outside pytest)
+ALLOW_LAUNCH: bool | None = None
+
+
+def run_distributed(fn, world: int, *args, **kwargs):
+    """:func:`dmuon._launch.run_distributed`, refused inside a test the fast lane runs (one not
+    marked ``distributed``), so a launch the conftest's scan misses fails there instead of
+    slowing the fast lane down unnoticed."""
+    if ALLOW_LAUNCH is False:
+        raise RuntimeError(
+            "run_distributed in a test not marked 'distributed': the fast lane (-m 'not distributed') would start "
+            "process groups. Mark the test @pytest.mark.distributed (the conftest marks it by itself when the "
+            "launch is reached by name, not through request.getfixturevalue)."
+        )
+    return _run_distributed(fn, world, *args, **kwargs)
 
 
 def run_fault_ranks(target, world: int, args: tuple, deadline_s: float) -> tuple[list, list[int]]:

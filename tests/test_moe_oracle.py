@@ -319,6 +319,9 @@ def _deviations(losses, ref_losses, state, ref_state):
 ALL = [(world, i) for world in (4, 3, 2) for i in range(len(CASES[world]))]
 
 
+# distributed by hand: the launches are reached through request.getfixturevalue, which the
+# conftest's scan of names cannot follow (without the mark these ran in the fast lane)
+@pytest.mark.distributed
 @pytest.mark.parametrize("world,i", ALL, ids=[CASES[w][i][0] for w, i in ALL])
 def test_matches_reference_and_ledger_equals_plan(request, world, i):
     import dmuon.testing as T
@@ -406,6 +409,7 @@ def test_checkpoint_state_dicts_hold_stacks_at_full_shape(w4):
                 assert v.dtype == torch.float32 and v.abs().max() > 0, fqn  # trained: the EMA moved
 
 
+@pytest.mark.distributed  # by hand: request.getfixturevalue (above)
 @pytest.mark.parametrize("target", ["hsdp(2,2)", "N=3", "N=2"])
 def test_checkpoint_loads_bit_identically_at_another_layout(request, target):
     results = {"hsdp(2,2)": "w4", "N=3": "w3", "N=2": "w2"}[target]
