@@ -282,9 +282,19 @@ class DmuonRuntime:
     def issue_replicate_reduces(self, boundary) -> None:
         """HSDP: the replicate reduces of the boundaries reduced before ``boundary`` in this
         backward (:func:`dmuon.exec.runtime.reduces.issue_replicate_reduces`); nothing on a 1-D mesh."""
-        if self.groups.shape[0] > 1:
-            reduces.issue_replicate_reduces(
-                self, [p for p in self.pending_reduces if p.boundary is not boundary and not p.replicated])
+        if self.groups.shape[0] == 1:
+            return
+        # the entries due: after the last one already taken (entries are taken in order) and before
+        # ``boundary``'s own, just appended at the end; walked from the end, so a post-backward
+        # reads only its own and the previous boundary's entries, not the whole backward's
+        pending = self.pending_reduces
+        end = len(pending)
+        while end and pending[end - 1].boundary is boundary:
+            end -= 1
+        start = end
+        while start and not pending[start - 1].replicated:
+            start -= 1
+        reduces.issue_replicate_reduces(self, pending[start:end])
 
     def finish_reduces(self) -> None:
         """Wait for the in-flight gradient reduces and accumulate the averages into owners' ``.grad``
