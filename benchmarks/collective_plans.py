@@ -19,7 +19,7 @@ Qwen3-30B-A3B and DeepSeek-V3 on 64 and 256 ranks with EP 1, 8 and N (Qwen3-30B-
 ranks), Llama-3-8B on 8 and 16 x 8, Llama-3-405B on 1,024 with owner groups ``"auto"``; each row
 compiled as ``python -m dmuon simulate`` compiles it (Z3, bf16 wire, fp32 reduce, cost model
 ns_flops), the h100 preset, 8,192 tokens per rank. Per row: (1) every buffer's kind against the
-other on the same layout, priced by the simulator (:func:`dmuon.sim.kinds.buffer_kind_costs`)
+other on the same layout, priced by the simulator (:func:`dmuon.sim._engine.kinds.buffer_kind_costs`)
 with NCCL coalescing (the preset) and without (``coalesces=False``): ``slower`` = buffers whose
 chosen kind is modelled slower than the other, ``worst`` = the largest chosen / other ratio;
 (2) the whole Z3 step of the default plan and of the plans compiled with ``collectives=
@@ -43,8 +43,8 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dmuon.plan as P  # noqa: E402
-from dmuon.plan.model.parallel import expert_parallel_variant  # noqa: E402
-from dmuon.zoo import PRESETS  # noqa: E402
+from dmuon.plan._model.parallel import expert_parallel_variant  # noqa: E402
+from dmuon._zoo import PRESETS  # noqa: E402
 
 CASES = [  # (preset, ranks, ep)
     ("tiny-llama", 2, 1), ("tiny-llama", 4, 1), ("tiny-moe", 2, 1), ("tiny-moe", 4, 1),
@@ -93,9 +93,9 @@ def sim_row(name: str, mesh, ep: int, owner_groups: str, tokens: int = 8192) -> 
     import dataclasses
 
     import dmuon.sim as S
-    from dmuon.sim.hardware import preset
-    from dmuon.sim.kinds import buffer_kind_costs
-    from dmuon.sim.workload import model_top_k
+    from dmuon.sim._engine.hardware import preset
+    from dmuon.sim._engine.kinds import buffer_kind_costs
+    from dmuon.sim._engine.workload import model_top_k
 
     model = PRESETS[name]()
     top_k = model_top_k(model)

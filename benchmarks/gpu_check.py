@@ -12,14 +12,14 @@ with the compute stream, the reused reduce buffers (same tensors every step, sto
 Parts (both by default; ``--parts ns`` / ``--parts train`` for one):
 
 ``ns``
-    :func:`~dmuon.exec.optim.ns_kernel.newton_schulz` on one matrix, the same on a batch of ``B``
+    :func:`~dmuon.exec._optim.ns_kernel.newton_schulz` on one matrix, the same on a batch of ``B``
     matrices (one ``bmm``/``baddbmm`` chain), and
-    :func:`~dmuon.exec.optim.ns_gram.gram_newton_schulz` on one matrix, by shape and dtype.
+    :func:`~dmuon.exec._optim.ns_gram.gram_newton_schulz` on one matrix, by shape and dtype.
     ``TFLOP/s`` = matmul FLOPs of the call (``ns_flops`` / ``gram_ns_flops``) / fastest time;
     ``peak`` = a square ``(P, P) @ (P, P)`` matmul of the same dtype measured in the same run
     (``P`` = 8192 on CUDA, 256 on CPU); ``of peak`` = their ratio.
 ``train``
-    The main job's GPT (``dmuon/train/model.py``, the ``small`` size of
+    The main job's GPT (``dmuon/_train/byte_gpt.py``, the ``small`` size of
     ``benchmarks/step_time.py`` unless ``--quick``) for ``--steps`` steps on the same batches:
 
     * ``dmuon_streams``: ``dmuon.dedicate_params`` + ``dmuon.Muon`` on the device, dmuon's CUDA
@@ -152,8 +152,8 @@ def matmul_peak_tflops(dtype: torch.dtype, device: str, side: int, min_time: flo
 
 
 def ns_rows(device: str, dtype_names, shapes, batch: int, steps: int, min_time: float, peak_side: int) -> list[dict]:
-    from dmuon.exec.optim.ns_gram import gram_newton_schulz, gram_ns_flops
-    from dmuon.exec.optim.ns_kernel import newton_schulz, ns_flops
+    from dmuon.exec._optim.ns_gram import gram_newton_schulz, gram_ns_flops
+    from dmuon.exec._optim.ns_kernel import newton_schulz, ns_flops
 
     rows = []
     for dname in dtype_names:
@@ -207,7 +207,7 @@ class _Done:
 
 
 class _OneRankCollectives(types.SimpleNamespace):
-    """``torch.distributed`` as :mod:`dmuon.exec.comm.collectives` sees it, with ``broadcast`` and
+    """``torch.distributed`` as :mod:`dmuon.exec._comm.collective_calls` sees it, with ``broadcast`` and
     ``reduce`` replaced by identities: exact on a 1-rank group, whatever the backend supports."""
 
     def __getattr__(self, name):
@@ -233,7 +233,7 @@ def init_one_rank_group(device: str, collectives: str) -> str:
     """A 1-rank gloo default group (no NCCL, no network); returns how collectives run."""
     import torch.distributed as dist
 
-    from dmuon.exec.comm import collectives as C
+    from dmuon.exec._comm import collective_calls as C
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -263,7 +263,7 @@ def make_batches(spec: dict, steps: int) -> list[tuple[torch.Tensor, torch.Tenso
 
 
 def _gpt(spec: dict, device: str):
-    from dmuon.train.model import GPT, GPTConfig
+    from dmuon._train.byte_gpt import GPT, GPTConfig
 
     cfg = GPTConfig(vocab_size=VOCAB, d_model=spec["d_model"], n_layers=spec["n_layers"],
                     n_heads=spec["n_heads"], d_mlp=spec["d_mlp"], seq_len=spec["seq_len"])
@@ -272,8 +272,8 @@ def _gpt(spec: dict, device: str):
 
 def run_dmuon(spec: dict, batches, device: str, *, use_streams: bool, **opt_kw) -> dict:
     import dmuon
-    from dmuon.exec.comm.collectives import LEDGER
-    from dmuon.train.model import lm_loss
+    from dmuon.exec._comm.collective_calls import LEDGER
+    from dmuon._train.byte_gpt import lm_loss
 
     model = _gpt(spec, device)
     plan = dmuon.dedicate_params(model)
@@ -309,7 +309,7 @@ def run_dmuon(spec: dict, batches, device: str, *, use_streams: bool, **opt_kw) 
 
 
 def run_torch_reference(spec: dict, batches, device: str, dedicated) -> dict:
-    from dmuon.train.model import lm_loss
+    from dmuon._train.byte_gpt import lm_loss
 
     model = _gpt(spec, device)
     named = dict(model.named_parameters())
@@ -332,7 +332,7 @@ def run_testing_reference(spec: dict, batches, device: str, plan_json: str, **op
     dedicated matrices, AdamW on the rest, one process) on the same GPU, bf16 Newton-Schulz."""
     from dmuon.plan import ShardingPlan
     from dmuon.testing import ReferenceOptimizer, proxies_from_plan
-    from dmuon.train.model import lm_loss
+    from dmuon._train.byte_gpt import lm_loss
 
     model = _gpt(spec, device)
     hp = {**MUON_HP, **opt_kw, **{f"adamw_{k}": v for k, v in ADAMW_HP.items()}}

@@ -31,8 +31,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dmuon.plan as P  # noqa: E402
-from dmuon.plan.model.parallel import expert_parallel_variant  # noqa: E402
-from dmuon.zoo import PRESETS  # noqa: E402
+from dmuon.plan._model.parallel import expert_parallel_variant  # noqa: E402
+from dmuon._zoo import PRESETS  # noqa: E402
 
 GIB = 2**30
 

@@ -2,8 +2,8 @@
 
 1. Per-head orthogonalisation: ``dmuon.Muon.step`` on one ``(H·d_h, D)`` matrix, whole vs
    as ``H`` row blocks (``MatrixView``), fp32 NS (the batched path); the FLOP ratio of the two
-   (:func:`dmuon.plan.cost.flops.ns_flops`) next to the measured time ratio.
-2. QK-clip's SDPA helper: :func:`dmuon.exec.optim.qk_clip.max_logits_sdpa` (the extra ``QKᵀ`` pass)
+   (:func:`dmuon.plan._cost.flops.ns_flops`) next to the measured time ratio.
+2. QK-clip's SDPA helper: :func:`dmuon.exec._optim.qk_clip.max_logits_sdpa` (the extra ``QKᵀ`` pass)
    vs the ``scaled_dot_product_attention`` forward it accompanies, causal.
 
 Variants are interleaved (A, B, A, B, ...) ``--repeats`` times; the table gives the median and
@@ -28,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dmuon  # noqa: E402
 from dmuon import _tags  # noqa: E402
-from dmuon.exec.runtime.buffers import DedicatedInfo  # noqa: E402
-from dmuon.exec.optim.qk_clip import max_logits_sdpa  # noqa: E402
-from dmuon.plan.cost.flops import ns_flops  # noqa: E402
-from dmuon.plan.records.params import MatrixView  # noqa: E402
+from dmuon.exec._runtime.packed_buffers import DedicatedInfo  # noqa: E402
+from dmuon.exec._optim.qk_clip import max_logits_sdpa  # noqa: E402
+from dmuon.plan._cost.flops import ns_flops  # noqa: E402
+from dmuon.plan._records.params import MatrixView  # noqa: E402
 
 
 def _sync(device):

@@ -65,15 +65,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import dmuon.exec.optim.ns_backends as ns  # noqa: E402
-import dmuon.exec.optim.ns_gram as ns_gram  # noqa: E402
-import dmuon.exec.optim.ns_kernel as ns_kernel  # noqa: E402
+import dmuon.exec._optim.ns_backends as ns  # noqa: E402
+import dmuon.exec._optim.ns_gram as ns_gram  # noqa: E402
+import dmuon.exec._optim.ns_kernel as ns_kernel  # noqa: E402
 
 STEPS = 5
 RESOLVED_S = 1e-2
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_DTYPES = ("fp32", "bf16")
-#: backend name -> (function name in dmuon.exec.optim.ns_backends, coefficient preset)
+#: backend name -> (function name in dmuon.exec._optim.ns_backends, coefficient preset)
 BACKENDS: dict[str, tuple[str, str]] = {
     "standard": ("newton_schulz", "muon"),
     "polar_express": ("newton_schulz", "polar_express"),
@@ -89,8 +89,8 @@ MAIN_JOB_BACKENDS = ("standard", "gram", "auto", "deepseek_v4")
 
 def backend_steps(backend: str, steps: int = STEPS) -> int:
     """The steps ``backend`` runs: ``steps``, or its preset's own length for a fixed-length preset
-    (``"deepseek_v4"``: 10; ``dmuon.exec.optim.ns_coefficients.PRESET_LENGTH_POLICY``)."""
-    from dmuon.exec.optim.ns_coefficients import NS_PRESETS, PRESET_LENGTH_POLICY
+    (``"deepseek_v4"``: 10; ``dmuon.exec._optim.ns_coefficients.PRESET_LENGTH_POLICY``)."""
+    from dmuon.exec._optim.ns_coefficients import NS_PRESETS, PRESET_LENGTH_POLICY
 
     preset = BACKENDS[backend][1]
     return len(NS_PRESETS[preset]) if PRESET_LENGTH_POLICY.get(preset) == "fixed" else steps
@@ -148,10 +148,10 @@ ZOO: dict[str, tuple[str, Callable[[], torch.Tensor]]] = {
 def _gpt_grads(size: str) -> dict[str, torch.Tensor]:
     """float64 gradients of block 0's matrices of the main job's GPT (``benchmarks/step_time.py``
     sizes, seed 0) after one forward + backward on 4 sequences of the embedded default corpus
-    (``dmuon.train.data.stdlib_corpus``, its first bytes): what Muon's first step orthogonalises
+    (``dmuon._train.data.stdlib_corpus``, its first bytes): what Muon's first step orthogonalises
     (momentum = gradient up to a scale, which NS normalises away)."""
-    from dmuon.train.data import encode, stdlib_corpus
-    from dmuon.train.model import GPT, GPTConfig, lm_loss
+    from dmuon._train.data import encode, stdlib_corpus
+    from dmuon._train.byte_gpt import GPT, GPTConfig, lm_loss
 
     cfg = dict(small=dict(d_model=128, n_layers=4, n_heads=4, d_mlp=512, seq_len=64),
                large=dict(d_model=256, n_layers=8, n_heads=8, d_mlp=1024, seq_len=128))[size]

@@ -3,7 +3,7 @@
     python benchmarks/ns_auto_step.py --rounds 30                       # this tree
     python benchmarks/ns_auto_step.py --rounds 30 --trees OLD NEW       # two source trees, interleaved
 
-What it times: one Muon step (:func:`dmuon.exec.optim.muon_step.muon_step`: momentum, the batched
+What it times: one Muon step (:func:`dmuon.exec._optim.muon_step.muon_step`: momentum, the batched
 fp32 Newton-Schulz calls, the updates) over the matrices ONE owner rank holds in
 ``benchmarks/step_time.py``'s GPT (``small``, ``large``) planned for N ranks with
 ``cost_model="ns_flops"`` and the backend under test (``compile(ns_backend=...)``, as
@@ -47,7 +47,7 @@ def _setup(size: str, nproc: int, backend: str):
     import torch
 
     import dmuon
-    from dmuon.train.model import GPT, GPTConfig
+    from dmuon._train.byte_gpt import GPT, GPTConfig
 
     model = GPT(GPTConfig(vocab_size=256, **SIZES[size]), seed=0)
     plan = dmuon.plan.compile(model, nproc, cost_model="ns_flops", ns_backend=backend)
@@ -69,8 +69,8 @@ def worker(sizes: list[str], nprocs: list[int], rounds: int) -> dict:
     functions each step called (the ``ns_backends`` attributes, counted by a wrapper)."""
     import torch
 
-    from dmuon.exec.optim import ns_backends as ns
-    from dmuon.exec.optim.muon_step import muon_step
+    from dmuon.exec._optim import ns_backends as ns
+    from dmuon.exec._optim.muon_step import muon_step
 
     torch.set_num_threads(1)
     calls: dict[str, int] = {}

@@ -5,17 +5,17 @@ fp32 (one ``(B, d, D)`` call per ``(min, max)`` side; ``B`` = the matrices one o
 at N = 2 and N = 4 for ``benchmarks/step_time.py``'s ``small`` (128 x 128, 128 x 512) and
 ``large`` (256 x 256, 256 x 1024) GPTs). For each shape, in every round, in turn:
 
-- ``standard``: :func:`dmuon.exec.optim.ns_kernel.newton_schulz` (fp32, 5 steps, "muon");
+- ``standard``: :func:`dmuon.exec._optim.ns_kernel.newton_schulz` (fp32, 5 steps, "muon");
 - ``gram``: :func:`gram_newton_schulz` with its default restarts and fallback check;
 - ``gram_r2``: ``restart_every=[2]`` (one restart, the Dao-AILab schedule), fallback on;
-- with ``--baseline REV``: the same three from ``dmuon/exec/optim/newton_schulz.py`` as of git
+- with ``--baseline REV``: the same three from ``dmuon/exec/_optim/newton_schulz.py`` as of git
   revision ``REV`` (``old_*``), so before / after are measured in one sitting;
 - ``mm``: a square 512 fp32 matmul (the core's attainable matmul rate, measured in the run).
 
 Every variant of a round runs back to back (interleaved), rounds repeat; ratios are taken
 within a round, and the table gives their median and [min-max] over the rounds. Columns:
 
-- ``FLOP ratio``: ``gram_ns_flops / ns_flops`` (the FLOPs each runs, dmuon.plan.cost.model);
+- ``FLOP ratio``: ``gram_ns_flops / ns_flops`` (the FLOPs each runs, dmuon.plan._cost.cost_model);
 - ``time ratio``: gram / standard wall time; ``goal`` = ``1 - 0.8·(1 - FLOP ratio)`` (Gram
   faster by at least 80 % of its FLOP saving); the FLOP ratio of the baseline revision is
   given in ``old FLOP ratio`` (its Gram counted as a general matmul);
@@ -56,9 +56,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dmuon.exec.optim import ns_backends as ns  # noqa: E402
-from dmuon.exec.optim import ns_gram, ns_kernel  # noqa: E402
-from dmuon.plan.cost.flops import gram_product_flops  # noqa: E402
+from dmuon.exec._optim import ns_backends as ns  # noqa: E402
+from dmuon.exec._optim import ns_gram, ns_kernel  # noqa: E402
+from dmuon.plan._cost.flops import gram_product_flops  # noqa: E402
 
 # (label, B, d, D): matrices per owner rank, batched as dmuon.Muon does (fp32)
 SHAPES = [
@@ -73,8 +73,8 @@ FP32 = torch.float32
 
 
 def _old_module(rev: str):
-    """dmuon/exec/optim/newton_schulz.py at git revision ``rev``, imported as a separate module."""
-    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:dmuon/exec/optim/newton_schulz.py"],
+    """dmuon/exec/_optim/newton_schulz.py at git revision ``rev``, imported as a separate module."""
+    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:dmuon/exec/_optim/newton_schulz.py"],
                          check=True, capture_output=True, text=True).stdout
     path = Path(tempfile.mkdtemp()) / "old_newton_schulz.py"
     path.write_text(src)

@@ -6,7 +6,7 @@ For each case, builds the preset on the meta device, takes the dedicated matrice
 ``dmuon.plan.compile(model, mesh)``'s ``ParamSpec``s (weights = ``numel``; blocks cut the long
 side of ``matrix_shape``, balanced, the first ``L % k`` one row longer; ``max_split = 1`` for a
 TP-sharded matrix, an expert stack or a matrix view, else ``min(N, long side)``) and runs
-:func:`dmuon.plan.ownership.partition.lpt_partition_groups` with ``split=1`` and ``split="auto"``.
+:func:`dmuon.plan._ownership.partition.lpt_partition_groups` with ``split=1`` and ``split="auto"``.
 
 Prints, per case and mode: slots owning nothing; max/mean owned elements; max/mean resident
 bytes of the dedicated parameters (fp32 master + momentum; on HSDP every slot also holds the
@@ -28,8 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dmuon.plan as P  # noqa: E402
-from dmuon import zoo  # noqa: E402
-from dmuon.plan.ownership.partition import lpt_partition_groups  # noqa: E402
+from dmuon import _zoo as zoo  # noqa: E402
+from dmuon.plan._ownership.partition import lpt_partition_groups  # noqa: E402
 
 CASES = [("llama3-70b", (8, 128)), ("llama3-70b", (1, 1024)), ("llama3-405b", (1, 1024)), ("llama3-405b", (1, 4096))]
 

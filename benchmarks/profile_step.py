@@ -73,10 +73,10 @@ def install_ranges() -> None:
     Must run before ``dedicate_params``: the forward hooks are bound methods looked up when
     they are registered.
     """
-    from dmuon.exec.comm import collectives as C
-    from dmuon.exec.optim import ns_backends as NS
-    from dmuon.exec.runtime import runtime as R
-    from dmuon.exec.runtime.boundary import _BoundaryRuntime as B
+    from dmuon.exec._comm import collective_calls as C
+    from dmuon.exec._optim import ns_backends as NS
+    from dmuon.exec._runtime import runtime as R
+    from dmuon.exec._runtime.boundary import _BoundaryRuntime as B
 
     targets = [
         (B, "pre_forward", "dmuon.hook.pre_forward"),
@@ -102,7 +102,7 @@ def _profiled_steps(v, batches, device, steps: int):
 
     import torch.distributed as dist
 
-    from dmuon.train.model import lm_loss
+    from dmuon._train.byte_gpt import lm_loss
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     dist.barrier()

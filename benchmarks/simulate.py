@@ -3,7 +3,7 @@
     python benchmarks/simulate.py                    # the paper table + earlier NS + scale timing
     python benchmarks/simulate.py --json sim.json
 
-Three parts, all from ``dmuon.sim.simulate`` on GPU presets (``dmuon/sim/hardware.py``):
+Three parts, all from ``dmuon.sim.simulate`` on GPU presets (``dmuon/sim/_engine/hardware.py``):
 
 * **paper table**: Llama-3-8B on 8 GPUs (one node) and on 16 nodes x 8 (1-D mesh of 128, and
   HSDP 16 x 8 with the shard group inside a node), Llama-3-70B and 405B on 1024 GPUs (1-D 1024 and
@@ -12,7 +12,7 @@ Three parts, all from ``dmuon.sim.simulate`` on GPU presets (``dmuon/sim/hardwar
   parameters on the wire (FSDP2 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``),
   fp32 master weights and optimizer state, bf16 Newton-Schulz, no activation checkpointing,
   no tensor / pipeline parallelism, ``cost_model="ns_flops"``.
-* **earlier NS** (:func:`dmuon.sim.variants.early_ns_schedule`): predicted gain for Llama-3-8B and
+* **earlier NS** (:func:`dmuon.sim._engine.variants.early_ns_schedule`): predicted gain for Llama-3-8B and
   70B on H100 and A100 presets, Z3.
 * **scale**: each paper row's wall time (compile of both modes + workload + all five
   simulations); the 405B rows are the scale check (Llama-3-405B on 1024 and on (8, 128) ranks).
@@ -30,7 +30,7 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dmuon.plan as P  # noqa: E402
-from dmuon import zoo  # noqa: E402
+from dmuon import _zoo as zoo  # noqa: E402
 import dmuon.sim as S  # noqa: E402
 from dmuon.sim import hardware as H  # noqa: E402
 

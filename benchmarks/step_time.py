@@ -4,7 +4,7 @@
     python benchmarks/step_time.py --quick --json out.json --png out.png      # smoke run (~20 s)
     python benchmarks/step_time.py --device cuda --nproc 2 4 --json gpu.json  # one GPU per rank
 
-Model: :class:`dmuon.train.model.GPT` (byte vocabulary 256, random tokens; the data does not
+Model: :class:`dmuon._train.byte_gpt.GPT` (byte vocabulary 256, random tokens; the data does not
 matter for speed), at these sizes (``--sizes``; ``mid`` is the simulator's blind check)::
 
     small: 4 blocks, d_model 128, d_mlp 512, 4 heads,  global batch 16 x 64 tokens
@@ -52,13 +52,13 @@ slowest rank's. Reported per variant: the median over the timed steps.
 Per variant (JSON field names in brackets):
 
 * ``step_ms`` / ``fwd_bwd_ms`` / ``opt_ms``: medians, milliseconds; ``ratio_to_adamw``.
-* ``ledger_nbytes_per_step``: dmuon's byte ledger (:data:`dmuon.exec.comm.collectives.LEDGER`) for one
+* ``ledger_nbytes_per_step``: dmuon's byte ledger (:data:`dmuon.exec._comm.collective_calls.LEDGER`) for one
   step, plan phases only, summed over ranks (the median over steps; ``ledger_constant`` says
   whether every step charged the same), ``ledger_per_rank_nbytes``; ``plan_total_nbytes`` and
   ``plan_per_rank_nbytes`` from ``plan.cost``; ``ledger_matches_plan`` (total and per rank, every
   timed step). For ``adamw`` / ``naive``, ``model_nbytes_per_step`` is the plan's byte MODEL of
   FSDP2 (+ the naive all-gather) for the same matrices (``plan.baseline_cost``), not a measurement.
-* NS: ``dmuon.exec.optim.ns_backends.newton_schulz`` is wrapped in every rank (both Muon variants
+* NS: ``dmuon.exec._optim.ns_backends.newton_schulz`` is wrapped in every rank (both Muon variants
   call it through the module), recording matmul FLOPs (``ns_flops`` of each call's shape) and
   wall time (CUDA: synchronised around the call). ``ns_flops_total`` (all ranks, one step),
   ``ns_flops_per_rank``, ``ns_flops_busiest``, ``ns_busiest_over_mean`` = busiest / (total / N),
@@ -150,7 +150,7 @@ class NaiveMuon:
        elementwise, so sharding it is exact;
     2. ``u`` is all-gathered with ``DTensor.full_tensor()`` (one all-gather per matrix, the
        same bytes as gathering the gradient itself);
-    3. Newton-Schulz (:func:`dmuon.exec.optim.ns_kernel.newton_schulz`) on the full matrix, on
+    3. Newton-Schulz (:func:`dmuon.exec._optim.ns_kernel.newton_schulz`) on the full matrix, on
        EVERY rank (fp32/fp64: same-shape matrices batched per call exactly as ``dmuon.Muon``
        batches them; bf16: one call per matrix);
     4. the rank keeps its own shard of the result (``Replicate -> Shard`` redistribution, a
@@ -184,8 +184,8 @@ class NaiveMuon:
     def step(self) -> None:
         from torch.distributed.tensor import DTensor, Replicate
 
-        from dmuon.exec.optim import ns_backends as ns_mod
-        from dmuon.exec.optim.muon_step import adjust_lr
+        from dmuon.exec._optim import ns_backends as ns_mod
+        from dmuon.exec._optim.muon_step import adjust_lr
 
         h = self.hp
         mu, lr, wd = h["momentum"], h["lr"], h["weight_decay"]
@@ -238,12 +238,12 @@ _ADAMW_LOG: list[float] = []  # seconds of each dmuon.Muon AdamW group step
 
 
 def _install_ns_timer(device: torch.device) -> None:
-    """Wrap ``dmuon.exec.optim.ns_backends.newton_schulz`` and ``gram_newton_schulz`` (module
+    """Wrap ``dmuon.exec._optim.ns_backends.newton_schulz`` and ``gram_newton_schulz`` (module
     attributes; ``ns_backend="auto"`` calls them through the module) with a FLOP/time log, and
     ``dmuon.Muon``'s AdamW group step with a time log (the ``floor`` column)."""
-    from dmuon.exec.optim import ns_backends as ns_mod
-    from dmuon.exec.optim import ns_gram, ns_kernel
-    from dmuon.exec.optim.muon import Muon
+    from dmuon.exec._optim import ns_backends as ns_mod
+    from dmuon.exec._optim import ns_gram, ns_kernel
+    from dmuon.exec._optim.muon import Muon
 
     if getattr(ns_mod.newton_schulz, "_bench_timed", False):
         return
@@ -367,8 +367,8 @@ class Variant:
 
 
 def gpt_config(size: str):
-    """The :class:`dmuon.train.model.GPTConfig` of ``size`` (:data:`SIZES`)."""
-    from dmuon.train.model import GPTConfig
+    """The :class:`dmuon._train.byte_gpt.GPTConfig` of ``size`` (:data:`SIZES`)."""
+    from dmuon._train.byte_gpt import GPTConfig
 
     s = SIZES[size]
     moe = {k: s[k] for k in ("n_experts", "top_k") if k in s}
@@ -387,7 +387,7 @@ def build_variant(name: str, size: str, mesh, device: torch.device, cfg_args: di
     import torch.distributed.fsdp as fsdp
 
     import dmuon
-    from dmuon.train.model import GPT
+    from dmuon._train.byte_gpt import GPT
 
     model = GPT(gpt_config(size), seed=SEED, device=device)
     ns_dtype = _ns_dtype(cfg_args["ns_dtype"], device)
@@ -441,8 +441,8 @@ def run_step(v: Variant, batches, device: torch.device, *, timed: bool) -> None:
     """One training step of ``v`` (collective). Appends a record to ``v.records`` if ``timed``."""
     import torch.distributed as dist
 
-    from dmuon.exec.comm.collectives import LEDGER
-    from dmuon.train.model import lm_loss
+    from dmuon.exec._comm.collective_calls import LEDGER
+    from dmuon._train.byte_gpt import lm_loss
 
     x, y = batches[v.steps_done % len(batches)]
     v.steps_done += 1
@@ -712,7 +712,7 @@ def machine_info(device: str) -> dict[str, Any]:
 def plan_balance(sizes, nprocs) -> dict[str, Any]:
     """Plan-predicted NS balance and bytes for both cost models (pure: meta-device models)."""
     import dmuon.plan as P
-    from dmuon.train.model import GPT
+    from dmuon._train.byte_gpt import GPT
 
     out: dict[str, Any] = {}
     for size in sizes:
@@ -748,7 +748,7 @@ def predict(size: str, nproc: int, variant: str, hw, cost_model: str) -> dict[st
 
     import dmuon.plan as P
     import dmuon.sim as S
-    from dmuon.train.model import GPT
+    from dmuon._train.byte_gpt import GPT
 
     if variant not in SIM_VARIANT:
         return None
@@ -785,7 +785,7 @@ def run_calibration(path: str, group_sizes: list[int] | None = None) -> Any:
     """``python -m dmuon calibrate --json path [--group-sizes ...]`` in a child process; returns the record."""
     import subprocess
 
-    import dmuon.sim.hardware as H
+    import dmuon.sim._engine.hardware as H
 
     extra = ["--group-sizes", *map(str, group_sizes)] if group_sizes else []
     subprocess.run([sys.executable, "-m", "dmuon", "calibrate", "--json", path, *extra], check=True, cwd=REPO,
@@ -977,7 +977,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     digest_start, git_start = dmuon_source_digest(), git_state()
     results: list[dict] = []
     hook_results: list[dict] = []
-    import dmuon.sim.hardware as H
+    import dmuon.sim._engine.hardware as H
 
     hw_records = [H.load(f) for f in args.hw]
     calibrations = []

@@ -6,7 +6,7 @@ parameters hands off to :func:`clip_grad_norm_` (other calls unchanged). It impo
 first :func:`dedicate_params` installs the rest (the ``fully_shard`` skip of dedicated
 parameters, GradScaler, DCP load errors, the DDP and foreign-optimizer guards, accelerate /
 transformers / torchtitan when imported). All of it is one list,
-:mod:`dmuon.integrations.patches`: ``dmuon.integrations.status()`` shows it,
+:mod:`dmuon.integrations._patches`: ``dmuon.integrations.status()`` shows it,
 ``DMUON_NO_PATCHES=1`` or ``dmuon.integrations.disable()`` leaves every library untouched
 (explicit paths: :func:`fsdp2_ignored_params`, :class:`GradScaler`, :func:`clip_grad_norm_`,
 :class:`DCPLoadPlanner`, ``dmuon.integrations.enable("accelerate")``; docs/integrations.md).
@@ -28,7 +28,7 @@ Public names (the README's "API" section):
 import importlib as _importlib
 
 from dmuon import _registry
-from dmuon.integrations import patches as _patches  # noqa: F401 - registers the list (names its wrappers, imports none)
+from dmuon.integrations import _patches as _patches  # noqa: F401 - registers the list (names its wrappers, imports none)
 
 _registry.install_stage("import")  # the clip_grad_norm_ hand-off only
 
@@ -38,17 +38,17 @@ _LAZY = {
     "exec": "dmuon.exec",
     "integrations": "dmuon.integrations",
     "sim": "dmuon.sim",
-    "zoo": "dmuon.zoo",
-    "dedicate_params": "dmuon.exec.setup.api:dedicate_params",
-    "Muon": "dmuon.exec.optim.muon:Muon",
-    "no_sync": "dmuon.exec.runtime.runtime:no_sync",
-    "clip_grad_norm_": "dmuon.exec.optim.clip:clip_grad_norm_",
-    "full_state_dict": "dmuon.exec.state.model_state:full_state_dict",
-    "init_params": "dmuon.exec.setup.materialize:init_params",
-    "qk_clip": "dmuon.exec.optim.qk_clip",
-    "GradScaler": "dmuon.exec.optim.amp:GradScaler",
-    "DCPLoadPlanner": "dmuon.exec.state.dcp_errors:DCPLoadPlanner",
-    "fsdp2_ignored_params": "dmuon.exec.setup.fsdp2:ignored_params",
+    "zoo": "dmuon._zoo",
+    "dedicate_params": "dmuon.exec._setup.api:dedicate_params",
+    "Muon": "dmuon.exec._optim.muon:Muon",
+    "no_sync": "dmuon.exec._runtime.runtime:no_sync",
+    "clip_grad_norm_": "dmuon.exec._optim.grad_clip:clip_grad_norm_",
+    "full_state_dict": "dmuon.exec._state.model_state:full_state_dict",
+    "init_params": "dmuon.exec._setup.materialize:init_params",
+    "qk_clip": "dmuon.exec._optim.qk_clip",
+    "GradScaler": "dmuon.exec._optim.amp:GradScaler",
+    "DCPLoadPlanner": "dmuon.exec._state.dcp_errors:DCPLoadPlanner",
+    "fsdp2_ignored_params": "dmuon.exec._setup.fsdp2:ignored_params",
 }
 
 __all__ = ["plan", "exec", "integrations", "dedicate_params", "Muon", "no_sync", "clip_grad_norm_"]

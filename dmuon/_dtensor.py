@@ -2,7 +2,7 @@
 integrations.
 
 A leaf (no dmuon imports) that never imports ``torch.distributed``: the planner is pure
-(:mod:`dmuon.plan.model.snapshot` reads TP placements through it) and the runtime asks the same
+(:mod:`dmuon.plan._model.snapshot` reads TP placements through it) and the runtime asks the same
 question the same way. A DTensor is recognised by its public ``device_mesh`` and ``placements``
 (what every caller then reads), not by type, so the pure planner needs no import to tell.
 """

@@ -1,5 +1,5 @@
 """Which framework a call comes from, and the fix to name for it: a leaf module (no dmuon imports),
-read by the set-up guards (:mod:`dmuon.exec.setup.guards`) and re-exported by :mod:`dmuon.integrations`.
+read by the set-up guards (:mod:`dmuon.exec._setup.guards`) and re-exported by :mod:`dmuon.integrations`.
 
 Also the one statement of dmuon's set-up order (:data:`SET_UP_ORDER`), which every set-up error
 quotes.

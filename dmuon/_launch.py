@@ -2,7 +2,7 @@
 
 The package's one launcher of local ranks: the test suite (``tests/dist_utils.py`` re-exports
 these names), :func:`dmuon.testing.check_against_reference`, ``python -m dmuon train``
-(:func:`dmuon.train.launch.run`), the simulator's calibration (:mod:`dmuon.sim.calibrate`) and the
+(:func:`dmuon._cli.train_command.run`), the simulator's calibration (:mod:`dmuon.sim._calibrate`) and the
 benchmarks (``benchmarks/step_time.py``) use it. Process start-up
 (importing torch) dominates on a small machine, so a caller should run several cases inside
 ONE call: ``fn`` loops over its cases and returns one picklable result per rank::

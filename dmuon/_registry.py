@@ -4,7 +4,7 @@ Every change dmuon makes to an object it does not own is an :class:`Integration`
 (module + attribute), the wrapper factory, the leading parameters of the target the wrapper
 relies on (checked before wrapping: a library upgrade fails with :class:`IntegrationError`
 naming the integration, never with a wrong result), when it is installed and why. The one list
-of them is :mod:`dmuon.integrations.patches`, registered here (:func:`register`) by ``import
+of them is :mod:`dmuon.integrations._patches`, registered here (:func:`register`) by ``import
 dmuon``; :data:`INTEGRATIONS` is that list once registered. Installing and undoing go through
 :func:`install` / :func:`uninstall` only; every wrapper carries ``__dmuon_wraps__`` (the
 integration's name) and ``__wrapped__`` (the original), and :func:`uninstall` puts the original
@@ -100,7 +100,7 @@ class Integration:
 
 _LOCK = threading.RLock()
 
-#: every registered integration, in order (:func:`register`; ``dmuon.integrations.patches`` at ``import dmuon``)
+#: every registered integration, in order (:func:`register`; ``dmuon.integrations._patches`` at ``import dmuon``)
 INTEGRATIONS: tuple[Integration, ...] = ()
 _BY_NAME: dict[str, Integration] = {}
 #: short names accepted by :func:`install` for a family ("accelerate" -> its three entries)

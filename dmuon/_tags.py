@@ -3,7 +3,7 @@ one way to read and write them.
 
 A leaf: imports nothing (not dmuon, not torch), so that what must tell a dedicated parameter
 apart before ``dmuon.exec`` is imported (the ``torch.nn.utils.clip_grad_norm_`` hand-off,
-:mod:`dmuon.integrations.clip`) reads the same tag the runtime writes.
+:mod:`dmuon.integrations._clip_handoff`) reads the same tag the runtime writes.
 
 Tags (the attribute each is stored under is this module's business only)::
 
@@ -55,7 +55,7 @@ def write(obj: Any, tag: str, value: Any) -> None:
 
 
 def dedicated_info(p: Any):
-    """The ``DedicatedInfo`` (:class:`dmuon.exec.runtime.buffers.DedicatedInfo`) of ``p`` if
+    """The ``DedicatedInfo`` (:class:`dmuon.exec._runtime.packed_buffers.DedicatedInfo`) of ``p`` if
     :func:`dmuon.exec.apply` dedicated it, else None: the one way to ask "is this parameter
     dedicated" (also ``dmuon.exec.dedicated_info``)."""
     return getattr(p, PARAM, None)

@@ -210,12 +210,12 @@ CELLS = [
     new_markdown_cell(
         "## Tensor parallelism\n\n"
         "`tp_size` / `tp_shard_dims` plan TP on the unparallelised meta model (Megatron-style dims from "
-        "`dmuon.plan.model.parallel.megatron_tp_shard_dims`). Each matrix is orthogonalised by its owner's TP group, "
+        "`dmuon.plan._model.parallel.megatron_tp_shard_dims`). Each matrix is orthogonalised by its owner's TP group, "
         "either by Gram NS (fp32 `(d, d)` all-reduces) or by gathering it; `tp_ns='auto'` picks the "
         "fewer bytes. The diff compares the two choices by FQN. See `docs/tensor_parallel.md`."
     ),
     new_code_cell(
-        "from dmuon.plan.model.parallel import megatron_tp_shard_dims\n"
+        "from dmuon.plan._model.parallel import megatron_tp_shard_dims\n"
         "dims = megatron_tp_shard_dims(model)\n"
         "tp_auto = P.compile(model, 8, tp_size=8, tp_shard_dims=dims)\n"
         "tp_gram = P.compile(model, 8, tp_size=8, tp_shard_dims=dims, tp_ns='gram')\n"
@@ -281,7 +281,7 @@ CELLS = [
         "\"Collectives per buffer\"."
     ),
     new_code_cell(
-        "from dmuon.plan.tools.render import expert_lines\n"
+        "from dmuon.plan._tools.render import expert_lines\n"
         "\n"
         "qwen = zoo.qwen3_30b_a3b()\n"
         "after = P.compile(qwen, 64)\n"

@@ -80,7 +80,7 @@ class Attention(nn.Module):
         v = v.view(b, t, self.h_kv, D_H).transpose(1, 2).repeat_interleave(H // self.h_kv, dim=1)
         scores = q @ k.transpose(-1, -2) / math.sqrt(D_H)
         mask = torch.ones(t, t, dtype=torch.bool).tril()
-        from dmuon.exec.optim.qk_clip import max_logits_eager
+        from dmuon.exec._optim.qk_clip import max_logits_eager
 
         self.report(self, max_logits_eager(scores, mask))
         y = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dmuon.plan.cost.flops import ns_flops, tp_ns_flops
-from dmuon.plan.cost.model import ByteCost
-from dmuon.plan.cost.nbytes import broadcast_nbytes, reduce_nbytes
-from dmuon.plan.rules import tp_rank_nbytes
-from dmuon.plan.layout.buffers import Boundary
-from dmuon.plan.records.fields import itemsize_nbytes
-from dmuon.plan.records.owners import Owner
-from dmuon.plan.records.params import ParamSpec
-from dmuon.plan.rules import bcast_dtype, reduce_dtype
+from dmuon.plan._cost.flops import ns_flops, tp_ns_flops
+from dmuon.plan._cost.cost_model import ByteCost
+from dmuon.plan._cost.nbytes import broadcast_nbytes, reduce_nbytes
+from dmuon.plan._rules import tp_rank_nbytes
+from dmuon.plan._layout.buffer_layout import Boundary
+from dmuon.plan._records.fields import itemsize_nbytes
+from dmuon.plan._records.owners import Owner
+from dmuon.plan._records.params import ParamSpec
+from dmuon.plan._rules import bcast_dtype, reduce_dtype
 
 
 def formula_cost(plan) -> ByteCost:

@@ -1,4 +1,4 @@
-"""Counting spies on the Newton-Schulz backends, as :mod:`dmuon.exec.optim.ns_backends` resolves them.
+"""Counting spies on the Newton-Schulz backends, as :mod:`dmuon.exec._optim.ns_backends` resolves them.
 
 The NS modules keep no state, so tests that need "how many matrices were orthogonalised" wrap its
 public entry points with a counter for the duration of a test:
@@ -11,7 +11,7 @@ The wrapped names are the module attributes :class:`dmuon.Muon` resolves at call
 (``get_ns_backend`` looks ``newton_schulz`` / ``gram_newton_schulz`` up in the module's
 globals; the TP path calls ``_ns.sharded_gram_newton_schulz``), so every optimizer call goes
 through the counter. A call made through a name imported *before* patching
-(``from dmuon.exec.optim.ns_kernel import newton_schulz``) is not seen: call ``ns_mod.<name>``.
+(``from dmuon.exec._optim.ns_kernel import newton_schulz``) is not seen: call ``ns_mod.<name>``.
 
 :attr:`NSCounter.matrices` counts what a call orthogonalises: ``prod(x.shape[:-2])`` (a batch of
 ``B`` matrices counts ``B``, a 2-D matrix 1). Gram NS's safe fallback recomputes through the
@@ -26,7 +26,7 @@ import math
 from collections.abc import Iterator
 from unittest import mock
 
-from dmuon.exec.optim import ns_backends as ns_mod
+from dmuon.exec._optim import ns_backends as ns_mod
 
 #: The public orthogonalisation functions that are counted.
 BACKENDS = ("newton_schulz", "gram_newton_schulz", "sharded_gram_newton_schulz")

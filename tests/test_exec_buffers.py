@@ -35,7 +35,7 @@ def _worker(mesh_shape, collectives):
     import torch.distributed as dist
 
     import dmuon
-    from dmuon.exec.comm.collectives import LEDGER
+    from dmuon.exec._comm.collective_calls import LEDGER
 
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -194,7 +194,7 @@ def test_coalescing_guard_and_the_coalesced_issue(monkeypatch):
     broadcast (and one work) each. No process group needed: torch's calls are stubbed."""
     import contextlib
 
-    from dmuon.exec.comm import collectives as C
+    from dmuon.exec._comm import collective_calls as C
 
     class Backend:
         supports_coalescing = True

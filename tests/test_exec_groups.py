@@ -1,4 +1,4 @@
-"""dmuon's process-group cache (dmuon.exec.comm.groups): one launch, several dedications.
+"""dmuon's process-group cache (dmuon.exec._comm.groups): one launch, several dedications.
 
 ``dist.new_group`` is counted by a spy on every rank:
 
@@ -7,7 +7,7 @@
   groups, match each other bit for bit and the single-process oracle (fp32 NS bounds of
   tests/test_exec_oracle.py);
 * another mesh's rank table gets its own groups;
-* :func:`dmuon.exec.comm.groups.release_groups` destroys them (the next dedication creates them
+* :func:`dmuon.exec._comm.groups.release_groups` destroys them (the next dedication creates them
   again), and so does re-initialising the default group (the cache forgets the old world).
 """
 
@@ -34,7 +34,7 @@ def _worker(store_path):
     from torch.distributed.fsdp import fully_shard
 
     import dmuon
-    from dmuon.exec.comm import groups as G
+    from dmuon.exec._comm import groups as G
 
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -70,7 +70,7 @@ def _worker(cases, mesh_shape=None, replicate_async=True):
     from torch.distributed.fsdp import fully_shard
 
     import dmuon
-    from dmuon.exec.comm.collectives import LEDGER, metered
+    from dmuon.exec._comm.collective_calls import LEDGER, metered
     from ns_spy import counting_ns
 
     torch.set_num_threads(1)

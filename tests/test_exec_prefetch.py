@@ -22,7 +22,7 @@ def _run(collectives):
     import torch.distributed as dist
 
     import dmuon
-    from dmuon.exec.comm import collectives as C
+    from dmuon.exec._comm import collective_calls as C
 
     rank = dist.get_rank()
     model = make_model("tiny")  # 3 boundaries: layers.0 .. layers.2

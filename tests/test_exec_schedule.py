@@ -68,7 +68,7 @@ def _step(kind: str, micro: int, plan) -> P.Step:
 
 def _run_steps(model, opt, batches, *, world, rank, micro):
     import dmuon
-    from dmuon.exec.comm.collectives import LEDGER
+    from dmuon.exec._comm.collective_calls import LEDGER
 
     recorded = []
     for step, batch in enumerate(batches):
@@ -119,7 +119,7 @@ def _tp_worker(cases):
     from torch.distributed.fsdp import fully_shard
 
     import dmuon
-    from dmuon.train.model import GPT, apply_tensor_parallel
+    from dmuon._train.byte_gpt import GPT, apply_tensor_parallel
     from test_tp import _cfg
 
     torch.set_num_threads(1)

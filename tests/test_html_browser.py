@@ -6,7 +6,7 @@ the white page, several colours, and the pixel at the section's ``data-probe`` p
 fill the page drew there. The pages are also parsed and their ``data-*`` figures compared with
 the plan's (diff's, simulation's) own.
 
-Chromium: :func:`dmuon.plan.tools.html.browser.find_chromium` (``chromium``, Debian's package,
+Chromium: :func:`dmuon.plan._tools.html.browser.find_chromium` (``chromium``, Debian's package,
 which ``.ci/run`` installs; ``chromium-browser``, ``google-chrome``, or ``DMUON_CHROMIUM``). Missing, the test fails under ``CI=true``
 and skips with the reason elsewhere. Pixels are read with Pillow (matplotlib's dependency, in
 the ``test`` extra)."""
@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 import dmuon.plan as P
-from dmuon import zoo
-from dmuon.plan.tools.html.browser import find_chromium, screenshot
+from dmuon import _zoo as zoo
+from dmuon.plan._tools.html.browser import find_chromium, screenshot
 from html_pages import parse, root, sections
 
 COLUMN_PX = 1120  # each page's column in the shared screenshot (pages are 1080 wide)

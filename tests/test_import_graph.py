@@ -156,7 +156,7 @@ def test_named_modules_exist():
 
 #: modules that import the package face on purpose: the main job and the user-facing checker run
 #: dmuon as a user's script does
-FACE_USERS = {"dmuon.train.loop", "dmuon.testing.check"}
+FACE_USERS = {"dmuon._train.loop", "dmuon.testing._check"}
 
 
 def test_modules_import_what_they_use_from_its_module():
@@ -179,15 +179,15 @@ def test_checker_sees_lazy_and_relative_imports():
             "    from .optim import Muon",
             "def f():",
             "    from dmuon.integrations import framework_hint",
-            "    from ..runtime import runtime",
+            "    from .._runtime import runtime",
             "from ... import _registry",
-            "SPEC = ('dmuon.exec.optim.amp:route_unscale', 'dmuon.plan', 'dmuon.no.such:x', 'dmuon: a message')",
+            "SPEC = ('dmuon.exec._optim.amp:route_unscale', 'dmuon.plan', 'dmuon.no.such:x', 'dmuon: a message')",
         ]
     )
-    found = imports_of(PKG / "exec" / "setup" / "fsdp2.py", src)
+    found = imports_of(PKG / "exec" / "_setup" / "fsdp2.py", src)
     assert found == [
-        (5, "dmuon.integrations"), (6, "dmuon.exec.runtime.runtime"), (7, "dmuon._registry"),
-        (8, "dmuon.exec.optim.amp"), (8, "dmuon.plan"),
+        (5, "dmuon.integrations"), (6, "dmuon.exec._runtime.runtime"), (7, "dmuon._registry"),
+        (8, "dmuon.exec._optim.amp"), (8, "dmuon.plan"),
     ]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
@@ -210,8 +210,8 @@ import dmuon.plan
 out["dmuon.plan"] = loaded()
 import dmuon.sim
 out["dmuon.sim"] = loaded()
-import dmuon.zoo
-out["dmuon.zoo"] = loaded()
+import dmuon._zoo
+out["dmuon._zoo"] = loaded()
 out["all_in_dir"] = sorted(set(dmuon.__all__) - set(dir(dmuon)))
 out["hand_off"] = getattr(torch.nn.utils.clip_grad_norm_, "__dmuon_wraps__", None)
 
@@ -228,7 +228,7 @@ v = torch.nn.Parameter(torch.ones(2))
 v.grad = torch.full((2,), 3.0)
 _tags.write(v, _tags.PARAM, types.SimpleNamespace(is_owner=True, tp=None, runtime=lambda: None))
 out["dedicated_norm"] = torch.nn.utils.clip_grad_norm_([w, v], 1e9).item()
-out["after_dedicated_call"] = "dmuon.exec.optim.clip" in sys.modules
+out["after_dedicated_call"] = "dmuon.exec._optim.grad_clip" in sys.modules
 
 out["lazy"] = [dmuon.Muon.__module__, dmuon.dedicate_params.__module__, dmuon.qk_clip.__name__,
                dmuon.fsdp2_ignored_params.__module__]
@@ -242,7 +242,7 @@ def test_pure_import_loads_no_exec_and_no_fsdp():
     r = subprocess.run([sys.executable, "-c", _PURE], env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-4000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    for name in ("dmuon", "dmuon.plan", "dmuon.sim", "dmuon.zoo", "after_plain_call"):
+    for name in ("dmuon", "dmuon.plan", "dmuon.sim", "dmuon._zoo", "after_plain_call"):
         assert out[name] == [], (name, out[name])
     assert out["all_in_dir"] == []
     assert out["hand_off"] == "clip.nn_utils"  # import dmuon installs the clip hand-off, nothing else
@@ -250,5 +250,5 @@ def test_pure_import_loads_no_exec_and_no_fsdp():
     assert out["dedicated_norm"] == pytest.approx((48.0 + 18.0) ** 0.5)  # both counted once
     assert out["after_dedicated_call"] is True
     assert out["lazy"] == [
-        "dmuon.exec.optim.muon", "dmuon.exec.setup.api", "dmuon.exec.optim.qk_clip", "dmuon.exec.setup.fsdp2"
+        "dmuon.exec._optim.muon", "dmuon.exec._setup.api", "dmuon.exec._optim.qk_clip", "dmuon.exec._setup.fsdp2"
     ]

@@ -318,7 +318,7 @@ def _run_case(case: Case, tmp):
     import torch.distributed as dist
 
     import dmuon
-    from dmuon.exec.optim.muon import Muon
+    from dmuon.exec._optim.muon import Muon
 
     model, parallel_dims, training, optimizers, lr_schedulers, loss_fn = _setup(case, tmp)
     runtime = dmuon.exec.get_model_runtime(model)

@@ -22,7 +22,7 @@ import dmuon
 import dmuon.plan as P
 import dmuon.testing
 from dmuon.plan import ShardingPlan
-from dmuon.plan.records.owners import ExpertOwners
+from dmuon.plan._records.owners import ExpertOwners
 from dist_utils import run_distributed
 from moe_ep_models import E, full_model, ep_model, global_batches, is_expert, lm_loss
 
@@ -185,7 +185,7 @@ def test_ep_efsdp_plan_by_hand():
 
 def test_ep_dtensor_stack_refused():
     """A stack held as a DTensor (EP by Shard(0)) is refused with the reason (duck-typed DTensor)."""
-    import dmuon.plan.model.snapshot as snap
+    import dmuon.plan._model.snapshot as snap
 
     real = snap._tp_placement
 
@@ -340,7 +340,7 @@ def _train(model, opt, first_step=None, ops=None) -> tuple[list[float], list[int
     receives every step's issued collectives (the ledger's record, as tuples)."""
     import torch.distributed as dist
 
-    from dmuon.exec.comm.collectives import LEDGER, metered
+    from dmuon.exec._comm.collective_calls import LEDGER, metered
 
     rank, world = dist.get_rank(), dist.get_world_size()
     losses, ledgers, norm = [], [], None

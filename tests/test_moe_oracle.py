@@ -143,7 +143,7 @@ def _build(kind, E, mesh_shape, dk, ns_dtype=torch.float32, variant="muon"):
 def _train(kind, model, opt, batches, ledgers=None):
     import torch.distributed as dist
 
-    from dmuon.exec.comm.collectives import LEDGER
+    from dmuon.exec._comm.collective_calls import LEDGER
 
     rank, world = dist.get_rank(), dist.get_world_size()
     losses = []
@@ -361,7 +361,7 @@ def test_matches_reference_and_ledger_equals_plan(request, world, i):
             assert other["losses"] == per_rank[0]["losses"], name
     else:
         assert "all_gather" in kinds, (name, kinds)  # collectives="auto" on these small buffers
-    from dmuon.plan.layout.slots import in_place_stacks
+    from dmuon.plan._layout.slots import in_place_stacks
 
     # the runtime receives in place exactly the stacks the plan says (plan.assembled_nbytes leaves them out)
     want = sorted(fqn for b in plan.boundaries for buf in b.buffers for fqn in in_place_stacks(buf))

@@ -48,7 +48,7 @@ from dmuon.plan import (
     ParamSpec,
     ShardingPlan,
 )
-from dmuon.plan.layout.buffers import LayoutEntry, Segment, SubSegment
+from dmuon.plan._layout.buffer_layout import LayoutEntry, Segment, SubSegment
 from moe_models import GroupedLM
 
 W1, W2, W3 = (f"layers.0.moe.experts.w{i}" for i in (1, 2, 3))
@@ -216,7 +216,7 @@ def test_bytes_per_phase_are_the_formula_on_other_meshes(mesh):
     # more and fewer experts than shard ranks (E = 3 on N = 4 and 8), HSDP: (N-1) P_M per phase
     # and replica row (R (N-1) P_M summed over rows) with broadcasts; R N (N-1) slot per phase and
     # all-gathered buffer
-    from dmuon.plan.model.experts import expert_range_count
+    from dmuon.plan._model.expert_ranges import expert_range_count
 
     for E in (3, 5):
         for mode in ("broadcast", "all_gather"):
@@ -331,7 +331,7 @@ def test_routers_adamw_leaves_exactly_the_routers_to_adamw(builder, routers):
 
 
 def test_routers_torchtitan_names_ep_predicate_and_errors():
-    from dmuon.plan.model.experts import is_router
+    from dmuon.plan._model.expert_ranges import is_router
     from moe_ep_models import ep_model, full_model
 
     grouped = GroupedLM(3)  # moe.router (E, D), moe.experts.w1/w2/w3
@@ -573,8 +573,8 @@ def test_every_expert_one_owner_and_the_balance_bound(blocks, N, R, mode):
     dense matrix, slack x mean, w). auto: buffers whose stacks were water-filled keep every segment
     inside the slot (slot = round_up(largest segment + 1)), so per boundary and buffer no rank
     owns more than slot - 1 elements of it."""
-    from dmuon.plan.model.experts import expert_range_count
-    from dmuon.plan.layout.buffers import round_up
+    from dmuon.plan._model.expert_ranges import expert_range_count
+    from dmuon.plan._layout.buffer_layout import round_up
 
     with torch.device("meta"):
         model = _Model(blocks)

@@ -9,7 +9,7 @@ Runtime (gloo, W = 2 1-D and W = 4 HSDP (2, 2), fp32 NS), against a single-proce
 ``torch.optim.Muon`` with every view block as its own 2-D parameter (gradients sliced out of the
 full gradient, blocks copied back after the step), ``torch.optim.AdamW`` on the rest, and the
 QK-clip rule applied after the step, head by head, from the reference's own forward logits
-(written independently of ``dmuon.exec.optim.qk_clip``). Checked: losses (1e-6 relative), full
+(written independently of ``dmuon.exec._optim.qk_clip``). Checked: losses (1e-6 relative), full
 parameters (1e-4 of each tensor's largest magnitude), bytes per step per rank equal to the
 plan's schedule (QK-clip's all-reduce included, also with 2 micro-batches under
 ``dmuon.no_sync``), clipped-head counts equal to the oracle's with both clipped and unclipped
@@ -33,9 +33,9 @@ from shared_launch import shared_run
 from oracle import HP, dmuon_muon_kwargs, dmuon_optimizer, fp32_newton_schulz, global_batches, lm_loss
 
 import dmuon
-from dmuon.plan.model import views as V
-from dmuon.plan.records.qk_clip import AttentionClip, HeadRows, QKClip, attention_qk_clip, gpt2_qk_clip
-from dmuon.plan.records.params import MatrixView
+from dmuon.plan._model import views as V
+from dmuon.plan._records.qk_clip_records import AttentionClip, HeadRows, QKClip, attention_qk_clip, gpt2_qk_clip
+from dmuon.plan._records.params import MatrixView
 
 STEPS = 3
 LOSS_RTOL = 1e-6
@@ -95,7 +95,7 @@ def test_view_helpers_blocks():
 
 
 def test_view_ns_flops_lpt_and_summary():
-    from dmuon.plan.cost.flops import ns_flops, spec_ns_flops
+    from dmuon.plan._cost.flops import ns_flops, spec_ns_flops
 
     model = AttnLM("gqa")
     views = {"*.q_proj.weight": V.heads(4), "*.o_proj.weight": V.heads(4, dim=1)}
@@ -120,7 +120,7 @@ def test_view_ns_flops_lpt_and_summary():
 def test_view_tp_combinations():
     """Per-head views under TP work when TP shards the view's dim with whole blocks per shard
     (colwise q/k/v, rowwise o_proj): tp_ns='local', no TP collective, NS per rank = its blocks."""
-    from dmuon.train.model import GPT, GPTConfig
+    from dmuon._train.byte_gpt import GPT, GPTConfig
 
     cfg = GPTConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=4, d_mlp=64, seq_len=8)
     model = GPT(cfg, device="meta")
@@ -146,7 +146,7 @@ def test_view_step_equals_torch_muon_per_block(adjust_lr_fn):
     adjust_lr is the block's (original: sqrt(6) and sqrt(2), the whole matrix's would be sqrt(1.5);
     match_rms_adamw: 0.2*sqrt(12) for both)."""
     from dmuon import _tags
-    from dmuon.exec.runtime.buffers import DedicatedInfo
+    from dmuon.exec._runtime.packed_buffers import DedicatedInfo
 
     for ns_dtype in (torch.bfloat16, torch.float32):
         torch.manual_seed(0)
@@ -169,7 +169,7 @@ def test_view_step_equals_torch_muon_per_block(adjust_lr_fn):
             assert torch.equal(w.detach(), got)
         else:
             assert (w.detach() - got).abs().max() / got.abs().max() < 1e-6
-    from dmuon.exec.optim.muon_step import adjust_lr
+    from dmuon.exec._optim.muon_step import adjust_lr
 
     assert [adjust_lr(1.0, adjust_lr_fn, b) for b in MatrixView(dim=1, sizes=(2, 6)).blocks((12, 8))] == (
         [1.0 * math.sqrt(6), math.sqrt(2)] if adjust_lr_fn is None else [0.2 * math.sqrt(12)] * 2
@@ -218,7 +218,7 @@ def test_qk_clip_plan_cost_and_errors():
 
 
 def test_max_logits_helpers():
-    from dmuon.exec.optim.qk_clip import max_logits_eager, max_logits_sdpa
+    from dmuon.exec._optim.qk_clip import max_logits_eager, max_logits_sdpa
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 5, 3, generator=g)
@@ -247,7 +247,7 @@ def _views_for(name: str):
 
 
 def _apply_clip_reference(params, qk: QKClip, maxes) -> int:
-    """The rule, head by head (independent of dmuon.exec.optim.qk_clip). Returns clipped heads."""
+    """The rule, head by head (independent of dmuon.exec._optim.qk_clip). Returns clipped heads."""
     clipped = 0
     for a in qk.attention:
         S = maxes[a.module]
@@ -391,9 +391,9 @@ def _worker(cases, mesh_shape, check_error):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from dmuon.exec.comm.collectives import LEDGER
-    from dmuon.plan.cost.nbytes import schedule_byte_cost
-    from dmuon.plan.scheduling.ops import MicroBatch, Step
+    from dmuon.exec._comm.collective_calls import LEDGER
+    from dmuon.plan._cost.nbytes import schedule_byte_cost
+    from dmuon.plan._scheduling.ops import MicroBatch, Step
 
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -635,8 +635,8 @@ def _tp_worker():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from dmuon.exec.comm.collectives import LEDGER
-    from dmuon.train.model import GPT, GPTConfig, apply_tensor_parallel
+    from dmuon.exec._comm.collective_calls import LEDGER
+    from dmuon._train.byte_gpt import GPT, GPTConfig, apply_tensor_parallel
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
@@ -677,7 +677,7 @@ def _tp_worker():
 
 
 def _tp_and_main_job_worker():
-    from dmuon.train import run
+    from dmuon._train import run
 
     job = dict(d_model=32, n_layers=2, n_heads=4, d_mlp=64, seq_len=16, batch=4, eval_batch=4, eval_batches=1,
                steps=3, eval_every=0, log_every=1, quiet=True, qk_clip=0.02, matrix_views="per-head", ns_dtype="fp32")
@@ -710,7 +710,7 @@ def test_hf_llama_helpers_on_hf_names():
     a dependency): GQA head counts from the config, Qwen2 biases, Qwen3's q_norm refused."""
     import types
 
-    from dmuon.plan.records.qk_clip import hf_llama_qk_clip
+    from dmuon.plan._records.qk_clip_records import hf_llama_qk_clip
 
     def lm(bias: bool, qk_norm: bool):
         attn = torch.nn.Module()

@@ -1,4 +1,4 @@
-"""dmuon.exec.optim.ns_kernel / ns_gram / ns_coefficients / ns_backends: bit-identity with torch, batching, presets, counter, FLOPs.
+"""dmuon.exec._optim.ns_kernel / ns_gram / ns_coefficients / ns_backends: bit-identity with torch, batching, presets, counter, FLOPs.
 
 Tolerances used here:
 - 2-D, dtype=bf16: bit-identical to ``torch.optim._muon._zeropower_via_newtonschulz``.
@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns
 from torch.utils.flop_counter import FlopCounterMode
 
-import dmuon.exec.optim.ns_backends as ns_mod
-import dmuon.exec.optim.ns_kernel as ns_kernel
-from dmuon.exec.optim.ns_coefficients import NS_PRESETS, coefficient_schedule
-from dmuon.exec.optim.ns_kernel import newton_schulz, ns_flops
+import dmuon.exec._optim.ns_backends as ns_mod
+import dmuon.exec._optim.ns_kernel as ns_kernel
+from dmuon.exec._optim.ns_coefficients import NS_PRESETS, coefficient_schedule
+from dmuon.exec._optim.ns_kernel import newton_schulz, ns_flops
 from ns_spy import spy_ns
 
 MUON = (3.4445, -4.775, 2.0315)
@@ -260,13 +260,13 @@ def test_ns_flops_matches_flop_counter(shape):
 #   PolarExpress (normalisation by 1.01·‖X‖_F, safety-scaled table): <= 1e-12.
 # ---------------------------------------------------------------------------------------------
 
-from dmuon.exec.optim.ns_backends import NS_BACKENDS, get_ns_backend  # noqa: E402
-from dmuon.exec.optim.ns_coefficients import (  # noqa: E402
+from dmuon.exec._optim.ns_backends import NS_BACKENDS, get_ns_backend  # noqa: E402
+from dmuon.exec._optim.ns_coefficients import (  # noqa: E402
     POLAR_EXPRESS_PUBLISHED,
     POLAR_EXPRESS_SAFETY,
     schedule_gain_bounds,
 )
-from dmuon.exec.optim.ns_gram import (  # noqa: E402
+from dmuon.exec._optim.ns_gram import (  # noqa: E402
     gram_newton_schulz,
     gram_ns_flops,
     gram_ns_from_gram,
@@ -337,7 +337,7 @@ def test_deepseek_v4_preset_is_fixed_length_and_never_truncated():
     """Issue #37: the DeepSeek-V4 schedule (8 x Muon's triple, then 2 x (2, -1.5, 0.5)) is a
     fixed 10-step recipe: 10 steps or an error, ns_steps=None selects 10; every per-step preset
     declares its length policy (none truncates silently)."""
-    from dmuon.exec.optim.ns_coefficients import DEEPSEEK_V4, PRESET_LENGTH_POLICY, resolve_ns_steps
+    from dmuon.exec._optim.ns_coefficients import DEEPSEEK_V4, PRESET_LENGTH_POLICY, resolve_ns_steps
 
     assert DEEPSEEK_V4 == (MUON,) * 8 + ((2.0, -1.5, 0.5),) * 2 and NS_PRESETS["deepseek_v4"] == DEEPSEEK_V4
     assert coefficient_schedule("deepseek_v4", 10) == DEEPSEEK_V4
@@ -413,9 +413,9 @@ def test_gram_segments():
 
 
 def test_flop_formulas_and_segment_rule_are_the_cost_models():
-    """One definition each (dmuon.plan.cost.flops, dmuon.plan.rules): the optimizer and the plan cannot disagree."""
-    from dmuon.plan.cost import flops as cost
-    from dmuon.plan import rules
+    """One definition each (dmuon.plan._cost.flops, dmuon.plan._rules): the optimizer and the plan cannot disagree."""
+    from dmuon.plan._cost import flops as cost
+    from dmuon.plan import _rules as rules
 
     assert ns_kernel.ns_flops is cost.ns_flops
     sched = coefficient_schedule(MUON, 5)
@@ -582,8 +582,8 @@ def test_symmetric_gram_is_x_xt(shape):
     """Gram NS's X Xᵀ (issue #17): from d = 256 its lower blocks only, the upper right block
     mirrored exactly; the same values as the full product (the same dot products, up to the
     kernel's summation order), also for a transposed (tall) view."""
-    from dmuon.exec.optim.ns_gram import _symmetric_gram
-    from dmuon.plan.cost.flops import GRAM_SYM_MIN_SIDE
+    from dmuon.exec._optim.ns_gram import _symmetric_gram
+    from dmuon.plan._cost.flops import GRAM_SYM_MIN_SIDE
 
     x = _randn(*shape).double()
     h = shape[-2] // 2
@@ -599,7 +599,7 @@ def test_symmetric_gram_is_x_xt(shape):
 def test_fallback_inner_product_paths(batch):
     """The fallback check's ⟨Y, X⟩ per matrix, on its fast paths and its strided fallback,
     against the sum of products in float64."""
-    from dmuon.exec.optim.ns_gram import _batched_inner
+    from dmuon.exec._optim.ns_gram import _batched_inner
 
     Y, X = _randn(batch, 12, 40), _randn(batch, 12, 40)
     expect = (Y.double() * X.double()).sum(dim=(-2, -1))

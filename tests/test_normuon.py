@@ -1,11 +1,11 @@
 """NorMuon in ``dmuon.Muon`` (issue #37), single process: the second moment's layout for every
 kind of Muon matrix against the reference's per-proxy second moments, the owner's normalisation
-against :mod:`dmuon.testing.normuon` matrix by matrix, and the refusals.
+against :mod:`dmuon.testing._normuon_reference` matrix by matrix, and the refusals.
 
 For each layout (a Linear, a conv weight, expert stacks in every ``ExpertStack`` orientation and
 gate/up form, row- and column-block views), a random second moment ``v`` of the layout's shape
 (:func:`second_moment_shape`) is broadcast back over the ``in`` axis to a tensor of the
-parameter's shape; every proxy of that parameter (:mod:`dmuon.testing.proxies`, the matrices the
+parameter's shape; every proxy of that parameter (:mod:`dmuon.testing._proxies`, the matrices the
 reference orthogonalises) must then see, in each of its rows, the one value
 :func:`second_moment_rows` gives for that matrix's row. The owner's batched normalisation of the
 parameter's matrices, mapped back to storage, must equal the reference's ``normuon_normalize`` of
@@ -20,10 +20,10 @@ import pytest
 import torch
 
 import dmuon.testing as T
-import dmuon.testing.normuon as R
-from dmuon.exec.optim import normuon as nm
-from dmuon.exec.optim.experts import matrices_to_stack, stack_to_matrices
-from dmuon.plan.records.params import ExpertStack, MatrixView
+import dmuon.testing._normuon_reference as R
+from dmuon.exec._optim import normuon_update as nm
+from dmuon.exec._optim.expert_update import matrices_to_stack, stack_to_matrices
+from dmuon.plan._records.params import ExpertStack, MatrixView
 
 
 def _info(matrix_shape, experts=None, view=None):

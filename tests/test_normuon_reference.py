@@ -1,4 +1,4 @@
-"""The NorMuon reference (:mod:`dmuon.testing.normuon`) against values computed by hand on small
+"""The NorMuon reference (:mod:`dmuon.testing._normuon_reference`) against values computed by hand on small
 matrices, its invariants (Frobenius norm kept, rows equalised at the first step, a bias
 correction would cancel, batches are per matrix), the owner-group / TP block form with one
 all-reduce against the whole matrix, and the reference's Newton-Schulz against torch's."""
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-import dmuon.testing.normuon as R
+import dmuon.testing._normuon_reference as R
 
 f64 = torch.float64
 

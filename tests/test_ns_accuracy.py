@@ -57,10 +57,10 @@ import warnings
 import pytest
 import torch
 
-import dmuon.exec.optim.ns_backends as ns
-import dmuon.exec.optim.ns_coefficients as ns_coef
-import dmuon.exec.optim.ns_gram as ns_gram
-from dmuon.plan import rules
+import dmuon.exec._optim.ns_backends as ns
+import dmuon.exec._optim.ns_coefficients as ns_coef
+import dmuon.exec._optim.ns_gram as ns_gram
+from dmuon.plan import _rules as rules
 from conftest import REPO_ROOT
 from ns_spy import spy_ns
 
@@ -275,7 +275,7 @@ MAIN_BOUNDS = {
 
 
 def _picked(matrix: str) -> str:
-    """The backend "auto" runs on a zoo / main-job matrix (dmuon.plan.rules.choose_ns_backend)."""
+    """The backend "auto" runs on a zoo / main-job matrix (dmuon.plan._rules.choose_ns_backend)."""
     return rules.choose_ns_backend(tuple(acc.zoo_matrix(matrix).shape), "auto")
 
 

@@ -1,7 +1,7 @@
 """``ns_backend="auto"`` (issue #17 §1): the plan records the backend each matrix runs, the cost
 model counts its FLOPs, ``dmuon.Muon`` runs it and refuses a plan that records another one.
 
-* the rule (:func:`dmuon.plan.rules.choose_ns_backend`) against hand-computed FLOP counts;
+* the rule (:func:`dmuon.plan._rules.choose_ns_backend`) against hand-computed FLOP counts;
 * ``compile(ns_backend=...)`` on the main job's GPT (meta device): which matrices get Gram NS,
   JSON round trip, default plans' JSON unchanged, busiest-rank FLOPs of both benchmark sizes;
 * :func:`auto_newton_schulz` equals the backend it picks, bit for bit;
@@ -25,11 +25,11 @@ from torch import nn
 
 import dmuon
 from dmuon import _tags
-from dmuon.exec.optim import ns_backends as ns
-from dmuon.plan.cost import flops as cost
-from dmuon.plan import rules
-from dmuon.plan.records.params import ParamSpec
-from dmuon.train.model import GPT, GPTConfig
+from dmuon.exec._optim import ns_backends as ns
+from dmuon.plan._cost import flops as cost
+from dmuon.plan import _rules as rules
+from dmuon.plan._records.params import ParamSpec
+from dmuon._train.byte_gpt import GPT, GPTConfig
 from dist_utils import run_distributed
 
 SIZES = {  # benchmarks/step_time.py
@@ -153,7 +153,7 @@ def _muon_step_calls(model: nn.Module, backend: str) -> tuple[list, dict]:
     """One ``muon_step`` of ``dmuon.Muon(ns_backend=backend)`` on ``model`` planned with the same
     backend (tags without a process group, fixed gradients): the backend functions it called, in
     order, with their input shapes, and the parameters after the step."""
-    from dmuon.exec.optim.muon_step import muon_step
+    from dmuon.exec._optim.muon_step import muon_step
 
     plan = dmuon.plan.compile(model, 1, ns_backend=backend)
     params = _tagged(model, plan)
@@ -212,7 +212,7 @@ def _auto_worker(steps):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from dmuon.exec.optim import ns_backends as ns_mod
+    from dmuon.exec._optim import ns_backends as ns_mod
     from ns_spy import counting_ns
     from oracle import dmuon_muon_kwargs, global_batches, lm_loss
 

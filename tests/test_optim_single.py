@@ -28,11 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dmuon import _tags
-import dmuon.exec.optim.ns_backends as ns_mod
-import dmuon.exec.optim.ns_coefficients as ns_coef
-import dmuon.exec.optim.muon as optim_mod
-from dmuon.exec.optim.muon_step import adjust_lr
-from dmuon.exec.optim.muon import Muon
+import dmuon.exec._optim.ns_backends as ns_mod
+import dmuon.exec._optim.ns_coefficients as ns_coef
+import dmuon.exec._optim.muon as optim_mod
+from dmuon.exec._optim.muon_step import adjust_lr
+from dmuon.exec._optim.muon import Muon
 from ns_spy import spy_ns
 from oracle import hand_fp32_newton_schulz
 
@@ -53,7 +53,7 @@ def _single_thread():
 
 @dataclasses.dataclass(frozen=True)
 class FakeInfo:
-    """Duck-typed stand-in for dmuon.exec.runtime.buffers.DedicatedInfo."""
+    """Duck-typed stand-in for dmuon.exec._runtime.packed_buffers.DedicatedInfo."""
 
     fqn: str
     owner_global_rank: int
@@ -606,7 +606,7 @@ def test_runtime_hooks_wrap_the_step(monkeypatch):
 def test_runtime_hooks_without_live_runtime_are_noops(monkeypatch):
     # the real hooks, on parameters whose runtime is gone (the tag's weakref answers None): they
     # find no runtime, do nothing, and the steps stay bit-identical to torch's Muon + AdamW
-    import dmuon.exec.runtime.runtime as runtime_mod
+    import dmuon.exec._runtime.runtime as runtime_mod
 
     ours, ref = make_pair()
     assert all(runtime_mod.get_runtime(p) is None for p in ours.parameters())
@@ -729,7 +729,7 @@ _DTENSOR_SCRIPT = textwrap.dedent(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor, Shard, Replicate
     from torch import nn
-    import dmuon.exec.optim.muon as optim_mod
+    import dmuon.exec._optim.muon as optim_mod
     from dmuon import _tags
     optim_mod.wait_pending = optim_mod.after_step = lambda params: None
     tmp = tempfile.TemporaryDirectory()

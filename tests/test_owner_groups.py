@@ -78,7 +78,7 @@ def batches(steps: int = STEPS):
 def _gram_reference_ns(grad, ns_coefficients, ns_steps, eps):
     """torch.optim.Muon's iteration replaced by Gram NS of the full matrix (fp32, the plan's
     default restart every 2 steps): what an owner group computes, sharded."""
-    from dmuon.exec.optim import ns_gram as ns
+    from dmuon.exec._optim import ns_gram as ns
 
     return ns.gram_newton_schulz(
         grad, coefficients=ns_coefficients, steps=ns_steps, eps=eps, dtype=torch.float32, fallback=False
@@ -104,7 +104,7 @@ def test_exclusive_owners_leave_a_rank_idle_and_the_summary_says_so():
 
 def test_forced_k2_plan_by_hand():
     from dmuon.plan import OwnerGroup
-    from dmuon.plan.cost.nbytes import all_reduce_rank_nbytes
+    from dmuon.plan._cost.nbytes import all_reduce_rank_nbytes
 
     plan = _plan(4, 2)
     owners = {spec.fqn: o for spec, o in zip(plan.params, plan.owners)}
@@ -147,7 +147,7 @@ def test_forced_k2_plan_by_hand():
 
 def test_forced_k4_and_hsdp_rows():
     from dmuon.plan import OwnerGroup
-    from dmuon.plan.cost.nbytes import all_reduce_rank_nbytes
+    from dmuon.plan._cost.nbytes import all_reduce_rank_nbytes
 
     plan = _plan(4, 4)
     for o in plan.owners:
@@ -174,7 +174,7 @@ def test_auto_with_ns_flops_never_raises_the_busiest_rank_ns():
     busiest rank's NS FLOPs must still fall, and no rank own nothing (found by a user trial:
     sizing by NS FLOPs cut every matrix across every rank, 44x the busiest rank's FLOPs)."""
     import dmuon
-    from dmuon.zoo import PRESETS
+    from dmuon._zoo import PRESETS
 
     for name, mesh in (("tiny-llama", 64), ("llama3-8b", 512)):
         model = PRESETS[name]()
@@ -195,7 +195,7 @@ def test_owner_group_errors():
             _plan(4, bad)
     assert _plan(4, 1) == _plan(4, "off")
     # matrices that cannot be cut keep one owner: a matrix view
-    from dmuon.plan.records.params import MatrixView
+    from dmuon.plan._records.params import MatrixView
 
     plan = dmuon.plan.compile(
         make_model(), 4, owner_groups=2, matrix_views={"layers.0.square.weight": MatrixView(dim=0, sizes=(4, 4))}
@@ -265,7 +265,7 @@ def _worker(root):
     import torch.distributed.checkpoint as dcp
 
     import dmuon
-    from dmuon.exec.comm.collectives import LEDGER
+    from dmuon.exec._comm.collective_calls import LEDGER
 
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()

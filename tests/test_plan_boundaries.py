@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import dmuon.plan as P
-from dmuon import zoo
-from dmuon.plan.model.boundaries import ancestors, heuristic_boundary
+from dmuon import _zoo as zoo
+from dmuon.plan._model.boundaries import ancestors, heuristic_boundary
 
 
 def tree(params: dict[str, tuple[int, ...]], special: dict[str, nn.Module] | None = None) -> nn.Module:
@@ -216,7 +216,7 @@ def test_expert_stack_view():
     assert (spec.shape, spec.matrix_shape, spec.num_matrices, spec.numel) == ((4, 32, 48), (32, 48), 4, 6144)
     assert plan.boundary("layers.1.mlp.experts.w2") == "layers.1"
     # ns_flops weights count each expert matrix: 4 * 5 * (4*32*32*48 + 2*32**3)
-    from dmuon.plan.cost.flops import ns_flops
+    from dmuon.plan._cost.flops import ns_flops
 
     assert ns_flops(32, 48, num_matrices=4) == 4 * 5 * (4 * 32 * 32 * 48 + 2 * 32**3)
     assert ns_flops(48, 32) == ns_flops(32, 48)

@@ -1,4 +1,4 @@
-"""CLI functions behind `python -m dmuon plan` / `python -m dmuon diff` (dmuon/plan/tools/cli.py)."""
+"""CLI functions behind `python -m dmuon plan` / `python -m dmuon diff` (dmuon/_cli/plan_commands.py)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import argparse
 
 import pytest
 
-from dmuon import zoo
+from dmuon import _zoo as zoo
 from dmuon.plan import ShardingPlan
-from dmuon.plan.tools.cli import main_diff, main_plan, parse_mesh
+from dmuon._cli.plan_commands import main_diff, main_plan, parse_mesh
 
 
 def test_parse_mesh():
@@ -123,7 +123,7 @@ def test_moe_presets_shapes_and_plan():
     """The HF fused-layout MoE presets: real shapes on the meta device (Qwen3-30B-A3B 30.5 B
     parameters, DeepSeek-V3-like 671 B), expert stacks recognised as 'hf', fused gate/up split."""
     import dmuon.plan as P
-    from dmuon.zoo import PRESETS
+    from dmuon._zoo import PRESETS
 
     qwen = PRESETS["qwen3-30b-a3b"]()
     shapes = {n: tuple(p.shape) for n, p in qwen.named_parameters()}
@@ -179,7 +179,7 @@ def test_expert_lines_singular_and_plural():
     expert on one rank is "1 stack, 1 expert, 1 Muon matrix ... 1 of 1 rank, 1 expert each"; the
     plural forms and an uneven range ("2-3 experts each") as before."""
     import dmuon.plan as P
-    from dmuon.plan.tools.render import expert_lines
+    from dmuon.plan._tools.render import expert_lines
 
     one = expert_lines(P.compile(_one_stack_model(1), 1))
     assert one == [
@@ -226,8 +226,8 @@ def test_plan_prints_compile_warnings_as_clean_lines(capsys):
 def test_simulate_refuses_top_k_outside_the_models_experts(capsys, model, top_k, why):
     """``python -m dmuon simulate --top-k K`` needs 1 <= K <= E of the model's stacks: an argparse
     error naming the bound (the tiny-moe preset has 4 experts per stack), before any simulation."""
-    from dmuon.zoo import PRESETS
-    from dmuon.sim.cli import expert_counts, main_simulate
+    from dmuon._zoo import PRESETS
+    from dmuon._cli.sim_commands import expert_counts, main_simulate
 
     if model == "tiny-moe":
         assert set(expert_counts(PRESETS[model]()).values()) == {4}
@@ -254,7 +254,7 @@ def test_plan_ep(tmp_path, capsys):
         assert [o.shard % 2 for o in plan.expert_owners(p.fqn)] == [0, 0, 1, 1]
     for argv, msg in (
         (["--model", "tiny-moe", "--mesh", "4", "--ep", "3"], "--ep 3: expert_parallel_variant: ep=3 does not divide the 4 experts"),
-        (["--model", "tiny-moe", "--mesh", "2x2", "--ep", "4"], "tiny-moe on --mesh (2, 2) --ep 4: dmuon.plan.compile: ep=4 does not divide the 2 shard ranks"),
+        (["--model", "tiny-moe", "--mesh", "2x2", "--ep", "4"], "tiny-moe on --mesh (2, 2) --ep 4: dmuon.plan._compile: ep=4 does not divide the 2 shard ranks"),
         (["--model", "tiny-llama", "--mesh", "4", "--tp", "3"], "tiny-llama on --mesh 4 --tp 3: "),
         (["--model", "tiny-moe", "--mesh", "4", "--experts", "off", "--expert-gate-up", "fused"], "--expert-gate-up with --experts off"),
         (["--model", "tiny-llama", "--mesh", "4", "--ep", "2"], "--ep 2: expert_parallel_variant: the model has no expert stack"),

@@ -17,10 +17,10 @@ import torch
 import torch.nn as nn
 
 import dmuon.plan as P
-from dmuon.plan import rules
-from dmuon.plan.cost.seconds import all_gather_call_s, broadcast_call_s, buffer_collective_s
-from dmuon.plan.layout.collectives import choose_collective
-from dmuon.plan.records.plan_json import JSON_FORMAT, JSON_FORMAT_V1
+from dmuon.plan import _rules as rules
+from dmuon.plan._cost.seconds import all_gather_call_s, broadcast_call_s, buffer_collective_s
+from dmuon.plan._layout.collective_rule import choose_collective
+from dmuon.plan._records.plan_json import JSON_FORMAT, JSON_FORMAT_V1
 from test_moe_plan import grouped_meta
 from test_plan_golden import build_a, build_b
 
@@ -102,7 +102,7 @@ def test_settings_and_buffer_validation():
 def test_constants_are_the_simulator_preset():
     """The auto rule's defaults are COPIED from the simulator's h100 inter-node link (dmuon.plan never
     imports dmuon.sim)."""
-    from dmuon.sim.hardware import PRESETS
+    from dmuon.sim._engine.hardware import PRESETS
 
     link = PRESETS["h100"].inter
     assert rules.COLLECTIVE_LATENCY_S == link.latency_s

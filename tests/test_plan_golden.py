@@ -20,7 +20,7 @@ from torch import nn
 
 import dmuon.plan as P
 from dmuon.plan import Boundary, BufferLayout, ByteCost, Owner
-from dmuon.plan.layout.buffers import LayoutEntry, Segment, SubSegment
+from dmuon.plan._layout.buffer_layout import LayoutEntry, Segment, SubSegment
 
 
 def o(shard: int, replicate: int, N: int) -> Owner:

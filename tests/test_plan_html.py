@@ -18,10 +18,10 @@ import sys
 import pytest
 
 import dmuon.plan as P
-from dmuon import zoo
-from dmuon.plan.records import plan_figures
-from dmuon.plan.tools.html.axes import MAX_COLS, MAX_ROWS, RankAxis, RowAxis, row_label
-from dmuon.plan.tools.html.svg import level, shape_count
+from dmuon import _zoo as zoo
+from dmuon.plan._records import plan_figures
+from dmuon.plan._tools.html.axes import MAX_COLS, MAX_ROWS, RankAxis, RowAxis, row_label
+from dmuon.plan._tools.html.svg import level, shape_count
 from html_pages import check_well_formed, parse, root, section, sections, with_data
 
 #: the size gate of the largest presets' plan pages (tests below): bytes of the page and SVG shapes
@@ -164,7 +164,7 @@ def _expert_ranges_named(page: str, rank: int, stack: str) -> set[tuple[int, int
 
 
 def test_tp_page_per_schedule_rank_bytes():
-    from dmuon.plan.model.parallel import megatron_tp_shard_dims
+    from dmuon.plan._model.parallel import megatron_tp_shard_dims
 
     model = zoo.tiny_llama()
     plan = P.compile(model, 2, tp_size=2, tp_shard_dims=megatron_tp_shard_dims(model))
@@ -252,8 +252,8 @@ def test_page_build_reads_the_schedule_twice_at_most(monkeypatch, preset):
     counted = copy.copy(nominal)
     object.__setattr__(counted, "ops", _CountingOps(nominal.ops))
     monkeypatch.setattr(plan_figures, "schedule", lambda p, step=None: counted)
-    from dmuon.plan.ownership import partition
-    from dmuon.plan.scheduling import builder
+    from dmuon.plan._ownership import partition
+    from dmuon.plan._scheduling import builder
 
     for module, name in ((partition, "lpt_partition"), (partition, "lpt_partition_groups"), (builder, "schedule")):
         monkeypatch.setattr(module, name, lambda *a, _n=name, **k: pytest.fail(f"the page called {_n}"))
@@ -316,8 +316,8 @@ def test_diff_page_different_meshes_compares_distributions():
 
 def test_simulation_page():
     import dmuon.sim as S
-    from dmuon.sim.html import merge_bars
-    from dmuon.sim.records import Interval
+    from dmuon.sim._pages.sim_html import merge_bars
+    from dmuon.sim._engine.records import Interval
 
     plan = P.compile(zoo.tiny_llama(), 4)
     hw = S.hardware.preset("h100")
@@ -345,7 +345,7 @@ def test_simulation_page():
 
 
 def test_html_options_of_the_clis(tmp_path, capsys):
-    from dmuon.plan.tools.cli import main_diff, main_plan
+    from dmuon._cli.plan_commands import main_diff, main_plan
 
     a, b, ph, dh = (str(tmp_path / n) for n in ("a.json", "b.json", "p.html", "d.html"))
     assert main_plan(["--model", "tiny-llama", "--mesh", "4", "--json", a, "--html", ph]) == 0
@@ -365,7 +365,7 @@ def test_html_options_of_the_clis(tmp_path, capsys):
 
 def test_import_dmuon_plan_does_not_load_the_pages():
     code = ("import sys, dmuon.plan as P; from dmuon import zoo; p = P.compile(zoo.tiny_llama(), 2); "
-            "assert not [m for m in sys.modules if m.startswith(('dmuon.plan.tools.html', 'dmuon.sim'))]; "
-            "p.summary(); assert 'dmuon.plan.tools.html' not in sys.modules; p._repr_html_(); "
-            "assert 'dmuon.plan.tools.html.plan_page' in sys.modules")
+            "assert not [m for m in sys.modules if m.startswith(('dmuon.plan._tools.html', 'dmuon.sim'))]; "
+            "p.summary(); assert 'dmuon.plan._tools.html' not in sys.modules; p._repr_html_(); "
+            "assert 'dmuon.plan._tools.html.plan_page' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

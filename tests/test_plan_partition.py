@@ -1,4 +1,4 @@
-"""Property tests of the constrained LPT owner assignment (dmuon/plan/ownership/partition.py)."""
+"""Property tests of the constrained LPT owner assignment (dmuon/plan/_ownership/partition.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from dmuon.plan.ownership.partition import lpt_partition
+from dmuon.plan._ownership.partition import lpt_partition
 
 SETTINGS = settings(max_examples=150, deadline=None, database=None)
 
@@ -174,7 +174,7 @@ def test_random_stress_bound_many_slots():
 
 from fractions import Fraction  # noqa: E402
 
-from dmuon.plan.ownership.partition import lpt_partition_groups  # noqa: E402
+from dmuon.plan._ownership.partition import lpt_partition_groups  # noqa: E402
 
 
 def row_blocks(long_side: int, short_numel: int, k: int) -> tuple[int, ...]:
@@ -451,7 +451,7 @@ def test_groups_row_constraint_costs_in_the_bound():
 
 
 def llama_items(layers: int, hidden: int, kv_dim: int, inter: int):
-    """The dedicated matrices of a Llama-3 shape (as dmuon.zoo builds them) as
+    """The dedicated matrices of a Llama-3 shape (as dmuon._zoo builds them) as
     (long side, short side) per FQN, in named_parameters() order."""
     shapes, keys, groups = [], [], []
     for layer in range(layers):

@@ -47,7 +47,7 @@ def offending_imports(path: pathlib.Path) -> list[tuple[int, str]]:
 
 def test_plan_package_has_files():
     names = {p.relative_to(PLAN_DIR).as_posix() for p in FILES}
-    assert {"__init__.py", "model/snapshot.py", "ownership/partition.py", "layout/buffers.py", "cost/model.py", "records/plan.py"} <= names
+    assert {"__init__.py", "_model/snapshot.py", "_ownership/partition.py", "_layout/buffer_layout.py", "_cost/cost_model.py", "_records/plan.py"} <= names
 
 
 @pytest.mark.parametrize("path", FILES, ids=[p.relative_to(PLAN_DIR).as_posix() for p in FILES])
@@ -64,7 +64,7 @@ def test_checker_catches_every_form(monkeypatch):
             "from torch.distributed.fsdp import MixedPrecisionPolicy",
             "from ..exec import runtime",
             "from .. import exec",
-            "import dmuon.exec.runtime.runtime",
+            "import dmuon.exec._runtime.runtime",
             "import importlib; importlib.import_module('torch.distributed')",
         ]
     )

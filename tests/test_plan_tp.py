@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import dmuon
-from dmuon.plan import rules as C
+from dmuon.plan import _rules as C
 
 
 class Block(nn.Module):
@@ -141,7 +141,7 @@ def test_plans_without_tp_keep_their_json():
 
 def test_snapshot_reads_dtensor_placements_by_duck_typing():
     """The plan never imports torch.distributed: DTensor placements are read as attributes."""
-    from dmuon.plan.model.snapshot import _tp_placement
+    from dmuon.plan._model.snapshot import _tp_placement
 
     class Shard:
         def __init__(self, dim):

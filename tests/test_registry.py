@@ -132,7 +132,7 @@ def test_clip_hand_off_passes_other_calls_through_unchanged(monkeypatch):
         seen.append((parameters, max_norm, norm_type, error_if_nonfinite, foreach))
         return orig(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
 
-    wrapper = dmuon.integrations.clip.hand_off(spy)
+    wrapper = dmuon.integrations._clip_handoff.hand_off(spy)
     w = torch.nn.Parameter(torch.ones(3))
     w.grad = torch.full((3,), 4.0)
     norm = wrapper((p for p in [w]), 1.0, 2.0, False, True)
@@ -329,7 +329,7 @@ def test_scaler_and_clip_made_before_the_first_dedication_still_work():
             scaler.step(opt); scaler.update()
         calls0 = dmuon.exec.ledger().calls["other"]
         with dmuon.exec.metered(record=True) as led:  # the ledger accessor and a metered block
-            dmuon.exec.comm.collectives.all_reduce_sum(torch.ones(3), group=None, phase="other")
+            dmuon.exec._comm.collective_calls.all_reduce_sum(torch.ones(3), group=None, phase="other")
         metered = dict(calls=dict(led.calls), ops=len(led.ops), process=dmuon.exec.ledger().calls["other"] - calls0)
         try:
             sgd.step()

@@ -284,7 +284,7 @@ def _case_dmuon_clip():
     import torch.distributed as dist
 
     import dmuon
-    from dmuon.exec.comm import collectives as C
+    from dmuon.exec._comm import collective_calls as C
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model, opt, plan = _build("tiny")

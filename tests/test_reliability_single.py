@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 import dmuon
-from dmuon.exec.optim import ns_backends as ns
+from dmuon.exec._optim import ns_backends as ns
 from oracle import Block, _ns_fp32
 
 COEFFS = (3.4445, -4.775, 2.0315)
@@ -90,7 +90,7 @@ def test_tiny_and_zero_matrices_in_one_batch_match_torch(shape):
 
 def test_muon_bucket_with_tiny_and_zero_gradients_matches_torch_muon(monkeypatch):
     """dmuon.Muon (fp32 NS: the three share one batched call) vs torch.optim.Muon (fp32 NS)."""
-    from dmuon.exec.optim import muon as optim_mod
+    from dmuon.exec._optim import muon as optim_mod
     from oracle import fp32_newton_schulz
     from test_optim_single import tag
 
@@ -197,8 +197,8 @@ class Degenerate(nn.Module):
 
 
 def test_degenerate_views_stay_with_adamw():
-    from dmuon.plan.model.selection import degenerate_reason
-    from dmuon.plan.model.snapshot import take_snapshot
+    from dmuon.plan._model.selection import degenerate_reason
+    from dmuon.plan._model.snapshot import take_snapshot
 
     model = Degenerate()
     assert dmuon.plan.compile(model, 2).dedicated == ("layers.0.fc.weight",)
@@ -294,7 +294,7 @@ GLOO_CLOSED = (
 
 
 def test_wait_all_names_a_transport_error_and_chains_the_backend_error():
-    from dmuon.exec.comm import collectives as C
+    from dmuon.exec._comm import collective_calls as C
 
     exc = RuntimeError(GLOO_CLOSED)
     with pytest.raises(C.CollectiveTransportError) as info:
@@ -315,7 +315,7 @@ def test_wait_all_names_a_transport_error_and_chains_the_backend_error():
 
 
 def test_wait_all_timeouts_stay_timeouts():
-    from dmuon.exec.comm import collectives as C
+    from dmuon.exec._comm import collective_calls as C
 
     # gloo's wait(timeout) raising "Operation timed out!" after dmuon's timeout
     work = _FakeWork(RuntimeError("Operation timed out!"), delay_s=0.2)
@@ -344,7 +344,7 @@ def test_wait_all_timeouts_stay_timeouts():
 def test_blocking_timeout_only_where_the_wait_blocks_the_cpu(monkeypatch):
     import torch.distributed as dist
 
-    from dmuon.exec.comm import collectives as C
+    from dmuon.exec._comm import collective_calls as C
 
     assert C.blocking_timeout_s(600.0, torch.device("cpu")) == 600.0
     assert C.blocking_timeout_s(None, torch.device("cpu")) is None
@@ -360,7 +360,7 @@ def test_blocking_timeout_only_where_the_wait_blocks_the_cpu(monkeypatch):
 
 
 def test_wait_report_classifies_backend_messages():
-    from dmuon.exec.comm.wait_report import backend_peer, is_timeout
+    from dmuon.exec._comm.wait_report import backend_peer, is_timeout
 
     for text in ("Operation timed out!", "Application timeout caused pair closure",
                  "[Rank 0] Work WorkNCCL(SeqNum=7, OpType=BROADCAST) timed out in blocking wait.",
@@ -396,7 +396,7 @@ def test_gradient_norm_below_eps_default_bf16_equals_torch_muon(monkeypatch):
     """||G||_F below eps (1e-7) and exactly 0, next to a normal gradient, in dmuon.Muon's default
     bf16 iteration: bit-equal to torch.optim.Muon's, finite (torch divides by max(||X||, eps):
     a tiny gradient is scaled by 1/eps, not normalised; a zero one stays zero)."""
-    from dmuon.exec.optim import muon as optim_mod
+    from dmuon.exec._optim import muon as optim_mod
 
     monkeypatch.setattr(optim_mod, "wait_pending", lambda params: None)
     monkeypatch.setattr(optim_mod, "after_step", lambda params: None)
@@ -418,7 +418,7 @@ def test_gradient_absent_for_the_first_steps_then_present_equals_torch_muon(monk
     """A matrix whose gradient is None for the first K steps: untouched by them (no momentum, no
     weight decay), then updated from step K+1 on exactly as torch.optim.Muon, which creates its
     momentum buffer at the first gradient (dmuon's exists from construction, zero)."""
-    from dmuon.exec.optim import muon as optim_mod
+    from dmuon.exec._optim import muon as optim_mod
 
     monkeypatch.setattr(optim_mod, "wait_pending", lambda params: None)
     monkeypatch.setattr(optim_mod, "after_step", lambda params: None)
@@ -451,7 +451,7 @@ def test_main_job_notes_no_bar_and_no_plot_off_a_terminal(monkeypatch):
     import io
     import sys
 
-    from dmuon.train import progress
+    from dmuon._train import progress
 
     monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal: no bar, one note
     assert isinstance(progress.progress_bar(total=3), progress._NoBar)

@@ -1,6 +1,6 @@
 """The interface between a hook boundary and its runtime, read from the source (AST, no process
-group): ``dmuon/exec/runtime/boundary.py`` uses exactly the members of
-:class:`dmuon.exec.runtime.boundary_host.BoundaryHost` on ``self.runtime_ref()``, the runtime has
+group): ``dmuon/exec/_runtime/boundary.py`` uses exactly the members of
+:class:`dmuon.exec._runtime.boundary_host.BoundaryHost` on ``self.runtime_ref()``, the runtime has
 every one of them, and boundary.py never imports the runtime module (not even for types)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pathlib
 
 from test_import_graph import imports_of
 
-RUNTIME_DIR = pathlib.Path(__file__).resolve().parents[1] / "dmuon" / "exec" / "runtime"
+RUNTIME_DIR = pathlib.Path(__file__).resolve().parents[1] / "dmuon" / "exec" / "_runtime"
 
 
 def host_members() -> set[str]:
@@ -60,7 +60,7 @@ def test_boundary_uses_exactly_the_host_interface():
 
 
 def test_runtime_provides_the_host_interface():
-    from dmuon.exec.runtime.runtime import DmuonRuntime
+    from dmuon.exec._runtime.runtime import DmuonRuntime
 
     tree = ast.parse((RUNTIME_DIR / "runtime.py").read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DmuonRuntime")
@@ -80,5 +80,5 @@ def test_boundary_does_not_import_the_runtime_module():
     every = [
         (n.lineno, n.module) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
     ] + [(n.lineno, a.name) for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
-    assert [x for x in every if x[1] == "dmuon.exec.runtime.runtime"] == []  # TYPE_CHECKING ones included
-    assert "dmuon.exec.runtime.runtime" not in {m for _, m in imports_of(RUNTIME_DIR / "boundary.py")}
+    assert [x for x in every if x[1] == "dmuon.exec._runtime.runtime"] == []  # TYPE_CHECKING ones included
+    assert "dmuon.exec._runtime.runtime" not in {m for _, m in imports_of(RUNTIME_DIR / "boundary.py")}

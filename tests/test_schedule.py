@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dmuon.plan as P
-from dmuon.plan.cost import nbytes as plan_cost
-from dmuon import zoo
+from dmuon.plan._cost import nbytes as plan_cost
+from dmuon import _zoo as zoo
 from dmuon.plan import MicroBatch, ScheduleError, Step
-from dmuon.plan.scheduling.replay import programs_of, replay
+from dmuon.plan._scheduling.schedule_replay import programs_of, replay
 from formula_cost import formula_cost, formula_rank_stats, schedule_fields
 from test_plan_compile import build, model_specs
 from test_plan_golden import build_a, build_b

@@ -14,14 +14,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dmuon.plan as P
-from dmuon import zoo
+from dmuon import _zoo as zoo
 import dmuon.sim as S
-from dmuon.plan.cost import flops as CF
-from dmuon.plan.cost import nbytes as C
-from dmuon.plan import rules as R
+from dmuon.plan._cost import flops as CF
+from dmuon.plan._cost import nbytes as C
+from dmuon.plan import _rules as R
 from dmuon.sim import hardware as H
-from dmuon.sim.lower import _SimOp
-from dmuon.sim.replay import _critical_path, replay_ops
+from dmuon.sim._engine import lower as _sim_lower
+from dmuon.sim._engine.lower import _SimOp
+from dmuon.sim._engine.sim_replay import _critical_path, replay_ops
 
 LINK = H.Link(latency_s=1e-5, bandwidth_Bps=1e9)
 
@@ -125,8 +126,8 @@ def test_attention_norm_activation_terms_by_hand():
     dimension, norms and the activation function per element (a third of the calibrated
     forward + backward in the forward); without them, the matmul curve at the whole width and
     6 resp. 2 memory passes (the GPU presets' figures, unchanged)."""
-    from dmuon.sim.lower import _work_s
-    from dmuon.sim.workload import Work
+    from dmuon.sim._engine.lower import _work_s
+    from dmuon.sim._engine.workload import Work
 
     plain = _cpu(autograd_matmul_efficiency=((10.0, 0.1), (1000.0, 0.4)), elementwise_Bps=1e9, autograd_op_s=5e-6)
     hw = dataclasses.replace(plain, attention_efficiency=((50.0, 0.1), (200.0, 0.4)),
@@ -153,8 +154,8 @@ def test_attention_norm_activation_terms_by_hand():
 def test_busy_node_factors_by_hand():
     """With every core busy the calibrated factors apply, matmul-class and memory-bound terms each
     their own; linear in the busy cores from 1 at one; one rank per node or the GPU default: 1."""
-    from dmuon.sim.lower import _work_s
-    from dmuon.sim.workload import Work
+    from dmuon.sim._engine.lower import _work_s
+    from dmuon.sim._engine.workload import Work
 
     hw = _cpu(ranks_per_node=4, cores_per_node=4, busy_compute_factor=1.3, busy_memory_factor=1.6,
               autograd_matmul_efficiency=((10.0, 0.5),), elementwise_Bps=1e9)
@@ -171,7 +172,7 @@ def test_newton_schulz_on_its_calibrated_curve_by_hand():
     """With ``ns_efficiency`` one NS call is ``flops / (peak · eff(d))`` (the whole call) plus the
     update's 6 passes and operators; without it, the matmuls on the plain curve plus ``2 · steps``
     passes and the iteration's operators (the GPU presets' figure)."""
-    from dmuon.sim.lower import _ns_s
+    from dmuon.sim._engine.lower import _ns_s
 
     plain = _cpu(matmul_efficiency=((100.0, 0.5),), elementwise_Bps=1e9, op_overhead_s=1e-6, ns_dtype="torch.float32")
     hw = dataclasses.replace(plain, ns_efficiency=((64.0, 0.2), (256.0, 0.8)))
@@ -190,7 +191,7 @@ def test_ns_batch_factor_by_hand():
     """Per matrix, a batched NS call of ``B`` costs ``factor(d, B)``: 1 at ``B = 1`` and without a
     table; linear in ``log B`` from (1, 1) through the measured batches, held beyond the largest;
     linear in ``log d`` between the measured ``d``, held outside; priced into one matrix's NS."""
-    from dmuon.sim.lower import _ns_s
+    from dmuon.sim._engine.lower import _ns_s
 
     hw = _cpu(ns_dtype="torch.float32", ns_efficiency=((64.0, 0.5), (512.0, 0.5)),
               ns_batch_factor=((128.0, 4.0, 0.8), (128.0, 16.0, 0.9), (512.0, 4.0, 1.2)))
@@ -214,9 +215,9 @@ def test_gram_ns_priced_on_its_own_curve():
     """A matrix that runs Gram NS (the plan's ``ns_backend="gram"``; owner groups' sharded Gram
     NS) is priced on ``gram_ns_efficiency`` where the record has it, on ``ns_efficiency``
     otherwise; the standard iteration and every baseline's NS stay on ``ns_efficiency``."""
-    from dmuon.sim.lower import _lower, _ns_backend, _owner_group_fqns
-    from dmuon.sim.simulate import _variant_ops
-    from dmuon.train.model import GPT, GPTConfig
+    from dmuon.sim._engine.lower import _lower, _ns_backend, _owner_group_fqns
+    from dmuon.sim._engine.simulate import _variant_ops
+    from dmuon._train.byte_gpt import GPT, GPTConfig
 
     def _ns_backends(plan):
         return {spec.fqn: _ns_backend(spec, _owner_group_fqns(plan)) for spec in plan.params}
@@ -255,9 +256,9 @@ def test_ns_batches_reach_the_ops():
     """dmuon prices each matrix's NS by the batch its owner runs it in (same-side matrices of one
     owner, tall and wide together), the naive baseline by the batch of every such matrix (every
     rank runs all of them), dion's all-to-all and bf16 NS unbatched."""
-    from dmuon.sim.lower import _lower, _ns_batch_factors, _ns_s, _owner_group_fqns
-    from dmuon.sim.simulate import _variant_ops
-    from dmuon.train.model import GPT, GPTConfig
+    from dmuon.sim._engine.lower import _lower, _ns_batch_factors, _ns_s, _owner_group_fqns
+    from dmuon.sim._engine.simulate import _variant_ops
+    from dmuon._train.byte_gpt import GPT, GPTConfig
 
     cfg = GPTConfig(vocab_size=256, d_model=128, n_layers=2, n_heads=4, d_mlp=512, seq_len=64)
     plan = P.compile(GPT(cfg, device="meta"), 2, cost_model="ns_flops")
@@ -295,8 +296,8 @@ def test_in_situ_costs_reach_the_ops(tiny):
     """FSDP2 calls pay ``fsdp2_call_s_at(k)`` on the thread and the naive baseline's all-gathers
     ``dtensor_gather_s_at(k)``: each extra second per call moves the replay by calls x seconds
     on the critical rank when nothing overlaps (one rank per core, no compute)."""
-    from dmuon.sim.lower import _lower
-    from dmuon.sim.simulate import _variant_ops
+    from dmuon.sim._engine.lower import _lower
+    from dmuon.sim._engine.simulate import _variant_ops
 
     plan, wl = tiny
     hw = _cpu(ranks_per_node=4, cores_per_node=4)
@@ -328,7 +329,7 @@ def test_fsdp2_collectives_block_the_thread_on_gloo(mesh, kind):
     nothing to hide it behind); on a GPU preset's streams the compute goes on, and of the
     gradient collectives only the two after the last backward (the first block's, the root's)
     are exposed."""
-    from dmuon.sim.simulate import _variant_ops
+    from dmuon.sim._engine.simulate import _variant_ops
 
     plan = P.compile(zoo.tiny_llama(), mesh)
     group = plan.mesh_shape[0] if kind == "all_reduce" else plan.mesh_shape[1]
@@ -364,7 +365,7 @@ def test_step_factor_and_blocking_wait_by_hand():
     assert H.Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
     # three stacks by hand: 2 ms fixed (+ 3 ms on the block-sized units), 0.2 s extra per second
     # of compute between the 12 calls
-    from dmuon.sim.calibrate import fsdp2_terms
+    from dmuon.sim._calibrate import fsdp2_terms
 
     def stack(fixed_s, compute_s):
         return dict(call_s=fixed_s + 0.2 * compute_s / 12, compute_s=compute_s, calls=12)
@@ -382,8 +383,8 @@ def test_step_factor_and_blocking_waits_reach_the_ops(tiny):
     Newton-Schulz or the optimizer; dmuon pays one blocking wait per (phase, boundary) of its
     broadcasts (or all-gathers) and one per micro-batch for its reduces (or reduce-scatters), FSDP2 +
     AdamW none beyond its calls."""
-    from dmuon.sim.lower import _lower
-    from dmuon.sim.simulate import _variant_ops
+    from dmuon.sim._engine.lower import _lower
+    from dmuon.sim._engine.simulate import _variant_ops
 
     plan, wl = tiny
     hw = _cpu(ranks_per_node=4, cores_per_node=4)
@@ -563,7 +564,7 @@ def test_workload_terms_by_hand():
     heads = S.from_plan(plan, tokens_per_rank=t, seq_len=s, head_dim=16).work("model.layers.0")
     assert heads.attention_head_d == pytest.approx((s * s * 16) ** (1 / 3))
     assert wl.head.norm_numel == t * 64 and wl.head.activation_numel == 0  # the final norm; lm_head is a matmul
-    from dmuon.train.model import GPT, GPTConfig
+    from dmuon._train.byte_gpt import GPT, GPTConfig
 
     gpt = P.compile(GPT(GPTConfig(d_model=32, d_mlp=128, n_layers=1, n_heads=2, seq_len=16), device="meta"), 2)
     g = S.from_plan(gpt, tokens_per_rank=t, seq_len=16, activation_dtype="torch.float32").work("layers.0")
@@ -685,7 +686,7 @@ def test_gantt_draws_every_interval_with_a_duration(tiny):
     pytest.importorskip("matplotlib")
     from matplotlib.patches import Rectangle
 
-    from dmuon.sim.plot import gantt
+    from dmuon.sim._pages.sim_plot import gantt
 
     plan, wl = tiny
     sims = {v: S.simulate(plan, _cpu(ranks_per_node=4, cores_per_node=4), wl, variant=v) for v in ("adamw", "z3")}
@@ -754,12 +755,12 @@ def test_simulate_cli_user_errors(tmp_path, capsys):
 # ------------------------------------------------------------------ purity
 
 
-SIM_FILES = sorted((pathlib.Path(__file__).resolve().parents[1] / "dmuon" / "sim").glob("*.py"))
+SIM_FILES = sorted((pathlib.Path(__file__).resolve().parents[1] / "dmuon" / "sim").rglob("*.py"))
 
 
-@pytest.mark.parametrize("path", [p for p in SIM_FILES if p.name != "calibrate.py"], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [p for p in SIM_FILES if "_calibrate" not in p.parts], ids=lambda p: p.name)
 def test_sim_never_imports_distributed_or_exec(path):
-    """dmuon/sim is pure like dmuon/plan; only calibrate.py (gloo microbenchmarks, run by the
+    """dmuon/sim is pure like dmuon/plan; only _calibrate/ (gloo microbenchmarks, run by the
     `calibrate` command in its own processes) touches torch.distributed."""
     from tests.test_plan_static import offending_imports
 
@@ -794,7 +795,7 @@ def test_calibrate_assembles_the_record(monkeypatch):
     """``calibrate`` turns its measurements into the record: the gloo launches faked (they need
     processes), everything else measured for real in quick mode; the in-situ figures are each
     one's median over the repeats (by hand), the new kernel curves present with ``d`` rising."""
-    from dmuon.sim import calibrate as K
+    from dmuon.sim import _calibrate as K
 
     runs = [dict(fsdp2_call_s=3e-3, dtensor_gather_s=1e-3, comm_cpu_share=0.9, step_compute_factor=1.1),
             dict(fsdp2_call_s=1e-3, dtensor_gather_s=4e-3, comm_cpu_share=0.2, step_compute_factor=1.3),
@@ -833,7 +834,7 @@ def _in_situ_worker():
     import torch
     import torch.distributed as dist
 
-    from dmuon.sim.calibrate import gloo as K
+    from dmuon.sim._calibrate import gloo as K
 
     return K._in_situ(dist, torch, dist.group.WORLD, dist.get_world_size(), 3)
 
@@ -856,11 +857,11 @@ def test_in_situ_measurement_runs_in_a_real_group():
 
 def test_simulate_accepts_the_plan_selection_options(tmp_path, capsys):
     """`simulate` takes every plan-selection option `plan` takes (one definition,
-    dmuon.plan.tools.cli.add_selection_args), and they reach the simulated plan."""
+    dmuon._cli.plan_commands.add_selection_args), and they reach the simulated plan."""
     import argparse
 
     from dmuon.__main__ import main
-    from dmuon.plan.tools.cli import add_selection_args
+    from dmuon._cli.plan_commands import add_selection_args
 
     p = argparse.ArgumentParser()
     add_selection_args(p)
@@ -895,9 +896,9 @@ def test_expert_plans_simulate_with_the_models_top_k_and_range_batches(monkeypat
     owner's range of experts, not the whole stack (one NS op per range)."""
     import sys
 
-    from dmuon.zoo import hf_moe
-    from dmuon.plan.records.owners import ExpertOwners
-    from dmuon.sim.workload import from_plan, model_top_k
+    from dmuon._zoo import hf_moe
+    from dmuon.plan._records.owners import ExpertOwners
+    from dmuon.sim._engine.workload import from_plan, model_top_k
 
     m = hf_moe(num_layers=2, hidden=64, num_experts=8, moe_ffn=32, top_k=4, vocab=128, num_heads=4,
                num_kv_heads=2, head_dim=16)
@@ -908,7 +909,7 @@ def test_expert_plans_simulate_with_the_models_top_k_and_range_batches(monkeypat
     dense = from_plan(plan, tokens_per_rank=256, seq_len=256, top_k=0).forward_flops
     assert wl4.forward_flops - dense == pytest.approx(2 * (wl2.forward_flops - dense), rel=1e-6)
     batches = []
-    sim_mod = sys.modules["dmuon.sim.lower"]
+    sim_mod = sys.modules["dmuon.sim._engine.lower"]
     real = sim_mod.ns_batch_factor_at
     monkeypatch.setattr(sim_mod, "ns_batch_factor_at", lambda hw, d, b: batches.append(b) or real(hw, d, b))
     hw = _cpu(ns_dtype="torch.float32", ns_efficiency=((16.0, 0.5), (512.0, 0.5)),
@@ -940,7 +941,7 @@ def torch_linear():
 def test_fsdp2_expert_stack_placement_by_hand():
     """torchtitan's apply_fsdp_to_decoder: a stack Shard(1) when its FSDP group outnumbers its
     (local) experts, else Shard(0); with EP over its efsdp group; dense tensors always Shard(0)."""
-    from dmuon.plan.cost import baseline as B
+    from dmuon.plan._cost import baseline as B
 
     qwen_w1 = (128, 1536, 2048)  # Qwen3-30B-A3B gate_up, E = 128
     assert C.fsdp2_shard_numel(qwen_w1, 256, expert_stack=True) == 6 * 128 * 2048  # ceil(1536/256) rows of every expert
@@ -978,7 +979,7 @@ def test_fair_baseline_bytes_by_hand():
     assert ag == [(tuple(range(8)), 416 + 8 + 2304)] * 2  # forward and backward
     # the same model with EP 2 (efsdp 4): dense over the row, each rank's 2 experts over ranks
     # j, j+2, j+4, j+6 -- 4 > 2 experts: Shard(1), ceil(48/4)*2*32 = ceil(32/4)*2*48 = 768 each
-    from dmuon.plan.model.parallel import expert_parallel_variant
+    from dmuon.plan._model.parallel import expert_parallel_variant
 
     ep_plan = P.compile(expert_parallel_variant(zoo.tiny_moe(), 2), 8, ep=2)
     ops = S.alternatives.build("adamw", ep_plan)
@@ -1029,7 +1030,7 @@ def test_dmuon_all_gather_and_reduce_scatter_run_on_their_phases_channel():
            _op(3, "backward", "compute", boundary=b, deps=(2,)),
            _op(4, "reduce_scatter", "reduce", numel=1000, boundary=b, deps=(3,))]
     hw = _hand_hw()
-    sim_ops = S.lower._lower(ops, plan, hw, wl, variant="z3", num_ranks=4)
+    sim_ops = _sim_lower._lower(ops, plan, hw, wl, variant="z3", num_ranks=4)
     colls = [(o.kind, o.channel, o.seconds) for o in sim_ops if o.collective]
     each = 5e-6 + 3 * 1e-5 + 3 * 4000 / 1e9
     assert [(k, c) for k, c, _ in colls] == [("all_gather", "bcast"), ("all_gather", "tp"), ("reduce_scatter", "reduce")]
@@ -1040,7 +1041,7 @@ def test_dmuon_all_gather_and_reduce_scatter_run_on_their_phases_channel():
     # on gloo the runtime blocks once on the forward gather and once on the gradient drain, as
     # on broadcasts and reduces (FSDP2's in-situ call on 4 ranks less its call on one: 200 us)
     gloo = _hand_hw(comm_engine="threads", fsdp2_call_s=1e-4, fsdp2_call_s_by_group=((4, 3e-4),))
-    hosts = [o.host_s for o in S.lower._lower(ops, plan, gloo, wl, variant="z3", num_ranks=4) if o.collective]
+    hosts = [o.host_s for o in _sim_lower._lower(ops, plan, gloo, wl, variant="z3", num_ranks=4) if o.collective]
     assert hosts == pytest.approx([2e-4, 0.0, 2e-4])
 
 
@@ -1060,7 +1061,7 @@ def test_coalesced_broadcasts_by_hand():
                     _op(5, "reduce", "reduce", root=0, numel=1000, boundary=b, deps=(4,)),
                     _op(6, "reduce", "reduce", root=1, numel=1000, boundary=b, deps=(4,))]
     hw = _hand_hw(issue_s=1e-6, coalesces=True)
-    sim_ops = S.lower._lower(ops, plan, hw, wl, variant="z3", num_ranks=4)
+    sim_ops = _sim_lower._lower(ops, plan, hw, wl, variant="z3", num_ranks=4)
     colls = [o for o in sim_ops if o.collective]
     assert [(o.kind, o.channel) for o in colls] == [("broadcast", "bcast"), ("reduce", "reduce")]
     assert colls[0].seconds == pytest.approx(5e-6 + 2e-5 + 24000 / 1e9 + 2 * 1e-5)
@@ -1068,21 +1069,21 @@ def test_coalesced_broadcasts_by_hand():
     assert colls[0].host_s == 1e-6  # issued once
     fwd = next(i for i, o in enumerate(sim_ops) if o.kind == "forward" and o.label == b)
     assert sim_ops[fwd].deps == (sim_ops.index(colls[0]),)
-    op_s = S.lower._lower(ops, plan, dataclasses.replace(hw, coalesced_op_s=1e-6), wl, variant="z3", num_ranks=4)
+    op_s = _sim_lower._lower(ops, plan, dataclasses.replace(hw, coalesced_op_s=1e-6), wl, variant="z3", num_ranks=4)
     assert [o.seconds for o in op_s if o.collective][0] == pytest.approx(5e-6 + 2e-5 + 24000 / 1e9 + 2e-6)
     # not coalescing: one op per broadcast, each by the broadcast formula
-    plain = [o for o in S.lower._lower(ops, plan, dataclasses.replace(hw, coalesces=False), wl, variant="z3",
+    plain = [o for o in _sim_lower._lower(ops, plan, dataclasses.replace(hw, coalesces=False), wl, variant="z3",
                                        num_ranks=4) if o.collective]
     assert [o.seconds for o in plain[:3]] == pytest.approx([5e-6 + 2e-5 + 4000 * (i + 1) / 1e9 for i in range(3)])
     # two groups interleaved in one boundary phase: one coalesced op per group, first-seen order
     rows = [_op(i, "broadcast", "forward_broadcast", group=(0, 1) if i % 2 == 0 else (2, 3),
                 root=0 if i % 2 == 0 else 2, numel=1000, boundary=b) for i in range(4)]
     rows.append(_op(4, "forward", "compute", boundary=b, deps=(0, 1, 2, 3)))
-    got = [(o.group, o.seconds) for o in S.lower._lower(rows, plan, hw, wl, variant="z3", num_ranks=4) if o.collective]
+    got = [(o.group, o.seconds) for o in _sim_lower._lower(rows, plan, hw, wl, variant="z3", num_ranks=4) if o.collective]
     two = 5e-6 + 1e-5 + 8000 / 1e9 + 1e-5
     assert [g for g, _ in got] == [(0, 1), (2, 3)] and all(s == pytest.approx(two) for _, s in got)
     # the coalesced cost model on its own
-    from dmuon.sim.coalesce import coalesced_collective_s
+    from dmuon.sim._engine.coalesce import coalesced_collective_s
 
     four = [4000.0, 8000.0, 12000.0, 16000.0]
     conc = dataclasses.replace(hw, coalesce_model="concurrent")
@@ -1109,7 +1110,7 @@ def test_token_all_to_all_by_hand():
     each 5 us + (2-1) x 10 us + 1/2 x 16,384 B / 1 GB/s = 23.192 us, on the all-to-all channel.
     The expert FLOPs per rank do not change with EP (uniform routing): 3 stacks x 2 x 48 x 32
     FLOP x 64 tokens x 2 experts = 1,179,648 per layer."""
-    from dmuon.plan.model.parallel import expert_parallel_variant
+    from dmuon.plan._model.parallel import expert_parallel_variant
 
     ep_plan = P.compile(expert_parallel_variant(zoo.tiny_moe(), 2), 4, ep=2)
     plain = P.compile(zoo.tiny_moe(), 4)
@@ -1120,7 +1121,7 @@ def test_token_all_to_all_by_hand():
     assert w.experts.matmul_flops == wl_plain.work("layers.0").experts.matmul_flops == 1_179_648
     assert wl.forward_flops == wl_plain.forward_flops
     hw = _hand_hw()
-    sim_ops = S.lower._lower(ep_plan.schedule().ops, ep_plan, hw, wl, variant="z3", num_ranks=4)
+    sim_ops = _sim_lower._lower(ep_plan.schedule().ops, ep_plan, hw, wl, variant="z3", num_ranks=4)
     a2a = [o for o in sim_ops if o.kind == "all_to_all"]
     assert len(a2a) == 16 and {o.group for o in a2a} == {(0, 1), (2, 3)} and {o.channel for o in a2a} == {"a2a"}
     assert all(o.seconds == pytest.approx(5e-6 + 1e-5 + 0.5 * 16_384 / 1e9) for o in a2a)
@@ -1134,7 +1135,7 @@ def test_token_all_to_all_by_hand():
     # the split keeps the compute: with a FLOP-bound hardware the forward seconds equal the
     # non-EP plan's (same FLOPs per rank), and only the EP plan has all-to-alls
     fwd = lambda ops: sum(o.seconds for o in ops if o.kind == "forward")  # noqa: E731
-    plain_ops = S.lower._lower(plain.schedule().ops, plain, hw, wl_plain, variant="z3", num_ranks=4)
+    plain_ops = _sim_lower._lower(plain.schedule().ops, plain, hw, wl_plain, variant="z3", num_ranks=4)
     assert fwd(sim_ops) == pytest.approx(fwd(plain_ops)) and not any(o.kind == "all_to_all" for o in plain_ops)
     # every variant runs the model's all-to-alls: each rank issues 8 of them
     # FSDP2 + AdamW with EP: the 8 all-to-alls, and per layer the stacks' own all-gathers (forward,
@@ -1150,7 +1151,7 @@ def test_token_all_to_all_by_hand():
 def test_buffer_wire_numel():
     """What a rank holds while a buffer is gathered: a broadcast buffer's segments (an EP buffer:
     its largest efsdp group's), an all-gather buffer's k slots."""
-    from dmuon.sim.memory import buffer_wire_numel
+    from dmuon.sim._engine.sim_memory import buffer_wire_numel
 
     segs = tuple(SimpleNamespace(shard=s, numel=n) for s, n in enumerate((10, 20, 30, 40)))
     assert buffer_wire_numel(SimpleNamespace(ep=1, numel=100, segments=segs), 4) == 100
@@ -1166,7 +1167,7 @@ def test_simulate_cli_expert_parallel(tmp_path, capsys):
     hand: 256 tokens x top-2 x hidden 32 x 2 B bf16 = 32,768 B), the baseline statement, dmuon's
     collectives and padding, adamw / z2 / z3 only; user errors are argparse errors."""
     from dmuon.__main__ import main
-    from dmuon.sim.cli import BASELINE_LINE
+    from dmuon._cli.sim_commands import BASELINE_LINE
 
     out = tmp_path / "ep.json"
     assert main(["simulate", "--model", "tiny-moe", "--mesh", "4", "--ep", "2", "--hw", "h100", "--tokens-per-rank",
@@ -1193,13 +1194,13 @@ def test_simulate_cli_expert_parallel(tmp_path, capsys):
 
 
 def test_buffer_kind_costs_by_hand():
-    """dmuon.sim.kinds on tiny-llama, 4 ranks in one node, fp32: layers.0's buffer has segments of
+    """dmuon.sim._engine.kinds on tiny-llama, 4 ranks in one node, fp32: layers.0's buffer has segments of
     14,352 / 10,256 / 10,256 / 8,208 elements (43,072, 172,288 B) and slot 14,368 (57,472 B); link
     10 us, 1 GB/s, launch 5 us, issue 2 us. Per phase (Z3: forward, backward, gradient):
     broadcasts one call each 5 + ceil(log2 4) x 10 + 2 us + S / B; coalesced ONE call 5 + 2 x 10
     + 3 x 10 (extra calls) + 2 us + 172,288 B / B; all-gather 5 + 3 x 10 + 2 us + 3 x 57,472 B / B.
     Z2 has no backward phase."""
-    from dmuon.sim.kinds import buffer_kind_costs
+    from dmuon.sim._engine.kinds import buffer_kind_costs
 
     segs = [14352, 10256, 10256, 8208]
     bcast = sum(5e-6 + 2e-5 + 2e-6 + 4 * n / 1e9 for n in segs)
@@ -1231,8 +1232,8 @@ def test_auto_kind_is_not_slower_in_the_simulator(name, mesh, ep):
     same layout. Rows small enough for the fast lane, each choice present (all-gathers on the tiny
     models and Qwen3-30B-A3B's efsdp buffers, broadcasts on the dense models and Qwen3-30B-A3B
     without EP); ``benchmarks/collective_plans.py --simulate`` checks every row of the issue."""
-    from dmuon.plan.model.parallel import expert_parallel_variant
-    from dmuon.sim.kinds import buffer_kind_costs
+    from dmuon.plan._model.parallel import expert_parallel_variant
+    from dmuon.sim._engine.kinds import buffer_kind_costs
 
     model = zoo.PRESETS[name]()
     kw: dict = dict(mp_policy=SimpleNamespace(param_dtype="bfloat16", reduce_dtype="float32"), cost_model="ns_flops")

@@ -289,7 +289,7 @@ def test_zero_grad_expert_decays_none_grad_param_skipped():
 def test_per_step_coefficients_and_preset():
     """A per-step coefficient table (dmuon's presets) runs through the same iteration, each step
     with its own triple; a constant preset is passed to torch as its triple."""
-    from dmuon.exec.optim.ns_coefficients import coefficient_schedule
+    from dmuon.exec._optim.ns_coefficients import coefficient_schedule
 
     model = nn.Linear(6, 4, bias=False)
     ref = T.ReferenceOptimizer(model, {"weight": T.matrix((4, 6))}, ns_coefficients="polar_express")
@@ -311,7 +311,7 @@ def test_per_step_coefficients_and_preset():
 
 def test_proxies_from_plan():
     import dmuon.plan
-    from dmuon.plan.model import views
+    from dmuon.plan._model import views
 
     class Block(nn.Module):
         def __init__(self):
@@ -324,7 +324,7 @@ def test_proxies_from_plan():
     model = nn.Module()
     model.layers = nn.ModuleList([Block()])
     plan = dmuon.plan.compile(
-        model, 2, predicate=dmuon.plan.model.selection.matrix_predicate(model),
+        model, 2, predicate=dmuon.plan._model.selection.matrix_predicate(model),
         matrix_views={"layers.0.attn.weight": views.heads(3)},
     )
     px = T.proxies_from_plan(plan)

@@ -42,7 +42,7 @@ BF16_PARAM_TOL = 0.15
 
 
 def _cfg():
-    from dmuon.train.model import GPTConfig
+    from dmuon._train.byte_gpt import GPTConfig
 
     # d_mlp / d_model = 16: up/down are long enough for Gram NS to beat gathering at T = 2
     return GPTConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=4, d_mlp=256, seq_len=8)
@@ -64,7 +64,7 @@ def _expected_methods(tp_ns: str, parallel: str = "all") -> dict[str, str | None
 
 def _reference_ns(methods_by_shape, dtype):
     """torch.optim.Muon's NS: in ``dtype``, Gram NS for the shapes the plan runs as Gram."""
-    from dmuon.exec.optim import ns_backends as ns
+    from dmuon.exec._optim import ns_backends as ns
 
     def iterate(grad, ns_coefficients, ns_steps, eps):
         if methods_by_shape.get(tuple(grad.shape)) == "gram":
@@ -78,7 +78,7 @@ def _reference_ns(methods_by_shape, dtype):
 
 def _reference(cfg, methods, batches, ns_dtype=torch.float32):
     """(losses, gradient norms, final state) of one process on the global batch."""
-    from dmuon.train.model import GPT
+    from dmuon._train.byte_gpt import GPT
 
     model = GPT(cfg, seed=0)
     shapes = {}
@@ -99,7 +99,7 @@ def _check_errors(mesh, cfg):
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     import dmuon
-    from dmuon.train.model import GPT, apply_tensor_parallel
+    from dmuon._train.byte_gpt import GPT, apply_tensor_parallel
 
     model = GPT(cfg, seed=0)
     apply_tensor_parallel(model, mesh["tp"])
@@ -168,8 +168,8 @@ def _worker(dp, tp: int, cases, errors: bool = False, steps: int = STEPS):
     from torch.distributed.fsdp import fully_shard
 
     import dmuon
-    from dmuon.exec.comm.collectives import LEDGER
-    from dmuon.train.model import GPT, apply_tensor_parallel
+    from dmuon.exec._comm.collective_calls import LEDGER
+    from dmuon._train.byte_gpt import GPT, apply_tensor_parallel
     from ns_spy import counting_ns
 
     torch.set_num_threads(1)
@@ -326,7 +326,7 @@ def _worker_3d(specs, steps: int = STEPS):
     from torch.distributed.device_mesh import init_device_mesh
 
     import dmuon
-    from dmuon.train.model import GPT, apply_tensor_parallel
+    from dmuon._train.byte_gpt import GPT, apply_tensor_parallel
 
     world = dist.get_world_size()
     bad = init_device_mesh("cpu", (2, world // 4, 2), mesh_dim_names=("a", "b", "c"))
@@ -338,7 +338,7 @@ def _worker_3d(specs, steps: int = STEPS):
         dmuon.dedicate_params(model, bad, replicate_dim="a", shard_dim="c", tp_dim="b")  # b, c swapped
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from dmuon.train.model import TP_BLOCK_PLAN
+    from dmuon._train.byte_gpt import TP_BLOCK_PLAN
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     model = GPT(_cfg(), seed=0)

@@ -43,7 +43,7 @@ SAVE_AT = 2
 
 
 def _cfg():
-    from dmuon.train.model import GPTConfig
+    from dmuon._train.byte_gpt import GPTConfig
 
     return GPTConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=4, d_mlp=64, seq_len=8)
 
@@ -95,7 +95,7 @@ def _build(kind: str, shape, *, meta: bool = False):
     from torch.distributed.fsdp import fully_shard
 
     import dmuon
-    from dmuon.train.model import GPT, apply_tensor_parallel
+    from dmuon._train.byte_gpt import GPT, apply_tensor_parallel
 
     dp_mesh, tp_mesh = _meshes(kind, shape)
     model = GPT(_cfg(), seed=0, device="meta" if meta else None)
@@ -170,7 +170,7 @@ def _layout_report(run):
 
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from dmuon.exec.comm.collectives import LEDGER
+    from dmuon.exec._comm.collective_calls import LEDGER
 
     plan = run["plan"]
     LEDGER.reset()
@@ -357,7 +357,7 @@ def chain(tmp_path_factory):
 def reference():
     """Single-process oracle after k steps: (losses, state)."""
     from dmuon.plan import compile as compile_plan
-    from dmuon.train.model import GPT
+    from dmuon._train.byte_gpt import GPT
 
     model = GPT(_cfg(), seed=0)
     dedicated = set(compile_plan(model, 1).dedicated)
@@ -408,7 +408,7 @@ def test_tp_sharded_state_dicts(chain, reference):
     # bytes: each TP coordinate's holder scatters its shard's row chunks over the shard group,
     # every other rank receives one chunk of ceil(rows/N) rows (N = 2, T = 2, fp32)
     from dmuon.plan import compile as compile_plan
-    from dmuon.train.model import GPT
+    from dmuon._train.byte_gpt import GPT
 
     plan = compile_plan(GPT(_cfg(), seed=0), 2, tp_size=2, tp_ns="gather", tp_shard_dims={
         f"layers.{i}.{n}.weight": (1 if n in ("attn.o_proj", "mlp.down_proj") else 0)

@@ -1,6 +1,6 @@
-"""The main job (dmuon.train): data, model, and short real training runs on 2 CPU ranks.
+"""The main job (dmuon._train): data, model, and short real training runs on 2 CPU ranks.
 
-Distributed runs use tests/dist_utils.run_distributed and call ``dmuon.train.run`` inside the
+Distributed runs use tests/dist_utils.run_distributed and call ``dmuon._train.run`` inside the
 already-initialised group, several cases per process group; one test goes through the real
 command line (``python -m dmuon train``, which spawns its own processes).
 """
@@ -21,7 +21,7 @@ import torch
 from conftest import REPO_ROOT, SHARED_DATA
 from shared_launch import shared_run
 
-from dmuon.train.data import (
+from dmuon._train.data import (
     DEFAULT_CORPUS_NBYTES,
     Corpus,
     decode,
@@ -29,9 +29,9 @@ from dmuon.train.data import (
     stdlib_corpus,
     unigram_cross_entropy,
 )
-from dmuon.train.launch import _complete, parse_args
-from dmuon.train.loop import lr_factor
-from dmuon.train.model import GPT, GPTConfig, lm_loss
+from dmuon._cli.train_command import _complete, parse_args
+from dmuon._train.loop import lr_factor
+from dmuon._train.byte_gpt import GPT, GPTConfig, lm_loss
 
 SHAKESPEARE = SHARED_DATA / "tinyshakespeare.txt"
 needs_shakespeare = pytest.mark.skipif(
@@ -48,8 +48,8 @@ SHORT = dict(SMALL, steps=6, eval_every=6, cooldown_frac=0.0, ns_dtype="fp32", l
 
 
 def _train_cases(cases):
-    """Every rank: ``dmuon.train.run`` on each config, in this process group."""
-    from dmuon.train import run
+    """Every rank: ``dmuon._train.run`` on each config, in this process group."""
+    from dmuon._train import run
 
     return [run(c) for c in cases]
 
@@ -185,7 +185,7 @@ def test_lr_schedule_and_flags():
 def test_ep_flags_are_refused_with_clear_messages():
     """``--ep P``: the job's own checks, before any process starts (dmuon's plan decides which
     mesh layouts it supports)."""
-    from dmuon.train import run
+    from dmuon._train import run
 
     assert parse_args(["--experts", "4", "--ep", "2"]).ep == 2 and parse_args([]).ep == 1
     for given, message in (
@@ -290,7 +290,7 @@ def test_moe_run_learns_and_ledger_matches_plan():
     corpus: val loss ends below the unigram baseline, the ledger's bytes per step equal the plan's
     at every step, and the load-balancing loss is logged."""
     from dmuon.plan import compile as plan_compile
-    from dmuon.train.loop import model_config
+    from dmuon._train.loop import model_config
 
     case, (m, *_) = _moe_runs()
     _check_learns(m, below_unigram=True)
@@ -318,7 +318,7 @@ def test_moe_ep_run_computes_the_non_ep_run():
     contract's 1e-6; the ledger's bytes per step equal the plan's, which is the plan of the EP
     model compiled on its own (meta device, ``ep=2``): the non-EP plan minus the stacks' bytes."""
     from dmuon.plan import compile as plan_compile
-    from dmuon.train.loop import model_config
+    from dmuon._train.loop import model_config
 
     _, (_, dense, ep) = _moe_runs()
     assert (dense["ep"], ep["ep"]) == (1, 2) and ep["n_params"] == dense["n_params"]

@@ -19,7 +19,7 @@ import pytest
 from dist_utils import run_distributed
 from train_job import TINY, write_corpus
 
-from dmuon.train.checkpoint import latest_checkpoint, step_dir
+from dmuon._train.checkpoint import latest_checkpoint, step_dir
 
 
 
@@ -28,7 +28,7 @@ def _resume_cases(root: str, data: str):
     import torch
     import torch.distributed as dist
 
-    from dmuon.train import run
+    from dmuon._train import run
 
     base = dict(TINY, data=data)
     if dist.get_world_size() == 1:
@@ -133,7 +133,7 @@ def test_save_resume_any_mesh_and_compare(tmp_path):
 def test_png_without_matplotlib_fails_before_training(monkeypatch):
     import builtins
 
-    from dmuon.train.launch import _complete
+    from dmuon._cli.train_command import _complete
 
     real_import = builtins.__import__
 

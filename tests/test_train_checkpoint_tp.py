@@ -15,7 +15,7 @@ import numpy as np
 from dist_utils import run_distributed
 from train_job import TINY, write_corpus
 
-from dmuon.train.checkpoint import step_dir
+from dmuon._train.checkpoint import step_dir
 
 # TP changes the reduction order of the matmuls (and Gram NS where the plan picks it): the
 # resharded runs are held to 1e-5 relative (the TP oracle bound of tests/test_tp.py).
@@ -23,7 +23,7 @@ LOSS_RTOL = 1e-5
 
 
 def _tp_cases(root: str, data: str):
-    from dmuon.train import run
+    from dmuon._train import run
 
     base = dict(TINY, data=data)
     tp_dir, dp_dir = os.path.join(root, "tp"), os.path.join(root, "dp")

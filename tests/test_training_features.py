@@ -75,7 +75,7 @@ def _worker(cases, mesh_shape=None):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import dmuon
-    from dmuon.exec.comm.collectives import LEDGER
+    from dmuon.exec._comm.collective_calls import LEDGER
     from ns_spy import counting_ns
 
     torch.set_num_threads(1)
@@ -290,7 +290,7 @@ def _timeout_worker():
     import torch.distributed as dist
 
     import dmuon
-    from dmuon.exec.comm.collectives import CollectiveTimeout
+    from dmuon.exec._comm.collective_calls import CollectiveTimeout
 
     torch.set_num_threads(1)
     rank = dist.get_rank()

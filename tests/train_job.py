@@ -1,4 +1,4 @@
-"""The tiny main-job configuration and corpus the checkpoint tests of ``dmuon.train`` share."""
+"""The tiny main-job configuration and corpus the checkpoint tests of ``dmuon._train`` share."""
 
 from __future__ import annotations
 

@@ -15,9 +15,9 @@ into each of them; recipes: ``docs/integrations.md``.
   (docs/integrations.md says where dmuon would go).
 * :func:`framework_hint` — the framework-specific fix appended to the errors users hit first.
 
-What dmuon changes in other libraries, and when, is one list (:mod:`dmuon.integrations.patches`,
+What dmuon changes in other libraries, and when, is one list (:mod:`dmuon.integrations._patches`,
 installed by the machinery of :mod:`dmuon._registry`): :func:`status` prints it; ``import dmuon``
-installs only the ``clip_grad_norm_`` hand-off (:mod:`dmuon.integrations.clip`), the first
+installs only the ``clip_grad_norm_`` hand-off (:mod:`dmuon.integrations._clip_handoff`), the first
 ``dmuon.dedicate_params`` the rest (the ``fully_shard`` skip, GradScaler, DCP, the DDP and
 optimizer guards, accelerate / transformers / torchtitan when imported). :func:`disable` (or
 ``DMUON_NO_PATCHES=1``) undoes and blocks all of it; :func:`enable` installs named integrations
@@ -49,8 +49,8 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    if name == "check_optimizer":  # dmuon.exec.setup.guards.check_optimizer, loaded on first use
-        from dmuon.exec.setup.guards import check_optimizer
+    if name == "check_optimizer":  # dmuon.exec._setup.guards.check_optimizer, loaded on first use
+        from dmuon.exec._setup.guards import check_optimizer
 
         return check_optimizer
     raise AttributeError(f"module 'dmuon.integrations' has no attribute {name!r}")

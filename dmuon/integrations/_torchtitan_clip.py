@@ -34,7 +34,7 @@ def wrap_clip_grad_norm(fn):
                 "dmuon: gradient clipping over dmuon-dedicated parameters with pipeline parallelism "
                 "is not supported (dmuon.integrations.torchtitan refuses it at parallelize time)"
             )
-        from dmuon.exec.optim.clip import clip_grad_norm_ as dmuon_clip
+        from dmuon.exec._optim.grad_clip import clip_grad_norm_ as dmuon_clip
 
         total = dmuon_clip(params, max_norm, norm_type)
         if error_if_nonfinite and not torch.isfinite(total):

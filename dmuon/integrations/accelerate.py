@@ -48,7 +48,7 @@ from dmuon import _registry
 from dmuon import _tags
 from dmuon._hints import framework_hint
 from dmuon._tags import dedicated_info
-from dmuon.exec.setup.guards import check_optimizer
+from dmuon.exec._setup.guards import check_optimizer
 
 __all__ = ["patch", "is_patched", "wrap_prepare_fsdp2", "wrap_prepare_model", "wrap_clip_grad_norm_"]
 
@@ -163,7 +163,7 @@ def wrap_clip_grad_norm_(orig):
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         params = list(parameters)
         if _tags.has_dedicated(params):
-            from dmuon.exec.optim.clip import clip_grad_norm_ as dmuon_clip
+            from dmuon.exec._optim.grad_clip import clip_grad_norm_ as dmuon_clip
 
             self.unscale_gradients()  # as accelerate does first (fp16 grad scaler)
             return dmuon_clip(params, max_norm, norm_type)

@@ -33,7 +33,7 @@ class MuonFactory:
     Trainer builds scales every group's ``lr`` by the same factor (Muon's and AdamW's)."""
 
     def __call__(self, model: nn.Module, **kwargs: Any):
-        from dmuon.exec.optim.muon import Muon
+        from dmuon.exec._optim.muon import Muon
 
         return Muon(model, **kwargs)
 
@@ -53,7 +53,7 @@ def wrap_mixed_mesh_grad_norm(orig):
     def _mixed_mesh_grad_norm(self, model, max_norm):
         params = list(model.parameters())
         if _tags.has_dedicated(params):
-            from dmuon.exec.optim.clip import clip_grad_norm_
+            from dmuon.exec._optim.grad_clip import clip_grad_norm_
 
             return clip_grad_norm_(params, max_norm)
         return orig(self, model, max_norm)

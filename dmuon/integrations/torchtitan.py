@@ -16,7 +16,7 @@ What each piece does:
    ``fully_shard`` (inside ``apply_fsdp_to_decoder``, imported by name into each model's module,
    so there is no attribute to replace). The wrapper runs ``dmuon.dedicate_params`` at the
    start of the first ``fully_shard`` call the parallelize function makes
-   (:func:`dmuon.exec.setup.fsdp2.before_next_fully_shard`, a hook inside the FSDP2 wrapper of the
+   (:func:`dmuon.exec._setup.fsdp2.before_next_fully_shard`, a hook inside the FSDP2 wrapper of the
    first dedication's stage, which the wrapper installs first, live only during that call): after TP / AC / compile, before any
    FSDP2 state exists, on the data-parallel mesh torchtitan hands FSDP2 (``["fsdp"]`` or
    ``["dp_replicate", "fsdp"]``) and with FSDP2's mixed-precision policy. It logs the plan's
@@ -32,7 +32,7 @@ What each piece does:
    both), metrics and step pre-hooks (MoE load balancing) see an ordinary optimizer.
 3. Gradient scaling: torchtitan sets FSDP2's gradient divide factor to 1 and divides the loss by
    the global token count; dmuon's owners divide by the same factor (read from FSDP2 at every
-   reduce, :meth:`dmuon.exec.runtime.runtime.DmuonRuntime.grad_divisor`).
+   reduce, :meth:`dmuon.exec._runtime.runtime.DmuonRuntime.grad_divisor`).
 4. Gradient clipping: the first dedication routes (registry entry ``torchtitan.clip_grad_norm_``) ``torchtitan.distributed.utils.clip_grad_norm_`` to
    ``dmuon.clip_grad_norm_`` for models with dedicated parameters
    (:mod:`dmuon.integrations._torchtitan_clip`).
@@ -49,7 +49,7 @@ What each piece does:
    coordinate's experts own them in ranges, broadcast and reduced over that group. Gradient
    scale, ``to_empty`` and whole-stack initialisation are dmuon's core's (the EP gradient hook
    divides by FSDP2's divide factor, torchtitan's 1; ``init_weights`` runs under
-   :func:`dmuon.exec.setup.materialize.full_size_params`).
+   :func:`dmuon.exec._setup.materialize.full_size_params`).
 
 Refused at parallelize time (``NotImplementedError``, naming the setting, identical on every
 rank): pipeline parallelism, expert parallelism together with TP, CPU offload, and
@@ -93,7 +93,7 @@ def data_parallel_mesh(parallel_dims):
     """The mesh dmuon dedicates over: the one torchtitan gives ``fully_shard``
     (``["dp_replicate", "fsdp"]`` with a replicate degree, else ``["fsdp"]``; ``"fsdp"`` is
     ``dp_shard x cp``), with the ``tp`` dim appended when tensor parallelism is on (dmuon reads
-    the dims by name, ``dmuon.plan.records.mesh.MESH_DIM_NAMES``)."""
+    the dims by name, ``dmuon.plan._records.mesh.MESH_DIM_NAMES``)."""
     names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
     if parallel_dims.tp_enabled:
         names.append("tp")
@@ -160,8 +160,8 @@ def wrap_parallelize(parallelize_fn: Callable, **dedicate_kwargs: Any) -> Callab
     @functools.wraps(parallelize_fn)
     def parallelize(model: nn.Module, *args: Any, parallel_dims, **kwargs: Any) -> nn.Module:
         from dmuon import _registry
-        from dmuon.exec.setup.api import dedicate_params
-        from dmuon.exec.setup.fsdp2 import before_next_fully_shard
+        from dmuon.exec._setup.api import dedicate_params
+        from dmuon.exec._setup.fsdp2 import before_next_fully_shard
         from torchtitan.tools.logging import logger
 
         _refuse_unsupported(parallel_dims, kwargs)
@@ -274,10 +274,10 @@ def _full_size_param_init(model: nn.Module, plan) -> None:
     value and ``copy_`` it in (the fused ``wqkv`` init does): on a non-holder's zero-row
     placeholder that fails. Each module owning a dedicated parameter gets an instance-level
     ``_init_self_parameters`` that runs torchtitan's under
-    :func:`dmuon.exec.setup.materialize.full_size_params` (dedicated parameters full size, FSDP2's
+    :func:`dmuon.exec._setup.materialize.full_size_params` (dedicated parameters full size, FSDP2's
     DTensors left to torchtitan), so every rank draws the same random numbers and holders keep
     the values."""
-    from dmuon.exec.setup.materialize import full_size_params
+    from dmuon.exec._setup.materialize import full_size_params
 
     homes = {spec.module_fqn for spec in plan.params}
     for fqn in sorted(homes):
@@ -312,7 +312,7 @@ _ADAMW_KEYS = {"adamw_lr": "lr", "adamw_betas": "betas", "adamw_eps": "eps", "ad
 
 
 def _muon_signature_defaults() -> dict[str, Any]:
-    from dmuon.exec.optim.muon import Muon
+    from dmuon.exec._optim.muon import Muon
 
     sig = inspect.signature(Muon.__init__)
     return {n: p.default for n, p in sig.parameters.items() if n not in ("self", "model_or_params")}
@@ -329,7 +329,7 @@ def build_muon(param_groups: list[dict[str, Any]], **factory_kwargs: Any):
     ``param_names`` (torchtitan's checkpoint keys); empty groups are not kept.
     """
     from dmuon._tags import dedicated_info as _info
-    from dmuon.exec.optim.muon import Muon
+    from dmuon.exec._optim.muon import Muon
 
     signature = _muon_signature_defaults()
     unknown = sorted(set(factory_kwargs) - set(signature))
@@ -395,7 +395,7 @@ class DmuonOptimizersContainer(OptimizersContainer):
         (which gathers each momentum's rows to its owner, a collective per matrix) would hang.
         Non-owners get a ``momentum_buffer`` key for the lookup (``None``; the load replaces
         the whole state, and dmuon's hook keeps momentum on owners only)."""
-        from dmuon.exec.optim.muon import Muon
+        from dmuon.exec._optim.muon import Muon
         from torchtitan.components.optimizer.utils import init_optim_state, load_flat_optim_state_dict
 
         for optim in self.optimizers:

@@ -32,26 +32,26 @@ The folders follow the pipeline ``compile`` runs (docs/planning.md, "Where each 
                  Gram restarts, accepted modes, wire dtypes, owner-group dims, TP Gram or gather)
 
 Model shapes to plan (Llama-3, ViT, Qwen3-MoE, DeepSeek-V3 on the meta device) live in
-:mod:`dmuon.zoo`, outside the planner.
+:mod:`dmuon._zoo`, outside the planner.
 """
 
-from dmuon.plan.records import qk_clip
-from dmuon.plan.model import views
-from dmuon.plan.cost.model import BaselineByteCost, ByteCost, RankStats
-from dmuon.plan.tools.diff import CollectiveChange, CostDelta, ParamChange, PlanDiff, SettingChange, diff
-from dmuon.plan.layout.buffers import Boundary, BufferLayout
-from dmuon.plan.records.mesh import MESH_DIM_NAMES, MeshDimRoles, mesh_dim_roles, normalize_mesh
-from dmuon.plan.records.plan import ShardingPlan
-from dmuon.plan.records.qk_clip import QKClip
-from dmuon.plan.records.collectives import CollectiveSettings
-from dmuon.plan.records.owners import ExpertOwners, Owner, OwnerGroup
-from dmuon.plan.records.params import ExpertStack, MatrixView, ParamSpec
-from dmuon.plan.scheduling.ops import MicroBatch, Op, ScheduleError, Step
-from dmuon.plan.scheduling.step_schedule import StepSchedule
-from dmuon.plan.scheduling.replay import replay
-from dmuon.plan.scheduling.builder import schedule
-from dmuon.plan.model.selection import matrix_predicate
-from dmuon.plan.compile import compile  # last: dmuon.plan.compile is the function (it shadows its module)
+from dmuon.plan._records import qk_clip_records as qk_clip
+from dmuon.plan._model import views
+from dmuon.plan._cost.cost_model import BaselineByteCost, ByteCost, RankStats
+from dmuon.plan._tools.diff import CollectiveChange, CostDelta, ParamChange, PlanDiff, SettingChange, diff
+from dmuon.plan._layout.buffer_layout import Boundary, BufferLayout
+from dmuon.plan._records.mesh import MESH_DIM_NAMES, MeshDimRoles, mesh_dim_roles, normalize_mesh
+from dmuon.plan._records.plan import ShardingPlan
+from dmuon.plan._records.qk_clip_records import QKClip
+from dmuon.plan._records.collective_records import CollectiveSettings
+from dmuon.plan._records.owners import ExpertOwners, Owner, OwnerGroup
+from dmuon.plan._records.params import ExpertStack, MatrixView, ParamSpec
+from dmuon.plan._scheduling.ops import MicroBatch, Op, ScheduleError, Step
+from dmuon.plan._scheduling.step_schedule import StepSchedule
+from dmuon.plan._scheduling.schedule_replay import replay
+from dmuon.plan._scheduling.builder import schedule
+from dmuon.plan._model.selection import matrix_predicate
+from dmuon.plan._compile import compile  # last: dmuon.plan.compile is the function (it shadows its module)
 
 __all__ = [
     "compile",

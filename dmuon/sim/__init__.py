@@ -17,12 +17,12 @@ kinds priced: a plan's choices against the simulator), ``calibrate`` (microbench
 See docs/performance.md ("Step-time simulator").
 """
 
-from dmuon.sim import alternatives, hardware, workload
-from dmuon.sim.hardware import CollectiveCurve, Hardware, Link
-from dmuon.sim.records import Interval, MemoryBreakdown, PathStep, RankTime, Simulation, Simulations
-from dmuon.sim.simulate import VARIANTS, simulate, simulate_variants
-from dmuon.sim.variants import early_ns_schedule
-from dmuon.sim.workload import Work, Workload, from_plan
+from dmuon.sim._engine import alternatives, hardware, workload
+from dmuon.sim._engine.hardware import CollectiveCurve, Hardware, Link
+from dmuon.sim._engine.records import Interval, MemoryBreakdown, PathStep, RankTime, Simulation, Simulations
+from dmuon.sim._engine.simulate import VARIANTS, simulate, simulate_variants
+from dmuon.sim._engine.variants import early_ns_schedule
+from dmuon.sim._engine.workload import Work, Workload, from_plan
 
 __all__ = [
     "simulate",

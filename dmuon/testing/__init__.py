@@ -31,20 +31,20 @@ Two parts:
   documented bounds (:func:`bounds`).
 
 NorMuon (``dmuon.Muon(variant="normuon")``): ``ReferenceOptimizer(..., variant="normuon")`` runs
-:func:`dmuon.testing.normuon.normuon_step` (a single-process NorMuon written from the paper and
+:func:`dmuon.testing._normuon_reference.normuon_step` (a single-process NorMuon written from the paper and
 the authors' code, with its own hand-computed tests) on every proxy instead of torch's Muon step.
 
-Modules: :mod:`~dmuon.testing.proxies` (:class:`Proxy` and its constructors),
-:mod:`~dmuon.testing.reference` (the reference and its Newton-Schulz), :mod:`~dmuon.testing.normuon`
-(the NorMuon reference), :mod:`~dmuon.testing.check` (the checker, :class:`Report`, :func:`bounds`);
+Modules: :mod:`~dmuon.testing._proxies` (:class:`Proxy` and its constructors),
+:mod:`~dmuon.testing._reference` (the reference and its Newton-Schulz), :mod:`~dmuon.testing._normuon_reference`
+(the NorMuon reference), :mod:`~dmuon.testing._check` (the checker, :class:`Report`, :func:`bounds`);
 every public name but the NorMuon functions is importable from here.
 """
 
-from dmuon.testing.check import (BF16_LOSS_RTOL, BF16_PARAM_TOL, FP32_LOSS_RTOL, FP32_PARAM_TOL, Report, bounds,
+from dmuon.testing._check import (BF16_LOSS_RTOL, BF16_PARAM_TOL, FP32_LOSS_RTOL, FP32_PARAM_TOL, Report, bounds,
                                  check_against_reference)
-from dmuon.testing.proxies import (EXPERT_LAYOUTS, Proxy, conv, expert_stack, matrix, matrix_view, proxies_for,
+from dmuon.testing._proxies import (EXPERT_LAYOUTS, Proxy, conv, expert_stack, matrix, matrix_view, proxies_for,
                                    proxies_from_plan)
-from dmuon.testing.reference import (ReferenceOptimizer, fp32_newton_schulz, patched_newton_schulz,
+from dmuon.testing._reference import (ReferenceOptimizer, fp32_newton_schulz, patched_newton_schulz,
                                      reference_newton_schulz, reference_run)
 
 __all__ = [

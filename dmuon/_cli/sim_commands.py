@@ -1,0 +1,297 @@
+"""``python -m dmuon simulate``: step time of every variant on a hardware model, from the plan.
+
+Examples::
+
+    python -m dmuon simulate --model llama3-70b --mesh 8x128 --hw h100 --tokens-per-rank 2048
+    python -m dmuon simulate --model llama3-8b --mesh 8 --hw h200 --mode z2 --json s.json --png s.png
+    python -m dmuon simulate --model llama3-8b --mesh 8 --tp 8 --hw a100
+    python -m dmuon simulate --model tiny-llama --mesh 4 --hw cal.json     # from `python -m dmuon calibrate`
+    python -m dmuon simulate --model qwen3-30b-a3b --mesh 64 --ep 8 --hw h100   # expert parallelism
+
+Prints what the baselines assume (FSDP2 shards dense parameters on dim 0 and expert stacks as
+torchtitan's ``apply_fsdp_to_decoder`` does; with ``--ep``, the token all-to-all model), dmuon's
+collectives per step (the schedule's table, every group, by kind, and the busiest rank's) and
+the padding its buffers move, then per variant (adamw, naive, z2, z3, all_to_all) the simulated
+step time, its ratio to FSDP2 + AdamW, the exposed communication, the Newton-Schulz share, the
+peak memory, the bytes moved and the collective calls of the busiest rank, then the recommended
+dmuon mode: the faster of Z2 / Z3 whose peak memory fits the device (Z3 on a tie within 1 %,
+since it holds less), with a warning when neither fits. ``--mode`` restricts the dmuon rows to
+one mode. A user error (a mesh, TP degree, EP degree or dtype the plan refuses, an unreadable
+``--hw`` record, a folder for ``--json`` / ``--png``) ends in one argparse error before any
+simulation.
+
+``--ep K``: the plan is compiled on the model as one rank of expert parallelism ``K`` holds it
+(:func:`dmuon.plan._model.parallel.expert_parallel_variant`, ``compile(ep=K)``, as ``python -m dmuon
+plan --ep``), and every variant runs the model's token all-to-all over the EP groups (``K``
+consecutive ranks): per MoE layer and micro-batch a dispatch and a combine in the forward and
+their gradients in the backward (4 calls; 2 more per recomputed layer), ``tokens · top_k ·
+hidden · itemsize`` bytes per rank each (the activation dtype). Its scope: uniform routing (every
+expert gets ``tokens · top_k / E`` of each rank's tokens), no capacity factor or dropped tokens, no
+overlap of the all-to-all with compute (DeepEP / dual-pipe schedules are not modelled). The
+baseline is FSDP2 + AdamW with the same EP: dense parameters over the row, each rank's stacks over
+its efsdp group (``N/K`` ranks; none when that is one rank). ``naive`` / ``all_to_all`` are not
+simulated with ``--ep``.
+
+GPU presets train in bf16 with FSDP2's usual mixed precision (``--param-dtype bfloat16
+--reduce-dtype float32`` unless given); a calibration file keeps fp32. With ``--tp T`` dmuon
+runs on the data-parallel mesh with Megatron-style TP shards (world = mesh x T); the
+alternatives are simulated on the data-parallel mesh with the same per-TP-rank shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["main_simulate", "recommend"]
+
+def _fits(sim: Any, memory_nbytes: int) -> bool:
+    """Every rank's simulated peak within the device's memory (0 = unknown: fits)."""
+    return not memory_nbytes or max(sim.peak_memory_nbytes) <= memory_nbytes
+
+
+def recommend(sims: dict, memory_nbytes: int) -> str:
+    """``"z2"`` or ``"z3"`` (module docstring rule)."""
+    z2, z3 = sims.get("z2"), sims.get("z3")
+    if z2 is None or z3 is None:
+        return "z3" if z3 is not None else "z2"
+    fits = {k: _fits(s, memory_nbytes) for k, s in (("z2", z2), ("z3", z3))}
+    if fits["z2"] and not fits["z3"]:
+        return "z2"
+    if fits["z3"] and not fits["z2"]:
+        return "z3"
+    return "z2" if z2.step_s < 0.99 * z3.step_s else "z3"
+
+
+def expert_counts(model: Any) -> dict[str, int]:
+    """``{fqn: E}`` of ``model``'s expert stacks as the simulator's workload sees them
+    (:func:`dmuon.plan._cost.baseline.is_expert_stack`, :func:`dmuon.sim.workload.from_plan`)."""
+    from dmuon.plan._cost.baseline import is_expert_stack
+
+    return {n: int(p.shape[0]) for n, p in model.named_parameters() if is_expert_stack(n, tuple(p.shape))}
+
+
+#: what the FSDP2 baselines assume, printed in the header
+BASELINE_LINE = ("FSDP2 baseline: dense parameters Shard(0); expert stacks Shard(1) when efsdp x ep > E, else "
+                 "Shard(0) (torchtitan apply_fsdp_to_decoder)")
+
+
+def dmuon_collectives(plan: Any) -> tuple[dict[str, int], int]:
+    """dmuon's own collectives of ``plan``'s nominal step: per kind, the schedule table's count
+    (every group), and the most any one rank issues (every op counted as the runtime issues it
+    uncoalesced)."""
+    from dmuon.sim._engine.hardware import OP_COLLECTIVE
+
+    by_kind: dict[str, int] = {}
+    per_group: dict[tuple[int, ...], int] = {}
+    sched = plan.schedule()
+    for op in sched.ops:
+        if op.external or op.kind not in OP_COLLECTIVE:
+            continue
+        by_kind[op.kind] = by_kind.get(op.kind, 0) + 1
+        per_group[op.group] = per_group.get(op.group, 0) + 1
+    per_rank = [0] * sched.num_ranks
+    for group, c in per_group.items():
+        for x in group:
+            per_rank[x] += c
+    return by_kind, max(per_rank, default=0)
+
+
+def buffer_padding(plan: Any) -> tuple[int, int]:
+    """``(payload_numel, wire_numel)`` of ``plan``'s boundary buffers in one replicate row:
+    the dedicated elements they carry, and the elements one forward phase moves for them (a
+    broadcast buffer: its segments, alignment and presence flags included; an all-gather buffer:
+    ``N · slot_numel``, its slot padding included). Padding = wire / payload - 1."""
+    payload = wire = 0
+    N = plan.mesh_shape[1]
+    for b in plan.boundaries:
+        for buf in b.buffers:
+            payload += sum(e.numel for seg in buf.segments for sub in seg.subsegments for e in sub.entries)
+            wire += N * buf.slot_numel if getattr(buf, "collective", "broadcast") == "all_gather" else buf.numel
+    return payload, wire
+
+
+def top_k_error(model: Any, top_k: int) -> str | None:
+    """Why ``--top-k top_k`` does not fit ``model`` (None when it does): each token visits
+    ``1 <= top_k <= E`` of a stack's ``E`` experts, for every stack."""
+    counts = expert_counts(model)
+    if not counts:
+        return "the model has no expert stacks (3-D 'experts' parameters); leave --top-k out"
+    fewest = min(counts.values())
+    if not 1 <= top_k <= fewest:
+        name = min(counts, key=lambda n: (counts[n], n))
+        smallest = " (the model's smallest stack)" if len(set(counts.values())) > 1 else ""
+        return f"experts per token must be between 1 and {fewest}, the number of experts of {name}{smallest}"
+    return None
+
+
+def token_a2a_line(plan: Any, wl: Any, hw: Any, ep: int, top_k: int, act_dtype: str) -> str:
+    """The header line of the token all-to-all model under ``--ep`` ("" without EP)."""
+    from dmuon.sim._engine.alternatives import ep_groups
+    from dmuon.sim._engine.hardware import collective_s
+
+    groups = ep_groups(plan)
+    moe = [(f, w) for f, w in wl.boundaries if w.experts is not None]
+    if ep <= 1 or not groups or not moe:
+        return ""
+    nbytes = max(w.dispatch_nbytes for _, w in moe)
+    call_s = collective_s(hw, "all_to_all", groups[0], nbytes)
+    calls = 4 * len(moe) * wl.micro_batches
+    return (f"token all-to-all over EP groups of {ep} ranks: {calls:,} calls per step (dispatch + combine, forward "
+            f"and backward, {len(moe)} MoE layers), {nbytes / 1e6:,.1f} MB per rank per call (top-{top_k}, "
+            f"{act_dtype.removeprefix('torch.')}), {1e3 * call_s:.2f} ms per call; uniform routing, no capacity "
+            f"factor, no overlap with compute")
+
+
+def main_simulate(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m dmuon simulate``. Returns 0."""
+    from dmuon._cli.plan_commands import (add_selection_args, check_selection_args, parse_mesh, refusal_text,
+                                      selection_kwargs, warnings_to_stderr)
+    from dmuon.plan._compile import compile
+    from dmuon._zoo import PRESETS
+    from dmuon.sim._engine import hardware as H
+    from dmuon.sim._engine.simulate import VARIANTS, simulate
+    from dmuon.sim._engine.workload import from_plan, model_top_k
+
+    parser = argparse.ArgumentParser(prog="python -m dmuon simulate",
+                                     description="Simulated step time of dmuon Z2/Z3 and the alternatives (no GPU needed).")
+    parser.add_argument("--model", required=True, choices=sorted(PRESETS))
+    parser.add_argument("--mesh", required=True, type=parse_mesh, help="N or RxN (replicate x shard)")
+    parser.add_argument("--hw", required=True, help=f"hardware preset {sorted(H.PRESETS)} or a calibration .json")
+    parser.add_argument("--tokens-per-rank", type=int, default=8192, help="tokens per rank per step")
+    parser.add_argument("--seq-len", type=int, default=None, help="sequence length (default: min(tokens, 8192))")
+    parser.add_argument("--mode", choices=("z2", "z3"), default=None, help="only this dmuon mode")
+    parser.add_argument("--top-k", type=int, default=None, metavar="K",
+                        help="experts each token visits in 3-D expert stacks (default: the model's routing "
+                        "top_k, e.g. 8 for qwen3-30b-a3b and deepseek-v3; 2 when the model names none)")
+    parser.add_argument("--coalesce", choices=("record", "off", "serial", "concurrent"), default="record",
+                        help="dmuon's broadcasts / reduces per boundary phase and group as one coalesced call: as the "
+                        "hardware record says (GPU presets: NCCL, serial model), off (one call each, as a runtime that "
+                        "does not coalesce), or on with the serial / concurrent (uncalibrated) model")
+    parser.add_argument("--ep", type=int, default=1, metavar="K",
+                        help="expert parallelism: plan the model as one rank of ep = K holds it and simulate the "
+                        "token all-to-all over the EP groups (module docstring: its scope)")
+    add_selection_args(parser, cost_model_default="ns_flops")  # the same options as `plan`
+    parser.add_argument("--json", metavar="FILE", default=None, help="write every variant's figures as JSON")
+    parser.add_argument("--png", metavar="FILE", default=None, help="draw rank 0's timeline of each variant (matplotlib)")
+    parser.add_argument("--html", metavar="FILE", default=None,
+                        help="write the variants' figures and rank 0's timeline per variant as a page (SVG, no matplotlib)")
+    args = parser.parse_args(argv)
+    check_selection_args(parser, args)
+    for f in (args.json, args.png, args.html):
+        if f and os.path.isdir(f):
+            parser.error(f"{f!r} is a folder: give a file name")
+        if f and not os.path.isdir(os.path.dirname(os.path.abspath(f))):
+            parser.error(f"the folder of {f!r} does not exist")
+    if args.tokens_per_rank < 1:
+        parser.error("--tokens-per-rank must be >= 1")
+    if args.seq_len is not None and not 1 <= args.seq_len <= args.tokens_per_rank:
+        parser.error(f"--seq-len must be between 1 and --tokens-per-rank ({args.tokens_per_rank:,}), got {args.seq_len}")
+    try:
+        hw = H.preset(args.hw)
+    except (ValueError, OSError) as exc:
+        parser.error(f"--hw {args.hw!r}: not a preset {sorted(H.PRESETS)} nor a readable calibration record ({exc})")
+    if args.coalesce != "record":
+        hw = dataclasses.replace(hw, coalesces=args.coalesce != "off",
+                                 coalesce_model=hw.coalesce_model if args.coalesce == "off" else args.coalesce)
+    gpu = hw.comm_engine == "separate"
+    param_dtype = args.param_dtype or ("bfloat16" if gpu else None)
+    model = PRESETS[args.model]()
+    if args.top_k is not None:
+        check = top_k_error(model, args.top_k)
+        if check:
+            parser.error(f"--top-k {args.top_k}: {check}")
+    top_k = args.top_k or model_top_k(model)
+    if args.ep < 1:
+        parser.error("--ep must be >= 1")
+    if args.ep > 1 and args.tp > 1:
+        parser.error("--ep with --tp: expert parallelism is not simulated with tensor parallelism")
+    try:
+        with warnings_to_stderr():
+            kw = selection_kwargs(args, model, args.mesh, param_dtype=param_dtype,
+                                  reduce_dtype="float32" if gpu else None)
+            if args.ep > 1:
+                from dmuon.plan._model.parallel import expert_parallel_variant
+
+                model = expert_parallel_variant(model, args.ep)
+                kw["ep"] = args.ep
+            plans = {z3: compile(model, args.mesh, reshard_after_forward=z3, **kw) for z3 in (False, True)}
+    except ValueError as exc:  # the plan refuses this mesh / TP degree / EP degree / owner groups for this model
+        flags = f"--mesh {args.mesh} --tp {args.tp}" + (f" --ep {args.ep}" if args.ep > 1 else "")
+        parser.error(f"{args.model} on {flags}: {refusal_text(exc)}")
+    plan = plans[True]
+    R, N = plan.mesh_shape
+    if not gpu:  # a calibrated CPU: every rank on this machine
+        hw = dataclasses.replace(hw, ranks_per_node=R * N * plan.tp_size)
+    seq = args.seq_len or min(args.tokens_per_rank, 8192)
+    act_dtype = "torch.bfloat16" if gpu else "torch.float32"
+    wl = from_plan(plan, tokens_per_rank=args.tokens_per_rank, seq_len=seq, activation_dtype=act_dtype, top_k=top_k)
+    variants = [v for v in VARIANTS if (args.mode is None or v not in ("z2", "z3") or v == args.mode)
+                and (args.ep == 1 or v not in ("naive", "all_to_all"))]
+    sims = {}
+    for v in variants:
+        p = plans[v != "z2"] if v in ("z2", "z3") else plan
+        sims[v] = simulate(p, hw, wl, variant=v, timeline_ranks=(0,))
+    base = sims["adamw"].step_s
+    ep_note = f", EP {args.ep} (efsdp {plan.mesh_shape[1] // args.ep})" if args.ep > 1 else ""
+    print(f"{args.model} on mesh {plan.mesh_shape} x TP {plan.tp_size} ({plan.world_size * plan.tp_size} ranks){ep_note}, "
+          f"{hw.name}; {args.tokens_per_rank:,} tokens/rank, seq {seq}, wire {param_dtype or 'fp32'}")
+    print(BASELINE_LINE)
+    coll_note = ""
+    if hw.coalesces:
+        coll_note = (f"; NCCL-coalesced broadcasts / reduces per boundary phase and group ({hw.coalesce_model} model"
+                     + (", uncalibrated" if hw.coalesce_model == "concurrent" else "") + ")")
+    a2a = token_a2a_line(plan, wl, hw, args.ep, top_k, act_dtype)
+    if a2a:
+        print(a2a)
+    by_kind, busiest = dmuon_collectives(plan)
+    payload, wire = buffer_padding(plan)
+    kinds = ", ".join(f"{k} {c:,}" for k, c in sorted(by_kind.items())) or "none"
+    pad = f"{100 * (wire / payload - 1):.4f} %" if payload else "-"
+    print(f"dmuon Z3 collectives per step: {kinds} (schedule table, all groups); busiest rank issues "
+          f"{busiest:,}{coll_note}; buffer padding {pad} ({payload:,} elements carried, {wire:,} moved per row and phase)")
+    hdr = (f"{'variant':<12}{'step ms':>10}{'x AdamW':>9}{'exposed ms':>12}{'NS ms':>9}{'NS %':>7}{'peak GiB':>10}"
+           f"{'TB moved':>12}{'calls/rank':>12}")
+    print(hdr)
+    print("-" * len(hdr))
+    for v, s in sims.items():
+        print(f"{v:<12}{1e3 * s.step_s:>10.1f}{s.step_s / base:>9.3f}{1e3 * s.exposed_comm_s:>12.1f}{1e3 * s.ns_s:>9.1f}"
+              f"{100 * s.ns_share:>7.1f}{max(s.peak_memory_nbytes) / 2**30:>10.2f} {s.comm_nbytes / 1e12:>11.3f}"
+              f"{max(s.collectives_per_rank, default=0):>12,}")
+    rec = recommend(sims, hw.memory_nbytes)
+    print(f"\nrecommended: dmuon {rec.upper()} ({sims[rec].step_s / base:.3f} x FSDP2 + AdamW)")
+    if not _fits(sims[rec], hw.memory_nbytes):  # recommend() prefers a mode that fits: none does
+        peak = max(sims[rec].peak_memory_nbytes)
+        print(f"warning: no dmuon mode fits the device: {rec.upper()} peaks at {peak / 2**30:.1f} GiB per rank against "
+              f"{hw.memory_nbytes / 2**30:.1f} GiB (more shard ranks, TP, activation checkpointing or fewer tokens per rank)")
+    if args.json:
+        out = dict(model=args.model, mesh=list(plan.mesh_shape), tp=plan.tp_size, ep=args.ep, hardware=hw.name,
+                   tokens_per_rank=args.tokens_per_rank, seq_len=seq, recommended=rec, baseline=BASELINE_LINE,
+                   dmuon_collectives=by_kind, dmuon_collectives_busiest_rank=busiest,
+                   buffer_payload_numel=payload, buffer_wire_numel=wire,
+                   variants={v: dict(step_ms=1e3 * s.step_s, ratio_to_adamw=s.step_s / base,
+                                     exposed_comm_ms=1e3 * s.exposed_comm_s, ns_ms=1e3 * s.ns_s,
+                                     peak_memory_nbytes=list(s.peak_memory_nbytes), comm_nbytes=s.comm_nbytes,
+                                     collectives_busiest_rank=max(s.collectives_per_rank, default=0),
+                                     critical_rank=s.critical_rank, critical_op=s.critical_op,
+                                     critical_path_s=s.path_seconds())
+                             for v, s in sims.items()})
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=1)
+            f.write("\n")
+        print(f"wrote {args.json}")
+    if args.png:
+        from dmuon.sim._pages.sim_plot import gantt
+
+        gantt({v: s for v, s in sims.items()}, 0, args.png)
+        print(f"wrote {args.png}")
+    if args.html:
+        from dmuon._cli.plan_commands import write_html
+        from dmuon.sim._pages.sim_html import simulation_html
+
+        write_html(args.html, simulation_html(sims, standalone=True))
+    return 0

@@ -1,0 +1,481 @@
+"""The runtime of one model: its hook boundaries, reduce completion, HSDP replicas and streams.
+
+:class:`DmuonRuntime` owns one :class:`~dmuon.exec._runtime.boundary._BoundaryRuntime` per hook
+boundary (their packed buffers: :mod:`dmuon.exec._runtime.packed_buffers`; dmuon's process groups:
+:mod:`dmuon.exec._comm.groups`) and does what spans boundaries:
+
+=====================  =====================================================================
+phase                  what happens on this rank (mesh coordinate ``(r, s)``)
+=====================  =====================================================================
+end of backward        (autograd final callback) reduce boundaries not yet reduced, wait for
+                       every reduce, read all owned presence flags at once (one host sync), copy
+                       or add the averaged gradients into the owners' ``.grad`` (never a view of
+                       the reduce buffer), release the reduce buffers' storage
+optimizer step         HSDP: after the owner's update, broadcast each sub-segment from its
+                       owner to its replicate peers (waited for before the next use when
+                       ``replicate_async=True``)
+=====================  =====================================================================
+
+The per-boundary phases (pre-/post-forward, pre-/post-backward) are in
+:mod:`dmuon.exec._runtime.boundary`. Every collective of those phases and of the ones above comes from the
+plan's step schedule (:func:`dmuon.plan._scheduling.programs.boundary_programs`, bound to this rank's
+buffers by :mod:`dmuon.exec._runtime.program`): groups, roots, sizes, dtypes and order are the plan's;
+the hooks decide when each list runs.
+
+On an accelerator (``DmuonRuntime.use_streams``, default on; ``torch.Stream`` / ``torch.accelerator``, so
+CUDA, XPU or any other device module alike): broadcasts (and the mixed-precision cast before
+them) run on a broadcast stream, gradient packing and reduces on a reduce stream, as FSDP2 orders
+its all-gathers and reduce-scatters: each waits for the compute stream when issued, the compute
+stream waits for an event on it before the parameters or the reduced gradients are used, storage
+is regrown on the compute stream and freed only after that wait, and local gradients read by the
+reduce stream stay referenced until it. On CPU none of this runs.
+
+:class:`DmuonRuntime` holds the state and delegates each job to its module:
+:mod:`~dmuon.exec._runtime.reduces` (the end of backward: reduce completion, the gradient divisor),
+:mod:`~dmuon.exec._runtime.replicas` (the HSDP replica broadcasts), :mod:`~dmuon.exec._runtime.streams`
+(the accelerator streams), :mod:`~dmuon.exec._runtime.ep_stacks` (the local expert-parallel
+stacks). The boundaries see it only through :class:`~dmuon.exec._runtime.boundary_host.BoundaryHost`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+import torch.nn as nn
+
+from dmuon import _tags
+from dmuon._tags import dedicated_info
+from dmuon.plan._scheduling.programs import boundary_programs
+
+from dmuon.exec._comm import collective_calls as C
+from dmuon.exec._setup import fsdp2
+from dmuon.exec._runtime import ep_stacks as expert_parallel, reduces, replicas, streams
+from dmuon.exec._runtime.boundary import ShardedState, TrainingState, _BoundaryRuntime, eager_hook
+from dmuon.exec._runtime.packed_buffers import build_segments
+from dmuon.exec._comm.groups import MeshGroups
+from dmuon.exec._runtime.program import bind
+
+__all__ = ["DmuonRuntime", "wait_pending", "after_step", "get_runtime", "get_model_runtime", "no_sync"]
+
+
+
+class DmuonRuntime:
+    """Binds a :class:`~dmuon.plan.ShardingPlan` to a model and a mesh (see module docstring)."""
+
+    def __init__(
+        self,
+        plan,
+        model: nn.Module,
+        groups: MeshGroups,
+        device: torch.device,
+        *,
+        timeout_s: float | None = C.DEFAULT_TIMEOUT_S,
+        use_streams: bool = True,
+    ):
+        self.plan = plan
+        self.groups = groups
+        self.device = device
+        self.reshard_after_forward = bool(plan.reshard_after_forward)
+        self.replicate_async = bool(plan.replicate_async)
+        self.num_shards = groups.shape[1]
+        self.world_numel = groups.shape[0] * groups.shape[1]
+        self.tp_size = groups.tp_size
+        self.boundaries: list[_BoundaryRuntime] = []
+        self.pending_reduces: list = []  # boundary._PendingReduce records, drained by finish_reduces
+        self.replicate_reduce_works: list = []  # HSDP: (boundary, work, group) issued, waited by finish_reduces
+        self._flag_host_reads = 0  # host reads of presence flags (one per finish_reduces with owned grads)
+        self.use_streams = bool(use_streams)  # CUDA: dmuon's own broadcast / reduce streams (False: the compute stream)
+        self._streams = None  # (device, {"broadcast": Stream, "reduce": Stream}), built on first use
+        self.use_coalescing = True  # NCCL: a list of broadcasts / reduces on one group as one coalesced group
+        self._coalesces: dict = {}  # (id(group), device) -> the backend coalesces (asked once)
+        self.pending_replicate: dict[int, list] = {}
+        self.steps_done = 0  # optimizer steps this runtime has seen (after_step), for the step check
+        self.deferred_rounds: list = []  # accelerators: received broadcast rounds to compare at the step
+        self._final_callback_queued = False
+        self.requires_gradient_sync = True
+        self.timeout_s = timeout_s  # seconds a dmuon wait may take where it blocks the CPU (None: no dmuon timeout)
+        self.model_ref = weakref.ref(model)
+        self.ep_hooks: dict = {}  # expert-parallel stacks' gradient-divisor hook handles, by FQN
+        self._build(model)
+
+    # -- construction ----------------------------------------------------------------------
+
+    def _build(self, model: nn.Module) -> None:
+        plan = self.plan
+        modules = dict(model.named_modules(remove_duplicate=False))
+        specs = {p.fqn: p for p in plan.params}
+        owners = dict(zip((p.fqn for p in plan.params), plan.owners))
+        original = {}
+        for spec in plan.params:
+            mod = modules[spec.module_fqn]
+            original[spec.fqn] = mod._parameters[spec.attr]
+        programs = boundary_programs(plan)  # the schedule's per-boundary collectives
+        for b, program in zip(plan.boundaries, programs):
+            segments = build_segments(
+                b,
+                plan=plan,
+                groups=self.groups,
+                device=self.device,
+                modules=modules,
+                specs=specs,
+                owners=owners,
+                original=original,
+                runtime_ref=weakref.ref(self),
+            )
+            module = modules[b.fqn]
+            br = _BoundaryRuntime(self, b.fqn, module, segments, bind(program, segments, self.groups))
+            br.index = len(self.boundaries)
+            for slot in br.installable:
+                for mod, attr in slot.homes:
+                    mod._parameters[attr] = slot.logical
+            br.handles.append(module.register_forward_pre_hook(eager_hook(br.pre_forward), with_kwargs=True))
+            br.handles.append(module.register_forward_hook(eager_hook(br.post_forward), with_kwargs=True))
+            self.boundaries.append(br)
+        self.ep_params = expert_parallel.bind_expert_parallel(self, modules, original)
+        self.ep_infos = {fqn: dedicated_info(p) for fqn, p in self.ep_params.items()}
+        # matrices with one owner: their slot; owner-grouped matrices: their _Grouped (blocks in
+        # several segments)
+        self.slots_by_fqn = {s.fqn: s for b in self.boundaries for s in b.slots if s.grouped is None}
+        self.grouped_by_fqn = {gm.fqn: gm for b in self.boundaries for gm in b.grouped}
+        self.shard_of_fqn = {
+            s.fqn: seg.shard for b in self.boundaries for seg in b.segments for s in seg.slots if s.grouped is None
+        }
+        # checkpoint / materialisation bookkeeping (dmuon.exec._state.*_state, dmuon.exec._setup.materialize)
+        self.infos = {s.fqn: dedicated_info(s.logical) for s in self.slots_by_fqn.values()}
+        self.infos.update({fqn: dedicated_info(gm.logical) for fqn, gm in self.grouped_by_fqn.items()})
+        self._state_dict_mesh = None  # DeviceMesh of the state-dict DTensors, built on first use
+        self.replicas_stale = False  # HSDP: holders may disagree (set by to_empty & co.)
+        self.qk_clip = None  # QK-clip (MuonClip): reported max logits and the owners' rescaling
+        if plan.qk_clip is not None:
+            from dmuon.exec._optim.qk_clip import QKClipRuntime
+
+            self.qk_clip = QKClipRuntime(self, model)
+
+    def hook_ep_param(self, fqn: str, p: nn.Parameter, boundary_index: int) -> None:
+        """(Re-)register the gradient-divisor hook of the local expert-parallel stack ``fqn`` on ``p``
+        (:func:`dmuon.exec._runtime.ep_stacks.hook_ep_param`)."""
+        expert_parallel.hook_ep_param(self, fqn, p, boundary_index)
+
+    # -- settings and state changed from outside (dmuon.exec._setup.materialize, benchmarks) ----------
+
+    def set_use_streams(self, enabled: bool) -> None:
+        """CUDA: use dmuon's own broadcast / reduce streams (default) or the compute stream."""
+        self.use_streams = bool(enabled)
+
+    def set_coalescing(self, enabled: bool) -> None:
+        """Issue a list of broadcasts (or reduces) on one group as one coalesced group where the
+        backend supports it (default), or one by one. The same on every rank."""
+        self.use_coalescing = bool(enabled)
+
+    def coalesces(self, group) -> bool:
+        """Whether the broadcasts / reduces of one list on ``group`` go as one coalesced group:
+        :attr:`use_coalescing` and the group's backend on this runtime's device supports it
+        (:func:`dmuon.exec._comm.collective_calls.coalescing_supported`; never gloo), asked once per group."""
+        if not self.use_coalescing:
+            return False
+        key = (id(group), self.device)
+        found = self._coalesces.get(key)
+        if found is None:
+            found = self._coalesces[key] = C.coalescing_supported(group, self.device)
+        return found
+
+    def mark_replicas_stale(self) -> None:
+        """HSDP: holders may disagree now (after a ``Module._apply``): :meth:`sync_replicas`
+        broadcasts every owner's value before the next use. Without replicas, nothing to do."""
+        self.replicas_stale = self.groups.shape[0] > 1
+
+    def set_device(self, device: torch.device) -> None:
+        """The dedicated storage moved to ``device`` (after :func:`dmuon.exec._setup.materialize.rebind_storage`)."""
+        if device != self.device:
+            self.device = device
+            self._state_dict_mesh = None
+
+    def state_dict_mesh(self):
+        """The ``DeviceMesh`` of dmuon's state-dict DTensors (over dmuon's groups), cached.
+
+        Without TP: ``(shard,)`` or ``("replicate", "shard")`` over this data-parallel mesh.
+        With TP (``T > 1``) the whole job: ``("tp", "shard")`` or ``("replicate", "tp",
+        "shard")``, ``mesh[r][t][s]`` = the global rank at ``(r, s)`` of TP coordinate ``t``;
+        ``tp`` comes before ``shard`` so that a column-parallel (``Shard(0)``) matrix is split
+        into its TP blocks first, then each block into row chunks (DTensor applies placements
+        of one tensor dim left to right), which is how the holders store it.
+        """
+        mesh = self._state_dict_mesh
+        if mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            g = self.groups
+            R, _ = g.shape
+            device_type = self.device.type
+            if g.tp_size > 1:
+                ranks = torch.tensor(g.tp_tables, dtype=torch.int64).permute(1, 0, 2)  # [r][t][s]
+                if R == 1:
+                    mesh = DeviceMesh.from_group(
+                        [g.tp_group, g.shard_group], device_type, mesh=ranks[0], mesh_dim_names=("tp", "shard")
+                    )
+                else:
+                    mesh = DeviceMesh.from_group(
+                        [g.replicate_group, g.tp_group, g.shard_group], device_type, mesh=ranks,
+                        mesh_dim_names=("replicate", "tp", "shard"),
+                    )
+            elif R == 1:
+                ranks = torch.tensor(g.mesh_ranks, dtype=torch.int64)
+                mesh = DeviceMesh.from_group(g.shard_group, device_type, mesh=ranks[0])
+            else:
+                ranks = torch.tensor(g.mesh_ranks, dtype=torch.int64)
+                mesh = DeviceMesh.from_group(
+                    [g.replicate_group, g.shard_group], device_type, mesh=ranks, mesh_dim_names=("replicate", "shard")
+                )
+            self._state_dict_mesh = mesh
+        return mesh
+
+    def wait(self, works, what: str, *, boundary=None, group=None) -> None:
+        """Wait for ``works`` through :func:`dmuon.exec._comm.collective_calls.wait_all` with this
+        runtime's timeout where the wait blocks the CPU (:func:`~dmuon.exec._comm.collective_calls.blocking_timeout_s`),
+        its optimizer steps done and ``boundary``'s grad-enabled forwards since the last step
+        (quoted by a :class:`~dmuon.exec._comm.collective_calls.CollectiveTimeout` or
+        :class:`~dmuon.exec._comm.collective_calls.CollectiveTransportError`)."""
+        C.wait_all(
+            works,
+            what=what,
+            timeout_s=C.blocking_timeout_s(self.timeout_s, self.device, group),
+            step=self.steps_done,
+            forwards=None if boundary is None else boundary.forwards_since_step,
+            group=group,
+        )
+
+    def comm_stream(self, kind: str):
+        """On an accelerator: dmuon's ``"broadcast"`` or ``"reduce"`` stream; ``None`` on CPU or with
+        ``use_streams=False`` (:func:`dmuon.exec._runtime.streams.comm_stream`)."""
+        return streams.comm_stream(self, kind)
+
+    def boundary_after(self, b: "_BoundaryRuntime") -> "_BoundaryRuntime | None":
+        """Forward prefetch target: the next boundary in plan (module registration) order."""
+        i = b.index + 1
+        return self.boundaries[i] if i < len(self.boundaries) else None
+
+    def boundary_before(self, b: "_BoundaryRuntime") -> "_BoundaryRuntime | None":
+        """Backward prefetch target: the previous boundary in plan order."""
+        return self.boundaries[b.index - 1] if b.index > 0 else None
+
+    # -- backward bookkeeping --------------------------------------------------------------
+
+    def queue_final_callback(self) -> None:
+        if self._final_callback_queued:
+            return
+        self._final_callback_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
+
+    def _final_callback(self) -> None:
+        self._final_callback_queued = False
+        for b in reversed(self.boundaries):
+            b.finish_backward()
+        self.finish_reduces()
+        # a boundary prefetched but not called in this forward (e.g. a skipped layer) waits for
+        # its broadcasts and frees its copies: every step starts with every boundary resharded
+        for b in self.boundaries:
+            if b.sharded_state is not ShardedState.RESHARDED:
+                b._reshard()
+
+    def issue_replicate_reduces(self, boundary) -> None:
+        """HSDP: the replicate reduces of the boundaries reduced before ``boundary`` in this
+        backward (:func:`dmuon.exec._runtime.reduces.issue_replicate_reduces`); nothing on a 1-D mesh."""
+        if self.groups.shape[0] == 1:
+            return
+        # the entries due: after the last one already taken (entries are taken in order) and before
+        # ``boundary``'s own, just appended at the end; walked from the end, so a post-backward
+        # reads only its own and the previous boundary's entries, not the whole backward's
+        pending = self.pending_reduces
+        end = len(pending)
+        while end and pending[end - 1].boundary is boundary:
+            end -= 1
+        start = end
+        while start and not pending[start - 1].replicated:
+            start -= 1
+        reduces.issue_replicate_reduces(self, pending[start:end])
+
+    def finish_reduces(self) -> None:
+        """Wait for the in-flight gradient reduces and accumulate the averages into owners' ``.grad``
+        (:func:`dmuon.exec._runtime.reduces.finish_reduces`)."""
+        reduces.finish_reduces(self)
+
+    def grad_divisor(self, boundary) -> float:
+        """What the owner divides a reduced (summed) gradient by: FSDP2's gradient divide factor
+        (:func:`dmuon.exec._runtime.reduces.grad_divisor`)."""
+        return reduces.grad_divisor(self, boundary)
+
+    def wait_replicate_broadcasts(self, boundary=None) -> None:
+        """HSDP: wait for the post-step replicate broadcasts of ``boundary`` (all when ``None``;
+        :func:`dmuon.exec._runtime.replicas.wait_replicate_broadcasts`)."""
+        replicas.wait_replicate_broadcasts(self, boundary)
+
+    def defer_round_check(self, boundary, phase: str, got: torch.Tensor, expected: float) -> None:
+        """Accelerators: keep a boundary's received broadcast rounds on the device; they are
+        compared once per optimizer step (one host sync) in :meth:`after_step`."""
+        self.deferred_rounds.append((boundary, phase, got, expected))
+
+    def _check_deferred_rounds(self) -> None:
+        if not self.deferred_rounds:
+            return
+        pending, self.deferred_rounds = self.deferred_rounds, []
+        values = torch.cat([got for _, _, got, _ in pending]).tolist()  # the one host sync
+        at = 0
+        for boundary, phase, got, expected in pending:
+            boundary.raise_if_out_of_step(phase, values[at : at + got.numel()], expected)
+            at += got.numel()
+
+    def after_step(self) -> None:
+        """HSDP: each owner broadcasts its updated sub-segments to its replicate peers.
+
+        ``replicate_async=True``: launched here, waited for just before the boundary's next
+        forward broadcast or any state-dict read; ``False``: waited for here.
+
+        QK-clip (``plan.qk_clip``) runs first: its all-reduce (max) and the owners' rescaling of
+        W_q / W_k rows (:mod:`dmuon.exec._optim.qk_clip`), so replicas receive the rescaled values.
+        """
+        self.steps_done += 1
+        self._check_deferred_rounds()
+        for b in self.boundaries:
+            b.forwards_since_step = 0
+        if self.qk_clip is not None:
+            self.qk_clip.step()
+        replicas.broadcast_after_step(self)
+
+    def after_load(self) -> None:
+        """After ``load_state_dict`` wrote new masters on every holder (nothing to communicate)."""
+
+    def remove_hooks(self) -> None:
+        for h in self.ep_hooks.values():
+            h.remove()
+        self.ep_hooks.clear()
+        for b in self.boundaries:
+            for h in b.handles:
+                h.remove()
+            b.handles.clear()
+
+    # -- storage binding and state access (dmuon.exec._setup.materialize, dmuon.exec._state.*_state) --
+    def check_materialized(self, what: str) -> None:
+        """Raise a clear error while the dedicated storage is still on the ``meta`` device."""
+        if any(seg.wire.device.type == "meta" for b in self.boundaries for seg in b.segments):
+            raise RuntimeError(
+                f"dmuon: {what}: the dedicated parameters are still on the meta device; call "
+                "model.to_empty(device=...) and initialise the model first (e.g. dmuon.init_params(model), "
+                "or load a checkpoint; see docs/checkpointing.md)"
+            )
+
+    def check_idle(self, what: str) -> None:
+        """Before masters are overwritten (state-dict load): every boundary between steps.
+
+        Raises if a forward still awaits its backward; a boundary left resident by a prefetch
+        (a forward that stopped early) waits for its broadcasts and frees its copies, so the
+        next forward broadcasts the new values again.
+        """
+        self._settle(self.boundaries, what)
+
+    @staticmethod
+    def _settle(boundaries, what: str) -> None:
+        busy = [b.fqn for b in boundaries if b.training_state is not TrainingState.IDLE or b.pending_backward > 0]
+        if busy:
+            raise RuntimeError(
+                f"dmuon: {what} while boundaries {busy[:3]} are between their forward and backward; "
+                "do it between training steps"
+            )
+        for b in boundaries:
+            if b.sharded_state is not ShardedState.RESHARDED:
+                b._reshard()
+
+    def sync_replicas(self) -> None:
+        """HSDP: broadcast every owner's value to its replicate peers when they may disagree
+        (:attr:`replicas_stale`; :func:`dmuon.exec._runtime.replicas.sync_replicas`)."""
+        replicas.sync_replicas(self)
+
+    def prepare_state_access(self, what: str) -> None:
+        """Before reading or writing masters through the state-dict API (collective in HSDP)."""
+        self.check_materialized(what)
+        self.sync_replicas()
+        self.wait_replicate_broadcasts()
+
+
+
+# ----------------------------------------------------------------------------------------------
+# Optimizer hooks (called by dmuon.Muon.step)
+# ----------------------------------------------------------------------------------------------
+
+
+def get_model_runtime(model: nn.Module) -> DmuonRuntime | None:
+    """The :class:`DmuonRuntime` that :func:`dmuon.exec.apply` attached to ``model``, or None."""
+    return _tags.model_runtime(model)
+
+
+def get_runtime(p: torch.Tensor) -> DmuonRuntime | None:
+    """The live :class:`DmuonRuntime` of the dedicated parameter ``p`` (None if not dedicated)."""
+    info = dedicated_info(p)
+    return None if info is None else info.runtime()
+
+
+def runtimes_of(params) -> list[DmuonRuntime]:
+    """The distinct live runtimes of the dedicated parameters among ``params``, in first-seen order."""
+    seen: dict[int, DmuonRuntime] = {}
+    for p in params:
+        rt = get_runtime(p)
+        if rt is not None:
+            seen.setdefault(id(rt), rt)
+    return list(seen.values())
+
+
+_runtimes = runtimes_of  # the former private name
+
+
+def wait_pending(params) -> None:
+    """Before ``step()``: finish in-flight gradient reduces of every runtime owning ``params``.
+
+    Raises:
+        RuntimeError: local gradients of dedicated matrices were never reduced (every backward
+            since the last step ran inside ``dmuon.no_sync``): the step would silently skip them.
+    """
+    for rt in runtimes_of(params):
+        rt.finish_reduces()
+        stale = [s.fqn for b in rt.boundaries for s in b.installable if s.compute.grad is not None]
+        if stale:
+            raise RuntimeError(
+                f"dmuon: step() with unreduced gradients of {len(stale)} dedicated matrices "
+                f"(e.g. {stale[0]!r}): every backward since the last step ran inside dmuon.no_sync "
+                "(or with FSDP2's requires_gradient_sync False). Run the last micro-batch's backward "
+                "outside the context so the accumulated gradients are reduced once."
+            )
+
+
+def after_step(params) -> None:
+    """Post-step work of every runtime owning one of ``params`` (HSDP replicate broadcast)."""
+    for rt in runtimes_of(params):
+        rt.after_step()
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module):
+    """Defer gradient reduces (dmuon's and FSDP2's) for the backward passes inside the context.
+
+    Gradient accumulation without communication: every rank keeps its full local gradient of
+    every dedicated matrix (+ the dedicated bytes of memory on non-owners) and FSDP2 keeps its
+    unsharded gradients; the first backward outside the context reduces the accumulated sum
+    once. Without the context each micro-batch reduces and owners accumulate the averages
+    (traffic x micro-batches, no extra memory). Either way the optimizer step runs one
+    Newton-Schulz per matrix. FSDP2's ``set_requires_gradient_sync(False)`` is honoured too.
+    """
+    rt = get_model_runtime(model)
+    if rt is None:
+        raise ValueError("dmuon.no_sync: the model has no dedicated parameters (call dmuon.dedicate_params first)")
+    fsdp = getattr(model, "set_requires_gradient_sync", None)
+    prev = rt.requires_gradient_sync
+    prev_fsdp = fsdp2.requires_gradient_sync(model)
+    rt.requires_gradient_sync = False
+    if fsdp is not None:
+        fsdp(False)
+    try:
+        yield
+    finally:
+        rt.requires_gradient_sync = prev
+        if fsdp is not None:
+            fsdp(prev_fsdp)

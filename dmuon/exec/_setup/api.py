@@ -1,0 +1,415 @@
+"""``dmuon.exec.apply`` and ``dmuon.dedicate_params``: bind a plan to a model and a mesh."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from dmuon import _registry
+from dmuon import _tags
+from dmuon._dtensor import is_dtensor
+
+from dmuon.exec._state import model_state
+from dmuon.exec._setup import guards
+from dmuon.exec._setup import materialize
+from dmuon.exec._comm.collective_calls import DEFAULT_TIMEOUT_S
+from dmuon.exec._comm.groups import MeshGroups, mesh_rank_table, mesh_tp_ranks
+from dmuon.exec._runtime.runtime import DmuonRuntime, get_model_runtime
+
+__all__ = ["apply", "dedicate_params"]
+
+
+def _table_shape(table) -> tuple[int, int]:
+    return (len(table), len(table[0]))
+
+
+def _device_of(model: nn.Module, plan) -> torch.device:
+    for spec in plan.params:
+        p = model.get_parameter(spec.fqn)
+        return p.device
+    return torch.device("cpu")
+
+
+def _validate(plan, model: nn.Module, table) -> None:
+    """Local checks, before any collective: every rank raises the same error on the same input."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "dmuon.exec.apply needs an initialised default process group: call "
+            "torch.distributed.init_process_group(...) first (use world size 1 for a single process)"
+        )
+    _check_not_applied(model)  # first: a dedicated model that was then fully_shard-ed is not "sharded first"
+    guards.check_not_fully_sharded(model)
+    shape = _table_shape(table)
+    if tuple(plan.mesh_shape) != shape:
+        raise ValueError(
+            f"dmuon: the plan was compiled for mesh {tuple(plan.mesh_shape)} (R, N) but the mesh is "
+            f"{shape}; compile with the same mesh (dmuon.plan.compile(model, mesh))"
+        )
+    from dmuon.plan._model import snapshot as _snapshot
+
+    digest = _snapshot.take_snapshot(model).digest
+    if digest != plan.model_digest:
+        raise ValueError(
+            "dmuon: the model differs from the one the plan was compiled for (parameter names, "
+            "shapes, dtypes or ties changed after planning); recompile the plan with "
+            "dmuon.plan.compile(model, mesh) after the last change to the model"
+        )
+    devices = {str(model.get_parameter(spec.fqn).device) for spec in plan.params}
+    if len(devices) > 1:
+        raise ValueError(
+            f"dmuon: the dedicated parameters are on several devices {sorted(devices)}; apply dmuon to "
+            "a model on one device, or on the meta device (then model.to_empty(device=...))"
+        )
+
+
+def _check_tp(plan, model: nn.Module, table, mesh_tp: tuple[int, ...] | None = None):
+    """Tensor parallelism: the TP ``DeviceMesh`` shared by the TP-sharded dedicated matrices
+    (None without TP), after local checks: one 1-D mesh of ``plan.tp_size`` ranks, and a
+    data-parallel mesh that with it spans the world. ``mesh_tp``: this rank's line along the TP
+    dim of the mesh passed to dmuon (a 3-D or named ``("dp", "tp")`` mesh), which must be the
+    matrices' TP mesh."""
+    if plan.tp_size == 1:
+        return None
+    meshes = {}
+    for spec in plan.params:
+        if spec.tp_size > 1:
+            p = model.get_parameter(spec.fqn)
+            m = p.device_mesh if is_dtensor(p) else None
+            if m is None:
+                raise ValueError(
+                    f"dmuon: the plan says {spec.fqn!r} is TP-sharded but the model's parameter is a plain "
+                    "tensor; call parallelize_module before dedicate_params / apply"
+                )
+            meshes.setdefault(tuple(m.mesh.flatten().tolist()), m)
+    if len(meshes) != 1:
+        raise ValueError(
+            f"dmuon: the TP-sharded dedicated matrices live on {len(meshes)} different TP meshes "
+            f"{sorted(meshes)}; use one TP mesh"
+        )
+    tp_mesh = next(iter(meshes.values()))
+    if mesh_tp is not None and tuple(int(x) for x in tp_mesh.mesh.flatten().tolist()) != mesh_tp:
+        raise ValueError(
+            f"dmuon: the TP dim of the mesh passed to dmuon joins ranks {list(mesh_tp)} but the dedicated "
+            f"matrices are TP-sharded over ranks {tp_mesh.mesh.flatten().tolist()}; parallelize_module with "
+            "mesh['tp'] of the same mesh (or pass tp_dim= naming the TP dim)"
+        )
+    dp = sum(len(row) for row in table)
+    world = dist.get_world_size()
+    if dp * plan.tp_size != world:
+        raise ValueError(
+            f"dmuon: with tensor parallelism the data-parallel mesh times the TP degree must span the "
+            f"world: the mesh passed has {dp} ranks, times TP degree {plan.tp_size} is {dp * plan.tp_size}, "
+            f"but the world has {world}. Pass the data-parallel DeviceMesh (mesh['dp'] of "
+            "init_device_mesh('cpu', (dp, tp), mesh_dim_names=('dp', 'tp'))) or the whole named mesh, "
+            "whose TP dim dmuon finds by name (tp_dim=); None means the whole world"
+        )
+    return tp_mesh
+
+
+def _world_tables(table, tp_mesh=None):
+    """Every rank's data-parallel rank table, from one ``all_gather_object``: with ``tp_mesh``,
+    one per TP coordinate in TP order (ranks of a coordinate must agree, every coordinate must
+    appear); without, the distinct sub-meshes in order of their smallest rank. They must not
+    overlap."""
+    mine = (int(tp_mesh.get_local_rank()) if tp_mesh is not None else None, table)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    tables: dict[int, tuple] = {}
+    for t, tab in everyone:
+        tab = tuple(tuple(int(x) for x in row) for row in tab)
+        key = t if tp_mesh is not None else min(min(row) for row in tab)
+        if tables.setdefault(key, tab) != tab:
+            what = f"ranks of TP coordinate {t} passed different" if tp_mesh is not None else "the ranks passed overlapping"
+            raise ValueError(f"dmuon: {what} data-parallel meshes")
+    if tp_mesh is not None and sorted(tables) != list(range(tp_mesh.size())):
+        raise ValueError(f"dmuon: TP coordinates {sorted(tables)} do not cover 0..{tp_mesh.size() - 1}")
+    ordered = tuple(tables[k] for k in sorted(tables))
+    flat = [x for tab in ordered for row in tab for x in row]
+    if len(set(flat)) != len(flat):
+        raise ValueError(f"dmuon: the data-parallel meshes of different ranks overlap: {ordered}")
+    return ordered
+
+
+def _check_not_applied(model: nn.Module) -> None:
+    """A second ``dedicate_params`` / ``apply`` on a model that already has a dmuon runtime
+    (also after ``fully_shard``, which would otherwise read as "sharded before dedication")."""
+    found = next(((n, get_model_runtime(m)) for n, m in model.named_modules() if get_model_runtime(m) is not None), None)
+    if found is None:
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    where, runtime = found
+    plan = runtime.plan
+    sharded = any(isinstance(m, FSDPModule) for m in model.modules())
+    R, N = tuple(plan.mesh_shape)
+    what = (
+        f"plan {plan.fingerprint()[:12]}: mesh (R={R}, N={N}), {len(plan.dedicated)} dedicated "
+        f"parameter{'s' if len(plan.dedicated) != 1 else ''}{f', on submodule {where!r}' if where else ''}"
+    )
+    nxt = (
+        "it was also fully_shard-ed since, so the set-up is complete: build dmuon.Muon(model, ...) next"
+        if sharded
+        else "continue with fully_shard(block) for each block -> fully_shard(model) -> dmuon.Muon(model, ...)"
+    )
+    raise ValueError(
+        f"dmuon: this model was already dedicated by dmuon.dedicate_params / dmuon.exec.apply ({what}); "
+        f"a second call is not needed (one call per model; dmuon.exec.get_model_runtime(model).plan is that plan): {nxt}. "
+        "To change the plan, build the model again and dedicate it once"
+    )
+
+
+#: per-parameter lines of the plan difference shown when ranks hold different plans
+PLAN_DIFF_LINES = 5
+
+
+def _check_same_plan_everywhere(plan) -> None:
+    """All ranks must hold the same plan: compare fingerprints (one all_gather_object). Only when
+    they differ, a second all_gather_object exchanges the plans' JSON so that every rank raises the
+    same error naming what differs between rank 0's plan and the first differing rank's."""
+    mine = plan.fingerprint()
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    bad = sorted({i for i, f in enumerate(everyone) if f != everyone[0]})
+    if bad:
+        plans: list = [None] * dist.get_world_size()
+        dist.all_gather_object(plans, plan.to_json())
+        raise RuntimeError(
+            f"dmuon: ranks hold different plans (fingerprint of rank 0: {everyone[0][:12]}, "
+            f"differing ranks: {bad}; rank {bad[0]}: {everyone[bad[0]][:12]}). "
+            f"{_plan_difference(plans[0], plans[bad[0]], bad[0])}\n"
+            "Compile the plan identically on every rank (same model definition, mesh and arguments), "
+            "or compile once and broadcast its JSON"
+        )
+
+
+def _check_ep_stacks_differ(plan, model: nn.Module, table) -> None:
+    """Expert parallelism: the ranks of an EP group must hold different experts.
+
+    Shapes cannot tell an EP model from one that holds every expert on every rank when the
+    model shows no expert count (a router named ``gate`` / ``router`` or a ``num_experts``
+    attribute): ``E/ep`` local experts look like ``E``. So each rank sends a digest of its
+    stacks (sum and sum of squares, float64) in one ``all_gather_object``; when every EP group
+    holds identical stacks on all its ranks, every rank warns the same ``UserWarning``. Not on
+    the meta device (nothing to compare before ``to_empty``)."""
+    if plan.ep_size <= 1:
+        return
+    modules = dict(model.named_modules(remove_duplicate=False))
+    digest = []
+    for spec in plan.params:
+        if spec.experts is None:
+            continue
+        p = modules[spec.module_fqn]._parameters[spec.attr]
+        if p is None or p.is_meta:
+            digest = None
+            break
+        with torch.no_grad():
+            x = p.detach().to(torch.float64)
+            digest.append((spec.fqn, float(x.sum()), float(x.square().sum())))
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, digest)
+    ep = plan.ep_size
+    groups = [row[g : g + ep] for row in table for g in range(0, len(row), ep)]
+    if any(everyone[x] is None for group in groups for x in group):
+        return
+    if all(all(everyone[x] == everyone[group[0]] for x in group) for group in groups):
+        fqn = everyone[groups[0][0]][0][0]
+        warnings.warn(
+            f"dmuon.dedicate_params: ep={ep}, but the ranks of every EP group hold identical expert stacks (e.g. "
+            f"{fqn!r}): under expert parallelism rank j of an EP group holds its own experts j*E/ep .. (j+1)*E/ep-1. "
+            "If the model holds every expert on every rank, drop ep=; if its initialisation draws the same values "
+            "on every rank, give each rank its slice of one full initialisation (docs/moe_ep.md)",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _plan_difference(json_a: str, json_b: str, rank_b: int) -> str:
+    """What differs from rank 0's plan to rank ``rank_b``'s (``dmuon.plan.diff``), first lines only."""
+    from dmuon.plan import ShardingPlan
+    from dmuon.plan._tools.diff import diff
+
+    try:
+        d = diff(ShardingPlan.from_json(json_a), ShardingPlan.from_json(json_b))
+    except Exception as exc:  # noqa: BLE001 - the report must not hide the real error
+        return f"(the plans could not be compared: {type(exc).__name__}: {exc})"
+    if d.empty:
+        return (
+            "dmuon.plan.diff finds no difference in parameters, owners, boundaries or settings: "
+            "compare the ranks' plan.to_json()"
+        )
+    # the most telling differences first: parameters dedicated on one rank only, then boundary or
+    # shape changes, then owners that moved (a consequence of the others)
+    rank_of = lambda c: (c.kind == "changed", not (c.boundary_changed or c.spec_changed))  # noqa: E731
+    d = dataclasses.replace(d, changes=tuple(sorted(d.changes, key=rank_of)))
+    lines = d.render(max_lines=PLAN_DIFF_LINES).splitlines()
+    cut = next((i for i, line in enumerate(lines) if line.lstrip().startswith("bytes per step")), len(lines))
+    return f"dmuon.plan.diff(plan of rank 0, plan of rank {rank_b}):\n" + "\n".join(lines[:cut])
+
+
+def apply(
+    plan,
+    model: nn.Module,
+    mesh=None,
+    *,
+    collective_timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    shard_dim: str | None = None,
+    replicate_dim: str | None = None,
+    tp_dim: str | None = None,
+) -> DmuonRuntime:
+    """Install owners, placeholders and hooks for ``plan`` on ``model`` (every rank calls it).
+
+    Args:
+        plan: a :class:`dmuon.plan.ShardingPlan` compiled for this model and mesh shape.
+        model: the full model, identical on every rank (as before ``fully_shard``), either
+            materialised or on the ``meta`` device: then nothing is allocated until
+            ``model.to_empty(device=...)``, which gives each holder its own segments only
+            (see :mod:`dmuon.exec._setup.materialize` and docs/checkpointing.md).
+        mesh: a ``DeviceMesh`` whose data-parallel dims have the plan's shape (1-D: shard; 2-D:
+            ``(replicate, shard)`` or a named ``("dp", "tp")``; 3-D: named, e.g. torchtitan's
+            unsliced ``("dp_replicate", "dp_shard", "tp")``), an int ``N``, ``(N,)`` or
+            ``(R, N)`` spanning the world, or ``None`` = a 1-D mesh over the world.
+        shard_dim, replicate_dim, tp_dim: the names of the mesh's dims when they are not among
+            :data:`dmuon.plan.MESH_DIM_NAMES` (see :func:`dmuon.plan.mesh_dim_roles`).
+        collective_timeout_s: a dmuon wait not complete within this many seconds raises
+            :class:`~dmuon.exec._comm.collective_calls.CollectiveTimeout` naming the boundary and phase
+            (default :data:`~dmuon.exec._comm.collective_calls.DEFAULT_TIMEOUT_S`, 600 s; ``None``: no
+            dmuon timeout, the process group's own applies). Enforced where the wait blocks the
+            CPU anyway: gloo, or NCCL with ``TORCH_NCCL_BLOCKING_WAIT=1``; on NCCL's default
+            non-blocking wait the process group's watchdog and its timeout handle a hang. The
+            two timeouts run side by side: whichever is shorter fires first (gloo's default
+            process-group timeout is 30 min, so dmuon's fires first); either way the error is a
+            ``CollectiveTimeout`` naming the boundary, and a peer that exits or closes its
+            connection raises :class:`~dmuon.exec._comm.collective_calls.CollectiveTransportError` at
+            once (docs/troubleshooting.md, "Collective failures").
+
+    Returns:
+        the :class:`~dmuon.exec._runtime.runtime.DmuonRuntime` (also ``dmuon.exec.get_model_runtime(model)``).
+
+    Raises:
+        TypeError: ``plan`` is not a ``ShardingPlan`` (e.g. the path of its JSON).
+        RuntimeError: no process group; ranks hold different plans.
+        ValueError: the model is already wrapped by ``fully_shard``; the plan was compiled for
+            another mesh shape or another model (changed after planning); applied twice.
+        ValueError: dedicated parameters on more than one device.
+
+    Collectives: one ``all_gather_object`` (plan fingerprints; a second of the expert stacks'
+    digests under expert parallelism), then ``new_group`` calls; all local validation happens
+    before them.
+    """
+    from dmuon.plan._records.plan import ShardingPlan
+
+    if not isinstance(plan, ShardingPlan):  # local: every rank raises alike, before any collective
+        raise TypeError(
+            f"dmuon.exec.apply: plan must be a dmuon.plan.ShardingPlan, got {type(plan).__name__} {plan!r:.80}"
+            + (" (a JSON file: dmuon.plan.ShardingPlan.from_json(open(path).read()))" if isinstance(plan, str) else "")
+        )
+    _registry.install_stage("dedicate")  # the fully_shard skip, GradScaler, DCP, guards, frameworks (not with DMUON_NO_PATCHES)
+    if not (dist.is_available() and dist.is_initialized()):
+        _validate(plan, model, None)  # raises the "no process group" error
+    dims = dict(shard_dim=shard_dim, replicate_dim=replicate_dim, tp_dim=tp_dim)
+    table = mesh_rank_table(mesh, **dims)
+    _validate(plan, model, table)
+    tp_mesh = _check_tp(plan, model, table, mesh_tp_ranks(mesh, **dims))
+    _check_same_plan_everywhere(plan)
+    _check_ep_stacks_differ(plan, model, table)
+    owner_groups = owner_group_member_sets(plan)
+    if tp_mesh is not None:
+        groups = MeshGroups.build(table, tp_tables=_world_tables(table, tp_mesh))
+    elif sum(len(row) for row in table) < dist.get_world_size():
+        # a data-parallel sub-mesh (e.g. mesh["dp"] of a larger world): every rank must create
+        # every rank's groups, so learn the other sub-meshes' tables first
+        groups = MeshGroups.build(table, peer_tables=_world_tables(table), owner_groups=owner_groups)
+    else:
+        groups = MeshGroups.build(table, owner_groups=owner_groups)
+    runtime = DmuonRuntime(plan, model, groups, _device_of(model, plan), timeout_s=collective_timeout_s)
+    _tags.write(model, _tags.RUNTIME, runtime)
+    model_state.register_state_dict_hooks(runtime)
+    materialize.install(runtime, model)
+    return runtime
+
+
+def owner_group_member_sets(plan) -> tuple[tuple[int, ...], ...]:
+    """The distinct member sets (sorted mesh ranks) of the plan's owner groups, plan order."""
+    from dmuon.plan._records.owners import OwnerGroup
+
+    seen: dict[tuple[int, ...], None] = {}
+    for owner in plan.owners:
+        if isinstance(owner, OwnerGroup):
+            seen.setdefault(tuple(sorted(owner.ranks)), None)
+    for members in efsdp_member_sets(plan):
+        seen.setdefault(members, None)
+    return tuple(seen)
+
+
+def efsdp_member_sets(plan) -> tuple[tuple[int, ...], ...]:
+    """Expert parallelism with ``efsdp = N/ep > 1``: the efsdp groups (mesh ranks ``r*N + j +
+    i*ep`` for ``i < efsdp``, per replicate row ``r`` and EP coordinate ``j``) over which the
+    expert-parallel buffers' segments are broadcast and reduced; empty otherwise."""
+    eps = {buf.ep for b in plan.boundaries for buf in b.buffers if buf.ep > 1}
+    R, N = plan.mesh_shape
+    return tuple(
+        tuple(r * N + s for s in range(j, N, ep)) for ep in sorted(eps) if N // ep > 1 for r in range(R) for j in range(ep)
+    )
+
+
+def dedicate_params(
+    model: nn.Module,
+    mesh=None,
+    *,
+    predicate=None,
+    reshard_after_forward: bool = True,
+    hook_boundary_predicate=None,
+    hook_boundary_strict: bool = True,
+    replicate_async: bool = True,
+    mp_policy=None,
+    collective_timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    shard_dim: str | None = None,
+    replicate_dim: str | None = None,
+    tp_dim: str | None = None,
+    ep: int | None = None,
+    **compile_kwargs,
+):
+    """``dmuon.plan.compile`` + :func:`apply`; returns the plan.
+
+    ``mesh``: a ``DeviceMesh`` (1-D; 2-D ``(replicate, shard)`` or named ``("dp", "tp")``; 3-D
+    named ``("dp_replicate", "dp_shard", "tp")`` as torchtitan builds it, unsliced; dims found by
+    :func:`dmuon.plan.mesh_dim_roles`, ``shard_dim`` / ``replicate_dim`` / ``tp_dim`` name them
+    when they are called otherwise), an int ``N`` / ``(N,)`` / ``(R, N)`` spanning the world,
+    or ``None`` (1-D over the world). ``ep``: the expert-parallel degree (``dmuon.plan.compile``;
+    ``None``: ``N`` for a 1-D ``DeviceMesh`` whose dim is named ``"ep"``, else 1; docs/moe_ep.md).
+    Extra keyword arguments go to ``dmuon.plan.compile`` (e.g. ``cost_model``).
+    """
+    from dmuon.plan._compile import compile as compile_plan
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "dmuon.dedicate_params needs an initialised default process group: call "
+            "torch.distributed.init_process_group(...) first (use world size 1 for a single process)"
+        )
+    _check_not_applied(model)
+    guards.check_not_fully_sharded(model)
+    table = mesh_rank_table(mesh, shard_dim=shard_dim, replicate_dim=replicate_dim, tp_dim=tp_dim)
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ()) if hasattr(mesh, "shape") else ()
+    if ep is None and names == ("ep",):  # compile reads the (R, N) below, without the dim's name
+        ep = len(table[0])
+    plan = compile_plan(
+        model,
+        (len(table), len(table[0])),
+        ep=ep,
+        predicate=predicate,
+        reshard_after_forward=reshard_after_forward,
+        hook_boundary_predicate=hook_boundary_predicate,
+        hook_boundary_strict=hook_boundary_strict,
+        replicate_async=replicate_async,
+        mp_policy=mp_policy,
+        **compile_kwargs,
+    )
+    apply(
+        plan, model, mesh, collective_timeout_s=collective_timeout_s, shard_dim=shard_dim, replicate_dim=replicate_dim,
+        tp_dim=tp_dim,
+    )
+    return plan

@@ -1,0 +1,217 @@
+"""Set-up guards: the checks that stop a wrong set-up before it trains wrongly, in one place.
+
+* :func:`check_not_fully_sharded` — ``dedicate_params`` after ``fully_shard`` (at dedication);
+* :func:`check_set_up_order` — ``dmuon.Muon`` built before ``fully_shard``, or a ``fully_shard``
+  missing (``dmuon.Muon``'s first step);
+* :func:`check_optimizer` — an optimizer other than ``dmuon.Muon`` holding dedicated parameters
+  (at its first step, through the ``optimizer.guard`` integration, and in accelerate's
+  ``prepare``);
+* :func:`wrap_ddp_init` — ``DistributedDataParallel(model)`` of a dedicated model (the
+  ``ddp.guard`` integration);
+* FSDP2 managing a dedicated parameter (without the ``fully_shard`` skip, i.e. with
+  ``DMUON_NO_PATCHES``): :func:`dmuon.exec._setup.fsdp2.check_dedicated_unmanaged`, called at
+  ``dmuon.Muon`` construction and again here at its first step.
+
+Each raises on every rank alike (local, structural checks) and names the fix for the framework on
+the call stack (:func:`dmuon._hints.framework_hint`). The order they refer to is
+:data:`dmuon._hints.SET_UP_ORDER`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from dmuon._hints import SET_UP_ORDER, detect_framework, framework_hint
+from dmuon.plan._tools.render import fmt_names
+
+from dmuon import _tags
+from dmuon._tags import dedicated_info
+from dmuon.exec._setup import fsdp2
+
+if TYPE_CHECKING:
+    from dmuon.exec._optim.muon import Muon
+
+__all__ = [
+    "SET_UP_ORDER",
+    "check_not_fully_sharded",
+    "check_set_up_order",
+    "check_optimizer",
+    "wrap_ddp_init",
+    "install_optimizer_guard",
+]
+
+
+def _dedicated(params) -> list[Tensor]:
+    return [p for p in params if dedicated_info(p) is not None]
+
+
+def check_not_fully_sharded(model: nn.Module) -> None:
+    """Raise ``ValueError`` if ``fully_shard`` was already applied anywhere in ``model``.
+
+    dmuon must decide ownership of full matrices before FSDP2 shards them. ``DTensor``
+    parameters alone are fine: tensor parallelism (``parallelize_module``) comes first (the plan
+    rejects placements it cannot own).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    wrapped = [name or "<root>" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if wrapped:
+        what = f"modules {wrapped[:5]}"
+        raise ValueError(
+            f"dmuon: the model is already sharded ({what}{' ...' if len(wrapped) > 5 else ''}). "
+            "Call dmuon.dedicate_params(model, mesh) BEFORE fully_shard. "
+            # the order once: the generic hint is the order itself, a framework's follows it
+            + (f"Set-up order: {SET_UP_ORDER}. " if detect_framework(model) is not None else "")
+            + framework_hint("fully_shard_first", model)
+        )
+
+
+def check_set_up_order(opt: "Muon", dedicated: list[Tensor]) -> None:
+    """First ``step()``: the optimizer must hold the model's FSDP2-sharded parameters.
+
+    Two set-up mistakes would otherwise train without an error: ``dmuon.Muon`` built before
+    ``fully_shard`` (it holds the pre-shard tensors that ``fully_shard`` replaced, so every
+    non-dedicated parameter stays at its initial value), and a missing ``fully_shard`` (e.g. the
+    final ``fully_shard(model)``: parameters outside every unit get no gradient averaging and the
+    ranks drift apart). Local and structural, so every rank raises alike; skipped without a live
+    dmuon runtime, and the missing ``fully_shard`` check also on a data-parallel mesh of one rank. (Skipping only the per-block
+    ``fully_shard`` calls is not an error: the root unit then manages every parameter, at the
+    cost of one large all-gather.) Also: no dedicated parameter may be managed by FSDP2
+    (:func:`dmuon.exec._setup.fsdp2.check_dedicated_unmanaged`, any mesh).
+
+    Raises:
+        RuntimeError: naming the count, the first parameters and the set-up order.
+    """
+    from dmuon.exec._runtime.runtime import runtimes_of
+
+    runtimes = runtimes_of(dedicated)
+    for rt in runtimes:
+        model = rt.model_ref()
+        if model is not None:
+            fsdp2.check_dedicated_unmanaged(model)
+    if not runtimes:
+        return
+    model = runtimes[0].model_ref()
+    if model is None:
+        return
+    named = {id(p): n for n, p in model.named_parameters()}
+    others = [p for g in opt.param_groups if not g["use_muon"] for p in g["params"]]
+    stale = [p for p in others if id(p) not in named]
+    if stale:  # on any mesh: fully_shard replaces the parameters on one rank too
+        raise RuntimeError(
+            f"dmuon.Muon: {len(stale)} of its parameters are no longer parameters of the model "
+            "(fully_shard replaced them with sharded DTensors after the optimizer was built), so they "
+            f"would never be updated: build dmuon.Muon after fully_shard. Set-up order: {SET_UP_ORDER}"
+        )
+    if runtimes[0].world_numel == 1:  # one data-parallel rank: nothing to average
+        return
+    managed = fsdp2._fsdp_managed_params(model)
+    if managed is None:
+        return
+    unmanaged = [named[id(p)] for p in others if p.requires_grad and id(p) not in managed]
+    if unmanaged:
+        shown = fmt_names([repr(n) for n in unmanaged], 4)
+        raise RuntimeError(
+            f"dmuon.Muon: {len(unmanaged)} non-dedicated parameters ({shown}) are not managed by any "
+            "fully_shard unit, so their gradients are never averaged across ranks and the replicas "
+            "drift apart: call fully_shard on every block, then fully_shard(model) (it takes every "
+            f"parameter left over). Set-up order: {SET_UP_ORDER}"
+        )
+
+
+_check_set_up_order = check_set_up_order  # the name dmuon.exec._optim.muon imports
+
+
+# ----------------------------------------------------------------------------------------------
+# Foreign optimizers
+# ----------------------------------------------------------------------------------------------
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module | None = None) -> None:
+    """Raise ``TypeError`` if ``optimizer`` holds dmuon-dedicated parameters but is not a
+    ``dmuon.Muon``: such an optimizer would update owner-held masters as if they were ordinary
+    parameters (and skip the zero-size placeholders), i.e. train wrongly. The message names the
+    parameter and the framework-specific fix (:func:`framework_hint`)."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
+    if _is_dmuon_muon(inner):
+        return
+    params = [p for g in inner.param_groups for p in g["params"]]
+    dedicated = _dedicated(params)
+    parts = getattr(inner, "optimizers", None)  # a container (torchtitan's OptimizersContainer)
+    if dedicated and isinstance(parts, (list, tuple)) and all(isinstance(o, torch.optim.Optimizer) for o in parts):
+        # the container steps its parts, each checked on its own step: here only that every
+        # dedicated parameter it holds is in one of its dmuon.Muon parts
+        in_muon = {id(p) for o in parts if _is_dmuon_muon(o) for g in o.param_groups for p in g["params"]}
+        dedicated = [p for p in dedicated if id(p) not in in_muon]
+    if dedicated:
+        fqn = dedicated_info(dedicated[0]).fqn
+        raise TypeError(
+            f"dmuon: {type(inner).__name__} holds {len(dedicated)} parameter(s) dedicated by "
+            f"dmuon.dedicate_params (e.g. {fqn!r}); only dmuon.Muon can update them. "
+            + framework_hint("foreign_optimizer", model)
+        )
+
+
+def _is_dmuon_muon(optimizer) -> bool:
+    """``isinstance(optimizer, dmuon.Muon)`` without importing the optimizer module (which imports
+    this one): the method only ``dmuon.Muon`` defines, the one the GradScaler integration uses."""
+    return callable(getattr(type(optimizer), "_unscale_grads_for_scaler", None))
+
+
+def _groups_key(optimizer) -> tuple:
+    """What changes when parameters are added or swapped: each group's params list and length
+    (O(groups), not O(parameters))."""
+    return tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
+
+
+def _optimizer_step_pre_hook(optimizer, args, kwargs) -> None:
+    """The ``optimizer.guard`` integration: :func:`check_optimizer` at an optimizer's first step,
+    and again only when its parameter groups changed; ``dmuon.Muon`` is skipped. Per step, for an
+    optimizer already checked: one tuple of (id, len) per parameter group."""
+    if _is_dmuon_muon(optimizer):
+        return
+    key = _groups_key(optimizer)
+    if _tags.read(optimizer, _tags.CHECKED_GROUPS) == key:
+        return
+    check_optimizer(optimizer)
+    try:
+        _tags.write(optimizer, _tags.CHECKED_GROUPS, key)
+    except AttributeError:  # an optimizer with __slots__: check every step
+        pass
+
+
+def install_optimizer_guard():
+    """Register :func:`_optimizer_step_pre_hook` globally; returns its removable handle."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    return register_optimizer_step_pre_hook(_optimizer_step_pre_hook)
+
+
+# ----------------------------------------------------------------------------------------------
+# DistributedDataParallel
+# ----------------------------------------------------------------------------------------------
+
+
+def wrap_ddp_init(orig):
+    """``DistributedDataParallel.__init__`` that raises a ``ValueError`` naming the framework's fix
+    for a model with dedicated parameters, before DDP's own parameter-shape check (which fails
+    with a size mismatch between owners and non-owners, or hangs on ranks that disagree)."""
+
+    @functools.wraps(orig)
+    def __init__(self, module, *args, **kwargs):
+        dedicated = _dedicated(module.parameters()) if isinstance(module, nn.Module) else []
+        if dedicated:
+            raise ValueError(
+                f"dmuon: DistributedDataParallel around a model with {len(dedicated)} parameter(s) "
+                f"dedicated by dmuon.dedicate_params (e.g. {dedicated_info(dedicated[0]).fqn!r}): owners hold "
+                f"full matrices, other ranks zero-size placeholders, and dmuon already averages their "
+                f"gradients. " + framework_hint("wrapped_after", module)
+            )
+        orig(self, module, *args, **kwargs)
+
+    return __init__

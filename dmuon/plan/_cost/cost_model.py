@@ -1,0 +1,175 @@
+r"""The cost records: :class:`ByteCost` (DMuon bytes per step), :class:`BaselineByteCost` (FSDP2
++ naive Muon) and :class:`RankStats` (per-rank figures), and what their fields count.
+
+Units are in the names: ``_numel`` = elements, ``_nbytes`` = bytes, ``_flops`` = floating-point
+operations (a multiply-add counts 2). All figures are per optimizer step. Totals are summed over
+all mesh ranks; ``per_rank_nbytes`` is indexed by mesh rank ``replicate*N + shard`` and sums to
+the total. Averages are derived, never stored. The byte rule: :mod:`dmuon.plan._cost.nbytes`;
+FLOPs: :mod:`dmuon.plan._cost.flops`; per-rank memory: :mod:`dmuon.plan._cost.rank_memory`; the
+baseline's formulas: :mod:`dmuon.plan._cost.baseline`.
+
+DMuon per step (mesh ``(R, N)``; ``P`` = packed segment bytes incl. alignment padding and flags,
+in the phase's wire dtype; ``Q`` = subsegment bytes):
+
+=========================  =======================  ==========================================
+phase                      total bytes              charged to
+=========================  =======================  ==========================================
+forward broadcast          ``R*(N-1)*P_bcast``      ``(s', r')``, ``s' != seg.shard``
+backward broadcast (Z3)    ``R*(N-1)*P_bcast``      same; 0 for Z2 (``reshard_after_forward=False``)
+gradient reduce            ``R*(N-1)*P_reduce``     same (each non-root sends the segment)
+replicate reduce (HSDP)    ``(R-1)*Q_reduce``       ``(s, r')``, ``r' != owner.replicate``
+replicate broadcast        ``(R-1)*Q_param``        same, in the parameter's storage dtype
+=========================  =======================  ==========================================
+
+:class:`BaselineByteCost` counts FSDP2 + naive Muon on the SAME parameters; its table is in
+:mod:`dmuon.plan._cost.baseline`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from dmuon.plan._records.fields import _check_int
+
+__all__ = [
+    "ByteCost",
+    "BaselineByteCost",
+    "RankStats",
+]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ByteCost:
+    """DMuon bytes per step, summed over all mesh ranks (module docstring table).
+
+    ``total_nbytes`` is the sum of the phase fields; ``per_rank_nbytes[rank]`` sums to
+    ``total_nbytes``. Without TP it has ``R*N`` entries (mesh rank ``replicate*N + shard``);
+    with a TP degree ``T > 1`` it has ``R*N*T``, indexed ``(replicate*N + shard)*T + tp`` (the
+    layout of ``init_device_mesh(device, (R, N, T))`` / ``(N, T)``), every data-parallel phase
+    counted once per TP coordinate (each moves its own shards), and ``tp_nbytes`` is the
+    owner TP groups' Gram all-reduces and all-gathers (:func:`tp_rank_nbytes`).
+    ``qk_clip_nbytes``: QK-clip's all-reduce (max) of the per-head max logits, ``ΣH`` fp32
+    values over the data-parallel mesh (:mod:`dmuon.plan._records.qk_clip_records`); 0 without QK-clip.
+    ``owner_group_nbytes``: the owner groups' Gram all-reduces (fp32 ``(d, d)`` per grouped
+    matrix and Gram segment over its ``k`` members, ring-charged as every all-reduce); 0
+    without owner groups.
+    """
+
+    forward_broadcast_nbytes: int
+    backward_broadcast_nbytes: int
+    reduce_nbytes: int
+    replicate_reduce_nbytes: int
+    replicate_broadcast_nbytes: int
+    total_nbytes: int
+    per_rank_nbytes: tuple[int, ...]
+    tp_nbytes: int = 0
+    qk_clip_nbytes: int = 0
+    owner_group_nbytes: int = 0
+
+    PHASES = (
+        "forward_broadcast_nbytes",
+        "backward_broadcast_nbytes",
+        "reduce_nbytes",
+        "replicate_reduce_nbytes",
+        "replicate_broadcast_nbytes",
+        "tp_nbytes",
+        "qk_clip_nbytes",
+        "owner_group_nbytes",
+    )
+
+    def __post_init__(self) -> None:
+        for name in self.PHASES + ("total_nbytes",):
+            _check_int("ByteCost", name, getattr(self, name), 0)
+        if type(self.per_rank_nbytes) is not tuple:
+            raise TypeError("ByteCost.per_rank_nbytes must be a tuple")
+        for v in self.per_rank_nbytes:
+            _check_int("ByteCost", "per_rank_nbytes[i]", v, 0)
+        if sum(getattr(self, n) for n in self.PHASES) != self.total_nbytes:
+            raise ValueError("ByteCost.total_nbytes must equal the sum of the phase fields")
+        if sum(self.per_rank_nbytes) != self.total_nbytes:
+            raise ValueError("ByteCost.per_rank_nbytes must sum to total_nbytes")
+
+    @property
+    def max_rank_nbytes(self) -> int:
+        """Bytes of the busiest rank (derived)."""
+        return max(self.per_rank_nbytes, default=0)
+
+    def to_dict(self) -> dict[str, Any]:
+        optional = ("tp_nbytes", "qk_clip_nbytes", "owner_group_nbytes")  # absent when 0: older cost dicts unchanged
+        d: dict[str, Any] = {n: getattr(self, n) for n in self.PHASES + ("total_nbytes",) if n not in optional or getattr(self, n)}
+        d["per_rank_nbytes"] = list(self.per_rank_nbytes)
+        return d
+
+
+# ``PHASES`` must not become a dataclass field: it is a plain class attribute (no annotation).
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class BaselineByteCost:
+    """FSDP2 + naive all-gather Muon bytes per step for the dedicated parameters (module docstring)."""
+
+    forward_all_gather_nbytes: int
+    backward_all_gather_nbytes: int
+    reduce_scatter_nbytes: int
+    replicate_all_reduce_nbytes: int
+    muon_all_gather_nbytes: int
+    total_nbytes: int
+    per_rank_nbytes: tuple[int, ...]
+    tp_all_gather_nbytes: int = 0  # TP: naive Muon gathers each TP-sharded matrix's T shards
+
+    PHASES = (
+        "forward_all_gather_nbytes",
+        "backward_all_gather_nbytes",
+        "reduce_scatter_nbytes",
+        "replicate_all_reduce_nbytes",
+        "muon_all_gather_nbytes",
+        "tp_all_gather_nbytes",
+    )
+
+    def __post_init__(self) -> None:
+        if sum(getattr(self, n) for n in self.PHASES) != self.total_nbytes:
+            raise ValueError("BaselineByteCost.total_nbytes must equal the sum of the phase fields")
+        if sum(self.per_rank_nbytes) != self.total_nbytes:
+            raise ValueError("BaselineByteCost.per_rank_nbytes must sum to total_nbytes")
+
+    @property
+    def max_rank_nbytes(self) -> int:
+        return max(self.per_rank_nbytes, default=0)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RankStats:
+    """Per-rank figures for the dedicated parameters, one optimizer step.
+
+    Attributes:
+        rank: mesh rank ``replicate*N + shard``.
+        owned_numel: elements this rank owns (DMuon: global owner; baseline: its padded FSDP2 shards).
+        owned_nbytes: ``owned_numel`` in storage dtype bytes.
+        resident_nbytes: persistent bytes between steps: parameters held (DMuon: owned masters
+            plus, on HSDP, full replicas of parameters owned by ``(shard, r)`` for other ``r``;
+            baseline: FSDP2 shards) + Muon momentum (owned / sharded), storage dtype.
+            Gradients (live from backward to ``zero_grad``) are not included.
+        peak_transient_nbytes: largest temporary parameter buffer in the broadcast dtype.
+            DMuon Z3: max over boundaries of the boundary's buffer bytes minus the segment of
+            this rank's shard coordinate (its owned masters, or on HSDP the replicas it holds;
+            assumed aliased), or for an all-gathered buffer its whole gathered tensor (``k``
+            slots, padding included); Z2: the sum over boundaries (buffers stay resident from
+            forward to backward); plus the compute tensors assembled from owner-group blocks
+            and expert ranges. Baseline: the same for FSDP2's unsharded
+            parameters (layer minus own shard; Z2: sum), or the largest all-gathered gradient in
+            the naive Muon step if larger. Gradient reduce buffers and prefetch are not included.
+        comm_nbytes: bytes charged to this rank per step (section 1 accounting).
+        ns_flops: Newton-Schulz FLOPs this rank runs per step.
+    """
+
+    rank: int
+    owned_numel: int
+    owned_nbytes: int
+    resident_nbytes: int
+    peak_transient_nbytes: int
+    comm_nbytes: int
+    ns_flops: int
+
+    FIELDS = ("owned_numel", "owned_nbytes", "resident_nbytes", "peak_transient_nbytes", "comm_nbytes", "ns_flops")
+

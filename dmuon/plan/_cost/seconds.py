@@ -1,0 +1,84 @@
+r"""Seconds on the wire of a buffer's shard phases under the alpha-beta rule of
+``compile(collectives="auto")``: :func:`broadcast_call_s`, :func:`all_gather_call_s`,
+:func:`buffer_collective_s`.
+
+Two numbers describe the link (plan settings, :class:`~dmuon.plan._records.collective_records.CollectiveSettings`):
+``alpha`` = seconds per algorithm step of a collective, ``B`` = bytes per second. The launch of
+a collective is folded in as one extra ``alpha``. Per call over a group of ``k`` ranks:
+
+=============================  =====================================  ==================================
+collective                     seconds                                bytes
+=============================  =====================================  ==================================
+broadcast / reduce of S bytes  ``(1 + ceil(log2 k)) * alpha + S / B``  tree latency, pipelined bandwidth
+all-gather / reduce-scatter    ``k * alpha + (k - 1) * slot / B``      ring: ``k - 1`` steps, ``slot`` =
+over slots of ``slot`` bytes                                           one rank's part (padding included)
+=============================  =====================================  ==================================
+
+These are the simulator's formulas (``dmuon.sim.hardware.formula_collective_s``) with its
+launch time replaced by ``alpha``; with the defaults (the h100 preset's inter-node link) they
+agree within a few microseconds per call. A flat per-call latency would mis-pick: a ring
+all-gather's latency grows with ``k`` (0.5 ms at ``k = 64``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dmuon.plan._layout.buffer_layout import BufferLayout
+
+__all__ = ["broadcast_call_s", "all_gather_call_s", "buffer_collective_s"]
+
+
+def broadcast_call_s(nbytes: int, group_size: int, latency_s: float, bandwidth_Bps: float) -> float:
+    """One broadcast (or reduce) of ``nbytes`` over ``k = group_size`` ranks:
+    ``(1 + ceil(log2 k)) * alpha + S / B``; 0 for ``k <= 1``."""
+    if group_size <= 1:
+        return 0.0
+    return (1 + math.ceil(math.log2(group_size))) * latency_s + nbytes / bandwidth_Bps
+
+
+def all_gather_call_s(slot_nbytes: int, group_size: int, latency_s: float, bandwidth_Bps: float) -> float:
+    """One all-gather (or reduce-scatter) of ``k = group_size`` slots of ``slot_nbytes``:
+    ``k * alpha + (k - 1) * slot / B``; 0 for ``k <= 1``."""
+    if group_size <= 1:
+        return 0.0
+    return group_size * latency_s + (group_size - 1) * slot_nbytes / bandwidth_Bps
+
+
+def buffer_collective_s(
+    buf: BufferLayout,
+    kind: str,
+    *,
+    num_shards: int,
+    slot_numel: int,
+    wire_itemsize: int,
+    reduce_itemsize: int,
+    reshard_after_forward: bool,
+    latency_s: float,
+    bandwidth_Bps: float,
+) -> float:
+    """Seconds per step of ``buf``'s shard phases as one rank sees them, if moved by ``kind``:
+    the forward phase and (``reshard_after_forward``, Z3) the backward phase in the wire dtype,
+    and the gradient phase in the reduce dtype.
+
+    ``"broadcast"``: one :func:`broadcast_call_s` per segment of the group (the slowest group of
+    an expert-parallel buffer: its efsdp groups run side by side); ``"all_gather"``: one
+    :func:`all_gather_call_s` over ``slot_numel``-element slots. Replicate rows and TP
+    coordinates run side by side and add nothing. HSDP's replicate phases are per sub-segment
+    whatever the kind and are left out.
+    """
+    k = buf.group_size(num_shards)
+    itemsizes = [wire_itemsize] * (2 if reshard_after_forward else 1) + [reduce_itemsize]
+    if kind == "all_gather":
+        return sum(all_gather_call_s(slot_numel * isz, k, latency_s, bandwidth_Bps) for isz in itemsizes)
+    if kind != "broadcast":
+        raise ValueError(f"unknown buffer collective {kind!r}")
+    by_group: dict[int, list[int]] = {}
+    for seg in buf.segments:
+        by_group.setdefault(seg.shard % buf.ep, []).append(seg.numel)
+    return max(
+        sum(broadcast_call_s(numel * isz, k, latency_s, bandwidth_Bps) for isz in itemsizes for numel in numels)
+        for numels in by_group.values()
+    )

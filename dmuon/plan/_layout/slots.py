@@ -1,0 +1,220 @@
+r"""Equal slots for all-gathered buffers: a boundary's expert ranges re-placed by water-fill
+(:func:`water_fill`, :func:`equal_slots`).
+
+An all-gather moves one slot per shard rank, as large as the largest segment, so a buffer's
+padding is ``N * slot - numel``. Owners hold whole matrices and whole experts, so equal slots
+are bounded by that granularity; what the planner can move is the expert ranges. Water-fill,
+per buffer (hook boundary x dtype) holding expert stacks without expert parallelism:
+
+    the dense matrices keep their owners (global LPT); for the smallest slot S (a multiple of
+    align_numel, by bisection) such that, visiting shard coordinates 0..N-1 in order, each takes
+    the next consecutive experts of the buffer's stacks (plan order) while its segment plus the
+    step code still fits in S, every expert is placed.
+
+Each stack's ranges are then contiguous in expert order, on distinct shard coordinates of one
+replicate row (the row with the least owned weight), as any
+:class:`~dmuon.plan._records.owners.ExpertOwners`. What it guarantees: every segment of the buffer
+is ``<= S - 1`` elements, so per boundary each rank owns at most ``S`` of its elements; the LPT
+bound on the NS load no longer covers the re-placed ranges (their weight follows bytes, not
+the LPT order). What it does not: the smallest slot over all placements (the greedy visits
+shards in one order).
+
+:func:`equal_slots` adopts the water-filled layout of a buffer only where it pays under the
+plan's collective settings: ``"all_gather"`` when its slot is smaller, ``"auto"`` when its best
+kind is modelled strictly faster than the best kind of the LPT layout. Expert-parallel buffers
+keep their placement (each stack cut into ``min(E/ep, efsdp)`` balanced ranges on distinct efsdp
+ranks: equal slots whenever ``efsdp`` divides ``E/ep``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from dmuon.plan._cost import weights as _weights
+from dmuon.plan._layout.buffer_layout import _build_buffer, _entry_items, round_up
+from dmuon.plan._layout.collective_rule import choose_collective
+from dmuon.plan._records.collective_records import CollectiveSettings
+from dmuon.plan._records.owners import ExpertOwners, Owner
+
+__all__ = ["subsegment_numel", "water_fill", "equal_slots", "in_place_stacks"]
+
+
+def subsegment_numel(numels: Sequence[int], align_numel: int) -> int:
+    """Elements of a sub-segment holding entries of ``numels`` (any order): ``round_up(sum
+    round_up(numel) + len(numels))`` (entries aligned, one flag each); 0 without entries."""
+    if not numels:
+        return 0
+    a = align_numel
+    return round_up(sum(round_up(n, a) for n in numels) + len(numels), a)
+
+
+def _fill(S, dense, stacks, num_shards, align_numel, row):
+    """Per stack ``[(shard, experts), ...]`` if the sequential fill with slot ``S`` places every
+    expert, else None."""
+    a = align_numel
+    out: list[list[tuple[int, int]]] = [[] for _ in stacks]
+    i, done = 0, 0  # current stack, experts of it placed
+    for s in range(num_shards):
+        subs = dense.get(s, {})
+        others = sum(subsegment_numel(v, a) for r, v in subs.items() if r != row)
+        mine = list(subs.get(row, ()))
+        while i < len(stacks):
+            pe, E = stacks[i]
+            capa = ((S - 1 - others) // a) * a  # the row's sub-segment may round up to this
+            room = capa - sum(round_up(n, a) for n in mine) - (len(mine) + 1)
+            c = min(E - done, ((room // a) * a) // pe) if room > 0 else 0
+            if c <= 0:
+                break
+            mine.append(c * pe)
+            out[i].append((s, c))
+            done += c
+            if done < E:
+                break  # this shard is full for the stack
+            i, done = i + 1, 0
+        if others + subsegment_numel(mine, a) + 1 > S:
+            return None  # its dense matrices alone do not fit
+    return out if i == len(stacks) else None
+
+
+def water_fill(
+    dense: dict[int, dict[int, list[int]]],
+    stacks: Sequence[tuple[int, int]],
+    *,
+    num_shards: int,
+    align_numel: int,
+    row: int = 0,
+) -> tuple[int, list[list[tuple[int, int]]]]:
+    """The smallest slot (module docstring) and each stack's ranges ``[(shard, experts), ...]``.
+
+    Args:
+        dense: ``{shard: {replicate: [numel, ...]}}``, the fixed entries of each sub-segment.
+        stacks: ``(elements per expert, experts)`` per stack, in plan order.
+        row: the replicate coordinate the ranges are owned in.
+    """
+    a = align_numel
+    hi = a
+    while _fill(hi, dense, stacks, num_shards, a, row) is None:
+        hi *= 2
+    lo = 0  # multiples of a: lo infeasible (or 0), hi feasible
+    lo_m, hi_m = lo // a, hi // a
+    while hi_m - lo_m > 1:
+        mid = (lo_m + hi_m) // 2
+        if _fill(mid * a, dense, stacks, num_shards, a, row) is None:
+            lo_m = mid
+        else:
+            hi_m = mid
+    S = hi_m * a
+    return S, _fill(S, dense, stacks, num_shards, a, row)  # type: ignore[return-value]
+
+
+def equal_slots(
+    specs: Sequence[Any],
+    owners: Sequence[Any],
+    boundary_of: Sequence[str],
+    boundaries: Sequence[Any],
+    settings: CollectiveSettings,
+    *,
+    mesh_shape: tuple[int, int],
+    align_numel: int,
+    itemsizes: Callable[[str], tuple[int, int]],
+    reshard_after_forward: bool,
+    cost_model: str,
+    segment_lengths: Sequence[int],
+) -> tuple[Any, ...]:
+    """``owners`` with the expert ranges of every buffer where water-fill pays re-placed (module
+    docstring); ``boundaries``: the layouts of ``owners``. Pure; ``owners`` unchanged when
+    ``settings.mode`` is ``"broadcast"`` or no buffer holds an expert stack without EP."""
+    R, N = mesh_shape
+    owners = list(owners)
+    if settings.mode == "broadcast" or N < 2:
+        return tuple(owners)
+    index = {spec.fqn: i for i, spec in enumerate(specs)}
+    loads = [0] * (R * N)
+    for spec, owner in zip(specs, owners):
+        for rank, w in _weights.owner_weights(spec, owner, cost_model, segment_lengths):
+            loads[rank] += w
+    for b in boundaries:
+        for buf in b.buffers:
+            if buf.ep != 1:
+                continue
+            fqns = sorted({e.fqn for e in buf.entries()}, key=index.__getitem__)  # plan order
+            stack_idx = [index[f] for f in fqns if specs[index[f]].experts is not None]
+            if not stack_idx:
+                continue
+            stack_set = set(stack_idx)
+            dense: dict[int, dict[int, list[int]]] = {}
+            for e in buf.entries():
+                if index[e.fqn] not in stack_set:
+                    dense.setdefault(e.owner.shard, {}).setdefault(e.owner.replicate, []).append(e.numel)
+            for i in stack_idx:  # the stacks leave their ranks' loads while a row is chosen
+                for rank, w in _weights.owner_weights(specs[i], owners[i], cost_model, segment_lengths):
+                    loads[rank] -= w
+            row = min(range(R), key=lambda r: (sum(loads[r * N : (r + 1) * N]), r))
+            shapes = [(specs[i].numel // specs[i].num_experts, specs[i].num_experts) for i in stack_idx]
+            _, ranges = water_fill(dense, shapes, num_shards=N, align_numel=align_numel, row=row)
+            alt = {}
+            for i, rng in zip(stack_idx, ranges):
+                members = tuple(Owner.at(row * N + s, N) for s, _ in rng)
+                alt[i] = members[0] if len(members) == 1 else ExpertOwners(members=members, sizes=tuple(c for _, c in rng))
+            if _pays(buf, alt, specs, owners, fqns, index, settings, N, align_numel, itemsizes, reshard_after_forward):
+                for i, owner in alt.items():
+                    owners[i] = owner
+            for i in stack_idx:
+                for rank, w in _weights.owner_weights(specs[i], owners[i], cost_model, segment_lengths):
+                    loads[rank] += w
+    return tuple(owners)
+
+
+def _pays(buf, alt, specs, owners, fqns, index, settings, N, a, itemsizes, z3) -> bool:
+    """Whether the buffer laid out with the stacks' owners ``alt`` beats its current layout."""
+    items = []
+    for fqn in fqns:
+        i = index[fqn]
+        spec = specs[i]
+        items += _entry_items(fqn, spec.local_shape, spec.local_numel, alt.get(i, owners[i]))
+    new = _build_buffer(buf.dtype, items, a)
+    wire, red = itemsizes(buf.dtype)
+    kw = dict(num_shards=N, align_numel=a, wire_itemsize=wire, reduce_itemsize=red, reshard_after_forward=z3)
+    before = choose_collective(buf, settings, **kw)
+    after = choose_collective(new, settings, **kw)
+    if settings.mode == "all_gather":
+        return after.slot_numel < before.slot_numel
+    return min(after.broadcast_s, after.all_gather_s) < min(before.broadcast_s, before.all_gather_s)
+
+
+def in_place_stacks(buf: Any) -> dict[str, dict[int, tuple[int, int, int]]]:
+    """Expert stacks of an all-gathered buffer whose compute tensor can be a strided view of the
+    gathered tensor itself (received in place, nothing assembled): per stack FQN and EP coordinate
+    ``c`` (0 without EP) ``(first slot, slot step, offset in the slot)``.
+
+    A stack's compute tensor ``(E_c, a, b)`` (this EP coordinate's experts) is such a view exactly
+    when each of its ranges holds ONE expert and the ranges sit at the same offset of slots
+    ``first, first + step, ...`` in expert order: expert ``i`` is then ``(first + i*step) * slot +
+    offset``, dim-0 stride ``step * slot``. Ranges of several experts cannot be one view (their
+    experts are contiguous within a slot and a slot apart between ranges); neither can a
+    broadcast buffer's segments (separate tensors). Every other grouped matrix is assembled."""
+    if buf.collective != "all_gather":
+        return {}
+    seg_offset = {seg.shard: seg.offset for seg in buf.segments}
+    blocks: dict[str, dict[int, list[tuple[int, int, int, int]]]] = {}
+    for e in buf.entries():
+        if e.block is None or len(e.shape) != 3:  # expert ranges only (owner-group blocks are 2-D)
+            continue
+        c = e.owner.shard % buf.ep
+        where = (e.block, e.shape[0], buf.slot_index(e.owner.shard), e.offset - seg_offset[e.owner.shard])
+        blocks.setdefault(e.fqn, {}).setdefault(c, []).append(where)
+    out: dict[str, dict[int, tuple[int, int, int]]] = {}
+    for fqn, per in blocks.items():
+        views = {}
+        for c, ranges in per.items():
+            ranges.sort()
+            slots = [s for _, _, s, _ in ranges]
+            step = slots[1] - slots[0] if len(slots) > 1 else 1
+            if (any(size != 1 for _, size, _, _ in ranges) or len({o for *_, o in ranges}) != 1 or step < 1
+                    or any(b - a != step for a, b in zip(slots, slots[1:]))):
+                break
+            views[c] = (slots[0], step, ranges[0][3])
+        else:
+            out[fqn] = views
+    return out

@@ -1,0 +1,299 @@
+r"""``python -m dmuon calibrate``: microbenchmarks that make the ``cpu-gloo`` hardware record.
+
+Measured on this machine, nothing taken from a training run:
+
+* **gloo collectives** by kind (broadcast, reduce, all-reduce, all-gather, reduce-scatter,
+  all-to-all), group size 2-4 (one launch of ``k`` processes each, the whole world as the group)
+  and payload (bytes per rank, :data:`SIZES`): median seconds from issue to ``wait()`` over
+  repeats, after a barrier — gloo's own algorithms, including the contention of ``k`` processes
+  on this machine's cores. ``issue_s``: the calling thread's cost of one ``async_op=True`` call.
+* **matmul FLOP/s** by dtype (fp32; bf16 at small sizes) and square size, one thread
+  (``torch.set_num_threads(1)``, as every rank of the benchmarks runs): the peak is the best
+  size's rate, the efficiency curve every size's fraction of it.
+* **per-operator overhead** (a 1-element add) and **elementwise bandwidth** (a 4 M-element add).
+* **training matmuls**: ``F.linear`` forward + backward with autograd (``x·Wᵀ``, the input and
+  the weight gradient) at ``(4d, d, d)``, as a fraction of the plain peak by mean dimension
+  (``autograd_matmul_efficiency``); and the **autograd operator** cost (a chain of recorded
+  elementwise ops, forward + backward, per op).
+* **hook cost**: a module with a forward pre-hook, forward hook and backward hooks vs without.
+* **FSDP2 call / step-compute factor / DTensor gather / communication CPU share, in a real group
+  of each size** (one launch of ``k`` processes per group size, the whole world as the group):
+  stacks of FSDP2 units (:data:`FSDP2_STACKS`) forward + backward minus the plain stack's
+  (interleaved pairs), per call, less the bare blocking collectives of the same payload (the
+  simulator times those from the curves) — on tiny 8-parameter units (a transformer block's
+  count) the per-call cost, and on two stacks of real block size 8x apart in compute the extra
+  per second of compute between blocking calls (the members' skew, gloo's threads and wake-ups:
+  ``step_compute_factor_by_group``, :func:`fsdp2_terms`); and a
+  ``DTensor.full_tensor()`` + ``redistribute`` back to ``Shard(0)`` less a bare all-gather; and
+  how much of a collective's duration the members' compute loses while it runs on gloo's
+  threads (``comm_cpu_share``, :func:`_comm_cpu_share`). On gloo these grow with the group and
+  with ranks per core (blocking waits, threads that share the cores), which a 1-rank
+  measurement misses. Each is the difference of two noisy timings, so the whole in-situ
+  measurement runs :data:`IN_SITU_REPEATS` times per group size and the record keeps the median
+  of each figure (``raw["collectives"][k]["in_situ_all"]`` keeps every repeat).
+* **Newton-Schulz**: one fp32 ``newton_schulz`` call by matrix shape (:func:`_newton_schulz`;
+  ``gram_newton_schulz`` likewise on the shapes where it saves FLOPs),
+  and per matrix a batched call of 4 / 16 / 32 same-shape matrices against a single one, as
+  ``dmuon.Muon`` batches a bucket (:func:`_ns_batch_factor`).
+* **attention, norm, activation**: fused ``scaled_dot_product_attention`` (causal), ``RMSNorm``
+  and ``GELU``, forward + backward with autograd (:func:`_training_kernels`): on this CPU they
+  run far below the GEMM rate / the plain add's bandwidth, which the matmul curve and the
+  elementwise bandwidth would otherwise assume.
+  The DTensor dispatch of an in-place multiply vs a plain one (1-rank group).
+
+Compute is measured in one process while the other cores idle, and then the **busy node**
+(:func:`_busy_node`): a reference mix of a block's kernels timed alone and with every other core
+running the same mix (one background process per core), giving the slowdown of matmul-class and
+of memory-bound work when every core computes (the benchmark's condition; on this 2-core VM a
+block's kernels ran 10–35 % slower with the other core busy). The simulator applies these on
+top of processor sharing (``ranks_per_node / cores_per_node``).
+
+``--quick`` measures fewer sizes and repeats (a smoke run for tests, seconds). Total: under 3
+minutes on 2 cores (161 s measured on the idle machine; 168–188 s under the step-time
+benchmark's load before the in-situ pairs went from 11 to 9 and the batched-NS and busy-node
+stages were trimmed). Progress: a tqdm bar if tqdm is installed, else one line per stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from dmuon._launch import run_distributed  # the package's one launcher of local ranks
+from dmuon.sim._calibrate.compute import (MATMUL_SIZES, _busy_node, _matmul, _newton_schulz, _ns_batch_factor, _overheads,
+                                         _training_kernels)
+from dmuon.sim._calibrate.compute import (  # noqa: F401 - the settings keep their dmuon.sim._calibrate names
+    ATTENTION_BATCH, ATTENTION_HEADS, ATTENTION_SHAPES, NS_BATCH_SHAPES, NS_BATCHES, NS_SHAPES, QUICK_ATTENTION_SHAPES,
+    QUICK_NS_BATCH, QUICK_NS_SHAPES)
+from dmuon.sim._calibrate.gloo import KINDS, QUICK_SIZES, SIZES, _fsdp_overheads, _in_situ, _time_collectives
+from dmuon.sim._calibrate.gloo import FSDP2_STACKS, fsdp2_terms  # noqa: F401 - keep their dmuon.sim._calibrate names
+from dmuon.sim._engine.hardware import CollectiveCurve, Hardware, Link, dump
+
+__all__ = ["calibrate", "main"]
+
+#: repeats of the in-situ measurement per group size (the median of each figure is kept)
+IN_SITU_REPEATS = 3
+
+
+class _Progress:
+    """tqdm if available, else a line per stage on stderr."""
+
+    def __init__(self, total: int) -> None:
+        try:
+            from tqdm import tqdm  # optional: not a dependency of dmuon
+
+            self.bar = tqdm(total=total, desc="calibrate", unit="stage")
+        except ImportError:
+            self.bar = None
+        self.total = total
+        self.done = 0
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.set_postfix_str(what)
+            self.bar.update(1)
+        else:
+            print(f"[calibrate {self.done}/{self.total}] {what}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+
+def _median_of_runs(runs: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Each figure's median over repeated in-situ measurements (the figures are independent)."""
+    return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+
+
+def _worker(sizes: Sequence[int], repeats: int, fsdp_solo: bool,
+            in_situ_repeats: int = IN_SITU_REPEATS) -> dict[str, Any] | None:
+    """Every rank of one launch of ``world`` processes (:func:`dmuon._launch.run_distributed`,
+    gloo, one thread): the collective curves on the whole world, then the in-situ costs
+    (:func:`_in_situ`, ``in_situ_repeats`` times: the median of each figure); with ``fsdp_solo``
+    also the DTensor dispatch (rank 0). Rank 0 returns the measurements."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = dist.group.WORLD
+    res: dict[str, Any] = _time_collectives(dist, torch, g, world, sizes, repeats)
+    # each in-situ cost is a difference of two timings of tens of ms: repeat the whole
+    # measurement and keep the median of each figure (every repeat is in raw["in_situ_all"])
+    runs = [_in_situ(dist, torch, g, world, repeats) for _ in range(in_situ_repeats)]
+    res["in_situ_all"] = runs
+    res["in_situ"] = _median_of_runs(runs)
+    if fsdp_solo:
+        solo = dist.new_group([0])
+        if rank == 0:
+            res["fsdp"] = _fsdp_overheads(torch, solo, repeats)
+    dist.barrier()
+    return res if rank == 0 else None
+
+
+
+
+# ----------------------------------------------------------------------------------- main
+
+
+def calibrate(*, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, repeats: int | None = None) -> tuple[Hardware, dict]:
+    """Run the microbenchmarks (module docstring) and return ``(Hardware, raw measurements)``."""
+    import torch
+
+    torch.set_num_threads(1)
+    sizes = QUICK_SIZES if quick else SIZES
+    reps = repeats or (3 if quick else 7)
+    prog = _Progress(3)
+    raw: dict[str, Any] = dict(machine=dict(cpu_count=os.cpu_count(), torch=torch.__version__), collectives={})
+    t0 = time.time()
+    for i, k in enumerate(group_sizes):  # one launch per group size: k processes, the world as the group
+        got = run_distributed(_worker, k, sizes, reps, i == 0, 1 if quick else IN_SITU_REPEATS, timeout_s=300.0)[0]
+        got = json.loads(json.dumps(got))  # plain JSON data like the rest of raw (tuples as lists)
+        if "fsdp" in got:
+            raw["fsdp"] = got.pop("fsdp")
+        raw["collectives"][str(k)] = got
+        print(f"  gloo collectives and in-situ costs on {k} ranks done", file=sys.stderr, flush=True)
+    prog.step(f"gloo collectives on {', '.join(map(str, group_sizes))} ranks; FSDP2 call / DTensor dispatch")
+    raw["matmul"] = _matmul(MATMUL_SIZES[:3] if quick else MATMUL_SIZES, reps)
+    prog.step("matmul FLOP/s")
+    raw["overheads"] = _overheads(reps)
+    raw["training_kernels"] = _training_kernels(reps, quick)
+    raw["newton_schulz"] = _newton_schulz(reps, quick)
+    raw["gram_newton_schulz"] = _newton_schulz(reps, quick, "gram")
+    raw["ns_batch_factor"] = _ns_batch_factor(3, quick)
+    raw["busy_node"] = _busy_node(max(reps, 15))
+    prog.step("operator / elementwise / hook overheads; attention, norm, activation; Newton-Schulz; busy node")
+    prog.close()
+    raw["wall_s"] = time.time() - t0
+    curves = []
+    issue = []
+    for k, res in raw["collectives"].items():
+        issue.append(res["issue_s"])
+        for kind in KINDS:
+            pts = sorted(dict(res[kind]).items())
+            curves.append(CollectiveCurve(kind=kind, group_size=int(k), nbytes=tuple(int(b) for b, _ in pts),
+                                          seconds=tuple(float(s) for _, s in pts)))
+    peaks = []
+    eff: list[tuple[float, float]] = []
+    in_situ = {int(k): res["in_situ"] for k, res in raw["collectives"].items() if "in_situ" in res}
+
+    def by_group(figure: str) -> tuple[tuple[int, float], ...]:  # an in-situ figure per group size
+        return tuple(sorted((k, v[figure]) for k, v in in_situ.items()))
+
+    for dtype, pts in raw["matmul"].items():
+        if not pts or dtype == "autograd":
+            continue
+        best = max(f for _, f in pts)
+        peaks.append((dtype, best))
+        if dtype == "torch.float32":
+            eff = [(float(d), f / best) for d, f in pts]
+    fp32_peak = dict(peaks).get("torch.float32", 1.0)
+    # the training-matmul curve as a fraction of the plain fp32 peak (may exceed 1 nowhere here)
+    autograd_eff = tuple((float(d), f / fp32_peak) for d, f in raw["matmul"].get("autograd", ()))
+    kern = raw["training_kernels"]
+    attention_eff = tuple((float(d), f / fp32_peak) for d, f in kern["attention"])
+    ns_eff = tuple((float(d), f / fp32_peak) for d, f in raw["newton_schulz"])  # fp32 NS on CPU
+    gram_eff = tuple((float(d), f / fp32_peak) for d, f in raw["gram_newton_schulz"])
+    ov = raw["overheads"]
+    cores = os.cpu_count() or 1
+    hw = Hardware(
+        name=f"cpu-gloo ({cores} cores, calibrated {time.strftime('%Y-%m-%d %H:%M')})",
+        ranks_per_node=max(group_sizes),
+        # links are unused where curves exist; kept for kinds without one
+        intra=Link(latency_s=50e-6, bandwidth_Bps=1e9),
+        inter=Link(latency_s=50e-6, bandwidth_Bps=1e9),
+        curves=tuple(curves),
+        issue_s=statistics.median(issue),
+        matmul_peak_flops=tuple(sorted(peaks, key=lambda p: p[0] != "torch.float32")),
+        matmul_efficiency=tuple(eff) or ((1.0, 1.0),),
+        autograd_matmul_efficiency=autograd_eff,
+        attention_efficiency=attention_eff,
+        ns_efficiency=ns_eff,
+        gram_ns_efficiency=gram_eff,
+        ns_batch_factor=tuple((float(d), float(B), float(f)) for d, B, f in raw["ns_batch_factor"]),
+        norm_train_s_per_numel=kern["norm_s_per_numel"],
+        activation_train_s_per_numel=kern["activation_s_per_numel"],
+        op_overhead_s=ov["op_overhead_s"],
+        autograd_op_s=ov["autograd_op_s"],
+        elementwise_Bps=ov["elementwise_Bps"],
+        hook_s=ov["hook_s"],
+        comm_cpu_share_by_group=by_group("comm_cpu_share"),
+        fsdp2_call_s=raw["fsdp"]["fsdp2_call_s"],
+        dtensor_op_s=raw["fsdp"]["dtensor_op_s"],
+        fsdp2_call_s_by_group=by_group("fsdp2_call_s"),
+        step_compute_factor_by_group=by_group("step_compute_factor"),
+        dtensor_gather_s_by_group=by_group("dtensor_gather_s"),
+        cores_per_node=cores,
+        busy_compute_factor=raw["busy_node"]["busy_compute_factor"],
+        busy_memory_factor=raw["busy_node"]["busy_memory_factor"],
+        comm_engine="threads",
+        comm_cpu_share=0.0,  # the scalar: sizes without a measurement
+        compute_dtype="torch.float32",
+        ns_dtype="torch.float32",
+        source="python -m dmuon calibrate",
+    )
+    return hw, raw
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m dmuon calibrate [--json F] [--quick]``: print the record; write it with ``--json``."""
+    parser = argparse.ArgumentParser(prog="python -m dmuon calibrate",
+                                     description="Microbenchmark this machine into a cpu-gloo hardware record "
+                                                 "for `python -m dmuon simulate --hw FILE` (under 3 minutes).")
+    parser.add_argument("--json", metavar="FILE", default=None, help="write the record (and raw measurements) here")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats (smoke run)")
+    parser.add_argument("--group-sizes", type=int, nargs="+", default=[2, 3, 4], help="gloo group sizes to measure")
+    args = parser.parse_args(argv)
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        parser.error(f"--json: the folder of {args.json!r} does not exist")
+    if any(k < 2 for k in args.group_sizes):
+        parser.error("--group-sizes must be >= 2")
+    hw, raw = calibrate(group_sizes=args.group_sizes, quick=args.quick)
+    print(f"{hw.name}: {raw['wall_s']:.0f} s")
+    for d, f in hw.matmul_peak_flops:
+        print(f"  matmul peak {d.replace('torch.', '')}: {f / 1e9:.1f} GFLOP/s (1 thread)")
+    print(f"  operator overhead {1e6 * hw.op_overhead_s:.2f} us, elementwise {hw.elementwise_Bps / 1e9:.2f} GB/s, "
+          f"hook {1e6 * hw.hook_s:.1f} us, FSDP2 call {1e6 * hw.fsdp2_call_s:.0f} us, DTensor op +{1e6 * hw.dtensor_op_s:.1f} us, "
+          f"collective issue {1e6 * hw.issue_s:.0f} us, autograd op {1e6 * hw.autograd_op_s:.1f} us")
+    if hw.autograd_matmul_efficiency:
+        print("  training matmul (autograd) fraction of peak by d: "
+              + ", ".join(f"{d:.0f} {e:.2f}" for d, e in hw.autograd_matmul_efficiency))
+    if hw.attention_efficiency:
+        print("  attention (SDPA forward + backward) fraction of peak by head d: "
+              + ", ".join(f"{d:.0f} {e:.2f}" for d, e in hw.attention_efficiency))
+    if hw.ns_efficiency:
+        print("  Newton-Schulz call (fp32) fraction of peak by d: "
+              + ", ".join(f"{d:.0f} {e:.2f}" for d, e in hw.ns_efficiency))
+    if hw.gram_ns_efficiency:
+        print("  Gram Newton-Schulz call (fp32) fraction of peak by d: "
+              + ", ".join(f"{d:.0f} {e:.2f}" for d, e in hw.gram_ns_efficiency))
+    if hw.ns_batch_factor:
+        print("  batched Newton-Schulz, per matrix over one call, by (d, batch): "
+              + ", ".join(f"{d:.0f}/{b:.0f} x{f:.2f}" for d, b, f in hw.ns_batch_factor))
+    print(f"  busy node ({hw.cores_per_node} cores computing): matmul-class x{hw.busy_compute_factor:.2f}, "
+          f"memory-bound x{hw.busy_memory_factor:.2f}")
+    print(f"  RMSNorm forward + backward {1e9 * hw.norm_train_s_per_numel:.2f} ns / element, "
+          f"GELU forward + backward {1e9 * hw.activation_train_s_per_numel:.2f} ns / element")
+    step_factor = dict(hw.step_compute_factor_by_group)
+    for (k, f), (_, g), (_, h) in zip(hw.fsdp2_call_s_by_group, hw.dtensor_gather_s_by_group,
+                                      hw.comm_cpu_share_by_group):
+        print(f"  k={k}: FSDP2 call {1e3 * f:.2f} ms, DTensor gather {1e3 * g:.2f} ms (each beyond its collective), comm CPU share {h:.2f}, "
+              f"step compute x{step_factor.get(k, 1.0):.2f}")
+    for c in hw.curves:
+        if c.kind in ("broadcast", "all_gather"):
+            pts = ", ".join(f"{b / 1024:.0f}K {1e3 * s:.2f}" for b, s in zip(c.nbytes, c.seconds))
+            print(f"  {c.kind:<10} k={c.group_size}: ms by size {pts}")
+    if args.json:
+        dump(hw, args.json, raw=raw)
+        print(f"wrote {args.json}")
+    return 0

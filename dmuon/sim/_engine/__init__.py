@@ -1,0 +1,1 @@
+"""The simulator's engine: workloads, hardware records, lowering and replay."""

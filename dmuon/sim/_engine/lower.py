@@ -1,0 +1,401 @@
+"""Lowering: a step schedule's ops (dmuon's, or an alternative's) -> the simulator's ops, timed.
+
+:func:`_lower` gives each op of the table its seconds on the hardware (collectives from
+:func:`~dmuon.sim.hardware.collective_s` plus their host cost, compute from the
+:class:`~dmuon.sim.workload.Workload`, Newton-Schulz with its batching) and adds the work that is
+not an op of the schedule: the root's, the hooks', the optimizer's (:mod:`dmuon.sim.simulate`'s
+docstring: the model). :func:`dmuon.sim._engine.sim_replay.replay_ops` replays the result.
+
+Two things the lowering changes in the table itself:
+
+* **Coalescing.** On hardware whose backend coalesces (``Hardware.coalesces``: NCCL), the
+  broadcasts (reduces) dmuon issues for one boundary's phase and micro-batch on one group become
+  ONE simulator op, priced by :func:`dmuon.sim._engine.coalesce.coalesced_collective_s` and issued once;
+  an all-gather / reduce-scatter is one call already.
+* **The model's token all-to-all.** On an expert-parallel plan (``compile(ep=K)``, K > 1) every
+  forward / recompute of a boundary with expert stacks runs ``dense | dispatch | experts |
+  combine`` and every backward ``combine' | experts | dispatch' | dense``: two all-to-alls over
+  each EP group (:func:`dmuon.sim.alternatives.ep_groups`), ``Work.dispatch_nbytes`` per rank,
+  on the ``a2a`` channel, the compute waiting for each (no overlap; uniform routing, no capacity
+  factor). The same for dmuon and for the alternatives: the model is the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from dmuon.plan._cost import baseline as _baseline
+from dmuon.plan._cost import flops as _flops
+from dmuon.plan import _rules as _rules
+from dmuon.plan._records.fields import itemsize_nbytes
+from dmuon.plan._records.owners import OwnerGroup
+from dmuon.plan._scheduling.ops import Op
+from dmuon.sim._engine import alternatives as _alt
+from dmuon.sim._engine.coalesce import coalesced_collective_s
+from dmuon.sim._engine.hardware import (OP_COLLECTIVE, Hardware, blocking_wait_s_at, busy_factors, collective_s,
+                       dtensor_gather_s_at, elementwise_s, fsdp2_call_s_at, matmul_s, ns_batch_factor_at, ns_call_s,
+                       ns_mean_dim, step_compute_factor_at, train_activation_s, train_attention_s, train_elementwise_s,
+                       train_matmul_s, train_norm_s)
+from dmuon.sim._engine.sim_memory import buffer_wire_numel
+from dmuon.sim._engine.workload import Work, Workload
+
+#: channel of dmuon's collectives, by ledger phase: a phase's collective may be a broadcast or an
+#: all-gather (forward / backward), a reduce or a reduce-scatter (gradients). HSDP's replicate
+#: phases run on the replicate process group, whose stream (NCCL) or worker thread (gloo) is not
+#: the shard group's: a channel of their own, concurrent with the shard-group reduces
+_PHASE_CHANNEL = {
+    "forward_broadcast": "bcast",
+    "backward_broadcast": "bcast",
+    "replicate_broadcast": "replicate",
+    "reduce": "reduce",
+    "replicate_reduce": "replicate",
+    "tp": "tp",
+    "owner_group": "tp",
+    "qk_clip": "tp",
+}
+#: channel of the other collectives (FSDP2's, the alternatives', all-to-alls), by kind
+_CHANNEL = {
+    "broadcast": "bcast",
+    "reduce": "reduce",
+    "reduce_scatter": "reduce",
+    "all_reduce": "tp",
+    "all_gather": "tp",
+    "fsdp2_all_gather": "fsdp2_ag",
+    "fsdp2_reduce_scatter": "fsdp2_rs",
+    "fsdp2_all_reduce": "fsdp2_rs",
+    "all_to_all": "a2a",
+}
+_CHANNELS = ("bcast", "reduce", "replicate", "fsdp2_ag", "fsdp2_rs", "tp", "a2a")
+#: dmuon's collectives that the runtime coalesces per boundary phase and group where the backend can
+_COALESCED_KINDS = ("broadcast", "reduce")
+
+
+def _channel(op: Op) -> str:
+    """The channel an op's collective runs on: dmuon's by phase (:data:`_PHASE_CHANNEL`), the
+    others by kind."""
+    return (not op.external and _PHASE_CHANNEL.get(op.phase)) or _CHANNEL[op.kind]
+
+
+@dataclasses.dataclass(slots=True)
+class _SimOp:
+    kind: str
+    label: str
+    group: tuple[int, ...]
+    deps: tuple[int, ...]
+    collective: bool
+    seconds: Any  # collective: float; local: float or np.ndarray aligned with group
+    host_s: float = 0.0
+    channel: str = ""
+    ns: bool = False
+    deferred: bool = False  # HSDP replicate broadcast with replicate_async: waited for in the next step
+
+
+def _work_s(hw: Hardware, w: Work, factor: float, dtype: str, itemsize: int) -> float:
+    """Seconds of ``factor`` x the forward of ``w``: matmuls at the training-matmul efficiency
+    (:func:`~dmuon.sim.hardware.train_matmul_s`), attention
+    (:func:`~dmuon.sim.hardware.train_attention_s`), norms and the activation function
+    (:func:`~dmuon.sim.hardware.train_norm_s`, :func:`~dmuon.sim.hardware.train_activation_s`),
+    the other elementwise bytes and operators with autograd; the first two times the busy-node
+    matmul factor, the rest times the memory factor (:func:`~dmuon.sim.hardware.busy_factors`)."""
+    busy_c, busy_m = busy_factors(hw)
+    t_c = sum(train_matmul_s(hw, f, d, dtype) for f, d in w.matmuls)
+    t_c += train_attention_s(hw, w.attention_flops, w.attention_d, w.attention_head_d, dtype)
+    t_m = train_norm_s(hw, w.norm_numel, itemsize) + train_activation_s(hw, w.activation_numel, itemsize)
+    t_m += train_elementwise_s(hw, w.elementwise_nbytes, w.ops)
+    return factor * (busy_c * t_c + busy_m * t_m)
+
+
+def _ns_s(hw: Hardware, wl: Workload, spec: Any, flops: int, batch_factor: float = 1.0,
+          backend: str = "standard", numel: int | None = None) -> float:
+    """One matrix's Muon update: the Newton-Schulz call (calibrated as a whole where the record has
+    ``ns_efficiency`` — on the Gram curve for ``backend="gram"``,
+    :func:`~dmuon.sim.hardware.ns_call_s` — else its matmuls on the plain curve plus its norm / axpy passes) times
+    ``batch_factor`` (its share of a batched call, :func:`_ns_batch_factors`), and the update's
+    elementwise work (momentum, Nesterov, decay, apply: 6 passes, ``muon_ops_per_matrix``);
+    matmuls times the busy-node matmul factor, passes times the memory factor. ``numel``: the
+    elements the op updates (default ``spec.local_numel``; an expert stack's range op: its share,
+    :func:`_op_numel`)."""
+    isz = itemsize_nbytes(spec.dtype)
+    numel = spec.local_numel if numel is None else numel
+    busy_c, busy_m = busy_factors(hw)
+    update = busy_m * elementwise_s(hw, 6 * numel * isz, wl.muon_ops_per_matrix)
+    d = ns_mean_dim(*spec.matrix_shape)
+    if hw.ns_efficiency:
+        return busy_c * ns_call_s(hw, flops, d, backend) * batch_factor + update
+    mm = matmul_s(hw, flops, d, hw.ns_dtype)
+    passes = elementwise_s(hw, 2 * _rules.NS_STEPS * numel * itemsize_nbytes(hw.ns_dtype),
+                           wl.ns_ops_per_step * _rules.NS_STEPS)
+    return (busy_c * mm + busy_m * passes) * batch_factor + update
+
+
+def _op_numel(spec: Any, flops: int) -> int:
+    """Elements a Newton-Schulz op of ``spec`` updates: the whole parameter, or for an expert
+    stack's op over one owner's range of experts (its FLOPs a share of the stack's), that share
+    of the stack's elements (every expert of a stack has the same size)."""
+    if spec.experts is None:
+        return spec.local_numel
+    total = _flops.spec_ns_flops(spec)
+    return spec.local_numel if total <= 0 or flops >= total else spec.local_numel * flops // total
+
+
+def _owner_group_fqns(plan: Any) -> set[str]:
+    """The plan's matrices owned by an owner group (sharded Gram NS on its members)."""
+    return {spec.fqn for spec, owner in zip(plan.params, plan.owners) if isinstance(owner, OwnerGroup)}
+
+
+def _ns_backend(spec: Any, grouped: set[str]) -> str:
+    """The Newton-Schulz a dmuon matrix's update runs, ``"gram"`` or ``"standard"``: Gram for the
+    plan's ``ns_backend="gram"`` matrices, TP-sharded ones with ``tp_ns="gram"`` and owner-group
+    matrices (``grouped``; sharded Gram NS, :mod:`dmuon.exec._optim.tp_orthogonalize`)."""
+    gram = spec.ns_backend == "gram" or (spec.tp_size > 1 and spec.tp_ns == "gram") or spec.fqn in grouped
+    return "gram" if gram else "standard"
+
+
+def _ns_batch_factors(ops: Sequence[Op], specs: dict[str, Any], grouped: set[str], hw: Hardware,
+                      variant: str) -> dict[int, float]:
+    """Op id -> the per-matrix factor of the batched NS call its matrices run in
+    (:func:`~dmuon.sim.hardware.ns_batch_factor_at`; ops not listed: 1).
+
+    ``dmuon.Muon`` (and the naive baseline, which batches as it does) runs fp32 / fp64 NS per
+    bucket: on each rank, the matrices it orthogonalises with the same ``(short, long)`` side and
+    dtype, in parameter order, cut into calls by :func:`dmuon.plan._rules.ns_batch_runs` (a view's
+    blocks enter one by one, an expert stack as its ``E`` matrices; the optimizer buckets per param
+    group, the simulator assumes one Muon param group). Here a bucket is keyed by the
+    op's group (its members run the same calls), so each matrix gets the batch size of its call; an
+    op whose matrices fall in several calls gets their factors weighted by NS FLOPs (``specs``: fqn ->
+    spec; ``grouped``: :func:`_owner_group_fqns`). The TP and
+    owner-group paths (Gram buckets, gathered TP matrices) and dion's all-to-all (one matrix per
+    owner per batch) are not batched this way: factor 1."""
+    if variant not in ("z2", "z3", "naive") or not hw.ns_batch_factor or hw.ns_dtype not in _rules.NS_BATCHED_DTYPES:
+        return {}
+    buckets: dict[tuple, list[tuple[int, int, int, int, int]]] = {}  # key -> [(op id, a, b, count, numel)]
+    for op in ops:
+        if op.kind != "newton_schulz":
+            continue
+        spec = specs[op.fqns[0]]
+        if spec.tp_size > 1 or spec.fqn in grouped:
+            continue
+        if spec.experts is not None and spec.view is None:  # an op covers one owner's range of experts
+            total = _flops.spec_ns_flops(spec)
+            count = spec.num_matrices if total <= 0 else max(1, round(spec.num_matrices * op.flops / total))
+            entries = [(tuple(spec.matrix_shape), count)]
+        elif spec.view is None:
+            entries = [(tuple(spec.matrix_shape), spec.num_matrices)]
+        else:
+            entries = [(block, 1) for block in spec.matrices]
+        for (m, n), count in entries:
+            a, b = _rules.ns_bucket_sides(m, n)
+            buckets.setdefault((op.group, a, b, spec.dtype), []).append((op.id, a, b, count, count * a * b))
+    weighted: dict[int, list[float]] = {}  # op id -> [sum of flops x factor, sum of flops]
+    for entries in buckets.values():
+        for run in _rules.ns_batch_runs([e[4] for e in entries]):
+            batch = sum(entries[i][3] for i in run)
+            for i in run:
+                op_id, a, b, count, _ = entries[i]
+                f = _flops.ns_flops(a, b, num_matrices=count)
+                acc = weighted.setdefault(op_id, [0.0, 0.0])
+                acc[0] += f * ns_batch_factor_at(hw, ns_mean_dim(a, b), batch)
+                acc[1] += f
+    return {i: num / den for i, (num, den) in weighted.items() if den > 0}
+
+
+def _adamw_s(hw: Hardware, wl: Workload, tensors: Sequence[tuple[int, int]], dtensor: bool) -> float:
+    """AdamW over ``(numel, itemsize)`` tensors: 7 accesses per element (read p, g, m, v; write
+    p, m, v), ``adamw_ops_per_tensor`` operators each, plus DTensor dispatch per operator."""
+    nbytes = sum(7 * n * isz for n, isz in tensors)
+    ops = wl.adamw_ops_per_tensor * len(tensors)
+    return busy_factors(hw)[1] * (elementwise_s(hw, nbytes, ops) + (ops * hw.dtensor_op_s if dtensor else 0.0))
+
+
+def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant: str, num_ranks: int) -> list[_SimOp]:
+    """Schedule ops -> simulator ops, with the root's work, hooks and the optimizer added."""
+    dtype = hw.compute_dtype
+    N = plan.mesh_shape[1]
+    dmuon = variant in ("z2", "z3")
+    over = hw.oversubscription
+    busy_m = busy_factors(hw)[1]
+    # forward / backward compute between the step's blocking collectives (shard groups of N)
+    step_f = over * step_compute_factor_at(hw, N)
+    work = dict(wl.boundaries)
+    isz = itemsize_nbytes(wl.activation_dtype)
+    fwd_s = {f: _work_s(hw, w, 1.0, dtype, isz) * step_f for f, w in work.items()}
+    bwd_s = {f: _work_s(hw, w, w.backward_factor, dtype, isz) * step_f for f, w in work.items()}
+    embed_f = _work_s(hw, wl.embed, 1.0, dtype, isz) * step_f
+    embed_b = _work_s(hw, wl.embed, wl.embed.backward_factor, dtype, isz) * step_f
+    head = _work_s(hw, wl.head, 1.0 + wl.head.backward_factor, dtype, isz) * step_f
+    hook = 2 * hw.hook_s if dmuon else 0.0
+    boundary_nbytes = {b.fqn: sum(buffer_wire_numel(buf, N) * itemsize_nbytes(buf.dtype) for buf in b.buffers)
+                       for b in plan.boundaries}
+    specs = {s.fqn: s for s in plan.params}
+    everyone = tuple(range(num_ranks))
+    out: list[_SimOp] = []
+    remap: dict[int, int] = {}
+    root_ag: dict[int, list[int]] = {}
+    first_fwd: set[int] = set()
+    first_bwd: set[int] = set()
+    last_bwd: dict[int, int] = {}
+    for op in ops:
+        if op.kind == "backward":
+            last_bwd[op.micro_batch] = op.id
+    grad_colls: list[int] = []
+    coll_cache: dict = {}
+    waited: set[tuple] = set()
+    grouped = _owner_group_fqns(plan)
+    batch_factors = _ns_batch_factors(ops, specs, grouped, hw, variant)
+    # the model's token all-to-all under expert parallelism (module docstring)
+    a2a_groups = _alt.ep_groups(plan)
+    if a2a_groups and plan.tp_size > 1:
+        raise ValueError("dmuon.sim: expert parallelism with tensor parallelism is not simulated")
+    moe = {f: w for f, w in work.items() if w.experts is not None and w.dispatch_nbytes} if a2a_groups else {}
+    exp_s = {f: (_work_s(hw, w.experts, 1.0, dtype, isz) * step_f,
+                 _work_s(hw, w.experts, w.backward_factor, dtype, isz) * step_f) for f, w in moe.items()}
+    last_compute = [-1]  # the latest compute op on every rank (what a token all-to-all waits for)
+    block: list[Op] = []  # dmuon broadcasts / reduces of one boundary phase, coalesced (module docstring)
+
+    def host_s(op: Op, k: int, nbytes: int) -> float:
+        """A collective's cost on the calling thread: issue, and the per-kind extras."""
+        kind = op.kind
+        host = hw.issue_s
+        if kind.startswith("fsdp2_"):
+            host += fsdp2_call_s_at(hw, k) + elementwise_s(hw, 2 * k * nbytes, 1)  # copy-out / copy-in
+        elif dmuon and (kind in ("broadcast", "reduce", "all_reduce", "reduce_scatter")
+                        or (kind == "all_gather" and op.phase in ("forward_broadcast", "backward_broadcast"))):
+            # the runtime blocks once per boundary's broadcasts / all-gathers (before its forward /
+            # backward) and once per micro-batch on its gradient collectives (finish_reduces); the
+            # packing is charged with the boundary's backward, below
+            grad = kind in ("reduce", "reduce_scatter")
+            wait_key = ("reduce", op.micro_batch) if grad else (op.phase, op.boundary, op.micro_batch)
+            if wait_key not in waited:
+                waited.add(wait_key)
+                host += blocking_wait_s_at(hw, k)
+        elif kind == "all_to_all":
+            host += elementwise_s(hw, 2 * nbytes, 2)
+        elif kind == "all_gather" and variant == "naive":  # DTensor.full_tensor() + redistribute back
+            host += dtensor_gather_s_at(hw, k)
+        return host
+
+    def flush() -> None:
+        """Emit the pending coalesced block: one op per group, in first-appearance order."""
+        by_group: dict[tuple[int, ...], list[Op]] = {}
+        for op in block:
+            by_group.setdefault(op.group, []).append(op)
+        for group, run in by_group.items():
+            first = run[0]
+            deps = tuple(dict.fromkeys(remap[d] for o in run for d in o.deps))
+            secs = coalesced_collective_s(hw, first.kind, group, [o.nbytes for o in run], [o.root for o in run])
+            label = f"{first.phase} {first.boundary or ''}".strip() + (f" x{len(run)}" if len(run) > 1 else "")
+            for o in run:
+                remap[o.id] = len(out)
+            out.append(_SimOp(first.kind, label, group, deps, True, secs, host_s(first, len(group), first.nbytes),
+                              _channel(first), deferred=first.phase == "replicate_broadcast" and plan.replicate_async))
+        block.clear()
+
+    def token_a2a(b: str, mb: int, deps: tuple[int, ...]) -> tuple[int, ...]:
+        """One token all-to-all of boundary ``b`` on every EP group; the new ops' indices."""
+        nbytes = moe[b].dispatch_nbytes
+        ids = []
+        for grp in a2a_groups:
+            key = ("all_to_all", grp, nbytes)
+            secs = coll_cache.get(key)
+            if secs is None:
+                secs = coll_cache[key] = collective_s(hw, "all_to_all", grp, nbytes)
+            ids.append(len(out))
+            out.append(_SimOp("all_to_all", f"tokens {b} mb{mb}", grp, deps, True, secs,
+                              hw.issue_s + elementwise_s(hw, 2 * nbytes, 2), "a2a"))
+        return tuple(ids)
+
+    def compute(kind: str, label: str, deps: tuple[int, ...], secs: Any) -> int:
+        last_compute[0] = len(out)
+        out.append(_SimOp(kind, label, everyone, deps, False, secs))
+        return last_compute[0]
+
+    for op in ops:
+        mb = op.micro_batch
+        kind = op.kind
+        coalesce = hw.coalesces and dmuon and not op.external and kind in _COALESCED_KINDS
+        if block and not (coalesce and (kind, op.phase, op.boundary, mb) == (block[0].kind, block[0].phase,
+                                                                          block[0].boundary, block[0].micro_batch)):
+            flush()
+        if coalesce:
+            block.append(op)
+            continue
+        if kind == "forward" and mb not in first_fwd:
+            first_fwd.add(mb)
+            compute("forward", "embed", tuple(root_ag.get(mb, ())), embed_f)
+        if kind in ("backward", "recompute") and mb not in first_bwd:
+            first_bwd.add(mb)
+            compute("backward", "head", tuple(root_ag.get(mb, ())), head)
+        deps = tuple(dict.fromkeys(map(remap.__getitem__, op.deps)))  # coalesced ops share one
+        if kind in OP_COLLECTIVE:
+            nbytes = op.nbytes
+            k = len(op.group)
+            key = (kind, op.group, nbytes)
+            secs = coll_cache.get(key)
+            if secs is None:
+                secs = coll_cache[key] = collective_s(hw, OP_COLLECTIVE[kind], op.group, nbytes)
+            label = f"{op.phase} {op.boundary or ''}".strip()
+            s = _SimOp(kind, label, op.group, deps, True, secs, host_s(op, k, nbytes), _channel(op),
+                       deferred=op.phase == "replicate_broadcast" and plan.replicate_async)
+            if kind == "fsdp2_all_gather" and op.boundary == "":
+                root_ag.setdefault(mb, []).append(len(out))
+            if kind in ("fsdp2_reduce_scatter", "fsdp2_all_reduce") or (kind == "all_to_all" and variant == "all_to_all"):
+                grad_colls.append(len(out))
+        elif kind in ("forward", "backward", "recompute"):
+            b = op.boundary
+            secs = (fwd_s[b] if kind != "backward" else bwd_s[b]) + hook
+            if kind == "backward" and dmuon:
+                secs += elementwise_s(hw, 2 * boundary_nbytes.get(b, 0), 2) * busy_m * over  # packing
+            if b in moe:  # dense | dispatch | experts | combine, or its reverse in the backward
+                e_s = exp_s[b][kind == "backward"]
+                if kind == "backward":
+                    sent = token_a2a(b, mb, (last_compute[0],) if last_compute[0] >= 0 else ())
+                    x = compute(kind, f"{b} experts", sent + deps, e_s)
+                    sent = token_a2a(b, mb, (x,))
+                    s = _SimOp(kind, b or "", everyone, sent, False, secs - e_s)
+                else:
+                    a = compute(kind, b or "", deps, secs - e_s)
+                    sent = token_a2a(b, mb, (a,))
+                    x = compute(kind, f"{b} experts", sent, e_s)
+                    sent = token_a2a(b, mb, (x,))
+                    s = _SimOp(kind, f"{b} combined", everyone, sent, False, 0.0)
+            else:
+                s = _SimOp(kind, b or "", op.group, deps, False, secs)
+            last_compute[0] = len(out)
+        elif kind == "newton_schulz":
+            spec = specs[op.fqns[0]]
+            backend = _ns_backend(spec, grouped) if dmuon else "standard"  # the baselines: torch's iteration
+            secs = _ns_s(hw, wl, spec, op.flops, batch_factors.get(op.id, 1.0), backend, _op_numel(spec, op.flops)) * over
+            if not dmuon:  # FSDP2 shards: DTensor dispatch of the update's operators
+                secs += wl.muon_ops_per_matrix * hw.dtensor_op_s * over
+            s = _SimOp(kind, op.fqns[0], op.group, deps, False, secs, ns=True)
+        else:
+            raise ValueError(f"dmuon.sim: cannot simulate op kind {kind!r} ({op.describe()})")
+        remap[op.id] = len(out)
+        out.append(s)
+        if hw.comm_engine == "threads" and (kind.startswith("fsdp2_") or (kind == "all_gather" and variant == "naive")):
+            # Calls that return only when the collective is done, on gloo: every FSDP2 collective
+            # (its all-gathers, prefetches included — unshard_async_op is off — and its gradient
+            # reduce-scatter / all-reduce in the post-backward hook are issued without async_op;
+            # on GPUs streams run them beside the compute) and DTensor.full_tensor() (the naive
+            # baseline's gather: every gather precedes the first NS, as in its step). NCCL only
+            # makes the compute stream wait, which the deps express.
+            out.append(_SimOp("wait", s.label, op.group, (len(out) - 1,), False, 0.0))
+        if op.kind == "backward" and last_bwd.get(mb) == op.id:
+            compute("backward", "embed", (len(out) - 1,), embed_b)
+    if block:
+        flush()
+    # the optimizer: AdamW on this rank's FSDP2 shards (DTensors), after its gradient collectives
+    # (expert stacks as torchtitan shards them, dmuon.plan._cost.baseline.fsdp2_param_shard)
+    tensors: list[tuple[int, int]] = []
+    ep = _alt.plan_ep(plan)
+    for u in plan.fsdp2_units:
+        for p, shape, dt, g in zip(u.params, u.shapes, u.dtypes, u.requires_grad):
+            if g:
+                tensors.append((_baseline.fsdp2_param_shard(p, tuple(shape), N, ep=ep)[1], itemsize_nbytes(dt)))
+    if variant == "adamw":  # naive / all_to_all: Muon's elementwise work on the shards is in the NS ops
+        tensors += [(_baseline.spec_fsdp2_shard(s, N)[1], itemsize_nbytes(s.dtype)) for s in plan.params]
+    out.append(_SimOp("optimizer", "adamw", everyone, tuple(grad_colls), False, _adamw_s(hw, wl, tensors, True) * over))
+    return out
+
