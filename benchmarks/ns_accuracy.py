@@ -45,7 +45,7 @@ Usage::
     python benchmarks/ns_accuracy.py --markdown      # the tables of docs/newton_schulz.md
     python benchmarks/ns_accuracy.py --json out.json
 
-tests/test_ns_accuracy.py imports this module and holds every backend to stated bounds.
+tests/exec/test_ns_accuracy.py imports this module and holds every backend to stated bounds.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ fp32 Newton-Schulz calls, the updates) over the matrices ONE owner rank holds in
 ``cost_model="ns_flops"`` and the backend under test (``compile(ns_backend=...)``, as
 ``step_time.py``'s ``dmuon_z3`` and ``dmuon_z3_auto`` plan it), rank 0's share. No process group:
 the matrices carry dmuon's tags with a runtime that holds the plan (the set-up of
-``tests/test_ns_auto.py``); the rest of a training step (forward, backward, collectives, AdamW)
+``tests/plan/test_ns_auto.py``); the rest of a training step (forward, backward, collectives, AdamW)
 runs the same code under both backends, so this is where the two can differ.
 
 Timing: ``time.thread_time`` of the calling thread, one torch thread (NS is single-threaded, and

@@ -1,4 +1,4 @@
-"""Small attention models for the matrix-view and QK-clip tests (tests/test_muon_variants.py).
+"""Small attention models for the matrix-view and QK-clip tests (tests/exec/test_muon_variants.py).
 
 ``AttnLM(kind)``: token embedding, ``layers.N`` blocks (attention + MLP), head. Attention kinds:
 

@@ -2,7 +2,7 @@
 and per-rank statistics of a plan's layout (the table in docs/planning.md), written without the
 schedule. Broadcast buffers: every non-holder receives / sends each segment; all-gathered
 buffers: every rank receives / sends ``N-1`` slots per phase and holds all ``N`` while unsharded. ``plan.cost`` / ``plan.rank_stats()`` sum the nominal step's ops instead; the two must
-agree exactly (tests/test_schedule.py).
+agree exactly (tests/plan/test_schedule.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Reading the HTML pages back (``tests/test_plan_html.py``, ``tests/test_html_browser.py``): the
+"""Reading the HTML pages back (``tests/plan/test_plan_html.py``, ``tests/test_html_browser.py``): the
 root element's and every element's ``data-*`` attributes, the section SVGs' boxes, and an XML
 parse of each SVG (well-formed)."""
 

@@ -1,4 +1,4 @@
-"""A small torchtitan-style MoE LM for the expert-parallel tests (tests/test_moe_ep.py).
+"""A small torchtitan-style MoE LM for the expert-parallel tests (tests/exec/test_moe_ep.py).
 
 ``MoELM(ep=1)``: every expert in the process (the single-process reference). ``MoELM(ep=k)``
 with a process group: each rank's ``GroupedExperts`` holds its ``E/k`` consecutive experts

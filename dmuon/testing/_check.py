@@ -247,7 +247,7 @@ def check_against_reference(
         raise ValueError(
             "check_against_reference: expert parallelism (dedicate_kwargs ep=...) is not covered: the reference "
             "runs the model model_fn builds, which under EP holds only one rank's experts. Build the reference "
-            "from the non-EP model yourself (dmuon.testing.reference_run), as tests/test_moe_ep.py does"
+            "from the non-EP model yourself (dmuon.testing.reference_run), as tests/exec/test_moe_ep.py does"
         )
     loss_bound, param_bound = bounds(ns_dtype)
     optimizer_kwargs = dict(optimizer_kwargs or {})

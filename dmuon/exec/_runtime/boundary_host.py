@@ -6,7 +6,7 @@ A :class:`~dmuon.exec._runtime.boundary._BoundaryRuntime` reaches its model-wide
 order, streams, HSDP replicas, the step check, the end of the backward).
 :class:`~dmuon.exec._runtime.runtime.DmuonRuntime` provides them (structurally: it does not subclass
 the Protocol). boundary.py imports this module, never the runtime's, so the two do not import each
-other, not even for types. ``tests/test_runtime_interface.py`` checks that boundary.py uses exactly
+other, not even for types. ``tests/exec/test_runtime_interface.py`` checks that boundary.py uses exactly
 these members and that the runtime has each of them.
 """
 

@@ -6,7 +6,7 @@ with the plan (not here); ``plan.rank_stats()`` walks the schedule's op table on
 :class:`PlanFigures` once more (collectives per boundary, op counts); two ranks' own ops
 (``rank_ops``: rank 0 and the busiest) are read for the schedule summary; the ownership cells
 are one ``owner_weights`` per parameter (one entry per owner, group member or expert range).
-Nothing re-runs the planner. ``tests/test_plan_html.py`` bounds the op visits.
+Nothing re-runs the planner. ``tests/plan/test_plan_html.py`` bounds the op visits.
 """
 
 from __future__ import annotations

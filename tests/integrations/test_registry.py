@@ -20,8 +20,8 @@ import torch
 import dmuon
 from dmuon import _registry
 
-REPO = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[2]
+TESTS = Path(__file__).resolve().parents[1]
 LOCAL = [i for i in _registry.INTEGRATIONS if i.trigger is None]
 
 

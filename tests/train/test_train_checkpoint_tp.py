@@ -18,7 +18,7 @@ from train_job import TINY, write_corpus
 from dmuon._train.checkpoint import step_dir
 
 # TP changes the reduction order of the matmuls (and Gram NS where the plan picks it): the
-# resharded runs are held to 1e-5 relative (the TP oracle bound of tests/test_tp.py).
+# resharded runs are held to 1e-5 relative (the TP oracle bound of tests/exec/test_tp.py).
 LOSS_RTOL = 1e-5
 
 

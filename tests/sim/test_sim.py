@@ -755,14 +755,14 @@ def test_simulate_cli_user_errors(tmp_path, capsys):
 # ------------------------------------------------------------------ purity
 
 
-SIM_FILES = sorted((pathlib.Path(__file__).resolve().parents[1] / "dmuon" / "sim").rglob("*.py"))
+SIM_FILES = sorted((pathlib.Path(__file__).resolve().parents[2] / "dmuon" / "sim").rglob("*.py"))
 
 
 @pytest.mark.parametrize("path", [p for p in SIM_FILES if "_calibrate" not in p.parts], ids=lambda p: p.name)
 def test_sim_never_imports_distributed_or_exec(path):
     """dmuon/sim is pure like dmuon/plan; only _calibrate/ (gloo microbenchmarks, run by the
     `calibrate` command in its own processes) touches torch.distributed."""
-    from tests.test_plan_static import offending_imports
+    from tests.plan.test_plan_static import offending_imports
 
     assert offending_imports(path) == []
 
@@ -771,7 +771,7 @@ def test_step_time_prediction_column():
     """benchmarks/step_time.py's `pred ms` column: simulate of the benchmark's own plan and GPT."""
     import sys
 
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
     import step_time
 
     hw = _cpu(ranks_per_node=2, compute_dtype="torch.float32", ns_dtype="torch.float32")

@@ -1,6 +1,6 @@
 """Expert stacks in the plan (issue 28, "How it is checked"; pure, no process group).
 
-Golden plans (conventions of tests/test_plan_golden.py: cost_model="numel", align_numel=16,
+Golden plans (conventions of tests/plan/test_plan_golden.py: cost_model="numel", align_numel=16,
 fp32 = 4 bytes) for a GroupedExperts-style block (tests/moe_models.py, one layer, meta device):
 
     layers.0.attn.weight        (8, 8)      64 elements, one owner

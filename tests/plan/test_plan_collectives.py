@@ -2,8 +2,8 @@
 JSON (``dmuon.plan/2``, version-1 plans read as broadcast with their bytes and fingerprints), the
 alpha-beta rule of ``collectives="auto"`` against hand-computed figures, forced modes, the slot
 layout, the collectives per step of an all-gathered buffer, and the planner's constants against
-the simulator preset they were copied from. Goldens of both kinds: tests/test_plan_golden.py,
-tests/test_schedule.py, tests/test_moe_plan.py."""
+the simulator preset they were copied from. Goldens of both kinds: tests/plan/test_plan_golden.py,
+tests/plan/test_schedule.py, tests/plan/test_moe_plan.py."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from dmuon.plan._records.plan_json import JSON_FORMAT, JSON_FORMAT_V1
 from test_moe_plan import grouped_meta
 from test_plan_golden import build_a, build_b
 
-DATA = pathlib.Path(__file__).parent / "data"
+DATA = pathlib.Path(__file__).parents[1] / "data"
 # fingerprints of the version-1 fixtures, as the code before issue 35 computed them
 V1_FIXTURES = {
     "plan_v1_model_a_n2.json": "56f6f2dfb127030d81579da21f06e448be457c528f7795eab81e08076e844e6e",

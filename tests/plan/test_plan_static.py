@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-PLAN_DIR = pathlib.Path(__file__).resolve().parents[1] / "dmuon" / "plan"
+PLAN_DIR = pathlib.Path(__file__).resolve().parents[2] / "dmuon" / "plan"
 FILES = sorted(PLAN_DIR.rglob("*.py"))
 FORBIDDEN = ("torch.distributed", "dmuon.exec")
 

@@ -10,7 +10,7 @@ import pathlib
 
 from test_import_graph import imports_of
 
-RUNTIME_DIR = pathlib.Path(__file__).resolve().parents[1] / "dmuon" / "exec" / "_runtime"
+RUNTIME_DIR = pathlib.Path(__file__).resolve().parents[2] / "dmuon" / "exec" / "_runtime"
 
 
 def host_members() -> set[str]:

@@ -33,7 +33,7 @@ def _ops(sched, rank, *, collectives_only=False):
 
 # --------------------------------------------------------------------------- golden: model A, N = 2
 
-# Layout (tests/test_plan_golden.py, align 16, fp32): layers.0: seg 0 (a, c + 2 flags) 48 el,
+# Layout (tests/plan/test_plan_golden.py, align 16, fp32): layers.0: seg 0 (a, c + 2 flags) 48 el,
 # seg 1 (b + 1 flag) 32 el; layers.1: seg 0 (b) 32 el, seg 1 (a, c) 48 el. Owners: L0.a, L0.c,
 # L1.b on rank 0; L0.b, L1.a, L1.c on rank 1.
 L0, L1 = "layers.0", "layers.1"
@@ -149,7 +149,7 @@ def test_golden_b_hsdp_rank_lists():
     replicate reduces per column (sub-segment by sub-segment, to the owner; with two blocks all
     after the last shard-group reduce, test_hsdp_replicate_reduces_one_boundary_behind),
     replicate broadcasts from the owner after the step; per-phase bytes equal the golden table
-    (tests/test_plan_golden.py)."""
+    (tests/plan/test_plan_golden.py)."""
     plan = P.compile(build_b(), (2, 2), collectives="broadcast")
     sched = plan.schedule()
     rows = {0: (0, 1), 1: (2, 3)}

@@ -778,7 +778,7 @@ def test_adamw_on_dtensors_bit_identical():
         capture_output=True,
         text=True,
         timeout=120,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0 and "DTENSOR_OK" in proc.stdout, proc.stdout + proc.stderr

@@ -5,7 +5,7 @@
 * the first dedication on a mesh creates its groups, a second dedication (another model, the
   same mesh) creates none and both models, trained step for step side by side on the shared
   groups, match each other bit for bit and the single-process oracle (fp32 NS bounds of
-  tests/test_exec_oracle.py);
+  tests/exec/test_exec_oracle.py);
 * another mesh's rank table gets its own groups;
 * :func:`dmuon.exec._comm.groups.release_groups` destroys them (the next dedication creates them
   again), and so does re-initialising the default group (the cache forgets the old world).
@@ -24,7 +24,7 @@ from dmuon.exec import get_model_runtime
 from oracle import dmuon_optimizer, global_batches, lm_loss, make_model, reference_run
 
 STEPS = 3
-FP32_LOSS_RTOL = 1e-6  # the oracle bounds of tests/test_exec_oracle.py (fp32 Newton-Schulz)
+FP32_LOSS_RTOL = 1e-6  # the oracle bounds of tests/exec/test_exec_oracle.py (fp32 Newton-Schulz)
 FP32_PARAM_TOL = 1e-4
 
 
