@@ -85,8 +85,16 @@ TRAIN_SIZES = {
     "small": dict(n_layers=4, d_model=128, d_mlp=512, n_heads=4, seq_len=64, batch=16),
     "quick": dict(n_layers=2, d_model=32, d_mlp=64, n_heads=2, seq_len=16, batch=4),
 }
-MUON_HP = dict(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
-               ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7, ns_steps=5, adjust_lr_fn=None)
+MUON_HP = dict(
+    lr=1e-3,
+    weight_decay=0.1,
+    momentum=0.95,
+    nesterov=True,
+    ns_coefficients=(3.4445, -4.775, 2.0315),
+    eps=1e-7,
+    ns_steps=5,
+    adjust_lr_fn=None,
+)
 ADAMW_HP = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 VOCAB = 256
 SEED = 0
@@ -99,23 +107,35 @@ SEED = 0
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                   help="cuda (the point of the script) or cpu (the fallback the tests run)")
+    p.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="cuda (the point of the script) or cpu (the fallback the tests run)",
+    )
     p.add_argument("--parts", nargs="+", choices=["ns", "train"], default=["ns", "train"])
-    p.add_argument("--quick", action="store_true",
-                   help="tiny shapes, a tiny GPT, 2 training steps, short timings")
+    p.add_argument("--quick", action="store_true", help="tiny shapes, a tiny GPT, 2 training steps, short timings")
     p.add_argument("--dtypes", default="bf16,fp32", help=f"NS dtypes, comma list of {sorted(DTYPES)}")
     p.add_argument("--shapes", default=None, help="NS shapes, e.g. 1024x4096,4096x4096 (default per device)")
     p.add_argument("--batch", type=int, default=None, help="matrices per batched NS call (default per device)")
     p.add_argument("--ns-steps", type=int, default=5)
     p.add_argument("--min-time", type=float, default=None, help="seconds per NS measurement")
     p.add_argument("--steps", type=int, default=None, help="training steps (default 4, --quick 2)")
-    p.add_argument("--loss-rtol", type=float, default=2e-3,
-                   help="relative loss tolerance vs dmuon_streams (bf16 Newton-Schulz)")
-    p.add_argument("--stream-rtol", type=float, default=1e-5,
-                   help="relative loss tolerance, streams vs no streams on the same device")
-    p.add_argument("--collectives", choices=["auto", "gloo", "identity"], default="auto",
-                   help="1-rank collectives: auto = gloo on CPU; on CUDA gloo if it can, else identities")
+    p.add_argument(
+        "--loss-rtol", type=float, default=2e-3, help="relative loss tolerance vs dmuon_streams (bf16 Newton-Schulz)"
+    )
+    p.add_argument(
+        "--stream-rtol",
+        type=float,
+        default=1e-5,
+        help="relative loss tolerance, streams vs no streams on the same device",
+    )
+    p.add_argument(
+        "--collectives",
+        choices=["auto", "gloo", "identity"],
+        default="auto",
+        help="1-rank collectives: auto = gloo on CPU; on CUDA gloo if it can, else identities",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default 1 on cpu)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -165,30 +185,56 @@ def ns_rows(device: str, dtype_names, shapes, batch: int, steps: int, min_time: 
             xb = torch.randn((batch, m, n), generator=g, device=device)
             cases = [
                 ("newton_schulz", 1, lambda: newton_schulz(x, steps=steps, dtype=dtype), ns_flops(m, n, steps)),
-                ("batched", batch, lambda: newton_schulz(xb, steps=steps, dtype=dtype),
-                 ns_flops(m, n, steps, num_matrices=batch)),
-                ("gram_newton_schulz", 1, lambda: gram_newton_schulz(x, steps=steps, dtype=dtype),
-                 gram_ns_flops(m, n, steps)),
+                (
+                    "batched",
+                    batch,
+                    lambda: newton_schulz(xb, steps=steps, dtype=dtype),
+                    ns_flops(m, n, steps, num_matrices=batch),
+                ),
+                (
+                    "gram_newton_schulz",
+                    1,
+                    lambda: gram_newton_schulz(x, steps=steps, dtype=dtype),
+                    gram_ns_flops(m, n, steps),
+                ),
             ]
             for kind, b, fn, flops in cases:
                 median, fastest = measure(fn, device, min_time)
                 tflops = flops / fastest / 1e12
-                rows.append(dict(device=device, dtype=dname, kind=kind, batch=b, m=m, n=n, steps=steps,
-                                 ms_median=median * 1e3, ms_min=fastest * 1e3, gflop=flops / 1e9,
-                                 tflops=tflops, peak_tflops=peak, of_peak=tflops / peak if peak > 0 else math.nan))
+                rows.append(
+                    dict(
+                        device=device,
+                        dtype=dname,
+                        kind=kind,
+                        batch=b,
+                        m=m,
+                        n=n,
+                        steps=steps,
+                        ms_median=median * 1e3,
+                        ms_min=fastest * 1e3,
+                        gflop=flops / 1e9,
+                        tflops=tflops,
+                        peak_tflops=peak,
+                        of_peak=tflops / peak if peak > 0 else math.nan,
+                    )
+                )
     return rows
 
 
 def print_ns(rows: list[dict]) -> None:
-    head = (f"{'dtype':5} {'kind':18} {'B':>3} {'m x n':>11} {'ms med':>9} {'ms min':>9} {'GFLOP':>9} "
-            f"{'TFLOP/s':>8} {'peak':>8} {'of peak':>7}")
+    head = (
+        f"{'dtype':5} {'kind':18} {'B':>3} {'m x n':>11} {'ms med':>9} {'ms min':>9} {'GFLOP':>9} "
+        f"{'TFLOP/s':>8} {'peak':>8} {'of peak':>7}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
         shape = f"{r['m']}x{r['n']}"
-        print(f"{r['dtype']:5} {r['kind']:18} {r['batch']:>3} {shape:>11} {r['ms_median']:>9.3f} "
-              f"{r['ms_min']:>9.3f} {r['gflop']:>9.3f} {r['tflops']:>8.4g} {r['peak_tflops']:>8.4g} "
-              f"{r['of_peak']:>7.2f}")
+        print(
+            f"{r['dtype']:5} {r['kind']:18} {r['batch']:>3} {shape:>11} {r['ms_median']:>9.3f} "
+            f"{r['ms_min']:>9.3f} {r['gflop']:>9.3f} {r['tflops']:>8.4g} {r['peak_tflops']:>8.4g} "
+            f"{r['of_peak']:>7.2f}"
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -265,8 +311,14 @@ def make_batches(spec: dict, steps: int) -> list[tuple[torch.Tensor, torch.Tenso
 def _gpt(spec: dict, device: str):
     from dmuon._train.byte_gpt import GPT, GPTConfig
 
-    cfg = GPTConfig(vocab_size=VOCAB, d_model=spec["d_model"], n_layers=spec["n_layers"],
-                    n_heads=spec["n_heads"], d_mlp=spec["d_mlp"], seq_len=spec["seq_len"])
+    cfg = GPTConfig(
+        vocab_size=VOCAB,
+        d_model=spec["d_model"],
+        n_layers=spec["n_layers"],
+        n_heads=spec["n_heads"],
+        d_mlp=spec["d_mlp"],
+        seq_len=spec["seq_len"],
+    )
     return GPT(cfg, seed=SEED, device=device)
 
 
@@ -279,9 +331,15 @@ def run_dmuon(spec: dict, batches, device: str, *, use_streams: bool, **opt_kw) 
     plan = dmuon.dedicate_params(model)
     rt = dmuon.exec.get_model_runtime(model)
     rt.set_use_streams(use_streams)
-    opt = dmuon.Muon(model, **{**MUON_HP, **opt_kw}, ns_dtype=torch.bfloat16, adamw_lr=ADAMW_HP["lr"],
-                     adamw_betas=ADAMW_HP["betas"], adamw_eps=ADAMW_HP["eps"],
-                     adamw_weight_decay=ADAMW_HP["weight_decay"])
+    opt = dmuon.Muon(
+        model,
+        **{**MUON_HP, **opt_kw},
+        ns_dtype=torch.bfloat16,
+        adamw_lr=ADAMW_HP["lr"],
+        adamw_betas=ADAMW_HP["betas"],
+        adamw_eps=ADAMW_HP["eps"],
+        adamw_weight_decay=ADAMW_HP["weight_decay"],
+    )
     segments = [seg for b in rt.boundaries for seg in b.segments]
     losses, first_bufs, ledger_ok = [], None, True
     reads0 = rt._flag_host_reads
@@ -381,15 +439,34 @@ def train_check(device: str, spec: dict, steps: int, loss_rtol: float, stream_rt
         err = _max_rel(run["losses"], ref)
         checks.append(dict(check=f"losses {name} vs dmuon_streams", value=err, limit=tol, ok=err <= tol))
     s = runs["dmuon_streams"]
-    checks.append(dict(check="ledger bytes == plan every step", value=s["ledger_matches_plan"], limit=True,
-                       ok=s["ledger_matches_plan"]))
-    checks.append(dict(check="reduce buffers the same tensors every step", value=s["buffers_persistent"],
-                       limit=True, ok=s["buffers_persistent"]))
-    checks.append(dict(check="flag host reads per backward", value=s["flag_reads_per_step"], limit=1.0,
-                       ok=s["flag_reads_per_step"] == 1.0))
+    checks.append(
+        dict(
+            check="ledger bytes == plan every step",
+            value=s["ledger_matches_plan"],
+            limit=True,
+            ok=s["ledger_matches_plan"],
+        )
+    )
+    checks.append(
+        dict(
+            check="reduce buffers the same tensors every step",
+            value=s["buffers_persistent"],
+            limit=True,
+            ok=s["buffers_persistent"],
+        )
+    )
+    checks.append(
+        dict(
+            check="flag host reads per backward",
+            value=s["flag_reads_per_step"],
+            limit=1.0,
+            ok=s["flag_reads_per_step"] == 1.0,
+        )
+    )
     if device == "cuda":
-        checks.append(dict(check="dmuon CUDA streams used", value=s["streams_built"], limit=True,
-                           ok=s["streams_built"]))
+        checks.append(
+            dict(check="dmuon CUDA streams used", value=s["streams_built"], limit=True, ok=s["streams_built"])
+        )
     finite = all(math.isfinite(v) for run in runs.values() for v in run["losses"])
     checks.append(dict(check="all losses finite", value=finite, limit=True, ok=finite))
     return dict(runs=runs, checks=checks, ok=all(c["ok"] for c in checks))
@@ -412,11 +489,15 @@ def main(argv=None) -> int:
     device = args.device
     if args.threads or device == "cpu":  # OpenMP on a shared CPU makes timings meaningless
         torch.set_num_threads(args.threads or 1)
-    out: dict = dict(meta=dict(
-        torch=torch.__version__, python=platform.python_version(), device=device,
-        device_name=torch.cuda.get_device_name(0) if device == "cuda" else platform.processor(),
-        quick=args.quick,
-    ))
+    out: dict = dict(
+        meta=dict(
+            torch=torch.__version__,
+            python=platform.python_version(),
+            device=device,
+            device_name=torch.cuda.get_device_name(0) if device == "cuda" else platform.processor(),
+            quick=args.quick,
+        )
+    )
     ok = True
     if "ns" in args.parts:
         shapes = args.shapes or (NS_SHAPES["cpu"][:1] if args.quick else NS_SHAPES[device])

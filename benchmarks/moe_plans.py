@@ -63,11 +63,18 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="+", default=["qwen3-30b-a3b", "deepseek-v3"], choices=sorted(PRESETS))
     ap.add_argument("--meshes", nargs="+", type=int, default=[64, 256])
     ap.add_argument("--no-before-after", action="store_true", help="only the EP rows")
-    ap.add_argument("--ep", nargs="*", type=int, default=[8, 0],
-                    help="expert-parallel degrees to add rows for (0 = ep = min(N, E): local experts when E >= N)")
+    ap.add_argument(
+        "--ep",
+        nargs="*",
+        type=int,
+        default=[8, 0],
+        help="expert-parallel degrees to add rows for (0 = ep = min(N, E): local experts when E >= N)",
+    )
     args = ap.parse_args(argv)
-    print("| model | ranks | plan | Muon matrices | ranks owning nothing | owned max/mean | busiest-rank NS TFLOP "
-          "| bytes/rank/step (max) | peak transient (max) | compile s |")
+    print(
+        "| model | ranks | plan | Muon matrices | ranks owning nothing | owned max/mean | busiest-rank NS TFLOP "
+        "| bytes/rank/step (max) | peak transient (max) | compile s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.models:
         model = PRESETS[name]()
@@ -75,9 +82,11 @@ def main(argv=None) -> int:
             for before in () if args.no_before_after else (True, False):
                 r = row(model, mesh, before)
                 label = "before: one owner per stack" if before else "after: expert ranges (default)"
-                print(f"| {name} | {mesh} | {label} | {r['matrices']:,} | {r['empty']} | {r['max_mean']:.2f} "
-                      f"| {r['ns_tflop']:.1f} | {r['bytes_gib']:.1f} GiB | {r['peak_gib']:.2f} GiB | {r['compile_s']:.1f} |",
-                      flush=True)
+                print(
+                    f"| {name} | {mesh} | {label} | {r['matrices']:,} | {r['empty']} | {r['max_mean']:.2f} "
+                    f"| {r['ns_tflop']:.1f} | {r['bytes_gib']:.1f} GiB | {r['peak_gib']:.2f} GiB | {r['compile_s']:.1f} |",
+                    flush=True,
+                )
             num_experts = next(p.shape[0] for n, p in model.named_parameters() if p.ndim == 3)
             for ep in args.ep:
                 k = ep or min(mesh, num_experts)  # "0": ep = N, or every expert on its own rank when N > E
@@ -85,9 +94,11 @@ def main(argv=None) -> int:
                     continue
                 r = row(expert_parallel_variant(PRESETS[name](), k), mesh, False, ep=k)
                 label = f"EP ep={k} x efsdp={mesh // k}" + (" (local)" if k == mesh else "")
-                print(f"| {name} | {mesh} | {label} | {r['matrices']:,} | {r['empty']} | {r['max_mean']:.2f} "
-                      f"| {r['ns_tflop']:.1f} | {r['bytes_gib']:.1f} GiB | {r['peak_gib']:.2f} GiB | {r['compile_s']:.1f} |",
-                      flush=True)
+                print(
+                    f"| {name} | {mesh} | {label} | {r['matrices']:,} | {r['empty']} | {r['max_mean']:.2f} "
+                    f"| {r['ns_tflop']:.1f} | {r['bytes_gib']:.1f} GiB | {r['peak_gib']:.2f} GiB | {r['compile_s']:.1f} |",
+                    flush=True,
+                )
     return 0
 
 

@@ -63,9 +63,21 @@ def _interleaved(fa, fb, repeats, device):
 
 def _muon_step(shape, view, device):
     w = torch.nn.Parameter(torch.randn(shape, device=device))
-    _tags.write(w, _tags.PARAM, DedicatedInfo(fqn="w", owner_global_rank=0, is_owner=True, holds_full=True,
-                                              shape=shape, matrix_shape=shape, num_matrices=1, runtime=lambda: None,
-                                              view=view))
+    _tags.write(
+        w,
+        _tags.PARAM,
+        DedicatedInfo(
+            fqn="w",
+            owner_global_rank=0,
+            is_owner=True,
+            holds_full=True,
+            shape=shape,
+            matrix_shape=shape,
+            num_matrices=1,
+            runtime=lambda: None,
+            view=view,
+        ),
+    )
     opt = dmuon.Muon([w], ns_dtype=torch.float32)
     g = torch.randn(shape, device=device)
 
@@ -106,8 +118,12 @@ def main(argv=None) -> int:
     B, T = args.batch, args.seq
     g = torch.Generator(device="cpu").manual_seed(0)
     q, k, v = (torch.randn(B, H, T, d, generator=g).to(device) for _ in range(3))
-    a, b = _interleaved(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-                        lambda: max_logits_sdpa(q, k, is_causal=True), args.repeats, device)
+    a, b = _interleaved(
+        lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        lambda: max_logits_sdpa(q, k, is_causal=True),
+        args.repeats,
+        device,
+    )
     ratio = statistics.median(y / x for x, y in zip(a, b))
     print(f"\n2. attention (B={B}, H={H}, T={T}, d_h={d}), causal")
     for name, vals in (("SDPA forward", a), ("max_logits_sdpa (extra)", b)):

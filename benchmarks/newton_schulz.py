@@ -105,16 +105,26 @@ def bench_row(mode: str, b: int, m: int, n: int, dtype_name: str, device: str, s
     shape = (b, m, n) if mode != "single" else (m, n)
     x = torch.randn(shape, generator=g, device=device, dtype=torch.float32)
     if mode == "loop":
+
         def fn():
             for i in range(b):
                 newton_schulz(x[i], steps=steps, dtype=dtype)
     else:
+
         def fn():
             newton_schulz(x, steps=steps, dtype=dtype)
+
     flops = ns_flops(m, n, steps, num_matrices=b)
     median, fastest = measure(fn, device, min_time)
-    mm_gflops = attainable_matmul(b if mode == "batched" else 1, min(m, n), max(m, n),
-                                  flops if mode == "batched" else flops // b, dtype, device, min_time)
+    mm_gflops = attainable_matmul(
+        b if mode == "batched" else 1,
+        min(m, n),
+        max(m, n),
+        flops if mode == "batched" else flops // b,
+        dtype,
+        device,
+        min_time,
+    )
     ns_gflops = flops / fastest / 1e9
     return {
         "device": device,
@@ -155,16 +165,22 @@ def print_table(rows: list[dict]) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                        help="auto: cpu, plus cuda when available")
+    parser.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cpu, plus cuda when available"
+    )
     parser.add_argument("--dtypes", default="fp32,bf16", help=f"comma list of {sorted(DTYPES)}")
     parser.add_argument("--shapes", default=None, help="single-matrix shapes, e.g. 256x1024,512x512")
-    parser.add_argument("--batch", type=int, default=None,
-                        help="batch size for batched/loop rows (uses --shapes, or the defaults' shapes)")
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="batch size for batched/loop rows (uses --shapes, or the defaults' shapes)",
+    )
     parser.add_argument("--no-batched", action="store_true", help="skip batched and loop rows")
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--min-time", type=float, default=None,
-                        help="seconds per measurement (default 0.2 on CPU, 0.5 on CUDA)")
+    parser.add_argument(
+        "--min-time", type=float, default=None, help="seconds per measurement (default 0.2 on CPU, 0.5 on CUDA)"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--json", type=Path, default=None, help="also write rows and metadata here")
     args = parser.parse_args(argv)
@@ -185,7 +201,9 @@ def main(argv=None) -> int:
         min_time = args.min_time if args.min_time is not None else (0.5 if device == "cuda" else 0.2)
         singles = _parse_shapes(args.shapes) if args.shapes else DEFAULT_SHAPES[device]
         if args.batch is not None:
-            batched = [(args.batch, m, n) for m, n in (singles if args.shapes else [s[1:] for s in DEFAULT_BATCHED[device]])]
+            batched = [
+                (args.batch, m, n) for m, n in (singles if args.shapes else [s[1:] for s in DEFAULT_BATCHED[device]])
+            ]
         else:
             batched = DEFAULT_BATCHED[device]
         for dtype_name in dtype_names:
@@ -202,8 +220,10 @@ def main(argv=None) -> int:
 
     print()
     print_table(rows)
-    print(f"\n{len(rows)} rows in {elapsed:.1f} s; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} CPU threads, ns_steps={args.steps}")
+    print(
+        f"\n{len(rows)} rows in {elapsed:.1f} s; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} CPU threads, ns_steps={args.steps}"
+    )
     if args.json:
         meta = {
             "torch": torch.__version__,
@@ -222,8 +242,12 @@ def main(argv=None) -> int:
 
 
 def print_progress(row: dict) -> None:
-    print(f"  {row['device']} {row['dtype']} {row['mode']:7} B={row['batch']} {row['m']}x{row['n']}: "
-          f"{row['ms_median']:.3f} ms, {row['ns_gflops_per_s']:.1f} GF/s", file=sys.stderr, flush=True)
+    print(
+        f"  {row['device']} {row['dtype']} {row['mode']:7} B={row['batch']} {row['m']}x{row['n']}: "
+        f"{row['ms_median']:.3f} ms, {row['ns_gflops_per_s']:.1f} GF/s",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

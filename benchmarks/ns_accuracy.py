@@ -153,8 +153,10 @@ def _gpt_grads(size: str) -> dict[str, torch.Tensor]:
     from dmuon._train.data import encode, stdlib_corpus
     from dmuon._train.byte_gpt import GPT, GPTConfig, lm_loss
 
-    cfg = dict(small=dict(d_model=128, n_layers=4, n_heads=4, d_mlp=512, seq_len=64),
-               large=dict(d_model=256, n_layers=8, n_heads=8, d_mlp=1024, seq_len=128))[size]
+    cfg = dict(
+        small=dict(d_model=128, n_layers=4, n_heads=4, d_mlp=512, seq_len=64),
+        large=dict(d_model=256, n_layers=8, n_heads=8, d_mlp=1024, seq_len=128),
+    )[size]
     model = GPT(GPTConfig(vocab_size=256, **cfg), seed=0)
     tokens = torch.from_numpy(encode(stdlib_corpus(1 << 16))[: 4 * (cfg["seq_len"] + 1)].copy()).long()
     tokens = tokens.reshape(4, cfg["seq_len"] + 1)
@@ -226,9 +228,7 @@ class Metrics:
     max_abs: float  # largest |entry| of Y (0 for the zero matrix)
 
 
-def run_backend(
-    backend: str, x: torch.Tensor, dtype: torch.dtype, steps: int = STEPS
-) -> tuple[torch.Tensor, int]:
+def run_backend(backend: str, x: torch.Tensor, dtype: torch.dtype, steps: int = STEPS) -> tuple[torch.Tensor, int]:
     """``(Y, fallbacks)``: the backend's result on ``x`` and how many matrices fell back."""
     fn_name, preset = BACKENDS[backend]
     steps = backend_steps(backend, steps)
@@ -241,9 +241,7 @@ def run_backend(
     return y, sum(fell_back)
 
 
-def measure(
-    name: str, x: torch.Tensor, ref: Reference, dtype_name: str, backend: str, steps: int = STEPS
-) -> Metrics:
+def measure(name: str, x: torch.Tensor, ref: Reference, dtype_name: str, backend: str, steps: int = STEPS) -> Metrics:
     """Every metric of the module docstring for one (matrix, dtype, backend)."""
     y, fallbacks = run_backend(backend, x, DTYPES[dtype_name], steps)
     y64 = y.double()
@@ -257,12 +255,22 @@ def measure(
         vr, ur = ref.v[:, ref.resolved], ref.u[:, ref.resolved]
         polar = float(torch.linalg.matrix_norm(y64 @ vr - ur) / math.sqrt(k))
         preset = BACKENDS[backend][1]
-        exact = ns.newton_schulz(x.double(), coefficients=preset, steps=backend_steps(backend, steps),
-                                 dtype=torch.float64)
+        exact = ns.newton_schulz(
+            x.double(), coefficients=preset, steps=backend_steps(backend, steps), dtype=torch.float64
+        )
         err64 = float(torch.linalg.matrix_norm((y64 - exact) @ vr) / torch.linalg.matrix_norm(exact @ vr))
     return Metrics(
-        matrix=name, dtype=dtype_name, backend=backend, finite=finite, nonzero=ref.nonzero, resolved=k,
-        spread_min=spread_min, spread_max=spread_max, polar=polar, err64=err64, fallbacks=fallbacks,
+        matrix=name,
+        dtype=dtype_name,
+        backend=backend,
+        finite=finite,
+        nonzero=ref.nonzero,
+        resolved=k,
+        spread_min=spread_min,
+        spread_max=spread_max,
+        polar=polar,
+        err64=err64,
+        fallbacks=fallbacks,
         max_abs=float(y64.abs().max()) if finite else math.inf,
     )
 
@@ -327,8 +335,16 @@ def format_flops(markdown: bool = False, steps: int = STEPS) -> str:
         std = ns_kernel.ns_flops(d, D, steps)
         g2 = ns_gram.gram_ns_flops(d, D, steps)
         g1 = ns_gram.gram_ns_flops(d, D, steps, restart_every=[2])
-        body.append([f"({d}, {D})", f"{std / 1e9:.1f} G", f"{g2 / 1e9:.1f} G", f"{g2 / std:.2f}",
-                     f"{g1 / 1e9:.1f} G", f"{g1 / std:.2f}"])
+        body.append(
+            [
+                f"({d}, {D})",
+                f"{std / 1e9:.1f} G",
+                f"{g2 / 1e9:.1f} G",
+                f"{g2 / std:.2f}",
+                f"{g1 / 1e9:.1f} G",
+                f"{g1 / std:.2f}",
+            ]
+        )
     if markdown:
         out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
         return "\n".join(out + ["| " + " | ".join(r) + " |" for r in body])

@@ -55,8 +55,16 @@ def _setup(size: str, nproc: int, backend: str):
     params = dict(model.named_parameters())
     for spec, owner in zip(plan.params, plan.owners):
         params[spec.fqn]._dmuon = types.SimpleNamespace(
-            fqn=spec.fqn, owner_global_rank=owner.rank, is_owner=owner.rank == 0, holds_full=owner.rank == 0,
-            shape=spec.shape, matrix_shape=spec.matrix_shape, num_matrices=spec.num_matrices, runtime=lambda: rt, tp=None)
+            fqn=spec.fqn,
+            owner_global_rank=owner.rank,
+            is_owner=owner.rank == 0,
+            holds_full=owner.rank == 0,
+            shape=spec.shape,
+            matrix_shape=spec.matrix_shape,
+            num_matrices=spec.num_matrices,
+            runtime=lambda: rt,
+            tp=None,
+        )
     gen = torch.Generator().manual_seed(0)
     for p in model.parameters():
         p.grad = torch.randn(p.shape, generator=gen)
@@ -101,7 +109,7 @@ def worker(sizes: list[str], nprocs: list[int], rounds: int) -> dict:
                 step(b)
             times = {b: [] for b in BACKENDS}
             for r in range(rounds):
-                for b in (BACKENDS if r % 2 == 0 else BACKENDS[::-1]):
+                for b in BACKENDS if r % 2 == 0 else BACKENDS[::-1]:
                     times[b].append(step(b))
             out[f"{size}/{n}"] = dict(times=times, calls=seen)
     return out
@@ -130,8 +138,17 @@ def main(argv: list[str] | None = None) -> dict:
     for _ in range(args.launches if args.trees else 1):
         for t in trees:
             env = dict(os.environ, PYTHONPATH=t)
-            cmd = [sys.executable, __file__, "--worker", "--rounds", str(args.rounds), "--sizes", *args.sizes,
-                   "--nproc", *map(str, args.nproc)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--worker",
+                "--rounds",
+                str(args.rounds),
+                "--sizes",
+                *args.sizes,
+                "--nproc",
+                *map(str, args.nproc),
+            ]
             res = json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout)
             for key, r in res.items():
                 acc = results[t].setdefault(key, dict(times={b: [] for b in BACKENDS}, calls=r["calls"]))
@@ -142,8 +159,10 @@ def main(argv: list[str] | None = None) -> dict:
         for key, r in per.items():
             s, a = r["times"]["standard"], r["times"]["auto"]
             ratio = [x / y for x, y in zip(a, s)]
-            print(f"{Path(t).name[:27]:<28}{key:<10}{_fmt([1e3 * x for x in s]):>24}{_fmt([1e3 * x for x in a]):>24}"
-                  f"{_fmt(ratio):>24}  {r['calls']['auto']}")
+            print(
+                f"{Path(t).name[:27]:<28}{key:<10}{_fmt([1e3 * x for x in s]):>24}{_fmt([1e3 * x for x in a]):>24}"
+                f"{_fmt(ratio):>24}  {r['calls']['auto']}"
+            )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(dict(results=results, load=os.getloadavg()), f, indent=1)

@@ -83,9 +83,12 @@ def main(argv: list[str] | None = None) -> int:
         S = R * N
         weights, piece_weights, max_split, keys, groups = items_of(plan)
         total = sum(weights)
-        if tuple(plan.owned_numel) != lpt_partition_groups(
-            weights, piece_weights, max_split, keys, groups, num_shards=N, num_replicas=R, split=1
-        ).loads:
+        if (
+            tuple(plan.owned_numel)
+            != lpt_partition_groups(
+                weights, piece_weights, max_split, keys, groups, num_shards=N, num_replicas=R, split=1
+            ).loads
+        ):
             raise SystemExit(f"{name} {mesh}: split=1 does not reproduce the plan's owners")
         times: dict[str, list[float]] = {"1": [], "auto": []}
         results = {}
@@ -93,8 +96,15 @@ def main(argv: list[str] | None = None) -> int:
             for split in (1, "auto"):
                 t0 = time.perf_counter()
                 results[str(split)] = lpt_partition_groups(
-                    weights, piece_weights, max_split, keys, groups,
-                    num_shards=N, num_replicas=R, split=split, slack=args.slack,
+                    weights,
+                    piece_weights,
+                    max_split,
+                    keys,
+                    groups,
+                    num_shards=N,
+                    num_replicas=R,
+                    split=split,
+                    slack=args.slack,
                 )
                 times[str(split)].append(time.perf_counter() - t0)
         mean_numel = total / S

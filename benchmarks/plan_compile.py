@@ -47,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     models: dict[str, object] = {}
-    print(f"{'preset':<14}{'mesh':>10}{'cost model':>11}{'build s':>9}{'compile s':>11}{'cost+stats s':>14}{'total s':>9}  params")
+    print(
+        f"{'preset':<14}{'mesh':>10}{'cost model':>11}{'build s':>9}{'compile s':>11}{'cost+stats s':>14}{'total s':>9}  params"
+    )
     for name, mesh, cost_model in CASES:
         t_build = 0.0
         if name not in models:
@@ -67,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{t_compile + t_derived:>9.3f}  {len(plan.params)}"
         )
     print()
-    print(f"{'preset':<14}{'mesh':>10}{'mode':>6}{'ops':>9}{'schedule s':>12}{'rank_ops s':>12}{'check s':>9}{'sched+check s':>15}")
+    print(
+        f"{'preset':<14}{'mesh':>10}{'mode':>6}{'ops':>9}{'schedule s':>12}{'rank_ops s':>12}{'check s':>9}{'sched+check s':>15}"
+    )
     for name, mesh in SCHEDULE_CASES:
         model = models.get(name) or models.setdefault(name, zoo.PRESETS[name]())
         for z3 in (True, False):

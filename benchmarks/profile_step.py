@@ -137,9 +137,15 @@ def _body(mesh, device, job):
     steps = job["steps"]
     rows = []
     for e in prof.key_averages():
-        rows.append(dict(name=e.key, calls=e.count / steps, self_ms=e.self_cpu_time_total / 1e3 / steps,
-                         total_ms=e.cpu_time_total / 1e3 / steps,
-                         device_ms=getattr(e, "self_device_time_total", 0) / 1e3 / steps))
+        rows.append(
+            dict(
+                name=e.key,
+                calls=e.count / steps,
+                self_ms=e.self_cpu_time_total / 1e3 / steps,
+                total_ms=e.cpu_time_total / 1e3 / steps,
+                device_ms=getattr(e, "self_device_time_total", 0) / 1e3 / steps,
+            )
+        )
     mine = dict(rank=rank, wall_ms=wall * 1e3, rows=rows)
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine)
@@ -155,7 +161,8 @@ def format_report(per_rank: list[dict], job: dict, top: int) -> str:
         f"{job['steps']} profiled step(s) after {job['warmup']} warm-up; per-step averages"
     )
     lines.append(
-        "step wall ms per rank: " + ", ".join(f"r{r['rank']} {r['wall_ms']:.1f}" for r in per_rank)
+        "step wall ms per rank: "
+        + ", ".join(f"r{r['rank']} {r['wall_ms']:.1f}" for r in per_rank)
         + f"; rank 0 self-CPU total {busy:.1f} ms"
     )
     lines.append("")
@@ -164,8 +171,10 @@ def format_report(per_rank: list[dict], job: dict, top: int) -> str:
     lines += [hdr, "-" * len(hdr)]
     for r in sorted(r0["rows"], key=lambda r: -r["self_ms"])[:top]:
         name = r["name"] if len(r["name"]) <= 43 else r["name"][:40] + "..."
-        lines.append(f"{name:<44}{r['calls']:>7.0f}{r['self_ms']:>9.2f}"
-                     f"{100 * r['self_ms'] / max(busy, 1e-9):>7.1f}%{r['total_ms']:>10.2f}")
+        lines.append(
+            f"{name:<44}{r['calls']:>7.0f}{r['self_ms']:>9.2f}"
+            f"{100 * r['self_ms'] / max(busy, 1e-9):>7.1f}%{r['total_ms']:>10.2f}"
+        )
     lines.append("")
     lines.append("ranges (inclusive CPU ms per step, per rank; calls per step)")
     hdr = f"{'range':<28}{'calls':>7}" + "".join(f"{'r' + str(r['rank']) + ' ms':>10}" for r in per_rank)
@@ -178,8 +187,7 @@ def format_report(per_rank: list[dict], job: dict, top: int) -> str:
         cells = "".join(f"{(f['total_ms'] if f else 0.0):>10.2f}" for f in found)
         lines.append(f"{name:<28}{calls:>7.0f}{cells}")
     comm = [
-        (x["name"], x) for x in r0["rows"]
-        if x["name"].startswith(("gloo:", "nccl:", "c10d::", "record_param_comms"))
+        (x["name"], x) for x in r0["rows"] if x["name"].startswith(("gloo:", "nccl:", "c10d::", "record_param_comms"))
     ]
     if comm:
         lines.append("")
@@ -190,8 +198,9 @@ def format_report(per_rank: list[dict], job: dict, top: int) -> str:
 
 
 def main(argv=None) -> str:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--size", choices=sorted(ST.SIZES), default="small")
     p.add_argument("--variant", choices=ST.VARIANTS + ("plain", "dmuon_hooks_z3"), default="dmuon_z3")
@@ -204,13 +213,23 @@ def main(argv=None) -> str:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--timeout", type=float, default=900.0)
     args = p.parse_args(argv)
-    job = dict(size=args.size, variant=args.variant, warmup=args.warmup, steps=max(1, args.steps),
-               cost_model=args.cost_model, ns_dtype=args.ns_dtype, device=args.device,
-               threads=args.threads, body=_body)
+    job = dict(
+        size=args.size,
+        variant=args.variant,
+        warmup=args.warmup,
+        steps=max(1, args.steps),
+        cost_model=args.cost_model,
+        ns_dtype=args.ns_dtype,
+        device=args.device,
+        threads=args.threads,
+        body=_body,
+    )
     per_rank = ST.launch(args.nproc, job, args.timeout)
     info = ST.machine_info(args.device)
-    report = (f"machine: {info['nproc']} CPUs, {info['cpu_model']}, torch {info['torch']}, "
-              f"{args.device}, {args.threads} thread(s)/rank\n" + format_report(per_rank, job, args.top))
+    report = (
+        f"machine: {info['nproc']} CPUs, {info['cpu_model']}, torch {info['torch']}, "
+        f"{args.device}, {args.threads} thread(s)/rank\n" + format_report(per_rank, job, args.top)
+    )
     print(report)
     return report
 

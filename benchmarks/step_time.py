@@ -130,8 +130,16 @@ SEED = 0
 
 # dmuon.Muon's defaults (those of torch.optim.Muon / torch.optim.AdamW; dmuon.Muon's signature):
 # both Muon variants use exactly these.
-MUON_HP = dict(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
-               ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7, ns_steps=5, adjust_lr_fn=None)
+MUON_HP = dict(
+    lr=1e-3,
+    weight_decay=0.1,
+    momentum=0.95,
+    nesterov=True,
+    ns_coefficients=(3.4445, -4.775, 2.0315),
+    eps=1e-7,
+    ns_steps=5,
+    adjust_lr_fn=None,
+)
 ADAMW_HP = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 
 
@@ -189,8 +197,7 @@ class NaiveMuon:
 
         h = self.hp
         mu, lr, wd = h["momentum"], h["lr"], h["weight_decay"]
-        ns_kw = dict(coefficients=h["ns_coefficients"], steps=h["ns_steps"], eps=h["eps"],
-                     dtype=self.ns_dtype)
+        ns_kw = dict(coefficients=h["ns_coefficients"], steps=h["ns_steps"], eps=h["eps"], dtype=self.ns_dtype)
         gathered = []  # (param, full update)
         for f, p in self.muon:
             if p.grad is None:
@@ -199,8 +206,9 @@ class NaiveMuon:
             buf = self.bufs[f]
             buf.lerp_(g, 1 - mu)
             u = g.lerp(buf, mu) if h["nesterov"] else buf
-            full = DTensor.from_local(u, p.device_mesh, p.placements, run_check=False,
-                                      shape=p.shape, stride=p.stride()).full_tensor()
+            full = DTensor.from_local(
+                u, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            ).full_tensor()
             gathered.append((p, full))
         outs: list[tuple[Any, torch.Tensor]] = []
         if self.ns_dtype in (torch.float32, torch.float64):
@@ -221,8 +229,9 @@ class NaiveMuon:
             outs = [(p, ns_mod.newton_schulz(full, **ns_kw)) for p, full in gathered]
         for p, o in outs:
             o = o.to(p.dtype).contiguous()
-            mine = DTensor.from_local(o, p.device_mesh, [Replicate()] * p.device_mesh.ndim,
-                                      run_check=False).redistribute(p.device_mesh, p.placements)
+            mine = DTensor.from_local(
+                o, p.device_mesh, [Replicate()] * p.device_mesh.ndim, run_check=False
+            ).redistribute(p.device_mesh, p.placements)
             local = p.to_local()
             local.mul_(1 - lr * wd)
             local.add_(mine.to_local(), alpha=-adjust_lr(lr, h["adjust_lr_fn"], tuple(p.shape)))
@@ -372,8 +381,15 @@ def gpt_config(size: str):
 
     s = SIZES[size]
     moe = {k: s[k] for k in ("n_experts", "top_k") if k in s}
-    return GPTConfig(vocab_size=256, d_model=s["d_model"], n_layers=s["n_layers"], n_heads=s["n_heads"],
-                     d_mlp=s["d_mlp"], seq_len=s["seq_len"], **moe)
+    return GPTConfig(
+        vocab_size=256,
+        d_model=s["d_model"],
+        n_layers=s["n_layers"],
+        n_heads=s["n_heads"],
+        d_mlp=s["d_mlp"],
+        seq_len=s["seq_len"],
+        **moe,
+    )
 
 
 def _ns_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -399,15 +415,28 @@ def build_variant(name: str, size: str, mesh, device: torch.device, cfg_args: di
     if name in ("dmuon_z2", "dmuon_z3", "dmuon_hooks_z3", "dmuon_z3_auto") + tuple(VARIANT_COLLECTIVES):
         z3 = name != "dmuon_z2"
         ns_backend = "auto" if name == "dmuon_z3_auto" else "standard"
-        plan = dmuon.dedicate_params(model, mesh, reshard_after_forward=z3, cost_model=cfg_args["cost_model"],
-                                     ns_backend=ns_backend, collectives=VARIANT_COLLECTIVES.get(name, "auto"))
+        plan = dmuon.dedicate_params(
+            model,
+            mesh,
+            reshard_after_forward=z3,
+            cost_model=cfg_args["cost_model"],
+            ns_backend=ns_backend,
+            collectives=VARIANT_COLLECTIVES.get(name, "auto"),
+        )
         if name != "dmuon_hooks_z3":
             for layer in model.layers:
                 fsdp.fully_shard(layer, mesh=mesh, reshard_after_forward=z3)
             fsdp.fully_shard(model, mesh=mesh, reshard_after_forward=z3)
-        opt = dmuon.Muon(model, **MUON_HP, ns_dtype=ns_dtype, adamw_lr=ADAMW_HP["lr"],
-                         adamw_betas=ADAMW_HP["betas"], adamw_eps=ADAMW_HP["eps"],
-                         adamw_weight_decay=ADAMW_HP["weight_decay"], ns_backend=ns_backend)
+        opt = dmuon.Muon(
+            model,
+            **MUON_HP,
+            ns_dtype=ns_dtype,
+            adamw_lr=ADAMW_HP["lr"],
+            adamw_betas=ADAMW_HP["betas"],
+            adamw_eps=ADAMW_HP["eps"],
+            adamw_weight_decay=ADAMW_HP["weight_decay"],
+            ns_backend=ns_backend,
+        )
     elif name == "plain":
         opt = torch.optim.AdamW(model.parameters(), **ADAMW_HP)
     elif name in ("adamw", "naive"):
@@ -519,12 +548,8 @@ def bench_size(size: str, variant_names, mesh, device, opts: dict) -> dict[str, 
         t_mem = time.perf_counter()
         measure_cpu_memory(variants, batches, device, opts["tmp"])
         if rank == 0:
-            print(f"  [N={world}] {size}: memory pass {time.perf_counter() - t_mem:.1f} s",
-                  file=sys.stderr, flush=True)
-    mine = {
-        v.name: dict(records=v.records, peak_alloc=v.peak_alloc, held=v.held_nbytes)
-        for v in variants
-    }
+            print(f"  [N={world}] {size}: memory pass {time.perf_counter() - t_mem:.1f} s", file=sys.stderr, flush=True)
+    mine = {v.name: dict(records=v.records, peak_alloc=v.peak_alloc, held=v.held_nbytes) for v in variants}
     rss = _rss_mib()
     everyone: list = [None] * world
     dist.all_gather_object(everyone, (mine, rss))
@@ -589,16 +614,17 @@ def _summarise(v: Variant, per_rank: list[dict], rss: list[float], world: int) -
             ledger_other_nbytes=max(recs[r][i]["ledger_other"] for r in range(world) for i in range(n)),
             plan_total_nbytes=cost.total_nbytes,
             plan_per_rank_nbytes=list(cost.per_rank_nbytes),
-            ledger_matches_plan=all(
-                list(pr) == list(cost.per_rank_nbytes) for pr in per_rank_steps
-            ) and all(t == cost.total_nbytes for t in ledger_tot),
+            ledger_matches_plan=all(list(pr) == list(cost.per_rank_nbytes) for pr in per_rank_steps)
+            and all(t == cost.total_nbytes for t in ledger_tot),
             plan_ns_flops_per_rank=[s.ns_flops for s in v.plan.rank_stats()],
             cost_model=v.plan.cost_model,
             # the floor of this variant: its own forward + backward, AdamW on the non-dedicated
             # parameters and the rank's Newton-Schulz alone (no momentum, update or waits)
-            floor_ms=1e3 * statistics.median(
+            floor_ms=1e3
+            * statistics.median(
                 max(recs[r][i]["fb"] + recs[r][i]["adamw_s"] + recs[r][i]["ns_s"] for r in range(world))
-                for i in range(n)),
+                for i in range(n)
+            ),
         )
     elif v.name in ("adamw", "naive"):
         b = v.ref_plan.baseline_cost
@@ -655,8 +681,9 @@ def launch(world: int, job: dict, timeout_s: float) -> Any:
 
     backend = "nccl" if job["device"] == "cuda" else "gloo"
     with tempfile.TemporaryDirectory(prefix="dmuon-bench-") as tmp:
-        return run_distributed(_rank_entry, world, dict(job, tmp=tmp), timeout_s=timeout_s,
-                               backend=backend, threads=job["threads"])[0]
+        return run_distributed(
+            _rank_entry, world, dict(job, tmp=tmp), timeout_s=timeout_s, backend=backend, threads=job["threads"]
+        )[0]
 
 
 # ==============================================================================================
@@ -681,14 +708,12 @@ def git_state() -> dict[str, Any]:
 
     def git(*a):
         try:
-            return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True,
-                                  timeout=10).stdout.strip()
+            return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return None
 
     dirty = git("status", "--porcelain", "--", "dmuon")
-    return dict(head=git("rev-parse", "--short", "HEAD"),
-                dmuon_dirty=None if dirty is None else bool(dirty))
+    return dict(head=git("rev-parse", "--short", "HEAD"), dmuon_dirty=None if dirty is None else bool(dirty))
 
 
 def machine_info(device: str) -> dict[str, Any]:
@@ -701,8 +726,14 @@ def machine_info(device: str) -> dict[str, Any]:
                     break
     except OSError:
         pass
-    info = dict(nproc=os.cpu_count(), cpu_model=cpu, torch=torch.__version__,
-                python=platform.python_version(), platform=platform.platform(), device=device)
+    info = dict(
+        nproc=os.cpu_count(),
+        cpu_model=cpu,
+        torch=torch.__version__,
+        python=platform.python_version(),
+        platform=platform.platform(),
+        device=device,
+    )
     if device == "cuda" and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
         info["gpu_count"] = torch.cuda.device_count()
@@ -735,8 +766,14 @@ def plan_balance(sizes, nprocs) -> dict[str, Any]:
 # Predictions: dmuon.sim on a calibrated cpu-gloo record (never fed from this script's timings)
 # ==============================================================================================
 
-SIM_VARIANT = {"adamw": "adamw", "naive": "naive", "dmuon_z2": "z2", "dmuon_z3": "z3", "dmuon_z3_bcast": "z3",
-               "dmuon_z3_allgather": "z3"}
+SIM_VARIANT = {
+    "adamw": "adamw",
+    "naive": "naive",
+    "dmuon_z2": "z2",
+    "dmuon_z3": "z3",
+    "dmuon_z3_bcast": "z3",
+    "dmuon_z3_allgather": "z3",
+}
 
 
 def predict(size: str, nproc: int, variant: str, hw, cost_model: str) -> dict[str, float] | None:
@@ -753,17 +790,30 @@ def predict(size: str, nproc: int, variant: str, hw, cost_model: str) -> dict[st
     if variant not in SIM_VARIANT:
         return None
     s = SIZES[size]
-    plan = P.compile(GPT(gpt_config(size), device="meta"), nproc, cost_model=cost_model,
-                     reshard_after_forward=variant != "dmuon_z2", collectives=VARIANT_COLLECTIVES.get(variant, "auto"))
-    wl = S.from_plan(plan, tokens_per_rank=s["batch"] // nproc * s["seq_len"], seq_len=s["seq_len"],
-                     activation_dtype="torch.float32", head_dim=s["d_model"] // s["n_heads"], top_k=s.get("top_k", 2))
-    sim = S.simulate(plan, dataclasses.replace(hw, ranks_per_node=nproc), wl, variant=SIM_VARIANT[variant],
-                     timeline_ranks=())
+    plan = P.compile(
+        GPT(gpt_config(size), device="meta"),
+        nproc,
+        cost_model=cost_model,
+        reshard_after_forward=variant != "dmuon_z2",
+        collectives=VARIANT_COLLECTIVES.get(variant, "auto"),
+    )
+    wl = S.from_plan(
+        plan,
+        tokens_per_rank=s["batch"] // nproc * s["seq_len"],
+        seq_len=s["seq_len"],
+        activation_dtype="torch.float32",
+        head_dim=s["d_model"] // s["n_heads"],
+        top_k=s.get("top_k", 2),
+    )
+    sim = S.simulate(
+        plan, dataclasses.replace(hw, ranks_per_node=nproc), wl, variant=SIM_VARIANT[variant], timeline_ranks=()
+    )
     return dict(step_ms=1e3 * sim.step_s, ns_ms=1e3 * sim.ns_s, exposed_comm_ms=1e3 * sim.exposed_comm_s)
 
 
-def add_predictions(rows: list[dict], hw_records: list, cost_model: str,
-                    by_nproc: dict[int, list] | None = None) -> None:
+def add_predictions(
+    rows: list[dict], hw_records: list, cost_model: str, by_nproc: dict[int, list] | None = None
+) -> None:
     """``predicted_ms`` (median over the records), ``predicted_ms_all``, ``predicted_ratio``.
 
     ``by_nproc``: the records of each launch (``--calibrate``: the calibrations taken just before
@@ -776,9 +826,14 @@ def add_predictions(rows: list[dict], hw_records: list, cost_model: str,
         r["predicted_ms_all"] = [p["step_ms"] for p in preds]
         r["predicted_error"] = r["predicted_ms"] / r["step_ms"] - 1 if preds else None
     for r in rows:
-        base = next((b for b in rows if b["size"] == r["size"] and b["nproc"] == r["nproc"] and b["variant"] == "adamw"), None)
-        r["predicted_ratio"] = (r["predicted_ms"] / base["predicted_ms"]
-                                if base and r.get("predicted_ms") and base.get("predicted_ms") else None)
+        base = next(
+            (b for b in rows if b["size"] == r["size"] and b["nproc"] == r["nproc"] and b["variant"] == "adamw"), None
+        )
+        r["predicted_ratio"] = (
+            r["predicted_ms"] / base["predicted_ms"]
+            if base and r.get("predicted_ms") and base.get("predicted_ms")
+            else None
+        )
 
 
 def run_calibration(path: str, group_sizes: list[int] | None = None) -> Any:
@@ -788,8 +843,12 @@ def run_calibration(path: str, group_sizes: list[int] | None = None) -> Any:
     import dmuon.sim._engine.hardware as H
 
     extra = ["--group-sizes", *map(str, group_sizes)] if group_sizes else []
-    subprocess.run([sys.executable, "-m", "dmuon", "calibrate", "--json", path, *extra], check=True, cwd=REPO,
-                   env=dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    subprocess.run(
+        [sys.executable, "-m", "dmuon", "calibrate", "--json", path, *extra],
+        check=True,
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")),
+    )
     return H.load(path)
 
 
@@ -815,10 +874,12 @@ def _fmt(x, spec="", none="-"):
 
 
 def format_table(rows: list[dict]) -> str:
-    hdr = (f"{'size':<6}{'N':>2} {'variant':<19}{'step ms':>9}{'fwd+bwd':>9}{'opt ms':>8}"
-           f"{'xAdamW':>7}{'min ms':>8}{'xAdamW':>7}  {'ledger B/step':>14}{'plan B/step':>13}{'=plan':>6}"
-           f"{'NS GF max':>10}{'max/mean':>9}{'NS ms max':>10}{'floor':>8}{'alloc MiB':>10}{'RSS MiB':>9}"
-           f"{'pred ms':>9}{'err':>6}{'pred x':>7}")
+    hdr = (
+        f"{'size':<6}{'N':>2} {'variant':<19}{'step ms':>9}{'fwd+bwd':>9}{'opt ms':>8}"
+        f"{'xAdamW':>7}{'min ms':>8}{'xAdamW':>7}  {'ledger B/step':>14}{'plan B/step':>13}{'=plan':>6}"
+        f"{'NS GF max':>10}{'max/mean':>9}{'NS ms max':>10}{'floor':>8}{'alloc MiB':>10}{'RSS MiB':>9}"
+        f"{'pred ms':>9}{'err':>6}{'pred x':>7}"
+    )
     lines = [hdr, "-" * len(hdr)]
     for r in rows:
         plan_b = r["plan_total_nbytes"] if r["plan_total_nbytes"] is not None else r["model_nbytes_per_step"]
@@ -835,21 +896,28 @@ def format_table(rows: list[dict]) -> str:
             f"{_fmt(r.get('predicted_ms'), '.1f'):>9}{_fmt(r.get('predicted_error'), '+.0%'):>6}"
             f"{_fmt(r.get('predicted_ratio'), '.2f'):>7}"
         )
-    lines.append("  (step/fwd+bwd/opt: medians over the timed steps, each the slowest rank's; min ms: the "
-                 "fastest timed step; xAdamW: ratio to FSDP2+AdamW at the same N, by median and by min)")
-    lines.append("  (pred ms: dmuon.sim.simulate on the calibrated cpu-gloo record(s), median over the calibrations "
-                 "bracketing the row's launch (--calibrate) or over --hw; "
-                 "err: pred / measured median - 1; pred x: predicted ratio to FSDP2+AdamW)")
-    lines.append("  (* = plan.baseline_cost byte MODEL of FSDP2 [+ naive all-gather] for the Muon "
-                 "matrices, not measured; ledger = dmuon's measured bytes, summed over ranks)")
-    lines.append("  (floor: dmuon's own fwd+bwd + AdamW on the non-dedicated params + its Newton-Schulz, "
-                 "per step the slowest rank's sum, median; what the step would take with nothing else)")
+    lines.append(
+        "  (step/fwd+bwd/opt: medians over the timed steps, each the slowest rank's; min ms: the "
+        "fastest timed step; xAdamW: ratio to FSDP2+AdamW at the same N, by median and by min)"
+    )
+    lines.append(
+        "  (pred ms: dmuon.sim.simulate on the calibrated cpu-gloo record(s), median over the calibrations "
+        "bracketing the row's launch (--calibrate) or over --hw; "
+        "err: pred / measured median - 1; pred x: predicted ratio to FSDP2+AdamW)"
+    )
+    lines.append(
+        "  (* = plan.baseline_cost byte MODEL of FSDP2 [+ naive all-gather] for the Muon "
+        "matrices, not measured; ledger = dmuon's measured bytes, summed over ranks)"
+    )
+    lines.append(
+        "  (floor: dmuon's own fwd+bwd + AdamW on the non-dedicated params + its Newton-Schulz, "
+        "per step the slowest rank's sum, median; what the step would take with nothing else)"
+    )
     return "\n".join(lines)
 
 
 def format_hook_table(rows: list[dict]) -> str:
-    hdr = (f"{'size':<6}{'variant':<16}{'fwd+bwd ms':>11}{'x plain':>8}{'step ms':>9}{'x plain':>8}"
-           f"{'opt ms':>8}")
+    hdr = f"{'size':<6}{'variant':<16}{'fwd+bwd ms':>11}{'x plain':>8}{'step ms':>9}{'x plain':>8}{'opt ms':>8}"
     lines = ["hook overhead at N=1 (plain = bare model, no FSDP2, no dmuon)", hdr, "-" * len(hdr)]
     for r in rows:
         lines.append(
@@ -868,14 +936,19 @@ def evaluate_goals(rows: list[dict]) -> dict[str, Any]:
     for r in rows:
         if r["nproc"] != n or r["variant"] not in ("dmuon_z2", "dmuon_z3"):
             continue
-        out["checks"].append(dict(
-            size=r["size"], variant=r["variant"], cost_model=r["cost_model"],
-            step_ratio=r["ratio_to_adamw"], step_ratio_ok=(r["ratio_to_adamw"] or 99) <= GOAL_STEP_RATIO,
-            step_ratio_min=r["ratio_to_adamw_min"],
-            ledger_equals_plan=r["ledger_matches_plan"],
-            ns_busiest_over_mean=r["ns_busiest_over_mean"],
-            ns_balance_ok=(r["ns_busiest_over_mean"] or 99) <= GOAL_NS_BALANCE,
-        ))
+        out["checks"].append(
+            dict(
+                size=r["size"],
+                variant=r["variant"],
+                cost_model=r["cost_model"],
+                step_ratio=r["ratio_to_adamw"],
+                step_ratio_ok=(r["ratio_to_adamw"] or 99) <= GOAL_STEP_RATIO,
+                step_ratio_min=r["ratio_to_adamw_min"],
+                ledger_equals_plan=r["ledger_matches_plan"],
+                ns_busiest_over_mean=r["ns_busiest_over_mean"],
+                ns_balance_ok=(r["ns_busiest_over_mean"] or 99) <= GOAL_NS_BALANCE,
+            )
+        )
     return out
 
 
@@ -887,8 +960,14 @@ def write_png(path: str, rows: list[dict]) -> None:
     import matplotlib.pyplot as plt
 
     order = ("plain", "dmuon_hooks_z3") + VARIANTS
-    colors = {"adamw": "#7f7f7f", "naive": "#d62728", "dmuon_z2": "#1f77b4", "dmuon_z3": "#2ca02c",
-              "plain": "#c7c7c7", "dmuon_hooks_z3": "#9467bd"}
+    colors = {
+        "adamw": "#7f7f7f",
+        "naive": "#d62728",
+        "dmuon_z2": "#1f77b4",
+        "dmuon_z3": "#2ca02c",
+        "plain": "#c7c7c7",
+        "dmuon_hooks_z3": "#9467bd",
+    }
     sizes = list(dict.fromkeys(r["size"] for r in rows))
     fig, axes = plt.subplots(1, len(sizes), figsize=(6.5 * len(sizes), 4.8), squeeze=False)
     for ax, size in zip(axes[0], sizes):
@@ -902,13 +981,18 @@ def write_png(path: str, rows: list[dict]) -> None:
                 name = r["variant"]
                 x = i + (j - (len(group) - 1) / 2) * width
                 c = colors.get(name)
-                ax.bar(x, r["fwd_bwd_ms"], width, color=c,
-                       label=None if name in labelled else name)
+                ax.bar(x, r["fwd_bwd_ms"], width, color=c, label=None if name in labelled else name)
                 labelled.add(name)
                 ax.bar(x, r["opt_ms"], width, bottom=r["fwd_bwd_ms"], color=c, alpha=0.45, hatch="//")
                 if r.get("ratio_to_adamw"):
-                    ax.text(x, r["fwd_bwd_ms"] + r["opt_ms"], f"{r['ratio_to_adamw']:.2f}",
-                            ha="center", va="bottom", fontsize=7)
+                    ax.text(
+                        x,
+                        r["fwd_bwd_ms"] + r["opt_ms"],
+                        f"{r['ratio_to_adamw']:.2f}",
+                        ha="center",
+                        va="bottom",
+                        fontsize=7,
+                    )
         ax.set_xticks(range(len(ns)))
         ax.set_xticklabels([f"N={n}" for n in ns])
         ax.set_ylabel("ms per step (solid: fwd+bwd, hatched: optimizer)")
@@ -925,34 +1009,65 @@ def write_png(path: str, rows: list[dict]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--nproc", type=int, nargs="+", default=[2, 4], help="world sizes, one launch each")
     p.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=["small", "large"])
     p.add_argument("--variants", nargs="+", choices=VARIANTS + EXTRA_VARIANTS, default=list(VARIANTS))
     p.add_argument("--steps", type=int, default=12, help="timed steps per variant (>= 10 recommended)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
     p.add_argument("--rounds", type=int, default=4, help="interleaved rounds over the variants")
-    p.add_argument("--cost-model", choices=("numel", "ns_flops"), default="numel",
-                   help="dmuon.dedicate_params(cost_model=...)")
-    p.add_argument("--ns-dtype", choices=("auto", "bf16", "fp32"), default="auto",
-                   help="Newton-Schulz dtype of both Muon variants; auto: bf16 on cuda, fp32 on cpu")
+    p.add_argument(
+        "--cost-model", choices=("numel", "ns_flops"), default="numel", help="dmuon.dedicate_params(cost_model=...)"
+    )
+    p.add_argument(
+        "--ns-dtype",
+        choices=("auto", "bf16", "fp32"),
+        default="auto",
+        help="Newton-Schulz dtype of both Muon variants; auto: bf16 on cuda, fp32 on cpu",
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--threads", type=int, default=1, help="torch threads per CPU rank")
-    p.add_argument("--hook-overhead", action=argparse.BooleanOptionalAction, default=True,
-                   help="also run the N=1 launch: bare model vs dmuon hooks vs FSDP2")
-    p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
-                   help="CPU: one profiled step per variant for the allocation peak")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: small only, N=2, 4 timed steps, 1 warm-up, 2 rounds, no N=1 launch")
+    p.add_argument(
+        "--hook-overhead",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run the N=1 launch: bare model vs dmuon hooks vs FSDP2",
+    )
+    p.add_argument(
+        "--memory",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="CPU: one profiled step per variant for the allocation peak",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: small only, N=2, 4 timed steps, 1 warm-up, 2 rounds, no N=1 launch",
+    )
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per launch")
-    p.add_argument("--hw", nargs="+", default=[], metavar="FILE",
-                   help="calibration JSON(s) of `python -m dmuon calibrate` for the predicted ms column")
-    p.add_argument("--calibrate", action="store_true",
-                   help="run `python -m dmuon calibrate` before every launch and after the last (same "
-                        "sitting, interleaved); each launch's rows are predicted from the two that bracket it")
-    p.add_argument("--calibrate-group-sizes", type=int, nargs="+", default=None, metavar="K",
-                   help="with --calibrate: the gloo group sizes `dmuon calibrate` measures (default: its own, 2 3 4)")
+    p.add_argument(
+        "--hw",
+        nargs="+",
+        default=[],
+        metavar="FILE",
+        help="calibration JSON(s) of `python -m dmuon calibrate` for the predicted ms column",
+    )
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="run `python -m dmuon calibrate` before every launch and after the last (same "
+        "sitting, interleaved); each launch's rows are predicted from the two that bracket it",
+    )
+    p.add_argument(
+        "--calibrate-group-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="K",
+        help="with --calibrate: the gloo group sizes `dmuon calibrate` measures (default: its own, 2 3 4)",
+    )
     p.add_argument("--json", help="write the results here")
     p.add_argument("--png", help="write a bar chart here")
     return p
@@ -969,9 +1084,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 raise SystemExit(f"global batch {SIZES[size]['batch']} of {size} is not divisible by N={n}")
     if args.device == "cuda" and torch.cuda.device_count() < max(args.nproc):
         raise SystemExit(f"--device cuda needs {max(args.nproc)} GPUs, found {torch.cuda.device_count()}")
-    job = dict(sizes=args.sizes, steps=args.steps, warmup=args.warmup, rounds=max(1, args.rounds),
-               cost_model=args.cost_model, ns_dtype=args.ns_dtype, device=args.device,
-               threads=args.threads, memory=args.memory)
+    job = dict(
+        sizes=args.sizes,
+        steps=args.steps,
+        warmup=args.warmup,
+        rounds=max(1, args.rounds),
+        cost_model=args.cost_model,
+        ns_dtype=args.ns_dtype,
+        device=args.device,
+        threads=args.threads,
+        memory=args.memory,
+    )
     t_start = time.time()
     load_start = os.getloadavg()
     digest_start, git_start = dmuon_source_digest(), git_state()
@@ -1002,7 +1125,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # each launch is predicted from the calibrations that bracket it (the machine's speed
         # drifts by tens of percent over minutes here); the median over all of them is kept
         # in hw_records for rows no launch owns
-        by_nproc = {n: cal_records[i:i + 2] for i, n in enumerate(args.nproc)}
+        by_nproc = {n: cal_records[i : i + 2] for i, n in enumerate(args.nproc)}
         hw_records += cal_records
     if args.hook_overhead:
         print(f"launching N=1 ({', '.join(HOOK_VARIANTS)}) ...", file=sys.stderr, flush=True)
@@ -1018,38 +1141,51 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     info["loadavg_1_5_15_start"] = list(load_start)
     info["loadavg_1_5_15_end"] = list(os.getloadavg())
     digests = sorted({r["dmuon_source_digest"] for r in results + hook_results} | {digest_start})
-    info["dmuon_source"] = dict(git_start, digest_at_start=digest_start, digests_seen=digests,
-                                digest_at_end=dmuon_source_digest())
+    info["dmuon_source"] = dict(
+        git_start, digest_at_start=digest_start, digests_seen=digests, digest_at_end=dmuon_source_digest()
+    )
     if len(set(digests) | {info["dmuon_source"]["digest_at_end"]}) > 1:
-        print(f"WARNING: dmuon's sources changed during the run (digests {digests}): launches "
-              "ran different code; see each row's dmuon_source_digest", file=sys.stderr)
+        print(
+            f"WARNING: dmuon's sources changed during the run (digests {digests}): launches "
+            "ran different code; see each row's dmuon_source_digest",
+            file=sys.stderr,
+        )
     threads = f"{args.threads} thread(s)/rank" if args.device == "cpu" else "1 GPU/rank"
-    print(f"\nmachine: {info['nproc']} CPUs, {info['cpu_model']}, torch {info['torch']}, "
-          f"{args.device} ({'gloo' if args.device == 'cpu' else 'nccl'}), {threads}; "
-          f"cost_model={args.cost_model}; ns_dtype={args.ns_dtype}; "
-          f"{args.rounds} rounds x {math.ceil(args.steps / args.rounds)} timed steps "
-          f"after {args.warmup} warm-up; load average {load_start[0]:.1f} at start, "
-          f"{info['loadavg_1_5_15_end'][0]:.1f} at end; dmuon {git_start['head']}"
-          f"{'+dirty' if git_start['dmuon_dirty'] else ''} sources {digest_start}")
+    print(
+        f"\nmachine: {info['nproc']} CPUs, {info['cpu_model']}, torch {info['torch']}, "
+        f"{args.device} ({'gloo' if args.device == 'cpu' else 'nccl'}), {threads}; "
+        f"cost_model={args.cost_model}; ns_dtype={args.ns_dtype}; "
+        f"{args.rounds} rounds x {math.ceil(args.steps / args.rounds)} timed steps "
+        f"after {args.warmup} warm-up; load average {load_start[0]:.1f} at start, "
+        f"{info['loadavg_1_5_15_end'][0]:.1f} at end; dmuon {git_start['head']}"
+        f"{'+dirty' if git_start['dmuon_dirty'] else ''} sources {digest_start}"
+    )
     print(format_table(rows))
     if hook_rows:
         print()
         print(format_hook_table(hook_rows))
     goals = evaluate_goals(rows)
     if goals.get("checks"):
-        print(f"\ngoals at N={goals['nproc']}: step <= {GOAL_STEP_RATIO}x AdamW, ledger == plan, "
-              f"NS busiest <= {GOAL_NS_BALANCE}x total/N")
+        print(
+            f"\ngoals at N={goals['nproc']}: step <= {GOAL_STEP_RATIO}x AdamW, ledger == plan, "
+            f"NS busiest <= {GOAL_NS_BALANCE}x total/N"
+        )
         for c in goals["checks"]:
-            print(f"  {c['size']:<6} {c['variant']:<9} step {c['step_ratio']:.2f}x "
-                  f"[{'ok' if c['step_ratio_ok'] else 'MISSED'}] (by min {c['step_ratio_min']:.2f}x)  ledger==plan "
-                  f"[{'ok' if c['ledger_equals_plan'] else 'MISSED'}]  NS max/mean "
-                  f"{c['ns_busiest_over_mean']:.3f} ({c['cost_model']}) "
-                  f"[{'ok' if c['ns_balance_ok'] else 'MISSED'}]")
+            print(
+                f"  {c['size']:<6} {c['variant']:<9} step {c['step_ratio']:.2f}x "
+                f"[{'ok' if c['step_ratio_ok'] else 'MISSED'}] (by min {c['step_ratio_min']:.2f}x)  ledger==plan "
+                f"[{'ok' if c['ledger_equals_plan'] else 'MISSED'}]  NS max/mean "
+                f"{c['ns_busiest_over_mean']:.3f} ({c['cost_model']}) "
+                f"[{'ok' if c['ns_balance_ok'] else 'MISSED'}]"
+            )
     out = dict(
         machine=info,
-        config=dict(vars(args), sizes_spec={s: SIZES[s] for s in args.sizes},
-                    muon_hp={k: (list(v) if isinstance(v, tuple) else v) for k, v in MUON_HP.items()},
-                    adamw_hp={k: (list(v) if isinstance(v, tuple) else v) for k, v in ADAMW_HP.items()}),
+        config=dict(
+            vars(args),
+            sizes_spec={s: SIZES[s] for s in args.sizes},
+            muon_hp={k: (list(v) if isinstance(v, tuple) else v) for k, v in MUON_HP.items()},
+            adamw_hp={k: (list(v) if isinstance(v, tuple) else v) for k, v in ADAMW_HP.items()},
+        ),
         results=rows,
         hook_overhead=hook_rows,
         goals=goals,

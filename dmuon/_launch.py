@@ -78,8 +78,12 @@ def _entry(
     ``out_dir/{rank}.pkl``, t = ``time.time()`` when it finished or failed, exit_message the
     message of a ``SystemExit`` with a non-zero code (else None)."""
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
     )
     path = os.path.join(out_dir, f"{rank}.pkl")
     try:
@@ -91,7 +95,9 @@ def _entry(
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(
-            backend, rank=rank, world_size=world_size,
+            backend,
+            rank=rank,
+            world_size=world_size,
             timeout=datetime.timedelta(seconds=group_timeout_s),
         )
         result = fn(*args, **kwargs)
@@ -100,9 +106,7 @@ def _entry(
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
         # Report before any clean-up: tearing the group down would make peers fail too, and
         # the parent must see this rank as the first to fail.
-        message = (
-            str(exc.code) if isinstance(exc, SystemExit) and exc.code not in (None, 0) else None
-        )
+        message = str(exc.code) if isinstance(exc, SystemExit) and exc.code not in (None, 0) else None
         _write_atomic(path, pickle.dumps((False, traceback.format_exc(), time.time(), message)))
         sys.stderr.flush()
         os._exit(1)  # skip clean-up and atexit handlers that could block on a dead peer
@@ -172,8 +176,7 @@ def run_distributed(
         procs = [
             ctx.Process(
                 target=_entry,
-                args=(fn, rank, world_size, port, backend, threads, group_timeout_s, out_dir,
-                      args, kwargs),
+                args=(fn, rank, world_size, port, backend, threads, group_timeout_s, out_dir, args, kwargs),
                 name=f"{name}-rank{rank}",
                 daemon=True,  # never outlive the test process
             )
@@ -219,9 +222,7 @@ def _read_report(out_dir: str, rank: int) -> tuple[bool, Any, float, str | None]
         return None
 
 
-def _failure(
-    name: str, world_size: int, procs: list, out_dir: str, system_exit: bool = False
-) -> BaseException:
+def _failure(name: str, world_size: int, procs: list, out_dir: str, system_exit: bool = False) -> BaseException:
     """The error for a failed run: the traceback of the rank that failed FIRST (by the time
     it reported; a peer usually fails a moment later on the broken connection), then a line
     for every other failed rank. With ``system_exit``: ``SystemExit(message)`` of the lowest
@@ -237,7 +238,8 @@ def _failure(
     first = order[0]
     rep = reports[first]
     detail = (
-        rep[1] if rep is not None and not rep[0]
+        rep[1]
+        if rep is not None and not rep[0]
         else "(no traceback: the process died without reporting, e.g. killed or crashed)"
     )
     others = ""
@@ -250,6 +252,5 @@ def _failure(
             last = (reports[r][1].strip().splitlines() or [""])[-1]
         others += f"\n  also failed: rank {r} (exit code {procs[r].exitcode}): {last}"
     return DistributedError(
-        f"{name}: rank {first} of {world_size} failed (exit code {procs[first].exitcode}):\n"
-        f"{detail}{others}"
+        f"{name}: rank {first} of {world_size} failed (exit code {procs[first].exitcode}):\n{detail}{others}"
     )

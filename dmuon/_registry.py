@@ -216,8 +216,7 @@ def check(integ: Integration | str, original: Any = None) -> None:
         original = None if owner is None else _current(owner, _split(integ.target)[2])
         if original is None:
             raise IntegrationError(
-                f"dmuon integration {integ.name!r}: {integ.target} is missing on this version; "
-                f"{_opt_out_hint(integ)}"
+                f"dmuon integration {integ.name!r}: {integ.target} is missing on this version; {_opt_out_hint(integ)}"
             )
     if not integ.expects:
         return

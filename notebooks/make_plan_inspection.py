@@ -141,9 +141,9 @@ CELLS = [
         "        s = plan.rank_stats()\n"
         "        idle = sum(r.ns_flops == 0 for r in s)\n"
         "        mean = sum(r.resident_nbytes for r in s) / len(s)\n"
-        "        print(f\"{title}: {len(s)} ranks, {idle} own nothing; busiest NS {max(r.ns_flops for r in s) / 1e12:,.1f} \"\n"
-        "              f\"TFLOP vs naive {max(r.ns_flops for r in plan.baseline_rank_stats()) / 1e12:,.1f}; \"\n"
-        "              f\"resident max/mean {max(r.resident_nbytes for r in s) / mean:.2f}\")\n"
+        '        print(f"{title}: {len(s)} ranks, {idle} own nothing; busiest NS {max(r.ns_flops for r in s) / 1e12:,.1f} "\n'
+        '              f"TFLOP vs naive {max(r.ns_flops for r in plan.baseline_rank_stats()) / 1e12:,.1f}; "\n'
+        '              f"resident max/mean {max(r.resident_nbytes for r in s) / mean:.2f}")\n'
         "    fig.tight_layout()\n"
         "    png = io.BytesIO()\n"
         "    fig.savefig(png, format='png', dpi=70)\n"
@@ -221,8 +221,8 @@ CELLS = [
         "tp_gram = P.compile(model, 8, tp_size=8, tp_shard_dims=dims, tp_ns='gram')\n"
         "for name, p in (('auto', tp_auto), ('gram', tp_gram)):\n"
         "    flops = [r.ns_flops for r in p.rank_stats()]\n"
-        "    print(f\"{name:>5}: TP bytes/step {p.cost.tp_nbytes / 2**30:7.1f} GiB, busiest rank \"\n"
-        "          f\"{p.cost.max_rank_nbytes / 2**30:5.2f} GiB, NS per rank <= {max(flops) / 1e12:5.1f} TFLOP\")\n"
+        '    print(f"{name:>5}: TP bytes/step {p.cost.tp_nbytes / 2**30:7.1f} GiB, busiest rank "\n'
+        '          f"{p.cost.max_rank_nbytes / 2**30:5.2f} GiB, NS per rank <= {max(flops) / 1e12:5.1f} TFLOP")\n'
         "print(P.diff(tp_auto, tp_gram).render(max_lines=4))\n"
         "assert {s.tp_ns for s in tp_auto.params} == {'gather'} and tp_gram.cost.tp_nbytes > tp_auto.cost.tp_nbytes"
     ),
@@ -278,7 +278,7 @@ CELLS = [
         "the mean load per rank: few owners per layer, so few broadcasts; each buffer's collective is chosen "
         "by `collectives='auto'`). Before (`experts='off'` with `matrix_predicate`: each stack one parameter "
         "with one owner) the largest owner carries whole stacks. See `docs/moe.md` and docs/planning.md, "
-        "\"Collectives per buffer\"."
+        '"Collectives per buffer".'
     ),
     new_code_cell(
         "from dmuon.plan._tools.render import expert_lines\n"

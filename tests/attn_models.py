@@ -72,7 +72,9 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         if self.kind == "fused":  # the k bias detached: its gradient is exactly 0 (see the module docstring)
             b_ = self.c_attn.bias
-            q, k, v = (x @ self.c_attn.weight + torch.cat([b_[:D], b_[D : 2 * D].detach(), b_[2 * D :]])).split(D, dim=-1)
+            q, k, v = (x @ self.c_attn.weight + torch.cat([b_[:D], b_[D : 2 * D].detach(), b_[2 * D :]])).split(
+                D, dim=-1
+            )
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(b, t, H, D_H).transpose(1, 2)

@@ -72,7 +72,7 @@ def pytest_collection_modifyitems(config, items):
             continue
         fns = [getattr(item, "function", None)]
         info = getattr(item, "_fixtureinfo", None)
-        for defs in (info.name2fixturedefs.values() if info is not None else ()):
+        for defs in info.name2fixturedefs.values() if info is not None else ():
             fns.extend(d.func for d in defs)
         seen: set = set()
         if any(f is not None and _launches_processes(f, seen) for f in fns):

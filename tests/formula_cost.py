@@ -28,17 +28,27 @@ def formula_cost(plan) -> ByteCost:
         if spec.tp_size > 1:
             tp_by[owner.rank] += tp_rank_nbytes(spec, spec.tp_ns, segments)
     return byte_cost(
-        plan.boundaries, mesh_shape=plan.mesh_shape, reshard_after_forward=plan.reshard_after_forward,
-        param_dtype=plan.param_dtype, reduce_dtype_=plan.reduce_dtype, tp_size=plan.tp_size,
+        plan.boundaries,
+        mesh_shape=plan.mesh_shape,
+        reshard_after_forward=plan.reshard_after_forward,
+        param_dtype=plan.param_dtype,
+        reduce_dtype_=plan.reduce_dtype,
+        tp_size=plan.tp_size,
         tp_rank_nbytes_by_mesh_rank=tp_by,
     )
 
 
 def formula_rank_stats(plan) -> tuple[tuple[int, int, int], ...]:
     return rank_stats(
-        plan.params, plan.owners, plan.boundaries, formula_cost(plan), mesh_shape=plan.mesh_shape,
-        reshard_after_forward=plan.reshard_after_forward, param_dtype=plan.param_dtype,
-        tp_size=plan.tp_size, tp_segment_lengths=plan.tp_segment_lengths,
+        plan.params,
+        plan.owners,
+        plan.boundaries,
+        formula_cost(plan),
+        mesh_shape=plan.mesh_shape,
+        reshard_after_forward=plan.reshard_after_forward,
+        param_dtype=plan.param_dtype,
+        tp_size=plan.tp_size,
+        tp_segment_lengths=plan.tp_segment_lengths,
     )
 
 

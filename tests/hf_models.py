@@ -32,20 +32,42 @@ def build(kind: str, seed: int = 0):
     elif kind == "qwen3":  # q/k norms
         model = T.Qwen3ForCausalLM(T.Qwen3Config(vocab_size=VOCAB, num_key_value_heads=2, head_dim=8, **_COMMON))
     elif kind == "gpt2":  # Conv1D weights (in, out), tied lm_head
-        model = T.GPT2LMHeadModel(T.GPT2Config(
-            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0,
-            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-        ))
+        model = T.GPT2LMHeadModel(
+            T.GPT2Config(
+                vocab_size=VOCAB,
+                n_embd=32,
+                n_layer=2,
+                n_head=4,
+                n_positions=32,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+                bos_token_id=0,
+                eos_token_id=0,
+            )
+        )
     elif kind == "bert":
-        model = T.BertForMaskedLM(T.BertConfig(
-            vocab_size=VOCAB, max_position_embeddings=32, hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0, **_COMMON,
-        ))
+        model = T.BertForMaskedLM(
+            T.BertConfig(
+                vocab_size=VOCAB,
+                max_position_embeddings=32,
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+                **_COMMON,
+            )
+        )
     elif kind == "vit":
-        model = T.ViTForImageClassification(T.ViTConfig(
-            image_size=8, patch_size=4, num_channels=3, num_labels=5, hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0, **_COMMON,
-        ))
+        model = T.ViTForImageClassification(
+            T.ViTConfig(
+                image_size=8,
+                patch_size=4,
+                num_channels=3,
+                num_labels=5,
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+                **_COMMON,
+            )
+        )
     else:
         raise ValueError(kind)
     model.train()
@@ -57,8 +79,12 @@ def batches(kind: str, steps: int, global_batch: int = 4, seed: int = 1) -> list
     out = []
     for _ in range(steps):
         if kind == "vit":
-            out.append({"pixel_values": torch.randn(global_batch, 3, 8, 8, generator=g),
-                        "labels": torch.randint(0, 5, (global_batch,), generator=g)})
+            out.append(
+                {
+                    "pixel_values": torch.randn(global_batch, 3, 8, 8, generator=g),
+                    "labels": torch.randint(0, 5, (global_batch,), generator=g),
+                }
+            )
         else:  # causal LMs shift inside; BERT predicts every token but the first
             ids = torch.randint(0, VOCAB, (global_batch, SEQ), generator=g)
             labels = ids.clone()
@@ -114,7 +140,7 @@ def key_bias_elements(key: str, tensor: torch.Tensor) -> torch.Tensor | None:
         mask[:] = True
     elif key.endswith("attn.c_attn.bias"):  # GPT-2: [q | k | v]
         third = tensor.shape[0] // 3
-        mask[third:2 * third] = True
+        mask[third : 2 * third] = True
     else:
         return None
     return mask

@@ -129,9 +129,16 @@ def qwen3_moe(num_experts: int = 4, num_layers: int = 2):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     c = Qwen3MoeConfig(
-        vocab_size=HF_VOCAB, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
-        num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-        num_experts=num_experts, num_experts_per_tok=2,
+        vocab_size=HF_VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=8,
+        num_hidden_layers=num_layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_experts=num_experts,
+        num_experts_per_tok=2,
     )
     return Qwen3MoeForCausalLM(c).float()
 
@@ -143,8 +150,14 @@ def gpt_oss(num_experts: int = 4, num_layers: int = 2):
     from transformers import GptOssConfig, GptOssForCausalLM
 
     c = GptOssConfig(
-        vocab_size=HF_VOCAB, hidden_size=16, intermediate_size=8, num_hidden_layers=num_layers,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_local_experts=num_experts,
+        vocab_size=HF_VOCAB,
+        hidden_size=16,
+        intermediate_size=8,
+        num_hidden_layers=num_layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_local_experts=num_experts,
         num_experts_per_tok=2,
     )
     model = GptOssForCausalLM(c).float()
@@ -160,9 +173,16 @@ def qwen2_moe():
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     c = Qwen2MoeConfig(
-        vocab_size=HF_VOCAB, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
-        shared_expert_intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+        vocab_size=HF_VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=8,
+        shared_expert_intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=4,
+        num_experts_per_tok=2,
     )
     return Qwen2MoeForCausalLM(c).float()
 
@@ -173,10 +193,24 @@ def deepseek_v3():
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     c = DeepseekV3Config(
-        vocab_size=HF_VOCAB, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
-        num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=2,
-        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, kv_lora_rank=8, q_lora_rank=8,
-        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4, n_group=1, topk_group=1,
+        vocab_size=HF_VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=8,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        kv_lora_rank=8,
+        q_lora_rank=8,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=4,
+        n_group=1,
+        topk_group=1,
     )
     return DeepseekV3ForCausalLM(c).float()
 

@@ -245,10 +245,14 @@ def reference_optimizers(model: nn.Module, dedicated: set[str], hp=HP):
     with the hyper-parameters ``hp`` — the single-process reference's optimizers."""
     muon = torch.optim.Muon(
         [p for n, p in model.named_parameters() if n in dedicated],
-        lr=hp["lr"], weight_decay=hp["weight_decay"], momentum=hp["momentum"], nesterov=hp["nesterov"],
+        lr=hp["lr"],
+        weight_decay=hp["weight_decay"],
+        momentum=hp["momentum"],
+        nesterov=hp["nesterov"],
     )
     adamw = torch.optim.AdamW(
-        [p for n, p in model.named_parameters() if n not in dedicated], lr=hp["adamw_lr"],
+        [p for n, p in model.named_parameters() if n not in dedicated],
+        lr=hp["adamw_lr"],
         weight_decay=hp["adamw_weight_decay"],
     )
     return muon, adamw

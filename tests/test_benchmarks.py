@@ -20,11 +20,32 @@ from conftest import REPO_ROOT
 SCRIPT = REPO_ROOT / "benchmarks" / "step_time.py"
 
 ROW_KEYS = {
-    "size", "nproc", "variant", "timed_steps", "step_ms", "fwd_bwd_ms", "opt_ms", "ratio_to_adamw",
-    "losses", "ledger_nbytes_per_step", "ledger_per_rank_nbytes", "ledger_constant",
-    "plan_total_nbytes", "plan_per_rank_nbytes", "ledger_matches_plan", "model_nbytes_per_step",
-    "ns_flops_total", "ns_flops_per_rank", "ns_flops_busiest", "ns_busiest_over_mean",
-    "ns_ms_busiest", "plan_ns_flops_per_rank", "peak_alloc_mib", "peak_rss_mib", "cost_model", "floor_ms",
+    "size",
+    "nproc",
+    "variant",
+    "timed_steps",
+    "step_ms",
+    "fwd_bwd_ms",
+    "opt_ms",
+    "ratio_to_adamw",
+    "losses",
+    "ledger_nbytes_per_step",
+    "ledger_per_rank_nbytes",
+    "ledger_constant",
+    "plan_total_nbytes",
+    "plan_per_rank_nbytes",
+    "ledger_matches_plan",
+    "model_nbytes_per_step",
+    "ns_flops_total",
+    "ns_flops_per_rank",
+    "ns_flops_busiest",
+    "ns_busiest_over_mean",
+    "ns_ms_busiest",
+    "plan_ns_flops_per_rank",
+    "peak_alloc_mib",
+    "peak_rss_mib",
+    "cost_model",
+    "floor_ms",
 }
 
 
@@ -34,7 +55,10 @@ def test_step_time_quick(tmp_path):
     out_png = tmp_path / "bench.png"
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--quick", "--json", str(out_json), "--png", str(out_png)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=240,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "dmuon_z3" in proc.stdout and "ledger B/step" in proc.stdout
@@ -112,16 +136,35 @@ def test_gpu_check_cpu_fallback(tmp_path):
     for collectives in ("gloo", "identity"):
         out_json = tmp_path / f"gpu_check_{collectives}.json"
         proc = subprocess.run(
-            [sys.executable, str(GPU_CHECK), "--device", "cpu", "--quick", "--collectives", collectives,
-             "--json", str(out_json)] + (["--parts", "train"] if collectives == "identity" else []),
-            cwd=REPO_ROOT, capture_output=True, text=True, timeout=240,
+            [
+                sys.executable,
+                str(GPU_CHECK),
+                "--device",
+                "cpu",
+                "--quick",
+                "--collectives",
+                collectives,
+                "--json",
+                str(out_json),
+            ]
+            + (["--parts", "train"] if collectives == "identity" else []),
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=240,
         )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         data = json.loads(out_json.read_text())
         assert data["collectives"] == collectives
         train = data["train"]
         assert train["ok"] and set(train["runs"]) == {
-            "dmuon_streams", "torch_ref", "dmuon_normuon", "normuon_ref", "dmuon_deepseek_v4", "deepseek_v4_ref"}
+            "dmuon_streams",
+            "torch_ref",
+            "dmuon_normuon",
+            "normuon_ref",
+            "dmuon_deepseek_v4",
+            "deepseek_v4_ref",
+        }
         assert all(c["ok"] for c in train["checks"])
         checked = {c["check"] for c in train["checks"]}
         assert any("normuon" in n for n in checked) and any("deepseek_v4" in n for n in checked), checked
@@ -137,7 +180,10 @@ def test_gpu_check_fails_on_mismatch():
     """A loss outside the tolerance (here: any, with a negative one) exits 1 and says FAIL."""
     proc = subprocess.run(
         [sys.executable, str(GPU_CHECK), "--device", "cpu", "--quick", "--parts", "train", "--loss-rtol", "-1"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=240,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[FAIL] losses torch_ref vs dmuon_streams" in proc.stdout

@@ -47,10 +47,16 @@ def _pages():
     model = zoo.llama3_8b()
     d = P.diff(P.compile(model, 8), P.compile(model, 8, cost_model="ns_flops"))
     wl = S.from_plan(tiny, tokens_per_rank=512, seq_len=512)
-    sims = S.simulate_variants(tiny, S.hardware.preset("h100"), wl, variants=("adamw", "z3", "naive"),
-                               timeline_ranks=(0,))
-    return [("tiny", tiny._repr_html_(), tiny), ("moe", moe._repr_html_(), moe), ("hsdp", hsdp._repr_html_(), hsdp),
-            ("diff", d._repr_html_(), d), ("simulation", sims._repr_html_(), sims)]
+    sims = S.simulate_variants(
+        tiny, S.hardware.preset("h100"), wl, variants=("adamw", "z3", "naive"), timeline_ranks=(0,)
+    )
+    return [
+        ("tiny", tiny._repr_html_(), tiny),
+        ("moe", moe._repr_html_(), moe),
+        ("hsdp", hsdp._repr_html_(), hsdp),
+        ("diff", d._repr_html_(), d),
+        ("simulation", sims._repr_html_(), sims),
+    ]
 
 
 def _check_figures(els, obj) -> None:
@@ -97,11 +103,16 @@ def test_pages_render_in_chromium(tmp_path):
         height = max(height, int(bottom) + 40)
         columns.append((name, i * COLUMN_PX, els, secs))
         _check_figures(els, obj)
-    body = "".join(f'<div style="position:absolute;left:{x}px;top:0;width:1080px">{page}</div>'
-                   for (_, x, *_), (_, page, _) in zip(columns, pages))
+    body = "".join(
+        f'<div style="position:absolute;left:{x}px;top:0;width:1080px">{page}</div>'
+        for (_, x, *_), (_, page, _) in zip(columns, pages)
+    )
     sheet = tmp_path / "pages.html"
-    sheet.write_text("<!DOCTYPE html><html><head><meta charset='utf-8'></head>"
-                     f"<body style='margin:0;background:#ffffff'>{body}</body></html>", encoding="utf-8")
+    sheet.write_text(
+        "<!DOCTYPE html><html><head><meta charset='utf-8'></head>"
+        f"<body style='margin:0;background:#ffffff'>{body}</body></html>",
+        encoding="utf-8",
+    )
     shot = tmp_path / "pages.png"
     width = len(pages) * COLUMN_PX
     screenshot(sheet, shot, width=width, height=height, chromium=exe)
@@ -120,7 +131,7 @@ def test_pages_render_in_chromium(tmp_path):
             assert len(colours) >= 3, f"{where}: {len(colours)} colours"
             assert "data-probe" in s.attrs, f"{where}: the section drew no probe shape"
             px, py, fill = s.data("probe").split(",")
-            want = tuple(int(fill[i:i + 2], 16) for i in (1, 3, 5))
+            want = tuple(int(fill[i : i + 2], 16) for i in (1, 3, 5))
             got = img.getpixel((int(x0 + float(px)), int(top + float(py))))
             assert _close(got, want), f"{where}: pixel at the probe ({px}, {py}) is {got}, the page drew {fill}"
             checked += 1

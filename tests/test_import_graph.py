@@ -128,7 +128,9 @@ EXEC_FILES = sorted((PKG / "exec").rglob("*.py"))
 
 @pytest.mark.parametrize("path", EXEC_FILES, ids=[str(p.relative_to(PKG / "exec")) for p in EXEC_FILES])
 def test_exec_does_not_import_integrations(path):
-    bad = [(line, m) for line, m in imports_of(path) if m == "dmuon.integrations" or m.startswith("dmuon.integrations.")]
+    bad = [
+        (line, m) for line, m in imports_of(path) if m == "dmuon.integrations" or m.startswith("dmuon.integrations.")
+    ]
     assert bad == [], f"{path.name} imports the integrations layer: {bad}"
 
 
@@ -186,8 +188,11 @@ def test_checker_sees_lazy_and_relative_imports():
     )
     found = imports_of(PKG / "exec" / "_setup" / "fsdp2.py", src)
     assert found == [
-        (5, "dmuon.integrations"), (6, "dmuon.exec._runtime.runtime"), (7, "dmuon._registry"),
-        (8, "dmuon.exec._optim.amp"), (8, "dmuon.plan"),
+        (5, "dmuon.integrations"),
+        (6, "dmuon.exec._runtime.runtime"),
+        (7, "dmuon._registry"),
+        (8, "dmuon.exec._optim.amp"),
+        (8, "dmuon.plan"),
     ]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
@@ -250,5 +255,8 @@ def test_pure_import_loads_no_exec_and_no_fsdp():
     assert out["dedicated_norm"] == pytest.approx((48.0 + 18.0) ** 0.5)  # both counted once
     assert out["after_dedicated_call"] is True
     assert out["lazy"] == [
-        "dmuon.exec._optim.muon", "dmuon.exec._setup.api", "dmuon.exec._optim.qk_clip", "dmuon.exec._setup.fsdp2"
+        "dmuon.exec._optim.muon",
+        "dmuon.exec._setup.api",
+        "dmuon.exec._optim.qk_clip",
+        "dmuon.exec._setup.fsdp2",
     ]

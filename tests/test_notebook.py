@@ -41,14 +41,23 @@ def test_notebook_executes():
     assert "DMuon-Z3 sharding plan" in text
     assert "owners moved" in text
     images = [
-        out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs if "image/png" in out.get("data", {})
+        out
+        for cell in nb.cells
+        if cell.cell_type == "code"
+        for out in cell.outputs
+        if "image/png" in out.get("data", {})
     ]
     # per-rank load x2, NS FLOPs / resident bytes: 8B, then 70B + 405B, again with owner groups
     assert len(images) == 5
     # the pages (HTML, inline SVG): the 8B plan, 405B with owner groups, Qwen3-MoE, the plan read back from
     # JSON; two diffs (8 -> 16 ranks, numel -> ns_flops); the simulator's result
-    pages = [out["data"]["text/html"] for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs
-             if "text/html" in out.get("data", {})]
+    pages = [
+        out["data"]["text/html"]
+        for cell in nb.cells
+        if cell.cell_type == "code"
+        for out in cell.outputs
+        if "text/html" in out.get("data", {})
+    ]
     kinds = [next((k for k in ("plan", "diff", "simulation") if f'data-page="{k}"' in p), None) for p in pages]
     assert kinds.count("plan") == 4 and kinds.count("diff") == 2 and kinds.count("simulation") == 1, kinds
     assert all("<svg" in p and "<script" not in p for p in pages)

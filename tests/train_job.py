@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
-TINY = dict(d_model=32, n_layers=2, n_heads=2, d_mlp=64, seq_len=16, batch=4, eval_batch=4,
-            eval_batches=1, steps=4, eval_every=2, log_every=1, ns_dtype="fp32",
-            cooldown_frac=0.5, quiet=True)
+TINY = dict(
+    d_model=32,
+    n_layers=2,
+    n_heads=2,
+    d_mlp=64,
+    seq_len=16,
+    batch=4,
+    eval_batch=4,
+    eval_batches=1,
+    steps=4,
+    eval_every=2,
+    log_every=1,
+    ns_dtype="fp32",
+    cooldown_frac=0.5,
+    quiet=True,
+)
 """4 steps with a decaying LR in the last 2 (the resumed half), fp32 Newton-Schulz."""
 
 

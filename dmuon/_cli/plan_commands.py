@@ -31,8 +31,14 @@ from dmuon._zoo import PRESETS
 from dmuon.plan._model.selection import matrix_predicate
 
 __all__ = [
-    "main_plan", "main_diff", "parse_mesh", "add_selection_args", "check_selection_args", "selection_kwargs",
-    "warnings_to_stderr", "write_html",
+    "main_plan",
+    "main_diff",
+    "parse_mesh",
+    "add_selection_args",
+    "check_selection_args",
+    "selection_kwargs",
+    "warnings_to_stderr",
+    "write_html",
 ]
 
 
@@ -104,7 +110,8 @@ def dtype_arg(value: str) -> str:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"{value!r} is not a floating-point torch dtype dmuon's buffers carry "
-            f"({', '.join(d[len('torch.'):] for d in WIRE_DTYPES)})") from None
+            f"({', '.join(d[len('torch.') :] for d in WIRE_DTYPES)})"
+        ) from None
 
 
 def add_selection_args(parser: argparse.ArgumentParser, *, cost_model_default: str = "numel") -> None:
@@ -114,31 +121,58 @@ def add_selection_args(parser: argparse.ArgumentParser, *, cost_model_default: s
     ``--expert-gate-up``, ``--tp``, ``--tp-ns``, ``--owner-groups``, ``--collectives``. Read them with
     :func:`check_selection_args` and :func:`selection_kwargs`."""
     g = parser.add_argument_group("plan selection (the same for plan and simulate)")
-    g.add_argument("--cost-model", default=cost_model_default, choices=("numel", "ns_flops"),
-                   help="LPT weight of the owner assignment")
-    g.add_argument("--param-dtype", default=None, type=dtype_arg,
-                   help="mixed-precision broadcast (wire) dtype, e.g. bfloat16")
+    g.add_argument(
+        "--cost-model",
+        default=cost_model_default,
+        choices=("numel", "ns_flops"),
+        help="LPT weight of the owner assignment",
+    )
+    g.add_argument(
+        "--param-dtype", default=None, type=dtype_arg, help="mixed-precision broadcast (wire) dtype, e.g. bfloat16"
+    )
     g.add_argument("--reduce-dtype", default=None, type=dtype_arg, help="mixed-precision reduce dtype, e.g. float32")
-    g.add_argument("--all-matrices", action="store_true",
-                   help="also dedicate conv weights and every 3-D parameter (default: 2-D matrices and "
-                   "recognised expert stacks)")
-    g.add_argument("--experts", default="auto", choices=("auto", "off"),
-                   help="expert stacks: 'auto' (dedicated, one owner per range of experts) or 'off' (the selection "
-                   "before expert support: 2-D only); docs/moe.md")
-    g.add_argument("--expert-gate-up", default="split", choices=("split", "fused"),
-                   help="a fused gate/up expert: two Muon matrices (split) or one (fused)")
-    g.add_argument("--tp", type=int, default=1, metavar="T",
-                   help="tensor-parallel degree: Megatron-style colwise q/k/v/gate/up, rowwise o/down (world = mesh x T)")
+    g.add_argument(
+        "--all-matrices",
+        action="store_true",
+        help="also dedicate conv weights and every 3-D parameter (default: 2-D matrices and recognised expert stacks)",
+    )
+    g.add_argument(
+        "--experts",
+        default="auto",
+        choices=("auto", "off"),
+        help="expert stacks: 'auto' (dedicated, one owner per range of experts) or 'off' (the selection "
+        "before expert support: 2-D only); docs/moe.md",
+    )
+    g.add_argument(
+        "--expert-gate-up",
+        default="split",
+        choices=("split", "fused"),
+        help="a fused gate/up expert: two Muon matrices (split) or one (fused)",
+    )
+    g.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="T",
+        help="tensor-parallel degree: Megatron-style colwise q/k/v/gate/up, rowwise o/down (world = mesh x T)",
+    )
     g.add_argument("--tp-ns", default="auto", choices=("auto", "gram", "gather"), help="TP Newton-Schulz method")
     g.add_argument(
-        "--owner-groups", default="off", type=parse_owner_groups, metavar="off|auto|K",
+        "--owner-groups",
+        default="off",
+        type=parse_owner_groups,
+        metavar="off|auto|K",
         help="owner groups: 'off' (one owner per matrix), 'auto' (groups where one owner per matrix cannot "
         "balance the mesh) or K (every matrix that can be cut gets K members); docs/owner_groups.md",
     )
-    g.add_argument("--collectives", default="auto", choices=("auto", "broadcast", "all_gather"),
-                   help="each buffer's parameter-phase collective: one broadcast per owner segment (gradient: reduce), "
-                   "one all-gather of equal slots (gradient: reduce-scatter), or per buffer by the cost rule "
-                   "(auto); docs/planning.md")
+    g.add_argument(
+        "--collectives",
+        default="auto",
+        choices=("auto", "broadcast", "all_gather"),
+        help="each buffer's parameter-phase collective: one broadcast per owner segment (gradient: reduce), "
+        "one all-gather of equal slots (gradient: reduce-scatter), or per buffer by the cost rule "
+        "(auto); docs/planning.md",
+    )
 
 
 def check_selection_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -148,8 +182,10 @@ def check_selection_args(parser: argparse.ArgumentParser, args: argparse.Namespa
     if args.tp > 1 and args.owner_groups not in ("off", 1):
         parser.error("--owner-groups with --tp: owner groups are not supported with tensor parallelism (use off)")
     if args.experts == "off" and args.expert_gate_up != "split":
-        parser.error("--expert-gate-up with --experts off: the stacks stay with AdamW, there is no gate/up to keep fused "
-                     "(--all-matrices --experts off dedicates each stack as one unit)")
+        parser.error(
+            "--expert-gate-up with --experts off: the stacks stay with AdamW, there is no gate/up to keep fused "
+            "(--all-matrices --experts off dedicates each stack as one unit)"
+        )
 
 
 def selection_kwargs(args: argparse.Namespace, model, mesh, *, param_dtype=None, reduce_dtype=None) -> dict:
@@ -157,8 +193,12 @@ def selection_kwargs(args: argparse.Namespace, model, mesh, *, param_dtype=None,
     ``model`` on ``mesh``; ``param_dtype`` / ``reduce_dtype``: defaults for the dtype options."""
     pred = matrix_predicate(model) if args.all_matrices else None
     kw: dict = dict(
-        predicate=pred, cost_model=args.cost_model, owner_groups=args.owner_groups, experts=args.experts,
-        expert_gate_up=args.expert_gate_up, collectives=args.collectives,
+        predicate=pred,
+        cost_model=args.cost_model,
+        owner_groups=args.owner_groups,
+        experts=args.experts,
+        expert_gate_up=args.expert_gate_up,
+        collectives=args.collectives,
     )
     if args.tp > 1:
         dedicated = set(compile(model, mesh, predicate=pred, experts=args.experts).dedicated)
@@ -182,16 +222,26 @@ def main_plan(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--mesh", required=True, type=parse_mesh, help="N (1-D) or RxN (HSDP), e.g. 8 or 2x8")
     parser.add_argument("--z2", action="store_true", help="reshard_after_forward=False (DMuon-Z2)")
     parser.add_argument(
-        "--ep", type=int, default=1, metavar="K",
+        "--ep",
+        type=int,
+        default=1,
+        metavar="K",
         help="expert parallelism: plan the preset as one rank of ep = K holds it (each stack's E/K experts; "
         "K must divide the shard ranks and the experts); docs/moe_ep.md",
     )
     add_selection_args(parser)
     parser.add_argument("--json", metavar="FILE", default=None, help="write the plan as JSON to FILE")
-    parser.add_argument("--html", metavar="FILE", default=None,
-                        help="write the plan's page to FILE (plan.to_html(): ownership map, per-rank bars, bytes; docs/planning.md)")
     parser.add_argument(
-        "--schedule", type=int, default=None, metavar="RANK",
+        "--html",
+        metavar="FILE",
+        default=None,
+        help="write the plan's page to FILE (plan.to_html(): ownership map, per-rank bars, bytes; docs/planning.md)",
+    )
+    parser.add_argument(
+        "--schedule",
+        type=int,
+        default=None,
+        metavar="RANK",
         help="print RANK's ops of the nominal step (schedule rank: mesh rank, x T + tp with TP) instead of the summary",
     )
     args = parser.parse_args(argv)
@@ -212,7 +262,11 @@ def main_plan(argv: Sequence[str] | None = None) -> int:
         with warnings_to_stderr():
             plan = compile(model, args.mesh, reshard_after_forward=not args.z2, **kw)
     except ValueError as exc:  # the plan refuses this mesh / TP degree / EP degree / owner groups for this model
-        flags = f"--mesh {args.mesh}" + (f" --tp {args.tp}" if args.tp > 1 else "") + (f" --ep {args.ep}" if args.ep > 1 else "")
+        flags = (
+            f"--mesh {args.mesh}"
+            + (f" --tp {args.tp}" if args.tp > 1 else "")
+            + (f" --ep {args.ep}" if args.ep > 1 else "")
+        )
         parser.error(f"{args.model} on {flags}: {refusal_text(exc)}")
     if args.schedule is not None:
         sched = plan.schedule()
@@ -265,8 +319,12 @@ def main_diff(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("b", help="plan JSON (after)")
     parser.add_argument("--exit-code", action="store_true", help="exit 1 when the plans differ")
     parser.add_argument("--max-lines", type=_non_negative_int, default=40, help="per-parameter lines to print")
-    parser.add_argument("--html", metavar="FILE", default=None,
-                        help="write the diff's page to FILE (both ownership maps, changes outlined; docs/planning.md)")
+    parser.add_argument(
+        "--html",
+        metavar="FILE",
+        default=None,
+        help="write the diff's page to FILE (both ownership maps, changes outlined; docs/planning.md)",
+    )
     args = parser.parse_args(argv)
     if args.html and not os.path.isdir(os.path.dirname(os.path.abspath(args.html))):
         parser.error(f"--html: the folder of {args.html!r} does not exist")
@@ -278,8 +336,10 @@ def main_diff(argv: Sequence[str] | None = None) -> int:
         except OSError as exc:
             parser.error(f"{path}: cannot read it ({exc.strerror or exc})")
         except (ValueError, TypeError, KeyError) as exc:  # not JSON, not a plan, or a plan that fails validation
-            parser.error(f"{path}: not a dmuon plan JSON (python -m dmuon plan --json FILE writes one): "
-                         f"{type(exc).__name__}: {exc}")
+            parser.error(
+                f"{path}: not a dmuon plan JSON (python -m dmuon plan --json FILE writes one): "
+                f"{type(exc).__name__}: {exc}"
+            )
     d = diff(plans[0], plans[1])
     print(d.render(max_lines=args.max_lines))
     if args.html:

@@ -49,6 +49,7 @@ from typing import Any
 
 __all__ = ["main_simulate", "recommend"]
 
+
 def _fits(sim: Any, memory_nbytes: int) -> bool:
     """Every rank's simulated peak within the device's memory (0 = unknown: fits)."""
     return not memory_nbytes or max(sim.peak_memory_nbytes) <= memory_nbytes
@@ -76,8 +77,10 @@ def expert_counts(model: Any) -> dict[str, int]:
 
 
 #: what the FSDP2 baselines assume, printed in the header
-BASELINE_LINE = ("FSDP2 baseline: dense parameters Shard(0); expert stacks Shard(1) when efsdp x ep > E, else "
-                 "Shard(0) (torchtitan apply_fsdp_to_decoder)")
+BASELINE_LINE = (
+    "FSDP2 baseline: dense parameters Shard(0); expert stacks Shard(1) when efsdp x ep > E, else "
+    "Shard(0) (torchtitan apply_fsdp_to_decoder)"
+)
 
 
 def dmuon_collectives(plan: Any) -> tuple[dict[str, int], int]:
@@ -141,45 +144,75 @@ def token_a2a_line(plan: Any, wl: Any, hw: Any, ep: int, top_k: int, act_dtype: 
     nbytes = max(w.dispatch_nbytes for _, w in moe)
     call_s = collective_s(hw, "all_to_all", groups[0], nbytes)
     calls = 4 * len(moe) * wl.micro_batches
-    return (f"token all-to-all over EP groups of {ep} ranks: {calls:,} calls per step (dispatch + combine, forward "
-            f"and backward, {len(moe)} MoE layers), {nbytes / 1e6:,.1f} MB per rank per call (top-{top_k}, "
-            f"{act_dtype.removeprefix('torch.')}), {1e3 * call_s:.2f} ms per call; uniform routing, no capacity "
-            f"factor, no overlap with compute")
+    return (
+        f"token all-to-all over EP groups of {ep} ranks: {calls:,} calls per step (dispatch + combine, forward "
+        f"and backward, {len(moe)} MoE layers), {nbytes / 1e6:,.1f} MB per rank per call (top-{top_k}, "
+        f"{act_dtype.removeprefix('torch.')}), {1e3 * call_s:.2f} ms per call; uniform routing, no capacity "
+        f"factor, no overlap with compute"
+    )
 
 
 def main_simulate(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m dmuon simulate``. Returns 0."""
-    from dmuon._cli.plan_commands import (add_selection_args, check_selection_args, parse_mesh, refusal_text,
-                                      selection_kwargs, warnings_to_stderr)
+    from dmuon._cli.plan_commands import (
+        add_selection_args,
+        check_selection_args,
+        parse_mesh,
+        refusal_text,
+        selection_kwargs,
+        warnings_to_stderr,
+    )
     from dmuon.plan._compile import compile
     from dmuon._zoo import PRESETS
     from dmuon.sim._engine import hardware as H
     from dmuon.sim._engine.simulate import VARIANTS, simulate
     from dmuon.sim._engine.workload import from_plan, model_top_k
 
-    parser = argparse.ArgumentParser(prog="python -m dmuon simulate",
-                                     description="Simulated step time of dmuon Z2/Z3 and the alternatives (no GPU needed).")
+    parser = argparse.ArgumentParser(
+        prog="python -m dmuon simulate",
+        description="Simulated step time of dmuon Z2/Z3 and the alternatives (no GPU needed).",
+    )
     parser.add_argument("--model", required=True, choices=sorted(PRESETS))
     parser.add_argument("--mesh", required=True, type=parse_mesh, help="N or RxN (replicate x shard)")
     parser.add_argument("--hw", required=True, help=f"hardware preset {sorted(H.PRESETS)} or a calibration .json")
     parser.add_argument("--tokens-per-rank", type=int, default=8192, help="tokens per rank per step")
     parser.add_argument("--seq-len", type=int, default=None, help="sequence length (default: min(tokens, 8192))")
     parser.add_argument("--mode", choices=("z2", "z3"), default=None, help="only this dmuon mode")
-    parser.add_argument("--top-k", type=int, default=None, metavar="K",
-                        help="experts each token visits in 3-D expert stacks (default: the model's routing "
-                        "top_k, e.g. 8 for qwen3-30b-a3b and deepseek-v3; 2 when the model names none)")
-    parser.add_argument("--coalesce", choices=("record", "off", "serial", "concurrent"), default="record",
-                        help="dmuon's broadcasts / reduces per boundary phase and group as one coalesced call: as the "
-                        "hardware record says (GPU presets: NCCL, serial model), off (one call each, as a runtime that "
-                        "does not coalesce), or on with the serial / concurrent (uncalibrated) model")
-    parser.add_argument("--ep", type=int, default=1, metavar="K",
-                        help="expert parallelism: plan the model as one rank of ep = K holds it and simulate the "
-                        "token all-to-all over the EP groups (module docstring: its scope)")
+    parser.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        metavar="K",
+        help="experts each token visits in 3-D expert stacks (default: the model's routing "
+        "top_k, e.g. 8 for qwen3-30b-a3b and deepseek-v3; 2 when the model names none)",
+    )
+    parser.add_argument(
+        "--coalesce",
+        choices=("record", "off", "serial", "concurrent"),
+        default="record",
+        help="dmuon's broadcasts / reduces per boundary phase and group as one coalesced call: as the "
+        "hardware record says (GPU presets: NCCL, serial model), off (one call each, as a runtime that "
+        "does not coalesce), or on with the serial / concurrent (uncalibrated) model",
+    )
+    parser.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        metavar="K",
+        help="expert parallelism: plan the model as one rank of ep = K holds it and simulate the "
+        "token all-to-all over the EP groups (module docstring: its scope)",
+    )
     add_selection_args(parser, cost_model_default="ns_flops")  # the same options as `plan`
     parser.add_argument("--json", metavar="FILE", default=None, help="write every variant's figures as JSON")
-    parser.add_argument("--png", metavar="FILE", default=None, help="draw rank 0's timeline of each variant (matplotlib)")
-    parser.add_argument("--html", metavar="FILE", default=None,
-                        help="write the variants' figures and rank 0's timeline per variant as a page (SVG, no matplotlib)")
+    parser.add_argument(
+        "--png", metavar="FILE", default=None, help="draw rank 0's timeline of each variant (matplotlib)"
+    )
+    parser.add_argument(
+        "--html",
+        metavar="FILE",
+        default=None,
+        help="write the variants' figures and rank 0's timeline per variant as a page (SVG, no matplotlib)",
+    )
     args = parser.parse_args(argv)
     check_selection_args(parser, args)
     for f in (args.json, args.png, args.html):
@@ -190,14 +223,19 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
     if args.tokens_per_rank < 1:
         parser.error("--tokens-per-rank must be >= 1")
     if args.seq_len is not None and not 1 <= args.seq_len <= args.tokens_per_rank:
-        parser.error(f"--seq-len must be between 1 and --tokens-per-rank ({args.tokens_per_rank:,}), got {args.seq_len}")
+        parser.error(
+            f"--seq-len must be between 1 and --tokens-per-rank ({args.tokens_per_rank:,}), got {args.seq_len}"
+        )
     try:
         hw = H.preset(args.hw)
     except (ValueError, OSError) as exc:
         parser.error(f"--hw {args.hw!r}: not a preset {sorted(H.PRESETS)} nor a readable calibration record ({exc})")
     if args.coalesce != "record":
-        hw = dataclasses.replace(hw, coalesces=args.coalesce != "off",
-                                 coalesce_model=hw.coalesce_model if args.coalesce == "off" else args.coalesce)
+        hw = dataclasses.replace(
+            hw,
+            coalesces=args.coalesce != "off",
+            coalesce_model=hw.coalesce_model if args.coalesce == "off" else args.coalesce,
+        )
     gpu = hw.comm_engine == "separate"
     param_dtype = args.param_dtype or ("bfloat16" if gpu else None)
     model = PRESETS[args.model]()
@@ -212,8 +250,9 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
         parser.error("--ep with --tp: expert parallelism is not simulated with tensor parallelism")
     try:
         with warnings_to_stderr():
-            kw = selection_kwargs(args, model, args.mesh, param_dtype=param_dtype,
-                                  reduce_dtype="float32" if gpu else None)
+            kw = selection_kwargs(
+                args, model, args.mesh, param_dtype=param_dtype, reduce_dtype="float32" if gpu else None
+            )
             if args.ep > 1:
                 from dmuon.plan._model.parallel import expert_parallel_variant
 
@@ -230,21 +269,30 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
     seq = args.seq_len or min(args.tokens_per_rank, 8192)
     act_dtype = "torch.bfloat16" if gpu else "torch.float32"
     wl = from_plan(plan, tokens_per_rank=args.tokens_per_rank, seq_len=seq, activation_dtype=act_dtype, top_k=top_k)
-    variants = [v for v in VARIANTS if (args.mode is None or v not in ("z2", "z3") or v == args.mode)
-                and (args.ep == 1 or v not in ("naive", "all_to_all"))]
+    variants = [
+        v
+        for v in VARIANTS
+        if (args.mode is None or v not in ("z2", "z3") or v == args.mode)
+        and (args.ep == 1 or v not in ("naive", "all_to_all"))
+    ]
     sims = {}
     for v in variants:
         p = plans[v != "z2"] if v in ("z2", "z3") else plan
         sims[v] = simulate(p, hw, wl, variant=v, timeline_ranks=(0,))
     base = sims["adamw"].step_s
     ep_note = f", EP {args.ep} (efsdp {plan.mesh_shape[1] // args.ep})" if args.ep > 1 else ""
-    print(f"{args.model} on mesh {plan.mesh_shape} x TP {plan.tp_size} ({plan.world_size * plan.tp_size} ranks){ep_note}, "
-          f"{hw.name}; {args.tokens_per_rank:,} tokens/rank, seq {seq}, wire {param_dtype or 'fp32'}")
+    print(
+        f"{args.model} on mesh {plan.mesh_shape} x TP {plan.tp_size} ({plan.world_size * plan.tp_size} ranks){ep_note}, "
+        f"{hw.name}; {args.tokens_per_rank:,} tokens/rank, seq {seq}, wire {param_dtype or 'fp32'}"
+    )
     print(BASELINE_LINE)
     coll_note = ""
     if hw.coalesces:
-        coll_note = (f"; NCCL-coalesced broadcasts / reduces per boundary phase and group ({hw.coalesce_model} model"
-                     + (", uncalibrated" if hw.coalesce_model == "concurrent" else "") + ")")
+        coll_note = (
+            f"; NCCL-coalesced broadcasts / reduces per boundary phase and group ({hw.coalesce_model} model"
+            + (", uncalibrated" if hw.coalesce_model == "concurrent" else "")
+            + ")"
+        )
     a2a = token_a2a_line(plan, wl, hw, args.ep, top_k, act_dtype)
     if a2a:
         print(a2a)
@@ -252,34 +300,61 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
     payload, wire = buffer_padding(plan)
     kinds = ", ".join(f"{k} {c:,}" for k, c in sorted(by_kind.items())) or "none"
     pad = f"{100 * (wire / payload - 1):.4f} %" if payload else "-"
-    print(f"dmuon Z3 collectives per step: {kinds} (schedule table, all groups); busiest rank issues "
-          f"{busiest:,}{coll_note}; buffer padding {pad} ({payload:,} elements carried, {wire:,} moved per row and phase)")
-    hdr = (f"{'variant':<12}{'step ms':>10}{'x AdamW':>9}{'exposed ms':>12}{'NS ms':>9}{'NS %':>7}{'peak GiB':>10}"
-           f"{'TB moved':>12}{'calls/rank':>12}")
+    print(
+        f"dmuon Z3 collectives per step: {kinds} (schedule table, all groups); busiest rank issues "
+        f"{busiest:,}{coll_note}; buffer padding {pad} ({payload:,} elements carried, {wire:,} moved per row and phase)"
+    )
+    hdr = (
+        f"{'variant':<12}{'step ms':>10}{'x AdamW':>9}{'exposed ms':>12}{'NS ms':>9}{'NS %':>7}{'peak GiB':>10}"
+        f"{'TB moved':>12}{'calls/rank':>12}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for v, s in sims.items():
-        print(f"{v:<12}{1e3 * s.step_s:>10.1f}{s.step_s / base:>9.3f}{1e3 * s.exposed_comm_s:>12.1f}{1e3 * s.ns_s:>9.1f}"
-              f"{100 * s.ns_share:>7.1f}{max(s.peak_memory_nbytes) / 2**30:>10.2f} {s.comm_nbytes / 1e12:>11.3f}"
-              f"{max(s.collectives_per_rank, default=0):>12,}")
+        print(
+            f"{v:<12}{1e3 * s.step_s:>10.1f}{s.step_s / base:>9.3f}{1e3 * s.exposed_comm_s:>12.1f}{1e3 * s.ns_s:>9.1f}"
+            f"{100 * s.ns_share:>7.1f}{max(s.peak_memory_nbytes) / 2**30:>10.2f} {s.comm_nbytes / 1e12:>11.3f}"
+            f"{max(s.collectives_per_rank, default=0):>12,}"
+        )
     rec = recommend(sims, hw.memory_nbytes)
     print(f"\nrecommended: dmuon {rec.upper()} ({sims[rec].step_s / base:.3f} x FSDP2 + AdamW)")
     if not _fits(sims[rec], hw.memory_nbytes):  # recommend() prefers a mode that fits: none does
         peak = max(sims[rec].peak_memory_nbytes)
-        print(f"warning: no dmuon mode fits the device: {rec.upper()} peaks at {peak / 2**30:.1f} GiB per rank against "
-              f"{hw.memory_nbytes / 2**30:.1f} GiB (more shard ranks, TP, activation checkpointing or fewer tokens per rank)")
+        print(
+            f"warning: no dmuon mode fits the device: {rec.upper()} peaks at {peak / 2**30:.1f} GiB per rank against "
+            f"{hw.memory_nbytes / 2**30:.1f} GiB (more shard ranks, TP, activation checkpointing or fewer tokens per rank)"
+        )
     if args.json:
-        out = dict(model=args.model, mesh=list(plan.mesh_shape), tp=plan.tp_size, ep=args.ep, hardware=hw.name,
-                   tokens_per_rank=args.tokens_per_rank, seq_len=seq, recommended=rec, baseline=BASELINE_LINE,
-                   dmuon_collectives=by_kind, dmuon_collectives_busiest_rank=busiest,
-                   buffer_payload_numel=payload, buffer_wire_numel=wire,
-                   variants={v: dict(step_ms=1e3 * s.step_s, ratio_to_adamw=s.step_s / base,
-                                     exposed_comm_ms=1e3 * s.exposed_comm_s, ns_ms=1e3 * s.ns_s,
-                                     peak_memory_nbytes=list(s.peak_memory_nbytes), comm_nbytes=s.comm_nbytes,
-                                     collectives_busiest_rank=max(s.collectives_per_rank, default=0),
-                                     critical_rank=s.critical_rank, critical_op=s.critical_op,
-                                     critical_path_s=s.path_seconds())
-                             for v, s in sims.items()})
+        out = dict(
+            model=args.model,
+            mesh=list(plan.mesh_shape),
+            tp=plan.tp_size,
+            ep=args.ep,
+            hardware=hw.name,
+            tokens_per_rank=args.tokens_per_rank,
+            seq_len=seq,
+            recommended=rec,
+            baseline=BASELINE_LINE,
+            dmuon_collectives=by_kind,
+            dmuon_collectives_busiest_rank=busiest,
+            buffer_payload_numel=payload,
+            buffer_wire_numel=wire,
+            variants={
+                v: dict(
+                    step_ms=1e3 * s.step_s,
+                    ratio_to_adamw=s.step_s / base,
+                    exposed_comm_ms=1e3 * s.exposed_comm_s,
+                    ns_ms=1e3 * s.ns_s,
+                    peak_memory_nbytes=list(s.peak_memory_nbytes),
+                    comm_nbytes=s.comm_nbytes,
+                    collectives_busiest_rank=max(s.collectives_per_rank, default=0),
+                    critical_rank=s.critical_rank,
+                    critical_op=s.critical_op,
+                    critical_path_s=s.path_seconds(),
+                )
+                for v, s in sims.items()
+            },
+        )
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=1)
             f.write("\n")

@@ -48,7 +48,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPTConfig", "GPT", "Block", "Attention", "MLP", "MoE", "GroupedExperts", "lm_loss", "per_head_views", "qk_clip_spec"]
+__all__ = [
+    "GPTConfig",
+    "GPT",
+    "Block",
+    "Attention",
+    "MLP",
+    "MoE",
+    "GroupedExperts",
+    "lm_loss",
+    "per_head_views",
+    "qk_clip_spec",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -98,9 +109,7 @@ class GPTConfig:
                 f"n_experts={self.n_experts}"
             )
         if self.d_model % self.n_heads:
-            raise ValueError(
-                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}"
-            )
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
 
     @property
     def head_dim(self) -> int:
@@ -401,7 +410,9 @@ def qk_clip_spec(model: GPT, tau: float):
     from dmuon.plan._records.qk_clip_records import attention_qk_clip
 
     cfg = model.cfg
-    return attention_qk_clip(model, tau, suffix="attn", q="q_proj", k="k_proj", num_heads=cfg.n_heads, head_dim=cfg.head_dim)
+    return attention_qk_clip(
+        model, tau, suffix="attn", q="q_proj", k="k_proj", num_heads=cfg.n_heads, head_dim=cfg.head_dim
+    )
 
 
 #: ``parallelize_module`` plan of one :class:`Block` (Megatron-style): q/k/v and up colwise

@@ -53,10 +53,30 @@ __all__ = [
 ]
 
 RUN_FLAGS = (
-    "optimizer", "steps", "batch", "seq_len", "d_model", "n_layers", "n_heads", "d_mlp",
-    "lr", "adamw_lr", "weight_decay", "adamw_weight_decay", "warmup", "cooldown_frac",
-    "seed", "data", "val_fraction", "ns_dtype", "qk_clip", "matrix_views",
-    "experts", "top_k", "aux_loss_coef", "router_optimizer",
+    "optimizer",
+    "steps",
+    "batch",
+    "seq_len",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "d_mlp",
+    "lr",
+    "adamw_lr",
+    "weight_decay",
+    "adamw_weight_decay",
+    "warmup",
+    "cooldown_frac",
+    "seed",
+    "data",
+    "val_fraction",
+    "ns_dtype",
+    "qk_clip",
+    "matrix_views",
+    "experts",
+    "top_k",
+    "aux_loss_coef",
+    "router_optimizer",
 )
 """Flags that define the run: a resumed run must be given the same values (anything else --
 mesh, world size, Z2/Z3, logging, evaluation -- may change). ``ns_dtype`` is compared after
@@ -164,13 +184,15 @@ def save_checkpoint(
         optimizer.init_state()
     path = step_dir(root, step)
     sd = _state_dicts(model, optimizer)
-    sd["train"] = json.dumps({  # one JSON leaf: DCP loads only the leaves it is asked for
-        "step": step,
-        "scheduler": scheduler.state_dict(),
-        "history": history,
-        "train_time_s": float(train_time_s),
-        "flags": dict(flags),
-    })
+    sd["train"] = json.dumps(
+        {  # one JSON leaf: DCP loads only the leaves it is asked for
+            "step": step,
+            "scheduler": scheduler.state_dict(),
+            "history": history,
+            "train_time_s": float(train_time_s),
+            "flags": dict(flags),
+        }
+    )
     sd["rng"] = _rng_states(device)
     dcp.save(sd, checkpoint_id=path)
     return path
@@ -195,8 +217,10 @@ def load_checkpoint(
 
     found = latest_checkpoint(path)
     if found is None:
-        raise SystemExit(f"--resume {path}: no complete checkpoint there (a DCP folder with "
-                         f".metadata, or step_* folders written by --save)")
+        raise SystemExit(
+            f"--resume {path}: no complete checkpoint there (a DCP folder with "
+            f".metadata, or step_* folders written by --save)"
+        )
     holder = {"train": ""}
     dcp.load(holder, checkpoint_id=found)
     train = json.loads(holder["train"])
@@ -204,8 +228,9 @@ def load_checkpoint(
     diff = {k: (saved.get(k), v) for k, v in flags.items() if saved.get(k) != v}
     if diff:
         lines = ", ".join(f"--{k.replace('_', '-')} {s!r} (given {g!r})" for k, (s, g) in diff.items())
-        raise SystemExit(f"--resume {found}: the checkpoint belongs to another run; pass the "
-                         f"flags it was saved with: {lines}")
+        raise SystemExit(
+            f"--resume {found}: the checkpoint belongs to another run; pass the flags it was saved with: {lines}"
+        )
     if hasattr(optimizer, "init_state"):
         optimizer.init_state()
     sd = _state_dicts(model, optimizer)
@@ -217,5 +242,6 @@ def load_checkpoint(
     set_optimizer_state_dict(model, optimizer, sd["optim"])
     scheduler.load_state_dict(train["scheduler"])
     _set_rng_state(sd["rng"], device)
-    return TrainState(step=int(train["step"]), history=train["history"],
-                      train_time_s=float(train["train_time_s"]), path=found)
+    return TrainState(
+        step=int(train["step"]), history=train["history"], train_time_s=float(train["train_time_s"]), path=found
+    )

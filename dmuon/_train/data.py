@@ -45,9 +45,14 @@ DEFAULT_CORPUS_NBYTES = 4 * 1024 * 1024
 
 _SKIP_DIRS = frozenset(
     {
-        "site-packages", "dist-packages", "__pycache__",  # not the stdlib / not source
-        "test", "tests", "idle_test",  # test suites: odd encodings, huge data literals
-        "encodings", "pydoc_data",  # generated tables and text blobs, not code
+        "site-packages",
+        "dist-packages",
+        "__pycache__",  # not the stdlib / not source
+        "test",
+        "tests",
+        "idle_test",  # test suites: odd encodings, huge data literals
+        "encodings",
+        "pydoc_data",  # generated tables and text blobs, not code
     }
 )
 
@@ -138,8 +143,7 @@ def split_val_tokens(n: int, seq_len: int, val_fraction: float) -> int:
     n_val = max(seq_len + 1, int(n * val_fraction))
     if n - n_val < seq_len + 1:
         raise ValueError(
-            f"corpus of {n} tokens is too small for seq_len={seq_len} "
-            f"(needs at least {2 * (seq_len + 1)} tokens)"
+            f"corpus of {n} tokens is too small for seq_len={seq_len} (needs at least {2 * (seq_len + 1)} tokens)"
         )
     return n_val
 
@@ -236,8 +240,5 @@ class Corpus:
 
 def _per_rank(global_batch: int, world_size: int) -> int:
     if global_batch <= 0 or global_batch % world_size:
-        raise ValueError(
-            f"global batch {global_batch} must be a positive multiple of the world size "
-            f"{world_size}"
-        )
+        raise ValueError(f"global batch {global_batch} must be a positive multiple of the world size {world_size}")
     return global_batch // world_size

@@ -235,7 +235,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     # -- data ------------------------------------------------------------------------------
     tokens, desc = load_corpus(args.data)
     corpus = Corpus.from_tokens(
-        tokens, seq_len=args.seq_len, seed=args.seed, val_fraction=args.val_fraction,
+        tokens,
+        seq_len=args.seq_len,
+        seed=args.seed,
+        val_fraction=args.val_fraction,
         description=desc,
     )
     unigram = corpus.unigram_val_loss
@@ -309,15 +312,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         )
         from dmuon.exec._comm.collective_calls import LEDGER
     elif args.optimizer == "adamw":
-        opt = torch.optim.AdamW(
-            model.parameters(), lr=args.adamw_lr, weight_decay=args.adamw_weight_decay
-        )
+        opt = torch.optim.AdamW(model.parameters(), lr=args.adamw_lr, weight_decay=args.adamw_weight_decay)
         LEDGER = None
     else:
         raise ValueError(f"unknown --optimizer {args.optimizer!r} (expected dmuon, normuon or adamw)")
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, args.steps, args.warmup, args.cooldown_frac)
-    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args.steps, args.warmup, args.cooldown_frac))
 
     tokens_per_step = args.batch * args.seq_len
     aux_coef = float(getattr(args, "aux_loss_coef", 0.0)) if cfg.n_experts else 0.0
@@ -330,8 +329,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if cfg.n_experts:
         per_expert = 3 * cfg.d_model * cfg.d_mlp * cfg.n_layers
         active = n_params - (cfg.n_experts - cfg.top_k) * per_expert
-        moe_desc = (f" | MoE: {cfg.n_experts} experts, top-{cfg.top_k}, aux-loss coef {aux_coef}, "
-                    f"{active:,} active parameters per token")
+        moe_desc = (
+            f" | MoE: {cfg.n_experts} experts, top-{cfg.top_k}, aux-loss coef {aux_coef}, "
+            f"{active:,} active parameters per token"
+        )
         if cfg.ep > 1:
             moe_desc += f", expert parallel over ep = {cfg.ep} ranks ({cfg.n_experts // cfg.ep} experts each)"
     log(
@@ -390,9 +391,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     flags = run_flags(args, ns_name)
     save_dir = getattr(args, "save", None)
     if getattr(args, "resume", None):
-        state = load_checkpoint(
-            args.resume, model=model, optimizer=opt, scheduler=sched, flags=flags, device=device
-        )
+        state = load_checkpoint(args.resume, model=model, optimizer=opt, scheduler=sched, flags=flags, device=device)
         start_step, train_time = state.step, state.train_time_s
         history_train = [list(e) for e in state.history["train"]]
         history_val = [list(e) for e in state.history["val"]]
@@ -490,9 +489,15 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         bar.update(1)
         if save_dir and (step % args.save_every == 0 or last):
             path = save_checkpoint(
-                save_dir, step=step, model=model, optimizer=opt, scheduler=sched,
-                history=history(), train_time_s=_rank0_float(train_time, comm_device),
-                flags=flags, device=device,
+                save_dir,
+                step=step,
+                model=model,
+                optimizer=opt,
+                scheduler=sched,
+                history=history(),
+                train_time_s=_rank0_float(train_time, comm_device),
+                flags=flags,
+                device=device,
             )
             log(f"step {step:>6}/{args.steps} | saved {path}")
     bar.close()
@@ -585,8 +590,10 @@ def run_job(args: argparse.Namespace) -> dict[str, Any]:
         if dist.get_rank() == 0 and not args.quiet and metrics["final_val_loss"] is not None:
             write_line(
                 f"compare after {args.steps} steps: "
-                + " vs ".join(f"val {m['final_val_loss']:.4f} ({m['optimizer']}, train time {m['train_time_s']:.1f} s)"
-                              for m in runs)
+                + " vs ".join(
+                    f"val {m['final_val_loss']:.4f} ({m['optimizer']}, train time {m['train_time_s']:.1f} s)"
+                    for m in runs
+                )
             )
     if getattr(args, "png", None) and dist.get_rank() == 0:
         from dmuon._train.loss_plot import plot_runs

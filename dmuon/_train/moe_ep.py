@@ -48,7 +48,9 @@ def new_ep_group(ep: int):
 def expert_range(num_experts: int, ep: int, ep_rank: int) -> range:
     """The experts rank ``ep_rank`` of an EP group of ``ep`` ranks holds: ``E/ep`` consecutive ones."""
     if ep < 1 or num_experts % ep or not 0 <= ep_rank < ep:
-        raise ValueError(f"{num_experts} experts over ep = {ep}: ep must divide the experts, rank {ep_rank} in 0..{ep - 1}")
+        raise ValueError(
+            f"{num_experts} experts over ep = {ep}: ep must divide the experts, rank {ep_rank} in 0..{ep - 1}"
+        )
     local = num_experts // ep
     return range(ep_rank * local, (ep_rank + 1) * local)
 
@@ -64,8 +66,9 @@ def _all_to_all(x: torch.Tensor, out_split: list[int], in_split: list[int], grou
         return all_to_all_single(out, x.contiguous(), out_split, in_split, group=group)
 
 
-def dispatch_combine(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, experts, *, num_experts: int,
-                     group) -> torch.Tensor:
+def dispatch_combine(
+    x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, experts, *, num_experts: int, group
+) -> torch.Tensor:
     """The expert-parallel MoE of one block on this rank's tokens.
 
     Args:

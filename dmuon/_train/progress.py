@@ -33,8 +33,7 @@ def progress_bar(*, total: int, initial: int = 0, enabled: bool = True):
     except ImportError:  # the [train] extra is absent: log lines only
         return _NoBar()
 
-    bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr,
-               leave=False)
+    bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr, leave=False)
     _ACTIVE.append(bar)
     close = bar.close
 

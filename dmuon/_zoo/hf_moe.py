@@ -87,7 +87,9 @@ class MLAttention(nn.Module):
     rotary embedding: the shared rope key part is broadcast to every head as plain key features.
     Shapes (what planning reads) are exact; the arithmetic is not DeepSeek's."""
 
-    def __init__(self, hidden: int, num_heads: int, q_lora: int, kv_lora: int, nope: int, rope: int, v_dim: int) -> None:
+    def __init__(
+        self, hidden: int, num_heads: int, q_lora: int, kv_lora: int, nope: int, rope: int, v_dim: int
+    ) -> None:
         super().__init__()
         self.h, self.nope, self.rope, self.v_dim, self.kv_lora = num_heads, nope, rope, v_dim, kv_lora
         self.q_a_proj = nn.Linear(hidden, q_lora, bias=False)
@@ -182,7 +184,9 @@ def hf_moe(
         layers = [
             HFMoEDecoderLayer(
                 attention(),
-                LlamaMLP(hidden, dense_ffn) if i < first_dense else HFSparseMoeBlock(hidden, moe_ffn, num_experts, top_k, shared_ffn),
+                LlamaMLP(hidden, dense_ffn)
+                if i < first_dense
+                else HFSparseMoeBlock(hidden, moe_ffn, num_experts, top_k, shared_ffn),
                 hidden,
             )
             for i in range(num_layers)
@@ -195,8 +199,19 @@ def qwen3_30b_a3b(device: torch.device | str = "meta", dtype: torch.dtype = torc
     """Qwen3-30B-A3B shapes: 48 layers, hidden 2048, 32 query / 4 key-value heads of 128 (q_proj
     ``(4096, 2048)``, k/v ``(512, 2048)``, o ``(2048, 4096)``), every layer an MoE of 128 experts of
     FFN 768 (top-8), vocab 151936, untied LM head; 30.5 B parameters."""
-    return hf_moe(num_layers=48, hidden=2048, num_experts=128, moe_ffn=768, top_k=8, vocab=151936,
-                  num_heads=32, num_kv_heads=4, head_dim=128, device=device, dtype=dtype)
+    return hf_moe(
+        num_layers=48,
+        hidden=2048,
+        num_experts=128,
+        moe_ffn=768,
+        top_k=8,
+        vocab=151936,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        device=device,
+        dtype=dtype,
+    )
 
 
 def deepseek_v3(device: torch.device | str = "meta", dtype: torch.dtype = torch.float32) -> HFMoEForCausalLM:
@@ -209,6 +224,18 @@ def deepseek_v3(device: torch.device | str = "meta", dtype: torch.dtype = torch.
     (:class:`MLAttention`) but not its rotary arithmetic; the router has no
     ``e_score_correction_bias`` (a 1-D vector, AdamW either way), and there is no multi-token
     prediction layer. For planning, only the shapes matter."""
-    return hf_moe(num_layers=61, hidden=7168, num_experts=256, moe_ffn=2048, top_k=8, vocab=129280,
-                  num_heads=128, mla=dict(q_lora=1536, kv_lora=512, nope=128, rope=64, v_dim=128),
-                  first_dense=3, dense_ffn=18432, shared_ffn=2048, device=device, dtype=dtype)
+    return hf_moe(
+        num_layers=61,
+        hidden=7168,
+        num_experts=256,
+        moe_ffn=2048,
+        top_k=8,
+        vocab=129280,
+        num_heads=128,
+        mla=dict(q_lora=1536, kv_lora=512, nope=128, rope=64, v_dim=128),
+        first_dense=3,
+        dense_ffn=18432,
+        shared_ffn=2048,
+        device=device,
+        dtype=dtype,
+    )

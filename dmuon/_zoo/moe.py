@@ -60,7 +60,18 @@ class MoELayer(nn.Module):
 class MoETransformer(nn.Module):
     """``embed``, ``layers.N.{self_attn,mlp.gate,mlp.experts}``, ``norm``, ``lm_head``."""
 
-    def __init__(self, *, vocab: int, hidden: int, kv_dim: int, ffn: int, num_layers: int, num_experts: int, top_k: int, head_dim: int) -> None:
+    def __init__(
+        self,
+        *,
+        vocab: int,
+        hidden: int,
+        kv_dim: int,
+        ffn: int,
+        num_layers: int,
+        num_experts: int,
+        top_k: int,
+        head_dim: int,
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, hidden)
         self.layers = nn.ModuleList(
@@ -113,4 +124,6 @@ def mixtral_8x7b(device: torch.device | str = "meta", dtype: torch.dtype = torch
 
 def tiny_moe(device: torch.device | str = "meta", dtype: torch.dtype = torch.float32) -> MoETransformer:
     """2 layers, hidden 32, kv 16, 4 experts of FFN 48, vocab 64, head_dim 8."""
-    return moe(num_layers=2, hidden=32, kv_dim=16, ffn=48, num_experts=4, vocab=64, head_dim=8, device=device, dtype=dtype)
+    return moe(
+        num_layers=2, hidden=32, kv_dim=16, ffn=48, num_experts=4, vocab=64, head_dim=8, device=device, dtype=dtype
+    )

@@ -56,7 +56,9 @@ class PatchEmbed(nn.Module):
 class VisionTransformer(nn.Module):
     """timm-named ViT; ``forward(images (B, C, H, W)) -> logits (B, num_classes)``."""
 
-    def __init__(self, *, img_size: int, patch: int, dim: int, depth: int, num_heads: int, mlp_hidden: int, num_classes: int) -> None:
+    def __init__(
+        self, *, img_size: int, patch: int, dim: int, depth: int, num_heads: int, mlp_hidden: int, num_classes: int
+    ) -> None:
         super().__init__()
         self.patch_embed = PatchEmbed(patch, 3, dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))

@@ -22,8 +22,9 @@ def wrap_clip_grad_norm(fn):
     """The wrapper of ``torchtitan.distributed.utils.clip_grad_norm_`` (registry factory)."""
 
     @functools.wraps(fn)
-    def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None,
-                        pp_mesh=None, ep_enabled=False):
+    def clip_grad_norm_(
+        parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None, pp_mesh=None, ep_enabled=False
+    ):
         import torch
 
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)

@@ -79,7 +79,8 @@ def _check_fsdp2_plugin(accelerator, model: nn.Module) -> None:
         )
     if accelerator.mixed_precision != "no":
         low = [
-            dedicated_info(p).fqn for p in model.parameters()
+            dedicated_info(p).fqn
+            for p in model.parameters()
             if dedicated_info(p) is not None and p.requires_grad and p.dtype != torch.float32
         ]
         if low:

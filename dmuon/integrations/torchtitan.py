@@ -334,7 +334,9 @@ def build_muon(param_groups: list[dict[str, Any]], **factory_kwargs: Any):
     signature = _muon_signature_defaults()
     unknown = sorted(set(factory_kwargs) - set(signature))
     if unknown:
-        raise TypeError(f"dmuon.integrations.torchtitan: optimizer_factory_kwargs_by_name['Muon'] {unknown} are not dmuon.Muon arguments")
+        raise TypeError(
+            f"dmuon.integrations.torchtitan: optimizer_factory_kwargs_by_name['Muon'] {unknown} are not dmuon.Muon arguments"
+        )
     defaults = {**signature, **factory_kwargs}
     opt = None
     for i, group in enumerate(param_groups):
@@ -427,10 +429,20 @@ def muon_optimizer(
     the embeddings; ``muon_kwargs``: more ``dmuon.Muon`` arguments (``ns_steps``,
     ``adjust_lr_fn``, ``ns_dtype`` ...)."""
     kwargs = dict(
-        lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, adamw_lr=adamw_lr,
-        adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay, **muon_kwargs,
+        lr=lr,
+        weight_decay=weight_decay,
+        momentum=momentum,
+        nesterov=nesterov,
+        adamw_lr=adamw_lr,
+        adamw_betas=tuple(adamw_betas),
+        adamw_eps=adamw_eps,
+        adamw_weight_decay=adamw_weight_decay,
+        **muon_kwargs,
     )
     return DmuonOptimizersContainer.Config(
-        param_groups=[*extra_param_groups, ParamGroupConfig(pattern=r".*", optimizer_name="Muon", optimizer_kwargs=kwargs)],
+        param_groups=[
+            *extra_param_groups,
+            ParamGroupConfig(pattern=r".*", optimizer_name="Muon", optimizer_kwargs=kwargs),
+        ],
         implementation="for-loop",
     )

@@ -39,8 +39,10 @@ __all__ = ["compile"]
 def _mp_dtypes(mp_policy: Any) -> tuple[str | None, str | None]:
     if mp_policy is None:
         return None, None
-    return (wire_dtype_str(getattr(mp_policy, "param_dtype", None), "mp_policy.param_dtype"),
-            wire_dtype_str(getattr(mp_policy, "reduce_dtype", None), "mp_policy.reduce_dtype"))
+    return (
+        wire_dtype_str(getattr(mp_policy, "param_dtype", None), "mp_policy.param_dtype"),
+        wire_dtype_str(getattr(mp_policy, "reduce_dtype", None), "mp_policy.reduce_dtype"),
+    )
 
 
 def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile is the public name
@@ -252,7 +254,9 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
         )
     if qk_clip is not None:
         if not isinstance(qk_clip, QKClip):
-            raise TypeError(f"qk_clip must be a dmuon.plan._records.qk_clip_records.QKClip, got {type(qk_clip).__name__}")
+            raise TypeError(
+                f"qk_clip must be a dmuon.plan._records.qk_clip_records.QKClip, got {type(qk_clip).__name__}"
+            )
         check_qk_clip(qk_clip, specs, snapshot.modules, {a: r for r in snapshot.params for a in r.aliases})
     if ns_backend != "standard":
         with_view = [spec.fqn for spec in specs if spec.view is not None]
@@ -263,13 +267,20 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
                 f"ns_backend='standard' with matrix_views, or drop matrix_views"
             )
         specs = tuple(
-            spec if spec.tp_size > 1
+            spec
+            if spec.tp_size > 1
             else dataclasses.replace(spec, ns_backend=_rules.choose_ns_backend(spec.matrix_shape, ns_backend))
             for spec in specs
         )
     R, N = mesh_shape
     owners = assign_owners(
-        specs, [s.boundary for s in selected], mesh_shape, cost_model, owner_groups, T, qk_clip,
+        specs,
+        [s.boundary for s in selected],
+        mesh_shape,
+        cost_model,
+        owner_groups,
+        T,
+        qk_clip,
         _rules.gram_segment_lengths(tp_ns_steps, tp_gram_restart_every),
     )
     fallback = {s.boundary: s.fallback for s in selected}
@@ -279,8 +290,15 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
     def layout(owners):
         return build_boundaries(
             [
-                (spec.fqn, spec.local_shape, spec.local_numel, spec.dtype, owner, s.boundary,
-                 spec.ep_size if isinstance(owner, ExpertOwners) and not owner.local else 1)
+                (
+                    spec.fqn,
+                    spec.local_shape,
+                    spec.local_numel,
+                    spec.dtype,
+                    owner,
+                    s.boundary,
+                    spec.ep_size if isinstance(owner, ExpertOwners) and not owner.local else 1,
+                )
                 for spec, owner, s in zip(specs, owners, selected)
             ],
             boundary_order,
@@ -295,14 +313,26 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
     boundaries = layout(owners)
     z3 = bool(reshard_after_forward)
     placed = equal_slots(
-        specs, owners, [s.boundary for s in selected], boundaries, collective_settings, mesh_shape=mesh_shape,
-        align_numel=align_numel, itemsizes=itemsizes, reshard_after_forward=z3, cost_model=cost_model,
+        specs,
+        owners,
+        [s.boundary for s in selected],
+        boundaries,
+        collective_settings,
+        mesh_shape=mesh_shape,
+        align_numel=align_numel,
+        itemsizes=itemsizes,
+        reshard_after_forward=z3,
+        cost_model=cost_model,
         segment_lengths=_rules.gram_segment_lengths(tp_ns_steps, tp_gram_restart_every),
     )
     if placed != owners:
         owners, boundaries = placed, layout(placed)
     boundaries = assign_collectives(
-        boundaries, collective_settings, num_shards=N, align_numel=align_numel, itemsizes=itemsizes,
+        boundaries,
+        collective_settings,
+        num_shards=N,
+        align_numel=align_numel,
+        itemsizes=itemsizes,
         reshard_after_forward=z3,
     )
     plan = ShardingPlan(
@@ -387,7 +417,8 @@ def _ep_specs(snapshot, selected, specs, ep: int, gate_up: str):
             "parameter under an 'experts' module); expert parallelism needs every stack recognised (experts='auto')"
         )
     left = [
-        r.fqn for r in snapshot.params
+        r.fqn
+        for r in snapshot.params
         if r.fqn not in chosen and r.ndim == 3 and record_stack(snapshot, r, gate_up) is not None
     ]
     if left:
@@ -397,7 +428,9 @@ def _ep_specs(snapshot, selected, specs, ep: int, gate_up: str):
             "average: dedicate every expert stack"
         )
     if not any(spec.experts is not None for spec in specs):
-        raise ValueError(f"dmuon.plan._compile: ep={ep} but the model has no expert stack (dmuon.plan._model.expert_ranges)")
+        raise ValueError(
+            f"dmuon.plan._compile: ep={ep} but the model has no expert stack (dmuon.plan._model.expert_ranges)"
+        )
     out = []
     for spec in specs:
         if spec.experts is not None:
@@ -490,9 +523,7 @@ def _tp_specs(snapshot, selected, specs, tp_ns, tp_size, tp_shard_dims, ns_steps
             if r.tp_unsupported:
                 problems.append(f"  {r.fqn}: {r.tp_unsupported}")
             elif r.tp_shard_dim is None:
-                problems.append(
-                    f"  {r.fqn}: replicated over the TP mesh (Replicate()); dmuon owns TP-sharded matrices"
-                )
+                problems.append(f"  {r.fqn}: replicated over the TP mesh (Replicate()); dmuon owns TP-sharded matrices")
             else:
                 dims[r.fqn] = r.tp_shard_dim
                 sizes[r.fqn] = r.tp_size
@@ -531,7 +562,8 @@ def _tp_specs(snapshot, selected, specs, tp_ns, tp_size, tp_shard_dims, ns_steps
         out.append(spec)
     if view_problems:
         raise ValueError(
-            "dmuon.plan._compile: matrix views that tensor parallelism splits:\n" + "\n".join(view_problems)
+            "dmuon.plan._compile: matrix views that tensor parallelism splits:\n"
+            + "\n".join(view_problems)
             + "\nA view works under TP when it cuts the dim TP shards and every TP shard holds whole blocks "
             "(per-head q/k/v with colwise TP, per-head o_proj with rowwise TP, heads divisible by the TP degree); "
             "drop the view for these matrices (matrix_views) or shard them so."

@@ -12,7 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dmuon.plan._cost.flops import GRAM_RESTART_EVERY, NS_STEPS, gram_segment_lengths, matrix_ns_flops, ns_flops, tp_gram_side
+from dmuon.plan._cost.flops import (
+    GRAM_RESTART_EVERY,
+    NS_STEPS,
+    gram_segment_lengths,
+    matrix_ns_flops,
+    ns_flops,
+    tp_gram_side,
+)
 from dmuon.plan._cost.nbytes import all_reduce_rank_nbytes
 from dmuon.plan._records.fields import itemsize_nbytes
 from dmuon.plan._records.params import ParamSpec
@@ -91,8 +98,13 @@ EXPERT_RANGE_SLACK = 0.5
 GRAM_AUTO_MIN_SIDE = 256
 
 
-def choose_ns_backend(matrix_shape: Sequence[int], mode: str, *, steps: int = NS_STEPS,
-                      restart_every: int | Sequence[int] | None = GRAM_RESTART_EVERY) -> str:
+def choose_ns_backend(
+    matrix_shape: Sequence[int],
+    mode: str,
+    *,
+    steps: int = NS_STEPS,
+    restart_every: int | Sequence[int] | None = GRAM_RESTART_EVERY,
+) -> str:
     """The Newton-Schulz backend a matrix runs: ``"standard"`` or ``"gram"`` (the one rule, used by
     :func:`dmuon.plan.compile` to fill ``ParamSpec.ns_backend``, by ``dmuon.Muon`` to check it and
     by ``dmuon.exec._optim.ns_backends.auto_newton_schulz`` at run time).

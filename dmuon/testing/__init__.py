@@ -40,12 +40,32 @@ Modules: :mod:`~dmuon.testing._proxies` (:class:`Proxy` and its constructors),
 every public name but the NorMuon functions is importable from here.
 """
 
-from dmuon.testing._check import (BF16_LOSS_RTOL, BF16_PARAM_TOL, FP32_LOSS_RTOL, FP32_PARAM_TOL, Report, bounds,
-                                 check_against_reference)
-from dmuon.testing._proxies import (EXPERT_LAYOUTS, Proxy, conv, expert_stack, matrix, matrix_view, proxies_for,
-                                   proxies_from_plan)
-from dmuon.testing._reference import (ReferenceOptimizer, fp32_newton_schulz, patched_newton_schulz,
-                                     reference_newton_schulz, reference_run)
+from dmuon.testing._check import (
+    BF16_LOSS_RTOL,
+    BF16_PARAM_TOL,
+    FP32_LOSS_RTOL,
+    FP32_PARAM_TOL,
+    Report,
+    bounds,
+    check_against_reference,
+)
+from dmuon.testing._proxies import (
+    EXPERT_LAYOUTS,
+    Proxy,
+    conv,
+    expert_stack,
+    matrix,
+    matrix_view,
+    proxies_for,
+    proxies_from_plan,
+)
+from dmuon.testing._reference import (
+    ReferenceOptimizer,
+    fp32_newton_schulz,
+    patched_newton_schulz,
+    reference_newton_schulz,
+    reference_run,
+)
 
 __all__ = [
     "Proxy",

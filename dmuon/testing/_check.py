@@ -15,8 +15,15 @@ from torch import Tensor, nn
 from dmuon.testing._proxies import proxies_from_plan
 from dmuon.testing._reference import reference_run
 
-__all__ = ["bounds", "FP32_LOSS_RTOL", "FP32_PARAM_TOL", "BF16_LOSS_RTOL", "BF16_PARAM_TOL", "Report",
-           "check_against_reference"]
+__all__ = [
+    "bounds",
+    "FP32_LOSS_RTOL",
+    "FP32_PARAM_TOL",
+    "BF16_LOSS_RTOL",
+    "BF16_PARAM_TOL",
+    "Report",
+    "check_against_reference",
+]
 
 # ---------------------------------------------------------------------------------------------
 # bounds of the numerical contract
@@ -258,9 +265,18 @@ def check_against_reference(
     ref_hp.pop("ns_dtype", None)
 
     results = run_distributed(
-        _dmuon_worker, world_size, model_fn, loss_fn, batches, mesh_shape, seed,
-        dict(dedicate_kwargs or {}), dict(fully_shard_kwargs or {}), {**optimizer_kwargs, "ns_dtype": ns_dtype},
-        timeout_s=timeout_s, threads=threads,
+        _dmuon_worker,
+        world_size,
+        model_fn,
+        loss_fn,
+        batches,
+        mesh_shape,
+        seed,
+        dict(dedicate_kwargs or {}),
+        dict(fully_shard_kwargs or {}),
+        {**optimizer_kwargs, "ns_dtype": ns_dtype},
+        timeout_s=timeout_s,
+        threads=threads,
     )
     plan = ShardingPlan.from_json(results[0]["plan_json"])
     with torch.random.fork_rng(devices=[]):

@@ -16,7 +16,9 @@ from torch import Tensor
 __all__ = ["reference_newton_schulz", "patched_newton_schulz", "fp32_newton_schulz"]
 
 
-def reference_newton_schulz(grad: Tensor, ns_coefficients, ns_steps: int, eps: float, *, dtype: torch.dtype = torch.float32) -> Tensor:
+def reference_newton_schulz(
+    grad: Tensor, ns_coefficients, ns_steps: int, eps: float, *, dtype: torch.dtype = torch.float32
+) -> Tensor:
     """``torch.optim._muon._zeropower_via_newtonschulz`` with the iteration in ``dtype`` (torch's
     is bf16) and the same arithmetic otherwise. ``ns_coefficients``: one ``(a, b, c)`` triple,
     or a per-step table of ``ns_steps`` triples (dmuon's per-step presets)."""

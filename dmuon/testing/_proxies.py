@@ -12,7 +12,16 @@ from typing import Optional, Union
 
 from torch import Tensor
 
-__all__ = ["Proxy", "EXPERT_LAYOUTS", "matrix", "conv", "matrix_view", "expert_stack", "proxies_for", "proxies_from_plan"]
+__all__ = [
+    "Proxy",
+    "EXPERT_LAYOUTS",
+    "matrix",
+    "conv",
+    "matrix_view",
+    "expert_stack",
+    "proxies_for",
+    "proxies_from_plan",
+]
 
 
 _Index = Union[int, tuple[int, int, int]]
@@ -207,7 +216,9 @@ def proxies_from_plan(plan, stack_layouts: Optional[Mapping[str, str]] = None) -
             )
         out[spec.fqn] = proxies
     if stack_layouts:
-        raise KeyError(f"stack_layouts names parameters that are not dedicated 3-D stacks of the plan: {sorted(stack_layouts)}")
+        raise KeyError(
+            f"stack_layouts names parameters that are not dedicated 3-D stacks of the plan: {sorted(stack_layouts)}"
+        )
     return out
 
 
@@ -216,4 +227,3 @@ def _shape(shape: Sequence[int], nd: int, what: str) -> tuple[int, ...]:
     if len(shape) != nd:
         raise ValueError(f"{what}: expected a {nd}-D shape, got {shape}")
     return shape
-

@@ -18,15 +18,29 @@ from torch import Tensor, nn
 from dmuon.testing._newton_schulz import fp32_newton_schulz, patched_newton_schulz, reference_newton_schulz
 from dmuon.testing._proxies import Proxy
 
-__all__ = ["reference_newton_schulz", "patched_newton_schulz", "fp32_newton_schulz", "ReferenceOptimizer", "reference_run"]
+__all__ = [
+    "reference_newton_schulz",
+    "patched_newton_schulz",
+    "fp32_newton_schulz",
+    "ReferenceOptimizer",
+    "reference_run",
+]
 
 
 # ---------------------------------------------------------------------------------------------
 # the single-process reference
 # ---------------------------------------------------------------------------------------------
 
-_MUON_HP = dict(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True, ns_coefficients=(3.4445, -4.775, 2.0315),
-                eps=1e-7, ns_steps=None, adjust_lr_fn=None)
+_MUON_HP = dict(
+    lr=1e-3,
+    weight_decay=0.1,
+    momentum=0.95,
+    nesterov=True,
+    ns_coefficients=(3.4445, -4.775, 2.0315),
+    eps=1e-7,
+    ns_steps=None,
+    adjust_lr_fn=None,
+)
 _ADAMW_HP = dict(adamw_lr=1e-3, adamw_betas=(0.9, 0.999), adamw_eps=1e-8, adamw_weight_decay=1e-2)
 _NORMUON_HP = dict(variant="muon", normuon_beta2=0.95, normuon_eps=1e-10)
 
@@ -116,7 +130,9 @@ class ReferenceOptimizer:
             self.proxies[fqn] = proxies
             self._real[fqn] = p
             self.proxy_params[fqn] = tuple(
-                nn.Parameter(pr.of(p.detach()).clone(memory_format=torch.contiguous_format), requires_grad=p.requires_grad)
+                nn.Parameter(
+                    pr.of(p.detach()).clone(memory_format=torch.contiguous_format), requires_grad=p.requires_grad
+                )
                 for pr in proxies
             )
 
@@ -139,12 +155,21 @@ class ReferenceOptimizer:
         rest = [p for fqn, p in named.items() if fqn not in self._real]
         self.muon = torch.optim.Muon(
             muon_params if muon_params else [nn.Parameter(torch.zeros(1, 1))],  # torch rejects an empty list
-            lr=h["lr"], weight_decay=h["weight_decay"], momentum=h["momentum"], nesterov=h["nesterov"],
-            ns_coefficients=coefficients, eps=h["eps"], ns_steps=h["ns_steps"], adjust_lr_fn=h["adjust_lr_fn"],
+            lr=h["lr"],
+            weight_decay=h["weight_decay"],
+            momentum=h["momentum"],
+            nesterov=h["nesterov"],
+            ns_coefficients=coefficients,
+            eps=h["eps"],
+            ns_steps=h["ns_steps"],
+            adjust_lr_fn=h["adjust_lr_fn"],
         )
         self.adamw = torch.optim.AdamW(
             rest if rest else [nn.Parameter(torch.zeros(1))],
-            lr=h["adamw_lr"], betas=h["adamw_betas"], eps=h["adamw_eps"], weight_decay=h["adamw_weight_decay"],
+            lr=h["adamw_lr"],
+            betas=h["adamw_betas"],
+            eps=h["adamw_eps"],
+            weight_decay=h["adamw_weight_decay"],
         )
 
     @torch.no_grad()
@@ -182,10 +207,17 @@ class ReferenceOptimizer:
                     continue
                 state = self.muon.state[pp]
                 new, buf, v = normuon_step(
-                    pp.detach(), pp.grad, state.get("momentum_buffer"), state.get("second_momentum_buffer"),
-                    lr=lr, weight_decay=group["weight_decay"], momentum=group["momentum"],
-                    nesterov=group["nesterov"], adjust_lr_fn=group["adjust_lr_fn"],
-                    orthogonalize=lambda x: ns(x, coefficients, steps, eps), **self._normuon_hp,
+                    pp.detach(),
+                    pp.grad,
+                    state.get("momentum_buffer"),
+                    state.get("second_momentum_buffer"),
+                    lr=lr,
+                    weight_decay=group["weight_decay"],
+                    momentum=group["momentum"],
+                    nesterov=group["nesterov"],
+                    adjust_lr_fn=group["adjust_lr_fn"],
+                    orthogonalize=lambda x: ns(x, coefficients, steps, eps),
+                    **self._normuon_hp,
                 )
                 pp.copy_(new)
                 state["momentum_buffer"], state["second_momentum_buffer"] = buf, v
@@ -237,4 +269,3 @@ def reference_run(
         opt.zero_grad()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
-

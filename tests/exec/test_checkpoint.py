@@ -134,13 +134,19 @@ def _layout_report(model, opt, plan):
         if not isinstance(buf, DTensor) or buf.to_local().shape[0] > chunk or tuple(buf.shape) != plan.param(key).shape:
             bad.append(("momentum", key))
         v = osd["state"][key].get("second_momentum_buffer")  # NorMuon: (out, 1), chunked like the momentum
-        if v is not None and (not isinstance(v, DTensor) or v.to_local().shape[0] > chunk
-                              or tuple(v.shape) != (plan.param(key).shape[0], 1) or v.dtype != torch.float32):
+        if v is not None and (
+            not isinstance(v, DTensor)
+            or v.to_local().shape[0] > chunk
+            or tuple(v.shape) != (plan.param(key).shape[0], 1)
+            or v.dtype != torch.float32
+        ):
             bad.append(("second moment", key))
     # a plain model.state_dict(): the same sharded form, no zero-size placeholder anywhere
     plain = model.state_dict()
     zero = [k for k, v in plain.items() if isinstance(v, torch.Tensor) and v.numel() == 0]
-    plain_dtensor = all(isinstance(plain[k], DTensor) and tuple(plain[k].shape) == plan.param(k).shape for k in dedicated)
+    plain_dtensor = all(
+        isinstance(plain[k], DTensor) and tuple(plain[k].shape) == plan.param(k).shape for k in dedicated
+    )
     return dict(
         rank=dist.get_rank(),
         model_keys=list(msd),
@@ -334,12 +340,14 @@ def _full_round_trip(model, opt, done, batches, variant="muon"):
         loaded = torch.load(buf, weights_only=True)
         msd, osd = loaded["model"], loaded["optim"]
     full_shapes = rank != 0 or all(
-        v.shape == osd["state"][k]["momentum_buffer"].shape for k, v in msd.items() if k in osd["state"]
-        and "momentum_buffer" in osd["state"][k]
+        v.shape == osd["state"][k]["momentum_buffer"].shape
+        for k, v in msd.items()
+        if k in osd["state"] and "momentum_buffer" in osd["state"][k]
     )
     if rank == 0 and variant == "normuon":  # plain full tensors of the second-moment shape (out, 1)
         full_shapes = full_shapes and all(
-            osd["state"][k]["second_momentum_buffer"].shape == (v.shape[0], 1) for k, v in msd.items()
+            osd["state"][k]["second_momentum_buffer"].shape == (v.shape[0], 1)
+            for k, v in msd.items()
             if k in osd["state"] and "momentum_buffer" in osd["state"][k]
         )
     fresh, fresh_opt, _ = _build(None, variant=variant)

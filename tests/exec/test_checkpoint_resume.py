@@ -56,8 +56,9 @@ def _build(case, launch: int):
     model = make_model("tiny")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if case.get("mp") else None
     collectives = case.get("collectives", ("auto", "auto"))[launch]
-    plan = dmuon.dedicate_params(model, mesh, reshard_after_forward=case.get("z3", True), mp_policy=mp,
-                                 collectives=collectives)
+    plan = dmuon.dedicate_params(
+        model, mesh, reshard_after_forward=case.get("z3", True), mp_policy=mp, collectives=collectives
+    )
     if collectives != "auto":
         assert {buf.collective for b in plan.boundaries for buf in b.buffers} == {collectives}
     kw = {} if mp is None else {"mp_policy": mp}

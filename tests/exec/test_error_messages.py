@@ -141,7 +141,11 @@ def test_train_cli_user_error_inside_ranks_prints_one_clean_line(tmp_path):
     missing = tmp_path / "no_checkpoint_here"
     proc = subprocess.run(
         [sys.executable, "-m", "dmuon", "train", "--resume", str(missing), "--steps", "2", "--quiet"],
-        cwd=tmp_path, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=240,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": REPO},
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0

@@ -38,7 +38,7 @@ def _train(model, opt, steps=2):
     for _ in range(steps):
         batch = torch.randint(0, 11, (4, 6), generator=g)
         r = dist.get_rank()
-        lm_loss(model, batch[2 * r % 4: 2 * r % 4 + 2]).backward()
+        lm_loss(model, batch[2 * r % 4 : 2 * r % 4 + 2]).backward()
         opt.step()
         opt.zero_grad()
     sd = dmuon.full_state_dict(model, rank0_only=False)

@@ -59,8 +59,11 @@ def _worker(mesh_shape, collectives):
     # the reduce buffers: a broadcast segment's own; an all-gathered buffer's reduce-scatter input
     # (k slots) and output (this rank's slot, its held segment's reduce_buf)
     gathers = [gb for b in rt.boundaries for gb in b.gathers]
-    reduce_tensors = lambda: [seg.reduce_buf for seg in segments if seg.gather is None] + [  # noqa: E731
-        t for gb in gathers for t in (gb.rs_in, gb.rs_out)]
+
+    def reduce_tensors():
+        return [seg.reduce_buf for seg in segments if seg.gather is None] + [
+            t for gb in gathers for t in (gb.rs_in, gb.rs_out)
+        ]
 
     tolist_calls = []
     orig_tolist = torch.Tensor.tolist
@@ -141,12 +144,16 @@ def _worker(mesh_shape, collectives):
     opt.zero_grad()
     log["bufs_same_end"] = buffers() == bufs
     log["dtype_device"] = all(
-        seg.reduce_buf.dtype == seg.reduce_dtype and seg.reduce_buf.device == seg.wire.device
+        seg.reduce_buf.dtype == seg.reduce_dtype
+        and seg.reduce_buf.device == seg.wire.device
         and seg.reduce_buf.numel() == seg.numel
-        for seg in segments if seg.gather is None
+        for seg in segments
+        if seg.gather is None
     ) and all(
-        gb.rs_in.dtype == gb.rs_out.dtype == gb.reduce_dtype and gb.rs_in.numel() == gb.k * gb.slot_numel
-        and gb.rs_out.numel() == gb.slot_numel and (gb.held is None or gb.held.reduce_buf is gb.rs_out)
+        gb.rs_in.dtype == gb.rs_out.dtype == gb.reduce_dtype
+        and gb.rs_in.numel() == gb.k * gb.slot_numel
+        and gb.rs_out.numel() == gb.slot_numel
+        and (gb.held is None or gb.held.reduce_buf is gb.rs_out)
         for gb in gathers
     )
     log["kinds"] = sorted({buf.collective for b in plan.boundaries for buf in b.buffers})
@@ -208,7 +215,9 @@ def test_coalescing_guard_and_the_coalesced_issue(monkeypatch):
     assert not C.coalescing_supported(object(), torch.device("cuda"))  # no backend query: one by one
 
     calls = []
-    monkeypatch.setattr(C, "_charge", lambda kind, phase, t, group, root: calls.append(("charge", kind, t.numel(), root)))
+    monkeypatch.setattr(
+        C, "_charge", lambda kind, phase, t, group, root: calls.append(("charge", kind, t.numel(), root))
+    )
 
     class CM:
         works = ["coalesced work"]
@@ -223,8 +232,14 @@ def test_coalescing_guard_and_the_coalesced_issue(monkeypatch):
     monkeypatch.setattr(C.dist, "broadcast", lambda t, src, group, async_op: calls.append(("broadcast", src)) or "work")
     items = [(torch.zeros(2), 0), (torch.zeros(3), 1)]
     assert C.broadcast_many(items, group=Group(), phase="forward_broadcast", coalesce=True) == ["coalesced work"]
-    assert calls == [("charge", "broadcast", 2, 0), ("charge", "broadcast", 3, 1), ("start", True),
-                     ("broadcast", 0), ("broadcast", 1), ("end",)]
+    assert calls == [
+        ("charge", "broadcast", 2, 0),
+        ("charge", "broadcast", 3, 1),
+        ("start", True),
+        ("broadcast", 0),
+        ("broadcast", 1),
+        ("end",),
+    ]
     calls.clear()
     assert C.broadcast_many(items, group=Group(), phase="forward_broadcast", coalesce=False) == ["work", "work"]
     assert calls == [("charge", "broadcast", 2, 0), ("charge", "broadcast", 3, 1), ("broadcast", 0), ("broadcast", 1)]

@@ -52,7 +52,9 @@ def _error_cases():
     out["plans_differ"] = _catch(lambda: dmuon.exec.apply(plan, model))
 
     model = make_model("tiny")
-    out["predicate_1d"] = _catch(lambda: dmuon.dedicate_params(model, predicate=lambda fqn, p: fqn.startswith("layers.0")))
+    out["predicate_1d"] = _catch(
+        lambda: dmuon.dedicate_params(model, predicate=lambda fqn, p: fqn.startswith("layers.0"))
+    )
 
     model = make_model("tiny")
     dmuon.dedicate_params(model)

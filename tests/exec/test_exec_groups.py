@@ -129,7 +129,9 @@ def test_second_dedication_reuses_groups_and_matches_oracle():
     from dmuon.plan import ShardingPlan
 
     plan = ShardingPlan.from_json(results[0]["plan_json"])
-    ref_losses, ref_state, _ = reference_run(make_model("tiny"), set(plan.dedicated), global_batches(STEPS), ns_fp32=True, world=world)
+    ref_losses, ref_state, _ = reference_run(
+        make_model("tiny"), set(plan.dedicated), global_batches(STEPS), ns_fp32=True, world=world
+    )
     first, second = results[0]["losses"]
     assert first == second  # same groups, same data: bit for bit
     for got, want in zip(first, ref_losses):

@@ -58,9 +58,7 @@ CASES = [
 
 def _non_held_storage_nbytes(model) -> int:
     rt = get_model_runtime(model)
-    return sum(
-        seg.wire.untyped_storage().nbytes() for b in rt.boundaries for seg in b.segments if not seg.held
-    )
+    return sum(seg.wire.untyped_storage().nbytes() for b in rt.boundaries for seg in b.segments if not seg.held)
 
 
 def _worker(cases, mesh_shape=None, replicate_async=True):
@@ -85,8 +83,9 @@ def _worker(cases, mesh_shape=None, replicate_async=True):
         model = make_model(kind)
         if hasattr(model, "set_rank"):
             model.set_rank(rank)
-        plan = dmuon.dedicate_params(model, mesh, reshard_after_forward=z3, replicate_async=replicate_async,
-                                     collectives=collectives)
+        plan = dmuon.dedicate_params(
+            model, mesh, reshard_after_forward=z3, replicate_async=replicate_async, collectives=collectives
+        )
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -157,8 +156,14 @@ def _configs(world):
     for mesh_shape, replicate_async in HSDP_MESHES:
         if mesh_shape[0] * mesh_shape[1] == world:
             extra = [NORMUON_CASE] if (mesh_shape, replicate_async) in NORMUON_MESHES else []
-            out.append((f"mesh={mesh_shape} replicate_async={replicate_async}", HSDP_CASES + extra, mesh_shape,
-                        replicate_async))
+            out.append(
+                (
+                    f"mesh={mesh_shape} replicate_async={replicate_async}",
+                    HSDP_CASES + extra,
+                    mesh_shape,
+                    replicate_async,
+                )
+            )
     return out
 
 
@@ -197,9 +202,7 @@ def test_hsdp_matches_single_process_muon_adamw(mesh_shape, replicate_async):
     _check_against_oracle(results, _cases(label), label)
 
 
-_NORMUON_LABELS = [f"world={w}" for w in NORMUON_WORLDS] + [
-    f"mesh={m} replicate_async={a}" for m, a in NORMUON_MESHES
-]
+_NORMUON_LABELS = [f"world={w}" for w in NORMUON_WORLDS] + [f"mesh={m} replicate_async={a}" for m, a in NORMUON_MESHES]
 
 
 @pytest.mark.parametrize("label", _NORMUON_LABELS)
@@ -230,7 +233,11 @@ def _check_against_oracle(results, cases, label):
         want = {"all_gather"} if collectives == "auto" and plan.mesh_shape[1] > 1 else {"broadcast"}
         assert kinds == want, (label, kinds)
         ref_losses, ref_state, ref_ns_calls = reference_run(
-            make_model(kind), set(plan.dedicated), global_batches(STEPS), ns_fp32=ns_fp32, world=len(per_rank),
+            make_model(kind),
+            set(plan.dedicated),
+            global_batches(STEPS),
+            ns_fp32=ns_fp32,
+            world=len(per_rank),
             variant=variant,
         )
         loss_tol = FP32_LOSS_RTOL if ns_fp32 else BF16_LOSS_RTOL
@@ -292,4 +299,3 @@ def _check_kinds_agree(results, cases, label):
         if ShardingPlan.from_json(a["plan_json"]).mesh_shape[1] <= 2:
             assert a["losses"] == b["losses"], where
             assert all(torch.equal(a["full"][k], b["full"][k]) for k in a["full"]), where
-

@@ -35,7 +35,9 @@ def _run(collectives):
         for gb in b.gathers:
             owner_of[gb.gathered.untyped_storage()._cdata] = b.fqn
     events = []
-    orig = {name: getattr(C, name) for name in ("broadcast_many", "all_gather_into", "reduce_many", "reduce_scatter_into")}
+    orig = {
+        name: getattr(C, name) for name in ("broadcast_many", "all_gather_into", "reduce_many", "reduce_scatter_into")
+    }
 
     def bcast(items, **kw):  # a run of broadcasts (one per segment) on one group
         events.extend((kw["phase"], owner_of.get(t.untyped_storage()._cdata, "?")) for t, _ in items)
@@ -55,6 +57,7 @@ def _run(collectives):
 
     launching = []
     for b in rt.boundaries:
+
         def launch(orig=b._launch_reduce, fqn=b.fqn):
             launching.append(fqn)
             orig()

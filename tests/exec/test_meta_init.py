@@ -113,9 +113,7 @@ def _worker():
         model2, _ = _build_meta(mesh)
         model2.to_empty(device="cpu")
         full = make_model("tiny").state_dict() if rank == 0 else {}
-        set_model_state_dict(
-            model2, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        )
+        set_model_state_dict(model2, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         res["recipe"] = dmuon.full_state_dict(model2)
         # -- the model's own init, run directly ----------------------------------------------
         model3, _ = _build_meta(mesh)

@@ -115,17 +115,21 @@ def test_ep_stack_count_mismatch_hint_fits_the_case():
     with pytest.raises(ValueError) as info:
         P.compile(full_model(), 4, ep=4)
     msg = str(info.value)
-    assert "holds 8 experts, expected 2 (= 8 / ep 4)" in msg and msg.endswith("not expert-parallel: drop ep= "
+    assert "holds 8 experts, expected 2 (= 8 / ep 4)" in msg and msg.endswith(
+        "not expert-parallel: drop ep= "
         "(under expert parallelism each rank's model builds only its own experts and routes tokens with all_to_all, "
-        "docs/moe_ep.md)."), msg
+        "docs/moe_ep.md)."
+    ), msg
     for built, asked in ((2, 4), (4, 2)):  # a model built for ep=built, compiled with ep=asked
         with pytest.raises(ValueError) as info:
             P.compile(ep_model(built, 0), 4, ep=asked)
         msg = str(info.value)
         assert f"holds {E // built} experts, expected {E // asked} (= {E} / ep {asked})" in msg, msg
         assert "drop ep=" not in msg, msg
-        assert msg.endswith(f"build each rank's model with E/ep experts per stack, or pass ep={built}, the degree this "
-                            "model was built for."), msg
+        assert msg.endswith(
+            f"build each rank's model with E/ep experts per stack, or pass ep={built}, the degree this "
+            "model was built for."
+        ), msg
 
 
 def test_ep_efsdp_plan_by_hand():
@@ -168,8 +172,11 @@ def test_ep_efsdp_plan_by_hand():
     # HSDP (2, 2) with ep = 2 (efsdp 1): no shard-group traffic for the experts, only the
     # replicate reduce / broadcast of each range between its two holders
     hsdp = P.compile(ep_model(2, 0), (2, 2), ep=2, align_numel=1)
-    phases = {op.phase for op in hsdp.schedule().ops if op.buffer is not None and op.buffer.endswith("/ep2")
-              and sum(op.charged_nbytes(x) for x in op.group) > 0}
+    phases = {
+        op.phase
+        for op in hsdp.schedule().ops
+        if op.buffer is not None and op.buffer.endswith("/ep2") and sum(op.charged_nbytes(x) for x in op.group) > 0
+    }
     assert phases == {"replicate_reduce", "replicate_broadcast"}
     assert "expert-parallel: 6 stacks over ep = 2 x efsdp = 2" in plan.summary()
     # a record that puts a range outside the efsdp group holding its experts is refused
@@ -289,9 +296,18 @@ def _worker(ep: int, named_mesh: bool):
         torch.equal(opt.state[p]["momentum_buffer"], moms[n]) for n, p in experts.items()
     )
     return dict(
-        plan_json=plan.to_json(), losses=losses, ledgers=ledgers, gathered=gathered, full=full, mom=mom, norm=norm, reloaded=reloaded,
-        warned_full=warned_full, warned_ep=warned_ep,
-        grads=grads, meta=_meta_init_run(ep, mesh, named_mesh),
+        plan_json=plan.to_json(),
+        losses=losses,
+        ledgers=ledgers,
+        gathered=gathered,
+        full=full,
+        mom=mom,
+        norm=norm,
+        reloaded=reloaded,
+        warned_full=warned_full,
+        warned_ep=warned_ep,
+        grads=grads,
+        meta=_meta_init_run(ep, mesh, named_mesh),
     )
 
 
@@ -320,11 +336,10 @@ def _meta_init_run(ep: int, mesh, named_mesh: bool, group=None, fsdp_mesh=None):
     dmuon.init_params(model)
     experts = {n: p for n, p in model.named_parameters() if is_expert(n)}
     if before:  # local EP stacks: the same objects, tagged, hooked
-        kept = (
-            all(rt.ep_params[n] is p and before[n] is p and p.device.type == "cpu" and dedicated_info(p).ep_local
-                for n, p in experts.items())
-            and sorted(rt.ep_hooks) == sorted(experts)
-        )
+        kept = all(
+            rt.ep_params[n] is p and before[n] is p and p.device.type == "cpu" and dedicated_info(p).ep_local
+            for n, p in experts.items()
+        ) and sorted(rt.ep_hooks) == sorted(experts)
     else:  # owned in efsdp groups
         kept = all(p.device.type == "cpu" and dedicated_info(p).group is not None for p in experts.values())
     opt = dmuon.Muon(model, ns_dtype=torch.float32, **HP)
@@ -514,7 +529,13 @@ def _efsdp_worker():
             got = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
             reload = all(torch.equal(got[k], saved[k]) for k in saved)
         out[_case_key(mesh_shape, ep, collectives, variant)] = dict(
-            plan_json=plan.to_json(), losses=losses, ledgers=ledgers, full=full, norm=norm, reload=reload, ops=ops,
+            plan_json=plan.to_json(),
+            losses=losses,
+            ledgers=ledgers,
+            full=full,
+            norm=norm,
+            reload=reload,
+            ops=ops,
         )
         if R == 1 and collectives == "auto" and variant == "muon":  # ep 2 x efsdp 2 from meta: to_empty + init_params
             out["meta"] = _meta_init_run(ep, mesh, False, group=group, fsdp_mesh=fsdp_mesh)

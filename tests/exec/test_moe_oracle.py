@@ -84,8 +84,14 @@ CASES = {
         ("qwen3 E=8 N=4 broadcast", "qwen3", 8, None, {"collectives": "broadcast"}, torch.float32),
         ("gpt-oss E=4 HSDP(2,2) broadcast", "gpt_oss", 4, (2, 2), {"collectives": "broadcast"}, torch.float32),
         # one expert per rank and stack at one slot offset: the stacks received in place (no assembly)
-        ("grouped1 E=4 N=4 in place", "grouped1", 4, None, {"collectives": "all_gather", "predicate": _experts_only},
-         torch.float32),
+        (
+            "grouped1 E=4 N=4 in place",
+            "grouped1",
+            4,
+            None,
+            {"collectives": "all_gather", "predicate": _experts_only},
+            torch.float32,
+        ),
         # NorMuon (issue 37): expert ranges (split HF gate/up), gpt-oss's transposed interleaved stacks on HSDP
         ("qwen3 E=8 N=4 normuon", "qwen3", 8, None, {}, torch.float32),
         ("gpt-oss E=4 HSDP(2,2) normuon", "gpt_oss", 4, (2, 2), {}, torch.float32),
@@ -103,7 +109,11 @@ CASES = {
     ],
 }
 # (key, kind, E, optimizer variant): saved at W = 4 (one owner per range), loaded at every layout
-CKPT_MODELS = [("qwen3", "qwen3", 4, "muon"), ("grouped", "grouped", 3, "muon"), ("qwen3 normuon", "qwen3", 4, "normuon")]
+CKPT_MODELS = [
+    ("qwen3", "qwen3", 4, "muon"),
+    ("grouped", "grouped", 3, "muon"),
+    ("qwen3 normuon", "qwen3", 4, "normuon"),
+]
 
 
 def _variant(name: str) -> str:
@@ -179,8 +189,10 @@ def _full(model, opt):
         return None
     return dict(
         model={k: v.detach().clone() for k, v in sd.items()},
-        optim={k: {n: t.detach().clone() for n, t in v.items() if isinstance(t, torch.Tensor)}
-               for k, v in osd["state"].items()},
+        optim={
+            k: {n: t.detach().clone() for n, t in v.items() if isinstance(t, torch.Tensor)}
+            for k, v in osd["state"].items()
+        },
     )
 
 
@@ -212,11 +224,21 @@ def _worker(world, root):
         full = _full(model, opt)
         rt = dmuon.exec.get_model_runtime(model)
         in_place = sorted(  # stacks whose compute tensor is a view of the gathered storage
-            gm.fqn for b in rt.boundaries for gm in b.grouped
-            if gm.view is not None and gm.compute.untyped_storage()._cdata == gm.gather.gathered.untyped_storage()._cdata
+            gm.fqn
+            for b in rt.boundaries
+            for gm in b.grouped
+            if gm.view is not None
+            and gm.compute.untyped_storage()._cdata == gm.gather.gathered.untyped_storage()._cdata
         )
-        out["cases"].append(dict(plan_json=plan.to_json(), losses=losses, ledgers=ledgers, in_place=in_place,
-                                 full=None if full is None else full["model"]))
+        out["cases"].append(
+            dict(
+                plan_json=plan.to_json(),
+                losses=losses,
+                ledgers=ledgers,
+                in_place=in_place,
+                full=None if full is None else full["model"],
+            )
+        )
         dist.barrier()
 
     if world == 4:  # save at one owner per range (W = 4), load at HSDP (2, 2) here
@@ -296,8 +318,9 @@ def _reference(kind, E, plan_json, ns_dtype, variant="muon"):
     torch.manual_seed(0)
     model = _builder(kind)(E)
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    losses, state = T.reference_run(model, _loss(kind), list(_batches(kind)), T.proxies_from_plan(plan),
-                                    ns_dtype=ns_dtype, variant=variant, **HP)
+    losses, state = T.reference_run(
+        model, _loss(kind), list(_batches(kind)), T.proxies_from_plan(plan), ns_dtype=ns_dtype, variant=variant, **HP
+    )
     return init, losses, state
 
 
@@ -344,8 +367,10 @@ def test_matches_reference_and_ledger_equals_plan(request, world, i):
     init, ref_losses, ref_state = _reference(kind, E, per_rank[0]["plan_json"], ns_dtype, _variant(name))
     loss_dev, param_dev, worst = _deviations(per_rank[0]["losses"], ref_losses, per_rank[0]["full"], ref_state)
     loss_bound, param_bound = T.bounds(ns_dtype)
-    print(f"\n[moe oracle] {name}: loss dev {loss_dev:.2e} (bound {loss_bound:g}), param dev {param_dev:.2e} "
-          f"(bound {param_bound:g}, worst {worst})")
+    print(
+        f"\n[moe oracle] {name}: loss dev {loss_dev:.2e} (bound {loss_bound:g}), param dev {param_dev:.2e} "
+        f"(bound {param_bound:g}, worst {worst})"
+    )
     assert loss_dev <= loss_bound, (name, loss_dev)
     assert param_dev <= param_bound, (name, param_dev, worst)
     for r in per_rank[1:]:

@@ -87,10 +87,14 @@ def test_view_helpers_blocks():
     # a pattern that matches nothing, a rule that does not fit: both named
     with pytest.raises(ValueError, match=r"pattern '\*\.nope' matches no dedicated parameter"):
         dmuon.plan.compile(model, 2, matrix_views={"*.nope": V.heads(2)})
-    with pytest.raises(ValueError, match=r"layers\.0\.attn\.q_proj\.weight: dim 0 of \(16, 16\) is not divisible by num_heads=3"):
+    with pytest.raises(
+        ValueError, match=r"layers\.0\.attn\.q_proj\.weight: dim 0 of \(16, 16\) is not divisible by num_heads=3"
+    ):
         dmuon.plan.compile(model, 2, matrix_views={"*.q_proj.weight": V.heads(3)})
     # the callable form
-    plan_c = dmuon.plan.compile(model, 2, matrix_views=lambda fqn, shape: V.heads(4) if fqn.endswith("q_proj.weight") else None)
+    plan_c = dmuon.plan.compile(
+        model, 2, matrix_views=lambda fqn, shape: V.heads(4) if fqn.endswith("q_proj.weight") else None
+    )
     assert [p.fqn for p in plan_c.params if p.view] == ["layers.0.attn.q_proj.weight", "layers.1.attn.q_proj.weight"]
 
 
@@ -151,9 +155,21 @@ def test_view_step_equals_torch_muon_per_block(adjust_lr_fn):
     for ns_dtype in (torch.bfloat16, torch.float32):
         torch.manual_seed(0)
         w = torch.nn.Parameter(torch.randn(12, 8))
-        _tags.write(w, _tags.PARAM, DedicatedInfo(fqn="w", owner_global_rank=0, is_owner=True, holds_full=True,
-                                                  shape=(12, 8), matrix_shape=(12, 8), num_matrices=1,
-                                                  runtime=lambda: None, view=MatrixView(dim=1, sizes=(2, 6))))
+        _tags.write(
+            w,
+            _tags.PARAM,
+            DedicatedInfo(
+                fqn="w",
+                owner_global_rank=0,
+                is_owner=True,
+                holds_full=True,
+                shape=(12, 8),
+                matrix_shape=(12, 8),
+                num_matrices=1,
+                runtime=lambda: None,
+                view=MatrixView(dim=1, sizes=(2, 6)),
+            ),
+        )
         blocks = [torch.nn.Parameter(w.detach()[:, :2].clone()), torch.nn.Parameter(w.detach()[:, 2:].clone())]
         ours = dmuon.Muon([w], lr=0.02, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype)
         ref = torch.optim.Muon(blocks, lr=0.02, adjust_lr_fn=adjust_lr_fn)
@@ -179,15 +195,24 @@ def test_view_step_equals_torch_muon_per_block(adjust_lr_fn):
 def _qk_for(kind: str, model, tau: float) -> QKClip:
     if kind == "fused":
         return gpt2_qk_clip(model, tau, num_heads=4)
-    return attention_qk_clip(model, tau, suffix="attn", q="q_proj", k="k_proj", num_heads=4,
-                             num_kv_heads=2 if kind == "gqa" else 4, head_dim=4)
+    return attention_qk_clip(
+        model,
+        tau,
+        suffix="attn",
+        q="q_proj",
+        k="k_proj",
+        num_heads=4,
+        num_kv_heads=2 if kind == "gqa" else 4,
+        head_dim=4,
+    )
 
 
 def test_qk_clip_plan_cost_and_errors():
     model = AttnLM("gqa")
     qk = _qk_for("gqa", model, 5.0)
-    assert qk.attention[0].q == HeadRows(fqn="layers.0.attn.q_proj.weight", num_heads=4, head_dim=4,
-                                         bias="layers.0.attn.q_proj.bias")
+    assert qk.attention[0].q == HeadRows(
+        fqn="layers.0.attn.q_proj.weight", num_heads=4, head_dim=4, bias="layers.0.attn.q_proj.bias"
+    )
     assert qk.attention[0].gqa and qk.num_heads == 8
     plan = dmuon.plan.compile(model, (2, 2), qk_clip=qk)
     assert dmuon.plan.ShardingPlan.from_json(plan.to_json()) == plan
@@ -202,7 +227,12 @@ def test_qk_clip_plan_cost_and_errors():
     assert "setting qk_clip: None -> tau=5" in dmuon.plan.diff(base, plan).render()
     # W_q not dedicated: refused, named
     with pytest.raises(ValueError, match=r"W_q 'layers\.0\.attn\.q_proj\.weight' is not a dedicated parameter"):
-        dmuon.plan.compile(model, 2, qk_clip=qk, predicate=lambda fqn, p: fqn.startswith("layers") and p.ndim == 2 and "q_proj" not in fqn)
+        dmuon.plan.compile(
+            model,
+            2,
+            qk_clip=qk,
+            predicate=lambda fqn, p: fqn.startswith("layers") and p.ndim == 2 and "q_proj" not in fqn,
+        )
     # QK-norm (Qwen3-style q_norm / k_norm): rescaling has no effect, refused in the helper and in compile
     normed = AttnLM("gqa")
     for layer in normed.layers:
@@ -214,7 +244,9 @@ def test_qk_clip_plan_cost_and_errors():
     with pytest.raises(ValueError, match="tau must be a finite number > 0"):
         QKClip(tau=0.0, attention=qk.attention)
     with pytest.raises(ValueError, match="not a multiple of 3 k heads"):
-        AttentionClip(module="a", q=HeadRows(fqn="q", num_heads=4, head_dim=2), k=HeadRows(fqn="k", num_heads=3, head_dim=2))
+        AttentionClip(
+            module="a", q=HeadRows(fqn="q", num_heads=4, head_dim=2), k=HeadRows(fqn="k", num_heads=3, head_dim=2)
+        )
 
 
 def test_max_logits_helpers():
@@ -238,7 +270,11 @@ def test_max_logits_helpers():
 
 def _views_for(name: str):
     if name == "llama":
-        return {"*.attn.q_proj.weight": V.heads(4), "*.attn.[kv]_proj.weight": V.heads(2), "*.attn.o_proj.weight": V.heads(4, dim=1)}
+        return {
+            "*.attn.q_proj.weight": V.heads(4),
+            "*.attn.[kv]_proj.weight": V.heads(2),
+            "*.attn.o_proj.weight": V.heads(4, dim=1),
+        }
     if name == "mha":
         return {"*.attn.[qkv]_proj.weight": V.heads(4), "*.attn.o_proj.weight": V.heads(4, dim=1)}
     if name == "gpt2":
@@ -256,7 +292,9 @@ def _apply_clip_reference(params, qk: QKClip, maxes) -> int:
             if s <= qk.tau:
                 continue
             clipped += 1
-            targets = [(a.q, h, qk.tau / s)] if a.gqa else [(a.q, h, math.sqrt(qk.tau / s)), (a.k, h, math.sqrt(qk.tau / s))]
+            targets = (
+                [(a.q, h, qk.tau / s)] if a.gqa else [(a.q, h, math.sqrt(qk.tau / s)), (a.k, h, math.sqrt(qk.tau / s))]
+            )
             for rows, head, f in targets:
                 lo = rows.offset + head * rows.head_dim
                 params[rows.fqn].data.narrow(rows.dim, lo, rows.head_dim).mul_(f)
@@ -290,8 +328,14 @@ def _reference(model, dedicated, views, batches, *, qk=None, micro=1, adjust_lr_
             leaf = torch.nn.Parameter(p.detach().narrow(view.dim, off, size).clone())
             blocks.append((p, view.dim, off, size, leaf))
             muon_params.append(leaf)
-    muon = torch.optim.Muon(muon_params, lr=HP["lr"], weight_decay=HP["weight_decay"], momentum=HP["momentum"],
-                            nesterov=HP["nesterov"], adjust_lr_fn=adjust_lr_fn)
+    muon = torch.optim.Muon(
+        muon_params,
+        lr=HP["lr"],
+        weight_decay=HP["weight_decay"],
+        momentum=HP["momentum"],
+        nesterov=HP["nesterov"],
+        adjust_lr_fn=adjust_lr_fn,
+    )
     rest = [p for n, p in params.items() if n not in dedicated]
     adamw = torch.optim.AdamW(rest, lr=HP["adamw_lr"], weight_decay=HP["adamw_weight_decay"])
     losses, clipped = [], []
@@ -355,7 +399,11 @@ def _resume_matches(model, opt, kind, case, mesh, qk, adjust_lr_fn, z3) -> dict:
 
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
     )
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -405,7 +453,9 @@ def _worker(cases, mesh_shape, check_error):
         model = AttnLM(kind, gain=GAIN)
         qk = _qk_for(kind, model, tau) if tau is not None else None
         batches = global_batches(STEPS, batch=8, seq=6, seed=5)
-        plan = dmuon.dedicate_params(model, mesh, reshard_after_forward=z3, matrix_views=_views_for(view_name), qk_clip=qk)
+        plan = dmuon.dedicate_params(
+            model, mesh, reshard_after_forward=z3, matrix_views=_views_for(view_name), qk_clip=qk
+        )
         for layer in model.layers:
             fully_shard(layer, mesh=mesh, reshard_after_forward=z3)
         fully_shard(model, mesh=mesh)
@@ -432,19 +482,32 @@ def _worker(cases, mesh_shape, check_error):
             losses.append(loss.item() / world)
         # the last step's collectives, op by op, are the schedule's (QK-clip's all-reduce included)
         issued = [(o.kind, o.phase, tuple(sorted(o.group)), o.root, o.dtype, o.numel, o.nbytes) for o in LEDGER.ops]
-        planned = [(op.kind, op.phase, op.group, op.root, op.dtype, op.numel, op.charged_nbytes(rank))
-                   for op in plan.schedule(step).rank_ops(rank) if op.collective]
+        planned = [
+            (op.kind, op.phase, op.group, op.root, op.dtype, op.numel, op.charged_nbytes(rank))
+            for op in plan.schedule(step).rank_ops(rank)
+            if op.collective
+        ]
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         resumed = None
         if tau is not None and check_error:  # checkpoint -> fresh model -> one more step: identical
             resumed = _resume_matches(model, opt, kind, case, mesh, qk, adjust_lr_fn, z3)
-        out.append(dict(
-            case=case, losses=losses, ledgers=ledgers, expected_nbytes=expected_nbytes, stats=stats,
-            full={k: v.detach().clone() for k, v in full.items()} if rank == 0 else None,
-            dedicated=plan.dedicated, views={p.fqn: p.view for p in plan.params if p.view is not None},
-            qk=plan.qk_clip, qk_nbytes=plan.cost.qk_clip_nbytes, resumed=resumed, ops_match=issued == planned,
-            qk_ops=sum(o[1] == "qk_clip" for o in issued),
-        ))
+        out.append(
+            dict(
+                case=case,
+                losses=losses,
+                ledgers=ledgers,
+                expected_nbytes=expected_nbytes,
+                stats=stats,
+                full={k: v.detach().clone() for k, v in full.items()} if rank == 0 else None,
+                dedicated=plan.dedicated,
+                views={p.fqn: p.view for p in plan.params if p.view is not None},
+                qk=plan.qk_clip,
+                qk_nbytes=plan.cost.qk_clip_nbytes,
+                resumed=resumed,
+                ops_match=issued == planned,
+                qk_ops=sum(o[1] == "qk_clip" for o in issued),
+            )
+        )
     if not check_error:
         return out, None
     # a step in which no layer reported: the same clear error on every rank, after the collective
@@ -477,8 +540,13 @@ def _check(results, report, *, expect_error: bool):
             ref_losses, ref_state, ref_clipped = _normuon_reference(kind, res["dedicated"], res["views"])
         else:
             ref_losses, ref_state, ref_clipped = _reference(
-                AttnLM(kind, gain=GAIN), res["dedicated"], res["views"], global_batches(STEPS, batch=8, seq=6, seed=5),
-                qk=qk, micro=micro, adjust_lr_fn=adjust_lr_fn,
+                AttnLM(kind, gain=GAIN),
+                res["dedicated"],
+                res["views"],
+                global_batches(STEPS, batch=8, seq=6, seed=5),
+                qk=qk,
+                micro=micro,
+                adjust_lr_fn=adjust_lr_fn,
             )
         for rank, r in enumerate(results):
             mine = r[0][i]
@@ -489,11 +557,23 @@ def _check(results, report, *, expect_error: bool):
         param_err = max(((res["full"][k] - v).abs().max() / v.abs().max()).item() for k, v in ref_state.items())
         assert param_err < PARAM_TOL, (res["case"], param_err)
         if res["views"] and variant == "muon":  # the views matter: whole-matrix Muon lands far outside the tolerance
-            _, whole, _ = _reference(AttnLM(kind, gain=GAIN), res["dedicated"], {}, global_batches(STEPS, batch=8, seq=6, seed=5),
-                                     qk=qk, micro=micro, adjust_lr_fn=adjust_lr_fn)
-            assert max(((res["full"][k] - v).abs().max() / v.abs().max()).item() for k, v in whole.items()) > 100 * PARAM_TOL
+            _, whole, _ = _reference(
+                AttnLM(kind, gain=GAIN),
+                res["dedicated"],
+                {},
+                global_batches(STEPS, batch=8, seq=6, seed=5),
+                qk=qk,
+                micro=micro,
+                adjust_lr_fn=adjust_lr_fn,
+            )
+            assert (
+                max(((res["full"][k] - v).abs().max() / v.abs().max()).item() for k, v in whole.items())
+                > 100 * PARAM_TOL
+            )
         if res["resumed"] is not None:
-            assert all(r[0][i]["resumed"]["same_params"] for r in results) and res["resumed"]["same_stats"], res["resumed"]
+            assert all(r[0][i]["resumed"]["same_params"] for r in results) and res["resumed"]["same_stats"], res[
+                "resumed"
+            ]
         if qk is not None:
             got = [s["clipped_heads"] for s in res["stats"]]
             assert got == ref_clipped, (res["case"], got, ref_clipped)
@@ -512,11 +592,20 @@ def _normuon_reference(kind, dedicated, views):
     model = AttnLM(kind, gain=GAIN)
     params = dict(model.named_parameters())
     proxies = {
-        f: T.matrix_view(params[f].shape, views[f].dim, views[f].sizes) if f in views else T.proxies_for(params[f].shape)
+        f: T.matrix_view(params[f].shape, views[f].dim, views[f].sizes)
+        if f in views
+        else T.proxies_for(params[f].shape)
         for f in dedicated
     }
-    losses, state = T.reference_run(model, lm_loss, global_batches(STEPS, batch=8, seq=6, seed=5), proxies,
-                                    ns_dtype=torch.float32, variant="normuon", **HP)
+    losses, state = T.reference_run(
+        model,
+        lm_loss,
+        global_batches(STEPS, batch=8, seq=6, seed=5),
+        proxies,
+        ns_dtype=torch.float32,
+        variant="normuon",
+        **HP,
+    )
     return losses, state, [0] * STEPS
 
 
@@ -529,7 +618,14 @@ def _cases(mesh: str):
             ("gqa", "llama", None, 1, None, True, "normuon"),  # NorMuon per view block (rows and columns)
         ]
     return [
-        ("fused", "gpt2", taus["fused"], 1, "match_rms_adamw", False),  # c_attn split along dim 1; QK-clip with bias, Z2
+        (
+            "fused",
+            "gpt2",
+            taus["fused"],
+            1,
+            "match_rms_adamw",
+            False,
+        ),  # c_attn split along dim 1; QK-clip with bias, Z2
         ("gqa", None, taus["gqa"], 2, None, True),  # GQA q-only rule, q/k biases, 2 micro-batches under no_sync
     ]
 
@@ -596,7 +692,9 @@ def test_qk_clip_non_finite_logits_never_zero_or_poison_a_head():
         assert r["stats"] == r0["stats"]
     kind, msg = r0["warned"][0]
     assert kind == "QKClipNonFinite", kind
-    assert "non-finite max logit (inf, or NaN on some rank) at optimizer step 1 in 'layers.0.attn' head(s) [0, 1]" in msg, msg
+    assert (
+        "non-finite max logit (inf, or NaN on some rank) at optimizer step 1 in 'layers.0.attn' head(s) [0, 1]" in msg
+    ), msg
     assert "'layers.1.attn'" not in msg and "left unscaled" in msg, msg
     assert r0["stats"] == {"clipped_heads": 1, "max_logit": float("inf"), "tau": TAU_NONFINITE, "nonfinite_heads": 2}
     factor = math.sqrt(TAU_NONFINITE / BIG)
@@ -605,7 +703,9 @@ def test_qk_clip_non_finite_logits_never_zero_or_poison_a_head():
         assert torch.isfinite(a).all()
         assert torch.equal(a[: 3 * 4], b[: 3 * 4]), w  # heads 0 (inf), 1 (NaN), 2 (below tau): unchanged
         assert torch.allclose(a[12:], b[12:] * factor, rtol=1e-6, atol=0), w  # head 3: sqrt(tau / S)
-        assert torch.equal(r0["after"][f"layers.1.attn.{w}_proj.weight"], r0["before"][f"layers.1.attn.{w}_proj.weight"])
+        assert torch.equal(
+            r0["after"][f"layers.1.attn.{w}_proj.weight"], r0["before"][f"layers.1.attn.{w}_proj.weight"]
+        )
 
 
 @pytest.mark.timeout(300 + 200)  # the launch it shares with test_views_tp_local_and_main_job
@@ -664,23 +764,47 @@ def _tp_worker():
     full = {}
     for name, p in model.named_parameters():
         full[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p.detach()).clone()
-    ref_losses, ref_state, _ = _reference(GPT(cfg, seed=0), plan.dedicated, {p.fqn: p.view for p in plan.params if p.view},
-                                          batches)
+    ref_losses, ref_state, _ = _reference(
+        GPT(cfg, seed=0), plan.dedicated, {p.fqn: p.view for p in plan.params if p.view}, batches
+    )
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     param_err = max(((full[k] - v).abs().max() / v.abs().max()).item() for k, v in ref_state.items() if k in full)
     _, whole, _ = _reference(GPT(cfg, seed=0), plan.dedicated, {}, batches)  # the same run without views
     whole_err = max(((full[k] - v).abs().max() / v.abs().max()).item() for k, v in whole.items() if k in full)
     rank = dist.get_rank()
     gather_nbytes = plan.cost.tp_nbytes // 2  # the MLP's gathers; the viewed attention matrices add none
-    return dict(methods=methods, loss_err=loss_err, param_err=param_err, whole_err=whole_err, ledgers=ledgers,
-                expected=plan.cost.per_rank_nbytes[rank], tp_bytes=tp_bytes, gather_nbytes=gather_nbytes)
+    return dict(
+        methods=methods,
+        loss_err=loss_err,
+        param_err=param_err,
+        whole_err=whole_err,
+        ledgers=ledgers,
+        expected=plan.cost.per_rank_nbytes[rank],
+        tp_bytes=tp_bytes,
+        gather_nbytes=gather_nbytes,
+    )
 
 
 def _tp_and_main_job_worker():
     from dmuon._train import run
 
-    job = dict(d_model=32, n_layers=2, n_heads=4, d_mlp=64, seq_len=16, batch=4, eval_batch=4, eval_batches=1,
-               steps=3, eval_every=0, log_every=1, quiet=True, qk_clip=0.02, matrix_views="per-head", ns_dtype="fp32")
+    job = dict(
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        d_mlp=64,
+        seq_len=16,
+        batch=4,
+        eval_batch=4,
+        eval_batches=1,
+        steps=3,
+        eval_every=0,
+        log_every=1,
+        quiet=True,
+        qk_clip=0.02,
+        matrix_views="per-head",
+        ns_dtype="fp32",
+    )
     return _tp_worker(), run(job)
 
 
@@ -691,7 +815,9 @@ def test_views_tp_local_and_main_job():
     the largest logit at every log step, and its bytes per step equal the plan's."""
     results = _two_rank_results("tp_and_main_job")
     job = results[0][1]
-    assert job["ledger_nbytes_per_step"] == job["plan_total_nbytes"] and job["ledger_phase_nbytes_per_step"]["qk_clip"] > 0
+    assert (
+        job["ledger_nbytes_per_step"] == job["plan_total_nbytes"] and job["ledger_phase_nbytes_per_step"]["qk_clip"] > 0
+    )
     steps = job["history"]["qk_clip"]
     assert [s[0] for s in steps] == [1, 2, 3] and all(s[1] > 0 and s[2] > 0.02 for s in steps), steps
     for r, _ in results:
@@ -730,8 +856,13 @@ def test_hf_llama_helpers_on_hf_names():
     (a,) = hf_llama_qk_clip(qwen2, 50.0).attention
     assert (a.module, a.q.num_heads, a.k.num_heads, a.q.head_dim) == ("model.layers.0.self_attn", 4, 2, 4)
     assert (a.q.bias, a.k.bias) == ("model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.k_proj.bias")
-    plan = dmuon.plan.compile(qwen2, 2, hook_boundary_strict=False, qk_clip=hf_llama_qk_clip(qwen2, 50.0),
-                              matrix_views=V.hf_qwen_views(qwen2.config))
+    plan = dmuon.plan.compile(
+        qwen2,
+        2,
+        hook_boundary_strict=False,
+        qk_clip=hf_llama_qk_clip(qwen2, 50.0),
+        matrix_views=V.hf_qwen_views(qwen2.config),
+    )
     assert plan.param("model.layers.0.self_attn.k_proj.weight").matrices == ((4, 16),) * 2
     assert plan.param("model.layers.0.self_attn.o_proj.weight").matrices == ((16, 4),) * 4
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn': the module has 'q_norm'"):

@@ -348,7 +348,13 @@ def test_deepseek_v4_preset_is_fixed_length_and_never_truncated():
     per_step = {k for k, v in NS_PRESETS.items() if not isinstance(v[0], float)}
     assert per_step == set(PRESET_LENGTH_POLICY) == {"polar_express", "deepseek_v4"}
     assert PRESET_LENGTH_POLICY == {"polar_express": "prefix", "deepseek_v4": "fixed"}
-    assert [resolve_ns_steps(c, None) for c in ("muon", "polar_express", "deepseek_v4", MUON, [MUON] * 3)] == [5, 5, 10, 5, 3]
+    assert [resolve_ns_steps(c, None) for c in ("muon", "polar_express", "deepseek_v4", MUON, [MUON] * 3)] == [
+        5,
+        5,
+        10,
+        5,
+        3,
+    ]
     assert resolve_ns_steps("deepseek_v4", 7) == 7  # given: kept (and then refused by coefficient_schedule)
     # the p(1) = 1, p'(1) = 0 finish: exact arithmetic maps [1e-3, 1] into [1.0000, 1.0005]
     s = torch.cat([torch.logspace(-3, 0, 2000, dtype=torch.float64)])
@@ -378,11 +384,23 @@ def test_muon_with_deepseek_v4_runs_10_steps_or_raises():
     import dmuon
 
     w = torch.nn.Linear(8, 6)
-    h = dmuon.Muon._checked_muon_hparams(dict(
-        lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0, ns_coefficients="deepseek_v4", ns_steps=None,
-        eps=1e-7, adjust_lr_fn=None, ns_dtype=torch.float32, ns_backend="standard", variant="muon",
-        normuon_beta2=0.95, normuon_eps=1e-10,
-    ))
+    h = dmuon.Muon._checked_muon_hparams(
+        dict(
+            lr=0.02,
+            momentum=0.95,
+            nesterov=True,
+            weight_decay=0.0,
+            ns_coefficients="deepseek_v4",
+            ns_steps=None,
+            eps=1e-7,
+            adjust_lr_fn=None,
+            ns_dtype=torch.float32,
+            ns_backend="standard",
+            variant="muon",
+            normuon_beta2=0.95,
+            normuon_eps=1e-10,
+        )
+    )
     assert h["ns_steps"] == 10 and h["ns_coefficients"] == NS_PRESETS["deepseek_v4"]
     with pytest.raises(ValueError, match="pass ns_steps=10 or ns_steps=None"):
         dmuon.Muon([w.weight], ns_coefficients="deepseek_v4", ns_steps=5)

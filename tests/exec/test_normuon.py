@@ -41,25 +41,55 @@ def _expand(v: torch.Tensor, shape, view) -> torch.Tensor:
 LAYOUTS = [
     ("linear", (6, 4), _info((6, 4)), T.matrix((6, 4))),
     ("conv", (5, 2, 3, 3), _info((5, 18)), T.conv((5, 2, 3, 3))),
-    ("stack linear", (3, 6, 4), _info((6, 4), ExpertStack(num_experts=3, layout="torchtitan")),
-     T.expert_stack((3, 6, 4), "linear")),
+    (
+        "stack linear",
+        (3, 6, 4),
+        _info((6, 4), ExpertStack(num_experts=3, layout="torchtitan")),
+        T.expert_stack((3, 6, 4), "linear"),
+    ),
     ("stack generic (no record)", (3, 6, 4), _info((6, 4)), T.expert_stack((3, 6, 4), "linear")),
-    ("hf gate/up split", (3, 8, 5), _info((4, 5), ExpertStack(num_experts=3, gate_up="concat", layout="hf")),
-     T.expert_stack((3, 8, 5), "hf_gate_up")),
-    ("hf gate/up fused", (3, 8, 5), _info((8, 5), ExpertStack(num_experts=3, gate_up="concat", split=False)),
-     T.expert_stack((3, 8, 5), "hf_gate_up", fused=True)),
-    ("gpt-oss down (in, out)", (3, 5, 7), _info((7, 5), ExpertStack(num_experts=3, transposed=True)),
-     T.expert_stack((3, 5, 7), "in_out")),
-    ("gpt-oss gate/up interleaved", (3, 5, 8),
-     _info((4, 5), ExpertStack(num_experts=3, transposed=True, gate_up="interleave")),
-     T.expert_stack((3, 5, 8), "gpt_oss_gate_up")),
-    ("gpt-oss gate/up fused", (3, 5, 8),
-     _info((8, 5), ExpertStack(num_experts=3, transposed=True, gate_up="interleave", split=False)),
-     T.expert_stack((3, 5, 8), "gpt_oss_gate_up", fused=True)),
-    ("row blocks (q/k/v heads)", (10, 6), _info((10, 6), view=MatrixView(dim=0, sizes=(4, 4, 2))),
-     T.matrix_view((10, 6), 0, (4, 4, 2))),
-    ("column blocks (o_proj heads)", (6, 9), _info((6, 9), view=MatrixView(dim=1, sizes=(3, 3, 3))),
-     T.matrix_view((6, 9), 1, (3, 3, 3))),
+    (
+        "hf gate/up split",
+        (3, 8, 5),
+        _info((4, 5), ExpertStack(num_experts=3, gate_up="concat", layout="hf")),
+        T.expert_stack((3, 8, 5), "hf_gate_up"),
+    ),
+    (
+        "hf gate/up fused",
+        (3, 8, 5),
+        _info((8, 5), ExpertStack(num_experts=3, gate_up="concat", split=False)),
+        T.expert_stack((3, 8, 5), "hf_gate_up", fused=True),
+    ),
+    (
+        "gpt-oss down (in, out)",
+        (3, 5, 7),
+        _info((7, 5), ExpertStack(num_experts=3, transposed=True)),
+        T.expert_stack((3, 5, 7), "in_out"),
+    ),
+    (
+        "gpt-oss gate/up interleaved",
+        (3, 5, 8),
+        _info((4, 5), ExpertStack(num_experts=3, transposed=True, gate_up="interleave")),
+        T.expert_stack((3, 5, 8), "gpt_oss_gate_up"),
+    ),
+    (
+        "gpt-oss gate/up fused",
+        (3, 5, 8),
+        _info((8, 5), ExpertStack(num_experts=3, transposed=True, gate_up="interleave", split=False)),
+        T.expert_stack((3, 5, 8), "gpt_oss_gate_up", fused=True),
+    ),
+    (
+        "row blocks (q/k/v heads)",
+        (10, 6),
+        _info((10, 6), view=MatrixView(dim=0, sizes=(4, 4, 2))),
+        T.matrix_view((10, 6), 0, (4, 4, 2)),
+    ),
+    (
+        "column blocks (o_proj heads)",
+        (6, 9),
+        _info((6, 9), view=MatrixView(dim=1, sizes=(3, 3, 3))),
+        T.matrix_view((6, 9), 1, (3, 3, 3)),
+    ),
 ]
 
 
@@ -135,5 +165,6 @@ def test_refusals_name_the_parameter_and_the_fix():
     with pytest.raises(ValueError, match=r"'layers.0.fc1.weight' is owned by an owner group.*owner_groups='off'"):
         nm.check_supported(types.SimpleNamespace(fqn="layers.0.fc1.weight", tp=None, group=object(), experts=None))
     with pytest.raises(ValueError, match=r"'q.weight' is tensor-parallel.*variant='muon'"):
-        nm.check_supported(types.SimpleNamespace(fqn="q.weight", tp=types.SimpleNamespace(size=2), group=None,
-                                                 experts=None))
+        nm.check_supported(
+            types.SimpleNamespace(fqn="q.weight", tp=types.SimpleNamespace(size=2), group=None, experts=None)
+        )

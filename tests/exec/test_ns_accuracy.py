@@ -306,8 +306,9 @@ def rows():
 
 @pytest.fixture(scope="module")
 def main_rows():
-    return {(r.matrix, r.dtype, r.backend): r
-            for r in acc.run(list(acc.MAIN_JOB), backends=list(acc.MAIN_JOB_BACKENDS))}
+    return {
+        (r.matrix, r.dtype, r.backend): r for r in acc.run(list(acc.MAIN_JOB), backends=list(acc.MAIN_JOB_BACKENDS))
+    }
 
 
 def _cases():

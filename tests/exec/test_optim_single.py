@@ -69,7 +69,9 @@ def tag(p: torch.Tensor, fqn: str, *, is_owner=True, shape=None, matrix_shape=No
     shape = tuple(p.shape) if shape is None else tuple(shape)
     if matrix_shape is None:
         matrix_shape = (shape[0], math.prod(shape[1:])) if num_matrices == 1 else shape[-2:]
-    _tags.write(p, _tags.PARAM, FakeInfo(fqn, 0, is_owner, shape, tuple(matrix_shape), num_matrices, holds_full=is_owner))
+    _tags.write(
+        p, _tags.PARAM, FakeInfo(fqn, 0, is_owner, shape, tuple(matrix_shape), num_matrices, holds_full=is_owner)
+    )
     return p
 
 
@@ -318,8 +320,9 @@ def test_conv_weight_uses_its_matrix_view():
         for o in ref_opts:
             o.zero_grad()
         assert torch.equal(ours.w.view(8, 27), ref.w) and torch.equal(ours.b, ref.b)
-        assert torch.equal(opt.state[ours.w]["momentum_buffer"].view(8, 27),
-                           ref_opts[0].state[ref.w]["momentum_buffer"])
+        assert torch.equal(
+            opt.state[ours.w]["momentum_buffer"].view(8, 27), ref_opts[0].state[ref.w]["momentum_buffer"]
+        )
 
 
 E = 3
@@ -373,8 +376,13 @@ def test_expert_stack_equals_torch_muon_per_slice(ns_dtype, monkeypatch):
         ours(x).backward(), ref(x).backward()
         opt.step(), ref_muon.step(), ref_adamw.step()
         opt.zero_grad(), ref_muon.zero_grad(), ref_adamw.zero_grad()
-        pairs = [(ours.up, torch.stack(list(ref.up))), (ours.down, torch.stack(list(ref.down))),
-                 (ours.a, ref.a), (ours.c, ref.c), (ours.bias, ref.bias)]
+        pairs = [
+            (ours.up, torch.stack(list(ref.up))),
+            (ours.down, torch.stack(list(ref.down))),
+            (ours.a, ref.a),
+            (ours.c, ref.c),
+            (ours.bias, ref.bias),
+        ]
         for mine, theirs in pairs:
             if ns_dtype == torch.bfloat16:
                 assert torch.equal(mine, theirs)
@@ -443,9 +451,23 @@ def test_param_groups_layout_and_flags():
     assert muon["use_muon"] is True and adamw["use_muon"] is False
     assert muon["params"] == [named[n] for n in DEDICATED]
     assert adamw["params"] == [p for n, p in named.items() if n not in DEDICATED]
-    assert set(muon) == {"params", "lr", "momentum", "nesterov", "weight_decay", "ns_coefficients",
-                         "ns_steps", "eps", "adjust_lr_fn", "ns_dtype", "ns_backend", "use_muon",
-                         "variant", "normuon_beta2", "normuon_eps"}
+    assert set(muon) == {
+        "params",
+        "lr",
+        "momentum",
+        "nesterov",
+        "weight_decay",
+        "ns_coefficients",
+        "ns_steps",
+        "eps",
+        "adjust_lr_fn",
+        "ns_dtype",
+        "ns_backend",
+        "use_muon",
+        "variant",
+        "normuon_beta2",
+        "normuon_eps",
+    }
     assert muon["ns_backend"] == "standard"  # issue #8: a new group field, standard by default
     assert (muon["variant"], muon["normuon_beta2"], muon["normuon_eps"]) == ("muon", 0.95, 1e-10)  # issue #37
     assert muon["ns_steps"] == 5  # ns_steps=None resolves to an int (issue #37)
@@ -618,6 +640,7 @@ def test_runtime_hooks_without_live_runtime_are_noops(monkeypatch):
         def hook(params):
             calls.append(name)
             return fn(params)
+
         return hook
 
     monkeypatch.setattr(optim_mod, "wait_pending", traced("wait", runtime_mod.wait_pending))
@@ -809,8 +832,11 @@ def _train_backends(ns_dtype, model_dtype, steps=STEPS, **extra):
 
 @pytest.mark.parametrize(
     "ns_dtype, model_dtype, rel_tol",
-    [(torch.float64, torch.float64, 1e-12), (torch.float32, torch.float32, 1e-4),
-     (torch.bfloat16, torch.float32, 0.15)],
+    [
+        (torch.float64, torch.float64, 1e-12),
+        (torch.float32, torch.float32, 1e-4),
+        (torch.bfloat16, torch.float32, 0.15),
+    ],
 )
 @pytest.mark.parametrize("coefficients", ["muon", "polar_express"])
 def test_gram_backend_matches_standard(ns_dtype, model_dtype, rel_tol, coefficients):
@@ -890,8 +916,23 @@ def test_ns_backend_validation_and_old_checkpoints():
     with pytest.raises(ValueError, match="unknown Newton-Schulz backend 'polar'"):
         Muon(ours, ns_backend="polar")
     with pytest.raises(TypeError):  # keyword-only
-        Muon(ours, 1e-3, 0.1, 0.95, True, (3.4445, -4.775, 2.0315), 1e-7, 5, None, torch.bfloat16,
-             1e-3, (0.9, 0.999), 1e-8, 1e-2, "gram")
+        Muon(
+            ours,
+            1e-3,
+            0.1,
+            0.95,
+            True,
+            (3.4445, -4.775, 2.0315),
+            1e-7,
+            5,
+            None,
+            torch.bfloat16,
+            1e-3,
+            (0.9, 0.999),
+            1e-8,
+            1e-2,
+            "gram",
+        )
     opt = ours_optimizer(ours, MUON_KW, ADAMW_KW, ns_backend="gram")
     with pytest.raises(ValueError, match="backend"):
         opt.add_param_group({"params": [tag(nn.Parameter(torch.randn(6, 4)), "x")], "ns_backend": "nope"})

@@ -164,7 +164,9 @@ def test_forced_k4_and_hsdp_rows():
     # the summary's bound is the planner's (HSDP: N/(N-K+1) on the mean term, here 2/1)
     assert max(hsdp.owned_weight) <= hsdp.balance_bound
     total = sum(hsdp.owned_weight)
-    biggest = max(w for spec, o in zip(hsdp.params, hsdp.owners) for w in (s * (spec.shape[1 - o.dim]) for s in o.sizes))
+    biggest = max(
+        w for spec, o in zip(hsdp.params, hsdp.owners) for w in (s * (spec.shape[1 - o.dim]) for s in o.sizes)
+    )
     assert hsdp.balance_bound == 2 * total / 4 + biggest
 
 
@@ -257,7 +259,9 @@ def _full_optim(model, opt):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
-    return {k: {n: t.detach().clone() for n, t in v.items() if isinstance(t, torch.Tensor)} for k, v in osd["state"].items()}
+    return {
+        k: {n: t.detach().clone() for n, t in v.items() if isinstance(t, torch.Tensor)} for k, v in osd["state"].items()
+    }
 
 
 def _worker(root):
@@ -285,7 +289,9 @@ def _worker(root):
             t = loss.detach().clone()
             dist.all_reduce(t)
             losses.append(t.item() / world)
-        out["cases"].append(dict(plan_json=plan.to_json(), losses=losses, ledgers=ledgers, norms=norms, full=_full(model)))
+        out["cases"].append(
+            dict(plan_json=plan.to_json(), losses=losses, ledgers=ledgers, norms=norms, full=_full(model))
+        )
         dist.barrier()
 
     # no_sync: two micro-batches, the first inside the context == one step on the whole batch
@@ -345,8 +351,9 @@ def results(tmp_path_factory):
 
 
 def _reference(steps_batches, dedicated):
-    return reference_run(make_model(), dedicated, steps_batches, ns_fp32=True, newton_schulz=_gram_reference_ns,
-                         grad_norms=(norms := []))[:2] + (norms,)
+    return reference_run(
+        make_model(), dedicated, steps_batches, ns_fp32=True, newton_schulz=_gram_reference_ns, grad_norms=(norms := [])
+    )[:2] + (norms,)
 
 
 def _assert_close(got: dict, want: dict, where):
@@ -398,7 +405,9 @@ def test_no_sync_accumulation_matches_one_step(results):
 def test_checkpoint_round_trips(results):
     for r in results:
         res = r["resumed"]
-        assert res["same"] == dict(params_equal=True, momentum_equal=True, cont_losses_equal=True, cont_params_equal=True)
+        assert res["same"] == dict(
+            params_equal=True, momentum_equal=True, cont_losses_equal=True, cont_params_equal=True
+        )
         assert res["exclusive"] == dict(params_equal=True, momentum_equal=True)
         assert res["hsdp"] == dict(params_equal=True, momentum_equal=True)
 

@@ -268,8 +268,9 @@ def _case_torch_clip():
     err = _catch(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05, error_if_nonfinite=True))
     full = dmuon.full_state_dict(model)
     dist.barrier()
-    return dict(dedicated=plan.dedicated, norms=norms, strict=strict, losses=losses, full=full if rank == 0 else None,
-                err=err)
+    return dict(
+        dedicated=plan.dedicated, norms=norms, strict=strict, losses=losses, full=full if rank == 0 else None, err=err
+    )
 
 
 def _case_dmuon_clip():
@@ -289,8 +290,14 @@ def _case_dmuon_clip():
     rank, world = dist.get_rank(), dist.get_world_size()
     model, opt, plan = _build("tiny")
     batches = global_batches(2, batch=12)
-    grads = lambda: {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()  # noqa: E731
-                     for n, p in model.named_parameters() if p.grad is not None}
+
+    def grads():
+        return {
+            n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+            for n, p in model.named_parameters()
+            if p.grad is not None
+        }
+
     with dmuon.exec.metered(record=True) as led:
         lm_loss(model, batches[0].chunk(world)[rank]).backward()
         before = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -320,26 +327,46 @@ def _case_dmuon_clip():
         same_loop = all(torch.allclose(clipped[n], g, rtol=1e-6, atol=0) for n, g in grads().items())
         opt.step()
     opt.zero_grad()
-    op = lambda o: (o.kind, o.phase, tuple(sorted(o.group)), o.root, o.dtype, o.numel, o.nbytes)  # noqa: E731
+
+    def op(o):
+        return (o.kind, o.phase, tuple(sorted(o.group)), o.root, o.dtype, o.numel, o.nbytes)
+
     issued = [op(o) for o in led.ops if o.phase != "other"]
-    planned = [(o.kind, o.phase, o.group, o.root, o.dtype, o.numel, o.charged_nbytes(rank))
-               for o in plan.schedule().rank_ops(rank) if o.collective]
+    planned = [
+        (o.kind, o.phase, o.group, o.root, o.dtype, o.numel, o.charged_nbytes(rank))
+        for o in plan.schedule().rank_ops(rank)
+        if o.collective
+    ]
     lm_loss(model, batches[1].chunk(world)[rank]).backward()
     target = next(f for f in plan.dedicated if plan.owner(f).rank == 1)
     if rank == 1:
         model.get_parameter(target).grad[0, 0] = float("nan")
     kept = grads()
     err = _catch(lambda: dmuon.clip_grad_norm_(model, 0.05, error_if_nonfinite=True))
-    untouched = all(torch.equal(kept[n], g) or (n == target and torch.equal(kept[n].nan_to_num(), g.nan_to_num()))
-                    for n, g in grads().items())
+    untouched = all(
+        torch.equal(kept[n], g) or (n == target and torch.equal(kept[n].nan_to_num(), g.nan_to_num()))
+        for n, g in grads().items()
+    )
     nan_norm = dmuon.clip_grad_norm_(model, 0.05).item()
     dist.barrier()
     return dict(
-        dedicated=plan.dedicated, norm=norm, norm_loop=norm_loop, same_loop=same_loop,
-        clip_ops=[op(o) for o in clip_led.ops], clip_other=clip_led.snapshot()["other"],
-        step_other=[op(o) for o in led.ops if o.phase == "other"], ops_match=issued == planned,
-        step_nbytes=led.total_nbytes(), plan_nbytes=plan.cost.per_rank_nbytes[rank],
-        target=target, err=err, untouched=untouched, nan_norm=nan_norm, logged=logged, seq=seq, last=last,
+        dedicated=plan.dedicated,
+        norm=norm,
+        norm_loop=norm_loop,
+        same_loop=same_loop,
+        clip_ops=[op(o) for o in clip_led.ops],
+        clip_other=clip_led.snapshot()["other"],
+        step_other=[op(o) for o in led.ops if o.phase == "other"],
+        ops_match=issued == planned,
+        step_nbytes=led.total_nbytes(),
+        plan_nbytes=plan.cost.per_rank_nbytes[rank],
+        target=target,
+        err=err,
+        untouched=untouched,
+        nan_norm=nan_norm,
+        logged=logged,
+        seq=seq,
+        last=last,
     )
 
 
@@ -363,7 +390,9 @@ def _case_predicate_changed(root):
     path = f"{root}/predicate"
     dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
     model2 = make_model("tiny")
-    dmuon.dedicate_params(model2, predicate=lambda fqn, p: p.ndim == 2 and fqn.startswith("layers.") and "gate" not in fqn)
+    dmuon.dedicate_params(
+        model2, predicate=lambda fqn, p: p.ndim == 2 and fqn.startswith("layers.") and "gate" not in fqn
+    )
     for layer in model2.layers:
         fully_shard(layer)
     fully_shard(model2)
@@ -382,7 +411,10 @@ def _case_predicate_changed(root):
 
 GROUP_STEPS, GROUP_SAVE_AT = 4, 2
 GROUP_HP = [  # (lr, weight_decay) of dmuon.Muon's groups 0..3: Muon, AdamW, Muon (layers.1), AdamW (layers.1)
-    (0.02, 0.1), (3e-3, 0.01), (0.05, 0.0), (1e-3, 0.2),
+    (0.02, 0.1),
+    (3e-3, 0.01),
+    (0.05, 0.0),
+    (1e-3, 0.2),
 ]
 LAMBDAS = [lambda s: 1.0 / (1 + s), lambda s: 0.9**s, lambda s: 1.0 + 0.5 * s, lambda s: 1.0 if s < 3 else 0.1]
 
@@ -403,11 +435,24 @@ def _grouped(mesh):
     late = [n for n in params if n.startswith("layers.1.")]
     (lr0, wd0), (lr1, wd1), (lr2, wd2), (lr3, wd3) = GROUP_HP
     opt = dmuon.Muon(
-        [p for n, p in params.items() if n not in late], lr=lr0, weight_decay=wd0, momentum=HP["momentum"],
-        adamw_lr=lr1, adamw_weight_decay=wd1, ns_dtype=torch.float32,
+        [p for n, p in params.items() if n not in late],
+        lr=lr0,
+        weight_decay=wd0,
+        momentum=HP["momentum"],
+        adamw_lr=lr1,
+        adamw_weight_decay=wd1,
+        ns_dtype=torch.float32,
     )
-    opt.add_param_group({"params": [params[n] for n in late if (dedicated_info(params[n]) is not None)], "lr": lr2, "weight_decay": wd2})
-    opt.add_param_group({"params": [params[n] for n in late if not (dedicated_info(params[n]) is not None)], "lr": lr3, "weight_decay": wd3})
+    opt.add_param_group(
+        {"params": [params[n] for n in late if (dedicated_info(params[n]) is not None)], "lr": lr2, "weight_decay": wd2}
+    )
+    opt.add_param_group(
+        {
+            "params": [params[n] for n in late if not (dedicated_info(params[n]) is not None)],
+            "lr": lr3,
+            "weight_decay": wd3,
+        }
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, LAMBDAS)
     return model, opt, sched
 
@@ -425,7 +470,11 @@ def _group_steps(model, opt, sched, batches):
 def _group_sd(model, opt, sched):
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt), "sched": sched.state_dict()}
+    return {
+        "model": get_model_state_dict(model),
+        "optim": get_optimizer_state_dict(model, opt),
+        "sched": sched.state_dict(),
+    }
 
 
 def _group_load(model, opt, sched, path):
@@ -597,11 +646,16 @@ def _fault_rank(rank, world, port, root, where):
     opt = dmuon_optimizer(model)
     batches = global_batches(3)
     train_steps(model, opt, batches[:1])
-    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=f"{root}/fault_{where}")
+    dcp.save(
+        {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+        checkpoint_id=f"{root}/fault_{where}",
+    )
     probe = make_model("tiny")
     dmuon.dedicate_params(probe, collective_timeout_s=FAULT_DMUON_TIMEOUT_S)
     dist.barrier()
-    leave = lambda *args: os._exit(0)  # noqa: E731
+
+    def leave(*args):
+        return os._exit(0)
 
     def leave_in_backward(module, args):  # inside layers.0's forward: its compute weight's gradient hook
         module.weight.register_hook(leave)
@@ -838,9 +892,10 @@ def test_load_state_dict_mismatch_errors_name_the_key_on_every_rank(runs):
     e = per_rank[0]
     assert e["extra_key"][0] == "ValueError" and "state key 7 indexes no parameter" in e["extra_key"][1], e
     assert e["missing_key"][0] == "ValueError", e
-    assert "'embed.weight' (key 2) has keys ['exp_avg', 'step'], expected ['exp_avg', 'exp_avg_sq', 'step']" in e[
-        "missing_key"
-    ][1], e
+    assert (
+        "'embed.weight' (key 2) has keys ['exp_avg', 'step'], expected ['exp_avg', 'exp_avg_sq', 'step']"
+        in e["missing_key"][1]
+    ), e
     assert e["other_model"][0] == "ValueError", e
     assert "Muon param group 0 holds 2 parameters here but 12 in the state dict" in e["other_model"][1], e
     assert "predicate" in e["other_model"][1], e
@@ -850,7 +905,9 @@ def test_set_up_order_mistakes_are_detected_on_every_rank(runs):
     per_rank = [r["order"] for r in runs[1]]
     assert per_rank[0] == per_rank[1]
     r = per_rank[0]
-    order = "dmuon.dedicate_params(model, mesh) -> fully_shard(block) for each block -> fully_shard(model) -> dmuon.Muon"
+    order = (
+        "dmuon.dedicate_params(model, mesh) -> fully_shard(block) for each block -> fully_shard(model) -> dmuon.Muon"
+    )
     kind, msg = r["muon_before_fully_shard"]
     assert kind == "RuntimeError" and "17 of its parameters are no longer parameters of the model" in msg, msg
     assert "build dmuon.Muon after fully_shard" in msg and order in msg
@@ -891,8 +948,9 @@ def _reference_toggle(dedicated, set_to_none, late=False):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("name,set_to_none,late", [("toggle_none", True, False), ("toggle_zero", False, False),
-                                                   ("late_grad", True, True)])
+@pytest.mark.parametrize(
+    "name,set_to_none,late", [("toggle_none", True, False), ("toggle_zero", False, False), ("late_grad", True, True)]
+)
 def test_requires_grad_toggled_mid_run_matches_oracle(runs, name, set_to_none, late):
     """Toggled mid-run, or (late_grad) no gradient on any rank for the first steps, then present:
     untouched while absent (no momentum, no decay), then trained exactly as the oracle."""
@@ -937,15 +995,16 @@ def test_dmuon_clip_grad_norm_takes_torchs_signature_and_names_nonfinite_ranks(r
         assert r["same_loop"]  # foreach=True and foreach=False scale identically
         # ledger: clip's collectives are charged to "other" (the all-reduce of one fp32 scalar,
         # 2*(k-1)*ceil(1/k)*4 = 8 B; the flags' all-gather of 3 int64, (k-1)*3*8 = 24 B) ...
-        assert r["clip_ops"] == [("all_reduce", "other", (0, 1), None, "torch.float32", 1, 8),
-                                 ("all_gather", "other", (0, 1), None, "torch.int64", 3, 24)], r["clip_ops"]
+        assert r["clip_ops"] == [
+            ("all_reduce", "other", (0, 1), None, "torch.float32", 1, 8),
+            ("all_gather", "other", (0, 1), None, "torch.int64", 3, 24),
+        ], r["clip_ops"]
         assert r["clip_other"] == 32 and r["step_other"] == r["clip_ops"] + r["clip_ops"][:1]  # 2nd clip: no flags
         # ... and are no op of the plan's step: the step's other collectives are exactly the schedule's
         assert r["ops_match"] and r["step_nbytes"] == r["plan_nbytes"], rank
         # dmuon.comm at DEBUG logs each issued collective with its group's sequence number (NCCL's
         # watchdog SeqNum): the last line names the last op and the group's count after it
-        op = (f"all_gather (phase other) over global ranks (0, 1), 3 int64 elements, "
-              f"group sequence number {r['seq']}")
+        op = f"all_gather (phase other) over global ranks (0, 1), 3 int64 elements, group sequence number {r['seq']}"
         assert len(r["logged"]) == 2 and r["logged"][-1] == f"dmuon rank {rank} issues {op}", r["logged"]
         assert r["last"] == op and r["logged"][0].startswith(f"dmuon rank {rank} issues all_reduce (phase other)")
     # a NaN in a gradient rank 1 holds: every rank raises the same error naming rank 1 and the parameter
@@ -953,7 +1012,9 @@ def test_dmuon_clip_grad_norm_takes_torchs_signature_and_names_nonfinite_ranks(r
     assert errs[0] == errs[1] and errs[0][0] == "RuntimeError", errs
     msg = errs[0][1]
     assert "dmuon.clip_grad_norm_: the total norm of order 2 of the gradients is non-finite" in msg, msg
-    assert "global rank(s) [1] hold non-finite gradients" in msg and f"the first such parameter: {r0['target']!r}" in msg, msg
+    assert (
+        "global rank(s) [1] hold non-finite gradients" in msg and f"the first such parameter: {r0['target']!r}" in msg
+    ), msg
     assert all(r["untouched"] for r in per_rank)  # raised before any gradient was scaled
     assert all(math.isnan(r["nan_norm"]) for r in per_rank)  # without the flag: torch's NaN norm
 
@@ -974,14 +1035,23 @@ def _reference_groups():
     dedicated = set(compile_plan(model, 1).dedicated)
     named = dict(model.named_parameters())
     late = {n for n in named if n.startswith("layers.1.")}
-    pick = lambda muon, late_: [p for n, p in named.items() if (n in dedicated) == muon and (n in late) == late_]  # noqa: E731
+
+    def pick(muon, late_):
+        return [p for n, p in named.items() if (n in dedicated) == muon and (n in late) == late_]
+
     (lr0, wd0), (lr1, wd1), (lr2, wd2), (lr3, wd3) = GROUP_HP
     muon = torch.optim.Muon(
-        [{"params": pick(True, False), "lr": lr0, "weight_decay": wd0}, {"params": pick(True, True), "lr": lr2, "weight_decay": wd2}],
+        [
+            {"params": pick(True, False), "lr": lr0, "weight_decay": wd0},
+            {"params": pick(True, True), "lr": lr2, "weight_decay": wd2},
+        ],
         momentum=HP["momentum"],
     )
     adamw = torch.optim.AdamW(
-        [{"params": pick(False, False), "lr": lr1, "weight_decay": wd1}, {"params": pick(False, True), "lr": lr3, "weight_decay": wd3}]
+        [
+            {"params": pick(False, False), "lr": lr1, "weight_decay": wd1},
+            {"params": pick(False, True), "lr": lr3, "weight_decay": wd3},
+        ]
     )
     s_muon = torch.optim.lr_scheduler.LambdaLR(muon, [LAMBDAS[0], LAMBDAS[2]])
     s_adamw = torch.optim.lr_scheduler.LambdaLR(adamw, [LAMBDAS[1], LAMBDAS[3]])
@@ -997,7 +1067,14 @@ def _reference_groups():
             s_muon.step()
             s_adamw.step()
             losses.append(loss.item())
-            lrs.append([muon.param_groups[0]["lr"], adamw.param_groups[0]["lr"], muon.param_groups[1]["lr"], adamw.param_groups[1]["lr"]])
+            lrs.append(
+                [
+                    muon.param_groups[0]["lr"],
+                    adamw.param_groups[0]["lr"],
+                    muon.param_groups[1]["lr"],
+                    adamw.param_groups[1]["lr"],
+                ]
+            )
     return losses, lrs, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -1011,7 +1088,11 @@ def test_param_groups_and_lambda_lr_through_dcp_at_other_meshes(runs, name, whic
     # every group's hyper-parameters in the right group after the load (schedule at step 2) ...
     want_after_load = [(lr, wd) for lr, (_, wd) in zip(ref_lrs[GROUP_SAVE_AT - 1], GROUP_HP)]
     for got, want in zip(r0["after_load"], want_after_load):
-        assert math.isclose(got[0], want[0], rel_tol=1e-12) and got[1] == want[1], (name, r0["after_load"], want_after_load)
+        assert math.isclose(got[0], want[0], rel_tol=1e-12) and got[1] == want[1], (
+            name,
+            r0["after_load"],
+            want_after_load,
+        )
     # ... and the schedule continued to the end
     assert [g[0] for g in r0["groups"]] == [True, False, True, False]
     for (_, lr, wd, _), want_lr, (_, want_wd) in zip(r0["groups"], ref_lrs[-1], GROUP_HP):
@@ -1045,7 +1126,10 @@ def test_peer_exit_during_a_dmuon_collective_names_the_transport_error(runs, whe
     assert waited < FAULT_DMUON_TIMEOUT_S, msg  # named at once, well within dmuon's timeout
     assert "global rank 0, 0 optimizer step(s) done" in msg and "grad-enabled forward(s) of this boundary" in msg, msg
     assert "(the only other rank: 1)" in msg and "the backend names the peer" in msg, msg
-    causes = [msg.index(c) for c in ("stopped early or skipped a whole step", "a rank died", "rank-dependent number of micro-batches")]
+    causes = [
+        msg.index(c)
+        for c in ("stopped early or skipped a whole step", "a rank died", "rank-dependent number of micro-batches")
+    ]
     assert causes == sorted(causes), msg
     assert "Last collective dmuon issued on this rank:" in msg, msg
     assert runs[1][0]["resume_after_fault"][where] and runs[1][1]["resume_after_fault"][where]

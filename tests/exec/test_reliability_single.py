@@ -142,7 +142,11 @@ def _compile_warnings(model, **kw):
 
 @pytest.mark.parametrize(
     "model,count,first",
-    [(DictLM, "9 of 9", "blocks.first.fc1.weight"), (EncoderDecoder, "8 of 8", "encoder.fc1.weight"), (Block, "4 of 4", "fc1.weight")],
+    [
+        (DictLM, "9 of 9", "blocks.first.fc1.weight"),
+        (EncoderDecoder, "8 of 8", "encoder.fc1.weight"),
+        (Block, "4 of 4", "fc1.weight"),
+    ],
     ids=["moduledict", "plain_attributes", "one_block"],
 )
 def test_invisible_blocks_warn_with_the_fix(model, count, first):
@@ -298,20 +302,37 @@ def test_wait_all_names_a_transport_error_and_chains_the_backend_error():
 
     exc = RuntimeError(GLOO_CLOSED)
     with pytest.raises(C.CollectiveTransportError) as info:
-        C.wait_all([None, _FakeWork(exc)], what="boundary 'layers.0' forward_broadcast", timeout_s=30.0, step=3, forwards=1)
+        C.wait_all(
+            [None, _FakeWork(exc)], what="boundary 'layers.0' forward_broadcast", timeout_s=30.0, step=3, forwards=1
+        )
     msg = str(info.value)
-    assert info.value.__cause__ is exc and isinstance(info.value, C.CollectiveError) and isinstance(info.value, RuntimeError)
-    assert msg.startswith("dmuon: collective for boundary 'layers.0' forward_broadcast failed in the transport after 0.0")
+    assert (
+        info.value.__cause__ is exc
+        and isinstance(info.value, C.CollectiveError)
+        and isinstance(info.value, RuntimeError)
+    )
+    assert msg.startswith(
+        "dmuon: collective for boundary 'layers.0' forward_broadcast failed in the transport after 0.0"
+    )
     assert "the backend names the peer [127.0.0.1]:13447 ('Connection closed by peer [127.0.0.1]:13447." in msg, msg
     assert "pair.cc" not in msg and "did not complete within" not in msg and "this is not a timeout" in msg, msg
     assert "3 optimizer step(s) done, 1 grad-enabled forward(s) of this boundary since the last step" in msg, msg
-    first, second, third = (msg.index(s) for s in ("1) a rank stopped early or skipped a whole step", "2) a rank died",
-                                                   "3) a rank-dependent number of micro-batches"))
+    first, second, third = (
+        msg.index(s)
+        for s in (
+            "1) a rank stopped early or skipped a whole step",
+            "2) a rank died",
+            "3) a rank-dependent number of micro-batches",
+        )
+    )
     assert first < second < third, msg
     # the same with no dmuon timeout (the bare wait of before): named the same way
     with pytest.raises(C.CollectiveTransportError, match="failed in the transport"):
-        C.wait_all([_FakeWork(RuntimeError("NCCL error: remote process exited or there was a network error"))],
-                   what="x", timeout_s=None)
+        C.wait_all(
+            [_FakeWork(RuntimeError("NCCL error: remote process exited or there was a network error"))],
+            what="x",
+            timeout_s=None,
+        )
 
 
 def test_wait_all_timeouts_stay_timeouts():
@@ -321,7 +342,10 @@ def test_wait_all_timeouts_stay_timeouts():
     work = _FakeWork(RuntimeError("Operation timed out!"), delay_s=0.2)
     with pytest.raises(C.CollectiveTimeout) as info:
         C.wait_all([work], what="boundary 'layers.1' reduce", timeout_s=0.2)
-    assert "dmuon: collective for boundary 'layers.1' reduce did not complete within 0.2 s (collective_timeout_s)" in str(info.value)
+    assert (
+        "dmuon: collective for boundary 'layers.1' reduce did not complete within 0.2 s (collective_timeout_s)"
+        in str(info.value)
+    )
     assert work.timeouts[0].total_seconds() == 0.2
     # an error raised after dmuon's timeout whatever its words, and Work.wait returning False
     with pytest.raises(C.CollectiveTimeout, match="did not complete within 0.1 s"):
@@ -330,8 +354,11 @@ def test_wait_all_timeouts_stay_timeouts():
         C.wait_all([_FakeWork(result=False)], what="x", timeout_s=5.0)
     # the process group's own timeout, before dmuon's: a timeout, saying whose
     with pytest.raises(C.CollectiveTimeout) as info:
-        C.wait_all([_FakeWork(RuntimeError("[../gloo/pair.cc:1] Timed out waiting 5000ms for recv operation to complete"))],
-                   what="x", timeout_s=600.0)
+        C.wait_all(
+            [_FakeWork(RuntimeError("[../gloo/pair.cc:1] Timed out waiting 5000ms for recv operation to complete"))],
+            what="x",
+            timeout_s=600.0,
+        )
     assert "did not complete within the process group's timeout" in str(info.value), str(info.value)
     assert not isinstance(info.value, C.CollectiveTransportError)
     # the default: DEFAULT_TIMEOUT_S (600 s); None: the bare wait
@@ -362,12 +389,18 @@ def test_blocking_timeout_only_where_the_wait_blocks_the_cpu(monkeypatch):
 def test_wait_report_classifies_backend_messages():
     from dmuon.exec._comm.wait_report import backend_peer, is_timeout
 
-    for text in ("Operation timed out!", "Application timeout caused pair closure",
-                 "[Rank 0] Work WorkNCCL(SeqNum=7, OpType=BROADCAST) timed out in blocking wait.",
-                 "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7) ran for 600031 milliseconds"):
+    for text in (
+        "Operation timed out!",
+        "Application timeout caused pair closure",
+        "[Rank 0] Work WorkNCCL(SeqNum=7, OpType=BROADCAST) timed out in blocking wait.",
+        "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7) ran for 600031 milliseconds",
+    ):
         assert is_timeout(text, 0.1, 600.0), text
-    for text in (GLOO_CLOSED, "Read error [127.0.0.1]:9629: Connection reset by peer",
-                 "NCCL error in: ProcessGroupNCCL.cpp:1, remote process exited or there was a network error"):
+    for text in (
+        GLOO_CLOSED,
+        "Read error [127.0.0.1]:9629: Connection reset by peer",
+        "NCCL error in: ProcessGroupNCCL.cpp:1, remote process exited or there was a network error",
+    ):
         assert not is_timeout(text, 0.1, 600.0), text
     assert is_timeout("Connection reset by peer", 599.0, 600.0)  # raised once dmuon's time was up
     assert backend_peer(GLOO_CLOSED) == "[127.0.0.1]:13447"

@@ -77,8 +77,8 @@ def test_runtime_provides_the_host_interface():
 
 def test_boundary_does_not_import_the_runtime_module():
     tree = ast.parse((RUNTIME_DIR / "boundary.py").read_text())
-    every = [
-        (n.lineno, n.module) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
-    ] + [(n.lineno, a.name) for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    every = [(n.lineno, n.module) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module] + [
+        (n.lineno, a.name) for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+    ]
     assert [x for x in every if x[1] == "dmuon.exec._runtime.runtime"] == []  # TYPE_CHECKING ones included
     assert "dmuon.exec._runtime.runtime" not in {m for _, m in imports_of(RUNTIME_DIR / "boundary.py")}

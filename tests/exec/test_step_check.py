@@ -90,7 +90,13 @@ def test_a_rank_out_of_step_fails_every_rank_naming_the_steps(tmp_path, fault):
         assert msg.count("step ") >= 2 and "broadcast" in msg, msg
         assert "same forwards, backwards and opt.step() calls" in msg, msg
     for r in out:  # the others end through a timeout or the peer's exit, never silently
-        assert kinds[r] in ("RanksOutOfStep", "CollectiveTimeout", "CollectiveTransportError", "DistBackendError", "RuntimeError"), out[r]
+        assert kinds[r] in (
+            "RanksOutOfStep",
+            "CollectiveTimeout",
+            "CollectiveTransportError",
+            "DistBackendError",
+            "RuntimeError",
+        ), out[r]
 
 
 def test_step_code_is_exact_in_every_wire_dtype_and_distinguishes_the_faults():
@@ -105,4 +111,7 @@ def test_step_code_is_exact_in_every_wire_dtype_and_distinguishes_the_faults():
     assert step_code(1, False, 1) != step_code(1, True, 1)
     # extra forward / backward: its extra forward meets the others' next step
     assert step_code(1, False, 1) != step_code(2, False, 0)
-    assert describe_code(step_code(3, True, 1)) == "step 3 (mod 32), backward broadcast, after 1 forward(s) of this step (mod 4)"
+    assert (
+        describe_code(step_code(3, True, 1))
+        == "step 3 (mod 32), backward broadcast, after 1 forward(s) of this step (mod 4)"
+    )

@@ -140,17 +140,30 @@ def _sequence_parallel(model, tp_mesh) -> None:
     parallelize_module(model.layers[0], tp_mesh, to_seq)  # embeddings stay replicated
     gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     for layer in model.layers:
-        parallelize_module(layer, tp_mesh, {
-            "attn_norm": SequenceParallel(), "attn": gather,
-            "attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(), "attn.v_proj": ColwiseParallel(),
-            "attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-            "mlp_norm": SequenceParallel(), "mlp": gather,
-            "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
-        })
-    parallelize_module(model, tp_mesh, {
-        "norm": SequenceParallel(),
-        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-    })
+        parallelize_module(
+            layer,
+            tp_mesh,
+            {
+                "attn_norm": SequenceParallel(),
+                "attn": gather,
+                "attn.q_proj": ColwiseParallel(),
+                "attn.k_proj": ColwiseParallel(),
+                "attn.v_proj": ColwiseParallel(),
+                "attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+                "mlp_norm": SequenceParallel(),
+                "mlp": gather,
+                "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+            },
+        )
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+        },
+    )
 
 
 def _loss_context(parallel: str):
@@ -211,7 +224,9 @@ def _worker(dp, tp: int, cases, errors: bool = False, steps: int = STEPS):
             from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
             for layer in model.layers:
-                parallelize_module(layer, mesh["tp"], {"mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()})
+                parallelize_module(
+                    layer, mesh["tp"], {"mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+                )
             # and a TP-sharded parameter dmuon does not own (FSDP2 + AdamW over (dp, tp)): its
             # gradient norm lives on another mesh than FSDP2's 1-D ones (clip_grad_norm_)
             parallelize_module(model, mesh["tp"], {"lm_head": ColwiseParallel(output_layouts=Replicate())})
@@ -224,8 +239,14 @@ def _worker(dp, tp: int, cases, errors: bool = False, steps: int = STEPS):
             fully_shard(layer, mesh=dp_mesh, reshard_after_forward=z3)
         fully_shard(model, mesh=dp_mesh, reshard_after_forward=z3)
         opt = dmuon.Muon(
-            model, lr=HP["lr"], weight_decay=HP["weight_decay"], momentum=HP["momentum"], nesterov=HP["nesterov"],
-            adamw_lr=HP["adamw_lr"], adamw_weight_decay=HP["adamw_weight_decay"], ns_dtype=ns_dtype,
+            model,
+            lr=HP["lr"],
+            weight_decay=HP["weight_decay"],
+            momentum=HP["momentum"],
+            nesterov=HP["nesterov"],
+            adamw_lr=HP["adamw_lr"],
+            adamw_weight_decay=HP["adamw_weight_decay"],
+            ns_dtype=ns_dtype,
         )
         losses, ledgers, ns_calls, norms = [], [], [], []
         for batch in batches:
@@ -299,8 +320,11 @@ def test_tp_dp2_tp2():
     whole: (2, 1, 2) is HSDP x TP (replicate reduce + broadcast and TP), (1, 2, 2) shard x TP;
     and the mesh errors of :func:`_worker_3d`."""
     cases = [
-        ("auto", True), ("gram", False, 2), ("auto", True, 1, torch.float32, "mlp"),
-        ("auto", False, 1, torch.float32, "none"), ("auto", True, 1, torch.float32, "sp"),
+        ("auto", True),
+        ("gram", False, 2),
+        ("auto", True, 1, torch.float32, "mlp"),
+        ("auto", False, 1, torch.float32, "none"),
+        ("auto", True, 1, torch.float32, "sp"),
     ]
     specs = [(2, 2, cases), ((2, 1), 2, [("auto", True)]), ((1, 2), 2, [("gram", False)])]
     results = run_distributed(_worker_3d, 4, specs, timeout_s=380)
@@ -332,7 +356,9 @@ def _worker_3d(specs, steps: int = STEPS):
     bad = init_device_mesh("cpu", (2, world // 4, 2), mesh_dim_names=("a", "b", "c"))
     model = GPT(_cfg(), seed=0)
     apply_tensor_parallel(model, bad["c"])
-    with pytest.raises(ValueError, match=r"cannot find the replicate and shard and tp dim .*\('a', 'b', 'c'\).*'dp_shard'"):
+    with pytest.raises(
+        ValueError, match=r"cannot find the replicate and shard and tp dim .*\('a', 'b', 'c'\).*'dp_shard'"
+    ):
         dmuon.dedicate_params(model, bad)
     with pytest.raises(ValueError, match=r"TP dim of the mesh passed to dmuon joins ranks"):
         dmuon.dedicate_params(model, bad, replicate_dim="a", shard_dim="c", tp_dim="b")  # b, c swapped

@@ -227,7 +227,9 @@ def _worker4(root):
     meta = _build("tp", (2, 2), meta=True)
     out["meta_holders"] = _meta_report(meta, meta["plan"])
     out["meta_full"] = dmuon.full_state_dict(meta["model"])
-    with pytest.raises(ValueError, match=r"dedicated parameter 'layers\.0\.[a-z_.]+' became torch.float64, the plan says torch.float32"):
+    with pytest.raises(
+        ValueError, match=r"dedicated parameter 'layers\.0\.[a-z_.]+' became torch.float64, the plan says torch.float32"
+    ):
         meta["model"].to(torch.float64)  # as without TP: the plan fixes dtypes (use mp_policy)
     run = _build("tp", (2, 2))
     out["cpu_full"] = dmuon.full_state_dict(run["model"])
@@ -410,10 +412,17 @@ def test_tp_sharded_state_dicts(chain, reference):
     from dmuon.plan import compile as compile_plan
     from dmuon._train.byte_gpt import GPT
 
-    plan = compile_plan(GPT(_cfg(), seed=0), 2, tp_size=2, tp_ns="gather", tp_shard_dims={
-        f"layers.{i}.{n}.weight": (1 if n in ("attn.o_proj", "mlp.down_proj") else 0)
-        for i in range(2) for n in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp.up_proj", "mlp.down_proj")
-    })
+    plan = compile_plan(
+        GPT(_cfg(), seed=0),
+        2,
+        tp_size=2,
+        tp_ns="gather",
+        tp_shard_dims={
+            f"layers.{i}.{n}.weight": (1 if n in ("attn.o_proj", "mlp.down_proj") else 0)
+            for i in range(2)
+            for n in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp.up_proj", "mlp.down_proj")
+        },
+    )
     want = sum(2 * (2 - 1) * -(-p.local_shape[0] // 2) * p.local_shape[1] * 4 for p in plan.params)
     assert sum(r["report"]["model_sd_nbytes"] for r in r4) == want, [r["report"]["model_sd_nbytes"] for r in r4]
     assert all(r["torch_full_equal"] for r in r4)

@@ -91,9 +91,7 @@ def _worker(cases, mesh_shape=None):
         if case.get("dim_names"):  # the user's own dim names, told which is which
             dedicate_mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=case["dim_names"])
             dims = dict(replicate_dim=case["dim_names"][0], shard_dim=case["dim_names"][1])
-        plan = dmuon.dedicate_params(
-            model, dedicate_mesh, reshard_after_forward=case["z3"], mp_policy=mp, **dims
-        )
+        plan = dmuon.dedicate_params(model, dedicate_mesh, reshard_after_forward=case["z3"], mp_policy=mp, **dims)
         kw = {} if mp is None else {"mp_policy": mp}
         for fqn in case.get("freeze_after", ()):
             model.get_parameter(fqn).requires_grad_(False)  # after planning: reduced as zeros, never updated
@@ -268,7 +266,9 @@ def _results(world, which):
     if world == 2:
         configs["hsdp"] = (HSDP_CASES, (2, 1))
     timeout_s = 300 + (200 if world == 2 else 0)
-    runs = shared_run(("test_training_features", world), _configs_worker, world, list(configs.values()), timeout_s=timeout_s)
+    runs = shared_run(
+        ("test_training_features", world), _configs_worker, world, list(configs.values()), timeout_s=timeout_s
+    )
     i = list(configs).index(which)
     return [r[i] for r in runs]
 

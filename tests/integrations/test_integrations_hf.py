@@ -38,28 +38,76 @@ ORACLE_KINDS = ("llama", "qwen2", "qwen3", "gpt2", "bert", "vit")
 # -- golden table: what the defaults pick -----------------------------------------------------
 
 PER_LAYER = {  # kind -> (boundary of layer i, dedicated weights below it)
-    "llama": ("model.layers.{i}", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                   "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]),
-    "qwen2": ("model.layers.{i}", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                   "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]),
-    "qwen3": ("model.layers.{i}", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                   "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]),
+    "llama": (
+        "model.layers.{i}",
+        [
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        ],
+    ),
+    "qwen2": (
+        "model.layers.{i}",
+        [
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        ],
+    ),
+    "qwen3": (
+        "model.layers.{i}",
+        [
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        ],
+    ),
     "gpt2": ("transformer.h.{i}", ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"]),
-    "bert": ("bert.encoder.layer.{i}", ["attention.self.query", "attention.self.key",
-                                        "attention.self.value", "attention.output.dense",
-                                        "intermediate.dense", "output.dense"]),
-    "vit": ("vit.layers.{i}", ["attention.q_proj", "attention.k_proj", "attention.v_proj",
-                               "attention.o_proj", "mlp.fc1", "mlp.fc2"]),
+    "bert": (
+        "bert.encoder.layer.{i}",
+        [
+            "attention.self.query",
+            "attention.self.key",
+            "attention.self.value",
+            "attention.output.dense",
+            "intermediate.dense",
+            "output.dense",
+        ],
+    ),
+    "vit": (
+        "vit.layers.{i}",
+        ["attention.q_proj", "attention.k_proj", "attention.v_proj", "attention.o_proj", "mlp.fc1", "mlp.fc2"],
+    ),
 }
 NOT_DEDICATED_2D = {  # 2-D (or more) parameters left to FSDP2 + AdamW, and why
     "llama": ["model.embed_tokens.weight", "lm_head.weight"],  # embedding; outside any block
     "qwen2": ["model.embed_tokens.weight"],  # lm_head tied to it
     "qwen3": ["model.embed_tokens.weight", "lm_head.weight"],
     "gpt2": ["transformer.wte.weight", "transformer.wpe.weight"],  # lm_head tied to wte
-    "bert": ["bert.embeddings.word_embeddings.weight", "bert.embeddings.position_embeddings.weight",
-             "bert.embeddings.token_type_embeddings.weight", "cls.predictions.transform.dense.weight"],
-    "vit": ["vit.embeddings.cls_token", "vit.embeddings.position_embeddings",
-            "vit.embeddings.patch_embeddings.projection.weight", "classifier.weight"],
+    "bert": [
+        "bert.embeddings.word_embeddings.weight",
+        "bert.embeddings.position_embeddings.weight",
+        "bert.embeddings.token_type_embeddings.weight",
+        "cls.predictions.transform.dense.weight",
+    ],
+    "vit": [
+        "vit.embeddings.cls_token",
+        "vit.embeddings.position_embeddings",
+        "vit.embeddings.patch_embeddings.projection.weight",
+        "classifier.weight",
+    ],
 }
 
 
@@ -107,10 +155,16 @@ def _fsdp2_recipe(kind):
         fully_shard(block)
     fully_shard(model)
     opt = dmuon_optimizer(model)
-    losses = train_steps(model, opt, data, lambda m, batch, r, w: hf_models.loss_of(m, hf_models.rank_slice(batch, r, w)))
+    losses = train_steps(
+        model, opt, data, lambda m, batch, r, w: hf_models.loss_of(m, hf_models.rank_slice(batch, r, w))
+    )
     full = dmuon.full_state_dict(model, rank0_only=False)
-    return {"losses": losses, "ref_losses": ref_losses,
-            "param_err": hf_models.max_param_error(full, ref_sd), "n_dedicated": len(plan.dedicated)}
+    return {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "param_err": hf_models.max_param_error(full, ref_sd),
+        "n_dedicated": len(plan.dedicated),
+    }
 
 
 def _accelerate_recipe():
@@ -123,21 +177,28 @@ def _accelerate_recipe():
     rank, world = dist.get_rank(), dist.get_world_size()
     model = hf_models.build("llama")
     data = hf_models.batches("llama", STEPS)
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                            reshard_after_forward=True, cpu_ram_efficient_loading=False)
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        auto_wrap_policy="transformer_based_wrap",
+        reshard_after_forward=True,
+        cpu_ram_efficient_loading=False,
+    )
     acc = Accelerator(fsdp_plugin=plugin, cpu=True)
     _force_fsdp2_on_cpu(acc, plugin)
     plan = dmuon.dedicate_params(model, None)
     ref_norms = []
-    ref_losses, ref_sd = hf_models.reference_run(hf_models.build("llama"), set(plan.dedicated), data,
-                                                 max_grad_norm=0.05, grad_norms=ref_norms)
+    ref_losses, ref_sd = hf_models.reference_run(
+        hf_models.build("llama"), set(plan.dedicated), data, max_grad_norm=0.05, grad_norms=ref_norms
+    )
     opt = dmuon_optimizer(model)
     n_before = [len(g["params"]) for g in opt.param_groups]
     model, aopt = acc.prepare(model, opt)
     muon_group = opt.param_groups[0]["params"]
     names = {id(p): n for n, p in model.named_parameters()}
-    out = {"groups_kept": [len(g["params"]) for g in opt.param_groups] == n_before,
-           "muon_group_is_dedicated_in_order": [names[id(p)] for p in muon_group] == list(plan.dedicated)}
+    out = {
+        "groups_kept": [len(g["params"]) for g in opt.param_groups] == n_before,
+        "muon_group_is_dedicated_in_order": [names[id(p)] for p in muon_group] == list(plan.dedicated),
+    }
     losses, norms = [], []
     for batch in data:
         loss = hf_models.loss_of(model, hf_models.rank_slice(batch, rank, world))
@@ -149,8 +210,13 @@ def _accelerate_recipe():
         dist.all_reduce(t)
         losses.append(t.item() / world)
     full = dmuon.full_state_dict(model, rank0_only=False)
-    out.update(losses=losses, ref_losses=ref_losses, norms=norms, ref_norms=ref_norms,
-               param_err=hf_models.max_param_error(full, ref_sd))
+    out.update(
+        losses=losses,
+        ref_losses=ref_losses,
+        norms=norms,
+        ref_norms=ref_norms,
+        param_err=hf_models.max_param_error(full, ref_sd),
+    )
     return out
 
 
@@ -187,19 +253,30 @@ def _trainer_recipe(out_dir):
     model = hf_models.build("gpt2")
     plan = dmuon.dedicate_params(model, None)
     ref_norms = []
-    ref_losses, ref_sd = hf_models.reference_run(hf_models.build("gpt2"), set(plan.dedicated), data,
-                                                 max_grad_norm=0.05, grad_norms=ref_norms)
+    ref_losses, ref_sd = hf_models.reference_run(
+        hf_models.build("gpt2"), set(plan.dedicated), data, max_grad_norm=0.05, grad_norms=ref_norms
+    )
     muon_kwargs = dmuon_muon_kwargs()
     args = T.TrainingArguments(
-        output_dir=out_dir, max_steps=STEPS, per_device_train_batch_size=per_device,
-        lr_scheduler_type="constant", max_grad_norm=0.05, logging_steps=1, save_strategy="no",
-        report_to=[], use_cpu=True, remove_unused_columns=False, dataloader_drop_last=True,
-        fsdp=True, fsdp_config={"fsdp_version": 2, "reshard_after_forward": True,
-                                        "transformer_layer_cls_to_wrap": ["GPT2Block"]},
-        disable_tqdm=True, average_tokens_across_devices=False,  # per-rank mean, as the oracle
+        output_dir=out_dir,
+        max_steps=STEPS,
+        per_device_train_batch_size=per_device,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.05,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        remove_unused_columns=False,
+        dataloader_drop_last=True,
+        fsdp=True,
+        fsdp_config={"fsdp_version": 2, "reshard_after_forward": True, "transformer_layer_cls_to_wrap": ["GPT2Block"]},
+        disable_tqdm=True,
+        average_tokens_across_devices=False,  # per-rank mean, as the oracle
     )
-    trainer = CPUFSDP2Trainer(model=model, args=args, train_dataset=Rows(),
-                              optimizer_cls_and_kwargs=(MuonFactory, muon_kwargs))
+    trainer = CPUFSDP2Trainer(
+        model=model, args=args, train_dataset=Rows(), optimizer_cls_and_kwargs=(MuonFactory, muon_kwargs)
+    )
     trainer.train()
     out = {"optimizer": type(trainer.optimizer.optimizer).__name__}
     # Trainer's default optimizer (AdamW over model.parameters()) is refused in prepare
@@ -213,9 +290,14 @@ def _trainer_recipe(out_dir):
     norms = [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
     full = dmuon.full_state_dict(trainer.model, rank0_only=False)
     errors = hf_models.param_errors(full, ref_sd)
-    out.update(losses=losses, ref_losses=ref_losses, norms=norms, ref_norms=ref_norms,
-               param_err=hf_models.max_param_error(full, ref_sd),
-               worst=sorted(errors.items(), key=lambda kv: -kv[1])[:3])
+    out.update(
+        losses=losses,
+        ref_losses=ref_losses,
+        norms=norms,
+        ref_norms=ref_norms,
+        param_err=hf_models.max_param_error(full, ref_sd),
+        worst=sorted(errors.items(), key=lambda kv: -kv[1])[:3],
+    )
     return out
 
 

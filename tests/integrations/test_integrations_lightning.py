@@ -70,26 +70,32 @@ def _lightning_cases():
     batches = oracle.global_batches(STEPS)
     # rank r's loader yields its contiguous slice of each global batch, in step order
     local = torch.cat([b.chunk(world)[rank] for b in batches])
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(local),
-                                         batch_size=local.shape[0] // STEPS, shuffle=False)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(local), batch_size=local.shape[0] // STEPS, shuffle=False
+    )
 
     def trainer():
         return L.Trainer(
-            accelerator="cpu", devices=world, max_steps=STEPS,
+            accelerator="cpu",
+            devices=world,
+            max_steps=STEPS,
             strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
-            use_distributed_sampler=False, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False,
+            use_distributed_sampler=False,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
         )
 
     lit = _lit_module(foreign_optimizer=False)
     trainer().fit(lit, loader)
     plan = dmuon.exec.get_model_runtime(lit.model).plan
-    ref_losses, ref_sd, _ = oracle.reference_run(oracle.make_model("tiny", seed=0), set(plan.dedicated),
-                                                 batches, ns_fp32=True)
+    ref_losses, ref_sd, _ = oracle.reference_run(
+        oracle.make_model("tiny", seed=0), set(plan.dedicated), batches, ns_fp32=True
+    )
     full = dmuon.full_state_dict(lit.model, rank0_only=False)
     err = max((full[k] - v).abs().max().item() / (v.abs().max().item() or 1.0) for k, v in ref_sd.items())
-    out = {"losses": lit.losses, "ref_losses": ref_losses, "param_err": err,
-           "mesh": tuple(lit.device_mesh.shape)}
+    out = {"losses": lit.losses, "ref_losses": ref_losses, "param_err": err, "mesh": tuple(lit.device_mesh.shape)}
     try:
         trainer().fit(_lit_module(foreign_optimizer=True), loader)
     except TypeError as e:
@@ -98,9 +104,17 @@ def _lightning_cases():
     lit = _lit_module(foreign_optimizer=False)
     lit.configure_model = lambda: dmuon.dedicate_params(lit.model, None) and None
     try:
-        L.Trainer(accelerator="cpu", devices=world, max_steps=1, strategy="ddp", logger=False,
-                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                  use_distributed_sampler=False).fit(lit, loader)
+        L.Trainer(
+            accelerator="cpu",
+            devices=world,
+            max_steps=1,
+            strategy="ddp",
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+        ).fit(lit, loader)
     except ValueError as e:
         out["ddp"] = str(e)
     return out

@@ -78,8 +78,16 @@ BATCH, SEQ = 4, 16  # global batch: BATCH sequences of SEQ + 1 tokens
 DIM, HEADS, LAYERS, VOCAB = 64, 4, 2, 256
 MOE_HIDDEN, MOE_HEAD_DIM = 32, 16
 MAX_NORM = 0.5  # bites (the step-0 norm is ~2): the clip depends on the gradients' scale
-HP = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, adamw_lr=3e-3, adamw_betas=(0.9, 0.95),
-          adamw_eps=1e-8, adamw_weight_decay=0.1)
+HP = dict(
+    lr=0.02,
+    weight_decay=0.1,
+    momentum=0.95,
+    nesterov=True,
+    adamw_lr=3e-3,
+    adamw_betas=(0.9, 0.95),
+    adamw_eps=1e-8,
+    adamw_weight_decay=0.1,
+)
 TIMEOUT_S = 600  # one launch runs several cases on a shared 2-core machine
 
 
@@ -124,7 +132,10 @@ def _llama3_config():
     from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
 
     layers = _build_llama3_layers(
-        n_layers=LAYERS, dim=DIM, n_heads=HEADS, hidden_dim=compute_ffn_hidden_dim(DIM, multiple_of=32),
+        n_layers=LAYERS,
+        dim=DIM,
+        n_heads=HEADS,
+        hidden_dim=compute_ffn_hidden_dim(DIM, multiple_of=32),
         rope=ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=SEQ, theta=500000, scaling="llama"),
         attn_backend="flex",
     )
@@ -132,12 +143,17 @@ def _llama3_config():
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     std = DIM**-0.5
     return Llama3Model.Config(
-        dim=DIM, vocab_size=VOCAB,
-        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM,
-                                        param_init={"weight": torch.nn.init.normal_}),
+        dim=DIM,
+        vocab_size=VOCAB,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=VOCAB, embedding_dim=DIM, param_init={"weight": torch.nn.init.normal_}
+        ),
         norm=RMSNorm.Config(normalized_shape=DIM, param_init={"weight": torch.nn.init.ones_}),
-        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB,
-                              param_init={"weight": lambda t: torch.nn.init.trunc_normal_(t, std=std)}),
+        lm_head=Linear.Config(
+            in_features=DIM,
+            out_features=VOCAB,
+            param_init={"weight": lambda t: torch.nn.init.trunc_normal_(t, std=std)},
+        ),
         layers=layers,
     )
 
@@ -153,15 +169,25 @@ def _qwen3_moe_config(num_experts: int):
     from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_moe_layers, _qwen3_norm
 
     layers = _build_qwen3_moe_layers(
-        n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=2, head_dim=MOE_HEAD_DIM, moe_hidden_dim=MOE_HIDDEN,
-        num_experts=num_experts, top_k=min(2, num_experts), attn_backend="flex", moe_comm_backend="standard",
+        n_layers=LAYERS,
+        dim=DIM,
+        n_heads=HEADS,
+        n_kv_heads=2,
+        head_dim=MOE_HEAD_DIM,
+        moe_hidden_dim=MOE_HIDDEN,
+        num_experts=num_experts,
+        top_k=min(2, num_experts),
+        attn_backend="flex",
+        moe_comm_backend="standard",
         rope=CosSinRoPE.Config(dim=MOE_HEAD_DIM, max_seq_len=SEQ, theta=1e6),
     )
     for layer in layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     init = {"weight": functools.partial(torch.nn.init.normal_, std=0.02)}
     return Qwen3Model.Config(
-        vocab_size=VOCAB, dim=DIM, norm=_qwen3_norm(DIM),
+        vocab_size=VOCAB,
+        dim=DIM,
+        norm=_qwen3_norm(DIM),
         tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=init),
         lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=init),
         layers=layers,
@@ -235,11 +261,16 @@ def _setup(case: Case, tmp):
     world = dist.get_world_size()
     replicate, shard = case.mesh
     assert replicate * shard * case.tp == world, (case, world)
-    parallelism = ParallelismConfig(spmd_backend="partial_dtensor", data_parallel_replicate_degree=replicate,
-                                    data_parallel_shard_degree=shard, tensor_parallel_degree=case.tp,
-                                    expert_parallel_degree=case.ep)
-    training = TrainingConfig(mixed_precision_param="float32", local_batch_size=BATCH // world, seq_len=SEQ,
-                              steps=STEPS, max_norm=MAX_NORM)
+    parallelism = ParallelismConfig(
+        spmd_backend="partial_dtensor",
+        data_parallel_replicate_degree=replicate,
+        data_parallel_shard_degree=shard,
+        tensor_parallel_degree=case.tp,
+        expert_parallel_degree=case.ep,
+    )
+    training = TrainingConfig(
+        mixed_precision_param="float32", local_batch_size=BATCH // world, seq_len=SEQ, steps=STEPS, max_norm=MAX_NORM
+    )
     titan_pd.device_type = "cpu"  # torchtitan's default is "cuda" on a machine without accelerator
     parallel_dims = ParallelDims.from_config(parallelism, world)
     parallel_dims.build_mesh()
@@ -251,8 +282,15 @@ def _setup(case: Case, tmp):
         model = config.build()
     _fp32_experts(model, case)
     parallelize = wrap_parallelize(parallelize_llama if case.kind == "llama3" else parallelize_qwen3)
-    model = parallelize(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
-                        compile_config=CompileConfig(), ac_config=None, dump_folder=tmp)
+    model = parallelize(
+        model,
+        parallel_dims=parallel_dims,
+        training=training,
+        parallelism=parallelism,
+        compile_config=CompileConfig(),
+        ac_config=None,
+        dump_folder=tmp,
+    )
     for module in model.modules():  # gloo has no PREMUL_SUM (torchtitan's divide factor is 1.0)
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)
@@ -302,8 +340,13 @@ def _train_step(model, parallel_dims, training, optimizers, lr_schedulers, loss_
     pred = model(inputs)
     loss, _ = loss_fn(pred, labels, global_valid_tokens)
     loss.backward()
-    grad_norm = dist_utils.clip_grad_norm_([p for p in model.parameters()], training.max_norm, foreach=True,
-                                           pp_mesh=None, ep_enabled=parallel_dims.ep_enabled)
+    grad_norm = dist_utils.clip_grad_norm_(
+        [p for p in model.parameters()],
+        training.max_norm,
+        foreach=True,
+        pp_mesh=None,
+        ep_enabled=parallel_dims.ep_enabled,
+    )
     group = optimizers.optimizers[0].param_groups[0]
     factor = group["lr"] / group["initial_lr"]
     optimizers.step()
@@ -341,8 +384,13 @@ def _run_case(case: Case, tmp):
         factors=factors,
         n_pre_hooks=len(optimizers._optimizer_step_pre_hooks),
         initial_ep_stacks=model.initial_ep_stacks,
-        ep_dispatch=sorted({type(d).__name__ for d in (getattr(m, "token_dispatcher", None) for m in model.modules())
-                            if getattr(d, "ep_mesh", None) is not None}),
+        ep_dispatch=sorted(
+            {
+                type(d).__name__
+                for d in (getattr(m, "token_dispatcher", None) for m in model.modules())
+                if getattr(d, "ep_mesh", None) is not None
+            }
+        ),
     )
     if case.kind == "llama3":
         out["full"] = _full_params(model)
@@ -497,8 +545,10 @@ def _check_case(world, i, root):
         if err / scale > param_dev:
             param_dev, worst = err / scale, k
         assert err <= param_tol * scale, (k, err, scale)
-    print(f"\ntorchtitan {case.name}: losses {loss_dev:.1e} rel, grad norms {norm_dev:.1e} rel, "
-          f"parameters {param_dev:.1e} of max|p| (worst {worst})")
+    print(
+        f"\ntorchtitan {case.name}: losses {loss_dev:.1e} rel, grad norms {norm_dev:.1e} rel, "
+        f"parameters {param_dev:.1e} of max|p| (worst {worst})"
+    )
     return case, got, ref_state
 
 
@@ -568,8 +618,15 @@ def _checkpointer(model, optimizers, lr_schedulers, tmp):
     from torchtitan.components.checkpoint import CheckpointManager
 
     config = CheckpointManager.Config(enable=True, folder="checkpoint", interval=1, last_save_model_only=False)
-    return config.build(dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=lr_schedulers,
-                        states={}, sd_adapter=None, base_folder=tmp)
+    return config.build(
+        dataloader=None,
+        model_parts=[model],
+        optimizers=optimizers,
+        lr_schedulers=lr_schedulers,
+        states={},
+        sd_adapter=None,
+        base_folder=tmp,
+    )
 
 
 CKPT_SAVE, CKPT_LOAD = Case("ckpt W=4", "llama3", (1, 4)), Case("ckpt W=2", "llama3", (1, 2))
@@ -617,15 +674,19 @@ def test_checkpoint_saved_at_4_resumes_at_2(root):
         err = (got[k] - w).abs().max().item()
         dev = max(dev, err / scale)
         assert err <= 1e-4 * scale, (k, err, scale)
-    print(f"torchtitan checkpoint W=4 -> W=2: loss {abs(resumed[0]['loss'] - saved[0]['loss']):.1e} abs, "
-          f"parameters {dev:.1e} of max|p|")
+    print(
+        f"torchtitan checkpoint W=4 -> W=2: loss {abs(resumed[0]['loss'] - saved[0]['loss']):.1e} abs, "
+        f"parameters {dev:.1e} of max|p|"
+    )
 
 
 @pytest.mark.parametrize(
     "degrees, says",
     [
-        (dict(data_parallel_shard_degree=2, tensor_parallel_degree=2, expert_parallel_degree=2),
-         "expert parallelism with tensor_parallel_degree > 1"),
+        (
+            dict(data_parallel_shard_degree=2, tensor_parallel_degree=2, expert_parallel_degree=2),
+            "expert parallelism with tensor_parallel_degree > 1",
+        ),
     ],
     ids=["ep_tp"],
 )
@@ -638,13 +699,17 @@ def test_expert_parallel_layouts_dmuon_does_not_take_are_refused(degrees, says):
     from dmuon.integrations.torchtitan import wrap_parallelize
 
     parallelism = ParallelismConfig(spmd_backend="partial_dtensor", **degrees)
-    world = (parallelism.data_parallel_replicate_degree * parallelism.data_parallel_shard_degree
-             * parallelism.tensor_parallel_degree)
+    world = (
+        parallelism.data_parallel_replicate_degree
+        * parallelism.data_parallel_shard_degree
+        * parallelism.tensor_parallel_degree
+    )
     parallel_dims = ParallelDims.from_config(parallelism, world)
     called = []
     parallelize = wrap_parallelize(lambda model, **kw: called.append(model))
     with pytest.raises(NotImplementedError, match="dmuon.integrations.torchtitan: not supported with") as err:
-        parallelize(torch.nn.Linear(2, 2), parallel_dims=parallel_dims, parallelism=parallelism,
-                    training=TrainingConfig())
+        parallelize(
+            torch.nn.Linear(2, 2), parallel_dims=parallel_dims, parallelism=parallelism, training=TrainingConfig()
+        )
     assert says in str(err.value), str(err.value)
     assert not called

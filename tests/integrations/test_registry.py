@@ -116,7 +116,9 @@ def test_changed_signature_raises_a_named_error(registry_state, monkeypatch):
         raise AssertionError("never called")
 
     monkeypatch.setattr(_fsdp_init, "_get_managed_modules", managed)
-    with pytest.raises(_registry.IntegrationError, match=r"'fsdp2.managed_modules'.*ignored_params.*fsdp2_ignored_params"):
+    with pytest.raises(
+        _registry.IntegrationError, match=r"'fsdp2.managed_modules'.*ignored_params.*fsdp2_ignored_params"
+    ):
         _registry.install("fsdp2.managed_modules")
     monkeypatch.delattr(_fsdp_init, "_get_managed_states")
     with pytest.raises(_registry.IntegrationError, match=r"'fsdp2.managed_states'.*missing"):
@@ -145,10 +147,15 @@ def test_dcp_load_planner_explains_a_dedicated_set_mismatch():
     from torch.distributed.checkpoint.metadata import Metadata, TensorProperties, TensorStorageMetadata
 
     meta = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([2]), [])
-    metadata = Metadata(state_dict_metadata={"optim.state.layers.0.w.step": meta, "optim.state.layers.0.w.exp_avg": meta})
+    metadata = Metadata(
+        state_dict_metadata={"optim.state.layers.0.w.step": meta, "optim.state.layers.0.w.exp_avg": meta}
+    )
     planner = dmuon.DCPLoadPlanner()
     planner.set_up_planner({"optim.state.layers.0.w.momentum_buffer": torch.zeros(2)}, metadata, True)
-    with pytest.raises(RuntimeError, match=r"dedicated set differs.*dedicated \(Muon\) here but AdamW in the checkpoint: optim.state.layers.0.w"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"dedicated set differs.*dedicated \(Muon\) here but AdamW in the checkpoint: optim.state.layers.0.w",
+    ):
         planner.create_local_plan()
     plain = dmuon.DCPLoadPlanner()
     plain.set_up_planner({"model.x": torch.zeros(2)}, metadata, True)
@@ -221,7 +228,9 @@ def _run(*bodies: str, env_extra: dict | None = None, timeout: int = 240) -> dic
     env.update(env_extra or {})
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     script = _PRELUDE.format(tests=str(TESTS)) + "\n".join(textwrap.dedent(b) for b in bodies)
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    r = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -250,12 +259,20 @@ def test_import_changes_only_the_clip_hand_off_then_dedication_the_rest():
         s3 = snapshot()
         print(json.dumps(dict(on_import=changed(s0, s1), on_dedicate=changed(s1, s2), status=status,
                               restored=changed(s0, s3), undone=sorted(undone))))
-        """
+        """,
     )
     # import dmuon: the clip hand-off only; the fully_shard skip installs with the rest at the first dedication
     assert r["on_import"] == ["clip.clip_grad", "clip.nn_utils"]
-    assert r["on_dedicate"] == ["amp.grad_scaler", "amp.sharded_grad_scaler", "dcp.load_plan", "ddp.guard",
-                                "fsdp2.managed_modules", "fsdp2.managed_states", "import_hook", "optimizer.guard"]
+    assert r["on_dedicate"] == [
+        "amp.grad_scaler",
+        "amp.sharded_grad_scaler",
+        "dcp.load_plan",
+        "ddp.guard",
+        "fsdp2.managed_modules",
+        "fsdp2.managed_states",
+        "import_hook",
+        "optimizer.guard",
+    ]
     assert r["restored"] == []  # every original object back (identity)
     assert sorted(k for k, v in r["status"].items() if v) == r["undone"]
 
@@ -343,7 +360,7 @@ def test_scaler_and_clip_made_before_the_first_dedication_still_work():
             ddp = str(exc)
         print(json.dumps(dict(ours=ours.item(), ref=ref.item(), scale=scaler.get_scale(), foreign=foreign, ddp=ddp,
                               metered=metered)))
-        """
+        """,
     )
     assert abs(r["ours"] - r["ref"]) <= 1e-6 * max(1.0, r["ref"])
     assert r["scale"] == 2.0  # no inf found: the step ran and the scale kept
@@ -369,7 +386,7 @@ def test_accelerate_imported_before_or_after_dmuon(order):
         dmuon.integrations.uninstall("accelerate")
         restored = changed(s0, snapshot()) if s0 else []
         print(json.dumps(dict(wrapped=wrapped, status=status, restored=[k for k in restored if k.startswith("accelerate")])))
-        """
+        """,
     )
     if order == "never":
         assert r["wrapped"] == [] and not any(r["status"].values())

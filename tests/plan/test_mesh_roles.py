@@ -40,7 +40,12 @@ def test_roles(shape, names, kw, want):
         ((2, 2, 2), None, {}, r"cannot find the replicate and shard and tp dim .*\(unnamed\).*'dp_replicate'"),
         ((2, 2, 2), ("a", "b", "tp"), {}, r"replicate and shard dim of the 3-D mesh with dims \('a', 'b', 'tp'\)"),
         ((2, 2), ("dp", "x"), {}, r"replicate or tp dim .*\('dp', 'x'\).*or pass shard_dim="),
-        ((2, 2), ("dp", "tp"), dict(tp_dim="model"), r"tp_dim='model' names no dim of the mesh, whose dims are \('dp', 'tp'\)"),
+        (
+            (2, 2),
+            ("dp", "tp"),
+            dict(tp_dim="model"),
+            r"tp_dim='model' names no dim of the mesh, whose dims are \('dp', 'tp'\)",
+        ),
         ((2, 2, 2), ("shard", "tp", "x"), dict(replicate_dim="shard"), r"overlap"),
         ((2, 2, 2, 2), ("a", "b", "c", "d"), {}, r"1, 2 or 3 dims"),
     ],

@@ -67,15 +67,31 @@ def grouped_meta(num_experts: int = 4, n_layers: int = 1) -> nn.Module:
 
 def _pm_nbytes(plan: ShardingPlan) -> int:
     """P_M: bytes of every boundary's packed buffers, alignment padding and flags included."""
-    return sum(buf.numel * torch.empty((), dtype=getattr(torch, buf.dtype.split(".")[1])).element_size()
-               for b in plan.boundaries for buf in b.buffers)
+    return sum(
+        buf.numel * torch.empty((), dtype=getattr(torch, buf.dtype.split(".")[1])).element_size()
+        for b in plan.boundaries
+        for buf in b.buffers
+    )
 
 
 def _sub(shard, N, offset, numel, entries, flags_offset):
-    return Segment(shard=shard, offset=offset, numel=numel, subsegments=(SubSegment(
-        owner=o(shard, N), offset=offset, numel=numel, flags_offset=flags_offset,
-        entries=tuple(LayoutEntry(fqn=f, owner=o(shard, N), offset=off, numel=math.prod(shape), shape=shape, block=blk)
-                      for f, off, shape, blk in entries)),))
+    return Segment(
+        shard=shard,
+        offset=offset,
+        numel=numel,
+        subsegments=(
+            SubSegment(
+                owner=o(shard, N),
+                offset=offset,
+                numel=numel,
+                flags_offset=flags_offset,
+                entries=tuple(
+                    LayoutEntry(fqn=f, owner=o(shard, N), offset=off, numel=math.prod(shape), shape=shape, block=blk)
+                    for f, off, shape, blk in entries
+                ),
+            ),
+        ),
+    )
 
 
 # --------------------------------------------------------------------------- golden, N = 2
@@ -95,12 +111,44 @@ def expected_boundary_2() -> Boundary:
     # seg s1 @368: router @368 (32) -> 400; w1[2:4] @400 -> 496; w2[2:4] @496 -> 592;
     #            w3[2:4] @592 -> 688; 4 flags @688; numel round_up(688 + 4 - 368 = 324) = 336
     # buffer 704 elements
-    return Boundary(fqn="layers.0", fallback=False, buffers=(BufferLayout(dtype=F32, numel=704, segments=(
-        _sub(0, 2, 0, 368, [(ATTN, 0, (8, 8), None), (W1, 64, (2, 6, 8), 0), (W2, 160, (2, 8, 6), 0),
-                            (W3, 256, (2, 6, 8), 0)], 352),
-        _sub(1, 2, 368, 336, [(ROUTER, 368, (4, 8), None), (W1, 400, (2, 6, 8), 1), (W2, 496, (2, 8, 6), 1),
-                              (W3, 592, (2, 6, 8), 1)], 688),
-    )),))
+    return Boundary(
+        fqn="layers.0",
+        fallback=False,
+        buffers=(
+            BufferLayout(
+                dtype=F32,
+                numel=704,
+                segments=(
+                    _sub(
+                        0,
+                        2,
+                        0,
+                        368,
+                        [
+                            (ATTN, 0, (8, 8), None),
+                            (W1, 64, (2, 6, 8), 0),
+                            (W2, 160, (2, 8, 6), 0),
+                            (W3, 256, (2, 6, 8), 0),
+                        ],
+                        352,
+                    ),
+                    _sub(
+                        1,
+                        2,
+                        368,
+                        336,
+                        [
+                            (ROUTER, 368, (4, 8), None),
+                            (W1, 400, (2, 6, 8), 1),
+                            (W2, 496, (2, 8, 6), 1),
+                            (W3, 592, (2, 6, 8), 1),
+                        ],
+                        688,
+                    ),
+                ),
+            ),
+        ),
+    )
 
 
 # --------------------------------------------------------------------------- golden, N = 4
@@ -121,14 +169,50 @@ def expected_boundary_4() -> Boundary:
     #        4 flags @400; numel round_up(180) = 192
     # s2 @416: w1[1] @416 -> 464; w2[1] @464 -> 512; w3[1] @512 -> 560; 3 flags @560; numel 160
     # s3 @576: w1[2] @576 ...; 3 flags @720; numel 160.  Buffer 736 elements
-    return Boundary(fqn="layers.0", fallback=False, buffers=(BufferLayout(dtype=F32, numel=736, segments=(
-        _sub(0, 4, 0, 224, [(ATTN, 0, (8, 8), None), (W1, 64, (1, 6, 8), 3), (W2, 112, (1, 8, 6), 3),
-                            (W3, 160, (1, 6, 8), 3)], 208),
-        _sub(1, 4, 224, 192, [(ROUTER, 224, (4, 8), None), (W1, 256, (1, 6, 8), 0), (W2, 304, (1, 8, 6), 0),
-                              (W3, 352, (1, 6, 8), 0)], 400),
-        _sub(2, 4, 416, 160, [(W1, 416, (1, 6, 8), 1), (W2, 464, (1, 8, 6), 1), (W3, 512, (1, 6, 8), 1)], 560),
-        _sub(3, 4, 576, 160, [(W1, 576, (1, 6, 8), 2), (W2, 624, (1, 8, 6), 2), (W3, 672, (1, 6, 8), 2)], 720),
-    )),))
+    return Boundary(
+        fqn="layers.0",
+        fallback=False,
+        buffers=(
+            BufferLayout(
+                dtype=F32,
+                numel=736,
+                segments=(
+                    _sub(
+                        0,
+                        4,
+                        0,
+                        224,
+                        [
+                            (ATTN, 0, (8, 8), None),
+                            (W1, 64, (1, 6, 8), 3),
+                            (W2, 112, (1, 8, 6), 3),
+                            (W3, 160, (1, 6, 8), 3),
+                        ],
+                        208,
+                    ),
+                    _sub(
+                        1,
+                        4,
+                        224,
+                        192,
+                        [
+                            (ROUTER, 224, (4, 8), None),
+                            (W1, 256, (1, 6, 8), 0),
+                            (W2, 304, (1, 8, 6), 0),
+                            (W3, 352, (1, 6, 8), 0),
+                        ],
+                        400,
+                    ),
+                    _sub(
+                        2, 4, 416, 160, [(W1, 416, (1, 6, 8), 1), (W2, 464, (1, 8, 6), 1), (W3, 512, (1, 6, 8), 1)], 560
+                    ),
+                    _sub(
+                        3, 4, 576, 160, [(W1, 576, (1, 6, 8), 2), (W2, 624, (1, 8, 6), 2), (W3, 672, (1, 6, 8), 2)], 720
+                    ),
+                ),
+            ),
+        ),
+    )
 
 
 @pytest.mark.parametrize("N", [2, 4])
@@ -160,12 +244,24 @@ def test_golden_grouped_experts_bytes_are_the_formula():
     #        rank 1 the s0 segment (368 el = 1472 B) -> 3 * 1472.
     # N = 4: rank r: 3 * (736 - seg_r) * 4 with segs 224, 192, 160, 160.
     want = {
-        2: ByteCost(forward_broadcast_nbytes=2816, backward_broadcast_nbytes=2816, reduce_nbytes=2816,
-                    replicate_reduce_nbytes=0, replicate_broadcast_nbytes=0, total_nbytes=8448,
-                    per_rank_nbytes=(4032, 4416)),
-        4: ByteCost(forward_broadcast_nbytes=8832, backward_broadcast_nbytes=8832, reduce_nbytes=8832,
-                    replicate_reduce_nbytes=0, replicate_broadcast_nbytes=0, total_nbytes=26496,
-                    per_rank_nbytes=(6144, 6528, 6912, 6912)),
+        2: ByteCost(
+            forward_broadcast_nbytes=2816,
+            backward_broadcast_nbytes=2816,
+            reduce_nbytes=2816,
+            replicate_reduce_nbytes=0,
+            replicate_broadcast_nbytes=0,
+            total_nbytes=8448,
+            per_rank_nbytes=(4032, 4416),
+        ),
+        4: ByteCost(
+            forward_broadcast_nbytes=8832,
+            backward_broadcast_nbytes=8832,
+            reduce_nbytes=8832,
+            replicate_reduce_nbytes=0,
+            replicate_broadcast_nbytes=0,
+            total_nbytes=26496,
+            per_rank_nbytes=(6144, 6528, 6912, 6912),
+        ),
     }
     for N in (2, 4):
         plan = P.compile(grouped_meta(), N, collectives="broadcast")
@@ -292,8 +388,14 @@ def test_selection_qwen2_moe_shared_expert_gate_stays_with_adamw():
     plan = P.compile(model, 2)
     pre = "model.layers.0.mlp."
     assert not plan.is_dedicated(pre + "shared_expert_gate.weight")  # (1, 16): a side of 1
-    for name in ("shared_expert.gate_proj.weight", "shared_expert.up_proj.weight", "shared_expert.down_proj.weight",
-                 "gate.weight", "experts.gate_up_proj", "experts.down_proj"):
+    for name in (
+        "shared_expert.gate_proj.weight",
+        "shared_expert.up_proj.weight",
+        "shared_expert.down_proj.weight",
+        "gate.weight",
+        "experts.gate_up_proj",
+        "experts.down_proj",
+    ):
         assert plan.is_dedicated(pre + name), name
     assert plan.param(pre + "shared_expert.gate_proj.weight").experts is None
 
@@ -312,12 +414,15 @@ def test_selection_deepseek_v3_buffers_untouched():
     assert plan.is_dedicated(pre + "gate.weight")
 
 
-@pytest.mark.parametrize("builder, routers", [
-    ("qwen3_moe", ["model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"]),
-    ("gpt_oss", ["model.layers.0.mlp.router.weight", "model.layers.1.mlp.router.weight"]),
-    ("qwen2_moe", ["model.layers.0.mlp.gate.weight"]),  # shared_expert_gate (1, D): not a router
-    ("deepseek_v3", ["model.layers.1.mlp.gate.weight"]),  # layer 0 is dense: its MLP has no router
-])
+@pytest.mark.parametrize(
+    "builder, routers",
+    [
+        ("qwen3_moe", ["model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"]),
+        ("gpt_oss", ["model.layers.0.mlp.router.weight", "model.layers.1.mlp.router.weight"]),
+        ("qwen2_moe", ["model.layers.0.mlp.gate.weight"]),  # shared_expert_gate (1, D): not a router
+        ("deepseek_v3", ["model.layers.1.mlp.gate.weight"]),  # layer 0 is dense: its MLP has no router
+    ],
+)
 def test_routers_adamw_leaves_exactly_the_routers_to_adamw(builder, routers):
     """Issue #37: compile(routers="adamw") removes exactly the (E, D) routers next to expert
     stacks from the default selection; everything else is planned as before."""
@@ -345,8 +450,12 @@ def test_routers_torchtitan_names_ep_predicate_and_errors():
     assert not is_router("layers.1.mlp.gate", "weight", (8, 16), stacks)  # no stack in its block
     assert not is_router("layers.0.moe.gate", "bias", (8,), stacks)
     # under expert parallelism the router scores all E experts, the stack holds E / ep
-    full = {f for f in P.compile(full_model(), 2).dedicated} - set(P.compile(full_model(), 2, routers="adamw").dedicated)
-    ep = set(P.compile(ep_model(2, 0), 2, ep=2).dedicated) - set(P.compile(ep_model(2, 0), 2, ep=2, routers="adamw").dedicated)
+    full = {f for f in P.compile(full_model(), 2).dedicated} - set(
+        P.compile(full_model(), 2, routers="adamw").dedicated
+    )
+    ep = set(P.compile(ep_model(2, 0), 2, ep=2).dedicated) - set(
+        P.compile(ep_model(2, 0), 2, ep=2, routers="adamw").dedicated
+    )
     assert full == ep and full
     # a predicate decides alone; an unknown mode is refused
     everything = lambda fqn, p: p.ndim == 2 and fqn.startswith("layers.")  # noqa: E731
@@ -421,8 +530,16 @@ def test_diff_on_expert_plans():
     # the collective of each buffer: a setting and a change per buffer
     g = P.diff(a, P.compile(grouped_meta(), 2))
     assert [s.name for s in g.settings] == ["collectives"] and not g.changes
-    assert g.collectives_changed == (P.CollectiveChange(boundary="layers.0", buffer=F32, kind_before="broadcast",
-                                                        kind_after="all_gather", slot_before=0, slot_after=384),)
+    assert g.collectives_changed == (
+        P.CollectiveChange(
+            boundary="layers.0",
+            buffer=F32,
+            kind_before="broadcast",
+            kind_after="all_gather",
+            slot_before=0,
+            slot_after=384,
+        ),
+    )
     assert "collective layers.0 torch.float32: broadcast (slot 0) -> all_gather (slot 384)" in str(g)
     with pytest.warns(UserWarning, match="experts='off'"):
         off = P.compile(grouped_meta(), 2, experts="off", collectives="broadcast")
@@ -435,9 +552,18 @@ def test_diff_on_expert_plans():
 
 
 def _stack_spec(**kw) -> ParamSpec:
-    base = dict(fqn="x.experts.w1", shape=(4, 6, 8), dtype=F32, numel=192, matrix_shape=(6, 8), num_matrices=4,
-                aliases=("x.experts.w1",), module_fqn="x.experts", attr="w1",
-                experts=ExpertStack(num_experts=4, layout="torchtitan"))
+    base = dict(
+        fqn="x.experts.w1",
+        shape=(4, 6, 8),
+        dtype=F32,
+        numel=192,
+        matrix_shape=(6, 8),
+        num_matrices=4,
+        aliases=("x.experts.w1",),
+        module_fqn="x.experts",
+        attr="w1",
+        experts=ExpertStack(num_experts=4, layout="torchtitan"),
+    )
     base.update(kw)
     return ParamSpec(**base)
 
@@ -500,8 +626,11 @@ def test_num_experts_disagreeing_with_the_stack_raises_at_compile():
     assert "num_experts = 5" in msg and "layers.0.moe.experts.w3" in msg, msg
     hf = _hf("qwen3_moe")
     hf.model.layers[1].mlp.experts.num_experts = 3
-    with pytest.raises(ValueError, match=r"model.layers.1.mlp.experts.gate_up_proj: shape \(4, 16, 16\) holds 4 "
-                                         r"experts, expected 3: its module .* has num_experts = 3"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.layers.1.mlp.experts.gate_up_proj: shape \(4, 16, 16\) holds 4 "
+        r"experts, expected 3: its module .* has num_experts = 3",
+    ):
         P.compile(hf, 2)
 
 
@@ -510,15 +639,21 @@ def test_ep_on_a_model_holding_every_expert_is_refused():
     rank's experts apart and divide their gradients by W: refused at compile, before any collective,
     from the module's num_experts (HF) or, without it, from the router's rows."""
     hf = _hf("qwen3_moe")  # 4 experts per layer, num_experts = 4 on the experts module
-    with pytest.raises(ValueError, match=r"(?s)holds 4 experts, expected 1 \(= 4 / ep 4\): its module .* num_experts = 4"
-                                         r".*not expert-parallel: drop ep="):
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)holds 4 experts, expected 1 \(= 4 / ep 4\): its module .* num_experts = 4"
+        r".*not expert-parallel: drop ep=",
+    ):
         P.compile(hf, 4, ep=4)
     model = grouped_meta()  # no num_experts attribute: the router's rows count the experts
     for layer in model.layers:
         del layer.moe.experts.num_experts
     E = model.layers[0].moe.experts.w1.shape[0]
-    with pytest.raises(ValueError, match=rf"holds {E} experts, expected {E // 2} \(= {E} / ep 2\): its router "
-                                         r"layers.0.moe.router.weight has"):
+    with pytest.raises(
+        ValueError,
+        match=rf"holds {E} experts, expected {E // 2} \(= {E} / ep 2\): its router "
+        r"layers.0.moe.router.weight has",
+    ):
         P.compile(model, 2, ep=2)
 
 
@@ -596,7 +731,7 @@ def test_every_expert_one_owner_and_the_balance_bound(blocks, N, R, mode):
             # contiguous ranges covering [0, E): range j = experts offsets[j] .. offsets[j] + sizes[j]
             assert owner.offsets() == tuple(sum(owner.sizes[:j]) for j in range(owner.k))
             for j, (start, size) in enumerate(zip(owner.offsets(), owner.sizes)):
-                assert set(per_expert[start:start + size]) == {owner.members[j]}
+                assert set(per_expert[start : start + size]) == {owner.members[j]}
         if mode == "broadcast":
             assert k == expert_range_count(E, N, w, mean, 0.5)
             sizes = owner.sizes if isinstance(owner, ExpertOwners) else (E,)
@@ -721,8 +856,11 @@ def test_unrecognised_3d_parameters_inside_blocks_are_named_in_a_warning():
             super().__init__()
             self.layers = nn.ModuleList([nn.ModuleDict(dict(moe=Moe()))])
 
-    with pytest.warns(UserWarning, match=r"1 3-D parameter\(s\) inside hook boundaries are not recognised expert "
-                                         r"stacks and train with AdamW: layers.0.moe.w_in \(4, 8, 6\).*matrix_predicate"):
+    with pytest.warns(
+        UserWarning,
+        match=r"1 3-D parameter\(s\) inside hook boundaries are not recognised expert "
+        r"stacks and train with AdamW: layers.0.moe.w_in \(4, 8, 6\).*matrix_predicate",
+    ):
         plan = P.compile(Model(), 2)
     assert plan.dedicated == ("layers.0.moe.proj.weight",)
     assert P.compile(Model(), 2, predicate=P.matrix_predicate(Model())).is_dedicated("layers.0.moe.w_in")
@@ -732,5 +870,6 @@ def test_check_against_reference_refuses_expert_parallelism_before_any_process()
     import dmuon.testing as T
 
     with pytest.raises(ValueError, match="expert parallelism .* is not covered"):
-        T.check_against_reference(lambda: nn.Linear(2, 2), None, [torch.zeros(2, 2)], world_size=2,
-                                  dedicate_kwargs=dict(ep=2))
+        T.check_against_reference(
+            lambda: nn.Linear(2, 2), None, [torch.zeros(2, 2)], world_size=2, dedicate_kwargs=dict(ep=2)
+        )

@@ -101,8 +101,17 @@ def test_compile_auto_records_backends_and_balances_their_flops(size, expect_rat
 
 
 def test_param_spec_ns_backend_validation():
-    spec = ParamSpec(fqn="w", shape=(8, 32), dtype="torch.float32", numel=256, matrix_shape=(8, 32),
-                     num_matrices=1, aliases=("w",), module_fqn="", attr="w")
+    spec = ParamSpec(
+        fqn="w",
+        shape=(8, 32),
+        dtype="torch.float32",
+        numel=256,
+        matrix_shape=(8, 32),
+        num_matrices=1,
+        aliases=("w",),
+        module_fqn="",
+        attr="w",
+    )
     assert spec.ns_backend == "standard" and "ns_backend" not in spec.to_dict()
     g = dataclasses.replace(spec, ns_backend="gram")
     assert ParamSpec.from_dict(json.loads(json.dumps(g.to_dict()))) == g
@@ -112,8 +121,10 @@ def test_param_spec_ns_backend_validation():
         dataclasses.replace(spec, tp_size=2, tp_shard_dim=1, tp_ns="gram", ns_backend="gram")
 
 
-@pytest.mark.parametrize("shape, backend", [((2, 256, 512), "gram"), ((512, 256), "gram"),
-                                            ((4, 128, 512), "standard"), ((3, 64, 64), "standard")])
+@pytest.mark.parametrize(
+    "shape, backend",
+    [((2, 256, 512), "gram"), ((512, 256), "gram"), ((4, 128, 512), "standard"), ((3, 64, 64), "standard")],
+)
 def test_auto_newton_schulz_is_the_backend_it_picks(shape, backend):
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
     for dtype in (torch.float32, torch.bfloat16):
@@ -128,9 +139,21 @@ def _tagged(model: nn.Module, plan) -> list[torch.Tensor]:
     rt = types.SimpleNamespace(plan=plan, model_ref=lambda: None)
     params = dict(model.named_parameters())
     for spec in plan.params:
-        _tags.write(params[spec.fqn], _tags.PARAM, types.SimpleNamespace(
-            fqn=spec.fqn, owner_global_rank=0, is_owner=True, holds_full=True, shape=spec.shape,
-            matrix_shape=spec.matrix_shape, num_matrices=spec.num_matrices, runtime=lambda: rt, tp=None))
+        _tags.write(
+            params[spec.fqn],
+            _tags.PARAM,
+            types.SimpleNamespace(
+                fqn=spec.fqn,
+                owner_global_rank=0,
+                is_owner=True,
+                holds_full=True,
+                shape=spec.shape,
+                matrix_shape=spec.matrix_shape,
+                num_matrices=spec.num_matrices,
+                runtime=lambda: rt,
+                tp=None,
+            ),
+        )
     return list(model.parameters())
 
 
@@ -196,7 +219,8 @@ def test_auto_runs_the_picked_backends_calls(monkeypatch, min_side):
     else:
         assert auto_calls == [("newton_schulz", (4, 128, 128)), ("gram_newton_schulz", (2, 128, 512))]
     assert ns.resolve_ns_backend("auto", (128, 512), steps=5) is ns.get_ns_backend(
-        "standard" if min_side == 256 else "gram")
+        "standard" if min_side == 256 else "gram"
+    )
     assert ns.resolve_ns_backend("gram", (8, 8), steps=5) is ns.gram_newton_schulz
     with pytest.raises(ValueError, match="unknown Newton-Schulz backend"):
         ns.resolve_ns_backend("fast", (8, 8), steps=5)
@@ -248,8 +272,13 @@ def _auto_worker(steps):
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     assert all(getattr(ns_mod, n) is f for n, f in real.items())
-    return dict(errors=errors, losses=losses, calls=flops, plan_json=plan.to_json(),
-                full={k: v.detach().clone() for k, v in full.items()} if rank == 0 else None)
+    return dict(
+        errors=errors,
+        losses=losses,
+        calls=flops,
+        plan_json=plan.to_json(),
+        full={k: v.detach().clone() for k, v in full.items()} if rank == 0 else None,
+    )
 
 
 def test_auto_backend_trains_within_the_fp32_contract():

@@ -32,8 +32,22 @@ def test_plan_prints_summary_and_writes_json(tmp_path, capsys):
 def test_plan_options(tmp_path, capsys):
     path = tmp_path / "p.json"
     rc = main_plan(
-        ["--model", "tiny-moe", "--mesh", "4", "--z2", "--cost-model", "ns_flops", "--all-matrices",
-         "--param-dtype", "bfloat16", "--reduce-dtype", "float32", "--json", str(path)]
+        [
+            "--model",
+            "tiny-moe",
+            "--mesh",
+            "4",
+            "--z2",
+            "--cost-model",
+            "ns_flops",
+            "--all-matrices",
+            "--param-dtype",
+            "bfloat16",
+            "--reduce-dtype",
+            "float32",
+            "--json",
+            str(path),
+        ]
     )
     assert rc == 0
     plan = ShardingPlan.from_json(path.read_text())
@@ -66,7 +80,10 @@ def test_plan_tp_megatron_preset(tmp_path, capsys):
     """--tp T: Megatron-style shard dims on the preset; JSON keeps them; every TP matrix is
     Shard(0) for q/k/v/gate/up and Shard(1) for o/down; --tp-ns forces the method."""
     out_json = tmp_path / "tp.json"
-    assert main_plan(["--model", "tiny-llama", "--mesh", "2", "--tp", "2", "--tp-ns", "gram", "--json", str(out_json)]) == 0
+    assert (
+        main_plan(["--model", "tiny-llama", "--mesh", "2", "--tp", "2", "--tp-ns", "gram", "--json", str(out_json)])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "tensor parallel: T=2" in out and "TP Gram all-reduce / gather" in out
     plan = ShardingPlan.from_json(out_json.read_text())
@@ -217,12 +234,18 @@ def test_plan_prints_compile_warnings_as_clean_lines(capsys):
     assert capsys.readouterr().err == ""
 
 
-@pytest.mark.parametrize("model,top_k,why", [
-    ("tiny-moe", 0, "--top-k 0: experts per token must be between 1 and 4, the number of experts of "
-                    "layers.0.mlp.experts.w1"),
-    ("tiny-moe", 5, "--top-k 5: experts per token must be between 1 and 4"),
-    ("tiny-llama", 1, "--top-k 1: the model has no expert stacks"),
-])
+@pytest.mark.parametrize(
+    "model,top_k,why",
+    [
+        (
+            "tiny-moe",
+            0,
+            "--top-k 0: experts per token must be between 1 and 4, the number of experts of layers.0.mlp.experts.w1",
+        ),
+        ("tiny-moe", 5, "--top-k 5: experts per token must be between 1 and 4"),
+        ("tiny-llama", 1, "--top-k 1: the model has no expert stacks"),
+    ],
+)
 def test_simulate_refuses_top_k_outside_the_models_experts(capsys, model, top_k, why):
     """``python -m dmuon simulate --top-k K`` needs 1 <= K <= E of the model's stacks: an argparse
     error naming the bound (the tiny-moe preset has 4 experts per stack), before any simulation."""
@@ -253,11 +276,23 @@ def test_plan_ep(tmp_path, capsys):
     for p in stacks:
         assert [o.shard % 2 for o in plan.expert_owners(p.fqn)] == [0, 0, 1, 1]
     for argv, msg in (
-        (["--model", "tiny-moe", "--mesh", "4", "--ep", "3"], "--ep 3: expert_parallel_variant: ep=3 does not divide the 4 experts"),
-        (["--model", "tiny-moe", "--mesh", "2x2", "--ep", "4"], "tiny-moe on --mesh (2, 2) --ep 4: dmuon.plan._compile: ep=4 does not divide the 2 shard ranks"),
+        (
+            ["--model", "tiny-moe", "--mesh", "4", "--ep", "3"],
+            "--ep 3: expert_parallel_variant: ep=3 does not divide the 4 experts",
+        ),
+        (
+            ["--model", "tiny-moe", "--mesh", "2x2", "--ep", "4"],
+            "tiny-moe on --mesh (2, 2) --ep 4: dmuon.plan._compile: ep=4 does not divide the 2 shard ranks",
+        ),
         (["--model", "tiny-llama", "--mesh", "4", "--tp", "3"], "tiny-llama on --mesh 4 --tp 3: "),
-        (["--model", "tiny-moe", "--mesh", "4", "--experts", "off", "--expert-gate-up", "fused"], "--expert-gate-up with --experts off"),
-        (["--model", "tiny-llama", "--mesh", "4", "--ep", "2"], "--ep 2: expert_parallel_variant: the model has no expert stack"),
+        (
+            ["--model", "tiny-moe", "--mesh", "4", "--experts", "off", "--expert-gate-up", "fused"],
+            "--expert-gate-up with --experts off",
+        ),
+        (
+            ["--model", "tiny-llama", "--mesh", "4", "--ep", "2"],
+            "--ep 2: expert_parallel_variant: the model has no expert stack",
+        ),
     ):
         with pytest.raises(SystemExit):
             main_plan(argv)
@@ -274,10 +309,15 @@ def test_diff_reads_errors_as_usage_errors(tmp_path, capsys):
     capsys.readouterr()
     for other, message in (
         (tmp_path / "missing.json", "missing.json: cannot read it (No such file or directory)"),
-        (tmp_path / "bad.json", "bad.json: not a dmuon plan JSON (python -m dmuon plan --json FILE writes one): "
-                                "JSONDecodeError"),
-        (tmp_path / "other.json", "other.json: not a dmuon plan JSON (python -m dmuon plan --json FILE writes one): "
-                                  "ValueError: not a dmuon plan of a known format"),
+        (
+            tmp_path / "bad.json",
+            "bad.json: not a dmuon plan JSON (python -m dmuon plan --json FILE writes one): JSONDecodeError",
+        ),
+        (
+            tmp_path / "other.json",
+            "other.json: not a dmuon plan JSON (python -m dmuon plan --json FILE writes one): "
+            "ValueError: not a dmuon plan of a known format",
+        ),
     ):
         with pytest.raises(SystemExit) as exc:
             main_diff([str(plan), str(other)])
@@ -301,12 +341,19 @@ def test_wire_dtypes_are_floating_point_only(capsys):
         with pytest.raises(SystemExit) as exc:
             main_plan(["--model", "tiny-llama", "--mesh", "2", flag, value])
         assert exc.value.code == 2
-        assert f"{value!r} is not a floating-point torch dtype dmuon's buffers carry (float32, float64, float16, " \
-               "bfloat16)" in capsys.readouterr().err
-    with pytest.raises(ValueError, match=r"^mp_policy.param_dtype = torch.int8: dmuon's buffers carry floating-point "
-                                         r"dtypes only \(float32, float64, float16, bfloat16\)$"):
+        assert (
+            f"{value!r} is not a floating-point torch dtype dmuon's buffers carry (float32, float64, float16, "
+            "bfloat16)" in capsys.readouterr().err
+        )
+    with pytest.raises(
+        ValueError,
+        match=r"^mp_policy.param_dtype = torch.int8: dmuon's buffers carry floating-point "
+        r"dtypes only \(float32, float64, float16, bfloat16\)$",
+    ):
         P.compile(zoo.tiny_llama(), 2, mp_policy=SimpleNamespace(param_dtype=torch.int8, reduce_dtype=None))
-    plan = P.compile(zoo.tiny_llama(), 2, mp_policy=SimpleNamespace(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    plan = P.compile(
+        zoo.tiny_llama(), 2, mp_policy=SimpleNamespace(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    )
     assert (plan.param_dtype, plan.reduce_dtype) == ("torch.bfloat16", "torch.float32")
 
 
@@ -327,6 +374,9 @@ def test_apply_names_a_plan_that_is_not_one():
     before anything is installed (no process group needed to see it)."""
     import dmuon.exec
 
-    with pytest.raises(TypeError, match=r"^dmuon.exec.apply: plan must be a dmuon.plan.ShardingPlan, got str "
-                                        r"'plan.json' \(a JSON file: dmuon.plan.ShardingPlan.from_json\(open\(path\).read\(\)\)\)$"):
+    with pytest.raises(
+        TypeError,
+        match=r"^dmuon.exec.apply: plan must be a dmuon.plan.ShardingPlan, got str "
+        r"'plan.json' \(a JSON file: dmuon.plan.ShardingPlan.from_json\(open\(path\).read\(\)\)\)$",
+    ):
         dmuon.exec.apply("plan.json", zoo.tiny_llama())

@@ -123,15 +123,34 @@ def test_auto_rule_by_hand():
     t_a = buffer_collective_s(buf, "all_gather", reshard_after_forward=True, **kw)
     assert t_b == pytest.approx(3 * (2 * (2 * a) + 80 * 4 / B))
     assert t_a == pytest.approx(3 * (2 * a + 64 * 4 / B))
-    assert buffer_collective_s(buf, "all_gather", reshard_after_forward=False, **kw) == pytest.approx(2 * (2 * a + 256 / B))
-    choice = choose_collective(buf, P.CollectiveSettings(mode="auto"), num_shards=2, align_numel=16, wire_itemsize=4,
-                               reduce_itemsize=4, reshard_after_forward=True)
+    assert buffer_collective_s(buf, "all_gather", reshard_after_forward=False, **kw) == pytest.approx(
+        2 * (2 * a + 256 / B)
+    )
+    choice = choose_collective(
+        buf,
+        P.CollectiveSettings(mode="auto"),
+        num_shards=2,
+        align_numel=16,
+        wire_itemsize=4,
+        reduce_itemsize=4,
+        reshard_after_forward=True,
+    )
     assert (choice.kind, choice.slot_numel, choice.group_size) == ("all_gather", 64, 2)
     # bytes only (alpha = 0): a rank receives (N-1) x 64 = 64 elements from the all-gather, 80 from
     # the two broadcasts (a pipelined broadcast takes S / B whatever k): still the all-gather
     bytes_only = P.CollectiveSettings(mode="auto", latency_s=0.0, bandwidth_Bps=1.0)
-    assert choose_collective(buf, bytes_only, num_shards=2, align_numel=16, wire_itemsize=4, reduce_itemsize=4,
-                             reshard_after_forward=True).kind == "all_gather"
+    assert (
+        choose_collective(
+            buf,
+            bytes_only,
+            num_shards=2,
+            align_numel=16,
+            wire_itemsize=4,
+            reduce_itemsize=4,
+            reshard_after_forward=True,
+        ).kind
+        == "all_gather"
+    )
     # a buffer of one segment stays broadcast: test_a_buffer_with_one_segment_stays_broadcast
 
 
@@ -160,8 +179,11 @@ def test_at_most_three_collectives_per_all_gathered_buffer(mesh, z3):
         sched = plan.schedule()
         R, N = plan.mesh_shape
         for rank in range(R * N):
-            per = Counter((op.boundary, op.buffer) for op in sched.rank_ops(rank)
-                          if op.collective and op.phase in ("forward_broadcast", "backward_broadcast", "reduce"))
+            per = Counter(
+                (op.boundary, op.buffer)
+                for op in sched.rank_ops(rank)
+                if op.collective and op.phase in ("forward_broadcast", "backward_broadcast", "reduce")
+            )
             assert per and max(per.values()) == (3 if z3 else 2), (mesh, rank, per)
 
 

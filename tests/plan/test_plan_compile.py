@@ -239,7 +239,14 @@ class FakeMesh:
 
 @pytest.mark.parametrize(
     "mesh, shape",
-    [(4, (1, 4)), ((4,), (1, 4)), ((2, 4), (2, 4)), ([2, 4], (2, 4)), (FakeMesh((8,)), (1, 8)), (FakeMesh((2, 4)), (2, 4))],
+    [
+        (4, (1, 4)),
+        ((4,), (1, 4)),
+        ((2, 4), (2, 4)),
+        ([2, 4], (2, 4)),
+        (FakeMesh((8,)), (1, 8)),
+        (FakeMesh((2, 4)), (2, 4)),
+    ],
 )
 def test_mesh_forms(mesh, shape):
     assert P.normalize_mesh(mesh) == shape
@@ -326,8 +333,11 @@ def test_fsdp2_baseline_matches_formula():
         plan = P.compile(zoo.tiny_llama(), 4, collectives=mode)
         S = sum(plan_nbytes.fsdp2_shard_numel(p.shape, 4) * 4 * 4 for p in plan.params)
         assert plan.baseline_cost.total_nbytes == 4 * 3 * S
-        Pm = sum((buf.numel if buf.collective == "broadcast" else 4 * buf.slot_numel) * 4
-                 for b in plan.boundaries for buf in b.buffers)
+        Pm = sum(
+            (buf.numel if buf.collective == "broadcast" else 4 * buf.slot_numel) * 4
+            for b in plan.boundaries
+            for buf in b.buffers
+        )
         assert plan.cost.total_nbytes == 3 * 3 * Pm
 
 
@@ -389,13 +399,23 @@ def test_diff_across_mesh_sizes_and_hsdp():
 def test_diff_added_removed_and_boundaries():
     model = zoo.tiny_llama()
     full = P.compile(model, 4)
-    fewer = P.compile(model, 4, predicate=lambda fqn, p: p.ndim == 2 and "embed" not in fqn and "lm_head" not in fqn and "q_proj" not in fqn)
+    fewer = P.compile(
+        model,
+        4,
+        predicate=lambda fqn, p: p.ndim == 2 and "embed" not in fqn and "lm_head" not in fqn and "q_proj" not in fqn,
+    )
     d = P.diff(full, fewer)
     assert set(d.removed) == {f"model.layers.{i}.self_attn.q_proj.weight" for i in range(4)}
     assert P.diff(fewer, full).added == d.removed
-    inner = P.compile(model, 4, hook_boundary_predicate=lambda m: type(m).__name__ == "LlamaMLP" or type(m).__name__ == "LlamaDecoderLayer")
+    inner = P.compile(
+        model,
+        4,
+        hook_boundary_predicate=lambda m: type(m).__name__ == "LlamaMLP" or type(m).__name__ == "LlamaDecoderLayer",
+    )
     db = P.diff(full, inner)
-    assert set(db.boundaries_changed) == {f"model.layers.{i}.mlp.{n}_proj.weight" for i in range(4) for n in ("gate", "up", "down")}
+    assert set(db.boundaries_changed) == {
+        f"model.layers.{i}.mlp.{n}_proj.weight" for i in range(4) for n in ("gate", "up", "down")
+    }
     assert "boundary model.layers.0 -> model.layers.0.mlp" in str(db)
     with pytest.raises(KeyError):
         db["model.layers.0.no_such.weight"]

@@ -231,15 +231,20 @@ def test_golden_a_rank_stats():
     assert s0.ns_flops == 2280
     assert s0.comm_nbytes == 960
     # Z2 peak transient is the sum over boundaries: rank 0: (32 + 48) * 4 = 320
-    assert P.compile(build_a(), 2, reshard_after_forward=False, collectives="broadcast").rank_stats()[0].peak_transient_nbytes == 320
+    assert (
+        P.compile(build_a(), 2, reshard_after_forward=False, collectives="broadcast")
+        .rank_stats()[0]
+        .peak_transient_nbytes
+        == 320
+    )
 
 
 def _gathered(boundaries, slot: int):
     """``boundaries`` with every buffer all-gathered over slots of ``slot`` elements."""
     return tuple(
-        dataclasses.replace(b, buffers=tuple(
-            dataclasses.replace(buf, collective="all_gather", slot_numel=slot) for buf in b.buffers
-        ))
+        dataclasses.replace(
+            b, buffers=tuple(dataclasses.replace(buf, collective="all_gather", slot_numel=slot) for buf in b.buffers)
+        )
         for b in boundaries
     )
 
@@ -477,7 +482,9 @@ EXPECTED_C = Boundary(
                             owner=o(1, 0, 2),
                             offset=0,
                             numel=32,
-                            entries=(LayoutEntry(fqn="layers.0.w2", owner=o(1, 0, 2), offset=0, numel=16, shape=(2, 8)),),
+                            entries=(
+                                LayoutEntry(fqn="layers.0.w2", owner=o(1, 0, 2), offset=0, numel=16, shape=(2, 8)),
+                            ),
                             flags_offset=16,
                         ),
                     ),
@@ -497,7 +504,9 @@ EXPECTED_C = Boundary(
                             owner=o(0, 0, 2),
                             offset=0,
                             numel=48,
-                            entries=(LayoutEntry(fqn="layers.0.w1", owner=o(0, 0, 2), offset=0, numel=32, shape=(4, 8)),),
+                            entries=(
+                                LayoutEntry(fqn="layers.0.w1", owner=o(0, 0, 2), offset=0, numel=32, shape=(4, 8)),
+                            ),
                             flags_offset=32,
                         ),
                     ),

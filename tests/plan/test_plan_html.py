@@ -85,7 +85,13 @@ def test_tiny_plan_page_figures_and_map_by_hand():
     page = plan._repr_html_()
     els = _check_plan_page(plan, page)
     assert [s.data("section") for s in sections(els)] == [
-        "header", "ownership", "per-rank", "phases", "collectives", "schedule"]
+        "header",
+        "ownership",
+        "per-rank",
+        "phases",
+        "collectives",
+        "schedule",
+    ]
     # the map by hand: row b holds the elements of boundary b's matrices; one column per rank
     own = section(els, "ownership")
     assert int(own.data("rows")) == len(plan.boundaries) and int(own.data("cols")) == 4
@@ -95,7 +101,7 @@ def test_tiny_plan_page_figures_and_map_by_hand():
     # a cell's title names the rank and the matrices it owns there
     fqn = plan.dedicated[0]
     rank, bnd = plan.owner(fqn).rank, plan.boundary(fqn)
-    short = fqn[len(bnd) + 1:]
+    short = fqn[len(bnd) + 1 :]
     assert re.search(rf"<title>{re.escape(bnd)} × rank {rank}: [^<]*{re.escape(short)}", page)
     # the listing of the first boundary is folded, the plain-text fallback is unchanged
     assert "<details" in page and "Ops of rank 0 in boundary" in page
@@ -173,7 +179,7 @@ def test_tp_page_per_schedule_rank_bytes():
     assert len(root(els).ints("comm-nbytes")) == 4  # schedule ranks (R*N*T)
     assert "TP: a column is a data-parallel coordinate" in page
     spec = next(p for p in plan.params if p.tp_size > 1)  # a cell names how its owner's TP group runs NS
-    assert f"{spec.fqn[len(plan.boundary(spec.fqn)) + 1:]} [TP {spec.tp_ns}]" in page
+    assert f"{spec.fqn[len(plan.boundary(spec.fqn)) + 1 :]} [TP {spec.tp_ns}]" in page
     assert "TP all-" in page  # the TP collectives have their category in the chart
 
 
@@ -261,7 +267,11 @@ def test_page_build_reads_the_schedule_twice_at_most(monkeypatch, preset):
     plan._repr_html_()
     busiest = max(range(len(plan.cost.per_rank_nbytes)), key=lambda r: (plan.cost.per_rank_nbytes[r], -r))
     two_ranks = len(nominal.rank_ops(0)) + len(nominal.rank_ops(busiest))
-    assert 0 < _CountingOps.visits <= 2 * len(nominal.ops) + 3 * two_ranks, (_CountingOps.visits, len(nominal.ops), two_ranks)
+    assert 0 < _CountingOps.visits <= 2 * len(nominal.ops) + 3 * two_ranks, (
+        _CountingOps.visits,
+        len(nominal.ops),
+        two_ranks,
+    )
 
 
 def test_diff_page_same_mesh_outlines_the_moved_owners():
@@ -311,7 +321,13 @@ def test_diff_page_different_meshes_compares_distributions():
     assert not any("data-delta" in e.attrs for e in els)  # nothing compared rank by rank
     assert page.count("<polyline") == 4 and per_rank is not None
     assert [s.data("section") for s in sections(els)] == [
-        "header", "phases", "map-before", "map-after", "boundaries", "per-rank"]
+        "header",
+        "phases",
+        "map-before",
+        "map-after",
+        "boundaries",
+        "per-rank",
+    ]
 
 
 def test_simulation_page():
@@ -337,11 +353,18 @@ def test_simulation_page():
     assert "Timeline of rank 0 per variant" in page and "z3: step" in page
     assert sims["z3"]._repr_html_().count('data-variant="z3"') == 1  # one Simulation draws itself too
     # the merge rule: same lane and kind, < 0.5 px apart (here 1 px = 1 ms)
-    ivs = [Interval(0.000, 0.001, "bcast", "broadcast", "a"), Interval(0.0013, 0.002, "bcast", "broadcast", "b"),
-           Interval(0.0030, 0.004, "bcast", "broadcast", "c"), Interval(0.004, 0.005, "bcast", "reduce", "d"),
-           Interval(0.006, 0.006, "bcast", "broadcast", "zero")]
-    assert merge_bars(ivs, scale=1000.0) == [(0.0, 0.002, "broadcast", 2, "a"), (0.003, 0.004, "broadcast", 1, "c"),
-                                              (0.004, 0.005, "reduce", 1, "d")]
+    ivs = [
+        Interval(0.000, 0.001, "bcast", "broadcast", "a"),
+        Interval(0.0013, 0.002, "bcast", "broadcast", "b"),
+        Interval(0.0030, 0.004, "bcast", "broadcast", "c"),
+        Interval(0.004, 0.005, "bcast", "reduce", "d"),
+        Interval(0.006, 0.006, "bcast", "broadcast", "zero"),
+    ]
+    assert merge_bars(ivs, scale=1000.0) == [
+        (0.0, 0.002, "broadcast", 2, "a"),
+        (0.003, 0.004, "broadcast", 1, "c"),
+        (0.004, 0.005, "reduce", 1, "d"),
+    ]
 
 
 def test_html_options_of_the_clis(tmp_path, capsys):
@@ -364,8 +387,10 @@ def test_html_options_of_the_clis(tmp_path, capsys):
 
 
 def test_import_dmuon_plan_does_not_load_the_pages():
-    code = ("import sys, dmuon.plan as P; from dmuon import zoo; p = P.compile(zoo.tiny_llama(), 2); "
-            "assert not [m for m in sys.modules if m.startswith(('dmuon.plan._tools.html', 'dmuon.sim'))]; "
-            "p.summary(); assert 'dmuon.plan._tools.html' not in sys.modules; p._repr_html_(); "
-            "assert 'dmuon.plan._tools.html.plan_page' in sys.modules")
+    code = (
+        "import sys, dmuon.plan as P; from dmuon import zoo; p = P.compile(zoo.tiny_llama(), 2); "
+        "assert not [m for m in sys.modules if m.startswith(('dmuon.plan._tools.html', 'dmuon.sim'))]; "
+        "p.summary(); assert 'dmuon.plan._tools.html' not in sys.modules; p._repr_html_(); "
+        "assert 'dmuon.plan._tools.html.plan_page' in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

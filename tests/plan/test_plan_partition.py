@@ -192,7 +192,15 @@ def group_call(shapes, max_split, keys, groups, *, N, R, split="auto", slack=0.2
         return row_blocks(*shapes[i], k)
 
     return lpt_partition_groups(
-        weights, piece_weights, max_split, keys, groups, num_shards=N, num_replicas=R, split=split, slack=slack,
+        weights,
+        piece_weights,
+        max_split,
+        keys,
+        groups,
+        num_shards=N,
+        num_replicas=R,
+        split=split,
+        slack=slack,
         initial_loads=initial_loads,
     )
 
@@ -205,9 +213,7 @@ def group_instances(draw, *, max_items: int = 24, max_slots: int = 4096):
     n_groups = draw(st.integers(1, 6))
     sizes = draw(st.lists(st.integers(1, 5), min_size=n_groups, max_size=n_groups))
     keys, groups = _boundary_items(sizes, max_items)
-    shapes = [
-        (draw(st.integers(1, 3000)), draw(st.sampled_from([0, 1, 7, 64, 1000]))) for _ in keys
-    ]
+    shapes = [(draw(st.integers(1, 3000)), draw(st.sampled_from([0, 1, 7, 64, 1000]))) for _ in keys]
     max_split = [draw(st.integers(1, max(1, min(N, L)))) for L, _ in shapes]
     return shapes, max_split, keys, groups, R, N
 
@@ -234,9 +240,7 @@ def check_structure(res, shapes, max_split, R, N, ks=None):
 
 def stated_bound(res, shapes, R, N) -> Fraction:
     """The bound of the docstring, recomputed: T/S + W (R = 1 or K = 1), N/(N-K+1) T/S + W."""
-    pieces = [
-        (L * s,) if len(m) == 1 else row_blocks(L, s, len(m)) for (L, s), m in zip(shapes, res.members)
-    ]
+    pieces = [(L * s,) if len(m) == 1 else row_blocks(L, s, len(m)) for (L, s), m in zip(shapes, res.members)]
     T = sum(sum(p) for p in pieces)
     W = max(max(p) for p in pieces)
     K = max(len(m) for m in res.members)
@@ -281,8 +285,9 @@ def test_groups_initial_loads_bound_when_a_group_spans_the_row():
     assert res.loads == (1, 4) and res.max_load == 4
     assert res.bound == (12, 2)
     keys = [f"layers.{i}.m" for i in range(10)]
-    res = group_call([(2, 1)] * 10, [2] * 10, keys, [f"layers.{i}" for i in range(10)], N=2, R=1, split=2,
-                     initial_loads=[0, 100])
+    res = group_call(
+        [(2, 1)] * 10, [2] * 10, keys, [f"layers.{i}" for i in range(10)], N=2, R=1, split=2, initial_loads=[0, 100]
+    )
     assert res.loads == (10, 110) and res.bound == (242, 2)
     # initial loads within W of each other keep the 1-D bound: (0, 1), W = 1 -> (3 + 2·1) / 2
     res = group_call([(2, 1)], [2], ["m"], ["layers.0"], N=2, R=1, split=2, initial_loads=[0, 1])
@@ -320,14 +325,14 @@ def test_groups_initial_loads(inst, split, data):
             K = max(len(m) for m in res.members)
             b = Fraction(T * N, R * N * (N - K + 1)) + W
         else:
-            b = stated_bound(res, shapes, R, N) + (T - stated_bound_total(res, shapes)) * _bound_factor(res, R, N) / (R * N)
+            b = stated_bound(res, shapes, R, N) + (T - stated_bound_total(res, shapes)) * _bound_factor(res, R, N) / (
+                R * N
+            )
         assert Fraction(num, den) == max(Fraction(max(init)), b)
 
 
 def stated_bound_total(res, shapes) -> int:
-    return sum(
-        sum((L * s,) if len(m) == 1 else row_blocks(L, s, len(m))) for (L, s), m in zip(shapes, res.members)
-    )
+    return sum(sum((L * s,) if len(m) == 1 else row_blocks(L, s, len(m))) for (L, s), m in zip(shapes, res.members))
 
 
 def _bound_factor(res, R, N) -> Fraction:
@@ -417,8 +422,13 @@ def test_groups_deterministic_and_input_order_independent(inst, rnd, split):
     perm = list(range(len(keys)))
     rnd.shuffle(perm)
     shuffled = group_call(
-        [shapes[i] for i in perm], [max_split[i] for i in perm], [keys[i] for i in perm],
-        [groups[i] for i in perm], N=N, R=R, split=split,
+        [shapes[i] for i in perm],
+        [max_split[i] for i in perm],
+        [keys[i] for i in perm],
+        [groups[i] for i in perm],
+        N=N,
+        R=R,
+        split=split,
     )
     assert {keys[i]: m for i, m in zip(perm, shuffled.members)} == dict(zip(keys, res.members))
     assert shuffled.loads == res.loads and shuffled.bound == res.bound
@@ -428,8 +438,13 @@ def test_groups_hand_example_block_order():
     """N = 3: p(10) -> slot 0; q(5) -> slot 1; b = 7 split 2 into blocks (4, 3): the two
     least-loaded slots are 2 (0) and 1 (5); block 0 (the larger) goes to slot 2, block 1 to 1."""
     res = lpt_partition_groups(
-        [10, 5, 7], lambda i, k: row_blocks(7, 1, k), [1, 1, 2], ["p", "q", "b"], ["g"] * 3,
-        num_shards=3, split=2,
+        [10, 5, 7],
+        lambda i, k: row_blocks(7, 1, k),
+        [1, 1, 2],
+        ["p", "q", "b"],
+        ["g"] * 3,
+        num_shards=3,
+        split=2,
     )
     assert res.members == ((0,), (1,), (2, 1))
     assert res.loads == (10, 8, 4)
@@ -441,8 +456,14 @@ def test_groups_row_constraint_costs_in_the_bound():
     (14, 14, 0) before the 26; its blocks (13, 13) need two slots of one row: peak 27 >
     T/S + W = 11.5 + 14, within N/(N-K+1) T/S + W = 1.5 * 11.5 + 14."""
     res = lpt_partition_groups(
-        [28, 28, 28, 28, 26], lambda i, k: row_blocks([28, 28, 28, 28, 26][i], 1, k), [2] * 5,
-        list("abcde"), ["g"] * 5, num_shards=3, num_replicas=4, split=2,
+        [28, 28, 28, 28, 26],
+        lambda i, k: row_blocks([28, 28, 28, 28, 26][i], 1, k),
+        [2] * 5,
+        list("abcde"),
+        ["g"] * 5,
+        num_shards=3,
+        num_replicas=4,
+        split=2,
     )
     assert res.members[:4] == ((0, 1), (3, 4), (6, 7), (9, 10))
     assert res.members[4] == (2, 0) and res.max_load == 27
@@ -456,9 +477,12 @@ def llama_items(layers: int, hidden: int, kv_dim: int, inter: int):
     shapes, keys, groups = [], [], []
     for layer in range(layers):
         for name, (m, n) in (
-            ("self_attn.q_proj", (hidden, hidden)), ("self_attn.k_proj", (kv_dim, hidden)),
-            ("self_attn.v_proj", (kv_dim, hidden)), ("self_attn.o_proj", (hidden, hidden)),
-            ("mlp.gate_proj", (inter, hidden)), ("mlp.up_proj", (inter, hidden)),
+            ("self_attn.q_proj", (hidden, hidden)),
+            ("self_attn.k_proj", (kv_dim, hidden)),
+            ("self_attn.v_proj", (kv_dim, hidden)),
+            ("self_attn.o_proj", (hidden, hidden)),
+            ("mlp.gate_proj", (inter, hidden)),
+            ("mlp.up_proj", (inter, hidden)),
             ("mlp.down_proj", (hidden, inter)),
         ):
             shapes.append((max(m, n), min(m, n)))
@@ -534,8 +558,12 @@ def test_groups_unsplittable_item_raises_the_target():
 )
 def test_groups_bad_inputs(kwargs, match):
     args = dict(
-        weights=[4, 6], piece_weights=lambda i, k: row_blocks(2, [2, 3][i], k), max_split=[2, 2],
-        keys=["a", "b"], groups=["g", "g"], num_shards=2,
+        weights=[4, 6],
+        piece_weights=lambda i, k: row_blocks(2, [2, 3][i], k),
+        max_split=[2, 2],
+        keys=["a", "b"],
+        groups=["g", "g"],
+        num_shards=2,
     )
     args.update(kwargs)
     weights, pw, ms, keys, groups = (args.pop(n) for n in ("weights", "piece_weights", "max_split", "keys", "groups"))

@@ -47,7 +47,14 @@ def offending_imports(path: pathlib.Path) -> list[tuple[int, str]]:
 
 def test_plan_package_has_files():
     names = {p.relative_to(PLAN_DIR).as_posix() for p in FILES}
-    assert {"__init__.py", "_model/snapshot.py", "_ownership/partition.py", "_layout/buffer_layout.py", "_cost/cost_model.py", "_records/plan.py"} <= names
+    assert {
+        "__init__.py",
+        "_model/snapshot.py",
+        "_ownership/partition.py",
+        "_layout/buffer_layout.py",
+        "_cost/cost_model.py",
+        "_records/plan.py",
+    } <= names
 
 
 @pytest.mark.parametrize("path", FILES, ids=[p.relative_to(PLAN_DIR).as_posix() for p in FILES])

@@ -73,7 +73,9 @@ def test_golden_tp_plan():
     gathered = _plan(collectives="auto")
     assert [(b.collective, b.slot_numel) for b in gathered.boundaries[0].buffers] == [("all_gather", 96)]
     g = gathered.cost
-    assert (g.forward_broadcast_nbytes, g.backward_broadcast_nbytes, g.reduce_nbytes, g.tp_nbytes) == (1536,) * 3 + (768,)
+    assert (g.forward_broadcast_nbytes, g.backward_broadcast_nbytes, g.reduce_nbytes, g.tp_nbytes) == (1536,) * 3 + (
+        768,
+    )
     assert g.per_rank_nbytes == (1344,) * 4
     assert dmuon.plan.ShardingPlan.from_json(plan.to_json()) == plan
     assert "tensor parallel: T=2" in plan.summary()
@@ -91,9 +93,7 @@ def test_forced_methods_and_restarts():
 
 def test_auto_gathers_square_and_short_side_shards():
     """A square matrix, or one sharded along its short side (Gram side = long side), gathers."""
-    plan = dmuon.plan.compile(
-        Net(), 2, tp_size=2, tp_shard_dims={"layers.0.sq.weight": 0, "layers.0.up.weight": 1}
-    )
+    plan = dmuon.plan.compile(Net(), 2, tp_size=2, tp_shard_dims={"layers.0.sq.weight": 0, "layers.0.up.weight": 1})
     methods = {p.fqn: p.tp_ns for p in plan.params}
     # up (32, 4) sharded on dim 1 (its short side): Gram side d = 32: 3·2·512·4 = 12288 > 256
     assert methods == {"layers.0.up.weight": "gather", "layers.0.down.weight": None, "layers.0.sq.weight": "gather"}
@@ -102,10 +102,21 @@ def test_auto_gathers_square_and_short_side_shards():
 
 def test_choose_tp_ns_threshold():
     """Gram wins once 3·2·(T-1)·ceil(d²/T)·4 < (T-1)·(m·n/T)·4, i.e. D > 6·d (any T)."""
+
     def spec(m, n, dim):
         return dmuon.plan.ParamSpec(
-            fqn="w", shape=(m, n), dtype="torch.float32", numel=m * n, matrix_shape=(m, n), num_matrices=1,
-            aliases=("w",), module_fqn="", attr="w", tp_size=2, tp_shard_dim=dim, tp_ns="gram",
+            fqn="w",
+            shape=(m, n),
+            dtype="torch.float32",
+            numel=m * n,
+            matrix_shape=(m, n),
+            num_matrices=1,
+            aliases=("w",),
+            module_fqn="",
+            attr="w",
+            tp_size=2,
+            tp_shard_dim=dim,
+            tp_ns="gram",
         )
 
     assert C.choose_tp_ns(spec(8, 48, 1), "auto", 3) == "gather"  # D = 6·d: 768 B each, tie -> gather

@@ -78,7 +78,9 @@ def test_golden_a_z3_rank0():
         ("newton_schulz", "optimizer", None, None, None, 0),
         ("newton_schulz", "optimizer", None, None, None, 0),
     ]
-    assert all(op.external and op.charged_nbytes(0) == 0 for op in sched.rank_ops(0) if op.phase in ("fsdp2", "compute"))
+    assert all(
+        op.external and op.charged_nbytes(0) == 0 for op in sched.rank_ops(0) if op.phase in ("fsdp2", "compute")
+    )
     ns = [op for op in sched.rank_ops(0) if op.kind == "newton_schulz"]
     assert [op.fqns for op in ns] == [("layers.0.a.weight",), ("layers.0.c.weight",), ("layers.1.b.weight",)]
     # NS FLOPs: 5 steps of 4a²b + 2a³ with a = min side: a (3,4): 5·(4·9·4+2·27) = 990;
@@ -100,7 +102,9 @@ def test_golden_a_all_gather_z3_rank0():
     sends / receives (N-1)·64·4 = 256 B."""
     for mode in ("auto", "all_gather"):
         plan = P.compile(build_a(), 2, collectives=mode)
-        assert [(buf.collective, buf.slot_numel) for b in plan.boundaries for buf in b.buffers] == [("all_gather", 64)] * 2
+        assert [(buf.collective, buf.slot_numel) for b in plan.boundaries for buf in b.buffers] == [
+            ("all_gather", 64)
+        ] * 2
         sched = plan.schedule()
         assert _ops(sched, 0, collectives_only=True) == [
             ("all_gather", "forward_broadcast", L0, None, None, 64),
@@ -172,13 +176,20 @@ def test_golden_b_hsdp_rank_lists():
         # one replicate reduce and one replicate broadcast per sub-segment of shard s
         subs = [
             (b.fqn, sub.owner.replicate)
-            for b in plan.boundaries for buf in b.buffers for seg in buf.segments if seg.shard == s
+            for b in plan.boundaries
+            for buf in b.buffers
+            for seg in buf.segments
+            if seg.shard == s
             for sub in seg.subsegments
         ]
         assert [(op.boundary, op.subsegment) for op in ops if op.phase == "replicate_broadcast"] == subs
         assert sorted((op.boundary, op.subsegment) for op in ops if op.phase == "replicate_reduce") == sorted(subs)
     c = plan.cost
-    assert (c.forward_broadcast_nbytes, c.replicate_reduce_nbytes, c.per_rank_nbytes) == (1536, 768, (1664, 1664, 1408, 1408))
+    assert (c.forward_broadcast_nbytes, c.replicate_reduce_nbytes, c.per_rank_nbytes) == (
+        1536,
+        768,
+        (1664, 1664, 1408, 1408),
+    )
     # FSDP2 (external; model B has no other parameters, model A's root holds embed and head):
     # HSDP all-reduces each unit's reduce-scattered gradient shards over the replicate column,
     # after the unit's reduce-scatter in the row
@@ -218,14 +229,20 @@ def test_boundary_called_twice_z3():
     sched = plan.schedule(Step(micro_batches=(MicroBatch(forward=(L0, L1, L1)),)))
     coll = [(op.phase, op.boundary) for op in sched.rank_ops(0) if op.collective]
     assert coll == (
-        [("forward_broadcast", L0)] * 2 + [("forward_broadcast", L1)] * 4
-        + [("backward_broadcast", L1)] * 2 + [("backward_broadcast", L0)] * 2
-        + [("reduce", L1)] * 2 + [("reduce", L0)] * 2
+        [("forward_broadcast", L0)] * 2
+        + [("forward_broadcast", L1)] * 4
+        + [("backward_broadcast", L1)] * 2
+        + [("backward_broadcast", L0)] * 2
+        + [("reduce", L1)] * 2
+        + [("reduce", L0)] * 2
     )
     assert [op.kind for op in sched.rank_ops(0) if op.phase == "compute"] == ["forward"] * 3 + ["backward"] * 3
     # FSDP2 (Z3) re-gathers L1's norm for its second call, and reduce-scatters it once
     assert [(op.kind, op.boundary) for op in sched.rank_ops(0) if op.phase == "fsdp2" and op.boundary == L1] == [
-        ("fsdp2_all_gather", L1), ("fsdp2_all_gather", L1), ("fsdp2_all_gather", L1), ("fsdp2_reduce_scatter", L1)
+        ("fsdp2_all_gather", L1),
+        ("fsdp2_all_gather", L1),
+        ("fsdp2_all_gather", L1),
+        ("fsdp2_reduce_scatter", L1),
     ]
 
 
@@ -235,7 +252,9 @@ def test_boundary_never_called():
     sched = plan.schedule(Step(micro_batches=(MicroBatch(forward=(L1,)),)))
     assert {op.boundary for op in sched.ops if op.collective} == {L1}
     assert {f for op in sched.ops if op.kind == "newton_schulz" for f in op.fqns} == {
-        "layers.1.a.weight", "layers.1.b.weight", "layers.1.c.weight"
+        "layers.1.a.weight",
+        "layers.1.b.weight",
+        "layers.1.c.weight",
     }
 
 
@@ -243,7 +262,9 @@ def test_unused_matrix_skips_ns_only():
     plan = P.compile(build_a(), 2)
     sched = plan.schedule(Step(unused=("layers.0.a.weight",)))
     nominal = plan.schedule()
-    assert [op.signature() for op in sched.ops if op.collective] == [op.signature() for op in nominal.ops if op.collective]
+    assert [op.signature() for op in sched.ops if op.collective] == [
+        op.signature() for op in nominal.ops if op.collective
+    ]
     assert "layers.0.a.weight" not in {f for op in sched.ops for f in op.fqns}
 
 
@@ -251,7 +272,9 @@ def test_recompute_adds_compute_not_collectives():
     plan = P.compile(build_a(), 2)
     sched = plan.schedule(Step(micro_batches=(MicroBatch(recompute=(L0, L1)),)))
     nominal = plan.schedule()
-    assert [op.signature() for op in sched.ops if op.collective] == [op.signature() for op in nominal.ops if op.collective]
+    assert [op.signature() for op in sched.ops if op.collective] == [
+        op.signature() for op in nominal.ops if op.collective
+    ]
     kinds = [(op.kind, op.boundary) for op in sched.rank_ops(0) if op.phase == "compute"]
     assert kinds[2:] == [("recompute", L1), ("backward", L1), ("recompute", L0), ("backward", L0)]
 
@@ -294,7 +317,9 @@ def test_tp_schedule_batches_gram_all_reduces():
     plan = P.compile(net, 1, tp_size=2, tp_shard_dims=dims)
     sched = plan.schedule()
     tp = [op for op in sched.rank_ops(1) if op.phase == "tp"]
-    assert [(op.kind, op.group, op.numel, op.dtype) for op in tp] == [("all_reduce", (0, 1), 2 * 16, "torch.float32")] * 3
+    assert [(op.kind, op.group, op.numel, op.dtype) for op in tp] == [
+        ("all_reduce", (0, 1), 2 * 16, "torch.float32")
+    ] * 3
     assert sched.rank_nbytes(1, "tp") == 3 * 2 * 1 * 16 * 4 == plan.cost.tp_nbytes // 2
 
 
@@ -325,7 +350,9 @@ def test_tp_schedule_cost_equals_formulas(spec, z3, T, tp_ns):
     all-reduce per batch: equal when T divides every batch's d²·k and d²)."""
     layers, mesh, seed, _ = spec
     layers = [[(n, (4 * a, 4 * b), dt) for n, (a, b), dt in params] for params in layers]
-    dims = {f"layers.{i}.{n}.weight": (i + j) % 2 for i, params in enumerate(layers) for j, (n, _, _) in enumerate(params)}
+    dims = {
+        f"layers.{i}.{n}.weight": (i + j) % 2 for i, params in enumerate(layers) for j, (n, _, _) in enumerate(params)
+    }
     plan = P.compile(build(layers, seed), mesh, reshard_after_forward=z3, tp_size=T, tp_shard_dims=dims, tp_ns=tp_ns)
     assert plan.cost == formula_cost(plan)
     assert schedule_fields(plan.rank_stats()) == formula_rank_stats(plan)
@@ -350,18 +377,28 @@ def test_hsdp_replicate_reduces_one_boundary_behind():
     plan = P.compile(zoo.tiny_llama(), (2, 2), collectives="broadcast")
     sched = plan.schedule()
     layer = {b.fqn: i for i, b in enumerate(plan.boundaries)}
-    expected = [("reduce", 3), ("reduce", 2), ("replicate_reduce", 3), ("reduce", 1), ("replicate_reduce", 2),
-                ("reduce", 0), ("replicate_reduce", 1), ("replicate_reduce", 0)]
+    expected = [
+        ("reduce", 3),
+        ("reduce", 2),
+        ("replicate_reduce", 3),
+        ("reduce", 1),
+        ("replicate_reduce", 2),
+        ("reduce", 0),
+        ("replicate_reduce", 1),
+        ("replicate_reduce", 0),
+    ]
     for rank in range(4):
-        seq = [(op.phase, layer[op.boundary]) for op in sched.rank_ops(rank)
-               if op.phase in ("reduce", "replicate_reduce")]
+        seq = [
+            (op.phase, layer[op.boundary]) for op in sched.rank_ops(rank) if op.phase in ("reduce", "replicate_reduce")
+        ]
         runs = [key for i, key in enumerate(seq) if i == 0 or seq[i - 1] != key]  # one entry per run of ops
         assert runs == expected, (rank, runs)
         # every replicate reduce depends on shard-group reduces of its own boundary only
         for op in sched.rank_ops(rank):
             if op.phase == "replicate_reduce":
-                assert op.deps and all(sched.ops[d].phase == "reduce" and sched.ops[d].boundary == op.boundary
-                                       for d in op.deps)
+                assert op.deps and all(
+                    sched.ops[d].phase == "reduce" and sched.ops[d].boundary == op.boundary for d in op.deps
+                )
     replay(programs_of(sched))
 
 
@@ -392,7 +429,10 @@ def test_replay_catches_two_ranks_in_opposite_group_order():
     """The textbook case: rank 0 issues on group (0, 1) then (0, 2); rank 1 on (0, 1); rank 2 on
     (0, 2) — fine. Swap rank 0's order and add a second dependency: ranks 1 and 2 each issue on
     both groups in the opposite order to rank 0."""
-    mk = lambda i, g: P.Op(id=i, kind="broadcast", phase="forward_broadcast", group=g, root=0, dtype="torch.float32", numel=4)  # noqa: E731
+
+    def mk(i, g):
+        return P.Op(id=i, kind="broadcast", phase="forward_broadcast", group=g, root=0, dtype="torch.float32", numel=4)
+
     a, b = (0, 1, 2), (0, 1, 2, 3)
     ok = [[mk(0, a), mk(1, b)], [mk(0, a), mk(1, b)], [mk(0, a), mk(1, b)], [mk(1, b)]]
     replay(ok)

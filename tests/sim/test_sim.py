@@ -76,7 +76,8 @@ def test_measured_curve_interpolation_and_group_scaling():
     assert H.collective_s(hw, "broadcast", (0, 1, 2, 3), 1500) == pytest.approx(2e-3 * 3)  # (k-1)/(k'-1)
     # a kind without a curve falls back to the formula
     assert H.collective_s(hw, "all_gather", (0, 1), 1e6) == pytest.approx(
-        H.formula_collective_s("all_gather", 2, 1e6, hw.intra, hw.launch_s))
+        H.formula_collective_s("all_gather", 2, 1e6, hw.intra, hw.launch_s)
+    )
 
 
 def test_hardware_json_round_trip(tmp_path):
@@ -104,10 +105,19 @@ def test_training_terms_and_in_situ_costs_by_group():
     at ``autograd_op_s``; FSDP2 and DTensor-gather costs by group size, the scalar elsewhere;
     without the new fields every figure is the plain one (GPU presets unchanged)."""
     hw = dataclasses.replace(
-        _cpu(), matmul_efficiency=((100.0, 0.5),), autograd_matmul_efficiency=((10.0, 0.1), (1000.0, 0.4)),
-        op_overhead_s=1e-6, autograd_op_s=5e-6, elementwise_Bps=1e9, fsdp2_call_s=1e-4,
-        fsdp2_call_s_by_group=((2, 3e-3), (4, 9e-3)), dtensor_gather_s=2e-4, dtensor_gather_s_by_group=((2, 1e-3),),
-        comm_cpu_share=0.5, comm_cpu_share_by_group=((2, 0.25),))
+        _cpu(),
+        matmul_efficiency=((100.0, 0.5),),
+        autograd_matmul_efficiency=((10.0, 0.1), (1000.0, 0.4)),
+        op_overhead_s=1e-6,
+        autograd_op_s=5e-6,
+        elementwise_Bps=1e9,
+        fsdp2_call_s=1e-4,
+        fsdp2_call_s_by_group=((2, 3e-3), (4, 9e-3)),
+        dtensor_gather_s=2e-4,
+        dtensor_gather_s_by_group=((2, 1e-3),),
+        comm_cpu_share=0.5,
+        comm_cpu_share_by_group=((2, 0.25),),
+    )
     assert H.matmul_s(hw, 1e9, 100.0, "torch.float32") == pytest.approx(1e9 / (1e9 * 0.5))
     assert H.train_matmul_s(hw, 1e9, 100.0, "torch.float32") == pytest.approx(1e9 / (1e9 * 0.25))  # halfway in log d
     assert H.train_elementwise_s(hw, 1e6, 10) == pytest.approx(1e-3 + 10 * 5e-6)
@@ -130,11 +140,17 @@ def test_attention_norm_activation_terms_by_hand():
     from dmuon.sim._engine.workload import Work
 
     plain = _cpu(autograd_matmul_efficiency=((10.0, 0.1), (1000.0, 0.4)), elementwise_Bps=1e9, autograd_op_s=5e-6)
-    hw = dataclasses.replace(plain, attention_efficiency=((50.0, 0.1), (200.0, 0.4)),
-                             norm_train_s_per_numel=9e-9, activation_train_s_per_numel=6e-9)
+    hw = dataclasses.replace(
+        plain,
+        attention_efficiency=((50.0, 0.1), (200.0, 0.4)),
+        norm_train_s_per_numel=9e-9,
+        activation_train_s_per_numel=6e-9,
+    )
     # head_d 100 is halfway between 50 and 200 in log d: efficiency 0.25 of the 1 GFLOP/s peak
     assert H.train_attention_s(hw, 1e9, 1000.0, 100.0, "torch.float32") == pytest.approx(1e9 / (1e9 * 0.25))
-    assert H.train_attention_s(hw, 1e9, 1000.0, 0.0, "torch.float32") == H.train_matmul_s(hw, 1e9, 1000.0, "torch.float32")
+    assert H.train_attention_s(hw, 1e9, 1000.0, 0.0, "torch.float32") == H.train_matmul_s(
+        hw, 1e9, 1000.0, "torch.float32"
+    )
     assert H.train_attention_s(plain, 1e9, 1000.0, 100.0, "torch.float32") == pytest.approx(1e9 / (1e9 * 0.4))
     assert H.train_norm_s(hw, 3e6, 4) == pytest.approx(3e6 * 9e-9 / 3)
     assert H.train_norm_s(plain, 3e6, 4) == pytest.approx(6 * 3e6 * 4 / 1e9)
@@ -142,8 +158,18 @@ def test_attention_norm_activation_terms_by_hand():
     assert H.train_activation_s(plain, 3e6, 4) == pytest.approx(2 * 3e6 * 4 / 1e9)
     assert H.Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
     # one unit's forward and backward (x2), term by term
-    w = Work(fqn="b", label="boundary", matmuls=((int(1e8), 1000.0),), attention_flops=int(1e8), attention_d=1000.0,
-             attention_head_d=100.0, elementwise_nbytes=int(1e6), norm_numel=30_000, activation_numel=60_000, ops=10)
+    w = Work(
+        fqn="b",
+        label="boundary",
+        matmuls=((int(1e8), 1000.0),),
+        attention_flops=int(1e8),
+        attention_d=1000.0,
+        attention_head_d=100.0,
+        elementwise_nbytes=int(1e6),
+        norm_numel=30_000,
+        activation_numel=60_000,
+        ops=10,
+    )
     fwd = 1e8 / 0.4e9 + 1e8 / 0.25e9 + 30_000 * 9e-9 / 3 + 60_000 * 6e-9 / 3 + 1e6 / 1e9 + 10 * 5e-6
     assert _work_s(hw, w, 1.0, "torch.float32", 4) == pytest.approx(fwd)
     assert _work_s(hw, w, 2.0, "torch.float32", 4) == pytest.approx(2 * fwd)
@@ -157,8 +183,14 @@ def test_busy_node_factors_by_hand():
     from dmuon.sim._engine.lower import _work_s
     from dmuon.sim._engine.workload import Work
 
-    hw = _cpu(ranks_per_node=4, cores_per_node=4, busy_compute_factor=1.3, busy_memory_factor=1.6,
-              autograd_matmul_efficiency=((10.0, 0.5),), elementwise_Bps=1e9)
+    hw = _cpu(
+        ranks_per_node=4,
+        cores_per_node=4,
+        busy_compute_factor=1.3,
+        busy_memory_factor=1.6,
+        autograd_matmul_efficiency=((10.0, 0.5),),
+        elementwise_Bps=1e9,
+    )
     assert H.busy_factors(hw) == pytest.approx((1.3, 1.6))
     assert H.busy_factors(dataclasses.replace(hw, ranks_per_node=3)) == pytest.approx((1.2, 1.4))  # 2 of 3 steps
     assert H.busy_factors(dataclasses.replace(hw, ranks_per_node=8)) == pytest.approx((1.3, 1.6))  # all busy
@@ -193,8 +225,11 @@ def test_ns_batch_factor_by_hand():
     linear in ``log d`` between the measured ``d``, held outside; priced into one matrix's NS."""
     from dmuon.sim._engine.lower import _ns_s
 
-    hw = _cpu(ns_dtype="torch.float32", ns_efficiency=((64.0, 0.5), (512.0, 0.5)),
-              ns_batch_factor=((128.0, 4.0, 0.8), (128.0, 16.0, 0.9), (512.0, 4.0, 1.2)))
+    hw = _cpu(
+        ns_dtype="torch.float32",
+        ns_efficiency=((64.0, 0.5), (512.0, 0.5)),
+        ns_batch_factor=((128.0, 4.0, 0.8), (128.0, 16.0, 0.9), (512.0, 4.0, 1.2)),
+    )
     f = H.ns_batch_factor_at
     assert f(hw, 128.0, 1) == 1.0 and f(_cpu(), 128.0, 8) == 1.0
     assert f(hw, 128.0, 2) == pytest.approx(0.9)  # halfway from (1, 1.0) to (4, 0.8) in log B
@@ -231,14 +266,14 @@ def test_gram_ns_priced_on_its_own_curve():
     plan = P.compile(GPT(cfg, device="meta"), 2, cost_model="ns_flops", ns_backend="auto")
     backends = _ns_backends(plan)
     assert {f for f, b in backends.items() if b == "gram"} == {
-        s.fqn for s in plan.params if s.ns_backend == "gram"} and "gram" in backends.values()
+        s.fqn for s in plan.params if s.ns_backend == "gram"
+    } and "gram" in backends.values()
     assert all(b == "gram" for b in _ns_backends(P.compile(GPT(cfg, device="meta"), 2, owner_groups=2)).values())
     wl = S.from_plan(plan, tokens_per_rank=128, seq_len=64)
     for variant in ("z3", "naive"):
         ops, n, *_ = _variant_ops(plan, variant, None, False)
         a, b = (_lower(ops, plan, h, wl, variant=variant, num_ranks=n) for h in (hw, no_gram))
-        for op, x, y in ((op, x, y) for x, y in zip(a, b) if x.kind == "newton_schulz"
-                         for op in [plan.param(x.label)]):
+        for op, x, y in ((op, x, y) for x, y in zip(a, b) if x.kind == "newton_schulz" for op in [plan.param(x.label)]):
             gram = variant == "z3" and op.ns_backend == "gram"
             assert (x.seconds > y.seconds) == gram and (x.seconds == y.seconds) == (not gram)
 
@@ -273,8 +308,9 @@ def test_ns_batches_reach_the_ops():
         for op in ns:
             spec = plan.param(op.fqns[0])
             sides = R.ns_bucket_sides(*spec.matrix_shape)
-            batch = sum(1 for o in ns if o.group == op.group
-                        and R.ns_bucket_sides(*plan.param(o.fqns[0]).matrix_shape) == sides)
+            batch = sum(
+                1 for o in ns if o.group == op.group and R.ns_bucket_sides(*plan.param(o.fqns[0]).matrix_shape) == sides
+            )
             d = (sides[0] ** 2 * sides[1]) ** (1 / 3)
             assert got[op.id] == pytest.approx(H.ns_batch_factor_at(hw, d, batch))
         if variant == "z3":  # the owners' batches hold every matrix once, some more than one
@@ -283,10 +319,12 @@ def test_ns_batches_reach_the_ops():
             wl = S.from_plan(plan, tokens_per_rank=256, seq_len=64)
             lowered = [x for x in _lower(ops, plan, hw, wl, variant=variant, num_ranks=2) if x.kind == "newton_schulz"]
             assert [x.seconds for x in lowered] == pytest.approx(
-                [_ns_s(hw, wl, plan.param(op.fqns[0]), op.flops, got[op.id]) * hw.oversubscription for op in ns])
+                [_ns_s(hw, wl, plan.param(op.fqns[0]), op.flops, got[op.id]) * hw.oversubscription for op in ns]
+            )
         if variant == "naive":  # 2 layers: 8 square matrices, 4 MLP matrices, all on every rank
             assert sorted({round(v, 6) for v in got.values()}) == pytest.approx(
-                sorted([H.ns_batch_factor_at(hw, 128.0, 8), H.ns_batch_factor_at(hw, (128 * 128 * 512) ** (1 / 3), 4)]))
+                sorted([H.ns_batch_factor_at(hw, 128.0, 8), H.ns_batch_factor_at(hw, (128 * 128 * 512) ** (1 / 3), 4)])
+            )
     for variant, h in (("all_to_all", hw), ("z3", dataclasses.replace(hw, ns_dtype="torch.bfloat16"))):
         ops, *_ = _variant_ops(plan, variant, None, False)
         assert _ns_batch_factors(ops, specs, _owner_group_fqns(plan), h, variant) == {}
@@ -339,12 +377,15 @@ def test_fsdp2_collectives_block_the_thread_on_gloo(mesh, kind):
 
     ops, *_ = _variant_ops(plan, "adamw", None, False)
     calls = sum(1 for op in ops if op.kind == "fsdp2_" + kind and 0 in op.group)  # rank 0's calls
-    assert calls == len(plan.fsdp2_units) * (2 if kind == "all_gather" else 1) - (kind == "all_gather")  # root: no re-gather
+    assert calls == len(plan.fsdp2_units) * (2 if kind == "all_gather" else 1) - (
+        kind == "all_gather"
+    )  # root: no re-gather
     gloo = (_cpu(ranks_per_node=4, cores_per_node=4), S.from_plan(plan, tokens_per_rank=512, seq_len=128))
     gpu = (H.preset("h100"), S.from_plan(plan, tokens_per_rank=2**22, seq_len=128))  # ~50 ms per block backward
     for hw, w in (gloo, gpu):
-        fast, slow = (S.simulate(plan, dataclasses.replace(hw, curves=curve(s)), w, variant="adamw").step_s
-                      for s in (1e-3, 11e-3))
+        fast, slow = (
+            S.simulate(plan, dataclasses.replace(hw, curves=curve(s)), w, variant="adamw").step_s for s in (1e-3, 11e-3)
+        )
         if hw is gloo[0]:
             assert slow - fast == pytest.approx(calls * 10e-3)
         elif kind == "all_gather":
@@ -357,11 +398,17 @@ def test_step_factor_and_blocking_wait_by_hand():
     """A blocking wait on k ranks costs FSDP2's k-rank call less its 1-rank call, on gloo only and
     for measured k; the step-compute factor is 1 at k = 1 and where not measured; the
     calibration's three FSDP2 stacks give the fixed cost and the factor (by hand)."""
-    hw = _cpu(fsdp2_call_s=4e-4, fsdp2_call_s_by_group=((2, 2e-3), (4, 5e-3)), step_compute_factor_by_group=((2, 1.25),))
+    hw = _cpu(
+        fsdp2_call_s=4e-4, fsdp2_call_s_by_group=((2, 2e-3), (4, 5e-3)), step_compute_factor_by_group=((2, 1.25),)
+    )
     assert (H.blocking_wait_s_at(hw, 2), H.blocking_wait_s_at(hw, 4)) == (pytest.approx(1.6e-3), pytest.approx(4.6e-3))
     assert H.blocking_wait_s_at(hw, 3) == 0.0 and H.blocking_wait_s_at(hw, 1) == 0.0
     assert H.blocking_wait_s_at(dataclasses.replace(hw, comm_engine="separate"), 2) == 0.0
-    assert (H.step_compute_factor_at(hw, 1), H.step_compute_factor_at(hw, 2), H.step_compute_factor_at(hw, 4)) == (1.0, 1.25, 1.0)
+    assert (H.step_compute_factor_at(hw, 1), H.step_compute_factor_at(hw, 2), H.step_compute_factor_at(hw, 4)) == (
+        1.0,
+        1.25,
+        1.0,
+    )
     assert H.Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
     # three stacks by hand: 2 ms fixed (+ 3 ms on the block-sized units), 0.2 s extra per second
     # of compute between the 12 calls
@@ -388,8 +435,9 @@ def test_step_factor_and_blocking_waits_reach_the_ops(tiny):
 
     plan, wl = tiny
     hw = _cpu(ranks_per_node=4, cores_per_node=4)
-    more = dataclasses.replace(hw, fsdp2_call_s=1e-4, fsdp2_call_s_by_group=((4, 1.1e-3),),
-                               step_compute_factor_by_group=((4, 1.5),))  # a blocking wait: 1 ms
+    more = dataclasses.replace(
+        hw, fsdp2_call_s=1e-4, fsdp2_call_s_by_group=((4, 1.1e-3),), step_compute_factor_by_group=((4, 1.5),)
+    )  # a blocking wait: 1 ms
     for variant in ("z3", "z2", "adamw"):
         ops, n, *_ = _variant_ops(plan, variant, None, False)
         a, b = (_lower(ops, plan, h, wl, variant=variant, num_ranks=n) for h in (hw, more))
@@ -401,8 +449,11 @@ def test_step_factor_and_blocking_waits_reach_the_ops(tiny):
                 assert y.seconds == x.seconds
         fsdp = sum(1 for op in a if op.kind.startswith("fsdp2_"))
         # the parameter phases' broadcasts or all-gathers, the gradient reduces or reduce-scatters
-        groups = {(op.phase, op.boundary, op.micro_batch) for op in ops
-                  if op.kind in ("broadcast", "all_gather") and op.phase.endswith("broadcast")}
+        groups = {
+            (op.phase, op.boundary, op.micro_batch)
+            for op in ops
+            if op.kind in ("broadcast", "all_gather") and op.phase.endswith("broadcast")
+        }
         drains = {op.micro_batch for op in ops if op.kind in ("reduce", "reduce_scatter") and op.phase == "reduce"}
         waits = len(groups) + len(drains) if variant.startswith("z") else 0
         extra = sum(y.host_s - x.host_s for x, y in zip(a, b))
@@ -429,8 +480,15 @@ def test_comm_cpu_share_stretches_the_overlapped_part():
 
 
 def _cpu(**kw):
-    base = dict(name="hand", ranks_per_node=2, intra=LINK, inter=LINK, matmul_peak_flops=(("torch.float32", 1e9),),
-                comm_engine="threads", cores_per_node=2)
+    base = dict(
+        name="hand",
+        ranks_per_node=2,
+        intra=LINK,
+        inter=LINK,
+        matmul_peak_flops=(("torch.float32", 1e9),),
+        comm_engine="threads",
+        cores_per_node=2,
+    )
     base.update(kw)
     return H.Hardware(**base)
 
@@ -455,8 +513,11 @@ def test_two_rank_critical_path_by_hand():
     assert list(raw["ns"]) == [1.5, 0.0]
     rank, path = _critical_path(ops, raw)
     assert rank == 0
-    assert [(p.label, p.rank, p.start_s, p.end_s) for p in path] == [("f", 1, 0.0, 3.0), ("r", 1, 3.0, 5.0),
-                                                                      ("ns", 0, 5.0, 6.5)]
+    assert [(p.label, p.rank, p.start_s, p.end_s) for p in path] == [
+        ("f", 1, 0.0, 3.0),
+        ("r", 1, 3.0, 5.0),
+        ("ns", 0, 5.0, 6.5),
+    ]
     lanes = {(i.lane, i.label, i.start_s, i.end_s) for i in raw["timelines"][1]}
     assert lanes == {("compute", "f", 0.0, 3.0), ("reduce", "r", 3.0, 5.0), ("compute", "b", 3.0, 3.5)}
 
@@ -523,8 +584,11 @@ def test_dmuon_bytes_equal_the_plan(tiny):
     ops = S.alternatives.build("adamw", plan)
     total = 0
     for u in plan.fsdp2_units:
-        total += sum(3 * C.fsdp2_shard_numel(s, 4) * 4 * 3 * 4 for s in u.shapes) if u.fqn else \
-            sum(2 * C.fsdp2_shard_numel(s, 4) * 4 * 3 * 4 for s in u.shapes)
+        total += (
+            sum(3 * C.fsdp2_shard_numel(s, 4) * 4 * 3 * 4 for s in u.shapes)
+            if u.fqn
+            else sum(2 * C.fsdp2_shard_numel(s, 4) * 4 * 3 * 4 for s in u.shapes)
+        )
     total += sum(3 * C.fsdp2_shard_numel(s.local_shape, 4) * 4 * 3 * 4 for s in plan.params)
     assert S.alternatives.moved_nbytes(ops) == total
 
@@ -591,8 +655,11 @@ def test_memory_terms(tiny):
     z3 = S.simulate(plan, H.preset("h100"), wl)
     assert max(z3.peak_memory_nbytes) < max(z2.peak_memory_nbytes)
     owned = sum(s.numel * 4 for s in plan.params)
-    assert sum(r.memory.optimizer_state_nbytes for r in z3.ranks) - 4 * 2 * sum(
-        C.fsdp2_shard_numel(s, 4) * 4 for u in plan.fsdp2_units for s in u.shapes) == owned
+    assert (
+        sum(r.memory.optimizer_state_nbytes for r in z3.ranks)
+        - 4 * 2 * sum(C.fsdp2_shard_numel(s, 4) * 4 for u in plan.fsdp2_units for s in u.shapes)
+        == owned
+    )
     assert all(r.memory.activations_nbytes == wl.activation_nbytes for r in z3.ranks)
 
 
@@ -627,8 +694,12 @@ def test_hsdp_replicate_broadcast_is_deferred():
     # replicas on two nodes over a slow link: the broadcasts outlast the step. deferred_comm_s is how
     # far the last one runs past step_s, and the synchronous step waits for exactly that much more
     a100 = H.preset("a100")
-    slow = dataclasses.replace(a100, ranks_per_node=2, curves=(),
-                               inter=dataclasses.replace(a100.inter, bandwidth_Bps=a100.inter.bandwidth_Bps / 100))
+    slow = dataclasses.replace(
+        a100,
+        ranks_per_node=2,
+        curves=(),
+        inter=dataclasses.replace(a100.inter, bandwidth_Bps=a100.inter.bandwidth_Bps / 100),
+    )
     sim = S.simulate(plan, slow, wl)
     sync = S.simulate(dataclasses.replace(plan, replicate_async=False), slow, wl)
     assert sim.deferred_comm_s > 0.0
@@ -644,12 +715,19 @@ _MESHES = st.sampled_from([2, 4, 8, (2, 4), (2, 8), 16])
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(layers=st.integers(1, 3), hidden=st.sampled_from([64, 128, 256]), mesh=_MESHES,
-       factor=st.floats(1.0, 20.0), hw=st.sampled_from(["h100", "a100", "a800"]), z3=st.booleans(),
-       tokens=st.sampled_from([256, 4096]))
+@given(
+    layers=st.integers(1, 3),
+    hidden=st.sampled_from([64, 128, 256]),
+    mesh=_MESHES,
+    factor=st.floats(1.0, 20.0),
+    hw=st.sampled_from(["h100", "a100", "a800"]),
+    z3=st.booleans(),
+    tokens=st.sampled_from([256, 4096]),
+)
 def test_more_bandwidth_never_slows_a_gpu_step(layers, hidden, mesh, factor, hw, z3, tokens):
-    model = zoo.llama(num_layers=layers, hidden=hidden, kv_dim=hidden // 2, intermediate=2 * hidden,
-                            vocab=512, head_dim=32)
+    model = zoo.llama(
+        num_layers=layers, hidden=hidden, kv_dim=hidden // 2, intermediate=2 * hidden, vocab=512, head_dim=32
+    )
     plan = P.compile(model, mesh, reshard_after_forward=z3)
     wl = S.from_plan(plan, tokens_per_rank=tokens, seq_len=min(tokens, 1024))
     base = H.preset(hw)
@@ -661,11 +739,21 @@ def test_more_bandwidth_never_slows_a_gpu_step(layers, hidden, mesh, factor, hw,
 
 
 @settings(max_examples=15, deadline=None)
-@given(layers=st.integers(1, 3), hidden=st.sampled_from([64, 128, 192]), mesh=_MESHES,
-       mp=st.sampled_from([None, "bfloat16"]))
+@given(
+    layers=st.integers(1, 3),
+    hidden=st.sampled_from([64, 128, 192]),
+    mesh=_MESHES,
+    mp=st.sampled_from([None, "bfloat16"]),
+)
 def test_z2_never_moves_more_bytes_than_z3(layers, hidden, mesh, mp):
-    model = zoo.llama(num_layers=layers, hidden=hidden, kv_dim=hidden // 2 if hidden != 192 else 64, intermediate=3 * hidden,
-                            vocab=256, head_dim=32)
+    model = zoo.llama(
+        num_layers=layers,
+        hidden=hidden,
+        kv_dim=hidden // 2 if hidden != 192 else 64,
+        intermediate=3 * hidden,
+        vocab=256,
+        head_dim=32,
+    )
     pol = SimpleNamespace(param_dtype=mp, reduce_dtype=None) if mp else None
     z2 = P.compile(model, mesh, reshard_after_forward=False, mp_policy=pol)
     z3 = P.compile(model, mesh, reshard_after_forward=True, mp_policy=pol)
@@ -673,7 +761,9 @@ def test_z2_never_moves_more_bytes_than_z3(layers, hidden, mesh, mp):
     assert all(a <= b for a, b in zip(z2.cost.per_rank_nbytes, z3.cost.per_rank_nbytes))
     wl = S.from_plan(z3, tokens_per_rank=256, seq_len=256)
     hw = H.preset("h100")
-    assert S.simulate(z2, hw, wl, timeline_ranks=()).comm_nbytes <= S.simulate(z3, hw, wl, timeline_ranks=()).comm_nbytes
+    assert (
+        S.simulate(z2, hw, wl, timeline_ranks=()).comm_nbytes <= S.simulate(z3, hw, wl, timeline_ranks=()).comm_nbytes
+    )
 
 
 # ------------------------------------------------------------------ CLI
@@ -706,8 +796,24 @@ def test_simulate_cli(tmp_path, capsys):
     from dmuon.__main__ import main
 
     out = tmp_path / "s.json"
-    assert main(["simulate", "--model", "llama3-8b", "--mesh", "8", "--hw", "h100", "--tokens-per-rank", "4096",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--model",
+                "llama3-8b",
+                "--mesh",
+                "8",
+                "--hw",
+                "h100",
+                "--tokens-per-rank",
+                "4096",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "recommended: dmuon" in text
     d = json.loads(out.read_text())
@@ -715,7 +821,9 @@ def test_simulate_cli(tmp_path, capsys):
     assert d["variants"]["adamw"]["ratio_to_adamw"] == 1.0
     assert d["variants"]["naive"]["step_ms"] > d["variants"]["z3"]["step_ms"]
     assert d["recommended"] in ("z2", "z3")
-    assert main(["simulate", "--model", "tiny-llama", "--mesh", "2x2", "--hw", "a100", "--tp", "2", "--mode", "z2"]) == 0
+    assert (
+        main(["simulate", "--model", "tiny-llama", "--mesh", "2x2", "--hw", "a100", "--tp", "2", "--mode", "z2"]) == 0
+    )
     text = capsys.readouterr().out
     assert "z3 " not in text and "z2 " in text
     with pytest.raises(SystemExit):
@@ -797,11 +905,14 @@ def test_calibrate_assembles_the_record(monkeypatch):
     one's median over the repeats (by hand), the new kernel curves present with ``d`` rising."""
     from dmuon.sim import _calibrate as K
 
-    runs = [dict(fsdp2_call_s=3e-3, dtensor_gather_s=1e-3, comm_cpu_share=0.9, step_compute_factor=1.1),
-            dict(fsdp2_call_s=1e-3, dtensor_gather_s=4e-3, comm_cpu_share=0.2, step_compute_factor=1.3),
-            dict(fsdp2_call_s=2e-3, dtensor_gather_s=2e-3, comm_cpu_share=0.5, step_compute_factor=1.2)]
-    assert K._median_of_runs(runs) == dict(fsdp2_call_s=2e-3, dtensor_gather_s=2e-3, comm_cpu_share=0.5,
-                                           step_compute_factor=1.2)
+    runs = [
+        dict(fsdp2_call_s=3e-3, dtensor_gather_s=1e-3, comm_cpu_share=0.9, step_compute_factor=1.1),
+        dict(fsdp2_call_s=1e-3, dtensor_gather_s=4e-3, comm_cpu_share=0.2, step_compute_factor=1.3),
+        dict(fsdp2_call_s=2e-3, dtensor_gather_s=2e-3, comm_cpu_share=0.5, step_compute_factor=1.2),
+    ]
+    assert K._median_of_runs(runs) == dict(
+        fsdp2_call_s=2e-3, dtensor_gather_s=2e-3, comm_cpu_share=0.5, step_compute_factor=1.2
+    )
 
     def fake_launch(fn, world, sizes, repeats, fsdp_solo, in_situ_repeats, timeout_s=300.0):
         assert fn is K._worker
@@ -866,8 +977,17 @@ def test_simulate_accepts_the_plan_selection_options(tmp_path, capsys):
     p = argparse.ArgumentParser()
     add_selection_args(p)
     options = [o for a in p._actions for o in a.option_strings if o.startswith("--") and o != "--help"]
-    assert {"--all-matrices", "--experts", "--expert-gate-up", "--tp-ns", "--owner-groups", "--cost-model",
-            "--param-dtype", "--reduce-dtype", "--tp"} <= set(options)
+    assert {
+        "--all-matrices",
+        "--experts",
+        "--expert-gate-up",
+        "--tp-ns",
+        "--owner-groups",
+        "--cost-model",
+        "--param-dtype",
+        "--reduce-dtype",
+        "--tp",
+    } <= set(options)
     for cmd in ("plan", "simulate"):
         with pytest.raises(SystemExit) as e:
             main([cmd, "--help"])
@@ -900,8 +1020,9 @@ def test_expert_plans_simulate_with_the_models_top_k_and_range_batches(monkeypat
     from dmuon.plan._records.owners import ExpertOwners
     from dmuon.sim._engine.workload import from_plan, model_top_k
 
-    m = hf_moe(num_layers=2, hidden=64, num_experts=8, moe_ffn=32, top_k=4, vocab=128, num_heads=4,
-               num_kv_heads=2, head_dim=16)
+    m = hf_moe(
+        num_layers=2, hidden=64, num_experts=8, moe_ffn=32, top_k=4, vocab=128, num_heads=4, num_kv_heads=2, head_dim=16
+    )
     assert model_top_k(m) == 4 and model_top_k(torch_linear()) == 2
     plan = P.compile(m, 4)
     assert sum(1 for p in plan.params if p.experts is not None) == 4
@@ -912,8 +1033,11 @@ def test_expert_plans_simulate_with_the_models_top_k_and_range_batches(monkeypat
     sim_mod = sys.modules["dmuon.sim._engine.lower"]
     real = sim_mod.ns_batch_factor_at
     monkeypatch.setattr(sim_mod, "ns_batch_factor_at", lambda hw, d, b: batches.append(b) or real(hw, d, b))
-    hw = _cpu(ns_dtype="torch.float32", ns_efficiency=((16.0, 0.5), (512.0, 0.5)),
-              ns_batch_factor=((32.0, 4.0, 0.8), (32.0, 16.0, 0.7)))
+    hw = _cpu(
+        ns_dtype="torch.float32",
+        ns_efficiency=((16.0, 0.5), (512.0, 0.5)),
+        ns_batch_factor=((32.0, 4.0, 0.8), (32.0, 16.0, 0.7)),
+    )
     s = S.simulate(plan, hw, wl4, variant="z3")
     assert s.step_s > 0 and s.ns_s > 0
     owned = [0] * 4  # Muon matrices each rank orthogonalises
@@ -987,22 +1111,41 @@ def test_fair_baseline_bytes_by_hand():
     assert ag == sorted([(tuple(range(8)), 424), ((0, 2, 4, 6), 2304), ((1, 3, 5, 7), 2304)] * 2)
     # EP 4 on 4 ranks (efsdp 1): no FSDP2 traffic for the stacks at all
     ep4 = P.compile(expert_parallel_variant(zoo.tiny_moe(), 4), 4, ep=4)
-    ag = [(op.group, op.numel) for op in S.alternatives.build("adamw", ep4)
-          if op.kind == "fsdp2_all_gather" and op.boundary == "layers.0"]
+    ag = [
+        (op.group, op.numel)
+        for op in S.alternatives.build("adamw", ep4)
+        if op.kind == "fsdp2_all_gather" and op.boundary == "layers.0"
+    ]
     assert ag == [((0, 1, 2, 3), 8 * 32 + 4 * 32 + 4 * 32 + 8 * 32 + 1 * 32 + 2 * 8)] * 2  # dense + norms only
     with pytest.raises(ValueError, match="not modelled with expert parallelism"):
         S.alternatives.build("all_to_all", ep4)
     # experts="off": the stacks stay with FSDP2 under dmuon too, placed as the baseline places
     # them (Shard(1), 2,304) with the norms (2 x 4): dmuon's schedule and FSDP2 + AdamW agree
     off = P.compile(zoo.tiny_moe(), 8, experts="off")
-    fsdp2 = sorted({(op.kind, op.group, op.numel) for op in off.schedule().ops
-                    if op.kind.startswith("fsdp2_") and op.boundary == "layers.0"})
-    assert fsdp2 == [("fsdp2_all_gather", tuple(range(8)), 2304 + 8), ("fsdp2_reduce_scatter", tuple(range(8)), 2304 + 8)]
+    fsdp2 = sorted(
+        {
+            (op.kind, op.group, op.numel)
+            for op in off.schedule().ops
+            if op.kind.startswith("fsdp2_") and op.boundary == "layers.0"
+        }
+    )
+    assert fsdp2 == [
+        ("fsdp2_all_gather", tuple(range(8)), 2304 + 8),
+        ("fsdp2_reduce_scatter", tuple(range(8)), 2304 + 8),
+    ]
 
 
 def _hand_hw(**kw):
-    base = dict(name="hand", ranks_per_node=8, intra=LINK, inter=LINK, launch_s=5e-6,
-                matmul_peak_flops=(("torch.float32", 1e12),), compute_dtype="torch.float32", ns_dtype="torch.float32")
+    base = dict(
+        name="hand",
+        ranks_per_node=8,
+        intra=LINK,
+        inter=LINK,
+        launch_s=5e-6,
+        matmul_peak_flops=(("torch.float32", 1e12),),
+        compute_dtype="torch.float32",
+        ns_dtype="torch.float32",
+    )
     base.update(kw)
     return H.Hardware(**base)
 
@@ -1024,16 +1167,22 @@ def test_dmuon_all_gather_and_reduce_scatter_run_on_their_phases_channel():
     plan = P.compile(zoo.tiny_llama(), 4)
     wl = S.from_plan(plan, tokens_per_rank=64, seq_len=16, activation_dtype="torch.float32")
     b = plan.boundaries[0].fqn
-    ops = [_op(0, "all_gather", "forward_broadcast", numel=1000, boundary=b),
-           _op(1, "all_gather", "tp", numel=1000),
-           _op(2, "forward", "compute", boundary=b, deps=(0,)),
-           _op(3, "backward", "compute", boundary=b, deps=(2,)),
-           _op(4, "reduce_scatter", "reduce", numel=1000, boundary=b, deps=(3,))]
+    ops = [
+        _op(0, "all_gather", "forward_broadcast", numel=1000, boundary=b),
+        _op(1, "all_gather", "tp", numel=1000),
+        _op(2, "forward", "compute", boundary=b, deps=(0,)),
+        _op(3, "backward", "compute", boundary=b, deps=(2,)),
+        _op(4, "reduce_scatter", "reduce", numel=1000, boundary=b, deps=(3,)),
+    ]
     hw = _hand_hw()
     sim_ops = _sim_lower._lower(ops, plan, hw, wl, variant="z3", num_ranks=4)
     colls = [(o.kind, o.channel, o.seconds) for o in sim_ops if o.collective]
     each = 5e-6 + 3 * 1e-5 + 3 * 4000 / 1e9
-    assert [(k, c) for k, c, _ in colls] == [("all_gather", "bcast"), ("all_gather", "tp"), ("reduce_scatter", "reduce")]
+    assert [(k, c) for k, c, _ in colls] == [
+        ("all_gather", "bcast"),
+        ("all_gather", "tp"),
+        ("reduce_scatter", "reduce"),
+    ]
     assert all(s == pytest.approx(each) for _, _, s in colls)
     raw = replay_ops(sim_ops, 4, hw)
     starts = [float(raw["start_scalar"][i]) for i, o in enumerate(sim_ops) if o.collective]
@@ -1056,10 +1205,12 @@ def test_coalesced_broadcasts_by_hand():
     wl = S.from_plan(plan, tokens_per_rank=64, seq_len=16, activation_dtype="torch.float32")
     b = plan.boundaries[0].fqn
     bcasts = [_op(i, "broadcast", "forward_broadcast", root=i, numel=1000 * (i + 1), boundary=b) for i in range(3)]
-    ops = bcasts + [_op(3, "forward", "compute", boundary=b, deps=(0, 1, 2)),
-                    _op(4, "backward", "compute", boundary=b, deps=(3,)),
-                    _op(5, "reduce", "reduce", root=0, numel=1000, boundary=b, deps=(4,)),
-                    _op(6, "reduce", "reduce", root=1, numel=1000, boundary=b, deps=(4,))]
+    ops = bcasts + [
+        _op(3, "forward", "compute", boundary=b, deps=(0, 1, 2)),
+        _op(4, "backward", "compute", boundary=b, deps=(3,)),
+        _op(5, "reduce", "reduce", root=0, numel=1000, boundary=b, deps=(4,)),
+        _op(6, "reduce", "reduce", root=1, numel=1000, boundary=b, deps=(4,)),
+    ]
     hw = _hand_hw(issue_s=1e-6, coalesces=True)
     sim_ops = _sim_lower._lower(ops, plan, hw, wl, variant="z3", num_ranks=4)
     colls = [o for o in sim_ops if o.collective]
@@ -1072,14 +1223,29 @@ def test_coalesced_broadcasts_by_hand():
     op_s = _sim_lower._lower(ops, plan, dataclasses.replace(hw, coalesced_op_s=1e-6), wl, variant="z3", num_ranks=4)
     assert [o.seconds for o in op_s if o.collective][0] == pytest.approx(5e-6 + 2e-5 + 24000 / 1e9 + 2e-6)
     # not coalescing: one op per broadcast, each by the broadcast formula
-    plain = [o for o in _sim_lower._lower(ops, plan, dataclasses.replace(hw, coalesces=False), wl, variant="z3",
-                                       num_ranks=4) if o.collective]
+    plain = [
+        o
+        for o in _sim_lower._lower(ops, plan, dataclasses.replace(hw, coalesces=False), wl, variant="z3", num_ranks=4)
+        if o.collective
+    ]
     assert [o.seconds for o in plain[:3]] == pytest.approx([5e-6 + 2e-5 + 4000 * (i + 1) / 1e9 for i in range(3)])
     # two groups interleaved in one boundary phase: one coalesced op per group, first-seen order
-    rows = [_op(i, "broadcast", "forward_broadcast", group=(0, 1) if i % 2 == 0 else (2, 3),
-                root=0 if i % 2 == 0 else 2, numel=1000, boundary=b) for i in range(4)]
+    rows = [
+        _op(
+            i,
+            "broadcast",
+            "forward_broadcast",
+            group=(0, 1) if i % 2 == 0 else (2, 3),
+            root=0 if i % 2 == 0 else 2,
+            numel=1000,
+            boundary=b,
+        )
+        for i in range(4)
+    ]
     rows.append(_op(4, "forward", "compute", boundary=b, deps=(0, 1, 2, 3)))
-    got = [(o.group, o.seconds) for o in _sim_lower._lower(rows, plan, hw, wl, variant="z3", num_ranks=4) if o.collective]
+    got = [
+        (o.group, o.seconds) for o in _sim_lower._lower(rows, plan, hw, wl, variant="z3", num_ranks=4) if o.collective
+    ]
     two = 5e-6 + 1e-5 + 8000 / 1e9 + 1e-5
     assert [g for g, _ in got] == [(0, 1), (2, 3)] and all(s == pytest.approx(two) for _, s in got)
     # the coalesced cost model on its own
@@ -1088,18 +1254,23 @@ def test_coalesced_broadcasts_by_hand():
     four = [4000.0, 8000.0, 12000.0, 16000.0]
     conc = dataclasses.replace(hw, coalesce_model="concurrent")
     assert coalesced_collective_s(conc, "broadcast", (0, 1, 2, 3), four, [0, 1, 2, 3]) == pytest.approx(
-        5e-6 + 2e-5 + 36000 / 1e9 + 3e-5)
+        5e-6 + 2e-5 + 36000 / 1e9 + 3e-5
+    )
     assert coalesced_collective_s(hw, "broadcast", (0, 1, 2, 3), four, [0, 1, 2, 3]) == pytest.approx(
-        5e-6 + 2e-5 + 40000 / 1e9 + 3e-5)
+        5e-6 + 2e-5 + 40000 / 1e9 + 3e-5
+    )
     assert coalesced_collective_s(conc, "reduce", (0, 1, 2, 3), four[:3], [0, 1, 2]) == pytest.approx(
-        5e-6 + 2e-5 + 24000 / 1e9 + 2e-5)  # rank 3 roots nothing: the serial figure
+        5e-6 + 2e-5 + 24000 / 1e9 + 2e-5
+    )  # rank 3 roots nothing: the serial figure
     with pytest.raises(ValueError, match="only broadcasts and reduces"):
         coalesced_collective_s(hw, "all_gather", (0, 1), [1.0], [0])
     with pytest.raises(ValueError, match="coalesce_model"):
         _hand_hw(coalesce_model="fast")
     # presets coalesce (NCCL), records that do not say do not (gloo)
-    assert H.preset("h100").coalesces and not H.Hardware.from_dict(
-        {k: v for k, v in _hand_hw().to_dict().items() if k != "coalesces"}).coalesces
+    assert (
+        H.preset("h100").coalesces
+        and not H.Hardware.from_dict({k: v for k, v in _hand_hw().to_dict().items() if k != "coalesces"}).coalesces
+    )
     assert H.Hardware.from_dict(json.loads(json.dumps(conc.to_dict()))) == conc
 
 
@@ -1127,11 +1298,19 @@ def test_token_all_to_all_by_hand():
     assert all(o.seconds == pytest.approx(5e-6 + 1e-5 + 0.5 * 16_384 / 1e9) for o in a2a)
     # forward of layers.0: dense | dispatch | experts | combine, each waiting for the one before
     i = next(j for j, o in enumerate(sim_ops) if o.kind == "forward" and o.label == "layers.0")
-    seq = [(o.kind, o.label) for o in sim_ops[i:i + 7]]
-    assert seq == [("forward", "layers.0"), ("all_to_all", "tokens layers.0 mb0"), ("all_to_all", "tokens layers.0 mb0"),
-                   ("forward", "layers.0 experts"), ("all_to_all", "tokens layers.0 mb0"),
-                   ("all_to_all", "tokens layers.0 mb0"), ("forward", "layers.0 combined")]
-    assert sim_ops[i + 1].deps == (i,) and sim_ops[i + 3].deps == (i + 1, i + 2) and sim_ops[i + 6].deps == (i + 4, i + 5)
+    seq = [(o.kind, o.label) for o in sim_ops[i : i + 7]]
+    assert seq == [
+        ("forward", "layers.0"),
+        ("all_to_all", "tokens layers.0 mb0"),
+        ("all_to_all", "tokens layers.0 mb0"),
+        ("forward", "layers.0 experts"),
+        ("all_to_all", "tokens layers.0 mb0"),
+        ("all_to_all", "tokens layers.0 mb0"),
+        ("forward", "layers.0 combined"),
+    ]
+    assert (
+        sim_ops[i + 1].deps == (i,) and sim_ops[i + 3].deps == (i + 1, i + 2) and sim_ops[i + 6].deps == (i + 4, i + 5)
+    )
     # the split keeps the compute: with a FLOP-bound hardware the forward seconds equal the
     # non-EP plan's (same FLOPs per rank), and only the EP plan has all-to-alls
     fwd = lambda ops: sum(o.seconds for o in ops if o.kind == "forward")  # noqa: E731
@@ -1170,8 +1349,26 @@ def test_simulate_cli_expert_parallel(tmp_path, capsys):
     from dmuon._cli.sim_commands import BASELINE_LINE
 
     out = tmp_path / "ep.json"
-    assert main(["simulate", "--model", "tiny-moe", "--mesh", "4", "--ep", "2", "--hw", "h100", "--tokens-per-rank",
-                 "256", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--model",
+                "tiny-moe",
+                "--mesh",
+                "4",
+                "--ep",
+                "2",
+                "--hw",
+                "h100",
+                "--tokens-per-rank",
+                "256",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert BASELINE_LINE in text and "EP 2 (efsdp 2)" in text
     assert "token all-to-all over EP groups of 2 ranks: 8 calls per step" in text and "0.0 MB per rank" in text
@@ -1179,15 +1376,38 @@ def test_simulate_cli_expert_parallel(tmp_path, capsys):
     d = json.loads(out.read_text())
     assert d["ep"] == 2 and set(d["variants"]) == {"adamw", "z2", "z3"}
     assert d["dmuon_collectives"]["all_gather"] > 0 and d["buffer_wire_numel"] >= d["buffer_payload_numel"] > 0
-    for extra, needle in ((["--ep", "3"], "--ep 3"), (["--ep", "2", "--tp", "2"], "--ep with --tp"),
-                          (["--ep", "0"], "--ep must be >= 1")):
+    for extra, needle in (
+        (["--ep", "3"], "--ep 3"),
+        (["--ep", "2", "--tp", "2"], "--ep with --tp"),
+        (["--ep", "0"], "--ep must be >= 1"),
+    ):
         with pytest.raises(SystemExit) as e:
             main(["simulate", "--model", "tiny-moe", "--mesh", "4", "--hw", "h100", *extra])
         assert e.value.code == 2 and needle in capsys.readouterr().err, extra
     calls = {}
     for mode in ("record", "off"):
-        assert main(["simulate", "--model", "tiny-moe", "--mesh", "4", "--hw", "h100", "--mode", "z3",
-                     "--collectives", "broadcast", "--coalesce", mode, "--json", str(out)]) == 0
+        assert (
+            main(
+                [
+                    "simulate",
+                    "--model",
+                    "tiny-moe",
+                    "--mesh",
+                    "4",
+                    "--hw",
+                    "h100",
+                    "--mode",
+                    "z3",
+                    "--collectives",
+                    "broadcast",
+                    "--coalesce",
+                    mode,
+                    "--json",
+                    str(out),
+                ]
+            )
+            == 0
+        )
         capsys.readouterr()
         calls[mode] = json.loads(out.read_text())["variants"]["z3"]["collectives_busiest_rank"]
     assert calls["off"] > calls["record"]  # one call per broadcast / reduce without coalescing
@@ -1213,7 +1433,13 @@ def test_buffer_kind_costs_by_hand():
         for coalesces, b_s in ((False, bcast), (True, coalesced)):
             c = buffer_kind_costs(plan, _hand_hw(issue_s=2e-6, coalesces=coalesces))[0]
             assert (c.boundary, c.buffer, c.chosen, c.group_size, c.segments, c.slot_numel) == (
-                plan.boundaries[0].fqn, "torch.float32", "all_gather", 4, 4, 14368)
+                plan.boundaries[0].fqn,
+                "torch.float32",
+                "all_gather",
+                4,
+                4,
+                14368,
+            )
             assert c.broadcast_s == pytest.approx(phases * b_s) and c.all_gather_s == pytest.approx(phases * gather)
             assert (c.chosen_s, c.other_s) == (c.all_gather_s, c.broadcast_s)
     # forced broadcasts on the same layout: every buffer's chosen kind is the slower one here
@@ -1223,9 +1449,18 @@ def test_buffer_kind_costs_by_hand():
     assert buffer_kind_costs(P.compile(zoo.tiny_llama(), 1), _hand_hw()) == ()
 
 
-@pytest.mark.parametrize("name, mesh, ep", [
-    ("tiny-llama", 2, 1), ("tiny-llama", 4, 1), ("tiny-moe", 4, 1), ("llama3-8b", 8, 1), ("llama3-8b", (16, 8), 1),
-    ("qwen3-30b-a3b", 64, 1), ("qwen3-30b-a3b", 64, 8)])
+@pytest.mark.parametrize(
+    "name, mesh, ep",
+    [
+        ("tiny-llama", 2, 1),
+        ("tiny-llama", 4, 1),
+        ("tiny-moe", 4, 1),
+        ("llama3-8b", 8, 1),
+        ("llama3-8b", (16, 8), 1),
+        ("qwen3-30b-a3b", 64, 1),
+        ("qwen3-30b-a3b", 64, 8),
+    ],
+)
 def test_auto_kind_is_not_slower_in_the_simulator(name, mesh, ep):
     """Issue 35: on each row the kind ``collectives="auto"`` picks for a buffer is not modelled
     slower by the simulator (h100, with and without NCCL coalescing) than the other kind on the
@@ -1248,7 +1483,9 @@ def test_auto_kind_is_not_slower_in_the_simulator(name, mesh, ep):
         kinds |= {c.chosen for c in costs}
         slower = [(c.boundary, c.buffer, c.chosen, c.chosen_s, c.other_s) for c in costs if c.chosen_s > c.other_s]
         assert not slower
-    assert kinds == ({"all_gather"} if name.startswith("tiny") else {"broadcast", "all_gather"} if ep > 1 else {"broadcast"})
+    assert kinds == (
+        {"all_gather"} if name.startswith("tiny") else {"broadcast", "all_gather"} if ep > 1 else {"broadcast"}
+    )
 
 
 def test_hsdp_replicate_reduces_run_during_the_backward_on_their_own_channel():

@@ -71,8 +71,17 @@ def test_full_step_3x2_by_hand():
 
     W0 = torch.ones(3, 2, dtype=f64)
     W1, buf, v = R.normuon_step(
-        W0, G, None, None, lr=0.1, weight_decay=0.5, momentum=0.5, nesterov=True,
-        beta2=0.75, eps=1e-10, orthogonalize=fake_ns,
+        W0,
+        G,
+        None,
+        None,
+        lr=0.1,
+        weight_decay=0.5,
+        momentum=0.5,
+        nesterov=True,
+        beta2=0.75,
+        eps=1e-10,
+        orthogonalize=fake_ns,
     )
     torch.testing.assert_close(seen[0], 0.75 * G, rtol=1e-15, atol=0)
     torch.testing.assert_close(buf, 0.5 * G, rtol=1e-15, atol=0)
@@ -101,7 +110,7 @@ def test_bias_correction_would_cancel():
     o = torch.randn(6, 9, generator=g, dtype=f64)
     v = torch.rand(6, generator=g, dtype=f64)
     u, v_new = R.normuon_normalize(o, v, eps=0.0, dtype=f64)
-    v_hat = v_new / (1 - 0.95 ** 3)  # bias-corrected at t = 3
+    v_hat = v_new / (1 - 0.95**3)  # bias-corrected at t = 3
     u_bc = o / v_hat.sqrt().unsqueeze(-1)
     u_bc = u_bc * (o.norm() / u_bc.norm())
     torch.testing.assert_close(u_bc, u, rtol=1e-13, atol=1e-14)

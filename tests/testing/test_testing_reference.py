@@ -159,8 +159,13 @@ def test_reference_equals_hand_built_torch_muon(ns_dtype, fused_gate_up, monkeyp
     fused = Fused(fused_gate_up)
     unfused = Unfused(fused)
     ref = T.ReferenceOptimizer(fused, _proxies(fused_gate_up), ns_dtype=ns_dtype, **HP)
-    hand_muon = torch.optim.Muon(unfused.muon_params(), lr=HP["lr"], weight_decay=HP["weight_decay"],
-                                 momentum=HP["momentum"], nesterov=HP["nesterov"])
+    hand_muon = torch.optim.Muon(
+        unfused.muon_params(),
+        lr=HP["lr"],
+        weight_decay=HP["weight_decay"],
+        momentum=HP["momentum"],
+        nesterov=HP["nesterov"],
+    )
     hand_adamw = torch.optim.AdamW([unfused.bias], lr=HP["adamw_lr"], weight_decay=HP["adamw_weight_decay"])
     # every proxy's matrix in the same order as the hand model's parameters
     assert [tuple(pp.shape) for pps in ref.proxy_params.values() for pp in pps] == [
@@ -188,8 +193,12 @@ def test_reference_equals_hand_built_torch_muon(ns_dtype, fused_gate_up, monkeyp
             for mine, theirs in zip(_fused_views(fused), unfused.muon_params()):
                 assert torch.equal(mine, theirs)
             assert torch.equal(fused.bias, unfused.bias)
-    bufs = [ref.muon.state[pp]["momentum_buffer"] for pps in ref.proxy_params.values() for pp in pps[:]
-            if pp in ref.muon.state]
+    bufs = [
+        ref.muon.state[pp]["momentum_buffer"]
+        for pps in ref.proxy_params.values()
+        for pp in pps[:]
+        if pp in ref.muon.state
+    ]
     hand_bufs = [hand_muon.state[p]["momentum_buffer"] for p in unfused.muon_params() if p in hand_muon.state]
     assert len(bufs) == len(hand_bufs) == len(unfused.muon_params()) - 1  # frozen_grad: never stepped
     assert all(torch.equal(a, b) for a, b in zip(bufs, hand_bufs))
@@ -272,8 +281,13 @@ def test_zero_grad_expert_decays_none_grad_param_skipped():
     model.stack = nn.Parameter(torch.randn(E, 4, 6))
     model.unused = nn.Parameter(torch.randn(4, 6))
     w0, u0 = model.stack.detach().clone(), model.unused.detach().clone()
-    ref = T.ReferenceOptimizer(model, {"stack": T.expert_stack((E, 4, 6)), "unused": T.matrix((4, 6))},
-                               ns_dtype=torch.float32, lr=lr, weight_decay=wd)
+    ref = T.ReferenceOptimizer(
+        model,
+        {"stack": T.expert_stack((E, 4, 6)), "unused": T.matrix((4, 6))},
+        ns_dtype=torch.float32,
+        lr=lr,
+        weight_decay=wd,
+    )
     grad = torch.randn(E, 4, 6)
     grad[1] = 0  # expert 1 reached by no token
     model.stack.grad = grad
@@ -324,7 +338,9 @@ def test_proxies_from_plan():
     model = nn.Module()
     model.layers = nn.ModuleList([Block()])
     plan = dmuon.plan.compile(
-        model, 2, predicate=dmuon.plan._model.selection.matrix_predicate(model),
+        model,
+        2,
+        predicate=dmuon.plan._model.selection.matrix_predicate(model),
         matrix_views={"layers.0.attn.weight": views.heads(3)},
     )
     px = T.proxies_from_plan(plan)
@@ -339,9 +355,20 @@ def test_proxies_from_plan():
 
 
 def test_report_str_and_verdict():
-    r = T.Report(world_size=2, mesh_shape=(1, 2), ns_dtype="torch.float32", dedicated=("a",), losses=(1.0, 0.9),
-                 reference_losses=(1.0, 0.9), loss_dev=0.0, param_devs={"a": 2e-4}, param_dev=2e-4, worst_param="a",
-                 loss_bound=1e-6, param_bound=1e-4)
+    r = T.Report(
+        world_size=2,
+        mesh_shape=(1, 2),
+        ns_dtype="torch.float32",
+        dedicated=("a",),
+        losses=(1.0, 0.9),
+        reference_losses=(1.0, 0.9),
+        loss_dev=0.0,
+        param_devs={"a": 2e-4},
+        param_dev=2e-4,
+        worst_param="a",
+        loss_bound=1e-6,
+        param_bound=1e-4,
+    )
     assert not r.passed
     text = str(r)
     assert "FAILED" in text and "EXCEEDED" in text and "worst: a" in text
@@ -359,14 +386,21 @@ def test_check_against_reference_passes_and_can_fail():
     kw = dmuon_muon_kwargs()
     kw.pop("ns_dtype")
     model_fn = functools.partial(make_model, "tiny")
-    report = T.check_against_reference(model_fn, lm_loss, global_batches(2), world_size=2,
-                                       optimizer_kwargs=kw, timeout_s=120)
+    report = T.check_against_reference(
+        model_fn, lm_loss, global_batches(2), world_size=2, optimizer_kwargs=kw, timeout_s=120
+    )
     assert report.passed, str(report)
     assert report.loss_bound == 1e-6 and report.param_bound == 1e-4
     assert len(report.losses) == 2 and report.dedicated and report.mesh_shape == (1, 2)
     # the reference at another learning rate: the checker must see it (1 rank: start-up is cheaper)
-    wrong = T.check_against_reference(model_fn, lm_loss, global_batches(2), world_size=1,
-                                      optimizer_kwargs=kw, reference_kwargs={**kw, "lr": kw["lr"] * 1.5},
-                                      timeout_s=120)
+    wrong = T.check_against_reference(
+        model_fn,
+        lm_loss,
+        global_batches(2),
+        world_size=1,
+        optimizer_kwargs=kw,
+        reference_kwargs={**kw, "lr": kw["lr"] * 1.5},
+        timeout_s=120,
+    )
     assert not wrong.passed and wrong.param_dev > 1e-3, str(wrong)
     assert "FAILED" in str(wrong)

@@ -39,8 +39,9 @@ needs_shakespeare = pytest.mark.skipif(
 )
 
 # A model small enough for 30 steps on 2 cores in a few seconds.
-SMALL = dict(d_model=64, n_layers=2, n_heads=4, d_mlp=256, seq_len=64, batch=16,
-             eval_batch=16, eval_batches=4, quiet=True)
+SMALL = dict(
+    d_model=64, n_layers=2, n_heads=4, d_mlp=256, seq_len=64, batch=16, eval_batch=16, eval_batches=4, quiet=True
+)
 # 30 steps on tinyshakespeare: val loss must end below the unigram baseline.
 LEARN = dict(SMALL, steps=30, eval_every=30, data=str(SHAKESPEARE), log_every=10)
 # 6 steps without LR decay, fp32 Newton-Schulz: compared across world sizes 1 and 2.
@@ -68,8 +69,11 @@ def _labels_of_2() -> list[tuple[str, dict]]:
     """``(label, config)`` of every 2-rank run, in launch order."""
     out = []
     if SHAKESPEARE.exists():
-        out += [("learn", dict(LEARN, mode="z3")), ("learn", dict(LEARN, mode="z2", steps=3)),
-                ("adamw", dict(LEARN, optimizer="adamw"))]
+        out += [
+            ("learn", dict(LEARN, mode="z3")),
+            ("learn", dict(LEARN, mode="z2", steps=3)),
+            ("adamw", dict(LEARN, optimizer="adamw")),
+        ]
     moe = dict(SMALL, d_mlp=128, experts=4, top_k=2, steps=30, eval_every=30, log_every=10)
     out += [("moe", moe), ("moe", MOE_SHORT), ("moe", dict(MOE_SHORT, ep=2))]
     out += [("invariance", c) for c in _invariance_cases(2)]
@@ -135,8 +139,7 @@ def test_model_names_init_and_causality():
     m = GPT(cfg, seed=1)
     names = dict(m.named_parameters())
     for i in range(2):
-        for sub in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj",
-                    "mlp.up_proj", "mlp.down_proj"):
+        for sub in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp.up_proj", "mlp.down_proj"):
             assert names[f"layers.{i}.{sub}.weight"].ndim == 2
     assert names["layers.0.mlp.up_proj.weight"].shape == (64, 32)
     assert not any(n.endswith(".bias") for n in names)
@@ -192,8 +195,10 @@ def test_ep_flags_are_refused_with_clear_messages():
         ({"ep": 0}, "--ep must be positive"),
         ({"ep": 2}, "--ep 2 needs --experts E: expert parallelism splits the MoE's experts over ranks"),
         ({"experts": 6, "ep": 4}, r"--ep 4 must divide --experts 6 \(each rank holds E/P experts\)"),
-        ({"experts": 4, "ep": 2, "tp": 2},
-         "--ep with --tp: expert parallelism together with tensor parallelism is not supported"),
+        (
+            {"experts": 4, "ep": 2, "tp": 2},
+            "--ep with --tp: expert parallelism together with tensor parallelism is not supported",
+        ),
         ({"experts": 4, "ep": 2, "optimizer": "adamw"}, "--ep with --optimizer adamw: expert parallelism needs dmuon"),
     ):
         with pytest.raises(SystemExit, match=f"^{message}"):
@@ -213,10 +218,16 @@ def test_paths_and_values_are_refused_before_any_rank_starts(tmp_path):
     for argv, message in (
         (["--data", str(tmp_path / "nothing.txt")], r"--data .*nothing\.txt: not a file"),
         (["--data", str(tmp_path)], r"--data .*: not a file"),
-        (["--data", str(tiny)], r"--data .*tiny\.txt with --seq-len 64: corpus of 6 tokens is too small for "
-                                r"seq_len=64 \(needs at least 130 tokens\)"),
-        (["--seq-len", "100000000"], r"--data \(python stdlib sources\) with --seq-len 100000000: corpus of "
-                                     r"4194304 tokens is too small"),
+        (
+            ["--data", str(tiny)],
+            r"--data .*tiny\.txt with --seq-len 64: corpus of 6 tokens is too small for "
+            r"seq_len=64 \(needs at least 130 tokens\)",
+        ),
+        (
+            ["--seq-len", "100000000"],
+            r"--data \(python stdlib sources\) with --seq-len 100000000: corpus of "
+            r"4194304 tokens is too small",
+        ),
         (["--json", missing + ".json"], r"--json .*: the folder '.*no' does not exist or is not writable"),
         (["--png", missing + ".png"], r"--png .*: the folder '.*no' does not exist or is not writable"),
         (["--save", str(tiny / "ckpt")], r"--save .*ckpt: cannot create the folder \(Not a directory\)"),
@@ -325,8 +336,7 @@ def test_moe_ep_run_computes_the_non_ep_run():
     losses = {k: [loss for _, loss in r["history"]["train"]] for k, r in (("dense", dense), ("ep", ep))}
     assert len(losses["ep"]) == 6 and losses["ep"][-1] < losses["ep"][0]
     np.testing.assert_allclose(losses["ep"], losses["dense"], rtol=1e-6)
-    np.testing.assert_allclose([v for _, v in ep["history"]["val"]], [v for _, v in dense["history"]["val"]],
-                               rtol=1e-6)
+    np.testing.assert_allclose([v for _, v in ep["history"]["val"]], [v for _, v in dense["history"]["val"]], rtol=1e-6)
     assert ep["ledger_nbytes_per_step"] == ep["plan_total_nbytes"] > 0
     cfg = model_config(_complete(dict(MOE_SHORT, ep=2)))
     planned = plan_compile(GPT(cfg, device="meta"), 2, ep=2)
@@ -367,8 +377,13 @@ def _invariance_runs(world, optimizer):
     if world == 2:
         runs = _runs_of_2("invariance")
     else:
-        runs = shared_run(("test_world_size_invariance", world), _train_cases, world, cases,
-                          timeout_s=240 * len(INVARIANCE_OPTIMIZERS))[0]
+        runs = shared_run(
+            ("test_world_size_invariance", world),
+            _train_cases,
+            world,
+            cases,
+            timeout_s=240 * len(INVARIANCE_OPTIMIZERS),
+        )[0]
     return [r for c, r in zip(cases, runs) if c["optimizer"] == optimizer]
 
 
@@ -383,15 +398,17 @@ def test_world_size_invariance(optimizer):
     (one,) = _invariance_runs(1, optimizer)
     two, tp, *hsdp = _invariance_runs(2, optimizer)
     assert tp["tp"] == 2
-    np.testing.assert_allclose([loss for _, loss in tp["history"]["train"]],
-                               [loss for _, loss in one["history"]["train"]], rtol=1e-5)
+    np.testing.assert_allclose(
+        [loss for _, loss in tp["history"]["train"]], [loss for _, loss in one["history"]["train"]], rtol=1e-5
+    )
     if optimizer == "dmuon":
         assert tp["ledger_nbytes_per_step"] == tp["plan_total_nbytes"] > 0
         assert tp["ledger_phase_nbytes_per_step"]["tp"] > 0
     for h in hsdp:
         assert h["ledger_nbytes_per_step"] == h["plan_total_nbytes"] > 0
-        np.testing.assert_allclose([loss for _, loss in h["history"]["train"]],
-                                   [loss for _, loss in one["history"]["train"]], rtol=1e-6)
+        np.testing.assert_allclose(
+            [loss for _, loss in h["history"]["train"]], [loss for _, loss in one["history"]["train"]], rtol=1e-6
+        )
     assert one["world_size"] == 1 and two["world_size"] == 2
     assert one["initial_val_loss"] == pytest.approx(two["initial_val_loss"], rel=1e-6)
     l1 = [loss for _, loss in one["history"]["train"]]
@@ -408,10 +425,36 @@ def test_cli_end_to_end(tmp_path, optimizer, patches):
     its patches off (``DMUON_NO_PATCHES=1``): the job passes ``ignored_params`` to ``fully_shard``."""
     out = tmp_path / "metrics.json"
     cmd = [
-        sys.executable, "-m", "dmuon", "train", "--optimizer", optimizer, "--steps", "3",
-        "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--d-mlp", "64",
-        "--seq-len", "32", "--batch", "4", "--eval-batch", "4", "--eval-batches", "1",
-        "--eval-every", "3", "--log-every", "1", "--json", str(out),
+        sys.executable,
+        "-m",
+        "dmuon",
+        "train",
+        "--optimizer",
+        optimizer,
+        "--steps",
+        "3",
+        "--d-model",
+        "32",
+        "--n-layers",
+        "1",
+        "--n-heads",
+        "2",
+        "--d-mlp",
+        "64",
+        "--seq-len",
+        "32",
+        "--batch",
+        "4",
+        "--eval-batch",
+        "4",
+        "--eval-batches",
+        "1",
+        "--eval-every",
+        "3",
+        "--log-every",
+        "1",
+        "--json",
+        str(out),
     ]
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     if patches == "off":

@@ -22,7 +22,6 @@ from train_job import TINY, write_corpus
 from dmuon._train.checkpoint import latest_checkpoint, step_dir
 
 
-
 def _resume_cases(root: str, data: str):
     """Every rank: the runs of the module docstring (2 ranks) or the world-size resume (1 rank)."""
     import torch

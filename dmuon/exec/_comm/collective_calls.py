@@ -215,6 +215,7 @@ def metered(*, record: bool = False):
     finally:
         _METERS.remove(led)
 
+
 #: Seconds a dmuon wait may take before :class:`CollectiveTimeout` (``collective_timeout_s``'s
 #: default): 10 minutes, NCCL's default process-group timeout and a third of gloo's (30 min), so
 #: on gloo dmuon's fires first and names the boundary. Applied where the wait blocks the CPU anyway
@@ -294,7 +295,9 @@ def broadcast(
     Charges ``tensor.nbytes`` to every rank but ``src``.
     """
     _charge("broadcast", phase, tensor, group, src)
-    return _done(dist.broadcast(tensor, src=src, group=group, async_op=True), async_op, "broadcast", phase, tensor, group)
+    return _done(
+        dist.broadcast(tensor, src=src, group=group, async_op=True), async_op, "broadcast", phase, tensor, group
+    )
 
 
 def reduce_sum(
@@ -411,7 +414,9 @@ def scatter(
     """
     _charge("scatter", phase, output, group, src)
     chunks = list(chunks) if dist.get_rank() == src else None
-    return _done(dist.scatter(output, chunks, src=src, group=group, async_op=True), False, "scatter", phase, output, group)
+    return _done(
+        dist.scatter(output, chunks, src=src, group=group, async_op=True), False, "scatter", phase, output, group
+    )
 
 
 def blocking_timeout_s(timeout_s: float | None, device: torch.device | None, group=None) -> float | None:
@@ -441,8 +446,12 @@ def _done(work, async_op: bool, kind: str, phase: str, tensor: torch.Tensor, gro
     :func:`wait_all` (:data:`DEFAULT_TIMEOUT_S` where the wait blocks the CPU)."""
     if async_op:
         return work
-    wait_all([work], what=f"{kind} (ledger phase {phase!r})",
-             timeout_s=blocking_timeout_s(DEFAULT_TIMEOUT_S, tensor.device, group), group=group)
+    wait_all(
+        [work],
+        what=f"{kind} (ledger phase {phase!r})",
+        timeout_s=blocking_timeout_s(DEFAULT_TIMEOUT_S, tensor.device, group),
+        group=group,
+    )
     return None
 
 
@@ -490,7 +499,9 @@ def wait_all(
                 if timed_out
                 else (CollectiveTransportError, wait_report.transport_message)
             )
-            raise cls(text(what, str(exc), waited_s=waited_s, timeout_s=timeout_s, **_where(step, forwards, group))) from exc
+            raise cls(
+                text(what, str(exc), waited_s=waited_s, timeout_s=timeout_s, **_where(step, forwards, group))
+            ) from exc
         if ok is False:
             raise CollectiveTimeout(
                 wait_report.timeout_message(

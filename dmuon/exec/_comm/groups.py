@@ -150,7 +150,10 @@ def mesh_rank_table(
         t = t.select(roles.tp, int(where[0][roles.tp]))
         shift = lambda d: d - (d > roles.tp)  # noqa: E731 - dim index after removing the TP dim
         roles = dataclasses.replace(
-            roles, tp=None, shard=shift(roles.shard), replicate=None if roles.replicate is None else shift(roles.replicate)
+            roles,
+            tp=None,
+            shard=shift(roles.shard),
+            replicate=None if roles.replicate is None else shift(roles.replicate),
         )
     if t.ndim == 1:
         return (tuple(int(x) for x in t.tolist()),)
@@ -240,7 +243,9 @@ class MeshGroups:
         """
         me = dist.get_rank()
         tables = tuple(tp_tables or peer_tables or (ranks,))
-        found = [(t, r, s) for t, tab in enumerate(tables) for r, row in enumerate(tab) for s, x in enumerate(row) if x == me]
+        found = [
+            (t, r, s) for t, tab in enumerate(tables) for r, row in enumerate(tab) for s, x in enumerate(row) if x == me
+        ]
         if len(found) != 1:
             raise ValueError(f"dmuon: rank {me} appears {len(found)} times in mesh {tables}")
         my_t, my_r, my_s = found[0]

@@ -107,7 +107,8 @@ def transport_message(
     return (
         f"dmuon: collective for {what} failed in the transport after {waited_s:.2f} s of waiting{limit}: "
         f"{said} ({backend_summary(backend)!r}); a peer closed the connection or the backend reported an error, "
-        "this is not a timeout." + _tail(_position(me, step, forwards, ranks), last_issued)
+        "this is not a timeout."
+        + _tail(_position(me, step, forwards, ranks), last_issued)
         + " The backend's error is chained below."
     )
 

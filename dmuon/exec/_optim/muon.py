@@ -56,8 +56,7 @@ def _check_dedicated(p: Tensor) -> None:
     shape = tuple(int(s) for s in info.shape)
     if len(shape) < 2:
         raise ValueError(
-            f"{where} has shape {shape}: Muon needs a matrix (>= 2-D); leave 1-D parameters "
-            "(biases, norms) to AdamW"
+            f"{where} has shape {shape}: Muon needs a matrix (>= 2-D); leave 1-D parameters (biases, norms) to AdamW"
         )
     m, n = (int(s) for s in info.matrix_shape)
     k = int(info.num_matrices)
@@ -67,9 +66,7 @@ def _check_dedicated(p: Tensor) -> None:
         # counts the matrices of that range
         shape = tuple(grouped.block_shape(grouped.block))
     if m <= 0 or n <= 0 or k <= 0 or k * m * n != math.prod(shape):
-        raise ValueError(
-            f"{where}: num_matrices={k} x matrix_shape={(m, n)} does not tile shape {shape}"
-        )
+        raise ValueError(f"{where}: num_matrices={k} x matrix_shape={(m, n)} does not tile shape {shape}")
     if info.is_owner and grouped is not None:  # an owner-group member holds its block
         if tuple(p.shape) != grouped.block_shape(grouped.block):
             raise ValueError(
@@ -79,8 +76,7 @@ def _check_dedicated(p: Tensor) -> None:
     elif info.is_owner:
         if tuple(p.shape) != shape:
             raise ValueError(
-                f"{where}: this rank owns it but holds a tensor of shape {tuple(p.shape)}, "
-                f"expected the full {shape}"
+                f"{where}: this rank owns it but holds a tensor of shape {tuple(p.shape)}, expected the full {shape}"
             )
         if torch.is_complex(p):
             raise ValueError(f"{where}: Muon does not support complex parameters")
@@ -217,8 +213,7 @@ class Muon(torch.optim.Optimizer):
             params = list(model_or_params.parameters())
         elif isinstance(model_or_params, Tensor):
             raise TypeError(
-                "dmuon.Muon takes an nn.Module or an iterable of parameters, got a single "
-                "Tensor; wrap it in a list"
+                "dmuon.Muon takes an nn.Module or an iterable of parameters, got a single Tensor; wrap it in a list"
             )
         else:
             params = list(model_or_params)
@@ -258,9 +253,7 @@ class Muon(torch.optim.Optimizer):
         if not 0.0 <= h["eps"]:
             raise ValueError(f"eps must be >= 0, got {h['eps']}")
         if h["adjust_lr_fn"] not in _ADJUST_LR_FNS:
-            raise ValueError(
-                f"unknown adjust_lr_fn {h['adjust_lr_fn']!r}; expected one of {_ADJUST_LR_FNS}"
-            )
+            raise ValueError(f"unknown adjust_lr_fn {h['adjust_lr_fn']!r}; expected one of {_ADJUST_LR_FNS}")
         h["nesterov"] = bool(h["nesterov"])
         # Resolve preset names, validate the table against ns_steps, normalise lists to
         # tuples; a constant schedule is stored as its single triple (torch's layout).
@@ -318,10 +311,7 @@ class Muon(torch.optim.Optimizer):
         use_muon = group.get("use_muon")
         if use_muon is None:
             if any(tagged) and not all(tagged):
-                raise ValueError(
-                    "param group mixes dedicated and non-dedicated parameters; split it or "
-                    "set 'use_muon'"
-                )
+                raise ValueError("param group mixes dedicated and non-dedicated parameters; split it or set 'use_muon'")
             use_muon = bool(params) and all(tagged)
         use_muon = bool(use_muon)
         if use_muon and not all(tagged):

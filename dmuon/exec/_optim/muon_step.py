@@ -48,9 +48,7 @@ def adjust_lr(lr: float, adjust_lr_fn: Optional[str], matrix_shape: Sequence[int
     elif adjust_lr_fn == "match_rms_adamw":
         ratio = 0.2 * math.sqrt(max(A, B))
     else:
-        raise ValueError(
-            f"unknown adjust_lr_fn {adjust_lr_fn!r}; expected one of {_ADJUST_LR_FNS}"
-        )
+        raise ValueError(f"unknown adjust_lr_fn {adjust_lr_fn!r}; expected one of {_ADJUST_LR_FNS}")
     return lr * ratio
 
 

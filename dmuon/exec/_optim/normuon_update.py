@@ -143,7 +143,8 @@ def check_supported(info: Any) -> None:
     if tp is None and (group is None or getattr(info, "experts", None) is not None):
         return
     what = (
-        f"tensor-parallel (sharded over {getattr(tp, 'size', '?')} TP ranks)" if tp is not None
+        f"tensor-parallel (sharded over {getattr(tp, 'size', '?')} TP ranks)"
+        if tp is not None
         else "owned by an owner group (its blocks on several ranks)"
     )
     fix = (

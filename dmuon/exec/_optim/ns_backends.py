@@ -40,6 +40,7 @@ from torch import Tensor
 from dmuon.plan._rules import choose_ns_backend
 
 from dmuon.exec._optim.ns_coefficients import Coefficients
+
 # the backend functions, resolved as attributes of this module at call time (see above)
 from dmuon.exec._optim.ns_gram import gram_newton_schulz, sharded_gram_newton_schulz
 from dmuon.exec._optim.ns_kernel import _check_input, newton_schulz
@@ -76,9 +77,7 @@ def get_ns_backend(name: str) -> Callable[..., Tensor]:
     try:
         return globals()[NS_BACKENDS[name]]
     except (KeyError, TypeError):
-        raise ValueError(
-            f"unknown Newton-Schulz backend {name!r}; expected one of {tuple(NS_BACKENDS)}"
-        ) from None
+        raise ValueError(f"unknown Newton-Schulz backend {name!r}; expected one of {tuple(NS_BACKENDS)}") from None
 
 
 def resolve_ns_backend(name: str, matrix_shape: tuple[int, int], *, steps: int) -> Callable[..., Tensor]:

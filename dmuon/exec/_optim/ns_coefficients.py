@@ -196,9 +196,7 @@ def coefficient_schedule(coefficients: Coefficients, steps: int) -> tuple[Triple
     if isinstance(steps, bool) or not isinstance(steps, int):
         raise TypeError(f"steps must be an int, got {type(steps).__name__}")
     if not 0 <= steps < _MAX_STEPS:
-        raise ValueError(
-            f"steps must satisfy 0 <= steps < {_MAX_STEPS} (as torch.optim.Muon), got {steps}"
-        )
+        raise ValueError(f"steps must satisfy 0 <= steps < {_MAX_STEPS} (as torch.optim.Muon), got {steps}")
     if isinstance(coefficients, str):
         name = coefficients
         if name not in NS_PRESETS:
@@ -226,9 +224,7 @@ def coefficient_schedule(coefficients: Coefficients, steps: int) -> tuple[Triple
                 f"such triples, one per step; entries {bad} of {coefficients!r} are not triples"
             )
         if len(table) != steps:
-            raise ValueError(
-                f"per-step coefficient table has {len(table)} triples but steps={steps}"
-            )
+            raise ValueError(f"per-step coefficient table has {len(table)} triples but steps={steps}")
         return tuple(tuple(float(v) for v in t) for t in table)  # type: ignore[misc]
     raise ValueError(
         "coefficients must be an (a, b, c) triple, a sequence of triples (one per step) or "

@@ -135,9 +135,7 @@ def _gram_q(R: Tensor, schedule: Sequence[Triple]) -> Tensor:
     return Qs
 
 
-def _gram_poly(
-    R: Tensor, schedule: Sequence[Triple], workspace: Optional[list[Tensor]] = None
-) -> tuple[Tensor, float]:
+def _gram_poly(R: Tensor, schedule: Sequence[Triple], workspace: Optional[list[Tensor]] = None) -> tuple[Tensor, float]:
     """One Gram NS segment on a (B, d, d) batch: ``(Q', A)`` with the segment's factor
     ``Q = Z_L ⋯ Z_1 = A·I + Q'`` (``Q'`` a new tensor; ``R`` is not modified).
 

@@ -42,7 +42,6 @@ from dmuon._tags import dedicated_info
 __all__ = ["record", "wants_logits", "max_logits_eager", "max_logits_sdpa", "stats", "QKClipRuntime", "QKClipNonFinite"]
 
 
-
 def record(module: nn.Module, max_logits: torch.Tensor) -> bool:
     """Report ``module``'s per-head max logits for the current forward (``(H,)``, any float dtype).
 
@@ -196,7 +195,9 @@ class QKClipRuntime:
         )
         tau = self.spec.tau
         nonfinite = torch.isposinf(vec)  # +inf: an inf or a NaN max logit on some rank
-        none_reported, any_nonfinite = torch.stack([torch.isneginf(vec).all(), nonfinite.any()]).tolist()  # one host read
+        none_reported, any_nonfinite = torch.stack(
+            [torch.isneginf(vec).all(), nonfinite.any()]
+        ).tolist()  # one host read
         if none_reported:  # same reduced vector on every rank: all raise
             raise RuntimeError(
                 "dmuon: QK-clip is on (plan.qk_clip) but no attention layer reported its max logits this step on any "

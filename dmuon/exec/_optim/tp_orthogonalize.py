@@ -90,8 +90,11 @@ def orthogonalize_and_apply(entries, *, steps: int, orthogonalize, ns_kw: dict, 
         tp = items[0][2]
         flat = torch.cat([u.reshape(-1) for _, u, _ in items])
         out = torch.empty(tp.size * flat.numel(), dtype=flat.dtype, device=flat.device)
-        rt.wait([C.all_gather_into(out, flat, group=tp.group, phase="tp", async_op=True)],
-                "TP all-gather of Muon updates", group=tp.group)
+        rt.wait(
+            [C.all_gather_into(out, flat, group=tp.group, phase="tp", async_op=True)],
+            "TP all-gather of Muon updates",
+            group=tp.group,
+        )
         out = out.view(tp.size, -1)
         by_coord = [out[dist.get_group_rank(tp.group, tp.ranks[t])] for t in range(tp.size)]
         offset = 0

@@ -116,9 +116,7 @@ class _BoundaryRuntime:
     backward has not finished (a boundary called twice per forward is reduced after its last).
     """
 
-    def __init__(
-        self, runtime: BoundaryHost, fqn: str, module: nn.Module, segments: list[_Segment], ops: BoundaryOps
-    ):
+    def __init__(self, runtime: BoundaryHost, fqn: str, module: nn.Module, segments: list[_Segment], ops: BoundaryOps):
         self.runtime_ref: Callable[[], BoundaryHost | None] = weakref.ref(runtime)  # only what BoundaryHost lists
         self.fqn = fqn
         self.module = module
@@ -177,7 +175,9 @@ class _BoundaryRuntime:
             rt.wait_replicate_broadcasts(self)  # HSDP: the holder's value must be current
             stream = rt.comm_stream("broadcast")  # None on CPU
             for seg in self.segments:
-                if not seg.held and seg.gather is None:  # regrown on the compute stream: the allocator keeps it stream-ordered
+                if (
+                    not seg.held and seg.gather is None
+                ):  # regrown on the compute stream: the allocator keeps it stream-ordered
                     seg.wire.untyped_storage().resize_(seg.numel * seg.wire.element_size())
                     seg.resident = True
             for gb in self.gathers:
@@ -189,7 +189,9 @@ class _BoundaryRuntime:
                 for seg in self.segments:
                     if seg.held:
                         self._copy_masters_to_wire(seg)
-                        if bops and seg.gather is None:  # the flag slots carry (step, phase, forward); receivers compare
+                        if (
+                            bops and seg.gather is None
+                        ):  # the flag slots carry (step, phase, forward); receivers compare
                             for sub in seg.subs:
                                 seg.wire[sub.flags_offset_in_seg : sub.flags_offset_in_seg + len(sub.slots)] = code
                 for gb in self.gathers:  # the own slot: the held segment (all-gathered in place) and the code
@@ -208,8 +210,12 @@ class _BoundaryRuntime:
             self._inflight, self._inflight_stream = [], None
             with _on_stream(stream):  # NCCL: the broadcast stream waits for the collectives
                 groups = {id(b.group): b.group for b in self.ops.broadcast(self._inflight_phase)}
-                rt.wait(works, f"boundary {self.fqn!r} {self._inflight_phase}", boundary=self,
-                        group=next(iter(groups.values())) if len(groups) == 1 else None)
+                rt.wait(
+                    works,
+                    f"boundary {self.fqn!r} {self._inflight_phase}",
+                    boundary=self,
+                    group=next(iter(groups.values())) if len(groups) == 1 else None,
+                )
             if stream is not None:  # the compute stream waits before the parameters are used
                 current_stream(stream.device).wait_event(stream.record_event())
             self.sharded_state = ShardedState.UNSHARDED
@@ -227,8 +233,9 @@ class _BoundaryRuntime:
             b = bops[i]
             gb = b.gather
             if gb is not None:
-                works.append(C.all_gather_into(gb.gathered, gb.slot(gb.my_slot), group=b.group, phase=b.op.phase,
-                                               async_op=True))
+                works.append(
+                    C.all_gather_into(gb.gathered, gb.slot(gb.my_slot), group=b.group, phase=b.op.phase, async_op=True)
+                )
                 i += 1
                 continue
             j = i + 1
@@ -256,8 +263,11 @@ class _BoundaryRuntime:
     def _received_codes(self) -> list[torch.Tensor]:
         """The step codes this rank received (views): a received broadcast segment's first flag
         slot, and every other member's slot trailer of each all-gathered buffer."""
-        parts = [seg.wire[seg.subs[0].flags_offset_in_seg].reshape(1) for seg in self.segments
-                 if not seg.held and seg.gather is None]
+        parts = [
+            seg.wire[seg.subs[0].flags_offset_in_seg].reshape(1)
+            for seg in self.segments
+            if not seg.held and seg.gather is None
+        ]
         for gb in self.gathers:
             codes = gb.codes()
             parts += [codes[: gb.my_slot], codes[gb.my_slot + 1 :]]
@@ -469,8 +479,10 @@ class _BoundaryRuntime:
             rt.finish_reduces()
         stream = rt.comm_stream("reduce")  # None on CPU
         # (re)grow the buffers on the compute stream, as FSDP2 allocates its reduce-scatter input
-        bufs = [self._reduce_buffer(b.segment) if b.gather is None else b.gather.reduce_buffers()[0]
-                for b in self.ops.reduce]
+        bufs = [
+            self._reduce_buffer(b.segment) if b.gather is None else b.gather.reduce_buffers()[0]
+            for b in self.ops.reduce
+        ]
         if stream is not None:  # the gradients were produced on the compute stream
             stream.wait_stream(current_stream(stream.device))
         with _on_stream(stream):
@@ -508,7 +520,9 @@ class _BoundaryRuntime:
                 for q in range(i, j):  # the run's works (one when coalesced) ride on its first segment
                     seg = ops[q].segment
                     seg.reduce_inflight = True
-                    rt.pending_reduces.append(_PendingReduce(self, seg, bufs[q], works if q == i else [], keeps[q], None))
+                    rt.pending_reduces.append(
+                        _PendingReduce(self, seg, bufs[q], works if q == i else [], keeps[q], None)
+                    )
                 i = j
             for gm in self.grouped:  # every block packed: the full local gradient is done with
                 gm.compute.grad = None

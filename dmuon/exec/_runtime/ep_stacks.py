@@ -49,18 +49,22 @@ def bind_expert_parallel(rt, modules, original) -> dict[str, nn.Parameter]:
                     f"gives each rank {spec.local_shape} {spec.dtype} (E/ep experts of {spec.shape})"
                 )
             stack = spec.experts
-            _tags.write(p, _tags.PARAM, DedicatedInfo(
-                fqn=fqn,
-                owner_global_rank=me,
-                is_owner=True,
-                holds_full=True,
-                shape=tuple(spec.local_shape),
-                matrix_shape=tuple(spec.matrix_shape),
-                num_matrices=stack.local_experts * stack.matrices_per_expert,
-                runtime=weakref.ref(rt),
-                experts=stack,
-                ep_local=True,
-            ))
+            _tags.write(
+                p,
+                _tags.PARAM,
+                DedicatedInfo(
+                    fqn=fqn,
+                    owner_global_rank=me,
+                    is_owner=True,
+                    holds_full=True,
+                    shape=tuple(spec.local_shape),
+                    matrix_shape=tuple(spec.matrix_shape),
+                    num_matrices=stack.local_experts * stack.matrices_per_expert,
+                    runtime=weakref.ref(rt),
+                    experts=stack,
+                    ep_local=True,
+                ),
+            )
             rt.hook_ep_param(fqn, p, index)
             out[fqn] = p
     return out
@@ -92,4 +96,3 @@ def _ep_grad_divisor(runtime_ref, boundary_index: int):
         return grad if divisor == 1.0 else grad / divisor
 
     return hook
-

@@ -159,7 +159,11 @@ class TPInfo:
 
         if tuple(local.shape) == self.local_shape:
             return DTensor.from_local(
-                local, self.mesh, self.placements, run_check=False, shape=self.shape,
+                local,
+                self.mesh,
+                self.placements,
+                run_check=False,
+                shape=self.shape,
                 stride=_contiguous_strides(self.shape),
             )
         return DTensor.from_local(local, self.mesh, self.placements, run_check=False)
@@ -171,7 +175,7 @@ class TPInfo:
         return t.to_local()
 
 
-_DTYPES = {name: getattr(torch, name[len("torch."):]) for name in WIRE_DTYPES}
+_DTYPES = {name: getattr(torch, name[len("torch.") :]) for name in WIRE_DTYPES}
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -293,9 +297,7 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def build_segments(
-    boundary, *, plan, groups, device, modules, specs, owners, original, runtime_ref
-) -> list[_Segment]:
+def build_segments(boundary, *, plan, groups, device, modules, specs, owners, original, runtime_ref) -> list[_Segment]:
     """The segments of one plan boundary on this rank, from its buffer layouts.
 
     Per parameter dtype and shard coordinate one :class:`_Segment`: held (this rank's shard
@@ -322,10 +324,13 @@ def build_segments(
             in_place = {fqn: views.get(g.shard % layout.ep) for fqn, views in in_place_stacks(layout).items()}
             shards = layout.group_shards(g.shard, plan.mesh_shape[1])
             gb = _GatherBuffer(
-                key=layout.key, slot_numel=layout.slot_numel, group_shards=shards,
+                key=layout.key,
+                slot_numel=layout.slot_numel,
+                group_shards=shards,
                 my_slot=layout.slot_index(g.shard),
                 gathered=torch.zeros(len(shards) * layout.slot_numel, dtype=wire_dtype, device=device),
-                segments=[None] * len(shards), reduce_dtype=reduce_dtype,
+                segments=[None] * len(shards),
+                reduce_dtype=reduce_dtype,
             )
         for seg_l in layout.segments:
             if layout.ep > 1 and seg_l.shard % layout.ep != g.shard % layout.ep:
@@ -337,8 +342,8 @@ def build_segments(
                 wire = torch.zeros(seg_l.numel, dtype=wire_dtype, device=device)
             master = None
             if held:
-                master = wire if wire_dtype == param_dtype else torch.zeros(
-                    seg_l.numel, dtype=param_dtype, device=device
+                master = (
+                    wire if wire_dtype == param_dtype else torch.zeros(seg_l.numel, dtype=param_dtype, device=device)
                 )
             seg = _Segment(
                 shard=seg_l.shard,
@@ -378,10 +383,25 @@ def build_segments(
                         )
                     if e.block is not None:  # one block of a matrix owned by an owner group
                         slot = _block_slot(
-                            e, off, seg_l, held, wire, master, spec, orig, owners[e.fqn], grouped,
-                            groups=g, device=device, param_dtype=param_dtype, wire_dtype=wire_dtype,
-                            modules=modules, runtime_ref=runtime_ref, ep=layout.ep,
-                            gather=gb if in_place.get(e.fqn) else None, in_place=in_place.get(e.fqn),
+                            e,
+                            off,
+                            seg_l,
+                            held,
+                            wire,
+                            master,
+                            spec,
+                            orig,
+                            owners[e.fqn],
+                            grouped,
+                            groups=g,
+                            device=device,
+                            param_dtype=param_dtype,
+                            wire_dtype=wire_dtype,
+                            modules=modules,
+                            runtime_ref=runtime_ref,
+                            ep=layout.ep,
+                            gather=gb if in_place.get(e.fqn) else None,
+                            in_place=in_place.get(e.fqn),
                         )
                         sub.slots.append(slot)
                         seg.slots.append(slot)
@@ -408,19 +428,23 @@ def build_segments(
                     compute = nn.Parameter(compute, requires_grad=orig.requires_grad)
                     owner = owners[e.fqn]
                     owner_global_rank = g.rank_of(owner.replicate, owner.shard)
-                    _tags.write(logical, _tags.PARAM, DedicatedInfo(
-                        fqn=e.fqn,
-                        owner_global_rank=owner_global_rank,
-                        is_owner=owner_global_rank == dist.get_rank(),
-                        holds_full=held,
-                        shape=tuple(spec.shape),
-                        matrix_shape=tuple(spec.matrix_shape),
-                        num_matrices=int(spec.num_matrices),
-                        runtime=runtime_ref,
-                        tp=tp,
-                        view=spec.view,
-                        experts=spec.experts,
-                    ))
+                    _tags.write(
+                        logical,
+                        _tags.PARAM,
+                        DedicatedInfo(
+                            fqn=e.fqn,
+                            owner_global_rank=owner_global_rank,
+                            is_owner=owner_global_rank == dist.get_rank(),
+                            holds_full=held,
+                            shape=tuple(spec.shape),
+                            matrix_shape=tuple(spec.matrix_shape),
+                            num_matrices=int(spec.num_matrices),
+                            runtime=runtime_ref,
+                            tp=tp,
+                            view=spec.view,
+                            experts=spec.experts,
+                        ),
+                    )
                     homes = []
                     for alias in spec.aliases:
                         mod_fqn, _, attr = alias.rpartition(".")
@@ -463,8 +487,28 @@ def _grouped_storage(shape: tuple[int, ...], dtype: torch.dtype, device) -> tupl
     return compute, writer
 
 
-def _block_slot(e, off, seg_l, held, wire, master, spec, orig, owner, grouped, *, groups, device, param_dtype,
-                wire_dtype, modules, runtime_ref, ep: int = 1, gather=None, in_place=None) -> _Slot:
+def _block_slot(
+    e,
+    off,
+    seg_l,
+    held,
+    wire,
+    master,
+    spec,
+    orig,
+    owner,
+    grouped,
+    *,
+    groups,
+    device,
+    param_dtype,
+    wire_dtype,
+    modules,
+    runtime_ref,
+    ep: int = 1,
+    gather=None,
+    in_place=None,
+) -> _Slot:
     """The slot of block ``e.block`` of a grouped matrix, and (first block seen) its :class:`_Grouped`.
 
     ``ep > 1``: an expert-parallel stack owned in efsdp groups: the model's parameter holds this
@@ -490,11 +534,18 @@ def _block_slot(e, off, seg_l, held, wire, master, spec, orig, owner, grouped, *
             compute_blocks = tuple(q for q, o in enumerate(owner.members) if o.shard % ep == g.shard % ep)
             compute_start = offsets[compute_blocks[0]]
         info = GroupInfo(
-            shape=tuple(spec.shape), dim=owner.dim, sizes=tuple(owner.sizes), offsets=offsets,
-            block=mine, pg=g.owner_group(mesh_ranks) if me in ranks and not is_experts else None, ranks=ranks,
-            mesh_ranks=mesh_ranks, shards=tuple(o.shard for o in owner.members),
+            shape=tuple(spec.shape),
+            dim=owner.dim,
+            sizes=tuple(owner.sizes),
+            offsets=offsets,
+            block=mine,
+            pg=g.owner_group(mesh_ranks) if me in ranks and not is_experts else None,
+            ranks=ranks,
+            mesh_ranks=mesh_ranks,
+            shards=tuple(o.shard for o in owner.members),
             experts=spec.experts if is_experts else None,
-            compute_blocks=compute_blocks, compute_start=compute_start,
+            compute_blocks=compute_blocks,
+            compute_start=compute_start,
         )
         if ep > 1 and tuple(orig.shape) != info.compute_shape:
             raise ValueError(
@@ -518,8 +569,15 @@ def _block_slot(e, off, seg_l, held, wire, master, spec, orig, owner, grouped, *
             mod_fqn, _, attr = alias.rpartition(".")
             homes.append((modules[mod_fqn], attr))
         gm = grouped[e.fqn] = _Grouped(
-            fqn=e.fqn, info=info, homes=homes, logical=logical, compute=None,  # type: ignore[arg-type]
-            writer=writer, blocks=[None] * owner.k, gather=gather if view is not None else None, view=view,
+            fqn=e.fqn,
+            info=info,
+            homes=homes,
+            logical=logical,
+            compute=None,  # type: ignore[arg-type]
+            writer=writer,
+            blocks=[None] * owner.k,
+            gather=gather if view is not None else None,
+            view=view,
         )
         gm.compute = nn.Parameter(gm.view_gathered() if view is not None else compute, requires_grad=orig.requires_grad)
     info = gm.info
@@ -527,34 +585,53 @@ def _block_slot(e, off, seg_l, held, wire, master, spec, orig, owner, grouped, *
     if held:
         value = orig.detach().narrow(info.dim, info.compute_offset(j), info.sizes[j])
         master[off : off + e.numel].view(bshape).copy_(value)
-        gm.logical = torch.empty(0, dtype=param_dtype, device=device).set_(master.untyped_storage(), off, bshape, strides)
+        gm.logical = torch.empty(0, dtype=param_dtype, device=device).set_(
+            master.untyped_storage(), off, bshape, strides
+        )
     block_view = torch.empty(0, dtype=wire_dtype, device=device).set_(
         wire.untyped_storage(), wire.storage_offset() + off, bshape, strides
     )
-    slot = _Slot(fqn=e.fqn, offset_in_seg=off, numel=e.numel, shape=bshape, homes=[], logical=None,
-                 compute=block_view, grouped=gm, block=j)
+    slot = _Slot(
+        fqn=e.fqn,
+        offset_in_seg=off,
+        numel=e.numel,
+        shape=bshape,
+        homes=[],
+        logical=None,
+        compute=block_view,
+        grouped=gm,
+        block=j,
+    )
     gm.blocks[j] = slot
-    if all(gm.blocks[q] is not None for q in info.compute_block_ids):  # every block seen: the logical parameter is complete
+    if all(
+        gm.blocks[q] is not None for q in info.compute_block_ids
+    ):  # every block seen: the logical parameter is complete
         logical = gm.logical
         if not isinstance(logical, nn.Parameter):
             logical = nn.Parameter(logical, requires_grad=orig.requires_grad)
         owner_rank = None if info.block is None else info.ranks[info.block]
         stack = info.experts
-        local_matrices = 1 if stack is None else (
-            spec.num_matrices if info.block is None else info.sizes[info.block] * stack.matrices_per_expert
+        local_matrices = (
+            1
+            if stack is None
+            else (spec.num_matrices if info.block is None else info.sizes[info.block] * stack.matrices_per_expert)
         )
-        _tags.write(logical, _tags.PARAM, DedicatedInfo(
-            fqn=e.fqn,
-            owner_global_rank=info.ranks[0] if owner_rank is None else owner_rank,
-            is_owner=owner_rank == dist.get_rank(),
-            holds_full=False,
-            shape=tuple(spec.shape),
-            matrix_shape=tuple(spec.matrix_shape),
-            num_matrices=local_matrices,
-            runtime=runtime_ref,
-            group=info,
-            experts=stack,
-        ))
+        _tags.write(
+            logical,
+            _tags.PARAM,
+            DedicatedInfo(
+                fqn=e.fqn,
+                owner_global_rank=info.ranks[0] if owner_rank is None else owner_rank,
+                is_owner=owner_rank == dist.get_rank(),
+                holds_full=False,
+                shape=tuple(spec.shape),
+                matrix_shape=tuple(spec.matrix_shape),
+                num_matrices=local_matrices,
+                runtime=runtime_ref,
+                group=info,
+                experts=stack,
+            ),
+        )
         gm.logical = logical
         for b in gm.blocks:
             if b is not None:  # expert parallelism: only this EP coordinate's ranges

@@ -117,8 +117,10 @@ def bind(program: BoundaryProgram, segments: list[_Segment], groups: MeshGroups)
             else:
                 raise AssertionError(f"dmuon: {op.describe()} on group {op.group} is not one of this rank's groups")
             if op.numel != gb.slot_numel or len(op.group) != gb.k:
-                raise AssertionError(f"dmuon: {op.describe()} moves {len(op.group)} x {op.numel} elements but the "
-                                     f"buffer has {gb.k} x {gb.slot_numel}")
+                raise AssertionError(
+                    f"dmuon: {op.describe()} moves {len(op.group)} x {op.numel} elements but the "
+                    f"buffer has {gb.k} x {gb.slot_numel}"
+                )
             return BoundOp(op=op, segment=gb.held, sub=None, root=None, group=group, gather=gb)
         seg = by_key[(op.buffer, op.segment)]
         sub = None

@@ -138,4 +138,3 @@ def _write_owner_grads(rt, owned: list) -> None:
                 p.grad = grad
             else:
                 p.grad.add_(grad)
-

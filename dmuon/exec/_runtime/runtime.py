@@ -60,7 +60,6 @@ from dmuon.exec._runtime.program import bind
 __all__ = ["DmuonRuntime", "wait_pending", "after_step", "get_runtime", "get_model_runtime", "no_sync"]
 
 
-
 class DmuonRuntime:
     """Binds a :class:`~dmuon.plan.ShardingPlan` to a model and a mesh (see module docstring)."""
 
@@ -217,7 +216,9 @@ class DmuonRuntime:
                     )
                 else:
                     mesh = DeviceMesh.from_group(
-                        [g.replicate_group, g.tp_group, g.shard_group], device_type, mesh=ranks,
+                        [g.replicate_group, g.tp_group, g.shard_group],
+                        device_type,
+                        mesh=ranks,
                         mesh_dim_names=("replicate", "tp", "shard"),
                     )
             elif R == 1:
@@ -396,7 +397,6 @@ class DmuonRuntime:
         self.check_materialized(what)
         self.sync_replicas()
         self.wait_replicate_broadcasts()
-
 
 
 # ----------------------------------------------------------------------------------------------

@@ -46,4 +46,3 @@ def has_streams(device: torch.device) -> bool:
         return False
     acc = torch.accelerator.current_accelerator()
     return acc is not None and acc.type == device.type
-

@@ -123,7 +123,11 @@ def _world_tables(table, tp_mesh=None):
         tab = tuple(tuple(int(x) for x in row) for row in tab)
         key = t if tp_mesh is not None else min(min(row) for row in tab)
         if tables.setdefault(key, tab) != tab:
-            what = f"ranks of TP coordinate {t} passed different" if tp_mesh is not None else "the ranks passed overlapping"
+            what = (
+                f"ranks of TP coordinate {t} passed different"
+                if tp_mesh is not None
+                else "the ranks passed overlapping"
+            )
             raise ValueError(f"dmuon: {what} data-parallel meshes")
     if tp_mesh is not None and sorted(tables) != list(range(tp_mesh.size())):
         raise ValueError(f"dmuon: TP coordinates {sorted(tables)} do not cover 0..{tp_mesh.size() - 1}")
@@ -137,7 +141,9 @@ def _world_tables(table, tp_mesh=None):
 def _check_not_applied(model: nn.Module) -> None:
     """A second ``dedicate_params`` / ``apply`` on a model that already has a dmuon runtime
     (also after ``fully_shard``, which would otherwise read as "sharded before dedication")."""
-    found = next(((n, get_model_runtime(m)) for n, m in model.named_modules() if get_model_runtime(m) is not None), None)
+    found = next(
+        ((n, get_model_runtime(m)) for n, m in model.named_modules() if get_model_runtime(m) is not None), None
+    )
     if found is None:
         return
     from torch.distributed.fsdp import FSDPModule
@@ -307,7 +313,9 @@ def apply(
             f"dmuon.exec.apply: plan must be a dmuon.plan.ShardingPlan, got {type(plan).__name__} {plan!r:.80}"
             + (" (a JSON file: dmuon.plan.ShardingPlan.from_json(open(path).read()))" if isinstance(plan, str) else "")
         )
-    _registry.install_stage("dedicate")  # the fully_shard skip, GradScaler, DCP, guards, frameworks (not with DMUON_NO_PATCHES)
+    _registry.install_stage(
+        "dedicate"
+    )  # the fully_shard skip, GradScaler, DCP, guards, frameworks (not with DMUON_NO_PATCHES)
     if not (dist.is_available() and dist.is_initialized()):
         _validate(plan, model, None)  # raises the "no process group" error
     dims = dict(shard_dim=shard_dim, replicate_dim=replicate_dim, tp_dim=tp_dim)
@@ -352,7 +360,11 @@ def efsdp_member_sets(plan) -> tuple[tuple[int, ...], ...]:
     eps = {buf.ep for b in plan.boundaries for buf in b.buffers if buf.ep > 1}
     R, N = plan.mesh_shape
     return tuple(
-        tuple(r * N + s for s in range(j, N, ep)) for ep in sorted(eps) if N // ep > 1 for r in range(R) for j in range(ep)
+        tuple(r * N + s for s in range(j, N, ep))
+        for ep in sorted(eps)
+        if N // ep > 1
+        for r in range(R)
+        for j in range(ep)
     )
 
 
@@ -409,7 +421,12 @@ def dedicate_params(
         **compile_kwargs,
     )
     apply(
-        plan, model, mesh, collective_timeout_s=collective_timeout_s, shard_dim=shard_dim, replicate_dim=replicate_dim,
+        plan,
+        model,
+        mesh,
+        collective_timeout_s=collective_timeout_s,
+        shard_dim=shard_dim,
+        replicate_dim=replicate_dim,
         tp_dim=tp_dim,
     )
     return plan

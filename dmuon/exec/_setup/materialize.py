@@ -246,7 +246,10 @@ def _rebind_grouped(gm, segments) -> bool:
     stack received in place: its view of the (rebound) gathered tensor."""
     device = segments[0].wire.device
     if gm.view is not None:
-        if gm.compute.device == device and gm.compute.untyped_storage()._cdata == gm.gather.gathered.untyped_storage()._cdata:
+        if (
+            gm.compute.device == device
+            and gm.compute.untyped_storage()._cdata == gm.gather.gathered.untyped_storage()._cdata
+        ):
             return False
         gm.compute = nn.Parameter(gm.view_gathered(), requires_grad=gm.compute.requires_grad)
         gm.resident = False
@@ -268,7 +271,9 @@ def _set_computes(seg, wire: torch.Tensor) -> None:
         _set_compute(
             slot,
             torch.empty(0, dtype=wire.dtype, device=wire.device).set_(
-                wire.untyped_storage(), wire.storage_offset() + slot.offset_in_seg, slot.shape,
+                wire.untyped_storage(),
+                wire.storage_offset() + slot.offset_in_seg,
+                slot.shape,
                 _contiguous_strides(slot.shape),
             ),
         )
@@ -349,8 +354,10 @@ def _adopt_ep_stacks(rt, b) -> None:
         for alias in rt.plan.param(fqn).aliases:
             mod_fqn, _, attr = alias.rpartition(".")
             homes.append((model.get_submodule(mod_fqn), attr))
-        new = next((m._parameters[a] for m, a in homes if m._parameters.get(a) is not None
-                    and m._parameters[a] is not orig), None)
+        new = next(
+            (m._parameters[a] for m, a in homes if m._parameters.get(a) is not None and m._parameters[a] is not orig),
+            None,
+        )
         keep = orig
         if new is not None:
             try:

@@ -70,17 +70,23 @@ def _explained(exc: RuntimeError, state_dict, metadata) -> RuntimeError | None:
         return None
     parts = []
     if here:
-        parts.append(f"dedicated (Muon) here but AdamW in the checkpoint: {', '.join(here[:4])}{' ...' if len(here) > 4 else ''}")
+        parts.append(
+            f"dedicated (Muon) here but AdamW in the checkpoint: {', '.join(here[:4])}{' ...' if len(here) > 4 else ''}"
+        )
     if there:
-        parts.append(f"dedicated (Muon) in the checkpoint but AdamW here: {', '.join(there[:4])}{' ...' if len(there) > 4 else ''}")
+        parts.append(
+            f"dedicated (Muon) in the checkpoint but AdamW here: {', '.join(there[:4])}{' ...' if len(there) > 4 else ''}"
+        )
     stacks_here = _stacks(here, lambda k: getattr(state_dict.get(k), "shape", None))
-    stacks_there = _stacks(there, lambda k: getattr(metadata.state_dict_metadata.get(k), "size", None), kinds=_MUON_KEYS)
+    stacks_there = _stacks(
+        there, lambda k: getattr(metadata.state_dict_metadata.get(k), "size", None), kinds=_MUON_KEYS
+    )
     experts = ""
     if stacks_here:
         experts += (
             f" Expert stacks dedicated here but not in the checkpoint: {_names(stacks_here)}: the checkpoint "
             "was saved with experts='off' (expert stacks on AdamW, the selection before expert support); "
-            "pass experts=\"off\" to dmuon.dedicate_params / dmuon.plan.compile to load it."
+            'pass experts="off" to dmuon.dedicate_params / dmuon.plan.compile to load it.'
         )
     if stacks_there:
         experts += (

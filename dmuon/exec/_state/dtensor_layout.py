@@ -92,7 +92,9 @@ def _scatter_chunks(runtime, shape, dtype, full, src: int) -> torch.Tensor:
 
 def _as_dtensor(runtime, slot, padded_chunk):
     """This rank's row chunk of the unit ``slot.shape`` as a DTensor of the full logical shape."""
-    return _chunk_dtensor(runtime, tuple(slot.shape), _global_shape(runtime, slot), _placements(runtime, slot), padded_chunk)
+    return _chunk_dtensor(
+        runtime, tuple(slot.shape), _global_shape(runtime, slot), _placements(runtime, slot), padded_chunk
+    )
 
 
 def _chunk_dtensor(runtime, unit_shape, shape, placements, padded_chunk):
@@ -127,7 +129,8 @@ def _is_own_layout(runtime, value, slot) -> bool:
     mesh = runtime.state_dict_mesh()
     vmesh = value.device_mesh
     same_mesh = vmesh is mesh or (
-        vmesh.mesh.shape == mesh.mesh.shape and torch.equal(vmesh.mesh.cpu(), mesh.mesh.cpu())
+        vmesh.mesh.shape == mesh.mesh.shape
+        and torch.equal(vmesh.mesh.cpu(), mesh.mesh.cpu())
         and vmesh.device_type == mesh.device_type
     )
     return same_mesh and tuple(value.placements) == _placements(runtime, slot)
@@ -158,8 +161,12 @@ def _gather_rows(runtime, value, dst: int | None, shape) -> torch.Tensor | None:
     gather_list = [torch.empty_like(padded) for _ in range(N)] if me == dst else None
     C.LEDGER.charge("other", 0 if me == dst else padded.numel() * padded.element_size())
     work = dist.gather(padded, gather_list, dst=dst, group=g.shard_group, async_op=True)
-    C.wait_all([work], what="state-dict gather of a dedicated matrix's row chunks",
-               timeout_s=C.blocking_timeout_s(runtime.timeout_s, device, g.shard_group), group=g.shard_group)
+    C.wait_all(
+        [work],
+        what="state-dict gather of a dedicated matrix's row chunks",
+        timeout_s=C.blocking_timeout_s(runtime.timeout_s, device, g.shard_group),
+        group=g.shard_group,
+    )
     if me != dst:
         return None
     return torch.cat(gather_list)[:rows]

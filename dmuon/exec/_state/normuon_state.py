@@ -60,8 +60,9 @@ def second_moment_to_dtensor(runtime, info, p, v):
     if getattr(info, "ep_local", False):  # this rank's experts' rows, no copy
         local = v if v is not None else _nm.new_second_moment(p, info)
         stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(local, runtime.state_dict_mesh(), (Shard(0),), run_check=False,
-                                  shape=torch.Size(shape), stride=stride)
+        return DTensor.from_local(
+            local, runtime.state_dict_mesh(), (Shard(0),), run_check=False, shape=torch.Size(shape), stride=stride
+        )
     N = g.shape[1]
     c = _chunk_rows(shape[0], N)
     group_info = getattr(info, "group", None)
@@ -112,7 +113,11 @@ def second_moment_from_saved(runtime, info, p, value):
     g = runtime.groups
     if getattr(info, "ep_local", False):  # this rank's experts' rows
         e = int(p.shape[0])
-        if is_dtensor(value) and tuple(value.to_local().shape) == (e, *shape[1:]) and _is_own_layout(runtime, value, None):
+        if (
+            is_dtensor(value)
+            and tuple(value.to_local().shape) == (e, *shape[1:])
+            and _is_own_layout(runtime, value, None)
+        ):
             local = value.to_local()
         else:
             full = value.full_tensor() if is_dtensor(value) else value

@@ -67,7 +67,9 @@ def _momentum_to_dtensor(runtime, slot, info, buf):
         full = local_tensor(buf) if buf is not None else None
         chunk = _scatter_chunks(runtime, shape, slot.logical.dtype, full, info.owner_global_rank)
     else:
-        chunk = torch.empty((_chunk_rows(shape[0], g.shape[1]), *shape[1:]), dtype=slot.logical.dtype, device=runtime.device)
+        chunk = torch.empty(
+            (_chunk_rows(shape[0], g.shape[1]), *shape[1:]), dtype=slot.logical.dtype, device=runtime.device
+        )
     if g.shape[0] > 1:
         C.broadcast(chunk, src=g.rank_of(owner_replicate, g.shard), group=g.replicate_group, phase="other")
     return _as_dtensor(runtime, slot, chunk)
@@ -87,10 +89,12 @@ def _grouped_momentum_to_dtensor(runtime, info, p, buf):
     c = _chunk_rows(shape[0], N)
     chunk = torch.zeros((c, *shape[1:]), dtype=p.dtype, device=runtime.device)
     if g.replicate == owner_replicate:
+
         def block(j):
             if buf is None:  # state cleared by hand: the step would start from zeros too
                 return torch.zeros(group_info.block_shape(j), dtype=p.dtype, device=runtime.device)
             return buf
+
         full = _grouped_full(runtime, gm, block)
         rows = _my_rows(shape[0], N, g.shard)
         chunk[:rows].copy_(full[g.shard * c : g.shard * c + rows])
@@ -310,12 +314,15 @@ def check_loadable(opt, state_dict: dict) -> None:
         kind = "Muon" if group["use_muon"] else "AdamW"
         if bool(saved.get("use_muon", group["use_muon"])) != group["use_muon"]:
             raise ValueError(
-                f"dmuon.Muon.load_state_dict: param group {g} is a {kind} group here but not in the "
-                f"state dict; {how}"
+                f"dmuon.Muon.load_state_dict: param group {g} is a {kind} group here but not in the state dict; {how}"
             )
         if len(saved["params"]) != len(group["params"]):
             extra = group["params"][len(saved["params"])] if len(group["params"]) > len(saved["params"]) else None
-            first = f" (first parameter without a saved counterpart: {_param_name(opt, extra)!r})" if extra is not None else ""
+            first = (
+                f" (first parameter without a saved counterpart: {_param_name(opt, extra)!r})"
+                if extra is not None
+                else ""
+            )
             raise ValueError(
                 f"dmuon.Muon.load_state_dict: {kind} param group {g} holds {len(group['params'])} parameters "
                 f"here but {len(saved['params'])} in the state dict{first}. The dedicated set or the model "
@@ -359,8 +366,9 @@ def check_loadable(opt, state_dict: dict) -> None:
             want_shape, what = shape, "the parameter"
             if k == _nm.SECOND_MOMENT_KEY:
                 info = dedicated_info(p)
-                want_shape = _nm.second_moment_shape(shape, matrix_shape=info.matrix_shape, experts=info.experts,
-                                                     view=info.view)
+                want_shape = _nm.second_moment_shape(
+                    shape, matrix_shape=info.matrix_shape, experts=info.experts, view=info.view
+                )
                 what = "NorMuon's second-moment shape"
             if isinstance(value, Tensor) and tuple(value.shape) != want_shape:
                 raise ValueError(

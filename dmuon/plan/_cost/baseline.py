@@ -58,8 +58,9 @@ def is_expert_stack(fqn: str, shape: Sequence[int]) -> bool:
     return len(shape) == 3 and "expert" in fqn
 
 
-def fsdp2_param_shard(fqn: str, shape: Sequence[int], num_shards: int, *, ep: int = 1,
-                      expert_stack: bool | None = None) -> tuple[int, int]:
+def fsdp2_param_shard(
+    fqn: str, shape: Sequence[int], num_shards: int, *, ep: int = 1, expert_stack: bool | None = None
+) -> tuple[int, int]:
     """``(k, numel)``: the FSDP2 group size and shard elements of parameter ``fqn`` of local
     ``shape`` (one TP rank's shard, or one EP rank's experts) when FSDP2 + AdamW (or a naive
     Muon) runs the same model on ``num_shards`` shard ranks with expert parallelism ``ep``: an
@@ -69,7 +70,6 @@ def fsdp2_param_shard(fqn: str, shape: Sequence[int], num_shards: int, *, ep: in
     stack = is_expert_stack(fqn, shape) if expert_stack is None else expert_stack
     k = num_shards // ep if stack and ep > 1 else num_shards
     return k, fsdp2_shard_numel(shape, k, expert_stack=stack)
-
 
 
 def spec_fsdp2_shard(spec: ParamSpec, num_shards: int) -> tuple[int, int]:

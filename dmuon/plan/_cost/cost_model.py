@@ -97,7 +97,9 @@ class ByteCost:
 
     def to_dict(self) -> dict[str, Any]:
         optional = ("tp_nbytes", "qk_clip_nbytes", "owner_group_nbytes")  # absent when 0: older cost dicts unchanged
-        d: dict[str, Any] = {n: getattr(self, n) for n in self.PHASES + ("total_nbytes",) if n not in optional or getattr(self, n)}
+        d: dict[str, Any] = {
+            n: getattr(self, n) for n in self.PHASES + ("total_nbytes",) if n not in optional or getattr(self, n)
+        }
         d["per_rank_nbytes"] = list(self.per_rank_nbytes)
         return d
 
@@ -172,4 +174,3 @@ class RankStats:
     ns_flops: int
 
     FIELDS = ("owned_numel", "owned_nbytes", "resident_nbytes", "peak_transient_nbytes", "comm_nbytes", "ns_flops")
-

@@ -58,14 +58,15 @@ def gram_segment_lengths(steps: int, restart_every: int | Sequence[int] | None) 
         if restart_every < 1:
             raise ValueError(f"restart_every must be >= 1 (or None for no restarts), got {restart_every}")
         cuts = list(range(int(restart_every), steps, int(restart_every)))
-    elif isinstance(restart_every, Sequence) and not isinstance(restart_every, str) and all(
-        isinstance(k, numbers.Integral) and not isinstance(k, bool) for k in restart_every
+    elif (
+        isinstance(restart_every, Sequence)
+        and not isinstance(restart_every, str)
+        and all(isinstance(k, numbers.Integral) and not isinstance(k, bool) for k in restart_every)
     ):
         cuts = sorted({int(k) for k in restart_every if 0 < k < steps})
     else:
         raise ValueError(
-            "restart_every must be None, an int >= 1 or a sequence of 0-based step indices, "
-            f"got {restart_every!r}"
+            f"restart_every must be None, an int >= 1 or a sequence of 0-based step indices, got {restart_every!r}"
         )
     if steps <= 0:
         return ()
@@ -91,8 +92,15 @@ def ns_flops(m: int, n: int, steps: int = NS_STEPS, *, num_matrices: int = 1) ->
     return num_matrices * steps * (4 * a * a * b + 2 * a**3)
 
 
-def matrix_ns_flops(m: int, n: int, backend: str, *, steps: int = NS_STEPS, num_matrices: int = 1,
-                    restart_every: int | Sequence[int] | None = GRAM_RESTART_EVERY) -> int:
+def matrix_ns_flops(
+    m: int,
+    n: int,
+    backend: str,
+    *,
+    steps: int = NS_STEPS,
+    num_matrices: int = 1,
+    restart_every: int | Sequence[int] | None = GRAM_RESTART_EVERY,
+) -> int:
     """Matmul FLOPs of orthogonalising ``num_matrices`` ``(m, n)`` matrices with ``backend``:
     ``"standard"``: :func:`ns_flops`; ``"gram"``: :func:`gram_ns_segment_flops` over the segments
     of ``restart_every`` (:func:`gram_segment_lengths`). Unit: FLOPs.

@@ -92,6 +92,7 @@ def collective_rank_nbytes(kind: str, numel: int, itemsize: int, group_size: int
         return (group_size - 1) * numel * itemsize
     raise ValueError(f"unknown collective kind {kind!r}")
 
+
 def fsdp2_shard_numel(shape: Sequence[int], num_shards: int, *, expert_stack: bool = False) -> int:
     """Elements of one FSDP2 shard of a tensor of ``shape`` over ``num_shards`` ranks, padding
     included.
@@ -111,6 +112,7 @@ def fsdp2_shard_numel(shape: Sequence[int], num_shards: int, *, expert_stack: bo
     if expert_stack and len(shape) == 3 and num_shards > shape[0]:
         return -(-shape[1] // num_shards) * shape[0] * shape[2]
     return -(-shape[0] // num_shards) * math.prod(shape[1:])
+
 
 #: ``ByteCost`` field of each ledger phase a schedule charges
 PHASE_FIELDS = {
@@ -156,4 +158,3 @@ def schedule_byte_cost(sched: Any) -> ByteCost:
         for x in group:
             per_rank[x] += each
     return ByteCost(**totals, total_nbytes=sum(totals.values()), per_rank_nbytes=tuple(per_rank))
-

@@ -113,4 +113,3 @@ def rank_stats(
             )
         )
     return tuple(out)
-

@@ -33,6 +33,7 @@ def param_weight(spec: ParamSpec, cost_model: str) -> int:
         return spec_ns_flops(spec)
     raise ValueError(f"cost_model must be one of {COST_MODELS}, got {cost_model!r}")
 
+
 # --------------------------------------------------------------------------- owner groups
 
 
@@ -82,4 +83,3 @@ def owner_weights(
     if isinstance(owner, OwnerGroup):
         return tuple(zip(owner.ranks, member_weights(spec, owner.dim, owner.sizes, cost_model, segment_lengths)))
     return ((owner.rank, param_weight(spec, cost_model)),)
-

@@ -116,7 +116,9 @@ class LayoutEntry:
             "offset": self.offset,
             "numel": self.numel,
             "shape": list(self.shape),
-            **({} if self.block is None else {"block": self.block}),  # absent: plans without owner groups keep their JSON
+            **(
+                {} if self.block is None else {"block": self.block}
+            ),  # absent: plans without owner groups keep their JSON
         }
 
     @classmethod
@@ -327,8 +329,13 @@ class BufferLayout:
         ep = {"ep": self.ep} if self.ep > 1 else {}  # absent without EP: older plans keep their JSON
         # absent for broadcast buffers: plans without all-gathers keep their JSON
         kind = {"collective": self.collective, "slot_numel": self.slot_numel} if self.collective != "broadcast" else {}
-        return {"dtype": self.dtype, "numel": self.numel, "segments": [s.to_dict() for s in self.segments], **ep,
-                **kind}
+        return {
+            "dtype": self.dtype,
+            "numel": self.numel,
+            "segments": [s.to_dict() for s in self.segments],
+            **ep,
+            **kind,
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> BufferLayout:
@@ -433,9 +440,7 @@ def check_buffer_layout(buf: BufferLayout, align_numel: int) -> None:
             cursor = sub.offset
             for e in sub.entries:
                 if e.offset != cursor:
-                    raise ValueError(
-                        f"buffer {buf.dtype}: entry {e.fqn} at {e.offset}, expected {cursor} (align {a})"
-                    )
+                    raise ValueError(f"buffer {buf.dtype}: entry {e.fqn} at {e.offset}, expected {cursor} (align {a})")
                 cursor = round_up(e.end, a)
             if sub.flags_offset != cursor:
                 raise ValueError(f"buffer {buf.dtype}: flags of {sub.owner} at {sub.flags_offset}, expected {cursor}")
@@ -508,7 +513,9 @@ def _entry_items(fqn: str, shape: tuple[int, ...], numel: int, owner: Any) -> li
 
 
 def build_boundaries(
-    items: Sequence[tuple[str, tuple[int, ...], int, str, Any, str] | tuple[str, tuple[int, ...], int, str, Any, str, int]],
+    items: Sequence[
+        tuple[str, tuple[int, ...], int, str, Any, str] | tuple[str, tuple[int, ...], int, str, Any, str, int]
+    ],
     boundary_order: Sequence[str],
     fallback: dict[str, bool],
     *,

@@ -60,9 +60,15 @@ def choose_collective(
     """The collective of ``buf`` under ``settings`` (module docstring)."""
     k = buf.group_size(num_shards)
     slot = slot_numel_of(buf, align_numel)
-    kw = dict(num_shards=num_shards, slot_numel=slot, wire_itemsize=wire_itemsize, reduce_itemsize=reduce_itemsize,
-              reshard_after_forward=reshard_after_forward, latency_s=settings.latency_s,
-              bandwidth_Bps=settings.bandwidth_Bps)
+    kw = dict(
+        num_shards=num_shards,
+        slot_numel=slot,
+        wire_itemsize=wire_itemsize,
+        reduce_itemsize=reduce_itemsize,
+        reshard_after_forward=reshard_after_forward,
+        latency_s=settings.latency_s,
+        bandwidth_Bps=settings.bandwidth_Bps,
+    )
     t_b = buffer_collective_s(buf, "broadcast", **kw)
     t_a = buffer_collective_s(buf, "all_gather", **kw)
     if k < 2:
@@ -101,8 +107,13 @@ def assign_collectives(
         for buf in b.buffers:
             wire, red = itemsizes(buf.dtype)
             choice = choose_collective(
-                buf, settings, num_shards=num_shards, align_numel=align_numel, wire_itemsize=wire,
-                reduce_itemsize=red, reshard_after_forward=reshard_after_forward,
+                buf,
+                settings,
+                num_shards=num_shards,
+                align_numel=align_numel,
+                wire_itemsize=wire,
+                reduce_itemsize=red,
+                reshard_after_forward=reshard_after_forward,
             )
             buffers.append(with_collective(buf, choice.kind, align_numel))
         out.append(dataclasses.replace(b, buffers=tuple(buffers)))

@@ -156,7 +156,9 @@ def equal_slots(
             alt = {}
             for i, rng in zip(stack_idx, ranges):
                 members = tuple(Owner.at(row * N + s, N) for s, _ in rng)
-                alt[i] = members[0] if len(members) == 1 else ExpertOwners(members=members, sizes=tuple(c for _, c in rng))
+                alt[i] = (
+                    members[0] if len(members) == 1 else ExpertOwners(members=members, sizes=tuple(c for _, c in rng))
+                )
             if _pays(buf, alt, specs, owners, fqns, index, settings, N, align_numel, itemsizes, reshard_after_forward):
                 for i, owner in alt.items():
                     owners[i] = owner
@@ -211,8 +213,12 @@ def in_place_stacks(buf: Any) -> dict[str, dict[int, tuple[int, int, int]]]:
             ranges.sort()
             slots = [s for _, _, s, _ in ranges]
             step = slots[1] - slots[0] if len(slots) > 1 else 1
-            if (any(size != 1 for _, size, _, _ in ranges) or len({o for *_, o in ranges}) != 1 or step < 1
-                    or any(b - a != step for a, b in zip(slots, slots[1:]))):
+            if (
+                any(size != 1 for _, size, _, _ in ranges)
+                or len({o for *_, o in ranges}) != 1
+                or step < 1
+                or any(b - a != step for a, b in zip(slots, slots[1:]))
+            ):
                 break
             views[c] = (slots[0], step, ranges[0][3])
         else:

@@ -106,8 +106,7 @@ class Resolution:
 
     def conflict_message(self, record: ParamRecord) -> str:
         pairs = ", ".join(
-            f"{alias} -> {b if b is not None else '<no boundary>'}"
-            for alias, b in zip(record.aliases, self.per_alias)
+            f"{alias} -> {b if b is not None else '<no boundary>'}" for alias, b in zip(record.aliases, self.per_alias)
         )
         return (
             f"tied parameter {record.fqn!r} resolves to different hook boundaries under its aliases "

@@ -68,12 +68,15 @@ ROUTER_MODES = ("muon", "adamw")
 # (torchtitan's ``moe.router.gate``)
 ROUTER_NAMES = ("gate", "router")
 
+
 def _in_experts_path(module_fqn: str, module: Any) -> bool:
     parts = module_fqn.split(".") if module_fqn else []
     return any("experts" in part.lower() for part in parts) or "experts" in type(module).__name__.lower()
 
 
-def expert_stack(shape: tuple[int, ...], attr: str, module_fqn: str, module: Any, *, gate_up: str = "split") -> ExpertStack | None:
+def expert_stack(
+    shape: tuple[int, ...], attr: str, module_fqn: str, module: Any, *, gate_up: str = "split"
+) -> ExpertStack | None:
     """The :class:`ExpertStack` of a parameter ``module.<attr>`` of ``shape``, or None when it
     is not a recognised expert stack (see the module docstring for the rules).
 

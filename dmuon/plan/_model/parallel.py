@@ -49,11 +49,13 @@ def expert_parallel_variant(model: nn.Module, ep: int) -> nn.Module:
             if p is None or p.ndim != 3 or "experts" not in mod_name:
                 continue
             if p.shape[0] % ep:
-                raise ValueError(f"expert_parallel_variant: ep={ep} does not divide the {p.shape[0]} experts of "
-                                 f"{mod_name}.{name}")
+                raise ValueError(
+                    f"expert_parallel_variant: ep={ep} does not divide the {p.shape[0]} experts of {mod_name}.{name}"
+                )
             found = True
             mod._parameters[name] = nn.Parameter(
-                torch.empty((p.shape[0] // ep, *p.shape[1:]), dtype=p.dtype, device="meta"), requires_grad=p.requires_grad
+                torch.empty((p.shape[0] // ep, *p.shape[1:]), dtype=p.dtype, device="meta"),
+                requires_grad=p.requires_grad,
             )
     if not found:
         raise ValueError("expert_parallel_variant: the model has no expert stack (a 3-D parameter under 'experts')")

@@ -124,7 +124,9 @@ def record_stack(snapshot: ModelSnapshot, record: ParamRecord, gate_up: str = "s
     attributes and names, :func:`dmuon.plan._model.expert_ranges.expert_stack`), else None."""
     if record.ndim != 3 or record.module_kinds[0] != ModuleKind.OTHER:
         return None
-    return expert_stack(record.shape, record.attr, record.module_fqn, snapshot.modules[record.module_fqn], gate_up=gate_up)
+    return expert_stack(
+        record.shape, record.attr, record.module_fqn, snapshot.modules[record.module_fqn], gate_up=gate_up
+    )
 
 
 def _default_candidate(record: ParamRecord, stack: ExpertStack | None = None) -> bool:
@@ -197,9 +199,13 @@ def unrecognised_stack_warning(snapshot: ModelSnapshot, hook_boundary_predicate=
     transformers markers, no torchtitan names) and so train with AdamW; None when there are none."""
     resolver = BoundaryResolver(snapshot.modules, hook_boundary_predicate)
     left = [
-        r for r in snapshot.params
-        if r.ndim == 3 and r.module_kinds[0] == ModuleKind.OTHER and not r.attr.endswith("bias")
-        and bool(r.tensor.requires_grad) and record_stack(snapshot, r) is None
+        r
+        for r in snapshot.params
+        if r.ndim == 3
+        and r.module_kinds[0] == ModuleKind.OTHER
+        and not r.attr.endswith("bias")
+        and bool(r.tensor.requires_grad)
+        and record_stack(snapshot, r) is None
         and resolver.resolve(r).boundary is not None
     ]
     if not left:
@@ -392,8 +398,13 @@ def _num_experts_errors(snapshot: ModelSnapshot, records, ep: int = 1) -> list[t
         declared, where = found
         if declared % ep or declared // ep != r.shape[0]:
             want = f"{declared // ep} (= {declared} / ep {ep})" if ep > 1 and not declared % ep else str(declared)
-            out.append((f"  {r.fqn}: shape {r.shape} holds {r.shape[0]} experts, expected {want}: {where}",
-                        int(r.shape[0]), declared))
+            out.append(
+                (
+                    f"  {r.fqn}: shape {r.shape} holds {r.shape[0]} experts, expected {want}: {where}",
+                    int(r.shape[0]),
+                    declared,
+                )
+            )
     return out
 
 

@@ -105,8 +105,7 @@ class ParamRecord:
     def is_embedding_weight(self) -> bool:
         """True iff any alias is the ``weight`` of an ``nn.Embedding``/``nn.EmbeddingBag``."""
         return any(
-            kind == ModuleKind.EMBEDDING and attr == "weight"
-            for kind, attr in zip(self.module_kinds, self.attrs)
+            kind == ModuleKind.EMBEDDING and attr == "weight" for kind, attr in zip(self.module_kinds, self.attrs)
         )
 
 

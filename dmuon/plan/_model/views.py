@@ -169,7 +169,12 @@ def gpt2_views(
 
 
 def megatron_views(
-    num_heads: int, num_kv_heads: int, head_dim: int, *, per_head: bool = False, o_proj: bool = False,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    per_head: bool = False,
+    o_proj: bool = False,
     prefix: str = "*",
 ) -> dict[str, Rule]:
     """Views for Megatron-LM names: ``self_attention.linear_qkv`` (grouped layout, split along
@@ -231,7 +236,9 @@ def resolve_views(specs, matrix_views) -> dict[str, MatrixView]:
             if not isinstance(view, MatrixView):
                 raise TypeError(f"the rule returned {view!r}, not a MatrixView")
             if sum(view.sizes) != spec.shape[view.dim]:
-                raise ValueError(f"blocks {view.sizes} sum to {sum(view.sizes)}, dim {view.dim} of {spec.shape} is {spec.shape[view.dim]}")
+                raise ValueError(
+                    f"blocks {view.sizes} sum to {sum(view.sizes)}, dim {view.dim} of {spec.shape} is {spec.shape[view.dim]}"
+                )
         except (TypeError, ValueError) as exc:
             problems.append(f"  {spec.fqn}: {exc}")
             continue
@@ -242,7 +249,8 @@ def resolve_views(specs, matrix_views) -> dict[str, MatrixView]:
                 problems.append(f"  pattern {pattern!r} matches no dedicated parameter")
     if problems:
         raise ValueError(
-            "dmuon.plan._compile: matrix_views:\n" + "\n".join(problems)
+            "dmuon.plan._compile: matrix_views:\n"
+            + "\n".join(problems)
             + "\nFix: match the dedicated parameters' FQNs (plan.dedicated), e.g. dmuon.plan._model.views.hf_llama_views(config)"
         )
     return out

@@ -18,8 +18,9 @@ from dmuon.plan._records.owners import ExpertOwners, Owner, OwnerGroup, balanced
 __all__ = ["assign_owners", "assign_ep_owners"]
 
 
-def assign_owners(specs, boundaries, mesh_shape, cost_model, owner_groups, tp_size, qk_clip, segment_lengths,
-                   initial_loads=None):
+def assign_owners(
+    specs, boundaries, mesh_shape, cost_model, owner_groups, tp_size, qk_clip, segment_lengths, initial_loads=None
+):
     """The owner (constrained LPT, :func:`~dmuon.plan._ownership.partition.lpt_partition`), owner group or
     expert owners (:func:`~dmuon.plan._ownership.partition.lpt_partition_groups`) of every dedicated
     parameter.
@@ -54,8 +55,10 @@ def assign_owners(specs, boundaries, mesh_shape, cost_model, owner_groups, tp_si
     total = sum(weights) + sum(initial.get(cost_model, ()))
     mean = Fraction(total, R * N)
     expert_split = [
-        1 if spec.experts is None
-        else expert_max_split(spec.num_experts, N) if spec.ep_size > 1  # local experts: one range per rank
+        1
+        if spec.experts is None
+        else expert_max_split(spec.num_experts, N)
+        if spec.ep_size > 1  # local experts: one range per rank
         else expert_range_count(spec.num_experts, N, w // spec.num_experts, mean, _rules.EXPERT_RANGE_SLACK)
         for spec, w in zip(specs, weights)
     ]
@@ -198,8 +201,15 @@ def assign_ep_owners(specs, boundaries, mesh_shape, ep, cost_model, owner_groups
                 for member, size in zip(owners[i].members, owners[i].sizes):
                     loads[member.rank] += per * size
         sub = assign_owners(
-            tuple(specs[i] for i in dense_idx), [boundaries[i] for i in dense_idx], mesh_shape, cost_model,
-            owner_groups, tp_size, qk_clip, segment_lengths, initial_loads=initial,
+            tuple(specs[i] for i in dense_idx),
+            [boundaries[i] for i in dense_idx],
+            mesh_shape,
+            cost_model,
+            owner_groups,
+            tp_size,
+            qk_clip,
+            segment_lengths,
+            initial_loads=initial,
         )
         for i, owner in zip(dense_idx, sub):
             owners[i] = owner

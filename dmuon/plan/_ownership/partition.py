@@ -461,9 +461,14 @@ def lpt_partition_groups(
             pieces, keys, groups, num_shards=num_shards, num_replicas=num_replicas, initial_loads=initial_loads
         )
         return GroupPartitionResult(
-            members=tuple(members), loads=tuple(loads),
+            members=tuple(members),
+            loads=tuple(loads),
             bound=_group_bound(
-                pieces, num_shards, num_replicas, preload=preload, max_initial=max(initial_loads or [0]),
+                pieces,
+                num_shards,
+                num_replicas,
+                preload=preload,
+                max_initial=max(initial_loads or [0]),
                 min_initial=min(initial_loads or [0]),
             ),
         )
@@ -522,7 +527,16 @@ def _huge(pieces) -> bool:
 
 
 def _auto(
-    weights, keys, pieces_of, max_split, run, num_shards, num_replicas, slack, max_runs: int = 12, max_levels: int = 64,
+    weights,
+    keys,
+    pieces_of,
+    max_split,
+    run,
+    num_shards,
+    num_replicas,
+    slack,
+    max_runs: int = 12,
+    max_levels: int = 64,
     preload: int = 0,
 ):
     """``split="auto"`` (module docstring, "Owner groups: auto"): lower a piece cap level by

@@ -45,7 +45,13 @@ class CollectiveSettings:
             raise ValueError(f"collectives must be one of {_rules.COLLECTIVE_MODES}, got {self.mode!r}")
         for name, low_ok in (("latency_s", True), ("bandwidth_Bps", False)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (v == 0 and not low_ok):
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or not math.isfinite(v)
+                or v < 0
+                or (v == 0 and not low_ok)
+            ):
                 raise ValueError(
                     f"CollectiveSettings.{name} must be a finite number {'>= 0' if low_ok else '> 0'}, got {v!r}"
                 )

@@ -45,7 +45,7 @@ def check_dtype_str(owner: str, name: str, value: Any, *, optional: bool = False
         return
     if not isinstance(value, str) or not value.startswith("torch."):
         raise ValueError(f"{owner}.{name} must be a dtype string like 'torch.float32', got {value!r}")
-    if not isinstance(getattr(torch, value[len("torch."):], None), torch.dtype):
+    if not isinstance(getattr(torch, value[len("torch.") :], None), torch.dtype):
         raise ValueError(f"{owner}.{name}: {value!r} is not a torch dtype")
 
 
@@ -61,7 +61,7 @@ def dtype_str(dtype: Any) -> str | None:
     if isinstance(dtype, torch.dtype):
         return str(dtype)
     if isinstance(dtype, str):
-        name = dtype[len("torch."):] if dtype.startswith("torch.") else dtype
+        name = dtype[len("torch.") :] if dtype.startswith("torch.") else dtype
         resolved = getattr(torch, name, None)
         if isinstance(resolved, torch.dtype):
             return str(resolved)
@@ -78,14 +78,14 @@ def wire_dtype_str(dtype: Any, what: str) -> str | None:
     if name is not None and name not in WIRE_DTYPES:
         raise ValueError(
             f"{what} = {name}: dmuon's buffers carry floating-point dtypes only "
-            f"({', '.join(d[len('torch.'):] for d in WIRE_DTYPES)})"
+            f"({', '.join(d[len('torch.') :] for d in WIRE_DTYPES)})"
         )
     return name
 
 
 def itemsize_nbytes(dtype: str) -> int:
     """Bytes per element of the dtype named by ``dtype`` (e.g. ``"torch.bfloat16"`` -> 2)."""
-    resolved = getattr(torch, dtype[len("torch."):] if dtype.startswith("torch.") else dtype, None)
+    resolved = getattr(torch, dtype[len("torch.") :] if dtype.startswith("torch.") else dtype, None)
     if not isinstance(resolved, torch.dtype):
         raise ValueError(f"not a torch dtype: {dtype!r}")
     return resolved.itemsize

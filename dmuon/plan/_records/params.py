@@ -129,9 +129,7 @@ class ExpertStack:
             raise TypeError(f"ExpertStack.layout must be a str, got {self.layout!r}")
         _check_int("ExpertStack", "ep_size", self.ep_size, 1)
         if self.num_experts % self.ep_size:
-            raise ValueError(
-                f"ExpertStack: {self.num_experts} experts do not split over ep_size {self.ep_size} ranks"
-            )
+            raise ValueError(f"ExpertStack: {self.num_experts} experts do not split over ep_size {self.ep_size} ranks")
 
     @property
     def local_experts(self) -> int:
@@ -264,7 +262,9 @@ class ParamSpec:
             return self.matrices
         per = self.shape[self.tp_shard_dim] // self.tp_size  # type: ignore[index]
         return tuple(
-            b for b, off in zip(self.matrices, self.view.offsets()) if tp * per <= off < (tp + 1) * per  # type: ignore[union-attr]
+            b
+            for b, off in zip(self.matrices, self.view.offsets())
+            if tp * per <= off < (tp + 1) * per  # type: ignore[union-attr]
         )
 
     @property
@@ -339,9 +339,7 @@ class ParamSpec:
             if not isinstance(self.view, MatrixView):
                 raise TypeError(f"ParamSpec {self.fqn}: view must be a MatrixView or None, got {self.view!r}")
             if len(self.shape) != 2 or self.num_matrices != 1:
-                raise ValueError(
-                    f"ParamSpec {self.fqn}: a MatrixView needs a 2-D parameter, got shape {self.shape}"
-                )
+                raise ValueError(f"ParamSpec {self.fqn}: a MatrixView needs a 2-D parameter, got shape {self.shape}")
             if sum(self.view.sizes) != self.shape[self.view.dim]:
                 raise ValueError(
                     f"ParamSpec {self.fqn}: view sizes sum to {sum(self.view.sizes)} but dim {self.view.dim} "
@@ -357,7 +355,10 @@ class ParamSpec:
                 )
             if self.experts.ep_size > 1 and self.tp_size > 1:
                 raise ValueError(f"ParamSpec {self.fqn}: an expert-parallel stack cannot also be TP-sharded")
-            expected = (self.experts.matrix_shape(self.shape), self.experts.num_experts * self.experts.matrices_per_expert)
+            expected = (
+                self.experts.matrix_shape(self.shape),
+                self.experts.num_experts * self.experts.matrices_per_expert,
+            )
             if (tuple(self.matrix_shape), self.num_matrices) != expected:
                 raise ValueError(
                     f"ParamSpec {self.fqn}: matrix_shape {self.matrix_shape} x {self.num_matrices} does not match "

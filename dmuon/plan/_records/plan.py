@@ -161,7 +161,12 @@ class ShardingPlan:
         check_dtype_str("ShardingPlan", "reduce_dtype", self.reduce_dtype, optional=True)
         if not isinstance(self.model_digest, str):
             raise TypeError("ShardingPlan.model_digest must be a str")
-        for name, cls in (("params", ParamSpec), ("owners", (Owner, OwnerGroup, ExpertOwners)), ("boundaries", Boundary), ("fsdp2_units", Fsdp2Unit)):
+        for name, cls in (
+            ("params", ParamSpec),
+            ("owners", (Owner, OwnerGroup, ExpertOwners)),
+            ("boundaries", Boundary),
+            ("fsdp2_units", Fsdp2Unit),
+        ):
             value = getattr(self, name)
             if type(value) is not tuple or any(not isinstance(v, cls) for v in value):
                 names = "/".join(c.__name__ for c in (cls if isinstance(cls, tuple) else (cls,)))
@@ -232,7 +237,7 @@ class ShardingPlan:
                     if isinstance(owner, (OwnerGroup, ExpertOwners)):
                         j = entry.block
                         ok = j is not None and j < owner.k and entry.owner == owner.members[j]
-                        expected = (tuple(owner.block_shape(j, spec.shape)) if ok else None)
+                        expected = tuple(owner.block_shape(j, spec.shape)) if ok else None
                         ok = ok and entry.shape == expected and entry.numel == math.prod(expected)
                         ok = ok and buf.dtype == spec.dtype
                     else:
@@ -250,7 +255,9 @@ class ShardingPlan:
             for att in self.qk_clip.attention:
                 for rows in (att.q, att.k):
                     if rows.fqn not in index["alias"]:
-                        raise ValueError(f"ShardingPlan: qk_clip names {rows.fqn!r}, which is not a dedicated parameter")
+                        raise ValueError(
+                            f"ShardingPlan: qk_clip names {rows.fqn!r}, which is not a dedicated parameter"
+                        )
         object.__setattr__(self, "_index", index)
         object.__setattr__(self, "_nominal", self._build_nominal())
 

@@ -69,7 +69,11 @@ def owned_weight(plan: ShardingPlan) -> tuple[int, ...]:
 def balance_bound(plan: ShardingPlan) -> float:
     """:attr:`ShardingPlan.balance_bound`."""
     lengths = plan.tp_segment_lengths
-    weights = [w for spec, o in zip(plan.params, plan.owners) for _, w in _weights.owner_weights(spec, o, plan.cost_model, lengths)]
+    weights = [
+        w
+        for spec, o in zip(plan.params, plan.owners)
+        for _, w in _weights.owner_weights(spec, o, plan.cost_model, lengths)
+    ]
     R, N = plan.mesh_shape
     K = max((o.k for o in plan.owners if isinstance(o, (OwnerGroup, ExpertOwners))), default=1)
     factor = N / (N - K + 1) if R > 1 and K > 1 else 1.0

@@ -56,15 +56,18 @@ def build_index(plan: ShardingPlan) -> dict:
                 i = canonical.get(entry.fqn)
                 if i is not None:
                     # one entry per parameter; an owner group's blocks: one entry each, one buffer
-                    if boundary_of[i] is not None and (boundary_of[i] != b_index or entry.block is None
-                                                       or entry.block in blocks_seen[i]):
+                    if boundary_of[i] is not None and (
+                        boundary_of[i] != b_index or entry.block is None or entry.block in blocks_seen[i]
+                    ):
                         raise ValueError(f"ShardingPlan: {entry.fqn!r} appears in two buffers")
                     boundary_of[i] = b_index
                     blocks_seen[i].add(entry.block)
         for fqn in boundary.local:  # expert-parallel stacks: in the boundary, no buffer entry
             i = canonical.get(fqn)
             if i is None:
-                raise ValueError(f"ShardingPlan: boundary {boundary.fqn!r} lists {fqn!r} as local, not a dedicated param")
+                raise ValueError(
+                    f"ShardingPlan: boundary {boundary.fqn!r} lists {fqn!r} as local, not a dedicated param"
+                )
             owner = plan.owners[i]
             if boundary_of[i] is not None or not (isinstance(owner, ExpertOwners) and owner.local):
                 raise ValueError(

@@ -114,7 +114,9 @@ class AttentionClip:
                 f"{self.k.num_heads} k heads"
             )
         if self.q.head_dim != self.k.head_dim:
-            raise ValueError(f"AttentionClip {self.module!r}: q head_dim {self.q.head_dim} != k head_dim {self.k.head_dim}")
+            raise ValueError(
+                f"AttentionClip {self.module!r}: q head_dim {self.q.head_dim} != k head_dim {self.k.head_dim}"
+            )
 
     @property
     def gqa(self) -> bool:
@@ -143,10 +145,19 @@ class QKClip:
     attention: tuple[AttentionClip, ...]
 
     def __post_init__(self) -> None:
-        if isinstance(self.tau, bool) or not isinstance(self.tau, (int, float)) or not math.isfinite(self.tau) or self.tau <= 0:
+        if (
+            isinstance(self.tau, bool)
+            or not isinstance(self.tau, (int, float))
+            or not math.isfinite(self.tau)
+            or self.tau <= 0
+        ):
             raise ValueError(f"QKClip.tau must be a finite number > 0, got {self.tau!r}")
         object.__setattr__(self, "tau", float(self.tau))
-        if type(self.attention) is not tuple or not self.attention or any(not isinstance(a, AttentionClip) for a in self.attention):
+        if (
+            type(self.attention) is not tuple
+            or not self.attention
+            or any(not isinstance(a, AttentionClip) for a in self.attention)
+        ):
             raise ValueError("QKClip.attention must be a non-empty tuple of AttentionClip")
         modules = [a.module for a in self.attention]
         if len(set(modules)) != len(modules):
@@ -239,7 +250,9 @@ def hf_llama_qk_clip(model, tau: float, config: Any = None) -> QKClip:
     H = config.num_attention_heads
     H_kv = getattr(config, "num_key_value_heads", None) or H
     d_h = getattr(config, "head_dim", None) or config.hidden_size // H
-    return attention_qk_clip(model, tau, suffix="self_attn", q="q_proj", k="k_proj", num_heads=H, num_kv_heads=H_kv, head_dim=d_h)
+    return attention_qk_clip(
+        model, tau, suffix="self_attn", q="q_proj", k="k_proj", num_heads=H, num_kv_heads=H_kv, head_dim=d_h
+    )
 
 
 def gpt2_qk_clip(model, tau: float, num_heads: int | None = None) -> QKClip:
@@ -299,7 +312,9 @@ def check_qk_clip(qk: QKClip, specs, modules, params) -> None:
                 )
                 continue
             if spec.tp_size > 1:
-                problems.append(f"  {a.module!r}: {role} {rows.fqn!r} is tensor-parallel; QK-clip supports data parallelism only")
+                problems.append(
+                    f"  {a.module!r}: {role} {rows.fqn!r} is tensor-parallel; QK-clip supports data parallelism only"
+                )
                 continue
             if len(spec.shape) != 2 or rows.offset + rows.span > spec.shape[rows.dim]:
                 problems.append(
@@ -309,6 +324,8 @@ def check_qk_clip(qk: QKClip, specs, modules, params) -> None:
             if rows.bias is not None:
                 rec = params.get(rows.bias)
                 if rec is None or len(rec.shape) != 1 or rows.offset + rows.span > rec.shape[0]:
-                    problems.append(f"  {a.module!r}: {role} bias {rows.bias!r} is missing or not a 1-D vector covering the heads")
+                    problems.append(
+                        f"  {a.module!r}: {role} bias {rows.bias!r} is missing or not a 1-D vector covering the heads"
+                    )
     if problems:
         raise ValueError("dmuon.plan._compile: qk_clip:\n" + "\n".join(problems))

@@ -78,8 +78,19 @@ class _Builder:
             if size == 0 or (kind != "fsdp2_all_reduce" and N == 1):
                 continue
             for group in groups:
-                ids.append(self.emit(kind=kind, phase="fsdp2", group=group, dtype=wire, numel=size,
-                                     boundary=unit, micro_batch=mb, deps=deps, external=True))
+                ids.append(
+                    self.emit(
+                        kind=kind,
+                        phase="fsdp2",
+                        group=group,
+                        dtype=wire,
+                        numel=size,
+                        boundary=unit,
+                        micro_batch=mb,
+                        deps=deps,
+                        external=True,
+                    )
+                )
         return tuple(ids)
 
     def emit(self, template: Op | None = None, **fields: Any) -> int:
@@ -121,8 +132,15 @@ class _Builder:
         self.pending[b] += 1
         fqn = self.programs[b].fqn
         gathered = self.fsdp2_unshard(fqn, mb)
-        self.emit(kind="forward", phase="compute", group=self.everyone, boundary=fqn, micro_batch=mb,
-                  deps=self.last_bcast[b] + gathered, external=True)
+        self.emit(
+            kind="forward",
+            phase="compute",
+            group=self.everyone,
+            boundary=fqn,
+            micro_batch=mb,
+            deps=self.last_bcast[b] + gathered,
+            external=True,
+        )
         if self.plan.reshard_after_forward:
             self.resident[b] = False
             self.fsdp2_resident.discard(fqn)
@@ -135,10 +153,26 @@ class _Builder:
                 self.unshard(b - 1, "backward_broadcast", mb)
         deps = self.last_bcast[b] + self.fsdp2_unshard(fqn, mb)
         if recompute:
-            deps = (self.emit(kind="recompute", phase="compute", group=self.everyone, boundary=fqn, micro_batch=mb,
-                              deps=deps, external=True),)
-        compute = self.emit(kind="backward", phase="compute", group=self.everyone, boundary=fqn, micro_batch=mb,
-                            deps=deps, external=True)
+            deps = (
+                self.emit(
+                    kind="recompute",
+                    phase="compute",
+                    group=self.everyone,
+                    boundary=fqn,
+                    micro_batch=mb,
+                    deps=deps,
+                    external=True,
+                ),
+            )
+        compute = self.emit(
+            kind="backward",
+            phase="compute",
+            group=self.everyone,
+            boundary=fqn,
+            micro_batch=mb,
+            deps=deps,
+            external=True,
+        )
         self.pending[b] -= 1  # post-backward
         if self.pending[b] == 0:
             self.finish(b, mb, sync, (compute,))
@@ -179,7 +213,11 @@ class _Builder:
         self.replicated = set()
 
     def micro_batch(self, mb: int, micro: MicroBatch) -> None:
-        calls = [p.index for p in self.programs] if micro.forward is None else [self.boundary_index(f) for f in micro.forward]
+        calls = (
+            [p.index for p in self.programs]
+            if micro.forward is None
+            else [self.boundary_index(f) for f in micro.forward]
+        )
         recompute = {self.boundary_index(f) for f in micro.recompute}
         if recompute - set(calls):
             raise ValueError(
@@ -210,13 +248,29 @@ class _Builder:
         deps = tuple(i for spec in bucket for i in reduce_deps[spec.fqn])
         ar = []
         for _ in self.plan.tp_segment_lengths:
-            ar.append(self.emit(kind="all_reduce", phase=phase, group=group, dtype=_rules.TP_GRAM_DTYPE,
-                                numel=len(bucket) * d * d, fqns=tuple(sp.fqn for sp in bucket),
-                                micro_batch=mb, deps=deps))
+            ar.append(
+                self.emit(
+                    kind="all_reduce",
+                    phase=phase,
+                    group=group,
+                    dtype=_rules.TP_GRAM_DTYPE,
+                    numel=len(bucket) * d * d,
+                    fqns=tuple(sp.fqn for sp in bucket),
+                    micro_batch=mb,
+                    deps=deps,
+                )
+            )
             deps = (ar[-1],)
         for spec, f in zip(bucket, flops):
-            ns_ids[spec.fqn] = self.emit(kind="newton_schulz", phase="optimizer", group=group, flops=f,
-                                         fqns=(spec.fqn,), micro_batch=mb, deps=tuple(ar))
+            ns_ids[spec.fqn] = self.emit(
+                kind="newton_schulz",
+                phase="optimizer",
+                group=group,
+                flops=f,
+                fqns=(spec.fqn,),
+                micro_batch=mb,
+                deps=tuple(ar),
+            )
 
     def optimizer_step(self, mb: int) -> None:
         plan = self.plan
@@ -252,8 +306,13 @@ class _Builder:
                 per_expert = _flops.spec_ns_flops(spec) // spec.num_experts
                 for j, (member, size) in enumerate(zip(owner.members, owner.sizes)):
                     ns_ids[(spec.fqn, j)] = self.emit(  # keyed by (fqn, range): its replica broadcast waits for it
-                        kind="newton_schulz", phase="optimizer", group=tps[(member.replicate, member.shard)],
-                        flops=per_expert * size, fqns=(spec.fqn,), micro_batch=mb, deps=reduce_deps[spec.fqn],
+                        kind="newton_schulz",
+                        phase="optimizer",
+                        group=tps[(member.replicate, member.shard)],
+                        flops=per_expert * size,
+                        fqns=(spec.fqn,),
+                        micro_batch=mb,
+                        deps=reduce_deps[spec.fqn],
                     )
                 continue
             group = tps[(owner.replicate, owner.shard)]
@@ -261,8 +320,13 @@ class _Builder:
                 tp_entries.setdefault((owner.replicate, owner.shard), []).append(spec)
                 continue
             ns_ids[spec.fqn] = self.emit(
-                kind="newton_schulz", phase="optimizer", group=group, flops=_flops.spec_ns_flops(spec),
-                fqns=(spec.fqn,), micro_batch=mb, deps=reduce_deps[spec.fqn],
+                kind="newton_schulz",
+                phase="optimizer",
+                group=group,
+                flops=_flops.spec_ns_flops(spec),
+                fqns=(spec.fqn,),
+                micro_batch=mb,
+                deps=reduce_deps[spec.fqn],
             )
         # TP owner groups (dmuon.exec's TP orthogonalisation): Gram buckets by (d, D_local, dtype)
         # in plan order, ``segments`` fp32 all-reduces each; then one all-gather per dtype
@@ -273,26 +337,46 @@ class _Builder:
             gather: dict[str, list] = {}
             for spec in specs:
                 if spec.tp_ns == "local":  # view blocks inside the TP shards: NS on each rank's own blocks
-                    ns_ids[spec.fqn] = self.emit(kind="newton_schulz", phase="optimizer", group=group,
-                                                 flops=_flops.tp_ns_flops(spec, lengths), fqns=(spec.fqn,),
-                                                 micro_batch=mb, deps=reduce_deps[spec.fqn])
+                    ns_ids[spec.fqn] = self.emit(
+                        kind="newton_schulz",
+                        phase="optimizer",
+                        group=group,
+                        flops=_flops.tp_ns_flops(spec, lengths),
+                        fqns=(spec.fqn,),
+                        micro_batch=mb,
+                        deps=reduce_deps[spec.fqn],
+                    )
                 elif spec.tp_ns == "gram":
                     d = _flops.tp_gram_side(spec.shape, spec.tp_shard_dim)  # type: ignore[arg-type]
                     gram.setdefault((d, spec.local_numel // d, spec.dtype), []).append(spec)
                 else:
                     gather.setdefault(spec.dtype, []).append(spec)
             for (d, _, _), bucket in gram.items():
-                self.gram_bucket(group, "tp", d, bucket, [_flops.tp_ns_flops(sp, lengths) for sp in bucket],
-                                 reduce_deps, ns_ids, mb)
+                self.gram_bucket(
+                    group, "tp", d, bucket, [_flops.tp_ns_flops(sp, lengths) for sp in bucket], reduce_deps, ns_ids, mb
+                )
             for dtype, bucket in gather.items():
                 deps = tuple(i for spec in bucket for i in reduce_deps[spec.fqn])
-                ag = self.emit(kind="all_gather", phase="tp", group=group, dtype=dtype,
-                               numel=sum(sp.local_numel for sp in bucket), fqns=tuple(sp.fqn for sp in bucket),
-                               micro_batch=mb, deps=deps)
+                ag = self.emit(
+                    kind="all_gather",
+                    phase="tp",
+                    group=group,
+                    dtype=dtype,
+                    numel=sum(sp.local_numel for sp in bucket),
+                    fqns=tuple(sp.fqn for sp in bucket),
+                    micro_batch=mb,
+                    deps=deps,
+                )
                 for spec in bucket:
-                    ns_ids[spec.fqn] = self.emit(kind="newton_schulz", phase="optimizer", group=group,
-                                                 flops=_flops.tp_ns_flops(spec, lengths), fqns=(spec.fqn,),
-                                                 micro_batch=mb, deps=(ag,))
+                    ns_ids[spec.fqn] = self.emit(
+                        kind="newton_schulz",
+                        phase="optimizer",
+                        group=group,
+                        flops=_flops.tp_ns_flops(spec, lengths),
+                        fqns=(spec.fqn,),
+                        micro_batch=mb,
+                        deps=(ag,),
+                    )
         # owner groups (dmuon.exec's grouped orthogonalisation): per group in order of first
         # appearance, Gram buckets by (d, padded block width, dtype) in plan order, one fp32
         # all-reduce of the bucket's (d, d) Grams per Gram segment, then every member's NS
@@ -307,12 +391,25 @@ class _Builder:
                 self.gram_bucket(ranks, "owner_group", d, bucket, [flops] * len(bucket), reduce_deps, ns_ids, mb)
         qk_ids: tuple[int, ...] = ()
         if plan.qk_clip is not None:  # QK-clip: one all-reduce (max) of every layer's per-head max logits
-            qk_ids = (self.emit(kind="all_reduce", phase="qk_clip", group=self.everyone,
-                                dtype=QK_CLIP_DTYPE, numel=plan.qk_clip.num_heads, micro_batch=mb,
-                                deps=tuple(ns_ids.values())),)
+            qk_ids = (
+                self.emit(
+                    kind="all_reduce",
+                    phase="qk_clip",
+                    group=self.everyone,
+                    dtype=QK_CLIP_DTYPE,
+                    numel=plan.qk_clip.num_heads,
+                    micro_batch=mb,
+                    deps=tuple(ns_ids.values()),
+                ),
+            )
         if R > 1:  # HSDP: owners broadcast the new values to their replicate peers
             for prog, b in zip(self.programs, plan.boundaries):
-                subs = {(buf.key, seg.shard, sub.owner.replicate): sub for buf in b.buffers for seg in buf.segments for sub in seg.subsegments}
+                subs = {
+                    (buf.key, seg.shard, sub.owner.replicate): sub
+                    for buf in b.buffers
+                    for seg in buf.segments
+                    for sub in seg.subsegments
+                }
                 for t in prog.replicate_broadcast:
                     sub = subs[(t.buffer, t.segment, t.subsegment)]
                     ns = (ns_ids.get((e.fqn, e.block), ns_ids.get(e.fqn)) for e in sub.entries)

@@ -89,7 +89,13 @@ EXTERNAL_KINDS = ("forward", "backward", "recompute", "fsdp2_all_gather", "fsdp2
 OP_KINDS = COLLECTIVE_KINDS + ("newton_schulz",) + EXTERNAL_KINDS
 #: the ledger phases a schedule charges bytes to (``ByteCost`` fields without ``_nbytes``)
 CHARGED_PHASES = (
-    "forward_broadcast", "backward_broadcast", "reduce", "replicate_reduce", "replicate_broadcast", "tp", "owner_group",
+    "forward_broadcast",
+    "backward_broadcast",
+    "reduce",
+    "replicate_reduce",
+    "replicate_broadcast",
+    "tp",
+    "owner_group",
     "qk_clip",
 )
 #: dtype of QK-clip's all-reduced per-head max logits
@@ -173,7 +179,11 @@ class Op:
         if not self.collective or rank not in self.group:
             return 0
         return _nbytes.collective_rank_nbytes(
-            self.kind, self.numel, itemsize_nbytes(self.dtype), len(self.group), rank == self.root  # type: ignore[arg-type]
+            self.kind,
+            self.numel,
+            itemsize_nbytes(self.dtype),
+            len(self.group),
+            rank == self.root,  # type: ignore[arg-type]
         )
 
     def signature(self) -> tuple:
@@ -206,7 +216,9 @@ class MicroBatch:
     recompute: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.forward is not None and (type(self.forward) is not tuple or not all(isinstance(f, str) for f in self.forward)):
+        if self.forward is not None and (
+            type(self.forward) is not tuple or not all(isinstance(f, str) for f in self.forward)
+        ):
             raise TypeError("MicroBatch.forward must be None or a tuple of boundary FQNs")
         if type(self.sync) is not bool:
             raise TypeError("MicroBatch.sync must be a bool")

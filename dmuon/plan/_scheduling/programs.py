@@ -88,8 +88,15 @@ def boundary_programs(plan: ShardingPlan) -> tuple[BoundaryProgram, ...]:
                         group = rows[(r, t)]
                         if buf.ep > 1:  # expert-parallel ranges: the segment's efsdp group only
                             group = tuple(rank(r, s, t) for s in buf.group_shards(seg.shard, N))
-                        common = dict(id=-1, group=group, root=rank(r, seg.shard, t), numel=seg.numel,
-                                      boundary=b.fqn, buffer=buf.key, segment=seg.shard)
+                        common = dict(
+                            id=-1,
+                            group=group,
+                            root=rank(r, seg.shard, t),
+                            numel=seg.numel,
+                            boundary=b.fqn,
+                            buffer=buf.key,
+                            segment=seg.shard,
+                        )
                         if len(group) > 1:  # a one-rank group has nothing to broadcast
                             fwd.append(Op(kind="broadcast", phase="forward_broadcast", dtype=wire, **common))
                             if plan.reshard_after_forward:
@@ -101,15 +108,27 @@ def boundary_programs(plan: ShardingPlan) -> tuple[BoundaryProgram, ...]:
                 for seg in buf.segments:
                     for sub in seg.subsegments:
                         for t in range(T):
-                            common = dict(id=-1, group=cols[(seg.shard, t)], root=rank(sub.owner.replicate, seg.shard, t),
-                                          numel=sub.numel, boundary=b.fqn, buffer=buf.key, segment=seg.shard,
-                                          subsegment=sub.owner.replicate)
+                            common = dict(
+                                id=-1,
+                                group=cols[(seg.shard, t)],
+                                root=rank(sub.owner.replicate, seg.shard, t),
+                                numel=sub.numel,
+                                boundary=b.fqn,
+                                buffer=buf.key,
+                                segment=seg.shard,
+                                subsegment=sub.owner.replicate,
+                            )
                             rep_red.append(Op(kind="reduce", phase="replicate_reduce", dtype=red_dtype, **common))
                             rep_bc.append(Op(kind="broadcast", phase="replicate_broadcast", dtype=buf.dtype, **common))
         out.append(
             BoundaryProgram(
-                fqn=b.fqn, index=index, forward_broadcast=tuple(fwd), backward_broadcast=tuple(bwd),
-                reduce=tuple(red), replicate_reduce=tuple(rep_red), replicate_broadcast=tuple(rep_bc),
+                fqn=b.fqn,
+                index=index,
+                forward_broadcast=tuple(fwd),
+                backward_broadcast=tuple(bwd),
+                reduce=tuple(red),
+                replicate_reduce=tuple(rep_red),
+                replicate_broadcast=tuple(rep_bc),
             )
         )
     return tuple(out)

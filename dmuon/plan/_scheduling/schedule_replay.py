@@ -62,8 +62,11 @@ def replay(programs: Sequence[Sequence[Op]]) -> None:
 
 def _group_problem(group: Any, num_ranks: int) -> str | None:
     """Why ``group`` is not a tuple of distinct ranks in ``0..num_ranks-1`` (None if it is)."""
-    if type(group) is not tuple or not group or len(set(group)) != len(group) or any(
-        type(x) is not int or not 0 <= x < num_ranks for x in group
+    if (
+        type(group) is not tuple
+        or not group
+        or len(set(group)) != len(group)
+        or any(type(x) is not int or not 0 <= x < num_ranks for x in group)
     ):
         return f"group {group!r} is not a tuple of distinct ranks in 0..{num_ranks - 1}"
     return None
@@ -164,19 +167,28 @@ def _replay_pieces(
         y = waiting[0]
         desc = op.describe() if op is not None else "a collective"
         if piece[y] >= len(pieces[y]):
-            lines.append(f"rank {x} waits at {desc} on group {_fmt_group(groups[h])} for rank {y}, "
-                         f"which ends its step without issuing it (a missing collective)")
-            raise ScheduleError("deadlock: no rank can proceed\n  " + "\n  ".join(lines), rank=first,
-                                op=current(first)[1], cycle=())
-        hy, opy = current(y)
-        lines.append(f"rank {x} waits at {desc} on group {_fmt_group(groups[h])} for rank {y}, "
-                     f"which waits on group {_fmt_group(groups[hy])}")
-        if y in seen:
-            cycle = tuple(chain[seen[y]:]) + (y,)
+            lines.append(
+                f"rank {x} waits at {desc} on group {_fmt_group(groups[h])} for rank {y}, "
+                f"which ends its step without issuing it (a missing collective)"
+            )
             raise ScheduleError(
-                "deadlock: no rank can proceed; cycle of waiting ranks " + " -> ".join(map(str, cycle))
-                + "\n  " + "\n  ".join(lines),
-                rank=first, op=current(first)[1], cycle=cycle,
+                "deadlock: no rank can proceed\n  " + "\n  ".join(lines), rank=first, op=current(first)[1], cycle=()
+            )
+        hy, opy = current(y)
+        lines.append(
+            f"rank {x} waits at {desc} on group {_fmt_group(groups[h])} for rank {y}, "
+            f"which waits on group {_fmt_group(groups[hy])}"
+        )
+        if y in seen:
+            cycle = tuple(chain[seen[y] :]) + (y,)
+            raise ScheduleError(
+                "deadlock: no rank can proceed; cycle of waiting ranks "
+                + " -> ".join(map(str, cycle))
+                + "\n  "
+                + "\n  ".join(lines),
+                rank=first,
+                op=current(first)[1],
+                cycle=cycle,
             )
         seen[y] = len(chain)
         chain.append(y)
@@ -191,16 +203,19 @@ def _check_agreement(g: int, group: tuple[int, ...], start: int, k: int, member_
             a, b = ref[i], mine[i]
             if a is b or a.signature() == b.signature():
                 continue
-            fields = [f for f, u, v in zip(("kind", "group", "root", "dtype", "numel"), a.signature(), b.signature()) if u != v]
+            fields = [
+                f
+                for f, u, v in zip(("kind", "group", "root", "dtype", "numel"), a.signature(), b.signature())
+                if u != v
+            ]
             raise ScheduleError(
                 f"collective #{i} on group {_fmt_group(group)}: rank {ref_rank} issues {a.describe()} but rank {x} "
                 f"issues {b.describe()} (they differ in {', '.join(fields)}): the collective would hang or corrupt data",
-                rank=x, op=b,
+                rank=x,
+                op=b,
             )
 
 
 def programs_of(sched: StepSchedule) -> list[tuple[Op, ...]]:
     """Explicit per-rank op lists of a schedule (for :func:`replay`, or to edit in tests)."""
     return [sched.rank_ops(r) for r in range(sched.num_ranks)]
-
-

@@ -151,8 +151,10 @@ class StepSchedule:
         ops = self.rank_ops(rank) if boundary is None else self.boundary_ops(rank, boundary)
         shown = ops if max_ops is None else ops[:max_ops]
         width = max([len(op.boundary or "") for op in shown] + [8])
-        lines = [f"{'op':>7}  {'kind':<22}{'phase':<20}{'boundary':<{width + 2}}{'seg':<6}{'root':>5}"
-                 f"{'elements / FLOP':>22} {'dtype':<10}{'group':<20}{'charged':>16}"]
+        lines = [
+            f"{'op':>7}  {'kind':<22}{'phase':<20}{'boundary':<{width + 2}}{'seg':<6}{'root':>5}"
+            f"{'elements / FLOP':>22} {'dtype':<10}{'group':<20}{'charged':>16}"
+        ]
         for op in shown:
             seg = "" if op.segment is None else str(op.segment) + ("" if op.subsegment is None else f"/{op.subsegment}")
             grp = "all" if op.kind in ("forward", "backward", "recompute") else _fmt_group(op.group)

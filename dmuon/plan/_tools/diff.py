@@ -118,9 +118,7 @@ class PlanDiff:
 
     @property
     def empty(self) -> bool:
-        return not (
-            self.changes or self.settings or self.layouts_changed or any(c.delta for c in self.costs)
-        )
+        return not (self.changes or self.settings or self.layouts_changed or any(c.delta for c in self.costs))
 
     def __bool__(self) -> bool:
         return not self.empty
@@ -297,12 +295,23 @@ def _compare(a: ShardingPlan, b: ShardingPlan) -> PlanDiff:
         for buf in bd.buffers:
             old = bufs_a.get(buf.key)
             if old is not None and (old.collective, old.slot_numel) != (buf.collective, buf.slot_numel):
-                collectives_changed.append(CollectiveChange(
-                    boundary=bd.fqn, buffer=buf.key, kind_before=old.collective, kind_after=buf.collective,
-                    slot_before=old.slot_numel, slot_after=buf.slot_numel,
-                ))
-    return PlanDiff(changes=tuple(changes), costs=costs, settings=settings, layouts_changed=layouts_changed,
-                    collectives_changed=tuple(collectives_changed))
+                collectives_changed.append(
+                    CollectiveChange(
+                        boundary=bd.fqn,
+                        buffer=buf.key,
+                        kind_before=old.collective,
+                        kind_after=buf.collective,
+                        slot_before=old.slot_numel,
+                        slot_after=buf.slot_numel,
+                    )
+                )
+    return PlanDiff(
+        changes=tuple(changes),
+        costs=costs,
+        settings=settings,
+        layouts_changed=layouts_changed,
+        collectives_changed=tuple(collectives_changed),
+    )
 
 
 def _owner_str(o) -> str:

@@ -78,8 +78,13 @@ class _Figures:
         self.schedule = plan.schedule()
         self.cost = schedule_byte_cost(self.schedule)
         self.stats = rank_stats(
-            plan.params, plan.owners, self.schedule, self.cost, mesh_shape=plan.mesh_shape,
-            reshard_after_forward=plan.reshard_after_forward, tp_size=plan.tp_size,
+            plan.params,
+            plan.owners,
+            self.schedule,
+            self.cost,
+            mesh_shape=plan.mesh_shape,
+            reshard_after_forward=plan.reshard_after_forward,
+            tp_size=plan.tp_size,
             assembled_nbytes=plan.assembled_nbytes,
         )
         self.baseline_cost = plan.baseline_cost
@@ -116,7 +121,8 @@ def _cost_rows(plan: ShardingPlan, fig: _Figures) -> list[tuple[str, int | None,
     return [
         (label, getattr(ours, a) if a else None, getattr(base, b) if b else None)
         for label, a, b in _COST_ROWS
-        if (a != "tp_nbytes" or plan.tp_size > 1) and (a != "qk_clip_nbytes" or plan.qk_clip is not None)
+        if (a != "tp_nbytes" or plan.tp_size > 1)
+        and (a != "qk_clip_nbytes" or plan.qk_clip is not None)
         and (a != "owner_group_nbytes" or ours.owner_group_nbytes > 0)
     ]
 
@@ -173,7 +179,9 @@ def _variant_lines(plan: ShardingPlan, *, max_views: int = 3) -> list[str]:
     viewed = [p for p in plan.params if p.view is not None]
     if viewed:
         blocks = sum(len(p.view.sizes) for p in viewed)  # type: ignore[union-attr]
-        lines.append(f"matrix views: {len(viewed):,} params orthogonalised as {blocks:,} blocks (NS FLOPs and LPT count blocks)")
+        lines.append(
+            f"matrix views: {len(viewed):,} params orthogonalised as {blocks:,} blocks (NS FLOPs and LPT count blocks)"
+        )
         seen: dict[str, str] = {}
         for p in viewed:  # one example per distinct view description
             seen.setdefault(p.view.describe(p.shape), p.fqn)  # type: ignore[union-attr]
@@ -223,7 +231,9 @@ def render_summary(plan: ShardingPlan, *, max_rows: int = 16) -> str:
     N, T = plan.mesh_shape[1], plan.tp_size
     shown = stats[:max_rows]
     lines.append(f"ranks by owned elements ({len(shown)} of {len(stats)}):")
-    lines.append(f"{'rank':>6}{'shard':>7}{'repl':>6}{'params':>8}{'owned elements':>18}{'comm/step':>14}{'NS/step':>16}")
+    lines.append(
+        f"{'rank':>6}{'shard':>7}{'repl':>6}{'params':>8}{'owned elements':>18}{'comm/step':>14}{'NS/step':>16}"
+    )
     for r in shown:
         m = r.rank // T  # data-parallel mesh rank
         lines.append(
@@ -291,8 +301,14 @@ def ownership_lines(plan: ShardingPlan, cost=None) -> list[str]:
     elif plan.tp_size == 1 and (idle or ratio > 1.25):
         max_split = [_rules.owner_group_max_split(p, N) for p in plan.params]
         res = lpt_partition_groups(
-            numel, lambda i, k: _weights.owner_group_piece_weights(plan.params[i], k, "numel", ()), max_split,
-            keys, bounds, num_shards=N, num_replicas=R, split="auto",
+            numel,
+            lambda i, k: _weights.owner_group_piece_weights(plan.params[i], k, "numel", ()),
+            max_split,
+            keys,
+            bounds,
+            num_shards=N,
+            num_replicas=R,
+            split="auto",
         )
         loads = list(res.loads)
         idle_g, ratio_g = _ownership_figures(loads)

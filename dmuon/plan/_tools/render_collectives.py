@@ -29,7 +29,10 @@ def buffer_choices(plan: ShardingPlan) -> list[tuple[Any, Any, Any]]:
     for b in plan.boundaries:
         for buf in b.buffers:
             choice = choose_collective(
-                buf, plan.collectives, num_shards=N, align_numel=plan.align_numel,
+                buf,
+                plan.collectives,
+                num_shards=N,
+                align_numel=plan.align_numel,
                 wire_itemsize=itemsize_nbytes(plan.bcast_dtype(buf.dtype)),
                 reduce_itemsize=itemsize_nbytes(plan.reduce_dtype_for(buf.dtype)),
                 reshard_after_forward=plan.reshard_after_forward,

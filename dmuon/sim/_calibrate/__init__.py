@@ -66,11 +66,26 @@ from collections.abc import Sequence
 from typing import Any
 
 from dmuon._launch import run_distributed  # the package's one launcher of local ranks
-from dmuon.sim._calibrate.compute import (MATMUL_SIZES, _busy_node, _matmul, _newton_schulz, _ns_batch_factor, _overheads,
-                                         _training_kernels)
+from dmuon.sim._calibrate.compute import (
+    MATMUL_SIZES,
+    _busy_node,
+    _matmul,
+    _newton_schulz,
+    _ns_batch_factor,
+    _overheads,
+    _training_kernels,
+)
 from dmuon.sim._calibrate.compute import (  # noqa: F401 - the settings keep their dmuon.sim._calibrate names
-    ATTENTION_BATCH, ATTENTION_HEADS, ATTENTION_SHAPES, NS_BATCH_SHAPES, NS_BATCHES, NS_SHAPES, QUICK_ATTENTION_SHAPES,
-    QUICK_NS_BATCH, QUICK_NS_SHAPES)
+    ATTENTION_BATCH,
+    ATTENTION_HEADS,
+    ATTENTION_SHAPES,
+    NS_BATCH_SHAPES,
+    NS_BATCHES,
+    NS_SHAPES,
+    QUICK_ATTENTION_SHAPES,
+    QUICK_NS_BATCH,
+    QUICK_NS_SHAPES,
+)
 from dmuon.sim._calibrate.gloo import KINDS, QUICK_SIZES, SIZES, _fsdp_overheads, _in_situ, _time_collectives
 from dmuon.sim._calibrate.gloo import FSDP2_STACKS, fsdp2_terms  # noqa: F401 - keep their dmuon.sim._calibrate names
 from dmuon.sim._engine.hardware import CollectiveCurve, Hardware, Link, dump
@@ -107,14 +122,14 @@ class _Progress:
             self.bar.close()
 
 
-
 def _median_of_runs(runs: Sequence[dict[str, float]]) -> dict[str, float]:
     """Each figure's median over repeated in-situ measurements (the figures are independent)."""
     return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
 
 
-def _worker(sizes: Sequence[int], repeats: int, fsdp_solo: bool,
-            in_situ_repeats: int = IN_SITU_REPEATS) -> dict[str, Any] | None:
+def _worker(
+    sizes: Sequence[int], repeats: int, fsdp_solo: bool, in_situ_repeats: int = IN_SITU_REPEATS
+) -> dict[str, Any] | None:
     """Every rank of one launch of ``world`` processes (:func:`dmuon._launch.run_distributed`,
     gloo, one thread): the collective curves on the whole world, then the in-situ costs
     (:func:`_in_situ`, ``in_situ_repeats`` times: the median of each figure); with ``fsdp_solo``
@@ -141,12 +156,12 @@ def _worker(sizes: Sequence[int], repeats: int, fsdp_solo: bool,
     return res if rank == 0 else None
 
 
-
-
 # ----------------------------------------------------------------------------------- main
 
 
-def calibrate(*, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, repeats: int | None = None) -> tuple[Hardware, dict]:
+def calibrate(
+    *, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, repeats: int | None = None
+) -> tuple[Hardware, dict]:
     """Run the microbenchmarks (module docstring) and return ``(Hardware, raw measurements)``."""
     import torch
 
@@ -181,8 +196,14 @@ def calibrate(*, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, re
         issue.append(res["issue_s"])
         for kind in KINDS:
             pts = sorted(dict(res[kind]).items())
-            curves.append(CollectiveCurve(kind=kind, group_size=int(k), nbytes=tuple(int(b) for b, _ in pts),
-                                          seconds=tuple(float(s) for _, s in pts)))
+            curves.append(
+                CollectiveCurve(
+                    kind=kind,
+                    group_size=int(k),
+                    nbytes=tuple(int(b) for b, _ in pts),
+                    seconds=tuple(float(s) for _, s in pts),
+                )
+            )
     peaks = []
     eff: list[tuple[float, float]] = []
     in_situ = {int(k): res["in_situ"] for k, res in raw["collectives"].items() if "in_situ" in res}
@@ -247,9 +268,11 @@ def calibrate(*, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, re
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m dmuon calibrate [--json F] [--quick]``: print the record; write it with ``--json``."""
-    parser = argparse.ArgumentParser(prog="python -m dmuon calibrate",
-                                     description="Microbenchmark this machine into a cpu-gloo hardware record "
-                                                 "for `python -m dmuon simulate --hw FILE` (under 3 minutes).")
+    parser = argparse.ArgumentParser(
+        prog="python -m dmuon calibrate",
+        description="Microbenchmark this machine into a cpu-gloo hardware record "
+        "for `python -m dmuon simulate --hw FILE` (under 3 minutes).",
+    )
     parser.add_argument("--json", metavar="FILE", default=None, help="write the record (and raw measurements) here")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats (smoke run)")
     parser.add_argument("--group-sizes", type=int, nargs="+", default=[2, 3, 4], help="gloo group sizes to measure")
@@ -262,33 +285,52 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{hw.name}: {raw['wall_s']:.0f} s")
     for d, f in hw.matmul_peak_flops:
         print(f"  matmul peak {d.replace('torch.', '')}: {f / 1e9:.1f} GFLOP/s (1 thread)")
-    print(f"  operator overhead {1e6 * hw.op_overhead_s:.2f} us, elementwise {hw.elementwise_Bps / 1e9:.2f} GB/s, "
-          f"hook {1e6 * hw.hook_s:.1f} us, FSDP2 call {1e6 * hw.fsdp2_call_s:.0f} us, DTensor op +{1e6 * hw.dtensor_op_s:.1f} us, "
-          f"collective issue {1e6 * hw.issue_s:.0f} us, autograd op {1e6 * hw.autograd_op_s:.1f} us")
+    print(
+        f"  operator overhead {1e6 * hw.op_overhead_s:.2f} us, elementwise {hw.elementwise_Bps / 1e9:.2f} GB/s, "
+        f"hook {1e6 * hw.hook_s:.1f} us, FSDP2 call {1e6 * hw.fsdp2_call_s:.0f} us, DTensor op +{1e6 * hw.dtensor_op_s:.1f} us, "
+        f"collective issue {1e6 * hw.issue_s:.0f} us, autograd op {1e6 * hw.autograd_op_s:.1f} us"
+    )
     if hw.autograd_matmul_efficiency:
-        print("  training matmul (autograd) fraction of peak by d: "
-              + ", ".join(f"{d:.0f} {e:.2f}" for d, e in hw.autograd_matmul_efficiency))
+        print(
+            "  training matmul (autograd) fraction of peak by d: "
+            + ", ".join(f"{d:.0f} {e:.2f}" for d, e in hw.autograd_matmul_efficiency)
+        )
     if hw.attention_efficiency:
-        print("  attention (SDPA forward + backward) fraction of peak by head d: "
-              + ", ".join(f"{d:.0f} {e:.2f}" for d, e in hw.attention_efficiency))
+        print(
+            "  attention (SDPA forward + backward) fraction of peak by head d: "
+            + ", ".join(f"{d:.0f} {e:.2f}" for d, e in hw.attention_efficiency)
+        )
     if hw.ns_efficiency:
-        print("  Newton-Schulz call (fp32) fraction of peak by d: "
-              + ", ".join(f"{d:.0f} {e:.2f}" for d, e in hw.ns_efficiency))
+        print(
+            "  Newton-Schulz call (fp32) fraction of peak by d: "
+            + ", ".join(f"{d:.0f} {e:.2f}" for d, e in hw.ns_efficiency)
+        )
     if hw.gram_ns_efficiency:
-        print("  Gram Newton-Schulz call (fp32) fraction of peak by d: "
-              + ", ".join(f"{d:.0f} {e:.2f}" for d, e in hw.gram_ns_efficiency))
+        print(
+            "  Gram Newton-Schulz call (fp32) fraction of peak by d: "
+            + ", ".join(f"{d:.0f} {e:.2f}" for d, e in hw.gram_ns_efficiency)
+        )
     if hw.ns_batch_factor:
-        print("  batched Newton-Schulz, per matrix over one call, by (d, batch): "
-              + ", ".join(f"{d:.0f}/{b:.0f} x{f:.2f}" for d, b, f in hw.ns_batch_factor))
-    print(f"  busy node ({hw.cores_per_node} cores computing): matmul-class x{hw.busy_compute_factor:.2f}, "
-          f"memory-bound x{hw.busy_memory_factor:.2f}")
-    print(f"  RMSNorm forward + backward {1e9 * hw.norm_train_s_per_numel:.2f} ns / element, "
-          f"GELU forward + backward {1e9 * hw.activation_train_s_per_numel:.2f} ns / element")
+        print(
+            "  batched Newton-Schulz, per matrix over one call, by (d, batch): "
+            + ", ".join(f"{d:.0f}/{b:.0f} x{f:.2f}" for d, b, f in hw.ns_batch_factor)
+        )
+    print(
+        f"  busy node ({hw.cores_per_node} cores computing): matmul-class x{hw.busy_compute_factor:.2f}, "
+        f"memory-bound x{hw.busy_memory_factor:.2f}"
+    )
+    print(
+        f"  RMSNorm forward + backward {1e9 * hw.norm_train_s_per_numel:.2f} ns / element, "
+        f"GELU forward + backward {1e9 * hw.activation_train_s_per_numel:.2f} ns / element"
+    )
     step_factor = dict(hw.step_compute_factor_by_group)
-    for (k, f), (_, g), (_, h) in zip(hw.fsdp2_call_s_by_group, hw.dtensor_gather_s_by_group,
-                                      hw.comm_cpu_share_by_group):
-        print(f"  k={k}: FSDP2 call {1e3 * f:.2f} ms, DTensor gather {1e3 * g:.2f} ms (each beyond its collective), comm CPU share {h:.2f}, "
-              f"step compute x{step_factor.get(k, 1.0):.2f}")
+    for (k, f), (_, g), (_, h) in zip(
+        hw.fsdp2_call_s_by_group, hw.dtensor_gather_s_by_group, hw.comm_cpu_share_by_group
+    ):
+        print(
+            f"  k={k}: FSDP2 call {1e3 * f:.2f} ms, DTensor gather {1e3 * g:.2f} ms (each beyond its collective), comm CPU share {h:.2f}, "
+            f"step compute x{step_factor.get(k, 1.0):.2f}"
+        )
     for c in hw.curves:
         if c.kind in ("broadcast", "all_gather"):
             pts = ", ".join(f"{b / 1024:.0f}K {1e3 * s:.2f}" for b, s in zip(c.nbytes, c.seconds))

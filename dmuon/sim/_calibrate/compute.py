@@ -54,6 +54,7 @@ def _matmul(sizes: Sequence[int], repeats: int) -> dict[str, list[tuple[int, flo
         def fb(x=x, w=w):
             for _ in range(reps):
                 torch.nn.functional.linear(x, w).backward(torch.ones(t_rows, d))
+
         fb()
         pts.append(((t_rows * d * d) ** (1 / 3), flops * reps / _median_s(fb, repeats)))
     out["autograd"] = pts
@@ -84,7 +85,7 @@ def _training_kernels(repeats: int, quick: bool) -> dict[str, Any]:
     import torch.nn.functional as F
 
     att = []
-    for seq, hd in (QUICK_ATTENTION_SHAPES if quick else ATTENTION_SHAPES):
+    for seq, hd in QUICK_ATTENTION_SHAPES if quick else ATTENTION_SHAPES:
         shape = (ATTENTION_BATCH, ATTENTION_HEADS, seq, hd)
         n = ATTENTION_BATCH * ATTENTION_HEADS
         q, k, v = (torch.randn(*shape, requires_grad=True) for _ in range(3))
@@ -92,6 +93,7 @@ def _training_kernels(repeats: int, quick: bool) -> dict[str, Any]:
 
         def fb(q=q, k=k, v=v, go=go):
             F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(go)
+
         fb()
         att.append(((seq * seq * hd) ** (1 / 3), 3 * 2 * n * seq * seq * hd / _median_s(fb, max(repeats, 15))))
 
@@ -101,12 +103,16 @@ def _training_kernels(repeats: int, quick: bool) -> dict[str, Any]:
 
         def fb():
             fn(x).backward(go)
+
         fb()
         return _median_s(fb, max(repeats, 15)) / x.numel()
 
     norm = torch.nn.RMSNorm(256)
-    return dict(attention=sorted(att), norm_s_per_numel=per_numel(norm, (1024, 256)),
-                activation_s_per_numel=per_numel(F.gelu, (1024, 1024)))
+    return dict(
+        attention=sorted(att),
+        norm_s_per_numel=per_numel(norm, (1024, 256)),
+        activation_s_per_numel=per_numel(F.gelu, (1024, 1024)),
+    )
 
 
 #: (a, b) matrices of the Newton-Schulz calibration (square and 1:4, as transformer blocks have)
@@ -256,8 +262,10 @@ def _busy_node(repeats: int) -> dict[str, float]:
             if p.is_alive():
                 p.kill()
     med = {k: statistics.median(v) for k, v in samples.items()}
-    return dict(busy_compute_factor=max(1.0, med["busy_c"] / med["solo_c"]),
-                busy_memory_factor=max(1.0, med["busy_m"] / med["solo_m"]))
+    return dict(
+        busy_compute_factor=max(1.0, med["busy_c"] / med["solo_c"]),
+        busy_memory_factor=max(1.0, med["busy_m"] / med["solo_m"]),
+    )
 
 
 def _overheads(repeats: int) -> dict[str, float]:
@@ -275,6 +283,7 @@ def _overheads(repeats: int) -> dict[str, float]:
             for _ in range(ops):
                 y = y * 1.0001
             y.sum().backward()
+
         return f
 
     autograd_op_s = max(0.0, (_median_s(chain(110), repeats) - _median_s(chain(10), repeats)) / 100 / 3)
@@ -291,8 +300,12 @@ def _overheads(repeats: int) -> dict[str, float]:
             lin(inp).sum().backward()
 
     plain = _median_s(run, repeats)
-    hooks = [lin.register_forward_pre_hook(lambda m, a: None), lin.register_forward_hook(lambda m, a, o: None),
-             lin.register_full_backward_pre_hook(lambda m, g: None), lin.register_full_backward_hook(lambda m, gi, go: None)]
+    hooks = [
+        lin.register_forward_pre_hook(lambda m, a: None),
+        lin.register_forward_hook(lambda m, a, o: None),
+        lin.register_full_backward_pre_hook(lambda m, g: None),
+        lin.register_full_backward_hook(lambda m, gi, go: None),
+    ]
     hooked = _median_s(run, repeats)
     for h in hooks:
         h.remove()

@@ -86,8 +86,9 @@ def _time_collectives(dist, torch, group, k: int, sizes: Sequence[int], repeats:
 FSDP2_STACKS = ((8, 8, 2), (256, 6, 64), (256, 6, 512))
 
 
-def _fsdp2_stack(dist, torch, group, mesh, k: int, med, reps: int, width: int, per_unit: int,
-                 rows: int) -> dict[str, float]:
+def _fsdp2_stack(
+    dist, torch, group, mesh, k: int, med, reps: int, width: int, per_unit: int, rows: int
+) -> dict[str, float]:
     """One FSDP2 stack of 4 units of ``per_unit`` ``Linear(width, width)`` on ``rows`` inputs:
     ``call_s`` = the sharded stack's forward + backward minus the plain stack's (the median of
     interleaved pairs), per call, less the bare blocking all-gather / reduce-scatter of the unit's
@@ -99,8 +100,9 @@ def _fsdp2_stack(dist, torch, group, mesh, k: int, med, reps: int, width: int, p
     units = 4
 
     def stack():
-        return nn.Sequential(*[nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(per_unit)])
-                               for _ in range(units)])
+        return nn.Sequential(
+            *[nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(per_unit)]) for _ in range(units)]
+        )
 
     plain, sharded = stack(), stack()
     for unit in sharded:
@@ -138,7 +140,9 @@ def fsdp2_terms(small: dict[str, float], low: dict[str, float], high: dict[str, 
     the two block-sized stacks share): the factor from those two (``low`` and ``high`` compute),
     the fixed cost from the tiny-unit stack with its (small) compute share removed. Each clamped to
     its physical range (``fixed >= 0``, ``factor >= 1``)."""
-    extra = (high["call_s"] * high["calls"] - low["call_s"] * low["calls"]) / max(high["compute_s"] - low["compute_s"], 1e-9)
+    extra = (high["call_s"] * high["calls"] - low["call_s"] * low["calls"]) / max(
+        high["compute_s"] - low["compute_s"], 1e-9
+    )
     extra = max(0.0, extra)
     return max(0.0, small["call_s"] - extra * small["compute_s"] / small["calls"]), 1.0 + extra
 
@@ -164,8 +168,7 @@ def _in_situ(dist, torch, group, k: int, repeats: int) -> dict[str, float]:
         return statistics.median(times)
 
     reps = max(repeats, 9)
-    fsdp2, step_factor = fsdp2_terms(*(_fsdp2_stack(dist, torch, group, mesh, k, med, reps, *s)
-                                       for s in FSDP2_STACKS))
+    fsdp2, step_factor = fsdp2_terms(*(_fsdp2_stack(dist, torch, group, mesh, k, med, reps, *s) for s in FSDP2_STACKS))
     width = 8
     dt = distribute_tensor(torch.ones(k * 16, width), mesh, [Shard(0)])
     x = torch.ones(16 * width)
@@ -177,8 +180,12 @@ def _in_situ(dist, torch, group, k: int, repeats: int) -> dict[str, float]:
     share = _comm_cpu_share(dist, torch, group, k, reps, med)
     out = torch.tensor([fsdp2, max(0.0, t_full + t_back - t_bare), share, step_factor], dtype=torch.float64)
     dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
-    return dict(fsdp2_call_s=float(out[0]), dtensor_gather_s=float(out[1]), comm_cpu_share=float(out[2]),
-                step_compute_factor=float(out[3]))
+    return dict(
+        fsdp2_call_s=float(out[0]),
+        dtensor_gather_s=float(out[1]),
+        comm_cpu_share=float(out[2]),
+        step_compute_factor=float(out[3]),
+    )
 
 
 def _comm_cpu_share(dist, torch, group, k: int, reps: int, med) -> float:
@@ -196,8 +203,10 @@ def _comm_cpu_share(dist, torch, group, k: int, reps: int, med) -> float:
             a @ b
 
     def issue():
-        return [dist.broadcast(x, dist.get_global_rank(group, i % k), group=group, async_op=True)
-                for i, x in enumerate(bufs)]
+        return [
+            dist.broadcast(x, dist.get_global_rank(group, i % k), group=group, async_op=True)
+            for i, x in enumerate(bufs)
+        ]
 
     def both():
         works = issue()
@@ -230,6 +239,7 @@ def _fsdp_overheads(torch, group, repeats: int) -> dict[str, float]:
         def f():
             for _ in range(10):
                 model(inp).sum().backward()
+
         return f
 
     run(sharded)()
@@ -245,4 +255,3 @@ def _fsdp_overheads(torch, group, repeats: int) -> dict[str, float]:
         t_d = _median_s(lambda: [p.mul_(1.0) for _ in range(n)], repeats) / n
         t_q = _median_s(lambda: [q.mul_(1.0) for _ in range(n)], repeats) / n
     return dict(fsdp2_call_s=fsdp2_call_s, dtensor_op_s=max(0.0, t_d - t_q))
-

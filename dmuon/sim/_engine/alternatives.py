@@ -118,7 +118,9 @@ def ep_groups(plan: Any) -> list[tuple[int, ...]]:
     return [tuple(r * N + g * ep + j for j in range(ep)) for r in range(R) for g in range(N // ep)]
 
 
-def fsdp2_ops(plan: Any, step: Step | None = None, *, reshard_after_forward: bool = True) -> tuple[tuple[Op, ...], dict[str, tuple[int, ...]]]:
+def fsdp2_ops(
+    plan: Any, step: Step | None = None, *, reshard_after_forward: bool = True
+) -> tuple[tuple[Op, ...], dict[str, tuple[int, ...]]]:
     """FSDP2's ops for every parameter of ``plan``'s model (module docstring, ``adamw``), and per
     unit FQN the ids of its last gradient collectives (reduce-scatter, HSDP all-reduce)."""
     step = Step() if step is None else step
@@ -140,20 +142,54 @@ def fsdp2_ops(plan: Any, step: Step | None = None, *, reshard_after_forward: boo
         return [(d, -nk, c) for (d, nk), c in sorted(per.items())]
 
     def gather(unit: str, mb: int) -> tuple[int, ...]:
-        return tuple(e.emit(kind="fsdp2_all_gather", phase="fsdp2", group=grp, dtype=plan.bcast_dtype(d), numel=c,
-                            boundary=unit, micro_batch=mb, external=True)
-                     for d, k, c in sizes(unit, False) for grp in shard_groups(plan, k))
+        return tuple(
+            e.emit(
+                kind="fsdp2_all_gather",
+                phase="fsdp2",
+                group=grp,
+                dtype=plan.bcast_dtype(d),
+                numel=c,
+                boundary=unit,
+                micro_batch=mb,
+                external=True,
+            )
+            for d, k, c in sizes(unit, False)
+            for grp in shard_groups(plan, k)
+        )
 
     def reduce(unit: str, mb: int, deps: tuple[int, ...]) -> None:
         ids = []
         for d, k, c in sizes(unit, True):
             wire = plan.reduce_dtype_for(d)
-            rs = [e.emit(kind="fsdp2_reduce_scatter", phase="fsdp2", group=grp, dtype=wire, numel=c, boundary=unit,
-                         micro_batch=mb, deps=deps, external=True) for grp in shard_groups(plan, k)]
+            rs = [
+                e.emit(
+                    kind="fsdp2_reduce_scatter",
+                    phase="fsdp2",
+                    group=grp,
+                    dtype=wire,
+                    numel=c,
+                    boundary=unit,
+                    micro_batch=mb,
+                    deps=deps,
+                    external=True,
+                )
+                for grp in shard_groups(plan, k)
+            ]
             ids += rs
             for col in cols:
-                ids.append(e.emit(kind="fsdp2_all_reduce", phase="fsdp2", group=col, dtype=wire, numel=c, boundary=unit,
-                                  micro_batch=mb, deps=tuple(rs), external=True))
+                ids.append(
+                    e.emit(
+                        kind="fsdp2_all_reduce",
+                        phase="fsdp2",
+                        group=col,
+                        dtype=wire,
+                        numel=c,
+                        boundary=unit,
+                        micro_batch=mb,
+                        deps=tuple(rs),
+                        external=True,
+                    )
+                )
         last_grad[unit] = tuple(ids)
 
     bounds = [b.fqn for b in plan.boundaries]
@@ -163,12 +199,20 @@ def fsdp2_ops(plan: Any, step: Step | None = None, *, reshard_after_forward: boo
         for b in bounds:
             g = gather(b, mb)
             fwd_deps[b] = g
-            e.emit(kind="forward", phase="compute", group=everyone, boundary=b, micro_batch=mb, deps=g + root,
-                   external=True)
+            e.emit(
+                kind="forward",
+                phase="compute",
+                group=everyone,
+                boundary=b,
+                micro_batch=mb,
+                deps=g + root,
+                external=True,
+            )
         for b in reversed(bounds):
             g = gather(b, mb) if reshard_after_forward else fwd_deps[b]
-            c = e.emit(kind="backward", phase="compute", group=everyone, boundary=b, micro_batch=mb, deps=g,
-                       external=True)
+            c = e.emit(
+                kind="backward", phase="compute", group=everyone, boundary=b, micro_batch=mb, deps=g, external=True
+            )
             if micro.sync:
                 reduce(b, mb, (c,))
         if micro.sync:
@@ -205,14 +249,35 @@ def build(variant: str, plan: Any, step: Step | None = None) -> tuple[Op, ...]:
         for spec in specs:
             deps = last_grad.get(plan.boundary(spec.fqn), ())
             k, c = _baseline.spec_fsdp2_shard(spec, N)
-            gathers[spec.fqn] = tuple(
-                e.emit(kind="all_gather", phase="optimizer", group=grp, dtype=spec.dtype, numel=c, fqns=(spec.fqn,),
-                       micro_batch=mb, deps=deps, external=True) for grp in shard_groups(plan, k)) or deps
+            gathers[spec.fqn] = (
+                tuple(
+                    e.emit(
+                        kind="all_gather",
+                        phase="optimizer",
+                        group=grp,
+                        dtype=spec.dtype,
+                        numel=c,
+                        fqns=(spec.fqn,),
+                        micro_batch=mb,
+                        deps=deps,
+                        external=True,
+                    )
+                    for grp in shard_groups(plan, k)
+                )
+                or deps
+            )
         for spec in specs:
             m, n = spec.matrix_shape
             local = spec.num_matrices // spec.ep_size  # an EP rank's experts
-            e.emit(kind="newton_schulz", phase="optimizer", group=everyone, fqns=(spec.fqn,), micro_batch=mb,
-                   flops=_flops.ns_flops(m, n, num_matrices=local), deps=gathers[spec.fqn])
+            e.emit(
+                kind="newton_schulz",
+                phase="optimizer",
+                group=everyone,
+                fqns=(spec.fqn,),
+                micro_batch=mb,
+                flops=_flops.ns_flops(m, n, num_matrices=local),
+                deps=gathers[spec.fqn],
+            )
         return tuple(e.ops)
     if plan_ep(plan) > 1:
         raise ValueError("the all_to_all (dion) alternative is not modelled with expert parallelism")
@@ -223,16 +288,29 @@ def build(variant: str, plan: Any, step: Step | None = None) -> tuple[Op, ...]:
     batches: list[list] = []
     for group in by_shape.values():
         for i in range(0, len(group), N):
-            batches.append(group[i:i + N])
+            batches.append(group[i : i + N])
     sends: list[tuple[int, ...]] = []
     for batch in batches:
         # each unit's gradient collectives once (first-seen order), however many of its matrices the batch holds
         deps = tuple(dict.fromkeys(i for spec in batch for i in last_grad.get(plan.boundary(spec.fqn), ())))
         shard = max(_baseline.spec_fsdp2_shard(spec, N)[1] for spec in batch)
         if N > 1:
-            sends.append(tuple(e.emit(kind="all_to_all", phase="optimizer", group=row, dtype=batch[0].dtype,
-                                      numel=N * shard, fqns=tuple(s.fqn for s in batch), micro_batch=mb, deps=deps,
-                                      external=True) for row in rows))
+            sends.append(
+                tuple(
+                    e.emit(
+                        kind="all_to_all",
+                        phase="optimizer",
+                        group=row,
+                        dtype=batch[0].dtype,
+                        numel=N * shard,
+                        fqns=tuple(s.fqn for s in batch),
+                        micro_batch=mb,
+                        deps=deps,
+                        external=True,
+                    )
+                    for row in rows
+                )
+            )
         else:
             sends.append(deps)
     for batch, sent in zip(batches, sends):
@@ -242,13 +320,30 @@ def build(variant: str, plan: Any, step: Step | None = None) -> tuple[Op, ...]:
             for r, row in enumerate(rows):
                 sent_r = (sent[r],) if N > 1 else sent  # the row's own all-to-all
                 ns_ids.setdefault(r, []).append(
-                    e.emit(kind="newton_schulz", phase="optimizer", group=(row[j],), fqns=(spec.fqn,), micro_batch=mb,
-                           flops=_flops.ns_flops(m, n, num_matrices=spec.num_matrices), deps=sent_r))
+                    e.emit(
+                        kind="newton_schulz",
+                        phase="optimizer",
+                        group=(row[j],),
+                        fqns=(spec.fqn,),
+                        micro_batch=mb,
+                        flops=_flops.ns_flops(m, n, num_matrices=spec.num_matrices),
+                        deps=sent_r,
+                    )
+                )
         if N > 1:
             shard = max(_baseline.spec_fsdp2_shard(spec, N)[1] for spec in batch)
             for r, row in enumerate(rows):
-                e.emit(kind="all_to_all", phase="optimizer", group=row, dtype=batch[0].dtype, numel=N * shard,
-                       fqns=tuple(s.fqn for s in batch), micro_batch=mb, deps=tuple(ns_ids[r]), external=True)
+                e.emit(
+                    kind="all_to_all",
+                    phase="optimizer",
+                    group=row,
+                    dtype=batch[0].dtype,
+                    numel=N * shard,
+                    fqns=tuple(s.fqn for s in batch),
+                    micro_batch=mb,
+                    deps=tuple(ns_ids[r]),
+                    external=True,
+                )
     return tuple(e.ops)
 
 

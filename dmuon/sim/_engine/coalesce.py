@@ -30,8 +30,9 @@ from dmuon.sim._engine.hardware import Hardware, collective_s, group_link
 __all__ = ["coalesced_collective_s"]
 
 
-def coalesced_collective_s(hw: Hardware, kind: str, group: Sequence[int], nbytes: Sequence[float],
-                           roots: Sequence[int]) -> float:
+def coalesced_collective_s(
+    hw: Hardware, kind: str, group: Sequence[int], nbytes: Sequence[float], roots: Sequence[int]
+) -> float:
     """Seconds of ``m`` broadcasts / reduces (``kind``) on ``group``, payloads ``nbytes[i]`` per
     rank and roots ``roots[i]``, issued as one coalesced call (module docstring:
     ``hw.coalesce_model``, ``hw.coalesced_op_s``). A measured curve of ``kind`` is not a model

@@ -205,11 +205,20 @@ def _bisect(xs: Sequence[float], x: float) -> int:
 
 
 #: ``(d, fraction of peak)`` curves of :class:`Hardware` (``matmul_efficiency`` first: required)
-_CURVE_FIELDS = ("matmul_efficiency", "autograd_matmul_efficiency", "attention_efficiency", "ns_efficiency",
-                 "gram_ns_efficiency")
+_CURVE_FIELDS = (
+    "matmul_efficiency",
+    "autograd_matmul_efficiency",
+    "attention_efficiency",
+    "ns_efficiency",
+    "gram_ns_efficiency",
+)
 #: ``(group size or ranks on the node, value)`` pairs of :class:`Hardware`
-_BY_GROUP_FIELDS = ("fsdp2_call_s_by_group", "dtensor_gather_s_by_group", "comm_cpu_share_by_group",
-                    "step_compute_factor_by_group")
+_BY_GROUP_FIELDS = (
+    "fsdp2_call_s_by_group",
+    "dtensor_gather_s_by_group",
+    "comm_cpu_share_by_group",
+    "step_compute_factor_by_group",
+)
 #: memory passes of a norm's / the activation function's forward where the record has no
 #: calibrated per-element cost (:func:`train_norm_s`, :func:`train_activation_s`)
 NORM_PASSES = 6
@@ -348,7 +357,8 @@ class Hardware:
                 raise ValueError(f"Hardware.{name}: d must increase")
         pts3 = self.ns_batch_factor
         if any(not (d > 0 and b > 1 and f > 0) for d, b, f in pts3) or any(
-                (b[0], b[1]) <= (a[0], a[1]) for a, b in zip(pts3, pts3[1:])):
+            (b[0], b[1]) <= (a[0], a[1]) for a, b in zip(pts3, pts3[1:])
+        ):
             raise ValueError("Hardware.ns_batch_factor: (d, batch > 1, factor > 0) points, (d, batch) increasing")
         index: dict[str, dict[int, CollectiveCurve]] = {}
         for c in self.curves:
@@ -380,8 +390,10 @@ class Hardware:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
         d["intra"] = dataclasses.asdict(self.intra)
         d["inter"] = dataclasses.asdict(self.inter)
-        d["curves"] = [dict(kind=c.kind, group_size=c.group_size, nbytes=list(c.nbytes), seconds=list(c.seconds))
-                       for c in self.curves]
+        d["curves"] = [
+            dict(kind=c.kind, group_size=c.group_size, nbytes=list(c.nbytes), seconds=list(c.seconds))
+            for c in self.curves
+        ]
         d["matmul_peak_flops"] = [list(x) for x in self.matmul_peak_flops]
         for name in _CURVE_FIELDS + _BY_GROUP_FIELDS + ("ns_batch_factor",):
             d[name] = [list(x) for x in getattr(self, name)]
@@ -392,8 +404,12 @@ class Hardware:
         d = dict(d)
         d["intra"] = Link(**d["intra"])
         d["inter"] = Link(**d["inter"])
-        d["curves"] = tuple(CollectiveCurve(kind=c["kind"], group_size=c["group_size"], nbytes=tuple(c["nbytes"]),
-                                            seconds=tuple(c["seconds"])) for c in d.get("curves", ()))
+        d["curves"] = tuple(
+            CollectiveCurve(
+                kind=c["kind"], group_size=c["group_size"], nbytes=tuple(c["nbytes"]), seconds=tuple(c["seconds"])
+            )
+            for c in d.get("curves", ())
+        )
         d["matmul_peak_flops"] = tuple((str(a), float(b)) for a, b in d["matmul_peak_flops"])
         d["matmul_efficiency"] = tuple((float(a), float(b)) for a, b in d["matmul_efficiency"])
         for name in _CURVE_FIELDS[1:]:  # optional: absent from records of older calibrations
@@ -624,7 +640,9 @@ _TF = 1e12
 _GPU_EFFICIENCY = ((128.0, 0.08), (512.0, 0.35), (1024.0, 0.55), (2048.0, 0.68), (4096.0, 0.75), (8192.0, 0.78))
 
 
-def _gpu(name: str, *, bf16: float, fp32: float, hbm: float, nvlink: float, ib: float, mem_gb: float, source: str) -> Hardware:
+def _gpu(
+    name: str, *, bf16: float, fp32: float, hbm: float, nvlink: float, ib: float, mem_gb: float, source: str
+) -> Hardware:
     return Hardware(
         name=name,
         ranks_per_node=8,
@@ -654,14 +672,46 @@ def _gpu(name: str, *, bf16: float, fp32: float, hbm: float, nvlink: float, ib: 
 #: ``nvlink`` / ``ib`` are per GPU and direction: NVLink 4 900 GB/s bidirectional -> 450; NVLink 3
 #: 600 -> 300; A800's NVLink 400 -> 200; one 400 Gb/s NDR NIC per GPU -> 50 GB/s; HDR 200 Gb/s -> 25.
 PRESETS: dict[str, Hardware] = {
-    "h100": _gpu("H100 SXM5 80GB, NVLink 4 + 8x400G NDR InfiniBand", bf16=989 * _TF, fp32=67 * _TF,
-                 hbm=3350 * _GB, nvlink=450 * _GB, ib=50 * _GB, mem_gb=80, source="nvidia-h100-datasheet"),
-    "h200": _gpu("H200 SXM 141GB, NVLink 4 + 8x400G NDR InfiniBand", bf16=989 * _TF, fp32=67 * _TF,
-                 hbm=4800 * _GB, nvlink=450 * _GB, ib=50 * _GB, mem_gb=141, source="nvidia-h200-datasheet"),
-    "a100": _gpu("A100 SXM4 80GB, NVLink 3 + 8x200G HDR InfiniBand", bf16=312 * _TF, fp32=19.5 * _TF,
-                 hbm=2039 * _GB, nvlink=300 * _GB, ib=25 * _GB, mem_gb=80, source="nvidia-a100-datasheet"),
-    "a800": _gpu("A800 SXM4 80GB, NVLink 400 GB/s + 8x200G HDR InfiniBand", bf16=312 * _TF, fp32=19.5 * _TF,
-                 hbm=2039 * _GB, nvlink=200 * _GB, ib=25 * _GB, mem_gb=80, source="nvidia-a800-datasheet"),
+    "h100": _gpu(
+        "H100 SXM5 80GB, NVLink 4 + 8x400G NDR InfiniBand",
+        bf16=989 * _TF,
+        fp32=67 * _TF,
+        hbm=3350 * _GB,
+        nvlink=450 * _GB,
+        ib=50 * _GB,
+        mem_gb=80,
+        source="nvidia-h100-datasheet",
+    ),
+    "h200": _gpu(
+        "H200 SXM 141GB, NVLink 4 + 8x400G NDR InfiniBand",
+        bf16=989 * _TF,
+        fp32=67 * _TF,
+        hbm=4800 * _GB,
+        nvlink=450 * _GB,
+        ib=50 * _GB,
+        mem_gb=141,
+        source="nvidia-h200-datasheet",
+    ),
+    "a100": _gpu(
+        "A100 SXM4 80GB, NVLink 3 + 8x200G HDR InfiniBand",
+        bf16=312 * _TF,
+        fp32=19.5 * _TF,
+        hbm=2039 * _GB,
+        nvlink=300 * _GB,
+        ib=25 * _GB,
+        mem_gb=80,
+        source="nvidia-a100-datasheet",
+    ),
+    "a800": _gpu(
+        "A800 SXM4 80GB, NVLink 400 GB/s + 8x200G HDR InfiniBand",
+        bf16=312 * _TF,
+        fp32=19.5 * _TF,
+        hbm=2039 * _GB,
+        nvlink=200 * _GB,
+        ib=25 * _GB,
+        mem_gb=80,
+        source="nvidia-a800-datasheet",
+    ),
 }
 
 
@@ -687,8 +737,10 @@ def load(path: str) -> Hardware:
             d = json.load(f)
             return Hardware.from_dict(d.get("hardware", d))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:  # JSONDecodeError is a ValueError
-            raise ValueError(f"{path}: not a calibration record ({type(exc).__name__}: {exc}); "
-                             "write one with `python -m dmuon calibrate --json FILE`") from exc
+            raise ValueError(
+                f"{path}: not a calibration record ({type(exc).__name__}: {exc}); "
+                "write one with `python -m dmuon calibrate --json FILE`"
+            ) from exc
 
 
 def dump(hw: Hardware, path: str, **extra: Any) -> None:

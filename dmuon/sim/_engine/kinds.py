@@ -66,11 +66,18 @@ def _with_kind(plan: Any, kind: str) -> Any:
     its ``collectives`` mode set to ``kind`` (a plan records which kinds its mode allows)."""
     N = plan.mesh_shape[1]
     boundaries = tuple(
-        dataclasses.replace(b, buffers=tuple(
-            with_collective(buf, kind if buf.group_size(N) > 1 else "broadcast", plan.align_numel)
-            for buf in b.buffers))
-        for b in plan.boundaries)
-    return dataclasses.replace(plan, boundaries=boundaries, collectives=dataclasses.replace(plan.collectives, mode=kind))
+        dataclasses.replace(
+            b,
+            buffers=tuple(
+                with_collective(buf, kind if buf.group_size(N) > 1 else "broadcast", plan.align_numel)
+                for buf in b.buffers
+            ),
+        )
+        for b in plan.boundaries
+    )
+    return dataclasses.replace(
+        plan, boundaries=boundaries, collectives=dataclasses.replace(plan.collectives, mode=kind)
+    )
 
 
 def _phase_seconds(hw: Hardware, ops: list) -> dict[tuple[str, str], float]:
@@ -87,7 +94,9 @@ def _phase_seconds(hw: Hardware, ops: list) -> dict[tuple[str, str], float]:
                 continue
             kind = run[0].kind
             if hw.coalesces and kind in ("broadcast", "reduce"):
-                secs = coalesced_collective_s(hw, kind, group, [o.nbytes for o in run], [o.root for o in run]) + hw.issue_s
+                secs = (
+                    coalesced_collective_s(hw, kind, group, [o.nbytes for o in run], [o.root for o in run]) + hw.issue_s
+                )
             else:
                 secs = sum(collective_s(hw, OP_COLLECTIVE[o.kind], group, o.nbytes) + hw.issue_s for o in run)
             worst = max(worst, secs)
@@ -115,7 +124,16 @@ def buffer_kind_costs(plan: Any, hw: Hardware) -> tuple[BufferKindCost, ...]:
                 continue
             key = (b.fqn, buf.key)
             slot = with_collective(buf, "all_gather", plan.align_numel).slot_numel
-            out.append(BufferKindCost(
-                boundary=b.fqn, buffer=buf.key, chosen=buf.collective, group_size=k, segments=len(buf.segments),
-                slot_numel=slot, broadcast_s=seconds["broadcast"][key], all_gather_s=seconds["all_gather"][key]))
+            out.append(
+                BufferKindCost(
+                    boundary=b.fqn,
+                    buffer=buf.key,
+                    chosen=buf.collective,
+                    group_size=k,
+                    segments=len(buf.segments),
+                    slot_numel=slot,
+                    broadcast_s=seconds["broadcast"][key],
+                    all_gather_s=seconds["all_gather"][key],
+                )
+            )
     return tuple(out)

@@ -34,10 +34,26 @@ from dmuon.plan._records.owners import OwnerGroup
 from dmuon.plan._scheduling.ops import Op
 from dmuon.sim._engine import alternatives as _alt
 from dmuon.sim._engine.coalesce import coalesced_collective_s
-from dmuon.sim._engine.hardware import (OP_COLLECTIVE, Hardware, blocking_wait_s_at, busy_factors, collective_s,
-                       dtensor_gather_s_at, elementwise_s, fsdp2_call_s_at, matmul_s, ns_batch_factor_at, ns_call_s,
-                       ns_mean_dim, step_compute_factor_at, train_activation_s, train_attention_s, train_elementwise_s,
-                       train_matmul_s, train_norm_s)
+from dmuon.sim._engine.hardware import (
+    OP_COLLECTIVE,
+    Hardware,
+    blocking_wait_s_at,
+    busy_factors,
+    collective_s,
+    dtensor_gather_s_at,
+    elementwise_s,
+    fsdp2_call_s_at,
+    matmul_s,
+    ns_batch_factor_at,
+    ns_call_s,
+    ns_mean_dim,
+    step_compute_factor_at,
+    train_activation_s,
+    train_attention_s,
+    train_elementwise_s,
+    train_matmul_s,
+    train_norm_s,
+)
 from dmuon.sim._engine.sim_memory import buffer_wire_numel
 from dmuon.sim._engine.workload import Work, Workload
 
@@ -107,8 +123,15 @@ def _work_s(hw: Hardware, w: Work, factor: float, dtype: str, itemsize: int) -> 
     return factor * (busy_c * t_c + busy_m * t_m)
 
 
-def _ns_s(hw: Hardware, wl: Workload, spec: Any, flops: int, batch_factor: float = 1.0,
-          backend: str = "standard", numel: int | None = None) -> float:
+def _ns_s(
+    hw: Hardware,
+    wl: Workload,
+    spec: Any,
+    flops: int,
+    batch_factor: float = 1.0,
+    backend: str = "standard",
+    numel: int | None = None,
+) -> float:
     """One matrix's Muon update: the Newton-Schulz call (calibrated as a whole where the record has
     ``ns_efficiency`` — on the Gram curve for ``backend="gram"``,
     :func:`~dmuon.sim.hardware.ns_call_s` — else its matmuls on the plain curve plus its norm / axpy passes) times
@@ -125,8 +148,9 @@ def _ns_s(hw: Hardware, wl: Workload, spec: Any, flops: int, batch_factor: float
     if hw.ns_efficiency:
         return busy_c * ns_call_s(hw, flops, d, backend) * batch_factor + update
     mm = matmul_s(hw, flops, d, hw.ns_dtype)
-    passes = elementwise_s(hw, 2 * _rules.NS_STEPS * numel * itemsize_nbytes(hw.ns_dtype),
-                           wl.ns_ops_per_step * _rules.NS_STEPS)
+    passes = elementwise_s(
+        hw, 2 * _rules.NS_STEPS * numel * itemsize_nbytes(hw.ns_dtype), wl.ns_ops_per_step * _rules.NS_STEPS
+    )
     return (busy_c * mm + busy_m * passes) * batch_factor + update
 
 
@@ -153,8 +177,9 @@ def _ns_backend(spec: Any, grouped: set[str]) -> str:
     return "gram" if gram else "standard"
 
 
-def _ns_batch_factors(ops: Sequence[Op], specs: dict[str, Any], grouped: set[str], hw: Hardware,
-                      variant: str) -> dict[int, float]:
+def _ns_batch_factors(
+    ops: Sequence[Op], specs: dict[str, Any], grouped: set[str], hw: Hardware, variant: str
+) -> dict[int, float]:
     """Op id -> the per-matrix factor of the batched NS call its matrices run in
     (:func:`~dmuon.sim.hardware.ns_batch_factor_at`; ops not listed: 1).
 
@@ -226,8 +251,9 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
     embed_b = _work_s(hw, wl.embed, wl.embed.backward_factor, dtype, isz) * step_f
     head = _work_s(hw, wl.head, 1.0 + wl.head.backward_factor, dtype, isz) * step_f
     hook = 2 * hw.hook_s if dmuon else 0.0
-    boundary_nbytes = {b.fqn: sum(buffer_wire_numel(buf, N) * itemsize_nbytes(buf.dtype) for buf in b.buffers)
-                       for b in plan.boundaries}
+    boundary_nbytes = {
+        b.fqn: sum(buffer_wire_numel(buf, N) * itemsize_nbytes(buf.dtype) for buf in b.buffers) for b in plan.boundaries
+    }
     specs = {s.fqn: s for s in plan.params}
     everyone = tuple(range(num_ranks))
     out: list[_SimOp] = []
@@ -249,8 +275,13 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
     if a2a_groups and plan.tp_size > 1:
         raise ValueError("dmuon.sim: expert parallelism with tensor parallelism is not simulated")
     moe = {f: w for f, w in work.items() if w.experts is not None and w.dispatch_nbytes} if a2a_groups else {}
-    exp_s = {f: (_work_s(hw, w.experts, 1.0, dtype, isz) * step_f,
-                 _work_s(hw, w.experts, w.backward_factor, dtype, isz) * step_f) for f, w in moe.items()}
+    exp_s = {
+        f: (
+            _work_s(hw, w.experts, 1.0, dtype, isz) * step_f,
+            _work_s(hw, w.experts, w.backward_factor, dtype, isz) * step_f,
+        )
+        for f, w in moe.items()
+    }
     last_compute = [-1]  # the latest compute op on every rank (what a token all-to-all waits for)
     block: list[Op] = []  # dmuon broadcasts / reduces of one boundary phase, coalesced (module docstring)
 
@@ -260,8 +291,10 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
         host = hw.issue_s
         if kind.startswith("fsdp2_"):
             host += fsdp2_call_s_at(hw, k) + elementwise_s(hw, 2 * k * nbytes, 1)  # copy-out / copy-in
-        elif dmuon and (kind in ("broadcast", "reduce", "all_reduce", "reduce_scatter")
-                        or (kind == "all_gather" and op.phase in ("forward_broadcast", "backward_broadcast"))):
+        elif dmuon and (
+            kind in ("broadcast", "reduce", "all_reduce", "reduce_scatter")
+            or (kind == "all_gather" and op.phase in ("forward_broadcast", "backward_broadcast"))
+        ):
             # the runtime blocks once per boundary's broadcasts / all-gathers (before its forward /
             # backward) and once per micro-batch on its gradient collectives (finish_reduces); the
             # packing is charged with the boundary's backward, below
@@ -288,8 +321,19 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
             label = f"{first.phase} {first.boundary or ''}".strip() + (f" x{len(run)}" if len(run) > 1 else "")
             for o in run:
                 remap[o.id] = len(out)
-            out.append(_SimOp(first.kind, label, group, deps, True, secs, host_s(first, len(group), first.nbytes),
-                              _channel(first), deferred=first.phase == "replicate_broadcast" and plan.replicate_async))
+            out.append(
+                _SimOp(
+                    first.kind,
+                    label,
+                    group,
+                    deps,
+                    True,
+                    secs,
+                    host_s(first, len(group), first.nbytes),
+                    _channel(first),
+                    deferred=first.phase == "replicate_broadcast" and plan.replicate_async,
+                )
+            )
         block.clear()
 
     def token_a2a(b: str, mb: int, deps: tuple[int, ...]) -> tuple[int, ...]:
@@ -302,8 +346,18 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
             if secs is None:
                 secs = coll_cache[key] = collective_s(hw, "all_to_all", grp, nbytes)
             ids.append(len(out))
-            out.append(_SimOp("all_to_all", f"tokens {b} mb{mb}", grp, deps, True, secs,
-                              hw.issue_s + elementwise_s(hw, 2 * nbytes, 2), "a2a"))
+            out.append(
+                _SimOp(
+                    "all_to_all",
+                    f"tokens {b} mb{mb}",
+                    grp,
+                    deps,
+                    True,
+                    secs,
+                    hw.issue_s + elementwise_s(hw, 2 * nbytes, 2),
+                    "a2a",
+                )
+            )
         return tuple(ids)
 
     def compute(kind: str, label: str, deps: tuple[int, ...], secs: Any) -> int:
@@ -315,8 +369,11 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
         mb = op.micro_batch
         kind = op.kind
         coalesce = hw.coalesces and dmuon and not op.external and kind in _COALESCED_KINDS
-        if block and not (coalesce and (kind, op.phase, op.boundary, mb) == (block[0].kind, block[0].phase,
-                                                                          block[0].boundary, block[0].micro_batch)):
+        if block and not (
+            coalesce
+            and (kind, op.phase, op.boundary, mb)
+            == (block[0].kind, block[0].phase, block[0].boundary, block[0].micro_batch)
+        ):
             flush()
         if coalesce:
             block.append(op)
@@ -336,11 +393,22 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
             if secs is None:
                 secs = coll_cache[key] = collective_s(hw, OP_COLLECTIVE[kind], op.group, nbytes)
             label = f"{op.phase} {op.boundary or ''}".strip()
-            s = _SimOp(kind, label, op.group, deps, True, secs, host_s(op, k, nbytes), _channel(op),
-                       deferred=op.phase == "replicate_broadcast" and plan.replicate_async)
+            s = _SimOp(
+                kind,
+                label,
+                op.group,
+                deps,
+                True,
+                secs,
+                host_s(op, k, nbytes),
+                _channel(op),
+                deferred=op.phase == "replicate_broadcast" and plan.replicate_async,
+            )
             if kind == "fsdp2_all_gather" and op.boundary == "":
                 root_ag.setdefault(mb, []).append(len(out))
-            if kind in ("fsdp2_reduce_scatter", "fsdp2_all_reduce") or (kind == "all_to_all" and variant == "all_to_all"):
+            if kind in ("fsdp2_reduce_scatter", "fsdp2_all_reduce") or (
+                kind == "all_to_all" and variant == "all_to_all"
+            ):
                 grad_colls.append(len(out))
         elif kind in ("forward", "backward", "recompute"):
             b = op.boundary
@@ -366,7 +434,9 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
         elif kind == "newton_schulz":
             spec = specs[op.fqns[0]]
             backend = _ns_backend(spec, grouped) if dmuon else "standard"  # the baselines: torch's iteration
-            secs = _ns_s(hw, wl, spec, op.flops, batch_factors.get(op.id, 1.0), backend, _op_numel(spec, op.flops)) * over
+            secs = (
+                _ns_s(hw, wl, spec, op.flops, batch_factors.get(op.id, 1.0), backend, _op_numel(spec, op.flops)) * over
+            )
             if not dmuon:  # FSDP2 shards: DTensor dispatch of the update's operators
                 secs += wl.muon_ops_per_matrix * hw.dtensor_op_s * over
             s = _SimOp(kind, op.fqns[0], op.group, deps, False, secs, ns=True)
@@ -398,4 +468,3 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
         tensors += [(_baseline.spec_fsdp2_shard(s, N)[1], itemsize_nbytes(s.dtype)) for s in plan.params]
     out.append(_SimOp("optimizer", "adamw", everyone, tuple(grad_colls), False, _adamw_s(hw, wl, tensors, True) * over))
     return out
-

@@ -43,8 +43,13 @@ class MemoryBreakdown:
 
     @property
     def peak_nbytes(self) -> int:
-        return (self.parameters_nbytes + self.gradients_nbytes + self.optimizer_state_nbytes
-                + self.transient_nbytes + self.activations_nbytes)
+        return (
+            self.parameters_nbytes
+            + self.gradients_nbytes
+            + self.optimizer_state_nbytes
+            + self.transient_nbytes
+            + self.activations_nbytes
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -132,12 +137,15 @@ class Simulation:
 
     def summary(self) -> str:
         busy = max(self.ranks, key=lambda r: r.end_s)
-        path = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in sorted(self.path_seconds().items(), key=lambda kv: -kv[1])[:5])
-        return (f"{self.variant}: step {1e3 * self.step_s:.2f} ms on {self.hardware}; critical rank {self.critical_rank} "
-                f"(busy {1e3 * busy.busy_s:.2f}, comm wait {1e3 * busy.comm_wait_s:.2f}, idle {1e3 * busy.idle_s:.2f} ms); "
-                f"exposed comm {1e3 * self.exposed_comm_s:.2f} ms; NS {1e3 * self.ns_s:.2f} ms ({100 * self.ns_share:.1f} %); "
-                f"peak memory {max(self.peak_memory_nbytes) / 2**30:.2f} GiB; critical path ms: {path}")
-
+        path = ", ".join(
+            f"{k} {1e3 * v:.1f}" for k, v in sorted(self.path_seconds().items(), key=lambda kv: -kv[1])[:5]
+        )
+        return (
+            f"{self.variant}: step {1e3 * self.step_s:.2f} ms on {self.hardware}; critical rank {self.critical_rank} "
+            f"(busy {1e3 * busy.busy_s:.2f}, comm wait {1e3 * busy.comm_wait_s:.2f}, idle {1e3 * busy.idle_s:.2f} ms); "
+            f"exposed comm {1e3 * self.exposed_comm_s:.2f} ms; NS {1e3 * self.ns_s:.2f} ms ({100 * self.ns_share:.1f} %); "
+            f"peak memory {max(self.peak_memory_nbytes) / 2**30:.2f} GiB; critical path ms: {path}"
+        )
 
 
 class Simulations(dict):

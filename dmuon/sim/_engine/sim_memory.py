@@ -38,7 +38,9 @@ def buffer_wire_numel(buf: Any, num_shards: int) -> int:
     return max(per.values())
 
 
-def memory(plan: Any, workload: Workload, variant: str, sched: StepSchedule | None = None) -> tuple[MemoryBreakdown, ...]:
+def memory(
+    plan: Any, workload: Workload, variant: str, sched: StepSchedule | None = None
+) -> tuple[MemoryBreakdown, ...]:
     """Peak memory per rank, by term (storage dtypes; the activation dtype for activations).
 
     ``z2`` / ``z3`` (dmuon): parameters = owned masters (+ HSDP replicas held,
@@ -73,23 +75,34 @@ def memory(plan: Any, workload: Workload, variant: str, sched: StepSchedule | No
         if sched is None:
             stats = plan.rank_stats()
         else:  # the same figures from a schedule already built (plan.rank_stats() builds its own)
-            stats = _memory.rank_stats(plan.params, plan.owners, sched, _nbytes.schedule_byte_cost(sched),
-                                     mesh_shape=plan.mesh_shape, reshard_after_forward=plan.reshard_after_forward,
-                                     tp_size=plan.tp_size, assembled_nbytes=plan.assembled_nbytes)
+            stats = _memory.rank_stats(
+                plan.params,
+                plan.owners,
+                sched,
+                _nbytes.schedule_byte_cost(sched),
+                mesh_shape=plan.mesh_shape,
+                reshard_after_forward=plan.reshard_after_forward,
+                tp_size=plan.tp_size,
+                assembled_nbytes=plan.assembled_nbytes,
+            )
         z3 = plan.reshard_after_forward
         fsdp_unsharded = max(unit_full.values(), default=0) if z3 else sum(unit_full.values())
-        reduce_buf = max((sum(buffer_wire_numel(buf, N) * itemsize_nbytes(buf.dtype) for buf in b.buffers)
-                          for b in plan.boundaries), default=0)
+        reduce_buf = max(
+            (sum(buffer_wire_numel(buf, N) * itemsize_nbytes(buf.dtype) for buf in b.buffers) for b in plan.boundaries),
+            default=0,
+        )
         out = []
         for st in stats:
             momentum = st.owned_nbytes
-            out.append(MemoryBreakdown(
-                parameters_nbytes=st.resident_nbytes - momentum + shard_rest,
-                gradients_nbytes=st.owned_nbytes + shard_rest,
-                optimizer_state_nbytes=momentum + 2 * shard_rest,
-                transient_nbytes=st.peak_transient_nbytes + reduce_buf + fsdp_unsharded,
-                activations_nbytes=act,
-            ))
+            out.append(
+                MemoryBreakdown(
+                    parameters_nbytes=st.resident_nbytes - momentum + shard_rest,
+                    gradients_nbytes=st.owned_nbytes + shard_rest,
+                    optimizer_state_nbytes=momentum + 2 * shard_rest,
+                    transient_nbytes=st.peak_transient_nbytes + reduce_buf + fsdp_unsharded,
+                    activations_nbytes=act,
+                )
+            )
         return tuple(out)
     muon_shard = sum(_baseline.spec_fsdp2_shard(s, N)[1] * itemsize_nbytes(s.dtype) for s in plan.params)
     muon_full = sum(s.local_numel * itemsize_nbytes(s.dtype) for s in plan.params)
@@ -105,7 +118,11 @@ def memory(plan: Any, workload: Workload, variant: str, sched: StepSchedule | No
     elif variant == "all_to_all":
         transient += 2 * (muon_full // max(N, 1))
     state = 2 * shard_rest + (2 * muon_shard if variant == "adamw" else muon_shard)
-    rec = MemoryBreakdown(parameters_nbytes=shard_rest + muon_shard, gradients_nbytes=shard_rest + muon_shard,
-                          optimizer_state_nbytes=state, transient_nbytes=transient, activations_nbytes=act)
+    rec = MemoryBreakdown(
+        parameters_nbytes=shard_rest + muon_shard,
+        gradients_nbytes=shard_rest + muon_shard,
+        optimizer_state_nbytes=state,
+        transient_nbytes=transient,
+        activations_nbytes=act,
+    )
     return (rec,) * n
-

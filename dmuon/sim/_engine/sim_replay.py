@@ -220,9 +220,25 @@ def replay_ops(sim_ops: list[_SimOp], num_ranks: int, hw: Hardware, *, timeline_
                     e0 = float(end[p]) if np.ndim(end) else float(end)
                     timelines[int(x)].append(Interval(s0, e0, "compute", op.kind, op.label))
     rank_end = np.maximum(host, comm_end)
-    return dict(host=host, chan_end=comm_end, comm_end_op=comm_end_op, deferred_end=deferred_end, rank_end=rank_end, busy=busy, wait=wait, ns=ns, pred=pred,
-                end_scalar=end_scalar, start_scalar=start_scalar, end_vec=end_vec, start_vec=start_vec,
-                timelines={r: tuple(v) for r, v in timelines.items()}, chan_op=chan_op, host_op=host_op, chan=chan)
+    return dict(
+        host=host,
+        chan_end=comm_end,
+        comm_end_op=comm_end_op,
+        deferred_end=deferred_end,
+        rank_end=rank_end,
+        busy=busy,
+        wait=wait,
+        ns=ns,
+        pred=pred,
+        end_scalar=end_scalar,
+        start_scalar=start_scalar,
+        end_vec=end_vec,
+        start_vec=start_vec,
+        timelines={r: tuple(v) for r, v in timelines.items()},
+        chan_op=chan_op,
+        host_op=host_op,
+        chan=chan,
+    )
 
 
 def _critical_path(sim_ops: list[_SimOp], raw: dict) -> tuple[int, list[PathStep]]:
@@ -247,4 +263,3 @@ def _critical_path(sim_ops: list[_SimOp], raw: dict) -> tuple[int, list[PathStep
         i, r = int(nxt), int(nr) if nr >= 0 else r
     steps.reverse()
     return int(np.argmax(rank_end)), steps
-

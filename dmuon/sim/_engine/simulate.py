@@ -77,14 +77,26 @@ from dmuon.sim._engine.records import Interval, MemoryBreakdown, PathStep, RankT
 from dmuon.sim._engine.sim_replay import _critical_path, replay_ops
 from dmuon.sim._engine.workload import Workload
 
-__all__ = ["VARIANTS", "Interval", "PathStep", "RankTime", "MemoryBreakdown", "Simulation", "simulate",
-           "simulate_variants", "memory", "replay_ops"]
+__all__ = [
+    "VARIANTS",
+    "Interval",
+    "PathStep",
+    "RankTime",
+    "MemoryBreakdown",
+    "Simulation",
+    "simulate",
+    "simulate_variants",
+    "memory",
+    "replay_ops",
+]
 
 #: every variant :func:`simulate_variants` runs
 VARIANTS = ("adamw", "naive", "z2", "z3", "all_to_all")
 
 
-def _variant_ops(plan: Any, variant: str, step: Step | None, early_ns: bool | str) -> tuple[Sequence[Op], int, Any, Any]:
+def _variant_ops(
+    plan: Any, variant: str, step: Step | None, early_ns: bool | str
+) -> tuple[Sequence[Op], int, Any, Any]:
     if variant in ("z2", "z3"):
         want = variant == "z3"
         if plan.reshard_after_forward != want:
@@ -121,9 +133,16 @@ class _OpsView:
         self.num_ranks = n
 
 
-def simulate(plan: Any, hardware: Hardware, workload: Workload, step: Step | None = None, *,
-             variant: str | None = None, early_ns: bool | str = False,
-             timeline_ranks: Sequence[int] | None = None) -> Simulation:
+def simulate(
+    plan: Any,
+    hardware: Hardware,
+    workload: Workload,
+    step: Step | None = None,
+    *,
+    variant: str | None = None,
+    early_ns: bool | str = False,
+    timeline_ranks: Sequence[int] | None = None,
+) -> Simulation:
     """Simulate one step of ``plan`` (dmuon, with the plan's Z2/Z3) or of an alternative.
 
     Args:
@@ -161,9 +180,18 @@ def simulate(plan: Any, hardware: Hardware, workload: Workload, step: Step | Non
     for x in range(n):
         busy, wait = float(raw["busy"][x]), float(raw["wait"][x])
         tail = max(0.0, float(raw["chan_end"][x]) - float(raw["host"][x]))
-        ranks.append(RankTime(rank=x, busy_s=busy, comm_wait_s=wait, idle_s=max(0.0, step_s - busy - wait),
-                              tail_comm_s=tail, ns_s=float(raw["ns"][x]), end_s=float(raw["rank_end"][x]),
-                              memory=mem[x]))
+        ranks.append(
+            RankTime(
+                rank=x,
+                busy_s=busy,
+                comm_wait_s=wait,
+                idle_s=max(0.0, step_s - busy - wait),
+                tail_comm_s=tail,
+                ns_s=float(raw["ns"][x]),
+                end_s=float(raw["rank_end"][x]),
+                memory=mem[x],
+            )
+        )
     last = path[-1] if path else PathStep(rank=crit, kind="", label="", start_s=0.0, end_s=0.0)
     return Simulation(
         variant=variant + ({True: "+early_ns", "ns_only": "+early_ns_only"}.get(early_ns, "") if early_ns else ""),
@@ -195,8 +223,17 @@ def _calls_per_rank(sim_ops: Sequence[Any], n: int) -> tuple[int, ...]:
     return tuple(int(c) for c in calls)
 
 
-def simulate_variants(plan: Any, hardware: Hardware, workload: Workload, step: Step | None = None, *,
-                      variants: Sequence[str] = VARIANTS, timeline_ranks: Sequence[int] | None = None) -> Simulations:
+def simulate_variants(
+    plan: Any,
+    hardware: Hardware,
+    workload: Workload,
+    step: Step | None = None,
+    *,
+    variants: Sequence[str] = VARIANTS,
+    timeline_ranks: Sequence[int] | None = None,
+) -> Simulations:
     """:func:`simulate` for every variant of :data:`VARIANTS` (same hardware and workload), as a
     :class:`~dmuon.sim._engine.records.Simulations` dict (it draws itself in a notebook)."""
-    return Simulations({v: simulate(plan, hardware, workload, step, variant=v, timeline_ranks=timeline_ranks) for v in variants})
+    return Simulations(
+        {v: simulate(plan, hardware, workload, step, variant=v, timeline_ranks=timeline_ranks) for v in variants}
+    )

@@ -37,8 +37,13 @@ def early_ns_schedule(sched: StepSchedule, *, early_replicate_broadcast: bool = 
     ops = sched.ops
     moved = {op.id for op in ops if op.kind == "newton_schulz" or op.phase == "replicate_reduce"}
     for op in ops:
-        if (early_replicate_broadcast and op.kind == "broadcast" and op.phase == "replicate_broadcast" and op.deps
-                and all(d in moved for d in op.deps)):
+        if (
+            early_replicate_broadcast
+            and op.kind == "broadcast"
+            and op.phase == "replicate_broadcast"
+            and op.deps
+            and all(d in moved for d in op.deps)
+        ):
             moved.add(op.id)
     # where each moved op goes: after the first backward issued after all its deps (a moved dep
     # counts at its new place); with no such backward, right after its last dep (no deps: in place)
@@ -59,8 +64,9 @@ def early_ns_schedule(sched: StepSchedule, *, early_replicate_broadcast: bool = 
             order.append(op.id)
         order.extend(placed_after.get(pos[op.id], ()))
     new_id = {old: i for i, old in enumerate(order)}
-    new_ops = tuple(dataclasses.replace(ops[old], id=i, deps=tuple(new_id[d] for d in ops[old].deps))
-                    for i, old in enumerate(order))
+    new_ops = tuple(
+        dataclasses.replace(ops[old], id=i, deps=tuple(new_id[d] for d in ops[old].deps)) for i, old in enumerate(order)
+    )
     out = dataclasses.replace(sched, ops=new_ops)
     out.check()
     return out

@@ -179,7 +179,11 @@ class Workload:
 
     @property
     def activation_nbytes(self) -> int:
-        return sum(w.activation_nbytes for _, w in self.boundaries) + self.embed.activation_nbytes + self.head.activation_nbytes
+        return (
+            sum(w.activation_nbytes for _, w in self.boundaries)
+            + self.embed.activation_nbytes
+            + self.head.activation_nbytes
+        )
 
 
 def _mean_dim(m: float, n: float, k: float) -> float:
@@ -192,8 +196,18 @@ def _is_embedding(fqn: str) -> bool:
     return "embed" in leaf and "patch" not in leaf
 
 
-def _unit_work(fqn: str, label: str, params: list[tuple[str, tuple[int, ...], int]], *, tokens: int, seq_len: int,
-               itemsize: int, top_k: int, causal: bool, head_dim: int | None) -> Work:
+def _unit_work(
+    fqn: str,
+    label: str,
+    params: list[tuple[str, tuple[int, ...], int]],
+    *,
+    tokens: int,
+    seq_len: int,
+    itemsize: int,
+    top_k: int,
+    causal: bool,
+    head_dim: int | None,
+) -> Work:
     """The Work of one unit from its ``(fqn, local shape, ep)`` parameters (``ep``: an expert
     stack's expert-parallel degree, its local shape ``(E/ep, m, n)``)."""
     matmuls: list[tuple[int, float]] = []
@@ -261,10 +275,21 @@ def _unit_work(fqn: str, label: str, params: list[tuple[str, tuple[int, ...], in
     if exp_matmuls:
         experts = Work(fqn=fqn, label="experts", matmuls=tuple(exp_matmuls), elementwise_nbytes=exp_elem, ops=exp_ops)
         dispatch = tokens * top_k * hidden * itemsize
-    return Work(fqn=fqn, label=label, matmuls=tuple(matmuls + exp_matmuls), attention_flops=att, attention_d=att_d,
-                attention_head_d=att_head_d, elementwise_nbytes=int(elem + exp_elem), norm_numel=int(norm_numel),
-                activation_numel=int(act_numel), ops=ops + exp_ops, activation_nbytes=int(act), experts=experts,
-                dispatch_nbytes=int(dispatch))
+    return Work(
+        fqn=fqn,
+        label=label,
+        matmuls=tuple(matmuls + exp_matmuls),
+        attention_flops=att,
+        attention_d=att_d,
+        attention_head_d=att_head_d,
+        elementwise_nbytes=int(elem + exp_elem),
+        norm_numel=int(norm_numel),
+        activation_numel=int(act_numel),
+        ops=ops + exp_ops,
+        activation_nbytes=int(act),
+        experts=experts,
+        dispatch_nbytes=int(dispatch),
+    )
 
 
 def model_top_k(model: Any, default: int = 2) -> int:
@@ -278,9 +303,17 @@ def model_top_k(model: Any, default: int = 2) -> int:
     return default
 
 
-def from_plan(plan: Any, *, tokens_per_rank: int, seq_len: int, micro_batches: int = 1,
-              activation_dtype: str = "torch.bfloat16", top_k: int = 2, causal: bool = True,
-              head_dim: int | None = None) -> Workload:
+def from_plan(
+    plan: Any,
+    *,
+    tokens_per_rank: int,
+    seq_len: int,
+    micro_batches: int = 1,
+    activation_dtype: str = "torch.bfloat16",
+    top_k: int = 2,
+    causal: bool = True,
+    head_dim: int | None = None,
+) -> Workload:
     """The :class:`Workload` of ``plan``'s model (module docstring: every term).
 
     Args:
@@ -319,7 +352,15 @@ def from_plan(plan: Any, *, tokens_per_rank: int, seq_len: int, micro_batches: i
     head_params = [p for p in root if not _is_embedding(p[0])]
     head = _unit_work("", "head", head_params, **kw)
     vocab = max((s[0] for n, s, _ in head_params if len(s) == 2), default=0)
-    head = dataclasses.replace(head, elementwise_nbytes=head.elementwise_nbytes + _LOSS_PASSES * int(tokens) * vocab * 4,
-                               ops=head.ops + 6)
-    return Workload(tokens_per_rank=tokens_per_rank, micro_batches=micro_batches, seq_len=seq_len,
-                    activation_dtype=activation_dtype, boundaries=bounds, embed=embed, head=head)
+    head = dataclasses.replace(
+        head, elementwise_nbytes=head.elementwise_nbytes + _LOSS_PASSES * int(tokens) * vocab * 4, ops=head.ops + 6
+    )
+    return Workload(
+        tokens_per_rank=tokens_per_rank,
+        micro_batches=micro_batches,
+        seq_len=seq_len,
+        activation_dtype=activation_dtype,
+        boundaries=bounds,
+        embed=embed,
+        head=head,
+    )

@@ -67,12 +67,32 @@ def _table(sims: Mapping[str, Any]) -> Svg:
     svg = Svg(PAGE_WIDTH, 0, label="variants")
     svg.text(10, 22, "Simulated step per variant", size=15, bold=True)
     ranks = sorted({len(s.ranks) for s in sims.values()})
-    y = svg.lines(10, 42, wrap(f"Hardware {', '.join(hw)}; {', '.join(map(str, ranks))} ranks. Step = the slowest rank's end; exposed comm = the critical rank's "
-                               f"wait for collectives; NS = Newton-Schulz of the busiest rank; peak = the largest rank's "
-                               f"memory; moved = bytes on the wire per step, all ranks. Ratio to {base_name}.",
-                               PAGE_WIDTH - 20, 12), size=12, fill="#444444") + 6
-    cols = [(10, "variant"), (150, "step"), (230, "× " + ("AdamW" if "adamw" in sims else names[0])), (300, "exposed comm"),
-            (400, "NS (share)"), (510, "peak"), (590, "moved"), (680, "step (bar)")]
+    y = (
+        svg.lines(
+            10,
+            42,
+            wrap(
+                f"Hardware {', '.join(hw)}; {', '.join(map(str, ranks))} ranks. Step = the slowest rank's end; exposed comm = the critical rank's "
+                f"wait for collectives; NS = Newton-Schulz of the busiest rank; peak = the largest rank's "
+                f"memory; moved = bytes on the wire per step, all ranks. Ratio to {base_name}.",
+                PAGE_WIDTH - 20,
+                12,
+            ),
+            size=12,
+            fill="#444444",
+        )
+        + 6
+    )
+    cols = [
+        (10, "variant"),
+        (150, "step"),
+        (230, "× " + ("AdamW" if "adamw" in sims else names[0])),
+        (300, "exposed comm"),
+        (400, "NS (share)"),
+        (510, "peak"),
+        (590, "moved"),
+        (680, "step (bar)"),
+    ]
     for x, h in cols:
         svg.text(x, y + 12, h, size=11, bold=True)
     y += 20
@@ -80,16 +100,31 @@ def _table(sims: Mapping[str, Any]) -> Svg:
     for i, (name, s) in enumerate(sims.items()):
         if i % 2 == 0:
             svg.rect(6, y - 2, PAGE_WIDTH - 12, 18, "#f6f8fb")
-        svg.raw(f'<g data-variant="{name}" data-step-s="{s.step_s!r}" data-comm-nbytes="{s.comm_nbytes}" '
-                f'data-peak-nbytes="{max(s.peak_memory_nbytes, default=0)}">')
-        vals = [name, f"{1e3 * s.step_s:,.1f} ms", f"{s.step_s / base:.3f}" if base else "-",
-                f"{1e3 * s.exposed_comm_s:,.1f} ms", f"{1e3 * s.ns_s:,.1f} ms ({100 * s.ns_share:.0f}%)",
-                f"{max(s.peak_memory_nbytes, default=0) / 2**30:,.1f} GiB", f"{s.comm_nbytes / 1e12:,.3f} TB"]
+        svg.raw(
+            f'<g data-variant="{name}" data-step-s="{s.step_s!r}" data-comm-nbytes="{s.comm_nbytes}" '
+            f'data-peak-nbytes="{max(s.peak_memory_nbytes, default=0)}">'
+        )
+        vals = [
+            name,
+            f"{1e3 * s.step_s:,.1f} ms",
+            f"{s.step_s / base:.3f}" if base else "-",
+            f"{1e3 * s.exposed_comm_s:,.1f} ms",
+            f"{1e3 * s.ns_s:,.1f} ms ({100 * s.ns_share:.0f}%)",
+            f"{max(s.peak_memory_nbytes, default=0) / 2**30:,.1f} GiB",
+            f"{s.comm_nbytes / 1e12:,.3f} TB",
+        ]
         for (x, _), v in zip(cols, vals):
             svg.text(x, y + 11, v, size=11, bold=x == 10)
-        svg.rect(680, y + 2, (PAGE_WIDTH - 700) * s.step_s / smax, 11, COLORS["forward"], probe=True,
-                 title=f"{name}: step {1e3 * s.step_s:,.2f} ms on {s.hardware}; critical rank {s.critical_rank}, "
-                       f"last op {s.critical_op}")
+        svg.rect(
+            680,
+            y + 2,
+            (PAGE_WIDTH - 700) * s.step_s / smax,
+            11,
+            COLORS["forward"],
+            probe=True,
+            title=f"{name}: step {1e3 * s.step_s:,.2f} ms on {s.hardware}; critical rank {s.critical_rank}, "
+            f"last op {s.critical_op}",
+        )
         svg.raw("</g>")
         y += 18
     svg.height = y + 8
@@ -107,11 +142,22 @@ def _timelines(sims: Mapping[str, Any], rank: int) -> Svg:
     sx = lambda t: AXIS_X + t * scale  # noqa: E731
     svg = Svg(PAGE_WIDTH, 0, label="timeline", data={"rank": rank, "tmax-s": repr(tmax)})
     svg.text(10, 22, f"Timeline of rank {rank} per variant", size=15, bold=True)
-    y = svg.lines(10, 42, wrap(
-        f"Each lane is the rank's compute stream or one channel of collectives; a bar is one op, coloured by kind "
-        f"(hover for its name and times). One time axis for every variant: 0 – {1e3 * tmax:,.1f} ms. Aggregated: ops "
-        f"of one kind less than {MERGE_PX} px apart in a lane are one bar, its title counts them.", PAGE_WIDTH - 20, 12),
-        size=12, fill="#444444") + 4
+    y = (
+        svg.lines(
+            10,
+            42,
+            wrap(
+                f"Each lane is the rank's compute stream or one channel of collectives; a bar is one op, coloured by kind "
+                f"(hover for its name and times). One time axis for every variant: 0 – {1e3 * tmax:,.1f} ms. Aggregated: ops "
+                f"of one kind less than {MERGE_PX} px apart in a lane are one bar, its title counts them.",
+                PAGE_WIDTH - 20,
+                12,
+            ),
+            size=12,
+            fill="#444444",
+        )
+        + 4
+    )
     kinds: list[str] = []
     step = _nice_step(1e3 * tmax)
     for name, s in sims.items():
@@ -119,8 +165,13 @@ def _timelines(sims: Mapping[str, Any], rank: int) -> Svg:
         svg.text(10, y + 13, f"{name}: step {1e3 * s.step_s:,.1f} ms", size=12, bold=True)
         y += 20
         if not bars:
-            svg.text(AXIS_X, y + 10, f"rank {rank}'s timeline was not kept (simulate(..., timeline_ranks=({rank},)))",
-                     size=11, fill="#777777")
+            svg.text(
+                AXIS_X,
+                y + 10,
+                f"rank {rank}'s timeline was not kept (simulate(..., timeline_ranks=({rank},)))",
+                size=11,
+                fill="#777777",
+            )
             y += 22
             continue
         lanes = [lane for lane in _LANES if any(b.lane == lane for b in bars)]
@@ -138,11 +189,22 @@ def _timelines(sims: Mapping[str, Any], rank: int) -> Svg:
                 if kind not in kinds:
                     kinds.append(kind)
                 w = max(0.6, (end - start) * scale)
-                title = (f"{kind} {label}: {1e3 * start:,.3f} – {1e3 * end:,.3f} ms" if n == 1
-                         else f"{n:,} {kind} ops: {1e3 * start:,.3f} – {1e3 * end:,.3f} ms")
+                title = (
+                    f"{kind} {label}: {1e3 * start:,.3f} – {1e3 * end:,.3f} ms"
+                    if n == 1
+                    else f"{n:,} {kind} ops: {1e3 * start:,.3f} – {1e3 * end:,.3f} ms"
+                )
                 svg.rect(sx(start), ly + 1, w, LANE_H - 3, COLORS.get(kind, "#333333"), title=title, probe=w >= 4)
-        svg.line(sx(s.step_s), y - 3, sx(s.step_s), y + h + 3, "#d62728", width=1.5, dash="4 2",
-                 title=f"step end {1e3 * s.step_s:,.2f} ms")
+        svg.line(
+            sx(s.step_s),
+            y - 3,
+            sx(s.step_s),
+            y + h + 3,
+            "#d62728",
+            width=1.5,
+            dash="4 2",
+            title=f"step end {1e3 * s.step_s:,.2f} ms",
+        )
         y += h + 12
     t = 0.0
     while t <= 1e3 * tmax + 1e-9:
@@ -173,8 +235,15 @@ def simulation_page(sims: Mapping[str, Any], *, rank: int = 0) -> Page:
     if not sims:
         raise ValueError("no simulation to draw")
     first = next(iter(sims.values()))
-    page = Page("simulation", data={"hardware": first.hardware, "rank": rank,
-                                    "variants": " ".join(sims), "step-s": " ".join(repr(s.step_s) for s in sims.values())})
+    page = Page(
+        "simulation",
+        data={
+            "hardware": first.hardware,
+            "rank": rank,
+            "variants": " ".join(sims),
+            "step-s": " ".join(repr(s.step_s) for s in sims.values()),
+        },
+    )
     page.add(_table(sims))
     page.add(_timelines(sims, rank))
     return page
@@ -187,4 +256,3 @@ def simulation_html(sims: Mapping[str, Any], *, rank: int = 0, standalone: bool 
         return fragment
     first = next(iter(sims.values()))
     return document(fragment, f"dmuon simulation on {first.hardware}: {', '.join(sims)}")
-

@@ -102,7 +102,7 @@ class RankAxis:
         """``(min, mean, max)`` of per-rank ``values`` in each column."""
         out = []
         for lo, hi in self.bins:
-            part = values[lo:hi + 1]
+            part = values[lo : hi + 1]
             out.append((min(part), sum(part) / len(part), max(part)))
         return out
 
@@ -111,13 +111,20 @@ class RowAxis:
     """Rows of ``names`` (boundary FQNs), at most :data:`MAX_ROWS`: ``bins`` (index ranges,
     inclusive), ``labels``, ``row_h`` (px, from ``max_height`` within ``[min_h, max_h]``)."""
 
-    def __init__(self, names: Sequence[str], *, max_rows: int = MAX_ROWS, max_height: float = 560,
-                 min_h: int = 6, max_h: int = 18):
+    def __init__(
+        self,
+        names: Sequence[str],
+        *,
+        max_rows: int = MAX_ROWS,
+        max_height: float = 560,
+        min_h: int = 6,
+        max_h: int = 18,
+    ):
         B = len(names)
         self.names = list(names)
         self.per_row = max(1, math.ceil(B / max_rows)) if B else 1
         self.bins = [(lo, min(lo + self.per_row, B) - 1) for lo in range(0, B, self.per_row)]
-        self.labels = [row_label(self.names[lo:hi + 1]) for lo, hi in self.bins]
+        self.labels = [row_label(self.names[lo : hi + 1]) for lo, hi in self.bins]
         n = max(1, len(self.bins))
         self.row_h = max(min_h, min(max_h, int(max_height // n)))
         self.row_of = [0] * B

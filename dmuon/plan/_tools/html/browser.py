@@ -13,9 +13,18 @@ import tempfile
 __all__ = ["FLAGS", "find_chromium", "screenshot"]
 
 #: flags that work headless as root in a container: no sandbox, GPU, network services or first-run UI
-FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars",
-         "--force-device-scale-factor=1")
+FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+    "--force-device-scale-factor=1",
+)
 
 
 def find_chromium() -> str | None:
@@ -28,8 +37,15 @@ def find_chromium() -> str | None:
     return None
 
 
-def screenshot(html_path: str | os.PathLike, png_path: str | os.PathLike, *, width: int, height: int,
-               chromium: str | None = None, timeout_s: float = 180) -> None:
+def screenshot(
+    html_path: str | os.PathLike,
+    png_path: str | os.PathLike,
+    *,
+    width: int,
+    height: int,
+    chromium: str | None = None,
+    timeout_s: float = 180,
+) -> None:
     """One Chromium launch: load ``html_path`` in a ``width`` x ``height`` window (CSS pixels,
     scale 1) with a fresh profile and write the screenshot to ``png_path``.
 
@@ -43,9 +59,17 @@ def screenshot(html_path: str | os.PathLike, png_path: str | os.PathLike, *, wid
     png.unlink(missing_ok=True)
     with tempfile.TemporaryDirectory(prefix="dmuon-chromium-") as profile:
         run = subprocess.run(
-            [exe, *FLAGS, f"--user-data-dir={profile}", f"--window-size={width},{height}", f"--screenshot={png}",
-             pathlib.Path(html_path).resolve().as_uri()],
-            capture_output=True, text=True, timeout=timeout_s,
+            [
+                exe,
+                *FLAGS,
+                f"--user-data-dir={profile}",
+                f"--window-size={width},{height}",
+                f"--screenshot={png}",
+                pathlib.Path(html_path).resolve().as_uri(),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
         )
     if not png.exists():
         raise RuntimeError(f"Chromium wrote no screenshot (exit {run.returncode}): {run.stderr[-2000:]}")

@@ -51,7 +51,7 @@ def buffer_padding_numel(buf, num_shards: int) -> int:
 def short_name(fqn: str, boundary: str) -> str:
     """``fqn`` relative to its boundary (``self_attn.q_proj.weight``), the FQN itself at the root."""
     if boundary and fqn.startswith(boundary + "."):
-        return fqn[len(boundary) + 1:]
+        return fqn[len(boundary) + 1 :]
     return fqn
 
 
@@ -94,8 +94,16 @@ class PlanFigures:
         self._cells(plan, index)
         self._collectives(plan, index)
         self.buffers = [
-            [(buf.key, buf.numel, buffer_kind(buf), getattr(buf, "slot_numel", 0) or 0,
-              buffer_padding_numel(buf, self.N)) for buf in b.buffers]
+            [
+                (
+                    buf.key,
+                    buf.numel,
+                    buffer_kind(buf),
+                    getattr(buf, "slot_numel", 0) or 0,
+                    buffer_padding_numel(buf, self.N),
+                )
+                for buf in b.buffers
+            ]
             for b in plan.boundaries
         ]
 
@@ -113,7 +121,11 @@ class PlanFigures:
         for spec, owner in zip(plan.params, plan.owners):
             bname = plan.boundary(spec.fqn)
             b = index[bname]
-            kind = 2 if isinstance(owner, ExpertOwners) or spec.experts is not None else (1 if isinstance(owner, OwnerGroup) else 0)
+            kind = (
+                2
+                if isinstance(owner, ExpertOwners) or spec.experts is not None
+                else (1 if isinstance(owner, OwnerGroup) else 0)
+            )
             weights = owner_weights(spec, owner, model, lengths)
             numels = weights if model == "numel" else owner_weights(spec, owner, "numel", lengths)
             name = short_name(spec.fqn, bname)
@@ -181,13 +193,13 @@ class PlanFigures:
         """``RankStats.field`` per mesh rank (with TP: the largest of its ``T`` TP ranks)."""
         T = self.T
         vals = [getattr(s, field) for s in self.stats]
-        return vals if T == 1 else [max(vals[r * T:(r + 1) * T]) for r in range(self.S)]
+        return vals if T == 1 else [max(vals[r * T : (r + 1) * T]) for r in range(self.S)]
 
     def mesh_comm(self) -> list[int]:
         """Bytes per step charged per mesh rank (with TP: the largest of its TP ranks)."""
         per = self.cost.per_rank_nbytes
         T = self.T
-        return list(per) if T == 1 else [max(per[r * T:(r + 1) * T]) for r in range(self.S)]
+        return list(per) if T == 1 else [max(per[r * T : (r + 1) * T]) for r in range(self.S)]
 
     @property
     def busiest_rank(self) -> int:

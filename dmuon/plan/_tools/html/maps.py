@@ -14,12 +14,33 @@ from collections.abc import Sequence
 from dmuon.plan._tools.html.axes import MAX_ROWS, RankAxis, RowAxis, row_label
 from dmuon.plan._tools.html.figures import KINDS, STEP_ROW, PlanFigures
 from dmuon.plan._tools.html.svg import (
-    BLUES, EMPTY, GREENS, LEVELS, ORANGES, PAGE_WIDTH, Svg, fit, fmt_bytes, fmt_count, fmt_flops, fmt_range, level,
-    ramp_colour, wrap,
+    BLUES,
+    EMPTY,
+    GREENS,
+    LEVELS,
+    ORANGES,
+    PAGE_WIDTH,
+    Svg,
+    fit,
+    fmt_bytes,
+    fmt_count,
+    fmt_flops,
+    fmt_range,
+    level,
+    ramp_colour,
+    wrap,
 )
 
-__all__ = ["LABEL_W", "ownership_map", "experts_map", "collectives_chart", "rank_axis", "unit_fmt", "header_block",
-           "HIGHLIGHT"]
+__all__ = [
+    "LABEL_W",
+    "ownership_map",
+    "experts_map",
+    "collectives_chart",
+    "rank_axis",
+    "unit_fmt",
+    "header_block",
+    "HIGHLIGHT",
+]
 
 #: width of the row-label column of every map, px
 LABEL_W = 200
@@ -54,8 +75,14 @@ def _columns_header(svg: Svg, ax: RankAxis, y: float) -> float:
             x0, x1 = ax.x[cols[0]], ax.x[cols[-1]] + ax.col_w
             lo, hi = ax.bins[cols[0]][0], ax.bins[cols[-1]][1]
             svg.rect(x0, y, x1 - x0, 16, "#eef1f6", title=f"replica {r}: mesh ranks {lo}–{hi} (shard 0–{ax.N - 1})")
-            svg.text((x0 + x1) / 2, y + 12, fit(f"replica {r} · ranks {lo}–{hi}", x1 - x0 - 4, 10), size=10,
-                     anchor="middle", fill="#334")
+            svg.text(
+                (x0 + x1) / 2,
+                y + 12,
+                fit(f"replica {r} · ranks {lo}–{hi}", x1 - x0 - 4, 10),
+                size=10,
+                anchor="middle",
+                fill="#334",
+            )
         y += 20
     step = max(1, -(-40 // ax.col_w))
     for i in range(0, len(ax), step):
@@ -65,7 +92,9 @@ def _columns_header(svg: Svg, ax: RankAxis, y: float) -> float:
     return y + 18
 
 
-def _legend(svg: Svg, y: float, kinds: Sequence[int], vmax: float, fmt, unit: str, *, extra: Sequence[tuple[str, str]] = ()) -> None:
+def _legend(
+    svg: Svg, y: float, kinds: Sequence[int], vmax: float, fmt, unit: str, *, extra: Sequence[tuple[str, str]] = ()
+) -> None:
     """Colour ramps of the ownership ``kinds`` present (0 .. ``vmax`` per rank), then ``extra``
     ``(fill or stroke spec, label)`` swatches."""
     x = 10
@@ -76,7 +105,9 @@ def _legend(svg: Svg, y: float, kinds: Sequence[int], vmax: float, fmt, unit: st
         svg.text(x, y + 1, KINDS[k], size=11)
         x += len(KINDS[k]) * 6.6 + 6
         for lvl in range(1, LEVELS + 1):
-            svg.rect(x, y - 9, 10, 12, RAMPS[k][lvl], title=f"{KINDS[k]}: up to {fmt(vmax * lvl / LEVELS)} {unit} per rank")
+            svg.rect(
+                x, y - 9, 10, 12, RAMPS[k][lvl], title=f"{KINDS[k]}: up to {fmt(vmax * lvl / LEVELS)} {unit} per rank"
+            )
             x += 10
         x += 14
     svg.text(x, y + 1, f"0 – {fmt(vmax)} {unit} per rank", size=11, fill="#444444")
@@ -116,9 +147,17 @@ def ownership_vmax(fig: PlanFigures, ax: RankAxis, rows: RowAxis, by: str = "wei
     return max((c[4] for cols, _ in _ownership_values(fig, ax, rows, by) for c in cols), default=0)
 
 
-def ownership_map(fig: PlanFigures, *, title: str = "Ownership: hook boundaries × ranks", ax: RankAxis | None = None,
-                  vmax: float | None = None, highlight: set[tuple[int, int]] | None = None,
-                  note: str = "", label: str = "ownership", by: str = "weight") -> Svg:
+def ownership_map(
+    fig: PlanFigures,
+    *,
+    title: str = "Ownership: hook boundaries × ranks",
+    ax: RankAxis | None = None,
+    vmax: float | None = None,
+    highlight: set[tuple[int, int]] | None = None,
+    note: str = "",
+    label: str = "ownership",
+    by: str = "weight",
+) -> Svg:
     """Boundaries down, mesh ranks across; a cell's colour is the LPT load (``by="weight"``: the
     ``cost_model`` unit; ``"numel"``: elements) its rank(s) own in its boundary(ies): blue
     single owners, orange owner-group blocks, green expert ranges (the kind holding most of it),
@@ -133,23 +172,37 @@ def ownership_map(fig: PlanFigures, *, title: str = "Ownership: hook boundaries 
         vmax = max((c[4] for cols, _ in values for c in cols), default=0)
     kinds_present = sorted({k for cols, _ in values for c in cols for k in range(3) if c[k]})
     what = f"the LPT load ({unit})" if by == "weight" else "the elements"
-    parts = [f"Each cell: {what} the rank owns in the boundary, whose matrices it keeps in full and "
-             "orthogonalises; the colour's hue is the kind of ownership holding most of it (hover a cell: what it "
-             "holds)."]
+    parts = [
+        f"Each cell: {what} the rank owns in the boundary, whose matrices it keeps in full and "
+        "orthogonalises; the colour's hue is the kind of ownership holding most of it (hover a cell: what it "
+        "holds)."
+    ]
     if fig.R > 1:
         parts.append(f"HSDP: {fig.R} replicas side by side, each matrix owned once on the whole mesh.")
     if fig.T > 1:
-        parts.append(f"TP: a column is a data-parallel coordinate whose owner is its group of T = {fig.T} TP ranks, "
-                     f"each holding 1/{fig.T} of every matrix ({len(plan.tp_segment_lengths)} Gram NS segments).")
+        parts.append(
+            f"TP: a column is a data-parallel coordinate whose owner is its group of T = {fig.T} TP ranks, "
+            f"each holding 1/{fig.T} of every matrix ({len(plan.tp_segment_lengths)} Gram NS segments)."
+        )
     agg = "; ".join(s for s in (rows.describe(), ax.describe()) if s)
     if agg:
         parts.append(f"Aggregated: {agg}.")
     if note:
         parts.append(note)
     grid_h = len(rows) * rows.row_h
-    svg = Svg(PAGE_WIDTH, 0, label=label, data={"rows": len(rows), "cols": len(ax), "ranks-per-col": ax.per_col,
-                                                "boundaries-per-row": rows.per_row, "vmax": round(vmax, 3),
-                                                "aggregation": agg})
+    svg = Svg(
+        PAGE_WIDTH,
+        0,
+        label=label,
+        data={
+            "rows": len(rows),
+            "cols": len(ax),
+            "ranks-per-col": ax.per_col,
+            "boundaries-per-row": rows.per_row,
+            "vmax": round(vmax, 3),
+            "aggregation": agg,
+        },
+    )
     y = header_block(svg, title, " ".join(parts))
     top = _columns_header(svg, ax, y + 2)
     label_every = max(1, -(-11 // rows.row_h))
@@ -158,8 +211,14 @@ def ownership_map(fig: PlanFigures, *, title: str = "Ownership: hook boundaries 
         y0 = top + i * rows.row_h
         lo, hi = rows.bins[i]
         if i % label_every == 0:
-            svg.text(LABEL_W - 6, y0 + min(rows.row_h, 12) - 2, fit(rows.labels[i], LABEL_W - 12, font), size=font,
-                     anchor="end", title=", ".join(n or "<root>" for n in fig.names[lo:hi + 1][:8]))
+            svg.text(
+                LABEL_W - 6,
+                y0 + min(rows.row_h, 12) - 2,
+                fit(rows.labels[i], LABEL_W - 12, font),
+                size=font,
+                anchor="end",
+                title=", ".join(n or "<root>" for n in fig.names[lo : hi + 1][:8]),
+            )
         svg.raw(f'<g data-row="{i}" data-weight="{sum(c[0] + c[1] + c[2] for c in cols)}">')
         j = 0
         while j < len(ax):
@@ -176,8 +235,15 @@ def ownership_map(fig: PlanFigures, *, title: str = "Ownership: hook boundaries 
                     break
                 run += 1
             fill = ramp_colour(RAMPS[kind], lvl) if kind >= 0 else EMPTY
-            svg.rect(ax.x[j], y0, ax.x[run - 1] + ax.col_w - ax.x[j], rows.row_h - (1 if rows.row_h >= 8 else 0), fill,
-                     title=_cell_title(fig, ax, rows, i, j, run, cols, per_rank, unit, fmt, by), probe=w > 0)
+            svg.rect(
+                ax.x[j],
+                y0,
+                ax.x[run - 1] + ax.col_w - ax.x[j],
+                rows.row_h - (1 if rows.row_h >= 8 else 0),
+                fill,
+                title=_cell_title(fig, ax, rows, i, j, run, cols, per_rank, unit, fmt, by),
+                probe=w > 0,
+            )
             j = run
         svg.raw("</g>")
     if highlight:
@@ -189,9 +255,17 @@ def ownership_map(fig: PlanFigures, *, title: str = "Ownership: hook boundaries 
                 runs.append([row, col, col])
         for row, c0, c1 in runs:
             first, last = ax.bins[c0][0], ax.bins[c1][1]
-            svg.rect(ax.x[c0] - 0.5, top + row * rows.row_h - 0.5, ax.x[c1] + ax.col_w - ax.x[c0] + 1, rows.row_h,
-                     "none", stroke=HIGHLIGHT, stroke_width=1.5,
-                     title=f"changed: {rows.labels[row]} × " + (f"rank {first}" if first == last else f"ranks {first}–{last}"))
+            svg.rect(
+                ax.x[c0] - 0.5,
+                top + row * rows.row_h - 0.5,
+                ax.x[c1] + ax.col_w - ax.x[c0] + 1,
+                rows.row_h,
+                "none",
+                stroke=HIGHLIGHT,
+                stroke_width=1.5,
+                title=f"changed: {rows.labels[row]} × "
+                + (f"rank {first}" if first == last else f"ranks {first}–{last}"),
+            )
     y = top + grid_h + 24
     extra = (("#d62728", "changed"),) if highlight is not None else ()
     _legend(svg, y, kinds_present or [0], vmax, fmt, unit, extra=extra)
@@ -199,8 +273,9 @@ def ownership_map(fig: PlanFigures, *, title: str = "Ownership: hook boundaries 
     return svg
 
 
-def _cell_title(fig: PlanFigures, ax: RankAxis, rows: RowAxis, i: int, j: int, run: int, cols, per_rank, unit, fmt,
-                by: str) -> str:
+def _cell_title(
+    fig: PlanFigures, ax: RankAxis, rows: RowAxis, i: int, j: int, run: int, cols, per_rank, unit, fmt, by: str
+) -> str:
     lo_b, hi_b = rows.bins[i]
     where = rows.labels[i]
     first, last = ax.bins[j][0], ax.bins[run - 1][1]
@@ -214,17 +289,31 @@ def _cell_title(fig: PlanFigures, ax: RankAxis, rows: RowAxis, i: int, j: int, r
         coords = f" (shard {first % fig.N}, replica {first // fig.N})" if fig.R > 1 else ""
         items = sorted(fig.cell_params[lo_b].get(first, ()), key=lambda t: -t[1]) if lo_b == hi_b else []
         f_item = fmt if by == "weight" else unit_fmt(fig.plan.cost_model)[1]
-        what = ", ".join(f"{name} {f_item(v)}" for name, v in items[:4]) + (f" (+{len(items) - 4} more)" if len(items) > 4 else "")
+        what = ", ".join(f"{name} {f_item(v)}" for name, v in items[:4]) + (
+            f" (+{len(items) - 4} more)" if len(items) > 4 else ""
+        )
         kinds = "; ".join(f"{KINDS[k]} {100 * total[k] / w:.0f}%" for k in range(3) if total[k] and total[k] != w)
-        numel = "" if fig.plan.cost_model == "numel" else (
-            f"; {fmt_count(total[3])} elements" if by == "weight" else f"; {unit_fmt(fig.plan.cost_model)[1](total[3])} LPT weight")
-        return (f"{where} × {ranks}{coords}: {fmt(w)} {unit}{numel}" + (f" — {what}" if what else "")
-                + (f" [{kinds}]" if kinds else ""))
+        numel = (
+            ""
+            if fig.plan.cost_model == "numel"
+            else (
+                f"; {fmt_count(total[3])} elements"
+                if by == "weight"
+                else f"; {unit_fmt(fig.plan.cost_model)[1](total[3])} LPT weight"
+            )
+        )
+        return (
+            f"{where} × {ranks}{coords}: {fmt(w)} {unit}{numel}"
+            + (f" — {what}" if what else "")
+            + (f" [{kinds}]" if kinds else "")
+        )
     vals = [per_rank.get(r, 0) for r in range(first, last + 1)]
     top = max(range(first, last + 1), key=lambda r: (per_rank.get(r, 0), -r))
     kinds = ", ".join(f"{KINDS[k]} {100 * total[k] / w:.0f}%" for k in range(3) if total[k])
-    return (f"{where} × {ranks}: mean {fmt(w / n_ranks)} {unit} per rank, min {fmt(min(vals))}, max {fmt(max(vals))} "
-            f"(rank {top}); {kinds}")
+    return (
+        f"{where} × {ranks}: mean {fmt(w / n_ranks)} {unit} per rank, min {fmt(min(vals))}, max {fmt(max(vals))} "
+        f"(rank {top}); {kinds}"
+    )
 
 
 #: ramp of the first expert a rank owns, expert 0 (dark) to the last (light): viridis, 8 steps
@@ -245,7 +334,7 @@ def _expert_rows(fig: PlanFigures) -> list[tuple[list[int], bool]]:
     if len(groups) <= MAX_ROWS:
         return [(bs, True) for bs, _ in groups]
     per = -(-len(groups) // MAX_ROWS)
-    return [([b for bs, _ in groups[i:i + per] for b in bs], per == 1) for i in range(0, len(groups), per)]
+    return [([b for bs, _ in groups[i : i + per] for b in bs], per == 1) for i in range(0, len(groups), per)]
 
 
 def experts_map(fig: PlanFigures, *, ax: RankAxis | None = None, lines: Sequence[str] = ()) -> Svg | None:
@@ -273,13 +362,22 @@ def experts_map(fig: PlanFigures, *, ax: RankAxis | None = None, lines: Sequence
                 first[j] = f if first[j] is None else min(first[j], f)
         grid.append((first, count))
     aggregated = not all(exact for _, exact in row_items)
-    agg = "; ".join(s for s in (
-        f"{len(fig.experts):,} boundaries in runs of equal ranges > {MAX_ROWS}: a row holds several runs" if aggregated else "",
-        ax.describe("the lowest first expert, every rank's ranges in the title")) if s)
-    caption = ("Which experts each rank owns. A row is a run of consecutive boundaries whose ranks own the same ranges; "
-               f"colour = the first expert a rank owns (expert 0 dark … expert {n_exp - 1} light), so contiguous ranges "
-               "show as a gradient along the ranks; grey: no experts. A rank owns whole experts (master, momentum) and "
-               "runs their Newton-Schulz; hover a cell for its ranges." + (f" Aggregated: {agg}." if agg else ""))
+    agg = "; ".join(
+        s
+        for s in (
+            f"{len(fig.experts):,} boundaries in runs of equal ranges > {MAX_ROWS}: a row holds several runs"
+            if aggregated
+            else "",
+            ax.describe("the lowest first expert, every rank's ranges in the title"),
+        )
+        if s
+    )
+    caption = (
+        "Which experts each rank owns. A row is a run of consecutive boundaries whose ranks own the same ranges; "
+        f"colour = the first expert a rank owns (expert 0 dark … expert {n_exp - 1} light), so contiguous ranges "
+        "show as a gradient along the ranks; grey: no experts. A rank owns whole experts (master, momentum) and "
+        "runs their Newton-Schulz; hover a cell for its ranges." + (f" Aggregated: {agg}." if agg else "")
+    )
     svg = Svg(PAGE_WIDTH, 0, label="experts", data={"rows": len(rows), "cols": len(ax), "experts": n_exp})
     y = header_block(svg, "Experts: expert ranges × ranks", caption)
     y = svg.lines(10, y + 4, lines, size=11, mono=True, step=14)
@@ -293,14 +391,22 @@ def experts_map(fig: PlanFigures, *, ax: RankAxis | None = None, lines: Sequence
         y0 = top + i * rows.row_h
         where = labels[i] + (f" ({len(bs)} boundaries)" if len(bs) > 1 else "")
         if i % label_every == 0:
-            svg.text(LABEL_W - 6, y0 + min(rows.row_h, 12) - 2, fit(labels[i], LABEL_W - 12, 10), size=10,
-                     anchor="end", title=where)
+            svg.text(
+                LABEL_W - 6,
+                y0 + min(rows.row_h, 12) - 2,
+                fit(labels[i], LABEL_W - 12, 10),
+                size=10,
+                anchor="end",
+                title=where,
+            )
         owned = fig.experts[bs[0]]  # exact rows: every boundary of the run owns these ranges
         j = 0
         while j < len(ax):
             fill = colour(first[j])
             run = j + 1
-            prog = _progression(owned, range(ax.bins[j][0], ax.bins[j][1] + 1)) if exact and first[j] is not None else None
+            prog = (
+                _progression(owned, range(ax.bins[j][0], ax.bins[j][1] + 1)) if exact and first[j] is not None else None
+            )
             while run < len(ax) and ax.replica[run] == ax.replica[j] and colour(first[run]) == fill:
                 if exact and first[j] is not None:  # exact: a run of owners only while it is one progression
                     longer = None if prog is None else _progression(owned, range(ax.bins[j][0], ax.bins[run][1] + 1))
@@ -321,17 +427,30 @@ def experts_map(fig: PlanFigures, *, ax: RankAxis | None = None, lines: Sequence
                     same.setdefault(key, []).append(name)
                 title = f"{where} × {ranks}: " + "; ".join(
                     f"{', '.join(names)}: experts {fmt_range(f0, f1)}, {k} per rank in rank order"
-                    for (f0, f1, k), names in same.items())
+                    for (f0, f1, k), names in same.items()
+                )
             elif exact:
                 owners = [r for r in range(a, z + 1) if r in owned]
-                title = f"{where} × {ranks}: " + " | ".join(f"rank {r}: {_ranges_text(owned[r][1])}" for r in owners[:8]) + (
-                    f" | +{len(owners) - 8} more ranks" if len(owners) > 8 else "")
+                title = (
+                    f"{where} × {ranks}: "
+                    + " | ".join(f"rank {r}: {_ranges_text(owned[r][1])}" for r in owners[:8])
+                    + (f" | +{len(owners) - 8} more ranks" if len(owners) > 8 else "")
+                )
             else:
                 firsts = [f for f in first[j:run] if f is not None]
-                title = (f"{where} × {ranks}: {n:,} experts owned (all stacks), first experts "
-                         f"{fmt_range(min(firsts), max(firsts))}")
-            svg.rect(ax.x[j], y0, ax.x[run - 1] + ax.col_w - ax.x[j], rows.row_h - (1 if rows.row_h >= 8 else 0), fill,
-                     title=title, probe=n > 0)
+                title = (
+                    f"{where} × {ranks}: {n:,} experts owned (all stacks), first experts "
+                    f"{fmt_range(min(firsts), max(firsts))}"
+                )
+            svg.rect(
+                ax.x[j],
+                y0,
+                ax.x[run - 1] + ax.col_w - ax.x[j],
+                rows.row_h - (1 if rows.row_h >= 8 else 0),
+                fill,
+                title=title,
+                probe=n > 0,
+            )
             j = run
     y = top + len(rows) * rows.row_h + 22
     svg.rect(10, y - 9, 12, 12, EMPTY)
@@ -403,9 +522,16 @@ _MORE = ("#17becf", "#e377c2", "#8c564b", "#2ca02c", "#ff7f0e")
 
 
 #: how the legend names a ledger phase
-PHASE_LABELS = {"forward_broadcast": "forward", "backward_broadcast": "backward", "reduce": "gradient",
-                "replicate_reduce": "replicate", "replicate_broadcast": "replicate", "tp": "TP",
-                "owner_group": "owner-group", "qk_clip": "QK-clip"}
+PHASE_LABELS = {
+    "forward_broadcast": "forward",
+    "backward_broadcast": "backward",
+    "reduce": "gradient",
+    "replicate_reduce": "replicate",
+    "replicate_broadcast": "replicate",
+    "tp": "TP",
+    "owner_group": "owner-group",
+    "qk_clip": "QK-clip",
+}
 
 
 def category_label(kind: str, phase: str) -> str:
@@ -448,9 +574,11 @@ def collectives_chart(fig: PlanFigures) -> Svg:
     if extra:
         data_rows.append((STEP_ROW, {k: list(v) for k, v in extra.items()}, {}, 0, 0))
     vmax = max((sum(v[1] for v in agg.values()) for _, agg, *_ in data_rows), default=0)
-    caption = ("Bytes per step summed over all ranks (each collective charged as the ledger does: k−1 payloads for a "
-               "broadcast or reduce over k ranks), stacked by collective kind and phase; right: calls per step and "
-               "each buffer's collective." + (f" Aggregated: {rows.describe()}." if rows.aggregated else ""))
+    caption = (
+        "Bytes per step summed over all ranks (each collective charged as the ledger does: k−1 payloads for a "
+        "broadcast or reduce over k ranks), stacked by collective kind and phase; right: calls per step and "
+        "each buffer's collective." + (f" Aggregated: {rows.describe()}." if rows.aggregated else "")
+    )
     svg = Svg(PAGE_WIDTH, 0, label="collectives", data={"rows": len(data_rows), "total-nbytes": fig.cost.total_nbytes})
     y = header_block(svg, "Collectives per boundary", caption)
     bar_x, bar_w = LABEL_W, 560
@@ -470,16 +598,31 @@ def collectives_chart(fig: PlanFigures) -> Svg:
                 continue
             n, nbytes = agg[key]
             w = bar_w * nbytes / vmax if vmax else 0
-            svg.rect(x, y0, w, row_h - 2, fills[key], probe=True,
-                     title=f"{label}: {category_label(*key)}: {n:,} calls, {fmt_bytes(nbytes)} per step (all ranks)")
+            svg.rect(
+                x,
+                y0,
+                w,
+                row_h - 2,
+                fills[key],
+                probe=True,
+                title=f"{label}: {category_label(*key)}: {n:,} calls, {fmt_bytes(nbytes)} per step (all ranks)",
+            )
             x += w
         svg.raw("</g>")
         if i % max(1, -(-11 // row_h)) == 0 or label == STEP_ROW:
             kind_text = ", ".join(f"{k.replace('_', '-')}" + (f" ×{c}" if c > 1 else "") for k, c in kinds.items())
             pad_text = f", +{100 * pad / used:.1f}% padding" if pad and used else ""
-            svg.text(text_x, y0 + min(row_h, 12) - 2,
-                     fit(f"{fmt_bytes(total)} · {calls:,} calls" + (f" · {kind_text}{pad_text}" if kind_text else ""),
-                         PAGE_WIDTH - text_x - 8, 10), size=10, fill="#444444")
+            svg.text(
+                text_x,
+                y0 + min(row_h, 12) - 2,
+                fit(
+                    f"{fmt_bytes(total)} · {calls:,} calls" + (f" · {kind_text}{pad_text}" if kind_text else ""),
+                    PAGE_WIDTH - text_x - 8,
+                    10,
+                ),
+                size=10,
+                fill="#444444",
+            )
     y = y + len(data_rows) * row_h + 20
     x = 10
     for key in cats:

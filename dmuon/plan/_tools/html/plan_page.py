@@ -18,7 +18,17 @@ from dmuon.plan._tools.html.axes import RankAxis
 from dmuon.plan._tools.html.figures import PlanFigures
 from dmuon.plan._tools.html.maps import collectives_chart, experts_map, header_block, ownership_map, rank_axis, unit_fmt
 from dmuon.plan._tools.html.svg import (
-    BLUES, PAGE_WIDTH, Page, Svg, details, document, fit, fmt_bytes, fmt_count, fmt_flops, num,
+    BLUES,
+    PAGE_WIDTH,
+    Page,
+    Svg,
+    details,
+    document,
+    fit,
+    fmt_bytes,
+    fmt_count,
+    fmt_flops,
+    num,
 )
 
 if TYPE_CHECKING:
@@ -47,12 +57,21 @@ def plan_page(plan: ShardingPlan) -> Page:
     """The plan page (module docstring) as a :class:`~dmuon.plan._tools.html.svg.Page`."""
     fig = PlanFigures(plan)
     R, N = plan.mesh_shape
-    page = Page("plan", data={
-        "fingerprint": fig.fingerprint, "mesh": f"{R},{N}", "tp": plan.tp_size, "cost-model": plan.cost_model,
-        "bound": repr(float(fig.bound)), "owned-numel": _ints(fig.owned_numel), "owned-weight": _ints(fig.owned_weight),
-        "comm-nbytes": _ints(fig.cost.per_rank_nbytes), "total-nbytes": fig.cost.total_nbytes,
-        "baseline-total-nbytes": fig.base_cost.total_nbytes,
-    })
+    page = Page(
+        "plan",
+        data={
+            "fingerprint": fig.fingerprint,
+            "mesh": f"{R},{N}",
+            "tp": plan.tp_size,
+            "cost-model": plan.cost_model,
+            "bound": repr(float(fig.bound)),
+            "owned-numel": _ints(fig.owned_numel),
+            "owned-weight": _ints(fig.owned_weight),
+            "comm-nbytes": _ints(fig.cost.per_rank_nbytes),
+            "total-nbytes": fig.cost.total_nbytes,
+            "baseline-total-nbytes": fig.base_cost.total_nbytes,
+        },
+    )
     ax = rank_axis(fig)
     page.add(header_card(fig))
     page.add(ownership_map(fig, ax=ax))
@@ -96,25 +115,42 @@ def header_card(fig: PlanFigures) -> Svg:
     ep = plan.ep_size
     roles = (f"replicate R = {R} × " if R > 1 else "") + f"shard N = {N}" + (f" × TP T = {T}" if T > 1 else "")
     roles += f" = {R * N * T:,} ranks" + (f"; expert parallel ep = {ep}" if ep > 1 else "")
-    z = ("Z3 (reshard_after_forward=True): a boundary's matrices are broadcast before its forward and again before "
-         "its backward; gradients reduced to their owner") if plan.reshard_after_forward else (
-         "Z2 (reshard_after_forward=False): broadcast once before the forward, kept until the backward; gradients "
-         "reduced to their owner")
+    z = (
+        (
+            "Z3 (reshard_after_forward=True): a boundary's matrices are broadcast before its forward and again before "
+            "its backward; gradients reduced to their owner"
+        )
+        if plan.reshard_after_forward
+        else (
+            "Z2 (reshard_after_forward=False): broadcast once before the forward, kept until the backward; gradients "
+            "reduced to their owner"
+        )
+    )
     coll = getattr(getattr(plan, "collectives", None), "mode", None)
-    settings = (f"cost model {plan.cost_model} (LPT weight: {unit}) · wire dtypes param "
-                f"{(plan.param_dtype or 'storage').replace('torch.', '')}, reduce "
-                f"{(plan.reduce_dtype or plan.param_dtype or 'storage').replace('torch.', '')} · align {plan.align_numel}"
-                + (f" · collectives {coll}" if coll else "") + (" · HSDP replicate broadcast async" if R > 1 and plan.replicate_async else ""))
+    settings = (
+        f"cost model {plan.cost_model} (LPT weight: {unit}) · wire dtypes param "
+        f"{(plan.param_dtype or 'storage').replace('torch.', '')}, reduce "
+        f"{(plan.reduce_dtype or plan.param_dtype or 'storage').replace('torch.', '')} · align {plan.align_numel}"
+        + (f" · collectives {coll}" if coll else "")
+        + (" · HSDP replicate broadcast async" if R > 1 and plan.replicate_async else "")
+    )
     groups = sum(1 for o in plan.owners if isinstance(o, OwnerGroup))
     stacks = sum(1 for p in plan.params if p.experts is not None)
     n_mat = sum(len(p.matrices) for p in plan.params)
     numel = sum(p.numel for p in plan.params)
-    what = (f"dedicated: {len(plan.params):,} params ({n_mat:,} Muon matrices), {fmt_count(numel)} elements, in "
-            f"{len(plan.boundaries):,} hook boundaries" + (f" · {groups:,} owner groups" if groups else "")
-            + (f" · {stacks:,} expert stacks" if stacks else ""))
+    what = (
+        f"dedicated: {len(plan.params):,} params ({n_mat:,} Muon matrices), {fmt_count(numel)} elements, in "
+        f"{len(plan.boundaries):,} hook boundaries"
+        + (f" · {groups:,} owner groups" if groups else "")
+        + (f" · {stacks:,} expert stacks" if stacks else "")
+    )
     ident = f"plan fingerprint {fig.fingerprint[:16]} · model digest {plan.model_digest[:16]}"
-    svg = Svg(PAGE_WIDTH, 0, label="header", data={"max-weight": wmax, "mean-weight": repr(float(mean)),
-                                                    "bound": repr(float(fig.bound))})
+    svg = Svg(
+        PAGE_WIDTH,
+        0,
+        label="header",
+        data={"max-weight": wmax, "mean-weight": repr(float(mean)), "bound": repr(float(fig.bound))},
+    )
     svg.text(12, 26, f"{mode_name(plan)} sharding plan", size=18, bold=True)
     y = svg.lines(12, 48, [f"mesh: {roles}", z, settings, what], size=12, step=17)
     svg.text(12, y, ident, size=11, mono=True, fill="#555555")
@@ -126,8 +162,16 @@ def header_card(fig: PlanFigures) -> Svg:
         ("max / mean LPT load", f"{wmax / mean:.3f}" if mean else "-", f"mean {fmt(mean)} {unit}"),
         ("max / LPT bound", f"{wmax / fig.bound:.3f}" if fig.bound else "-", f"bound {fmt(fig.bound)}"),
         ("ranks owning nothing", f"{fig.idle_ranks:,} of {fig.S:,}", "of the data-parallel mesh"),
-        ("bytes per step, all ranks", fmt_bytes(fig.cost.total_nbytes), f"FSDP2+naive {fmt_bytes(base_total)} ({-saving:+.1f}%)"),
-        ("busiest rank", f"{fmt_bytes(fig.cost.max_rank_nbytes)}/step", f"rank {busiest} (FSDP2+naive {fmt_bytes(fig.base_cost.max_rank_nbytes)})"),
+        (
+            "bytes per step, all ranks",
+            fmt_bytes(fig.cost.total_nbytes),
+            f"FSDP2+naive {fmt_bytes(base_total)} ({-saving:+.1f}%)",
+        ),
+        (
+            "busiest rank",
+            f"{fmt_bytes(fig.cost.max_rank_nbytes)}/step",
+            f"rank {busiest} (FSDP2+naive {fmt_bytes(fig.base_cost.max_rank_nbytes)})",
+        ),
     ]
     tw = (PAGE_WIDTH - 24 - 4 * 10) / 5
     for i, (name, value, sub) in enumerate(tiles):
@@ -149,8 +193,12 @@ def header_card(fig: PlanFigures) -> Svg:
     svg.line(sx(mean), y, sx(mean), y + 22, MEAN, width=2, dash="4 2", title=f"mean {fmt(mean)}")
     svg.line(sx(fig.bound), y, sx(fig.bound), y + 22, BOUND, width=2, title=f"LPT bound {fmt(fig.bound)}")
     svg.text(gx, y + 34, "0", size=10, fill="#555555")
-    labels = [(sx(wmin), f"min {fmt(wmin)}", BAR), (sx(mean), f"mean {fmt(mean)}", MEAN), (sx(wmax), f"max {fmt(wmax)}", BLUES[7]),
-              (sx(fig.bound), f"bound {fmt(fig.bound)}", BOUND)]
+    labels = [
+        (sx(wmin), f"min {fmt(wmin)}", BAR),
+        (sx(mean), f"mean {fmt(mean)}", MEAN),
+        (sx(wmax), f"max {fmt(wmax)}", BLUES[7]),
+        (sx(fig.bound), f"bound {fmt(fig.bound)}", BOUND),
+    ]
     last = -1e9
     row = 0
     for x, text, colour in sorted(labels):
@@ -179,13 +227,21 @@ def per_rank_bars(fig: PlanFigures, ax: RankAxis) -> Svg:
         panels.append(("owned elements", list(fig.owned_numel), fmt_count, None, None))
     panels += [
         ("resident bytes", fig.mesh_stat("resident_nbytes"), fmt_bytes, None, base_mean("resident_nbytes")),
-        ("peak transient bytes", fig.mesh_stat("peak_transient_nbytes"), fmt_bytes, None, base_mean("peak_transient_nbytes")),
+        (
+            "peak transient bytes",
+            fig.mesh_stat("peak_transient_nbytes"),
+            fmt_bytes,
+            None,
+            base_mean("peak_transient_nbytes"),
+        ),
         ("bytes per step", fig.mesh_comm(), fmt_bytes, None, base_mean("comm_nbytes")),
     ]
-    caption = ("Per rank (the ownership map's columns): bar = the rank's figure; dashed = mean over ranks; red = the "
-               "LPT bound on the load (total/ranks + largest item); grey = FSDP2 + naive Muon's mean on the same "
-               "matrices. Resident: owned masters + momentum (+ HSDP replicas); peak transient: the broadcast buffers "
-               "a rank holds at once.")
+    caption = (
+        "Per rank (the ownership map's columns): bar = the rank's figure; dashed = mean over ranks; red = the "
+        "LPT bound on the load (total/ranks + largest item); grey = FSDP2 + naive Muon's mean on the same "
+        "matrices. Resident: owned masters + momentum (+ HSDP replicas); peak transient: the broadcast buffers "
+        "a rank holds at once."
+    )
     if ax.aggregated:
         caption += f" Aggregated: {ax.describe('light bar: their max; dark line: their min')}."
     if T > 1:
@@ -210,15 +266,26 @@ def per_rank_bars(fig: PlanFigures, ax: RankAxis) -> Svg:
         base_y = y + ph
         svg.line(ax.x0, base_y + 0.5, ax.x1, base_y + 0.5, "#999999")
         field = title.split(" (")[0].replace(" ", "-")
-        svg.raw(f'<g data-panel="{field}" data-values="{_ints(values)}">' if len(values) <= 4096 else f'<g data-panel="{field}">')
+        svg.raw(
+            f'<g data-panel="{field}" data-values="{_ints(values)}">'
+            if len(values) <= 4096
+            else f'<g data-panel="{field}">'
+        )
         floor = []  # aggregated: the columns' minima, one step line
         for i, (mn, avg, mx) in enumerate(cols):
             x = ax.x[i]
             w = max(1, ax.col_w - (1 if ax.col_w >= 4 else 0))
             h_mx = ph * mx / vmax
             if ax.aggregated:
-                svg.rect(x, base_y - h_mx, w, h_mx, BAR_LIGHT, probe=True,
-                         title=f"{ax.label(i)}: min {f(mn)}, mean {f(avg)}, max {f(mx)}")
+                svg.rect(
+                    x,
+                    base_y - h_mx,
+                    w,
+                    h_mx,
+                    BAR_LIGHT,
+                    probe=True,
+                    title=f"{ax.label(i)}: min {f(mn)}, mean {f(avg)}, max {f(mx)}",
+                )
                 y_mn = num(base_y - ph * mn / vmax)
                 floor.append(f"{'M' if not floor else 'L'}{num(x)} {y_mn}H{num(x + ax.col_w)}")
             else:
@@ -226,14 +293,37 @@ def per_rank_bars(fig: PlanFigures, ax: RankAxis) -> Svg:
         svg.raw("</g>")
         if floor:
             svg.path("".join(floor), stroke=BAR_DARK, width=1.5, title="the least loaded rank of each column")
-        svg.line(ax.x0, base_y - ph * mean / vmax, ax.x1, base_y - ph * mean / vmax, MEAN, width=1.2, dash="5 3",
-                 title=f"mean {f(mean)}")
+        svg.line(
+            ax.x0,
+            base_y - ph * mean / vmax,
+            ax.x1,
+            base_y - ph * mean / vmax,
+            MEAN,
+            width=1.2,
+            dash="5 3",
+            title=f"mean {f(mean)}",
+        )
         if bound is not None:
-            svg.line(ax.x0, base_y - ph * bound / vmax, ax.x1, base_y - ph * bound / vmax, BOUND, width=1.5,
-                     title=f"LPT bound {f(bound)}")
+            svg.line(
+                ax.x0,
+                base_y - ph * bound / vmax,
+                ax.x1,
+                base_y - ph * bound / vmax,
+                BOUND,
+                width=1.5,
+                title=f"LPT bound {f(bound)}",
+            )
         if base is not None:
-            svg.line(ax.x0, base_y - ph * base / vmax, ax.x1, base_y - ph * base / vmax, BASELINE, width=1.5,
-                     dash="8 3 2 3", title=f"FSDP2 + naive Muon mean {f(base)}")
+            svg.line(
+                ax.x0,
+                base_y - ph * base / vmax,
+                ax.x1,
+                base_y - ph * base / vmax,
+                BASELINE,
+                width=1.5,
+                dash="8 3 2 3",
+                title=f"FSDP2 + naive Muon mean {f(base)}",
+            )
         y += ph + 14
     svg.height = y + 4
     return svg
@@ -257,9 +347,11 @@ def phases_chart(fig: PlanFigures) -> Svg:
     vmax = max([(r[3] or 0) for r in phases] + [(r[4] or 0) for r in phases] + [1])
     base_total = base_c.total_nbytes
     saving = 100.0 * (1 - ours_c.total_nbytes / base_total) if base_total else 0.0
-    caption = (f"Bytes per step summed over all ranks, from the schedule: dmuon (blue) against FSDP2 + naive all-gather "
-               f"Muon on the same matrices (grey). dmuon moves {fmt_bytes(ours_c.total_nbytes)} where the baseline moves "
-               f"{fmt_bytes(base_total)}: {saving:.1f}% less.")
+    caption = (
+        f"Bytes per step summed over all ranks, from the schedule: dmuon (blue) against FSDP2 + naive all-gather "
+        f"Muon on the same matrices (grey). dmuon moves {fmt_bytes(ours_c.total_nbytes)} where the baseline moves "
+        f"{fmt_bytes(base_total)}: {saving:.1f}% less."
+    )
     svg = Svg(PAGE_WIDTH, 0, label="phases")
     y = header_block(svg, "Bytes per phase against FSDP2 + naive Muon", caption) + 6
     lx, bx, bw = 10, 260, 480
@@ -267,16 +359,30 @@ def phases_chart(fig: PlanFigures) -> Svg:
 
     def pair(label, a, b, ours, base, scale, bold=False):
         nonlocal y
-        svg.raw(f'<g data-field="{a or ""}" data-baseline-field="{b or ""}" data-nbytes="{ours if ours is not None else ""}" '
-                f'data-baseline-nbytes="{base if base is not None else ""}">')
+        svg.raw(
+            f'<g data-field="{a or ""}" data-baseline-field="{b or ""}" data-nbytes="{ours if ours is not None else ""}" '
+            f'data-baseline-nbytes="{base if base is not None else ""}">'
+        )
         svg.text(lx, y + 15, label, size=12, bold=bold)
         if ours is not None:
-            svg.rect(bx, y + 2, bw * ours / scale, 10, OURS, title=f"dmuon {label}: {fmt_bytes(ours)} ({ours:,} B)", probe=True)
+            svg.rect(
+                bx,
+                y + 2,
+                bw * ours / scale,
+                10,
+                OURS,
+                title=f"dmuon {label}: {fmt_bytes(ours)} ({ours:,} B)",
+                probe=True,
+            )
         if base is not None:
-            svg.rect(bx, y + 13, bw * base / scale, 10, THEIRS, title=f"FSDP2+naive {label}: {fmt_bytes(base)} ({base:,} B)")
+            svg.rect(
+                bx, y + 13, bw * base / scale, 10, THEIRS, title=f"FSDP2+naive {label}: {fmt_bytes(base)} ({base:,} B)"
+            )
         svg.raw("</g>")
         svg.text(tx, y + 11, "dmuon " + (fmt_bytes(ours) if ours is not None else "–"), size=11, fill=OURS)
-        svg.text(tx + 140, y + 11, "FSDP2+naive " + (fmt_bytes(base) if base is not None else "–"), size=11, fill="#666666")
+        svg.text(
+            tx + 140, y + 11, "FSDP2+naive " + (fmt_bytes(base) if base is not None else "–"), size=11, fill="#666666"
+        )
         y += 30
 
     for row in phases:
@@ -292,8 +398,18 @@ def phases_chart(fig: PlanFigures) -> Svg:
 
 # --------------------------------------------------------------------------------- schedule
 #: display order of ledger phases, then the optimizer and the step's compute
-PHASE_ORDER = ("forward_broadcast", "backward_broadcast", "reduce", "replicate_reduce", "replicate_broadcast", "tp",
-               "owner_group", "qk_clip", "optimizer", "compute")
+PHASE_ORDER = (
+    "forward_broadcast",
+    "backward_broadcast",
+    "reduce",
+    "replicate_reduce",
+    "replicate_broadcast",
+    "tp",
+    "owner_group",
+    "qk_clip",
+    "optimizer",
+    "compute",
+)
 
 
 def schedule_section(fig: PlanFigures) -> tuple[Svg, list[str]]:
@@ -304,15 +420,21 @@ def schedule_section(fig: PlanFigures) -> tuple[Svg, list[str]]:
     ranks = [0] if busiest == 0 else [0, busiest]
     rank_ops = {r: sched.rank_ops(r) for r in ranks}
     per = {r: fig.rank_phases(r, rank_ops[r]) for r in ranks}
-    keys = sorted(fig.op_counts, key=lambda k: (PHASE_ORDER.index(k[0]) if k[0] in PHASE_ORDER else len(PHASE_ORDER), k))
-    caption = (f"The nominal step as data: {len(sched.ops):,} ops in issue order, every rank issuing the ops whose group "
-               f"holds it (plan.schedule(); plan.cost is summed from it). Per phase and op kind: ops in the table, "
-               f"then per rank its ops and the bytes charged to it (NS: FLOPs), for rank 0 and the rank charged the most "
-               f"bytes.")
+    keys = sorted(
+        fig.op_counts, key=lambda k: (PHASE_ORDER.index(k[0]) if k[0] in PHASE_ORDER else len(PHASE_ORDER), k)
+    )
+    caption = (
+        f"The nominal step as data: {len(sched.ops):,} ops in issue order, every rank issuing the ops whose group "
+        f"holds it (plan.schedule(); plan.cost is summed from it). Per phase and op kind: ops in the table, "
+        f"then per rank its ops and the bytes charged to it (NS: FLOPs), for rank 0 and the rank charged the most "
+        f"bytes."
+    )
     svg = Svg(PAGE_WIDTH, 0, label="schedule", data={"ops": len(sched.ops)})
     y = header_block(svg, "Step schedule by phase", caption) + 6
-    heads = ["phase", "op kind", "ops (table)"] + [f"rank {r}" + (" (most bytes)" if r == busiest else "") for r in ranks]
-    xs = [10, 190, 330, 450, 750][:len(heads)]
+    heads = ["phase", "op kind", "ops (table)"] + [
+        f"rank {r}" + (" (most bytes)" if r == busiest else "") for r in ranks
+    ]
+    xs = [10, 190, 330, 450, 750][: len(heads)]
     for x, h in zip(xs, heads):
         svg.text(x, y + 12, h, size=11, bold=True)
     y += 20
@@ -332,8 +454,15 @@ def schedule_section(fig: PlanFigures) -> tuple[Svg, list[str]]:
             what = fmt_bytes(nbytes) if nbytes else (fmt_flops(flops) if flops else "")
             svg.text(x, y + 11, f"{ops:,} ops" + (f" · {what}" if what else ""), size=11)
             if nbytes:
-                svg.rect(x + 150, y + 2, 130 * nbytes / vmax, 10, OURS, probe=True,
-                         title=f"rank {r}: {phase} {kind}: {ops:,} ops, {fmt_bytes(nbytes)} charged")
+                svg.rect(
+                    x + 150,
+                    y + 2,
+                    130 * nbytes / vmax,
+                    10,
+                    OURS,
+                    probe=True,
+                    title=f"rank {r}: {phase} {kind}: {ops:,} ops, {fmt_bytes(nbytes)} charged",
+                )
         y += 18
     svg.height = y + 8
     listings = []
@@ -343,7 +472,11 @@ def schedule_section(fig: PlanFigures) -> tuple[Svg, list[str]]:
             if not any(op.boundary == first for op in rank_ops[r]):
                 continue
             text = sched.summary(r, boundary=first, max_ops=LISTING_OPS)
-            listings.append(details(
-                f"Ops of rank {r}{' (busiest)' if r == busiest and r else ''} in boundary {first or '<root>'!r} "
-                f"({len(rank_ops[r]):,} ops in its whole step: python -m dmuon plan ... --schedule {r})", text))
+            listings.append(
+                details(
+                    f"Ops of rank {r}{' (busiest)' if r == busiest and r else ''} in boundary {first or '<root>'!r} "
+                    f"({len(rank_ops[r]):,} ops in its whole step: python -m dmuon plan ... --schedule {r})",
+                    text,
+                )
+            )
     return svg, listings

@@ -20,9 +20,30 @@ import math
 from collections.abc import Iterable, Sequence
 
 __all__ = [
-    "FONT", "MONO", "GAP_PX", "PAGE_WIDTH", "BLUES", "ORANGES", "GREENS", "PURPLES", "GREYS", "EMPTY",
-    "Svg", "Page", "esc", "num", "level", "ramp_colour", "wrap", "fit", "fmt_count", "fmt_bytes", "fmt_flops",
-    "fmt_range", "document", "shape_count",
+    "FONT",
+    "MONO",
+    "GAP_PX",
+    "PAGE_WIDTH",
+    "BLUES",
+    "ORANGES",
+    "GREENS",
+    "PURPLES",
+    "GREYS",
+    "EMPTY",
+    "Svg",
+    "Page",
+    "esc",
+    "num",
+    "level",
+    "ramp_colour",
+    "wrap",
+    "fit",
+    "fmt_count",
+    "fmt_bytes",
+    "fmt_flops",
+    "fmt_range",
+    "document",
+    "shape_count",
 ]
 
 FONT = "system-ui,-apple-system,'Segoe UI',Roboto,'DejaVu Sans',Arial,sans-serif"
@@ -82,9 +103,9 @@ def fit(text: str, width: float, size: float) -> str:
     if len(text) <= room:
         return text
     if room <= 3:
-        return text[:max(room, 0)]
+        return text[: max(room, 0)]
     head = (room - 1) // 3
-    return text[:head] + "…" + text[len(text) - (room - 1 - head):]
+    return text[:head] + "…" + text[len(text) - (room - 1 - head) :]
 
 
 def wrap(text: str, width: float, size: float) -> list[str]:
@@ -157,8 +178,20 @@ class Svg:
         self.probe: tuple[float, float, str] | None = None
 
     # -- shapes ------------------------------------------------------------------------------
-    def rect(self, x: float, y: float, w: float, h: float, fill: str, *, title: str | None = None,
-             stroke: str | None = None, stroke_width: float = 1.0, extra: str = "", probe: bool = False) -> None:
+    def rect(
+        self,
+        x: float,
+        y: float,
+        w: float,
+        h: float,
+        fill: str,
+        *,
+        title: str | None = None,
+        stroke: str | None = None,
+        stroke_width: float = 1.0,
+        extra: str = "",
+        probe: bool = False,
+    ) -> None:
         """A rectangle (zero-size ones are skipped); ``title``: its hover label; ``probe``: make
         its centre the section's pixel probe (the first such rect wins; needs >= 4 px each way)."""
         if w <= 0 or h <= 0:
@@ -175,23 +208,48 @@ class Svg:
         if self.probe is None:
             self.probe = (x, y, fill)
 
-    def line(self, x1: float, y1: float, x2: float, y2: float, stroke: str, *, width: float = 1.0,
-             dash: str | None = None, title: str | None = None) -> None:
+    def line(
+        self,
+        x1: float,
+        y1: float,
+        x2: float,
+        y2: float,
+        stroke: str,
+        *,
+        width: float = 1.0,
+        dash: str | None = None,
+        title: str | None = None,
+    ) -> None:
         d = f' stroke-dasharray="{dash}"' if dash else ""
-        body = (f'<line x1="{num(x1)}" y1="{num(y1)}" x2="{num(x2)}" y2="{num(y2)}" stroke="{stroke}" '
-                f'stroke-width="{num(width)}"{d}')
+        body = (
+            f'<line x1="{num(x1)}" y1="{num(y1)}" x2="{num(x2)}" y2="{num(y2)}" stroke="{stroke}" '
+            f'stroke-width="{num(width)}"{d}'
+        )
         self.parts.append(body + (f"><title>{esc(title)}</title></line>" if title else "/>"))
         self.shapes += 1
 
-    def path(self, d: str, *, fill: str = "none", stroke: str | None = None, width: float = 1.0,
-             title: str | None = None) -> None:
+    def path(
+        self, d: str, *, fill: str = "none", stroke: str | None = None, width: float = 1.0, title: str | None = None
+    ) -> None:
         s = f' stroke="{stroke}" stroke-width="{num(width)}"' if stroke else ""
         body = f'<path d="{d}" fill="{fill}"{s}'
         self.parts.append(body + (f"><title>{esc(title)}</title></path>" if title else "/>"))
         self.shapes += 1
 
-    def text(self, x: float, y: float, text: str, *, size: float = 12, anchor: str = "start", bold: bool = False,
-             fill: str = "#222222", mono: bool = False, title: str | None = None, rotate: float | None = None) -> None:
+    def text(
+        self,
+        x: float,
+        y: float,
+        text: str,
+        *,
+        size: float = 12,
+        anchor: str = "start",
+        bold: bool = False,
+        fill: str = "#222222",
+        mono: bool = False,
+        title: str | None = None,
+        rotate: float | None = None,
+    ) -> None:
         """One line of text, baseline at ``y``."""
         a = f' text-anchor="{anchor}"' if anchor != "start" else ""
         b = ' font-weight="bold"' if bold else ""
@@ -199,11 +257,14 @@ class Svg:
         f = f' fill="{fill}"' if fill != "#222222" else ""
         r = f' transform="rotate({num(rotate)} {num(x)} {num(y)})"' if rotate else ""
         t = f"<title>{esc(title)}</title>" if title else ""
-        self.parts.append(f'<text x="{num(x)}" y="{num(y)}" font-size="{num(size)}"{a}{b}{m}{f}{r}>{t}{esc(text)}</text>')
+        self.parts.append(
+            f'<text x="{num(x)}" y="{num(y)}" font-size="{num(size)}"{a}{b}{m}{f}{r}>{t}{esc(text)}</text>'
+        )
         self.shapes += 1
 
-    def lines(self, x: float, y: float, lines: Iterable[str], *, size: float = 12, step: float | None = None,
-              **kw) -> float:
+    def lines(
+        self, x: float, y: float, lines: Iterable[str], *, size: float = 12, step: float | None = None, **kw
+    ) -> float:
         """Several lines from baseline ``y`` down; returns the baseline after the last."""
         step = step or size * 1.35
         for line in lines:
@@ -229,7 +290,8 @@ class Svg:
             f'viewBox="0 0 {num(self.width)} {num(self.height)}" role="img" aria-label="{esc(self.label)}" '
             f'font-family="{esc(FONT)}" font-size="12" fill="#222222" '
             f'style="display:block;max-width:100%;height:auto;margin:0 0 {GAP_PX}px 0;background:#ffffff"{attrs}>'
-            + "".join(self.parts) + "</svg>"
+            + "".join(self.parts)
+            + "</svg>"
         )
 
 
@@ -259,9 +321,16 @@ class Page:
             out.append(svg.render(top))
             top += svg.height + GAP_PX
         attrs = "".join(f' data-{k}="{esc(v)}"' for k, v in dict(self.data, page=self.kind, shapes=self.shapes).items())
-        style = (f"font-family:{FONT};font-size:13px;color:#222222;background:#ffffff;padding:0;margin:0;"
-                 f"max-width:{PAGE_WIDTH}px;line-height:1.35")
-        return f'<div class="dmuon-{self.kind}"{attrs} style="{esc(style)}">' + "".join(out) + "".join(self.tail) + "</div>"
+        style = (
+            f"font-family:{FONT};font-size:13px;color:#222222;background:#ffffff;padding:0;margin:0;"
+            f"max-width:{PAGE_WIDTH}px;line-height:1.35"
+        )
+        return (
+            f'<div class="dmuon-{self.kind}"{attrs} style="{esc(style)}">'
+            + "".join(out)
+            + "".join(self.tail)
+            + "</div>"
+        )
 
 
 def details(summary: str, body: str) -> str:
@@ -277,11 +346,10 @@ def details(summary: str, body: str) -> str:
 def document(fragment: str, title: str) -> str:
     """A standalone HTML document around a page fragment (``--html FILE``)."""
     return (
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>{esc(title)}</title>"
-        "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\"></head>"
-        "<body style=\"margin:0;padding:0;background:#ffffff\">\n"
-        + fragment + "\n</body></html>\n"
+        '<meta name="viewport" content="width=device-width, initial-scale=1"></head>'
+        '<body style="margin:0;padding:0;background:#ffffff">\n' + fragment + "\n</body></html>\n"
     )
 
 
