@@ -210,13 +210,12 @@ CELLS = [
     new_markdown_cell(
         "## Tensor parallelism\n\n"
         "`tp_size` / `tp_shard_dims` plan TP on the unparallelised meta model (Megatron-style dims from "
-        "`dmuon.plan._model.parallel.megatron_tp_shard_dims`). Each matrix is orthogonalised by its owner's TP group, "
+        "`dmuon.plan.megatron_tp_shard_dims`). Each matrix is orthogonalised by its owner's TP group, "
         "either by Gram NS (fp32 `(d, d)` all-reduces) or by gathering it; `tp_ns='auto'` picks the "
         "fewer bytes. The diff compares the two choices by FQN. See `docs/tensor_parallel.md`."
     ),
     new_code_cell(
-        "from dmuon.plan._model.parallel import megatron_tp_shard_dims\n"
-        "dims = megatron_tp_shard_dims(model)\n"
+        "dims = P.megatron_tp_shard_dims(model)\n"
         "tp_auto = P.compile(model, 8, tp_size=8, tp_shard_dims=dims)\n"
         "tp_gram = P.compile(model, 8, tp_size=8, tp_shard_dims=dims, tp_ns='gram')\n"
         "for name, p in (('auto', tp_auto), ('gram', tp_gram)):\n"
@@ -281,12 +280,10 @@ CELLS = [
         '"Collectives per buffer".'
     ),
     new_code_cell(
-        "from dmuon.plan._tools.render import expert_lines\n"
-        "\n"
         "qwen = zoo.qwen3_30b_a3b()\n"
         "after = P.compile(qwen, 64)\n"
         "before = P.compile(qwen, 64, predicate=P.matrix_predicate(qwen), experts='off')\n"
-        "print('\\n'.join(expert_lines(after)))\n"
+        "print('\\n'.join(after.expert_lines()))\n"
         "for name, p in (('before: one owner per stack', before), ('after: expert ranges', after)):\n"
         "    owned = p.owned_numel\n"
         "    calls = sum(1 for op in p.schedule().rank_ops(0) if op.kind in ('broadcast', 'all_gather'))\n"

@@ -136,7 +136,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        from dmuon.exec._optim import qk_clip  # QK-clip layer of a live plan: report the per-head max logits
+        from dmuon import qk_clip  # QK-clip layer of a live plan: report the per-head max logits
 
         if qk_clip.wants_logits(self):  # SDPA never materialises them: one extra QKᵀ pass
             qk_clip.record(self, qk_clip.max_logits_sdpa(q, k, is_causal=True))
@@ -400,17 +400,20 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def per_head_views(cfg: GPTConfig) -> dict:
     """``matrix_views`` for :func:`dmuon.plan.compile`: q/k/v as ``n_heads`` row blocks, o_proj
     as ``n_heads`` column blocks (``python -m dmuon train --matrix-views per-head``)."""
-    from dmuon.plan._model.views import heads
+    from dmuon.plan import views
 
-    return {"*.attn.[qkv]_proj.weight": heads(cfg.n_heads), "*.attn.o_proj.weight": heads(cfg.n_heads, dim=1)}
+    return {
+        "*.attn.[qkv]_proj.weight": views.heads(cfg.n_heads),
+        "*.attn.o_proj.weight": views.heads(cfg.n_heads, dim=1),
+    }
 
 
 def qk_clip_spec(model: GPT, tau: float):
     """:class:`dmuon.plan._records.qk_clip_records.QKClip` of every block's attention (``--qk-clip TAU``)."""
-    from dmuon.plan._records.qk_clip_records import attention_qk_clip
+    from dmuon.plan import qk_clip as plan_qk_clip
 
     cfg = model.cfg
-    return attention_qk_clip(
+    return plan_qk_clip.attention_qk_clip(
         model, tau, suffix="attn", q="q_proj", k="k_proj", num_heads=cfg.n_heads, head_dim=cfg.head_dim
     )
 

@@ -33,9 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dmuon.exec._comm import collective_calls as _collectives
-from dmuon.plan._cost.cost_model import ByteCost
-from dmuon.plan._records.mesh import parse_mesh_text
+import dmuon.exec
+from dmuon.plan import ByteCost, parse_mesh_text
 from dmuon._train.checkpoint import load_checkpoint, run_flags, save_checkpoint
 from dmuon._train.data import VOCAB_SIZE, Corpus, load_corpus
 from dmuon._train.progress import progress_bar, progress_note, write_line
@@ -45,8 +44,8 @@ __all__ = ["LEDGER_PHASES", "train", "run_job", "lr_factor", "model_config", "ex
 
 _DMUON_OPTIMIZERS = ("dmuon", "normuon")  # --optimizer values that train with dmuon.Muon
 
-LEDGER_PHASES = _collectives.PHASES
-"""Ledger phases, in the order of the per-step byte vector (``dmuon.exec._comm.collective_calls.PHASES``):
+LEDGER_PHASES = dmuon.exec.Ledger.PHASES
+"""Ledger phases, in the order of the per-step byte vector (``dmuon.exec.Ledger.PHASES``):
 the phases of ``plan.cost`` first, in ``ByteCost.PHASES`` order ("tp": tensor-parallel Gram
 all-reduces and gathers), then "other", which collects any other phase the ledger reports (not
 part of the plan)."""
@@ -310,7 +309,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             ns_dtype=ns_dtype,
             **({"variant": "normuon"} if args.optimizer == "normuon" else {}),
         )
-        from dmuon.exec._comm.collective_calls import LEDGER
+        LEDGER = dmuon.exec.ledger()
     elif args.optimizer == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=args.adamw_lr, weight_decay=args.adamw_weight_decay)
         LEDGER = None
@@ -353,9 +352,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             f"{plan_cost.total_nbytes:,} B/step over all ranks "
             f"(per rank {list(plan_cost.per_rank_nbytes)})"
         )
-        from dmuon.plan._tools.render import expert_lines
 
-        for line in expert_lines(plan):  # MoE: the plan summary's experts line
+        for line in plan.expert_lines():  # MoE: the plan summary's experts line
             log(line)
     log(f"unigram baseline (train -> val): {unigram:.4f} nats/token")
 

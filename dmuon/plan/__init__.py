@@ -40,7 +40,8 @@ from dmuon.plan._model import views
 from dmuon.plan._cost.cost_model import BaselineByteCost, ByteCost, RankStats
 from dmuon.plan._tools.diff import CollectiveChange, CostDelta, ParamChange, PlanDiff, SettingChange, diff
 from dmuon.plan._layout.buffer_layout import Boundary, BufferLayout
-from dmuon.plan._records.mesh import MESH_DIM_NAMES, MeshDimRoles, mesh_dim_roles, normalize_mesh
+from dmuon.plan._records.mesh import MESH_DIM_NAMES, MeshDimRoles, mesh_dim_roles, normalize_mesh, parse_mesh_text
+from dmuon.plan._model.parallel import megatron_tp_shard_dims
 from dmuon.plan._records.plan import ShardingPlan
 from dmuon.plan._records.qk_clip_records import QKClip
 from dmuon.plan._records.collective_records import CollectiveSettings
@@ -89,4 +90,6 @@ __all__ = [
     "mesh_dim_roles",
     "MeshDimRoles",
     "MESH_DIM_NAMES",
+    "parse_mesh_text",
+    "megatron_tp_shard_dims",
 ]

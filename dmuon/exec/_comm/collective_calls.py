@@ -51,7 +51,7 @@ import os
 import threading
 import time
 from collections import Counter
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import torch
 import torch.distributed as dist
@@ -142,6 +142,9 @@ class Ledger:
     collectives this rank took part in (charged or not); ``ops``: every collective charged
     while ``record`` is True (:meth:`recording`), in issue order. Thread-safe.
     """
+
+    #: the phases a collective is charged to, in report order
+    PHASES: ClassVar[tuple[str, ...]] = PHASES
 
     nbytes: Counter = dataclasses.field(default_factory=Counter)
     calls: Counter = dataclasses.field(default_factory=Counter)

@@ -436,6 +436,13 @@ class ShardingPlan:
 
         return render_summary(self, max_rows=max_rows)
 
+    def expert_lines(self) -> list[str]:
+        """The summary's experts lines (empty without expert stacks): stacks, experts, Muon
+        matrices, layouts, and where they are owned (ranks owning experts, experts per owner)."""
+        from dmuon.plan._tools.render import expert_lines
+
+        return expert_lines(self)
+
     def to_html(self) -> str:
         """The plan as a standalone HTML page: header card, ownership map, per-rank bars, bytes
         per phase, collectives per boundary, experts, the step schedule (inline SVG, no
