@@ -9,12 +9,12 @@ buffers and their padding (``N * slot - numel`` over their elements), the most s
 dmuon's bytes per step over all ranks (``plan.cost.total_nbytes``), the busiest rank's peak
 transient buffer (``plan.rank_stats()``) and the bytes of compute tensors assembled per boundary
 (``plan.assembled_nbytes``, the largest), and the compile time. The "before" columns of the docs'
-table are this script's output on the commit before issue 35 (every buffer broadcast, ``min(E, N)``
+table are this script's output before per-buffer collectives (every buffer broadcast, ``min(E, N)``
 expert ranges; run it there without ``--collectives``).
 
     python benchmarks/collective_plans.py --simulate [--rows qwen3-30b-a3b/64/1 ...] [--json]
 
-checks issue 35's rows in the simulator (docs/performance.md, "One collective per boundary"):
+checks the per-buffer collective rows in the simulator (docs/performance.md, "One collective per boundary"):
 Qwen3-30B-A3B and DeepSeek-V3 on 64 and 256 ranks with EP 1, 8 and N (Qwen3-30B-A3B: 128 on 256
 ranks), Llama-3-8B on 8 and 16 x 8, Llama-3-405B on 1,024 with owner groups ``"auto"``; each row
 compiled as ``python -m dmuon simulate`` compiles it (Z3, bf16 wire, fp32 reduce, cost model
@@ -60,7 +60,7 @@ CASES = [  # (preset, ranks, ep)
     ("deepseek-v3", 256, 8),
 ]
 PHASES = ("forward_broadcast", "backward_broadcast", "reduce", "replicate_reduce", "replicate_broadcast")
-#: issue 35's simulated rows: (preset, mesh, ep, owner_groups)
+#: the per-buffer collective rows, simulated: (preset, mesh, ep, owner_groups)
 SIM_ROWS = [
     *[("qwen3-30b-a3b", n, ep, "off") for n, eps in ((64, (1, 8, 64)), (256, (1, 8, 128))) for ep in eps],
     *[("deepseek-v3", n, ep, "off") for n in (64, 256) for ep in (1, 8, n)],
@@ -105,7 +105,7 @@ def row(name: str, ranks: int, ep: int, collectives: str) -> dict:
 
 
 def sim_row(name: str, mesh, ep: int, owner_groups: str, tokens: int = 8192) -> dict:
-    """Issue 35's checks of one simulated row (module docstring, ``--simulate``)."""
+    """The checks of one simulated row (module docstring, ``--simulate``)."""
     import dataclasses
 
     import dmuon.sim as S
@@ -208,7 +208,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--collectives", default="auto", choices=("auto", "broadcast", "all_gather"))
     ap.add_argument("--json", action="store_true", help="one JSON object per line")
-    ap.add_argument("--simulate", action="store_true", help="issue 35's simulated rows (module docstring)")
+    ap.add_argument(
+        "--simulate", action="store_true", help="the per-buffer collective rows, simulated (module docstring)"
+    )
     ap.add_argument(
         "--rows",
         nargs="*",

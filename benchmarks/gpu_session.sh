@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The first GPU run (issue #17 §4), as ONE prepared script for a session lent a GPU.
+# The first GPU run, as ONE prepared script for a session lent a GPU.
 #
 #   bash benchmarks/gpu_session.sh OUT_DIR        # 53 s on one H200 (measured); writes JSON + logs to OUT_DIR
 #

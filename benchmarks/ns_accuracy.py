@@ -1,4 +1,4 @@
-"""Accuracy of dmuon's Newton-Schulz backends on a zoo of matrices (issue #8).
+"""Accuracy of dmuon's Newton-Schulz backends on a zoo of matrices.
 
 For every zoo matrix ``G`` (float32, built in float64 with a fixed seed), iteration dtype
 (fp32, bf16) and backend, the script runs 5 NS steps and compares the result ``Y`` with the
@@ -169,7 +169,7 @@ def _gpt_grad(size: str, suffix: str) -> torch.Tensor:
     return next(g for name, g in _gpt_grads(size).items() if name.endswith(suffix))
 
 
-#: The main job's matrices (issue #17): gradients of the GPT of both benchmark sizes, one of
+#: The main job's matrices: gradients of the GPT of both benchmark sizes, one of
 #: each shape (block 0), float32 like the zoo.
 MAIN_JOB: dict[str, tuple[str, Callable[[], torch.Tensor]]] = {
     "gpt_small_q": ("small GPT q_proj gradient, 128x128", lambda: _gpt_grad("small", "q_proj.weight")),

@@ -1,4 +1,4 @@
-"""Mixture-of-Experts test models (issue 28): a torchtitan-style ``GroupedExperts`` block and
+"""Mixture-of-Experts test models: a torchtitan-style ``GroupedExperts`` block and
 tiny Hugging Face Qwen3-MoE / gpt-oss built from configs (nothing is downloaded).
 
 ``GroupedLM``: token model, blocks at ``layers.N`` with a dense matrix (``attn``), a router

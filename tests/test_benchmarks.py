@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/step_time.py (issue #7): it runs, its JSON has the expected shape, and
+"""Smoke test of benchmarks/step_time.py: it runs, its JSON has the expected shape, and
 dmuon's measured ledger bytes equal the plan's. No wall-clock assertions: this 2-core machine
 is shared, timings are reported, never checked.
 

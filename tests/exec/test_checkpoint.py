@@ -1,4 +1,4 @@
-"""Checkpoint oracle tests (issue #5): torch.distributed.checkpoint with owner-held matrices.
+"""Checkpoint oracle tests: torch.distributed.checkpoint with owner-held matrices.
 
 Three process groups, run once per module (process start-up dominates on 2 cores):
 

@@ -1,4 +1,4 @@
-"""Resume across a process restart, and asynchronous saves (issue 31 items 4 and 5).
+"""Resume across a process restart, and asynchronous saves.
 
 Two launches of W = 2 gloo ranks (new processes each), several cases per launch:
 

@@ -1,4 +1,4 @@
-"""dmuon's hooks next to blocks compiled with the default inductor backend (issue #17 §2).
+"""dmuon's hooks next to blocks compiled with the default inductor backend.
 
 ``layer.compile()`` compiles ``Module._call_impl``, forward hooks included. dmuon registers its
 hooks as FSDP2 does (``torch._dynamo.disable(recursive=True)``, ``dmuon.exec._runtime.boundary.eager_hook``),

@@ -1,4 +1,4 @@
-"""Error messages that name the real mistake and its fix (issue 31, item 3).
+"""Error messages that name the real mistake and its fix.
 
 One 2-rank launch runs cases a-c; each case returns ``(exception type, message)`` per rank, so
 every test checks that all ranks raised the same error. The CLI case (d) runs

@@ -1,4 +1,4 @@
-"""dmuon.Muon built after a forward without its backward (issue 31, item 2).
+"""dmuon.Muon built after a forward without its backward.
 
 After ``fully_shard``, an evaluation forward under ``torch.no_grad()`` (or a forward whose loss is
 never backpropagated) leaves FSDP2's root unit unsharded, so ``model.parameters()`` yields its

@@ -1,4 +1,4 @@
-"""Reused reduce buffers and one presence-flag read per backward (issue #7).
+"""Reused reduce buffers and one presence-flag read per backward.
 
 Every segment reduces through ONE buffer tensor built on its first reduce and reused by every
 later backward (same tensor, same storage object), whose storage is released at the end of each

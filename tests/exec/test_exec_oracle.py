@@ -1,4 +1,4 @@
-"""Runtime oracle tests (issue #3): processes + gloo against single-process Muon + AdamW.
+"""Runtime oracle tests: processes + gloo against single-process Muon + AdamW.
 
 One process group per world size runs every configuration of that size (Z2/Z3 x bf16/fp32 NS x
 models, the 1-D mesh and the HSDP meshes; each still its own test), since process start-up
@@ -14,7 +14,7 @@ of ``tests/oracle.py``:
   N <= 2 every loss and parameter),
 * exactly one Newton-Schulz per dedicated matrix per step, summed over ranks (none for a matrix
   no rank used, as torch.optim.Muon skips it),
-* NorMuon (``variant="normuon"``, issue 37) on N = 2, 3 and HSDP (2, 2) against the NorMuon
+* NorMuon (``variant="normuon"``) on N = 2, 3 and HSDP (2, 2) against the NorMuon
   reference, with the same bounds, and its ledger -- every collective issued, in order, with its
   group, root, dtype and bytes -- equal to the Muon case's on the same layout: zero extra bytes,
 * a matrix used by one rank only, used twice in one forward, or used by no rank,

@@ -1,4 +1,4 @@
-"""Prefetch and overlap order (issue #7), read from the sequence of posted collectives, with the
+"""Prefetch and overlap order, read from the sequence of posted collectives, with the
 buffers all-gathered (collectives="auto" on this model) and broadcast.
 
 Forward: the next boundary's broadcast is posted before the current boundary computes.

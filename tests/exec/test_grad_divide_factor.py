@@ -1,4 +1,4 @@
-"""dmuon's reduce honours FSDP2's gradient divide factor (issue 30 item 3).
+"""dmuon's reduce honours FSDP2's gradient divide factor.
 
 torchtitan (and anyone who normalises the loss by a *global* token count) calls
 ``set_gradient_divide_factor(1.0)`` on every ``fully_shard`` unit and divides each rank's summed

@@ -1,4 +1,4 @@
-"""Meta-device initialisation (issue #5): plan and dedicate on ``meta``, ``to_empty``, initialise.
+"""Meta-device initialisation: plan and dedicate on ``meta``, ``to_empty``, initialise.
 
 One process group of 4 ranks runs a 1-D mesh (N=4) and an HSDP mesh (2, 2). For each:
 

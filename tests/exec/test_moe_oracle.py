@@ -1,4 +1,4 @@
-"""Expert stacks on a real process group (issue 28): dmuon vs the single-process reference, the
+"""Expert stacks on a real process group: dmuon vs the single-process reference, the
 byte ledger vs the plan, and DCP checkpoints across layouts (gloo, CPU).
 
 Three launches, one process group each, several models per launch (tests/moe_models.py):
@@ -6,7 +6,7 @@ Three launches, one process group each, several models per launch (tests/moe_mod
 * W = 4: tiny HF Qwen3-MoE E = 8 (more experts than ranks) 1-D; gpt-oss E = 4 on HSDP (2, 2);
   the GroupedExperts block E = 3 (fewer experts than ranks) 1-D and E = 5 on HSDP (2, 2);
   Qwen3-MoE with ``expert_gate_up="fused"``; GroupedExperts E = 6 with bf16 Newton-Schulz; NorMuon
-  (``variant="normuon"``, issue 37) on Qwen3-MoE E = 8 1-D (expert ranges, split gate/up) and on
+  (``variant="normuon"``) on Qwen3-MoE E = 8 1-D (expert ranges, split gate/up) and on
   gpt-oss E = 4 HSDP (2, 2) (transposed, interleaved stacks) against the NorMuon reference.
   Then checkpoints: Qwen3-MoE E = 4 and GroupedExperts E = 3 trained 2 steps on 1-D N = 4 (one
   range per rank / 3 of 4 ranks), and Qwen3-MoE E = 4 under NorMuon (its second moments ``(E, out, 1)``
@@ -92,7 +92,7 @@ CASES = {
             {"collectives": "all_gather", "predicate": _experts_only},
             torch.float32,
         ),
-        # NorMuon (issue 37): expert ranges (split HF gate/up), gpt-oss's transposed interleaved stacks on HSDP
+        # NorMuon: expert ranges (split HF gate/up), gpt-oss's transposed interleaved stacks on HSDP
         ("qwen3 E=8 N=4 normuon", "qwen3", 8, None, {}, torch.float32),
         ("gpt-oss E=4 HSDP(2,2) normuon", "gpt_oss", 4, (2, 2), {}, torch.float32),
     ],
@@ -356,7 +356,7 @@ def test_matches_reference_and_ledger_equals_plan(request, world, i):
     stacks = [s for s in plan.params if s.experts is not None]
     assert stacks, name
     R, N = plan.mesh_shape
-    for spec in stacks:  # every expert one owner; how many ranges is the planner's choice (issue 35)
+    for spec in stacks:  # every expert one owner; how many ranges is the planner's choice
         ranks = {o.rank for o in plan.expert_owners(spec.fqn)}
         assert len(plan.expert_owners(spec.fqn)) == E and 1 <= len(ranks) <= min(E, N), (name, spec.fqn)
         owner = plan.owners[plan.params.index(spec)]

@@ -1,4 +1,4 @@
-"""Matrix views (per-head / split-QKV orthogonalisation) and QK-clip (MuonClip), issue #18.
+"""Matrix views (per-head / split-QKV orthogonalisation) and QK-clip (MuonClip).
 
 Plan level (pure): the view record and its JSON, the helpers' blocks for Llama (GQA) / GPT-2
 ``c_attn`` / Megatron's grouped QKV, NS FLOPs and LPT weights counted per block (hand-computed),
@@ -13,7 +13,7 @@ QK-clip rule applied after the step, head by head, from the reference's own forw
 parameters (1e-4 of each tensor's largest magnitude), bytes per step per rank equal to the
 plan's schedule (QK-clip's all-reduce included, also with 2 micro-batches under
 ``dmuon.no_sync``), clipped-head counts equal to the oracle's with both clipped and unclipped
-heads in the run; NorMuon (issue 37) with per-head q/k/v rows and o_proj column blocks, against
+heads in the run; NorMuon with per-head q/k/v rows and o_proj column blocks, against
 ``dmuon.testing``'s NorMuon reference on ``matrix_view`` proxies (its collectives: the schedule's,
 op for op). Measured deviations are in docs/muon_variants.md.
 """

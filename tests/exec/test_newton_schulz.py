@@ -250,7 +250,7 @@ def test_ns_flops_matches_flop_counter(shape):
 
 
 # ---------------------------------------------------------------------------------------------
-# issue #8: Polar Express preset, Gram Newton-Schulz, backends
+# Polar Express preset, Gram Newton-Schulz, backends
 #
 # Tolerances:
 # - Gram vs standard NS in float64: <= 1e-12 of the result's largest magnitude (measured
@@ -334,7 +334,7 @@ def test_polar_express_preset_equals_reference_algorithm(steps, shape):
 
 
 def test_deepseek_v4_preset_is_fixed_length_and_never_truncated():
-    """Issue #37: the DeepSeek-V4 schedule (8 x Muon's triple, then 2 x (2, -1.5, 0.5)) is a
+    """The DeepSeek-V4 schedule (8 x Muon's triple, then 2 x (2, -1.5, 0.5)) is a
     fixed 10-step recipe: 10 steps or an error, ns_steps=None selects 10; every per-step preset
     declares its length policy (none truncates silently)."""
     from dmuon.exec._optim.ns_coefficients import DEEPSEEK_V4, PRESET_LENGTH_POLICY, resolve_ns_steps
@@ -597,7 +597,7 @@ def test_gram_ns_flops_matches_flop_counter(shape, restart_every):
 
 @pytest.mark.parametrize("shape", [(3, 256, 40), (2, 257, 33), (2, 8, 50)])
 def test_symmetric_gram_is_x_xt(shape):
-    """Gram NS's X Xᵀ (issue #17): from d = 256 its lower blocks only, the upper right block
+    """Gram NS's X Xᵀ: from d = 256 its lower blocks only, the upper right block
     mirrored exactly; the same values as the full product (the same dot products, up to the
     kernel's summation order), also for a transposed (tall) view."""
     from dmuon.exec._optim.ns_gram import _symmetric_gram

@@ -1,4 +1,4 @@
-"""NorMuon in ``dmuon.Muon`` (issue #37), single process: the second moment's layout for every
+"""NorMuon in ``dmuon.Muon``, single process: the second moment's layout for every
 kind of Muon matrix against the reference's per-proxy second moments, the owner's normalisation
 against :mod:`dmuon.testing._normuon_reference` matrix by matrix, and the refusals.
 

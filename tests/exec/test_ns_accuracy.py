@@ -1,10 +1,10 @@
-"""Accuracy of the Newton-Schulz backends on the matrix zoo of benchmarks/ns_accuracy.py (issue #8).
+"""Accuracy of the Newton-Schulz backends on the matrix zoo of benchmarks/ns_accuracy.py.
 
 Metrics (defined precisely in benchmarks/ns_accuracy.py's docstring), for every zoo matrix, NS
 dtype (fp32, bf16) and backend (standard = "muon" coefficients, polar_express = the preset on
 the standard iteration, gram = Gram NS with "muon", gram_pe = Gram NS with "polar_express";
 5 steps, Gram NS with its default restarts before steps 2 and 4; deepseek_v4 = the DeepSeek-V4
-preset on the standard iteration, its fixed 10 steps, issue #37):
+preset on the standard iteration, its fixed 10 steps):
 
 - ``polar``: relative Frobenius distance to the exact polar factor U Vᵀ (float64 SVD) on the
   resolved directions (normalised singular value s >= 1e-2); includes the preset's own
@@ -37,7 +37,7 @@ standard iteration's with "muon" (err64 1e-2 to 4e-2 against 3e-3 to 1.5e-2), an
 "polar_express", worst on ill-conditioned (6e-2) and rank-1 (0.3) input: the first steps'
 large slopes (8.1, 4.1) set ||Q||, which Q's bf16 rounding error is proportional to.
 
-Issue #17: ``auto`` (Gram NS where it needs fewer FLOPs, the standard iteration elsewhere) on the
+``auto`` (Gram NS where it needs fewer FLOPs, the standard iteration elsewhere) on the
 zoo and on the main job's matrices (block-0 gradients of both benchmark GPTs, ``MAIN_JOB``;
 ``standard``, ``gram``, ``auto``; bounds ``MAIN_BOUNDS`` by the same rule); ``auto`` must equal,
 metric for metric, the backend it picks, and is held to that backend's bounds.

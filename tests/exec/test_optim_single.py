@@ -468,9 +468,9 @@ def test_param_groups_layout_and_flags():
         "normuon_beta2",
         "normuon_eps",
     }
-    assert muon["ns_backend"] == "standard"  # issue #8: a new group field, standard by default
-    assert (muon["variant"], muon["normuon_beta2"], muon["normuon_eps"]) == ("muon", 0.95, 1e-10)  # issue #37
-    assert muon["ns_steps"] == 5  # ns_steps=None resolves to an int (issue #37)
+    assert muon["ns_backend"] == "standard"  # A new group field, standard by default
+    assert (muon["variant"], muon["normuon_beta2"], muon["normuon_eps"]) == ("muon", 0.95, 1e-10)
+    assert muon["ns_steps"] == 5  # ns_steps=None resolves to an int
     assert set(adamw) == {"params", "lr", "betas", "eps", "weight_decay", "use_muon"}
     assert muon["lr"] == MUON_KW["lr"] and adamw["lr"] == ADAMW_KW["lr"]
     assert muon["ns_dtype"] is torch.float32 and muon["ns_coefficients"] == (3.4445, -4.775, 2.0315)
@@ -808,7 +808,7 @@ def test_adamw_on_dtensors_bit_identical():
 
 
 # ---------------------------------------------------------------------------------------------
-# issue #8: ns_backend="gram" and the "polar_express" preset
+# Ns_backend="gram" and the "polar_express" preset
 #
 # Tolerances (gram vs standard backend, same model, data and hyper-parameters, 5 steps):
 # - ns_dtype=float64 on a float64 model: parameters within 1e-12 of each tensor's largest

@@ -1,4 +1,4 @@
-"""Owner groups (issue 19): a matrix owned by k shard ranks, each holding a block of it.
+"""Owner groups: a matrix owned by k shard ranks, each holding a block of it.
 
 Model: one hook boundary with THREE dedicated matrices on FOUR ranks, one much larger — the case
 where exclusive ownership leaves a rank owning nothing: ``tall`` (48, 8) (row blocks),
@@ -413,7 +413,7 @@ def test_checkpoint_round_trips(results):
 
 
 def test_normuon_is_refused_on_owner_groups_on_every_rank(results):
-    """Issue #37: NorMuon's row statistic would need an all-reduce per owner group and step;
+    """NorMuon's row statistic would need an all-reduce per owner group and step;
     dmuon.Muon(variant="normuon") refuses, naming the first grouped parameter and the fix."""
     errors = [r["normuon_error"] for r in results]
     assert errors[0] is not None and all(e == errors[0] for e in errors)

@@ -1,4 +1,4 @@
-"""Ranks out of step (issue 31 item 1): a rank that skips or repeats a backward / optimizer step
+"""Ranks out of step: a rank that skips or repeats a backward / optimizer step
 is detected at the next dmuon broadcast, and no rank reports success.
 
 Each holder writes ``step_code(optimizer steps, phase, forward index)`` into its segment's flag

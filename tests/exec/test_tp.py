@@ -1,4 +1,4 @@
-"""Tensor parallelism (issue #8): TP first, then dmuon on the data-parallel mesh, then FSDP2.
+"""Tensor parallelism: TP first, then dmuon on the data-parallel mesh, then FSDP2.
 
 gloo, (dp=2, tp=2) on 4 processes and (dp=1, tp=2) on 2, the main job's GPT with Megatron-style
 TP (q/k/v/up colwise, o/down rowwise). Each case checks, against one process training the same

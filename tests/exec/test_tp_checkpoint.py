@@ -1,4 +1,4 @@
-"""Checkpoints and meta-device initialisation under tensor parallelism (issue #15).
+"""Checkpoints and meta-device initialisation under tensor parallelism.
 
 The main job's GPT with Megatron-style TP (q/k/v/up colwise, o/down rowwise), every TP matrix
 gathered for Newton-Schulz (``tp_ns="gather"``) so that one reference serves every mesh: one

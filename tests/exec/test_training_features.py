@@ -1,4 +1,4 @@
-"""Training for real (issue #6): each feature against the single-process oracle.
+"""Training for real: each feature against the single-process oracle.
 
 One process group per world size runs every case (N = 2 with HSDP (2, 1), N = 3):
 

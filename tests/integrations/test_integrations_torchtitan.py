@@ -1,4 +1,4 @@
-"""dmuon inside torchtitan (issue 30): torchtitan's Llama-3 debug model and a Qwen3-MoE debug model,
+"""dmuon inside torchtitan: torchtitan's Llama-3 debug model and a Qwen3-MoE debug model,
 FSDP2 applied by torchtitan's own parallelize functions, dmuon through
 :mod:`dmuon.integrations.torchtitan`, against the single-process oracle.
 
@@ -584,7 +584,7 @@ def test_qwen3_moe_debug_model_matches_per_expert_oracle(world, i, root):
     for spec in stacks:
         assert spec.experts.layout == "torchtitan", spec.experts  # w1_EFD / w3_EFD / w2_EDF recognised by name
         assert spec.num_matrices == E
-        owners = plan.expert_owners(spec.fqn)  # every expert one owner; the planner sizes the ranges (issue 35)
+        owners = plan.expert_owners(spec.fqn)  # every expert one owner; the planner sizes the ranges
         assert len(owners) == E and 1 <= len({o.rank for o in owners}) <= min(E, N), spec.fqn
     # wqkv, wo, router gate per layer are matrices; 3 stacks per layer
     assert len(plan.dedicated) == 6 * LAYERS, plan.dedicated

@@ -1,4 +1,4 @@
-"""The one rule that reads a mesh's dims (issue #15): :func:`dmuon.plan.mesh_dim_roles`.
+"""The one rule that reads a mesh's dims: :func:`dmuon.plan.mesh_dim_roles`.
 
 Pure (no process group): names as torchtitan and users write them, overrides, positional 2-D,
 and the errors a user can cause (each names the dims it found and the names it expected).

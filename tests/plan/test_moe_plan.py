@@ -1,4 +1,4 @@
-"""Expert stacks in the plan (issue 28, "How it is checked"; pure, no process group).
+"""Expert stacks in the plan ("How it is checked"; pure, no process group).
 
 Golden plans (conventions of tests/plan/test_plan_golden.py: cost_model="numel", align_numel=16,
 fp32 = 4 bytes) for a GroupedExperts-style block (tests/moe_models.py, one layer, meta device):
@@ -275,7 +275,7 @@ def test_golden_grouped_experts_bytes_are_the_formula():
 
 
 def test_golden_grouped_experts_all_gathered_water_fill():
-    """collectives="auto" / "all_gather" (issue 35). N = 2: the LPT layout above (segments 368,
+    """collectives="auto" / "all_gather". N = 2: the LPT layout above (segments 368,
     336: slot round_up(369, 16) = 384) is as small as water-fill gets it, so it stays.
 
     N = 4: the LPT layout's slot would be round_up(224 + 1) = 240; water-fill (the dense attn on
@@ -424,7 +424,7 @@ def test_selection_deepseek_v3_buffers_untouched():
     ],
 )
 def test_routers_adamw_leaves_exactly_the_routers_to_adamw(builder, routers):
-    """Issue #37: compile(routers="adamw") removes exactly the (E, D) routers next to expert
+    """Compile(routers="adamw") removes exactly the (E, D) routers next to expert
     stacks from the default selection; everything else is planned as before."""
     model = _hf(builder)
     muon, adamw = P.compile(model, 2), P.compile(model, 2, routers="adamw")
@@ -810,7 +810,7 @@ class _DSModel(nn.Module):
 def test_deepseek_v3_like_on_64_ranks_few_owners_per_boundary():
     """DeepSeek-V3's shapes (3 dense + 58 MoE layers, HF fused layout, E = 256), 64 ranks. Each
     stack is cut into ranges of at most g experts, g = floor(0.5 x mean slot weight / expert
-    weight) (issue 35: fewer owners per boundary, fewer broadcasts): 1 or 2 ranges of 128 experts
+    weight) (fewer owners per boundary, fewer broadcasts): 1 or 2 ranges of 128 experts
     (it was 64 ranges of 4, 64 segments per MoE buffer); at most 12 segments per buffer, every
     buffer broadcast (an all-gather over 64 ranks costs 64 latency steps per call, and whole
     experts leave its slots unequal). Owned max/mean 1.078 (measured), within the LPT bound

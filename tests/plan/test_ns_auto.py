@@ -1,4 +1,4 @@
-"""``ns_backend="auto"`` (issue #17 §1): the plan records the backend each matrix runs, the cost
+"""``ns_backend="auto"``: the plan records the backend each matrix runs, the cost
 model counts its FLOPs, ``dmuon.Muon`` runs it and refuses a plan that records another one.
 
 * the rule (:func:`dmuon.plan._rules.choose_ns_backend`) against hand-computed FLOP counts;

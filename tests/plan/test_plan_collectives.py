@@ -1,4 +1,4 @@
-"""The collective of each buffer (issue 35; pure, no process group): the plan's settings and their
+"""The collective of each buffer (pure, no process group): the plan's settings and their
 JSON (``dmuon.plan/2``, version-1 plans read as broadcast with their bytes and fingerprints), the
 alpha-beta rule of ``collectives="auto"`` against hand-computed figures, forced modes, the slot
 layout, the collectives per step of an all-gathered buffer, and the planner's constants against
@@ -25,7 +25,7 @@ from test_moe_plan import grouped_meta
 from test_plan_golden import build_a, build_b
 
 DATA = pathlib.Path(__file__).parents[1] / "data"
-# fingerprints of the version-1 fixtures, as the code before issue 35 computed them
+# fingerprints of the version-1 fixtures, as the code before per-buffer collectives computed them
 V1_FIXTURES = {
     "plan_v1_model_a_n2.json": "56f6f2dfb127030d81579da21f06e448be457c528f7795eab81e08076e844e6e",
     "plan_v1_grouped_experts_n4.json": "801816d9e81ef15913609ad0727e42cf3955eafdfa45a980d4d4a6b61e5fe1e8",

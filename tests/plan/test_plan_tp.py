@@ -1,4 +1,4 @@
-"""Plans with tensor parallelism (issue #8): hand-computed layouts, bytes and choices; errors.
+"""Plans with tensor parallelism: hand-computed layouts, bytes and choices; errors.
 
 Pure: TP is described with ``tp_size`` / ``tp_shard_dims`` on an unparallelised model (what
 ``parallelize_module`` would produce is covered by tests/exec/test_tp.py).

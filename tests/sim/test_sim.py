@@ -1058,7 +1058,7 @@ def torch_linear():
     return torch.nn.Linear(2, 2)
 
 
-# ------------------------------------------------------------------ issue #35: fair FSDP2 baseline,
+# ------------------------------------------------------------------ fair FSDP2 baseline,
 # all-gather / reduce-scatter phases, coalescing, expert parallelism's token all-to-all
 
 
@@ -1160,7 +1160,7 @@ def _op(i, kind, phase, group=(0, 1, 2, 3), **kw):
 
 def test_dmuon_all_gather_and_reduce_scatter_run_on_their_phases_channel():
     """A dmuon all-gather on the forward phase and a reduce-scatter on the gradient phase (the
-    per-buffer kinds of issue #35) are timed by the ring formula and run on the broadcast /
+    per-buffer kinds of) are timed by the ring formula and run on the broadcast /
     reduce channels; a TP all-gather keeps the TP channel. By hand (k = 4, 1,000 fp32 per rank,
     alpha 10 us, 1 GB/s, launch 5 us): 5 + 3 x 10 + 3 x 4 = 47 us each; the TP gather does not
     queue behind the forward gather (both start at 0)."""
@@ -1462,7 +1462,7 @@ def test_buffer_kind_costs_by_hand():
     ],
 )
 def test_auto_kind_is_not_slower_in_the_simulator(name, mesh, ep):
-    """Issue 35: on each row the kind ``collectives="auto"`` picks for a buffer is not modelled
+    """On each row the kind ``collectives="auto"`` picks for a buffer is not modelled
     slower by the simulator (h100, with and without NCCL coalescing) than the other kind on the
     same layout. Rows small enough for the fast lane, each choice present (all-gathers on the tiny
     models and Qwen3-30B-A3B's efsdp buffers, broadcasts on the dense models and Qwen3-30B-A3B

@@ -1,4 +1,4 @@
-"""The main job's ``--save`` / ``--resume`` with ``--tp`` (issue #15): one 2-rank process group.
+"""The main job's ``--save`` / ``--resume`` with ``--tp``: one 2-rank process group.
 
 An uninterrupted ``--tp 2`` run (dp=1, tp=2) saves every 2 steps; resumed from its step-2
 checkpoint under ``--tp 2`` it is the same run bit for bit; resumed without TP (dp=2) it

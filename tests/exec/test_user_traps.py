@@ -1,4 +1,4 @@
-"""Reliability, round 2 (issue #14): traps real Muon / FSDP2 users fell into, each against the
+"""Traps real Muon / FSDP2 users fell into, each against the
 single-process oracle or as the same clear error on every rank.
 
 Two process groups for the whole module (process start-up dominates on 2 cores): W=4 runs the

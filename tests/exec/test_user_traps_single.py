@@ -1,4 +1,4 @@
-"""Reliability, round 2 (issue #14): the single-process items.
+"""Traps real Muon / FSDP2 users fell into: the single-process cases.
 
 * tiny and zero gradients in one fp32 NS batch: each matrix divided by ``max(||X||_F, eps)`` of
   its own, as torch's ``clamp(min=eps)``, in the standard, Gram and TP-Gram paths and through
