@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dmuon.plan as P  # noqa: E402
-from dmuon import _zoo as zoo  # noqa: E402
+from dmuon.sim import zoo  # noqa: E402
 from dmuon.plan._ownership.partition import lpt_partition_groups  # noqa: E402
 
 CASES = [("llama3-70b", (8, 128)), ("llama3-70b", (1, 1024)), ("llama3-405b", (1, 1024)), ("llama3-405b", (1, 4096))]

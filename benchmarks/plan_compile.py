@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dmuon.plan as P  # noqa: E402
-from dmuon import _zoo as zoo  # noqa: E402
+from dmuon.sim import zoo  # noqa: E402
 
 CASES = [
     ("llama3-70b", 1024, "numel"),

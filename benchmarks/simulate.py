@@ -30,7 +30,7 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dmuon.plan as P  # noqa: E402
-from dmuon import _zoo as zoo  # noqa: E402
+from dmuon.sim import zoo  # noqa: E402
 import dmuon.sim as S  # noqa: E402
 from dmuon.sim import hardware as H  # noqa: E402
 

@@ -38,7 +38,6 @@ _LAZY = {
     "exec": "dmuon.exec",
     "integrations": "dmuon.integrations",
     "sim": "dmuon.sim",
-    "zoo": "dmuon._zoo",
     "dedicate_params": "dmuon.exec._setup.api:dedicate_params",
     "Muon": "dmuon.exec._optim.muon:Muon",
     "no_sync": "dmuon.exec._runtime.runtime:no_sync",

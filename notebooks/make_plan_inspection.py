@@ -27,7 +27,7 @@ CELLS = [
         "from IPython.display import Image, display\n"
         "\n"
         "import dmuon.plan as P\n"
-        "from dmuon import zoo\n"
+        "from dmuon.sim import zoo\n"
         "\n"
         "model = zoo.llama3_8b()          # meta device: nothing is allocated\n"
         "plan = P.compile(model, 8)             # 1-D mesh of 8 ranks, DMuon-Z3\n"

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import dmuon.plan as P
-from dmuon import _zoo as zoo
+from dmuon.sim import zoo
 from dmuon.plan._tools.html.browser import find_chromium, screenshot
 from html_pages import parse, root, sections
 

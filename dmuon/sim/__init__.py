@@ -17,6 +17,7 @@ kinds priced: a plan's choices against the simulator), ``calibrate`` (microbench
 See docs/performance.md ("Step-time simulator").
 """
 
+from dmuon import _zoo as zoo
 from dmuon.sim._engine import alternatives, hardware, workload
 from dmuon.sim._engine.hardware import CollectiveCurve, Hardware, Link
 from dmuon.sim._engine.records import Interval, MemoryBreakdown, PathStep, RankTime, Simulation, Simulations
@@ -44,4 +45,5 @@ __all__ = [
     "hardware",
     "workload",
     "alternatives",
+    "zoo",
 ]

@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 import dmuon.plan as P  # noqa: E402
 import dmuon.sim as S  # noqa: E402
-from dmuon import _zoo as zoo  # noqa: E402
+from dmuon.sim import zoo  # noqa: E402
 from dmuon.plan._tools.html.browser import screenshot  # noqa: E402
 from dmuon.plan._tools.html.svg import GAP_PX, document  # noqa: E402
 

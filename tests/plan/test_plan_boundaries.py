@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import dmuon.plan as P
-from dmuon import _zoo as zoo
+from dmuon.sim import zoo
 from dmuon.plan._model.boundaries import ancestors, heuristic_boundary
 
 

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from dmuon import _zoo as zoo
+from dmuon.sim import zoo
 from dmuon.plan import ShardingPlan
 from dmuon._cli.plan_commands import main_diff, main_plan, parse_mesh
 

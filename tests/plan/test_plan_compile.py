@@ -17,7 +17,7 @@ from torch import nn
 import dmuon.plan as P
 from dmuon.plan._cost import nbytes as plan_nbytes
 from dmuon.plan._cost import weights as plan_cost
-from dmuon import _zoo as zoo
+from dmuon.sim import zoo
 from dmuon.plan import Owner, ShardingPlan
 
 SETTINGS = settings(max_examples=60, deadline=None, database=None)

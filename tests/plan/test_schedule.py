@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import dmuon.plan as P
 from dmuon.plan._cost import nbytes as plan_cost
-from dmuon import _zoo as zoo
+from dmuon.sim import zoo
 from dmuon.plan import MicroBatch, ScheduleError, Step
 from dmuon.plan._scheduling.schedule_replay import programs_of, replay
 from formula_cost import formula_cost, formula_rank_stats, schedule_fields

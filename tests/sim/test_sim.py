@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dmuon.plan as P
-from dmuon import _zoo as zoo
+from dmuon.sim import zoo
 import dmuon.sim as S
 from dmuon.plan._cost import flops as CF
 from dmuon.plan._cost import nbytes as C
