@@ -388,7 +388,7 @@ def test_html_options_of_the_clis(tmp_path, capsys):
 
 def test_import_dmuon_plan_does_not_load_the_pages():
     code = (
-        "import sys, dmuon.plan as P; from dmuon.sim import zoo; p = P.compile(zoo.tiny_llama(), 2); "
+        "import sys, dmuon.plan as P; from dmuon import _zoo as zoo; p = P.compile(zoo.tiny_llama(), 2); "
         "assert not [m for m in sys.modules if m.startswith(('dmuon.plan._tools.html', 'dmuon.sim'))]; "
         "p.summary(); assert 'dmuon.plan._tools.html' not in sys.modules; p._repr_html_(); "
         "assert 'dmuon.plan._tools.html.plan_page' in sys.modules"
