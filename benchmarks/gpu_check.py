@@ -12,7 +12,7 @@ with the compute stream, the reused reduce buffers (same tensors every step, sto
 Parts (both by default; ``--parts ns`` / ``--parts train`` for one):
 
 ``ns``
-    :func:`~dmuon.exec._optim.ns_kernel.newton_schulz` on one matrix, the same on a batch of ``B``
+    :func:`~dmuon._update.newton_schulz` on one matrix, the same on a batch of ``B``
     matrices (one ``bmm``/``baddbmm`` chain), and
     :func:`~dmuon.exec._optim.ns_gram.gram_newton_schulz` on one matrix, by shape and dtype.
     ``TFLOP/s`` = matmul FLOPs of the call (``ns_flops`` / ``gram_ns_flops``) / fastest time;
@@ -173,7 +173,8 @@ def matmul_peak_tflops(dtype: torch.dtype, device: str, side: int, min_time: flo
 
 def ns_rows(device: str, dtype_names, shapes, batch: int, steps: int, min_time: float, peak_side: int) -> list[dict]:
     from dmuon.exec._optim.ns_gram import gram_newton_schulz, gram_ns_flops
-    from dmuon.exec._optim.ns_kernel import newton_schulz, ns_flops
+    from dmuon._update import newton_schulz
+    from dmuon.plan._cost.flops import ns_flops
 
     rows = []
     for dname in dtype_names:

@@ -11,7 +11,7 @@ shape (d, D) (``bmm`` for batches), d = min(m, n), D = max(m, n) — NS's Gram p
 own operand layout, so its GFLOP/s is what this device attains on the shapes NS multiplies. Reported per row:
 
 - ``ms med`` / ``ms min``: median and fastest wall time of one call (CUDA: synchronised);
-- ``GFLOP``:     :func:`dmuon.exec._optim.ns_kernel.ns_flops` of the call (matmul FLOPs only);
+- ``GFLOP``:     :func:`dmuon.plan._cost.flops.ns_flops` of the call (matmul FLOPs only);
 - ``NS GF/s``:   GFLOP / fastest seconds (best observed: robust to a shared, noisy machine);
 - ``mm GF/s``:   the plain matmul chain's GFLOP/s, also from its fastest run;
 - ``eff``:       NS GF/s / mm GF/s (below 1: elementwise work, the norm, small-matrix
@@ -48,7 +48,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dmuon.exec._optim.ns_kernel import newton_schulz, ns_flops  # noqa: E402
+from dmuon._update import newton_schulz  # noqa: E402
+from dmuon.plan._cost.flops import ns_flops  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_SHAPES = {

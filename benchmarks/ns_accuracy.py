@@ -67,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dmuon.exec._optim.ns_backends as ns  # noqa: E402
 import dmuon.exec._optim.ns_gram as ns_gram  # noqa: E402
-import dmuon.exec._optim.ns_kernel as ns_kernel  # noqa: E402
+from dmuon.plan._cost import flops  # noqa: E402
 
 STEPS = 5
 RESOLVED_S = 1e-2
@@ -89,8 +89,8 @@ MAIN_JOB_BACKENDS = ("standard", "gram", "auto", "deepseek_v4")
 
 def backend_steps(backend: str, steps: int = STEPS) -> int:
     """The steps ``backend`` runs: ``steps``, or its preset's own length for a fixed-length preset
-    (``"deepseek_v4"``: 10; ``dmuon.exec._optim.ns_coefficients.PRESET_LENGTH_POLICY``)."""
-    from dmuon.exec._optim.ns_coefficients import NS_PRESETS, PRESET_LENGTH_POLICY
+    (``"deepseek_v4"``: 10; ``dmuon._update.PRESET_LENGTH_POLICY``)."""
+    from dmuon._update import NS_PRESETS, PRESET_LENGTH_POLICY
 
     preset = BACKENDS[backend][1]
     return len(NS_PRESETS[preset]) if PRESET_LENGTH_POLICY.get(preset) == "fixed" else steps
@@ -332,7 +332,7 @@ def format_flops(markdown: bool = False, steps: int = STEPS) -> str:
     header = ["(d, D)", "standard", "gram (restart 2,4)", "ratio", "gram (restart [2])", "ratio"]
     body = []
     for d, D in FLOP_SHAPES:
-        std = ns_kernel.ns_flops(d, D, steps)
+        std = flops.ns_flops(d, D, steps)
         g2 = ns_gram.gram_ns_flops(d, D, steps)
         g1 = ns_gram.gram_ns_flops(d, D, steps, restart_every=[2])
         body.append(

@@ -5,7 +5,7 @@ fp32 (one ``(B, d, D)`` call per ``(min, max)`` side; ``B`` = the matrices one o
 at N = 2 and N = 4 for ``benchmarks/step_time.py``'s ``small`` (128 x 128, 128 x 512) and
 ``large`` (256 x 256, 256 x 1024) GPTs). For each shape, in every round, in turn:
 
-- ``standard``: :func:`dmuon.exec._optim.ns_kernel.newton_schulz` (fp32, 5 steps, "muon");
+- ``standard``: :func:`dmuon._update.newton_schulz` (fp32, 5 steps, "muon");
 - ``gram``: :func:`gram_newton_schulz` with its default restarts and fallback check;
 - ``gram_r2``: ``restart_every=[2]`` (one restart, the Dao-AILab schedule), fallback on;
 - with ``--baseline REV``: the same three from ``dmuon/exec/_optim/newton_schulz.py`` as of git
@@ -57,7 +57,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dmuon.exec._optim import ns_backends as ns  # noqa: E402
-from dmuon.exec._optim import ns_gram, ns_kernel  # noqa: E402
+from dmuon.exec._optim import ns_gram  # noqa: E402
+from dmuon.plan._cost import flops as _flops  # noqa: E402
 from dmuon.plan._cost.flops import gram_product_flops  # noqa: E402
 
 # (label, B, d, D): matrices per owner rank, batched as dmuon.Muon does (fp32)
@@ -180,7 +181,7 @@ def main(argv=None) -> int:
                 times[k].append(_time(lambda: fn(x), args.reps))
             mm_gfs.append(2 * 512**3 / _time(mm, 3) / 1e9)
         flops = {
-            "standard": ns_kernel.ns_flops(d, D, 5, num_matrices=B),
+            "standard": _flops.ns_flops(d, D, 5, num_matrices=B),
             "gram": ns_gram.gram_ns_flops(d, D, 5, num_matrices=B),
             "gram_r2": ns_gram.gram_ns_flops(d, D, 5, restart_every=[2], num_matrices=B),
         }

@@ -158,7 +158,7 @@ class NaiveMuon:
        elementwise, so sharding it is exact;
     2. ``u`` is all-gathered with ``DTensor.full_tensor()`` (one all-gather per matrix, the
        same bytes as gathering the gradient itself);
-    3. Newton-Schulz (:func:`dmuon.exec._optim.ns_kernel.newton_schulz`) on the full matrix, on
+    3. Newton-Schulz (:func:`dmuon._update.newton_schulz`) on the full matrix, on
        EVERY rank (fp32/fp64: same-shape matrices batched per call exactly as ``dmuon.Muon``
        batches them; bf16: one call per matrix);
     4. the rank keeps its own shard of the result (``Replicate -> Shard`` redistribution, a
@@ -193,7 +193,7 @@ class NaiveMuon:
         from torch.distributed.tensor import DTensor, Replicate
 
         from dmuon.exec._optim import ns_backends as ns_mod
-        from dmuon.exec._optim.muon_step import adjust_lr
+        from dmuon._update import adjust_lr
 
         h = self.hp
         mu, lr, wd = h["momentum"], h["lr"], h["weight_decay"]
@@ -251,7 +251,8 @@ def _install_ns_timer(device: torch.device) -> None:
     attributes; ``ns_backend="auto"`` calls them through the module) with a FLOP/time log, and
     ``dmuon.Muon``'s AdamW group step with a time log (the ``floor`` column)."""
     from dmuon.exec._optim import ns_backends as ns_mod
-    from dmuon.exec._optim import ns_gram, ns_kernel
+    from dmuon.exec._optim import ns_gram
+    from dmuon.plan._cost import flops as _flops
     from dmuon.exec._optim.muon import Muon
 
     if getattr(ns_mod.newton_schulz, "_bench_timed", False):
@@ -271,7 +272,7 @@ def _install_ns_timer(device: torch.device) -> None:
         timed._bench_timed = True  # type: ignore[attr-defined]
         return timed
 
-    ns_mod.newton_schulz = wrap(ns_mod.newton_schulz, ns_kernel.ns_flops)
+    ns_mod.newton_schulz = wrap(ns_mod.newton_schulz, _flops.ns_flops)
     ns_mod.gram_newton_schulz = wrap(ns_mod.gram_newton_schulz, ns_gram.gram_ns_flops)
     adamw_step = Muon._adamw_group_step
 

@@ -11,7 +11,7 @@ The wrapped names are the module attributes :class:`dmuon.Muon` resolves at call
 (``get_ns_backend`` looks ``newton_schulz`` / ``gram_newton_schulz`` up in the module's
 globals; the TP path calls ``_ns.sharded_gram_newton_schulz``), so every optimizer call goes
 through the counter. A call made through a name imported *before* patching
-(``from dmuon.exec._optim.ns_kernel import newton_schulz``) is not seen: call ``ns_mod.<name>``.
+(``from dmuon._update import newton_schulz``) is not seen: call ``ns_mod.<name>``.
 
 :attr:`NSCounter.matrices` counts what a call orthogonalises: ``prod(x.shape[:-2])`` (a batch of
 ``B`` matrices counts ``B``, a 2-D matrix 1). Gram NS's safe fallback recomputes through the

@@ -29,7 +29,7 @@ __all__ = [
     "COST_MODELS",
     "NS_BACKEND_MODES",
     "GRAM_RESTART_EVERY",
-    "NS_BATCHED_DTYPES",
+    "NS_BATCHING_MODES",
     "NS_BATCH_MAX_NUMEL",
     "TP_NS_MODES",
     "TP_GRAM_DTYPE",
@@ -57,9 +57,10 @@ __all__ = [
 COST_MODELS = ("numel", "ns_flops")
 #: valid ``ns_backend`` values of :func:`dmuon.plan.compile` (and of ``dmuon.Muon``)
 NS_BACKEND_MODES = ("standard", "gram", "auto")
-#: NS dtypes for which ``dmuon.Muon`` batches Newton-Schulz over same-shape matrices (fp32 /
-#: fp64; bf16 / fp16 stay one call per matrix, bit for bit torch.optim.Muon's)
-NS_BATCHED_DTYPES = ("torch.float32", "torch.float64")
+#: ``dmuon.Muon(ns_batching=...)``: ``"batched"`` (default: same-shape matrices share one
+#: Newton-Schulz call per bucket, :func:`ns_batch_runs`, in every NS dtype) or ``"exact"`` (one call
+#: per matrix, bit for bit torch.optim.Muon). The simulator prices the mode the job runs.
+NS_BATCHING_MODES = ("batched", "exact")
 #: upper bound on the elements of one batched NS call (several temporaries of this size live at
 #: once); a single larger entry still runs, alone
 NS_BATCH_MAX_NUMEL = 1 << 26

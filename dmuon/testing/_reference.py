@@ -136,7 +136,7 @@ class ReferenceOptimizer:
                 for pr in proxies
             )
 
-        from dmuon.exec._optim.ns_coefficients import coefficient_schedule, resolve_ns_steps
+        from dmuon._update import coefficient_schedule, resolve_ns_steps
 
         h["ns_steps"] = resolve_ns_steps(h["ns_coefficients"], h["ns_steps"])  # dmuon.Muon's rule
         # a triple (or a preset / table that is constant) goes to torch as is; a per-step table

@@ -185,7 +185,7 @@ def test_view_step_equals_torch_muon_per_block(adjust_lr_fn):
             assert torch.equal(w.detach(), got)
         else:
             assert (w.detach() - got).abs().max() / got.abs().max() < 1e-6
-    from dmuon.exec._optim.muon_step import adjust_lr
+    from dmuon._update import adjust_lr
 
     assert [adjust_lr(1.0, adjust_lr_fn, b) for b in MatrixView(dim=1, sizes=(2, 6)).blocks((12, 8))] == (
         [1.0 * math.sqrt(6), math.sqrt(2)] if adjust_lr_fn is None else [0.2 * math.sqrt(12)] * 2

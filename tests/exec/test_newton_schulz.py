@@ -1,4 +1,4 @@
-"""dmuon.exec._optim.ns_kernel / ns_gram / ns_coefficients / ns_backends: bit-identity with torch, batching, presets, counter, FLOPs.
+"""dmuon._update (the standard kernel, coefficients) / ns_gram / ns_backends: bit-identity with torch, batching, presets, counter, FLOPs.
 
 Tolerances used here:
 - 2-D, dtype=bf16: bit-identical to ``torch.optim._muon._zeropower_via_newtonschulz``.
@@ -21,9 +21,9 @@ from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns
 from torch.utils.flop_counter import FlopCounterMode
 
 import dmuon.exec._optim.ns_backends as ns_mod
-import dmuon.exec._optim.ns_kernel as ns_kernel
-from dmuon.exec._optim.ns_coefficients import NS_PRESETS, coefficient_schedule
-from dmuon.exec._optim.ns_kernel import newton_schulz, ns_flops
+from dmuon._update import NS_PRESETS, coefficient_schedule
+from dmuon._update import newton_schulz
+from dmuon.plan._cost.flops import ns_flops
 from ns_spy import spy_ns
 
 MUON = (3.4445, -4.775, 2.0315)
@@ -261,7 +261,7 @@ def test_ns_flops_matches_flop_counter(shape):
 # ---------------------------------------------------------------------------------------------
 
 from dmuon.exec._optim.ns_backends import NS_BACKENDS, get_ns_backend  # noqa: E402
-from dmuon.exec._optim.ns_coefficients import (  # noqa: E402
+from dmuon._update import (  # noqa: E402
     POLAR_EXPRESS_PUBLISHED,
     POLAR_EXPRESS_SAFETY,
     schedule_gain_bounds,
@@ -337,7 +337,7 @@ def test_deepseek_v4_preset_is_fixed_length_and_never_truncated():
     """The DeepSeek-V4 schedule (8 x Muon's triple, then 2 x (2, -1.5, 0.5)) is a
     fixed 10-step recipe: 10 steps or an error, ns_steps=None selects 10; every per-step preset
     declares its length policy (none truncates silently)."""
-    from dmuon.exec._optim.ns_coefficients import DEEPSEEK_V4, PRESET_LENGTH_POLICY, resolve_ns_steps
+    from dmuon._update import DEEPSEEK_V4, PRESET_LENGTH_POLICY, resolve_ns_steps
 
     assert DEEPSEEK_V4 == (MUON,) * 8 + ((2.0, -1.5, 0.5),) * 2 and NS_PRESETS["deepseek_v4"] == DEEPSEEK_V4
     assert coefficient_schedule("deepseek_v4", 10) == DEEPSEEK_V4
@@ -435,7 +435,6 @@ def test_flop_formulas_and_segment_rule_are_the_cost_models():
     from dmuon.plan._cost import flops as cost
     from dmuon.plan import _rules as rules
 
-    assert ns_kernel.ns_flops is cost.ns_flops
     sched = coefficient_schedule(MUON, 5)
     for restart_every in (None, 1, 2, 3, 7, [2], [0, 2, 2, 9], ()):
         lengths = rules.gram_segment_lengths(5, restart_every)

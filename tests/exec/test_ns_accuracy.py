@@ -58,7 +58,7 @@ import pytest
 import torch
 
 import dmuon.exec._optim.ns_backends as ns
-import dmuon.exec._optim.ns_coefficients as ns_coef
+import dmuon._update as ns_coef
 import dmuon.exec._optim.ns_gram as ns_gram
 from dmuon.plan import _rules as rules
 from conftest import REPO_ROOT

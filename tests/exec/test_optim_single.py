@@ -29,9 +29,9 @@ from torch import nn
 
 from dmuon import _tags
 import dmuon.exec._optim.ns_backends as ns_mod
-import dmuon.exec._optim.ns_coefficients as ns_coef
+import dmuon._update as ns_coef
 import dmuon.exec._optim.muon as optim_mod
-from dmuon.exec._optim.muon_step import adjust_lr
+from dmuon._update import adjust_lr
 from dmuon.exec._optim.muon import Muon
 from ns_spy import spy_ns
 from oracle import hand_fp32_newton_schulz
@@ -396,7 +396,9 @@ def test_expert_stack_equals_torch_muon_per_slice(ns_dtype, monkeypatch):
     torch.testing.assert_close(buf, ref_buf, rtol=0, atol=1e-6 * ref_buf.abs().max().item())
 
 
-def test_fp32_batches_same_shape_matrices(monkeypatch):
+def test_ns_batches_same_shape_matrices(monkeypatch):
+    """``ns_batching="batched"`` (default): one call per bucket in fp32 and bf16 alike;
+    ``"exact"``: one 2-D call per matrix, as ``torch.optim.Muon``."""
     calls = []
     real = ns_mod.newton_schulz
 
@@ -417,8 +419,13 @@ def test_fp32_batches_same_shape_matrices(monkeypatch):
     assert calls == [((2 * E + 2, 12, 20), torch.float32)]
     calls.clear()
     model(torch.randn(E, 5, 12)).backward()
-    Muon(model).step()  # bf16: per matrix, 2-D only
-    assert len(calls) == 2 * E + 2 and all(len(s) == 2 for s, _ in calls)
+    Muon(model).step()  # bf16: batched the same way
+    assert calls == [((2 * E + 2, 12, 20), torch.bfloat16)]
+    for ns_dtype in (torch.bfloat16, torch.float32):
+        calls.clear()
+        model(torch.randn(E, 5, 12)).backward()
+        Muon(model, ns_dtype=ns_dtype, ns_batching="exact").step()  # per matrix, 2-D only
+        assert len(calls) == 2 * E + 2 and all(len(s) == 2 and d == ns_dtype for s, d in calls)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -463,12 +470,14 @@ def test_param_groups_layout_and_flags():
         "adjust_lr_fn",
         "ns_dtype",
         "ns_backend",
+        "ns_batching",
         "use_muon",
         "variant",
         "normuon_beta2",
         "normuon_eps",
     }
     assert muon["ns_backend"] == "standard"  # A new group field, standard by default
+    assert muon["ns_batching"] == "batched"  # a group field, batched by default
     assert (muon["variant"], muon["normuon_beta2"], muon["normuon_eps"]) == ("muon", 0.95, 1e-10)
     assert muon["ns_steps"] == 5  # ns_steps=None resolves to an int
     assert set(adamw) == {"params", "lr", "betas", "eps", "weight_decay", "use_muon"}

@@ -303,7 +303,7 @@ def test_zero_grad_expert_decays_none_grad_param_skipped():
 def test_per_step_coefficients_and_preset():
     """A per-step coefficient table (dmuon's presets) runs through the same iteration, each step
     with its own triple; a constant preset is passed to torch as its triple."""
-    from dmuon.exec._optim.ns_coefficients import coefficient_schedule
+    from dmuon._update import coefficient_schedule
 
     model = nn.Linear(6, 4, bias=False)
     ref = T.ReferenceOptimizer(model, {"weight": T.matrix((4, 6))}, ns_coefficients="polar_express")

@@ -35,11 +35,13 @@ from dmuon.exec._optim import normuon_update as _nm
 from dmuon.exec._state import optimizer_state as _optimizer_state
 from dmuon.exec._setup import fsdp2 as _fsdp2
 from dmuon.exec._optim import ns_backends as _ns
-from dmuon.exec._optim import ns_coefficients as _nsc
+from dmuon import _update as _nsc
 from dmuon.exec._optim import tp_orthogonalize as _tp
 from dmuon.exec._setup.guards import check_set_up_order as _check_set_up_order
 from dmuon.exec._runtime.packed_buffers import dedicated_info as _info
-from dmuon.exec._optim.muon_step import _ADJUST_LR_FNS, _as_dtype, adjust_lr, muon_step
+from dmuon._update import ADJUST_LR_FNS as _ADJUST_LR_FNS
+from dmuon._update import adjust_lr
+from dmuon.exec._optim.muon_step import _as_dtype, muon_step
 from dmuon.exec._runtime.runtime import after_step, wait_pending
 
 __all__ = ["Muon", "adjust_lr"]
@@ -100,12 +102,12 @@ class Muon(torch.optim.Optimizer):
         momentum: Muon momentum ``mu``. Default 0.95.
         nesterov: Nesterov momentum (the NS input is ``g.lerp(buf, mu)``). Default True.
         ns_coefficients: ``(a, b, c)``, a per-step table of ``ns_steps`` triples, or a key of
-            :data:`dmuon.exec._optim.ns_coefficients.NS_PRESETS` (``"muon"``, the default triple,
+            :data:`dmuon._update.NS_PRESETS` (``"muon"``, the default triple,
             ``"polar_express"`` or ``"deepseek_v4"``).
         eps: Frobenius-norm clamp of the NS normalisation. Default 1e-7.
         ns_steps: Newton-Schulz iterations, ``0 <= ns_steps < 100``. Default None: 5, or the
             length of a fixed-length preset (``"deepseek_v4"``: 10) or of an explicit table
-            (:func:`dmuon.exec._optim.ns_coefficients.resolve_ns_steps`); the resolved int is
+            (:func:`dmuon._update.resolve_ns_steps`); the resolved int is
             what the param group and ``state_dict()`` hold. A fixed-length preset with another
             count raises ``ValueError`` (never a silent truncation).
         adjust_lr_fn: ``None`` | ``"original"`` | ``"match_rms_adamw"`` (see :func:`adjust_lr`).
@@ -116,6 +118,15 @@ class Muon(torch.optim.Optimizer):
         ns_backend: keyword-only. ``"standard"`` (default, bit-identical to torch.optim.Muon),
             ``"gram"`` (Gram Newton-Schulz) or ``"auto"`` (per matrix; needs a plan compiled
             with ``ns_backend="auto"``), see docs/newton_schulz.md.
+        ns_batching: keyword-only. ``"batched"`` (default): the owned matrices of a group with the
+            same ``(short, long)`` sides, dtype and device share one Newton-Schulz call per bucket
+            (an expert stack's matrices one call per owned range), with momentum, decay and update
+            as foreach ops: a constant number of ops per bucket. ``"exact"``: one 2-D call per matrix
+            and one op per tensor, bit for bit ``torch.optim.Muon`` (and its fp32-patched form with
+            ``ns_dtype=torch.float32``). The two differ only by the reduction order of batched
+            against single matmuls: per matrix within ``2⁻⁴`` relative Frobenius norm in bf16
+            (:data:`dmuon._update.BATCHED_BF16_REL_BOUND`), ``1e-5`` in fp32; identical on the CPU
+            builds measured (docs/newton_schulz.md, "Batching").
         variant: keyword-only. ``"muon"`` (default) or ``"normuon"``: NorMuon (arXiv 2510.05491),
             Muon's update normalised per output neuron with a second-moment vector per matrix,
             its Frobenius norm restored (:mod:`dmuon.exec._optim.normuon_update`; docs/muon_variants.md).
@@ -153,6 +164,7 @@ class Muon(torch.optim.Optimizer):
         adamw_weight_decay: float = 1e-2,
         *,
         ns_backend: str = "standard",
+        ns_batching: str = "batched",
         variant: str = "muon",
         normuon_beta2: float = _nm.NORMUON_BETA2,
         normuon_eps: float = _nm.NORMUON_EPS,
@@ -170,6 +182,7 @@ class Muon(torch.optim.Optimizer):
                 "adjust_lr_fn": adjust_lr_fn,
                 "ns_dtype": ns_dtype,
                 "ns_backend": ns_backend,
+                "ns_batching": ns_batching,
                 "variant": variant,
                 "normuon_beta2": normuon_beta2,
                 "normuon_eps": normuon_eps,
@@ -268,6 +281,7 @@ class Muon(torch.optim.Optimizer):
             h["ns_coefficients"] = schedule
         h["ns_dtype"] = _as_dtype(h["ns_dtype"], "ns_dtype")
         _ns.get_ns_backend(h["ns_backend"])  # ValueError naming the known backends
+        _nsc.check_ns_batching(h.setdefault("ns_batching", "batched"))
         if h["variant"] not in _nm.VARIANTS:
             raise ValueError(f"unknown variant {h['variant']!r}; expected one of {_nm.VARIANTS}")
         if not 0.0 <= h["normuon_beta2"] < 1.0:
@@ -428,6 +442,7 @@ class Muon(torch.optim.Optimizer):
                 keys = self._muon_defaults.keys()
                 checker = self._checked_muon_hparams
                 saved.setdefault("ns_backend", "standard")  # checkpoints from before ns_backend
+                saved.setdefault("ns_batching", current.get("ns_batching", "batched"))  # from before ns_batching
                 # the variant is this optimizer's (a Muon state dict into NorMuon: zero second moments;
                 # the reverse was refused by _check_loadable); NorMuon's settings default to this group's
                 variant = current.get("variant", "muon")

@@ -1,5 +1,6 @@
 """NorMuon (``dmuon.Muon(variant="normuon")``): Muon's orthogonalised update normalised per
-output neuron, as stateless functions the Muon step (:mod:`dmuon.exec._optim.muon_step`) calls.
+output neuron. The normalisation itself is :func:`dmuon._update.normuon_normalize` (plain tensors);
+this module holds its second-moment state layout, which the Muon step (:mod:`dmuon.exec._optim.muon_step`) reads.
 
 NorMuon (Li, Liu, Liang, Chen, Zhao, "NorMuon: Making Muon more efficient and scalable",
 arXiv 2510.05491; the authors' ``normuon.py``, github.com/zichongli5/NorMuon) keeps one fp32
@@ -11,7 +12,7 @@ entry per output row, and after Newton-Schulz:
    divides every row by the same constant, which step 4 undoes exactly);
 3. ``Ô = O / (sqrt(v) + eps)`` (row ``i`` divided by ``sqrt(v_i) + eps``);
 4. ``Ô <- Ô · ‖O‖_F / (‖Ô‖_F + eps)`` (the Frobenius norm of Muon's update restored, so Muon's
-   learning rate, :func:`~dmuon.exec._optim.muon_step.adjust_lr` and weight decay carry over);
+   learning rate, :func:`~dmuon._update.adjust_lr` and weight decay carry over);
 
 then Muon's update ``p <- p·(1 - lr·wd) - adjust_lr(lr, (out, in))·Ô``. The normalisation runs in
 fp32 whatever ``ns_dtype`` (the authors' bf16 path differs from fp32 by ~1e-2 relative).
@@ -56,7 +57,6 @@ __all__ = [
     "new_second_moment",
     "second_moment_rows",
     "write_second_moment_rows",
-    "normalize",
     "check_supported",
 ]
 
@@ -117,20 +117,6 @@ def write_second_moment_rows(v: Tensor, rows: Tensor, info, block: Optional[int]
         v.copy_(matrices_to_stack(rows.unsqueeze(-1), info.experts, tuple(v.shape)))
     else:
         v.copy_(rows.reshape(v.shape))
-
-
-def normalize(ortho: Tensor, rows: Tensor, *, beta2: float, eps: float) -> tuple[Tensor, Tensor]:
-    """NorMuon's normalisation of ``k`` orthogonalised matrices ``ortho`` ``(k, m, n)`` with their
-    second moments ``rows`` ``(k, m)`` (steps 1-4 of the module docstring, the authors' op order),
-    in fp32. Pure: returns ``(update (k, m, n) fp32, new rows (k, m) fp32)``."""
-    o = ortho.float()
-    norm = o.norm(dim=(-2, -1), keepdim=True)
-    mean_sq = torch.mean(o * o, dim=-1, keepdim=True)
-    v_new = torch.lerp(rows.float().unsqueeze(-1), mean_sq, 1 - beta2)
-    update = o * (1 / v_new.sqrt().add(eps))
-    norm_new = update.norm(dim=(-2, -1), keepdim=True)
-    update = update * (norm / norm_new.add(eps))
-    return update, v_new.squeeze(-1)
 
 
 def check_supported(info: Any) -> None:

@@ -3,7 +3,7 @@ from at call time.
 
 Backends (:data:`NS_BACKENDS`; every one is a pure function with the same keywords):
 
-- ``"standard"``: :func:`~dmuon.exec._optim.ns_kernel.newton_schulz`, the quintic iteration; the
+- ``"standard"``: :func:`~dmuon._update.newton_schulz`, the quintic iteration; the
   default everywhere, and the only backend of the numerical contract (the README's "The oracle
   guarantee": same losses and parameters as one process running ``torch.optim.Muon``, up to
   reduction order).
@@ -17,7 +17,7 @@ Backends (:data:`NS_BACKENDS`; every one is a pure function with the same keywor
   ``"gram"``). ``dmuon.Muon`` decides once per batched NS bucket (:func:`resolve_ns_backend`)
   and calls the picked backend itself, so ``"auto"`` runs exactly that backend's calls.
 
-Coefficient presets (:mod:`dmuon.exec._optim.ns_coefficients`) are orthogonal to the backend.
+Coefficient presets (:data:`dmuon._update.NS_PRESETS`) are orthogonal to the backend.
 
 Every function here is a pure function of its arguments: no module holds state (no call
 counters; to count calls, wrap the module attribute a caller resolves, and observe Gram
@@ -39,18 +39,17 @@ from torch import Tensor
 
 from dmuon.plan._rules import choose_ns_backend
 
-from dmuon.exec._optim.ns_coefficients import Coefficients
+from dmuon._update import Coefficients, _check_input, newton_schulz
 
 # the backend functions, resolved as attributes of this module at call time (see above)
 from dmuon.exec._optim.ns_gram import gram_newton_schulz, sharded_gram_newton_schulz
-from dmuon.exec._optim.ns_kernel import _check_input, newton_schulz
 
 __all__ = [
     "NS_BACKENDS",
     "auto_newton_schulz",
     "get_ns_backend",
     "resolve_ns_backend",
-    # defined in ns_kernel / ns_gram; here as the attributes callers resolve at call time
+    # defined in dmuon._update / ns_gram; here as the attributes callers resolve at call time
     "gram_newton_schulz",
     "newton_schulz",
     "sharded_gram_newton_schulz",

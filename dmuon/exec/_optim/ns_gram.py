@@ -3,7 +3,7 @@
 several ranks hold.
 
 ``"gram"``: :func:`gram_newton_schulz` (Zhang, Amsel, Chen, Dao, "Gram Newton-Schulz",
-2026): the same polynomial as :func:`dmuon.exec._optim.ns_kernel.newton_schulz` evaluated on
+2026): the same polynomial as :func:`dmuon._update.newton_schulz` evaluated on
 the ``(d, d)`` Gram matrix, ``d = min(m, n)``, with restarts (:func:`gram_segments`); equal to
 ``"standard"`` in exact arithmetic, cheaper when ``max(m, n) >> min(m, n)``, and the form tensor
 parallelism needs (:func:`gram_ns_from_gram`, :func:`sharded_gram_newton_schulz`, which
@@ -30,8 +30,14 @@ from torch import Tensor
 from dmuon.plan._cost.flops import GRAM_SYM_MIN_SIDE, gram_ns_segment_flops
 from dmuon.plan._rules import GRAM_RESTART_EVERY, gram_segment_lengths
 
-from dmuon.exec._optim.ns_coefficients import Coefficients, Triple, coefficient_schedule, schedule_gain_bounds
-from dmuon.exec._optim.ns_kernel import _check_input, _newton_schulz
+from dmuon._update import (
+    Coefficients,
+    Triple,
+    _check_input,
+    _newton_schulz,
+    coefficient_schedule,
+    schedule_gain_bounds,
+)
 
 __all__ = [
     "GRAM_RESTART_EVERY",

@@ -76,7 +76,7 @@ def gram_segment_lengths(steps: int, restart_every: int | Sequence[int] | None) 
 
 def ns_flops(m: int, n: int, steps: int = NS_STEPS, *, num_matrices: int = 1) -> int:
     """Newton-Schulz FLOPs to orthogonalise ``num_matrices`` matrices of shape ``(m, n)``: the
-    matmul FLOPs of ``dmuon.exec._optim.ns_kernel.newton_schulz`` (``ns_kernel`` re-exports this function).
+    matmul FLOPs of ``dmuon._update.newton_schulz``.
 
     ``num_matrices * steps * (4 * a*a*b + 2 * a**3)`` with ``a = min(m, n)``, ``b = max(m, n)``
     (Muon runs the iteration on the wide orientation): per step ``A = X Xᵀ`` and ``B·X``

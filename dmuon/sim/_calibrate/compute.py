@@ -123,7 +123,7 @@ QUICK_NS_SHAPES = ((64, 64), (128, 512))
 def _newton_schulz(repeats: int, quick: bool, backend: str = "standard") -> list[tuple[float, float]]:
     """One fp32 Newton-Schulz call (5 steps) per shape: ``(d, FLOP/s)`` with ``d = (a²·b)^(1/3)``
     and the FLOPs of :func:`dmuon.plan._cost.flops.matrix_ns_flops`. ``"standard"``:
-    ``dmuon.exec._optim.ns_kernel.newton_schulz`` (the matmuls with their transposed operand, the
+    ``dmuon._update.newton_schulz`` (the matmuls with their transposed operand, the
     norm, the axpys) per :data:`NS_SHAPES` — a square ``a @ b`` on the same sizes runs 10–25 %
     faster on this CPU, which the plain curve would assume; ``"gram"``: ``gram_newton_schulz``
     (default restarts, fallback check) on the shapes of :data:`NS_SHAPES` where it needs fewer
@@ -131,7 +131,7 @@ def _newton_schulz(repeats: int, quick: bool, backend: str = "standard") -> list
     import torch
 
     from dmuon.exec._optim.ns_gram import gram_newton_schulz
-    from dmuon.exec._optim.ns_kernel import newton_schulz
+    from dmuon._update import newton_schulz
     from dmuon.plan._cost.flops import matrix_ns_flops
 
     fn = gram_newton_schulz if backend == "gram" else newton_schulz
@@ -166,7 +166,7 @@ def _ns_batch_factor(repeats: int, quick: bool) -> list[tuple[float, int, float]
     of 4–16 at ``d <= 203``, ×1.0–1.26 at ``d >= 256``, whose batches leave the cache."""
     import torch
 
-    from dmuon.exec._optim.ns_kernel import newton_schulz
+    from dmuon._update import newton_schulz
 
     shapes, batches = QUICK_NS_BATCH if quick else (NS_BATCH_SHAPES, NS_BATCHES)
     pts = []

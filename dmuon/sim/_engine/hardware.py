@@ -32,7 +32,7 @@ one small named function:
 * :func:`elementwise_s` — ``nbytes / elementwise_Bps + ops · op_overhead_s``; forward /
   backward operators of training cost ``autograd_op_s`` each where the record has it (a
   recorded op and its share of the backward node; :func:`train_elementwise_s`).
-* :func:`ns_call_s` — one Newton-Schulz call (``dmuon.exec._optim.ns_kernel``: its matmuls with
+* :func:`ns_call_s` — one Newton-Schulz call (``dmuon._update.newton_schulz``: its matmuls with
   their transposed operand, the norm and the axpys) where the record has ``ns_efficiency``
   (calibrated from exactly that call, FLOPs as :func:`dmuon.plan._cost.flops.ns_flops` counts them, by
   ``d = (a²·b)^(1/3)``; a matrix that runs Gram NS — the plan's ``ns_backend="gram"``, TP
