@@ -290,7 +290,8 @@ def test_ns_batch_runs_by_hand():
 def test_ns_batches_reach_the_ops():
     """dmuon prices each matrix's NS by the batch its owner runs it in (same-side matrices of one
     owner, tall and wide together), the naive baseline by the batch of every such matrix (every
-    rank runs all of them), dion's all-to-all and bf16 NS unbatched."""
+    rank runs all of them), in fp32 and bf16 alike; dion's all-to-all and ``ns_batching="exact"``
+    unbatched."""
     from dmuon.sim._engine.lower import _lower, _ns_batch_factors, _ns_s, _owner_group_fqns
     from dmuon.sim._engine.simulate import _variant_ops
     from dmuon._train.byte_gpt import GPT, GPTConfig
@@ -302,7 +303,9 @@ def test_ns_batches_reach_the_ops():
     hw = _cpu(ns_dtype="torch.float32", ns_efficiency=((64.0, 0.5),), ns_batch_factor=table)
     for variant in ("z3", "naive"):
         ops, *_ = _variant_ops(plan, variant, None, False)
-        got = _ns_batch_factors(ops, specs, _owner_group_fqns(plan), hw, variant)
+        got = _ns_batch_factors(ops, specs, _owner_group_fqns(plan), hw, variant, "batched")
+        bf16 = dataclasses.replace(hw, ns_dtype="torch.bfloat16")
+        assert _ns_batch_factors(ops, specs, _owner_group_fqns(plan), bf16, variant, "batched") == got
         ns = [op for op in ops if op.kind == "newton_schulz"]
         assert set(got) == {op.id for op in ns}
         for op in ns:
@@ -312,22 +315,58 @@ def test_ns_batches_reach_the_ops():
                 1 for o in ns if o.group == op.group and R.ns_bucket_sides(*plan.param(o.fqns[0]).matrix_shape) == sides
             )
             d = (sides[0] ** 2 * sides[1]) ** (1 / 3)
-            assert got[op.id] == pytest.approx(H.ns_batch_factor_at(hw, d, batch))
+            assert got[op.id] == pytest.approx((H.ns_batch_factor_at(hw, d, batch), batch))
         if variant == "z3":  # the owners' batches hold every matrix once, some more than one
             calls = {(op.group, R.ns_bucket_sides(*plan.param(op.fqns[0]).matrix_shape)) for op in ns}
             assert len(ns) == 12 and len(calls) < len(ns)
             wl = S.from_plan(plan, tokens_per_rank=256, seq_len=64)
             lowered = [x for x in _lower(ops, plan, hw, wl, variant=variant, num_ranks=2) if x.kind == "newton_schulz"]
             assert [x.seconds for x in lowered] == pytest.approx(
-                [_ns_s(hw, wl, plan.param(op.fqns[0]), op.flops, got[op.id]) * hw.oversubscription for op in ns]
+                [
+                    _ns_s(hw, wl, plan.param(op.fqns[0]), op.flops, got[op.id][0], batch=got[op.id][1])
+                    * hw.oversubscription
+                    for op in ns
+                ]
             )
         if variant == "naive":  # 2 layers: 8 square matrices, 4 MLP matrices, all on every rank
-            assert sorted({round(v, 6) for v in got.values()}) == pytest.approx(
+            assert sorted({round(v, 6) for v, _ in got.values()}) == pytest.approx(
                 sorted([H.ns_batch_factor_at(hw, 128.0, 8), H.ns_batch_factor_at(hw, (128 * 128 * 512) ** (1 / 3), 4)])
             )
-    for variant, h in (("all_to_all", hw), ("z3", dataclasses.replace(hw, ns_dtype="torch.bfloat16"))):
+    for variant, mode in (("all_to_all", "batched"), ("z3", "exact")):
         ops, *_ = _variant_ops(plan, variant, None, False)
-        assert _ns_batch_factors(ops, specs, _owner_group_fqns(plan), h, variant) == {}
+        assert _ns_batch_factors(ops, specs, _owner_group_fqns(plan), hw, variant, mode) == {}
+
+
+def test_gpu_preset_prices_batched_ns_by_call():
+    """On a GPU preset (no calibrated batch factor) a batched call's operators are shared by its
+    matrices: each NS op costs its matmuls plus ``1 / batch`` of the per-operator cost of its call
+    and of its update, so ``ns_batching="batched"`` prices the optimizer below ``"exact"`` by exactly
+    the operators saved, and ``"exact"`` as one call per matrix."""
+    from dmuon.sim._engine.lower import _lower, _ns_batch_factors, _ns_s, _owner_group_fqns
+    from dmuon.sim._engine.simulate import _variant_ops
+    from dmuon._train.byte_gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=256, d_model=128, n_layers=2, n_heads=4, d_mlp=512, seq_len=64)
+    plan = P.compile(GPT(cfg, device="meta"), 2, cost_model="ns_flops")
+    hw = H.preset("h100")
+    wl = S.from_plan(plan, tokens_per_rank=256, seq_len=64)
+    ops, *_ = _variant_ops(plan, "z3", None, False)
+    got = _ns_batch_factors(ops, {s.fqn: s for s in plan.params}, _owner_group_fqns(plan), hw, "z3", "batched")
+    assert {f for f, _ in got.values()} == {1.0} and max(b for _, b in got.values()) > 1
+    secs = {}
+    for mode in ("batched", "exact"):
+        w = dataclasses.replace(wl, ns_batching=mode)
+        secs[mode] = [
+            x.seconds for x in _lower(ops, plan, hw, w, variant="z3", num_ranks=2) if x.kind == "newton_schulz"
+        ]
+    ns = [op for op in ops if op.kind == "newton_schulz"]
+    per_op = (wl.ns_ops_per_step * R.NS_STEPS + wl.muon_ops_per_matrix) * hw.op_overhead_s * hw.oversubscription
+    for op, b, e in zip(ns, secs["batched"], secs["exact"]):
+        batch = got[op.id][1]
+        assert e == pytest.approx(_ns_s(hw, wl, plan.param(op.fqns[0]), op.flops) * hw.oversubscription)
+        assert e - b == pytest.approx(per_op * (1 - 1 / batch))
+    with pytest.raises(ValueError, match="ns_batching must be one of"):
+        dataclasses.replace(wl, ns_batching="fast")
 
 
 def test_in_situ_costs_reach_the_ops(tiny):

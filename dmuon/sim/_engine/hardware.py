@@ -39,9 +39,10 @@ one small named function:
   ``tp_ns="gram"``, owner groups — on ``gram_ns_efficiency``,
   calibrated from ``gram_newton_schulz`` the same way, where the record has it); without it the
   simulator prices NS as its matmuls on the plain curve plus ``2 · steps`` memory passes.
-  ``dmuon.Muon`` runs fp32 / fp64 NS as one batched call per bucket of same-shape matrices
-  (:func:`dmuon.plan._rules.ns_batch_runs`); per matrix, such a call takes
-  :func:`ns_batch_factor_at` times a single-matrix call (calibrated ``ns_batch_factor`` by
+  ``dmuon.Muon`` (``ns_batching="batched"``, the default, any NS dtype) runs NS as one batched call
+  per bucket of same-shape matrices (:func:`dmuon.plan._rules.ns_batch_runs`); per matrix, such a
+  call takes :func:`ns_batch_factor_at` times a single-matrix call, and where the record has no
+  calibrated factor (GPU presets) each matrix pays ``1 / batch`` of the call's per-operator cost (calibrated ``ns_batch_factor`` by
   ``d`` and batch: on this CPU ×0.8–1.0 for batches of 4–16 at ``d <= 203``, which amortise
   the per-operator cost, and ×1.0–1.26 at ``d >= 256``, whose working set leaves the cache).
 * Three kernels of training that are neither a GEMM nor a plain memory pass, where the record
@@ -256,9 +257,10 @@ class Hardware:
             on ``ns_efficiency``.
         ns_batch_factor: ``(d, batch, factor)`` points, sorted by ``(d, batch)``: per matrix, one
             batched Newton-Schulz call of ``batch`` same-shape matrices takes ``factor`` times
-            one call on a single matrix (``dmuon.Muon`` batches fp32 / fp64 NS by bucket,
+            one call on a single matrix (``dmuon.Muon`` batches NS by bucket,
             :func:`dmuon.plan._rules.ns_batch_runs`); :func:`ns_batch_factor_at` interpolates.
-            Empty = 1 (GPU presets: their NS is bf16, one call per matrix).
+            Empty = 1 (GPU presets: a batched call's operators are then shared by its matrices,
+            their matmuls priced per matrix on ``matmul_efficiency``).
         norm_train_s_per_numel: seconds per element of a norm's forward + backward with autograd
             (0 = 6 memory passes).
         activation_train_s_per_numel: seconds per element of the MLP activation's forward +

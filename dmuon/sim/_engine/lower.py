@@ -131,6 +131,7 @@ def _ns_s(
     batch_factor: float = 1.0,
     backend: str = "standard",
     numel: int | None = None,
+    batch: float = 1.0,
 ) -> float:
     """One matrix's Muon update: the Newton-Schulz call (calibrated as a whole where the record has
     ``ns_efficiency`` — on the Gram curve for ``backend="gram"``,
@@ -139,17 +140,19 @@ def _ns_s(
     elementwise work (momentum, Nesterov, decay, apply: 6 passes, ``muon_ops_per_matrix``);
     matmuls times the busy-node matmul factor, passes times the memory factor. ``numel``: the
     elements the op updates (default ``spec.local_numel``; an expert stack's range op: its share,
-    :func:`_op_numel`)."""
+    :func:`_op_numel`). ``batch``: the matrices of the batched call it runs in
+    (``ns_batching="batched"``): a call's operators (the NS steps' and the foreach update's) are
+    issued once per call, so each matrix pays ``1 / batch`` of their per-operator cost."""
     isz = itemsize_nbytes(spec.dtype)
     numel = spec.local_numel if numel is None else numel
     busy_c, busy_m = busy_factors(hw)
-    update = busy_m * elementwise_s(hw, 6 * numel * isz, wl.muon_ops_per_matrix)
+    update = busy_m * elementwise_s(hw, 6 * numel * isz, wl.muon_ops_per_matrix / batch)
     d = ns_mean_dim(*spec.matrix_shape)
     if hw.ns_efficiency:
         return busy_c * ns_call_s(hw, flops, d, backend) * batch_factor + update
     mm = matmul_s(hw, flops, d, hw.ns_dtype)
     passes = elementwise_s(
-        hw, 2 * _rules.NS_STEPS * numel * itemsize_nbytes(hw.ns_dtype), wl.ns_ops_per_step * _rules.NS_STEPS
+        hw, 2 * _rules.NS_STEPS * numel * itemsize_nbytes(hw.ns_dtype), wl.ns_ops_per_step * _rules.NS_STEPS / batch
     )
     return (busy_c * mm + busy_m * passes) * batch_factor + update
 
@@ -178,13 +181,14 @@ def _ns_backend(spec: Any, grouped: set[str]) -> str:
 
 
 def _ns_batch_factors(
-    ops: Sequence[Op], specs: dict[str, Any], grouped: set[str], hw: Hardware, variant: str
-) -> dict[int, float]:
-    """Op id -> the per-matrix factor of the batched NS call its matrices run in
-    (:func:`~dmuon.sim.hardware.ns_batch_factor_at`; ops not listed: 1).
+    ops: Sequence[Op], specs: dict[str, Any], grouped: set[str], hw: Hardware, variant: str, ns_batching: str
+) -> dict[int, tuple[float, float]]:
+    """Op id -> ``(factor, batch)``: the per-matrix factor of the batched NS call its matrices run
+    in (:func:`~dmuon.sim.hardware.ns_batch_factor_at`, 1 on a record without a calibrated
+    ``ns_batch_factor``) and the number of matrices of that call (ops not listed: ``(1, 1)``).
 
-    ``dmuon.Muon`` (and the naive baseline, which batches as it does) runs fp32 / fp64 NS per
-    bucket: on each rank, the matrices it orthogonalises with the same ``(short, long)`` side and
+    With ``ns_batching="batched"`` (the workload's, ``dmuon.Muon``'s default) ``dmuon.Muon`` (and
+    the naive baseline, which batches as it does) runs NS per bucket, in every NS dtype: on each rank, the matrices it orthogonalises with the same ``(short, long)`` side and
     dtype, in parameter order, cut into calls by :func:`dmuon.plan._rules.ns_batch_runs` (a view's
     blocks enter one by one, an expert stack as its ``E`` matrices; the optimizer buckets per param
     group, the simulator assumes one Muon param group). Here a bucket is keyed by the
@@ -192,8 +196,8 @@ def _ns_batch_factors(
     op whose matrices fall in several calls gets their factors weighted by NS FLOPs (``specs``: fqn ->
     spec; ``grouped``: :func:`_owner_group_fqns`). The TP and
     owner-group paths (Gram buckets, gathered TP matrices) and dion's all-to-all (one matrix per
-    owner per batch) are not batched this way: factor 1."""
-    if variant not in ("z2", "z3", "naive") or not hw.ns_batch_factor or hw.ns_dtype not in _rules.NS_BATCHED_DTYPES:
+    owner per batch) are not batched this way: factor 1. ``ns_batching="exact"``: nothing batched."""
+    if variant not in ("z2", "z3", "naive") or ns_batching != "batched":
         return {}
     buckets: dict[tuple, list[tuple[int, int, int, int, int]]] = {}  # key -> [(op id, a, b, count, numel)]
     for op in ops:
@@ -213,17 +217,18 @@ def _ns_batch_factors(
         for (m, n), count in entries:
             a, b = _rules.ns_bucket_sides(m, n)
             buckets.setdefault((op.group, a, b, spec.dtype), []).append((op.id, a, b, count, count * a * b))
-    weighted: dict[int, list[float]] = {}  # op id -> [sum of flops x factor, sum of flops]
+    weighted: dict[int, list[float]] = {}  # op id -> [sum of flops x factor, sum of flops x batch, sum of flops]
     for entries in buckets.values():
         for run in _rules.ns_batch_runs([e[4] for e in entries]):
             batch = sum(entries[i][3] for i in run)
             for i in run:
                 op_id, a, b, count, _ = entries[i]
                 f = _flops.ns_flops(a, b, num_matrices=count)
-                acc = weighted.setdefault(op_id, [0.0, 0.0])
+                acc = weighted.setdefault(op_id, [0.0, 0.0, 0.0])
                 acc[0] += f * ns_batch_factor_at(hw, ns_mean_dim(a, b), batch)
-                acc[1] += f
-    return {i: num / den for i, (num, den) in weighted.items() if den > 0}
+                acc[1] += f * batch
+                acc[2] += f
+    return {i: (num / den, b / den) for i, (num, b, den) in weighted.items() if den > 0}
 
 
 def _adamw_s(hw: Hardware, wl: Workload, tensors: Sequence[tuple[int, int]], dtensor: bool) -> float:
@@ -269,7 +274,7 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
     coll_cache: dict = {}
     waited: set[tuple] = set()
     grouped = _owner_group_fqns(plan)
-    batch_factors = _ns_batch_factors(ops, specs, grouped, hw, variant)
+    batch_factors = _ns_batch_factors(ops, specs, grouped, hw, variant, wl.ns_batching)
     # the model's token all-to-all under expert parallelism (module docstring)
     a2a_groups = _alt.ep_groups(plan)
     if a2a_groups and plan.tp_size > 1:
@@ -434,9 +439,8 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
         elif kind == "newton_schulz":
             spec = specs[op.fqns[0]]
             backend = _ns_backend(spec, grouped) if dmuon else "standard"  # the baselines: torch's iteration
-            secs = (
-                _ns_s(hw, wl, spec, op.flops, batch_factors.get(op.id, 1.0), backend, _op_numel(spec, op.flops)) * over
-            )
+            factor, batch = batch_factors.get(op.id, (1.0, 1.0))
+            secs = _ns_s(hw, wl, spec, op.flops, factor, backend, _op_numel(spec, op.flops), batch) * over
             if not dmuon:  # FSDP2 shards: DTensor dispatch of the update's operators
                 secs += wl.muon_ops_per_matrix * hw.dtensor_op_s * over
             s = _SimOp(kind, op.fqns[0], op.group, deps, False, secs, ns=True)

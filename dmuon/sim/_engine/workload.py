@@ -68,6 +68,7 @@ import dataclasses
 import math
 from typing import Any
 
+from dmuon.plan import _rules
 from dmuon.plan._cost.baseline import is_expert_stack
 from dmuon.plan._records.fields import itemsize_nbytes
 
@@ -153,6 +154,9 @@ class Workload:
         muon_ops_per_matrix: elementwise operators of one Muon update besides the NS matmuls
             (momentum, Nesterov, normalisation, decay, update).
         ns_ops_per_step: operators per Newton-Schulz iteration step (3 matmuls + 2 axpys).
+        ns_batching: ``dmuon.Muon(ns_batching=...)`` of the job: ``"batched"`` (default; NS per
+            bucket of same-shape matrices, its operators issued once per call) or ``"exact"`` (one
+            call per matrix); ``dataclasses.replace`` to price the other.
     """
 
     tokens_per_rank: int
@@ -165,6 +169,13 @@ class Workload:
     adamw_ops_per_tensor: int = 8
     muon_ops_per_matrix: int = 8
     ns_ops_per_step: int = 5
+    ns_batching: str = "batched"
+
+    def __post_init__(self) -> None:
+        if self.ns_batching not in _rules.NS_BATCHING_MODES:
+            raise ValueError(
+                f"Workload.ns_batching must be one of {_rules.NS_BATCHING_MODES}, got {self.ns_batching!r}"
+            )
 
     def work(self, fqn: str) -> Work:
         for f, w in self.boundaries:
