@@ -30,6 +30,8 @@ Opt-in (``--variants``): ``dmuon_z3_auto`` (below), and ``dmuon_z3_bcast`` / ``d
 ``dmuon_z3`` with every buffer's collective forced (``collectives="broadcast"``: one broadcast per
 owner segment, one reduce per segment; ``"all_gather"``: one all-gather of equal slots, one
 reduce-scatter). ``dmuon_z2`` / ``dmuon_z3`` use the plan's default, ``collectives="auto"``.
+``dmuon_z3_exact``: ``dmuon_z3`` with ``dmuon.Muon(ns_batching="exact")`` (one Newton-Schulz call
+per matrix, bit for bit ``torch.optim.Muon``); the others run the default, ``"batched"``.
 
 and, with ``--hook-overhead`` (default on, off in ``--quick``), one more launch at N = 1::
 
@@ -41,7 +43,7 @@ Muon hyper-parameters are ``dmuon.Muon``'s defaults for both Muon variants; Adam
 ``dmuon.Muon``'s AdamW defaults (lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 1e-2).
 Newton-Schulz dtype ``--ns-dtype auto``: bf16 on CUDA (torch.optim.Muon's default), fp32 on
 CPU (CPUs without bf16 units run bf16 matmuls several times slower), the rule of
-``python -m dmuon train``. Both Muon variants batch same-shape fp32 matrices the same way.
+``python -m dmuon train``. Both Muon variants batch same-shape matrices the same way (every NS dtype).
 
 Timing: every variant is warmed up (``--warmup`` steps), then ``--rounds`` rounds run each
 variant for ``ceil(--steps / --rounds)`` steps in turn (interleaving spreads machine drift over
@@ -118,8 +120,9 @@ SIZES: dict[str, dict[str, int]] = {
 }
 VARIANTS = ("adamw", "naive", "dmuon_z2", "dmuon_z3")
 #: opt-in variants (``--variants``): dmuon Z3 with ``ns_backend="auto"`` in the plan and the optimizer;
-#: dmuon Z3 with every buffer's collective forced (``collectives="broadcast"`` / ``"all_gather"``)
-EXTRA_VARIANTS = ("dmuon_z3_auto", "dmuon_z3_bcast", "dmuon_z3_allgather")
+#: dmuon Z3 with every buffer's collective forced (``collectives="broadcast"`` / ``"all_gather"``);
+#: dmuon Z3 with ``dmuon.Muon(ns_batching="exact")`` (one NS call per matrix; the others batch)
+EXTRA_VARIANTS = ("dmuon_z3_auto", "dmuon_z3_bcast", "dmuon_z3_allgather", "dmuon_z3_exact")
 #: the ``collectives=`` of each dmuon variant's plan (the others: the default, ``"auto"``)
 VARIANT_COLLECTIVES = {"dmuon_z3_bcast": "broadcast", "dmuon_z3_allgather": "all_gather"}
 HOOK_VARIANTS = ("plain", "dmuon_hooks_z3", "adamw", "dmuon_z3")
@@ -159,8 +162,8 @@ class NaiveMuon:
     2. ``u`` is all-gathered with ``DTensor.full_tensor()`` (one all-gather per matrix, the
        same bytes as gathering the gradient itself);
     3. Newton-Schulz (:func:`dmuon._update.newton_schulz`) on the full matrix, on
-       EVERY rank (fp32/fp64: same-shape matrices batched per call exactly as ``dmuon.Muon``
-       batches them; bf16: one call per matrix);
+       EVERY rank, same-shape matrices batched per call as ``dmuon.Muon`` batches them by default
+       (every NS dtype);
     4. the rank keeps its own shard of the result (``Replicate -> Shard`` redistribution, a
        local slice) and applies ``p *= 1 - lr*wd; p -= adjust_lr(lr) * o``.
 
@@ -211,22 +214,20 @@ class NaiveMuon:
             ).full_tensor()
             gathered.append((p, full))
         outs: list[tuple[Any, torch.Tensor]] = []
-        if self.ns_dtype in (torch.float32, torch.float64):
-            buckets: dict[tuple, list] = {}
-            for p, full in gathered:
-                m, n = full.shape
-                buckets.setdefault((min(m, n), max(m, n)), []).append((p, full))
-            for entries in buckets.values():
-                if len(entries) == 1:
-                    p, full = entries[0]
-                    outs.append((p, ns_mod.newton_schulz(full, **ns_kw)))
-                    continue
-                stack = torch.stack([x.mT if x.shape[0] > x.shape[1] else x for _, x in entries])
-                ortho = ns_mod.newton_schulz(stack, **ns_kw)
-                for (p, x), o in zip(entries, ortho.unbind(0)):
-                    outs.append((p, o.mT if x.shape[0] > x.shape[1] else o))
-        else:
-            outs = [(p, ns_mod.newton_schulz(full, **ns_kw)) for p, full in gathered]
+        # batched as dmuon.Muon's default (ns_batching="batched"), in every NS dtype
+        buckets: dict[tuple, list] = {}
+        for p, full in gathered:
+            m, n = full.shape
+            buckets.setdefault((min(m, n), max(m, n)), []).append((p, full))
+        for entries in buckets.values():
+            if len(entries) == 1:
+                p, full = entries[0]
+                outs.append((p, ns_mod.newton_schulz(full, **ns_kw)))
+                continue
+            stack = torch.stack([x.mT if x.shape[0] > x.shape[1] else x for _, x in entries])
+            ortho = ns_mod.newton_schulz(stack, **ns_kw)
+            for (p, x), o in zip(entries, ortho.unbind(0)):
+                outs.append((p, o.mT if x.shape[0] > x.shape[1] else o))
         for p, o in outs:
             o = o.to(p.dtype).contiguous()
             mine = DTensor.from_local(
@@ -413,7 +414,8 @@ def build_variant(name: str, size: str, mesh, device: torch.device, cfg_args: di
     ref_plan = dmuon.plan.compile(model, world, cost_model=cfg_args["cost_model"])
     muon_fqns = list(ref_plan.dedicated)
     plan = None
-    if name in ("dmuon_z2", "dmuon_z3", "dmuon_hooks_z3", "dmuon_z3_auto") + tuple(VARIANT_COLLECTIVES):
+    dmuon_variants = ("dmuon_z2", "dmuon_z3", "dmuon_hooks_z3", "dmuon_z3_auto", "dmuon_z3_exact")
+    if name in dmuon_variants + tuple(VARIANT_COLLECTIVES):
         z3 = name != "dmuon_z2"
         ns_backend = "auto" if name == "dmuon_z3_auto" else "standard"
         plan = dmuon.dedicate_params(
@@ -437,6 +439,7 @@ def build_variant(name: str, size: str, mesh, device: torch.device, cfg_args: di
             adamw_eps=ADAMW_HP["eps"],
             adamw_weight_decay=ADAMW_HP["weight_decay"],
             ns_backend=ns_backend,
+            ns_batching="exact" if name == "dmuon_z3_exact" else "batched",
         )
     elif name == "plain":
         opt = torch.optim.AdamW(model.parameters(), **ADAMW_HP)
