@@ -14,7 +14,7 @@ Parts (both by default; ``--parts ns`` / ``--parts train`` for one):
 ``ns``
     :func:`~dmuon._update.newton_schulz` on one matrix, the same on a batch of ``B``
     matrices (one ``bmm``/``baddbmm`` chain), and
-    :func:`~dmuon.exec._optim.ns_gram.gram_newton_schulz` on one matrix, by shape and dtype.
+    :func:`~dmuon._ns_gram.gram_newton_schulz` on one matrix, by shape and dtype.
     ``TFLOP/s`` = matmul FLOPs of the call (``ns_flops`` / ``gram_ns_flops``) / fastest time;
     ``peak`` = a square ``(P, P) @ (P, P)`` matmul of the same dtype measured in the same run
     (``P`` = 8192 on CUDA, 256 on CPU); ``of peak`` = their ratio.
@@ -172,7 +172,7 @@ def matmul_peak_tflops(dtype: torch.dtype, device: str, side: int, min_time: flo
 
 
 def ns_rows(device: str, dtype_names, shapes, batch: int, steps: int, min_time: float, peak_side: int) -> list[dict]:
-    from dmuon.exec._optim.ns_gram import gram_newton_schulz, gram_ns_flops
+    from dmuon._ns_gram import gram_newton_schulz, gram_ns_flops
     from dmuon._update import newton_schulz
     from dmuon.plan._cost.flops import ns_flops
 

@@ -66,7 +66,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dmuon.exec._optim.ns_backends as ns  # noqa: E402
-import dmuon.exec._optim.ns_gram as ns_gram  # noqa: E402
+import dmuon._ns_gram as ns_gram  # noqa: E402
 from dmuon.plan._cost import flops  # noqa: E402
 
 STEPS = 5

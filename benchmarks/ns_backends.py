@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dmuon.exec._optim import ns_backends as ns  # noqa: E402
-from dmuon.exec._optim import ns_gram  # noqa: E402
+from dmuon import _ns_gram as ns_gram  # noqa: E402
 from dmuon.plan._cost import flops as _flops  # noqa: E402
 from dmuon.plan._cost.flops import gram_product_flops  # noqa: E402
 

@@ -252,7 +252,7 @@ def _install_ns_timer(device: torch.device) -> None:
     attributes; ``ns_backend="auto"`` calls them through the module) with a FLOP/time log, and
     ``dmuon.Muon``'s AdamW group step with a time log (the ``floor`` column)."""
     from dmuon.exec._optim import ns_backends as ns_mod
-    from dmuon.exec._optim import ns_gram
+    from dmuon import _ns_gram as ns_gram
     from dmuon.plan._cost import flops as _flops
     from dmuon.exec._optim.muon import Muon
 

@@ -208,3 +208,15 @@ def test_bucket_runs_and_bad_mode():
     assert U.bucket_runs(keys, [big, 1, 1, 1, 1], "batched") == [[0], [2, 3], [1, 4]]
     with pytest.raises(ValueError, match=r"ns_batching must be one of \('batched', 'exact'\), got 'fast'"):
         dmuon.Muon(torch.nn.Linear(4, 4), ns_batching="fast")
+
+
+def test_calibration_imports_the_functions_not_the_runtime():
+    """The simulator's calibration times the update's plain functions (``dmuon._update``,
+    ``dmuon._ns_gram``), which import neither the runtime nor the simulator."""
+    from test_import_graph import PKG, imports_of
+
+    calibration = {m for _, m in imports_of(PKG / "sim" / "_calibrate" / "compute.py")}
+    assert {"dmuon._update", "dmuon._ns_gram"} <= calibration
+    assert not {m for m in calibration if m.startswith("dmuon.exec")}
+    for name in ("_update.py", "_ns_gram.py"):
+        assert not [m for _, m in imports_of(PKG / name) if m.startswith(("dmuon.exec", "dmuon.sim"))], name

@@ -266,7 +266,7 @@ from dmuon._update import (  # noqa: E402
     POLAR_EXPRESS_SAFETY,
     schedule_gain_bounds,
 )
-from dmuon.exec._optim.ns_gram import (  # noqa: E402
+from dmuon._ns_gram import (  # noqa: E402
     gram_newton_schulz,
     gram_ns_flops,
     gram_ns_from_gram,
@@ -599,7 +599,7 @@ def test_symmetric_gram_is_x_xt(shape):
     """Gram NS's X Xᵀ: from d = 256 its lower blocks only, the upper right block
     mirrored exactly; the same values as the full product (the same dot products, up to the
     kernel's summation order), also for a transposed (tall) view."""
-    from dmuon.exec._optim.ns_gram import _symmetric_gram
+    from dmuon._ns_gram import _symmetric_gram
     from dmuon.plan._cost.flops import GRAM_SYM_MIN_SIDE
 
     x = _randn(*shape).double()
@@ -616,7 +616,7 @@ def test_symmetric_gram_is_x_xt(shape):
 def test_fallback_inner_product_paths(batch):
     """The fallback check's ⟨Y, X⟩ per matrix, on its fast paths and its strided fallback,
     against the sum of products in float64."""
-    from dmuon.exec._optim.ns_gram import _batched_inner
+    from dmuon._ns_gram import _batched_inner
 
     Y, X = _randn(batch, 12, 40), _randn(batch, 12, 40)
     expect = (Y.double() * X.double()).sum(dim=(-2, -1))

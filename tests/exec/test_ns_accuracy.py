@@ -59,7 +59,7 @@ import torch
 
 import dmuon.exec._optim.ns_backends as ns
 import dmuon._update as ns_coef
-import dmuon.exec._optim.ns_gram as ns_gram
+import dmuon._ns_gram as ns_gram
 from dmuon.plan import _rules as rules
 from conftest import REPO_ROOT
 from ns_spy import spy_ns

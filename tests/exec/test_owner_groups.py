@@ -78,7 +78,7 @@ def batches(steps: int = STEPS):
 def _gram_reference_ns(grad, ns_coefficients, ns_steps, eps):
     """torch.optim.Muon's iteration replaced by Gram NS of the full matrix (fp32, the plan's
     default restart every 2 steps): what an owner group computes, sharded."""
-    from dmuon.exec._optim import ns_gram as ns
+    from dmuon import _ns_gram as ns
 
     return ns.gram_newton_schulz(
         grad, coefficients=ns_coefficients, steps=ns_steps, eps=eps, dtype=torch.float32, fallback=False

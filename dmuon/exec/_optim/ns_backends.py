@@ -7,11 +7,11 @@ Backends (:data:`NS_BACKENDS`; every one is a pure function with the same keywor
   default everywhere, and the only backend of the numerical contract (the README's "The oracle
   guarantee": same losses and parameters as one process running ``torch.optim.Muon``, up to
   reduction order).
-- ``"gram"``: :func:`~dmuon.exec._optim.ns_gram.gram_newton_schulz` (Zhang, Amsel, Chen, Dao,
+- ``"gram"``: :func:`~dmuon._ns_gram.gram_newton_schulz` (Zhang, Amsel, Chen, Dao,
   "Gram Newton-Schulz", 2026): the same polynomial evaluated on the ``(d, d)`` Gram matrix,
   ``d = min(m, n)``, with restarts; equal to ``"standard"`` in exact arithmetic, cheaper when
   ``max(m, n) >> min(m, n)``, and the form tensor parallelism needs
-  (:func:`~dmuon.exec._optim.ns_gram.gram_ns_from_gram`).
+  (:func:`~dmuon._ns_gram.gram_ns_from_gram`).
 - ``"auto"``: :func:`auto_newton_schulz`: ``"gram"`` where it needs fewer FLOPs for the
   matrix's shape and the short side is at least 256, ``"standard"`` elsewhere (opt-in, like
   ``"gram"``). ``dmuon.Muon`` decides once per batched NS bucket (:func:`resolve_ns_backend`)
@@ -42,7 +42,7 @@ from dmuon.plan._rules import choose_ns_backend
 from dmuon._update import Coefficients, _check_input, newton_schulz
 
 # the backend functions, resolved as attributes of this module at call time (see above)
-from dmuon.exec._optim.ns_gram import gram_newton_schulz, sharded_gram_newton_schulz
+from dmuon._ns_gram import gram_newton_schulz, sharded_gram_newton_schulz
 
 __all__ = [
     "NS_BACKENDS",

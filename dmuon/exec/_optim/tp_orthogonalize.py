@@ -33,7 +33,7 @@ def check_gram_steps(steps: int, plan, fqn: str, what: str) -> None:
 
 
 def _sharded_gram(x, group, phase: str, *, steps: int, ns_kw: dict, restart_every):
-    """:func:`~dmuon.exec._optim.ns_gram.sharded_gram_newton_schulz` of the ``(B, d, D)`` batch
+    """:func:`~dmuon._ns_gram.sharded_gram_newton_schulz` of the ``(B, d, D)`` batch
     ``x`` with its Gram all-reduces on ``group``, charged to the ledger as ``phase``."""
 
     def all_reduce(g):
@@ -58,7 +58,7 @@ def orthogonalize_and_apply(entries, *, steps: int, orthogonalize, ns_kw: dict, 
     the ``T`` ranks of an owner group (they own the same matrices and agree on which have a
     gradient), so every TP collective below runs in the same order on all of them.
 
-    * ``"gram"`` matrices, batched by local shape: :func:`~dmuon.exec._optim.ns_gram.
+    * ``"gram"`` matrices, batched by local shape: :func:`~dmuon._ns_gram.
       sharded_gram_newton_schulz` with one fp32 Gram all-reduce per segment (the plan's
       ``tp_gram_restart_every``); row-sharded matrices enter transposed.
     * ``"gather"`` matrices: one all-gather of all their local updates (storage dtype),
@@ -120,7 +120,7 @@ def orthogonalize_groups_and_apply(entries, *, steps: int, ns_kw: dict, apply) -
     transposed, ``d`` = the short side) padded with zero columns to the group's largest block
     ``ceil(L/k)`` — zero columns add nothing to the Gram and stay zero — so every member stacks
     the same batch; one fp32 ``(B, d, d)`` all-reduce per Gram segment
-    (:func:`~dmuon.exec._optim.ns_gram.sharded_gram_newton_schulz`).
+    (:func:`~dmuon._ns_gram.sharded_gram_newton_schulz`).
     """
     rt = dedicated_info(entries[0][0]).runtime()
     plan = rt.plan

@@ -34,14 +34,14 @@ __all__ = [
 
 #: Newton-Schulz steps assumed by ``cost_model="ns_flops"`` (torch.optim.Muon default)
 NS_STEPS = 5
-#: Gram restart period of ``dmuon.exec._optim.ns_gram.gram_newton_schulz`` (and so of
+#: Gram restart period of ``dmuon._ns_gram.gram_newton_schulz`` (and so of
 #: ``dmuon.Muon(ns_backend="gram" | "auto")``): restart before every 2nd step (0-based 2, 4, ...)
 GRAM_RESTART_EVERY = 2
 
 
 def gram_segment_lengths(steps: int, restart_every: int | Sequence[int] | None) -> tuple[int, ...]:
     """Lengths of the Gram Newton-Schulz segments between restarts; one Gram (one TP
-    all-reduce) per segment. The one segment rule: ``dmuon.exec._optim.ns_gram.gram_segments``
+    all-reduce) per segment. The one segment rule: ``dmuon._ns_gram.gram_segments``
     splits a schedule by these lengths.
 
     ``restart_every``: ``r >= 1``: restart before every 0-based step ``k`` with ``k % r == 0``,
@@ -139,7 +139,7 @@ GRAM_SYM_MIN_SIDE = 256
 
 def gram_product_flops(d: int, D: int) -> int:
     """FLOPs of forming the symmetric ``(d, d)`` Gram ``X Xᵀ`` of one ``(d, D)`` matrix as
-    ``dmuon.exec._optim.ns_gram`` does:
+    ``dmuon._ns_gram`` does:
 
     * ``d < GRAM_SYM_MIN_SIDE``: one matmul, ``2·d²·D``;
     * otherwise its lower blocks only, mirrored into the upper one: with ``h = d // 2`` and

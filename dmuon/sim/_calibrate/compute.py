@@ -130,7 +130,7 @@ def _newton_schulz(repeats: int, quick: bool, backend: str = "standard") -> list
     FLOPs (the 1:4 ones), which run at a lower rate per FLOP than the standard call here."""
     import torch
 
-    from dmuon.exec._optim.ns_gram import gram_newton_schulz
+    from dmuon._ns_gram import gram_newton_schulz
     from dmuon._update import newton_schulz
     from dmuon.plan._cost.flops import matrix_ns_flops
 
