@@ -382,7 +382,7 @@ def _check_input(x: Tensor, dtype: torch.dtype, who: str) -> None:
 
 def _newton_schulz(x: Tensor, schedule: tuple[Triple, ...], eps: float, dtype: torch.dtype) -> Tensor:
     """:func:`newton_schulz` on a resolved schedule, without validation (also the redo of
-    :func:`gram_newton_schulz`'s fallback)."""
+    :func:`dmuon._ns_gram.gram_newton_schulz`'s fallback)."""
     m, n = x.shape[-2], x.shape[-1]
 
     if x.ndim == 2:
@@ -550,7 +550,7 @@ NS_BATCHING_MODES = _rules.NS_BATCHING_MODES
 BATCHED_BF16_REL_BOUND = 2.0**-4
 
 
-def orthogonalize_each(mats: Tensor, fn: Callable[..., Tensor] = None, **ns_kw: Any) -> Tensor:
+def orthogonalize_each(mats: Tensor, fn: Optional[Callable[..., Tensor]] = None, **ns_kw: Any) -> Tensor:
     """Newton-Schulz of ``k`` matrices ``(k, m, n)`` (or one ``(m, n)``), one 2-D ``fn`` call per
     matrix (``fn``: :func:`newton_schulz` by default; ``ns_kw``: its keywords): for a 2-D bf16
     ``mats`` the very calls ``torch.optim.Muon`` makes (the ``"exact"`` mode). Result in ``ns_kw``'s
@@ -565,7 +565,11 @@ def orthogonalize_each(mats: Tensor, fn: Callable[..., Tensor] = None, **ns_kw: 
 
 
 def orthogonalize_batch(
-    mats: Sequence[Tensor], fn: Callable[..., Tensor] = None, *, out_dtype: Optional[torch.dtype] = None, **ns_kw: Any
+    mats: Sequence[Tensor],
+    fn: Optional[Callable[..., Tensor]] = None,
+    *,
+    out_dtype: Optional[torch.dtype] = None,
+    **ns_kw: Any,
 ) -> list[Tensor]:
     """Newton-Schulz of several stacks of matrices in ONE ``fn`` call (the ``"batched"`` mode):
     ``mats[i]`` is ``(k_i, m_i, n_i)``, all with the same ``(min, max)`` sides (a bucket,
