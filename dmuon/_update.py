@@ -16,6 +16,9 @@ Note "Batching" (``dmuon.Muon(ns_batching=...)``, :func:`muon_update`):
 - ``"exact"``: one 2-D Newton-Schulz call per matrix and one op per tensor, in
   ``torch.optim.Muon``'s order: bit for bit ``torch.optim.Muon`` at its bf16 iteration, and bit
   for bit its fp32-patched form (``dmuon.testing.fp32_newton_schulz``) with ``ns_dtype=float32``.
+  One exception, torch's and not ours: with bf16 parameters and ``nesterov=False`` torch's
+  iteration divides its input in place, which is then the momentum buffer itself, so torch's
+  buffer is normalised by its own step; this module never modifies the Newton-Schulz input.
 - ``"batched"`` (default): the matrices of one step with the same ``(short, long)`` sides, dtype
   and device form a bucket (an expert stack's matrices enter as one item), cut into calls of at
   most ``NS_BATCH_MAX_NUMEL`` elements (:func:`bucket_runs`); per call two momentum ops (foreach),
