@@ -35,8 +35,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from dmuon.plan._cost import weights as _weights
-from dmuon.plan._layout.buffer_layout import _build_buffer, _entry_items, round_up
-from dmuon.plan._layout.collective_rule import choose_collective
+from dmuon.plan._layout.buffer_layout import _build_buffer, _entry_items, round_up, slot_numel_of
+from dmuon.plan._layout.collective_rule import choose_collective, with_collective
 from dmuon.plan._records.collective_records import CollectiveSettings
 from dmuon.plan._records.owners import ExpertOwners, Owner
 
@@ -46,6 +46,7 @@ __all__ = [
     "equal_slots",
     "water_filled_owners",
     "water_filled_buffer",
+    "even_split_owners",
     "in_place_stacks",
 ]
 
@@ -167,6 +168,11 @@ def equal_slots(
                     loads[rank] -= w
             row = min(range(R), key=lambda r: (sum(loads[r * N : (r + 1) * N]), r))
             alt = water_filled_owners(buf, specs, index, N, align_numel, row, start)
+            even = even_split_owners(buf, specs, index, N, row)
+            if even is not None and _slot(buf, even, specs, owners, fqns, index, align_numel) <= _slot(
+                buf, alt, specs, owners, fqns, index, align_numel
+            ):
+                alt = even  # as small a slot, and single-expert ranges received in place where E = N
             if _pays(buf, alt, specs, owners, fqns, index, settings, N, align_numel, itemsizes, reshard_after_forward):
                 for i, owner in alt.items():
                     owners[i] = owner
@@ -245,20 +251,51 @@ def _layout(buf, alt, specs, owners, fqns, index, a):
     return _build_buffer(buf.dtype, items, a)
 
 
+def even_split_owners(buf: Any, specs: Sequence[Any], index: dict[str, int], num_shards: int, row: int = 0):
+    """The owners of ``buf``'s stacks (by spec index) when every stack is cut into ``N`` ranges of
+    ``E / N`` experts on shards ``0..N-1`` in order, or None: only for a buffer of stacks alone
+    (no dense entry) whose every ``E`` is a multiple of ``N``. Every segment then holds the same
+    experts of every stack (equal slots), and with ``E = N`` each range is one expert at one slot
+    offset: received in place (:func:`in_place_stacks`)."""
+    N = num_shards
+    fqns = sorted({e.fqn for e in buf.entries()}, key=index.__getitem__)
+    if any(specs[index[f]].experts is None or specs[index[f]].num_experts % N for f in fqns):
+        return None
+    out = {}
+    for f in fqns:
+        i = index[f]
+        size = specs[i].num_experts // N
+        members = tuple(Owner.at(row * N + s, N) for s in range(N))
+        out[i] = members[0] if N == 1 else ExpertOwners(members=members, sizes=(size,) * N)
+    return out
+
+
+def _slot(buf, alt, specs, owners, fqns, index, a) -> int:
+    return slot_numel_of(_layout(buf, alt, specs, owners, fqns, index, a), a)
+
+
+def _in_place_count(buf, a) -> int:
+    return len(in_place_stacks(with_collective(buf, "all_gather", a)))
+
+
 def _pays(buf, alt, specs, owners, fqns, index, settings, N, a, itemsizes, z3) -> bool:
     """Whether the buffer laid out with the stacks' owners ``alt`` beats its current layout:
     ``"all_gather"``: a smaller slot; ``"auto"``: slots padding at most
-    :data:`~dmuon.plan._rules.ALL_GATHER_MAX_PADDING` and a best kind modelled strictly faster."""
+    :data:`~dmuon.plan._rules.ALL_GATHER_MAX_PADDING` and a best kind modelled strictly faster.
+    On a tie, more stacks received in place (:func:`in_place_stacks`) wins."""
     new = _layout(buf, alt, specs, owners, fqns, index, a)
     wire, red = itemsizes(buf.dtype)
     kw = dict(num_shards=N, align_numel=a, wire_itemsize=wire, reduce_itemsize=red, reshard_after_forward=z3)
     before = choose_collective(buf, settings, **kw)
     after = choose_collective(new, settings, **kw)
+    tie_wins = _in_place_count(new, a) > _in_place_count(buf, a)
     if settings.mode == "all_gather":
-        return after.slot_numel < before.slot_numel
+        return after.slot_numel < before.slot_numel or (after.slot_numel == before.slot_numel and tie_wins)
     if after.kind != "all_gather":  # padded beyond the cap (or slower): the broadcast layout stays
         return False
-    return min(after.broadcast_s, after.all_gather_s) < min(before.broadcast_s, before.all_gather_s)
+    t_after = min(after.broadcast_s, after.all_gather_s)
+    t_before = min(before.broadcast_s, before.all_gather_s)
+    return t_after < t_before or (t_after == t_before and tie_wins)
 
 
 def in_place_stacks(buf: Any) -> dict[str, dict[int, tuple[int, int, int]]]:
