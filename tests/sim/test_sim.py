@@ -818,6 +818,16 @@ def test_simulate_cli(tmp_path, capsys):
     assert "recommended: dmuon" in text
     d = json.loads(out.read_text())
     assert set(d["variants"]) == set(S.VARIANTS)
+    # the memory block: every variant's busiest rank by term (the JSON's busiest_memory_nbytes), and
+    # the dmuon modes against FSDP2 + AdamW's peak (Llama-3-8B on 8: below it)
+    assert "peak memory per rank, busiest rank, GiB" in text
+    for v, fig in d["variants"].items():
+        mem = fig["busiest_memory_nbytes"]
+        terms = ("parameters_nbytes", "gradients_nbytes", "optimizer_state_nbytes", "transient_nbytes")
+        assert (
+            mem["peak_nbytes"] == sum(mem[t] for t in terms + ("activations_nbytes",)) == max(fig["peak_memory_nbytes"])
+        ), v
+    assert "dmuon Z3: every rank at or below FSDP2 + AdamW's peak" in text
     assert d["variants"]["adamw"]["ratio_to_adamw"] == 1.0
     assert d["variants"]["naive"]["step_ms"] > d["variants"]["z3"]["step_ms"]
     assert d["recommended"] in ("z2", "z3")
