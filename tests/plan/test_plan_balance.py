@@ -143,9 +143,9 @@ def test_compiled_plans_balance_equal_slots_and_padding(blocks, N, mode):
 
 
 def _tiny32():
-    from dmuon._zoo import moe
+    from dmuon.sim import zoo
 
-    return moe(num_layers=4, hidden=128, kv_dim=64, ffn=256, num_experts=32, vocab=512, head_dim=32)
+    return zoo.moe(num_layers=4, hidden=128, kv_dim=64, ffn=256, num_experts=32, vocab=512, head_dim=32)
 
 
 @pytest.mark.parametrize(
@@ -154,9 +154,9 @@ def _tiny32():
 def test_default_moe_plans_own_within_five_percent_of_the_mean(name, N):
     """Owned max/mean (elements, default compile) measured: 1.005, 1.025, 1.000, 1.011, 1.035
     (before the fill: 1.29, 1.29, 1.08, 1.43, 1.31 with collectives="broadcast")."""
-    from dmuon._zoo import PRESETS
+    from dmuon.sim import zoo
 
-    model = _tiny32() if name == "tiny32" else PRESETS[name]()
+    model = _tiny32() if name == "tiny32" else zoo.PRESETS[name]()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan = P.compile(model, N)

@@ -127,13 +127,13 @@ def test_summary_and_page_flag_ranks_above_adamw():
     """A plan whose busiest rank peaks above FSDP2 + AdamW: the summary names the ranks and the
     gap by term, the page carries the same figures (Qwen3-30B-A3B on 64 ranks: the assembled
     expert stacks and the fp32 reduce buffer outweigh AdamW's second moment)."""
-    from dmuon._zoo import PRESETS
+    from dmuon.sim import zoo
 
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = P.compile(PRESETS["qwen3-30b-a3b"](), 64)
+        plan = P.compile(zoo.PRESETS["qwen3-30b-a3b"](), 64)
     text = plan.summary()
     assert "peak: ABOVE FSDP2 + AdamW's on 64 of 64 ranks" in text and "gap by term: " in text
     page = plan.to_html()
