@@ -273,9 +273,10 @@ CELLS = [
         "## Mixture-of-Experts\n\n"
         "3-D expert stacks (here Qwen3-30B-A3B's fused `gate_up_proj` `(128, 1536, 2048)` and `down_proj` "
         "`(128, 2048, 768)` in every layer) are dedicated by default: every expert is its own Muon matrices "
-        "(gate and up split) and a stack's experts are owned in contiguous ranges of at most g experts (g from "
-        "the mean load per rank: few owners per layer, so few broadcasts; each buffer's collective is chosen "
-        "by `collectives='auto'`). Before (`experts='off'` with `matrix_predicate`: each stack one parameter "
+        "(gate and up split) and a stack's experts are owned in contiguous ranges that fill every rank to the "
+        "same level after the dense matrices (the mean within one expert; a stack on one or two consecutive "
+        "ranks, so few broadcasts; each buffer's collective is chosen by `collectives='auto'`). Before "
+        "(`experts='off'` with `matrix_predicate`: each stack one parameter "
         "with one owner) the largest owner carries whole stacks. See `docs/moe.md` and docs/planning.md, "
         '"Collectives per buffer".'
     ),

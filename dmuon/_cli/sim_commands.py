@@ -104,6 +104,63 @@ def dmuon_collectives(plan: Any) -> tuple[dict[str, int], int]:
     return by_kind, max(per_rank, default=0)
 
 
+#: the terms of :class:`dmuon.sim._engine.records.MemoryBreakdown`, as the memory table prints them
+MEMORY_TERMS = (
+    ("parameters", "parameters_nbytes"),
+    ("gradients", "gradients_nbytes"),
+    ("optimizer state", "optimizer_state_nbytes"),
+    ("transient", "transient_nbytes"),
+    ("activations", "activations_nbytes"),
+)
+
+
+def busiest_memory(sim: Any) -> dict[str, int]:
+    """The busiest rank's (largest peak) memory by term, and its rank and peak (``--json``)."""
+    r = max(sim.ranks, key=lambda x: (x.memory.peak_nbytes, -x.rank))
+    return dict(
+        {field: getattr(r.memory, field) for _, field in MEMORY_TERMS}, rank=r.rank, peak_nbytes=r.memory.peak_nbytes
+    )
+
+
+def memory_lines(sims: dict) -> list[str]:
+    """Peak memory per rank by term: each variant's busiest rank, GiB; then every dmuon mode's
+    ranks above FSDP2 + AdamW's peak (the question "does dmuon fit where FSDP2 + AdamW fits?")."""
+    if "adamw" not in sims:
+        return []
+    rows = {v: busiest_memory(s) for v, s in sims.items()}
+    lines = [
+        "",
+        "peak memory per rank, busiest rank, GiB (not time-resolved: each term's largest, added):",
+        f"{'variant':<12}{'rank':>6}" + "".join(f"{t:>17}" for t, _ in MEMORY_TERMS) + f"{'peak':>10}",
+    ]
+    for v, m in rows.items():
+        lines.append(
+            f"{v:<12}{m['rank']:>6}"
+            + "".join(f"{m[f] / 2**30:>17.2f}" for _, f in MEMORY_TERMS)
+            + f"{m['peak_nbytes'] / 2**30:>10.2f}"
+        )
+    ref = rows["adamw"]
+    for v in ("z2", "z3"):
+        if v not in sims:
+            continue
+        above = [r.rank for r in sims[v].ranks if r.memory.peak_nbytes > ref["peak_nbytes"]]
+        m = rows[v]
+        if not above:
+            lines.append(
+                f"dmuon {v.upper()}: every rank at or below FSDP2 + AdamW's peak "
+                f"({m['peak_nbytes'] / 2**30:.2f} vs {ref['peak_nbytes'] / 2**30:.2f} GiB)"
+            )
+            continue
+        gap = ", ".join(f"{t} {(m[f] - ref[f]) / 2**30:+.2f}" for t, f in MEMORY_TERMS if m[f] != ref[f])
+        shown = ", ".join(str(r) for r in above[:8]) + (" ..." if len(above) > 8 else "")
+        lines.append(
+            f"dmuon {v.upper()}: ABOVE FSDP2 + AdamW's peak on {len(above)} of {len(sims[v].ranks)} ranks "
+            f"({shown}): busiest {m['peak_nbytes'] / 2**30:.2f} vs {ref['peak_nbytes'] / 2**30:.2f} GiB; "
+            f"gap by term, GiB: {gap}"
+        )
+    return lines
+
+
 def buffer_padding(plan: Any) -> tuple[int, int]:
     """``(payload_numel, wire_numel)`` of ``plan``'s boundary buffers in one replicate row:
     the dedicated elements they carry, and the elements one forward phase moves for them (a
@@ -316,6 +373,8 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
             f"{100 * s.ns_share:>7.1f}{max(s.peak_memory_nbytes) / 2**30:>10.2f} {s.comm_nbytes / 1e12:>11.3f}"
             f"{max(s.collectives_per_rank, default=0):>12,}"
         )
+    for line in memory_lines(sims):
+        print(line)
     rec = recommend(sims, hw.memory_nbytes)
     print(f"\nrecommended: dmuon {rec.upper()} ({sims[rec].step_s / base:.3f} x FSDP2 + AdamW)")
     if not _fits(sims[rec], hw.memory_nbytes):  # recommend() prefers a mode that fits: none does
@@ -347,6 +406,7 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
                     ns_ms=1e3 * s.ns_s,
                     peak_memory_nbytes=list(s.peak_memory_nbytes),
                     comm_nbytes=s.comm_nbytes,
+                    busiest_memory_nbytes=busiest_memory(s),
                     collectives_busiest_rank=max(s.collectives_per_rank, default=0),
                     critical_rank=s.critical_rank,
                     critical_op=s.critical_op,

@@ -18,8 +18,9 @@ The folders follow the pipeline ``compile`` runs (docs/planning.md, "Where each 
     scheduling/  stage 4: every rank's ops in one step: ``ops`` (Op, Step), ``programs`` (per-boundary
                  collectives), ``builder`` (``schedule``), ``step_schedule`` (StepSchedule), ``replay``
                  (deadlock check)
-    cost/        stage 5: ``model`` (ByteCost, RankStats), ``flops`` (NS FLOPs), ``nbytes`` (the byte rule,
-                 ByteCost summed from the schedule), ``weights`` (LPT), ``memory`` (per rank), ``baseline``
+    cost/        stage 5: ``model`` (ByteCost, RankStats, MemoryTerms), ``flops`` (NS FLOPs), ``nbytes``
+                 (the byte rule, ByteCost summed from the schedule), ``weights`` (LPT), ``memory`` (per
+                 rank, whole memory by term), ``baseline``
                  (FSDP2 + naive Muon), ``seconds`` (the alpha-beta rule of ``collectives="auto"``)
     records/     the frozen records the stages pass on: ``owners`` (Owner, OwnerGroup, ...),
                  ``params`` (ParamSpec, MatrixView, ...), ``fields`` (checks, dtype strings),
@@ -37,7 +38,7 @@ Model shapes to plan (Llama-3, ViT, Qwen3-MoE, DeepSeek-V3 on the meta device) l
 
 from dmuon.plan._records import qk_clip_records as qk_clip
 from dmuon.plan._model import views
-from dmuon.plan._cost.cost_model import BaselineByteCost, ByteCost, RankStats
+from dmuon.plan._cost.cost_model import BaselineByteCost, ByteCost, MemoryTerms, RankStats
 from dmuon.plan._tools.diff import CollectiveChange, CostDelta, ParamChange, PlanDiff, SettingChange, diff
 from dmuon.plan._layout.buffer_layout import Boundary, BufferLayout
 from dmuon.plan._records.mesh import MESH_DIM_NAMES, MeshDimRoles, mesh_dim_roles, normalize_mesh, parse_mesh_text
@@ -77,6 +78,7 @@ __all__ = [
     "ByteCost",
     "BaselineByteCost",
     "RankStats",
+    "MemoryTerms",
     "PlanDiff",
     "ParamChange",
     "CostDelta",

@@ -24,7 +24,7 @@ from dmuon.plan._layout.collective_rule import assign_collectives
 from dmuon.plan._layout.slots import equal_slots
 from dmuon.plan._records.collective_records import CollectiveSettings
 from dmuon.plan._records.mesh import normalize_mesh
-from dmuon.plan._ownership.assign import assign_owners
+from dmuon.plan._ownership.assign import assign_owners, fills_expert_ranges
 from dmuon.plan._records.plan import ShardingPlan
 from dmuon.plan._records.qk_clip_records import QKClip, check_qk_clip
 from dmuon.plan._records.fields import itemsize_nbytes, wire_dtype_str
@@ -133,8 +133,11 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
             ``GroupedExperts`` ``w1``/``w2``/``w3``, any 3-D parameter under an ``experts``
             module) are selected by the default rule, each expert is ``E`` Muon matrices in
             ``nn.Linear`` orientation (:class:`~dmuon.plan._records.params.ExpertStack`), and a stack's
-            experts get owners of contiguous ranges (:class:`ExpertOwners`; at most ``min(E, N)``, ranges
-            of at most ``g`` experts: :func:`~dmuon.plan._model.expert_ranges.expert_range_count`).
+            experts get owners of contiguous ranges (:class:`ExpertOwners`). On one replicate row
+            with one owner per matrix the ranges fill every rank to the same level (owned
+            elements within one expert of the mean wherever the dense matrices allow:
+            :mod:`dmuon.plan._ownership.level_fill`); otherwise at most ``min(E, N)`` ranges of at
+            most ``g`` experts (:func:`~dmuon.plan._model.expert_ranges.expert_range_count`).
             ``"off"``: the selection before expert support (2-D parameters only; a stack a
             predicate selects is one owned unit of ``E`` matrices ``shape[1:]``).
         ep: expert-parallel degree (docs/moe_ep.md). ``None`` (default): ``N`` when ``mesh`` is
@@ -161,10 +164,12 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
             phase, gradient one reduce-scatter (SUM) of the same slots. ``"auto"`` (default): per
             buffer, the all-gather where the alpha-beta rule
             (:func:`~dmuon.plan._cost.seconds.buffer_collective_s`: bytes with padding, per-call
-            latency ``alpha``, bandwidth ``B``) prices it strictly below the broadcasts. With
-            ``"auto"`` / ``"all_gather"`` a boundary's expert ranges are re-placed for equal
-            slots where that pays (:mod:`dmuon.plan._layout.slots`). HSDP's replicate phases
-            stay per sub-segment in every mode.
+            latency ``alpha``, bandwidth ``B``) prices it strictly below the broadcasts, and for
+            a buffer holding expert stacks only when its slots pad it by at most
+            :data:`~dmuon.plan._rules.ALL_GATHER_MAX_PADDING` (2 %). With ``"auto"`` /
+            ``"all_gather"`` a boundary's expert ranges are re-placed for equal slots where that
+            pays (:mod:`dmuon.plan._layout.slots`), and the other stacks are filled again around
+            them. HSDP's replicate phases stay per sub-segment in every mode.
         collective_latency_s, collective_bandwidth_Bps: ``alpha`` (seconds per collective step)
             and ``B`` (bytes/s) of the ``"auto"`` rule; None = :data:`~dmuon.plan._rules.COLLECTIVE_LATENCY_S`
             (8 us) and :data:`~dmuon.plan._rules.COLLECTIVE_BANDWIDTH_BPS` (45 GB/s), an H100
@@ -324,6 +329,7 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
         reshard_after_forward=z3,
         cost_model=cost_model,
         segment_lengths=_rules.gram_segment_lengths(tp_ns_steps, tp_gram_restart_every),
+        refill=fills_expert_ranges(specs, mesh_shape, owner_groups),
     )
     if placed != owners:
         owners, boundaries = placed, layout(placed)

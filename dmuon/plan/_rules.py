@@ -51,6 +51,7 @@ __all__ = [
     "COLLECTIVE_LATENCY_S",
     "COLLECTIVE_BANDWIDTH_BPS",
     "EXPERT_RANGE_SLACK",
+    "ALL_GATHER_MAX_PADDING",
 ]
 
 #: valid ``cost_model`` values of :func:`dmuon.plan.compile`
@@ -86,6 +87,12 @@ COLLECTIVE_BANDWIDTH_BPS = 45e9
 #: (:func:`dmuon.plan._model.expert_ranges.expert_range_count`): fewer owners per boundary (fewer
 #: broadcasts) while the LPT bound stays ``mean + max(largest dense matrix, slack * mean)``
 EXPERT_RANGE_SLACK = 0.5
+#: ``collectives="auto"`` all-gathers a buffer only when its slots pad it by at most this
+#: fraction of the gathered tensor (``N * slot``; :func:`dmuon.plan._layout.collective_rule.padding_fraction`):
+#: above it the buffer stays broadcasts, whose segments carry no padding, even where the
+#: alpha-beta rule prices the padded all-gather lower (the padding is memory and bytes on every
+#: rank, and uneven slots mean uneven owners)
+ALL_GATHER_MAX_PADDING = 0.02
 
 
 #: ``ns_backend="auto"`` picks Gram NS only for matrices whose short side ``d = min(m, n)`` is at

@@ -65,9 +65,9 @@ def test_ep_cost_is_non_ep_cost_minus_stacks(world, align):
     # broadcast arithmetic (one segment per owner); the stacks' ranges are placed alike
     full = P.compile(full_model(), world, align_numel=align, collectives="broadcast")
     ep = P.compile(ep_model(world, 0), world, ep=world, align_numel=align, collectives="broadcast")
-    # dense owners do not move (the stacks weigh the same in the LPT of both plans)
-    dense = lambda p: [(s.fqn, o) for s, o in zip(p.params, p.owners) if s.experts is None]  # noqa: E731
-    assert dense(full) == dense(ep)
+    # (the dense owners may differ: the non-EP plan places them by LPT alone and fills the stacks
+    # around them, the EP plan places them around each rank's own experts; with align 1 the bytes
+    # below do not depend on who owns what)
     stacks = [s.fqn for s in full.params if s.experts is not None]
     # the stacks' bytes in the non-EP plan: every forward/backward broadcast and reduce of the
     # segments, counted without the stacks' entries (same boundary programs, their segments shrunk)

@@ -96,21 +96,20 @@ def _sub(shard, N, offset, numel, entries, flags_offset):
 
 # --------------------------------------------------------------------------- golden, N = 2
 
-# pieces: w1, w2, w3 -> 2 ranges of 2 experts = (96, 96) each; attn 64; router 32; W = 96.
-# LPT order (-largest piece, fqn): w1, w2, w3 (96), attn (64), router (32).
-#   w1: two least-loaded slots 0, 1 (ties: lowest index): range 0 -> 0, range 1 -> 1   [96, 96]
-#   w2, w3: the same                                                                  [288, 288]
-#   attn: g = 0 (tie -> lowest); every coordinate of layers.0 used -> e = g           [352, 288]
-#   router: g = 1                                                                     [352, 320]
-OWNED_2 = (352, 320)
+# The dense matrices first (constrained LPT): attn 64 -> slot 0, router 32 -> slot 1 (a fresh
+# shard coordinate of layers.0): loads [64, 32]. Then the stacks fill both slots to one level
+# (plan order w1, w2, w3; 12 experts of 48): L = (576 + 96) / 2 = 336, caps [272, 304],
+# cumulative 272, 576. Slot 0 takes experts while placed + 24 <= 272: w1's 4 (192), then w2's
+# first 2 (288; a third would need 288 + 24 <= 272). Slot 1 (the last) takes the rest.
+#   w1: all on 0 (an Owner); w2: experts 0-1 on 0, 2-3 on 1; w3: all on 1 (an Owner)
+OWNED_2 = (352, 320)  # 64 + 192 + 96, 32 + 96 + 192
 
 
 def expected_boundary_2() -> Boundary:
-    # seg s0 @0: attn @0 (64); w1[0:2] @64 (96) -> 160; w2[0:2] @160 -> 256; w3[0:2] @256 -> 352;
-    #            4 flags @352; numel round_up(356) = 368
-    # seg s1 @368: router @368 (32) -> 400; w1[2:4] @400 -> 496; w2[2:4] @496 -> 592;
-    #            w3[2:4] @592 -> 688; 4 flags @688; numel round_up(688 + 4 - 368 = 324) = 336
-    # buffer 704 elements
+    # seg s0 @0: attn @0 (64); w1 @64 (192) -> 256; w2[0:2] @256 (96) -> 352; 3 flags @352;
+    #            numel round_up(355) = 368
+    # seg s1 @368: router @368 (32) -> 400; w2[2:4] @400 -> 496; w3 @496 (192) -> 688; 3 flags
+    #            @688; numel round_up(691 - 368 = 323) = 336.  Buffer 704 elements
     return Boundary(
         fqn="layers.0",
         fallback=False,
@@ -124,12 +123,7 @@ def expected_boundary_2() -> Boundary:
                         2,
                         0,
                         368,
-                        [
-                            (ATTN, 0, (8, 8), None),
-                            (W1, 64, (2, 6, 8), 0),
-                            (W2, 160, (2, 8, 6), 0),
-                            (W3, 256, (2, 6, 8), 0),
-                        ],
+                        [(ATTN, 0, (8, 8), None), (W1, 64, (4, 6, 8), None), (W2, 256, (2, 8, 6), 0)],
                         352,
                     ),
                     _sub(
@@ -137,12 +131,7 @@ def expected_boundary_2() -> Boundary:
                         2,
                         368,
                         336,
-                        [
-                            (ROUTER, 368, (4, 8), None),
-                            (W1, 400, (2, 6, 8), 1),
-                            (W2, 496, (2, 8, 6), 1),
-                            (W3, 592, (2, 6, 8), 1),
-                        ],
+                        [(ROUTER, 368, (4, 8), None), (W2, 400, (2, 8, 6), 1), (W3, 496, (4, 6, 8), None)],
                         688,
                     ),
                 ),
@@ -153,22 +142,21 @@ def expected_boundary_2() -> Boundary:
 
 # --------------------------------------------------------------------------- golden, N = 4
 
-# pieces: every stack 4 ranges of 1 expert (48 each); attn 64 is now the largest piece.
-# LPT order: attn (64), w1, w2, w3 (48), router (32).
-#   attn: slot 0                                                     [64, 0, 0, 0]
-#   w1: least loaded 1, 2, 3, 0 -> expert 0 on 1, 1 on 2, 2 on 3, 3 on 0   [112, 48, 48, 48]
-#   w2, w3: the same order                                           [208, 144, 144, 144]
-#   router: g = 1 (every coordinate used: e = g)                      [208, 176, 144, 144]
-OWNED_4 = (208, 176, 144, 144)
+# Dense: attn -> 0, router -> 1: loads [64, 32, 0, 0]. Level L = (576 + 96) / 4 = 168, caps
+# [104, 136, 168, 168], cumulative 104, 240, 408, 576.
+#   slot 0: w1 experts while placed + 24 <= 104: 2 (96)
+#   slot 1: w1's other 2 (192), w2's first (240; 240 + 24 > 240 stops the next)
+#   slot 2: w2's other 3 (384), w3's first (432; 432 + 24 <= 408 fails for the next)
+#   slot 3: w3's other 3 (576)
+OWNED_4 = (160, 176, 192, 144)  # max/mean 192/168 = 1.14: within one expert (48) of the level
 
 
 def expected_boundary_4() -> Boundary:
-    # s0 @0: attn @0 (64); w1[3] @64 (48) -> 112; w2[3] @112 -> 160; w3[3] @160 -> 208; 4 flags
-    #        @208; numel round_up(212) = 224
-    # s1 @224: router @224 (32) -> 256; w1[0] @256 -> 304; w2[0] @304 -> 352; w3[0] @352 -> 400;
-    #        4 flags @400; numel round_up(180) = 192
-    # s2 @416: w1[1] @416 -> 464; w2[1] @464 -> 512; w3[1] @512 -> 560; 3 flags @560; numel 160
-    # s3 @576: w1[2] @576 ...; 3 flags @720; numel 160.  Buffer 736 elements
+    # s0 @0: attn @0 (64); w1[0:2] @64 (96) -> 160; 2 flags @160; numel round_up(162) = 176
+    # s1 @176: router @176 (32) -> 208; w1[2:4] @208 -> 304; w2[0:1] @304 (48) -> 352; 3 flags
+    #        @352; numel round_up(179) = 192
+    # s2 @368: w2[1:4] @368 (144) -> 512; w3[0:1] @512 -> 560; 2 flags @560; numel 208
+    # s3 @576: w3[1:4] @576 (144) -> 720; 1 flag @720; numel 160.  Buffer 736 elements
     return Boundary(
         fqn="layers.0",
         fallback=False,
@@ -177,42 +165,28 @@ def expected_boundary_4() -> Boundary:
                 dtype=F32,
                 numel=736,
                 segments=(
-                    _sub(
-                        0,
-                        4,
-                        0,
-                        224,
-                        [
-                            (ATTN, 0, (8, 8), None),
-                            (W1, 64, (1, 6, 8), 3),
-                            (W2, 112, (1, 8, 6), 3),
-                            (W3, 160, (1, 6, 8), 3),
-                        ],
-                        208,
-                    ),
+                    _sub(0, 4, 0, 176, [(ATTN, 0, (8, 8), None), (W1, 64, (2, 6, 8), 0)], 160),
                     _sub(
                         1,
                         4,
-                        224,
+                        176,
                         192,
-                        [
-                            (ROUTER, 224, (4, 8), None),
-                            (W1, 256, (1, 6, 8), 0),
-                            (W2, 304, (1, 8, 6), 0),
-                            (W3, 352, (1, 6, 8), 0),
-                        ],
-                        400,
+                        [(ROUTER, 176, (4, 8), None), (W1, 208, (2, 6, 8), 1), (W2, 304, (1, 8, 6), 0)],
+                        352,
                     ),
-                    _sub(
-                        2, 4, 416, 160, [(W1, 416, (1, 6, 8), 1), (W2, 464, (1, 8, 6), 1), (W3, 512, (1, 6, 8), 1)], 560
-                    ),
-                    _sub(
-                        3, 4, 576, 160, [(W1, 576, (1, 6, 8), 2), (W2, 624, (1, 8, 6), 2), (W3, 672, (1, 6, 8), 2)], 720
-                    ),
+                    _sub(2, 4, 368, 208, [(W2, 368, (3, 8, 6), 1), (W3, 512, (1, 6, 8), 0)], 560),
+                    _sub(3, 4, 576, 160, [(W3, 576, (3, 6, 8), 1)], 720),
                 ),
             ),
         ),
     )
+
+
+#: owner record of each stack: (members, sizes), or one Owner
+WANT_OWNERS = {
+    2: {W1: o(0, 2), W2: ((o(0, 2), o(1, 2)), (2, 2)), W3: o(1, 2)},
+    4: {W1: ((o(0, 4), o(1, 4)), (2, 2)), W2: ((o(1, 4), o(2, 4)), (1, 3)), W3: ((o(2, 4), o(3, 4)), (1, 3))},
+}
 
 
 @pytest.mark.parametrize("N", [2, 4])
@@ -220,12 +194,14 @@ def test_golden_grouped_experts_owners_and_layout(N):
     plan = P.compile(grouped_meta(), N, collectives="broadcast")
     assert plan.dedicated == (ATTN, ROUTER, W1, W2, W3)
     assert plan.owner(ATTN) == o(0, N) and plan.owner(ROUTER) == o(1, N)
-    ranks = {2: (0, 0, 1, 1), 4: (1, 2, 3, 0)}[N]  # owner of each expert
-    sizes = {2: (2, 2), 4: (1, 1, 1, 1)}[N]
-    members = {2: (o(0, 2), o(1, 2)), 4: (o(1, 4), o(2, 4), o(3, 4), o(0, 4))}[N]
-    for fqn in (W1, W2, W3):
+    for fqn, want in WANT_OWNERS[N].items():
+        if isinstance(want, Owner):
+            assert plan.owners[plan.dedicated.index(fqn)] == want
+            assert plan.expert_owners(fqn) == (want,) * 4
+            continue
+        members, sizes = want
         assert plan.owners[plan.dedicated.index(fqn)] == ExpertOwners(members=members, sizes=sizes)
-        assert tuple(x.rank for x in plan.expert_owners(fqn)) == ranks
+        assert plan.expert_owners(fqn) == tuple(m for m, k in zip(members, sizes) for _ in range(k))
         with pytest.raises(ValueError, match="expert stack whose 4 experts have"):
             plan.owner(fqn)
     for fqn, matrix in ((W1, (6, 8)), (W2, (8, 6)), (W3, (6, 8))):
@@ -242,7 +218,7 @@ def test_golden_grouped_experts_bytes_are_the_formula():
     # P_M = 704 * 4 = 2816 B (N = 2) and 736 * 4 = 2944 B (N = 4); Z3 per phase (N-1) P_M.
     # N = 2: rank 0 receives / sends the s1 segment (336 el = 1344 B) per phase -> 3 * 1344;
     #        rank 1 the s0 segment (368 el = 1472 B) -> 3 * 1472.
-    # N = 4: rank r: 3 * (736 - seg_r) * 4 with segs 224, 192, 160, 160.
+    # N = 4: rank r: 3 * (736 - seg_r) * 4 with segs 176, 192, 208, 160.
     want = {
         2: ByteCost(
             forward_broadcast_nbytes=2816,
@@ -260,7 +236,7 @@ def test_golden_grouped_experts_bytes_are_the_formula():
             replicate_reduce_nbytes=0,
             replicate_broadcast_nbytes=0,
             total_nbytes=26496,
-            per_rank_nbytes=(6144, 6528, 6912, 6912),
+            per_rank_nbytes=(6720, 6528, 6336, 6912),
         ),
     }
     for N in (2, 4):
@@ -275,12 +251,13 @@ def test_golden_grouped_experts_bytes_are_the_formula():
 
 
 def test_golden_grouped_experts_all_gathered_water_fill():
-    """collectives="auto" / "all_gather". N = 2: the LPT layout above (segments 368,
-    336: slot round_up(369, 16) = 384) is as small as water-fill gets it, so it stays.
+    """collectives="all_gather": N = 2: the filled layout above (segments 368, 336: slot
+    round_up(369, 16) = 384) is as small as water-fill gets it, so it stays.
 
-    N = 4: the LPT layout's slot would be round_up(224 + 1) = 240; water-fill (the dense attn on
-    s0 and router on s1 stay, shards take the stacks' experts in order, 48 elements each, while the
-    segment + the step code fit S) places everything at S = 224 and not at 208:
+    N = 4: the filled layout's slot is round_up(208 + 1) = 224; water-fill (the dense attn on s0
+    and router on s1 stay, shards take the stacks' experts in order, 48 elements each, while the
+    segment + the step code fit S) places everything at S = 224 and not at 208, in the same
+    ranges as the fill (so the fill's layout stays):
       S = 224 (each sub-segment may round up to 208):
         s0: attn 64 + 2 flags leave 142 -> 2 experts of w1          segment round_up(64+96+2) = 176
         s1: router 32: the other 2 of w1, then 1 of w2 (3 flags)    round_up(32+96+48+3) = 192
@@ -289,22 +266,29 @@ def test_golden_grouped_experts_all_gathered_water_fill():
       S = 208 (192): s0 2 of w1, s1 2 of w1 + 1 of w2, s2 3 of w2 and no room for w3 (46 left),
         s3 only 3 of w3's 4: infeasible.
     Per phase every rank sends / receives (N-1) x 224 x 4 = 2,688 B; transient: 4 slots (3,584 B)
-    plus the three stacks assembled (3 x 192 x 4 = 2,304 B)."""
-    for mode in ("auto", "all_gather"):
-        two = P.compile(grouped_meta(), 2, collectives=mode)
-        assert two.owners == P.compile(grouped_meta(), 2, collectives="broadcast").owners
-        assert [(b.collective, b.slot_numel) for b in two.boundaries[0].buffers] == [("all_gather", 384)]
-        plan = P.compile(grouped_meta(), 4, collectives=mode)
-        (buf,) = plan.boundaries[0].buffers
-        assert (buf.collective, buf.slot_numel) == ("all_gather", 224)
-        assert [(seg.shard, seg.numel) for seg in buf.segments] == [(0, 176), (1, 192), (2, 208), (3, 160)]
-        assert plan.owner(ATTN) == o(0, 4) and plan.owner(ROUTER) == o(1, 4)
-        want = {W1: ((o(0, 4), o(1, 4)), (2, 2)), W2: ((o(1, 4), o(2, 4)), (1, 3)), W3: ((o(2, 4), o(3, 4)), (1, 3))}
-        for fqn, (members, sizes) in want.items():
-            assert plan.owner_record(fqn) == ExpertOwners(members=members, sizes=sizes), fqn
-        assert plan.owned_numel == (160, 176, 192, 144)
-        assert plan.cost.per_rank_nbytes == (3 * 2688,) * 4 and plan.cost.total_nbytes == 4 * 3 * 2688
-        assert {r.peak_transient_nbytes for r in plan.rank_stats()} == {3584 + 2304}
+    plus the three stacks assembled (3 x 192 x 4 = 2,304 B).
+
+    collectives="auto" keeps both broadcast: the slots would pad the gathered tensor by
+    (2 x 384 - 704) / 768 = 8.3 % (N = 2) and (4 x 224 - 736) / 896 = 17.9 % (N = 4), above the 2 %
+    a buffer holding expert stacks may pad (rules.ALL_GATHER_MAX_PADDING)."""
+    bcast = {N: P.compile(grouped_meta(), N, collectives="broadcast") for N in (2, 4)}
+    for N in (2, 4):
+        auto = P.compile(grouped_meta(), N, collectives="auto")
+        assert auto.owners == bcast[N].owners and auto.boundaries == bcast[N].boundaries
+        assert "auto: its slots would pad " + {2: "8.3", 4: "17.9"}[N] + " % > 2 %" in auto.summary()
+    two = P.compile(grouped_meta(), 2, collectives="all_gather")
+    assert two.owners == bcast[2].owners
+    assert [(b.collective, b.slot_numel) for b in two.boundaries[0].buffers] == [("all_gather", 384)]
+    plan = P.compile(grouped_meta(), 4, collectives="all_gather")
+    (buf,) = plan.boundaries[0].buffers
+    assert (buf.collective, buf.slot_numel) == ("all_gather", 224)
+    assert [(seg.shard, seg.numel) for seg in buf.segments] == [(0, 176), (1, 192), (2, 208), (3, 160)]
+    assert plan.owner(ATTN) == o(0, 4) and plan.owner(ROUTER) == o(1, 4)
+    for fqn, (members, sizes) in WANT_OWNERS[4].items():
+        assert plan.owner_record(fqn) == ExpertOwners(members=members, sizes=sizes), fqn
+    assert plan.owned_numel == (160, 176, 192, 144)
+    assert plan.cost.per_rank_nbytes == (3 * 2688,) * 4 and plan.cost.total_nbytes == 4 * 3 * 2688
+    assert {r.peak_transient_nbytes for r in plan.rank_stats()} == {3584 + 2304}
 
 
 @pytest.mark.parametrize("mesh", [3, (2, 2), (2, 3), 8])
@@ -329,9 +313,12 @@ def test_bytes_per_phase_are_the_formula_on_other_meshes(mesh):
                 if spec.experts is not None:
                     owners = plan.expert_owners(fqn)
                     assert len(owners) == E
-                    if mode == "broadcast":  # the LPT ranges: ranges of at most g experts (expert_range_count)
+                    if mode == "broadcast" and R > 1:  # HSDP: ranges of at most g experts (expert_range_count)
                         k = expert_range_count(E, N, spec.numel // E, Fraction(total, R * N), 0.5)
                         assert len({x.rank for x in owners}) == k, (mesh, E, fqn)
+                    elif mode == "broadcast":  # one row: the level fill, ranges on increasing ranks
+                        ranks = [x.rank for x in owners]
+                        assert ranks == sorted(ranks), (mesh, E, fqn)
 
 
 # --------------------------------------------------------------------------- HF selection
@@ -494,11 +481,11 @@ def test_expert_gate_up_fused_gives_e_matrices():
 
 
 def test_owner_and_expert_owners():
-    plan = P.compile(grouped_meta(3), 2)  # E = 3 on N = 2: ranges (2, 1)
+    plan = P.compile(grouped_meta(3), 2)  # E = 3 on N = 2: w1 on rank 0, w2 ranges (1, 2), w3 on rank 1
     with pytest.raises(ValueError, match=r"plan.expert_owners\(fqn\)"):
-        plan.owner(W1)
-    owners = plan.expert_owners(W1)
-    assert len(owners) == 3 and owners[0] == owners[1] != owners[2]
+        plan.owner(W2)
+    owners = plan.expert_owners(W2)
+    assert len(owners) == 3 and owners[0] != owners[1] == owners[2]
     with pytest.raises(ValueError, match="is not an expert stack"):
         plan.expert_owners(ATTN)
     with pytest.raises(KeyError):
@@ -525,10 +512,13 @@ def test_diff_on_expert_plans():
     assert P.diff(a, ShardingPlan.from_json(a.to_json())).empty
     d = P.diff(a, P.compile(grouped_meta(), 4, collectives="broadcast"))  # across mesh sizes
     assert set(d.owners_moved) >= {W1, W2, W3}
-    assert "expert owners ranks 0,1 (s0,s1; r0) experts 2+2 -> expert owners ranks 1,2,3,0" in str(d), str(d)
+    assert "expert owners ranks 0,1 (s0,s1; r0) experts 2+2 -> expert owners ranks 1,2 (s1,s2; r0) experts 1+3" in str(
+        d
+    )
     assert d.cost_delta("total_nbytes") == 26496 - 8448
-    # the collective of each buffer: a setting and a change per buffer
-    g = P.diff(a, P.compile(grouped_meta(), 2))
+    # the collective of each buffer: a setting and a change per buffer (all_gather: "auto" keeps
+    # this buffer's broadcasts, its slots would pad 8.3 %)
+    g = P.diff(a, P.compile(grouped_meta(), 2, collectives="all_gather"))
     assert [s.name for s in g.settings] == ["collectives"] and not g.changes
     assert g.collectives_changed == (
         P.CollectiveChange(
@@ -602,7 +592,7 @@ def test_paramspec_and_records_validation():
     assert ParamSpec.from_dict(spec.to_dict()) == spec
     # a plan whose expert ranges do not cover the stack is rejected
     plan = P.compile(grouped_meta(), 2)
-    i = plan.dedicated.index(W1)
+    i = plan.dedicated.index(W2)  # ranges (2, 2) on ranks 0, 1
     bad = list(plan.owners)
     bad[i] = ExpertOwners(members=(o(0, 2), o(1, 2)), sizes=(2, 1))
     with pytest.raises(ValueError, match="has expert owners with ranges"):
@@ -702,7 +692,8 @@ _block = st.tuples(
 )
 def test_every_expert_one_owner_and_the_balance_bound(blocks, N, R, mode):
     """Every expert has one owner and each stack's ranges are contiguous on distinct shard ranks.
-    Broadcast (LPT ranges): a stack of E experts of weight w gets expert_range_count ranges (at
+    Broadcast on HSDP (LPT ranges; one replicate row fills to a level instead,
+    tests/plan/test_plan_balance.py): a stack of E experts of weight w gets expert_range_count ranges (at
     most g = floor(slack mean / w) experts each, <= min(E, N)), so every range weighs at most
     max(w, slack x mean) and the LPT bound max <= mean + largest piece holds, i.e. mean + max(largest
     dense matrix, slack x mean, w). auto: buffers whose stacks were water-filled keep every segment
@@ -732,7 +723,7 @@ def test_every_expert_one_owner_and_the_balance_bound(blocks, N, R, mode):
             assert owner.offsets() == tuple(sum(owner.sizes[:j]) for j in range(owner.k))
             for j, (start, size) in enumerate(zip(owner.offsets(), owner.sizes)):
                 assert set(per_expert[start : start + size]) == {owner.members[j]}
-        if mode == "broadcast":
+        if mode == "broadcast" and R > 1:  # HSDP: the weight-capped ranges (one row: tests/plan/test_plan_balance.py)
             assert k == expert_range_count(E, N, w, mean, 0.5)
             sizes = owner.sizes if isinstance(owner, ExpertOwners) else (E,)
             # at most g experts per range, unless capped at min(E, N) ranges (then E / min(E, N) each)
@@ -808,16 +799,12 @@ class _DSModel(nn.Module):
 
 
 def test_deepseek_v3_like_on_64_ranks_few_owners_per_boundary():
-    """DeepSeek-V3's shapes (3 dense + 58 MoE layers, HF fused layout, E = 256), 64 ranks. Each
-    stack is cut into ranges of at most g experts, g = floor(0.5 x mean slot weight / expert
-    weight) (fewer owners per boundary, fewer broadcasts): 1 or 2 ranges of 128 experts
-    (it was 64 ranges of 4, 64 segments per MoE buffer); at most 12 segments per buffer, every
-    buffer broadcast (an all-gather over 64 ranks costs 64 latency steps per call, and whole
-    experts leave its slots unequal). Owned max/mean 1.078 (measured), within the LPT bound
-    mean + max(largest dense matrix, 0.5 x mean).
-
-    With few layers the mean shrinks and the LPT bound with it: 3 MoE layers give max/mean 1.33,
-    still within the bound."""
+    """DeepSeek-V3's shapes (3 dense + 58 MoE layers, HF fused layout, E = 256), 64 ranks. The
+    dense matrices by LPT, then the stacks fill every rank to one level in plan order: each stack
+    lies on 1 or 2 consecutive ranks (62 of the 116 are cut in two), at most 12 segments per
+    buffer, every buffer broadcast (equal slots would leave whole experts and large dense
+    matrices unequal). Owned max/mean 1.0001 (was 1.078 with weight-capped ranges placed by LPT),
+    within the LPT bound."""
     with torch.device("meta"):
         model = _DSModel(3, 58)
     plan = P.compile(model, 64)
@@ -825,14 +812,17 @@ def test_deepseek_v3_like_on_64_ranks_few_owners_per_boundary():
     assert len(stacks) == 2 * 58
     for spec, owner in stacks:
         k = owner.k if isinstance(owner, ExpertOwners) else 1
-        assert k in (1, 2) and (k == 1 or set(owner.sizes) == {128}), spec.fqn
+        assert k in (1, 2), spec.fqn
+        if k == 2:
+            assert owner.members[1].rank == owner.members[0].rank + 1, spec.fqn
+    assert sum(1 for _, ow in stacks if isinstance(ow, ExpertOwners)) == 62
     assert max(len(buf.segments) for b in plan.boundaries for buf in b.buffers) == 12
     assert {buf.collective for b in plan.boundaries for buf in b.buffers} == {"broadcast"}
     gu = plan.param("layers.3.mlp.experts.gate_up_proj")
     assert (gu.matrix_shape, gu.num_matrices) == ((F, D), 2 * E_DS)
     owned = plan.owned_numel
     ratio = max(owned) / (sum(owned) / len(owned))
-    assert ratio <= 1.1 and max(owned) <= plan.balance_bound, ratio
+    assert ratio <= 1.001 and max(owned) <= plan.balance_bound, ratio
 
     with torch.device("meta"):
         small = _DSModel(0, 3)

@@ -189,8 +189,10 @@ def test_at_most_three_collectives_per_all_gathered_buffer(mesh, z3):
 
 def test_slot_layout_and_padding_figures():
     """Every segment sits at the start of its slot, the step code takes the slot's last element,
-    the padding is N x slot - numel, and the summary reports kind, padding and the modelled times."""
-    plan = P.compile(grouped_meta(5, n_layers=2), 3)
+    the padding is N x slot - numel, and the summary reports kind, padding and the modelled times.
+    (Forced: "auto" keeps these buffers broadcast, their slots would pad more than the 2 % a buffer
+    holding expert stacks may.)"""
+    plan = P.compile(grouped_meta(5, n_layers=2), 3, collectives="all_gather")
     for b in plan.boundaries:
         for buf in b.buffers:
             assert buf.collective == "all_gather"
@@ -198,7 +200,7 @@ def test_slot_layout_and_padding_figures():
             assert all(seg.numel <= buf.slot_numel - 1 for seg in buf.segments)
             assert buf.padding_numel(3) == 3 * buf.slot_numel - buf.numel >= len(buf.segments) - 0
     text = plan.summary()
-    assert "collectives: 'auto'" in text and "per rank per step (rank 0): 4 all_gather, 2 reduce_scatter" in text
+    assert "collectives: 'all_gather'" in text and "per rank per step (rank 0): 4 all_gather, 2 reduce_scatter" in text
     line = next(ln for ln in text.splitlines() if "x torch.float32" in ln and "all_gather" in ln)
     assert "padding" in line and "3 collectives/step" in line and "modelled" in line
 

@@ -857,6 +857,16 @@ def test_simulate_cli(tmp_path, capsys):
     assert "recommended: dmuon" in text
     d = json.loads(out.read_text())
     assert set(d["variants"]) == set(S.VARIANTS)
+    # the memory block: every variant's busiest rank by term (the JSON's busiest_memory_nbytes), and
+    # the dmuon modes against FSDP2 + AdamW's peak (Llama-3-8B on 8: below it)
+    assert "peak memory per rank, busiest rank, GiB" in text
+    for v, fig in d["variants"].items():
+        mem = fig["busiest_memory_nbytes"]
+        terms = ("parameters_nbytes", "gradients_nbytes", "optimizer_state_nbytes", "transient_nbytes")
+        assert (
+            mem["peak_nbytes"] == sum(mem[t] for t in terms + ("activations_nbytes",)) == max(fig["peak_memory_nbytes"])
+        ), v
+    assert "dmuon Z3: every rank at or below FSDP2 + AdamW's peak" in text
     assert d["variants"]["adamw"]["ratio_to_adamw"] == 1.0
     assert d["variants"]["naive"]["step_ms"] > d["variants"]["z3"]["step_ms"]
     assert d["recommended"] in ("z2", "z3")
@@ -1503,9 +1513,12 @@ def test_buffer_kind_costs_by_hand():
 def test_auto_kind_is_not_slower_in_the_simulator(name, mesh, ep):
     """On each row the kind ``collectives="auto"`` picks for a buffer is not modelled
     slower by the simulator (h100, with and without NCCL coalescing) than the other kind on the
-    same layout. Rows small enough for the fast lane, each choice present (all-gathers on the tiny
-    models and Qwen3-30B-A3B's efsdp buffers, broadcasts on the dense models and Qwen3-30B-A3B
-    without EP); ``benchmarks/collective_plans.py --simulate`` checks every row of the issue."""
+    same layout, but where a buffer of expert stacks would pad more than 2 % (then broadcast by
+    rule). Rows small enough for the fast lane, each choice present (all-gathers on tiny-llama and
+    Qwen3-30B-A3B's efsdp buffers, broadcasts on the dense models, tiny-moe (padding) and
+    Qwen3-30B-A3B without EP); ``benchmarks/collective_plans.py --simulate`` checks every row of the issue."""
+    from dmuon.plan._layout.buffer_layout import slot_numel_of
+    from dmuon.plan._layout.collective_rule import padding_fraction, places_expert_ranges
     from dmuon.plan._model.parallel import expert_parallel_variant
     from dmuon.sim._engine.kinds import buffer_kind_costs
 
@@ -1515,15 +1528,28 @@ def test_auto_kind_is_not_slower_in_the_simulator(name, mesh, ep):
         model, kw["ep"] = expert_parallel_variant(model, ep), ep
     plan = P.compile(model, mesh, **kw)
     hw = H.preset("h100")
+    N = plan.mesh_shape[1]
+    # a buffer holding expert stacks whose slots would pad more than 2 % stays broadcast even where
+    # the all-gather is modelled faster (rules.ALL_GATHER_MAX_PADDING: the balance and memory trade)
+    capped = {
+        (b.fqn, buf.key)
+        for b in plan.boundaries
+        for buf in b.buffers
+        if places_expert_ranges(buf) and padding_fraction(buf, N, slot_numel_of(buf, plan.align_numel)) > 0.02
+    }
     kinds = set()
     for h in (hw, dataclasses.replace(hw, coalesces=False)):
         costs = buffer_kind_costs(plan, h)
         assert costs
         kinds |= {c.chosen for c in costs}
-        slower = [(c.boundary, c.buffer, c.chosen, c.chosen_s, c.other_s) for c in costs if c.chosen_s > c.other_s]
+        slower = [
+            (c.boundary, c.buffer, c.chosen, c.chosen_s, c.other_s)
+            for c in costs
+            if c.chosen_s > c.other_s and (c.boundary, c.buffer) not in capped
+        ]
         assert not slower
     assert kinds == (
-        {"all_gather"} if name.startswith("tiny") else {"broadcast", "all_gather"} if ep > 1 else {"broadcast"}
+        {"all_gather"} if name == "tiny-llama" else {"broadcast", "all_gather"} if ep > 1 else {"broadcast"}
     )
 
 

@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from dmuon.exec._optim.expert_update import matrices_to_stack, stack_to_matrices
+from dmuon.plan._cost.rank_memory import second_moment_shape  # the shape rule, written once with its byte count
 
 __all__ = [
     "VARIANTS",
@@ -67,22 +68,6 @@ NORMUON_BETA2 = 0.95
 NORMUON_EPS = 1e-10
 #: The optimizer-state key of ``v`` (the authors' name).
 SECOND_MOMENT_KEY = "second_momentum_buffer"
-
-
-def second_moment_shape(shape, *, matrix_shape, experts=None, view=None) -> tuple[int, ...]:
-    """The shape of ``v`` for a parameter (or an owner's unit of it: its experts) of storage
-    ``shape`` whose Muon matrices are ``matrix_shape`` (an expert stack's :class:`ExpertStack`
-    ``experts``, or a :class:`MatrixView` ``view``): ``shape`` with the ``in`` axis collapsed
-    (module docstring). Pure."""
-    shape = tuple(int(s) for s in shape)
-    if view is not None:
-        return (shape[0], 1) if view.dim == 0 else (shape[0], len(view.sizes))
-    if experts is not None:  # (E', a, b): `in` is b, or a for a stack stored (in, out)
-        in_dim = 1 if experts.transposed else 2
-        return tuple(1 if d == in_dim else s for d, s in enumerate(shape))
-    if len(shape) == 3 and tuple(matrix_shape) == shape[1:]:  # a stack without a layout record
-        return (shape[0], shape[1], 1)
-    return (shape[0],) + (1,) * (len(shape) - 1)  # a matrix, a conv weight (out, in, *k)
 
 
 def new_second_moment(p: Tensor, info) -> Tensor:

@@ -46,6 +46,7 @@ __all__ = [
     "is_expert_stack",
     "fsdp2_param_shard",
     "spec_fsdp2_shard",
+    "fsdp2_unsharded_nbytes",
 ]
 
 
@@ -124,6 +125,29 @@ def baseline_byte_cost(
     )
 
 
+def fsdp2_unsharded_nbytes(
+    params: Sequence[ParamSpec],
+    boundary_of: Callable[[str], str],
+    mesh_shape: tuple[int, int],
+    reshard_after_forward: bool,
+    param_dtype: str | None,
+) -> int:
+    """FSDP2's unsharded parameters of ``params`` one rank holds at once beyond its own shards,
+    broadcast dtype: per boundary ``sum (k - 1) * shard`` over its parameters (the unit minus
+    the rank's shard); Z3 the largest boundary, Z2 the sum."""
+    N = mesh_shape[1]
+    layer_other_nbytes: dict[str, int] = {}
+    for spec in params:
+        k, c = spec_fsdp2_shard(spec, N)
+        b = boundary_of(spec.fqn)
+        layer_other_nbytes[b] = layer_other_nbytes.get(b, 0) + (k - 1) * c * itemsize_nbytes(
+            bcast_dtype(spec.dtype, param_dtype)
+        )
+    if reshard_after_forward:
+        return max(layer_other_nbytes.values(), default=0)
+    return sum(layer_other_nbytes.values())
+
+
 def baseline_rank_stats(
     params: Sequence[ParamSpec],
     boundary_of: Callable[[str], str],
@@ -138,25 +162,17 @@ def baseline_rank_stats(
     R, N = mesh_shape
     shard_numel = 0
     shard_nbytes = 0
-    layer_other_nbytes: dict[str, int] = {}
     max_grad_gather_nbytes = 0
     for spec in params:
         k, c = spec_fsdp2_shard(spec, N)
         isz_p = itemsize_nbytes(spec.dtype)
         shard_numel += c
         shard_nbytes += c * isz_p
-        b = boundary_of(spec.fqn)
-        layer_other_nbytes[b] = layer_other_nbytes.get(b, 0) + (k - 1) * c * itemsize_nbytes(
-            bcast_dtype(spec.dtype, param_dtype)
-        )
         # the gathered gradient: the TP shard from the data-parallel ranks, then (TP) the matrix
         max_grad_gather_nbytes = max(
             max_grad_gather_nbytes, (k - 1) * c * isz_p + (spec.tp_size - 1) * spec.local_numel * isz_p
         )
-    if reshard_after_forward:
-        unsharded = max(layer_other_nbytes.values(), default=0)
-    else:
-        unsharded = sum(layer_other_nbytes.values())
+    unsharded = fsdp2_unsharded_nbytes(params, boundary_of, mesh_shape, reshard_after_forward, param_dtype)
     total_flops = sum(spec_ns_flops(p) for p in params)
     return tuple(
         RankStats(

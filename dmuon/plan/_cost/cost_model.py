@@ -33,6 +33,7 @@ from typing import Any
 from dmuon.plan._records.fields import _check_int
 
 __all__ = [
+    "MemoryTerms",
     "ByteCost",
     "BaselineByteCost",
     "RankStats",
@@ -141,6 +142,57 @@ class BaselineByteCost:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryTerms:
+    """One rank's memory for the whole model, by term, in bytes (storage dtypes; activations
+    are the workload's and not counted here). Formulas: :mod:`dmuon.plan._cost.rank_memory`.
+
+    Attributes:
+        parameters_nbytes: parameters held between steps: dmuon's owned masters (+ on HSDP the
+            replicas of parameters owned in other replicate rows) and FSDP2's shards of every
+            other parameter; an FSDP2 baseline: its shards of every parameter.
+        gradients_nbytes: gradients live from the backward to ``zero_grad``: the full gradient
+            of every owned matrix and FSDP2's gradient shards (baselines: shards).
+        momentum_nbytes: Muon's momentum of the matrices this rank updates (dmuon: owned;
+            naive Muon: its shards; FSDP2 + AdamW: 0).
+        second_moment_nbytes: NorMuon's second moment, fp32, one value per output row of each
+            owned Muon matrix (``variant="normuon"``; 0 for Muon).
+        adamw_nbytes: AdamW's two moments of the parameters AdamW updates (FSDP2 shards; the
+            FSDP2 + AdamW baseline: of every parameter).
+        transient_nbytes: the most held at once beyond the above, not time-resolved: dmuon's
+            packed buffers (``RankStats.peak_transient_nbytes``) + one boundary's gradient
+            reduce buffer + FSDP2's unsharded unit(s) of the other parameters; a baseline: its
+            unsharded unit(s) and one unit's unsharded gradient (naive Muon: or every gathered
+            update, if more).
+    """
+
+    parameters_nbytes: int
+    gradients_nbytes: int
+    momentum_nbytes: int
+    second_moment_nbytes: int
+    adamw_nbytes: int
+    transient_nbytes: int
+
+    TERMS = (
+        "parameters_nbytes",
+        "gradients_nbytes",
+        "momentum_nbytes",
+        "second_moment_nbytes",
+        "adamw_nbytes",
+        "transient_nbytes",
+    )
+
+    @property
+    def optimizer_state_nbytes(self) -> int:
+        """Momentum + second moment + AdamW's moments."""
+        return self.momentum_nbytes + self.second_moment_nbytes + self.adamw_nbytes
+
+    @property
+    def peak_nbytes(self) -> int:
+        """Parameters + gradients + optimizer state + transient."""
+        return self.parameters_nbytes + self.gradients_nbytes + self.optimizer_state_nbytes + self.transient_nbytes
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class RankStats:
     """Per-rank figures for the dedicated parameters, one optimizer step.
 
@@ -163,6 +215,9 @@ class RankStats:
             the naive Muon step if larger. Gradient reduce buffers and prefetch are not included.
         comm_nbytes: bytes charged to this rank per step (section 1 accounting).
         ns_flops: Newton-Schulz FLOPs this rank runs per step.
+        memory: the rank's whole memory by term (:class:`MemoryTerms`: every parameter,
+            gradient and optimizer state, not only the dedicated ones); None where a caller
+            built the record without it.
     """
 
     rank: int
@@ -172,5 +227,6 @@ class RankStats:
     peak_transient_nbytes: int
     comm_nbytes: int
     ns_flops: int
+    memory: MemoryTerms | None = None
 
     FIELDS = ("owned_numel", "owned_nbytes", "resident_nbytes", "peak_transient_nbytes", "comm_nbytes", "ns_flops")

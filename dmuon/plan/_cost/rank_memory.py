@@ -1,6 +1,34 @@
 """Per-rank figures of a DMuon plan: owned, resident and peak transient bytes, with each rank's
 bytes on the wire and Newton-Schulz FLOPs, from the nominal schedule (:func:`rank_stats`,
-records :class:`~dmuon.plan._cost.cost_model.RankStats`).
+records :class:`~dmuon.plan._cost.cost_model.RankStats`); and each rank's whole memory by term
+(:func:`dmuon_memory`, :func:`fsdp2_memory`, records :class:`~dmuon.plan._cost.cost_model.MemoryTerms`)
+for dmuon and for the FSDP2 baselines on the same mesh. Every byte formula of the memory terms
+lives here; the plan's summary and page, and the simulator (:mod:`dmuon.sim._engine.sim_memory`, which adds
+the workload's activations), import them.
+
+Per rank, storage dtypes (``isz``), ``shard(p)`` = FSDP2's padded shard of ``p`` on the rank's
+FSDP2 group (:func:`~dmuon.plan._cost.baseline.fsdp2_param_shard`), *rest* = the parameters dmuon
+does not dedicate, *Muon* = the dedicated ones, ``unit(u)`` = the bytes of FSDP2 unit ``u``
+unsharded (rest only for dmuon; with the dedicated parameters of its boundary for the baselines):
+
+==================  ====================================  =====================================
+term                dmuon (Z2 / Z3)                       FSDP2 + AdamW / FSDP2 + naive Muon
+==================  ====================================  =====================================
+parameters          owned masters (+ HSDP replicas held)  shard(rest) + shard(Muon)
+                    + shard(rest)
+gradients           owned masters' size + shard(rest)     shard(rest) + shard(Muon)
+momentum            owned masters' size                   0 / shard(Muon)
+second moment       NorMuon: 4 B per output row of each   0
+                    owned Muon matrix (:func:`second_moment_shape`)
+AdamW moments       2 x shard(rest)                       2 x shard(rest) + 2 x shard(Muon) /
+                                                          2 x shard(rest)
+transient           packed buffers (``peak_transient``)   max unit(u) (Z2: sum) + max unit(u)
+                    + one boundary's reduce buffer        (its unsharded gradient); naive: or
+                    (:func:`buffer_wire_numel`) + max     all Muon updates gathered + max unit(u)
+                    unit(u) of the rest (Z2: sum)         if more
+==================  ====================================  =====================================
+
+Not time-resolved: the transient terms are the largest of each kind, added as if they met.
 """
 
 from __future__ import annotations
@@ -8,7 +36,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from dmuon.plan._cost.cost_model import ByteCost, RankStats
+import math
+
+from dmuon.plan._cost import baseline as _baseline
+from dmuon.plan._cost.cost_model import ByteCost, MemoryTerms, RankStats
 from dmuon.plan._cost.weights import member_weights
 from dmuon.plan._records.fields import itemsize_nbytes
 from dmuon.plan._records.owners import ExpertOwners, Owner, OwnerGroup
@@ -16,7 +47,21 @@ from dmuon.plan._records.params import ParamSpec
 
 __all__ = [
     "rank_stats",
+    "MEMORY_VARIANTS",
+    "SECOND_MOMENT_ITEMSIZE",
+    "second_moment_shape",
+    "second_moment_nbytes",
+    "buffer_wire_numel",
+    "fsdp2_rest_nbytes",
+    "dmuon_memory",
+    "fsdp2_memory",
+    "ranks_above",
 ]
+
+#: optimizers whose state :func:`dmuon_memory` counts: ``dmuon.Muon(variant=...)``
+MEMORY_VARIANTS = ("muon", "normuon")
+#: NorMuon keeps its second moment in fp32 whatever the parameter dtype
+SECOND_MOMENT_ITEMSIZE = 4
 
 
 def rank_stats(
@@ -113,3 +158,157 @@ def rank_stats(
             )
         )
     return tuple(out)
+
+
+def second_moment_shape(shape, *, matrix_shape, experts=None, view=None) -> tuple[int, ...]:
+    """The shape of NorMuon's second moment ``v`` for a parameter (or an owner's unit of it: its
+    experts) of storage ``shape`` whose Muon matrices are ``matrix_shape`` (an expert stack's
+    :class:`~dmuon.plan._records.params.ExpertStack` ``experts``, or a
+    :class:`~dmuon.plan._model.views.MatrixView` ``view``): ``shape`` with the ``in`` axis
+    collapsed: ``(out, 1)`` for a Linear, ``(out, 1, 1, 1)`` for a conv, ``(E, 2F, 1)`` for an HF
+    gate/up stack, ``(E, 1, D)`` for a stack stored ``(in, out)``, ``(D, H)`` for a column view of
+    ``H`` blocks. Pure."""
+    shape = tuple(int(s) for s in shape)
+    if view is not None:
+        return (shape[0], 1) if view.dim == 0 else (shape[0], len(view.sizes))
+    if experts is not None:  # (E', a, b): `in` is b, or a for a stack stored (in, out)
+        in_dim = 1 if experts.transposed else 2
+        return tuple(1 if d == in_dim else s for d, s in enumerate(shape))
+    if len(shape) == 3 and tuple(matrix_shape) == shape[1:]:  # a stack without a layout record
+        return (shape[0], shape[1], 1)
+    return (shape[0],) + (1,) * (len(shape) - 1)  # a matrix, a conv weight (out, in, *k)
+
+
+def second_moment_nbytes(spec: ParamSpec, owner: Any) -> tuple[tuple[int, int], ...]:
+    """``(mesh rank, bytes)`` of NorMuon's second moment on every owner of ``spec``: the
+    :func:`second_moment_shape` of the unit it owns (the whole local tensor; an expert range's
+    ``(size, a, b)``; an owner group's block), fp32."""
+
+    def nbytes(shape) -> int:
+        return SECOND_MOMENT_ITEMSIZE * math.prod(
+            second_moment_shape(shape, matrix_shape=spec.matrix_shape, experts=spec.experts, view=spec.view)
+        )
+
+    shape = tuple(spec.local_shape)
+    if isinstance(owner, ExpertOwners):
+        if owner.local:
+            return tuple((m.rank, nbytes(shape)) for m in owner.members)
+        return tuple((m.rank, nbytes((size,) + shape[1:])) for m, size in zip(owner.members, owner.sizes))
+    if isinstance(owner, OwnerGroup):
+        return tuple((m.rank, nbytes(owner.block_shape(j, shape))) for j, m in enumerate(owner.members))
+    return ((owner.rank, nbytes(shape)),)
+
+
+def buffer_wire_numel(buf: Any, num_shards: int) -> int:
+    """Elements of boundary buffer ``buf`` one rank holds while it is gathered, and packs for
+    its gradient collective: a broadcast buffer's segments over the rank's group (the whole
+    buffer; an expert-parallel buffer, ``buf.ep > 1``: the largest efsdp group's segments); an
+    all-gather buffer (``buf.collective == "all_gather"``): ``k · slot_numel`` over its group of
+    ``k`` ranks, its slot padding included."""
+    ep = buf.ep
+    k = num_shards // ep if ep > 1 else num_shards
+    if getattr(buf, "collective", "broadcast") == "all_gather":
+        return k * buf.slot_numel
+    if ep == 1:
+        return buf.numel
+    per: dict[int, int] = {}
+    for seg in buf.segments:
+        per[seg.shard % ep] = per.get(seg.shard % ep, 0) + seg.numel
+    return max(per.values())
+
+
+def _plan_ep(plan: Any) -> int:
+    return max((spec.ep_size for spec in plan.params), default=1)
+
+
+def fsdp2_rest_nbytes(plan: Any) -> tuple[int, dict[str, int]]:
+    """``(shard bytes, {unit: unsharded bytes})`` of the parameters dmuon leaves to FSDP2
+    (``plan.fsdp2_units``): one rank's FSDP2 shards of all of them (expert stacks as torchtitan
+    shards them, :func:`~dmuon.plan._cost.baseline.fsdp2_param_shard`), and each unit's full size."""
+    N = plan.mesh_shape[1]
+    ep = _plan_ep(plan)
+    shard = 0
+    unit_full: dict[str, int] = {}
+    for u in plan.fsdp2_units:
+        full = 0
+        for p, shape, dt in zip(u.params, u.shapes, u.dtypes):
+            isz = itemsize_nbytes(dt)
+            full += math.prod(shape) * isz
+            shard += _baseline.fsdp2_param_shard(p, tuple(shape), N, ep=ep)[1] * isz
+        unit_full[u.fqn] = unit_full.get(u.fqn, 0) + full
+    return shard, unit_full
+
+
+def dmuon_memory(plan: Any, stats: Sequence[RankStats], *, variant: str = "muon") -> tuple[MemoryTerms, ...]:
+    """dmuon's :class:`MemoryTerms` per schedule rank (module docstring), from the plan's
+    :func:`rank_stats` ``stats`` (one per schedule rank); ``variant``: ``"muon"`` or
+    ``"normuon"`` (:data:`MEMORY_VARIANTS`)."""
+    if variant not in MEMORY_VARIANTS:
+        raise ValueError(f"variant must be one of {MEMORY_VARIANTS}, got {variant!r}")
+    R, N = plan.mesh_shape
+    T = max(1, len(stats) // (R * N))
+    rest, unit_full = fsdp2_rest_nbytes(plan)
+    fsdp_unsharded = max(unit_full.values(), default=0) if plan.reshard_after_forward else sum(unit_full.values())
+    reduce_buf = max(
+        (sum(buffer_wire_numel(buf, N) * itemsize_nbytes(buf.dtype) for buf in b.buffers) for b in plan.boundaries),
+        default=0,
+    )
+    second = [0] * (R * N)
+    if variant == "normuon":
+        for spec, owner in zip(plan.params, plan.owners):
+            for rank, nb in second_moment_nbytes(spec, owner):
+                second[rank] += nb
+    out = []
+    for st in stats:
+        momentum = st.owned_nbytes
+        out.append(
+            MemoryTerms(
+                parameters_nbytes=st.resident_nbytes - momentum + rest,
+                gradients_nbytes=st.owned_nbytes + rest,
+                momentum_nbytes=momentum,
+                second_moment_nbytes=second[st.rank // T],
+                adamw_nbytes=2 * rest,
+                transient_nbytes=st.peak_transient_nbytes + reduce_buf + fsdp_unsharded,
+            )
+        )
+    return tuple(out)
+
+
+def fsdp2_memory(plan: Any, variant: str) -> MemoryTerms:
+    """One rank's :class:`MemoryTerms` (every rank the same) when FSDP2 shards every parameter
+    of the plan's model on its mesh (module docstring): ``"adamw"`` (FSDP2 + AdamW, Z3 as FSDP2
+    defaults to), ``"naive"`` (FSDP2 + naive Muon: every Muon update gathered before its NS; the
+    plan's Z2 / Z3) or ``"all_to_all"`` (dion-style: the same, then two matrices' worth of each
+    owned batch instead of the gathered updates)."""
+    if variant not in ("adamw", "naive", "all_to_all"):
+        raise ValueError(f"variant must be 'adamw', 'naive' or 'all_to_all', got {variant!r}")
+    N = plan.mesh_shape[1]
+    rest, unit_full = fsdp2_rest_nbytes(plan)
+    muon_shard = sum(_baseline.spec_fsdp2_shard(s, N)[1] * itemsize_nbytes(s.dtype) for s in plan.params)
+    muon_full = sum(s.local_numel * itemsize_nbytes(s.dtype) for s in plan.params)
+    for s in plan.params:
+        b = plan.boundary(s.fqn)
+        unit_full[b] = unit_full.get(b, 0) + s.local_numel * itemsize_nbytes(s.dtype)
+    z3 = True if variant == "adamw" else plan.reshard_after_forward
+    largest = max(unit_full.values(), default=0)
+    unsharded = largest if z3 else sum(unit_full.values())
+    transient = unsharded + largest  # + one unit's unsharded gradient before its reduce-scatter
+    if variant == "naive":
+        transient = max(transient, muon_full + largest)
+    elif variant == "all_to_all":
+        transient += 2 * (muon_full // max(N, 1))
+    adamw = variant == "adamw"
+    return MemoryTerms(
+        parameters_nbytes=rest + muon_shard,
+        gradients_nbytes=rest + muon_shard,
+        momentum_nbytes=0 if adamw else muon_shard,
+        second_moment_nbytes=0,
+        adamw_nbytes=2 * rest + (2 * muon_shard if adamw else 0),
+        transient_nbytes=transient,
+    )
+
+
+def ranks_above(terms: Sequence[MemoryTerms], reference: MemoryTerms) -> tuple[int, ...]:
+    """The ranks (indices into ``terms``) whose whole peak exceeds ``reference``'s (FSDP2 +
+    AdamW's, :func:`fsdp2_memory`): what the summary and the plan page flag."""
+    return tuple(i for i, t in enumerate(terms) if t.peak_nbytes > reference.peak_nbytes)

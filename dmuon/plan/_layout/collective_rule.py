@@ -16,9 +16,10 @@ kind               forward / backward (Z3)                     gradient
 A group is a replicate row of ``N`` shard ranks, or an efsdp group of ``N/ep`` for an
 expert-parallel buffer; a one-rank group moves nothing, so its buffer stays ``"broadcast"`` in
 every mode. HSDP's replicate phases (per sub-segment, over the replicate group) are the same for
-both kinds. ``collectives="auto"`` picks ``all_gather`` exactly when the alpha-beta rule
-(:func:`~dmuon.plan._cost.seconds.buffer_collective_s`, padding included) prices it strictly below
-the broadcasts; ties go to broadcast. Pure.
+both kinds. ``collectives="auto"`` picks ``all_gather`` exactly when the alpha-beta rule (:func:`~dmuon.plan._cost.seconds.buffer_collective_s`, padding included) prices
+it strictly below the broadcasts (ties go to broadcast) and, for a buffer whose expert ranges the
+planner cuts (:func:`places_expert_ranges`), its slots pad the gathered tensor by at most
+:data:`~dmuon.plan._rules.ALL_GATHER_MAX_PADDING` (2 %, :func:`padding_fraction`). Pure.
 """
 
 from __future__ import annotations
@@ -26,18 +27,27 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+from dmuon.plan import _rules
 from dmuon.plan._cost.seconds import buffer_collective_s
 from dmuon.plan._layout.buffer_layout import Boundary, BufferLayout, slot_numel_of
 from dmuon.plan._records.collective_records import CollectiveSettings
 
-__all__ = ["CollectiveChoice", "choose_collective", "with_collective", "assign_collectives"]
+__all__ = [
+    "CollectiveChoice",
+    "choose_collective",
+    "with_collective",
+    "assign_collectives",
+    "padding_fraction",
+    "places_expert_ranges",
+]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class CollectiveChoice:
     """The collective of one buffer and why: ``kind``; the modelled seconds per step of its
     shard phases as broadcasts and as all-gathers (``broadcast_s``, ``all_gather_s``); the slot
-    an all-gather would use; ``reason`` in words."""
+    an all-gather would use and the fraction of the gathered tensor its slots would pad
+    (``padding``, :func:`padding_fraction`); ``reason`` in words."""
 
     kind: str
     broadcast_s: float
@@ -45,6 +55,24 @@ class CollectiveChoice:
     slot_numel: int
     group_size: int
     reason: str
+    padding: float = 0.0
+
+
+def padding_fraction(buf: BufferLayout, num_shards: int, slot_numel: int) -> float:
+    """The share of an all-gather's output that is padding: ``(N * slot - numel) / (N * slot)``
+    per replicate row (every shard rank contributes one slot of ``slot_numel`` elements; the step
+    code trailers count as padding); 0 for an empty slot."""
+    total = num_shards * slot_numel
+    return (total - buf.numel) / total if total else 0.0
+
+
+def places_expert_ranges(buf: BufferLayout) -> bool:
+    """Whether the planner sizes ``buf``'s segments itself: a buffer without expert parallelism
+    that holds an expert stack (a 3-D entry), whose ranges it cuts (:mod:`dmuon.plan._layout.slots`).
+    Only such buffers are held to :data:`~dmuon.plan._rules.ALL_GATHER_MAX_PADDING`; the segments
+    of the others are whole matrices (or an expert-parallel rank's experts) the rule takes as
+    they are."""
+    return buf.ep == 1 and any(len(e.shape) == 3 for e in buf.entries())
 
 
 def choose_collective(
@@ -71,15 +99,21 @@ def choose_collective(
     )
     t_b = buffer_collective_s(buf, "broadcast", **kw)
     t_a = buffer_collective_s(buf, "all_gather", **kw)
+    pad = padding_fraction(buf, num_shards, slot)
+    cap = _rules.ALL_GATHER_MAX_PADDING
     if k < 2:
         kind, reason = "broadcast", "one rank per group: nothing moves"
     elif settings.mode != "auto":
         kind, reason = settings.mode, f"forced by collectives={settings.mode!r}"
+    elif pad > cap and places_expert_ranges(buf):
+        kind, reason = "broadcast", f"auto: its slots would pad {100 * pad:.1f} % > {100 * cap:g} %"
     elif t_a < t_b:
         kind, reason = "all_gather", "auto: all-gather modelled faster"
     else:
         kind, reason = "broadcast", "auto: broadcasts modelled no slower"
-    return CollectiveChoice(kind=kind, broadcast_s=t_b, all_gather_s=t_a, slot_numel=slot, group_size=k, reason=reason)
+    return CollectiveChoice(
+        kind=kind, broadcast_s=t_b, all_gather_s=t_a, slot_numel=slot, group_size=k, reason=reason, padding=pad
+    )
 
 
 def with_collective(buf: BufferLayout, kind: str, align_numel: int) -> BufferLayout:

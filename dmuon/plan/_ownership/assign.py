@@ -12,10 +12,11 @@ from typing import Any
 from dmuon.plan import _rules as _rules
 from dmuon.plan._cost import weights as _weights
 from dmuon.plan._model.expert_ranges import expert_max_split, expert_range_count, expert_range_weights
+from dmuon.plan._ownership.level_fill import fill_ranges
 from dmuon.plan._ownership.partition import lpt_partition, lpt_partition_groups
 from dmuon.plan._records.owners import ExpertOwners, Owner, OwnerGroup, balanced_sizes
 
-__all__ = ["assign_owners", "assign_ep_owners"]
+__all__ = ["assign_owners", "assign_ep_owners", "fills_expert_ranges", "expert_owner"]
 
 
 def assign_owners(
@@ -25,13 +26,19 @@ def assign_owners(
     expert owners (:func:`~dmuon.plan._ownership.partition.lpt_partition_groups`) of every dedicated
     parameter.
 
-    An expert stack (``ParamSpec.experts``) of ``E`` experts is cut into
+    Expert stacks (``ParamSpec.experts``) on one replicate row without expert parallelism and
+    with one owner per dense matrix (:func:`fills_expert_ranges`, the default plans): the dense
+    matrices by the constrained LPT, then the stacks' experts fill every rank to one water level
+    in plan order (:func:`~dmuon.plan._ownership.level_fill.fill_ranges`): each rank owns the
+    mean within one expert unless its dense matrices alone exceed it, and a boundary's stacks
+    span few ranks (contiguous ranges on consecutive ranks).
+
+    Otherwise (HSDP rows, owner groups): a stack of ``E`` experts is cut into
     :func:`~dmuon.plan._model.expert_ranges.expert_range_count` contiguous ranges of experts (ranges of
     at most ``g`` experts, ``g`` the most whose weight stays within
     :data:`~dmuon.plan._rules.EXPERT_RANGE_SLACK` of the mean slot weight; at most ``min(E, N)``),
     each an LPT item of its own placed together with the dense matrices (on distinct shard
-    ranks of one replicate row, as an owner group's blocks): :class:`ExpertOwners`. Fewer
-    ranges mean fewer owners per boundary, so fewer segments to broadcast. An expert-parallel
+    ranks of one replicate row, as an owner group's blocks): :class:`ExpertOwners`. An expert-parallel
     stack (owned locally, ``ep = N``) keeps ``N`` ranges.
 
     ``initial_loads``: ``{"numel": [...], cost_model: [...]}``, per slot, weight placed before
@@ -65,6 +72,8 @@ def assign_owners(
     if owner_groups in ("off", 1) and max(expert_split, default=1) == 1 and not initial:
         result = lpt_partition(weights, keys, boundaries, num_shards=N, num_replicas=R)
         return tuple(Owner.at(slot, N) for slot in result.slots)
+    if _fills(specs, mesh_shape, owner_groups, initial):
+        return _filled_owners(specs, weights, keys, boundaries, N)
     if tp_size > 1 and owner_groups not in ("off", 1):
         raise ValueError(
             f"dmuon.plan._compile: owner_groups={owner_groups!r} with tensor parallelism (T={tp_size}) is not "
@@ -225,3 +234,49 @@ def _owner_group(spec, members, N: int) -> OwnerGroup:
         dim=dim,
         sizes=balanced_sizes(int(spec.shape[dim]), len(members)),
     )
+
+
+def fills_expert_ranges(specs, mesh_shape, owner_groups) -> bool:
+    """Whether :func:`assign_owners` places the expert stacks by the balanced fill
+    (:mod:`dmuon.plan._ownership.level_fill`): one replicate row, one owner per dense matrix, no expert
+    parallelism, at least one stack."""
+    R, _ = mesh_shape
+    return (
+        R == 1
+        and owner_groups in ("off", 1)
+        and any(spec.experts is not None for spec in specs)
+        and all(spec.ep_size == 1 for spec in specs)
+    )
+
+
+def _fills(specs, mesh_shape, owner_groups, initial) -> bool:
+    return not initial and fills_expert_ranges(specs, mesh_shape, owner_groups)
+
+
+def expert_owner(ranges, N: int):
+    """The owner record of a stack cut into ``ranges`` ``[(slot, experts), ...]`` (expert order):
+    a plain :class:`Owner` for one range, else :class:`ExpertOwners`."""
+    members = tuple(Owner.at(slot, N) for slot, _ in ranges)
+    if len(members) == 1:
+        return members[0]
+    return ExpertOwners(members=members, sizes=tuple(c for _, c in ranges))
+
+
+def _filled_owners(specs, weights, keys, boundaries, N):
+    """Dense matrices by the constrained LPT, then the stacks filled to one level
+    (:func:`~dmuon.plan._ownership.level_fill.fill_ranges`, plan order)."""
+    dense = [i for i, spec in enumerate(specs) if spec.experts is None]
+    stacks = [i for i, spec in enumerate(specs) if spec.experts is not None]
+    owners: list[Any] = [None] * len(specs)
+    loads = [0] * N
+    if dense:
+        result = lpt_partition(
+            [weights[i] for i in dense], [keys[i] for i in dense], [boundaries[i] for i in dense], num_shards=N
+        )
+        for i, slot in zip(dense, result.slots):
+            owners[i] = Owner.at(slot, N)
+            loads[slot] += weights[i]
+    ranges, _ = fill_ranges([(weights[i] // specs[i].num_experts, specs[i].num_experts) for i in stacks], loads)
+    for i, rng in zip(stacks, ranges):
+        owners[i] = expert_owner(rng, N)
+    return tuple(owners)

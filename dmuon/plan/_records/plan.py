@@ -388,14 +388,24 @@ class ShardingPlan:
         assemble nothing."""
         return _plan_figures.assembled_nbytes(self)
 
-    def rank_stats(self) -> tuple[_cost.RankStats, ...]:
+    def rank_stats(self, *, variant: str = "muon") -> tuple[_cost.RankStats, ...]:
         """Per-rank :class:`~dmuon.plan._cost.cost_model.RankStats` of this plan (schedule ranks: the mesh
-        rank, or ``(replicate*N + shard)*T + tp`` with TP), from the nominal schedule."""
-        return _plan_figures.rank_stats(self)
+        rank, or ``(replicate*N + shard)*T + tp`` with TP), from the nominal schedule; each with
+        its whole memory by term (``.memory``, :class:`~dmuon.plan._cost.cost_model.MemoryTerms`) for
+        ``dmuon.Muon(variant=variant)`` (``"muon"`` or ``"normuon"``: its second moment)."""
+        return _plan_figures.rank_stats(self, variant)
 
     def baseline_rank_stats(self) -> tuple[_cost.RankStats, ...]:
-        """Per-rank :class:`~dmuon.plan._cost.cost_model.RankStats` of FSDP2 + naive Muon, same parameters."""
+        """Per-rank :class:`~dmuon.plan._cost.cost_model.RankStats` of FSDP2 + naive Muon, same parameters
+        (``.memory``: the whole model's memory under it)."""
         return _plan_figures.baseline_rank_stats(self)
+
+    def adamw_rank_stats(self) -> tuple[_cost.RankStats, ...]:
+        """Per-rank :class:`~dmuon.plan._cost.cost_model.RankStats` of FSDP2 + AdamW on the same mesh:
+        every parameter sharded by FSDP2 and updated by AdamW (two moments), no Newton-Schulz
+        (``.memory``: the whole model's memory under it, the figure dmuon's busiest rank is
+        held against)."""
+        return _plan_figures.adamw_rank_stats(self)
 
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:

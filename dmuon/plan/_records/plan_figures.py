@@ -7,6 +7,7 @@ assembled from owner groups' blocks, and per-rank stats. ``plan.cost``, ``plan.s
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from dmuon.plan._cost import baseline as _baseline
@@ -35,6 +36,7 @@ __all__ = [
     "assembled_nbytes",
     "rank_stats",
     "baseline_rank_stats",
+    "adamw_rank_stats",
 ]
 
 
@@ -130,9 +132,9 @@ def assembled_nbytes(plan: ShardingPlan) -> dict[str, int]:
     return out
 
 
-def rank_stats(plan: ShardingPlan) -> tuple[_cost.RankStats, ...]:
+def rank_stats(plan: ShardingPlan, variant: str = "muon") -> tuple[_cost.RankStats, ...]:
     """:meth:`ShardingPlan.rank_stats`."""
-    return _memory.rank_stats(
+    stats = _memory.rank_stats(
         plan.params,
         plan.owners,
         plan.schedule(),
@@ -142,11 +144,13 @@ def rank_stats(plan: ShardingPlan) -> tuple[_cost.RankStats, ...]:
         tp_size=plan.tp_size,
         assembled_nbytes=plan.assembled_nbytes,
     )
+    terms = _memory.dmuon_memory(plan, stats, variant=variant)
+    return tuple(dataclasses.replace(st, memory=t) for st, t in zip(stats, terms))
 
 
 def baseline_rank_stats(plan: ShardingPlan) -> tuple[_cost.RankStats, ...]:
     """:meth:`ShardingPlan.baseline_rank_stats`."""
-    return _baseline.baseline_rank_stats(
+    stats = _baseline.baseline_rank_stats(
         plan._baseline_params(),
         plan.boundary,
         plan.baseline_cost,
@@ -154,4 +158,29 @@ def baseline_rank_stats(plan: ShardingPlan) -> tuple[_cost.RankStats, ...]:
         reshard_after_forward=plan.reshard_after_forward,
         param_dtype=plan.param_dtype,
         tp_size=plan.tp_size,
+    )
+    terms = _memory.fsdp2_memory(plan, "naive")
+    return tuple(dataclasses.replace(st, memory=terms) for st in stats)
+
+
+def adamw_rank_stats(plan: ShardingPlan) -> tuple[_cost.RankStats, ...]:
+    """:meth:`ShardingPlan.adamw_rank_stats`: FSDP2 + AdamW on the same mesh (every rank the
+    same): the dedicated parameters' FSDP2 shards with AdamW's two moments instead of Muon's
+    one, FSDP2's bytes without the naive Muon's gathers, no Newton-Schulz."""
+    naive = baseline_rank_stats(plan)
+    cost = plan.baseline_cost
+    per_rank_gathers = (cost.muon_all_gather_nbytes + cost.tp_all_gather_nbytes) // max(1, len(naive))
+    terms = _memory.fsdp2_memory(plan, "adamw")
+    return tuple(
+        dataclasses.replace(
+            st,
+            resident_nbytes=st.owned_nbytes * 3,
+            peak_transient_nbytes=_baseline.fsdp2_unsharded_nbytes(
+                plan._baseline_params(), plan.boundary, plan.mesh_shape, True, plan.param_dtype
+            ),
+            comm_nbytes=st.comm_nbytes - per_rank_gathers,
+            ns_flops=0,
+            memory=terms,
+        )
+        for st in naive
     )

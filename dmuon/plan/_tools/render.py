@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from dmuon.plan._cost import rank_memory as _memory
 from dmuon.plan._cost.rank_memory import rank_stats
 from dmuon.plan._cost.cost_model import RankStats
 from dmuon.plan._cost.nbytes import schedule_byte_cost
@@ -89,6 +90,9 @@ class _Figures:
         )
         self.baseline_cost = plan.baseline_cost
         self.baseline_stats = plan.baseline_rank_stats()
+        self.memory = _memory.dmuon_memory(plan, self.stats)
+        self.adamw_memory = _memory.fsdp2_memory(plan, "adamw")
+        self.naive_memory = _memory.fsdp2_memory(plan, "naive")
 
 
 def _stat_rows(fig: _Figures) -> list[tuple[str, int, float, int, int]]:
@@ -125,6 +129,55 @@ def _cost_rows(plan: ShardingPlan, fig: _Figures) -> list[tuple[str, int | None,
         and (a != "qk_clip_nbytes" or plan.qk_clip is not None)
         and (a != "owner_group_nbytes" or ours.owner_group_nbytes > 0)
     ]
+
+
+#: the memory block's rows: label, MemoryTerms attribute
+_MEMORY_ROWS = (
+    ("parameters", "parameters_nbytes"),
+    ("gradients", "gradients_nbytes"),
+    ("momentum", "momentum_nbytes"),
+    ("AdamW moments", "adamw_nbytes"),
+    ("transient", "transient_nbytes"),
+    ("peak", "peak_nbytes"),
+)
+
+
+def memory_lines(plan: ShardingPlan, terms, adamw, naive, *, max_ranks: int = 8) -> list[str]:
+    """The summary's memory block: the busiest dmuon rank's whole memory by term (Muon; per
+    schedule rank ``terms``) next to the mean, FSDP2 + AdamW (``adamw``) and FSDP2 + naive Muon
+    (``naive``) on the same mesh, then whether any rank peaks above FSDP2 + AdamW, and which."""
+    if not terms:
+        return []
+    busy = max(range(len(terms)), key=lambda i: (terms[i].peak_nbytes, -i))
+    top = terms[busy]
+    lines = [
+        "memory per rank, whole model (storage dtypes, Muon; activations not included; dmuon.plan._cost.rank_memory):",
+        f"{'':<24}{f'dmuon busiest (rank {busy})':>26}{'dmuon mean':>16}{'FSDP2+AdamW':>16}{'FSDP2+naive':>16}",
+    ]
+    for label, field in _MEMORY_ROWS:
+        mean = sum(getattr(t, field) for t in terms) / len(terms)
+        lines.append(
+            f"{label:<24}{fmt_nbytes(getattr(top, field)):>26}{fmt_nbytes(mean):>16}"
+            f"{fmt_nbytes(getattr(adamw, field)):>16}{fmt_nbytes(getattr(naive, field)):>16}"
+        )
+    above = _memory.ranks_above(terms, adamw)
+    if not above:
+        lines.append(
+            f"peak: every rank at or below FSDP2 + AdamW's ({fmt_nbytes(top.peak_nbytes)} vs "
+            f"{fmt_nbytes(adamw.peak_nbytes)} on the busiest rank)"
+        )
+    else:
+        gap = ", ".join(
+            f"{label} {'+' if d >= 0 else '-'}{fmt_nbytes(abs(d))}"
+            for label, field in _MEMORY_ROWS[:-1]
+            if (d := getattr(top, field) - getattr(adamw, field))
+        )
+        lines.append(
+            f"peak: ABOVE FSDP2 + AdamW's on {len(above)} of {len(terms)} ranks "
+            f"({', '.join(str(r) for r in above[:max_ranks])}{' ...' if len(above) > max_ranks else ''}): "
+            f"busiest {fmt_nbytes(top.peak_nbytes)} vs {fmt_nbytes(adamw.peak_nbytes)}; gap by term: {gap}"
+        )
+    return lines
 
 
 def _header(plan: ShardingPlan) -> list[str]:
@@ -217,6 +270,8 @@ def render_summary(plan: ShardingPlan, *, max_rows: int = 16) -> str:
     if base_total:
         lines.append(f"{'saving vs FSDP2+naive':<34}{100.0 * (1 - fig.cost.total_nbytes / base_total):>19.1f}%")
     lines += _excluded_lines(plan)
+    lines.append("")
+    lines += memory_lines(plan, fig.memory, fig.adamw_memory, fig.naive_memory)
     lines += [""] + expert_lines(plan) if any(p.experts is not None for p in plan.params) else []
     lines.append("")
     lines += collective_lines(plan, fig.schedule)

@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
-from dmuon.plan._layout.collective_rule import choose_collective
+from dmuon.plan._layout.buffer_layout import slot_numel_of
+from dmuon.plan._layout.collective_rule import choose_collective, padding_fraction, places_expert_ranges
 from dmuon.plan._records.fields import itemsize_nbytes
 
 if TYPE_CHECKING:
@@ -41,6 +42,30 @@ def buffer_choices(plan: ShardingPlan) -> list[tuple[Any, Any, Any]]:
     return out
 
 
+def equal_slots_trade(plan: ShardingPlan, buf: Any) -> str:
+    """The trade a broadcast buffer holding expert stacks made, in words: the padding of equal
+    slots with its experts re-placed (water-fill, :func:`~dmuon.plan._layout.slots.water_filled_buffer`)
+    and that all-gather's modelled seconds per step."""
+    from dmuon.plan._layout.slots import water_filled_buffer
+
+    N = plan.mesh_shape[1]
+    alt = water_filled_buffer(buf, plan.params, plan.owners, N, plan.align_numel)
+    slot = slot_numel_of(alt, plan.align_numel)
+    choice = choose_collective(
+        alt,
+        plan.collectives,
+        num_shards=N,
+        align_numel=plan.align_numel,
+        wire_itemsize=itemsize_nbytes(plan.bcast_dtype(buf.dtype)),
+        reduce_itemsize=itemsize_nbytes(plan.reduce_dtype_for(buf.dtype)),
+        reshard_after_forward=plan.reshard_after_forward,
+    )
+    return (
+        f"equal slots with its experts re-placed would pad {100 * padding_fraction(alt, N, slot):.1f} % "
+        f"(all-gather modelled {choice.all_gather_s * 1e3:.3f} ms/step)"
+    )
+
+
 def rank_collective_counts(sched: Any, rank: int = 0) -> Counter:
     """dmuon's buffer collectives schedule rank ``rank`` takes part in per step, by kind."""
     return Counter(op.kind for op in sched.rank_ops(rank) if op.collective and op.phase in _BUFFER_PHASES)
@@ -69,7 +94,10 @@ def collective_lines(plan: ShardingPlan, sched: Any, *, max_rows: int = 8) -> li
         k = choice.group_size
         segs = max(Counter(seg.shard % buf.ep for seg in buf.segments).values())  # segments of one group
         padding = 100.0 * buf.padding_numel(N) / buf.numel if buf.collective == "all_gather" else 0.0
-        key = (buf.key, buf.collective, k, segs, round(padding, 1), choice.reason)
+        reason = choice.reason
+        if buf.collective == "broadcast" and k >= 2 and places_expert_ranges(buf):
+            reason += "; " + equal_slots_trade(plan, buf)
+        key = (buf.key, buf.collective, k, segs, round(padding, 1), reason)
         entry = classes.setdefault(key, [0, b.fqn, 0.0, 0.0])
         entry[0] += 1
         entry[2] += choice.broadcast_s

@@ -61,6 +61,7 @@ class PlanFigures:
     Attributes:
         plan, R, N, T: the plan and its mesh. names: boundary FQNs, plan order.
         stats / base_stats: ``plan.rank_stats()`` / ``plan.baseline_rank_stats()``.
+        adamw_memory: FSDP2 + AdamW's whole memory per rank (``plan.adamw_rank_stats()``).
         cost / base_cost: ``plan.cost`` / ``plan.baseline_cost``.
         owned_numel / owned_weight / bound: the plan's own (per mesh rank; the LPT bound).
         cells: per boundary, ``{mesh rank: [single, group, expert] * 2}``: LPT weight owned by
@@ -85,6 +86,7 @@ class PlanFigures:
         self.base_cost = plan.baseline_cost
         self.stats = plan.rank_stats()
         self.base_stats = plan.baseline_rank_stats()
+        self.adamw_memory = plan.adamw_rank_stats()[0].memory  # FSDP2 + AdamW: every rank the same
         self.owned_numel = plan.owned_numel
         self.owned_weight = plan.owned_weight
         self.bound = plan.balance_bound
@@ -193,6 +195,13 @@ class PlanFigures:
         """``RankStats.field`` per mesh rank (with TP: the largest of its ``T`` TP ranks)."""
         T = self.T
         vals = [getattr(s, field) for s in self.stats]
+        return vals if T == 1 else [max(vals[r * T : (r + 1) * T]) for r in range(self.S)]
+
+    def mesh_peak(self) -> list[int]:
+        """Whole peak memory per mesh rank (``RankStats.memory.peak_nbytes``; with TP: the largest
+        of its ``T`` TP ranks)."""
+        T = self.T
+        vals = [s.memory.peak_nbytes for s in self.stats]
         return vals if T == 1 else [max(vals[r * T : (r + 1) * T]) for r in range(self.S)]
 
     def mesh_comm(self) -> list[int]:

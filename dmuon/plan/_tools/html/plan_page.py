@@ -70,6 +70,9 @@ def plan_page(plan: ShardingPlan) -> Page:
             "comm-nbytes": _ints(fig.cost.per_rank_nbytes),
             "total-nbytes": fig.cost.total_nbytes,
             "baseline-total-nbytes": fig.base_cost.total_nbytes,
+            "peak-nbytes": _ints(fig.mesh_peak()),
+            "adamw-peak-nbytes": fig.adamw_memory.peak_nbytes,
+            "ranks-above-adamw": _ints(r for r, v in enumerate(fig.mesh_peak()) if v > fig.adamw_memory.peak_nbytes),
         },
     )
     ax = rank_axis(fig)
@@ -225,7 +228,10 @@ def per_rank_bars(fig: PlanFigures, ax: RankAxis) -> Svg:
     panels = [(f"LPT load ({unit})", list(fig.owned_weight), fmt, fig.bound, None)]
     if plan.cost_model != "numel":
         panels.append(("owned elements", list(fig.owned_numel), fmt_count, None, None))
+    peaks = fig.mesh_peak()
+    adamw_peak = fig.adamw_memory.peak_nbytes
     panels += [
+        ("whole peak memory", peaks, fmt_bytes, None, adamw_peak),
         ("resident bytes", fig.mesh_stat("resident_nbytes"), fmt_bytes, None, base_mean("resident_nbytes")),
         (
             "peak transient bytes",
@@ -240,8 +246,20 @@ def per_rank_bars(fig: PlanFigures, ax: RankAxis) -> Svg:
         "Per rank (the ownership map's columns): bar = the rank's figure; dashed = mean over ranks; red = the "
         "LPT bound on the load (total/ranks + largest item); grey = FSDP2 + naive Muon's mean on the same "
         "matrices. Resident: owned masters + momentum (+ HSDP replicas); peak transient: the broadcast buffers "
-        "a rank holds at once."
+        "a rank holds at once. Whole peak memory: every parameter, gradient and optimizer state of the model and "
+        "the largest transient buffers (activations not included), against FSDP2 + AdamW's peak on the same "
+        "mesh (grey)"
     )
+    above = [r for r, v in enumerate(peaks) if v > adamw_peak]
+    busiest = max(peaks, default=0)
+    if above:
+        caption += (
+            f": ABOVE it on {len(above)} of {len(peaks)} ranks ({', '.join(map(str, above[:8]))}"
+            f"{' ...' if len(above) > 8 else ''}), busiest {fmt_bytes(busiest)} vs {fmt_bytes(adamw_peak)}"
+            " (the plan summary gives the gap by term)."
+        )
+    else:
+        caption += f": every rank at or below it (busiest {fmt_bytes(busiest)} vs {fmt_bytes(adamw_peak)})."
     if ax.aggregated:
         caption += f" Aggregated: {ax.describe('light bar: their max; dark line: their min')}."
     if T > 1:
@@ -260,9 +278,10 @@ def per_rank_bars(fig: PlanFigures, ax: RankAxis) -> Svg:
         if bound is not None:
             svg.line(10, y + 50.5, 26, y + 50.5, BOUND, width=1.5)
             svg.text(30, y + 54, f"LPT bound {f(bound)}", size=10, fill=BOUND)
+        base_name = "FSDP2+AdamW peak" if title == "whole peak memory" else "FSDP2+naive mean"
         if base is not None:
             svg.line(10, y + 50.5, 26, y + 50.5, BASELINE, width=1.5, dash="8 3 2 3")
-            svg.text(30, y + 54, f"FSDP2+naive mean {f(base)}", size=10, fill=BASELINE)
+            svg.text(30, y + 54, f"{base_name} {f(base)}", size=10, fill=BASELINE)
         base_y = y + ph
         svg.line(ax.x0, base_y + 0.5, ax.x1, base_y + 0.5, "#999999")
         field = title.split(" (")[0].replace(" ", "-")
@@ -322,7 +341,7 @@ def per_rank_bars(fig: PlanFigures, ax: RankAxis) -> Svg:
                 BASELINE,
                 width=1.5,
                 dash="8 3 2 3",
-                title=f"FSDP2 + naive Muon mean {f(base)}",
+                title=f"{base_name.replace('+', ' + ')} {f(base)}",
             )
         y += ph + 14
     svg.height = y + 4

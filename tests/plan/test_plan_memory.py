@@ -1,0 +1,158 @@
+"""Memory per rank, whole model (dmuon/plan/_cost/rank_memory.py): exact bytes on a small plan
+computed by hand, for dmuon (Muon and NorMuon), FSDP2 + AdamW and FSDP2 + naive Muon; the
+summary's and the page's comparison against FSDP2 + AdamW; the simulator's terms are the plan's.
+
+The model (fp32, N = 2, Z3, align 16): ``embed`` (10, 4) and ``head`` (10, 4) outside any block
+(FSDP2's root unit), ``layers.{0,1}.fc.weight`` (8, 4) dedicated, ``layers.{0,1}.norm.weight``
+(4,) left to FSDP2 in their block's unit.
+
+By hand:
+* owners (equal weights, round robin): layers.0.fc -> rank 0, layers.1.fc -> rank 1; each owns
+  32 elements = 128 B.
+* FSDP2 shards of the rest on 2 ranks: norm (4,) -> 2 el, embed / head (10, 4) -> 5 x 4 = 20 el;
+  per rank 2 + 2 + 20 + 20 = 44 el = 176 B. Units unsharded: layers.0 / layers.1 16 B, root 320 B.
+* packed buffer of a block: fc 32 el + 1 flag -> round_up(33, 16) = 48 el = 192 B: each rank
+  receives the other block's (Z3: the largest, 192 B); the reduce buffer of a block 192 B.
+
+dmuon, each rank: parameters 128 + 176 = 304; gradients 128 + 176 = 304; momentum 128; AdamW
+2 x 176 = 352; transient 192 + 192 + 320 = 704; peak 1,792. NorMuon adds 8 rows x 4 B = 32.
+FSDP2 + AdamW: fc shards 4 x 4 el = 64 B each, 128 B; parameters 176 + 128 = 304; gradients 304;
+AdamW 2 x 304 = 608; transient: the root unit (320) and its gradient (320) = 640; peak 1,856.
+FSDP2 + naive Muon: momentum 128, AdamW 352, transient max(640, 256 + 320) = 640; peak 1,728.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+import dmuon.plan as P
+from dmuon.plan._cost.cost_model import MemoryTerms
+from dmuon.plan._cost.rank_memory import ranks_above, second_moment_shape
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 8, bias=False)
+        self.norm = nn.RMSNorm(4)
+
+
+class _Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.layers = nn.ModuleList([_Block(), _Block()])
+        self.head = nn.Linear(4, 10, bias=False)
+
+
+def _plan(**kw):
+    with torch.device("meta"):
+        model = _Tiny()
+    return P.compile(model, 2, **kw)
+
+
+DMUON = MemoryTerms(
+    parameters_nbytes=304,
+    gradients_nbytes=304,
+    momentum_nbytes=128,
+    second_moment_nbytes=0,
+    adamw_nbytes=352,
+    transient_nbytes=704,
+)
+ADAMW = MemoryTerms(
+    parameters_nbytes=304,
+    gradients_nbytes=304,
+    momentum_nbytes=0,
+    second_moment_nbytes=0,
+    adamw_nbytes=608,
+    transient_nbytes=640,
+)
+NAIVE = MemoryTerms(
+    parameters_nbytes=304,
+    gradients_nbytes=304,
+    momentum_nbytes=128,
+    second_moment_nbytes=0,
+    adamw_nbytes=352,
+    transient_nbytes=640,
+)
+
+
+def test_memory_terms_by_hand():
+    plan = _plan()
+    assert plan.dedicated == ("layers.0.fc.weight", "layers.1.fc.weight")
+    assert plan.owned_numel == (32, 32)
+    stats = plan.rank_stats()
+    assert [s.peak_transient_nbytes for s in stats] == [192, 192]
+    assert [s.memory for s in stats] == [DMUON, DMUON]
+    assert DMUON.peak_nbytes == 1792 and DMUON.optimizer_state_nbytes == 480
+    assert [s.memory for s in plan.adamw_rank_stats()] == [ADAMW, ADAMW] and ADAMW.peak_nbytes == 1856
+    assert [s.memory for s in plan.baseline_rank_stats()] == [NAIVE, NAIVE] and NAIVE.peak_nbytes == 1728
+    adamw = plan.adamw_rank_stats()[0]  # the dedicated matrices' figures under FSDP2 + AdamW
+    assert (adamw.owned_numel, adamw.resident_nbytes, adamw.ns_flops) == (32, 3 * 128, 0)
+    normuon = plan.rank_stats(variant="normuon")
+    assert [s.memory.second_moment_nbytes for s in normuon] == [32, 32]  # (8, 1) fp32 per owned fc
+    assert normuon[0].memory.peak_nbytes == 1792 + 32
+
+
+def test_z2_holds_every_unit_and_buffer():
+    """Z2: the packed buffers of both blocks (192: each rank receives one) and every FSDP2 unit
+    unsharded (16 + 16 + 320 = 352): transient 192 + 192 + 352 = 736."""
+    plan = _plan(reshard_after_forward=False)
+    assert {s.memory.transient_nbytes for s in plan.rank_stats()} == {736}
+
+
+def test_second_moment_shape_is_the_runtime_rule():
+    """The runtime's NorMuon state takes its shape from the same function (one rule)."""
+    from dmuon.exec._optim import normuon_update
+
+    assert normuon_update.second_moment_shape is second_moment_shape
+    assert second_moment_shape((8, 4), matrix_shape=(8, 4)) == (8, 1)
+    assert second_moment_shape((8, 4, 3, 3), matrix_shape=(8, 36)) == (8, 1, 1, 1)
+
+
+def test_ranks_above_and_the_summary():
+    terms = (DMUON, ADAMW, NAIVE)
+    assert ranks_above(terms, NAIVE) == (0, 1)
+    assert ranks_above(terms, ADAMW) == ()
+    text = _plan().summary()
+    block = text[text.index("memory per rank") :]
+    assert re.search(r"peak\s+1\.75 KiB\s+1\.75 KiB\s+1\.81 KiB\s+1\.69 KiB", block), block
+    assert "peak: every rank at or below FSDP2 + AdamW's (1.75 KiB vs 1.81 KiB" in block
+
+
+def test_summary_and_page_flag_ranks_above_adamw():
+    """A plan whose busiest rank peaks above FSDP2 + AdamW: the summary names the ranks and the
+    gap by term, the page carries the same figures (Qwen3-30B-A3B on 64 ranks: the assembled
+    expert stacks and the fp32 reduce buffer outweigh AdamW's second moment)."""
+    from dmuon.sim import zoo
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = P.compile(zoo.PRESETS["qwen3-30b-a3b"](), 64)
+    text = plan.summary()
+    assert "peak: ABOVE FSDP2 + AdamW's on 64 of 64 ranks" in text and "gap by term: " in text
+    page = plan.to_html()
+    peaks = [int(x) for x in re.search(r'data-peak-nbytes="([0-9 ]+)"', page).group(1).split()]
+    ref = int(re.search(r'data-adamw-peak-nbytes="([0-9]+)"', page).group(1))
+    assert peaks == [s.memory.peak_nbytes for s in plan.rank_stats()]
+    assert ref == plan.adamw_rank_stats()[0].memory.peak_nbytes
+    assert re.search(r'data-ranks-above-adamw="([0-9 ]*)"', page).group(1) == " ".join(map(str, range(64)))
+
+
+def test_simulator_memory_is_the_plans_terms_plus_activations():
+    from types import SimpleNamespace
+
+    from dmuon.sim._engine.sim_memory import memory
+
+    plan = _plan()
+    wl = SimpleNamespace(activation_nbytes=1000)  # memory() reads only the workload's activations
+    got = memory(plan, wl, "z3")
+    assert [m.peak_nbytes for m in got] == [1792 + 1000] * 2
+    assert got[0].optimizer_state_nbytes == 128 + 352 and got[0].transient_nbytes == 704
+    assert memory(plan, wl, "adamw")[0].peak_nbytes == 1856 + 1000
+    assert memory(plan, wl, "naive")[0].peak_nbytes == 1728 + 1000
