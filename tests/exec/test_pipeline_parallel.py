@@ -260,6 +260,28 @@ def _case(label, sched_name, z3, scale_grads, extra, mesh):
     )
 
 
+def _errors(mesh):
+    """User errors, each raised alike on every rank: the whole ("pp", "dp") mesh passed, and two
+    ranks of one stage holding different plans (only stage 0's differ; stage 1's ranks agree)."""
+    import dmuon
+
+    pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    out = {}
+    try:
+        dmuon.dedicate_params(split_stage(make_full(), pp, 2), mesh)
+    except ValueError as exc:
+        out["whole_mesh"] = str(exc)
+    stage = split_stage(make_full(), pp, 2)
+    skip = "layers.0.fc1.weight" if (pp, dp) == (0, 1) else None
+    try:
+        dmuon.dedicate_params(
+            stage, mesh["dp"], predicate=lambda fqn, p: fqn.startswith("layers.") and p.ndim == 2 and fqn != skip
+        )
+    except RuntimeError as exc:
+        out["plans_differ"] = str(exc)
+    return out
+
+
 def _worker(cases):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -270,6 +292,7 @@ def _worker(cases):
     for case in cases:
         out.append(_case(*case, mesh))
         dist.barrier()
+    out.append(_errors(mesh))
     return out
 
 
@@ -367,3 +390,16 @@ def test_zero_bubble_schedule_refused_on_every_rank():
     assert len(messages) == 1
     (msg,) = messages
     assert msg is not None and "ScheduleInterleavedZeroBubble" in msg and "weight" in msg
+
+
+@pytest.mark.distributed
+def test_pipeline_user_errors_on_every_rank():
+    runs = shared_run(("pipeline_parallel", 4), _worker, 4, CASES, timeout_s=600)
+    errors = [r[-1] for r in runs]
+    assert len({e.get("whole_mesh") for e in errors}) == 1
+    msg = errors[0]["whole_mesh"]
+    assert "pipeline dim 'pp'" in msg and "mesh['dp']" in msg, msg
+    assert len({e.get("plans_differ") for e in errors}) == 1  # stage 1's ranks too, the same words
+    msg = errors[0]["plans_differ"]
+    assert msg.startswith("dmuon: the ranks [0, 1] of one data-parallel mesh (one pipeline stage) hold different plans")
+    assert "differing ranks: [1]" in msg and "layers.0.fc1.weight" in msg, msg

@@ -346,9 +346,16 @@ def apply(
     if not (dist.is_available() and dist.is_initialized()):
         _validate(plan, model, None)  # raises the "no process group" error
     dims = dict(shard_dim=shard_dim, replicate_dim=replicate_dim, tp_dim=tp_dim)
+    _check_not_whole_pipeline_mesh(mesh)
     table = mesh_rank_table(mesh, **dims)
     _validate(plan, model, table)
     tp_mesh = _check_tp(plan, model, table, mesh_tp_ranks(mesh, **dims))
+    pipeline = is_pipeline_mesh(mesh) if pipeline is None else bool(pipeline)
+    if pipeline and tp_mesh is not None:  # local: every rank raises alike, before any collective
+        raise NotImplementedError(
+            "dmuon: pipeline parallelism together with tensor parallelism is not supported yet: "
+            "dedicate the stages on a (pp, dp) or (pp, replicate, shard) mesh without TP (docs/pipeline_parallel.md)"
+        )
     owner_groups = owner_group_member_sets(plan)
     sub_mesh = tp_mesh is None and sum(len(row) for row in table) < dist.get_world_size()
     everyone = _exchange(plan, table, tp_mesh, owner_groups)
@@ -365,7 +372,7 @@ def apply(
     else:
         groups = MeshGroups.build(table, owner_groups=owner_groups)
     runtime = DmuonRuntime(plan, model, groups, _device_of(model, plan), timeout_s=collective_timeout_s)
-    runtime.pipelined = is_pipeline_mesh(mesh) if pipeline is None else bool(pipeline)
+    runtime.pipelined = pipeline
     _tags.write(model, _tags.RUNTIME, runtime)
     model_state.register_state_dict_hooks(runtime)
     materialize.install(runtime, model)
@@ -374,6 +381,20 @@ def apply(
 
 #: the dim name of the pipeline-parallel dim of a ``DeviceMesh`` (torchtitan's)
 PIPELINE_DIM_NAME = "pp"
+
+
+def _check_not_whole_pipeline_mesh(mesh) -> None:
+    """A ``DeviceMesh`` that itself has a ``"pp"`` dim: dmuon takes the stage's data-parallel
+    sub-mesh, never the pipeline dim (local: every rank raises alike)."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ()) if hasattr(mesh, "mesh") else ()
+    if PIPELINE_DIM_NAME in names:
+        dp = tuple(n for n in names if n != PIPELINE_DIM_NAME)
+        raise ValueError(
+            f"dmuon: the mesh passed has the pipeline dim {PIPELINE_DIM_NAME!r} (dims {names}); pass the stage's "
+            f"data-parallel mesh instead, mesh[{dp[0]!r}]"
+            + (f" or mesh[{dp!r}]" if len(dp) > 1 else "")
+            + ", once per stage this rank holds (docs/pipeline_parallel.md)"
+        )
 
 
 def is_pipeline_mesh(mesh) -> bool:
@@ -473,6 +494,7 @@ def dedicate_params(
         )
     _check_not_applied(model)
     guards.check_not_fully_sharded(model)
+    _check_not_whole_pipeline_mesh(mesh)
     table = mesh_rank_table(mesh, shard_dim=shard_dim, replicate_dim=replicate_dim, tp_dim=tp_dim)
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ()) if hasattr(mesh, "shape") else ()
     if ep is None and names == ("ep",):  # compile reads the (R, N) below, without the dim's name
