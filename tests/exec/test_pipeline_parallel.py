@@ -1,7 +1,8 @@
 """dmuon under ``torch.distributed.pipelining`` against the single-process oracle.
 
-One launch of W = 4 gloo processes on a ``("pp", "dp")`` mesh of (2, 2) runs every case; each
-case is its own test. The model (4 blocks of uneven matrices) is split the way torchtitan
+One launch of W = 4 gloo processes on a ``("pp", "dp")`` mesh of (2, 2) runs every case but one
+(each case is its own test); a second launch of W = 8 runs the stages on HSDP meshes,
+``("pp", "replicate", "shard")`` of (2, 2, 2). The model (4 blocks of uneven matrices) is split the way torchtitan
 splits it (a deep copy per stage with the other stages' layers deleted, FQNs kept), each stage
 is dedicated over its stage's ``mesh["dp"]``, ``fully_shard`` per block then the stage, wrapped
 in a ``PipelineStage``, and driven by a schedule with 4 micro-batches. Each case checks against
@@ -55,6 +56,10 @@ CASES = [
     ("skipped_reduce", "gpipe", False, True, "skip_reduce"),
 ]
 LABELS = [c[0] for c in CASES]
+# W = 8 as (pp 2, replicate 2, shard 2): every stage on an HSDP mesh (one more launch)
+HSDP_CASES = [("hsdp_gpipe_z2_clip", "gpipe", None, True, "clip")]
+HSDP_LABELS = [c[0] for c in HSDP_CASES]
+ALL_CASES = CASES + HSDP_CASES
 
 
 class PPLM(nn.Module):
@@ -149,7 +154,8 @@ def _case(label, sched_name, z3, scale_grads, extra, mesh):
     from dmuon.exec import dedicated_info, get_model_runtime, metered
 
     extra = set(extra.split(",")) - {""}
-    pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    pp = mesh["pp"].get_local_rank()
+    dp_mesh, dp, dp_size = _dp(mesh)
     V = 2 if sched_name in ("interleaved", "loopedbfs") else 1
     num_stages = 2 * V
     stage_ids = [pp + 2 * v for v in range(V)]
@@ -159,17 +165,17 @@ def _case(label, sched_name, z3, scale_grads, extra, mesh):
     for si in stage_ids:
         m = split_stage(full, si, num_stages)
         kw = {} if z3 is None else dict(reshard_after_forward=z3)
-        plans.append(dmuon.dedicate_params(m, mesh["dp"], **kw))
+        plans.append(dmuon.dedicate_params(m, dp_mesh, **kw))
         for layer in m.layers.values():
-            fully_shard(layer, mesh=mesh["dp"])
+            fully_shard(layer, mesh=dp_mesh)
         if "no_root_fsdp" in extra:
             # the stage itself is no FSDPModule: pipelining runs plain backwards (gradient sync on),
             # so dmuon reduces through its autograd hooks, and not again at REDUCE_GRAD
             for sub in (m.embed, m.norm, m.head):
                 if sub is not None:
-                    fully_shard(sub, mesh=mesh["dp"])
+                    fully_shard(sub, mesh=dp_mesh)
         else:
-            fully_shard(m, mesh=mesh["dp"])
+            fully_shard(m, mesh=dp_mesh)
         mods.append(m)
         static = {}
         if "static" in extra:
@@ -196,7 +202,7 @@ def _case(label, sched_name, z3, scale_grads, extra, mesh):
     losses, grads, ledgers, norms, step_error = [], [], [], [], None
     try:
         for step, batch in enumerate(batches()):
-            x, y = batch[:, :-1].chunk(2)[dp], batch[:, 1:].chunk(2)[dp]
+            x, y = batch[:, :-1].chunk(dp_size)[dp], batch[:, 1:].chunk(dp_size)[dp]
             out = []
             with metered() as led:
                 if 0 in stage_ids:
@@ -226,13 +232,17 @@ def _case(label, sched_name, z3, scale_grads, extra, mesh):
             )
             if "clip" in extra:
                 norms.append(float(dmuon.clip_grad_norm_([p for m in mods for p in m.parameters()], CLIP)))
-            for opt in opts:
-                opt.step()
-                opt.zero_grad()
+            with metered() as led_step:  # HSDP: the replicate broadcasts after the owners' update
+                for opt in opts:
+                    opt.step()
+                    opt.zero_grad()
+            for p, v in led_step.snapshot().items():
+                if v:
+                    ledgers[-1][p] = ledgers[-1].get(p, 0) + v
             per_mb = 1 if scale_grads else M  # scale_grads=False: the schedule's losses carry 1/M
             loss = torch.tensor(sum(float(v) for v in out) * per_mb / M if out else 0.0)
             dist.all_reduce(loss)  # the last stage's dp ranks hold the losses
-            losses.append(loss.item() / 2)
+            losses.append(loss.item() / dp_size)
     finally:
         if removed:
             _registry.install(*removed)
@@ -268,6 +278,15 @@ def _case(label, sched_name, z3, scale_grads, extra, mesh):
     )
 
 
+def _dp(mesh):
+    """The stage's data-parallel mesh, this rank's index in it and its size: ``mesh["dp"]`` of
+    ``("pp", "dp")``, or the HSDP ``mesh["replicate", "shard"]`` of ``("pp", "replicate", "shard")``."""
+    if "dp" in mesh.mesh_dim_names:
+        return mesh["dp"], mesh["dp"].get_local_rank(), mesh["dp"].size()
+    r, s = mesh["replicate"].get_local_rank(), mesh["shard"].get_local_rank()
+    return mesh["replicate", "shard"], r * mesh["shard"].size() + s, mesh["replicate"].size() * mesh["shard"].size()
+
+
 def _errors(mesh):
     """User errors, each raised alike on every rank: the whole ("pp", "dp") mesh passed, and two
     ranks of one stage holding different plans (only stage 0's differ; stage 1's ranks agree)."""
@@ -295,16 +314,23 @@ def _worker(cases):
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    if dist.get_world_size() == 8:
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     out = []
     for case in cases:
         out.append(_case(*case, mesh))
         dist.barrier()
-    out.append(_errors(mesh))
+    if dist.get_world_size() == 4:
+        out.append(_errors(mesh))
     return out
 
 
 def _results(label):
+    if label in HSDP_LABELS:
+        runs = shared_run(("pipeline_parallel", 8), _worker, 8, HSDP_CASES, timeout_s=600)
+        return [r[HSDP_LABELS.index(label)] for r in runs]
     runs = shared_run(("pipeline_parallel", 4), _worker, 4, CASES, timeout_s=600)
     return [r[LABELS.index(label)] for r in runs]
 
@@ -345,9 +371,9 @@ def _check_oracle(runs, ref):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("label", [c[0] for c in CASES if "skip_reduce" not in c[4]])
+@pytest.mark.parametrize("label", [c[0] for c in ALL_CASES if "skip_reduce" not in c[4]])
 def test_pipeline_matches_oracle(label):
-    case = CASES[LABELS.index(label)]
+    case = next(c for c in ALL_CASES if c[0] == label)
     runs = _results(label)
     clip = "clip" in case[4]
     ref = _reference(clip)
@@ -358,13 +384,15 @@ def test_pipeline_matches_oracle(label):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("label", [c[0] for c in CASES if not {"skip_reduce", "no_root_fsdp"} & set(c[4].split(","))])
+@pytest.mark.parametrize(
+    "label", [c[0] for c in ALL_CASES if not {"skip_reduce", "no_root_fsdp"} & set(c[4].split(","))]
+)
 def test_pipeline_ledger_equals_plan(label):
-    """Bytes per step of each stage (its two dp ranks) = pipeline_cost(plan, M); the first step
+    """Bytes per step of each stage (its data-parallel ranks) = pipeline_cost(plan, M); the first step
     of a dynamic-shape stage also runs the shape inference's forward. (A stage that is no
     FSDPModule reduces through autograd whenever a block has no forward left in flight: on
     1F1B's last stage once per micro-batch, more bytes than the plan's one reduce.)"""
-    case = CASES[LABELS.index(label)]
+    case = next(c for c in ALL_CASES if c[0] == label)
     runs = _results(label)
     first = 0 if "static" in case[4] else 1
     for pp in (0, 1):
