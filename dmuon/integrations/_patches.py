@@ -81,6 +81,28 @@ INTEGRATIONS: tuple[Integration, ...] = (
         explicit="dmuon.GradScaler(device)",
     ),
     Integration(
+        "pipelining.initialize",
+        "torch.distributed.pipelining.schedules:_PipelineSchedule._initialize_pp_stages",
+        "dmuon.exec._runtime.pipeline:wrap_initialize",
+        "dedicate",
+        "a pipeline schedule's first step refuses split-backward (zero-bubble) schedules, marks the stages' dmuon "
+        "runtimes as pipelined and resets them after the stage's shape inference, as the stage resets FSDP2",
+        expects=("self", "stages"),
+        required=False,
+        explicit="none: pipeline schedules need it (docs/pipeline_parallel.md)",
+    ),
+    Integration(
+        "pipelining.reduce_grad",
+        "torch.distributed.pipelining.stage:_PipelineStageBase.perform_reduce_grad",
+        "dmuon.exec._runtime.pipeline:wrap_perform_reduce_grad",
+        "dedicate",
+        "a pipeline schedule's REDUCE_GRAD reduces the dedicated matrices' gradients of the step to their owners "
+        "before FSDP2's reduce and the schedule's micro-batch scaling",
+        expects=("self", "grad_scale_factor"),
+        required=False,
+        explicit="none: pipeline schedules need it (docs/pipeline_parallel.md)",
+    ),
+    Integration(
         "dcp.load_plan",
         "torch.distributed.checkpoint.default_planner:create_default_local_load_plan",
         "dmuon.exec._state.dcp_errors:explain_mismatch",
@@ -185,6 +207,7 @@ FAMILIES = {
     "accelerate": ("accelerate.prepare_fsdp2", "accelerate.prepare_model", "accelerate.clip_grad_norm_"),
     "trainer": ("trainer.grad_norm",),
     "torchtitan": ("torchtitan.clip_grad_norm_",),
+    "pipelining": ("pipelining.initialize", "pipelining.reduce_grad"),
 }
 
 

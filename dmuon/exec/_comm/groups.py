@@ -207,6 +207,9 @@ class MeshGroups:
     tp_ranks: tuple[int, ...] = ()
     tp_tables: tuple[tuple[tuple[int, ...], ...], ...] = ()  # [t][replicate][shard] -> global rank, T > 1 only
     job_group: Any = None  # ProcessGroup over every rank of this job (dp x tp), None = the world
+    # independent data-parallel sub-meshes of one shape (pipeline stages): the group of the ranks at
+    # this rank's mesh coordinate in every sub-mesh (a "pp" group), None otherwise
+    peer_group: Any = None
     # owner groups (plan OwnerGroups): sorted mesh ranks of the members -> ProcessGroup, for
     # the groups this rank belongs to
     owner_group_pgs: dict = dataclasses.field(default_factory=dict)
@@ -229,6 +232,7 @@ class MeshGroups:
         tp_tables: tuple[tuple[tuple[int, ...], ...], ...] | None = None,
         peer_tables: tuple[tuple[tuple[int, ...], ...], ...] | None = None,
         owner_groups: Sequence[tuple[int, ...]] = (),
+        peer_owner_groups: Sequence[Sequence[tuple[int, ...]]] | None = None,
     ) -> "MeshGroups":
         """Create the groups for the rank table ``ranks[replicate][shard]`` (see
         :func:`mesh_rank_table`); a collective call on every rank of the world, in a fixed order.
@@ -239,7 +243,8 @@ class MeshGroups:
         every independent data-parallel sub-mesh of the world (``ranks`` among them): groups are
         created for all of them, no TP groups. ``owner_groups``: the distinct member sets of the
         plan's owner groups (sorted mesh ranks, plan order; the same on every rank): one group
-        each, in every table.
+        each, in every table. ``peer_owner_groups[t]``: with ``peer_tables``, those of table
+        ``t``'s own plan instead (sub-meshes that hold different models, e.g. pipeline stages).
         """
         me = dist.get_rank()
         tables = tuple(tp_tables or peer_tables or (ranks,))
@@ -278,6 +283,13 @@ class MeshGroups:
                     i = want(tab[r][s] for tab in tables)
                     if (r, s) == (my_r, my_s):
                         tp_i = i
+        peer_i = None
+        if peer_tables is not None and tp_tables is None and len({(len(t), len(t[0])) for t in tables}) == 1:
+            for r in range(R):
+                for s in range(N):
+                    i = want(tab[r][s] for tab in tables)
+                    if (r, s) == (my_r, my_s):
+                        peer_i = i
         # the ranks of one job (global reductions such as clip_grad_norm_): all tables with TP,
         # each table on its own for independent sub-meshes; None when that is the whole world
         if peer_tables is not None and tp_tables is None:
@@ -288,7 +300,7 @@ class MeshGroups:
         owner_i = {}
         for t, tab in enumerate(tables):  # every rank creates every table's owner groups, same order
             flat = [x for row in tab for x in row]
-            for members in owner_groups:
+            for members in owner_groups if peer_owner_groups is None else peer_owner_groups[t]:
                 i = want(sorted(flat[m] for m in members))
                 if t == my_t and my_r * N + my_s in members:
                     owner_i[tuple(members)] = i
@@ -297,6 +309,7 @@ class MeshGroups:
         shard_group, replicate_group, tp_group, job_group = map(pick, (shard_i, replicate_i, tp_i, job_i))
         tp_ranks = specs[tp_i] if tp_i is not None else ()
         owner_group_pgs = {members: pgs[i] for members, i in owner_i.items()}
+        peer_group = pick(peer_i)
         return MeshGroups(
             owner_group_pgs=owner_group_pgs,
             mesh_ranks=tables[my_t],
@@ -310,4 +323,5 @@ class MeshGroups:
             tp_ranks=tp_ranks,
             tp_tables=tables if T > 1 else (),
             job_group=job_group,
+            peer_group=peer_group,
         )

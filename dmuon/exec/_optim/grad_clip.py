@@ -42,6 +42,12 @@ def clip_grad_norm_(
       de-duplicates replicas);
     * plain tensors (replicated, identical on every rank): counted locally.
 
+    Pipeline parallelism (a dedicated stage: docs/pipeline_parallel.md): pass every parameter
+    of every stage this rank holds. The owners' sums are summed over the world (every stage),
+    and the FSDP2 and plain parts, identical on the data-parallel ranks of a stage, are summed
+    over the ranks at this rank's data-parallel coordinate in every stage (p-th powers; max for
+    ``inf``): one number on every rank, equal to torch's norm of the whole model in one process.
+
     Every rank must call it (it runs collectives), after ``backward()`` and before ``step()``.
     dmuon's collectives here (the all-reduce, and the flags' all-gather below) are charged to the
     ledger phase ``"other"``: clipping is the caller's choice, not part of the plan's step, so
@@ -72,10 +78,15 @@ def clip_grad_norm_(
     held = []  # (parameter index, local gradient this rank holds) for the non-finite report
     tp_size = 1
     job_group = None  # dmuon's group over this job's ranks (None: the world)
+    stage_group = False  # pipeline: the group over which the stages' non-owned parts are summed
     for index, (_, p) in enumerate(named):
         info = dedicated_info(p)
-        if info is not None and job_group is None:
-            job_group = getattr(getattr(info.runtime(), "groups", None), "job_group", None)
+        if info is not None and stage_group is False:
+            rt = info.runtime()
+            if getattr(rt, "pipelined", False):
+                job_group, stage_group = None, rt.groups.peer_group
+            else:
+                job_group, stage_group = getattr(getattr(rt, "groups", None), "job_group", None), None
         if p.grad is None:
             continue
         if info is not None:
@@ -119,6 +130,13 @@ def clip_grad_norm_(
         n = torch.nn.utils.get_total_norm(grads, norm_type, foreach=foreach)
         n = (n.full_tensor() if is_dtensor(n) else n).float().to(owned_part.device)
         parts.append(n if inf else n.pow(norm_type))
+    if distributed and stage_group not in (False, None):  # pipeline: every stage's FSDP2 / plain parts
+        stage_part = torch.stack(parts[1:]).max() if inf else torch.stack(parts[1:]).sum()
+        if inf:
+            C.all_reduce_max(stage_part, group=stage_group, phase="other")
+        else:
+            C.all_reduce_sum(stage_part, group=stage_group, phase="other")
+        parts = [owned_part, stage_part]
     stacked = torch.stack(parts)
     total = stacked.max() if inf else stacked.sum().pow(1.0 / norm_type)
     if error_if_nonfinite:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import weakref
 from collections.abc import Callable
 
@@ -83,8 +84,21 @@ def eager_hook(fn):
     return torch._dynamo.disable(fn, recursive=True, reason="dmuon hook-boundary hooks (run eagerly, as FSDP2's)")
 
 
+class _Use:
+    """One grad-enabled forward of a boundary whose backward has not finished (its "use").
+
+    ``started``: its pre-backward ran (the gradient reached the boundary's outputs). Several
+    uses are in flight at once when a boundary is called twice per forward, or under a pipeline
+    schedule that runs several micro-batches' forwards before their backwards."""
+
+    __slots__ = ("started",)
+
+    def __init__(self) -> None:
+        self.started = False
+
+
 class _PostBackward(torch.autograd.Function):
-    """Identity on the boundary's forward inputs; its backward marks the boundary's backward done.
+    """Identity on the boundary's forward inputs; its backward marks the use's backward done.
 
     Autograd runs a node once all its inputs' gradients are ready, and runs ``AccumulateGrad``
     nodes as soon as they are ready, so by the time gradients w.r.t. the boundary's inputs are
@@ -92,16 +106,17 @@ class _PostBackward(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, boundary_ref, *tensors):
+    def forward(ctx, boundary_ref, use, *tensors):
         ctx.boundary_ref = boundary_ref
+        ctx.use = use
         return tensors if len(tensors) != 1 else tensors[0]
 
     @staticmethod
     def backward(ctx, *grads):
         boundary = ctx.boundary_ref()
         if boundary is not None:
-            boundary._on_post_backward()
-        return (None, *grads)
+            boundary._on_post_backward(ctx.use)
+        return (None, None, *grads)
 
 
 class _BoundaryRuntime:
@@ -112,8 +127,16 @@ class _BoundaryRuntime:
     (``UNSHARDED``); post-forward reshards under Z3 (``reshard_after_forward=True``) and stays
     ``UNSHARDED`` under Z2 until this boundary's backward, whose pre-backward then finds the
     buffers resident; post-backward reshards. ``training_state`` (:class:`TrainingState`):
-    whether compute parameters are installed. ``pending_backward``: grad-enabled forwards whose
-    backward has not finished (a boundary called twice per forward is reduced after its last).
+    whether compute parameters are installed. ``uses``: the grad-enabled forwards whose backward
+    has not finished (:class:`_Use`; a boundary called twice per forward is reduced after its
+    last).
+
+    Under a pipeline schedule (``runtime.pipelined``) several micro-batches' forwards run before
+    their backwards, each backward in its own autograd call, and the schedule reduces once per
+    step (:meth:`DmuonRuntime.finish_pipeline_step`): the end of one backward finishes only the
+    uses it ran; Z3 frees after every forward and after every use's backward (each micro-batch
+    broadcasts twice), Z2 keeps the buffers from the step's first forward until the step's
+    reduce (one broadcast per step).
     """
 
     def __init__(self, runtime: BoundaryHost, fqn: str, module: nn.Module, segments: list[_Segment], ops: BoundaryOps):
@@ -135,7 +158,9 @@ class _BoundaryRuntime:
         self.gathers = list({id(seg.gather): seg.gather for seg in segments if seg.gather is not None}.values())
         # the step check: who sent each received step code, in _received_codes() order
         self.round_senders = self._round_senders()
-        self.pending_backward = 0  # grad-enabled forwards whose backward has not finished
+        self.uses: list[_Use] = []  # grad-enabled forwards whose backward has not finished
+        self._forward_use: _Use | None = None  # the use of the forward between pre- and post-forward
+        self.unreduced = False  # local gradients accumulated under no_sync / a pipeline schedule, not yet reduced
         self.sharded_state = ShardedState.RESHARDED
         self.training_state = TrainingState.IDLE
         # while UNSHARDING: the posted broadcasts, their phase, and (CUDA) the broadcast stream
@@ -148,6 +173,11 @@ class _BoundaryRuntime:
         self.handles: list = []
         # step check: grad-enabled forwards of this boundary since the last optimizer step
         self.forwards_since_step = 0
+
+    @property
+    def pending_backward(self) -> int:
+        """Grad-enabled forwards whose backward has not finished."""
+        return len(self.uses)
 
     # -- storage ---------------------------------------------------------------------------
 
@@ -378,10 +408,12 @@ class _BoundaryRuntime:
             nxt._unshard("forward_broadcast", wait=False)
         self._unshard("forward_broadcast")
         self._install(TrainingState.FORWARD)
+        self._forward_use = None
         if torch.is_grad_enabled():
             self.forwards_since_step += 1
-            self.pending_backward += 1
-            args, kwargs = self._register_post_backward(args, kwargs)
+            use = self._forward_use = _Use()
+            self.uses.append(use)
+            args, kwargs = self._register_post_backward(args, kwargs, use)
         return args, kwargs
 
     def post_forward(self, module, args, kwargs, output):
@@ -395,10 +427,12 @@ class _BoundaryRuntime:
         keep_for_backward = not self.runtime_ref().reshard_after_forward and (grad or self.pending_backward > 0)
         if not keep_for_backward:
             self._reshard()
-        if grad:
+        use, self._forward_use = self._forward_use, None
+        if grad and use is not None:
             tensors = [t for t in optree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
-                torch.autograd.graph.register_multi_grad_hook(tensors, self._on_pre_backward, mode="any")
+                hook = functools.partial(self._on_pre_backward, use)
+                torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
         return output
 
     def _check_fsdp_policy(self, module) -> None:
@@ -416,23 +450,24 @@ class _BoundaryRuntime:
             return False
         return fsdp2.requires_gradient_sync(self.module) and fsdp2.requires_gradient_sync(rt.model_ref())
 
-    def _register_post_backward(self, args, kwargs):
+    def _register_post_backward(self, args, kwargs, use: _Use):
         leaves, spec = optree.tree_flatten((args, kwargs))
         idx = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not idx:
             return args, kwargs
-        outs = _PostBackward.apply(weakref.ref(self), *[leaves[i] for i in idx])
+        outs = _PostBackward.apply(weakref.ref(self), use, *[leaves[i] for i in idx])
         if len(idx) == 1:
             outs = (outs,)
         for i, o in zip(idx, outs):
             leaves[i] = o
         return optree.tree_unflatten(spec, leaves)
 
-    def _on_pre_backward(self, *unused) -> None:
+    def _on_pre_backward(self, use: _Use, *unused) -> None:
         rt = self.runtime_ref()
         rt.queue_final_callback()
-        if self.pending_backward <= 0:
+        if not any(u is use for u in self.uses):  # finished already (e.g. by an earlier end of backward)
             return
+        use.started = True
         self._unshard("backward_broadcast", wait=False)  # no-op in Z2: resident since the forward
         prev = rt.boundary_before(self)
         if prev is not None and prev.pending_backward > 0:  # prefetch for the next backward
@@ -440,25 +475,67 @@ class _BoundaryRuntime:
         self._unshard("backward_broadcast")
         self._install(TrainingState.BACKWARD)
 
-    def _on_post_backward(self) -> None:
-        self.pending_backward -= 1
-        if self.pending_backward > 0:
+    def _on_post_backward(self, use: _Use) -> None:
+        n = len(self.uses)
+        self.uses = [u for u in self.uses if u is not use]
+        if len(self.uses) == n:  # finished already
+            return
+        if self.uses:
+            if self.runtime_ref().pipelined:
+                self._end_use()
             return
         self._finish()
 
+    def _end_use(self) -> None:
+        """Pipeline schedules: a use's backward is done and other uses (later micro-batches) are
+        still in flight. Unless another use's backward is running now (the boundary called twice
+        in one micro-batch), put the logical parameters back and, under Z3, free the buffers: the
+        next use's backward broadcasts again."""
+        if any(u.started for u in self.uses):
+            return
+        self._restore()
+        if self.runtime_ref().reshard_after_forward:
+            self._reshard()
+
     def finish_backward(self) -> None:
-        """Called from the final callback: finish if the post-backward trigger never fired."""
-        if self.pending_backward > 0:
+        """Called from the final callback: finish if the post-backward trigger never fired.
+
+        Pipeline schedules: only the uses whose backward ran in this autograd call (their
+        pre-backward fired) are done; the later micro-batches' uses stay in flight."""
+        if not self.uses:
+            return
+        if not self.runtime_ref().pipelined:
             self._finish()
+            return
+        n = len(self.uses)
+        self.uses = [u for u in self.uses if not u.started]
+        if not self.uses:
+            self._finish()
+        elif len(self.uses) < n:
+            self._end_use()
 
     def _finish(self) -> None:
-        self.pending_backward = 0
+        self.uses = []
         self._restore()
         if self._gradient_sync():
             self._launch_reduce()
-        # else: no_sync micro-batch: every rank keeps its full local gradient in the compute
-        # parameters' .grad (autograd accumulates the next micro-batch into it)
-        self._reshard()
+        else:
+            # no_sync micro-batch: every rank keeps its full local gradient in the compute
+            # parameters' .grad (autograd accumulates the next micro-batch into it)
+            self.unreduced = True
+        rt = self.runtime_ref()
+        if not (rt.pipelined and not rt.reshard_after_forward):  # pipeline Z2: resident until the step's reduce
+            self._reshard()
+
+    def finish_pipeline_step(self) -> None:
+        """The pipeline schedule's reduce (its ``REDUCE_GRAD``): drop the uses whose backward never
+        ran, put the logical parameters back, and reduce the gradients accumulated over the
+        step's micro-batches (every rank of the mesh in the same order: whether a boundary is
+        reduced depends on hook order only). Storage is freed by the caller."""
+        self.uses = []
+        self._restore()
+        if self.unreduced:
+            self._launch_reduce()
 
     # -- gradient reduce -------------------------------------------------------------------
 
@@ -475,6 +552,7 @@ class _BoundaryRuntime:
         :meth:`DmuonRuntime.finish_reduces` waits for that stream.
         """
         rt = self.runtime_ref()
+        self.unreduced = False
         if any(seg.reduce_inflight for seg in self.segments) or any(gb.reduce_inflight for gb in self.gathers):
             rt.finish_reduces()
         stream = rt.comm_stream("reduce")  # None on CPU

@@ -37,6 +37,7 @@ class BoundaryHost(Protocol):
     # -- state the runtime owns ----------------------------------------------------------------
     steps_done: int  # optimizer steps seen: part of the step check's code
     requires_gradient_sync: bool  # False inside dmuon.no_sync: the post-backward defers the reduce
+    pipelined: bool  # under a pipeline schedule: several micro-batches in flight, one reduce per step
     pending_reduces: list  # _PendingReduce records: the post-backward appends, finish_reduces drains
 
     # -- calls ---------------------------------------------------------------------------------

@@ -11,6 +11,9 @@ end of backward        (autograd final callback) reduce boundaries not yet reduc
                        every reduce, read all owned presence flags at once (one host sync), copy
                        or add the averaged gradients into the owners' ``.grad`` (never a view of
                        the reduce buffer), release the reduce buffers' storage
+pipeline REDUCE_GRAD   (``torch.distributed.pipelining``, :mod:`dmuon.exec._runtime.pipeline`)
+                       reduce the gradients accumulated over the step's micro-batches, then as
+                       at the end of a backward; free every buffer
 optimizer step         HSDP: after the owner's update, broadcast each sub-segment from its
                        owner to its replicate peers (waited for before the next use when
                        ``replicate_async=True``)
@@ -94,6 +97,10 @@ class DmuonRuntime:
         self.deferred_rounds: list = []  # accelerators: received broadcast rounds to compare at the step
         self._final_callback_queued = False
         self.requires_gradient_sync = True
+        # under a torch.distributed.pipelining schedule (set by dedicate_params(pipeline=...) and by
+        # the schedule's first step, dmuon.exec._runtime.pipeline): several micro-batches in flight,
+        # one reduce per step in the schedule's REDUCE_GRAD (finish_pipeline_step)
+        self.pipelined = False
         self.timeout_s = timeout_s  # seconds a dmuon wait may take where it blocks the CPU (None: no dmuon timeout)
         self.model_ref = weakref.ref(model)
         self.ep_hooks: dict = {}  # expert-parallel stacks' gradient-divisor hook handles, by FQN
@@ -274,9 +281,42 @@ class DmuonRuntime:
         for b in reversed(self.boundaries):
             b.finish_backward()
         self.finish_reduces()
+        if self.pipelined and not self.reshard_after_forward:
+            return  # pipeline Z2: every boundary stays resident until the step's reduce
         # a boundary prefetched but not called in this forward (e.g. a skipped layer) waits for
         # its broadcasts and frees its copies: every step starts with every boundary resharded
+        # (under a pipeline schedule: those with no backward left running; a boundary whose
+        # later micro-batches are in flight is resharded too under Z3, its next use re-broadcasts)
         for b in self.boundaries:
+            if b.sharded_state is not ShardedState.RESHARDED and not any(u.started for u in b.uses):
+                b._reshard()
+
+    def finish_pipeline_step(self) -> None:
+        """The reduce of a pipeline schedule's step (its ``REDUCE_GRAD`` action, before FSDP2's
+        reduce and the schedule's gradient scaling): every boundary, last first, drops the uses
+        whose backward never ran and reduces the local gradients accumulated over the step's
+        micro-batches to their owners (averaged over the data-parallel mesh, as FSDP2 does; the
+        schedule then divides the owners' ``.grad`` by the micro-batch count with the rest of the
+        stage's gradients); then every reduce is waited for and every buffer freed. A boundary
+        already reduced by an autograd backward with gradient sync on is not reduced again."""
+        for b in reversed(self.boundaries):
+            b.finish_pipeline_step()
+        self.finish_reduces()
+        for b in self.boundaries:
+            if b.sharded_state is not ShardedState.RESHARDED:
+                b._reshard()
+
+    def reset_after_shape_inference(self) -> None:
+        """After a pipeline stage's shape inference (a real forward, and a backward for the input
+        gradients only, before the first step): forget its uses, put the logical parameters back,
+        drop any local gradient and free every buffer, as the stage resets FSDP2's parameters."""
+        self.finish_reduces()
+        for b in self.boundaries:
+            b.uses = []
+            b._restore()
+            b.unreduced = False
+            for slot in b.installable:
+                slot.compute.grad = None
             if b.sharded_state is not ShardedState.RESHARDED:
                 b._reshard()
 
@@ -338,6 +378,10 @@ class DmuonRuntime:
         """
         self.steps_done += 1
         self._check_deferred_rounds()
+        if self.pipelined:  # pipeline Z2: a boundary still resident (no reduce ran) must broadcast the new values
+            for b in self.boundaries:
+                if not b.uses and b.sharded_state is not ShardedState.RESHARDED:
+                    b._reshard()
         for b in self.boundaries:
             b.forwards_since_step = 0
         if self.qk_clip is not None:

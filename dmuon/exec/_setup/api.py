@@ -110,17 +110,30 @@ def _check_tp(plan, model: nn.Module, table, mesh_tp: tuple[int, ...] | None = N
     return tp_mesh
 
 
-def _world_tables(table, tp_mesh=None):
-    """Every rank's data-parallel rank table, from one ``all_gather_object``: with ``tp_mesh``,
-    one per TP coordinate in TP order (ranks of a coordinate must agree, every coordinate must
-    appear); without, the distinct sub-meshes in order of their smallest rank. They must not
-    overlap."""
-    mine = (int(tp_mesh.get_local_rank()) if tp_mesh is not None else None, table)
+def _exchange(plan, table, tp_mesh, owner_groups) -> list:
+    """One ``all_gather_object`` over the world: every rank's ``(TP coordinate or None, its
+    data-parallel rank table, its plan's fingerprint, its plan's owner-group member sets)``, in
+    global rank order. The same list on every rank, so every decision taken from it (which ranks
+    must hold the same plan, which groups to create) is the same on every rank."""
+    mine = (
+        int(tp_mesh.get_local_rank()) if tp_mesh is not None else None,
+        tuple(tuple(int(x) for x in row) for row in table),
+        plan.fingerprint(),
+        tuple(owner_groups),
+    )
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def _world_tables(everyone, tp_mesh=None):
+    """Every data-parallel rank table of the world (from :func:`_exchange`) with its owner-group
+    member sets: with ``tp_mesh``, one per TP coordinate in TP order (ranks of a coordinate must
+    agree, every coordinate must appear); without, the distinct sub-meshes (e.g. one per
+    pipeline stage) in order of their smallest rank. They must not overlap."""
     tables: dict[int, tuple] = {}
-    for t, tab in everyone:
-        tab = tuple(tuple(int(x) for x in row) for row in tab)
+    owner_sets: dict[int, tuple] = {}
+    for t, tab, _, owners in everyone:
         key = t if tp_mesh is not None else min(min(row) for row in tab)
         if tables.setdefault(key, tab) != tab:
             what = (
@@ -129,13 +142,14 @@ def _world_tables(table, tp_mesh=None):
                 else "the ranks passed overlapping"
             )
             raise ValueError(f"dmuon: {what} data-parallel meshes")
+        owner_sets.setdefault(key, owners)
     if tp_mesh is not None and sorted(tables) != list(range(tp_mesh.size())):
         raise ValueError(f"dmuon: TP coordinates {sorted(tables)} do not cover 0..{tp_mesh.size() - 1}")
     ordered = tuple(tables[k] for k in sorted(tables))
     flat = [x for tab in ordered for row in tab for x in row]
     if len(set(flat)) != len(flat):
         raise ValueError(f"dmuon: the data-parallel meshes of different ranks overlap: {ordered}")
-    return ordered
+    return ordered, tuple(owner_sets[k] for k in sorted(tables))
 
 
 def _check_not_applied(model: nn.Module) -> None:
@@ -172,24 +186,34 @@ def _check_not_applied(model: nn.Module) -> None:
 PLAN_DIFF_LINES = 5
 
 
-def _check_same_plan_everywhere(plan) -> None:
-    """All ranks must hold the same plan: compare fingerprints (one all_gather_object). Only when
-    they differ, a second all_gather_object exchanges the plans' JSON so that every rank raises the
-    same error naming what differs between rank 0's plan and the first differing rank's."""
-    mine = plan.fingerprint()
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    bad = sorted({i for i, f in enumerate(everyone) if f != everyone[0]})
-    if bad:
-        plans: list = [None] * dist.get_world_size()
-        dist.all_gather_object(plans, plan.to_json())
-        raise RuntimeError(
-            f"dmuon: ranks hold different plans (fingerprint of rank 0: {everyone[0][:12]}, "
-            f"differing ranks: {bad}; rank {bad[0]}: {everyone[bad[0]][:12]}). "
-            f"{_plan_difference(plans[0], plans[bad[0]], bad[0])}\n"
-            "Compile the plan identically on every rank (same model definition, mesh and arguments), "
-            "or compile once and broadcast its JSON"
-        )
+def _check_same_plan_everywhere(plan, everyone, *, per_table: bool) -> None:
+    """The ranks that hold the same model must hold the same plan: the whole world, or with
+    ``per_table`` (independent data-parallel sub-meshes, e.g. one per pipeline stage, which hold
+    different models by design) the ranks of each data-parallel table. ``everyone``: the
+    fingerprints of :func:`_exchange`. Only when some set differs, a second ``all_gather_object``
+    (on every rank: the decision is taken from the same list everywhere) exchanges the plans'
+    JSON so that every rank raises the same error naming the first set that differs and what
+    differs between its first rank's plan and its first differing rank's."""
+    sets: dict = {}
+    for rank, (_, tab, fingerprint, _) in enumerate(everyone):
+        key = tuple(sorted(x for row in tab for x in row)) if per_table else ()
+        sets.setdefault(key, []).append((rank, fingerprint))
+    bad_set = next(((key, members) for key, members in sets.items() if len({f for _, f in members}) > 1), None)
+    if bad_set is None:
+        return
+    key, members = bad_set
+    first, fp0 = members[0]
+    bad = [r for r, f in members if f != fp0]
+    plans: list = [None] * dist.get_world_size()
+    dist.all_gather_object(plans, plan.to_json())
+    who = f"the ranks {list(key)} of one data-parallel mesh (one pipeline stage)" if per_table else "ranks"
+    raise RuntimeError(
+        f"dmuon: {who} hold different plans (fingerprint of rank {first}: {fp0[:12]}, "
+        f"differing ranks: {bad}; rank {bad[0]}: {everyone[bad[0]][2][:12]}). "
+        f"{_plan_difference(plans[first], plans[bad[0]], bad[0], first)}\n"
+        "Compile the plan identically on every rank of the mesh (same model definition, mesh and arguments), "
+        "or compile once and broadcast its JSON"
+    )
 
 
 def _check_ep_stacks_differ(plan, model: nn.Module, table) -> None:
@@ -233,8 +257,8 @@ def _check_ep_stacks_differ(plan, model: nn.Module, table) -> None:
         )
 
 
-def _plan_difference(json_a: str, json_b: str, rank_b: int) -> str:
-    """What differs from rank 0's plan to rank ``rank_b``'s (``dmuon.plan.diff``), first lines only."""
+def _plan_difference(json_a: str, json_b: str, rank_b: int, rank_a: int = 0) -> str:
+    """What differs from rank ``rank_a``'s plan to rank ``rank_b``'s (``dmuon.plan.diff``), first lines only."""
     from dmuon.plan import ShardingPlan
     from dmuon.plan._tools.diff import diff
 
@@ -253,7 +277,7 @@ def _plan_difference(json_a: str, json_b: str, rank_b: int) -> str:
     d = dataclasses.replace(d, changes=tuple(sorted(d.changes, key=rank_of)))
     lines = d.render(max_lines=PLAN_DIFF_LINES).splitlines()
     cut = next((i for i, line in enumerate(lines) if line.lstrip().startswith("bytes per step")), len(lines))
-    return f"dmuon.plan.diff(plan of rank 0, plan of rank {rank_b}):\n" + "\n".join(lines[:cut])
+    return f"dmuon.plan.diff(plan of rank {rank_a}, plan of rank {rank_b}):\n" + "\n".join(lines[:cut])
 
 
 def apply(
@@ -265,6 +289,7 @@ def apply(
     shard_dim: str | None = None,
     replicate_dim: str | None = None,
     tp_dim: str | None = None,
+    pipeline: bool | None = None,
 ) -> DmuonRuntime:
     """Install owners, placeholders and hooks for ``plan`` on ``model`` (every rank calls it).
 
@@ -280,6 +305,8 @@ def apply(
             ``(R, N)`` spanning the world, or ``None`` = a 1-D mesh over the world.
         shard_dim, replicate_dim, tp_dim: the names of the mesh's dims when they are not among
             :data:`dmuon.plan.MESH_DIM_NAMES` (see :func:`dmuon.plan.mesh_dim_roles`).
+        pipeline: ``model`` is one pipeline stage (:func:`dedicate_params`); ``None``: when
+            ``mesh`` is a sub-mesh of a ``DeviceMesh`` with a dim named ``"pp"``.
         collective_timeout_s: a dmuon wait not complete within this many seconds raises
             :class:`~dmuon.exec._comm.collective_calls.CollectiveTimeout` naming the boundary and phase
             (default :data:`~dmuon.exec._comm.collective_calls.DEFAULT_TIMEOUT_S`, 600 s; ``None``: no
@@ -319,25 +346,67 @@ def apply(
     if not (dist.is_available() and dist.is_initialized()):
         _validate(plan, model, None)  # raises the "no process group" error
     dims = dict(shard_dim=shard_dim, replicate_dim=replicate_dim, tp_dim=tp_dim)
+    _check_not_whole_pipeline_mesh(mesh)
     table = mesh_rank_table(mesh, **dims)
     _validate(plan, model, table)
     tp_mesh = _check_tp(plan, model, table, mesh_tp_ranks(mesh, **dims))
-    _check_same_plan_everywhere(plan)
-    _check_ep_stacks_differ(plan, model, table)
+    pipeline = is_pipeline_mesh(mesh) if pipeline is None else bool(pipeline)
+    if pipeline and tp_mesh is not None:  # local: every rank raises alike, before any collective
+        raise NotImplementedError(
+            "dmuon: pipeline parallelism together with tensor parallelism is not supported yet: "
+            "dedicate the stages on a (pp, dp) or (pp, replicate, shard) mesh without TP (docs/pipeline_parallel.md)"
+        )
     owner_groups = owner_group_member_sets(plan)
+    sub_mesh = tp_mesh is None and sum(len(row) for row in table) < dist.get_world_size()
+    everyone = _exchange(plan, table, tp_mesh, owner_groups)
+    _check_same_plan_everywhere(plan, everyone, per_table=sub_mesh)
+    _check_ep_stacks_differ(plan, model, table)
     if tp_mesh is not None:
-        groups = MeshGroups.build(table, tp_tables=_world_tables(table, tp_mesh))
-    elif sum(len(row) for row in table) < dist.get_world_size():
-        # a data-parallel sub-mesh (e.g. mesh["dp"] of a larger world): every rank must create
-        # every rank's groups, so learn the other sub-meshes' tables first
-        groups = MeshGroups.build(table, peer_tables=_world_tables(table), owner_groups=owner_groups)
+        groups = MeshGroups.build(table, tp_tables=_world_tables(everyone, tp_mesh)[0])
+    elif sub_mesh:
+        # a data-parallel sub-mesh (e.g. mesh["dp"] of a ("pp", "dp") mesh: one pipeline stage):
+        # every rank must create every sub-mesh's groups in the same order, so it learns the
+        # other sub-meshes' tables and owner groups (their plans differ) from the exchange
+        tables, owner_sets = _world_tables(everyone)
+        groups = MeshGroups.build(table, peer_tables=tables, peer_owner_groups=owner_sets)
     else:
         groups = MeshGroups.build(table, owner_groups=owner_groups)
     runtime = DmuonRuntime(plan, model, groups, _device_of(model, plan), timeout_s=collective_timeout_s)
+    runtime.pipelined = pipeline
     _tags.write(model, _tags.RUNTIME, runtime)
     model_state.register_state_dict_hooks(runtime)
     materialize.install(runtime, model)
     return runtime
+
+
+#: the dim name of the pipeline-parallel dim of a ``DeviceMesh`` (torchtitan's)
+PIPELINE_DIM_NAME = "pp"
+
+
+def _check_not_whole_pipeline_mesh(mesh) -> None:
+    """A ``DeviceMesh`` that itself has a ``"pp"`` dim: dmuon takes the stage's data-parallel
+    sub-mesh, never the pipeline dim (local: every rank raises alike)."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ()) if hasattr(mesh, "mesh") else ()
+    if PIPELINE_DIM_NAME in names:
+        dp = tuple(n for n in names if n != PIPELINE_DIM_NAME)
+        raise ValueError(
+            f"dmuon: the mesh passed has the pipeline dim {PIPELINE_DIM_NAME!r} (dims {names}); pass the stage's "
+            f"data-parallel mesh instead, mesh[{dp[0]!r}]"
+            + (f" or mesh[{dp!r}]" if len(dp) > 1 else "")
+            + ", once per stage this rank holds (docs/pipeline_parallel.md)"
+        )
+
+
+def is_pipeline_mesh(mesh) -> bool:
+    """Whether ``mesh`` is a sub-mesh (e.g. ``mesh["dp"]``) of a ``DeviceMesh`` with a dim named
+    :data:`PIPELINE_DIM_NAME` (``init_device_mesh(..., mesh_dim_names=("pp", "dp"))``): the
+    model it is passed with is one pipeline stage."""
+    root_of = getattr(mesh, "_get_root_mesh", None)
+    if root_of is None:
+        return False
+    root = root_of()
+    names = tuple(getattr(root, "mesh_dim_names", None) or ())
+    return PIPELINE_DIM_NAME in names and root is not mesh
 
 
 def owner_group_member_sets(plan) -> tuple[tuple[int, ...], ...]:
@@ -373,7 +442,7 @@ def dedicate_params(
     mesh=None,
     *,
     predicate=None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | None = None,
     hook_boundary_predicate=None,
     hook_boundary_strict: bool = True,
     replicate_async: bool = True,
@@ -383,6 +452,7 @@ def dedicate_params(
     replicate_dim: str | None = None,
     tp_dim: str | None = None,
     ep: int | None = None,
+    pipeline: bool | None = None,
     **compile_kwargs,
 ):
     """``dmuon.plan.compile`` + :func:`apply`; returns the plan.
@@ -394,6 +464,26 @@ def dedicate_params(
     or ``None`` (1-D over the world). ``ep``: the expert-parallel degree (``dmuon.plan.compile``;
     ``None``: ``N`` for a 1-D ``DeviceMesh`` whose dim is named ``"ep"``, else 1; docs/moe_ep.md).
     Extra keyword arguments go to ``dmuon.plan.compile`` (e.g. ``cost_model``).
+
+    ``reshard_after_forward``: ``True`` DMuon-Z3, ``False`` DMuon-Z2; ``None`` (default): Z3,
+    except Z2 for a pipeline stage (torchtitan's ``reshard_after_forward = not pp``).
+
+    Pipeline parallelism (``torch.distributed.pipelining``, docs/pipeline_parallel.md):
+    ``model`` is one stage, ``mesh`` its data-parallel mesh, e.g. ``mesh["dp"]`` of
+    ``init_device_mesh(device, (pp, dp), mesh_dim_names=("pp", "dp"))``. ``pipeline``: whether
+    ``model`` is a pipeline stage; ``None``: when ``mesh`` is a sub-mesh of a ``DeviceMesh`` with
+    a dim named ``"pp"`` (pass ``pipeline=True`` for another layout). The set-up, on every rank:
+
+    1. split the model into stages (torchtitan's split: a deep copy per stage, the other stages'
+       layers deleted, FQNs kept);
+    2. ``dmuon.dedicate_params(stage, dp_mesh)`` for each stage the rank holds, in stage order
+       (every rank holds as many stages; each call is a collective over the world, and the
+       plan is checked against the ranks that hold the same stage only);
+    3. ``fully_shard(block, mesh=dp_mesh)`` for each block, then ``fully_shard(stage, ...)``;
+    4. ``PipelineStage(stage, ...)`` and a schedule: ``ScheduleGPipe``, ``Schedule1F1B``,
+       ``ScheduleInterleaved1F1B`` or ``ScheduleLoopedBFS`` (a zero-bubble schedule raises
+       ``NotImplementedError`` at its first step);
+    5. one ``dmuon.Muon`` over every parameter of every stage the rank holds (or one per stage).
     """
     from dmuon.plan._compile import compile as compile_plan
 
@@ -404,10 +494,15 @@ def dedicate_params(
         )
     _check_not_applied(model)
     guards.check_not_fully_sharded(model)
+    _check_not_whole_pipeline_mesh(mesh)
     table = mesh_rank_table(mesh, shard_dim=shard_dim, replicate_dim=replicate_dim, tp_dim=tp_dim)
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ()) if hasattr(mesh, "shape") else ()
     if ep is None and names == ("ep",):  # compile reads the (R, N) below, without the dim's name
         ep = len(table[0])
+    if pipeline is None:
+        pipeline = is_pipeline_mesh(mesh)
+    if reshard_after_forward is None:
+        reshard_after_forward = not pipeline
     plan = compile_plan(
         model,
         (len(table), len(table[0])),
@@ -428,5 +523,6 @@ def dedicate_params(
         shard_dim=shard_dim,
         replicate_dim=replicate_dim,
         tp_dim=tp_dim,
+        pipeline=pipeline,
     )
     return plan

@@ -94,12 +94,12 @@ def check_set_up_order(opt: "Muon", dedicated: list[Tensor]) -> None:
         model = rt.model_ref()
         if model is not None:
             fsdp2.check_dedicated_unmanaged(model)
-    if not runtimes:
+    models = [m for m in (rt.model_ref() for rt in runtimes) if m is not None]
+    if not models:
         return
-    model = runtimes[0].model_ref()
-    if model is None:
-        return
-    named = {id(p): n for n, p in model.named_parameters()}
+    # one optimizer over several dedicated models (e.g. the pipeline stages a rank holds): each
+    # parameter is checked against the models' parameters together
+    named = {id(p): n for model in models for n, p in model.named_parameters()}
     others = [p for g in opt.param_groups if not g["use_muon"] for p in g["params"]]
     stale = [p for p in others if id(p) not in named]
     if stale:  # on any mesh: fully_shard replaces the parameters on one rank too
@@ -110,9 +110,12 @@ def check_set_up_order(opt: "Muon", dedicated: list[Tensor]) -> None:
         )
     if runtimes[0].world_numel == 1:  # one data-parallel rank: nothing to average
         return
-    managed = fsdp2._fsdp_managed_params(model)
-    if managed is None:
-        return
+    managed: set = set()
+    for model in models:
+        found = fsdp2._fsdp_managed_params(model)
+        if found is None:
+            return
+        managed |= found
     unmanaged = [named[id(p)] for p in others if p.requires_grad and id(p) not in managed]
     if unmanaged:
         shown = fmt_names([repr(n) for n in unmanaged], 4)

@@ -1,0 +1,443 @@
+"""dmuon under ``torch.distributed.pipelining`` against the single-process oracle.
+
+One launch of W = 4 gloo processes on a ``("pp", "dp")`` mesh of (2, 2) runs every case but one
+(each case is its own test); a second launch of W = 8 runs the stages on HSDP meshes,
+``("pp", "replicate", "shard")`` of (2, 2, 2). The model (4 blocks of uneven matrices) is split the way torchtitan
+splits it (a deep copy per stage with the other stages' layers deleted, FQNs kept), each stage
+is dedicated over its stage's ``mesh["dp"]``, ``fully_shard`` per block then the stage, wrapped
+in a ``PipelineStage``, and driven by a schedule with 4 micro-batches. Each case checks against
+single-process ``torch.optim.Muon`` + ``AdamW`` on the whole model over the same global batch
+(fp32 Newton-Schulz on both sides):
+
+* losses within 1e-6 relative, final parameters within 1e-4 of each tensor's max magnitude;
+* every dedicated matrix's gradient on its owner before ``step()`` equal to the reference's
+  (within 1e-5 of its max): reduced once, averaged over every micro-batch and data-parallel
+  rank, the schedule's micro-batch scaling applied once, with ``scale_grads=True`` and
+  ``False`` (Muon's update does not see a uniform gradient scale; the gradients do);
+* the bytes each stage moves per step (ledger, summed over its data-parallel ranks) equal to
+  :func:`dmuon.plan.pipeline_cost` of its plan for 4 micro-batches (after the first step,
+  whose shape inference runs one more forward; from the first step with static stage shapes);
+* clipping: ``dmuon.clip_grad_norm_`` over a rank's stages returns the reference's norm of the
+  whole model's gradients, and the clipped run still matches the clipped reference;
+* a mutant whose dedicated reduce is skipped fails the oracle (its gradients and parameters
+  leave the bounds), and without dmuon's reduce wrapper ``step()`` raises on every rank;
+* a zero-bubble schedule raises the same ``NotImplementedError`` on every rank at its first step.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dmuon.testing import FP32_LOSS_RTOL, FP32_PARAM_TOL
+from oracle import HP, Block, ReferenceOptimizer, dmuon_optimizer, proxies_for
+from shared_launch import shared_run
+
+M = 4  # micro-batches
+STEPS = 3
+VOCAB, D, LAYERS = 11, 8, 4
+GRAD_TOL = 1e-5  # gradients: fp32 sums in another order (measured ~1e-7 of max)
+CLIP = 0.05  # well below the gradient norms here (~1): clipping acts every step
+
+# (label, schedule, reshard_after_forward (None: dmuon's default under PP, Z2), scale_grads, extra)
+CASES = [
+    ("gpipe_z2", "gpipe", None, True, ""),
+    ("gpipe_z3", "gpipe", True, True, ""),
+    ("1f1b_z2_noscale", "1f1b", False, False, ""),
+    ("1f1b_z3_static_clip", "1f1b", True, True, "static,clip"),
+    ("interleaved_z2", "interleaved", False, True, ""),
+    ("interleaved_z3_clip", "interleaved", True, True, "clip,per_stage_optimizer"),
+    ("loopedbfs_z3", "loopedbfs", True, True, ""),
+    ("1f1b_z3_autograd_reduce", "1f1b", True, True, "no_root_fsdp"),
+    ("skipped_reduce", "gpipe", False, True, "skip_reduce"),
+]
+LABELS = [c[0] for c in CASES]
+# W = 8 as (pp 2, replicate 2, shard 2): every stage on an HSDP mesh (one more launch)
+HSDP_CASES = [("hsdp_gpipe_z2_clip", "gpipe", None, True, "clip")]
+HSDP_LABELS = [c[0] for c in HSDP_CASES]
+ALL_CASES = CASES + HSDP_CASES
+
+
+class PPLM(nn.Module):
+    """Token model whose blocks live at ``layers.<i>`` of a ``ModuleDict`` (torchtitan's layout:
+    deleting a stage's foreign blocks keeps the others' FQNs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, D)
+        self.layers = nn.ModuleDict({str(i): Block(D) for i in range(LAYERS)})
+        self.norm = nn.LayerNorm(D)
+        self.head = nn.Linear(D, VOCAB)
+
+    def forward(self, x):
+        if self.embed is not None:
+            x = self.embed(x)
+        for layer in self.layers.values():
+            x = layer(x)
+        if self.head is not None:
+            x = self.head(self.norm(x))
+        return x
+
+
+def make_full() -> PPLM:
+    torch.manual_seed(0)
+    return PPLM()
+
+
+def split_stage(full: PPLM, stage: int, num_stages: int) -> PPLM:
+    """torchtitan's split: a deep copy, the other stages' blocks deleted, FQNs kept."""
+    m = copy.deepcopy(full)
+    per = LAYERS // num_stages
+    keep = {str(i) for i in range(stage * per, (stage + 1) * per)}
+    for k in list(m.layers.keys()):
+        if k not in keep:
+            del m.layers[k]
+    if stage != 0:
+        m.embed = None
+    if stage != num_stages - 1:
+        m.norm = None
+        m.head = None
+    return m
+
+
+def batches():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (16, 6), generator=g) for _ in range(STEPS)]
+
+
+def ce(out, target):
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+
+def ce_over_microbatches(out, target):  # scale_grads=False: the loss carries the 1/M itself
+    return ce(out, target) / M
+
+
+def reference(clip: bool):
+    """Single process, global batch: losses, dedicated gradients per step, final state, norms."""
+    from dmuon.plan import compile as compile_plan
+
+    model = make_full()
+    dedicated = set(compile_plan(copy.deepcopy(model), 2).dedicated)
+    named = dict(model.named_parameters())
+    opt = ReferenceOptimizer(
+        model, {n: proxies_for(p.shape) for n, p in named.items() if n in dedicated}, ns_dtype=torch.float32, **HP
+    )
+    losses, grads, norms = [], [], []
+    for batch in batches():
+        loss = ce(model(batch[:, :-1]), batch[:, 1:])
+        loss.backward()
+        grads.append({n: named[n].grad.detach().clone() for n in dedicated})
+        if clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return dict(
+        losses=losses, grads=grads, norms=norms, state={k: v.detach().clone() for k, v in model.state_dict().items()}
+    )
+
+
+def _case(label, sched_name, z3, scale_grads, extra, mesh):
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as S
+
+    import dmuon
+    from dmuon import _registry
+    from dmuon.exec import dedicated_info, get_model_runtime, metered
+
+    extra = set(extra.split(",")) - {""}
+    pp = mesh["pp"].get_local_rank()
+    dp_mesh, dp, dp_size = _dp(mesh)
+    V = 2 if sched_name in ("interleaved", "loopedbfs") else 1
+    num_stages = 2 * V
+    stage_ids = [pp + 2 * v for v in range(V)]
+    full = make_full()
+    mods, stages, plans = [], [], []
+    mb = 16 // 2 // M
+    for si in stage_ids:
+        m = split_stage(full, si, num_stages)
+        kw = {} if z3 is None else dict(reshard_after_forward=z3)
+        plans.append(dmuon.dedicate_params(m, dp_mesh, **kw))
+        for layer in m.layers.values():
+            fully_shard(layer, mesh=dp_mesh)
+        if "no_root_fsdp" in extra:
+            # the stage itself is no FSDPModule: pipelining runs plain backwards (gradient sync on),
+            # so dmuon reduces through its autograd hooks, and not again at REDUCE_GRAD
+            for sub in (m.embed, m.norm, m.head):
+                if sub is not None:
+                    fully_shard(sub, mesh=dp_mesh)
+        else:
+            fully_shard(m, mesh=dp_mesh)
+        mods.append(m)
+        static = {}
+        if "static" in extra:
+            x_in = torch.zeros(mb, 5, dtype=torch.long) if si == 0 else torch.zeros(mb, 5, D, requires_grad=True)
+            x_out = torch.zeros(mb, 5, VOCAB if si == num_stages - 1 else D, requires_grad=True)
+            static = dict(input_args=(x_in,), output_args=(x_out,))
+        stages.append(PipelineStage(m, si, num_stages, torch.device("cpu"), group=mesh["pp"].get_group(), **static))
+    loss_fn = ce if scale_grads else ce_over_microbatches
+    if sched_name == "gpipe":
+        sched = S.ScheduleGPipe(stages[0], M, loss_fn=loss_fn, scale_grads=scale_grads)
+    elif sched_name == "1f1b":
+        sched = S.Schedule1F1B(stages[0], M, loss_fn=loss_fn, scale_grads=scale_grads)
+    elif sched_name == "loopedbfs":
+        sched = S.ScheduleLoopedBFS(stages, M, loss_fn=loss_fn, scale_grads=scale_grads)
+    else:
+        sched = S.ScheduleInterleaved1F1B(stages, M, loss_fn=loss_fn, scale_grads=scale_grads)
+    # one dmuon.Muon over every stage this rank holds, or one per stage (docs/pipeline_parallel.md)
+    opts = (
+        [dmuon_optimizer(m) for m in mods] if "per_stage_optimizer" in extra else [dmuon_optimizer(nn.ModuleList(mods))]
+    )
+    removed = []
+    if "skip_reduce" in extra:  # the mutant: dmuon's reduce at the schedule's REDUCE_GRAD is skipped
+        removed = _registry.uninstall("pipelining.reduce_grad")
+    losses, grads, ledgers, norms, step_error = [], [], [], [], None
+    try:
+        for step, batch in enumerate(batches()):
+            x, y = batch[:, :-1].chunk(dp_size)[dp], batch[:, 1:].chunk(dp_size)[dp]
+            out = []
+            with metered() as led:
+                if 0 in stage_ids:
+                    sched.step(x, target=y, losses=out)
+                elif num_stages - 1 in stage_ids:
+                    sched.step(target=y, losses=out)
+                else:
+                    sched.step()
+            ledgers.append({p: v for p, v in led.snapshot().items() if v})
+            if "skip_reduce" in extra:
+                if step == 0:
+                    try:
+                        opts[0].step()  # dmuon's guard: unreduced local gradients
+                    except RuntimeError as exc:
+                        step_error = str(exc)
+                for m in mods:  # what a run without the guard would do: the local gradients are dropped
+                    for b in get_model_runtime(m).boundaries:
+                        for slot in b.installable:
+                            slot.compute.grad = None
+            grads.append(
+                {
+                    info.fqn: p.grad.detach().clone()
+                    for m in mods
+                    for p in m.parameters()
+                    if (info := dedicated_info(p)) is not None and info.is_owner and p.grad is not None
+                }
+            )
+            if "clip" in extra:
+                norms.append(float(dmuon.clip_grad_norm_([p for m in mods for p in m.parameters()], CLIP)))
+            with metered() as led_step:  # HSDP: the replicate broadcasts after the owners' update
+                for opt in opts:
+                    opt.step()
+                    opt.zero_grad()
+            for p, v in led_step.snapshot().items():
+                if v:
+                    ledgers[-1][p] = ledgers[-1].get(p, 0) + v
+            per_mb = 1 if scale_grads else M  # scale_grads=False: the schedule's losses carry 1/M
+            loss = torch.tensor(sum(float(v) for v in out) * per_mb / M if out else 0.0)
+            dist.all_reduce(loss)  # the last stage's dp ranks hold the losses
+            losses.append(loss.item() / dp_size)
+    finally:
+        if removed:
+            _registry.install(*removed)
+    full_state = {}
+    for m in mods:
+        sd = get_model_state_dict(m, options=StateDictOptions(full_state_dict=True))
+        full_state.update({k: v.detach().clone() for k, v in sd.items()})
+    # the zero-bubble refusal, on the stages of the interleaved case (two per rank)
+    refusal = None
+    if sched_name == "interleaved" and z3 is False:
+        zb = S.ScheduleInterleavedZeroBubble(stages, M, loss_fn=loss_fn)
+        try:
+            x = batches()[0][:, :-1].chunk(2)[dp]
+            zb.step(x) if 0 in stage_ids else zb.step()
+        except NotImplementedError as exc:
+            refusal = str(exc)
+    costs = [dmuon.plan.pipeline_cost(p, M) for p in plans]
+    return dict(
+        stages=stage_ids,
+        reshard=[p.reshard_after_forward for p in plans],
+        losses=losses,
+        grads=grads,
+        ledgers=ledgers,
+        norms=norms,
+        step_error=step_error,
+        refusal=refusal,
+        state=full_state if dp == 0 else None,
+        cost_total=sum(c.total_nbytes for c in costs),
+        cost_phases={
+            f: sum(getattr(c, f) for c in costs)
+            for f in ("forward_broadcast_nbytes", "backward_broadcast_nbytes", "reduce_nbytes")
+        },
+    )
+
+
+def _dp(mesh):
+    """The stage's data-parallel mesh, this rank's index in it and its size: ``mesh["dp"]`` of
+    ``("pp", "dp")``, or the HSDP ``mesh["replicate", "shard"]`` of ``("pp", "replicate", "shard")``."""
+    if "dp" in mesh.mesh_dim_names:
+        return mesh["dp"], mesh["dp"].get_local_rank(), mesh["dp"].size()
+    r, s = mesh["replicate"].get_local_rank(), mesh["shard"].get_local_rank()
+    return mesh["replicate", "shard"], r * mesh["shard"].size() + s, mesh["replicate"].size() * mesh["shard"].size()
+
+
+def _errors(mesh):
+    """User errors, each raised alike on every rank: the whole ("pp", "dp") mesh passed, and two
+    ranks of one stage holding different plans (only stage 0's differ; stage 1's ranks agree)."""
+    import dmuon
+
+    pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    out = {}
+    try:
+        dmuon.dedicate_params(split_stage(make_full(), pp, 2), mesh)
+    except ValueError as exc:
+        out["whole_mesh"] = str(exc)
+    stage = split_stage(make_full(), pp, 2)
+    skip = "layers.0.fc1.weight" if (pp, dp) == (0, 1) else None
+    try:
+        dmuon.dedicate_params(
+            stage, mesh["dp"], predicate=lambda fqn, p: fqn.startswith("layers.") and p.ndim == 2 and fqn != skip
+        )
+    except RuntimeError as exc:
+        out["plans_differ"] = str(exc)
+    return out
+
+
+def _worker(cases):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    if dist.get_world_size() == 8:
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    out = []
+    for case in cases:
+        out.append(_case(*case, mesh))
+        dist.barrier()
+    if dist.get_world_size() == 4:
+        out.append(_errors(mesh))
+    return out
+
+
+def _results(label):
+    if label in HSDP_LABELS:
+        runs = shared_run(("pipeline_parallel", 8), _worker, 8, HSDP_CASES, timeout_s=600)
+        return [r[HSDP_LABELS.index(label)] for r in runs]
+    runs = shared_run(("pipeline_parallel", 4), _worker, 4, CASES, timeout_s=600)
+    return [r[LABELS.index(label)] for r in runs]
+
+
+_REFS: dict = {}
+
+
+def _reference(clip: bool):
+    if clip not in _REFS:
+        _REFS[clip] = reference(clip)
+    return _REFS[clip]
+
+
+def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+
+
+def _check_oracle(runs, ref):
+    losses = runs[0]["losses"]
+    for r in runs:
+        assert r["losses"] == pytest.approx(losses, rel=1e-12)
+    assert losses == pytest.approx(ref["losses"], rel=FP32_LOSS_RTOL)
+    state = {}
+    for r in runs:
+        state.update(r["state"] or {})
+    assert set(state) == set(ref["state"])
+    for k, v in ref["state"].items():
+        assert _max_rel(state[k], v) <= FP32_PARAM_TOL, k
+    for step in range(STEPS):
+        got = {}
+        for r in runs:
+            for k, g in r["grads"][step].items():
+                assert k not in got, f"{k} owned twice"
+                got[k] = g
+        assert set(got) == set(ref["grads"][step])
+        for k, g in got.items():
+            assert _max_rel(g, ref["grads"][step][k]) <= GRAD_TOL, (step, k)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("label", [c[0] for c in ALL_CASES if "skip_reduce" not in c[4]])
+def test_pipeline_matches_oracle(label):
+    case = next(c for c in ALL_CASES if c[0] == label)
+    runs = _results(label)
+    clip = "clip" in case[4]
+    ref = _reference(clip)
+    _check_oracle(runs, ref)
+    if clip:
+        for r in runs:
+            assert r["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "label", [c[0] for c in ALL_CASES if not {"skip_reduce", "no_root_fsdp"} & set(c[4].split(","))]
+)
+def test_pipeline_ledger_equals_plan(label):
+    """Bytes per step of each stage (its data-parallel ranks) = pipeline_cost(plan, M); the first step
+    of a dynamic-shape stage also runs the shape inference's forward. (A stage that is no
+    FSDPModule reduces through autograd whenever a block has no forward left in flight: on
+    1F1B's last stage once per micro-batch, more bytes than the plan's one reduce.)"""
+    case = next(c for c in ALL_CASES if c[0] == label)
+    runs = _results(label)
+    first = 0 if "static" in case[4] else 1
+    for pp in (0, 1):
+        members = [r for r in runs if r["stages"][0] % 2 == pp]
+        expected = members[0]["cost_total"]
+        for step in range(first, STEPS):
+            got = sum(v for r in members for p, v in r["ledgers"][step].items() if p != "other")
+            assert got == expected, (pp, step)
+            for phase in ("forward_broadcast", "backward_broadcast", "reduce"):
+                got_phase = sum(r["ledgers"][step].get(phase, 0) for r in members)
+                assert got_phase == members[0]["cost_phases"][phase + "_nbytes"], (pp, step, phase)
+
+
+@pytest.mark.distributed
+def test_z2_is_the_default_under_pipeline_parallelism():
+    """dedicate_params on mesh["dp"] of a ("pp", "dp") mesh without reshard_after_forward: Z2."""
+    assert all(r["reshard"] == [False] for r in _results("gpipe_z2"))
+    assert all(r["reshard"] == [True] for r in _results("gpipe_z3"))
+
+
+@pytest.mark.distributed
+def test_skipped_reduce_fails_the_oracle():
+    runs = _results("skipped_reduce")
+    assert all(r["step_error"] and r["step_error"].startswith("dmuon: step() with unreduced gradients") for r in runs)
+    with pytest.raises(AssertionError):
+        _check_oracle(runs, _reference(False))
+
+
+@pytest.mark.distributed
+def test_zero_bubble_schedule_refused_on_every_rank():
+    runs = _results("interleaved_z2")
+    messages = {r["refusal"] for r in runs}
+    assert len(messages) == 1
+    (msg,) = messages
+    assert msg is not None and "ScheduleInterleavedZeroBubble" in msg and "weight" in msg
+
+
+@pytest.mark.distributed
+def test_pipeline_user_errors_on_every_rank():
+    runs = shared_run(("pipeline_parallel", 4), _worker, 4, CASES, timeout_s=600)
+    errors = [r[-1] for r in runs]
+    assert len({e.get("whole_mesh") for e in errors}) == 1
+    msg = errors[0]["whole_mesh"]
+    assert "pipeline dim 'pp'" in msg and "mesh['dp']" in msg, msg
+    assert len({e.get("plans_differ") for e in errors}) == 1  # stage 1's ranks too, the same words
+    msg = errors[0]["plans_differ"]
+    assert msg.startswith("dmuon: the ranks [0, 1] of one data-parallel mesh (one pipeline stage) hold different plans")
+    assert "differing ranks: [1]" in msg and "layers.0.fc1.weight" in msg, msg
