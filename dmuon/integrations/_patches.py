@@ -83,7 +83,7 @@ INTEGRATIONS: tuple[Integration, ...] = (
     Integration(
         "pipelining.initialize",
         "torch.distributed.pipelining.schedules:_PipelineSchedule._initialize_pp_stages",
-        "dmuon.exec._runtime.pipeline:wrap_initialize",
+        "dmuon.exec._runtime.pipeline_hooks:wrap_initialize",
         "dedicate",
         "a pipeline schedule's first step refuses split-backward (zero-bubble) schedules, marks the stages' dmuon "
         "runtimes as pipelined and resets them after the stage's shape inference, as the stage resets FSDP2",
@@ -94,7 +94,7 @@ INTEGRATIONS: tuple[Integration, ...] = (
     Integration(
         "pipelining.reduce_grad",
         "torch.distributed.pipelining.stage:_PipelineStageBase.perform_reduce_grad",
-        "dmuon.exec._runtime.pipeline:wrap_perform_reduce_grad",
+        "dmuon.exec._runtime.pipeline_hooks:wrap_perform_reduce_grad",
         "dedicate",
         "a pipeline schedule's REDUCE_GRAD reduces the dedicated matrices' gradients of the step to their owners "
         "before FSDP2's reduce and the schedule's micro-batch scaling",

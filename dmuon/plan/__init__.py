@@ -52,7 +52,7 @@ from dmuon.plan._scheduling.ops import MicroBatch, Op, ScheduleError, Step
 from dmuon.plan._scheduling.step_schedule import StepSchedule
 from dmuon.plan._scheduling.schedule_replay import replay
 from dmuon.plan._scheduling.builder import schedule
-from dmuon.plan._cost.pipeline import pipeline_cost
+from dmuon.plan._cost.stage_bytes import pipeline_cost
 from dmuon.plan._model.selection import matrix_predicate
 from dmuon.plan._compile import compile  # last: dmuon.plan.compile is the function (it shadows its module)
 

@@ -11,7 +11,7 @@ end of backward        (autograd final callback) reduce boundaries not yet reduc
                        every reduce, read all owned presence flags at once (one host sync), copy
                        or add the averaged gradients into the owners' ``.grad`` (never a view of
                        the reduce buffer), release the reduce buffers' storage
-pipeline REDUCE_GRAD   (``torch.distributed.pipelining``, :mod:`dmuon.exec._runtime.pipeline`)
+pipeline REDUCE_GRAD   (``torch.distributed.pipelining``, :mod:`dmuon.exec._runtime.pipeline_hooks`)
                        reduce the gradients accumulated over the step's micro-batches, then as
                        at the end of a backward; free every buffer
 optimizer step         HSDP: after the owner's update, broadcast each sub-segment from its
@@ -98,7 +98,7 @@ class DmuonRuntime:
         self._final_callback_queued = False
         self.requires_gradient_sync = True
         # under a torch.distributed.pipelining schedule (set by dedicate_params(pipeline=...) and by
-        # the schedule's first step, dmuon.exec._runtime.pipeline): several micro-batches in flight,
+        # the schedule's first step, dmuon.exec._runtime.pipeline_hooks): several micro-batches in flight,
         # one reduce per step in the schedule's REDUCE_GRAD (finish_pipeline_step)
         self.pipelined = False
         self.timeout_s = timeout_s  # seconds a dmuon wait may take where it blocks the CPU (None: no dmuon timeout)
