@@ -39,7 +39,12 @@ def buffer_wire_numel(buf: Any, num_shards: int) -> int:
 
 
 def memory(
-    plan: Any, workload: Workload, variant: str, sched: StepSchedule | None = None
+    plan: Any,
+    workload: Workload,
+    variant: str,
+    sched: StepSchedule | None = None,
+    *,
+    fsdp2_reshard_after_forward: bool | None = None,
 ) -> tuple[MemoryBreakdown, ...]:
     """Peak memory per rank, by term (storage dtypes; the activation dtype for activations).
 
@@ -54,13 +59,15 @@ def memory(
     AdamW moments (or Muon momentum for the matrices), the largest unit unsharded with its
     unsharded gradient (Z2: every unit's parameters); ``naive`` adds every full Muon update
     gathered at once (its step gathers all before the NS); ``all_to_all`` adds two matrices'
-    worth of each owned batch (received shards + result). Activations: one micro-batch's
-    (:attr:`Workload.activation_nbytes`).
+    worth of each owned batch (received shards + result); ``fsdp2_reshard_after_forward``
+    overrides the baselines' Z3 / Z2 as :func:`dmuon.sim.alternatives.build` does. Activations: one
+    micro-batch's (:attr:`Workload.activation_nbytes`), plus under activation checkpointing what one
+    boundary's recompute rebuilds (:attr:`Workload.recompute_transient_nbytes`).
     """
     R, N = plan.mesh_shape
     T = plan.tp_size if variant in ("z2", "z3") else 1
     n = R * N * T
-    act = workload.activation_nbytes
+    act = workload.activation_nbytes + workload.recompute_transient_nbytes
     unit_full: dict[str, int] = {}
     shard_rest = 0
     ep = plan_ep(plan)
@@ -110,6 +117,8 @@ def memory(
         b = plan.boundary(s.fqn)
         unit_full[b] = unit_full.get(b, 0) + s.local_numel * itemsize_nbytes(s.dtype)
     z3 = True if variant == "adamw" else plan.reshard_after_forward
+    if fsdp2_reshard_after_forward is not None:
+        z3 = fsdp2_reshard_after_forward
     largest = max(unit_full.values(), default=0)
     unsharded = largest if z3 else sum(unit_full.values())
     transient = unsharded + largest  # + one unit's unsharded gradient before its reduce-scatter
