@@ -8,6 +8,7 @@ data-parallel mesh); :func:`compile_stages` splits the model as torchtitan does
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 from torch import nn
@@ -69,6 +70,9 @@ def compile_stages(
     simulator, which reads shapes only): a stage whose parameters have the same names relative to
     its first layer, shapes and dtypes as an earlier stage's gets that stage's plan (its FQNs).
 
+    A stage's compile warnings are repeated with the stage named, except the "outside every hook
+    boundary" one of a stage that holds no layer (the head alone: its matrices train with AdamW).
+
     Raises:
         ValueError: a split torchtitan refuses, or a stage's compile refusal (prefixed with the
             stage).
@@ -96,9 +100,14 @@ def compile_stages(
             names = {n for n, _ in part.named_parameters()}
             kw["tp_shard_dims"] = {k: v for k, v in dims.items() if k in names}
         try:
-            plans.append(_compile(part, mesh, **kw))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                plans.append(_compile(part, mesh, **kw))
         except ValueError as exc:
             raise ValueError(f"stage {s} of {split.num_stages}: {exc}") from exc
+        for w in caught:  # a stage without layers (the head alone) has no boundary by design: no warning
+            if split.stage_layers(s) or "lie outside every hook boundary" not in str(w.message):
+                warnings.warn(f"stage {s} of {split.num_stages}: {w.message}", w.category, stacklevel=2)
         if reuse_equal_stages:
             seen[key] = plans[-1]
     return StagePlans(split=split, plans=tuple(plans))

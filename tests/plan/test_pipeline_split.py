@@ -119,3 +119,23 @@ def test_compile_stages_one_plan_per_stage() -> None:
     assert eight.plans[1] is not eight.plans[2]  # 3 layers vs 2 layers
     ten = compile_stages(_HF(10), 4, pp=4, reuse_equal_stages=True)  # 12 effective: 2+embed, 3, 3, 2+head
     assert ten.plans[1] is ten.plans[2] and ten.plans[1].dedicated[0] == "model.layers.2.attn.weight"
+
+
+def test_plan_cli_pp_prints_the_split_and_one_plan_per_stage(capsys, tmp_path) -> None:
+    from dmuon._cli import main
+
+    assert main(["plan", "--model", "tiny-llama", "--mesh", "2", "--pp", "2", "--json", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    assert "2 stages on 2 pipeline ranks (1 per rank), 4 layers of model.layers; torchtitan's default split" in out
+    assert "stage 1 (pp rank 1): layers 2-3 + model.norm, lm_head" in out
+    assert out.count("sharding plan: mesh (R=1, N=2)") == 2
+    back = dmuon.plan.ShardingPlan.from_json((tmp_path / "p.stage1.json").read_text())
+    assert back.dedicated[0] == "model.layers.2.self_attn.q_proj.weight"
+    for argv, msg in [
+        (["--pp", "2", "--stages-per-rank", "4"], "8 stages cannot be more than the 6 effective layers"),
+        (["--stages-per-rank", "2"], "--stages-per-rank needs --pp K > 1"),
+        (["--pp", "2", "--schedule", "0"], "--schedule with --pp"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            main(["plan", "--model", "tiny-llama", "--mesh", "2", *argv])
+        assert e.value.code == 2 and msg in capsys.readouterr().err
