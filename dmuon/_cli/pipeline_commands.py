@@ -29,7 +29,7 @@ def add_pipeline_args(parser: argparse.ArgumentParser) -> None:
     from dmuon.sim._engine.workload import AC_MODES
     from dmuon.sim._pipeline.pp_schedule import SCHEDULES
 
-    g = parser.add_argument_group("pipeline parallelism and activation checkpointing (docs/pipeline_parallel.md)")
+    g = parser.add_argument_group("pipeline parallelism and activation checkpointing (docs/pipeline_simulation.md)")
     g.add_argument("--pp", type=int, default=1, metavar="K", help="pipeline ranks (stages split as torchtitan does)")
     g.add_argument("--stages-per-rank", type=int, default=1, metavar="V", help="stages per pipeline rank")
     g.add_argument(
@@ -150,7 +150,8 @@ def simulate_pipelined(
         f"{args.model} on PP {args.pp} x mesh {plan.mesh_shape} x TP {T} ({args.pp * dp * T} ranks)"
         + (f", EP {args.ep}" if args.ep > 1 else "")
         + f", {hw.name}; {args.tokens_per_rank:,} tokens per data-parallel rank per step (global batch "
-        f"{args.tokens_per_rank * dp:,} tokens, seq {seq}), {M} micro-batches, schedule {schedule}, AC {args.ac}; "
+        f"{args.tokens_per_rank * dp:,} tokens, seq {seq}), {M} micro-batch{'es' if M > 1 else ''} of "
+        f"{args.tokens_per_rank // M:,} tokens, schedule {schedule}, AC {args.ac}; "
         f"wire {param_dtype or 'fp32'}"
     )
     print(

@@ -238,7 +238,7 @@ def main_plan(argv: Sequence[str] | None = None) -> int:
         metavar="K",
         help="pipeline parallelism: split the preset into K stages as torchtitan does (the embedding and the head "
         "count as one layer each) and print one plan per stage, each over --mesh (the stage's data-parallel "
-        "ranks; world = K x mesh x T); docs/pipeline_parallel.md",
+        "ranks; world = K x mesh x T); docs/pipeline_simulation.md",
     )
     parser.add_argument(
         "--stages-per-rank",

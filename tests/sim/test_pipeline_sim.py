@@ -248,7 +248,7 @@ def test_simulate_cli_pipelined_rows_and_refusals(capsys, tmp_path) -> None:
     argv = ["simulate", "--model", "tiny-llama", "--mesh", "2", "--hw", "h100", "--tokens-per-rank", "4096"]
     assert main([*argv, "--pp", "2", "--seq-len", "1024", "--ac", "selective", "--json", str(tmp_path / "s.json")]) == 0
     out = capsys.readouterr().out
-    assert "4 micro-batches, schedule 1f1b, AC selective" in out and "global batch 8,192 tokens" in out
+    assert "4 micro-batches of 1,024 tokens, schedule 1f1b, AC selective" in out and "global batch 8,192 tokens" in out
     assert "device GiB" in out and "fits" in out and "z2 - adamw = " in out and "recommended: dmuon" in out
     data = json.loads((tmp_path / "s.json").read_text())
     assert data["split"][1] == ["model.layers.2", "model.layers.3", "model.norm", "lm_head"]
