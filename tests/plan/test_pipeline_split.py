@@ -100,6 +100,12 @@ def test_split_refusals_name_the_fix() -> None:
         split_model(nn.Sequential(nn.Linear(2, 2)), 2)
     with pytest.raises(ValueError, match="cannot be more than the 8 effective layers"):
         split_model(_Titan(6), 9)
+    from dmuon import _zoo
+
+    vit = _zoo.vit_b16()  # cls_token / pos_embed sit on the root: one stage holds them, two cannot
+    assert stage_model(vit, split_model(vit, 1), 0) is vit
+    with pytest.raises(ValueError, match="the root module holds parameters directly"):
+        split_model(vit, 2)
 
 
 def test_compile_stages_one_plan_per_stage() -> None:

@@ -197,7 +197,8 @@ def split_model(
 
     Raises:
         ValueError: no layer container (name one with ``layers=``), a parameter held directly by
-            a module above the container, or a split torchtitan refuses (:func:`stage_fqns`).
+            a module above the container (with more than one stage: no stage could hold it), or a
+            split torchtitan refuses (:func:`stage_fqns`).
     """
     if pp_size < 1 or stages_per_rank < 1:
         raise ValueError(f"pipeline split: pp ({pp_size}) and stages per rank ({stages_per_rank}) must be >= 1")
@@ -207,9 +208,10 @@ def split_model(
     parts = path.split(".")
     mod = model
     prefix = ""
+    one = pp_size * stages_per_rank == 1  # one stage holds the whole model, whatever holds parameters
     for part in parts:
         direct = [n for n, p in mod._parameters.items() if p is not None]
-        if direct:
+        if direct and not one:
             raise ValueError(
                 f"pipeline split: {prefix.rstrip('.') or 'the root module'} holds parameters directly "
                 f"({direct[0]!r}), outside any module a stage can hold"
@@ -266,9 +268,11 @@ def stage_model(model: nn.Module, split: PipelineSplit, stage: int) -> nn.Module
     holds, shared with ``model`` (not copied), under their original FQNs
     (``model.layers.12.mlp.down_proj.weight`` stays so), so plans, owners and checkpoints keep
     the names of the whole model. Containers on the way are plain modules; the leaves keep their
-    types. For planning only: calling it raises."""
+    types. For planning only: calling it raises. With one stage it is ``model`` itself."""
     if not 0 <= stage < split.num_stages:
         raise ValueError(f"stage must be in 0..{split.num_stages - 1}, got {stage}")
+    if split.num_stages == 1:  # the whole model, parameters held above the layers included
+        return model
     root = _Part()
     for fqn in split.stages[stage]:
         *parents, leaf = fqn.split(".")

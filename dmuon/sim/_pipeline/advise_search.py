@@ -148,7 +148,12 @@ class Advice:
         shown = len(self.best)
         parts = [f"{count.get('no_fit', 0):,} do not fit ({self.memory_nbytes / 2**30:.0f} GiB, analytic peak)"]
         if count.get("refused"):
-            parts.append(f"{count['refused']:,} refused by the split or the plan")
+            why: dict[str, int] = {}
+            for c in self.candidates:
+                if c.fate == "refused":
+                    why[c.reason] = why.get(c.reason, 0) + 1
+            top = max(why, key=lambda r: (why[r], r))
+            parts.append(f"{count['refused']:,} refused by the split or the plan (most often: {top[:160]})")
         slow = count.get("slower", 0)
         if slow:
             cut = max((c.estimate_s for c in sim), default=0.0)
