@@ -2,7 +2,7 @@
 
 Each stage is a model of its own for dmuon (its own plan, owners and buffers over the stage's
 data-parallel mesh); :func:`compile_stages` splits the model as torchtitan does
-(:mod:`dmuon.plan.model.pipeline`) and compiles every stage with the same arguments.
+(:mod:`dmuon.plan._model.pipeline_split`) and compiles every stage with the same arguments.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def compile_stages(
     **compile_kwargs: Any,
 ) -> StagePlans:
     """Split ``model`` into ``pp * stages_per_rank`` stages as torchtitan does
-    (:func:`dmuon.plan.model.pipeline.split_model`: by default the embedding and the head count
+    (:func:`dmuon.plan.split_model`: by default the embedding and the head count
     as one layer each) and compile each with :func:`dmuon.plan.compile` on ``mesh`` (the
     stage's data-parallel mesh: ``N`` or ``(R, N)``; the world is ``pp * R * N`` times the TP
     degree). ``compile_kwargs`` go to every stage's compile; ``tp_shard_dims`` is cut to the

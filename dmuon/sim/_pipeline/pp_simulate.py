@@ -2,7 +2,7 @@ r"""Pipeline parallelism in the simulator: one step of a pipelined model, dmuon 
 
 :func:`simulate_pipeline` prices a step of ``pp`` pipeline ranks, each holding ``V`` stages
 (:class:`dmuon.plan.StagePlans`: one dmuon plan per stage over the stage's data-parallel mesh),
-``M`` micro-batches, a schedule of :mod:`dmuon.sim.pipeline_schedule`, in three parts:
+``M`` micro-batches, a schedule of :mod:`dmuon.sim._pipeline.pp_schedule`, in three parts:
 
 1. **Each stage alone.** :func:`dmuon.sim.simulate` replays the stage's own step (its plan's
    schedule with ``M`` micro-batches, gradients reduced with the last, activation checkpointing's
@@ -10,7 +10,7 @@ r"""Pipeline parallelism in the simulator: one step of a pipelined model, dmuon 
    backward ends (``pipeline_part_s``), split into one micro-batch's forward and backward in the
    proportion of their compute, and the rest of the step (``tail_s``: the gradient collectives
    still exposed, Newton-Schulz, the optimizer).
-2. **The pipeline.** :func:`~dmuon.sim.pipeline_schedule.replay_pipeline` replays the schedule's
+2. **The pipeline.** :func:`~dmuon.sim._pipeline.pp_schedule.replay_pipeline` replays the schedule's
    actions on those forward / backward seconds, with each activation (and gradient) send priced
    as a point-to-point transfer of ``tokens / M · hidden`` activation-dtype bytes between a rank
    and its peer ``dp · tp`` ranks away (mesh order ``(pp, dp, tp)``, so the hardware's link
@@ -20,14 +20,16 @@ r"""Pipeline parallelism in the simulator: one step of a pipelined model, dmuon 
    time in the pipeline (the schedule's fill and drain, and waits on sends).
 
 Memory per pipeline rank: for each of its stages the stage's peak less its activations (the
-largest over the stage's data-parallel ranks, :func:`dmuon.sim.memory.memory`), plus the most
-activation bytes the schedule holds at once (every in-flight micro-batch's, per stage), plus the
+largest over the stage's data-parallel ranks, :func:`dmuon.sim._engine.sim_memory.memory`), plus
+the most activation bytes the schedule holds at once (every in-flight micro-batch's, per stage), plus the
 largest activations a recompute rebuilds during one boundary's backward.
 
 Assumptions (stated, not measured): stages that share one plan object
-(:func:`dmuon.plan.compile_stages` with ``reuse_equal_stages=True``) are simulated once; dmuon's and FSDP2's collectives overlap with a stage's compute in the pipeline as
-they do back to back (part 1); the pipeline's sends do not contend with them for the link; the
-last stage's logits and the loss are not held across micro-batches.
+(:func:`dmuon.plan.compile_stages` with ``reuse_equal_stages=True``) are simulated once; dmuon's
+and FSDP2's collectives overlap with a stage's compute in the pipeline as they do back to back
+(part 1); the pipeline's sends do not contend with them for the link; the last stage's logits and
+the loss are not held across micro-batches; a stage's ranks are numbered from 0 in its own
+simulation (which node boundary they cross is the first stage's).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from dmuon.plan._scheduling.ops import MicroBatch, Step
 from dmuon.plan._records.fields import itemsize_nbytes
 from dmuon.sim._engine.hardware import Hardware, collective_s
 from dmuon.sim._engine.records import MemoryBreakdown
+from dmuon.sim._engine.workload import AC_MODES
 
 from dmuon.sim._pipeline import pp_schedule as _ps
 
@@ -54,9 +57,6 @@ __all__ = [
     "send_seconds",
     "AC_MODES",
 ]
-
-#: activation checkpointing modes (:func:`dmuon.sim.workload.from_plan`)
-AC_MODES = ("none", "full", "selective")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -186,7 +186,7 @@ def stage_memory(
     plan: Any, workload: Any, variant: str, *, fsdp2_reshard_after_forward: bool | None = None
 ) -> MemoryBreakdown:
     """The peak terms of the stage's rank with the largest peak in ``variant``
-    (:func:`dmuon.sim.memory.memory` as :func:`dmuon.sim.simulate` calls it: dmuon on the plan in
+    (:func:`dmuon.sim._engine.sim_memory.memory` as :func:`dmuon.sim.simulate` calls it: dmuon on the plan in
     that mode)."""
     from dmuon.sim._engine.sim_memory import memory
 
@@ -287,11 +287,11 @@ def simulate_pipeline(
         tokens_per_rank: tokens each data-parallel rank (each pipeline) processes per step.
         seq_len: tokens per sequence.
         micro_batches: micro-batches per step (each ``tokens_per_rank / micro_batches`` tokens).
-        schedule: one of :data:`dmuon.sim.pipeline_schedule.SCHEDULES`.
-        ac: activation checkpointing, one of :data:`AC_MODES` (:func:`dmuon.sim.workload.from_plan`).
+        schedule: one of :data:`dmuon.sim._pipeline.pp_schedule.SCHEDULES`.
+        ac: activation checkpointing, one of :data:`AC_MODES` (:func:`dmuon.sim.from_plan`).
         variants: ``"z2"`` / ``"z3"`` (dmuon) and ``"adamw"`` (FSDP2 + AdamW; under pipeline
             parallelism with ``reshard_after_forward=False``, as torchtitan sets it, else True).
-        activation_dtype / top_k: as :func:`dmuon.sim.workload.from_plan`.
+        activation_dtype / top_k: as :func:`dmuon.sim.from_plan`.
 
     Raises:
         ValueError: an unknown schedule or AC mode, micro-batches that do not divide the tokens,
