@@ -325,6 +325,11 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
             f"{100 * s.ns_share:>7.1f}{max(s.peak_memory_nbytes) / 2**30:>10.2f} {s.comm_nbytes / 1e12:>11.3f}"
             f"{max(s.collectives_per_rank, default=0):>12,}"
         )
+    if hw.memory_nbytes:  # every row's peak per rank against the device
+        print(
+            f"peak per rank against the device's {hw.memory_nbytes / 2**30:.1f} GiB: "
+            + ", ".join(f"{v} {'fits' if _fits(s, hw.memory_nbytes) else 'DOES NOT FIT'}" for v, s in sims.items())
+        )
     rec = recommend(sims, hw.memory_nbytes)
     print(f"\nrecommended: dmuon {rec.upper()} ({sims[rec].step_s / base:.3f} x FSDP2 + AdamW)")
     if not _fits(sims[rec], hw.memory_nbytes):  # recommend() prefers a mode that fits: none does

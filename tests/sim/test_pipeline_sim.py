@@ -250,6 +250,8 @@ def test_simulate_cli_pipelined_rows_and_refusals(capsys, tmp_path) -> None:
     out = capsys.readouterr().out
     assert "4 micro-batches of 1,024 tokens, schedule 1f1b, AC selective" in out and "global batch 8,192 tokens" in out
     assert "device GiB" in out and "fits" in out and "z2 - adamw = " in out and "recommended: dmuon" in out
+    assert main([*argv, "--mode", "z2"]) == 0  # the path without PP says every row's fit too
+    assert "peak per rank against the device's 80.0 GiB: adamw fits, naive fits, z2 fits" in capsys.readouterr().out
     data = json.loads((tmp_path / "s.json").read_text())
     assert data["split"][1] == ["model.layers.2", "model.layers.3", "model.norm", "lm_head"]
     assert set(data["variants"]) == {"adamw", "z2", "z3"} and data["micro_batches"] == 4
