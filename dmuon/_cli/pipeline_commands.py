@@ -1,7 +1,7 @@
 """``python -m dmuon simulate --pp K ...`` (the pipelined step) and ``python -m dmuon advise``.
 
-``simulate`` takes this path when any of ``--pp K > 1``, ``--microbatches M > 1`` or ``--ac`` other
-than ``none`` is given: the model is split as torchtitan splits it
+``simulate`` takes this path when any of ``--pp K > 1``, ``--stages-per-rank``, ``--microbatches M >
+1``, ``--schedule`` or ``--ac`` other than ``none`` is given: the model is split as torchtitan splits it
 (:func:`dmuon.plan.compile_stages`), one dmuon plan per stage over ``--mesh`` (the stage's
 data-parallel ranks; world = ``K x mesh x T``), and :func:`dmuon.sim.simulate_pipeline` prices the
 schedule's bubble, the activation sends between stages, each stage's own step and every pipeline
@@ -56,7 +56,13 @@ def add_pipeline_args(parser: argparse.ArgumentParser) -> None:
 
 def wants_pipeline(args: argparse.Namespace) -> bool:
     """Whether ``simulate`` takes the pipelined path (module docstring)."""
-    return args.pp > 1 or (args.microbatches or 1) > 1 or args.ac != "none" or args.stages_per_rank > 1
+    return (
+        args.pp > 1
+        or (args.microbatches or 1) > 1
+        or args.ac != "none"
+        or args.stages_per_rank > 1
+        or args.schedule is not None
+    )
 
 
 def check_pipeline_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[int, int, str]:
