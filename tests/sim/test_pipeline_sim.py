@@ -198,19 +198,20 @@ def test_pipelined_step_composes_stage_steps_bubble_and_memory() -> None:
 # ------------------------------------------------------------------ advise
 
 
-def test_advise_memory_filter_agrees_with_simulate() -> None:
+@pytest.mark.parametrize("preset", ["tiny_llama", "tiny_moe"])
+def test_advise_memory_filter_agrees_with_simulate(preset: str) -> None:
     """On a small preset and a device sized so that some configurations fit and some do not,
     every configuration advise keeps or drops for memory has the analytic peak simulate reports,
     so both make the same call; the best are simulated, fit, and come with FSDP2 + AdamW's step."""
     base = H.preset("h100")
-    builder = zoo.tiny_llama
+    builder = getattr(zoo, preset)
     probe = A.advise(builder, 4, base, tokens_per_rank=2048, seq_len=512, simulate_configs=2, top=2)
     peaks = sorted({c.peak_nbytes for c in probe.candidates if c.fate != "refused"})
     hw = dataclasses.replace(base, memory_nbytes=peaks[len(peaks) // 2])
     adv = A.advise(builder, 4, hw, tokens_per_rank=2048, seq_len=512, simulate_configs=3, top=3)
     fates = {c.fate for c in adv.candidates}
     assert {"no_fit", "simulated"} <= fates
-    layouts = A._Layouts(builder, hw, 2048, 512, 2, "bfloat16")
+    layouts = A._Layouts(builder, hw, 2048, 512, S.workload.model_top_k(builder()), "bfloat16")
     checked = 0
     for cand in adv.candidates:
         if cand.fate == "refused":
@@ -227,7 +228,7 @@ def test_advise_memory_filter_agrees_with_simulate() -> None:
             schedule=c.schedule,
             ac=c.ac,
             variants=(v,),
-            top_k=2,
+            top_k=layouts.top_k,
         )[v]
         peak = max(sim.peak_memory_nbytes)
         assert peak == cand.peak_nbytes, c.label()
