@@ -74,8 +74,8 @@ def compile_stages(
     boundary" one of a stage that holds no layer (the head alone: its matrices train with AdamW).
 
     Raises:
-        ValueError: a split torchtitan refuses, or a stage's compile refusal (prefixed with the
-            stage).
+        ValueError: a split torchtitan refuses, a stage without a TP-sharded matrix under TP, or a
+            stage's compile refusal (prefixed with the stage).
     """
     split = split_model(
         model,
@@ -99,6 +99,12 @@ def compile_stages(
         if dims is not None:
             names = {n for n, _ in part.named_parameters()}
             kw["tp_shard_dims"] = {k: v for k, v in dims.items() if k in names}
+            if not kw["tp_shard_dims"] and (kw.get("tp_size") or 1) > 1:
+                raise ValueError(
+                    f"stage {s} of {split.num_stages} ({', '.join(split.stages[s])}) holds no matrix tensor "
+                    "parallelism shards, so no TP plan exists for it. Fix: give every stage a layer (fewer stages, "
+                    "or larger input / output weights)"
+                )
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")

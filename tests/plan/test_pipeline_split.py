@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import dmuon.plan
+import dmuon.sim
 from dmuon.plan import compile_stages, split_model, stage_model
 from dmuon.plan._model.pipeline_split import stage_fqns
 
@@ -123,6 +124,11 @@ def test_compile_stages_one_plan_per_stage() -> None:
     eight = compile_stages(_HF(8), 4, pp=2, stages_per_rank=2, reuse_equal_stages=True)  # 10 effective: 3, 3, 2, 2
     assert [len(s) for s in eight.split.stages] == [3, 3, 2, 3]
     assert eight.plans[1] is not eight.plans[2]  # 3 layers vs 2 layers
+    with pytest.raises(ValueError, match=r"stage 3 of 4 \(model.norm, lm_head\) holds no matrix tensor parallelism"):
+        tiny = dmuon.sim.zoo.tiny_llama()
+        compile_stages(
+            tiny, 2, pp=2, stages_per_rank=2, tp_size=2, tp_shard_dims=dmuon.plan.megatron_tp_shard_dims(tiny)
+        )
     ten = compile_stages(_HF(10), 4, pp=4, reuse_equal_stages=True)  # 12 effective: 2+embed, 3, 3, 2+head
     assert ten.plans[1] is ten.plans[2] and ten.plans[1].dedicated[0] == "model.layers.2.attn.weight"
 
