@@ -17,7 +17,9 @@ dion-style all-to-all as op tables), ``variants`` (schedule variants such as ear
 ``simulate`` (the API: ``simulate``, ``simulate_variants``), ``lower`` (schedule ops -> timed
 simulator ops), ``replay`` (the clocked replay, the critical path), ``memory`` (peak memory),
 ``records`` (the result records), ``html`` (the result as a page), ``kinds`` (each buffer's two collective
-kinds priced: a plan's choices against the simulator), ``calibrate`` (microbenchmarks for ``cpu-gloo``), ``cli``.
+kinds priced: a plan's choices against the simulator), ``calibrate`` (microbenchmarks for ``cpu-gloo``), ``cli``;
+``_pipeline``: pipeline schedules (``pp_schedule``), the pipelined step with activation checkpointing
+(``pp_simulate``) and the configuration search of ``advise`` (``advise_search``), docs/pipeline_simulation.md.
 See docs/performance.md ("Step-time simulator").
 """
 
