@@ -1,9 +1,11 @@
-"""The command line, ``python -m dmuon {train,plan,diff,simulate,calibrate} ...``: :func:`main`
+"""The command line, ``python -m dmuon {train,plan,diff,simulate,advise,calibrate} ...``: :func:`main`
 dispatches to one module per group of subcommands.
 
 * ``train``: the main job (:mod:`dmuon._train`); ``python -m dmuon train --help``.
 * ``plan``, ``diff``: :func:`dmuon._cli.plan_commands.main_plan` / :func:`dmuon._cli.plan_commands.main_diff`.
-* ``simulate``, ``calibrate``: :func:`dmuon._cli.sim_commands.main_simulate` / :func:`dmuon.sim._calibrate.main`.
+* ``simulate``, ``calibrate``: :func:`dmuon._cli.sim_commands.main_simulate` / :func:`dmuon.sim._calibrate.main`
+  (``simulate --pp / --microbatches / --ac``: :mod:`dmuon._cli.pipeline_commands`).
+* ``advise``: :func:`dmuon._cli.pipeline_commands.main_advise`.
 
 Subcommand modules are imported only when chosen, so ``train`` does not pay for the others.
 """
@@ -13,12 +15,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-_USAGE = """usage: python -m dmuon {train,plan,diff,simulate,calibrate} [options]
+_USAGE = """usage: python -m dmuon {train,plan,diff,simulate,advise,calibrate} [options]
 
   train   train a small byte-level GPT with dmuon.Muon on FSDP2 (default: 2 CPU processes)
   plan    compile and print a sharding plan
   diff    compare two sharding plans
   simulate  simulated step time of dmuon Z2/Z3 and the alternatives on a hardware model
+  advise  the fastest configurations (pp, tp, ep, mesh, Z2/Z3, AC) of a model on G GPUs that fit
   calibrate microbenchmark this machine into a cpu-gloo hardware record (< 3 min)
 
 'python -m dmuon COMMAND --help' for the options of COMMAND."""
@@ -47,6 +50,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from dmuon._cli.sim_commands import main_simulate
 
         return int(main_simulate(rest) or 0)
+    if cmd == "advise":
+        from dmuon._cli.pipeline_commands import main_advise
+
+        return int(main_advise(rest) or 0)
     if cmd == "calibrate":
         from dmuon.sim._calibrate import main as main_calibrate
 

@@ -10,6 +10,7 @@ Examples::
     python -m dmuon plan --model llama3-8b --mesh 2x4 --schedule 5   # rank 5's whole step
     python -m dmuon diff a.json b.json
     python -m dmuon plan --model qwen3-30b-a3b --mesh 64 --html plan.html    # the plan's page
+    python -m dmuon plan --model llama3-70b --mesh 8 --pp 4 --z2    # one plan per pipeline stage
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from types import SimpleNamespace
 
 from dmuon.plan._tools.diff import diff
 from dmuon.plan._compile import compile
+from dmuon.plan._stage_plans import compile_stages
 from dmuon.plan._records.mesh import parse_mesh_text
 from dmuon.plan._records.plan import ShardingPlan
 from dmuon.plan._model.parallel import expert_parallel_variant, megatron_tp_shard_dims
@@ -229,8 +231,29 @@ def main_plan(argv: Sequence[str] | None = None) -> int:
         help="expert parallelism: plan the preset as one rank of ep = K holds it (each stack's E/K experts; "
         "K must divide the shard ranks and the experts); docs/moe_ep.md",
     )
+    parser.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        metavar="K",
+        help="pipeline parallelism: split the preset into K stages as torchtitan does (the embedding and the head "
+        "count as one layer each) and print one plan per stage, each over --mesh (the stage's data-parallel "
+        "ranks; world = K x mesh x T); docs/pipeline_simulation.md",
+    )
+    parser.add_argument(
+        "--stages-per-rank",
+        type=int,
+        default=1,
+        metavar="V",
+        help="with --pp: stages per pipeline rank (K x V stages; rank r holds r, r + K, ...: Interleaved1F1B)",
+    )
     add_selection_args(parser)
-    parser.add_argument("--json", metavar="FILE", default=None, help="write the plan as JSON to FILE")
+    parser.add_argument(
+        "--json",
+        metavar="FILE",
+        default=None,
+        help="write the plan as JSON to FILE (with --pp: one file per stage, FILE with .stageS before .json)",
+    )
     parser.add_argument(
         "--html",
         metavar="FILE",
@@ -249,6 +272,15 @@ def main_plan(argv: Sequence[str] | None = None) -> int:
     for flag, path in (("--json", args.json), ("--html", args.html)):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             parser.error(f"{flag}: the folder of {path!r} does not exist")
+    if args.pp < 1 or args.stages_per_rank < 1:
+        parser.error("--pp and --stages-per-rank must be >= 1")
+    if args.stages_per_rank > 1 and args.pp == 1:
+        parser.error("--stages-per-rank needs --pp K > 1")
+    if args.pp > 1 and (args.html or args.schedule is not None):
+        parser.error(
+            f"{'--html' if args.html else '--schedule'} with --pp: not per stage yet; "
+            "plan one stage with dmuon.plan.compile_stages(...).plans[s]"
+        )
 
     model = PRESETS[args.model]()
     kw = selection_kwargs(args, model, args.mesh)
@@ -260,12 +292,16 @@ def main_plan(argv: Sequence[str] | None = None) -> int:
         kw["ep"] = args.ep
     try:
         with warnings_to_stderr():
+            if args.pp > 1:
+                return _print_stages(args, model, kw)
             plan = compile(model, args.mesh, reshard_after_forward=not args.z2, **kw)
-    except ValueError as exc:  # the plan refuses this mesh / TP degree / EP degree / owner groups for this model
+    except ValueError as exc:  # the plan refuses this mesh / TP degree / EP degree / owner groups / split
         flags = (
             f"--mesh {args.mesh}"
             + (f" --tp {args.tp}" if args.tp > 1 else "")
             + (f" --ep {args.ep}" if args.ep > 1 else "")
+            + (f" --pp {args.pp}" if args.pp > 1 else "")
+            + (f" --stages-per-rank {args.stages_per_rank}" if args.stages_per_rank > 1 else "")
         )
         parser.error(f"{args.model} on {flags}: {refusal_text(exc)}")
     if args.schedule is not None:
@@ -288,6 +324,27 @@ def main_plan(argv: Sequence[str] | None = None) -> int:
         print(f"\nwrote {args.json} (fingerprint {plan.fingerprint()[:12]})")
     if args.html:
         write_html(args.html, plan.to_html())
+    return 0
+
+
+def _print_stages(args: argparse.Namespace, model, kw: dict) -> int:
+    """``plan --pp``: the split (which rule, which layers per stage), then each stage's plan
+    summary; ``--json``: one file per stage."""
+    sp = compile_stages(
+        model, args.mesh, pp=args.pp, stages_per_rank=args.stages_per_rank, reshard_after_forward=not args.z2, **kw
+    )
+    print(f"{args.model}: {sp.split.describe()}")
+    for s, plan in enumerate(sp.plans):
+        print(f"\n=== stage {s} of {sp.split.num_stages} (pp rank {s % sp.split.pp_size}) ===")
+        print(plan.summary())
+    if args.json:
+        root, ext = os.path.splitext(args.json)
+        for s, plan in enumerate(sp.plans):
+            path = f"{root}.stage{s}{ext or '.json'}"
+            with open(path, "w", encoding="ascii") as f:
+                f.write(plan.to_json(indent=1))
+                f.write("\n")
+            print(f"wrote {path} (fingerprint {plan.fingerprint()[:12]})")
     return 0
 
 

@@ -219,6 +219,7 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
         selection_kwargs,
         warnings_to_stderr,
     )
+    from dmuon._cli.pipeline_commands import add_pipeline_args, simulate_pipelined, wants_pipeline
     from dmuon.plan._compile import compile
     from dmuon._zoo import PRESETS
     from dmuon.sim._engine import hardware as H
@@ -259,6 +260,7 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
         help="expert parallelism: plan the model as one rank of ep = K holds it and simulate the "
         "token all-to-all over the EP groups (module docstring: its scope)",
     )
+    add_pipeline_args(parser)
     add_selection_args(parser, cost_model_default="ns_flops")  # the same options as `plan`
     parser.add_argument("--json", metavar="FILE", default=None, help="write every variant's figures as JSON")
     parser.add_argument(
@@ -315,10 +317,17 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
 
                 model = expert_parallel_variant(model, args.ep)
                 kw["ep"] = args.ep
-            plans = {z3: compile(model, args.mesh, reshard_after_forward=z3, **kw) for z3 in (False, True)}
+            if not wants_pipeline(args):
+                plans = {z3: compile(model, args.mesh, reshard_after_forward=z3, **kw) for z3 in (False, True)}
     except ValueError as exc:  # the plan refuses this mesh / TP degree / EP degree / owner groups for this model
         flags = f"--mesh {args.mesh} --tp {args.tp}" + (f" --ep {args.ep}" if args.ep > 1 else "")
         parser.error(f"{args.model} on {flags}: {refusal_text(exc)}")
+    if wants_pipeline(args):  # --pp / --microbatches / --ac: the pipelined step (pipeline_commands)
+        if not gpu:  # a calibrated CPU: every rank on this machine
+            dims = args.mesh if isinstance(args.mesh, tuple) else (args.mesh,)
+            hw = dataclasses.replace(hw, ranks_per_node=args.pp * args.tp * dims[0] * (dims[1] if len(dims) > 1 else 1))
+        act = "torch.bfloat16" if gpu else "torch.float32"
+        return simulate_pipelined(parser, args, model, kw, hw, top_k, param_dtype, act)
     plan = plans[True]
     R, N = plan.mesh_shape
     if not gpu:  # a calibrated CPU: every rank on this machine
@@ -375,6 +384,11 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
         )
     for line in memory_lines(sims):
         print(line)
+    if hw.memory_nbytes:  # every row's peak per rank against the device
+        print(
+            f"peak per rank against the device's {hw.memory_nbytes / 2**30:.1f} GiB: "
+            + ", ".join(f"{v} {'fits' if _fits(s, hw.memory_nbytes) else 'DOES NOT FIT'}" for v, s in sims.items())
+        )
     rec = recommend(sims, hw.memory_nbytes)
     print(f"\nrecommended: dmuon {rec.upper()} ({sims[rec].step_s / base:.3f} x FSDP2 + AdamW)")
     if not _fits(sims[rec], hw.memory_nbytes):  # recommend() prefers a mode that fits: none does

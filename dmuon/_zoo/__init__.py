@@ -12,7 +12,7 @@ router ``model.layers.N.mlp.gate.weight`` ``(E, D)``).
 
 :data:`PRESETS` maps a CLI name to a zero-argument builder (meta device, float32).
 Modules: ``llama`` (Llama-3), ``vit`` (ViT-B/16), ``moe`` (Mixtral-like, torchtitan stacks),
-``hf_moe`` (Qwen3-MoE, DeepSeek-V3 in transformers' fused layout). The zoo is for planning,
+``hf_moe`` (Qwen3-MoE, DeepSeek-V3, Kimi-K2 in transformers' fused layout). The zoo is for planning,
 simulation and tests; the planner never imports it (``python -m dmuon plan`` and ``simulate`` do).
 """
 
@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from dmuon._zoo.hf_moe import deepseek_v3, hf_moe, qwen3_30b_a3b
+from dmuon._zoo.hf_moe import deepseek_v3, hf_moe, kimi_k2, qwen3_30b_a3b
 from dmuon._zoo.llama import llama, llama3_8b, llama3_70b, llama3_405b, tiny_llama
 from dmuon._zoo.moe import mixtral_8x7b, moe, tiny_moe
 from dmuon._zoo.vit import vit, vit_b16
@@ -42,6 +42,7 @@ __all__ = [
     "hf_moe",
     "qwen3_30b_a3b",
     "deepseek_v3",
+    "kimi_k2",
 ]
 
 #: CLI name -> zero-argument builder (meta device, float32)
@@ -55,4 +56,5 @@ PRESETS: dict[str, Callable[[], nn.Module]] = {
     "tiny-moe": tiny_moe,
     "qwen3-30b-a3b": qwen3_30b_a3b,
     "deepseek-v3": deepseek_v3,
+    "kimi-k2": kimi_k2,
 }

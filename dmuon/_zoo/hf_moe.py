@@ -239,3 +239,26 @@ def deepseek_v3(device: torch.device | str = "meta", dtype: torch.dtype = torch.
         device=device,
         dtype=dtype,
     )
+
+
+def kimi_k2(device: torch.device | str = "meta", dtype: torch.dtype = torch.float32) -> HFMoEForCausalLM:
+    """Kimi-K2-shaped (Moonshot's published configuration): 61 layers, hidden 7168, vocab 163840;
+    the first layer dense (SwiGLU FFN 18432), the other 60 an MoE of 384 routed experts of FFN
+    2048 (top-8) plus one shared expert of FFN 2048; multi-head latent attention with 64 heads
+    (q LoRA rank 1536, kv LoRA rank 512, head dims 128 nope + 64 rope, v 128); about 1.04 T
+    parameters. Simplified as :func:`deepseek_v3` (no rotary arithmetic, no router bias)."""
+    return hf_moe(
+        num_layers=61,
+        hidden=7168,
+        num_experts=384,
+        moe_ffn=2048,
+        top_k=8,
+        vocab=163840,
+        num_heads=64,
+        mla=dict(q_lora=1536, kv_lora=512, nope=128, rope=64, v_dim=128),
+        first_dense=1,
+        dense_ffn=18432,
+        shared_ffn=2048,
+        device=device,
+        dtype=dtype,
+    )

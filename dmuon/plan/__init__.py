@@ -29,6 +29,8 @@ The folders follow the pipeline ``compile`` runs (docs/planning.md, "Where each 
     tools/       ``render`` (summary), ``diff``, ``cli`` (``python -m dmuon plan|diff``), ``html`` (the plan and
                  diff pages, imported when drawn)
     compile.py   the planner: runs the stages in order
+    stage_plans  one plan per pipeline stage (``compile_stages``), the model split as torchtitan
+                 splits it (``model/pipeline_split``)
     rules.py     behaviour rules shared by planner and runtime (NS backend choice and batching,
                  Gram restarts, accepted modes, wire dtypes, owner-group dims, TP Gram or gather)
 
@@ -54,10 +56,17 @@ from dmuon.plan._scheduling.schedule_replay import replay
 from dmuon.plan._scheduling.builder import schedule
 from dmuon.plan._cost.stage_bytes import pipeline_cost
 from dmuon.plan._model.selection import matrix_predicate
+from dmuon.plan._model.pipeline_split import PipelineSplit, split_model, stage_model
+from dmuon.plan._stage_plans import StagePlans, compile_stages
 from dmuon.plan._compile import compile  # last: dmuon.plan.compile is the function (it shadows its module)
 
 __all__ = [
     "compile",
+    "compile_stages",
+    "StagePlans",
+    "PipelineSplit",
+    "split_model",
+    "stage_model",
     "schedule",
     "pipeline_cost",
     "replay",

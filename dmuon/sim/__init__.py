@@ -6,6 +6,10 @@ Pure: no process group, no GPU, never imports ``torch.distributed``. Entry point
     wl = dmuon.sim.workload.from_plan(plan, tokens_per_rank=8192, seq_len=8192)
     sim = dmuon.sim.simulate(plan, hw, wl)                  # -> Simulation (step, ranks, path, timelines)
     sims = dmuon.sim.simulate_variants(plan, hw, wl)        # adamw, naive, z2, z3, all_to_all
+    stages = dmuon.plan.compile_stages(model, 8, pp=4)      # one plan per pipeline stage
+    pp = dmuon.sim.simulate_pipeline(stages, hw, tokens_per_rank=65536, seq_len=8192,
+                                     micro_batches=8, schedule="1f1b", ac="selective")
+    best = dmuon.sim.advise(builder, 1024, hw, tokens_per_rank=8192)  # the fastest layouts that fit
 
 Modules: ``hardware`` (links, collective cost, compute throughput, presets), ``workload``
 (per-boundary compute derived from the plan), ``alternatives`` (FSDP2 + AdamW, naive Muon,
@@ -13,7 +17,9 @@ dion-style all-to-all as op tables), ``variants`` (schedule variants such as ear
 ``simulate`` (the API: ``simulate``, ``simulate_variants``), ``lower`` (schedule ops -> timed
 simulator ops), ``replay`` (the clocked replay, the critical path), ``memory`` (peak memory),
 ``records`` (the result records), ``html`` (the result as a page), ``kinds`` (each buffer's two collective
-kinds priced: a plan's choices against the simulator), ``calibrate`` (microbenchmarks for ``cpu-gloo``), ``cli``.
+kinds priced: a plan's choices against the simulator), ``calibrate`` (microbenchmarks for ``cpu-gloo``), ``cli``;
+``_pipeline``: pipeline schedules (``pp_schedule``), the pipelined step with activation checkpointing
+(``pp_simulate``) and the configuration search of ``advise`` (``advise_search``), docs/pipeline_simulation.md.
 See docs/performance.md ("Step-time simulator").
 """
 
@@ -23,10 +29,27 @@ from dmuon.sim._engine.hardware import CollectiveCurve, Hardware, Link
 from dmuon.sim._engine.records import Interval, MemoryBreakdown, PathStep, RankTime, Simulation, Simulations
 from dmuon.sim._engine.simulate import VARIANTS, simulate, simulate_variants
 from dmuon.sim._engine.variants import early_ns_schedule
-from dmuon.sim._engine.workload import Work, Workload, from_plan
+from dmuon.sim._engine.workload import AC_MODES, Work, Workload, from_plan
+from dmuon.sim._pipeline.pp_schedule import SCHEDULES, Action, PipelineReplay, pipeline_order, replay_pipeline
+from dmuon.sim._pipeline.pp_simulate import PipelineRank, PipelineSimulation, StageTime, simulate_pipeline
+from dmuon.sim._pipeline.advise_search import Advice, Candidate, Config, advise
 
 __all__ = [
     "simulate",
+    "simulate_pipeline",
+    "PipelineSimulation",
+    "PipelineRank",
+    "StageTime",
+    "pipeline_order",
+    "replay_pipeline",
+    "PipelineReplay",
+    "Action",
+    "SCHEDULES",
+    "AC_MODES",
+    "advise",
+    "Advice",
+    "Candidate",
+    "Config",
     "simulate_variants",
     "Simulation",
     "Simulations",

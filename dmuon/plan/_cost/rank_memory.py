@@ -274,12 +274,13 @@ def dmuon_memory(plan: Any, stats: Sequence[RankStats], *, variant: str = "muon"
     return tuple(out)
 
 
-def fsdp2_memory(plan: Any, variant: str) -> MemoryTerms:
+def fsdp2_memory(plan: Any, variant: str, *, reshard_after_forward: bool | None = None) -> MemoryTerms:
     """One rank's :class:`MemoryTerms` (every rank the same) when FSDP2 shards every parameter
     of the plan's model on its mesh (module docstring): ``"adamw"`` (FSDP2 + AdamW, Z3 as FSDP2
     defaults to), ``"naive"`` (FSDP2 + naive Muon: every Muon update gathered before its NS; the
     plan's Z2 / Z3) or ``"all_to_all"`` (dion-style: the same, then two matrices' worth of each
-    owned batch instead of the gathered updates)."""
+    owned batch instead of the gathered updates). ``reshard_after_forward`` overrides the
+    variant's Z3 / Z2 (a pipelined baseline runs Z2, as torchtitan does under PP)."""
     if variant not in ("adamw", "naive", "all_to_all"):
         raise ValueError(f"variant must be 'adamw', 'naive' or 'all_to_all', got {variant!r}")
     N = plan.mesh_shape[1]
@@ -290,6 +291,8 @@ def fsdp2_memory(plan: Any, variant: str) -> MemoryTerms:
         b = plan.boundary(s.fqn)
         unit_full[b] = unit_full.get(b, 0) + s.local_numel * itemsize_nbytes(s.dtype)
     z3 = True if variant == "adamw" else plan.reshard_after_forward
+    if reshard_after_forward is not None:
+        z3 = reshard_after_forward
     largest = max(unit_full.values(), default=0)
     unsharded = largest if z3 else sum(unit_full.values())
     transient = unsharded + largest  # + one unit's unsharded gradient before its reduce-scatter

@@ -210,6 +210,18 @@ def fsdp2_ops(
             )
         for b in reversed(bounds):
             g = gather(b, mb) if reshard_after_forward else fwd_deps[b]
+            if b in micro.recompute:  # activation checkpointing: the forward again, before the backward
+                g = (
+                    e.emit(
+                        kind="recompute",
+                        phase="compute",
+                        group=everyone,
+                        boundary=b,
+                        micro_batch=mb,
+                        deps=g,
+                        external=True,
+                    ),
+                )
             c = e.emit(
                 kind="backward", phase="compute", group=everyone, boundary=b, micro_batch=mb, deps=g, external=True
             )
@@ -220,11 +232,15 @@ def fsdp2_ops(
     return tuple(e.ops), last_grad
 
 
-def build(variant: str, plan: Any, step: Step | None = None) -> tuple[Op, ...]:
+def build(
+    variant: str, plan: Any, step: Step | None = None, *, fsdp2_reshard_after_forward: bool | None = None
+) -> tuple[Op, ...]:
     """The op table of alternative ``variant`` (:data:`VARIANTS`) on ``plan``'s model and mesh.
 
     FSDP2 runs with the plan's ``reshard_after_forward`` for ``naive`` / ``all_to_all`` and with
-    ``True`` for ``adamw`` (the floor as usually deployed). NS FLOPs: :func:`dmuon.plan._cost.flops.ns_flops`
+    ``True`` for ``adamw`` (the floor as usually deployed), unless ``fsdp2_reshard_after_forward``
+    says (under pipeline parallelism torchtitan keeps parameters after the forward: False). A
+    micro-batch's ``recompute`` boundaries recompute their forward before their backward. NS FLOPs: :func:`dmuon.plan._cost.flops.ns_flops`
     of each matrix view.
 
     Raises:
@@ -234,6 +250,8 @@ def build(variant: str, plan: Any, step: Step | None = None) -> tuple[Op, ...]:
         raise ValueError(f"unknown alternative {variant!r}: one of {VARIANTS}")
     step = Step() if step is None else step
     reshard = True if variant == "adamw" else plan.reshard_after_forward
+    if fsdp2_reshard_after_forward is not None:
+        reshard = fsdp2_reshard_after_forward
     ops, last_grad = fsdp2_ops(plan, step, reshard_after_forward=reshard)
     if variant == "adamw":
         return ops

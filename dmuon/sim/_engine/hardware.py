@@ -643,11 +643,20 @@ _GPU_EFFICIENCY = ((128.0, 0.08), (512.0, 0.35), (1024.0, 0.55), (2048.0, 0.68),
 
 
 def _gpu(
-    name: str, *, bf16: float, fp32: float, hbm: float, nvlink: float, ib: float, mem_gb: float, source: str
+    name: str,
+    *,
+    bf16: float,
+    fp32: float,
+    hbm: float,
+    nvlink: float,
+    ib: float,
+    mem_gb: float,
+    source: str,
+    ranks_per_node: int = 8,
 ) -> Hardware:
     return Hardware(
         name=name,
-        ranks_per_node=8,
+        ranks_per_node=ranks_per_node,  # the NVLink domain
         # NCCL bus bandwidth reaches ~80 % of NVLink's per-direction rate and ~90 % of the NIC's
         intra=Link(latency_s=3e-6, bandwidth_Bps=0.8 * nvlink),
         inter=Link(latency_s=8e-6, bandwidth_Bps=0.9 * ib),
@@ -660,7 +669,7 @@ def _gpu(
         hook_s=30e-6,
         fsdp2_call_s=60e-6,
         dtensor_op_s=0.0,  # foreach / fused optimizers on GPU: dispatch hidden behind the device
-        cores_per_node=8,
+        cores_per_node=ranks_per_node,
         comm_engine="separate",
         compute_dtype="torch.bfloat16",
         ns_dtype="torch.bfloat16",
@@ -703,6 +712,20 @@ PRESETS: dict[str, Hardware] = {
         ib=25 * _GB,
         mem_gb=80,
         source="nvidia-a100-datasheet",
+    ),
+    # GB300 NVL72 from NVIDIA's public product page only (per GPU: BF16 dense 2.5 PFLOPS = 360 PFLOPS
+    # sparse / 72 / 2; FP32 6 PFLOPS / 72; HBM3e 288 GB at 8 TB/s; NVLink 5 1.8 TB/s bidirectional in a
+    # 72-GPU domain; one ConnectX-8 800 Gb/s NIC per GPU): UNCALIBRATED, no measurement behind it
+    "gb300": _gpu(
+        "GB300 NVL72 288GB, NVLink 5 (72-GPU domain) + 800G ConnectX-8 (uncalibrated: public specifications)",
+        bf16=2500 * _TF,
+        fp32=83 * _TF,
+        hbm=8000 * _GB,
+        nvlink=900 * _GB,
+        ib=100 * _GB,
+        mem_gb=288e9 / 2**30,
+        source="nvidia-gb300-nvl72-product-page (uncalibrated)",
+        ranks_per_node=72,
     ),
     "a800": _gpu(
         "A800 SXM4 80GB, NVLink 400 GB/s + 8x200G HDR InfiniBand",

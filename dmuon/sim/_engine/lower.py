@@ -108,6 +108,15 @@ class _SimOp:
     deferred: bool = False  # HSDP replicate broadcast with replicate_async: waited for in the next step
 
 
+def tp_activation_all_reduce_s(hw: Hardware, tp_size: int, tokens: int, hidden: int, itemsize: int) -> float:
+    """One Megatron tensor-parallel activation all-reduce of ``tokens x hidden`` on ``tp_size``
+    ranks of one node (0 without TP); a boundary runs two in its forward and two in its backward
+    (a selective recompute none: it saves them)."""
+    if tp_size <= 1 or not hidden:
+        return 0.0
+    return collective_s(hw, "all_reduce", tuple(range(tp_size)), tokens * hidden * itemsize)
+
+
 def _work_s(hw: Hardware, w: Work, factor: float, dtype: str, itemsize: int) -> float:
     """Seconds of ``factor`` x the forward of ``w``: matmuls at the training-matmul efficiency
     (:func:`~dmuon.sim.hardware.train_matmul_s`), attention
@@ -252,6 +261,17 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
     isz = itemsize_nbytes(wl.activation_dtype)
     fwd_s = {f: _work_s(hw, w, 1.0, dtype, isz) * step_f for f, w in work.items()}
     bwd_s = {f: _work_s(hw, w, w.backward_factor, dtype, isz) * step_f for f, w in work.items()}
+    # activation checkpointing: what each boundary's backward recomputes (dmuon.sim.workload)
+    rec_s = {f: _work_s(hw, w.recompute, 1.0, dtype, isz) * step_f for f, w in work.items() if w.recompute is not None}
+    # tensor parallelism: Megatron's activation all-reduces, two per boundary forward (and recompute)
+    # and two per backward, on the node's TP group, exposed
+    tp_ar = {
+        f: 2 * tp_activation_all_reduce_s(hw, plan.tp_size, wl.tokens_per_rank // wl.micro_batches, w.hidden, isz)
+        for f, w in work.items()
+    }
+    fwd_s = {f: t + tp_ar[f] for f, t in fwd_s.items()}
+    bwd_s = {f: t + tp_ar[f] for f, t in bwd_s.items()}
+    rec_s = {f: t + (tp_ar[f] if work[f].recompute_all_to_all else 0.0) for f, t in rec_s.items()}
     embed_f = _work_s(hw, wl.embed, 1.0, dtype, isz) * step_f
     embed_b = _work_s(hw, wl.embed, wl.embed.backward_factor, dtype, isz) * step_f
     head = _work_s(hw, wl.head, 1.0 + wl.head.backward_factor, dtype, isz) * step_f
@@ -267,9 +287,12 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
     first_fwd: set[int] = set()
     first_bwd: set[int] = set()
     last_bwd: dict[int, int] = {}
+    reducing: set[int] = set()  # micro-batches whose backward reduces (the others run inside no_sync)
     for op in ops:
         if op.kind == "backward":
             last_bwd[op.micro_batch] = op.id
+        elif op.phase == "reduce":
+            reducing.add(op.micro_batch)
     grad_colls: list[int] = []
     coll_cache: dict = {}
     waited: set[tuple] = set()
@@ -417,10 +440,14 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
                 grad_colls.append(len(out))
         elif kind in ("forward", "backward", "recompute"):
             b = op.boundary
-            secs = (fwd_s[b] if kind != "backward" else bwd_s[b]) + hook
-            if kind == "backward" and dmuon:
-                secs += elementwise_s(hw, 2 * boundary_nbytes.get(b, 0), 2) * busy_m * over  # packing
-            if b in moe:  # dense | dispatch | experts | combine, or its reverse in the backward
+            if kind == "recompute":
+                secs = rec_s.get(b, fwd_s[b]) + hook
+            else:
+                secs = (fwd_s[b] if kind == "forward" else bwd_s[b]) + hook
+            if kind == "backward" and dmuon and mb in reducing:  # packing the gradients for their reduce
+                secs += elementwise_s(hw, 2 * boundary_nbytes.get(b, 0), 2) * busy_m * over
+            if b in moe and (kind != "recompute" or work[b].recompute_all_to_all):
+                # dense | dispatch | experts | combine, or its reverse in the backward
                 e_s = exp_s[b][kind == "backward"]
                 if kind == "backward":
                     sent = token_a2a(b, mb, (last_compute[0],) if last_compute[0] >= 0 else ())

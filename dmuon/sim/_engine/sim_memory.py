@@ -20,7 +20,12 @@ __all__ = ["memory", "buffer_wire_numel"]
 
 
 def memory(
-    plan: Any, workload: Workload, variant: str, sched: StepSchedule | None = None
+    plan: Any,
+    workload: Workload,
+    variant: str,
+    sched: StepSchedule | None = None,
+    *,
+    fsdp2_reshard_after_forward: bool | None = None,
 ) -> tuple[MemoryBreakdown, ...]:
     """Peak memory per rank, by term (storage dtypes; the activation dtype for activations).
 
@@ -35,10 +40,12 @@ def memory(
     AdamW moments (or Muon momentum for the matrices), the largest unit unsharded with its
     unsharded gradient (Z2: every unit's parameters); ``naive`` adds every full Muon update
     gathered at once (its step gathers all before the NS); ``all_to_all`` adds two matrices'
-    worth of each owned batch (received shards + result). Activations: one micro-batch's
-    (:attr:`Workload.activation_nbytes`).
+    worth of each owned batch (received shards + result); ``fsdp2_reshard_after_forward``
+    overrides the baselines' Z3 / Z2 as :func:`dmuon.sim.alternatives.build` does. Activations: one
+    micro-batch's (:attr:`Workload.activation_nbytes`), plus under activation checkpointing what one
+    boundary's recompute rebuilds (:attr:`Workload.recompute_transient_nbytes`).
     """
-    act = workload.activation_nbytes
+    act = workload.activation_nbytes + workload.recompute_transient_nbytes
     if variant in ("z2", "z3"):
         if sched is None:
             stats = plan.rank_stats()
@@ -56,7 +63,7 @@ def memory(
         terms = _memory.dmuon_memory(plan, stats)
     else:
         R, N = plan.mesh_shape
-        terms = (_memory.fsdp2_memory(plan, variant),) * (R * N)
+        terms = (_memory.fsdp2_memory(plan, variant, reshard_after_forward=fsdp2_reshard_after_forward),) * (R * N)
     return tuple(
         MemoryBreakdown(
             parameters_nbytes=t.parameters_nbytes,

@@ -95,7 +95,7 @@ VARIANTS = ("adamw", "naive", "z2", "z3", "all_to_all")
 
 
 def _variant_ops(
-    plan: Any, variant: str, step: Step | None, early_ns: bool | str
+    plan: Any, variant: str, step: Step | None, early_ns: bool | str, fsdp2_reshard: bool | None = None
 ) -> tuple[Sequence[Op], int, Any, Any]:
     if variant in ("z2", "z3"):
         want = variant == "z3"
@@ -109,7 +109,7 @@ def _variant_ops(
 
             sched = early_ns_schedule(sched, early_replicate_broadcast=early_ns != "ns_only")
         return sched.ops, sched.num_ranks, plan, nominal
-    ops = _alt.build(variant, plan, step)
+    ops = _alt.build(variant, plan, step, fsdp2_reshard_after_forward=fsdp2_reshard)
     R, N = plan.mesh_shape
     return ops, R * N, plan, None
 
@@ -142,6 +142,7 @@ def simulate(
     variant: str | None = None,
     early_ns: bool | str = False,
     timeline_ranks: Sequence[int] | None = None,
+    fsdp2_reshard_after_forward: bool | None = None,
 ) -> Simulation:
     """Simulate one step of ``plan`` (dmuon, with the plan's Z2/Z3) or of an alternative.
 
@@ -158,6 +159,8 @@ def simulate(
             HSDP replicate broadcasts left at the end of the step.
         timeline_ranks: ranks whose timeline to keep (default: all ranks up to 16, else rank 0
             and the last rank).
+        fsdp2_reshard_after_forward: the alternatives' FSDP2 Z3 (True) or Z2 (False); None = as
+            :func:`dmuon.sim.alternatives.build` defaults (``adamw``: True).
 
     Raises:
         ValueError: unknown variant, or an op the simulator cannot time.
@@ -167,14 +170,20 @@ def simulate(
         variant = "z3" if plan.reshard_after_forward else "z2"
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}: one of {VARIANTS}")
-    ops, n, mode_plan, nominal = _variant_ops(plan, variant, step, early_ns)
+    ops, n, mode_plan, nominal = _variant_ops(plan, variant, step, early_ns, fsdp2_reshard_after_forward)
     if timeline_ranks is None:
         timeline_ranks = tuple(range(n)) if n <= 16 else (0, n - 1)
     sim_ops = _lower(ops, plan, hardware, workload, variant=variant, num_ranks=n)
     raw = replay_ops(sim_ops, n, hardware, timeline_ranks=timeline_ranks)
     crit, path = _critical_path(sim_ops, raw)
     step_s = float(raw["rank_end"].max())
-    mem = memory(mode_plan, workload, variant, sched=nominal if step is None else None)
+    mem = memory(
+        mode_plan,
+        workload,
+        variant,
+        sched=nominal if step is None else None,
+        fsdp2_reshard_after_forward=fsdp2_reshard_after_forward,
+    )
     calls = _calls_per_rank(sim_ops, n)
     ranks = []
     for x in range(n):

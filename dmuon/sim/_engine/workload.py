@@ -48,6 +48,20 @@ activation memory            ``34 · tokens · hidden`` bytes per boundary in bf
                              al. 2022, with flash attention: no ``s²`` term), scaled by
                              ``itemsize / 2``; ``hidden`` = the boundary's widest 1-D weight, or
                              its smallest matrix side
+activation checkpointing     ``ac="full"`` (torchtitan's full AC, every boundary wrapped): a
+                             boundary keeps its input, ``tokens · hidden · itemsize``; its
+                             backward first recomputes its whole forward (the token all-to-alls
+                             included). ``ac="selective"`` (torchtitan's per-op SAC: every
+                             attention output, every all-to-all output and every second matmul
+                             output saved, the rest recomputed): a boundary keeps its input, its
+                             attention output (``tokens · d_attn``), half its matmul outputs
+                             (``tokens · out`` per 2-D weight, ``tokens · top_k · out`` per expert
+                             matrix) and, under expert parallelism, both all-to-all outputs, at
+                             most the whole ``34`` figure; its backward recomputes half of every
+                             matmul and every elementwise, norm and activation term (not
+                             attention, not the all-to-alls). Either way one boundary's
+                             recomputed activations are held during its backward
+                             (:attr:`Workload.recompute_transient_nbytes`)
 ===========================  ===================================================================
 
 Outside the boundaries (the root unit): embeddings (a gather, ``2 · tokens · hidden · itemsize``
@@ -72,7 +86,10 @@ from dmuon.plan import _rules
 from dmuon.plan._cost.baseline import is_expert_stack
 from dmuon.plan._records.fields import itemsize_nbytes
 
-__all__ = ["Work", "Workload", "from_plan", "model_top_k", "ACTIVATION_BYTES_PER_TOKEN_HIDDEN"]
+__all__ = ["Work", "Workload", "from_plan", "model_top_k", "ACTIVATION_BYTES_PER_TOKEN_HIDDEN", "AC_MODES"]
+
+#: activation checkpointing modes of :func:`from_plan` (module docstring)
+AC_MODES = ("none", "full", "selective")
 
 #: activation bytes per token and hidden unit of one transformer layer in bf16 with flash
 #: attention (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
@@ -111,6 +128,12 @@ class Work:
             matmuls and elementwise terms, included in the ones above), or None without stacks.
         dispatch_nbytes: bytes one rank sends in one token all-to-all of this boundary under
             expert parallelism (``tokens · top_k · hidden · itemsize``; 0 without stacks).
+        hidden: the hidden size (the width of the activation between boundaries).
+        recompute: what the backward recomputes under activation checkpointing (None: nothing).
+        recompute_all_to_all: the recompute runs the token all-to-alls again (full AC: yes;
+            selective AC saves their outputs).
+        activation_full_nbytes: the activations without checkpointing (what a recompute
+            rebuilds; equal to ``activation_nbytes`` without AC).
     """
 
     fqn: str
@@ -127,6 +150,10 @@ class Work:
     backward_factor: float = 2.0
     experts: Work | None = None
     dispatch_nbytes: int = 0
+    hidden: int = 0
+    recompute: Work | None = None
+    recompute_all_to_all: bool = True
+    activation_full_nbytes: int = 0
 
     @property
     def matmul_flops(self) -> int:
@@ -157,6 +184,7 @@ class Workload:
         ns_batching: ``dmuon.Muon(ns_batching=...)`` of the job: ``"batched"`` (default; NS per
             bucket of same-shape matrices, its operators issued once per call) or ``"exact"`` (one
             call per matrix); ``dataclasses.replace`` to price the other.
+        activation_checkpointing: ``"none"``, ``"full"`` or ``"selective"`` (module docstring).
     """
 
     tokens_per_rank: int
@@ -170,6 +198,7 @@ class Workload:
     muon_ops_per_matrix: int = 8
     ns_ops_per_step: int = 5
     ns_batching: str = "batched"
+    activation_checkpointing: str = "none"
 
     def __post_init__(self) -> None:
         if self.ns_batching not in _rules.NS_BATCHING_MODES:
@@ -196,6 +225,15 @@ class Workload:
             + self.head.activation_nbytes
         )
 
+    @property
+    def recompute_transient_nbytes(self) -> int:
+        """Under activation checkpointing, the most one boundary's backward rebuilds
+        (``activation_full_nbytes - activation_nbytes``); 0 without."""
+        return max(
+            (w.activation_full_nbytes - w.activation_nbytes for _, w in self.boundaries if w.recompute is not None),
+            default=0,
+        )
+
 
 def _mean_dim(m: float, n: float, k: float) -> float:
     return (max(m, 1) * max(n, 1) * max(k, 1)) ** (1.0 / 3.0)
@@ -218,6 +256,7 @@ def _unit_work(
     top_k: int,
     causal: bool,
     head_dim: int | None,
+    ac: str = "none",
 ) -> Work:
     """The Work of one unit from its ``(fqn, local shape, ep)`` parameters (``ep``: an expert
     stack's expert-parallel degree, its local shape ``(E/ep, m, n)``)."""
@@ -232,6 +271,8 @@ def _unit_work(
     d_attn = 0
     hidden = 0
     sides = []
+    out_numel = 0  # matmul outputs of the forward (selective AC saves half)
+    ep_max = 1
     for name, shape, ep in params:
         if len(shape) == 1:
             norm_numel += tokens * shape[0]
@@ -251,12 +292,15 @@ def _unit_work(
             exp_elem += int(2 * tokens * min(top_k, E) * m * itemsize)
             exp_ops += _OPS_PER_MATRIX * e
             sides.append(min(m, n))
+            out_numel += tokens * min(top_k, E) * m
+            ep_max = max(ep_max, ep)
             continue
         m = shape[0]
         n = math.prod(shape[1:])
         matmuls.append((2 * tokens * m * n, _mean_dim(tokens, m, n)))
         ops += _OPS_PER_MATRIX
         sides.append(min(m, n))
+        out_numel += tokens * m
         leaf = name.rpartition(".")[0].rpartition(".")[2]
         if label == "boundary" and (leaf == "gate_proj" or leaf in _ACTIVATION_INPUTS):
             act_by_leaf[leaf] = act_by_leaf.get(leaf, 0) + tokens * m
@@ -286,7 +330,7 @@ def _unit_work(
     if exp_matmuls:
         experts = Work(fqn=fqn, label="experts", matmuls=tuple(exp_matmuls), elementwise_nbytes=exp_elem, ops=exp_ops)
         dispatch = tokens * top_k * hidden * itemsize
-    return Work(
+    work = Work(
         fqn=fqn,
         label=label,
         matmuls=tuple(matmuls + exp_matmuls),
@@ -300,7 +344,24 @@ def _unit_work(
         activation_nbytes=int(act),
         experts=experts,
         dispatch_nbytes=int(dispatch),
+        hidden=int(hidden),
+        activation_full_nbytes=int(act),
     )
+    if ac == "none" or label != "boundary":
+        return work
+    if ac == "full":  # the boundary keeps its input; its backward recomputes all of its forward
+        return dataclasses.replace(work, activation_nbytes=int(tokens * hidden * itemsize), recompute=work)
+    # selective (module docstring): input, attention output, half the matmul outputs, the all-to-all outputs
+    saved = itemsize * (tokens * hidden + tokens * d_attn + out_numel // 2) + (2 * dispatch if ep_max > 1 else 0)
+    rec = dataclasses.replace(
+        work,
+        matmuls=tuple((f // 2, d) for f, d in work.matmuls),
+        attention_flops=0,
+        attention_head_d=0.0,
+        experts=None,
+        dispatch_nbytes=0,
+    )
+    return dataclasses.replace(work, activation_nbytes=int(min(act, saved)), recompute=rec, recompute_all_to_all=False)
 
 
 def model_top_k(model: Any, default: int = 2) -> int:
@@ -324,6 +385,7 @@ def from_plan(
     top_k: int = 2,
     causal: bool = True,
     head_dim: int | None = None,
+    ac: str = "none",
 ) -> Workload:
     """The :class:`Workload` of ``plan``'s model (module docstring: every term).
 
@@ -338,10 +400,16 @@ def from_plan(
         causal: causal attention (factor 1/2 on attention FLOPs).
         head_dim: attention head dimension (``attention_head_d``); None = ``min(128, d_attn)``
             (Llama-3's, Mistral's, Qwen's head size).
+        ac: activation checkpointing of every boundary: ``"none"``, ``"full"`` or
+            ``"selective"`` (module docstring); the step must recompute every boundary
+            (``MicroBatch(recompute=...)``) for its cost to be replayed.
 
     Raises:
-        ValueError: non-positive tokens, sequence length, micro-batches or head dimension.
+        ValueError: non-positive tokens, sequence length, micro-batches or head dimension, or an
+            unknown ``ac``.
     """
+    if ac not in AC_MODES:
+        raise ValueError(f"from_plan: ac must be one of {AC_MODES}, got {ac!r}")
     if tokens_per_rank <= 0 or seq_len <= 0 or micro_batches <= 0 or (head_dim is not None and head_dim <= 0):
         raise ValueError("from_plan: tokens_per_rank, seq_len, micro_batches and head_dim must be positive")
     tokens = tokens_per_rank / micro_batches
@@ -358,7 +426,7 @@ def from_plan(
         else:
             per_boundary.setdefault(unit.fqn, []).extend(pairs)
     kw = dict(tokens=int(tokens), seq_len=seq_len, itemsize=isz, top_k=top_k, causal=causal, head_dim=head_dim)
-    bounds = tuple((fqn, _unit_work(fqn, "boundary", ps, **kw)) for fqn, ps in per_boundary.items())
+    bounds = tuple((fqn, _unit_work(fqn, "boundary", ps, ac=ac, **kw)) for fqn, ps in per_boundary.items())
     embed = _unit_work("", "embed", [p for p in root if _is_embedding(p[0])], **kw)
     head_params = [p for p in root if not _is_embedding(p[0])]
     head = _unit_work("", "head", head_params, **kw)
@@ -374,4 +442,5 @@ def from_plan(
         boundaries=bounds,
         embed=embed,
         head=head,
+        activation_checkpointing=ac,
     )
