@@ -150,7 +150,7 @@ def test_simulator_memory_is_the_plans_terms_plus_activations():
     from dmuon.sim._engine.sim_memory import memory
 
     plan = _plan()
-    wl = SimpleNamespace(activation_nbytes=1000)  # memory() reads only the workload's activations
+    wl = SimpleNamespace(activation_nbytes=1000, recompute_transient_nbytes=0)  # memory() reads only these
     got = memory(plan, wl, "z3")
     assert [m.peak_nbytes for m in got] == [1792 + 1000] * 2
     assert got[0].optimizer_state_nbytes == 128 + 352 and got[0].transient_nbytes == 704
