@@ -787,6 +787,7 @@ _DTENSOR_SCRIPT = textwrap.dedent(
             assert torch.equal(opt.state[p][k].full_tensor(), ropt.state[q][k].full_tensor()), k
         assert torch.equal(opt.state[p]["step"], ropt.state[q]["step"])
     assert torch.equal(w, w_ref)
+    dist.barrier()
     dist.destroy_process_group()
     tmp.cleanup()
     print("DTENSOR_OK")
