@@ -185,7 +185,7 @@ def _check_same_plan_everywhere(plan) -> None:
         dist.all_gather_object(plans, plan.to_json())
         raise RuntimeError(
             f"dmuon: ranks hold different plans (fingerprint of rank 0: {everyone[0][:12]}, "
-            f"differing ranks: {bad}; rank {bad[0]}: {everyone[bad[0]][:12]}). "
+            f"differing ranks: {bad}; rank {bad[0]}: {everyone[bad[0]][:12]}).\n"
             f"{_plan_difference(plans[0], plans[bad[0]], bad[0])}\n"
             "Compile the plan identically on every rank (same model definition, mesh and arguments), "
             "or compile once and broadcast its JSON"
@@ -234,16 +234,22 @@ def _check_ep_stacks_differ(plan, model: nn.Module, table) -> None:
 
 
 def _plan_difference(json_a: str, json_b: str, rank_b: int) -> str:
-    """What differs from rank 0's plan to rank ``rank_b``'s (``dmuon.plan.diff``), first lines only."""
+    """What differs from rank 0's plan to rank ``rank_b``'s: the first differing dedicated parameter
+    and the likely cause (:func:`dmuon.plan._tools.plan_mismatch.mismatch_lines`), then
+    ``dmuon.plan.diff``'s first lines."""
     from dmuon.plan import ShardingPlan
     from dmuon.plan._tools.diff import diff
 
+    from dmuon.plan._tools.plan_mismatch import mismatch_lines
+
     try:
-        d = diff(ShardingPlan.from_json(json_a), ShardingPlan.from_json(json_b))
+        a, b = ShardingPlan.from_json(json_a), ShardingPlan.from_json(json_b)
+        first = "\n".join(mismatch_lines(a, b, 0, rank_b)) + "\n"
+        d = diff(a, b)
     except Exception as exc:  # noqa: BLE001 - the report must not hide the real error
         return f"(the plans could not be compared: {type(exc).__name__}: {exc})"
     if d.empty:
-        return (
+        return first + (
             "dmuon.plan.diff finds no difference in parameters, owners, boundaries or settings: "
             "compare the ranks' plan.to_json()"
         )
@@ -253,7 +259,7 @@ def _plan_difference(json_a: str, json_b: str, rank_b: int) -> str:
     d = dataclasses.replace(d, changes=tuple(sorted(d.changes, key=rank_of)))
     lines = d.render(max_lines=PLAN_DIFF_LINES).splitlines()
     cut = next((i for i, line in enumerate(lines) if line.lstrip().startswith("bytes per step")), len(lines))
-    return f"dmuon.plan.diff(plan of rank 0, plan of rank {rank_b}):\n" + "\n".join(lines[:cut])
+    return first + f"dmuon.plan.diff(plan of rank 0, plan of rank {rank_b}):\n" + "\n".join(lines[:cut])
 
 
 def apply(
