@@ -82,10 +82,11 @@ def _cases():
 
     dist.all_gather_object = counting
     try:
-        dmuon.dedicate_params(make_model("tiny"))
+        happy = dmuon.dedicate_params(make_model("tiny"))
     finally:
         dist.all_gather_object = real
     out["happy_path_gathers"] = len(calls)
+    out["happy_path_link"] = happy.collectives.link  # read from the process group's backend (gloo)
     dist.barrier()
     return out
 
@@ -165,6 +166,7 @@ def test_plans_differ_by_registration_order_names_the_parameter_and_cause(result
     assert len(cause) == 1 and cause[0].startswith("Likely cause: a different registration order"), msg
     assert "named_parameters() order" in cause[0]
     assert results["happy_path_gathers"] == 1
+    assert results["happy_path_link"] == "gloo"  # dedicate_params priced collectives="auto" with gloo's record
 
 
 def test_train_cli_user_error_inside_ranks_prints_one_clean_line(tmp_path):

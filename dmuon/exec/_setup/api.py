@@ -374,6 +374,22 @@ def efsdp_member_sets(plan) -> tuple[tuple[int, ...], ...]:
     )
 
 
+def collective_backend(model: nn.Module) -> str:
+    """The link record (:data:`dmuon.plan._rules.COLLECTIVE_LINKS`) of the default process group's
+    backend for the model's device: ``"gloo"`` where that backend is gloo, ``"nccl"`` for NCCL and
+    every other backend (the preset). A group with one backend per device type
+    (``"cpu:gloo,cuda:nccl"``) is read for the device of the model's first parameter (a model on
+    ``meta``: CUDA when present, else CPU)."""
+    backend = str(dist.get_backend())
+    if ":" in backend:
+        by_device = dict(part.split(":", 1) for part in backend.split(",") if ":" in part)
+        device = next((p.device.type for p in model.parameters()), "cpu")
+        if device == "meta":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        backend = by_device.get(device, next(iter(by_device.values()), backend))
+    return "gloo" if backend == "gloo" else "nccl"
+
+
 def dedicate_params(
     model: nn.Module,
     mesh=None,
@@ -399,7 +415,10 @@ def dedicate_params(
     when they are called otherwise), an int ``N`` / ``(N,)`` / ``(R, N)`` spanning the world,
     or ``None`` (1-D over the world). ``ep``: the expert-parallel degree (``dmuon.plan.compile``;
     ``None``: ``N`` for a 1-D ``DeviceMesh`` whose dim is named ``"ep"``, else 1; docs/moe_ep.md).
-    Extra keyword arguments go to ``dmuon.plan.compile`` (e.g. ``cost_model``).
+    Extra keyword arguments go to ``dmuon.plan.compile`` (e.g. ``cost_model``). Unless they set
+    ``collective_backend`` or the rule's numbers, the plan's ``collectives="auto"`` rule prices with
+    the link record of the process group's backend for the model's device
+    (:func:`collective_backend`: ``"gloo"`` on gloo, ``"nccl"`` otherwise).
     """
     from dmuon.plan._compile import compile as compile_plan
 
@@ -414,6 +433,8 @@ def dedicate_params(
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ()) if hasattr(mesh, "shape") else ()
     if ep is None and names == ("ep",):  # compile reads the (R, N) below, without the dim's name
         ep = len(table[0])
+    if not any(k in compile_kwargs for k in ("collective_backend", "collective_latency_s", "collective_bandwidth_Bps")):
+        compile_kwargs["collective_backend"] = collective_backend(model)
     plan = compile_plan(
         model,
         (len(table), len(table[0])),
