@@ -52,20 +52,17 @@ __all__ = ["main_simulate", "recommend"]
 
 def _fits(sim: Any, memory_nbytes: int) -> bool:
     """Every rank's simulated peak within the device's memory (0 = unknown: fits)."""
-    return not memory_nbytes or max(sim.peak_memory_nbytes) <= memory_nbytes
+    from dmuon.sim._engine.records import fits
+
+    return fits(sim, memory_nbytes)
 
 
 def recommend(sims: dict, memory_nbytes: int) -> str:
-    """``"z2"`` or ``"z3"`` (module docstring rule)."""
-    z2, z3 = sims.get("z2"), sims.get("z3")
-    if z2 is None or z3 is None:
-        return "z3" if z3 is not None else "z2"
-    fits = {k: _fits(s, memory_nbytes) for k, s in (("z2", z2), ("z3", z3))}
-    if fits["z2"] and not fits["z3"]:
-        return "z2"
-    if fits["z3"] and not fits["z2"]:
-        return "z3"
-    return "z2" if z2.step_s < 0.99 * z3.step_s else "z3"
+    """``"z2"`` or ``"z3"`` (module docstring rule; :func:`dmuon.sim._engine.records.recommend`
+    gives the reason too)."""
+    from dmuon.sim._engine.records import recommend as _recommend
+
+    return _recommend(sims, memory_nbytes)[0]
 
 
 def expert_counts(model: Any) -> dict[str, int]:
@@ -301,7 +298,7 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
     kinds = ", ".join(f"{k} {c:,}" for k, c in sorted(by_kind.items())) or "none"
     pad = f"{100 * (wire / payload - 1):.4f} %" if payload else "-"
     print(
-        f"dmuon Z3 collectives per step: {kinds} (schedule table, all groups); busiest rank issues "
+        f"dmuon Z3 collectives per step: {kinds} (schedule table, all groups); the busiest rank by calls issues "
         f"{busiest:,}{coll_note}; buffer padding {pad} ({payload:,} elements carried, {wire:,} moved per row and phase)"
     )
     hdr = (
@@ -316,8 +313,10 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
             f"{100 * s.ns_share:>7.1f}{max(s.peak_memory_nbytes) / 2**30:>10.2f} {s.comm_nbytes / 1e12:>11.3f}"
             f"{max(s.collectives_per_rank, default=0):>12,}"
         )
-    rec = recommend(sims, hw.memory_nbytes)
-    print(f"\nrecommended: dmuon {rec.upper()} ({sims[rec].step_s / base:.3f} x FSDP2 + AdamW)")
+    from dmuon.sim._engine.records import recommend as _recommend
+
+    rec, why = _recommend(sims, hw.memory_nbytes)
+    print(f"\nrecommended: dmuon {rec.upper()} ({sims[rec].step_s / base:.3f} x FSDP2 + AdamW): {why}")
     if not _fits(sims[rec], hw.memory_nbytes):  # recommend() prefers a mode that fits: none does
         peak = max(sims[rec].peak_memory_nbytes)
         print(
@@ -368,5 +367,5 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
         from dmuon._cli.plan_commands import write_html
         from dmuon.sim._pages.sim_html import simulation_html
 
-        write_html(args.html, simulation_html(sims, standalone=True))
+        write_html(args.html, simulation_html(sims, standalone=True, memory_nbytes=hw.memory_nbytes))
     return 0
