@@ -255,6 +255,8 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
 
                 model = expert_parallel_variant(model, args.ep)
                 kw["ep"] = args.ep
+            # a CPU (gloo) record prices collectives="auto" with gloo's link record, as dedicate_params does there
+            kw.setdefault("collective_backend", "nccl" if gpu else "gloo")
             plans = {z3: compile(model, args.mesh, reshard_after_forward=z3, **kw) for z3 in (False, True)}
     except ValueError as exc:  # the plan refuses this mesh / TP degree / EP degree / owner groups for this model
         flags = f"--mesh {args.mesh} --tp {args.tp}" + (f" --ep {args.ep}" if args.ep > 1 else "")
