@@ -52,15 +52,15 @@ __all__ = ["main_simulate", "recommend"]
 
 def _fits(sim: Any, memory_nbytes: int) -> bool:
     """Every rank's simulated peak within the device's memory (0 = unknown: fits)."""
-    from dmuon.sim._engine.records import fits
+    from dmuon.sim._pages.recommendation import fits
 
     return fits(sim, memory_nbytes)
 
 
 def recommend(sims: dict, memory_nbytes: int) -> str:
-    """``"z2"`` or ``"z3"`` (module docstring rule; :func:`dmuon.sim._engine.records.recommend`
+    """``"z2"`` or ``"z3"`` (module docstring rule; :func:`dmuon.sim._pages.recommendation.recommend`
     gives the reason too)."""
-    from dmuon.sim._engine.records import recommend as _recommend
+    from dmuon.sim._pages.recommendation import recommend as _recommend
 
     return _recommend(sims, memory_nbytes)[0]
 
@@ -315,7 +315,7 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
             f"{100 * s.ns_share:>7.1f}{max(s.peak_memory_nbytes) / 2**30:>10.2f} {s.comm_nbytes / 1e12:>11.3f}"
             f"{max(s.collectives_per_rank, default=0):>12,}"
         )
-    from dmuon.sim._engine.records import recommend as _recommend
+    from dmuon.sim._pages.recommendation import recommend as _recommend
 
     rec, why = _recommend(sims, hw.memory_nbytes)
     print(f"\nrecommended: dmuon {rec.upper()} ({sims[rec].step_s / base:.3f} x FSDP2 + AdamW): {why}")

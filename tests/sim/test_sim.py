@@ -1513,7 +1513,7 @@ def test_recommendation_and_memory_flags_say_why():
     the faster rule otherwise (Z3 within 1 %)."""
     from types import SimpleNamespace as NS
 
-    from dmuon.sim._engine.records import recommend
+    from dmuon.sim._pages.recommendation import recommend
     from dmuon.sim._pages.sim_html import _notes
 
     GiB = 2**30

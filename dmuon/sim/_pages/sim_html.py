@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dmuon.plan._tools.html.svg import PAGE_WIDTH, Page, Svg, document, wrap
-from dmuon.sim._engine.records import fits, recommend
+from dmuon.sim._pages.recommendation import fits, recommend
 from dmuon.sim._pages.sim_plot import _LANES, COLORS
 
 __all__ = ["simulation_page", "simulation_html", "merge_bars"]
@@ -139,7 +139,7 @@ def _table(sims: Mapping[str, Any], memory_nbytes: int = 0) -> Svg:
 
 def _notes(sims: Mapping[str, Any], memory_nbytes: int) -> list[str]:
     """The recommendation (where Z2 and Z3 were both simulated) and every variant whose peak is above
-    the device's memory, with why (:func:`dmuon.sim._engine.records.recommend`)."""
+    the device's memory, with why (:func:`dmuon.sim._pages.recommendation.recommend`)."""
     notes = []
     over = [(n, s) for n, s in sims.items() if memory_nbytes and not fits(s, memory_nbytes)]
     if over:
