@@ -1,4 +1,4 @@
-"""Fit the gloo link record of ``collectives="auto"`` (``dmuon.plan.rules.COLLECTIVE_LINKS["gloo"]``).
+"""Fit the gloo link record of ``collectives="auto"`` (``dmuon.plan._rules.COLLECTIVE_LINKS["gloo"]``).
 
     python benchmarks/gloo_link_fit.py --json benchmarks/gloo_link_fit.json   # ~1-2 min on 2 cores
 
