@@ -1,6 +1,6 @@
 """Fit the gloo link record of ``collectives="auto"`` (``dmuon.plan._rules.COLLECTIVE_LINKS["gloo"]``).
 
-    python benchmarks/gloo_link_fit.py --json benchmarks/gloo_link_fit.json   # ~1-2 min on 2 cores
+    python benchmarks/gloo_link_fit.py --json benchmarks/gloo_link_fit.json   # 214 s on 2 cores (3 runs)
 
 Measures the simulator's gloo collective curves (``python -m dmuon calibrate``'s first stage:
 :func:`dmuon.sim._calibrate.gloo._time_collectives`, the median seconds from issue to ``wait()``
