@@ -169,6 +169,8 @@ class Muon(torch.optim.Optimizer):
         normuon_eps: float = _nm.NORMUON_EPS,
         skip_nonfinite: bool = False,
     ) -> None:
+        if not isinstance(skip_nonfinite, bool):
+            raise TypeError(f"skip_nonfinite must be a bool, got {skip_nonfinite!r}")
         params = self._collect(_fsdp2.sharded_params_for_optimizer(model_or_params))
         self._muon_defaults = self._checked_muon_hparams(
             {
@@ -214,8 +216,6 @@ class Muon(torch.optim.Optimizer):
         # Optimizer.add_param_group does not leak Muon keys into AdamW groups or back.
         super().__init__(groups, {})
         self._set_up_checked = False  # _check_set_up_order runs at the first step
-        if not isinstance(skip_nonfinite, bool):
-            raise TypeError(f"skip_nonfinite must be a bool, got {skip_nonfinite!r}")
         self.skip_nonfinite = skip_nonfinite
         self.last_step_skipped = False  # skip_nonfinite: whether the last step() skipped the update
         self.skipped_steps = 0  # skip_nonfinite: steps skipped so far (not saved in state_dict())
