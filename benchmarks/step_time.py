@@ -29,9 +29,12 @@ launch every size and every variant is built (same seed, same batches) and timed
 Opt-in (``--variants``): ``dmuon_z3_auto`` (below), and ``dmuon_z3_bcast`` / ``dmuon_z3_allgather``:
 ``dmuon_z3`` with every buffer's collective forced (``collectives="broadcast"``: one broadcast per
 owner segment, one reduce per segment; ``"all_gather"``: one all-gather of equal slots, one
-reduce-scatter). ``dmuon_z2`` / ``dmuon_z3`` use the plan's default, ``collectives="auto"``.
-``dmuon_z3_exact``: ``dmuon_z3`` with ``dmuon.Muon(ns_batching="exact")`` (one Newton-Schulz call
-per matrix, bit for bit ``torch.optim.Muon``); the others run the default, ``"batched"``.
+reduce-scatter); ``dmuon_z2_bcast`` / ``dmuon_z2_allgather`` the same for ``dmuon_z2``.
+``dmuon_z2`` / ``dmuon_z3`` use the plan's default, ``collectives="auto"`` (``dedicate_params``
+prices it with the process group's link record: gloo's on CPU). ``benchmarks/collective_kinds.py``
+runs these side by side. ``dmuon_z3_exact``: ``dmuon_z3`` with ``dmuon.Muon(ns_batching="exact")``
+(one Newton-Schulz call per matrix, bit for bit ``torch.optim.Muon``); the others run the default,
+``"batched"``.
 
 and, with ``--hook-overhead`` (default on, off in ``--quick``), one more launch at N = 1::
 
@@ -120,11 +123,23 @@ SIZES: dict[str, dict[str, int]] = {
 }
 VARIANTS = ("adamw", "naive", "dmuon_z2", "dmuon_z3")
 #: opt-in variants (``--variants``): dmuon Z3 with ``ns_backend="auto"`` in the plan and the optimizer;
-#: dmuon Z3 with every buffer's collective forced (``collectives="broadcast"`` / ``"all_gather"``);
+#: dmuon Z3 / Z2 with every buffer's collective forced (``collectives="broadcast"`` / ``"all_gather"``);
 #: dmuon Z3 with ``dmuon.Muon(ns_batching="exact")`` (one NS call per matrix; the others batch)
-EXTRA_VARIANTS = ("dmuon_z3_auto", "dmuon_z3_bcast", "dmuon_z3_allgather", "dmuon_z3_exact")
+EXTRA_VARIANTS = (
+    "dmuon_z3_auto",
+    "dmuon_z3_bcast",
+    "dmuon_z3_allgather",
+    "dmuon_z2_bcast",
+    "dmuon_z2_allgather",
+    "dmuon_z3_exact",
+)
 #: the ``collectives=`` of each dmuon variant's plan (the others: the default, ``"auto"``)
-VARIANT_COLLECTIVES = {"dmuon_z3_bcast": "broadcast", "dmuon_z3_allgather": "all_gather"}
+VARIANT_COLLECTIVES = {
+    "dmuon_z3_bcast": "broadcast",
+    "dmuon_z3_allgather": "all_gather",
+    "dmuon_z2_bcast": "broadcast",
+    "dmuon_z2_allgather": "all_gather",
+}
 HOOK_VARIANTS = ("plain", "dmuon_hooks_z3", "adamw", "dmuon_z3")
 GOAL_STEP_RATIO = 1.15
 GOAL_NS_BALANCE = 1.05
@@ -416,7 +431,7 @@ def build_variant(name: str, size: str, mesh, device: torch.device, cfg_args: di
     plan = None
     dmuon_variants = ("dmuon_z2", "dmuon_z3", "dmuon_hooks_z3", "dmuon_z3_auto", "dmuon_z3_exact")
     if name in dmuon_variants + tuple(VARIANT_COLLECTIVES):
-        z3 = name != "dmuon_z2"
+        z3 = not name.startswith("dmuon_z2")
         ns_backend = "auto" if name == "dmuon_z3_auto" else "standard"
         plan = dmuon.dedicate_params(
             model,
@@ -777,6 +792,8 @@ SIM_VARIANT = {
     "dmuon_z3": "z3",
     "dmuon_z3_bcast": "z3",
     "dmuon_z3_allgather": "z3",
+    "dmuon_z2_bcast": "z2",
+    "dmuon_z2_allgather": "z2",
 }
 
 
@@ -798,8 +815,9 @@ def predict(size: str, nproc: int, variant: str, hw, cost_model: str) -> dict[st
         GPT(gpt_config(size), device="meta"),
         nproc,
         cost_model=cost_model,
-        reshard_after_forward=variant != "dmuon_z2",
+        reshard_after_forward=not variant.startswith("dmuon_z2"),
         collectives=VARIANT_COLLECTIVES.get(variant, "auto"),
+        collective_backend="gloo" if hw.comm_engine == "threads" else "nccl",  # the backend the runtime ran
     )
     wl = S.from_plan(
         plan,

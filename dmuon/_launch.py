@@ -102,6 +102,9 @@ def _entry(
         )
         result = fn(*args, **kwargs)
         payload = pickle.dumps((True, result, time.time(), None))
+        # every rank done before any tears the group down: gloo can abort a rank still waiting in
+        # it when a peer destroys the group ("terminate called without an active exception")
+        dist.barrier()
         dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
         # Report before any clean-up: tearing the group down would make peers fail too, and

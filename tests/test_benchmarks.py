@@ -187,3 +187,32 @@ def test_gpu_check_fails_on_mismatch():
     )
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[FAIL] losses torch_ref vs dmuon_streams" in proc.stdout
+
+
+def test_collective_kinds_verdict():
+    """benchmarks/collective_kinds.py's verdict on hand-made step times (no launch): the default's
+    kind must win where the forced kinds' per-repeat ranges do not overlap, and be within 5 % of the
+    winner's median otherwise."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        import collective_kinds as ck
+    finally:
+        sys.path.pop(0)
+
+    def run(bcast, allgather, default_kind):
+        steps = {"adamw": [[1.0, 1.0]] * 3}
+        for mode in ("z3", "z2"):
+            steps[f"dmuon_{mode}"] = [[v, v] for v in bcast]
+            steps[f"dmuon_{mode}_bcast"] = [[v, v] for v in bcast]
+            steps[f"dmuon_{mode}_allgather"] = [[v, v] for v in allgather]
+        kinds = {f"dmuon_{m}": [default_kind] for m in ("z3", "z2")}
+        return ck.summarise(dict(size="small", nproc=2, steps_s=steps, kinds=kinds, settings={}))
+
+    apart = run([1.2, 1.25, 1.3], [1.5, 1.6, 1.7], "broadcast")["verdicts"]["z3"]
+    assert apart["kinds_differ"] and apart["winner"] == "broadcast" and apart["passed"]
+    assert apart["default_kind_ratio"] == 1.25 and apart["best_ratio"] == 1.25
+    assert not run([1.2, 1.25, 1.3], [1.5, 1.6, 1.7], "all_gather")["verdicts"]["z3"]["passed"]
+    close = run([1.2, 1.3, 1.4], [1.15, 1.27, 1.35], "broadcast")["verdicts"]["z2"]
+    assert not close["kinds_differ"] and close["winner"] == "all_gather" and close["passed"]  # 1.30 <= 1.05 x 1.27
+    assert not run([1.2, 1.4, 1.6], [1.1, 1.25, 1.5], "broadcast")["verdicts"]["z2"]["passed"]  # 1.40 > 1.05 x 1.25
+    assert "| 4 blocks x 128 | 2 | Z3 |" in ck.table([run([1.2] * 3, [1.5] * 3, "broadcast")])

@@ -52,20 +52,17 @@ __all__ = ["main_simulate", "recommend"]
 
 def _fits(sim: Any, memory_nbytes: int) -> bool:
     """Every rank's simulated peak within the device's memory (0 = unknown: fits)."""
-    return not memory_nbytes or max(sim.peak_memory_nbytes) <= memory_nbytes
+    from dmuon.sim._pages.recommendation import fits
+
+    return fits(sim, memory_nbytes)
 
 
 def recommend(sims: dict, memory_nbytes: int) -> str:
-    """``"z2"`` or ``"z3"`` (module docstring rule)."""
-    z2, z3 = sims.get("z2"), sims.get("z3")
-    if z2 is None or z3 is None:
-        return "z3" if z3 is not None else "z2"
-    fits = {k: _fits(s, memory_nbytes) for k, s in (("z2", z2), ("z3", z3))}
-    if fits["z2"] and not fits["z3"]:
-        return "z2"
-    if fits["z3"] and not fits["z2"]:
-        return "z3"
-    return "z2" if z2.step_s < 0.99 * z3.step_s else "z3"
+    """``"z2"`` or ``"z3"`` (module docstring rule; :func:`dmuon.sim._pages.recommendation.recommend`
+    gives the reason too)."""
+    from dmuon.sim._pages.recommendation import recommend as _recommend
+
+    return _recommend(sims, memory_nbytes)[0]
 
 
 def expert_counts(model: Any) -> dict[str, int]:
@@ -317,6 +314,8 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
 
                 model = expert_parallel_variant(model, args.ep)
                 kw["ep"] = args.ep
+            # a CPU (gloo) record prices collectives="auto" with gloo's link record, as dedicate_params does there
+            kw.setdefault("collective_backend", "nccl" if gpu else "gloo")
             if not wants_pipeline(args):
                 plans = {z3: compile(model, args.mesh, reshard_after_forward=z3, **kw) for z3 in (False, True)}
     except ValueError as exc:  # the plan refuses this mesh / TP degree / EP degree / owner groups for this model
@@ -367,7 +366,7 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
     kinds = ", ".join(f"{k} {c:,}" for k, c in sorted(by_kind.items())) or "none"
     pad = f"{100 * (wire / payload - 1):.4f} %" if payload else "-"
     print(
-        f"dmuon Z3 collectives per step: {kinds} (schedule table, all groups); busiest rank issues "
+        f"dmuon Z3 collectives per step: {kinds} (schedule table, all groups); the busiest rank by calls issues "
         f"{busiest:,}{coll_note}; buffer padding {pad} ({payload:,} elements carried, {wire:,} moved per row and phase)"
     )
     hdr = (
@@ -389,8 +388,10 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
             f"peak per rank against the device's {hw.memory_nbytes / 2**30:.1f} GiB: "
             + ", ".join(f"{v} {'fits' if _fits(s, hw.memory_nbytes) else 'DOES NOT FIT'}" for v, s in sims.items())
         )
-    rec = recommend(sims, hw.memory_nbytes)
-    print(f"\nrecommended: dmuon {rec.upper()} ({sims[rec].step_s / base:.3f} x FSDP2 + AdamW)")
+    from dmuon.sim._pages.recommendation import recommend as _recommend
+
+    rec, why = _recommend(sims, hw.memory_nbytes)
+    print(f"\nrecommended: dmuon {rec.upper()} ({sims[rec].step_s / base:.3f} x FSDP2 + AdamW): {why}")
     if not _fits(sims[rec], hw.memory_nbytes):  # recommend() prefers a mode that fits: none does
         peak = max(sims[rec].peak_memory_nbytes)
         print(
@@ -442,5 +443,5 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
         from dmuon._cli.plan_commands import write_html
         from dmuon.sim._pages.sim_html import simulation_html
 
-        write_html(args.html, simulation_html(sims, standalone=True))
+        write_html(args.html, simulation_html(sims, standalone=True, memory_nbytes=hw.memory_nbytes))
     return 0

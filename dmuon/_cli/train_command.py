@@ -436,7 +436,11 @@ def run(args: argparse.Namespace | Mapping[str, Any]) -> dict[str, Any]:
     if _under_torchrun():
         dist.init_process_group(_backend(args), timeout=_PG_TIMEOUT)
         try:
-            return train(args)
+            metrics = train(args)
+            # every rank done before any tears the group down: a rank still in gloo when a peer
+            # destroys the group can abort ("terminate called without an active exception")
+            dist.barrier()
+            return metrics
         finally:
             dist.destroy_process_group()
     from dmuon._train.loop import parse_mesh

@@ -103,6 +103,14 @@ def expert_share_stats(load: torch.Tensor) -> dict[str, Any]:
     }
 
 
+def optimizer_desc(optimizer: str, mode: str, ns_name: str) -> str:
+    """The run header's optimizer field: dmuon's Z2 / Z3 mode and NS dtype, or for AdamW (no
+    dmuon mode, no Newton-Schulz) FSDP2's ``reshard_after_forward`` that the mode sets."""
+    if optimizer in _DMUON_OPTIMIZERS:
+        return f"optimizer {optimizer} | mode {mode} | ns {ns_name}"
+    return f"optimizer {optimizer} | FSDP2 reshard_after_forward={mode == 'z3'} (no Newton-Schulz)"
+
+
 def lr_factor(step: int, total_steps: int, warmup_steps: int, cooldown_frac: float) -> float:
     """Multiplier of every group's base LR for optimizer step ``step`` (0-based).
 
@@ -322,7 +330,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     log(
         f"dmuon train | world {world} ({device.type}, {dist.get_backend()}) | "
         f"mesh {'x'.join(map(str, mesh_shape))}{f' x tp {tp}' if tp > 1 else ''} | "
-        f"optimizer {args.optimizer} | mode {args.mode} | ns {ns_name} | seed {args.seed}"
+        f"{optimizer_desc(args.optimizer, args.mode, ns_name)} | seed {args.seed}"
     )
     moe_desc = ""
     if cfg.n_experts:

@@ -73,6 +73,7 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
     collective_latency_s: float | None = None,
     collective_bandwidth_Bps: float | None = None,
     routers: str = "muon",
+    collective_backend: str | None = None,
 ) -> ShardingPlan:
     """Plan DMuon for ``model`` on ``mesh`` (pure; no process group; meta models work).
 
@@ -171,9 +172,16 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
             pays (:mod:`dmuon.plan._layout.slots`), and the other stacks are filled again around
             them. HSDP's replicate phases stay per sub-segment in every mode.
         collective_latency_s, collective_bandwidth_Bps: ``alpha`` (seconds per collective step)
-            and ``B`` (bytes/s) of the ``"auto"`` rule; None = :data:`~dmuon.plan._rules.COLLECTIVE_LATENCY_S`
-            (8 us) and :data:`~dmuon.plan._rules.COLLECTIVE_BANDWIDTH_BPS` (45 GB/s), an H100
-            node's InfiniBand link. Recorded in the plan (``plan.collectives``, JSON, fingerprint).
+            and ``B`` (bytes/s) of the ``"auto"`` rule, for every kind (the plan's link record is
+            then ``"custom"``); None = the numbers of ``collective_backend``'s link record.
+        collective_backend: the process-group backend whose link record
+            (:data:`~dmuon.plan._rules.COLLECTIVE_LINKS`) the ``"auto"`` rule prices with:
+            ``"nccl"`` (the h100 preset's inter-node link: alpha 8 us, B 45 GB/s for every kind)
+            or ``"gloo"`` (measured on CPU and fitted: one alpha / B for broadcasts and reduces,
+            one for all-gathers and reduce-scatters; how, in the record's comment). None
+            (default): ``"nccl"``, since ``compile`` has no process group to read;
+            ``dmuon.dedicate_params`` passes its process group's backend. Recorded in the plan
+            (``plan.collectives.link``, JSON, fingerprint) and named by ``plan.summary()``.
         routers: the optimizer of MoE routers under the default rule: ``"muon"`` (default:
             dedicated like every 2-D matrix in a block) or ``"adamw"`` (left to FSDP2 and AdamW).
             A router is the ``(E, D)`` ``weight`` of a module named ``gate`` / ``router`` next to a
@@ -195,10 +203,8 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
     """
     mesh_shape = normalize_mesh(mesh)
     ep = _ep_degree(mesh, mesh_shape, ep)
-    collective_settings = CollectiveSettings(
-        mode=collectives,
-        latency_s=_rules.COLLECTIVE_LATENCY_S if collective_latency_s is None else collective_latency_s,
-        bandwidth_Bps=_rules.COLLECTIVE_BANDWIDTH_BPS if collective_bandwidth_Bps is None else collective_bandwidth_Bps,
+    collective_settings = collective_settings_for(
+        collectives, collective_backend, collective_latency_s, collective_bandwidth_Bps
     )
     if cost_model not in _rules.COST_MODELS:
         raise ValueError(f"cost_model must be one of {_rules.COST_MODELS}, got {cost_model!r}")
@@ -575,3 +581,32 @@ def _tp_specs(snapshot, selected, specs, tp_ns, tp_size, tp_shard_dims, ns_steps
             "drop the view for these matrices (matrix_views) or shard them so."
         )
     return T, tuple(out)
+
+
+def collective_settings_for(
+    mode: str,
+    backend: str | None,
+    latency_s: float | None = None,
+    bandwidth_Bps: float | None = None,
+) -> CollectiveSettings:
+    """The plan's :class:`CollectiveSettings` for ``compile(collectives=mode,
+    collective_backend=backend, collective_latency_s=..., collective_bandwidth_Bps=...)``: the
+    link record of ``backend`` (None: ``"nccl"``), or, where the caller gives a number, those
+    numbers for every kind (link ``"custom"``; the one not given from the record)."""
+    link = _rules.collective_link("nccl" if backend is None else backend)
+    if latency_s is None and bandwidth_Bps is None:
+        same = (link.all_gather_latency_s, link.all_gather_bandwidth_Bps) == (link.latency_s, link.bandwidth_Bps)
+        return CollectiveSettings(
+            mode=mode,
+            latency_s=link.latency_s,
+            bandwidth_Bps=link.bandwidth_Bps,
+            all_gather_latency_s=None if same else link.all_gather_latency_s,
+            all_gather_bandwidth_Bps=None if same else link.all_gather_bandwidth_Bps,
+            link=link.name,
+        )
+    return CollectiveSettings(
+        mode=mode,
+        latency_s=link.latency_s if latency_s is None else latency_s,
+        bandwidth_Bps=link.bandwidth_Bps if bandwidth_Bps is None else bandwidth_Bps,
+        link="custom",
+    )

@@ -10,6 +10,7 @@ formulas that count over it, in the leaf :mod:`dmuon.plan._cost.flops`, and re-e
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from dmuon.plan._cost.flops import (
@@ -50,6 +51,9 @@ __all__ = [
     "GRADIENT_COLLECTIVE",
     "COLLECTIVE_LATENCY_S",
     "COLLECTIVE_BANDWIDTH_BPS",
+    "CollectiveLink",
+    "COLLECTIVE_LINKS",
+    "collective_link",
     "EXPERT_RANGE_SLACK",
     "ALL_GATHER_MAX_PADDING",
 ]
@@ -77,11 +81,85 @@ COLLECTIVE_MODES = ("auto", "broadcast", "all_gather")
 #: the gradient collective each parameter-phase kind pairs with (over the same segments / slots)
 GRADIENT_COLLECTIVE = {"broadcast": "reduce", "all_gather": "reduce_scatter"}
 #: ``collectives="auto"``: seconds per collective algorithm step (alpha) and link bandwidth (B) of
-#: the cost rule (:func:`dmuon.plan._cost.seconds.buffer_collective_s`). COPIED from the simulator's
+#: the cost rule (:func:`dmuon.plan._cost.seconds.buffer_collective_s`) for NCCL (the ``"nccl"``
+#: record of :data:`COLLECTIVE_LINKS`). COPIED from the simulator's
 #: ``dmuon.sim.hardware.PRESETS["h100"].inter`` (8 us, 0.9 x 50 GB/s NDR InfiniBand); the planner
 #: never imports the simulator, a test asserts the two agree. Plan settings (JSON, fingerprint).
 COLLECTIVE_LATENCY_S = 8e-6
 COLLECTIVE_BANDWIDTH_BPS = 45e9
+#: the ``"gloo"`` record's numbers (:data:`COLLECTIVE_LINKS`: how they were measured and fitted)
+GLOO_LATENCY_S = 133.8e-6
+GLOO_BANDWIDTH_BPS = 2.151e9
+GLOO_ALL_GATHER_LATENCY_S = 214.6e-6
+GLOO_ALL_GATHER_BANDWIDTH_BPS = 0.432e9
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class CollectiveLink:
+    """The numbers of the ``collectives="auto"`` rule for one process-group backend: ``alpha``
+    (seconds per algorithm step) and ``B`` (bytes per second) of the tree kinds (broadcast,
+    reduce: ``latency_s``, ``bandwidth_Bps``) and of the ring kinds (all-gather,
+    reduce-scatter: ``all_gather_latency_s``, ``all_gather_bandwidth_Bps``), where the record
+    comes from (``source``) and its ``name`` (the key in :data:`COLLECTIVE_LINKS`, which the plan
+    records)."""
+
+    name: str
+    latency_s: float
+    bandwidth_Bps: float
+    all_gather_latency_s: float
+    all_gather_bandwidth_Bps: float
+    source: str
+
+
+#: The link records of ``collectives="auto"``, by process-group backend. ``dmuon.dedicate_params``
+#: picks the record of its process group's backend for the model's device (``"gloo"``: gloo;
+#: every other backend: ``"nccl"``); ``dmuon.plan.compile`` without ``collective_backend`` (no
+#: process group) assumes NCCL.
+#:
+#: * ``"nccl"``: the h100 preset's inter-node link, one pair for every kind (above).
+#: * ``"gloo"``: MEASURED on CPU and fitted, no run-time benchmark: ``benchmarks/gloo_link_fit.py``
+#:   ran the simulator's gloo calibration curves (``dmuon.sim._calibrate.gloo._time_collectives``:
+#:   median seconds from issue to ``wait()`` of broadcast, reduce, all-gather and reduce-scatter,
+#:   payloads 256 B - 8 MiB per rank, groups of 2, 3 and 4 processes, one thread each) 3 times on
+#:   this project's 2-core CPU VM (2026-12-06), took each point's median and fitted the planner's
+#:   formulas by least squares on relative error (``dmuon.sim._calibrate.link_fit.fit_link``), one
+#:   pair per family; the curves and the fit are in ``benchmarks/gloo_link_fit.json`` and a test
+#:   re-fits that file against these numbers. gloo moves a broadcast's bytes ~4x faster than an
+#:   all-gather's on CPU (its ring copies through every member), so the auto rule keeps the
+#:   broadcasts there except for latency-bound buffers of a few KB; one shared ``B`` would pick the
+#:   all-gather at every size (measured slower: docs/performance.md, "Collective kinds on gloo").
+COLLECTIVE_LINKS = {
+    "nccl": CollectiveLink(
+        name="nccl",
+        latency_s=COLLECTIVE_LATENCY_S,
+        bandwidth_Bps=COLLECTIVE_BANDWIDTH_BPS,
+        all_gather_latency_s=COLLECTIVE_LATENCY_S,
+        all_gather_bandwidth_Bps=COLLECTIVE_BANDWIDTH_BPS,
+        source="the h100 preset's inter-node link (8 us, 45 GB/s NDR InfiniBand)",
+    ),
+    "gloo": CollectiveLink(
+        name="gloo",
+        latency_s=GLOO_LATENCY_S,
+        bandwidth_Bps=GLOO_BANDWIDTH_BPS,
+        all_gather_latency_s=GLOO_ALL_GATHER_LATENCY_S,
+        all_gather_bandwidth_Bps=GLOO_ALL_GATHER_BANDWIDTH_BPS,
+        source="gloo on CPU, fitted to the gloo calibration curves of 2-4 processes on a 2-core VM "
+        "(benchmarks/gloo_link_fit.py)",
+    ),
+}
+
+
+def collective_link(backend: str) -> CollectiveLink:
+    """The link record of ``backend`` (a key of :data:`COLLECTIVE_LINKS`).
+
+    Raises:
+        ValueError: an unknown backend, naming the known ones.
+    """
+    if backend not in COLLECTIVE_LINKS:
+        raise ValueError(f"collective_backend must be one of {tuple(COLLECTIVE_LINKS)}, got {backend!r}")
+    return COLLECTIVE_LINKS[backend]
+
+
 #: expert ranges: a stack of ``E`` experts gets ranges of ``g`` experts, ``g`` the largest with
 #: ``g * per-expert weight <= EXPERT_RANGE_SLACK * mean slot weight``
 #: (:func:`dmuon.plan._model.expert_ranges.expert_range_count`): fewer owners per boundary (fewer

@@ -65,6 +65,12 @@ def _cases():
     model = make_model("tiny")
     plan = dmuon.plan.compile(model, 2, reshard_after_forward=(rank == 0))
     out["plans_differ_setting"] = _catch(lambda: dmuon.exec.apply(plan, model))
+    # rank 1 registers layers.0's submodules in another order: fc1 last (same FQNs and shapes)
+    model = make_model("tiny")
+    if rank == 1:
+        block = model.layers[0]
+        block._modules["fc1"] = block._modules.pop("fc1")
+    out["plans_differ_order"] = _catch(lambda: dmuon.dedicate_params(model))
 
     # the happy path exchanges fingerprints only: one all_gather_object
     calls = []
@@ -76,10 +82,11 @@ def _cases():
 
     dist.all_gather_object = counting
     try:
-        dmuon.dedicate_params(make_model("tiny"))
+        happy = dmuon.dedicate_params(make_model("tiny"))
     finally:
         dist.all_gather_object = real
     out["happy_path_gathers"] = len(calls)
+    out["happy_path_link"] = happy.collectives.link  # read from the process group's backend (gloo)
     dist.barrier()
     return out
 
@@ -134,7 +141,32 @@ def test_plans_differ_names_what_differs(results):
     assert "bytes per step" not in msg  # the difference, not the whole cost table
     kind, msg = results["plans_differ_setting"]
     assert kind == "RuntimeError" and "setting reshard_after_forward: True -> False" in msg, msg
+    assert "Likely cause: different arguments: the models are identical" in msg, msg
+    assert "First difference: none among the" in msg, msg
+    # a predicate that differs on the same model: the arguments, and the first differing parameter
+    msg = results["plans_differ_fqn"][1]
+    assert "Likely cause: different arguments" in msg, msg
+    assert (
+        "position 4 (named_parameters() order of the dedicated ones) is 'layers.1.fc1.weight' (36, 8) on rank 0" in msg
+    )
+
+
+def test_plans_differ_by_registration_order_names_the_parameter_and_cause(results):
+    """Rank 1 registers layers.0's fc1 after its other submodules: the same FQNs and shapes in another
+    order. Both ranks raise the same error (the fixture checks it) naming the first parameter whose
+    position differs and the registration order as the cause, in one line."""
+    kind, msg = results["plans_differ_order"]
+    assert kind == "RuntimeError" and "ranks hold different plans" in msg, msg
+    first = (
+        "First differing dedicated parameter: position 0 (named_parameters() order of the dedicated ones) is "
+        "'layers.0.fc1.weight' (36, 8) on rank 0 but 'layers.0.fc2.weight' (8, 36) on rank 1."
+    )
+    assert first in msg.splitlines(), msg
+    cause = [line for line in msg.splitlines() if line.startswith("Likely cause:")]
+    assert len(cause) == 1 and cause[0].startswith("Likely cause: a different registration order"), msg
+    assert "named_parameters() order" in cause[0]
     assert results["happy_path_gathers"] == 1
+    assert results["happy_path_link"] == "gloo"  # dedicate_params priced collectives="auto" with gloo's record
 
 
 def test_train_cli_user_error_inside_ranks_prints_one_clean_line(tmp_path):

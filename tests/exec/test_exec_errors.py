@@ -97,3 +97,23 @@ def test_apply_without_process_group():
     # nothing was modified: parameters are still the model's own full tensors
     assert all(dedicated_info(p) is None for p in model.parameters())
     assert model.layers[0].fc1.weight.shape == torch.Size([36, 8])
+
+
+def test_collective_backend_reads_the_backend_for_the_device(monkeypatch):
+    """dedicate_params' link record: gloo's for a gloo group, the NCCL preset for NCCL and any other
+    backend; a group with a backend per device type is read for the model's device."""
+    import torch.distributed as dist
+
+    from dmuon.exec._setup.api import collective_backend
+
+    cpu = torch.nn.Linear(2, 2)
+    meta = torch.nn.Linear(2, 2, device="meta")
+    for backend, model, want in [
+        ("gloo", cpu, "gloo"),
+        ("nccl", cpu, "nccl"),
+        ("mpi", cpu, "nccl"),
+        ("cpu:gloo,cuda:nccl", cpu, "gloo"),
+        ("cpu:gloo,cuda:nccl", meta, "nccl" if torch.cuda.is_available() else "gloo"),
+    ]:
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: b)
+        assert collective_backend(model) == want, backend

@@ -796,6 +796,7 @@ _DTENSOR_SCRIPT = textwrap.dedent(
             assert torch.equal(opt.state[p][k].full_tensor(), ropt.state[q][k].full_tensor()), k
         assert torch.equal(opt.state[p]["step"], ropt.state[q]["step"])
     assert torch.equal(w, w_ref)
+    dist.barrier()
     dist.destroy_process_group()
     tmp.cleanup()
     print("DTENSOR_OK")
@@ -952,3 +953,33 @@ def test_ns_backend_validation_and_old_checkpoints():
     opt.load_state_dict(sd)
     assert opt.param_groups[0]["ns_backend"] == "standard"
     _train(opt, ours, 1)
+
+
+def test_skip_nonfinite_without_process_group(caplog):
+    """One process, no process group (AdamW only): a NaN gradient skips the step (parameters and
+    AdamW state untouched, last_step_skipped, one warning naming rank 0); a finite one steps."""
+    import logging
+    import warnings
+
+    model = nn.Sequential(nn.Linear(4, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nothing dedicated: AdamW only
+        opt = Muon(model, skip_nonfinite=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.ones(2, 4)).sum().backward()
+    model[0].bias.grad[0] = float("nan")
+    with caplog.at_level(logging.WARNING, logger="dmuon"):
+        opt.step()
+    assert opt.last_step_skipped and opt.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(opt.state[p]["step"].item() == 0 for p in model.parameters())
+    msgs = [r.getMessage() for r in caplog.records if r.name == "dmuon"]
+    assert len(msgs) == 1 and "optimizer step 1 (1-based) skipped on every rank" in msgs[0], msgs
+    assert "rank(s) [0] hold a non-finite gradient after the reduces" in msgs[0], msgs
+    opt.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    assert not opt.last_step_skipped and opt.skipped_steps == 1
+    assert all(opt.state[p]["step"].item() == 1 for p in model.parameters())
+    with pytest.raises(TypeError, match="skip_nonfinite must be a bool"):
+        Muon(model, skip_nonfinite="yes")

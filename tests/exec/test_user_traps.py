@@ -121,6 +121,84 @@ def _case_amp(mesh_shape, scaler_kind):
     )
 
 
+def _case_skip_nonfinite(clip: bool):
+    """``dmuon.Muon(skip_nonfinite=True)`` at W = 4, no scaler: at step AMP_SKIP one non-owner
+    rank's local gradient of ``target`` is NaN (before dmuon's reduce); with ``clip`` every step
+    is clipped by ``dmuon.clip_grad_norm_`` first (a bound that never binds, so the oracle need not
+    clip), whose all-reduce carries the flags. Records per step the losses, full state, momenta,
+    AdamW step counters, ``last_step_skipped``, the collectives of ``step()`` and of the clip, and
+    the ``dmuon`` logger's warnings on this rank."""
+    import logging
+
+    import torch.distributed as dist
+
+    import dmuon
+    from oracle import dmuon_muon_kwargs
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, _, plan = _build("tiny", None, opt=False)
+    opt = dmuon.Muon(model, **dmuon_muon_kwargs(torch.float32), skip_nonfinite=True)
+    target = "layers.1.out.weight"
+    poison_rank = (plan.owner(target).rank + 1) % world
+    out_mod = model.get_submodule("layers.1.out")
+    handles = []
+
+    def poison(module, args):  # inside the boundary's forward: module.weight is the compute tensor
+        handles.append(module.weight.register_hook(lambda g: torch.full_like(g, float("nan"))))
+
+    records: list = []
+
+    class Capture(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    handler = Capture(level=logging.WARNING)
+    logging.getLogger("dmuon").addHandler(handler)
+    losses, fulls, momenta, adamw_steps, skipped, step_ops, clip_ops = [], [], [], [], [], [], []
+    owned = [p for p in model.parameters() if dedicated_info(p) is not None and dedicated_info(p).is_owner]
+    adamw = [p for g in opt.param_groups if not g["use_muon"] for p in g["params"]]
+    try:
+        for step, batch in enumerate(global_batches(AMP_STEPS, batch=12)):
+            pre = out_mod.register_forward_pre_hook(poison) if (step == AMP_SKIP and rank == poison_rank) else None
+            loss = lm_loss(model, batch.chunk(world)[rank])
+            loss.backward()
+            if pre is not None:
+                pre.remove()
+                for h in handles:
+                    h.remove()
+            if clip:
+                with dmuon.exec.metered(record=True) as led:
+                    dmuon.clip_grad_norm_(model, 1e9)
+                clip_ops.append([(op.kind, op.numel) for op in led.ops])
+            with dmuon.exec.metered(record=True) as led:
+                opt.step()
+            step_ops.append([(op.kind, op.phase, op.numel) for op in led.ops])
+            skipped.append(opt.last_step_skipped)
+            opt.zero_grad()
+            t = loss.detach().clone()
+            dist.all_reduce(t)
+            losses.append(t.item() / world)
+            fulls.append(dmuon.full_state_dict(model))
+            momenta.append([opt.state[p]["momentum_buffer"].clone() for p in owned])
+            adamw_steps.append(sorted({opt.state[p]["step"].item() for p in adamw}))
+    finally:
+        logging.getLogger("dmuon").removeHandler(handler)
+    dist.barrier()
+    return dict(
+        dedicated=plan.dedicated,
+        poison_rank=poison_rank,
+        losses=losses,
+        full=fulls if rank == 0 else None,
+        momenta=momenta,
+        adamw_steps=adamw_steps,
+        skipped=skipped,
+        skipped_steps=opt.skipped_steps,
+        step_ops=step_ops,
+        clip_ops=clip_ops,
+        warnings=records,
+    )
+
+
 def _case_resume_fresh(root):
     """4 ranks, 2 dedicated matrices: ranks 2 and 3 own nothing. Save after 2 steps, resume into
     a fresh model + dmuon.Muon WITHOUT init_state() (DCP's helpers decide on a dummy step per
@@ -773,6 +851,8 @@ def _worker4(root):
     torch.set_num_threads(1)
     return dict(
         amp_hsdp=_case_amp((2, 2), "plain"),
+        skip_nonfinite=_case_skip_nonfinite(False),
+        skip_nonfinite_clip=_case_skip_nonfinite(True),
         resume=_case_resume_fresh(root),
         groups_save=_case_groups_save(root),
         groups_hsdp=_case_groups_load(root, (2, 2)),
@@ -873,6 +953,51 @@ def test_grad_scaler_skips_the_same_step_everywhere(runs, name, which):
         "tiny", set(r0["dedicated"]), global_batches(AMP_STEPS, batch=12), AMP_SKIP
     )
     for step in range(AMP_STEPS):
+        assert math.isclose(r0["losses"][step], ref_losses[step], rel_tol=LOSS_RTOL), (name, step)
+        _assert_state_close(full[step], ref_states[step], f"{name} step {step}")
+
+
+@pytest.mark.parametrize("name", ["skip_nonfinite", "skip_nonfinite_clip"])
+def test_skip_nonfinite_skips_the_same_step_everywhere(runs, name):
+    """W = 4, a NaN in one non-owner rank's local gradient of one matrix at step AMP_SKIP: every rank
+    skips that whole step (parameters, momenta and AdamW step counters untouched), the run equals
+    torch.optim.Muon + AdamW skipping the same step (fp32 NS: losses 1e-6, parameters 1e-4 of max),
+    rank 0 alone says so once, naming the poisoned rank (seen before the reduce), and the flags cost
+    one all-reduce of 2·W floats in step(), or none there when the clip's all-reduce carried them."""
+    per_rank = [r[name] for r in runs[0]]
+    world = len(per_rank)
+    r0 = per_rank[0]
+    poison = r0["poison_rank"]
+    assert poison != 0  # the message comes from rank 0, about another rank
+    for rank, r in enumerate(per_rank):
+        assert r["skipped"] == [step == AMP_SKIP for step in range(AMP_STEPS)], (name, rank)
+        assert r["skipped_steps"] == 1
+        assert r["adamw_steps"] == [[1.0], [1.0], [2.0], [3.0]], (name, r["adamw_steps"])
+        for a, b in zip(r["momenta"][AMP_SKIP - 1], r["momenta"][AMP_SKIP]):
+            assert torch.equal(a, b), name
+        if rank == 0:
+            assert len(r["warnings"]) == 1, r["warnings"]
+            msg = r["warnings"][0]
+            assert f"optimizer step {AMP_SKIP + 1} (1-based) skipped on every rank (skip_nonfinite=True)" in msg, msg
+            assert f"non-finite on rank(s) [{poison}] before the reduce" in msg, msg
+        else:
+            assert r["warnings"] == [], (rank, r["warnings"])
+        flags = ("all_reduce", "other", 2 * world)
+        for step, ops in enumerate(r["step_ops"]):
+            if name == "skip_nonfinite":
+                assert ops.count(flags) == 1, (step, ops)  # alone, once per step
+            else:
+                assert flags not in ops and [o for o in ops if o[1] == "other"] == [], (step, ops)
+        if name == "skip_nonfinite_clip":  # the clip's one all-reduce: its norm term + the 2·W flags
+            for ops in r["clip_ops"]:
+                assert ops.count(("all_reduce", 1 + 2 * world)) == 1, ops
+    full = r0["full"]
+    for k in full[AMP_SKIP]:
+        assert torch.equal(full[AMP_SKIP - 1][k], full[AMP_SKIP][k]), (name, k)
+    ref_losses, ref_states = _reference_skipping(
+        "tiny", set(r0["dedicated"]), global_batches(AMP_STEPS, batch=12), AMP_SKIP
+    )
+    for step in range(AMP_STEPS):  # the NaN is in a gradient: every loss is finite
         assert math.isclose(r0["losses"][step], ref_losses[step], rel_tol=LOSS_RTOL), (name, step)
         _assert_state_close(full[step], ref_states[step], f"{name} step {step}")
 

@@ -394,3 +394,15 @@ def test_import_dmuon_plan_does_not_load_the_pages():
         "assert 'dmuon.plan._tools.html.plan_page' in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_collectives_per_boundary_labels_every_row():
+    """Qwen3-30B-A3B on 64 ranks: 48 boundaries, thin rows; every boundary row carries its label and
+    its bytes / calls text (before, only every other row did)."""
+    plan = P.compile(zoo.qwen3_30b_a3b(), 64)
+    text = _section_text(plan._repr_html_(), "collectives")
+    names = [b.fqn for b in plan.boundaries]
+    assert len(names) == 48
+    for name in names:
+        assert re.search(rf"(^| ){re.escape(name)} ", text), name
+    assert text.count(" calls") >= len(names)

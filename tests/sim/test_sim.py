@@ -1570,3 +1570,31 @@ def test_hsdp_replicate_reduces_run_during_the_backward_on_their_own_channel():
     assert min(i.end_s for i in rep) < last_backward_start
     last_rep = max(rep, key=lambda i: i.start_s)
     assert last_rep.label.startswith("replicate_reduce model.layers.0")
+
+
+def test_recommendation_and_memory_flags_say_why():
+    """The simulate page's notes (and the terminal's recommendation): memory decides where only one
+    dmuon mode fits, and says so; every variant above the device's memory is named with its peak;
+    the faster rule otherwise (Z3 within 1 %)."""
+    from types import SimpleNamespace as NS
+
+    from dmuon.sim._pages.recommendation import recommend
+    from dmuon.sim._pages.sim_html import _notes
+
+    GiB = 2**30
+    sims = {
+        "adamw": NS(step_s=4.0, peak_memory_nbytes=(37 * GiB,)),
+        "naive": NS(step_s=6.0, peak_memory_nbytes=(144 * GiB, 10 * GiB)),
+        "z2": NS(step_s=3.5, peak_memory_nbytes=(127 * GiB,)),
+        "z3": NS(step_s=3.9, peak_memory_nbytes=(39 * GiB,)),
+    }
+    mode, why = recommend(sims, 80 * GiB)
+    assert mode == "z3" and why.startswith("memory decided: Z2 peaks at 127.0 GiB per rank, above the device's 80.0")
+    notes = _notes(sims, 80 * GiB)
+    assert notes[0].startswith("Does not fit: naive (144.0 GiB), z2 (127.0 GiB) peak above the device's 80.0 GiB")
+    assert notes[1] == f"Recommended: dmuon Z3 (0.975 x FSDP2 + AdamW): {why}."
+    assert recommend(sims, 0) == ("z2", "Z2 is 10.3 % faster than Z3")  # memory unknown: the faster
+    sims["z2"] = NS(step_s=3.88, peak_memory_nbytes=(30 * GiB,))  # within 1 %: Z3, which holds less
+    mode, why = recommend(sims, 80 * GiB)
+    assert mode == "z3" and "within 1 %" in why and "both fit the device's 80.0 GiB" in why
+    assert recommend({"z3": sims["z3"]}, 0)[0] == "z3" and _notes({"z3": sims["z3"]}, 0) == []

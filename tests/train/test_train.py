@@ -470,3 +470,15 @@ def test_cli_end_to_end(tmp_path, optimizer, patches):
     m = json.loads(out.read_text())
     assert m["world_size"] == 2 and m["steps"] == 3 and m["optimizer"] == optimizer
     assert math.isfinite(m["final_val_loss"]) and m["tokens_per_s"] > 0
+
+
+def test_run_header_says_what_applies_to_the_optimizer():
+    """The AdamW run of --compare has no dmuon mode and no Newton-Schulz: its header names FSDP2's
+    reshard_after_forward instead of "mode z3 | ns fp32"."""
+    from dmuon._train.loop import optimizer_desc
+
+    assert optimizer_desc("dmuon", "z3", "fp32") == "optimizer dmuon | mode z3 | ns fp32"
+    assert optimizer_desc("normuon", "z2", "bf16") == "optimizer normuon | mode z2 | ns bf16"
+    adamw = optimizer_desc("adamw", "z3", "fp32")
+    assert adamw == "optimizer adamw | FSDP2 reshard_after_forward=True (no Newton-Schulz)"
+    assert "mode" not in adamw and "ns " not in adamw

@@ -12,6 +12,8 @@ import torch.nn as nn
 
 from dmuon._dtensor import is_dtensor
 from dmuon.exec._comm import collective_calls as C
+from dmuon.exec._optim import nonfinite_skip as _skip
+from dmuon.exec._runtime.runtime import runtimes_of
 from dmuon.exec._runtime.packed_buffers import dedicated_info
 
 __all__ = ["clip_grad_norm_"]
@@ -49,6 +51,9 @@ def clip_grad_norm_(
     ``inf``): one number on every rank, equal to torch's norm of the whole model in one process.
 
     Every rank must call it (it runs collectives), after ``backward()`` and before ``step()``.
+    With a ``dmuon.Muon(skip_nonfinite=True)`` on the model, the step's non-finite flags (``2·W``
+    float32 elements, :mod:`dmuon.exec._optim.nonfinite_skip`) ride on the all-reduce below, so the
+    step that follows issues no collective of its own for them.
     dmuon's collectives here (the all-reduce, and the flags' all-gather below) are charged to the
     ledger phase ``"other"``: clipping is the caller's choice, not part of the plan's step, so
     ``plan.cost`` and the step schedule leave it out (as GradScaler's inf check).
@@ -118,10 +123,18 @@ def clip_grad_norm_(
         rep = local(replicated)
         owned_part = torch.maximum(owned_part, rep) if inf else owned_part + rep / tp_size
     if distributed:
+        # dmuon.Muon(skip_nonfinite=True): the step's non-finite flags ride on this all-reduce
+        # (dmuon.exec._optim.nonfinite_skip), kept on the runtime for the step
+        runtimes = [rt for rt in runtimes_of(p for _, p in named) if rt.check_nonfinite]
+        reduced = (
+            _skip.append_to_clip(owned_part, [p for _, p in named], runtimes, job_group) if runtimes else owned_part
+        )
         if inf:
-            C.all_reduce_max(owned_part, group=job_group, phase="other")
+            C.all_reduce_max(reduced, group=job_group, phase="other")
         else:
-            C.all_reduce_sum(owned_part, group=job_group, phase="other")
+            C.all_reduce_sum(reduced, group=job_group, phase="other")
+        if runtimes:
+            owned_part = _skip.keep_from_clip(reduced, runtimes, job_group)
     parts = [owned_part, local(plain).to(owned_part.device)]
     by_mesh: dict = {}  # FSDP2 gradients live on the data-parallel mesh, TP-sharded ones (a
     for g in dtensors:  # colwise bias) on (dp, tp): norms of different meshes cannot be stacked

@@ -42,7 +42,8 @@ from dmuon.exec._runtime.packed_buffers import dedicated_info as _info
 from dmuon._update import ADJUST_LR_FNS as _ADJUST_LR_FNS
 from dmuon._update import adjust_lr
 from dmuon.exec._optim.muon_step import _as_dtype, muon_step
-from dmuon.exec._runtime.runtime import after_step, wait_pending
+from dmuon.exec._runtime.runtime import after_skipped_step, after_step, runtimes_of, wait_pending
+from dmuon.exec._optim import nonfinite_skip as _skip
 
 __all__ = ["Muon", "adjust_lr"]
 
@@ -135,6 +136,16 @@ class Muon(torch.optim.Optimizer):
         normuon_beta2: keyword-only. NorMuon's EMA factor of the second moment. Default 0.95.
         normuon_eps: keyword-only. NorMuon's epsilon of both divisions (``eps`` stays the NS
             clamp). Default 1e-10.
+        skip_nonfinite: keyword-only. ``True``: a step whose gradients are non-finite (``inf`` /
+            ``nan``) on any rank is skipped on every rank together (no Muon or AdamW update, no
+            step counter, momentum or moment change, no QK-clip), one flag vector reduced over the
+            job (on ``dmuon.clip_grad_norm_``'s all-reduce when the step was clipped, else one
+            all-reduce in ``step``), and rank 0 logs one warning on the ``dmuon`` logger naming
+            the rank whose local gradient was non-finite before dmuon's reduce, else the ranks
+            holding one after it (:mod:`dmuon.exec._optim.nonfinite_skip`).
+            ``optimizer.last_step_skipped`` / ``optimizer.skipped_steps`` tell the caller, whose
+            LR scheduler it is to step or not; with a ``GradScaler`` the scaler's own check runs
+            first. Default ``False``: every step updates (a NaN propagates, as in torch).
 
     Raises:
         TypeError: ``model_or_params`` is a tensor, contains param-group dicts or
@@ -168,7 +179,10 @@ class Muon(torch.optim.Optimizer):
         variant: str = "muon",
         normuon_beta2: float = _nm.NORMUON_BETA2,
         normuon_eps: float = _nm.NORMUON_EPS,
+        skip_nonfinite: bool = False,
     ) -> None:
+        if not isinstance(skip_nonfinite, bool):
+            raise TypeError(f"skip_nonfinite must be a bool, got {skip_nonfinite!r}")
         params = self._collect(_fsdp2.sharded_params_for_optimizer(model_or_params))
         self._muon_defaults = self._checked_muon_hparams(
             {
@@ -215,6 +229,12 @@ class Muon(torch.optim.Optimizer):
         # Optimizer.add_param_group does not leak Muon keys into AdamW groups or back.
         super().__init__(groups, {})
         self._set_up_checked = False  # _check_set_up_order runs at the first step
+        self.skip_nonfinite = skip_nonfinite
+        self.last_step_skipped = False  # skip_nonfinite: whether the last step() skipped the update
+        self.skipped_steps = 0  # skip_nonfinite: steps skipped so far (not saved in state_dict())
+        if skip_nonfinite:  # the runtimes check every reduce buffer their rank packs
+            for rt in runtimes_of(dedicated):
+                rt.check_nonfinite = True
         # DTensor momentum for torch.distributed.checkpoint (no-ops without a live runtime)
         _optimizer_state.register_optimizer_hooks(self)
 
@@ -522,6 +542,10 @@ class Muon(torch.optim.Optimizer):
         if not self._set_up_checked:
             _check_set_up_order(self, dedicated)
             self._set_up_checked = True
+        if self.skip_nonfinite and self._skip_this_step(dedicated):
+            after_skipped_step(dedicated)
+            return loss
+        self.last_step_skipped = False
         for group in self.param_groups:
             if group["use_muon"]:
                 self._muon_group_step(group)
@@ -529,6 +553,28 @@ class Muon(torch.optim.Optimizer):
                 self._adamw_group_step(group)
         after_step(dedicated)
         return loss
+
+    def _skip_this_step(self, dedicated: list[Tensor]) -> bool:
+        """``skip_nonfinite``: the job's flags (collective unless the clip carried them); on a skip,
+        rank 0 of the job logs it (:mod:`dmuon.exec._optim.nonfinite_skip`)."""
+        import torch.distributed as dist
+
+        runtimes = runtimes_of(dedicated)
+        group = runtimes[0].groups.job_group if runtimes else None
+        params = [p for g in self.param_groups for p in g["params"]]
+        device = next((p.device for p in params if p.grad is not None), torch.device("cpu"))
+        if runtimes:
+            device = runtimes[0].device
+        flags = _skip.reduce_flags(params, runtimes, group, device)
+        if not flags.skip:
+            return False
+        self.last_step_skipped = True
+        self.skipped_steps += 1
+        first = not (dist.is_available() and dist.is_initialized()) or dist.get_rank(group) == 0
+        if first:
+            step = (runtimes[0].steps_done if runtimes else self.skipped_steps - 1) + 1  # 1-based
+            _skip.LOG.warning(_skip.skip_message(flags, step))
+        return True
 
     def _muon_group_step(self, group: dict) -> None:
         """Muon on the matrices of ``group`` this rank owns that have a gradient:

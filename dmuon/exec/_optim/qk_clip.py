@@ -175,6 +175,11 @@ class QKClipRuntime:
         self._max[index] = v.clone() if cur is None else torch.maximum(cur, v.to(cur.device))
         return True
 
+    def discard(self) -> None:
+        """A step skipped on every rank (``dmuon.Muon(skip_nonfinite=True)``): drop its recorded
+        max logits; no all-reduce, no rescaling."""
+        self._max = [None] * len(self.spec.attention)
+
     def step(self) -> None:
         """The all-reduce (max) and the owners' rescaling (module docstring); every rank calls it."""
         rt = self.runtime_ref()

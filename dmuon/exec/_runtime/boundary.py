@@ -576,6 +576,8 @@ class _BoundaryRuntime:
                         if seg is not None:
                             self._pack(seg, buf, j * gb.slot_numel, keep, stream)
                 keeps.append(keep)
+            if rt.check_nonfinite and bufs:  # skip_nonfinite: this rank's gradients, before the reduce
+                rt.note_reduce_input(bufs)
             i = 0
             ops = self.ops.reduce
             while i < len(ops):

@@ -2,7 +2,7 @@
 
 A :class:`~dmuon.exec._runtime.boundary._BoundaryRuntime` reaches its model-wide runtime only through
 ``self.runtime_ref()`` (a weak reference), and only for the members listed here: settings fixed at
-``apply``, three pieces of state the runtime owns, and the calls that span boundaries (prefetch
+``apply``, four pieces of state the runtime owns, and the calls that span boundaries (prefetch
 order, streams, HSDP replicas, the step check, the end of the backward).
 :class:`~dmuon.exec._runtime.runtime.DmuonRuntime` provides them (structurally: it does not subclass
 the Protocol). boundary.py imports this module, never the runtime's, so the two do not import each
@@ -39,6 +39,7 @@ class BoundaryHost(Protocol):
     requires_gradient_sync: bool  # False inside dmuon.no_sync: the post-backward defers the reduce
     pipelined: bool  # under a pipeline schedule: several micro-batches in flight, one reduce per step
     pending_reduces: list  # _PendingReduce records: the post-backward appends, finish_reduces drains
+    check_nonfinite: bool  # dmuon.Muon(skip_nonfinite=True): check every reduce buffer packed here
 
     # -- calls ---------------------------------------------------------------------------------
     def boundary_after(self, b: Any) -> Any:
@@ -70,3 +71,7 @@ class BoundaryHost(Protocol):
 
     def finish_reduces(self) -> None:
         """Wait for the pending reduces and write the owners' gradients."""
+
+    def note_reduce_input(self, bufs: list) -> None:
+        """``skip_nonfinite``: note whether a reduce buffer this rank packed (its local gradients,
+        before the reduce) holds a non-finite value."""

@@ -94,6 +94,13 @@ class DmuonRuntime:
         self._coalesces: dict = {}  # (id(group), device) -> the backend coalesces (asked once)
         self.pending_replicate: dict[int, list] = {}
         self.steps_done = 0  # optimizer steps this runtime has seen (after_step), for the step check
+        # dmuon.Muon(skip_nonfinite=True): check every reduce buffer this rank packs (its local
+        # gradients, before the reduce); a 0-d bool tensor since the last step, None before any
+        self.check_nonfinite = False
+        self.nonfinite_before_reduce: torch.Tensor | None = None
+        # the step's non-finite flags, reduced over the job by dmuon.clip_grad_norm_'s all-reduce
+        # (dmuon.exec._optim.nonfinite_skip.NonFiniteFlags), consumed by the next step
+        self.nonfinite_flags = None
         self.deferred_rounds: list = []  # accelerators: received broadcast rounds to compare at the step
         self._final_callback_queued = False
         self.requires_gradient_sync = True
@@ -367,7 +374,14 @@ class DmuonRuntime:
             boundary.raise_if_out_of_step(phase, values[at : at + got.numel()], expected)
             at += got.numel()
 
-    def after_step(self) -> None:
+    def note_reduce_input(self, bufs) -> None:
+        """``skip_nonfinite``: remember whether a reduce buffer this rank packed (its local
+        gradients, before the reduce) holds a non-finite value; device tensors, no host sync."""
+        bad = torch.stack([~torch.isfinite(b).all() for b in bufs]).any()
+        prev = self.nonfinite_before_reduce
+        self.nonfinite_before_reduce = bad if prev is None else prev | bad.to(prev.device)
+
+    def after_step(self, *, skipped: bool = False) -> None:
         """HSDP: each owner broadcasts its updated sub-segments to its replicate peers.
 
         ``replicate_async=True``: launched here, waited for just before the boundary's next
@@ -375,6 +389,10 @@ class DmuonRuntime:
 
         QK-clip (``plan.qk_clip``) runs first: its all-reduce (max) and the owners' rescaling of
         W_q / W_k rows (:mod:`dmuon.exec._optim.qk_clip`), so replicas receive the rescaled values.
+
+        ``skipped`` (a step ``dmuon.Muon(skip_nonfinite=True)`` skipped on every rank): the step
+        bookkeeping only; QK-clip drops the step's max logits without its all-reduce or rescaling,
+        and nothing is broadcast (no value changed). No collective.
         """
         self.steps_done += 1
         self._check_deferred_rounds()
@@ -384,6 +402,12 @@ class DmuonRuntime:
                     b._reshard()
         for b in self.boundaries:
             b.forwards_since_step = 0
+        self.nonfinite_before_reduce = None
+        self.nonfinite_flags = None
+        if skipped:
+            if self.qk_clip is not None:
+                self.qk_clip.discard()
+            return
         if self.qk_clip is not None:
             self.qk_clip.step()
         replicas.broadcast_after_step(self)
@@ -495,6 +519,14 @@ def after_step(params) -> None:
     """Post-step work of every runtime owning one of ``params`` (HSDP replicate broadcast)."""
     for rt in runtimes_of(params):
         rt.after_step()
+
+
+def after_skipped_step(params) -> None:
+    """A step ``dmuon.Muon(skip_nonfinite=True)`` skipped on every rank: the bookkeeping of every
+    runtime owning one of ``params`` (:meth:`DmuonRuntime.after_step` with ``skipped=True``; no
+    collective)."""
+    for rt in runtimes_of(params):
+        rt.after_step(skipped=True)
 
 
 @contextlib.contextmanager

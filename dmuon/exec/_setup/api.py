@@ -258,16 +258,22 @@ def _check_ep_stacks_differ(plan, model: nn.Module, table) -> None:
 
 
 def _plan_difference(json_a: str, json_b: str, rank_b: int, rank_a: int = 0) -> str:
-    """What differs from rank ``rank_a``'s plan to rank ``rank_b``'s (``dmuon.plan.diff``), first lines only."""
+    """What differs from rank ``rank_a``'s plan to rank ``rank_b``'s: the first differing dedicated
+    parameter and the likely cause (:func:`dmuon.plan._tools.plan_mismatch.mismatch_lines`), then
+    ``dmuon.plan.diff``'s first lines."""
     from dmuon.plan import ShardingPlan
     from dmuon.plan._tools.diff import diff
 
+    from dmuon.plan._tools.plan_mismatch import mismatch_lines
+
     try:
-        d = diff(ShardingPlan.from_json(json_a), ShardingPlan.from_json(json_b))
+        a, b = ShardingPlan.from_json(json_a), ShardingPlan.from_json(json_b)
+        first = "\n".join(mismatch_lines(a, b, rank_a, rank_b)) + "\n"
+        d = diff(a, b)
     except Exception as exc:  # noqa: BLE001 - the report must not hide the real error
         return f"(the plans could not be compared: {type(exc).__name__}: {exc})"
     if d.empty:
-        return (
+        return first + (
             "dmuon.plan.diff finds no difference in parameters, owners, boundaries or settings: "
             "compare the ranks' plan.to_json()"
         )
@@ -277,7 +283,7 @@ def _plan_difference(json_a: str, json_b: str, rank_b: int, rank_a: int = 0) -> 
     d = dataclasses.replace(d, changes=tuple(sorted(d.changes, key=rank_of)))
     lines = d.render(max_lines=PLAN_DIFF_LINES).splitlines()
     cut = next((i for i, line in enumerate(lines) if line.lstrip().startswith("bytes per step")), len(lines))
-    return f"dmuon.plan.diff(plan of rank {rank_a}, plan of rank {rank_b}):\n" + "\n".join(lines[:cut])
+    return first + f"dmuon.plan.diff(plan of rank {rank_a}, plan of rank {rank_b}):\n" + "\n".join(lines[:cut])
 
 
 def apply(
@@ -437,6 +443,22 @@ def efsdp_member_sets(plan) -> tuple[tuple[int, ...], ...]:
     )
 
 
+def collective_backend(model: nn.Module) -> str:
+    """The link record (:data:`dmuon.plan._rules.COLLECTIVE_LINKS`) of the default process group's
+    backend for the model's device: ``"gloo"`` where that backend is gloo, ``"nccl"`` for NCCL and
+    every other backend (the preset). A group with one backend per device type
+    (``"cpu:gloo,cuda:nccl"``) is read for the device of the model's first parameter (a model on
+    ``meta``: CUDA when present, else CPU)."""
+    backend = str(dist.get_backend())
+    if ":" in backend:
+        by_device = dict(part.split(":", 1) for part in backend.split(",") if ":" in part)
+        device = next((p.device.type for p in model.parameters()), "cpu")
+        if device == "meta":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        backend = by_device.get(device, next(iter(by_device.values()), backend))
+    return "gloo" if backend == "gloo" else "nccl"
+
+
 def dedicate_params(
     model: nn.Module,
     mesh=None,
@@ -463,7 +485,10 @@ def dedicate_params(
     when they are called otherwise), an int ``N`` / ``(N,)`` / ``(R, N)`` spanning the world,
     or ``None`` (1-D over the world). ``ep``: the expert-parallel degree (``dmuon.plan.compile``;
     ``None``: ``N`` for a 1-D ``DeviceMesh`` whose dim is named ``"ep"``, else 1; docs/moe_ep.md).
-    Extra keyword arguments go to ``dmuon.plan.compile`` (e.g. ``cost_model``).
+    Extra keyword arguments go to ``dmuon.plan.compile`` (e.g. ``cost_model``). Unless they set
+    ``collective_backend`` or the rule's numbers, the plan's ``collectives="auto"`` rule prices with
+    the link record of the process group's backend for the model's device
+    (:func:`collective_backend`: ``"gloo"`` on gloo, ``"nccl"`` otherwise).
 
     ``reshard_after_forward``: ``True`` DMuon-Z3, ``False`` DMuon-Z2; ``None`` (default): Z3,
     except Z2 for a pipeline stage (torchtitan's ``reshard_after_forward = not pp``).
@@ -499,6 +524,8 @@ def dedicate_params(
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ()) if hasattr(mesh, "shape") else ()
     if ep is None and names == ("ep",):  # compile reads the (R, N) below, without the dim's name
         ep = len(table[0])
+    if not any(k in compile_kwargs for k in ("collective_backend", "collective_latency_s", "collective_bandwidth_Bps")):
+        compile_kwargs["collective_backend"] = collective_backend(model)
     if pipeline is None:
         pipeline = is_pipeline_mesh(mesh)
     if reshard_after_forward is None:

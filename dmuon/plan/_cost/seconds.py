@@ -58,6 +58,8 @@ def buffer_collective_s(
     reshard_after_forward: bool,
     latency_s: float,
     bandwidth_Bps: float,
+    all_gather_latency_s: float | None = None,
+    all_gather_bandwidth_Bps: float | None = None,
 ) -> float:
     """Seconds per step of ``buf``'s shard phases as one rank sees them, if moved by ``kind``:
     the forward phase and (``reshard_after_forward``, Z3) the backward phase in the wire dtype,
@@ -67,12 +69,17 @@ def buffer_collective_s(
     an expert-parallel buffer: its efsdp groups run side by side); ``"all_gather"``: one
     :func:`all_gather_call_s` over ``slot_numel``-element slots. Replicate rows and TP
     coordinates run side by side and add nothing. HSDP's replicate phases are per sub-segment
-    whatever the kind and are left out.
+    whatever the kind and are left out. ``latency_s`` / ``bandwidth_Bps`` price broadcasts and
+    reduces, ``all_gather_latency_s`` / ``all_gather_bandwidth_Bps`` all-gathers and
+    reduce-scatters (None: the same pair; a link record may measure the families apart,
+    :data:`dmuon.plan._rules.COLLECTIVE_LINKS`).
     """
     k = buf.group_size(num_shards)
     itemsizes = [wire_itemsize] * (2 if reshard_after_forward else 1) + [reduce_itemsize]
     if kind == "all_gather":
-        return sum(all_gather_call_s(slot_numel * isz, k, latency_s, bandwidth_Bps) for isz in itemsizes)
+        a = latency_s if all_gather_latency_s is None else all_gather_latency_s
+        b = bandwidth_Bps if all_gather_bandwidth_Bps is None else all_gather_bandwidth_Bps
+        return sum(all_gather_call_s(slot_numel * isz, k, a, b) for isz in itemsizes)
     if kind != "broadcast":
         raise ValueError(f"unknown buffer collective {kind!r}")
     by_group: dict[int, list[int]] = {}

@@ -96,6 +96,8 @@ def choose_collective(
         reshard_after_forward=reshard_after_forward,
         latency_s=settings.latency_s,
         bandwidth_Bps=settings.bandwidth_Bps,
+        all_gather_latency_s=settings.gather_latency_s,
+        all_gather_bandwidth_Bps=settings.gather_bandwidth_Bps,
     )
     t_b = buffer_collective_s(buf, "broadcast", **kw)
     t_a = buffer_collective_s(buf, "all_gather", **kw)

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 __all__ = [
     "JSON_FORMAT",
     "JSON_FORMAT_V1",
+    "JSON_FORMAT_V2",
     "JSON_FORMATS",
     "json_format",
     "to_dict",
@@ -31,21 +32,28 @@ __all__ = [
     "fingerprint",
 ]
 
-#: version tag of :meth:`ShardingPlan.to_json` (``dmuon.plan/2``: per-buffer collectives and the
-#: plan's ``collectives`` settings). A plan that needs nothing of version 2 (every buffer broadcast,
-#: default collective settings) is still written as :data:`JSON_FORMAT_V1`, byte for byte as before,
-#: so its fingerprint is unchanged; both versions are read.
-JSON_FORMAT = "dmuon.plan/2"
-#: the previous version: no ``collectives`` key (read as every buffer broadcast)
+#: version tag of :meth:`ShardingPlan.to_json` (``dmuon.plan/3``: the ``collectives`` settings
+#: name their link record and may carry separate all-gather numbers,
+#: :class:`~dmuon.plan._records.collective_records.CollectiveSettings`). A plan writes the oldest
+#: version that holds it: :data:`JSON_FORMAT_V1` (every buffer broadcast, default collective
+#: settings), :data:`JSON_FORMAT_V2` (collective settings of the ``"nccl"`` record's form), else this
+#: one; so an older plan keeps its bytes and fingerprint. Every version is read.
+JSON_FORMAT = "dmuon.plan/3"
+#: per-buffer collectives and the plan's ``collectives`` settings (one alpha / B pair, the ``"nccl"`` record)
+JSON_FORMAT_V2 = "dmuon.plan/2"
+#: the first version: no ``collectives`` key (read as every buffer broadcast)
 JSON_FORMAT_V1 = "dmuon.plan/1"
 #: every version :func:`from_dict` reads
-JSON_FORMATS = (JSON_FORMAT_V1, JSON_FORMAT)
+JSON_FORMATS = (JSON_FORMAT_V1, JSON_FORMAT_V2, JSON_FORMAT)
 
 
 def json_format(plan: ShardingPlan) -> str:
-    """The version :func:`to_dict` writes: :data:`JSON_FORMAT` when the plan uses something of it
-    (non-default ``collectives`` settings), else :data:`JSON_FORMAT_V1`."""
-    return JSON_FORMAT if not plan.collectives.is_default else JSON_FORMAT_V1
+    """The version :func:`to_dict` writes (the oldest that holds the plan): :data:`JSON_FORMAT` when
+    its collective settings name a link other than ``"nccl"`` or carry all-gather numbers,
+    :data:`JSON_FORMAT_V2` for other non-default ``collectives`` settings, else :data:`JSON_FORMAT_V1`."""
+    if plan.collectives.has_link_fields:
+        return JSON_FORMAT
+    return JSON_FORMAT_V2 if not plan.collectives.is_default else JSON_FORMAT_V1
 
 
 def to_dict(plan: ShardingPlan) -> dict[str, Any]:
@@ -91,7 +99,7 @@ def from_dict(cls: type[ShardingPlan], d: dict[str, Any]) -> ShardingPlan:
     if fmt not in JSON_FORMATS:
         raise ValueError(f"not a dmuon plan of a known format {JSON_FORMATS} (format={fmt!r})")
     if fmt == JSON_FORMAT_V1 and "collectives" in d:
-        raise ValueError(f"a {JSON_FORMAT_V1} plan has no 'collectives' (written by {JSON_FORMAT} and later)")
+        raise ValueError(f"a {JSON_FORMAT_V1} plan has no 'collectives' (written by {JSON_FORMAT_V2} and later)")
     return cls(
         mesh_shape=tuple(d["mesh_shape"]),
         reshard_after_forward=d["reshard_after_forward"],

@@ -116,7 +116,7 @@ _COST_ROWS = (
     ("QK-clip all-reduce (max)", "qk_clip_nbytes", None),
     ("owner-group Gram all-reduce", "owner_group_nbytes", None),
     ("total", "total_nbytes", "total_nbytes"),
-    ("busiest rank", "max_rank_nbytes", "max_rank_nbytes"),
+    ("busiest rank by bytes", "max_rank_nbytes", "max_rank_nbytes"),
 )
 
 
@@ -331,7 +331,8 @@ def ownership_lines(plan: ShardingPlan, cost=None) -> list[str]:
     ]
     top = max(pieces, default=(0, "-"))
     lines = [
-        f"ownership: {idle:,} of {S:,} ranks own nothing; owned elements max/mean {ratio:.2f}; the busiest rank "
+        f"ownership: {idle:,} of {S:,} ranks own nothing; owned elements max/mean {ratio:.2f}; the busiest rank by "
+        f"owned elements "
         f"({busiest}) owns {owned[busiest]:,} elements, {100.0 * top[0] / owned[busiest] if owned[busiest] else 0:.0f}% "
         f"of them in {top[1]}"
     ]
@@ -468,7 +469,10 @@ def _schedule_lines(plan: ShardingPlan, fig: _Figures) -> list[str]:
     per_rank = fig.cost.per_rank_nbytes
     busiest = max(range(len(per_rank)), key=lambda r: (per_rank[r], -r))
     lines = []
-    for rank, why in ((0, "rank 0"), (busiest, f"busiest rank {busiest} ({fmt_nbytes(per_rank[busiest])}/step)")):
+    for rank, why in (
+        (0, "rank 0"),
+        (busiest, f"busiest rank by bytes {busiest} ({fmt_nbytes(per_rank[busiest])}/step)"),
+    ):
         if rank == 0 and why != "rank 0":
             continue
         ops = fig.schedule.rank_ops(rank)

@@ -83,10 +83,12 @@ def collective_lines(plan: ShardingPlan, sched: Any, *, max_rows: int = 8) -> li
     pad = sum(buf.padding_numel(N) for buf in gathered)
     moved = sum(buf.numel for buf in gathered)
     lines = [
-        f"collectives: {s.mode!r} (auto rule: alpha {s.latency_s * 1e6:g} us per collective step, B "
-        f"{s.bandwidth_Bps / 1e9:g} GB/s); gradients: reduce with broadcast, reduce_scatter with all_gather; "
+        f"collectives: {s.mode!r} (auto rule: {s.rule_numbers()}); gradients: reduce with broadcast, "
+        f"reduce_scatter with all_gather; "
         f"{len(gathered):,} of {sum(len(b.buffers) for b in plan.boundaries):,} buffers all-gathered"
         + (f", padding {100.0 * pad / moved:.1f} % of their elements" if moved else ""),
+        f"  the rule's numbers: {s.link_source()}"
+        + ("; dmuon.plan.compile without collective_backend assumes NCCL" if s.link == "nccl" else ""),
         "  per rank per step (rank 0): " + (", ".join(f"{n:,} {k}" for k, n in sorted(counts.items())) or "none"),
     ]
     classes: dict[tuple, list] = {}

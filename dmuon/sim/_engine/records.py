@@ -87,7 +87,7 @@ class Simulation:
         step_s: the slowest rank's end.
         ranks: per-rank :class:`RankTime` (schedule-rank order).
         exposed_comm_s: communication the critical rank waited for (its ``exposed_comm_s``).
-        ns_s: Newton-Schulz seconds of the busiest rank; ns_share: ``ns_s / step_s``.
+        ns_s: Newton-Schulz seconds of the busiest rank by NS time (the most); ns_share: ``ns_s / step_s``.
         critical_rank: the rank that ends last; critical_op: the last op of the critical path.
         critical_path: :class:`PathStep` records, first to last.
         timelines: ``{rank: (Interval, ...)}`` for the ranks asked for.
@@ -150,15 +150,18 @@ class Simulation:
 
 class Simulations(dict):
     """``{variant: Simulation}`` (what :func:`dmuon.sim.simulate_variants` returns): a dict that
-    draws itself: every variant's figures and rank 0's timeline per variant
+    draws itself: every variant's figures and rank 0's timeline per variant, the recommended dmuon
+    mode and the variants whose peak is above the device's memory (``memory_nbytes``, 0 = unknown)
     (:mod:`dmuon.sim._pages.sim_html`; ``to_html()`` for a standalone page)."""
+
+    memory_nbytes: int = 0
 
     def to_html(self, *, rank: int = 0) -> str:
         from dmuon.sim._pages.sim_html import simulation_html
 
-        return simulation_html(self, rank=rank, standalone=True)
+        return simulation_html(self, rank=rank, standalone=True, memory_nbytes=self.memory_nbytes)
 
     def _repr_html_(self) -> str:
         from dmuon.sim._pages.sim_html import simulation_html
 
-        return simulation_html(self)
+        return simulation_html(self, memory_nbytes=self.memory_nbytes)

@@ -243,6 +243,8 @@ def simulate_variants(
 ) -> Simulations:
     """:func:`simulate` for every variant of :data:`VARIANTS` (same hardware and workload), as a
     :class:`~dmuon.sim._engine.records.Simulations` dict (it draws itself in a notebook)."""
-    return Simulations(
+    sims = Simulations(
         {v: simulate(plan, hardware, workload, step, variant=v, timeline_ranks=timeline_ranks) for v in variants}
     )
+    sims.memory_nbytes = int(hardware.memory_nbytes or 0)
+    return sims

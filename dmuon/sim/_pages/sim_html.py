@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dmuon.plan._tools.html.svg import PAGE_WIDTH, Page, Svg, document, wrap
+from dmuon.sim._pages.recommendation import fits, recommend
 from dmuon.sim._pages.sim_plot import _LANES, COLORS
 
 __all__ = ["simulation_page", "simulation_html", "merge_bars"]
@@ -59,7 +60,7 @@ def _nice_step(span_ms: float, target: int = 8) -> float:
     return 10 * mag
 
 
-def _table(sims: Mapping[str, Any]) -> Svg:
+def _table(sims: Mapping[str, Any], memory_nbytes: int = 0) -> Svg:
     names = list(sims)
     base = sims["adamw"].step_s if "adamw" in sims else sims[names[0]].step_s
     base_name = "FSDP2 + AdamW" if "adamw" in sims else names[0]
@@ -73,7 +74,7 @@ def _table(sims: Mapping[str, Any]) -> Svg:
             42,
             wrap(
                 f"Hardware {', '.join(hw)}; {', '.join(map(str, ranks))} ranks. Step = the slowest rank's end; exposed comm = the critical rank's "
-                f"wait for collectives; NS = Newton-Schulz of the busiest rank; peak = the largest rank's "
+                f"wait for collectives; NS = Newton-Schulz seconds of the rank with the most (busiest by NS time); peak = the largest rank's "
                 f"memory; moved = bytes on the wire per step, all ranks. Ratio to {base_name}.",
                 PAGE_WIDTH - 20,
                 12,
@@ -110,11 +111,13 @@ def _table(sims: Mapping[str, Any]) -> Svg:
             f"{s.step_s / base:.3f}" if base else "-",
             f"{1e3 * s.exposed_comm_s:,.1f} ms",
             f"{1e3 * s.ns_s:,.1f} ms ({100 * s.ns_share:.0f}%)",
-            f"{max(s.peak_memory_nbytes, default=0) / 2**30:,.1f} GiB",
+            f"{max(s.peak_memory_nbytes, default=0) / 2**30:,.1f} GiB"
+            + (" > device" if memory_nbytes and not fits(s, memory_nbytes) else ""),
             f"{s.comm_nbytes / 1e12:,.3f} TB",
         ]
         for (x, _), v in zip(cols, vals):
-            svg.text(x, y + 11, v, size=11, bold=x == 10)
+            over = x == 510 and v.endswith("> device")
+            svg.text(x, y + 11, v, size=11, bold=x == 10 or over, fill="#c0392b" if over else "#222222")
         svg.rect(
             680,
             y + 2,
@@ -127,8 +130,33 @@ def _table(sims: Mapping[str, Any]) -> Svg:
         )
         svg.raw("</g>")
         y += 18
+    notes = _notes(sims, memory_nbytes)
+    if notes:
+        y = svg.lines(10, y + 14, [w for n in notes for w in wrap(n, PAGE_WIDTH - 20, 12)], size=12)
     svg.height = y + 8
     return svg
+
+
+def _notes(sims: Mapping[str, Any], memory_nbytes: int) -> list[str]:
+    """The recommendation (where Z2 and Z3 were both simulated) and every variant whose peak is above
+    the device's memory, with why (:func:`dmuon.sim._pages.recommendation.recommend`)."""
+    notes = []
+    over = [(n, s) for n, s in sims.items() if memory_nbytes and not fits(s, memory_nbytes)]
+    if over:
+        what = ", ".join(f"{n} ({max(s.peak_memory_nbytes) / 2**30:,.1f} GiB)" for n, s in over)
+        notes.append(
+            f"Does not fit: {what} peak above the device's {memory_nbytes / 2**30:,.1f} GiB per rank (peak = the "
+            "largest rank's parameters, gradients, optimizer state, dmuon's buffers and activations at once): at "
+            "these tokens per rank they would run out of memory; more shard ranks, TP, activation checkpointing "
+            "or fewer tokens per rank bring the peak down."
+        )
+    if "z2" in sims and "z3" in sims:
+        mode, why = recommend(dict(sims), memory_nbytes)
+        ratio = ""
+        if "adamw" in sims and sims["adamw"].step_s:
+            ratio = f" ({sims[mode].step_s / sims['adamw'].step_s:.3f} x FSDP2 + AdamW)"
+        notes.append(f"Recommended: dmuon {mode.upper()}{ratio}: {why}.")
+    return notes
 
 
 def _timelines(sims: Mapping[str, Any], rank: int) -> Svg:
@@ -230,8 +258,9 @@ def _timelines(sims: Mapping[str, Any], rank: int) -> Svg:
     return svg
 
 
-def simulation_page(sims: Mapping[str, Any], *, rank: int = 0) -> Page:
-    """The page of ``{variant: Simulation}`` (module docstring)."""
+def simulation_page(sims: Mapping[str, Any], *, rank: int = 0, memory_nbytes: int = 0) -> Page:
+    """The page of ``{variant: Simulation}`` (module docstring); ``memory_nbytes``: the device's
+    memory (0 = unknown), for the recommendation and the variants that do not fit."""
     if not sims:
         raise ValueError("no simulation to draw")
     first = next(iter(sims.values()))
@@ -244,14 +273,14 @@ def simulation_page(sims: Mapping[str, Any], *, rank: int = 0) -> Page:
             "step-s": " ".join(repr(s.step_s) for s in sims.values()),
         },
     )
-    page.add(_table(sims))
+    page.add(_table(sims, memory_nbytes))
     page.add(_timelines(sims, rank))
     return page
 
 
-def simulation_html(sims: Mapping[str, Any], *, rank: int = 0, standalone: bool = False) -> str:
+def simulation_html(sims: Mapping[str, Any], *, rank: int = 0, standalone: bool = False, memory_nbytes: int = 0) -> str:
     """The page's HTML: a fragment (``_repr_html_``) or (``standalone``) a whole document."""
-    fragment = simulation_page(sims, rank=rank).render()
+    fragment = simulation_page(sims, rank=rank, memory_nbytes=memory_nbytes).render()
     if not standalone:
         return fragment
     first = next(iter(sims.values()))

@@ -354,7 +354,7 @@ def _distributions(fa: PlanFigures, fb: PlanFigures) -> Svg:
             svg,
             "Per rank: distributions (different meshes)",
             f"Rank numbers do not correspond ({fa.S:,} → {fb.S:,} ranks), so each plan's per-rank values are "
-            "sorted, busiest first, and drawn against the fraction of its ranks: before grey, after blue.",
+            "sorted, largest first, and drawn against the fraction of its ranks: before grey, after blue.",
         )
         + 6
     )
@@ -381,8 +381,8 @@ def _distributions(fa: PlanFigures, fb: PlanFigures) -> Svg:
             n = max(1, len(q) - 1)
             pts = " ".join(f"{num(x0 + w * i / n)},{num(y + h - h * v / vmax)}" for i, v in enumerate(q))
             svg.raw(f'<polyline points="{pts}" fill="none" stroke="{colour}" stroke-width="2"/>', shapes=1)
-        svg.text(x0, y + h + 12, "busiest rank", size=9, fill="#666666")
-        svg.text(x0 + w, y + h + 12, "least loaded rank", size=9, anchor="end", fill="#666666")
+        svg.text(x0, y + h + 12, "largest first", size=9, fill="#666666")
+        svg.text(x0 + w, y + h + 12, "smallest last", size=9, anchor="end", fill="#666666")
         y += h + 26
     svg.rect(x0, y - 6, 14, 6, BEFORE)
     svg.text(x0 + 20, y, "before", size=11)

@@ -584,14 +584,15 @@ def collectives_chart(fig: PlanFigures) -> Svg:
     bar_x, bar_w = LABEL_W, 560
     text_x = bar_x + bar_w + 10
     row_h = rows.row_h
+    font = max(7, min(10, row_h - 1))
     y += 4
     for i, (label, agg, kinds, pad, used) in enumerate(data_rows):
         y0 = y + i * row_h
         total = sum(v[1] for v in agg.values())
         calls = sum(v[0] for v in agg.values())
         svg.raw(f'<g data-row="{i}" data-nbytes="{total}" data-calls="{calls}">')
-        if i % max(1, -(-11 // row_h)) == 0 or label == STEP_ROW:
-            svg.text(LABEL_W - 6, y0 + min(row_h, 12) - 2, fit(label, LABEL_W - 12, 10), size=10, anchor="end")
+        # every row labelled (a smaller font where rows are thin; rows aggregate past MAX_ROWS, said in the caption)
+        svg.text(LABEL_W - 6, y0 + min(row_h, 12) - 2, fit(label, LABEL_W - 12, font), size=font, anchor="end")
         x = bar_x
         for key in cats:
             if key not in agg:
@@ -609,20 +610,19 @@ def collectives_chart(fig: PlanFigures) -> Svg:
             )
             x += w
         svg.raw("</g>")
-        if i % max(1, -(-11 // row_h)) == 0 or label == STEP_ROW:
-            kind_text = ", ".join(f"{k.replace('_', '-')}" + (f" ×{c}" if c > 1 else "") for k, c in kinds.items())
-            pad_text = f", +{100 * pad / used:.1f}% padding" if pad and used else ""
-            svg.text(
-                text_x,
-                y0 + min(row_h, 12) - 2,
-                fit(
-                    f"{fmt_bytes(total)} · {calls:,} calls" + (f" · {kind_text}{pad_text}" if kind_text else ""),
-                    PAGE_WIDTH - text_x - 8,
-                    10,
-                ),
-                size=10,
-                fill="#444444",
-            )
+        kind_text = ", ".join(f"{k.replace('_', '-')}" + (f" ×{c}" if c > 1 else "") for k, c in kinds.items())
+        pad_text = f", +{100 * pad / used:.1f}% padding" if pad and used else ""
+        svg.text(
+            text_x,
+            y0 + min(row_h, 12) - 2,
+            fit(
+                f"{fmt_bytes(total)} · {calls:,} calls" + (f" · {kind_text}{pad_text}" if kind_text else ""),
+                PAGE_WIDTH - text_x - 8,
+                font,
+            ),
+            size=font,
+            fill="#444444",
+        )
     y = y + len(data_rows) * row_h + 20
     x = 10
     for key in cats:

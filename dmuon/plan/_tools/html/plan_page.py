@@ -171,7 +171,7 @@ def header_card(fig: PlanFigures) -> Svg:
             f"FSDP2+naive {fmt_bytes(base_total)} ({-saving:+.1f}%)",
         ),
         (
-            "busiest rank",
+            "busiest rank by bytes",
             f"{fmt_bytes(fig.cost.max_rank_nbytes)}/step",
             f"rank {busiest} (FSDP2+naive {fmt_bytes(fig.base_cost.max_rank_nbytes)})",
         ),
@@ -191,7 +191,7 @@ def header_card(fig: PlanFigures) -> Svg:
     sx = lambda v: gx + gw * v / xmax  # noqa: E731
     svg.text(12, y + 14, f"LPT load per rank ({unit})", size=12, bold=True)
     svg.rect(gx, y + 4, gw, 14, "#f0f0f0")
-    svg.rect(gx, y + 4, sx(wmax) - gx, 14, BAR_LIGHT, title=f"busiest rank: {fmt(wmax)} {unit}")
+    svg.rect(gx, y + 4, sx(wmax) - gx, 14, BAR_LIGHT, title=f"busiest rank by {unit}: {fmt(wmax)} {unit}")
     svg.rect(gx, y + 4, sx(wmin) - gx, 14, BAR, title=f"least loaded rank: {fmt(wmin)} {unit}")
     svg.line(sx(mean), y, sx(mean), y + 22, MEAN, width=2, dash="4 2", title=f"mean {fmt(mean)}")
     svg.line(sx(fig.bound), y, sx(fig.bound), y + 22, BOUND, width=2, title=f"LPT bound {fmt(fig.bound)}")
@@ -359,10 +359,10 @@ def phases_chart(fig: PlanFigures) -> Svg:
     for label, a, b in _COST_ROWS:
         ours = getattr(ours_c, a, 0) if a else None
         base = getattr(base_c, b, 0) if b else None
-        if label in ("total", "busiest rank") or (ours or 0) + (base or 0) > 0:
+        if label in ("total", "busiest rank by bytes") or (ours or 0) + (base or 0) > 0:
             rows.append((label, a, b, ours, base))
-    phases = [r for r in rows if r[0] not in ("total", "busiest rank")]
-    totals = [r for r in rows if r[0] in ("total", "busiest rank")]
+    phases = [r for r in rows if r[0] not in ("total", "busiest rank by bytes")]
+    totals = [r for r in rows if r[0] in ("total", "busiest rank by bytes")]
     vmax = max([(r[3] or 0) for r in phases] + [(r[4] or 0) for r in phases] + [1])
     base_total = base_c.total_nbytes
     saving = 100.0 * (1 - ours_c.total_nbytes / base_total) if base_total else 0.0
@@ -493,7 +493,7 @@ def schedule_section(fig: PlanFigures) -> tuple[Svg, list[str]]:
             text = sched.summary(r, boundary=first, max_ops=LISTING_OPS)
             listings.append(
                 details(
-                    f"Ops of rank {r}{' (busiest)' if r == busiest and r else ''} in boundary {first or '<root>'!r} "
+                    f"Ops of rank {r}{' (busiest by bytes)' if r == busiest and r else ''} in boundary {first or '<root>'!r} "
                     f"({len(rank_ops[r]):,} ops in its whole step: python -m dmuon plan ... --schedule {r})",
                     text,
                 )
