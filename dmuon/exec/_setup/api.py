@@ -209,7 +209,7 @@ def _check_same_plan_everywhere(plan, everyone, *, per_table: bool) -> None:
     who = f"the ranks {list(key)} of one data-parallel mesh (one pipeline stage)" if per_table else "ranks"
     raise RuntimeError(
         f"dmuon: {who} hold different plans (fingerprint of rank {first}: {fp0[:12]}, "
-        f"differing ranks: {bad}; rank {bad[0]}: {everyone[bad[0]][2][:12]}). "
+        f"differing ranks: {bad}; rank {bad[0]}: {everyone[bad[0]][2][:12]}).\n"
         f"{_plan_difference(plans[first], plans[bad[0]], bad[0], first)}\n"
         "Compile the plan identically on every rank of the mesh (same model definition, mesh and arguments), "
         "or compile once and broadcast its JSON"
