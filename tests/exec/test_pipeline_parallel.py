@@ -21,7 +21,11 @@ single-process ``torch.optim.Muon`` + ``AdamW`` on the whole model over the same
   whole model's gradients, and the clipped run still matches the clipped reference;
 * a mutant whose dedicated reduce is skipped fails the oracle (its gradients and parameters
   leave the bounds), and without dmuon's reduce wrapper ``step()`` raises on every rank;
-* a zero-bubble schedule raises the same ``NotImplementedError`` on every rank at its first step.
+* a zero-bubble schedule raises the same ``NotImplementedError`` on every rank at its first step;
+* checkpoints across layouts, in the same launch: a DCP checkpoint (model + flattened optimizer
+  state) saved at (pp 2, dp 2) after one GPipe step, loaded into fresh stages at (pp 2, dp 2)
+  (the next steps bit-identical to the uninterrupted run) and into the whole model at
+  (pp 1, dp 4) (the next steps against the oracle).
 """
 
 from __future__ import annotations
@@ -309,6 +313,148 @@ def _errors(mesh):
     return out
 
 
+SAVE_AT = 1  # steps at (pp 2, dp 2) before the checkpoint; the runs continue to STEPS
+
+
+def _checkpoint_state(m, opt):
+    """The stage's sharded model and optimizer state dicts, the optimizer's flattened to one key per
+    parameter (``state.<fqn>.<name>``, ``param_groups.<fqn>.<name>``): the stages hold different
+    parameters, and a flattened state dict keeps their param groups from colliding in the checkpoint."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    return {"model": get_model_state_dict(m), "optim": get_optimizer_state_dict(m, opt, options=flat)}
+
+
+def _checkpoint_load(m, opt, path):
+    """Load the checkpoint at ``path`` into ``m`` and ``opt``. The flattened optimizer state is
+    unflattened against ``get_optimizer_state_dict``'s own layout (every dedicated matrix's
+    momentum on every rank), not by ``set_optimizer_state_dict(flatten_optimizer_state_dict=True)``:
+    torch unflattens only the state names ``opt.state`` holds on the rank, and a non-owner holds
+    none for the matrices it does not own."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    sd = _checkpoint_state(m, opt)
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(m, sd["model"])
+    flat, layout = sd["optim"], get_optimizer_state_dict(m, opt)
+    state = {fqn: {k: flat[f"state.{fqn}.{k}"] for k in entry} for fqn, entry in layout["state"].items()}
+    groups = [
+        {k: (v if k == "params" else flat[f"param_groups.{g['params'][0]}.{k}"]) for k, v in g.items()}
+        for g in layout["param_groups"]
+    ]
+    set_optimizer_state_dict(m, opt, {"state": state, "param_groups": groups})
+
+
+def _full_state(m):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(m, options=StateDictOptions(full_state_dict=True))
+    return {k: v.detach().clone() for k, v in sd.items()}
+
+
+def _checkpoint_across_layouts(mesh):
+    """A DCP checkpoint (model + optimizer) saved at (pp 2, dp 2) after SAVE_AT GPipe steps, loaded
+    at (pp 2, dp 2) and at (pp 1, dp 4) (the whole model on a 1-D mesh of 4), each continued to STEPS."""
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    import dmuon
+
+    pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    holder = [tempfile.mkdtemp(prefix="dmuon-pp-ckpt-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(holder, src=0)
+    path = holder[0]
+    data = batches()
+
+    def build_stage():
+        m = split_stage(make_full(), pp, 2)
+        dmuon.dedicate_params(m, mesh["dp"])
+        for layer in m.layers.values():
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(m, mesh=mesh["dp"])
+        opt = dmuon_optimizer(m)
+        opt.init_state()  # torch's DCP helpers would otherwise dummy-step an empty state
+        stage = PipelineStage(m, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+        return m, opt, ScheduleGPipe(stage, M, loss_fn=ce)
+
+    def pp_steps(m, opt, sched, steps):
+        losses = []
+        for batch in steps:
+            x, y = batch[:, :-1].chunk(2)[dp], batch[:, 1:].chunk(2)[dp]
+            out = []
+            sched.step(x, target=y, losses=out) if pp == 0 else sched.step(target=y, losses=out)
+            opt.step()
+            opt.zero_grad()
+            loss = torch.tensor(sum(float(v) for v in out) / M if out else 0.0)
+            dist.all_reduce(loss)
+            losses.append(loss.item() / 2)
+        return losses
+
+    try:
+        m, opt, sched = build_stage()
+        pp_steps(m, opt, sched, data[:SAVE_AT])
+        dcp.save(_checkpoint_state(m, opt), checkpoint_id=path)
+        straight = pp_steps(m, opt, sched, data[SAVE_AT:])  # the uninterrupted run
+        straight_state = _full_state(m)
+        dist.barrier()
+
+        m, opt, sched = build_stage()  # the same layout, fresh
+        _checkpoint_load(m, opt, path)
+        resumed = pp_steps(m, opt, sched, data[SAVE_AT:])
+        resumed_state = _full_state(m)
+        dist.barrier()
+
+        flat_mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))  # (pp 1, dp 4)
+        rank, world = flat_mesh.get_local_rank(), 4
+        full = make_full()
+        dmuon.dedicate_params(full, flat_mesh)
+        for layer in full.layers.values():
+            fully_shard(layer, mesh=flat_mesh)
+        fully_shard(full, mesh=flat_mesh)
+        opt = dmuon_optimizer(full)
+        opt.init_state()
+        _checkpoint_load(full, opt, path)
+        flat_losses = []
+        for batch in data[SAVE_AT:]:
+            loss = ce(full(batch[:, :-1].chunk(world)[rank]), batch[:, 1:].chunk(world)[rank])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)
+            flat_losses.append(loss.item() / world)
+        flat_state = _full_state(full)
+        dist.barrier()
+    finally:
+        if dist.get_rank() == 0:
+            shutil.rmtree(path, ignore_errors=True)
+    return dict(
+        stage=pp,
+        straight=straight,
+        resumed=resumed,
+        straight_state=straight_state if dp == 0 else None,
+        resumed_state=resumed_state if dp == 0 else None,
+        flat_losses=flat_losses,
+        flat_state=flat_state if rank == 0 else None,
+    )
+
+
 def _worker(cases):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -324,6 +470,8 @@ def _worker(cases):
         dist.barrier()
     if dist.get_world_size() == 4:
         out.append(_errors(mesh))
+        dist.barrier()
+        out.append(_checkpoint_across_layouts(mesh))
     return out
 
 
@@ -433,7 +581,7 @@ def test_zero_bubble_schedule_refused_on_every_rank():
 @pytest.mark.distributed
 def test_pipeline_user_errors_on_every_rank():
     runs = shared_run(("pipeline_parallel", 4), _worker, 4, CASES, timeout_s=600)
-    errors = [r[-1] for r in runs]
+    errors = [r[len(CASES)] for r in runs]
     assert len({e.get("whole_mesh") for e in errors}) == 1
     msg = errors[0]["whole_mesh"]
     assert "pipeline dim 'pp'" in msg and "mesh['dp']" in msg, msg
@@ -441,3 +589,36 @@ def test_pipeline_user_errors_on_every_rank():
     msg = errors[0]["plans_differ"]
     assert msg.startswith("dmuon: the ranks [0, 1] of one data-parallel mesh (one pipeline stage) hold different plans")
     assert "differing ranks: [1]" in msg and "layers.0.fc1.weight" in msg, msg
+
+
+@pytest.mark.distributed
+def test_pipeline_checkpoint_resumes_bit_identically_at_the_same_layout():
+    """Saved at (pp 2, dp 2) after one step, loaded into fresh stages at (pp 2, dp 2): the next
+    steps' losses and parameters equal the uninterrupted run's bit for bit."""
+    runs = [r[len(CASES) + 1] for r in shared_run(("pipeline_parallel", 4), _worker, 4, CASES, timeout_s=600)]
+    for r in runs:
+        assert r["resumed"] == r["straight"]
+    assert runs[0]["straight"] == pytest.approx(_reference(False)["losses"][SAVE_AT:], rel=FP32_LOSS_RTOL)
+    keys = set()
+    for r in runs:
+        if r["straight_state"] is not None:
+            assert set(r["resumed_state"]) == set(r["straight_state"])
+            keys |= set(r["straight_state"])
+            for k, v in r["straight_state"].items():
+                assert torch.equal(r["resumed_state"][k], v), k
+    assert keys == set(_reference(False)["state"])
+
+
+@pytest.mark.distributed
+def test_pipeline_checkpoint_loads_without_pipeline():
+    """Saved at (pp 2, dp 2), loaded into the whole model at (pp 1, dp 4) and continued: the
+    losses and final parameters match the single-process oracle over the whole run (losses 1e-6
+    relative, parameters 1e-4 of each tensor's max; fp32 Newton-Schulz)."""
+    runs = [r[len(CASES) + 1] for r in shared_run(("pipeline_parallel", 4), _worker, 4, CASES, timeout_s=600)]
+    ref = _reference(False)
+    for r in runs:
+        assert r["flat_losses"] == pytest.approx(ref["losses"][SAVE_AT:], rel=FP32_LOSS_RTOL)
+    (state,) = [r["flat_state"] for r in runs if r["flat_state"] is not None]
+    assert set(state) == set(ref["state"])
+    for k, v in ref["state"].items():
+        assert _max_rel(state[k], v) <= FP32_PARAM_TOL, k
