@@ -89,6 +89,16 @@ class TPPolicy:
                 raise ValueError(f"{where}: tp_shard_dims[{fqn!r}] must be 0 or 1, got {dim!r}")
         object.__setattr__(self, "shard_dims", MappingProxyType(dims))
 
+    def __reduce__(self):  # picklable although its read-only mapping is not
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if fields["shard_dims"] is not None:
+            fields["shard_dims"] = dict(fields["shard_dims"])
+        return (_rebuild, (TPPolicy, fields))
+
+
+def _rebuild(cls, fields: dict):
+    return cls(**fields)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ExpertPolicy:
