@@ -7,7 +7,7 @@ For each preset (meta device, no GPU, no process group) and mesh, two plans:
 * before: ``predicate=dmuon.plan.matrix_predicate(model), experts="off"`` -- every 3-D expert
   stack is one Muon parameter with a single owner (what selecting the stacks meant before expert
   support; ``python -m dmuon plan --experts off --all-matrices``);
-* after: the defaults (``experts="auto"``, ``expert_gate_up="split"``) -- every expert its own
+* after: the defaults (``experts="auto"``, ``ExpertPolicy(gate_up="split")``) -- every expert its own
   Muon matrices, a stack's experts owned by min(E, N) ranks in contiguous ranges;
 
 and per ``--ep k`` (default 8 and N) the expert-parallel plan (``compile(ep=k)`` of the model as

@@ -209,15 +209,15 @@ CELLS = [
     ),
     new_markdown_cell(
         "## Tensor parallelism\n\n"
-        "`tp_size` / `tp_shard_dims` plan TP on the unparallelised meta model (Megatron-style dims from "
+        "`tp=P.TPPolicy(size=..., shard_dims=...)` plans TP on the unparallelised meta model (Megatron-style dims from "
         "`dmuon.plan.megatron_tp_shard_dims`). Each matrix is orthogonalised by its owner's TP group, "
-        "either by Gram NS (fp32 `(d, d)` all-reduces) or by gathering it; `tp_ns='auto'` picks the "
+        "either by Gram NS (fp32 `(d, d)` all-reduces) or by gathering it; `TPPolicy(ns='auto')` (the default) picks the "
         "fewer bytes. The diff compares the two choices by FQN. See `docs/tensor_parallel.md`."
     ),
     new_code_cell(
         "dims = P.megatron_tp_shard_dims(model)\n"
-        "tp_auto = P.compile(model, 8, tp_size=8, tp_shard_dims=dims)\n"
-        "tp_gram = P.compile(model, 8, tp_size=8, tp_shard_dims=dims, tp_ns='gram')\n"
+        "tp_auto = P.compile(model, 8, tp=P.TPPolicy(size=8, shard_dims=dims))\n"
+        "tp_gram = P.compile(model, 8, tp=P.TPPolicy(size=8, shard_dims=dims, ns='gram'))\n"
         "for name, p in (('auto', tp_auto), ('gram', tp_gram)):\n"
         "    flops = [r.ns_flops for r in p.rank_stats()]\n"
         '    print(f"{name:>5}: TP bytes/step {p.cost.tp_nbytes / 2**30:7.1f} GiB, busiest rank "\n'

@@ -29,6 +29,7 @@ from dmuon.plan._stage_plans import compile_stages
 from dmuon.plan._records.mesh import parse_mesh_text
 from dmuon.plan._records.plan import ShardingPlan
 from dmuon.plan._model.parallel import expert_parallel_variant, megatron_tp_shard_dims
+from dmuon.plan._records.policies import ExpertPolicy, TPPolicy
 from dmuon._zoo import PRESETS
 from dmuon.plan._model.selection import matrix_predicate
 
@@ -199,13 +200,13 @@ def selection_kwargs(args: argparse.Namespace, model, mesh, *, param_dtype=None,
         cost_model=args.cost_model,
         owner_groups=args.owner_groups,
         experts=args.experts,
-        expert_gate_up=args.expert_gate_up,
+        expert_policy=ExpertPolicy(gate_up=args.expert_gate_up),
         collectives=args.collectives,
     )
     if args.tp > 1:
         dedicated = set(compile(model, mesh, predicate=pred, experts=args.experts).dedicated)
         dims = {k: v for k, v in megatron_tp_shard_dims(model).items() if k in dedicated}
-        kw.update(tp_size=args.tp, tp_shard_dims=dims, tp_ns=args.tp_ns)
+        kw["tp"] = TPPolicy(size=args.tp, shard_dims=dims, ns=args.tp_ns)
     param_dtype = args.param_dtype or param_dtype
     reduce_dtype = args.reduce_dtype or reduce_dtype
     kw["mp_policy"] = (

@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--router-optimizer",
         choices=("muon", "adamw"),
         default="muon",
-        help="with --experts: the MoE routers' optimizer under dmuon (dmuon.plan.compile(routers=...); "
+        help="with --experts: the MoE routers' optimizer under dmuon (dmuon.plan.ExpertPolicy(routers=...); "
         "docs/moe.md, 'Routers: Muon or AdamW')",
     )
     g.add_argument(

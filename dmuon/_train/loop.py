@@ -181,6 +181,7 @@ def _variant_kwargs(args: argparse.Namespace, model: GPT) -> dict[str, Any]:
     """``dedicate_params`` arguments of ``--matrix-views``, ``--qk-clip`` (docs/muon_variants.md)
     and ``--owner-groups`` (docs/owner_groups.md)."""
     from dmuon._train.byte_gpt import per_head_views, qk_clip_spec
+    from dmuon.plan import ExpertPolicy
 
     kw: dict[str, Any] = {}
     if getattr(args, "matrix_views", "none") == "per-head":
@@ -190,7 +191,7 @@ def _variant_kwargs(args: argparse.Namespace, model: GPT) -> dict[str, Any]:
     if getattr(args, "owner_groups", "off") != "off":
         kw["owner_groups"] = args.owner_groups
     if getattr(args, "experts", 0) and getattr(args, "router_optimizer", "muon") != "muon":
-        kw["routers"] = args.router_optimizer
+        kw["expert_policy"] = ExpertPolicy(routers=args.router_optimizer)
     return kw
 
 
@@ -288,7 +289,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             kw["ep"] = cfg.ep
         try:
             plan = dmuon.dedicate_params(
-                model, mesh, reshard_after_forward=z3, tp_ns=getattr(args, "tp_ns", "auto"), **kw
+                model, mesh, reshard_after_forward=z3, tp=dmuon.plan.TPPolicy(ns=getattr(args, "tp_ns", "auto")), **kw
             )
         except ValueError as exc:
             if cfg.ep == 1:

@@ -144,7 +144,7 @@ def wrap_parallelize(parallelize_fn: Callable, **dedicate_kwargs: Any) -> Callab
     right before its first ``fully_shard`` call (after TP, AC and compile).
 
     ``dedicate_kwargs`` go to ``dmuon.dedicate_params`` (``predicate=``, ``owner_groups=``,
-    ``tp_ns=`` ...). Defaults taken from torchtitan's config when not given:
+    ``tp=dmuon.plan.TPPolicy(...)`` ...). Defaults taken from torchtitan's config when not given:
     ``reshard_after_forward`` from ``parallelism.fsdp_reshard_after_forward`` ("always" /
     "default" -> Z3, "never" -> Z2) and ``mp_policy`` from ``training.mixed_precision_*``.
 

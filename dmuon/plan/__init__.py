@@ -25,7 +25,8 @@ The folders follow the pipeline ``compile`` runs (docs/planning.md, "Where each 
     records/     the frozen records the stages pass on: ``owners`` (Owner, OwnerGroup, ...),
                  ``params`` (ParamSpec, MatrixView, ...), ``fields`` (checks, dtype strings),
                  ``plan`` (ShardingPlan; its ``plan_index``, ``plan_json``, ``plan_figures``),
-                 ``mesh`` (mesh roles), ``qk_clip`` (settings), ``collectives`` (CollectiveSettings)
+                 ``mesh`` (mesh roles), ``qk_clip`` (settings), ``collectives`` (CollectiveSettings),
+                 ``policies`` (compile's option objects TPPolicy, ExpertPolicy)
     tools/       ``render`` (summary), ``diff``, ``cli`` (``python -m dmuon plan|diff``), ``html`` (the plan and
                  diff pages, imported when drawn)
     compile.py   the planner: runs the stages in order
@@ -47,6 +48,7 @@ from dmuon.plan._records.mesh import MESH_DIM_NAMES, MeshDimRoles, mesh_dim_role
 from dmuon.plan._model.parallel import megatron_tp_shard_dims
 from dmuon.plan._records.plan import ShardingPlan
 from dmuon.plan._records.qk_clip_records import QKClip
+from dmuon.plan._records.policies import ExpertPolicy, TPPolicy
 from dmuon.plan._records.collective_records import CollectiveSettings
 from dmuon.plan._records.owners import ExpertOwners, Owner, OwnerGroup
 from dmuon.plan._records.params import ExpertStack, MatrixView, ParamSpec
@@ -62,6 +64,8 @@ from dmuon.plan._compile import compile  # last: dmuon.plan.compile is the funct
 
 __all__ = [
     "compile",
+    "TPPolicy",
+    "ExpertPolicy",
     "compile_stages",
     "StagePlans",
     "PipelineSplit",

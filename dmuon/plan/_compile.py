@@ -11,7 +11,7 @@ never mutates or allocates the model, and gives byte-identical plans (same
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from dmuon.plan._records.plan import ShardingPlan
 from dmuon.plan._records.qk_clip_records import QKClip, check_qk_clip
 from dmuon.plan._records.fields import itemsize_nbytes, wire_dtype_str
 from dmuon.plan._records.owners import ExpertOwners
+from dmuon.plan._records.policies import ExpertPolicy, TPPolicy, refuse_removed_keywords
 from dmuon.plan._records.params import Fsdp2Unit, ParamSpec
 from dmuon.plan._model.selection import select_params
 from dmuon.plan._model.snapshot import take_snapshot
@@ -45,6 +46,7 @@ def _mp_dtypes(mp_policy: Any) -> tuple[str | None, str | None]:
     )
 
 
+@refuse_removed_keywords("dmuon.plan.compile()")
 def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile is the public name
     model: nn.Module,
     mesh: Any,
@@ -57,22 +59,17 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
     mp_policy: Any = None,
     cost_model: str = "numel",
     align_numel: int = 16,
-    tp_ns: str = "auto",
-    tp_size: int | None = None,
-    tp_shard_dims: Mapping[str, int] | None = None,
-    tp_ns_steps: int = 5,
-    tp_gram_restart_every: int | None = 2,
+    tp: TPPolicy | None = None,
     matrix_views: Any = None,
     qk_clip: Any = None,
     ns_backend: str = "standard",
     owner_groups: str | int = "off",
     experts: str = "auto",
-    expert_gate_up: str = "split",
+    expert_policy: ExpertPolicy | None = None,
     ep: int | None = None,
     collectives: str = "auto",
     collective_latency_s: float | None = None,
     collective_bandwidth_Bps: float | None = None,
-    routers: str = "muon",
     collective_backend: str | None = None,
 ) -> ShardingPlan:
     """Plan DMuon for ``model`` on ``mesh`` (pure; no process group; meta models work).
@@ -92,20 +89,16 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
             or None), e.g. FSDP2's ``MixedPrecisionPolicy``: wire dtypes of broadcast/reduce.
         cost_model: ``"numel"`` (elements) or ``"ns_flops"`` (Newton-Schulz FLOPs) LPT weight.
         align_numel: alignment of every layout entry and flags region, in elements (>= 1).
-        tp_ns: tensor parallelism: ``"auto"`` (per matrix, the cheaper in bytes of Gram NS and
-            gathering, :func:`~dmuon.plan._rules.choose_tp_ns`), ``"gram"`` or ``"gather"``.
-        tp_size, tp_shard_dims: plan tensor parallelism for a model that is not parallelised
-            (e.g. on the meta device): ``T`` and ``{fqn: dim}`` of the dedicated matrices TP
-            shards (``0`` colwise, ``1`` rowwise). Without them, TP is read from the model's
-            ``DTensor`` parameters (``parallelize_module`` on a 1-D TP mesh).
-        tp_ns_steps, tp_gram_restart_every: Newton-Schulz steps and Gram restart period the TP
-            cost assumes (``dmuon.Muon``'s ``ns_steps`` must agree; restarts as
-            ``gram_newton_schulz(restart_every=...)``).
+        tp: tensor parallelism, a :class:`~dmuon.plan.TPPolicy`: its size and shard dims for a
+            model that is not parallelised (else TP is read from the model's ``DTensor``
+            parameters), how each TP-sharded matrix is orthogonalised (``ns``: ``"auto"`` /
+            ``"gram"`` / ``"gather"``), and the Newton-Schulz steps and Gram restart period the
+            TP cost and owner groups assume. None = ``TPPolicy()``.
         matrix_views: which blocks of dedicated matrices Muon orthogonalises separately
             (per-head q/k/v/o, split QKV): ``{fqn_pattern: MatrixView | rule}`` (fnmatch globs,
             first match wins) or ``(fqn, shape) -> MatrixView | None``; None = whole matrices.
             Helpers: :mod:`dmuon.plan._model.views` (``hf_llama_views``, ``gpt2_views``, ...). Under TP
-            a view must cut the TP-sharded dim with whole blocks per shard (``tp_ns="local"``).
+            a view must cut the TP-sharded dim with whole blocks per shard (``ParamSpec.tp_ns == "local"``).
         qk_clip: QK-clip (MuonClip) settings, a :class:`dmuon.plan._records.qk_clip_records.QKClip` (threshold
             ``tau`` and the attention layers whose W_q / W_k rows are rescaled after each step);
             the plan's schedule and cost then include its one all-reduce (max) per step.
@@ -125,7 +118,7 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
             matrix is cut along its long side into balanced blocks (``OwnerGroup``), each
             member holding, broadcasting and updating its block, and is orthogonalised by
             sharded Gram Newton-Schulz over the group (one fp32 ``(d, d)`` all-reduce per Gram
-            segment of ``tp_ns_steps`` / ``tp_gram_restart_every``; ``dmuon.Muon``'s
+            segment of ``tp.ns_steps`` / ``tp.gram_restart_every``; ``dmuon.Muon``'s
             ``ns_steps`` must agree): the Gram form, not torch's iteration, for those matrices,
             which is why it is opt-in. Matrices with a TP shard, a matrix view, an expert stack
             or a conv kernel, and QK-clip's W_q / W_k, keep one owner.
@@ -152,9 +145,9 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
             replicas the ``efsdp`` ranks holding one EP coordinate's experts own them in
             contiguous ranges, broadcast and reduced over that efsdp group only
             (:attr:`~dmuon.plan._layout.buffer_layout.BufferLayout.ep`). Not with TP.
-        expert_gate_up: ``"split"`` (default): a fused gate/up expert is two Muon matrices,
-            gate and up, as ``torch.optim.Muon`` treats the unfused model; ``"fused"``: one
-            ``(2F, D)`` matrix per expert.
+        expert_policy: the gate/up split of fused experts and the routers' optimizer, an
+            :class:`~dmuon.plan.ExpertPolicy`; None = ``ExpertPolicy()`` (gate and up two Muon
+            matrices, routers on Muon).
         collectives: the collective of every packed buffer (hook boundary x dtype), recorded in
             its :attr:`~dmuon.plan._layout.buffer_layout.BufferLayout.collective`, for the forward and
             backward parameter phases; the gradient phase pairs with it.
@@ -182,25 +175,23 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
             (default): ``"nccl"``, since ``compile`` has no process group to read;
             ``dmuon.dedicate_params`` passes its process group's backend. Recorded in the plan
             (``plan.collectives.link``, JSON, fingerprint) and named by ``plan.summary()``.
-        routers: the optimizer of MoE routers under the default rule: ``"muon"`` (default:
-            dedicated like every 2-D matrix in a block) or ``"adamw"`` (left to FSDP2 and AdamW).
-            A router is the ``(E, D)`` ``weight`` of a module named ``gate`` / ``router`` next to a
-            recognised expert stack of ``E`` experts (:func:`~dmuon.plan._model.expert_ranges.is_router`).
-            With a ``predicate``, the predicate alone decides. Measured on the main job:
-            docs/moe.md ("Routers: Muon or AdamW").
 
     Returns:
         A validated, frozen :class:`ShardingPlan` whose nominal step schedule passed the
         deadlock replay (:meth:`~dmuon.plan._scheduling.step_schedule.StepSchedule.check`).
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``.
+        TypeError: ``model`` is not an ``nn.Module``; ``tp`` / ``expert_policy`` of another
+            type; a keyword this release removed (``tp_size=`` ... ``routers=``), naming its new
+            form.
         ValueError: bad mesh / cost_model / align_numel; a selected param without a matrix
             view; a tied param across boundaries; a boundary-less param when strict; a
             selected ``DTensor`` that dmuon cannot own (not ``Shard(0)``/``Shard(1)`` on a 1-D
-            mesh, uneven, not 2-D), TP degrees that differ, ``tp_shard_dims`` naming a
+            mesh, uneven, not 2-D), TP degrees that differ, ``tp.shard_dims`` naming a
             parameter that is not dedicated or combined with a parallelised model.
     """
+    tp = _policy(tp, TPPolicy, "tp")
+    expert_policy = _policy(expert_policy, ExpertPolicy, "expert_policy")
     mesh_shape = normalize_mesh(mesh)
     ep = _ep_degree(mesh, mesh_shape, ep)
     collective_settings = collective_settings_for(
@@ -219,9 +210,9 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
         hook_boundary_predicate=hook_boundary_predicate,
         hook_boundary_strict=hook_boundary_strict,
         experts=experts,
-        expert_gate_up=expert_gate_up,
+        expert_gate_up=expert_policy.gate_up,
         ep=ep,
-        routers=routers,
+        routers=expert_policy.routers,
     )
     if predicate is None:
         import warnings
@@ -233,7 +224,8 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
             unrecognised_stack_warning(snapshot, hook_boundary_predicate) if experts == "auto" else None,
         ):
             if message is not None:
-                warnings.warn(message, UserWarning, stacklevel=2)
+                # 3: the caller of compile, past refuse_removed_keywords' wrapper
+                warnings.warn(message, UserWarning, stacklevel=3)
     specs = tuple(
         ParamSpec(
             fqn=s.record.fqn,
@@ -251,13 +243,13 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
     )
     _check_expert_dtensors(selected)
     if ep > 1:
-        specs = _ep_specs(snapshot, selected, specs, ep, expert_gate_up)
+        specs = _ep_specs(snapshot, selected, specs, ep, expert_policy.gate_up)
     if matrix_views is not None:
         from dmuon.plan._model.views import resolve_views
 
         views = resolve_views(specs, matrix_views)
         specs = tuple(dataclasses.replace(spec, view=views[spec.fqn]) if spec.fqn in views else spec for spec in specs)
-    T, specs = _tp_specs(snapshot, selected, specs, tp_ns, tp_size, tp_shard_dims, tp_ns_steps, tp_gram_restart_every)
+    T, specs = _tp_specs(snapshot, selected, specs, tp)
     if ep > 1 and T > 1:
         raise ValueError(
             f"dmuon.plan._compile: ep={ep} with tensor parallelism (T={T}) is not supported yet; use ep = N on a "
@@ -292,7 +284,7 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
         owner_groups,
         T,
         qk_clip,
-        _rules.gram_segment_lengths(tp_ns_steps, tp_gram_restart_every),
+        _rules.gram_segment_lengths(tp.ns_steps, tp.gram_restart_every),
     )
     fallback = {s.boundary: s.fallback for s in selected}
     used = set(fallback)
@@ -334,7 +326,7 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
         itemsizes=itemsizes,
         reshard_after_forward=z3,
         cost_model=cost_model,
-        segment_lengths=_rules.gram_segment_lengths(tp_ns_steps, tp_gram_restart_every),
+        segment_lengths=_rules.gram_segment_lengths(tp.ns_steps, tp.gram_restart_every),
         refill=fills_expert_ranges(specs, mesh_shape, owner_groups),
     )
     if placed != owners:
@@ -360,8 +352,8 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
         boundaries=boundaries,
         model_digest=snapshot.digest,
         tp_size=T,
-        tp_ns_steps=tp_ns_steps,
-        tp_gram_restart_every=tp_gram_restart_every,
+        tp_ns_steps=tp.ns_steps,
+        tp_gram_restart_every=tp.gram_restart_every,
         fsdp2_units=_fsdp2_units(snapshot, {s.record.fqn for s in selected}, hook_boundary_predicate),
         qk_clip=qk_clip,
         collectives=collective_settings,
@@ -487,46 +479,37 @@ def _fsdp2_units(snapshot, dedicated: set[str], hook_boundary_predicate) -> tupl
     )
 
 
-def _tp_specs(snapshot, selected, specs, tp_ns, tp_size, tp_shard_dims, ns_steps, restart_every):
-    """``(T, specs)`` with the TP fields filled in (see :func:`compile`'s TP arguments)."""
-    if tp_ns not in _rules.TP_NS_MODES:
-        raise ValueError(f"tp_ns must be one of {_rules.TP_NS_MODES}, got {tp_ns!r}")
-    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or ns_steps < 0:
-        raise ValueError(f"tp_ns_steps must be an int >= 0, got {ns_steps!r}")
-    if restart_every is not None and (
-        isinstance(restart_every, bool) or not isinstance(restart_every, int) or restart_every < 1
-    ):
-        raise ValueError(f"tp_gram_restart_every must be None or an int >= 1, got {restart_every!r}")
+def _policy(value, cls, keyword: str):
+    """``value`` (a ``cls``), or ``cls()`` for None; TypeError for another type."""
+    if value is None:
+        return cls()
+    if not isinstance(value, cls):
+        raise TypeError(f"dmuon.plan.compile: {keyword}= takes a dmuon.plan.{cls.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _tp_specs(snapshot, selected, specs, tp: TPPolicy):
+    """``(T, specs)`` with the TP fields filled in (see :class:`TPPolicy`)."""
     dims: dict[str, int] = {}
     sizes: dict[str, int] = {}
     problems: list[str] = []
-    if tp_shard_dims is not None or tp_size is not None:
-        if tp_size is None or isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-            raise ValueError(f"tp_size must be an int >= 1 when tp_shard_dims is given, got {tp_size!r}")
-        if tp_size > 1 and not tp_shard_dims:
-            raise ValueError(
-                f"dmuon.plan._compile: tp_size={tp_size} without tp_shard_dims plans no TP-sharded matrix; pass "
-                "tp_shard_dims={fqn: 0 (colwise) | 1 (rowwise)} for the dedicated matrices TP shards "
-                "(e.g. dmuon.plan._model.parallel.megatron_tp_shard_dims(model)), or parallelize the model first"
-            )
+    if tp.shard_dims is not None or tp.size is not None:
         parallel = [r.fqn for r in snapshot.params if r.tp_size > 1]
         if parallel:
             raise ValueError(
-                f"dmuon.plan._compile: tp_size/tp_shard_dims describe TP for a model that is not "
-                f"parallelised, but {parallel[:3]} are already DTensors; drop the arguments "
+                f"dmuon.plan._compile: TPPolicy(size=, shard_dims=) describe TP for a model that is not "
+                f"parallelised, but {parallel[:3]} are already DTensors; drop them "
                 "(TP is read from the model)"
             )
         names = {s.record.fqn: s.record.fqn for s in selected}
         names.update({a: s.record.fqn for s in selected for a in s.record.aliases})
-        for fqn, dim in dict(tp_shard_dims or {}).items():
+        for fqn, dim in dict(tp.shard_dims or {}).items():
             if fqn not in names:
                 raise ValueError(
-                    f"dmuon.plan._compile: tp_shard_dims names {fqn!r}, which is not a dedicated parameter"
+                    f"dmuon.plan._compile: TPPolicy.shard_dims names {fqn!r}, which is not a dedicated parameter"
                 )
-            if dim not in (0, 1):
-                raise ValueError(f"dmuon.plan._compile: tp_shard_dims[{fqn!r}] must be 0 or 1, got {dim!r}")
             dims[names[fqn]] = dim
-            sizes[names[fqn]] = tp_size
+            sizes[names[fqn]] = tp.size
     else:
         for sel in selected:
             r = sel.record
@@ -561,7 +544,7 @@ def _tp_specs(snapshot, selected, specs, tp_ns, tp_size, tp_shard_dims, ns_steps
     T = degrees[0] if degrees else 1
     if T == 1:
         return 1, specs
-    segments = len(_rules.gram_segment_lengths(ns_steps, restart_every))
+    segments = len(_rules.gram_segment_lengths(tp.ns_steps, tp.gram_restart_every))
     out = []
     view_problems = []
     for spec in specs:
@@ -570,7 +553,7 @@ def _tp_specs(snapshot, selected, specs, tp_ns, tp_size, tp_shard_dims, ns_steps
             if spec.view is not None and spec.view_tp_problem() is not None:
                 view_problems.append(f"  {spec.fqn}: {spec.view_tp_problem()}")
                 continue
-            spec = dataclasses.replace(spec, tp_ns=_rules.choose_tp_ns(spec, tp_ns, segments))
+            spec = dataclasses.replace(spec, tp_ns=_rules.choose_tp_ns(spec, tp.ns, segments))
         out.append(spec)
     if view_problems:
         raise ValueError(

@@ -15,6 +15,7 @@ from torch import nn
 
 from dmuon.plan._compile import compile as _compile
 from dmuon.plan._model.pipeline_split import PipelineSplit, split_model, stage_model
+from dmuon.plan._records.policies import TPPolicy, refuse_removed_keywords
 
 __all__ = ["StagePlans", "compile_stages"]
 
@@ -49,6 +50,7 @@ def _stage_signature(part: nn.Module, split: PipelineSplit, stage: int) -> tuple
     return tuple(out)
 
 
+@refuse_removed_keywords("dmuon.plan.compile_stages()")
 def compile_stages(
     model: nn.Module,
     mesh: Any,
@@ -65,7 +67,7 @@ def compile_stages(
     (:func:`dmuon.plan.split_model`: by default the embedding and the head count
     as one layer each) and compile each with :func:`dmuon.plan.compile` on ``mesh`` (the
     stage's data-parallel mesh: ``N`` or ``(R, N)``; the world is ``pp * R * N`` times the TP
-    degree). ``compile_kwargs`` go to every stage's compile; ``tp_shard_dims`` is cut to the
+    degree). ``compile_kwargs`` go to every stage's compile; ``tp``'s ``shard_dims`` is cut to the
     stage's parameters. FQNs stay the whole model's. ``reuse_equal_stages=True`` (for the
     simulator, which reads shapes only): a stage whose parameters have the same names relative to
     its first layer, shapes and dtypes as an earlier stage's gets that stage's plan (its FQNs).
@@ -86,7 +88,8 @@ def compile_stages(
         layers=layers,
     )
     plans = []
-    dims = compile_kwargs.pop("tp_shard_dims", None)
+    tp = compile_kwargs.get("tp")
+    dims = tp.shard_dims if isinstance(tp, TPPolicy) else None
     seen: dict[tuple, Any] = {}
     for s in range(split.num_stages):
         part = stage_model(model, split, s)
@@ -98,13 +101,14 @@ def compile_stages(
         kw = dict(compile_kwargs)
         if dims is not None:
             names = {n for n, _ in part.named_parameters()}
-            kw["tp_shard_dims"] = {k: v for k, v in dims.items() if k in names}
-            if not kw["tp_shard_dims"] and (kw.get("tp_size") or 1) > 1:
+            cut = {k: v for k, v in dims.items() if k in names}
+            if not cut and (tp.size or 1) > 1:
                 raise ValueError(
                     f"stage {s} of {split.num_stages} ({', '.join(split.stages[s])}) holds no matrix tensor "
                     "parallelism shards, so no TP plan exists for it. Fix: give every stage a layer (fewer stages, "
                     "or larger input / output weights)"
                 )
+            kw["tp"] = dataclasses.replace(tp, shard_dims=cut)
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -113,7 +117,8 @@ def compile_stages(
             raise ValueError(f"stage {s} of {split.num_stages}: {exc}") from exc
         for w in caught:  # a stage without layers (the head alone) has no boundary by design: no warning
             if split.stage_layers(s) or "lie outside every hook boundary" not in str(w.message):
-                warnings.warn(f"stage {s} of {split.num_stages}: {w.message}", w.category, stacklevel=2)
+                # 3: the caller, past refuse_removed_keywords' wrapper
+                warnings.warn(f"stage {s} of {split.num_stages}: {w.message}", w.category, stacklevel=3)
         if reuse_equal_stages:
             seen[key] = plans[-1]
     return StagePlans(split=split, plans=tuple(plans))

@@ -130,7 +130,7 @@ def _tp_worker(cases):
     for tp_ns, z3, micro in cases:
         model = GPT(cfg, seed=0)
         apply_tensor_parallel(model, mesh["tp"])
-        plan = dmuon.dedicate_params(model, mesh["dp"], reshard_after_forward=z3, tp_ns=tp_ns)
+        plan = dmuon.dedicate_params(model, mesh["dp"], reshard_after_forward=z3, tp=dmuon.plan.TPPolicy(ns=tp_ns))
         for layer in model.layers:
             fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=z3)
         fully_shard(model, mesh=mesh["dp"], reshard_after_forward=z3)

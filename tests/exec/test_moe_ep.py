@@ -103,7 +103,7 @@ def test_ep_refusals():
     with pytest.raises(ValueError, match="not dedicated"):
         P.compile(ep_model(2, 0), 2, ep=2, experts="off")
     with pytest.raises(ValueError, match="with tensor parallelism"):
-        P.compile(ep_model(2, 0), 2, ep=2, tp_size=2, tp_shard_dims={"layers.0.qkv.weight": 0})
+        P.compile(ep_model(2, 0), 2, ep=2, tp=P.TPPolicy(size=2, shard_dims={"layers.0.qkv.weight": 0}))
     with pytest.raises(ValueError, match="no expert stack"):
         P.compile(torch.nn.Sequential(torch.nn.Linear(4, 4)), 2, ep=2, hook_boundary_strict=False)
 

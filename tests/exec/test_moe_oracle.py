@@ -5,7 +5,7 @@ Three launches, one process group each, several models per launch (tests/moe_mod
 
 * W = 4: tiny HF Qwen3-MoE E = 8 (more experts than ranks) 1-D; gpt-oss E = 4 on HSDP (2, 2);
   the GroupedExperts block E = 3 (fewer experts than ranks) 1-D and E = 5 on HSDP (2, 2);
-  Qwen3-MoE with ``expert_gate_up="fused"``; GroupedExperts E = 6 with bf16 Newton-Schulz; NorMuon
+  Qwen3-MoE with ``ExpertPolicy(gate_up="fused")``; GroupedExperts E = 6 with bf16 Newton-Schulz; NorMuon
   (``variant="normuon"``) on Qwen3-MoE E = 8 1-D (expert ranges, split gate/up) and on
   gpt-oss E = 4 HSDP (2, 2) (transposed, interleaved stacks) against the NorMuon reference.
   Then checkpoints: Qwen3-MoE E = 4 and GroupedExperts E = 3 trained 2 steps on 1-D N = 4 (one
@@ -32,7 +32,7 @@ in every step, and the test checks that weight decay alone moved it, on both sid
 
 Checkpoints: the sharded model / optimizer state dicts hold each stack and its momentum at full
 logical shape (E, ...); ``full_state_dict=True`` gives plain full tensors; after loading at another
-layout (W = 4 -> HSDP (2, 2), -> 3, -> 2, expert_gate_up unchanged) the full state dicts are
+layout (W = 4 -> HSDP (2, 2), -> 3, -> 2, the gate/up split unchanged) the full state dicts are
 bit-identical to the saved ones (rank 0).
 """
 
@@ -48,6 +48,7 @@ import moe_models as M
 from dcp_utils import dcp_load as _load
 from dcp_utils import sharded_state as _sharded
 from dist_utils import run_distributed
+from dmuon.plan import ExpertPolicy
 from oracle import HP, dmuon_muon_kwargs
 
 pytest.importorskip("transformers", reason="the 'hf' extra (transformers) is not installed")
@@ -81,7 +82,7 @@ CASES = {
         ("gpt-oss E=4 HSDP(2,2)", "gpt_oss", 4, (2, 2), {"collectives": "all_gather"}, torch.float32),
         ("grouped E=3 N=4", "grouped", 3, None, {}, torch.float32),
         ("grouped E=5 HSDP(2,2)", "grouped", 5, (2, 2), {}, torch.float32),
-        ("qwen3 fused E=4 N=4", "qwen3", 4, None, {"expert_gate_up": "fused"}, torch.float32),
+        ("qwen3 fused E=4 N=4", "qwen3", 4, None, {"expert_policy": ExpertPolicy(gate_up="fused")}, torch.float32),
         ("grouped E=6 N=4 bf16", "grouped", 6, None, {}, torch.bfloat16),
         ("qwen3 E=8 N=4 broadcast", "qwen3", 8, None, {"collectives": "broadcast"}, torch.float32),
         ("gpt-oss E=4 HSDP(2,2) broadcast", "gpt_oss", 4, (2, 2), {"collectives": "broadcast"}, torch.float32),
@@ -105,7 +106,7 @@ CASES = {
         ("grouped E=5 N=3 broadcast", "grouped", 5, None, {"collectives": "broadcast"}, torch.float32),
     ],
     2: [
-        ("gpt-oss fused E=4 N=2", "gpt_oss", 4, None, {"expert_gate_up": "fused"}, torch.float32),
+        ("gpt-oss fused E=4 N=2", "gpt_oss", 4, None, {"expert_policy": ExpertPolicy(gate_up="fused")}, torch.float32),
         ("grouped E=4 N=2", "grouped", 4, None, {"collectives": "all_gather"}, torch.float32),
         ("grouped E=4 N=2 broadcast", "grouped", 4, None, {"collectives": "broadcast"}, torch.float32),
     ],
@@ -364,7 +365,7 @@ def test_matches_reference_and_ledger_equals_plan(request, world, i):
         owner = plan.owners[plan.params.index(spec)]
         assert isinstance(owner, ExpertOwners) == (len(ranks) > 1)
         if spec.experts.gate_up:  # fused gate/up: E matrices (2F, D), else 2E (F, D)
-            fused = dk.get("expert_gate_up") == "fused"
+            fused = getattr(dk.get("expert_policy"), "gate_up", "split") == "fused"
             assert spec.num_matrices == (E if fused else 2 * E) and spec.experts.split is not fused, (name, spec)
     init, ref_losses, ref_state = _reference(kind, E, per_rank[0]["plan_json"], ns_dtype, _variant(name))
     loss_dev, param_dev, worst = _deviations(per_rank[0]["losses"], ref_losses, per_rank[0]["full"], ref_state)

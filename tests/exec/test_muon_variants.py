@@ -130,16 +130,26 @@ def test_view_tp_combinations():
     model = GPT(cfg, device="meta")
     dims = {f"layers.0.attn.{n}.weight": d for n, d in (("q_proj", 0), ("k_proj", 0), ("v_proj", 0), ("o_proj", 1))}
     views = {"*.attn.[qkv]_proj.weight": V.heads(4), "*.attn.o_proj.weight": V.heads(4, dim=1)}
-    plan = dmuon.plan.compile(model, 1, tp_size=2, tp_shard_dims=dims, matrix_views=views)
+    plan = dmuon.plan.compile(model, 1, tp=dmuon.plan.TPPolicy(size=2, shard_dims=dims), matrix_views=views)
     assert {p.fqn: p.tp_ns for p in plan.params if p.view} == {f: "local" for f in dims}
     assert not [op for op in plan.schedule().ops if op.phase == "tp"]
     q = plan.param("layers.0.attn.q_proj.weight")
     assert q.shard_matrices(0) == q.shard_matrices(1) == ((4, 16),) * 2
     # 4 heads over T = 4 ... ok; 4 heads over T = 8 straddles; a view across the TP split raises
     with pytest.raises(ValueError, match=r"q_proj\.weight: its view cuts dim 1 while TP shards dim 0"):
-        dmuon.plan.compile(model, 1, tp_size=2, tp_shard_dims=dims, matrix_views={"*.q_proj.weight": V.heads(4, dim=1)})
+        dmuon.plan.compile(
+            model,
+            1,
+            tp=dmuon.plan.TPPolicy(size=2, shard_dims=dims),
+            matrix_views={"*.q_proj.weight": V.heads(4, dim=1)},
+        )
     with pytest.raises(ValueError, match=r"k_proj\.weight: its blocks \(6, 10\) along dim 0 straddle"):
-        dmuon.plan.compile(model, 1, tp_size=2, tp_shard_dims=dims, matrix_views={"*.k_proj.weight": V.split((6, 10))})
+        dmuon.plan.compile(
+            model,
+            1,
+            tp=dmuon.plan.TPPolicy(size=2, shard_dims=dims),
+            matrix_views={"*.k_proj.weight": V.split((6, 10))},
+        )
 
 
 @pytest.mark.parametrize("adjust_lr_fn", [None, "match_rms_adamw"])
@@ -744,7 +754,7 @@ def _tp_worker():
     views = {"*.attn.[qkv]_proj.weight": V.heads(4), "*.attn.o_proj.weight": V.heads(4, dim=1)}
     model = GPT(cfg, seed=0)
     apply_tensor_parallel(model, mesh["tp"])
-    plan = dmuon.dedicate_params(model, mesh["dp"], tp_ns="gather", matrix_views=views)
+    plan = dmuon.dedicate_params(model, mesh["dp"], tp=dmuon.plan.TPPolicy(ns="gather"), matrix_views=views)
     methods = {p.fqn: p.tp_ns for p in plan.params}
     for layer in model.layers:
         fully_shard(layer, mesh=mesh["dp"])

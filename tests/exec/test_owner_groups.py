@@ -206,7 +206,9 @@ def test_owner_group_errors():
 
     assert isinstance(plan.owner("layers.0.square.weight"), Owner)
     with pytest.raises(ValueError, match=r"owner_groups=2 with tensor parallelism \(T=2\) is not supported"):
-        dmuon.plan.compile(make_model(), 2, owner_groups=2, tp_size=2, tp_shard_dims={"layers.0.tall.weight": 0})
+        dmuon.plan.compile(
+            make_model(), 2, owner_groups=2, tp=dmuon.plan.TPPolicy(size=2, shard_dims={"layers.0.tall.weight": 0})
+        )
 
 
 # -------------------------------------------------------------------------------- distributed

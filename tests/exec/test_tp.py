@@ -115,7 +115,7 @@ def _check_errors(mesh, cfg):
 
     model = GPT(cfg, seed=0)
     apply_tensor_parallel(model, mesh["tp"])
-    dmuon.dedicate_params(model, mesh["dp"], tp_ns="gram")
+    dmuon.dedicate_params(model, mesh["dp"], tp=dmuon.plan.TPPolicy(ns="gram"))
     with pytest.raises(ValueError, match=r"ns_steps=4 but the plan of the TP-sharded matrix .* tp_ns_steps=5"):
         dmuon.Muon(model, ns_steps=4)
     dist.barrier()
@@ -232,7 +232,7 @@ def _worker(dp, tp: int, cases, errors: bool = False, steps: int = STEPS):
             parallelize_module(model, mesh["tp"], {"lm_head": ColwiseParallel(output_layouts=Replicate())})
         # parallel == "none": no TP at all; mesh["dp"] is a sub-mesh of the world, and each TP
         # coordinate is an independent data-parallel job on the same data
-        plan = dmuon.dedicate_params(model, dmuon_mesh, reshard_after_forward=z3, tp_ns=tp_ns)
+        plan = dmuon.dedicate_params(model, dmuon_mesh, reshard_after_forward=z3, tp=dmuon.plan.TPPolicy(ns=tp_ns))
         assert plan.tp_size == (1 if parallel == "none" else tp) and plan.mesh_shape == (R, N)
         assert {p.fqn: p.tp_ns for p in plan.params} == methods
         for layer in model.layers:

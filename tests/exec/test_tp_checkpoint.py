@@ -1,7 +1,7 @@
 """Checkpoints and meta-device initialisation under tensor parallelism.
 
 The main job's GPT with Megatron-style TP (q/k/v/up colwise, o/down rowwise), every TP matrix
-gathered for Newton-Schulz (``tp_ns="gather"``) so that one reference serves every mesh: one
+gathered for Newton-Schulz (``TPPolicy(ns="gather")``) so that one reference serves every mesh: one
 process, the global batch, ``torch.optim.Muon`` (fp32 iteration) + AdamW (``tests/oracle.py``).
 
 Two process groups, run once per module:
@@ -101,7 +101,7 @@ def _build(kind: str, shape, *, meta: bool = False):
     model = GPT(_cfg(), seed=0, device="meta" if meta else None)
     if tp_mesh is not None:
         apply_tensor_parallel(model, tp_mesh)
-    plan = dmuon.dedicate_params(model, dp_mesh, tp_ns="gather")
+    plan = dmuon.dedicate_params(model, dp_mesh, tp=dmuon.plan.TPPolicy(ns="gather"))
     for layer in model.layers:
         fully_shard(layer, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
@@ -409,19 +409,22 @@ def test_tp_sharded_state_dicts(chain, reference):
     assert pl["layers.0.attn.o_proj.weight"] == "(Shard(dim=1), Shard(dim=0))", pl
     # bytes: each TP coordinate's holder scatters its shard's row chunks over the shard group,
     # every other rank receives one chunk of ceil(rows/N) rows (N = 2, T = 2, fp32)
+    from dmuon.plan import TPPolicy
     from dmuon.plan import compile as compile_plan
     from dmuon._train.byte_gpt import GPT
 
     plan = compile_plan(
         GPT(_cfg(), seed=0),
         2,
-        tp_size=2,
-        tp_ns="gather",
-        tp_shard_dims={
-            f"layers.{i}.{n}.weight": (1 if n in ("attn.o_proj", "mlp.down_proj") else 0)
-            for i in range(2)
-            for n in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp.up_proj", "mlp.down_proj")
-        },
+        tp=TPPolicy(
+            size=2,
+            ns="gather",
+            shard_dims={
+                f"layers.{i}.{n}.weight": (1 if n in ("attn.o_proj", "mlp.down_proj") else 0)
+                for i in range(2)
+                for n in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp.up_proj", "mlp.down_proj")
+            },
+        ),
     )
     want = sum(2 * (2 - 1) * -(-p.local_shape[0] // 2) * p.local_shape[1] * 4 for p in plan.params)
     assert sum(r["report"]["model_sd_nbytes"] for r in r4) == want, [r["report"]["model_sd_nbytes"] for r in r4]

@@ -17,7 +17,7 @@ loaded). Each range is a layout entry with one presence flag.
 
 Then: selection on tiny HF Qwen3-MoE, gpt-oss, Qwen2-MoE (shared expert gate (1, D)) and
 DeepSeek-V3 (e_score_correction_bias buffer) built from configs; experts="off";
-expert_gate_up="fused"; plan.owner / plan.expert_owners; JSON and dmuon.plan.diff; validation
+ExpertPolicy(gate_up="fused"); plan.owner / plan.expert_owners; JSON and dmuon.plan.diff; validation
 errors; a hypothesis property of the balance bound and of the range count; the issue's
 DeepSeek-V3 figure on 64 ranks; the all-gathered (water-filled) golden;
 bad input (num_experts disagreeing with the stack, matrix_views naming a stack).
@@ -411,13 +411,13 @@ def test_selection_deepseek_v3_buffers_untouched():
     ],
 )
 def test_routers_adamw_leaves_exactly_the_routers_to_adamw(builder, routers):
-    """Compile(routers="adamw") removes exactly the (E, D) routers next to expert
+    """Compile(expert_policy=ExpertPolicy(routers="adamw")) removes exactly the (E, D) routers next to expert
     stacks from the default selection; everything else is planned as before."""
     model = _hf(builder)
-    muon, adamw = P.compile(model, 2), P.compile(model, 2, routers="adamw")
+    muon, adamw = P.compile(model, 2), P.compile(model, 2, expert_policy=P.ExpertPolicy(routers="adamw"))
     assert sorted(set(muon.dedicated) - set(adamw.dedicated)) == routers
     assert set(adamw.dedicated) <= set(muon.dedicated)
-    assert P.compile(model, 2, routers="muon") == muon  # the default
+    assert P.compile(model, 2, expert_policy=P.ExpertPolicy(routers="muon")) == muon  # the default
     for f in adamw.dedicated:
         assert adamw.param(f) == muon.param(f)
 
@@ -427,7 +427,7 @@ def test_routers_torchtitan_names_ep_predicate_and_errors():
     from moe_ep_models import ep_model, full_model
 
     grouped = GroupedLM(3)  # moe.router (E, D), moe.experts.w1/w2/w3
-    plan = P.compile(grouped, 2, routers="adamw")
+    plan = P.compile(grouped, 2, expert_policy=P.ExpertPolicy(routers="adamw"))
     assert not any(".router." in f for f in plan.dedicated) and any(".experts.w1" in f for f in plan.dedicated)
     # torchtitan's moe.router.gate (E, D) next to moe.experts; a dense MLP's "gate" is no router
     stacks = {"layers.0.moe.experts": 8}
@@ -438,17 +438,19 @@ def test_routers_torchtitan_names_ep_predicate_and_errors():
     assert not is_router("layers.0.moe.gate", "bias", (8,), stacks)
     # under expert parallelism the router scores all E experts, the stack holds E / ep
     full = {f for f in P.compile(full_model(), 2).dedicated} - set(
-        P.compile(full_model(), 2, routers="adamw").dedicated
+        P.compile(full_model(), 2, expert_policy=P.ExpertPolicy(routers="adamw")).dedicated
     )
     ep = set(P.compile(ep_model(2, 0), 2, ep=2).dedicated) - set(
-        P.compile(ep_model(2, 0), 2, ep=2, routers="adamw").dedicated
+        P.compile(ep_model(2, 0), 2, ep=2, expert_policy=P.ExpertPolicy(routers="adamw")).dedicated
     )
     assert full == ep and full
     # a predicate decides alone; an unknown mode is refused
     everything = lambda fqn, p: p.ndim == 2 and fqn.startswith("layers.")  # noqa: E731
-    assert P.compile(grouped, 2, predicate=everything, routers="adamw") == P.compile(grouped, 2, predicate=everything)
+    assert P.compile(grouped, 2, predicate=everything, expert_policy=P.ExpertPolicy(routers="adamw")) == P.compile(
+        grouped, 2, predicate=everything
+    )
     with pytest.raises(ValueError, match=r"routers must be one of \('muon', 'adamw'\)"):
-        P.compile(grouped, 2, routers="sgd")
+        P.compile(grouped, 2, expert_policy=P.ExpertPolicy(routers="sgd"))
 
 
 def test_experts_off_restores_the_old_selection_with_its_warning():
@@ -471,13 +473,15 @@ def test_experts_off_restores_the_old_selection_with_its_warning():
 
 def test_expert_gate_up_fused_gives_e_matrices():
     model = _hf("qwen3_moe")
-    plan = P.compile(model, 2, expert_gate_up="fused")
+    plan = P.compile(model, 2, expert_policy=P.ExpertPolicy(gate_up="fused"))
     gu = plan.param("model.layers.0.mlp.experts.gate_up_proj")
     assert gu.experts.split is False and (gu.matrix_shape, gu.num_matrices) == ((16, 16), 4)  # (2F, D), E
-    oss = P.compile(_hf("gpt_oss"), 2, expert_gate_up="fused").param("model.layers.0.mlp.experts.gate_up_proj")
+    oss = P.compile(_hf("gpt_oss"), 2, expert_policy=P.ExpertPolicy(gate_up="fused")).param(
+        "model.layers.0.mlp.experts.gate_up_proj"
+    )
     assert (oss.matrix_shape, oss.num_matrices) == ((16, 16), 4)  # (2F, D) = the transpose of (D, 2F)
     with pytest.raises(ValueError, match="expert_gate_up must be one of"):
-        P.compile(model, 2, expert_gate_up="halves")
+        P.compile(model, 2, expert_policy=P.ExpertPolicy(gate_up="halves"))
 
 
 def test_owner_and_expert_owners():
@@ -503,7 +507,7 @@ def test_json_round_trip(mesh):
     back = ShardingPlan.from_json(plan.to_json())
     assert back == plan and back.fingerprint() == plan.fingerprint()
     assert back.expert_owners(W2) == plan.expert_owners(W2)
-    fused = P.compile(_hf("qwen3_moe"), mesh, expert_gate_up="fused")
+    fused = P.compile(_hf("qwen3_moe"), mesh, expert_policy=P.ExpertPolicy(gate_up="fused"))
     assert ShardingPlan.from_json(fused.to_json()) == fused
 
 

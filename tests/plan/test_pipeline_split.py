@@ -127,7 +127,11 @@ def test_compile_stages_one_plan_per_stage() -> None:
     with pytest.raises(ValueError, match=r"stage 3 of 4 \(model.norm, lm_head\) holds no matrix tensor parallelism"):
         tiny = dmuon.sim.zoo.tiny_llama()
         compile_stages(
-            tiny, 2, pp=2, stages_per_rank=2, tp_size=2, tp_shard_dims=dmuon.plan.megatron_tp_shard_dims(tiny)
+            tiny,
+            2,
+            pp=2,
+            stages_per_rank=2,
+            tp=dmuon.plan.TPPolicy(size=2, shard_dims=dmuon.plan.megatron_tp_shard_dims(tiny)),
         )
     ten = compile_stages(_HF(10), 4, pp=4, reuse_equal_stages=True)  # 12 effective: 2+embed, 3, 3, 2+head
     assert ten.plans[1] is ten.plans[2] and ten.plans[1].dedicated[0] == "model.layers.2.attn.weight"

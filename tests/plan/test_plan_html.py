@@ -173,7 +173,7 @@ def test_tp_page_per_schedule_rank_bytes():
     from dmuon.plan._model.parallel import megatron_tp_shard_dims
 
     model = zoo.tiny_llama()
-    plan = P.compile(model, 2, tp_size=2, tp_shard_dims=megatron_tp_shard_dims(model))
+    plan = P.compile(model, 2, tp=P.TPPolicy(size=2, shard_dims=megatron_tp_shard_dims(model)))
     page = plan._repr_html_()
     els = _check_plan_page(plan, page)
     assert len(root(els).ints("comm-nbytes")) == 4  # schedule ranks (R*N*T)

@@ -1,6 +1,6 @@
 """Plans with tensor parallelism: hand-computed layouts, bytes and choices; errors.
 
-Pure: TP is described with ``tp_size`` / ``tp_shard_dims`` on an unparallelised model (what
+Pure: TP is described with ``TPPolicy(size=, shard_dims=)`` on an unparallelised model (what
 ``parallelize_module`` would produce is covered by tests/exec/test_tp.py).
 """
 
@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 import dmuon
+from dmuon.plan import TPPolicy
 from dmuon.plan import _rules as C
 
 
@@ -31,10 +32,10 @@ class Net(nn.Module):
 DIMS = {"layers.0.up.weight": 0, "layers.0.down.weight": 1}
 
 
-def _plan(**kw):
+def _plan(*, tp_kw=None, **kw):
     kw.setdefault("predicate", lambda fqn, p: fqn in DIMS)
     kw.setdefault("collectives", "broadcast")  # the goldens below: one broadcast per segment
-    return dmuon.plan.compile(Net(), 2, tp_size=2, tp_shard_dims=DIMS, **kw)
+    return dmuon.plan.compile(Net(), 2, tp=TPPolicy(size=2, shard_dims=DIMS, **(tp_kw or {})), **kw)
 
 
 def test_golden_tp_plan():
@@ -82,18 +83,20 @@ def test_golden_tp_plan():
 
 
 def test_forced_methods_and_restarts():
-    gather = _plan(tp_ns="gather")
+    gather = _plan(tp_kw=dict(ns="gather"))
     assert {p.tp_ns for p in gather.params} == {"gather"}
     assert gather.cost.tp_nbytes == 4 * 256  # (T-1) · 64 elements · 4 B per rank
-    one_segment = _plan(tp_gram_restart_every=None)  # 1 Gram all-reduce: 64 B per rank
+    one_segment = _plan(tp_kw=dict(gram_restart_every=None))  # 1 Gram all-reduce: 64 B per rank
     assert one_segment.cost.tp_nbytes == 4 * 64
     assert one_segment.tp_segment_lengths == (5,)
-    assert _plan(tp_ns_steps=4).tp_segment_lengths == (2, 2)
+    assert _plan(tp_kw=dict(ns_steps=4)).tp_segment_lengths == (2, 2)
 
 
 def test_auto_gathers_square_and_short_side_shards():
     """A square matrix, or one sharded along its short side (Gram side = long side), gathers."""
-    plan = dmuon.plan.compile(Net(), 2, tp_size=2, tp_shard_dims={"layers.0.sq.weight": 0, "layers.0.up.weight": 1})
+    plan = dmuon.plan.compile(
+        Net(), 2, tp=TPPolicy(size=2, shard_dims={"layers.0.sq.weight": 0, "layers.0.up.weight": 1})
+    )
     methods = {p.fqn: p.tp_ns for p in plan.params}
     # up (32, 4) sharded on dim 1 (its short side): Gram side d = 32: 3·2·512·4 = 12288 > 256
     assert methods == {"layers.0.up.weight": "gather", "layers.0.down.weight": None, "layers.0.sq.weight": "gather"}
@@ -130,17 +133,17 @@ def test_choose_tp_ns_threshold():
 
 def test_tp_errors_name_the_parameter_and_fix():
     with pytest.raises(ValueError, match="layers.0.up.weight.*not divisible by the TP degree 3"):
-        dmuon.plan.compile(Net(), 2, tp_size=3, tp_shard_dims={"layers.0.up.weight": 1})
+        dmuon.plan.compile(Net(), 2, tp=TPPolicy(size=3, shard_dims={"layers.0.up.weight": 1}))
     with pytest.raises(ValueError, match="'layers.0.nope' , which is not a dedicated|which is not a dedicated"):
-        dmuon.plan.compile(Net(), 2, tp_size=2, tp_shard_dims={"layers.0.nope": 0})
+        dmuon.plan.compile(Net(), 2, tp=TPPolicy(size=2, shard_dims={"layers.0.nope": 0}))
     with pytest.raises(ValueError, match="must be 0 or 1"):
-        dmuon.plan.compile(Net(), 2, tp_size=2, tp_shard_dims={"layers.0.up.weight": 2})
+        dmuon.plan.compile(Net(), 2, tp=TPPolicy(size=2, shard_dims={"layers.0.up.weight": 2}))
     with pytest.raises(ValueError, match="tp_size must be an int"):
-        dmuon.plan.compile(Net(), 2, tp_shard_dims={"layers.0.up.weight": 0})
+        dmuon.plan.compile(Net(), 2, tp=TPPolicy(shard_dims={"layers.0.up.weight": 0}))
     with pytest.raises(ValueError, match="tp_ns must be one of"):
-        dmuon.plan.compile(Net(), 2, tp_ns="fastest")
+        dmuon.plan.compile(Net(), 2, tp=TPPolicy(ns="fastest"))
     with pytest.raises(ValueError, match="tp_gram_restart_every"):
-        dmuon.plan.compile(Net(), 2, tp_gram_restart_every=0)
+        dmuon.plan.compile(Net(), 2, tp=TPPolicy(gram_restart_every=0))
 
 
 def test_plans_without_tp_keep_their_json():
@@ -182,10 +185,10 @@ def test_snapshot_reads_dtensor_placements_by_duck_typing():
 
 
 def test_tp_size_without_shard_dims_is_an_error():
-    """``tp_size=T`` alone would plan no TP matrix at all: say so instead of dropping TP."""
+    """``TPPolicy(size=T)`` alone would plan no TP matrix at all: say so instead of dropping TP."""
     with pytest.raises(ValueError, match="tp_size=2 without tp_shard_dims plans no TP-sharded matrix"):
-        dmuon.plan.compile(Net(), 2, tp_size=2)
-    assert dmuon.plan.compile(Net(), 2, tp_size=1).tp_size == 1
+        dmuon.plan.compile(Net(), 2, tp=TPPolicy(size=2))
+    assert dmuon.plan.compile(Net(), 2, tp=TPPolicy(size=1)).tp_size == 1
 
 
 def test_baseline_charges_the_tp_gather_of_naive_muon():
@@ -206,3 +209,12 @@ def test_baseline_charges_the_tp_gather_of_naive_muon():
     summary = plan.summary()
     assert "TP Gram all-reduce / gather" in summary and "without TP traffic" not in summary
     assert "saving vs FSDP2+naive                            25.0%" in summary  # 1 - 4608 / 6144
+
+
+def test_removed_keywords_name_their_new_form():
+    """The keywords grouped into TPPolicy / ExpertPolicy raise TypeError naming the new form,
+    before any work (dedicate_params forwards them to compile: no process group needed)."""
+    with pytest.raises(TypeError, match=r"tp_size= is now tp=dmuon\.plan\.TPPolicy\(size=\.\.\.\)"):
+        dmuon.plan.compile(Net(), 2, tp_size=2)
+    with pytest.raises(TypeError, match=r"routers= is now expert_policy=dmuon\.plan\.ExpertPolicy\(routers=\.\.\.\)"):
+        dmuon.dedicate_params(Net(), routers="adamw")

@@ -314,7 +314,7 @@ def test_tp_schedule_batches_gram_all_reduces():
     net = Net()
     net.layers[0] = Block()
     dims = {"layers.0.up.weight": 0, "layers.0.up2.weight": 0}
-    plan = P.compile(net, 1, tp_size=2, tp_shard_dims=dims)
+    plan = P.compile(net, 1, tp=P.TPPolicy(size=2, shard_dims=dims))
     sched = plan.schedule()
     tp = [op for op in sched.rank_ops(1) if op.phase == "tp"]
     assert [(op.kind, op.group, op.numel, op.dtype) for op in tp] == [
@@ -353,7 +353,9 @@ def test_tp_schedule_cost_equals_formulas(spec, z3, T, tp_ns):
     dims = {
         f"layers.{i}.{n}.weight": (i + j) % 2 for i, params in enumerate(layers) for j, (n, _, _) in enumerate(params)
     }
-    plan = P.compile(build(layers, seed), mesh, reshard_after_forward=z3, tp_size=T, tp_shard_dims=dims, tp_ns=tp_ns)
+    plan = P.compile(
+        build(layers, seed), mesh, reshard_after_forward=z3, tp=P.TPPolicy(size=T, shard_dims=dims, ns=tp_ns)
+    )
     assert plan.cost == formula_cost(plan)
     assert schedule_fields(plan.rank_stats()) == formula_rank_stats(plan)
     plan.schedule().check()

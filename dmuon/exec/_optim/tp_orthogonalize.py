@@ -28,7 +28,7 @@ def check_gram_steps(steps: int, plan, fqn: str, what: str) -> None:
         raise ValueError(
             f"dmuon.Muon: ns_steps={steps} but the plan of the {what} matrix {fqn!r} assumes "
             f"tp_ns_steps={plan.tp_ns_steps} (its Gram all-reduce count); compile the plan with "
-            f"tp_ns_steps={steps}"
+            f"tp=dmuon.plan.TPPolicy(ns_steps={steps})"
         )
 
 

@@ -18,6 +18,7 @@ from dmuon.exec._setup import guards
 from dmuon.exec._setup import materialize
 from dmuon.exec._comm.collective_calls import DEFAULT_TIMEOUT_S
 from dmuon.exec._comm.groups import MeshGroups, mesh_rank_table, mesh_tp_ranks
+from dmuon.plan._records.policies import refuse_removed_keywords
 from dmuon.exec._runtime.runtime import DmuonRuntime, get_model_runtime
 
 __all__ = ["apply", "dedicate_params"]
@@ -459,6 +460,7 @@ def collective_backend(model: nn.Module) -> str:
     return "gloo" if backend == "gloo" else "nccl"
 
 
+@refuse_removed_keywords("dmuon.dedicate_params()")
 def dedicate_params(
     model: nn.Module,
     mesh=None,
@@ -485,9 +487,10 @@ def dedicate_params(
     when they are called otherwise), an int ``N`` / ``(N,)`` / ``(R, N)`` spanning the world,
     or ``None`` (1-D over the world). ``ep``: the expert-parallel degree (``dmuon.plan.compile``;
     ``None``: ``N`` for a 1-D ``DeviceMesh`` whose dim is named ``"ep"``, else 1; docs/moe_ep.md).
-    Extra keyword arguments go to ``dmuon.plan.compile`` (e.g. ``cost_model``). Unless they set
-    ``collective_backend`` or the rule's numbers, the plan's ``collectives="auto"`` rule prices with
-    the link record of the process group's backend for the model's device
+    Extra keyword arguments go to ``dmuon.plan.compile`` (e.g. ``cost_model``, or its option
+    objects ``tp=dmuon.plan.TPPolicy(...)`` and ``expert_policy=dmuon.plan.ExpertPolicy(...)``).
+    Unless they set ``collective_backend`` or the rule's numbers, the plan's ``collectives="auto"``
+    rule prices with the link record of the process group's backend for the model's device
     (:func:`collective_backend`: ``"gloo"`` on gloo, ``"nccl"`` otherwise).
 
     ``reshard_after_forward``: ``True`` DMuon-Z3, ``False`` DMuon-Z2; ``None`` (default): Z3,

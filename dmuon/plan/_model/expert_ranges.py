@@ -28,7 +28,7 @@ Hugging Face transformers 5.x marks its experts modules with ``is_transposed``,
 Expert *biases* (``gate_up_proj_bias`` ``(E, 2F)``, ``down_proj_bias`` ``(E, D)``) are stacks of
 vectors, not matrices: :func:`is_stacked_bias` keeps them out of the default selection (AdamW).
 Routers (``mlp.gate.weight`` ``(E, D)``) and shared experts are ordinary 2-D matrices;
-:func:`is_router` recognises a router (for ``compile(routers=...)``, :data:`ROUTER_MODES`).
+:func:`is_router` recognises a router (for ``ExpertPolicy(routers=...)``, :data:`ROUTER_MODES`).
 
 Pure: reads module attributes and parameter metadata only; never imports ``torch.distributed``.
 """
@@ -61,7 +61,7 @@ GATE_UP_MODES = ("split", "fused")
 # compile(experts=...): "auto" = recognised expert stacks are selected by the default rule and
 # every expert has its own owner; "off" = the selection before expert support (2-D only)
 EXPERT_MODES = ("auto", "off")
-# compile(routers=...): the optimizer of MoE routers under the default rule: "muon" = dedicated like
+# ExpertPolicy(routers=...): the optimizer of MoE routers under the default rule: "muon" = dedicated like
 # every other 2-D matrix in a block, "adamw" = left to FSDP2 and AdamW (docs/moe.md, "Routers")
 ROUTER_MODES = ("muon", "adamw")
 # names of a router module (the module holding the (E, D) ``weight``), or of its parent

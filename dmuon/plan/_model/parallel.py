@@ -1,6 +1,6 @@
 """How one rank of a tensor- or expert-parallel run sees a model that is not parallelised yet
 (a zoo preset on the meta device): the TP shard dims a Megatron-style plan uses
-(:func:`megatron_tp_shard_dims`, for ``dmuon.plan.compile(..., tp_size=T, tp_shard_dims=...)``)
+(:func:`megatron_tp_shard_dims`, for ``dmuon.plan.compile(..., tp=TPPolicy(size=T, shard_dims=...))``)
 and a model cut to one EP rank's experts (:func:`expert_parallel_variant`, for ``ep=``)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ TP_ROWWISE = ("o_proj", "down_proj", "proj", "fc2")
 def megatron_tp_shard_dims(model: nn.Module) -> dict[str, int]:
     """``{fqn: dim}`` of every 2-D ``nn.Linear`` weight a Megatron-style TP plan shards: 0 for
     :data:`TP_COLWISE` module names, 1 for :data:`TP_ROWWISE`; for ``dmuon.plan.compile(...,
-    tp_size=T, tp_shard_dims=...)`` on a model that is not parallelised (e.g. a preset on the
+    tp=dmuon.plan.TPPolicy(size=T, shard_dims=...))`` on a model that is not parallelised (e.g. a preset on the
     meta device). Embeddings, heads, norms and 3-D expert stacks are left out."""
     out: dict[str, int] = {}
     for name, mod in model.named_modules():

@@ -224,7 +224,7 @@ def resolve_views(specs, matrix_views) -> dict[str, MatrixView]:
         if getattr(spec, "experts", None) is not None:
             problems.append(
                 f"  {spec.fqn}: shape {spec.shape} is an expert stack ({spec.experts.describe(spec.shape)}): every "
-                "expert is already its own Muon matrix; views cut 2-D weights (compile(expert_gate_up=...) chooses "
+                "expert is already its own Muon matrix; views cut 2-D weights (ExpertPolicy(gate_up=...) chooses "
                 "whether a fused gate/up expert is one matrix or two)"
             )
             continue

@@ -39,6 +39,7 @@ from typing import Any
 from torch import nn
 
 from dmuon.plan._model.parallel import expert_parallel_variant, megatron_tp_shard_dims
+from dmuon.plan._records.policies import TPPolicy
 from dmuon.plan._model.pipeline_split import split_model
 from dmuon.plan._records.fields import itemsize_nbytes
 from dmuon.plan._stage_plans import compile_stages
@@ -256,10 +257,10 @@ class _Layouts:
             if c.ep > 1:
                 model = expert_parallel_variant(model, c.ep)
                 kw["ep"] = c.ep
-            if c.tp > 1:
-                kw.update(tp_size=c.tp, tp_shard_dims=megatron_tp_shard_dims(model))
             mesh = (c.replicate, c.shard) if c.replicate > 1 else c.shard
             try:
+                if c.tp > 1:
+                    kw["tp"] = TPPolicy(size=c.tp, shard_dims=megatron_tp_shard_dims(model))
                 hit = compile_stages(
                     model,
                     mesh,
