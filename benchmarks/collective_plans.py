@@ -14,7 +14,7 @@ expert ranges; run it there without ``--collectives``).
 
     python benchmarks/collective_plans.py --simulate [--rows qwen3-30b-a3b/64/1 ...] [--json]
 
-checks the per-buffer collective rows in the simulator (docs/performance.md, "One collective per boundary"):
+checks the per-buffer collective rows in the simulator (benchmarks/results/2026-12-06-collectives-per-buffer.md):
 Qwen3-30B-A3B and DeepSeek-V3 on 64 and 256 ranks with EP 1, 8 and N (Qwen3-30B-A3B: 128 on 256
 ranks), Llama-3-8B on 8 and 16 x 8, Llama-3-405B on 1,024 with owner groups ``"auto"``; each row
 compiled as ``python -m dmuon simulate`` compiles it (Z3, bf16 wire, fp32 reduce, cost model

@@ -10,7 +10,7 @@ transformers / torchtitan when imported). All of it is one list,
 ``DMUON_NO_PATCHES=1`` or ``dmuon.integrations.disable()`` leaves every library untouched
 (explicit paths: :func:`fsdp2_ignored_params`, :class:`GradScaler`, :func:`clip_grad_norm_`,
 :class:`DCPLoadPlanner`, ``dmuon.integrations.enable("accelerate")``; docs/integrations.md).
-Public names (the README's "API" section):
+Public names (docs/api.md):
 
 * :mod:`dmuon.plan` — pure planning: ``dmuon.plan.compile(model, mesh, ...)`` → ``ShardingPlan``.
 * :mod:`dmuon.exec` — execution: ``dmuon.exec.apply(plan, model, mesh=None)``.

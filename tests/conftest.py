@@ -66,7 +66,7 @@ def pytest_collection_modifyitems(config, items):
     (directly, through a helper of the tests, or through a fixture); tests that start process
     groups another way (a subprocess CLI), or that reach a launching fixture through
     ``request.getfixturevalue`` (no name to follow), carry the mark themselves. ``-m "not distributed"``
-    is the fast lane (README, "Tests")."""
+    is the fast lane (CONTRIBUTING.md, "Test lanes")."""
     for item in items:
         if item.get_closest_marker("distributed") is not None:
             continue

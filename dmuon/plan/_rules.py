@@ -127,7 +127,8 @@ class CollectiveLink:
 #:   re-fits that file against these numbers. gloo moves a broadcast's bytes ~4x faster than an
 #:   all-gather's on CPU (its ring copies through every member), so the auto rule keeps the
 #:   broadcasts there except for latency-bound buffers of a few KB; one shared ``B`` would pick the
-#:   all-gather at every size (measured slower: docs/performance.md, "Collective kinds on gloo").
+#:   all-gather at every size (measured slower: benchmarks/results/2026-12-06-collectives-per-buffer.md,
+#:   "Measured on CPU: broadcast against all-gather").
 COLLECTIVE_LINKS = {
     "nccl": CollectiveLink(
         name="nccl",
@@ -175,7 +176,7 @@ ALL_GATHER_MAX_PADDING = 0.02
 
 #: ``ns_backend="auto"`` picks Gram NS only for matrices whose short side ``d = min(m, n)`` is at
 #: least this (:func:`choose_ns_backend`). Hardware assumption: one CPU core (fp32, MKL; measured
-#: on AMD Zen 3 in benchmarks/ns_backends.py, docs/performance.md). Gram NS moves about 40 % of
+#: on AMD Zen 3 in benchmarks/ns_backends.py, benchmarks/results/2026-12-01-newton-schulz-kernels.md). Gram NS moves about 40 % of
 #: its FLOPs into ``(d, d)`` products, which run ~25 % slower per FLOP than the ``(d, D)`` ones at
 #: ``d = 256``, and adds ~10 small ops per step and its fallback check (two ``(d, D)`` passes):
 #: at ``128 x 512`` that ate all of the 29 % FLOP saving (0.95-1.1x the standard iteration's

@@ -313,8 +313,8 @@ def test_gloo_rule_by_hand():
 def test_gloo_record_keeps_the_benchmark_models_broadcast(size):
     """The side-by-side benchmark's models (benchmarks/collective_kinds.py: the main job's GPT, 4
     blocks x hidden 128 and 8 blocks x hidden 256; N = 2 and 4; Z2 and Z3), planned for gloo: every
-    buffer broadcast, the kind measured faster there (docs/performance.md, "Collective kinds on
-    gloo"); planned for NCCL (the preset) the same buffers are all-gathered."""
+    buffer broadcast, the kind measured faster there (benchmarks/results/2026-12-06-collectives-per-buffer.md,
+    "Measured on CPU: broadcast against all-gather"); planned for NCCL (the preset) the same buffers are all-gathered."""
     from dmuon._train.byte_gpt import GPT, GPTConfig
 
     dims = {

@@ -1002,7 +1002,7 @@ def _in_situ_worker():
 def test_in_situ_measurement_runs_in_a_real_group():
     """The in-situ measurements (FSDP2 stacks, DTensor gather, CPU share) on a real 2-rank gloo
     group: every figure present, finite, in its physical range, the same on both ranks (they are
-    max-reduced). Timings themselves have no oracle here; docs/performance.md compares the
+    max-reduced). Timings themselves have no oracle here; benchmarks/results/2026-12-01-step-time-simulator.md compares the
     simulator they feed against measured steps."""
     from dist_utils import run_distributed
 

@@ -81,7 +81,7 @@ kernels: overlap with compute for free) or ``"threads"`` (gloo's threads on the 
 collective also takes ``comm_cpu_share`` of its duration from the compute of its members;
 calibrated per count of ranks on the node, :func:`comm_cpu_share_at`).
 
-Presets (:data:`PRESETS`) carry public figures; docs/performance.md cites each. ``cpu-gloo`` is
+Presets (:data:`PRESETS`) carry public figures; benchmarks/results/2026-12-01-step-time-simulator.md cites each. ``cpu-gloo`` is
 not a preset: it is what ``python -m dmuon calibrate`` measures (:func:`load`).
 """
 
@@ -679,7 +679,7 @@ def _gpu(
     )
 
 
-#: name -> :class:`Hardware` (GPU presets; figures: NVIDIA datasheets, cited in docs/performance.md).
+#: name -> :class:`Hardware` (GPU presets; figures: NVIDIA datasheets, cited in benchmarks/results/2026-12-01-step-time-simulator.md).
 #: ``nvlink`` / ``ib`` are per GPU and direction: NVLink 4 900 GB/s bidirectional -> 450; NVLink 3
 #: 600 -> 300; A800's NVLink 400 -> 200; one 400 Gb/s NDR NIC per GPU -> 50 GB/s; HDR 200 Gb/s -> 25.
 PRESETS: dict[str, Hardware] = {
