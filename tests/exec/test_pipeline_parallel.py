@@ -21,6 +21,8 @@ single-process ``torch.optim.Muon`` + ``AdamW`` on the whole model over the same
   whole model's gradients, and the clipped run still matches the clipped reference;
 * a mutant whose dedicated reduce is skipped fails the oracle (its gradients and parameters
   leave the bounds), and without dmuon's reduce wrapper ``step()`` raises on every rank;
+* ``dmuon.Muon(skip_nonfinite=True)``: a NaN in one stage's gradient on one rank skips the step
+  on every rank of every stage, against the oracle that skips that step;
 * a zero-bubble schedule raises the same ``NotImplementedError`` on every rank at its first step;
 * checkpoints across layouts, in the same launch: a DCP checkpoint (model + flattened optimizer
   state) saved at (pp 2, dp 2) after one GPipe step, loaded into fresh stages at (pp 2, dp 2)
@@ -38,7 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dmuon.testing import FP32_LOSS_RTOL, FP32_PARAM_TOL
-from oracle import HP, Block, ReferenceOptimizer, dmuon_optimizer, proxies_for
+from oracle import HP, Block, ReferenceOptimizer, dmuon_muon_kwargs, dmuon_optimizer, proxies_for
 from shared_launch import shared_run
 
 M = 4  # micro-batches
@@ -46,6 +48,7 @@ STEPS = 3
 VOCAB, D, LAYERS = 11, 8, 4
 GRAD_TOL = 1e-5  # gradients: fp32 sums in another order (measured ~1e-7 of max)
 CLIP = 0.05  # well below the gradient norms here (~1): clipping acts every step
+NAN_STEP = 1  # nan_skip: the step whose gradient holds a NaN on one rank of the last stage
 
 # (label, schedule, reshard_after_forward (None: dmuon's default under PP, Z2), scale_grads, extra)
 CASES = [
@@ -58,6 +61,7 @@ CASES = [
     ("loopedbfs_z3", "loopedbfs", True, True, ""),
     ("1f1b_z3_autograd_reduce", "1f1b", True, True, "no_root_fsdp"),
     ("skipped_reduce", "gpipe", False, True, "skip_reduce"),
+    ("gpipe_z2_nan_skip", "gpipe", None, True, "nan_skip"),
 ]
 LABELS = [c[0] for c in CASES]
 # W = 8 as (pp 2, replicate 2, shard 2): every stage on an HSDP mesh (one more launch)
@@ -121,8 +125,9 @@ def ce_over_microbatches(out, target):  # scale_grads=False: the loss carries th
     return ce(out, target) / M
 
 
-def reference(clip: bool):
-    """Single process, global batch: losses, dedicated gradients per step, final state, norms."""
+def reference(clip: bool, skip_step: int | None = None):
+    """Single process, global batch: losses, dedicated gradients per step, final state, norms;
+    ``skip_step``: that step's update is skipped (its gradients are dropped)."""
     from dmuon.plan import compile as compile_plan
 
     model = make_full()
@@ -138,7 +143,8 @@ def reference(clip: bool):
         grads.append({n: named[n].grad.detach().clone() for n in dedicated})
         if clip:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        opt.step()
+        if len(losses) != skip_step:
+            opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     return dict(
@@ -200,6 +206,9 @@ def _case(label, sched_name, z3, scale_grads, extra, mesh):
     opts = (
         [dmuon_optimizer(m) for m in mods] if "per_stage_optimizer" in extra else [dmuon_optimizer(nn.ModuleList(mods))]
     )
+    if "nan_skip" in extra:
+        opts = [dmuon.Muon(nn.ModuleList(mods), **dmuon_muon_kwargs(torch.float32), skip_nonfinite=True)]
+    skipped = []
     removed = []
     if "skip_reduce" in extra:  # the mutant: dmuon's reduce at the schedule's REDUCE_GRAD is skipped
         removed = _registry.uninstall("pipelining.reduce_grad")
@@ -236,9 +245,13 @@ def _case(label, sched_name, z3, scale_grads, extra, mesh):
             )
             if "clip" in extra:
                 norms.append(float(dmuon.clip_grad_norm_([p for m in mods for p in m.parameters()], CLIP)))
+            if "nan_skip" in extra and step == NAN_STEP and num_stages - 1 in stage_ids and dp == 0:
+                g = mods[-1].head.weight.grad  # an FSDP2 shard of the last stage's head, on one rank
+                (g.to_local() if hasattr(g, "to_local") else g).view(-1)[0] = float("nan")
             with metered() as led_step:  # HSDP: the replicate broadcasts after the owners' update
                 for opt in opts:
                     opt.step()
+                    skipped.append(bool(getattr(opt, "last_step_skipped", False)))
                     opt.zero_grad()
             for p, v in led_step.snapshot().items():
                 if v:
@@ -272,6 +285,7 @@ def _case(label, sched_name, z3, scale_grads, extra, mesh):
         ledgers=ledgers,
         norms=norms,
         step_error=step_error,
+        skipped=skipped,
         refusal=refusal,
         state=full_state if dp == 0 else None,
         cost_total=sum(c.total_nbytes for c in costs),
@@ -519,7 +533,7 @@ def _check_oracle(runs, ref):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("label", [c[0] for c in ALL_CASES if "skip_reduce" not in c[4]])
+@pytest.mark.parametrize("label", [c[0] for c in ALL_CASES if not {"skip_reduce", "nan_skip"} & set(c[4].split(","))])
 def test_pipeline_matches_oracle(label):
     case = next(c for c in ALL_CASES if c[0] == label)
     runs = _results(label)
@@ -622,3 +636,15 @@ def test_pipeline_checkpoint_loads_without_pipeline():
     assert set(state) == set(ref["state"])
     for k, v in ref["state"].items():
         assert _max_rel(state[k], v) <= FP32_PARAM_TOL, k
+
+
+@pytest.mark.distributed
+def test_nonfinite_step_skipped_on_every_stage():
+    """skip_nonfinite=True: a NaN in the last stage's head gradient on one of its ranks at step
+    NAN_STEP makes every rank of both stages skip that step (the flags span the world, not one
+    stage's ranks), and the run matches the oracle that skips it."""
+    runs = _results("gpipe_z2_nan_skip")
+    expected = [step == NAN_STEP for step in range(STEPS)]
+    assert [r["skipped"] for r in runs] == [expected] * len(runs)
+    ref = reference(clip=False, skip_step=NAN_STEP)
+    _check_oracle(runs, ref)
