@@ -21,6 +21,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from dmuon.sim._pages.recommendation import fits
+
 __all__ = ["add_pipeline_args", "wants_pipeline", "simulate_pipelined", "main_advise", "gap_line"]
 
 
@@ -178,11 +180,11 @@ def simulate_pipelined(
     print("-" * len(hdr))
     for v, s in sims.items():
         peak = max(s.peak_memory_nbytes)
-        fits = "yes" if not mem or peak <= mem else "NO"
+        fit = "yes" if fits(s, mem) else "NO"
         print(
             f"{v:<9}{1e3 * s.step_s:>10.1f}{s.step_s / base.step_s:>9.3f}{1e3 * s.bubble_s:>11.1f}"
             f"{1e3 * s.exposed_comm_s:>12.1f}{1e3 * s.ns_s:>9.1f}{1e3 * s.recompute_s:>14.1f}{peak / 2**30:>10.2f}"
-            f"{mem / 2**30:>12.1f}{fits:>6}  {s.bound()}"
+            f"{mem / 2**30:>12.1f}{fit:>6}  {s.bound()}"
         )
     print(
         "\npeak GiB per pipeline rank: "
@@ -190,7 +192,7 @@ def simulate_pipelined(
     )
     for v in modes:
         print(gap_line(sims[v], base))
-    fitting = [v for v in modes if not mem or max(sims[v].peak_memory_nbytes) <= mem]
+    fitting = [v for v in modes if fits(sims[v], mem)]
     if fitting:
         best = min(fitting, key=lambda v: (sims[v].step_s, v != "z3"))
         print(f"recommended: dmuon {best.upper()} ({sims[best].step_s / base.step_s:.3f} x FSDP2 + AdamW)")

@@ -47,22 +47,9 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["main_simulate", "recommend"]
+from dmuon.sim._pages.recommendation import fits, recommend
 
-
-def _fits(sim: Any, memory_nbytes: int) -> bool:
-    """Every rank's simulated peak within the device's memory (0 = unknown: fits)."""
-    from dmuon.sim._pages.recommendation import fits
-
-    return fits(sim, memory_nbytes)
-
-
-def recommend(sims: dict, memory_nbytes: int) -> str:
-    """``"z2"`` or ``"z3"`` (module docstring rule; :func:`dmuon.sim._pages.recommendation.recommend`
-    gives the reason too)."""
-    from dmuon.sim._pages.recommendation import recommend as _recommend
-
-    return _recommend(sims, memory_nbytes)[0]
+__all__ = ["main_simulate"]
 
 
 def expert_counts(model: Any) -> dict[str, int]:
@@ -386,13 +373,11 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
     if hw.memory_nbytes:  # every row's peak per rank against the device
         print(
             f"peak per rank against the device's {hw.memory_nbytes / 2**30:.1f} GiB: "
-            + ", ".join(f"{v} {'fits' if _fits(s, hw.memory_nbytes) else 'DOES NOT FIT'}" for v, s in sims.items())
+            + ", ".join(f"{v} {'fits' if fits(s, hw.memory_nbytes) else 'DOES NOT FIT'}" for v, s in sims.items())
         )
-    from dmuon.sim._pages.recommendation import recommend as _recommend
-
-    rec, why = _recommend(sims, hw.memory_nbytes)
+    rec, why = recommend(sims, hw.memory_nbytes)
     print(f"\nrecommended: dmuon {rec.upper()} ({sims[rec].step_s / base:.3f} x FSDP2 + AdamW): {why}")
-    if not _fits(sims[rec], hw.memory_nbytes):  # recommend() prefers a mode that fits: none does
+    if not fits(sims[rec], hw.memory_nbytes):  # recommend() prefers a mode that fits: none does
         peak = max(sims[rec].peak_memory_nbytes)
         print(
             f"warning: no dmuon mode fits the device: {rec.upper()} peaks at {peak / 2**30:.1f} GiB per rank against "
