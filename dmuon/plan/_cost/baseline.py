@@ -32,6 +32,7 @@ So for Z3 on a 1-D mesh the baseline moves ``4*(N-1)*S`` versus DMuon's ``3*(N-1
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from dmuon.plan._cost.flops import spec_ns_flops
 from dmuon.plan._cost.cost_model import BaselineByteCost, RankStats
@@ -47,7 +48,17 @@ __all__ = [
     "fsdp2_param_shard",
     "spec_fsdp2_shard",
     "fsdp2_unsharded_nbytes",
+    "baseline_reshard_after_forward",
 ]
+
+
+def baseline_reshard_after_forward(variant: str, plan: Any, override: bool | None = None) -> bool:
+    """FSDP2's ``reshard_after_forward`` in a baseline ``variant``: ``True`` for ``"adamw"`` (the
+    floor as usually deployed), the plan's own for ``"naive"`` / ``"all_to_all"``; ``override``,
+    where given, wins (a pipelined baseline runs ``False``, as torchtitan sets it under PP)."""
+    if override is not None:
+        return override
+    return True if variant == "adamw" else plan.reshard_after_forward
 
 
 def is_expert_stack(fqn: str, shape: Sequence[int]) -> bool:

@@ -290,9 +290,7 @@ def fsdp2_memory(plan: Any, variant: str, *, reshard_after_forward: bool | None 
     for s in plan.params:
         b = plan.boundary(s.fqn)
         unit_full[b] = unit_full.get(b, 0) + s.local_numel * itemsize_nbytes(s.dtype)
-    z3 = True if variant == "adamw" else plan.reshard_after_forward
-    if reshard_after_forward is not None:
-        z3 = reshard_after_forward
+    z3 = _baseline.baseline_reshard_after_forward(variant, plan, reshard_after_forward)
     largest = max(unit_full.values(), default=0)
     unsharded = largest if z3 else sum(unit_full.values())
     transient = unsharded + largest  # + one unit's unsharded gradient before its reduce-scatter

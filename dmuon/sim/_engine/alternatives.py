@@ -249,9 +249,7 @@ def build(
     if variant not in VARIANTS:
         raise ValueError(f"unknown alternative {variant!r}: one of {VARIANTS}")
     step = Step() if step is None else step
-    reshard = True if variant == "adamw" else plan.reshard_after_forward
-    if fsdp2_reshard_after_forward is not None:
-        reshard = fsdp2_reshard_after_forward
+    reshard = _baseline.baseline_reshard_after_forward(variant, plan, fsdp2_reshard_after_forward)
     ops, last_grad = fsdp2_ops(plan, step, reshard_after_forward=reshard)
     if variant == "adamw":
         return ops
