@@ -87,11 +87,9 @@ def clip_grad_norm_(
     for index, (_, p) in enumerate(named):
         info = dedicated_info(p)
         if info is not None and stage_group is False:
-            rt = info.runtime()
-            if getattr(rt, "pipelined", False):
-                job_group, stage_group = None, rt.groups.peer_group
-            else:
-                job_group, stage_group = getattr(getattr(rt, "groups", None), "job_group", None), None
+            rt = info.runtime()  # None once the runtime is gone: the world, no stage group
+            job_group = rt.global_group() if rt is not None else None
+            stage_group = rt.groups.peer_group if rt is not None and rt.pipelined else None
         if p.grad is None:
             continue
         if info is not None:

@@ -560,9 +560,7 @@ class Muon(torch.optim.Optimizer):
         import torch.distributed as dist
 
         runtimes = runtimes_of(dedicated)
-        group = runtimes[0].groups.job_group if runtimes else None
-        if any(getattr(rt, "pipelined", False) for rt in runtimes):
-            group = None  # pipeline stages skip together: the flags span the world, as the clip's norm does
+        group = runtimes[0].global_group() if runtimes else None  # as dmuon.clip_grad_norm_'s reduce
         params = [p for g in self.param_groups for p in g["params"]]
         device = next((p.device for p in params if p.grad is not None), torch.device("cpu"))
         if runtimes:

@@ -434,6 +434,12 @@ class DmuonRuntime:
                 "or load a checkpoint; see docs/checkpointing.md)"
             )
 
+    def global_group(self):
+        """The process group of this model's global reductions (the gradient norm's owners' term, the
+        non-finite flags): the job's ranks, or the world (``None``) for a pipeline stage, whose every
+        stage takes part."""
+        return None if self.pipelined else self.groups.job_group
+
     def check_idle(self, what: str) -> None:
         """Before masters are overwritten (state-dict load): every boundary between steps.
 
