@@ -1,57 +1,10 @@
-r"""``python -m dmuon calibrate``: microbenchmarks that make the ``cpu-gloo`` hardware record.
+r"""Microbenchmarks that make the ``cpu-gloo`` hardware record (:func:`calibrate`; the command is
+``python -m dmuon calibrate``, :mod:`dmuon._cli.calibrate_command`).
 
-Measured on this machine, nothing taken from a training run:
-
-* **gloo collectives** by kind (broadcast, reduce, all-reduce, all-gather, reduce-scatter,
-  all-to-all), group size 2-4 (one launch of ``k`` processes each, the whole world as the group)
-  and payload (bytes per rank, :data:`SIZES`): median seconds from issue to ``wait()`` over
-  repeats, after a barrier — gloo's own algorithms, including the contention of ``k`` processes
-  on this machine's cores. ``issue_s``: the calling thread's cost of one ``async_op=True`` call.
-* **matmul FLOP/s** by dtype (fp32; bf16 at small sizes) and square size, one thread
-  (``torch.set_num_threads(1)``, as every rank of the benchmarks runs): the peak is the best
-  size's rate, the efficiency curve every size's fraction of it.
-* **per-operator overhead** (a 1-element add) and **elementwise bandwidth** (a 4 M-element add).
-* **training matmuls**: ``F.linear`` forward + backward with autograd (``x·Wᵀ``, the input and
-  the weight gradient) at ``(4d, d, d)``, as a fraction of the plain peak by mean dimension
-  (``autograd_matmul_efficiency``); and the **autograd operator** cost (a chain of recorded
-  elementwise ops, forward + backward, per op).
-* **hook cost**: a module with a forward pre-hook, forward hook and backward hooks vs without.
-* **FSDP2 call / step-compute factor / DTensor gather / communication CPU share, in a real group
-  of each size** (one launch of ``k`` processes per group size, the whole world as the group):
-  stacks of FSDP2 units (:data:`FSDP2_STACKS`) forward + backward minus the plain stack's
-  (interleaved pairs), per call, less the bare blocking collectives of the same payload (the
-  simulator times those from the curves) — on tiny 8-parameter units (a transformer block's
-  count) the per-call cost, and on two stacks of real block size 8x apart in compute the extra
-  per second of compute between blocking calls (the members' skew, gloo's threads and wake-ups:
-  ``step_compute_factor_by_group``, :func:`fsdp2_terms`); and a
-  ``DTensor.full_tensor()`` + ``redistribute`` back to ``Shard(0)`` less a bare all-gather; and
-  how much of a collective's duration the members' compute loses while it runs on gloo's
-  threads (``comm_cpu_share``, :func:`_comm_cpu_share`). On gloo these grow with the group and
-  with ranks per core (blocking waits, threads that share the cores), which a 1-rank
-  measurement misses. Each is the difference of two noisy timings, so the whole in-situ
-  measurement runs :data:`IN_SITU_REPEATS` times per group size and the record keeps the median
-  of each figure (``raw["collectives"][k]["in_situ_all"]`` keeps every repeat).
-* **Newton-Schulz**: one fp32 ``newton_schulz`` call by matrix shape (:func:`_newton_schulz`;
-  ``gram_newton_schulz`` likewise on the shapes where it saves FLOPs),
-  and per matrix a batched call of 4 / 16 / 32 same-shape matrices against a single one, as
-  ``dmuon.Muon`` batches a bucket (:func:`_ns_batch_factor`).
-* **attention, norm, activation**: fused ``scaled_dot_product_attention`` (causal), ``RMSNorm``
-  and ``GELU``, forward + backward with autograd (:func:`_training_kernels`): on this CPU they
-  run far below the GEMM rate / the plain add's bandwidth, which the matmul curve and the
-  elementwise bandwidth would otherwise assume.
-  The DTensor dispatch of an in-place multiply vs a plain one (1-rank group).
-
-Compute is measured in one process while the other cores idle, and then the **busy node**
-(:func:`_busy_node`): a reference mix of a block's kernels timed alone and with every other core
-running the same mix (one background process per core), giving the slowdown of matmul-class and
-of memory-bound work when every core computes (the benchmark's condition; on this 2-core VM a
-block's kernels ran 10–35 % slower with the other core busy). The simulator applies these on
-top of processor sharing (``ranks_per_node / cores_per_node``).
-
-``--quick`` measures fewer sizes and repeats (a smoke run for tests, seconds). Total: under 3
-minutes on 2 cores (161 s measured on the idle machine; 168–188 s under the step-time
-benchmark's load before the in-situ pairs went from 11 to 9 and the batched-NS and busy-node
-stages were trimmed). Progress: a tqdm bar if tqdm is installed, else one line per stage.
+Measured on this machine, nothing taken from a training run: gloo collectives by kind, group
+size and payload, matmul and Newton-Schulz rates, per-operator costs, FSDP2 and DTensor costs in
+a real group of each size, and the busy-node slowdowns. What each figure measures and how long it
+takes: Note: what calibrate measures (docs/design.md).
 """
 
 from __future__ import annotations
@@ -161,7 +114,8 @@ def _worker(
 def calibrate(
     *, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, repeats: int | None = None
 ) -> tuple[Hardware, dict]:
-    """Run the microbenchmarks (module docstring) and return ``(Hardware, raw measurements)``."""
+    """Run the microbenchmarks (Note: what calibrate measures, docs/design.md) and return ``(Hardware, raw
+    measurements)``."""
     import torch
 
     torch.set_num_threads(1)
