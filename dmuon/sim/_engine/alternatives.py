@@ -331,8 +331,8 @@ def build(
 
 
 def moved_nbytes(ops: Sequence[Op]) -> int:
-    """Bytes on the wire summed over ranks of an alternative's collectives, by the accounting
-    rule of docs/planning.md (a non-root member of a broadcast / reduce of ``S`` bytes: ``S``;
+    """Bytes on the wire summed over ranks of an alternative's collectives, by the byte rule
+    (Note: the byte rule, docs/design.md: a non-root member of a broadcast / reduce of ``S`` bytes: ``S``;
     an all-gather / reduce-scatter of ``S`` bytes per rank over ``k``: ``(k-1)·S`` per rank; an
     all-reduce ``2·(k-1)·ceil(numel/k)·itemsize`` per rank; an all-to-all of ``S`` per rank:
     ``(k-1)/k·S`` per rank)."""
