@@ -1,28 +1,17 @@
 """dmuon: Muon on FSDP2 with exclusive ownership of every Muon-target matrix.
 
-``import dmuon`` changes one thing in torch: ``torch.nn.utils.clip_grad_norm_`` over dedicated
-parameters hands off to :func:`clip_grad_norm_` (other calls unchanged). It imports no
-``dmuon.exec`` module and no ``torch.distributed.fsdp``: the names below load on first use. The
-first :func:`dedicate_params` installs the rest (the ``fully_shard`` skip of dedicated
-parameters, GradScaler, DCP load errors, the DDP and foreign-optimizer guards, accelerate /
-transformers / torchtitan when imported). All of it is one list,
-:mod:`dmuon.integrations._patches`: ``dmuon.integrations.status()`` shows it,
-``DMUON_NO_PATCHES=1`` or ``dmuon.integrations.disable()`` leaves every library untouched
-(explicit paths: :func:`fsdp2_ignored_params`, :class:`GradScaler`, :func:`clip_grad_norm_`,
-:class:`DCPLoadPlanner`, ``dmuon.integrations.enable("accelerate")``; docs/integrations.md).
-Public names (docs/api.md):
+``import dmuon`` imports no ``dmuon.exec`` module and no ``torch.distributed.fsdp`` (the names below
+load on first use) and changes one thing in torch: ``torch.nn.utils.clip_grad_norm_`` over dedicated
+parameters hands off to :func:`clip_grad_norm_`. The first :func:`dedicate_params` installs the rest;
+the list, the opt-out (``DMUON_NO_PATCHES=1``) and the explicit paths: docs/integrations.md, "What
+dmuon changes in other libraries, and when". Public names (one line each: docs/api.md):
 
 * :mod:`dmuon.plan` — pure planning: ``dmuon.plan.compile(model, mesh, ...)`` → ``ShardingPlan``.
 * :mod:`dmuon.exec` — execution: ``dmuon.exec.apply(plan, model, mesh=None)``.
-* :func:`dedicate_params` — compile + apply; returns the plan.
-* :class:`Muon` — Muon on dedicated matrices (owner only) + AdamW on everything else.
-* :func:`no_sync` — gradient accumulation without communication.
-* :func:`clip_grad_norm_` — global gradient-norm clipping with owner-held gradients counted once.
-* :func:`full_state_dict` — gathered full tensors (rank 0 by default) for export; docs/checkpointing.md.
-* :mod:`qk_clip` — QK-clip (MuonClip): ``dmuon.qk_clip.record(attn_module, max_logits)``; docs/muon_variants.md.
-* :func:`init_params` — initialise a ``to_empty``-ed meta model as one process would; docs/checkpointing.md.
-* :mod:`dmuon.testing` (``import dmuon.testing``, not imported here) — the single-process
-  reference and ``check_against_reference``: check dmuon on your own model; docs/testing.md.
+* :func:`dedicate_params` — compile + apply; returns the plan. :class:`Muon` — Muon on dedicated
+  matrices (owner only) + AdamW on everything else. :func:`no_sync`, :func:`clip_grad_norm_`,
+  :func:`full_state_dict`, :mod:`qk_clip`, :func:`init_params`.
+* :mod:`dmuon.testing` (``import dmuon.testing``, not imported here) — check dmuon on your own model.
 """
 
 import importlib as _importlib

@@ -1,31 +1,8 @@
 """Run a function on W local processes that share one gloo process group, with a hard timeout.
 
-The package's one launcher of local ranks: the test suite (``tests/dist_utils.py`` re-exports
-these names), :func:`dmuon.testing.check_against_reference`, ``python -m dmuon train``
-(:func:`dmuon._cli.train_command.run`), the simulator's calibration (:mod:`dmuon.sim._calibrate`) and the
-benchmarks (``benchmarks/step_time.py``) use it. Process start-up
-(importing torch) dominates on a small machine, so a caller should run several cases inside
-ONE call: ``fn`` loops over its cases and returns one picklable result per rank::
-
-    def _worker(cases):                       # module level: it is pickled by reference
-        import torch.distributed as dist
-        rank = dist.get_rank()
-        return [case_result(c) for c in cases]
-
-    results = run_distributed(_worker, 2, CASES, timeout_s=120)   # results[rank]
-
-Guarantees:
-* every rank runs ``fn(*args, **kwargs)`` with the default group initialised (``backend``,
-  rendezvous on a free port of 127.0.0.1 through MASTER_ADDR / MASTER_PORT / RANK /
-  WORLD_SIZE / LOCAL_RANK), ``torch.set_num_threads(threads)`` applied, with NCCL rank i on
-  ``cuda:i``, and the group destroyed afterwards;
-* the first rank to fail (exception or non-zero exit) makes run_distributed kill the others
-  and raise :class:`DistributedError` with that rank's traceback; with ``system_exit=True`` a
-  rank that ended in ``SystemExit`` with a message (a user error found inside the ranks) makes
-  it raise ``SystemExit`` with that message instead, no traceback;
-* a run that has not finished within ``timeout_s`` seconds (start-up included) is killed,
-  every rank, and :class:`DistributedTimeout` is raised — a hang fails the test instead of
-  hanging CI (``timeout_s=None``: no limit, for training runs).
+Used by the tests, :func:`dmuon.testing.check_against_reference`, ``python -m dmuon train``, the
+calibration and the benchmarks; run several cases in ONE call (start-up dominates). Usage and
+guarantees: Note: the local launcher (docs/design.md).
 """
 
 from __future__ import annotations

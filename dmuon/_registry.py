@@ -1,36 +1,8 @@
 """The machinery that installs, checks and undoes what dmuon changes in other libraries.
 
-Every change dmuon makes to an object it does not own is an :class:`Integration`: the target
-(module + attribute), the wrapper factory, the leading parameters of the target the wrapper
-relies on (checked before wrapping: a library upgrade fails with :class:`IntegrationError`
-naming the integration, never with a wrong result), when it is installed and why. The one list
-of them is :mod:`dmuon.integrations._patches`, registered here (:func:`register`) by ``import
-dmuon``; :data:`INTEGRATIONS` is that list once registered. Installing and undoing go through
-:func:`install` / :func:`uninstall` only; every wrapper carries ``__dmuon_wraps__`` (the
-integration's name) and ``__wrapped__`` (the original), and :func:`uninstall` puts the original
-object back (identity).
-
-When (``stage``):
-
-* ``"import"`` — ``import dmuon``: the ``torch.nn.utils.clip_grad_norm_`` hand-off only (calls
-  without dedicated parameters go to torch unchanged; it must exist before a script binds the
-  name, and it imports ``dmuon.exec`` only when a call involves dedicated parameters).
-* ``"dedicate"`` — the first ``dmuon.dedicate_params`` / ``dmuon.exec.apply``: everything else,
-  the ``fully_shard`` skip first (FSDP2's managed-modules / managed-states filtering; a
-  ``fully_shard`` before the first dedication has nothing to skip, and ``dedicate_params``
-  refuses a model ``fully_shard`` already wrapped). Integrations with a ``trigger`` module
-  (accelerate, transformers, torchtitan) are installed then if that module is imported, else
-  when it is imported later (one ``sys.meta_path`` finder, itself an entry of the list).
-
-Opt-out: ``DMUON_NO_PATCHES=1`` in the environment before ``import dmuon``, or
-:func:`disable` (uninstalls everything and blocks the automatic installs); explicit
-:func:`install` of named integrations still works. The patch-free path for each integration is in
-docs/integrations.md ("Without patches").
-
-A leaf: this module imports nothing from dmuon and names no dmuon module. The list names its
-wrapper factories as ``"module:function"`` strings, imported when an integration is installed;
-so the modules that hold wrappers (in ``dmuon.exec`` and ``dmuon.integrations``) import this one,
-and only the list, above them all, names them.
+Every change dmuon makes to an object it does not own is an :class:`Integration`, installed and
+undone only through :func:`install` / :func:`uninstall`. When each is installed, the opt-out and
+why this is a leaf: Note: the integration registry (docs/design.md).
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
 """dmuon's tags on objects it does not own (parameters, modules, optimizers): their names, and the
 one way to read and write them.
 
-A leaf: imports nothing (not dmuon, not torch), so that what must tell a dedicated parameter
-apart before ``dmuon.exec`` is imported (the ``torch.nn.utils.clip_grad_norm_`` hand-off,
-:mod:`dmuon.integrations._clip_handoff`) reads the same tag the runtime writes.
-
-Tags (the attribute each is stored under is this module's business only)::
-
-    PARAM           on every logical dedicated parameter: its DedicatedInfo (dmuon.exec.apply)
-    RUNTIME         on a dedicated model: its DmuonRuntime (dmuon.exec.apply)
-    QK_CLIP         on a QK-clip attention module: (weakref to its QKClipRuntime, layer index)
-    APPLY_WRAPPED   on a module whose ``_apply`` dmuon wraps (to_empty / .to rebind its storage)
-    APPLY_BOUNDARIES  on that module: the hook boundaries its ``_apply`` rebinds
-    CHECKED_GROUPS  on an optimizer: the parameter groups the foreign-optimizer guard checked
-
-Reading: :func:`read` (or :func:`dedicated_info`, :func:`model_runtime`, :func:`has_dedicated`);
-writing: :func:`write` (``object.__setattr__``: no ``nn.Module.__setattr__`` bookkeeping).
+A leaf: imports nothing (not dmuon, not torch). The tags and why this is a leaf: Note: dmuon's
+tags (docs/design.md). Reading: :func:`read`; writing: :func:`write`.
 """
 
 from __future__ import annotations

@@ -2,37 +2,12 @@
 
 Momentum and Nesterov (:func:`momentum_`), decoupled weight decay and the scaled update
 (:func:`decay_and_apply_`, :func:`adjust_lr`), the standard Newton-Schulz kernel
-(:func:`newton_schulz`) and its coefficient presets (:data:`NS_PRESETS`, one table), NorMuon's
-normalisation (:func:`normuon_normalize`), and one whole step over many matrices
-(:func:`muon_update`; :func:`single_tensor_muon` is ``torch.optim._muon._single_tensor_muon`` on
-plain tensors). No process group, no dmuon tag, no state of its own: tensors go in and come out,
-and the caller's state tensors (momentum buffers) and parameters are updated in place, as in
-torch.optim's functional API. ``dmuon.Muon``'s step gathers each layout's parameter, gradient,
-state and matrix view (:class:`Matrices`) and calls :func:`muon_update`; the simulator's
-calibration times :func:`newton_schulz` from here.
-
-Note "Batching" (``dmuon.Muon(ns_batching=...)``, :func:`muon_update`):
-
-- ``"exact"``: one 2-D Newton-Schulz call per matrix and one op per tensor, in
-  ``torch.optim.Muon``'s order: bit for bit ``torch.optim.Muon`` at its bf16 iteration, and bit
-  for bit its fp32-patched form (``dmuon.testing.fp32_newton_schulz``) with ``ns_dtype=float32``.
-  One exception, torch's and not ours: with bf16 parameters and ``nesterov=False`` torch's
-  iteration divides its input in place, which is then the momentum buffer itself, so torch's
-  buffer is normalised by its own step; this module never modifies the Newton-Schulz input.
-- ``"batched"`` (default): the matrices of one step with the same ``(short, long)`` sides, dtype
-  and device form a bucket (an expert stack's matrices enter as one item), cut into calls of at
-  most ``NS_BATCH_MAX_NUMEL`` elements (:func:`bucket_runs`); per call two momentum ops (foreach),
-  one ``(B, d, D)`` Newton-Schulz call, one decay op and one add op per distinct scaled learning
-  rate: a constant number of ops per bucket instead of about twenty per matrix. The batched
-  iteration runs the same kernels on the same operands (``bmm`` / ``baddbmm`` for ``mm`` /
-  ``addmm``) and differs only by their reduction order, which the library may choose differently
-  for a batch (on the CPU builds measured here it does not: the results are identical).
-- The bound between the two, per matrix ``O`` of the result: every bf16 evaluation of the
-  iteration, in any reduction order, lies within ``δ = 2⁻⁵`` of the fp32 iteration in relative
-  Frobenius norm (measured: 0.010–0.020 for torch's own order, up to 0.029 for a split-K order,
-  over shapes from 5×8 to 768×2048 and Gaussian inputs), so batched and unbatched bf16 results
-  lie within ``2δ = 2⁻⁴`` of each other, ``‖O_batched − O_exact‖_F <= 2⁻⁴ · ‖O_exact‖_F``, i.e. 16
-  bf16 unit roundoffs (``2⁻⁸``). In fp32 the two agree within ``1e-5`` per element.
+(:func:`newton_schulz`) and its coefficient presets (:data:`NS_PRESETS`), NorMuon's normalisation
+(:func:`normuon_normalize`), and one step over many matrices (:func:`muon_update`;
+:func:`single_tensor_muon` is ``torch.optim._muon._single_tensor_muon`` on plain tensors). No process
+group, no dmuon tag, no state of its own: the caller's state tensors and parameters are updated in
+place, as in torch.optim's functional API. ``ns_batching="exact"`` / ``"batched"`` and the bound
+between them: Note: NS batching (docs/design.md).
 """
 
 from __future__ import annotations
@@ -544,11 +519,11 @@ def normuon_normalize(ortho: Tensor, rows: Tensor, *, beta2: float, eps: float) 
 # Newton-Schulz over many matrices: one call per matrix, or one per bucket
 # ----------------------------------------------------------------------------------------------
 
-#: ``dmuon.Muon(ns_batching=...)``: ``"batched"`` (default) or ``"exact"`` (Note "Batching").
+#: ``dmuon.Muon(ns_batching=...)``: ``"batched"`` (default) or ``"exact"`` (Note: NS batching, docs/design.md).
 NS_BATCHING_MODES = _rules.NS_BATCHING_MODES
 
-#: The stated bound between ``ns_batching="batched"`` and ``"exact"`` bf16 Newton-Schulz (module
-#: Note "Batching"): ``‖O_batched − O_exact‖_F <= BATCHED_BF16_REL_BOUND · ‖O_exact‖_F`` per matrix,
+#: The stated bound between ``ns_batching="batched"`` and ``"exact"`` bf16 Newton-Schulz (Note: NS
+#: batching, docs/design.md): ``‖O_batched − O_exact‖_F <= BATCHED_BF16_REL_BOUND · ‖O_exact‖_F`` per matrix,
 #: twice the distance ``2⁻⁵`` of any bf16 evaluation order to the fp32 iteration.
 BATCHED_BF16_REL_BOUND = 2.0**-4
 
@@ -580,7 +555,7 @@ def orthogonalize_batch(
     batch, and the results come back split, each in its own orientation and shape (views of one
     result tensor). ``out_dtype``: the result cast once (e.g. to the parameters' dtype) before the
     split. Equal to :func:`orthogonalize_each` up to the reduction order of ``bmm`` against ``mm``
-    (module Note "Batching")."""
+    (Note: NS batching, docs/design.md)."""
     fn = newton_schulz if fn is None else fn
     wide = [x.mT if x.shape[-2] > x.shape[-1] else x for x in mats]
     stack = wide[0] if len(wide) == 1 else torch.cat(wide)
@@ -689,7 +664,7 @@ def muon_update(
     tensor, in torch's order: bit for bit ``torch.optim.Muon`` (bf16), or the fp32 oracle with
     ``dtype=torch.float32``. ``"batched"``: items cut into runs (:func:`bucket_runs`); per run two
     momentum ops, one Newton-Schulz call (:func:`orthogonalize_batch`), one decay op and one add op
-    per distinct scaled learning rate, whatever the number of matrices (Note "Batching": the bound
+    per distinct scaled learning rate, whatever the number of matrices (Note: NS batching: the bound
     against ``"exact"``).
 
     ``kernel(sides)``: the orthogonalisation function for matrices of ``(short, long)`` sides

@@ -119,7 +119,7 @@ def _rel(a, b) -> float:
 
 
 def test_batched_bf16_within_the_stated_bound():
-    """The bound of the module's Note "Batching": every bf16 evaluation order lies within
+    """The bound of Note: NS batching (docs/design.md): every bf16 evaluation order lies within
     ``2⁻⁵`` of the fp32 iteration (relative Frobenius norm; torch's, the batched one and a split-K
     order, which differs from torch's by 1-3 %), so any two, batched and exact among them, lie
     within ``BATCHED_BF16_REL_BOUND = 2⁻⁴`` of each other."""

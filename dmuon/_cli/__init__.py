@@ -3,7 +3,8 @@ dispatches to one module per group of subcommands.
 
 * ``train``: the main job (:mod:`dmuon._train`); ``python -m dmuon train --help``.
 * ``plan``, ``diff``: :func:`dmuon._cli.plan_commands.main_plan` / :func:`dmuon._cli.plan_commands.main_diff`.
-* ``simulate``, ``calibrate``: :func:`dmuon._cli.sim_commands.main_simulate` / :func:`dmuon.sim._calibrate.main`
+* ``simulate``, ``calibrate``: :func:`dmuon._cli.sim_commands.main_simulate` /
+  :func:`dmuon._cli.calibrate_command.main_calibrate`
   (``simulate --pp / --microbatches / --ac``: :mod:`dmuon._cli.pipeline_commands`).
 * ``advise``: :func:`dmuon._cli.pipeline_commands.main_advise`.
 
@@ -55,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return int(main_advise(rest) or 0)
     if cmd == "calibrate":
-        from dmuon.sim._calibrate import main as main_calibrate
+        from dmuon._cli.calibrate_command import main_calibrate
 
         return int(main_calibrate(rest) or 0)
     print(f"unknown command {cmd!r}\n\n{_USAGE}", file=sys.stderr)

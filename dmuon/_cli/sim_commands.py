@@ -1,41 +1,8 @@
 """``python -m dmuon simulate``: step time of every variant on a hardware model, from the plan.
 
-Examples::
-
-    python -m dmuon simulate --model llama3-70b --mesh 8x128 --hw h100 --tokens-per-rank 2048
-    python -m dmuon simulate --model llama3-8b --mesh 8 --hw h200 --mode z2 --json s.json --png s.png
-    python -m dmuon simulate --model llama3-8b --mesh 8 --tp 8 --hw a100
-    python -m dmuon simulate --model tiny-llama --mesh 4 --hw cal.json     # from `python -m dmuon calibrate`
-    python -m dmuon simulate --model qwen3-30b-a3b --mesh 64 --ep 8 --hw h100   # expert parallelism
-
-Prints what the baselines assume (FSDP2 shards dense parameters on dim 0 and expert stacks as
-torchtitan's ``apply_fsdp_to_decoder`` does; with ``--ep``, the token all-to-all model), dmuon's
-collectives per step (the schedule's table, every group, by kind, and the busiest rank's) and
-the padding its buffers move, then per variant (adamw, naive, z2, z3, all_to_all) the simulated
-step time, its ratio to FSDP2 + AdamW, the exposed communication, the Newton-Schulz share, the
-peak memory, the bytes moved and the collective calls of the busiest rank, then the recommended
-dmuon mode: the faster of Z2 / Z3 whose peak memory fits the device (Z3 on a tie within 1 %,
-since it holds less), with a warning when neither fits. ``--mode`` restricts the dmuon rows to
-one mode. A user error (a mesh, TP degree, EP degree or dtype the plan refuses, an unreadable
-``--hw`` record, a folder for ``--json`` / ``--png``) ends in one argparse error before any
-simulation.
-
-``--ep K``: the plan is compiled on the model as one rank of expert parallelism ``K`` holds it
-(:func:`dmuon.plan._model.parallel.expert_parallel_variant`, ``compile(ep=K)``, as ``python -m dmuon
-plan --ep``), and every variant runs the model's token all-to-all over the EP groups (``K``
-consecutive ranks): per MoE layer and micro-batch a dispatch and a combine in the forward and
-their gradients in the backward (4 calls; 2 more per recomputed layer), ``tokens · top_k ·
-hidden · itemsize`` bytes per rank each (the activation dtype). Its scope: uniform routing (every
-expert gets ``tokens · top_k / E`` of each rank's tokens), no capacity factor or dropped tokens, no
-overlap of the all-to-all with compute (DeepEP / dual-pipe schedules are not modelled). The
-baseline is FSDP2 + AdamW with the same EP: dense parameters over the row, each rank's stacks over
-its efsdp group (``N/K`` ranks; none when that is one rank). ``naive`` / ``all_to_all`` are not
-simulated with ``--ep``.
-
-GPU presets train in bf16 with FSDP2's usual mixed precision (``--param-dtype bfloat16
---reduce-dtype float32`` unless given); a calibration file keeps fp32. With ``--tp T`` dmuon
-runs on the data-parallel mesh with Megatron-style TP shards (world = mesh x T); the
-alternatives are simulated on the data-parallel mesh with the same per-TP-rank shapes.
+Example: ``python -m dmuon simulate --model llama3-8b --mesh 8 --hw h100``. What it prints, how
+``--ep`` and ``--tp`` are modelled and the dtypes assumed: Note: what simulate prints
+(docs/design.md).
 """
 
 from __future__ import annotations
@@ -242,7 +209,7 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
         default=1,
         metavar="K",
         help="expert parallelism: plan the model as one rank of ep = K holds it and simulate the "
-        "token all-to-all over the EP groups (module docstring: its scope)",
+        "token all-to-all over the EP groups (uniform routing, no capacity factor, no overlap with compute)",
     )
     add_pipeline_args(parser)
     add_selection_args(parser, cost_model_default="ns_flops")  # the same options as `plan`

@@ -1,42 +1,8 @@
 """A small GPT-style decoder used by ``python -m dmuon train`` and the tests.
 
-Parameter names (what the planner and the hook-boundary heuristic see)::
-
-    embed.weight                       (vocab_size, d_model)   nn.Embedding  -> AdamW
-    pos_embed.weight                   (seq_len, d_model)      nn.Embedding  -> AdamW
-    layers.{i}.attn_norm.weight        (d_model,)              RMSNorm       -> AdamW
-    layers.{i}.attn.q_proj.weight      (d_model, d_model)      Linear        -> Muon (dedicated)
-    layers.{i}.attn.k_proj.weight      (d_model, d_model)      Linear        -> Muon (dedicated)
-    layers.{i}.attn.v_proj.weight      (d_model, d_model)      Linear        -> Muon (dedicated)
-    layers.{i}.attn.o_proj.weight      (d_model, d_model)      Linear        -> Muon (dedicated)
-    layers.{i}.mlp_norm.weight         (d_model,)              RMSNorm       -> AdamW
-    layers.{i}.mlp.up_proj.weight      (d_mlp, d_model)        Linear        -> Muon (dedicated)
-    layers.{i}.mlp.down_proj.weight    (d_model, d_mlp)        Linear        -> Muon (dedicated)
-    norm.weight                        (d_model,)              RMSNorm       -> AdamW
-    lm_head.weight                     (vocab_size, d_model)   Linear        -> AdamW (outside every block)
-
-With ``n_experts = E > 0`` (``python -m dmuon train --experts E --top-k K``) every block's MLP is
-a Mixture-of-Experts (:class:`MoE`, torchtitan ``GroupedExperts`` layout, SwiGLU experts of
-hidden width ``d_mlp``) instead::
-
-    layers.{i}.mlp.gate.weight         (E, d_model)            Linear router -> Muon (dedicated)
-    layers.{i}.mlp.experts.w1          (E, d_mlp, d_model)     expert stack  -> Muon, E matrices
-    layers.{i}.mlp.experts.w3          (E, d_mlp, d_model)     expert stack  -> Muon, E matrices
-    layers.{i}.mlp.experts.w2          (E, d_model, d_mlp)     expert stack  -> Muon, E matrices
-
-With expert parallelism (``--ep P``, ``GPTConfig.ep``) each rank's stacks hold only its ``E/P``
-consecutive experts, ``(E/P, ...)``, and the block routes token slots to them with
-``all_to_all`` (:mod:`dmuon._train.moe_ep`); dmuon owns them where they are
-(``dmuon.dedicate_params(..., ep=P)``, docs/moe_ep.md).
-
-The "-> Muon" column is what dmuon's default predicate selects: every 2-D parameter inside a
-hook boundary (``layers.{i}``) that is not an ``nn.Embedding`` weight, and every recognised 3-D
-expert stack (each expert its own Muon matrix, the stack's experts owned by up to min(E, N) ranks
-in contiguous ranges; docs/moe.md). ``lm_head`` sits outside the blocks, so it stays with FSDP2 +
-AdamW, as is usual for Muon.
-
-Every linear layer has ``bias=False``; positions are learned (``pos_embed``), so the model holds
-no buffers and builds on the ``meta`` device as well as on a real one.
+Its parameter names and shapes (dense, MoE, expert-parallel) and which of them dmuon's default
+predicate dedicates: Note: the main job's model (docs/design.md). Every linear layer has
+``bias=False`` and positions are learned, so it builds on the ``meta`` device too.
 """
 
 from __future__ import annotations

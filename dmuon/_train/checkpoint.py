@@ -1,34 +1,7 @@
 """Save and resume the main job: one sharded ``torch.distributed.checkpoint`` (DCP) per save.
 
-Layout: ``--save DIR`` writes ``DIR/step_00000040/`` (one DCP checkpoint, every rank writes its
-own shards; DCP writes ``.metadata`` last, so a folder with ``.metadata`` is complete).
-``--resume DIR`` accepts such a folder or ``DIR`` itself, whose newest complete ``step_*``
-folder is taken.
-
-What one checkpoint holds (the keys are identical on every rank):
-
-``model``
-    ``get_model_state_dict(model)``: FSDP2 shards as DTensors, dmuon's dedicated matrices as
-    DTensors of full shape (dmuon's state-dict hooks; docs/checkpointing.md).
-``optim``
-    ``get_optimizer_state_dict(model, optimizer)``: Muon momentum (dmuon) and AdamW state, and
-    the param groups with their current ``lr``.
-``train``
-    one JSON string: the LR scheduler's ``state_dict()``, the step count (= the data position: the global batch
-    of step ``s`` depends only on (corpus, seed, s), ``dmuon._train.data``), the loss history and
-    the training wall time so far, and the flags that define the run (:data:`RUN_FLAGS`).
-``rng``
-    every rank's torch CPU RNG state (and CUDA's on ``--device cuda``), ``(world, n)`` uint8.
-
-Resharding: the loading side builds its own state dict on its own mesh and DCP reads the parts
-each rank needs, so a checkpoint saved on one mesh resumes on any other (1-D ↔ HSDP, another
-world size). RNG states are restored rank by rank when the world size is the same; on another
-world size every rank takes saved rank 0's state (this job seeds every rank identically, so
-they are equal; a state that differs between ranks has no meaning on another world size).
-
-All functions here are collectives: every rank calls them together. The tensor-parallel job
-(``--tp``) goes through the same two functions (:func:`save_checkpoint`,
-:func:`load_checkpoint`): the library's state-dict API is what handles the layouts.
+All functions here are collectives. The folder layout, what one checkpoint holds and how it
+reshards: Note: the main job's checkpoints (docs/design.md).
 """
 
 from __future__ import annotations

@@ -1,24 +1,7 @@
 """The training loop of ``python -m dmuon train``, run by every rank of an initialised group.
 
-Set-up, exactly as a user writes it (the README's "Integration: three lines")::
-
-    plan = dmuon.dedicate_params(model, mesh, reshard_after_forward=z3)   # --optimizer dmuon only
-    for layer in model.layers: fully_shard(layer, mesh=mesh, reshard_after_forward=z3)
-    fully_shard(model, mesh=mesh, reshard_after_forward=z3)
-    opt = dmuon.Muon(model, lr=..., weight_decay=..., adamw_lr=..., adamw_weight_decay=...)
-
-With ``--experts E --ep P`` (expert parallelism) the model is built with each rank's ``E/P``
-experts only (EP groups of ``P`` consecutive ranks, :mod:`dmuon._train.moe_ep`) and the
-first line becomes ``dmuon.dedicate_params(model, mesh, ep=P, ...)``.
-
-``--optimizer adamw`` is the baseline: no dedication, the same ``fully_shard`` calls, and
-``torch.optim.AdamW`` (lr ``--adamw-lr``, weight decay ``--adamw-weight-decay``) on every
-parameter.
-
-One step on every rank: loss on the rank's slice of the global batch, ``loss.backward()``,
-``opt.step()``, LR-schedule step, ``opt.zero_grad()``. The loss is a per-rank mean and both
-FSDP2 and dmuon average gradients over ranks, so the update is the one of the mean loss over
-the global batch, whatever the world size.
+The set-up it runs (the README's three lines), the baseline and one step: Note: the main job's
+loop (docs/design.md).
 """
 
 from __future__ import annotations

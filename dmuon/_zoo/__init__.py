@@ -1,19 +1,7 @@
 """Shape-faithful model builders for planning (meta device by default).
 
-Every builder constructs under ``with torch.device(device)``, so on ``"meta"`` (the default)
-nothing is allocated and even the 405B shape builds in well under a second. The modules have
-working ``forward`` methods (simplified: no rotary embeddings, dense MoE routing), so small
-configurations on CPU also serve as test models. Parameter names follow Hugging Face Llama
-(``model.layers.N.self_attn.q_proj.weight``), timm ViT (``blocks.N.attn.qkv.weight``) and a
-Mixtral-like MoE with stacked 3-D expert weights (``layers.N.mlp.experts.w1`` of shape
-``(E, m, n)``, torchtitan layout) and Hugging Face fused-layout MoEs (Qwen3-MoE, DeepSeek-V3:
-``model.layers.N.mlp.experts.gate_up_proj`` ``(E, 2F, D)`` and ``down_proj`` ``(E, D, F)``,
-router ``model.layers.N.mlp.gate.weight`` ``(E, D)``).
-
-:data:`PRESETS` maps a CLI name to a zero-argument builder (meta device, float32).
-Modules: ``llama`` (Llama-3), ``vit`` (ViT-B/16), ``moe`` (Mixtral-like, torchtitan stacks),
-``hf_moe`` (Qwen3-MoE, DeepSeek-V3, Kimi-K2 in transformers' fused layout). The zoo is for planning,
-simulation and tests; the planner never imports it (``python -m dmuon plan`` and ``simulate`` do).
+:data:`PRESETS` maps a CLI name to a zero-argument builder (meta device, float32). The models,
+their parameter names and who imports the zoo: Note: the model zoo (docs/design.md).
 """
 
 from __future__ import annotations

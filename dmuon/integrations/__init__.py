@@ -1,30 +1,14 @@
 """dmuon where people already train: Hugging Face transformers / accelerate, Lightning, torchtitan.
 
-The frameworks call ``fully_shard`` themselves (accelerate's FSDP2 ``prepare``) or through a
-hook the user writes (Lightning's ``configure_model``, torchtitan's ``parallelize`` functions),
-and they build or wrap the optimizer and the model. This package holds what dmuon needs to fit
-into each of them; recipes: ``docs/integrations.md``.
-
-* :mod:`dmuon.integrations.hf` — ``MuonFactory`` for ``transformers.Trainer``.
-* :func:`boundary_modules` — the modules to ``fully_shard`` one by one after dedication (the
-  plan's hook boundaries: ``model.layers.N``, ``transformer.h.N``, ``encoder.layer.N`` ...).
-* :mod:`dmuon.integrations.accelerate` — accelerate's FSDP2 ``prepare`` made dmuon-aware.
-* Lightning's ``ModelParallelStrategy`` needs no module: ``configure_model`` dedicates and
-  shards, ``configure_optimizers`` returns ``dmuon.Muon`` (docs/integrations.md).
-* torchtitan 0.3.0 is not integrated: its models import triton, which CPU builds of torch lack
-  (docs/integrations.md says where dmuon would go).
-* :func:`framework_hint` — the framework-specific fix appended to the errors users hit first.
-
-What dmuon changes in other libraries, and when, is one list (:mod:`dmuon.integrations._patches`,
-installed by the machinery of :mod:`dmuon._registry`): :func:`status` prints it; ``import dmuon``
-installs only the ``clip_grad_norm_`` hand-off (:mod:`dmuon.integrations._clip_handoff`), the first
-``dmuon.dedicate_params`` the rest (the ``fully_shard`` skip, GradScaler, DCP, the DDP and
-optimizer guards, accelerate / transformers / torchtitan when imported). :func:`disable` (or
-``DMUON_NO_PATCHES=1``) undoes and blocks all of it; :func:`enable` installs named integrations
-explicitly (``enable("accelerate", "trainer")``).
-
-Importing this package imports no framework and no ``dmuon.exec`` module: each submodule imports
-its framework when used, and :func:`check_optimizer` loads on first access.
+The frameworks call ``fully_shard`` themselves or through a hook the user writes, and they build or
+wrap the optimizer and the model; this package holds what dmuon needs to fit into each of them:
+:mod:`dmuon.integrations.hf` (``MuonFactory`` for ``transformers.Trainer``),
+:mod:`dmuon.integrations.accelerate`, :mod:`dmuon.integrations.torchtitan`, :func:`boundary_modules`
+(the modules to ``fully_shard`` one by one after dedication) and :func:`framework_hint`. What dmuon
+changes in other libraries, and when, is one list: :func:`status` prints it, :func:`disable` (or
+``DMUON_NO_PATCHES=1``) undoes it, :func:`enable` installs named integrations. Recipes, Lightning
+included: docs/integrations.md. Importing this package imports no framework and no ``dmuon.exec``
+module.
 """
 
 from __future__ import annotations

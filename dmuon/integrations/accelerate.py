@@ -1,40 +1,14 @@
 """accelerate (and so ``transformers.Trainer``) with FSDP2: what dmuon changes in ``prepare``.
 
-The first ``dmuon.dedicate_params`` installs the wrappers below on ``accelerate.accelerator.Accelerator``
-(now if accelerate is imported, else when it is: the ``accelerate.*`` entries of
-:mod:`dmuon._registry`); ``dmuon.integrations.enable("accelerate")`` installs them explicitly
-(also with ``DMUON_NO_PATCHES=1``, in which case ``prepare`` runs with the ``fully_shard`` skip
-installed for its duration only). The user's order stays the one of plain FSDP2, with
-accelerate's ``prepare`` in place of the ``fully_shard`` calls::
+The user's order stays the one of plain FSDP2, with accelerate's ``prepare`` in place of the
+``fully_shard`` calls::
 
     plan = dmuon.dedicate_params(model, mesh)          # unsharded model, every rank
     optimizer = dmuon.Muon(model, lr=..., adamw_lr=...)
     model, optimizer = accelerator.prepare(model, optimizer)   # FSDP2: fully_shard per block
 
-What the patch does, for a model with dedicated parameters only (anything else is untouched):
-
-``Accelerator._prepare_fsdp2`` (the FSDP2 branch of ``prepare``)
-    * accelerate re-maps every optimizer parameter to its sharded successor by ``data_ptr()``.
-      dmuon's zero-size placeholders all have ``data_ptr() == 0``, so they would collapse into
-      one (the optimizer would hold one placeholder many times and lose the others). For the
-      duration of ``prepare`` every dedicated parameter gets a distinct (negative, never a real
-      address) ``data_ptr()``; FSDP2 leaves dedicated parameters alone, so the re-map then maps
-      each of them to itself.
-    * ``cpu_ram_efficient_loading=True`` moves the model to meta and loads a full state dict with
-      ``load_state_dict(..., assign=True)``, which would replace dmuon's owner-held parameters:
-      rejected with a ``ValueError`` before anything runs (use dmuon's meta-device recipe).
-    * with ``mixed_precision`` other than "no", accelerate upcasts low-precision parameters with
-      ``param.data = param.data.float()``, which would detach an owner's master from its
-      broadcast buffer: a dedicated parameter that is not float32 is rejected.
-    * an optimizer holding dedicated parameters that is not ``dmuon.Muon`` is rejected
-      (:func:`dmuon.integrations.check_optimizer`).
-``Accelerator.prepare_model`` without FSDP2 (DDP and friends)
-    DistributedDataParallel would see different parameter shapes on owners and non-owners:
-    rejected with the configuration that turns FSDP2 on.
-``Accelerator.clip_grad_norm_``
-    with dedicated parameters among ``parameters``: :func:`dmuon.clip_grad_norm_` (owner-held
-    gradients counted once over the world). accelerate's own mix of DTensor and plain gradients
-    would sum each rank's owned gradients locally and clip every rank by a different norm.
+Recipe: docs/integrations.md, "accelerate with FSDP2". When the wrappers are installed and what
+each changes: Note: the accelerate patch (docs/design.md).
 """
 
 from __future__ import annotations

@@ -8,55 +8,9 @@ Recipe (docs/integrations.md, "torchtitan")::
     config.model_spec = dmuon_model_spec(config.model_spec)        # 1. dedicate inside parallelize
     config.optimizer = muon_optimizer(lr=0.02, adamw_lr=8e-4)      # 2. dmuon.Muon in the container
 
-What each piece does:
-
-1. :func:`wrap_parallelize` (:func:`dmuon_model_spec` applies it to a ``ModelSpec``): the
-   model's parallelize function (``parallelize_llama``, ``parallelize_qwen3`` ...) applies
-   tensor parallelism, activation checkpointing, ``torch.compile`` and then FSDP2 through
-   ``fully_shard`` (inside ``apply_fsdp_to_decoder``, imported by name into each model's module,
-   so there is no attribute to replace). The wrapper runs ``dmuon.dedicate_params`` at the
-   start of the first ``fully_shard`` call the parallelize function makes
-   (:func:`dmuon.exec._setup.fsdp2.before_next_fully_shard`, a hook inside the FSDP2 wrapper of the
-   first dedication's stage, which the wrapper installs first, live only during that call): after TP / AC / compile, before any
-   FSDP2 state exists, on the data-parallel mesh torchtitan hands FSDP2 (``["fsdp"]`` or
-   ``["dp_replicate", "fsdp"]``) and with FSDP2's mixed-precision policy. It logs the plan's
-   summary (``dmuon: dedicated ... matrices``) through torchtitan's logger.
-2. :class:`DmuonOptimizersContainer` (:func:`muon_optimizer` builds its ``Config``): torchtitan's
-   ``OptimizersContainer`` with one more optimizer name, ``"Muon"`` = ``dmuon.Muon``. Its param
-   groups arrive as torchtitan builds them (regex-split dicts with ``params``, ``param_names``,
-   ``fused``, ``foreach`` and the group's ``optimizer_kwargs``); each dict becomes a Muon group
-   (its dedicated parameters, with ``lr``, ``weight_decay``, ``momentum``, ``nesterov``,
-   ``ns_*`` ...) and an AdamW group (the rest, with ``adamw_lr``, ``adamw_betas``,
-   ``adamw_eps``, ``adamw_weight_decay`` as ``lr``, ``betas`` ...), both carrying their
-   ``param_names``, so torchtitan's FQN-keyed checkpoint state, LR schedulers (one factor for
-   both), metrics and step pre-hooks (MoE load balancing) see an ordinary optimizer.
-3. Gradient scaling: torchtitan sets FSDP2's gradient divide factor to 1 and divides the loss by
-   the global token count; dmuon's owners divide by the same factor (read from FSDP2 at every
-   reduce, :meth:`dmuon.exec._runtime.runtime.DmuonRuntime.grad_divisor`).
-4. Gradient clipping: the first dedication routes (registry entry ``torchtitan.clip_grad_norm_``) ``torchtitan.distributed.utils.clip_grad_norm_`` to
-   ``dmuon.clip_grad_norm_`` for models with dedicated parameters
-   (:mod:`dmuon.integrations._torchtitan_clip`).
-
-5. Expert parallelism (``expert_parallel_degree`` = ``ep``, any divisor of the FSDP degree
-   ``N = data_parallel_shard_degree x context_parallel_degree``, with or without HSDP replicas;
-   no TP): torchtitan's ``parallelize`` makes each expert stack a DTensor ``Shard(0)`` over
-   ``ep`` and wires its all-to-all token dispatcher; the wrapper checks that torchtitan's EP
-   groups are ``ep`` consecutive shard ranks (:func:`_check_ep_layout`, dmuon's layout), replaces
-   each such DTensor by a plain ``nn.Parameter`` of its local tensor (this rank's ``E/ep``
-   experts; ``GroupedExperts`` takes either) and dedicates with ``ep=`` (docs/moe_ep.md): with
-   ``ep = N`` and no replicas each rank owns the experts it holds (no dmuon bytes for them);
-   with ``efsdp = N/ep > 1`` or replicas, the ``efsdp`` (and replica) ranks holding an EP
-   coordinate's experts own them in ranges, broadcast and reduced over that group. Gradient
-   scale, ``to_empty`` and whole-stack initialisation are dmuon's core's (the EP gradient hook
-   divides by FSDP2's divide factor, torchtitan's 1; ``init_weights`` runs under
-   :func:`dmuon.exec._setup.materialize.full_size_params`).
-
-Refused at parallelize time (``NotImplementedError``, naming the setting, identical on every
-rank): pipeline parallelism, expert parallelism together with TP, CPU offload, and
-``spmd_backend`` other than ``"partial_dtensor"`` (0.3.0's default is ``"spmd_types"``; set
-``config.parallelism.spmd_backend = "partial_dtensor"``); at dedication, EP groups that are
-not ``ep`` consecutive shard ranks. Tensor parallelism goes to dmuon's TP
-support (the mesh with the ``tp`` dim; tested at TP 2 and FSDP2 2 x TP 2, docs/integrations.md).
+What each piece does (dedication inside parallelize, the optimizers container, gradient scale,
+clipping, expert parallelism) and what is refused: Note: the torchtitan integration
+(docs/design.md).
 """
 
 from __future__ import annotations
@@ -150,7 +104,8 @@ def wrap_parallelize(parallelize_fn: Callable, **dedicate_kwargs: Any) -> Callab
 
     Raises:
         NotImplementedError: pipeline parallelism, an expert-parallel layout dmuon does not take
-            (module docstring), CPU offload, ``spmd_backend`` other than ``"partial_dtensor"``.
+            (Note: the torchtitan integration, docs/design.md), CPU offload, ``spmd_backend`` other
+            than ``"partial_dtensor"``.
         RuntimeError: the parallelize function called no ``fully_shard`` (nothing to dedicate
             before), so dmuon was not applied.
     """

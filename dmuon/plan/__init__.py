@@ -7,36 +7,8 @@ work on meta-device models. Entry points::
     dmuon.plan.schedule(plan, step=None)            # -> StepSchedule: every rank's ops, in order
     dmuon.plan.diff(plan_a, plan_b)                 # -> PlanDiff keyed by FQN
 
-The folders follow the pipeline ``compile`` runs (docs/planning.md, "Where each stage lives"):
-
-    model/       stage 1: read the model (``snapshot``), find hook boundaries (``boundaries``),
-                 select the dedicated matrices (``selection``, ``experts``, ``views``), and the
-                 TP / EP views of an unparallelised model (``parallel``)
-    ownership/   stage 2: owners by constrained LPT (``partition``), per matrix class (``assign``)
-    layout/      stage 3: packed buffers per boundary (``buffers``), the collective of each
-                 (``collectives``), equal all-gather slots by re-placing expert ranges (``slots``)
-    scheduling/  stage 4: every rank's ops in one step: ``ops`` (Op, Step), ``programs`` (per-boundary
-                 collectives), ``builder`` (``schedule``), ``step_schedule`` (StepSchedule), ``replay``
-                 (deadlock check)
-    cost/        stage 5: ``model`` (ByteCost, RankStats, MemoryTerms), ``flops`` (NS FLOPs), ``nbytes``
-                 (the byte rule, ByteCost summed from the schedule), ``weights`` (LPT), ``memory`` (per
-                 rank, whole memory by term), ``baseline``
-                 (FSDP2 + naive Muon), ``seconds`` (the alpha-beta rule of ``collectives="auto"``)
-    records/     the frozen records the stages pass on: ``owners`` (Owner, OwnerGroup, ...),
-                 ``params`` (ParamSpec, MatrixView, ...), ``fields`` (checks, dtype strings),
-                 ``plan`` (ShardingPlan; its ``plan_index``, ``plan_json``, ``plan_figures``),
-                 ``mesh`` (mesh roles), ``qk_clip`` (settings), ``collectives`` (CollectiveSettings),
-                 ``policies`` (compile's option objects TPPolicy, ExpertPolicy)
-    tools/       ``render`` (summary), ``diff``, ``cli`` (``python -m dmuon plan|diff``), ``html`` (the plan and
-                 diff pages, imported when drawn)
-    compile.py   the planner: runs the stages in order
-    stage_plans  one plan per pipeline stage (``compile_stages``), the model split as torchtitan
-                 splits it (``model/pipeline_split``)
-    rules.py     behaviour rules shared by planner and runtime (NS backend choice and batching,
-                 Gram restarts, accepted modes, wire dtypes, owner-group dims, TP Gram or gather)
-
-Model shapes to plan (Llama-3, ViT, Qwen3-MoE, DeepSeek-V3 on the meta device) live in
-:mod:`dmuon._zoo`, outside the planner.
+The stages ``compile`` runs and the folder of each: docs/design.md, "dmuon/plan/ by stage". Model
+shapes to plan live in :mod:`dmuon._zoo`, outside the planner.
 """
 
 from dmuon.plan._records import qk_clip_records as qk_clip

@@ -11,16 +11,7 @@ Pure: no process group, no GPU, never imports ``torch.distributed``. Entry point
                                      micro_batches=8, schedule="1f1b", ac="selective")
     best = dmuon.sim.advise(builder, 1024, hw, tokens_per_rank=8192)  # the fastest layouts that fit
 
-Modules: ``hardware`` (links, collective cost, compute throughput, presets), ``workload``
-(per-boundary compute derived from the plan), ``alternatives`` (FSDP2 + AdamW, naive Muon,
-dion-style all-to-all as op tables), ``variants`` (schedule variants such as earlier NS),
-``simulate`` (the API: ``simulate``, ``simulate_variants``), ``lower`` (schedule ops -> timed
-simulator ops), ``replay`` (the clocked replay, the critical path), ``memory`` (peak memory),
-``records`` (the result records), ``html`` (the result as a page), ``kinds`` (each buffer's two collective
-kinds priced: a plan's choices against the simulator), ``calibrate`` (microbenchmarks for ``cpu-gloo``), ``cli``;
-``_pipeline``: pipeline schedules (``pp_schedule``), the pipelined step with activation checkpointing
-(``pp_simulate``) and the configuration search of ``advise`` (``advise_search``), docs/pipeline_simulation.md.
-See docs/performance.md ("Step-time simulator").
+How it is cut: docs/design.md, "dmuon/sim/"; pipelines: docs/pipeline_simulation.md.
 """
 
 from dmuon import _zoo as zoo

@@ -1,41 +1,7 @@
 """The NorMuon reference of :mod:`dmuon.testing`: a single-process NorMuon step, pure torch, stateless.
 
-NorMuon (Li, Liu, Liang, Chen, Zhao, "NorMuon: Making Muon more efficient and scalable",
-arXiv 2510.05491; authors' code github.com/zichongli5/NorMuon ``normuon.py``) is Muon followed by
-a per-neuron normalisation of the orthogonalised update ``O`` (shape ``(out, in)``, the
-``nn.Linear`` orientation), with one fp32 state vector ``v`` of ``out`` entries per matrix:
-
-    s   = mean over the in-axis of O ⊙ O                  (one value per output row / neuron)
-    v  <- lerp(v, s, 1 - beta2)                           (EMA, no bias correction, v0 = 0)
-    Ô   = O / (sqrt(v) + eps)                             (row i divided by sqrt(v_i) + eps)
-    Ô  <- Ô · ‖O‖_F / (‖Ô‖_F + eps)                       (back to the pre-normalisation norm)
-
-and then Muon's update: ``p <- p·(1 - lr·wd) - adjust_lr(lr, (out, in))·Ô``.
-
-:class:`dmuon.testing.ReferenceOptimizer` (``variant="normuon"``) runs :func:`normuon_step` on
-every proxy (:mod:`dmuon.testing._proxies`: a conv weight's view, each expert, each gate/up half,
-each view block is its own matrix with its own ``v`` row and rescale) instead of
-``torch.optim.Muon``'s step. Written from the paper and the authors' public code (read, not
-copied); in fp32 :func:`normuon_normalize` agrees with the authors' normalisation stage bit for
-bit (their ``.float()`` version, 20 consecutive steps on five shapes).
-
-Everything here is a pure function: inputs are never modified, new state is returned. The
-matrices are given in ``(out, in)`` orientation; leading dimensions are a batch of independent
-Muon matrices (experts of a stack, blocks of a matrix view), each with its own ``v`` row and its
-own Frobenius rescale. Op order follows dmuon's ``muon_step`` (= ``torch.optim.Muon``) for the
-Muon part and the authors' ``normuon_update`` for the normalisation stage (so that stage agrees
-with theirs bit for bit in fp32).
-
-Deliberate differences to the authors' code (design.md has the reasoning):
-
-- a parameter whose ``grad`` is None is skipped (``none_grad="skip"``, torch / dmuon semantics);
-  the authors substitute a zero gradient and still step without weight decay
-  (``none_grad="zeros"`` reproduces that);
-- the learning-rate factor is dmuon's :func:`adjust_lr` on the ``(out, in)`` matrix shape
-  (``None``/"original": ``sqrt(max(1, out/in))``, as the authors' for 2-D weights), applied as
-  ``alpha = -lr·factor`` (the authors multiply the update by the factor, then ``alpha = -lr``);
-- the normalisation always runs in ``norm_dtype`` (fp32 by default, the authors' original
-  ``.float()``), whatever the NS dtype.
+Pure functions, written from the paper and the authors' code; the algorithm is Note: NorMuon,
+its deliberate differences to the authors' code Note: the NorMuon reference (docs/design.md).
 """
 
 from __future__ import annotations

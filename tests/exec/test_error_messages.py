@@ -7,11 +7,13 @@ every test checks that all ranks raised the same error. The CLI case (d) runs
 
 from __future__ import annotations
 
+import datetime
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from dist_utils import run_distributed
 from oracle import make_model
@@ -184,3 +186,142 @@ def test_train_cli_user_error_inside_ranks_prints_one_clean_line(tmp_path):
     assert "Traceback" not in out and "ProcessExitedException" not in out and "SIGTERM" not in out, out
     assert f"--resume {missing}: no complete checkpoint there" in out, out
     assert out.count("no complete checkpoint there") == 1, out
+
+
+# ----------------------------------------------------------------------------------------------
+# wait_all: a failed wait named for what it is (no process group: fake works)
+# ----------------------------------------------------------------------------------------------
+
+
+class _FakeWork:
+    """A ``Work`` whose ``wait`` raises ``exc`` after ``delay_s`` (or returns ``result``)."""
+
+    def __init__(self, exc=None, delay_s=0.0, result=True):
+        self.exc, self.delay_s, self.result, self.timeouts = exc, delay_s, result, []
+
+    def wait(self, timeout=None):
+        import time
+
+        self.timeouts.append(timeout)
+        time.sleep(self.delay_s)
+        if self.exc is not None:
+            raise self.exc
+        return self.result
+
+
+GLOO_CLOSED = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+    "[127.0.0.1]:13447. This is typically caused by a remote worker crashing."
+)
+
+
+def test_wait_all_names_a_transport_error_and_chains_the_backend_error():
+    from dmuon.exec._comm import collective_calls as C
+
+    exc = RuntimeError(GLOO_CLOSED)
+    with pytest.raises(C.CollectiveTransportError) as info:
+        C.wait_all(
+            [None, _FakeWork(exc)], what="boundary 'layers.0' forward_broadcast", timeout_s=30.0, step=3, forwards=1
+        )
+    msg = str(info.value)
+    assert (
+        info.value.__cause__ is exc
+        and isinstance(info.value, C.CollectiveError)
+        and isinstance(info.value, RuntimeError)
+    )
+    assert msg.startswith(
+        "dmuon: collective for boundary 'layers.0' forward_broadcast failed in the transport after 0.0"
+    )
+    assert "the backend names the peer [127.0.0.1]:13447 ('Connection closed by peer [127.0.0.1]:13447." in msg, msg
+    assert "pair.cc" not in msg and "did not complete within" not in msg and "this is not a timeout" in msg, msg
+    assert "3 optimizer step(s) done, 1 grad-enabled forward(s) of this boundary since the last step" in msg, msg
+    first, second, third = (
+        msg.index(s)
+        for s in (
+            "1) a rank stopped early or skipped a whole step",
+            "2) a rank died",
+            "3) a rank-dependent number of micro-batches",
+        )
+    )
+    assert first < second < third, msg
+    # the same with no dmuon timeout (the bare wait of before): named the same way
+    with pytest.raises(C.CollectiveTransportError, match="failed in the transport"):
+        C.wait_all(
+            [_FakeWork(RuntimeError("NCCL error: remote process exited or there was a network error"))],
+            what="x",
+            timeout_s=None,
+        )
+
+
+def test_wait_all_timeouts_stay_timeouts():
+    from dmuon.exec._comm import collective_calls as C
+
+    # gloo's wait(timeout) raising "Operation timed out!" after dmuon's timeout
+    work = _FakeWork(RuntimeError("Operation timed out!"), delay_s=0.2)
+    with pytest.raises(C.CollectiveTimeout) as info:
+        C.wait_all([work], what="boundary 'layers.1' reduce", timeout_s=0.2)
+    assert (
+        "dmuon: collective for boundary 'layers.1' reduce did not complete within 0.2 s (collective_timeout_s)"
+        in str(info.value)
+    )
+    assert work.timeouts[0].total_seconds() == 0.2
+    # an error raised after dmuon's timeout whatever its words, and Work.wait returning False
+    with pytest.raises(C.CollectiveTimeout, match="did not complete within 0.1 s"):
+        C.wait_all([_FakeWork(RuntimeError("some backend failure"), delay_s=0.1)], what="x", timeout_s=0.1)
+    with pytest.raises(C.CollectiveTimeout, match="did not complete within 5 s"):
+        C.wait_all([_FakeWork(result=False)], what="x", timeout_s=5.0)
+    # the process group's own timeout, before dmuon's: a timeout, saying whose
+    with pytest.raises(C.CollectiveTimeout) as info:
+        C.wait_all(
+            [_FakeWork(RuntimeError("[../gloo/pair.cc:1] Timed out waiting 5000ms for recv operation to complete"))],
+            what="x",
+            timeout_s=600.0,
+        )
+    assert "did not complete within the process group's timeout" in str(info.value), str(info.value)
+    assert not isinstance(info.value, C.CollectiveTransportError)
+    # the default: DEFAULT_TIMEOUT_S (600 s); None: the bare wait
+    work = _FakeWork()
+    C.wait_all([work], what="x")
+    C.wait_all([work], what="x", timeout_s=None)
+    assert C.DEFAULT_TIMEOUT_S == 600.0 and work.timeouts == [datetime.timedelta(seconds=600.0), None]
+
+
+def test_blocking_timeout_only_where_the_wait_blocks_the_cpu(monkeypatch):
+    import torch.distributed as dist
+
+    from dmuon.exec._comm import collective_calls as C
+
+    assert C.blocking_timeout_s(600.0, torch.device("cpu")) == 600.0
+    assert C.blocking_timeout_s(None, torch.device("cpu")) is None
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.delenv("TORCH_NCCL_BLOCKING_WAIT", raising=False)
+    monkeypatch.delenv("NCCL_BLOCKING_WAIT", raising=False)
+    assert C.blocking_timeout_s(600.0, torch.device("cuda", 0)) is None  # NCCL's non-blocking wait: the watchdog's
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "1")
+    assert C.blocking_timeout_s(600.0, torch.device("cuda", 0)) == 600.0
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    monkeypatch.delenv("TORCH_NCCL_BLOCKING_WAIT")
+    assert C.blocking_timeout_s(30.0, torch.device("cuda", 0)) == 30.0
+
+
+def test_wait_report_classifies_backend_messages():
+    from dmuon.exec._comm.wait_report import backend_peer, is_timeout
+
+    for text in (
+        "Operation timed out!",
+        "Application timeout caused pair closure",
+        "[Rank 0] Work WorkNCCL(SeqNum=7, OpType=BROADCAST) timed out in blocking wait.",
+        "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7) ran for 600031 milliseconds",
+    ):
+        assert is_timeout(text, 0.1, 600.0), text
+    for text in (
+        GLOO_CLOSED,
+        "Read error [127.0.0.1]:9629: Connection reset by peer",
+        "NCCL error in: ProcessGroupNCCL.cpp:1, remote process exited or there was a network error",
+    ):
+        assert not is_timeout(text, 0.1, 600.0), text
+    assert is_timeout("Connection reset by peer", 599.0, 600.0)  # raised once dmuon's time was up
+    assert backend_peer(GLOO_CLOSED) == "[127.0.0.1]:13447"
+    assert backend_peer("Read error [127.0.0.1]:9629: Connection reset by peer") == "[127.0.0.1]:9629"
+    assert backend_peer("NCCL error: peer rank 3 failed") == "rank 3"
+    assert backend_peer("something else") is None

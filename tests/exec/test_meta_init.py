@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
+from torch import nn
 
+import dmuon
 from dist_utils import run_distributed
 from dmuon.exec import dedicated_info, get_model_runtime
 from oracle import TinyLM, dmuon_optimizer, global_batches, make_model, reference_run, train_steps
@@ -174,3 +177,42 @@ def test_meta_device_init():
             assert all(torch.equal(values[0], v) for v in values[1:]), (name, key)
         if CASES[name] is not None:
             assert all(len(v) == CASES[name][0] for v in by_segment.values()), name
+
+
+# ----------------------------------------------------------------------------------------------
+# init_params: parameters no reset_parameters covers
+# ----------------------------------------------------------------------------------------------
+
+
+def test_init_params_reports_uncovered_raw_parameters():
+    from oracle import TinyLM
+
+    class PosLM(TinyLM):
+        def __init__(self):
+            super().__init__()
+            self.pos = nn.Parameter(torch.randn(5, 8) * 0.02)  # no module's reset_parameters covers it
+
+    with torch.device("meta"):
+        model = PosLM()
+    model.to_empty(device="cpu")
+    with pytest.raises(ValueError, match=r"1 parameter\(s\) \('pos'\) belong to modules without reset_parameters"):
+        dmuon.init_params(model)
+
+    def init_fn(m):
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+        if isinstance(m, PosLM):
+            nn.init.normal_(m.pos, std=0.02)
+
+    torch.manual_seed(0)
+    dmuon.init_params(model, init_fn)
+    assert model.pos.abs().max() < 1.0 and torch.isfinite(model.pos).all()
+    # a model every parameter of which some reset_parameters covers: no error, as before
+    with torch.device("meta"):
+        plain = TinyLM()
+    plain.to_empty(device="cpu")
+    torch.manual_seed(0)
+    dmuon.init_params(plain)
+    torch.manual_seed(0)
+    ref = TinyLM()
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), ref.state_dict().values()))

@@ -13,6 +13,8 @@ Tolerances used here:
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -25,6 +27,8 @@ from dmuon._update import NS_PRESETS, coefficient_schedule
 from dmuon._update import newton_schulz
 from dmuon.plan._cost.flops import ns_flops
 from ns_spy import spy_ns
+from oracle import _ns_fp32
+from test_optim_single import EPS, _three
 
 MUON = (3.4445, -4.775, 2.0315)
 SHAPES = [(16, 16), (36, 16), (5, 8), (1, 33), (33, 1), (64, 48), (7, 7)]
@@ -624,3 +628,65 @@ def test_fallback_inner_product_paths(batch):
         got = _batched_inner(a, b, torch.float32)
         assert got.shape == (batch,) and got.dtype == torch.float32
         torch.testing.assert_close(got.double(), expect, rtol=1e-5, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# tiny and zero matrices in one fp32 NS batch: each divided by max(||X||_F, eps) of its own, as
+# torch's clamp(min=eps), in the standard, Gram and TP-Gram paths, against torch.optim.Muon's iteration
+# ----------------------------------------------------------------------------------------------
+
+COEFFS = (3.4445, -4.775, 2.0315)
+
+
+def _reference(x):
+    return _ns_fp32(x, COEFFS, 5, EPS)
+
+
+def _assert_matches_torch(outs, ins, tol, where):
+    for i, (o, x) in enumerate(zip(outs, ins)):
+        want = _reference(x)
+        if not x.any():
+            assert not o.any() and torch.isfinite(o).all(), (where, i)  # all-zero stays zero
+            continue
+        scale = want.abs().max().item()
+        assert scale > 0.05, (where, i, scale)  # below eps: scaled by 1/eps, not normalised
+        err = (o.float() - want).abs().max().item()
+        assert err <= tol * scale, (where, i, err, scale)
+
+
+@pytest.mark.parametrize("shape", [(8, 20), (20, 8)], ids=["wide", "tall"])
+def test_tiny_and_zero_matrices_in_one_batch_match_torch(shape):
+    ins = _three(shape)
+    kw = dict(coefficients=COEFFS, steps=5, eps=EPS, dtype=torch.float32)
+    # standard NS: 2-D one by one, and the three as one (3, m, n) batch
+    _assert_matches_torch([ns_mod.newton_schulz(x, **kw) for x in ins], ins, 1e-5, "standard 2-D")
+    _assert_matches_torch(ns_mod.newton_schulz(torch.stack(ins), **kw).unbind(0), ins, 1e-5, "standard batch")
+    # Gram NS (with its restarts and fallback), batched
+    _assert_matches_torch(ns_mod.gram_newton_schulz(torch.stack(ins), **kw).unbind(0), ins, 1e-4, "gram batch")
+    # TP-Gram: the wide orientation split by columns over T=2 "ranks" (threads, summing all-reduce)
+    wide = [x if x.shape[0] <= x.shape[1] else x.T for x in ins]
+    X = torch.stack(wide)
+    halves = X.chunk(2, dim=-1)
+    results = [None, None]
+    barrier = threading.Barrier(2)
+    box: list = [None, None]
+
+    def all_reduce(t, rank):
+        box[rank] = t.clone()
+        barrier.wait()
+        t.copy_(box[0] + box[1])
+        barrier.wait()
+        return t
+
+    def run(rank):
+        results[rank] = ns_mod.sharded_gram_newton_schulz(
+            halves[rank].contiguous(), all_reduce_sum=lambda t: all_reduce(t, rank), **kw
+        )
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    out = torch.cat(results, dim=-1)
+    _assert_matches_torch(out.unbind(0), wide, 1e-4, "tp-gram T=2")

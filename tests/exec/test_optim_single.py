@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import dmuon
 from dmuon import _tags
 import dmuon.exec._optim.ns_backends as ns_mod
 import dmuon._update as ns_coef
@@ -983,3 +984,108 @@ def test_skip_nonfinite_without_process_group(caplog):
     assert all(opt.state[p]["step"].item() == 1 for p in model.parameters())
     with pytest.raises(TypeError, match="skip_nonfinite must be a bool"):
         Muon(model, skip_nonfinite="yes")
+
+
+# ----------------------------------------------------------------------------------------------
+# tiny and zero gradients: each matrix divided by max(||X||_F, eps) of its own, as torch's
+# clamp(min=eps), through dmuon.Muon's batched bucket (fp32) and its default bf16 iteration
+# ----------------------------------------------------------------------------------------------
+
+EPS = 1e-7
+
+
+def _three(shape=(8, 20), seed=0):
+    """A normal matrix, one whose norm is below eps (1e-9 scale: ||X|| ~ 1e-8), one all zero."""
+    g = torch.Generator().manual_seed(seed)
+    normal = torch.randn(shape, generator=g)
+    tiny = torch.randn(shape, generator=g) * 1e-9
+    assert tiny.norm() < EPS
+    return [normal, tiny, torch.zeros(shape)]
+
+
+def test_muon_bucket_with_tiny_and_zero_gradients_matches_torch_muon(monkeypatch):
+    """dmuon.Muon (fp32 NS: the three share one batched call) vs torch.optim.Muon (fp32 NS)."""
+    from dmuon.exec._optim import muon as optim_mod
+    from oracle import fp32_newton_schulz
+
+    monkeypatch.setattr(optim_mod, "wait_pending", lambda params: None)
+    monkeypatch.setattr(optim_mod, "after_step", lambda params: None)
+    grads = _three((8, 20), seed=3)
+    ours = [tag(nn.Parameter(torch.randn(8, 20)), f"layers.0.w{i}") for i in range(3)]
+    ref = [nn.Parameter(p.detach().clone()) for p in ours]
+    opt = dmuon.Muon(ours, lr=0.02, weight_decay=0.1, ns_dtype=torch.float32)
+    ref_opt = torch.optim.Muon(ref, lr=0.02, weight_decay=0.1)
+    for _ in range(2):
+        for p, q, g in zip(ours, ref, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        with fp32_newton_schulz():
+            ref_opt.step()
+    for i, (p, q) in enumerate(zip(ours, ref)):
+        assert torch.isfinite(p).all(), i
+        err = (p - q).abs().max().item()
+        assert err <= 1e-5 * q.abs().max().item(), (i, err)
+
+
+# ----------------------------------------------------------------------------------------------
+# edge cases against torch.optim.Muon, the default (bf16) Newton-Schulz on both sides
+# ----------------------------------------------------------------------------------------------
+
+
+def _pair(shapes, seed=0):
+    """dmuon.Muon and torch.optim.Muon over copies of the same matrices (default hyper-parameters
+    but lr 0.02, weight decay 0.1: the decay shows whether a skipped matrix was touched)."""
+    g = torch.Generator().manual_seed(seed)
+    ours = [tag(nn.Parameter(torch.randn(s, generator=g)), f"layers.0.w{i}") for i, s in enumerate(shapes)]
+    ref = [nn.Parameter(p.detach().clone()) for p in ours]
+    return ours, ref, dmuon.Muon(ours, lr=0.02, weight_decay=0.1), torch.optim.Muon(ref, lr=0.02, weight_decay=0.1)
+
+
+def test_gradient_norm_below_eps_default_bf16_equals_torch_muon(monkeypatch):
+    """||G||_F below eps (1e-7) and exactly 0, next to a normal gradient, in dmuon.Muon's default
+    bf16 iteration: bit-equal to torch.optim.Muon's, finite (torch divides by max(||X||, eps):
+    a tiny gradient is scaled by 1/eps, not normalised; a zero one stays zero)."""
+    from dmuon.exec._optim import muon as optim_mod
+
+    monkeypatch.setattr(optim_mod, "wait_pending", lambda params: None)
+    monkeypatch.setattr(optim_mod, "after_step", lambda params: None)
+    grads = _three((8, 20), seed=5)
+    assert 0 < grads[1].norm() < EPS
+    ours, ref, opt, ref_opt = _pair([(8, 20)] * 3)
+    assert opt.param_groups[0]["ns_dtype"] == torch.bfloat16  # the default, as torch's
+    for _ in range(3):
+        for p, q, g in zip(ours, ref, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        ref_opt.step()
+        for i, (p, q) in enumerate(zip(ours, ref)):
+            assert torch.isfinite(p).all(), i
+            assert torch.equal(p, q), (i, (p - q).abs().max().item())
+
+
+def test_gradient_absent_for_the_first_steps_then_present_equals_torch_muon(monkeypatch):
+    """A matrix whose gradient is None for the first K steps: untouched by them (no momentum, no
+    weight decay), then updated from step K+1 on exactly as torch.optim.Muon, which creates its
+    momentum buffer at the first gradient (dmuon's exists from construction, zero)."""
+    from dmuon.exec._optim import muon as optim_mod
+
+    monkeypatch.setattr(optim_mod, "wait_pending", lambda params: None)
+    monkeypatch.setattr(optim_mod, "after_step", lambda params: None)
+    K, steps = 2, 5
+    ours, ref, opt, ref_opt = _pair([(8, 20), (12, 6)], seed=7)
+    start = ours[1].detach().clone()
+    g = torch.Generator().manual_seed(8)
+    for step in range(steps):
+        for i, (p, q) in enumerate(zip(ours, ref)):
+            grad = torch.randn(p.shape, generator=g)
+            p.grad = q.grad = None
+            if i == 0 or step >= K:
+                p.grad, q.grad = grad.clone(), grad.clone()
+        opt.step()
+        ref_opt.step()
+        if step < K:
+            assert torch.equal(ours[1], start) and "momentum_buffer" not in ref_opt.state[ref[1]], step
+        for i, (p, q) in enumerate(zip(ours, ref)):
+            assert torch.equal(p, q), (step, i, (p - q).abs().max().item())
+    assert not torch.equal(ours[1], start)
+    assert torch.equal(opt.state[ours[1]]["momentum_buffer"], ref_opt.state[ref[1]]["momentum_buffer"])

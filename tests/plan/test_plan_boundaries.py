@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
 
+import dmuon
 import dmuon.plan as P
 from dmuon.sim import zoo
 from dmuon.plan._model.boundaries import ancestors, heuristic_boundary
+from oracle import Block
 
 
 def tree(params: dict[str, tuple[int, ...]], special: dict[str, nn.Module] | None = None) -> nn.Module:
@@ -275,3 +279,121 @@ def test_unknown_fqn_keyerror_names_closest():
         plan.boundary("nope")
     with pytest.raises(KeyError):
         plan.param("model.embed_tokens.weight")
+
+
+# ----------------------------------------------------------------------------------------------
+# coverage warning
+# ----------------------------------------------------------------------------------------------
+
+
+class DictLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(11, 8)
+        self.blocks = nn.ModuleDict({"first": Block(), "second": Block()})
+        self.head = nn.Linear(8, 11)
+
+
+class EncoderDecoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = Block()
+        self.decoder = Block()
+
+
+def _compile_warnings(model, **kw):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = dmuon.plan.compile(model, 2, **kw)
+    return plan, [str(w.message) for w in caught if "hook boundary" in str(w.message)]
+
+
+@pytest.mark.parametrize(
+    "model,count,first",
+    [
+        (DictLM, "9 of 9", "blocks.first.fc1.weight"),
+        (EncoderDecoder, "8 of 8", "encoder.fc1.weight"),
+        (Block, "4 of 4", "fc1.weight"),
+    ],
+    ids=["moduledict", "plain_attributes", "one_block"],
+)
+def test_invisible_blocks_warn_with_the_fix(model, count, first):
+    plan, msgs = _compile_warnings(model())
+    assert plan.dedicated == () and len(msgs) == 1, msgs
+    msg = msgs[0]
+    assert "no matrix is dedicated" in msg and f"{count} 2-D matrices" in msg and first in msg, msg
+    assert "Fix: hook_boundary_predicate=lambda module: isinstance(module, Block)" in msg, msg
+    # the line it shows fixes it, without a warning
+    fixed, msgs = _compile_warnings(model(), hook_boundary_predicate=lambda m: isinstance(m, Block))
+    assert len(fixed.dedicated) == int(count.split()[0]) - (model is DictLM) and msgs == []
+
+
+def test_lm_head_outside_the_blocks_does_not_warn():
+    from oracle import TinyLM
+
+    plan, msgs = _compile_warnings(TinyLM())
+    assert len(plan.dedicated) == 12 and msgs == []
+    # strict mode keeps its meaning: a predicate selecting the head still raises
+    with pytest.raises(ValueError, match="no hook-boundary ancestor"):
+        dmuon.plan.compile(TinyLM(), 2, predicate=lambda fqn, p: p.ndim == 2 and "embed" not in fqn)
+
+
+def test_mostly_uncovered_warns():
+    class Wide(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(4, 4)])  # 16 elements inside
+            self.trunk = Block()  # 2·288 + 2·40 = 656 outside
+
+    plan, msgs = _compile_warnings(Wide())
+    assert plan.dedicated == ("layers.0.weight",) and len(msgs) == 1
+    assert "most matrix elements are not dedicated: 4 of 5 2-D matrices (98% of their elements" in msgs[0], msgs
+
+
+# ----------------------------------------------------------------------------------------------
+# degenerate matrices
+# ----------------------------------------------------------------------------------------------
+
+
+class Degenerate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        block = nn.Module()
+        block.fc = nn.Linear(8, 8)
+        block.gate = nn.Linear(8, 1)  # (1, 8): a vector
+        block.col = nn.Linear(1, 8, bias=False)  # (8, 1)
+        block.depthwise = nn.Conv1d(8, 8, 3, groups=8)  # (8, 1, 3)
+        block.pointwise = nn.Conv1d(8, 8, 1)  # (8, 8, 1): an (8, 8) matrix view
+        block.layer_scale = nn.Parameter(torch.ones(8, 1, 1))  # C matrices of (1, 1)
+        self.layers = nn.ModuleList([block])
+
+
+def test_degenerate_views_stay_with_adamw():
+    from dmuon.plan._model.selection import degenerate_reason
+    from dmuon.plan._model.snapshot import take_snapshot
+
+    model = Degenerate()
+    assert dmuon.plan.compile(model, 2).dedicated == ("layers.0.fc.weight",)
+    pred = dmuon.plan.matrix_predicate(model)
+    assert dmuon.plan.compile(model, 2, predicate=pred).dedicated == ("layers.0.fc.weight", "layers.0.pointwise.weight")
+    reasons = {r.fqn: degenerate_reason(r) for r in take_snapshot(model).params}
+    assert reasons["layers.0.gate.weight"].startswith("matrix view (1, 8) has a side of 1")
+    assert reasons["layers.0.col.weight"].startswith("matrix view (8, 1) has a side of 1")
+    assert reasons["layers.0.depthwise.weight"].startswith("depthwise conv kernel (8, 1, 3)")
+    assert reasons["layers.0.layer_scale"].startswith("matrix view (1, 1) has a side of 1")
+    assert reasons["layers.0.fc.weight"] is None and reasons["layers.0.pointwise.weight"] is None
+    # a user predicate may still select one (its view is defined): Muon normalises the vector
+    plan = dmuon.plan.compile(model, 2, predicate=lambda fqn, p: fqn == "layers.0.gate.weight")
+    assert plan.param("layers.0.gate.weight").matrix_shape == (1, 8)
+
+
+def test_plan_summary_reports_vectors_left_to_adamw():
+    plan = dmuon.plan.compile(Degenerate(), 2)
+    text = plan.summary()
+    assert (
+        "left to AdamW inside hook boundaries, a side of 1 (not a matrix for Muon): 2: "
+        "layers.0.gate.weight (1, 8), layers.0.col.weight (8, 1)"
+    ) in text, text
+    from oracle import TinyLM
+
+    assert "left to AdamW inside hook boundaries" not in dmuon.plan.compile(TinyLM(), 2).summary()

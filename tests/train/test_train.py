@@ -482,3 +482,31 @@ def test_run_header_says_what_applies_to_the_optimizer():
     adamw = optimizer_desc("adamw", "z3", "fp32")
     assert adamw == "optimizer adamw | FSDP2 reshard_after_forward=True (no Newton-Schulz)"
     assert "mode" not in adamw and "ns " not in adamw
+
+
+# ----------------------------------------------------------------------------------------------
+# the main job off a terminal: the note in place of the bar
+# ----------------------------------------------------------------------------------------------
+
+
+def test_main_job_notes_no_bar_and_no_plot_off_a_terminal(monkeypatch):
+    import io
+    import sys
+
+    from dmuon._train import progress
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal: no bar, one note
+    assert isinstance(progress.progress_bar(total=3), progress._NoBar)
+    assert progress.progress_note(log_every=25) == (
+        "progress: no bar (stderr is not a terminal), a log line every 25 steps; no plot without --png FILE"
+    )
+    assert progress.progress_note(png="run.png").endswith("log lines only; the plot goes to run.png")
+    assert progress.progress_note(enabled=False) is None  # --quiet: nothing
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Tty())
+    pytest.importorskip("tqdm")
+    assert progress.progress_note() is None  # the bar shows: no note

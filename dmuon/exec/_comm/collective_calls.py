@@ -1,44 +1,9 @@
 """Every collective dmuon issues passes through this module, and is charged to the byte ledger.
 
-Accounting (the rule :func:`dmuon.plan._cost.nbytes.collective_rank_nbytes` states once, and
-``plan.cost`` sums over the step's schedule): for one collective over a group of ``k`` ranks and
-a payload of ``S`` bytes, every non-root rank is charged ``S`` (it receives ``S`` in a
-broadcast, sends ``S`` in a reduce), so the collective totals ``(k-1)·S`` over the group. An
-all-reduce of ``numel`` elements is charged ``2·(k-1)·ceil(numel/k)·itemsize`` per rank (ring
-reduce-scatter + all-gather, ``~2·S``); an all-gather of ``S`` bytes per rank, or a
-reduce-scatter to ``S`` bytes per rank, ``(k-1)·S`` per rank; a scatter charges each non-root
-rank its own chunk.
-
-Coalescing (:func:`broadcast_many`, :func:`reduce_many`): where the backend supports it (NCCL:
-``supports_coalescing`` on the group's backend for the device, the check torch's own
-``batch_isend_irecv`` makes) the broadcasts (or reduces) of one list are issued as one
-coalesced group through ``torch.distributed``'s private ``_coalescing_manager`` (torch has no
-public API for it; gloo's backend reports no support and raises on ``startCoalescing``), and
-return one ``Work``; elsewhere they are issued one by one, as before. The bytes charged are the
-same either way.
-
-Each process keeps its own :data:`LEDGER` of the bytes charged to *this* rank, per phase. The
-sum over ranks (e.g. ``all_reduce`` of :meth:`Ledger.total_nbytes`) is what
-``plan.cost.total_nbytes`` predicts for one training step; the per-rank values are
-``plan.cost.per_rank_nbytes[rank]``. With :meth:`Ledger.recording` it also keeps every
-collective it charged, in issue order (:class:`IssuedOp`), to compare with
-``dmuon.plan.schedule(plan, step).rank_ops(rank)`` op by op.
-
-The wrappers return the ``Work`` handle of an async collective (``async_op=True``) or ``None``.
-Every wait goes through :func:`wait_all` (a synchronous wrapper call too: it is issued async and
-waited for there), which names a failure for what it is: :class:`CollectiveTimeout` when the wait
-ran out of time (dmuon's ``timeout_s``, or the process group's own timeout first),
-:class:`CollectiveTransportError` when the backend reported anything else (a peer closed the
-connection, an NCCL error surfaced on the CPU), both naming the boundary and phase, this rank's
-step and forward count, the peer, dmuon's last issued collective here and the usual causes
-(:mod:`dmuon.exec._comm.wait_report`), the backend's error chained.
-
-The timeout a wait passes to ``Work.wait`` (:func:`blocking_timeout_s`): ``timeout_s`` where the
-wait blocks the CPU anyway (gloo; NCCL with ``TORCH_NCCL_BLOCKING_WAIT=1``), none on NCCL's
-default non-blocking wait (a timeout would make it block the CPU thread until the collective
-finished; the process group's watchdog enforces its own timeout there). With the logger
-``dmuon.comm`` at DEBUG (or ``DMUON_LOG_COLLECTIVES=1``) every issued collective is logged with its
-process group's sequence number, the ``SeqNum`` an NCCL watchdog report names.
+Each process keeps its own :data:`LEDGER` of the bytes charged to *this* rank, per phase, by the
+byte rule (Note: the byte rule, docs/design.md). Coalescing, the ledger's recording, and how a
+failed wait is named (:func:`wait_all`, :func:`blocking_timeout_s`): Note: issuing and waiting for
+collectives (docs/design.md).
 """
 
 from __future__ import annotations

@@ -1,24 +1,7 @@
 """dmuon's process groups of the data-parallel mesh (and, with tensor parallelism, its TP groups).
 
-:func:`mesh_rank_table` reads a mesh argument as a rank table ``table[replicate][shard]``;
-:meth:`MeshGroups.build` creates dmuon's own groups for it (a collective over the world).
-
-Groups are cached. :meth:`MeshGroups.build` asks for its groups as one *rank table* (the tuple
-of the rank lists of every group it creates, in creation order, the same on every rank) and
-reuses the groups of an earlier build with the same table and backend under the same default
-process group, so a second ``dedicate_params`` / ``apply`` in one process group (another model,
-a test's next case) makes no ``new_group`` call. ``new_group`` is a collective: every rank must
-make the same calls in the same order, so the cache is consulted the same way on every rank:
-its key holds nothing rank-local, and its contents change only through calls every rank makes
-(a build, :func:`release_groups`, the default group being replaced), never through garbage
-collection, whose timing differs between ranks.
-
-Lifetime: the groups live as long as the default group. ``dist.destroy_process_group()``
-destroys them with every other group, and the cache forgets them as soon as it sees that the
-default group is gone or replaced (a re-initialised world gets fresh groups).
-:func:`release_groups` (on every rank, once no dmuon runtime uses them) destroys them earlier.
-Runtimes built from the same table share the groups; their collectives are issued in program
-order on every rank, as FSDP2's modules share one group.
+Why dmuon has its own groups, how they are cached and how long they live: Note: dmuon's own
+process groups (docs/design.md).
 """
 
 from __future__ import annotations

@@ -1,19 +1,7 @@
 """What a failed dmuon wait says (the text of :class:`~dmuon.exec._comm.collective_calls.CollectiveTimeout`
 and :class:`~dmuon.exec._comm.collective_calls.CollectiveTransportError`), and which of the two it is.
 
-A leaf module: strings in, strings out (no process group, no torch). The rules:
-
-* **Timeout or transport.** A wait that raised after at least 95 % of dmuon's own timeout, or
-  whose backend message speaks of a time-out (gloo's ``"Operation timed out!"``, its process-group
-  timeout ``"Timed out waiting ..."`` / ``"Application timeout caused pair closure"``, NCCL's
-  ``"... timed out in blocking wait"`` / ``"Watchdog caught collective operation timeout"``), is a
-  timeout; anything else the backend raises from a wait (gloo's ``"Connection closed by peer"``,
-  ``"Connection reset by peer"``, an NCCL error surfaced on the CPU) is a transport error.
-* **The message** names what was waited for (boundary and phase), how long this rank waited,
-  the backend's own words (first line, without its source-file prefix) and the peer they name,
-  this rank's position (global rank, optimizer steps done, grad-enabled forwards of the boundary
-  since the last step), the group's global ranks, dmuon's last issued collective on this rank,
-  and the usual causes, most likely first (:data:`USUAL_CAUSES`).
+A leaf: strings in, strings out. The rules: Note: what a failed wait says (docs/design.md).
 """
 
 from __future__ import annotations
@@ -100,7 +88,7 @@ def transport_message(
     ranks: tuple[int, ...] | None = None,
     last_issued: str | None = None,
 ) -> str:
-    """The text of a transport error (module docstring)."""
+    """The text of a transport error (Note: what a failed wait says, docs/design.md)."""
     peer = backend_peer(backend)
     said = f"the backend names the peer {peer}" if peer else "the backend names no peer"
     limit = f" (dmuon's timeout: {timeout_s:g} s)" if timeout_s is not None else ""

@@ -1,36 +1,8 @@
 """Loss scaling: ``torch.amp.GradScaler`` (and FSDP1's ``ShardedGradScaler``) with :class:`dmuon.Muon`.
 
-What users of FSDP2 write is the plain scaler::
-
-    scaler = torch.amp.GradScaler(device)
-    scaler.scale(loss).backward()
-    scaler.unscale_(optimizer)          # optional, e.g. before clipping
-    scaler.step(optimizer)
-    scaler.update()
-
-With plain FSDP2 every gradient is a ``DTensor``, and DTensor's dispatch of
-``torch._amp_foreach_non_finite_check_and_unscale_`` all-reduces ``found_inf`` over each
-gradient's mesh, so every rank agrees on whether to skip the step. dmuon's owners hold plain
-tensors: the scaler's one foreach call over a list that mixes them with DTensors fails
-("got mixed torch.Tensor and DTensor"), and even split, an inf that only the owner of one matrix
-sees would make that rank alone skip its step.
-
-:class:`GradScaler` (``dmuon.GradScaler``, a ``torch.amp.GradScaler``) does this without any patch,
-the way ``ShardedGradScaler`` scopes FSDP1's. By default the first ``dmuon.dedicate_params`` also
-wraps ``torch.amp.GradScaler._unscale_grads_`` (and ``ShardedGradScaler``'s override) with
-:func:`route_unscale` (the ``amp.*`` entries of :mod:`dmuon._registry`), so that the plain scaler
-works too: for a :class:`dmuon.Muon` it calls
-:func:`unscale_grads` instead (through ``dmuon.Muon._unscale_grads_for_scaler``), which
-
-1. finishes in-flight gradient reduces (``runtime.wait_pending``), so owners' ``.grad`` are final;
-2. unscales every local gradient (DTensors through their local shards) with torch's own kernel,
-   one call per (device, dtype);
-3. MAX-all-reduces ``found_inf`` over the default process group (ONE collective, on every rank
-   alike), so every rank skips the same step and ``update()`` moves the scale identically.
-
-A skipped step leaves parameters, momenta and AdamW's step counters untouched (the scaler does not
-call ``optimizer.step()``). Other optimizers go to torch's code unchanged. ``ShardedGradScaler``
-then all-reduces the agreed ``found_inf`` once more (a sum of equal flags: same decision).
+:class:`GradScaler` and the wrapped ``torch.amp.GradScaler`` (:func:`route_unscale`,
+:func:`unscale_grads`) make every rank skip the same step. Why plain FSDP2's scaler fails on
+dmuon's owners and what the unscale does: Note: loss scaling (docs/design.md).
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """``dmuon.Muon``: Muon on dedicated matrices (owner rank only), AdamW on everything else.
 
-A *dedicated* parameter is one that :func:`dmuon.exec.apply` tagged with ``p._dmuon`` (a
-``DedicatedInfo`` with fields ``fqn, owner_global_rank, is_owner, matrix_shape, num_matrices,
-shape``). On its owner rank the parameter is the full master tensor and, after backward,
-its ``.grad`` holds the data-parallel average; on every other rank it is a zero-size
-placeholder that never gets a gradient. So the Muon update (:mod:`dmuon.exec._optim.muon_step`) runs
-once per matrix in the whole job, on the owner, with no communication. Every other parameter
-(typically an FSDP2 ``DTensor`` shard) gets AdamW through torch's own functional implementation.
-
-Numerical reference: a single process running ``torch.optim.Muon`` on the dedicated
-parameters and ``torch.optim.AdamW`` on the rest. On one process with 2-D dedicated
-parameters and the default bf16 iteration this class is bit-identical to that pair.
-
-Sources: Muon, Jordan et al. 2024 (https://kellerjordan.github.io/posts/muon/);
-``"match_rms_adamw"`` learning-rate scaling, Liu et al., "Muon is Scalable for LLM
-Training" (Moonlight, arXiv 2502.16982); AdamW, Loshchilov & Hutter (arXiv 1711.05101).
+The update runs once per matrix in the whole job, on its owner, with no communication. What a
+dedicated parameter is, the numerical reference and the sources: Note: dmuon.Muon
+(docs/design.md).
 """
 
 from __future__ import annotations
@@ -379,8 +367,8 @@ class Muon(torch.optim.Optimizer):
         if use_muon:
             self._init_muon_state(group)
         else:
-            # eager, so that every rank's optimizer.state is non-empty from construction (see
-            # "State" in docs/runtime.md): torch.distributed.checkpoint never dummy-steps it
+            # eager, so that every rank's optimizer.state is non-empty from construction:
+            # torch.distributed.checkpoint never dummy-steps it
             for p in params:
                 if len(self.state[p]) == 0:
                     self._init_adamw_state(p, self.state[p])

@@ -1,33 +1,8 @@
 """``dmuon.Muon(skip_nonfinite=True)``: a step whose gradients are non-finite on any rank is skipped
 on every rank together.
 
-**The flags.** Each rank of the job contributes two flags, as one-hot entries of a float32 vector of
-``2·W`` elements (``W`` ranks of the job's group: the world, or the data-parallel ranks of one
-pipeline stage), reduced over the job (SUM; MAX when it rides on the infinity norm's all-reduce:
-the same zero / non-zero pattern):
-
-* entry ``r``: rank ``r``'s *local* gradient of a dedicated matrix was non-finite **before the
-  reduce**: the runtime checks every reduce buffer it packs (its own gradients, accumulated over
-  micro-batches, :meth:`~dmuon.exec._runtime.runtime.DmuonRuntime.note_reduce_input`). Only dmuon's
-  own reduces are seen this way;
-* entry ``W + r``: rank ``r`` **holds** a non-finite gradient at the step (after the reduces): the
-  averaged gradients of the matrices it owns, its FSDP2 shards, its plain tensors. FSDP2 reduces its
-  gradients inside its own hooks, so a NaN that reached FSDP2's reduce-scatter is seen only here,
-  on every rank that holds a shard of it.
-
-**One collective.** After ``dmuon.clip_grad_norm_`` (which every rank calls before ``step``), the
-vector rides on the clip's all-reduce of the owners' norms (:func:`append_to_clip`, the result
-kept on the runtime for the step); otherwise ``step`` all-reduces it alone (:func:`reduce_flags`).
-
-**The skip.** Where any entry is set, every rank skips the whole step: no Muon update, no AdamW
-update, no step counter, momentum or moment change, no QK-clip (its max logits are dropped), no
-replicate broadcast; the gradients stay as they are (``zero_grad`` as usual). Rank 0 of the job
-logs one warning on the ``dmuon`` logger (:func:`skip_message`) naming the rank(s) whose local
-gradient was non-finite before the reduce, or, where no rank's was (a NaN only FSDP2's parameters
-saw, or one produced after the reduce), the ranks that hold a non-finite gradient after it (owners
-and shard holders). The LR scheduler is the caller's to step (``opt.last_step_skipped``); with a
-``GradScaler`` the scaler's own check runs first (``scaler.step`` does not call ``step`` when it
-found an inf), so this one only sees what it missed.
+The flags, the one collective that carries them and what a skipped step leaves untouched:
+Note: skipping non-finite steps (docs/design.md).
 """
 
 from __future__ import annotations
@@ -107,7 +82,7 @@ def _group_size_rank(group) -> tuple[int, int]:
 
 
 def flag_vector(before: torch.Tensor, held: torch.Tensor, group) -> torch.Tensor:
-    """This rank's one-hot float32 vector of ``2·W`` elements (module docstring)."""
+    """This rank's one-hot float32 vector of ``2·W`` elements (Note: skipping non-finite steps, docs/design.md)."""
     k, me = _group_size_rank(group)
     vec = torch.zeros(2 * k, dtype=torch.float32, device=before.device)
     vec[me] = before.float()
@@ -155,7 +130,7 @@ def keep_from_clip(reduced: torch.Tensor, runtimes, group) -> torch.Tensor:
 
 
 def skip_message(flags: NonFiniteFlags, step: int) -> str:
-    """The warning rank 0 logs for skipped step ``step`` (1-based; module docstring)."""
+    """The warning rank 0 logs for skipped step ``step`` (1-based; Note: skipping non-finite steps, docs/design.md)."""
     if flags.before_reduce:
         who = (
             f"the local gradient of a dedicated matrix was non-finite on rank(s) {list(flags.before_reduce)} "

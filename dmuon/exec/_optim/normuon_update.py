@@ -2,41 +2,8 @@
 output neuron. The normalisation itself is :func:`dmuon._update.normuon_normalize` (plain tensors);
 this module holds its second-moment state layout, which the Muon step (:mod:`dmuon.exec._optim.muon_step`) reads.
 
-NorMuon (Li, Liu, Liang, Chen, Zhao, "NorMuon: Making Muon more efficient and scalable",
-arXiv 2510.05491; the authors' ``normuon.py``, github.com/zichongli5/NorMuon) keeps one fp32
-second-moment vector ``v`` per Muon matrix ``O`` ``(out, in)`` (``nn.Linear`` orientation), one
-entry per output row, and after Newton-Schulz:
-
-1. ``s_i = mean_j O_ij²`` (the mean over ``in``: one value per row / output neuron);
-2. ``v <- lerp(v, s, 1 - beta2)`` (an EMA from zeros, no bias correction: a bias correction
-   divides every row by the same constant, which step 4 undoes exactly);
-3. ``Ô = O / (sqrt(v) + eps)`` (row ``i`` divided by ``sqrt(v_i) + eps``);
-4. ``Ô <- Ô · ‖O‖_F / (‖Ô‖_F + eps)`` (the Frobenius norm of Muon's update restored, so Muon's
-   learning rate, :func:`~dmuon._update.adjust_lr` and weight decay carry over);
-
-then Muon's update ``p <- p·(1 - lr·wd) - adjust_lr(lr, (out, in))·Ô``. The normalisation runs in
-fp32 whatever ``ns_dtype`` (the authors' bf16 path differs from fp32 by ~1e-2 relative).
-
-The neuron axis is dmuon's own ``(out, in)`` view of every Muon matrix, never a shape heuristic:
-one statistic per OUTPUT row of each matrix Muon orthogonalises, one Frobenius rescale per
-matrix. So an ``nn.Linear`` ``(out, in)`` has ``out`` entries; a conv weight viewed
-``(out, in·k)`` ``out`` entries; an expert stack one row of ``out`` per expert (each expert its
-own rescale; gpt-oss's ``(in, out)`` storage is read through its transpose); a split gate/up
-expert separate rows and rescales for gate and up; a row-block view (per-head q/k/v) one entry
-per row and one rescale per block; a column-block view (per-head o_proj ``(D, H·d)``) ``D``
-entries per block. A ``(1, n)`` matrix is left as it is (its one row is the whole norm).
-
-State: ``optimizer.state[p]["second_momentum_buffer"]``, fp32, on the owner next to the momentum,
-of the *second-moment shape* (:func:`second_moment_shape`): the parameter's storage shape with
-its ``in`` axis collapsed to 1 (``(out, 1)`` for a Linear, ``(out, 1, 1, 1)`` for a conv,
-``(E, 2F, 1)`` for an HF gate/up stack, ``(E, 1, D)`` for gpt-oss's ``(E, F, D)`` down stack),
-or to the number of column blocks (``(D, H)`` for an o_proj column view). Its dim 0 is the
-parameter's dim 0, so checkpoints cut it into the momentum's ``Shard(0)`` row chunks and reshard
-it like the momentum, whatever the plan (expert ranges, EP, another world size).
-
-Cost: on a matrix whose owner holds it whole (one owner, expert ranges, EP) no byte and no
-collective. An owner group or a TP-sharded matrix would need one small all-reduce per group and
-step (docs/muon_variants.md, "NorMuon"): dmuon refuses those (:func:`check_supported`).
+The algorithm, the neuron axis of every kind of Muon matrix, the state's shape and what is
+refused: Note: NorMuon (docs/design.md).
 """
 
 from __future__ import annotations

@@ -1,33 +1,9 @@
 """Newton-Schulz orthogonalisation backends, by name, and the one module callers resolve them
 from at call time.
 
-Backends (:data:`NS_BACKENDS`; every one is a pure function with the same keywords):
-
-- ``"standard"``: :func:`~dmuon._update.newton_schulz`, the quintic iteration; the
-  default everywhere, and the only backend of the numerical contract (the README's "The oracle
-  guarantee": same losses and parameters as one process running ``torch.optim.Muon``, up to
-  reduction order).
-- ``"gram"``: :func:`~dmuon._ns_gram.gram_newton_schulz` (Zhang, Amsel, Chen, Dao,
-  "Gram Newton-Schulz", 2026): the same polynomial evaluated on the ``(d, d)`` Gram matrix,
-  ``d = min(m, n)``, with restarts; equal to ``"standard"`` in exact arithmetic, cheaper when
-  ``max(m, n) >> min(m, n)``, and the form tensor parallelism needs
-  (:func:`~dmuon._ns_gram.gram_ns_from_gram`).
-- ``"auto"``: :func:`auto_newton_schulz`: ``"gram"`` where it needs fewer FLOPs for the
-  matrix's shape and the short side is at least 256, ``"standard"`` elsewhere (opt-in, like
-  ``"gram"``). ``dmuon.Muon`` decides once per batched NS bucket (:func:`resolve_ns_backend`)
-  and calls the picked backend itself, so ``"auto"`` runs exactly that backend's calls.
-
-Coefficient presets (:data:`dmuon._update.NS_PRESETS`) are orthogonal to the backend.
-
-Every function here is a pure function of its arguments: no module holds state (no call
-counters; to count calls, wrap the module attribute a caller resolves, and observe Gram
-fallbacks with ``gram_newton_schulz(on_fallback=...)``). The backend functions are attributes of
-this module, where callers resolve them at call time: :func:`get_ns_backend` (``dmuon.Muon``)
-and :func:`auto_newton_schulz` look ``newton_schulz`` / ``gram_newton_schulz`` up here, and
-:mod:`dmuon.exec._optim.tp_orthogonalize` calls ``sharded_gram_newton_schulz`` through here; a
-wrapper set on this module sees every optimizer call. Momentum, learning rates and parameter
-updates live in :mod:`dmuon.exec._optim.muon_step`. docs/newton_schulz.md compares the backends
-and presets.
+``"standard"``, ``"gram"`` and ``"auto"`` (:data:`NS_BACKENDS`), all pure functions with the
+same keywords, resolved from this module at call time. What each computes and why callers resolve
+them here: Note: NS backends (docs/design.md).
 """
 
 from __future__ import annotations

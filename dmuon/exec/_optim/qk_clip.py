@@ -1,28 +1,7 @@
 r"""QK-clip (MuonClip) at run time: attention layers report per-head max logits, owners rescale.
 
-The rule and the plan records are in :mod:`dmuon.plan._records.qk_clip_records`. At run time:
-
-1. **Report.** Each attention module listed in ``plan.qk_clip`` calls :func:`record` in its
-   forward with the ``(H,)`` largest pre-softmax logits of its q heads in that forward (after the
-   ``1/√d_h`` scale, masked positions excluded). Calls with gradients disabled (evaluation
-   under ``torch.no_grad``) are ignored; repeated calls (gradient-accumulation micro-batches,
-   activation-checkpoint recomputation, a layer called twice) keep the running maximum, so a
-   step's value is the max over all its micro-batches. Helpers: :func:`max_logits_eager` (the
-   logits are already there) and :func:`max_logits_sdpa` (SDPA / flash attention never
-   materialise them: an extra, gradient-free ``QKᵀ`` pass, see its cost).
-2. **Reduce.** In ``dmuon.Muon.step``, after the Muon and AdamW updates, every rank all-reduces
-   (max) the concatenated ``ΣH`` fp32 maxima over the data-parallel mesh: ONE collective of the
-   plan's schedule, ledger phase ``"qk_clip"``. Layers not called in the step count ``-inf``;
-   a step in which no layer reported anywhere raises (on every rank, after the collective).
-3. **Rescale.** The owner of each ``W_q`` / ``W_k`` multiplies the rows of the heads with
-   ``S_h > τ`` (MHA: ``√(τ/S_h)`` for both; GQA: ``τ/S_h`` for q only); every rank scales its
-   own FSDP2 shard of a q / k bias the same way (local, no collective). HSDP replicas receive
-   the new rows through the post-step replicate broadcast that follows. A head whose maximum
-   is non-finite (inf; a NaN on any rank is sent as +inf, so every rank agrees) is skipped with
-   a :class:`QKClipNonFinite` warning naming the layer, the head and the step: ``τ/inf = 0``
-   would zero its rows for good and a NaN would poison them.
-
-:func:`stats` returns the last step's clipped-head count and largest logit (one host read).
+Report, reduce, rescale: Note: QK-clip at run time (docs/design.md); the rule and the plan
+records: Note: QK-clip, :mod:`dmuon.plan._records.qk_clip_records`.
 """
 
 from __future__ import annotations
@@ -147,7 +126,8 @@ def stats(model: nn.Module) -> dict[str, float | int] | None:
 
 
 class QKClipRuntime:
-    """QK-clip state of one :class:`~dmuon.exec._runtime.runtime.DmuonRuntime` (module docstring).
+    """QK-clip state of one :class:`~dmuon.exec._runtime.runtime.DmuonRuntime` (Note: QK-clip at run time,
+    docs/design.md).
 
     Holds one running-max vector per layer between steps (reset by :meth:`step`); nothing is
     checkpointed (the rescaled weights are ordinary parameters).
@@ -181,7 +161,8 @@ class QKClipRuntime:
         self._max = [None] * len(self.spec.attention)
 
     def step(self) -> None:
-        """The all-reduce (max) and the owners' rescaling (module docstring); every rank calls it."""
+        """The all-reduce (max) and the owners' rescaling (Note: QK-clip at run time, docs/design.md); every rank
+        calls it."""
         rt = self.runtime_ref()
         device = rt.device
         parts = [

@@ -1,19 +1,7 @@
 """Packed buffers of one hook boundary: segments, sub-segments and slots, and how they are built.
 
-For one hook boundary the plan gives, per parameter dtype, a packed buffer made of one
-*segment* per shard coordinate ``s`` (the parameters owned by ``(s, ·)``), each segment made of
-one *sub-segment* per owner ``(s, r)``. :func:`build_segments` binds those layouts to tensors.
-
-Tensors per dedicated parameter:
-
-* the **logical** parameter (what ``model.parameters()`` and the optimizer see between steps): on
-  a rank that holds the segment, the full-size master whose storage *is* the segment when the
-  wire dtype equals the parameter dtype (zero-copy broadcast); elsewhere a zero-size placeholder.
-* the **compute** parameter, installed into the module during forward and backward: a leaf view
-  of the segment storage in the broadcast dtype. Autograd accumulates this rank's local gradient
-  into it; it never reaches the optimizer. It has its own version counter (built with ``set_``),
-  so writing the segment in place (broadcast) does not invalidate tensors saved for backward —
-  the same reason FSDP2 frees and regrows storage with ``untyped_storage().resize_``.
+:func:`build_segments` binds the plan's layouts to tensors. The logical and compute tensors of a
+dedicated parameter: Note: owner segments are the masters (docs/design.md).
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
 """dmuon under ``torch.distributed.pipelining`` (docs/pipeline_parallel.md).
 
-A pipeline schedule drives a stage's backward itself: every micro-batch's backward runs under
-FSDP2's ``set_requires_gradient_sync(False)`` (dmuon's reduce is deferred as under
-``dmuon.no_sync``), and once per step its ``REDUCE_GRAD`` action calls
-``_PipelineStageBase.perform_reduce_grad``, which runs FSDP2's reduce outside autograd and then
-divides every stage parameter's ``.grad`` by the micro-batch count (``scale_grads=True``). Two
-wrappers (:mod:`dmuon.integrations._patches`, installed by the first ``dedicate_params``) give
-dmuon the same two moments:
-
-* :func:`wrap_initialize` wraps the schedule's stage initialisation (the first ``step()``, and
-  again after a switch between ``eval`` and ``step``): it refuses schedules that split the
-  backward (zero-bubble), marks the stages' runtimes ``pipelined``, runs the shape inference
-  without dmuon reduces and resets dmuon's state after it (the stage resets FSDP2's);
-* :func:`wrap_perform_reduce_grad` runs :meth:`DmuonRuntime.finish_pipeline_step` (the
-  dedicated matrices' reduce to their owners) before the original, so the schedule's scaling
-  divides the owners' averaged gradients exactly once, with the rest of the stage's.
+Two wrappers give dmuon the schedule's two moments (stage initialisation and ``REDUCE_GRAD``):
+Note: dmuon under pipelining (docs/design.md).
 """
 
 from __future__ import annotations
@@ -79,7 +66,8 @@ def _no_reduce(runtimes):
 
 
 def wrap_initialize(original):
-    """``_PipelineSchedule._initialize_pp_stages(self, stages, ...)``: see the module docstring."""
+    """``_PipelineSchedule._initialize_pp_stages(self, stages, ...)``: see Note: dmuon under pipelining
+    (docs/design.md)."""
 
     @functools.wraps(original)
     def _initialize_pp_stages(self, stages, *args, **kwargs):

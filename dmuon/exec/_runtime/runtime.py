@@ -1,43 +1,10 @@
 """The runtime of one model: its hook boundaries, reduce completion, HSDP replicas and streams.
 
-:class:`DmuonRuntime` owns one :class:`~dmuon.exec._runtime.boundary._BoundaryRuntime` per hook
-boundary (their packed buffers: :mod:`dmuon.exec._runtime.packed_buffers`; dmuon's process groups:
-:mod:`dmuon.exec._comm.groups`) and does what spans boundaries:
-
-=====================  =====================================================================
-phase                  what happens on this rank (mesh coordinate ``(r, s)``)
-=====================  =====================================================================
-end of backward        (autograd final callback) reduce boundaries not yet reduced, wait for
-                       every reduce, read all owned presence flags at once (one host sync), copy
-                       or add the averaged gradients into the owners' ``.grad`` (never a view of
-                       the reduce buffer), release the reduce buffers' storage
-pipeline REDUCE_GRAD   (``torch.distributed.pipelining``, :mod:`dmuon.exec._runtime.pipeline_hooks`)
-                       reduce the gradients accumulated over the step's micro-batches, then as
-                       at the end of a backward; free every buffer
-optimizer step         HSDP: after the owner's update, broadcast each sub-segment from its
-                       owner to its replicate peers (waited for before the next use when
-                       ``replicate_async=True``)
-=====================  =====================================================================
-
-The per-boundary phases (pre-/post-forward, pre-/post-backward) are in
-:mod:`dmuon.exec._runtime.boundary`. Every collective of those phases and of the ones above comes from the
-plan's step schedule (:func:`dmuon.plan._scheduling.programs.boundary_programs`, bound to this rank's
-buffers by :mod:`dmuon.exec._runtime.program`): groups, roots, sizes, dtypes and order are the plan's;
-the hooks decide when each list runs.
-
-On an accelerator (``DmuonRuntime.use_streams``, default on; ``torch.Stream`` / ``torch.accelerator``, so
-CUDA, XPU or any other device module alike): broadcasts (and the mixed-precision cast before
-them) run on a broadcast stream, gradient packing and reduces on a reduce stream, as FSDP2 orders
-its all-gathers and reduce-scatters: each waits for the compute stream when issued, the compute
-stream waits for an event on it before the parameters or the reduced gradients are used, storage
-is regrown on the compute stream and freed only after that wait, and local gradients read by the
-reduce stream stay referenced until it. On CPU none of this runs.
-
-:class:`DmuonRuntime` holds the state and delegates each job to its module:
-:mod:`~dmuon.exec._runtime.reduces` (the end of backward: reduce completion, the gradient divisor),
-:mod:`~dmuon.exec._runtime.replicas` (the HSDP replica broadcasts), :mod:`~dmuon.exec._runtime.streams`
-(the accelerator streams), :mod:`~dmuon.exec._runtime.ep_stacks` (the local expert-parallel
-stacks). The boundaries see it only through :class:`~dmuon.exec._runtime.boundary_host.BoundaryHost`.
+:class:`DmuonRuntime` owns one boundary runtime per hook boundary and does what spans boundaries
+(the end of the backward, pipelining's gradient reduce, the HSDP replica broadcasts after the
+step), delegating each job to :mod:`~dmuon.exec._runtime.reduces`, :mod:`~dmuon.exec._runtime.replicas`,
+:mod:`~dmuon.exec._runtime.streams` and :mod:`~dmuon.exec._runtime.ep_stacks`. The phases and the
+stream rules on an accelerator: Note: the model runtime (docs/design.md).
 """
 
 from __future__ import annotations
@@ -64,7 +31,7 @@ __all__ = ["DmuonRuntime", "wait_pending", "after_step", "get_runtime", "get_mod
 
 
 class DmuonRuntime:
-    """Binds a :class:`~dmuon.plan.ShardingPlan` to a model and a mesh (see module docstring)."""
+    """Binds a :class:`~dmuon.plan.ShardingPlan` to a model and a mesh (Note: the model runtime, docs/design.md)."""
 
     def __init__(
         self,

@@ -1,20 +1,7 @@
 """Set-up guards: the checks that stop a wrong set-up before it trains wrongly, in one place.
 
-* :func:`check_not_fully_sharded` — ``dedicate_params`` after ``fully_shard`` (at dedication);
-* :func:`check_set_up_order` — ``dmuon.Muon`` built before ``fully_shard``, or a ``fully_shard``
-  missing (``dmuon.Muon``'s first step);
-* :func:`check_optimizer` — an optimizer other than ``dmuon.Muon`` holding dedicated parameters
-  (at its first step, through the ``optimizer.guard`` integration, and in accelerate's
-  ``prepare``);
-* :func:`wrap_ddp_init` — ``DistributedDataParallel(model)`` of a dedicated model (the
-  ``ddp.guard`` integration);
-* FSDP2 managing a dedicated parameter (without the ``fully_shard`` skip, i.e. with
-  ``DMUON_NO_PATCHES``): :func:`dmuon.exec._setup.fsdp2.check_dedicated_unmanaged`, called at
-  ``dmuon.Muon`` construction and again here at its first step.
-
-Each raises on every rank alike (local, structural checks) and names the fix for the framework on
-the call stack (:func:`dmuon._hints.framework_hint`). The order they refer to is
-:data:`dmuon._hints.SET_UP_ORDER`.
+Each raises on every rank alike and names the fix for the framework on the call stack. The
+guards and when each runs: Note: set-up guards (docs/design.md).
 """
 
 from __future__ import annotations

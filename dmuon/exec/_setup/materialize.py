@@ -1,50 +1,9 @@
 """Meta-device models: ``to_empty`` support and initialisation as if the model were whole.
 
-FSDP2's recipe for a model too large for one rank is: build it on ``meta``, shard it, then
-``model.to_empty(device=...)`` and initialise. dmuon follows it::
-
-    with torch.device("meta"):
-        model = Model()
-    dmuon.dedicate_params(model, mesh)           # plans and binds on meta: nothing allocated
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    model.to_empty(device="cuda")                # holders allocate their own segments, others none
-    torch.manual_seed(seed)
-    dmuon.init_params(model)                     # = the single-process init with that seed
-    optimizer = dmuon.Muon(model, ...)
-
-How ``to_empty`` works here: :func:`install` wraps ``_apply`` of the root module and of every
-hook-boundary module (an instance attribute; it calls the class's own ``_apply`` first, so
-FSDP2's override still runs). After ``Module._apply`` re-created the logical parameters, the
-wrapper calls :func:`rebind_storage`: each holder gets a fresh segment ``master``
-on the new device and its logical parameters become views of it again; non-holders keep
-zero-size placeholders and no segment storage. The same wrapper makes ``model.to(device)``
-work after ``dedicate_params``.
-
-Initial values (what is guaranteed):
-
-* :func:`init_params` runs ``init_fn(module)`` (default: ``module.reset_parameters()``) for
-  every module in ``model.modules()`` order, on *every* rank, with the module's own parameters
-  temporarily replaced by full-size tensors where this rank holds less (a non-holder's
-  placeholder, an FSDP2 ``DTensor`` shard). All ranks draw the same random numbers in the same
-  order as one process running that loop on the unsharded model, and each keeps its part. For
-  models made of torch modules constructed in registration order (``nn.Linear``,
-  ``nn.Embedding``, norms, ...) that loop *is* the constructor's initialisation, so with the
-  same seed the values equal a single-process ``Model()`` bit for bit, on any mesh. Cost: the
-  parameters of one module at full size at a time, per rank; every rank generates every
-  random number.
-* Calling the model's own init directly after ``to_empty`` (``model.init_weights()``, a loop of
-  ``reset_parameters()``) also works: holders initialise their matrices, non-holders'
-  placeholders have zero rows (``nn.init`` sees the true fan-in and does nothing), FSDP2 shards
-  are initialised locally. The values are deterministic but differ from a single-process init
-  (each rank draws only for what it holds; FSDP2 on a CPU mesh behaves the same way). In HSDP
-  dmuon copies every owner's value to its replicas before the first use (forward or state-dict
-  access), so replicas never disagree.
-* Exact values without replaying the init: load a full checkpoint, e.g. rank 0 builds the model
-  on CPU with the seed and every rank calls ``set_model_state_dict(model, sd_or_empty,
-  options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))``, or
-  ``dcp.load`` a checkpoint saved from one process (docs/checkpointing.md).
+:func:`install` makes ``model.to_empty(device=...)`` (and ``model.to(device)``) give each holder a
+fresh segment on the new device; :func:`init_params` initialises every module on every rank as one
+process would on the unsharded model. The recipe, how ``to_empty`` is wrapped and which initial
+values are guaranteed: Note: meta-device initialisation (docs/design.md).
 """
 
 from __future__ import annotations
@@ -391,7 +350,7 @@ def init_params(model: nn.Module, init_fn=None) -> None:
     replaced by a temporary full tensor, whose rows this rank does not keep are dropped after
     (a ``DTensor`` keeps its local shard). So every rank consumes the RNG exactly as one
     process running the same loop on the whole model, and ends up with its part of those
-    values. See the module docstring for when that equals the model's constructor.
+    values. See Note: meta-device initialisation (docs/design.md) for when that equals the model's constructor.
 
     Args:
         model: after ``model.to_empty(device=...)`` (or any materialised model; also works

@@ -1,19 +1,7 @@
 """A clear message when a DCP checkpoint's dedicated set differs from the model's.
 
-The model's state-dict keys do not depend on which matrices dmuon dedicates, but the optimizer's
-do: a dedicated matrix has ``<prefix>state.<fqn>.momentum_buffer``, any other parameter
-``.step`` / ``.exp_avg`` / ``.exp_avg_sq``. Loading an optimizer checkpoint after the
-``predicate`` (or the hook-boundary choice) changed therefore fails inside ``dcp.load`` with
-torch's ``Missing key in checkpoint state_dict: optim.state.<fqn>.step``, which does not say why.
-
-:class:`DCPLoadPlanner` (``dcp.load(..., planner=dmuon.DCPLoadPlanner())``) says so without any
-patch. By default the first ``dmuon.dedicate_params`` also wraps
-``torch.distributed.checkpoint.default_planner.create_default_local_load_plan``, the function that
-raises it (every rank builds its local plan, so every rank raises alike), with
-:func:`explain_mismatch` (the ``dcp.load_plan`` entry of :mod:`dmuon._registry`): when the missing key is
-one optimizer-state kind and the checkpoint holds the other kind for the same parameter, the
-``RuntimeError`` says that the dedicated set differs, for which parameters, and how to proceed.
-Behaviour is unchanged otherwise (the same error, with torch's message kept at the end).
+:class:`DCPLoadPlanner` and :func:`explain_mismatch`; why the error needs explaining: Note: DCP
+load errors (docs/design.md).
 """
 
 from __future__ import annotations

@@ -1,25 +1,9 @@
 """The state-dict layout of dedicated matrices: a ``Shard(0)`` DTensor of full logical shape,
 and the scatter into it / gather out of it that the model and optimizer state hooks share.
 
-Every dedicated matrix lives in full on its holders only (the owner; in HSDP also its replicas)
-and its Muon momentum on the owner only. In a state dict it appears as a DTensor of the full
-shape, ``[Shard(0)]`` over the shard group (``[Replicate(), Shard(0)]`` on an HSDP mesh),
-``torch.chunk``'s row layout: :func:`_placements`, :func:`_chunk_dtensor`; made by a *scatter*
-from the holder of each replicate row (:func:`_scatter_chunks`), read back by gathering the row
-chunks *to the holder* (:func:`_full_on`: no ``full_tensor()`` on every rank), or by
-``full_tensor()`` for a DTensor of any other layout.
-
-Tensor parallelism: a TP-sharded dedicated matrix is held per TP coordinate as its TP shard (the
-*unit*: ``slot.shape``); everything above runs on the unit in each TP coordinate's own
-data-parallel groups, and the DTensor is over the whole job, ``("tp", "shard")`` (HSDP:
-``("replicate", "tp", "shard")``, :meth:`~dmuon.exec._runtime.runtime.DmuonRuntime.state_dict_mesh`),
-with the matrix's TP placement on ``tp`` and ``Shard(0)`` of the unit on ``shard``; a full tensor
-given to load is cut to each holder's TP shard.
-
-Owner-grouped matrices (whose blocks live on several shard ranks) and expert-parallel stacks
-(each rank's own experts) have their helpers here too. The hooks that use all this:
-:mod:`dmuon.exec._state.model_state` and :mod:`dmuon.exec._state.optimizer_state`. All collectives
-run on dmuon's own groups and are charged to the ledger as ``"other"``.
+The layout, its scatter and gather, tensor parallelism and the other holders it serves: Note:
+the state-dict layout (docs/design.md). All collectives run on dmuon's own groups and are charged
+to the ledger as ``"other"``.
 """
 
 from __future__ import annotations

@@ -1,32 +1,8 @@
 """Model state dicts: dedicated parameters (and expert-parallel stacks) as full-shape DTensors,
 and :func:`full_state_dict` for export.
 
-``torch.distributed.checkpoint`` (DCP) and its ``get_/set_model_state_dict`` helpers need, on
-every rank, the same keys with tensors of full logical shape; a dedicated matrix lives in full
-on its holders only. dmuon hooks in at the narrowest points, the ``state_dict`` /
-``load_state_dict`` hooks of the modules (the layout and its scatter / gather:
-:mod:`dmuon.exec._state.dtensor_layout`; the optimizer's side: :mod:`dmuon.exec._state.optimizer_state`):
-
-Model (:func:`register_state_dict_hooks`, called by ``dmuon.exec.apply``)
-    ``module.state_dict()`` post-hook: each dedicated entry becomes a DTensor of the full
-    shape, ``[Shard(0)]`` over the shard group (``[Replicate(), Shard(0)]`` on an HSDP mesh),
-    made by a *scatter* from the holder of each replicate row: each rank receives only its
-    ``ceil(m/N)``-row chunk (the ``torch.chunk`` layout DTensor uses), one matrix at a time.
-    ``load_state_dict`` pre-hook: a DTensor of that layout is *gathered chunk-wise to the
-    holder* of each row (no ``full_tensor()`` on every rank: only holders ever see the whole
-    matrix); a full tensor is copied by the holders; anything else is ``full_tensor()``-ed.
-    Expert-parallel stacks: saved as the full ``(E, a, b)`` DTensor, no copy; loaded by taking
-    this rank's experts.
-
-Tensor parallelism: :func:`full_state_dict` all-gathers the TP shards on dmuon's TP group.
-
-Plain ``model.state_dict()`` (decision): it returns the sharded form above, never a zero-size
-placeholder. It is a *collective*: every rank of the mesh must call it together (as for DCP's
-helpers). For a file readable without torch.distributed use :func:`full_state_dict` (gathered
-full tensors, rank 0 by default). ``optimizer.state_dict()`` likewise.
-
-All collectives run on dmuon's own groups and are charged to the ledger as ``"other"``; reading
-waits for pending HSDP replicate broadcasts first, and loading waits for them before writing.
+The hooks, the layout they produce, and why plain ``model.state_dict()`` is a collective:
+Note: model state dicts (docs/design.md).
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
 """NorMuon's second moments in optimizer state dicts (``dmuon.Muon(variant="normuon")``).
 
-``optimizer.state[p]["second_momentum_buffer"]`` lives on the owner next to the momentum, fp32, of
-the parameter's *second-moment shape* (:func:`dmuon.exec._optim.normuon_update.second_moment_shape`: the
-storage shape with the ``in`` axis collapsed; dim 0 is the parameter's dim 0). In a state dict it
-is laid out exactly like the momentum (:mod:`dmuon.exec._state.dtensor_layout`): a DTensor of the
-full logical second-moment shape, ``[Shard(0)]`` over the shard group (``[Replicate(), Shard(0)]``
-on HSDP), scattered by the owner in ``ceil(rows / N)``-row chunks (HSDP: each chunk broadcast over
-its replicate group); an expert-parallel stack's rank keeps its own experts' rows (no copy); an
-expert stack with several owners is assembled from its ranges in the owners' row. Loading gathers
-the row chunks to the owner (a DTensor of another layout: ``full_tensor()``; a full tensor: its
-slice). So ``full_state_dict=True`` gives plain full tensors, and a checkpoint reshards like the
-momentum (another world size, 1-D <-> HSDP, expert ranges <-> EP).
-
-Its bytes: ``4 * Σ out`` per parameter (``1/in`` of the momentum), charged to the ledger as
-``"other"`` like every state-dict collective. TP-sharded and owner-grouped matrices never get here
-(``dmuon.Muon`` refuses NorMuon on them).
+The layout, its resharding and its bytes: Note: NorMuon state dicts (docs/design.md).
 """
 
 from __future__ import annotations

@@ -1,32 +1,8 @@
 r"""The baseline: FSDP2 + naive all-gather Muon on the same parameters, its bytes per step
 (:func:`baseline_byte_cost`) and per-rank figures (:func:`baseline_rank_stats`).
 
-Baseline "FSDP2 + naive Muon" for the SAME parameters (every rank runs Newton-Schulz on every
-full matrix after all-gathering its gradient). Per parameter with FSDP2 shard
-``c = ceil(d0/N) * prod(shape[1:])`` elements (dim-0 chunking with padding), ``S = N*c``. An expert
-stack is placed as torchtitan places it (``apply_fsdp_to_decoder``): ``Shard(1)``,
-``c = ceil(a/N) * E * b``, when its FSDP group outnumbers its experts, else ``Shard(0)``; with
-expert parallelism ``ep`` it holds its ``E/ep`` local experts and shards over its efsdp group
-of ``N/ep`` ranks (read ``N`` as ``N/ep`` for it below; ``N/ep = 1``: no FSDP2 traffic)
-(:func:`fsdp2_param_shard`, :func:`~dmuon.plan._cost.nbytes.fsdp2_shard_numel`):
-
-=========================  ===============================  ===================================
-collective                 total bytes                      per rank
-=========================  ===============================  ===================================
-forward all-gather         ``R*(N-1)*S*isz_bcast``          ``(N-1)*c*isz_bcast``
-backward all-gather (Z3)   same; 0 for Z2                   same
-gradient reduce-scatter    ``R*(N-1)*S*isz_reduce``         ``(N-1)*c*isz_reduce``
-replicate all-reduce       ``2*R*N*(R-1)*ceil(c/R)*isz_r``  ``2*(R-1)*ceil(c/R)*isz_reduce``
-                           (~``2*(R-1)*S``, ring RS+AG)
-naive Muon grad all-gather ``R*(N-1)*S*isz_param``          ``(N-1)*c*isz_param``
-TP all-gather (``T > 1``)  ``R*N*(T-1)*S_full*isz_param``   ``(T-1)*S_full/T*isz_param``
-=========================  ===============================  ===================================
-
-With TP, ``d0``/``S`` above are of each TP rank's local shard (every column is per TP
-coordinate, ``R*N*T`` ranks) and ``S_full = T*S`` is the whole matrix a naive Muon gathers.
-
-So for Z3 on a 1-D mesh the baseline moves ``4*(N-1)*S`` versus DMuon's ``3*(N-1)*P``
-(:mod:`dmuon.plan._cost.cost_model`).
+Its bytes per collective, per step and per rank: Note: the FSDP2 + naive Muon baseline
+(docs/design.md).
 """
 
 from __future__ import annotations
@@ -102,7 +78,8 @@ def baseline_byte_cost(
 ) -> BaselineByteCost:
     """:class:`BaselineByteCost`: FSDP2 (HSDP if ``R > 1``) + naive all-gather Muon, same params.
 
-    Every rank is charged the same (the per-rank column of the module docstring table). With
+    Every rank is charged the same (the per-rank column of the table in Note: the FSDP2 + naive Muon
+    baseline, docs/design.md). With
     TP (``tp_size = T > 1``), FSDP2 shards each TP rank's local shard over the data-parallel
     mesh, ``R*N*T`` ranks, and a naive Muon, once it holds its TP shard's full gradient, must
     all-gather the ``T`` shards of every TP-sharded matrix to orthogonalise it:

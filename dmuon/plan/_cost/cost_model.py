@@ -1,28 +1,8 @@
 r"""The cost records: :class:`ByteCost` (DMuon bytes per step), :class:`BaselineByteCost` (FSDP2
 + naive Muon) and :class:`RankStats` (per-rank figures), and what their fields count.
 
-Units are in the names: ``_numel`` = elements, ``_nbytes`` = bytes, ``_flops`` = floating-point
-operations (a multiply-add counts 2). All figures are per optimizer step. Totals are summed over
-all mesh ranks; ``per_rank_nbytes`` is indexed by mesh rank ``replicate*N + shard`` and sums to
-the total. Averages are derived, never stored. The byte rule: :mod:`dmuon.plan._cost.nbytes`;
-FLOPs: :mod:`dmuon.plan._cost.flops`; per-rank memory: :mod:`dmuon.plan._cost.rank_memory`; the
-baseline's formulas: :mod:`dmuon.plan._cost.baseline`.
-
-DMuon per step (mesh ``(R, N)``; ``P`` = packed segment bytes incl. alignment padding and flags,
-in the phase's wire dtype; ``Q`` = subsegment bytes):
-
-=========================  =======================  ==========================================
-phase                      total bytes              charged to
-=========================  =======================  ==========================================
-forward broadcast          ``R*(N-1)*P_bcast``      ``(s', r')``, ``s' != seg.shard``
-backward broadcast (Z3)    ``R*(N-1)*P_bcast``      same; 0 for Z2 (``reshard_after_forward=False``)
-gradient reduce            ``R*(N-1)*P_reduce``     same (each non-root sends the segment)
-replicate reduce (HSDP)    ``(R-1)*Q_reduce``       ``(s, r')``, ``r' != owner.replicate``
-replicate broadcast        ``(R-1)*Q_param``        same, in the parameter's storage dtype
-=========================  =======================  ==========================================
-
-:class:`BaselineByteCost` counts FSDP2 + naive Muon on the SAME parameters; its table is in
-:mod:`dmuon.plan._cost.baseline`.
+Units are in the names (``_numel``, ``_nbytes``, ``_flops``); all figures are per optimizer step.
+What each phase's bytes count: Note: the byte cost records (docs/design.md).
 """
 
 from __future__ import annotations
@@ -42,7 +22,7 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ByteCost:
-    """DMuon bytes per step, summed over all mesh ranks (module docstring table).
+    """DMuon bytes per step, summed over all mesh ranks (Note: the byte cost records, docs/design.md).
 
     ``total_nbytes`` is the sum of the phase fields; ``per_rank_nbytes[rank]`` sums to
     ``total_nbytes``. Without TP it has ``R*N`` entries (mesh rank ``replicate*N + shard``);
@@ -110,7 +90,8 @@ class ByteCost:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class BaselineByteCost:
-    """FSDP2 + naive all-gather Muon bytes per step for the dedicated parameters (module docstring)."""
+    """FSDP2 + naive all-gather Muon bytes per step for the dedicated parameters (Note: the FSDP2 + naive
+    Muon baseline, docs/design.md)."""
 
     forward_all_gather_nbytes: int
     backward_all_gather_nbytes: int

@@ -6,29 +6,7 @@ for dmuon and for the FSDP2 baselines on the same mesh. Every byte formula of th
 lives here; the plan's summary and page, and the simulator (:mod:`dmuon.sim._engine.sim_memory`, which adds
 the workload's activations), import them.
 
-Per rank, storage dtypes (``isz``), ``shard(p)`` = FSDP2's padded shard of ``p`` on the rank's
-FSDP2 group (:func:`~dmuon.plan._cost.baseline.fsdp2_param_shard`), *rest* = the parameters dmuon
-does not dedicate, *Muon* = the dedicated ones, ``unit(u)`` = the bytes of FSDP2 unit ``u``
-unsharded (rest only for dmuon; with the dedicated parameters of its boundary for the baselines):
-
-==================  ====================================  =====================================
-term                dmuon (Z2 / Z3)                       FSDP2 + AdamW / FSDP2 + naive Muon
-==================  ====================================  =====================================
-parameters          owned masters (+ HSDP replicas held)  shard(rest) + shard(Muon)
-                    + shard(rest)
-gradients           owned masters' size + shard(rest)     shard(rest) + shard(Muon)
-momentum            owned masters' size                   0 / shard(Muon)
-second moment       NorMuon: 4 B per output row of each   0
-                    owned Muon matrix (:func:`second_moment_shape`)
-AdamW moments       2 x shard(rest)                       2 x shard(rest) + 2 x shard(Muon) /
-                                                          2 x shard(rest)
-transient           packed buffers (``peak_transient``)   max unit(u) (Z2: sum) + max unit(u)
-                    + one boundary's reduce buffer        (its unsharded gradient); naive: or
-                    (:func:`buffer_wire_numel`) + max     all Muon updates gathered + max unit(u)
-                    unit(u) of the rest (Z2: sum)         if more
-==================  ====================================  =====================================
-
-Not time-resolved: the transient terms are the largest of each kind, added as if they met.
+The memory terms of dmuon and of the FSDP2 baselines: Note: memory per rank (docs/design.md).
 """
 
 from __future__ import annotations
@@ -240,7 +218,7 @@ def fsdp2_rest_nbytes(plan: Any) -> tuple[int, dict[str, int]]:
 
 
 def dmuon_memory(plan: Any, stats: Sequence[RankStats], *, variant: str = "muon") -> tuple[MemoryTerms, ...]:
-    """dmuon's :class:`MemoryTerms` per schedule rank (module docstring), from the plan's
+    """dmuon's :class:`MemoryTerms` per schedule rank (Note: memory per rank, docs/design.md), from the plan's
     :func:`rank_stats` ``stats`` (one per schedule rank); ``variant``: ``"muon"`` or
     ``"normuon"`` (:data:`MEMORY_VARIANTS`)."""
     if variant not in MEMORY_VARIANTS:
@@ -276,7 +254,7 @@ def dmuon_memory(plan: Any, stats: Sequence[RankStats], *, variant: str = "muon"
 
 def fsdp2_memory(plan: Any, variant: str, *, reshard_after_forward: bool | None = None) -> MemoryTerms:
     """One rank's :class:`MemoryTerms` (every rank the same) when FSDP2 shards every parameter
-    of the plan's model on its mesh (module docstring): ``"adamw"`` (FSDP2 + AdamW, Z3 as FSDP2
+    of the plan's model on its mesh (Note: memory per rank, docs/design.md): ``"adamw"`` (FSDP2 + AdamW, Z3 as FSDP2
     defaults to), ``"naive"`` (FSDP2 + naive Muon: every Muon update gathered before its NS; the
     plan's Z2 / Z3) or ``"all_to_all"`` (dion-style: the same, then two matrices' worth of each
     owned batch instead of the gathered updates). ``reshard_after_forward`` overrides the

@@ -2,22 +2,7 @@ r"""Seconds on the wire of a buffer's shard phases under the alpha-beta rule of
 ``compile(collectives="auto")``: :func:`broadcast_call_s`, :func:`all_gather_call_s`,
 :func:`buffer_collective_s`.
 
-Two numbers describe the link (plan settings, :class:`~dmuon.plan._records.collective_records.CollectiveSettings`):
-``alpha`` = seconds per algorithm step of a collective, ``B`` = bytes per second. The launch of
-a collective is folded in as one extra ``alpha``. Per call over a group of ``k`` ranks:
-
-=============================  =====================================  ==================================
-collective                     seconds                                bytes
-=============================  =====================================  ==================================
-broadcast / reduce of S bytes  ``(1 + ceil(log2 k)) * alpha + S / B``  tree latency, pipelined bandwidth
-all-gather / reduce-scatter    ``k * alpha + (k - 1) * slot / B``      ring: ``k - 1`` steps, ``slot`` =
-over slots of ``slot`` bytes                                           one rank's part (padding included)
-=============================  =====================================  ==================================
-
-These are the simulator's formulas (``dmuon.sim.hardware.formula_collective_s``) with its
-launch time replaced by ``alpha``; with the defaults (the h100 preset's inter-node link) they
-agree within a few microseconds per call. A flat per-call latency would mis-pick: a ring
-all-gather's latency grows with ``k`` (0.5 ms at ``k = 64``).
+The two link numbers and the per-call formulas: Note: the alpha-beta rule (docs/design.md).
 """
 
 from __future__ import annotations

@@ -1,41 +1,7 @@
 """Packed buffer layouts: one flat buffer per (hook boundary, parameter dtype).
 
-All offsets and sizes are in ELEMENTS of the buffer (its wire dtype is chosen at run time from
-the plan's mixed-precision settings; the layout does not depend on it).
-
-Layout rule (``a = align_numel``, ``round_up(x) = ceil(x / a) * a``)::
-
-    BufferLayout(dtype)                       offset 0
-    ├─ Segment(shard=s0)                      one per shard coordinate owning >= 1 param, by shard
-    │   ├─ SubSegment(owner=(s0, r0))         one per owner replicate coordinate, by replicate
-    │   │   ├─ entry p1   offset o1 = sub.offset                     (multiple of a)
-    │   │   ├─ entry p2   offset o2 = round_up(o1 + numel(p1))       (multiple of a)
-    │   │   ├─ ...        entries in plan (named_parameters) order
-    │   │   └─ flags      flags_offset = round_up(o_last + numel(p_last)),
-    │   │                 len(entries) elements, one gradient-presence flag per entry
-    │   │   sub.numel = round_up(flags_offset + len(entries) - sub.offset)
-    │   └─ SubSegment(owner=(s0, r1)) ...     starts at the previous one's end
-    └─ Segment(shard=s1) ...                  starts at the previous one's end
-
-so segments and subsegments are contiguous, every entry and flags region starts at a multiple
-of ``a``, and ``buffer.numel`` is a multiple of ``a``. A matrix owned by an owner group
-(:class:`~dmuon.plan._records.owners.OwnerGroup`) has one entry per block (``LayoutEntry.block``), each
-in its member's sub-segment, with the block's shape; an expert stack with several owners
-(:class:`~dmuon.plan._records.owners.ExpertOwners`) likewise has one entry per contiguous range of
-experts ``(sizes[j], a, b)``. A segment is what its shard rank
-broadcasts (in every replicate group) and what the gradient reduce delivers to it; the flags
-let the owner tell "no rank produced a gradient" (all flags 0 after the AVG-reduce) from a zero
-gradient.
-
-An all-gathered buffer (:attr:`BufferLayout.collective` ``"all_gather"``) keeps this layout and
-adds *slots*: every shard rank of a group contributes one slot of ``slot_numel = round_up(max
-segment numel + 1)`` elements, its segment (same relative offsets) then zeros, with the step
-code in the slot's last element::
-
-    gathered (k * slot_numel)   slot 0 = [segment of group shard 0 | 0 ... | code] slot 1 = [...] ...
-
-The gradient reduce-scatters the same ``k`` slots (each rank packs every segment's gradients
-and flags at its slot's offsets), so each holder receives its own slot, SUMmed.
+Offsets and sizes are in elements of the buffer. The layout rule (segments, sub-segments,
+entries, presence flags, all-gather slots): Note: packed buffer layout (docs/design.md).
 """
 
 from __future__ import annotations
@@ -427,7 +393,7 @@ class Boundary:
 
 
 def check_buffer_layout(buf: BufferLayout, align_numel: int) -> None:
-    """Check the alignment rules of the module docstring (structure is checked by the records).
+    """Check the alignment rules of Note: packed buffer layout (docs/design.md) (structure is checked by the records).
 
     Raises:
         ValueError: an entry/flags offset is not a multiple of ``align_numel``, entries are not

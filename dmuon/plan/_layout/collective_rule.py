@@ -1,25 +1,8 @@
 """Which collective moves each packed buffer (stage 3 of the planner, after the layout):
 :func:`choose_collective`, :func:`assign_collectives`.
 
-Per buffer (hook boundary x dtype [x EP degree]) the parameter phases use one of
-:data:`~dmuon.plan._layout.buffer_layout.BUFFER_COLLECTIVES`, and the gradient pairs with it
-(:data:`~dmuon.plan._rules.GRADIENT_COLLECTIVE`):
-
-=================  ==========================================  ===========================================
-kind               forward / backward (Z3)                     gradient
-=================  ==========================================  ===========================================
-``broadcast``      one broadcast per owner segment (root: the  one SUM-reduce per segment to its holder
-                   segment's holder)
-``all_gather``     one all-gather of equal slots per group     one reduce-scatter (SUM) of the same slots
-=================  ==========================================  ===========================================
-
-A group is a replicate row of ``N`` shard ranks, or an efsdp group of ``N/ep`` for an
-expert-parallel buffer; a one-rank group moves nothing, so its buffer stays ``"broadcast"`` in
-every mode. HSDP's replicate phases (per sub-segment, over the replicate group) are the same for
-both kinds. ``collectives="auto"`` picks ``all_gather`` exactly when the alpha-beta rule (:func:`~dmuon.plan._cost.seconds.buffer_collective_s`, padding included) prices
-it strictly below the broadcasts (ties go to broadcast) and, for a buffer whose expert ranges the
-planner cuts (:func:`places_expert_ranges`), its slots pad the gathered tensor by at most
-:data:`~dmuon.plan._rules.ALL_GATHER_MAX_PADDING` (2 %, :func:`padding_fraction`). Pure.
+Each kind's phases, the groups, and when ``collectives="auto"`` picks ``all_gather``: Note: the
+collective of a buffer (docs/design.md). Pure.
 """
 
 from __future__ import annotations
@@ -85,7 +68,7 @@ def choose_collective(
     reduce_itemsize: int,
     reshard_after_forward: bool,
 ) -> CollectiveChoice:
-    """The collective of ``buf`` under ``settings`` (module docstring)."""
+    """The collective of ``buf`` under ``settings`` (Note: the collective of a buffer, docs/design.md)."""
     k = buf.group_size(num_shards)
     slot = slot_numel_of(buf, align_numel)
     kw = dict(

@@ -1,32 +1,8 @@
 r"""Equal slots for all-gathered buffers: a boundary's expert ranges re-placed by water-fill
 (:func:`water_fill`, :func:`equal_slots`).
 
-An all-gather moves one slot per shard rank, as large as the largest segment, so a buffer's
-padding is ``N * slot - numel``. Owners hold whole matrices and whole experts, so equal slots
-are bounded by that granularity; what the planner can move is the expert ranges. Water-fill,
-per buffer (hook boundary x dtype) holding expert stacks without expert parallelism:
-
-    the dense matrices keep their owners (global LPT); for the smallest slot S (a multiple of
-    align_numel, by bisection) such that, visiting shard coordinates in order from a start
-    coordinate (cyclically), each takes the next consecutive experts of the buffer's stacks
-    (plan order) while its segment plus the step code still fits in S, every expert is placed.
-    The first such buffer starts at coordinate 0, each next one where the previous one's last
-    range ended (+1), so that boundaries whose slots are not full do not all leave the last
-    coordinates short.
-
-Each stack's ranges are then contiguous in expert order, on distinct shard coordinates of one
-replicate row (the row with the least owned weight), as any
-:class:`~dmuon.plan._records.owners.ExpertOwners`. What it guarantees: every segment of the buffer
-is ``<= S - 1`` elements, so per boundary each rank owns at most ``S`` of its elements; the LPT
-bound on the NS load no longer covers the re-placed ranges (their weight follows bytes, not
-the LPT order). What it does not: the smallest slot over all placements (the greedy visits
-shards in one order).
-
-:func:`equal_slots` adopts the water-filled layout of a buffer only where it pays under the
-plan's collective settings: ``"all_gather"`` when its slot is smaller, ``"auto"`` when its best
-kind is modelled strictly faster than the best kind of the LPT layout. Expert-parallel buffers
-keep their placement (each stack cut into ``min(E/ep, efsdp)`` balanced ranges on distinct efsdp
-ranks: equal slots whenever ``efsdp`` divides ``E/ep``).
+The water-fill, what it guarantees and when :func:`equal_slots` adopts it: Note: equal slots
+(docs/design.md).
 """
 
 from __future__ import annotations
@@ -97,7 +73,7 @@ def water_fill(
     row: int = 0,
     start: int = 0,
 ) -> tuple[int, list[list[tuple[int, int]]]]:
-    """The smallest slot (module docstring) and each stack's ranges ``[(shard, experts), ...]``.
+    """The smallest slot (Note: equal slots, docs/design.md) and each stack's ranges ``[(shard, experts), ...]``.
 
     Args:
         dense: ``{shard: {replicate: [numel, ...]}}``, the fixed entries of each sub-segment.
@@ -213,7 +189,7 @@ def water_filled_owners(
 ) -> dict[int, Any]:
     """The owners of ``buf``'s expert stacks (by spec index) when water-fill re-places them
     around the buffer's dense entries on replicate row ``row``, shards visited from ``start``
-    (module docstring)."""
+    (Note: equal slots, docs/design.md)."""
     N = num_shards
     fqns = sorted({e.fqn for e in buf.entries()}, key=index.__getitem__)
     stack_idx = [index[f] for f in fqns if specs[index[f]].experts is not None]

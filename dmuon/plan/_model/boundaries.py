@@ -1,38 +1,8 @@
 """Hook-boundary resolution: which module's forward/backward hooks serve a dedicated parameter.
 
-A *hook boundary* is the module whose pre-forward hook broadcasts the packed buffer holding a
-dedicated parameter (and whose post-backward reduces its gradient). It must be an *ancestor* of
-every use of the parameter: the parameter's own module or a module whose FQN is a proper prefix,
-at a dot boundary, of the parameter's module path (the root ``""`` is an ancestor of everything).
-
-Two resolution rules (docs/planning.md, "Pipeline", step 3, with examples):
-
-* **Heuristic** (``hook_boundary_predicate=None``): the OUTERMOST ancestor whose FQN ends in
-  ``<container>.<int>`` with ``<container>`` in :data:`CONTAINER_NAMES`; if there is none, the
-  outermost ancestor whose last component is an integer (``<name>.<int>``, or a bare ``<int>``
-  when the root module itself is the container, e.g. an ``nn.Sequential`` model). Examples:
-
-  =====================================================  ===========================
-  parameter                                              boundary
-  =====================================================  ===========================
-  ``model.layers.3.mlp.experts.7.w1``                    ``model.layers.3``
-  ``layers.0.mlp.0.weight`` (mlp is an nn.Sequential)    ``layers.0``
-  ``transformer.h.11.attn.c_attn.weight``                ``transformer.h.11``
-  ``encoder.layer.5.attention.self.query.weight``        ``encoder.layer.5``
-  ``blocks.4.mlp.fc1.weight``                            ``blocks.4``
-  ``encoder.block.0.layer.1.DenseReluDense.wi.weight``   ``encoder.block.0``
-  ``stages.1.blocks.2.mlp.fc1.weight``                   ``stages.1.blocks.2``
-  =====================================================  ===========================
-
-  (``stages`` is not a container name, so ``stages.1`` only counts for the fallback rule,
-  which applies only when no container match exists.)
-
-* **Predicate** (``hook_boundary_predicate(module) -> bool``): the LOWEST (innermost) ancestor
-  for which the predicate is true. It is called at most once per module path.
-
-A tied parameter must resolve to the same boundary under every alias, otherwise
-:func:`resolve_boundaries` raises ``ValueError`` (the runtime could not broadcast it before
-both uses).
+Two rules, the container heuristic (:data:`CONTAINER_NAMES`) and a user predicate, with examples:
+Note: hook boundaries (docs/design.md). A tied parameter must resolve to the same boundary under
+every alias (:func:`resolve_boundaries` raises ``ValueError`` otherwise).
 """
 
 from __future__ import annotations
@@ -73,7 +43,7 @@ def ancestors(module_fqn: str) -> tuple[str, ...]:
 def heuristic_boundary(module_fqn: str) -> str | None:
     """Default boundary of a parameter living in module ``module_fqn``, or None.
 
-    Pure string function (see module docstring for the rule and examples).
+    Pure string function (see Note: hook boundaries in docs/design.md for the rule and examples).
     """
     if not module_fqn:
         return None

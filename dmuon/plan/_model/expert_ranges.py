@@ -1,36 +1,7 @@
 """Expert stacks: how a 3-D Mixture-of-Experts parameter holds its Muon matrices.
 
-A Mixture-of-Experts block stores its ``E`` experts' weights as one 3-D parameter per
-projection. Muon orthogonalises every expert's matrices separately, in ``nn.Linear``
-``(out, in)`` orientation, exactly as ``torch.optim.Muon`` treats the unfused model's 2-D
-weights. Layouts recognised (``shape[0] == E`` always):
-
-=====================================  ====================  =======================================
-layout                                 storage per expert    Muon matrices per expert
-=====================================  ====================  =======================================
-HF fused ``gate_up_proj`` (Qwen3-MoE,  ``(2F, D)`` out/in,   gate ``[:F]`` and up ``[F:]``, each
-Qwen2-MoE, Mixtral, DeepSeek-V3)       gate rows first       ``(F, D)``
-HF ``down_proj`` / ``up_proj``         ``(D, F)`` out/in     one ``(D, F)``
-gpt-oss ``gate_up_proj``               ``(D, 2F)`` in/out,   gate ``[:, ::2]ᵀ`` and up ``[:, 1::2]ᵀ``,
-(``is_transposed``, interleaved)       gate/up interleaved   each ``(F, D)``
-gpt-oss ``down_proj``                  ``(F, D)`` in/out     one ``(D, F)`` (the transpose)
-torchtitan ``GroupedExperts``          ``w1``/``w3``         one per expert, as stored
-(``w1_EFD``, ``w3_EFD``, ``w2_EDF``)   ``(F, D)``, ``w2``
-                                       ``(D, F)``, out/in
-any other 3-D ``(E, m, n)`` parameter  ``(m, n)`` out/in     one ``(m, n)``
-under a module path with ``experts``
-=====================================  ====================  =======================================
-
-Hugging Face transformers 5.x marks its experts modules with ``is_transposed``,
-``is_concatenated`` and ``has_gate`` (``transformers.integrations.moe.use_experts_implementation``);
-:func:`expert_stack` reads those attributes when present, and falls back to the names above.
-
-Expert *biases* (``gate_up_proj_bias`` ``(E, 2F)``, ``down_proj_bias`` ``(E, D)``) are stacks of
-vectors, not matrices: :func:`is_stacked_bias` keeps them out of the default selection (AdamW).
-Routers (``mlp.gate.weight`` ``(E, D)``) and shared experts are ordinary 2-D matrices;
-:func:`is_router` recognises a router (for ``ExpertPolicy(routers=...)``, :data:`ROUTER_MODES`).
-
-Pure: reads module attributes and parameter metadata only; never imports ``torch.distributed``.
+The layouts recognised, expert biases and routers: Note: expert stack layouts (docs/design.md).
+Pure: reads module attributes and parameter metadata only.
 """
 
 from __future__ import annotations
@@ -78,7 +49,7 @@ def expert_stack(
     shape: tuple[int, ...], attr: str, module_fqn: str, module: Any, *, gate_up: str = "split"
 ) -> ExpertStack | None:
     """The :class:`ExpertStack` of a parameter ``module.<attr>`` of ``shape``, or None when it
-    is not a recognised expert stack (see the module docstring for the rules).
+    is not a recognised expert stack (see Note: expert stack layouts in docs/design.md for the rules).
 
     Args:
         gate_up: ``"split"`` (default) or ``"fused"``, :data:`GATE_UP_MODES`.

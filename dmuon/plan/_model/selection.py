@@ -1,32 +1,7 @@
 """Which parameters are dedicated (get one Muon owner), their matrix views and boundaries.
 
-Degenerate views (:func:`degenerate_reason`: a side of 1 per matrix, or a depthwise conv
-kernel) are never selected by the default rule or :func:`matrix_predicate`.
-
-Default selection (``predicate=None``): every 2-D parameter and every recognised 3-D expert
-stack (:mod:`dmuon.plan._model.expert_ranges`; with ``experts="auto"``, the default) that resolves to a hook
-boundary (:mod:`dmuon.plan._model.boundaries`), is not the ``weight`` of an ``nn.Embedding`` /
-``nn.EmbeddingBag`` under ANY of its aliases (so a tied ``lm_head``/``embed_tokens`` pair is
-never dedicated), is not a stacked bias (a 2-D parameter named ``*bias``, e.g. gpt-oss's
-``gate_up_proj_bias`` ``(E, 2F)``), and requires a gradient (a frozen matrix stays with FSDP2,
-which never reduces or updates it; a predicate that selects one raises ``ValueError``). Conv
-weights and other 3-D parameters are selected only by a user predicate (or
-:func:`matrix_predicate`). ``experts="off"`` restores the selection before expert support:
-2-D parameters only, and a stack a predicate selects is one owned unit of ``E`` matrices
-without a layout (a fused gate/up expert one matrix).
-
-Matrix view of a selected parameter of shape ``shape`` (the ``(m, n)`` matrices Muon
-orthogonalises, Jordan et al. 2024):
-
-* 2-D ``(m, n)``: ``matrix_shape=(m, n)``, ``num_matrices=1``;
-* ``nn.Conv1d/2d/3d`` weight ``(out, in/groups, *k)`` (canonical alias's module):
-  ``matrix_shape=(out, in/groups * prod(k))``, ``num_matrices=1``;
-* 3-D expert stack ``(E, a, b)``: one :class:`~dmuon.plan._records.params.ExpertStack` per stack
-  (orientation, fused gate/up), ``matrix_shape`` = one Muon matrix ``(out, in)``,
-  ``num_matrices = E`` (``2E`` for a split gate/up); a 3-D parameter outside an ``experts``
-  module selected by a predicate is a generic stack ``(E, m, n)`` -> ``E`` matrices ``(m, n)``;
-* anything else (0-D, 1-D, ``nn.ConvTranspose*d`` weights whose first dim is the input
-  channel, non-conv 4-D+): undefined -> ``ValueError`` if selected.
+The default selection and the matrix view of each kind of selected parameter: Note: parameter
+selection (docs/design.md).
 """
 
 from __future__ import annotations
@@ -70,7 +45,7 @@ class Selected:
 
 
 def matrix_view(record: ParamRecord) -> tuple[tuple[int, int], int] | None:
-    """``((m, n), num_matrices)`` of ``record`` per the module docstring, or None if undefined."""
+    """``((m, n), num_matrices)`` of ``record`` per Note: parameter selection (docs/design.md), or None if undefined."""
     shape = record.shape
     kind = record.module_kinds[0]
     if len(shape) == 2:

@@ -1,28 +1,7 @@
 """Matrix views: which blocks of a dedicated matrix Muon orthogonalises separately.
 
-``dmuon.plan.compile(model, mesh, matrix_views=...)`` (and ``dmuon.dedicate_params``) takes
-
-* a mapping ``{fqn_pattern: view}``: patterns are :func:`fnmatch.fnmatchcase` globs over each
-  dedicated parameter's FQNs (canonical name and aliases), tried in the mapping's order, first
-  match wins; a value is a :class:`~dmuon.plan._records.params.MatrixView`, a *rule* ``shape ->
-  MatrixView`` (the helpers below) or None (whole matrix). A pattern that matches no dedicated
-  parameter raises (a typo would otherwise silently turn the feature off);
-* or a callable ``(fqn, shape) -> MatrixView | None`` evaluated for every dedicated 2-D parameter.
-
-Rules (each returns a function of the parameter's 2-D shape):
-
-* :func:`heads` ``(num_heads, dim=0)``: ``num_heads`` equal blocks along ``dim``: per-head q / k /
-  v projections ``(H·d_h, D)`` (``dim=0``; k / v with ``H_kv`` heads), per-head ``o_proj``
-  ``(D, H·d_h)`` (``dim=1``, column blocks).
-* :func:`fused_qkv` ``(num_heads, num_kv_heads, head_dim, dim=0, layout=..., per_head=False)``:
-  a fused QKV weight: ``layout="concat"`` = ``[Q; K; V]`` (``D_q + 2·D_kv`` rows, or GPT-2's
-  ``Conv1D`` ``c_attn`` ``(D, 3·D)`` with ``dim=1``); ``layout="grouped"`` = Megatron-LM's
-  ``linear_qkv``, one ``[q heads of the group; k; v]`` run per query group. ``per_head=True``
-  cuts every head into its own block.
-
-Model helpers return a ready mapping: :func:`hf_llama_views` (also Qwen2 / Qwen3 / Mistral:
-``self_attn.{q,k,v,o}_proj``), :func:`gpt2_views` (``attn.c_attn`` / ``attn.c_proj``),
-:func:`megatron_views` (``self_attention.linear_qkv`` / ``linear_proj``).
+The mapping or callable ``compile(matrix_views=...)`` takes, the rules (:func:`heads`,
+:func:`fused_qkv`) and the model helpers: Note: matrix views (docs/design.md).
 """
 
 from __future__ import annotations
@@ -75,7 +54,8 @@ def fused_qkv(
     layout: str = "concat",
     per_head: bool = False,
 ) -> Rule:
-    """Rule for a fused QKV weight (module docstring): q, k and v blocks (``per_head``: every head)."""
+    """Rule for a fused QKV weight (Note: matrix views, docs/design.md): q, k and v blocks (``per_head``: every
+    head)."""
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     if layout not in ("concat", "grouped"):
@@ -191,7 +171,7 @@ def megatron_views(
 
 def resolve_views(specs, matrix_views) -> dict[str, MatrixView]:
     """``{canonical fqn: MatrixView}`` for the dedicated ``specs`` under ``matrix_views``
-    (module docstring). Pure.
+    (Note: matrix views, docs/design.md). Pure.
 
     Raises:
         ValueError: a view for a parameter that is not 2-D, a rule that does not fit its shape,

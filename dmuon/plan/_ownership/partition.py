@@ -1,156 +1,7 @@
-r"""Owner assignment: constrained LPT (longest processing time first) over R*N owner slots.
-
-Slots are the mesh ranks, ``slot = replicate * N + shard``; the *shard coordinate* of a slot is
-``slot % N``. Each item (a dedicated parameter) has an integer weight ``w`` (``cost_model``:
-elements, or Newton-Schulz FLOPs, see :mod:`dmuon.plan._cost.weights`) and a group (its hook boundary).
-
-Algorithm (Graham 1969 list scheduling in LPT order, with a spread preference)::
-
-    sort items by (-w, fqn)                     # input order never matters; ties by FQN
-    W = max weight; load[s] = 0 for every slot; M = 0
-    for each item (w, boundary b):
-        g = argmin load                          # ties: lowest slot index
-        e = argmin load over slots whose shard coordinate b has not used yet
-            (ties: lowest index; e = g if every coordinate is used)
-        c = e if load[e] + w <= max(M, load[g] + W) else g
-        load[c] += w; M = max(M, load[c]); mark c % N used by b
-
-Preferring a fresh shard coordinate spreads a boundary's matrices over shard ranks, so owners
-of one layer run Newton-Schulz in parallel and the broadcast segments of a layer come from
-different ranks.
-
-**Guarantee** (list-scheduling bound). Let ``T`` be the total weight, ``S = R*N`` the number
-of slots. Then the final makespan ``max(load) <= T / S + W``.
-
-*Proof.* Induction over placements; it suffices that each placement leaves
-``M <= T/S + W``. Before placing item ``w``, the loads sum to at most ``T - w``, so
-``load[g] = min(load) <= (T - w)/S <= T/S``. If ``c = g``: the new load is
-``load[g] + w <= T/S + W``. If ``c = e``: either ``load[e] + w <= M`` (the makespan does not
-grow) or ``load[e] + w <= load[g] + W <= T/S + W``. In all cases the new makespan is
-``<= max(M, T/S + W)``, and ``M <= T/S + W`` by induction. ∎
-
-**Not guaranteed.** Optimality (LPT's 4/3 factor does not carry over: the spread preference may
-place an item off the least-loaded slot, e.g. weights ``5, 3, 3, 2`` on 2 slots with the two 3s
-in one boundary give makespan 8, optimum 7); nor, in general, that a boundary's items land on
-distinct shard coordinates (a spread move is refused when it would exceed ``max(M, load[g] +
-W)``; with mixed weights or interleaved boundaries a coordinate can repeat).
-
-**Also true** (equal weights; proved by induction, tested). If all weights are equal and
-positive, and each group's items are contiguous in the sorted order, the ``t``-th item goes to
-slot ``t mod S`` (round-robin). Induction: within a load level the filled slots form a prefix
-``0..f-1``; the next item's group has used only the ``j`` slots just before ``f`` (consecutive
-indices, so consecutive coordinates mod N, since ``N`` divides ``S``); if ``j < N`` slot ``f``
-has an unused coordinate, else every coordinate is used and ``e = g``. Either way ``e = f`` (the
-least-loaded slot with the lowest index among the eligible) and ``load[e] = load[g]`` accepts
-it; a group wrapping into the next level continues at slot 0 likewise. Hence a group of
-``k <= N`` items uses ``k`` distinct shard coordinates, for any ``R``; and every slot gets an
-item once there are ``>= S`` items. Items of a boundary are contiguous in FQN order whenever no
-boundary FQN is a dotted prefix of another (true for the default heuristic, whose boundaries
-never nest).
-
-Complexity: O(items * S) with numpy vector ops (two masked argmins per item); 560 items on
-1024 slots run in milliseconds. Weights are exact integers (int64, or Python ints when the
-total could overflow int64).
-
-Owner groups (:func:`lpt_partition_groups`)
--------------------------------------------
-
-Past one matrix per slot, exclusive owners cannot balance: the busiest slot holds at least
-the largest matrix. An item may instead be owned by a *group* of ``k`` slots: it is cut into
-``k`` blocks along its long side (the caller's ``piece_weights(i, k)``: the block weights in
-block order), member ``j`` owns block ``j``. The ``k`` members lie in ONE replicate row
-(``slot // N``) on ``k`` distinct shard coordinates, so ``k <= N``; ``k = 1`` is the exclusive
-owner above. Given ``k`` per item, one greedy pass places *pieces*::
-
-    sort items by (-largest piece, fqn)          # LPT over pieces; ties by FQN
-    W = largest piece over all items
-    for each item:
-        k = 1:  exactly the step above (spread preference, acceptance against M and W)
-        k >= 2: in every row r take the k least-loaded slots l_1 <= ... <= l_k (ties: lowest
-                index) and pair them with the blocks sorted largest first, p_1 >= ... >= p_k;
-                choose the row whose peak max_j (l_j + p_j) is smallest (ties: lowest row);
-                mark the k shard coordinates used by the item's boundary
-
-With every ``k = 1`` this is :func:`lpt_partition`, slot for slot. (For ``R = 1`` a heap of
-``load * S + slot`` keys yields the ``k`` least-loaded slots; rows use a numpy partition.)
-
-**Guarantee.** Let ``T`` be the total piece weight, ``W`` the largest piece, ``S = R*N``, and
-``K`` the largest group size. Then ``max(load) <= T/S + W`` when ``R = 1`` (or ``K = 1``), and
-``max(load) <= N/(N-K+1) * T/S + W`` when ``R > 1``. (``bound`` holds it as an exact fraction.)
-With initial loads (``initial_loads``: weight on the slots before the pass), ``T`` includes them,
-every bound is at least the largest of them, and ``R = 1`` keeps ``T/S + W`` only when they differ
-by at most ``W`` (the proof's starting gap); otherwise it takes the ``R > 1`` form, whose proof
-does not need the gap (a ``K = N`` group must load the slot that starts highest).
-
-*Proof, R = 1.* We show the invariant ``max(load) - min(load) <= W``; at the end
-``min(load) <= T/S`` gives the bound. Start: all zero. A 1-piece step puts ``w <= W`` on
-``g`` (the minimum) or on ``e`` only if the result is ``<= max(M, load[g] + W)``; so the new
-maximum is ``<= max(M, m + W)`` (``m`` the old minimum) and the minimum does not drop: the gap
-stays ``<= W``. A group step with ``R = 1`` takes the ``k`` least-loaded slots of the whole
-mesh; let ``x_j = l_j + p_j``. Unchosen slots have load ``u >= l_k``, so ``x_a - u <= p_a <=
-W``. For two chosen ``a > b``: ``l_a >= l_b`` and ``p_a <= p_b``, so ``x_a - x_b <= l_a - l_b
-<= W`` (old gap) and ``x_b - x_a <= p_b <= W``. Loads only grow, so every new gap is ``<= W``. ∎
-
-*Proof, R > 1.* Each step leaves ``M <= max(M_before, N/(N-K+1) * T/S + W)``. A 1-piece step
-as in the 1-D proof: ``load[g] <= T/S``, new load ``<= max(M, T/S + W)``. A group step: let
-``ρ`` be the row with the smallest load sum; it is ``<= T/R``. In ``ρ`` the ``N - k + 1``
-slots from the ``k``-th least loaded up each hold ``>= l_k``, so ``l_k <= (T/R)/(N-k+1)``;
-its peak is ``<= l_k + p_1 <= N/(N-k+1) * T/S + W``, and the chosen row's peak is no larger.
-∎
-
-*What the group constraint costs.* With ``R = 1`` nothing: the bound is Graham's with ``W``
-the largest *piece* instead of the largest item, which is the point of splitting. With
-``R > 1`` a group needs ``k`` slots in ONE row, and the row's ``k``-th lowest load is bounded
-only through the row's mean, hence the factor ``N/(N-K+1)`` on the mean term (``1 + (K-1)/(N-K+1)``;
-1.6 % for ``K = 3``, ``N = 128``). ``T/S + W`` does fail for ``R > 1``: ``R = 4, N = 3``, four
-items of 28 and one of 26, all ``k = 2`` (blocks 14 and 13): every row is ``(14, 14, 0)``
-before the 26, which then peaks at ``14 + 13 = 27 > T/S + W = 11.5 + 14``.
-
-Owner groups: ``split="auto"``
-------------------------------
-
-The target is ``max(load) <= L = (1 + slack) * sum(weights) / S`` (the mean of the unsplit
-weights; with ``numel`` weights splitting does not change the total). ``auto`` chooses ``k``:
-
-1. Items that cannot get a piece ``<= L`` even at ``max_split`` (a TP-sharded or expert-stack
-   matrix with ``max_split = 1``, or too few shard ranks) bound every placement from below; ``L``
-   is raised to the largest such piece, and nothing else is split on their account.
-2. Every item above ``L`` gets the smallest ``k`` whose largest block is ``<= L`` (a larger cap
-   cannot meet ``L``); with no item above ``L`` this first level is plain LPT, so when plain
-   LPT meets ``L`` nothing is split. Then the cap is lowered level by level: the items holding
-   the current largest piece get the smallest ``k`` that lowers it (largest first). A level
-   is placed only when a cheap lower bound on ANY placement (largest piece, mean, pigeonhole
-   over the ``j*S + 1`` largest pieces) fits ``L``; the first placement that meets ``L`` wins.
-3. After 12 placements or 64 levels the scan gives up and places the cap ``slack * T/S``
-   (halved while the proven bound exceeds ``L``), where the bound meets ``L`` whenever the
-   pieces can get that small.
-4. Empty slots: while the winner leaves slots owning nothing, split the already-split items
-   with the largest blocks one block further (as many as there are empty slots, at most 3
-   rounds), keeping a round only if it still meets ``L`` and empties fewer slots.
-
-*Guaranteed:* ``k = 1`` everywhere when plain LPT meets ``L``; when any placed level or the
-step-3 cut meets ``L`` the result does (every placement is checked exactly, in integers);
-the step-3 cut meets ``L`` whenever its proven bound does: for ``R = 1`` whenever every item
-has a ``k <= max_split`` whose blocks are ``<= slack * T/S`` and sum to its weight (then
-``T/S + W <= L``), for ``R > 1`` whenever some halved cap ``c`` gives
-``N/(N-K+1) * T/S + c <= L``. Otherwise the result is the placement with the smallest
-maximum among those placed. The proven bound above holds for every result.
-
-*Not guaranteed:* the smallest ``k`` per item (the scan splits by largest piece first; another
-choice of items to split may meet ``L`` with fewer pieces); monotonicity (MORE splitting can
-be worse: Llama-3-405B on 1024 slots meets ``L`` with the 872 M-element MLP matrices at
-``k = 2`` (max/mean 1.11) but not at ``k = 3`` (1.48: 1134 blocks on 1024 slots, pigeonhole),
-which is why the scan places levels in order instead of bisecting); that no slot owns
-nothing (step 4 is best effort; fewer pieces than slots leave slots empty by necessity); the
-spread preference for a group's blocks (its ``k`` members are distinct shard coordinates, but
-they may share coordinates with other items of the same boundary); that the proven bound is
-close (it is about ``2x`` the mean on the Llama-3 plans where the placement reaches ``1.11x``:
-``W`` is one block, and LPT's last pieces fill the gaps the bound allows for).
-
-Complexity: one placement is O(items * S) numpy work (two argmins per 1-piece item; per
-group a heap walk for ``R = 1``, a partition of each row for ``R > 1``); ``auto`` places a
-handful of levels (Llama-3-405B on 4096 slots: two, about 0.2 s on a busy 2-core machine;
-``benchmarks/owner_groups.py``).
+r"""Owner assignment: constrained LPT (longest processing time first) over ``R*N`` owner slots
+(:func:`lpt_partition`), and owner groups, an item owned by ``k`` slots that each hold a block of
+it (:func:`lpt_partition_groups`, ``split="auto"``). The algorithms, their guarantees and proofs:
+Note: constrained LPT, Note: owner groups and Note: choosing owner groups (docs/design.md).
 """
 
 from __future__ import annotations
@@ -196,7 +47,7 @@ def lpt_partition(
     num_shards: int,
     num_replicas: int = 1,
 ) -> PartitionResult:
-    """Assign each item to one of ``num_replicas * num_shards`` slots (module docstring).
+    """Assign each item to one of ``num_replicas * num_shards`` slots (Note: constrained LPT, docs/design.md).
 
     Args:
         weights: non-negative integer weight per item (unit: whatever the cost model uses).
@@ -238,7 +89,7 @@ class GroupPartitionResult:
             coordinates (``slot % N``).
         loads: total piece weight per slot, length ``num_replicas * num_shards``.
         bound: the proven upper bound on ``max(loads)`` as an exact fraction
-            ``(numerator, denominator)`` (module docstring, "Owner groups").
+            ``(numerator, denominator)`` (Note: owner groups, docs/design.md).
     """
 
     members: tuple[tuple[int, ...], ...]
@@ -273,9 +124,9 @@ def _validate_common(weights, keys, groups, num_shards, num_replicas) -> None:
 
 
 def _place(pieces, keys, groups, *, num_shards, num_replicas, initial_loads=None):
-    """One greedy pass (module docstring, "Owner groups"), :func:`lpt_partition`'s when every
-    item is one piece: items in ``(-largest piece, key)`` order; a 1-piece item as in the module
-    docstring's LPT step; a ``k``-piece item on the ``k``
+    """One greedy pass (Note: owner groups, docs/design.md), :func:`lpt_partition`'s when every
+    item is one piece: items in ``(-largest piece, key)`` order; a 1-piece item as in the LPT step
+    (Note: constrained LPT); a ``k``-piece item on the ``k``
     least-loaded slots of the replicate row whose resulting maximum is smallest (ties: lowest
     row), its largest block on the least-loaded slot. Returns ``(members, loads)``.
     ``initial_loads``: per slot, weight placed before this pass (expert-parallel ranges placed
@@ -318,7 +169,7 @@ def _place(pieces, keys, groups, *, num_shards, num_replicas, initial_loads=None
             blocked.append(np.zeros(S, dtype=dtype))
             n_used.append(0)
         pen = blocked[gid]
-        if k == 1:  # the LPT step of the module docstring (spread preference)
+        if k == 1:  # the LPT step (Note: constrained LPT, docs/design.md; spread preference)
             w = p[0]
             g = int(np.argmin(key))
             e = g if n_used[gid] == N else int(np.argmin(key + pen))
@@ -391,7 +242,7 @@ def lpt_partition_groups(
     slack: float = 0.25,
     initial_loads: Sequence[int] | None = None,
 ) -> GroupPartitionResult:
-    """Assign each item to an owner group of ``k`` slots (module docstring, "Owner groups").
+    """Assign each item to an owner group of ``k`` slots (Note: owner groups, docs/design.md).
 
     Args:
         weights: non-negative integer weight per item, unsplit.
@@ -411,7 +262,7 @@ def lpt_partition_groups(
             it, the target and the bound count it as placed weight (``T`` = pieces + initial;
             the bound is at least the largest initial load, and with groups on one replicate row
             whose initial loads differ by more than the largest piece it is the ``N/(N-K+1)``
-            form: module docstring, "Guarantee"). None: all zero.
+            form: Note: owner groups, "Guarantee"). None: all zero.
 
     Returns:
         :class:`GroupPartitionResult`, members aligned to the input order.
@@ -487,7 +338,7 @@ def result_bound(ks, pieces_of, num_shards: int, num_replicas: int) -> tuple[int
 def _group_bound(
     pieces, num_shards: int, num_replicas: int, preload: int = 0, max_initial: int = 0, min_initial: int = 0
 ) -> tuple[int, int]:
-    """The proven bound on the makespan of :func:`_place` (module docstring, "Owner groups"),
+    """The proven bound on the makespan of :func:`_place` (Note: owner groups, docs/design.md),
     an exact fraction: ``T/S + W`` without groups, or for ``R = 1`` when the initial loads differ
     by at most ``W``; else ``N/(N-K+1) * T/S + W``, ``K`` the largest group size. ``T`` = total
     piece weight plus the initial loads' sum ``preload``, ``W`` = largest piece; the bound is at
@@ -539,7 +390,7 @@ def _auto(
     max_levels: int = 64,
     preload: int = 0,
 ):
-    """``split="auto"`` (module docstring, "Owner groups: auto"): lower a piece cap level by
+    """``split="auto"`` (Note: choosing owner groups, docs/design.md): lower a piece cap level by
     level from "nothing split", splitting the items with the largest piece to the smallest
     ``k`` under the cap, and return the first placement that meets the target."""
     n_items = len(weights)

@@ -1,20 +1,6 @@
 """The sharding plan record: :class:`ShardingPlan`, its validation and its optree registration.
 
-:func:`dmuon.plan.compile` (:mod:`dmuon.plan.compile`) builds it; this module holds the
-record itself. Its lookups by FQN (:mod:`dmuon.plan._records.plan_index`), JSON and fingerprint
-(:mod:`dmuon.plan._records.plan_json`) and derived figures (the nominal schedule, ``cost``,
-the baseline, per-rank stats: :mod:`dmuon.plan._records.plan_figures`) are methods that
-delegate to those modules; ``summary()`` / ``_repr_html_()`` to :mod:`dmuon.plan._tools.render`.
-
-optree registration (namespace ``"dmuon"``): a ShardingPlan is an internal node whose children
-are, in this order, ``params``, ``owners``, ``boundaries`` (tuples, so the leaves are the
-:class:`~dmuon.plan._records.params.ParamSpec`, :class:`~dmuon.plan._records.owners.Owner` and
-:class:`~dmuon.plan._layout.buffer_layout.Boundary` records, in plan order); every other field is treespec
-metadata. So ``optree.tree_map(f, plan_a, plan_b, namespace="dmuon")`` works for plans that
-share the dedicated-parameter count, boundary count AND settings (mesh shape, Z2/Z3, dtypes,
-cost model, alignment, model digest); compare plans of different shape with
-:func:`dmuon.plan.diff`. Unflattening does not re-run validation (like equinox modules), so a
-mapped plan may hold arbitrary leaves; methods other than field access need real records.
+Where its methods delegate, and its optree registration: Note: the plan record (docs/design.md).
 """
 
 from __future__ import annotations

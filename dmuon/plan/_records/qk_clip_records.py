@@ -1,29 +1,7 @@
 r"""QK-clip (MuonClip, Kimi K2, arXiv 2507.20534) settings as plan records.
 
-After each optimizer step, for every attention head ``h`` whose largest pre-softmax logit of
-the step ``S_h`` (after the ``1/√d_h`` scale) exceeded ``τ``, the owners of ``W_q`` and ``W_k``
-rescale that head's rows (and bias entries) so the head's logits shrink by ``τ/S_h``:
-
-* multi-head attention (``H_kv == H``): ``W_q`` and ``W_k`` rows of head ``h`` each by
-  ``√(τ/S_h)`` (the paper's rule);
-* grouped-query attention (``H_kv < H``; a k head is shared by ``H/H_kv`` q heads): the q rows of
-  head ``h`` by ``τ/S_h`` and the shared k head left alone, so every clipped head's logits shrink
-  by exactly ``τ/S_h`` and a head at or below ``τ`` is untouched even when it shares its k head
-  with a clipped one. (Splitting ``√`` between q and a shared k would also shrink the k head's
-  other q heads.)
-
-Heads with ``S_h <= τ`` are untouched. The logits are bilinear in ``W_q x + b_q`` and
-``W_k x + b_k``, so scaling rows and bias together scales the head's logits exactly.
-
-The plan carries a :class:`QKClip` (``compile(..., qk_clip=...)``): its step schedule then holds
-one ``all_reduce`` (max) of the ``Σ H`` per-head maxima (fp32) over the data-parallel mesh, ledger
-phase ``"qk_clip"``, charged ``2·(k-1)·ceil(ΣH/k)·4`` bytes per rank like every all-reduce.
-The owners' rescaling is local; HSDP replicas receive the new rows through the post-step
-replicate broadcast. See :mod:`dmuon.exec._optim.qk_clip` for the runtime API and docs/muon_variants.md.
-
-Helpers build the records for common names: :func:`hf_llama_qk_clip` (Llama / Mistral / Qwen2,
-``self_attn.q_proj`` / ``k_proj``; Qwen3 is refused, it has QK-norm), :func:`gpt2_qk_clip`
-(fused ``attn.c_attn`` Conv1D ``(D, 3·D)``, q and k columns and bias).
+The rescaling rule (MHA and GQA), what the plan's schedule adds and the record helpers: Note:
+QK-clip (docs/design.md). The runtime: :mod:`dmuon.exec._optim.qk_clip`.
 """
 
 from __future__ import annotations
@@ -133,7 +111,7 @@ class AttentionClip:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class QKClip:
-    """QK-clip settings of a plan (module docstring).
+    """QK-clip settings of a plan (Note: QK-clip, docs/design.md).
 
     Attributes:
         tau: the logit threshold ``τ > 0`` (Kimi K2 uses 100).

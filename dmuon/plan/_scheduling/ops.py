@@ -1,63 +1,8 @@
 r"""The records of a step as data: the op kinds, :class:`Op`, :class:`ScheduleError`, and the
 :class:`Step` (micro-batches) a schedule is built for.
 
-:func:`~dmuon.plan._scheduling.builder.schedule` records every operation of a step as a frozen
-:class:`Op`:
-
-=========================  ==========================================================  ========
-op kind                    what                                                        issued
-=========================  ==========================================================  ========
-``broadcast``              a segment to its shard group (``forward_broadcast`` /        dmuon
-                           ``backward_broadcast``); HSDP: a sub-segment from its owner
-                           to its replicate group after the step (``replicate_broadcast``)
-``reduce``                 a segment's gradients SUM-reduced to its holder (``reduce``);
-                           HSDP: a sub-segment over the replicate group to its owner
-                           (``replicate_reduce``)
-``all_gather``             an all-gathered buffer (``BufferLayout.collective``): its
-                           slots over the shard group (``forward_broadcast`` /
-                           ``backward_broadcast``; ``numel`` = one slot)
-``reduce_scatter``         an all-gathered buffer's gradients over the same slots, SUM
-                           (``reduce``; ``numel`` = one slot, what each rank receives)
-``all_reduce``             TP Gram NS: the fp32 Gram of a batch of matrices over the
-                           owner's TP group, one per Gram segment (``tp``)
-``all_gather``             TP gather: the owner group's local updates (``tp``)
-``all_reduce``             owner groups (``compile(owner_groups=...)``): the fp32 Gram
-                           of a batch of grouped matrices over their members, one per
-                           Gram segment (``owner_group``)
-``newton_schulz``          the owner's momentum + NS + update of one matrix (FLOPs)     dmuon
-``forward`` / ``backward`` the boundary's own compute; ``recompute`` for activation     external
-/ ``recompute``            checkpointing (between its pre-backward and backward)
-``fsdp2_all_gather`` /     FSDP2's own collectives of the parameters dmuon does not     external
-``fsdp2_reduce_scatter`` / dedicate (norms, biases, embeddings, ``lm_head``), per
-``fsdp2_all_reduce``       ``fully_shard`` unit (``plan.fsdp2_units``): the root's at
-                           the start of the forward and the end of the backward, a
-                           boundary's at its hooks; HSDP adds the replicate all-reduce
-=========================  ==========================================================  ========
-
-FSDP2's ops are modelled on the documented set-up (``fully_shard`` on every hook boundary, then
-on the root, with the plan's ``reshard_after_forward``): one all-gather per unit and dtype of the
-padded dim-0 shards (``numel`` = elements per rank, in the mixed-precision ``param_dtype``), again
-before a Z3 backward, and one reduce-scatter of the gradients (``reduce_dtype``); FSDP2's own
-prefetching and the root's reshard policy are not modelled.
-
-Ranks are *schedule ranks*: the mesh rank ``replicate*N + shard`` without tensor parallelism and
-``(replicate*N + shard)*T + tp`` with a TP degree ``T > 1`` (the layout of
-``init_device_mesh(device, (R, N, T))``), the indexing of ``ByteCost.per_rank_nbytes``. A
-group is the tuple of schedule ranks that take part; a root is a schedule rank.
-
-Bytes charged to a rank (:meth:`Op.charged_nbytes`) follow the ledger's rule
-(:func:`dmuon.plan._cost.nbytes.collective_rank_nbytes`): every non-root rank of a broadcast or
-reduce of ``S`` bytes is charged ``S``; each rank of an all-reduce of ``numel`` elements over
-``k`` ranks ``2·(k-1)·ceil(numel/k)·itemsize``; each rank of an all-gather of ``S`` bytes per
-rank, or of a reduce-scatter to ``S`` bytes per rank, ``(k-1)·S``. External ops are not charged.
-
-What a :class:`Step` can describe: micro-batches (gradient accumulation), each with its
-forward order (repeats: a boundary called twice; omissions: a boundary not called), its
-gradient-sync flag (``dmuon.no_sync`` / FSDP2's ``set_requires_gradient_sync(False)``), and the
-boundaries recomputed under activation checkpointing; and the dedicated matrices that receive no
-gradient on any rank (``unused``), which Muon skips. The backward visits the forward calls in
-reverse (a sequential model). The Muon step assumes one Muon parameter group in plan order, as
-``dmuon.Muon(model)`` builds it.
+What each op kind records, how FSDP2's own ops are modelled, schedule ranks, the bytes charged
+to a rank and what a :class:`Step` can describe: Note: the step's ops (docs/design.md).
 """
 
 from __future__ import annotations
@@ -121,7 +66,7 @@ class ScheduleError(ValueError):
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Op:
-    """One operation of a step (module docstring table).
+    """One operation of a step (the op kinds: Note: the step's ops, docs/design.md).
 
     Attributes:
         id: index in :attr:`StepSchedule.ops`.

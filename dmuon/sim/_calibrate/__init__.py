@@ -1,62 +1,14 @@
-r"""``python -m dmuon calibrate``: microbenchmarks that make the ``cpu-gloo`` hardware record.
+r"""Microbenchmarks that make the ``cpu-gloo`` hardware record (:func:`calibrate`; the command is
+``python -m dmuon calibrate``, :mod:`dmuon._cli.calibrate_command`).
 
-Measured on this machine, nothing taken from a training run:
-
-* **gloo collectives** by kind (broadcast, reduce, all-reduce, all-gather, reduce-scatter,
-  all-to-all), group size 2-4 (one launch of ``k`` processes each, the whole world as the group)
-  and payload (bytes per rank, :data:`SIZES`): median seconds from issue to ``wait()`` over
-  repeats, after a barrier — gloo's own algorithms, including the contention of ``k`` processes
-  on this machine's cores. ``issue_s``: the calling thread's cost of one ``async_op=True`` call.
-* **matmul FLOP/s** by dtype (fp32; bf16 at small sizes) and square size, one thread
-  (``torch.set_num_threads(1)``, as every rank of the benchmarks runs): the peak is the best
-  size's rate, the efficiency curve every size's fraction of it.
-* **per-operator overhead** (a 1-element add) and **elementwise bandwidth** (a 4 M-element add).
-* **training matmuls**: ``F.linear`` forward + backward with autograd (``x·Wᵀ``, the input and
-  the weight gradient) at ``(4d, d, d)``, as a fraction of the plain peak by mean dimension
-  (``autograd_matmul_efficiency``); and the **autograd operator** cost (a chain of recorded
-  elementwise ops, forward + backward, per op).
-* **hook cost**: a module with a forward pre-hook, forward hook and backward hooks vs without.
-* **FSDP2 call / step-compute factor / DTensor gather / communication CPU share, in a real group
-  of each size** (one launch of ``k`` processes per group size, the whole world as the group):
-  stacks of FSDP2 units (:data:`FSDP2_STACKS`) forward + backward minus the plain stack's
-  (interleaved pairs), per call, less the bare blocking collectives of the same payload (the
-  simulator times those from the curves) — on tiny 8-parameter units (a transformer block's
-  count) the per-call cost, and on two stacks of real block size 8x apart in compute the extra
-  per second of compute between blocking calls (the members' skew, gloo's threads and wake-ups:
-  ``step_compute_factor_by_group``, :func:`fsdp2_terms`); and a
-  ``DTensor.full_tensor()`` + ``redistribute`` back to ``Shard(0)`` less a bare all-gather; and
-  how much of a collective's duration the members' compute loses while it runs on gloo's
-  threads (``comm_cpu_share``, :func:`_comm_cpu_share`). On gloo these grow with the group and
-  with ranks per core (blocking waits, threads that share the cores), which a 1-rank
-  measurement misses. Each is the difference of two noisy timings, so the whole in-situ
-  measurement runs :data:`IN_SITU_REPEATS` times per group size and the record keeps the median
-  of each figure (``raw["collectives"][k]["in_situ_all"]`` keeps every repeat).
-* **Newton-Schulz**: one fp32 ``newton_schulz`` call by matrix shape (:func:`_newton_schulz`;
-  ``gram_newton_schulz`` likewise on the shapes where it saves FLOPs),
-  and per matrix a batched call of 4 / 16 / 32 same-shape matrices against a single one, as
-  ``dmuon.Muon`` batches a bucket (:func:`_ns_batch_factor`).
-* **attention, norm, activation**: fused ``scaled_dot_product_attention`` (causal), ``RMSNorm``
-  and ``GELU``, forward + backward with autograd (:func:`_training_kernels`): on this CPU they
-  run far below the GEMM rate / the plain add's bandwidth, which the matmul curve and the
-  elementwise bandwidth would otherwise assume.
-  The DTensor dispatch of an in-place multiply vs a plain one (1-rank group).
-
-Compute is measured in one process while the other cores idle, and then the **busy node**
-(:func:`_busy_node`): a reference mix of a block's kernels timed alone and with every other core
-running the same mix (one background process per core), giving the slowdown of matmul-class and
-of memory-bound work when every core computes (the benchmark's condition; on this 2-core VM a
-block's kernels ran 10–35 % slower with the other core busy). The simulator applies these on
-top of processor sharing (``ranks_per_node / cores_per_node``).
-
-``--quick`` measures fewer sizes and repeats (a smoke run for tests, seconds). Total: under 3
-minutes on 2 cores (161 s measured on the idle machine; 168–188 s under the step-time
-benchmark's load before the in-situ pairs went from 11 to 9 and the batched-NS and busy-node
-stages were trimmed). Progress: a tqdm bar if tqdm is installed, else one line per stage.
+Measured on this machine, nothing taken from a training run: gloo collectives by kind, group
+size and payload, matmul and Newton-Schulz rates, per-operator costs, FSDP2 and DTensor costs in
+a real group of each size, and the busy-node slowdowns. What each figure measures and how long it
+takes: Note: what calibrate measures (docs/design.md).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -88,9 +40,9 @@ from dmuon.sim._calibrate.compute import (  # noqa: F401 - the settings keep the
 )
 from dmuon.sim._calibrate.gloo import KINDS, QUICK_SIZES, SIZES, _fsdp_overheads, _in_situ, _time_collectives
 from dmuon.sim._calibrate.gloo import FSDP2_STACKS, fsdp2_terms  # noqa: F401 - keep their dmuon.sim._calibrate names
-from dmuon.sim._engine.hardware import CollectiveCurve, Hardware, Link, dump
+from dmuon.sim._engine.hardware import CollectiveCurve, Hardware, Link
 
-__all__ = ["calibrate", "main"]
+__all__ = ["calibrate"]
 
 #: repeats of the in-situ measurement per group size (the median of each figure is kept)
 IN_SITU_REPEATS = 3
@@ -162,7 +114,8 @@ def _worker(
 def calibrate(
     *, group_sizes: Sequence[int] = (2, 3, 4), quick: bool = False, repeats: int | None = None
 ) -> tuple[Hardware, dict]:
-    """Run the microbenchmarks (module docstring) and return ``(Hardware, raw measurements)``."""
+    """Run the microbenchmarks (Note: what calibrate measures, docs/design.md) and return ``(Hardware, raw
+    measurements)``."""
     import torch
 
     torch.set_num_threads(1)
@@ -264,78 +217,3 @@ def calibrate(
         source="python -m dmuon calibrate",
     )
     return hw, raw
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m dmuon calibrate [--json F] [--quick]``: print the record; write it with ``--json``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m dmuon calibrate",
-        description="Microbenchmark this machine into a cpu-gloo hardware record "
-        "for `python -m dmuon simulate --hw FILE` (under 3 minutes).",
-    )
-    parser.add_argument("--json", metavar="FILE", default=None, help="write the record (and raw measurements) here")
-    parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats (smoke run)")
-    parser.add_argument("--group-sizes", type=int, nargs="+", default=[2, 3, 4], help="gloo group sizes to measure")
-    args = parser.parse_args(argv)
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        parser.error(f"--json: the folder of {args.json!r} does not exist")
-    if any(k < 2 for k in args.group_sizes):
-        parser.error("--group-sizes must be >= 2")
-    hw, raw = calibrate(group_sizes=args.group_sizes, quick=args.quick)
-    print(f"{hw.name}: {raw['wall_s']:.0f} s")
-    for d, f in hw.matmul_peak_flops:
-        print(f"  matmul peak {d.replace('torch.', '')}: {f / 1e9:.1f} GFLOP/s (1 thread)")
-    print(
-        f"  operator overhead {1e6 * hw.op_overhead_s:.2f} us, elementwise {hw.elementwise_Bps / 1e9:.2f} GB/s, "
-        f"hook {1e6 * hw.hook_s:.1f} us, FSDP2 call {1e6 * hw.fsdp2_call_s:.0f} us, DTensor op +{1e6 * hw.dtensor_op_s:.1f} us, "
-        f"collective issue {1e6 * hw.issue_s:.0f} us, autograd op {1e6 * hw.autograd_op_s:.1f} us"
-    )
-    if hw.autograd_matmul_efficiency:
-        print(
-            "  training matmul (autograd) fraction of peak by d: "
-            + ", ".join(f"{d:.0f} {e:.2f}" for d, e in hw.autograd_matmul_efficiency)
-        )
-    if hw.attention_efficiency:
-        print(
-            "  attention (SDPA forward + backward) fraction of peak by head d: "
-            + ", ".join(f"{d:.0f} {e:.2f}" for d, e in hw.attention_efficiency)
-        )
-    if hw.ns_efficiency:
-        print(
-            "  Newton-Schulz call (fp32) fraction of peak by d: "
-            + ", ".join(f"{d:.0f} {e:.2f}" for d, e in hw.ns_efficiency)
-        )
-    if hw.gram_ns_efficiency:
-        print(
-            "  Gram Newton-Schulz call (fp32) fraction of peak by d: "
-            + ", ".join(f"{d:.0f} {e:.2f}" for d, e in hw.gram_ns_efficiency)
-        )
-    if hw.ns_batch_factor:
-        print(
-            "  batched Newton-Schulz, per matrix over one call, by (d, batch): "
-            + ", ".join(f"{d:.0f}/{b:.0f} x{f:.2f}" for d, b, f in hw.ns_batch_factor)
-        )
-    print(
-        f"  busy node ({hw.cores_per_node} cores computing): matmul-class x{hw.busy_compute_factor:.2f}, "
-        f"memory-bound x{hw.busy_memory_factor:.2f}"
-    )
-    print(
-        f"  RMSNorm forward + backward {1e9 * hw.norm_train_s_per_numel:.2f} ns / element, "
-        f"GELU forward + backward {1e9 * hw.activation_train_s_per_numel:.2f} ns / element"
-    )
-    step_factor = dict(hw.step_compute_factor_by_group)
-    for (k, f), (_, g), (_, h) in zip(
-        hw.fsdp2_call_s_by_group, hw.dtensor_gather_s_by_group, hw.comm_cpu_share_by_group
-    ):
-        print(
-            f"  k={k}: FSDP2 call {1e3 * f:.2f} ms, DTensor gather {1e3 * g:.2f} ms (each beyond its collective), comm CPU share {h:.2f}, "
-            f"step compute x{step_factor.get(k, 1.0):.2f}"
-        )
-    for c in hw.curves:
-        if c.kind in ("broadcast", "all_gather"):
-            pts = ", ".join(f"{b / 1024:.0f}K {1e3 * s:.2f}" for b, s in zip(c.nbytes, c.seconds))
-            print(f"  {c.kind:<10} k={c.group_size}: ms by size {pts}")
-    if args.json:
-        dump(hw, args.json, raw=raw)
-        print(f"wrote {args.json}")
-    return 0

@@ -1,42 +1,8 @@
 r"""The step schedules of what a user would run instead of dmuon, as op tables.
 
-Each builder returns a tuple of :class:`dmuon.plan.Op` in issue order (the symmetric form of
-:mod:`dmuon.plan._scheduling.step_schedule`: every op shared by all members of its group, each rank issues
-the ops whose group holds it in table order), on the plan's data-parallel mesh, with the same
-boundaries, parameters, wire dtypes and FSDP2 units the plan describes. They are replayed by
-:func:`dmuon.sim.simulate` exactly as a dmuon schedule is.
-
-``adamw`` — FSDP2 + AdamW, the floor. ``fully_shard`` on every hook boundary and on the root, all
-parameters (dmuon's matrices included) sharded on dim 0, except expert stacks, which are placed as
-torchtitan's ``apply_fsdp_to_decoder`` places them (``Shard(1)`` when their FSDP group outnumbers
-their experts, else ``Shard(0)``; with expert parallelism ``ep`` each rank's ``E/ep`` experts
-over its efsdp group of ``N/ep`` ranks, nothing when that is one rank:
-:func:`dmuon.plan._cost.baseline.fsdp2_param_shard`): per micro-batch the root's all-gather,
-per boundary an all-gather before its forward (again before its backward with
-``reshard_after_forward=True``), the forward / backward, a reduce-scatter after the backward
-(HSDP: then an all-reduce over the replicate group), the root's reduce-scatter at the end; then
-AdamW on every shard (added by the simulator).
-
-``naive`` — FSDP2 + naive Muon (``benchmarks/step_time.py``'s ``NaiveMuon``): the same FSDP2
-ops, then per Muon matrix momentum on its shard, one all-gather of the update over the shard
-group (``DTensor.full_tensor()``), Newton-Schulz of EVERY matrix on EVERY rank, and each rank
-applies its own shard. Each NS waits for its own gather; on gloo the simulator also makes the
-thread wait for each gather before the next (``full_tensor()`` blocks the host there), so all
-gathers precede the first NS, as in ``NaiveMuon.step``.
-
-``all_to_all`` — the design of microsoft/dion's Muon (``dion/muon.py``: gradient shards
-all-to-all to whole-matrix owners at the step, all-to-all back): the same FSDP2 ops; at the step,
-Muon matrices in plan order are grouped by shape and cut into batches of ``N`` (one matrix per
-shard rank; the last batch short), and per batch: one all-to-all over the shard group of the
-momentum-updated gradient shards (``N`` shards per rank sent; matrix ``j`` of the batch goes to
-shard rank ``j``), Newton-Schulz of one matrix on each owner, one all-to-all of the orthogonalised
-shards back. Every replicate group does the same (Newton-Schulz is repeated ``R`` times on HSDP).
-
-Tensor parallelism is not modelled for the alternatives: they run on the data-parallel mesh with
-the plan's per-TP-rank shapes (each TP rank's FLOPs), one TP coordinate. With expert parallelism
-(a plan compiled with ``ep > 1``) ``adamw`` and ``naive`` shard and gather each expert stack
-over its efsdp group and orthogonalise a rank's ``E/ep`` experts; ``all_to_all`` is not modelled
-there (:func:`build` raises).
+Each builder returns a tuple of :class:`dmuon.plan.Op` in issue order, replayed by
+:func:`dmuon.sim.simulate` exactly as a dmuon schedule is. What ``adamw``, ``naive`` and ``all_to_all``
+issue, and what is not modelled: Note: the simulator's alternatives (docs/design.md).
 """
 
 from __future__ import annotations
@@ -121,7 +87,8 @@ def ep_groups(plan: Any) -> list[tuple[int, ...]]:
 def fsdp2_ops(
     plan: Any, step: Step | None = None, *, reshard_after_forward: bool = True
 ) -> tuple[tuple[Op, ...], dict[str, tuple[int, ...]]]:
-    """FSDP2's ops for every parameter of ``plan``'s model (module docstring, ``adamw``), and per
+    """FSDP2's ops for every parameter of ``plan``'s model (Note: the simulator's alternatives, ``adamw``,
+    docs/design.md), and per
     unit FQN the ids of its last gradient collectives (reduce-scatter, HSDP all-reduce)."""
     step = Step() if step is None else step
     R, N = plan.mesh_shape
@@ -364,8 +331,8 @@ def build(
 
 
 def moved_nbytes(ops: Sequence[Op]) -> int:
-    """Bytes on the wire summed over ranks of an alternative's collectives, by the accounting
-    rule of docs/planning.md (a non-root member of a broadcast / reduce of ``S`` bytes: ``S``;
+    """Bytes on the wire summed over ranks of an alternative's collectives, by the byte rule
+    (Note: the byte rule, docs/design.md: a non-root member of a broadcast / reduce of ``S`` bytes: ``S``;
     an all-gather / reduce-scatter of ``S`` bytes per rank over ``k``: ``(k-1)·S`` per rank; an
     all-reduce ``2·(k-1)·ceil(numel/k)·itemsize`` per rank; an all-to-all of ``S`` per rank:
     ``(k-1)/k·S`` per rank)."""

@@ -1,23 +1,7 @@
 r"""The cost of a coalesced group of broadcasts / reduces: :func:`coalesced_collective_s`.
 
-NCCL can run several collectives on one communicator as one call (``torch.distributed``'s
-coalescing manager; gloo cannot). dmuon's runtime, where the backend coalesces, issues the
-broadcasts (reduces) of one boundary's phase on one group that way; the simulator then prices the
-``m`` calls, payloads ``S_i`` bytes per rank, as ONE collective (``α``, ``β`` of the slowest link
-the group spans, ``k`` members, :func:`~dmuon.sim.hardware.group_link`)::
-
-    serial (default)     launch + ⌈log2 k⌉·α + Σ S_i·β + (m-1)·op_s
-    concurrent           launch + ⌈log2 k⌉·α + max over members of Σ_{i: root_i ≠ member} S_i·β
-                         + (m-1)·op_s
-
-``op_s`` = ``Hardware.coalesced_op_s`` (None: the link's ``α``): what each call adds beyond the
-first. "serial" assumes the payloads move one after another at the link's bandwidth (what an
-uncoalesced sequence moves, minus all but one launch and tree latency): the conservative model
-and the default. "concurrent" (``Hardware.coalesce_model``) lets the broadcasts from different
-roots share the step, bound by the member that receives (a reduce: sends) the most — every rank
-but a root receives every other payload, so it differs from "serial" only when every member is
-the root of some payload (then by the smallest own payload). It is **uncalibrated**: no
-multi-GPU measurement backs it; use it as an optimistic bound, not a prediction.
+The serial (default) and concurrent (uncalibrated) models: Note: coalesced collectives
+(docs/design.md).
 """
 
 from __future__ import annotations
@@ -34,7 +18,7 @@ def coalesced_collective_s(
     hw: Hardware, kind: str, group: Sequence[int], nbytes: Sequence[float], roots: Sequence[int]
 ) -> float:
     """Seconds of ``m`` broadcasts / reduces (``kind``) on ``group``, payloads ``nbytes[i]`` per
-    rank and roots ``roots[i]``, issued as one coalesced call (module docstring:
+    rank and roots ``roots[i]``, issued as one coalesced call (Note: coalesced collectives,
     ``hw.coalesce_model``, ``hw.coalesced_op_s``). A measured curve of ``kind`` is not a model
     of coalescing: there each call keeps its own time, summed."""
     if kind not in ("broadcast", "reduce"):

@@ -1,88 +1,10 @@
 r"""Hardware records for the step-time simulator: links, collective cost, compute throughput.
 
-A :class:`Hardware` is frozen data (ints, floats, tuples). It answers three questions, each by
-one small named function:
-
-* :func:`collective_s` — seconds one collective takes once every member has issued it. Two
-  sources: **measured curves** (:class:`CollectiveCurve`, written by ``python -m dmuon
-  calibrate``: gloo's own algorithms on this machine, by kind, group size and payload,
-  interpolated piecewise-linearly in bytes) or, where the record has none for that kind,
-  **formulas** over the slowest link the group spans (:class:`Link`; ``α`` = latency per step,
-  ``β`` = 1 / bandwidth per rank and direction, ``S`` = bytes per rank as the schedule's ops
-  carry them (``Op.nbytes``), ``k`` = group size)::
-
-      broadcast, reduce   min(ring: (k-1)·α + S·β,  tree: ⌈log2 k⌉·α + S·β)    (pipelined)
-      all_reduce          min(ring: 2(k-1)·α + 2(k-1)/k·S·β,  tree: 2⌈log2 k⌉·α + 2·S·β)
-      all_gather          (k-1)·α + (k-1)·S·β          S = the input of one rank
-      reduce_scatter      (k-1)·α + (k-1)·S·β          S = the output shard of one rank
-      all_to_all          (k-1)·α + (k-1)/k·S·β        S = what one rank sends in all
-
-  plus ``launch_s`` (a fixed start-up of each call on the device). Where the backend coalesces
-  (``coalesces``: NCCL, the GPU presets; not gloo), the broadcasts (reduces) of one boundary's
-  phase on one group run as ONE call (:func:`dmuon.sim._engine.coalesce.coalesced_collective_s`). A group spans the
-  ``inter`` link when its ranks sit on more than one node (``rank // ranks_per_node``,
-  schedule ranks), else ``intra``. These are the textbook ring / double-binary-tree costs that
-  NCCL chooses between (Thakur, Rabenseifner, Gropp 2005; NCCL's tuning model).
-* :func:`matmul_s` — ``flops / (peak(dtype) · efficiency(d))`` with ``d = (m·n·k)^(1/3)``, the
-  efficiency interpolated in ``log d`` over ``matmul_efficiency`` (a plain ``a @ b``: the
-  optimizer's Newton-Schulz). The forward / backward of training runs its matmuls as
-  ``x·Wᵀ`` with autograd (transposed operands for the input and weight gradients, one graph
-  node each); where the record has ``autograd_matmul_efficiency`` (calibrated from exactly
-  that, :func:`train_matmul_s`) those use it instead.
-* :func:`elementwise_s` — ``nbytes / elementwise_Bps + ops · op_overhead_s``; forward /
-  backward operators of training cost ``autograd_op_s`` each where the record has it (a
-  recorded op and its share of the backward node; :func:`train_elementwise_s`).
-* :func:`ns_call_s` — one Newton-Schulz call (``dmuon._update.newton_schulz``: its matmuls with
-  their transposed operand, the norm and the axpys) where the record has ``ns_efficiency``
-  (calibrated from exactly that call, FLOPs as :func:`dmuon.plan._cost.flops.ns_flops` counts them, by
-  ``d = (a²·b)^(1/3)``; a matrix that runs Gram NS — the plan's ``ns_backend="gram"``, TP
-  ``tp_ns="gram"``, owner groups — on ``gram_ns_efficiency``,
-  calibrated from ``gram_newton_schulz`` the same way, where the record has it); without it the
-  simulator prices NS as its matmuls on the plain curve plus ``2 · steps`` memory passes.
-  ``dmuon.Muon`` (``ns_batching="batched"``, the default, any NS dtype) runs NS as one batched call
-  per bucket of same-shape matrices (:func:`dmuon.plan._rules.ns_batch_runs`); per matrix, such a
-  call takes :func:`ns_batch_factor_at` times a single-matrix call, and where the record has no
-  calibrated factor (GPU presets) each matrix pays ``1 / batch`` of the call's per-operator cost (calibrated ``ns_batch_factor`` by
-  ``d`` and batch: on this CPU ×0.8–1.0 for batches of 4–16 at ``d <= 203``, which amortise
-  the per-operator cost, and ×1.0–1.26 at ``d >= 256``, whose working set leaves the cache).
-* Three kernels of training that are neither a GEMM nor a plain memory pass, where the record
-  has them calibrated (each measured forward + backward under autograd; the forward is priced at
-  a third of it, the backward at two thirds, as every workload term): **attention**
-  (:func:`train_attention_s`: a fused ``scaled_dot_product_attention``'s FLOP/s as a fraction of
-  the peak by one head's mean dimension ``(seq_len² · head_dim)^(1/3)``, ``attention_efficiency``;
-  without it the attention matmuls use the training-matmul curve at the whole width), **norms**
-  (:func:`train_norm_s`: ``norm_train_s_per_numel`` per element, else 6 passes of memory) and
-  the **activation function** (:func:`train_activation_s`: ``activation_train_s_per_numel`` per
-  element, else 2 passes). On this CPU the three run at 0.1–0.2 of the GEMM rate (attention) and
-  2–4× their bytes' time (GELU's ``erf``, RMSNorm's composite reduction and its backward).
-
-Per-call cost on the calling thread (``issue_s``: a collective's Python + c10d issue path;
-``hook_s``: one dmuon hook call; ``fsdp2_call_s``: one FSDP2 unshard / reduce-scatter call
-including its DTensor bookkeeping, beyond the collective itself; ``dtensor_op_s``: the extra
-dispatch of one optimizer op on a ``DTensor``; ``dtensor_gather_s``: a
-``DTensor.full_tensor()`` and the ``Replicate -> Shard`` redistribution back, beyond the
-all-gather itself) are charged to the rank's thread by the simulator. A calibration measures
-the FSDP2 and DTensor-gather costs in a real group of each size (``*_by_group``: ``(k,
-seconds)`` pairs, :func:`fsdp2_call_s_at` / :func:`dtensor_gather_s_at`), because on gloo they grow
-with the group (blocking waits, and ranks that outnumber the cores).
-
-Processor sharing: ``cores_per_node`` cores serve ``ranks_per_node`` ranks; when ranks outnumber
-cores every compute op runs ``ranks_per_node / cores_per_node`` times slower (all ranks are busy in
-a symmetric step; an idle rank does not release its share — stated as an assumption). Busy
-neighbours (:func:`busy_factors`): a core computes slower while the node's other cores compute
-too (shared caches and memory bandwidth; on a VM possibly SMT siblings): calibrated as the
-slowdown of a reference mix with every core busy against one core alone, one factor for
-matmul-class work (training matmuls, attention, Newton-Schulz: ``busy_compute_factor``) and one
-for memory-bound work (norms, activation, elementwise passes, the optimizer:
-``busy_memory_factor``), applied with ``min(ranks_per_node, cores_per_node)`` cores busy
-(linear from 1 at one busy core to the factor at all cores busy). GPU presets: 1.
-``comm_engine`` says where collectives progress: ``"separate"`` (GPU copy engines / NCCL
-kernels: overlap with compute for free) or ``"threads"`` (gloo's threads on the same cores: a
-collective also takes ``comm_cpu_share`` of its duration from the compute of its members;
-calibrated per count of ranks on the node, :func:`comm_cpu_share_at`).
-
-Presets (:data:`PRESETS`) carry public figures; benchmarks/results/2026-12-01-step-time-simulator.md cites each. ``cpu-gloo`` is
-not a preset: it is what ``python -m dmuon calibrate`` measures (:func:`load`).
+A :class:`Hardware` is frozen data (ints, floats, tuples); :func:`collective_s`, :func:`matmul_s`,
+:func:`elementwise_s`, :func:`ns_call_s` and the ``train_*_s`` functions price one op each.
+:data:`PRESETS` carry public figures; ``cpu-gloo`` is what ``python -m dmuon calibrate`` measures
+(:func:`load`). What each term means and where it comes from: Note: the hardware model
+(docs/design.md).
 """
 
 from __future__ import annotations
@@ -228,7 +150,7 @@ ACTIVATION_PASSES = 2
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Hardware:
-    """A machine for :func:`dmuon.sim.simulate` (module docstring: every field's role).
+    """A machine for :func:`dmuon.sim.simulate` (every field's role: Note: the hardware model, docs/design.md).
 
     Attributes:
         name: label.
@@ -433,8 +355,8 @@ def group_link(hw: Hardware, group: Sequence[int]) -> Link:
 
 
 def formula_collective_s(kind: str, k: int, nbytes: float, link: Link, launch_s: float = 0.0) -> float:
-    """Ring / tree cost of one collective (module docstring table). ``k`` = group size,
-    ``nbytes`` = bytes per rank. A one-rank group costs ``launch_s`` only."""
+    """Ring / tree cost of one collective (Note: the simulator's collective cost, docs/design.md).
+    ``k`` = group size, ``nbytes`` = bytes per rank. A one-rank group costs ``launch_s`` only."""
     if kind not in KINDS:
         raise ValueError(f"unknown collective kind {kind!r} (one of {KINDS})")
     if k <= 1:
@@ -544,7 +466,7 @@ def train_attention_s(hw: Hardware, flops: float, d: float, head_d: float, dtype
 def busy_factors(hw: Hardware) -> tuple[float, float]:
     """``(matmul-class, memory-bound)`` slowdown with ``min(ranks_per_node, cores_per_node)`` of
     the node's cores busy: 1 with one busy core, the calibrated factors with all of them, linear
-    between (module docstring)."""
+    between (Note: the hardware model, docs/design.md)."""
     cores = hw.cores_per_node
     busy = min(hw.ranks_per_node, cores)
     if cores <= 1 or busy <= 1:

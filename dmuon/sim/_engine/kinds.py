@@ -1,22 +1,6 @@
 """Each packed buffer's two collective kinds priced by the simulator: :func:`buffer_kind_costs`.
 
-``compile(collectives="auto")`` picks a buffer's kind with an alpha-beta rule of two numbers
-(``dmuon.plan._cost.seconds``: one link, no coalescing). This prices the same decision the way
-the simulator runs a step, so a plan's choices can be checked against it: for every buffer whose
-group has at least two ranks, the seconds per step of its shard phases — forward, the Z3
-backward and the gradient — as one rank sees them,
-
-* as broadcasts / reduces: one per owner segment (``dmuon.plan._scheduling.programs``), on
-  hardware that coalesces (``Hardware.coalesces``: the GPU presets) one coalesced call per phase
-  and group (:func:`dmuon.sim._engine.coalesce.coalesced_collective_s`), else one call each;
-* as all-gathers / reduce-scatters of the buffer's slot (``round_up(largest segment + 1, a)``,
-  ``dmuon.plan._layout.collective_rule.with_collective``): one call per phase and group;
-
-each call costing :func:`dmuon.sim.hardware.collective_s` on the slowest link its group spans
-plus ``Hardware.issue_s`` on the calling thread. Groups of one phase run side by side (rows,
-efsdp groups, TP coordinates): a phase costs its slowest group. Both kinds are priced on the
-buffer's own layout (its segments as placed); the blocking wait per phase, the same for both
-kinds, and HSDP's replicate phases (per sub-segment whatever the kind) are left out. Pure.
+What is priced and what is left out: Note: pricing a buffer's kinds (docs/design.md). Pure.
 """
 
 from __future__ import annotations
@@ -106,7 +90,7 @@ def _phase_seconds(hw: Hardware, ops: list) -> dict[tuple[str, str], float]:
 
 def buffer_kind_costs(plan: Any, hw: Hardware) -> tuple[BufferKindCost, ...]:
     """Every buffer of ``plan`` whose group has two or more ranks, with the simulator's seconds
-    per step of its shard phases under each kind (module docstring), in plan order."""
+    per step of its shard phases under each kind (Note: pricing a buffer's kinds, docs/design.md), in plan order."""
     N = plan.mesh_shape[1]
     seconds: dict[str, dict[tuple[str, str], float]] = {}
     for kind in _KINDS:

@@ -1,23 +1,8 @@
 """Lowering: a step schedule's ops (dmuon's, or an alternative's) -> the simulator's ops, timed.
 
-:func:`_lower` gives each op of the table its seconds on the hardware (collectives from
-:func:`~dmuon.sim.hardware.collective_s` plus their host cost, compute from the
-:class:`~dmuon.sim.workload.Workload`, Newton-Schulz with its batching) and adds the work that is
-not an op of the schedule: the root's, the hooks', the optimizer's (:mod:`dmuon.sim.simulate`'s
-docstring: the model). :func:`dmuon.sim._engine.sim_replay.replay_ops` replays the result.
-
-Two things the lowering changes in the table itself:
-
-* **Coalescing.** On hardware whose backend coalesces (``Hardware.coalesces``: NCCL), the
-  broadcasts (reduces) dmuon issues for one boundary's phase and micro-batch on one group become
-  ONE simulator op, priced by :func:`dmuon.sim._engine.coalesce.coalesced_collective_s` and issued once;
-  an all-gather / reduce-scatter is one call already.
-* **The model's token all-to-all.** On an expert-parallel plan (``compile(ep=K)``, K > 1) every
-  forward / recompute of a boundary with expert stacks runs ``dense | dispatch | experts |
-  combine`` and every backward ``combine' | experts | dispatch' | dense``: two all-to-alls over
-  each EP group (:func:`dmuon.sim.alternatives.ep_groups`), ``Work.dispatch_nbytes`` per rank,
-  on the ``a2a`` channel, the compute waiting for each (no overlap; uniform routing, no capacity
-  factor). The same for dmuon and for the alternatives: the model is the same.
+:func:`dmuon.sim._engine.sim_replay.replay_ops` replays the result. What the lowering adds and the two
+things it changes in the table (coalescing, the token all-to-all): Note: lowering a schedule
+(docs/design.md).
 """
 
 from __future__ import annotations
@@ -298,7 +283,7 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
     waited: set[tuple] = set()
     grouped = _owner_group_fqns(plan)
     batch_factors = _ns_batch_factors(ops, specs, grouped, hw, variant, wl.ns_batching)
-    # the model's token all-to-all under expert parallelism (module docstring)
+    # the model's token all-to-all under expert parallelism (Note: lowering a schedule)
     a2a_groups = _alt.ep_groups(plan)
     if a2a_groups and plan.tp_size > 1:
         raise ValueError("dmuon.sim: expert parallelism with tensor parallelism is not simulated")
@@ -311,7 +296,7 @@ def _lower(ops: Sequence[Op], plan: Any, hw: Hardware, wl: Workload, *, variant:
         for f, w in moe.items()
     }
     last_compute = [-1]  # the latest compute op on every rank (what a token all-to-all waits for)
-    block: list[Op] = []  # dmuon broadcasts / reduces of one boundary phase, coalesced (module docstring)
+    block: list[Op] = []  # dmuon broadcasts / reduces of one boundary phase, coalesced (Note: lowering a schedule)
 
     def host_s(op: Op, k: int, nbytes: int) -> float:
         """A collective's cost on the calling thread: issue, and the per-kind extras."""

@@ -91,8 +91,8 @@ class Simulation:
         critical_rank: the rank that ends last; critical_op: the last op of the critical path.
         critical_path: :class:`PathStep` records, first to last.
         timelines: ``{rank: (Interval, ...)}`` for the ranks asked for.
-        comm_nbytes: bytes on the wire per step, summed over ranks (accounting of
-            docs/planning.md; FSDP2's included).
+        comm_nbytes: bytes on the wire per step, summed over ranks (Note: the byte
+            rule, docs/design.md; FSDP2's included).
         deferred_comm_s: HSDP with ``replicate_async``: how far the replicate broadcasts run
             past ``step_s`` (they are waited for before the next step's broadcast of their
             boundary, so they must hide behind the next forward; not in ``step_s``).

@@ -1,6 +1,6 @@
 """Peak memory per rank, by term, of dmuon (Z2 / Z3) or of an alternative (:func:`memory`).
 
-Not time-resolved (:mod:`dmuon.sim._engine.simulate`'s docstring): the sum of what is resident between
+Not time-resolved (Note: the simulator's replay, docs/design.md): the sum of what is resident between
 steps, the gradients, the largest transient buffers and one micro-batch's activations. The terms
 but the activations are :func:`dmuon.plan._cost.rank_memory.dmuon_memory` and
 :func:`~dmuon.plan._cost.rank_memory.fsdp2_memory` (the formulas, written once there)."""

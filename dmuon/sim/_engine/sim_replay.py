@@ -17,7 +17,8 @@ __all__ = ["replay_ops"]
 
 
 def replay_ops(sim_ops: list[_SimOp], num_ranks: int, hw: Hardware, *, timeline_ranks: Sequence[int] = ()) -> dict:
-    """Clocked replay of lowered ops in table order (:mod:`dmuon.sim.simulate`'s docstring). Returns raw arrays."""
+    """Clocked replay of lowered ops in table order (Note: the simulator's replay, docs/design.md). Returns raw
+    arrays."""
     n = num_ranks
     neg = -np.inf
     host = np.zeros(n)  # thread free

@@ -1,62 +1,12 @@
 r"""Replay a step schedule on a hardware model: ``simulate(plan, hardware, workload) -> Simulation``.
 
-The replay is the deadlock check's (:mod:`dmuon.plan._scheduling.step_schedule`) with clocks. In the
-symmetric form every op of the table is shared by all members of its group and each rank
-issues its ops in table order, so walking the table once in order visits every rank's ops in
-issue order and every collective's members at the same matched call — the ``i``-th call on a
-group is the ``i``-th op of that group in the table, exactly how ``replay`` matches them. A
-dmuon schedule is first checked with :meth:`StepSchedule.check` (the same matching, without
-clocks), so a schedule that would hang raises :class:`dmuon.plan.ScheduleError` here too.
-
-Each rank has one **thread** (its Python thread and, on GPUs, its compute stream: compute ops
-run there one after another) and one **channel** per kind of collective (dmuon's parameter
-phases — broadcasts or all-gathers —, dmuon's gradient phases — reduces or reduce-scatters —,
-FSDP2's all-gathers, FSDP2's reduce-scatters / all-reduces, TP, all-to-all; dmuon's collectives
-are routed by ledger phase, :mod:`dmuon.sim._engine.lower`), each running its collectives in order:
-
-* a **collective** costs its members ``issue_s`` on the thread when issued (plus, for FSDP2's,
-  ``fsdp2_call_s`` and the copy in / out of its unsharded buffer; for dmuon's on gloo, one
-  blocking wait per boundary's broadcasts and per micro-batch's reduces,
-  :func:`~dmuon.sim.hardware.blocking_wait_s_at`); it starts when every member
-  has issued it, every member's channel is free and its dependencies are done on every member,
-  and ends for all members together after :func:`~dmuon.sim.hardware.collective_s`. With
-  ``comm_engine="separate"`` (GPUs) a rank issues a collective as soon as the compute op before
-  it has *started* (the CPU runs ahead of the device by one op; issue cost off the stream);
-  with ``"threads"`` (gloo) issuing occupies the thread, a call that returns only when its
-  collective is done holds it until then (every FSDP2 collective, which FSDP2 issues without
-  ``async_op``; the naive baseline's ``DTensor.full_tensor()`` gathers), and a compute op that
-  runs while the rank's collectives are still in flight (from its start to the end of the
-  latest collective the rank issued) is stretched by ``comm_cpu_share``
-  (:func:`~dmuon.sim.hardware.comm_cpu_share_at`) times that overlap: gloo's threads share the
-  cores.
-* a **compute op** (forward, backward, recompute, Newton-Schulz, optimizer) starts when the
-  thread is free and its dependencies are done *on that rank* (a rank waits only for the ops it
-  takes part in); time between is that rank's communication wait. Durations come from the
-  :class:`~dmuon.sim.workload.Workload` and the hardware (module :mod:`dmuon.sim.hardware`),
-  multiplied by the processor-sharing factor ``hardware.oversubscription``, per term by the
-  busy-node factors (:func:`~dmuon.sim.hardware.busy_factors`), and the forward / backward (the
-  compute between the step's blocking collectives) by the step-compute factor of the shard group
-  (:func:`~dmuon.sim.hardware.step_compute_factor_at`; 1 on GPU presets).
-
-Where the hardware coalesces (``Hardware.coalesces``: NCCL), a boundary phase's broadcasts
-(reduces) on one group are one collective (:mod:`dmuon.sim._engine.coalesce`); on an expert-parallel plan
-every variant runs the model's token all-to-all around each MoE boundary's expert compute
-(:mod:`dmuon.sim._engine.lower`). Added to every schedule (they are not ops of it): the root's work (embeddings before the first
-forward of a micro-batch, final norm + ``lm_head`` + loss forward and backward before the first
-backward, embedding backward after the last), dmuon's hook calls (``hook_s`` x 2 on each
-boundary forward and backward), the Muon update's elementwise work inside each Newton-Schulz
-op, and at the end one ``optimizer`` op per rank: AdamW on its FSDP2 shards (all parameters for
-``adamw``; the non-dedicated ones otherwise) after its last gradient collective.
-
-No bandwidth contention between channels is modelled (a contention-free replay): concurrent
-collectives on one link each get its full bandwidth. Memory is not time-resolved: the peak is
-the sum of what is resident between steps, the gradients, the largest transient buffers and the
-activations of one micro-batch (:func:`memory`).
-
-Modules: this one (the API: the variant driver, :func:`simulate`, :func:`simulate_variants`),
-:mod:`~dmuon.sim._engine.lower` (schedule ops -> timed simulator ops), :mod:`~dmuon.sim._engine.sim_replay` (the
-clocked replay, the critical path), :mod:`~dmuon.sim._engine.sim_memory` (peak memory),
-:mod:`~dmuon.sim._engine.records` (the result records).
+The deadlock check's replay with clocks: one thread and one channel per collective kind per rank.
+When each op starts and ends, what is added to every schedule and what is not modelled: Note: the
+simulator's replay (docs/design.md). Beside this module (the variant driver, :func:`simulate`,
+:func:`simulate_variants`): :mod:`~dmuon.sim._engine.lower` (schedule ops -> timed simulator ops),
+:mod:`~dmuon.sim._engine.sim_replay` (the clocked replay, the critical path),
+:mod:`~dmuon.sim._engine.sim_memory` (peak memory), :mod:`~dmuon.sim._engine.records` (the result
+records).
 """
 
 from __future__ import annotations

@@ -1,23 +1,7 @@
 r"""Schedule variants the simulator can price before anyone implements them.
 
-:func:`early_ns_schedule` — "earlier NS": each owner runs a matrix's Newton-Schulz as soon as its
-averaged gradient is complete, during the rest of the backward, instead of after the whole
-backward; on HSDP the owner's replicate broadcast follows its NS at once, so updated matrices
-travel while the backward is still running (the nominal schedule already issues the replicate
-reduces one boundary behind their shard reduces, after that boundary's own; the variant moves
-them just before them). The transformation
-only reorders the table: every ``newton_schulz`` and ``replicate_reduce`` op (and every
-``replicate_broadcast`` that waits only on NS) moves to just after the first ``backward`` op
-issued after the ops it depends on (one boundary later, which gives the collective the next
-boundary's backward to complete); ops, groups,
-bytes and FLOPs are unchanged, so ``plan.cost`` is the same and the reordered table is checked
-for deadlock like any other. The NS runs on the rank's compute stream (interleaved with the
-backward), the runtime's only choice that keeps the oracle order of updates per matrix.
-
-What the runtime would need (not implemented): gradient clipping needs the global gradient norm
-before any NS, so early NS is only valid without clipping, or with the norm of each boundary's
-gradient accumulated as it completes and the clip applied after NS (which is not the same
-update); gradient accumulation runs early NS only in the syncing micro-batch.
+:func:`early_ns_schedule` ("earlier NS") only reorders the table; what it moves and what the
+runtime would need: Note: earlier NS (docs/design.md).
 """
 
 from __future__ import annotations
@@ -30,7 +14,7 @@ __all__ = ["early_ns_schedule"]
 
 
 def early_ns_schedule(sched: StepSchedule, *, early_replicate_broadcast: bool = True) -> StepSchedule:
-    """The "earlier NS" variant of ``sched`` (module docstring). With
+    """The "earlier NS" variant of ``sched`` (Note: earlier NS, docs/design.md). With
     ``early_replicate_broadcast=False`` the HSDP replicate broadcasts stay at the end of the step
     (NS and replicate reduces still move). Pure; raises :class:`dmuon.plan.ScheduleError` if the
     reordered table would deadlock."""

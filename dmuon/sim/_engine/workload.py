@@ -1,79 +1,9 @@
 r"""What one training step computes, per hook boundary, derived from a plan term by term.
 
-:func:`from_plan` reads every parameter the plan knows — the dedicated matrices
-(``plan.params``, with their boundary) and FSDP2's (``plan.fsdp2_units``: norms, biases,
-embeddings, ``lm_head``) — and, for ``tokens_per_rank`` tokens per rank and step in sequences of
-``seq_len``, derives per boundary (forward; the backward is twice each term):
-
-===========================  ===================================================================
-term                         rule
-===========================  ===================================================================
-matmul FLOPs                 ``2 · tokens`` per weight element of every 2-D weight (``(out,
-                             in)``: one ``tokens × in × out`` matmul); 3-D expert stacks ``(E,
-                             m, n)`` at ``top_k / E`` of their weights (each token visits
-                             ``top_k`` experts; with expert parallelism ``ep`` a rank holds
-                             ``E/ep`` of them and each gets ``ep`` ranks' tokens: the same
-                             FLOPs per rank, uniform routing); backward ``2×`` (input and weight
-                             gradients)
-attention FLOPs              scores ``Q·Kᵀ`` and values ``P·V``: ``2 · 2 · tokens · seq_len ·
-                             d_attn`` times the causal factor ``1/2``; backward ``2×``
-                             (``d_attn`` = rows of a ``q_proj`` weight, or a third of ``qkv``'s;
-                             no attention if neither exists)
-attention head dimension     ``attention_head_d = (seq_len² · head_dim)^(1/3)``, the mean
-                             dimension of one head's ``Q·Kᵀ`` (``head_dim`` given, default
-                             ``min(128, d_attn)``): where the hardware has a calibrated
-                             attention curve (a fused SDPA kernel) it is read there
-elementwise bytes            every matmul output read and written once by one elementwise op
-                             (residual add, reshape, norm input): ``2 · tokens · out ·
-                             itemsize``, except the activation function's input (next row)
-norm elements                ``norm_numel = tokens × numel`` of every 1-D weight (a norm); priced
-                             at the hardware's calibrated norm forward + backward per element,
-                             else as ``6`` passes of ``itemsize`` bytes
-activation elements          ``activation_numel = tokens × out`` of the MLP's activation input
-                             (``gate_proj`` where the boundary has one, else ``up_proj`` /
-                             ``fc1`` / ``c_fc`` / ``w1``); priced at the calibrated activation
-                             (GELU / SiLU) forward + backward per element, else as the ``2``
-                             passes of its matmul output
-operators                    ``2`` per 2-D weight (matmul + reshape), ``6`` per 1-D weight (a
-                             norm), ``10`` per boundary (attention glue, activation, residuals)
-expert part                  ``Work.experts``: the terms above of the boundary's expert stacks
-                             alone (included in the boundary's), the compute between a token
-                             all-to-all's dispatch and its combine under expert parallelism
-token all-to-all             ``dispatch_nbytes = tokens · top_k · hidden · itemsize``: what one
-                             rank sends in one dispatch (and one combine, and their gradients)
-                             of a boundary with expert stacks under expert parallelism
-                             (``hidden`` as below; the simulator's token all-to-all, uniform
-                             routing, no capacity factor)
-activation memory            ``34 · tokens · hidden`` bytes per boundary in bf16 (Korthikanti et
-                             al. 2022, with flash attention: no ``s²`` term), scaled by
-                             ``itemsize / 2``; ``hidden`` = the boundary's widest 1-D weight, or
-                             its smallest matrix side
-activation checkpointing     ``ac="full"`` (torchtitan's full AC, every boundary wrapped): a
-                             boundary keeps its input, ``tokens · hidden · itemsize``; its
-                             backward first recomputes its whole forward (the token all-to-alls
-                             included). ``ac="selective"`` (torchtitan's per-op SAC: every
-                             attention output, every all-to-all output and every second matmul
-                             output saved, the rest recomputed): a boundary keeps its input, its
-                             attention output (``tokens · d_attn``), half its matmul outputs
-                             (``tokens · out`` per 2-D weight, ``tokens · top_k · out`` per expert
-                             matrix) and, under expert parallelism, both all-to-all outputs, at
-                             most the whole ``34`` figure; its backward recomputes half of every
-                             matmul and every elementwise, norm and activation term (not
-                             attention, not the all-to-alls). Either way one boundary's
-                             recomputed activations are held during its backward
-                             (:attr:`Workload.recompute_transient_nbytes`)
-===========================  ===================================================================
-
-Outside the boundaries (the root unit): embeddings (a gather, ``2 · tokens · hidden · itemsize``
-bytes; its backward a scatter-add over the table), the final norm, ``lm_head`` as a matmul, and
-the loss (``4`` passes over ``tokens × vocab`` fp32 logits). Embedding weights are recognised by
-name (an ``embed`` module, not ``patch_embed``'s convolution, which counts as a matmul of its
-flattened kernel). The optimizer's elementwise work is derived by the simulator from the plan
-(owned matrices, FSDP2 shards), not here.
-
-Per-hook Python cost and DTensor / FSDP2 dispatch are hardware terms
-(:class:`dmuon.sim.hardware.Hardware`), not workload terms. Every field can be overridden with
-``dataclasses.replace``.
+:func:`from_plan` reads every parameter the plan knows (the dedicated matrices and FSDP2's units)
+and derives, for ``tokens_per_rank`` tokens per rank and step in sequences of ``seq_len``, each
+boundary's FLOPs, bytes, operators and activation memory. The rule of each term: Note: the
+workload terms (docs/design.md). Every field can be overridden with ``dataclasses.replace``.
 """
 
 from __future__ import annotations
@@ -88,7 +18,7 @@ from dmuon.plan._records.fields import itemsize_nbytes
 
 __all__ = ["Work", "Workload", "from_plan", "model_top_k", "ACTIVATION_BYTES_PER_TOKEN_HIDDEN", "AC_MODES"]
 
-#: activation checkpointing modes of :func:`from_plan` (module docstring)
+#: activation checkpointing modes of :func:`from_plan` (Note: the workload terms, docs/design.md)
 AC_MODES = ("none", "full", "selective")
 
 #: activation bytes per token and hidden unit of one transformer layer in bf16 with flash
@@ -184,7 +114,7 @@ class Workload:
         ns_batching: ``dmuon.Muon(ns_batching=...)`` of the job: ``"batched"`` (default; NS per
             bucket of same-shape matrices, its operators issued once per call) or ``"exact"`` (one
             call per matrix); ``dataclasses.replace`` to price the other.
-        activation_checkpointing: ``"none"``, ``"full"`` or ``"selective"`` (module docstring).
+        activation_checkpointing: ``"none"``, ``"full"`` or ``"selective"`` (Note: the workload terms, docs/design.md).
     """
 
     tokens_per_rank: int
@@ -351,7 +281,7 @@ def _unit_work(
         return work
     if ac == "full":  # the boundary keeps its input; its backward recomputes all of its forward
         return dataclasses.replace(work, activation_nbytes=int(tokens * hidden * itemsize), recompute=work)
-    # selective (module docstring): input, attention output, half the matmul outputs, the all-to-all outputs
+    # selective (Note: the workload terms): input, attention output, half the matmul outputs, the all-to-all outputs
     saved = itemsize * (tokens * hidden + tokens * d_attn + out_numel // 2) + (2 * dispatch if ep_max > 1 else 0)
     rec = dataclasses.replace(
         work,
@@ -387,7 +317,7 @@ def from_plan(
     head_dim: int | None = None,
     ac: str = "none",
 ) -> Workload:
-    """The :class:`Workload` of ``plan``'s model (module docstring: every term).
+    """The :class:`Workload` of ``plan``'s model (every term: Note: the workload terms, docs/design.md).
 
     Args:
         plan: a :class:`dmuon.plan.ShardingPlan` (its dedicated params and FSDP2 units).
@@ -401,7 +331,7 @@ def from_plan(
         head_dim: attention head dimension (``attention_head_d``); None = ``min(128, d_attn)``
             (Llama-3's, Mistral's, Qwen's head size).
         ac: activation checkpointing of every boundary: ``"none"``, ``"full"`` or
-            ``"selective"`` (module docstring); the step must recompute every boundary
+            ``"selective"`` (Note: the workload terms); the step must recompute every boundary
             (``MicroBatch(recompute=...)``) for its cost to be replayed.
 
     Raises:

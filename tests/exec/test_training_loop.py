@@ -1,5 +1,7 @@
-"""Traps real Muon / FSDP2 users fell into, each against the
-single-process oracle or as the same clear error on every rank.
+"""The training loop around a dmuon model as users write it with torch's own tools: loss scaling,
+non-finite steps, frozen-then-unfrozen matrices, clipping, set-up order, and checkpoints through
+DCP (resume, param groups and LR schedules, plain-FSDP2 interop, a peer's exit, a missing shard),
+each against the single-process oracle or as the same clear error on every rank.
 
 Two process groups for the whole module (process start-up dominates on 2 cores): W=4 runs the
 1-D N=4 and HSDP (2, 2) cases, W=2 the 1-D N=2 ones. Each case is a function ``_case_*`` that
