@@ -60,7 +60,13 @@ def wrap_torchtitan_clip_grad_norm(fn):
     shards with owner-only plain gradients: the norm would fail on the mix or count each rank's
     owned matrices locally. Such calls go to :func:`dmuon.clip_grad_norm_` (global norm, each
     owned gradient counted once; ``foreach`` is left to dmuon, torchtitan passes ``True`` on every
-    device); every other call to torchtitan's."""
+    device); every other call to torchtitan's.
+
+    Under pipeline parallelism (``pp_mesh``) torchtitan passes every parameter of every model part
+    the rank holds, and sums its norms' p-th powers over ``pp_mesh``; dmuon's norm does the same
+    over the stages (owners' sums over the world, the FSDP2 and plain parts over the ranks at this
+    rank's data-parallel coordinate in every stage: torchtitan's ``pp`` group), so ``pp_mesh`` is
+    not used beyond checking that the dedicated models are pipeline stages."""
 
     @functools.wraps(fn)
     def clip_grad_norm_(
@@ -69,17 +75,30 @@ def wrap_torchtitan_clip_grad_norm(fn):
         params = _as_list(parameters)
         if not _tags.has_dedicated(params):
             return fn(params, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh, ep_enabled)
-        if pp_mesh is not None:
-            raise NotImplementedError(
-                "dmuon: gradient clipping over dmuon-dedicated parameters with pipeline parallelism "
-                "is not supported (dmuon.integrations.torchtitan refuses it at parallelize time)"
-            )
+        if pp_mesh is not None and pp_mesh.size() > 1:
+            _check_pipelined(params)
         total = dmuon_clip(params, max_norm, norm_type)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(f"dmuon: the total norm of order {norm_type} of the gradients is non-finite")
         return total
 
     return clip_grad_norm_
+
+
+def _check_pipelined(params: list) -> None:
+    """torchtitan clips with a ``pp_mesh``: every dmuon runtime among ``params`` must be a pipeline
+    stage's, or dmuon's norm would not be summed over the stages (the same on every rank: the flag
+    is set at dedication, or by the schedule's first step)."""
+    from dmuon.exec._runtime.runtime import runtimes_of
+
+    flat = [rt for rt in runtimes_of(params) if not rt.pipelined]
+    if flat:
+        raise ValueError(
+            "dmuon: torchtitan's clip_grad_norm_ was given a pipeline mesh (pp_mesh), but "
+            f"{len(flat)} dmuon-dedicated model(s) among the parameters are not pipeline stages, so the norm would "
+            "leave the other stages out: dedicate each model part with dmuon.integrations.torchtitan.wrap_parallelize "
+            "(or dmuon.dedicate_params(part, dp_mesh, pipeline=True)), docs/pipeline_parallel.md"
+        )
 
 
 def install() -> None:
