@@ -112,6 +112,8 @@ class Case:
     pp: int = 1  # pipeline_parallel_degree
     schedule: str = "1F1B"  # pipeline_parallel_schedule (pp > 1)
     batch: int = BATCH  # global batch (sequences); with pp, micro-batches of one sequence
+    module_fqns: tuple | None = None  # pp: parallelism.module_fqns_per_model_part (None: torchtitan's default split)
+    refused: bool = False  # the set-up must raise NotImplementedError on every rank
 
 
 CASES = {
@@ -124,6 +126,15 @@ CASES = {
         Case("moe E=4 ep2 hsdp2x2", "qwen3_moe", (2, 2), experts=4, ep=2),
         Case("pp2 dp2 1F1B", "llama3", (1, 2), pp=2, schedule="1F1B", batch=8),
         Case("pp2 dp2 Interleaved1F1B", "llama3", (1, 2), pp=2, schedule="Interleaved1F1B", batch=8),
+        Case(
+            "pp2 dp2 embedding alone",
+            "llama3",
+            (1, 2),
+            pp=2,
+            batch=8,
+            module_fqns=(("tok_embeddings",), ("layers.0", "layers.1", "norm", "lm_head")),
+            refused=True,
+        ),
     ],
     2: [
         Case("fsdp2", "llama3", (1, 2)),
@@ -275,6 +286,7 @@ def _parallel_configs(case: Case):
         pipeline_parallel_degree=case.pp,
         pipeline_parallel_schedule=case.schedule,
         pipeline_parallel_microbatch_size=1,
+        module_fqns_per_model_part=[list(part) for part in case.module_fqns] if case.module_fqns else None,
     )
     training = TrainingConfig(
         mixed_precision_param="float32",
@@ -495,6 +507,13 @@ def _run_case_pp(case: Case, tmp):
     import dmuon
     from dmuon.exec._optim.muon import Muon
 
+    if case.refused:
+        try:
+            _setup_pp(case, tmp)
+        except NotImplementedError as err:
+            dist.barrier()
+            return dict(error=str(err))
+        raise AssertionError(f"{case.name}: the set-up was not refused")
     parts, parallel_dims, training, optimizers, lr_schedulers, pp = _setup_pp(case, tmp)
     runtimes = [dmuon.exec.get_model_runtime(part) for part in parts]
     assert all(rt is not None for rt in runtimes), "wrap_parallelize did not dedicate every model part"
@@ -724,7 +743,8 @@ def _check_case(world, i, root):
 
 ALL = [(world, i) for world in (4, 2) for i in range(len(CASES[world]))]
 DENSE = [(w, i) for w, i in ALL if CASES[w][i].kind == "llama3" and CASES[w][i].pp == 1]
-PIPELINE = [(w, i) for w, i in ALL if CASES[w][i].pp > 1]
+PIPELINE = [(w, i) for w, i in ALL if CASES[w][i].pp > 1 and not CASES[w][i].refused]
+REFUSED = [(w, i) for w, i in ALL if CASES[w][i].refused]
 MOE = [(w, i) for w, i in ALL if CASES[w][i].kind == "qwen3_moe"]
 
 
@@ -785,6 +805,18 @@ def test_llama3_pipeline_parallel_matches_oracle(world, i, root):
         assert sorted({n.split(".")[1] for n in names}) == list(split[stage][1]) and len(names) == 5 * len(
             split[stage][1]
         )
+
+
+@pytest.mark.parametrize("world,i", REFUSED, ids=[CASES[w][i].name for w, i in REFUSED])
+def test_pipeline_rank_without_dedicated_matrix_refused_on_every_rank(world, i, root):
+    """``module_fqns_per_model_part`` puts the embedding alone on pipeline rank 0: its ranks hold
+    no dedicated matrix, so their clipping would not take part in dmuon's norm over the stages (a
+    hang). torchtitan's optimizer container build raises the same ``NotImplementedError`` on every
+    rank, naming those ranks and the fix."""
+    errors = [r["cases"][i]["error"] for r in _results(world, root)]
+    assert len(set(errors)) == 1, errors
+    assert "global rank(s) [0, 1] hold none" in errors[0] and "['tok_embeddings']" in errors[0], errors[0]
+    assert "module_fqns_per_model_part" in errors[0], errors[0]
 
 
 @pytest.mark.parametrize("world,i", MOE, ids=[CASES[w][i].name for w, i in MOE])
