@@ -59,8 +59,9 @@ def wrap_torchtitan_clip_grad_norm(fn):
     ``torch.nn.utils.clip_grad_norm_``). With dedicated parameters the list mixes FSDP2 DTensor
     shards with owner-only plain gradients: the norm would fail on the mix or count each rank's
     owned matrices locally. Such calls go to :func:`dmuon.clip_grad_norm_` (global norm, each
-    owned gradient counted once; ``foreach`` is left to dmuon, torchtitan passes ``True`` on every
-    device); every other call to torchtitan's.
+    owned gradient counted once; ``error_if_nonfinite`` raises before any gradient is scaled, naming
+    the ranks and the first parameter; ``foreach`` is left to dmuon, torchtitan passes ``True`` on
+    every device); every other call to torchtitan's.
 
     Under pipeline parallelism (``pp_mesh``) torchtitan passes every parameter of every model part
     the rank holds, and sums its norms' p-th powers over ``pp_mesh``; dmuon's norm does the same
@@ -77,10 +78,7 @@ def wrap_torchtitan_clip_grad_norm(fn):
             return fn(params, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh, ep_enabled)
         if pp_mesh is not None and pp_mesh.size() > 1:
             _check_pipelined(params)
-        total = dmuon_clip(params, max_norm, norm_type)
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(f"dmuon: the total norm of order {norm_type} of the gradients is non-finite")
-        return total
+        return dmuon_clip(params, max_norm, norm_type, error_if_nonfinite)
 
     return clip_grad_norm_
 

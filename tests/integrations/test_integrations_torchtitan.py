@@ -523,7 +523,25 @@ def _run_case_pp(case: Case, tmp):
         losses.append(loss)
         norms.append(norm)
         factors.append(factor)
+    # error_if_nonfinite reaches dmuon's check: a NaN in global rank 3's shard of the final norm's
+    # gradient (last stage) raises the same error on every rank, before any gradient is scaled
+    from torchtitan.distributed import utils as dist_utils
+
+    if dist.get_rank() == 3:
+        next(m.norm for m in parts if m.norm is not None).weight.grad.to_local()[0] = float("nan")
+    try:
+        dist_utils.clip_grad_norm_(
+            [p for m in parts for p in m.parameters()],
+            training.max_norm,
+            error_if_nonfinite=True,
+            foreach=True,
+            pp_mesh=parallel_dims.get_optional_mesh("pp"),
+        )
+        nonfinite_error = None
+    except RuntimeError as err:
+        nonfinite_error = str(err)
     out = dict(
+        nonfinite_error=nonfinite_error,
         plan_jsons=[rt.plan.to_json() for rt in runtimes],
         pipelined=[rt.pipelined for rt in runtimes],
         reshard_after_forward=[rt.plan.reshard_after_forward for rt in runtimes],
@@ -782,7 +800,8 @@ def test_llama3_pipeline_parallel_matches_oracle(world, i, root):
     Z2 as torchtitan's FSDP2 under PP); its schedule (``scale_grads=False``, 4 micro-batches of
     one sequence per data-parallel rank) drives dmuon's reduce; the container holds one
     ``dmuon.Muon`` per part; torchtitan's ``clip_grad_norm_(pp_mesh=...)`` is dmuon's norm over
-    every stage. Losses, clipping norms and every parameter match the whole model in one process."""
+    every stage. Losses, clipping norms and every parameter match the whole model in one process;
+    with ``error_if_nonfinite=True`` and a NaN on one rank every rank raises dmuon's error naming it."""
     from dmuon.plan import ShardingPlan
 
     case, got, _ = _check_case(world, i, root)
@@ -801,6 +820,8 @@ def test_llama3_pipeline_parallel_matches_oracle(world, i, root):
             assert (tuple(modules), tuple(layers)) == split[stage], (stage, modules, layers)
             dedicated.setdefault(stage, ShardingPlan.from_json(plan_json).dedicated)
     assert sorted(dedicated) == list(split)
+    errors = {r["nonfinite_error"] for r in results}  # torchtitan's error_if_nonfinite=True, a NaN on rank 3
+    assert len(errors) == 1 and "global rank(s) [3] hold non-finite gradients" in next(iter(errors)), errors
     for stage, names in dedicated.items():  # each block's five projections, on the stage holding it
         assert sorted({n.split(".")[1] for n in names}) == list(split[stage][1]) and len(names) == 5 * len(
             split[stage][1]
