@@ -175,7 +175,7 @@ INTEGRATIONS: tuple[Integration, ...] = (
     Integration(
         "torchtitan.clip_grad_norm_",
         "torchtitan.distributed.utils:clip_grad_norm_",
-        "dmuon.integrations._torchtitan_clip:wrap_clip_grad_norm",
+        "dmuon.integrations._clip_handoff:wrap_torchtitan_clip_grad_norm",
         "dedicate",
         "torchtitan's trainer clipping over dedicated parameters is dmuon.clip_grad_norm_",
         expects=("parameters", "max_norm", "norm_type", "error_if_nonfinite", "foreach", "pp_mesh", "ep_enabled"),

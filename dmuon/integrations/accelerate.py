@@ -138,7 +138,7 @@ def wrap_clip_grad_norm_(orig):
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         params = list(parameters)
         if _tags.has_dedicated(params):
-            from dmuon.exec._optim.grad_clip import clip_grad_norm_ as dmuon_clip
+            from dmuon.integrations._clip_handoff import dmuon_clip
 
             self.unscale_gradients()  # as accelerate does first (fp16 grad scaler)
             return dmuon_clip(params, max_norm, norm_type)

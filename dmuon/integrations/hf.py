@@ -53,9 +53,9 @@ def wrap_mixed_mesh_grad_norm(orig):
     def _mixed_mesh_grad_norm(self, model, max_norm):
         params = list(model.parameters())
         if _tags.has_dedicated(params):
-            from dmuon.exec._optim.grad_clip import clip_grad_norm_
+            from dmuon.integrations._clip_handoff import dmuon_clip
 
-            return clip_grad_norm_(params, max_norm)
+            return dmuon_clip(params, max_norm)
         return orig(self, model, max_norm)
 
     return _mixed_mesh_grad_norm

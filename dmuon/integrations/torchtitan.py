@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -58,8 +59,8 @@ def _refuse_unsupported(parallel_dims, kwargs) -> None:
     parallelism = kwargs.get("parallelism")
     training = kwargs.get("training")
     why = []
-    if parallel_dims.pp_enabled:
-        why.append("pipeline parallelism (pipeline_parallel_degree > 1)")
+    if parallel_dims.pp_enabled and parallel_dims.tp_enabled:  # dmuon.dedicate_params refuses PP with TP
+        why.append("pipeline parallelism together with tensor_parallel_degree > 1")
     if parallel_dims.ep_enabled and parallel_dims.tp_enabled:
         # an expert stack would be TP-sharded (torchtitan's ETP) as well as split over ep: dmuon's
         # EP stacks are plain tensors of whole experts (docs/moe_ep.md, "What is refused")
@@ -99,12 +100,15 @@ def wrap_parallelize(parallelize_fn: Callable, **dedicate_kwargs: Any) -> Callab
 
     ``dedicate_kwargs`` go to ``dmuon.dedicate_params`` (``predicate=``, ``owner_groups=``,
     ``tp=dmuon.plan.TPPolicy(...)`` ...). Defaults taken from torchtitan's config when not given:
-    ``reshard_after_forward`` from ``parallelism.fsdp_reshard_after_forward`` ("always" /
-    "default" -> Z3, "never" -> Z2) and ``mp_policy`` from ``training.mixed_precision_*``.
+    ``reshard_after_forward`` from ``parallelism.fsdp_reshard_after_forward`` as torchtitan
+    resolves it for FSDP2 ("always" -> Z3, "never" -> Z2, "default" -> Z3, or Z2 under pipeline
+    parallelism), ``mp_policy`` from ``training.mixed_precision_*``, and with
+    ``pipeline_parallel_degree`` > 1 ``pipeline=True`` (each model part one stage).
 
     Raises:
-        NotImplementedError: pipeline parallelism, an expert-parallel layout dmuon does not take
-            (Note: the torchtitan integration, docs/design.md), CPU offload, ``spmd_backend`` other
+        NotImplementedError: pipeline or expert parallelism together with TP, an expert-parallel
+            layout dmuon does not take (Note: the torchtitan integration, docs/design.md), CPU
+            offload, ``spmd_backend`` other
             than ``"partial_dtensor"``.
         RuntimeError: the parallelize function called no ``fully_shard`` (nothing to dedicate
             before), so dmuon was not applied.
@@ -125,16 +129,26 @@ def wrap_parallelize(parallelize_fn: Callable, **dedicate_kwargs: Any) -> Callab
         if "mp_policy" not in opts and training is not None:
             opts["mp_policy"] = _mp_policy(training)
         if "reshard_after_forward" not in opts and parallelism is not None:
-            opts["reshard_after_forward"] = parallelism.fsdp_reshard_after_forward != "never"
+            from torchtitan.distributed.fsdp import get_fsdp_reshard_after_forward_policy
+
+            opts["reshard_after_forward"] = get_fsdp_reshard_after_forward_policy(
+                parallelism.fsdp_reshard_after_forward, parallel_dims.pp_enabled
+            )
 
         def dedicate():
             mesh = data_parallel_mesh(parallel_dims)
             kw = dict(opts)
+            if parallel_dims.pp_enabled:  # this model part is one pipeline stage, dedicated on its dp mesh
+                kw.setdefault("pipeline", True)
             if parallel_dims.ep_enabled:
                 _check_ep_layout(parallel_dims, mesh)
                 _localize_expert_dtensors(model, parallel_dims)
                 kw.setdefault("ep", parallel_dims.ep)
-            plan = dedicate_params(model, mesh, **kw)
+            with warnings.catch_warnings():
+                if parallel_dims.pp_enabled and not _holds_blocks(model):
+                    # a pipeline part of only the embedding or the head: nothing to dedicate, by design
+                    warnings.filterwarnings("ignore", message=r"dmuon\.plan\._compile: no matrix is dedicated")
+                plan = dedicate_params(model, mesh, **kw)
             logger.info(
                 f"dmuon: dedicated {len(plan.dedicated)} matrices to owners on mesh "
                 f"{tuple(mesh.mesh_dim_names or ())} {tuple(mesh.shape)} (Muon on owners, "
@@ -158,6 +172,13 @@ def wrap_parallelize(parallelize_fn: Callable, **dedicate_kwargs: Any) -> Callab
 
     setattr(parallelize, _WRAPPED_ATTR, True)
     return parallelize
+
+
+def _holds_blocks(model: nn.Module) -> bool:
+    """Whether a torchtitan model (part) holds any transformer block: torchtitan's pipeline split
+    leaves a part of only the embedding or only the norm and head with an empty ``layers``."""
+    layers = getattr(model, "layers", None)
+    return layers is None or len(layers) > 0
 
 
 def _check_ep_layout(parallel_dims, mesh) -> None:
@@ -329,6 +350,38 @@ def build_muon(param_groups: list[dict[str, Any]], **factory_kwargs: Any):
     return opt
 
 
+def _check_every_pipeline_rank_dedicates(model_parts: list[nn.Module]) -> None:
+    """Pipeline parallelism: every rank must hold at least one dedicated matrix among its model
+    parts, or its clipping would take torchtitan's path while the other ranks take dmuon's (a
+    hang). Raised on every rank alike after one ``all_gather_object`` of each rank's part names
+    (torchtitan builds the container on every rank after ``pipelining_fn``); nothing is
+    exchanged when no part is a dedicated pipeline stage."""
+    import torch.distributed as dist
+
+    from dmuon.exec._runtime.runtime import get_model_runtime
+
+    runtimes = [get_model_runtime(m) for m in model_parts]
+    if not any(rt is not None and rt.pipelined for rt in runtimes) or not dist.is_initialized():
+        return
+    mine = None
+    if not any(rt is not None and rt.plan.dedicated for rt in runtimes):
+        mine = [
+            sorted(n for n, c in m.named_children() if c is not None and len(list(c.parameters()))) for m in model_parts
+        ]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    bare = {rank: parts for rank, parts in enumerate(everyone) if parts is not None}
+    if bare:
+        raise NotImplementedError(
+            f"dmuon.integrations.torchtitan: under pipeline parallelism every rank must hold at least one "
+            f"dmuon-dedicated matrix, and the model parts of global rank(s) {sorted(bare)} hold none (their parts' "
+            f"modules: {next(iter(bare.values()))}, e.g. only the embedding or the head); their gradient clipping "
+            "would not take part in dmuon's norm over the stages. Give every pipeline rank a transformer block: "
+            "parallelism.module_fqns_per_model_part, pipeline_parallel_first_stage_less_layers / "
+            "pipeline_parallel_last_stage_less_layers, or fewer stages (docs/pipeline_parallel.md)"
+        )
+
+
 class DmuonOptimizersContainer(OptimizersContainer):
     """torchtitan's ``OptimizersContainer`` that also knows ``optimizer_name="Muon"``
     (``dmuon.Muon``, :func:`build_muon`); every other name resolves as in torchtitan."""
@@ -336,6 +389,22 @@ class DmuonOptimizersContainer(OptimizersContainer):
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(OptimizersContainer.Config):
         pass
+
+    def __init__(self, config: OptimizersContainer.Config, *, model_parts: list[nn.Module]) -> None:
+        """torchtitan's: one optimizer per model part and optimizer name, so one ``dmuon.Muon`` per
+        pipeline stage. A stage whose plan dedicated nothing (a part of only the embedding or the
+        head) gets a ``dmuon.Muon`` of AdamW groups, without ``dmuon.Muon``'s warning about it."""
+        from dmuon.exec._runtime.runtime import get_model_runtime
+
+        def blockless_stage(m):
+            rt = get_model_runtime(m)
+            return rt is not None and rt.pipelined and not rt.plan.dedicated
+
+        _check_every_pipeline_rank_dedicates(model_parts)
+        with warnings.catch_warnings():
+            if any(blockless_stage(m) for m in model_parts):
+                warnings.filterwarnings("ignore", message=r"dmuon\.Muon: none of its \d+ parameters is dedicated")
+            super().__init__(config, model_parts=model_parts)
 
     @staticmethod
     def _resolve_optimizer_factory(name: str) -> Callable[..., torch.optim.Optimizer]:

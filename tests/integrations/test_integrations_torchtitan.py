@@ -31,7 +31,8 @@ batch's by ~4e-3 relative); one case keeps torchtitan's bf16 forward, with bf16-
 Launches: one per world size, every case of that size in it (``tests/shared_launch.py``):
 W = 4 (dense FSDP2 2 x TP 2; Qwen3-MoE E = 3 (fewer experts than ranks) and E = 6 (more) on
 FSDP2 4; E = 8 with torchtitan's expert parallelism, ep = 4, and ep = 2 x efsdp 2; E = 4 with
-ep = 2 on HSDP (2, 2); the checkpoint save) and W = 2
+ep = 2 on HSDP (2, 2); dense pp 2 x dp 2 with 1F1B and with Interleaved1F1B; the checkpoint
+save) and W = 2
 (dense FSDP2 2, HSDP (2, 1), TP 2; Qwen3-MoE E = 3 on FSDP2 2, E = 4 with torchtitan's bf16
 experts, E = 4 with ep = 2; the checkpoint load). W = 2 runs after W = 4 (it loads W = 4's
 checkpoint).
@@ -41,6 +42,14 @@ allowed): torchtitan's ``parallelize`` makes each expert stack a DTensor ``Shard
 ``ep`` and wires the all-to-all token dispatcher; ``wrap_parallelize`` turns the stacks into
 plain parameters of the rank's ``E/ep`` experts and dedicates with ``ep=`` (owned where held
 when ep = N without replicas, else in ranges inside each efsdp group, docs/moe_ep.md).
+
+Pipeline parallelism (``pipeline_parallel_degree = 2``): torchtitan's ``pipeline_llm`` (the
+model spec's ``pipelining_fn``) splits the model with its default split, builds the stages, runs
+the wrapped ``parallelize_llama`` on each model part and builds its schedule; the rank side plays
+``Trainer.__init__`` (``to_empty`` + ``init_weights`` per part, the container over the parts) and
+``train_step`` (``schedule.step`` with the local batch, torchtitan's ``clip_grad_norm_`` with
+``pp_mesh``); the global batch is 8 sequences, so 4 micro-batches of one sequence per data-parallel
+rank.
 
 Oracle: one process, the same model and weights, the global batch, mean token loss,
 ``torch.nn.utils.clip_grad_norm_`` at the same max norm, :class:`dmuon.testing.ReferenceOptimizer`
@@ -100,6 +109,11 @@ class Case:
     experts: int = 0  # qwen3_moe: number of routed experts
     ep: int = 1  # expert_parallel_degree
     fp32_experts: bool = True  # qwen3_moe: the experts' SwiGLU in fp32 (see the module docstring)
+    pp: int = 1  # pipeline_parallel_degree
+    schedule: str = "1F1B"  # pipeline_parallel_schedule (pp > 1)
+    batch: int = BATCH  # global batch (sequences); with pp, micro-batches of one sequence
+    module_fqns: tuple | None = None  # pp: parallelism.module_fqns_per_model_part (None: torchtitan's default split)
+    refused: bool = False  # the set-up must raise NotImplementedError on every rank
 
 
 CASES = {
@@ -110,6 +124,17 @@ CASES = {
         Case("moe E=8 ep4", "qwen3_moe", (1, 4), experts=8, ep=4),
         Case("moe E=8 ep2 efsdp2", "qwen3_moe", (1, 4), experts=8, ep=2),
         Case("moe E=4 ep2 hsdp2x2", "qwen3_moe", (2, 2), experts=4, ep=2),
+        Case("pp2 dp2 1F1B", "llama3", (1, 2), pp=2, schedule="1F1B", batch=8),
+        Case("pp2 dp2 Interleaved1F1B", "llama3", (1, 2), pp=2, schedule="Interleaved1F1B", batch=8),
+        Case(
+            "pp2 dp2 embedding alone",
+            "llama3",
+            (1, 2),
+            pp=2,
+            batch=8,
+            module_fqns=(("tok_embeddings",), ("layers.0", "layers.1", "norm", "lm_head")),
+            refused=True,
+        ),
     ],
     2: [
         Case("fsdp2", "llama3", (1, 2)),
@@ -232,50 +257,66 @@ def _reference_model(case: Case):
     return model
 
 
-def _batches():
+def _batches(batch: int = BATCH):
     g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
+    return [torch.randint(0, VOCAB, (batch, SEQ + 1), generator=g) for _ in range(STEPS)]
 
 
 # ------------------------------------------------------------------------------- rank side
 
 
-def _setup(case: Case, tmp):
-    """torchtitan's build path up to the optimizer: model on meta, parallelize (wrapped), init,
-    the reference weights loaded, optimizer / post-optimizer hook / LR scheduler / loss from
-    their configs."""
+def _parallel_configs(case: Case):
+    """torchtitan's ``ParallelismConfig``, ``TrainingConfig`` and built ``ParallelDims`` for ``case``
+    (``local_batch_size``: the global batch over the data-parallel ranks)."""
     import torch.distributed as dist
     import torchtitan.distributed.parallel_dims as titan_pd
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.fsdp import FSDPModule
-    from torchtitan.components.loss import CrossEntropyLoss
-    from torchtitan.components.optimizer import LRSchedulersContainer, register_moe_load_balancing_hook
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.config import ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
-    from torchtitan.models.llama3 import parallelize_llama
-    from torchtitan.models.qwen3 import parallelize_qwen3
-
-    from dmuon.integrations.torchtitan import muon_optimizer, wrap_parallelize
 
     world = dist.get_world_size()
     replicate, shard = case.mesh
-    assert replicate * shard * case.tp == world, (case, world)
+    assert replicate * shard * case.tp * case.pp == world, (case, world)
     parallelism = ParallelismConfig(
         spmd_backend="partial_dtensor",
         data_parallel_replicate_degree=replicate,
         data_parallel_shard_degree=shard,
         tensor_parallel_degree=case.tp,
         expert_parallel_degree=case.ep,
+        pipeline_parallel_degree=case.pp,
+        pipeline_parallel_schedule=case.schedule,
+        pipeline_parallel_microbatch_size=1,
+        module_fqns_per_model_part=[list(part) for part in case.module_fqns] if case.module_fqns else None,
     )
     training = TrainingConfig(
-        mixed_precision_param="float32", local_batch_size=BATCH // world, seq_len=SEQ, steps=STEPS, max_norm=MAX_NORM
+        mixed_precision_param="float32",
+        local_batch_size=case.batch // (world // (case.tp * case.pp)),
+        seq_len=SEQ,
+        steps=STEPS,
+        max_norm=MAX_NORM,
     )
     titan_pd.device_type = "cpu"  # torchtitan's default is "cuda" on a machine without accelerator
     parallel_dims = ParallelDims.from_config(parallelism, world)
     parallel_dims.build_mesh()
     dist_utils.set_spmd_backend(parallelism.spmd_backend)
+    return parallelism, training, parallel_dims
 
+
+def _setup(case: Case, tmp):
+    """torchtitan's build path up to the optimizer: model on meta, parallelize (wrapped), init,
+    the reference weights loaded, optimizer / post-optimizer hook / LR scheduler / loss from
+    their configs."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.components.optimizer import LRSchedulersContainer, register_moe_load_balancing_hook
+    from torchtitan.config import CompileConfig
+    from torchtitan.models.llama3 import parallelize_llama
+    from torchtitan.models.qwen3 import parallelize_qwen3
+
+    from dmuon.integrations.torchtitan import muon_optimizer, wrap_parallelize
+
+    parallelism, training, parallel_dims = _parallel_configs(case)
     config = _model_config(case)
     config.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
     with torch.device("meta"):
@@ -357,12 +398,177 @@ def _train_step(model, parallel_dims, training, optimizers, lr_schedulers, loss_
     return total.item(), grad_norm.item(), factor
 
 
+def _part_state(part, full_state: dict) -> dict:
+    """The entries of the whole model's ``state_dict`` that belong to one pipeline model part
+    (torchtitan's split keeps FQNs and sets the other stages' modules to ``None``)."""
+    keep = [f"layers.{k}." for k in part.layers.keys()]
+    keep += [f"{n}." for n, m in part.named_children() if m is not None and n != "layers"]
+    return {k: v for k, v in full_state.items() if k.startswith(tuple(keep))}
+
+
+def _setup_pp(case: Case, tmp):
+    """torchtitan's pipeline build path (``Trainer.__init__`` with PP): the model on meta,
+    ``pipeline_llm`` (its default split into model parts, ``PipelineStage`` per part, the wrapped
+    ``parallelize_llama`` on each part, its schedule with ``scale_grads=False``), ``to_empty`` +
+    ``init_weights`` per part, the reference weights loaded into each part, the optimizer container
+    over the parts, LR schedulers, loss."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.components.optimizer import LRSchedulersContainer
+    from torchtitan.config import CompileConfig
+    from torchtitan.distributed.pipeline_parallel import pipeline_llm
+    from torchtitan.models.llama3 import parallelize_llama
+
+    from dmuon.integrations.torchtitan import muon_optimizer, wrap_parallelize
+
+    parallelism, training, parallel_dims = _parallel_configs(case)
+    config = _model_config(case)
+    config.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
+    with torch.device("meta"):
+        model = config.build()
+    loss_fn = CrossEntropyLoss.Config(global_vocab_size=VOCAB).build(compile_config=CompileConfig())
+    schedule, parts, has_first, has_last = pipeline_llm(
+        model,
+        parallel_dims=parallel_dims,
+        training=training,
+        parallelism=parallelism,
+        compile_config=CompileConfig(),
+        ac_config=None,
+        dump_folder=tmp,
+        device=torch.device("cpu"),
+        model_config=config,
+        parallelize_fn=wrap_parallelize(parallelize_llama),
+        loss_fn=loss_fn,
+    )
+    full_state = _reference_model(case).state_dict()
+    for part in parts:
+        for module in part.modules():  # gloo has no PREMUL_SUM (torchtitan's divide factor is 1.0)
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+        part.to_empty(device="cpu")
+        with torch.no_grad():
+            part.init_weights(buffer_device=None)
+        set_model_state_dict(part, _part_state(part, full_state), options=StateDictOptions(full_state_dict=True))
+        part.train()
+    hp = dict(HP)
+    optimizer_config = muon_optimizer(lr=hp.pop("lr"), adamw_lr=hp.pop("adamw_lr"), ns_dtype="float32", **hp)
+    optimizers = optimizer_config.build(model_parts=parts)
+    lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.5, min_lr_factor=0.1).build(
+        optimizers=optimizers, training_steps=STEPS
+    )
+    return parts, parallel_dims, training, optimizers, lr_schedulers, (schedule, has_first, has_last)
+
+
+def _train_step_pp(parts, parallel_dims, training, optimizers, lr_schedulers, pp, batch):
+    """``Trainer.train_step`` + ``pp_forward_backward_step`` for one step: this data-parallel
+    rank's slice of the global batch through the schedule (its micro-batches of
+    ``pipeline_parallel_microbatch_size`` sequences; torch 2.13's ``step`` takes the whole local
+    batch and splits it, torchtitan 0.3.0's trainer passes the split lists under newer names),
+    loss = sum over tokens / global token count, torchtitan's ``clip_grad_norm_`` with ``pp_mesh``,
+    the container's step. Returns (global loss, grad norm, LR factor), the same on every rank."""
+    import torch.distributed as dist
+    from torchtitan.distributed import utils as dist_utils
+
+    schedule, has_first, has_last = pp
+    optimizers.zero_grad()
+    batch_mesh = parallel_dims.get_mesh("batch")
+    local = batch.chunk(batch_mesh.size())[batch_mesh.get_local_rank()]
+    inputs, labels = local[:, :-1], local[:, 1:]
+    global_valid_tokens = dist_utils.dist_sum_tensor(torch.tensor(labels.numel()), batch_mesh)
+    losses = [] if has_last else None
+    args = (inputs,) if has_first else ()
+    schedule.step(
+        *args,
+        target=labels if has_last else None,
+        losses=losses,
+        loss_kwargs={"global_valid_tokens": global_valid_tokens},
+        return_outputs=False,
+    )
+    grad_norm = dist_utils.clip_grad_norm_(
+        [p for m in parts for p in m.parameters()],
+        training.max_norm,
+        foreach=True,
+        pp_mesh=parallel_dims.get_optional_mesh("pp"),
+        ep_enabled=parallel_dims.ep_enabled,
+    )
+    group = optimizers.optimizers[0].param_groups[0]
+    factor = group["lr"] / group["initial_lr"]
+    optimizers.step()
+    lr_schedulers.step()
+    total = torch.stack(losses).sum().detach() if has_last else torch.zeros(())
+    dist.all_reduce(total)  # the last stage's ranks hold the data-parallel slices' losses
+    return total.item(), grad_norm.item(), factor
+
+
+def _run_case_pp(case: Case, tmp):
+    import torch.distributed as dist
+
+    import dmuon
+    from dmuon.exec._optim.muon import Muon
+
+    if case.refused:
+        try:
+            _setup_pp(case, tmp)
+        except NotImplementedError as err:
+            dist.barrier()
+            return dict(error=str(err))
+        raise AssertionError(f"{case.name}: the set-up was not refused")
+    parts, parallel_dims, training, optimizers, lr_schedulers, pp = _setup_pp(case, tmp)
+    runtimes = [dmuon.exec.get_model_runtime(part) for part in parts]
+    assert all(rt is not None for rt in runtimes), "wrap_parallelize did not dedicate every model part"
+    losses, norms, factors = [], [], []
+    for batch in _batches(case.batch):
+        loss, norm, factor = _train_step_pp(parts, parallel_dims, training, optimizers, lr_schedulers, pp, batch)
+        losses.append(loss)
+        norms.append(norm)
+        factors.append(factor)
+    # error_if_nonfinite reaches dmuon's check: a NaN in global rank 3's shard of the final norm's
+    # gradient (last stage) raises the same error on every rank, before any gradient is scaled
+    from torchtitan.distributed import utils as dist_utils
+
+    if dist.get_rank() == 3:
+        next(m.norm for m in parts if m.norm is not None).weight.grad.to_local()[0] = float("nan")
+    try:
+        dist_utils.clip_grad_norm_(
+            [p for m in parts for p in m.parameters()],
+            training.max_norm,
+            error_if_nonfinite=True,
+            foreach=True,
+            pp_mesh=parallel_dims.get_optional_mesh("pp"),
+        )
+        nonfinite_error = None
+    except RuntimeError as err:
+        nonfinite_error = str(err)
+    out = dict(
+        nonfinite_error=nonfinite_error,
+        plan_jsons=[rt.plan.to_json() for rt in runtimes],
+        pipelined=[rt.pipelined for rt in runtimes],
+        reshard_after_forward=[rt.plan.reshard_after_forward for rt in runtimes],
+        stages=[s.stage_index for s in getattr(pp[0], "_stages", None) or [pp[0]._stage]],
+        part_modules=[sorted(n for n, m in part.named_children() if m is not None) for part in parts],
+        part_layers=[sorted(part.layers.keys()) for part in parts],
+        schedule=type(pp[0]).__name__,
+        n_microbatches=pp[0]._n_microbatches,
+        n_optimizers=len(optimizers.optimizers),
+        muon_optimizers=sum(isinstance(o, Muon) for o in optimizers.optimizers),
+        losses=losses,
+        norms=norms,
+        factors=factors,
+        full={k: v for part in parts for k, v in _full_params(part).items()},
+    )
+    dist.barrier()
+    return out
+
+
 def _run_case(case: Case, tmp):
     import torch.distributed as dist
 
     import dmuon
     from dmuon.exec._optim.muon import Muon
 
+    if case.pp > 1:
+        return _run_case_pp(case, tmp)
     model, parallel_dims, training, optimizers, lr_schedulers, loss_fn = _setup(case, tmp)
     runtime = dmuon.exec.get_model_runtime(model)
     assert runtime is not None, "wrap_parallelize did not dedicate"
@@ -404,7 +610,6 @@ def _full_params(model):
     """Every parameter in full: dedicated ones from their owner (each rank returns those it
     owns), FSDP2's DTensors gathered (rank 0 keeps them). Not ``model.state_dict()``: torchtitan's
     ``FusedQKVLinear`` splits ``wqkv`` into ``wq``/``wk``/``wv`` there."""
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     out = {}
@@ -415,7 +620,7 @@ def _full_params(model):
                 out[name] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
         elif isinstance(p, DTensor):
             full = p.full_tensor()
-            if dist.get_rank() == 0:
+            if not any(p.device_mesh.get_coordinate()):  # one rank of the mesh keeps it (of a stage, under PP)
                 out[name] = full.detach().clone()
         else:
             out[name] = p.detach().clone()
@@ -473,22 +678,23 @@ def _results(world, root):
     return shared_run(("torchtitan", world, root), _launch_worker, world, world, root, timeout_s=TIMEOUT_S)
 
 
-def _reference(case: Case, plan_json, factors):
-    """The single-process oracle (module docstring): (losses, grad norms, final state, expert
+def _reference(case: Case, plan_jsons, factors):
+    """The single-process oracle (module docstring) on the whole model, the Muon matrices those of
+    ``plan_jsons`` (one plan, or one per pipeline stage): (losses, grad norms, final state, expert
     bias after every step's pre-hook)."""
     from dmuon.plan import ShardingPlan
     from dmuon.testing import ReferenceOptimizer, proxies_from_plan
     from torchtitan.components.optimizer import register_moe_load_balancing_hook
 
-    plan = ShardingPlan.from_json(plan_json)
+    proxies = {k: v for j in plan_jsons for k, v in proxies_from_plan(ShardingPlan.from_json(j)).items()}
     model = _reference_model(case)
-    opt = ReferenceOptimizer(model, proxies_from_plan(plan), ns_dtype=torch.float32, **HP)
+    opt = ReferenceOptimizer(model, proxies, ns_dtype=torch.float32, **HP)
     if case.kind == "qwen3_moe":  # torchtitan's hook; one process holds every token (no loss mesh)
         single = types.SimpleNamespace(get_optional_mesh=lambda name: None, ep_enabled=False, tp=1)
         register_moe_load_balancing_hook(opt.muon, [model], single)
     base = [[g["lr"] for g in o.param_groups] for o in (opt.muon, opt.adamw)]
     losses, norms = [], []
-    for batch, factor in zip(_batches(), factors):
+    for batch, factor in zip(_batches(case.batch), factors):
         for o, lrs in zip((opt.muon, opt.adamw), base):
             for g, lr in zip(o.param_groups, lrs):
                 g["lr"] = lr * factor
@@ -523,9 +729,10 @@ def _check_case(world, i, root):
     case = CASES[world][i]
     results = [r["cases"][i] for r in _results(world, root)]
     got = results[0]
-    assert got["n_optimizers"] == 1
+    assert got["n_optimizers"] == (1 if case.pp == 1 else len(got["plan_jsons"]))  # one per model part
     assert len(set(got["factors"])) > 1, "the LR schedule must vary for the test to mean anything"
-    ref_losses, ref_norms, ref_state = _reference(case, got["plan_json"], got["factors"])
+    plan_jsons = sorted({j for r in results for j in r["plan_jsons"]}) if case.pp > 1 else [got["plan_json"]]
+    ref_losses, ref_norms, ref_state = _reference(case, plan_jsons, got["factors"])
     assert ref_norms[0] > MAX_NORM, "the clip must bite"
     loss_tol, norm_tol, param_tol = _bounds(case)
     for r in results:
@@ -553,7 +760,9 @@ def _check_case(world, i, root):
 
 
 ALL = [(world, i) for world in (4, 2) for i in range(len(CASES[world]))]
-DENSE = [(w, i) for w, i in ALL if CASES[w][i].kind == "llama3"]
+DENSE = [(w, i) for w, i in ALL if CASES[w][i].kind == "llama3" and CASES[w][i].pp == 1]
+PIPELINE = [(w, i) for w, i in ALL if CASES[w][i].pp > 1 and not CASES[w][i].refused]
+REFUSED = [(w, i) for w, i in ALL if CASES[w][i].refused]
 MOE = [(w, i) for w, i in ALL if CASES[w][i].kind == "qwen3_moe"]
 
 
@@ -566,6 +775,69 @@ def test_llama3_debug_model_matches_oracle(world, i, root):
     assert len(got["dedicated"]) == 5 * LAYERS, got["dedicated"]
     assert all(".attention." in n or ".feed_forward." in n for n in got["dedicated"]), got["dedicated"]
     assert got["groups"] == [(True, 5 * LAYERS, 5 * LAYERS), (False, 3 + 2 * LAYERS, 3 + 2 * LAYERS)], got["groups"]
+
+
+#: torchtitan's default split of the 2-layer model (the embedding and the head each counted as a
+#: layer): stage -> (modules kept, blocks kept)
+SPLITS = {
+    2: {0: (("layers", "tok_embeddings"), ("0",)), 1: (("layers", "lm_head", "norm"), ("1",))},
+    4: {
+        0: (("layers", "tok_embeddings"), ()),
+        1: (("layers",), ("0",)),
+        2: (("layers",), ("1",)),
+        3: (("layers", "lm_head", "norm"), ()),
+    },
+}
+
+
+@pytest.mark.parametrize("world,i", PIPELINE, ids=[CASES[w][i].name for w, i in PIPELINE])
+def test_llama3_pipeline_parallel_matches_oracle(world, i, root):
+    """pipeline_parallel_degree 2 x data_parallel_shard_degree 2, torchtitan's own pipeline:
+    ``pipeline_llm`` splits the model by its default (2 stages for 1F1B; 4 for Interleaved1F1B,
+    2 per rank, rank pp 0 holding stages 0 and 2, the first only the embedding, the last only the
+    head, so those dedicate nothing), builds a ``PipelineStage`` per part and runs the wrapped
+    ``parallelize_llama`` on each part (dmuon dedicates each part over its stage's ``fsdp`` mesh,
+    Z2 as torchtitan's FSDP2 under PP); its schedule (``scale_grads=False``, 4 micro-batches of
+    one sequence per data-parallel rank) drives dmuon's reduce; the container holds one
+    ``dmuon.Muon`` per part; torchtitan's ``clip_grad_norm_(pp_mesh=...)`` is dmuon's norm over
+    every stage. Losses, clipping norms and every parameter match the whole model in one process;
+    with ``error_if_nonfinite=True`` and a NaN on one rank every rank raises dmuon's error naming it."""
+    from dmuon.plan import ShardingPlan
+
+    case, got, _ = _check_case(world, i, root)
+    results = [r["cases"][i] for r in _results(world, root)]
+    stages_per_rank = 1 if case.schedule in ("1F1B", "GPipe") else 2
+    want_schedule = {"1F1B": "Schedule1F1B", "Interleaved1F1B": "ScheduleInterleaved1F1B"}[case.schedule]
+    split = SPLITS[case.pp * stages_per_rank]
+    dedicated: dict[int, tuple] = {}
+    for r in results:
+        assert r["schedule"] == want_schedule and r["n_microbatches"] == 4, (r["schedule"], r["n_microbatches"])
+        assert len(r["stages"]) == stages_per_rank
+        assert r["n_optimizers"] == r["muon_optimizers"] == stages_per_rank  # one dmuon.Muon per model part
+        assert r["pipelined"] == [True] * stages_per_rank
+        assert r["reshard_after_forward"] == [False] * stages_per_rank  # Z2: torchtitan's "default" under PP
+        for stage, modules, layers, plan_json in zip(r["stages"], r["part_modules"], r["part_layers"], r["plan_jsons"]):
+            assert (tuple(modules), tuple(layers)) == split[stage], (stage, modules, layers)
+            dedicated.setdefault(stage, ShardingPlan.from_json(plan_json).dedicated)
+    assert sorted(dedicated) == list(split)
+    errors = {r["nonfinite_error"] for r in results}  # torchtitan's error_if_nonfinite=True, a NaN on rank 3
+    assert len(errors) == 1 and "global rank(s) [3] hold non-finite gradients" in next(iter(errors)), errors
+    for stage, names in dedicated.items():  # each block's five projections, on the stage holding it
+        assert sorted({n.split(".")[1] for n in names}) == list(split[stage][1]) and len(names) == 5 * len(
+            split[stage][1]
+        )
+
+
+@pytest.mark.parametrize("world,i", REFUSED, ids=[CASES[w][i].name for w, i in REFUSED])
+def test_pipeline_rank_without_dedicated_matrix_refused_on_every_rank(world, i, root):
+    """``module_fqns_per_model_part`` puts the embedding alone on pipeline rank 0: its ranks hold
+    no dedicated matrix, so their clipping would not take part in dmuon's norm over the stages (a
+    hang). torchtitan's optimizer container build raises the same ``NotImplementedError`` on every
+    rank, naming those ranks and the fix."""
+    errors = [r["cases"][i]["error"] for r in _results(world, root)]
+    assert len(set(errors)) == 1, errors
+    assert "global rank(s) [0, 1] hold none" in errors[0] and "['tok_embeddings']" in errors[0], errors[0]
+    assert "module_fqns_per_model_part" in errors[0], errors[0]
 
 
 @pytest.mark.parametrize("world,i", MOE, ids=[CASES[w][i].name for w, i in MOE])
@@ -687,8 +959,12 @@ def test_checkpoint_saved_at_4_resumes_at_2(root):
             dict(data_parallel_shard_degree=2, tensor_parallel_degree=2, expert_parallel_degree=2),
             "expert parallelism with tensor_parallel_degree > 1",
         ),
+        (
+            dict(data_parallel_shard_degree=1, pipeline_parallel_degree=2, tensor_parallel_degree=2),
+            "pipeline parallelism together with tensor_parallel_degree > 1",
+        ),
     ],
-    ids=["ep_tp"],
+    ids=["ep_tp", "pp_tp"],
 )
 def test_expert_parallel_layouts_dmuon_does_not_take_are_refused(degrees, says):
     """Refused in the wrapped parallelize before anything runs (no process group needed), naming
@@ -703,6 +979,7 @@ def test_expert_parallel_layouts_dmuon_does_not_take_are_refused(degrees, says):
         parallelism.data_parallel_replicate_degree
         * parallelism.data_parallel_shard_degree
         * parallelism.tensor_parallel_degree
+        * parallelism.pipeline_parallel_degree
     )
     parallel_dims = ParallelDims.from_config(parallelism, world)
     called = []

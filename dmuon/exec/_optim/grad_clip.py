@@ -1,6 +1,7 @@
 """``dmuon.clip_grad_norm_``: the global gradient norm with owner-held gradients counted once.
 
-(``torch.nn.utils.clip_grad_norm_``'s hand-off to it lives in :mod:`dmuon.integrations._clip_handoff`.)"""
+Other libraries' clipping functions hand dedicated parameters to it (Note: clipping hand-offs,
+docs/design.md)."""
 
 from __future__ import annotations
 
