@@ -32,7 +32,7 @@ from dmuon._tags import dedicated_info
 from dmuon.plan._layout.slots import in_place_stacks
 from dmuon.plan._records.fields import WIRE_DTYPES
 
-from dmuon.exec._runtime.gather_buffers import _GatherBuffer
+from dmuon.exec._runtime._boundary.gather_buffers import _GatherBuffer
 
 __all__ = ["DedicatedInfo", "TPInfo", "GroupInfo", "build_segments", "dedicated_info"]
 
