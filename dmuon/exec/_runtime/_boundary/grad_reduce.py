@@ -7,6 +7,7 @@ records in flight are :class:`_PendingReduce` entries of the comm context's ``pe
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -119,8 +120,10 @@ def launch_reduce(boundary) -> None:
 def _pack(seg: _Segment, buf: torch.Tensor, base: int, keep: list, stream) -> None:
     """Write ``seg``'s local gradients into ``buf`` at ``base`` + their offsets in the segment,
     and a presence flag 1 for each one present (zeros stay where a compute parameter has no
-    gradient); a matrix's compute gradient is dropped once packed."""
+    gradient); a matrix's compute gradient is dropped once packed. The flags of a sub-segment
+    whose every slot has a gradient (the usual case) are written by one fill, not one per slot."""
     for sub in seg.subs:
+        present = []
         for k, slot in enumerate(sub.slots):
             gm = slot.grouped
             g = slot.compute.grad if gm is None else gm.compute.grad
@@ -132,11 +135,17 @@ def _pack(seg: _Segment, buf: torch.Tensor, base: int, keep: list, stream) -> No
                 g = g.narrow(gm.info.dim, gm.info.compute_offset(slot.block), gm.info.sizes[slot.block])
             start = base + slot.offset_in_seg
             buf[start : start + slot.numel].view(slot.shape).copy_(g)
-            buf[base + sub.flags_offset_in_seg + k] = 1
+            present.append(k)
             if stream is not None:
                 keep.append(g)
             if gm is None:
                 slot.compute.grad = None
+        flags = base + sub.flags_offset_in_seg
+        if len(present) == len(sub.slots):
+            buf[flags : flags + len(present)].fill_(1)
+        else:
+            for k in present:
+                buf[flags + k] = 1
 
 
 def _reduce_buffer(seg: _Segment) -> torch.Tensor:
@@ -243,7 +252,7 @@ def _reduce_group(p):
     return None
 
 
-def grad_divisor(ctx, boundary) -> float:
+def grad_divisor(ctx, boundary, model_factor=None) -> float:
     """What the owner divides a reduced (summed) gradient by: FSDP2's gradient divide factor.
 
     FSDP2 divides each reduced gradient by its param groups' ``gradient_divide_factor``
@@ -253,16 +262,23 @@ def grad_divisor(ctx, boundary) -> float:
     factor of ``boundary``'s own ``fully_shard`` unit, else the first one set on any unit of
     the model (a block whose parameters are all dedicated has no FSDP2 param group), else
     ``R·N`` (the average over the data-parallel mesh). Read at every reduce, so a factor set
-    after set-up is honoured.
+    after set-up is honoured. ``model_factor``: a function giving :func:`model_divide_factor`
+    (a caller reducing several boundaries walks the model once).
     """
     factor = gradient_divide_factor(boundary.module)
     if factor is None:
-        model = ctx.model_ref()
-        for module in model.modules() if model is not None else ():
-            factor = gradient_divide_factor(module)
-            if factor is not None:
-                break
+        factor = model_divide_factor(ctx) if model_factor is None else model_factor()
     return float(ctx.world_numel if factor is None else factor)
+
+
+def model_divide_factor(ctx) -> float | None:
+    """The first ``gradient_divide_factor`` set on any ``fully_shard`` unit of the model, or None."""
+    model = ctx.model_ref()
+    for module in model.modules() if model is not None else ():
+        factor = gradient_divide_factor(module)
+        if factor is not None:
+            return factor
+    return None
 
 
 def _write_owner_grads(ctx, owned: list) -> None:
@@ -273,23 +289,28 @@ def _write_owner_grads(ctx, owned: list) -> None:
     ctx.flag_host_reads += 1
     i = 0
     divisors: dict[int, float] = {}
+    model_factor = functools.cache(lambda: model_divide_factor(ctx))  # the model walked once, if at all
     for boundary, o in owned:
         sub = o.sub
         sub_flags, i = flags[i : i + len(sub.slots)], i + len(sub.slots)
         if not any(sub_flags):
             continue
-        if id(boundary) not in divisors:
-            divisors[id(boundary)] = grad_divisor(ctx, boundary)
-        if divisors[id(boundary)] != 1.0:
-            o.values.div_(divisors[id(boundary)])
+        divisor = divisors.get(id(boundary))
+        if divisor is None:
+            divisor = divisors[id(boundary)] = grad_divisor(ctx, boundary, model_factor)
         for slot, flag in zip(sub.slots, sub_flags):
             if flag == 0:
                 continue  # no rank had a gradient: skip, as torch.optim.Muon does
             start = slot.offset_in_seg - sub.offset_in_seg
             grad = o.values[start : start + slot.numel].view(slot.shape)
             p = slot.logical
-            # a copy, never a view of the reduce buffer (released below, rewritten next backward)
-            grad = grad.to(p.dtype, copy=True) if p.grad is None else grad.to(p.dtype)
+            # a new tensor, never a view of the reduce buffer (released below, rewritten next
+            # backward): the division writes it (one pass, the reduce dtype's rounding as an
+            # in-place division's), or a copy when there is nothing to divide by
+            if divisor != 1.0:
+                grad = torch.div(grad, divisor).to(p.dtype)
+            else:
+                grad = grad.to(p.dtype, copy=True) if p.grad is None else grad.to(p.dtype)
             if slot.tp is not None:
                 grad = slot.tp.wrap(grad)
             if p.grad is None:

@@ -335,9 +335,11 @@ class HookBoundary:
         use, self._forward_use = self._forward_use, None
         if grad and use is not None:
             tensors = [t for t in optree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
-            if tensors:
-                hook = functools.partial(self._on_pre_backward, use)
-                torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
+            # one hook per output tensor, as FSDP2 registers its pre-backward (a multi-grad hook
+            # costs ~16x more to register); the first to fire starts the use, the rest return
+            hook = functools.partial(self._on_pre_backward, use)
+            for t in tensors:
+                t.register_hook(hook)
         return output
 
     def _check_fsdp_policy(self, module) -> None:
@@ -369,8 +371,8 @@ class HookBoundary:
 
     def _on_pre_backward(self, use: _Use, *unused) -> None:
         _queue_end_of_backward(self.comm_ctx)
-        if not any(u is use for u in self.uses):  # finished already (e.g. by an earlier end of backward)
-            return
+        if use.started or not any(u is use for u in self.uses):  # started by another output's hook, or
+            return  # finished already (e.g. by an earlier end of backward)
         use.started = True
         self._unshard("backward_broadcast", wait=False)  # no-op in Z2: resident since the forward
         prev = self.comm_ctx.boundary_before(self)
