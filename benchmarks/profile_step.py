@@ -75,8 +75,8 @@ def install_ranges() -> None:
     """
     from dmuon.exec._comm import collective_calls as C
     from dmuon.exec._optim import ns_backends as NS
-    from dmuon.exec._runtime import runtime as R
-    from dmuon.exec._runtime.boundary import _BoundaryRuntime as B
+    from dmuon.exec._runtime._boundary import grad_reduce as G
+    from dmuon.exec._runtime._boundary.hook_boundary import HookBoundary as B
 
     targets = [
         (B, "pre_forward", "dmuon.hook.pre_forward"),
@@ -85,7 +85,7 @@ def install_ranges() -> None:
         (B, "_on_post_backward", "dmuon.hook.post_backward"),
         (B, "_unshard", "dmuon.unshard"),
         (B, "_launch_reduce", "dmuon.launch_reduce"),
-        (R.DmuonRuntime, "finish_reduces", "dmuon.finish_reduces"),
+        (G, "finish_reduces", "dmuon.finish_reduces"),
         (C, "broadcast", "dmuon.coll.broadcast"),
         (C, "reduce_sum", "dmuon.coll.reduce"),
         (C, "wait_all", "dmuon.coll.wait"),

@@ -1,11 +1,11 @@
 """dmuon's hooks next to blocks compiled with the default inductor backend.
 
 ``layer.compile()`` compiles ``Module._call_impl``, forward hooks included. dmuon registers its
-hooks as FSDP2 does (``torch._dynamo.disable(recursive=True)``, ``dmuon.exec._runtime.boundary.eager_hook``),
+hooks as FSDP2 does (``torch._dynamo.disable(recursive=True)``, ``dmuon.exec._runtime._boundary.hook_boundary.eager_hook``),
 so Dynamo never traces them. Checked on 2 ranks with a tiny model (inductor compiles a few small
 kernels; the suite's ``aot_eager`` case in test_training_features.py covers the oracle):
 
-* no graph break anywhere (before: 22 per rank, five sites in dmuon/exec/_runtime/boundary.py) and no
+* no graph break anywhere (before: 22 per rank, five sites in dmuon/exec/_runtime/_boundary/hook_boundary.py) and no
   Dynamo warning (before: "Dynamo does not know how to trace the builtin ...");
 * losses and parameters of the compiled run equal the eager dmuon run's within fp32 reordering
   (inductor fuses the blocks' elementwise ops: 1e-5 relative losses, 1e-4 of each tensor's

@@ -2,7 +2,7 @@
 is detected at the next dmuon broadcast, and no rank reports success.
 
 Each holder writes ``step_code(optimizer steps, phase, forward index)`` into its segment's flag
-slots before a broadcast; every receiver compares it with its own (``dmuon.exec._runtime.boundary``).
+slots before a broadcast; every receiver compares it with its own (``dmuon.exec._runtime._boundary.step_check``).
 Two fault runs at W = 2 (own processes: a short gloo timeout, dmuon's ``collective_timeout_s``),
 each rank recording how it ended; plus the code's exactness in every wire dtype.
 """
@@ -100,7 +100,7 @@ def test_a_rank_out_of_step_fails_every_rank_naming_the_steps(tmp_path, fault):
 
 
 def test_step_code_is_exact_in_every_wire_dtype_and_distinguishes_the_faults():
-    from dmuon.exec._runtime.boundary import describe_code, step_code
+    from dmuon.exec._runtime._boundary.step_check import describe_code, step_code
 
     codes = {step_code(s, b, f) for s in range(32) for b in (False, True) for f in range(4)}
     assert len(codes) == 256 and min(codes) == 1 and max(codes) == 256

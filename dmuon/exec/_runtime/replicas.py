@@ -1,6 +1,6 @@
 """HSDP replica broadcasts: after each optimizer step every owner broadcasts its updated
 sub-segments to its replicate peers (:func:`broadcast_after_step`), waited for before their next
-use (:func:`wait_replicate_broadcasts`); after a ``Module._apply`` every owner's value once more
+use (the comm context's ``wait_replicate_broadcasts``); after a ``Module._apply`` every owner's value once more
 (:func:`sync_replicas`). For :class:`~dmuon.exec._runtime.runtime.DmuonRuntime` (its
 ``pending_replicate`` and ``replicas_stale``); with one replica (``R == 1``) nothing runs.
 ``rt`` is that runtime (not imported here: the runtime imports this module)."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dmuon.exec._comm import collective_calls as C
 
-__all__ = ["broadcast_after_step", "wait_replicate_broadcasts", "sync_replicas"]
+__all__ = ["broadcast_after_step", "sync_replicas"]
 
 
 def broadcast_after_step(rt) -> None:
@@ -28,18 +28,6 @@ def broadcast_after_step(rt) -> None:
             rt.pending_replicate[b.index] = works
         else:
             rt.wait(works, f"boundary {b.fqn!r} replicate_broadcast", boundary=b, group=rt.groups.replicate_group)
-
-
-def wait_replicate_broadcasts(rt, boundary=None) -> None:
-    """HSDP: wait for the post-step replicate broadcasts of ``boundary`` (all when ``None``)."""
-    if not rt.pending_replicate:
-        return
-    keys = list(rt.pending_replicate) if boundary is None else [boundary.index]
-    for key in keys:
-        works = rt.pending_replicate.pop(key, None)
-        if works:
-            what = f"boundary {rt.boundaries[key].fqn!r} replicate_broadcast (after step)"
-            rt.wait(works, what, boundary=rt.boundaries[key], group=rt.groups.replicate_group)
 
 
 def _broadcast_to_replicas(rt, boundaries, phase: str) -> list:

@@ -1,8 +1,9 @@
 """The runtime of one model: its hook boundaries, reduce completion, HSDP replicas and streams.
 
-:class:`DmuonRuntime` owns one boundary runtime per hook boundary and does what spans boundaries
-(the end of the backward, pipelining's gradient reduce, the HSDP replica broadcasts after the
-step), delegating each job to :mod:`~dmuon.exec._runtime.reduces`, :mod:`~dmuon.exec._runtime.replicas`,
+`DmuonRuntime` owns one :class:`~dmuon.exec._runtime._boundary.hook_boundary.HookBoundary` per hook
+boundary, builds the comm context they share, and does what spans boundaries (the end of the
+backward, pipelining's gradient reduce, the HSDP replica broadcasts after the step), delegating to
+:mod:`~dmuon.exec._runtime._boundary.grad_reduce`, :mod:`~dmuon.exec._runtime.replicas`,
 :mod:`~dmuon.exec._runtime.streams` and :mod:`~dmuon.exec._runtime.ep_stacks`. The phases and the
 stream rules on an accelerator: Note: the model runtime (docs/design.md).
 """
@@ -21,17 +22,58 @@ from dmuon.plan._scheduling.programs import boundary_programs
 
 from dmuon.exec._comm import collective_calls as C
 from dmuon.exec._setup import fsdp2
-from dmuon.exec._runtime import ep_stacks as expert_parallel, reduces, replicas, streams
-from dmuon.exec._runtime.boundary import ShardedState, TrainingState, _BoundaryRuntime, eager_hook
+from dmuon.exec._runtime import ep_stacks as expert_parallel, replicas
+from dmuon.exec._runtime._boundary import grad_reduce
+from dmuon.exec._runtime._boundary.bound_ops import bind
+from dmuon.exec._runtime._boundary.comm_context import BoundaryCommContext
+from dmuon.exec._runtime._boundary.hook_boundary import HookBoundary, ShardedState, TrainingState, eager_hook
 from dmuon.exec._runtime.packed_buffers import build_segments
 from dmuon.exec._comm.groups import MeshGroups
-from dmuon.exec._runtime.program import bind
 
 __all__ = ["DmuonRuntime", "wait_pending", "after_step", "get_runtime", "get_model_runtime", "no_sync"]
 
 
+class _Shared:
+    """An attribute of the runtime whose one home is the boundaries' comm context: read and set
+    through either (``steps_done``, ``pipelined``, ... are set by the optimizer, the pipeline
+    hooks and ``no_sync`` on the runtime, and read by the boundaries on the context)."""
+
+    def __init__(self, name: str | None = None):
+        self.name = name
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = self.name or name
+
+    def __get__(self, rt, owner=None):
+        return self if rt is None else getattr(rt.comm_ctx, self.name)
+
+    def __set__(self, rt, value) -> None:
+        setattr(rt.comm_ctx, self.name, value)
+
+
 class DmuonRuntime:
     """Binds a :class:`~dmuon.plan.ShardingPlan` to a model and a mesh (Note: the model runtime, docs/design.md)."""
+
+    # the comm context's fields (:class:`_Shared`)
+    groups = _Shared()
+    device = _Shared()
+    reshard_after_forward = _Shared()
+    num_shards = _Shared()
+    world_numel = _Shared()
+    timeout_s = _Shared()
+    model_ref = _Shared()
+    boundaries = _Shared()
+    steps_done = _Shared()
+    requires_gradient_sync = _Shared()
+    pipelined = _Shared()
+    check_nonfinite = _Shared()
+    nonfinite_before_reduce = _Shared()
+    pending_reduces = _Shared()
+    pending_replicate = _Shared()
+    use_streams = _Shared()
+    use_coalescing = _Shared()
+    _flag_host_reads = _Shared("flag_host_reads")
+    _streams = _Shared()
 
     def __init__(
         self,
@@ -44,39 +86,13 @@ class DmuonRuntime:
         use_streams: bool = True,
     ):
         self.plan = plan
-        self.groups = groups
-        self.device = device
-        self.reshard_after_forward = bool(plan.reshard_after_forward)
+        # what the hook boundaries share, and the runtime reads (the _Shared attributes above)
+        self.comm_ctx = BoundaryCommContext(plan, groups, device, model, timeout_s=timeout_s, use_streams=use_streams)
         self.replicate_async = bool(plan.replicate_async)
-        self.num_shards = groups.shape[1]
-        self.world_numel = groups.shape[0] * groups.shape[1]
         self.tp_size = groups.tp_size
-        self.boundaries: list[_BoundaryRuntime] = []
-        self.pending_reduces: list = []  # boundary._PendingReduce records, drained by finish_reduces
-        self.replicate_reduce_works: list = []  # HSDP: (boundary, work, group) issued, waited by finish_reduces
-        self._flag_host_reads = 0  # host reads of presence flags (one per finish_reduces with owned grads)
-        self.use_streams = bool(use_streams)  # CUDA: dmuon's own broadcast / reduce streams (False: the compute stream)
-        self._streams = None  # (device, {"broadcast": Stream, "reduce": Stream}), built on first use
-        self.use_coalescing = True  # NCCL: a list of broadcasts / reduces on one group as one coalesced group
-        self._coalesces: dict = {}  # (id(group), device) -> the backend coalesces (asked once)
-        self.pending_replicate: dict[int, list] = {}
-        self.steps_done = 0  # optimizer steps this runtime has seen (after_step), for the step check
-        # dmuon.Muon(skip_nonfinite=True): check every reduce buffer this rank packs (its local
-        # gradients, before the reduce); a 0-d bool tensor since the last step, None before any
-        self.check_nonfinite = False
-        self.nonfinite_before_reduce: torch.Tensor | None = None
         # the step's non-finite flags, reduced over the job by dmuon.clip_grad_norm_'s all-reduce
         # (dmuon.exec._optim.nonfinite_skip.NonFiniteFlags), consumed by the next step
         self.nonfinite_flags = None
-        self.deferred_rounds: list = []  # accelerators: received broadcast rounds to compare at the step
-        self._final_callback_queued = False
-        self.requires_gradient_sync = True
-        # under a torch.distributed.pipelining schedule (set by dedicate_params(pipeline=...) and by
-        # the schedule's first step, dmuon.exec._runtime.pipeline_hooks): several micro-batches in flight,
-        # one reduce per step in the schedule's REDUCE_GRAD (finish_pipeline_step)
-        self.pipelined = False
-        self.timeout_s = timeout_s  # seconds a dmuon wait may take where it blocks the CPU (None: no dmuon timeout)
-        self.model_ref = weakref.ref(model)
         self.ep_hooks: dict = {}  # expert-parallel stacks' gradient-divisor hook handles, by FQN
         self._build(model)
 
@@ -105,7 +121,7 @@ class DmuonRuntime:
                 runtime_ref=weakref.ref(self),
             )
             module = modules[b.fqn]
-            br = _BoundaryRuntime(self, b.fqn, module, segments, bind(program, segments, self.groups))
+            br = HookBoundary(self.comm_ctx, b.fqn, module, segments, bind(program, segments, self.groups))
             br.index = len(self.boundaries)
             for slot in br.installable:
                 for mod, attr in slot.homes:
@@ -149,18 +165,6 @@ class DmuonRuntime:
         backend supports it (default), or one by one. The same on every rank."""
         self.use_coalescing = bool(enabled)
 
-    def coalesces(self, group) -> bool:
-        """Whether the broadcasts / reduces of one list on ``group`` go as one coalesced group:
-        :attr:`use_coalescing` and the group's backend on this runtime's device supports it
-        (:func:`dmuon.exec._comm.collective_calls.coalescing_supported`; never gloo), asked once per group."""
-        if not self.use_coalescing:
-            return False
-        key = (id(group), self.device)
-        found = self._coalesces.get(key)
-        if found is None:
-            found = self._coalesces[key] = C.coalescing_supported(group, self.device)
-        return found
-
     def mark_replicas_stale(self) -> None:
         """HSDP: holders may disagree now (after a ``Module._apply``): :meth:`sync_replicas`
         broadcasts every owner's value before the next use. Without replicas, nothing to do."""
@@ -169,7 +173,7 @@ class DmuonRuntime:
     def set_device(self, device: torch.device) -> None:
         """The dedicated storage moved to ``device`` (after :func:`dmuon.exec._setup.materialize.rebind_storage`)."""
         if device != self.device:
-            self.device = device
+            self.device = device  # the comm context's (_Shared)
             self._state_dict_mesh = None
 
     def state_dict_mesh(self):
@@ -214,56 +218,11 @@ class DmuonRuntime:
         return mesh
 
     def wait(self, works, what: str, *, boundary=None, group=None) -> None:
-        """Wait for ``works`` through :func:`dmuon.exec._comm.collective_calls.wait_all` with this
-        runtime's timeout where the wait blocks the CPU (:func:`~dmuon.exec._comm.collective_calls.blocking_timeout_s`),
-        its optimizer steps done and ``boundary``'s grad-enabled forwards since the last step
-        (quoted by a :class:`~dmuon.exec._comm.collective_calls.CollectiveTimeout` or
-        :class:`~dmuon.exec._comm.collective_calls.CollectiveTransportError`)."""
-        C.wait_all(
-            works,
-            what=what,
-            timeout_s=C.blocking_timeout_s(self.timeout_s, self.device, group),
-            step=self.steps_done,
-            forwards=None if boundary is None else boundary.forwards_since_step,
-            group=group,
-        )
-
-    def comm_stream(self, kind: str):
-        """On an accelerator: dmuon's ``"broadcast"`` or ``"reduce"`` stream; ``None`` on CPU or with
-        ``use_streams=False`` (:func:`dmuon.exec._runtime.streams.comm_stream`)."""
-        return streams.comm_stream(self, kind)
-
-    def boundary_after(self, b: "_BoundaryRuntime") -> "_BoundaryRuntime | None":
-        """Forward prefetch target: the next boundary in plan (module registration) order."""
-        i = b.index + 1
-        return self.boundaries[i] if i < len(self.boundaries) else None
-
-    def boundary_before(self, b: "_BoundaryRuntime") -> "_BoundaryRuntime | None":
-        """Backward prefetch target: the previous boundary in plan order."""
-        return self.boundaries[b.index - 1] if b.index > 0 else None
+        """Wait for ``works`` with this model's timeout, step count and ``boundary``'s forwards
+        (:meth:`BoundaryCommContext.wait <dmuon.exec._runtime._boundary.comm_context.BoundaryCommContext.wait>`)."""
+        self.comm_ctx.wait(works, what, boundary=boundary, group=group)
 
     # -- backward bookkeeping --------------------------------------------------------------
-
-    def queue_final_callback(self) -> None:
-        if self._final_callback_queued:
-            return
-        self._final_callback_queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
-
-    def _final_callback(self) -> None:
-        self._final_callback_queued = False
-        for b in reversed(self.boundaries):
-            b.finish_backward()
-        self.finish_reduces()
-        if self.pipelined and not self.reshard_after_forward:
-            return  # pipeline Z2: every boundary stays resident until the step's reduce
-        # a boundary prefetched but not called in this forward (e.g. a skipped layer) waits for
-        # its broadcasts and frees its copies: every step starts with every boundary resharded
-        # (under a pipeline schedule: those with no backward left running; a boundary whose
-        # later micro-batches are in flight is resharded too under Z3, its next use re-broadcasts)
-        for b in self.boundaries:
-            if b.sharded_state is not ShardedState.RESHARDED and not any(u.started for u in b.uses):
-                b._reshard()
 
     def finish_pipeline_step(self) -> None:
         """The reduce of a pipeline schedule's step (its ``REDUCE_GRAD`` action, before FSDP2's
@@ -294,59 +253,19 @@ class DmuonRuntime:
             if b.sharded_state is not ShardedState.RESHARDED:
                 b._reshard()
 
-    def issue_replicate_reduces(self, boundary) -> None:
-        """HSDP: the replicate reduces of the boundaries reduced before ``boundary`` in this
-        backward (:func:`dmuon.exec._runtime.reduces.issue_replicate_reduces`); nothing on a 1-D mesh."""
-        if self.groups.shape[0] == 1:
-            return
-        # the entries due: after the last one already taken (entries are taken in order) and before
-        # ``boundary``'s own, just appended at the end; walked from the end, so a post-backward
-        # reads only its own and the previous boundary's entries, not the whole backward's
-        pending = self.pending_reduces
-        end = len(pending)
-        while end and pending[end - 1].boundary is boundary:
-            end -= 1
-        start = end
-        while start and not pending[start - 1].replicated:
-            start -= 1
-        reduces.issue_replicate_reduces(self, pending[start:end])
-
     def finish_reduces(self) -> None:
         """Wait for the in-flight gradient reduces and accumulate the averages into owners' ``.grad``
-        (:func:`dmuon.exec._runtime.reduces.finish_reduces`)."""
-        reduces.finish_reduces(self)
+        (:func:`dmuon.exec._runtime._boundary.grad_reduce.finish_reduces`)."""
+        grad_reduce.finish_reduces(self.comm_ctx)
 
     def grad_divisor(self, boundary) -> float:
         """What the owner divides a reduced (summed) gradient by: FSDP2's gradient divide factor
-        (:func:`dmuon.exec._runtime.reduces.grad_divisor`)."""
-        return reduces.grad_divisor(self, boundary)
+        (:func:`dmuon.exec._runtime._boundary.grad_reduce.grad_divisor`)."""
+        return grad_reduce.grad_divisor(self.comm_ctx, boundary)
 
     def wait_replicate_broadcasts(self, boundary=None) -> None:
-        """HSDP: wait for the post-step replicate broadcasts of ``boundary`` (all when ``None``;
-        :func:`dmuon.exec._runtime.replicas.wait_replicate_broadcasts`)."""
-        replicas.wait_replicate_broadcasts(self, boundary)
-
-    def defer_round_check(self, boundary, phase: str, got: torch.Tensor, expected: float) -> None:
-        """Accelerators: keep a boundary's received broadcast rounds on the device; they are
-        compared once per optimizer step (one host sync) in :meth:`after_step`."""
-        self.deferred_rounds.append((boundary, phase, got, expected))
-
-    def _check_deferred_rounds(self) -> None:
-        if not self.deferred_rounds:
-            return
-        pending, self.deferred_rounds = self.deferred_rounds, []
-        values = torch.cat([got for _, _, got, _ in pending]).tolist()  # the one host sync
-        at = 0
-        for boundary, phase, got, expected in pending:
-            boundary.raise_if_out_of_step(phase, values[at : at + got.numel()], expected)
-            at += got.numel()
-
-    def note_reduce_input(self, bufs) -> None:
-        """``skip_nonfinite``: remember whether a reduce buffer this rank packed (its local
-        gradients, before the reduce) holds a non-finite value; device tensors, no host sync."""
-        bad = torch.stack([~torch.isfinite(b).all() for b in bufs]).any()
-        prev = self.nonfinite_before_reduce
-        self.nonfinite_before_reduce = bad if prev is None else prev | bad.to(prev.device)
+        """HSDP: wait for the post-step replicate broadcasts of ``boundary`` (all when ``None``)."""
+        self.comm_ctx.wait_replicate_broadcasts(boundary)
 
     def after_step(self, *, skipped: bool = False) -> None:
         """HSDP: each owner broadcasts its updated sub-segments to its replicate peers.
@@ -362,7 +281,7 @@ class DmuonRuntime:
         and nothing is broadcast (no value changed). No collective.
         """
         self.steps_done += 1
-        self._check_deferred_rounds()
+        self.comm_ctx.check_deferred_rounds()
         if self.pipelined:  # pipeline Z2: a boundary still resident (no reduce ran) must broadcast the new values
             for b in self.boundaries:
                 if not b.uses and b.sharded_state is not ShardedState.RESHARDED:

@@ -2,8 +2,9 @@
 that order them with the compute stream (:func:`_on_stream`, :func:`current_stream`,
 :func:`has_streams`); the rules are in Note: the model runtime (docs/design.md). On CPU none
 of this runs: :func:`comm_stream` answers ``None`` and :func:`_on_stream` is a null context.
-``rt`` is the :class:`~dmuon.exec._runtime.runtime.DmuonRuntime` (its ``use_streams``, ``device`` and
-the ``_streams`` it caches); this module imports no other dmuon module."""
+``rt`` is the boundaries' :class:`~dmuon.exec._runtime._boundary.comm_context.BoundaryCommContext`
+(its ``use_streams``, ``device`` and the ``_streams`` it caches); this module imports no other dmuon
+module."""
 
 from __future__ import annotations
 

@@ -226,8 +226,10 @@ def sharded_params_for_optimizer(model_or_params):
 
 def fsdp_state(module):
     """FSDP2 state of ``module`` if ``fully_shard`` was applied to it, else ``None``."""
-    get = getattr(module, "_get_fsdp_state", None)
-    return get() if get is not None else None
+    # looked up on the class (FSDPModule's method): a plain module then costs no failed instance
+    # lookup (nn.Module.__getattr__ raising), which the hooks would pay per module and backward
+    get = getattr(type(module), "_get_fsdp_state", None)
+    return get(module) if get is not None else None
 
 
 def fsdp_param_groups(module) -> tuple:

@@ -20,7 +20,7 @@ from dmuon._dtensor import is_dtensor, local_tensor
 from dmuon._tags import dedicated_info
 from dmuon.plan._tools.render import fmt_names
 
-from dmuon.exec._runtime.boundary import eager_hook
+from dmuon.exec._runtime._boundary.hook_boundary import eager_hook
 from dmuon.exec._runtime.packed_buffers import _contiguous_strides, _grouped_storage, _Segment, _Slot
 from dmuon.exec._runtime.runtime import get_model_runtime
 

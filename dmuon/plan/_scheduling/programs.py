@@ -1,6 +1,6 @@
 """Per-boundary programs: the collectives of each hook boundary per phase, for every rank
 (:func:`boundary_programs`, :class:`BoundaryProgram`). The runtime binds them to its buffers
-(``dmuon.exec._runtime.program``); the builder replays them into a step's op table.
+(``dmuon.exec._runtime._boundary.bound_ops``); the builder replays them into a step's op table.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ post-backward          pack gradients into the segment's reduce buffer (one tens
                        HSDP: then SUM-reduce each sub-segment over the replicate group to its
                        owner; the owner divides by ``R·N`` (or by FSDP2's gradient divide
                        factor when one is set); free non-held storage
-end of backward        (autograd final callback, :class:`~dmuon.exec._runtime.runtime.DmuonRuntime`)
+end of backward        (autograd final callback, :func:`_end_of_backward`, over every boundary)
                        reduce boundaries not yet reduced, wait for every reduce, read all owned
                        presence flags at once (one host sync), copy or add the averaged
                        gradients into the owners' ``.grad`` (never a view of the reduce
@@ -26,29 +26,34 @@ Every rank issues the same collectives in the same order whatever its data: a co
 without gradient contributes zeros and a 0 flag, and an owner leaves ``.grad`` as ``None`` only
 when every rank's flag was 0, i.e. exactly when single-process ``torch.optim.Muon`` would skip
 the matrix.
+
+The boundaries of one model share a
+:class:`~dmuon.exec._runtime._boundary.comm_context.BoundaryCommContext` (``comm_ctx``); the
+broadcasts they send are in :mod:`~dmuon.exec._runtime._boundary.broadcast_send`, the reduce in
+:mod:`~dmuon.exec._runtime._boundary.grad_reduce`, the step check in
+:mod:`~dmuon.exec._runtime._boundary.step_check`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import functools
 import weakref
-from collections.abc import Callable
 
 import optree
 import torch
 import torch.nn as nn
 
-from dmuon.exec._comm import collective_calls as C
 from dmuon.exec._setup import fsdp2
-from dmuon.exec._runtime.boundary_host import BoundaryHost
 from dmuon.exec._runtime.packed_buffers import _Segment
-from dmuon.exec._runtime.gather_buffers import _GatherBuffer, _owned_views
-from dmuon.exec._runtime.program import ONE_RANK, BoundaryOps
 from dmuon.exec._runtime.streams import _on_stream, current_stream
+from dmuon.exec._runtime._boundary import grad_reduce
+from dmuon.exec._runtime._boundary.bound_ops import BoundaryOps
+from dmuon.exec._runtime._boundary.broadcast_send import send_broadcasts
+from dmuon.exec._runtime._boundary.comm_context import BoundaryCommContext
+from dmuon.exec._runtime._boundary.step_check import boundary_code, check_rounds, round_senders
 
-__all__ = ["ShardedState", "TrainingState"]
+__all__ = ["HookBoundary", "ShardedState", "TrainingState", "eager_hook"]
 
 
 class ShardedState(enum.Enum):
@@ -119,7 +124,7 @@ class _PostBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
-class _BoundaryRuntime:
+class HookBoundary:
     """The hooks of one hook boundary and its two states.
 
     ``sharded_state`` (:class:`ShardedState`): ``RESHARDED`` between uses; pre-forward posts the
@@ -131,7 +136,10 @@ class _BoundaryRuntime:
     has not finished (:class:`_Use`; a boundary called twice per forward is reduced after its
     last).
 
-    Under a pipeline schedule (``runtime.pipelined``) several micro-batches' forwards run before
+    ``comm_ctx``: what the model's boundaries share (settings, prefetch order, pending reduces,
+    streams), FSDP2's ``FSDPParamGroup.comm_ctx``.
+
+    Under a pipeline schedule (``comm_ctx.pipelined``) several micro-batches' forwards run before
     their backwards, each backward in its own autograd call, and the schedule reduces once per
     step (:meth:`DmuonRuntime.finish_pipeline_step`): the end of one backward finishes only the
     uses it ran; Z3 frees after every forward and after every use's backward (each micro-batch
@@ -139,8 +147,10 @@ class _BoundaryRuntime:
     reduce (one broadcast per step).
     """
 
-    def __init__(self, runtime: BoundaryHost, fqn: str, module: nn.Module, segments: list[_Segment], ops: BoundaryOps):
-        self.runtime_ref: Callable[[], BoundaryHost | None] = weakref.ref(runtime)  # only what BoundaryHost lists
+    def __init__(
+        self, comm_ctx: BoundaryCommContext, fqn: str, module: nn.Module, segments: list[_Segment], ops: BoundaryOps
+    ):
+        self.comm_ctx = comm_ctx
         self.fqn = fqn
         self.module = module
         self.segments = segments
@@ -156,8 +166,8 @@ class _BoundaryRuntime:
         # all-gathered buffers (the plan's BufferLayout.collective): one gathered tensor each,
         # holding this rank's non-held segments of it
         self.gathers = list({id(seg.gather): seg.gather for seg in segments if seg.gather is not None}.values())
-        # the step check: who sent each received step code, in _received_codes() order
-        self.round_senders = self._round_senders()
+        # the step check: who sent each received step code, in the order this rank reads them
+        self.round_senders = round_senders(self)
         self.uses: list[_Use] = []  # grad-enabled forwards whose backward has not finished
         self._forward_use: _Use | None = None  # the use of the forward between pre- and post-forward
         self.unreduced = False  # local gradients accumulated under no_sync / a pipeline schedule, not yet reduced
@@ -169,7 +179,7 @@ class _BoundaryRuntime:
         self._inflight_phase = ""
         self._inflight_stream = None
         self._checked_fsdp_policy = False
-        self.index = 0  # position in the runtime's boundary order (set by the runtime)
+        self.index = 0  # position in comm_ctx.boundaries (set by the runtime)
         self.handles: list = []
         # step check: grad-enabled forwards of this boundary since the last optimizer step
         self.forwards_since_step = 0
@@ -193,17 +203,17 @@ class _BoundaryRuntime:
             RuntimeError: Z2 (the schedule has no backward broadcast) and the boundary is
                 resharded at its backward: its parameters could not be made current.
         """
-        rt = self.runtime_ref()
+        ctx = self.comm_ctx
         if self.sharded_state is ShardedState.RESHARDED:
             bops = self.ops.broadcast(phase)
-            if not bops and rt.num_shards > 1:
+            if not bops and ctx.num_shards > 1:
                 raise RuntimeError(
                     f"dmuon: boundary {self.fqn!r} needs its parameters for the backward but was freed after "
                     "its forward under reshard_after_forward=False (Z2), whose step has no backward broadcast; "
                     "was the forward run twice with its backward in between? Use reshard_after_forward=True"
                 )
-            rt.wait_replicate_broadcasts(self)  # HSDP: the holder's value must be current
-            stream = rt.comm_stream("broadcast")  # None on CPU
+            ctx.wait_replicate_broadcasts(self)  # HSDP: the holder's value must be current
+            stream = ctx.comm_stream("broadcast")  # None on CPU
             for seg in self.segments:
                 if (
                     not seg.held and seg.gather is None
@@ -214,22 +224,7 @@ class _BoundaryRuntime:
                 gb.grow()
             if stream is not None:  # masters written by the optimizer, storage last read by compute
                 stream.wait_stream(current_stream(stream.device))
-            code = self._step_code(phase)
-            with _on_stream(stream):
-                for seg in self.segments:
-                    if seg.held:
-                        self._copy_masters_to_wire(seg)
-                        if (
-                            bops and seg.gather is None
-                        ):  # the flag slots carry (step, phase, forward); receivers compare
-                            for sub in seg.subs:
-                                seg.wire[sub.flags_offset_in_seg : sub.flags_offset_in_seg + len(sub.slots)] = code
-                for gb in self.gathers:  # the own slot: the held segment (all-gathered in place) and the code
-                    own = gb.slot(gb.my_slot)
-                    if gb.held is not None:
-                        own[: gb.held.numel].copy_(gb.held.wire)
-                    own[gb.slot_numel - 1] = code
-                works = self._issue(bops, rt)
+            works = send_broadcasts(self, bops, boundary_code(self, phase), stream)
             self._inflight, self._inflight_phase, self._inflight_stream = works, phase, stream
             # nothing to wait for (one shard, off CUDA): unsharded at once
             self.sharded_state = ShardedState.UNSHARDING if works or stream is not None else ShardedState.UNSHARDED
@@ -240,7 +235,7 @@ class _BoundaryRuntime:
             self._inflight, self._inflight_stream = [], None
             with _on_stream(stream):  # NCCL: the broadcast stream waits for the collectives
                 groups = {id(b.group): b.group for b in self.ops.broadcast(self._inflight_phase)}
-                rt.wait(
+                ctx.wait(
                     works,
                     f"boundary {self.fqn!r} {self._inflight_phase}",
                     boundary=self,
@@ -249,90 +244,8 @@ class _BoundaryRuntime:
             if stream is not None:  # the compute stream waits before the parameters are used
                 current_stream(stream.device).wait_event(stream.record_event())
             self.sharded_state = ShardedState.UNSHARDED
-            self._check_rounds(self._inflight_phase)
+            check_rounds(self, self._inflight_phase)
             self._assemble_grouped()
-
-    def _issue(self, bops, rt) -> list:
-        """Post ``bops`` in order (async): an all-gather per all-gathered buffer (this rank's slot
-        of the gathered tensor is its input, in place), and each run of consecutive broadcasts
-        on one group as one coalesced group where the backend coalesces
-        (:func:`~dmuon.exec._comm.collective_calls.broadcast_many`). Returns the works."""
-        works: list = []
-        i = 0
-        while i < len(bops):
-            b = bops[i]
-            gb = b.gather
-            if gb is not None:
-                works.append(
-                    C.all_gather_into(gb.gathered, gb.slot(gb.my_slot), group=b.group, phase=b.op.phase, async_op=True)
-                )
-                i += 1
-                continue
-            j = i + 1
-            while j < len(bops) and bops[j].gather is None and bops[j].group is b.group:
-                j += 1
-            items = [(x.segment.wire, x.root) for x in bops[i:j]]
-            works += C.broadcast_many(items, group=b.group, phase=b.op.phase, coalesce=rt.coalesces(b.group))
-            i = j
-        return works
-
-    def _step_code(self, phase: str) -> float:
-        rt = self.runtime_ref()
-        return step_code(rt.steps_done, phase == "backward_broadcast", self.forwards_since_step)
-
-    def _round_senders(self) -> list[int]:
-        """Global rank that sent each code of :meth:`_received_codes`: the root of each received
-        broadcast segment, then per all-gathered buffer every other member of the group."""
-        rt = self.runtime_ref()
-        g = rt.groups
-        out = [g.rank_of(g.replicate, seg.shard) for seg in self.segments if not seg.held and seg.gather is None]
-        for gb in self.gathers:
-            out += [g.rank_of(g.replicate, s) for j, s in enumerate(gb.group_shards) if j != gb.my_slot]
-        return out
-
-    def _received_codes(self) -> list[torch.Tensor]:
-        """The step codes this rank received (views): a received broadcast segment's first flag
-        slot, and every other member's slot trailer of each all-gathered buffer."""
-        parts = [
-            seg.wire[seg.subs[0].flags_offset_in_seg].reshape(1)
-            for seg in self.segments
-            if not seg.held and seg.gather is None
-        ]
-        for gb in self.gathers:
-            codes = gb.codes()
-            parts += [codes[: gb.my_slot], codes[gb.my_slot + 1 :]]
-        return parts
-
-    def _check_rounds(self, phase: str) -> None:
-        """Every received step code (a broadcast segment's flag slots, an all-gathered slot's
-        trailer: every member writes one, owner or not) must be this rank's own
-        :func:`step_code` (optimizer step, phase, forward index): a sender on another step or
-        phase (a rank that skipped or repeated a forward, backward or optimizer step) is reported
-        here on CPU; on an accelerator the comparison stays on the device and the runtime checks
-        it once per optimizer step (one host sync)."""
-        if not self.round_senders:
-            return
-        got = torch.cat(self._received_codes())
-        expected = self._step_code(phase)
-        if got.device.type != "cpu":
-            self.runtime_ref().defer_round_check(self, phase, got, expected)
-        elif not bool((got == expected).all()):  # host memory: no sync; the values are read on a mismatch only
-            self.raise_if_out_of_step(phase, got.tolist(), expected)
-
-    def raise_if_out_of_step(self, phase: str, got: list, expected: float) -> None:
-        """Raise :class:`RanksOutOfStep` naming both sides when a received round differs."""
-        rt = self.runtime_ref()
-        for holder, value in zip(self.round_senders, got):
-            if value != expected:
-                me = rt.groups.rank_of(rt.groups.replicate, rt.groups.shard)
-                raise RanksOutOfStep(
-                    f"dmuon: ranks out of step at boundary {self.fqn!r}: this rank (global rank {me}) is at "
-                    f"{describe_code(expected)} (optimizer steps done: {rt.steps_done}), but global rank {holder}, "
-                    f"whose broadcast or all-gather slot it received, is at {describe_code(value)}: one of them "
-                    "skipped or repeated a forward, a backward or an optimizer step. Every rank must run the same "
-                    "forwards, backwards "
-                    "and opt.step() calls in the same order (no rank-dependent skip, early exit or extra step)."
-                )
 
     def _assemble_grouped(self) -> None:
         """Owner groups: copy each grouped matrix's blocks (now resident) into its full compute
@@ -358,13 +271,6 @@ class _BoundaryRuntime:
             if gm.resident:
                 gm.release()
         self.sharded_state = ShardedState.RESHARDED
-
-    @staticmethod
-    def _copy_masters_to_wire(seg: _Segment) -> None:
-        """Mixed precision: cast the full-precision masters into the broadcast-dtype segment."""
-        if seg.master is not seg.wire:
-            with torch.no_grad():
-                seg.wire.copy_(seg.master)
 
     # -- module attributes -----------------------------------------------------------------
 
@@ -392,7 +298,6 @@ class _BoundaryRuntime:
     # -- hooks -----------------------------------------------------------------------------
 
     def pre_forward(self, module, args, kwargs):
-        rt = self.runtime_ref()
         if _in_backward():
             # activation-checkpoint recomputation (the boundary itself, or an ancestor, was
             # checkpointed): the backward's parameters are already in place (pre-backward ran
@@ -403,7 +308,7 @@ class _BoundaryRuntime:
         if not self._checked_fsdp_policy:
             self._check_fsdp_policy(module)
         self._unshard("forward_broadcast", wait=False)
-        nxt = rt.boundary_after(self)
+        nxt = self.comm_ctx.boundary_after(self)
         if nxt is not None:  # prefetch: the next boundary's broadcasts overlap this compute
             nxt._unshard("forward_broadcast", wait=False)
         self._unshard("forward_broadcast")
@@ -424,31 +329,33 @@ class _BoundaryRuntime:
         # Z3 frees after every forward. Z2 stays UNSHARDED from the forward broadcast until this
         # boundary's backward when one is coming (this forward's, or an earlier one's); a no-grad
         # forward with no backward pending frees.
-        keep_for_backward = not self.runtime_ref().reshard_after_forward and (grad or self.pending_backward > 0)
+        keep_for_backward = not self.comm_ctx.reshard_after_forward and (grad or self.pending_backward > 0)
         if not keep_for_backward:
             self._reshard()
         use, self._forward_use = self._forward_use, None
         if grad and use is not None:
             tensors = [t for t in optree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
-            if tensors:
-                hook = functools.partial(self._on_pre_backward, use)
-                torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
+            # one hook per output tensor, as FSDP2 registers its pre-backward (a multi-grad hook
+            # costs ~16x more to register); the first to fire starts the use, the rest return
+            hook = functools.partial(self._on_pre_backward, use)
+            for t in tensors:
+                t.register_hook(hook)
         return output
 
     def _check_fsdp_policy(self, module) -> None:
         """Report a ``fully_shard`` mixed-precision policy that differs from the plan's."""
         self._checked_fsdp_policy = True
-        fsdp2.check_mp_policy(module, self.runtime_ref().plan, self.fqn)
+        fsdp2.check_mp_policy(module, self.comm_ctx.plan, self.fqn)
 
     def _gradient_sync(self) -> bool:
         """``dmuon.no_sync`` / FSDP2's ``set_requires_gradient_sync(False)`` defer the reduce.
 
         FSDP2's flag is read from the boundary's own ``fully_shard`` unit and from the root's.
         """
-        rt = self.runtime_ref()
-        if not rt.requires_gradient_sync:
+        ctx = self.comm_ctx
+        if not ctx.requires_gradient_sync:
             return False
-        return fsdp2.requires_gradient_sync(self.module) and fsdp2.requires_gradient_sync(rt.model_ref())
+        return fsdp2.requires_gradient_sync(self.module) and fsdp2.requires_gradient_sync(ctx.model_ref())
 
     def _register_post_backward(self, args, kwargs, use: _Use):
         leaves, spec = optree.tree_flatten((args, kwargs))
@@ -463,13 +370,12 @@ class _BoundaryRuntime:
         return optree.tree_unflatten(spec, leaves)
 
     def _on_pre_backward(self, use: _Use, *unused) -> None:
-        rt = self.runtime_ref()
-        rt.queue_final_callback()
-        if not any(u is use for u in self.uses):  # finished already (e.g. by an earlier end of backward)
-            return
+        _queue_end_of_backward(self.comm_ctx)
+        if use.started or not any(u is use for u in self.uses):  # started by another output's hook, or
+            return  # finished already (e.g. by an earlier end of backward)
         use.started = True
         self._unshard("backward_broadcast", wait=False)  # no-op in Z2: resident since the forward
-        prev = rt.boundary_before(self)
+        prev = self.comm_ctx.boundary_before(self)
         if prev is not None and prev.pending_backward > 0:  # prefetch for the next backward
             prev._unshard("backward_broadcast", wait=False)
         self._unshard("backward_broadcast")
@@ -481,7 +387,7 @@ class _BoundaryRuntime:
         if len(self.uses) == n:  # finished already
             return
         if self.uses:
-            if self.runtime_ref().pipelined:
+            if self.comm_ctx.pipelined:
                 self._end_use()
             return
         self._finish()
@@ -494,7 +400,7 @@ class _BoundaryRuntime:
         if any(u.started for u in self.uses):
             return
         self._restore()
-        if self.runtime_ref().reshard_after_forward:
+        if self.comm_ctx.reshard_after_forward:
             self._reshard()
 
     def finish_backward(self) -> None:
@@ -504,7 +410,7 @@ class _BoundaryRuntime:
         pre-backward fired) are done; the later micro-batches' uses stay in flight."""
         if not self.uses:
             return
-        if not self.runtime_ref().pipelined:
+        if not self.comm_ctx.pipelined:
             self._finish()
             return
         n = len(self.uses)
@@ -523,8 +429,8 @@ class _BoundaryRuntime:
             # no_sync micro-batch: every rank keeps its full local gradient in the compute
             # parameters' .grad (autograd accumulates the next micro-batch into it)
             self.unreduced = True
-        rt = self.runtime_ref()
-        if not (rt.pipelined and not rt.reshard_after_forward):  # pipeline Z2: resident until the step's reduce
+        ctx = self.comm_ctx
+        if not (ctx.pipelined and not ctx.reshard_after_forward):  # pipeline Z2: resident until the step's reduce
             self._reshard()
 
     def finish_pipeline_step(self) -> None:
@@ -537,163 +443,37 @@ class _BoundaryRuntime:
         if self.unreduced:
             self._launch_reduce()
 
-    # -- gradient reduce -------------------------------------------------------------------
-
     def _launch_reduce(self) -> None:
-        """Pack the local gradients into the reduce buffers and reduce them: per broadcast
-        segment its reduce buffer, SUM-reduced to its holder (runs on one group coalesced where
-        the backend coalesces); per all-gathered buffer ``rs_in`` (every segment at its slot),
-        reduce-scattered into this rank's slot ``rs_out``.
-
-        The buffer tensors are reused (storage regrown, zeroed, rewritten), so a reduce still in
-        flight on one (the same boundary finishing twice before the end of the backward) is
-        finished first. CUDA: the packing and the reduce are ordered after the compute stream on
-        the reduce stream; the local gradients stay referenced until
-        :meth:`DmuonRuntime.finish_reduces` waits for that stream.
-        """
-        rt = self.runtime_ref()
-        self.unreduced = False
-        if any(seg.reduce_inflight for seg in self.segments) or any(gb.reduce_inflight for gb in self.gathers):
-            rt.finish_reduces()
-        stream = rt.comm_stream("reduce")  # None on CPU
-        # (re)grow the buffers on the compute stream, as FSDP2 allocates its reduce-scatter input
-        bufs = [
-            self._reduce_buffer(b.segment) if b.gather is None else b.gather.reduce_buffers()[0]
-            for b in self.ops.reduce
-        ]
-        if stream is not None:  # the gradients were produced on the compute stream
-            stream.wait_stream(current_stream(stream.device))
-        with _on_stream(stream):
-            keeps = []
-            for b, buf in zip(self.ops.reduce, bufs):
-                buf.fill_(0)
-                keep: list = []
-                gb = b.gather
-                if gb is None:
-                    self._pack(b.segment, buf, 0, keep, stream)
-                else:
-                    for j, seg in enumerate(gb.segments):
-                        if seg is not None:
-                            self._pack(seg, buf, j * gb.slot_numel, keep, stream)
-                keeps.append(keep)
-            if rt.check_nonfinite and bufs:  # skip_nonfinite: this rank's gradients, before the reduce
-                rt.note_reduce_input(bufs)
-            i = 0
-            ops = self.ops.reduce
-            while i < len(ops):
-                b = ops[i]
-                gb = b.gather
-                if gb is not None:
-                    work = C.reduce_scatter_into(gb.rs_out, bufs[i], group=b.group, phase=b.op.phase, async_op=True)
-                    gb.reduce_inflight = True
-                    rt.pending_reduces.append(_PendingReduce(self, gb.held, gb.rs_out, [work], keeps[i], gb))
-                    i += 1
-                    continue
-                j = i + 1
-                while j < len(ops) and ops[j].gather is None and ops[j].group is b.group:
-                    j += 1
-                if b.group is ONE_RANK:  # an efsdp group of one rank: the buffer is already the sum
-                    works = []
-                else:
-                    items = [(bufs[q], ops[q].root) for q in range(i, j)]
-                    works = C.reduce_many(items, group=b.group, phase=b.op.phase, coalesce=rt.coalesces(b.group))
-                for q in range(i, j):  # the run's works (one when coalesced) ride on its first segment
-                    seg = ops[q].segment
-                    seg.reduce_inflight = True
-                    rt.pending_reduces.append(
-                        _PendingReduce(self, seg, bufs[q], works if q == i else [], keeps[q], None)
-                    )
-                i = j
-            for gm in self.grouped:  # every block packed: the full local gradient is done with
-                gm.compute.grad = None
-        # HSDP: the boundaries reduced before this one, their shard reduces launched one boundary's
-        # backward ago, go on to their replicate reduces now rather than all after the backward
-        rt.issue_replicate_reduces(self)
-
-    @staticmethod
-    def _pack(seg: _Segment, buf: torch.Tensor, base: int, keep: list, stream) -> None:
-        """Write ``seg``'s local gradients into ``buf`` at ``base`` + their offsets in the segment,
-        and a presence flag 1 for each one present (zeros stay where a compute parameter has no
-        gradient); a matrix's compute gradient is dropped once packed."""
-        for sub in seg.subs:
-            for k, slot in enumerate(sub.slots):
-                gm = slot.grouped
-                g = slot.compute.grad if gm is None else gm.compute.grad
-                if g is None:
-                    continue
-                if slot.tp is not None:
-                    g = slot.tp.local(g)
-                if gm is not None:  # this block of the grouped matrix's full gradient
-                    g = g.narrow(gm.info.dim, gm.info.compute_offset(slot.block), gm.info.sizes[slot.block])
-                start = base + slot.offset_in_seg
-                buf[start : start + slot.numel].view(slot.shape).copy_(g)
-                buf[base + sub.flags_offset_in_seg + k] = 1
-                if stream is not None:
-                    keep.append(g)
-                if gm is None:
-                    slot.compute.grad = None
-
-    @staticmethod
-    def _reduce_buffer(seg: _Segment) -> torch.Tensor:
-        """The segment's reduce buffer, with its storage grown: the tensor (and the views of the
-        sub-segments this rank owns) is built once, on the segment's device in the reduce dtype,
-        and rebuilt only after the segment moved; its storage is released again by
-        :meth:`DmuonRuntime.finish_reduces` once the averages are out, as the broadcast buffers'
-        storage is after the boundary's use, so no rank keeps gradient-sized memory between
-        backwards."""
-        buf = seg.reduce_buf
-        if buf is None or buf.device != seg.wire.device:
-            buf = torch.empty(seg.numel, dtype=seg.reduce_dtype, device=seg.wire.device)
-            seg.reduce_buf = buf
-            seg.owned = _owned_views(seg, buf)
-        else:
-            buf.untyped_storage().resize_(seg.numel * buf.element_size())
-        return buf
+        """Pack the local gradients and reduce them to their owners
+        (:func:`~dmuon.exec._runtime._boundary.grad_reduce.launch_reduce`)."""
+        grad_reduce.launch_reduce(self)
 
 
-@dataclasses.dataclass(eq=False)
-class _PendingReduce:
-    """A launched gradient reduce, until :func:`~dmuon.exec._runtime.reduces.finish_reduces`:
-    its ``boundary``, the held ``segment`` whose owned sub-segments it delivers (None: this rank
-    holds nothing in an all-gathered buffer), the reduce buffer ``buf`` laid out as that segment
-    (a broadcast segment's, or an all-gathered buffer's ``rs_out``), the ``works`` to wait for,
-    the local gradients to ``keep`` referenced until then (CUDA), and the ``gather`` buffer of a
-    reduce-scatter (its ``rs_in`` is released after the wait); ``replicated`` once
-    :func:`~dmuon.exec._runtime.reduces.issue_replicate_reduces` has taken it."""
-
-    boundary: "_BoundaryRuntime"
-    segment: _Segment | None
-    buf: torch.Tensor
-    works: list
-    keep: list
-    gather: _GatherBuffer | None
-    replicated: bool = False  # HSDP: its works waited for and its replicate reduces issued
+def _queue_end_of_backward(ctx: BoundaryCommContext) -> None:
+    """Queue :func:`_end_of_backward` once per backward (FSDP2's root post-backward callback)."""
+    if ctx.final_callback_queued:
+        return
+    ctx.final_callback_queued = True
+    torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_end_of_backward, ctx))
 
 
-class RanksOutOfStep(RuntimeError):
-    """Ranks disagree on how many broadcast rounds a boundary has run (a rank skipped or
-    repeated a forward, backward or optimizer step); raised on the ranks that see it."""
-
-
-_STEP_MOD, _FORWARD_MOD = 32, 4  # codes 1..256: integers every wire dtype holds exactly (bf16: up to 256)
-
-
-def step_code(steps_done: int, backward: bool, forwards_since_step: int) -> float:
-    """The value a holder writes into its segment's flag slots before a broadcast, and every
-    receiver compares with its own: ``1 + (steps mod 32) * 8 + backward * 4 + (forwards mod 4)``
-    (1..256, exact in bf16, fp16 and fp32). ``forwards_since_step``: grad-enabled forwards of
-    the boundary since the last optimizer step, counted before this forward. The flag slots are
-    already part of every segment (the reduce's gradient-presence flags), so the check moves no
-    extra byte and the plan's byte counts are unchanged."""
-    return float(1 + (steps_done % _STEP_MOD) * 8 + int(backward) * 4 + forwards_since_step % _FORWARD_MOD)
-
-
-def describe_code(code: float) -> str:
-    """``"optimizer step 3 (mod 32), forward broadcast of forward 1 (mod 4)"`` of a :func:`step_code`."""
-    v = int(code) - 1
-    step, rest = divmod(v, 8)
-    phase = "backward" if rest >= 4 else "forward"
-    return f"step {step} (mod {_STEP_MOD}), {phase} broadcast, after {rest % 4} forward(s) of this step (mod {_FORWARD_MOD})"
+def _end_of_backward(ctx: BoundaryCommContext) -> None:
+    """The autograd final callback: every boundary, last first, finishes the uses whose backward
+    ran (reducing where the post-backward trigger never fired), every reduce is waited for and
+    the owners' gradients written; then the boundaries still resident are resharded."""
+    ctx.final_callback_queued = False
+    for b in reversed(ctx.boundaries):
+        b.finish_backward()
+    grad_reduce.finish_reduces(ctx)
+    if ctx.pipelined and not ctx.reshard_after_forward:
+        return  # pipeline Z2: every boundary stays resident until the step's reduce
+    # a boundary prefetched but not called in this forward (e.g. a skipped layer) waits for
+    # its broadcasts and frees its copies: every step starts with every boundary resharded
+    # (under a pipeline schedule: those with no backward left running; a boundary whose
+    # later micro-batches are in flight is resharded too under Z3, its next use re-broadcasts)
+    for b in ctx.boundaries:
+        if b.sharded_state is not ShardedState.RESHARDED and not any(u.started for u in b.uses):
+            b._reshard()
 
 
 def _in_backward() -> bool:

@@ -4,8 +4,8 @@
 every rank (the same lists :func:`dmuon.plan.schedule` sequences into a step). :func:`bind`
 keeps the ops whose group contains this rank, resolves each to the packed segment (and
 sub-segment) it moves, its root as a global rank and dmuon's process group, and checks that the
-sizes agree with the buffers. The hooks (:mod:`dmuon.exec._runtime.boundary`) and the model-wide runtime
-(:mod:`dmuon.exec._runtime.runtime`) then run these lists: which collectives, with which roots, sizes and
+sizes agree with the buffers. The hooks (:mod:`dmuon.exec._runtime._boundary.hook_boundary`) and
+the model-wide runtime (:mod:`dmuon.exec._runtime.runtime`) then run these lists: which collectives, with which roots, sizes and
 dtypes, in which order, is decided by the plan; *when* each list runs, by the hooks.
 """
 
@@ -18,7 +18,7 @@ from dmuon.plan._scheduling.ops import Op
 from dmuon.plan._scheduling.programs import BoundaryProgram
 
 from dmuon.exec._runtime.packed_buffers import _Segment, _SubSeg
-from dmuon.exec._runtime.gather_buffers import _GatherBuffer
+from dmuon.exec._runtime._boundary.gather_buffers import _GatherBuffer
 from dmuon.exec._comm.groups import MeshGroups
 
 __all__ = ["BoundOp", "BoundaryOps", "schedule_rank", "bind", "ONE_RANK"]
