@@ -1001,3 +1001,32 @@ def test_pipeline_with_expert_parallelism_matches_oracle():
         assert r["ep_size"] == 2 and r["local_experts"] == 3  # w1, w2, w3 of the stage's block
         assert r["losses"] == pytest.approx(ref_losses, rel=FP32_LOSS_RTOL)
     _check_state(runs, ref_state)
+
+
+def test_embedding_tie_sides_of_a_stage():
+    """Which side of a declared embedding tie a stage holds alone (local, before the exchange), and
+    when the stages' sides make a refusal: an embedding on one stage and the projection on another
+    only (an encoder without a head, or a tie kept inside one stage, is not refused)."""
+    from dmuon.exec._setup.guards import check_no_cross_stage_tie, embedding_tie_sides
+
+    full = make_full()
+    assert embedding_tie_sides(split_stage(full, 0, 2)) == ()  # no tie declared
+    full.enable_weight_tying = True  # torchtitan's attribute
+    full.head.weight = full.embed.weight
+    assert embedding_tie_sides(full) == ()  # both sides, one tensor: tied inside the stage
+    first, last = split_stage(full, 0, 2), split_stage(full, 1, 2)
+    assert embedding_tie_sides(first) == (("input", "embed.weight", "enable_weight_tying=True"),)
+    assert embedding_tie_sides(last) == (("output", "head.weight", "enable_weight_tying=True"),)
+    middle = split_stage(full, 1, 4)
+    assert embedding_tie_sides(middle) == ()
+
+    class Config:
+        tie_word_embeddings = True
+
+    hf = split_stage(make_full(), 0, 2)
+    hf.config = Config()  # Hugging Face's declaration
+    assert embedding_tie_sides(hf) == (("input", "embed.weight", "config.tie_word_embeddings=True"),)
+
+    check_no_cross_stage_tie([((0, 1), embedding_tie_sides(first)), ((2, 3), ())])  # one side only: allowed
+    with pytest.raises(NotImplementedError, match=r"ranks \[0, 1\] hold 'embed.weight' while the ranks \[2, 3\]"):
+        check_no_cross_stage_tie([((0, 1), embedding_tie_sides(first)), ((2, 3), embedding_tie_sides(last))])
