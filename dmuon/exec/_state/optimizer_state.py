@@ -319,6 +319,8 @@ def wrap_unflatten_optim_state_dict(original):
             for p in group["params"]:
                 if _live_info(p)[1] is None:
                     continue
+                if p in optim.state and not optim.state[p]:  # the empty entry torch's read left on a non-owner
+                    del optim.state[p]
                 for fqn in info.fqn_param_mapping.get(p, ()):
                     entry = entries.get(fqn)
                     if not isinstance(entry, dict):
