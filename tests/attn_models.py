@@ -117,3 +117,26 @@ class AttnLM(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.head(x)
+
+
+def apply_clip_reference(params, qk, maxes) -> int:
+    """QK-clip's rule, head by head, on a single-process model's ``params`` (FQN -> parameter), with
+    ``maxes`` the step's max logits per attention module (FQN -> ``(H,)``); written independently of
+    ``dmuon.exec._optim.qk_clip``. Returns the number of clipped heads."""
+    clipped = 0
+    for a in qk.attention:
+        S = maxes[a.module]
+        for h in range(a.q.num_heads):
+            s = float(S[h])
+            if s <= qk.tau:
+                continue
+            clipped += 1
+            targets = (
+                [(a.q, h, qk.tau / s)] if a.gqa else [(a.q, h, math.sqrt(qk.tau / s)), (a.k, h, math.sqrt(qk.tau / s))]
+            )
+            for rows, head, f in targets:
+                lo = rows.offset + head * rows.head_dim
+                params[rows.fqn].data.narrow(rows.dim, lo, rows.head_dim).mul_(f)
+                if rows.bias is not None:
+                    params[rows.bias].data[lo : lo + rows.head_dim].mul_(f)
+    return clipped

@@ -113,6 +113,19 @@ INTEGRATIONS: tuple[Integration, ...] = (
         explicit="dcp.load(..., planner=dmuon.DCPLoadPlanner())",
     ),
     Integration(
+        "dcp.unflatten_optim",
+        "torch.distributed.checkpoint.state_dict:_unflatten_optim_state_dict",
+        "dmuon.exec._state.optimizer_state:wrap_unflatten_optim_state_dict",
+        "dedicate",
+        "set_optimizer_state_dict(..., flatten_optimizer_state_dict=True) of a dmuon.Muon passes every dedicated "
+        "matrix's momentum on every rank (torch keeps only the names a rank's optimizer.state holds; a non-owner "
+        "holds none, and its part of the gather to the owner would be missing)",
+        expects=("optim", "state_dict", "info"),
+        required=False,
+        explicit="unflatten against get_optimizer_state_dict(model, optimizer)'s layout, then "
+        "set_optimizer_state_dict without the option (docs/pipeline_parallel.md)",
+    ),
+    Integration(
         "ddp.guard",
         "torch.nn.parallel.distributed:DistributedDataParallel.__init__",
         "dmuon.exec._setup.guards:wrap_ddp_init",
@@ -201,7 +214,7 @@ FAMILIES = {
     "fsdp2": ("fsdp2.managed_modules", "fsdp2.managed_states"),
     "clip": ("clip.nn_utils", "clip.clip_grad"),
     "amp": ("amp.grad_scaler", "amp.sharded_grad_scaler"),
-    "dcp": ("dcp.load_plan",),
+    "dcp": ("dcp.load_plan", "dcp.unflatten_optim"),
     "ddp": ("ddp.guard",),
     "optimizer": ("optimizer.guard",),
     "accelerate": ("accelerate.prepare_fsdp2", "accelerate.prepare_model", "accelerate.clip_grad_norm_"),

@@ -10,7 +10,8 @@ Three process groups, run once per module (process start-up dominates on 2 cores
   local part is one row chunk, plain ``model.state_dict()`` semantics, ``dmuon.full_state_dict``
   on rank 0 only, the dummy-step guard; then a resume at the same N (fresh model, ``dcp.load``,
   one more step) against the uninterrupted run: bit-identical losses, parameters and optimizer
-  state.
+  state; and the optimizer state flattened (``flatten_optimizer_state_dict=True``) loaded through
+  torch's own unflattening into a fresh model, equal bit for bit.
 * **N=1** — loads the two Muon N=4 checkpoints, trains 2 steps, saves again.
 * **N=2** — loads the N=4 checkpoints (1-D -> N=2, HSDP -> HSDP (2, 1), NorMuon 1-D -> N=2) and,
   "back" up, the N=1 ones, and trains one more step; a Muon checkpoint into NorMuon (zero second
@@ -108,6 +109,34 @@ def _full_optim(model, opt):
 
     osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return osd
+
+
+def _flat_round_trip(model, opt, mesh, z3, variant) -> bool | None:
+    """The sharded optimizer state flattened (``flatten_optimizer_state_dict=True``, as under pipeline
+    parallelism) and loaded with torch's own unflattening into a fresh model at the same layout: the
+    full optimizer state equal bit for bit (rank 0; None elsewhere)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    msd, osd = get_model_state_dict(model), get_optimizer_state_dict(model, opt, options=flat)
+    fresh, fresh_opt, _ = _build(mesh, z3, variant)
+    set_model_state_dict(fresh, msd)
+    set_optimizer_state_dict(fresh, fresh_opt, osd, options=flat)
+    want, got = _full_optim(model, opt), _full_optim(fresh, fresh_opt)
+    if dist.get_rank() != 0:
+        return None
+    return set(want["state"]) == set(got["state"]) and all(
+        torch.equal(torch.as_tensor(v), torch.as_tensor(got["state"][k][key]))
+        for k, entry in want["state"].items()
+        for key, v in entry.items()
+    )
 
 
 def _layout_report(model, opt, plan):
@@ -212,6 +241,7 @@ def _worker4(root):
         res_losses = train_steps(model2, opt2, batches[SAVE_AT : SAVE_AT + 1])
         res_full, res_osd = dmuon.full_state_dict(model2), _full_optim(model2, opt2)
         guard = _placeholder_guard(model2, opt2)
+        flat_round_trip = _flat_round_trip(model2, opt2, mesh, z3, _variant(name))
         out[name] = dict(
             plan_dedicated=plan.dedicated,
             losses=losses,
@@ -224,6 +254,7 @@ def _worker4(root):
             res=(res_losses, res_full, res_osd if rank == 0 else None),
             same_eval=same_eval,
             guard=guard,
+            flat_round_trip=flat_round_trip,
         )
         dist.barrier()
     return out
@@ -480,6 +511,15 @@ def test_resume_at_same_n_is_bit_identical(chain):
         for k, entry in cont_osd["state"].items():
             for key, value in entry.items():
                 assert torch.equal(value, res_osd["state"][k][key]), (name, k, key)
+
+
+def test_flattened_optimizer_state_round_trip(chain):
+    """``set_optimizer_state_dict(..., flatten_optimizer_state_dict=True)`` (torch's unflattening, with
+    dmuon's ``dcp.unflatten_optim`` integration) loads every momentum, HSDP's and NorMuon's second
+    moments included, bit for bit: no rank skips its part of the gather to the owner."""
+    r4, _, _ = chain
+    for name in CASES4:
+        assert r4[0][name]["flat_round_trip"] is True, name
 
 
 def test_dcp_dummy_step_guard(chain):

@@ -27,7 +27,7 @@ import math
 import pytest
 import torch
 
-from attn_models import AttnLM
+from attn_models import AttnLM, apply_clip_reference as _apply_clip_reference
 from dist_utils import run_distributed
 from shared_launch import shared_run
 from oracle import HP, dmuon_muon_kwargs, dmuon_optimizer, fp32_newton_schulz, global_batches, lm_loss
@@ -290,27 +290,6 @@ def _views_for(name: str):
     if name == "gpt2":
         return V.gpt2_views(num_heads=4)
     return None
-
-
-def _apply_clip_reference(params, qk: QKClip, maxes) -> int:
-    """The rule, head by head (independent of dmuon.exec._optim.qk_clip). Returns clipped heads."""
-    clipped = 0
-    for a in qk.attention:
-        S = maxes[a.module]
-        for h in range(a.q.num_heads):
-            s = float(S[h])
-            if s <= qk.tau:
-                continue
-            clipped += 1
-            targets = (
-                [(a.q, h, qk.tau / s)] if a.gqa else [(a.q, h, math.sqrt(qk.tau / s)), (a.k, h, math.sqrt(qk.tau / s))]
-            )
-            for rows, head, f in targets:
-                lo = rows.offset + head * rows.head_dim
-                params[rows.fqn].data.narrow(rows.dim, lo, rows.head_dim).mul_(f)
-                if rows.bias is not None:
-                    params[rows.bias].data[lo : lo + rows.head_dim].mul_(f)
-    return clipped
 
 
 def _reference(model, dedicated, views, batches, *, qk=None, micro=1, adjust_lr_fn=None):

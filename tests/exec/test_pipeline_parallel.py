@@ -26,13 +26,23 @@ single-process ``torch.optim.Muon`` + ``AdamW`` on the whole model over the same
 * a zero-bubble schedule raises the same ``NotImplementedError`` on every rank at its first step;
 * checkpoints across layouts, in the same launch: a DCP checkpoint (model + flattened optimizer
   state) saved at (pp 2, dp 2) after one GPipe step, loaded into fresh stages at (pp 2, dp 2)
-  (the next steps bit-identical to the uninterrupted run) and into the whole model at
-  (pp 1, dp 4) (the next steps against the oracle).
+  with ``set_optimizer_state_dict(flatten_optimizer_state_dict=True)`` (the next steps
+  bit-identical to the uninterrupted run; without dmuon's ``dcp.unflatten_optim`` integration the
+  same ``ValueError`` on every rank, not a hang) and into the whole model at (pp 1, dp 4) through
+  the patch-free unflattening (the next steps against the oracle);
+* tied embeddings across the first and last stage (declared ``enable_weight_tying``): the same
+  ``NotImplementedError`` on every rank at ``dedicate_params``;
+* QK-clip: an attention model split in two stages (GPipe, shape inference included) against the
+  single-process oracle whose max logits are taken over the whole global batch (clipped heads and
+  largest logit per stage and step, losses, parameters);
+* expert parallelism: an MoE model at pp 2 x ep 2 on a ``("pp", "efsdp", "ep")`` mesh against the
+  single-process oracle (every expert's matrices Muon's, fp32 Newton-Schulz).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -324,6 +334,13 @@ def _errors(mesh):
         )
     except RuntimeError as exc:
         out["plans_differ"] = str(exc)
+    tied = make_full()  # the head tied to the embedding, declared as torchtitan declares it
+    tied.enable_weight_tying = True
+    tied.head.weight = tied.embed.weight
+    try:
+        dmuon.dedicate_params(split_stage(tied, pp, 2), mesh["dp"])
+    except NotImplementedError as exc:
+        out["tied"] = str(exc)
     return out
 
 
@@ -344,12 +361,27 @@ def _checkpoint_state(m, opt):
     return {"model": get_model_state_dict(m), "optim": get_optimizer_state_dict(m, opt, options=flat)}
 
 
+def _checkpoint_load_flat(m, opt, path):
+    """Load the checkpoint at ``path`` into ``m`` and ``opt`` with torch's own unflattening,
+    ``set_optimizer_state_dict(..., flatten_optimizer_state_dict=True)`` (dmuon's
+    ``dcp.unflatten_optim`` integration gives every rank the momentum names it does not hold)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    sd = _checkpoint_state(m, opt)
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(m, sd["model"])
+    set_optimizer_state_dict(m, opt, sd["optim"], options=StateDictOptions(flatten_optimizer_state_dict=True))
+
+
 def _checkpoint_load(m, opt, path):
-    """Load the checkpoint at ``path`` into ``m`` and ``opt``. The flattened optimizer state is
-    unflattened against ``get_optimizer_state_dict``'s own layout (every dedicated matrix's
-    momentum on every rank), not by ``set_optimizer_state_dict(flatten_optimizer_state_dict=True)``:
-    torch unflattens only the state names ``opt.state`` holds on the rank, and a non-owner holds
-    none for the matrices it does not own."""
+    """Load the checkpoint at ``path`` into ``m`` and ``opt`` without patches (the recipe of
+    docs/pipeline_parallel.md): the flattened optimizer state is unflattened against
+    ``get_optimizer_state_dict``'s own layout (every dedicated matrix's momentum on every rank)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_optimizer_state_dict,
@@ -389,8 +421,10 @@ def _checkpoint_across_layouts(mesh):
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
     import dmuon
+    from dmuon import _registry
 
     pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    refusal = None
     holder = [tempfile.mkdtemp(prefix="dmuon-pp-ckpt-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(holder, src=0)
     path = holder[0]
@@ -429,7 +463,14 @@ def _checkpoint_across_layouts(mesh):
         dist.barrier()
 
         m, opt, sched = build_stage()  # the same layout, fresh
-        _checkpoint_load(m, opt, path)
+        removed = _registry.uninstall("dcp.unflatten_optim")  # torch's unflattening alone: refused alike
+        try:
+            _checkpoint_load_flat(m, opt, path)
+        except ValueError as exc:
+            refusal = str(exc)
+        finally:
+            _registry.install(*removed)
+        _checkpoint_load_flat(m, opt, path)
         resumed = pp_steps(m, opt, sched, data[SAVE_AT:])
         resumed_state = _full_state(m)
         dist.barrier()
@@ -466,6 +507,258 @@ def _checkpoint_across_layouts(mesh):
         resumed_state=resumed_state if dp == 0 else None,
         flat_losses=flat_losses,
         flat_state=flat_state if rank == 0 else None,
+        refusal=refusal,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- QK-clip
+
+QK_GAIN = 2.0  # large logits, different per head: some heads above tau, some below (tests/attn_models.py)
+
+
+class PPAttnLM(nn.Module):
+    """``tests/attn_models.AttnLM``'s embedding, blocks and head with the blocks at ``layers.<i>`` of a
+    ``ModuleDict`` (the same FQNs), so that a stage can drop the others' blocks."""
+
+    def __init__(self, src):
+        super().__init__()
+        self.embed = src.embed
+        self.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(src.layers)})
+        self.head = src.head
+
+    def forward(self, x):
+        if self.embed is not None:
+            x = self.embed(x)
+        for layer in self.layers.values():
+            x = layer(x)
+        return self.head(x) if self.head is not None else x
+
+
+def _attn_full():
+    from attn_models import AttnLM
+
+    return AttnLM("gqa", gain=QK_GAIN)  # seeded inside: the same model in every process
+
+
+def _attn_batches():
+    from oracle import global_batches
+
+    return global_batches(STEPS, batch=16, seq=6, vocab=7, seed=5)
+
+
+def _qk_spec(model, tau):
+    from dmuon.plan._records.qk_clip_records import attention_qk_clip
+
+    return attention_qk_clip(model, tau, suffix="attn", q="q_proj", k="k_proj", num_heads=4, num_kv_heads=2, head_dim=4)
+
+
+def _qk_tau() -> float:
+    """Between the heads' max logits over the first global batch (the 2nd and 3rd smallest of 8, both
+    layers' heads in it): heads of both stages above it, some of the first stage's below."""
+    model, vals = _attn_full(), []
+    for layer in model.layers:
+        layer.attn.report = lambda m, s: vals.extend(s.tolist())
+    with torch.enable_grad():
+        model(_attn_batches()[0][:, :-1])
+    vals.sort()
+    return 0.5 * (vals[1] + vals[2])
+
+
+def qk_reference():
+    """Single process, global batch: the step's max logits over the WHOLE batch per attention module,
+    then torch.optim.Muon + AdamW (fp32 Newton-Schulz), then the clip rule (independent of dmuon's)."""
+    from attn_models import apply_clip_reference
+
+    from dmuon.plan import compile as compile_plan
+
+    model = _attn_full()
+    tau = _qk_tau()
+    qk = _qk_spec(model, tau)
+    dedicated = set(compile_plan(copy.deepcopy(model), 2).dedicated)
+    params = dict(model.named_parameters())
+    opt = ReferenceOptimizer(
+        model, {n: proxies_for(p.shape) for n, p in params.items() if n in dedicated}, ns_dtype=torch.float32, **HP
+    )
+    names = {m: n for n, m in model.named_modules()}
+    maxes: dict[str, torch.Tensor] = {}
+
+    def recorder(module, s):
+        n = names[module]
+        maxes[n] = s.detach().clone() if n not in maxes else torch.maximum(maxes[n], s.detach())
+
+    for layer in model.layers:
+        layer.attn.report = recorder
+    losses, per_step = [], []
+    for batch in _attn_batches():
+        maxes.clear()
+        loss = ce(model(batch[:, :-1]), batch[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        step = {}
+        for stage in (0, 1):  # one layer per stage: layers.<stage>
+            sub = dataclasses.replace(
+                qk, attention=tuple(a for a in qk.attention if a.module.startswith(f"layers.{stage}."))
+            )
+            step[stage] = (
+                sum(int((maxes[a.module] > tau).sum()) for a in sub.attention),
+                max(float(maxes[a.module].max()) for a in sub.attention),
+            )
+        apply_clip_reference(params, qk, maxes)
+        per_step.append(step)
+        losses.append(loss.item())
+    return dict(losses=losses, per_step=per_step, state={k: v.detach().clone() for k, v in model.state_dict().items()})
+
+
+def _qk_clip_case(mesh):
+    """GPipe, 4 micro-batches, Z2: each stage (one attention block) has its own QK-clip spec; the
+    shape inference of the first step runs a forward that must not count. That forward's input on
+    the second stage is ``torch.empty``: here filled with NaN (uninitialised memory may hold any
+    bits), so that counting it would leave every head of the second stage unclipped that step."""
+    from torch.distributed.pipelining import stage as pipeline_stage
+
+    to_tensor = pipeline_stage.PipelineStage._to_tensor
+
+    def loud_to_tensor(self, arg):
+        t = to_tensor(self, arg)
+        if not isinstance(arg, torch.Tensor) and t.is_floating_point():  # materialised from metadata
+            with torch.no_grad():
+                t.fill_(float("nan"))
+        return t
+
+    pipeline_stage.PipelineStage._to_tensor = loud_to_tensor
+    try:
+        return _qk_clip_run(mesh)
+    finally:
+        pipeline_stage.PipelineStage._to_tensor = to_tensor
+
+
+def _qk_clip_run(mesh):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    import dmuon
+
+    pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    tau = _qk_tau()
+    m = PPAttnLM(_attn_full())
+    for k in list(m.layers.keys()):
+        if k != str(pp):
+            del m.layers[k]
+    if pp != 0:
+        m.embed = None
+    if pp != 1:
+        m.head = None
+    dmuon.dedicate_params(m, mesh["dp"], qk_clip=_qk_spec(m, tau))
+    for layer in m.layers.values():
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(m, mesh=mesh["dp"])
+    opt = dmuon_optimizer(m)
+    sched = ScheduleGPipe(PipelineStage(m, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group()), M, loss_fn=ce)
+    losses, stats = [], []
+    for batch in _attn_batches():
+        x, y = batch[:, :-1].chunk(2)[dp], batch[:, 1:].chunk(2)[dp]
+        out = []
+        sched.step(x, target=y, losses=out) if pp == 0 else sched.step(target=y, losses=out)
+        opt.step()
+        opt.zero_grad()
+        st = dmuon.qk_clip.stats(m)
+        stats.append((st["clipped_heads"], st["max_logit"]))
+        loss = torch.tensor(sum(float(v) for v in out) / M if out else 0.0)
+        dist.all_reduce(loss)
+        losses.append(loss.item() / 2)
+    state = _full_state(m)  # a collective: on every rank
+    return dict(stage=pp, losses=losses, stats=stats, state=state if dp == 0 else None)
+
+
+# ---------------------------------------------------------------------------------------------- MoE, EP
+
+MOE_HP = dict(lr=0.02, weight_decay=0.1, adamw_lr=3e-3)  # tests/exec/test_moe_ep.py's
+
+
+class PPMoE(nn.Module):
+    """One stage of ``tests/moe_ep_models.MoELM`` (two blocks): the embedding and block 0, or block 1,
+    the norm and the head, at the full model's FQNs."""
+
+    def __init__(self, src, stage: int):
+        super().__init__()
+        self.embed = src.embed if stage == 0 else None
+        self.layers = nn.ModuleDict({str(stage): src.layers[stage]})
+        self.norm = src.norm if stage == 1 else None
+        self.lm_head = src.lm_head if stage == 1 else None
+
+    def forward(self, x):
+        if self.embed is not None:
+            x = self.embed(x)
+        for layer in self.layers.values():
+            x = layer(x)
+        return self.lm_head(self.norm(x)) if self.lm_head is not None else x
+
+
+def _moe_batches():
+    from moe_ep_models import global_batches as moe_batches
+
+    return moe_batches(STEPS, 2, per_rank=8)  # 16 sequences: 8 per data-parallel rank, 2 per micro-batch
+
+
+def moe_reference():
+    import dmuon.plan as P
+    import dmuon.testing
+    from moe_ep_models import full_model, lm_loss as moe_loss
+
+    proxies = dmuon.testing.proxies_from_plan(P.compile(full_model(), 2))
+    return dmuon.testing.reference_run(
+        full_model(), moe_loss, _moe_batches(), proxies, ns_dtype=torch.float32, **MOE_HP
+    )
+
+
+def _moe_ep_case():
+    """pp 2 x ep 2 (efsdp 1) on a ("pp", "efsdp", "ep") mesh: each stage's two ranks hold half of its
+    experts each and route tokens between them (all-to-all over mesh["ep"]); GPipe, 4 micro-batches."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    import dmuon
+    from dmuon.exec import dedicated_info
+    from moe_ep_models import ep_model
+
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "efsdp", "ep"))
+    pp, ep_mesh = mesh["pp"].get_local_rank(), mesh["ep"]
+    er = ep_mesh.get_local_rank()
+    m = PPMoE(ep_model(2, er, group=ep_mesh.get_group()), pp)
+    plan = dmuon.dedicate_params(m, ep_mesh)  # a 1-D mesh named "ep": ep = 2
+    for layer in m.layers.values():
+        fully_shard(layer, mesh=ep_mesh)
+    fully_shard(m, mesh=ep_mesh)
+    opt = dmuon.Muon(m, ns_dtype=torch.float32, **MOE_HP)
+    local_experts = sum(1 for p in m.parameters() if getattr(dedicated_info(p), "ep_local", False))
+
+    def loss_fn(out, target):
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+    sched = ScheduleGPipe(
+        PipelineStage(m, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group()), M, loss_fn=loss_fn
+    )
+    losses = []
+    for batch in _moe_batches():
+        x, y = batch[:, :-1].chunk(2)[er], batch[:, 1:].chunk(2)[er]
+        out = []
+        sched.step(x, target=y, losses=out) if pp == 0 else sched.step(target=y, losses=out)
+        opt.step()
+        opt.zero_grad()
+        loss = torch.tensor(sum(float(v) for v in out) / M if out else 0.0)
+        dist.all_reduce(loss)
+        losses.append(loss.item() / 2)
+    state = _full_state(m)  # a collective: on every rank
+    return dict(
+        stage=pp,
+        ep_size=plan.ep_size,
+        local_experts=local_experts,
+        losses=losses,
+        state=state if er == 0 else None,
     )
 
 
@@ -486,6 +779,10 @@ def _worker(cases):
         out.append(_errors(mesh))
         dist.barrier()
         out.append(_checkpoint_across_layouts(mesh))
+        dist.barrier()
+        out.append(_qk_clip_case(mesh))
+        dist.barrier()
+        out.append(_moe_ep_case())
     return out
 
 
@@ -603,6 +900,11 @@ def test_pipeline_user_errors_on_every_rank():
     msg = errors[0]["plans_differ"]
     assert msg.startswith("dmuon: the ranks [0, 1] of one data-parallel mesh (one pipeline stage) hold different plans")
     assert "differing ranks: [1]" in msg and "layers.0.fc1.weight" in msg, msg
+    assert len({e.get("tied") for e in errors}) == 1  # every rank of both stages, the same words
+    msg = errors[0]["tied"]
+    assert msg is not None and msg.startswith("dmuon: tied embeddings across pipeline stages are not supported"), msg
+    assert "enable_weight_tying=True" in msg and "'embed.weight'" in msg and "'head.weight'" in msg, msg
+    assert "ranks [0, 1]" in msg and "ranks [2, 3]" in msg, msg
 
 
 @pytest.mark.distributed
@@ -612,6 +914,13 @@ def test_pipeline_checkpoint_resumes_bit_identically_at_the_same_layout():
     runs = [r[len(CASES) + 1] for r in shared_run(("pipeline_parallel", 4), _worker, 4, CASES, timeout_s=600)]
     for r in runs:
         assert r["resumed"] == r["straight"]
+    # set_optimizer_state_dict(flatten_optimizer_state_dict=True) without dmuon's integration: refused
+    # alike on the ranks of each stage (each names its own model's first matrix)
+    for stage, first in ((0, "layers.0.fc1.weight"), (1, "layers.2.fc1.weight")):
+        (msg,) = {r["refusal"] for r in runs if r["stage"] == stage}
+        assert msg is not None and "flatten_optimizer_state_dict=True" in msg and "dcp.unflatten_optim" in msg, msg
+        assert f"'momentum_buffer' of the dedicated matrix {first!r} on 1 of the 2 ranks" in msg, msg
+        assert "get_optimizer_state_dict(model, optimizer)'s layout" in msg, msg
     assert runs[0]["straight"] == pytest.approx(_reference(False)["losses"][SAVE_AT:], rel=FP32_LOSS_RTOL)
     keys = set()
     for r in runs:
@@ -648,3 +957,76 @@ def test_nonfinite_step_skipped_on_every_stage():
     assert [r["skipped"] for r in runs] == [expected] * len(runs)
     ref = reference(clip=False, skip_step=NAN_STEP)
     _check_oracle(runs, ref)
+
+
+def _extra(index: int):
+    return [r[len(CASES) + index] for r in shared_run(("pipeline_parallel", 4), _worker, 4, CASES, timeout_s=600)]
+
+
+def _check_state(runs, ref_state):
+    state = {}
+    for r in runs:
+        state.update(r["state"] or {})
+    assert set(state) == set(ref_state)
+    for k, v in ref_state.items():
+        assert tuple(state[k].shape) == tuple(v.shape), k
+        assert _max_rel(state[k], v) <= FP32_PARAM_TOL, k
+
+
+@pytest.mark.distributed
+def test_qk_clip_takes_the_max_over_the_steps_micro_batches():
+    """QK-clip under PP (two stages, one attention block each, 4 micro-batches per data-parallel rank)
+    equals the single-process run whose max logits are taken over the whole global batch: the clipped
+    heads and the largest logit of each stage per step, the losses and the final parameters."""
+    runs = _extra(2)
+    ref = qk_reference()
+    assert all(step[0][0] and step[1][0] for step in ref["per_step"][:1])  # heads of both stages clipped
+    for r in runs:
+        assert r["losses"] == pytest.approx(ref["losses"], rel=FP32_LOSS_RTOL)
+        for step, (clipped, top) in enumerate(r["stats"]):
+            want_clipped, want_top = ref["per_step"][step][r["stage"]]
+            assert clipped == want_clipped, (r["stage"], step)
+            assert top == pytest.approx(want_top, rel=1e-5), (r["stage"], step)
+    _check_state(runs, ref["state"])
+
+
+@pytest.mark.distributed
+def test_pipeline_with_expert_parallelism_matches_oracle():
+    """pp 2 x ep 2 on a ("pp", "efsdp", "ep") mesh: losses within 1e-6 relative and every parameter
+    (expert stacks at their full shape) within 1e-4 of its max of single-process torch.optim.Muon
+    (every expert's matrices) + AdamW on the same global batch."""
+    runs = _extra(3)
+    ref_losses, ref_state = moe_reference()
+    for r in runs:
+        assert r["ep_size"] == 2 and r["local_experts"] == 3  # w1, w2, w3 of the stage's block
+        assert r["losses"] == pytest.approx(ref_losses, rel=FP32_LOSS_RTOL)
+    _check_state(runs, ref_state)
+
+
+def test_embedding_tie_sides_of_a_stage():
+    """Which side of a declared embedding tie a stage holds alone (local, before the exchange), and
+    when the stages' sides make a refusal: an embedding on one stage and the projection on another
+    only (an encoder without a head, or a tie kept inside one stage, is not refused)."""
+    from dmuon.exec._setup.guards import check_no_cross_stage_tie, embedding_tie_sides
+
+    full = make_full()
+    assert embedding_tie_sides(split_stage(full, 0, 2)) == ()  # no tie declared
+    full.enable_weight_tying = True  # torchtitan's attribute
+    full.head.weight = full.embed.weight
+    assert embedding_tie_sides(full) == ()  # both sides, one tensor: tied inside the stage
+    first, last = split_stage(full, 0, 2), split_stage(full, 1, 2)
+    assert embedding_tie_sides(first) == (("input", "embed.weight", "enable_weight_tying=True"),)
+    assert embedding_tie_sides(last) == (("output", "head.weight", "enable_weight_tying=True"),)
+    middle = split_stage(full, 1, 4)
+    assert embedding_tie_sides(middle) == ()
+
+    class Config:
+        tie_word_embeddings = True
+
+    hf = split_stage(make_full(), 0, 2)
+    hf.config = Config()  # Hugging Face's declaration
+    assert embedding_tie_sides(hf) == (("input", "embed.weight", "config.tie_word_embeddings=True"),)
+
+    check_no_cross_stage_tie([((0, 1), embedding_tie_sides(first)), ((2, 3), ())])  # one side only: allowed
+    with pytest.raises(NotImplementedError, match=r"ranks \[0, 1\] hold 'embed.weight' while the ranks \[2, 3\]"):
+        check_no_cross_stage_tie([((0, 1), embedding_tie_sides(first)), ((2, 3), embedding_tie_sides(last))])

@@ -188,6 +188,7 @@ from torch.amp.grad_scaler import GradScaler
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.fsdp._fully_shard import _fsdp_init
 from torch.distributed.checkpoint import default_planner
+from torch.distributed.checkpoint import state_dict as dcp_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.optimizer import _global_optimizer_pre_hooks
 
@@ -200,6 +201,7 @@ def snapshot():
         "amp.grad_scaler": GradScaler.__dict__["_unscale_grads_"],
         "amp.sharded_grad_scaler": ShardedGradScaler.__dict__.get("_unscale_grads_"),
         "dcp.load_plan": default_planner.create_default_local_load_plan,
+        "dcp.unflatten_optim": dcp_state_dict._unflatten_optim_state_dict,
         "ddp.guard": DDP.__dict__["__init__"],
     }}
     ids = {{k: id(v) for k, v in out.items()}}
@@ -267,6 +269,7 @@ def test_import_changes_only_the_clip_hand_off_then_dedication_the_rest():
         "amp.grad_scaler",
         "amp.sharded_grad_scaler",
         "dcp.load_plan",
+        "dcp.unflatten_optim",
         "ddp.guard",
         "fsdp2.managed_modules",
         "fsdp2.managed_states",

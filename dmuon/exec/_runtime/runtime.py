@@ -242,8 +242,12 @@ class DmuonRuntime:
     def reset_after_shape_inference(self) -> None:
         """After a pipeline stage's shape inference (a real forward, and a backward for the input
         gradients only, before the first step): forget its uses, put the logical parameters back,
-        drop any local gradient and free every buffer, as the stage resets FSDP2's parameters."""
+        drop any local gradient and free every buffer, as the stage resets FSDP2's parameters. The
+        max logits QK-clip recorded in it are dropped too: a stage after the first infers from an
+        uninitialised input (``torch.empty``), not from a micro-batch of the step."""
         self.finish_reduces()
+        if self.qk_clip is not None:
+            self.qk_clip.discard()
         for b in self.boundaries:
             b.uses = []
             b._restore()

@@ -111,16 +111,18 @@ def _check_tp(plan, model: nn.Module, table, mesh_tp: tuple[int, ...] | None = N
     return tp_mesh
 
 
-def _exchange(plan, table, tp_mesh, owner_groups) -> list:
+def _exchange(plan, table, tp_mesh, owner_groups, tie_sides=()) -> list:
     """One ``all_gather_object`` over the world: every rank's ``(TP coordinate or None, its
-    data-parallel rank table, its plan's fingerprint, its plan's owner-group member sets)``, in
-    global rank order. The same list on every rank, so every decision taken from it (which ranks
-    must hold the same plan, which groups to create) is the same on every rank."""
+    data-parallel rank table, its plan's fingerprint, its plan's owner-group member sets, the
+    sides of a declared embedding tie its pipeline stage holds alone)``, in global rank order.
+    The same list on every rank, so every decision taken from it (which ranks must hold the same
+    plan, which groups to create, a tie split across stages) is the same on every rank."""
     mine = (
         int(tp_mesh.get_local_rank()) if tp_mesh is not None else None,
         tuple(tuple(int(x) for x in row) for row in table),
         plan.fingerprint(),
         tuple(owner_groups),
+        tuple(tie_sides),
     )
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
@@ -134,7 +136,7 @@ def _world_tables(everyone, tp_mesh=None):
     pipeline stage) in order of their smallest rank. They must not overlap."""
     tables: dict[int, tuple] = {}
     owner_sets: dict[int, tuple] = {}
-    for t, tab, _, owners in everyone:
+    for t, tab, _, owners, *_ in everyone:
         key = t if tp_mesh is not None else min(min(row) for row in tab)
         if tables.setdefault(key, tab) != tab:
             what = (
@@ -196,7 +198,7 @@ def _check_same_plan_everywhere(plan, everyone, *, per_table: bool) -> None:
     JSON so that every rank raises the same error naming the first set that differs and what
     differs between its first rank's plan and its first differing rank's."""
     sets: dict = {}
-    for rank, (_, tab, fingerprint, _) in enumerate(everyone):
+    for rank, (_, tab, fingerprint, *_) in enumerate(everyone):
         key = tuple(sorted(x for row in tab for x in row)) if per_table else ()
         sets.setdefault(key, []).append((rank, fingerprint))
     bad_set = next(((key, members) for key, members in sets.items() if len({f for _, f in members}) > 1), None)
@@ -365,8 +367,12 @@ def apply(
         )
     owner_groups = owner_group_member_sets(plan)
     sub_mesh = tp_mesh is None and sum(len(row) for row in table) < dist.get_world_size()
-    everyone = _exchange(plan, table, tp_mesh, owner_groups)
+    tie_sides = guards.embedding_tie_sides(model) if pipeline else ()
+    everyone = _exchange(plan, table, tp_mesh, owner_groups, tie_sides)
     _check_same_plan_everywhere(plan, everyone, per_table=sub_mesh)
+    guards.check_no_cross_stage_tie(
+        [(tuple(sorted(x for row in entry[1] for x in row)), entry[4]) for entry in everyone]
+    )
     _check_ep_stacks_differ(plan, model, table)
     if tp_mesh is not None:
         groups = MeshGroups.build(table, tp_tables=_world_tables(everyone, tp_mesh)[0])

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SET_UP_ORDER",
+    "embedding_tie_sides",
+    "check_no_cross_stage_tie",
     "check_not_fully_sharded",
     "check_set_up_order",
     "check_optimizer",
@@ -205,3 +207,72 @@ def wrap_ddp_init(orig):
         orig(self, module, *args, **kwargs)
 
     return __init__
+
+
+# ----------------------------------------------------------------------------------------------
+# Tied embeddings across pipeline stages
+# ----------------------------------------------------------------------------------------------
+
+#: module names of an input embedding / an output projection (torchtitan, Hugging Face, GPT-2, small models)
+_INPUT_EMBEDDING_NAMES = ("tok_embeddings", "embed_tokens", "wte", "word_embeddings", "embed", "embedding")
+_OUTPUT_PROJECTION_NAMES = ("lm_head", "output", "head")
+
+
+def _declared_tie(model: nn.Module) -> str | None:
+    """How ``model`` declares its input embedding and output projection tied, or None: torchtitan's
+    ``enable_weight_tying`` attribute, Hugging Face's ``config.tie_word_embeddings``."""
+    if getattr(model, "enable_weight_tying", False) is True:
+        return "enable_weight_tying=True"
+    if getattr(getattr(model, "config", None), "tie_word_embeddings", False) is True:
+        return "config.tie_word_embeddings=True"
+    return None
+
+
+def _find_weight(model: nn.Module, names: tuple[str, ...]) -> tuple[str, Tensor] | None:
+    """The shallowest module named one of ``names`` that has a ``weight``: its FQN and weight."""
+    found = [
+        (fqn.count("."), f"{fqn}.weight", module.weight)
+        for fqn, module in model.named_modules()
+        if fqn.rsplit(".", 1)[-1] in names and isinstance(getattr(module, "weight", None), Tensor)
+    ]
+    return min(found, key=lambda f: f[0])[1:] if found else None
+
+
+def embedding_tie_sides(model: nn.Module) -> tuple[tuple[str, str, str], ...]:
+    """The sides of a declared embedding tie (:func:`_declared_tie`) that this pipeline stage holds
+    without the other: ``((side, fqn, declaration), ...)`` with ``side`` ``"input"`` (the embedding)
+    or ``"output"`` (the projection); empty when the model declares no tie, holds both sides as one
+    tensor (a tie inside the stage, trained as one parameter) or neither. Local."""
+    declared = _declared_tie(model)
+    if declared is None:
+        return ()
+    found = {
+        side: _find_weight(model, names)
+        for side, names in (("input", _INPUT_EMBEDDING_NAMES), ("output", _OUTPUT_PROJECTION_NAMES))
+    }
+    present = {side: f for side, f in found.items() if f is not None}
+    if len(present) != 1:  # both (tied here, or untied by the user) or neither (a middle stage)
+        return ()
+    ((side, (fqn, _)),) = present.items()
+    return ((side, fqn, declared),)
+
+
+def check_no_cross_stage_tie(findings) -> None:
+    """Raise the same ``NotImplementedError`` on every rank when one pipeline stage holds the input
+    side of a declared embedding tie and another the output side. ``findings``: per stage (its
+    sorted ranks), :func:`embedding_tie_sides` of its model, the same list on every rank."""
+    sides: dict[str, tuple] = {}
+    for ranks, stage_sides in findings:
+        for side, fqn, declared in stage_sides:
+            sides.setdefault(side, (list(ranks), fqn, declared))
+    if len(sides) < 2:
+        return
+    (in_ranks, in_fqn, declared), (out_ranks, out_fqn, _) = sides["input"], sides["output"]
+    raise NotImplementedError(
+        f"dmuon: tied embeddings across pipeline stages are not supported: the model declares its input embedding "
+        f"and output projection tied ({declared}), and after the split the ranks {in_ranks} hold {in_fqn!r} while "
+        f"the ranks {out_ranks} hold {out_fqn!r} as a separate tensor. Each stage would train its own copy and "
+        "nothing would sum their gradients, so the two would drift apart silently. Untie them (enable_weight_tying="
+        "False / tie_word_embeddings=False; torchtitan refuses weight tying under pipeline parallelism too), or "
+        "keep the embedding and the output projection in one stage (docs/pipeline_parallel.md)"
+    )

@@ -14,7 +14,14 @@ Optimizer (:func:`register_optimizer_hooks`, called by ``dmuon.Muon``)
     owner (HSDP: in the owner's row, then each chunk broadcast to the other rows); the state
     is ordered by parameter index on every rank (DCP's gather runs collectives in dict order).
     ``load_state_dict`` pre-hook: each momentum DTensor is gathered chunk-wise to the owner; on
-    other ranks the entry is dropped (non-owners keep no state for placeholders).
+    other ranks the entry is dropped (non-owners keep no state for placeholders). Before any
+    gather, one all-reduce checks that every rank of the mesh passes the same entries
+    (:func:`_check_same_entries`: otherwise the same ``ValueError`` on every rank, not a hang).
+
+:func:`wrap_unflatten_optim_state_dict` (registry entry ``dcp.unflatten_optim``): DCP's
+``set_optimizer_state_dict(..., flatten_optimizer_state_dict=True)`` unflattens only the state
+names ``optimizer.state`` holds on the rank; a non-owner holds none for a dedicated matrix, so
+the wrapper adds the plan's names (momentum, NorMuon's second moment) on every rank.
 
 :func:`check_loadable`: the local checks of a state dict against the optimizer, before any
 collective of the hooks (``dmuon.Muon.load_state_dict``).
@@ -24,6 +31,7 @@ All collectives run on dmuon's own groups and are charged to the ledger as ``"ot
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -50,7 +58,7 @@ from dmuon.exec._state.dtensor_layout import (
     _scatter_chunks,
 )
 
-__all__ = ["register_optimizer_hooks", "check_loadable"]
+__all__ = ["register_optimizer_hooks", "check_loadable", "wrap_unflatten_optim_state_dict"]
 
 
 def _momentum_to_dtensor(runtime, slot, info, buf):
@@ -198,6 +206,7 @@ def _optim_load_state_dict_pre_hook(opt, state_dict):
     if len(saved) != len(params):
         return None  # torch's own check raises the usual error
     state = dict(state_dict["state"])
+    _check_same_entries(runtimes, saved, params, state)
     for key, p in zip(saved, params):
         info, rt = _live_info(p)
         if rt is None:
@@ -245,6 +254,84 @@ def _optim_load_state_dict_pre_hook(opt, state_dict):
             state.pop(key, None)
     state_dict["state"] = state
     return state_dict
+
+
+#: the state names of a Muon entry whose values every rank of the mesh passes to a load (one chunk each)
+_GATHERED_NAMES = ("momentum_buffer", _nm.SECOND_MOMENT_KEY)
+
+
+def _check_same_entries(runtimes, saved, params, state) -> None:
+    """Every rank of a runtime's mesh must pass the same dedicated entries: each holds one chunk of
+    a momentum DTensor, and the gather to the owner needs all of them. A rank without the entry
+    would skip its part of the gather while the others wait (a hang), so one all-reduce (SUM, per
+    runtime over its job's ranks, ledger phase ``"other"``) counts the ranks that pass each entry,
+    and every rank raises the same ``ValueError`` when some but not all do."""
+    import torch.distributed as dist
+
+    for rt in runtimes:
+        names, present = [], []
+        for key, p in zip(saved, params):
+            info, r = _live_info(p)
+            if r is not rt:
+                continue
+            entry = state.get(key)
+            for name in _GATHERED_NAMES:
+                names.append((info.fqn, name))
+                present.append(int(isinstance(entry, dict) and entry.get(name) is not None))
+        if not names:
+            continue
+        group = rt.groups.job_group
+        counts = torch.tensor(present, dtype=torch.int64, device=rt.device)
+        C.all_reduce_sum(counts, group=group, phase="other")
+        world = dist.get_world_size(group)
+        bad = [(fqn, name, int(c)) for (fqn, name), c in zip(names, counts.tolist()) if 0 < c < world]
+        if bad:
+            fqn, name, c = bad[0]
+            raise ValueError(
+                f"dmuon: optimizer.load_state_dict: the state dict holds {name!r} of the dedicated matrix {fqn!r} "
+                f"on {c} of the {world} ranks of its mesh ({len(bad)} such entries); every rank must pass it (each "
+                "holds one chunk, gathered to the owner). torch.distributed.checkpoint's set_optimizer_state_dict(..., "
+                "options=StateDictOptions(flatten_optimizer_state_dict=True)) drops it on the ranks that do not own "
+                "the matrix unless dmuon's 'dcp.unflatten_optim' integration is installed (DMUON_NO_PATCHES=1 or "
+                "dmuon.integrations.disable() remove it): call dmuon.integrations.enable('dcp'), or unflatten the "
+                "state dict against get_optimizer_state_dict(model, optimizer)'s layout before loading it "
+                "(docs/pipeline_parallel.md, 'Checkpoints')"
+            )
+
+
+def wrap_unflatten_optim_state_dict(original):
+    """DCP's ``_unflatten_optim_state_dict(optim, state_dict, info)``: for a :class:`dmuon.Muon`,
+    the entries of its dedicated matrices also get the plan's state names (``momentum_buffer``;
+    NorMuon: the second moment) that ``state_dict`` holds under ``state.<fqn>.<name>``, on every
+    rank. torch reads the names from ``optim.state``, which holds none for a matrix the rank does
+    not own; without them that rank would skip its part of the load's gather to the owner."""
+
+    @functools.wraps(original)
+    def _unflatten_optim_state_dict(optim, state_dict, info, *args, **kwargs):
+        osd = original(optim, state_dict, info, *args, **kwargs)
+        if not _optimizer_runtimes(optim):
+            return osd
+        entries = osd.get("state", {})
+        for group in optim.param_groups:
+            if not group.get("use_muon"):
+                continue
+            names = ("momentum_buffer",) + ((_nm.SECOND_MOMENT_KEY,) if group.get("variant") == "normuon" else ())
+            for p in group["params"]:
+                if _live_info(p)[1] is None:
+                    continue
+                if p in optim.state and not optim.state[p]:  # the empty entry torch's read left on a non-owner
+                    del optim.state[p]
+                for fqn in info.fqn_param_mapping.get(p, ()):
+                    entry = entries.get(fqn)
+                    if not isinstance(entry, dict):
+                        continue
+                    for name in names:
+                        key = f"state.{fqn}.{name}"
+                        if name not in entry and key in state_dict:
+                            entry[name] = state_dict[key]
+        return osd
+
+    return _unflatten_optim_state_dict
 
 
 def _optim_step_pre_hook(opt, args, kwargs):
