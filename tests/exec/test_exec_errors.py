@@ -86,16 +86,25 @@ def _error_cases():
         out[case] = _catch(opt.step)
         dist.barrier()
     out["offload_policy_type"] = _catch(lambda: dmuon.dedicate_params(make_model("tiny"), offload_policy="cpu"))
-    # and with the same policy on both sides: dmuon.clip_grad_norm_ over host gradients (owned and
-    # FSDP2's) gives the norm of the same set-up without offload, bit for bit
+    if not torch.accelerator.is_available():  # the default pin_memory=True needs an accelerator
+        out["offload_pinned_on_cpu"] = _catch(
+            lambda: dmuon.dedicate_params(make_model("tiny"), offload_policy=CPUOffloadPolicy())
+        )
+    # and with the same policy on both sides, the model built on meta (to_empty, init_params):
+    # dmuon.clip_grad_norm_ over host gradients (owned and FSDP2's) gives the norm of the same
+    # set-up without offload, bit for bit
     norms = []
     for policy in (None, CPUOffloadPolicy(pin_memory=False)):
-        model = make_model("tiny")
+        with torch.device("meta"):
+            model = make_model("tiny")
         dmuon.dedicate_params(model, offload_policy=policy)
         kw = {} if policy is None else {"offload_policy": policy}
         for layer in model.layers:
             fully_shard(layer, **kw)
         fully_shard(model, **kw)
+        model.to_empty(device="cpu")
+        torch.manual_seed(0)
+        dmuon.init_params(model)
         lm_loss(model, batch).backward()
         norms.append(dmuon.clip_grad_norm_(model, 0.5))
     out["offload_clip_norm_equal"] = bool(torch.equal(norms[0], norms[1])) and norms[0].item() > 0.5
@@ -121,6 +130,8 @@ def test_bad_input_errors_on_every_rank():
         assert "offload_policy" in r[case][1] and "Pass the same policy to both" in r[case][1], case
     assert r["offload_policy_type"][0] == "TypeError" and "CPUOffloadPolicy" in r["offload_policy_type"][1]
     assert r["offload_clip_norm_equal"] is True
+    if "offload_pinned_on_cpu" in r:
+        assert r["offload_pinned_on_cpu"][0] == "ValueError" and "pin_memory=False" in r["offload_pinned_on_cpu"][1]
 
 
 def test_apply_without_process_group():

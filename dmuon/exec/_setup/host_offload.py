@@ -47,6 +47,8 @@ def resolve(offload_policy, mesh, model: nn.Module) -> HostOffload | None:
     Raises:
         TypeError: ``offload_policy`` is neither ``None``, FSDP2's ``OffloadPolicy()`` (no
             offload) nor a ``CPUOffloadPolicy``.
+        ValueError: ``pin_memory=True`` on a machine without an accelerator (page-locked memory
+            needs one).
     """
     from torch.distributed.fsdp import OffloadPolicy
 
@@ -56,6 +58,11 @@ def resolve(offload_policy, mesh, model: nn.Module) -> HostOffload | None:
         raise TypeError(
             "dmuon.dedicate_params: offload_policy must be FSDP2's CPUOffloadPolicy(...) (the one given to "
             f"fully_shard), OffloadPolicy() or None; got {offload_policy!r}"
+        )
+    if offload_policy.pin_memory and not torch.accelerator.is_available():
+        raise ValueError(
+            "dmuon.dedicate_params: CPUOffloadPolicy(pin_memory=True) (its default) needs an accelerator to pin "
+            "host memory, and this machine has none: pass CPUOffloadPolicy(pin_memory=False) here and to fully_shard"
         )
     device_type = getattr(mesh, "device_type", None)
     if device_type is None:
