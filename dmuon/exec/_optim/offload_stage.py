@@ -1,14 +1,6 @@
-"""The Muon step of offloaded matrices (``dedicate_params(offload_policy=CPUOffloadPolicy(...))``):
-each run of :func:`dmuon._update.muon_update` is copied from the host to the compute device, updated
-there and copied back, double-buffered (:func:`staged_runs`).
-
-Two runs are on the device at a time: while run ``i`` computes, run ``i + 1``'s host-to-device
-copies (parameter, gradient, momentum) run on a copy stream, and run ``i``'s device-to-host copies
-(parameter, momentum) follow its compute on that stream; the step waits for the last of them
-before it returns, so the host masters are current when anything reads them (a broadcast, a state
-dict). On the CPU (no streams) the copies are still real: every run computes on tensors of its own,
-never on the host masters or momenta, so the path the tests exercise is the one an accelerator runs.
-"""
+"""The Muon step of offloaded matrices: each run of :func:`dmuon._update.muon_update` copied from the
+host to the compute device, updated there and copied back, double-buffered on a copy stream
+(:func:`staged_runs`). Note: CPU offload (docs/design.md)."""
 
 from __future__ import annotations
 

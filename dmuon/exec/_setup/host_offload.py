@@ -1,12 +1,6 @@
-"""Offload of owned state: the contract between ``dedicate_params(offload_policy=...)`` and FSDP2's
-``fully_shard(offload_policy=...)``, and where offloaded tensors live.
-
-Under :class:`HostOffload` every segment this rank holds keeps its master (the logical
-parameters' storage) in host memory, pinned when the policy says so; the segment's broadcast
-buffer (``wire``) is a separate tensor on the compute device, written from the master before each
-broadcast; the Muon momentum of owned matrices lives beside the master; the step copies each
-matrix to the compute device for its update (:mod:`dmuon.exec._optim.offload_stage`). Docs:
-docs/training_features.md ("CPU offload")."""
+"""Offload of owned state: the contract between ``dedicate_params(offload_policy=...)`` and
+``fully_shard(offload_policy=...)``, and where offloaded masters and momenta live (the host; their
+broadcast buffers on the compute device). Note: CPU offload (docs/design.md)."""
 
 from __future__ import annotations
 
@@ -79,13 +73,6 @@ def resolve(offload_policy, mesh, model: nn.Module) -> HostOffload | None:
 def host_zeros(numel_or_shape, dtype: torch.dtype, offload: HostOffload) -> torch.Tensor:
     """Zeros in host memory (pinned when ``offload.pin_memory``)."""
     return torch.zeros(numel_or_shape, dtype=dtype, device=HOST, pin_memory=offload.pin_memory)
-
-
-def host_copy(t: torch.Tensor, offload: HostOffload) -> torch.Tensor:
-    """``t``'s value in a new host tensor (pinned when ``offload.pin_memory``)."""
-    out = torch.empty(t.shape, dtype=t.dtype, device=HOST, pin_memory=offload.pin_memory)
-    out.copy_(t.detach())
-    return out
 
 
 def _fully_shard_policies(model: nn.Module) -> dict[str, object]:
