@@ -35,8 +35,9 @@ def resolve(offload_policy, mesh, model: nn.Module) -> HostOffload | None:
     """The :class:`HostOffload` of ``dedicate_params(offload_policy=...)`` (``None``: no offload).
 
     The compute device is the mesh's device type (a ``DeviceMesh``) on the current device of that
-    type; without a ``DeviceMesh``, the device of the model's parameters unless that is the CPU or
-    ``meta`` (then the CPU: pass a ``DeviceMesh`` to offload to the host of an accelerator).
+    type; without a ``DeviceMesh``, the device of the model's parameters (on ``meta``: the
+    accelerator when there is one, else the CPU, as :func:`dmuon.exec._setup.api.collective_backend`
+    reads a model on ``meta``).
 
     Raises:
         TypeError: ``offload_policy`` is neither ``None``, FSDP2's ``OffloadPolicy()`` (no
@@ -61,7 +62,9 @@ def resolve(offload_policy, mesh, model: nn.Module) -> HostOffload | None:
     device_type = getattr(mesh, "device_type", None)
     if device_type is None:
         device_type = next((p.device.type for p in model.parameters()), "cpu")
-        device_type = "cpu" if device_type == "meta" else device_type
+        if device_type == "meta":
+            acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+            device_type = "cpu" if acc is None else acc.type
     device = torch.device(device_type)
     if device.type != "cpu" and device.index is None:
         module = getattr(torch, device.type, None)
