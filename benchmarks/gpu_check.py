@@ -9,7 +9,7 @@ calls, as dmuon's collective module sees them, by identities that return a finis
 CUDA runs as in a multi-GPU job: its broadcast and reduce streams, the events that order them
 with the compute stream, the reused reduce buffers (same tensors every step, storage released between backwards).
 
-Parts (both by default; ``--parts ns`` / ``--parts train`` for one):
+Parts (all by default; ``--parts ns`` / ``--parts train`` / ``--parts offload`` for one):
 
 ``ns``
     :func:`~dmuon._update.newton_schulz` on one matrix, the same on a batch of ``B``
@@ -41,6 +41,16 @@ Parts (both by default; ``--parts ns`` / ``--parts train`` for one):
     ``dmuon_<variant>`` vs its ``<variant>_ref`` within ``--loss-rtol``; on CUDA,
     that the stream path really ran (streams built, reduce buffers the same tensors at the last
     step as after the first), and that the presence flags were read once per backward.
+``offload``
+    The same GPT with ``dmuon.dedicate_params(offload_policy=CPUOffloadPolicy(pin_memory=True on
+    CUDA))`` against the same set-up without offload, both with ``ns_batching="exact"`` (every
+    matrix its own run, so the step has many host-device copies to overlap). Checks: losses equal
+    within ``--stream-rtol`` (the same kernels on copies); held masters on the host, pinned on CUDA,
+    never the broadcast buffer; on CUDA, the double buffering hides copies: with ``t_plain`` and
+    ``t_offload`` the median ``opt.step()`` times and ``t_copy`` the time of the step's copies run
+    alone, one after the other (each owned master, momentum and gradient to the device, each
+    master and momentum back), ``overlap = (t_plain + t_copy - t_offload) / t_copy`` (1: every copy
+    hidden behind compute, 0: none) must be ``> 0`` (``--min-overlap``).
 
 Exit status: 0 every check passed; 1 a check failed (the table says which); 2 bad arguments.
 Budget: about 1-2 minutes on one recent GPU with the defaults (it prints its wall time and
@@ -84,6 +94,9 @@ TRAIN_SIZES = {
     # the ``small`` size of benchmarks/step_time.py
     "small": dict(n_layers=4, d_model=128, d_mlp=512, n_heads=4, seq_len=64, batch=16),
     "quick": dict(n_layers=2, d_model=32, d_mlp=64, n_heads=2, seq_len=16, batch=4),
+    # the offload part on CUDA: matrices large enough that Newton-Schulz takes a fair share of
+    # the time their copies take (the share grows with the short side)
+    "offload": dict(n_layers=4, d_model=2048, d_mlp=8192, n_heads=16, seq_len=128, batch=4),
 }
 MUON_HP = dict(
     lr=1e-3,
@@ -113,7 +126,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="cuda",
         help="cuda (the point of the script) or cpu (the fallback the tests run)",
     )
-    p.add_argument("--parts", nargs="+", choices=["ns", "train"], default=["ns", "train"])
+    p.add_argument("--parts", nargs="+", choices=["ns", "train", "offload"], default=["ns", "train", "offload"])
+    p.add_argument("--min-overlap", type=float, default=0.0, help="offload: least share of the copies hidden (CUDA)")
     p.add_argument("--quick", action="store_true", help="tiny shapes, a tiny GPT, 2 training steps, short timings")
     p.add_argument("--dtypes", default="bf16,fp32", help=f"NS dtypes, comma list of {sorted(DTYPES)}")
     p.add_argument("--shapes", default=None, help="NS shapes, e.g. 1024x4096,4096x4096 (default per device)")
@@ -473,6 +487,103 @@ def train_check(device: str, spec: dict, steps: int, loss_rtol: float, stream_rt
     return dict(runs=runs, checks=checks, ok=all(c["ok"] for c in checks))
 
 
+def _step_times(model, opt, batches, device: str) -> tuple[list[float], list[float]]:
+    """Losses and ``opt.step()`` wall times (synchronised) over ``batches``."""
+    from dmuon._train.byte_gpt import lm_loss
+
+    losses, times = [], []
+    for x, y in batches:
+        loss = lm_loss(model(x.to(device)), y.to(device))
+        loss.backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        opt.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, times
+
+
+def _serial_copy_s(opt, device: str) -> float:
+    """The offloaded step's copies run alone, one after the other: every owned master, momentum and
+    gradient (a stand-in of the master's size) to the device, every master and momentum back."""
+    owned = [p for g in opt.param_groups if g["use_muon"] for p in g["params"] if p.numel()]
+    masters = [p.detach() for p in owned]
+    momenta = [opt.state[p]["momentum_buffer"] for p in owned]
+    pinned = device == "cuda"
+    back = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in masters + momenta]
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    on_device = [t.to(device, non_blocking=True) for t in masters + momenta + masters]
+    for host, dev in zip(back, on_device):
+        host.copy_(dev, non_blocking=True)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def offload_check(device: str, spec: dict, steps: int, stream_rtol: float, min_overlap: float) -> dict:
+    """The ``offload`` part (module docstring)."""
+    import dmuon
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    batches = make_batches(spec, max(steps, 4 if device == "cuda" else steps))
+    out: dict = {}
+    for name, policy in (("plain", None), ("offload", CPUOffloadPolicy(pin_memory=device == "cuda"))):
+        model = _gpt(spec, device)
+        dmuon.dedicate_params(model, offload_policy=policy)
+        rt = dmuon.exec.get_model_runtime(model)
+        opt = dmuon.Muon(model, **MUON_HP, ns_dtype=torch.bfloat16, ns_batching="exact")
+        losses, times = _step_times(model, opt, batches, device)
+        held = [seg for b in rt.boundaries for seg in b.segments if seg.held]
+        out[name] = dict(
+            losses=losses,
+            step_s=sorted(times[1:] or times)[len(times[1:] or times) // 2],
+            masters_on_host=all(seg.master.device.type == "cpu" for seg in held),
+            masters_pinned=all(seg.master.is_pinned() for seg in held),
+            master_is_wire=any(seg.master is seg.wire for seg in held),
+        )
+        if policy is not None:
+            out[name]["copy_s"] = min(_serial_copy_s(opt, device) for _ in range(3))
+    plain, off = out["plain"], out["offload"]
+    err = _max_rel(off["losses"], plain["losses"])
+    checks = [
+        dict(check="losses offload vs plain", value=err, limit=stream_rtol, ok=err <= stream_rtol),
+        dict(
+            check="offloaded masters on the host, not the broadcast buffer",
+            value=off["masters_on_host"] and not off["master_is_wire"],
+            limit=True,
+            ok=off["masters_on_host"] and not off["master_is_wire"],
+        ),
+    ]
+    if device == "cuda":
+        overlap = (plain["step_s"] + off["copy_s"] - off["step_s"]) / max(off["copy_s"], 1e-12)
+        checks.append(
+            dict(check="offloaded masters pinned", value=off["masters_pinned"], limit=True, ok=off["masters_pinned"])
+        )
+        checks.append(
+            dict(check="offload copies hidden (overlap)", value=overlap, limit=min_overlap, ok=overlap > min_overlap)
+        )
+    else:
+        overlap = None  # the CPU has no copy engine to overlap with
+    return dict(runs=out, overlap=overlap, checks=checks, ok=all(c["ok"] for c in checks))
+
+
+def print_offload(result: dict) -> None:
+    for name, run in result["runs"].items():
+        extra = f", serial copies {run['copy_s'] * 1e3:.2f} ms" if "copy_s" in run else ""
+        print(f"offload {name:8} step {run['step_s'] * 1e3:.2f} ms{extra}")
+    if result["overlap"] is not None:
+        print(f"  overlap {result['overlap']:.2f}")
+    for c in result["checks"]:
+        value = f"{c['value']:.3g}" if isinstance(c["value"], float) else str(c["value"])
+        print(f"  [{'ok' if c['ok'] else 'FAIL':4}] {c['check']}: {value} (limit {c['limit']})")
+
+
 def print_train(result: dict) -> None:
     for name, run in result["runs"].items():
         print(f"{name:17} losses " + " ".join(f"{v:.6f}" for v in run["losses"]))
@@ -517,6 +628,15 @@ def main(argv=None) -> int:
         print_train(result)
         out["train"] = result
         ok = result["ok"]
+    if "offload" in args.parts:
+        if "collectives" not in out:
+            out["collectives"] = init_one_rank_group(device, args.collectives)
+        spec = TRAIN_SIZES["quick" if args.quick else ("offload" if device == "cuda" else "small")]
+        print(f"\noffload: {args.steps} steps, GPT {spec}")
+        result = offload_check(device, spec, args.steps, args.stream_rtol, args.min_overlap)
+        print_offload(result)
+        out["offload"] = result
+        ok = ok and result["ok"]
     wall = time.perf_counter() - started
     out["meta"]["wall_s"] = wall
     print(f"\n{'PASS' if ok else 'FAIL'} in {wall:.1f} s")

@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import math
 import numbers
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, Optional, Union
 
 import torch
@@ -655,6 +655,7 @@ def muon_update(
     dtype: torch.dtype,
     ns_batching: str = "batched",
     kernel: Optional[Callable[[tuple[int, int]], Callable[..., Tensor]]] = None,
+    stage: Optional[Callable[[list[list[Matrices]]], Iterable[list[Matrices]]]] = None,
 ) -> None:
     """One Muon step over ``items``: momentum, Newton-Schulz, (NorMuon's ``normalize``), decoupled
     weight decay and the scaled update, each parameter updated in place and each momentum buffer
@@ -671,6 +672,11 @@ def muon_update(
     (default: :func:`newton_schulz` everywhere), called with ``coefficients, steps, eps, dtype``;
     resolved once per run (``"batched"``) or per item (``"exact"``).
 
+    ``stage(runs)``: where each run computes. Given every run's items (the runs as without it), it
+    yields for each run, in order, the items to compute on (e.g. device copies of host tensors),
+    and copies the results back to the run's own items once asked for the next run (or at its end);
+    ``None``: in place (:mod:`dmuon.exec._optim.offload_stage`).
+
     Raises:
         ValueError: an unknown ``ns_batching`` or ``adjust_lr_fn``, a bad coefficient spec.
     """
@@ -684,8 +690,10 @@ def muon_update(
         ref = it.update if it.update is not None else it.grad
         keys.append((*_rules.ns_bucket_sides(m, n), ref.dtype, ref.device))
         numels.append(it.num_matrices * m * n)
-    for run in bucket_runs(keys, numels, ns_batching):
-        group = [items[i] for i in run]
+    runs = bucket_runs(keys, numels, ns_batching)
+    groups = [[items[i] for i in run] for run in runs]
+    for i, group in enumerate(groups if stage is None else stage(groups)):  # a loop drains stage: write-backs
+        run = runs[i]
         fresh = [it for it in group if it.update is None]
         formed = momentum_(
             [it.grad for it in fresh], [it.buf for it in fresh], momentum=momentum, nesterov=nesterov, foreach=batched

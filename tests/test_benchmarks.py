@@ -118,7 +118,7 @@ def test_gpu_check_arguments():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     args = mod.parse_args(["--device", "cpu", "--shapes", "64x256,32x32", "--quick"])
-    assert args.shapes == [(64, 256), (32, 32)] and args.steps == 2 and args.parts == ["ns", "train"]
+    assert args.shapes == [(64, 256), (32, 32)] and args.steps == 2 and args.parts == ["ns", "train", "offload"]
     assert mod.parse_args(["--device", "cpu"]).steps == 4
     for bad in (["--dtypes", "int8"], ["--shapes", "64by64"], ["--steps", "0"], ["--parts", "nothing"]):
         with pytest.raises(SystemExit) as exc:
@@ -169,7 +169,9 @@ def test_gpu_check_cpu_fallback(tmp_path):
         checked = {c["check"] for c in train["checks"]}
         assert any("normuon" in n for n in checked) and any("deepseek_v4" in n for n in checked), checked
         assert len(train["runs"]["dmuon_streams"]["losses"]) == 2
-        if collectives == "gloo":
+        if collectives == "gloo":  # and offload: the same losses as without it, masters on the host
+            assert data["offload"]["ok"] and data["offload"]["runs"]["offload"]["masters_on_host"]
+            assert data["offload"]["runs"]["offload"]["losses"] == data["offload"]["runs"]["plain"]["losses"]
             kinds = {r["kind"] for r in data["ns"]}
             assert kinds == {"newton_schulz", "batched", "gram_newton_schulz"}
             assert all(r["tflops"] > 0 and r["peak_tflops"] > 0 for r in data["ns"])

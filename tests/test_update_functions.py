@@ -220,3 +220,54 @@ def test_calibration_imports_the_functions_not_the_runtime():
     assert not {m for m in calibration if m.startswith("dmuon.exec")}
     for name in ("_update.py", "_ns_gram.py"):
         assert not [m for _, m in imports_of(PKG / name) if m.startswith(("dmuon.exec", "dmuon.sim"))], name
+
+
+def test_staged_runs_double_buffered_and_bit_identical(monkeypatch):
+    """``muon_update(stage=offload_stage.staged_runs(device))``, the offloaded step, on the CPU: each
+    run computes on copies of its own (never the host tensors), run ``i + 1`` is uploaded before run
+    ``i`` computes and run ``i`` written back before run ``i + 2`` is uploaded (at most two runs on
+    the device), and the host tensors end bit-identical to the in-place update."""
+    from dmuon.exec._optim import offload_stage as S
+
+    shapes = [(36, 8), (16, 16), (5, 8), (12, 40)]  # distinct (short, long) sides: four runs
+    kw = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, adjust_lr_fn=None)
+    kw.update(coefficients=MUON, steps=5, eps=1e-7, dtype=torch.float32)
+    (p_ref, b_ref, grads), (p_off, b_off, _) = _tensors(shapes), _tensors(shapes)
+    events, computed = [], []
+    upload, write_back, apply = S._upload, S._write_back, U.decay_and_apply_
+
+    def spy_upload(group, device, stream):
+        events.append(("up", [tuple(it.param.shape) for it in group]))
+        return upload(group, device, stream)
+
+    def spy_write_back(host, dev, device, stream):
+        events.append(("back", [tuple(it.param.shape) for it in host]))
+        return write_back(host, dev, device, stream)
+
+    def spy_apply(params, updates, **k):
+        events.append(("compute", [tuple(p.shape) for p in params]))
+        computed.extend(p.untyped_storage().data_ptr() for p in params)
+        return apply(params, updates, **k)
+
+    monkeypatch.setattr(S, "_upload", spy_upload)
+    monkeypatch.setattr(S, "_write_back", spy_write_back)
+    for step, g in enumerate(grads):
+        refs = [U.Matrices(param=p, grad=x, buf=b, matrix_shape=tuple(p.shape)) for p, x, b in zip(p_ref, g, b_ref)]
+        U.muon_update(refs, **kw)
+        items = [U.Matrices(param=p, grad=x, buf=b, matrix_shape=tuple(p.shape)) for p, x, b in zip(p_off, g, b_off)]
+        monkeypatch.setattr(U, "decay_and_apply_", spy_apply)
+        U.muon_update(items, **kw, stage=S.staged_runs(torch.device("cpu")))
+        monkeypatch.setattr(U, "decay_and_apply_", apply)
+        if step == 0:
+            order = list(events)
+            r = [[s] for s in shapes]
+            assert order == [
+                ("up", r[0]), ("up", r[1]), ("compute", r[0]), ("back", r[0]),
+                ("up", r[2]), ("compute", r[1]), ("back", r[1]),
+                ("up", r[3]), ("compute", r[2]), ("back", r[2]),
+                ("compute", r[3]), ("back", r[3]),
+            ], order  # fmt: skip
+    host = {t.untyped_storage().data_ptr() for t in p_off + b_off}
+    assert len(computed) == len(shapes) * len(grads) and not host & set(computed)  # updates on copies
+    for a, b in zip(p_off + b_off, p_ref + b_ref):
+        assert torch.equal(a, b)

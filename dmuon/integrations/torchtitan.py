@@ -57,7 +57,6 @@ def data_parallel_mesh(parallel_dims):
 
 def _refuse_unsupported(parallel_dims, kwargs) -> None:
     parallelism = kwargs.get("parallelism")
-    training = kwargs.get("training")
     why = []
     if parallel_dims.pp_enabled and parallel_dims.tp_enabled:  # dmuon.dedicate_params refuses PP with TP
         why.append("pipeline parallelism together with tensor_parallel_degree > 1")
@@ -65,8 +64,6 @@ def _refuse_unsupported(parallel_dims, kwargs) -> None:
         # an expert stack would be TP-sharded (torchtitan's ETP) as well as split over ep: dmuon's
         # EP stacks are plain tensors of whole experts (docs/moe_ep.md, "What is refused")
         why.append("expert parallelism with tensor_parallel_degree > 1")
-    if training is not None and getattr(training, "enable_cpu_offload", False):
-        why.append("CPU offload (training.enable_cpu_offload)")
     backend = getattr(parallelism, "spmd_backend", None) if parallelism is not None else None
     if backend in ("full_dtensor", "spmd_types"):
         why.append(
@@ -102,14 +99,15 @@ def wrap_parallelize(parallelize_fn: Callable, **dedicate_kwargs: Any) -> Callab
     ``tp=dmuon.plan.TPPolicy(...)`` ...). Defaults taken from torchtitan's config when not given:
     ``reshard_after_forward`` from ``parallelism.fsdp_reshard_after_forward`` as torchtitan
     resolves it for FSDP2 ("always" -> Z3, "never" -> Z2, "default" -> Z3, or Z2 under pipeline
-    parallelism), ``mp_policy`` from ``training.mixed_precision_*``, and with
-    ``pipeline_parallel_degree`` > 1 ``pipeline=True`` (each model part one stage).
+    parallelism), ``mp_policy`` from ``training.mixed_precision_*``, ``offload_policy`` from
+    ``training.enable_cpu_offload`` (``CPUOffloadPolicy()``, as torchtitan's ``fully_shard`` gets
+    it: owned masters and momenta on the host), and with ``pipeline_parallel_degree`` > 1
+    ``pipeline=True`` (each model part one stage).
 
     Raises:
         NotImplementedError: pipeline or expert parallelism together with TP, an expert-parallel
-            layout dmuon does not take (Note: the torchtitan integration, docs/design.md), CPU
-            offload, ``spmd_backend`` other
-            than ``"partial_dtensor"``.
+            layout dmuon does not take (Note: the torchtitan integration, docs/design.md),
+            ``spmd_backend`` other than ``"partial_dtensor"``.
         RuntimeError: the parallelize function called no ``fully_shard`` (nothing to dedicate
             before), so dmuon was not applied.
     """
@@ -134,6 +132,10 @@ def wrap_parallelize(parallelize_fn: Callable, **dedicate_kwargs: Any) -> Callab
             opts["reshard_after_forward"] = get_fsdp_reshard_after_forward_policy(
                 parallelism.fsdp_reshard_after_forward, parallel_dims.pp_enabled
             )
+        if "offload_policy" not in opts and getattr(training, "enable_cpu_offload", False):
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            opts["offload_policy"] = CPUOffloadPolicy()  # what torchtitan's apply_fsdp gives fully_shard
 
         def dedicate():
             mesh = data_parallel_mesh(parallel_dims)

@@ -18,7 +18,9 @@ all-gathers them, and the reverse (``collectives=``: the state dicts hold the sa
 momenta whatever moves them; on N = 2 every gradient is a sum of two, so a reduce and a
 reduce-scatter give the same bits and the continuation is bit-identical. On N >= 3 the two may sum
 in different orders: the continuation then agrees within the oracle's fp32 bounds, 1e-6 relative
-on losses, not bit for bit).
+on losses, not bit for bit); a checkpoint saved with offload of owned state on
+(``CPUOffloadPolicy(pin_memory=False)`` to ``dedicate_params`` and ``fully_shard``: masters and
+momenta on the host) and resumed with it off, against the run that went on with it on.
 """
 
 from __future__ import annotations
@@ -43,12 +45,13 @@ CASES = {
     "async_save HSDP (2, 1)": dict(mesh=(2, 1), async_save=True, z3=False),
     "saved broadcast, loaded all-gathered": dict(mesh=None, collectives=("broadcast", "all_gather")),
     "saved all-gathered, loaded broadcast": dict(mesh=None, collectives=("all_gather", "broadcast")),
+    "saved with offload, loaded without": dict(mesh=None, offload=(True, False)),
 }
 
 
 def _build(case, launch: int):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     import dmuon
 
@@ -56,12 +59,14 @@ def _build(case, launch: int):
     model = make_model("tiny")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if case.get("mp") else None
     collectives = case.get("collectives", ("auto", "auto"))[launch]
+    offload = case.get("offload", (False, False))[launch]
+    off = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if offload else {}
     plan = dmuon.dedicate_params(
-        model, mesh, reshard_after_forward=case.get("z3", True), mp_policy=mp, collectives=collectives
+        model, mesh, reshard_after_forward=case.get("z3", True), mp_policy=mp, collectives=collectives, **off
     )
     if collectives != "auto":
         assert {buf.collective for b in plan.boundaries for buf in b.buffers} == {collectives}
-    kw = {} if mp is None else {"mp_policy": mp}
+    kw = ({} if mp is None else {"mp_policy": mp}) | off
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, **kw)
     fully_shard(model, mesh=mesh, **kw)

@@ -1,4 +1,5 @@
-"""Bad input to ``dmuon.exec.apply`` / ``dedicate_params`` fails loudly, before any collective.
+"""Bad input to ``dmuon.exec.apply`` / ``dedicate_params`` fails loudly, before any collective
+(or, for an offload policy that differs from ``fully_shard``'s, at ``dmuon.Muon``'s first step).
 
 One 2-rank process group runs every case; each case returns the exception type and message
 seen on each rank, so the test checks that every rank raised the same clear error (a rank that
@@ -65,6 +66,48 @@ def _error_cases():
         lm_loss(model, torch.randint(0, 11, (2, 5))).backward()
     out["step_without_sync"] = _catch(opt.step)
     dist.barrier()
+
+    # offload of owned state: the policy given to dedicate_params must be the one fully_shard got
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    batch = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(rank))
+    for case, (ours, theirs) in {
+        "offload_dmuon_only": (CPUOffloadPolicy(pin_memory=False), None),
+        "offload_fully_shard_only": (None, CPUOffloadPolicy(pin_memory=False)),
+    }.items():
+        model = make_model("tiny")
+        dmuon.dedicate_params(model, offload_policy=ours)
+        kw = {} if theirs is None else {"offload_policy": theirs}
+        for layer in model.layers:
+            fully_shard(layer, **kw)
+        fully_shard(model, **kw)
+        opt = dmuon.Muon(model)
+        lm_loss(model, batch).backward()
+        out[case] = _catch(opt.step)
+        dist.barrier()
+    out["offload_policy_type"] = _catch(lambda: dmuon.dedicate_params(make_model("tiny"), offload_policy="cpu"))
+    if not torch.accelerator.is_available():  # the default pin_memory=True needs an accelerator
+        out["offload_pinned_on_cpu"] = _catch(
+            lambda: dmuon.dedicate_params(make_model("tiny"), offload_policy=CPUOffloadPolicy())
+        )
+    # and with the same policy on both sides, the model built on meta (to_empty, init_params):
+    # dmuon.clip_grad_norm_ over host gradients (owned and FSDP2's) gives the norm of the same
+    # set-up without offload, bit for bit
+    norms = []
+    for policy in (None, CPUOffloadPolicy(pin_memory=False)):
+        with torch.device("meta"):
+            model = make_model("tiny")
+        dmuon.dedicate_params(model, offload_policy=policy)
+        kw = {} if policy is None else {"offload_policy": policy}
+        for layer in model.layers:
+            fully_shard(layer, **kw)
+        fully_shard(model, **kw)
+        model.to_empty(device="cpu")
+        torch.manual_seed(0)
+        dmuon.init_params(model)
+        lm_loss(model, batch).backward()
+        norms.append(dmuon.clip_grad_norm_(model, 0.5))
+    out["offload_clip_norm_equal"] = bool(torch.equal(norms[0], norms[1])) and norms[0].item() > 0.5
     return out
 
 
@@ -82,6 +125,13 @@ def test_bad_input_errors_on_every_rank():
     assert r["predicate_1d"][0] == "ValueError" and "layers.0.norm.weight" in r["predicate_1d"][1]
     assert r["applied_twice"][0] == "ValueError"
     assert r["step_without_sync"][0] == "RuntimeError" and "no_sync" in r["step_without_sync"][1]
+    for case in ("offload_dmuon_only", "offload_fully_shard_only"):
+        assert r[case][0] == "ValueError", case
+        assert "offload_policy" in r[case][1] and "Pass the same policy to both" in r[case][1], case
+    assert r["offload_policy_type"][0] == "TypeError" and "CPUOffloadPolicy" in r["offload_policy_type"][1]
+    assert r["offload_clip_norm_equal"] is True
+    if "offload_pinned_on_cpu" in r:
+        assert r["offload_pinned_on_cpu"][0] == "ValueError" and "pin_memory=False" in r["offload_pinned_on_cpu"][1]
 
 
 def test_apply_without_process_group():

@@ -18,11 +18,16 @@ of ``tests/oracle.py``:
   reference, with the same bounds, and its ledger -- every collective issued, in order, with its
   group, root, dtype and bytes -- equal to the Muon case's on the same layout: zero extra bytes,
 * a matrix used by one rank only, used twice in one forward, or used by no rank,
+* offload of owned state (``dedicate_params`` and ``fully_shard`` given
+  ``CPUOffloadPolicy(pin_memory=False)``) at N = 2 and on HSDP (2, 2), Z2 and Z3, against the same
+  oracle; and its copy path: every held master is a tensor of its own, never the broadcast buffer,
+  and no momentum or update op of the step runs on a host master or momentum (they run on copies),
 * no full-size storage for non-held segments after a Z3 forward, a no-grad forward and the step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -63,11 +68,54 @@ def _non_held_storage_nbytes(model) -> int:
     return sum(seg.wire.untyped_storage().nbytes() for b in rt.boundaries for seg in b.segments if not seg.held)
 
 
+class _CopySpy:
+    """Offload's copy path, watched over the steps: the storages the step's momentum and update ops
+    (``dmuon._update.momentum_`` / ``decay_and_apply_``) write, against the host masters and momenta."""
+
+    def __init__(self, model, opt):
+        import dmuon._update as U
+
+        self.U, self.rt, self.opt, self.written = U, get_model_runtime(model), opt, []
+        self.orig = (U.momentum_, U.decay_and_apply_)
+
+    def __enter__(self):
+        momentum, apply = self.orig
+
+        def spy_momentum(grads, bufs, **kw):
+            self.written += [b.untyped_storage().data_ptr() for b in bufs]
+            return momentum(grads, bufs, **kw)
+
+        def spy_apply(params, updates, **kw):
+            self.written += [p.untyped_storage().data_ptr() for p in params]
+            return apply(params, updates, **kw)
+
+        self.U.momentum_, self.U.decay_and_apply_ = spy_momentum, spy_apply
+
+    def __exit__(self, *exc):
+        self.U.momentum_, self.U.decay_and_apply_ = self.orig
+
+    def report(self) -> dict:
+        held = [seg for b in self.rt.boundaries for seg in b.segments if seg.held]
+        host = {seg.master.untyped_storage().data_ptr() for seg in held}
+        momenta = [s["momentum_buffer"] for s in self.opt.state.values() if "momentum_buffer" in s]
+        host |= {m.untyped_storage().data_ptr() for m in momenta}
+        return dict(
+            held=len(held),
+            owned_momenta=len(momenta),
+            master_is_wire=sum(
+                seg.master.untyped_storage().data_ptr() == seg.wire.untyped_storage().data_ptr() for seg in held
+            ),
+            masters_on_host=all(seg.master.device.type == "cpu" for seg in held),
+            ops_written=len(self.written),
+            ops_on_host_state=sum(p in host for p in self.written),
+        )
+
+
 def _worker(cases, mesh_shape=None, replicate_async=True):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     import dmuon
     from dmuon.exec._comm.collective_calls import LEDGER, metered
@@ -82,21 +130,23 @@ def _worker(cases, mesh_shape=None, replicate_async=True):
     for kind, z3, ns_fp32, *rest in cases:
         collectives = rest[0] if rest else "auto"
         variant = rest[1] if len(rest) > 1 else "muon"
+        offload = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if rest[2:] == ["offload"] else {}
         model = make_model(kind)
         if hasattr(model, "set_rank"):
             model.set_rank(rank)
         plan = dmuon.dedicate_params(
-            model, mesh, reshard_after_forward=z3, replicate_async=replicate_async, collectives=collectives
+            model, mesh, reshard_after_forward=z3, replicate_async=replicate_async, collectives=collectives, **offload
         )
         for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, **offload)
+        fully_shard(model, mesh=mesh, **offload)
         opt = dmuon_optimizer(model, torch.float32 if ns_fp32 else torch.bfloat16, variant=variant)
         losses, ledgers, ns_calls, storage, ops = [], [], [], {}, []
+        copies = _CopySpy(model, opt) if offload else contextlib.nullcontext()
         for step, batch in enumerate(global_batches(STEPS)):
             local = batch.chunk(world)[rank]
             LEDGER.reset()
-            with counting_ns() as step_ns, metered(record=True) as led:  # matrices orthogonalised in this step
+            with counting_ns() as step_ns, metered(record=True) as led, copies:  # NS calls of this step
                 loss = lm_loss(model, local)
                 if step == 0:
                     storage["after_forward"] = _non_held_storage_nbytes(model)
@@ -133,6 +183,7 @@ def _worker(cases, mesh_shape=None, replicate_async=True):
                 storage=storage,
                 same_output_everywhere=same_output_everywhere,
                 full=full if rank == 0 else None,
+                copy_path=copies.report() if offload else None,
             )
         )
         dist.barrier()
@@ -141,6 +192,11 @@ def _worker(cases, mesh_shape=None, replicate_async=True):
 
 WORLDS = [1, 2, 3, 4]
 HSDP_CASES = [("tiny", True, True), ("tiny", False, True), ("two", True, False), ("tiny", True, True, "broadcast")]
+# offload of owned state (CPUOffloadPolicy(pin_memory=False) to dedicate_params and fully_shard), Z3 and Z2,
+# at N = 2 and on HSDP (2, 2)
+OFFLOAD_CASES = [("tiny", True, True, "auto", "muon", "offload"), ("two", False, False, "auto", "muon", "offload")]
+OFFLOAD_WORLDS = (2,)
+OFFLOAD_MESHES = (((2, 2), True),)
 HSDP_MESHES = [((2, 2), True), ((2, 2), False), ((2, 1), True), ((1, 4), False), ((3, 1), False)]
 
 
@@ -154,10 +210,12 @@ NORMUON_MESHES = (((2, 2), True),)
 def _configs(world):
     """Every configuration of one world size, run in ONE launch (``label, cases, mesh_shape,
     replicate_async``): the 1-D mesh, then the HSDP meshes of that size."""
-    out = [(f"world={world}", CASES + ([NORMUON_CASE] if world in NORMUON_WORLDS else []), None, True)]
+    extra = ([NORMUON_CASE] if world in NORMUON_WORLDS else []) + (OFFLOAD_CASES if world in OFFLOAD_WORLDS else [])
+    out = [(f"world={world}", CASES + extra, None, True)]
     for mesh_shape, replicate_async in HSDP_MESHES:
         if mesh_shape[0] * mesh_shape[1] == world:
             extra = [NORMUON_CASE] if (mesh_shape, replicate_async) in NORMUON_MESHES else []
+            extra += OFFLOAD_CASES if (mesh_shape, replicate_async) in OFFLOAD_MESHES else []
             out.append(
                 (
                     f"mesh={mesh_shape} replicate_async={replicate_async}",
@@ -228,6 +286,7 @@ def _check_against_oracle(results, cases, label):
     for case_idx, (kind, z3, ns_fp32, *rest) in enumerate(cases):
         collectives = rest[0] if rest else "auto"
         variant = rest[1] if len(rest) > 1 else "muon"
+        offload = rest[2:] == ["offload"]
         per_rank = [r[case_idx] for r in results]
         plan = ShardingPlan.from_json(per_rank[0]["plan_json"])
         assert all(ShardingPlan.from_json(r["plan_json"]) == plan for r in per_rank)
@@ -257,6 +316,15 @@ def _check_against_oracle(results, cases, label):
         loss_tol = FP32_LOSS_RTOL if ns_fp32 else BF16_LOSS_RTOL
         param_tol = FP32_PARAM_TOL if ns_fp32 else BF16_PARAM_TOL
         where = f"{label} model={kind} z3={z3} ns_fp32={ns_fp32} collectives={collectives} variant={variant}"
+        where += " offload" if offload else ""
+        if offload:  # the copy path: masters of their own on the host, every step op on a copy
+            reports = [r["copy_path"] for r in per_rank]
+            assert sum(c["held"] for c in reports) > 0, (where, reports)
+            assert sum(c["owned_momenta"] for c in reports) == len(plan.dedicated), (where, reports)
+            for c in reports:
+                assert c["masters_on_host"] and c["master_is_wire"] == 0, (where, c)
+                assert c["ops_on_host_state"] == 0, (where, c)
+                assert c["ops_written"] >= 2 * STEPS * (c["owned_momenta"] > 0), (where, c)
         for got, want in zip(per_rank[0]["losses"], ref_losses):
             assert math.isclose(got, want, rel_tol=loss_tol), (where, got, want)
         full = per_rank[0]["full"]

@@ -4,4 +4,5 @@ presets, decay), ``ns_backends`` (Newton-Schulz backends by name, resolved there
 NS and its sharded form are plain functions too, :mod:`dmuon._ns_gram`), ``tp_orthogonalize`` (NS
 of matrices several ranks hold), ``expert_update`` (expert stacks to and from matrices),
 ``normuon_update`` (NorMuon's second-moment layout), ``qk_clip`` (QK-clip at run time),
-``grad_clip`` (``clip_grad_norm_``), ``amp`` (loss scaling)."""
+``grad_clip`` (``clip_grad_norm_``), ``amp`` (loss scaling), ``offload_stage`` (the offloaded
+step's double-buffered host-device copies)."""

@@ -85,11 +85,13 @@ def clip_grad_norm_(
     tp_size = 1
     job_group = None  # dmuon's group over this job's ranks (None: the world)
     stage_group = False  # pipeline: the group over which the stages' non-owned parts are summed
+    rt_device = None  # the runtime's (compute) device: the reductions run there, wherever the gradients are
     for index, (_, p) in enumerate(named):
         info = dedicated_info(p)
         if info is not None and stage_group is False:
             rt = info.runtime()  # None once the runtime is gone: the world, no stage group
             job_group = rt.global_group() if rt is not None else None
+            rt_device = rt.device if rt is not None else None
             stage_group = rt.groups.peer_group if rt is not None and rt.pipelined else None
         if p.grad is None:
             continue
@@ -108,13 +110,15 @@ def clip_grad_norm_(
             held.append((index, p.grad))
     norm_type = float(norm_type)
     inf = math.isinf(norm_type)
-    device = next((g.device for g in owned + replicated + plain), torch.device("cpu"))
+    # offload: owned gradients on the host, FSDP2's on the host or the accelerator; the norms meet on
+    # the runtime's device
+    device = rt_device or next((g.device for g in owned + replicated + plain), torch.device("cpu"))
     distributed = dist.is_available() and dist.is_initialized()
 
     def local(grads) -> torch.Tensor:
         if not grads:
             return torch.zeros((), dtype=torch.float32, device=device)
-        n = torch.nn.utils.get_total_norm(grads, norm_type, foreach=foreach).float()
+        n = torch.nn.utils.get_total_norm(grads, norm_type, foreach=foreach).float().to(device)
         return n if inf else n.pow(norm_type)
 
     owned_part = local(owned)
@@ -140,6 +144,8 @@ def clip_grad_norm_(
         by_mesh.setdefault(g.device_mesh, []).append(g)
     for grads in by_mesh.values():  # same order on every rank: parameter order
         n = torch.nn.utils.get_total_norm(grads, norm_type, foreach=foreach)
+        if is_dtensor(n) and n.device != owned_part.device:  # FSDP2 offload: host shards, reduced on the device
+            n = n.to(owned_part.device)
         n = (n.full_tensor() if is_dtensor(n) else n).float().to(owned_part.device)
         parts.append(n if inf else n.pow(norm_type))
     if distributed and stage_group not in (False, None):  # pipeline: every stage's FSDP2 / plain parts

@@ -22,6 +22,7 @@ from dmuon.exec._optim import amp as _amp
 from dmuon.exec._optim import normuon_update as _nm
 from dmuon.exec._state import optimizer_state as _optimizer_state
 from dmuon.exec._setup import fsdp2 as _fsdp2
+from dmuon.exec._setup import host_offload as _host_offload
 from dmuon.exec._optim import ns_backends as _ns
 from dmuon import _update as _nsc
 from dmuon.exec._optim import tp_orthogonalize as _tp
@@ -363,6 +364,12 @@ class Muon(torch.optim.Optimizer):
                 _check_planned_ns_backend(p, group)
                 if group["variant"] == "normuon":
                     _nm.check_supported(_info(p))
+                    if _offload_of(_info(p)) is not None:
+                        raise ValueError(
+                            f"dmuon.Muon: variant='normuon' with offloaded matrices ({_info(p).fqn!r}; "
+                            "dedicate_params(offload_policy=CPUOffloadPolicy(...))) is not supported yet; "
+                            "use variant='muon' or drop offload_policy"
+                        )
         super().add_param_group(group)
         if use_muon:
             self._init_muon_state(group)
@@ -380,7 +387,12 @@ class Muon(torch.optim.Optimizer):
             if info.is_owner:
                 state = self.state[p]
                 if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    offload = _offload_of(info)
+                    state["momentum_buffer"] = (
+                        torch.zeros_like(p, memory_format=torch.preserve_format)
+                        if offload is None
+                        else _host_offload.host_zeros(p.shape, p.dtype, offload)
+                    )
                 if normuon and _nm.SECOND_MOMENT_KEY not in state:
                     state[_nm.SECOND_MOMENT_KEY] = _nm.new_second_moment(p, info)
             else:
@@ -570,13 +582,23 @@ class Muon(torch.optim.Optimizer):
         muon_step(group, self.state)
 
     def _adamw_group_step(self, group: dict) -> None:
+        """torch's functional AdamW on the group's parameters with a gradient, one call per device
+        (FSDP2's ``CPUOffloadPolicy`` keeps some on the host, the others stay on the accelerator)."""
+        by_device: dict = {}
+        for p in group["params"]:
+            if p.grad is not None:
+                by_device.setdefault(p.device, []).append(p)
+        for params in by_device.values():
+            self._adamw_step(group, params)
+
+    def _adamw_step(self, group: dict, group_params: list[Tensor]) -> None:
         params: list[Tensor] = []
         grads: list[Tensor] = []
         exp_avgs: list[Tensor] = []
         exp_avg_sqs: list[Tensor] = []
         steps: list[Tensor] = []
         has_complex = False
-        for p in group["params"]:
+        for p in group_params:
             if p.grad is None:
                 continue
             if p.grad.is_sparse:
@@ -654,6 +676,13 @@ def _check_planned_ns_backend(p: Tensor, group: dict) -> None:
             f"plan with ns_backend={mode!r} (dmuon.plan.compile / dmuon.dedicate_params; 'auto' assumes "
             f"ns_steps={_rules.NS_STEPS}) or build dmuon.Muon with the plan's ns_backend"
         )
+
+
+def _offload_of(info):
+    """The :class:`~dmuon.exec._setup.host_offload.HostOffload` of a dedicated matrix's runtime, or None."""
+    runtime = getattr(info, "runtime", None)
+    rt = runtime() if callable(runtime) else None
+    return getattr(rt, "offload", None)
 
 
 def _is_dcp_dummy_step(dedicated: list[Tensor]) -> bool:

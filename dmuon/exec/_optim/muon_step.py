@@ -18,6 +18,7 @@ from torch import Tensor
 
 from dmuon import _update as _u
 from dmuon.exec._optim import normuon_update as _nm
+from dmuon.exec._optim import offload_stage as _offload_stage
 from dmuon.exec._optim import ns_backends as _ns
 from dmuon.exec._optim import tp_orthogonalize as _tp
 from dmuon.exec._optim.expert_update import matrices_to_stack, stack_to_matrices
@@ -52,6 +53,8 @@ def muon_step(group: dict, states) -> None:
     backend = group.get("ns_backend", "standard")
 
     items: list[_u.Matrices] = []
+    # offloaded matrices: the compute device each item's run is copied to (None: updated in place)
+    item_devices: list[Optional[torch.device]] = []
     tp_entries: list[tuple[Tensor, Tensor, Any]] = []
     grouped_entries: list[tuple[Tensor, Tensor, Any]] = []
 
@@ -89,11 +92,13 @@ def muon_step(group: dict, states) -> None:
             blocks = _view_blocks(p, update, view, lo=0, length=int(info.shape[view.dim]))
         else:
             blocks = None
+        compute_device = _compute_device(info)
         if blocks is not None:  # each block as its own matrix: its NS, its adjust_lr
             for p_block, u_block, i in blocks:
                 shape = tuple(p_block.shape)
                 nz = normalize_fn(state[_nm.SECOND_MOMENT_KEY], info, i, shape) if normuon else None
                 items.append(_u.Matrices(param=p_block, update=u_block, matrix_shape=shape, normalize=nz))
+                item_devices.append(compute_device)
             continue
         shape = tuple(int(s) for s in info.matrix_shape)
         buf = state.get("momentum_buffer")
@@ -116,22 +121,26 @@ def muon_step(group: dict, states) -> None:
                 normalize=nz,
             )
         )
+        item_devices.append(compute_device)
 
-    _u.muon_update(
-        items,
-        lr=lr,
-        weight_decay=weight_decay,
-        momentum=momentum,
-        nesterov=nesterov,
-        adjust_lr_fn=adjust_lr_fn,
-        coefficients=ns_kw["coefficients"],
-        steps=ns_kw["steps"],
-        eps=ns_kw["eps"],
-        dtype=ns_kw["dtype"],
-        ns_batching=group.get("ns_batching", "batched"),
-        # "auto" decided once per call's shape; every backend resolved from ns_backends at call time
-        kernel=lambda sides: _ns.resolve_ns_backend(backend, sides, steps=group["ns_steps"]),
-    )
+    for device in dict.fromkeys(item_devices):  # in place first (one call when nothing is offloaded), then per device
+        _u.muon_update(
+            [it for it, d in zip(items, item_devices) if d == device],
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            adjust_lr_fn=adjust_lr_fn,
+            coefficients=ns_kw["coefficients"],
+            steps=ns_kw["steps"],
+            eps=ns_kw["eps"],
+            dtype=ns_kw["dtype"],
+            ns_batching=group.get("ns_batching", "batched"),
+            # "auto" decided once per call's shape; every backend resolved from ns_backends at call time
+            kernel=lambda sides: _ns.resolve_ns_backend(backend, sides, steps=group["ns_steps"]),
+            # offloaded: each run copied to the compute device and back, double-buffered
+            stage=None if device is None else _offload_stage.staged_runs(device),
+        )
 
     if not (tp_entries or grouped_entries):
         return
@@ -148,6 +157,14 @@ def muon_step(group: dict, states) -> None:
         )
     if grouped_entries:
         _tp.orthogonalize_groups_and_apply(grouped_entries, steps=group["ns_steps"], ns_kw=ns_kw, apply=apply)
+
+
+def _compute_device(info) -> Optional[torch.device]:
+    """The compute device of an offloaded matrix (its runtime's ``offload``), else None."""
+    runtime = getattr(info, "runtime", None)
+    rt = runtime() if callable(runtime) else None
+    offload = getattr(rt, "offload", None)
+    return None if offload is None else offload.compute_device
 
 
 def _to_stack(ortho: Tensor, *, stack, shape: tuple[int, ...], matrix_shape) -> Tensor:

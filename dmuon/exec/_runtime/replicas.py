@@ -32,13 +32,33 @@ def broadcast_after_step(rt) -> None:
 
 def _broadcast_to_replicas(rt, boundaries, phase: str) -> list:
     """HSDP: post one async broadcast per sub-segment of ``boundaries`` held here, from its
-    owner to its replicate peers (the owner's current master); returns the works."""
+    owner to its replicate peers (the owner's current master); returns the works. Masters
+    offloaded to the host of an accelerator travel through a device copy (:class:`_ToHost`)."""
     works = []
     for boundary in boundaries:
         for b in boundary.ops.replicate_broadcast:
             part = b.segment.master[b.sub.offset_in_seg : b.sub.offset_in_seg + b.sub.numel]
-            works.append(C.broadcast(part, src=b.root, group=b.group, phase=phase, async_op=True))
+            if part.device == rt.device:
+                works.append(C.broadcast(part, src=b.root, group=b.group, phase=phase, async_op=True))
+                continue
+            staged = part.to(rt.device)
+            work = C.broadcast(staged, src=b.root, group=b.group, phase=phase, async_op=True)
+            works.append(_ToHost(work, staged, part))
     return works
+
+
+class _ToHost:
+    """A broadcast's work whose received device copy ``staged`` is written into the host master
+    ``part`` once waited for (offload on an accelerator; the root's copy is unchanged)."""
+
+    def __init__(self, work, staged, part):
+        self.work, self.staged, self.part = work, staged, part
+
+    def wait(self, timeout=None):
+        ok = self.work.wait() if timeout is None else self.work.wait(timeout=timeout)
+        if ok is not False:
+            self.part.copy_(self.staged)
+        return ok
 
 
 def sync_replicas(rt) -> None:

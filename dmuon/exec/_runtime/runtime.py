@@ -94,6 +94,9 @@ class DmuonRuntime:
         # (dmuon.exec._optim.nonfinite_skip.NonFiniteFlags), consumed by the next step
         self.nonfinite_flags = None
         self.ep_hooks: dict = {}  # expert-parallel stacks' gradient-divisor hook handles, by FQN
+        # dmuon.exec._setup.host_offload.HostOffload: held masters and owned momenta on the host
+        # (set by apply before the storage is placed), or None
+        self.offload = None
         self._build(model)
 
     # -- construction ----------------------------------------------------------------------

@@ -15,6 +15,7 @@ from dmuon._dtensor import is_dtensor
 
 from dmuon.exec._state import model_state
 from dmuon.exec._setup import guards
+from dmuon.exec._setup import host_offload
 from dmuon.exec._setup import materialize
 from dmuon.exec._comm.collective_calls import DEFAULT_TIMEOUT_S
 from dmuon.exec._comm.groups import MeshGroups, mesh_rank_table, mesh_tp_ranks
@@ -299,6 +300,7 @@ def apply(
     replicate_dim: str | None = None,
     tp_dim: str | None = None,
     pipeline: bool | None = None,
+    offload_policy=None,
 ) -> DmuonRuntime:
     """Install owners, placeholders and hooks for ``plan`` on ``model`` (every rank calls it).
 
@@ -316,6 +318,13 @@ def apply(
             :data:`dmuon.plan.MESH_DIM_NAMES` (see :func:`dmuon.plan.mesh_dim_roles`).
         pipeline: ``model`` is one pipeline stage (:func:`dedicate_params`); ``None``: when
             ``mesh`` is a sub-mesh of a ``DeviceMesh`` with a dim named ``"pp"``.
+        offload_policy: FSDP2's ``CPUOffloadPolicy(...)``, the one given to every ``fully_shard``
+            call: every segment this rank holds keeps its master, and every owned matrix its Muon
+            momentum, in host memory; each matrix is copied to the compute device (the mesh's)
+            for its update and each broadcast sends a compute-device copy
+            (:mod:`dmuon.exec._setup.host_offload`). ``None`` (default) or ``OffloadPolicy()``:
+            no offload. ``dmuon.Muon``'s first step checks that ``fully_shard`` got the same
+            policy. Not with TP-sharded or owner-grouped matrices.
         collective_timeout_s: a dmuon wait not complete within this many seconds raises
             :class:`~dmuon.exec._comm.collective_calls.CollectiveTimeout` naming the boundary and phase
             (default :data:`~dmuon.exec._comm.collective_calls.DEFAULT_TIMEOUT_S`, 600 s; ``None``: no
@@ -337,6 +346,8 @@ def apply(
         ValueError: the model is already wrapped by ``fully_shard``; the plan was compiled for
             another mesh shape or another model (changed after planning); applied twice.
         ValueError: dedicated parameters on more than one device.
+        TypeError / NotImplementedError: an ``offload_policy`` that is not FSDP2's, or offload with
+            TP-sharded or owner-grouped matrices.
 
     Collectives: one ``all_gather_object`` (plan fingerprints; a second of the expert stacks'
     digests under expert parallelism), then ``new_group`` calls; all local validation happens
@@ -358,6 +369,9 @@ def apply(
     _check_not_whole_pipeline_mesh(mesh)
     table = mesh_rank_table(mesh, **dims)
     _validate(plan, model, table)
+    offload = host_offload.resolve(offload_policy, mesh, model)
+    if offload is not None:
+        _check_offloadable(plan)
     tp_mesh = _check_tp(plan, model, table, mesh_tp_ranks(mesh, **dims))
     pipeline = is_pipeline_mesh(mesh) if pipeline is None else bool(pipeline)
     if pipeline and tp_mesh is not None:  # local: every rank raises alike, before any collective
@@ -386,10 +400,28 @@ def apply(
         groups = MeshGroups.build(table, owner_groups=owner_groups)
     runtime = DmuonRuntime(plan, model, groups, _device_of(model, plan), timeout_s=collective_timeout_s)
     runtime.pipelined = pipeline
+    runtime.offload = offload
     _tags.write(model, _tags.RUNTIME, runtime)
     model_state.register_state_dict_hooks(runtime)
     materialize.install(runtime, model)
+    if offload is not None:  # held masters to the host, broadcast buffers to the compute device
+        materialize.rebind_storage(runtime)
     return runtime
+
+
+def _check_offloadable(plan) -> None:
+    """Offload (``offload_policy=CPUOffloadPolicy(...)``) supports matrices with one owner each:
+    refuse TP-sharded and owner-grouped ones (local: every rank raises alike, before any collective)."""
+    from dmuon.plan._records.owners import OwnerGroup
+
+    grouped = [spec.fqn for spec, owner in zip(plan.params, plan.owners) if isinstance(owner, OwnerGroup)]
+    if plan.tp_size > 1 or grouped:
+        what = f"TP degree {plan.tp_size}" if plan.tp_size > 1 else f"owner-grouped matrices ({grouped[0]!r}, ...)"
+        raise NotImplementedError(
+            f"dmuon: offload_policy=CPUOffloadPolicy(...) with {what} is not supported yet: offload keeps whole "
+            "owned matrices on the host. Drop offload_policy (here and in fully_shard), or compile without "
+            "owner groups (owner_groups=None) and without TP"
+        )
 
 
 #: the dim name of the pipeline-parallel dim of a ``DeviceMesh`` (torchtitan's)
@@ -483,6 +515,7 @@ def dedicate_params(
     tp_dim: str | None = None,
     ep: int | None = None,
     pipeline: bool | None = None,
+    offload_policy=None,
     **compile_kwargs,
 ):
     """``dmuon.plan.compile`` + :func:`apply`; returns the plan.
@@ -501,6 +534,10 @@ def dedicate_params(
 
     ``reshard_after_forward``: ``True`` DMuon-Z3, ``False`` DMuon-Z2; ``None`` (default): Z3,
     except Z2 for a pipeline stage (torchtitan's ``reshard_after_forward = not pp``).
+
+    ``offload_policy``: FSDP2's ``CPUOffloadPolicy(...)`` to keep the owned masters and Muon
+    momenta in host memory (:func:`apply`); pass the same policy to every ``fully_shard`` call
+    (``pin_memory=False`` on a machine without an accelerator).
 
     Pipeline parallelism (``torch.distributed.pipelining``, docs/pipeline_parallel.md):
     ``model`` is one stage, ``mesh`` its data-parallel mesh, e.g. ``mesh["dp"]`` of
@@ -560,5 +597,6 @@ def dedicate_params(
         replicate_dim=replicate_dim,
         tp_dim=tp_dim,
         pipeline=pipeline,
+        offload_policy=offload_policy,
     )
     return plan

@@ -19,6 +19,7 @@ from dmuon.plan._tools.render import fmt_names
 from dmuon import _tags
 from dmuon._tags import dedicated_info
 from dmuon.exec._setup import fsdp2
+from dmuon.exec._setup import host_offload
 
 if TYPE_CHECKING:
     from dmuon.exec._optim.muon import Muon
@@ -83,6 +84,7 @@ def check_set_up_order(opt: "Muon", dedicated: list[Tensor]) -> None:
         model = rt.model_ref()
         if model is not None:
             fsdp2.check_dedicated_unmanaged(model)
+            host_offload.check_fully_shard_policies(model, rt.offload)
     models = [m for m in (rt.model_ref() for rt in runtimes) if m is not None]
     if not models:
         return

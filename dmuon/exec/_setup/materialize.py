@@ -23,6 +23,7 @@ from dmuon.plan._tools.render import fmt_names
 from dmuon.exec._runtime._boundary.hook_boundary import eager_hook
 from dmuon.exec._runtime.packed_buffers import _contiguous_strides, _grouped_storage, _Segment, _Slot
 from dmuon.exec._runtime.runtime import get_model_runtime
+from dmuon.exec._setup import host_offload as _host_offload
 
 __all__ = ["install", "init_params", "rebind_storage"]
 
@@ -150,6 +151,10 @@ def _rebind_segment(rt, seg: _Segment) -> bool:
             f"are on different devices {sorted(map(str, devices))}; move whole hook boundaries"
         )
     device = devices.pop()
+    offload = rt.offload if device.type != "meta" else None
+    # where the master and the broadcast buffer go: both on the parameters' device, or under
+    # offload the master on the host and the buffer (always a tensor of its own) on the compute device
+    master_device, wire_device = (device, device) if offload is None else (_host_offload.HOST, offload.compute_device)
     for slot in seg.slots:
         if slot.logical.dtype != seg.param_dtype:
             raise ValueError(
@@ -159,22 +164,32 @@ def _rebind_segment(rt, seg: _Segment) -> bool:
     wire_dtype = seg.wire.dtype
     if seg.held:
         storage = seg.master.untyped_storage()._cdata
-        if seg.master.device == device and all(
-            local_tensor(slot.logical).untyped_storage()._cdata == storage for slot in seg.slots
+        if (
+            seg.master.device == master_device
+            and all(local_tensor(slot.logical).untyped_storage()._cdata == storage for slot in seg.slots)
+            and (offload is None or (seg.wire.device == wire_device and seg.wire is not seg.master))
         ):
             return False
-        master = torch.zeros(seg.numel, dtype=seg.param_dtype, device=device)
+        if offload is None:
+            master = torch.zeros(seg.numel, dtype=seg.param_dtype, device=device)
+        else:
+            master = _host_offload.host_zeros(seg.numel, seg.param_dtype, offload)
         for slot in seg.slots:
             view = master[slot.offset_in_seg : slot.offset_in_seg + slot.numel].view(slot.shape)
             if slot.logical.device.type != "meta":
                 view.copy_(local_tensor(slot.logical).detach().reshape(slot.shape))
             _point_logical(rt, slot, view)
-        wire = master if wire_dtype == seg.param_dtype else torch.zeros(seg.numel, dtype=wire_dtype, device=device)
+        if wire_dtype == seg.param_dtype and offload is None:
+            wire = master
+        else:
+            wire = torch.zeros(seg.numel, dtype=wire_dtype, device=wire_device)
+            wire.copy_(master)  # the value until the next broadcast writes it again
         seg.master, seg.wire, seg.resident = master, wire, True
         _set_computes(seg, wire)
         if seg.gather is not None:
-            _rebind_gather(seg.gather, device)
+            _rebind_gather(seg.gather, wire_device)
         return True
+    device = wire_device
     if seg.wire.device == device:
         return False
     gb = seg.gather

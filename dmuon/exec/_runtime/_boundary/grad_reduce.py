@@ -306,11 +306,16 @@ def _write_owner_grads(ctx, owned: list) -> None:
             p = slot.logical
             # a new tensor, never a view of the reduce buffer (released below, rewritten next
             # backward): the division writes it (one pass, the reduce dtype's rounding as an
-            # in-place division's), or a copy when there is nothing to divide by
+            # in-place division's), or a copy when there is nothing to divide by; on the master's
+            # device (the host under offload, pinned as the master is)
             if divisor != 1.0:
-                grad = torch.div(grad, divisor).to(p.dtype)
+                grad = torch.div(grad, divisor)
+            elif p.grad is None:
+                grad = grad.clone() if grad.dtype == p.dtype and grad.device == p.device else grad
+            if p.device != grad.device and p.is_pinned():
+                grad = torch.empty(grad.shape, dtype=p.dtype, device=p.device, pin_memory=True).copy_(grad)
             else:
-                grad = grad.to(p.dtype, copy=True) if p.grad is None else grad.to(p.dtype)
+                grad = grad.to(p.device, p.dtype)
             if slot.tp is not None:
                 grad = slot.tp.wrap(grad)
             if p.grad is None:
