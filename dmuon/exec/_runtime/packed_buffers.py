@@ -281,7 +281,7 @@ class _Segment:
     param_dtype: torch.dtype
     buffer_key: str = ""  # the plan buffer's key (BufferLayout.key): its dtype, "/ep<k>" if expert-parallel
     resident: bool = True
-    # gradient reduce, built on first use (``grad_reduce._reduce_buffer``) and reused every step
+    # gradient reduce, built on first use (``_boundary.grad_reduce._reduce_buffer``) and reused every step
     reduce_buf: torch.Tensor | None = None  # 1-D, reduce dtype, on the segment's device
     reduce_inflight: bool = False  # a reduce on ``reduce_buf`` is launched and not yet finished
     owned: list = dataclasses.field(default_factory=list)  # [gather_buffers._Owned] sub-segments this rank owns
