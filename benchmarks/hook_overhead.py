@@ -9,7 +9,9 @@ shared machine hits them alike: FSDP2 + AdamW (``adamw``, from the first tree), 
 (``dmuon_z3``) of every tree. From each launch it reads the ``step.forward`` and
 ``step.backward`` ranges (inclusive CPU ms per step, averaged over the ranks) and the sum of
 dmuon's hook ranges; the overhead of a dmuon launch is its forward + backward minus the AdamW
-launch's of the same repeat. Printed: median and spread (min-max) over the repeats.
+launch's of the same repeat; the same for the main thread's CPU time in forward + backward (less
+sensitive than wall time to a shared machine's other jobs). Printed: median and spread (min-max)
+over the repeats.
 """
 
 from __future__ import annotations
@@ -42,8 +44,12 @@ def run_profile(tree: Path, variant: str, nproc: int, size: str, steps: int, war
         if m:
             cells = [float(x) for x in m.group(3).split()]
             ranges[m.group(1)] = sum(cells) / len(cells)
+        m = re.match(r"^forward \+ backward main-thread CPU ms per rank: (.*)$", line.strip())
+        if m:
+            cells = [float(x.split()[1]) for x in m.group(1).split(",")]
+            ranges["cpu"] = sum(cells) / len(cells)
     fb = ranges["step.forward"] + ranges["step.backward"]
-    return dict(fwd_bwd_ms=fb, hooks_ms=sum(ranges.get(h, 0.0) for h in HOOKS), ranges=ranges)
+    return dict(fwd_bwd_ms=fb, cpu_ms=ranges["cpu"], hooks_ms=sum(ranges.get(h, 0.0) for h in HOOKS), ranges=ranges)
 
 
 def summary(values: list[float]) -> str:
@@ -65,22 +71,22 @@ def main(argv=None) -> None:
     for rep in range(args.repeats):
         for n in args.nproc:
             base = run_profile(trees[0][1], "adamw", n, args.size, args.steps, args.warmup)
-            rows.setdefault((n, "adamw"), []).append(dict(base, overhead_ms=0.0))
+            rows.setdefault((n, "adamw"), []).append(dict(base, overhead_ms=0.0, cpu_overhead_ms=0.0))
             for name, tree in trees:
                 r = run_profile(tree, "dmuon_z3", n, args.size, args.steps, args.warmup)
                 r["overhead_ms"] = r["fwd_bwd_ms"] - base["fwd_bwd_ms"]
+                r["cpu_overhead_ms"] = r["cpu_ms"] - base["cpu_ms"]
                 rows.setdefault((n, f"dmuon_z3 {name}"), []).append(r)
             print(f"repeat {rep + 1}/{args.repeats}, N={n} done", file=sys.stderr, flush=True)
     print(
         f"size {args.size}; {args.repeats} repeats x {args.steps} profiled steps (after {args.warmup} warm-up); "
         "ms per step, median [min, max] over repeats"
     )
-    print(f"{'N':>2} {'variant':<22}{'fwd+bwd':>27}{'over adamw':>27}{'dmuon hooks':>27}")
+    cols = ("fwd_bwd_ms", "overhead_ms", "cpu_ms", "cpu_overhead_ms", "hooks_ms")
+    names = ("fwd+bwd wall", "wall over adamw", "fwd+bwd thread CPU", "CPU over adamw", "dmuon hook ranges")
+    print(f"{'N':>2} {'variant':<18}" + "".join(f"{x:>27}" for x in names))
     for (n, variant), rs in rows.items():
-        print(
-            f"{n:>2} {variant:<22}{summary([r['fwd_bwd_ms'] for r in rs]):>27}"
-            f"{summary([r['overhead_ms'] for r in rs]):>27}{summary([r['hooks_ms'] for r in rs]):>27}"
-        )
+        print(f"{n:>2} {variant:<18}" + "".join(f"{summary([r[c] for r in rs]):>27}" for c in cols))
 
 
 if __name__ == "__main__":

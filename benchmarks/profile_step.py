@@ -19,7 +19,9 @@ the wrappers live in this process only):
     dmuon.newton_schulz      every Newton-Schulz call (the optimizer's)
     step.forward / step.backward / step.optimizer                 the three phases of a step
 
-Printed (rank 0's view, and per rank for the ranges): the top ops by self CPU time, then the
+Printed (rank 0's view, and per rank for the ranges): each rank's step wall time and its main
+thread's CPU time in forward + backward (``time.thread_time``: not the time it waited for a core
+on a shared machine), the top ops by self CPU time, then the
 inclusive CPU time of every range above, per rank, averaged per profiled step. Times are
 CPU wall time of the calling thread: a ``dmuon.coll.wait`` range is time spent waiting for
 peers (and for gloo's own threads to move the bytes), not CPU work.
@@ -106,21 +108,24 @@ def _profiled_steps(v, batches, device, steps: int):
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     dist.barrier()
+    cpu_s = 0.0  # this thread's CPU time in forward + backward (not the time it waited for a core)
     with profile(activities=acts) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
             x, y = batches[v.steps_done % len(batches)]
             v.steps_done += 1
+            c0 = time.thread_time()
             with record_function("step.forward"):
                 loss = lm_loss(v.model(x), y)
             with record_function("step.backward"):
                 loss.backward()
+            cpu_s += time.thread_time() - c0
             with record_function("step.optimizer"):
                 v.opt.step()
                 v.opt.zero_grad(set_to_none=True)
             ST._sync(device)
         wall = (time.perf_counter() - t0) / steps
-    return prof, wall
+    return prof, wall, cpu_s / steps
 
 
 def _body(mesh, device, job):
@@ -133,7 +138,7 @@ def _body(mesh, device, job):
     v = ST.build_variant(job["variant"], job["size"], mesh, device, job)
     for _ in range(job["warmup"]):
         ST.run_step(v, batches, device, timed=False)
-    prof, wall = _profiled_steps(v, batches, device, job["steps"])
+    prof, wall, cpu = _profiled_steps(v, batches, device, job["steps"])
     steps = job["steps"]
     rows = []
     for e in prof.key_averages():
@@ -146,7 +151,7 @@ def _body(mesh, device, job):
                 device_ms=getattr(e, "self_device_time_total", 0) / 1e3 / steps,
             )
         )
-    mine = dict(rank=rank, wall_ms=wall * 1e3, rows=rows)
+    mine = dict(rank=rank, wall_ms=wall * 1e3, cpu_ms=cpu * 1e3, rows=rows)
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine)
     return everyone if rank == 0 else None
@@ -164,6 +169,10 @@ def format_report(per_rank: list[dict], job: dict, top: int) -> str:
         "step wall ms per rank: "
         + ", ".join(f"r{r['rank']} {r['wall_ms']:.1f}" for r in per_rank)
         + f"; rank 0 self-CPU total {busy:.1f} ms"
+    )
+    lines.append(
+        "forward + backward main-thread CPU ms per rank: "
+        + ", ".join(f"r{r['rank']} {r['cpu_ms']:.1f}" for r in per_rank)
     )
     lines.append("")
     lines.append(f"top {top} ops by self CPU time, rank 0 (ms per step)")

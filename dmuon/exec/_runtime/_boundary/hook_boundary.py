@@ -336,7 +336,7 @@ class HookBoundary:
         if grad and use is not None:
             tensors = [t for t in optree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
             # one hook per output tensor, as FSDP2 registers its pre-backward (a multi-grad hook
-            # costs ~16x more to register); the first to fire starts the use, the rest return
+            # costs ~12x more to register); the first to fire starts the use, the rest return
             hook = functools.partial(self._on_pre_backward, use)
             for t in tensors:
                 t.register_hook(hook)
