@@ -14,7 +14,7 @@ import torch.nn as nn
 from dmuon._dtensor import is_dtensor
 from dmuon.exec._comm import collective_calls as C
 from dmuon.exec._optim import nonfinite_skip as _skip
-from dmuon.exec._runtime.runtime import runtimes_of
+from dmuon.exec._runtime.runtime import bare_stage_runtimes, runtimes_of
 from dmuon.exec._runtime.packed_buffers import dedicated_info
 
 __all__ = ["clip_grad_norm_"]
@@ -50,6 +50,8 @@ def clip_grad_norm_(
     and the FSDP2 and plain parts, identical on the data-parallel ranks of a stage, are summed
     over the ranks at this rank's data-parallel coordinate in every stage (p-th powers; max for
     ``inf``): one number on every rank, equal to torch's norm of the whole model in one process.
+    A rank whose stages dedicate nothing (e.g. only the embedding) runs the same collectives,
+    through its stages' runtimes.
 
     Every rank must call it (it runs collectives), after ``backward()`` and before ``step()``.
     With a ``dmuon.Muon(skip_nonfinite=True)`` on the model, the step's non-finite flags (``2·W``
@@ -106,10 +108,14 @@ def clip_grad_norm_(
         else:
             plain.append(p.grad)
             held.append((index, p.grad))
+    distributed = dist.is_available() and dist.is_initialized()
+    # pipeline stages whose plan dedicates nothing: their rank takes part in the same collectives
+    bare = bare_stage_runtimes(p for _, p in named) if distributed else []
+    if bare and stage_group is False:  # no dedicated parameter here: the stage's groups
+        job_group, stage_group = bare[0].global_group(), bare[0].groups.peer_group
     norm_type = float(norm_type)
     inf = math.isinf(norm_type)
-    device = next((g.device for g in owned + replicated + plain), torch.device("cpu"))
-    distributed = dist.is_available() and dist.is_initialized()
+    device = next((g.device for g in owned + replicated + plain + dtensors), torch.device("cpu"))
 
     def local(grads) -> torch.Tensor:
         if not grads:
@@ -124,7 +130,7 @@ def clip_grad_norm_(
     if distributed:
         # dmuon.Muon(skip_nonfinite=True): the step's non-finite flags ride on this all-reduce
         # (dmuon.exec._optim.nonfinite_skip), kept on the runtime for the step
-        runtimes = [rt for rt in runtimes_of(p for _, p in named) if rt.check_nonfinite]
+        runtimes = [rt for rt in runtimes_of(p for _, p in named) + bare if rt.check_nonfinite]
         reduced = (
             _skip.append_to_clip(owned_part, [p for _, p in named], runtimes, job_group) if runtimes else owned_part
         )
