@@ -68,7 +68,8 @@ def clip_grad_norm_(
         norm_type: ``p`` of the p-norm (``float("inf")`` for the max norm).
         error_if_nonfinite: raise when the total norm is ``nan`` / ``inf`` (before any gradient is
             scaled). Every rank then all-gathers one small flag vector (which ranks hold a
-            non-finite gradient, and the first such parameter) and raises the same
+            non-finite gradient, and the first such parameter), the first such rank broadcasts
+            that parameter's name when the norm is non-finite, and every rank raises the same
             ``RuntimeError``, naming those ranks and that parameter.
         foreach: as torch's: ``None`` uses the foreach kernels where the device supports them,
             ``True`` requires them, ``False`` scales tensor by tensor.
@@ -190,7 +191,9 @@ def _scale_(grads: list, coef: torch.Tensor, foreach: bool | None) -> None:
 def _raise_if_nonfinite(total: torch.Tensor, held: list, named: list, norm_type: float, group) -> None:
     """``error_if_nonfinite``: every rank all-gathers ``[total non-finite here, a held gradient
     non-finite here, index of the first such parameter]`` (three int64; ``group=False``: one
-    process, no collective) and raises the same error when any rank's total is non-finite."""
+    process, no collective) and raises the same error when any rank's total is non-finite; the
+    first rank holding a non-finite gradient then broadcasts that parameter's name (an index into
+    its own list, which is another stage's list than this rank's under pipeline parallelism)."""
     bad_index = -1
     if held:
         finite = torch.stack([torch.isfinite(g).all() for _, g in held]).tolist()  # one host read
@@ -210,7 +213,15 @@ def _raise_if_nonfinite(total: torch.Tensor, held: list, named: list, norm_type:
         ranks = [dist.get_global_rank(group, r) for r in ranks]
     first = next((row[2] for row in table if row[1]), -1)
     if first >= 0:
-        name = named[first][0] or getattr(dedicated_info(named[first][1]), "fqn", None) or f"parameter #{first}"
+        src = next(r for r, row in enumerate(table) if row[1])
+        me = 0 if group is False else dist.get_rank(group)
+        name = None
+        if me == src:
+            name = named[first][0] or getattr(dedicated_info(named[first][1]), "fqn", None) or f"parameter #{first}"
+        if group is not False:
+            box = [name]
+            dist.broadcast_object_list(box, src=ranks[0], group=group)
+            name = box[0]
         where = (
             f"global rank(s) {ranks} hold non-finite gradients (after the reduce: owned matrices, FSDP2 shards, "
             f"local tensors); the first such parameter: {name!r}"
