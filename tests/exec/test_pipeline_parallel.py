@@ -23,6 +23,10 @@ single-process ``torch.optim.Muon`` + ``AdamW`` on the whole model over the same
   leave the bounds), and without dmuon's reduce wrapper ``step()`` raises on every rank;
 * ``dmuon.Muon(skip_nonfinite=True)``: a NaN in one stage's gradient on one rank skips the step
   on every rank of every stage, against the oracle that skips that step;
+* a split whose first rank holds only the embedding (or whose last rank holds only the final norm
+  and the head), so that its stage dedicates nothing: clipping and ``skip_nonfinite`` run the same
+  collectives there (a NaN in the lone embedding's gradient on one rank skips that step on every
+  rank), the norms and the run against the oracle;
 * a zero-bubble schedule raises the same ``NotImplementedError`` on every rank at its first step;
 * checkpoints across layouts, in the same launch: a DCP checkpoint (model + flattened optimizer
   state) saved at (pp 2, dp 2) after one GPipe step, loaded into fresh stages at (pp 2, dp 2)
