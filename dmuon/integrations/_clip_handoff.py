@@ -6,6 +6,7 @@ HF Trainer's wrappers. Loads no ``dmuon.exec`` module until a call holds dedicat
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 
@@ -21,6 +22,17 @@ def dmuon_clip(params: list, max_norm, norm_type=2.0, error_if_nonfinite=False, 
     from dmuon.exec._optim.grad_clip import clip_grad_norm_
 
     return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+
+
+def _for_dmuon(params: list) -> bool:
+    """Whether ``params`` go to :func:`dmuon.clip_grad_norm_`: they include dedicated parameters
+    (placeholders included), or parameters of a pipeline stage dmuon dedicated nothing in (its rank
+    must run the same collectives as the stages with dedicated matrices). The second question
+    needs ``dmuon.exec``, loaded by then if any such stage exists."""
+    if _tags.has_dedicated(params):
+        return True
+    runtime = sys.modules.get("dmuon.exec._runtime.runtime")
+    return runtime is not None and bool(runtime.bare_stage_runtimes(params))
 
 
 def _as_list(parameters) -> list:
@@ -40,7 +52,7 @@ def hand_off(fn):
     @functools.wraps(fn)
     def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
         params = _as_list(parameters)
-        if not _tags.has_dedicated(params):  # (a generator was consumed above: torch gets the list)
+        if not _for_dmuon(params):  # (a generator was consumed above: torch gets the list)
             return fn(params, max_norm, norm_type, error_if_nonfinite, foreach)
         # the parameters hold owner-only gradients (plain tensors) next to FSDP2's DTensor shards:
         # torch's norm would fail on the mix or count a rank's owned matrices only
@@ -74,7 +86,7 @@ def wrap_torchtitan_clip_grad_norm(fn):
         parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None, pp_mesh=None, ep_enabled=False
     ):
         params = _as_list(parameters)
-        if not _tags.has_dedicated(params):
+        if not _for_dmuon(params):
             return fn(params, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh, ep_enabled)
         if pp_mesh is not None and pp_mesh.size() > 1:
             _check_pipelined(params)

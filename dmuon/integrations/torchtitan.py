@@ -352,38 +352,6 @@ def build_muon(param_groups: list[dict[str, Any]], **factory_kwargs: Any):
     return opt
 
 
-def _check_every_pipeline_rank_dedicates(model_parts: list[nn.Module]) -> None:
-    """Pipeline parallelism: every rank must hold at least one dedicated matrix among its model
-    parts, or its clipping would take torchtitan's path while the other ranks take dmuon's (a
-    hang). Raised on every rank alike after one ``all_gather_object`` of each rank's part names
-    (torchtitan builds the container on every rank after ``pipelining_fn``); nothing is
-    exchanged when no part is a dedicated pipeline stage."""
-    import torch.distributed as dist
-
-    from dmuon.exec._runtime.runtime import get_model_runtime
-
-    runtimes = [get_model_runtime(m) for m in model_parts]
-    if not any(rt is not None and rt.pipelined for rt in runtimes) or not dist.is_initialized():
-        return
-    mine = None
-    if not any(rt is not None and rt.plan.dedicated for rt in runtimes):
-        mine = [
-            sorted(n for n, c in m.named_children() if c is not None and len(list(c.parameters()))) for m in model_parts
-        ]
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    bare = {rank: parts for rank, parts in enumerate(everyone) if parts is not None}
-    if bare:
-        raise NotImplementedError(
-            f"dmuon.integrations.torchtitan: under pipeline parallelism every rank must hold at least one "
-            f"dmuon-dedicated matrix, and the model parts of global rank(s) {sorted(bare)} hold none (their parts' "
-            f"modules: {next(iter(bare.values()))}, e.g. only the embedding or the head); their gradient clipping "
-            "would not take part in dmuon's norm over the stages. Give every pipeline rank a transformer block: "
-            "parallelism.module_fqns_per_model_part, pipeline_parallel_first_stage_less_layers / "
-            "pipeline_parallel_last_stage_less_layers, or fewer stages (docs/pipeline_parallel.md)"
-        )
-
-
 class DmuonOptimizersContainer(OptimizersContainer):
     """torchtitan's ``OptimizersContainer`` that also knows ``optimizer_name="Muon"``
     (``dmuon.Muon``, :func:`build_muon`); every other name resolves as in torchtitan."""
@@ -402,7 +370,6 @@ class DmuonOptimizersContainer(OptimizersContainer):
             rt = get_model_runtime(m)
             return rt is not None and rt.pipelined and not rt.plan.dedicated
 
-        _check_every_pipeline_rank_dedicates(model_parts)
         with warnings.catch_warnings():
             if any(blockless_stage(m) for m in model_parts):
                 warnings.filterwarnings("ignore", message=r"dmuon\.Muon: none of its \d+ parameters is dedicated")

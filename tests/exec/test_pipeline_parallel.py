@@ -23,6 +23,10 @@ single-process ``torch.optim.Muon`` + ``AdamW`` on the whole model over the same
   leave the bounds), and without dmuon's reduce wrapper ``step()`` raises on every rank;
 * ``dmuon.Muon(skip_nonfinite=True)``: a NaN in one stage's gradient on one rank skips the step
   on every rank of every stage, against the oracle that skips that step;
+* a split whose first rank holds only the embedding (or whose last rank holds only the final norm
+  and the head), so that its stage dedicates nothing: clipping and ``skip_nonfinite`` run the same
+  collectives there (a NaN in the lone embedding's gradient on one rank skips that step on every
+  rank), the norms and the run against the oracle;
 * a zero-bubble schedule raises the same ``NotImplementedError`` on every rank at its first step;
 * checkpoints across layouts, in the same launch: a DCP checkpoint (model + flattened optimizer
   state) saved at (pp 2, dp 2) after one GPipe step, loaded into fresh stages at (pp 2, dp 2)
@@ -72,6 +76,10 @@ CASES = [
     ("1f1b_z3_autograd_reduce", "1f1b", True, True, "no_root_fsdp"),
     ("skipped_reduce", "gpipe", False, True, "skip_reduce"),
     ("gpipe_z2_nan_skip", "gpipe", None, True, "nan_skip"),
+    # a pipeline rank whose stage dedicates nothing: the embedding alone (a NaN in its gradient on
+    # one rank skips the step), or the head alone
+    ("gpipe_z2_embed_alone_clip_nan_skip", "gpipe", None, True, "embed_alone,clip,nan_skip"),
+    ("gpipe_z3_head_alone_clip_skip_nonfinite", "gpipe", True, True, "head_alone,clip,skip_nonfinite"),
 ]
 LABELS = [c[0] for c in CASES]
 # W = 8 as (pp 2, replicate 2, shard 2): every stage on an HSDP mesh (one more launch)
@@ -106,11 +114,16 @@ def make_full() -> PPLM:
     return PPLM()
 
 
-def split_stage(full: PPLM, stage: int, num_stages: int) -> PPLM:
-    """torchtitan's split: a deep copy, the other stages' blocks deleted, FQNs kept."""
+def split_stage(full: PPLM, stage: int, num_stages: int, alone: str = "") -> PPLM:
+    """torchtitan's split: a deep copy, the other stages' blocks deleted, FQNs kept. ``alone``
+    (two stages): ``"embed"`` gives stage 0 the embedding and no block, ``"head"`` gives stage 1
+    the final norm and the head and no block."""
     m = copy.deepcopy(full)
     per = LAYERS // num_stages
     keep = {str(i) for i in range(stage * per, (stage + 1) * per)}
+    if alone:
+        bare = 0 if alone == "embed" else 1
+        keep = set() if stage == bare else {str(i) for i in range(LAYERS)}
     for k in list(m.layers.keys()):
         if k not in keep:
             del m.layers[k]
@@ -182,8 +195,9 @@ def _case(label, sched_name, z3, scale_grads, extra, mesh):
     full = make_full()
     mods, stages, plans = [], [], []
     mb = 16 // 2 // M
+    alone = next((a for a in ("embed", "head") if f"{a}_alone" in extra), "")
     for si in stage_ids:
-        m = split_stage(full, si, num_stages)
+        m = split_stage(full, si, num_stages, alone)
         kw = {} if z3 is None else dict(reshard_after_forward=z3)
         plans.append(dmuon.dedicate_params(m, dp_mesh, **kw))
         for layer in m.layers.values():
@@ -216,7 +230,7 @@ def _case(label, sched_name, z3, scale_grads, extra, mesh):
     opts = (
         [dmuon_optimizer(m) for m in mods] if "per_stage_optimizer" in extra else [dmuon_optimizer(nn.ModuleList(mods))]
     )
-    if "nan_skip" in extra:
+    if {"nan_skip", "skip_nonfinite"} & extra:
         opts = [dmuon.Muon(nn.ModuleList(mods), **dmuon_muon_kwargs(torch.float32), skip_nonfinite=True)]
     skipped = []
     removed = []
@@ -253,11 +267,18 @@ def _case(label, sched_name, z3, scale_grads, extra, mesh):
                     if (info := dedicated_info(p)) is not None and info.is_owner and p.grad is not None
                 }
             )
+            if "nan_skip" in extra and step == NAN_STEP and dp == 0:
+                # an FSDP2 shard of the last stage's head (embed_alone: of the bare first stage's
+                # embedding), on one rank, before the clip
+                g = None
+                if "embed_alone" in extra and 0 in stage_ids:
+                    g = mods[0].embed.weight.grad
+                elif "embed_alone" not in extra and num_stages - 1 in stage_ids:
+                    g = mods[-1].head.weight.grad
+                if g is not None:
+                    (g.to_local() if hasattr(g, "to_local") else g).view(-1)[0] = float("nan")
             if "clip" in extra:
                 norms.append(float(dmuon.clip_grad_norm_([p for m in mods for p in m.parameters()], CLIP)))
-            if "nan_skip" in extra and step == NAN_STEP and num_stages - 1 in stage_ids and dp == 0:
-                g = mods[-1].head.weight.grad  # an FSDP2 shard of the last stage's head, on one rank
-                (g.to_local() if hasattr(g, "to_local") else g).view(-1)[0] = float("nan")
             with metered() as led_step:  # HSDP: the replicate broadcasts after the owners' update
                 for opt in opts:
                     opt.step()
@@ -945,6 +966,31 @@ def test_pipeline_checkpoint_loads_without_pipeline():
     assert set(state) == set(ref["state"])
     for k, v in ref["state"].items():
         assert _max_rel(state[k], v) <= FP32_PARAM_TOL, k
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("label", ["gpipe_z2_embed_alone_clip_nan_skip", "gpipe_z3_head_alone_clip_skip_nonfinite"])
+def test_rank_whose_stage_dedicates_nothing(label):
+    """A split that gives pipeline rank 0 only the embedding (or rank 1 only the final norm and the
+    head): its stage dedicates nothing, yet ``dmuon.clip_grad_norm_`` and ``skip_nonfinite``'s
+    flags run the same collectives on its ranks as on the others (no hang). The clip returns the
+    oracle's norm of the whole model on every rank; with the embedding alone, a NaN in its gradient
+    on one rank at step NAN_STEP skips that step on every rank (its norm is NaN there); the run
+    matches the oracle (clipped, skipping that step)."""
+    runs = _results(label)
+    plans_empty = [r for r in runs if r["cost_total"] == 0 and not r["grads"][0]]
+    assert len(plans_empty) == 2, [r["stages"] for r in runs]  # the bare stage's two ranks own nothing
+    nan = "nan_skip" in label
+    expected = [nan and step == NAN_STEP for step in range(STEPS)]
+    assert [r["skipped"] for r in runs] == [expected] * len(runs)
+    ref = reference(clip=True, skip_step=NAN_STEP if nan else None)
+    _check_oracle(runs, ref)
+    for r in runs:
+        for step in range(STEPS):
+            if expected[step]:
+                assert r["norms"][step] != r["norms"][step], r["norms"]  # NaN
+            else:
+                assert r["norms"][step] == pytest.approx(ref["norms"][step], rel=1e-5), (step, r["norms"])
 
 
 @pytest.mark.distributed

@@ -113,7 +113,6 @@ class Case:
     schedule: str = "1F1B"  # pipeline_parallel_schedule (pp > 1)
     batch: int = BATCH  # global batch (sequences); with pp, micro-batches of one sequence
     module_fqns: tuple | None = None  # pp: parallelism.module_fqns_per_model_part (None: torchtitan's default split)
-    refused: bool = False  # the set-up must raise NotImplementedError on every rank
 
 
 CASES = {
@@ -133,7 +132,6 @@ CASES = {
             pp=2,
             batch=8,
             module_fqns=(("tok_embeddings",), ("layers.0", "layers.1", "norm", "lm_head")),
-            refused=True,
         ),
     ],
     2: [
@@ -507,13 +505,6 @@ def _run_case_pp(case: Case, tmp):
     import dmuon
     from dmuon.exec._optim.muon import Muon
 
-    if case.refused:
-        try:
-            _setup_pp(case, tmp)
-        except NotImplementedError as err:
-            dist.barrier()
-            return dict(error=str(err))
-        raise AssertionError(f"{case.name}: the set-up was not refused")
     parts, parallel_dims, training, optimizers, lr_schedulers, pp = _setup_pp(case, tmp)
     runtimes = [dmuon.exec.get_model_runtime(part) for part in parts]
     assert all(rt is not None for rt in runtimes), "wrap_parallelize did not dedicate every model part"
@@ -761,8 +752,7 @@ def _check_case(world, i, root):
 
 ALL = [(world, i) for world in (4, 2) for i in range(len(CASES[world]))]
 DENSE = [(w, i) for w, i in ALL if CASES[w][i].kind == "llama3" and CASES[w][i].pp == 1]
-PIPELINE = [(w, i) for w, i in ALL if CASES[w][i].pp > 1 and not CASES[w][i].refused]
-REFUSED = [(w, i) for w, i in ALL if CASES[w][i].refused]
+PIPELINE = [(w, i) for w, i in ALL if CASES[w][i].pp > 1]
 MOE = [(w, i) for w, i in ALL if CASES[w][i].kind == "qwen3_moe"]
 
 
@@ -790,12 +780,26 @@ SPLITS = {
 }
 
 
+def _split_of(module_fqns) -> dict:
+    """``module_fqns_per_model_part`` as :data:`SPLITS` writes a split: per stage, its modules
+    (``layers`` always, possibly empty) and its blocks."""
+    return {
+        stage: (
+            tuple(sorted({"layers", *(f.split(".")[0] for f in part)})),
+            tuple(sorted(f.split(".")[1] for f in part if f.startswith("layers."))),
+        )
+        for stage, part in enumerate(module_fqns)
+    }
+
+
 @pytest.mark.parametrize("world,i", PIPELINE, ids=[CASES[w][i].name for w, i in PIPELINE])
 def test_llama3_pipeline_parallel_matches_oracle(world, i, root):
     """pipeline_parallel_degree 2 x data_parallel_shard_degree 2, torchtitan's own pipeline:
     ``pipeline_llm`` splits the model by its default (2 stages for 1F1B; 4 for Interleaved1F1B,
     2 per rank, rank pp 0 holding stages 0 and 2, the first only the embedding, the last only the
-    head, so those dedicate nothing), builds a ``PipelineStage`` per part and runs the wrapped
+    head, so those dedicate nothing; or ``module_fqns_per_model_part`` puts the embedding alone
+    on pipeline rank 0, whose ranks then dedicate nothing at all and still clip with the others
+    through dmuon), builds a ``PipelineStage`` per part and runs the wrapped
     ``parallelize_llama`` on each part (dmuon dedicates each part over its stage's ``fsdp`` mesh,
     Z2 as torchtitan's FSDP2 under PP); its schedule (``scale_grads=False``, 4 micro-batches of
     one sequence per data-parallel rank) drives dmuon's reduce; the container holds one
@@ -808,7 +812,7 @@ def test_llama3_pipeline_parallel_matches_oracle(world, i, root):
     results = [r["cases"][i] for r in _results(world, root)]
     stages_per_rank = 1 if case.schedule in ("1F1B", "GPipe") else 2
     want_schedule = {"1F1B": "Schedule1F1B", "Interleaved1F1B": "ScheduleInterleaved1F1B"}[case.schedule]
-    split = SPLITS[case.pp * stages_per_rank]
+    split = SPLITS[case.pp * stages_per_rank] if case.module_fqns is None else _split_of(case.module_fqns)
     dedicated: dict[int, tuple] = {}
     for r in results:
         assert r["schedule"] == want_schedule and r["n_microbatches"] == 4, (r["schedule"], r["n_microbatches"])
@@ -826,18 +830,6 @@ def test_llama3_pipeline_parallel_matches_oracle(world, i, root):
         assert sorted({n.split(".")[1] for n in names}) == list(split[stage][1]) and len(names) == 5 * len(
             split[stage][1]
         )
-
-
-@pytest.mark.parametrize("world,i", REFUSED, ids=[CASES[w][i].name for w, i in REFUSED])
-def test_pipeline_rank_without_dedicated_matrix_refused_on_every_rank(world, i, root):
-    """``module_fqns_per_model_part`` puts the embedding alone on pipeline rank 0: its ranks hold
-    no dedicated matrix, so their clipping would not take part in dmuon's norm over the stages (a
-    hang). torchtitan's optimizer container build raises the same ``NotImplementedError`` on every
-    rank, naming those ranks and the fix."""
-    errors = [r["cases"][i]["error"] for r in _results(world, root)]
-    assert len(set(errors)) == 1, errors
-    assert "global rank(s) [0, 1] hold none" in errors[0] and "['tok_embeddings']" in errors[0], errors[0]
-    assert "module_fqns_per_model_part" in errors[0], errors[0]
 
 
 @pytest.mark.parametrize("world,i", MOE, ids=[CASES[w][i].name for w, i in MOE])

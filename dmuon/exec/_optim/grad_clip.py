@@ -14,7 +14,7 @@ import torch.nn as nn
 from dmuon._dtensor import is_dtensor
 from dmuon.exec._comm import collective_calls as C
 from dmuon.exec._optim import nonfinite_skip as _skip
-from dmuon.exec._runtime.runtime import runtimes_of
+from dmuon.exec._runtime.runtime import bare_stage_runtimes, runtimes_of
 from dmuon.exec._runtime.packed_buffers import dedicated_info
 
 __all__ = ["clip_grad_norm_"]
@@ -50,6 +50,8 @@ def clip_grad_norm_(
     and the FSDP2 and plain parts, identical on the data-parallel ranks of a stage, are summed
     over the ranks at this rank's data-parallel coordinate in every stage (p-th powers; max for
     ``inf``): one number on every rank, equal to torch's norm of the whole model in one process.
+    A rank whose stages dedicate nothing (e.g. only the embedding) runs the same collectives,
+    through its stages' runtimes.
 
     Every rank must call it (it runs collectives), after ``backward()`` and before ``step()``.
     With a ``dmuon.Muon(skip_nonfinite=True)`` on the model, the step's non-finite flags (``2·W``
@@ -66,7 +68,8 @@ def clip_grad_norm_(
         norm_type: ``p`` of the p-norm (``float("inf")`` for the max norm).
         error_if_nonfinite: raise when the total norm is ``nan`` / ``inf`` (before any gradient is
             scaled). Every rank then all-gathers one small flag vector (which ranks hold a
-            non-finite gradient, and the first such parameter) and raises the same
+            non-finite gradient, and the first such parameter), the first such rank broadcasts
+            that parameter's name when the norm is non-finite, and every rank raises the same
             ``RuntimeError``, naming those ranks and that parameter.
         foreach: as torch's: ``None`` uses the foreach kernels where the device supports them,
             ``True`` requires them, ``False`` scales tensor by tensor.
@@ -108,12 +111,17 @@ def clip_grad_norm_(
         else:
             plain.append(p.grad)
             held.append((index, p.grad))
+    distributed = dist.is_available() and dist.is_initialized()
+    # pipeline stages whose plan dedicates nothing: their rank takes part in the same collectives
+    bare = bare_stage_runtimes(p for _, p in named) if distributed else []
+    if bare and stage_group is False:  # no dedicated parameter here: the stage's groups
+        job_group, stage_group = bare[0].global_group(), bare[0].groups.peer_group
+        rt_device = bare[0].device
     norm_type = float(norm_type)
     inf = math.isinf(norm_type)
     # offload: owned gradients on the host, FSDP2's on the host or the accelerator; the norms meet on
     # the runtime's device
-    device = rt_device or next((g.device for g in owned + replicated + plain), torch.device("cpu"))
-    distributed = dist.is_available() and dist.is_initialized()
+    device = rt_device or next((g.device for g in owned + replicated + plain + dtensors), torch.device("cpu"))
 
     def local(grads) -> torch.Tensor:
         if not grads:
@@ -128,7 +136,7 @@ def clip_grad_norm_(
     if distributed:
         # dmuon.Muon(skip_nonfinite=True): the step's non-finite flags ride on this all-reduce
         # (dmuon.exec._optim.nonfinite_skip), kept on the runtime for the step
-        runtimes = [rt for rt in runtimes_of(p for _, p in named) if rt.check_nonfinite]
+        runtimes = [rt for rt in runtimes_of(p for _, p in named) + bare if rt.check_nonfinite]
         reduced = (
             _skip.append_to_clip(owned_part, [p for _, p in named], runtimes, job_group) if runtimes else owned_part
         )
@@ -190,7 +198,9 @@ def _scale_(grads: list, coef: torch.Tensor, foreach: bool | None) -> None:
 def _raise_if_nonfinite(total: torch.Tensor, held: list, named: list, norm_type: float, group) -> None:
     """``error_if_nonfinite``: every rank all-gathers ``[total non-finite here, a held gradient
     non-finite here, index of the first such parameter]`` (three int64; ``group=False``: one
-    process, no collective) and raises the same error when any rank's total is non-finite."""
+    process, no collective) and raises the same error when any rank's total is non-finite; the
+    first rank holding a non-finite gradient then broadcasts that parameter's name (an index into
+    its own list, which is another stage's list than this rank's under pipeline parallelism)."""
     bad_index = -1
     if held:
         finite = torch.stack([torch.isfinite(g).all() for _, g in held]).tolist()  # one host read
@@ -210,7 +220,15 @@ def _raise_if_nonfinite(total: torch.Tensor, held: list, named: list, norm_type:
         ranks = [dist.get_global_rank(group, r) for r in ranks]
     first = next((row[2] for row in table if row[1]), -1)
     if first >= 0:
-        name = named[first][0] or getattr(dedicated_info(named[first][1]), "fqn", None) or f"parameter #{first}"
+        src = next(r for r, row in enumerate(table) if row[1])
+        me = 0 if group is False else dist.get_rank(group)
+        name = None
+        if me == src:
+            name = named[first][0] or getattr(dedicated_info(named[first][1]), "fqn", None) or f"parameter #{first}"
+        if group is not False:
+            box = [name]
+            dist.broadcast_object_list(box, src=ranks[0], group=group)
+            name = box[0]
         where = (
             f"global rank(s) {ranks} hold non-finite gradients (after the reduce: owned matrices, FSDP2 shards, "
             f"local tensors); the first such parameter: {name!r}"

@@ -31,7 +31,7 @@ from dmuon.exec._runtime.packed_buffers import dedicated_info as _info
 from dmuon._update import ADJUST_LR_FNS as _ADJUST_LR_FNS
 from dmuon._update import adjust_lr
 from dmuon.exec._optim.muon_step import _as_dtype, muon_step
-from dmuon.exec._runtime.runtime import after_skipped_step, after_step, runtimes_of, wait_pending
+from dmuon.exec._runtime.runtime import after_skipped_step, after_step, bare_stage_runtimes, runtimes_of, wait_pending
 from dmuon.exec._optim import nonfinite_skip as _skip
 
 __all__ = ["Muon", "adjust_lr"]
@@ -134,7 +134,9 @@ class Muon(torch.optim.Optimizer):
             holding one after it (:mod:`dmuon.exec._optim.nonfinite_skip`).
             ``optimizer.last_step_skipped`` / ``optimizer.skipped_steps`` tell the caller, whose
             LR scheduler it is to step or not; with a ``GradScaler`` the scaler's own check runs
-            first. Default ``False``: every step updates (a NaN propagates, as in torch).
+            first. A pipeline stage whose plan dedicates nothing (e.g. the embedding alone)
+            takes part through its runtime, found from its parameters. Default ``False``: every
+            step updates (a NaN propagates, as in torch).
 
     Raises:
         TypeError: ``model_or_params`` is a tensor, contains param-group dicts or
@@ -222,8 +224,8 @@ class Muon(torch.optim.Optimizer):
         self.last_step_skipped = False  # skip_nonfinite: whether the last step() skipped the update
         self.skipped_steps = 0  # skip_nonfinite: steps skipped so far (not saved in state_dict())
         if skip_nonfinite:  # the runtimes check every reduce buffer their rank packs
-            for rt in runtimes_of(dedicated):
-                rt.check_nonfinite = True
+            for rt in runtimes_of(dedicated) + bare_stage_runtimes(others):  # (a stage with nothing
+                rt.check_nonfinite = True  # dedicated still joins the flags' reduce)
         # DTensor momentum for torch.distributed.checkpoint (no-ops without a live runtime)
         _optimizer_state.register_optimizer_hooks(self)
 
@@ -542,8 +544,12 @@ class Muon(torch.optim.Optimizer):
         if not self._set_up_checked:
             _check_set_up_order(self, dedicated)
             self._set_up_checked = True
-        if self.skip_nonfinite and self._skip_this_step(dedicated):
+        # pipeline stages whose plan dedicates nothing: the job's flags and the step's bookkeeping
+        bare = bare_stage_runtimes(p for g in self.param_groups if not g["use_muon"] for p in g["params"])
+        if self.skip_nonfinite and self._skip_this_step(dedicated, bare):
             after_skipped_step(dedicated)
+            for rt in bare:
+                rt.after_step(skipped=True)
             return loss
         self.last_step_skipped = False
         for group in self.param_groups:
@@ -552,14 +558,16 @@ class Muon(torch.optim.Optimizer):
             else:
                 self._adamw_group_step(group)
         after_step(dedicated)
+        for rt in bare:
+            rt.after_step()
         return loss
 
-    def _skip_this_step(self, dedicated: list[Tensor]) -> bool:
+    def _skip_this_step(self, dedicated: list[Tensor], bare: list = ()) -> bool:
         """``skip_nonfinite``: the job's flags (collective unless the clip carried them); on a skip,
         rank 0 of the job logs it (:mod:`dmuon.exec._optim.nonfinite_skip`)."""
         import torch.distributed as dist
 
-        runtimes = runtimes_of(dedicated)
+        runtimes = runtimes_of(dedicated) + [rt for rt in bare if rt.check_nonfinite]
         group = runtimes[0].global_group() if runtimes else None  # as dmuon.clip_grad_norm_'s reduce
         params = [p for g in self.param_groups for p in g["params"]]
         device = next((p.device for p in params if p.grad is not None), torch.device("cpu"))

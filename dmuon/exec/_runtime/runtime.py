@@ -30,7 +30,16 @@ from dmuon.exec._runtime._boundary.hook_boundary import HookBoundary, ShardedSta
 from dmuon.exec._runtime.packed_buffers import build_segments
 from dmuon.exec._comm.groups import MeshGroups
 
-__all__ = ["DmuonRuntime", "wait_pending", "after_step", "get_runtime", "get_model_runtime", "no_sync"]
+__all__ = [
+    "DmuonRuntime",
+    "wait_pending",
+    "after_step",
+    "get_runtime",
+    "get_model_runtime",
+    "no_sync",
+    "record_bare_stage",
+    "bare_stage_runtimes",
+]
 
 
 class _Shared:
@@ -393,6 +402,34 @@ def runtimes_of(params) -> list[DmuonRuntime]:
 
 
 _runtimes = runtimes_of  # the former private name
+
+# pipeline stages whose plan dedicates nothing (e.g. a split that gives a rank only the embedding):
+# no parameter carries their runtime, so the gradient clip and skip_nonfinite find them through the
+# stage's parameters; weak, in dedication order
+_BARE_STAGES: "weakref.WeakValueDictionary[int, DmuonRuntime]" = weakref.WeakValueDictionary()
+
+
+def record_bare_stage(rt: DmuonRuntime) -> None:
+    """Record the runtime of a model whose plan dedicates nothing (:func:`bare_stage_runtimes`)."""
+    _BARE_STAGES[max(_BARE_STAGES.keys(), default=-1) + 1] = rt
+
+
+def bare_stage_runtimes(params) -> list[DmuonRuntime]:
+    """The live pipeline-stage runtimes whose plan dedicates nothing and whose model holds one of
+    ``params`` (the parameters the model holds now, e.g. FSDP2's sharded ones), in dedication
+    order. Such a stage still takes part in the job's collectives of the gradient norm and the
+    non-finite flags: ``dmuon.clip_grad_norm_`` and ``dmuon.Muon(skip_nonfinite=True)`` read its
+    groups here (docs/pipeline_parallel.md)."""
+    live = [rt for _, rt in sorted(_BARE_STAGES.items()) if rt.pipelined]
+    if not live:
+        return []
+    ids = {id(p) for p in params}
+    out = []
+    for rt in live:
+        model = rt.model_ref()
+        if model is not None and any(id(p) in ids for p in model.parameters()):
+            out.append(rt)
+    return out
 
 
 def wait_pending(params) -> None:

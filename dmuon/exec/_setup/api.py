@@ -20,7 +20,7 @@ from dmuon.exec._setup import materialize
 from dmuon.exec._comm.collective_calls import DEFAULT_TIMEOUT_S
 from dmuon.exec._comm.groups import MeshGroups, mesh_rank_table, mesh_tp_ranks
 from dmuon.plan._records.policies import refuse_removed_keywords
-from dmuon.exec._runtime.runtime import DmuonRuntime, get_model_runtime
+from dmuon.exec._runtime.runtime import DmuonRuntime, get_model_runtime, record_bare_stage
 
 __all__ = ["apply", "dedicate_params"]
 
@@ -401,6 +401,8 @@ def apply(
     runtime = DmuonRuntime(plan, model, groups, _device_of(model, plan), timeout_s=collective_timeout_s)
     runtime.pipelined = pipeline
     runtime.offload = offload
+    if not plan.dedicated:  # a stage with nothing to dedicate still joins the clip's collectives
+        record_bare_stage(runtime)
     _tags.write(model, _tags.RUNTIME, runtime)
     model_state.register_state_dict_hooks(runtime)
     materialize.install(runtime, model)
