@@ -23,7 +23,7 @@ __all__ = [
     "finish_reduces",
     "grad_divisor",
     "issue_replicate_reduces",
-    "issue_replicate_reduces_before",
+    "retire_reduces_before",
 ]
 
 
@@ -54,14 +54,17 @@ def launch_reduce(boundary) -> None:
 
     The buffer tensors are reused (storage regrown, zeroed, rewritten), so a reduce still in
     flight on one (the same boundary finishing twice before the end of the backward) is
-    finished first. CUDA: the packing and the reduce are ordered after the compute stream on
-    the reduce stream; the local gradients stay referenced until
-    :func:`finish_reduces` waits for that stream.
+    finished first. Before its buffers grow, the reduces of the boundaries reduced before it
+    are retired (:func:`retire_reduces_before`: waited for, HSDP's replicate reduces issued,
+    their buffers released), as FSDP2 waits for the previous reduce-scatter. CUDA: the packing
+    and the reduce are ordered after the compute stream on the reduce stream; the local
+    gradients stay referenced until the reduce is retired.
     """
     ctx = boundary.comm_ctx
     boundary.unreduced = False
     if any(seg.reduce_inflight for seg in boundary.segments) or any(gb.reduce_inflight for gb in boundary.gathers):
         finish_reduces(ctx)
+    retire_reduces_before(ctx)
     stream = ctx.comm_stream("reduce")  # None on CPU
     # (re)grow the buffers on the compute stream, as FSDP2 allocates its reduce-scatter input
     bufs = [
@@ -112,9 +115,6 @@ def launch_reduce(boundary) -> None:
             i = j
         for gm in boundary.grouped:  # every block packed: the full local gradient is done with
             gm.compute.grad = None
-    # HSDP: the boundaries reduced before this one, their shard reduces launched one boundary's
-    # backward ago, go on to their replicate reduces now rather than all after the backward
-    issue_replicate_reduces_before(ctx, boundary)
 
 
 def _pack(seg: _Segment, buf: torch.Tensor, base: int, keep: list, stream) -> None:
@@ -189,22 +189,84 @@ def issue_replicate_reduces(ctx, entries: list) -> None:
                 ctx.replicate_reduce_works.append((p.boundary, work, b.group))
 
 
-def issue_replicate_reduces_before(ctx, boundary) -> None:
-    """HSDP: the replicate reduces of the boundaries reduced before ``boundary`` in this backward
-    (:func:`issue_replicate_reduces`); nothing on a 1-D mesh."""
-    if ctx.groups.shape[0] == 1:
-        return
-    # the entries due: after the last one already taken (entries are taken in order) and before
-    # ``boundary``'s own, just appended at the end; walked from the end, so a post-backward
-    # reads only its own and the previous boundary's entries, not the whole backward's
+def retire_reduces_before(ctx) -> None:
+    """Retire the reduces launched so far and not yet taken (the boundaries reduced before the one
+    about to reduce; their reduces had its backward to run in): wait for them and issue their
+    HSDP replicate reduces (:func:`issue_replicate_reduces`), then release the reduce buffers
+    no replicate reduce reads: what this rank only sent (a segment it does not hold, an
+    all-gathered buffer's reduce-scatter input, and its output where the rank holds no segment
+    there) and, on a 1-D mesh, the held ones too, once the averages this rank owns are taken out
+    (:func:`_stage_owner_grads`; the presence flags are still read once, by
+    :func:`finish_reduces`); on CUDA the local gradients kept for the packing as well. HSDP
+    holders keep their held buffers (the replicate reduces read them) to the end of the
+    backward. So a 1-D rank holds one boundary's reduce buffers at a time, not every
+    boundary's until the end of the backward (``dmuon.plan._cost.rank_memory.reduce_buffer_nbytes``
+    counts it). On NCCL the compute stream waits for the reduce stream before the storage goes
+    back to the allocator."""
     pending = ctx.pending_reduces
-    end = len(pending)
-    while end and pending[end - 1].boundary is boundary:
-        end -= 1
-    start = end
-    while start and not pending[start - 1].replicated:
+    start = len(pending)
+    while start and not pending[start - 1].replicated:  # entries are taken in order
         start -= 1
-    issue_replicate_reduces(ctx, pending[start:end])
+    entries = pending[start:]
+    if not entries:
+        return
+    issue_replicate_reduces(ctx, entries)
+    stream = ctx.comm_stream("reduce")  # None on CPU
+    if stream is not None:  # the reduces (and their packing) ran on the reduce stream
+        current_stream(stream.device).wait_event(stream.record_event())
+    one_row = ctx.groups.shape[0] == 1
+    if one_row:
+        _stage_owner_grads(ctx, [(p.boundary, o) for p in entries if p.segment is not None for o in p.segment.owned])
+    for p in entries:
+        p.keep = []
+        if p.gather is not None:
+            p.gather.rs_in.untyped_storage().resize_(0)
+            if p.segment is None or one_row:  # the output: this rank's slot
+                p.buf.untyped_storage().resize_(0)
+        elif p.segment is not None and (one_row or not p.segment.held):
+            p.buf.untyped_storage().resize_(0)
+        if one_row and p.segment is not None:
+            p.segment.owned_staged = True
+
+
+def _stage_owner_grads(ctx, owned: list) -> None:
+    """Take the averages of the owned sub-segments ``owned`` (``(boundary, owned)`` pairs of
+    finished reduces) out of their reduce buffer before it is released, as
+    :func:`_write_owner_grads` computes them (divided by :func:`grad_divisor`, a new tensor,
+    never a view of the buffer): added into an existing ``.grad`` at once (a matrix no rank had
+    a gradient for is zeros there, so adding it changes nothing), else kept with a copy of the
+    presence flags for :func:`finish_reduces` to make ``.grad`` of (or leave it None)."""
+    divisors: dict[int, float] = {}
+    model_factor = functools.cache(lambda: model_divide_factor(ctx))
+    for boundary, o in owned:
+        sub = o.sub
+        divisor = divisors.get(id(boundary))
+        if divisor is None:
+            divisor = divisors[id(boundary)] = grad_divisor(ctx, boundary, model_factor)
+        grads = []
+        for slot in sub.slots:
+            p = slot.logical
+            grad = _owner_grad(o, slot, divisor, p)
+            if p.grad is None:
+                grads.append(grad)
+            else:
+                p.grad.add_(grad)
+                grads.append(None)
+        ctx.staged_grads.append((sub.slots, grads, o.flags.clone()))
+
+
+def _owner_grad(o, slot, divisor: float, p) -> torch.Tensor:
+    """``slot``'s average in owned sub-segment ``o``: a new tensor, never a view of the reduce
+    buffer (released, and rewritten next backward): the division writes it (one pass, the reduce
+    dtype's rounding as an in-place division's), or a copy when there is nothing to divide by."""
+    sub = o.sub
+    start = slot.offset_in_seg - sub.offset_in_seg
+    grad = o.values[start : start + slot.numel].view(slot.shape)
+    if divisor != 1.0:
+        grad = torch.div(grad, divisor).to(p.dtype)
+    else:
+        grad = grad.to(p.dtype, copy=True) if p.grad is None else grad.to(p.dtype)
+    return slot.tp.wrap(grad) if slot.tp is not None else grad
 
 
 def finish_reduces(ctx) -> None:
@@ -234,10 +296,17 @@ def finish_reduces(ctx) -> None:
             p.segment.reduce_inflight = False
         if p.gather is not None:
             p.gather.reduce_inflight = False
-    owned = [(p.boundary, o) for p in pending if p.segment is not None for o in p.segment.owned]
-    if owned:
+    owned = [
+        (p.boundary, o)
+        for p in pending
+        if p.segment is not None and not p.segment.owned_staged
+        for o in p.segment.owned
+    ]
+    if owned or ctx.staged_grads:
         _write_owner_grads(ctx, owned)
     for p in pending:  # averages copied out: release until the next backward (after the stream wait above)
+        if p.segment is not None:
+            p.segment.owned_staged = False
         p.buf.untyped_storage().resize_(0)
         if p.gather is not None:  # the reduce-scatter's input
             p.gather.rs_in.untyped_storage().resize_(0)
@@ -283,11 +352,23 @@ def model_divide_factor(ctx) -> float | None:
 
 def _write_owner_grads(ctx, owned: list) -> None:
     """Divide the owned sub-segments of finished reduces (``(boundary, owned)`` pairs) by
-    :meth:`grad_divisor` into their parameters' ``.grad``."""
+    :meth:`grad_divisor` into their parameters' ``.grad``; the averages staged before
+    (:func:`_stage_owner_grads`) become ``.grad`` where a rank had a gradient."""
+    staged, ctx.staged_grads = ctx.staged_grads, []
     # one host read of every presence flag this rank owns (a device sync on CUDA)
-    flags = (owned[0][1].flags if len(owned) == 1 else torch.cat([o.flags for _, o in owned])).tolist()
+    parts = [f for _, _, f in staged] + [o.flags for _, o in owned]
+    flags = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
     ctx.flag_host_reads += 1
     i = 0
+    for slots, grads, _ in staged:
+        for slot, grad, flag in zip(slots, grads, flags[i : i + len(slots)]):
+            if flag and grad is not None:  # None: added into the .grad it already had
+                p = slot.logical
+                if p.grad is None:
+                    p.grad = grad
+                else:
+                    p.grad.add_(grad)
+        i += len(slots)
     divisors: dict[int, float] = {}
     model_factor = functools.cache(lambda: model_divide_factor(ctx))  # the model walked once, if at all
     for boundary, o in owned:
@@ -301,18 +382,8 @@ def _write_owner_grads(ctx, owned: list) -> None:
         for slot, flag in zip(sub.slots, sub_flags):
             if flag == 0:
                 continue  # no rank had a gradient: skip, as torch.optim.Muon does
-            start = slot.offset_in_seg - sub.offset_in_seg
-            grad = o.values[start : start + slot.numel].view(slot.shape)
             p = slot.logical
-            # a new tensor, never a view of the reduce buffer (released below, rewritten next
-            # backward): the division writes it (one pass, the reduce dtype's rounding as an
-            # in-place division's), or a copy when there is nothing to divide by
-            if divisor != 1.0:
-                grad = torch.div(grad, divisor).to(p.dtype)
-            else:
-                grad = grad.to(p.dtype, copy=True) if p.grad is None else grad.to(p.dtype)
-            if slot.tp is not None:
-                grad = slot.tp.wrap(grad)
+            grad = _owner_grad(o, slot, divisor, p)
             if p.grad is None:
                 p.grad = grad
             else:
