@@ -23,6 +23,7 @@ __all__ = [
     "finish_reduces",
     "grad_divisor",
     "issue_replicate_reduces",
+    "issue_replicate_reduces_before",
     "retire_reduces_before",
 ]
 
@@ -34,7 +35,8 @@ class _PendingReduce:
     all-gathered buffer), the reduce buffer ``buf`` laid out as that segment (a broadcast
     segment's, or an all-gathered buffer's ``rs_out``), the ``works`` to wait for, the local
     gradients to ``keep`` referenced until then (CUDA), and the ``gather`` buffer of a
-    reduce-scatter (its ``rs_in`` is released after the wait); ``replicated`` once
+    reduce-scatter (its ``rs_in`` is released after the wait); ``waited`` once its works were
+    waited for (:func:`retire_reduces_before`); ``replicated`` once
     :func:`issue_replicate_reduces` has taken it."""
 
     boundary: object  # the HookBoundary
@@ -44,6 +46,7 @@ class _PendingReduce:
     keep: list
     gather: _GatherBuffer | None
     replicated: bool = False  # HSDP: its works waited for and its replicate reduces issued
+    waited: bool = False  # its works waited for (its buffers released where no replicate reduce reads them)
 
 
 def launch_reduce(boundary) -> None:
@@ -115,6 +118,10 @@ def launch_reduce(boundary) -> None:
             i = j
         for gm in boundary.grouped:  # every block packed: the full local gradient is done with
             gm.compute.grad = None
+    # HSDP: the boundaries reduced before this one, their shard reduces launched one boundary's
+    # backward ago, go on to their replicate reduces now (after this boundary's reduces, the
+    # schedule's order) rather than all after the backward
+    issue_replicate_reduces_before(ctx, boundary)
 
 
 def _pack(seg: _Segment, buf: torch.Tensor, base: int, keep: list, stream) -> None:
@@ -177,8 +184,8 @@ def issue_replicate_reduces(ctx, entries: list) -> None:
         return
     stream = ctx.comm_stream("reduce")  # None on CPU
     with _on_stream(stream):
+        _wait(ctx, entries)
         for p in entries:
-            ctx.wait(p.works, f"boundary {p.boundary.fqn!r} reduce", boundary=p.boundary, group=_reduce_group(p))
             p.replicated = True
         for p in entries:  # the held segments' sub-segments
             if p.segment is None:
@@ -189,10 +196,37 @@ def issue_replicate_reduces(ctx, entries: list) -> None:
                 ctx.replicate_reduce_works.append((p.boundary, work, b.group))
 
 
+def _wait(ctx, entries: list) -> None:
+    """Wait for the works of ``entries`` not waited for yet (on NCCL: the current stream waits)."""
+    for p in entries:
+        if not p.waited:
+            ctx.wait(p.works, f"boundary {p.boundary.fqn!r} reduce", boundary=p.boundary, group=_reduce_group(p))
+            p.waited = True
+
+
+def issue_replicate_reduces_before(ctx, boundary) -> None:
+    """HSDP: the replicate reduces of the boundaries reduced before ``boundary`` in this backward
+    (:func:`issue_replicate_reduces`); nothing on a 1-D mesh."""
+    if ctx.groups.shape[0] == 1:
+        return
+    # the entries due: after the last one already taken (entries are taken in order) and before
+    # ``boundary``'s own, just appended at the end; walked from the end, so a post-backward
+    # reads only its own and the previous boundary's entries, not the whole backward's
+    pending = ctx.pending_reduces
+    end = len(pending)
+    while end and pending[end - 1].boundary is boundary:
+        end -= 1
+    start = end
+    while start and not pending[start - 1].replicated:
+        start -= 1
+    issue_replicate_reduces(ctx, pending[start:end])
+
+
 def retire_reduces_before(ctx) -> None:
-    """Retire the reduces launched so far and not yet taken (the boundaries reduced before the one
-    about to reduce; their reduces had its backward to run in): wait for them and issue their
-    HSDP replicate reduces (:func:`issue_replicate_reduces`), then release the reduce buffers
+    """Retire the reduces launched so far and not yet waited for (the boundaries reduced before the
+    one about to reduce; their reduces had its backward to run in): wait for them (their HSDP
+    replicate reduces are issued after the new boundary's reduces,
+    :func:`issue_replicate_reduces_before`, as the schedule orders them), then release the reduce buffers
     no replicate reduce reads: what this rank only sent (a segment it does not hold, an
     all-gathered buffer's reduce-scatter input, and its output where the rank holds no segment
     there) and, on a 1-D mesh, the held ones too, once the averages this rank owns are taken out
@@ -205,13 +239,14 @@ def retire_reduces_before(ctx) -> None:
     back to the allocator."""
     pending = ctx.pending_reduces
     start = len(pending)
-    while start and not pending[start - 1].replicated:  # entries are taken in order
+    while start and not pending[start - 1].waited:  # entries are waited for in order
         start -= 1
     entries = pending[start:]
     if not entries:
         return
-    issue_replicate_reduces(ctx, entries)
     stream = ctx.comm_stream("reduce")  # None on CPU
+    with _on_stream(stream):
+        _wait(ctx, entries)
     if stream is not None:  # the reduces (and their packing) ran on the reduce stream
         current_stream(stream.device).wait_event(stream.record_event())
     one_row = ctx.groups.shape[0] == 1
