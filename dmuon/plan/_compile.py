@@ -127,9 +127,10 @@ def compile(  # noqa: A001 - shadows the builtin on purpose: dmuon.plan.compile 
             ``GroupedExperts`` ``w1``/``w2``/``w3``, any 3-D parameter under an ``experts``
             module) are selected by the default rule, each expert is ``E`` Muon matrices in
             ``nn.Linear`` orientation (:class:`~dmuon.plan._records.params.ExpertStack`), and a stack's
-            experts get owners of contiguous ranges (:class:`ExpertOwners`). On one replicate row
-            with one owner per matrix the ranges fill every rank to the same level (owned
-            elements within one expert of the mean wherever the dense matrices allow:
+            experts get owners of contiguous ranges (:class:`ExpertOwners`). With one owner per
+            matrix the ranges fill every rank to the same level (owned elements within one
+            expert of the mean wherever the dense matrices allow; on HSDP meshes whole stacks and
+            matrices are spread over the replicate rows first:
             :mod:`dmuon.plan._ownership.level_fill`); otherwise at most ``min(E, N)`` ranges of at
             most ``g`` experts (:func:`~dmuon.plan._model.expert_ranges.expert_range_count`).
             ``"off"``: the selection before expert support (2-D parameters only; a stack a

@@ -8,7 +8,10 @@ single-process gradient of the global batch through the ways ``.grad`` is used b
 accumulation over two backwards, ``zero_grad()`` (``.grad`` back to None),
 ``zero_grad(set_to_none=False)``, optimizer steps. ``finish_reduces`` reads the flags this rank
 owns with exactly one ``Tensor.tolist`` (one host sync on CUDA), whatever the number of
-boundaries. Ledger bytes of each backward equal the plan. 1-D mesh N = 2 (its buffers
+boundaries. Ledger bytes of each backward equal the plan. Each post-backward retires the
+boundary reduced before it before its own buffers grow (every buffer on 1-D, the averages
+staged; on HSDP what the rank only sent), so the most reduce-buffer bytes held at once equal the
+memory model's (``rank_memory.reduce_buffer_nbytes``). 1-D mesh N = 2 (its buffers
 all-gathered, as collectives="auto" picks, and broadcast) and HSDP (2, 1). An all-gathered
 buffer's reduce buffers are its reduce-scatter input and output (the held segment's reduce_buf).
 """
@@ -65,6 +68,37 @@ def _worker(mesh_shape, collectives):
             t for gb in gathers for t in (gb.rs_in, gb.rs_out)
         ]
 
+    # live reduce-buffer bytes whenever a boundary's reduces are launched or finished (just
+    # before the earlier ones are retired, and at the end of the backward: the most held at
+    # once), and whether any buffer retired (all on 1-D; the sent ones on HSDP) outlives it
+    from dmuon.exec._runtime._boundary import grad_reduce as _gr
+
+    def live_nbytes():
+        seen = {}
+        for t in reduce_tensors():
+            if t is not None:
+                seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        return sum(seen.values())
+
+    live = {"peak": 0, "retired_outlived": False}
+    orig_retire, orig_finish = _gr.retire_reduces_before, _gr.finish_reduces
+
+    def measuring_retire(ctx):
+        live["peak"] = max(live["peak"], live_nbytes())
+        orig_retire(ctx)
+        for p in ctx.pending_reduces:
+            bufs = [p.gather.rs_in] if p.gather is not None else []
+            if ctx.groups.shape[0] == 1 or p.segment is None or not p.segment.held:
+                bufs.append(p.buf)
+            live["retired_outlived"] |= any(t.untyped_storage().nbytes() for t in bufs)
+
+    def measuring_finish(ctx):
+        live["peak"] = max(live["peak"], live_nbytes())
+        orig_finish(ctx)
+
+    _gr.retire_reduces_before, _gr.finish_reduces = measuring_retire, measuring_finish
+    from dmuon.plan._cost.rank_memory import reduce_buffer_nbytes
+
     tolist_calls = []
     orig_tolist = torch.Tensor.tolist
 
@@ -74,6 +108,7 @@ def _worker(mesh_shape, collectives):
 
     def backward(i):
         LEDGER.reset()
+        live.update(peak=0, retired_outlived=False)
         reads = rt._flag_host_reads
         loss = lm_loss(model, batches[i].chunk(world)[rank])
         torch.Tensor.tolist = counting_tolist
@@ -91,6 +126,8 @@ def _worker(mesh_shape, collectives):
             "pending": len(rt.pending_reduces),
             "inflight": any(seg.reduce_inflight for seg in segments) or any(gb.reduce_inflight for gb in gathers),
             "released": all(t.untyped_storage().nbytes() == 0 for t in reduce_tensors()),
+            "live_peak": live["peak"],
+            "retired_outlived": live["retired_outlived"],
         }
         tolist_calls.clear()
         return out
@@ -116,7 +153,11 @@ def _worker(mesh_shape, collectives):
                 errs[fqn] = err
         return errs
 
-    log = {"owned": len(owned), "cost": [plan.cost.reduce_nbytes, plan.cost.replicate_reduce_nbytes]}
+    log = {
+        "owned": len(owned),
+        "cost": [plan.cost.reduce_nbytes, plan.cost.replicate_reduce_nbytes],
+        "model_reduce_nbytes": reduce_buffer_nbytes(plan)[rank],
+    }
     log["b0"] = backward(0)
     log["err0"] = grad_errors(ref[0])
     bufs = buffers()
@@ -176,6 +217,7 @@ def test_reduce_buffers_reused_released_and_one_flag_read(config):
     runs = shared_run("test_exec_buffers", _meshes_worker, 2, CONFIGS, timeout_s=3 * 180)
     results = [r[CONFIGS.index(config)] for r in runs]
     kinds = {(None, "auto"): ["all_gather"], (None, "broadcast"): ["broadcast"], ((2, 1), "auto"): ["broadcast"]}
+    assert all(r["b0"]["live_peak"] > 0 for r in results), config
     assert all(r["kinds"] == kinds[config] for r in results), config
     assert any(r["owned"] for r in results)
     for rank, log in enumerate(results):
@@ -192,6 +234,10 @@ def test_reduce_buffers_reused_released_and_one_flag_read(config):
             want = 1 if log["owned"] else 0
             assert b["flag_reads"] == want and b["tolist"] == want, (rank, key, b)
             assert b["reduce_nbytes"] == log["cost"], (rank, key, b)
+            # the earlier boundaries' buffers go before the next one's grow; the most held is the
+            # memory model's figure
+            assert not b["retired_outlived"], (rank, key, b)
+            assert b["live_peak"] == log["model_reduce_nbytes"], (rank, key, b, log["model_reduce_nbytes"])
 
 
 def test_coalescing_guard_and_the_coalesced_issue(monkeypatch):

@@ -296,8 +296,6 @@ def test_bytes_per_phase_are_the_formula_on_other_meshes(mesh):
     # more and fewer experts than shard ranks (E = 3 on N = 4 and 8), HSDP: (N-1) P_M per phase
     # and replica row (R (N-1) P_M summed over rows) with broadcasts; R N (N-1) slot per phase and
     # all-gathered buffer
-    from dmuon.plan._model.expert_ranges import expert_range_count
-
     for E in (3, 5):
         for mode in ("broadcast", "all_gather"):
             plan = P.compile(grouped_meta(E, n_layers=2), mesh, collectives=mode)
@@ -307,18 +305,15 @@ def test_bytes_per_phase_are_the_formula_on_other_meshes(mesh):
             else:
                 want = sum(R * N * (N - 1) * buf.slot_numel * 4 for b in plan.boundaries for buf in b.buffers)
             assert plan.cost.forward_broadcast_nbytes == plan.cost.reduce_nbytes == want, (mesh, E, mode)
-            total = sum(p.numel for p in plan.params)
             for fqn in plan.dedicated:
                 spec = plan.param(fqn)
                 if spec.experts is not None:
                     owners = plan.expert_owners(fqn)
                     assert len(owners) == E
-                    if mode == "broadcast" and R > 1:  # HSDP: ranges of at most g experts (expert_range_count)
-                        k = expert_range_count(E, N, spec.numel // E, Fraction(total, R * N), 0.5)
-                        assert len({x.rank for x in owners}) == k, (mesh, E, fqn)
-                    elif mode == "broadcast":  # one row: the level fill, ranges on increasing ranks
+                    if mode == "broadcast":  # the level fill: ranges on increasing ranks of one row
                         ranks = [x.rank for x in owners]
                         assert ranks == sorted(ranks), (mesh, E, fqn)
+                        assert len({x.replicate for x in owners}) == 1, (mesh, E, fqn)
 
 
 # --------------------------------------------------------------------------- HF selection
@@ -696,14 +691,12 @@ _block = st.tuples(
 )
 def test_every_expert_one_owner_and_the_balance_bound(blocks, N, R, mode):
     """Every expert has one owner and each stack's ranges are contiguous on distinct shard ranks.
-    Broadcast on HSDP (LPT ranges; one replicate row fills to a level instead,
-    tests/plan/test_plan_balance.py): a stack of E experts of weight w gets expert_range_count ranges (at
-    most g = floor(slack mean / w) experts each, <= min(E, N)), so every range weighs at most
-    max(w, slack x mean) and the LPT bound max <= mean + largest piece holds, i.e. mean + max(largest
-    dense matrix, slack x mean, w). auto: buffers whose stacks were water-filled keep every segment
+    Broadcast on HSDP (the level fill by replicate rows, dmuon/plan/_ownership/level_fill.py; one row:
+    tests/plan/test_plan_balance.py): a stack's ranges lie on increasing ranks of one row, and
+    max <= mean + heaviest whole matrix or stack / N + max(largest dense matrix, w) (the plan's
+    balance_bound covers it). auto: buffers whose stacks were water-filled keep every segment
     inside the slot (slot = round_up(largest segment + 1)), so per boundary and buffer no rank
     owns more than slot - 1 elements of it."""
-    from dmuon.plan._model.expert_ranges import expert_range_count
     from dmuon.plan._layout.buffer_layout import round_up
 
     with torch.device("meta"):
@@ -717,7 +710,6 @@ def test_every_expert_one_owner_and_the_balance_bound(blocks, N, R, mode):
             continue
         stacks += 1
         E = spec.num_experts
-        w = spec.numel // E
         per_expert = plan.expert_owners(spec.fqn)
         assert len(per_expert) == E  # every expert exactly one owner
         k = owner.k if isinstance(owner, ExpertOwners) else 1
@@ -727,13 +719,14 @@ def test_every_expert_one_owner_and_the_balance_bound(blocks, N, R, mode):
             assert owner.offsets() == tuple(sum(owner.sizes[:j]) for j in range(owner.k))
             for j, (start, size) in enumerate(zip(owner.offsets(), owner.sizes)):
                 assert set(per_expert[start : start + size]) == {owner.members[j]}
-        if mode == "broadcast" and R > 1:  # HSDP: the weight-capped ranges (one row: tests/plan/test_plan_balance.py)
-            assert k == expert_range_count(E, N, w, mean, 0.5)
-            sizes = owner.sizes if isinstance(owner, ExpertOwners) else (E,)
-            # at most g experts per range, unless capped at min(E, N) ranges (then E / min(E, N) each)
-            assert k == min(E, N) or all(size == 1 or size * w <= Fraction(1, 2) * mean for size in sizes)
+        if mode == "broadcast":  # the level fill: increasing ranks (so one row, distinct shards)
+            ranks = [m.rank for m in owner.members] if isinstance(owner, ExpertOwners) else [owner.rank]
+            assert ranks == sorted(ranks)
     assert stacks == sum(len(b[1]) for b in blocks)
-    if mode == "broadcast":  # the LPT bound: mean (x N/(N-K+1) on HSDP) + the largest piece
+    if mode == "broadcast":  # the fill's bound (the plan's balance_bound covers it)
+        whole = max(p.numel for p in plan.params)
+        piece = max(p.numel if p.experts is None else p.numel // p.num_experts for p in plan.params)
+        assert max(plan.owned_numel) <= mean + Fraction(whole, N) + piece
         assert max(plan.owned_numel) <= plan.balance_bound + 1e-6 * plan.balance_bound
     for b in plan.boundaries:
         for buf in b.buffers:

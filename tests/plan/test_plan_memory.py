@@ -156,3 +156,19 @@ def test_simulator_memory_is_the_plans_terms_plus_activations():
     assert got[0].optimizer_state_nbytes == 128 + 352 and got[0].transient_nbytes == 704
     assert memory(plan, wl, "adamw")[0].peak_nbytes == 1856 + 1000
     assert memory(plan, wl, "naive")[0].peak_nbytes == 1728 + 1000
+
+
+def test_reduce_buffers_by_hand_on_hsdp():
+    """HSDP (2, 2): the fc matrices go to ranks 0 and 1 (shards 0 and 1 of row 0); each block's
+    buffer is one 48-element segment (192 B fp32) on its owner's shard. Backward order layers.1,
+    layers.0. Shard 0 sends layers.1's (192), then holds layers.0's (192): 192. Shard 1 holds
+    layers.1's (192, kept to the end of the backward: the replicate reduce reads it), then sends
+    layers.0's (192) beside it: 384. On one row the held buffer is retired too: 192 each."""
+    from dmuon.plan._cost.rank_memory import reduce_buffer_nbytes
+
+    assert reduce_buffer_nbytes(_plan()) == (192, 192)
+    with torch.device("meta"):
+        model = _Tiny()
+    plan = P.compile(model, (2, 2))
+    assert [plan.owner(f).rank for f in plan.dedicated] == [0, 1]
+    assert reduce_buffer_nbytes(plan) == (192, 384, 192, 384)

@@ -273,6 +273,7 @@ class _Segment:
     reduce_buf: torch.Tensor | None = None  # 1-D, reduce dtype, on the segment's device
     reduce_inflight: bool = False  # a reduce on ``reduce_buf`` is launched and not yet finished
     owned: list = dataclasses.field(default_factory=list)  # [gather_buffers._Owned] sub-segments this rank owns
+    owned_staged: bool = False  # 1-D: this backward's owned averages already taken out (grad_reduce._stage_owner_grads)
     gather: "_GatherBuffer | None" = None  # the all-gathered buffer it belongs to, or None (broadcast)
 
 

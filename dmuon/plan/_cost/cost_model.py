@@ -140,8 +140,10 @@ class MemoryTerms:
         adamw_nbytes: AdamW's two moments of the parameters AdamW updates (FSDP2 shards; the
             FSDP2 + AdamW baseline: of every parameter).
         transient_nbytes: the most held at once beyond the above, not time-resolved: dmuon's
-            packed buffers (``RankStats.peak_transient_nbytes``) + one boundary's gradient
-            reduce buffer + FSDP2's unsharded unit(s) of the other parameters; a baseline: its
+            packed buffers (``RankStats.peak_transient_nbytes``) + the gradient reduce buffers
+            (one boundary's; on HSDP with the held ones of every boundary reduced before:
+            :func:`~dmuon.plan._cost.rank_memory.reduce_buffer_nbytes`) + FSDP2's unsharded
+            unit(s) of the other parameters; a baseline: its
             unsharded unit(s) and one unit's unsharded gradient (naive Muon: or every gathered
             update, if more).
     """

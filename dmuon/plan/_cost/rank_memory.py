@@ -30,6 +30,8 @@ __all__ = [
     "second_moment_shape",
     "second_moment_nbytes",
     "buffer_wire_numel",
+    "reduce_numels",
+    "reduce_buffer_nbytes",
     "fsdp2_rest_nbytes",
     "dmuon_memory",
     "fsdp2_memory",
@@ -195,6 +197,51 @@ def buffer_wire_numel(buf: Any, num_shards: int) -> int:
     return max(per.values())
 
 
+def reduce_numels(buf: Any, shard: int, num_shards: int) -> tuple[int, int]:
+    """``(held, sent)``: elements of boundary buffer ``buf``'s gradient reduce buffers on a rank
+    of shard coordinate ``shard`` (the runtime's, ``dmuon.exec``): ``held``, the buffer of the
+    segment the rank holds (it receives the sums it owns; a broadcast buffer's segment
+    ``shard``, an all-gathered buffer's output slot), kept to the end of the backward; ``sent``,
+    the rest of what it packs (the other segments of its group; the reduce-scatter input, ``k``
+    slots, and the output slot where it holds no segment), released before the next boundary's
+    buffers grow (on a 1-D mesh the held buffer too, its averages taken out). ``held + sent == buffer_wire_numel(buf, N)`` on a 1-D or EP group."""
+    full = buffer_wire_numel(buf, num_shards)
+    ep = buf.ep
+    mine = [seg for seg in buf.segments if seg.shard == shard]
+    if getattr(buf, "collective", "broadcast") == "all_gather":
+        held = buf.slot_numel if mine else 0
+        return held, full + buf.slot_numel - held
+    group = sum(seg.numel for seg in buf.segments if ep == 1 or seg.shard % ep == shard % ep)
+    held = mine[0].numel if mine else 0
+    return held, group - held
+
+
+def reduce_buffer_nbytes(plan: Any) -> tuple[int, ...]:
+    """Gradient reduce buffers per mesh rank (reduce dtype), the most held at once over one
+    backward (boundaries in reverse plan order, as the nominal schedule runs them): boundary
+    ``b``'s whole buffers (:func:`reduce_numels`: held + sent) while it packs and reduces; the
+    boundary reduced before it is retired before ``b``'s buffers grow. On HSDP a holder keeps its
+    held buffers (the replicate reduces read them) to the end of the backward, so those of every
+    boundary reduced before ``b`` count too."""
+    R, N = plan.mesh_shape
+    peak = [0] * N
+    kept = [0] * N  # HSDP: held buffers of the boundaries reduced so far
+    for b in reversed(plan.boundaries):
+        held = [0] * N
+        sent = [0] * N
+        for buf in b.buffers:
+            isz = itemsize_nbytes(plan.reduce_dtype_for(buf.dtype))
+            for s in range(N):
+                h, t = reduce_numels(buf, s, N)
+                held[s] += h * isz
+                sent[s] += t * isz
+        for s in range(N):
+            peak[s] = max(peak[s], kept[s] + held[s] + sent[s])
+            if R > 1:
+                kept[s] += held[s]
+    return tuple(peak[rank % N] for rank in range(R * N))
+
+
 def _plan_ep(plan: Any) -> int:
     return max((spec.ep_size for spec in plan.params), default=1)
 
@@ -227,10 +274,7 @@ def dmuon_memory(plan: Any, stats: Sequence[RankStats], *, variant: str = "muon"
     T = max(1, len(stats) // (R * N))
     rest, unit_full = fsdp2_rest_nbytes(plan)
     fsdp_unsharded = max(unit_full.values(), default=0) if plan.reshard_after_forward else sum(unit_full.values())
-    reduce_buf = max(
-        (sum(buffer_wire_numel(buf, N) * itemsize_nbytes(buf.dtype) for buf in b.buffers) for b in plan.boundaries),
-        default=0,
-    )
+    reduce_buf = reduce_buffer_nbytes(plan)
     second = [0] * (R * N)
     if variant == "normuon":
         for spec, owner in zip(plan.params, plan.owners):
@@ -246,7 +290,7 @@ def dmuon_memory(plan: Any, stats: Sequence[RankStats], *, variant: str = "muon"
                 momentum_nbytes=momentum,
                 second_moment_nbytes=second[st.rank // T],
                 adamw_nbytes=2 * rest,
-                transient_nbytes=st.peak_transient_nbytes + reduce_buf + fsdp_unsharded,
+                transient_nbytes=st.peak_transient_nbytes + reduce_buf[st.rank // T] + fsdp_unsharded,
             )
         )
     return tuple(out)

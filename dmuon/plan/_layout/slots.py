@@ -117,7 +117,7 @@ def equal_slots(
     ``settings.mode`` is ``"broadcast"`` or no buffer holds an expert stack without EP.
 
     ``refill``: the stacks were placed by the balanced fill
-    (:func:`~dmuon.plan._ownership.level_fill.fill_ranges`); once the water-filled buffers are chosen,
+    (:func:`~dmuon.plan._ownership.level_fill.fill_rows`); once the water-filled buffers are chosen,
     the stacks of the other buffers are filled again on top of them, so the total per rank stays
     level (an all-gathered buffer gives every rank one slot of it)."""
     R, N = mesh_shape
@@ -160,19 +160,19 @@ def equal_slots(
             for i in stack_idx:
                 for rank, w in _weights.owner_weights(specs[i], owners[i], cost_model, segment_lengths):
                     loads[rank] += w
-    if refill and adopted and R == 1:
+    if refill and adopted:
         from dmuon.plan._ownership.assign import expert_owner
-        from dmuon.plan._ownership.level_fill import fill_ranges
+        from dmuon.plan._ownership.level_fill import fill_rows
 
         rest = [i for i, spec in enumerate(specs) if spec.experts is not None and i not in adopted]
-        loads = [0] * N
+        loads = [0] * (R * N)
         for i, (spec, owner) in enumerate(zip(specs, owners)):
             if i in rest:
                 continue
             for rank, w in _weights.owner_weights(spec, owner, cost_model, segment_lengths):
                 loads[rank] += w
         per_expert = [_weights.param_weight(specs[i], cost_model) // specs[i].num_experts for i in rest]
-        ranges, _ = fill_ranges([(w, specs[i].num_experts) for w, i in zip(per_expert, rest)], loads)
+        ranges, _ = fill_rows([(w, specs[i].num_experts) for w, i in zip(per_expert, rest)], loads, R)
         for i, rng in zip(rest, ranges):
             owners[i] = expert_owner(rng, N)
     return tuple(owners)

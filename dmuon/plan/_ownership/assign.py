@@ -12,7 +12,7 @@ from typing import Any
 from dmuon.plan import _rules as _rules
 from dmuon.plan._cost import weights as _weights
 from dmuon.plan._model.expert_ranges import expert_max_split, expert_range_count, expert_range_weights
-from dmuon.plan._ownership.level_fill import fill_ranges
+from dmuon.plan._ownership.level_fill import fill_rows, item_rows
 from dmuon.plan._ownership.partition import lpt_partition, lpt_partition_groups
 from dmuon.plan._records.owners import ExpertOwners, Owner, OwnerGroup, balanced_sizes
 
@@ -26,14 +26,16 @@ def assign_owners(
     expert owners (:func:`~dmuon.plan._ownership.partition.lpt_partition_groups`) of every dedicated
     parameter.
 
-    Expert stacks (``ParamSpec.experts``) on one replicate row without expert parallelism and
-    with one owner per dense matrix (:func:`fills_expert_ranges`, the default plans): the dense
-    matrices by the constrained LPT, then the stacks' experts fill every rank to one water level
-    in plan order (:func:`~dmuon.plan._ownership.level_fill.fill_ranges`): each rank owns the
-    mean within one expert unless its dense matrices alone exceed it, and a boundary's stacks
-    span few ranks (contiguous ranges on consecutive ranks).
+    Expert stacks (``ParamSpec.experts``) without expert parallelism and with one owner per
+    dense matrix (:func:`fills_expert_ranges`, the default plans): the dense matrices by the
+    constrained LPT, then the stacks' experts fill every rank to one water level in plan order
+    (:func:`~dmuon.plan._ownership.level_fill.fill_ranges`): each rank owns the mean within one
+    expert unless its dense matrices alone exceed it, and a boundary's stacks span few ranks
+    (contiguous ranges on consecutive ranks). On HSDP meshes whole matrices and stacks go to
+    replicate rows first (:func:`~dmuon.plan._ownership.level_fill.item_rows`), then each row is
+    placed and filled on its own.
 
-    Otherwise (HSDP rows, owner groups): a stack of ``E`` experts is cut into
+    Otherwise (owner groups): a stack of ``E`` experts is cut into
     :func:`~dmuon.plan._model.expert_ranges.expert_range_count` contiguous ranges of experts (ranges of
     at most ``g`` experts, ``g`` the most whose weight stays within
     :data:`~dmuon.plan._rules.EXPERT_RANGE_SLACK` of the mean slot weight; at most ``min(E, N)``),
@@ -73,7 +75,7 @@ def assign_owners(
         result = lpt_partition(weights, keys, boundaries, num_shards=N, num_replicas=R)
         return tuple(Owner.at(slot, N) for slot in result.slots)
     if _fills(specs, mesh_shape, owner_groups, initial):
-        return _filled_owners(specs, weights, keys, boundaries, N)
+        return _filled_owners(specs, weights, keys, boundaries, mesh_shape)
     if tp_size > 1 and owner_groups not in ("off", 1):
         raise ValueError(
             f"dmuon.plan._compile: owner_groups={owner_groups!r} with tensor parallelism (T={tp_size}) is not "
@@ -238,12 +240,11 @@ def _owner_group(spec, members, N: int) -> OwnerGroup:
 
 def fills_expert_ranges(specs, mesh_shape, owner_groups) -> bool:
     """Whether :func:`assign_owners` places the expert stacks by the balanced fill
-    (:mod:`dmuon.plan._ownership.level_fill`): one replicate row, one owner per dense matrix, no expert
-    parallelism, at least one stack."""
-    R, _ = mesh_shape
+    (:mod:`dmuon.plan._ownership.level_fill`): one owner per dense matrix, no expert
+    parallelism, at least one stack (on HSDP meshes whole stacks per replicate row,
+    :func:`~dmuon.plan._ownership.level_fill.fill_rows`)."""
     return (
-        R == 1
-        and owner_groups in ("off", 1)
+        owner_groups in ("off", 1)
         and any(spec.experts is not None for spec in specs)
         and all(spec.ep_size == 1 for spec in specs)
     )
@@ -262,21 +263,33 @@ def expert_owner(ranges, N: int):
     return ExpertOwners(members=members, sizes=tuple(c for _, c in ranges))
 
 
-def _filled_owners(specs, weights, keys, boundaries, N):
-    """Dense matrices by the constrained LPT, then the stacks filled to one level
-    (:func:`~dmuon.plan._ownership.level_fill.fill_ranges`, plan order)."""
+def _filled_owners(specs, weights, keys, boundaries, mesh_shape):
+    """Every whole matrix or stack to a replicate row by LPT
+    (:func:`~dmuon.plan._ownership.level_fill.item_rows`; one row: row 0), each row's dense
+    matrices by the constrained LPT over its slots, then each row's stacks filled to one level
+    (:func:`~dmuon.plan._ownership.level_fill.fill_rows`, plan order)."""
+    R, N = mesh_shape
     dense = [i for i, spec in enumerate(specs) if spec.experts is None]
     stacks = [i for i, spec in enumerate(specs) if spec.experts is not None]
+    row_of = item_rows(weights, R)
     owners: list[Any] = [None] * len(specs)
-    loads = [0] * N
-    if dense:
+    loads = [0] * (R * N)
+    for r in range(R):
+        mine = [i for i in dense if row_of[i] == r]
+        if not mine:
+            continue
         result = lpt_partition(
-            [weights[i] for i in dense], [keys[i] for i in dense], [boundaries[i] for i in dense], num_shards=N
+            [weights[i] for i in mine], [keys[i] for i in mine], [boundaries[i] for i in mine], num_shards=N
         )
-        for i, slot in zip(dense, result.slots):
-            owners[i] = Owner.at(slot, N)
-            loads[slot] += weights[i]
-    ranges, _ = fill_ranges([(weights[i] // specs[i].num_experts, specs[i].num_experts) for i in stacks], loads)
+        for i, s in zip(mine, result.slots):
+            owners[i] = Owner.at(r * N + s, N)
+            loads[r * N + s] += weights[i]
+    ranges, _ = fill_rows(
+        [(weights[i] // specs[i].num_experts, specs[i].num_experts) for i in stacks],
+        loads,
+        R,
+        [row_of[i] for i in stacks],
+    )
     for i, rng in zip(stacks, ranges):
         owners[i] = expert_owner(rng, N)
     return tuple(owners)

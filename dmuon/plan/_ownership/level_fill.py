@@ -26,8 +26,14 @@ about ``layer weight / L + 1`` ranks, often fewer than the ranges of a weight-ca
 balance of any one boundary (only the total per rank is levelled; use an all-gathered buffer's
 equal slots, :mod:`dmuon.plan._layout.slots`, for per-boundary balance).
 
-One replicate row only (``R = 1``): a stack's ranges must lie in one row, which a fill across
-rows cannot promise; on HSDP meshes the planner keeps the weight-capped ranges placed by LPT.
+HSDP meshes (``R`` replicate rows of ``N`` slots, :func:`item_rows`, :func:`fill_rows`): a
+stack's ranges must lie in one row, and the fill levels a row only up to its own mean, so the
+rows are balanced first: every whole item (stack or dense matrix) goes to a row by LPT
+(heaviest first), the dense matrices of a row to its slots by the constrained LPT, and each row
+is filled as above with its stacks in plan order. A row then weighs at most ``T/R + W_item``
+(LPT), its level is at most its mean ``<= T/S + W_item/N``, and every slot ends at most
+``T/S + W_item/N + W`` (``W_item`` the heaviest stack or matrix, ``W`` the heaviest dense matrix
+or expert). With one row it is the fill above.
 Pure; exact integer arithmetic (fractions for the level).
 """
 
@@ -36,7 +42,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from fractions import Fraction
 
-__all__ = ["water_level", "fill_ranges"]
+__all__ = ["water_level", "fill_ranges", "item_rows", "fill_rows"]
 
 
 def water_level(loads: Sequence[int], fill_weight: int) -> Fraction:
@@ -74,9 +80,7 @@ def fill_ranges(
     S = len(loads)
     if S == 0:
         raise ValueError("fill_ranges: no slots")
-    for w, E in stacks:
-        if int(w) != w or w < 0 or int(E) != E or E < 1:
-            raise ValueError(f"fill_ranges: bad stack (weight per expert {w!r}, experts {E!r})")
+    _check_stacks("fill_ranges", stacks)
     total = sum(int(w) * int(E) for w, E in stacks)
     level = water_level(loads, total)
     caps = [max(Fraction(0), level - x) for x in loads]
@@ -112,3 +116,61 @@ def fill_ranges(
         if i == len(stacks):
             break
     return ranges, loads
+
+
+def item_rows(weights: Sequence[int], num_rows: int, row_loads: Sequence[int] | None = None) -> list[int]:
+    """The replicate row of every whole item (a stack or a dense matrix), by LPT: heaviest first
+    (ties in input order), each to the row with the least weight (``row_loads`` first, None =
+    zero; ties to the lowest row). Every row ends at most ``(row loads + items) / R + W``
+    (``W`` the heaviest item: LPT's bound)."""
+    R = int(num_rows)
+    if R < 1:
+        raise ValueError(f"item_rows: {num_rows!r} rows")
+    load = [0] * R if row_loads is None else [int(x) for x in row_loads]
+    if len(load) != R:
+        raise ValueError(f"item_rows: {len(load)} row loads for {R} rows")
+    rows = [0] * len(weights)
+    for i in sorted(range(len(weights)), key=lambda i: (-int(weights[i]), i)):
+        r = min(range(R), key=lambda r: (load[r], r))
+        rows[i] = r
+        load[r] += int(weights[i])
+    return rows
+
+
+def fill_rows(
+    stacks: Sequence[tuple[int, int]], loads: Sequence[int], num_rows: int, rows: Sequence[int] | None = None
+) -> tuple[list[list[tuple[int, int]]], list[int]]:
+    """:func:`fill_ranges` on ``num_rows`` replicate rows of ``N = len(loads) / num_rows`` slots
+    (slot ``= row * N + shard``): each row filled on its own with its whole stacks, in plan
+    order (module docstring). Same arguments and result as :func:`fill_ranges`, every stack's
+    ranges in one row; ``rows``: the row of every stack, None = :func:`item_rows` of the stacks
+    over the rows' ``loads``. One row is :func:`fill_ranges`."""
+    _check_stacks("fill_rows", stacks)
+    loads = [int(x) for x in loads]
+    R = int(num_rows)
+    if R < 1 or len(loads) % R:
+        raise ValueError(f"fill_rows: {len(loads)} slots do not make {num_rows!r} rows")
+    N = len(loads) // R
+    if rows is None:
+        row_loads = [sum(loads[r * N : (r + 1) * N]) for r in range(R)]
+        rows = item_rows([int(w) * int(E) for w, E in stacks], R, row_loads)
+    if len(rows) != len(stacks) or any(not 0 <= int(r) < R for r in rows):
+        raise ValueError(f"fill_rows: rows {list(rows)} for {len(stacks)} stacks on {R} rows")
+    if R == 1:
+        return fill_ranges(stacks, loads)
+    ranges: list[list[tuple[int, int]]] = [[] for _ in stacks]
+    for r in range(R):
+        idx = [i for i in range(len(stacks)) if rows[i] == r]
+        if not idx:
+            continue
+        row_ranges, row_loads = fill_ranges([stacks[i] for i in idx], loads[r * N : (r + 1) * N])
+        for i, rng in zip(idx, row_ranges):
+            ranges[i] = [(r * N + s, c) for s, c in rng]
+        loads[r * N : (r + 1) * N] = row_loads
+    return ranges, loads
+
+
+def _check_stacks(name: str, stacks: Sequence[tuple[int, int]]) -> None:
+    for w, E in stacks:
+        if int(w) != w or w < 0 or int(E) != E or E < 1:
+            raise ValueError(f"{name}: bad stack (weight per expert {w!r}, experts {E!r})")

@@ -339,7 +339,10 @@ class ShardingPlan:
         """Proven LPT bound on ``max(owned_weight)``: ``total/(R*N) + max item weight``, items
         being the matrices (owner-group members' blocks counted as items of their own); on an
         HSDP mesh with owner groups of up to ``K`` members the mean term carries
-        ``lpt_partition_groups``' factor ``N/(N-K+1)`` (a group stays in one replicate row)."""
+        ``lpt_partition_groups``' factor ``N/(N-K+1)`` (a group stays in one replicate row); on
+        an HSDP mesh with expert stacks, at least ``total/(R*N) + heaviest whole matrix or stack
+        / N + max item weight`` (the level fill by replicate rows,
+        :mod:`dmuon.plan._ownership.level_fill`)."""
         return _plan_figures.balance_bound(self)
 
     def schedule(self, step: Any = None) -> Any:

@@ -79,7 +79,12 @@ def balance_bound(plan: ShardingPlan) -> float:
     R, N = plan.mesh_shape
     K = max((o.k for o in plan.owners if isinstance(o, (OwnerGroup, ExpertOwners))), default=1)
     factor = N / (N - K + 1) if R > 1 and K > 1 else 1.0
-    return factor * sum(weights) / plan.world_size + max(weights, default=0)
+    bound = factor * sum(weights) / plan.world_size + max(weights, default=0)
+    if R > 1 and any(spec.experts is not None and spec.ep_size == 1 for spec in plan.params):
+        # the level fill on HSDP rows (dmuon/plan/_ownership/level_fill.py): + the heaviest whole item / N
+        whole = max(_weights.param_weight(spec, plan.cost_model) for spec in plan.params)
+        bound = max(bound, sum(weights) / plan.world_size + whole / N + max(weights, default=0))
+    return bound
 
 
 def schedule(plan: ShardingPlan, step: Any = None) -> Any:

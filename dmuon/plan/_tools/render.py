@@ -218,12 +218,16 @@ def _header(plan: ShardingPlan) -> list[str]:
 def _bound_formula(plan: ShardingPlan) -> str:
     """The formula :attr:`ShardingPlan.balance_bound` used: ``total/ranks + largest``, or on an
     HSDP mesh with groups / expert ranges of up to ``K`` members its ``N/(N-K+1)`` factor (a
-    group stays in one replicate row; loose, up to ``N``x, when ``K`` nears ``N``)."""
+    group stays in one replicate row; loose, up to ``N``x, when ``K`` nears ``N``), and with
+    expert stacks at least the level fill's ``total/ranks + heaviest whole / N + largest``."""
     R, N = plan.mesh_shape
     K = max((o.k for o in plan.owners if isinstance(o, (OwnerGroup, ExpertOwners))), default=1)
+    text = "total/ranks + largest"
     if R > 1 and K > 1:
-        return f"{N}/({N}-{K}+1) x total/ranks + largest: groups of up to K={K} stay in one replicate row"
-    return "total/ranks + largest"
+        text = f"{N}/({N}-{K}+1) x total/ranks + largest: groups of up to K={K} stay in one replicate row"
+    if R > 1 and any(spec.experts is not None and spec.ep_size == 1 for spec in plan.params):
+        text = f"the larger of {text} and total/ranks + heaviest whole matrix or stack/{N} + largest"
+    return text
 
 
 def _variant_lines(plan: ShardingPlan, *, max_views: int = 3) -> list[str]:

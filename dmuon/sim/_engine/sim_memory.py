@@ -33,8 +33,10 @@ def memory(
     ``RankStats.resident_nbytes`` less momentum) + FSDP2 shards of the rest; gradients = full
     gradients of owned matrices + FSDP2 gradient shards; optimizer state = Muon momentum of
     owned matrices + AdamW's two moments of the shards; transient = the packed buffers
-    (``RankStats.peak_transient_nbytes``: Z3 the largest boundary, Z2 all of them) + one
-    boundary's gradient reduce buffer (:func:`buffer_wire_numel`: a reduce-scatter's whole input) + the largest FSDP2 unit unsharded (Z2: all units).
+    (``RankStats.peak_transient_nbytes``: Z3 the largest boundary, Z2 all of them) + the
+    gradient reduce buffers (:func:`~dmuon.plan._cost.rank_memory.reduce_buffer_nbytes`: one
+    boundary's; HSDP: with every held one so far) + the largest FSDP2 unit
+    unsharded (Z2: all units).
     ``adamw`` / ``naive`` / ``all_to_all``: FSDP2 shards of every parameter (expert stacks as
     torchtitan shards them, :func:`dmuon.plan._cost.baseline.fsdp2_param_shard`), their gradients,
     AdamW moments (or Muon momentum for the matrices), the largest unit unsharded with its

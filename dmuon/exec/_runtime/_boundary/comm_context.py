@@ -55,6 +55,9 @@ class BoundaryCommContext:
         self.deferred_rounds: list = []  # accelerators: received step codes, compared once per optimizer step
         self.final_callback_queued = False  # the end-of-backward callback is queued for this backward
         self.flag_host_reads = 0  # host reads of presence flags (one per finish_reduces with owned grads)
+        # 1-D: owners' averaged gradients taken out of reduce buffers released before the end of
+        # the backward (grad_reduce.retire_reduces_before), waiting for finish_reduces' one flag read
+        self.staged_grads: list = []
         self._streams = None  # (device, {"broadcast": Stream, "reduce": Stream}), built on first use
         self._coalesces: dict = {}  # (id(group), device) -> the backend coalesces (asked once)
 

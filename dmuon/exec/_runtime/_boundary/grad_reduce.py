@@ -24,6 +24,7 @@ __all__ = [
     "grad_divisor",
     "issue_replicate_reduces",
     "issue_replicate_reduces_before",
+    "retire_reduces_before",
 ]
 
 
@@ -34,7 +35,8 @@ class _PendingReduce:
     all-gathered buffer), the reduce buffer ``buf`` laid out as that segment (a broadcast
     segment's, or an all-gathered buffer's ``rs_out``), the ``works`` to wait for, the local
     gradients to ``keep`` referenced until then (CUDA), and the ``gather`` buffer of a
-    reduce-scatter (its ``rs_in`` is released after the wait); ``replicated`` once
+    reduce-scatter (its ``rs_in`` is released after the wait); ``waited`` once its works were
+    waited for (:func:`retire_reduces_before`); ``replicated`` once
     :func:`issue_replicate_reduces` has taken it."""
 
     boundary: object  # the HookBoundary
@@ -44,6 +46,7 @@ class _PendingReduce:
     keep: list
     gather: _GatherBuffer | None
     replicated: bool = False  # HSDP: its works waited for and its replicate reduces issued
+    waited: bool = False  # its works waited for (its buffers released where no replicate reduce reads them)
 
 
 def launch_reduce(boundary) -> None:
@@ -54,14 +57,17 @@ def launch_reduce(boundary) -> None:
 
     The buffer tensors are reused (storage regrown, zeroed, rewritten), so a reduce still in
     flight on one (the same boundary finishing twice before the end of the backward) is
-    finished first. CUDA: the packing and the reduce are ordered after the compute stream on
-    the reduce stream; the local gradients stay referenced until
-    :func:`finish_reduces` waits for that stream.
+    finished first. Before its buffers grow, the reduces of the boundaries reduced before it
+    are retired (:func:`retire_reduces_before`: waited for, HSDP's replicate reduces issued,
+    their buffers released), as FSDP2 waits for the previous reduce-scatter. CUDA: the packing
+    and the reduce are ordered after the compute stream on the reduce stream; the local
+    gradients stay referenced until the reduce is retired.
     """
     ctx = boundary.comm_ctx
     boundary.unreduced = False
     if any(seg.reduce_inflight for seg in boundary.segments) or any(gb.reduce_inflight for gb in boundary.gathers):
         finish_reduces(ctx)
+    retire_reduces_before(ctx)
     stream = ctx.comm_stream("reduce")  # None on CPU
     # (re)grow the buffers on the compute stream, as FSDP2 allocates its reduce-scatter input
     bufs = [
@@ -113,7 +119,8 @@ def launch_reduce(boundary) -> None:
         for gm in boundary.grouped:  # every block packed: the full local gradient is done with
             gm.compute.grad = None
     # HSDP: the boundaries reduced before this one, their shard reduces launched one boundary's
-    # backward ago, go on to their replicate reduces now rather than all after the backward
+    # backward ago, go on to their replicate reduces now (after this boundary's reduces, the
+    # schedule's order) rather than all after the backward
     issue_replicate_reduces_before(ctx, boundary)
 
 
@@ -177,8 +184,8 @@ def issue_replicate_reduces(ctx, entries: list) -> None:
         return
     stream = ctx.comm_stream("reduce")  # None on CPU
     with _on_stream(stream):
+        _wait(ctx, entries)
         for p in entries:
-            ctx.wait(p.works, f"boundary {p.boundary.fqn!r} reduce", boundary=p.boundary, group=_reduce_group(p))
             p.replicated = True
         for p in entries:  # the held segments' sub-segments
             if p.segment is None:
@@ -187,6 +194,14 @@ def issue_replicate_reduces(ctx, entries: list) -> None:
                 part = p.buf[b.sub.offset_in_seg : b.sub.offset_in_seg + b.sub.numel]
                 work = C.reduce_sum(part, dst=b.root, group=b.group, phase=b.op.phase, async_op=True)
                 ctx.replicate_reduce_works.append((p.boundary, work, b.group))
+
+
+def _wait(ctx, entries: list) -> None:
+    """Wait for the works of ``entries`` not waited for yet (on NCCL: the current stream waits)."""
+    for p in entries:
+        if not p.waited:
+            ctx.wait(p.works, f"boundary {p.boundary.fqn!r} reduce", boundary=p.boundary, group=_reduce_group(p))
+            p.waited = True
 
 
 def issue_replicate_reduces_before(ctx, boundary) -> None:
@@ -205,6 +220,93 @@ def issue_replicate_reduces_before(ctx, boundary) -> None:
     while start and not pending[start - 1].replicated:
         start -= 1
     issue_replicate_reduces(ctx, pending[start:end])
+
+
+def retire_reduces_before(ctx) -> None:
+    """Retire the reduces launched so far and not yet waited for (the boundaries reduced before the
+    one about to reduce; their reduces had its backward to run in): wait for them (their HSDP
+    replicate reduces are issued after the new boundary's reduces,
+    :func:`issue_replicate_reduces_before`, as the schedule orders them), then release the reduce buffers
+    no replicate reduce reads: what this rank only sent (a segment it does not hold, an
+    all-gathered buffer's reduce-scatter input, and its output where the rank holds no segment
+    there) and, on a 1-D mesh, the held ones too, once the averages this rank owns are taken out
+    (:func:`_stage_owner_grads`; the presence flags are still read once, by
+    :func:`finish_reduces`); on CUDA the local gradients kept for the packing as well. HSDP
+    holders keep their held buffers (the replicate reduces read them) to the end of the
+    backward. So a 1-D rank holds one boundary's reduce buffers at a time, not every
+    boundary's until the end of the backward (``dmuon.plan._cost.rank_memory.reduce_buffer_nbytes``
+    counts it). On NCCL the compute stream waits for the reduce stream before the storage goes
+    back to the allocator."""
+    pending = ctx.pending_reduces
+    start = len(pending)
+    while start and not pending[start - 1].waited:  # entries are waited for in order
+        start -= 1
+    entries = pending[start:]
+    if not entries:
+        return
+    stream = ctx.comm_stream("reduce")  # None on CPU
+    with _on_stream(stream):
+        _wait(ctx, entries)
+    if stream is not None:  # the reduces (and their packing) ran on the reduce stream
+        current_stream(stream.device).wait_event(stream.record_event())
+    one_row = ctx.groups.shape[0] == 1
+    if one_row:
+        _stage_owner_grads(ctx, [(p.boundary, o) for p in entries if p.segment is not None for o in p.segment.owned])
+    for p in entries:
+        p.keep = []
+        if p.gather is not None:
+            p.gather.rs_in.untyped_storage().resize_(0)
+            if p.segment is None or one_row:  # the output: this rank's slot
+                p.buf.untyped_storage().resize_(0)
+        elif p.segment is not None and (one_row or not p.segment.held):
+            p.buf.untyped_storage().resize_(0)
+        if one_row and p.segment is not None:
+            p.segment.owned_staged = True
+
+
+def _stage_owner_grads(ctx, owned: list) -> None:
+    """Take the averages of the owned sub-segments ``owned`` (``(boundary, owned)`` pairs of
+    finished reduces) out of their reduce buffer before it is released, as
+    :func:`_write_owner_grads` computes them (divided by :func:`grad_divisor`, a new tensor,
+    never a view of the buffer): added into an existing ``.grad`` at once (a matrix no rank had
+    a gradient for is zeros there, so adding it changes nothing), else kept with a copy of the
+    presence flags for :func:`finish_reduces` to make ``.grad`` of (or leave it None)."""
+    divisors: dict[int, float] = {}
+    model_factor = functools.cache(lambda: model_divide_factor(ctx))
+    for boundary, o in owned:
+        sub = o.sub
+        divisor = divisors.get(id(boundary))
+        if divisor is None:
+            divisor = divisors[id(boundary)] = grad_divisor(ctx, boundary, model_factor)
+        grads = []
+        for slot in sub.slots:
+            p = slot.logical
+            grad = _owner_grad(o, slot, divisor, p)
+            if p.grad is None:
+                grads.append(grad)
+            else:
+                p.grad.add_(grad)
+                grads.append(None)
+        ctx.staged_grads.append((sub.slots, grads, o.flags.clone()))
+
+
+def _owner_grad(o, slot, divisor: float, p) -> torch.Tensor:
+    """``slot``'s average in owned sub-segment ``o``: a new tensor, never a view of the reduce
+    buffer (released, and rewritten next backward): the division writes it (one pass, the reduce
+    dtype's rounding as an in-place division's), or a copy when there is nothing to divide by; on
+    the master's device (the host under offload, pinned as the master is)."""
+    sub = o.sub
+    start = slot.offset_in_seg - sub.offset_in_seg
+    grad = o.values[start : start + slot.numel].view(slot.shape)
+    if divisor != 1.0:
+        grad = torch.div(grad, divisor)
+    elif p.grad is None:
+        grad = grad.clone() if grad.dtype == p.dtype and grad.device == p.device else grad
+    if p.device != grad.device and p.is_pinned():
+        grad = torch.empty(grad.shape, dtype=p.dtype, device=p.device, pin_memory=True).copy_(grad)
+    else:
+        grad = grad.to(p.device, p.dtype)
+    return slot.tp.wrap(grad) if slot.tp is not None else grad
 
 
 def finish_reduces(ctx) -> None:
@@ -234,10 +336,17 @@ def finish_reduces(ctx) -> None:
             p.segment.reduce_inflight = False
         if p.gather is not None:
             p.gather.reduce_inflight = False
-    owned = [(p.boundary, o) for p in pending if p.segment is not None for o in p.segment.owned]
-    if owned:
+    owned = [
+        (p.boundary, o)
+        for p in pending
+        if p.segment is not None and not p.segment.owned_staged
+        for o in p.segment.owned
+    ]
+    if owned or ctx.staged_grads:
         _write_owner_grads(ctx, owned)
     for p in pending:  # averages copied out: release until the next backward (after the stream wait above)
+        if p.segment is not None:
+            p.segment.owned_staged = False
         p.buf.untyped_storage().resize_(0)
         if p.gather is not None:  # the reduce-scatter's input
             p.gather.rs_in.untyped_storage().resize_(0)
@@ -283,11 +392,23 @@ def model_divide_factor(ctx) -> float | None:
 
 def _write_owner_grads(ctx, owned: list) -> None:
     """Divide the owned sub-segments of finished reduces (``(boundary, owned)`` pairs) by
-    :meth:`grad_divisor` into their parameters' ``.grad``."""
+    :meth:`grad_divisor` into their parameters' ``.grad``; the averages staged before
+    (:func:`_stage_owner_grads`) become ``.grad`` where a rank had a gradient."""
+    staged, ctx.staged_grads = ctx.staged_grads, []
     # one host read of every presence flag this rank owns (a device sync on CUDA)
-    flags = (owned[0][1].flags if len(owned) == 1 else torch.cat([o.flags for _, o in owned])).tolist()
+    parts = [f for _, _, f in staged] + [o.flags for _, o in owned]
+    flags = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
     ctx.flag_host_reads += 1
     i = 0
+    for slots, grads, _ in staged:
+        for slot, grad, flag in zip(slots, grads, flags[i : i + len(slots)]):
+            if flag and grad is not None:  # None: added into the .grad it already had
+                p = slot.logical
+                if p.grad is None:
+                    p.grad = grad
+                else:
+                    p.grad.add_(grad)
+        i += len(slots)
     divisors: dict[int, float] = {}
     model_factor = functools.cache(lambda: model_divide_factor(ctx))  # the model walked once, if at all
     for boundary, o in owned:
@@ -301,23 +422,8 @@ def _write_owner_grads(ctx, owned: list) -> None:
         for slot, flag in zip(sub.slots, sub_flags):
             if flag == 0:
                 continue  # no rank had a gradient: skip, as torch.optim.Muon does
-            start = slot.offset_in_seg - sub.offset_in_seg
-            grad = o.values[start : start + slot.numel].view(slot.shape)
             p = slot.logical
-            # a new tensor, never a view of the reduce buffer (released below, rewritten next
-            # backward): the division writes it (one pass, the reduce dtype's rounding as an
-            # in-place division's), or a copy when there is nothing to divide by; on the master's
-            # device (the host under offload, pinned as the master is)
-            if divisor != 1.0:
-                grad = torch.div(grad, divisor)
-            elif p.grad is None:
-                grad = grad.clone() if grad.dtype == p.dtype and grad.device == p.device else grad
-            if p.device != grad.device and p.is_pinned():
-                grad = torch.empty(grad.shape, dtype=p.dtype, device=p.device, pin_memory=True).copy_(grad)
-            else:
-                grad = grad.to(p.device, p.dtype)
-            if slot.tp is not None:
-                grad = slot.tp.wrap(grad)
+            grad = _owner_grad(o, slot, divisor, p)
             if p.grad is None:
                 p.grad = grad
             else:
