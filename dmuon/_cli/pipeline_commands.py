@@ -21,7 +21,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from dmuon.sim._pages.recommendation import fits
+from dmuon.sim._pages.recommendation import fits, recommend
 
 __all__ = ["add_pipeline_args", "wants_pipeline", "simulate_pipelined", "main_advise", "gap_line"]
 
@@ -192,11 +192,9 @@ def simulate_pipelined(
     )
     for v in modes:
         print(gap_line(sims[v], base))
-    fitting = [v for v in modes if fits(sims[v], mem)]
-    if fitting:
-        best = min(fitting, key=lambda v: (sims[v].step_s, v != "z3"))
-        print(f"recommended: dmuon {best.upper()} ({sims[best].step_s / base.step_s:.3f} x FSDP2 + AdamW)")
-    else:
+    best, why = recommend({v: sims[v] for v in modes}, mem)
+    print(f"recommended: dmuon {best.upper()} ({sims[best].step_s / base.step_s:.3f} x FSDP2 + AdamW): {why}")
+    if not fits(sims[best], mem):  # recommend() prefers a mode that fits: none does
         print(
             f"warning: no dmuon mode fits the device ({mem / 2**30:.1f} GiB): more pipeline or shard ranks, "
             "activation checkpointing (--ac) or fewer tokens per rank"

@@ -41,6 +41,7 @@ from torch import nn
 from dmuon.plan._model.parallel import expert_parallel_variant, megatron_tp_shard_dims
 from dmuon.plan._records.policies import TPPolicy
 from dmuon.plan._model.pipeline_split import split_model
+from dmuon.plan._cost.stage_bytes import pipeline_cost
 from dmuon.plan._records.fields import itemsize_nbytes
 from dmuon.plan._stage_plans import compile_stages
 from dmuon.sim._engine import alternatives as _alt
@@ -317,9 +318,9 @@ def analytic_peak(layouts: _Layouts, c: Config) -> tuple[int, ...]:
 def analytic_step_s(layouts: _Layouts, c: Config) -> float:
     """An estimate of ``c``'s step (module docstring, pass 2): the larger of the pipeline replay
     of its compute (forward, backward, recompute, TP all-reduces, token all-to-alls, activation
-    sends) and the busiest stage's data-parallel communication (dmuon's bytes per rank and step
-    with its parameter phases repeated per micro-batch, over the shard group's link), as if that
-    communication hid behind the compute."""
+    sends) and the busiest stage's data-parallel communication (dmuon's bytes per rank and step,
+    :func:`dmuon.plan.pipeline_cost`, over the shard group's link), as if that communication hid
+    behind the compute."""
     hw = layouts.hw
     sp = layouts.stage_plans(c)
     wls = layouts.workloads(c, sp)
@@ -328,10 +329,12 @@ def analytic_step_s(layouts: _Layouts, c: Config) -> float:
     comm_s = 0.0
     link = group_link(hw, tuple(range(0, c.shard * c.tp, c.tp)))
     for p, wl in zip(sp.plans, wls):
-        cost = p.cost if (p.reshard_after_forward == c.z3) else dataclasses.replace(p, reshard_after_forward=c.z3).cost
+        mode = p if p.reshard_after_forward == c.z3 else dataclasses.replace(p, reshard_after_forward=c.z3)
+        cost = pipeline_cost(mode, c.micro_batches)
         n = p.world_size * p.tp_size
         per_rank = (
-            c.micro_batches * (cost.forward_broadcast_nbytes + cost.backward_broadcast_nbytes)
+            cost.forward_broadcast_nbytes
+            + cost.backward_broadcast_nbytes
             + cost.reduce_nbytes
             + cost.replicate_reduce_nbytes
             + cost.replicate_broadcast_nbytes
