@@ -155,7 +155,9 @@ def simulate_pipelined(
     mem = hw.memory_nbytes
     print(f"{args.model}: {sp.split.describe()}")
     print(
-        f"{args.model} on PP {args.pp} x mesh {plan.mesh_shape} x TP {T} ({args.pp * dp * T} ranks)"
+        f"{args.model} on PP {args.pp} x mesh {plan.mesh_shape}"
+        + (f" x TP {T}" if T > 1 else "")
+        + f" ({args.pp * dp * T} ranks)"
         + (f", EP {args.ep}" if args.ep > 1 else "")
         + f", {hw.name}; {args.tokens_per_rank:,} tokens per data-parallel rank per step (global batch "
         f"{args.tokens_per_rank * dp:,} tokens, seq {seq}), {M} micro-batch{'es' if M > 1 else ''} of "
