@@ -499,3 +499,13 @@ def test_collectives_per_boundary_labels_every_row():
     for name in names:
         assert re.search(rf"(^| ){re.escape(name)} ", text), name
     assert text.count(" calls") >= len(names)
+    # the experts map labels every one of its rows too (runs of boundaries with the same ranges)
+    from dmuon.plan._tools.html.figures import PlanFigures
+    from dmuon.plan._tools.html.maps import _expert_rows
+
+    page = plan._repr_html_()
+    text = _section_text(page, "experts")
+    rows = _expert_rows(PlanFigures(plan))
+    assert len(rows) > 40 and int(section(parse(page), "experts").data("rows")) == len(rows)
+    labels = re.findall(r"model\.layers\.\d+(?:–\d+)?", text)
+    assert len(labels) == len(rows), (len(labels), len(rows))

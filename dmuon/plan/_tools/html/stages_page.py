@@ -34,13 +34,23 @@ def overview(sp: Any) -> Svg:
     """The split and one row per stage."""
     split, plans = sp.split, sp.plans
     S = split.num_stages
+    P, V = split.pp_size, split.stages_per_rank
+    plan0 = plans[0]
+    R, N = plan0.mesh_shape
+    T = plan0.tp_size
+    mesh = (f"{R} × {N}" if R > 1 else f"{N}") + (f" × TP {T}" if T > 1 else "")
+    holds = (
+        "one per rank"
+        if V == 1
+        else f"{V} per rank: pipeline rank r holds stages r, r + {P}, ... (looped schedules such as Interleaved1F1B)"
+    )
     caption = (
-        f"{S} stages on {split.pp_size} pipeline ranks ({split.stages_per_rank} per rank: pipeline rank r holds "
-        f"stages r, r + {split.pp_size}, ...), {split.num_layers} layers of {split.layers}. Split: {split.method}. "
-        "Each stage is a model of its own for dmuon: its own plan, owners and buffers over the stage's "
-        "data-parallel ranks (the mesh below), planned one per stage as shown further down. Bytes per step: "
-        "one micro-batch (plan.cost); under a pipeline schedule Z2 moves the same per step and Z3 adds one "
-        "forward and one backward broadcast per further micro-batch (dmuon.plan.pipeline_cost)."
+        f"{S} stages on {P} pipeline ranks ({holds}), {split.num_layers} layers of {split.layers}. Split: "
+        f"{split.method}. Each stage is a model of its own for dmuon: its own plan, owners and buffers over the "
+        f"stage's data-parallel ranks (mesh {mesh}; the world is {P} × that = {P * R * N * T:,} ranks), each "
+        "plan shown below under its stage's banner. Bytes per step: one micro-batch (plan.cost); under a "
+        "pipeline schedule Z2 moves the same per step and Z3 adds one forward and one backward broadcast per "
+        "further micro-batch (dmuon.plan.pipeline_cost)."
     )
     svg = Svg(PAGE_WIDTH, 0, label="stages")
     y = header_block(svg, "Pipeline stages", caption) + 8
