@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import TYPE_CHECKING
 
 from dmuon.plan._cost.cost_model import ByteCost
@@ -51,7 +53,21 @@ def pipeline_cost(plan: "ShardingPlan", microbatches: int) -> ByteCost:
     Raises:
         ValueError: ``microbatches`` is not a positive int.
     """
-    step = pipeline_step(microbatches)
     from dmuon.plan._scheduling.builder import schedule
 
-    return schedule_byte_cost(schedule(plan, step))
+    step = pipeline_step(microbatches)  # checks the count
+    if microbatches <= 2:
+        return schedule_byte_cost(schedule(plan, step))
+    # every micro-batch past the first repeats the first's parameter phases and nothing else (the
+    # reduce and the optimizer run once, after the last backward), so the bytes are linear in the
+    # count: those of one micro-batch plus (M - 1) times what the second one adds (built, not
+    # assumed; M x fewer ops to build than the whole step's schedule)
+    one, two = (schedule_byte_cost(schedule(plan, pipeline_step(m))) for m in (1, 2))
+    k = microbatches - 1
+
+    def grow(a, b):
+        return tuple(x + k * (y - x) for x, y in zip(a, b)) if isinstance(a, tuple) else a + k * (b - a)
+
+    return dataclasses.replace(
+        one, **{f.name: grow(getattr(one, f.name), getattr(two, f.name)) for f in dataclasses.fields(one)}
+    )
