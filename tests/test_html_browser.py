@@ -1,5 +1,6 @@
 """The pages in a real browser: headless Chromium renders the tiny dense plan, an MoE plan with
-expert ranges, an HSDP plan, a plan diff and a simulator result, side by side in ONE launch
+expert ranges, an HSDP plan, a plan diff, a simulator result and a pipelined model's stages page,
+side by side in ONE launch
 (one screenshot), and each section is checked not blank inside its known box (every section
 is an SVG of fixed size whose top the page records in ``data-top``): enough pixels differ from
 the white page, several colours, and the pixel at the section's ``data-probe`` point has the
@@ -38,7 +39,7 @@ def chromium() -> str:
 
 
 def _pages():
-    """``(name, page fragment, plan or None)`` of the five pages."""
+    """``(name, page fragment, plan or None)`` of the six pages."""
     import dmuon.sim as S
 
     tiny = P.compile(zoo.tiny_llama(), 4)
@@ -50,12 +51,14 @@ def _pages():
     sims = S.simulate_variants(
         tiny, S.hardware.preset("h100"), wl, variants=("adamw", "z3", "naive"), timeline_ranks=(0,)
     )
+    stages = P.compile_stages(zoo.tiny_llama(), 2, pp=2)
     return [
         ("tiny", tiny._repr_html_(), tiny),
         ("moe", moe._repr_html_(), moe),
         ("hsdp", hsdp._repr_html_(), hsdp),
         ("diff", d._repr_html_(), d),
         ("simulation", sims._repr_html_(), sims),
+        ("stages", stages._repr_html_(), stages),
     ]
 
 
@@ -71,6 +74,12 @@ def _check_figures(els, obj) -> None:
         assert fields
         for g in fields:
             assert int(g.data("nbytes")) == getattr(obj.cost, g.data("field"))
+    elif kind == "stages":  # each stage's layers, fingerprint and bytes per step
+        rows = [e for e in els if e.tag == "g" and "data-stage" in e.attrs]
+        assert [int(g.data("stage")) for g in rows] == list(range(len(obj.plans)))
+        for g, plan in zip(rows, obj.plans):
+            assert g.data("fingerprint") == plan.fingerprint()
+            assert int(g.data("total-nbytes")) == plan.cost.total_nbytes
     elif kind == "diff":  # bytes per phase before and after
         rows = [e for e in els if e.tag == "g" and "data-before" in e.attrs and "data-field" in e.attrs]
         assert {g.data("field") for g in rows} == {c.field for c in obj.costs if c.before or c.after}

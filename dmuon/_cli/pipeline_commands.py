@@ -21,7 +21,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from dmuon.sim._pages.recommendation import fits
+from dmuon.sim._pages.recommendation import fits, recommend
 
 __all__ = ["add_pipeline_args", "wants_pipeline", "simulate_pipelined", "main_advise", "gap_line"]
 
@@ -155,7 +155,9 @@ def simulate_pipelined(
     mem = hw.memory_nbytes
     print(f"{args.model}: {sp.split.describe()}")
     print(
-        f"{args.model} on PP {args.pp} x mesh {plan.mesh_shape} x TP {T} ({args.pp * dp * T} ranks)"
+        f"{args.model} on PP {args.pp} x mesh {plan.mesh_shape}"
+        + (f" x TP {T}" if T > 1 else "")
+        + f" ({args.pp * dp * T} ranks)"
         + (f", EP {args.ep}" if args.ep > 1 else "")
         + f", {hw.name}; {args.tokens_per_rank:,} tokens per data-parallel rank per step (global batch "
         f"{args.tokens_per_rank * dp:,} tokens, seq {seq}), {M} micro-batch{'es' if M > 1 else ''} of "
@@ -192,11 +194,9 @@ def simulate_pipelined(
     )
     for v in modes:
         print(gap_line(sims[v], base))
-    fitting = [v for v in modes if fits(sims[v], mem)]
-    if fitting:
-        best = min(fitting, key=lambda v: (sims[v].step_s, v != "z3"))
-        print(f"recommended: dmuon {best.upper()} ({sims[best].step_s / base.step_s:.3f} x FSDP2 + AdamW)")
-    else:
+    best, why = recommend({v: sims[v] for v in modes}, mem)
+    print(f"recommended: dmuon {best.upper()} ({sims[best].step_s / base.step_s:.3f} x FSDP2 + AdamW): {why}")
+    if not fits(sims[best], mem):  # recommend() prefers a mode that fits: none does
         print(
             f"warning: no dmuon mode fits the device ({mem / 2**30:.1f} GiB): more pipeline or shard ranks, "
             "activation checkpointing (--ac) or fewer tokens per rank"

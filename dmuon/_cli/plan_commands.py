@@ -259,7 +259,8 @@ def main_plan(argv: Sequence[str] | None = None) -> int:
         "--html",
         metavar="FILE",
         default=None,
-        help="write the plan's page to FILE (plan.to_html(): ownership map, per-rank bars, bytes; docs/planning.md)",
+        help="write the plan's page to FILE (plan.to_html(): ownership map, per-rank bars, bytes; docs/planning.md; "
+        "with --pp: the split and one plan per stage on one page)",
     )
     parser.add_argument(
         "--schedule",
@@ -277,10 +278,9 @@ def main_plan(argv: Sequence[str] | None = None) -> int:
         parser.error("--pp and --stages-per-rank must be >= 1")
     if args.stages_per_rank > 1 and args.pp == 1:
         parser.error("--stages-per-rank needs --pp K > 1")
-    if args.pp > 1 and (args.html or args.schedule is not None):
+    if args.pp > 1 and args.schedule is not None:
         parser.error(
-            f"{'--html' if args.html else '--schedule'} with --pp: not per stage yet; "
-            "plan one stage with dmuon.plan.compile_stages(...).plans[s]"
+            "--schedule with --pp: not per stage yet; plan one stage with dmuon.plan.compile_stages(...).plans[s]"
         )
 
     model = PRESETS[args.model]()
@@ -330,7 +330,7 @@ def main_plan(argv: Sequence[str] | None = None) -> int:
 
 def _print_stages(args: argparse.Namespace, model, kw: dict) -> int:
     """``plan --pp``: the split (which rule, which layers per stage), then each stage's plan
-    summary; ``--json``: one file per stage."""
+    summary; ``--json``: one file per stage; ``--html``: one page, the split and every stage's plan."""
     sp = compile_stages(
         model, args.mesh, pp=args.pp, stages_per_rank=args.stages_per_rank, reshard_after_forward=not args.z2, **kw
     )
@@ -346,6 +346,8 @@ def _print_stages(args: argparse.Namespace, model, kw: dict) -> int:
                 f.write(plan.to_json(indent=1))
                 f.write("\n")
             print(f"wrote {path} (fingerprint {plan.fingerprint()[:12]})")
+    if args.html:
+        write_html(args.html, sp.to_html())
     return 0
 
 

@@ -14,6 +14,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from dmuon.sim._pages.sim_html import MEMORY_TERMS
 from dmuon.sim._pages.recommendation import fits, recommend
 
 __all__ = ["main_simulate"]
@@ -27,11 +28,13 @@ def expert_counts(model: Any) -> dict[str, int]:
     return {n: int(p.shape[0]) for n, p in model.named_parameters() if is_expert_stack(n, tuple(p.shape))}
 
 
-#: what the FSDP2 baselines assume, printed in the header
+#: what the FSDP2 baselines assume, printed in the header (a model with expert stacks)
 BASELINE_LINE = (
     "FSDP2 baseline: dense parameters Shard(0); expert stacks Shard(1) when efsdp x ep > E, else "
     "Shard(0) (torchtitan apply_fsdp_to_decoder)"
 )
+#: the same for a model without expert stacks
+DENSE_BASELINE_LINE = "FSDP2 baseline: every parameter Shard(0)"
 
 
 def dmuon_collectives(plan: Any) -> tuple[dict[str, int], int]:
@@ -53,16 +56,6 @@ def dmuon_collectives(plan: Any) -> tuple[dict[str, int], int]:
         for x in group:
             per_rank[x] += c
     return by_kind, max(per_rank, default=0)
-
-
-#: the terms of :class:`dmuon.sim._engine.records.MemoryBreakdown`, as the memory table prints them
-MEMORY_TERMS = (
-    ("parameters", "parameters_nbytes"),
-    ("gradients", "gradients_nbytes"),
-    ("optimizer state", "optimizer_state_nbytes"),
-    ("transient", "transient_nbytes"),
-    ("activations", "activations_nbytes"),
-)
 
 
 def busiest_memory(sim: Any) -> dict[str, int]:
@@ -300,11 +293,13 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
         sims[v] = simulate(p, hw, wl, variant=v, timeline_ranks=(0,))
     base = sims["adamw"].step_s
     ep_note = f", EP {args.ep} (efsdp {plan.mesh_shape[1] // args.ep})" if args.ep > 1 else ""
+    tp_note = f" x TP {plan.tp_size}" if plan.tp_size > 1 else ""
     print(
-        f"{args.model} on mesh {plan.mesh_shape} x TP {plan.tp_size} ({plan.world_size * plan.tp_size} ranks){ep_note}, "
+        f"{args.model} on mesh {plan.mesh_shape}{tp_note} ({plan.world_size * plan.tp_size} ranks){ep_note}, "
         f"{hw.name}; {args.tokens_per_rank:,} tokens/rank, seq {seq}, wire {param_dtype or 'fp32'}"
     )
-    print(BASELINE_LINE)
+    baseline_line = BASELINE_LINE if expert_counts(model) else DENSE_BASELINE_LINE
+    print(baseline_line)
     coll_note = ""
     if hw.coalesces:
         coll_note = (
@@ -360,7 +355,7 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
             tokens_per_rank=args.tokens_per_rank,
             seq_len=seq,
             recommended=rec,
-            baseline=BASELINE_LINE,
+            baseline=baseline_line,
             dmuon_collectives=by_kind,
             dmuon_collectives_busiest_rank=busiest,
             buffer_payload_numel=payload,

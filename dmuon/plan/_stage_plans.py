@@ -36,6 +36,18 @@ class StagePlans:
             out.append(plan.summary())
         return "\n".join(out)
 
+    def to_html(self) -> str:
+        """The split and every stage's plan page as one standalone HTML page (inline SVG, no
+        JavaScript; ``python -m dmuon plan --pp K --html FILE``)."""
+        from dmuon.plan._tools.html.stages_page import stages_html
+
+        return stages_html(self, standalone=True)
+
+    def _repr_html_(self) -> str:
+        from dmuon.plan._tools.html.stages_page import stages_html
+
+        return stages_html(self)
+
 
 def _stage_signature(part: nn.Module, split: PipelineSplit, stage: int) -> tuple:
     """Parameter names (layer indices counted from the stage's first layer), shapes and dtypes."""

@@ -37,3 +37,18 @@ def test_pipeline_cost_refuses_a_bad_count(bad):
     plan = P.compile(make_model("tiny"), 2)
     with pytest.raises(ValueError, match="microbatches must be a positive int"):
         P.pipeline_cost(plan, bad)
+
+
+@pytest.mark.parametrize("mesh", [2, (2, 2)])
+@pytest.mark.parametrize("z3", [True, False])
+def test_pipeline_cost_is_the_pipelined_steps_schedule(mesh, z3):
+    """pipeline_cost(plan, M) is the bytes of the whole pipelined step's schedule (Step(pipelined=True),
+    M micro-batches), per rank and per phase, for M past the two it builds."""
+    from dmuon.plan._cost.nbytes import schedule_byte_cost
+    from dmuon.plan._cost.stage_bytes import pipeline_step
+
+    plan = P.compile(make_model("tiny"), mesh, reshard_after_forward=z3)
+    for m in (1, 2, 5):
+        step = pipeline_step(m)
+        assert step.pipelined and len(step.micro_batches) == m
+        assert P.pipeline_cost(plan, m) == schedule_byte_cost(plan.schedule(step)), m

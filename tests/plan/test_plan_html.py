@@ -367,6 +367,99 @@ def test_simulation_page():
     ]
 
 
+def test_simulation_page_memory_by_term_and_fit():
+    """The memory section: each variant's busiest rank by peak, its terms, '> device' on those above
+    the device, and dmuon minus FSDP2 + AdamW by term."""
+    import dataclasses
+
+    import dmuon.sim as S
+    from dmuon.sim._pages.sim_html import MEMORY_TERMS
+
+    plan = P.compile(zoo.tiny_llama(), 4)
+    wl = S.from_plan(plan, tokens_per_rank=512, seq_len=512)
+    sims = S.simulate_variants(plan, S.hardware.preset("h100"), wl, variants=("adamw", "z2", "z3"), timeline_ranks=(0,))
+    peaks = {v: max(s.peak_memory_nbytes) for v, s in sims.items()}
+    sims.memory_nbytes = sorted(peaks.values())[1]  # the two larger peaks above the device
+    page = sims._repr_html_()
+    els = parse(page)
+    assert [e.data("section") for e in sections(els)] == ["variants", "memory", "timeline"]
+    rows = [e for e in els if e.tag == "g" and "data-memory-variant" in e.attrs]
+    assert {r.data("memory-variant"): int(r.data("peak-nbytes")) for r in rows} == peaks
+    over = [v for v, p in peaks.items() if p > sims.memory_nbytes]
+    assert over and page.count(" &gt; device</text>") == 2 * len(over)  # the table's and the memory section's
+    ref = max(sims["adamw"].ranks, key=lambda r: (r.memory.peak_nbytes, -r.rank)).memory
+    z3 = max(sims["z3"].ranks, key=lambda r: (r.memory.peak_nbytes, -r.rank)).memory
+    gap = ", ".join(
+        f"{t} {(getattr(z3, f) - getattr(ref, f)) / 2**30:+,.2f}"
+        for t, f in MEMORY_TERMS
+        if getattr(z3, f) != getattr(ref, f)
+    )
+    assert f"dmuon Z3 minus FSDP2 + AdamW, GiB: {gap}." in html.unescape(page)
+    assert "one Muon momentum instead of two moments" in page
+    assert dataclasses.is_dataclass(z3)
+
+
+def test_plan_page_header_says_what_balance_and_the_bound_mean():
+    """The header's balance tile is busiest / mean; the LPT bound is named a worst case with its
+    meaning; the per-rank caption gives the busiest rank's memory gap to FSDP2 + AdamW by term."""
+    from dmuon.plan._tools.render import memory_gap
+
+    plan = P.compile(zoo.tiny_moe(), 4)
+    page = html.unescape(plan._repr_html_())
+    text = " ".join(re.sub(r"<[^>]+>", " ", page).split())  # the page's words (wrapped lines joined)
+    w = plan.owned_weight
+    mean = sum(w) / len(w)
+    assert "balance: busiest / mean load" in page and f">{max(w) / mean:.3f}<" in page
+    assert "max / LPT bound" not in page and "LPT worst case (not a target)" in page
+    assert "the mean plus the largest single matrix" in text and "not a sign of balance" in text
+    stats = plan.rank_stats()
+    top = max(range(len(stats)), key=lambda r: (stats[r].memory.peak_nbytes, -r))
+    gap = memory_gap(stats[top].memory, plan.adamw_rank_stats()[0].memory)
+    assert gap and f"(schedule rank {top}) minus FSDP2 + AdamW, by term: {gap}." in text
+    # fields that do not apply are not shown: no TP, no HSDP, no owner groups on this plan
+    header = page[: page.index('data-section="ownership"')]
+    assert "TP T =" not in header and "replicate" not in header and "owner groups" not in header
+
+
+def test_plan_pp_html_shows_every_stage(tmp_path, capsys):
+    """``plan --pp K --stages-per-rank V --html``: one page, the split (which rule, which layers per
+    stage) and every stage's plan under a banner naming it; the figures are each stage's own."""
+    from dmuon._cli.plan_commands import main_plan
+
+    path = str(tmp_path / "stages.html")
+    assert (
+        main_plan(["--model", "tiny-llama", "--mesh", "2", "--pp", "2", "--stages-per-rank", "2", "--html", path]) == 0
+    )
+    assert f"wrote {path} (" in capsys.readouterr().out
+    page = open(path, encoding="utf-8").read()
+    sp = P.compile_stages(zoo.tiny_llama(), 2, pp=2, stages_per_rank=2)
+    assert page == sp.to_html()
+    _check_self_contained(page)
+    els = parse(page)
+    assert check_well_formed(page) == len(sections(els))
+    top = root(els)
+    assert top.data("page") == "stages" and int(top.data("stages")) == 4
+    assert (int(top.data("pp-size")), int(top.data("stages-per-rank"))) == (2, 2)
+    assert top.data("split") == sp.split.method and "the embedding and the head count as one layer each" in page
+    rows = [e for e in els if e.tag == "g" and "data-stage" in e.attrs]
+    assert [int(r.data("stage")) for r in rows] == [0, 1, 2, 3]
+    for s, (r, plan) in enumerate(zip(rows, sp.plans)):
+        assert r.data("layers").split() == [str(i) for i in sp.split.stage_layers(s)]
+        assert r.data("modules").split() == list(sp.split.stages[s])
+        assert r.data("fingerprint") == plan.fingerprint()
+        assert int(r.data("total-nbytes")) == plan.cost.total_nbytes
+        names = [e.data("section") for e in sections(els) if e.data("section").startswith(f"stage {s} ")]
+        assert names[:2] == [f"stage {s} header", f"stage {s} ownership"], names
+        assert f"Stage {s} of 4 · pipeline rank {s % 2}" in html.unescape(page)
+    secs = sections(els)
+    assert secs[0].data("section") == "stages"
+    for a, b in zip(secs, secs[1:]):
+        assert float(b.data("top")) == pytest.approx(float(a.data("top")) + float(a.attrs["height"]) + 14)
+    # 6 effective layers over 4 stages: the last holds the head alone (no boundary: AdamW only)
+    assert sp.split.stage_layers(3) == () and not sp.plans[3].params and page.count("none (AdamW only)") == 1
+    assert "stage 0: op listings" in page and "stage 2: op listings" in page
+
+
 def test_html_options_of_the_clis(tmp_path, capsys):
     from dmuon._cli.plan_commands import main_diff, main_plan
 
@@ -406,3 +499,13 @@ def test_collectives_per_boundary_labels_every_row():
     for name in names:
         assert re.search(rf"(^| ){re.escape(name)} ", text), name
     assert text.count(" calls") >= len(names)
+    # the experts map labels every one of its rows too (runs of boundaries with the same ranges)
+    from dmuon.plan._tools.html.figures import PlanFigures
+    from dmuon.plan._tools.html.maps import _expert_rows
+
+    page = plan._repr_html_()
+    text = _section_text(page, "experts")
+    rows = _expert_rows(PlanFigures(plan))
+    assert len(rows) > 40 and int(section(parse(page), "experts").data("rows")) == len(rows)
+    labels = re.findall(r"model\.layers\.\d+(?:–\d+)?", text)
+    assert len(labels) == len(rows), (len(labels), len(rows))

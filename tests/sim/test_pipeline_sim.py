@@ -195,6 +195,54 @@ def test_pipelined_step_composes_stage_steps_bubble_and_memory() -> None:
     assert sims["z2"].ns_s > 0 == sims["adamw"].ns_s
 
 
+def _fsdp2_gathers(ops) -> tuple[int, int]:
+    """FSDP2 all-gathers in a step's ops, and those after its last forward (the backward's)."""
+    last_fwd = max(op.id for op in ops if op.kind == "forward")
+    gathers = [op for op in ops if op.kind == "fsdp2_all_gather"]
+    return len(gathers), sum(op.id > last_fwd for op in gathers)
+
+
+@pytest.mark.parametrize("mesh", [2, (2, 2)])
+def test_pipelined_stage_bytes_equal_pipeline_cost(mesh) -> None:
+    """Each stage's simulated dmuon bytes per step are pipeline_cost's (the ledger's): Z2 one forward
+    broadcast and one reduce per step (plan.cost) however many micro-batches, Z3 M forward and M
+    backward broadcasts; the reduce follows the last backward (the schedule's REDUCE_GRAD), and
+    FSDP2 under the schedule gathers a unit kept after its backward once per step (Z2) or once per
+    backward plus the first forward (Z3), for dmuon's FSDP2 part and for FSDP2 + AdamW alike."""
+    from dmuon.plan._cost.stage_bytes import pipeline_step
+    from dmuon.sim._engine import alternatives as alt
+
+    hw = H.preset("h100")
+    M = 4
+    sp = P.compile_stages(zoo.tiny_llama(), mesh, pp=2, mp_policy=MP)
+    sims = S.simulate_pipeline(
+        sp, hw, tokens_per_rank=4096, seq_len=1024, micro_batches=M, variants=("adamw", "z2", "z3")
+    )
+    for v in ("z2", "z3"):
+        for s, plan in enumerate(sp.plans):
+            mode = dataclasses.replace(plan, reshard_after_forward=v == "z3")
+            c = mode.cost
+            per_mb = c.forward_broadcast_nbytes + c.backward_broadcast_nbytes  # Z3: repeated per micro-batch
+            want = c.total_nbytes + (M - 1) * per_mb if v == "z3" else c.total_nbytes
+            assert c.forward_broadcast_nbytes > 0 and (c.backward_broadcast_nbytes > 0) == (v == "z3")
+            assert sims[v].stages[s].dmuon_nbytes == P.pipeline_cost(mode, M).total_nbytes == want, (v, s)
+            sched = mode.schedule(pipeline_step(M))
+            last_bwd = max(op.id for op in sched.ops if op.kind == "backward")
+            assert min(op.id for op in sched.ops if op.phase == "reduce") > last_bwd
+            gathers, in_bwd = _fsdp2_gathers(mode.schedule().ops)
+            assert gathers > 0 and (in_bwd > 0) == (v == "z3")
+            assert _fsdp2_gathers(sched.ops)[0] == gathers + (M - 1) * in_bwd, (v, s)
+    assert all(st.dmuon_nbytes == 0 for st in sims["adamw"].stages)
+    plan = sp.plans[0]
+    for reshard in (False, True):
+        nominal = alt.build("adamw", plan, fsdp2_reshard_after_forward=reshard)
+        piped = alt.build("adamw", plan, pipeline_step(M), fsdp2_reshard_after_forward=reshard)
+        gathers, in_bwd = _fsdp2_gathers(nominal)
+        assert (in_bwd > 0) == reshard and _fsdp2_gathers(piped)[0] == gathers + (M - 1) * in_bwd, reshard
+        rs = [op for op in piped if op.kind == "fsdp2_reduce_scatter"]
+        assert rs and min(op.id for op in rs) > max(op.id for op in piped if op.kind == "backward")
+
+
 # ------------------------------------------------------------------ advise
 
 
@@ -255,6 +303,16 @@ def test_simulate_cli_pipelined_rows_and_refusals(capsys, tmp_path) -> None:
     assert "peak per rank against the device's 80.0 GiB: adamw fits, naive fits, z2 fits" in capsys.readouterr().out
     data = json.loads((tmp_path / "s.json").read_text())
     assert data["split"][1] == ["model.layers.2", "model.layers.3", "model.norm", "lm_head"]
+    # the pipelined "recommended:" line is recommendation.recommend's (Z3 within 1 %, memory first)
+    from dmuon.sim._pages.recommendation import recommend
+
+    rows = {
+        v: SimpleNamespace(step_s=r["step_ms"] / 1e3, peak_memory_nbytes=tuple(r["peak_memory_nbytes"]))
+        for v, r in data["variants"].items()
+        if v != "adamw"
+    }
+    mode, why = recommend(rows, data["device_memory_nbytes"])
+    assert f"recommended: dmuon {mode.upper()} (" in out and f"): {why}" in out
     assert set(data["variants"]) == {"adamw", "z2", "z3"} and data["micro_batches"] == 4
     for extra, msg in [
         (["--pp", "2", "--microbatches", "3"], "must be >= 1 and divide --tokens-per-rank"),

@@ -62,6 +62,12 @@ class _Builder:
                 acc[1] += c if grad else 0
             self.fsdp2_units[unit.fqn] = [(d, a, g) for d, (a, g) in sorted(per.items())]
         self.fsdp2_resident: set[str] = set()
+        # a pipeline schedule's step (Step.pipelined): backwards without sync, one reduce at the
+        # end; Z2 buffers resident until then; FSDP2 units kept unsharded after their backward
+        self.pipelined = step.pipelined
+        self.keep_resident = step.pipelined and not plan.reshard_after_forward
+        self.unreduced: set[int] = set()  # boundaries whose backward ran, not yet reduced (pipelined)
+        self.last_compute: tuple[int, ...] = ()  # the latest backward op (pipelined: the reduce waits for it)
 
     def fsdp2(self, unit: str, kind: str, mb: int, deps: tuple[int, ...] = ()) -> tuple[int, ...]:
         """FSDP2's collectives of ``unit``'s non-dedicated parameters, one per row and dtype."""
@@ -173,10 +179,12 @@ class _Builder:
             deps=deps,
             external=True,
         )
+        self.last_compute = (compute,)
         self.pending[b] -= 1  # post-backward
         if self.pending[b] == 0:
             self.finish(b, mb, sync, (compute,))
-            self.fsdp2_resident.discard(fqn)
+            if not self.pipelined:  # the pipeline schedule keeps FSDP2's units unsharded after backward
+                self.fsdp2_resident.discard(fqn)
             if sync:
                 rs = self.fsdp2(fqn, "fsdp2_reduce_scatter", mb, (compute,))
                 self.fsdp2(fqn, "fsdp2_all_reduce", mb, rs)
@@ -191,7 +199,10 @@ class _Builder:
             # boundary's backward after their shard reduces (not all at the end of the backward)
             self.replicate_reduces([e for e in self.inflight if e not in self.replicated], mb)
             self.inflight.append(b)
-        self.resident[b] = False
+        elif self.pipelined:
+            self.unreduced.add(b)
+        if not self.keep_resident:
+            self.resident[b] = False
 
     def replicate_reduces(self, boundaries: list[int], mb: int) -> None:
         """The replicate reduces of ``boundaries`` (their shard reduces already in the table)."""
@@ -226,20 +237,41 @@ class _Builder:
             )
         self.inflight: list[int] = []  # reduced in this backward, until finish_reduces
         self.replicated: set[int] = set()  # of those, the ones whose replicate reduces are issued
+        sync = micro.sync and not self.pipelined  # a pipeline schedule reduces once, after the step
         self.fsdp2_unshard("", mb)  # the root unit (embeddings, final norm, lm_head)
         for b in calls:
             self.forward(b, mb)
         for b in reversed(calls):
-            self.backward(b, mb, micro.sync, b in recompute)
+            self.backward(b, mb, sync, b in recompute)
         for b in reversed(range(len(self.programs))):  # end-of-backward callback
             if self.pending[b] > 0:
-                self.finish(b, mb, micro.sync, ())
+                self.finish(b, mb, sync, ())
         self.finish_reduces(mb)
-        self.resident = [False] * len(self.programs)  # prefetched but never called: freed too
-        if micro.sync:
+        if self.pipelined and micro.sync:
+            self.pipeline_reduce(mb)
+        if not self.keep_resident or micro.sync:
+            self.resident = [False] * len(self.programs)  # prefetched but never called: freed too
+        if sync:
             rs = self.fsdp2("", "fsdp2_reduce_scatter", mb)
             self.fsdp2("", "fsdp2_all_reduce", mb, rs)
-        self.fsdp2_resident.clear()
+        if not self.pipelined or micro.sync:
+            self.fsdp2_resident.clear()
+
+    def pipeline_reduce(self, mb: int) -> None:
+        """The pipeline schedule's reduce after the step's last backward (``Step.pipelined``):
+        dmuon's reduces of every boundary whose backward ran, last boundary first, then FSDP2's
+        reduce-scatters (and HSDP all-reduces) of every unit, the root's last."""
+        deps = self.last_compute
+        for b in reversed(range(len(self.programs))):
+            if b in self.unreduced:
+                self.finish(b, mb, True, deps)
+        self.finish_reduces(mb)
+        self.unreduced = set()
+        for p in reversed(self.programs):
+            rs = self.fsdp2(p.fqn, "fsdp2_reduce_scatter", mb, deps)
+            self.fsdp2(p.fqn, "fsdp2_all_reduce", mb, rs)
+        rs = self.fsdp2("", "fsdp2_reduce_scatter", mb, deps)
+        self.fsdp2("", "fsdp2_all_reduce", mb, rs)
 
     def gram_bucket(self, group, phase: str, d: int, bucket, flops, reduce_deps, ns_ids, mb: int) -> None:
         """Sharded Gram NS of one bucket of matrices on ``group`` (a TP group or an owner group):

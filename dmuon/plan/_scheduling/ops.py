@@ -181,10 +181,21 @@ class Step:
         unused: dedicated parameters (any alias) no rank produces a gradient for: Muon skips
             them (no NS op, left out of TP batches). Collectives are unchanged: a missing
             gradient travels as zeros with a presence flag of 0.
+        pipelined: the step of one pipeline stage under a ``torch.distributed.pipelining``
+            schedule (docs/pipeline_parallel.md), as dmuon's runtime and FSDP2 run it there:
+            every backward runs without gradient sync, and the step's reduce (the schedule's
+            ``REDUCE_GRAD``) follows the last micro-batch's backward: dmuon's reduces of every
+            boundary that ran, last boundary first, then FSDP2's; FSDP2 keeps each unit
+            unsharded after its backward (``set_reshard_after_backward(False)``); under Z2
+            dmuon's buffers stay resident from a boundary's first forward until that reduce (one
+            forward broadcast per step), under Z3 every micro-batch broadcasts for its forward
+            and again for its backward. The micro-batches' ``sync`` flags are not read (the last
+            must still be True). :func:`dmuon.plan.pipeline_cost` is the ledger's bytes of it.
     """
 
     micro_batches: tuple[MicroBatch, ...] = (MicroBatch(),)
     unused: tuple[str, ...] = ()
+    pipelined: bool = False
 
     def __post_init__(self) -> None:
         if type(self.micro_batches) is not tuple or any(not isinstance(m, MicroBatch) for m in self.micro_batches):
@@ -198,6 +209,8 @@ class Step:
             )
         if type(self.unused) is not tuple or not all(isinstance(f, str) for f in self.unused):
             raise TypeError("Step.unused must be a tuple of FQNs")
+        if type(self.pipelined) is not bool:
+            raise TypeError("Step.pipelined must be a bool")
 
 
 def _fmt_group(group: tuple[int, ...]) -> str:

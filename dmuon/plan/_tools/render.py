@@ -21,7 +21,7 @@ from dmuon.plan._tools.render_collectives import collective_lines
 if TYPE_CHECKING:
     from dmuon.plan._records.plan import ShardingPlan
 
-__all__ = ["render_summary", "mode_name", "fmt_nbytes", "fmt_flops"]
+__all__ = ["render_summary", "mode_name", "fmt_nbytes", "fmt_flops", "memory_gap"]
 
 
 def mode_name(plan: ShardingPlan) -> str:
@@ -142,6 +142,17 @@ _MEMORY_ROWS = (
 )
 
 
+def memory_gap(top, adamw) -> str:
+    """One rank's whole memory minus FSDP2 + AdamW's, by term (``MemoryTerms``), e.g.
+    ``"parameters +1.2 MiB, AdamW moments -3.4 MiB, transient +2.0 GiB"``; the summary's and the
+    plan page's wording."""
+    return ", ".join(
+        f"{label} {'+' if d >= 0 else '-'}{fmt_nbytes(abs(d))}"
+        for label, field in _MEMORY_ROWS[:-1]
+        if (d := getattr(top, field) - getattr(adamw, field))
+    )
+
+
 def memory_lines(plan: ShardingPlan, terms, adamw, naive, *, max_ranks: int = 8) -> list[str]:
     """The summary's memory block: the busiest dmuon rank's whole memory by term (Muon; per
     schedule rank ``terms``) next to the mean, FSDP2 + AdamW (``adamw``) and FSDP2 + naive Muon
@@ -167,11 +178,7 @@ def memory_lines(plan: ShardingPlan, terms, adamw, naive, *, max_ranks: int = 8)
             f"{fmt_nbytes(adamw.peak_nbytes)} on the busiest rank)"
         )
     else:
-        gap = ", ".join(
-            f"{label} {'+' if d >= 0 else '-'}{fmt_nbytes(abs(d))}"
-            for label, field in _MEMORY_ROWS[:-1]
-            if (d := getattr(top, field) - getattr(adamw, field))
-        )
+        gap = memory_gap(top, adamw)
         lines.append(
             f"peak: ABOVE FSDP2 + AdamW's on {len(above)} of {len(terms)} ranks "
             f"({', '.join(str(r) for r in above[:max_ranks])}{' ...' if len(above) > max_ranks else ''}): "
@@ -204,7 +211,7 @@ def _header(plan: ShardingPlan) -> list[str]:
         *tp_line,
         *_variant_lines(plan),
         f"wire dtypes: param={plan.param_dtype or 'storage'} reduce={plan.reduce_dtype or plan.param_dtype or 'storage'}"
-        f"; replicate_async={plan.replicate_async}",
+        + (f"; replicate_async={plan.replicate_async}" if R > 1 else ""),
         f"model digest {plan.model_digest[:12]}  plan fingerprint {plan.fingerprint()[:12]}",
         f"dedicated: {len(plan.params):,} params ({n_mat:,} matrices), {numel:,} elements, dtypes {', '.join(dtypes) or '-'}",
         f"boundaries: {len(plan.boundaries):,} ({len(fallback)} fallback"

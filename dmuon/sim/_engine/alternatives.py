@@ -160,12 +160,23 @@ def fsdp2_ops(
         last_grad[unit] = tuple(ids)
 
     bounds = [b.fqn for b in plan.boundaries]
+    # a pipeline schedule's step (Step.pipelined): units stay unsharded after their backward
+    # (and after their forward without reshard_after_forward) until the step's one reduce,
+    # which follows the last backward; elsewhere every unit is resharded after its backward
+    held: dict[str, tuple[int, ...]] = {}  # unit -> its gather (unsharded now)
+
+    def unshard(unit: str, mb: int) -> tuple[int, ...]:
+        if unit not in held:
+            held[unit] = gather(unit, mb)
+        return held[unit]
+
     for mb, micro in enumerate(step.micro_batches):
-        root = gather("", mb)
-        fwd_deps: dict[str, tuple[int, ...]] = {}
+        sync = micro.sync and not step.pipelined
+        if not step.pipelined:
+            held.clear()
+        root = unshard("", mb)
         for b in bounds:
-            g = gather(b, mb)
-            fwd_deps[b] = g
+            g = unshard(b, mb)
             e.emit(
                 kind="forward",
                 phase="compute",
@@ -175,8 +186,11 @@ def fsdp2_ops(
                 deps=g + root,
                 external=True,
             )
+            if reshard_after_forward:
+                held.pop(b)
+        c = None
         for b in reversed(bounds):
-            g = gather(b, mb) if reshard_after_forward else fwd_deps[b]
+            g = unshard(b, mb)
             if b in micro.recompute:  # activation checkpointing: the forward again, before the backward
                 g = (
                     e.emit(
@@ -192,10 +206,15 @@ def fsdp2_ops(
             c = e.emit(
                 kind="backward", phase="compute", group=everyone, boundary=b, micro_batch=mb, deps=g, external=True
             )
-            if micro.sync:
+            if sync:
                 reduce(b, mb, (c,))
-        if micro.sync:
+        if sync:
             reduce("", mb, ())
+        elif step.pipelined and micro.sync:  # the schedule's reduce, after the step's last backward
+            last = (c,) if c is not None else ()
+            for b in reversed(bounds):
+                reduce(b, mb, last)
+            reduce("", mb, last)
     return tuple(e.ops), last_grad
 
 

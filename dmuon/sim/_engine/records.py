@@ -93,6 +93,9 @@ class Simulation:
         timelines: ``{rank: (Interval, ...)}`` for the ranks asked for.
         comm_nbytes: bytes on the wire per step, summed over ranks (Note: the byte
             rule, docs/design.md; FSDP2's included).
+        dmuon_nbytes: of those, dmuon's own collectives by the ledger's rule (``plan.cost``'s
+            total for the nominal step, :func:`dmuon.plan.pipeline_cost`'s for a pipelined one);
+            0 for the alternatives.
         deferred_comm_s: HSDP with ``replicate_async``: how far the replicate broadcasts run
             past ``step_s`` (they are waited for before the next step's broadcast of their
             boundary, so they must hide behind the next forward; not in ``step_s``).
@@ -113,6 +116,7 @@ class Simulation:
     comm_nbytes: int
     deferred_comm_s: float = 0.0
     collectives_per_rank: tuple[int, ...] = ()
+    dmuon_nbytes: int = 0
 
     @property
     def ns_share(self) -> float:

@@ -16,7 +16,13 @@ from dmuon.plan._scheduling.step_schedule import StepSchedule
 from dmuon.sim._engine.records import MemoryBreakdown
 from dmuon.sim._engine.workload import Workload
 
-__all__ = ["memory", "buffer_wire_numel"]
+__all__ = ["memory", "buffer_wire_numel", "activations_nbytes"]
+
+
+def activations_nbytes(workload: Workload) -> int:
+    """The activations term of every rank and variant: one micro-batch's activations plus, under
+    activation checkpointing, what one boundary's recompute rebuilds."""
+    return workload.activation_nbytes + workload.recompute_transient_nbytes
 
 
 def memory(
@@ -47,7 +53,7 @@ def memory(
     micro-batch's (:attr:`Workload.activation_nbytes`), plus under activation checkpointing what one
     boundary's recompute rebuilds (:attr:`Workload.recompute_transient_nbytes`).
     """
-    act = workload.activation_nbytes + workload.recompute_transient_nbytes
+    act = activations_nbytes(workload)
     if variant in ("z2", "z3"):
         if sched is None:
             stats = plan.rank_stats()

@@ -64,15 +64,15 @@ def _variant_ops(
     return ops, R * N, plan, None
 
 
-def _moved_nbytes(ops: Sequence[Op], num_ranks: int, variant: str) -> int:
-    """Bytes on the wire per step summed over ranks: dmuon's collectives by the ledger's rule
-    (:func:`dmuon.plan._cost.nbytes.schedule_byte_cost`), FSDP2's and the alternatives' by
-    :func:`dmuon.sim.alternatives.moved_nbytes`."""
+def _moved_nbytes(ops: Sequence[Op], num_ranks: int, variant: str) -> tuple[int, int]:
+    """Bytes on the wire per step summed over ranks, and dmuon's part: dmuon's collectives by the
+    ledger's rule (:func:`dmuon.plan._cost.nbytes.schedule_byte_cost`), FSDP2's and the
+    alternatives' by :func:`dmuon.sim.alternatives.moved_nbytes`."""
     if variant in ("z2", "z3"):
         view = _OpsView(tuple(op for op in ops if op.collective), num_ranks)
         dmuon_part = _nbytes.schedule_byte_cost(view).total_nbytes
-        return dmuon_part + _alt.moved_nbytes([op for op in ops if op.kind.startswith("fsdp2_")])
-    return _alt.moved_nbytes(ops)
+        return dmuon_part + _alt.moved_nbytes([op for op in ops if op.kind.startswith("fsdp2_")]), dmuon_part
+    return _alt.moved_nbytes(ops), 0
 
 
 class _OpsView:
@@ -152,6 +152,7 @@ def simulate(
             )
         )
     last = path[-1] if path else PathStep(rank=crit, kind="", label="", start_s=0.0, end_s=0.0)
+    moved, dmuon_moved = _moved_nbytes(ops, n, variant)
     return Simulation(
         variant=variant + ({True: "+early_ns", "ns_only": "+early_ns_only"}.get(early_ns, "") if early_ns else ""),
         hardware=hardware.name,
@@ -163,7 +164,8 @@ def simulate(
         critical_op=f"{last.kind} {last.label}".strip(),
         critical_path=tuple(path),
         timelines=raw["timelines"],
-        comm_nbytes=_moved_nbytes(ops, n, variant),
+        comm_nbytes=moved,
+        dmuon_nbytes=dmuon_moved,
         deferred_comm_s=max(0.0, float(raw["deferred_end"].max()) - step_s),
         collectives_per_rank=calls,
     )

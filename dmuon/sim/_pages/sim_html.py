@@ -1,9 +1,10 @@
 """The simulator's result as a page: ``Simulations._repr_html_()`` / ``to_html()``,
 ``Simulation._repr_html_()`` and ``python -m dmuon simulate --html FILE``.
 
-Two sections (SVG, the rules of :mod:`dmuon.plan._tools.html.svg`): a table of every variant's
+Three sections (SVG, the rules of :mod:`dmuon.plan._tools.html.svg`): a table of every variant's
 figures (step, ratio to FSDP2 + AdamW, exposed communication, Newton-Schulz, peak memory, bytes
-moved) with the step as a bar, then one timeline of one rank (rank 0 by default) per variant,
+moved) with the step as a bar, the recommendation and the variants above the device's memory; the
+peak memory of each variant's busiest rank by term, against FSDP2 + AdamW; then one timeline of one rank (rank 0 by default) per variant,
 its lanes (compute, then each collective channel used) over a time axis shared by all variants:
 the ``--png`` Gantt chart in SVG, each bar an op with its ``<title>``.
 
@@ -22,7 +23,17 @@ from dmuon.plan._tools.html.svg import PAGE_WIDTH, Page, Svg, document, wrap
 from dmuon.sim._pages.recommendation import fits, recommend
 from dmuon.sim._pages.sim_plot import _LANES, COLORS
 
-__all__ = ["simulation_page", "simulation_html", "merge_bars"]
+__all__ = ["simulation_page", "simulation_html", "merge_bars", "MEMORY_TERMS"]
+
+#: the terms of :class:`~dmuon.sim._engine.records.MemoryBreakdown` as the page and
+#: ``python -m dmuon simulate`` name them: (label, attribute)
+MEMORY_TERMS = (
+    ("parameters", "parameters_nbytes"),
+    ("gradients", "gradients_nbytes"),
+    ("optimizer state", "optimizer_state_nbytes"),
+    ("transient", "transient_nbytes"),
+    ("activations", "activations_nbytes"),
+)
 
 #: left edge of the time axis, px (lane labels to its left)
 AXIS_X = 120
@@ -90,9 +101,9 @@ def _table(sims: Mapping[str, Any], memory_nbytes: int = 0) -> Svg:
         (230, "× " + ("AdamW" if "adamw" in sims else names[0])),
         (300, "exposed comm"),
         (400, "NS (share)"),
-        (510, "peak"),
-        (590, "moved"),
-        (680, "step (bar)"),
+        (505, "peak"),
+        (645, "moved"),
+        (730, "step (bar)"),
     ]
     for x, h in cols:
         svg.text(x, y + 12, h, size=11, bold=True)
@@ -110,18 +121,18 @@ def _table(sims: Mapping[str, Any], memory_nbytes: int = 0) -> Svg:
             f"{1e3 * s.step_s:,.1f} ms",
             f"{s.step_s / base:.3f}" if base else "-",
             f"{1e3 * s.exposed_comm_s:,.1f} ms",
-            f"{1e3 * s.ns_s:,.1f} ms ({100 * s.ns_share:.0f}%)",
+            f"{1e3 * s.ns_s:,.1f} ms ({100 * s.ns_share:.0f}%)" if s.ns_s else "– (no NS)",
             f"{max(s.peak_memory_nbytes, default=0) / 2**30:,.1f} GiB"
             + (" > device" if memory_nbytes and not fits(s, memory_nbytes) else ""),
             f"{s.comm_nbytes / 1e12:,.3f} TB",
         ]
         for (x, _), v in zip(cols, vals):
-            over = x == 510 and v.endswith("> device")
+            over = x == 505 and v.endswith("> device")
             svg.text(x, y + 11, v, size=11, bold=x == 10 or over, fill="#c0392b" if over else "#222222")
         svg.rect(
-            680,
+            730,
             y + 2,
-            (PAGE_WIDTH - 700) * s.step_s / smax,
+            (PAGE_WIDTH - 750) * s.step_s / smax,
             11,
             COLORS["forward"],
             probe=True,
@@ -157,6 +168,61 @@ def _notes(sims: Mapping[str, Any], memory_nbytes: int) -> list[str]:
             ratio = f" ({sims[mode].step_s / sims['adamw'].step_s:.3f} x FSDP2 + AdamW)"
         notes.append(f"Recommended: dmuon {mode.upper()}{ratio}: {why}.")
     return notes
+
+
+def _memory(sims: Mapping[str, Any], memory_nbytes: int) -> Svg:
+    """Each variant's busiest rank (largest peak) by term, GiB, and what the terms hold."""
+    svg = Svg(PAGE_WIDTH, 0, label="memory")
+    svg.text(10, 22, "Peak memory per rank, by term", size=15, bold=True)
+    caption = (
+        "Each variant's rank with the largest peak (not time-resolved: each term's largest, added). Against "
+        "FSDP2 + AdamW (every parameter sharded, AdamW's two moments per shard, its largest unit unsharded with "
+        "that unit's gradient as the transient): dmuon keeps each matrix a rank owns whole (parameter, gradient "
+        "and one Muon momentum instead of two moments) and FSDP2 shards the rest; its transient is dmuon's "
+        "broadcast buffers (Z3: the largest boundary's; Z2: every boundary's, kept from the forward to the "
+        "backward), one boundary's gradient reduce buffer and FSDP2's unsharded unit (with compute tensors "
+        "assembled from pieces, where the plan has any); naive Muon's transient is every full update gathered "
+        "at once. Activations: one micro-batch's, the same for every variant."
+        + (f" Device memory: {memory_nbytes / 2**30:,.1f} GiB." if memory_nbytes else "")
+    )
+    y = svg.lines(10, 42, wrap(caption, PAGE_WIDTH - 20, 12), size=12, fill="#444444") + 6
+    cols = [(10, "variant"), (110, "rank")] + [(180 + 120 * i, t) for i, (t, _) in enumerate(MEMORY_TERMS)]
+    cols.append((180 + 120 * len(MEMORY_TERMS), "peak, GiB"))
+    for x, h in cols:
+        svg.text(x, y + 12, h, size=11, bold=True)
+    y += 20
+    ref = None
+    if "adamw" in sims:
+        ref = max(sims["adamw"].ranks, key=lambda r: (r.memory.peak_nbytes, -r.rank)).memory
+    gaps = []
+    for i, (name, s) in enumerate(sims.items()):
+        if not s.ranks:
+            continue
+        r = max(s.ranks, key=lambda x: (x.memory.peak_nbytes, -x.rank))
+        m = r.memory
+        if i % 2 == 0:
+            svg.rect(6, y - 2, PAGE_WIDTH - 12, 18, "#f6f8fb")
+            svg.set_probe(PAGE_WIDTH - 14, y + 7, "#f6f8fb")  # the stripe's right end, clear of the text
+        over = bool(memory_nbytes) and m.peak_nbytes > memory_nbytes
+        vals = [name, str(r.rank)] + [f"{getattr(m, f) / 2**30:,.2f}" for _, f in MEMORY_TERMS]
+        vals.append(f"{m.peak_nbytes / 2**30:,.2f}" + (" > device" if over else ""))
+        svg.raw(f'<g data-memory-variant="{name}" data-peak-nbytes="{m.peak_nbytes}">')
+        for (x, _), v in zip(cols, vals):
+            red = over and v.endswith("> device")
+            svg.text(x, y + 11, v, size=11, bold=x == 10 or red, fill="#c0392b" if red else "#222222")
+        svg.raw("</g>")
+        y += 18
+        if ref is not None and name in ("z2", "z3"):
+            gap = ", ".join(
+                f"{t} {(getattr(m, f) - getattr(ref, f)) / 2**30:+,.2f}"
+                for t, f in MEMORY_TERMS
+                if getattr(m, f) != getattr(ref, f)
+            )
+            gaps.append(f"dmuon {name.upper()} minus FSDP2 + AdamW, GiB: {gap or 'no difference'}.")
+    if gaps:
+        y = svg.lines(10, y + 14, [w for g in gaps for w in wrap(g, PAGE_WIDTH - 20, 12)], size=12)
+    svg.height = y + 8
+    return svg
 
 
 def _timelines(sims: Mapping[str, Any], rank: int) -> Svg:
@@ -274,6 +340,8 @@ def simulation_page(sims: Mapping[str, Any], *, rank: int = 0, memory_nbytes: in
         },
     )
     page.add(_table(sims, memory_nbytes))
+    if all(s.ranks for s in sims.values()):
+        page.add(_memory(sims, memory_nbytes))
     page.add(_timelines(sims, rank))
     return page
 

@@ -41,11 +41,13 @@ from torch import nn
 from dmuon.plan._model.parallel import expert_parallel_variant, megatron_tp_shard_dims
 from dmuon.plan._records.policies import TPPolicy
 from dmuon.plan._model.pipeline_split import split_model
+from dmuon.plan._cost.stage_bytes import pipeline_cost
 from dmuon.plan._records.fields import itemsize_nbytes
 from dmuon.plan._stage_plans import compile_stages
 from dmuon.sim._engine import alternatives as _alt
 from dmuon.sim._engine.hardware import Hardware, collective_s, group_link
 from dmuon.sim._engine.lower import _work_s, tp_activation_all_reduce_s
+from dmuon.sim._engine.sim_memory import activations_nbytes
 from dmuon.sim._engine.workload import from_plan, model_top_k
 from dmuon.sim._pipeline.pp_schedule import pipeline_order, replay_pipeline
 from dmuon.sim._pipeline.pp_simulate import pipeline_peak_nbytes, send_seconds, simulate_pipeline, stage_memory
@@ -241,6 +243,39 @@ class _Layouts:
         self.param_dtype = param_dtype
         self.plans: dict[tuple, Any] = {}
         self.wls: dict[tuple, list] = {}
+        # a stage plan in the other mode (its schedule, rank stats and costs built once), and its
+        # bytes per pipelined step: shared by the configurations that differ only in AC or M
+        self.modes: dict[tuple[int, bool], Any] = {}
+        self.costs: dict[tuple[int, bool, int], Any] = {}
+        self.mems: dict[tuple[int, bool], Any] = {}
+
+    def mode_plan(self, p: Any, z3: bool) -> Any:
+        """Stage plan ``p`` (one of :meth:`stage_plans`') in Z3 or Z2, one object per mode."""
+        if p.reshard_after_forward == z3:
+            return p
+        key = (id(p), z3)  # p stays alive in self.plans
+        hit = self.modes.get(key)
+        if hit is None:
+            hit = self.modes[key] = dataclasses.replace(p, reshard_after_forward=z3)
+        return hit
+
+    def stage_memory(self, p: Any, z3: bool, wl: Any) -> Any:
+        """:func:`~dmuon.sim._pipeline.pp_simulate.stage_memory` of stage plan ``p`` in that mode
+        under workload ``wl``: the rank with the largest peak does not depend on the workload (its
+        activations term is every rank's), so the terms are computed once per plan and mode."""
+        key = (id(p), z3)
+        hit = self.mems.get(key)
+        if hit is None:
+            hit = self.mems[key] = stage_memory(self.mode_plan(p, z3), wl, "z3" if z3 else "z2")
+        return dataclasses.replace(hit, activations_nbytes=activations_nbytes(wl))
+
+    def stage_cost(self, p: Any, z3: bool, micro_batches: int) -> Any:
+        """:func:`dmuon.plan.pipeline_cost` of stage plan ``p`` in that mode."""
+        key = (id(p), z3, micro_batches)
+        hit = self.costs.get(key)
+        if hit is None:
+            hit = self.costs[key] = pipeline_cost(self.mode_plan(p, z3), micro_batches)
+        return hit
 
     def stage_plans(self, c: Config) -> Any:
         """One plan per stage (equal stages share one), compiled with Z3; Z2 is the same plan in
@@ -306,7 +341,7 @@ def analytic_peak(layouts: _Layouts, c: Config) -> tuple[int, ...]:
     stage_mem = []
     for p, wl in zip(sp.plans, wls):
         if id(p) not in mems:
-            mems[id(p)] = stage_memory(p, wl, "z3" if c.z3 else "z2")
+            mems[id(p)] = layouts.stage_memory(p, c.z3, wl)
         stage_mem.append(mems[id(p)])
     order = pipeline_order(c.schedule, c.pp, c.micro_batches, c.stages_per_rank)
     return pipeline_peak_nbytes(
@@ -317,9 +352,9 @@ def analytic_peak(layouts: _Layouts, c: Config) -> tuple[int, ...]:
 def analytic_step_s(layouts: _Layouts, c: Config) -> float:
     """An estimate of ``c``'s step (module docstring, pass 2): the larger of the pipeline replay
     of its compute (forward, backward, recompute, TP all-reduces, token all-to-alls, activation
-    sends) and the busiest stage's data-parallel communication (dmuon's bytes per rank and step
-    with its parameter phases repeated per micro-batch, over the shard group's link), as if that
-    communication hid behind the compute."""
+    sends) and the busiest stage's data-parallel communication (dmuon's bytes per rank and step,
+    :func:`dmuon.plan.pipeline_cost`, over the shard group's link), as if that communication hid
+    behind the compute."""
     hw = layouts.hw
     sp = layouts.stage_plans(c)
     wls = layouts.workloads(c, sp)
@@ -328,10 +363,11 @@ def analytic_step_s(layouts: _Layouts, c: Config) -> float:
     comm_s = 0.0
     link = group_link(hw, tuple(range(0, c.shard * c.tp, c.tp)))
     for p, wl in zip(sp.plans, wls):
-        cost = p.cost if (p.reshard_after_forward == c.z3) else dataclasses.replace(p, reshard_after_forward=c.z3).cost
+        cost = layouts.stage_cost(p, c.z3, c.micro_batches)
         n = p.world_size * p.tp_size
         per_rank = (
-            c.micro_batches * (cost.forward_broadcast_nbytes + cost.backward_broadcast_nbytes)
+            cost.forward_broadcast_nbytes
+            + cost.backward_broadcast_nbytes
             + cost.reduce_nbytes
             + cost.replicate_reduce_nbytes
             + cost.replicate_broadcast_nbytes

@@ -5,8 +5,10 @@ r"""Pipeline parallelism in the simulator: one step of a pipelined model, dmuon 
 ``M`` micro-batches, a schedule of :mod:`dmuon.sim._pipeline.pp_schedule`, in three parts:
 
 1. **Each stage alone.** :func:`dmuon.sim.simulate` replays the stage's own step (its plan's
-   schedule with ``M`` micro-batches, gradients reduced with the last, activation checkpointing's
-   recompute included) on its data-parallel ranks. From rank 0's timeline: the time until its last
+   schedule of :func:`dmuon.plan._cost.stage_bytes.pipeline_step`, the step whose bytes
+   :func:`dmuon.plan.pipeline_cost` counts: ``M`` micro-batches, one reduce after the last
+   backward, Z2's buffers broadcast once per step, activation checkpointing's recompute included)
+   on its data-parallel ranks. From rank 0's timeline: the time until its last
    backward ends (``pipeline_part_s``), split into one micro-batch's forward and backward in the
    proportion of their compute, and the rest of the step (``tail_s``: the gradient collectives
    still exposed, Newton-Schulz, the optimizer).
@@ -38,7 +40,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from dmuon.plan._scheduling.ops import MicroBatch, Step
+from dmuon.plan._cost.stage_bytes import pipeline_step
+from dmuon.plan._scheduling.ops import Step
 from dmuon.plan._records.fields import itemsize_nbytes
 from dmuon.sim._engine.hardware import Hardware, collective_s
 from dmuon.sim._engine.records import MemoryBreakdown
@@ -77,6 +80,8 @@ class StageTime:
         activation_nbytes: one micro-batch's activations.
         recompute_transient_nbytes: what a recompute rebuilds in one boundary's backward.
         send_nbytes: one activation send to the next stage.
+        dmuon_nbytes: dmuon's bytes in the step, summed over the stage's ranks (the ledger's
+            rule; equal to :func:`dmuon.plan.pipeline_cost`'s total; 0 for ``adamw``).
     """
 
     stage: int
@@ -92,6 +97,7 @@ class StageTime:
     activation_nbytes: int
     recompute_transient_nbytes: int
     send_nbytes: int
+    dmuon_nbytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -174,12 +180,11 @@ class PipelineSimulation:
 
 
 def stage_step(plan: Any, micro_batches: int, ac: str) -> Step:
-    """The stage's step as :func:`dmuon.sim.simulate` replays it: ``micro_batches`` micro-batches,
-    the last one reducing (the pipeline schedules reduce once, after the last backward); with
-    activation checkpointing every boundary recomputed."""
+    """The stage's step as :func:`dmuon.sim.simulate` replays it: :func:`dmuon.plan.pipeline_cost`'s
+    step (:func:`~dmuon.plan._cost.stage_bytes.pipeline_step`) of ``micro_batches`` micro-batches;
+    with activation checkpointing every boundary recomputed."""
     rec = tuple(b.fqn for b in plan.boundaries) if ac != "none" else ()
-    mbs = tuple(MicroBatch(sync=i == micro_batches - 1, recompute=rec) for i in range(micro_batches))
-    return Step(micro_batches=mbs)
+    return pipeline_step(micro_batches, rec)
 
 
 def stage_memory(
@@ -263,6 +268,7 @@ def _stage_time(
         activation_nbytes=wl.activation_nbytes,
         recompute_transient_nbytes=wl.recompute_transient_nbytes,
         send_nbytes=int(send),
+        dmuon_nbytes=sim.dmuon_nbytes,
     )
 
 

@@ -67,6 +67,14 @@ def header_block(svg: Svg, title: str, caption: str, *, y: float = 22) -> float:
     return svg.lines(10, y + 20, wrap(caption, PAGE_WIDTH - 20, 12), size=12, fill="#444444") + 2
 
 
+def row_labels(row_h: int) -> tuple[int, int]:
+    """``(every, font)``: label every ``every``-th row of ``row_h`` px, in a ``font`` px font; every
+    row from 8 px up (the font shrinks to 7 px), else as many as fit."""
+    if row_h >= 8:
+        return 1, max(7, min(11, row_h - 1))
+    return -(-8 // row_h), 7
+
+
 def _columns_header(svg: Svg, ax: RankAxis, y: float) -> float:
     """Replica bands and rank ticks above the columns from ``y``; returns the grid's top."""
     if ax.R > 1 and ax.by_row:
@@ -203,10 +211,13 @@ def ownership_map(
             "aggregation": agg,
         },
     )
+    label_every, font = row_labels(rows.row_h)
+    if label_every > 1:
+        parts.append(
+            f"Rows are {rows.row_h} px high: every {label_every}th row is labelled (hover a row for its name)."
+        )
     y = header_block(svg, title, " ".join(parts))
     top = _columns_header(svg, ax, y + 2)
-    label_every = max(1, -(-11 // rows.row_h))
-    font = min(11, rows.row_h - 1) if rows.row_h >= 9 else 10
     for i, (cols, per_rank) in enumerate(values):
         y0 = top + i * rows.row_h
         lo, hi = rows.bins[i]
@@ -348,7 +359,7 @@ def experts_map(fig: PlanFigures, *, ax: RankAxis | None = None, lines: Sequence
     ax = ax or rank_axis(fig)
     row_items = _expert_rows(fig)
     labels = [row_label([fig.names[b] for b in bs]) for bs, _ in row_items]
-    rows = RowAxis(labels, max_height=420, min_h=8)  # at most MAX_ROWS labels: one row each
+    rows = RowAxis(labels, max_height=560, min_h=8)  # at most MAX_ROWS labels: one row each
     n_exp = max(spec.num_experts for spec in fig.plan.params if spec.experts is not None)
     grid = []  # per row: per column (first expert or None, experts owned)
     for bs, _ in row_items:
@@ -372,17 +383,19 @@ def experts_map(fig: PlanFigures, *, ax: RankAxis | None = None, lines: Sequence
         )
         if s
     )
+    label_every, font = row_labels(rows.row_h)
     caption = (
         "Which experts each rank owns. A row is a run of consecutive boundaries whose ranks own the same ranges; "
         f"colour = the first expert a rank owns (expert 0 dark … expert {n_exp - 1} light), so contiguous ranges "
         "show as a gradient along the ranks; grey: no experts. A rank owns whole experts (master, momentum) and "
-        "runs their Newton-Schulz; hover a cell for its ranges." + (f" Aggregated: {agg}." if agg else "")
+        "runs their Newton-Schulz; hover a cell for its ranges."
+        + (f" Aggregated: {agg}." if agg else "")
+        + (f" Every {label_every}th row is labelled (hover a row for its name)." if label_every > 1 else "")
     )
     svg = Svg(PAGE_WIDTH, 0, label="experts", data={"rows": len(rows), "cols": len(ax), "experts": n_exp})
     y = header_block(svg, "Experts: expert ranges × ranks", caption)
     y = svg.lines(10, y + 4, lines, size=11, mono=True, step=14)
     top = _columns_header(svg, ax, y)
-    label_every = max(1, -(-11 // rows.row_h))
 
     def colour(f):
         return EMPTY if f is None else EXPERT_RAMP[min(7, f * 8 // max(1, n_exp))]
@@ -394,8 +407,8 @@ def experts_map(fig: PlanFigures, *, ax: RankAxis | None = None, lines: Sequence
             svg.text(
                 LABEL_W - 6,
                 y0 + min(rows.row_h, 12) - 2,
-                fit(labels[i], LABEL_W - 12, 10),
-                size=10,
+                fit(labels[i], LABEL_W - 12, font),
+                size=font,
                 anchor="end",
                 title=where,
             )

@@ -29,6 +29,7 @@ from dmuon.plan._tools.html.svg import (
     fmt_count,
     fmt_flops,
     num,
+    wrap,
 )
 
 if TYPE_CHECKING:
@@ -161,9 +162,18 @@ def header_card(fig: PlanFigures) -> Svg:
     base_total = fig.base_cost.total_nbytes
     saving = 100.0 * (1 - fig.cost.total_nbytes / base_total) if base_total else 0.0
     busiest = fig.busiest_rank
+    above_mean = 100.0 * (wmax / mean - 1) if mean else 0.0
     tiles = [
-        ("max / mean LPT load", f"{wmax / mean:.3f}" if mean else "-", f"mean {fmt(mean)} {unit}"),
-        ("max / LPT bound", f"{wmax / fig.bound:.3f}" if fig.bound else "-", f"bound {fmt(fig.bound)}"),
+        (
+            "balance: busiest / mean load",
+            f"{wmax / mean:.3f}" if mean else "-",
+            f"busiest {above_mean:+.1f} % (1 = even)",
+        ),
+        (
+            "LPT worst case (not a target)",
+            f"{fmt(fig.bound)} {unit}",
+            "mean + largest matrix",
+        ),
         ("ranks owning nothing", f"{fig.idle_ranks:,} of {fig.S:,}", "of the data-parallel mesh"),
         (
             "bytes per step, all ranks",
@@ -208,7 +218,17 @@ def header_card(fig: PlanFigures) -> Svg:
         row = row + 1 if x - last < 90 else 0
         svg.text(x, y + 34 + 12 * row, text, size=10, anchor="middle", fill=colour)
         last = x
-    svg.height = y + 34 + 12 * 3 + 4
+    y += 34 + 12 * 3 + 4
+    note = (
+        f"Balance reads from the busiest / mean tile ({wmax / mean:.3f}: the busiest rank carries "
+        f"{above_mean:+.1f} % of the mean {unit}). The red line is the LPT bound, the worst that greedy LPT "
+        "can give (the mean plus the largest single matrix): being under it is guaranteed, not a sign of "
+        "balance. When the largest matrix is big next to the mean, no assignment can be even."
+        if mean
+        else "No rank owns anything: nothing to balance."
+    )
+    y = svg.lines(12, y, wrap(note, PAGE_WIDTH - 24, 11), size=11, step=15, fill="#555555")
+    svg.height = y + 2
     return svg
 
 
@@ -252,14 +272,32 @@ def per_rank_bars(fig: PlanFigures, ax: RankAxis) -> Svg:
     )
     above = [r for r, v in enumerate(peaks) if v > adamw_peak]
     busiest = max(peaks, default=0)
+    from dmuon.plan._tools.render import memory_gap
+
+    top_rank = max(range(len(fig.stats)), key=lambda r: (fig.stats[r].memory.peak_nbytes, -r)) if fig.stats else 0
+    gap = memory_gap(fig.stats[top_rank].memory, fig.adamw_memory) if fig.stats else ""
     if above:
         caption += (
             f": ABOVE it on {len(above)} of {len(peaks)} ranks ({', '.join(map(str, above[:8]))}"
-            f"{' ...' if len(above) > 8 else ''}), busiest {fmt_bytes(busiest)} vs {fmt_bytes(adamw_peak)}"
-            " (the plan summary gives the gap by term)."
+            f"{' ...' if len(above) > 8 else ''}), busiest {fmt_bytes(busiest)} vs {fmt_bytes(adamw_peak)}."
         )
     else:
         caption += f": every rank at or below it (busiest {fmt_bytes(busiest)} vs {fmt_bytes(adamw_peak)})."
+    if gap:
+        caption += (
+            f" The busiest rank by peak (schedule rank {top_rank}) minus FSDP2 + AdamW, by term: {gap}. dmuon keeps "
+            "each owned matrix whole (parameter, gradient, one Muon momentum instead of AdamW's two moments) and "
+            "FSDP2 shards the rest; its transient term is one boundary's broadcast buffer (Z3; Z2: all of them) "
+            "plus one boundary's gradient reduce buffer and FSDP2's largest unit of the other parameters, where "
+            "FSDP2 + AdamW holds its largest unit unsharded with that unit's gradient."
+        )
+    assembled = max(fig.plan.assembled_nbytes.values(), default=0)
+    if assembled:
+        caption += (
+            f" Peak transient also counts up to {fmt_bytes(assembled)} per boundary of compute tensors every rank "
+            "assembles from their pieces (a fused gate/up expert stack planned as two matrices, owner-grouped "
+            "matrices), which FSDP2 + naive Muon does not need."
+        )
     if ax.aggregated:
         caption += f" Aggregated: {ax.describe('light bar: their max; dark line: their min')}."
     if T > 1:
