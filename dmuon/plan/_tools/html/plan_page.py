@@ -29,13 +29,22 @@ from dmuon.plan._tools.html.svg import (
     fmt_count,
     fmt_flops,
     num,
+    title_section,
     wrap,
 )
 
 if TYPE_CHECKING:
     from dmuon.plan._records.plan import ShardingPlan
 
-__all__ = ["plan_page", "plan_html", "header_card", "per_rank_bars", "phases_chart", "schedule_section"]
+__all__ = [
+    "plan_page",
+    "plan_html",
+    "page_mode_name",
+    "header_card",
+    "per_rank_bars",
+    "phases_chart",
+    "schedule_section",
+]
 
 #: colours of the per-rank bars and the lines over them
 BAR = BLUES[6]
@@ -54,8 +63,10 @@ def _ints(values) -> str:
     return " ".join(str(int(v)) for v in values)
 
 
-def plan_page(plan: ShardingPlan) -> Page:
-    """The plan page (module docstring) as a :class:`~dmuon.plan._tools.html.svg.Page`."""
+def plan_page(plan: ShardingPlan, *, title: str | None = None, subtitle: str | None = None) -> Page:
+    """The plan page (module docstring) as a :class:`~dmuon.plan._tools.html.svg.Page`; ``title``
+    (and ``subtitle``): a heading above the sections naming the run (``python -m dmuon plan`` passes
+    the model and the mesh); none by default."""
     fig = PlanFigures(plan)
     R, N = plan.mesh_shape
     page = Page(
@@ -77,6 +88,8 @@ def plan_page(plan: ShardingPlan) -> Page:
         },
     )
     ax = rank_axis(fig)
+    if title:
+        page.add(title_section(title, subtitle))
     page.add(header_card(fig))
     page.add(ownership_map(fig, ax=ax))
     page.add(per_rank_bars(fig, ax))
@@ -93,23 +106,29 @@ def plan_page(plan: ShardingPlan) -> Page:
     return page
 
 
-def plan_html(plan: ShardingPlan, *, standalone: bool = False) -> str:
+def plan_html(
+    plan: ShardingPlan, *, standalone: bool = False, title: str | None = None, subtitle: str | None = None
+) -> str:
     """The plan page's HTML: a ``<div>`` fragment (``_repr_html_``) or, ``standalone``, a whole
-    document (``to_html``, ``--html FILE``)."""
-    page = plan_page(plan)
+    document (``to_html``, ``--html FILE``); ``title``: the heading and the document's ``<title>``
+    (default: the mode and the fingerprint), ``subtitle``: a line under the heading."""
+    page = plan_page(plan, title=title, subtitle=subtitle)
     fragment = page.render()
     if not standalone:
         return fragment
+    return document(fragment, title or f"{page_mode_name(plan)} plan {page.data['fingerprint'][:12]}")
+
+
+def page_mode_name(plan: ShardingPlan) -> str:
+    """The mode as the pages spell it: ``dmuon Z3``, ``dmuon Z2 HSDP``."""
     from dmuon.plan._tools.render import mode_name
 
-    return document(fragment, f"{mode_name(plan)} plan {page.data['fingerprint'][:12]}")
+    return mode_name(plan).replace("DMuon-", "dmuon ")
 
 
 # ----------------------------------------------------------------------------------- header
 def header_card(fig: PlanFigures) -> Svg:
     """Mesh and roles, mode, cost model, fingerprint; the balance tiles and the LPT gauge."""
-    from dmuon.plan._tools.render import mode_name
-
     plan = fig.plan
     R, N, T = fig.R, fig.N, fig.T
     unit, fmt = unit_fmt(plan.cost_model)
@@ -155,7 +174,7 @@ def header_card(fig: PlanFigures) -> Svg:
         label="header",
         data={"max-weight": wmax, "mean-weight": repr(float(mean)), "bound": repr(float(fig.bound))},
     )
-    svg.text(12, 26, f"{mode_name(plan)} sharding plan", size=18, bold=True)
+    svg.text(12, 26, f"{page_mode_name(plan)} sharding plan", size=18, bold=True)
     y = svg.lines(12, 48, [f"mesh: {roles}", z, settings, what], size=12, step=17)
     svg.text(12, y, ident, size=11, mono=True, fill="#555555")
     y += 14
