@@ -486,6 +486,14 @@ def test_html_options_of_the_clis(tmp_path, capsys):
     assert f"<title>dmuon Z3 plan {plan.fingerprint()[:12]}</title>" in plan.to_html()
     assert "tiny-llama" not in plan.to_html() and "dmuon Z3 sharding plan" in plan.to_html()
     _check_plan_page(plan, page)
+    # the per-rank buffers panel and its grey line say they are not the memory table's transient term
+    text = html.unescape(page)
+    assert "Muon buffers held at once</text>" in text and "peak transient bytes" not in text
+    from dmuon.plan._tools.html.svg import fmt_bytes
+
+    naive = [st.peak_transient_nbytes for st in plan.baseline_rank_stats()]
+    assert f"FSDP2+naive gathers {fmt_bytes(sum(naive) / len(naive))}</text>" in text
+    assert "Neither is the memory table's transient term" in text
     assert root(parse(open(dh, encoding="utf-8").read())).data("page") == "diff"
     # simulate --html: the page names the model, the ranks, tokens per rank, seq len, wire dtype, hardware
     from dmuon._cli.sim_commands import main_simulate

@@ -252,9 +252,15 @@ def header_card(fig: PlanFigures) -> Svg:
 
 
 # --------------------------------------------------------------------------------- per rank
+#: the per-rank panel of the Muon matrices' packed buffers (not the memory table's transient term)
+BUFFERS_PANEL = "Muon buffers held at once"
+#: the grey reference line's label per panel (default: FSDP2 + naive Muon's mean over ranks)
+BASE_NAMES = {"whole peak memory": "FSDP2+AdamW peak", BUFFERS_PANEL: "FSDP2+naive gathers"}
+
+
 def per_rank_bars(fig: PlanFigures, ax: RankAxis) -> Svg:
     """Per mesh rank (the ownership map's columns): LPT load with its mean and the LPT bound,
-    then (``ns_flops``) owned elements, resident bytes, peak transient bytes and bytes per step,
+    then (``ns_flops``) owned elements, resident bytes, the Muon buffers held at once and bytes per step,
     each with its mean and FSDP2 + naive Muon's mean."""
     plan = fig.plan
     unit, fmt = unit_fmt(plan.cost_model)
@@ -273,7 +279,7 @@ def per_rank_bars(fig: PlanFigures, ax: RankAxis) -> Svg:
         ("whole peak memory", peaks, fmt_bytes, None, adamw_peak),
         ("resident bytes", fig.mesh_stat("resident_nbytes"), fmt_bytes, None, base_mean("resident_nbytes")),
         (
-            "peak transient bytes",
+            BUFFERS_PANEL,
             fig.mesh_stat("peak_transient_nbytes"),
             fmt_bytes,
             None,
@@ -284,8 +290,12 @@ def per_rank_bars(fig: PlanFigures, ax: RankAxis) -> Svg:
     caption = (
         "Per rank (the ownership map's columns): bar = the rank's figure; dashed = mean over ranks; red = the "
         "LPT bound on the load (total/ranks + largest item); grey = FSDP2 + naive Muon's mean on the same "
-        "matrices. Resident: owned masters + momentum (+ HSDP replicas); peak transient: the broadcast buffers "
-        "a rank holds at once. Whole peak memory: every parameter, gradient and optimizer state of the model and "
+        "matrices. Resident: owned masters + momentum (+ HSDP replicas). Muon buffers held at once: the packed "
+        "broadcast buffers of the Muon matrices a rank holds at once; its grey line is FSDP2 + naive Muon's "
+        "larger of the Muon matrices it unshards at once and one gathered gradient. Neither is the memory "
+        "table's transient term: dmuon's adds the gradient reduce buffer and FSDP2's largest unit of the other "
+        "parameters; FSDP2 + naive Muon's is the larger of FSDP2's unsharded units and every Muon update "
+        "gathered at once before its Newton-Schulz, plus the largest unit's gradient. Whole peak memory: every parameter, gradient and optimizer state of the model and "
         "the largest transient buffers (activations not included), against FSDP2 + AdamW's peak on the same "
         "mesh (grey)"
     )
@@ -313,7 +323,7 @@ def per_rank_bars(fig: PlanFigures, ax: RankAxis) -> Svg:
     assembled = max(fig.plan.assembled_nbytes.values(), default=0)
     if assembled:
         caption += (
-            f" Peak transient also counts up to {fmt_bytes(assembled)} per boundary of compute tensors every rank "
+            f" Muon buffers held at once also count up to {fmt_bytes(assembled)} per boundary of compute tensors every rank "
             "assembles from their pieces (a fused gate/up expert stack planned as two matrices, owner-grouped "
             "matrices), which FSDP2 + naive Muon does not need."
         )
@@ -335,7 +345,7 @@ def per_rank_bars(fig: PlanFigures, ax: RankAxis) -> Svg:
         if bound is not None:
             svg.line(10, y + 50.5, 26, y + 50.5, BOUND, width=1.5)
             svg.text(30, y + 54, f"LPT bound {f(bound)}", size=10, fill=BOUND)
-        base_name = "FSDP2+AdamW peak" if title == "whole peak memory" else "FSDP2+naive mean"
+        base_name = BASE_NAMES.get(title, "FSDP2+naive mean")
         if base is not None:
             svg.line(10, y + 50.5, 26, y + 50.5, BASELINE, width=1.5, dash="8 3 2 3")
             svg.text(30, y + 54, f"{base_name} {f(base)}", size=10, fill=BASELINE)
