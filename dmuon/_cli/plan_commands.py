@@ -42,6 +42,7 @@ __all__ = [
     "selection_kwargs",
     "warnings_to_stderr",
     "write_html",
+    "page_title",
 ]
 
 
@@ -324,8 +325,29 @@ def main_plan(argv: Sequence[str] | None = None) -> int:
             f.write("\n")
         print(f"\nwrote {args.json} (fingerprint {plan.fingerprint()[:12]})")
     if args.html:
-        write_html(args.html, plan.to_html())
+        from dmuon.plan._tools.html.plan_page import plan_html
+
+        title, subtitle = page_title(args, plan)
+        write_html(args.html, plan_html(plan, standalone=True, title=title, subtitle=subtitle))
     return 0
+
+
+def page_title(args: argparse.Namespace, plan, *, command: str = "plan", pp: int = 1) -> tuple[str, str]:
+    """The heading of a ``--html`` page: what was run (``dmuon plan: qwen3-30b-a3b on 64 ranks (Z3)``),
+    and a line with the mesh, its roles and the plan's settings."""
+    ranks = plan.world_size * plan.tp_size * pp
+    mode = "Z3" if plan.reshard_after_forward else "Z2"
+    title = f"dmuon {command}: {args.model} on {ranks:,} ranks ({mode})"
+    R, N = plan.mesh_shape
+    parts = [f"mesh {R}x{N}" if R > 1 else f"mesh {N}"]
+    if plan.tp_size > 1:
+        parts.append(f"TP {plan.tp_size}")
+    if getattr(args, "ep", 1) > 1:
+        parts.append(f"EP {args.ep}")
+    if pp > 1:
+        parts.append(f"{pp} pipeline ranks")
+    parts.append(f"cost model {plan.cost_model}")
+    return title, " · ".join(parts)
 
 
 def _print_stages(args: argparse.Namespace, model, kw: dict) -> int:
@@ -347,7 +369,11 @@ def _print_stages(args: argparse.Namespace, model, kw: dict) -> int:
                 f.write("\n")
             print(f"wrote {path} (fingerprint {plan.fingerprint()[:12]})")
     if args.html:
-        write_html(args.html, sp.to_html())
+        from dmuon.plan._tools.html.stages_page import stages_html
+
+        title, subtitle = page_title(args, sp.plans[0], pp=sp.split.pp_size)
+        subtitle += f" · {sp.split.num_stages} stages"
+        write_html(args.html, stages_html(sp, standalone=True, title=title, subtitle=subtitle))
     return 0
 
 

@@ -390,5 +390,17 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
         from dmuon._cli.plan_commands import write_html
         from dmuon.sim._pages.sim_html import simulation_html
 
-        write_html(args.html, simulation_html(sims, standalone=True, memory_nbytes=hw.memory_nbytes))
+        hw_short = os.path.basename(args.hw) if args.hw.endswith(".json") else args.hw
+        title = f"dmuon simulate: {args.model} on {plan.world_size * plan.tp_size:,} ranks of {hw_short}" + (
+            f" ({args.mode.upper()})" if args.mode else ""
+        )
+        subtitle = (
+            (f"mesh {R}x{N}" if R > 1 else f"mesh {N}")
+            + f"{tp_note}{ep_note} · {args.tokens_per_rank:,} tokens/rank, seq {seq}, wire {param_dtype or 'fp32'}"
+            + f" · {hw.name}"
+        )
+        write_html(
+            args.html,
+            simulation_html(sims, standalone=True, memory_nbytes=hw.memory_nbytes, title=title, subtitle=subtitle),
+        )
     return 0

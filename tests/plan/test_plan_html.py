@@ -433,7 +433,14 @@ def test_plan_pp_html_shows_every_stage(tmp_path, capsys):
     assert f"wrote {path} (" in capsys.readouterr().out
     page = open(path, encoding="utf-8").read()
     sp = P.compile_stages(zoo.tiny_llama(), 2, pp=2, stages_per_rank=2)
-    assert page == sp.to_html()
+    # the command line names the run in the <title> and a heading; the rest is sp.to_html()'s page
+    from dmuon.plan._tools.html.stages_page import stages_html
+
+    title = "dmuon plan: tiny-llama on 4 ranks (Z3)"
+    assert f"<title>{title}</title>" in page and "<title>dmuon plans of 4 pipeline stages</title>" in sp.to_html()
+    subtitle = "mesh 2 · 2 pipeline ranks · cost model numel · 4 stages"
+    assert page == stages_html(sp, standalone=True, title=title, subtitle=subtitle)
+    assert html.unescape(page).count(subtitle) == 1
     _check_self_contained(page)
     els = parse(page)
     assert check_well_formed(page) == len(sections(els))
@@ -452,7 +459,7 @@ def test_plan_pp_html_shows_every_stage(tmp_path, capsys):
         assert names[:2] == [f"stage {s} header", f"stage {s} ownership"], names
         assert f"Stage {s} of 4 · pipeline rank {s % 2}" in html.unescape(page)
     secs = sections(els)
-    assert secs[0].data("section") == "stages"
+    assert [s.data("section") for s in secs[:2]] == ["title", "stages"]
     for a, b in zip(secs, secs[1:]):
         assert float(b.data("top")) == pytest.approx(float(a.data("top")) + float(a.attrs["height"]) + 14)
     # 6 effective layers over 4 stages: the last holds the head alone (no boundary: AdamW only)
@@ -471,9 +478,33 @@ def test_html_options_of_the_clis(tmp_path, capsys):
     assert f"wrote {ph} (" in out and f"wrote {dh} (" in out
     plan = P.ShardingPlan.from_json(open(a).read())
     page = open(ph, encoding="utf-8").read()
-    assert page == plan.to_html()
+    from dmuon.plan._tools.html.plan_page import plan_html
+
+    title = "dmuon plan: tiny-llama on 4 ranks (Z3)"  # the command line names the run; to_html() does not
+    assert page == plan_html(plan, standalone=True, title=title, subtitle="mesh 4 · cost model numel")
+    assert f"<title>{title}</title>" in page and sections(parse(page))[0].data("section") == "title"
+    assert f"<title>dmuon Z3 plan {plan.fingerprint()[:12]}</title>" in plan.to_html()
+    assert "tiny-llama" not in plan.to_html() and "dmuon Z3 sharding plan" in plan.to_html()
     _check_plan_page(plan, page)
+    # the per-rank buffers panel and its grey line say they are not the memory table's transient term
+    text = html.unescape(page)
+    assert "Muon buffers held at once</text>" in text and "peak transient bytes" not in text
+    from dmuon.plan._tools.html.svg import fmt_bytes
+
+    naive = [st.peak_transient_nbytes for st in plan.baseline_rank_stats()]
+    assert f"FSDP2+naive gathers {fmt_bytes(sum(naive) / len(naive))}</text>" in text
+    assert "Neither is the memory table's transient term" in text
     assert root(parse(open(dh, encoding="utf-8").read())).data("page") == "diff"
+    # simulate --html: the page names the model, the ranks, tokens per rank, seq len, wire dtype, hardware
+    from dmuon._cli.sim_commands import main_simulate
+
+    sh = str(tmp_path / "s.html")
+    argv = ["--model", "tiny-llama", "--mesh", "4", "--hw", "h100", "--tokens-per-rank", "512", "--mode", "z3"]
+    assert main_simulate([*argv, "--html", sh]) == 0
+    sim_page = html.unescape(open(sh, encoding="utf-8").read())
+    assert "<title>dmuon simulate: tiny-llama on 4 ranks of h100 (Z3)</title>" in sim_page
+    assert sections(parse(sim_page))[0].data("section") == "title"
+    assert "mesh 4 · 512 tokens/rank, seq 512, wire bfloat16 · H100 SXM5" in sim_page
     with pytest.raises(SystemExit):
         main_plan(["--model", "tiny-llama", "--mesh", "4", "--html", str(tmp_path / "no" / "p.html")])
     assert "--html: the folder of" in capsys.readouterr().err

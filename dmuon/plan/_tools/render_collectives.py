@@ -82,11 +82,13 @@ def collective_lines(plan: ShardingPlan, sched: Any, *, max_rows: int = 8) -> li
     gathered = [buf for b in plan.boundaries for buf in b.buffers if buf.collective == "all_gather"]
     pad = sum(buf.padding_numel(N) for buf in gathered)
     moved = sum(buf.numel for buf in gathered)
+    n_bufs = sum(len(b.buffers) for b in plan.boundaries)
     lines = [
         f"collectives: {s.mode!r} (auto rule: {s.rule_numbers()}); gradients: reduce with broadcast, "
         f"reduce_scatter with all_gather; "
-        f"{len(gathered):,} of {sum(len(b.buffers) for b in plan.boundaries):,} buffers all-gathered"
-        + (f", padding {100.0 * pad / moved:.1f} % of their elements" if moved else ""),
+        f"{len(gathered):,} of {n_bufs:,} buffers all-gathered (one collective per phase), "
+        f"{n_bufs - len(gathered):,} broadcast (one collective per segment and phase)"
+        + (f", the all-gathered ones padding {100.0 * pad / moved:.1f} % of their elements" if moved else ""),
         f"  the rule's numbers: {s.link_source()}"
         + ("; dmuon.plan.compile without collective_backend assumes NCCL" if s.link == "nccl" else ""),
         "  per rank per step (rank 0): " + (", ".join(f"{n:,} {k}" for k, n in sorted(counts.items())) or "none"),
@@ -112,9 +114,14 @@ def collective_lines(plan: ShardingPlan, sched: Any, *, max_rows: int = 8) -> li
         calls = phases if kind == "all_gather" else phases * segs
         other = phases * segs if kind == "all_gather" else phases
         mine, alt = (t_a, t_b) if kind == "all_gather" else (t_b, t_a)
+        per_segment = f"{segs} segment(s) x {phases} phases"
+        if kind == "all_gather":
+            how = f"one per phase; {other} if broadcast: {per_segment}"
+        else:
+            how = f"{per_segment}; {other} if all-gathered: one per phase"
         lines.append(
             f"  {n:,} x {bkey} (e.g. {example}) over {k} ranks: {kind}, {segs} segment(s), padding {padding:.1f} %, "
-            f"{calls} collectives/step ({other} as {'broadcasts' if kind == 'all_gather' else 'all-gathers'}); "
+            f"{calls} collectives/step per buffer ({how}); "
             f"{reason}: modelled {mine / n * 1e3:.3f} vs {alt / n * 1e3:.3f} ms/step each"
         )
     if len(rows) > max_rows:

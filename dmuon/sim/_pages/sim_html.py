@@ -19,7 +19,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from dmuon.plan._tools.html.svg import PAGE_WIDTH, Page, Svg, document, wrap
+from dmuon.plan._tools.html.svg import PAGE_WIDTH, Page, Svg, document, title_section, wrap
 from dmuon.sim._pages.recommendation import fits, recommend
 from dmuon.sim._pages.sim_plot import _LANES, COLORS
 
@@ -324,9 +324,18 @@ def _timelines(sims: Mapping[str, Any], rank: int) -> Svg:
     return svg
 
 
-def simulation_page(sims: Mapping[str, Any], *, rank: int = 0, memory_nbytes: int = 0) -> Page:
+def simulation_page(
+    sims: Mapping[str, Any],
+    *,
+    rank: int = 0,
+    memory_nbytes: int = 0,
+    title: str | None = None,
+    subtitle: str | None = None,
+) -> Page:
     """The page of ``{variant: Simulation}`` (module docstring); ``memory_nbytes``: the device's
-    memory (0 = unknown), for the recommendation and the variants that do not fit."""
+    memory (0 = unknown), for the recommendation and the variants that do not fit; ``title`` (and
+    ``subtitle``): a heading naming the run (``python -m dmuon simulate`` passes the model, mesh,
+    tokens per rank, sequence length, wire dtype and hardware); none by default."""
     if not sims:
         raise ValueError("no simulation to draw")
     first = next(iter(sims.values()))
@@ -339,6 +348,8 @@ def simulation_page(sims: Mapping[str, Any], *, rank: int = 0, memory_nbytes: in
             "step-s": " ".join(repr(s.step_s) for s in sims.values()),
         },
     )
+    if title:
+        page.add(title_section(title, subtitle))
     page.add(_table(sims, memory_nbytes))
     if all(s.ranks for s in sims.values()):
         page.add(_memory(sims, memory_nbytes))
@@ -346,10 +357,19 @@ def simulation_page(sims: Mapping[str, Any], *, rank: int = 0, memory_nbytes: in
     return page
 
 
-def simulation_html(sims: Mapping[str, Any], *, rank: int = 0, standalone: bool = False, memory_nbytes: int = 0) -> str:
-    """The page's HTML: a fragment (``_repr_html_``) or (``standalone``) a whole document."""
-    fragment = simulation_page(sims, rank=rank, memory_nbytes=memory_nbytes).render()
+def simulation_html(
+    sims: Mapping[str, Any],
+    *,
+    rank: int = 0,
+    standalone: bool = False,
+    memory_nbytes: int = 0,
+    title: str | None = None,
+    subtitle: str | None = None,
+) -> str:
+    """The page's HTML: a fragment (``_repr_html_``) or (``standalone``) a whole document;
+    ``title``: the heading and the document's ``<title>`` (default: the hardware and the variants)."""
+    fragment = simulation_page(sims, rank=rank, memory_nbytes=memory_nbytes, title=title, subtitle=subtitle).render()
     if not standalone:
         return fragment
     first = next(iter(sims.values()))
-    return document(fragment, f"dmuon simulation on {first.hardware}: {', '.join(sims)}")
+    return document(fragment, title or f"dmuon simulation on {first.hardware}: {', '.join(sims)}")

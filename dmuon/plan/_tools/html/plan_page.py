@@ -29,13 +29,22 @@ from dmuon.plan._tools.html.svg import (
     fmt_count,
     fmt_flops,
     num,
+    title_section,
     wrap,
 )
 
 if TYPE_CHECKING:
     from dmuon.plan._records.plan import ShardingPlan
 
-__all__ = ["plan_page", "plan_html", "header_card", "per_rank_bars", "phases_chart", "schedule_section"]
+__all__ = [
+    "plan_page",
+    "plan_html",
+    "page_mode_name",
+    "header_card",
+    "per_rank_bars",
+    "phases_chart",
+    "schedule_section",
+]
 
 #: colours of the per-rank bars and the lines over them
 BAR = BLUES[6]
@@ -54,8 +63,10 @@ def _ints(values) -> str:
     return " ".join(str(int(v)) for v in values)
 
 
-def plan_page(plan: ShardingPlan) -> Page:
-    """The plan page (module docstring) as a :class:`~dmuon.plan._tools.html.svg.Page`."""
+def plan_page(plan: ShardingPlan, *, title: str | None = None, subtitle: str | None = None) -> Page:
+    """The plan page (module docstring) as a :class:`~dmuon.plan._tools.html.svg.Page`; ``title``
+    (and ``subtitle``): a heading above the sections naming the run (``python -m dmuon plan`` passes
+    the model and the mesh); none by default."""
     fig = PlanFigures(plan)
     R, N = plan.mesh_shape
     page = Page(
@@ -77,6 +88,8 @@ def plan_page(plan: ShardingPlan) -> Page:
         },
     )
     ax = rank_axis(fig)
+    if title:
+        page.add(title_section(title, subtitle))
     page.add(header_card(fig))
     page.add(ownership_map(fig, ax=ax))
     page.add(per_rank_bars(fig, ax))
@@ -93,23 +106,29 @@ def plan_page(plan: ShardingPlan) -> Page:
     return page
 
 
-def plan_html(plan: ShardingPlan, *, standalone: bool = False) -> str:
+def plan_html(
+    plan: ShardingPlan, *, standalone: bool = False, title: str | None = None, subtitle: str | None = None
+) -> str:
     """The plan page's HTML: a ``<div>`` fragment (``_repr_html_``) or, ``standalone``, a whole
-    document (``to_html``, ``--html FILE``)."""
-    page = plan_page(plan)
+    document (``to_html``, ``--html FILE``); ``title``: the heading and the document's ``<title>``
+    (default: the mode and the fingerprint), ``subtitle``: a line under the heading."""
+    page = plan_page(plan, title=title, subtitle=subtitle)
     fragment = page.render()
     if not standalone:
         return fragment
+    return document(fragment, title or f"{page_mode_name(plan)} plan {page.data['fingerprint'][:12]}")
+
+
+def page_mode_name(plan: ShardingPlan) -> str:
+    """The mode as the pages spell it: ``dmuon Z3``, ``dmuon Z2 HSDP``."""
     from dmuon.plan._tools.render import mode_name
 
-    return document(fragment, f"{mode_name(plan)} plan {page.data['fingerprint'][:12]}")
+    return mode_name(plan).replace("DMuon-", "dmuon ")
 
 
 # ----------------------------------------------------------------------------------- header
 def header_card(fig: PlanFigures) -> Svg:
     """Mesh and roles, mode, cost model, fingerprint; the balance tiles and the LPT gauge."""
-    from dmuon.plan._tools.render import mode_name
-
     plan = fig.plan
     R, N, T = fig.R, fig.N, fig.T
     unit, fmt = unit_fmt(plan.cost_model)
@@ -155,7 +174,7 @@ def header_card(fig: PlanFigures) -> Svg:
         label="header",
         data={"max-weight": wmax, "mean-weight": repr(float(mean)), "bound": repr(float(fig.bound))},
     )
-    svg.text(12, 26, f"{mode_name(plan)} sharding plan", size=18, bold=True)
+    svg.text(12, 26, f"{page_mode_name(plan)} sharding plan", size=18, bold=True)
     y = svg.lines(12, 48, [f"mesh: {roles}", z, settings, what], size=12, step=17)
     svg.text(12, y, ident, size=11, mono=True, fill="#555555")
     y += 14
@@ -233,9 +252,15 @@ def header_card(fig: PlanFigures) -> Svg:
 
 
 # --------------------------------------------------------------------------------- per rank
+#: the per-rank panel of the Muon matrices' packed buffers (not the memory table's transient term)
+BUFFERS_PANEL = "Muon buffers held at once"
+#: the grey reference line's label per panel (default: FSDP2 + naive Muon's mean over ranks)
+BASE_NAMES = {"whole peak memory": "FSDP2+AdamW peak", BUFFERS_PANEL: "FSDP2+naive gathers"}
+
+
 def per_rank_bars(fig: PlanFigures, ax: RankAxis) -> Svg:
     """Per mesh rank (the ownership map's columns): LPT load with its mean and the LPT bound,
-    then (``ns_flops``) owned elements, resident bytes, peak transient bytes and bytes per step,
+    then (``ns_flops``) owned elements, resident bytes, the Muon buffers held at once and bytes per step,
     each with its mean and FSDP2 + naive Muon's mean."""
     plan = fig.plan
     unit, fmt = unit_fmt(plan.cost_model)
@@ -254,7 +279,7 @@ def per_rank_bars(fig: PlanFigures, ax: RankAxis) -> Svg:
         ("whole peak memory", peaks, fmt_bytes, None, adamw_peak),
         ("resident bytes", fig.mesh_stat("resident_nbytes"), fmt_bytes, None, base_mean("resident_nbytes")),
         (
-            "peak transient bytes",
+            BUFFERS_PANEL,
             fig.mesh_stat("peak_transient_nbytes"),
             fmt_bytes,
             None,
@@ -265,8 +290,12 @@ def per_rank_bars(fig: PlanFigures, ax: RankAxis) -> Svg:
     caption = (
         "Per rank (the ownership map's columns): bar = the rank's figure; dashed = mean over ranks; red = the "
         "LPT bound on the load (total/ranks + largest item); grey = FSDP2 + naive Muon's mean on the same "
-        "matrices. Resident: owned masters + momentum (+ HSDP replicas); peak transient: the broadcast buffers "
-        "a rank holds at once. Whole peak memory: every parameter, gradient and optimizer state of the model and "
+        "matrices. Resident: owned masters + momentum (+ HSDP replicas). Muon buffers held at once: the packed "
+        "broadcast buffers of the Muon matrices a rank holds at once; its grey line is FSDP2 + naive Muon's "
+        "larger of the Muon matrices it unshards at once and one gathered gradient. Neither is the memory "
+        "table's transient term: dmuon's adds the gradient reduce buffer and FSDP2's largest unit of the other "
+        "parameters; FSDP2 + naive Muon's is the larger of FSDP2's unsharded units and every Muon update "
+        "gathered at once before its Newton-Schulz, plus the largest unit's gradient. Whole peak memory: every parameter, gradient and optimizer state of the model and "
         "the largest transient buffers (activations not included), against FSDP2 + AdamW's peak on the same "
         "mesh (grey)"
     )
@@ -294,7 +323,7 @@ def per_rank_bars(fig: PlanFigures, ax: RankAxis) -> Svg:
     assembled = max(fig.plan.assembled_nbytes.values(), default=0)
     if assembled:
         caption += (
-            f" Peak transient also counts up to {fmt_bytes(assembled)} per boundary of compute tensors every rank "
+            f" Muon buffers held at once also count up to {fmt_bytes(assembled)} per boundary of compute tensors every rank "
             "assembles from their pieces (a fused gate/up expert stack planned as two matrices, owner-grouped "
             "matrices), which FSDP2 + naive Muon does not need."
         )
@@ -316,7 +345,7 @@ def per_rank_bars(fig: PlanFigures, ax: RankAxis) -> Svg:
         if bound is not None:
             svg.line(10, y + 50.5, 26, y + 50.5, BOUND, width=1.5)
             svg.text(30, y + 54, f"LPT bound {f(bound)}", size=10, fill=BOUND)
-        base_name = "FSDP2+AdamW peak" if title == "whole peak memory" else "FSDP2+naive mean"
+        base_name = BASE_NAMES.get(title, "FSDP2+naive mean")
         if base is not None:
             svg.line(10, y + 50.5, 26, y + 50.5, BASELINE, width=1.5, dash="8 3 2 3")
             svg.text(30, y + 54, f"{base_name} {f(base)}", size=10, fill=BASELINE)

@@ -13,7 +13,7 @@ from typing import Any
 
 from dmuon.plan._tools.html.maps import header_block
 from dmuon.plan._tools.html.plan_page import BAR, plan_page
-from dmuon.plan._tools.html.svg import PAGE_WIDTH, Page, Svg, document, esc, fit, fmt_bytes
+from dmuon.plan._tools.html.svg import PAGE_WIDTH, Page, Svg, document, esc, fit, fmt_bytes, title_section
 
 __all__ = ["stages_page", "stages_html"]
 
@@ -112,8 +112,10 @@ def banner(sp: Any, s: int) -> Svg:
     return svg
 
 
-def stages_page(sp: Any) -> Page:
-    """The page (module docstring) as a :class:`~dmuon.plan._tools.html.svg.Page`."""
+def stages_page(sp: Any, *, title: str | None = None, subtitle: str | None = None) -> Page:
+    """The page (module docstring) as a :class:`~dmuon.plan._tools.html.svg.Page`; ``title`` (and
+    ``subtitle``): a heading above the split naming the run (``python -m dmuon plan --pp`` passes the
+    model and the mesh); none by default."""
     split = sp.split
     page = Page(
         "stages",
@@ -124,6 +126,8 @@ def stages_page(sp: Any) -> Page:
             "split": split.method,
         },
     )
+    if title:
+        page.add(title_section(title, subtitle))
     page.add(overview(sp))
     for s, plan in enumerate(sp.plans):
         page.add(banner(sp, s))
@@ -141,10 +145,11 @@ def stages_page(sp: Any) -> Page:
     return page
 
 
-def stages_html(sp: Any, *, standalone: bool = False) -> str:
-    """The page's HTML: a ``<div>`` fragment or, ``standalone``, a whole document."""
-    fragment = stages_page(sp).render()
+def stages_html(sp: Any, *, standalone: bool = False, title: str | None = None, subtitle: str | None = None) -> str:
+    """The page's HTML: a ``<div>`` fragment or, ``standalone``, a whole document; ``title``: the
+    heading and the document's ``<title>`` (default: the number of stages)."""
+    fragment = stages_page(sp, title=title, subtitle=subtitle).render()
     if not standalone:
         return fragment
     split = sp.split
-    return document(fragment, f"dmuon plans of {split.num_stages} pipeline stages")
+    return document(fragment, title or f"dmuon plans of {split.num_stages} pipeline stages")

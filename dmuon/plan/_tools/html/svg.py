@@ -343,6 +343,23 @@ def details(summary: str, body: str) -> str:
     )
 
 
+def title_section(title: str, subtitle: str | None = None) -> Svg:
+    """The page's heading (what was run: model, mesh, mode), a section above the others; ``subtitle``:
+    one smaller line under it (the run's settings)."""
+    lines = wrap(subtitle, PAGE_WIDTH - 24, 13) if subtitle else []
+    height = 40 + 18 * len(lines)
+    svg = Svg(PAGE_WIDTH, height, label="title")
+    svg.rect(0, 0, PAGE_WIDTH, height, TITLE_FILL, stroke="#c9d3e0")
+    svg.set_probe(PAGE_WIDTH - 8, 8, TITLE_FILL)
+    svg.text(12, 27, fit(title, PAGE_WIDTH - 24, 20), size=20, bold=True)
+    svg.lines(12, 49, lines, size=13, step=18, fill="#444444")
+    return svg
+
+
+#: the page heading's background
+TITLE_FILL = "#f3f6fa"
+
+
 def document(fragment: str, title: str) -> str:
     """A standalone HTML document around a page fragment (``--html FILE``)."""
     return (
