@@ -192,6 +192,24 @@ def check_selection_args(parser: argparse.ArgumentParser, args: argparse.Namespa
         )
 
 
+def tp_degree_error(model, tp: int) -> str | None:
+    """Why ``--tp`` cannot shard ``model`` (a width a Megatron-style TP plan splits is not a multiple
+    of it), with the degrees that would; ``None`` when it can."""
+    if tp <= 1:
+        return None
+    shapes = dict(model.named_parameters())
+    dims = megatron_tp_shard_dims(model)
+    widths = sorted({shapes[fqn].shape[d] for fqn, d in dims.items()})
+    bad = [w for w in widths if w % tp]
+    if not bad:
+        return None
+    fits = [t for t in (2, 4, 8, 16, 32, 64) if all(w % t == 0 for w in widths)]
+    return (
+        f"--tp {tp} does not divide the widths tensor parallelism splits ({', '.join(map(str, bad))}); "
+        f"use --tp {' or '.join(map(str, fits)) if fits else '1'}"
+    )
+
+
 def selection_kwargs(args: argparse.Namespace, model, mesh, *, param_dtype=None, reduce_dtype=None) -> dict:
     """``dmuon.plan.compile`` keyword arguments of :func:`add_selection_args`' options for
     ``model`` on ``mesh``; ``param_dtype`` / ``reduce_dtype``: defaults for the dtype options."""
@@ -285,6 +303,9 @@ def main_plan(argv: Sequence[str] | None = None) -> int:
         )
 
     model = PRESETS[args.model]()
+    tp_error = tp_degree_error(model, args.tp)
+    if tp_error:
+        parser.error(tp_error)
     kw = selection_kwargs(args, model, args.mesh)
     if args.ep != 1:
         try:

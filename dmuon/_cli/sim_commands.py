@@ -161,6 +161,7 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
         parse_mesh,
         refusal_text,
         selection_kwargs,
+        tp_degree_error,
         warnings_to_stderr,
     )
     from dmuon._cli.pipeline_commands import add_pipeline_args, simulate_pipelined, wants_pipeline
@@ -251,6 +252,9 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
         parser.error("--ep must be >= 1")
     if args.ep > 1 and args.tp > 1:
         parser.error("--ep with --tp: expert parallelism is not simulated with tensor parallelism")
+    tp_error = tp_degree_error(model, args.tp)
+    if tp_error:
+        parser.error(tp_error)
     try:
         with warnings_to_stderr():
             kw = selection_kwargs(

@@ -63,6 +63,26 @@ def test_plan_rejects_unknown_model(capsys):
     assert "python -m dmuon plan" in capsys.readouterr().err
 
 
+def test_tp_degree_that_does_not_divide_names_the_widths_and_the_degrees_that_do(capsys):
+    # tiny-llama's TP-split widths: 32 (the KV heads' rows), 64 (hidden), 160 (the MLP's rows);
+    # 2 to 32 divide all three, 64 does not divide 160, 3 divides none
+    from dmuon._cli.plan_commands import tp_degree_error
+
+    model = zoo.tiny_llama()
+    assert tp_degree_error(model, 1) is None and tp_degree_error(model, 2) is None
+    msg = tp_degree_error(model, 3)
+    assert (
+        msg
+        == "--tp 3 does not divide the widths tensor parallelism splits (32, 64, 160); use --tp 2 or 4 or 8 or 16 or 32"
+    )
+    assert tp_degree_error(model, 64).startswith(
+        "--tp 64 does not divide the widths tensor parallelism splits (32, 160);"
+    )
+    with pytest.raises(SystemExit):
+        main_plan(["--model", "tiny-llama", "--mesh", "4", "--tp", "3"])
+    assert "--tp 3 does not divide" in capsys.readouterr().err
+
+
 def test_diff(tmp_path, capsys):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     main_plan(["--model", "tiny-llama", "--mesh", "4", "--json", str(a)])
@@ -284,7 +304,7 @@ def test_plan_ep(tmp_path, capsys):
             ["--model", "tiny-moe", "--mesh", "2x2", "--ep", "4"],
             "tiny-moe on --mesh (2, 2) --ep 4: dmuon.plan._compile: ep=4 does not divide the 2 shard ranks",
         ),
-        (["--model", "tiny-llama", "--mesh", "4", "--tp", "3"], "tiny-llama on --mesh 4 --tp 3: "),
+        (["--model", "tiny-llama", "--mesh", "4", "--tp", "3"], "--tp 3 does not divide the widths"),
         (
             ["--model", "tiny-moe", "--mesh", "4", "--experts", "off", "--expert-gate-up", "fused"],
             "--expert-gate-up with --experts off",
@@ -357,16 +377,19 @@ def test_wire_dtypes_are_floating_point_only(capsys):
     assert (plan.param_dtype, plan.reduce_dtype) == ("torch.bfloat16", "torch.float32")
 
 
-def test_plan_refusal_is_cut_and_keeps_its_fix(capsys):
-    """A TP refusal names every parameter (224 here): the CLI prints the first lines, how many it
-    left out, and the refusal's last line, the fix (the same cut as ``simulate``)."""
-    with pytest.raises(SystemExit) as exc:
-        main_plan(["--model", "llama3-8b", "--mesh", "8", "--tp", "3"])
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and "Traceback" not in err
-    assert "is not divisible by the TP degree 3" in err and "  ... (219 more lines)" in err
-    assert err.rstrip().splitlines()[-1].startswith("Fix: exclude them in predicate")
-    assert len(err.splitlines()) < 30
+def test_plan_refusal_is_cut_and_keeps_its_fix():
+    """A compile refusal that names every parameter (224 lines here) is cut to its first lines,
+    how many it left out, and its last line, the fix (the cut ``plan`` and ``simulate`` print)."""
+    from dmuon._cli.plan_commands import ERROR_LINES, refusal_text
+
+    lines = ["dmuon.plan._compile: selected parameters dmuon cannot own:"]
+    lines += [f"  layers.{i}.w: dim 0 is not divisible by the TP degree 3" for i in range(222)]
+    text = refusal_text(ValueError("\n".join(lines + ["Fix: exclude them in predicate"])))
+    out = text.splitlines()
+    assert out[:ERROR_LINES] == lines[:ERROR_LINES]
+    assert out[ERROR_LINES] == f"  ... ({223 - ERROR_LINES} more lines)" and out[-1] == "Fix: exclude them in predicate"
+    assert len(out) == ERROR_LINES + 2
+    assert refusal_text(ValueError("one line")) == "one line"
 
 
 def test_apply_names_a_plan_that_is_not_one():

@@ -880,8 +880,8 @@ def test_simulate_cli(tmp_path, capsys):
 
 
 def test_simulate_cli_user_errors(tmp_path, capsys):
-    """Each user error is one argparse error (exit 2, no traceback) naming the problem: the plan's
-    refusal cut to its first lines, an unreadable calibration record, a dtype, a sequence length,
+    """Each user error is one argparse error (exit 2, no traceback) naming the problem: a TP degree
+    that does not divide the model's widths (with the degrees that do), an unreadable calibration record, a dtype, a sequence length,
     a folder given as an output file; a model that cannot fit prints a warning, not a silent pick."""
     from dmuon.__main__ import main
 
@@ -890,7 +890,10 @@ def test_simulate_cli_user_errors(tmp_path, capsys):
     corrupt = tmp_path / "corrupt.json"
     corrupt.write_text("{\n")
     cases = [
-        (["--tp", "3"], ["is not divisible by the TP degree 3", "more lines)"]),
+        (
+            ["--tp", "3"],
+            ["--tp 3 does not divide the widths tensor parallelism splits (1024, 4096, 14336); use --tp 2"],
+        ),
         (["--hw", str(bad_record)], ["not a preset", "calibrate --json"]),
         (["--hw", str(corrupt)], [str(corrupt), "JSONDecodeError"]),
         (["--param-dtype", "fp8"], ["'fp8' is not a floating-point torch dtype dmuon's buffers carry"]),
