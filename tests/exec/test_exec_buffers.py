@@ -11,7 +11,8 @@ owns with exactly one ``Tensor.tolist`` (one host sync on CUDA), whatever the nu
 boundaries. Ledger bytes of each backward equal the plan. Each post-backward retires the
 boundary reduced before it before its own buffers grow (every buffer on 1-D, the averages
 staged; on HSDP what the rank only sent), so the most reduce-buffer bytes held at once equal the
-memory model's (``rank_memory.reduce_buffer_nbytes``). 1-D mesh N = 2 (its buffers
+memory model's (``rank_memory.reduce_buffer_nbytes``); a boundary's received copies are freed
+before its reduce buffers grow. 1-D mesh N = 2 (its buffers
 all-gathered, as collectives="auto" picks, and broadcast) and HSDP (2, 1). An all-gathered
 buffer's reduce buffers are its reduce-scatter input and output (the held segment's reduce_buf).
 """
@@ -80,7 +81,7 @@ def _worker(mesh_shape, collectives):
                 seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
         return sum(seen.values())
 
-    live = {"peak": 0, "retired_outlived": False}
+    live = {"peak": 0, "retired_outlived": False, "received_at_reduce": 0}
     orig_retire, orig_finish = _gr.retire_reduces_before, _gr.finish_reduces
 
     def measuring_retire(ctx):
@@ -97,6 +98,21 @@ def _worker(mesh_shape, collectives):
         orig_finish(ctx)
 
     _gr.retire_reduces_before, _gr.finish_reduces = measuring_retire, measuring_finish
+    # received bytes still resident on this rank when a boundary's reduce buffers are about to
+    # grow: none (its copies are freed first, as FSDP2 reshards before its reduce-scatter)
+    orig_launch = _gr.launch_reduce
+
+    def received_nbytes(boundary):
+        segs = [seg for seg in boundary.segments if not seg.held and seg.gather is None]
+        return sum(seg.wire.untyped_storage().nbytes() for seg in segs) + sum(
+            gb.gathered.untyped_storage().nbytes() for gb in boundary.gathers if gb.resident
+        )
+
+    def measuring_launch(boundary):
+        live["received_at_reduce"] = max(live["received_at_reduce"], received_nbytes(boundary))
+        orig_launch(boundary)
+
+    _gr.launch_reduce = measuring_launch
     from dmuon.plan._cost.rank_memory import reduce_buffer_nbytes
 
     tolist_calls = []
@@ -108,7 +124,7 @@ def _worker(mesh_shape, collectives):
 
     def backward(i):
         LEDGER.reset()
-        live.update(peak=0, retired_outlived=False)
+        live.update(peak=0, retired_outlived=False, received_at_reduce=0)
         reads = rt._flag_host_reads
         loss = lm_loss(model, batches[i].chunk(world)[rank])
         torch.Tensor.tolist = counting_tolist
@@ -128,6 +144,7 @@ def _worker(mesh_shape, collectives):
             "released": all(t.untyped_storage().nbytes() == 0 for t in reduce_tensors()),
             "live_peak": live["peak"],
             "retired_outlived": live["retired_outlived"],
+            "received_at_reduce": live["received_at_reduce"],
         }
         tolist_calls.clear()
         return out
@@ -237,6 +254,7 @@ def test_reduce_buffers_reused_released_and_one_flag_read(config):
             # the earlier boundaries' buffers go before the next one's grow; the most held is the
             # memory model's figure
             assert not b["retired_outlived"], (rank, key, b)
+            assert b["received_at_reduce"] == 0, (rank, key, b)
             assert b["live_peak"] == log["model_reduce_nbytes"], (rank, key, b, log["model_reduce_nbytes"])
 
 

@@ -8,13 +8,14 @@ pre-forward            one async broadcast per segment ``s'`` from ``(s', r)`` i
 post-forward           restore the logical parameters; Z3 (or no-grad forward): free the
                        storage of every segment this rank does not hold
 pre-backward           Z3: broadcast again (into the same, regrown storage); install
-post-backward          pack gradients into the segment's reduce buffer (one tensor per segment,
+post-backward          free non-held storage (as FSDP2 reshards before its reduce-scatter);
+                       pack gradients into the segment's reduce buffer (one tensor per segment,
                        built once; its storage regrown and zeroed here, released once the
                        averages are out; zeros + presence flag 0 where a compute parameter has
                        no gradient), SUM-reduce each segment to its holder in the shard group;
                        HSDP: then SUM-reduce each sub-segment over the replicate group to its
                        owner; the owner divides by ``R·N`` (or by FSDP2's gradient divide
-                       factor when one is set); free non-held storage
+                       factor when one is set)
 end of backward        (autograd final callback, :func:`_end_of_backward`, over every boundary)
                        reduce boundaries not yet reduced, wait for every reduce, read all owned
                        presence flags at once (one host sync), copy or add the averaged
@@ -423,24 +424,28 @@ class HookBoundary:
     def _finish(self) -> None:
         self.uses = []
         self._restore()
+        ctx = self.comm_ctx
+        # free the received copies before the reduce buffers grow, as FSDP2 reshards before its
+        # reduce-scatter: the local gradients are tensors of their own, the copies are done with
+        if not (ctx.pipelined and not ctx.reshard_after_forward):  # pipeline Z2: resident until the step's reduce
+            self._reshard()
         if self._gradient_sync():
             self._launch_reduce()
         else:
             # no_sync micro-batch: every rank keeps its full local gradient in the compute
             # parameters' .grad (autograd accumulates the next micro-batch into it)
             self.unreduced = True
-        ctx = self.comm_ctx
-        if not (ctx.pipelined and not ctx.reshard_after_forward):  # pipeline Z2: resident until the step's reduce
-            self._reshard()
 
     def finish_pipeline_step(self) -> None:
         """The pipeline schedule's reduce (its ``REDUCE_GRAD``): drop the uses whose backward never
         ran, put the logical parameters back, and reduce the gradients accumulated over the
         step's micro-batches (every rank of the mesh in the same order: whether a boundary is
-        reduced depends on hook order only). Storage is freed by the caller."""
+        reduced depends on hook order only). A boundary it reduces is resharded first; the caller
+        frees the rest."""
         self.uses = []
         self._restore()
         if self.unreduced:
+            self._reshard()  # the received copies go before the reduce buffers grow
             self._launch_reduce()
 
     def _launch_reduce(self) -> None:
