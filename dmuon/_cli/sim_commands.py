@@ -74,7 +74,7 @@ def memory_lines(sims: dict) -> list[str]:
     rows = {v: busiest_memory(s) for v, s in sims.items()}
     lines = [
         "",
-        "peak memory per rank, busiest rank, GiB (not time-resolved: each term's largest, added):",
+        "peak memory per rank, busiest rank, GiB (transient: the most held at once over the step, phase by phase):",
         f"{'variant':<12}{'rank':>6}" + "".join(f"{t:>17}" for t, _ in MEMORY_TERMS) + f"{'peak':>10}",
     ]
     for v, m in rows.items():

@@ -12,13 +12,26 @@ By hand:
 * FSDP2 shards of the rest on 2 ranks: norm (4,) -> 2 el, embed / head (10, 4) -> 5 x 4 = 20 el;
   per rank 2 + 2 + 20 + 20 = 44 el = 176 B. Units unsharded: layers.0 / layers.1 16 B, root 320 B.
 * packed buffer of a block: fc 32 el + 1 flag -> round_up(33, 16) = 48 el = 192 B: each rank
-  receives the other block's (Z3: the largest, 192 B); the reduce buffer of a block 192 B.
+  receives the other block's; the reduce buffer of a block 192 B.
 
-dmuon, each rank: parameters 128 + 176 = 304; gradients 128 + 176 = 304; momentum 128; AdamW
-2 x 176 = 352; transient 192 + 192 + 320 = 704; peak 1,792. NorMuon adds 8 rows x 4 B = 32.
+Transient, phase by phase (``step_transient_nbytes``). dmuon, per block on a rank: unsharded =
+the received copy (192 on the rank that does not hold it, 0 on its holder) + FSDP2's norm
+(16); gradients = fc 128 + norm 16 = 144; reduce = 192 + the norm's reduce-scatter input 16 =
+208. The root unit (embed, head): unsharded 320 from the forward on, gradients 320 through the
+backward, reduce-scatter input 320. Rank 0 (holds layers.0): forward layers.0 with layers.1
+prefetched 16 + 208 = 224; backward layers.1: 208 + 16 (layers.0 prefetched) + 144 = 368, its
+reduce 16 + 144 + 208 = 368; layers.0: 16 + 144 + 208 (layers.1's reduce in flight) = 368, its
+reduce 144 + 208 = 352; the root's reduce beside layers.0's: 320 + 208 = 528; transient
+320 + max(224, 320 + 528) = 1,168. Rank 1: layers.1's reduce with layers.0 prefetched
+208 + 144 + 208 = 560 -> 320 + 320 + 560 = 1,200.
+
+dmuon: parameters 128 + 176 = 304; gradients 128 + 176 = 304; momentum 128; AdamW 2 x 176 =
+352; peak 1,216 + 1,168 = 2,256 (rank 0), 2,288 (rank 1). NorMuon adds 8 rows x 4 B = 32.
 FSDP2 + AdamW: fc shards 4 x 4 el = 64 B each, 128 B; parameters 176 + 128 = 304; gradients 304;
-AdamW 2 x 304 = 608; transient: the root unit (320) and its gradient (320) = 640; peak 1,856.
-FSDP2 + naive Muon: momentum 128, AdamW 352, transient max(640, 256 + 320) = 640; peak 1,728.
+AdamW 2 x 304 = 608; a block unit 36 el = 144 B unsharded, gradients and reduce-scatter input:
+backward layers.1 with layers.0 prefetched 144 + 144 + 144 = 432, the root's reduce beside
+layers.0's 320 + 144 = 464; transient 320 + 320 + 464 = 1,104; peak 2,320.
+FSDP2 + naive Muon: momentum 128, AdamW 352, transient max(1,104, 256 + 320) = 1,104; peak 2,192.
 """
 
 from __future__ import annotations
@@ -54,13 +67,16 @@ def _plan(**kw):
     return P.compile(model, 2, **kw)
 
 
-DMUON = MemoryTerms(
-    parameters_nbytes=304,
-    gradients_nbytes=304,
-    momentum_nbytes=128,
-    second_moment_nbytes=0,
-    adamw_nbytes=352,
-    transient_nbytes=704,
+DMUON0, DMUON1 = (
+    MemoryTerms(
+        parameters_nbytes=304,
+        gradients_nbytes=304,
+        momentum_nbytes=128,
+        second_moment_nbytes=0,
+        adamw_nbytes=352,
+        transient_nbytes=t,
+    )
+    for t in (1168, 1200)
 )
 ADAMW = MemoryTerms(
     parameters_nbytes=304,
@@ -68,7 +84,7 @@ ADAMW = MemoryTerms(
     momentum_nbytes=0,
     second_moment_nbytes=0,
     adamw_nbytes=608,
-    transient_nbytes=640,
+    transient_nbytes=1104,
 )
 NAIVE = MemoryTerms(
     parameters_nbytes=304,
@@ -76,7 +92,7 @@ NAIVE = MemoryTerms(
     momentum_nbytes=128,
     second_moment_nbytes=0,
     adamw_nbytes=352,
-    transient_nbytes=640,
+    transient_nbytes=1104,
 )
 
 
@@ -86,22 +102,47 @@ def test_memory_terms_by_hand():
     assert plan.owned_numel == (32, 32)
     stats = plan.rank_stats()
     assert [s.peak_transient_nbytes for s in stats] == [192, 192]
-    assert [s.memory for s in stats] == [DMUON, DMUON]
-    assert DMUON.peak_nbytes == 1792 and DMUON.optimizer_state_nbytes == 480
-    assert [s.memory for s in plan.adamw_rank_stats()] == [ADAMW, ADAMW] and ADAMW.peak_nbytes == 1856
-    assert [s.memory for s in plan.baseline_rank_stats()] == [NAIVE, NAIVE] and NAIVE.peak_nbytes == 1728
+    assert [s.memory for s in stats] == [DMUON0, DMUON1]
+    assert (DMUON0.peak_nbytes, DMUON1.peak_nbytes) == (2256, 2288) and DMUON0.optimizer_state_nbytes == 480
+    assert [s.memory for s in plan.adamw_rank_stats()] == [ADAMW, ADAMW] and ADAMW.peak_nbytes == 2320
+    assert [s.memory for s in plan.baseline_rank_stats()] == [NAIVE, NAIVE] and NAIVE.peak_nbytes == 2192
     adamw = plan.adamw_rank_stats()[0]  # the dedicated matrices' figures under FSDP2 + AdamW
     assert (adamw.owned_numel, adamw.resident_nbytes, adamw.ns_flops) == (32, 3 * 128, 0)
     normuon = plan.rank_stats(variant="normuon")
     assert [s.memory.second_moment_nbytes for s in normuon] == [32, 32]  # (8, 1) fp32 per owned fc
-    assert normuon[0].memory.peak_nbytes == 1792 + 32
+    assert normuon[0].memory.peak_nbytes == 2256 + 32
 
 
-def test_z2_holds_every_unit_and_buffer():
-    """Z2: the packed buffers of both blocks (192: each rank receives one) and every FSDP2 unit
-    unsharded (16 + 16 + 320 = 352): transient 192 + 192 + 352 = 736."""
+def test_z2_holds_every_unit_until_its_reduce():
+    """Z2: both blocks stay unsharded from the forward to their reduce. Rank 1 (receives
+    layers.0: 208 with its norm, holds layers.1: 16): forward end 224; layers.1's backward 224 +
+    144 = 368, its reduce (layers.0 still unsharded) 208 + 144 + 208 = 560; layers.0's backward
+    with layers.1's reduce in flight 208 + 144 + 208 = 560: transient 320 + 320 + 560 = 1,200, as
+    Z3 with its prefetch on two blocks. Rank 0: 16 + 144 + 208 = 368 at most, the root's reduce
+    528: 1,168. A third block tells them apart (test below)."""
     plan = _plan(reshard_after_forward=False)
-    assert {s.memory.transient_nbytes for s in plan.rank_stats()} == {736}
+    assert [s.memory.transient_nbytes for s in plan.rank_stats()] == [1168, 1200]
+
+
+def test_step_transient_by_phase():
+    """``step_transient_nbytes`` on three units (unsharded, assembled, grad, reduce, kept) by
+    hand; root (100, 10, 1). Z3 with forward prefetch: forward max(5+1+7, 7+0+9, 9) = 16;
+    backward unit 2: 9 + 7 + 3 = 19, its reduce 7 + 3 + 4 = 14; unit 1: 7 + 5 + 2 + 4 = 18,
+    reduce 5 + 2 + 4 = 11; unit 0: 5 + 1 + 1 + 4 = 11, reduce 1 + 4 = 5; root's reduce 1 + 4 =
+    5 -> 100 + max(16, 10 + 19) = 129. Z2: forward 22; unit 2: 22 + 3 = 25, its reduce 13 + 3 +
+    4 = 20; unit 1: 13 + 2 + 4 = 19 -> 100 + 10 + 25 = 135. HSDP kept bytes add after a retire:
+    kept 1 on each unit, Z3: unit 1's reduce 5 + 2 + 4 + 1 (unit 2's kept) = 12; unit 0's
+    backward 5 + 1 + 1 + 4 + 1 = 12 -> still 129."""
+    from dmuon.plan._cost.rank_memory import step_transient_nbytes
+
+    units = [(5, 1, 1, 4, 0), (7, 0, 2, 4, 0), (9, 0, 3, 4, 0)]
+    root = (100, 10, 1)
+    assert step_transient_nbytes(units, root, reshard_after_forward=True, forward_prefetch=True) == 129
+    assert step_transient_nbytes(units, root, reshard_after_forward=False, forward_prefetch=True) == 135
+    assert step_transient_nbytes(units, root, reshard_after_forward=True, forward_prefetch=False) == 129
+    kept = [u[:4] + (1,) for u in units]
+    assert step_transient_nbytes(kept, root, reshard_after_forward=True, forward_prefetch=True) == 129
+    assert step_transient_nbytes([], root, reshard_after_forward=True, forward_prefetch=True) == 111
 
 
 def test_second_moment_shape_is_the_runtime_rule():
@@ -114,13 +155,13 @@ def test_second_moment_shape_is_the_runtime_rule():
 
 
 def test_ranks_above_and_the_summary():
-    terms = (DMUON, ADAMW, NAIVE)
+    terms = (DMUON0, ADAMW, NAIVE)
     assert ranks_above(terms, NAIVE) == (0, 1)
     assert ranks_above(terms, ADAMW) == ()
     text = _plan().summary()
     block = text[text.index("memory per rank") :]
-    assert re.search(r"peak\s+1\.75 KiB\s+1\.75 KiB\s+1\.81 KiB\s+1\.69 KiB", block), block
-    assert "peak: every rank at or below FSDP2 + AdamW's (1.75 KiB vs 1.81 KiB" in block
+    assert re.search(r"peak\s+2\.23 KiB\s+2\.22 KiB\s+2\.27 KiB\s+2\.14 KiB", block), block
+    assert "peak: every rank at or below FSDP2 + AdamW's (2.23 KiB vs 2.27 KiB" in block
 
 
 def test_summary_and_page_flag_ranks_above_adamw():
@@ -152,10 +193,10 @@ def test_simulator_memory_is_the_plans_terms_plus_activations():
     plan = _plan()
     wl = SimpleNamespace(activation_nbytes=1000, recompute_transient_nbytes=0)  # memory() reads only these
     got = memory(plan, wl, "z3")
-    assert [m.peak_nbytes for m in got] == [1792 + 1000] * 2
-    assert got[0].optimizer_state_nbytes == 128 + 352 and got[0].transient_nbytes == 704
-    assert memory(plan, wl, "adamw")[0].peak_nbytes == 1856 + 1000
-    assert memory(plan, wl, "naive")[0].peak_nbytes == 1728 + 1000
+    assert [m.peak_nbytes for m in got] == [2256 + 1000, 2288 + 1000]
+    assert got[0].optimizer_state_nbytes == 128 + 352 and got[0].transient_nbytes == 1168
+    assert memory(plan, wl, "adamw")[0].peak_nbytes == 2320 + 1000
+    assert memory(plan, wl, "naive")[0].peak_nbytes == 2192 + 1000
 
 
 def test_reduce_buffers_by_hand_on_hsdp():

@@ -139,13 +139,15 @@ class MemoryTerms:
             owned Muon matrix (``variant="normuon"``; 0 for Muon).
         adamw_nbytes: AdamW's two moments of the parameters AdamW updates (FSDP2 shards; the
             FSDP2 + AdamW baseline: of every parameter).
-        transient_nbytes: the most held at once beyond the above, not time-resolved: dmuon's
-            packed buffers (``RankStats.peak_transient_nbytes``) + the gradient reduce buffers
-            (one boundary's; on HSDP with the held ones of every boundary reduced before:
-            :func:`~dmuon.plan._cost.rank_memory.reduce_buffer_nbytes`) + FSDP2's unsharded
-            unit(s) of the other parameters; a baseline: its
-            unsharded unit(s) and one unit's unsharded gradient (naive Muon: or every gathered
-            update, if more).
+        transient_nbytes: the most held at once beyond the above over one step, phase by
+            phase (:func:`~dmuon.plan._cost.rank_memory.step_transient_nbytes`; unsharded
+            parameters and their gradients in the parameter dtype, reduce buffers in the reduce
+            dtype): FSDP2's root unit unsharded from the forward on with its gradients through
+            the backward; per hook boundary / FSDP2 unit, its parameters unsharded while it
+            computes (dmuon: the received copies, the compute tensors assembled from pieces and
+            FSDP2's unit of the rest), the next unit prefetched, its gradients and its reduce
+            buffers beside the previous unit's in flight (HSDP: with the held ones of every
+            boundary reduced before); naive Muon: or every gathered update, if more.
     """
 
     parameters_nbytes: int

@@ -31,7 +31,12 @@ __all__ = [
     "second_moment_nbytes",
     "buffer_wire_numel",
     "reduce_numels",
+    "boundary_reduce_nbytes",
     "reduce_buffer_nbytes",
+    "received_nbytes",
+    "step_transient_nbytes",
+    "dmuon_transient_nbytes",
+    "fsdp2_transient_nbytes",
     "fsdp2_rest_nbytes",
     "dmuon_memory",
     "fsdp2_memory",
@@ -90,28 +95,11 @@ def rank_stats(
             replica_nbytes_by_shard[member.shard] += numel * isz
 
     flops = [0] * n
-    received: dict[tuple[str, tuple[int, ...]], int] = {}  # (boundary, group) -> bytes per member
-    root_credit: dict[tuple[str, int], int] = {}
     for op in sched.ops:
         if op.kind == "newton_schulz":
             for x in op.group:
                 flops[x] += op.flops
-        elif op.phase == "forward_broadcast" and op.micro_batch == 0:
-            key = (op.boundary, op.group)
-            if op.kind == "all_gather":  # the whole gathered tensor, own slot and padding included
-                received[key] = received.get(key, 0) + len(op.group) * op.nbytes
-                continue
-            nbytes = op.nbytes
-            received[key] = received.get(key, 0) + nbytes
-            rkey = (op.boundary, op.root)
-            root_credit[rkey] = root_credit.get(rkey, 0) + nbytes
-    per_boundary: dict[str, list[int]] = {}
-    for (boundary, group), nbytes in received.items():
-        row = per_boundary.setdefault(boundary, [0] * n)
-        for x in group:
-            row[x] += nbytes
-    for (boundary, root), nbytes in root_credit.items():
-        per_boundary[boundary][root] -= nbytes
+    per_boundary = received_nbytes(sched, n)
     for boundary, nbytes in (assembled_nbytes or {}).items():
         row = per_boundary.setdefault(boundary, [0] * n)
         for x in range(n):
@@ -138,6 +126,33 @@ def rank_stats(
             )
         )
     return tuple(out)
+
+
+def received_nbytes(sched: Any, n: int) -> dict[str, list[int]]:
+    """Per boundary, the bytes each of the ``n`` schedule ranks receives in its forward
+    broadcasts (its own segments excluded) or holds as the output of its forward all-gathers
+    (every slot, its own and the padding included: ``k * slot``), from the nominal schedule
+    ``sched`` (micro-batch 0): the packed copies a rank holds while the boundary is unsharded."""
+    received: dict[tuple[str, tuple[int, ...]], int] = {}  # (boundary, group) -> bytes per member
+    root_credit: dict[tuple[str, int], int] = {}
+    for op in sched.ops:
+        if op.phase != "forward_broadcast" or op.micro_batch != 0:
+            continue
+        key = (op.boundary, op.group)
+        if op.kind == "all_gather":
+            received[key] = received.get(key, 0) + len(op.group) * op.nbytes
+            continue
+        received[key] = received.get(key, 0) + op.nbytes
+        rkey = (op.boundary, op.root)
+        root_credit[rkey] = root_credit.get(rkey, 0) + op.nbytes
+    per_boundary: dict[str, list[int]] = {}
+    for (boundary, group), nbytes in received.items():
+        row = per_boundary.setdefault(boundary, [0] * n)
+        for x in group:
+            row[x] += nbytes
+    for (boundary, root), nbytes in root_credit.items():
+        per_boundary[boundary][root] -= nbytes
+    return per_boundary
 
 
 def second_moment_shape(shape, *, matrix_shape, experts=None, view=None) -> tuple[int, ...]:
@@ -216,17 +231,12 @@ def reduce_numels(buf: Any, shard: int, num_shards: int) -> tuple[int, int]:
     return held, group - held
 
 
-def reduce_buffer_nbytes(plan: Any) -> tuple[int, ...]:
-    """Gradient reduce buffers per mesh rank (reduce dtype), the most held at once over one
-    backward (boundaries in reverse plan order, as the nominal schedule runs them): boundary
-    ``b``'s whole buffers (:func:`reduce_numels`: held + sent) while it packs and reduces; the
-    boundary reduced before it is retired before ``b``'s buffers grow. On HSDP a holder keeps its
-    held buffers (the replicate reduces read them) to the end of the backward, so those of every
-    boundary reduced before ``b`` count too."""
-    R, N = plan.mesh_shape
-    peak = [0] * N
-    kept = [0] * N  # HSDP: held buffers of the boundaries reduced so far
-    for b in reversed(plan.boundaries):
+def boundary_reduce_nbytes(plan: Any) -> dict[str, tuple[list[int], list[int]]]:
+    """Per boundary, ``(held, sent)`` bytes of its gradient reduce buffers on each shard
+    coordinate (:func:`reduce_numels` of every buffer, in its reduce dtype)."""
+    N = plan.mesh_shape[1]
+    out: dict[str, tuple[list[int], list[int]]] = {}
+    for b in plan.boundaries:
         held = [0] * N
         sent = [0] * N
         for buf in b.buffers:
@@ -235,11 +245,167 @@ def reduce_buffer_nbytes(plan: Any) -> tuple[int, ...]:
                 h, t = reduce_numels(buf, s, N)
                 held[s] += h * isz
                 sent[s] += t * isz
+        out[b.fqn] = (held, sent)
+    return out
+
+
+def reduce_buffer_nbytes(plan: Any) -> tuple[int, ...]:
+    """Gradient reduce buffers per mesh rank (reduce dtype), the most held at once over one
+    backward (boundaries in reverse plan order, as the nominal schedule runs them): boundary
+    ``b``'s whole buffers (:func:`reduce_numels`: held + sent) while it packs and reduces; the
+    boundary reduced before it is retired before ``b``'s buffers grow. On HSDP a holder keeps its
+    held buffers (the replicate reduces read them) to the end of the backward, so those of every
+    boundary reduced before ``b`` count too."""
+    R, N = plan.mesh_shape
+    per = boundary_reduce_nbytes(plan)
+    peak = [0] * N
+    kept = [0] * N  # HSDP: held buffers of the boundaries reduced so far
+    for b in reversed(plan.boundaries):
+        held, sent = per[b.fqn]
         for s in range(N):
             peak[s] = max(peak[s], kept[s] + held[s] + sent[s])
             if R > 1:
                 kept[s] += held[s]
     return tuple(peak[rank % N] for rank in range(R * N))
+
+
+def step_transient_nbytes(
+    units: Sequence[tuple[int, int, int, int, int]],
+    root: tuple[int, int, int],
+    *,
+    reshard_after_forward: bool,
+    forward_prefetch: bool,
+) -> int:
+    """The most transient bytes one rank holds at once over a training step, phase by phase
+    (Note: memory per rank, docs/design.md). ``units``: per hook boundary / FSDP2 unit in forward
+    order, ``(unsharded, assembled, grad, reduce, kept)`` bytes: held while it computes and while
+    it is prefetched; held only while it computes; its unsharded gradients from its backward to
+    its reduce; its reduce buffers from its reduce until the next unit's reduce retires them;
+    of those, kept to the end of the backward (HSDP's held segments). ``root``: FSDP2's root
+    unit ``(unsharded, grad, reduce)``, kept unsharded from the forward to the end of the
+    backward (FSDP2's rule for the root), its gradients held through the backward (the head's
+    come first). Z3 (``reshard_after_forward``): a unit is unsharded while it computes, the next
+    one too when prefetched (forward: ``forward_prefetch``; backward: always, as FSDP2 and dmuon
+    prefetch), and freed before its reduce buffers grow; Z2: every unit stays unsharded from
+    its forward to its reduce."""
+    K = len(units)
+    root_unsharded, root_grad, root_reduce = root
+    held_after = [0] * (K + 1)  # Z2: units 0..i-1 unsharded (their backward not yet run)
+    for i, u in enumerate(units):
+        held_after[i + 1] = held_after[i] + u[0] + u[1]
+    if reshard_after_forward:
+        fwd = max(
+            (u[0] + u[1] + (units[i + 1][0] if forward_prefetch and i + 1 < K else 0) for i, u in enumerate(units)),
+            default=0,
+        )
+    else:
+        fwd = held_after[K]
+    bwd = 0
+    kept = 0  # held buffers of the units retired so far
+    for i in range(K - 1, -1, -1):
+        unsharded, assembled, grad, reduce, keep = units[i]
+        inflight = units[i + 1][3] if i + 1 < K else 0
+        if reshard_after_forward:
+            prefetched = units[i - 1][0] if i > 0 else 0
+            computing = unsharded + assembled + prefetched
+            before_reduce = prefetched  # its own copies freed before its reduce buffers grow
+        else:
+            computing = held_after[i + 1]
+            before_reduce = held_after[i]
+        bwd = max(bwd, computing + grad + inflight + kept)
+        if i + 1 < K:
+            kept += units[i + 1][4]
+        bwd = max(bwd, before_reduce + grad + reduce + kept)
+    last = (units[0][3] + kept) if K else 0  # the root's reduce beside the first unit's, in flight
+    bwd = max(bwd, root_reduce + last)
+    return root_unsharded + max(fwd, root_grad + bwd)
+
+
+def _unit_nbytes(plan: Any, unit_params: Sequence[tuple[int, str]]) -> tuple[int, int, int]:
+    """``(unsharded, grad, reduce)`` bytes of an FSDP2 unit of ``(numel, storage dtype)``
+    parameters: all-gathered and differentiated in the parameter dtype (``mp_policy``), its
+    reduce-scatter input in the reduce dtype (FSDP2's padding not counted)."""
+    unsharded = sum(numel * itemsize_nbytes(plan.bcast_dtype(dt)) for numel, dt in unit_params)
+    reduce = sum(numel * itemsize_nbytes(plan.reduce_dtype_for(dt)) for numel, dt in unit_params)
+    return unsharded, unsharded, reduce
+
+
+def _unit_params(plan: Any, *, with_dedicated: bool) -> dict[str, list[tuple[int, str]]]:
+    """Per FSDP2 unit FQN (a hook boundary's, ``""`` the root's), its parameters ``(numel,
+    storage dtype)``: the rest (``plan.fsdp2_units``), and with ``with_dedicated`` the dedicated
+    parameters of its boundary (the baselines, where FSDP2 shards every parameter)."""
+    out: dict[str, list[tuple[int, str]]] = {b.fqn: [] for b in plan.boundaries}
+    for u in plan.fsdp2_units:
+        out.setdefault(u.fqn, []).extend((math.prod(shape), dt) for shape, dt in zip(u.shapes, u.dtypes))
+    if with_dedicated:
+        for spec in plan.params:
+            out.setdefault(plan.boundary(spec.fqn), []).append((spec.local_numel, spec.dtype))
+    return out
+
+
+def _root_and_order(plan: Any, units: dict[str, list[tuple[int, str]]]) -> tuple[list[str], tuple[int, int, int]]:
+    """The units in forward order (boundaries in plan order, then any other non-root unit) and
+    the root unit's ``(unsharded, grad, reduce)``."""
+    order = [b.fqn for b in plan.boundaries if b.fqn != ""]
+    order += [fqn for fqn in units if fqn != "" and fqn not in order]
+    return order, _unit_nbytes(plan, units.get("", []))
+
+
+def dmuon_transient_nbytes(plan: Any, sched: Any, n: int) -> tuple[int, ...]:
+    """dmuon's transient bytes per schedule rank (``n`` of them) over a step
+    (:func:`step_transient_nbytes`): per boundary the packed copies the rank receives
+    (:func:`received_nbytes`) with FSDP2's unsharded unit of the rest, the compute tensors
+    assembled from expert ranges / owner-group blocks (``plan.assembled_nbytes``), the local
+    gradients of its compute parameters (broadcast dtype) and of the rest, its reduce buffers
+    (:func:`boundary_reduce_nbytes`, held + sent; HSDP: the held kept) with the rest's
+    reduce-scatter input; dmuon prefetches the next boundary in the forward too."""
+    R, N = plan.mesh_shape
+    T = max(1, n // (R * N))
+    recv = received_nbytes(sched, n)
+    asm = plan.assembled_nbytes
+    red = boundary_reduce_nbytes(plan)
+    units = _unit_params(plan, with_dedicated=False)
+    order, root = _root_and_order(plan, units)
+    grads: dict[str, int] = {}
+    for spec in plan.params:
+        b = plan.boundary(spec.fqn)
+        grads[b] = grads.get(b, 0) + spec.local_numel * itemsize_nbytes(plan.bcast_dtype(spec.dtype))
+    rest = {fqn: _unit_nbytes(plan, units.get(fqn, [])) for fqn in order}
+    out = []
+    for x in range(n):
+        s = (x // T) % N
+        rows = []
+        for fqn in order:
+            r_uns, r_grad, r_red = rest[fqn]
+            held, sent = red.get(fqn, ([0] * N, [0] * N))
+            rows.append(
+                (
+                    recv.get(fqn, [0] * n)[x] + r_uns,
+                    asm.get(fqn, 0),
+                    grads.get(fqn, 0) + r_grad,
+                    held[s] + sent[s] + r_red,
+                    held[s] if R > 1 else 0,
+                )
+            )
+        out.append(
+            step_transient_nbytes(rows, root, reshard_after_forward=plan.reshard_after_forward, forward_prefetch=True)
+        )
+    return tuple(out)
+
+
+def fsdp2_transient_nbytes(plan: Any, reshard_after_forward: bool) -> int:
+    """FSDP2's transient bytes over a step when it shards every parameter
+    (:func:`step_transient_nbytes`): per unit its parameters unsharded, their gradients and its
+    reduce-scatter input; FSDP2 prefetches in the backward only (its default)."""
+    units = _unit_params(plan, with_dedicated=True)
+    order, root = _root_and_order(plan, units)
+    rows = [_unit_nbytes(plan, units[fqn]) for fqn in order]
+    return step_transient_nbytes(
+        [(uns, 0, grad, red, 0) for uns, grad, red in rows],
+        root,
+        reshard_after_forward=reshard_after_forward,
+        forward_prefetch=False,
+    )
 
 
 def _plan_ep(plan: Any) -> int:
@@ -264,17 +430,18 @@ def fsdp2_rest_nbytes(plan: Any) -> tuple[int, dict[str, int]]:
     return shard, unit_full
 
 
-def dmuon_memory(plan: Any, stats: Sequence[RankStats], *, variant: str = "muon") -> tuple[MemoryTerms, ...]:
+def dmuon_memory(
+    plan: Any, stats: Sequence[RankStats], *, variant: str = "muon", sched: Any = None
+) -> tuple[MemoryTerms, ...]:
     """dmuon's :class:`MemoryTerms` per schedule rank (Note: memory per rank, docs/design.md), from the plan's
-    :func:`rank_stats` ``stats`` (one per schedule rank); ``variant``: ``"muon"`` or
-    ``"normuon"`` (:data:`MEMORY_VARIANTS`)."""
+    :func:`rank_stats` ``stats`` (one per schedule rank) and its nominal schedule ``sched``
+    (None: ``plan.schedule()``); ``variant``: ``"muon"`` or ``"normuon"`` (:data:`MEMORY_VARIANTS`)."""
     if variant not in MEMORY_VARIANTS:
         raise ValueError(f"variant must be one of {MEMORY_VARIANTS}, got {variant!r}")
     R, N = plan.mesh_shape
     T = max(1, len(stats) // (R * N))
-    rest, unit_full = fsdp2_rest_nbytes(plan)
-    fsdp_unsharded = max(unit_full.values(), default=0) if plan.reshard_after_forward else sum(unit_full.values())
-    reduce_buf = reduce_buffer_nbytes(plan)
+    rest, _ = fsdp2_rest_nbytes(plan)
+    transient = dmuon_transient_nbytes(plan, plan.schedule() if sched is None else sched, len(stats))
     second = [0] * (R * N)
     if variant == "normuon":
         for spec, owner in zip(plan.params, plan.owners):
@@ -290,7 +457,7 @@ def dmuon_memory(plan: Any, stats: Sequence[RankStats], *, variant: str = "muon"
                 momentum_nbytes=momentum,
                 second_moment_nbytes=second[st.rank // T],
                 adamw_nbytes=2 * rest,
-                transient_nbytes=st.peak_transient_nbytes + reduce_buf[st.rank // T] + fsdp_unsharded,
+                transient_nbytes=transient[st.rank],
             )
         )
     return tuple(out)
@@ -306,17 +473,14 @@ def fsdp2_memory(plan: Any, variant: str, *, reshard_after_forward: bool | None 
     if variant not in ("adamw", "naive", "all_to_all"):
         raise ValueError(f"variant must be 'adamw', 'naive' or 'all_to_all', got {variant!r}")
     N = plan.mesh_shape[1]
-    rest, unit_full = fsdp2_rest_nbytes(plan)
+    rest, _ = fsdp2_rest_nbytes(plan)
     muon_shard = sum(_baseline.spec_fsdp2_shard(s, N)[1] * itemsize_nbytes(s.dtype) for s in plan.params)
     muon_full = sum(s.local_numel * itemsize_nbytes(s.dtype) for s in plan.params)
-    for s in plan.params:
-        b = plan.boundary(s.fqn)
-        unit_full[b] = unit_full.get(b, 0) + s.local_numel * itemsize_nbytes(s.dtype)
     z3 = _baseline.baseline_reshard_after_forward(variant, plan, reshard_after_forward)
-    largest = max(unit_full.values(), default=0)
-    unsharded = largest if z3 else sum(unit_full.values())
-    transient = unsharded + largest  # + one unit's unsharded gradient before its reduce-scatter
-    if variant == "naive":
+    transient = fsdp2_transient_nbytes(plan, z3)
+    if variant == "naive":  # the step gathers every update before its Newton-Schulz, beside the root unit
+        units = _unit_params(plan, with_dedicated=True)
+        largest = max((_unit_nbytes(plan, ps)[0] for ps in units.values()), default=0)
         transient = max(transient, muon_full + largest)
     elif variant == "all_to_all":
         transient += 2 * (muon_full // max(N, 1))

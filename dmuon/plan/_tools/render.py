@@ -162,7 +162,7 @@ def memory_lines(plan: ShardingPlan, terms, adamw, naive, *, max_ranks: int = 8)
     busy = max(range(len(terms)), key=lambda i: (terms[i].peak_nbytes, -i))
     top = terms[busy]
     lines = [
-        "memory per rank, whole model (storage dtypes, Muon; activations not included; dmuon.plan._cost.rank_memory):",
+        "memory per rank, whole model (storage dtypes; transient: parameter / reduce dtypes, phase by phase; Muon; activations not included; dmuon.plan._cost.rank_memory):",
         f"{'':<24}{f'dmuon busiest (rank {busy})':>26}{'dmuon mean':>16}{'FSDP2+AdamW':>16}{'FSDP2+naive':>16}",
     ]
     for label, field in _MEMORY_ROWS:

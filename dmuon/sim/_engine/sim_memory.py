@@ -1,7 +1,7 @@
 """Peak memory per rank, by term, of dmuon (Z2 / Z3) or of an alternative (:func:`memory`).
 
-Not time-resolved (Note: the simulator's replay, docs/design.md): the sum of what is resident between
-steps, the gradients, the largest transient buffers and one micro-batch's activations. The terms
+The sum of what is resident between steps, the gradients, the transient buffers (the most held at
+once over the step, phase by phase) and one micro-batch's activations. The terms
 but the activations are :func:`dmuon.plan._cost.rank_memory.dmuon_memory` and
 :func:`~dmuon.plan._cost.rank_memory.fsdp2_memory` (the formulas, written once there)."""
 
@@ -38,16 +38,15 @@ def memory(
     ``z2`` / ``z3`` (dmuon): parameters = owned masters (+ HSDP replicas held,
     ``RankStats.resident_nbytes`` less momentum) + FSDP2 shards of the rest; gradients = full
     gradients of owned matrices + FSDP2 gradient shards; optimizer state = Muon momentum of
-    owned matrices + AdamW's two moments of the shards; transient = the packed buffers
-    (``RankStats.peak_transient_nbytes``: Z3 the largest boundary, Z2 all of them) + the
-    gradient reduce buffers (:func:`~dmuon.plan._cost.rank_memory.reduce_buffer_nbytes`: one
-    boundary's; HSDP: with every held one so far) + the largest FSDP2 unit
-    unsharded (Z2: all units).
+    owned matrices + AdamW's two moments of the shards; transient =
+    :func:`~dmuon.plan._cost.rank_memory.dmuon_transient_nbytes` (phase by phase: the received
+    copies and compute tensors of the boundary computing, the next one prefetched, its gradients
+    and reduce buffers beside the previous boundary's, FSDP2's units of the rest and its root).
     ``adamw`` / ``naive`` / ``all_to_all``: FSDP2 shards of every parameter (expert stacks as
     torchtitan shards them, :func:`dmuon.plan._cost.baseline.fsdp2_param_shard`), their gradients,
-    AdamW moments (or Muon momentum for the matrices), the largest unit unsharded with its
-    unsharded gradient (Z2: every unit's parameters); ``naive`` adds every full Muon update
-    gathered at once (its step gathers all before the NS); ``all_to_all`` adds two matrices'
+    AdamW moments (or Muon momentum for the matrices), the transient of FSDP2's units over the step
+    (:func:`~dmuon.plan._cost.rank_memory.fsdp2_transient_nbytes`); ``naive``: or every full Muon update
+    gathered at once, if more (its step gathers all before the NS); ``all_to_all`` adds two matrices'
     worth of each owned batch (received shards + result); ``fsdp2_reshard_after_forward``
     overrides the baselines' Z3 / Z2 as :func:`dmuon.sim.alternatives.build` does. Activations: one
     micro-batch's (:attr:`Workload.activation_nbytes`), plus under activation checkpointing what one
@@ -68,7 +67,7 @@ def memory(
                 tp_size=plan.tp_size,
                 assembled_nbytes=plan.assembled_nbytes,
             )
-        terms = _memory.dmuon_memory(plan, stats)
+        terms = _memory.dmuon_memory(plan, stats, sched=sched)
     else:
         R, N = plan.mesh_shape
         terms = (_memory.fsdp2_memory(plan, variant, reshard_after_forward=fsdp2_reshard_after_forward),) * (R * N)

@@ -175,15 +175,15 @@ def _memory(sims: Mapping[str, Any], memory_nbytes: int) -> Svg:
     svg = Svg(PAGE_WIDTH, 0, label="memory")
     svg.text(10, 22, "Peak memory per rank, by term", size=15, bold=True)
     caption = (
-        "Each variant's rank with the largest peak (not time-resolved: each term's largest, added). Against "
-        "FSDP2 + AdamW (every parameter sharded, AdamW's two moments per shard, its largest unit unsharded with "
-        "that unit's gradient as the transient): dmuon keeps each matrix a rank owns whole (parameter, gradient "
-        "and one Muon momentum instead of two moments) and FSDP2 shards the rest; its transient is dmuon's "
-        "broadcast buffers (Z3: the largest boundary's; Z2: every boundary's, kept from the forward to the "
-        "backward), one boundary's gradient reduce buffer and FSDP2's unsharded unit (with compute tensors "
-        "assembled from pieces, where the plan has any); naive Muon's transient is every full update gathered "
-        "at once. Activations: one micro-batch's, the same for every variant."
-        + (f" Device memory: {memory_nbytes / 2**30:,.1f} GiB." if memory_nbytes else "")
+        "Each variant's rank with the largest peak. Transient: the most held at once over the step, phase by "
+        "phase (the root unit unsharded from the forward on; per block its parameters unsharded, the next "
+        "block's prefetched, its gradients, its reduce buffers and the previous block's still in flight). "
+        "Against FSDP2 + AdamW (every parameter sharded, AdamW's two moments per shard, FSDP2's units in that "
+        "order): dmuon keeps each matrix a rank owns whole (parameter, gradient and one Muon momentum instead "
+        "of two moments) and FSDP2 shards the rest; its blocks hold dmuon's received copies (with compute "
+        "tensors assembled from pieces, where the plan has any) and its reduce buffers; naive Muon's transient "
+        "is every full update gathered at once, if more. Activations: one micro-batch's, the same for every "
+        "variant." + (f" Device memory: {memory_nbytes / 2**30:,.1f} GiB." if memory_nbytes else "")
     )
     y = svg.lines(10, 42, wrap(caption, PAGE_WIDTH - 20, 12), size=12, fill="#444444") + 6
     cols = [(10, "variant"), (110, "rank")] + [(180 + 120 * i, t) for i, (t, _) in enumerate(MEMORY_TERMS)]
