@@ -19,6 +19,14 @@ dmuon, each rank: parameters 128 + 176 = 304; gradients 128 + 176 = 304; momentu
 FSDP2 + AdamW: fc shards 4 x 4 el = 64 B each, 128 B; parameters 176 + 128 = 304; gradients 304;
 AdamW 2 x 304 = 608; transient: the root unit (320) and its gradient (320) = 640; peak 1,856.
 FSDP2 + naive Muon: momentum 128, AdamW 352, transient max(640, 256 + 320) = 640; peak 1,728.
+
+CPU offload (``offload=True``; the terms are the device's, ``host_*`` the host's), each rank:
+dmuon: host parameters = its held 48-element segment (fp32, padding and flag included: 192) + the
+rest's shards 176 = 368; host gradients 304, momentum 128, AdamW 352 (host 1,152). Device:
+parameters = the held segment's broadcast buffer (fp32 wire: 192), transient 704 + the step's
+copies of its one matrix (parameter, gradient, momentum: 3 x 128 = 384) = 1,088; peak 1,280.
+FSDP2 + AdamW: host 304 + 304 + 608 = 1,216, device the transient 640. FSDP2 + naive Muon: host
+304 + 304 + 128 + 352 = 1,088, device 640.
 """
 
 from __future__ import annotations
@@ -172,3 +180,93 @@ def test_reduce_buffers_by_hand_on_hsdp():
     plan = P.compile(model, (2, 2))
     assert [plan.owner(f).rank for f in plan.dedicated] == [0, 1]
     assert reduce_buffer_nbytes(plan) == (192, 384, 192, 384)
+
+
+DMUON_OFFLOAD = MemoryTerms(
+    parameters_nbytes=192,
+    gradients_nbytes=0,
+    momentum_nbytes=0,
+    second_moment_nbytes=0,
+    adamw_nbytes=0,
+    transient_nbytes=1088,
+    host_parameters_nbytes=368,
+    host_gradients_nbytes=304,
+    host_momentum_nbytes=128,
+    host_adamw_nbytes=352,
+)
+
+
+def test_offload_terms_by_hand():
+    """Device and host apart under CPU offload (module docstring); ``offload=False`` unchanged."""
+    plan = _plan()
+    assert [s.memory for s in plan.rank_stats(offload=True)] == [DMUON_OFFLOAD] * 2
+    assert (DMUON_OFFLOAD.peak_nbytes, DMUON_OFFLOAD.host_nbytes) == (1280, 1152)
+    adamw = plan.adamw_rank_stats(offload=True)[0].memory
+    assert (adamw.peak_nbytes, adamw.transient_nbytes, adamw.host_nbytes) == (640, 640, 1216)
+    assert (adamw.host_parameters_nbytes, adamw.host_gradients_nbytes, adamw.host_adamw_nbytes) == (304, 304, 608)
+    naive = plan.baseline_rank_stats(offload=True)[0].memory
+    assert (naive.peak_nbytes, naive.host_momentum_nbytes, naive.host_nbytes) == (640, 128, 1088)
+    assert [s.memory for s in plan.rank_stats()] == [DMUON] * 2 and DMUON.host_nbytes == 0
+    assert plan.adamw_rank_stats()[0].memory == ADAMW and plan.baseline_rank_stats()[0].memory == NAIVE
+
+
+def test_offload_wire_buffers_in_the_broadcast_dtype():
+    """Under a bf16 mp_policy the held segment's broadcast buffer is bf16 (48 x 2 = 96 B on the
+    device) while the master stays fp32 on the host (192), and the step copies fp32 storage: the
+    offloaded transient is the plan's own + 384."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    plan = _plan(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    on, off = plan.rank_stats(offload=True)[0].memory, plan.rank_stats()[0].memory
+    assert (on.parameters_nbytes, on.host_parameters_nbytes) == (96, 192 + 176)
+    assert on.transient_nbytes == off.transient_nbytes + 384
+
+
+class _Shapes(nn.Module):
+    """Three blocks whose matrices fall in three NS buckets: (8, 4), (16, 4), (8, 8)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(i, o, bias=False) for o, i in ((8, 4), (16, 4), (8, 8)))
+
+
+def test_offload_step_copies_two_runs_at_a_time(monkeypatch):
+    """One rank owns everything (N = 1), fp32. Three NS buckets, one run each: 3 x 32 x 4 = 384,
+    3 x 64 x 4 = 768 and 768 B; two consecutive runs at a time: 768 + 768 = 1,536. With a (4, 16)
+    third matrix, the (16, 4) one's bucket: runs of 384 and 2 x 768 = 1,536 (one batched run),
+    together 1,920; with runs cut at 64 elements, three runs again: 1,536."""
+    from dmuon.plan import _rules
+    from dmuon.plan._cost.rank_memory import OFFLOAD_RUNS_IN_FLIGHT, staged_run_nbytes
+
+    assert OFFLOAD_RUNS_IN_FLIGHT == 2
+    with torch.device("meta"):
+        model = _Shapes()
+    pred = lambda fqn, p: p.ndim == 2  # noqa: E731
+    plan = P.compile(model, 1, predicate=pred, hook_boundary_strict=False)
+    assert staged_run_nbytes(plan) == (768 + 768,)
+    with torch.device("meta"):
+        model = _Shapes()
+        model.layers[2] = nn.Linear(16, 4, bias=False)  # (4, 16): the (16, 4) matrix's bucket
+    plan = P.compile(model, 1, predicate=pred, hook_boundary_strict=False)
+    assert staged_run_nbytes(plan) == (384 + 2 * 768,)  # runs: (8, 4) alone, then both (4, 16)-sided
+    monkeypatch.setattr(_rules, "NS_BATCH_MAX_NUMEL", 64)  # each 64-element matrix a run of its own
+    assert staged_run_nbytes(plan) == (768 + 768,)
+
+
+def test_offload_refusals_and_the_runtime_rule(monkeypatch):
+    """NorMuon on offloaded matrices is refused as dmuon.Muon refuses it; owner groups as
+    dedicate_params refuses them, by the same function."""
+    import pytest
+
+    from dmuon.exec._setup import api
+    from dmuon.plan._cost import rank_memory
+
+    with pytest.raises(ValueError, match="variant='normuon' with offload"):
+        _plan().rank_stats(variant="normuon", offload=True)
+    grouped = _plan(owner_groups=2)
+    with pytest.raises(NotImplementedError, match="owner-grouped matrices .* is not supported yet"):
+        grouped.rank_stats(offload=True)
+    seen = []
+    monkeypatch.setattr(rank_memory, "check_offloadable", seen.append)
+    api._check_offloadable(grouped)
+    assert seen == [grouped]

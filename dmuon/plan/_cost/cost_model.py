@@ -146,6 +146,13 @@ class MemoryTerms:
             unit(s) of the other parameters; a baseline: its
             unsharded unit(s) and one unit's unsharded gradient (naive Muon: or every gathered
             update, if more).
+        host_parameters_nbytes, host_gradients_nbytes, host_momentum_nbytes, host_adamw_nbytes:
+            what CPU offload keeps in host memory (``offload=True`` of ``plan.rank_stats`` /
+            ``plan.adamw_rank_stats``; 0 without it). With offload the six fields above are the
+            compute device's bytes, so :attr:`peak_nbytes` is the device peak, and these four are
+            the host's (:attr:`host_nbytes`); formulas:
+            :func:`~dmuon.plan._cost.rank_memory.dmuon_offload_memory`,
+            :func:`~dmuon.plan._cost.rank_memory.fsdp2_offload_memory`.
     """
 
     parameters_nbytes: int
@@ -154,6 +161,10 @@ class MemoryTerms:
     second_moment_nbytes: int
     adamw_nbytes: int
     transient_nbytes: int
+    host_parameters_nbytes: int = 0
+    host_gradients_nbytes: int = 0
+    host_momentum_nbytes: int = 0
+    host_adamw_nbytes: int = 0
 
     TERMS = (
         "parameters_nbytes",
@@ -163,6 +174,8 @@ class MemoryTerms:
         "adamw_nbytes",
         "transient_nbytes",
     )
+    #: the host terms of CPU offload (0 without it)
+    HOST_TERMS = ("host_parameters_nbytes", "host_gradients_nbytes", "host_momentum_nbytes", "host_adamw_nbytes")
 
     @property
     def optimizer_state_nbytes(self) -> int:
@@ -173,6 +186,12 @@ class MemoryTerms:
     def peak_nbytes(self) -> int:
         """Parameters + gradients + optimizer state + transient."""
         return self.parameters_nbytes + self.gradients_nbytes + self.optimizer_state_nbytes + self.transient_nbytes
+
+    @property
+    def host_nbytes(self) -> int:
+        """Host memory under CPU offload: parameters + gradients + momentum + AdamW's moments
+        held there (0 without offload); not in :attr:`peak_nbytes`, the device's."""
+        return sum(getattr(self, name) for name in self.HOST_TERMS)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
