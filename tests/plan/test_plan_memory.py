@@ -208,6 +208,11 @@ def test_offload_terms_by_hand():
     assert (naive.peak_nbytes, naive.host_momentum_nbytes, naive.host_nbytes) == (640, 128, 1088)
     assert [s.memory for s in plan.rank_stats()] == [DMUON] * 2 and DMUON.host_nbytes == 0
     assert plan.adamw_rank_stats()[0].memory == ADAMW and plan.baseline_rank_stats()[0].memory == NAIVE
+    block = plan.summary(offload=True)
+    block = block[block.index("memory per rank") :]
+    assert re.search(r"device peak\s+1\.25 KiB\s+1\.25 KiB\s+640 B\s+640 B", block), block
+    assert re.search(r"\nhost\s+1\.12 KiB\s+1\.12 KiB\s+1\.19 KiB\s+1\.06 KiB", block), block
+    assert "device peak (both under offload): ABOVE FSDP2 + AdamW's on 2 of 2 ranks" in block
 
 
 def test_offload_wire_buffers_in_the_broadcast_dtype():

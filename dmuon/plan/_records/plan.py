@@ -435,11 +435,13 @@ class ShardingPlan:
             f"model_digest={self.model_digest[:12]!r})"
         )
 
-    def summary(self, *, max_rows: int = 16) -> str:
-        """Plain-text report: settings, per-rank load vs. the LPT bound, bytes vs. the baseline."""
+    def summary(self, *, max_rows: int = 16, offload: bool = False) -> str:
+        """Plain-text report: settings, per-rank load vs. the LPT bound, bytes vs. the baseline.
+        ``offload=True``: the memory block under CPU offload (device terms, then host memory;
+        :meth:`rank_stats`)."""
         from dmuon.plan._tools.render import render_summary
 
-        return render_summary(self, max_rows=max_rows)
+        return render_summary(self, max_rows=max_rows, offload=offload)
 
     def expert_lines(self) -> list[str]:
         """The summary's experts lines (empty without expert stacks): stacks, experts, Muon
