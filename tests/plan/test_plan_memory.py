@@ -275,3 +275,21 @@ def test_offload_refusals_and_the_runtime_rule(monkeypatch):
     monkeypatch.setattr(rank_memory, "check_offloadable", seen.append)
     api._check_offloadable(grouped)
     assert seen == [grouped]
+
+
+def test_simulate_offload_lines_add_the_activations_to_the_device_peak(capsys):
+    """``simulate --offload``: each variant's busiest device peak under offload + the activations
+    (on the device), and its host memory: here 1 GiB of activations, so dmuon's 1,280 B device
+    peak and FSDP2 + AdamW's 640 B print as 1.00 GiB; the CLI prints the block."""
+    from types import SimpleNamespace
+
+    from dmuon._cli.sim_commands import main_simulate, offload_lines
+
+    plan = _plan()
+    wl = SimpleNamespace(activation_nbytes=2**30 - 1280, recompute_transient_nbytes=0)
+    lines = offload_lines({"adamw": plan, "z3": plan}, wl)
+    assert lines[-2:] == [f"{'adamw':<12}{0:>6}{'1.00':>14}{'0.00':>10}", f"{'z3':<12}{0:>6}{'1.00':>14}{'0.00':>10}"]
+    argv = ["--model", "tiny-llama", "--mesh", "2", "--hw", "h100", "--tokens-per-rank", "1024", "--mode", "z3"]
+    assert main_simulate([*argv, "--offload"]) == 0
+    out = capsys.readouterr().out
+    assert "under CPU offload (memory only" in out and "\nz3 " in out.split("under CPU offload")[1]
