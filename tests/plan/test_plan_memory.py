@@ -38,6 +38,7 @@ from torch import nn
 
 import dmuon.plan as P
 from dmuon.plan._cost.cost_model import MemoryTerms
+from dmuon.plan import MatrixView
 from dmuon.plan._cost.rank_memory import ranks_above, second_moment_shape
 
 
@@ -256,6 +257,15 @@ def test_offload_step_copies_two_runs_at_a_time(monkeypatch):
     assert staged_run_nbytes(plan) == (384 + 2 * 768,)  # runs: (8, 4) alone, then both (4, 16)-sided
     monkeypatch.setattr(_rules, "NS_BATCH_MAX_NUMEL", 64)  # each 64-element matrix a run of its own
     assert staged_run_nbytes(plan) == (768 + 768,)
+    # a matrix view: each block copies its parameter block and its update block (the momentum ran on
+    # the host), 2 x 32 x 4 = 256 B each; the (16, 4) matrix as two (8, 4) blocks joins layers.0's
+    # bucket: runs of 384 + 256 + 256 = 896 (96 elements) and of the (8, 8) matrix, 768
+    monkeypatch.undo()
+    with torch.device("meta"):
+        model = _Shapes()
+    views = {"layers.1.weight": MatrixView(dim=0, sizes=(8, 8))}
+    plan = P.compile(model, 1, predicate=pred, hook_boundary_strict=False, matrix_views=views)
+    assert staged_run_nbytes(plan) == (896 + 768,)
 
 
 def test_offload_refusals_and_the_runtime_rule(monkeypatch):
