@@ -192,6 +192,39 @@ def test_step_transient_by_phase():
     assert step_transient_nbytes([], root, reshard_after_forward=True, forward_prefetch=True) == 111
 
 
+def test_step_transient_with_accumulated_gradients():
+    """Micro-batches without sync, one reduce after the last (``accumulate=True``), the units of
+    the test above: every gradient held (1 + 2 + 3 = 6) beside the root's. Z3: the most unsharded
+    while one unit computes with the one before it prefetched, max(5 + 1, 7 + 5, 9 + 7) = 16; the
+    reduce after the last backward, two units' buffers 4 + 4 = 8 -> 100 + 10 + 6 + 16 = 132;
+    with 3 bytes kept unsharded after their backward (FSDP2's units under a pipeline schedule)
+    16 + 3 = 19 -> 135. Z2: every unit unsharded to the reduce, 22, and at it 22 + 8 = 30 ->
+    146."""
+    from dmuon.plan._cost.rank_memory import step_transient_nbytes
+
+    units = [(5, 1, 1, 4, 0), (7, 0, 2, 4, 0), (9, 0, 3, 4, 0)]
+    kw = dict(forward_prefetch=True, accumulate=True)
+    assert step_transient_nbytes(units, (100, 10, 1), reshard_after_forward=True, **kw) == 132
+    assert step_transient_nbytes(units, (100, 10, 1), reshard_after_forward=True, kept_after_backward=3, **kw) == 135
+    assert step_transient_nbytes(units, (100, 10, 1), reshard_after_forward=False, **kw) == 146
+
+
+def test_accumulated_gradients_by_hand():
+    """The small plan with micro-batches accumulated (fp32, Z3), rank 1: blocks (208 unsharded on
+    the rank that receives layers.0, 16 for layers.1), gradients 144 each held to the reduce,
+    reduce buffers 208 each; FSDP2's norms (16 + 16) kept unsharded after their backward. Every
+    gradient 288 + the root's 320; the most unsharded: layers.1 computing with layers.0
+    prefetched 16 + 208 = 224, + 32 = 256; the reduce: 32 + 208 + 208 = 448; the root's reduce
+    beside layers.0's 320 + 208 = 528 -> 320 + 320 + 288 + 528 = 1,456 (rank 0 alike). FSDP2 + AdamW (every unit kept unsharded, 144 each): 288 + 320 gradients, units
+    288 and at the reduce 288 + 144 + 144 = 576 -> 320 + 320 + 288 + 576 = 1,504."""
+    from dmuon.plan._cost.rank_memory import dmuon_memory, fsdp2_memory
+
+    plan = _plan()
+    got = dmuon_memory(plan, plan.rank_stats(), accumulate=True)
+    assert [t.transient_nbytes for t in got] == [1456, 1456]
+    assert fsdp2_memory(plan, "adamw", accumulate=True).transient_nbytes == 1504
+
+
 def test_second_moment_shape_is_the_runtime_rule():
     """The runtime's NorMuon state takes its shape from the same function (one rule)."""
     from dmuon.exec._optim import normuon_update

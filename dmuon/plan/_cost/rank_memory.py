@@ -309,6 +309,8 @@ def step_transient_nbytes(
     *,
     reshard_after_forward: bool,
     forward_prefetch: bool,
+    accumulate: bool = False,
+    kept_after_backward: int = 0,
 ) -> int:
     """The most transient bytes one rank holds at once over a training step, phase by phase
     (Note: memory per rank, docs/design.md). ``units``: per hook boundary / FSDP2 unit in forward
@@ -321,12 +323,30 @@ def step_transient_nbytes(
     come first). Z3 (``reshard_after_forward``): a unit is unsharded while it computes, the next
     one too when prefetched (forward: ``forward_prefetch``; backward: always, as FSDP2 and dmuon
     prefetch), and freed before its reduce buffers grow; Z2: every unit stays unsharded from
-    its forward to its reduce."""
+    its forward to its reduce.
+
+    ``accumulate``: micro-batches whose backward does not reduce (a pipeline schedule's, or
+    ``no_sync``), one reduce after the last: every unit's gradients stay from its first backward
+    to that reduce (``grad``: the accumulated gradient, FSDP2's in the reduce dtype), and Z2's
+    units stay unsharded; Z3 frees a unit after each use, but ``kept_after_backward`` bytes stay
+    unsharded after their backward (FSDP2's units under a pipeline schedule, which sets
+    ``reshard_after_backward=False``). The reduce after the last backward then holds one unit's
+    reduce buffers beside the previous one's."""
     K = len(units)
     root_unsharded, root_grad, root_reduce = root
     held_after = [0] * (K + 1)  # Z2: units 0..i-1 unsharded (their backward not yet run)
     for i, u in enumerate(units):
         held_after[i + 1] = held_after[i] + u[0] + u[1]
+    if accumulate:
+        grads = sum(u[2] for u in units)
+        if reshard_after_forward:
+            computing = max((u[0] + u[1] + (units[i - 1][0] if i > 0 else 0) for i, u in enumerate(units)), default=0)
+            params, at_reduce = computing + kept_after_backward, kept_after_backward
+        else:
+            params = at_reduce = held_after[K]
+        pair = max((u[3] + (units[i + 1][3] if i + 1 < K else 0) for i, u in enumerate(units)), default=0)
+        last = units[0][3] if K else 0
+        return root_unsharded + root_grad + grads + max(params, at_reduce + pair, root_reduce + last)
     if reshard_after_forward:
         fwd = max(
             (u[0] + u[1] + (units[i + 1][0] if forward_prefetch and i + 1 < K else 0) for i, u in enumerate(units)),
@@ -403,7 +423,7 @@ def held_copy_nbytes(plan: Any, *, offload: bool = False) -> dict[str, list[int]
     return out
 
 
-def dmuon_transient_nbytes(plan: Any, n: int, *, offload: bool = False) -> tuple[int, ...]:
+def dmuon_transient_nbytes(plan: Any, n: int, *, offload: bool = False, accumulate: bool = False) -> tuple[int, ...]:
     """dmuon's transient bytes per schedule rank (``n`` of them) over a step
     (:func:`step_transient_nbytes`): per boundary the packed copies the rank receives
     (:func:`boundary_received_nbytes`) and the broadcast copies of its own segments
@@ -411,7 +431,10 @@ def dmuon_transient_nbytes(plan: Any, n: int, *, offload: bool = False) -> tuple
     assembled from expert ranges / owner-group blocks (``plan.assembled_nbytes``), the local
     gradients of its compute parameters (broadcast dtype) and of the rest, its reduce buffers
     (:func:`boundary_reduce_nbytes`, held + sent; HSDP: the held kept) with the rest's
-    reduce-scatter input; dmuon prefetches the next boundary in the forward too."""
+    reduce-scatter input; dmuon prefetches the next boundary in the forward too. ``accumulate``:
+    micro-batches without sync before one reduce (:func:`step_transient_nbytes`): the local
+    gradients of the compute parameters accumulate in their dtype, FSDP2's of the rest in the
+    reduce dtype, and FSDP2's units of the rest stay unsharded after their backward."""
     R, N = plan.mesh_shape
     T = max(1, n // (R * N))
     recv = boundary_received_nbytes(plan)
@@ -425,9 +448,12 @@ def dmuon_transient_nbytes(plan: Any, n: int, *, offload: bool = False) -> tuple
         b = plan.boundary(spec.fqn)
         grads[b] = grads.get(b, 0) + spec.local_numel * itemsize_nbytes(plan.bcast_dtype(spec.dtype))
     rest = {fqn: _unit_nbytes(plan, units.get(fqn, [])) for fqn in order}
-    out = []
-    for x in range(n):
-        s = (x // T) % N
+    if accumulate:  # FSDP2 accumulates the rest's unsharded gradients in the reduce dtype
+        rest = {fqn: (uns, red, red) for fqn, (uns, _, red) in rest.items()}
+        root = (root[0], root[2], root[2])
+    kept_rest = sum(uns for uns, _, _ in rest.values())
+    by_shard: dict[int, int] = {}  # every rank of a shard coordinate holds the same
+    for s in range(N):
         rows = []
         for fqn in order:
             r_uns, r_grad, r_red = rest[fqn]
@@ -441,24 +467,36 @@ def dmuon_transient_nbytes(plan: Any, n: int, *, offload: bool = False) -> tuple
                     held[s] if R > 1 else 0,
                 )
             )
-        out.append(
-            step_transient_nbytes(rows, root, reshard_after_forward=plan.reshard_after_forward, forward_prefetch=True)
+        by_shard[s] = step_transient_nbytes(
+            rows,
+            root,
+            reshard_after_forward=plan.reshard_after_forward,
+            forward_prefetch=True,
+            accumulate=accumulate,
+            kept_after_backward=kept_rest,
         )
-    return tuple(out)
+    return tuple(by_shard[(x // T) % N] for x in range(n))
 
 
-def fsdp2_transient_nbytes(plan: Any, reshard_after_forward: bool) -> int:
+def fsdp2_transient_nbytes(plan: Any, reshard_after_forward: bool, *, accumulate: bool = False) -> int:
     """FSDP2's transient bytes over a step when it shards every parameter
     (:func:`step_transient_nbytes`): per unit its parameters unsharded, their gradients and its
-    reduce-scatter input; FSDP2 prefetches in the backward only (its default)."""
+    reduce-scatter input; FSDP2 prefetches in the backward only (its default). ``accumulate``
+    (micro-batches without sync, then one reduce): gradients accumulated in the reduce dtype and
+    every unit kept unsharded after its backward (a pipeline schedule's
+    ``set_reshard_after_backward(False)``)."""
     units = _unit_params(plan, with_dedicated=True)
     order, root = _root_and_order(plan, units)
     rows = [_unit_nbytes(plan, units[fqn]) for fqn in order]
+    if accumulate:
+        rows = [(uns, red, red) for uns, _, red in rows]
+        root = (root[0], root[2], root[2])
     return step_transient_nbytes(
         [(uns, 0, grad, red, 0) for uns, grad, red in rows],
         root,
-        reshard_after_forward=reshard_after_forward,
+        reshard_after_forward=reshard_after_forward and not accumulate,
         forward_prefetch=False,
+        accumulate=accumulate,
     )
 
 
@@ -485,11 +523,12 @@ def fsdp2_rest_nbytes(plan: Any) -> tuple[int, dict[str, int]]:
 
 
 def dmuon_memory(
-    plan: Any, stats: Sequence[RankStats], *, variant: str = "muon", offload: bool = False
+    plan: Any, stats: Sequence[RankStats], *, variant: str = "muon", offload: bool = False, accumulate: bool = False
 ) -> tuple[MemoryTerms, ...]:
     """dmuon's :class:`MemoryTerms` per schedule rank (Note: memory per rank, docs/design.md), from the plan's
     :func:`rank_stats` ``stats`` (one per schedule rank); ``variant``: ``"muon"`` or ``"normuon"`` (:data:`MEMORY_VARIANTS`);
-    ``offload``: under CPU offload, device and host terms apart (:func:`dmuon_offload_memory`)."""
+    ``offload``: under CPU offload, device and host terms apart (:func:`dmuon_offload_memory`);
+    ``accumulate``: micro-batches without sync before one reduce (:func:`dmuon_transient_nbytes`)."""
     if variant not in MEMORY_VARIANTS:
         raise ValueError(f"variant must be one of {MEMORY_VARIANTS}, got {variant!r}")
     if offload:
@@ -497,7 +536,7 @@ def dmuon_memory(
     R, N = plan.mesh_shape
     T = max(1, len(stats) // (R * N))
     rest, _ = fsdp2_rest_nbytes(plan)
-    transient = dmuon_transient_nbytes(plan, len(stats), offload=offload)
+    transient = dmuon_transient_nbytes(plan, len(stats), offload=offload, accumulate=accumulate)
     second = [0] * (R * N)
     if variant == "normuon":
         for spec, owner in zip(plan.params, plan.owners):
@@ -520,7 +559,12 @@ def dmuon_memory(
 
 
 def fsdp2_memory(
-    plan: Any, variant: str, *, reshard_after_forward: bool | None = None, offload: bool = False
+    plan: Any,
+    variant: str,
+    *,
+    reshard_after_forward: bool | None = None,
+    offload: bool = False,
+    accumulate: bool = False,
 ) -> MemoryTerms:
     """One rank's :class:`MemoryTerms` (every rank the same) when FSDP2 shards every parameter
     of the plan's model on its mesh (Note: memory per rank, docs/design.md): ``"adamw"`` (FSDP2 + AdamW, Z3 as FSDP2
@@ -528,17 +572,20 @@ def fsdp2_memory(
     plan's Z2 / Z3) or ``"all_to_all"`` (dion-style: the same, then two matrices' worth of each
     owned batch instead of the gathered updates). ``reshard_after_forward`` overrides the
     variant's Z3 / Z2 (a pipelined baseline runs Z2, as torchtitan does under PP). ``offload``:
-    FSDP2's ``CPUOffloadPolicy``, device and host terms apart (:func:`fsdp2_offload_memory`)."""
+    FSDP2's ``CPUOffloadPolicy``, device and host terms apart (:func:`fsdp2_offload_memory`);
+    ``accumulate``: micro-batches without sync before one reduce (:func:`fsdp2_transient_nbytes`)."""
     if variant not in ("adamw", "naive", "all_to_all"):
         raise ValueError(f"variant must be 'adamw', 'naive' or 'all_to_all', got {variant!r}")
     if offload:
-        return fsdp2_offload_memory(fsdp2_memory(plan, variant, reshard_after_forward=reshard_after_forward))
+        return fsdp2_offload_memory(
+            fsdp2_memory(plan, variant, reshard_after_forward=reshard_after_forward, accumulate=accumulate)
+        )
     N = plan.mesh_shape[1]
     rest, _ = fsdp2_rest_nbytes(plan)
     muon_shard = sum(_baseline.spec_fsdp2_shard(s, N)[1] * itemsize_nbytes(s.dtype) for s in plan.params)
     muon_full = sum(s.local_numel * itemsize_nbytes(s.dtype) for s in plan.params)
     z3 = _baseline.baseline_reshard_after_forward(variant, plan, reshard_after_forward)
-    transient = fsdp2_transient_nbytes(plan, z3)
+    transient = fsdp2_transient_nbytes(plan, z3, accumulate=accumulate)
     if variant == "naive":  # the step gathers every update before its Newton-Schulz, beside the root unit
         units = _unit_params(plan, with_dedicated=True)
         largest = max((_unit_nbytes(plan, ps)[0] for ps in units.values()), default=0)

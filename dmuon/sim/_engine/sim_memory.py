@@ -32,6 +32,7 @@ def memory(
     sched: StepSchedule | None = None,
     *,
     fsdp2_reshard_after_forward: bool | None = None,
+    accumulate: bool = False,
 ) -> tuple[MemoryBreakdown, ...]:
     """Peak memory per rank, by term (storage dtypes; the activation dtype for activations).
 
@@ -48,7 +49,9 @@ def memory(
     (:func:`~dmuon.plan._cost.rank_memory.fsdp2_transient_nbytes`); ``naive``: or every full Muon update
     gathered at once, if more (its step gathers all before the NS); ``all_to_all`` adds two matrices'
     worth of each owned batch (received shards + result); ``fsdp2_reshard_after_forward``
-    overrides the baselines' Z3 / Z2 as :func:`dmuon.sim.alternatives.build` does. Activations: one
+    overrides the baselines' Z3 / Z2 as :func:`dmuon.sim.alternatives.build` does; ``accumulate``:
+    the step's micro-batches run without sync before one reduce (a pipelined step, ``no_sync``):
+    every gradient accumulates to that reduce, for dmuon and the baselines alike. Activations: one
     micro-batch's (:attr:`Workload.activation_nbytes`), plus under activation checkpointing what one
     boundary's recompute rebuilds (:attr:`Workload.recompute_transient_nbytes`).
     """
@@ -67,10 +70,13 @@ def memory(
                 tp_size=plan.tp_size,
                 assembled_nbytes=plan.assembled_nbytes,
             )
-        terms = _memory.dmuon_memory(plan, stats)
+        terms = _memory.dmuon_memory(plan, stats, accumulate=accumulate)
     else:
         R, N = plan.mesh_shape
-        terms = (_memory.fsdp2_memory(plan, variant, reshard_after_forward=fsdp2_reshard_after_forward),) * (R * N)
+        one = _memory.fsdp2_memory(
+            plan, variant, reshard_after_forward=fsdp2_reshard_after_forward, accumulate=accumulate
+        )
+        terms = (one,) * (R * N)
     return tuple(
         MemoryBreakdown(
             parameters_nbytes=t.parameters_nbytes,

@@ -133,6 +133,7 @@ def simulate(
         variant,
         sched=nominal if step is None else None,
         fsdp2_reshard_after_forward=fsdp2_reshard_after_forward,
+        accumulate=step is not None and any(not mb.sync for mb in step.micro_batches),
     )
     calls = _calls_per_rank(sim_ops, n)
     ranks = []

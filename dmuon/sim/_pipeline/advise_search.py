@@ -259,14 +259,16 @@ class _Layouts:
             hit = self.modes[key] = dataclasses.replace(p, reshard_after_forward=z3)
         return hit
 
-    def stage_memory(self, p: Any, z3: bool, wl: Any) -> Any:
+    def stage_memory(self, p: Any, z3: bool, wl: Any, micro_batches: int) -> Any:
         """:func:`~dmuon.sim._pipeline.pp_simulate.stage_memory` of stage plan ``p`` in that mode
         under workload ``wl``: the rank with the largest peak does not depend on the workload (its
         activations term is every rank's), so the terms are computed once per plan and mode."""
-        key = (id(p), z3)
+        key = (id(p), z3, micro_batches > 1)
         hit = self.mems.get(key)
         if hit is None:
-            hit = self.mems[key] = stage_memory(self.mode_plan(p, z3), wl, "z3" if z3 else "z2")
+            hit = self.mems[key] = stage_memory(
+                self.mode_plan(p, z3), wl, "z3" if z3 else "z2", micro_batches=micro_batches
+            )
         return dataclasses.replace(hit, activations_nbytes=activations_nbytes(wl))
 
     def stage_cost(self, p: Any, z3: bool, micro_batches: int) -> Any:
@@ -341,7 +343,7 @@ def analytic_peak(layouts: _Layouts, c: Config) -> tuple[int, ...]:
     stage_mem = []
     for p, wl in zip(sp.plans, wls):
         if id(p) not in mems:
-            mems[id(p)] = layouts.stage_memory(p, c.z3, wl)
+            mems[id(p)] = layouts.stage_memory(p, c.z3, wl, c.micro_batches)
         stage_mem.append(mems[id(p)])
     order = pipeline_order(c.schedule, c.pp, c.micro_batches, c.stages_per_rank)
     return pipeline_peak_nbytes(

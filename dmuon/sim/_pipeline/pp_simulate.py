@@ -188,17 +188,23 @@ def stage_step(plan: Any, micro_batches: int, ac: str) -> Step:
 
 
 def stage_memory(
-    plan: Any, workload: Any, variant: str, *, fsdp2_reshard_after_forward: bool | None = None
+    plan: Any,
+    workload: Any,
+    variant: str,
+    *,
+    fsdp2_reshard_after_forward: bool | None = None,
+    micro_batches: int = 1,
 ) -> MemoryBreakdown:
     """The peak terms of the stage's rank with the largest peak in ``variant``
     (:func:`dmuon.sim._engine.sim_memory.memory` as :func:`dmuon.sim.simulate` calls it: dmuon on the plan in
-    that mode)."""
+    that mode); more than one micro-batch: every gradient accumulates to the step's reduce."""
     from dmuon.sim._engine.sim_memory import memory
 
     if variant in ("z2", "z3") and plan.reshard_after_forward != (variant == "z3"):
         plan = dataclasses.replace(plan, reshard_after_forward=variant == "z3")
     fsdp2 = None if variant in ("z2", "z3") else fsdp2_reshard_after_forward
-    return max(memory(plan, workload, variant, fsdp2_reshard_after_forward=fsdp2), key=lambda m: m.peak_nbytes)
+    mems = memory(plan, workload, variant, fsdp2_reshard_after_forward=fsdp2, accumulate=micro_batches > 1)
+    return max(mems, key=lambda m: m.peak_nbytes)
 
 
 def pipeline_peak_nbytes(
@@ -251,7 +257,7 @@ def _stage_time(
     rec = sum(i.end_s - i.start_s for i in comp if i.kind == "recompute")
     per_mb = last_bwd / micro_batches
     share = fwd / (fwd + bwd) if fwd + bwd > 0 else 0.5
-    mem = stage_memory(plan, wl, variant, fsdp2_reshard_after_forward=fsdp2_reshard)
+    mem = stage_memory(plan, wl, variant, fsdp2_reshard_after_forward=fsdp2_reshard, micro_batches=micro_batches)
     hidden = max((w.hidden for _, w in wl.boundaries), default=0)
     send = (wl.tokens_per_rank // micro_batches) * hidden * itemsize_nbytes(wl.activation_dtype)
     return StageTime(
