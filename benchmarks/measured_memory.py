@@ -54,7 +54,10 @@ OPTIMIZER_PHASES = ("optimizer.step", "zero_grad")
 VIEW_OPS = frozenset(
     ("split", "split_with_sizes", "chunk", "view", "slice", "narrow", "select", "as_strided", "unbind", "alias", "t")
 )
-VARIANTS = ("adamw", "dmuon", "dmuon_exact")  # dmuon_exact: dmuon.Muon(ns_batching="exact")
+#: dmuon_exact: dmuon.Muon(ns_batching="exact"); dmuon_allgather: dedicate_params(collectives="all_gather")
+#: (on a CPU mesh "auto" picks broadcasts; all-gathered buffers cut expert stacks into ranges that
+#: every rank assembles)
+VARIANTS = ("adamw", "dmuon", "dmuon_exact", "dmuon_allgather")
 MPS = ("bf16", "none")
 
 
@@ -96,7 +99,11 @@ class LiveStorages(torch.utils._python_dispatch.TorchDispatchMode):
         self.phase = "setup"
         self.ctx: list[str] = []
         self.phase_peaks: dict[str, tuple[int, str]] = {}
-        self.snapshot_at: dict[str, int] = {}  # part -> take a classified snapshot when live bytes reach this
+        # part -> classify the live storages at every new maximum of the part above this (the last
+        # one taken is the step's peak; the step before set the threshold, 1% under its peak: an
+        # MoE step routes differently after an update, so its peak moves a little)
+        self.snapshot_at: dict[str, int] = {}
+        self.snapped: dict[str, int] = {}
         self.snapshots: dict[str, dict] = {}
         self.classify = None  # () -> [(tensor, label)]
         self._orig_resize = None
@@ -162,7 +169,8 @@ class LiveStorages(torch.utils._python_dispatch.TorchDispatchMode):
         if pp is None or own > pp[0]:
             self.phase_peaks[self.phase] = (own, where)
         at = self.snapshot_at.get(part)
-        if at is not None and own >= at and f"peak_{part}" not in self.snapshots:
+        if at is not None and own >= at and own > self.snapped.get(part, 0):
+            self.snapped[part] = own  # the latest is this step's peak of the part
             self.take(f"peak_{part}")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -322,6 +330,8 @@ def classifier(model, opt):
                 for slot in b.slots:
                     if slot.compute.grad is not None:
                         yield slot.compute.grad, "dmuon: local full grad before packing"
+                for gb in b.gathers:  # before the segments: a non-held segment's wire is a view of it
+                    yield gb.gathered, "dmuon: all-gathered buffer"
                 for seg in b.segments:
                     if seg.master is not None and seg.master is not seg.wire:
                         yield seg.master, "dmuon: owned master (param dtype)"
@@ -333,7 +343,6 @@ def classifier(model, opt):
                     if seg.reduce_buf is not None:
                         yield seg.reduce_buf, "dmuon: reduce buffer (" + ("held" if seg.held else "sent") + ")"
                 for gb in b.gathers:
-                    yield gb.gathered, "dmuon: all-gathered buffer"
                     if gb.rs_in is not None:
                         yield gb.rs_in, "dmuon: reduce-scatter input"
                         yield gb.rs_out, "dmuon: reduce-scatter output"
@@ -521,7 +530,8 @@ def run_config(mesh, model_name: str, mp_name: str, variant: str) -> dict[str, A
         total_numel = sum(p.numel() for p in model.parameters())
         ref_plan = dmuon.plan.compile(model, world, mp_policy=mp)  # the model's prediction (same as dedicate_params')
         if variant.startswith("dmuon"):
-            plan = dmuon.dedicate_params(model, mesh, reshard_after_forward=True, mp_policy=mp)
+            collectives = "all_gather" if variant == "dmuon_allgather" else "auto"
+            plan = dmuon.dedicate_params(model, mesh, reshard_after_forward=True, mp_policy=mp, collectives=collectives)
         for layer in model.layers:
             fsdp.fully_shard(layer, mesh=mesh, **fs_kw)
         fsdp.fully_shard(model, mesh=mesh, **fs_kw)
@@ -543,7 +553,7 @@ def run_config(mesh, model_name: str, mp_name: str, variant: str) -> dict[str, A
         step(False)
         peaks_a, peak_raw, phase_peaks = dict(tracker.peaks), tracker.peak, dict(tracker.phase_peaks)
         tracker.peak, tracker.peaks, tracker.phase_peaks = tracker.current - tracker.external, {}, {}
-        tracker.snapshot_at = {part: v[0] for part, v in peaks_a.items()}
+        tracker.snapshot_at = {part: int(0.99 * v[0]) for part, v in peaks_a.items()}
         step(True)
         peaks_b = dict(tracker.peaks)
         snaps = tracker.snapshots
@@ -574,6 +584,7 @@ def run_config(mesh, model_name: str, mp_name: str, variant: str) -> dict[str, A
                 ctx=s["ctx"],
                 groups=_grouped(s["rows"]),
                 top=s["rows"][:25],
+                all_rows=s["rows"],
             )
             for name, s in snaps.items()
         },
@@ -660,6 +671,117 @@ def report(ranks: list[list[dict]]) -> str:
     return "\n".join(lines)
 
 
+# ==============================================================================================
+# Measured bytes in the model's terms
+# ==============================================================================================
+
+#: the model's terms (MemoryTerms) and what it leaves out, in report order
+TERMS = (
+    "parameters",
+    "gradients",
+    "momentum",
+    "adamw",
+    "held wire copy",
+    "transient: dmuon buffers",
+    "transient: dmuon local grads",
+    "transient: fsdp2",
+    "activations",
+    "backward compute",
+    "optimizer-step temporaries",
+    "other",
+)
+#: gloo's own copies (:data:`VIEW_OPS`): listed, never added to a total (NCCL has none)
+BACKEND = "gloo's reduce copies (not in totals)"
+
+
+def term_of(row: dict) -> str:
+    """The term a classified storage counts under (:data:`TERMS`)."""
+    label, ctx, phase = row["label"], row["ctx"], row["phase"]
+    if label.startswith("backend copy"):
+        return BACKEND
+    if label in ("fsdp2: sharded param", "dmuon: owned master (param dtype)"):
+        return "parameters"
+    if label in ("fsdp2: sharded grad", "dmuon: owner grad (reduced)", "dmuon: staged owner grads"):
+        return "gradients"
+    if label.startswith("other in dmuon.") and row["op"] in ("div", "clone", "_to_copy"):
+        return "gradients"  # an owner's average being staged (grad_reduce._stage_owner_grads)
+    if label == "optimizer state (momentum_buffer)":
+        return "momentum"
+    if label.startswith("optimizer state"):
+        return "adamw"
+    if label == "dmuon: held segment's wire copy":
+        return "held wire copy"
+    if label == "dmuon: local full grad before packing":
+        return "transient: dmuon local grads"
+    if label.startswith("dmuon:") or label.startswith("other in dmuon."):
+        return "transient: dmuon buffers"
+    if label.startswith("fsdp2:") or label.startswith("other in fsdp2."):
+        return "transient: fsdp2"
+    if label.startswith("activations"):
+        return "activations"
+    if label.startswith("backward compute"):
+        return "backward compute"
+    if ctx.startswith(("muon:", "adamw")) or phase in OPTIMIZER_PHASES:
+        return "optimizer-step temporaries"
+    return "other"
+
+
+def terms_at(snapshot: dict) -> dict[str, int]:
+    out = dict.fromkeys((*TERMS, BACKEND), 0)
+    for row in snapshot["all_rows"]:
+        out[term_of(row)] += row["nbytes"]
+    return out
+
+
+def mb(n: int) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def markdown(ranks: list[list[dict]]) -> str:
+    """Per configuration, the busiest rank: measured bytes by term at the forward/backward peak and
+    at the optimizer-step peak, against the model's terms (MiB)."""
+    lines = []
+    for i in range(len(ranks[0])):
+        r = max((rr[i] for rr in ranks), key=lambda x: x["peak_nbytes"])
+        mt = r["model_terms"]
+        model = {
+            "parameters": mt["parameters_nbytes"],
+            "gradients": mt["gradients_nbytes"],
+            "momentum": mt["momentum_nbytes"] + mt["second_moment_nbytes"],
+            "adamw": mt["adamw_nbytes"],
+            "transient": mt["transient_nbytes"],
+        }
+        snaps = r["snapshots"]
+        fb, op = terms_at(snaps["peak_fwd_bwd"]), terms_at(snaps["peak_optimizer"])
+        lines.append(
+            f"#### {r['model']}, mp={r['mp']}, {r['variant']} (rank {r['rank']}): measured peak "
+            f"{r['peak_nbytes'] / 2**20:.2f} MiB, model {r['model_peak_nbytes'] / 2**20:.2f} MiB"
+        )
+        lines.append("")
+        pk = r["peaks"]
+        lines.append(
+            f"| term | fwd/bwd peak ({pk['fwd_bwd']['phase']} / {pk['fwd_bwd']['ctx'] or 'compute'}) "
+            f"| optimizer peak ({pk['optimizer']['ctx'] or 'compute'}) | model |"
+        )
+        lines.append("|---|---:|---:|---:|")
+        trans = ("transient: dmuon buffers", "transient: dmuon local grads", "transient: fsdp2")
+        for t in (*TERMS, BACKEND):
+            m = model.get(t)
+            if fb[t] or op[t] or m:
+                lines.append(f"| {t} | {mb(fb[t])} | {mb(op[t])} | {'' if m is None else mb(m)} |")
+            if t == trans[-1]:
+                lines.append(
+                    f"| *transient, the model's scope (the three above)* | {mb(sum(fb[x] for x in trans))} "
+                    f"| {mb(sum(op[x] for x in trans))} | {mb(model['transient'])} |"
+                )
+        lines.append(
+            f"| **total** | **{mb(snaps['peak_fwd_bwd']['live_nbytes'])}** "
+            f"| **{mb(snaps['peak_optimizer']['live_nbytes'])}** | **{mb(r['model_peak_nbytes'])}** |"
+        )
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -667,16 +789,20 @@ def main(argv=None) -> None:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--json", default=None)
+    p.add_argument("--md", default=None, help="write the per-term tables (markdown) here")
     p.add_argument("--timeout", type=float, default=1800.0)
     args = p.parse_args(argv)
     from dmuon._launch import run_distributed
 
     job = dict(models=args.models, mps=args.mp, variants=args.variants)
     ranks = run_distributed(_body, args.nproc, job, timeout_s=args.timeout, backend="gloo", threads=1)
-    print(report(ranks))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(ranks, f, indent=1)
+    print(report(ranks))
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(markdown(ranks) + "\n")
 
 
 if __name__ == "__main__":
