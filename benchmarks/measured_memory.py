@@ -737,6 +737,27 @@ def mb(n: int) -> str:
     return f"{n / 2**20:.2f}"
 
 
+def headline(ranks: list[list[dict]]) -> str:
+    """One row per configuration: the busiest rank's measured peaks (whole step, forward/backward,
+    optimizer step) against the model's peak (MiB)."""
+    lines = [
+        "| model | mp | variant | busiest rank | measured peak | where | fwd/bwd peak | optimizer-step peak "
+        "| model peak | measured − model |",
+        "|---|---|---|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for i in range(len(ranks[0])):
+        r = max((rr[i] for rr in ranks), key=lambda x: x["peak_nbytes"])
+        pk = r["peaks"]
+        top = max(pk.values(), key=lambda v: v["nbytes"])
+        lines.append(
+            f"| {r['model']} | {r['mp']} | {r['variant']} | {r['rank']} | {mb(r['peak_nbytes'])} "
+            f"| {top['phase']} / {top['ctx'] or 'compute'} | {mb(pk['fwd_bwd']['nbytes'])} "
+            f"| {mb(pk['optimizer']['nbytes'])} | {mb(r['model_peak_nbytes'])} "
+            f"| {(r['peak_nbytes'] - r['model_peak_nbytes']) / 2**20:+.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def markdown(ranks: list[list[dict]]) -> str:
     """Per configuration, the busiest rank: measured bytes by term at the forward/backward peak and
     at the optimizer-step peak, against the model's terms (MiB)."""
@@ -802,7 +823,7 @@ def main(argv=None) -> None:
     print(report(ranks))
     if args.md:
         with open(args.md, "w") as f:
-            f.write(markdown(ranks) + "\n")
+            f.write(headline(ranks) + "\n\n" + markdown(ranks) + "\n")
 
 
 if __name__ == "__main__":
