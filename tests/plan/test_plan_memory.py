@@ -420,3 +420,30 @@ def test_simulate_offload_lines_add_the_activations_to_the_device_peak(capsys):
     assert main_simulate([*argv, "--offload"]) == 0
     out = capsys.readouterr().out
     assert "under CPU offload (memory only" in out and "\nz3 " in out.split("under CPU offload")[1]
+
+
+def test_muon_step_temporaries_by_hand():
+    """The optimizer step's Newton-Schulz temporaries (``muon_step_nbytes``, bf16 NS, fp32
+    storage). The small plan: each rank's one (8, 4) matrix, E = 32, sides (4, 8): during NS
+    2·32·4 + 2·32·2 + 2·32·2·4/8 = 448, cast back 3·32·4 + 32·2 = 448 -> 448, below the
+    backward's 1,168, so the transient is unchanged. Two (16, 4) matrices in one run on one
+    rank, E = 128, sides (4, 16): during 1,024 + 512 + 128 = 1,664, cast back 1,536 + 256 =
+    1,792 -> 1,792. (Measured on CPU, benchmarks/measured_memory.py's MoE model: 84 MiB by this
+    rule for a run of 48 (256, 512) fp32 matrices, 86 MiB live at the step's peak.)"""
+    from dmuon.plan._cost.rank_memory import muon_step_nbytes
+
+    assert muon_step_nbytes(_plan()) == (448, 448)
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(
+                [nn.ModuleDict({"a": nn.Linear(4, 16, bias=False), "b": nn.Linear(4, 16, bias=False)})]
+            )
+
+    with torch.device("meta"):
+        model = Two()
+    plan = P.compile(model, 1)
+    assert len(plan.dedicated) == 2
+    assert muon_step_nbytes(plan) == (1792,)
+    assert plan.rank_stats()[0].memory.transient_nbytes >= 1792

@@ -48,6 +48,7 @@ __all__ = [
     "held_segment_nbytes",
     "held_copy_nbytes",
     "staged_run_nbytes",
+    "muon_step_nbytes",
     "dmuon_offload_memory",
     "fsdp2_offload_memory",
 ]
@@ -537,6 +538,7 @@ def dmuon_memory(
     T = max(1, len(stats) // (R * N))
     rest, _ = fsdp2_rest_nbytes(plan)
     transient = dmuon_transient_nbytes(plan, len(stats), offload=offload, accumulate=accumulate)
+    step = muon_step_nbytes(plan)  # the optimizer step's temporaries, after the backward's are gone
     second = [0] * (R * N)
     if variant == "normuon":
         for spec, owner in zip(plan.params, plan.owners):
@@ -552,7 +554,7 @@ def dmuon_memory(
                 momentum_nbytes=momentum,
                 second_moment_nbytes=second[st.rank // T],
                 adamw_nbytes=2 * rest,
-                transient_nbytes=transient[st.rank],
+                transient_nbytes=max(transient[st.rank], step[st.rank // T]),
             )
         )
     return dmuon_offload_memory(plan, stats, out) if offload else tuple(out)
@@ -696,6 +698,35 @@ def _step_items(plan: Any, rank: int) -> list[tuple[tuple[int, int], str, int, i
         else:
             items.append((_rules.ns_bucket_sides(*spec.matrix_shape), spec.dtype, spec.numel, 3 * spec.numel * isz))
     return items
+
+
+#: Newton-Schulz's dtype the optimizer-step term assumes: ``dmuon.Muon``'s default (bf16)
+NS_ITEMSIZE = 2
+
+
+def muon_step_nbytes(plan: Any, *, ns_itemsize: int = NS_ITEMSIZE) -> tuple[int, ...]:
+    """Per mesh rank, the most temporary bytes its Muon step holds at once (the default
+    ``ns_batching="batched"``; ``dmuon._update``): per run of ``E`` elements (its items cut as
+    :func:`staged_run_nbytes` cuts them) of storage itemsize ``p``, Newton-Schulz itemsize ``s``
+    and matrices of sides ``d <= D``: during Newton-Schulz the formed update and the batch
+    concatenated (``2·E·p``), the normalised copy and the other step buffer (``2·E·s``) and the
+    two ``(d, d)`` products per matrix (``2·E·(d/D)·s``); then the result cast back beside them
+    (``3·E·p + E·s``): the larger of the two, the largest run."""
+    R, N = plan.mesh_shape
+    out = []
+    for rank in range(R * N):
+        buckets: dict[tuple, list[int]] = {}
+        for sides, dtype, numel, _ in _step_items(plan, rank):
+            buckets.setdefault((sides, dtype), []).append(numel)
+        peak = 0
+        for (sides, dtype), numels in buckets.items():
+            p = itemsize_nbytes(dtype)
+            for run in _rules.ns_batch_runs(numels):
+                e = sum(numels[i] for i in run)
+                during = 2 * e * p + 2 * e * ns_itemsize + (2 * e * ns_itemsize * sides[0]) // sides[1]
+                peak = max(peak, during, 3 * e * p + e * ns_itemsize)
+        out.append(peak)
+    return tuple(out)
 
 
 def staged_run_nbytes(plan: Any) -> tuple[int, ...]:
