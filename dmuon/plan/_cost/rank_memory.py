@@ -706,24 +706,37 @@ NS_ITEMSIZE = 2
 
 def muon_step_nbytes(plan: Any, *, ns_itemsize: int = NS_ITEMSIZE) -> tuple[int, ...]:
     """Per mesh rank, the most temporary bytes its Muon step holds at once (the default
-    ``ns_batching="batched"``; ``dmuon._update``): per run of ``E`` elements (its items cut as
-    :func:`staged_run_nbytes` cuts them) of storage itemsize ``p``, Newton-Schulz itemsize ``s``
-    and matrices of sides ``d <= D``: during Newton-Schulz the formed update and the batch
-    concatenated (``2·E·p``), the normalised copy and the other step buffer (``2·E·s``) and the
-    two ``(d, d)`` products per matrix (``2·E·(d/D)·s``); then the result cast back beside them
-    (``3·E·p + E·s``): the larger of the two, the largest run."""
+    ``ns_batching="batched"``; ``dmuon._update``): per run of ``E`` elements (a bucket of equal
+    NS sides and dtype in parameter order, cut by :func:`~dmuon.plan._rules.ns_batch_runs`; an
+    owned matrix, expert range, view block or owner-group block is never cut) of storage itemsize
+    ``p``, Newton-Schulz itemsize ``s`` and matrices of sides ``d <= D``: during Newton-Schulz the
+    formed update and the batch concatenated (``2·E·p``), the normalised copy and the other step
+    buffer (``2·E·s``) and the two ``(d, d)`` products per matrix (``2·E·(d/D)·s``); then the
+    result cast back beside them (``3·E·p + E·s``): the larger of the two, the largest run."""
     R, N = plan.mesh_shape
+    per_rank: list[dict[tuple, list[int]]] = [{} for _ in range(R * N)]
+    for spec, owner in zip(plan.params, plan.owners):
+        sides = _rules.ns_bucket_sides(*spec.matrix_shape)
+        if isinstance(owner, ExpertOwners):
+            per_expert = spec.numel // spec.num_experts
+            pieces = [(m.rank, per_expert * size) for m, size in zip(owner.members, owner.sizes)]
+        elif isinstance(owner, OwnerGroup):
+            weights = member_weights(spec, owner.dim, owner.sizes, "numel", ())
+            pieces = list(zip((m.rank for m in owner.members), weights))
+        elif spec.view is not None:
+            pieces = [(owner.rank, m * n) for m, n in spec.matrices]
+        else:
+            pieces = [(owner.rank, spec.local_numel)]
+        for rank, numel in pieces:
+            per_rank[rank].setdefault((sides, spec.dtype), []).append(numel)
     out = []
-    for rank in range(R * N):
-        buckets: dict[tuple, list[int]] = {}
-        for sides, dtype, numel, _ in _step_items(plan, rank):
-            buckets.setdefault((sides, dtype), []).append(numel)
+    for buckets in per_rank:
         peak = 0
-        for (sides, dtype), numels in buckets.items():
+        for ((d, D), dtype), numels in buckets.items():
             p = itemsize_nbytes(dtype)
             for run in _rules.ns_batch_runs(numels):
                 e = sum(numels[i] for i in run)
-                during = 2 * e * p + 2 * e * ns_itemsize + (2 * e * ns_itemsize * sides[0]) // sides[1]
+                during = 2 * e * p + 2 * e * ns_itemsize + (2 * e * ns_itemsize * d) // D
                 peak = max(peak, during, 3 * e * p + e * ns_itemsize)
         out.append(peak)
     return tuple(out)
