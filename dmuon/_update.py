@@ -692,37 +692,67 @@ def muon_update(
         numels.append(it.num_matrices * m * n)
     runs = bucket_runs(keys, numels, ns_batching)
     groups = [[items[i] for i in run] for run in runs]
-    for i, group in enumerate(groups if stage is None else stage(groups)):  # a loop drains stage: write-backs
-        run = runs[i]
-        fresh = [it for it in group if it.update is None]
-        formed = momentum_(
-            [it.grad for it in fresh], [it.buf for it in fresh], momentum=momentum, nesterov=nesterov, foreach=batched
-        )
-        formed_by_id = {id(it): u for it, u in zip(fresh, formed)}
-        inputs = [it.matrices(it.update if it.update is not None else formed_by_id[id(it)]) for it in group]
-        fn = pick(keys[run[0]][:2])
-        if batched and (len(group) > 1 or group[0].num_matrices > 1):
-            dtypes = {it.param.dtype for it in group}
-            cast = next(iter(dtypes)) if len(dtypes) == 1 and all(it.normalize is None for it in group) else None
-            outs = orthogonalize_batch(
-                [x if x.ndim == 3 else x.unsqueeze(0) for x in inputs], fn, out_dtype=cast, **ns_kw
-            )
-            outs = [o if x.ndim == 3 else o.squeeze(0) for o, x in zip(outs, inputs)]
-        else:
-            outs = [orthogonalize_each(x, fn, **ns_kw) for x in inputs]
-        updates = []
-        for it, o in zip(group, outs):
-            if it.normalize is not None:
-                o = it.normalize(o)
-            updates.append(it.layout(o))
-        decay_and_apply_(
-            [it.param for it in group],
-            updates,
+    # a plain loop drains stage (its write-backs); no enumerate / zip, whose reused result tuple
+    # would keep the previous run referenced while stage uploads the next
+    i = 0
+    for group in groups if stage is None else stage(groups):
+        _update_run(
+            group,
+            pick(keys[runs[i][0]][:2]),
+            batched=batched,
             lr=lr,
             weight_decay=weight_decay,
-            scaled_lrs=[adjust_lr(lr, adjust_lr_fn, it.matrix_shape) for it in group],
-            foreach=batched,
+            momentum=momentum,
+            nesterov=nesterov,
+            adjust_lr_fn=adjust_lr_fn,
+            ns_kw=ns_kw,
         )
+        # nothing of this run stays referenced while ``stage`` uploads the run after next: with
+        # ``stage``, at most two runs' copies are alive (dmuon.plan._cost.rank_memory.OFFLOAD_RUNS_IN_FLIGHT)
+        del group
+        i += 1
+
+
+def _update_run(
+    group: Sequence[Matrices],
+    fn: Callable[..., Tensor],
+    *,
+    batched: bool,
+    lr: float,
+    weight_decay: float,
+    momentum: float,
+    nesterov: bool,
+    adjust_lr_fn: Optional[str],
+    ns_kw: dict,
+) -> None:
+    """One run of :func:`muon_update`: momentum, one Newton-Schulz call by ``fn`` (``"batched"``;
+    or one per item), NorMuon's ``normalize``, decay and the update; its intermediates die with the call."""
+    fresh = [it for it in group if it.update is None]
+    formed = momentum_(
+        [it.grad for it in fresh], [it.buf for it in fresh], momentum=momentum, nesterov=nesterov, foreach=batched
+    )
+    formed_by_id = {id(it): u for it, u in zip(fresh, formed)}
+    inputs = [it.matrices(it.update if it.update is not None else formed_by_id[id(it)]) for it in group]
+    if batched and (len(group) > 1 or group[0].num_matrices > 1):
+        dtypes = {it.param.dtype for it in group}
+        cast = next(iter(dtypes)) if len(dtypes) == 1 and all(it.normalize is None for it in group) else None
+        outs = orthogonalize_batch([x if x.ndim == 3 else x.unsqueeze(0) for x in inputs], fn, out_dtype=cast, **ns_kw)
+        outs = [o if x.ndim == 3 else o.squeeze(0) for o, x in zip(outs, inputs)]
+    else:
+        outs = [orthogonalize_each(x, fn, **ns_kw) for x in inputs]
+    updates = []
+    for it, o in zip(group, outs):
+        if it.normalize is not None:
+            o = it.normalize(o)
+        updates.append(it.layout(o))
+    decay_and_apply_(
+        [it.param for it in group],
+        updates,
+        lr=lr,
+        weight_decay=weight_decay,
+        scaled_lrs=[adjust_lr(lr, adjust_lr_fn, it.matrix_shape) for it in group],
+        foreach=batched,
+    )
 
 
 def single_tensor_muon(

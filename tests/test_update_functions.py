@@ -7,6 +7,9 @@ Inputs are Gaussian matrices from 5x8 to 96x160, tall, wide and square, a few st
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch.optim._muon import _single_tensor_muon
@@ -236,9 +239,15 @@ def test_staged_runs_double_buffered_and_bit_identical(monkeypatch):
     events, computed = [], []
     upload, write_back, apply = S._upload, S._write_back, U.decay_and_apply_
 
+    alive = []  # per upload: the earlier runs whose device copies are still referenced
+
     def spy_upload(group, device, stream):
         events.append(("up", [tuple(it.param.shape) for it in group]))
-        return upload(group, device, stream)
+        gc.collect()
+        alive.append(sum(any(r() is not None for r in run) for run in copies))
+        dev, event = upload(group, device, stream)
+        copies.append([weakref.ref(getattr(it, f)) for it in dev for f in ("param", "grad", "buf")])
+        return dev, event
 
     def spy_write_back(host, dev, device, stream):
         events.append(("back", [tuple(it.param.shape) for it in host]))
@@ -252,6 +261,7 @@ def test_staged_runs_double_buffered_and_bit_identical(monkeypatch):
     monkeypatch.setattr(S, "_upload", spy_upload)
     monkeypatch.setattr(S, "_write_back", spy_write_back)
     for step, g in enumerate(grads):
+        copies = []
         refs = [U.Matrices(param=p, grad=x, buf=b, matrix_shape=tuple(p.shape)) for p, x, b in zip(p_ref, g, b_ref)]
         U.muon_update(refs, **kw)
         items = [U.Matrices(param=p, grad=x, buf=b, matrix_shape=tuple(p.shape)) for p, x, b in zip(p_off, g, b_off)]
@@ -267,6 +277,9 @@ def test_staged_runs_double_buffered_and_bit_identical(monkeypatch):
                 ("up", r[3]), ("compute", r[2]), ("back", r[2]),
                 ("compute", r[3]), ("back", r[3]),
             ], order  # fmt: skip
+    # while run i + 1 is uploaded, only run i's copies are alive (run i - 1's released): two runs on
+    # the device at a time, as the memory model counts (rank_memory.OFFLOAD_RUNS_IN_FLIGHT)
+    assert alive == [0, 1, 1, 1] * len(grads), alive
     host = {t.untyped_storage().data_ptr() for t in p_off + b_off}
     assert len(computed) == len(shapes) * len(grads) and not host & set(computed)  # updates on copies
     for a, b in zip(p_off + b_off, p_ref + b_ref):

@@ -244,6 +244,12 @@ def main_plan(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--mesh", required=True, type=parse_mesh, help="N (1-D) or RxN (HSDP), e.g. 8 or 2x8")
     parser.add_argument("--z2", action="store_true", help="reshard_after_forward=False (DMuon-Z2)")
     parser.add_argument(
+        "--offload",
+        action="store_true",
+        help="the summary's memory under CPU offload (dedicate_params and fully_shard given CPUOffloadPolicy): "
+        "device terms and host memory per rank, dmuon and both FSDP2 baselines; docs/planning.md",
+    )
+    parser.add_argument(
         "--ep",
         type=int,
         default=1,
@@ -339,7 +345,7 @@ def main_plan(argv: Sequence[str] | None = None) -> int:
         )
         print(sched.summary(args.schedule))
     else:
-        print(plan.summary())
+        print(_summary(parser, plan, args.offload))
     if args.json:
         with open(args.json, "w", encoding="ascii") as f:
             f.write(plan.to_json(indent=1))
@@ -351,6 +357,19 @@ def main_plan(argv: Sequence[str] | None = None) -> int:
         title, subtitle = page_title(args, plan)
         write_html(args.html, plan_html(plan, standalone=True, title=title, subtitle=subtitle))
     return 0
+
+
+def _summary(parser: argparse.ArgumentParser | None, plan, offload: bool) -> str:
+    """``plan.summary(offload=...)``; a plan the runtime cannot offload (TP, owner groups, NorMuon,
+    EP-local stacks) is a usage error of ``--offload``."""
+    try:
+        return plan.summary(offload=offload)
+    except (NotImplementedError, ValueError) as exc:
+        if not offload:
+            raise
+        if parser is None:
+            raise SystemExit(f"python -m dmuon plan: error: --offload: {exc}") from None
+        parser.error(f"--offload: {exc}")
 
 
 def page_title(args: argparse.Namespace, plan, *, command: str = "plan", pp: int = 1) -> tuple[str, str]:
@@ -380,7 +399,7 @@ def _print_stages(args: argparse.Namespace, model, kw: dict) -> int:
     print(f"{args.model}: {sp.split.describe()}")
     for s, plan in enumerate(sp.plans):
         print(f"\n=== stage {s} of {sp.split.num_stages} (pp rank {s % sp.split.pp_size}) ===")
-        print(plan.summary())
+        print(_summary(None, plan, args.offload))
     if args.json:
         root, ext = os.path.splitext(args.json)
         for s, plan in enumerate(sp.plans):

@@ -66,6 +66,31 @@ def busiest_memory(sim: Any) -> dict[str, int]:
     )
 
 
+def offload_lines(plans: dict, workload: Any) -> list[str]:
+    """``simulate --offload``: each variant's busiest device peak (the memory terms under CPU
+    offload, :func:`dmuon.plan._cost.rank_memory.dmuon_memory` / ``fsdp2_memory`` with
+    ``offload=True``, plus the activations, which stay on the device) and its host memory, GiB;
+    ``plans``: variant -> the plan it ran on."""
+    from dmuon.plan._cost import rank_memory
+    from dmuon.sim._engine.sim_memory import activations_nbytes
+
+    act = activations_nbytes(workload)
+    lines = [
+        "",
+        "under CPU offload (memory only; step times above without the host copies), busiest rank, GiB:",
+        f"{'variant':<12}{'rank':>6}{'device peak':>14}{'host':>10}",
+    ]
+    for v, plan in plans.items():
+        if v in ("z2", "z3"):
+            terms = [s.memory for s in plan.rank_stats(offload=True)]
+        else:
+            terms = [rank_memory.fsdp2_memory(plan, v, offload=True)]
+        r = max(range(len(terms)), key=lambda i: (terms[i].peak_nbytes, -i))
+        t = terms[r]
+        lines.append(f"{v:<12}{r:>6}{(t.peak_nbytes + act) / 2**30:>14.2f}{t.host_nbytes / 2**30:>10.2f}")
+    return lines
+
+
 def memory_lines(sims: dict) -> list[str]:
     """Peak memory per rank by term: each variant's busiest rank, GiB; then every dmuon mode's
     ranks above FSDP2 + AdamW's peak (the question "does dmuon fit where FSDP2 + AdamW fits?")."""
@@ -209,6 +234,13 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
     add_selection_args(parser, cost_model_default="ns_flops")  # the same options as `plan`
     parser.add_argument("--json", metavar="FILE", default=None, help="write every variant's figures as JSON")
     parser.add_argument(
+        "--offload",
+        action="store_true",
+        help="also print each variant's busiest device peak and host memory under CPU offload (dedicate_params "
+        "and fully_shard given CPUOffloadPolicy; plan.rank_stats(offload=True) + activations); memory only: the "
+        "step times do not price the host copies",
+    )
+    parser.add_argument(
         "--png", metavar="FILE", default=None, help="draw rank 0's timeline of each variant (matplotlib)"
     )
     parser.add_argument(
@@ -341,6 +373,13 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
             f"peak per rank against the device's {hw.memory_nbytes / 2**30:.1f} GiB: "
             + ", ".join(f"{v} {'fits' if fits(s, hw.memory_nbytes) else 'DOES NOT FIT'}" for v, s in sims.items())
         )
+    if args.offload:
+        try:
+            lines = offload_lines({v: plans[v != "z2"] if v in ("z2", "z3") else plan for v in sims}, wl)
+        except (NotImplementedError, ValueError) as exc:
+            parser.error(f"--offload: {exc}")
+        for line in lines:
+            print(line)
     rec, why = recommend(sims, hw.memory_nbytes)
     print(f"\nrecommended: dmuon {rec.upper()} ({sims[rec].step_s / base:.3f} x FSDP2 + AdamW): {why}")
     if not fits(sims[rec], hw.memory_nbytes):  # recommend() prefers a mode that fits: none does

@@ -77,6 +77,15 @@ class _CopySpy:
 
         self.U, self.rt, self.opt, self.written = U, get_model_runtime(model), opt, []
         self.orig = (U.momentum_, U.decay_and_apply_)
+        self.grad_nbytes = None  # the owners' host gradients at the first step
+
+        def step(*args, _step=opt.step, **kw):
+            if self.grad_nbytes is None:
+                owned = [p for g in opt.param_groups if g["use_muon"] for p in g["params"] if _is_owner(p)]
+                self.grad_nbytes = sum(p.grad.untyped_storage().nbytes() for p in owned if p.grad is not None)
+            return _step(*args, **kw)
+
+        opt.step = step
 
     def __enter__(self):
         momentum, apply = self.orig
@@ -102,6 +111,11 @@ class _CopySpy:
         return dict(
             held=len(held),
             owned_momenta=len(momenta),
+            # host bytes of owned state, as the memory model's offload terms count them
+            master_nbytes=sum(seg.master.untyped_storage().nbytes() for seg in held),
+            wire_nbytes=sum(seg.wire.untyped_storage().nbytes() for seg in held),
+            momentum_nbytes=sum(m.untyped_storage().nbytes() for m in momenta),
+            grad_nbytes=self.grad_nbytes,
             master_is_wire=sum(
                 seg.master.untyped_storage().data_ptr() == seg.wire.untyped_storage().data_ptr() for seg in held
             ),
@@ -109,6 +123,13 @@ class _CopySpy:
             ops_written=len(self.written),
             ops_on_host_state=sum(p in host for p in self.written),
         )
+
+
+def _is_owner(p) -> bool:
+    from dmuon._tags import dedicated_info
+
+    info = dedicated_info(p)
+    return info is not None and info.is_owner
 
 
 def _worker(cases, mesh_shape=None, replicate_async=True):
@@ -321,6 +342,17 @@ def _check_against_oracle(results, cases, label):
             reports = [r["copy_path"] for r in per_rank]
             assert sum(c["held"] for c in reports) > 0, (where, reports)
             assert sum(c["owned_momenta"] for c in reports) == len(plan.dedicated), (where, reports)
+            # the memory model's offload terms are the bytes the runtime holds between steps: host
+            # masters (whole held segments), no device broadcast copy (each lives only while its
+            # boundary is unsharded), host momenta and owners' host gradients
+            from dmuon.plan._cost.rank_memory import held_segment_nbytes
+
+            stats = plan.rank_stats(offload=True)
+            masters = held_segment_nbytes(plan, wire=False)
+            for rank, c in enumerate(reports):
+                got = (c["master_nbytes"], c["wire_nbytes"], c["momentum_nbytes"], c["grad_nbytes"])
+                want = (masters[rank], stats[rank].memory.parameters_nbytes, stats[rank].memory.host_momentum_nbytes)
+                assert got == want + (stats[rank].owned_nbytes,) and want[1] == 0, (where, rank, got, want)
             for c in reports:
                 assert c["masters_on_host"] and c["master_is_wire"] == 0, (where, c)
                 assert c["ops_on_host_state"] == 0, (where, c)

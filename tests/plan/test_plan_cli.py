@@ -403,3 +403,24 @@ def test_apply_names_a_plan_that_is_not_one():
         r"'plan.json' \(a JSON file: dmuon.plan.ShardingPlan.from_json\(open\(path\).read\(\)\)\)$",
     ):
         dmuon.exec.apply("plan.json", zoo.tiny_llama())
+
+
+def test_plan_offload_prints_device_and_host(capsys):
+    """``--offload``: the summary's memory block under CPU offload, the busiest rank's device peak and
+    host memory as ``plan.rank_stats(offload=True)`` counts them; a plan the runtime cannot offload
+    (owner groups) is a usage error naming the refusal."""
+    from dmuon.plan import compile
+    from dmuon.plan._tools.render import fmt_nbytes
+
+    assert main_plan(["--model", "tiny-llama", "--mesh", "4", "--offload"]) == 0
+    out = capsys.readouterr().out
+    assert "CPU offload: device terms, then host" in out
+    terms = [s.memory for s in compile(zoo.PRESETS["tiny-llama"](), 4).rank_stats(offload=True)]
+    top = max(terms, key=lambda t: t.peak_nbytes)
+    assert f"device peak{fmt_nbytes(top.peak_nbytes):>{26 + 13}}" in out
+    assert "\nhost " in out and fmt_nbytes(top.host_nbytes) in out
+    with pytest.raises(SystemExit):
+        main_plan(["--model", "tiny-llama", "--mesh", "4", "--owner-groups", "2", "--offload"])
+    assert (
+        "--offload: dmuon: offload_policy=CPUOffloadPolicy(...) with owner-grouped matrices" in capsys.readouterr().err
+    )

@@ -32,17 +32,30 @@ AdamW 2 x 304 = 608; a block unit 36 el = 144 B unsharded, gradients and reduce-
 backward layers.1 with layers.0 prefetched 144 + 144 + 144 = 432, the root's reduce beside
 layers.0's 320 + 144 = 464; transient 320 + 320 + 464 = 1,104; peak 2,320.
 FSDP2 + naive Muon: momentum 128, AdamW 352, transient max(1,104, 256 + 320) = 1,104; peak 2,192.
+
+CPU offload (``offload=True``; the terms are the device's, ``host_*`` the host's), each rank:
+dmuon: host parameters = its held 48-element segment (fp32, padding and flag included: 192) + the
+rest's shards 176 = 368; host gradients 304, momentum 128, AdamW 352 (host 1,152). Device: no
+parameters between steps (the held segment's broadcast copy, 192, lives while its block is
+unsharded, like a received one: every block 192 + 16 = 208 on both ranks); transient: forward
+208 + 208 = 416, backward layers.1 208 + 208 + 144 = 560 -> 320 + 320 + 560 = 1,200, + the
+step's copies of its one matrix (parameter, gradient, momentum: 3 x 128 = 384) = 1,584 = the
+device peak. FSDP2 + AdamW: host 304 + 304 + 608 = 1,216, device the transient 1,104. FSDP2 +
+naive Muon: host 304 + 304 + 128 + 352 = 1,088, device 1,104.
 """
 
 from __future__ import annotations
 
 import re
 
+import pytest
+
 import torch
 from torch import nn
 
 import dmuon.plan as P
 from dmuon.plan._cost.cost_model import MemoryTerms
+from dmuon.plan import MatrixView
 from dmuon.plan._cost.rank_memory import ranks_above, second_moment_shape
 
 
@@ -111,6 +124,40 @@ def test_memory_terms_by_hand():
     normuon = plan.rank_stats(variant="normuon")
     assert [s.memory.second_moment_nbytes for s in normuon] == [32, 32]  # (8, 1) fp32 per owned fc
     assert normuon[0].memory.peak_nbytes == 2256 + 32
+
+
+@pytest.mark.parametrize(
+    "case", ["tiny-llama/4", "tiny-llama/4 all_gather", "tiny-moe/2x2", "tiny-moe/4 broadcast", "tiny-moe/4 ep2"]
+)
+def test_received_bytes_from_the_layout_are_the_schedules(case):
+    """The transient reads each rank's received bytes per boundary from the layout
+    (``boundary_received_nbytes``, no pass over the op table); the schedule's forward broadcasts
+    and all-gathers are the oracle, every schedule rank and boundary."""
+    import warnings
+
+    from dmuon.plan._cost.rank_memory import boundary_received_nbytes, received_nbytes
+    from dmuon.plan._model.parallel import expert_parallel_variant
+    from dmuon.sim import zoo
+
+    name, _, rest = case.partition("/")
+    mesh_s, _, extra = rest.partition(" ")
+    mesh = tuple(int(x) for x in mesh_s.split("x")) if "x" in mesh_s else int(mesh_s)
+    model, kw = zoo.PRESETS[name](), {}
+    if extra == "ep2":
+        model, kw = expert_parallel_variant(model, 2), {"ep": 2}
+    elif extra:
+        kw = {"collectives": extra}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = P.compile(model, mesh, **kw)
+    N = plan.mesh_shape[1]
+    n = len(plan.rank_stats())
+    from_sched = received_nbytes(plan.schedule(), n)
+    from_layout = boundary_received_nbytes(plan)
+    assert any(any(row) for row in from_layout.values()), case
+    for b in plan.boundaries:
+        want = from_sched.get(b.fqn, [0] * n)
+        assert [from_layout[b.fqn][x % N] for x in range(n)] == want, (case, b.fqn)
 
 
 def test_z2_holds_every_unit_until_its_reduce():
@@ -213,3 +260,130 @@ def test_reduce_buffers_by_hand_on_hsdp():
     plan = P.compile(model, (2, 2))
     assert [plan.owner(f).rank for f in plan.dedicated] == [0, 1]
     assert reduce_buffer_nbytes(plan) == (192, 384, 192, 384)
+
+
+DMUON_OFFLOAD = MemoryTerms(
+    parameters_nbytes=0,
+    gradients_nbytes=0,
+    momentum_nbytes=0,
+    second_moment_nbytes=0,
+    adamw_nbytes=0,
+    transient_nbytes=1584,
+    host_parameters_nbytes=368,
+    host_gradients_nbytes=304,
+    host_momentum_nbytes=128,
+    host_adamw_nbytes=352,
+)
+
+
+def test_offload_terms_by_hand():
+    """Device and host apart under CPU offload (module docstring); ``offload=False`` unchanged."""
+    plan = _plan()
+    assert [s.memory for s in plan.rank_stats(offload=True)] == [DMUON_OFFLOAD] * 2
+    assert (DMUON_OFFLOAD.peak_nbytes, DMUON_OFFLOAD.host_nbytes) == (1584, 1152)
+    adamw = plan.adamw_rank_stats(offload=True)[0].memory
+    assert (adamw.peak_nbytes, adamw.transient_nbytes, adamw.host_nbytes) == (1104, 1104, 1216)
+    assert (adamw.host_parameters_nbytes, adamw.host_gradients_nbytes, adamw.host_adamw_nbytes) == (304, 304, 608)
+    naive = plan.baseline_rank_stats(offload=True)[0].memory
+    assert (naive.peak_nbytes, naive.host_momentum_nbytes, naive.host_nbytes) == (1104, 128, 1088)
+    assert [s.memory for s in plan.rank_stats()] == [DMUON0, DMUON1] and DMUON0.host_nbytes == 0
+    assert plan.adamw_rank_stats()[0].memory == ADAMW and plan.baseline_rank_stats()[0].memory == NAIVE
+    block = plan.summary(offload=True)
+    block = block[block.index("memory per rank") :]
+    assert re.search(r"device peak\s+1\.55 KiB\s+1\.55 KiB\s+1\.08 KiB\s+1\.08 KiB", block), block
+    assert re.search(r"\nhost\s+1\.12 KiB\s+1\.12 KiB\s+1\.19 KiB\s+1\.06 KiB", block), block
+    assert "device peak (both under offload): ABOVE FSDP2 + AdamW's on 2 of 2 ranks" in block
+
+
+def test_offload_wire_buffers_in_the_broadcast_dtype():
+    """Under a bf16 mp_policy the held segment's broadcast copy is bf16 (48 x 2 = 96 B, on the
+    device while its block is unsharded, with or without offload) while the master stays fp32
+    (on the host under offload: 192), and the step copies fp32 storage: the offloaded transient
+    is the plan's own + 384. Rank 0 without offload (reduce dtype = param dtype, bf16, as FSDP2
+    defaults): layers.0 = its copy 96 + norm 8 = 104, layers.1 = received 96 + 8 = 104;
+    gradients 64 + 8 = 72, reduce 96 + 8 = 104; root 160 unsharded, gradients and reduce:
+    backward layers.1 104 + 104 + 72 = 280, its reduce 104 + 72 + 104 = 280, the root's reduce
+    160 + 104 = 264 -> 160 + 160 + 280 = 600."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    plan = _plan(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    on, off = plan.rank_stats(offload=True)[0].memory, plan.rank_stats()[0].memory
+    assert (on.parameters_nbytes, on.host_parameters_nbytes) == (0, 192 + 176)
+    assert on.transient_nbytes == off.transient_nbytes + 384 and off.transient_nbytes == 600
+
+
+class _Shapes(nn.Module):
+    """Three blocks whose matrices fall in three NS buckets: (8, 4), (16, 4), (8, 8)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(i, o, bias=False) for o, i in ((8, 4), (16, 4), (8, 8)))
+
+
+def test_offload_step_copies_two_runs_at_a_time(monkeypatch):
+    """One rank owns everything (N = 1), fp32. Three NS buckets, one run each: 3 x 32 x 4 = 384,
+    3 x 64 x 4 = 768 and 768 B; two consecutive runs at a time: 768 + 768 = 1,536. With a (4, 16)
+    third matrix, the (16, 4) one's bucket: runs of 384 and 2 x 768 = 1,536 (one batched run),
+    together 1,920; with runs cut at 64 elements, three runs again: 1,536."""
+    from dmuon.plan import _rules
+    from dmuon.plan._cost.rank_memory import OFFLOAD_RUNS_IN_FLIGHT, staged_run_nbytes
+
+    assert OFFLOAD_RUNS_IN_FLIGHT == 2
+    with torch.device("meta"):
+        model = _Shapes()
+    pred = lambda fqn, p: p.ndim == 2  # noqa: E731
+    plan = P.compile(model, 1, predicate=pred, hook_boundary_strict=False)
+    assert staged_run_nbytes(plan) == (768 + 768,)
+    with torch.device("meta"):
+        model = _Shapes()
+        model.layers[2] = nn.Linear(16, 4, bias=False)  # (4, 16): the (16, 4) matrix's bucket
+    plan = P.compile(model, 1, predicate=pred, hook_boundary_strict=False)
+    assert staged_run_nbytes(plan) == (384 + 2 * 768,)  # runs: (8, 4) alone, then both (4, 16)-sided
+    monkeypatch.setattr(_rules, "NS_BATCH_MAX_NUMEL", 64)  # each 64-element matrix a run of its own
+    assert staged_run_nbytes(plan) == (768 + 768,)
+    # a matrix view: each block copies its parameter block and its update block (the momentum ran on
+    # the host), 2 x 32 x 4 = 256 B each; the (16, 4) matrix as two (8, 4) blocks joins layers.0's
+    # bucket: runs of 384 + 256 + 256 = 896 (96 elements) and of the (8, 8) matrix, 768
+    monkeypatch.undo()
+    with torch.device("meta"):
+        model = _Shapes()
+    views = {"layers.1.weight": MatrixView(dim=0, sizes=(8, 8))}
+    plan = P.compile(model, 1, predicate=pred, hook_boundary_strict=False, matrix_views=views)
+    assert staged_run_nbytes(plan) == (896 + 768,)
+
+
+def test_offload_refusals_and_the_runtime_rule(monkeypatch):
+    """NorMuon on offloaded matrices is refused as dmuon.Muon refuses it; owner groups as
+    dedicate_params refuses them, by the same function."""
+    import pytest
+
+    from dmuon.exec._setup import api
+    from dmuon.plan._cost import rank_memory
+
+    with pytest.raises(ValueError, match="variant='normuon' with offload"):
+        _plan().rank_stats(variant="normuon", offload=True)
+    grouped = _plan(owner_groups=2)
+    with pytest.raises(NotImplementedError, match="owner-grouped matrices .* is not supported yet"):
+        grouped.rank_stats(offload=True)
+    seen = []
+    monkeypatch.setattr(rank_memory, "check_offloadable", seen.append)
+    api._check_offloadable(grouped)
+    assert seen == [grouped]
+
+
+def test_simulate_offload_lines_add_the_activations_to_the_device_peak(capsys):
+    """``simulate --offload``: each variant's busiest device peak under offload + the activations
+    (on the device), and its host memory: here 1 GiB of activations, so dmuon's 1,280 B device
+    peak and FSDP2 + AdamW's 640 B print as 1.00 GiB; the CLI prints the block."""
+    from types import SimpleNamespace
+
+    from dmuon._cli.sim_commands import main_simulate, offload_lines
+
+    plan = _plan()
+    wl = SimpleNamespace(activation_nbytes=2**30 - 1280, recompute_transient_nbytes=0)
+    lines = offload_lines({"adamw": plan, "z3": plan}, wl)
+    assert lines[-2:] == [f"{'adamw':<12}{0:>6}{'1.00':>14}{'0.00':>10}", f"{'z3':<12}{0:>6}{'1.00':>14}{'0.00':>10}"]
+    argv = ["--model", "tiny-llama", "--mesh", "2", "--hw", "h100", "--tokens-per-rank", "1024", "--mode", "z3"]
+    assert main_simulate([*argv, "--offload"]) == 0
+    out = capsys.readouterr().out
+    assert "under CPU offload (memory only" in out and "\nz3 " in out.split("under CPU offload")[1]

@@ -413,17 +413,11 @@ def apply(
 
 def _check_offloadable(plan) -> None:
     """Offload (``offload_policy=CPUOffloadPolicy(...)``) supports matrices with one owner each:
-    refuse TP-sharded and owner-grouped ones (local: every rank raises alike, before any collective)."""
-    from dmuon.plan._records.owners import OwnerGroup
+    refuse TP-sharded and owner-grouped ones (local: every rank raises alike, before any collective;
+    the rule: :func:`dmuon.plan._cost.rank_memory.check_offloadable`, which the memory terms share)."""
+    from dmuon.plan._cost.rank_memory import check_offloadable
 
-    grouped = [spec.fqn for spec, owner in zip(plan.params, plan.owners) if isinstance(owner, OwnerGroup)]
-    if plan.tp_size > 1 or grouped:
-        what = f"TP degree {plan.tp_size}" if plan.tp_size > 1 else f"owner-grouped matrices ({grouped[0]!r}, ...)"
-        raise NotImplementedError(
-            f"dmuon: offload_policy=CPUOffloadPolicy(...) with {what} is not supported yet: offload keeps whole "
-            "owned matrices on the host. Drop offload_policy (here and in fully_shard), or compile without "
-            "owner groups (owner_groups=None) and without TP"
-        )
+    check_offloadable(plan)
 
 
 #: the dim name of the pipeline-parallel dim of a ``DeviceMesh`` (torchtitan's)

@@ -148,6 +148,13 @@ class MemoryTerms:
             FSDP2's unit of the rest), the next unit prefetched, its gradients and its reduce
             buffers beside the previous unit's in flight (HSDP: with the held ones of every
             boundary reduced before); naive Muon: or every gathered update, if more.
+        host_parameters_nbytes, host_gradients_nbytes, host_momentum_nbytes, host_adamw_nbytes:
+            what CPU offload keeps in host memory (``offload=True`` of ``plan.rank_stats`` /
+            ``plan.adamw_rank_stats``; 0 without it). With offload the six fields above are the
+            compute device's bytes, so :attr:`peak_nbytes` is the device peak, and these four are
+            the host's (:attr:`host_nbytes`); formulas:
+            :func:`~dmuon.plan._cost.rank_memory.dmuon_offload_memory`,
+            :func:`~dmuon.plan._cost.rank_memory.fsdp2_offload_memory`.
     """
 
     parameters_nbytes: int
@@ -156,6 +163,10 @@ class MemoryTerms:
     second_moment_nbytes: int
     adamw_nbytes: int
     transient_nbytes: int
+    host_parameters_nbytes: int = 0
+    host_gradients_nbytes: int = 0
+    host_momentum_nbytes: int = 0
+    host_adamw_nbytes: int = 0
 
     TERMS = (
         "parameters_nbytes",
@@ -165,6 +176,8 @@ class MemoryTerms:
         "adamw_nbytes",
         "transient_nbytes",
     )
+    #: the host terms of CPU offload (0 without it)
+    HOST_TERMS = ("host_parameters_nbytes", "host_gradients_nbytes", "host_momentum_nbytes", "host_adamw_nbytes")
 
     @property
     def optimizer_state_nbytes(self) -> int:
@@ -175,6 +188,12 @@ class MemoryTerms:
     def peak_nbytes(self) -> int:
         """Parameters + gradients + optimizer state + transient."""
         return self.parameters_nbytes + self.gradients_nbytes + self.optimizer_state_nbytes + self.transient_nbytes
+
+    @property
+    def host_nbytes(self) -> int:
+        """Host memory under CPU offload: parameters + gradients + momentum + AdamW's moments
+        held there (0 without offload); not in :attr:`peak_nbytes`, the device's."""
+        return sum(getattr(self, name) for name in self.HOST_TERMS)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -16,6 +16,7 @@ from typing import Any
 
 import math
 
+from dmuon.plan import _rules
 from dmuon.plan._cost import baseline as _baseline
 from dmuon.plan._cost.cost_model import ByteCost, MemoryTerms, RankStats
 from dmuon.plan._cost.weights import member_weights
@@ -34,6 +35,7 @@ __all__ = [
     "boundary_reduce_nbytes",
     "reduce_buffer_nbytes",
     "received_nbytes",
+    "boundary_received_nbytes",
     "step_transient_nbytes",
     "dmuon_transient_nbytes",
     "fsdp2_transient_nbytes",
@@ -41,6 +43,13 @@ __all__ = [
     "dmuon_memory",
     "fsdp2_memory",
     "ranks_above",
+    "OFFLOAD_RUNS_IN_FLIGHT",
+    "check_offloadable",
+    "held_segment_nbytes",
+    "held_copy_nbytes",
+    "staged_run_nbytes",
+    "dmuon_offload_memory",
+    "fsdp2_offload_memory",
 ]
 
 #: optimizers whose state :func:`dmuon_memory` counts: ``dmuon.Muon(variant=...)``
@@ -94,12 +103,7 @@ def rank_stats(
             owned_nbytes[member.rank] += numel * isz
             replica_nbytes_by_shard[member.shard] += numel * isz
 
-    flops = [0] * n
-    for op in sched.ops:
-        if op.kind == "newton_schulz":
-            for x in op.group:
-                flops[x] += op.flops
-    per_boundary = received_nbytes(sched, n)
+    flops, per_boundary = _walk_schedule(sched, n)
     for boundary, nbytes in (assembled_nbytes or {}).items():
         row = per_boundary.setdefault(boundary, [0] * n)
         for x in range(n):
@@ -132,10 +136,22 @@ def received_nbytes(sched: Any, n: int) -> dict[str, list[int]]:
     """Per boundary, the bytes each of the ``n`` schedule ranks receives in its forward
     broadcasts (its own segments excluded) or holds as the output of its forward all-gathers
     (every slot, its own and the padding included: ``k * slot``), from the nominal schedule
-    ``sched`` (micro-batch 0): the packed copies a rank holds while the boundary is unsharded."""
+    ``sched`` (micro-batch 0): the packed copies a rank holds while the boundary is unsharded.
+    The layout gives the same per shard coordinate (:func:`boundary_received_nbytes`)."""
+    return _walk_schedule(sched, n)[1]
+
+
+def _walk_schedule(sched: Any, n: int) -> tuple[list[int], dict[str, list[int]]]:
+    """One pass over the op table: each schedule rank's Newton-Schulz FLOPs and
+    :func:`received_nbytes`."""
+    flops = [0] * n
     received: dict[tuple[str, tuple[int, ...]], int] = {}  # (boundary, group) -> bytes per member
     root_credit: dict[tuple[str, int], int] = {}
     for op in sched.ops:
+        if op.kind == "newton_schulz":
+            for x in op.group:
+                flops[x] += op.flops
+            continue
         if op.phase != "forward_broadcast" or op.micro_batch != 0:
             continue
         key = (op.boundary, op.group)
@@ -152,7 +168,25 @@ def received_nbytes(sched: Any, n: int) -> dict[str, list[int]]:
             row[x] += nbytes
     for (boundary, root), nbytes in root_credit.items():
         per_boundary[boundary][root] -= nbytes
-    return per_boundary
+    return flops, per_boundary
+
+
+def boundary_received_nbytes(plan: Any) -> dict[str, list[int]]:
+    """Per boundary, :func:`received_nbytes` of each shard coordinate from the layout (no pass
+    over the schedule): a broadcast buffer's segments of the rank's group it does not hold (the
+    ``sent`` of :func:`reduce_numels`), an all-gathered buffer's whole ``k * slot`` output, in
+    the broadcast dtype."""
+    N = plan.mesh_shape[1]
+    out: dict[str, list[int]] = {}
+    for b in plan.boundaries:
+        row = [0] * N
+        for buf in b.buffers:
+            isz = itemsize_nbytes(plan.bcast_dtype(buf.dtype))
+            gathered = getattr(buf, "collective", "broadcast") == "all_gather"
+            for s in range(N):
+                row[s] += (buffer_wire_numel(buf, N) if gathered else reduce_numels(buf, s, N)[1]) * isz
+        out[b.fqn] = row
+    return out
 
 
 def second_moment_shape(shape, *, matrix_shape, experts=None, view=None) -> tuple[int, ...]:
@@ -351,17 +385,37 @@ def _root_and_order(plan: Any, units: dict[str, list[tuple[int, str]]]) -> tuple
     return order, _unit_nbytes(plan, units.get("", []))
 
 
-def dmuon_transient_nbytes(plan: Any, sched: Any, n: int) -> tuple[int, ...]:
+def held_copy_nbytes(plan: Any, *, offload: bool = False) -> dict[str, list[int]]:
+    """Per boundary, bytes of the broadcast copies of the segments each shard coordinate holds
+    where they are tensors of their own beside the masters (the broadcast dtype differs from the
+    storage dtype, or the masters are offloaded to the host): written from the masters before
+    each broadcast and freed with the boundary's received copies (``dmuon.exec``)."""
+    N = plan.mesh_shape[1]
+    out: dict[str, list[int]] = {}
+    for b in plan.boundaries:
+        row = [0] * N
+        for buf in b.buffers:
+            wire = plan.bcast_dtype(buf.dtype)
+            if offload or wire != buf.dtype:
+                for seg in buf.segments:
+                    row[seg.shard] += seg.numel * itemsize_nbytes(wire)
+        out[b.fqn] = row
+    return out
+
+
+def dmuon_transient_nbytes(plan: Any, n: int, *, offload: bool = False) -> tuple[int, ...]:
     """dmuon's transient bytes per schedule rank (``n`` of them) over a step
     (:func:`step_transient_nbytes`): per boundary the packed copies the rank receives
-    (:func:`received_nbytes`) with FSDP2's unsharded unit of the rest, the compute tensors
+    (:func:`boundary_received_nbytes`) and the broadcast copies of its own segments
+    (:func:`held_copy_nbytes`) with FSDP2's unsharded unit of the rest, the compute tensors
     assembled from expert ranges / owner-group blocks (``plan.assembled_nbytes``), the local
     gradients of its compute parameters (broadcast dtype) and of the rest, its reduce buffers
     (:func:`boundary_reduce_nbytes`, held + sent; HSDP: the held kept) with the rest's
     reduce-scatter input; dmuon prefetches the next boundary in the forward too."""
     R, N = plan.mesh_shape
     T = max(1, n // (R * N))
-    recv = received_nbytes(sched, n)
+    recv = boundary_received_nbytes(plan)
+    own = held_copy_nbytes(plan, offload=offload)
     asm = plan.assembled_nbytes
     red = boundary_reduce_nbytes(plan)
     units = _unit_params(plan, with_dedicated=False)
@@ -380,7 +434,7 @@ def dmuon_transient_nbytes(plan: Any, sched: Any, n: int) -> tuple[int, ...]:
             held, sent = red.get(fqn, ([0] * N, [0] * N))
             rows.append(
                 (
-                    recv.get(fqn, [0] * n)[x] + r_uns,
+                    recv.get(fqn, [0] * N)[s] + own.get(fqn, [0] * N)[s] + r_uns,
                     asm.get(fqn, 0),
                     grads.get(fqn, 0) + r_grad,
                     held[s] + sent[s] + r_red,
@@ -431,17 +485,19 @@ def fsdp2_rest_nbytes(plan: Any) -> tuple[int, dict[str, int]]:
 
 
 def dmuon_memory(
-    plan: Any, stats: Sequence[RankStats], *, variant: str = "muon", sched: Any = None
+    plan: Any, stats: Sequence[RankStats], *, variant: str = "muon", offload: bool = False
 ) -> tuple[MemoryTerms, ...]:
     """dmuon's :class:`MemoryTerms` per schedule rank (Note: memory per rank, docs/design.md), from the plan's
-    :func:`rank_stats` ``stats`` (one per schedule rank) and its nominal schedule ``sched``
-    (None: ``plan.schedule()``); ``variant``: ``"muon"`` or ``"normuon"`` (:data:`MEMORY_VARIANTS`)."""
+    :func:`rank_stats` ``stats`` (one per schedule rank); ``variant``: ``"muon"`` or ``"normuon"`` (:data:`MEMORY_VARIANTS`);
+    ``offload``: under CPU offload, device and host terms apart (:func:`dmuon_offload_memory`)."""
     if variant not in MEMORY_VARIANTS:
         raise ValueError(f"variant must be one of {MEMORY_VARIANTS}, got {variant!r}")
+    if offload:
+        _check_offload_memory(plan, variant)
     R, N = plan.mesh_shape
     T = max(1, len(stats) // (R * N))
     rest, _ = fsdp2_rest_nbytes(plan)
-    transient = dmuon_transient_nbytes(plan, plan.schedule() if sched is None else sched, len(stats))
+    transient = dmuon_transient_nbytes(plan, len(stats), offload=offload)
     second = [0] * (R * N)
     if variant == "normuon":
         for spec, owner in zip(plan.params, plan.owners):
@@ -460,18 +516,23 @@ def dmuon_memory(
                 transient_nbytes=transient[st.rank],
             )
         )
-    return tuple(out)
+    return dmuon_offload_memory(plan, stats, out) if offload else tuple(out)
 
 
-def fsdp2_memory(plan: Any, variant: str, *, reshard_after_forward: bool | None = None) -> MemoryTerms:
+def fsdp2_memory(
+    plan: Any, variant: str, *, reshard_after_forward: bool | None = None, offload: bool = False
+) -> MemoryTerms:
     """One rank's :class:`MemoryTerms` (every rank the same) when FSDP2 shards every parameter
     of the plan's model on its mesh (Note: memory per rank, docs/design.md): ``"adamw"`` (FSDP2 + AdamW, Z3 as FSDP2
     defaults to), ``"naive"`` (FSDP2 + naive Muon: every Muon update gathered before its NS; the
     plan's Z2 / Z3) or ``"all_to_all"`` (dion-style: the same, then two matrices' worth of each
     owned batch instead of the gathered updates). ``reshard_after_forward`` overrides the
-    variant's Z3 / Z2 (a pipelined baseline runs Z2, as torchtitan does under PP)."""
+    variant's Z3 / Z2 (a pipelined baseline runs Z2, as torchtitan does under PP). ``offload``:
+    FSDP2's ``CPUOffloadPolicy``, device and host terms apart (:func:`fsdp2_offload_memory`)."""
     if variant not in ("adamw", "naive", "all_to_all"):
         raise ValueError(f"variant must be 'adamw', 'naive' or 'all_to_all', got {variant!r}")
+    if offload:
+        return fsdp2_offload_memory(fsdp2_memory(plan, variant, reshard_after_forward=reshard_after_forward))
     N = plan.mesh_shape[1]
     rest, _ = fsdp2_rest_nbytes(plan)
     muon_shard = sum(_baseline.spec_fsdp2_shard(s, N)[1] * itemsize_nbytes(s.dtype) for s in plan.params)
@@ -499,3 +560,162 @@ def ranks_above(terms: Sequence[MemoryTerms], reference: MemoryTerms) -> tuple[i
     """The ranks (indices into ``terms``) whose whole peak exceeds ``reference``'s (FSDP2 +
     AdamW's, :func:`fsdp2_memory`): what the summary and the plan page flag."""
     return tuple(i for i, t in enumerate(terms) if t.peak_nbytes > reference.peak_nbytes)
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU offload: dedicate_params(offload_policy=CPUOffloadPolicy(...)) and fully_shard's same policy
+# ----------------------------------------------------------------------------------------------
+
+#: runs of the offloaded Muon step on the compute device at once
+#: (:func:`dmuon.exec._optim.offload_stage.staged_runs`): the run being updated and the next
+#: run's copies, which overlap its compute
+OFFLOAD_RUNS_IN_FLIGHT = 2
+
+
+def check_offloadable(plan: Any) -> None:
+    """Raise where ``dedicate_params(offload_policy=CPUOffloadPolicy(...))`` refuses the plan
+    (it calls this; local: every rank raises alike): offload keeps whole owned matrices on the host.
+
+    Raises:
+        NotImplementedError: TP-sharded or owner-grouped matrices.
+    """
+    grouped = [spec.fqn for spec, owner in zip(plan.params, plan.owners) if isinstance(owner, OwnerGroup)]
+    if plan.tp_size > 1 or grouped:
+        what = f"TP degree {plan.tp_size}" if plan.tp_size > 1 else f"owner-grouped matrices ({grouped[0]!r}, ...)"
+        raise NotImplementedError(
+            f"dmuon: offload_policy=CPUOffloadPolicy(...) with {what} is not supported yet: offload keeps whole "
+            "owned matrices on the host. Drop offload_policy (here and in fully_shard), or compile without "
+            "owner groups (owner_groups=None) and without TP"
+        )
+
+
+def _check_offload_memory(plan: Any, variant: str) -> None:
+    """:func:`check_offloadable`, and what else :func:`dmuon_memory` refuses under offload.
+
+    Raises:
+        NotImplementedError: as :func:`check_offloadable`; expert-parallel local stacks
+            (``compile(ep=...)``), whose memory under offload is not modelled.
+        ValueError: ``variant="normuon"`` (``dmuon.Muon`` refuses it on offloaded matrices).
+    """
+    check_offloadable(plan)
+    local = [s.fqn for s, o in zip(plan.params, plan.owners) if isinstance(o, ExpertOwners) and o.local]
+    if local:
+        raise NotImplementedError(
+            f"dmuon: the memory of offload with expert-parallel local stacks ({local[0]!r}, ...) is not modelled: "
+            "they stay on the device while their momenta go to the host. Compile without ep= for offload figures"
+        )
+    if variant == "normuon":
+        raise ValueError(
+            "dmuon: variant='normuon' with offload (dedicate_params(offload_policy=CPUOffloadPolicy(...))) is not "
+            "supported yet; use variant='muon' or offload=False"
+        )
+
+
+def held_segment_nbytes(plan: Any, *, wire: bool) -> tuple[int, ...]:
+    """Per mesh rank, bytes of the packed segments it holds (every buffer's segment of its shard
+    coordinate: its owned masters and, on HSDP, the replicas of its shard peers'), whole as the
+    runtime allocates them (alignment padding and presence flags included): in the storage dtype
+    (``wire=False``: the masters, ``dmuon.exec._setup.materialize``), or in the broadcast dtype
+    (``wire=True``: each held segment's broadcast buffer, a tensor of its own on the compute
+    device under offload)."""
+    R, N = plan.mesh_shape
+    per_shard = [0] * N
+    for b in plan.boundaries:
+        for buf in b.buffers:
+            isz = itemsize_nbytes(plan.bcast_dtype(buf.dtype) if wire else buf.dtype)
+            for seg in buf.segments:
+                per_shard[seg.shard] += seg.numel * isz
+    return tuple(per_shard[rank % N] for rank in range(R * N))
+
+
+def _step_items(plan: Any, rank: int) -> list[tuple[tuple[int, int], str, int, int]]:
+    """``(NS sides, dtype, elements, bytes copied to the device)`` of each item of mesh rank
+    ``rank``'s Muon step (``dmuon.exec._optim.muon_step``), in parameter order: an owned matrix,
+    conv weight or expert range copies its parameter, gradient and momentum (3 tensors); each
+    block of a matrix view its parameter block and its update block (the momentum ran on the
+    host: 2 tensors)."""
+    items = []
+    for spec, owner in zip(plan.params, plan.owners):
+        isz = itemsize_nbytes(spec.dtype)
+        if isinstance(owner, ExpertOwners):
+            per_expert = spec.numel // spec.num_experts
+            numels = [per_expert * size for m, size in zip(owner.members, owner.sizes) if m.rank == rank]
+            items += [(_rules.ns_bucket_sides(*spec.matrix_shape), spec.dtype, n, 3 * n * isz) for n in numels]
+        elif owner.rank != rank:
+            continue
+        elif spec.view is not None:
+            for m, n in spec.matrices:
+                items.append((_rules.ns_bucket_sides(m, n), spec.dtype, m * n, 2 * m * n * isz))
+        else:
+            items.append((_rules.ns_bucket_sides(*spec.matrix_shape), spec.dtype, spec.numel, 3 * spec.numel * isz))
+    return items
+
+
+def staged_run_nbytes(plan: Any) -> tuple[int, ...]:
+    """Per mesh rank, device bytes of the offloaded Muon step's copies at once: its items
+    (:func:`_step_items`) cut into runs as ``dmuon.Muon``'s default ``ns_batching="batched"``
+    cuts them (buckets of equal NS sides and dtype in order of first appearance, each cut by
+    :func:`~dmuon.plan._rules.ns_batch_runs`), then the most bytes of
+    :data:`OFFLOAD_RUNS_IN_FLIGHT` consecutive runs. Newton-Schulz's own workspace is not
+    counted (nor is it without offload)."""
+    R, N = plan.mesh_shape
+    out = []
+    for rank in range(R * N):
+        buckets: dict[tuple, list[tuple[int, int]]] = {}
+        for sides, dtype, numel, nbytes in _step_items(plan, rank):
+            buckets.setdefault((sides, dtype), []).append((numel, nbytes))
+        runs = [
+            sum(entries[i][1] for i in run)
+            for entries in buckets.values()
+            for run in _rules.ns_batch_runs([numel for numel, _ in entries])
+        ]
+        k = OFFLOAD_RUNS_IN_FLIGHT
+        out.append(max((sum(runs[i : i + k]) for i in range(max(1, len(runs) - k + 1))), default=0))
+    return tuple(out)
+
+
+def dmuon_offload_memory(
+    plan: Any, stats: Sequence[RankStats], terms: Sequence[MemoryTerms]
+) -> tuple[MemoryTerms, ...]:
+    """dmuon's memory per rank under CPU offload, from its terms without it (``terms``, of
+    :func:`dmuon_memory` with ``offload=True``: its transient counts each held segment's
+    broadcast copy on the device while its boundary is unsharded, :func:`held_copy_nbytes`): on
+    the host the held masters (:func:`held_segment_nbytes`, storage dtype) and FSDP2's shards of
+    the rest, the gradients (owners' and the rest's shards), the momentum and AdamW's moments; on
+    the compute device every transient term and the Muon step's copies (:func:`staged_run_nbytes`)."""
+    rest, _ = fsdp2_rest_nbytes(plan)
+    masters = held_segment_nbytes(plan, wire=False)
+    staged = staged_run_nbytes(plan)
+    return tuple(
+        MemoryTerms(
+            parameters_nbytes=0,
+            gradients_nbytes=0,
+            momentum_nbytes=0,
+            second_moment_nbytes=0,
+            adamw_nbytes=0,
+            transient_nbytes=t.transient_nbytes + staged[st.rank],
+            host_parameters_nbytes=masters[st.rank] + rest,
+            host_gradients_nbytes=t.gradients_nbytes,
+            host_momentum_nbytes=t.momentum_nbytes,
+            host_adamw_nbytes=t.adamw_nbytes,
+        )
+        for st, t in zip(stats, terms)
+    )
+
+
+def fsdp2_offload_memory(terms: MemoryTerms) -> MemoryTerms:
+    """An FSDP2 baseline's memory under ``CPUOffloadPolicy``, from its terms without it: shards,
+    gradient shards, momentum shards (naive Muon) and AdamW's moments on the host; the unsharded
+    units and gradients (the transient term) on the compute device."""
+    return MemoryTerms(
+        parameters_nbytes=0,
+        gradients_nbytes=0,
+        momentum_nbytes=0,
+        second_moment_nbytes=0,
+        adamw_nbytes=0,
+        transient_nbytes=terms.transient_nbytes,
+        host_parameters_nbytes=terms.parameters_nbytes,
+        host_gradients_nbytes=terms.gradients_nbytes,
+        host_momentum_nbytes=terms.momentum_nbytes,
+        host_adamw_nbytes=terms.adamw_nbytes,
+    )

@@ -377,24 +377,30 @@ class ShardingPlan:
         assemble nothing."""
         return _plan_figures.assembled_nbytes(self)
 
-    def rank_stats(self, *, variant: str = "muon") -> tuple[_cost.RankStats, ...]:
+    def rank_stats(self, *, variant: str = "muon", offload: bool = False) -> tuple[_cost.RankStats, ...]:
         """Per-rank :class:`~dmuon.plan._cost.cost_model.RankStats` of this plan (schedule ranks: the mesh
         rank, or ``(replicate*N + shard)*T + tp`` with TP), from the nominal schedule; each with
         its whole memory by term (``.memory``, :class:`~dmuon.plan._cost.cost_model.MemoryTerms`) for
-        ``dmuon.Muon(variant=variant)`` (``"muon"`` or ``"normuon"``: its second moment)."""
-        return _plan_figures.rank_stats(self, variant)
+        ``dmuon.Muon(variant=variant)`` (``"muon"`` or ``"normuon"``: its second moment).
+        ``offload=True``: under ``dedicate_params(offload_policy=CPUOffloadPolicy(...))`` (and the same
+        policy to ``fully_shard``): the terms are the compute device's (``peak_nbytes``, the device
+        peak) and ``host_*_nbytes`` the host's. Raises ``NotImplementedError`` / ``ValueError`` where
+        the runtime refuses offload (TP, owner groups, NorMuon; EP-local stacks are not modelled)."""
+        return _plan_figures.rank_stats(self, variant, offload)
 
-    def baseline_rank_stats(self) -> tuple[_cost.RankStats, ...]:
+    def baseline_rank_stats(self, *, offload: bool = False) -> tuple[_cost.RankStats, ...]:
         """Per-rank :class:`~dmuon.plan._cost.cost_model.RankStats` of FSDP2 + naive Muon, same parameters
-        (``.memory``: the whole model's memory under it)."""
-        return _plan_figures.baseline_rank_stats(self)
+        (``.memory``: the whole model's memory under it; ``offload=True``: under FSDP2's
+        ``CPUOffloadPolicy``, device and host terms apart, as :meth:`rank_stats`)."""
+        return _plan_figures.baseline_rank_stats(self, offload)
 
-    def adamw_rank_stats(self) -> tuple[_cost.RankStats, ...]:
+    def adamw_rank_stats(self, *, offload: bool = False) -> tuple[_cost.RankStats, ...]:
         """Per-rank :class:`~dmuon.plan._cost.cost_model.RankStats` of FSDP2 + AdamW on the same mesh:
         every parameter sharded by FSDP2 and updated by AdamW (two moments), no Newton-Schulz
         (``.memory``: the whole model's memory under it, the figure dmuon's busiest rank is
-        held against)."""
-        return _plan_figures.adamw_rank_stats(self)
+        held against; ``offload=True``: under FSDP2's ``CPUOffloadPolicy``, device and host terms
+        apart, as :meth:`rank_stats`)."""
+        return _plan_figures.adamw_rank_stats(self, offload)
 
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
@@ -429,11 +435,13 @@ class ShardingPlan:
             f"model_digest={self.model_digest[:12]!r})"
         )
 
-    def summary(self, *, max_rows: int = 16) -> str:
-        """Plain-text report: settings, per-rank load vs. the LPT bound, bytes vs. the baseline."""
+    def summary(self, *, max_rows: int = 16, offload: bool = False) -> str:
+        """Plain-text report: settings, per-rank load vs. the LPT bound, bytes vs. the baseline.
+        ``offload=True``: the memory block under CPU offload (device terms, then host memory;
+        :meth:`rank_stats`)."""
         from dmuon.plan._tools.render import render_summary
 
-        return render_summary(self, max_rows=max_rows)
+        return render_summary(self, max_rows=max_rows, offload=offload)
 
     def expert_lines(self) -> list[str]:
         """The summary's experts lines (empty without expert stacks): stacks, experts, Muon

@@ -137,7 +137,7 @@ def assembled_nbytes(plan: ShardingPlan) -> dict[str, int]:
     return out
 
 
-def rank_stats(plan: ShardingPlan, variant: str = "muon") -> tuple[_cost.RankStats, ...]:
+def rank_stats(plan: ShardingPlan, variant: str = "muon", offload: bool = False) -> tuple[_cost.RankStats, ...]:
     """:meth:`ShardingPlan.rank_stats`."""
     stats = _memory.rank_stats(
         plan.params,
@@ -149,11 +149,11 @@ def rank_stats(plan: ShardingPlan, variant: str = "muon") -> tuple[_cost.RankSta
         tp_size=plan.tp_size,
         assembled_nbytes=plan.assembled_nbytes,
     )
-    terms = _memory.dmuon_memory(plan, stats, variant=variant)
+    terms = _memory.dmuon_memory(plan, stats, variant=variant, offload=offload)
     return tuple(dataclasses.replace(st, memory=t) for st, t in zip(stats, terms))
 
 
-def baseline_rank_stats(plan: ShardingPlan) -> tuple[_cost.RankStats, ...]:
+def baseline_rank_stats(plan: ShardingPlan, offload: bool = False) -> tuple[_cost.RankStats, ...]:
     """:meth:`ShardingPlan.baseline_rank_stats`."""
     stats = _baseline.baseline_rank_stats(
         plan._baseline_params(),
@@ -164,18 +164,18 @@ def baseline_rank_stats(plan: ShardingPlan) -> tuple[_cost.RankStats, ...]:
         param_dtype=plan.param_dtype,
         tp_size=plan.tp_size,
     )
-    terms = _memory.fsdp2_memory(plan, "naive")
+    terms = _memory.fsdp2_memory(plan, "naive", offload=offload)
     return tuple(dataclasses.replace(st, memory=terms) for st in stats)
 
 
-def adamw_rank_stats(plan: ShardingPlan) -> tuple[_cost.RankStats, ...]:
+def adamw_rank_stats(plan: ShardingPlan, offload: bool = False) -> tuple[_cost.RankStats, ...]:
     """:meth:`ShardingPlan.adamw_rank_stats`: FSDP2 + AdamW on the same mesh (every rank the
     same): the dedicated parameters' FSDP2 shards with AdamW's two moments instead of Muon's
     one, FSDP2's bytes without the naive Muon's gathers, no Newton-Schulz."""
     naive = baseline_rank_stats(plan)
     cost = plan.baseline_cost
     per_rank_gathers = (cost.muon_all_gather_nbytes + cost.tp_all_gather_nbytes) // max(1, len(naive))
-    terms = _memory.fsdp2_memory(plan, "adamw")
+    terms = _memory.fsdp2_memory(plan, "adamw", offload=offload)
     return tuple(
         dataclasses.replace(
             st,

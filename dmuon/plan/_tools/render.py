@@ -153,34 +153,40 @@ def memory_gap(top, adamw) -> str:
     )
 
 
-def memory_lines(plan: ShardingPlan, terms, adamw, naive, *, max_ranks: int = 8) -> list[str]:
+def memory_lines(plan: ShardingPlan, terms, adamw, naive, *, max_ranks: int = 8, offload: bool = False) -> list[str]:
     """The summary's memory block: the busiest dmuon rank's whole memory by term (Muon; per
     schedule rank ``terms``) next to the mean, FSDP2 + AdamW (``adamw``) and FSDP2 + naive Muon
-    (``naive``) on the same mesh, then whether any rank peaks above FSDP2 + AdamW, and which."""
+    (``naive``) on the same mesh, then whether any rank peaks above FSDP2 + AdamW, and which.
+    ``offload``: the terms are CPU offload's (``rank_stats(offload=True)``): the rows are the
+    device's, then one row of host memory."""
     if not terms:
         return []
     busy = max(range(len(terms)), key=lambda i: (terms[i].peak_nbytes, -i))
     top = terms[busy]
+    what = "CPU offload: device terms, then host" if offload else "Muon"
     lines = [
-        "memory per rank, whole model (storage dtypes; transient: parameter / reduce dtypes, phase by phase; Muon; activations not included; dmuon.plan._cost.rank_memory):",
+        f"memory per rank, whole model (storage dtypes, {what}; transient: parameter / reduce dtypes, phase by phase; activations not included; dmuon.plan._cost.rank_memory):",
         f"{'':<24}{f'dmuon busiest (rank {busy})':>26}{'dmuon mean':>16}{'FSDP2+AdamW':>16}{'FSDP2+naive':>16}",
     ]
-    for label, field in _MEMORY_ROWS:
+    rows = _MEMORY_ROWS + ((("host", "host_nbytes"),) if offload else ())
+    for label, field in rows:
+        label = "device peak" if offload and label == "peak" else label
         mean = sum(getattr(t, field) for t in terms) / len(terms)
         lines.append(
             f"{label:<24}{fmt_nbytes(getattr(top, field)):>26}{fmt_nbytes(mean):>16}"
             f"{fmt_nbytes(getattr(adamw, field)):>16}{fmt_nbytes(getattr(naive, field)):>16}"
         )
     above = _memory.ranks_above(terms, adamw)
+    peak = "device peak (both under offload)" if offload else "peak"
     if not above:
         lines.append(
-            f"peak: every rank at or below FSDP2 + AdamW's ({fmt_nbytes(top.peak_nbytes)} vs "
+            f"{peak}: every rank at or below FSDP2 + AdamW's ({fmt_nbytes(top.peak_nbytes)} vs "
             f"{fmt_nbytes(adamw.peak_nbytes)} on the busiest rank)"
         )
     else:
         gap = memory_gap(top, adamw)
         lines.append(
-            f"peak: ABOVE FSDP2 + AdamW's on {len(above)} of {len(terms)} ranks "
+            f"{peak}: ABOVE FSDP2 + AdamW's on {len(above)} of {len(terms)} ranks "
             f"({', '.join(str(r) for r in above[:max_ranks])}{' ...' if len(above) > max_ranks else ''}): "
             f"busiest {fmt_nbytes(top.peak_nbytes)} vs {fmt_nbytes(adamw.peak_nbytes)}; gap by term: {gap}"
         )
@@ -261,9 +267,10 @@ def _variant_lines(plan: ShardingPlan, *, max_views: int = 3) -> list[str]:
     return lines
 
 
-def render_summary(plan: ShardingPlan, *, max_rows: int = 16) -> str:
+def render_summary(plan: ShardingPlan, *, max_rows: int = 16, offload: bool = False) -> str:
     """Plain-text summary table (see module docstring); at most ``max_rows`` rank rows, then
-    the first boundary's ops for rank 0 and for the busiest rank."""
+    the first boundary's ops for rank 0 and for the busiest rank. ``offload``: the memory block
+    under CPU offload (device terms and host memory, :func:`memory_lines`)."""
     fig = _Figures(plan)
     lines = _header(plan)
     lines.append("")
@@ -282,7 +289,16 @@ def render_summary(plan: ShardingPlan, *, max_rows: int = 16) -> str:
         lines.append(f"{'saving vs FSDP2+naive':<34}{100.0 * (1 - fig.cost.total_nbytes / base_total):>19.1f}%")
     lines += _excluded_lines(plan)
     lines.append("")
-    lines += memory_lines(plan, fig.memory, fig.adamw_memory, fig.naive_memory)
+    if offload:
+        lines += memory_lines(
+            plan,
+            _memory.dmuon_memory(plan, fig.stats, offload=True),
+            _memory.fsdp2_memory(plan, "adamw", offload=True),
+            _memory.fsdp2_memory(plan, "naive", offload=True),
+            offload=True,
+        )
+    else:
+        lines += memory_lines(plan, fig.memory, fig.adamw_memory, fig.naive_memory)
     lines += [""] + expert_lines(plan) if any(p.experts is not None for p in plan.params) else []
     lines.append("")
     lines += collective_lines(plan, fig.schedule)

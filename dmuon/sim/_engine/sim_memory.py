@@ -67,7 +67,7 @@ def memory(
                 tp_size=plan.tp_size,
                 assembled_nbytes=plan.assembled_nbytes,
             )
-        terms = _memory.dmuon_memory(plan, stats, sched=sched)
+        terms = _memory.dmuon_memory(plan, stats)
     else:
         R, N = plan.mesh_shape
         terms = (_memory.fsdp2_memory(plan, variant, reshard_after_forward=fsdp2_reshard_after_forward),) * (R * N)

@@ -6,7 +6,8 @@ phase                  what happens on this rank (mesh coordinate ``(r, s)``)
 pre-forward            one async broadcast per segment ``s'`` from ``(s', r)`` in the shard
                        group of replicate row ``r``; wait; install compute parameters
 post-forward           restore the logical parameters; Z3 (or no-grad forward): free the
-                       storage of every segment this rank does not hold
+                       storage of every segment this rank does not hold, and its own
+                       segments' broadcast copies where they are not the masters
 pre-backward           Z3: broadcast again (into the same, regrown storage); install
 post-backward          free non-held storage (as FSDP2 reshards before its reduce-scatter);
                        pack gradients into the segment's reduce buffer (one tensor per segment,
@@ -216,9 +217,10 @@ class HookBoundary:
             ctx.wait_replicate_broadcasts(self)  # HSDP: the holder's value must be current
             stream = ctx.comm_stream("broadcast")  # None on CPU
             for seg in self.segments:
-                if (
-                    not seg.held and seg.gather is None
-                ):  # regrown on the compute stream: the allocator keeps it stream-ordered
+                # regrown on the compute stream: the allocator keeps it stream-ordered; a held
+                # segment's own broadcast copy (mixed precision, offload) is rewritten from its
+                # masters before it is sent (write_broadcast_source)
+                if (not seg.held and seg.gather is None) or _own_copy(seg):
                     seg.wire.untyped_storage().resize_(seg.numel * seg.wire.element_size())
                     seg.resident = True
             for gb in self.gathers:
@@ -262,9 +264,9 @@ class HookBoundary:
         if self.sharded_state is ShardedState.UNSHARDING:
             self._unshard(self._inflight_phase)
         for seg in self.segments:
-            if not seg.held and seg.resident and seg.gather is None:
+            if (not seg.held and seg.resident and seg.gather is None) or _own_copy(seg):
                 seg.wire.untyped_storage().resize_(0)
-                seg.resident = False
+                seg.resident = seg.held  # a held segment's masters stay
         for gb in self.gathers:
             if gb.resident:
                 gb.release()
@@ -452,6 +454,13 @@ class HookBoundary:
         """Pack the local gradients and reduce them to their owners
         (:func:`~dmuon.exec._runtime._boundary.grad_reduce.launch_reduce`)."""
         grad_reduce.launch_reduce(self)
+
+
+def _own_copy(seg) -> bool:
+    """A held segment whose broadcast buffer is a tensor of its own beside its masters (another
+    dtype under mixed precision, or another device under offload): like a received copy, it
+    lives only while its boundary is unsharded."""
+    return seg.held and seg.wire is not seg.master
 
 
 def _queue_end_of_backward(ctx: BoundaryCommContext) -> None:
