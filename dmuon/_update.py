@@ -566,25 +566,40 @@ def orthogonalize_batch(
     return [o.mT if x.shape[-2] > x.shape[-1] else o for o, x in zip(parts, mats)]
 
 
-def bucket_runs(keys: Sequence[Hashable], numels: Sequence[int], ns_batching: str) -> list[list[int]]:
-    """Which items Newton-Schulz orthogonalises together: runs of indices, one call each.
+def bucket_runs(
+    keys: Sequence[Hashable],
+    numels: Sequence[int],
+    ns_batching: str,
+    unit_numels: Optional[Sequence[int]] = None,
+) -> list[list[_rules.RunPiece]]:
+    """Which items Newton-Schulz orthogonalises together: runs of pieces (:class:`~dmuon.plan._rules.RunPiece`:
+    an item's units ``[start, stop)``), one call each.
 
-    ``"exact"``: one run per item, in order. ``"batched"``: items with the same key (the caller's
-    ``(short side, long side, dtype, device)``, :func:`dmuon.plan._rules.ns_bucket_sides`) form a
-    bucket, buckets in order of first appearance, each cut by
-    :func:`dmuon.plan._rules.ns_batch_runs` (at most ``NS_BATCH_MAX_NUMEL`` elements per call;
-    ``numels[i]``: item ``i``'s elements). The simulator prices the same runs.
+    ``"exact"``: each item its own run(s), in order. ``"batched"``: items with the same key (the
+    caller's ``(short side, long side, dtype, device)``, :func:`dmuon.plan._rules.ns_bucket_sides`)
+    form a bucket, buckets in order of first appearance. Either way cut by
+    :func:`dmuon.plan._rules.ns_batch_pieces` (at most ``NS_BATCH_MAX_NUMEL`` elements per run where
+    whole units allow; ``numels[i]``: item ``i``'s elements, ``unit_numels[i]``: its smallest
+    piece's, an expert's; ``None``: items never cut). The memory model and the simulator use the
+    same runs.
 
     Raises:
         ValueError: an unknown ``ns_batching``.
     """
     check_ns_batching(ns_batching)
+    units = list(numels) if unit_numels is None else list(unit_numels)
     if ns_batching == "exact":
-        return [[i] for i in range(len(keys))]
-    buckets: dict[Hashable, list[int]] = {}
-    for i, key in enumerate(keys):
-        buckets.setdefault(key, []).append(i)
-    return [[idx[j] for j in run] for idx in buckets.values() for run in _rules.ns_batch_runs([numels[i] for i in idx])]
+        groups = [[i] for i in range(len(keys))]
+    else:
+        buckets: dict[Hashable, list[int]] = {}
+        for i, key in enumerate(keys):
+            buckets.setdefault(key, []).append(i)
+        groups = list(buckets.values())
+    return [
+        [_rules.RunPiece(idx[p.entry], p.start, p.stop) for p in run]
+        for idx in groups
+        for run in _rules.ns_batch_pieces([numels[i] for i in idx], [units[i] for i in idx])
+    ]
 
 
 def check_ns_batching(ns_batching: str) -> None:
@@ -613,6 +628,11 @@ class Matrices:
         from_matrices: ``(k, m, n)`` -> ``param``'s layout (None: a reshape to ``param.shape``).
         normalize: applied to the ``(k, m, n)`` Newton-Schulz result before the update (NorMuon,
             :func:`normuon_normalize` bound to its second moment); None: nothing.
+        unit_matrices: matrices per unit, the smallest piece the item may be cut into along
+            dim 0 of its tensors (an expert of a stack: its gate and up, 2, or 1); 0: never cut
+            (:meth:`narrow`, :func:`dmuon.plan._rules.ns_batch_pieces`). ``from_matrices`` must
+            then take any whole number of units.
+        normalize_units: ``normalize`` of units ``[start, stop)`` (NorMuon's rows of those units).
     """
 
     param: Tensor
@@ -624,6 +644,40 @@ class Matrices:
     to_matrices: Optional[Callable[[Tensor], Tensor]] = None
     from_matrices: Optional[Callable[[Tensor], Tensor]] = None
     normalize: Optional[Callable[[Tensor], Tensor]] = None
+    unit_matrices: int = 0
+    normalize_units: Optional[Callable[[int, int], Callable[[Tensor], Tensor]]] = None
+
+    @property
+    def units(self) -> int:
+        """How many units (:meth:`narrow`) the item holds: ``num_matrices / unit_matrices``, or 1."""
+        return self.num_matrices // self.unit_matrices if self.unit_matrices else 1
+
+    def narrow(self, start: int, stop: int) -> "Matrices":
+        """Units ``[start, stop)`` of the item as an item of its own (itself when that is all of
+        it): its tensors sliced along dim 0 (views: updated in place), ``(stop - start) ·
+        unit_matrices`` matrices, ``normalize`` from ``normalize_units(start, stop)``. A piece is not
+        cut further."""
+        if (start, stop) == (0, self.units):
+            return self
+        if not self.unit_matrices or not 0 <= start < stop <= self.units:
+            raise ValueError(f"units [{start}, {stop}) of an item of {self.units} unit(s)")
+        if self.normalize is not None and self.normalize_units is None:
+            raise ValueError("a piece of an item with normalize needs normalize_units")
+
+        def cut(t: Optional[Tensor]) -> Optional[Tensor]:
+            return None if t is None else t[start:stop]
+
+        return dataclasses.replace(
+            self,
+            param=cut(self.param),
+            grad=cut(self.grad),
+            buf=cut(self.buf),
+            update=cut(self.update),
+            num_matrices=(stop - start) * self.unit_matrices,
+            normalize=None if self.normalize is None else self.normalize_units(start, stop),  # type: ignore[misc]
+            unit_matrices=0,
+            normalize_units=None,
+        )
 
     def matrices(self, t: Tensor) -> Tensor:
         """``t`` in ``param``'s layout as ``(k, m, n)``; a plain matrix stays ``(m, n)``."""
@@ -666,7 +720,9 @@ def muon_update(
     ``dtype=torch.float32``. ``"batched"``: items cut into runs (:func:`bucket_runs`); per run two
     momentum ops, one Newton-Schulz call (:func:`orthogonalize_batch`), one decay op and one add op
     per distinct scaled learning rate, whatever the number of matrices (Note: NS batching: the bound
-    against ``"exact"``).
+    against ``"exact"``). In both modes an item larger than ``NS_BATCH_MAX_NUMEL`` elements that has
+    units (``Matrices.unit_matrices``: an expert range) runs in pieces of whole units
+    (:meth:`Matrices.narrow`), so a run stays within the cap and offload copies no more at once.
 
     ``kernel(sides)``: the orthogonalisation function for matrices of ``(short, long)`` sides
     (default: :func:`newton_schulz` everywhere), called with ``coefficients, steps, eps, dtype``;
@@ -684,21 +740,22 @@ def muon_update(
     ns_kw = dict(coefficients=coefficient_schedule(coefficients, steps), steps=steps, eps=eps, dtype=dtype)
     pick = kernel if kernel is not None else (lambda sides: newton_schulz)
     batched = ns_batching == "batched"
-    keys, numels = [], []
+    keys, numels, unit_numels = [], [], []
     for it in items:
         m, n = it.matrix_shape
         ref = it.update if it.update is not None else it.grad
         keys.append((*_rules.ns_bucket_sides(m, n), ref.dtype, ref.device))
         numels.append(it.num_matrices * m * n)
-    runs = bucket_runs(keys, numels, ns_batching)
-    groups = [[items[i] for i in run] for run in runs]
+        unit_numels.append(numels[-1] // it.units)
+    runs = bucket_runs(keys, numels, ns_batching, unit_numels)
+    groups = [[items[p.entry].narrow(p.start, p.stop) for p in run] for run in runs]
     # a plain loop drains stage (its write-backs); no enumerate / zip, whose reused result tuple
     # would keep the previous run referenced while stage uploads the next
     i = 0
     for group in groups if stage is None else stage(groups):
         _update_run(
             group,
-            pick(keys[runs[i][0]][:2]),
+            pick(keys[runs[i][0].entry][:2]),
             batched=batched,
             lr=lr,
             weight_decay=weight_decay,

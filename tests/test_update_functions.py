@@ -205,10 +205,29 @@ def test_expert_stack_item_is_one_call_equal_to_its_matrices():
 
 def test_bucket_runs_and_bad_mode():
     keys = ["a", "b", "a", "a", "b"]
-    assert U.bucket_runs(keys, [1] * 5, "exact") == [[0], [1], [2], [3], [4]]
-    assert U.bucket_runs(keys, [1] * 5, "batched") == [[0, 2, 3], [1, 4]]
+
+    def entries(runs):  # the item indices of each run
+        return [[p.entry for p in run] for run in runs]
+
+    assert entries(U.bucket_runs(keys, [1] * 5, "exact")) == [[0], [1], [2], [3], [4]]
+    assert entries(U.bucket_runs(keys, [1] * 5, "batched")) == [[0, 2, 3], [1, 4]]
     big = dmuon.plan._rules.NS_BATCH_MAX_NUMEL
-    assert U.bucket_runs(keys, [big, 1, 1, 1, 1], "batched") == [[0], [2, 3], [1, 4]]
+    assert entries(U.bucket_runs(keys, [big, 1, 1, 1, 1], "batched")) == [[0], [2, 3], [1, 4]]
+    # item 0, an expert range of 4 units (experts) of u > big / 2 elements: one unit per run; item 2
+    # (1 element) joins its last piece, item 3 (big) does not fit beside it
+    u = big // 2 + 2
+    runs = U.bucket_runs(keys, [4 * u, 1, 1, big, 1], "batched", [u, 1, 1, big, 1])
+    assert runs == [[(0, 0, 1)], [(0, 1, 2)], [(0, 2, 3)], [(0, 3, 4), (2, 0, 1)], [(3, 0, 1)], [(1, 0, 1), (4, 0, 1)]]
+    # units of exactly big / 2: two per run; "exact" cuts an item the same way, alone
+    assert U.bucket_runs(["a"], [5 * (big // 2)], "batched", [big // 2]) == [[(0, 0, 2)], [(0, 2, 4)], [(0, 4, 5)]]
+    assert U.bucket_runs(["a", "a"], [3 * big, 1], "exact", [big, 1]) == [
+        [(0, 0, 1)],
+        [(0, 1, 2)],
+        [(0, 2, 3)],
+        [(1, 0, 1)],
+    ]
+    with pytest.raises(ValueError, match="a unit of 3 elements does not divide its 10"):
+        U.bucket_runs(["a"], [10], "batched", [3])
     with pytest.raises(ValueError, match=r"ns_batching must be one of \('batched', 'exact'\), got 'fast'"):
         dmuon.Muon(torch.nn.Linear(4, 4), ns_batching="fast")
 
@@ -284,3 +303,49 @@ def test_staged_runs_double_buffered_and_bit_identical(monkeypatch):
     assert len(computed) == len(shapes) * len(grads) and not host & set(computed)  # updates on copies
     for a, b in zip(p_off + b_off, p_ref + b_ref):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_expert_range_cut_into_runs_of_whole_experts(monkeypatch, dtype):
+    """An item with units (an expert range: ``unit_matrices`` matrices per expert, dim 0 of its
+    tensors) larger than ``NS_BATCH_MAX_NUMEL`` runs in pieces of whole experts, offloaded or not:
+    with a cap of 400 elements, a dense (8, 12) matrix A (96), a 6-expert gate/up stack (12 matrices
+    (8, 12), 192 elements per expert) and a dense B of the same bucket run as A | experts 0-1 |
+    2-3 | 4-5 | B (96, 384, 384, 384, 96 elements copied per run: none above the cap). The
+    offloaded step ends bit-identical to the in-place one (the same runs), and both equal the
+    uncut step (cap 2**26: one run of all three), the per-matrix Newton-Schulz being the same
+    whatever else shares its batch (NS dtype ``dtype``)."""
+    from dmuon.exec._optim import offload_stage as S
+    from dmuon.plan import _rules
+
+    shapes = [(8, 12), (6, 16, 12), (8, 12)]
+    kw = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, adjust_lr_fn=None)
+    kw.update(coefficients=MUON, steps=5, eps=1e-7, dtype=dtype)
+
+    def items(params, grads, bufs):
+        return [
+            U.Matrices(param=p, grad=g, buf=b, matrix_shape=(8, 12), num_matrices=p.numel() // 96, unit_matrices=2)
+            if p.ndim == 3
+            else U.Matrices(param=p, grad=g, buf=b, matrix_shape=(8, 12))
+            for p, g, b in zip(params, grads, bufs)
+        ]
+
+    uploaded = []
+    upload = S._upload
+
+    def spy_upload(group, device, stream):
+        uploaded.append([it.param.numel() for it in group])
+        return upload(group, device, stream)
+
+    monkeypatch.setattr(S, "_upload", spy_upload)
+    (p_whole, b_whole, grads), (p_in, b_in, _), (p_off, b_off, _) = (_tensors(shapes) for _ in range(3))
+    for g in grads:
+        U.muon_update(items(p_whole, g, b_whole), **kw)  # the default cap: one run
+    monkeypatch.setattr(_rules, "NS_BATCH_MAX_NUMEL", 400)
+    for g in grads:
+        U.muon_update(items(p_in, g, b_in), **kw)
+        U.muon_update(items(p_off, g, b_off), **kw, stage=S.staged_runs(torch.device("cpu")))
+    assert uploaded == [[96], [384], [384], [384], [96]] * len(grads), uploaded
+    for a, b, c in zip(p_off + b_off, p_in + b_in, p_whole + b_whole):
+        assert torch.equal(a, b)
+        assert torch.equal(b, c)

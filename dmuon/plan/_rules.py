@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import NamedTuple, Optional
 
 from dmuon.plan._cost.flops import (
     GRAM_RESTART_EVERY,
@@ -38,6 +39,8 @@ __all__ = [
     "GRAM_AUTO_MIN_SIDE",
     "choose_ns_backend",
     "ns_bucket_sides",
+    "RunPiece",
+    "ns_batch_pieces",
     "ns_batch_runs",
     "gram_segment_lengths",
     "tp_rank_nbytes",
@@ -67,7 +70,9 @@ NS_BACKEND_MODES = ("standard", "gram", "auto")
 #: per matrix, bit for bit torch.optim.Muon). The simulator prices the mode the job runs.
 NS_BATCHING_MODES = ("batched", "exact")
 #: upper bound on the elements of one batched NS call (several temporaries of this size live at
-#: once); a single larger entry still runs, alone
+#: once; under CPU offload, the elements of one run copied to the device): an expert range larger
+#: than this is cut between experts (:func:`ns_batch_pieces`); a single larger matrix (or expert)
+#: still runs, alone
 NS_BATCH_MAX_NUMEL = 1 << 26
 #: valid ``tp_ns`` values of :func:`dmuon.plan.compile`
 TP_NS_MODES = ("auto", "gram", "gather")
@@ -227,21 +232,54 @@ def ns_bucket_sides(m: int, n: int) -> tuple[int, int]:
     return (min(m, n), max(m, n))
 
 
-def ns_batch_runs(numels: Sequence[int]) -> list[list[int]]:
+class RunPiece(NamedTuple):
+    """Units ``[start, stop)`` of entry ``entry`` of a bucket in one Newton-Schulz run
+    (:func:`ns_batch_pieces`); a unit is the smallest piece an entry may be cut into: one expert
+    of an owned expert range (its gate and up matrices together), else the whole entry."""
+
+    entry: int
+    start: int
+    stop: int
+
+
+def ns_batch_pieces(numels: Sequence[int], unit_numels: Optional[Sequence[int]] = None) -> list[list[RunPiece]]:
     """A bucket's entries (``numels[i]`` elements each, in parameter order) cut into batched NS
-    calls: runs of consecutive indices of at most :data:`NS_BATCH_MAX_NUMEL` elements in all (an
-    entry larger than that alone). ``dmuon.Muon`` issues one call per run;
-    :mod:`dmuon.sim` prices the runs it builds the same way."""
-    runs: list[list[int]] = []
+    calls, the runs ``dmuon.Muon`` issues (and, under CPU offload, copies to the device one at a
+    time): consecutive entries join a run while it stays within :data:`NS_BATCH_MAX_NUMEL`
+    elements; an entry that does not fit starts a new run. An entry larger than the cap on its
+    own is cut into pieces of whole units (``unit_numels[i]`` elements each, dividing
+    ``numels[i]``: one expert of an owned range; ``None`` or ``numels[i]``: never cut), as many
+    units per piece as fit (at least one), each piece a run; later entries may join its last.
+    Cutting keeps every result: Newton-Schulz is per matrix, momentum, decay and update per
+    element. ``dmuon.Muon``, the memory model (``staged_run_nbytes``) and :mod:`dmuon.sim` use
+    these runs.
+
+    Raises:
+        ValueError: a unit that does not divide its entry.
+    """
+    runs: list[list[RunPiece]] = []
     total = 0
     for i, numel in enumerate(numels):
+        unit = numel if unit_numels is None else unit_numels[i]
+        if unit < 0 or (unit == 0 and numel) or (unit and numel % unit):
+            raise ValueError(f"entry {i}: a unit of {unit} elements does not divide its {numel}")
+        units = numel // unit if unit else 1  # an empty entry: one unit of nothing
         if runs and total + numel <= NS_BATCH_MAX_NUMEL:
-            runs[-1].append(i)
+            runs[-1].append(RunPiece(i, 0, units))
             total += numel
-        else:
-            runs.append([i])
-            total = numel
+            continue
+        per = max(1, NS_BATCH_MAX_NUMEL // unit) if numel > NS_BATCH_MAX_NUMEL else units
+        for start in range(0, units, per):
+            stop = min(units, start + per)
+            runs.append([RunPiece(i, start, stop)])
+            total = (stop - start) * unit
     return runs
+
+
+def ns_batch_runs(numels: Sequence[int]) -> list[list[int]]:
+    """:func:`ns_batch_pieces` of entries never cut: runs of consecutive indices of at most
+    :data:`NS_BATCH_MAX_NUMEL` elements in all (an entry larger than that alone)."""
+    return [[piece.entry for piece in run] for run in ns_batch_pieces(numels)]
 
 
 def tp_rank_nbytes(spec: ParamSpec, method: str, segments: int) -> int:

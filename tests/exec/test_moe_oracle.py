@@ -6,8 +6,9 @@ Three launches, one process group each, several models per launch (tests/moe_mod
 * W = 4: tiny HF Qwen3-MoE E = 8 (more experts than ranks) 1-D; gpt-oss E = 4 on HSDP (2, 2);
   the GroupedExperts block E = 3 (fewer experts than ranks) 1-D and E = 5 on HSDP (2, 2);
   Qwen3-MoE with ``ExpertPolicy(gate_up="fused")``; GroupedExperts E = 6 with bf16 Newton-Schulz; NorMuon
-  (``variant="normuon"``) on Qwen3-MoE E = 8 1-D (expert ranges, split gate/up) and on
-  gpt-oss E = 4 HSDP (2, 2) (transposed, interleaved stacks) against the NorMuon reference.
+  (``variant="normuon"``) on Qwen3-MoE E = 8 1-D (expert ranges, split gate/up, run one expert
+  at a time: ``NS_BATCH_MAX_NUMEL`` set to one expert's 256 elements) and on gpt-oss E = 4 HSDP
+  (2, 2) (transposed, interleaved stacks) against the NorMuon reference.
   Then checkpoints: Qwen3-MoE E = 4 and GroupedExperts E = 3 trained 2 steps on 1-D N = 4 (one
   range per rank / 3 of 4 ranks), and Qwen3-MoE E = 4 under NorMuon (its second moments ``(E, out, 1)``
   in the state dicts), ``dcp.save``; loaded into HSDP (2, 2). A checkpoint saved with
@@ -15,7 +16,10 @@ Three launches, one process group each, several models per launch (tests/moe_mod
   stacks and ``experts="off"``.
 * W = 3: Qwen3-MoE E = 4 (ranges 2+1+1), gpt-oss E = 2 (fewer), GroupedExperts E = 5; the
   checkpoints loaded at N = 3.
-* W = 2: gpt-oss E = 4 fused, GroupedExperts E = 4; the checkpoints loaded at N = 2.
+* W = 2: gpt-oss E = 4 fused, gpt-oss E = 4 under CPU offload (``CPUOffloadPolicy(pin_memory=False)``
+  to ``dedicate_params`` and ``fully_shard``) with runs cut at one gate/up expert (each run's
+  copies spied: none above the cap, the ranges copied expert by expert, two runs' bytes equal to
+  ``staged_run_nbytes``), GroupedExperts E = 4; the checkpoints loaded at N = 2.
 
 Cases named "... broadcast" force ``collectives="broadcast"``, their twins (the same name without
 it) ``"all_gather"`` (experts water-filled into equal slots where it pays); each broadcast case's
@@ -38,6 +42,7 @@ bit-identical to the saved ones (rank 0).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 
@@ -75,6 +80,10 @@ def _experts_only(fqn, param) -> bool:
     return ".experts." in fqn
 
 
+#: NS_BATCH_MAX_NUMEL of the offload case (``"cap"`` in a case's dedicate kwargs: the cap its
+#: steps run with): one gpt-oss gate/up expert (two (8, 16) matrices), above every other item of
+#: its bucket (a (16, 8) down expert, the (8, 16) k / v projections: 128)
+OFFLOAD_CAP = 256
 # (name, kind, num_experts, mesh (None = 1-D), dedicate kwargs, ns dtype)
 CASES = {
     4: [
@@ -95,8 +104,10 @@ CASES = {
             {"collectives": "all_gather", "predicate": _experts_only},
             torch.float32,
         ),
-        # NorMuon: expert ranges (split HF gate/up), gpt-oss's transposed interleaved stacks on HSDP
-        ("qwen3 E=8 N=4 normuon", "qwen3", 8, None, {}, torch.float32),
+        # NorMuon: expert ranges (split HF gate/up), cut into runs of one expert (a gate/up expert is
+        # 2 x 128 elements: each range of 2 runs as 2 pieces, their second moments' rows sliced);
+        # gpt-oss's transposed interleaved stacks on HSDP
+        ("qwen3 E=8 N=4 normuon", "qwen3", 8, None, {"cap": 256}, torch.float32),
         ("gpt-oss E=4 HSDP(2,2) normuon", "gpt_oss", 4, (2, 2), {}, torch.float32),
     ],
     3: [
@@ -107,6 +118,8 @@ CASES = {
     ],
     2: [
         ("gpt-oss fused E=4 N=2", "gpt_oss", 4, None, {"expert_policy": ExpertPolicy(gate_up="fused")}, torch.float32),
+        # CPU offload with runs cut at OFFLOAD_CAP elements: each gate/up expert (2 x 128) a run
+        ("gpt-oss E=4 N=2 offload", "gpt_oss", 4, None, {"offload": True, "cap": OFFLOAD_CAP}, torch.float32),
         ("grouped E=4 N=2", "grouped", 4, None, {"collectives": "all_gather"}, torch.float32),
         ("grouped E=4 N=2 broadcast", "grouped", 4, None, {"collectives": "broadcast"}, torch.float32),
     ],
@@ -136,7 +149,7 @@ def _mesh(shape):
 
 
 def _build(kind, E, mesh_shape, dk, ns_dtype=torch.float32, variant="muon"):
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     import dmuon
     from dmuon.integrations import boundary_modules
@@ -144,12 +157,14 @@ def _build(kind, E, mesh_shape, dk, ns_dtype=torch.float32, variant="muon"):
     torch.manual_seed(0)
     model = _builder(kind)(E)
     mesh = _mesh(mesh_shape)
+    dk = {k: v for k, v in dk.items() if k != "cap"}
+    offload = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if dk.pop("offload", False) else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # experts="off" warns (tested in test_moe_plan.py)
-        plan = dmuon.dedicate_params(model, mesh, **dk)
+        plan = dmuon.dedicate_params(model, mesh, **dk, **offload)
     for block in boundary_modules(model, plan):
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, **offload)
+    fully_shard(model, mesh=mesh, **offload)
     return model, dmuon.Muon(model, **dmuon_muon_kwargs(ns_dtype, HP), variant=variant), plan
 
 
@@ -213,6 +228,41 @@ def _stack_shapes(model, opt, plan):
     return out
 
 
+@contextlib.contextmanager
+def _cut_runs(cap, offload: bool):
+    """Runs cut at ``cap`` elements (None: the default ``NS_BATCH_MAX_NUMEL``); with ``offload``,
+    every run the offloaded step copies to the device recorded (yields a list: per run,
+    ``(parameter elements, bytes of its copies, its items' parameter shapes)``), else None."""
+    from dmuon.exec._optim import offload_stage
+    from dmuon.plan import _rules
+
+    if cap is None:
+        cap = _rules.NS_BATCH_MAX_NUMEL
+
+    runs: list | None = [] if offload else None
+    default, upload = _rules.NS_BATCH_MAX_NUMEL, offload_stage._upload
+
+    def spy(group, device, stream):
+        dev, event = upload(group, device, stream)
+        copies = [t for it in dev for t in (it.param, it.grad, it.buf, it.update) if t is not None]
+        runs.append(
+            (
+                sum(it.param.numel() for it in group),
+                sum(t.nbytes for t in copies),
+                [tuple(it.param.shape) for it in group],
+            )
+        )
+        return dev, event
+
+    _rules.NS_BATCH_MAX_NUMEL = cap
+    if offload:
+        offload_stage._upload = spy
+    try:
+        yield runs
+    finally:
+        _rules.NS_BATCH_MAX_NUMEL, offload_stage._upload = default, upload
+
+
 def _worker(world, root):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -223,7 +273,8 @@ def _worker(world, root):
     for name, kind, E, mesh_shape, dk, ns_dtype in CASES[world]:
         model, opt, plan = _build(kind, E, mesh_shape, dk, ns_dtype, _variant(name))
         ledgers = []
-        losses = _train(kind, model, opt, _batches(kind), ledgers)
+        with _cut_runs(dk.get("cap"), dk.get("offload", False)) as runs:
+            losses = _train(kind, model, opt, _batches(kind), ledgers)
         full = _full(model, opt)
         rt = dmuon.exec.get_model_runtime(model)
         in_place = sorted(  # stacks whose compute tensor is a view of the gathered storage
@@ -240,6 +291,7 @@ def _worker(world, root):
                 ledgers=ledgers,
                 in_place=in_place,
                 full=None if full is None else full["model"],
+                runs=runs,
             )
         )
         dist.barrier()
@@ -359,6 +411,12 @@ def test_matches_reference_and_ledger_equals_plan(request, world, i):
     stacks = [s for s in plan.params if s.experts is not None]
     assert stacks, name
     R, N = plan.mesh_shape
+    if "cap" in dk:  # the cap cuts: some rank owns 2 or more experts of a stack above it
+        assert any(
+            sum(o.rank == r for o in plan.expert_owners(s.fqn)) * (s.numel // s.num_experts) > dk["cap"]
+            for s in stacks
+            for r in range(R * N)
+        ), name
     for spec in stacks:  # every expert one owner; how many ranges is the planner's choice
         ranks = {o.rank for o in plan.expert_owners(spec.fqn)}
         assert len(plan.expert_owners(spec.fqn)) == E and 1 <= len(ranks) <= min(E, N), (name, spec.fqn)
@@ -412,6 +470,41 @@ def test_matches_reference_and_ledger_equals_plan(request, world, i):
                 for got in (ref_state[key][E - 1], per_rank[0]["full"][key][E - 1]):
                     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
                 assert not torch.allclose(ref_state[key][0], init[key][0] * decay)  # a used expert learns
+
+
+@pytest.mark.distributed
+def test_offload_copies_expert_ranges_in_runs_of_whole_experts(request, monkeypatch):
+    """The offloaded step (CPUOffloadPolicy(pin_memory=False) to dedicate_params and fully_shard)
+    with runs cut at OFFLOAD_CAP = 256 elements: no run copies more than the cap (every item of
+    this model is at most one gate/up expert, 256), the expert stacks are copied one expert at a
+    time (a (1, 16, 16) gate/up piece of a rank's range of 2 or more experts), and two consecutive
+    runs' copies (parameter, gradient, momentum) at most are the memory model's
+    ``staged_run_nbytes`` per rank, with the same cap. Its losses and parameters meet the oracle's
+    bounds in test_matches_reference_and_ledger_equals_plan."""
+    from dmuon.plan import ShardingPlan, _rules
+    from dmuon.plan._cost.rank_memory import staged_run_nbytes
+
+    i = [c[0] for c in CASES[2]].index("gpt-oss E=4 N=2 offload")
+    per_rank = [r["cases"][i] for r in _results(request, 2)]
+    plan = ShardingPlan.from_json(per_rank[0]["plan_json"])
+    monkeypatch.setattr(_rules, "NS_BATCH_MAX_NUMEL", OFFLOAD_CAP)
+    staged = staged_run_nbytes(plan)
+    gate_up = [s for s in plan.params if s.experts is not None and s.experts.matrices_per_expert == 2]
+    assert gate_up and all(s.numel // s.num_experts == OFFLOAD_CAP for s in gate_up)
+    for rank, r in enumerate(per_rank):
+        runs = r["runs"]
+        assert runs and len(runs) % STEPS == 0, (rank, runs)
+        assert max(numel for numel, _, _ in runs) <= OFFLOAD_CAP, (rank, runs)
+        owned = sum(  # experts of a gate/up stack this rank owns
+            1 for s in gate_up for o in plan.expert_owners(s.fqn) if o.rank == rank
+        )
+        pieces = [shape for _, _, shapes in runs for shape in shapes if shape == (1, 16, 16)]
+        assert owned >= 2 and len(pieces) == owned * STEPS, (rank, owned, runs)
+        per_step = len(runs) // STEPS
+        for step in range(STEPS):
+            nbytes = [b for _, b, _ in runs[step * per_step : (step + 1) * per_step]]
+            pairs = max(sum(nbytes[j : j + 2]) for j in range(max(1, len(nbytes) - 1)))
+            assert pairs == staged[rank], (rank, step, nbytes, staged)
 
 
 def test_checkpoint_state_dicts_hold_stacks_at_full_shape(w4):

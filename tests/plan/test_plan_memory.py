@@ -385,6 +385,48 @@ def test_offload_step_copies_two_runs_at_a_time(monkeypatch):
     assert staged_run_nbytes(plan) == (896 + 768,)
 
 
+class _ExpertBlock(nn.Module):
+    """A stack of 4 SwiGLU experts (w1, w3: (4, 8, 4); w2: (4, 4, 8); one expert's matrix: 32
+    elements, all three in the (4, 8) NS bucket) and an (8, 4) matrix of the same bucket after it."""
+
+    def __init__(self):
+        super().__init__()
+        from dmuon._zoo.moe import Experts
+
+        self.experts = Experts(4, 4, 8)
+        self.out = nn.Linear(4, 8, bias=False)
+
+
+def test_offload_step_copies_expert_ranges_in_runs_of_whole_experts(monkeypatch):
+    """fp32, 12 B copied per element (parameter, gradient, momentum), runs cut at 100 elements: an
+    expert stack (or owned range) above the cap runs in pieces of whole experts, 3 experts (96
+    elements) per piece. N = 1: w1, w2, w3 (128 each) and the (8, 4) matrix (32) run as 96 | 32 |
+    96 | 32 | 96 | 32 + 32: the most of two consecutive runs is 96 + 64 = 160 elements = 1,920 B
+    (whole stacks, never cut: 128 + 128 = 3,072 B; without the cap, one run of 416: 4,992 B). N = 2
+    (rank 0 owns w1, w2's experts 0-1 and the matrix; rank 1 w2's experts 2-3 and w3): rank 0 96 |
+    32 + 64 | 32: 192 elements = 2,304 B; rank 1 64 | 96 | 32: 160 = 1,920 B."""
+    from dmuon.plan import _rules
+    from dmuon.plan._cost.rank_memory import staged_run_nbytes
+    from dmuon.plan._records.owners import ExpertOwners
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([_ExpertBlock()])
+
+    with torch.device("meta"):
+        model = Model()
+    one, two = P.compile(model, 1), P.compile(model, 2)
+    assert staged_run_nbytes(one) == (416 * 12,)
+    owners = dict(zip(two.dedicated, two.owners))
+    assert [owners[f].rank for f in ("layers.0.experts.w1", "layers.0.out.weight", "layers.0.experts.w3")] == [0, 0, 1]
+    w2 = owners["layers.0.experts.w2"]
+    assert isinstance(w2, ExpertOwners) and [m.rank for m in w2.members] == [0, 1] and w2.sizes == (2, 2)
+    monkeypatch.setattr(_rules, "NS_BATCH_MAX_NUMEL", 100)
+    assert staged_run_nbytes(one) == (1920,)
+    assert staged_run_nbytes(two) == (2304, 1920)
+
+
 def test_offload_refusals_and_the_runtime_rule(monkeypatch):
     """NorMuon on offloaded matrices is refused as dmuon.Muon refuses it; owner groups as
     dedicate_params refuses them, by the same function."""

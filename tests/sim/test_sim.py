@@ -285,6 +285,15 @@ def test_ns_batch_runs_by_hand():
     assert R.ns_batch_runs([]) == []
     assert R.ns_batch_runs([big // 2, big // 2, 1, big + 1, 3]) == [[0, 1], [2], [3], [4]]
     assert R.ns_bucket_sides(1024, 256) == R.ns_bucket_sides(256, 1024) == (256, 1024)
+    # with units (an expert range of 7 experts of big / 4 elements): pieces of 4 whole experts, the
+    # last (3 experts) joined by the next entry that fits (big / 4); an expert above the cap alone
+    q = big // 4
+    assert R.ns_batch_pieces([7 * q, q, 2 * (big + 2)], [q, q, big + 2]) == [
+        [(0, 0, 4)],
+        [(0, 4, 7), (1, 0, 1)],
+        [(2, 0, 1)],
+        [(2, 1, 2)],
+    ]
 
 
 def test_ns_batches_reach_the_ops():

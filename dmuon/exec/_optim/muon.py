@@ -110,7 +110,8 @@ class Muon(torch.optim.Optimizer):
             with ``ns_backend="auto"``), see docs/newton_schulz.md.
         ns_batching: keyword-only. ``"batched"`` (default): the owned matrices of a group with the
             same ``(short, long)`` sides, dtype and device share one Newton-Schulz call per bucket
-            (an expert stack's matrices one call per owned range), with momentum, decay and update
+            (an expert stack's matrices one call per owned range, cut between experts above
+            ``NS_BATCH_MAX_NUMEL`` elements), with momentum, decay and update
             as foreach ops: a constant number of ops per bucket. ``"exact"``: one 2-D call per matrix
             and one op per tensor, bit for bit ``torch.optim.Muon`` (and its fp32-patched form with
             ``ns_dtype=torch.float32``). The two differ only by the reduction order of batched

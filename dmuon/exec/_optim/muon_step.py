@@ -104,11 +104,17 @@ def muon_step(group: dict, states) -> None:
         buf = state.get("momentum_buffer")
         if buf is None:  # state cleared by hand: zeros, as torch creates them
             buf = state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-        to_m = from_m = None
-        if stack is not None:  # an expert stack (this rank's experts): its (k, out, in) Muon matrices
-            to_m = functools.partial(stack_to_matrices, stack=stack)
-            from_m = functools.partial(_to_stack, stack=stack, shape=tuple(p.shape), matrix_shape=shape)
+        to_m = from_m = nz_units = None
+        unit_matrices = 0
         nz = normalize_fn(state[_nm.SECOND_MOMENT_KEY], info, None, shape) if normuon else None
+        if stack is not None:  # an expert stack (this rank's experts): its (k, out, in) Muon matrices,
+            # cut between experts where a range exceeds a run (dmuon.plan._rules.ns_batch_pieces)
+            to_m = functools.partial(stack_to_matrices, stack=stack)
+            from_m = functools.partial(_to_stack, stack=stack, tail=tuple(p.shape[1:]), matrix_shape=shape)
+            unit_matrices = int(stack.matrices_per_expert)
+            if normuon:  # NorMuon's rows of experts [lo, hi): dim 0 of its second moment
+                v = state[_nm.SECOND_MOMENT_KEY]
+                nz_units = functools.partial(_expert_normalize, normalize_fn, v, info, shape)
         items.append(
             _u.Matrices(
                 param=p,
@@ -119,6 +125,8 @@ def muon_step(group: dict, states) -> None:
                 to_matrices=to_m,
                 from_matrices=from_m,
                 normalize=nz,
+                unit_matrices=unit_matrices,
+                normalize_units=nz_units,
             )
         )
         item_devices.append(compute_device)
@@ -167,9 +175,17 @@ def _compute_device(info) -> Optional[torch.device]:
     return None if offload is None else offload.compute_device
 
 
-def _to_stack(ortho: Tensor, *, stack, shape: tuple[int, ...], matrix_shape) -> Tensor:
-    """``(k, out, in)`` matrices back to an expert stack's storage ``shape``."""
-    return matrices_to_stack(ortho.reshape(-1, *matrix_shape), stack, shape)
+def _to_stack(ortho: Tensor, *, stack, tail: tuple[int, ...], matrix_shape) -> Tensor:
+    """``(k, out, in)`` matrices (whole experts) back to an expert stack's storage shape
+    ``(k / matrices_per_expert, *tail)``."""
+    mats = ortho.reshape(-1, *matrix_shape)
+    return matrices_to_stack(mats, stack, (mats.shape[0] // stack.matrices_per_expert, *tail))
+
+
+def _expert_normalize(normalize_fn, v: Tensor, info, matrix_shape, lo: int, hi: int):
+    """NorMuon's ``normalize`` of experts ``[lo, hi)`` of an owned range (its second moment's rows
+    of those experts: ``v[lo:hi]``, a view written in place)."""
+    return normalize_fn(v[lo:hi], info, None, matrix_shape)
 
 
 def _normuon(ortho: Tensor, *, v: Tensor, info, block, matrix_shape, group: dict) -> Tensor:

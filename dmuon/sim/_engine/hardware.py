@@ -180,7 +180,7 @@ class Hardware:
         ns_batch_factor: ``(d, batch, factor)`` points, sorted by ``(d, batch)``: per matrix, one
             batched Newton-Schulz call of ``batch`` same-shape matrices takes ``factor`` times
             one call on a single matrix (``dmuon.Muon`` batches NS by bucket,
-            :func:`dmuon.plan._rules.ns_batch_runs`); :func:`ns_batch_factor_at` interpolates.
+            :func:`dmuon.plan._rules.ns_batch_pieces`); :func:`ns_batch_factor_at` interpolates.
             Empty = 1 (GPU presets: a batched call's operators are then shared by its matrices,
             their matmuls priced per matrix on ``matmul_efficiency``).
         norm_train_s_per_numel: seconds per element of a norm's forward + backward with autograd

@@ -183,8 +183,8 @@ def _ns_batch_factors(
 
     With ``ns_batching="batched"`` (the workload's, ``dmuon.Muon``'s default) ``dmuon.Muon`` (and
     the naive baseline, which batches as it does) runs NS per bucket, in every NS dtype: on each rank, the matrices it orthogonalises with the same ``(short, long)`` side and
-    dtype, in parameter order, cut into calls by :func:`dmuon.plan._rules.ns_batch_runs` (a view's
-    blocks enter one by one, an expert stack as its ``E`` matrices; the optimizer buckets per param
+    dtype, in parameter order, cut into calls by :func:`dmuon.plan._rules.ns_batch_pieces` (a view's
+    blocks enter one by one, an expert stack as its ``E`` matrices, cut between experts above the cap; the optimizer buckets per param
     group, the simulator assumes one Muon param group). Here a bucket is keyed by the
     op's group (its members run the same calls), so each matrix gets the batch size of its call; an
     op whose matrices fall in several calls gets their factors weighted by NS FLOPs (``specs``: fqn ->
@@ -193,7 +193,8 @@ def _ns_batch_factors(
     owner per batch) are not batched this way: factor 1. ``ns_batching="exact"``: nothing batched."""
     if variant not in ("z2", "z3", "naive") or ns_batching != "batched":
         return {}
-    buckets: dict[tuple, list[tuple[int, int, int, int, int]]] = {}  # key -> [(op id, a, b, count, numel)]
+    # key -> [(op id, a, b, count, matrices per unit)]
+    buckets: dict[tuple, list[tuple[int, int, int, int, int]]] = {}
     for op in ops:
         if op.kind != "newton_schulz":
             continue
@@ -203,20 +204,23 @@ def _ns_batch_factors(
         if spec.experts is not None and spec.view is None:  # an op covers one owner's range of experts
             total = _flops.spec_ns_flops(spec)
             count = spec.num_matrices if total <= 0 else max(1, round(spec.num_matrices * op.flops / total))
-            entries = [(tuple(spec.matrix_shape), count)]
+            mpe = spec.experts.matrices_per_expert
+            entries = [(tuple(spec.matrix_shape), count, mpe if count % mpe == 0 else 1)]  # cut between experts
         elif spec.view is None:
-            entries = [(tuple(spec.matrix_shape), spec.num_matrices)]
+            entries = [(tuple(spec.matrix_shape), spec.num_matrices, spec.num_matrices)]
         else:
-            entries = [(block, 1) for block in spec.matrices]
-        for (m, n), count in entries:
+            entries = [(block, 1, 1) for block in spec.matrices]
+        for (m, n), count, unit in entries:
             a, b = _rules.ns_bucket_sides(m, n)
-            buckets.setdefault((op.group, a, b, spec.dtype), []).append((op.id, a, b, count, count * a * b))
+            buckets.setdefault((op.group, a, b, spec.dtype), []).append((op.id, a, b, count, unit))
     weighted: dict[int, list[float]] = {}  # op id -> [sum of flops x factor, sum of flops x batch, sum of flops]
     for entries in buckets.values():
-        for run in _rules.ns_batch_runs([e[4] for e in entries]):
-            batch = sum(entries[i][3] for i in run)
-            for i in run:
-                op_id, a, b, count, _ = entries[i]
+        numels = [e[3] * e[1] * e[2] for e in entries]
+        for run in _rules.ns_batch_pieces(numels, [e[4] * e[1] * e[2] for e in entries]):
+            counts = [(p.stop - p.start) * entries[p.entry][4] for p in run]
+            batch = sum(counts)
+            for p, count in zip(run, counts):
+                op_id, a, b = entries[p.entry][:3]
                 f = _flops.ns_flops(a, b, num_matrices=count)
                 acc = weighted.setdefault(op_id, [0.0, 0.0, 0.0])
                 acc[0] += f * ns_batch_factor_at(hw, ns_mean_dim(a, b), batch)
