@@ -47,6 +47,7 @@ __all__ = [
     "check_offloadable",
     "held_segment_nbytes",
     "held_copy_nbytes",
+    "owned_pieces",
     "staged_run_nbytes",
     "muon_step_nbytes",
     "dmuon_offload_memory",
@@ -92,14 +93,7 @@ def rank_stats(
     replica_nbytes_by_shard = [0] * N  # params with owner shard s, any replicate: held by every (s, r')
     for spec, owner in zip(params, owners):
         isz = itemsize_nbytes(spec.dtype)
-        if isinstance(owner, ExpertOwners):  # each member owns (and its replicas hold) a range of experts
-            per_expert = spec.numel // spec.num_experts
-            pieces = [(member, per_expert * size) for member, size in zip(owner.members, owner.sizes)]
-        elif isinstance(owner, OwnerGroup):  # each member owns (and its replicas hold) one block
-            pieces = list(zip(owner.members, member_weights(spec, owner.dim, owner.sizes, "numel", ())))
-        else:
-            pieces = [(owner, spec.local_numel)]
-        for member, numel in pieces:
+        for member, numel, _ in owned_pieces(spec, owner):  # its replicas hold the same
             owned_numel[member.rank] += numel
             owned_nbytes[member.rank] += numel * isz
             replica_nbytes_by_shard[member.shard] += numel * isz
@@ -677,30 +671,54 @@ def held_segment_nbytes(plan: Any, *, wire: bool) -> tuple[int, ...]:
     return tuple(per_shard[rank % N] for rank in range(R * N))
 
 
-def _step_items(plan: Any, rank: int) -> list[tuple[tuple[int, int], str, int, int, int]]:
-    """``(NS sides, dtype, elements, elements of a unit, bytes copied to the device per element)``
-    of each item of mesh rank ``rank``'s Muon step (``dmuon.exec._optim.muon_step``), in parameter
-    order: an owned matrix, conv weight or expert range copies its parameter, gradient and momentum
-    (3 tensors); each block of a matrix view its parameter block and its update block (the momentum
-    ran on the host: 2 tensors). A unit is the smallest piece a run may hold
-    (:func:`~dmuon.plan._rules.ns_batch_pieces`): one expert of a range (its gate and up), else the
-    whole item."""
-    items = []
+def owned_pieces(spec: ParamSpec, owner: Any) -> list[tuple[Owner, int, int]]:
+    """``(member, elements, elements of a unit)`` of what each owner of ``spec`` owns: an expert
+    range per member of :class:`ExpertOwners` (a unit: one expert, its gate and up together), a
+    block per member of an :class:`OwnerGroup` (never cut), else the owner's whole local tensor
+    (a whole expert stack cut between experts, as a range is)."""
+    if isinstance(owner, ExpertOwners):
+        per_expert = spec.numel // spec.num_experts
+        return [(m, per_expert * size, per_expert) for m, size in zip(owner.members, owner.sizes)]
+    if isinstance(owner, OwnerGroup):
+        weights = member_weights(spec, owner.dim, owner.sizes, "numel", ())
+        return [(m, w, w) for m, w in zip(owner.members, weights)]
+    per_expert = spec.numel // spec.num_experts if spec.experts is not None else 0
+    whole = per_expert and spec.local_numel % per_expert == 0
+    return [(owner, spec.local_numel, per_expert if whole else spec.local_numel)]
+
+
+def _step_runs(plan: Any) -> list[list[tuple[tuple[int, int], str, int, int]]]:
+    """Per mesh rank, its Muon step's runs in order, each ``(NS sides, storage dtype, elements,
+    bytes copied to the device under offload)``: the items it owns (:func:`owned_pieces`; each
+    block of a matrix view an item of its own sides) in buckets of equal NS sides and dtype in
+    order of first appearance, each cut by :func:`~dmuon.plan._rules.ns_batch_pieces` (an expert
+    range larger than ``NS_BATCH_MAX_NUMEL`` elements in pieces of whole experts), as
+    ``dmuon.Muon``'s default ``ns_batching="batched"`` cuts them (``dmuon.exec._optim.muon_step``).
+    An item copies its parameter, gradient and momentum (3 tensors); a view block its parameter
+    block and its update block (the momentum ran on the host: 2 tensors)."""
+    R, N = plan.mesh_shape
+    per_rank: list[dict[tuple, list[tuple[int, int, int]]]] = [{} for _ in range(R * N)]
     for spec, owner in zip(plan.params, plan.owners):
         isz = itemsize_nbytes(spec.dtype)
-        if isinstance(owner, ExpertOwners):
-            per_expert = spec.numel // spec.num_experts
-            numels = [per_expert * size for m, size in zip(owner.members, owner.sizes) if m.rank == rank]
-            items += [(_rules.ns_bucket_sides(*spec.matrix_shape), spec.dtype, n, per_expert, 3 * isz) for n in numels]
-        elif owner.rank != rank:
-            continue
-        elif spec.view is not None:
+        if spec.view is not None:
             for m, n in spec.matrices:
-                items.append((_rules.ns_bucket_sides(m, n), spec.dtype, m * n, m * n, 2 * isz))
-        else:  # a whole stack with an expert record is cut between experts as a range is
-            unit = spec.numel // spec.num_experts if spec.experts is not None else spec.numel
-            items.append((_rules.ns_bucket_sides(*spec.matrix_shape), spec.dtype, spec.numel, unit, 3 * isz))
-    return items
+                per_rank[owner.rank].setdefault((_rules.ns_bucket_sides(m, n), spec.dtype), []).append(
+                    (m * n, m * n, 2 * isz)
+                )
+            continue
+        sides = _rules.ns_bucket_sides(*spec.matrix_shape)
+        for member, numel, unit in owned_pieces(spec, owner):
+            per_rank[member.rank].setdefault((sides, spec.dtype), []).append((numel, unit, 3 * isz))
+    out = []
+    for buckets in per_rank:
+        runs = []
+        for (sides, dtype), entries in buckets.items():
+            for run in _rules.ns_batch_pieces([e[0] for e in entries], [e[1] for e in entries]):
+                numels = [(p.stop - p.start) * entries[p.entry][1] for p in run]
+                copies = sum(numel * entries[p.entry][2] for numel, p in zip(numels, run))
+                runs.append((sides, dtype, sum(numels), copies))
+        out.append(runs)
+    return out
 
 
 #: Newton-Schulz's dtype the optimizer-step term assumes: ``dmuon.Muon``'s default (bf16)
@@ -709,66 +727,32 @@ NS_ITEMSIZE = 2
 
 def muon_step_nbytes(plan: Any, *, ns_itemsize: int = NS_ITEMSIZE) -> tuple[int, ...]:
     """Per mesh rank, the most temporary bytes its Muon step holds at once (the default
-    ``ns_batching="batched"``; ``dmuon._update``): per run of ``E`` elements (a bucket of equal
-    NS sides and dtype in parameter order, cut by :func:`~dmuon.plan._rules.ns_batch_pieces`: an
-    expert range or stack between experts, an owned matrix, view block or owner-group block never)
-    of storage itemsize
-    ``p``, Newton-Schulz itemsize ``s`` and matrices of sides ``d <= D``: during Newton-Schulz the
-    formed update and the batch concatenated (``2·E·p``), the normalised copy and the other step
-    buffer (``2·E·s``) and the two ``(d, d)`` products per matrix (``2·E·(d/D)·s``); then the
-    result cast back beside them (``3·E·p + E·s``): the larger of the two, the largest run."""
-    R, N = plan.mesh_shape
-    per_rank: list[dict[tuple, list[tuple[int, int]]]] = [{} for _ in range(R * N)]
-    for spec, owner in zip(plan.params, plan.owners):
-        sides = _rules.ns_bucket_sides(*spec.matrix_shape)
-        per_expert = spec.numel // spec.num_experts if spec.experts is not None else 0
-        if isinstance(owner, ExpertOwners):
-            pieces = [(m.rank, per_expert * size, per_expert) for m, size in zip(owner.members, owner.sizes)]
-        elif isinstance(owner, OwnerGroup):
-            weights = member_weights(spec, owner.dim, owner.sizes, "numel", ())
-            pieces = [(m.rank, w, w) for m, w in zip(owner.members, weights)]
-        elif spec.view is not None:
-            pieces = [(owner.rank, m * n, m * n) for m, n in spec.matrices]
-        else:
-            whole = per_expert and spec.local_numel % per_expert == 0
-            pieces = [(owner.rank, spec.local_numel, per_expert if whole else spec.local_numel)]
-        for rank, numel, unit in pieces:
-            per_rank[rank].setdefault((sides, spec.dtype), []).append((numel, unit))
+    ``ns_batching="batched"``; ``dmuon._update``): per run (:func:`_step_runs`) of ``E`` elements
+    of storage itemsize ``p``, Newton-Schulz itemsize ``s`` and matrices of sides ``d <= D``:
+    during Newton-Schulz the formed update and the batch concatenated (``2·E·p``), the normalised
+    copy and the other step buffer (``2·E·s``) and the two ``(d, d)`` products per matrix
+    (``2·E·(d/D)·s``); then the result cast back beside them (``3·E·p + E·s``): the larger of the
+    two, the largest run."""
     out = []
-    for buckets in per_rank:
+    for runs in _step_runs(plan):
         peak = 0
-        for ((d, D), dtype), entries in buckets.items():
+        for (d, D), dtype, e, _ in runs:
             p = itemsize_nbytes(dtype)
-            units = [unit for _, unit in entries]
-            for run in _rules.ns_batch_pieces([numel for numel, _ in entries], units):
-                e = sum((piece.stop - piece.start) * units[piece.entry] for piece in run)
-                during = 2 * e * p + 2 * e * ns_itemsize + (2 * e * ns_itemsize * d) // D
-                peak = max(peak, during, 3 * e * p + e * ns_itemsize)
+            during = 2 * e * p + 2 * e * ns_itemsize + (2 * e * ns_itemsize * d) // D
+            peak = max(peak, during, 3 * e * p + e * ns_itemsize)
         out.append(peak)
     return tuple(out)
 
 
 def staged_run_nbytes(plan: Any) -> tuple[int, ...]:
-    """Per mesh rank, device bytes of the offloaded Muon step's copies at once: its items
-    (:func:`_step_items`) cut into runs as ``dmuon.Muon``'s default ``ns_batching="batched"``
-    cuts them (buckets of equal NS sides and dtype in order of first appearance, each cut by
-    :func:`~dmuon.plan._rules.ns_batch_pieces`: an expert range larger than
-    ``NS_BATCH_MAX_NUMEL`` elements in pieces of whole experts), then the most bytes of
-    :data:`OFFLOAD_RUNS_IN_FLIGHT` consecutive runs. Newton-Schulz's own workspace is not
-    counted (nor is it without offload)."""
-    R, N = plan.mesh_shape
+    """Per mesh rank, device bytes of the offloaded Muon step's copies at once: the most bytes of
+    :data:`OFFLOAD_RUNS_IN_FLIGHT` consecutive runs (:func:`_step_runs`). Newton-Schulz's own
+    workspace is :func:`muon_step_nbytes`."""
+    k = OFFLOAD_RUNS_IN_FLIGHT
     out = []
-    for rank in range(R * N):
-        buckets: dict[tuple, list[tuple[int, int, int]]] = {}
-        for sides, dtype, numel, unit_numel, per_numel_nbytes in _step_items(plan, rank):
-            buckets.setdefault((sides, dtype), []).append((numel, unit_numel, per_numel_nbytes))
-        runs = [
-            sum((p.stop - p.start) * entries[p.entry][1] * entries[p.entry][2] for p in run)
-            for entries in buckets.values()
-            for run in _rules.ns_batch_pieces([e[0] for e in entries], [e[1] for e in entries])
-        ]
-        k = OFFLOAD_RUNS_IN_FLIGHT
-        out.append(max((sum(runs[i : i + k]) for i in range(max(1, len(runs) - k + 1))), default=0))
+    for runs in _step_runs(plan):
+        copies = [r[3] for r in runs]
+        out.append(max((sum(copies[i : i + k]) for i in range(max(1, len(copies) - k + 1))), default=0))
     return tuple(out)
 
 
