@@ -178,8 +178,9 @@ def boundary_received_nbytes(plan: Any) -> dict[str, list[int]]:
         for buf in b.buffers:
             isz = itemsize_nbytes(plan.bcast_dtype(buf.dtype))
             gathered = getattr(buf, "collective", "broadcast") == "all_gather"
+            received = [buffer_wire_numel(buf, N)] * N if gathered else reduce_numels(buf, N)[1]
             for s in range(N):
-                row[s] += (buffer_wire_numel(buf, N) if gathered else reduce_numels(buf, s, N)[1]) * isz
+                row[s] += received[s] * isz
         out[b.fqn] = row
     return out
 
@@ -241,23 +242,29 @@ def buffer_wire_numel(buf: Any, num_shards: int) -> int:
     return max(per.values())
 
 
-def reduce_numels(buf: Any, shard: int, num_shards: int) -> tuple[int, int]:
-    """``(held, sent)``: elements of boundary buffer ``buf``'s gradient reduce buffers on a rank
-    of shard coordinate ``shard`` (the runtime's, ``dmuon.exec``): ``held``, the buffer of the
-    segment the rank holds (it receives the sums it owns; a broadcast buffer's segment
-    ``shard``, an all-gathered buffer's output slot), kept to the end of the backward; ``sent``,
-    the rest of what it packs (the other segments of its group; the reduce-scatter input, ``k``
-    slots, and the output slot where it holds no segment), released before the next boundary's
-    buffers grow (on a 1-D mesh the held buffer too, its averages taken out). ``held + sent == buffer_wire_numel(buf, N)`` on a 1-D or EP group."""
-    full = buffer_wire_numel(buf, num_shards)
-    ep = buf.ep
-    mine = [seg for seg in buf.segments if seg.shard == shard]
+def reduce_numels(buf: Any, num_shards: int) -> tuple[list[int], list[int]]:
+    """``(held, sent)`` per shard coordinate: elements of boundary buffer ``buf``'s gradient
+    reduce buffers on a rank of that coordinate (the runtime's, ``dmuon.exec``): ``held``, the
+    buffer of the segment the rank holds (it receives the sums it owns; a broadcast buffer's
+    segment of that shard, an all-gathered buffer's output slot), kept to the end of the
+    backward; ``sent``, the rest of what it packs (the other segments of its group; the
+    reduce-scatter input, ``k`` slots, and the output slot where it holds no segment), released
+    before the next boundary's buffers grow (on a 1-D mesh the held buffer too, its averages
+    taken out). ``held + sent == buffer_wire_numel(buf, N)`` on a 1-D or EP group. One pass
+    over the segments."""
+    N = num_shards
+    held = [0] * N
     if getattr(buf, "collective", "broadcast") == "all_gather":
-        held = buf.slot_numel if mine else 0
-        return held, full + buf.slot_numel - held
-    group = sum(seg.numel for seg in buf.segments if ep == 1 or seg.shard % ep == shard % ep)
-    held = mine[0].numel if mine else 0
-    return held, group - held
+        full = buffer_wire_numel(buf, N)
+        for seg in buf.segments:
+            held[seg.shard] = buf.slot_numel
+        return held, [full + buf.slot_numel - h for h in held]
+    ep = buf.ep
+    group = [0] * ep  # per efsdp class (shard % ep); one class without EP
+    for seg in buf.segments:
+        held[seg.shard] = seg.numel
+        group[seg.shard % ep] += seg.numel
+    return held, [group[s % ep] - held[s] for s in range(N)]
 
 
 def boundary_reduce_nbytes(plan: Any) -> dict[str, tuple[list[int], list[int]]]:
@@ -270,8 +277,7 @@ def boundary_reduce_nbytes(plan: Any) -> dict[str, tuple[list[int], list[int]]]:
         sent = [0] * N
         for buf in b.buffers:
             isz = itemsize_nbytes(plan.reduce_dtype_for(buf.dtype))
-            for s in range(N):
-                h, t = reduce_numels(buf, s, N)
+            for s, (h, t) in enumerate(zip(*reduce_numels(buf, N))):
                 held[s] += h * isz
                 sent[s] += t * isz
         out[b.fqn] = (held, sent)
