@@ -376,13 +376,16 @@ def step_transient_nbytes(
     return root_unsharded + max(fwd, root_grad + bwd)
 
 
-def _unit_nbytes(plan: Any, unit_params: Sequence[tuple[int, str]]) -> tuple[int, int, int]:
+def _unit_nbytes(
+    plan: Any, unit_params: Sequence[tuple[int, str]], *, accumulate: bool = False
+) -> tuple[int, int, int]:
     """``(unsharded, grad, reduce)`` bytes of an FSDP2 unit of ``(numel, storage dtype)``
     parameters: all-gathered and differentiated in the parameter dtype (``mp_policy``), its
-    reduce-scatter input in the reduce dtype (FSDP2's padding not counted)."""
+    reduce-scatter input in the reduce dtype (FSDP2's padding not counted); ``accumulate``
+    (micro-batches without sync): FSDP2 accumulates the gradients in the reduce dtype."""
     unsharded = sum(numel * itemsize_nbytes(plan.bcast_dtype(dt)) for numel, dt in unit_params)
     reduce = sum(numel * itemsize_nbytes(plan.reduce_dtype_for(dt)) for numel, dt in unit_params)
-    return unsharded, unsharded, reduce
+    return unsharded, reduce if accumulate else unsharded, reduce
 
 
 def _unit_params(plan: Any, *, with_dedicated: bool) -> dict[str, list[tuple[int, str]]]:
@@ -398,12 +401,14 @@ def _unit_params(plan: Any, *, with_dedicated: bool) -> dict[str, list[tuple[int
     return out
 
 
-def _root_and_order(plan: Any, units: dict[str, list[tuple[int, str]]]) -> tuple[list[str], tuple[int, int, int]]:
+def _root_and_order(
+    plan: Any, units: dict[str, list[tuple[int, str]]], *, accumulate: bool = False
+) -> tuple[list[str], tuple[int, int, int]]:
     """The units in forward order (boundaries in plan order, then any other non-root unit) and
-    the root unit's ``(unsharded, grad, reduce)``."""
+    the root unit's ``(unsharded, grad, reduce)`` (:func:`_unit_nbytes`)."""
     order = [b.fqn for b in plan.boundaries if b.fqn != ""]
     order += [fqn for fqn in units if fqn != "" and fqn not in order]
-    return order, _unit_nbytes(plan, units.get("", []))
+    return order, _unit_nbytes(plan, units.get("", []), accumulate=accumulate)
 
 
 def held_copy_nbytes(plan: Any, *, offload: bool = False) -> dict[str, list[int]]:
@@ -443,15 +448,12 @@ def dmuon_transient_nbytes(plan: Any, n: int, *, offload: bool = False, accumula
     asm = plan.assembled_nbytes
     red = boundary_reduce_nbytes(plan)
     units = _unit_params(plan, with_dedicated=False)
-    order, root = _root_and_order(plan, units)
+    order, root = _root_and_order(plan, units, accumulate=accumulate)
     grads: dict[str, int] = {}
     for spec in plan.params:
         b = plan.boundary(spec.fqn)
         grads[b] = grads.get(b, 0) + spec.local_numel * itemsize_nbytes(plan.bcast_dtype(spec.dtype))
-    rest = {fqn: _unit_nbytes(plan, units.get(fqn, [])) for fqn in order}
-    if accumulate:  # FSDP2 accumulates the rest's unsharded gradients in the reduce dtype
-        rest = {fqn: (uns, red, red) for fqn, (uns, _, red) in rest.items()}
-        root = (root[0], root[2], root[2])
+    rest = {fqn: _unit_nbytes(plan, units.get(fqn, []), accumulate=accumulate) for fqn in order}
     kept_rest = sum(uns for uns, _, _ in rest.values())
     by_shard: dict[int, int] = {}  # every rank of a shard coordinate holds the same
     for s in range(N):
@@ -487,11 +489,8 @@ def fsdp2_transient_nbytes(plan: Any, reshard_after_forward: bool, *, accumulate
     every unit kept unsharded after its backward (a pipeline schedule's
     ``set_reshard_after_backward(False)``)."""
     units = _unit_params(plan, with_dedicated=True)
-    order, root = _root_and_order(plan, units)
-    rows = [_unit_nbytes(plan, units[fqn]) for fqn in order]
-    if accumulate:
-        rows = [(uns, red, red) for uns, _, red in rows]
-        root = (root[0], root[2], root[2])
+    order, root = _root_and_order(plan, units, accumulate=accumulate)
+    rows = [_unit_nbytes(plan, units[fqn], accumulate=accumulate) for fqn in order]
     return step_transient_nbytes(
         [(uns, 0, grad, red, 0) for uns, grad, red in rows],
         root,
