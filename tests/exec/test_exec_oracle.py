@@ -348,7 +348,7 @@ def _check_against_oracle(results, cases, label):
             from dmuon.plan._cost.rank_memory import held_segment_nbytes
 
             stats = plan.rank_stats(offload=True)
-            masters = held_segment_nbytes(plan, wire=False)
+            masters = held_segment_nbytes(plan)
             for rank, c in enumerate(reports):
                 got = (c["master_nbytes"], c["wire_nbytes"], c["momentum_nbytes"], c["grad_nbytes"])
                 want = (masters[rank], stats[rank].memory.parameters_nbytes, stats[rank].memory.host_momentum_nbytes)

@@ -659,18 +659,17 @@ def _check_offload_memory(plan: Any, variant: str) -> None:
         )
 
 
-def held_segment_nbytes(plan: Any, *, wire: bool) -> tuple[int, ...]:
+def held_segment_nbytes(plan: Any) -> tuple[int, ...]:
     """Per mesh rank, bytes of the packed segments it holds (every buffer's segment of its shard
     coordinate: its owned masters and, on HSDP, the replicas of its shard peers'), whole as the
-    runtime allocates them (alignment padding and presence flags included): in the storage dtype
-    (``wire=False``: the masters, ``dmuon.exec._setup.materialize``), or in the broadcast dtype
-    (``wire=True``: each held segment's broadcast buffer, a tensor of its own on the compute
-    device under offload)."""
+    runtime allocates its masters (alignment padding and presence flags included, storage dtype:
+    ``dmuon.exec._setup.materialize``). Their broadcast copies, where they are tensors of their
+    own, live only while their boundary is unsharded: :func:`held_copy_nbytes`."""
     R, N = plan.mesh_shape
     per_shard = [0] * N
     for b in plan.boundaries:
         for buf in b.buffers:
-            isz = itemsize_nbytes(plan.bcast_dtype(buf.dtype) if wire else buf.dtype)
+            isz = itemsize_nbytes(buf.dtype)
             for seg in buf.segments:
                 per_shard[seg.shard] += seg.numel * isz
     return tuple(per_shard[rank % N] for rank in range(R * N))
@@ -771,7 +770,7 @@ def dmuon_offload_memory(
     the rest, the gradients (owners' and the rest's shards), the momentum and AdamW's moments; on
     the compute device every transient term and the Muon step's copies (:func:`staged_run_nbytes`)."""
     rest, _ = fsdp2_rest_nbytes(plan)
-    masters = held_segment_nbytes(plan, wire=False)
+    masters = held_segment_nbytes(plan)
     staged = staged_run_nbytes(plan)
     return tuple(
         MemoryTerms(
